@@ -1,0 +1,41 @@
+"""finetuner: parameter-efficient fine-tuning that fits your GPU.
+
+The Python API (what the CLI and the web UI call)::
+
+    import finetuner
+    recipe = finetuner.Recipe.from_yaml("recipes/demo_cpu.yaml")
+    result = finetuner.train(recipe, callbacks=[print])
+    result.run_dir, result.metrics
+
+Attributes are imported lazily so ``import finetuner`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Recipe": "finetuner.recipe",
+    "UserError": "finetuner.errors",
+    "train": "finetuner.trainer",
+    "TrainResult": "finetuner.trainer",
+    "read_events": "finetuner.events",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from finetuner.errors import UserError
+    from finetuner.events import read_events
+    from finetuner.recipe import Recipe
+    from finetuner.trainer import TrainResult, train
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'finetuner' has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""The ``finetuner`` command line: a thin layer over the Python API.
+
+Imports are lazy: ``finetuner --help`` and commands that need no model never import torch.
+User errors (:class:`~finetuner.errors.UserError`) print one message and exit non-zero without
+a traceback; ``--debug`` shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="Fine-tune from a recipe YAML (resumes a run folder that has checkpoints).")
+    p.add_argument("recipe", help="Recipe YAML, e.g. recipes/demo_cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override a recipe value, e.g. --set training.max_steps=5 (repeatable).")
+    p.add_argument("--output", "-o", help="Run folder (default: the recipe's output_dir, or runs/<name>).")
+    p.add_argument("--no-resume", action="store_true",
+                   help="Start over even if the run folder has checkpoints (the old run is moved aside, not deleted).")
+    p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from rich.console import Console
+
+    from finetuner.cli_progress import ProgressPrinter
+    from finetuner.recipe import Recipe
+
+    console = Console()
+    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        console.print("[yellow]Stopping after this step and saving a checkpoint (press Ctrl-C again to abort).[/]")
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    from finetuner.trainer import train
+
+    with ProgressPrinter(console, quiet=args.quiet) as progress:
+        result = train(recipe, callbacks=[progress], output_dir=args.output, resume=not args.no_resume, stop_event=stop)
+    progress.summary(result)
+    return 130 if result.stopped else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetuner",
+        description="Fine-tune 7B-13B language models on one GPU: finetuner predicts memory and picks the recipe that fits.",
+    )
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks for user errors too.")
+    parser.add_argument("--version", action="version", version=f"finetuner {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    for module in ("finetuner.cli_plan",):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("finetuner")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (progress bars, deprecation notes) out of the CLI's output."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    _quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    from finetuner.errors import UserError
+
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(e.hint, file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("aborted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

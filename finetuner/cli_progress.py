@@ -1,0 +1,99 @@
+"""Turns training events into a rich progress bar (or plain lines when not on a terminal)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+class ProgressPrinter:
+    """A training-event callback that shows step, loss, tokens/s and ETA."""
+
+    def __init__(self, console: Console, quiet: bool = False):
+        self.console, self.quiet = console, quiet
+        self.live = console.is_terminal and not quiet
+        self.progress: Progress | None = None
+        self.task = None
+
+    def __enter__(self) -> ProgressPrinter:
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress:
+            self.progress.stop()
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind = ev["event"]
+        if kind == "start":
+            d = ev.get("data", {})
+            where = f"resuming at step {ev['resumed_from_step']}" if ev.get("resumed_from_step") else "new run"
+            if not self.quiet:
+                self.console.print(
+                    f"[bold]{ev['name']}[/] ({where}) on {ev['device']}: {ev['method']}, "
+                    f"{ev['trainable_params']:,} of {ev['total_params']:,} parameters trainable, "
+                    f"{d.get('train_examples')} training / {d.get('val_examples')} validation examples, "
+                    f"{ev['max_steps']} steps → {ev['run_dir']}"
+                )
+                if d.get("skipped"):
+                    self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
+            if self.progress:
+                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps="-")
+        elif kind == "step":
+            if self.progress and self.task is not None:
+                self.progress.update(self.task, completed=ev["step"], loss=f"{ev['loss']:.4f}", tps=f"{ev['tokens_per_s']:.0f}")
+            elif not self.quiet:
+                self.console.print(
+                    f"step {ev['step']}/{ev['max_steps']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
+                    f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  ETA {ev['eta_s']:.0f}s",
+                    highlight=False,
+                )
+        elif kind == "eval" and not self.quiet:
+            self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.2f}", highlight=False)
+        elif kind == "checkpoint" and not self.quiet and not self.progress:
+            self.console.print(f"checkpoint: {ev['path']}", highlight=False)
+
+    def summary(self, result: Any) -> None:
+        c = self.console
+        if result.stopped:
+            c.print(f"[yellow]Stopped at step {result.metrics['step']}.[/] Run the same command again to resume from the checkpoint in {result.run_dir}.")
+            return
+        m = result.metrics
+        t = Table(title="Run summary", show_header=False)
+        for k, v in (
+            ("run folder", str(result.run_dir)),
+            ("adapter", str(result.adapter_dir)),
+            ("steps", str(m["steps"])),
+            ("train loss", f"{m['train_loss_first']:.4f} → {m['train_loss_last']:.4f}" if m["train_loss_first"] is not None else "-"),
+            ("eval loss", f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if m.get("eval_loss") is not None else "-"),
+            ("tokens/s", f"{m['tokens_per_s']:.0f}"),
+            ("train time", f"{m['train_seconds']:.1f} s"),
+            ("peak memory", _gib(m.get("mem_peak"))),
+        ):
+            t.add_row(k, v)
+        c.print(t)
+        for s in m.get("samples", []):
+            st = Table(title=f"Prompt: {s['prompt']}", show_lines=True)
+            st.add_column("base model")
+            st.add_column("fine-tuned")
+            st.add_row(s["base"] or "-", s["fine_tuned"])
+            c.print(st)

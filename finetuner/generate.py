@@ -1,0 +1,65 @@
+"""Generation with a chat template: one answer, a stream of text, or base vs fine-tuned side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_prompt(tokenizer: Any, chat_template: str, prompt: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True)
+
+
+def generate(
+    model,
+    tokenizer,
+    chat_template: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    streamer=None,
+) -> str:
+    """The model's answer to ``prompt`` (greedy when temperature is 0)."""
+    import torch
+
+    text = render_prompt(tokenizer, chat_template, prompt)
+    enc = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
+    torch.manual_seed(seed)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        streamer=streamer,
+    )
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, **kwargs)
+    if was_training:
+        model.train()
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime) -> list[dict[str, str]]:
+    """For each prompt: the base model's answer (adapter disabled) and the fine-tuned one."""
+    results = []
+    use_cache = model.config.use_cache
+    model.config.use_cache = True
+    try:
+        for prompt in samples_cfg.prompts:
+            tuned = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+            if hasattr(model, "disable_adapter"):
+                with model.disable_adapter():
+                    base = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+            else:
+                base = None
+            results.append({"prompt": prompt, "base": base, "fine_tuned": tuned})
+    finally:
+        model.config.use_cache = use_cache
+    return results

@@ -1,0 +1,198 @@
+"""Loading the base model and tokenizer, quantizing, and attaching the LoRA adapter.
+
+All choices that depend on the device (dtypes, autocast) are made once, in :func:`resolve_runtime`,
+and recorded in the run's ``start`` event so a user sees what actually ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Device and dtypes resolved from the recipe's ``auto`` values for this machine."""
+
+    device: str  # "cpu" or "cuda[:N]"
+    base_dtype: str  # storage dtype of frozen weights: bf16 | fp16 | fp32
+    precision: str  # autocast dtype: bf16 | fp16 | fp32 (fp32 = no autocast)
+    compute_dtype: str  # bitsandbytes compute dtype for quantized layers
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def torch_dtype(self, name: str):
+        import torch
+
+        return getattr(torch, _DTYPES[name])
+
+
+def resolve_runtime(recipe: Recipe) -> Runtime:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if recipe.device == "cuda" and not cuda:
+        raise UserError("device: 'cuda' was asked for but no CUDA GPU is visible.", hint="Set device: auto or cpu.")
+    device = "cuda" if (cuda and recipe.device != "cpu") else "cpu"
+    bf16_ok = device == "cuda" and torch.cuda.is_bf16_supported()
+    half = "bf16" if bf16_ok else "fp16"
+
+    precision = recipe.training.precision
+    if precision == "auto":
+        precision = half if device == "cuda" else "fp32"
+    if device == "cpu" and precision == "fp16":
+        raise UserError("training.precision: fp16 is not supported on CPU.", hint="Use fp32 (or bf16, which is slow on most CPUs).")
+    if precision == "bf16" and device == "cuda" and not bf16_ok:
+        raise UserError("training.precision: this GPU has no bf16 support.", hint="Use fp16 or auto.")
+
+    base = recipe.model.dtype
+    if base == "auto":
+        if device == "cpu":
+            base = "fp32"
+        else:
+            base = "fp32" if recipe.method == "full" else half
+    q = recipe.quantization
+    compute = (q.compute_dtype if q else "auto")
+    if compute == "auto":
+        compute = half if device == "cuda" else "fp32"
+    return Runtime(device=device, base_dtype=base, precision=precision, compute_dtype=compute)
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    m = recipe.model
+    _warn_remote_code(recipe)
+    try:
+        tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"model.name: could not load a tokenizer from '{m.name}' ({e}).",
+            hint="Give a local folder with tokenizer files, or a hub id (online).",
+        ) from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def _warn_remote_code(recipe: Recipe) -> None:
+    if recipe.model.trust_remote_code:
+        log.warning(
+            "trust_remote_code is on: code from '%s' will run on this machine. Only do this for repositories you trust.",
+            recipe.model.name,
+        )
+
+
+def bnb_config(recipe: Recipe, rt: Runtime):
+    """The ``BitsAndBytesConfig`` for the recipe's quantization section (None if unquantized)."""
+    q = recipe.quantization
+    if q is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=rt.torch_dtype(rt.compute_dtype),
+    )
+
+
+def load_base_model(recipe: Recipe, rt: Runtime):
+    """The frozen base model on the device, quantized if the recipe says so."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    _warn_remote_code(recipe)
+    kwargs: dict[str, Any] = dict(
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        dtype=rt.torch_dtype(rt.base_dtype),
+        use_safetensors=True,
+    )
+    if m.attn_implementation != "auto":
+        kwargs["attn_implementation"] = m.attn_implementation
+    quant = bnb_config(recipe, rt)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": torch.device(rt.device).index or 0} if rt.is_cuda else {"": "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
+    except OSError as e:
+        raise UserError(
+            f"model.name: could not load '{m.name}' ({e}).",
+            hint="finetuner loads safetensors weights only; check the folder or hub id (and your connection).",
+        ) from None
+    if quant is None:
+        model.to(rt.device)
+    model.config.use_cache = False
+    return model
+
+
+def prepare_for_training(model, recipe: Recipe):
+    """Freeze/quantize-prepare the base, enable checkpointing, and attach LoRA (or unfreeze all)."""
+    ckpt_kwargs = {"use_reentrant": False}
+    gc = recipe.training.gradient_checkpointing
+    if recipe.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs=ckpt_kwargs
+        )
+    elif gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+
+    if recipe.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+
+    from peft import LoraConfig, get_peft_model
+
+    lc = recipe.lora
+    config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        bias=lc.bias,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:
+        raise UserError(
+            f"lora.target_modules: {e}",
+            hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
+        ) from None
+    if gc:
+        # With non-reentrant checkpointing and a frozen embedding, inputs need grads enabled
+        # so the checkpointed blocks see a tensor that requires grad.
+        model.enable_input_require_grads()
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed params count as their real element count."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if getattr(p, "quant_state", None) is not None or p.__class__.__name__ == "Params4bit":
+            n *= 2  # two 4-bit values per stored byte
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total

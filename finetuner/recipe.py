@@ -1,0 +1,351 @@
+"""The recipe: a typed, validated description of one fine-tune.
+
+A recipe is a YAML file with the sections below. Loading it applies defaults, resolves
+relative paths against the recipe's folder, applies ``--set key.path=value`` overrides, and
+checks every field and every combination of fields. Every problem becomes a
+:class:`~finetuner.errors.UserError` that names the file and the key and, for a misspelt key
+or value, the closest valid one.
+
+The fully resolved recipe is saved as ``recipe.yaml`` in the run folder, so a run can be
+reproduced and resumed from that folder alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from finetuner.errors import UserError, did_you_mean
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Method = Literal["lora", "qlora", "full"]
+Optimizer = Literal[
+    "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
+]
+Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
+
+DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """Which base model to fine-tune and how to load it."""
+
+    name: str = Field(description="Hub id (org/name) or a local folder with config.json.")
+    revision: str | None = Field(None, description="Hub branch, tag or commit.")
+    dtype: Dtype = Field("auto", description="Storage dtype of the frozen base weights.")
+    trust_remote_code: bool = Field(
+        False, description="Run code shipped with the model. Off unless you trust the repository."
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+
+
+class LoraSection(_Section):
+    """LoRA adapter hyper-parameters (peft ``LoraConfig``)."""
+
+    r: int = Field(16, gt=0, le=1024)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' or a list of module names such as q_proj."
+    )
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("needs at least one module name, or 'all-linear'")
+        return v
+
+
+class QuantizationSection(_Section):
+    """bitsandbytes quantization of the frozen base weights."""
+
+    bits: Literal[4, 8] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Dtype = "auto"
+
+
+class DataSection(_Section):
+    """Training data and how it becomes token sequences."""
+
+    path: str | list[str] = Field(description="JSON/JSONL/CSV/Parquet file(s) or a hub data set id.")
+    format: DataFormat = "auto"
+    split: str = Field("train", description="Split to use for hub data sets.")
+    max_seq_len: int = Field(1024, ge=16)
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
+    packing: bool = Field(False, description="Pack short examples into full sequences.")
+    val_size: float = Field(0.0, ge=0, description="Fraction (<1) or number (>=1) of rows held out.")
+    val_path: str | None = None
+    on_bad_row: Literal["error", "skip"] = "error"
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's.")
+    system_prompt: str | None = None
+    max_examples: int | None = Field(None, gt=0)
+    num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization.")
+
+
+class TrainingSection(_Section):
+    """Optimisation settings."""
+
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Scheduler = "cosine"
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    micro_batch_size: int = Field(1, gt=0)
+    gradient_accumulation: int = Field(1, gt=0)
+    optimizer: Optimizer = "adamw_torch"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    gradient_checkpointing: bool = False
+    precision: Dtype = Field("auto", description="Autocast dtype for compute.")
+    seed: int = 42
+    eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation
+
+
+class CheckpointSection(_Section):
+    save_every: int | None = Field(100, gt=0, description="Save a resumable checkpoint every N steps.")
+    keep_last: int = Field(2, ge=1, description="Keep only the last K checkpoints.")
+
+
+class LoggingSection(_Section):
+    every: int = Field(1, gt=0, description="Write a step event every N optimizer steps.")
+    tensorboard: bool = True
+
+
+class SamplesSection(_Section):
+    """Generations shown after training: base model vs fine-tuned, same prompt."""
+
+    prompts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(64, gt=0)
+
+
+class Recipe(_Section):
+    """A complete fine-tuning recipe."""
+
+    name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
+    model: ModelSection
+    method: Method = "lora"
+    lora: LoraSection = Field(default_factory=LoraSection)
+    quantization: QuantizationSection | None = None
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    checkpointing: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    samples: SamplesSection = Field(default_factory=SamplesSection)
+    output_dir: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' only (it names a folder)")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        quant_given = "quantization" in self.model_fields_set
+        if self.method == "qlora":
+            if self.quantization is None:
+                if quant_given:
+                    raise ValueError(
+                        "quantization: method 'qlora' needs a quantized base: set quantization.bits to 4 "
+                        "(or 8), or use method 'lora'"
+                    )
+                object.__setattr__(self, "quantization", QuantizationSection())
+        elif self.quantization is not None:
+            if self.method == "lora":
+                raise ValueError(
+                    "quantization: set, but method is 'lora': use method 'qlora' to train "
+                    "LoRA on a quantized base, or remove the quantization section"
+                )
+            raise ValueError(
+                "quantization: method 'full' cannot train quantized weights: remove the quantization section "
+                "or use method 'qlora'"
+            )
+        t = self.training
+        if t.warmup_steps is not None and "warmup_ratio" in t.model_fields_set:
+            raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
+        return self
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Recipe:
+        """Load, override, validate and resolve a recipe file."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise UserError(
+                f"Recipe file not found: {path}",
+                hint="Give the path of a YAML recipe, e.g. recipes/demo_cpu.yaml.",
+            )
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise UserError(f"{path}:{where}: invalid YAML: {problem}.") from None
+        if raw is None:
+            raise UserError(f"{path}: the recipe is empty.", hint="See recipes/demo_cpu.yaml for an example.")
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: a recipe must be a mapping of sections (model:, data:, ...).")
+        return cls.from_dict(raw, overrides=overrides, base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        overrides: list[str] | None = None,
+        base_dir: str | Path | None = None,
+        source: str = "recipe",
+    ) -> Recipe:
+        raw = copy.deepcopy(raw)
+        for item in overrides or []:
+            apply_override(raw, item)
+        try:
+            recipe = cls.model_validate(raw)
+        except ValidationError as e:
+            raise UserError(format_validation_error(e, source)) from None
+        return recipe.resolve_paths(Path(base_dir) if base_dir else Path.cwd(), source)
+
+    def resolve_paths(self, base_dir: Path, source: str = "recipe") -> Recipe:
+        """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
+        r = self.model_copy(deep=True)
+        model_path = _find_local(r.model.name, base_dir)
+        if model_path is not None:
+            r.model.name = str(model_path)
+        elif _looks_like_path(r.model.name):
+            raise UserError(
+                f"{source}: model.name: no folder '{r.model.name}' (looked in {base_dir} and {Path.cwd()}).",
+                hint="Give an existing folder with config.json, or a hub id like org/name.",
+            )
+        paths = r.data.path if isinstance(r.data.path, list) else [r.data.path]
+        resolved = [_resolve_data_path(p, base_dir, source, "data.path") for p in paths]
+        r.data.path = resolved if isinstance(r.data.path, list) else resolved[0]
+        if r.data.val_path:
+            r.data.val_path = _resolve_data_path(r.data.val_path, base_dir, source, "data.val_path")
+        return r
+
+    # ------------------------------------------------------------------ saving
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved recipe atomically."""
+        from finetuner.fileio import atomic_write_text
+
+        atomic_write_text(Path(path), self.to_yaml())
+
+    def output_path(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve() if self.output_dir else (Path.cwd() / "runs" / self.name).resolve()
+
+
+# ---------------------------------------------------------------------- helpers
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
+
+
+def _find_local(name: str, base_dir: Path) -> Path | None:
+    p = Path(name).expanduser()
+    for candidate in ([p] if p.is_absolute() else [base_dir / p, Path.cwd() / p]):
+        if candidate.exists():
+            return candidate.resolve()
+    return None
+
+
+def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
+    found = _find_local(p, base_dir)
+    if found is not None:
+        return str(found)
+    if _looks_like_path(p):
+        raise UserError(
+            f"{source}: {key}: file not found: '{p}' (looked in {base_dir} and {Path.cwd()}).",
+            hint="Relative paths are taken from the recipe's folder, then the current folder.",
+        )
+    return p  # a hub data set id
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``key.path=value`` override to a raw recipe dict; the value is parsed as YAML."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r}: expected key.path=value, e.g. training.lr=1e-4.")
+    key, _, value_text = item.partition("=")
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise UserError(f"--set {item!r}: the key is empty.")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError:
+        value = value_text
+    node = raw
+    for i, k in enumerate(keys[:-1]):
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"--set {item!r}: '{'.'.join(keys[: i + 1])}' is not a section.")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        model = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return model
+
+
+def format_validation_error(e: ValidationError, source: str) -> str:
+    """Turn pydantic's errors into lines that name the key and suggest a fix."""
+    lines = [f"{source}: the recipe is not valid:"]
+    for err in e.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-after", "literal["))))
+        # pydantic adds union-member tags to the location; keep only real keys and indexes
+        loc = tuple(p for p in loc if isinstance(p, int) or not re.match(r"^(str|list\[str\]|int|float|bool|QuantizationSection)$", str(p)))
+        key = ".".join(str(p) for p in loc)
+        etype = err["type"]
+        if not key:  # a cross-field check: its message starts with the key it is about
+            key, _, rest = err["msg"].removeprefix("Value error, ").partition(": ")
+            err = {**err, "msg": rest, "input": {}}
+        if etype == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            choices = list(parent.model_fields) if parent else []
+            msg = f"unknown key.{did_you_mean(str(loc[-1]), choices)}" if choices else "unknown key."
+        elif etype == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            choices = re.findall(r"'([^']*)'", expected) or re.findall(r"(\d+)", expected)
+            got = err.get("input")
+            msg = f"invalid value {got!r}.{did_you_mean(str(got), choices)}"
+        elif etype == "missing":
+            msg = "required key is missing."
+        else:
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = err["msg"].removeprefix("Value error, ") + shown + "."
+        lines.append(f"  - {key}: {msg}")
+    return "\n".join(dict.fromkeys(lines))

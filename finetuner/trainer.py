@@ -1,0 +1,439 @@
+"""The training recipe, readable top to bottom: setup → train → save → cleanup.
+
+One optimizer step consumes a fixed list of example indices (``micro_batch_size ×
+gradient_accumulation`` of a seeded per-epoch permutation), split into micro-batches. The loss
+is the sum of token losses over the whole step divided by the number of trained tokens in the
+step, so it does not depend on how the step is split into micro-batches: a run that halves its
+micro-batch and doubles its accumulation follows the same loss curve.
+
+The trainer knows nothing of any UI: it writes events (:mod:`finetuner.events`) and checks a
+stop flag between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner import checkpoint as ckpt_io
+from finetuner.data import IGNORE_INDEX, Collator, PreparedData, prepare_data
+from finetuner.errors import UserError
+from finetuner.events import Callback, EventWriter, device_memory
+from finetuner.fileio import atomic_write_json
+from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
+from finetuner.recipe import Recipe, TrainingSection
+from finetuner.run_dir import prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: where everything is, and the final metrics."""
+
+    run_dir: Path
+    adapter_dir: Path
+    metrics: dict[str, Any]
+    stopped: bool = False
+    losses: list[float] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- pieces
+def build_optimizer(model, cfg: TrainingSection, on_cuda: bool):
+    """The optimizer named by ``training.optimizer`` over the trainable parameters."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("No trainable parameters.", hint="Check lora.target_modules matches modules of this model.")
+    name, lr, wd = cfg.optimizer, cfg.lr, cfg.weight_decay
+    if name == "adamw_torch":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=on_cuda)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=wd)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False, warmup_init=False)
+    import bitsandbytes as bnb
+
+    cls = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[name]
+    return cls(params, lr=lr, weight_decay=wd)
+
+
+def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
+    from transformers import get_scheduler
+
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(cfg.warmup_ratio * total_steps)
+    return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def token_loss_sum(model, batch: dict[str, Any]):
+    """Sum of next-token cross-entropy over labelled tokens (fp32), and their number."""
+    import torch.nn.functional as F
+
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss, int((labels != IGNORE_INDEX).sum())
+
+
+class StepSchedule:
+    """Which examples each optimizer step uses: chunks of a seeded permutation per epoch."""
+
+    def __init__(self, n_examples: int, effective_batch: int, seed: int):
+        self.n, self.eff, self.seed = n_examples, effective_batch, seed
+        self.steps_per_epoch = math.ceil(n_examples / effective_batch)
+        self._perm_epoch, self._perm = -1, []
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._perm_epoch = epoch
+        return self._perm[k * self.eff : (k + 1) * self.eff]
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+
+# --------------------------------------------------------------------------- the recipe
+class Trainer:
+    """A fine-tune from a resolved recipe to an adapter in the run folder."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path, callbacks: list[Callback] | None = None, stop_event: threading.Event | None = None):
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.events = EventWriter(self.run_dir / "events.jsonl", callbacks)
+        self.stop_event = stop_event or threading.Event()
+        self.tb = None
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import torch
+
+        r = self.recipe
+        self.rt: Runtime = resolve_runtime(r)
+        torch.manual_seed(r.training.seed)
+        random.seed(r.training.seed)
+        self.tokenizer = load_tokenizer(r)
+        self.data: PreparedData = prepare_data(r.data, self.tokenizer, r.training.seed)
+        self.model = prepare_for_training(load_base_model(r, self.rt), r)
+        self.collate = Collator(self.tokenizer.pad_token_id)
+        t = r.training
+        self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
+        self.max_steps = t.max_steps or max(1, math.ceil(t.epochs * self.schedule.steps_per_epoch))
+        self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
+        self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
+        self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
+        self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
+        self.resumed_from = None
+        last = ckpt_io.latest_checkpoint(self.run_dir)
+        if last is not None:
+            state = ckpt_io.restore_checkpoint(last, self.model, self.optimizer, self.scheduler, full=r.method == "full")
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
+            self.resumed_from = self.step
+        if r.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        trainable, total = count_parameters(self.model)
+        self.events.emit(
+            "start",
+            run_dir=str(self.run_dir),
+            name=r.name,
+            resumed_from_step=self.resumed_from,
+            max_steps=self.max_steps,
+            steps_per_epoch=self.schedule.steps_per_epoch,
+            device=self.rt.device,
+            base_dtype=self.rt.base_dtype,
+            precision=self.rt.precision,
+            method=r.method,
+            trainable_params=trainable,
+            total_params=total,
+            micro_batch_size=t.micro_batch_size,
+            gradient_accumulation=t.gradient_accumulation,
+            data=self.data.stats.to_dict(),
+            **device_memory(self.rt.device),
+        )
+
+    # ---------------------------------------------------------------- one step
+    def _autocast(self):
+        import torch
+
+        if self.rt.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cuda" if self.rt.is_cuda else "cpu", dtype=self.rt.torch_dtype(self.rt.precision))
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.to(self.rt.device) if hasattr(v, "to") else v) for k, v in batch.items()}
+
+    def train_step(self, step: int) -> tuple[float, int, float | None]:
+        """One optimizer step; returns (mean token loss, real tokens processed, grad norm)."""
+        import torch
+
+        t = self.recipe.training
+        examples = [self.data.train[i] for i in self.schedule.indices(step)]
+        micro = [self.collate(examples[i : i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
+        n_target = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+        total_loss, tokens = 0.0, 0
+        self.model.train()
+        for mb in micro:
+            mb = self._to_device(mb)
+            with self._autocast():
+                loss_sum, _ = token_loss_sum(self.model, mb)
+            loss = loss_sum / max(n_target, 1)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total_loss += float(loss_sum.detach())
+            tokens += mb["num_tokens"]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss / max(n_target, 1), tokens, grad_norm
+
+    @property
+    def _full(self) -> bool:
+        return self.recipe.method == "full"
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self) -> float | None:
+        import torch
+
+        if self.data.val is None:
+            return None
+        self.model.eval()
+        total, n = 0.0, 0
+        mbs = self.recipe.training.micro_batch_size
+        with torch.no_grad():
+            for i in range(0, len(self.data.val), mbs):
+                batch = self._to_device(self.collate([self.data.val[j] for j in range(i, min(i + mbs, len(self.data.val)))]))
+                with self._autocast():
+                    loss_sum, count = token_loss_sum(self.model, batch)
+                total += float(loss_sum)
+                n += count
+        self.model.train()
+        return total / max(n, 1)
+
+    def _eval_and_log(self) -> float | None:
+        val = self.evaluate()
+        if val is not None:
+            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)))
+            if self.tb:
+                self.tb.add_scalar("eval/loss", val, self.step)
+        return val
+
+    # ---------------------------------------------------------------- checkpoints
+    def _trainer_state(self, elapsed: float) -> dict[str, Any]:
+        t = self.recipe.training
+        return {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": elapsed,
+            "losses": self.losses,
+            "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation": t.gradient_accumulation,
+        }
+
+    def save_checkpoint(self, elapsed: float) -> Path:
+        path = ckpt_io.save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self._trainer_state(elapsed),
+            self.recipe.checkpointing.keep_last,
+        )
+        self.events.emit("checkpoint", step=self.step, path=str(path))
+        return path
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> TrainResult:
+        r, t = self.recipe, self.recipe.training
+        start = time.perf_counter()
+        window_start, window_tokens = start, 0
+        last_saved = self.step
+        eval_loss = None
+        stopped = False
+        while self.step < self.max_steps:
+            if self.stop_event.is_set():
+                stopped = True
+                break
+            loss, tokens, grad_norm = self.train_step(self.step)
+            if not math.isfinite(loss):
+                raise UserError(
+                    f"The loss became {loss} at step {self.step + 1}.",
+                    hint="Lower training.lr, or use bf16/fp32 precision instead of fp16.",
+                )
+            self.step += 1
+            self.tokens_seen += tokens
+            window_tokens += tokens
+            self.losses.append(round(loss, 6))
+            elapsed = self.elapsed_before + time.perf_counter() - start
+            lr = self.scheduler.get_last_lr()[0]
+            if self.tb:
+                self.tb.add_scalar("train/loss", loss, self.step)
+                self.tb.add_scalar("train/lr", lr, self.step)
+            if self.step % r.logging.every == 0 or self.step == self.max_steps:
+                now = time.perf_counter()
+                tps = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                done_here = self.step - (self.resumed_from or 0)
+                per_step = (now - start) / max(done_here, 1)
+                self.events.emit(
+                    "step",
+                    step=self.step,
+                    max_steps=self.max_steps,
+                    epoch=round(self.schedule.epoch_of(self.step), 4),
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    tokens=tokens,
+                    tokens_seen=self.tokens_seen,
+                    tokens_per_s=round(tps, 2),
+                    elapsed_s=round(elapsed, 3),
+                    eta_s=round(per_step * (self.max_steps - self.step), 1),
+                    **device_memory(self.rt.device),
+                )
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
+                eval_loss = self._eval_and_log()
+            save_every = r.checkpointing.save_every
+            if save_every and self.step % save_every == 0 and self.step < self.max_steps:
+                self.save_checkpoint(elapsed)
+                last_saved = self.step
+        elapsed = self.elapsed_before + time.perf_counter() - start
+        if stopped:
+            if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:
+                self.save_checkpoint(elapsed)
+            self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
+            return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
+        if self.step > last_saved:
+            self.save_checkpoint(elapsed)
+        eval_loss = self._eval_and_log()
+        adapter_dir = self.save_final()
+        metrics = {
+            "steps": self.step,
+            "train_loss_first": self.losses[0] if self.losses else None,
+            "train_loss_last": self.losses[-1] if self.losses else None,
+            "eval_loss": eval_loss,
+            "eval_ppl": math.exp(min(eval_loss, 50)) if eval_loss is not None else None,
+            "tokens_seen": self.tokens_seen,
+            "train_seconds": round(elapsed, 2),
+            "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 2),
+            "data": self.data.stats.to_dict(),
+            **device_memory(self.rt.device),
+        }
+        atomic_write_json(self.run_dir / "metrics.json", metrics)
+        self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
+        return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
+
+    def save_final(self) -> Path:
+        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically."""
+        import shutil
+
+        from finetuner.fileio import publish_dir
+
+        final = self.run_dir / "adapter"
+        tmp = self.run_dir / ".tmp-adapter"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.chat_template = self.data.chat_template
+        self.tokenizer.save_pretrained(tmp)
+        if final.exists():
+            old = self.run_dir / ".old-adapter"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            publish_dir(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            publish_dir(tmp, final)
+        return final
+
+    def cleanup(self) -> None:
+        if self.tb:
+            self.tb.close()
+        self.events.close()
+
+
+# --------------------------------------------------------------------------- entry point
+def train(
+    recipe: Recipe | str | Path,
+    callbacks: list[Callback] | None = None,
+    output_dir: str | Path | None = None,
+    resume: bool = True,
+    stop_event: threading.Event | None = None,
+    overrides: list[str] | None = None,
+) -> TrainResult:
+    """Run a fine-tune. The Python API and the CLI both come here.
+
+    Args:
+        recipe: a :class:`Recipe` or the path of a recipe YAML.
+        callbacks: functions called with every event dict as it is written.
+        output_dir: the run folder (default: the recipe's ``output_dir`` or ``runs/<name>``).
+        resume: continue from the last checkpoint in the run folder if there is one; with
+            ``False`` an existing run folder is moved aside (never deleted) and a new run starts.
+        stop_event: set it to stop after the current step (a checkpoint is saved).
+        overrides: ``key.path=value`` strings applied when ``recipe`` is a path.
+    """
+    if not isinstance(recipe, Recipe):
+        recipe = Recipe.from_yaml(recipe, overrides)
+    elif overrides:
+        recipe = Recipe.from_dict(recipe.to_dict(), overrides)
+    if output_dir is not None:
+        recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
+    run_dir, recipe, notes = prepare_run_dir(recipe, resume)
+    trainer = Trainer(recipe, run_dir, callbacks, stop_event)
+    for note in notes:
+        log.warning(note)
+    try:
+        trainer.setup()
+        result = trainer.train()
+        if recipe.samples.prompts and not result.stopped:
+            from finetuner.generate import compare_samples
+
+            samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, recipe.samples, trainer.rt)
+            result.metrics["samples"] = samples
+            atomic_write_json(run_dir / "metrics.json", result.metrics)
+            trainer.events.emit("samples", samples=samples)
+        return result
+    except UserError as e:
+        trainer.events.emit("error", message=str(e), type=type(e).__name__, user_error=True)
+        raise
+    except KeyboardInterrupt:
+        trainer.events.emit("error", message="interrupted", type="KeyboardInterrupt", user_error=True)
+        raise
+    except Exception as e:
+        trainer.events.emit("error", message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        raise
+    finally:
+        trainer.cleanup()

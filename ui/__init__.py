@@ -1,0 +1,1 @@
+"""The Gradio web UI (``finetuner ui``); a thin front on the ``finetuner`` Python API."""
