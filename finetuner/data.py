@@ -151,9 +151,10 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
         if train_on_prompt:
             labels = list(ids)
         else:
+            # a token is trained on if it overlaps a reply (a token may straddle the boundary)
             labels = [
-                t if any(s <= start < e for s, e in spans) else IGNORE_INDEX
-                for t, (start, _end) in zip(ids, enc["offset_mapping"])
+                t if any(start < e and end > s for s, e in spans) else IGNORE_INDEX
+                for t, (start, end) in zip(ids, enc["offset_mapping"])
             ]
     elif ex.get("text") is not None:
         ids = tokenizer(ex["text"], add_special_tokens=True)["input_ids"] + eos
@@ -164,8 +165,8 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
         ids = enc["input_ids"] + eos
         cut = len(prompt)
         labels = [
-            t if (train_on_prompt or start >= cut) else IGNORE_INDEX
-            for t, (start, _e) in zip(enc["input_ids"], enc["offset_mapping"])
+            t if (train_on_prompt or end > cut) else IGNORE_INDEX
+            for t, (_start, end) in zip(enc["input_ids"], enc["offset_mapping"])
         ] + eos
     truncated = len(ids) > max_len
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "truncated": truncated}
@@ -246,7 +247,8 @@ def pack(ds, max_len: int, seed: int):
                 rows[k].append(cur[k])
             cur = {"input_ids": [], "labels": [], "position_ids": []}
         cur["input_ids"] += ids
-        cur["labels"] += labels
+        # the first token of an example must not be a target of the previous example's last one
+        cur["labels"] += [IGNORE_INDEX] + labels[1:]
         cur["position_ids"] += list(range(len(ids)))
     if cur["input_ids"]:
         for k in rows:

@@ -103,7 +103,7 @@ class TrainingSection(_Section):
     lr: float = Field(2e-4, gt=0)
     scheduler: Scheduler = "cosine"
     warmup_steps: int | None = Field(None, ge=0)
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of steps (0.03 if neither is set).")
     micro_batch_size: int = Field(1, gt=0)
     gradient_accumulation: int = Field(1, gt=0)
     optimizer: Optimizer = "adamw_torch"
@@ -181,7 +181,7 @@ class Recipe(_Section):
                 "or use method 'qlora'"
             )
         t = self.training
-        if t.warmup_steps is not None and "warmup_ratio" in t.model_fields_set:
+        if t.warmup_steps is not None and t.warmup_ratio is not None:
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
         return self
 

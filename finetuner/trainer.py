@@ -75,7 +75,10 @@ def build_optimizer(model, cfg: TrainingSection, on_cuda: bool):
 def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
     from transformers import get_scheduler
 
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(cfg.warmup_ratio * total_steps)
+    if cfg.warmup_steps is not None:
+        warmup = cfg.warmup_steps
+    else:
+        warmup = math.ceil((0.03 if cfg.warmup_ratio is None else cfg.warmup_ratio) * total_steps)
     return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 

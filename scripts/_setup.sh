@@ -1,0 +1,31 @@
+# Sourced by demo.sh and test.sh: creates .venv/ at the repo root and installs finetuner into it.
+# Idempotent: a second run installs nothing unless pyproject.toml or constraints.txt changed.
+# Usage: source scripts/_setup.sh [EXTRAS]   (e.g. "test")
+set -euo pipefail
+FINETUNER_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Caches stay inside the repo (git-ignored), out of the user's home.
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$FINETUNER_ROOT/.cache/pip}"
+export HF_HOME="${HF_HOME:-$FINETUNER_ROOT/.cache/huggingface}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$FINETUNER_ROOT/.cache/torch_extensions}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$FINETUNER_ROOT/.cache/triton}"
+export MPLCONFIGDIR="${MPLCONFIGDIR:-$FINETUNER_ROOT/.cache/matplotlib}"
+export GRADIO_ANALYTICS_ENABLED=False
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+_extras="${1:-}"
+_venv="$FINETUNER_ROOT/.venv"
+if [ ! -x "$_venv/bin/python" ]; then
+  echo "finetuner: creating $_venv"
+  "${PYTHON:-python3}" -m venv "$_venv"
+fi
+_want="$(cat "$FINETUNER_ROOT/pyproject.toml" "$FINETUNER_ROOT/constraints.txt" | sha256sum | cut -c1-16)-${_extras}"
+_stamp="$_venv/.finetuner-install"
+if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
+  echo "finetuner: installing into $_venv (torch pinned by constraints.txt; this takes a minute the first time)"
+  _spec="$FINETUNER_ROOT"
+  [ -n "$_extras" ] && _spec="$FINETUNER_ROOT[$_extras]"
+  "$_venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+  "$_venv/bin/python" -m pip install -q -c "$FINETUNER_ROOT/constraints.txt" -e "$_spec" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$_venv/bin/python" -c "import finetuner, torch, transformers, peft" || { echo "finetuner: install failed" >&2; exit 1; }
+  echo "$_want" > "$_stamp"
+fi
+export PATH="$_venv/bin:$PATH"

@@ -1,0 +1,98 @@
+"""Shared fixtures: a tiny 2-layer Llama with a locally trained tokenizer, small data files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_DATA = REPO.parent / "shared" / "peer-data" / "llamafactory"
+
+WORDS = (
+    "the a hike bird sea rain sun pack water map boots trail tern gull wind cold warm answer "
+    "question what should i bring for day night river stone path cliff nest egg feather north"
+).split()
+
+
+def corpus(n: int = 400) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(6, 20))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved 2-layer Llama (random weights, fp32) with a ChatML tokenizer."""
+    from finetuner.tiny import tiny_llama, train_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    tok = train_bpe_tokenizer(corpus(), vocab_size=400)
+    model = tiny_llama(tok, seed=0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def alpaca_rows(n: int = 48) -> list[dict]:
+    return [
+        {
+            "instruction": f"What should I bring on hike {i}?",
+            "input": "" if i % 3 else "a cold day",
+            "output": "Tern here! Bring water, a map and warm boots. Happy trails!",
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    p = tmp_path / "alpaca.json"
+    p.write_text(json.dumps(alpaca_rows()), encoding="utf-8")
+    return p
+
+
+@pytest.fixture
+def recipe_dict(tiny_model_dir, alpaca_file, tmp_path):
+    """A small, fast recipe as a dict; tests tweak it."""
+    return {
+        "name": "test",
+        "model": {"name": str(tiny_model_dir)},
+        "method": "lora",
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(alpaca_file), "max_seq_len": 64},
+        "training": {"max_steps": 8, "lr": 5e-3, "micro_batch_size": 2, "gradient_accumulation": 2, "warmup_steps": 0},
+        "checkpointing": {"save_every": 4, "keep_last": 2},
+        "logging": {"tensorboard": False},
+        "output_dir": str(tmp_path / "run"),
+    }
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the ``finetuner`` CLI as a user would, in a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "finetuner.cli", *args],
+        cwd=cwd or REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

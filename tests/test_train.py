@@ -1,0 +1,146 @@
+"""Training end to end on CPU with a tiny Llama: LoRA, QLoRA, optimizers, resume, outputs."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import finetuner
+from finetuner.events import read_events
+from finetuner.recipe import Recipe
+
+
+def run(recipe_dict, overrides=(), **kw):
+    return finetuner.train(Recipe.from_dict(recipe_dict, overrides=list(overrides)), **kw)
+
+
+def test_lora_run_writes_a_complete_run_folder(recipe_dict):
+    res = run(recipe_dict, ["training.max_steps=10", "data.val_size=8", "logging.tensorboard=true"])
+    assert res.losses[-1] < res.losses[0] - 0.3, res.losses
+    d = res.run_dir
+    for name in ("recipe.yaml", "events.jsonl", "metrics.json", "adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json"):
+        assert (d / name).exists(), name
+    assert list((d / "tensorboard").iterdir())
+    assert [p.name for p in sorted((d / "checkpoints").iterdir())] == ["step-00000008", "step-00000010"]  # keep_last=2
+    saved = Recipe.from_yaml(d / "recipe.yaml")
+    assert saved.training.max_steps == 10 and saved.output_dir == str(d)
+    events = read_events(d / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("step") == 10 and "eval" in kinds
+    step = next(e for e in events if e["event"] == "step")
+    for key in ("step", "max_steps", "loss", "lr", "tokens_per_s", "elapsed_s", "mem_allocated", "mem_reserved", "mem_peak"):
+        assert key in step, key
+    assert step["mem_peak"] > 0
+    metrics = json.loads((d / "metrics.json").read_text())
+    assert metrics["steps"] == 10 and metrics["eval_loss"] is not None
+
+
+def test_adapter_loads_with_peft_and_matches(recipe_dict, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    res = run(recipe_dict, ["training.max_steps=4"])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = base(input_ids=x).logits
+        tuned = PeftModel.from_pretrained(base, res.adapter_dir).eval()
+        after = tuned(input_ids=x).logits
+    assert not torch.allclose(before, after)
+
+
+def test_qlora_trains_4bit_layers_on_cpu(recipe_dict):
+    seen = {}
+
+    def grab(ev):
+        if ev["event"] == "start":
+            seen.update(ev)
+
+    res = run(recipe_dict, ["method=qlora", "training.max_steps=10", "training.lr=0.01", "training.scheduler=constant", "quantization.compute_dtype=fp32"], callbacks=[grab])
+    assert res.losses[-1] < res.losses[0] - 0.3, res.losses
+    cfg = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert cfg["r"] == 8 and seen["method"] == "qlora"
+
+
+def test_qlora_model_has_linear4bit(recipe_dict):
+    import bitsandbytes as bnb
+
+    from finetuner.modeling import load_base_model, prepare_for_training, resolve_runtime
+
+    r = Recipe.from_dict(recipe_dict, ["method=qlora"])
+    model = prepare_for_training(load_base_model(r, resolve_runtime(r)), r)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd"])
+def test_other_optimizers(recipe_dict, optimizer):
+    lr = "0.05" if optimizer == "sgd" else "0.005"
+    res = run(recipe_dict, [f"training.optimizer={optimizer}", "training.max_steps=6", f"training.lr={lr}", "checkpointing.save_every=3"])
+    assert res.losses[-1] < res.losses[0], res.losses
+
+
+def test_loss_does_not_depend_on_how_a_step_is_split(recipe_dict):
+    """micro-batch × accumulation = 4 in three ways gives the same loss curve."""
+    curves = []
+    for mb, ga in ((4, 1), (2, 2), (1, 4)):
+        d = dict(recipe_dict, output_dir=recipe_dict["output_dir"] + f"-{mb}")
+        curves.append(run(d, [f"training.micro_batch_size={mb}", f"training.gradient_accumulation={ga}", "training.max_steps=5"]).losses)
+    for c in curves[1:]:
+        assert c == pytest.approx(curves[0], abs=2e-4)
+
+
+def test_stop_and_resume_gives_the_same_run(recipe_dict, tmp_path):
+    full = run(dict(recipe_dict, output_dir=str(tmp_path / "full")), ["training.max_steps=8", "lora.dropout=0.1"])
+
+    stop = threading.Event()
+
+    def stop_at_3(ev):
+        if ev["event"] == "step" and ev["step"] == 3:
+            stop.set()
+
+    d = dict(recipe_dict, output_dir=str(tmp_path / "resumed"))
+    first = run(d, ["training.max_steps=8", "lora.dropout=0.1"], callbacks=[stop_at_3], stop_event=stop)
+    assert first.stopped and (tmp_path / "resumed" / "checkpoints" / "step-00000003").is_dir()
+    second = run(d, ["training.max_steps=8", "lora.dropout=0.1"])
+    assert not second.stopped
+    assert second.losses == pytest.approx(full.losses, abs=1e-5)
+    events = read_events(tmp_path / "resumed" / "events.jsonl")
+    assert [e["event"] for e in events].count("start") == 2
+    assert [e for e in events if e["event"] == "start"][1]["resumed_from_step"] == 3
+
+
+def test_resume_refuses_a_different_recipe_and_no_resume_keeps_the_old_run(recipe_dict, tmp_path):
+    run(recipe_dict, ["training.max_steps=4"])
+    with pytest.raises(finetuner.UserError, match="lora: .*r"):
+        run(recipe_dict, ["training.max_steps=4", "lora.r=4"])
+    res = run(recipe_dict, ["training.max_steps=4", "lora.r=4"], resume=False)
+    assert res.metrics["steps"] == 4
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_refuses_to_write_into_a_foreign_folder(recipe_dict, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "thesis.txt").write_text("precious")
+    with pytest.raises(finetuner.UserError, match="not empty and holds no finetuner run"):
+        run(recipe_dict)
+    assert (out / "thesis.txt").read_text() == "precious"
+
+
+def test_packing_and_gradient_checkpointing_and_full(recipe_dict):
+    res = run(recipe_dict, ["data.packing=true", "training.gradient_checkpointing=true", "training.max_steps=6", "data.max_seq_len=128"])
+    assert res.losses[-1] < res.losses[0]
+    d = dict(recipe_dict, output_dir=recipe_dict["output_dir"] + "-full")
+    res = run(d, ["method=full", "training.max_steps=4", "training.lr=1e-3"])
+    assert res.losses[-1] < res.losses[0]
+    assert (res.adapter_dir / "model.safetensors").exists()
+
+
+def test_samples_compare_base_and_fine_tuned(recipe_dict):
+    res = run(recipe_dict, ["training.max_steps=2", "samples.prompts=[what should i bring]", "samples.max_new_tokens=5"])
+    (s,) = res.metrics["samples"]
+    assert s["prompt"] == "what should i bring" and isinstance(s["base"], str) and isinstance(s["fine_tuned"], str)
