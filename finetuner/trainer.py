@@ -26,6 +26,7 @@ from finetuner import checkpoint as ckpt_io
 from finetuner.data import IGNORE_INDEX, Collator, PreparedData, prepare_data
 from finetuner.errors import UserError
 from finetuner.events import Callback, EventWriter, device_memory
+from finetuner.faults import FaultPlan
 from finetuner.fileio import atomic_write_json
 from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
 from finetuner.recipe import Recipe, TrainingSection
@@ -287,6 +288,7 @@ class Trainer:
         last_saved = self.step
         eval_loss = None
         stopped = False
+        faults = FaultPlan()
         while self.step < self.max_steps:
             if self.stop_event.is_set():
                 stopped = True
@@ -333,6 +335,7 @@ class Trainer:
             if save_every and self.step % save_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint(elapsed)
                 last_saved = self.step
+            faults.after_step(self.step)
         elapsed = self.elapsed_before + time.perf_counter() - start
         if stopped:
             if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:

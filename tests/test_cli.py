@@ -78,3 +78,28 @@ def test_demo_recipe_runs_a_few_steps(tmp_path):
     r = run_cli("run", str(REPO / "recipes" / "demo_cpu.yaml"), "--set", "training.max_steps=2", "--output", str(tmp_path / "demo"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "fine-tuned" in r.stdout
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(recipe_dict, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", {**recipe_dict, "checkpointing": {"save_every": 2, "keep_last": 2}})
+    monkeypatch.setenv("FINETUNER_FAULT", "KILL@5")
+    r = run_cli("run", str(recipe))
+    monkeypatch.delenv("FINETUNER_FAULT")
+    assert r.returncode == -9
+    run_dir = tmp_path / "run"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    r = run_cli("run", str(recipe))
+    assert r.returncode == 0, r.stderr
+    assert "resuming at step 4" in r.stdout and "step 8/8" in r.stdout
+    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_exit_130(recipe_dict, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
+    monkeypatch.setenv("FINETUNER_FAULT", "INT@3")
+    r = run_cli("run", str(recipe))
+    assert r.returncode == 130, r.stderr
+    assert "Stopped at step 3" in r.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step-00000003").is_dir()
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"event": "stopped"' in events
