@@ -87,7 +87,7 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the ``finetuner`` CLI as a user would, in a subprocess."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "finetuner.cli", *args],
         cwd=cwd or REPO,
