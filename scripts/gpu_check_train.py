@@ -58,11 +58,10 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
         model = tiny_llama(tok, hidden_size=128, num_layers=2)
     else:
         cfg_dict = json.loads((REPO / "finetuner" / "presets" / f"{preset}.json").read_text())
-        cfg = AutoConfig.for_model(**cfg_dict)
+        cfg_dict = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
+        cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        for p in model.parameters():  # from_config already initialises; make sure no NaNs/Infs in bf16
-            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
             tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     model.save_pretrained(folder, safe_serialization=True)
