@@ -110,6 +110,9 @@ class TrainingSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
+    loss_chunk_size: int = Field(
+        1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
+    )
     precision: Dtype = Field("auto", description="Autocast dtype for compute.")
     seed: int = 42
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")

@@ -83,20 +83,55 @@ def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
     return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
-def token_loss_sum(model, batch: dict[str, Any]):
-    """Sum of next-token cross-entropy over labelled tokens (fp32), and their number."""
+def _decoder_and_head(model):
+    """The transformer body and the LM head of a (peft-wrapped) causal LM, if it has the usual shape."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "model", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or head is None or getattr(base.config, "logit_scale", None) is not None:
+        return None, None, None
+    return decoder, head, getattr(base.config, "final_logit_softcapping", None)
+
+
+def _chunk_ce(head, softcap, hidden, targets):
     import torch.nn.functional as F
 
+    logits = head(hidden).float()
+    if softcap:
+        logits = (logits / softcap).tanh() * softcap
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024):
+    """Sum of next-token cross-entropy (fp32) over labelled tokens, and their number.
+
+    With ``chunk_size > 0`` the logits are computed only for labelled positions, ``chunk_size``
+    tokens at a time, each chunk under activation checkpointing: the full ``tokens × vocab``
+    logits tensor (and its fp32 copy and gradient) never exists, which for a 128k vocabulary
+    is several GB per 4k tokens. The result equals the full computation.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
     labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return loss, int((labels != IGNORE_INDEX).sum())
+    n_tokens = int((labels != IGNORE_INDEX).sum())
+    decoder, head, softcap = _decoder_and_head(model) if chunk_size else (None, None, None)
+    if decoder is None:
+        logits = model(**inputs, use_cache=False).logits
+        loss = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss, n_tokens
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
+    keep = labels != IGNORE_INDEX
+    hidden, targets = hidden[keep], labels[keep]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        loss = loss + (checkpoint(_chunk_ce, head, softcap, h, t, use_reentrant=False) if torch.is_grad_enabled() else _chunk_ce(head, softcap, h, t))
+    return loss, n_tokens
 
 
 class StepSchedule:
@@ -204,7 +239,7 @@ class Trainer:
         for mb in micro:
             mb = self._to_device(mb)
             with self._autocast():
-                loss_sum, _ = token_loss_sum(self.model, mb)
+                loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size)
             loss = loss_sum / max(n_target, 1)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total_loss += float(loss_sum.detach())
@@ -240,7 +275,7 @@ class Trainer:
             for i in range(0, len(self.data.val), mbs):
                 batch = self._to_device(self.collate([self.data.val[j] for j in range(i, min(i + mbs, len(self.data.val)))]))
                 with self._autocast():
-                    loss_sum, count = token_loss_sum(self.model, batch)
+                    loss_sum, count = token_loss_sum(self.model, batch, self.recipe.training.loss_chunk_size)
                 total += float(loss_sum)
                 n += count
         self.model.train()

@@ -144,3 +144,32 @@ def test_samples_compare_base_and_fine_tuned(recipe_dict):
     res = run(recipe_dict, ["training.max_steps=2", "samples.prompts=[what should i bring]", "samples.max_new_tokens=5"])
     (s,) = res.metrics["samples"]
     assert s["prompt"] == "what should i bring" and isinstance(s["base"], str) and isinstance(s["fine_tuned"], str)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_loss_equals_full_logits_loss(tiny_model_dir, packed):
+    """Loss and gradients are the same with chunked cross-entropy as with full logits."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetuner.trainer import token_loss_sum
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 40), generator=g)
+    labels = ids.clone()
+    labels[:, :10] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    batch.update({"position_ids": torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)} if packed else {"attention_mask": torch.ones_like(ids)})
+    results = []
+    for chunk in (0, 7):
+        model.zero_grad()
+        loss, n = token_loss_sum(model, batch, chunk)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((loss.item(), n, grads))
+    (l0, n0, g0), (l1, n1, g1) = results
+    assert n0 == n1 == 2 * 30 and l1 == pytest.approx(l0, rel=1e-5)
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
