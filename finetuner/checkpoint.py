@@ -4,13 +4,16 @@ Layout of ``<run>/checkpoints/step-00000040/``:
 
 - ``adapter/`` — the trainable weights, ``save_pretrained`` (safetensors): the LoRA adapter, or
   the whole model for full fine-tuning;
-- ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` — torch state dicts, read back with
-  ``weights_only=True`` (no arbitrary pickles);
+- ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (and ``scaler.pt`` for fp16) — torch state
+  dicts, read back with ``weights_only=True`` (no arbitrary pickles);
+- ``recipe.yaml`` — the resolved recipe the checkpoint was made with;
 - ``trainer_state.json`` — step, tokens seen, elapsed time, loss history, and the micro-batch
   and accumulation actually in use.
 
 A checkpoint is written into ``.tmp-step-…`` and renamed into place only when complete, so a
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
+Resuming reads a checkpoint whole before applying any of it; one that cannot be read (a
+truncated file, a missing part) is reported and the one before it is used.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int, scaler=None, recipe_yaml: str | None = None
+) -> Path:
     import torch
 
     root = Path(run_dir) / "checkpoints"
@@ -57,6 +62,10 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, tmp / "rng.pt")
+    if scaler is not None:
+        torch.save(scaler.state_dict(), tmp / "scaler.pt")
+    if recipe_yaml is not None:
+        (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
     atomic_write_json(tmp / "trainer_state.json", state)
     if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
         shutil.rmtree(final)
@@ -72,26 +81,52 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / "trainer_state.json").read_text(encoding="utf-8"))
 
 
-def restore_checkpoint(ckpt: Path, model, optimizer, scheduler, full: bool) -> dict[str, Any]:
-    """Load weights, optimizer, scheduler and RNG state from ``ckpt``; return its trainer state."""
+class CheckpointUnreadable(Exception):
+    """A checkpoint folder exists but one of its parts cannot be read."""
+
+
+def read_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """Read every part of a checkpoint into memory, touching no model: fails before anything is applied."""
     import torch
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
-    weights_dir = ckpt / "adapter"
+    try:
+        weights: dict[str, Any] = {}
+        files = sorted((ckpt / "adapter").glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no weights in {ckpt / 'adapter'}")
+        for f in files:
+            weights.update(load_file(f))
+        parts = {
+            "weights": weights,
+            "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"),
+            "scheduler": torch.load(ckpt / "scheduler.pt", weights_only=True),
+            "rng": torch.load(ckpt / "rng.pt", weights_only=True),
+            "state": load_trainer_state(ckpt),
+        }
+        scaler = ckpt / "scaler.pt"
+        parts["scaler"] = torch.load(scaler, weights_only=True) if scaler.exists() else None
+        return parts
+    except Exception as e:  # truncated or missing files, bad JSON, unpicklable content
+        raise CheckpointUnreadable(f"{ckpt.name}: {type(e).__name__}: {e}") from e
+
+
+def apply_checkpoint(parts: dict[str, Any], model, optimizer, scheduler, scaler, full: bool) -> dict[str, Any]:
+    """Load what :func:`read_checkpoint` read into the model, optimizer, scheduler and RNGs."""
+    import torch
+
     if full:
-        state_dict: dict[str, Any] = {}
-        for f in sorted(weights_dir.glob("*.safetensors")):
-            state_dict.update(load_file(f))
-        model.load_state_dict(state_dict, strict=False)
+        model.load_state_dict(parts["weights"], strict=False)
     else:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(weights_dir / "adapter_model.safetensors"))
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"))
-    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-    rng = torch.load(ckpt / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return load_trainer_state(ckpt)
+        set_peft_model_state_dict(model, parts["weights"])
+    optimizer.load_state_dict(parts["optimizer"])
+    scheduler.load_state_dict(parts["scheduler"])
+    if scaler is not None and parts["scaler"] is not None:
+        scaler.load_state_dict(parts["scaler"])
+    torch.set_rng_state(parts["rng"]["cpu"])
+    if "cuda" in parts["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
+    return parts["state"]

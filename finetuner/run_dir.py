@@ -7,6 +7,8 @@ Nothing in it is ever deleted by starting a run: ``--no-resume`` moves an old ru
 
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -48,12 +50,45 @@ def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[str]]:
-    """Create or check the run folder; returns it, the recipe to run, and notes for the user."""
+class RunLock:
+    """An exclusive lock on a run folder (``.lock``), held for the life of the process.
+
+    ``flock`` locks vanish when their process dies, SIGKILL included, so there are no stale locks.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(
+                f"Another finetuner process (pid {holder}) is using the run folder {self.path.parent}.",
+                hint="Wait for it to finish or stop it, or pick another --output.",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[str], RunLock]:
+    """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock."""
     import yaml
 
     run_dir = recipe.output_path()
     notes: list[str] = []
+    lock = None
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"Output path {run_dir} is a file, not a folder.", hint="Choose another --output.")
     if run_dir.is_dir() and any(run_dir.iterdir()):
@@ -63,9 +98,12 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
                 f"Output folder {run_dir} is not empty and holds no finetuner run; finetuner will not write into it.",
                 hint="Choose another --output (or output_dir), or empty that folder yourself.",
             )
+        lock = RunLock(run_dir).acquire()
         if not resume:
             aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
             run_dir.rename(aside)
+            lock.release()
+            lock = None
             notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
         else:
             last = ckpt_io.latest_checkpoint(run_dir)
@@ -73,18 +111,53 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
                 old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
                 diffs = recipe_differences(old, recipe.to_dict())
                 if diffs:
+                    lock.release()
                     raise UserError(
                         f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
                         + "\n  ".join(diffs),
                         hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
                     )
-                state = ckpt_io.load_trainer_state(last)
+                # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)
+                saved_t = old.get("training", {})
                 t = recipe.training.model_copy(
-                    update={"micro_batch_size": state["micro_batch_size"], "gradient_accumulation": state["gradient_accumulation"]}
+                    update={k: saved_t[k] for k in ("micro_batch_size", "gradient_accumulation") if k in saved_t}
                 )
                 recipe = recipe.model_copy(update={"training": t})
                 notes.append(f"Resuming {run_dir} from {last.name}.")
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock or RunLock(run_dir).acquire()
     recipe = recipe.model_copy(update={"output_dir": str(run_dir)})
     recipe.save(run_dir / "recipe.yaml")
-    return run_dir, recipe, notes
+    return run_dir, recipe, notes, lock
+
+
+_OPTIMIZER_STATE_FACTOR = {  # optimizer state bytes per byte of fp32 trainable weight
+    "adamw_torch": 2.0,  # exp_avg + exp_avg_sq in fp32
+    "paged_adamw_32bit": 2.0,
+    "adamw_8bit": 0.5,  # two 1-byte states (+ small block-wise absmax)
+    "paged_adamw_8bit": 0.5,
+    "adafactor": 0.1,  # factored second moments: rows + columns
+    "sgd": 0.0,
+}
+
+
+def checkpoint_bytes(model, optimizer: str) -> int:
+    """Predicted size of one checkpoint: the trainable weights as saved, plus the optimizer state."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    fp32 = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    return int(weights + fp32 * _OPTIMIZER_STATE_FACTOR[optimizer]) + 1_000_000
+
+
+def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> None:
+    """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
+    import shutil
+
+    one = checkpoint_bytes(model, optimizer)
+    need = one * (keep_last + 2)  # K kept + one being written + the final adapter
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise UserError(
+            f"Not enough free disk space in {run_dir}: {free / 2**30:.2f} GiB free, but {keep_last} checkpoints of "
+            f"{one / 2**30:.2f} GiB each plus one being written and the final adapter need {need / 2**30:.2f} GiB.",
+            hint="Free some space, choose another --output, or lower checkpointing.keep_last.",
+        )

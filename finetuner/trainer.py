@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -24,13 +25,13 @@ from typing import Any
 
 from finetuner import checkpoint as ckpt_io
 from finetuner.data import IGNORE_INDEX, Collator, PreparedData, prepare_data
-from finetuner.errors import UserError
+from finetuner.errors import OutOfMemory, UserError
 from finetuner.events import Callback, EventWriter, device_memory
 from finetuner.faults import FaultPlan
 from finetuner.fileio import atomic_write_json
 from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
 from finetuner.recipe import Recipe, TrainingSection
-from finetuner.run_dir import prepare_run_dir
+from finetuner.run_dir import check_disk_space, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class Trainer:
         self.events = EventWriter(self.run_dir / "events.jsonl", callbacks)
         self.stop_event = stop_event or threading.Event()
         self.tb = None
+        self.faults = FaultPlan()
+        self._tried_micro: list[int] = []
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -185,12 +188,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
         self.resumed_from = None
-        last = ckpt_io.latest_checkpoint(self.run_dir)
-        if last is not None:
-            state = ckpt_io.restore_checkpoint(last, self.model, self.optimizer, self.scheduler, full=r.method == "full")
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
-            self.resumed_from = self.step
+        self._resume()
+        check_disk_space(self.run_dir, self.model, t.optimizer, r.checkpointing.keep_last)
         if r.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -215,6 +214,21 @@ class Trainer:
             **device_memory(self.rt.device),
         )
 
+    def _resume(self) -> None:
+        """Continue from the newest readable checkpoint; unreadable ones are reported and skipped."""
+        for ckpt in reversed(ckpt_io.checkpoint_dirs(self.run_dir)):
+            try:
+                parts = ckpt_io.read_checkpoint(ckpt)
+            except ckpt_io.CheckpointUnreadable as e:
+                log.warning("Checkpoint %s cannot be read (%s); trying the one before it.", ckpt, e)
+                self.events.emit("checkpoint_invalid", path=str(ckpt), reason=str(e))
+                continue
+            state = ckpt_io.apply_checkpoint(parts, self.model, self.optimizer, self.scheduler, self.scaler, self._full)
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
+            self.resumed_from = self.step
+            return
+
     # ---------------------------------------------------------------- one step
     def _autocast(self):
         import torch
@@ -236,7 +250,7 @@ class Trainer:
         n_target = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
         total_loss, tokens = 0.0, 0
         self.model.train()
-        for mb in micro:
+        for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             with self._autocast():
                 loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size)
@@ -244,6 +258,9 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total_loss += float(loss_sum.detach())
             tokens += mb["num_tokens"]
+            del loss, loss_sum, mb
+            if i == 0:
+                self.faults.in_step(step + 1)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -257,6 +274,62 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss / max(n_target, 1), tokens, grad_norm
+
+    def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
+        """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM."""
+        import torch
+
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if self.rt.is_cuda else None)
+        while True:
+            try:
+                return self.train_step(step)
+            except torch.OutOfMemoryError as e:
+                self._free_after_oom()
+                t = self.recipe.training
+                eff = t.effective_batch_size
+                smaller = [d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0]
+                if not smaller:
+                    raise OutOfMemory(
+                        f"Out of device memory in step {step + 1} even with micro_batch_size 1 "
+                        f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
+                        hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
+                        "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
+                    ) from e
+                new_micro = smaller[0]
+                self._tried_micro.append(t.micro_batch_size)
+                new = t.model_copy(update={"micro_batch_size": new_micro, "gradient_accumulation": eff // new_micro})
+                self.events.emit(
+                    "oom_backoff",
+                    step=step + 1,
+                    old_micro_batch_size=t.micro_batch_size,
+                    old_gradient_accumulation=t.gradient_accumulation,
+                    micro_batch_size=new.micro_batch_size,
+                    gradient_accumulation=new.gradient_accumulation,
+                    message=str(e)[:300],
+                )
+                log.warning(
+                    "Out of memory in step %d: micro-batch %d → %d, accumulation %d → %d (same effective batch).",
+                    step + 1, t.micro_batch_size, new.micro_batch_size, t.gradient_accumulation, new.gradient_accumulation,
+                )
+                self.recipe = self.recipe.model_copy(update={"training": new})
+                self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state_all(rng[1])
+
+    def _free_after_oom(self) -> None:
+        import gc
+
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.rt.is_cuda:
+            torch.cuda.empty_cache()
+
+    def _predicted_note(self) -> str:
+        predicted = getattr(self, "predicted_peak", None)
+        return f"The memory model predicted a peak of {predicted / 2**30:.1f} GiB." if predicted else ""
 
     @property
     def _full(self) -> bool:
@@ -311,24 +384,26 @@ class Trainer:
             self.scheduler,
             self._trainer_state(elapsed),
             self.recipe.checkpointing.keep_last,
+            scaler=self.scaler,
+            recipe_yaml=self.recipe.to_yaml(),
         )
         self.events.emit("checkpoint", step=self.step, path=str(path))
         return path
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> TrainResult:
-        r, t = self.recipe, self.recipe.training
+        r = self.recipe
         start = time.perf_counter()
         window_start, window_tokens = start, 0
         last_saved = self.step
         eval_loss = None
         stopped = False
-        faults = FaultPlan()
         while self.step < self.max_steps:
             if self.stop_event.is_set():
                 stopped = True
                 break
-            loss, tokens, grad_norm = self.train_step(self.step)
+            loss, tokens, grad_norm = self.train_step_with_backoff(self.step)
+            t = self.recipe.training  # the micro-batch may have been backed off
             if not math.isfinite(loss):
                 raise UserError(
                     f"The loss became {loss} at step {self.step + 1}.",
@@ -340,9 +415,12 @@ class Trainer:
             self.losses.append(round(loss, 6))
             elapsed = self.elapsed_before + time.perf_counter() - start
             lr = self.scheduler.get_last_lr()[0]
+            mem = device_memory(self.rt.device)
             if self.tb:
                 self.tb.add_scalar("train/loss", loss, self.step)
                 self.tb.add_scalar("train/lr", lr, self.step)
+                for k, v in mem.items():
+                    self.tb.add_scalar(f"memory/{k}_gib", v / 2**30, self.step)
             if self.step % r.logging.every == 0 or self.step == self.max_steps:
                 now = time.perf_counter()
                 tps = window_tokens / max(now - window_start, 1e-9)
@@ -362,7 +440,8 @@ class Trainer:
                     tokens_per_s=round(tps, 2),
                     elapsed_s=round(elapsed, 3),
                     eta_s=round(per_step * (self.max_steps - self.step), 1),
-                    **device_memory(self.rt.device),
+                    micro_batch_size=t.micro_batch_size,
+                    **mem,
                 )
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
                 eval_loss = self._eval_and_log()
@@ -370,7 +449,7 @@ class Trainer:
             if save_every and self.step % save_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint(elapsed)
                 last_saved = self.step
-            faults.after_step(self.step)
+            self.faults.after_step(self.step)
         elapsed = self.elapsed_before + time.perf_counter() - start
         if stopped:
             if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:
@@ -446,14 +525,20 @@ def train(
         stop_event: set it to stop after the current step (a checkpoint is saved).
         overrides: ``key.path=value`` strings applied when ``recipe`` is a path.
     """
+    # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not isinstance(recipe, Recipe):
         recipe = Recipe.from_yaml(recipe, overrides)
     elif overrides:
         recipe = Recipe.from_dict(recipe.to_dict(), overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
-    run_dir, recipe, notes = prepare_run_dir(recipe, resume)
-    trainer = Trainer(recipe, run_dir, callbacks, stop_event)
+    run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    try:
+        trainer = Trainer(recipe, run_dir, callbacks, stop_event)
+    except BaseException:
+        lock.release()
+        raise
     for note in notes:
         log.warning(note)
     try:
@@ -478,3 +563,4 @@ def train(
         raise
     finally:
         trainer.cleanup()
+        lock.release()

@@ -1,0 +1,97 @@
+"""Training that survives: out-of-memory back-off, unreadable checkpoints, the run lock, disk checks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import yaml
+
+import finetuner
+from finetuner.errors import OutOfMemory, UserError
+from finetuner.events import read_events
+from finetuner.recipe import Recipe
+from tests.conftest import run_cli, write_recipe
+
+
+def run(recipe_dict, overrides=(), **kw):
+    return finetuner.train(Recipe.from_dict(recipe_dict, overrides=list(overrides)), **kw)
+
+
+def test_oom_backoff_halves_the_micro_batch_and_keeps_the_loss_curve(recipe_dict, tmp_path, monkeypatch):
+    common = ["training.max_steps=6", "training.micro_batch_size=4", "training.gradient_accumulation=1"]
+    monkeypatch.setenv("FINETUNER_FAULT", "OOM@3*2")
+    backed = run(dict(recipe_dict, output_dir=str(tmp_path / "oom")), common)
+    monkeypatch.delenv("FINETUNER_FAULT")
+    small = run(dict(recipe_dict, output_dir=str(tmp_path / "small")), ["training.max_steps=6", "training.micro_batch_size=1", "training.gradient_accumulation=4"])
+    assert backed.losses == pytest.approx(small.losses, abs=2e-4)
+    events = read_events(tmp_path / "oom" / "events.jsonl")
+    backoffs = [e for e in events if e["event"] == "oom_backoff"]
+    assert [(e["step"], e["micro_batch_size"], e["gradient_accumulation"]) for e in backoffs] == [(3, 2, 2), (3, 1, 4)]
+    saved = yaml.safe_load((tmp_path / "oom" / "recipe.yaml").read_text())
+    assert (saved["training"]["micro_batch_size"], saved["training"]["gradient_accumulation"]) == (1, 4)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["micro_batch_size"] for e in steps] == [4, 4, 1, 1, 1, 1]
+
+
+def test_oom_gives_up_after_micro_batch_1_with_advice(recipe_dict, monkeypatch):
+    monkeypatch.setenv("FINETUNER_FAULT", "OOM@2*inf")
+    with pytest.raises(OutOfMemory, match=r"even with micro_batch_size 1 \(tried 2, 1\)") as e:
+        run(recipe_dict, ["training.max_steps=4"])
+    assert "gradient_checkpointing" in str(e.value)
+
+
+def test_oom_give_up_from_the_cli_exits_3(recipe_dict, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
+    monkeypatch.setenv("FINETUNER_FAULT", "OOM@1*inf")
+    r = run_cli("run", str(recipe))
+    assert r.returncode == 3 and "Out of device memory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreadable_checkpoint_falls_back_to_the_previous_one(recipe_dict, tmp_path):
+    stop = threading.Event()
+    cb = lambda ev: ev["event"] == "step" and ev["step"] == 6 and stop.set()  # noqa: E731
+    d = dict(recipe_dict, checkpointing={"save_every": 2, "keep_last": 3})
+    run(d, ["training.max_steps=8"], callbacks=[cb], stop_event=stop)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+    weights = ckpts / "step-00000006" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    res = run(d, ["training.max_steps=8"])
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    assert any(e["event"] == "checkpoint_invalid" and "step-00000006" in e["path"] for e in events)
+    assert [e for e in events if e["event"] == "start"][-1]["resumed_from_step"] == 4
+    assert res.metrics["steps"] == 8
+
+
+def test_a_second_process_on_the_same_run_folder_is_refused(recipe_dict, tmp_path):
+    from finetuner.run_dir import RunLock
+
+    (tmp_path / "run").mkdir()
+    write_recipe(tmp_path / "run" / "recipe.yaml", recipe_dict)
+    lock = RunLock(tmp_path / "run").acquire()
+    try:
+        recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
+        r = run_cli("run", str(recipe))
+        assert r.returncode == 2 and "Another finetuner process" in r.stderr
+    finally:
+        lock.release()
+
+
+def test_low_disk_fails_before_training(recipe_dict, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(UserError, match="Not enough free disk space"):
+        run(recipe_dict)
+
+
+def test_sigterm_saves_a_checkpoint(recipe_dict, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
+    monkeypatch.setenv("FINETUNER_FAULT", "TERM@2")
+    r = run_cli("run", str(recipe))
+    assert r.returncode == 130
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert (ckpt / "optimizer.pt").exists() and (ckpt / "recipe.yaml").exists()
