@@ -158,7 +158,7 @@ def prepare_for_training(model, recipe: Recipe):
     if recipe.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        return model
+        return _offload_checkpoints(model, recipe)
 
     from peft import LoraConfig, get_peft_model
 
@@ -178,6 +178,19 @@ def prepare_for_training(model, recipe: Recipe):
             f"lora.target_modules: {e}",
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
+    return _offload_checkpoints(model, recipe)
+
+
+def _offload_checkpoints(model, recipe: Recipe):
+    """With checkpointing and activation offload, keep each layer's saved input on the CPU."""
+    t = recipe.training
+    if t.offload_activations and t.gradient_checkpointing:
+        from finetuner.offload import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)
+        # the first layer's input (a frozen embedding's output) must require grad, or the
+        # custom autograd function would not run backward for it and its LoRA weights
+        model.enable_input_require_grads()
     return model
 
 

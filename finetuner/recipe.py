@@ -110,6 +110,9 @@ class TrainingSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
+    offload_activations: bool = Field(
+        False, description="Keep saved activations in CPU memory (with checkpointing: each layer's input)."
+    )
     loss_chunk_size: int = Field(
         1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
     )

@@ -30,6 +30,7 @@ from finetuner.events import Callback, EventWriter, device_memory
 from finetuner.faults import FaultPlan
 from finetuner.fileio import atomic_write_json
 from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
+from finetuner.offload import save_on_cpu
 from finetuner.recipe import Recipe, TrainingSection
 from finetuner.run_dir import check_disk_space, prepare_run_dir
 
@@ -252,7 +253,7 @@ class Trainer:
         self.model.train()
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
-            with self._autocast():
+            with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
                 loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size)
             loss = loss_sum / max(n_target, 1)
             (self.scaler.scale(loss) if self.scaler else loss).backward()

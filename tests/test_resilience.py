@@ -95,3 +95,30 @@ def test_sigterm_saves_a_checkpoint(recipe_dict, tmp_path, monkeypatch):
     assert r.returncode == 130
     ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
     assert (ckpt / "optimizer.pt").exists() and (ckpt / "recipe.yaml").exists()
+
+
+@pytest.mark.parametrize("gc", [True, False])
+def test_activation_offload_keeps_the_loss_curve(recipe_dict, tmp_path, gc):
+    common = ["training.max_steps=5", f"training.gradient_checkpointing={str(gc).lower()}", "lora.dropout=0.1"]
+    plain = run(dict(recipe_dict, output_dir=str(tmp_path / "plain")), common)
+    off = run(dict(recipe_dict, output_dir=str(tmp_path / "off")), common + ["training.offload_activations=true"])
+    assert off.losses == pytest.approx(plain.losses, abs=1e-5)
+
+
+def test_offloaded_checkpointing_is_installed_and_trains_every_layer(recipe_dict):
+    from finetuner.modeling import load_base_model, prepare_for_training, resolve_runtime
+    from finetuner.offload import offloaded_checkpoint
+    from finetuner.trainer import token_loss_sum
+
+    import torch
+
+    r = Recipe.from_dict(recipe_dict, ["training.gradient_checkpointing=true", "training.offload_activations=true"])
+    model = prepare_for_training(load_base_model(r, resolve_runtime(r)), r)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    assert layers and all(m._gradient_checkpointing_func is offloaded_checkpoint for m in layers)
+    model.train()
+    ids = torch.randint(3, 300, (2, 16))
+    loss, _ = token_loss_sum(model, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    loss.backward()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
