@@ -23,6 +23,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-resume", action="store_true",
                    help="Start over even if the run folder has checkpoints (the old run is moved aside, not deleted).")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
+    p.add_argument("--profile-memory", action="store_true",
+                   help="Record CUDA allocations for the first steps into memory_snapshot.pickle (open it at pytorch.org/memory_viz).")
     p.set_defaults(func=_cmd_run)
 
 
@@ -50,7 +52,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from finetuner.trainer import train
 
     with ProgressPrinter(console, quiet=args.quiet) as progress:
-        result = train(recipe, callbacks=[progress], output_dir=args.output, resume=not args.no_resume, stop_event=stop)
+        result = train(
+            recipe,
+            callbacks=[progress],
+            output_dir=args.output,
+            resume=not args.no_resume,
+            stop_event=stop,
+            profile_memory=args.profile_memory,
+        )
     progress.summary(result)
     return 130 if result.stopped else 0
 
@@ -99,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     _quiet_libraries()
     parser = build_parser()

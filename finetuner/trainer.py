@@ -160,7 +160,17 @@ class StepSchedule:
 class Trainer:
     """A fine-tune from a resolved recipe to an adapter in the run folder."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, callbacks: list[Callback] | None = None, stop_event: threading.Event | None = None):
+    #: steps recorded by ``--profile-memory`` before the snapshot is written
+    PROFILE_STEPS = 3
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        run_dir: Path,
+        callbacks: list[Callback] | None = None,
+        stop_event: threading.Event | None = None,
+        profile_memory: bool = False,
+    ):
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.events = EventWriter(self.run_dir / "events.jsonl", callbacks)
@@ -168,6 +178,7 @@ class Trainer:
         self.tb = None
         self.faults = FaultPlan()
         self._tried_micro: list[int] = []
+        self.profile_memory = profile_memory
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -318,6 +329,27 @@ class Trainer:
                 if rng[1] is not None:
                     torch.cuda.set_rng_state_all(rng[1])
 
+    def _start_memory_profile(self) -> bool:
+        if not self.profile_memory:
+            return False
+        if not self.rt.is_cuda:
+            log.warning("--profile-memory records CUDA allocations; this run is on %s, so nothing is recorded.", self.rt.device)
+            return False
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        return True
+
+    def _dump_memory_profile(self) -> bool:
+        """Write the snapshot (open it at https://pytorch.org/memory_viz) and stop recording."""
+        import torch
+
+        path = self.run_dir / "memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.events.emit("memory_snapshot", step=self.step, path=str(path))
+        return False
+
     def _free_after_oom(self) -> None:
         import gc
 
@@ -399,7 +431,10 @@ class Trainer:
         last_saved = self.step
         eval_loss = None
         stopped = False
+        profiling = self._start_memory_profile()
         while self.step < self.max_steps:
+            if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
+                profiling = self._dump_memory_profile()
             if self.stop_event.is_set():
                 stopped = True
                 break
@@ -514,6 +549,7 @@ def train(
     resume: bool = True,
     stop_event: threading.Event | None = None,
     overrides: list[str] | None = None,
+    profile_memory: bool = False,
 ) -> TrainResult:
     """Run a fine-tune. The Python API and the CLI both come here.
 
@@ -525,6 +561,8 @@ def train(
             ``False`` an existing run folder is moved aside (never deleted) and a new run starts.
         stop_event: set it to stop after the current step (a checkpoint is saved).
         overrides: ``key.path=value`` strings applied when ``recipe`` is a path.
+        profile_memory: record CUDA allocations for the first steps and write
+            ``memory_snapshot.pickle`` to the run folder (view it at https://pytorch.org/memory_viz).
     """
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -536,7 +574,7 @@ def train(
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
     run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
     try:
-        trainer = Trainer(recipe, run_dir, callbacks, stop_event)
+        trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
     except BaseException:
         lock.release()
         raise
