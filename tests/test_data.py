@@ -238,3 +238,22 @@ def test_peer_data_files_are_read_as_they_are(tok, name, fmt, rows):
     assert len(examples) + stats.skipped == rows
     data = prepare_data(cfg(path, max_seq_len=256, max_examples=50), tok, 0)
     assert len(data.train) > 0
+
+
+@pytest.mark.parametrize(
+    "name, fmt, rows",
+    [
+        ("alpaca_sample.json", "alpaca", 300),
+        ("chat_sample.jsonl", "chat", 300),
+        ("sharegpt_sample.jsonl", "chat", 100),
+        ("text_sample.jsonl", "text", 200),
+        ("completion_sample.csv", "completion", 200),
+        ("completion_sample.parquet", "completion", 200),
+    ],
+)
+def test_shipped_sample_data(tok, name, fmt, rows):
+    from tests.conftest import REPO
+
+    path = REPO / "data" / name
+    data = prepare_data(cfg(path, max_seq_len=256), tok, 0)
+    assert data.stats.format[str(path)] == fmt and data.stats.rows == rows and data.stats.skipped == 0
