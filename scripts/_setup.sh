@@ -23,9 +23,14 @@ if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
   echo "finetuner: installing into $_venv (torch pinned by constraints.txt; this takes a minute the first time)"
   _spec="$FINETUNER_ROOT"
   [ -n "$_extras" ] && _spec="$FINETUNER_ROOT[$_extras]"
-  "$_venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-  "$_venv/bin/python" -m pip install -q -c "$FINETUNER_ROOT/constraints.txt" -e "$_spec" 2>&1 | grep -v "is ignored: it is neither" || true
-  "$_venv/bin/python" -c "import finetuner, torch, transformers, peft" || { echo "finetuner: install failed" >&2; exit 1; }
+  _log="$_venv/install.log"
+  if ! { "$_venv/bin/python" -m pip install -q --upgrade pip \
+         && "$_venv/bin/python" -m pip install -q -c "$FINETUNER_ROOT/constraints.txt" -e "$_spec"; } > "$_log" 2>&1 \
+     || ! "$_venv/bin/python" -c "import finetuner, torch, transformers, peft" >> "$_log" 2>&1; then
+    tail -n 40 "$_log" >&2
+    echo "finetuner: install failed (full log: $_log)" >&2
+    exit 1
+  fi
   echo "$_want" > "$_stamp"
 fi
 export PATH="$_venv/bin:$PATH"
