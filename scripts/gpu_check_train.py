@@ -31,6 +31,8 @@ CONFIGS = {
                                  "training.gradient_checkpointing=true", "training.optimizer=paged_adamw_8bit"],
     "lora-bf16-mb2-seq2048-gc": ["method=lora", "training.micro_batch_size=2", "data.max_seq_len=2048",
                                  "training.gradient_checkpointing=true", "training.optimizer=adamw_torch"],
+    "qlora-nf4-mb1-seq2048-gc": ["method=qlora", "training.micro_batch_size=1", "data.max_seq_len=2048",
+                                 "training.gradient_checkpointing=true", "training.optimizer=paged_adamw_8bit"],
     "qlora-nf4-mb1-seq2048-nogc": ["method=qlora", "training.micro_batch_size=1", "data.max_seq_len=2048",
                                    "training.gradient_checkpointing=false", "training.optimizer=adamw_8bit"],
 }
@@ -147,7 +149,8 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    (out / "gpu_check_train.json").write_text(json.dumps({"device": device, "preset": args.preset, "results": results}, indent=2))
+    tag = "smoke" if args.smoke else args.preset
+    (out / f"gpu_check_train_{tag}.json").write_text(json.dumps({"device": device, "preset": args.preset, "results": results}, indent=2))
     lines = [f"Device: {device}; model: {args.preset} shape, random weights; {args.steps} steps, packed data.", "",
              "| config | trainable | tokens/s | peak allocated GiB | peak reserved GiB | loss first → last |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -155,7 +158,7 @@ def main() -> None:
             lines.append(f"| {r['config']} | error | | | | |")
         else:
             lines.append(f"| {r['config']} | {r['trainable_params']:,} | {r['tokens_per_s']:.0f} | {r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} | {r['loss_first']:.3f} → {r['loss_last']:.3f} |")
-    (out / "gpu_check_train.md").write_text("\n".join(lines) + "\n")
+    (out / f"gpu_check_train_{tag}.md").write_text("\n".join(lines) + "\n")
     log("\n".join(lines))
 
 
