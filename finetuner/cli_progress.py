@@ -13,6 +13,14 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _memory_line(m: dict[str, Any]) -> str:
+    mem = m.get("memory") or {}
+    line = f"{_gib(m.get('mem_peak'))} ({mem.get('measured', 'measured')})"
+    if mem.get("error_pct") is not None:
+        line += f"; predicted {_gib(mem['predicted_peak_bytes'])} ({mem['error_pct']:+.1f}%)"
+    return line
+
+
 class ProgressPrinter:
     """A training-event callback that shows step, loss, tokens/s and ETA."""
 
@@ -87,7 +95,7 @@ class ProgressPrinter:
             ("eval loss", f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if m.get("eval_loss") is not None else "-"),
             ("tokens/s", f"{m['tokens_per_s']:.0f}"),
             ("train time", f"{m['train_seconds']:.1f} s"),
-            ("peak memory", _gib(m.get("mem_peak"))),
+            ("peak memory", _memory_line(m)),
         ):
             t.add_row(k, v)
         c.print(t)

@@ -156,6 +156,29 @@ class StepSchedule:
         return step / self.steps_per_epoch
 
 
+def predict_memory(recipe: Recipe, rt: Runtime):
+    """The memory model's prediction for this run on this device, or None if it cannot say."""
+    try:
+        from finetuner.hardware import detect
+        from finetuner.memory import estimate_recipe
+
+        gpu = detect() if rt.is_cuda else None
+        return estimate_recipe(recipe, gpu)
+    except Exception as e:  # an architecture the memory model does not know must not stop training
+        log.info("No memory prediction for this run: %s", e)
+        return None
+
+
+def memory_comparison(prediction, measured_peak: int, rt: Runtime) -> dict[str, Any]:
+    """Predicted vs measured peak; on CPU the measurement is the process RSS (not comparable 1:1)."""
+    out: dict[str, Any] = {"measured_peak_bytes": measured_peak, "measured": "torch.cuda.max_memory_allocated" if rt.is_cuda else "process peak RSS"}
+    if prediction is not None:
+        out["predicted_peak_bytes"] = prediction.allocated_bytes
+        if rt.is_cuda:
+            out["error_pct"] = round(100.0 * (prediction.allocated_bytes - measured_peak) / max(measured_peak, 1), 2)
+    return out
+
+
 # --------------------------------------------------------------------------- the recipe
 class Trainer:
     """A fine-tune from a resolved recipe to an adapter in the run folder."""
@@ -207,6 +230,8 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
+        self.prediction = predict_memory(r, self.rt)
+        self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
         self.events.emit(
             "start",
             run_dir=str(self.run_dir),
@@ -223,6 +248,7 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             gradient_accumulation=t.gradient_accumulation,
             data=self.data.stats.to_dict(),
+            predicted=self.prediction.to_dict() if self.prediction else None,
             **device_memory(self.rt.device),
         )
 
@@ -508,6 +534,7 @@ class Trainer:
             "data": self.data.stats.to_dict(),
             **device_memory(self.rt.device),
         }
+        metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         atomic_write_json(self.run_dir / "metrics.json", metrics)
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
