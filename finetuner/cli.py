@@ -64,6 +64,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 130 if result.stopped else 0
 
 
+#: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
+#: top (no torch, no transformers), so ``finetuner --help`` stays fast.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetuner",
@@ -73,12 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"finetuner {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
-    for module in ("finetuner.cli_plan",):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError:
-            continue
-        mod.register(sub)
+    import importlib
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
