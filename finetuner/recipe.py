@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,6 +24,9 @@ from finetuner.errors import UserError, did_you_mean
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
+#: ``auto`` asks the planner (:mod:`finetuner.planner`) to choose for the device the run is on.
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(gt=0)]
 Optimizer = Literal[
     "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
 ]
@@ -104,13 +107,16 @@ class TrainingSection(_Section):
     scheduler: Scheduler = "cosine"
     warmup_steps: int | None = Field(None, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of steps (0.03 if neither is set).")
-    micro_batch_size: int = Field(1, gt=0)
-    gradient_accumulation: int = Field(1, gt=0)
-    optimizer: Optimizer = "adamw_torch"
+    micro_batch_size: PositiveInt | Auto = 1
+    gradient_accumulation: PositiveInt | Auto = 1
+    effective_batch: PositiveInt | None = Field(
+        None, description="Examples per optimizer step when micro_batch_size or gradient_accumulation is auto (default 16)."
+    )
+    optimizer: Optimizer | Auto = "adamw_torch"
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    gradient_checkpointing: bool = False
-    offload_activations: bool = Field(
+    gradient_checkpointing: bool | Auto = False
+    offload_activations: bool | Auto = Field(
         False, description="Keep saved activations in CPU memory (with checkpointing: each layer's input)."
     )
     loss_chunk_size: int = Field(
@@ -122,6 +128,9 @@ class TrainingSection(_Section):
 
     @property
     def effective_batch_size(self) -> int:
+        """Examples per optimizer step (the planner resolves ``auto`` values first)."""
+        if self.micro_batch_size == "auto" or self.gradient_accumulation == "auto":
+            return self.effective_batch or 16
         return self.micro_batch_size * self.gradient_accumulation
 
 
@@ -147,7 +156,7 @@ class Recipe(_Section):
 
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
-    method: Method = "lora"
+    method: Method | Auto = "lora"
     lora: LoraSection = Field(default_factory=LoraSection)
     quantization: QuantizationSection | None = None
     data: DataSection
@@ -165,8 +174,40 @@ class Recipe(_Section):
             raise ValueError("use letters, digits, '.', '_' and '-' only (it names a folder)")
         return v
 
+    #: The keys that may be ``auto`` (resolved by the planner when the run starts).
+    AUTO_KEYS: ClassVar[tuple[str, ...]] = (
+        "method",
+        "training.micro_batch_size",
+        "training.gradient_accumulation",
+        "training.optimizer",
+        "training.gradient_checkpointing",
+        "training.offload_activations",
+    )
+
+    def auto_keys(self) -> list[str]:
+        """The keys whose value is ``auto`` (empty when the recipe is fully resolved)."""
+        out = []
+        for key in self.AUTO_KEYS:
+            node: Any = self
+            for part in key.split("."):
+                node = getattr(node, part)
+            if node == "auto":
+                out.append(key)
+        return out
+
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
+        t = self.training
+        if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":
+            if t.effective_batch is not None and t.effective_batch != t.micro_batch_size * t.gradient_accumulation:
+                raise ValueError(
+                    f"training.effective_batch: {t.effective_batch} is not micro_batch_size x gradient_accumulation "
+                    f"({t.micro_batch_size} x {t.gradient_accumulation}); set one of them to auto or drop effective_batch"
+                )
+        elif t.micro_batch_size != "auto" and t.effective_batch is not None and t.effective_batch < t.micro_batch_size:
+            raise ValueError(
+                f"training.effective_batch: {t.effective_batch} is smaller than micro_batch_size {t.micro_batch_size}"
+            )
         quant_given = "quantization" in self.model_fields_set
         if self.method == "qlora":
             if self.quantization is None:
@@ -177,7 +218,9 @@ class Recipe(_Section):
                     )
                 object.__setattr__(self, "quantization", QuantizationSection())
         elif self.quantization is not None:
-            if self.method == "lora":
+            if self.method == "auto":
+                pass  # the planner decides; a quantization section says how to quantize if it picks qlora
+            elif self.method == "lora":
                 raise ValueError(
                     "quantization: set, but method is 'lora': use method 'qlora' to train "
                     "LoRA on a quantized base, or remove the quantization section"

@@ -1,0 +1,114 @@
+"""Model shapes: exact parameter and LoRA counts, checked against transformers and peft on meta."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetuner.errors import UserError
+from finetuner.shapes import lora_param_count, preset_names, presets, resolve_shape, shape_from_config
+
+#: Published totals (also what instantiating on meta gives).
+KNOWN_TOTALS = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-3.1-8b": 8_030_261_248,
+    "mistral-7b-v0.1": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-14b": 14_770_033_664,
+    "gemma-2-9b": 9_241_705_984,
+    "phi-3-mini": 3_821_079_552,
+}
+
+
+def _meta_model(shape):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in shape.config.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def _kind(name: str) -> str:
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".self_attn." in name and "norm" not in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "norms"
+
+
+def test_required_presets_are_shipped():
+    for name in KNOWN_TOTALS:
+        assert name in preset_names()
+
+
+@pytest.mark.parametrize("shape", presets(), ids=lambda s: s.name)
+def test_parameter_counts_equal_the_meta_model_per_module_kind(shape):
+    model = _meta_model(shape)
+    by_kind: dict[str, int] = {}
+    for name, p in model.named_parameters():  # tied weights are listed once
+        by_kind[_kind(name)] = by_kind.get(_kind(name), 0) + p.numel()
+    counts = shape.param_counts()
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    for kind in ("embeddings", "attention", "mlp", "norms", "lm_head"):
+        assert counts[kind] == by_kind.get(kind, 0), kind
+    if shape.name in KNOWN_TOTALS:
+        assert counts["total"] == KNOWN_TOTALS[shape.name]
+
+
+@pytest.mark.parametrize(
+    "preset,targets,r",
+    [
+        ("llama-2-7b", "all-linear", 16),
+        ("llama-3.1-8b", ["q_proj", "v_proj"], 8),
+        ("qwen2.5-7b", "all-linear", 64),
+        ("phi-3-mini", "all-linear", 16),
+        ("gemma-2-9b", ["q_proj", "k_proj", "v_proj", "o_proj"], 32),
+        ("mistral-7b-v0.1", ["gate_proj", "up_proj", "down_proj", "lm_head"], 8),
+    ],
+)
+def test_lora_counts_equal_peft_on_the_meta_model(preset, targets, r):
+    from peft import LoraConfig, get_peft_model
+
+    shape = resolve_shape(preset)
+    model = get_peft_model(_meta_model(shape), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert lora_param_count(shape, r, targets) == trainable
+
+
+def test_presets_resolve_by_hub_id_and_alias():
+    assert resolve_shape("meta-llama/Llama-2-7b-hf").name == "llama-2-7b"
+    assert resolve_shape("NousResearch/Llama-2-13b-hf").name == "llama-2-13b"
+    assert resolve_shape("Qwen/Qwen2.5-7B-Instruct").name == "qwen2.5-7b"
+    assert resolve_shape("LLAMA-2-7B").name == "llama-2-7b"
+
+
+def test_local_folder_config(tmp_path):
+    cfg = {k: v for k, v in resolve_shape("llama-3.2-1b").config.items() if not k.startswith("_")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = resolve_shape(str(tmp_path))
+    assert shape.source == "local" and shape.num_params == 1_235_814_400
+
+
+def test_unknown_model_offline_names_the_presets():
+    with pytest.raises(UserError) as e:
+        resolve_shape("lama-2-7b")
+    assert "llama-2-7b" in e.value.message
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    with pytest.raises(UserError) as e:
+        shape_from_config({"model_type": "gpt_bigcode", "hidden_size": 64}, name="starcoder")
+    assert "gpt_bigcode" in e.value.message and "Supported" in (e.value.hint or "")
+
+
+def test_unknown_lora_target_suggests_one():
+    with pytest.raises(UserError) as e:
+        lora_param_count(resolve_shape("llama-2-7b"), 8, ["q_prj"])
+    assert "q_proj" in e.value.message
