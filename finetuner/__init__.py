@@ -22,6 +22,9 @@ _LAZY = {
     "train": "finetuner.trainer",
     "TrainResult": "finetuner.trainer",
     "read_events": "finetuner.events",
+    "plan": "finetuner.planner",
+    "Plan": "finetuner.planner",
+    "estimate": "finetuner.memory:estimate_recipe",
 }
 
 __all__ = sorted(_LAZY)
@@ -29,6 +32,8 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:
     from finetuner.errors import UserError
     from finetuner.events import read_events
+    from finetuner.memory import estimate_recipe as estimate
+    from finetuner.planner import Plan, plan
     from finetuner.recipe import Recipe
     from finetuner.trainer import TrainResult, train
 
@@ -37,5 +42,6 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module, _, attr = _LAZY[name].partition(":")
+        return getattr(importlib.import_module(module), attr or name)
     raise AttributeError(f"module 'finetuner' has no attribute {name!r}")

@@ -773,15 +773,37 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, **overri
 
 
 def estimate_recipe(
-    recipe: Recipe,
+    recipe: Recipe | str,
     gpu: GpuProfile | str | None = None,
     shape: ModelShape | None = None,
     margin: float = 0.05,
 ) -> MemoryEstimate:
-    """Predict the peak memory of a :class:`~finetuner.recipe.Recipe` (``finetuner.estimate``)."""
+    """Predict the peak memory of a recipe (``finetuner.estimate``).
+
+    Args:
+        recipe: a :class:`~finetuner.recipe.Recipe` or the path of a recipe YAML; ``auto`` values
+            are resolved by the planner for ``gpu`` first.
+        gpu: a card name, a size (``24GB``), a :class:`~finetuner.hardware.GpuProfile`, or None
+            (no card: the estimate has no budget and ``fits`` is True).
+
+    Example:
+        >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
+        >>> est.fits, round(est.total_bytes / 2**30, 1)  # doctest: +SKIP
+        (True, 20.2)
+    """
+    from pathlib import Path
+
     from finetuner.hardware import get_gpu
+    from finetuner.recipe import Recipe as _Recipe
     from finetuner.shapes import resolve_shape
 
+    if isinstance(recipe, (str, Path)):
+        recipe = _Recipe.from_yaml(recipe)
     prof = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if recipe.auto_keys():
+        from finetuner.hardware import cpu_profile
+        from finetuner.planner import resolve_auto
+
+        recipe = resolve_auto(recipe, prof or cpu_profile()).recipe
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     return estimate(shape, settings_from_recipe(recipe, prof), prof, margin=margin)

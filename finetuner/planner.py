@@ -193,7 +193,20 @@ class Plan:
             f"# predicted peak {self.estimate.total_bytes / GiB:.1f} GiB, ~{self.tokens_per_s:,.0f} tokens/s (cost model).",
         ]
         head += [f"# - {r}" for r in self.reasons]
-        return "\n".join(head) + "\n" + self.recipe.to_yaml()
+        head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
+        import yaml
+
+        # the values that differ from the defaults, plus every planned value
+        raw = self.recipe.model_dump(mode="json", exclude_defaults=True)
+        raw["method"] = self.recipe.method
+        training = raw.setdefault("training", {})
+        for k, v in (self.recipe_choice() or {}).items():
+            if k in ("micro_batch_size", "gradient_accumulation", "optimizer", "gradient_checkpointing", "offload_activations"):
+                training[k] = v
+        raw.setdefault("data", {})["max_seq_len"] = self.recipe.data.max_seq_len
+        order = ["name", "model", "method", "quantization", "lora", "data", "training", "checkpointing", "logging", "samples"]
+        ordered = {k: raw[k] for k in order if k in raw} | {k: v for k, v in raw.items() if k not in order}
+        return "\n".join(head) + "\n" + yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
 
     def __repr__(self) -> str:
         return self.summary()
@@ -370,7 +383,8 @@ def _why_rejected(c: Candidate, best: Candidate) -> str:
     if not c.fits:
         return f"needs {c.estimate.total_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
     if METHOD_TIER[o.method] > METHOD_TIER[b.method]:
-        return f"fits, but {b.method.upper() if b.method != 'full' else 'full fine-tuning'} fits too and trains a better model"
+        better = {"lora": "LoRA", "full": "full fine-tuning"}.get(b.method, "QLoRA")
+        return f"fits, but {better} fits too and trains a better model"
     if c.tokens_per_s < best.tokens_per_s:
         return f"fits, but slower (~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s)"
     return "fits and is as fast; the chosen one keeps full-precision optimizer states / no offload"
@@ -385,7 +399,8 @@ def _base_recipe(model: str, seq_len: int, data: str | None, effective_batch: in
         "name": name or f"{slug}-planned"[:100],
         "model": {"name": model},
         "method": "auto",
-        "data": {"path": data or DEFAULT_DATA, "max_seq_len": seq_len, "val_size": 0.02},
+        # without data to measure, assume instruction data (short examples): packed
+        "data": {"path": data or DEFAULT_DATA, "max_seq_len": seq_len, "val_size": 0.02, "packing": data is None},
         "training": {
             "epochs": 1,
             "lr": 2e-4,
@@ -543,7 +558,7 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
             r.append(f"QLoRA: LoRA on a 16-bit base needs at least {smallest_lora / GiB:.1f} GiB; the {o.quant_bits}-bit base "
                      f"({sum(v for k, v in e.components.items() if k.startswith('weights')) / GiB:.1f} GiB) makes room")
     elif o.method == "lora":
-        r.append("LoRA on the 16-bit base fits, so no quantization (better quality than QLoRA)")
+        r.append("LoRA on the unquantized base fits, so no quantization (better quality than QLoRA)")
     if o.gradient_checkpointing:
         no_gc = [c for c, _ in ranked if not c.option.gradient_checkpointing and c.option.method == o.method]
         if no_gc and not any(c.fits for c in no_gc):
@@ -606,3 +621,39 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
     return result
 
 
+
+
+def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
+    """The recipe a run starts with: ``auto`` values resolved for the device it runs on.
+
+    A run folder that already holds a resolved recipe with checkpoints keeps its values (a resume
+    continues with the same micro-batch, after any out-of-memory back-off); otherwise the planner
+    chooses for the detected GPU, or for the CPU (80 % of its RAM) when there is none.
+    """
+    import yaml
+
+    from finetuner.hardware import cpu_profile, detect
+    from finetuner.recipe import Recipe
+
+    if not recipe.auto_keys():
+        return recipe, None
+    saved = recipe.output_path() / "recipe.yaml"
+    if resume and saved.is_file() and any((recipe.output_path() / "checkpoints").glob("step-*")):
+        old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        raw = recipe.to_dict()
+        for key in recipe.auto_keys():
+            node_new, node_old = raw, old
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node_new, node_old = node_new[part], node_old.get(part, {})
+            if leaf in node_old:
+                node_new[leaf] = node_old[leaf]
+        if "quantization" in old and raw.get("method") == "qlora":
+            raw["quantization"] = old["quantization"]
+        raw["training"]["effective_batch"] = None
+        resolved = Recipe.model_validate(raw)
+        if not resolved.auto_keys():
+            return resolved, None
+    gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
+    result = resolve_auto(recipe, gpu)
+    return Recipe.model_validate(result.recipe.to_dict()), result

@@ -599,7 +599,12 @@ def train(
         recipe = Recipe.from_dict(recipe.to_dict(), overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
+    from finetuner.planner import resolve_for_run
+
+    recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
     run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    if plan is not None:
+        atomic_write_json(run_dir / "plan.json", plan.to_dict())
     try:
         trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
     except BaseException:
@@ -607,6 +612,9 @@ def train(
         raise
     for note in notes:
         log.warning(note)
+    if plan is not None:
+        trainer.events.emit("plan", gpu=plan.gpu.name, choice=plan.recipe_choice(), reasons=plan.reasons,
+                            predicted_total_bytes=plan.estimate.total_bytes, device_bytes=plan.gpu.memory_bytes)
     try:
         trainer.setup()
         result = trainer.train()
