@@ -129,6 +129,15 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     if quant is not None:
         kwargs["quantization_config"] = quant
         kwargs["device_map"] = {"": torch.device(rt.device).index or 0} if rt.is_cuda else {"": "cpu"}
+    if m.max_memory:
+        # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
+        if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
+            raise UserError(
+                f"model.max_memory names {len(m.max_memory)} GPU(s) but {torch.cuda.device_count()} are visible.",
+                hint="Remove model.max_memory to train on one device.",
+            )
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {int(k): v.replace(" ", "") for k, v in m.max_memory.items()}
     try:
         model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
     except OSError as e:
@@ -136,7 +145,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
             f"model.name: could not load '{m.name}' ({e}).",
             hint="finetuner loads safetensors weights only; check the folder or hub id (and your connection).",
         ) from None
-    if quant is None:
+    if quant is None and not m.max_memory:
         model.to(rt.device)
     model.config.use_cache = False
     return model

@@ -50,6 +50,32 @@ class ModelSection(_Section):
         False, description="Run code shipped with the model. Off unless you trust the repository."
     )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    max_memory: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Split the frozen base across several GPUs by layers (accelerate device map), e.g. "
+            "{'0': '20GiB', '1': '24GiB'}. CPU or disk entries are refused: see the error for why."
+        ),
+    )
+
+    @field_validator("max_memory")
+    @classmethod
+    def _gpus_only(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if not v:
+            return None
+        for key, size in v.items():
+            if key in ("cpu", "disk"):
+                raise ValueError(
+                    f"'{key}': base-weight offload to {key} is not supported for training: accelerate's offload hooks "
+                    "replace the offloaded weights at every forward, so the LoRA layers on them would not train and "
+                    "the weights saved for backward stay on the GPU anyway. Use method qlora (a 4-bit base is ~3.5x "
+                    "smaller), `finetuner plan` to see what fits, or distributed.strategy zero3 with parameter offload"
+                )
+            if not key.isdigit():
+                raise ValueError(f"'{key}': keys are GPU indices such as '0' and '1'")
+            if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(GiB|GB|MiB|MB)\s*", str(size)):
+                raise ValueError(f"'{key}': size {size!r} must look like '20GiB'")
+        return v
 
 
 class LoraSection(_Section):

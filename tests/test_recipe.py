@@ -118,3 +118,24 @@ def test_resolved_recipe_round_trips(tmp_path):
 def test_shipped_recipes_are_valid(path):
     r = Recipe.from_yaml(path)
     assert r.model.trust_remote_code is False
+
+
+def test_base_weight_offload_to_cpu_is_refused_with_alternatives(recipe_dict):
+    from finetuner.errors import UserError
+    from finetuner.recipe import Recipe
+
+    recipe_dict["model"]["max_memory"] = {"0": "20GiB", "cpu": "64GiB"}
+    with pytest.raises(UserError) as e:
+        Recipe.from_dict(recipe_dict)
+    msg = e.value.message
+    assert "model.max_memory" in msg and "qlora" in msg and "zero3" in msg
+    recipe_dict["model"]["max_memory"] = {"0": "20GiB", "1": "24GiB"}
+    assert Recipe.from_dict(recipe_dict).model.max_memory == {"0": "20GiB", "1": "24GiB"}
+
+
+def test_gpu_split_on_a_machine_without_those_gpus_is_a_clear_error(recipe_dict, tmp_path):
+    from tests.conftest import run_cli, write_recipe
+
+    recipe_dict["model"]["max_memory"] = {"0": "20GiB", "1": "24GiB"}
+    res = run_cli("run", str(write_recipe(tmp_path / "r.yaml", recipe_dict)), "-q")
+    assert res.returncode == 2 and "model.max_memory" in res.stderr and "Traceback" not in res.stderr
