@@ -1,0 +1,72 @@
+"""CPU cost of each offload option, in one run: tokens/s with and without.
+
+Trains the embedded demo (recipes/demo_cpu.yaml) for a fixed number of steps per variant, the
+variants interleaved ``--rounds`` times (so background load hits them alike), and prints the
+median tokens/s of each, relative to its baseline. On CPU, "offload" copies tensors within the
+same RAM, so this measures the bookkeeping overhead (extra copies, hooks, paging logic), not
+PCIe transfers; the GPU cost is what the planner's cost model charges (finetuner/planner.py).
+
+    .venv/bin/python scripts/bench_offload.py --steps 30 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+VARIANTS = {
+    # name: (overrides, baseline name)
+    "checkpointing": (["training.gradient_checkpointing=true"], None),
+    "checkpointing + activation offload": (["training.gradient_checkpointing=true", "training.offload_activations=true"], "checkpointing"),
+    "no checkpointing": (["training.gradient_checkpointing=false"], None),
+    "activation offload (save_on_cpu)": (["training.gradient_checkpointing=false", "training.offload_activations=true"], "no checkpointing"),
+    "adamw_torch": (["training.optimizer=adamw_torch"], None),
+    "paged_adamw_8bit": (["training.optimizer=paged_adamw_8bit"], "adamw_torch"),
+}
+
+
+def run(overrides: list[str], steps: int, work: Path) -> float:
+    from finetuner import Recipe, train
+
+    recipe = Recipe.from_yaml(REPO / "recipes" / "demo_cpu.yaml", overrides + [
+        f"training.max_steps={steps}", "samples.prompts=[]", "checkpointing.save_every=null", "logging.tensorboard=false",
+        "training.eval_every=null", "data.val_size=0",
+    ])
+    out = Path(tempfile.mkdtemp(dir=work))
+    res = train(recipe, output_dir=out / "run", resume=False)
+    return float(res.metrics["tokens_per_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    import logging
+
+    logging.disable(logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="bench_offload_"))
+    speeds: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    for _ in range(args.rounds):
+        for name, (ov, _base) in VARIANTS.items():
+            speeds[name].append(run(ov, args.steps, work))
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    print(f"| variant | tokens/s (median of {args.rounds}) | vs baseline |")
+    print("|---|---|---|")
+    for name, (_ov, base) in VARIANTS.items():
+        rel = f"{100 * (med[name] / med[base] - 1):+.1f}% vs {base}" if base else "baseline"
+        print(f"| {name} | {med[name]:,.0f} | {rel} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "tokens_per_s": speeds}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
