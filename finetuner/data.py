@@ -10,7 +10,13 @@ Steps, each a function here:
    unless ``train_on_prompt``; it truncates to ``max_seq_len`` through ``datasets.map``.
 3. :func:`pack` optionally packs short examples into full rows; position ids restart at every
    example so attention stays inside it (transformers builds a block-diagonal mask from them).
+   ``data.packing: auto`` packs when examples average under half of ``max_seq_len``
+   (:func:`resolve_packing`).
 4. :class:`Collator` pads a micro-batch on the right.
+
+:func:`prepare_data` stores the result of steps 1-3 on disk (:mod:`finetuner.data_cache`), keyed
+by the data files' bytes, the tokenizer, the chat template and the settings: a second run with
+the same inputs loads it instead of tokenizing again.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class DataStats:
     train_tokens: int = 0
     trained_tokens: int = 0
     packed_rows: int | None = None
+    packing: bool | None = None
+    cache: str | None = None  # "hit", "miss" or None (not cached)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -204,7 +212,7 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
         _encode,
         batched=True,
         batch_size=256,
-        num_proc=cfg.num_proc if cfg.num_proc and len(ds) > 1000 else None,
+        num_proc=_num_proc(cfg, len(ds)),
         remove_columns=["messages", "text", "prompt", "completion"],
         desc="Tokenizing",
     )
@@ -226,7 +234,31 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
     return ds
 
 
+def _num_proc(cfg: DataSection, n_rows: int) -> int | None:
+    """Worker processes for tokenizing: the recipe's, or up to 8 for large data sets (>= 20k rows)."""
+    if cfg.num_proc:
+        return cfg.num_proc if n_rows > 1000 else None
+    if n_rows >= 20_000:
+        import os
+
+        n = min(8, (os.cpu_count() or 1) - 1)
+        return n if n > 1 else None
+    return None
+
+
 # --------------------------------------------------------------------------- packing
+def resolve_packing(setting: bool | str, lengths: Sequence[int], max_seq_len: int) -> bool:
+    """``data.packing``: ``auto`` packs when examples average under half of ``max_seq_len``.
+
+    Below that, padding each example to the longest in its micro-batch wastes most of the
+    compute, and a packed row holds two or more examples; above it, packing gains little and
+    mixes long examples for nothing.
+    """
+    if setting != "auto":
+        return bool(setting)
+    return bool(lengths) and sum(lengths) / len(lengths) < max_seq_len / 2
+
+
 def pack(ds, max_len: int, seed: int):
     """Greedily pack examples (in a seeded random order) into rows of at most ``max_len`` tokens.
 
@@ -238,10 +270,11 @@ def pack(ds, max_len: int, seed: int):
 
     order = list(range(len(ds)))
     random.Random(seed).shuffle(order)
+    all_ids, all_labels = ds["input_ids"], ds["labels"]  # whole columns: no per-row Arrow reads
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     cur: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for i in order:
-        ids, labels = ds[i]["input_ids"], ds[i]["labels"]
+        ids, labels = all_ids[i], all_labels[i]
         if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > max_len:
             for k in rows:
                 rows[k].append(cur[k])
@@ -266,7 +299,31 @@ class PreparedData:
 
 
 def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
-    """Everything from ``data.path`` to tokenized (and optionally packed) train/val sets."""
+    """Everything from ``data.path`` to tokenized (and optionally packed) train/val sets.
+
+    Served from the on-disk cache (:mod:`finetuner.data_cache`) when the same files, tokenizer,
+    template, settings and seed were prepared before (``data.cache: false`` turns it off).
+    """
+    from finetuner import data_cache
+
+    template = chat_template_for(tokenizer, cfg)
+    key = data_cache.cache_key(cfg, tokenizer, template, seed) if cfg.cache else None
+    if key is not None:
+        hit = data_cache.load(key)
+        if hit is not None:
+            train, val, stats = hit
+            stats = DataStats(**stats)
+            stats.cache = "hit"
+            log.info("Tokenized data from the cache: %s", data_cache.cache_dir(key))
+            return PreparedData(train, val, stats, template)
+    prepared = _prepare_uncached(cfg, tokenizer, seed)
+    if key is not None:
+        prepared.stats.cache = "miss"
+        data_cache.store(key, prepared.train, prepared.val, prepared.stats.to_dict())
+    return prepared
+
+
+def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
     stats = DataStats()
     examples = load_examples(cfg.path, cfg, stats)
     train = tokenize_examples(examples, tokenizer, cfg, stats)
@@ -290,7 +347,8 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
     train = train.remove_columns([c for c in train.column_names if c not in ("input_ids", "labels")])
     if val is not None:
         val = val.remove_columns([c for c in val.column_names if c not in ("input_ids", "labels")])
-    if cfg.packing:
+    stats.packing = resolve_packing(cfg.packing, lengths, cfg.max_seq_len)
+    if stats.packing:
         train = pack(train, cfg.max_seq_len, seed)
         stats.packed_rows = len(train)
         if val is not None:

@@ -114,14 +114,17 @@ class DataSection(_Section):
     split: str = Field("train", description="Split to use for hub data sets.")
     max_seq_len: int = Field(1024, ge=16)
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
-    packing: bool = Field(False, description="Pack short examples into full sequences.")
+    packing: bool | Auto = Field(
+        False, description="Pack short examples into full sequences; auto packs when they average under half of max_seq_len."
+    )
     val_size: float = Field(0.0, ge=0, description="Fraction (<1) or number (>=1) of rows held out.")
     val_path: str | None = None
     on_bad_row: Literal["error", "skip"] = "error"
     chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's.")
     system_prompt: str | None = None
     max_examples: int | None = Field(None, gt=0)
-    num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization.")
+    num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
+    cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
 
 
 class TrainingSection(_Section):
