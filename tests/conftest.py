@@ -31,6 +31,12 @@ def corpus(n: int = 400) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=rng.randint(6, 20))) for _ in range(n)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tokenized_data_cache(tmp_path_factory):
+    """The tokenized-data cache of this test session (not the user's ~/.cache/finetuner)."""
+    os.environ["FINETUNER_CACHE_DIR"] = str(tmp_path_factory.mktemp("finetuner_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved 2-layer Llama (random weights, fp32) with a ChatML tokenizer."""
