@@ -1,0 +1,62 @@
+"""``finetuner ui``: serve the web UI (Gradio) on this machine.
+
+gradio is imported only when the command runs (it is the optional ``ui`` extra), so
+``finetuner --help`` stays fast. Analytics and version checks are off: the UI never calls out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ui",
+        help="Serve the web UI: pick a model and data, plan, train, chat, export (needs the 'ui' extra).",
+        description="Serve the finetuner web UI. Training runs in its own process; closing the page does not stop it.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1: this machine only).")
+    p.add_argument("--port", type=int, default=7860, help="Port (default 7860).")
+    p.add_argument("--auth", metavar="USER:PASS", help="Require this user name and password.")
+    p.add_argument("--runs-dir", help="Where runs are kept (default: runs/ of the checkout).")
+    p.set_defaults(func=_cmd_ui)
+
+
+def parse_auth(text: str | None) -> tuple[str, str] | None:
+    from finetuner.errors import UserError
+
+    if not text:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise UserError(f"--auth {text!r}: give USER:PASS, e.g. --auth alice:s3cret.")
+    return user, password
+
+
+def exposed_without_auth(host: str, auth: tuple[str, str] | None) -> bool:
+    return auth is None and host not in ("127.0.0.1", "localhost", "::1")
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    from finetuner.errors import UserError
+
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    auth = parse_auth(args.auth)
+    if exposed_without_auth(args.host, auth):
+        print(
+            f"warning: listening on {args.host} without --auth: anyone who can reach this machine can start "
+            "training and read your runs. Add --auth USER:PASS.",
+            file=sys.stderr,
+        )
+    try:
+        from ui.app import launch
+    except ImportError as e:
+        raise UserError(
+            f"The web UI needs gradio ({e}).",
+            hint="Install the ui extra: pip install -e '.[ui]' -c constraints.txt",
+        ) from None
+    print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
+    launch(runs_dir=args.runs_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True)
+    return 0

@@ -1,0 +1,721 @@
+"""The finetuner web UI: model → data → plan → train → chat → export, in that order.
+
+Thin by design: every action calls finetuner's Python API (:mod:`finetuner.planner`,
+:mod:`finetuner.memory`, :mod:`finetuner.data_preview`, :mod:`finetuner.jobs`,
+:mod:`finetuner.chat_worker`). Training and chat run in their own processes; the Train tab
+follows the run's ``events.jsonl``, so closing or reloading the page loses nothing, and what it
+shows comes from disk, not from the browser session.
+
+``build_app(runs_dir=...)`` returns the ``gr.Blocks``; :func:`launch` serves it (``finetuner ui``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import yaml  # noqa: E402
+
+from finetuner import jobs  # noqa: E402
+from finetuner.errors import UserError  # noqa: E402
+from ui import paths, views  # noqa: E402
+
+CPU_CARD = "cpu"
+METHODS = ["auto", "lora", "qlora", "full"]
+OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
+COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
+
+CSS = """
+.gradio-container {max-width: 1240px !important; margin: auto;}
+#ft-title h1 {margin-bottom: 0; font-size: 1.7em;}
+#ft-title p {margin-top: 2px; color: var(--body-text-color-subdued);}
+.ft-status {padding: 10px 14px; border: 1px solid var(--border-color-primary); border-radius: 10px;
+            background: var(--block-background-fill);}
+.ft-head {display: flex; justify-content: space-between; align-items: baseline; margin-bottom: 8px;}
+.ft-state {font-weight: 700; font-size: 1.1em;}
+.ft-run {font-family: var(--font-mono); color: var(--body-text-color-subdued); font-size: .9em;}
+.ft-progress {height: 14px; border-radius: 7px; background: var(--neutral-200); overflow: hidden;}
+.ft-bar {height: 100%; border-radius: 7px; transition: width .6s ease;}
+.ft-facts {margin-top: 8px; font-size: .95em;}
+.ft-muted {color: var(--body-text-color-subdued); font-size: .9em; margin-top: 4px;}
+.ft-error {margin-top: 8px; padding: 8px 10px; border-radius: 8px; background: #fef2f2; color: #991b1b;
+           white-space: pre-wrap; font-family: var(--font-mono); font-size: .85em;}
+.ft-step {font-size: .95em; color: var(--body-text-color-subdued); margin-bottom: 4px;}
+"""
+
+
+# --------------------------------------------------------------------------- errors → messages
+def friendly(fn: Callable) -> Callable:
+    """Engine errors become a readable message in the page (``gr.Error``), never a traceback."""
+
+    def _error(e: Exception) -> gr.Error:
+        if isinstance(e, gr.Error):
+            return e
+        if isinstance(e, UserError):
+            return gr.Error(e.message + (f"\n{e.hint}" if e.hint else ""), title="finetuner")
+        return gr.Error(f"{type(e).__name__}: {e}", title="Unexpected error")
+
+    if _is_gen(fn):
+
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                raise _error(e) from None
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise _error(e) from None
+
+    return wrapper
+
+
+def _is_gen(fn: Callable) -> bool:
+    import inspect
+
+    return inspect.isgeneratorfunction(fn)
+
+
+# --------------------------------------------------------------------------- engine helpers
+def gpu_profile(card: str):
+    from finetuner.hardware import cpu_profile, get_gpu
+
+    c = (card or CPU_CARD).strip()
+    return cpu_profile() if c.lower() in ("cpu", "cpu (this machine)") else get_gpu(c)
+
+
+def default_card() -> str:
+    return "auto" if shutil.which("nvidia-smi") else CPU_CARD
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str):
+    from finetuner.data_preview import load_preview_tokenizer
+
+    return load_preview_tokenizer(model)
+
+
+def recipe_from_text(text: str):
+    """A validated :class:`~finetuner.recipe.Recipe` from the YAML in the Plan tab."""
+    from finetuner.recipe import Recipe
+
+    if not (text or "").strip():
+        raise UserError("There is no recipe yet.", hint="Make a plan in the Plan tab, or load a shipped recipe.")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise UserError(f"The recipe is not valid YAML{where}: {getattr(e, 'problem', None) or e}.") from None
+    if not isinstance(raw, dict):
+        raise UserError("The recipe must be a mapping of sections (model:, data:, training:, ...).")
+    return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
+
+
+def compact_yaml(recipe, header: str = "") -> str:
+    """The recipe's non-default values (plus the method) as YAML: short enough to read."""
+    raw = recipe.model_dump(mode="json", exclude_defaults=True)
+    raw["method"] = recipe.method
+    order = ["name", "model", "method", "quantization", "lora", "data", "training", "checkpointing", "logging", "samples"]
+    ordered = {k: raw[k] for k in order if k in raw} | {k: v for k, v in raw.items() if k not in order}
+    return header + yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
+
+
+def _fields_of(recipe) -> tuple:
+    t = recipe.training
+    return (
+        recipe.method,
+        t.micro_batch_size if t.micro_batch_size != "auto" else None,
+        t.gradient_accumulation if t.gradient_accumulation != "auto" else None,
+        recipe.data.max_seq_len,
+        t.optimizer if t.optimizer != "auto" else None,
+        bool(t.gradient_checkpointing) if t.gradient_checkpointing != "auto" else False,
+        recipe.lora.r,
+        t.max_steps or 0,
+        recipe.logging.every,
+        t.eval_every or 0,
+    )
+
+
+def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpointing, lora_r, max_steps,
+                 log_every=None, eval_every=None):
+    """The recipe in ``text`` with the Plan tab's advanced fields applied."""
+    r = recipe_from_text(text)
+    raw = r.model_dump(mode="json", exclude_defaults=True)
+    raw["method"] = method or r.method
+    if raw["method"] != "qlora":
+        raw.pop("quantization", None)
+    tr = raw.setdefault("training", {})
+    for key, val in (("micro_batch_size", micro), ("gradient_accumulation", accum), ("optimizer", optimizer)):
+        if val:
+            tr[key] = int(val) if key != "optimizer" else val
+    tr["gradient_checkpointing"] = bool(checkpointing)
+    if max_steps:
+        tr["max_steps"] = int(max_steps)
+    else:
+        tr.pop("max_steps", None)
+    if seq_len:
+        raw.setdefault("data", {})["max_seq_len"] = int(seq_len)
+    if lora_r:
+        raw.setdefault("lora", {})["r"] = int(lora_r)
+    if log_every:
+        raw.setdefault("logging", {})["every"] = int(log_every)
+    if eval_every:
+        tr["eval_every"] = int(eval_every)
+    else:
+        tr.pop("eval_every", None)
+    from finetuner.recipe import Recipe
+
+    return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
+
+
+def _download_file(text: str, name: str) -> str:
+    folder = Path(tempfile.gettempdir()) / "finetuner-ui"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{jobs.safe_name(name)}.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# --------------------------------------------------------------------------- chat workers
+class ChatPool:
+    """The chat processes for one source: fine-tuned and, on demand, the base model."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._workers: dict[tuple[str, bool], Any] = {}
+
+    def get(self, source: str, adapter: bool):
+        from finetuner.chat_worker import ChatWorker
+
+        with self._lock:
+            for key in [k for k in self._workers if k[0] != source]:
+                self._workers.pop(key).close()  # one source at a time: free the memory
+            w = self._workers.get((source, adapter))
+            if w is None or not w.alive:
+                w = self._workers[(source, adapter)] = ChatWorker(source, adapter=adapter)
+            return w
+
+    def close(self) -> None:
+        with self._lock:
+            for w in self._workers.values():
+                w.close()
+            self._workers.clear()
+
+
+# --------------------------------------------------------------------------- the app
+def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
+    runs = Path(runs_dir or paths.runs_dir_default()).expanduser().resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    chat_pool = ChatPool()
+
+    def run_path(name: str | None) -> Path:
+        if not name or Path(name).name != name:
+            raise UserError("Pick a run first.")
+        p = runs / name
+        if not p.is_dir():
+            raise UserError(f"No run named {name} in {runs}.")
+        return p
+
+    def run_names(pred: Callable[[Any], bool] = lambda s: True) -> list[str]:
+        return [s.name for s in jobs.list_runs(runs) if pred(s)]
+
+    def current_run() -> str | None:
+        running = jobs.running_jobs(runs)
+        if running:
+            return Path(running[0].run_dir).name
+        names = run_names()
+        return names[0] if names else None
+
+    # ------------------------------------------------------------------ handlers: model & data
+    @friendly
+    def on_model(model_text: str, card: str):
+        from finetuner.shapes import resolve_shape
+
+        shape = resolve_shape(paths.resolve_model(model_text))
+        return views.model_card_md(shape, gpu_profile(card))
+
+    @friendly
+    def on_upload(file_path: str | None):
+        if not file_path:
+            raise UserError("No file was uploaded.")
+        dest = paths.save_upload(file_path, Path(file_path).name)
+        gr.Info(f"Saved as {paths.display(dest)}")
+        return gr.update(choices=paths.data_files(), value=paths.display(dest))
+
+    @friendly
+    def on_data(model_text: str, data_file: str, seq_len: float | None):
+        from finetuner.data_stats import profile_data
+
+        if not data_file:
+            raise UserError("Pick a data file, or upload one.")
+        local = paths.resolve_local(data_file)
+        path = str(local) if local else data_file
+        model = paths.resolve_model(model_text)
+        seq = int(seq_len or 0) or 2048
+        profile = profile_data(path, model, seq)
+        preview, preview_note = None, ""
+        try:
+            preview = _preview(model, path, seq)
+        except UserError as e:
+            preview_note = f"\n\n⚠️ No token preview: {e.message}"
+        summary = views.data_summary_md(profile, preview, seq) + preview_note
+        hist = views.histogram_df(profile, seq)
+        hl = views.preview_highlights(preview) if preview else []
+        return summary, hl, gr.update(value=hist, title=f"Token lengths against the sequence length ({seq})")
+
+    def _preview(model: str, path: str, seq: int):
+        from finetuner.data_preview import preview_data
+
+        return preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
+
+    # ------------------------------------------------------------------ handlers: plan
+    def _estimate_outputs(recipe, card: str, header: str = ""):
+        from finetuner.memory import estimate_recipe
+
+        gpu = gpu_profile(card)
+        est = estimate_recipe(recipe, gpu)
+        text = compact_yaml(recipe, header)
+        if not est.fits:
+            gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
+        return (
+            views.memory_df(est),
+            views.estimate_md(est, gpu),
+            text,
+            _download_file(text, recipe.name),
+        )
+
+    @friendly
+    def on_plan(model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
+        from finetuner.planner import plan
+
+        local = paths.resolve_local(data_file) if data_file else None
+        p = plan(
+            paths.resolve_model(model_text),
+            gpu_profile(card),
+            seq_len=int(seq_len) if seq_len else None,
+            data=str(local) if local else (data_file or None),
+            effective_batch=int(eff_batch or 16),
+            method=None if method in (None, "", "auto") else method,
+        )
+        if p.recipe is None:
+            gr.Warning("Nothing fits this card; see the suggestions.")
+            empty = views.memory_df(p.estimate) if p.estimate else None
+            return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
+                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10)
+        recipe = p.recipe
+        header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
+        mem, est_md, text, dl = _estimate_outputs(recipe, card, header)
+        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *_fields_of(recipe))
+
+    @friendly
+    def on_edit(text: str, card: str, *fields):
+        recipe = apply_fields(text, *fields)
+        return _estimate_outputs(recipe, card)
+
+    @friendly
+    def on_check_yaml(text: str, card: str):
+        recipe = recipe_from_text(text)
+        mem, est_md, _text, dl = _estimate_outputs(recipe, card)
+        return mem, est_md, dl, *_fields_of(recipe)
+
+    @friendly
+    def on_load_recipe(name: str, card: str):
+        from finetuner.recipe import Recipe
+
+        local = paths.resolve_local(name)
+        if local is None:
+            raise UserError(f"No recipe file {name}.")
+        recipe = Recipe.from_yaml(local)
+        text = local.read_text(encoding="utf-8")
+        mem, est_md, _t, dl = _estimate_outputs(recipe, card)
+        return text, mem, est_md, dl, *_fields_of(recipe)
+
+    # ------------------------------------------------------------------ handlers: train
+    def _train_view(name: str | None, last_sig: Any):
+        st = None
+        if name and (runs / name).is_dir():
+            st = jobs.run_status(runs / name, runs)
+        sig = (name, len(st.losses), len(st.evals), st.state) if st else None
+        plot = views.loss_df(st) if sig != last_sig else gr.skip()
+        running = bool(st and st.running)
+        return (
+            views.status_html(st),
+            plot,
+            views.memory_md(st),
+            views.samples_md(st),
+            gr.update(interactive=not running),
+            gr.update(interactive=running),
+            gr.update(interactive=bool(st and st.resumable)),
+            sig,
+        )
+
+    def on_tick(name: str | None, last_sig: Any):
+        try:
+            return _train_view(name, last_sig)
+        except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
+            return (gr.skip(),) * 8
+
+    def _runs_outputs(selected: str | None):
+        names = run_names()
+        return gr.update(choices=names, value=selected if selected in names else (names[0] if names else None)), views.runs_df(jobs.list_runs(runs))
+
+    @friendly
+    def on_start(text: str):
+        recipe = recipe_from_text(text)
+        job = jobs.start_job(recipe, runs_dir=runs)
+        gr.Info(f"Training started: {job.name}")
+        return _runs_outputs(job.name)
+
+    @friendly
+    def on_stop(name: str):
+        if not jobs.stop_job(run_path(name), runs):
+            raise UserError(f"{name} is not running.")
+        gr.Info("Stopping after this step; a checkpoint is saved and the run can be resumed.")
+
+    @friendly
+    def on_resume(name: str):
+        st = jobs.run_status(run_path(name), runs)
+        if not st.resumable:
+            raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
+                            hint="Only stopped or interrupted runs with a checkpoint resume.")
+        job = jobs.start_job(None, run_dir=run_path(name), runs_dir=runs)
+        gr.Info(f"Resuming {job.name}")
+        return _runs_outputs(job.name)
+
+    def on_load():
+        name = current_run()
+        finished = run_names(lambda s: s.has_adapter)
+        return (
+            *_runs_outputs(name),
+            gr.update(choices=finished, value=finished[0] if finished else None),
+            gr.update(choices=finished, value=finished[0] if finished else None),
+        )
+
+    def on_refresh_finished(current: str | None):
+        finished = run_names(lambda s: s.has_adapter)
+        return gr.update(choices=finished, value=current if current in finished else (finished[0] if finished else None))
+
+    # ------------------------------------------------------------------ handlers: chat
+    @friendly
+    def on_chat(message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
+                max_new: float, temperature: float, top_p: float, seed: float | None):
+        if not (message or "").strip():
+            raise UserError("Type a message first.")
+        source = str(run_path(run))
+        gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
+               "seed": int(seed) if seed not in (None, "") else None}
+        lanes = [("tuned", True, list(tuned_hist or []))] + ([("base", False, list(base_hist or []))] if compare else [])
+        convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
+        shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
+        yield "", shown["tuned"], shown.get("base", base_hist)
+        q: queue.Queue = queue.Queue()
+
+        def run_lane(name: str, adapter: bool):
+            try:
+                worker = chat_pool.get(source, adapter)
+                msgs = [{"role": m["role"], "content": m["content"]} for m in convo[name]]
+                for piece in worker.stream(msgs, **gen):
+                    q.put((name, piece, None))
+            except Exception as e:  # noqa: BLE001
+                q.put((name, None, e))
+            q.put((name, None, "end"))
+
+        texts = {name: "" for name in convo}
+        for name, adapter, _h in lanes:
+            threading.Thread(target=run_lane, args=(name, adapter), daemon=True).start()
+        pending = set(convo)
+        error = None
+        while pending:
+            name, piece, status = q.get()
+            if status == "end":
+                pending.discard(name)
+            elif status is not None:
+                error = status
+                texts[name] = f"⚠️ {getattr(status, 'message', status)}"
+            else:
+                texts[name] += piece
+            shown = {n: convo[n] + [{"role": "assistant", "content": texts[n] or "…"}] for n in convo}
+            yield gr.skip(), shown["tuned"], shown.get("base", base_hist)
+        if error is not None and not any(texts[n] and not texts[n].startswith("⚠️") for n in texts):
+            raise error
+
+    # ------------------------------------------------------------------ handlers: export
+    @friendly
+    def on_merge(run: str, out: str, dtype: str, overwrite: bool):
+        rp = run_path(run)
+        target = Path(out).expanduser() if out and out.strip() else rp / "merged"
+        if not target.is_absolute():
+            target = paths.ROOT / target
+        cmd = [sys.executable, "-m", "finetuner", "merge", str(rp), "-o", str(target)]
+        if dtype and dtype != "auto":
+            cmd += ["--dtype", dtype]
+        if overwrite:
+            cmd.append("--overwrite")
+        yield f"⏳ Merging {run} into its base model → `{paths.display(target)}` …"
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(paths.ROOT))
+        output = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0:
+            errors = [ln.removeprefix("error: ") for ln in output.splitlines() if ln.startswith("error:")]
+            raise UserError(errors[-1] if errors else (output.splitlines()[-1] if output else f"exit status {proc.returncode}"))
+        files = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
+        yield (f"✅ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
+               f"{'…' if len(files) > 8 else ''}).\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
+
+    @friendly
+    def on_zip(run: str):
+        rp = run_path(run)
+        adapter = rp / "adapter"
+        if not adapter.is_dir():
+            raise UserError(f"{run} has no adapter yet.", hint="Finish training first (a stopped run has checkpoints only).")
+        folder = Path(tempfile.mkdtemp(prefix="finetuner-ui-"))
+        archive = shutil.make_archive(str(folder / f"{run}-adapter"), "zip", root_dir=adapter)
+        return archive
+
+    # ------------------------------------------------------------------ layout
+    demo_model = paths.display(paths.DEMO_MODEL) if paths.DEMO_MODEL.is_dir() else ""
+    model_choices = paths.local_models() + _preset_choices()
+    data_choices = paths.data_files()
+    default_data = "data/alpaca_sample.json" if "data/alpaca_sample.json" in data_choices else (data_choices[0] if data_choices else None)
+    card_choices = [CPU_CARD, "auto"] + [p.name for p in _profiles()]
+
+    with gr.Blocks(title="finetuner", analytics_enabled=False) as app:
+        gr.Markdown(
+            "# finetuner\nFine-tune a language model with LoRA or QLoRA — and know before you start whether it fits your card.",
+            elem_id="ft-title",
+        )
+        with gr.Tabs():
+            # ---------------------------------------------------------- 1 model & card
+            with gr.Tab("1 · Model & card", id="model"):
+                gr.Markdown("Choose the model to fine-tune and the card it will train on.", elem_classes="ft-step")
+                with gr.Row():
+                    model = gr.Dropdown(model_choices, value=demo_model or None, allow_custom_value=True, label="Model",
+                                        info="a preset, a hub id (org/name) or a local folder with config.json", scale=3)
+                    card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card",
+                                       info="a known GPU, 'auto' (detected), 'cpu', or a size such as 24GB", scale=2)
+                model_md = gr.Markdown(elem_id="model-card")
+            # ---------------------------------------------------------- 2 data
+            with gr.Tab("2 · Data", id="data"):
+                gr.Markdown("Pick a data file (JSONL, JSON, CSV or Parquet) or upload one. The preview shows each example "
+                            "as the model sees it: **green** tokens are trained on, grey ones are context only.",
+                            elem_classes="ft-step")
+                with gr.Row():
+                    data_file = gr.Dropdown(data_choices, value=default_data, allow_custom_value=True, label="Data file",
+                                            info="files in data/ (uploads go to data/uploads/), or a path", scale=3)
+                    seq_len = gr.Number(value=256, precision=0, minimum=0, label="Sequence length",
+                                        info="tokens per example (0 = from the data)", scale=1)
+                    upload = gr.UploadButton("Upload a file…", file_types=[".jsonl", ".json", ".csv", ".parquet"],
+                                             type="filepath", scale=1)
+                data_md = gr.Markdown(elem_id="data-summary")
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        preview = gr.HighlightedText(label="Examples as the model sees them", color_map=COLORS,
+                                                     combine_adjacent=False, show_legend=True, elem_id="data-preview")
+                    with gr.Column(scale=2):
+                        hist = gr.BarPlot(x="tokens", y="examples", color="fits", sort=None,
+                                          color_map={"fits": "#10b981", "partly cut": "#f59e0b", "cut": "#ef4444"},
+                                          title="Token lengths", x_title="tokens per example", y_title="examples",
+                                          x_label_angle=-45, height=320, elem_id="length-hist")
+            # ---------------------------------------------------------- 3 plan
+            with gr.Tab("3 · Plan", id="plan") as plan_tab:
+                gr.Markdown("The planner picks the fastest recipe that fits the card and says why. Change any advanced "
+                            "field and the memory estimate updates.", elem_classes="ft-step")
+                with gr.Row():
+                    eff_batch = gr.Number(value=16, precision=0, minimum=1, label="Effective batch", scale=1)
+                    plan_method = gr.Dropdown(METHODS, value="auto", label="Method", scale=1)
+                    plan_btn = gr.Button("Make the plan", variant="primary", scale=1)
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        plan_md = gr.Markdown(elem_id="plan-summary")
+                        est_md = gr.Markdown(elem_id="estimate")
+                    with gr.Column(scale=2):
+                        mem_plot = gr.BarPlot(x="component", y="GiB", color="kind", sort=None,
+                                              color_map={"predicted": "#6366f1", "total": "#0ea5e9", "card": "#94a3b8"},
+                                              title="Predicted memory vs the card", x_label_angle=-35, height=340,
+                                              elem_id="memory-chart")
+                with gr.Accordion("Alternatives the planner rejected", open=False):
+                    rejected = gr.Dataframe(interactive=False, wrap=True)
+                with gr.Accordion("Advanced settings", open=True):
+                    with gr.Row():
+                        f_method = gr.Dropdown(["lora", "qlora", "full"], value="lora", label="method")
+                        f_micro = gr.Number(precision=0, minimum=1, label="micro-batch")
+                        f_accum = gr.Number(precision=0, minimum=1, label="gradient accumulation")
+                        f_seq = gr.Number(precision=0, minimum=1, label="sequence length")
+                    with gr.Row():
+                        f_opt = gr.Dropdown(OPTIMIZERS, label="optimizer")
+                        f_gc = gr.Checkbox(label="gradient checkpointing")
+                        f_r = gr.Number(precision=0, minimum=1, value=16, label="LoRA rank")
+                        f_steps = gr.Number(precision=0, minimum=0, value=0, label="max steps (0 = epochs)")
+                        f_log = gr.Number(precision=0, minimum=1, value=1, label="log every (steps)")
+                        f_eval = gr.Number(precision=0, minimum=0, value=0, label="eval every (0 = at the end)")
+                with gr.Row():
+                    shipped = gr.Dropdown(paths.recipe_files(), label="…or start from a shipped recipe", scale=3)
+                    load_btn = gr.Button("Load recipe", scale=1)
+                recipe_yaml = gr.Code(language="yaml", interactive=True, label="Recipe (YAML) — this is what Train runs",
+                                      lines=14, max_lines=40, elem_id="recipe-yaml")
+                with gr.Row():
+                    check_btn = gr.Button("Check edited YAML")
+                    download = gr.DownloadButton("Download recipe.yaml", value=None)
+            # ---------------------------------------------------------- 4 train
+            with gr.Tab("4 · Train", id="train"):
+                gr.Markdown("Training runs in its own process: close or reload the page at any time — the run goes on, "
+                            "and this page shows it again. One run per device at a time.", elem_classes="ft-step")
+                with gr.Row():
+                    start_btn = gr.Button("▶ Start training", variant="primary", elem_id="start-btn")
+                    stop_btn = gr.Button("■ Stop (save a checkpoint)", variant="stop", interactive=False, elem_id="stop-btn")
+                    resume_btn = gr.Button("↻ Resume", interactive=False, elem_id="resume-btn")
+                run_pick = gr.Dropdown([], label="Run", info="the run shown below; pick a past run to reopen it",
+                                       elem_id="run-pick")
+                status = gr.HTML(views.status_html(None), elem_id="train-status")
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        loss_plot = gr.LinePlot(x="step", y="loss", color="series", title="Loss",
+                                                color_map={"train": "#6366f1", "eval": "#f97316"}, height=320,
+                                                elem_id="loss-plot")
+                    with gr.Column(scale=2):
+                        mem_md = gr.Markdown(elem_id="train-memory")
+                        samples = gr.Markdown(elem_id="train-samples")
+                with gr.Accordion("Past runs", open=True):
+                    runs_table = gr.Dataframe(views.runs_df([]), interactive=False, elem_id="runs-table")
+                last_sig = gr.State(None)
+                timer = gr.Timer(1.0)
+            # ---------------------------------------------------------- 5 chat
+            with gr.Tab("5 · Chat", id="chat") as chat_tab:
+                gr.Markdown("Talk to the fine-tuned model; the base model answers the same prompt beside it. "
+                            "The models load in a separate process (the first answer takes a moment).",
+                            elem_classes="ft-step")
+                with gr.Row():
+                    chat_run = gr.Dropdown([], label="Fine-tuned run", scale=3, elem_id="chat-run")
+                    compare = gr.Checkbox(value=True, label="Base model beside it", scale=1)
+                with gr.Row():
+                    tuned_bot = gr.Chatbot(label="Fine-tuned", height=340, elem_id="chat-tuned")
+                    base_bot = gr.Chatbot(label="Base model", height=340, elem_id="chat-base")
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
+                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                    clear = gr.Button("Clear", scale=1)
+                with gr.Accordion("Generation settings", open=False):
+                    with gr.Row():
+                        max_new = gr.Slider(8, 1024, value=96, step=8, label="max new tokens")
+                        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
+                        seed = gr.Number(value=0, precision=0, label="seed")
+            # ---------------------------------------------------------- 6 export
+            with gr.Tab("6 · Export", id="export") as export_tab:
+                gr.Markdown("Merge the adapter into the base model (a full-precision reload of the base, so outputs match), "
+                            "or download the adapter alone.", elem_classes="ft-step")
+                with gr.Row():
+                    export_run = gr.Dropdown([], label="Run", scale=2, elem_id="export-run")
+                    out_dir = gr.Textbox(label="Output folder", placeholder="default: runs/<run>/merged", scale=3)
+                    dtype = gr.Dropdown(["auto", "bf16", "fp16", "fp32"], value="auto", label="dtype", scale=1)
+                    overwrite = gr.Checkbox(label="overwrite", scale=1)
+                with gr.Row():
+                    merge_btn = gr.Button("Merge and save", variant="primary", elem_id="merge-btn")
+                    zip_btn = gr.Button("Download the adapter (.zip)", elem_id="zip-btn")
+                export_md = gr.Markdown(elem_id="export-status")
+                zip_file = gr.File(label="Adapter", interactive=False, elem_id="adapter-zip")
+
+        # ------------------------------------------------------------------ wiring
+        model_inputs = [model, card]
+        for comp in model_inputs:
+            comp.change(on_model, model_inputs, model_md, api_name=False)
+        app.load(on_model, model_inputs, model_md, api_name=False)
+
+        data_inputs = [model, data_file, seq_len]
+        data_outputs = [data_md, preview, hist]
+        data_file.change(on_data, data_inputs, data_outputs, api_name="analyse_data")
+        seq_len.submit(on_data, data_inputs, data_outputs, api_name=False)
+        seq_len.blur(on_data, data_inputs, data_outputs, api_name=False)
+        model.change(on_data, data_inputs, data_outputs, api_name=False)
+        app.load(on_data, data_inputs, data_outputs, api_name=False)
+        upload.upload(on_upload, upload, data_file, api_name="upload_data")
+
+        fields = [f_method, f_micro, f_accum, f_seq, f_opt, f_gc, f_r, f_steps, f_log, f_eval]
+        est_outputs = [mem_plot, est_md, recipe_yaml, download]
+        plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields]
+        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
+        plan_btn.click(on_plan, plan_inputs, plan_outputs, api_name="plan")
+        plan_tab.select(lambda y, *a: on_plan(*a) if not (y or "").strip() else (gr.skip(),) * len(plan_outputs),
+                        [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
+        for f in fields:
+            f.input(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
+        check_btn.click(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields], api_name="estimate")
+        load_btn.click(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
+                       api_name="load_recipe")
+
+        train_view = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig]
+        start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training").then(
+            lambda n: _train_view(n, None), [run_pick, last_sig], train_view, api_name=False)
+        stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
+        resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
+        run_pick.change(lambda n: _train_view(n, None), run_pick, train_view, api_name=False)
+        timer.tick(on_tick, [run_pick, last_sig], train_view, api_name=False, show_progress="hidden")
+        gr.Timer(5.0).tick(lambda sel: _runs_outputs(sel)[1], run_pick, runs_table, api_name=False, show_progress="hidden")
+        app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
+
+        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
+        send.click(on_chat, chat_inputs, [msg, tuned_bot, base_bot], api_name="chat")
+        msg.submit(on_chat, chat_inputs, [msg, tuned_bot, base_bot], api_name=False)
+        clear.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)
+        chat_tab.select(on_refresh_finished, chat_run, chat_run, api_name=False)
+        export_tab.select(on_refresh_finished, export_run, export_run, api_name=False)
+
+        merge_btn.click(on_merge, [export_run, out_dir, dtype, overwrite], export_md, api_name="merge")
+        zip_btn.click(on_zip, export_run, zip_file, api_name="adapter_zip")
+
+    app.chat_pool = chat_pool  # for tests and shutdown
+    app.runs_dir = runs
+    return app
+
+
+def _preset_choices() -> list[str]:
+    try:
+        from finetuner.shapes import preset_names
+
+        return preset_names()
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _profiles():
+    from finetuner.hardware import list_profiles
+
+    return list_profiles()
+
+
+def launch(
+    runs_dir: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    auth: tuple[str, str] | None = None,
+    block: bool = True,
+    quiet: bool = False,
+) -> gr.Blocks:
+    """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves."""
+    app = build_app(runs_dir)
+    theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
+    app.queue(default_concurrency_limit=8)
+    app.launch(
+        server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
+        theme=theme, css=CSS, show_error=True, footer_links=[], ssr_mode=False,
+        allowed_paths=[str(Path(tempfile.gettempdir()) / "finetuner-ui")],
+    )
+    return app

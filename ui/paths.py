@@ -1,0 +1,107 @@
+"""Where the UI finds models, data, recipes and runs: anchored on the checkout, not the cwd."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from finetuner.errors import UserError
+from finetuner.jobs import default_runs_dir, repo_root
+from finetuner.recipe import DATA_EXTENSIONS
+
+ROOT = repo_root()
+DATA_DIR = ROOT / "data"
+UPLOAD_DIR = DATA_DIR / "uploads"
+RECIPES_DIR = ROOT / "recipes"
+DEMO_MODEL = DATA_DIR / "demo_model"
+#: Uploads larger than this are refused (the browser sends the whole file to the UI process).
+MAX_UPLOAD_BYTES = 2 * 1024**3
+
+
+def runs_dir_default() -> Path:
+    return default_runs_dir()
+
+
+def display(path: str | Path) -> str:
+    """A path relative to the checkout when it is inside it (short and readable), else absolute."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def resolve_local(text: str) -> Path | None:
+    """An existing file or folder named by ``text``: relative to the checkout, else as given."""
+    t = (text or "").strip()
+    if not t:
+        return None
+    for cand in (ROOT / t, Path(t).expanduser()):
+        if cand.exists():
+            return cand.resolve()
+    return None
+
+
+def resolve_model(text: str) -> str:
+    """A local model folder as an absolute path; a preset or hub id unchanged."""
+    local = resolve_local(text)
+    return str(local) if local is not None and local.is_dir() else (text or "").strip()
+
+
+def local_models() -> list[str]:
+    """Model folders shipped in or added to ``data/`` (those with a config.json)."""
+    if not DATA_DIR.is_dir():
+        return []
+    return sorted(display(p.parent) for p in DATA_DIR.glob("*/config.json"))
+
+
+def data_files() -> list[str]:
+    """Data files under ``data/`` (uploads included), as paths relative to the checkout."""
+    if not DATA_DIR.is_dir():
+        return []
+    files = [
+        p for p in DATA_DIR.rglob("*")
+        if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS
+        and "demo_model" not in p.parts and not any(part.startswith(".") for part in p.relative_to(DATA_DIR).parts)
+        and p.name not in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    ]
+    return sorted(display(p) for p in files)
+
+
+def recipe_files() -> list[str]:
+    return sorted(display(p) for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+
+
+def sanitize_filename(name: str) -> str:
+    """The last path component of ``name`` with only ``[A-Za-z0-9._-]``; no leading dot."""
+    base = re.split(r"[\\/]", name or "")[-1]
+    stem, dot, ext = base.rpartition(".")
+    if not dot:
+        stem, ext = base, ""
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("._-")[:80] or "upload"
+    ext = re.sub(r"[^A-Za-z0-9]+", "", ext).lower()[:10]
+    return f"{stem}.{ext}" if ext else stem
+
+
+def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR) -> Path:
+    """Copy an uploaded file into the app's data folder under a sanitised, non-clashing name."""
+    src = Path(tmp_path)
+    name = sanitize_filename(original_name or src.name)
+    if Path(name).suffix.lower() not in DATA_EXTENSIONS:
+        raise UserError(
+            f"'{original_name or src.name}' is not a data file finetuner reads.",
+            hint=f"Upload one of: {', '.join(DATA_EXTENSIONS)}.",
+        )
+    if src.stat().st_size > MAX_UPLOAD_BYTES:
+        raise UserError(f"'{name}' is larger than {MAX_UPLOAD_BYTES / 2**30:.0f} GiB; copy it into data/ instead.")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / name
+    stem, suffix, i = dest.stem, dest.suffix, 1
+    while dest.exists():
+        i += 1
+        dest = dest_dir / f"{stem}-{i}{suffix}"
+    if dest.resolve().parent != dest_dir.resolve():  # cannot happen after sanitising; never write elsewhere
+        raise UserError(f"Refusing to store the upload '{original_name}' outside {dest_dir}.")
+    shutil.copyfile(src, dest)
+    return dest

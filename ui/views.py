@@ -1,0 +1,210 @@
+"""Pure functions from finetuner's objects to what the page shows (markdown, HTML, tables).
+
+No gradio here: each function takes engine objects and returns strings or pandas frames, so the
+UI's glue is unit-tested without a browser.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+import pandas as pd
+
+GiB = 1024**3
+
+STATE_LABELS = {
+    "starting": ("●", "starting", "#d97706"),
+    "running": ("●", "training", "#059669"),
+    "finishing": ("●", "finishing", "#059669"),
+    "stopped": ("■", "stopped — resume to continue", "#6b7280"),
+    "done": ("✓", "finished", "#2563eb"),
+    "error": ("✕", "failed", "#dc2626"),
+    "interrupted": ("!", "interrupted — resume to continue", "#d97706"),
+    "new": ("○", "not started", "#6b7280"),
+}
+
+
+def gib(n: int | float | None, digits: int = 2) -> str:
+    if n is None:
+        return "–"
+    if n < 0.01 * GiB:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / GiB:.{digits}f} GiB"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+# --------------------------------------------------------------------------- model & data
+def model_card_md(shape: Any, gpu: Any) -> str:
+    parts = [f"**{html.escape(shape.name)}** · {shape.model_type} · {shape.num_params / 1e9:.3g} B parameters"
+             if shape.num_params >= 1e8 else
+             f"**{html.escape(shape.name)}** · {shape.model_type} · {shape.num_params / 1e6:.3g} M parameters",
+             f"{shape.num_layers} layers · hidden {shape.hidden_size} · vocabulary {shape.vocab_size:,}"]
+    card = f"**{html.escape(gpu.name)}** — {html.escape(gpu.description)} · {gpu.memory_gib:.1f} GiB"
+    card += " · bf16" if gpu.bf16 else " · no bf16"
+    return "  \n".join(parts) + "\n\n" + card
+
+
+def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
+    d = profile.to_dict()
+    over = profile.truncated(seq_len)
+    lines = [
+        f"**Format:** `{d['format']}` · **{d['rows']:,}** examples · mean **{d['mean_tokens']:.0f}** tokens, "
+        f"95 % under {d['p95_tokens']}, longest **{d['max_tokens']}** · trained on {100 * d['label_fraction']:.0f} % of tokens",
+    ]
+    if over:
+        lines.append(f"⚠️ {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
+    else:
+        lines.append(f"✓ every example fits in {seq_len} tokens.")
+    lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
+    return "\n\n".join(lines)
+
+
+def histogram_df(profile: Any, seq_len: int, bins: int = 20) -> pd.DataFrame:
+    from finetuner.data_stats import histogram
+
+    rows = histogram(profile.lengths, bins)
+    return pd.DataFrame(
+        {
+            "tokens": [f"{r['from']}–{r['to']}" for r in rows],
+            "start": [r["from"] for r in rows],
+            "examples": [r["count"] for r in rows],
+            "fits": ["fits" if r["to"] <= seq_len else ("cut" if r["from"] >= seq_len else "partly cut") for r in rows],
+        }
+    )
+
+
+def preview_highlights(preview: Any) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for i, ex in enumerate(preview.examples):
+        if i:
+            out.append(("\n\n", None))
+        out.append((f"[{ex.where} · {ex.n_tokens} tokens, {ex.n_trained} trained{' · cut' if ex.truncated else ''}]\n", None))
+        out += ex.highlighted()
+    return out
+
+
+# --------------------------------------------------------------------------- plan
+def memory_df(estimate: Any) -> pd.DataFrame:
+    rows = [(name, b / GiB, "predicted") for name, b in estimate.components.items() if b > 0]
+    rows.append(("total (predicted peak)", estimate.total_bytes / GiB, "total"))
+    if estimate.budget_bytes is not None:
+        rows.append(("card budget (95 %)", estimate.budget_bytes / GiB, "card"))
+    if estimate.device_bytes is not None:
+        rows.append(("card memory", estimate.device_bytes / GiB, "card"))
+    return pd.DataFrame(rows, columns=["component", "GiB", "kind"])
+
+
+def estimate_md(estimate: Any, gpu: Any) -> str:
+    total = gib(estimate.total_bytes, 1)
+    if estimate.budget_bytes is None:
+        return f"Predicted peak **{total}**."
+    if estimate.fits:
+        return (f"✅ **Fits**: predicted peak **{total}** of {gpu.memory_gib:.1f} GiB on {html.escape(gpu.name)} "
+                f"({gib(estimate.headroom_bytes, 1)} to spare).")
+    return (f"⛔ **Does not fit**: predicted peak **{total}**, but {html.escape(gpu.name)} has a budget of "
+            f"{gib(estimate.budget_bytes, 1)}. Lower the micro-batch or sequence length, turn on gradient "
+            "checkpointing, or use QLoRA.")
+
+
+def plan_md(plan: Any) -> str:
+    if not plan.fits:
+        s = "\n".join(f"- {html.escape(x)}" for x in plan.suggestions)
+        r = "\n".join(f"- {html.escape(x)}" for x in plan.reasons)
+        return f"### ⛔ Nothing fits {html.escape(plan.gpu.name)}\n{r}\n\n**What would fit:**\n{s}"
+    c = plan.recipe_choice() or {}
+    quant = f" {c['quantization_bits']}-bit" if c.get("quantization_bits") else ""
+    head = (f"### {c['method'].upper()}{quant} · micro-batch {c['micro_batch_size']} × {c['gradient_accumulation']} · "
+            f"seq {c['max_seq_len']}{' (packed)' if c.get('packing') else ''} · {c['optimizer']}"
+            f"{' · checkpointing' if c.get('gradient_checkpointing') else ''}")
+    why = "\n".join(f"- {html.escape(x)}" for x in plan.reasons)
+    notes = "\n".join(f"- ℹ️ {html.escape(x)}" for x in plan.notes)
+    return f"{head}\n\n**Why**\n{why}" + (f"\n\n**Notes**\n{notes}" if notes else "")
+
+
+def rejected_df(plan: Any) -> pd.DataFrame:
+    rows = [(r.get("settings", ""), gib(r.get("total_bytes"), 1), r.get("why", "")) for r in plan.rejected]
+    return pd.DataFrame(rows, columns=["alternative", "predicted peak", "why not chosen"])
+
+
+# --------------------------------------------------------------------------- train
+def status_html(st: Any | None) -> str:
+    if st is None:
+        return "<div class='ft-status'><span class='ft-muted'>No run yet. Plan a recipe, then press <b>Start training</b>.</span></div>"
+    icon, label, colour = STATE_LABELS.get(st.state, ("?", st.state, "#6b7280"))
+    pct = 100.0 * st.progress
+    bits = [f"step <b>{st.step}</b> / {st.max_steps or '?'}"]
+    if st.state in ("running", "starting") and st.eta_s is not None:
+        bits.append(f"ETA <b>{duration(st.eta_s)}</b>")
+    if st.elapsed_s is not None:
+        bits.append(f"elapsed {duration(st.elapsed_s)}")
+    if st.tokens_per_s:
+        bits.append(f"<b>{st.tokens_per_s:,.0f}</b> tokens/s")
+    if st.last_loss is not None:
+        bits.append(f"loss <b>{st.last_loss:.3f}</b>")
+    if st.evals:
+        bits.append(f"eval loss <b>{st.evals[-1][1]:.3f}</b>")
+    err = f"<div class='ft-error'>{html.escape(st.error)}</div>" if st.error and st.state == "error" else ""
+    notes = "".join(f"<div class='ft-muted'>{html.escape(n)}</div>" for n in st.notes[-3:])
+    return (
+        f"<div class='ft-status' data-state='{st.state}'>"
+        f"<div class='ft-head'><span style='color:{colour}' class='ft-state'>{icon} {label}</span>"
+        f"<span class='ft-run'>{html.escape(st.name)}</span></div>"
+        f"<div class='ft-progress'><div class='ft-bar' style='width:{pct:.1f}%;background:{colour}'></div></div>"
+        f"<div class='ft-facts'>{' · '.join(bits)}</div>{err}{notes}</div>"
+    )
+
+
+def loss_df(st: Any | None) -> pd.DataFrame:
+    rows: list[tuple[int, float, str]] = []
+    if st is not None:
+        rows = [(s, v, "train") for s, v in st.losses] + [(s, v, "eval") for s, v in st.evals]
+    return pd.DataFrame(rows, columns=["step", "loss", "series"])
+
+
+def memory_md(st: Any | None) -> str:
+    if st is None:
+        return ""
+    what = st.measured_what or ("process peak RSS" if (st.device or "cpu") == "cpu" else "peak allocated")
+    line = f"**Memory** — predicted peak {gib(st.predicted_bytes)} · measured {gib(st.measured_peak_bytes)} ({what})"
+    if st.device == "cpu":
+        line += "  \n<small>On CPU the measurement is the whole process (Python, libraries, data), so it is not comparable 1:1 with the device prediction.</small>"
+    elif st.predicted_bytes and st.measured_peak_bytes:
+        err = 100 * (st.predicted_bytes - st.measured_peak_bytes) / st.measured_peak_bytes
+        line += f" · prediction {err:+.1f} %"
+    return line
+
+
+def samples_md(st: Any | None) -> str:
+    if st is None or not st.samples:
+        return ""
+    rows = ["| prompt | base model | fine-tuned |", "|---|---|---|"]
+    for s in st.samples:
+        cells = [html.escape(str(s.get(k, ""))).replace("\n", " ").replace("|", "\\|") for k in ("prompt", "base", "fine_tuned")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "**Samples after training**\n\n" + "\n".join(rows)
+
+
+def runs_df(runs: list[Any]) -> pd.DataFrame:
+    rows = []
+    for r in runs:
+        rows.append(
+            (
+                r.name,
+                STATE_LABELS.get(r.state, ("", r.state, ""))[1].split(" —")[0],
+                f"{r.step}/{r.max_steps or '?'}",
+                "–" if r.last_loss is None else f"{r.last_loss:.3f}",
+                "–" if not r.evals else f"{r.evals[-1][1]:.3f}",
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified)) if r.modified else "",
+            )
+        )
+    return pd.DataFrame(rows, columns=["run", "state", "steps", "loss", "eval loss", "updated"])
