@@ -26,6 +26,10 @@ class Runtime:
     base_dtype: str  # storage dtype of frozen weights: bf16 | fp16 | fp32
     precision: str  # autocast dtype: bf16 | fp16 | fp32 (fp32 = no autocast)
     compute_dtype: str  # bitsandbytes compute dtype for quantized layers
+    attention: str = "auto"  # attn_implementation: auto (transformers' default, SDPA) | sdpa | eager | flash_attention_2
+    kernels: str = "none"  # liger | none (see finetuner.kernels)
+    loss_path: str = "chunked_ce"  # liger_fused_linear_ce | chunked_ce | full_logits
+    compile: bool = False  # decoder layers under torch.compile
 
     @property
     def is_cuda(self) -> bool:
@@ -65,7 +69,27 @@ def resolve_runtime(recipe: Recipe) -> Runtime:
     compute = (q.compute_dtype if q else "auto")
     if compute == "auto":
         compute = half if device == "cuda" else "fp32"
-    return Runtime(device=device, base_dtype=base, precision=precision, compute_dtype=compute)
+    from finetuner import kernels
+
+    t = recipe.training
+    cuda_kernels = device == "cuda" and t.kernels != "none"
+    kern = kernels.resolve_kernels(t.kernels, device == "cuda", _model_type(recipe) if cuda_kernels else None)
+    return Runtime(
+        device=device, base_dtype=base, precision=precision, compute_dtype=compute,
+        attention=kernels.resolve_attention(recipe.model.attn_implementation, device == "cuda", base),
+        kernels=kern, loss_path=kernels.loss_path(kern, t.loss_chunk_size), compile=t.compile,
+    )
+
+
+def _model_type(recipe: Recipe) -> str | None:
+    """The base model's ``model_type`` from its config (None if it cannot be read here)."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    try:
+        return AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code).model_type
+    except Exception:  # noqa: BLE001 - loading the model reports the real problem with a hint
+        return None
 
 
 def load_tokenizer(recipe: Recipe):
@@ -123,8 +147,8 @@ def load_base_model(recipe: Recipe, rt: Runtime):
         dtype=rt.torch_dtype(rt.base_dtype),
         use_safetensors=True,
     )
-    if m.attn_implementation != "auto":
-        kwargs["attn_implementation"] = m.attn_implementation
+    if rt.attention != "auto":
+        kwargs["attn_implementation"] = rt.attention
     quant = bnb_config(recipe, rt)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -148,6 +172,10 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     if quant is None and not m.max_memory:
         model.to(rt.device)
     model.config.use_cache = False
+    if rt.kernels == "liger":
+        from finetuner.kernels import apply_liger
+
+        apply_liger(model)
     return model
 
 

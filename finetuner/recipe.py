@@ -152,6 +152,10 @@ class TrainingSection(_Section):
         1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
     )
     precision: Dtype = Field("auto", description="Autocast dtype for compute.")
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="Fused Liger kernels (CUDA, finetuner[speed]); auto uses them when installed on a CUDA GPU."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer (slower start, faster steps).")
     seed: int = 42
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
 
@@ -180,6 +184,44 @@ class SamplesSection(_Section):
     max_new_tokens: int = Field(64, gt=0)
 
 
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+
+
+class DistributedSection(_Section):
+    """Several processes (GPUs, or CPU processes on gloo) training one model: :mod:`finetuner.launch`.
+
+    The effective batch stays ``micro_batch_size x gradient_accumulation`` whatever the number of
+    processes: each optimizer step's micro-batches are split across them, so N processes follow
+    the loss curve of one.
+    """
+
+    strategy: Strategy = Field(
+        "ddp",
+        description="ddp (replicated), fsdp (accelerate FSDP, GPUs only), zero1/zero2/zero3 (DeepSpeed ZeRO stages).",
+    )
+    num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
+    offload: Offload = Field(
+        "none", description="ZeRO-Offload: optimizer states (zero1-3) or also parameters (zero3) in CPU memory."
+    )
+    cpu_adam: bool = Field(
+        True,
+        description="With offload: DeepSpeedCPUAdam (a C++ extension built on first use, ~1-3 min) instead of torch AdamW on the CPU states.",
+    )
+    nodes: int = Field(1, ge=1, description="Machines taking part; run the same command on each with its node_rank.")
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = Field("127.0.0.1", description="Address of node 0 (rendezvous).")
+    master_port: int = Field(29500, ge=1, le=65535)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.nodes
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy.startswith("zero")
+
+
 class Recipe(_Section):
     """A complete fine-tuning recipe."""
 
@@ -193,6 +235,7 @@ class Recipe(_Section):
     checkpointing: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     samples: SamplesSection = Field(default_factory=SamplesSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
     output_dir: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -261,6 +304,7 @@ class Recipe(_Section):
         t = self.training
         if t.warmup_steps is not None and t.warmup_ratio is not None:
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
+        _check_distributed(self)
         return self
 
     # ------------------------------------------------------------------ loading
@@ -341,6 +385,41 @@ class Recipe(_Section):
 
 
 # ---------------------------------------------------------------------- helpers
+def _check_distributed(r: Recipe) -> None:
+    """Combinations of ``distributed`` with the rest of the recipe that cannot run."""
+    d = r.distributed
+    if d.node_rank >= d.nodes:
+        raise ValueError(f"distributed.node_rank: {d.node_rank} must be below distributed.nodes ({d.nodes})")
+    if d.offload != "none" and not d.deepspeed:
+        raise ValueError(
+            f"distributed.offload: '{d.offload}' needs a DeepSpeed strategy: set distributed.strategy to zero2 "
+            "(optimizer states in CPU memory) or zero3"
+        )
+    if d.offload == "optimizer+params" and d.strategy != "zero3":
+        raise ValueError(
+            f"distributed.offload: parameter offload needs strategy zero3 (got {d.strategy}): ZeRO stages 1-2 keep the "
+            "parameters on every GPU; use offload 'optimizer' or strategy zero3"
+        )
+    if d.deepspeed and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+        raise ValueError(
+            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by DeepSpeed ZeRO (bitsandbytes and "
+            "factored optimizers keep their own state layout): use adamw_torch, or strategy ddp"
+        )
+    if d.offload != "none" and r.training.optimizer == "sgd":
+        raise ValueError("training.optimizer: ZeRO-Offload runs an Adam optimizer on the CPU: use adamw_torch")
+    if r.method == "qlora" and d.strategy in ("fsdp", "zero3"):
+        raise ValueError(
+            f"distributed.strategy: '{d.strategy}' would shard the 4-bit base weights, which finetuner does not support "
+            "for bitsandbytes-quantized models: use zero2 (shards optimizer states and gradients) or ddp with qlora, "
+            "or method lora with fsdp/zero3"
+        )
+    if r.model.max_memory and d.world_size > 1:
+        raise ValueError(
+            "model.max_memory: splitting the model by layers over GPUs cannot be combined with several processes: "
+            "remove model.max_memory, or use distributed.strategy zero3/fsdp to shard it instead"
+        )
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
 

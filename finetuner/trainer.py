@@ -104,13 +104,17 @@ def _chunk_ce(head, softcap, hidden, targets):
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
-def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024):
+def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_ce=None):
     """Sum of next-token cross-entropy (fp32) over labelled tokens, and their number.
 
     With ``chunk_size > 0`` the logits are computed only for labelled positions, ``chunk_size``
     tokens at a time, each chunk under activation checkpointing: the full ``tokens × vocab``
     logits tensor (and its fp32 copy and gradient) never exists, which for a 128k vocabulary
     is several GB per 4k tokens. The result equals the full computation.
+
+    ``fused_ce`` (``(head, hidden, targets, softcap) -> loss sum``, Liger's fused linear cross-entropy,
+    see :mod:`finetuner.kernels`) replaces the chunked loop when given; it too runs on the
+    labelled positions only.
     """
     import torch
     import torch.nn.functional as F
@@ -129,6 +133,8 @@ def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024):
     hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
     keep = labels != IGNORE_INDEX
     hidden, targets = hidden[keep], labels[keep]
+    if fused_ce is not None and torch.is_grad_enabled():
+        return fused_ce(head, hidden, targets, softcap), n_tokens
     loss = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
@@ -214,6 +220,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(r)
         self.data: PreparedData = prepare_data(r.data, self.tokenizer, r.training.seed)
         self.model = prepare_for_training(load_base_model(r, self.rt), r)
+        self.fused_ce = None
+        if self.rt.kernels == "liger":
+            from finetuner.kernels import fused_linear_cross_entropy
+
+            self.fused_ce = fused_linear_cross_entropy()
+        if self.rt.compile:
+            from finetuner.kernels import compile_layers
+
+            compile_layers(self.model)
         self.collate = Collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
@@ -242,6 +257,10 @@ class Trainer:
             device=self.rt.device,
             base_dtype=self.rt.base_dtype,
             precision=self.rt.precision,
+            attention=getattr(self.model.config, "_attn_implementation", self.rt.attention),
+            kernels=self.rt.kernels,
+            loss_path=self.rt.loss_path,
+            compile=self.rt.compile,
             method=r.method,
             trainable_params=trainable,
             total_params=total,
@@ -291,7 +310,7 @@ class Trainer:
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
-                loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size)
+                loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size, self.fused_ce)
             loss = loss_sum / max(n_target, 1)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total_loss += float(loss_sum.detach())
