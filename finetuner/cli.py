@@ -66,7 +66,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 #: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
 #: top (no torch, no transformers), so ``finetuner --help`` stays fast.
-COMMAND_MODULES: tuple[str, ...] = ("finetuner.cli_plan", "finetuner.cli_ui")
+COMMAND_MODULES: tuple[str, ...] = ("finetuner.cli_plan", "finetuner.cli_ui", "finetuner.cli_after")
 
 
 def build_parser() -> argparse.ArgumentParser:
