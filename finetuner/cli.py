@@ -23,6 +23,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-resume", action="store_true",
                    help="Start over even if the run folder has checkpoints (the old run is moved aside, not deleted).")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="Train on N processes (one per GPU; on a CPU machine, N CPU processes on gloo): "
+                        "sets distributed.num_processes. The effective batch stays the same.")
     p.add_argument("--profile-memory", action="store_true",
                    help="Record CUDA allocations for the first steps into memory_snapshot.pickle (open it at pytorch.org/memory_viz).")
     p.set_defaults(func=_cmd_run)
@@ -38,7 +41,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from finetuner.recipe import Recipe
 
     console = Console()
-    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
     stop = threading.Event()
 
     def _on_signal(signum, _frame):

@@ -238,6 +238,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
         self.resumed_from = None
+        self._distribute()
         self._resume()
         check_disk_space(self.run_dir, self.model, t.optimizer, r.checkpointing.keep_last)
         if r.logging.tensorboard:
@@ -270,6 +271,13 @@ class Trainer:
             predicted=self.prediction.to_dict() if self.prediction else None,
             **device_memory(self.rt.device),
         )
+
+    def _distribute(self) -> None:
+        """Wrap the model for several processes: :class:`finetuner.distributed.DistributedTrainer` does; one process: nothing."""
+
+    def _write_json(self, name: str, data: Any) -> None:
+        """Write a JSON file into the run folder (in a multi-process run, rank 0 only)."""
+        atomic_write_json(self.run_dir / name, data)
 
     def _resume(self) -> None:
         """Continue from the newest readable checkpoint; unreadable ones are reported and skipped."""
@@ -554,7 +562,7 @@ class Trainer:
             **device_memory(self.rt.device),
         }
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
-        atomic_write_json(self.run_dir / "metrics.json", metrics)
+        self._write_json("metrics.json", metrics)
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
@@ -618,6 +626,10 @@ def train(
         recipe = Recipe.from_dict(recipe.to_dict(), overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
+    from finetuner.launch import launch_training, needs_launch
+
+    if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
+        return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
     from finetuner.planner import resolve_for_run
 
     recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
