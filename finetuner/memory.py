@@ -76,10 +76,18 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
 #: The caching allocator keeps freed blocks and rounds segments to 2 MiB, so
 #: ``max_memory_reserved`` exceeds ``max_memory_allocated``. With
-#: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the trainer's default) the slack is a few
-#: percent; without it fragmentation adds 5-15 %. A guess to calibrate on the GPU runs.
-ALLOCATOR_FRACTION = 0.05
-ALLOCATOR_FIXED_BYTES = 128 * MiB
+#: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (the trainer's default) the H100 runs of
+#: docs/memory.md show 0.2-0.4 GiB with checkpointing and 2-3 % of the allocated peak without
+#: it (many activation tensors of different sizes): 320 MiB + 2 % covers every row.
+ALLOCATOR_FRACTION = 0.02
+ALLOCATOR_FIXED_BYTES = 320 * MiB
+
+#: At the start of the backward pass autograd's engine, the loss's graph and the first gradient
+#: buffers add a little on top of the saved tensors; 128 MiB keeps the cross-entropy phase on
+#: the safe side in every H100 validation row (docs/memory.md).
+LOSS_PHASE_EXTRA_BYTES = 128 * MiB
+#: With checkpointing, the share of a layer's short-lived backward tensors alive at its peak.
+GC_TRANSIENT_DIVISOR = 3
 
 #: bitsandbytes 4-bit: weights packed two per byte, one absmax per block of 64 (fp32), or with
 #: double quantization one uint8 absmax per block plus an fp32 absmax per 256 blocks
@@ -620,18 +628,22 @@ def estimate(
     held = act.logits  # 0 with the chunked or fused loss
     # activations at the cross-entropy backward and at a layer's backward
     if s.gradient_checkpointing:
-        layer_phase = act.saved_total + held + act.per_layer + act.transient
+        # the recomputed layer's saved tensors come back one layer at a time, and are freed as its
+        # backward goes; of the MLP's short-lived gradients about one of three is alive at the
+        # layer's peak (fitted on the H100 runs: docs/memory.md)
+        layer_phase = act.saved_total + held + act.per_layer + act.transient // GC_TRANSIENT_DIVISOR + quant_temp
         # the LM-head weight copy (QLoRA) is freed once the LM head's backward is done
         if s.method == "qlora" and s.upcast_non_quantized and d.autocast:
             layer_phase -= d.c * shape.vocab_size * shape.hidden_size
     else:
-        layer_phase = act.saved_total + held + act.transient
-    loss_phase = act.saved_total + act.logits + act.loss_peak
+        layer_phase = act.saved_total + held + act.transient + quant_temp
+    # the dequantized weight exists only inside a quantized layer: not at the cross-entropy
+    loss_phase = act.saved_total + act.logits + act.loss_peak + LOSS_PHASE_EXTRA_BYTES
     act_peak = max(loss_phase, layer_phase)
     act_label = "activations (cross-entropy backward)" if loss_phase >= layer_phase else "activations (layer backward)"
 
     base = w_total + trainable + states
-    fwd_bwd = base + grads + cast_cache + act_peak + quant_temp
+    fwd_bwd = base + grads + cast_cache + act_peak
     step = base + grads + step_temp
     phases = {"forward/backward": fwd_bwd, "optimizer step": step}
     peak_phase = max(phases, key=lambda k: phases[k])
@@ -651,10 +663,11 @@ def estimate(
             rest = act_peak - (act.checkpoints - act.offloaded) - (act.logits if loss_phase >= layer_phase else held)
         else:
             rest = act_peak - (act.logits if loss_phase >= layer_phase else held)
+        if quant_temp and layer_phase > loss_phase:
+            comp["dequantization buffer"] = quant_temp
+            rest -= quant_temp
         comp[act_label] = rest
         comp["logits"] = act.logits if loss_phase >= layer_phase else held
-        if quant_temp:
-            comp["dequantization buffer"] = quant_temp
     else:
         comp["optimizer step temporaries"] = step_temp
     workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0

@@ -120,6 +120,10 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
     from finetuner.shapes import resolve_shape
 
     settings = dict(row["predicted_settings"])
+    # the rows that reached the model: packed rows are not always full, and a micro-batch is
+    # padded to its longest row, not to max_seq_len (one row per micro-batch: exact)
+    if row.get("tokens_per_step"):
+        settings["seq_len"] = min(settings["seq_len"], -(-row["tokens_per_step"] // settings["micro_batch"]))
     if isinstance(settings.get("lora_targets"), list):
         settings["lora_targets"] = tuple(settings["lora_targets"])
     known = Settings.__dataclass_fields__
