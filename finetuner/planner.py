@@ -56,7 +56,7 @@ OPTIMIZER_PREFERENCE = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_
 MFU = 0.20
 #: Tokens per micro-batch at which the step reaches half of ``MFU`` (small batches are bound by
 #: weight reads, not by arithmetic): utilisation = tokens / (tokens + UTIL_HALF_TOKENS).
-UTIL_HALF_TOKENS = 512
+UTIL_HALF_TOKENS = 256
 #: bitsandbytes dequantizes each 4-bit weight to bf16 before the matmul, at every forward, input
 #: gradient and recompute: on the same H100 run QLoRA took 0.31 s more per 4,096-token
 #: micro-batch than LoRA for 3 passes over 7.0e9 weights → ~6.8e10 weights/s, scaled here by
@@ -66,7 +66,7 @@ DEQUANT_WEIGHTS_PER_S_PER_GBS = 6.8e10 / 3350
 INT8_SLOWDOWN = 2.0
 #: Predicted speeds closer than this (relative) are a tie, decided by simplicity (the cost
 #: model is not that precise): no offload, then full-precision optimizer states.
-SPEED_TIE = 0.03
+SPEED_TIE = 0.05
 #: Activation offload copies each checkpoint to pinned host memory and back; about half of it
 #: hides behind compute.
 OFFLOAD_OVERLAP = 0.5

@@ -57,7 +57,21 @@ def log(*a: object) -> None:
     print(*a, flush=True)
 
 
-def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: Path, steps: int, smoke: bool) -> dict:
+def planned_overrides(preset: str, gpu: str, seq_len: int = 2048) -> list[str]:
+    """The planner's choice for ``preset`` on ``gpu`` as recipe overrides."""
+    from finetuner.planner import plan
+
+    c = plan(preset, gpu, seq_len=seq_len).recipe_choice()
+    out = [f"method={c['method']}", f"data.max_seq_len={c['max_seq_len']}", f"training.micro_batch_size={c['micro_batch_size']}",
+           f"training.optimizer={c['optimizer']}", f"training.gradient_checkpointing={str(c['gradient_checkpointing']).lower()}",
+           f"training.offload_activations={str(c['offload_activations']).lower()}"]
+    if c["quantization_bits"]:
+        out.append(f"quantization.bits={c['quantization_bits']}")
+    return out
+
+
+def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: Path, steps: int, smoke: bool,
+            cap_gib: float | None = None) -> dict:
     import yaml
 
     recipe = {
@@ -75,9 +89,16 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
             overrides = overrides + ["quantization.compute_dtype=fp32"]
     rpath = work / f"{name}.yaml"
     rpath.write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "finetuner.cli", "run", str(rpath), "--no-resume", "-q"]
+    args = ["run", str(rpath), "--no-resume", "-q"]
     for o in overrides:
-        cmd += ["--set", o]
+        args += ["--set", o]
+    if cap_gib:  # stand for a smaller card: the caching allocator refuses to grow past the cap
+        code = ("import sys, torch; torch.cuda.set_per_process_memory_fraction("
+                f"{cap_gib} * 2**30 / torch.cuda.get_device_properties(0).total_memory); "
+                f"from finetuner.cli import main; sys.exit(main({args!r}))")
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = [sys.executable, "-m", "finetuner.cli", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -181,6 +202,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/validation")
     ap.add_argument("--work", default="/tmp/finetuner_validate")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences (runs on CPU)")
+    ap.add_argument("--planned", metavar="GPU", help="also run the planner's recipe for this card (seq 2048) under a cap of its memory")
     ap.add_argument("--report", metavar="FOLDER", help="print the Markdown table of the JSON files in FOLDER and exit")
     ap.add_argument("--again", action="store_true", help="with --report: re-predict each row with the current memory model")
     args = ap.parse_args()
@@ -196,10 +218,17 @@ def main() -> None:
     write_data(data, n=600)
     names = args.configs.split(",") if args.configs else (SMOKE if args.smoke else list(MATRIX))
     results = []
-    for name in names:
-        log(f"== {args.preset} {name}")
-        row = run_one(name, MATRIX[name], model_dir, data, work, args.steps, args.smoke)
-        log(json.dumps({k: v for k, v in row.items() if k != "predicted_components"}))
+    runs = [(name, MATRIX[name], None) for name in names]
+    if args.planned:
+        from finetuner.hardware import get_gpu
+
+        card = get_gpu(args.planned)
+        runs.append((f"planned-{card.name}-capped", planned_overrides(args.preset, card.name), card.memory_gib))
+    for name, overrides, cap in runs:
+        log(f"== {args.preset} {name} {overrides if cap else ''}")
+        row = run_one(name, overrides, model_dir, data, work, args.steps, args.smoke, cap_gib=cap)
+        row["cap_gib"] = cap
+        log(json.dumps({k: v for k, v in row.items() if k not in ("predicted_components", "predicted_settings")}))
         results.append(row)
     import torch
 
