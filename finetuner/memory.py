@@ -611,6 +611,10 @@ def estimate(
     context (→ what the card must hold). ``fits`` compares that with the card's memory less a
     ``margin`` fraction, not counting paged optimizer states, which can move to CPU memory.
     """
+    from finetuner.kernels import LIGER_MODEL_TYPES
+
+    if s.fused_ce and shape.model_type not in LIGER_MODEL_TYPES:
+        s = s.with_(fused_ce=False)  # finetuner applies Liger only to these architectures
     d = _dtypes(s)
     weights = weight_bytes(shape, s)
     w_total = sum(weights.values())
@@ -748,6 +752,16 @@ def resolve_dtypes(recipe: Recipe, gpu: GpuProfile | None) -> tuple[str, str]:
     return wd, cd
 
 
+def _uses_liger(recipe: Recipe, gpu: GpuProfile | None) -> bool:
+    """Whether the run's loss is Liger's fused linear cross-entropy (``finetuner.kernels``):
+    ``kernels: liger``, or ``auto`` on a CUDA card when liger-kernel is installed here."""
+    from finetuner.kernels import liger_installed
+
+    setting = getattr(recipe.training, "kernels", "none")
+    on_cuda = gpu is None or gpu.platform == "cuda"
+    return setting == "liger" or (setting == "auto" and on_cuda and liger_installed())
+
+
 def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, **overrides: Any) -> Settings:
     """The memory model's view of a resolved recipe (dtypes ``auto`` resolved for ``gpu``)."""
     if recipe.auto_keys():
@@ -777,6 +791,7 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, **overri
         platform=gpu.platform if gpu is not None else "cuda",
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
+        fused_ce=_uses_liger(recipe, gpu),
     )
     if q is not None and recipe.method == "qlora":
         qc = q.compute_dtype if q.compute_dtype != "auto" else cd
