@@ -4,7 +4,8 @@ Protocol (JSON lines). The worker is started as
 ``python -m finetuner.chat_worker RUN_OR_MODEL [--base]`` and prints ``{"ready": true,
 "describe": ...}`` once the model is loaded (or ``{"error": ...}`` and exits). Each request on
 stdin, ``{"id": 1, "messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 128,
-"temperature": 0.7, "top_p": 0.9, "seed": null}``, is answered by ``{"id": 1, "token": "..."}``
+"temperature": 0.7, "top_p": 0.9, "seed": null, "adapter": true}`` (``adapter: false``: the
+base model's answer, the adapter switched off), is answered by ``{"id": 1, "token": "..."}``
 lines as text is generated, then ``{"id": 1, "done": true}`` (or ``{"id": 1, "error": "..."}``).
 
 :class:`ChatWorker` is the caller's side: it starts the process and turns a request into an
@@ -26,7 +27,7 @@ from typing import Any
 
 from finetuner.errors import UserError
 
-GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed")
+GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter")
 
 
 # --------------------------------------------------------------------------- the worker process
@@ -52,8 +53,7 @@ def serve(source: str, adapter: bool = True) -> int:
     except Exception as e:  # noqa: BLE001 - reported to the caller as a message
         _send({"error": f"{type(e).__name__}: {e}"})
         return 1
-    describe = getattr(model, "describe", None)
-    _send({"ready": True, "describe": describe() if callable(describe) else str(describe or source)})
+    _send({"ready": True, "describe": repr(model), "has_adapter": bool(getattr(model, "has_adapter", False))})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -95,6 +95,7 @@ class ChatWorker:
         self.source, self.adapter = str(source), adapter
         self.start_timeout = start_timeout
         self.describe = ""
+        self.has_adapter = False
         self._proc: subprocess.Popen | None = None
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -119,6 +120,7 @@ class ChatWorker:
             self.close()
             raise UserError(f"Could not load {self.source} for chat: {first['error']}")
         self.describe = first.get("describe", "")
+        self.has_adapter = bool(first.get("has_adapter"))
         return self
 
     @staticmethod

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -197,28 +197,34 @@ def _download_file(text: str, name: str) -> str:
 
 # --------------------------------------------------------------------------- chat workers
 class ChatPool:
-    """The chat processes for one source: fine-tuned and, on demand, the base model."""
+    """One chat process per source (a run): it answers as the fine-tune, or as the base model with
+    the adapter switched off, so the model is in memory once. Another source replaces it."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._workers: dict[tuple[str, bool], Any] = {}
+        self._worker: Any = None
 
-    def get(self, source: str, adapter: bool):
+    @property
+    def loaded(self) -> str | None:
+        w = self._worker
+        return w.source if w is not None and w.alive else None
+
+    def get(self, source: str):
         from finetuner.chat_worker import ChatWorker
 
         with self._lock:
-            for key in [k for k in self._workers if k[0] != source]:
-                self._workers.pop(key).close()  # one source at a time: free the memory
-            w = self._workers.get((source, adapter))
-            if w is None or not w.alive:
-                w = self._workers[(source, adapter)] = ChatWorker(source, adapter=adapter)
-            return w
+            if self._worker is not None and self._worker.source != source:
+                self._worker.close()
+                self._worker = None
+            if self._worker is None:
+                self._worker = ChatWorker(source, adapter=True)
+            return self._worker
 
     def close(self) -> None:
         with self._lock:
-            for w in self._workers.values():
-                w.close()
-            self._workers.clear()
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
 
 
 # --------------------------------------------------------------------------- the app
@@ -276,11 +282,12 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         try:
             preview = _preview(model, path, seq)
         except UserError as e:
-            preview_note = f"\n\n⚠️ No token preview: {e.message}"
+            preview_note = f"\n\n**No token preview:** {e.message}"
         summary = views.data_summary_md(profile, preview, seq) + preview_note
         hist = views.histogram_df(profile, seq)
         hl = views.preview_highlights(preview) if preview else []
-        return summary, hl, gr.update(value=hist, title=f"Token lengths against the sequence length ({seq})")
+        return summary, hl, gr.update(value=hist, sort=list(hist["tokens"]),
+                                      title=f"Token lengths against the sequence length ({seq})")
 
     def _preview(model: str, path: str, seq: int):
         from finetuner.data_preview import preview_data
@@ -297,7 +304,8 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         if not est.fits:
             gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
         return (
-            views.memory_df(est),
+            gr.update(value=views.memory_df(est),
+                      title=f"Predicted peak {views.gib(est.total_bytes, 1)} against {gpu.name} ({gpu.memory_gib:.1f} GiB)"),
             views.estimate_md(est, gpu),
             text,
             _download_file(text, recipe.name),
@@ -344,9 +352,13 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         local = paths.resolve_local(name)
         if local is None:
             raise UserError(f"No recipe file {name}.")
-        recipe = Recipe.from_yaml(local)
-        text = local.read_text(encoding="utf-8")
-        mem, est_md, _t, dl = _estimate_outputs(recipe, card)
+        recipe = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        comments = []
+        for line in local.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#"):
+                break
+            comments.append(line + "\n")
+        mem, est_md, text, dl = _estimate_outputs(recipe, card, "".join(comments))
         return text, mem, est_md, dl, *_fields_of(recipe)
 
     # ------------------------------------------------------------------ handlers: train
@@ -355,7 +367,12 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         if name and (runs / name).is_dir():
             st = jobs.run_status(runs / name, runs)
         sig = (name, len(st.losses), len(st.evals), st.state) if st else None
-        plot = views.loss_df(st) if sig != last_sig else gr.skip()
+        if sig != last_sig:  # a new series needs a new title: the chart then rebuilds its colour scale
+            df = views.loss_df(st)
+            plot = gr.update(value=df, title="Loss — " + " and ".join(sorted(set(df["series"]), reverse=True) or ["train"]))
+            table = views.runs_df(jobs.list_runs(runs))
+        else:
+            plot = table = gr.skip()
         running = bool(st and st.running)
         return (
             views.status_html(st),
@@ -366,13 +383,14 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
             gr.update(interactive=running),
             gr.update(interactive=bool(st and st.resumable)),
             sig,
+            table,
         )
 
     def on_tick(name: str | None, last_sig: Any):
         try:
             return _train_view(name, last_sig)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
-            return (gr.skip(),) * 8
+            return (gr.skip(),) * 9
 
     def _runs_outputs(selected: str | None):
         names = run_names()
@@ -426,37 +444,23 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         lanes = [("tuned", True, list(tuned_hist or []))] + ([("base", False, list(base_hist or []))] if compare else [])
         convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
         shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
-        yield "", shown["tuned"], shown.get("base", base_hist)
-        q: queue.Queue = queue.Queue()
-
-        def run_lane(name: str, adapter: bool):
-            try:
-                worker = chat_pool.get(source, adapter)
-                msgs = [{"role": m["role"], "content": m["content"]} for m in convo[name]]
-                for piece in worker.stream(msgs, **gen):
-                    q.put((name, piece, None))
-            except Exception as e:  # noqa: BLE001
-                q.put((name, None, e))
-            q.put((name, None, "end"))
-
+        t0 = time.monotonic()
+        fresh = chat_pool.loaded != source
+        yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
+        worker = chat_pool.get(source)
         texts = {name: "" for name in convo}
-        for name, adapter, _h in lanes:
-            threading.Thread(target=run_lane, args=(name, adapter), daemon=True).start()
-        pending = set(convo)
-        error = None
-        while pending:
-            name, piece, status = q.get()
-            if status == "end":
-                pending.discard(name)
-            elif status is not None:
-                error = status
-                texts[name] = f"⚠️ {getattr(status, 'message', status)}"
-            else:
+        pieces = 0
+        for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
+            msgs = [{"role": m["role"], "content": _message_text(m["content"])} for m in convo[name]]
+            for piece in worker.stream(msgs, adapter=adapter, **gen):
                 texts[name] += piece
-            shown = {n: convo[n] + [{"role": "assistant", "content": texts[n] or "…"}] for n in convo}
-            yield gr.skip(), shown["tuned"], shown.get("base", base_hist)
-        if error is not None and not any(texts[n] and not texts[n].startswith("⚠️") for n in texts):
-            raise error
+                pieces += 1
+                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
+                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
+            shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+        took = time.monotonic() - t0
+        yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {worker.describe}")
 
     # ------------------------------------------------------------------ handlers: export
     @friendly
@@ -466,18 +470,18 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         if not target.is_absolute():
             target = paths.ROOT / target
         cmd = [sys.executable, "-m", "finetuner", "merge", str(rp), "-o", str(target)]
-        if dtype and dtype != "auto":
+        if dtype:
             cmd += ["--dtype", dtype]
         if overwrite:
             cmd.append("--overwrite")
-        yield f"⏳ Merging {run} into its base model → `{paths.display(target)}` …"
+        yield f"Merging {run} into its base model → `{paths.display(target)}` …"
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(paths.ROOT))
         output = (proc.stdout + proc.stderr).strip()
         if proc.returncode != 0:
             errors = [ln.removeprefix("error: ") for ln in output.splitlines() if ln.startswith("error:")]
             raise UserError(errors[-1] if errors else (output.splitlines()[-1] if output else f"exit status {proc.returncode}"))
         files = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
-        yield (f"✅ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
+        yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
                f"{'…' if len(files) > 8 else ''}).\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
 
     @friendly
@@ -547,10 +551,9 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                         plan_md = gr.Markdown(elem_id="plan-summary")
                         est_md = gr.Markdown(elem_id="estimate")
                     with gr.Column(scale=2):
-                        mem_plot = gr.BarPlot(x="component", y="GiB", color="kind", sort=None,
-                                              color_map={"predicted": "#6366f1", "total": "#0ea5e9", "card": "#94a3b8"},
-                                              title="Predicted memory vs the card", x_label_angle=-35, height=340,
-                                              elem_id="memory-chart")
+                        mem_plot = gr.BarPlot(x="bar", y="GiB", color="component", sort=["predicted peak", "card budget", "card"],
+                                              title="Predicted memory against the card", x_title="", y_title="GiB",
+                                              height=360, elem_id="memory-chart")
                 with gr.Accordion("Alternatives the planner rejected", open=False):
                     rejected = gr.Dataframe(interactive=False, wrap=True)
                 with gr.Accordion("Advanced settings", open=True):
@@ -567,7 +570,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                         f_log = gr.Number(precision=0, minimum=1, value=1, label="log every (steps)")
                         f_eval = gr.Number(precision=0, minimum=0, value=0, label="eval every (0 = at the end)")
                 with gr.Row():
-                    shipped = gr.Dropdown(paths.recipe_files(), label="…or start from a shipped recipe", scale=3)
+                    shipped = gr.Dropdown(paths.recipe_files(), value=None, label="…or start from a shipped recipe", scale=3, elem_id="shipped-recipe")
                     load_btn = gr.Button("Load recipe", scale=1)
                 recipe_yaml = gr.Code(language="yaml", interactive=True, label="Recipe (YAML) — this is what Train runs",
                                       lines=14, max_lines=40, elem_id="recipe-yaml")
@@ -612,6 +615,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                     msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
                     send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                     clear = gr.Button("Clear", scale=1)
+                chat_status = gr.Markdown(elem_id="chat-status")
                 with gr.Accordion("Generation settings", open=False):
                     with gr.Row():
                         max_new = gr.Slider(8, 1024, value=96, step=8, label="max new tokens")
@@ -625,7 +629,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                 with gr.Row():
                     export_run = gr.Dropdown([], label="Run", scale=2, elem_id="export-run")
                     out_dir = gr.Textbox(label="Output folder", placeholder="default: runs/<run>/merged", scale=3)
-                    dtype = gr.Dropdown(["auto", "bf16", "fp16", "fp32"], value="auto", label="dtype", scale=1)
+                    dtype = gr.Dropdown(["bf16", "fp16", "fp32"], value="bf16", label="dtype", scale=1)
                     overwrite = gr.Checkbox(label="overwrite", scale=1)
                 with gr.Row():
                     merge_btn = gr.Button("Merge and save", variant="primary", elem_id="merge-btn")
@@ -661,19 +665,18 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         load_btn.click(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
                        api_name="load_recipe")
 
-        train_view = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig]
+        train_view = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig, runs_table]
         start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training").then(
             lambda n: _train_view(n, None), [run_pick, last_sig], train_view, api_name=False)
         stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
         resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
         run_pick.change(lambda n: _train_view(n, None), run_pick, train_view, api_name=False)
         timer.tick(on_tick, [run_pick, last_sig], train_view, api_name=False, show_progress="hidden")
-        gr.Timer(5.0).tick(lambda sel: _runs_outputs(sel)[1], run_pick, runs_table, api_name=False, show_progress="hidden")
         app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
 
         chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
-        send.click(on_chat, chat_inputs, [msg, tuned_bot, base_bot], api_name="chat")
-        msg.submit(on_chat, chat_inputs, [msg, tuned_bot, base_bot], api_name=False)
+        send.click(on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
+        msg.submit(on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)
         clear.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)
         chat_tab.select(on_refresh_finished, chat_run, chat_run, api_name=False)
         export_tab.select(on_refresh_finished, export_run, export_run, api_name=False)
@@ -684,6 +687,17 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
     app.chat_pool = chat_pool  # for tests and shutdown
     app.runs_dir = runs
     return app
+
+
+def _message_text(content: Any) -> str:
+    """A chat message's text, whether gradio hands it over as a string or as content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(_message_text(c) for c in content)
+    return "" if content is None else str(content)
 
 
 def _preset_choices() -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -62,25 +63,27 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
         f"95 % under {d['p95_tokens']}, longest **{d['max_tokens']}** · trained on {100 * d['label_fraction']:.0f} % of tokens",
     ]
     if over:
-        lines.append(f"⚠️ {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
+        lines.append(f"**Note:** {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
     else:
         lines.append(f"✓ every example fits in {seq_len} tokens.")
     lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
     return "\n\n".join(lines)
 
 
-def histogram_df(profile: Any, seq_len: int, bins: int = 20) -> pd.DataFrame:
-    from finetuner.data_stats import histogram
+def histogram_df(profile: Any, seq_len: int, bins: int = 24) -> pd.DataFrame:
+    """Examples per length bin over 0..max(longest, seq_len): where the data sit against the limit."""
+    import math
 
-    rows = histogram(profile.lengths, bins)
-    return pd.DataFrame(
-        {
-            "tokens": [f"{r['from']}–{r['to']}" for r in rows],
-            "start": [r["from"] for r in rows],
-            "examples": [r["count"] for r in rows],
-            "fits": ["fits" if r["to"] <= seq_len else ("cut" if r["from"] >= seq_len else "partly cut") for r in rows],
-        }
-    )
+    top = max(max(profile.lengths), seq_len)
+    width = max(1, math.ceil(top / bins))
+    counts = [0] * bins
+    for n in profile.lengths:
+        counts[min(bins - 1, n // width)] += 1
+    rows = []
+    for i, c in enumerate(counts):
+        lo, hi = i * width, (i + 1) * width
+        rows.append((f"{lo}–{hi}", c, "fits" if hi <= seq_len else ("cut" if lo >= seq_len else "partly cut")))
+    return pd.DataFrame(rows, columns=["tokens", "examples", "fits"])
 
 
 def preview_highlights(preview: Any) -> list[tuple[str, str | None]]:
@@ -88,20 +91,21 @@ def preview_highlights(preview: Any) -> list[tuple[str, str | None]]:
     for i, ex in enumerate(preview.examples):
         if i:
             out.append(("\n\n", None))
-        out.append((f"[{ex.where} · {ex.n_tokens} tokens, {ex.n_trained} trained{' · cut' if ex.truncated else ''}]\n", None))
+        where = ex.where.replace(str(Path(ex.where.split(",")[0]).parent) + "/", "") if "," in ex.where else ex.where
+        out.append((f"[{where} · {ex.n_tokens} tokens, {ex.n_trained} trained{' · cut' if ex.truncated else ''}]\n", None))
         out += ex.highlighted()
     return out
 
 
 # --------------------------------------------------------------------------- plan
 def memory_df(estimate: Any) -> pd.DataFrame:
-    rows = [(name, b / GiB, "predicted") for name, b in estimate.components.items() if b > 0]
-    rows.append(("total (predicted peak)", estimate.total_bytes / GiB, "total"))
+    """One stacked bar of the predicted peak by component, next to the card's memory and budget."""
+    rows = [("predicted peak", name, b / GiB) for name, b in estimate.components.items() if b > 0]
     if estimate.budget_bytes is not None:
-        rows.append(("card budget (95 %)", estimate.budget_bytes / GiB, "card"))
+        rows.append(("card budget", "budget (card minus margin)", estimate.budget_bytes / GiB))
     if estimate.device_bytes is not None:
-        rows.append(("card memory", estimate.device_bytes / GiB, "card"))
-    return pd.DataFrame(rows, columns=["component", "GiB", "kind"])
+        rows.append(("card", "card memory", estimate.device_bytes / GiB))
+    return pd.DataFrame(rows, columns=["bar", "component", "GiB"])
 
 
 def estimate_md(estimate: Any, gpu: Any) -> str:
@@ -109,9 +113,9 @@ def estimate_md(estimate: Any, gpu: Any) -> str:
     if estimate.budget_bytes is None:
         return f"Predicted peak **{total}**."
     if estimate.fits:
-        return (f"✅ **Fits**: predicted peak **{total}** of {gpu.memory_gib:.1f} GiB on {html.escape(gpu.name)} "
+        return (f"✓ **Fits**: predicted peak **{total}** of {gpu.memory_gib:.1f} GiB on {html.escape(gpu.name)} "
                 f"({gib(estimate.headroom_bytes, 1)} to spare).")
-    return (f"⛔ **Does not fit**: predicted peak **{total}**, but {html.escape(gpu.name)} has a budget of "
+    return (f"✕ **Does not fit**: predicted peak **{total}**, but {html.escape(gpu.name)} has a budget of "
             f"{gib(estimate.budget_bytes, 1)}. Lower the micro-batch or sequence length, turn on gradient "
             "checkpointing, or use QLoRA.")
 
@@ -120,14 +124,14 @@ def plan_md(plan: Any) -> str:
     if not plan.fits:
         s = "\n".join(f"- {html.escape(x)}" for x in plan.suggestions)
         r = "\n".join(f"- {html.escape(x)}" for x in plan.reasons)
-        return f"### ⛔ Nothing fits {html.escape(plan.gpu.name)}\n{r}\n\n**What would fit:**\n{s}"
+        return f"### ✕ Nothing fits {html.escape(plan.gpu.name)}\n{r}\n\n**What would fit:**\n{s}"
     c = plan.recipe_choice() or {}
     quant = f" {c['quantization_bits']}-bit" if c.get("quantization_bits") else ""
     head = (f"### {c['method'].upper()}{quant} · micro-batch {c['micro_batch_size']} × {c['gradient_accumulation']} · "
             f"seq {c['max_seq_len']}{' (packed)' if c.get('packing') else ''} · {c['optimizer']}"
             f"{' · checkpointing' if c.get('gradient_checkpointing') else ''}")
     why = "\n".join(f"- {html.escape(x)}" for x in plan.reasons)
-    notes = "\n".join(f"- ℹ️ {html.escape(x)}" for x in plan.notes)
+    notes = "\n".join(f"- {html.escape(x)}" for x in plan.notes)
     return f"{head}\n\n**Why**\n{why}" + (f"\n\n**Notes**\n{notes}" if notes else "")
 
 
@@ -167,7 +171,7 @@ def status_html(st: Any | None) -> str:
 def loss_df(st: Any | None) -> pd.DataFrame:
     rows: list[tuple[int, float, str]] = []
     if st is not None:
-        rows = [(s, v, "train") for s, v in st.losses] + [(s, v, "eval") for s, v in st.evals]
+        rows = [(s, round(v, 4), "train") for s, v in st.losses] + [(s, round(v, 4), "eval") for s, v in st.evals]
     return pd.DataFrame(rows, columns=["step", "loss", "series"])
 
 
