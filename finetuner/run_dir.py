@@ -47,7 +47,21 @@ def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     eff_new = _get(new, "training.micro_batch_size") * _get(new, "training.gradient_accumulation")
     if eff_old != eff_new:
         diffs.append(f"effective batch (micro_batch_size × gradient_accumulation): {eff_old} → {eff_new}")
+    diffs += _sharding_differences(old, new)
     return diffs
+
+
+def _sharding_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """A DeepSpeed ZeRO checkpoint holds one optimizer shard per process: same strategy and process count to resume."""
+    def where(d: dict[str, Any]) -> tuple[str, int]:
+        dist = d.get("distributed") or {}
+        return dist.get("strategy", "ddp"), int(dist.get("num_processes", 1)) * int(dist.get("nodes", 1))
+
+    (s_old, n_old), (s_new, n_new) = where(old), where(new)
+    zero = s_old.startswith("zero") or s_new.startswith("zero")
+    if zero and (s_old, n_old) != (s_new, n_new):
+        return [f"distributed (ZeRO checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
+    return []
 
 
 class RunLock:

@@ -279,3 +279,16 @@ def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recip
     assert ds["train_batch_size"] == 2 * 1 * 4 and ds["bf16"]["enabled"]  # micro 2 x accumulation 1 per rank x 4
     acc = ClusterConfig.from_yaml_file(str(paths["accelerate"]))
     assert acc.distributed_type == "DEEPSPEED" and acc.deepspeed_config["deepspeed_config_file"] == "deepspeed.json"
+
+
+def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count(recipe_dict):
+    from finetuner.run_dir import recipe_differences
+
+    def d(**dist):
+        return Recipe.from_dict(dict(recipe_dict, distributed=dist)).to_dict()
+
+    assert recipe_differences(d(strategy="zero2", num_processes=2), d(strategy="zero2", num_processes=2)) == []
+    assert recipe_differences(d(strategy="ddp", num_processes=2), d(strategy="ddp", num_processes=1)) == []  # DDP checkpoints are whole
+    (diff,) = recipe_differences(d(strategy="zero2", num_processes=2), d(strategy="zero2", num_processes=4))
+    assert "zero2 on 2 → zero2 on 4" in diff
+    assert recipe_differences(d(strategy="ddp"), d(strategy="zero3"))
