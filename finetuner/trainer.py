@@ -58,7 +58,8 @@ def build_optimizer(model, cfg: TrainingSection, on_cuda: bool):
         raise UserError("No trainable parameters.", hint="Check lora.target_modules matches modules of this model.")
     name, lr, wd = cfg.optimizer, cfg.lr, cfg.weight_decay
     if name == "adamw_torch":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=on_cuda)
+        # the fused kernel exists for CPU too (one pass over all tensors instead of a loop per tensor)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=wd)
     if name == "adafactor":
@@ -314,7 +315,8 @@ class Trainer:
         micro = [self.collate(examples[i : i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
         n_target = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
         total_loss, tokens = 0.0, 0
-        self.model.train()
+        if not self.model.training:  # train() walks every module: only when evaluation switched it off
+            self.model.train()
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
@@ -328,7 +330,9 @@ class Trainer:
                 self.faults.in_step(step + 1)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        if getattr(self, "_trainable", None) is None:  # walking every parameter each step costs ~1 ms on CPU
+            self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trainable
         max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if self.scaler:
