@@ -141,9 +141,10 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
     from finetuner.shapes import resolve_shape
 
     settings = dict(row["predicted_settings"])
-    # the rows that reached the model: packed rows are not always full, and a micro-batch is
-    # padded to its longest row, not to max_seq_len (one row per micro-batch: exact)
-    if row.get("tokens_per_step"):
+    # the row that reached the model: packed rows are not always full. Only with one row per
+    # micro-batch is its length known (several rows are padded to the longest, not recorded:
+    # those keep max_seq_len, an upper bound)
+    if row.get("tokens_per_step") and settings["micro_batch"] == 1:
         settings["seq_len"] = min(settings["seq_len"], -(-row["tokens_per_step"] // settings["micro_batch"]))
     if isinstance(settings.get("lora_targets"), list):
         settings["lora_targets"] = tuple(settings["lora_targets"])
