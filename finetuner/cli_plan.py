@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="Data file (JSON/JSONL/CSV/Parquet): its token lengths set the sequence length and packing.")
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
+    p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
     p.add_argument("--name", help="Run name written into the recipe.")
     p.add_argument("-o", "--output", help="Write the planned recipe to this YAML file (never overwrites; see --force).")
@@ -72,7 +73,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
-        method=args.method, margin=args.margin, name=args.name,
+        method=args.method, margin=args.margin, name=args.name, gpus=args.gpus,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -117,7 +118,10 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     )
     for r in p.reasons:
         con.print(f"  • {r}")
-    _print_breakdown(con, p.estimate)
+    if p.sharded is not None:
+        _print_strategies(con, p)
+    else:
+        _print_breakdown(con, p.estimate)
     if p.rejected:
         from rich.table import Table
 
@@ -132,6 +136,23 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         con.print(f"Recipe written to [bold]{out_path}[/]: run it with `finetuner run {out_path}`")
     else:
         con.print("Write the recipe with -o recipe.yaml, then `finetuner run recipe.yaml`.")
+
+
+def _print_strategies(con: Any, p: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Per device on {p.gpus} x {p.gpu.name} (one device alone: {p.estimate.total_bytes / GiB:.1f} GiB)",
+              title_justify="left")
+    for col in ("strategy", "GiB per device", "CPU GiB per process", "sent per device per step", "fits"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for st in p.strategies:
+        label = st["strategy"] + ("" if st["offload"] == "none" else f" + {st['offload']} offload")
+        chosen = " (chosen)" if label == p.sharded.label else ""
+        t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes'] / GiB:.1f}",
+                  f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", "yes" if st["fits"] else "no")
+    con.print(t)
+    for k, v in p.sharded.components.items():
+        con.print(f"  [dim]{k}: {v / GiB:.2f} GiB[/]")
 
 
 def _print_breakdown(con: Any, est: Any) -> None:
@@ -170,16 +191,33 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         planned = resolve_auto(recipe, gpu)
         recipe = planned.recipe
     est = estimate_recipe(recipe, gpu)
+    sharded = None
+    if recipe.distributed.world_size > 1 or recipe.distributed.offload != "none":
+        from finetuner.memory_sharding import shard_estimate
+
+        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, recipe.distributed.offload)
     if args.json:
         d = est.to_dict()
         d["gpu_profile"] = gpu.to_dict()
+        if sharded is not None:
+            d["per_device"] = sharded.to_dict()
+            d["total_bytes"], d["components"], d["fits"] = sharded.per_device_bytes, dict(sharded.components), sharded.fits
         if planned is not None:
             d["resolved"] = planned.recipe_choice()
         print(json.dumps(d, indent=2))
-        return 0 if est.fits else 1
+        return 0 if (sharded.fits if sharded is not None else est.fits) else 1
     from rich.console import Console
 
     con = Console()
+    if sharded is not None:
+        con.print(f"[bold]{args.recipe}[/]: {recipe.model.name}, {sharded.label} on {sharded.world_size} process(es) of {gpu.name}")
+        for k, v in sharded.components.items():
+            con.print(f"  {k}: {v / GiB:.2f} GiB")
+        con.print(f"per device {sharded.per_device_bytes / GiB:.1f} GiB (one device alone {est.total_bytes / GiB:.1f}); "
+                  f"CPU {sharded.host_bytes / GiB:.1f} GiB per process; sent per device per step "
+                  f"{sharded.comm_bytes_per_step / GiB:.2f} GiB ({sharded.comm_formula})")
+        con.print("[green]Fits[/]" if sharded.fits else "[red]Does not fit[/]")
+        return 0 if sharded.fits else 1
     con.print(f"[bold]{args.recipe}[/]: {recipe.model.name} ({est.settings.label}), on {gpu.name} ({gpu.memory_gib:.1f} GiB)")
     if planned is not None:
         con.print(f"auto values resolved by the planner: {json.dumps(planned.recipe_choice())}")

@@ -33,6 +33,7 @@ class GpuProfile:
     tflops: float = 100.0  # dense bf16 (or fp16 where there is no bf16) tensor TFLOP/s, fp32 accumulate
     bandwidth_gbs: float = 900.0  # device memory bandwidth, GB/s
     pcie_gbs: float = 16.0  # host <-> device, GB/s (PCIe 4.0 x16 ~ 25 in practice; keep it modest)
+    link_gbs: float = 16.0  # device <-> device for collectives, GB/s: PCIe unless NVLink (data-center cards)
     detected: bool = False
     platform: str = "cuda"  # "cpu" for :func:`cpu_profile`
 
@@ -66,10 +67,10 @@ PROFILES: dict[str, GpuProfile] = {
         GpuProfile("a10g", "NVIDIA A10G 24 GB (AWS g5)", _gib(22.06), tflops=70, bandwidth_gbs=600),
         GpuProfile("l4", "NVIDIA L4 24 GB", _gib(22.06), tflops=121, bandwidth_gbs=300),
         GpuProfile("l40s", "NVIDIA L40S 48 GB", _gib(44.52), tflops=362, bandwidth_gbs=864),
-        GpuProfile("a100-40gb", "NVIDIA A100 40 GB", _gib(39.39), tflops=312, bandwidth_gbs=1555, pcie_gbs=25),
-        GpuProfile("a100-80gb", "NVIDIA A100 80 GB", _gib(79.15), tflops=312, bandwidth_gbs=2039, pcie_gbs=25),
-        GpuProfile("h100-80gb", "NVIDIA H100 80 GB (SXM)", _gib(79.19), tflops=989, bandwidth_gbs=3350, pcie_gbs=50),
-        GpuProfile("h200", "NVIDIA H200 141 GB", _gib(139.8), tflops=989, bandwidth_gbs=4800, pcie_gbs=50),
+        GpuProfile("a100-40gb", "NVIDIA A100 40 GB", _gib(39.39), tflops=312, bandwidth_gbs=1555, pcie_gbs=25, link_gbs=240),
+        GpuProfile("a100-80gb", "NVIDIA A100 80 GB", _gib(79.15), tflops=312, bandwidth_gbs=2039, pcie_gbs=25, link_gbs=240),
+        GpuProfile("h100-80gb", "NVIDIA H100 80 GB (SXM)", _gib(79.19), tflops=989, bandwidth_gbs=3350, pcie_gbs=50, link_gbs=360),
+        GpuProfile("h200", "NVIDIA H200 141 GB", _gib(139.8), tflops=989, bandwidth_gbs=4800, pcie_gbs=50, link_gbs=360),
     ]
 }
 

@@ -97,9 +97,15 @@ class Option:
 @dataclass
 class Candidate:
     option: Option
-    estimate: MemoryEstimate
+    estimate: MemoryEstimate  # one device, no sharding
     tokens_per_s: float
     fits: bool
+    sharded: Any = None  # memory_sharding.ShardedEstimate on several devices
+
+    @property
+    def peak_bytes(self) -> int:
+        """What one device must hold."""
+        return self.sharded.per_device_bytes if self.sharded is not None else self.estimate.total_bytes
 
     def sort_key(self) -> tuple:
         o = self.option
@@ -109,14 +115,15 @@ class Candidate:
             -math.floor(math.log(max(self.tokens_per_s, 1e-9)) / math.log(1 + SPEED_TIE)),
             OPTIMIZER_PREFERENCE.index(o.optimizer),
             o.activation_offload,
-            -(self.estimate.headroom_bytes or 0),
+            self.peak_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
+        label = self.option.label + (f", {self.sharded.label} on {self.sharded.world_size} GPUs" if self.sharded else "")
         return {
-            "settings": self.option.label,
+            "settings": label,
             "fits": self.fits,
-            "total_bytes": self.estimate.total_bytes,
+            "total_bytes": self.peak_bytes,
             "tokens_per_s": round(self.tokens_per_s, 1),
         }
 
@@ -139,21 +146,34 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] | None = None
     candidates_searched: int = 0
+    gpus: int = 1
+    sharded: Any = None  # the chosen strategy's per-device memory (gpus > 1)
+    strategies: list[dict[str, Any]] = field(default_factory=list)  # every strategy for the chosen option
 
     @property
     def fits(self) -> bool:
+        if self.sharded is not None:
+            return self.recipe is not None and self.sharded.fits
         return self.recipe is not None and self.estimate is not None and self.estimate.fits
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """What one device must hold (per device with several GPUs)."""
+        if self.sharded is not None:
+            return self.sharded.per_device_bytes
+        return self.estimate.total_bytes if self.estimate else None
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate.to_dict() if self.estimate else {}
+        per = self.sharded
         return {
             "model": self.model,
             "gpu": self.gpu.to_dict(),
             "fits": self.fits,
-            "total_bytes": est.get("total_bytes"),
+            "total_bytes": per.per_device_bytes if per is not None else est.get("total_bytes"),
             "device_bytes": self.gpu.memory_bytes,
             "budget_bytes": est.get("budget_bytes"),
-            "components": est.get("components", {}),
+            "components": dict(per.components) if per is not None else est.get("components", {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
             "seq_len": self.seq_len,
             "effective_batch": self.effective_batch,
@@ -164,6 +184,9 @@ class Plan:
             "notes": self.notes,
             "data": self.data,
             "candidates_searched": self.candidates_searched,
+            "gpus": self.gpus,
+            "per_device": self.sharded.to_dict() if self.sharded is not None else None,
+            "strategies": self.strategies,
             "estimate": est,
             "recipe": self.recipe.to_dict() if self.recipe else None,
         }
@@ -182,6 +205,8 @@ class Plan:
             "offload_activations": t.offload_activations,
             "max_seq_len": r.data.max_seq_len,
             "packing": r.data.packing,
+            **({"strategy": r.distributed.strategy, "num_processes": r.distributed.num_processes,
+                "distributed_offload": r.distributed.offload} if self.gpus > 1 else {}),
         }
 
     def to_yaml(self) -> str:
@@ -190,7 +215,8 @@ class Plan:
             raise UserError(f"Nothing fits {self.gpu.name} for {self.model}; there is no recipe to write.")
         head = [
             f"# Planned by `finetuner plan` for {self.shape.name} on {self.gpu.name} ({self.gpu.memory_gib:.1f} GiB):",
-            f"# predicted peak {self.estimate.total_bytes / GiB:.1f} GiB, ~{self.tokens_per_s:,.0f} tokens/s (cost model).",
+            f"# predicted peak {self.peak_bytes / GiB:.1f} GiB{' per device' if self.gpus > 1 else ''}, "
+            f"~{self.tokens_per_s:,.0f} tokens/s (cost model).",
         ]
         head += [f"# - {r}" for r in self.reasons]
         head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
@@ -204,7 +230,10 @@ class Plan:
             if k in ("micro_batch_size", "gradient_accumulation", "optimizer", "gradient_checkpointing", "offload_activations"):
                 training[k] = v
         raw.setdefault("data", {})["max_seq_len"] = self.recipe.data.max_seq_len
-        order = ["name", "model", "method", "quantization", "lora", "data", "training", "checkpointing", "logging", "samples"]
+        if self.gpus > 1:
+            d = self.recipe.distributed
+            raw["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
+        order = ["name", "model", "method", "quantization", "lora", "data", "training", "distributed", "checkpointing", "logging", "samples"]
         ordered = {k: raw[k] for k in order if k in raw} | {k: v for k, v in raw.items() if k not in order}
         return "\n".join(head) + "\n" + yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
 
@@ -215,12 +244,14 @@ class Plan:
         if not self.fits:
             return f"Plan({self.model} on {self.gpu.name}: nothing fits; " + "; ".join(self.suggestions) + ")"
         c = self.recipe_choice() or {}
+        where = f"{self.gpus} x {self.gpu.name}" if self.gpus > 1 else self.gpu.name
+        strategy = f", {self.sharded.label}" if self.sharded is not None else ""
         return (
-            f"Plan({self.model} on {self.gpu.name}: {c['method']}"
+            f"Plan({self.model} on {where}: {c['method']}{strategy}"
             f"{' ' + str(c['quantization_bits']) + '-bit' if c['quantization_bits'] else ''}, micro-batch "
             f"{c['micro_batch_size']} x {c['gradient_accumulation']}, seq {c['max_seq_len']}, {c['optimizer']}, "
             f"checkpointing {'on' if c['gradient_checkpointing'] else 'off'}; peak "
-            f"{self.estimate.total_bytes / GiB:.1f} of {self.gpu.memory_gib:.1f} GiB)"
+            f"{self.peak_bytes / GiB:.1f} of {self.gpu.memory_gib:.1f} GiB{' per device' if self.gpus > 1 else ''})"
         )
 
     def _repr_html_(self) -> str:
@@ -253,7 +284,8 @@ def flops_per_token(shape: ModelShape, s: Settings) -> float:
     return fwd + bwd + recompute
 
 
-def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None) -> float:
+def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
+                           sharded: Any = None) -> float:
     """Training tokens per second, to rank recipes (not a promise).
 
     ``time(micro-batch) = FLOPs / (peak * MFU * utilisation) + dequantization + offload copies``;
@@ -275,6 +307,15 @@ def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est:
         t_offload = 2 * moved / (gpu.pcie_gbs * 1e9) * (1 - OFFLOAD_OVERLAP)
     t_micro = t_compute + t_dequant + t_offload
     t_update = 32 * shape.num_params / (gpu.bandwidth_gbs * 1e9) if s.method == "full" else 0.0
+    if sharded is not None and sharded.world_size > 1:
+        # each device runs its share of the micro-batches; the collectives do not overlap compute
+        # (a pessimistic simplification) and move at the cards' link bandwidth
+        n = sharded.world_size
+        per_device = math.ceil(s.gradient_accumulation / n)
+        t_comm = sharded.comm_bytes_per_step / (gpu.link_gbs * 1e9)
+        if sharded.offload != "none":
+            t_comm += 2 * sharded.host_bytes / (gpu.pcie_gbs * 1e9)
+        return tokens * s.gradient_accumulation / (per_device * t_micro + t_update / n + t_comm)
     return tokens * s.gradient_accumulation / (s.gradient_accumulation * t_micro + t_update)
 
 
@@ -348,8 +389,14 @@ def search(
     margin: float = DEFAULT_MARGIN,
     method: str | None = None,
     label_fraction: float = 1.0,
+    gpus: int = 1,
 ) -> list[tuple[Candidate, Recipe]]:
-    """Every option the recipe leaves open, estimated and ranked (best first)."""
+    """Every option the recipe leaves open, estimated and ranked (best first).
+
+    With ``gpus > 1`` each option is also split over the devices by the best strategy
+    (:func:`finetuner.memory_sharding.best_strategy`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload), and
+    its gradient accumulation must divide evenly among them.
+    """
     t = base.training
     eff = t.effective_batch_size
     fixed_method = None if base.method == "auto" else base.method
@@ -368,12 +415,24 @@ def search(
                     [bool(t.offload_activations)] if t.offload_activations != "auto" else [False])
                 for off in offloads:
                     for mb, ga in _micro_batches(eff, t.micro_batch_size, t.gradient_accumulation):
+                        if gpus > 1 and ga % gpus:
+                            continue
                         o = Option(m, bits, opt, gc, off, mb, ga)
                         recipe = _apply(base, o)
                         s = settings_from_recipe(recipe, gpu).with_(label_fraction=label_fraction)
                         est = estimate(shape, s, gpu, margin=margin)
-                        fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
-                        out.append((Candidate(o, est, predicted_tokens_per_s(shape, s, gpu, est), fits), recipe))
+                        sharded = None
+                        if gpus > 1:
+                            from finetuner.memory_sharding import compare_strategies
+
+                            sharded = compare_strategies(est, gpus)[0]
+                            fits = sharded.fits
+                            recipe = recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update={
+                                "strategy": sharded.strategy, "num_processes": gpus, "offload": sharded.offload})})
+                        else:
+                            fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
+                        tps = predicted_tokens_per_s(shape, s, gpu, est, sharded)
+                        out.append((Candidate(o, est, tps, fits, sharded), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
     return out
 
@@ -427,6 +486,7 @@ def plan(
     method: str | None = None,
     margin: float = DEFAULT_MARGIN,
     name: str | None = None,
+    gpus: int = 1,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -443,6 +503,8 @@ def plan(
         method: ``auto`` (LoRA or QLoRA), ``lora``, ``qlora``, ``qlora4``, ``qlora8``, ``full``
             or ``any`` (full fine-tuning included).
         margin: fraction of the card kept free.
+        gpus: number of such cards: the plan adds the distributed strategy (DDP, ZeRO, FSDP)
+            with its per-device memory and communication per step.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -456,6 +518,10 @@ def plan(
         raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 1.")
     if effective_batch is not None and effective_batch < 1:
         raise UserError(f"--effective-batch {effective_batch}: must be at least 1.")
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be at least 1.")
+    if effective_batch is not None and effective_batch < gpus:
+        raise UserError(f"--effective-batch {effective_batch} is smaller than --gpus {gpus}: each GPU needs an example per step.")
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
@@ -482,7 +548,7 @@ def plan(
     base = _base_recipe(model, seq_len, str(Path(data).expanduser().resolve()) if data and Path(data).exists() else data, eff, name)
     if packing:
         base = base.model_copy(update={"data": base.data.model_copy(update={"packing": True})})
-    result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction)
+    result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
@@ -499,29 +565,39 @@ def plan_recipe(
     margin: float = DEFAULT_MARGIN,
     method: str | None = None,
     label_fraction: float = 1.0,
+    gpus: int = 1,
 ) -> Plan:
     """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given."""
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction)
+    ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
     out = Plan(
         model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
-        seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked),
+        seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
     )
     if not fitting:
-        smallest = min(ranked, key=lambda cr: cr[0].estimate.total_bytes)[0]
+        if not ranked:
+            raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",
+                            hint="Make the effective batch a multiple of the number of GPUs.")
+        smallest = min(ranked, key=lambda cr: cr[0].peak_bytes)[0]
         out.estimate = smallest.estimate
+        out.sharded = smallest.sharded
         out.reasons.append(
-            f"The smallest option ({smallest.option.label}) needs "
-            f"{smallest.estimate.total_bytes / GiB:.1f} GiB, the budget is {smallest.estimate.budget_bytes / GiB:.1f} GiB."
+            f"The smallest option ({smallest.to_dict()['settings']}) needs "
+            f"{smallest.peak_bytes / GiB:.1f} GiB, the budget is {smallest.estimate.budget_bytes / GiB:.1f} GiB."
         )
-        out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction)
+        out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction, gpus)
         out.rejected = [dict(c.to_dict(), why=_why_rejected(c, smallest)) for c, _ in ranked[:8]]
         return out
     best, best_recipe = fitting[0]
     out.recipe, out.estimate, out.tokens_per_s = best_recipe, best.estimate, best.tokens_per_s
+    if gpus > 1:
+        from finetuner.memory_sharding import compare_strategies
+
+        out.sharded = best.sharded
+        out.strategies = [sh.to_dict() for sh in compare_strategies(best.estimate, gpus)]
     out.reasons = _reasons(best, ranked, prof, shape)
     out.rejected = _runners_up(ranked, best)
     return out
@@ -549,8 +625,13 @@ def _runners_up(ranked: list[tuple[Candidate, Recipe]], best: Candidate, n: int 
 
 def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuProfile, shape: ModelShape) -> list[str]:
     o, e = best.option, best.estimate
-    r = [f"{o.label}: predicted peak {e.total_bytes / GiB:.1f} GiB of {gpu.memory_gib:.1f} GiB "
+    r = [f"{best.to_dict()['settings']}: predicted peak {best.peak_bytes / GiB:.1f} GiB of {gpu.memory_gib:.1f} GiB "
          f"(budget {e.budget_bytes / GiB:.1f}), ~{best.tokens_per_s:,.0f} tokens/s"]
+    if best.sharded is not None:
+        sh = best.sharded
+        r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per device "
+                 f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{sh.comm_bytes_per_step / GiB:.2f} GiB sent "
+                 f"per device per step" + (f", {sh.host_bytes / GiB:.1f} GiB in CPU memory per process" if sh.host_bytes else ""))
     lora_fits = any(c.fits and c.option.method == "lora" for c, _ in ranked)
     if o.method == "qlora":
         smallest_lora = min((c.estimate.total_bytes for c, _ in ranked if c.option.method == "lora"), default=None)
@@ -578,31 +659,36 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
 
 
 def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: float, method: str | None,
-                   label_fraction: float) -> list[str]:
+                   label_fraction: float, gpus: int = 1) -> list[str]:
     """When nothing fits: a shorter sequence, a bigger card, or a smaller model that would."""
     out: list[str] = []
     seq = recipe.data.max_seq_len
     s = seq // 2
     while s >= 128:
         shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": s})})
-        if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction)):
+        if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction, gpus)):
             out.append(f"a shorter sequence: {s} tokens fits on {gpu.name} (examples longer than that are truncated)")
             break
         s //= 2
     for card in list_profiles():
         if card.memory_bytes <= gpu.memory_bytes or card.platform != "cuda":
             continue
-        if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction)):
+        if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus)):
             out.append(f"a bigger card: {card.name} ({card.memory_gib:.0f} GiB) fits this recipe")
             break
     smaller = sorted((p for p in presets() if p.num_params < shape.num_params), key=lambda p: -p.num_params)
     for p in smaller:
         trial = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": p.name})})
-        if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction)):
+        if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction, gpus)):
             out.append(f"a smaller model: {p.name} ({p.num_params / 1e9:.1f}B) fits on {gpu.name}")
             break
+    if gpus == 1:
+        for n in (2, 4, 8):
+            if any(c.fits for c, _ in search(recipe, shape, gpu, margin, method, label_fraction, n)):
+                out.append(f"several cards: {n} x {gpu.name} with a sharded strategy (finetuner plan --gpus {n})")
+                break
     if not out:
-        out.append("no shorter sequence, bigger single card or smaller preset fits; consider several GPUs")
+        out.append("no shorter sequence, bigger card, smaller preset or up to 8 cards fits")
     return out
 
 

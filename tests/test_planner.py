@@ -199,3 +199,26 @@ def test_run_resolves_auto_values_and_writes_the_plan(recipe_dict, tmp_path):
     # resuming keeps the resolved values instead of planning again
     res2 = run_cli("run", str(path), "-q", "--set", "training.max_steps=3")
     assert res2.returncode == 0, res2.stderr[-2000:]
+
+
+def test_several_gpus_get_a_strategy_with_per_device_memory():
+    single = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, method="lora")
+    four = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, gpus=4, method="lora")
+    assert not single.fits and four.fits
+    assert four.recipe.distributed.num_processes == 4 and four.recipe.distributed.strategy in ("zero3", "fsdp")
+    assert four.sharded.per_device_bytes < four.estimate.total_bytes and four.sharded.comm_bytes_per_step > 0
+    assert four.recipe.training.gradient_accumulation % 4 == 0
+    assert {s["strategy"] for s in four.strategies} >= {"ddp", "zero1", "zero2", "zero3"}
+    small = plan("llama-2-7b", "rtx4090", seq_len=2048, gpus=2)
+    assert small.fits and small.recipe.distributed.strategy == "ddp"  # fits replicated: least communication
+    with pytest.raises(UserError):
+        plan("llama-2-7b", "rtx4090", gpus=4, effective_batch=2)
+
+
+def test_cli_plan_gpus_json():
+    res = run_cli("plan", "--model", "llama-2-13b", "--gpu", "a100-40gb", "--gpus", "4", "--method", "lora", "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["gpus"] == 4 and d["per_device"]["world_size"] == 4
+    assert d["total_bytes"] == d["per_device"]["per_device_bytes"] == sum(d["components"].values())
+    assert d["choice"]["strategy"] == d["per_device"]["strategy"]
