@@ -25,16 +25,33 @@ _LAZY = {
     "plan": "finetuner.planner",
     "Plan": "finetuner.planner",
     "estimate": "finetuner.memory:estimate_recipe",
+    "shard_estimate": "finetuner.memory_sharding",
+    "best_strategy": "finetuner.memory_sharding",
+    "follow": "finetuner.events",
+    "ProgressBar": "finetuner.progress_bar",
+    "load_run": "finetuner.runs",
+    "Run": "finetuner.runs",
+    "merge_adapter": "finetuner.merge",
+    "MergeResult": "finetuner.merge",
+    "evaluate_run": "finetuner.evaluate",
+    "EvalResult": "finetuner.evaluate",
+    "load_chat_model": "finetuner.chat",
+    "ChatModel": "finetuner.chat",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from finetuner.errors import UserError
-    from finetuner.events import read_events
+    from finetuner.chat import ChatModel, load_chat_model
+    from finetuner.evaluate import EvalResult, evaluate_run
+    from finetuner.events import follow, read_events
     from finetuner.memory import estimate_recipe as estimate
+    from finetuner.merge import MergeResult, merge_adapter
     from finetuner.planner import Plan, plan
+    from finetuner.progress_bar import ProgressBar
     from finetuner.recipe import Recipe
+    from finetuner.runs import Run, load_run
     from finetuner.trainer import TrainResult, train
 
 

@@ -75,6 +75,75 @@ def iter_events(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
+#: Events after which a run's process writes nothing more (once it has let go of the run folder).
+END_EVENTS = ("done", "stopped", "error")
+
+
+def _run_folder_busy(run_dir: Path) -> bool:
+    """Whether a process holds the run folder's lock (see :class:`finetuner.run_dir.RunLock`)."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / ".lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor also drops a shared lock just taken
+    return False
+
+
+def follow(run_dir: str | Path, poll: float = 0.5, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    """Yield a run's events as they are written, from the first one (e.g. in a second notebook cell).
+
+    Waits for ``events.jsonl`` to appear, yields every complete line, and ends once the run has
+    finished: an end event (``done``, ``stopped``, ``error``) has been read and no process holds
+    the run folder any more (so the ``samples`` written after ``done`` are not missed). With
+    ``timeout``, it also ends after that many seconds without a new event.
+
+    Example::
+
+        >>> for ev in finetuner.follow("runs/demo_cpu"):      # doctest: +SKIP
+        ...     if ev["event"] == "step":
+        ...         print(ev["step"], ev["loss"])
+    """
+    run_dir = Path(run_dir)
+    path = run_dir if run_dir.suffix == ".jsonl" else run_dir / "events.jsonl"
+    run_dir = path.parent
+    offset, buf, ended = 0, b"", False
+    last_new = time.monotonic()
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        if chunk:
+            offset += len(chunk)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                last_new = time.monotonic()
+                if ev.get("event") in END_EVENTS:
+                    ended = True
+                elif ev.get("event") == "start":  # a resumed run goes on
+                    ended = False
+                yield ev
+        if ended and not buf and not _run_folder_busy(run_dir):
+            return
+        if timeout is not None and time.monotonic() - last_new > timeout:
+            return
+        time.sleep(poll)
+
+
 def device_memory(device: str) -> dict[str, int]:
     """Memory now, in bytes: the CUDA caching allocator's counters, or the process RSS on CPU."""
     if device.startswith("cuda"):
