@@ -1,0 +1,140 @@
+"""finetuner merge: a plain transformers folder that matches the adapter; QLoRA onto a full-precision base; bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import finetuner
+from finetuner.merge import merge_adapter, parse_size
+from finetuner.recipe import Recipe
+from tests.conftest import alpaca_rows, run_cli
+
+
+def _train(tmp_path_factory, tiny_model_dir, name, overrides=()):
+    data = tmp_path_factory.mktemp(f"{name}-data") / "alpaca.json"
+    data.write_text(json.dumps(alpaca_rows(24)), encoding="utf-8")
+    recipe = {
+        "name": name,
+        "model": {"name": str(tiny_model_dir)},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 64},
+        "training": {"max_steps": 3, "lr": 2e-2, "micro_batch_size": 4, "warmup_steps": 0},
+        "checkpointing": {"save_every": 3},
+        "logging": {"tensorboard": False},
+        "output_dir": str(tmp_path_factory.mktemp(name) / "run"),
+    }
+    return finetuner.train(Recipe.from_dict(recipe, list(overrides))).run_dir
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model_dir):
+    return _train(tmp_path_factory, tiny_model_dir, "lora")
+
+
+def _probe():
+    import torch
+
+    return torch.tensor([[5, 17, 42, 99, 150, 7, 230, 12]])
+
+
+def test_merged_folder_loads_with_plain_transformers_and_matches_the_adapter(lora_run, tiny_model_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "merged"
+    r = merge_adapter(lora_run, out, dtype="fp32", shard_size="100KB")
+    assert r.max_abs_diff is not None and r.max_abs_diff < 1e-4 and r.top1_agreement == 1.0
+    assert r.adapter_effect > 100 * r.max_abs_diff  # the check compares something the adapter changes
+    assert r.shards > 1 and (out / "model.safetensors.index.json").is_file()
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", "finetuner_merge.json"} <= names
+    assert not [n for n in names if n.endswith((".bin", ".pt"))]
+    assert not list(tmp_path.glob(".merged.tmp-*"))
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_run / "adapter").eval()
+    with torch.no_grad():
+        a, b = merged(input_ids=_probe()).logits, tuned(input_ids=_probe()).logits
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_qlora_run_merges_onto_the_full_precision_base(tmp_path_factory, tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = _train(tmp_path_factory, tiny_model_dir, "qlora", ["method=qlora", "quantization.compute_dtype=fp32"])
+    out = tmp_path / "merged"
+    r = merge_adapter(run, out, dtype="fp32")
+    assert r.max_abs_diff < 1e-4 and any("4-bit" in n for n in r.notes)
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert all(type(m).__name__ != "Linear4bit" for m in merged.modules())
+    lora = load_file(run / "adapter" / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = lora[f"{key}.lora_A.weight"], lora[f"{key}.lora_B.weight"]
+    want = base.model.layers[0].self_attn.q_proj.weight + (b @ a) * (16 / 8)  # W + B·A·alpha/r, unquantized W
+    assert torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, want, atol=1e-6)
+
+
+def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "beside.txt").write_text("also mine")
+    p = run_cli("merge", str(lora_run), "-o", str(out))
+    assert p.returncode == 2 and "not empty" in p.stderr and "--overwrite" in p.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+
+    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite")
+    assert p.returncode == 0, p.stderr
+    assert "max |logit difference|" in p.stdout and "peak RAM" in p.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
+    assert not (out / "notes.txt").exists() and (tmp_path / "beside.txt").read_text() == "also mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["beside.txt", "out"]  # no temporary folders left
+
+    other_run = tmp_path / "other-run"
+    other_run.mkdir()
+    (other_run / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(finetuner.UserError, match="holds a finetuner run"):
+        merge_adapter(lora_run, other_run, overwrite=True)
+    with pytest.raises(finetuner.UserError, match="holds the model being merged"):
+        merge_adapter(lora_run, lora_run, overwrite=True)
+
+
+def test_a_run_with_no_adapter_and_a_missing_base_are_clear_errors(lora_run, tiny_model_dir, tmp_path):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(lora_run / "recipe.yaml", unfinished / "recipe.yaml")
+    shutil.copytree(lora_run / "checkpoints", unfinished / "checkpoints")
+    p = run_cli("merge", str(unfinished), "-o", str(tmp_path / "m"))
+    assert p.returncode == 2 and "has no adapter/ folder" in p.stderr and "step-00000003" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "m").exists()
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_run / "adapter", adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(finetuner.UserError, match="cannot be found") as e:
+        merge_adapter(adapter, tmp_path / "m")
+    assert "--base" in e.value.hint
+    with pytest.raises(finetuner.UserError, match="nothing to merge"):
+        merge_adapter(tiny_model_dir, tmp_path / "m")
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
+    assert parse_size(123) == 123
+    for bad in ("lots", "-1GB", "0"):
+        with pytest.raises(finetuner.UserError, match="not a size"):
+            parse_size(bad)
