@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune 7B-13B language models on one GPU: finetuner predicts memory and picks the recipe that fits.",
     )
     parser.add_argument("--debug", action="store_true", help="Show tracebacks for user errors too.")
-    parser.add_argument("--version", action="version", version=f"finetuner {_version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="Show the version and exit.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     import importlib
@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (importlib.metadata costs ~80 ms at start-up)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"finetuner {_version()}")
+        parser.exit()
 
 
 def _version() -> str:

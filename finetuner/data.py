@@ -63,6 +63,7 @@ class DataStats:
     packed_rows: int | None = None
     packing: bool | None = None
     cache: str | None = None  # "hit", "miss" or None (not cached)
+    prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -304,8 +305,11 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
     Served from the on-disk cache (:mod:`finetuner.data_cache`) when the same files, tokenizer,
     template, settings and seed were prepared before (``data.cache: false`` turns it off).
     """
+    import time
+
     from finetuner import data_cache
 
+    t0 = time.perf_counter()
     template = chat_template_for(tokenizer, cfg)
     key = data_cache.cache_key(cfg, tokenizer, template, seed) if cfg.cache else None
     if key is not None:
@@ -314,12 +318,14 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
             train, val, stats = hit
             stats = DataStats(**stats)
             stats.cache = "hit"
+            stats.prepare_s = round(time.perf_counter() - t0, 3)
             log.info("Tokenized data from the cache: %s", data_cache.cache_dir(key))
             return PreparedData(train, val, stats, template)
     prepared = _prepare_uncached(cfg, tokenizer, seed)
     if key is not None:
         prepared.stats.cache = "miss"
         data_cache.store(key, prepared.train, prepared.val, prepared.stats.to_dict())
+    prepared.stats.prepare_s = round(time.perf_counter() - t0, 3)
     return prepared
 
 
