@@ -140,7 +140,7 @@ def job_for(run_dir: str | Path, runs_dir: str | Path | None = None) -> Job | No
 # --------------------------------------------------------------------------- start / stop
 def safe_name(name: str) -> str:
     """A folder name from free text: letters, digits, ``.-_`` only, no leading dot."""
-    s = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-_")
+    s = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", name)).strip(".-_")
     return s[:80] or "run"
 
 

@@ -228,16 +228,19 @@ class ChatPool:
 
 
 # --------------------------------------------------------------------------- the app
-def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
+def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None = None) -> gr.Blocks:
+    """The app. ``runs_dir``: where runs and the job registry live (default ``runs/`` of the
+    checkout); ``upload_dir``: where uploaded data files are stored (default ``data/uploads/``)."""
     runs = Path(runs_dir or paths.runs_dir_default()).expanduser().resolve()
+    uploads = Path(upload_dir).expanduser().resolve() if upload_dir else paths.UPLOAD_DIR
     runs.mkdir(parents=True, exist_ok=True)
     chat_pool = ChatPool()
 
     def run_path(name: str | None) -> Path:
-        if not name or Path(name).name != name:
+        if not name:
             raise UserError("Pick a run first.")
         p = runs / name
-        if not p.is_dir():
+        if Path(name).name != name or name.startswith(".") or not p.is_dir():  # only folders directly in runs/
             raise UserError(f"No run named {name} in {runs}.")
         return p
 
@@ -263,7 +266,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
     def on_upload(file_path: str | None):
         if not file_path:
             raise UserError("No file was uploaded.")
-        dest = paths.save_upload(file_path, Path(file_path).name)
+        dest = paths.save_upload(file_path, Path(file_path).name, uploads)
         gr.Info(f"Saved as {paths.display(dest)}")
         return gr.update(choices=paths.data_files(), value=paths.display(dest))
 
@@ -304,8 +307,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         if not est.fits:
             gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
         return (
-            gr.update(value=views.memory_df(est),
-                      title=f"Predicted peak {views.gib(est.total_bytes, 1)} against {gpu.name} ({gpu.memory_gib:.1f} GiB)"),
+            _memory_plot(est, gpu),
             views.estimate_md(est, gpu),
             text,
             _download_file(text, recipe.name),
@@ -326,7 +328,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
-            empty = views.memory_df(p.estimate) if p.estimate else None
+            empty = _memory_plot(p.estimate, p.gpu) if p.estimate else None
             return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
                     views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10)
         recipe = p.recipe
@@ -366,7 +368,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         st = None
         if name and (runs / name).is_dir():
             st = jobs.run_status(runs / name, runs)
-        sig = (name, len(st.losses), len(st.evals), st.state) if st else None
+        sig = (name, len(st.losses), len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
         if sig != last_sig:  # a new series needs a new title: the chart then rebuilds its colour scale
             df = views.loss_df(st)
             plot = gr.update(value=df, title="Loss — " + " and ".join(sorted(set(df["series"]), reverse=True) or ["train"]))
@@ -386,11 +388,18 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
             table,
         )
 
-    def on_tick(name: str | None, last_sig: Any):
+    def train_view(name: str | None, last_sig: Any):
+        """The Train tab's outputs; the loss chart is cleared first when a series appears (gradio's
+        chart keeps its first colour scale otherwise, and the eval line would not show)."""
         try:
-            return _train_view(name, last_sig)
+            out = _train_view(name, last_sig)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
-            return (gr.skip(),) * 9
+            yield (gr.skip(),) * 9
+            return
+        sig = out[7]
+        if sig is not None and (last_sig is None or sig[0] != last_sig[0] or sig[-1] != last_sig[-1]):
+            yield (gr.skip(), None, *([gr.skip()] * 7))
+        yield out
 
     def _runs_outputs(selected: str | None):
         names = run_names()
@@ -551,9 +560,9 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                         plan_md = gr.Markdown(elem_id="plan-summary")
                         est_md = gr.Markdown(elem_id="estimate")
                     with gr.Column(scale=2):
-                        mem_plot = gr.BarPlot(x="bar", y="GiB", color="component", sort=["predicted peak", "card budget", "card"],
+                        mem_plot = gr.BarPlot(x="component", y="GiB", color="kind", color_map=views.MEMORY_COLORS,
                                               title="Predicted memory against the card", x_title="", y_title="GiB",
-                                              height=360, elem_id="memory-chart")
+                                              x_label_angle=-30, height=380, elem_id="memory-chart")
                 with gr.Accordion("Alternatives the planner rejected", open=False):
                     rejected = gr.Dataframe(interactive=False, wrap=True)
                 with gr.Accordion("Advanced settings", open=True):
@@ -585,7 +594,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                     start_btn = gr.Button("▶ Start training", variant="primary", elem_id="start-btn")
                     stop_btn = gr.Button("■ Stop (save a checkpoint)", variant="stop", interactive=False, elem_id="stop-btn")
                     resume_btn = gr.Button("↻ Resume", interactive=False, elem_id="resume-btn")
-                run_pick = gr.Dropdown([], label="Run", info="the run shown below; pick a past run to reopen it",
+                run_pick = gr.Dropdown([], label="Run", allow_custom_value=True, info="the run shown below; pick a past run to reopen it",
                                        elem_id="run-pick")
                 status = gr.HTML(views.status_html(None), elem_id="train-status")
                 with gr.Row():
@@ -606,7 +615,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                             "The models load in a separate process (the first answer takes a moment).",
                             elem_classes="ft-step")
                 with gr.Row():
-                    chat_run = gr.Dropdown([], label="Fine-tuned run", scale=3, elem_id="chat-run")
+                    chat_run = gr.Dropdown([], label="Fine-tuned run", allow_custom_value=True, scale=3, elem_id="chat-run")
                     compare = gr.Checkbox(value=True, label="Base model beside it", scale=1)
                 with gr.Row():
                     tuned_bot = gr.Chatbot(label="Fine-tuned", height=340, elem_id="chat-tuned")
@@ -627,7 +636,7 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
                 gr.Markdown("Merge the adapter into the base model (a full-precision reload of the base, so outputs match), "
                             "or download the adapter alone.", elem_classes="ft-step")
                 with gr.Row():
-                    export_run = gr.Dropdown([], label="Run", scale=2, elem_id="export-run")
+                    export_run = gr.Dropdown([], label="Run", allow_custom_value=True, scale=2, elem_id="export-run")
                     out_dir = gr.Textbox(label="Output folder", placeholder="default: runs/<run>/merged", scale=3)
                     dtype = gr.Dropdown(["bf16", "fp16", "fp32"], value="bf16", label="dtype", scale=1)
                     overwrite = gr.Checkbox(label="overwrite", scale=1)
@@ -645,10 +654,10 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
 
         data_inputs = [model, data_file, seq_len]
         data_outputs = [data_md, preview, hist]
-        data_file.change(on_data, data_inputs, data_outputs, api_name="analyse_data")
-        seq_len.submit(on_data, data_inputs, data_outputs, api_name=False)
-        seq_len.blur(on_data, data_inputs, data_outputs, api_name=False)
-        model.change(on_data, data_inputs, data_outputs, api_name=False)
+        data_file.change(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name="analyse_data")
+        seq_len.submit(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
+        seq_len.blur(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
+        model.change(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
         app.load(on_data, data_inputs, data_outputs, api_name=False)
         upload.upload(on_upload, upload, data_file, api_name="upload_data")
 
@@ -656,22 +665,21 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
         est_outputs = [mem_plot, est_md, recipe_yaml, download]
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields]
         plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
-        plan_btn.click(on_plan, plan_inputs, plan_outputs, api_name="plan")
+        plan_btn.click(_clear, None, mem_plot, api_name=False).then(on_plan, plan_inputs, plan_outputs, api_name="plan")
         plan_tab.select(lambda y, *a: on_plan(*a) if not (y or "").strip() else (gr.skip(),) * len(plan_outputs),
                         [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
-            f.input(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
-        check_btn.click(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields], api_name="estimate")
-        load_btn.click(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
+            f.input(_clear, None, mem_plot, api_name=False).then(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
+        check_btn.click(_clear, None, mem_plot, api_name=False).then(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields], api_name="estimate")
+        load_btn.click(_clear, None, mem_plot, api_name=False).then(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
                        api_name="load_recipe")
 
-        train_view = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig, runs_table]
-        start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training").then(
-            lambda n: _train_view(n, None), [run_pick, last_sig], train_view, api_name=False)
+        train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig, runs_table]
+        start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training")
         stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
         resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
-        run_pick.change(lambda n: _train_view(n, None), run_pick, train_view, api_name=False)
-        timer.tick(on_tick, [run_pick, last_sig], train_view, api_name=False, show_progress="hidden")
+        run_pick.change(functools.partial(train_view, last_sig=None), run_pick, train_outputs, api_name=False)
+        timer.tick(train_view, [run_pick, last_sig], train_outputs, api_name=False, show_progress="hidden")
         app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
 
         chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
@@ -687,6 +695,17 @@ def build_app(runs_dir: str | Path | None = None) -> gr.Blocks:
     app.chat_pool = chat_pool  # for tests and shutdown
     app.runs_dir = runs
     return app
+
+
+def _clear() -> None:
+    """Empties a chart before new data: gradio's charts keep their first colour scale otherwise."""
+    return None
+
+
+def _memory_plot(est, gpu) -> dict:
+    df = views.memory_df(est)
+    return gr.update(value=df, sort=list(df["component"]),
+                     title=f"Predicted peak {views.gib(est.total_bytes, 1)} against {gpu.name} ({gpu.memory_gib:.1f} GiB)")
 
 
 def _message_text(content: Any) -> str:

@@ -99,13 +99,17 @@ def preview_highlights(preview: Any) -> list[tuple[str, str | None]]:
 
 # --------------------------------------------------------------------------- plan
 def memory_df(estimate: Any) -> pd.DataFrame:
-    """One stacked bar of the predicted peak by component, next to the card's memory and budget."""
-    rows = [("predicted peak", name, b / GiB) for name, b in estimate.components.items() if b > 0]
+    """The predicted peak by component, then the peak itself, then the card's budget (GiB)."""
+    rows = [(name, round(b / GiB, 3), "component") for name, b in estimate.components.items() if b > 0]
+    peak = "predicted peak" if estimate.fits else "predicted peak (too big)"
+    rows.append(("predicted peak", round(estimate.total_bytes / GiB, 3), peak))
     if estimate.budget_bytes is not None:
-        rows.append(("card budget", "budget (card minus margin)", estimate.budget_bytes / GiB))
-    if estimate.device_bytes is not None:
-        rows.append(("card", "card memory", estimate.device_bytes / GiB))
-    return pd.DataFrame(rows, columns=["bar", "component", "GiB"])
+        rows.append(("card budget", round(estimate.budget_bytes / GiB, 3), "card budget (95 %)"))
+    return pd.DataFrame(rows, columns=["component", "GiB", "kind"])
+
+
+MEMORY_COLORS = {"component": "#818cf8", "predicted peak": "#10b981", "predicted peak (too big)": "#ef4444",
+                 "card budget (95 %)": "#94a3b8"}
 
 
 def estimate_md(estimate: Any, gpu: Any) -> str:
