@@ -42,15 +42,34 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
 
 
+_LIGER_IMPORT_ERROR: list[str] = []
+
+
+def liger_importable() -> bool:
+    """Whether Liger's patching module imports with this transformers (checked once, on CUDA only)."""
+    if not _LIGER_IMPORT_ERROR:
+        try:
+            import liger_kernel.transformers.fused_linear_cross_entropy  # noqa: F401
+            import liger_kernel.transformers.monkey_patch  # noqa: F401
+
+            _LIGER_IMPORT_ERROR.append("")
+        except Exception as e:  # noqa: BLE001 - a version mismatch with transformers shows up here
+            _LIGER_IMPORT_ERROR.append(f"{type(e).__name__}: {e}")
+    return not _LIGER_IMPORT_ERROR[0]
+
+
 def resolve_kernels(setting: str, on_cuda: bool, model_type: str | None) -> str:
     """``liger`` or ``none`` for ``training.kernels`` on this device and architecture."""
     if setting == "none":
         return "none"
-    usable = on_cuda and liger_installed() and model_type in LIGER_MODEL_TYPES
+    usable = on_cuda and liger_installed() and model_type in LIGER_MODEL_TYPES and liger_importable()
+    if setting == "auto" and on_cuda and liger_installed() and not usable and _LIGER_IMPORT_ERROR and _LIGER_IMPORT_ERROR[0]:
+        log.warning("liger-kernel is installed but does not import here (%s); training without it.", _LIGER_IMPORT_ERROR[0])
     if setting == "liger" and not usable:
         why = ("no CUDA GPU is in use (Liger's kernels are Triton, CUDA only)" if not on_cuda else
                "liger-kernel is not installed" if not liger_installed() else
-               f"the architecture '{model_type}' is not one finetuner applies Liger to")
+               f"the architecture '{model_type}' is not one finetuner applies Liger to" if model_type not in LIGER_MODEL_TYPES else
+               f"liger-kernel does not import with this transformers ({_LIGER_IMPORT_ERROR[0]})")
         raise UserError(
             f"training.kernels: liger was asked for but {why}.",
             hint="Install it with `pip install 'finetuner[speed]'` on a CUDA machine, or set training.kernels: auto.",

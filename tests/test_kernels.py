@@ -18,6 +18,7 @@ def test_liger_is_never_chosen_without_cuda():
 
 def test_liger_auto_needs_the_package_and_a_supported_architecture(monkeypatch):
     monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(kernels, "liger_importable", lambda: True)
     assert kernels.resolve_kernels("auto", on_cuda=True, model_type="llama") == "liger"
     assert kernels.resolve_kernels("auto", on_cuda=True, model_type="gpt2") == "none"
     with pytest.raises(UserError, match="architecture 'gpt2'"):
