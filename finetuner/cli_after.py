@@ -100,14 +100,23 @@ def _gen(args: argparse.Namespace) -> dict:
 
 
 def _stream_to_stdout(pieces) -> str:
-    text = []
+    """Write the pieces as they come, without the reply's leading and trailing whitespace."""
+    text, pending = [], ""
     for piece in pieces:
-        text.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        if not text:
+            piece = piece.lstrip()
+        body = piece.rstrip()
+        if body:
+            out = pending + body
+            text.append(out)
+            sys.stdout.write(out)
+            sys.stdout.flush()
+            pending = piece[len(body):]
+        else:
+            pending += piece
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return "".join(text).strip()
+    return "".join(text)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
