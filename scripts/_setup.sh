@@ -34,3 +34,18 @@ if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
   echo "$_want" > "$_stamp"
 fi
 export PATH="$_venv/bin:$PATH"
+# The browser test (tests/test_ui_browser.py) drives Debian's Chromium through Playwright; never
+# `playwright install`. Installed here with apt when missing (as root, or with password-less
+# sudo); if that cannot be done the browser test is skipped with the reason.
+if [[ ",${_extras}," == *",test,"* ]] && [ ! -x /usr/bin/chromium ] && command -v apt-get > /dev/null; then
+  _sudo=""
+  [ "$(id -u)" != "0" ] && command -v sudo > /dev/null && sudo -n true 2> /dev/null && _sudo="sudo -n"
+  if [ "$(id -u)" = "0" ] || [ -n "$_sudo" ]; then
+    echo "finetuner: installing chromium for the browser test (apt-get)"
+    { $_sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $_sudo apt-get install -y -q --no-install-recommends chromium; } \
+      > "$_venv/chromium-install.log" 2>&1 \
+      || echo "finetuner: could not install chromium (see $_venv/chromium-install.log); the browser test will be skipped" >&2
+  else
+    echo "finetuner: no /usr/bin/chromium and no root/sudo to install it; the browser test will be skipped" >&2
+  fi
+fi

@@ -134,7 +134,7 @@ def test_whole_flow_in_browser(server, page):
     shot(page, "02-data")
 
     # 3. plan: the planner's recipe, its memory chart against the card, the reasons
-    tab(page, "3 · Plan")
+    page.get_by_role("button", name="Next: the plan →").click()
     wait_text(page, "#plan-summary", r"LORA")
     wait_text(page, "#estimate", r"Fits")
     sync_api.expect(page.locator("#memory-chart canvas, #memory-chart svg").first).to_be_visible()

@@ -39,6 +39,7 @@ COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
 
 CSS = """
 .gradio-container {max-width: 1240px !important; margin: auto;}
+.gradio-container .tabs, .gradio-container .tabitem {width: 100%;}
 #ft-title h1 {margin-bottom: 0; font-size: 1.7em;}
 #ft-title p {margin-top: 2px; color: var(--body-text-color-subdued);}
 .ft-status {padding: 10px 14px; border: 1px solid var(--border-color-primary); border-radius: 10px;
@@ -515,7 +516,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             "# finetuner\nFine-tune a language model with LoRA or QLoRA — and know before you start whether it fits your card.",
             elem_id="ft-title",
         )
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             # ---------------------------------------------------------- 1 model & card
             with gr.Tab("1 · Model & card", id="model"):
                 gr.Markdown("Choose the model to fine-tune and the card it will train on.", elem_classes="ft-step")
@@ -525,6 +526,9 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                     card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card",
                                        info="a known GPU, 'auto' (detected), 'cpu', or a size such as 24GB", scale=2)
                 model_md = gr.Markdown(elem_id="model-card")
+                with gr.Accordion("Known cards", open=False):
+                    gr.Dataframe(_cards_df(), interactive=False, elem_id="cards-table")
+                next1 = gr.Button("Next: the data →", size="sm")
             # ---------------------------------------------------------- 2 data
             with gr.Tab("2 · Data", id="data"):
                 gr.Markdown("Pick a data file (JSONL, JSON, CSV or Parquet) or upload one. The preview shows each example "
@@ -547,6 +551,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                                           color_map={"fits": "#10b981", "partly cut": "#f59e0b", "cut": "#ef4444"},
                                           title="Token lengths", x_title="tokens per example", y_title="examples",
                                           x_label_angle=-45, height=320, elem_id="length-hist")
+                next2 = gr.Button("Next: the plan →", size="sm")
             # ---------------------------------------------------------- 3 plan
             with gr.Tab("3 · Plan", id="plan") as plan_tab:
                 gr.Markdown("The planner picks the fastest recipe that fits the card and says why. Change any advanced "
@@ -586,6 +591,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 with gr.Row():
                     check_btn = gr.Button("Check edited YAML")
                     download = gr.DownloadButton("Download recipe.yaml", value=None)
+                next3 = gr.Button("Next: train →", size="sm")
             # ---------------------------------------------------------- 4 train
             with gr.Tab("4 · Train", id="train"):
                 gr.Markdown("Training runs in its own process: close or reload the page at any time — the run goes on, "
@@ -647,6 +653,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 zip_file = gr.File(label="Adapter", interactive=False, elem_id="adapter-zip")
 
         # ------------------------------------------------------------------ wiring
+        for button, target in ((next1, "data"), (next2, "plan"), (next3, "train")):
+            button.click(functools.partial(gr.Tabs, selected=target), None, tabs, api_name=False)
         model_inputs = [model, card]
         for comp in model_inputs:
             comp.change(on_model, model_inputs, model_md, api_name=False)
@@ -666,8 +674,11 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields]
         plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
         plan_btn.click(_clear, None, mem_plot, api_name=False).then(on_plan, plan_inputs, plan_outputs, api_name="plan")
-        plan_tab.select(lambda y, *a: on_plan(*a) if not (y or "").strip() else (gr.skip(),) * len(plan_outputs),
-                        [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
+        def plan_if_empty(text, *args):
+            return on_plan(*args) if not (text or "").strip() else (gr.skip(),) * len(plan_outputs)
+
+        plan_tab.select(plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
+        next2.click(plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(_clear, None, mem_plot, api_name=False).then(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
         check_btn.click(_clear, None, mem_plot, api_name=False).then(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields], api_name="estimate")
@@ -717,6 +728,13 @@ def _message_text(content: Any) -> str:
     if isinstance(content, (list, tuple)):
         return "".join(_message_text(c) for c in content)
     return "" if content is None else str(content)
+
+
+def _cards_df():
+    import pandas as pd
+
+    rows = [(p.name, p.description, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no") for p in _profiles()]
+    return pd.DataFrame(rows, columns=["card", "description", "GiB", "bf16"])
 
 
 def _preset_choices() -> list[str]:
