@@ -38,7 +38,7 @@ OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bi
 COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
 
 CSS = """
-.gradio-container {max-width: 1240px !important; margin: auto;}
+.gradio-container {width: 100% !important; max-width: 1240px !important; margin: auto;}
 .gradio-container .tabs, .gradio-container .tabitem {width: 100%;}
 #ft-title h1 {margin-bottom: 0; font-size: 1.7em;}
 #ft-title p {margin-top: 2px; color: var(--body-text-color-subdued);}
@@ -526,7 +526,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                     card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card",
                                        info="a known GPU, 'auto' (detected), 'cpu', or a size such as 24GB", scale=2)
                 model_md = gr.Markdown(elem_id="model-card")
-                with gr.Accordion("Known cards", open=False):
+                with gr.Accordion("Known cards", open=True):
                     gr.Dataframe(_cards_df(), interactive=False, elem_id="cards-table")
                 next1 = gr.Button("Next: the data →", size="sm")
             # ---------------------------------------------------------- 2 data
