@@ -198,7 +198,7 @@ class DistributedSection(_Section):
 
     strategy: Strategy = Field(
         "ddp",
-        description="ddp (replicated), fsdp (accelerate FSDP, GPUs only), zero1/zero2/zero3 (DeepSpeed ZeRO stages).",
+        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages); fsdp: config only, refused by run (use zero3).",
     )
     num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
     offload: Offload = Field(
