@@ -211,16 +211,19 @@ def merge_adapter(
     template = chat_template(src, tokenizer)
     tokenizer.chat_template = template
     trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
+    from finetuner.modeling import weight_format_kwargs, weights_load_hint
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             load_from, dtype=torch_dtype, revision=None if src.kind == "full" else revision,
-            trust_remote_code=trust, use_safetensors=True,
+            trust_remote_code=trust, **weight_format_kwargs(pickle_ok, load_from),
         )
     except OSError as e:
         raise UserError(f"Could not load the base model '{load_from}' ({e}).",
-                        hint="finetuner loads safetensors weights; pass the base model's folder or hub id with --base.") from None
+                        hint=weights_load_hint(e, pickle_ok) + " Or pass the base model's folder or hub id with --base.") from None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
     if free < weight_bytes * 1.05 + 50 * 2**20:

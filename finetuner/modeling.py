@@ -102,7 +102,7 @@ def load_tokenizer(recipe: Recipe):
     except (OSError, ValueError) as e:
         raise UserError(
             f"model.name: could not load a tokenizer from '{m.name}' ({e}).",
-            hint="Give a local folder with tokenizer files, or a hub id (online).",
+            hint=hub_access_hint(e) or "Give a local folder with tokenizer files, or a hub id (online).",
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
@@ -117,11 +117,58 @@ def _warn_remote_code(recipe: Recipe) -> None:
         )
 
 
+def weight_format_kwargs(allow_pickle: bool, name: str) -> dict[str, Any]:
+    """``from_pretrained`` arguments for the weight files finetuner accepts: safetensors only,
+    unless ``model.allow_pickle`` says pickle files (``pytorch_model.bin``) may be unpickled too."""
+    if not allow_pickle:
+        return {"use_safetensors": True}
+    log.warning("model.allow_pickle is on: pickle weight files of '%s' may be loaded; unpickling can run code.", name)
+    return {"use_safetensors": None}
+
+
+_GATED = ("gated", "401", "403", "unauthorized", "forbidden", "restricted", "access to model")
+
+
+def hub_access_hint(error: Exception) -> str | None:
+    """The hint for a gated or private hub repository (the hub answered 401/403), else None."""
+    text = str(error).lower()
+    if any(word in text for word in _GATED):
+        return ("The repository is gated or private: accept its licence on the hub, then log in with `hf auth login` "
+                "(older huggingface_hub: `huggingface-cli login`) or set HF_TOKEN. finetuner never writes the token "
+                "into a run folder.")
+    return None
+
+
+def require_bitsandbytes(what: str):
+    """Import bitsandbytes for ``what`` (4/8-bit weights, 8-bit or paged optimizers), or say why it cannot be used."""
+    try:
+        import bitsandbytes
+    except Exception as e:  # noqa: BLE001 - ImportError, or a native library that fails to load (OSError, RuntimeError)
+        raise UserError(
+            f"{what} needs bitsandbytes, which cannot be imported on this machine ({type(e).__name__}: {e}).",
+            hint="Install it (pip install bitsandbytes; it supports Linux and Windows on x86-64 with an NVIDIA GPU or the "
+                 "CPU). Without it, use method: lora with optimizer adamw_torch or adafactor (finetuner plan --method lora).",
+        ) from None
+    return bitsandbytes
+
+
+def weights_load_hint(error: Exception, allow_pickle: bool) -> str:
+    """What to do when loading weights failed: names the pickle opt-in when only pickles were found."""
+    gated = hub_access_hint(error)
+    if gated:
+        return gated
+    if not allow_pickle and "safetensors" in str(error):
+        return ("finetuner loads safetensors weights only (pickle files can run code when loaded). If this model ships "
+                "only pytorch_model.bin and you trust it, set model.allow_pickle: true; else check the folder or hub id.")
+    return "Check the folder or hub id (and your connection)."
+
+
 def bnb_config(recipe: Recipe, rt: Runtime):
     """The ``BitsAndBytesConfig`` for the recipe's quantization section (None if unquantized)."""
     q = recipe.quantization
     if q is None:
         return None
+    require_bitsandbytes(f"quantization.bits: {q.bits} (method {recipe.method})")
     from transformers import BitsAndBytesConfig
 
     if q.bits == 8:
@@ -145,7 +192,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
         dtype=rt.torch_dtype(rt.base_dtype),
-        use_safetensors=True,
+        **weight_format_kwargs(m.allow_pickle, m.name),
     )
     if rt.attention != "auto":
         kwargs["attn_implementation"] = rt.attention
@@ -167,7 +214,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     except OSError as e:
         raise UserError(
             f"model.name: could not load '{m.name}' ({e}).",
-            hint="finetuner loads safetensors weights only; check the folder or hub id (and your connection).",
+            hint=weights_load_hint(e, m.allow_pickle),
         ) from None
     if quant is None and not m.max_memory:
         model.to(rt.device)

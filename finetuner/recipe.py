@@ -49,6 +49,13 @@ class ModelSection(_Section):
     trust_remote_code: bool = Field(
         False, description="Run code shipped with the model. Off unless you trust the repository."
     )
+    allow_pickle: bool = Field(
+        False,
+        description=(
+            "Also load pickle weights (pytorch_model.bin) when the model has no safetensors. Off: unpickling "
+            "can run code, so only turn it on for files you trust."
+        ),
+    )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     max_memory: dict[str, str] | None = Field(
         None,
@@ -311,7 +318,7 @@ class Recipe(_Section):
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Recipe:
         """Load, override, validate and resolve a recipe file."""
-        path = Path(path).expanduser()
+        path = _expand(path)
         if not path.is_file():
             raise UserError(
                 f"Recipe file not found: {path}",
@@ -320,7 +327,10 @@ class Recipe(_Section):
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
-            raise UserError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
+            line = e.object[: e.start].count(b"\n") + 1
+            raise UserError(f"{path}: line {line}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
+        except RecursionError:
+            raise UserError(f"{path}: invalid YAML: lists or mappings nested too deeply.") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -424,8 +434,16 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
 
 
+def _expand(path: str | Path) -> Path:
+    """``Path(path).expanduser()``, or the path as given when ``~user`` names no user."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # "Could not determine home directory"
+        return Path(path)
+
+
 def _find_local(name: str, base_dir: Path) -> Path | None:
-    p = Path(name).expanduser()
+    p = _expand(name)
     for candidate in ([p] if p.is_absolute() else [base_dir / p, Path.cwd() / p]):
         if candidate.exists():
             return candidate.resolve()

@@ -173,16 +173,15 @@ def system_prompt(src: Source) -> str | None:
     return src.recipe.data.system_prompt if src.recipe is not None else None
 
 
-def _from_pretrained(name: str, what: str, **kwargs):
+def _from_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
     from transformers import AutoModelForCausalLM
 
+    from finetuner.modeling import weight_format_kwargs, weights_load_hint
+
     try:
-        return AutoModelForCausalLM.from_pretrained(name, use_safetensors=True, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
     except OSError as e:
-        raise UserError(
-            f"Could not load {what} '{name}' ({e}).",
-            hint="finetuner loads safetensors weights only; check the folder or hub id (and your connection), or pass --base.",
-        ) from None
+        raise UserError(f"Could not load {what} '{name}' ({e}).", hint=weights_load_hint(e, allow_pickle) + " Or pass --base.") from None
 
 
 def inference_device(device: str = "auto") -> str:
@@ -214,10 +213,12 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
     else:
         dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else (torch.float16 if device.startswith("cuda") else torch.float32)
         trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+        pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
         if src.kind == "full" and adapter:
-            model = _from_pretrained(str(src.adapter_dir), "the fine-tuned model", dtype=dtype, trust_remote_code=trust)
+            model = _from_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
         else:
-            model = _from_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", dtype=dtype, trust_remote_code=trust)
+            model = _from_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
+                                     dtype=dtype, trust_remote_code=trust)
         model.to(device)
     if adapter and src.has_adapter:
         from peft import PeftModel

@@ -66,8 +66,9 @@ def build_optimizer(model, cfg: TrainingSection, on_cuda: bool):
         from transformers.optimization import Adafactor
 
         return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False, warmup_init=False)
-    import bitsandbytes as bnb
+    from finetuner.modeling import require_bitsandbytes
 
+    bnb = require_bitsandbytes(f"training.optimizer: {name}")
     cls = {
         "adamw_8bit": bnb.optim.AdamW8bit,
         "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,

@@ -9,6 +9,7 @@ export HF_HOME="${HF_HOME:-$FINETUNER_ROOT/.cache/huggingface}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$FINETUNER_ROOT/.cache/torch_extensions}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$FINETUNER_ROOT/.cache/triton}"
 export MPLCONFIGDIR="${MPLCONFIGDIR:-$FINETUNER_ROOT/.cache/matplotlib}"
+export FINETUNER_CACHE_DIR="${FINETUNER_CACHE_DIR:-$FINETUNER_ROOT/.cache/finetuner}"  # tokenized data
 export GRADIO_ANALYTICS_ENABLED=False
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 _extras="${1:-}"

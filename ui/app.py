@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # never call out (version check, telemetry), whatever the environment says
 
 import gradio as gr  # noqa: E402
 import yaml  # noqa: E402
