@@ -93,6 +93,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(recipe_dict, tmp_path, monk
     assert "resuming at step 4" in r.stdout and "step 8/8" in r.stdout
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
 
+    # the resumed run reaches the uninterrupted run's losses: same data order, optimizer, RNG
+    whole = write_recipe(tmp_path / "whole.yaml", {**recipe_dict, "output_dir": str(tmp_path / "whole"),
+                                                   "checkpointing": {"save_every": 2, "keep_last": 2}})
+    assert run_cli("run", str(whole)).returncode == 0
+
+    def losses(d):
+        return {e["step"]: e["loss"] for e in map(json.loads, (d / "events.jsonl").read_text().splitlines()) if e["event"] == "step"}
+
+    resumed, uninterrupted = losses(run_dir), losses(tmp_path / "whole")
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 9))
+    diff = max(abs(resumed[s] - uninterrupted[s]) for s in range(5, 9))
+    print(f"SIGKILL at step 5, resumed from step 4: max |loss difference| over steps 5-8 = {diff:.2e}")
+    assert diff < 1e-5
+    final = [json.loads((d / "metrics.json").read_text())["train_loss_last"] for d in (run_dir, tmp_path / "whole")]
+    assert abs(final[0] - final[1]) < 1e-5
+
 
 def test_ctrl_c_stops_with_a_checkpoint_and_exit_130(recipe_dict, tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
