@@ -147,7 +147,7 @@ def _print_strategies(con: Any, p: Any) -> None:
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st in p.strategies:
         label = st["strategy"] + ("" if st["offload"] == "none" else f" + {st['offload']} offload")
-        chosen = " (chosen)" if label == p.sharded.label else ""
+        chosen = " (chosen)" if label == p.sharded.label else ("" if st["strategy"] != "fsdp" else " (estimate only)")
         t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes'] / GiB:.1f}",
                   f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", "yes" if st["fits"] else "no")
     con.print(t)

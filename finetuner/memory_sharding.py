@@ -53,6 +53,9 @@ from typing import Any
 from finetuner.errors import UserError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: what ``finetuner run`` launches: fsdp is estimated and its accelerate config written, but run
+#: refuses it (see finetuner.launch), so the planner never chooses it; zero3 shards the same way
+RUN_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 #: the kinds of state each strategy divides by the number of devices
@@ -272,5 +275,5 @@ def best_strategy(estimate, world_size: int) -> ShardedEstimate | None:
     Offload is chosen only when nothing fits without it (it is bound by PCIe); among the rest the
     least communication wins, and on a tie the simplest (ddp before ZeRO, ZeRO before FSDP).
     """
-    ranked = compare_strategies(estimate, world_size)
+    ranked = [e for e in compare_strategies(estimate, world_size) if e.strategy in RUN_STRATEGIES]
     return ranked[0] if ranked and ranked[0].fits else None

@@ -423,9 +423,9 @@ def search(
                         est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
                         if gpus > 1:
-                            from finetuner.memory_sharding import compare_strategies
+                            from finetuner.memory_sharding import RUN_STRATEGIES, compare_strategies
 
-                            sharded = compare_strategies(est, gpus)[0]
+                            sharded = next(e for e in compare_strategies(est, gpus) if e.strategy in RUN_STRATEGIES)
                             fits = sharded.fits
                             recipe = recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update={
                                 "strategy": sharded.strategy, "num_processes": gpus, "offload": sharded.offload})})
