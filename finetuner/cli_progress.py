@@ -18,6 +18,8 @@ def _memory_line(m: dict[str, Any]) -> str:
     line = f"{_gib(m.get('mem_peak'))} ({mem.get('measured', 'measured')})"
     if mem.get("error_pct") is not None:
         line += f"; predicted {_gib(mem['predicted_peak_bytes'])} ({mem['error_pct']:+.1f}%)"
+    elif mem.get("predicted_peak_bytes") is not None:  # CPU: the RSS also holds Python, torch and the data
+        line += f"; the memory model predicts {_gib(mem['predicted_peak_bytes'])} of training memory"
     return line
 
 

@@ -544,6 +544,8 @@ class Trainer:
                 self.save_checkpoint(elapsed)
                 last_saved = self.step
             self.faults.after_step(self.step)
+        if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
+            self._dump_memory_profile()
         elapsed = self.elapsed_before + time.perf_counter() - start
         if stopped:
             if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:

@@ -78,6 +78,7 @@ def test_demo_recipe_runs_a_few_steps(tmp_path):
     r = run_cli("run", str(REPO / "recipes" / "demo_cpu.yaml"), "--set", "training.max_steps=2", "--output", str(tmp_path / "demo"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "fine-tuned" in r.stdout
+    assert "process peak RSS" in r.stdout and "the memory model predicts" in r.stdout  # predicted vs measured
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(recipe_dict, tmp_path, monkeypatch):
