@@ -189,6 +189,8 @@ def test_whole_flow_in_browser(server, page):
     for lane in ("#chat-tuned", "#chat-base"):
         text = page.locator(lane).inner_text()
         assert "day hike" in text and "…" not in text and "(no answer)" not in text, text
+        answer = text.replace("What should I pack for a day hike?", "").strip()
+        assert len(answer) >= 5, f"{lane} shows the question but no answer: {text!r}"
     shot(page, "08-chat")
 
     # 6. export: the adapter as a zip, and a merged model
