@@ -228,8 +228,9 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
     stats.dropped_empty += len(ds) - len(errors) - len(keep)
     ds = ds.select(keep).remove_columns(["error", "truncated"])
     if len(ds) == 0:
+        files = ", ".join(dict.fromkeys(where.rpartition(", ")[0] for where in rows["_where"]))
         raise UserError(
-            "No example has any token to train on after truncation.",
+            f"{files}: no example has any token to train on after truncation to data.max_seq_len {cfg.max_seq_len}.",
             hint=f"Raise data.max_seq_len (now {cfg.max_seq_len}) or check the data.",
         )
     return ds

@@ -23,6 +23,7 @@ either stops with it or skips the row and counts it (``data.on_bad_row``).
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.fileio import exists
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -78,20 +80,24 @@ def _decode(path: Path) -> str:
 
 
 def _json_lines(path: Path, text: str, bad: list[RowError]) -> Iterator[RawRow]:
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # lines end at \n (or \r\n) only: str.splitlines() would also split at U+2028, U+0085, ...,
+    # which JSON allows unescaped inside strings
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             yield RawRow(str(path), f"line {lineno}", json.loads(line))
         except json.JSONDecodeError as e:
             bad.append(RowError(f"{path}, line {lineno}: invalid JSON ({e.msg}, column {e.colno})."))
+        except RecursionError:
+            bad.append(RowError(f"{path}, line {lineno}: invalid JSON (nested too deeply)."))
 
 
 def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
     bad = bad if bad is not None else []
     p = Path(path)
-    if not p.exists():
+    if not exists(p):
         yield from _hub_rows(path, split)
         return
     if p.is_dir():
@@ -108,15 +114,22 @@ def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None
                 yield from _json_lines(p, text, bad)
                 return
             raise UserError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg}).") from None
+        except RecursionError:
+            raise UserError(f"{p}: invalid JSON: arrays or objects nested too deeply.") from None
         if isinstance(data, dict):
-            data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else None
+            if detect_format(data) is not None:  # one row (JSON Lines with a single line)
+                data = [data]
+            else:  # {"data": [rows]}
+                data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else None
         if not isinstance(data, list):
             raise UserError(f"{p}: expected a JSON array of rows (or JSON Lines, one object per line).")
         for i, row in enumerate(data, start=1):
             yield RawRow(str(p), f"row {i}", row)
     elif suffix == ".csv":
         text = _decode(p)
-        reader = csv.DictReader(text.splitlines(keepends=True))
+        # newline="": lines end at \n, \r or \r\n only (str.splitlines() would also split cells at
+        # U+2028, U+0085, \x1c, ... and silently break rows apart)
+        reader = csv.DictReader(io.StringIO(text, newline=""))
         try:
             for row in reader:
                 if None in row:
@@ -172,6 +185,17 @@ def detect_format(row: Any) -> str | None:
     return None
 
 
+def _valid_text(v: str, what: str) -> str:
+    """``v`` if it is valid Unicode: JSON's \\ud800-style escapes can carry lone surrogates, which
+    no tokenizer or Arrow table takes."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"{what} contains an unpaired surrogate (\\u{ord(v[e.start]):04x} at character {e.start + 1}): "
+                       "not valid Unicode text") from None
+    return v
+
+
 def _text(row: dict, key: str, *, required: bool = True) -> str:
     v = row.get(key)
     if v is None:
@@ -180,7 +204,7 @@ def _text(row: dict, key: str, *, required: bool = True) -> str:
         return ""
     if not isinstance(v, str):
         raise RowError(f"'{key}' must be text, got {type(v).__name__}")
-    return v
+    return _valid_text(v, f"'{key}'")
 
 
 def _check_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -222,10 +246,15 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None) -> dict[str,
         messages: list[dict[str, str]] = []
         system = row.get("system") or system_prompt
         if system:
-            messages.append({"role": "system", "content": str(system)})
-        for j, pair in enumerate(row.get("history") or []):
+            messages.append({"role": "system", "content": _valid_text(str(system), "'system'")})
+        history = row.get("history") or []
+        if not isinstance(history, list):
+            raise RowError(f"'history' must be a list of [prompt, reply] pairs, got {type(history).__name__}")
+        for j, pair in enumerate(history):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
                 raise RowError(f"'history' item {j + 1} must be a [prompt, reply] pair of texts")
+            for x in pair:
+                _valid_text(x, f"'history' item {j + 1}")
             messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
         user = f"{instruction}\n\n{extra}" if instruction.strip() and extra.strip() else (instruction or extra)
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
@@ -244,17 +273,17 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None) -> dict[str,
             if not isinstance(t, dict):
                 raise RowError(f"turn {i} must be an object with '{role_key}' and '{content_key}'")
             role, content = t.get(role_key), t.get(content_key)
-            if role not in roles:
+            if not isinstance(role, str) or role not in roles:
                 raise RowError(f"turn {i}: unknown {role_key} {role!r} (expected one of {', '.join(sorted(roles))})")
             if not isinstance(content, str):
                 raise RowError(f"turn {i}: '{content_key}' must be text")
-            messages.append({"role": roles[role], "content": content})
+            messages.append({"role": roles[role], "content": _valid_text(content, f"turn {i}: '{content_key}'")})
         system = row.get("system") or system_prompt
         tools = row.get("tools")
         if tools:
             tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
             system = (f"{system}\n\n" if system else "") + f"You can call these tools:\n{tools_text}"
         if system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": str(system)})
+            messages.insert(0, {"role": "system", "content": _valid_text(str(system), "'system'")})
         return {"messages": _check_turns(messages)}
     raise RowError(f"unknown format {fmt!r}")

@@ -21,6 +21,7 @@ from typing import Any
 
 from finetuner.data_formats import RowError, detect_format, normalize, read_rows
 from finetuner.errors import UserError
+from finetuner.fileio import expand_user, exists
 
 CHARS_PER_TOKEN = 3.5
 TEMPLATE_TOKENS_PER_MESSAGE = 5
@@ -101,18 +102,18 @@ def _tokenizer_counter(model: str | None):
     """A ``text -> n_tokens`` function from the model's tokenizer.json, if it can be found offline."""
     if not model:
         return None, None
-    candidates = [Path(model).expanduser() / "tokenizer.json"]
+    candidates = [expand_user(model) / "tokenizer.json"]
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        if "/" in model and not Path(model).exists():
+        if "/" in model and not exists(model):
             cached = try_to_load_from_cache(model, "tokenizer.json")
             if isinstance(cached, str):
                 candidates.append(Path(cached))
     except Exception:  # noqa: BLE001 - an optional speed-up only
         pass
     for c in candidates:
-        if c.is_file():
+        if exists(c, "file"):
             try:
                 from tokenizers import Tokenizer
 

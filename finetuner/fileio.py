@@ -1,4 +1,4 @@
-"""Atomic file and folder writes: a reader never sees a half-written file."""
+"""Atomic file and folder writes: a reader never sees a half-written file. And user paths."""
 
 from __future__ import annotations
 
@@ -7,6 +7,25 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def expand_user(path: str | Path) -> Path:
+    """``Path(path).expanduser()``, or the path as given when ``~user`` names no user on this
+    machine (pathlib raises RuntimeError there): the caller then reports a missing file."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
+
+
+def exists(path: str | Path, kind: str = "any") -> bool:
+    """Whether ``path`` exists (``kind``: ``any``, ``file`` or ``dir``). A name the system refuses
+    (too long, ...) names nothing there: False, where pathlib raises OSError."""
+    p = Path(path)
+    try:
+        return p.is_file() if kind == "file" else p.is_dir() if kind == "dir" else p.exists()
+    except OSError:
+        return False
 
 
 def _fsync_dir(path: Path) -> None:

@@ -473,7 +473,14 @@ def _base_recipe(model: str, seq_len: int, data: str | None, effective_batch: in
         },
         "checkpointing": {"save_every": 200, "keep_last": 2},
     }
-    return Recipe.model_validate(raw)
+    from pydantic import ValidationError
+
+    from finetuner.recipe import format_validation_error
+
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:  # e.g. a --name that cannot name a folder
+        raise UserError(format_validation_error(e, "the planned recipe")) from None
 
 
 def plan(
@@ -514,12 +521,14 @@ def plan(
     from finetuner.recipe import Recipe
 
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
-    if seq_len is not None and seq_len < 1:
-        raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 1.")
+    if seq_len is not None and seq_len < 16:
+        raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 16 (as data.max_seq_len).")
     if effective_batch is not None and effective_batch < 1:
         raise UserError(f"--effective-batch {effective_batch}: must be at least 1.")
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1.")
+    if not 0 <= margin < 1:  # also NaN
+        raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
     if effective_batch is not None and effective_batch < gpus:
         raise UserError(f"--effective-batch {effective_batch} is smaller than --gpus {gpus}: each GPU needs an example per step.")
     shape = resolve_shape(model)

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from finetuner.errors import UserError, did_you_mean
+from finetuner.fileio import expand_user, exists
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -318,8 +319,8 @@ class Recipe(_Section):
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Recipe:
         """Load, override, validate and resolve a recipe file."""
-        path = _expand(path)
-        if not path.is_file():
+        path = expand_user(path)
+        if not exists(path, "file"):
             raise UserError(
                 f"Recipe file not found: {path}",
                 hint="Give the path of a YAML recipe, e.g. recipes/demo_cpu.yaml.",
@@ -434,24 +435,20 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
 
 
-def _expand(path: str | Path) -> Path:
-    """``Path(path).expanduser()``, or the path as given when ``~user`` names no user."""
-    try:
-        return Path(path).expanduser()
-    except RuntimeError:  # "Could not determine home directory"
-        return Path(path)
-
-
 def _find_local(name: str, base_dir: Path) -> Path | None:
-    p = _expand(name)
+    p = expand_user(name)
     for candidate in ([p] if p.is_absolute() else [base_dir / p, Path.cwd() / p]):
-        if candidate.exists():
+        if exists(candidate):
             return candidate.resolve()
     return None
 
 
 def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
     found = _find_local(p, base_dir)
+    if found is not None and found.is_dir():  # the data reader takes files only
+        raise UserError(
+            f"{source}: {key}: '{p}' is a folder ({found}); name a data file (.json, .jsonl, .csv, .parquet).",
+        )
     if found is not None:
         return str(found)
     if _looks_like_path(p):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, did_you_mean
+from finetuner.fileio import expand_user, exists
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
@@ -304,8 +305,8 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
     key = find_preset(model)
     if key is not None:
         return dict(_presets()[key]), "preset"
-    path = Path(model).expanduser()
-    if path.is_dir():
+    path = expand_user(model)
+    if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise UserError(f"{path}: no config.json in this folder.", hint="Give a model folder saved with save_pretrained.")
@@ -313,8 +314,11 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
             return json.loads(cfg_path.read_text(encoding="utf-8")), "local"
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{cfg_path}: not valid JSON ({e}).") from None
-    if path.suffix == ".json" and path.is_file():
-        return json.loads(path.read_text(encoding="utf-8")), "local"
+    if path.suffix == ".json" and exists(path, "file"):
+        try:
+            return json.loads(path.read_text(encoding="utf-8")), "local"
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not valid JSON ({e}).") from None
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1
     if looks_local or "/" not in model:
         raise UserError(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from finetuner.errors import UserError
+from finetuner.fileio import exists, expand_user
 
 Kind = Literal["run", "adapter", "full", "model"]
 
@@ -61,7 +62,7 @@ class Source:
 
 
 def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or exists(expand_user(name))
 
 
 def _read_recipe(path: Path):
@@ -81,19 +82,19 @@ def _read_recipe(path: Path):
 
 
 def _check_base(base: str, where: str) -> str:
-    p = Path(base).expanduser()
-    if _looks_local(base) and not p.exists():
+    p = expand_user(base)
+    if _looks_local(base) and not exists(p):
         raise UserError(
             f"The base model '{base}' named by {where} cannot be found.",
             hint="Pass the base model's folder or hub id with --base (Python: base_model=...).",
         )
-    return str(p.resolve()) if p.exists() else base
+    return str(p.resolve()) if exists(p) else base
 
 
 def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
     """Tell what ``path`` is (run folder, adapter folder, model folder or hub id); clear errors otherwise."""
-    p = Path(path).expanduser()
-    if not p.exists():
+    p = expand_user(path)
+    if not exists(p):
         name = str(path)
         if not _looks_local(name) and name.count("/") == 1:
             return Source(name, "model", name)  # a hub id

@@ -126,6 +126,8 @@ def recipe_from_text(text: str):
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise UserError(f"The recipe is not valid YAML{where}: {getattr(e, 'problem', None) or e}.") from None
+    except RecursionError:
+        raise UserError("The recipe is not valid YAML: lists or mappings nested too deeply.") from None
     if not isinstance(raw, dict):
         raise UserError("The recipe must be a mapping of sections (model:, data:, training:, ...).")
     return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")

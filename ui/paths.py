@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from finetuner.errors import UserError
+from finetuner.fileio import expand_user, exists
 from finetuner.jobs import default_runs_dir, repo_root
 from finetuner.recipe import DATA_EXTENSIONS
 
@@ -37,8 +38,8 @@ def resolve_local(text: str) -> Path | None:
     t = (text or "").strip()
     if not t:
         return None
-    for cand in (ROOT / t, Path(t).expanduser()):
-        if cand.exists():
+    for cand in (ROOT / t, expand_user(t)):
+        if exists(cand):
             return cand.resolve()
     return None
 
