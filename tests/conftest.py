@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +104,32 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
         text=True,
         timeout=timeout,
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def ui_client(base: Path):
+    """The web UI app served in this process on a free port, and a ``gradio_client`` on it;
+    runs and uploads under ``base``. Training jobs it started are stopped afterwards."""
+    gradio_client = pytest.importorskip("gradio_client")
+    pytest.importorskip("gradio")
+    from finetuner import jobs
+    from ui.app import build_app
+
+    app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads")
+    port = free_port()
+    app.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)
+    c = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+    c.base = base
+    try:
+        yield c
+    finally:
+        for job in jobs.running_jobs(base / "runs"):
+            jobs.stop_job(job, base / "runs", wait=60)
+        app.close()

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import re
-import socket
 import tempfile
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from finetuner.data import IGNORE_INDEX, prepare_data
 from finetuner.data_formats import CHAT_ROLES, SHAREGPT_ROLES
 from finetuner.errors import UserError
 from finetuner.recipe import DataSection, Recipe
-from tests.conftest import alpaca_rows, run_cli, write_recipe
+from tests.conftest import alpaca_rows, run_cli, ui_client, write_recipe
 
 
 def fuzz(n: int):
@@ -796,26 +795,10 @@ def test_cli_run_on_bad_input(tmp_path, tiny_model_dir, case):
 
 
 # =========================================================================== the web UI
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
-    pytest.importorskip("gradio")
-    gradio_client = pytest.importorskip("gradio_client")
-    from ui.app import build_app
-
-    base = tmp_path_factory.mktemp("ui_fuzz")
-    app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads")
-    port = _free_port()
-    app.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)
-    c = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
-    c.base = base
-    yield c
-    app.close()
+    with ui_client(tmp_path_factory.mktemp("ui_fuzz")) as c:
+        yield c
 
 
 def _ui_call(client, *args, api_name: str):

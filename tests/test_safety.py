@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, write_recipe
+from conftest import REPO, free_port, run_cli, write_recipe
 from finetuner.errors import UserError
 from finetuner.recipe import Recipe
 
@@ -132,9 +131,7 @@ _NO_CALLS_OUT = textwrap.dedent(
 
 def test_ui_listens_on_localhost_and_never_calls_out(tmp_path):
     pytest.importorskip("gradio")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "probe.py"
     script.write_text(_NO_CALLS_OUT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADIO_")}  # not even the user's setting

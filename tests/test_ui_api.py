@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import free_port, ui_client
 from finetuner import jobs
 from finetuner.errors import UserError
 
@@ -191,7 +191,7 @@ def test_cli_ui_auth_and_exposure_warning(tmp_path):
         parse_auth("alice")
     assert exposed_without_auth("0.0.0.0", None) and not exposed_without_auth("0.0.0.0", ("a", "b"))
     assert not exposed_without_auth("127.0.0.1", None)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetuner", "ui", "--host", "0.0.0.0", "--port", str(port), "--runs-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
@@ -206,28 +206,10 @@ def test_cli_ui_auth_and_exposure_warning(tmp_path):
 
 
 # --------------------------------------------------------------------------- the app's endpoints
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    pytest.importorskip("gradio")
-    gradio_client = pytest.importorskip("gradio_client")
-    from ui.app import build_app
-
-    base = tmp_path_factory.mktemp("ui_api")
-    app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads")
-    port = _free_port()
-    app.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)
-    c = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
-    c.base = base
-    yield c
-    for job in jobs.running_jobs(base / "runs"):
-        jobs.stop_job(job, base / "runs", wait=60)
-    app.close()
+    with ui_client(tmp_path_factory.mktemp("ui_api")) as c:
+        yield c
 
 
 def test_api_analyse_data_shows_format_preview_and_lengths(client):

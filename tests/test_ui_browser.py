@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("FINETUNER_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / ".cache" / "ui-screenshots"
@@ -39,17 +41,11 @@ if not Path(CHROMIUM).exists():
 pytestmark = pytest.mark.timeout(900)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``finetuner ui`` as a user starts it, on a free port, with a fresh runs folder."""
     runs = tmp_path_factory.mktemp("runs")
-    port = _free_port()
+    port = free_port()
     log = open(runs.parent / "ui-server.log", "w")
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
