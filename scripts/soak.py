@@ -8,11 +8,13 @@ Two measurements, each with one command:
       size of events.jsonl; a reader follows events.jsonl while it grows (finetuner.follow) and
       checks every line parses and the steps arrive in order.
 
-  python scripts/soak.py ui --pages 0,4 --reps 2 --steps 150
+  python scripts/soak.py ui --pages 0,4 --reps 2 --steps 800
       The web UI (``finetuner ui``) serving while a run trains (started through finetuner.jobs,
       as the UI's Start button does), with 0 and with N browser sessions (headless Chromium,
       each its own browser context) open on the Train tab, which polls the run every second.
-      The run's median tokens/s is compared between the two, in alternating order.
+      The run's median tokens/s over the steps after every page has loaded and shows the run
+      (page loading is not polling) is compared between the two, in alternating order, with
+      the CPU time the UI server and the browsers used over the same stretch.
 
 ``--out FILE.json`` keeps the raw figures; the Markdown table is printed.
 """
@@ -147,6 +149,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_seconds(procs) -> float:
+    """User + system CPU time of these processes (ones that ended count as 0)."""
+    import psutil
+
+    total = 0.0
+    for pr in procs:
+        try:
+            t = pr.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _chromium_processes():
+    import psutil
+
+    return [pr for pr in psutil.process_iter(["name"]) if "chrom" in (pr.info["name"] or "")]
+
+
 def soak_ui(args) -> dict:
     from playwright.sync_api import sync_playwright
 
@@ -162,6 +184,9 @@ def soak_ui(args) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(runs)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work)
     url = f"http://127.0.0.1:{port}/"
+    import psutil
+
+    ui_proc = psutil.Process(server.pid)
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -184,28 +209,38 @@ def soak_ui(args) -> dict:
                     pg.goto(url)
                     pg.get_by_role("tab", name="4 · Train").click()
                     contexts.append((ctx, pg))
+                for _ctx, pg in contexts:  # loaded and following the run: from here on only the polling costs
+                    pg.locator("#train-status").filter(has_text=job.name).wait_for(timeout=120_000)
+                time.sleep(2)
+                ready, cpu0 = time.time(), (_cpu_seconds([ui_proc]), _cpu_seconds(_chromium_processes()))
                 polled = 0
                 while not jobs.wait_job(job, 1):
                     for _ctx, pg in contexts:  # each page shows the live run (its timer polls every second)
                         if job.name in pg.locator("#train-status").inner_text():
                             polled += 1
+                ui_cpu, browser_cpu = _cpu_seconds([ui_proc]) - cpu0[0], _cpu_seconds(_chromium_processes()) - cpu0[1]
                 for ctx, _pg in contexts:
                     ctx.close()
                 steps = [e for e in read_events(Path(job.run_dir) / "events.jsonl") if e.get("event") == "step"]
-                tps = [e["tokens_per_s"] for e in steps if e["step"] > 10 and e.get("tokens_per_s")]
+                tps = [e["tokens_per_s"] for e in steps if e["step"] > 10 and e["time"] > ready and e.get("tokens_per_s")]
                 rows.append({"pages": n_pages, "run": job.name, "steps": len(steps), "tokens_per_s_median": statistics.median(tps),
-                             "pages_showing_the_run": polled})
-                print(f"  {n_pages} page(s): {statistics.median(tps):.0f} tokens/s (median over {len(tps)} steps)", flush=True)
+                             "pages_showing_the_run": polled, "ui_server_cpu_s": round(ui_cpu, 2),
+                             "browser_cpu_s": round(browser_cpu, 2), "run_wall_s": steps[-1]["elapsed_s"]})
+                print(f"  {n_pages} page(s): {statistics.median(tps):.0f} tokens/s (median over {len(tps)} steps); "
+                      f"CPU during the run: UI server {ui_cpu:.1f} s, browsers {browser_cpu:.1f} s, "
+                      f"training {steps[-1]['elapsed_s']:.1f} s wall", flush=True)
             browser.close()
     finally:
         server.terminate()
         server.wait(timeout=30)
     by = {p: [r["tokens_per_s_median"] for r in rows if r["pages"] == p] for p in pages_list}
     base = statistics.median(by[pages_list[0]])
-    print("\n| browser sessions on the Train tab | tokens/s (median of runs) | runs | vs none |\n|---|---|---|---|")
+    print("\n| browser sessions on the Train tab | tokens/s (median of runs) | runs | vs none | UI server CPU per run | browsers' CPU per run |\n|---|---|---|---|---|---|")
     for p in pages_list:
         med = statistics.median(by[p])
-        print(f"| {p} | {med:.0f} ({', '.join(f'{v:.0f}' for v in by[p])}) | {len(by[p])} | {100 * (med / base - 1):+.1f}% |")
+        ui = statistics.median([r["ui_server_cpu_s"] for r in rows if r["pages"] == p])
+        br = statistics.median([r["browser_cpu_s"] for r in rows if r["pages"] == p])
+        print(f"| {p} | {med:.0f} ({', '.join(f'{v:.0f}' for v in by[p])}) | {len(by[p])} | {100 * (med / base - 1):+.1f}% | {ui:.1f} s | {br:.1f} s |")
     return {"rows": rows, "steps": args.steps, "pages": pages_list, "reps": args.reps}
 
 
@@ -219,7 +254,7 @@ def main() -> None:
     u = sub.add_parser("ui")
     u.add_argument("--pages", default="0,4")
     u.add_argument("--reps", type=int, default=2)
-    u.add_argument("--steps", type=int, default=150)
+    u.add_argument("--steps", type=int, default=800)
     for p in (d, u):
         p.add_argument("--work", help="working folder (default: a new temporary one)")
         p.add_argument("--out", help="write the raw figures here (JSON)")

@@ -287,3 +287,18 @@ def test_api_training_start_refuse_stop_and_adapter_zip(client, recipe_dict):
     (runs / pick / "adapter" / "adapter_config.json").write_text("{}")
     archive = client.predict(pick, api_name="/adapter_zip")
     assert zipfile.ZipFile(archive).namelist() == ["adapter_config.json"]
+
+
+def test_loss_chart_is_thinned_for_long_runs():
+    from types import SimpleNamespace
+
+    from ui import views
+
+    long = SimpleNamespace(losses=[(i, 1.0 / i) for i in range(1, 5001)], evals=[(2500, 0.4), (5000, 0.3)])
+    df = views.loss_df(long)
+    train = df[df.series == "train"]
+    assert len(train) <= views.MAX_PLOT_POINTS + 1
+    assert train.step.iloc[0] == 1 and train.step.iloc[-1] == 5000 and train.step.is_monotonic_increasing
+    assert list(df[df.series == "eval"].step) == [2500, 5000]  # eval points are never thinned
+    short = SimpleNamespace(losses=[(i, 1.0) for i in range(1, 51)], evals=[])
+    assert len(views.loss_df(short)) == 50

@@ -32,6 +32,9 @@ from finetuner import jobs  # noqa: E402
 from finetuner.errors import UserError  # noqa: E402
 from ui import paths, views  # noqa: E402
 
+#: seconds between redraws of the loss chart while a run trains (the status line updates every second)
+PLOT_EVERY_S = 5
+
 CPU_CARD = "cpu"
 METHODS = ["auto", "lora", "qlora", "full"]
 OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
@@ -371,13 +374,20 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         st = None
         if name and (runs / name).is_dir():
             st = jobs.run_status(runs / name, runs)
-        sig = (name, len(st.losses), len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
+        # while a run trains the chart redraws at most every PLOT_EVERY_S (each redraw re-renders the
+        # whole chart in every open browser); at once when the run, its state or its eval points change
+        progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
+        sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
         if sig != last_sig:  # a new series needs a new title: the chart then rebuilds its colour scale
             df = views.loss_df(st)
             plot = gr.update(value=df, title="Loss — " + " and ".join(sorted(set(df["series"]), reverse=True) or ["train"]))
+        else:
+            plot = gr.skip()
+        # the past-runs table reads every run's events: only when the run shown or its state changes
+        if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
             table = views.runs_df(jobs.list_runs(runs))
         else:
-            plot = table = gr.skip()
+            table = gr.skip()
         running = bool(st and st.running)
         return (
             views.status_html(st),

@@ -172,10 +172,18 @@ def status_html(st: Any | None) -> str:
     )
 
 
+#: the most training-loss points sent to the chart (longer runs are thinned evenly, the last point kept)
+MAX_PLOT_POINTS = 400
+
+
 def loss_df(st: Any | None) -> pd.DataFrame:
     rows: list[tuple[int, float, str]] = []
     if st is not None:
-        rows = [(s, round(v, 4), "train") for s, v in st.losses] + [(s, round(v, 4), "eval") for s, v in st.evals]
+        train = st.losses
+        if len(train) > MAX_PLOT_POINTS:
+            every = -(-len(train) // MAX_PLOT_POINTS)
+            train = train[::every] + ([train[-1]] if (len(train) - 1) % every else [])
+        rows = [(s, round(v, 4), "train") for s, v in train] + [(s, round(v, 4), "eval") for s, v in st.evals]
     return pd.DataFrame(rows, columns=["step", "loss", "series"])
 
 
