@@ -32,8 +32,10 @@ from finetuner import jobs  # noqa: E402
 from finetuner.errors import UserError  # noqa: E402
 from ui import paths, views  # noqa: E402
 
-#: seconds between redraws of the loss chart while a run trains (the status line updates every second)
-PLOT_EVERY_S = 5
+#: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
+TRAIN_POLL_S = 2.0
+#: seconds between redraws of the loss chart while a run trains
+PLOT_EVERY_S = 6
 
 CPU_CARD = "cpu"
 METHODS = ["auto", "lora", "qlora", "full"]
@@ -370,7 +372,11 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return text, mem, est_md, dl, *_fields_of(recipe)
 
     # ------------------------------------------------------------------ handlers: train
-    def _train_view(name: str | None, last_sig: Any):
+    def _train_view(name: str | None, last: dict | None):
+        """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
+        polls this every TRAIN_POLL_S, and each value sent is re-rendered in each browser)."""
+        last = last or {}
+        last_sig, shown = last.get("sig"), last.get("shown") or ()
         st = None
         if name and (runs / name).is_dir():
             st = jobs.run_status(runs / name, runs)
@@ -389,27 +395,30 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         else:
             table = gr.skip()
         running = bool(st and st.running)
+        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable))
+        same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
+        mem, smp, start_i, stop_i, resume_i = values
         return (
             views.status_html(st),
             plot,
-            views.memory_md(st),
-            views.samples_md(st),
-            gr.update(interactive=not running),
-            gr.update(interactive=running),
-            gr.update(interactive=bool(st and st.resumable)),
-            sig,
+            gr.skip() if same[0] else mem,
+            gr.skip() if same[1] else smp,
+            gr.skip() if same[2] else gr.update(interactive=start_i),
+            gr.skip() if same[3] else gr.update(interactive=stop_i),
+            gr.skip() if same[4] else gr.update(interactive=resume_i),
+            {"sig": sig, "shown": values},
             table,
         )
 
-    def train_view(name: str | None, last_sig: Any):
+    def train_view(name: str | None, last: dict | None):
         """The Train tab's outputs; the loss chart is cleared first when a series appears (gradio's
         chart keeps its first colour scale otherwise, and the eval line would not show)."""
         try:
-            out = _train_view(name, last_sig)
+            out = _train_view(name, last)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
             yield (gr.skip(),) * 9
             return
-        sig = out[7]
+        sig, last_sig = out[7]["sig"], (last or {}).get("sig")
         if sig is not None and (last_sig is None or sig[0] != last_sig[0] or sig[-1] != last_sig[-1]):
             yield (gr.skip(), None, *([gr.skip()] * 7))
         yield out
@@ -626,7 +635,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 with gr.Accordion("Past runs", open=True):
                     runs_table = gr.Dataframe(views.runs_df([]), interactive=False, elem_id="runs-table")
                 last_sig = gr.State(None)
-                timer = gr.Timer(1.0)
+                timer = gr.Timer(TRAIN_POLL_S)
             # ---------------------------------------------------------- 5 chat
             with gr.Tab("5 · Chat", id="chat") as chat_tab:
                 gr.Markdown("Talk to the fine-tuned model; the base model answers the same prompt beside it. "
@@ -701,7 +710,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training")
         stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
         resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
-        run_pick.change(functools.partial(train_view, last_sig=None), run_pick, train_outputs, api_name=False)
+        run_pick.change(functools.partial(train_view, last=None), run_pick, train_outputs, api_name=False)
         timer.tick(train_view, [run_pick, last_sig], train_outputs, api_name=False, show_progress="hidden")
         app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
 
