@@ -70,3 +70,16 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
                 os.fsync(f.fileno())
     os.replace(tmp_dir, final_dir)
     _fsync_dir(final_dir.parent)
+
+
+def tree_bytes(folder: str | Path) -> int:
+    """Bytes of the files under ``folder``; files removed while it walks (an old checkpoint being
+    deleted by a running job) count as gone."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total

@@ -56,22 +56,12 @@ def demo_recipe(steps: int, save_every: int, keep_last: int, log_every: int = 1)
     }
 
 
-def folder_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:  # a checkpoint removed while we walk
-                pass
-    return total
-
-
 # ------------------------------------------------------------------------------------- disk
 def soak_disk(args) -> dict:
     import yaml
 
     from finetuner.events import follow
+    from finetuner.fileio import tree_bytes
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ft-soak-"))
     run_dir = work / "run"
@@ -103,7 +93,7 @@ def soak_disk(args) -> dict:
         ck = run_dir / "checkpoints"
         n_ck = len([p for p in ck.iterdir() if p.name.startswith("step-")]) if ck.is_dir() else 0
         ev = run_dir / "events.jsonl"
-        samples.append((time.monotonic() - t0, folder_bytes(run_dir) if run_dir.exists() else 0, n_ck,
+        samples.append((time.monotonic() - t0, tree_bytes(run_dir) if run_dir.exists() else 0, n_ck,
                         ev.stat().st_size if ev.exists() else 0))
         time.sleep(0.2)
     wall = time.monotonic() - t0
@@ -113,13 +103,13 @@ def soak_disk(args) -> dict:
     lines = (run_dir / "events.jsonl").read_text().splitlines()
     parsed = sum(1 for line in lines if json.loads(line))
     ckpts = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
-    one_ckpt = folder_bytes(ckpts[-1])
+    one_ckpt = tree_bytes(ckpts[-1])
     quarter = [s[1] for s in samples if s[0] > wall / 4]
     result = {
         "steps": args.steps, "save_every": args.save_every, "keep_last": args.keep_last, "wall_s": round(wall, 1),
         "checkpoints_saved": args.steps // args.save_every, "checkpoint_folders_max": max(s[2] for s in samples),
         "checkpoint_folders_end": len(ckpts), "checkpoint_bytes": one_ckpt,
-        "run_folder_bytes_max": max(s[1] for s in samples), "run_folder_bytes_end": folder_bytes(run_dir),
+        "run_folder_bytes_max": max(s[1] for s in samples), "run_folder_bytes_end": tree_bytes(run_dir),
         "run_folder_bytes_after_first_quarter": [min(quarter), max(quarter)] if quarter else None,
         "events_lines": len(lines), "events_parsed": parsed, "events_bytes": (run_dir / "events.jsonl").stat().st_size,
         "follower_events": reader["events"], "follower_steps": len(reader["steps"]),

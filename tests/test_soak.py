@@ -14,18 +14,7 @@ from pathlib import Path
 
 from conftest import REPO, write_recipe
 from finetuner.events import follow
-
-
-def _folder_bytes(folder: Path) -> int:
-    """Bytes under ``folder``; files the run removes while we walk count as gone."""
-    total = 0
-    for root, _dirs, files in os.walk(folder):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
+from finetuner.fileio import tree_bytes
 
 
 def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(recipe_dict, tmp_path):
@@ -47,7 +36,7 @@ def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(re
         if ck.is_dir():
             names = [p.name for p in ck.iterdir()]
             most = max(most, sum(n.startswith("step-") for n in names))
-            sizes.append(_folder_bytes(ck))
+            sizes.append(tree_bytes(ck))
         time.sleep(0.05)
     assert proc.wait() == 0, proc.stderr.read()
     reader.join(timeout=60)
@@ -57,7 +46,7 @@ def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(re
     final = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert final == [f"step-{s:08d}" for s in (steps - 2, steps)]
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
-    one = _folder_bytes(run_dir / "checkpoints" / final[-1])
+    one = tree_bytes(run_dir / "checkpoints" / final[-1])
     assert max(sizes) <= (keep + 1) * one * 1.05  # never the 20 checkpoints written
 
     # the follower read every event, in order, while the file grew
