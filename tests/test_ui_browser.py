@@ -163,8 +163,10 @@ def test_whole_flow_in_browser(server, page):
     tab(page, "4 · Train")
     wait_text(page, "#train-status", re.escape(run_name))
     wait_text(page, "#train-status", r"training|finishing|finished")
+    # the run went on: a later step, or (a fast machine, a run already at its last step) finished
     page.wait_for_function(
-        f"() => {{ const m = document.querySelector('#train-status').innerText.match(/step (\\d+)/); return m && +m[1] > {first}; }}",
+        "() => { const t = document.querySelector('#train-status').innerText; const m = t.match(/step (\\d+) \\/ (\\d+)/);"
+        f" return m && (+m[1] > {first} || (+m[1] === +m[2] && /finished/.test(t))); }}",
         timeout=180_000,
     )
     shot(page, "06-after-reload")
