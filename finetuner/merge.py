@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.sources import Source, chat_template, load_tokenizer, resolve_source
+from finetuner.sources import Source, _from_pretrained, chat_template, load_tokenizer, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -214,16 +214,8 @@ def merge_adapter(
     pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
-    from finetuner.modeling import weight_format_kwargs, weights_load_hint
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            load_from, dtype=torch_dtype, revision=None if src.kind == "full" else revision,
-            trust_remote_code=trust, **weight_format_kwargs(pickle_ok, load_from),
-        )
-    except OSError as e:
-        raise UserError(f"Could not load the base model '{load_from}' ({e}).",
-                        hint=weights_load_hint(e, pickle_ok) + " Or pass the base model's folder or hub id with --base.") from None
+    model = _from_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,
+                             revision=None if src.kind == "full" else revision, trust_remote_code=trust)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
     if free < weight_bytes * 1.05 + 50 * 2**20:

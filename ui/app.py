@@ -634,7 +634,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                         samples = gr.Markdown(elem_id="train-samples")
                 with gr.Accordion("Past runs", open=True):
                     runs_table = gr.Dataframe(views.runs_df([]), interactive=False, elem_id="runs-table")
-                last_sig = gr.State(None)
+                train_seen = gr.State(None)  # what the Train tab last showed (see _train_view)
                 timer = gr.Timer(TRAIN_POLL_S)
             # ---------------------------------------------------------- 5 chat
             with gr.Tab("5 · Chat", id="chat") as chat_tab:
@@ -706,12 +706,12 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         load_btn.click(_clear, None, mem_plot, api_name=False).then(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
                        api_name="load_recipe")
 
-        train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, last_sig, runs_table]
+        train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table]
         start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training")
         stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
         resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
         run_pick.change(functools.partial(train_view, last=None), run_pick, train_outputs, api_name=False)
-        timer.tick(train_view, [run_pick, last_sig], train_outputs, api_name=False, show_progress="hidden")
+        timer.tick(train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
         app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
 
         chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
