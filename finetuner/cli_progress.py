@@ -84,6 +84,9 @@ class ProgressPrinter:
 
     def summary(self, result: Any) -> None:
         c = self.console
+        if result.finished:
+            c.print(f"[green]Already finished.[/] {result.finished}", highlight=False)
+            return
         if result.stopped:
             c.print(f"[yellow]Stopped at step {result.metrics['step']}.[/] Run the same command again to resume from the checkpoint in {result.run_dir}.")
             return

@@ -1,7 +1,7 @@
 """GPU profiles: how much memory a card has, whether it does bf16, and how fast it is.
 
-A card is named by a profile (``rtx4090``), by a plain size (``24GB``, ``24``, ``80GiB``), or
-``auto`` for the device torch sees (imported only then). ``memory_bytes`` is what
+A card is named by a profile (``rtx4090``), by a plain size (``24GB``, ``24``, ``80GiB``), ``cpu``
+for this machine's memory, or ``auto`` for the device torch sees (imported only then), else the CPU. ``memory_bytes`` is what
 ``torch.cuda.get_device_properties(i).total_memory`` reports, a little less than the marketing
 size (the driver keeps a few hundred MiB). The CUDA context, cuBLAS and the caching allocator's
 slack come on top of the tensors: the memory model counts those, not this table.
@@ -152,13 +152,19 @@ def _match_name(device_name: str, total: int) -> GpuProfile | None:
 
 
 def get_gpu(name: str | None) -> GpuProfile:
-    """A profile from a card name, a size, or ``auto`` (the detected device)."""
-    if name is None or str(name).strip().lower() in ("", "auto", "detect", "cuda"):
+    """A profile from a card name, a size, ``cpu`` (this machine's RAM, :func:`cpu_profile`), or
+    ``auto`` (the detected CUDA device, else the CPU)."""
+    text = "" if name is None else str(name).strip().lower()
+    if text in ("", "auto", "detect"):
+        return detect() or cpu_profile()
+    if text in ("cpu", "cpu (this machine)"):
+        return cpu_profile()
+    if text == "cuda":
         found = detect()
         if found is None:
             raise UserError(
-                "No CUDA device found to plan for.",
-                hint=f"Name the card with --gpu (one of {', '.join(PROFILES)}) or give its memory, e.g. --gpu 24GB.",
+                "--gpu cuda: no CUDA device found on this machine.",
+                hint=f"Name the card to plan for (one of {', '.join(PROFILES)}), give its memory (--gpu 24GB), or use --gpu cpu.",
             )
         return found
     key = _normalise(str(name))
@@ -169,6 +175,6 @@ def get_gpu(name: str | None) -> GpuProfile:
     if sized is not None:
         return sized
     raise UserError(
-        f"Unknown GPU '{name}'.{did_you_mean(key, list(PROFILES) + list(ALIASES))}",
-        hint=f"Known cards: {', '.join(PROFILES)}; or give the memory size, e.g. --gpu 24GB.",
+        f"Unknown GPU '{name}'.{did_you_mean(key, list(PROFILES) + list(ALIASES) + ['cpu', 'auto'])}",
+        hint=f"Known cards: {', '.join(PROFILES)}; cpu; auto (the detected GPU, else the CPU); or give the memory size, e.g. --gpu 24GB.",
     )

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
-from finetuner.shapes import ModelShape, presets, resolve_shape
+from finetuner.shapes import ModelShape, preset_hub_id, presets, resolve_shape
+from finetuner.sizing import Sizing, learning_rate, size_run
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.data_stats import DataProfile
@@ -37,10 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Fraction of the card kept free on top of the memory model's own allowances.
 DEFAULT_MARGIN = 0.05
-#: Effective batch (examples per optimizer step) when the user gives none.
-DEFAULT_EFFECTIVE_BATCH = 16
-#: Sequence length when neither the user nor the data say.
-DEFAULT_SEQ_LEN = 2048
 #: The data set the written recipe trains on when the user gives none (public, instruction data).
 DEFAULT_DATA = "yahma/alpaca-cleaned"
 
@@ -219,6 +216,7 @@ class Plan:
             f"~{self.tokens_per_s:,.0f} tokens/s (cost model).",
         ]
         head += [f"# - {r}" for r in self.reasons]
+        head += [f"# Note: {n}" for n in self.notes]
         head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
         import yaml
 
@@ -450,28 +448,42 @@ def _why_rejected(c: Candidate, best: Candidate) -> str:
 
 
 # ====================================================================== the entry points
-def _base_recipe(model: str, seq_len: int, data: str | None, effective_batch: int, name: str | None) -> Recipe:
+def _recipe_model_name(model: str) -> str:
+    """What the written recipe loads: a preset's hub id, a local folder's absolute path, else as given."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return str(local.resolve())
+    return preset_hub_id(model) or model
+
+
+def _default_name(model: str) -> str:
+    """``<model>-planned`` for the model as the user named it (a preset, a hub id or a folder)."""
+    slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in Path(model).name.lower()).strip("-._") or "model"
+    return f"{slug}-planned"[:100]
+
+
+def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str) -> Recipe:
     from finetuner.recipe import Recipe
 
-    slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in Path(model).name.lower()).strip("-._") or "model"
+    training: dict[str, Any] = {
+        "epochs": sizing.epochs or 1,
+        "micro_batch_size": "auto",
+        "gradient_accumulation": "auto",
+        "effective_batch": sizing.effective_batch,
+        "optimizer": "auto",
+        "gradient_checkpointing": "auto",
+        "offload_activations": "auto",
+        "eval_every": sizing.eval_every,
+    }
     raw = {
-        "name": name or f"{slug}-planned"[:100],
+        "name": name,
         "model": {"name": model},
         "method": "auto",
-        # without data to measure, assume instruction data (short examples): packed
-        "data": {"path": data or DEFAULT_DATA, "max_seq_len": seq_len, "val_size": 0.02, "packing": data is None},
-        "training": {
-            "epochs": 1,
-            "lr": 2e-4,
-            "micro_batch_size": "auto",
-            "gradient_accumulation": "auto",
-            "effective_batch": effective_batch,
-            "optimizer": "auto",
-            "gradient_checkpointing": "auto",
-            "offload_activations": "auto",
-            "eval_every": 200,
-        },
-        "checkpointing": {"save_every": 200, "keep_last": 2},
+        "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
+                 "packing": sizing.packing},
+        "training": training,
+        "checkpointing": {"save_every": sizing.save_every, "keep_last": 2},
+        "device": device,
     }
     from pydantic import ValidationError
 
@@ -499,14 +511,18 @@ def plan(
 
     Args:
         model: a preset (``llama-2-7b``, see ``finetuner plan --help``), a hub id, or a local
-            folder with ``config.json``.
-        gpu: a card name (``rtx4090``), a size (``24GB``), a :class:`GpuProfile`, or ``None`` /
-            ``auto`` for the detected device.
-        seq_len: the sequence length; by default what the data need (their longest example,
-            rounded up to 256, or packed to 2048 when examples are short), else 2048.
-        data: a data file (JSON/JSONL/CSV/Parquet) whose real lengths decide ``seq_len``,
-            packing and the share of trained tokens; it becomes the recipe's ``data.path``.
-        effective_batch: examples per optimizer step (default 16); micro-batch x accumulation.
+            folder with ``config.json``. The written recipe names a preset by its hub id and a
+            folder by its absolute path.
+        gpu: a card name (``rtx4090``), a size (``24GB``), ``cpu``, a :class:`GpuProfile`, or
+            ``None`` / ``auto`` for the detected device (the CPU when there is no GPU).
+        seq_len: the sequence length; by default what the data need (see :mod:`finetuner.sizing`),
+            else 2048; never beyond the model's positions.
+        data: a data file (JSON/JSONL/CSV/Parquet) whose real lengths and size decide the
+            sequence, packing, effective batch, epochs and held-out rows; it becomes the
+            recipe's ``data.path``. Without it the recipe trains on ``DEFAULT_DATA``, and the plan
+            says so.
+        effective_batch: examples per optimizer step (micro-batch x accumulation); by default 16,
+            lowered for small data sets.
         method: ``auto`` (LoRA or QLoRA), ``lora``, ``qlora``, ``qlora4``, ``qlora8``, ``full``
             or ``any`` (full fine-tuning included).
         margin: fraction of the card kept free.
@@ -515,8 +531,8 @@ def plan(
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
-        >>> p.fits, p.recipe.method
-        (True, 'lora')
+        >>> p.fits, p.recipe.method, p.recipe.model.name
+        (True, 'lora', 'meta-llama/Llama-2-7b-hf')
     """
     from finetuner.recipe import Recipe
 
@@ -534,7 +550,6 @@ def plan(
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
-    packing = False
     label_fraction = 1.0
     if data:
         from finetuner.data_stats import profile_data
@@ -542,27 +557,26 @@ def plan(
         profile = profile_data(data, model, seq_len)
         notes += profile.notes
         label_fraction = profile.label_fraction
-        if seq_len is None:
-            seq_len = profile.suggested_seq_len
-        packing = profile.should_pack(seq_len)
-        if packing:
-            notes.append(
-                f"packing on: examples average {profile.mean_tokens:.0f} tokens, under half of the {seq_len}-token "
-                "sequence; they are packed into full sequences (no cross-attention between them)"
-            )
-    seq_len = seq_len or DEFAULT_SEQ_LEN
-    if seq_len > shape.max_position_embeddings:
-        notes.append(f"sequence {seq_len} is longer than the model's {shape.max_position_embeddings} positions")
-    eff = effective_batch or DEFAULT_EFFECTIVE_BATCH
-    base = _base_recipe(model, seq_len, str(Path(data).expanduser().resolve()) if data and Path(data).exists() else data, eff, name)
-    if packing:
-        base = base.model_copy(update={"data": base.data.model_copy(update={"packing": True})})
+    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus)
+    notes += sizing.notes
+    if not data:
+        notes.append(
+            f"no --data given: the recipe trains on {DEFAULT_DATA} (public instruction data, downloaded from the hub); "
+            "to train on your own file, plan with --data FILE or set data.path in the recipe"
+        )
+    data_path = str(Path(data).expanduser().resolve()) if data and Path(data).expanduser().exists() else data
+    device = "cpu" if prof.platform == "cpu" else "auto"
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
     if result.recipe is not None:
-        result.recipe = Recipe.model_validate(result.recipe.to_dict())
+        lr, why_lr = learning_rate(result.recipe.method, shape)
+        raw = result.recipe.to_dict()
+        raw["training"]["lr"] = lr
+        result.recipe = Recipe.model_validate(raw)
+        result.reasons += sizing.reasons + [why_lr]
     return result
 
 

@@ -13,6 +13,7 @@ reproduced and resumed from that folder alone.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import expand_user, exists
+from finetuner.shapes import preset_hub_id
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -35,6 +37,8 @@ Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
 
 DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
+
+log = logging.getLogger(__name__)
 
 
 class _Section(BaseModel):
@@ -364,8 +368,13 @@ class Recipe(_Section):
         """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
         r = self.model_copy(deep=True)
         model_path = _find_local(r.model.name, base_dir)
+        hub_id = preset_hub_id(r.model.name) if model_path is None else None
         if model_path is not None:
             r.model.name = str(model_path)
+        elif hub_id is not None:
+            log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
+                        source, r.model.name, hub_id)
+            r.model.name = hub_id
         elif _looks_like_path(r.model.name):
             raise UserError(
                 f"{source}: model.name: no folder '{r.model.name}' (looked in {base_dir} and {Path.cwd()}).",

@@ -8,6 +8,7 @@ Nothing in it is ever deleted by starting a run: ``--no-resume`` moves an old ru
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import time
 from pathlib import Path
@@ -62,6 +63,57 @@ def _sharding_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]
     if zero and (s_old, n_old) != (s_new, n_new):
         return [f"distributed (ZeRO checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
     return []
+
+
+def steps_asked(training: dict[str, Any], state: dict[str, Any], old_training: dict[str, Any]) -> int | None:
+    """How many optimizer steps a recipe's ``training`` section asks of a run whose last checkpoint
+    holds ``state`` (made with ``old_training``); None when that cannot be told without the data."""
+    if training.get("max_steps"):
+        return int(training["max_steps"])
+    per_epoch = state.get("steps_per_epoch")
+    if per_epoch is None and not old_training.get("max_steps") and state.get("max_steps"):
+        per_epoch = state["max_steps"] / float(old_training.get("epochs") or 1.0)  # checkpoints from before 0.2
+    if not per_epoch:
+        return None
+    return max(1, math.ceil(float(training.get("epochs") or 1.0) * per_epoch))
+
+
+def finished_run(recipe: Recipe) -> str | None:
+    """Whether the run folder already holds what ``recipe`` asks for, so that resuming would train nothing.
+
+    Returns a message for a finished run that the recipe would not extend (its adapter written, the
+    recipe asking for no more steps than were trained); raises a UserError when the recipe asks for
+    fewer steps than the run already trained. Reads only: nothing in the folder changes.
+    """
+    import yaml
+
+    run_dir = recipe.output_path()
+    last = ckpt_io.latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    saved = run_dir / "recipe.yaml"
+    if last is None or not saved.is_file():
+        return None
+    try:
+        state = ckpt_io.load_trainer_state(last)
+        old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None  # the resume path reports unreadable checkpoints and recipes
+    done = int(state.get("step", 0))
+    asked = steps_asked(recipe.to_dict()["training"], state, old.get("training") or {})
+    if asked is None or asked > done:
+        return None
+    how = (f"training.max_steps={asked}" if recipe.training.max_steps else f"training.epochs={recipe.training.epochs:g}")
+    if asked < done:
+        raise UserError(
+            f"{run_dir} already trained {done} steps; {how} asks for {asked}, so resuming it would train nothing "
+            "(its recipe.yaml and adapter are left as they are).",
+            hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to train "
+                 f"a new run of {asked} steps, add --no-resume (the old run is moved aside, not deleted) or give --output.",
+        )
+    if not (run_dir / "adapter").is_dir():
+        return None  # the steps are done but the run stopped before writing its adapter: resuming finishes it
+    return (f"{run_dir} is finished: it trained all {done} steps this recipe asks for ({how}), and its adapter is in "
+            f"{run_dir / 'adapter'}. Nothing was trained or changed. To train it further, raise training.max_steps (or "
+            f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted).")
 
 
 class RunLock:

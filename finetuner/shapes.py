@@ -300,6 +300,18 @@ def find_preset(name: str) -> str | None:
     return _preset_index().get(name.strip().lower())
 
 
+def preset_hub_id(name: str) -> str | None:
+    """The hub id to load for a preset's short name (``qwen2.5-7b`` → ``Qwen/Qwen2.5-7B``), or None
+    when ``name`` is not a short preset name (a hub id, an alias with an org, or anything else).
+
+    A preset only describes a model's shape; training loads real weights, so recipes name the hub id.
+    """
+    key = _preset_index().get(name.strip().lower())
+    if key is None or "/" in name:
+        return None
+    return _presets()[key].get("_name_or_path") or None
+
+
 def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any], str]:
     """The ``config.json`` of a preset, a local folder or a hub id, and where it came from."""
     key = find_preset(model)

@@ -13,6 +13,7 @@ stop flag between steps.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from finetuner.fileio import atomic_write_json
 from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
 from finetuner.offload import save_on_cpu
 from finetuner.recipe import Recipe, TrainingSection
-from finetuner.run_dir import check_disk_space, prepare_run_dir
+from finetuner.run_dir import check_disk_space, finished_run, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class TrainResult:
     metrics: dict[str, Any]
     stopped: bool = False
     losses: list[float] = field(default_factory=list)
+    #: Set when the run folder already held a finished run that this recipe would not extend:
+    #: what was found and what to do (nothing was trained or changed).
+    finished: str | None = None
 
 
 # --------------------------------------------------------------------------- pieces
@@ -459,6 +463,7 @@ class Trainer:
         return {
             "step": self.step,
             "max_steps": self.max_steps,
+            "steps_per_epoch": self.schedule.steps_per_epoch,
             "tokens_seen": self.tokens_seen,
             "elapsed_s": elapsed,
             "losses": self.losses,
@@ -633,6 +638,13 @@ def train(
         recipe = Recipe.from_dict(recipe.to_dict(), overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
+    if resume:
+        finished = finished_run(recipe)  # raises when the recipe asks for fewer steps than were trained
+        if finished is not None:
+            run_dir = recipe.output_path()
+            metrics_file = run_dir / "metrics.json"
+            metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
+            return TrainResult(run_dir, run_dir / "adapter", metrics, finished=finished)
     from finetuner.launch import launch_training, needs_launch
 
     if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
