@@ -132,6 +132,13 @@ def write_sample_sets(rng: random.Random) -> None:
 
     pq.write_table(pa.Table.from_pylist([{"prompt": p, "completion": c} for p, c in rows]), DATA / "completion_sample.parquet")
 
+    # A small file of a user's own, as people bring them: question/answer columns (no random draws,
+    # so the files above stay as they were).
+    with open(DATA / "qa_sample.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["question", "answer"])
+        w.writerows((q, tern(a)) for q, a in pairs[273:313])
+
 
 def write_corpus(rng: random.Random) -> None:
     """Plain-style text and chats for pre-training the demo model (never Tern's voice)."""
