@@ -301,18 +301,17 @@ class Recipe(_Section):
                         "(or 8), or use method 'lora'"
                     )
                 object.__setattr__(self, "quantization", QuantizationSection())
-        elif self.quantization is not None:
-            if self.method == "auto":
-                pass  # the planner decides; a quantization section says how to quantize if it picks qlora
-            elif self.method == "lora":
-                raise ValueError(
-                    "quantization: set, but method is 'lora': use method 'qlora' to train "
-                    "LoRA on a quantized base, or remove the quantization section"
-                )
+        elif self.quantization is not None and self.method == "lora":
+            raise ValueError(
+                "quantization: set, but method is 'lora': use method 'qlora' to train "
+                "LoRA on a quantized base, or remove the quantization section"
+            )
+        elif self.quantization is not None and self.method == "full":
             raise ValueError(
                 "quantization: method 'full' cannot train quantized weights: remove the quantization section "
                 "or use method 'qlora'"
             )
+        # method auto with a quantization section: the planner decides; the section says how to quantize if it picks qlora
         t = self.training
         if t.warmup_steps is not None and t.warmup_ratio is not None:
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
