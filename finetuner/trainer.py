@@ -101,10 +101,15 @@ def _decoder_and_head(model):
     return decoder, head, getattr(base.config, "final_logit_softcapping", None)
 
 
+def _at_least_fp32(t):
+    """fp16/bf16 → fp32 for the loss; fp32 and fp64 as they are."""
+    return t.float() if t.element_size() < 4 else t
+
+
 def _chunk_ce(head, softcap, hidden, targets):
     import torch.nn.functional as F
 
-    logits = head(hidden).float()
+    logits = _at_least_fp32(head(hidden))
     if softcap:
         logits = (logits / softcap).tanh() * softcap
     return F.cross_entropy(logits, targets, reduction="sum")
@@ -133,7 +138,7 @@ def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_c
     if decoder is None:
         logits = model(**inputs, use_cache=False).logits
         loss = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            _at_least_fp32(logits[:, :-1]).reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         return loss, n_tokens
     hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
@@ -141,7 +146,7 @@ def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_c
     hidden, targets = hidden[keep], labels[keep]
     if fused_ce is not None and torch.is_grad_enabled():
         return fused_ce(head, hidden, targets, softcap), n_tokens
-    loss = hidden.new_zeros((), dtype=torch.float32)
+    loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, targets.numel(), chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         loss = loss + (checkpoint(_chunk_ce, head, softcap, h, t, use_reentrant=False) if torch.is_grad_enabled() else _chunk_ce(head, softcap, h, t))
