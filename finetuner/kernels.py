@@ -58,18 +58,19 @@ def liger_importable() -> bool:
     return not _LIGER_IMPORT_ERROR[0]
 
 
-def resolve_kernels(setting: str, on_cuda: bool, model_type: str | None) -> str:
-    """``liger`` or ``none`` for ``training.kernels`` on this device and architecture."""
+def resolve_kernels(setting: str, on_cuda: bool, model_type: str | None, liger_available: bool) -> str:
+    """``liger`` or ``none`` for ``training.kernels`` on this device and architecture;
+    ``liger_available``: liger-kernel (and triton) installed and importable where the run is."""
     if setting == "none":
         return "none"
-    usable = on_cuda and liger_installed() and model_type in LIGER_MODEL_TYPES and liger_importable()
-    if setting == "auto" and on_cuda and liger_installed() and not usable and _LIGER_IMPORT_ERROR and _LIGER_IMPORT_ERROR[0]:
+    usable = on_cuda and liger_available and model_type in LIGER_MODEL_TYPES
+    if setting == "auto" and on_cuda and liger_installed() and not liger_available and _LIGER_IMPORT_ERROR and _LIGER_IMPORT_ERROR[0]:
         log.warning("liger-kernel is installed but does not import here (%s); training without it.", _LIGER_IMPORT_ERROR[0])
     if setting == "liger" and not usable:
         why = ("no CUDA GPU is in use (Liger's kernels are Triton, CUDA only)" if not on_cuda else
                "liger-kernel is not installed" if not liger_installed() else
                f"the architecture '{model_type}' is not one finetuner applies Liger to" if model_type not in LIGER_MODEL_TYPES else
-               f"liger-kernel does not import with this transformers ({_LIGER_IMPORT_ERROR[0]})")
+               f"liger-kernel does not import with this transformers ({_LIGER_IMPORT_ERROR[0] if _LIGER_IMPORT_ERROR else 'unknown'})")
         raise UserError(
             f"training.kernels: liger was asked for but {why}.",
             hint="Install it with `pip install 'finetuner[speed]'` on a CUDA machine, or set training.kernels: auto.",
@@ -84,18 +85,12 @@ def loss_path(kernels: str, loss_chunk_size: int) -> str:
     return "chunked_ce" if loss_chunk_size else "full_logits"
 
 
-def flash_attention_usable(on_cuda: bool, base_dtype: str) -> bool:
-    if not on_cuda or base_dtype not in ("bf16", "fp16") or importlib.util.find_spec("flash_attn") is None:
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability()[0] >= 8
-
-
-def resolve_attention(setting: str, on_cuda: bool, base_dtype: str) -> str:
-    """The ``attn_implementation`` passed to ``from_pretrained``."""
+def resolve_attention(setting: str, flash_available: bool, base_dtype: str) -> str:
+    """The ``attn_implementation`` passed to ``from_pretrained``; ``flash_available``: a CUDA card of
+    Ampere or newer with the flash_attn package (FlashAttention-2 also needs 16-bit weights)."""
+    usable = flash_available and base_dtype in ("bf16", "fp16")
     if setting != "auto":
-        if setting == "flash_attention_2" and not flash_attention_usable(on_cuda, base_dtype):
+        if setting == "flash_attention_2" and not usable:
             raise UserError(
                 "model.attn_implementation: flash_attention_2 needs the flash_attn package, an Ampere or newer "
                 "GPU and bf16/fp16 weights.",
@@ -103,7 +98,7 @@ def resolve_attention(setting: str, on_cuda: bool, base_dtype: str) -> str:
             )
         return setting
     # otherwise transformers' default: SDPA for every architecture that supports it
-    return "flash_attention_2" if flash_attention_usable(on_cuda, base_dtype) else "auto"
+    return "flash_attention_2" if usable else "auto"
 
 
 def apply_liger(model) -> None:
@@ -148,8 +143,3 @@ def compile_layers(model, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(backend=backend, dynamic=None)
     return len(layers)
-
-
-def describe(rt: Any) -> dict[str, Any]:
-    """The resolved choices as recorded in the start event."""
-    return {"attention": rt.attention, "kernels": rt.kernels, "loss_path": rt.loss_path, "compile": rt.compile}

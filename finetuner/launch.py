@@ -36,6 +36,7 @@ from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.recipe import Recipe
+from finetuner.runtime import Runtime, resolve_runtime
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,10 @@ def needs_launch(recipe: Recipe) -> bool:
 
 
 # --------------------------------------------------------------------------- configs
-def deepspeed_config(recipe: Recipe, cuda: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON config for a ZeRO strategy (``train_batch_size`` = the effective batch)."""
+def deepspeed_config(recipe: Recipe, rt: Runtime) -> dict[str, Any]:
+    """The DeepSpeed JSON config for a ZeRO strategy (``train_batch_size`` = the effective batch),
+    in the precision the trainer autocasts to (``rt.precision``)."""
+    cuda = rt.is_cuda
     d, t = recipe.distributed, recipe.training
     stage = int(d.strategy[-1])
     micro = int(t.micro_batch_size)
@@ -68,15 +71,14 @@ def deepspeed_config(recipe: Recipe, cuda: bool) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "train_batch_size": micro * gas * d.world_size,
         "gradient_clipping": t.max_grad_norm or 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": cuda and precision == "bf16"},
-        "fp16": {"enabled": cuda and precision == "fp16"},
+        "bf16": {"enabled": cuda and rt.precision == "bf16"},
+        "fp16": {"enabled": cuda and rt.precision == "fp16"},
         "zero_allow_untested_optimizer": True,
         # torch AdamW may step the offloaded states when cpu_adam is off
         "zero_force_ds_cpu_optimizer": bool(d.offload != "none" and d.cpu_adam),
@@ -85,8 +87,9 @@ def deepspeed_config(recipe: Recipe, cuda: bool) -> dict[str, Any]:
     }
 
 
-def accelerate_config(recipe: Recipe, cuda: bool, transformer_layer: str | None = None) -> dict[str, Any]:
+def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None = None) -> dict[str, Any]:
     """An ``accelerate launch --config_file`` config equivalent to this launch."""
+    cuda = rt.is_cuda
     d = recipe.distributed
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
@@ -98,7 +101,7 @@ def accelerate_config(recipe: Recipe, cuda: bool, transformer_layer: str | None 
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": not cuda,
-        "mixed_precision": "no" if not cuda else ("bf16" if recipe.training.precision in ("auto", "bf16") else recipe.training.precision),
+        "mixed_precision": "no" if rt.precision == "fp32" else rt.precision,
         "main_training_function": "main",
         "downcast_bf16": "no",
     }
@@ -142,8 +145,9 @@ def _transformer_layer(model_dir: str) -> str | None:
     return arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else None
 
 
-def write_configs(recipe: Recipe, run_dir: Path, cuda: bool) -> dict[str, Path]:
+def write_configs(recipe: Recipe, run_dir: Path, rt: Runtime) -> dict[str, Path]:
     """Write the configs of this launch into ``<run>/distributed/``; returns their paths."""
+    cuda = rt.is_cuda
     import yaml
 
     from finetuner.fileio import atomic_write_json, atomic_write_text
@@ -153,9 +157,9 @@ def write_configs(recipe: Recipe, run_dir: Path, cuda: bool) -> dict[str, Path]:
     paths: dict[str, Path] = {}
     if recipe.distributed.deepspeed:
         paths["deepspeed"] = out / "deepspeed.json"
-        atomic_write_json(paths["deepspeed"], deepspeed_config(recipe, cuda))
+        atomic_write_json(paths["deepspeed"], deepspeed_config(recipe, rt))
     paths["accelerate"] = out / "accelerate_config.yaml"
-    acc = accelerate_config(recipe, cuda, _transformer_layer(recipe.model.name))
+    acc = accelerate_config(recipe, rt, _transformer_layer(recipe.model.name))
     atomic_write_text(paths["accelerate"], yaml.safe_dump(acc, sort_keys=False))
     paths["launch"] = out / "launch.sh"
     env = "ACCELERATE_USE_CPU=true " if not cuda else ""
@@ -281,7 +285,7 @@ def launch_training(
             log.warning(note)
         if plan is not None:
             atomic_write_json(run_dir / "plan.json", plan.to_dict())
-        paths = write_configs(recipe, run_dir, cuda)
+        paths = write_configs(recipe, run_dir, resolve_runtime(recipe))
         (run_dir / STOP_FILE).unlink(missing_ok=True)
         events_path = run_dir / "events.jsonl"
         offset = events_path.stat().st_size if events_path.exists() else 0

@@ -58,6 +58,7 @@ from finetuner.shapes import ModelShape, lora_param_count, lora_targets
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.hardware import GpuProfile
     from finetuner.recipe import Recipe
+    from finetuner.runtime import Runtime
 
 MiB = 1024**2
 GiB = 1024**3
@@ -740,43 +741,28 @@ def estimate(
 
 
 # ====================================================================== recipes
-def resolve_dtypes(recipe: Recipe, gpu: GpuProfile | None) -> tuple[str, str]:
-    """``model.dtype`` and ``training.precision`` with ``auto`` resolved for a card: bf16 where the
-    card has it, else fp16 (T4, V100); full fine-tuning keeps fp32 master weights."""
-    bf16 = gpu.bf16 if gpu else True
-    half = "fp32" if gpu is not None and gpu.platform == "cpu" else ("bf16" if bf16 else "fp16")
-    wd = recipe.model.dtype if recipe.model.dtype != "auto" else half
-    if recipe.method == "full":
-        wd = "fp32"
-    cd = recipe.training.precision if recipe.training.precision != "auto" else half
-    return wd, cd
+def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_type: str | None = None,
+                         runtime: Runtime | None = None, **overrides: Any) -> Settings:
+    """The memory model's view of a resolved recipe on ``gpu``.
 
+    The device-dependent choices (dtypes, attention, loss path) are the trainer's own: ``runtime``
+    when the caller has one (a run), else :func:`finetuner.runtime.resolve` for ``gpu`` (``None``:
+    an unnamed bf16 CUDA card) and the base model's ``model_type`` (for Liger's support).
+    """
+    from finetuner.runtime import Device, resolve
 
-def _uses_liger(recipe: Recipe, gpu: GpuProfile | None) -> bool:
-    """Whether the run's loss is Liger's fused linear cross-entropy (``finetuner.kernels``):
-    ``kernels: liger``, or ``auto`` on a CUDA card when liger-kernel is installed here."""
-    from finetuner.kernels import liger_installed
-
-    setting = getattr(recipe.training, "kernels", "none")
-    on_cuda = gpu is None or gpu.platform == "cuda"
-    return setting == "liger" or (setting == "auto" and on_cuda and liger_installed())
-
-
-def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, **overrides: Any) -> Settings:
-    """The memory model's view of a resolved recipe (dtypes ``auto`` resolved for ``gpu``)."""
     if recipe.auto_keys():
         raise UserError(
             f"The recipe has auto values ({', '.join(recipe.auto_keys())}): the planner resolves them.",
             hint="Use finetuner.plan / `finetuner plan --recipe`, or set the values.",
         )
-    wd, cd = resolve_dtypes(recipe, gpu)
+    rt = runtime or resolve(recipe, Device.of(gpu), model_type)
     q = recipe.quantization
     t = recipe.training
-    attn = recipe.model.attn_implementation
     kw: dict[str, Any] = dict(
         method=recipe.method,
-        weight_dtype=wd,
-        compute_dtype=cd,
+        weight_dtype=rt.base_dtype,
+        compute_dtype=rt.precision,
         lora_r=recipe.lora.r,
         lora_targets=recipe.lora.target_modules if isinstance(recipe.lora.target_modules, str) else tuple(recipe.lora.target_modules),
         lora_dropout=recipe.lora.dropout,
@@ -786,16 +772,15 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, **overri
         gradient_accumulation=t.gradient_accumulation,
         gradient_checkpointing=t.gradient_checkpointing,
         optimizer=t.optimizer,
-        attn_implementation="sdpa" if attn == "auto" else attn,
+        attn_implementation="sdpa" if rt.attention == "auto" else rt.attention,
         attention_mask=recipe.data.packing or t.micro_batch_size > 1,
-        platform=gpu.platform if gpu is not None else "cuda",
+        platform="cpu" if not rt.is_cuda else "cuda",
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
-        fused_ce=_uses_liger(recipe, gpu),
+        fused_ce=rt.loss_path == "liger_fused_linear_ce",
     )
     if q is not None and recipe.method == "qlora":
-        qc = q.compute_dtype if q.compute_dtype != "auto" else cd
-        kw.update(quant_bits=q.bits, quant_type=q.quant_type, double_quant=q.double_quant, compute_dtype=qc)
+        kw.update(quant_bits=q.bits, quant_type=q.quant_type, double_quant=q.double_quant, compute_dtype=rt.compute_dtype)
     kw.update(overrides)
     return Settings(**kw)
 
@@ -834,4 +819,4 @@ def estimate_recipe(
 
         recipe = resolve_auto(recipe, prof or cpu_profile()).recipe
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    return estimate(shape, settings_from_recipe(recipe, prof), prof, margin=margin)
+    return estimate(shape, settings_from_recipe(recipe, prof, shape.model_type), prof, margin=margin)

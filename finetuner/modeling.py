@@ -1,95 +1,20 @@
 """Loading the base model and tokenizer, quantizing, and attaching the LoRA adapter.
 
-All choices that depend on the device (dtypes, autocast) are made once, in :func:`resolve_runtime`,
-and recorded in the run's ``start`` event so a user sees what actually ran.
+All choices that depend on the device (dtypes, autocast, attention, kernels) are made once, in
+:func:`finetuner.runtime.resolve`; this module loads what that :class:`~finetuner.runtime.Runtime`
+says, and the run's ``start`` event records it so a user sees what actually ran.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.recipe import Recipe
+from finetuner.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """Device and dtypes resolved from the recipe's ``auto`` values for this machine."""
-
-    device: str  # "cpu" or "cuda[:N]"
-    base_dtype: str  # storage dtype of frozen weights: bf16 | fp16 | fp32
-    precision: str  # autocast dtype: bf16 | fp16 | fp32 (fp32 = no autocast)
-    compute_dtype: str  # bitsandbytes compute dtype for quantized layers
-    attention: str = "auto"  # attn_implementation: auto (transformers' default, SDPA) | sdpa | eager | flash_attention_2
-    kernels: str = "none"  # liger | none (see finetuner.kernels)
-    loss_path: str = "chunked_ce"  # liger_fused_linear_ce | chunked_ce | full_logits
-    compile: bool = False  # decoder layers under torch.compile
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def torch_dtype(self, name: str):
-        import torch
-
-        return getattr(torch, _DTYPES[name])
-
-
-def resolve_runtime(recipe: Recipe) -> Runtime:
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if recipe.device == "cuda" and not cuda:
-        raise UserError("device: 'cuda' was asked for but no CUDA GPU is visible.", hint="Set device: auto or cpu.")
-    device = "cuda" if (cuda and recipe.device != "cpu") else "cpu"
-    bf16_ok = device == "cuda" and torch.cuda.is_bf16_supported()
-    half = "bf16" if bf16_ok else "fp16"
-
-    precision = recipe.training.precision
-    if precision == "auto":
-        precision = half if device == "cuda" else "fp32"
-    if device == "cpu" and precision == "fp16":
-        raise UserError("training.precision: fp16 is not supported on CPU.", hint="Use fp32 (or bf16, which is slow on most CPUs).")
-    if precision == "bf16" and device == "cuda" and not bf16_ok:
-        raise UserError("training.precision: this GPU has no bf16 support.", hint="Use fp16 or auto.")
-
-    base = recipe.model.dtype
-    if base == "auto":
-        if device == "cpu":
-            base = "fp32"
-        else:
-            base = "fp32" if recipe.method == "full" else half
-    q = recipe.quantization
-    compute = (q.compute_dtype if q else "auto")
-    if compute == "auto":
-        compute = half if device == "cuda" else "fp32"
-    from finetuner import kernels
-
-    t = recipe.training
-    cuda_kernels = device == "cuda" and t.kernels != "none"
-    kern = kernels.resolve_kernels(t.kernels, device == "cuda", _model_type(recipe) if cuda_kernels else None)
-    return Runtime(
-        device=device, base_dtype=base, precision=precision, compute_dtype=compute,
-        attention=kernels.resolve_attention(recipe.model.attn_implementation, device == "cuda", base),
-        kernels=kern, loss_path=kernels.loss_path(kern, t.loss_chunk_size), compile=t.compile,
-    )
-
-
-def _model_type(recipe: Recipe) -> str | None:
-    """The base model's ``model_type`` from its config (None if it cannot be read here)."""
-    from transformers import AutoConfig
-
-    m = recipe.model
-    try:
-        return AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code).model_type
-    except Exception:  # noqa: BLE001 - loading the model reports the real problem with a hint
-        return None
 
 
 def load_tokenizer(recipe: Recipe):

@@ -33,7 +33,6 @@ from finetuner.shapes import ModelShape, preset_hub_id, presets, resolve_shape
 from finetuner.sizing import Sizing, learning_rate, size_run
 
 if TYPE_CHECKING:  # pragma: no cover
-    from finetuner.data_stats import DataProfile
     from finetuner.recipe import Recipe
 
 #: Fraction of the card kept free on top of the memory model's own allowances.
@@ -417,7 +416,7 @@ def search(
                             continue
                         o = Option(m, bits, opt, gc, off, mb, ga)
                         recipe = _apply(base, o)
-                        s = settings_from_recipe(recipe, gpu).with_(label_fraction=label_fraction)
+                        s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
                         est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
                         if gpus > 1:

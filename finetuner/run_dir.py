@@ -78,29 +78,26 @@ def steps_asked(training: dict[str, Any], state: dict[str, Any], old_training: d
     return max(1, math.ceil(float(training.get("epochs") or 1.0) * per_epoch))
 
 
-def finished_run(recipe: Recipe) -> str | None:
-    """Whether the run folder already holds what ``recipe`` asks for, so that resuming would train nothing.
+class RunFinished(Exception):
+    """The run folder already holds a finished run that the recipe would not extend: nothing to do."""
 
-    Returns a message for a finished run that the recipe would not extend (its adapter written, the
-    recipe asking for no more steps than were trained); raises a UserError when the recipe asks for
-    fewer steps than the run already trained. Reads only: nothing in the folder changes.
-    """
-    import yaml
+    def __init__(self, run_dir: Path, message: str):
+        super().__init__(message)
+        self.run_dir, self.message = run_dir, message
 
-    run_dir = recipe.output_path()
-    last = ckpt_io.latest_checkpoint(run_dir) if run_dir.is_dir() else None
-    saved = run_dir / "recipe.yaml"
-    if last is None or not saved.is_file():
-        return None
+
+def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last: Path) -> None:
+    """Before resuming ``run_dir`` (last checkpoint ``last``, saved recipe ``old``) with ``recipe``:
+    raise :class:`RunFinished` when it already trained every step the recipe asks for and wrote its
+    adapter, and a UserError when the recipe asks for fewer steps than were trained."""
     try:
         state = ckpt_io.load_trainer_state(last)
-        old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
-    except (OSError, ValueError, yaml.YAMLError):
-        return None  # the resume path reports unreadable checkpoints and recipes
+    except (OSError, ValueError):
+        return  # the trainer reports unreadable checkpoints and falls back to older ones
     done = int(state.get("step", 0))
     asked = steps_asked(recipe.to_dict()["training"], state, old.get("training") or {})
     if asked is None or asked > done:
-        return None
+        return
     how = (f"training.max_steps={asked}" if recipe.training.max_steps else f"training.epochs={recipe.training.epochs:g}")
     if asked < done:
         raise UserError(
@@ -109,11 +106,11 @@ def finished_run(recipe: Recipe) -> str | None:
             hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to train "
                  f"a new run of {asked} steps, add --no-resume (the old run is moved aside, not deleted) or give --output.",
         )
-    if not (run_dir / "adapter").is_dir():
-        return None  # the steps are done but the run stopped before writing its adapter: resuming finishes it
-    return (f"{run_dir} is finished: it trained all {done} steps this recipe asks for ({how}), and its adapter is in "
+    if (run_dir / "adapter").is_dir():  # else the steps are done but the adapter is not written: resuming finishes it
+        raise RunFinished(run_dir, (
+            f"{run_dir} is finished: it trained all {done} steps this recipe asks for ({how}), and its adapter is in "
             f"{run_dir / 'adapter'}. Nothing was trained or changed. To train it further, raise training.max_steps (or "
-            f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted).")
+            f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted)."))
 
 
 class RunLock:
@@ -183,6 +180,11 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
                         + "\n  ".join(diffs),
                         hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
                     )
+                try:
+                    check_not_finished(run_dir, recipe, old, last)
+                except BaseException:
+                    lock.release()
+                    raise
                 # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)
                 saved_t = old.get("training", {})
                 t = recipe.training.model_copy(

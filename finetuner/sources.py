@@ -206,7 +206,8 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
 
     device = inference_device(device)
     if src.recipe is not None and src.kind in ("run", "adapter"):
-        from finetuner.modeling import load_base_model, resolve_runtime
+        from finetuner.modeling import load_base_model
+        from finetuner.runtime import resolve_runtime
 
         recipe = src.recipe.model_copy(update={"device": "cuda" if device.startswith("cuda") else "cpu"})
         rt = resolve_runtime(recipe)

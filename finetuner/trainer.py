@@ -30,10 +30,11 @@ from finetuner.errors import OutOfMemory, UserError
 from finetuner.events import Callback, EventWriter, device_memory
 from finetuner.faults import FaultPlan
 from finetuner.fileio import atomic_write_json
-from finetuner.modeling import Runtime, count_parameters, load_base_model, load_tokenizer, prepare_for_training, resolve_runtime
+from finetuner.modeling import count_parameters, load_base_model, load_tokenizer, prepare_for_training
 from finetuner.offload import save_on_cpu
 from finetuner.recipe import Recipe, TrainingSection
-from finetuner.run_dir import check_disk_space, finished_run, prepare_run_dir
+from finetuner.runtime import Runtime, resolve_runtime
+from finetuner.run_dir import RunFinished, check_disk_space, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +177,13 @@ class StepSchedule:
 def predict_memory(recipe: Recipe, rt: Runtime):
     """The memory model's prediction for this run on this device, or None if it cannot say."""
     try:
-        from finetuner.hardware import detect
-        from finetuner.memory import estimate_recipe
+        from finetuner.hardware import cpu_profile, detect
+        from finetuner.memory import estimate, settings_from_recipe
+        from finetuner.shapes import resolve_shape
 
-        gpu = detect() if rt.is_cuda else None
-        return estimate_recipe(recipe, gpu)
+        gpu = detect() if rt.is_cuda else cpu_profile()
+        shape = resolve_shape(recipe.model.name, recipe.model.revision)
+        return estimate(shape, settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt), gpu)
     except Exception as e:  # an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None
@@ -613,6 +616,13 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- entry point
+def finished_result(done: RunFinished) -> TrainResult:
+    """What :func:`train` returns for a run folder that already holds the finished run."""
+    metrics_file = done.run_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
+    return TrainResult(done.run_dir, done.run_dir / "adapter", metrics, finished=done.message)
+
+
 def train(
     recipe: Recipe | str | Path,
     callbacks: list[Callback] | None = None,
@@ -643,21 +653,17 @@ def train(
         recipe = Recipe.from_dict(recipe.to_dict(), overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
-    if resume:
-        finished = finished_run(recipe)  # raises when the recipe asks for fewer steps than were trained
-        if finished is not None:
-            run_dir = recipe.output_path()
-            metrics_file = run_dir / "metrics.json"
-            metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
-            return TrainResult(run_dir, run_dir / "adapter", metrics, finished=finished)
     from finetuner.launch import launch_training, needs_launch
 
-    if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
-        return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
-    from finetuner.planner import resolve_for_run
+    try:
+        if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
+            return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
+        from finetuner.planner import resolve_for_run
 
-    recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
-    run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+        recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    except RunFinished as done:
+        return finished_result(done)
     if plan is not None:
         atomic_write_json(run_dir / "plan.json", plan.to_dict())
     try:

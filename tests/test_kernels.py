@@ -10,21 +10,22 @@ from finetuner.errors import UserError
 
 
 def test_liger_is_never_chosen_without_cuda():
-    assert kernels.resolve_kernels("auto", on_cuda=False, model_type="llama") == "none"
-    assert kernels.resolve_kernels("none", on_cuda=True, model_type="llama") == "none"
+    assert kernels.resolve_kernels("auto", on_cuda=False, model_type="llama", liger_available=True) == "none"
+    assert kernels.resolve_kernels("none", on_cuda=True, model_type="llama", liger_available=True) == "none"
     with pytest.raises(UserError, match="no CUDA GPU"):
-        kernels.resolve_kernels("liger", on_cuda=False, model_type="llama")
+        kernels.resolve_kernels("liger", on_cuda=False, model_type="llama", liger_available=True)
 
 
 def test_liger_auto_needs_the_package_and_a_supported_architecture(monkeypatch):
     monkeypatch.setattr(kernels, "liger_installed", lambda: True)
-    monkeypatch.setattr(kernels, "liger_importable", lambda: True)
-    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="llama") == "liger"
-    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="gpt2") == "none"
+    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="llama", liger_available=True) == "liger"
+    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="gpt2", liger_available=True) == "none"
     with pytest.raises(UserError, match="architecture 'gpt2'"):
-        kernels.resolve_kernels("liger", on_cuda=True, model_type="gpt2")
+        kernels.resolve_kernels("liger", on_cuda=True, model_type="gpt2", liger_available=True)
     monkeypatch.setattr(kernels, "liger_installed", lambda: False)
-    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="llama") == "none"
+    assert kernels.resolve_kernels("auto", on_cuda=True, model_type="llama", liger_available=False) == "none"
+    with pytest.raises(UserError, match="not installed"):
+        kernels.resolve_kernels("liger", on_cuda=True, model_type="llama", liger_available=False)
 
 
 def test_loss_path_names_what_the_memory_model_must_count():
@@ -34,14 +35,16 @@ def test_loss_path_names_what_the_memory_model_must_count():
 
 
 def test_attention_on_cpu_is_transformers_default_and_flash_is_refused():
-    assert kernels.resolve_attention("auto", on_cuda=False, base_dtype="fp32") == "auto"
-    assert kernels.resolve_attention("eager", on_cuda=False, base_dtype="fp32") == "eager"
+    assert kernels.resolve_attention("auto", flash_available=False, base_dtype="fp32") == "auto"
+    assert kernels.resolve_attention("eager", flash_available=False, base_dtype="fp32") == "eager"
     with pytest.raises(UserError, match="flash_attention_2"):
-        kernels.resolve_attention("flash_attention_2", on_cuda=False, base_dtype="fp32")
+        kernels.resolve_attention("flash_attention_2", flash_available=False, base_dtype="fp32")
+    assert kernels.resolve_attention("auto", flash_available=True, base_dtype="bf16") == "flash_attention_2"
+    assert kernels.resolve_attention("auto", flash_available=True, base_dtype="fp32") == "auto"  # FA2 needs 16-bit
 
 
 def test_runtime_records_the_resolved_choices(recipe_dict):
-    from finetuner.modeling import resolve_runtime
+    from finetuner.runtime import resolve_runtime
     from finetuner.recipe import Recipe
 
     rt = resolve_runtime(Recipe.from_dict(recipe_dict, ["device=cpu", "training.compile=true"]))

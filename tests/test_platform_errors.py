@@ -21,7 +21,8 @@ def no_bitsandbytes(monkeypatch):
 
 
 def test_qlora_without_bitsandbytes_names_the_key_and_the_way_out(recipe_dict, no_bitsandbytes):
-    from finetuner.modeling import load_base_model, resolve_runtime
+    from finetuner.modeling import load_base_model
+    from finetuner.runtime import resolve_runtime
 
     recipe = Recipe.from_dict({**recipe_dict, "method": "qlora"})
     with pytest.raises(UserError) as e:

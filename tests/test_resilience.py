@@ -106,7 +106,8 @@ def test_activation_offload_keeps_the_loss_curve(recipe_dict, tmp_path, gc):
 
 
 def test_offloaded_checkpointing_is_installed_and_trains_every_layer(recipe_dict):
-    from finetuner.modeling import load_base_model, prepare_for_training, resolve_runtime
+    from finetuner.modeling import load_base_model, prepare_for_training
+    from finetuner.runtime import resolve_runtime
     from finetuner.offload import offloaded_checkpoint
     from finetuner.trainer import token_loss_sum
 

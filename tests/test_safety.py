@@ -47,7 +47,8 @@ def pickle_model_dir(tiny_model_dir, tmp_path) -> Path:
 
 
 def test_pickle_weights_are_refused_unless_allowed(recipe_dict, pickle_model_dir, caplog):
-    from finetuner.modeling import load_base_model, resolve_runtime
+    from finetuner.modeling import load_base_model
+    from finetuner.runtime import resolve_runtime
 
     recipe = Recipe.from_dict({**recipe_dict, "model": {"name": str(pickle_model_dir)}})
     rt = resolve_runtime(recipe)

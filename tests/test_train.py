@@ -68,7 +68,8 @@ def test_qlora_trains_4bit_layers_on_cpu(recipe_dict):
 def test_qlora_model_has_linear4bit(recipe_dict):
     import bitsandbytes as bnb
 
-    from finetuner.modeling import load_base_model, prepare_for_training, resolve_runtime
+    from finetuner.modeling import load_base_model, prepare_for_training
+    from finetuner.runtime import resolve_runtime
 
     r = Recipe.from_dict(recipe_dict, ["method=qlora"])
     model = prepare_for_training(load_base_model(r, resolve_runtime(r)), r)
