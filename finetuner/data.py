@@ -3,7 +3,8 @@
 Steps, each a function here:
 
 1. :func:`load_examples` reads every file of ``data.path`` (see :mod:`finetuner.data_formats`),
-   detects or checks its format and normalises each row; a bad row stops with its file and row,
+   detects or checks its format (or takes the columns ``data.columns`` names) and normalises
+   each row; a bad row stops with its file and row,
    or is skipped and counted (``data.on_bad_row: skip``).
 2. :func:`tokenize_examples` renders chat rows with the tokenizer's chat template (or the
    recipe's, or a built-in fallback) and labels only the assistant replies (``-100`` elsewhere)
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner.data_formats import RawRow, RowError, detect_format, normalize, read_rows
+from finetuner.data_formats import FileExamples, RowError
 from finetuner.errors import UserError
 from finetuner.recipe import DataSection
 
@@ -51,6 +52,8 @@ class DataStats:
     """What the pipeline did, reported in events and the run summary."""
 
     format: dict[str, str] = field(default_factory=dict)
+    #: per file, the roles read from columns named in data.columns or found by their names (question/answer, ...)
+    columns: dict[str, dict[str, str]] = field(default_factory=dict)
     rows: int = 0
     skipped: int = 0
     skipped_reasons: list[str] = field(default_factory=list)
@@ -73,36 +76,22 @@ class DataStats:
 
 # --------------------------------------------------------------------------- loading
 def load_examples(paths: str | Sequence[str], cfg: DataSection, stats: DataStats) -> list[dict[str, Any]]:
-    """Read and normalise the rows of every path; each example keeps ``_where`` for errors."""
+    """Read and normalise the rows of every path (:class:`~finetuner.data_formats.FileExamples`,
+    with ``data.format`` and ``data.columns``); each example keeps ``_where`` for errors."""
     examples: list[dict[str, Any]] = []
     for path in [paths] if isinstance(paths, str) else paths:
-        bad: list[RowError] = []
-        fmt = None if cfg.format == "auto" else cfg.format
+        src = FileExamples(path, cfg.format, cfg.columns, cfg.system_prompt, cfg.split)
         n_before = len(examples)
-        for raw in read_rows(path, cfg.split, bad):
-            _raise_or_skip(bad, cfg, stats)
-            stats.rows += 1
-            if fmt is None:
-                fmt = detect_format(raw.data)
-                if fmt is None:
-                    keys = ", ".join(sorted(raw.data)) if isinstance(raw.data, dict) else type(raw.data).__name__
-                    raise UserError(
-                        f"{raw.place}: cannot tell the data format from the fields ({keys}).",
-                        hint="Expected alpaca (instruction/input/output), chat (messages or conversations), "
-                        "text (text) or completion (prompt/completion); set data.format to say which.",
-                    )
-                stats.format[path] = fmt
-            try:
-                ex = normalize(raw.data, fmt, cfg.system_prompt)
-            except RowError as e:
-                bad.append(RowError(f"{raw.place}: {e} (format '{fmt}')."))
-                continue
-            ex["_where"] = raw.place
+        for ex in src:
+            _raise_or_skip(src.bad, cfg, stats)
             examples.append(ex)
             if cfg.max_examples and len(examples) >= cfg.max_examples:
                 break
-        _raise_or_skip(bad, cfg, stats)
-        stats.format.setdefault(path, fmt or cfg.format)
+        _raise_or_skip(src.bad, cfg, stats)
+        stats.rows += src.rows
+        stats.format[path] = src.layout.format if src.layout else cfg.format
+        if src.layout and src.layout.columns:
+            stats.columns[path] = dict(src.layout.columns)
         if len(examples) == n_before:
             raise UserError(f"{path}: no usable rows.", hint="The file is empty or every row was skipped.")
     return examples

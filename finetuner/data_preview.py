@@ -72,9 +72,11 @@ def preview_data(
     max_seq_len: int = 2048,
     train_on_prompt: bool = False,
     fmt: str = "auto",
+    columns: dict[str, str] | None = None,
 ) -> DataPreview:
-    """The first ``n`` examples of ``path`` encoded as for training."""
-    cfg = DataSection(path=path, format=fmt, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt, max_examples=n)
+    """The first ``n`` examples of ``path`` encoded as for training (``fmt`` and ``columns`` as
+    ``data.format`` and ``data.columns``)."""
+    cfg = DataSection(path=path, format=fmt, columns=columns, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt, max_examples=n)
     stats = DataStats()
     examples = load_examples(path, cfg, stats)
     template = chat_template_for(tokenizer, cfg)

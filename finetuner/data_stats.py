@@ -9,6 +9,12 @@ transformers) when the model is a local folder or in the hub cache; otherwise fr
 at 3.5 characters per token (English text with 32k-150k vocabularies: Llama-2 ~3.6, Llama-3 ~4.3;
 the low end, so lengths are over- rather than under-estimated). Each message adds a few tokens
 of chat-template markup (``TEMPLATE_TOKENS_PER_MESSAGE``).
+
+Rows become examples through the trainer's own reader
+(:class:`~finetuner.data_formats.FileExamples`: the same format detection, ``data.columns`` and
+checks), so the planner measures what training will train on; rows that cannot be used (a line
+that is not valid JSON, a row without a response, ...) are counted in a note that names the first
+one's place and says what ``finetuner run`` will do with them (:func:`bad_rows_note`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.data_formats import RowError, detect_format, normalize, read_rows
+from finetuner.data_formats import FileExamples
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 
@@ -40,6 +46,11 @@ class DataProfile:
     counted_with: str
     notes: list[str] = field(default_factory=list)
     requested_seq_len: int | None = None
+    #: roles read from named columns (data.columns, or found by their names: question/answer, ...)
+    columns: dict[str, str] = field(default_factory=dict)
+    #: rows that cannot be used (invalid JSON, or not normalisable), and the first one's message
+    bad_rows: int = 0
+    first_bad_row: str | None = None
 
     @property
     def mean_tokens(self) -> float:
@@ -77,7 +88,10 @@ class DataProfile:
         return {
             "path": self.path,
             "format": self.format,
+            "columns": dict(self.columns),
             "rows": self.rows,
+            "bad_rows": self.bad_rows,
+            "first_bad_row": self.first_bad_row,
             "mean_tokens": round(self.mean_tokens, 1),
             "p50_tokens": self.percentile(50),
             "p95_tokens": self.percentile(95),
@@ -124,29 +138,30 @@ def _tokenizer_counter(model: str | None):
     return None, None
 
 
-def profile_data(path: str, model: str | None = None, seq_len: int | None = None, fmt: str = "auto") -> DataProfile:
-    """Read a data file and measure its examples' lengths (see the module doc)."""
+def profile_data(
+    path: str,
+    model: str | None = None,
+    seq_len: int | None = None,
+    fmt: str = "auto",
+    *,
+    columns: dict[str, str] | None = None,
+    on_bad_row: str = "error",
+    system_prompt: str | None = None,
+) -> DataProfile:
+    """Read a data file and measure its examples' lengths (see the module doc).
+
+    Rows become examples exactly as in training (:class:`~finetuner.data_formats.FileExamples`
+    with ``data.format`` = ``fmt``, ``data.columns`` = ``columns`` and ``data.system_prompt``).
+    Rows that cannot be used are counted in a note naming the first one's place and what
+    ``finetuner run`` will do with them (``on_bad_row``, as ``data.on_bad_row``).
+    """
     count, how = _tokenizer_counter(model)
     if count is None:
         count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
     lengths: list[int] = []
     trained = total = 0
-    detected = None
-    bad: list[RowError] = []
-    for raw in read_rows(path, bad=bad):
-        if len(lengths) >= MAX_ROWS:
-            break
-        f = fmt if fmt != "auto" else (detected or detect_format(raw.data))
-        if f is None:
-            raise UserError(
-                f"{raw.source}, {raw.where}: cannot tell the data format from its fields ({', '.join(map(str, raw.data)) if isinstance(raw.data, dict) else type(raw.data).__name__}).",
-                hint="Use alpaca (instruction/output), chat (messages or conversations), text, or prompt/completion fields.",
-            )
-        detected = detected or f
-        try:
-            ex = normalize(raw.data, f)
-        except RowError:
-            continue  # the trainer reports bad rows with their place; the planner only measures
+    src = FileExamples(path, fmt, columns, system_prompt)
+    for ex in src:
         if "messages" in ex:
             prompt = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["messages"] if m["role"] != "assistant")
             answer = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["messages"] if m["role"] == "assistant")
@@ -157,9 +172,27 @@ def profile_data(path: str, model: str | None = None, seq_len: int | None = None
         lengths.append(prompt + answer)
         trained += answer
         total += prompt + answer
+        if len(lengths) >= MAX_ROWS:
+            break
     if not lengths:
-        raise UserError(f"{path}: no usable examples to measure.", hint="Check the file with `finetuner run` for row errors.")
-    profile = DataProfile(str(path), detected or fmt, len(lengths), lengths, trained, total, how, requested_seq_len=seq_len)
+        first = f" (first: {str(src.bad[0]).rstrip('.')})" if src.bad else ""
+        raise UserError(
+            f"{path}: no usable examples to measure: {len(src.bad)} row(s) cannot be used{first}." if src.bad
+            else f"{path}: no usable examples to measure: the file has no rows.",
+            hint="Fix the rows; `finetuner run` names each with its place." if src.bad else None,
+        )
+    layout = src.layout
+    profile = DataProfile(
+        str(path), layout.format, len(lengths), lengths, trained, total, how, requested_seq_len=seq_len,
+        columns=dict(layout.columns), bad_rows=len(src.bad), first_bad_row=str(src.bad[0]) if src.bad else None,
+    )
+    if src.bad:
+        profile.notes.append(bad_rows_note(len(src.bad), len(lengths), str(src.bad[0]), on_bad_row, len(lengths) >= MAX_ROWS))
+    if layout.columns and not columns:
+        profile.notes.append(
+            f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())} "
+            f"(format {layout.format}); set data.columns to map them otherwise"
+        )
     if seq_len is not None:
         cut = profile.truncated(seq_len)
         if cut and not profile.should_pack(seq_len):
@@ -168,3 +201,16 @@ def profile_data(path: str, model: str | None = None, seq_len: int | None = None
                 "and will be truncated"
             )
     return profile
+
+
+def bad_rows_note(n_bad: int, n_good: int, first: str, on_bad_row: str, partial: bool = False) -> str:
+    """What the planner says about rows that cannot be used: how many, the first one's place, and
+    what ``finetuner run`` will do with them."""
+    rows = f"{n_bad} row{'s' if n_bad != 1 else ''}" + (" in the rows read" if partial else f" of {n_bad + n_good}")
+    head = f"{rows} cannot be used (first: {first.rstrip('.')})"
+    if on_bad_row == "skip":
+        return f"{head}; the run skips them (data.on_bad_row: skip) and trains on the other {n_good:,}"
+    return (
+        f"{head}; the run stops at the first one (data.on_bad_row: error): fix the file, or set "
+        f"data.on_bad_row: skip to skip them and train on the other {n_good:,}"
+    )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import expand_user, exists
@@ -123,6 +123,13 @@ class DataSection(_Section):
 
     path: str | list[str] = Field(description="JSON/JSONL/CSV/Parquet file(s) or a hub data set id.")
     format: DataFormat = "auto"
+    columns: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Which column holds what, as role: column, e.g. {prompt: question, response: answer}. Roles: prompt, "
+            "input, response, system (instruction data), messages (chat), text. Implies the format unless format is set."
+        ),
+    )
     split: str = Field("train", description="Split to use for hub data sets.")
     max_seq_len: int = Field(1024, ge=16)
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
@@ -137,6 +144,28 @@ class DataSection(_Section):
     max_examples: int | None = Field(None, gt=0)
     num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
     cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _numbers_are_names(cls, v: Any) -> Any:
+        """Roles in any case; a column named ``2024`` (YAML and ``--set`` read it as a number) is a name;
+        an empty value is left for the check below to explain."""
+        if isinstance(v, dict):
+            return {
+                (k.strip().lower() if isinstance(k, str) else k): "" if c is None else str(c) if isinstance(c, int) and not isinstance(c, bool) else c
+                for k, c in v.items()
+            }
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_roles(cls, v: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if not v:
+            return None
+        from finetuner.data_formats import check_columns
+
+        check_columns(v, info.data.get("format", "auto"))
+        return v
 
 
 class TrainingSection(_Section):

@@ -160,9 +160,11 @@ def test_unreadable_files(tmp_path, tok):
     empty.write_text("")
     with pytest.raises(UserError, match="no usable rows"):
         prepare_data(cfg(empty), tok, 0)
-    unknown = write_jsonl(tmp_path / "u.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(UserError, match=r"cannot tell the data format from the fields \(answer, question\)"):
+    unknown = write_jsonl(tmp_path / "u.jsonl", [{"title": "q", "body": "a"}])
+    with pytest.raises(UserError, match=r"u.jsonl, line 1: cannot tell the data format from the columns \(title, body\)") as e:
         prepare_data(cfg(unknown), tok, 0)
+    assert "--set data.columns.prompt=COLUMN --set data.columns.response=COLUMN" in e.value.hint
+    assert "columns: {prompt: COLUMN, response: COLUMN}" in e.value.hint
     other = tmp_path / "x.txt"
     other.write_text("hello")
     with pytest.raises(UserError, match="unsupported file type '.txt'"):
@@ -171,7 +173,14 @@ def test_unreadable_files(tmp_path, tok):
 
 def test_format_override_that_does_not_fit(tmp_path, tok):
     p = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
-    with pytest.raises(UserError, match="line 1: missing 'instruction' \\(format 'alpaca'\\)"):
+    with pytest.raises(UserError, match="line 1: no column for prompt and response: format 'alpaca' reads the prompt from "
+                       "'instruction', the response from 'output', and the file's columns are text") as e:
+        prepare_data(cfg(p, format="alpaca"), tok, 0)
+    assert "--set data.columns.prompt=COLUMN --set data.columns.response=COLUMN" in e.value.hint
+    assert "data.format: auto, which reads the file as text" in e.value.hint
+    # a later row without the format's keys is a bad row, named with its line
+    p = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "q", "output": "a"}, {"text": "hello"}])
+    with pytest.raises(UserError, match="line 2: missing 'instruction' \\(format 'alpaca'\\)"):
         prepare_data(cfg(p, format="alpaca"), tok, 0)
 
 
