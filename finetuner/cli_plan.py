@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", "-g", default="auto", help="Card name (rtx4090, a100-80gb, ... see `finetuner gpus`), a size like 24GB, cpu, or auto (default: the detected GPU, else the CPU).")
     p.add_argument("--seq-len", type=int, help="Sequence length (default: what --data needs, else 2048).")
     p.add_argument("--data", help="Data file (JSON/JSONL/CSV/Parquet): its token lengths set the sequence length and packing.")
+    p.add_argument("--column", dest="columns", action="append", default=[], metavar="ROLE=COLUMN",
+                   help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
+                        "--column prompt=question --column response=answer (repeatable; written as data.columns).")
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
@@ -71,9 +74,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out_path = Path(args.output).expanduser() if args.output else None
     if out_path is not None and out_path.exists() and not args.force:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
+    columns: dict[str, str] = {}
+    for item in args.columns:
+        role, eq, column = item.partition("=")
+        if not eq or not role.strip() or not column.strip():
+            raise UserError(f"--column {item!r}: write ROLE=COLUMN, e.g. --column prompt=question.")
+        columns[role.strip()] = column.strip()
+    if columns and not args.data:
+        raise UserError("--column names columns of a data file: give the file with --data.")
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
-        method=args.method, margin=args.margin, name=args.name, gpus=args.gpus,
+        method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text

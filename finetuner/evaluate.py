@@ -79,7 +79,9 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
         if not path.exists():
             raise UserError(f"--data: file not found: {data}")
         base_cfg = recipe.data.model_dump() if recipe is not None else {}
-        base_cfg.update(path=str(path.resolve()), format="auto", val_size=0.0, val_path=None, packing=False, max_examples=None)
+        # another file: its layout is detected on its own (format and column names go together)
+        base_cfg.update(path=str(path.resolve()), format="auto", columns=None, val_size=0.0, val_path=None, packing=False,
+                        max_examples=None)
         if max_seq_len:
             base_cfg["max_seq_len"] = max_seq_len
         cfg = DataSection.model_validate(base_cfg)

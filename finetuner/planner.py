@@ -461,7 +461,8 @@ def _default_name(model: str) -> str:
     return f"{slug}-planned"[:100]
 
 
-def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str) -> Recipe:
+def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
+                 columns: dict[str, str] | None = None) -> Recipe:
     from finetuner.recipe import Recipe
 
     training: dict[str, Any] = {
@@ -479,7 +480,7 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         "model": {"name": model},
         "method": "auto",
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
-                 "packing": sizing.packing},
+                 "packing": sizing.packing, **({"columns": columns} if columns else {})},
         "training": training,
         "checkpointing": {"save_every": sizing.save_every, "keep_last": 2},
         "device": device,
@@ -505,6 +506,7 @@ def plan(
     margin: float = DEFAULT_MARGIN,
     name: str | None = None,
     gpus: int = 1,
+    columns: dict[str, str] | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -527,6 +529,8 @@ def plan(
         margin: fraction of the card kept free.
         gpus: number of such cards: the plan adds the distributed strategy (DDP, ZeRO, FSDP)
             with its per-device memory and communication per step.
+        columns: which of the data file's columns holds which role (``{"prompt": "question",
+            "response": "answer"}``), as ``data.columns`` in a recipe; written into the recipe.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -546,6 +550,13 @@ def plan(
         raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
     if effective_batch is not None and effective_batch < gpus:
         raise UserError(f"--effective-batch {effective_batch} is smaller than --gpus {gpus}: each GPU needs an example per step.")
+    if columns:
+        from finetuner.data_formats import check_columns
+
+        try:
+            check_columns(columns, "auto")
+        except ValueError as e:
+            raise UserError(f"data.columns (--column): {e}") from None
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
@@ -553,7 +564,7 @@ def plan(
     if data:
         from finetuner.data_stats import profile_data
 
-        profile = profile_data(data, model, seq_len)
+        profile = profile_data(data, model, seq_len, columns=columns)
         notes += profile.notes
         label_fraction = profile.label_fraction
     sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus)
@@ -565,7 +576,7 @@ def plan(
         )
     data_path = str(Path(data).expanduser().resolve()) if data and Path(data).expanduser().exists() else data
     device = "cpu" if prof.platform == "cpu" else "auto"
-    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device)
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device, columns)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     result.model = model
     result.notes = notes + result.notes

@@ -27,6 +27,7 @@ RESUME_KEYS = (
     "quantization",
     "data.path",
     "data.format",
+    "data.columns",
     "data.max_seq_len",
     "data.packing",
     "data.train_on_prompt",

@@ -191,3 +191,17 @@ def test_a_finished_epoch_run_counts_its_steps_from_the_epochs(recipe_dict, tmp_
     assert "Already finished" in run_cli("run", str(recipe)).stdout
     more = run_cli("run", str(recipe), "--set", "training.epochs=1.5")
     assert more.returncode == 0 and "resuming at step 12" in more.stdout and "step 18/18" in more.stdout
+
+
+def test_plan_names_the_columns_of_a_file_it_cannot_read_by_itself(tmp_path):
+    data = tmp_path / "faq.csv"
+    data.write_text("frage,antwort\n" + "".join(f"Was soll ich mitnehmen {i}?,Wasser und eine Karte {i}.\n" for i in range(30)),
+                    encoding="utf-8")
+    r = run_cli("plan", "--model", str(DEMO), "--gpu", "cpu", "--data", str(data))
+    assert r.returncode == 2 and "frage, antwort" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("plan", "--model", str(DEMO), "--gpu", "cpu", "--data", str(data), "--column", "prompt=frage",
+                "--column", "response=antwort", "-o", str(tmp_path / "faq.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert Recipe.from_yaml(tmp_path / "faq.yaml").data.columns == {"prompt": "frage", "response": "antwort"}
+    r = run_cli("plan", "--model", str(DEMO), "--gpu", "cpu", "--data", str(data), "--column", "answer=antwort")
+    assert r.returncode == 2 and "'answer' is not a role" in r.stderr and "Traceback" not in r.stderr
