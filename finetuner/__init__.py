@@ -24,7 +24,7 @@ _LAZY = {
     "read_events": "finetuner.events",
     "plan": "finetuner.planner",
     "Plan": "finetuner.planner",
-    "estimate": "finetuner.memory:estimate_recipe",
+    "estimate": "finetuner.planner:estimate_recipe",
     "shard_estimate": "finetuner.memory_sharding",
     "best_strategy": "finetuner.memory_sharding",
     "follow": "finetuner.events",
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from finetuner.chat import ChatModel, load_chat_model
     from finetuner.evaluate import EvalResult, evaluate_run
     from finetuner.events import follow, read_events
-    from finetuner.memory import estimate_recipe as estimate
+    from finetuner.planner import estimate_recipe as estimate
     from finetuner.merge import MergeResult, merge_adapter
     from finetuner.planner import Plan, plan
     from finetuner.progress_bar import ProgressBar

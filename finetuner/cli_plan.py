@@ -187,7 +187,7 @@ def _print_breakdown(con: Any, est: Any) -> None:
 # ---------------------------------------------------------------------- estimate
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from finetuner.hardware import cpu_profile, detect, get_gpu
-    from finetuner.memory import estimate_recipe
+    from finetuner.planner import estimate_recipe
     from finetuner.recipe import Recipe
 
     recipe = Recipe.from_yaml(args.recipe, args.overrides)

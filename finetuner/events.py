@@ -79,7 +79,7 @@ def iter_events(path: Path) -> Iterator[dict[str, Any]]:
 END_EVENTS = ("done", "stopped", "error")
 
 
-def _run_folder_busy(run_dir: Path) -> bool:
+def run_folder_busy(run_dir: Path) -> bool:
     """Whether a process holds the run folder's lock (see :class:`finetuner.run_dir.RunLock`)."""
     import fcntl
 
@@ -137,7 +137,7 @@ def follow(run_dir: str | Path, poll: float = 0.5, timeout: float | None = None)
                 elif ev.get("event") == "start":  # a resumed run goes on
                     ended = False
                 yield ev
-        if ended and not buf and not _run_folder_busy(run_dir):
+        if ended and not buf and not run_folder_busy(run_dir):
             return
         if timeout is not None and time.monotonic() - last_new > timeout:
             return

@@ -257,7 +257,7 @@ def launch_training(
     from finetuner.fileio import atomic_write_json
     from finetuner.planner import resolve_for_run
     from finetuner.run_dir import prepare_run_dir
-    from finetuner.trainer import TrainResult
+    from finetuner.train_result import TrainResult
 
     cuda = torch.cuda.is_available() and recipe.device != "cpu"
     d = recipe.distributed

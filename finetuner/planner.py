@@ -776,3 +776,38 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
     gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
     result = resolve_auto(recipe, gpu)
     return Recipe.model_validate(result.recipe.to_dict()), result
+
+
+def estimate_recipe(
+    recipe: Recipe | str | Path,
+    gpu: GpuProfile | str | None = None,
+    shape: ModelShape | None = None,
+    margin: float = 0.05,
+    label_fraction: float = 1.0,
+) -> MemoryEstimate:
+    """Predict the peak memory of a recipe (``finetuner.estimate``).
+
+    Args:
+        recipe: a :class:`~finetuner.recipe.Recipe` or the path of a recipe YAML; ``auto`` values
+            are resolved by the planner for ``gpu`` first.
+        gpu: a card name, a size (``24GB``), ``cpu``, a :class:`~finetuner.hardware.GpuProfile`, or
+            None (no card: the estimate has no budget and ``fits`` is True).
+        label_fraction: the share of tokens the loss is computed on (the planner measures it from
+            the data: ``DataProfile.label_fraction``); 1.0, every token, is the upper bound.
+
+    Example:
+        >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
+        >>> est.fits, round(est.total_bytes / 2**30, 1)  # doctest: +SKIP
+        (True, 20.2)
+    """
+    from finetuner.hardware import cpu_profile
+    from finetuner.recipe import Recipe
+
+    if isinstance(recipe, (str, Path)):
+        recipe = Recipe.from_yaml(recipe)
+    prof = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if recipe.auto_keys():
+        recipe = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction).recipe
+    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    settings = settings_from_recipe(recipe, prof, shape.model_type, label_fraction=label_fraction)
+    return estimate(shape, settings, prof, margin=margin)

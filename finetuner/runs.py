@@ -79,10 +79,10 @@ class Run:
     @property
     def status(self) -> str:
         """``done``, ``stopped``, ``failed``, ``running`` or ``not started`` (from the events)."""
-        from finetuner.events import _run_folder_busy
+        from finetuner.events import run_folder_busy
 
         kinds = [e.get("event") for e in self.events() if e.get("event") in ("start", "done", "stopped", "error")]
-        if _run_folder_busy(self.path):
+        if run_folder_busy(self.path):
             return "running"
         if not kinds:
             return "not started"

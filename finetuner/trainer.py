@@ -20,7 +20,6 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +33,10 @@ from finetuner.modeling import count_parameters, load_base_model, load_tokenizer
 from finetuner.offload import save_on_cpu
 from finetuner.recipe import Recipe, TrainingSection
 from finetuner.runtime import Runtime, resolve_runtime
+from finetuner.train_result import TrainResult
 from finetuner.run_dir import RunFinished, check_disk_space, prepare_run_dir
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns: where everything is, and the final metrics."""
-
-    run_dir: Path
-    adapter_dir: Path
-    metrics: dict[str, Any]
-    stopped: bool = False
-    losses: list[float] = field(default_factory=list)
-    #: Set when the run folder already held a finished run that this recipe would not extend:
-    #: what was found and what to do (nothing was trained or changed).
-    finished: str | None = None
 
 
 # --------------------------------------------------------------------------- pieces

@@ -307,7 +307,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
     # ------------------------------------------------------------------ handlers: plan
     def _estimate_outputs(recipe, card: str, header: str = ""):
-        from finetuner.memory import estimate_recipe
+        from finetuner.planner import estimate_recipe
 
         gpu = gpu_profile(card)
         est = estimate_recipe(recipe, gpu)
