@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7860, help="Port (default 7860).")
     p.add_argument("--auth", metavar="USER:PASS", help="Require this user name and password.")
     p.add_argument("--runs-dir", help="Where runs are kept (default: runs/ of the checkout).")
+    p.add_argument("--upload-dir", help="Where uploaded data files are stored (default: data/uploads/ of the checkout).")
     p.set_defaults(func=_cmd_ui)
 
 
@@ -58,5 +59,5 @@ def _cmd_ui(args: argparse.Namespace) -> int:
             hint="Install the ui extra: pip install -e '.[ui]' -c constraints.txt",
         ) from None
     print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
-    launch(runs_dir=args.runs_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True)
+    launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True)
     return 0

@@ -154,11 +154,39 @@ def new_run_dir(runs_dir: str | Path, name: str) -> Path:
     return path
 
 
+def free_run_name(runs_dir: str | Path, name: str) -> str:
+    """``name`` if no run folder has it yet, else the first free ``name-2``, ``name-3``...: a name to
+    propose before a run starts (the user sees it), never applied silently at start."""
+    base = safe_name(name)[:96]
+    cand, i = base, 1
+    while (Path(runs_dir) / cand).exists():
+        i += 1
+        cand = f"{base}-{i}"
+    return cand
+
+
+def named_run_dir(runs_dir: str | Path, name: str) -> Path:
+    """The folder ``RUNS_DIR/<name>`` for a new run named as the user typed it.
+
+    Raises:
+        UserError: a run (or anything else) already has that name; nothing is renamed or replaced.
+    """
+    path = Path(runs_dir) / safe_name(name)
+    if path.exists():
+        raise UserError(
+            f"A run named '{path.name}' already exists in {Path(runs_dir)}; a new run needs a new name.",
+            hint=f"Change `name:` in the recipe (e.g. to {free_run_name(runs_dir, name)}) to start a new run, or pick "
+                 f"{path.name} under Run to see it (Resume continues it if it was stopped).",
+        )
+    return path
+
+
 def start_job(
     recipe: Any,
     run_dir: str | Path | None = None,
     runs_dir: str | Path | None = None,
     overrides: list[str] | None = None,
+    exact_name: bool = False,
 ) -> Job:
     """Start training in a new process; returns at once.
 
@@ -168,9 +196,12 @@ def start_job(
         run_dir: the run folder; default a new ``RUNS_DIR/<recipe name>-<date-time>``.
         runs_dir: where runs and the job registry live (default :func:`default_runs_dir`).
         overrides: ``key=value`` recipe overrides (``--set``), for a new run only.
+        exact_name: a new run's folder is ``RUNS_DIR/<recipe name>``, the name as the user typed it
+            (refused if taken), instead of ``<recipe name>-<date-time>``.
 
     Raises:
-        UserError: another job is running on the same device, or the recipe is invalid.
+        UserError: another job is running on the same device, the recipe is invalid, or (with
+            ``exact_name``) a run already has the recipe's name.
     """
     from finetuner.recipe import Recipe
 
@@ -194,7 +225,12 @@ def start_job(
                     f"started {time.strftime('%H:%M:%S', time.localtime(j['started']))}).",
                     hint="Wait for it to finish, or stop it first (a checkpoint is saved; it can be resumed).",
                 )
-        target = existing or new_run_dir(runs, recipe_obj.name)
+        if existing is not None:
+            target = existing
+        elif exact_name:
+            target = named_run_dir(runs, recipe_obj.name)
+        else:
+            target = new_run_dir(runs, recipe_obj.name)
         target.mkdir(parents=True, exist_ok=True)
         if not resuming:
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")

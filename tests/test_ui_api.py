@@ -138,6 +138,18 @@ def test_new_run_dir_never_reuses(tmp_path):
     assert jobs.new_run_dir(tmp_path, "my run/../x") != a
 
 
+def test_run_names_are_kept_as_typed_and_never_reused(tmp_path):
+    assert jobs.named_run_dir(tmp_path, "my-run") == tmp_path / "my-run"
+    assert jobs.free_run_name(tmp_path, "my-run") == "my-run"
+    (tmp_path / "my-run").mkdir()
+    with pytest.raises(UserError, match="A run named 'my-run' already exists") as e:
+        jobs.named_run_dir(tmp_path, "my-run")
+    assert "my-run-2" in e.value.hint  # the hint proposes a free name; nothing is renamed
+    assert jobs.free_run_name(tmp_path, "my-run") == "my-run-2"
+    (tmp_path / "my-run-2").mkdir()
+    assert jobs.free_run_name(tmp_path, "my-run") == "my-run-3"
+
+
 # --------------------------------------------------------------------------- paths, views, CLI
 def test_upload_names_are_sanitised_and_stay_in_the_folder(tmp_path):
     from ui.paths import sanitize_filename, save_upload
@@ -148,11 +160,31 @@ def test_upload_names_are_sanitised_and_stay_in_the_folder(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "hi"}\n')
     dest_dir = tmp_path / "uploads"
-    a = save_upload(src, "../../a b.jsonl", dest_dir)
-    b = save_upload(src, "../../a b.jsonl", dest_dir)
-    assert a.parent == dest_dir and a.name == "a_b.jsonl" and b.name == "a_b-2.jsonl"  # nothing overwritten
+    a, new = save_upload(src, "../../a b.jsonl", dest_dir)
+    assert new and a.parent == dest_dir and a.name == "a_b.jsonl" and a.read_bytes() == src.read_bytes()
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "ho"}\n')  # the same size, another content, the same name
+    b, new = save_upload(other, "../../a b.jsonl", dest_dir)
+    assert new and b.name == "a_b-2.jsonl" and a.read_text() == '{"text": "hi"}\n'  # nothing overwritten
     with pytest.raises(UserError, match="not a data file"):
         save_upload(src, "run.sh", dest_dir)
+
+
+def test_the_same_upload_is_one_file(tmp_path):
+    from ui.paths import data_files, save_upload
+
+    src = tmp_path / "mine.jsonl"
+    src.write_text('{"text": "Tern here."}\n')
+    dest_dir = tmp_path / "uploads"
+    first, new = save_upload(src, "mine.jsonl", dest_dir)
+    assert new
+    for name in ("mine.jsonl", "renamed copy.jsonl"):  # the same bytes again, under any name
+        again, new = save_upload(src, name, dest_dir)
+        assert again == first and not new
+    assert sorted(p.name for p in dest_dir.iterdir()) == ["mine.jsonl"]
+    # uploads are listed with the shipped data, wherever the upload folder is
+    listed = data_files(dest_dir)
+    assert str(first) in listed and "data/alpaca_sample.json" in listed
 
 
 def test_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch):
@@ -234,21 +266,28 @@ def test_api_estimate_warns_before_a_recipe_that_does_not_fit(client):
     text = yaml.safe_dump({"model": {"name": "llama-2-13b"}, "method": "lora",
                            "data": {"path": "data/alpaca_sample.json", "max_seq_len": 4096},
                            "training": {"micro_batch_size": 8}})
-    _plot, est_md, _dl, *fields = client.predict(text, "rtx3060", api_name="/estimate")
+    _plot, est_md, _dl, *fields, checked = client.predict(text, "rtx3060", api_name="/estimate")
     assert "Does not fit" in est_md and fields[1] == 8
+    assert "✓ The recipe is valid" in checked and "does **not** fit" in checked  # "Check" says what it found
+
+
+def test_api_a_bad_yaml_key_is_one_message_and_the_fields_stay(client):
+    text = "model: {name: data/demo_model}\nbogus_key: 1\ndata: {path: data/alpaca_sample.json}\n"
+    *outputs, checked = client.predict(text, "cpu", api_name="/estimate")
+    assert "bogus_key: unknown key" in checked and "Valid choices" in checked and "Traceback" not in checked
+    assert all(o == {"__type__": "update"} for o in outputs)  # the chart, estimate and ten fields keep what they showed
+    *_, checked = client.predict(text.replace("bogus_key: 1\n", ""), "cpu", api_name="/estimate")
+    assert checked.startswith("✓ The recipe is valid") and "bogus" not in checked  # the stale error is replaced
 
 
 def test_api_errors_are_messages_not_tracebacks(client):
-    from gradio_client.exceptions import AppError
-
-    with pytest.raises(AppError) as e:
-        client.predict("model: {name: data/demo_model}\ndata: {path: data/alpaca_sample.json}\ntraining: {lr: -1}",
-                       "cpu", api_name="/estimate")
-    assert "training.lr" in str(e.value) and "Traceback" not in str(e.value)
-    with pytest.raises(AppError, match="No run named ../etc"):
-        client.predict("../etc", api_name="/adapter_zip")
-    with pytest.raises(AppError, match="not valid YAML"):
-        client.predict("model: [", "cpu", api_name="/estimate")
+    *_, checked = client.predict("model: {name: data/demo_model}\ndata: {path: data/alpaca_sample.json}\ntraining: {lr: -1}",
+                                 "cpu", api_name="/estimate")
+    assert "training.lr" in checked and "Traceback" not in checked
+    button, export_md = client.predict("../etc", api_name="/adapter_zip")
+    assert "No run named ../etc" in export_md and button["value"] is None
+    *_, checked = client.predict("model: [", "cpu", api_name="/estimate")
+    assert "not valid YAML" in checked
 
 
 def test_api_upload_is_stored_under_a_safe_name(client, tmp_path):
@@ -256,37 +295,75 @@ def test_api_upload_is_stored_under_a_safe_name(client, tmp_path):
 
     src = tmp_path / "my data (v2)!.jsonl"
     src.write_text('{"text": "Tern here."}\n')
-    update = client.predict(handle_file(str(src)), api_name="/upload_data")
-    stored = Path(update["value"] if isinstance(update, dict) else update)  # the data dropdown now shows it
+    update, _data_md = client.predict(handle_file(str(src)), api_name="/upload_data")
+    stored = Path(update["value"])  # the data dropdown now shows it, among its choices
     assert stored.parent == client.base / "uploads" and stored.name == "my_data_v2.jsonl" and stored.is_file()
+    assert str(stored) in [c[0] if isinstance(c, (list, tuple)) else c for c in update["choices"]]
+    again, _ = client.predict(handle_file(str(src)), api_name="/upload_data")
+    assert again["value"] == update["value"]  # the same content again: the same file, no copy
+    assert [p.name for p in (client.base / "uploads").iterdir()] == ["my_data_v2.jsonl"]
+    _, error = client.predict(handle_file(str(REPO / "pyproject.toml")), api_name="/upload_data")
+    assert "is not a data file" in error
 
 
 def test_api_training_start_refuse_stop_and_adapter_zip(client, recipe_dict):
     import zipfile
 
-    from gradio_client.exceptions import AppError
-
-    r = dict(recipe_dict, training=dict(recipe_dict["training"], max_steps=400))
+    r = dict(recipe_dict, name="my-first-run", training=dict(recipe_dict["training"], max_steps=400))
     r.pop("output_dir")
     r["checkpointing"] = {"save_every": 1000}
     r["logging"] = {"tensorboard": False}
+    text = yaml.safe_dump(r)
+    data = r["data"]["path"]
     runs = client.base / "runs"
-    run_update, _table = client.predict(yaml.safe_dump(r), api_name="/start_training")
+    # not the data chosen in the Data tab: refused, whatever the card
+    run_update, _table, msg = client.predict(text, "cpu", "data/alpaca_sample.json", True, api_name="/start_training")
+    assert "Not started: the recipe trains on" in msg and "data/alpaca_sample.json chosen" in msg
+    # the memory model says it does not fit a 1 GB card: refused, with the reason and the way out
+    run_update, _table, msg = client.predict(text, "1GB", data, False, api_name="/start_training")
+    assert "Not started" in msg and "Start even if it does not fit" in msg and run_update == {"__type__": "update"}
+    assert not (runs / "my-first-run").exists()
+    # confirmed: it starts, in a folder named as typed
+    run_update, _table, msg = client.predict(text, "1GB", data, True, api_name="/start_training")
     pick = run_update["value"]  # the Run dropdown now shows the new run
-    with pytest.raises(AppError, match="already running"):
-        client.predict(yaml.safe_dump(r), api_name="/start_training")
+    assert pick == "my-first-run" and (runs / pick / "recipe.yaml").is_file() and "predicted not to fit" in msg
+    _, _, msg = client.predict(text, "cpu", data, False, api_name="/start_training")
+    assert "already running" in msg
     _wait(lambda: jobs.run_status(runs / pick, runs).step >= 1)
     client.predict(pick, api_name="/stop_training")
     _wait(lambda: not jobs.running_jobs(runs), timeout=120)
     st = jobs.run_status(runs / pick, runs)
     assert st.state == "stopped" and st.has_checkpoint
-    with pytest.raises(AppError, match="has no adapter yet"):
-        client.predict(pick, api_name="/adapter_zip")
-    # a finished run's adapter folder comes back as a zip
+    # the same name again: refused, nothing renamed (the run is resumed with Resume, not Start)
+    _, _, msg = client.predict(text, "cpu", data, False, api_name="/start_training")
+    assert "A run named 'my-first-run' already exists" in msg and "my-first-run-2" in msg
+    assert sorted(p.name for p in runs.iterdir() if not p.name.startswith(".")) == ["my-first-run"]
+    button, export_md = client.predict(pick, api_name="/adapter_zip")
+    assert "has no adapter yet" in export_md and button["value"] is None
+    # a finished run's adapter folder comes back as a zip, ready in the download button
     (runs / pick / "adapter").mkdir()
     (runs / pick / "adapter" / "adapter_config.json").write_text("{}")
-    archive = client.predict(pick, api_name="/adapter_zip")
+    button, export_md = client.predict(pick, api_name="/adapter_zip")
+    assert export_md == "" and button["interactive"] is True
+    archive = button["value"]["path"] if isinstance(button["value"], dict) else button["value"]
+    assert Path(archive).name == "my-first-run-adapter.zip"
     assert zipfile.ZipFile(archive).namelist() == ["adapter_config.json"]
+    # a plan or a shipped recipe is given a free name when a run has its name
+    (runs / "demo_cpu").mkdir(exist_ok=True)
+    loaded = client.predict("recipes/demo_cpu.yaml", "cpu", api_name="/load_recipe")
+    assert yaml.safe_load(loaded[0])["name"] == "demo_cpu-2" and "Renamed from demo_cpu" in loaded[-1]
+
+
+def test_api_merge_into_a_non_empty_folder_names_the_overwrite_box(client, tmp_path):
+    run = client.base / "runs" / "merge-me"
+    (run / "adapter").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: merge-me\n")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    msg = client.predict("merge-me", str(full), "bf16", False, api_name="/merge")
+    assert "is not empty" in msg and "Tick “overwrite”" in msg and "Merging" not in msg
+    assert (full / "keep.txt").read_text() == "mine"
 
 
 def test_loss_chart_is_thinned_for_long_runs():

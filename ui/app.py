@@ -12,6 +12,9 @@ shows comes from disk, not from the browser session.
 from __future__ import annotations
 
 import functools
+import hashlib
+import html
+import inspect
 import os
 import shutil
 import subprocess
@@ -29,7 +32,7 @@ import gradio as gr  # noqa: E402
 import yaml  # noqa: E402
 
 from finetuner import jobs  # noqa: E402
-from finetuner.errors import UserError  # noqa: E402
+from finetuner.errors import UserError, did_you_mean  # noqa: E402
 from ui import paths, views  # noqa: E402
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
@@ -38,9 +41,16 @@ TRAIN_POLL_S = 2.0
 PLOT_EVERY_S = 6
 
 CPU_CARD = "cpu"
+#: labels that messages name (the text says which box to tick)
+START_ANYWAY = "Start even if it does not fit"
+OVERWRITE_LABEL = "overwrite"
+OUTPUT_LABEL = "Output folder"
 METHODS = ["auto", "lora", "qlora", "full"]
 OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
 COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
+
+#: what a browser remembers of its choices (gr.BrowserState, in localStorage): the inputs of on_restore
+REMEMBER_JS = "(model, card, data, run) => ({model: model, card: card, data: data, run: run})"
 
 CSS = """
 .gradio-container {width: 100% !important; max-width: 1240px !important; margin: auto;}
@@ -63,41 +73,52 @@ CSS = """
 
 
 # --------------------------------------------------------------------------- errors → messages
-def friendly(fn: Callable) -> Callable:
-    """Engine errors become a readable message in the page (``gr.Error``), never a traceback."""
+def error_md(e: Exception) -> str:
+    """An error as a block of text on the page: what is wrong and what to do."""
+    if isinstance(e, UserError):
+        text = e.message + (f"\n{e.hint}" if e.hint else "")
+    elif isinstance(e, gr.Error):
+        text = str(e.message)
+    else:
+        text = f"Unexpected error: {type(e).__name__}: {e}"
+    return f'<div class="ft-error" role="alert">✕ {html.escape(text, quote=False)}</div>'
 
-    def _error(e: Exception) -> gr.Error:
-        if isinstance(e, gr.Error):
-            return e
-        if isinstance(e, UserError):
-            return gr.Error(e.message + (f"\n{e.hint}" if e.hint else ""), title="finetuner")
-        return gr.Error(f"{type(e).__name__}: {e}", title="Unexpected error")
 
-    if _is_gen(fn):
+def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
+    """A handler whose errors are shown as text in its output number ``status`` (of ``outputs``),
+    the other outputs keeping what they showed: the reason is on the page (a raised error would
+    turn every output into a bare "Error" badge, and its toast goes away). Engine errors become a
+    message, never a traceback."""
+
+    def failed(e: Exception):
+        if outputs == 1:
+            return error_md(e)
+        out = [gr.skip()] * outputs
+        out[status] = error_md(e)
+        return tuple(out)
+
+    def wrap(fn: Callable) -> Callable:
+        if inspect.isgeneratorfunction(fn):
+
+            @functools.wraps(fn)
+            def gen_wrapper(*args, **kwargs):
+                try:
+                    yield from fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001
+                    yield failed(e)
+
+            return gen_wrapper
 
         @functools.wraps(fn)
-        def gen_wrapper(*args, **kwargs):
+        def wrapper(*args, **kwargs):
             try:
-                yield from fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
-                raise _error(e) from None
+                return failed(e)
 
-        return gen_wrapper
+        return wrapper
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            raise _error(e) from None
-
-    return wrapper
-
-
-def _is_gen(fn: Callable) -> bool:
-    import inspect
-
-    return inspect.isgeneratorfunction(fn)
+    return wrap
 
 
 # --------------------------------------------------------------------------- engine helpers
@@ -249,7 +270,9 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             raise UserError("Pick a run first.")
         p = runs / name
         if Path(name).name != name or name.startswith(".") or not p.is_dir():  # only folders directly in runs/
-            raise UserError(f"No run named {name} in {runs}.")
+            names = run_names()
+            raise UserError(f"No run named {name} in {runs}.",
+                            hint=f"Pick a run from the list.{did_you_mean(name, names)}" if names else "Train one first (tab 4).")
         return p
 
     def run_names(pred: Callable[[Any], bool] = lambda s: True) -> list[str]:
@@ -263,27 +286,31 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return names[0] if names else None
 
     # ------------------------------------------------------------------ handlers: model & data
-    @friendly
+    @shows_errors(0, 1)
     def on_model(model_text: str, card: str):
         from finetuner.shapes import resolve_shape
 
         shape = resolve_shape(paths.resolve_model(model_text))
         return views.model_card_md(shape, gpu_profile(card))
 
-    @friendly
+    @shows_errors(1, 2)
     def on_upload(file_path: str | None):
+        """The uploaded file stored (or the stored file with the same content) and selected."""
         if not file_path:
             raise UserError("No file was uploaded.")
-        dest = paths.save_upload(file_path, Path(file_path).name, uploads)
-        gr.Info(f"Saved as {paths.display(dest)}")
-        return gr.update(choices=paths.data_files(), value=paths.display(dest))
+        dest, new = paths.save_upload(file_path, Path(file_path).name, uploads)
+        shown = paths.display(dest)
+        gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
+        return gr.update(choices=paths.data_files(uploads), value=shown), gr.skip()
 
-    @friendly
+    @shows_errors(0, 3)
     def on_data(model_text: str, data_file: str, seq_len: float | None):
         from finetuner.data_stats import profile_data
 
         if not data_file:
             raise UserError("Pick a data file, or upload one.")
+        if seq_len is not None and seq_len < 0:
+            raise UserError(f"Sequence length {seq_len:g}: give a number of tokens, or 0 to take it from the data.")
         local = paths.resolve_local(data_file)
         path = str(local) if local else data_file
         model = paths.resolve_model(model_text)
@@ -321,55 +348,74 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             _download_file(text, recipe.name),
         )
 
-    @friendly
+    @shows_errors(0, 17)
     def on_plan(model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
         from finetuner.planner import plan
 
-        local = paths.resolve_local(data_file) if data_file else None
+        if not data_file:
+            raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
+        local = paths.resolve_local(data_file)
         p = plan(
             paths.resolve_model(model_text),
             gpu_profile(card),
             seq_len=int(seq_len) if seq_len else None,
-            data=str(local) if local else (data_file or None),
-            effective_batch=int(eff_batch or 16),
+            data=str(local) if local else data_file,
+            effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
             empty = _memory_plot(p.estimate, p.gpu) if p.estimate else None
             return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
-                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10)
-        recipe = p.recipe
+                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip())
+        recipe = with_free_name(p.recipe)
         header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
         mem, est_md, text, dl = _estimate_outputs(recipe, card, header)
-        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *_fields_of(recipe))
+        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *_fields_of(recipe), "")
 
-    @friendly
+    def with_free_name(recipe):
+        """A planned or loaded recipe renamed ``name-2``... when a run already has its name: the
+        name shown in the YAML is the run's folder, and Start never renames."""
+        free = jobs.free_run_name(runs, recipe.name)
+        return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
+
+    def _valid_md(recipe, card: str, note: str = "") -> str:
+        from finetuner.memory import estimate_recipe
+
+        gpu = gpu_profile(card)
+        est = estimate_recipe(recipe, gpu)
+        verdict = "fits" if est.fits else "does **not** fit"
+        return (f"✓ The recipe is valid: run **{recipe.name}**, predicted peak {views.gib(est.total_bytes, 1)} "
+                f"on {gpu.name}, which {verdict}.{note}")
+
+    @shows_errors(4, 5)
     def on_edit(text: str, card: str, *fields):
         recipe = apply_fields(text, *fields)
-        return _estimate_outputs(recipe, card)
+        return *_estimate_outputs(recipe, card), ""
 
-    @friendly
+    @shows_errors(13, 14)
     def on_check_yaml(text: str, card: str):
         recipe = recipe_from_text(text)
         mem, est_md, _text, dl = _estimate_outputs(recipe, card)
-        return mem, est_md, dl, *_fields_of(recipe)
+        return mem, est_md, dl, *_fields_of(recipe), _valid_md(recipe, card)
 
-    @friendly
+    @shows_errors(14, 15)
     def on_load_recipe(name: str, card: str):
         from finetuner.recipe import Recipe
 
         local = paths.resolve_local(name)
         if local is None:
             raise UserError(f"No recipe file {name}.")
-        recipe = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        recipe = with_free_name(loaded)
+        note = "" if recipe.name == loaded.name else f" Renamed from {loaded.name}: a run already has that name."
         comments = []
         for line in local.read_text(encoding="utf-8").splitlines():
             if not line.startswith("#"):
                 break
             comments.append(line + "\n")
         mem, est_md, text, dl = _estimate_outputs(recipe, card, "".join(comments))
-        return text, mem, est_md, dl, *_fields_of(recipe)
+        return text, mem, est_md, dl, *_fields_of(recipe), _valid_md(recipe, card, note)
 
     # ------------------------------------------------------------------ handlers: train
     def _train_view(name: str | None, last: dict | None):
@@ -427,36 +473,95 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         names = run_names()
         return gr.update(choices=names, value=selected if selected in names else (names[0] if names else None)), views.runs_df(jobs.list_runs(runs))
 
-    @friendly
-    def on_start(text: str):
-        recipe = recipe_from_text(text)
-        job = jobs.start_job(recipe, runs_dir=runs)
-        gr.Info(f"Training started: {job.name}")
-        return _runs_outputs(job.name)
+    def check_same_data(recipe, data_file: str | None) -> None:
+        """The recipe must train on the file chosen in the Data tab: a recipe planned before
+        another file was chosen (or uploaded) would quietly train on the old one."""
+        if not (data_file or "").strip():
+            return
+        local = paths.resolve_local(data_file)
+        chosen = str(local) if local else data_file.strip()
+        listed = recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]
+        if chosen in [str(Path(p).resolve()) if Path(p).exists() else p for p in listed]:
+            return
+        raise UserError(
+            f"Not started: the recipe trains on {', '.join(paths.display(p) for p in listed)}, but the Data tab has "
+            f"{paths.display(chosen)} chosen.",
+            hint="Make the plan again in the Plan tab to train on the chosen file, or choose the recipe's file in the Data tab.",
+        )
 
-    @friendly
+    @shows_errors(2, 3)
+    def on_start(text: str, card: str, data_file: str | None, anyway: bool):
+        """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
+        reason, when it does not train on the data chosen in the Data tab, or when the memory
+        model says it does not fit the card (unless ``anyway``)."""
+        from finetuner.memory import estimate_recipe
+
+        recipe = recipe_from_text(text)
+        check_same_data(recipe, data_file)
+        gpu = gpu_profile(card)
+        est = estimate_recipe(recipe, gpu)
+        if not est.fits and not anyway:
+            raise UserError(
+                f"Not started: {recipe.name} is predicted to need {views.gib(est.total_bytes, 1)}, more than "
+                f"{gpu.name} can give it ({views.gib(est.budget_bytes, 1)}).",
+                hint="Make it fit in the Plan tab (a smaller micro-batch or sequence length, gradient checkpointing, "
+                     f"qlora), or choose the card you train on in tab 1. To try it anyway, tick “{START_ANYWAY}”.",
+            )
+        job = jobs.start_job(recipe, runs_dir=runs, exact_name=True)
+        note = "" if est.fits else (f" It is predicted not to fit {gpu.name}: if it runs out of memory, training "
+                                    "halves the micro-batch and goes on.")
+        return *_runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}"
+
+    @shows_errors(0, 1)
     def on_stop(name: str):
         if not jobs.stop_job(run_path(name), runs):
             raise UserError(f"{name} is not running.")
-        gr.Info("Stopping after this step; a checkpoint is saved and the run can be resumed.")
+        return f"Stopping **{name}** after this step: a checkpoint is saved, and ↻ Resume continues it."
 
-    @friendly
+    @shows_errors(2, 3)
     def on_resume(name: str):
         st = jobs.run_status(run_path(name), runs)
         if not st.resumable:
             raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
                             hint="Only stopped or interrupted runs with a checkpoint resume.")
         job = jobs.start_job(None, run_dir=run_path(name), runs_dir=runs)
-        gr.Info(f"Resuming {job.name}")
-        return _runs_outputs(job.name)
+        return *_runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint."
 
-    def on_load():
-        name = current_run()
+    def latest_choice() -> dict[str, str]:
+        """The model and data of the newest run's recipe: what a browser with nothing remembered
+        starts from (the server's state, not the shipped sample)."""
+        for st in jobs.list_runs(runs):
+            try:
+                raw = yaml.safe_load((Path(st.run_dir) / "recipe.yaml").read_text(encoding="utf-8"))
+                model_name, data_path = raw["model"]["name"], raw["data"]["path"]
+            except (OSError, yaml.YAMLError, TypeError, KeyError):
+                continue
+            local_model = paths.resolve_local(str(model_name))
+            local_data = paths.resolve_local(str(data_path))
+            return {"model": paths.display(local_model) if local_model else str(model_name),
+                    "data": paths.display(local_data) if local_data else ""}
+        return {}
+
+    def on_restore(saved: dict | None):
+        """A page (re)load: the choices this browser made last time (model, card, data, run),
+        else those of the newest run, else the defaults; uploads from any session are listed."""
+        saved = saved if isinstance(saved, dict) else {}
+        latest = latest_choice()
+        data_choices = paths.data_files(uploads)
+        data = next((d for d in (saved.get("data"), latest.get("data")) if d and paths.resolve_local(d)), default_data)
+        model_v = saved.get("model") or latest.get("model") or demo_model or None
+        card_v = saved.get("card") or default_card()
+        names = run_names()
+        chosen = saved.get("run") if saved.get("run") in names else current_run()
         finished = run_names(lambda s: s.has_adapter)
+        done = chosen if chosen in finished else (finished[0] if finished else None)
         return (
-            *_runs_outputs(name),
-            gr.update(choices=finished, value=finished[0] if finished else None),
-            gr.update(choices=finished, value=finished[0] if finished else None),
+            gr.update(value=model_v),
+            gr.update(value=card_v),
+            gr.update(choices=sorted({*data_choices, data} - {None}), value=data),
+            *_runs_outputs(chosen),
+            gr.update(choices=finished, value=done),
+            gr.update(choices=finished, value=done),
         )
 
     def on_refresh_finished(current: str | None):
@@ -464,9 +569,16 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return gr.update(choices=finished, value=current if current in finished else (finished[0] if finished else None))
 
     # ------------------------------------------------------------------ handlers: chat
-    @friendly
-    def on_chat(message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
-                max_new: float, temperature: float, top_p: float, seed: float | None):
+    def on_chat(message: str, tuned_hist: list, base_hist: list, *settings):
+        """One exchange in both lanes; an error puts the message and the conversations back as
+        they were and says why in the status line."""
+        try:
+            yield from _chat(message, tuned_hist, base_hist, *settings)
+        except Exception as e:  # noqa: BLE001
+            yield message, tuned_hist, base_hist, error_md(e)
+
+    def _chat(message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
+              max_new: float, temperature: float, top_p: float, seed: float | None):
         if not (message or "").strip():
             raise UserError("Type a message first.")
         source = str(run_path(run))
@@ -494,12 +606,19 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {worker.describe}")
 
     # ------------------------------------------------------------------ handlers: export
-    @friendly
+    @shows_errors(0, 1)
     def on_merge(run: str, out: str, dtype: str, overwrite: bool):
         rp = run_path(run)
         target = Path(out).expanduser() if out and out.strip() else rp / "merged"
         if not target.is_absolute():
             target = paths.ROOT / target
+        if target.exists() and not target.is_dir():
+            raise UserError(f"The output folder {paths.display(target)} is a file.",
+                            hint=f"Type a folder under “{OUTPUT_LABEL}”.")
+        if target.is_dir() and any(target.iterdir()) and not overwrite:
+            raise UserError(f"The output folder {paths.display(target)} is not empty: nothing was written.",
+                            hint=f"Tick “{OVERWRITE_LABEL}” to replace it (once the new model is complete), "
+                                 f"or type another folder under “{OUTPUT_LABEL}”.")
         cmd = [sys.executable, "-m", "finetuner", "merge", str(rp), "-o", str(target)]
         if dtype:
             cmd += ["--dtype", dtype]
@@ -509,26 +628,56 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(paths.ROOT))
         output = (proc.stdout + proc.stderr).strip()
         if proc.returncode != 0:
-            errors = [ln.removeprefix("error: ") for ln in output.splitlines() if ln.startswith("error:")]
-            raise UserError(errors[-1] if errors else (output.splitlines()[-1] if output else f"exit status {proc.returncode}"))
+            raise UserError(_cli_error(output, proc.returncode))
         files = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
         yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
                f"{'…' if len(files) > 8 else ''}).\n\nLoad it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
 
-    @friendly
-    def on_zip(run: str):
+    def _cli_error(output: str, code: int) -> str:
+        """The CLI's ``error:`` line and its hint, in the words of this tab (its options are fields here)."""
+        lines = output.splitlines()
+        starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+        if not starts:
+            return lines[-1] if lines else f"exit status {code}"
+        text = "\n".join(lines[starts[-1]: starts[-1] + 3]).removeprefix("error: ")
+        for cli, label in (("pass --overwrite", f"tick “{OVERWRITE_LABEL}”"), ("--overwrite", f"“{OVERWRITE_LABEL}”"),
+                           ("for -o", f"under “{OUTPUT_LABEL}”"), ("another -o", f"another “{OUTPUT_LABEL}”")):
+            text = text.replace(cli, label)
+        return text
+
+    def adapter_zip(run: str) -> Path:
+        """The run's adapter folder as ``<run>-adapter.zip`` (rebuilt when the adapter is newer)."""
         rp = run_path(run)
         adapter = rp / "adapter"
         if not adapter.is_dir():
             raise UserError(f"{run} has no adapter yet.", hint="Finish training first (a stopped run has checkpoints only).")
-        folder = Path(tempfile.mkdtemp(prefix="finetuner-ui-"))
-        archive = shutil.make_archive(str(folder / f"{run}-adapter"), "zip", root_dir=adapter)
+        folder = Path(tempfile.gettempdir()) / "finetuner-ui" / "adapters" / hashlib.sha1(str(rp).encode()).hexdigest()[:12]
+        archive = folder / f"{run}-adapter.zip"
+        newest = max((p.stat().st_mtime for p in adapter.rglob("*")), default=adapter.stat().st_mtime)
+        if not archive.is_file() or archive.stat().st_mtime < newest:
+            folder.mkdir(parents=True, exist_ok=True)
+            building = Path(tempfile.mkdtemp(dir=folder))
+            try:
+                built = shutil.make_archive(str(building / archive.stem), "zip", root_dir=adapter)
+                os.replace(built, archive)  # whole or not at all, if two pages ask at once
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
         return archive
+
+    def on_zip(run: str | None):
+        """The download button holds the chosen run's adapter zip (one click downloads it); a run
+        without an adapter empties it and says why."""
+        try:
+            if not run:
+                return gr.update(value=None, interactive=False), ""
+            return gr.update(value=str(adapter_zip(run)), interactive=True), ""
+        except Exception as e:  # noqa: BLE001
+            return gr.update(value=None, interactive=False), error_md(e)
 
     # ------------------------------------------------------------------ layout
     demo_model = paths.display(paths.DEMO_MODEL) if paths.DEMO_MODEL.is_dir() else ""
     model_choices = paths.local_models() + _preset_choices()
-    data_choices = paths.data_files()
+    data_choices = paths.data_files(uploads)
     default_data = "data/alpaca_sample.json" if "data/alpaca_sample.json" in data_choices else (data_choices[0] if data_choices else None)
     card_choices = [CPU_CARD, "auto"] + [p.name for p in _profiles()]
 
@@ -537,6 +686,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             "# finetuner\nFine-tune a language model with LoRA or QLoRA — and know before you start whether it fits your card.",
             elem_id="ft-title",
         )
+        saved = gr.BrowserState({}, storage_key="finetuner-ui", secret="finetuner-ui")  # this browser's choices
         with gr.Tabs() as tabs:
             # ---------------------------------------------------------- 1 model & card
             with gr.Tab("1 · Model & card", id="model"):
@@ -544,7 +694,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 with gr.Row():
                     model = gr.Dropdown(model_choices, value=demo_model or None, allow_custom_value=True, label="Model",
                                         info="a preset, a hub id (org/name) or a local folder with config.json", scale=3)
-                    card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card",
+                    card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card", elem_id="card",
                                        info="a known GPU, 'auto' (detected), 'cpu', or a size such as 24GB", scale=2)
                 model_md = gr.Markdown(elem_id="model-card")
                 with gr.Accordion("Known cards", open=True):
@@ -557,11 +707,13 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                             elem_classes="ft-step")
                 with gr.Row():
                     data_file = gr.Dropdown(data_choices, value=default_data, allow_custom_value=True, label="Data file",
-                                            info="files in data/ (uploads go to data/uploads/), or a path", scale=3)
-                    seq_len = gr.Number(value=256, precision=0, minimum=0, label="Sequence length",
+                                            info=f"files in data/ and your uploads ({paths.display(uploads)}/), or a path",
+                                            scale=3, elem_id="data-file")
+                    seq_len = gr.Number(value=256, precision=0, label="Sequence length",
                                         info="tokens per example (0 = from the data)", scale=1)
-                    upload = gr.UploadButton("Upload a file…", file_types=[".jsonl", ".json", ".csv", ".parquet"],
-                                             type="filepath", scale=1)
+                    # no file_types filter: gradio would refuse another type with a bare "Error" badge;
+                    # save_upload's refusal says which types it reads, under the data tab's summary
+                    upload = gr.UploadButton("Upload a file…", type="filepath", scale=1, elem_id="upload-btn")
                 data_md = gr.Markdown(elem_id="data-summary")
                 with gr.Row():
                     with gr.Column(scale=3):
@@ -578,7 +730,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 gr.Markdown("The planner picks the fastest recipe that fits the card and says why. Change any advanced "
                             "field and the memory estimate updates.", elem_classes="ft-step")
                 with gr.Row():
-                    eff_batch = gr.Number(value=16, precision=0, minimum=1, label="Effective batch", scale=1)
+                    eff_batch = gr.Number(value=0, precision=0, label="Effective batch",
+                                          info="0 = sized to the data", scale=1)
                     plan_method = gr.Dropdown(METHODS, value="auto", label="Method", scale=1)
                     plan_btn = gr.Button("Make the plan", variant="primary", scale=1)
                 with gr.Row():
@@ -592,26 +745,29 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 with gr.Accordion("Alternatives the planner rejected", open=False):
                     rejected = gr.Dataframe(interactive=False, wrap=True)
                 with gr.Accordion("Advanced settings", open=True):
+                    # no gradio minimum on these numbers: its refusal is a bare "Error" on every output;
+                    # the recipe's own checks name the key and the valid range under the YAML instead
                     with gr.Row():
                         f_method = gr.Dropdown(["lora", "qlora", "full"], value="lora", label="method")
-                        f_micro = gr.Number(precision=0, minimum=1, label="micro-batch")
-                        f_accum = gr.Number(precision=0, minimum=1, label="gradient accumulation")
-                        f_seq = gr.Number(precision=0, minimum=1, label="sequence length")
+                        f_micro = gr.Number(precision=0, label="micro-batch")
+                        f_accum = gr.Number(precision=0, label="gradient accumulation")
+                        f_seq = gr.Number(precision=0, label="sequence length")
                     with gr.Row():
                         f_opt = gr.Dropdown(OPTIMIZERS, label="optimizer")
                         f_gc = gr.Checkbox(label="gradient checkpointing")
-                        f_r = gr.Number(precision=0, minimum=1, value=16, label="LoRA rank")
-                        f_steps = gr.Number(precision=0, minimum=0, value=0, label="max steps (0 = epochs)")
-                        f_log = gr.Number(precision=0, minimum=1, value=1, label="log every (steps)")
-                        f_eval = gr.Number(precision=0, minimum=0, value=0, label="eval every (0 = at the end)")
+                        f_r = gr.Number(precision=0, value=16, label="LoRA rank")
+                        f_steps = gr.Number(precision=0, value=0, label="max steps (0 = epochs)")
+                        f_log = gr.Number(precision=0, value=1, label="log every (steps)")
+                        f_eval = gr.Number(precision=0, value=0, label="eval every (0 = at the end)")
                 with gr.Row():
                     shipped = gr.Dropdown(paths.recipe_files(), value=None, label="…or start from a shipped recipe", scale=3, elem_id="shipped-recipe")
                     load_btn = gr.Button("Load recipe", scale=1)
                 recipe_yaml = gr.Code(language="yaml", interactive=True, label="Recipe (YAML) — this is what Train runs",
                                       lines=14, max_lines=40, elem_id="recipe-yaml")
                 with gr.Row():
-                    check_btn = gr.Button("Check edited YAML")
+                    check_btn = gr.Button("Check edited YAML", elem_id="check-yaml")
                     download = gr.DownloadButton("Download recipe.yaml", value=None)
+                yaml_md = gr.Markdown(elem_id="yaml-status")
                 next3 = gr.Button("Next: train →", size="sm")
             # ---------------------------------------------------------- 4 train
             with gr.Tab("4 · Train", id="train"):
@@ -621,6 +777,9 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                     start_btn = gr.Button("▶ Start training", variant="primary", elem_id="start-btn")
                     stop_btn = gr.Button("■ Stop (save a checkpoint)", variant="stop", interactive=False, elem_id="stop-btn")
                     resume_btn = gr.Button("↻ Resume", interactive=False, elem_id="resume-btn")
+                    start_anyway = gr.Checkbox(label=START_ANYWAY, value=False, elem_id="start-anyway",
+                                               info="when the memory estimate says the recipe does not fit the card")
+                train_msg = gr.Markdown(elem_id="train-message")
                 run_pick = gr.Dropdown([], label="Run", allow_custom_value=True, info="the run shown below; pick a past run to reopen it",
                                        elem_id="run-pick")
                 status = gr.HTML(views.status_html(None), elem_id="train-status")
@@ -664,14 +823,13 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                             "or download the adapter alone.", elem_classes="ft-step")
                 with gr.Row():
                     export_run = gr.Dropdown([], label="Run", allow_custom_value=True, scale=2, elem_id="export-run")
-                    out_dir = gr.Textbox(label="Output folder", placeholder="default: runs/<run>/merged", scale=3)
+                    out_dir = gr.Textbox(label=OUTPUT_LABEL, placeholder="default: runs/<run>/merged", scale=3, elem_id="out-dir")
                     dtype = gr.Dropdown(["bf16", "fp16", "fp32"], value="bf16", label="dtype", scale=1)
-                    overwrite = gr.Checkbox(label="overwrite", scale=1)
+                    overwrite = gr.Checkbox(label=OVERWRITE_LABEL, scale=1, elem_id="overwrite")
                 with gr.Row():
                     merge_btn = gr.Button("Merge and save", variant="primary", elem_id="merge-btn")
-                    zip_btn = gr.Button("Download the adapter (.zip)", elem_id="zip-btn")
+                    zip_btn = gr.DownloadButton("Download the adapter (.zip)", value=None, interactive=False, elem_id="zip-btn")
                 export_md = gr.Markdown(elem_id="export-status")
-                zip_file = gr.File(label="Adapter", interactive=False, elem_id="adapter-zip")
 
         # ------------------------------------------------------------------ wiring
         for button, target in ((next1, "data"), (next2, "plan"), (next3, "train")):
@@ -679,7 +837,6 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         model_inputs = [model, card]
         for comp in model_inputs:
             comp.change(on_model, model_inputs, model_md, api_name=False)
-        app.load(on_model, model_inputs, model_md, api_name=False)
 
         data_inputs = [model, data_file, seq_len]
         data_outputs = [data_md, preview, hist]
@@ -687,12 +844,11 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         seq_len.submit(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
         seq_len.blur(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
         model.change(_clear, None, hist, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
-        app.load(on_data, data_inputs, data_outputs, api_name=False)
-        upload.upload(on_upload, upload, data_file, api_name="upload_data")
+        upload.upload(on_upload, upload, [data_file, data_md], api_name="upload_data")
 
         fields = [f_method, f_micro, f_accum, f_seq, f_opt, f_gc, f_r, f_steps, f_log, f_eval]
-        est_outputs = [mem_plot, est_md, recipe_yaml, download]
-        plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields]
+        est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
+        plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md]
         plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
         plan_btn.click(_clear, None, mem_plot, api_name=False).then(on_plan, plan_inputs, plan_outputs, api_name="plan")
         def plan_if_empty(text, *args):
@@ -702,17 +858,23 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         next2.click(plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(_clear, None, mem_plot, api_name=False).then(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
-        check_btn.click(_clear, None, mem_plot, api_name=False).then(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields], api_name="estimate")
-        load_btn.click(_clear, None, mem_plot, api_name=False).then(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields],
+        check_btn.click(_clear, None, mem_plot, api_name=False).then(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields, yaml_md],
+                                                                   api_name="estimate")
+        load_btn.click(_clear, None, mem_plot, api_name=False).then(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields, yaml_md],
                        api_name="load_recipe")
 
         train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table]
-        start_btn.click(on_start, recipe_yaml, [run_pick, runs_table], api_name="start_training")
-        stop_btn.click(on_stop, run_pick, None, api_name="stop_training")
-        resume_btn.click(on_resume, run_pick, [run_pick, runs_table], api_name="resume_training")
+        start_btn.click(on_start, [recipe_yaml, card, data_file, start_anyway], [run_pick, runs_table, train_msg], api_name="start_training")
+        stop_btn.click(on_stop, run_pick, train_msg, api_name="stop_training")
+        resume_btn.click(on_resume, run_pick, [run_pick, runs_table, train_msg], api_name="resume_training")
         run_pick.change(functools.partial(train_view, last=None), run_pick, train_outputs, api_name=False)
         timer.tick(train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
-        app.load(on_load, None, [run_pick, runs_table, chat_run, export_run], api_name=False)
+        # a (re)load restores this browser's choices, then shows the model and the data chosen
+        app.load(on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run], api_name=False
+                 ).then(on_model, model_inputs, model_md, api_name=False).then(on_data, data_inputs, data_outputs, api_name=False)
+        remembered = [model, card, data_file, run_pick]
+        for comp in remembered:  # in the browser only: stored at once, no round trip to the server
+            comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 
         chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
         send.click(on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
@@ -722,7 +884,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         export_tab.select(on_refresh_finished, export_run, export_run, api_name=False)
 
         merge_btn.click(on_merge, [export_run, out_dir, dtype, overwrite], export_md, api_name="merge")
-        zip_btn.click(on_zip, export_run, zip_file, api_name="adapter_zip")
+        export_run.change(on_zip, export_run, [zip_btn, export_md], api_name="adapter_zip")
 
     app.chat_pool = chat_pool  # for tests and shutdown
     app.runs_dir = runs
@@ -775,6 +937,7 @@ def _profiles():
 
 def launch(
     runs_dir: str | Path | None = None,
+    upload_dir: str | Path | None = None,
     host: str = "127.0.0.1",
     port: int = 7860,
     auth: tuple[str, str] | None = None,
@@ -782,7 +945,7 @@ def launch(
     quiet: bool = False,
 ) -> gr.Blocks:
     """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves."""
-    app = build_app(runs_dir)
+    app = build_app(runs_dir, upload_dir)
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
     app.queue(default_concurrency_limit=8)
     app.launch(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from pathlib import Path
@@ -57,17 +58,21 @@ def local_models() -> list[str]:
     return sorted(display(p.parent) for p in DATA_DIR.glob("*/config.json"))
 
 
-def data_files() -> list[str]:
-    """Data files under ``data/`` (uploads included), as paths relative to the checkout."""
-    if not DATA_DIR.is_dir():
-        return []
-    files = [
-        p for p in DATA_DIR.rglob("*")
-        if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS
-        and "demo_model" not in p.parts and not any(part.startswith(".") for part in p.relative_to(DATA_DIR).parts)
-        and p.name not in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
-    ]
-    return sorted(display(p) for p in files)
+def data_files(upload_dir: str | Path | None = None) -> list[str]:
+    """Data files under ``data/`` and in ``upload_dir`` (where the UI stores uploads, which may be
+    elsewhere): paths relative to the checkout when inside it, else absolute."""
+    found: list[Path] = []
+    if DATA_DIR.is_dir():
+        found += [
+            p for p in DATA_DIR.rglob("*")
+            if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS
+            and "demo_model" not in p.parts and not any(part.startswith(".") for part in p.relative_to(DATA_DIR).parts)
+            and p.name not in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+        ]
+    up = Path(upload_dir) if upload_dir else None
+    if up is not None and up.is_dir():
+        found += [p for p in up.iterdir() if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS and not p.name.startswith(".")]
+    return sorted({display(p) for p in found})
 
 
 def recipe_files() -> list[str]:
@@ -85,8 +90,33 @@ def sanitize_filename(name: str) -> str:
     return f"{stem}.{ext}" if ext else stem
 
 
-def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR) -> Path:
-    """Copy an uploaded file into the app's data folder under a sanitised, non-clashing name."""
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def same_content(src: Path, dest_dir: Path) -> Path | None:
+    """A file in ``dest_dir`` whose bytes are those of ``src`` (sizes first, then SHA-256), if any."""
+    if not dest_dir.is_dir():
+        return None
+    size = src.stat().st_size
+    candidates = sorted(p for p in dest_dir.iterdir() if p.is_file() and not p.name.startswith(".") and p.stat().st_size == size)
+    if not candidates:
+        return None
+    digest = file_sha256(src)
+    return next((p for p in candidates if file_sha256(p) == digest), None)
+
+
+def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR) -> tuple[Path, bool]:
+    """Store an uploaded file in the app's upload folder under a sanitised name.
+
+    The same content uploaded again is the file already stored (whatever its name then); another
+    file with a name already taken gets ``name-2``, ``name-3``... (nothing is overwritten).
+    Returns the stored path and whether it was new.
+    """
     src = Path(tmp_path)
     name = sanitize_filename(original_name or src.name)
     if Path(name).suffix.lower() not in DATA_EXTENSIONS:
@@ -96,6 +126,10 @@ def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir
         )
     if src.stat().st_size > MAX_UPLOAD_BYTES:
         raise UserError(f"'{name}' is larger than {MAX_UPLOAD_BYTES / 2**30:.0f} GiB; copy it into data/ instead.")
+    dest_dir = Path(dest_dir)
+    known = same_content(src, dest_dir)
+    if known is not None:
+        return known, False
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / name
     stem, suffix, i = dest.stem, dest.suffix, 1
@@ -105,4 +139,4 @@ def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir
     if dest.resolve().parent != dest_dir.resolve():  # cannot happen after sanitising; never write elsewhere
         raise UserError(f"Refusing to store the upload '{original_name}' outside {dest_dir}.")
     shutil.copyfile(src, dest)
-    return dest
+    return dest, True
