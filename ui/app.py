@@ -123,10 +123,9 @@ def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
 
 # --------------------------------------------------------------------------- engine helpers
 def gpu_profile(card: str):
-    from finetuner.hardware import cpu_profile, get_gpu
+    from finetuner.hardware import get_gpu
 
-    c = (card or CPU_CARD).strip()
-    return cpu_profile() if c.lower() in ("cpu", "cpu (this machine)") else get_gpu(c)
+    return get_gpu((card or CPU_CARD).strip())
 
 
 def default_card() -> str:
@@ -380,7 +379,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
 
     def _valid_md(recipe, card: str, note: str = "") -> str:
-        from finetuner.memory import estimate_recipe
+        from finetuner.planner import estimate_recipe
 
         gpu = gpu_profile(card)
         est = estimate_recipe(recipe, gpu)
@@ -494,7 +493,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
         reason, when it does not train on the data chosen in the Data tab, or when the memory
         model says it does not fit the card (unless ``anyway``)."""
-        from finetuner.memory import estimate_recipe
+        from finetuner.planner import estimate_recipe
 
         recipe = recipe_from_text(text)
         check_same_data(recipe, data_file)
