@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
+from finetuner.quiet import quieted
 
 Kind = Literal["run", "adapter", "full", "model"]
 
@@ -150,11 +151,15 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
 def load_tokenizer(src: Source):
     from transformers import AutoTokenizer
 
+    from finetuner.modeling import check_model_folder, tokenizer_load_hint
+
     trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    if src.tokenizer_dir == src.base_model:
+        check_model_folder(src.base_model, "the model" if src.kind == "model" else "the base model", trust)
     try:
         tok = AutoTokenizer.from_pretrained(src.tokenizer_dir, trust_remote_code=trust)
     except (OSError, ValueError) as e:
-        raise UserError(f"Could not load a tokenizer from '{src.tokenizer_dir}' ({e}).") from None
+        raise UserError(f"Could not load a tokenizer from '{src.tokenizer_dir}' ({e}).", hint=tokenizer_load_hint(e)) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
@@ -174,13 +179,16 @@ def system_prompt(src: Source) -> str | None:
     return src.recipe.data.system_prompt if src.recipe is not None else None
 
 
-def _from_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
+def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with finetuner's weight-format rule (safetensors unless
+    ``allow_pickle``), quietly; a failure is a :class:`UserError` naming ``what`` could not be loaded."""
     from transformers import AutoModelForCausalLM
 
     from finetuner.modeling import weight_format_kwargs, weights_load_hint
 
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
+        with quieted():
+            return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
     except OSError as e:
         raise UserError(f"Could not load {what} '{name}' ({e}).", hint=weights_load_hint(e, allow_pickle) + " Or pass --base.") from None
 
@@ -216,16 +224,17 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
         trust = bool(src.recipe and src.recipe.model.trust_remote_code)
         pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
         if src.kind == "full" and adapter:
-            model = _from_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
+            model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
         else:
-            model = _from_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
+            model = load_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
                                      dtype=dtype, trust_remote_code=trust)
         model.to(device)
     if adapter and src.has_adapter:
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
+            with quieted():
+                model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
                             hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
