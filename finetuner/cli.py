@@ -106,18 +106,6 @@ def _version() -> str:
         return "dev"
 
 
-def _quiet_libraries() -> None:
-    """Keep library chatter (progress bars, deprecation notes) out of the CLI's output."""
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -125,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    _quiet_libraries()
+    from finetuner.quiet import quiet_libraries
+
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

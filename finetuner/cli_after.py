@@ -35,7 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "chat",
         help="Chat with a run's model in the terminal (streaming), or answer one --prompt.",
-        description="Interactive chat with the run's chat template. Commands: /reset starts over, /quit ends (or Ctrl-D).",
+        description=(
+            "Interactive chat with the run's chat template. Commands: /reset starts over, /quit ends (or Ctrl-D). "
+            "In a terminal, lines can be edited and Up recalls earlier ones (kept in ~/.cache/finetuner/chat_history, "
+            "or $FINETUNER_CACHE_DIR/chat_history)."
+        ),
     )
     c.add_argument("source", metavar="RUN_OR_MODEL", help="A run folder, an adapter folder, a model folder or a hub id.")
     c.add_argument("--prompt", "-p", help="Answer this one prompt and exit (prints only the answer).")
@@ -146,12 +150,26 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         return 0
 
     tty = sys.stdin.isatty()
-    _err(f"{chat!r}\nType a message; /reset starts over, /quit ends.")
+    save_history = _line_editing() if tty else None
+    _err(f"{chat!r}\nType a message; /reset starts over, /quit ends (or Ctrl-D).")
+    try:
+        _chat_loop(chat, compare, gen, tty)
+    finally:
+        if save_history is not None:
+            save_history()
+    return 0
+
+
+def _chat_loop(chat, compare: bool, gen: dict, tty: bool) -> None:
+    """Read a line, stream the answer, until /quit, Ctrl-D or Ctrl-C at the prompt."""
     history: list[dict[str, str]] = []
     while True:
         try:
             line = input("you> " if tty else "")
         except EOFError:
+            if tty:  # leave the shell's prompt on a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             break
         except KeyboardInterrupt:
             _err("")
@@ -179,7 +197,38 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             continue
         history.append({"role": "assistant", "content": answer})
-    return 0
+
+
+#: Lines typed in `finetuner chat`, kept between sessions (Up recalls them).
+HISTORY_FILE = "chat_history"
+HISTORY_LINES = 1000
+
+
+def _line_editing():
+    """Turn on line editing and history for ``input()`` (the readline module), with the lines of
+    earlier sessions from the cache folder; returns the function that saves them, or None where
+    Python has no readline (Windows)."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    from finetuner.data_cache import cache_root
+
+    path = cache_root() / HISTORY_FILE
+    try:
+        readline.read_history_file(path)
+    except OSError:  # no history yet, or unreadable: start without
+        pass
+    readline.set_history_length(HISTORY_LINES)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as e:
+            _err(f"note: could not save the chat history to {path} ({e}).")
+
+    return save
 
 
 # ---------------------------------------------------------------------- eval

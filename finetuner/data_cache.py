@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from finetuner.quiet import quieted
+
 log = logging.getLogger(__name__)
 
 #: bump when the stored layout changes in a way the module source hash would not catch
@@ -136,15 +138,40 @@ def load(key: str):
     return train, val, info["stats"]
 
 
+def relocate(stats: Any, cfg: Any) -> None:
+    """Point a cache hit's statistics at this run's files.
+
+    The key is content-based, so an entry may have been made from other copies of the same
+    files (another checkout, a renamed file); its statistics name those (``format`` is keyed by
+    path, skipped rows say where they were). Here they are rewritten in place to name ``cfg``'s
+    files, matched by position: the same key means the same files in the same order.
+    """
+    new = [str(p) for p in ([cfg.path] if isinstance(cfg.path, str) else cfg.path)]
+    if cfg.val_path:
+        new.append(str(cfg.val_path))
+    new = list(dict.fromkeys(new))
+    old = list(stats.format)
+    if old == new or len(old) != len(new):
+        return
+    moves = dict(zip(old, new))
+    stats.format = {moves[k]: v for k, v in stats.format.items()}
+    reasons = []
+    for reason in stats.skipped_reasons:
+        src = next((o for o in old if reason.startswith(o)), None)
+        reasons.append(moves[src] + reason[len(src):] if src is not None else reason)
+    stats.skipped_reasons = reasons
+
+
 def store(key: str, train, val, stats: dict[str, Any]) -> Path | None:
     """Write an entry atomically (a temporary folder renamed into place); failures only warn."""
     folder = cache_dir(key)
     tmp = folder.with_name(f".{key}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         tmp.mkdir(parents=True)
-        train.save_to_disk(str(tmp / "train"))
-        if val is not None:
-            val.save_to_disk(str(tmp / "val"))
+        with quieted():  # no "Saving the dataset" bars in the Python API
+            train.save_to_disk(str(tmp / "train"))
+            if val is not None:
+                val.save_to_disk(str(tmp / "val"))
         (tmp / "meta.json").write_text(json.dumps({"has_val": val is not None, "stats": stats}))
         if folder.exists():  # another run stored the same key meanwhile
             shutil.rmtree(tmp, ignore_errors=True)

@@ -408,9 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR, format=f"[rank {rank}] %(levelname)s: %(message)s")
-    from finetuner.cli import _quiet_libraries
+    from finetuner.quiet import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
     recipe = Recipe.from_yaml(run_dir / "recipe.yaml")

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.sources import Source, _from_pretrained, chat_template, load_tokenizer, resolve_source
+from finetuner.quiet import quieted
+from finetuner.sources import Source, chat_template, load_pretrained, load_tokenizer, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,12 @@ def merge_adapter(
         notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
                      f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
 
-    import torch  # after the checks above, so a refusal is instant
+    with quieted():  # after the checks above (it imports transformers), so a refusal is instant
+        return _merge_and_write(src, out, dtype, max_shard, verify, notes, t0)
+
+
+def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, notes: list[str], t0: float) -> MergeResult:
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, DTYPES[dtype])
@@ -214,7 +220,7 @@ def merge_adapter(
     pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
-    model = _from_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,
+    model = load_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,
                              revision=None if src.kind == "full" else revision, trust_remote_code=trust)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free

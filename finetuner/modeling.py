@@ -11,27 +11,74 @@ import logging
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.quiet import quieted
 from finetuner.recipe import Recipe
 from finetuner.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
+#: Files that hold a tokenizer's vocabulary (one of them must be in a local model folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model*", "vocab.*", "merges.txt", "*.tiktoken", "*spiece*.model",
+                   "sentencepiece*.model", "tekken.json")
+
+_WHAT_TO_GIVE = (
+    "Give the folder a model was saved to with save_pretrained (config.json, tokenizer files and *.safetensors "
+    "weights), e.g. one made by `hf download ORG/NAME --local-dir DIR`, or a hub id such as Qwen/Qwen2.5-7B-Instruct."
+)
+
+
+def check_model_folder(name: str, key: str = "model.name", trust_remote_code: bool = False) -> None:
+    """A local ``name`` must be a model folder: say what is missing before transformers tries to load it.
+
+    A folder without ``config.json`` is not a model (``finetuner plan`` says the same); one without
+    tokenizer files cannot be trained or chatted with. A hub id (no such folder) is left to the loaders.
+    """
+    from finetuner.fileio import exists, expand_user
+
+    path = expand_user(name)
+    if not exists(path, "dir"):
+        return
+    if not (path / "config.json").is_file():
+        inner = sorted(p.parent for p in [*path.glob("*/config.json"), *path.glob("snapshots/*/config.json")])
+        hint = f"It looks like the model is in {inner[0]}: give that folder." if inner else _WHAT_TO_GIVE
+        held = sorted(p.name for p in path.iterdir())[:6]
+        holds = f" (it holds: {', '.join(held)}{', ...' if len(held) == 6 else ''})" if held else " (it is empty)"
+        raise UserError(f"{key}: {path}: no config.json in this folder, so it is not a model folder{holds}.", hint=hint)
+    if not trust_remote_code and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise UserError(
+            f"{key}: {path} has a config.json but no tokenizer files (tokenizer.json, tokenizer.model or vocab.json), "
+            "so its text cannot be turned into tokens.",
+            hint="Copy the tokenizer files from where the model came from into this folder (tokenizer.save_pretrained "
+                 "writes them), or give the original model folder or hub id.",
+        )
+
+
 def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
 
     m = recipe.model
+    check_model_folder(m.name, trust_remote_code=m.trust_remote_code)
     _warn_remote_code(recipe)
     try:
         tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(
             f"model.name: could not load a tokenizer from '{m.name}' ({e}).",
-            hint=hub_access_hint(e) or "Give a local folder with tokenizer files, or a hub id (online).",
+            hint=hub_access_hint(e) or tokenizer_load_hint(e),
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
+
+
+def tokenizer_load_hint(error: Exception) -> str:
+    """What to do when transformers could not build a tokenizer."""
+    text = str(error)
+    if "sentencepiece" in text or "tiktoken" in text:
+        return ("transformers found no tokenizer.json it can read and needs sentencepiece or tiktoken to convert the "
+                "files it found: pip install sentencepiece tiktoken, or give a folder with a tokenizer.json.")
+    return "Give a local folder with tokenizer files, or a hub id (online)."
 
 
 def _warn_remote_code(recipe: Recipe) -> None:
@@ -135,7 +182,8 @@ def load_base_model(recipe: Recipe, rt: Runtime):
         kwargs["device_map"] = "auto"
         kwargs["max_memory"] = {int(k): v.replace(" ", "") for k, v in m.max_memory.items()}
     try:
-        model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
+        with quieted():
+            model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
     except OSError as e:
         raise UserError(
             f"model.name: could not load '{m.name}' ({e}).",
@@ -181,7 +229,8 @@ def prepare_for_training(model, recipe: Recipe):
         task_type="CAUSAL_LM",
     )
     try:
-        model = get_peft_model(model, config)
+        with quieted():
+            model = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(
             f"lora.target_modules: {e}",

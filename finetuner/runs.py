@@ -47,9 +47,9 @@ class Run:
     @property
     def recipe(self):
         """The resolved :class:`~finetuner.recipe.Recipe` the run used."""
-        from finetuner.sources import _read_recipe
+        from finetuner.sources import read_recipe
 
-        return _read_recipe(self.path / "recipe.yaml")
+        return read_recipe(self.path / "recipe.yaml")
 
     @property
     def metrics(self) -> dict[str, Any]:

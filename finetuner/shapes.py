@@ -167,17 +167,16 @@ def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linea
     """The modules LoRA attaches to, as ``(name, in_features, out_features, copies)``.
 
     peft's rule: ``all-linear`` means every ``nn.Linear`` except the output layer; a name in a
-    list matches a module whose path equals it or ends with ``"." + name``. ``embed_tokens``
-    gets an embedding LoRA and ``lm_head`` a linear one.
+    list matches a module whose path equals it or ends with ``"." + name``; any other string is a
+    regular expression that must match a module's whole path (``model.layers.3.self_attn.q_proj``,
+    ``lm_head``), so it may pick some layers only. ``embed_tokens`` gets an embedding LoRA and
+    ``lm_head`` a linear one.
     """
     layer = shape.layer_linears()
     if target_modules == "all-linear":
         return [(lin.name, lin.in_features, lin.out_features, shape.num_layers) for lin in layer]
-    if isinstance(target_modules, str):  # peft treats a string as a regex on the full name
-        raise UserError(
-            f"lora.target_modules: '{target_modules}': give 'all-linear' or a list of module names.",
-            hint="For example [q_proj, v_proj]; see the model's modules with `finetuner estimate`.",
-        )
+    if isinstance(target_modules, str):
+        return _regex_targets(shape, target_modules)
     found: list[tuple[str, int, int, int]] = []
     known = [lin.short_name for lin in layer] + ["lm_head", "embed_tokens"]
     for target in target_modules:
@@ -195,6 +194,34 @@ def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linea
                 hint=f"Its layers are: {', '.join(known)} (or use 'all-linear').",
             )
     return list(dict.fromkeys(found))
+
+
+def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int, int]]:
+    """The modules whose whole path matches ``pattern`` (peft's ``re.fullmatch``), counted per layer."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"lora.target_modules: {pattern!r} is not a valid regular expression ({e}).") from None
+    found = []
+    for lin in shape.layer_linears():
+        copies = sum(1 for i in range(shape.num_layers) if rx.fullmatch(f"model.layers.{i}.{lin.name}"))
+        if copies:
+            found.append((lin.name, lin.in_features, lin.out_features, copies))
+    if rx.fullmatch("lm_head"):
+        found.append(("lm_head", shape.hidden_size, shape.vocab_size, 1))
+    if rx.fullmatch("model.embed_tokens"):
+        found.append(("embed_tokens", shape.vocab_size, shape.hidden_size, 1))
+    if not found:
+        raise UserError(
+            f"lora.target_modules: the regular expression {pattern!r} matches no module of {shape.name}: "
+            "a string that is not a list of names must match whole module paths, such as "
+            f"model.layers.0.{shape.layer_linears()[0].name}.",
+            hint="For module names use a list, [q_proj, v_proj], or a comma-separated string, 'q_proj,v_proj'; "
+                 r"a regular expression like '.*\.(q_proj|v_proj)' or 'all-linear' also work.",
+        )
+    return found
 
 
 def lora_param_count(

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
+from finetuner.quiet import quieted
 
 Kind = Literal["run", "adapter", "full", "model"]
 
@@ -65,7 +66,7 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or exists(expand_user(name))
 
 
-def _read_recipe(path: Path):
+def read_recipe(path: Path):
     import yaml
     from pydantic import ValidationError
 
@@ -103,7 +104,7 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
         raise UserError(f"{p} is a file; expected a run folder, an adapter folder or a model folder.")
     p = p.resolve()
     if (p / "recipe.yaml").is_file() and not (p / "adapter_config.json").is_file():
-        recipe = _read_recipe(p / "recipe.yaml")
+        recipe = read_recipe(p / "recipe.yaml")
         adapter = p / "adapter"
         if (adapter / "adapter_config.json").is_file():
             kind: Kind = "run"
@@ -133,7 +134,7 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
         if not (base_model or named):
             raise UserError(f"{p / 'adapter_config.json'} does not name its base model.", hint="Pass it with --base.")
         base = _check_base(base_model or named, f"{p / 'adapter_config.json'} (base_model_name_or_path)")
-        recipe = _read_recipe(p.parent / "recipe.yaml") if (p.parent / "recipe.yaml").is_file() else None
+        recipe = read_recipe(p.parent / "recipe.yaml") if (p.parent / "recipe.yaml").is_file() else None
         if recipe is not None:
             recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": base})})
         run_dir = p.parent if p.name == "adapter" and (p.parent / "events.jsonl").is_file() else None
@@ -150,11 +151,15 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
 def load_tokenizer(src: Source):
     from transformers import AutoTokenizer
 
+    from finetuner.modeling import check_model_folder, tokenizer_load_hint
+
     trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    if src.tokenizer_dir == src.base_model:
+        check_model_folder(src.base_model, "the model" if src.kind == "model" else "the base model", trust)
     try:
         tok = AutoTokenizer.from_pretrained(src.tokenizer_dir, trust_remote_code=trust)
     except (OSError, ValueError) as e:
-        raise UserError(f"Could not load a tokenizer from '{src.tokenizer_dir}' ({e}).") from None
+        raise UserError(f"Could not load a tokenizer from '{src.tokenizer_dir}' ({e}).", hint=tokenizer_load_hint(e)) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
@@ -174,13 +179,16 @@ def system_prompt(src: Source) -> str | None:
     return src.recipe.data.system_prompt if src.recipe is not None else None
 
 
-def _from_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
+def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with finetuner's weight-format rule (safetensors unless
+    ``allow_pickle``), quietly; a failure is a :class:`UserError` naming ``what`` could not be loaded."""
     from transformers import AutoModelForCausalLM
 
     from finetuner.modeling import weight_format_kwargs, weights_load_hint
 
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
+        with quieted():
+            return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
     except OSError as e:
         raise UserError(f"Could not load {what} '{name}' ({e}).", hint=weights_load_hint(e, allow_pickle) + " Or pass --base.") from None
 
@@ -217,16 +225,17 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
         trust = bool(src.recipe and src.recipe.model.trust_remote_code)
         pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
         if src.kind == "full" and adapter:
-            model = _from_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
+            model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
         else:
-            model = _from_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
+            model = load_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
                                      dtype=dtype, trust_remote_code=trust)
         model.to(device)
     if adapter and src.has_adapter:
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
+            with quieted():
+                model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
                             hint="The adapter must have been trained on this base model (pass the right one with --base).") from None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner import checkpoint as ckpt_io
+from finetuner import data_cache
 from finetuner.data import IGNORE_INDEX, Collator, PreparedData, prepare_data
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.events import Callback, EventWriter, device_memory
@@ -219,6 +220,8 @@ class Trainer:
         random.seed(r.training.seed)
         self.tokenizer = load_tokenizer(r)
         self.data: PreparedData = prepare_data(r.data, self.tokenizer, r.training.seed)
+        if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
+            data_cache.relocate(self.data.stats, r.data)
         self.model = prepare_for_training(load_base_model(r, self.rt), r)
         self.fused_ce = None
         if self.rt.kernels == "liger":

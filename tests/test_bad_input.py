@@ -755,7 +755,7 @@ def test_cli_after_training_commands_fail_fast(tmp_path, capsys, monkeypatch, ar
 
 
 # =========================================================================== the CLI, as a user runs it
-def _cli_case(tmp_path: Path, tiny_model_dir: Path, case: str) -> tuple[Path, Path, list[str]]:
+def _cli_case(tmp_path: Path, tiny_model_dir: Path, case: str) -> tuple[Path, Path, list[str], list[str]]:
     user = tmp_path / "user"
     user.mkdir()
     data = user / "data.jsonl"
@@ -764,7 +764,31 @@ def _cli_case(tmp_path: Path, tiny_model_dir: Path, case: str) -> tuple[Path, Pa
     recipe["output_dir"] = str(tmp_path / "runs" / "r")
     recipe["logging"] = {"tensorboard": False}
     expect: list[str] = []
-    if case == "recipe":
+    sets: list[str] = []
+    if case == "misspelt_set":  # names from other tools and wrong values, given with --set
+        sets = ["method=qlroa", "training.micro_batch_size=[4]", "training.learning_rate=1e-4", "lora.rank=8",
+                "data.cutoff_len=512"]
+        expect = ["  - method: invalid value 'qlroa'. Did you mean 'qlora'? Valid choices: lora, qlora, full, auto.\n",
+                  "  - training.micro_batch_size: must be a whole number ≥ 1 (or auto); got [4].\n",
+                  "  - training.learning_rate: unknown key. Did you mean 'lr'?",
+                  "  - lora.rank: unknown key. Did you mean 'r'?",
+                  "  - data.cutoff_len: unknown key. Did you mean 'max_seq_len'?"]
+    elif case == "not_a_model":  # a folder of downloads, not a model
+        folder = user / "downloads"
+        folder.mkdir()
+        (folder / "README.md").write_text("weights come later")
+        recipe["model"]["name"] = str(folder)
+        expect = [f"model.name: {folder}: no config.json in this folder, so it is not a model folder (it holds: README.md).",
+                  "save_pretrained"]
+    elif case == "no_tokenizer":  # config.json and weights, but no tokenizer files
+        folder = user / "model"
+        folder.mkdir()
+        for f in tiny_model_dir.iterdir():
+            if f.name in ("config.json", "model.safetensors"):
+                (folder / f.name).write_bytes(f.read_bytes())
+        recipe["model"]["name"] = str(folder)
+        expect = [f"model.name: {folder} has a config.json but no tokenizer files"]
+    elif case == "recipe":
         recipe["training"]["lr"] = "fast"
         recipe["lora"] = {"rr": 8}
         expect = ["{recipe}: the recipe is not valid", "training.lr", "lora.rr", "Did you mean 'r'?"]
@@ -779,19 +803,34 @@ def _cli_case(tmp_path: Path, tiny_model_dir: Path, case: str) -> tuple[Path, Pa
     if case == "junk":
         path.write_bytes(b"model: x\n\xff\xfe\x00garbage")
         expect = [f"{path}: line 2: not a UTF-8 text file", "byte 9"]
-    return path, data, [e.replace("{recipe}", str(path)) for e in expect]
+    return path, data, [e.replace("{recipe}", str(path)) for e in expect], sets
 
 
-@pytest.mark.parametrize("case", ["recipe", "junk", "broken_line", "bad_row"])
+#: what a user must not have to read: library internals instead of what is wrong
+LEAKS = ("Traceback", "constrained-int", "literal[", "sentencepiece", "Input should be")
+
+
+@pytest.mark.parametrize("case", ["recipe", "junk", "broken_line", "bad_row", "misspelt_set", "not_a_model", "no_tokenizer"])
 def test_cli_run_on_bad_input(tmp_path, tiny_model_dir, case):
-    recipe, data, expect = _cli_case(tmp_path, tiny_model_dir, case)
+    recipe, data, expect, sets = _cli_case(tmp_path, tiny_model_dir, case)
     with untouched(recipe, data):
-        p = run_cli("run", str(recipe), timeout=180)
+        p = run_cli("run", str(recipe), *[a for s in sets for a in ("--set", s)], timeout=180)
     assert p.returncode == 2, p.stderr
-    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    assert not [w for w in LEAKS if w in p.stderr + p.stdout], p.stderr
     assert p.stderr.startswith("error: ")
     for e in expect:
         assert e in p.stderr, f"{e!r} not in:\n{p.stderr}"
+    assert not (tmp_path / "runs" / "r" / "adapter").exists()
+
+
+def test_plan_and_run_say_the_same_of_a_folder_that_is_not_a_model(tmp_path, tiny_model_dir):
+    recipe, _data, _expect, _sets = _cli_case(tmp_path, tiny_model_dir, "not_a_model")
+    folder = tmp_path / "user" / "downloads"
+    plan = run_cli("plan", "--model", str(folder), "--gpu", "24GB")
+    run = run_cli("run", str(recipe), timeout=180)
+    assert plan.returncode == run.returncode == 2
+    said = f"{folder}: no config.json in this folder"
+    assert said in plan.stderr and said in run.stderr, (plan.stderr, run.stderr)
 
 
 # =========================================================================== the web UI

@@ -73,6 +73,61 @@ def test_interactive_chat_and_compare(run_dir):
     assert p.stdout.count("base> ") == 2 and p.stdout.count("fine-tuned> ") == 2
 
 
+def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_dir, tmp_path):
+    """In a terminal (a pty here): Up recalls the last line, Ctrl-D leaves the shell's prompt on a new line,
+    and the lines typed are kept for the next session."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FINETUNER_CACHE_DIR": str(tmp_path / "cache"), "TERM": "xterm"}
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "finetuner.cli", "chat", str(run_dir), "--temperature", "0",
+                          "--max-new-tokens", "6"], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO)
+    os.close(slave)
+    screen = b""
+
+    def wait_for_prompt(count: int, timeout: float = 240) -> None:
+        nonlocal screen
+        end = time.monotonic() + timeout
+        while screen.count(b"you> ") < count and time.monotonic() < end:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    screen += os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert screen.count(b"you> ") >= count, screen
+
+    try:
+        wait_for_prompt(1)
+        os.write(master, b"hello\r")
+        wait_for_prompt(2)
+        os.write(master, b"\x1b[A\r")  # Up, Enter: the line before, sent again
+        wait_for_prompt(3)
+        os.write(master, b"\x04")  # Ctrl-D
+        assert p.wait(60) == 0, screen
+        while select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            screen += chunk
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    text = screen.decode("utf-8", "replace")
+    assert "^[[A" not in text and "\x1b[A" not in text, text
+    assert text.count("you> hello\r\nmodel> ") == 2, text  # the recalled line was sent as typed
+    assert text.endswith("you> \r\n"), text  # Ctrl-D: a new line for the shell's prompt
+    assert "hello" in (tmp_path / "cache" / "chat_history").read_text()
+
+
 def test_eval_shows_the_fine_tune_below_the_base_and_writes_metrics(run_dir):
     before = json.loads((run_dir / "metrics.json").read_text())
     p = run_cli("eval", str(run_dir), "--json")

@@ -97,6 +97,10 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite")
     assert p.returncode == 0, p.stderr
     assert "max |logit difference|" in p.stdout and "peak RAM" in p.stdout
+    # nothing but finetuner's own lines: no library warnings (DeepSpeed's "Setting accelerator to CPU"
+    # when accelerate imports it on a machine without a GPU), no progress bars
+    assert p.stdout.startswith(f"merged model: {out}\n"), p.stdout
+    assert p.stderr.splitlines() == [f"Merging {lora_run} → {out} (bf16) ..."], p.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
     assert not (out / "notes.txt").exists() and (tmp_path / "beside.txt").read_text() == "also mine"

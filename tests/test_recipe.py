@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from finetuner.errors import UserError
-from finetuner.recipe import Recipe
+from finetuner.recipe import Recipe, accepted_values, recipe_keys
 from tests.conftest import REPO
 
 BASE = {"model": {"name": "org/model"}, "data": {"path": "org/dataset"}}
@@ -40,7 +40,7 @@ def test_qlora_defaults_to_4bit_nf4_double_quant():
         ({**BASE, "modle": {}}, "modle: unknown key. Did you mean 'model'?"),
         ({**BASE, "training": {"optimzer": "sgd"}}, "training.optimzer: unknown key. Did you mean 'optimizer'?"),
         ({**BASE, "training": {"optimizer": "adamw8bit"}}, "training.optimizer: invalid value 'adamw8bit'. Did you mean 'adamw_8bit'?"),
-        ({**BASE, "training": {"lr": "fast"}}, "training.lr: Input should be a valid number"),
+        ({**BASE, "training": {"lr": "fast"}}, "training.lr: must be a number > 0; got 'fast'."),
         ({**BASE, "training": {"micro_batch_size": 0}}, "training.micro_batch_size"),
         ({**BASE, "lora": {"r": -1}}, "lora.r"),
         ({**BASE, "method": "qlora", "quantization": None}, "quantization: method 'qlora' needs a quantized base"),
@@ -51,10 +51,108 @@ def test_qlora_defaults_to_4bit_nf4_double_quant():
         ({**BASE, "name": "../escape"}, "name: use letters"),
         ({"data": {"path": "x"}}, "model: required key is missing"),
         ({**BASE, "method": "dora"}, "method: invalid value 'dora'"),
+        ({**BASE, "method": "qlroa"}, "method: invalid value 'qlroa'. Did you mean 'qlora'? Valid choices: lora, qlora, full, auto."),
+        ({**BASE, "training": {"micro_batch_size": [4]}}, "training.micro_batch_size: must be a whole number ≥ 1 (or auto); got [4]."),
+        ({**BASE, "training": {"micro_batch_size": 2.5}}, "training.micro_batch_size: must be a whole number ≥ 1 (or auto); got 2.5."),
+        ({**BASE, "training": {"gradient_accumulation": "atuo"}}, "must be a whole number ≥ 1 (or auto); got 'atuo'. Did you mean 'auto'?"),
+        ({**BASE, "training": {"gradient_checkpointing": "yes2"}}, "training.gradient_checkpointing: must be true or false (or auto); got 'yes2'."),
+        ({**BASE, "training": {"optimizer": "adam"}}, "Valid choices: adamw_torch, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, adafactor, sgd, auto."),
+        ({**BASE, "training": {"max_steps": 0}}, "training.max_steps: must be a whole number ≥ 1; got 0."),
+        ({**BASE, "training": {"warmup_ratio": 1}}, "training.warmup_ratio: must be a number ≥ 0 and < 1; got 1."),
+        ({**BASE, "lora": {"r": 4096}}, "lora.r: must be a whole number from 1 to 1024; got 4096."),
+        ({**BASE, "data": {"path": "x", "max_seq_len": 8}}, "data.max_seq_len: must be a whole number ≥ 16; got 8."),
+        ({**BASE, "lora": {"target_modules": 5}}, "lora.target_modules: must be text or a list of texts; got 5."),
+        ({**BASE, "training": "fast"}, "training: must be a section of keys (epochs, max_steps, lr, ...); got 'fast'."),
     ],
 )
 def test_errors_name_the_key(raw, expected):
     assert expected in err(raw)
+
+
+JARGON = ("constrained-", "literal[", "Input should", "function-", "[type=", "union[", "Value error")
+
+
+@pytest.mark.parametrize("key", recipe_keys())
+def test_every_key_says_in_plain_words_what_it_takes(key):
+    """A value of the wrong kind for any key: one line for the key, saying what it must be, no pydantic jargon."""
+    overrides = [f"{key}=[[1]]"] if key not in ("model", "data") else []
+    raw = {**BASE} if overrides else {**BASE, key: [[1]]}
+    msg = err(raw, overrides)
+    lines = [line for line in msg.splitlines() if line.startswith((f"  - {key}:", f"  - {key}."))]  # or its item
+    assert len(lines) == 1, msg
+    assert "must be " in lines[0] or "invalid value" in lines[0] or "not a module name" in lines[0], msg
+    assert not [j for j in JARGON if j in msg], msg
+
+
+def _choices(key: str) -> list:
+    return [c for c in accepted_values(key)[1] if isinstance(c, str)]
+
+
+CHOICE_KEYS = [k for k in recipe_keys() if _choices(k)]
+
+
+def test_keys_with_named_choices_are_found():
+    assert {"method", "training.micro_batch_size", "training.optimizer", "data.packing", "model.dtype"} <= set(CHOICE_KEYS)
+    assert _choices("method") == ["lora", "qlora", "full", "auto"]
+
+
+@pytest.mark.parametrize("key", CHOICE_KEYS)
+def test_a_misspelt_choice_lists_every_choice_of_the_key(key):
+    """For keys with named choices (``lora|qlora|full`` or ``auto``...), the one line about the key lists all of them."""
+    msg = err(BASE, [f"{key}=zzzzzz"])
+    lines = [line for line in msg.splitlines() if line.startswith(f"  - {key}:")]
+    assert len(lines) == 1, msg
+    for c in _choices(key):
+        assert c in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("training.learning_rate=1e-4", "training.learning_rate: unknown key. Did you mean 'lr'?"),
+    ("lora.rank=8", "lora.rank: unknown key. Did you mean 'r'?"),
+    ("lora.lora_alpha=16", "lora.lora_alpha: unknown key. Did you mean 'alpha'?"),
+    ("lora.lora_dropout=0.1", "lora.lora_dropout: unknown key. Did you mean 'dropout'?"),
+    ("training.batch_size=4", "training.batch_size: unknown key. Did you mean 'micro_batch_size'?"),
+    ("training.per_device_train_batch_size=4", "Did you mean 'micro_batch_size'?"),
+    ("training.gradient_accumulation_steps=4", "Did you mean 'gradient_accumulation'?"),
+    ("training.num_train_epochs=3", "Did you mean 'epochs'?"),
+    ("data.cutoff_len=512", "data.cutoff_len: unknown key. Did you mean 'max_seq_len'?"),
+    ("data.sequence_len=512", "Did you mean 'max_seq_len'?"),
+    ("training.max_length=512", "training.max_length: unknown key. Did you mean 'data.max_seq_len'? (finetuner's name for max_length; it goes in the data section)"),
+    ("training.max_seq_len=512", "Did you mean 'data.max_seq_len'?"),
+    ("learning_rate=1e-4", "learning_rate: unknown key. Did you mean 'training.lr'?"),
+    ("lora.lora_r=8", "Did you mean 'r'?"),
+    ("training.lrr=1", "training.lrr: unknown key. Did you mean 'lr'?"),
+])
+def test_unknown_keys_suggest_finetuners_name(override, expected):
+    assert expected in err(BASE, [override])
+
+
+def test_every_synonym_points_at_a_real_key():
+    from finetuner.recipe import SYNONYMS
+
+    keys = set(recipe_keys())
+    assert not {t for t in SYNONYMS.values() if t not in keys}
+    assert not [s for s in SYNONYMS if s in {k.rsplit(".", 1)[-1] for k in keys}]  # a synonym is never a real name
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("q_proj,v_proj", ["q_proj", "v_proj"]),
+    ("q_proj, v_proj", ["q_proj", "v_proj"]),
+    ("q_proj v_proj", ["q_proj", "v_proj"]),
+    ("q_proj", ["q_proj"]),
+    ("self_attn.q_proj", ["self_attn.q_proj"]),
+    ("[q_proj, v_proj]", ["q_proj", "v_proj"]),
+    ("all-linear", "all-linear"),
+    (r".*\.(q_proj|v_proj)", r".*\.(q_proj|v_proj)"),
+])
+def test_target_modules_take_a_comma_separated_string(given, expected):
+    assert Recipe.from_dict(BASE, overrides=[f"lora.target_modules={given}"]).lora.target_modules == expected
+
+
+def test_target_modules_that_cannot_work_say_why():
+    assert "nor a valid regular expression" in err(BASE, ["lora.target_modules=(q_proj"])
+    assert "'q proj' is not a module name" in err(BASE, ["lora.target_modules=[q proj]"])
+    assert "needs at least one module name" in err(BASE, ["lora.target_modules=[]"])
 
 
 def test_overrides_parse_yaml_values_and_create_sections():

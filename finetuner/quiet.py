@@ -1,0 +1,110 @@
+"""Keeping other libraries' chatter (progress bars, deprecation notes, start-up warnings) out of finetuner's output.
+
+Two scopes:
+
+- :func:`quiet_libraries` is for a finetuner process (the CLI, a training rank): it sets the
+  environment and the loggers once, for the whole process.
+- :func:`quieted` is for the Python API, around finetuner's own calls into transformers, peft,
+  datasets and DeepSpeed (loading and saving models, attaching adapters, saving tokenized data).
+  While it runs, transformers logs errors only; no progress bars are drawn ("Loading weights",
+  "Writing model shards", "Saving the dataset"); DeepSpeed's warnings below ERROR are dropped
+  ("Setting accelerator to CPU", printed on stdout when accelerate imports it on a machine
+  without a GPU); and peft's read of a transformers property deprecated in v5
+  (``is_gradient_checkpointing``, peft's call, not finetuner's) does not warn. Everything is put
+  back afterwards, so the user's other code keeps its own settings.
+
+Nothing here imports torch or transformers at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+
+#: peft reads ``model.is_gradient_checkpointing`` (deprecated in transformers 5) when it wraps a model
+_PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+
+
+class _ErrorsOnly(logging.Filter):
+    """Drops records below ERROR (DeepSpeed resets its logger's level and handler when imported, not its filters)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+_DEEPSPEED_FILTER = _ErrorsOnly()
+
+
+def quiet_libraries() -> None:
+    """Keep library chatter (progress bars, deprecation notes, DeepSpeed's accelerator warning) out of a finetuner process."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("DeepSpeed").addFilter(_DEEPSPEED_FILTER)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+_lock = threading.Lock()
+_depth = 0
+_undo: list[Callable[[], None]] = []
+
+
+def _silence() -> list[Callable[[], None]]:
+    """Quiet the libraries; returns the steps that put every setting back."""
+    from transformers.utils import logging as hf_logging
+
+    undo: list[Callable[[], None]] = []
+    level = hf_logging.get_verbosity()
+    if level < logging.ERROR:
+        hf_logging.set_verbosity_error()
+        undo.append(lambda: hf_logging.set_verbosity(level))
+    if hf_logging.is_progress_bar_enabled():
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+
+        hub_was_off = are_progress_bars_disabled()
+        hf_logging.disable_progress_bar()  # also turns the hub's bars off; enable_progress_bar turns both on
+
+        def _bars_back() -> None:
+            hf_logging.enable_progress_bar()
+            if hub_was_off:
+                disable_progress_bars()
+
+        undo.append(_bars_back)
+    datasets = sys.modules.get("datasets")  # only when the caller uses it (importing it costs a second)
+    if datasets is not None and datasets.is_progress_bar_enabled():
+        datasets.disable_progress_bars()
+        undo.append(datasets.enable_progress_bars)
+    deepspeed = logging.getLogger("DeepSpeed")
+    if _DEEPSPEED_FILTER not in deepspeed.filters:
+        deepspeed.addFilter(_DEEPSPEED_FILTER)
+        undo.append(lambda: deepspeed.removeFilter(_DEEPSPEED_FILTER))
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
+    undo.append(lambda: caught.__exit__(None, None, None))
+    return undo
+
+
+@contextlib.contextmanager
+def quieted() -> Iterator[None]:
+    """Quiet transformers, peft and DeepSpeed while the block runs (nested and concurrent uses share one quiet spell)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            _undo[:] = _silence()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                while _undo:
+                    _undo.pop()()
