@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.fileio import atomic_write_json, publish_dir
+from finetuner.quiet import quieted
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -55,7 +56,8 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp / "adapter", safe_serialization=True)
+    with quieted():
+        model.save_pretrained(tmp / "adapter", safe_serialization=True)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     rng = {"cpu": torch.get_rng_state()}

@@ -32,6 +32,7 @@ from finetuner.faults import FaultPlan
 from finetuner.fileio import atomic_write_json
 from finetuner.modeling import count_parameters, load_base_model, load_tokenizer, prepare_for_training
 from finetuner.offload import save_on_cpu
+from finetuner.quiet import quieted
 from finetuner.recipe import Recipe, TrainingSection
 from finetuner.runtime import Runtime, resolve_runtime
 from finetuner.train_result import TrainResult
@@ -585,7 +586,8 @@ class Trainer:
         tmp = self.run_dir / ".tmp-adapter"
         if tmp.exists():
             shutil.rmtree(tmp)
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        with quieted():  # transformers' "Writing model shards" bar for a full fine-tune
+            self.model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.chat_template = self.data.chat_template
         self.tokenizer.save_pretrained(tmp)
         if final.exists():
