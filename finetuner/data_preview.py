@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.data import IGNORE_INDEX, DataStats, chat_template_for, encode_example, load_examples
-from finetuner.errors import UserError
 from finetuner.recipe import DataSection
 
 
@@ -51,18 +50,9 @@ def segments(tokenizer: Any, ids: list[int], labels: list[int]) -> list[tuple[st
 
 
 def load_preview_tokenizer(model: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    from finetuner.modeling import open_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"Could not load a tokenizer for '{model}' ({str(e).splitlines()[0][:200]}).",
-            hint="Pick a local model folder with tokenizer files, or a hub id that is in the local cache.",
-        ) from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token or tok.unk_token
-    return tok
+    return open_tokenizer(model, "the model", trust_remote_code=trust_remote_code)
 
 
 def preview_data(

@@ -46,11 +46,6 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
-    def improvement(self) -> float:
-        """Base loss minus fine-tuned loss (positive: the fine-tune predicts the held-out data better)."""
-        return self.base.loss - self.fine_tuned.loss
-
     def table(self) -> str:
         rows = [("", "base", "fine-tuned"), ("loss", f"{self.base.loss:.4f}", f"{self.fine_tuned.loss:.4f}"),
                 ("perplexity", f"{self.base.ppl:.2f}", f"{self.fine_tuned.ppl:.2f}")]

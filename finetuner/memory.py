@@ -10,8 +10,8 @@ trainer (a torchtune-style loop on transformers + peft + bitsandbytes):
   ``Linear8bitLt``). peft's ``prepare_model_for_kbit_training`` would cast every parameter that
   is not 4-bit — embeddings, LM head, norms, biases — to fp32 (``peft/utils/other.py``), making
   the whole residual stream fp32; finetuner's trainer does not (``modeling.prepare_for_training``
-  freezes the base itself), so the unquantized parts stay in ``weight_dtype``. The flag
-  ``upcast_non_quantized`` models peft's behaviour, for comparisons with tools that use it;
+  freezes the base itself), so the unquantized parts stay in ``weight_dtype`` (measured on an H100:
+  the upcast costs 2.1 GB on an 8B model with a 128k vocabulary);
 * full fine-tuning keeps fp32 master weights (mixed precision: 4 + 4 + 8 bytes per parameter of
   weights, gradients and AdamW states, the "16 bytes per parameter" of ZeRO's paper);
 * the loss is finetuner's chunked cross-entropy (``trainer.token_loss_sum``): the decoder's
@@ -24,9 +24,12 @@ trainer (a torchtune-style loop on transformers + peft + bitsandbytes):
 How the activation terms were derived: by reading the forward code of transformers 5 (Llama,
 Mistral, Qwen2/3, Gemma-2, Phi-3), peft 0.21 (``lora/layer.py``, ``lora/bnb.py``) and
 bitsandbytes 0.50 (``autograd/_functions.py``), listing what autograd saves for backward, and
-checking the sum exactly (to the byte) against a tensor-lifetime tracker (a
-``TorchDispatchMode`` that adds up live storages, see ``scripts/gpu_validate_memory.py``) on
-small Llama models on CPU, for LoRA, QLoRA and full fine-tuning (``tests/test_memory.py``).
+checking the totals against the measured peaks of GPU runs of 7B–13B shapes
+(``scripts/validate_memory.py``, recorded in ``docs/validation/`` and ``docs/memory.md``). The
+storage terms are checked against the libraries themselves in ``tests/test_memory.py`` (nf4 and
+int8 weights against bitsandbytes, AdamW and 8-bit Adam states against torch and bitsandbytes),
+and the activation terms' scaling (linear in tokens, checkpointing keeping layer inputs only, the
+chunked loss never holding the logits) there too.
 The rules that decide the size of a saved tensor:
 
 * autograd saves a matmul's input only when the weight needs a gradient: a frozen base linear
@@ -50,9 +53,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from finetuner.errors import UserError
+from finetuner.recipe import Optimizer
 from finetuner.shapes import ModelShape, lora_param_count, lora_targets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,7 +108,8 @@ NF4_PER_LAYER_BYTES = 512 * 4
 OPT8_MIN_SIZE = 4096
 OPT8_BLOCK = 256
 
-OPTIMIZERS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd")
+#: The optimizers a recipe can name (its schema is the one list).
+OPTIMIZERS = get_args(Optimizer)
 
 AttnImpl = Literal["sdpa", "eager", "flash_attention_2"]
 
@@ -131,7 +136,6 @@ class Settings:
     attn_implementation: AttnImpl = "sdpa"
     attention_mask: bool = False  # a padding or packing mask reaches attention
     activation_offload: bool = False  # checkpointed layer inputs (or all saved activations) in CPU memory
-    upcast_non_quantized: bool = False  # peft's prepare_model_for_kbit_training would cast non-4-bit params to fp32; finetuner does not
     loss_chunk: int = 1024  # tokens per cross-entropy chunk (finetuner's chunked loss); 0: full logits
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
@@ -224,8 +228,8 @@ def weight_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
       absmax (fp32 per 64 → 0.0625 byte/param; with double quant uint8 per 64 plus fp32 per
       64*256 → 0.0159 byte/param) plus the code tables; 8-bit: int8 (1 byte) plus one fp32 scale
       per output row (``SCB``). Everything else — embeddings, LM head (never quantized:
-      transformers skips the output layer), norms, biases — in fp32 when
-      ``prepare_model_for_kbit_training`` upcasts them, else in ``weight_dtype``.
+      transformers skips the output layer), norms, biases — in ``weight_dtype`` (finetuner does
+      not upcast them as ``prepare_model_for_kbit_training`` would).
     """
     counts = shape.param_counts()
     total = counts["total"]
@@ -237,7 +241,7 @@ def weight_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
     numel = shape.linear_weight_numel
     n_linear = shape.linears_per_layer * shape.num_layers
     other = total - numel  # embeddings, lm head, norms, biases
-    other_bytes = (4 if s.upcast_non_quantized else w) * other
+    other_bytes = w * other
     if s.quant_bits == 4:
         packed = math.ceil(numel / 2)
         blocks = sum(math.ceil(lin.in_features * lin.out_features / NF4_BLOCK) for lin in shape.layer_linears()) * shape.num_layers
@@ -251,7 +255,7 @@ def weight_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
         rows = sum(lin.out_features for lin in shape.layer_linears()) * shape.num_layers
         quant = numel + 4 * rows
         kind = "int8"
-    return {kind: quant, f"{'fp32' if s.upcast_non_quantized else s.weight_dtype} (not quantized)": other_bytes}
+    return {kind: quant, f"{s.weight_dtype} (not quantized)": other_bytes}
 
 
 def trainable_tensors(shape: ModelShape, s: Settings) -> list[tuple[int, int, int]]:
@@ -339,8 +343,7 @@ def _dtypes(s: Settings) -> _Dtypes:
     w = DTYPE_BYTES[s.weight_dtype]
     if s.method == "lora":
         return _Dtypes(R=w, c=c if autocast else w, base="frozen", autocast=autocast)
-    R = 4 if s.upcast_non_quantized else w
-    return _Dtypes(R=R, c=c if autocast else R, base="nf4" if s.quant_bits == 4 else "int8", autocast=autocast)
+    return _Dtypes(R=w, c=c if autocast else w, base="nf4" if s.quant_bits == 4 else "int8", autocast=autocast)
 
 
 def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, float]]:
@@ -496,8 +499,6 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
       needs no gradient);
     * the final norm saves its fp32 input (and, in full fine-tuning, the normalised tensor and
       the LM head's bf16 input copy);
-    * QLoRA's fp32 LM head (after the upcast) is cast to bf16 by autocast at every forward and the
-      copy is kept for the input gradient: ``vocab * hidden * 2`` bytes;
     * plain loss (``loss_chunk=0``): logits ``tokens * vocab * c`` held by the trainer (Gemma-2's
       soft-capping keeps its tanh output too), and ``cross_entropy(logits.float())`` keeps the
       fp32 log-softmax (4 bytes) and, at the start of backward, adds the gradient of the NLL (4)
@@ -528,8 +529,6 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
         extra_tok -= 4 * h + 4  # layer 0's input norm
     extra_tok += 2 * d.R * shape.head_dim  # RoPE cos/sin (broadcast over the batch: per position)
     extra = int(extra_tok * T)
-    if s.method == "qlora" and s.upcast_non_quantized and d.autocast:
-        extra += d.c * V * h  # bf16 copy of the fp32 LM head, saved for the input gradient
     if s.attention_mask or s.attn_implementation == "eager":
         mask_elem = 1 if s.attn_implementation != "eager" else d.R
         extra += mask_elem * s.micro_batch * s.seq_len * s.seq_len
@@ -637,9 +636,6 @@ def estimate(
         # backward goes; of the MLP's short-lived gradients about one of three is alive at the
         # layer's peak (fitted on the H100 runs: docs/memory.md)
         layer_phase = act.saved_total + held + act.per_layer + act.transient // GC_TRANSIENT_DIVISOR + quant_temp
-        # the LM-head weight copy (QLoRA) is freed once the LM head's backward is done
-        if s.method == "qlora" and s.upcast_non_quantized and d.autocast:
-            layer_phase -= d.c * shape.vocab_size * shape.hidden_size
     else:
         layer_phase = act.saved_total + held + act.transient + quant_temp
     # the dequantized weight exists only inside a quantized layer: not at the cross-entropy
@@ -694,11 +690,6 @@ def estimate(
     notes: list[str] = []
     if paged:
         notes.append("paged optimizer states live in unified memory and move to CPU memory when the card is full")
-    if s.method == "qlora" and s.upcast_non_quantized:
-        emb = shape.param_counts()["embeddings"] + shape.param_counts()["lm_head"]
-        notes.append(
-            f"prepare_model_for_kbit_training keeps embeddings and LM head in fp32 ({emb * 2 / GiB:.2f} GiB more than bf16)"
-        )
     device = gpu.memory_bytes if gpu else None
     budget = int(device * (1 - margin)) if device else None
     details = {

@@ -54,22 +54,28 @@ def check_model_folder(name: str, key: str = "model.name", trust_remote_code: bo
         )
 
 
-def load_tokenizer(recipe: Recipe):
+def open_tokenizer(name: str, what: str, revision: str | None = None, trust_remote_code: bool = False):
+    """A tokenizer from a folder or hub id, with a pad token (the EOS token when it has none);
+    a clear UserError naming ``what`` (``model.name``, ``the base model``, ...) when it cannot load."""
     from transformers import AutoTokenizer
 
-    m = recipe.model
-    check_model_folder(m.name, trust_remote_code=m.trust_remote_code)
-    _warn_remote_code(recipe)
     try:
-        tok = AutoTokenizer.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(
-            f"model.name: could not load a tokenizer from '{m.name}' ({e}).",
+            f"{what}: could not load a tokenizer from '{name}' ({str(e).splitlines()[0][:300]}).",
             hint=hub_access_hint(e) or tokenizer_load_hint(e),
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
+
+
+def load_tokenizer(recipe: Recipe):
+    m = recipe.model
+    check_model_folder(m.name, trust_remote_code=m.trust_remote_code)
+    _warn_remote_code(recipe)
+    return open_tokenizer(m.name, "model.name", m.revision, m.trust_remote_code)
 
 
 def tokenizer_load_hint(error: Exception) -> str:

@@ -200,21 +200,15 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
     return run_dir, recipe, notes, lock
 
 
-_OPTIMIZER_STATE_FACTOR = {  # optimizer state bytes per byte of fp32 trainable weight
-    "adamw_torch": 2.0,  # exp_avg + exp_avg_sq in fp32
-    "paged_adamw_32bit": 2.0,
-    "adamw_8bit": 0.5,  # two 1-byte states (+ small block-wise absmax)
-    "paged_adamw_8bit": 0.5,
-    "adafactor": 0.1,  # factored second moments: rows + columns
-    "sgd": 0.0,
-}
-
-
 def checkpoint_bytes(model, optimizer: str) -> int:
-    """Predicted size of one checkpoint: the trainable weights as saved, plus the optimizer state."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    fp32 = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-    return int(weights + fp32 * _OPTIMIZER_STATE_FACTOR[optimizer]) + 1_000_000
+    """Predicted size of one checkpoint: the trainable weights as saved, plus the optimizer state
+    (the memory model's :func:`~finetuner.memory.optimizer_state_bytes`, the same count it predicts on the GPU)."""
+    from finetuner.memory import optimizer_state_bytes
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    tensors = [(p.shape[0], p.numel() // max(1, p.shape[0]) if p.dim() > 1 else 1, 1) for p in trainable]
+    return int(weights + optimizer_state_bytes(tensors, optimizer)) + 1_000_000
 
 
 def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> None:

@@ -132,11 +132,6 @@ class ModelShape:
         return self.param_counts()["total"]
 
     @property
-    def linear_params(self) -> int:
-        """Parameters of the decoder layers' linear weights and biases (what bitsandbytes quantizes)."""
-        return sum(lin.params for lin in self.layer_linears()) * self.num_layers
-
-    @property
     def linear_weight_numel(self) -> int:
         """Weight elements (no biases) of the decoder layers' linear layers."""
         return sum(lin.in_features * lin.out_features for lin in self.layer_linears()) * self.num_layers

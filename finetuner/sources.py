@@ -46,11 +46,6 @@ class Source:
         return self.kind in ("run", "adapter")
 
     @property
-    def tuned_model_dir(self) -> Path | None:
-        """The fine-tuned model's folder for a full fine-tune."""
-        return self.adapter_dir if self.kind == "full" else None
-
-    @property
     def tokenizer_dir(self) -> str:
         """The adapter folder when it holds a tokenizer (with the chat template used in training), else the base."""
         if self.adapter_dir is not None and (self.adapter_dir / "tokenizer_config.json").is_file():
@@ -149,20 +144,14 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
 
 # ---------------------------------------------------------------------------- loading
 def load_tokenizer(src: Source):
-    from transformers import AutoTokenizer
-
-    from finetuner.modeling import check_model_folder, tokenizer_load_hint
+    from finetuner.modeling import check_model_folder, open_tokenizer
 
     trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    what = "the model" if src.kind == "model" else "the base model"
     if src.tokenizer_dir == src.base_model:
-        check_model_folder(src.base_model, "the model" if src.kind == "model" else "the base model", trust)
-    try:
-        tok = AutoTokenizer.from_pretrained(src.tokenizer_dir, trust_remote_code=trust)
-    except (OSError, ValueError) as e:
-        raise UserError(f"Could not load a tokenizer from '{src.tokenizer_dir}' ({e}).", hint=tokenizer_load_hint(e)) from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token or tok.unk_token
-    return tok
+        check_model_folder(src.base_model, what, trust)
+    return open_tokenizer(src.tokenizer_dir, what if src.tokenizer_dir == src.base_model else "the run's adapter",
+                          trust_remote_code=trust)
 
 
 def chat_template(src: Source, tokenizer) -> str:

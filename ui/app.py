@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # never call out (version check, telemetry), whatever the environment says
 
@@ -33,6 +33,7 @@ import yaml  # noqa: E402
 
 from finetuner import jobs  # noqa: E402
 from finetuner.errors import UserError, did_you_mean  # noqa: E402
+from finetuner.recipe import Optimizer  # noqa: E402
 from ui import paths, views  # noqa: E402
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
@@ -46,7 +47,7 @@ START_ANYWAY = "Start even if it does not fit"
 OVERWRITE_LABEL = "overwrite"
 OUTPUT_LABEL = "Output folder"
 METHODS = ["auto", "lora", "qlora", "full"]
-OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"]
+OPTIMIZERS = list(get_args(Optimizer))
 COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
 
 #: what a browser remembers of its choices (gr.BrowserState, in localStorage): the inputs of on_restore
