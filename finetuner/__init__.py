@@ -17,42 +17,42 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Recipe": "finetuner.recipe",
+    "Recipe": "finetuner.config.recipe",
     "UserError": "finetuner.errors",
-    "train": "finetuner.trainer",
-    "TrainResult": "finetuner.trainer",
-    "read_events": "finetuner.events",
-    "plan": "finetuner.planner",
-    "Plan": "finetuner.planner",
-    "estimate": "finetuner.planner:estimate_recipe",
-    "shard_estimate": "finetuner.memory_sharding",
-    "best_strategy": "finetuner.memory_sharding",
-    "follow": "finetuner.events",
-    "ProgressBar": "finetuner.progress_bar",
-    "load_run": "finetuner.runs",
-    "Run": "finetuner.runs",
-    "merge_adapter": "finetuner.merge",
-    "MergeResult": "finetuner.merge",
-    "evaluate_run": "finetuner.evaluate",
-    "EvalResult": "finetuner.evaluate",
-    "load_chat_model": "finetuner.chat",
-    "ChatModel": "finetuner.chat",
+    "train": "finetuner.training.trainer",
+    "TrainResult": "finetuner.training.trainer",
+    "read_events": "finetuner.runs.events",
+    "plan": "finetuner.planning.planner",
+    "Plan": "finetuner.planning.planner",
+    "estimate": "finetuner.planning.planner:estimate_recipe",
+    "shard_estimate": "finetuner.memory.sharding",
+    "best_strategy": "finetuner.memory.sharding",
+    "follow": "finetuner.runs.events",
+    "ProgressBar": "finetuner.runs.progress_bar",
+    "load_run": "finetuner.runs.status",
+    "Run": "finetuner.runs.status",
+    "merge_adapter": "finetuner.export.merge",
+    "MergeResult": "finetuner.export.merge",
+    "evaluate_run": "finetuner.infer.evaluate",
+    "EvalResult": "finetuner.infer.evaluate",
+    "load_chat_model": "finetuner.infer.chat",
+    "ChatModel": "finetuner.infer.chat",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from finetuner.errors import UserError
-    from finetuner.chat import ChatModel, load_chat_model
-    from finetuner.evaluate import EvalResult, evaluate_run
-    from finetuner.events import follow, read_events
-    from finetuner.planner import estimate_recipe as estimate
-    from finetuner.merge import MergeResult, merge_adapter
-    from finetuner.planner import Plan, plan
-    from finetuner.progress_bar import ProgressBar
-    from finetuner.recipe import Recipe
-    from finetuner.runs import Run, load_run
-    from finetuner.trainer import TrainResult, train
+    from finetuner.infer.chat import ChatModel, load_chat_model
+    from finetuner.infer.evaluate import EvalResult, evaluate_run
+    from finetuner.runs.events import follow, read_events
+    from finetuner.planning.planner import estimate_recipe as estimate
+    from finetuner.export.merge import MergeResult, merge_adapter
+    from finetuner.planning.planner import Plan, plan
+    from finetuner.runs.progress_bar import ProgressBar
+    from finetuner.config.recipe import Recipe
+    from finetuner.runs.status import Run, load_run
+    from finetuner.training.trainer import TrainResult, train
 
 
 def __getattr__(name: str) -> Any:

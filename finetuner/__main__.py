@@ -2,6 +2,6 @@
 
 import sys
 
-from finetuner.cli import main
+from finetuner.cli.main import main
 
 sys.exit(main())

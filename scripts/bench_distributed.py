@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(work: Path, name: str, steps: int, extra: list[str]) -> dict:
     out = work / name
-    cmd = [sys.executable, "-m", "finetuner.cli", "run", str(REPO / "recipes" / "demo_cpu.yaml"), "--quiet", "--no-resume",
+    cmd = [sys.executable, "-m", "finetuner.cli.main", "run", str(REPO / "recipes" / "demo_cpu.yaml"), "--quiet", "--no-resume",
            "--output", str(out), "--set", f"training.max_steps={steps}", "--set", "lora.dropout=0",
            "--set", "samples.prompts=[]", "--set", "checkpointing.save_every=null", "--set", "logging.tensorboard=false",
            *extra]

@@ -4,7 +4,7 @@ Trains the embedded demo (recipes/demo_cpu.yaml) for a fixed number of steps per
 variants interleaved ``--rounds`` times (so background load hits them alike), and prints the
 median tokens/s of each, relative to its baseline. On CPU, "offload" copies tensors within the
 same RAM, so this measures the bookkeeping overhead (extra copies, hooks, paging logic), not
-PCIe transfers; the GPU cost is what the planner's cost model charges (finetuner/planner.py).
+PCIe transfers; the GPU cost is what the planner's cost model charges (finetuner/planning/planner.py).
 
     .venv/bin/python scripts/bench_offload.py --steps 40 --rounds 4
 

@@ -85,7 +85,7 @@ def _peak_bytes() -> int:
 
 
 def _recipe(spec: dict, packing) -> "Recipe":  # noqa: F821
-    from finetuner.recipe import Recipe
+    from finetuner.config.recipe import Recipe
 
     qlora = spec["method"] == "qlora"
     d = {
@@ -112,8 +112,8 @@ def _recipe(spec: dict, packing) -> "Recipe":  # noqa: F821
 
 def _tokenized(spec: dict):
     """The examples both sides train on: finetuner's tokenization (unpacked), plus the tokenizer."""
-    from finetuner.data import prepare_data
-    from finetuner.modeling import load_tokenizer
+    from finetuner.data.pipeline import prepare_data
+    from finetuner.model.loading import load_tokenizer
 
     recipe = _recipe(spec, False)
     tok = load_tokenizer(recipe)
@@ -135,7 +135,7 @@ def _summary(step_times: list[float], step_tokens: list[int], warmup: int, extra
 
 # --------------------------------------------------------------------------- finetuner worker
 def _finetuner_trainer(spec: dict, packing):
-    from finetuner.trainer import Trainer
+    from finetuner.training.trainer import Trainer
 
     recipe = _recipe(spec, packing)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-ft-"))
@@ -296,7 +296,7 @@ def _free() -> None:
 def max_seq_finetuner(spec: dict) -> dict:
     import torch
 
-    from finetuner.trainer import StepSchedule
+    from finetuner.training.trainer import StepSchedule
 
     _cap_memory(spec.get("cap_gb"))
     tr = _finetuner_trainer(spec, False)
@@ -329,7 +329,7 @@ def max_seq_baseline(spec: dict) -> dict:
     cuda = spec["cuda"]
     _cap_memory(spec.get("cap_gb"))
     model = _baseline_model(spec, cuda)
-    from finetuner.modeling import load_tokenizer
+    from finetuner.model.loading import load_tokenizer
 
     tok = load_tokenizer(_recipe(spec, False))
     out = tempfile.mkdtemp(prefix="bench-hf-")
@@ -483,7 +483,7 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="7B/8B-shaped random-weight models on CUDA (QLoRA and LoRA)")
     ap.add_argument("--max-seq", action="store_true", help="search the longest sequence that trains (QLoRA) under --cap-gb")
     ap.add_argument("--smoke", action="store_true", help="with --gpu/--max-seq: a tiny model, short sequences (CPU ok)")
-    ap.add_argument("--preset", default="llama-3.1-8b", help="finetuner/presets/<name>.json (GPU modes)")
+    ap.add_argument("--preset", default="llama-3.1-8b", help="finetuner/model/presets/<name>.json (GPU modes)")
     ap.add_argument("--methods", default="qlora,lora", help="GPU mode: comma-separated")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--cap-gb", type=float, default=24.0, help="GPU memory cap in GiB (stands for a 24 GB card)")

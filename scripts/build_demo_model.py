@@ -25,7 +25,7 @@ SEQ_LEN, BATCH, STEPS, LR, WARMUP = 256, 16, 500, 3e-3, 30
 def main() -> None:
     import torch
 
-    from finetuner.tiny import tiny_llama, train_bpe_tokenizer
+    from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ tokens/s; Llama-2-13B QLoRA nf4, micro-batch 1, checkpointing, paged AdamW 8-bit
 
 
 def table() -> str:
-    from finetuner.planner import plan
+    from finetuner.planning.planner import plan
 
     lines = ["| model | card | finetuner's plan (seq 2048, effective batch 16) | predicted peak | measured |",
              "|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """GPU check of finetuner's real training path on 7B/8B-shaped models with random weights.
 
-No download is needed: the model is built from a preset config (``finetuner/presets/<name>.json``)
+No download is needed: the model is built from a preset config (``finetuner/model/presets/<name>.json``)
 with random bf16 weights, saved once to a scratch folder, and then trained by ``finetuner run``
 (a subprocess per configuration, so each peak is clean) on synthetic packed data. For each
 configuration it reports real tokens/s (steps after the first two), the peak allocated and
@@ -47,7 +47,7 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetuner.tiny import tiny_llama, train_bpe_tokenizer
+    from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
     rng = random.Random(0)
     words = "the of and to in is was for on that with as by at from it this be are or an hike bird sea".split()
@@ -97,7 +97,7 @@ def run_config(name: str, overrides: list[str], model_dir: Path, data: Path, wor
     rpath = work / f"{name}.yaml"
     rpath.write_text(yaml.safe_dump(recipe))
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "finetuner.cli", "run", str(rpath), "--no-resume", "-q"]
+    cmd = [sys.executable, "-m", "finetuner.cli.main", "run", str(rpath), "--no-resume", "-q"]
     for o in overrides:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True)

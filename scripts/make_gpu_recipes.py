@@ -22,7 +22,7 @@ GPU_RECIPES = {
 
 
 def planned(file: str):
-    from finetuner.planner import plan
+    from finetuner.planning.planner import plan
 
     model, gpu, seq, eff = GPU_RECIPES[file]
     return plan(model, gpu, seq_len=seq, effective_batch=eff, name=Path(file).stem.replace("_", "-"))

@@ -21,7 +21,7 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, threading, time
 import psutil
-import finetuner.merge as m
+import finetuner.export.merge as m
 import transformers, peft, torch  # imported before the baseline is taken
 base_rss = psutil.Process().memory_info().rss
 anon = [0]
@@ -45,7 +45,7 @@ def build(root: Path, layers: int, hidden: int, vocab: int) -> tuple[Path, Path]
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetuner.tiny import CHATML_TEMPLATE, train_bpe_tokenizer
+    from finetuner.model.tiny_llama import CHATML_TEMPLATE, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=300)
     tok.chat_template = CHATML_TEMPLATE

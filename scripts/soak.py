@@ -9,7 +9,7 @@ Two measurements, each with one command:
       checks every line parses and the steps arrive in order.
 
   python scripts/soak.py ui --pages 0,4 --reps 2 --steps 800
-      The web UI (``finetuner ui``) serving while a run trains (started through finetuner.jobs,
+      The web UI (``finetuner ui``) serving while a run trains (started through finetuner.runs.jobs,
       as the UI's Start button does), with 0 and with N browser sessions (headless Chromium,
       each its own browser context) open on the Train tab, which polls the run every second.
       The run's median tokens/s over the steps after every page has loaded and shows the run
@@ -60,7 +60,7 @@ def demo_recipe(steps: int, save_every: int, keep_last: int, log_every: int = 1)
 def soak_disk(args) -> dict:
     import yaml
 
-    from finetuner.events import follow
+    from finetuner.runs.events import follow
     from finetuner.fileio import tree_bytes
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ft-soak-"))
@@ -71,7 +71,7 @@ def soak_disk(args) -> dict:
     recipe.write_text(yaml.safe_dump({**demo_recipe(args.steps, args.save_every, args.keep_last), "output_dir": str(run_dir)}))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli", "run", str(recipe), "--quiet"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(recipe), "--quiet"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     reader = {"events": 0, "steps": [], "max_lag_s": 0.0, "out_of_order": 0}
 
@@ -162,9 +162,9 @@ def _chromium_processes():
 def soak_ui(args) -> dict:
     from playwright.sync_api import sync_playwright
 
-    from finetuner import jobs
-    from finetuner.events import read_events
-    from finetuner.recipe import Recipe
+    from finetuner.runs import jobs
+    from finetuner.runs.events import read_events
+    from finetuner.config.recipe import Recipe
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ft-soak-ui-"))
     runs = work / "runs"

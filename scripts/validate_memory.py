@@ -59,7 +59,7 @@ def log(*a: object) -> None:
 
 def planned_overrides(preset: str, gpu: str, seq_len: int = 2048) -> list[str]:
     """The planner's choice for ``preset`` on ``gpu`` as recipe overrides."""
-    from finetuner.planner import plan
+    from finetuner.planning.planner import plan
 
     c = plan(preset, gpu, seq_len=seq_len).recipe_choice()
     out = [f"method={c['method']}", f"data.max_seq_len={c['max_seq_len']}", f"training.micro_batch_size={c['micro_batch_size']}",
@@ -95,10 +95,10 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
     if cap_gib:  # stand for a smaller card: the caching allocator refuses to grow past the cap
         code = ("import sys, torch; torch.cuda.set_per_process_memory_fraction("
                 f"{cap_gib} * 2**30 / torch.cuda.get_device_properties(0).total_memory); "
-                f"from finetuner.cli import main; sys.exit(main({args!r}))")
+                f"from finetuner.cli.main import main; sys.exit(main({args!r}))")
         cmd = [sys.executable, "-c", code]
     else:
-        cmd = [sys.executable, "-m", "finetuner.cli", *args]
+        cmd = [sys.executable, "-m", "finetuner.cli.main", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -136,9 +136,9 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
 def recompute(preset: str, row: dict, device: str | None) -> dict:
     """Re-predict a measured row with the memory model as it is now (same settings, same card):
     lets the model be refined offline against measurements taken once on the GPU."""
-    from finetuner.hardware import PROFILES, _match_name
-    from finetuner.memory import Settings, estimate
-    from finetuner.shapes import resolve_shape
+    from finetuner.config.hardware import PROFILES, _match_name
+    from finetuner.memory.model import Settings, estimate
+    from finetuner.model.shapes import resolve_shape
 
     settings = dict(row["predicted_settings"])
     # the row that reached the model: packed rows are not always full. Only with one row per
@@ -221,7 +221,7 @@ def main() -> None:
     results = []
     runs = [(name, MATRIX[name], None) for name in names]
     if args.planned:
-        from finetuner.hardware import get_gpu
+        from finetuner.config.hardware import get_gpu
 
         card = get_gpu(args.planned)
         runs.append((f"planned-{card.name}-capped", planned_overrides(args.preset, card.name), card.memory_gib))

@@ -42,7 +42,7 @@ def _tokenized_data_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved 2-layer Llama (random weights, fp32) with a ChatML tokenizer."""
-    from finetuner.tiny import tiny_llama, train_bpe_tokenizer
+    from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_model")
     tok = train_bpe_tokenizer(corpus(), vocab_size=400)
@@ -97,7 +97,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
     """Run the ``finetuner`` CLI as a user would, in a subprocess."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-m", "finetuner.cli", *args],
+        [sys.executable, "-m", "finetuner.cli.main", *args],
         cwd=cwd or REPO,
         env=env,
         capture_output=True,
@@ -119,7 +119,7 @@ def ui_client(base: Path):
     runs and uploads under ``base``. Training jobs it started are stopped afterwards."""
     gradio_client = pytest.importorskip("gradio_client")
     pytest.importorskip("gradio")
-    from finetuner import jobs
+    from finetuner.runs import jobs
     from ui.app import build_app
 
     app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads")

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, currently_in_test_context, example, given, s
 from hypothesis import event as _event
 from hypothesis import strategies as st
 
-from finetuner.data import IGNORE_INDEX, prepare_data
-from finetuner.data_formats import CHAT_ROLES, SHAREGPT_ROLES
+from finetuner.data.pipeline import IGNORE_INDEX, prepare_data
+from finetuner.data.formats import CHAT_ROLES, SHAREGPT_ROLES
 from finetuner.errors import UserError
-from finetuner.recipe import DataSection, Recipe
+from finetuner.config.recipe import DataSection, Recipe
 from tests.conftest import alpaca_rows, run_cli, ui_client, write_recipe
 
 
@@ -339,7 +339,7 @@ def test_csv_and_parquet_rows(tmp_path, tok, case):
     assert place is None, f"the blank reply at {place} was not reported"
     assert data.stats.rows == len(rows)
     if suffix == ".csv" and fmt != "alpaca":  # cells come back exactly as written (no row split at \x85 or \u2028)
-        from finetuner.data_formats import read_rows
+        from finetuner.data.formats import read_rows
 
         assert [r.data for r in read_rows(str(path))] == [{k: r.get(k, "") for k in r} for r in rows]
     check_prepared(data, 512)
@@ -424,7 +424,7 @@ def test_edge_files(tmp_path, tok, name, body, expect):
 
 def test_missing_chat_template_uses_the_fallback(tmp_path, tok_no_template):
     """A tokenizer without a chat template: the built-in fallback renders chat and alpaca rows."""
-    from finetuner.data import FALLBACK_CHAT_TEMPLATE
+    from finetuner.data.pipeline import FALLBACK_CHAT_TEMPLATE
 
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [
@@ -662,7 +662,7 @@ def other_argv(draw):
 
 
 def _call_main(argv: list[str], capsys) -> tuple[int, str, str]:
-    from finetuner.cli import main
+    from finetuner.cli.main import main
 
     capsys.readouterr()
     try:
@@ -736,14 +736,14 @@ def test_cli_other_arguments(tmp_path, capsys, tiny_model_dir, argv):
 ])
 def test_cli_after_training_commands_fail_fast(tmp_path, capsys, monkeypatch, argv):
     """merge / chat / eval on paths that do not exist: exit 2 before loading a tokenizer or model, nothing written."""
-    import finetuner.chat
-    import finetuner.evaluate
-    import finetuner.merge
+    import finetuner.infer.chat
+    import finetuner.infer.evaluate
+    import finetuner.export.merge
 
     def never(*_a, **_k):
         raise AssertionError("a model or tokenizer was loaded for a path that does not exist")
 
-    for module in (finetuner.chat, finetuner.evaluate, finetuner.merge):
+    for module in (finetuner.infer.chat, finetuner.infer.evaluate, finetuner.export.merge):
         for name in ("load_model", "load_tokenizer"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, never)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import finetuner
-from finetuner.recipe import Recipe
+from finetuner.config.recipe import Recipe
 from tests.conftest import REPO, alpaca_rows, run_cli
 
 PROMPT = "What should I pack for a day hike?"
@@ -66,7 +66,7 @@ def test_interactive_chat_and_compare(run_dir):
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "finetuner.cli", "chat", str(run_dir), "--compare", "--temperature", "0",
+    p = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "chat", str(run_dir), "--compare", "--temperature", "0",
                         "--max-new-tokens", "8"], input="hello\n/reset\nwhat\n/quit\n", capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -85,7 +85,7 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "FINETUNER_CACHE_DIR": str(tmp_path / "cache"), "TERM": "xterm"}
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "finetuner.cli", "chat", str(run_dir), "--temperature", "0",
+    p = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "chat", str(run_dir), "--temperature", "0",
                           "--max-new-tokens", "6"], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO)
     os.close(slave)
     screen = b""

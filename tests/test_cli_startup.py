@@ -10,7 +10,7 @@ HEAVY = ("torch", "transformers", "datasets", "peft", "accelerate", "bitsandbyte
 
 PROBE = """
 import json, sys
-import finetuner.cli as cli
+import finetuner.cli.main as cli
 import importlib
 for name in cli.COMMAND_MODULES:
     importlib.import_module(name)
@@ -28,7 +28,7 @@ def test_parser_and_help_import_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["modules"] == [], f"building the CLI parser imported {got['modules']}"
-    assert "finetuner.cli_plan" in got["commands"]
+    assert "finetuner.cli.plan" in got["commands"]
 
 
 def test_help_exits_cleanly_without_heavy_imports():

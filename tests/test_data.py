@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from finetuner.data import IGNORE_INDEX, Collator, encode_example, load_examples, pack, prepare_data
-from finetuner.data_formats import detect_format
+from finetuner.data.pipeline import IGNORE_INDEX, Collator, encode_example, load_examples, pack, prepare_data
+from finetuner.data.formats import detect_format
 from finetuner.errors import UserError
-from finetuner.recipe import DataSection
+from finetuner.config.recipe import DataSection
 from tests.conftest import PEER_DATA, alpaca_rows
 
 
@@ -229,7 +229,7 @@ def test_packed_attention_does_not_cross_examples(tiny_model_dir, tok):
 def test_max_examples_and_system_prompt(tmp_path, tok):
     p = tmp_path / "a.json"
     p.write_text(json.dumps(alpaca_rows(10)))
-    stats = __import__("finetuner.data", fromlist=["DataStats"]).DataStats()
+    stats = __import__("finetuner.data.pipeline", fromlist=["DataStats"]).DataStats()
     ex = load_examples(str(p), cfg(p, max_examples=4, system_prompt="You are Tern."), stats)
     assert len(ex) == 4 and ex[0]["messages"][0] == {"role": "system", "content": "You are Tern."}
 
@@ -241,7 +241,7 @@ def test_max_examples_and_system_prompt(tmp_path, tok):
 )
 def test_peer_data_files_are_read_as_they_are(tok, name, fmt, rows):
     path = PEER_DATA / name
-    stats = __import__("finetuner.data", fromlist=["DataStats"]).DataStats()
+    stats = __import__("finetuner.data.pipeline", fromlist=["DataStats"]).DataStats()
     examples = load_examples(str(path), cfg(path), stats)
     assert stats.format[str(path)] == fmt and stats.rows == rows
     assert len(examples) + stats.skipped == rows

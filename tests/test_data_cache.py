@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from finetuner.data import prepare_data
-from finetuner.recipe import DataSection
+from finetuner.data.pipeline import prepare_data
+from finetuner.config.recipe import DataSection
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from finetuner.data import DataStats, load_examples, prepare_data
-from finetuner.data_formats import detect_layout
-from finetuner.data_stats import profile_data
+from finetuner.data.pipeline import DataStats, load_examples, prepare_data
+from finetuner.data.formats import detect_layout
+from finetuner.data.stats import profile_data
 from finetuner.errors import UserError
-from finetuner.recipe import DataSection, Recipe
+from finetuner.config.recipe import DataSection, Recipe
 from tests.conftest import REPO, run_cli, write_recipe
 
 DEMO_MODEL = REPO / "data" / "demo_model"
@@ -174,7 +174,7 @@ def test_profile_reads_rows_as_training_does(tmp_path):
 def test_profile_and_preview_take_the_recipe_settings(tmp_path):
     from transformers import AutoTokenizer
 
-    from finetuner.data_preview import preview_data
+    from finetuner.data.preview import preview_data
 
     path = write_csv(tmp_path / "odd.csv", ["q", "a"], QA[:4])
     cols = {"prompt": "q", "response": "a"}

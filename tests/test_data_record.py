@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import finetuner
-from finetuner.recipe import Recipe
+from finetuner.config.recipe import Recipe
 from tests.conftest import alpaca_rows
 
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import finetuner
 from finetuner.errors import UserError
-from finetuner.events import read_events
-from finetuner.recipe import Recipe
+from finetuner.runs.events import read_events
+from finetuner.config.recipe import Recipe
 from tests.conftest import REPO, run_cli, write_recipe
 
 pytest.importorskip("deepspeed")
@@ -85,7 +85,7 @@ def _rank0_only(run_dir: Path, world_size: int) -> list[dict]:
     assert (run_dir / "metrics.json").is_file() and not (run_dir / ".stop").exists()
     assert (run_dir / "distributed" / "accelerate_config.yaml").is_file()
     launch = (run_dir / "distributed" / "launch.sh").read_text()
-    assert f"--nproc_per_node={world_size}" in launch and "-m finetuner.distributed" in launch
+    assert f"--nproc_per_node={world_size}" in launch and "-m finetuner.training.distributed" in launch
     return events
 
 
@@ -160,7 +160,7 @@ def test_zero_offload_with_deepspeed_cpu_adam(one_process, tmp_path):
 def _launch_and_interrupt(recipe_path: Path, run_dir: Path, presses: int) -> tuple[int, str, list[int]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "finetuner.cli", "run", str(recipe_path), "--gpus", "2"],
+        [sys.executable, "-m", "finetuner.cli.main", "run", str(recipe_path), "--gpus", "2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     events = run_dir / "events.jsonl"
@@ -226,7 +226,7 @@ def test_a_failing_rank_stops_the_run_with_a_message(one_process, tmp_path, monk
 
 # --------------------------------------------------------------------------- without processes
 def test_split_step_gives_every_example_to_one_rank():
-    from finetuner.distributed import split_step
+    from finetuner.training.distributed import split_step
 
     assert split_step(4, 1, 2) == [[(0, 1), (2, 3)], [(1, 2), (3, 4)]]  # whole micro-batches, interleaved
     assert split_step(8, 8, 2) == [[(0, 4)], [(4, 8)]]  # one micro-batch of 8: 4 examples each
@@ -263,7 +263,7 @@ def test_impossible_combinations_are_refused_with_the_key(recipe_dict, distribut
 def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
 
-    from finetuner.launch import write_configs
+    from finetuner.training.launch import write_configs
 
     recipe = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "fsdp", "num_processes": 2}, device="cpu"))
     with pytest.raises(UserError, match="zero3"):
@@ -282,7 +282,7 @@ def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recip
 
 
 def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count(recipe_dict):
-    from finetuner.run_dir import recipe_differences
+    from finetuner.runs.folder import recipe_differences
 
     def d(**dist):
         return Recipe.from_dict(dict(recipe_dict, distributed=dist)).to_dict()

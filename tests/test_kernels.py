@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetuner import kernels
+from finetuner.model import kernels
 from finetuner.errors import UserError
 
 
@@ -44,8 +44,8 @@ def test_attention_on_cpu_is_transformers_default_and_flash_is_refused():
 
 
 def test_runtime_records_the_resolved_choices(recipe_dict):
-    from finetuner.runtime import resolve_runtime
-    from finetuner.recipe import Recipe
+    from finetuner.config.runtime import resolve_runtime
+    from finetuner.config.recipe import Recipe
 
     rt = resolve_runtime(Recipe.from_dict(recipe_dict, ["device=cpu", "training.compile=true"]))
     assert (rt.kernels, rt.loss_path, rt.compile) == ("none", "chunked_ce", True)
@@ -61,7 +61,7 @@ def test_compiled_layers_give_the_same_loss_and_gradients(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetuner.trainer import token_loss_sum
+    from finetuner.training.trainer import token_loss_sum
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))

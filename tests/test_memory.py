@@ -7,7 +7,7 @@ import math
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.memory import (
+from finetuner.memory.model import (
     NF4_PER_LAYER_BYTES,
     Settings,
     activation_bytes,
@@ -16,7 +16,7 @@ from finetuner.memory import (
     trainable_tensors,
     weight_bytes,
 )
-from finetuner.shapes import resolve_shape, shape_from_config
+from finetuner.model.shapes import resolve_shape, shape_from_config
 
 
 def _tiny_config(tmp_path):
@@ -147,7 +147,7 @@ def test_chunked_loss_avoids_the_full_logits():
 
 
 def test_components_add_up_and_fit_uses_the_margin():
-    from finetuner.hardware import get_gpu
+    from finetuner.config.hardware import get_gpu
 
     shape = resolve_shape("llama-2-13b")
     est = estimate(shape, Settings(method="qlora", gradient_checkpointing=True), get_gpu("rtx4090"), margin=0.05)

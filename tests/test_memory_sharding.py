@@ -7,10 +7,10 @@ import math
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.hardware import get_gpu
-from finetuner.memory import Settings, estimate
-from finetuner.memory_sharding import best_strategy, candidate_strategies, compare_strategies, shard_estimate
-from finetuner.shapes import resolve_shape
+from finetuner.config.hardware import get_gpu
+from finetuner.memory.model import Settings, estimate
+from finetuner.memory.sharding import best_strategy, candidate_strategies, compare_strategies, shard_estimate
+from finetuner.model.shapes import resolve_shape
 
 SHAPE = resolve_shape("llama-2-7b")
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 import finetuner
-from finetuner.merge import merge_adapter, parse_size
-from finetuner.recipe import Recipe
+from finetuner.export.merge import merge_adapter, parse_size
+from finetuner.config.recipe import Recipe
 from tests.conftest import alpaca_rows, run_cli
 
 

@@ -46,7 +46,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
 API_SCRIPT = """
 import json, sys, warnings
 import finetuner
-from finetuner.recipe import Recipe
+from finetuner.config.recipe import Recipe
 
 recipe = Recipe.from_dict(json.loads(sys.argv[1]))
 run_dir = finetuner.train(recipe).run_dir

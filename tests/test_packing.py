@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetuner.data import IGNORE_INDEX, Collator, pack, resolve_packing
+from finetuner.data.pipeline import IGNORE_INDEX, Collator, pack, resolve_packing
 
 
 def _model(tiny_model_dir, attn: str):
@@ -68,7 +68,7 @@ def test_packed_and_unpacked_training_give_the_same_loss_and_gradients(tiny_mode
     import datasets
     import torch
 
-    from finetuner.trainer import token_loss_sum
+    from finetuner.training.trainer import token_loss_sum
 
     exs = _examples(6)
     ds = datasets.Dataset.from_list(exs)

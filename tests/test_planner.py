@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from finetuner.errors import UserError
-from finetuner.hardware import get_gpu, list_profiles
-from finetuner.planner import METHOD_TIER, plan
-from finetuner.recipe import Recipe
+from finetuner.config.hardware import get_gpu, list_profiles
+from finetuner.planning.planner import METHOD_TIER, plan
+from finetuner.config.recipe import Recipe
 
 from tests.conftest import run_cli, write_recipe
 
@@ -176,7 +176,7 @@ def test_cli_plan_text_nothing_fits_and_errors():
 def test_plan_does_not_import_torch():
     import subprocess
 
-    code = ("import sys; from finetuner.cli import main; main(['plan','--model','llama-2-7b','--gpu','rtx4090','--json']);"
+    code = ("import sys; from finetuner.cli.main import main; main(['plan','--model','llama-2-7b','--gpu','rtx4090','--json']);"
             "heavy=[m for m in ('torch','transformers','peft','datasets') if m in sys.modules]; print('HEAVY', heavy)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in res.stdout, res.stdout[-300:] + res.stderr[-300:]

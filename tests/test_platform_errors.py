@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, write_recipe
 
 from finetuner.errors import UserError
-from finetuner.recipe import Recipe
+from finetuner.config.recipe import Recipe
 
 
 @pytest.fixture
@@ -21,8 +21,8 @@ def no_bitsandbytes(monkeypatch):
 
 
 def test_qlora_without_bitsandbytes_names_the_key_and_the_way_out(recipe_dict, no_bitsandbytes):
-    from finetuner.modeling import load_base_model
-    from finetuner.runtime import resolve_runtime
+    from finetuner.model.loading import load_base_model
+    from finetuner.config.runtime import resolve_runtime
 
     recipe = Recipe.from_dict({**recipe_dict, "method": "qlora"})
     with pytest.raises(UserError) as e:
@@ -35,7 +35,7 @@ def test_qlora_without_bitsandbytes_names_the_key_and_the_way_out(recipe_dict, n
 def test_8bit_optimizers_without_bitsandbytes(recipe_dict, no_bitsandbytes, optimizer):
     import torch
 
-    from finetuner.trainer import build_optimizer
+    from finetuner.training.trainer import build_optimizer
 
     recipe = Recipe.from_dict({**recipe_dict, "training": {**recipe_dict["training"], "optimizer": optimizer}})
     model = torch.nn.Linear(2, 2)
@@ -50,7 +50,7 @@ def test_qlora_with_a_broken_bitsandbytes_from_the_cli(recipe_dict, tmp_path):
     (blocker / "bitsandbytes.py").write_text("raise OSError('libbitsandbytes_cpu.so: cannot open shared object file')\n")
     r = write_recipe(tmp_path / "r.yaml", {**recipe_dict, "method": "qlora"})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), str(REPO)]))
-    res = subprocess.run([sys.executable, "-m", "finetuner.cli", "run", str(r)], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "run", str(r)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "needs bitsandbytes" in res.stderr and "libbitsandbytes_cpu.so" in res.stderr
 
@@ -58,7 +58,7 @@ def test_qlora_with_a_broken_bitsandbytes_from_the_cli(recipe_dict, tmp_path):
 def test_gated_model_errors_say_how_to_log_in(recipe_dict, monkeypatch):
     import transformers
 
-    from finetuner.modeling import load_tokenizer
+    from finetuner.model.loading import load_tokenizer
 
     def refuse(*_a, **_k):
         raise OSError("You are trying to access a gated repo. 401 Client Error: Unauthorized for url: "

@@ -68,7 +68,7 @@ def test_blocks_are_marked():
 
 def test_every_finetuner_line_parses():
     """Commands shown but not run (GPU recipes, placeholders) still name real subcommands and flags."""
-    from finetuner.cli import build_parser
+    from finetuner.cli.main import build_parser
 
     parser = build_parser()
     checked = 0

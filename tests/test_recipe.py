@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from finetuner.errors import UserError
-from finetuner.recipe import Recipe, accepted_values, recipe_keys
+from finetuner.config.recipe import Recipe, accepted_values, recipe_keys
 from tests.conftest import REPO
 
 BASE = {"model": {"name": "org/model"}, "data": {"path": "org/dataset"}}
@@ -128,7 +128,7 @@ def test_unknown_keys_suggest_finetuners_name(override, expected):
 
 
 def test_every_synonym_points_at_a_real_key():
-    from finetuner.recipe import SYNONYMS
+    from finetuner.config.recipe import SYNONYMS
 
     keys = set(recipe_keys())
     assert not {t for t in SYNONYMS.values() if t not in keys}
@@ -220,7 +220,7 @@ def test_shipped_recipes_are_valid(path):
 
 def test_base_weight_offload_to_cpu_is_refused_with_alternatives(recipe_dict):
     from finetuner.errors import UserError
-    from finetuner.recipe import Recipe
+    from finetuner.config.recipe import Recipe
 
     recipe_dict["model"]["max_memory"] = {"0": "20GiB", "cpu": "64GiB"}
     with pytest.raises(UserError) as e:

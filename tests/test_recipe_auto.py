@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.hardware import get_gpu
-from finetuner.planner import resolve_auto
-from finetuner.recipe import Recipe
+from finetuner.config.hardware import get_gpu
+from finetuner.planning.planner import resolve_auto
+from finetuner.config.recipe import Recipe
 
 RAW = {"model": {"name": "llama-2-13b"}, "data": {"path": "yahma/alpaca-cleaned", "max_seq_len": 2048},
        "method": "auto", "quantization": {"bits": 4, "quant_type": "fp4", "double_quant": False},

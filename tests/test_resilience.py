@@ -9,8 +9,8 @@ import yaml
 
 import finetuner
 from finetuner.errors import OutOfMemory, UserError
-from finetuner.events import read_events
-from finetuner.recipe import Recipe
+from finetuner.runs.events import read_events
+from finetuner.config.recipe import Recipe
 from tests.conftest import run_cli, write_recipe
 
 
@@ -65,7 +65,7 @@ def test_unreadable_checkpoint_falls_back_to_the_previous_one(recipe_dict, tmp_p
 
 
 def test_a_second_process_on_the_same_run_folder_is_refused(recipe_dict, tmp_path):
-    from finetuner.run_dir import RunLock
+    from finetuner.runs.folder import RunLock
 
     (tmp_path / "run").mkdir()
     write_recipe(tmp_path / "run" / "recipe.yaml", recipe_dict)
@@ -106,10 +106,10 @@ def test_activation_offload_keeps_the_loss_curve(recipe_dict, tmp_path, gc):
 
 
 def test_offloaded_checkpointing_is_installed_and_trains_every_layer(recipe_dict):
-    from finetuner.modeling import load_base_model, prepare_for_training
-    from finetuner.runtime import resolve_runtime
-    from finetuner.offload import offloaded_checkpoint
-    from finetuner.trainer import token_loss_sum
+    from finetuner.model.loading import load_base_model, prepare_for_training
+    from finetuner.config.runtime import resolve_runtime
+    from finetuner.model.offload import offloaded_checkpoint
+    from finetuner.training.trainer import token_loss_sum
 
     import torch
 

@@ -1,6 +1,6 @@
 """One resolver: what is trained is what is predicted.
 
-A grid of recipes x devices goes through :func:`finetuner.runtime.resolve`, and every reader of the
+A grid of recipes x devices goes through :func:`finetuner.config.runtime.resolve`, and every reader of the
 answer — the memory model's settings, the multi-process launch configs, the trainer's memory
 prediction — must agree with it field by field. Each disagreement found in the code before the
 resolver existed has its own case below.
@@ -13,11 +13,11 @@ import itertools
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.hardware import cpu_profile, get_gpu
-from finetuner.launch import accelerate_config, deepspeed_config
-from finetuner.memory import settings_from_recipe
-from finetuner.recipe import Recipe
-from finetuner.runtime import Device, Runtime, resolve
+from finetuner.config.hardware import cpu_profile, get_gpu
+from finetuner.training.launch import accelerate_config, deepspeed_config
+from finetuner.memory.model import settings_from_recipe
+from finetuner.config.recipe import Recipe
+from finetuner.config.runtime import Device, Runtime, resolve
 
 BASE = {"model": {"name": "llama-2-7b"}, "data": {"path": "yahma/alpaca-cleaned", "max_seq_len": 512}}
 RECIPES = {
@@ -95,7 +95,7 @@ def test_a_cards_profile_is_the_device_the_planner_resolves_for(card, device):
 
 def test_cpu_predictions_are_for_the_cpu_not_a_bf16_card():
     """Before: a CPU run's prediction was made for a bf16 CUDA card."""
-    from finetuner.trainer import predict_memory
+    from finetuner.training.trainer import predict_memory
 
     recipe = Recipe.from_dict({**BASE, "model": {"name": "llama-3.2-1b"}, "device": "cpu"})
     rt = resolve(recipe, Device("cpu"))
@@ -112,8 +112,8 @@ def test_full_fine_tuning_with_bf16_weights_is_predicted_in_bf16():
 
 def test_flash_attention_is_predicted_without_a_mask():
     """Before: when the runtime picked FlashAttention-2 the memory model still charged an SDPA mask."""
-    from finetuner.memory import estimate
-    from finetuner.shapes import resolve_shape
+    from finetuner.memory.model import estimate
+    from finetuner.model.shapes import resolve_shape
 
     recipe = _recipe({"data": {"path": "x/y", "max_seq_len": 4096, "packing": True}})
     shape = resolve_shape("llama-2-7b")

@@ -16,16 +16,16 @@ import pytest
 
 from conftest import REPO, free_port, run_cli, write_recipe
 from finetuner.errors import UserError
-from finetuner.recipe import Recipe
+from finetuner.config.recipe import Recipe
 
 
 def test_trust_remote_code_is_off_unless_the_recipe_says_so_and_then_warns(recipe_dict, caplog):
-    from finetuner.modeling import load_tokenizer
+    from finetuner.model.loading import load_tokenizer
 
     assert Recipe.from_dict(recipe_dict).model.trust_remote_code is False
     assert Recipe.from_dict(recipe_dict).model.allow_pickle is False
     on = Recipe.from_dict({**recipe_dict, "model": {**recipe_dict["model"], "trust_remote_code": True}})
-    with caplog.at_level(logging.WARNING, logger="finetuner.modeling"):
+    with caplog.at_level(logging.WARNING, logger="finetuner.model.loading"):
         load_tokenizer(on)
     warned = [r.getMessage() for r in caplog.records if "trust_remote_code" in r.getMessage()]
     assert warned and recipe_dict["model"]["name"] in warned[0]
@@ -47,8 +47,8 @@ def pickle_model_dir(tiny_model_dir, tmp_path) -> Path:
 
 
 def test_pickle_weights_are_refused_unless_allowed(recipe_dict, pickle_model_dir, caplog):
-    from finetuner.modeling import load_base_model
-    from finetuner.runtime import resolve_runtime
+    from finetuner.model.loading import load_base_model
+    from finetuner.config.runtime import resolve_runtime
 
     recipe = Recipe.from_dict({**recipe_dict, "model": {"name": str(pickle_model_dir)}})
     rt = resolve_runtime(recipe)
@@ -57,7 +57,7 @@ def test_pickle_weights_are_refused_unless_allowed(recipe_dict, pickle_model_dir
     assert str(pickle_model_dir) in e.value.message and "model.allow_pickle: true" in e.value.hint
 
     allowed = Recipe.from_dict({**recipe_dict, "model": {"name": str(pickle_model_dir), "allow_pickle": True}})
-    with caplog.at_level(logging.WARNING, logger="finetuner.modeling"):
+    with caplog.at_level(logging.WARNING, logger="finetuner.model.loading"):
         model = load_base_model(allowed, rt)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert any("allow_pickle" in r.getMessage() for r in caplog.records)
@@ -79,7 +79,7 @@ def test_hub_token_is_never_written_to_the_run_folder(recipe_dict, tmp_path):
     r = write_recipe(tmp_path / "r.yaml", recipe_dict)
     env = dict(os.environ, HF_TOKEN=secret, HUGGING_FACE_HUB_TOKEN=secret,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    res = subprocess.run([sys.executable, "-m", "finetuner.cli", "run", str(r)], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "run", str(r)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert secret not in res.stdout + res.stderr
@@ -115,7 +115,7 @@ _NO_CALLS_OUT = textwrap.dedent(
         return _gai(host, *a, **k)
     socket.socket.connect, socket.getaddrinfo, socket.socket.bind = connect, getaddrinfo, bind
     port, runs, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    from finetuner.cli import main
+    from finetuner.cli.main import main
     threading.Thread(target=main, args=(["ui", "--port", port, "--runs-dir", runs],), daemon=True).start()
     for _ in range(600):
         try:

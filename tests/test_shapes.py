@@ -7,7 +7,7 @@ import json
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.shapes import lora_param_count, preset_names, presets, resolve_shape, shape_from_config
+from finetuner.model.shapes import lora_param_count, preset_names, presets, resolve_shape, shape_from_config
 
 #: Published totals (also what instantiating on meta gives).
 KNOWN_TOTALS = {

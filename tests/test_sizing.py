@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetuner.data_stats import DataProfile
-from finetuner.hardware import cpu_profile, get_gpu
-from finetuner.planner import DEFAULT_DATA, plan
-from finetuner.recipe import Recipe
-from finetuner.shapes import find_preset, load_config, preset_names, resolve_shape
-from finetuner.sizing import MAX_EPOCHS, MIN_STEPS_PER_EPOCH, MIN_TOTAL_STEPS, learning_rate, size_run
+from finetuner.data.stats import DataProfile
+from finetuner.config.hardware import cpu_profile, get_gpu
+from finetuner.planning.planner import DEFAULT_DATA, plan
+from finetuner.config.recipe import Recipe
+from finetuner.model.shapes import find_preset, load_config, preset_names, resolve_shape
+from finetuner.planning.sizing import MAX_EPOCHS, MIN_STEPS_PER_EPOCH, MIN_TOTAL_STEPS, learning_rate, size_run
 
 from tests.conftest import run_cli, write_recipe
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, write_recipe
-from finetuner.events import follow
+from finetuner.runs.events import follow
 from finetuner.fileio import tree_bytes
 
 
@@ -25,7 +25,7 @@ def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(re
     run_dir = Path(recipe_dict["output_dir"])
     r = write_recipe(tmp_path / "r.yaml", recipe_dict)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli", "run", str(r), "--quiet"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(r), "--quiet"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: list[dict] = []
     reader = threading.Thread(target=lambda: seen.extend(follow(run_dir, poll=0.05, timeout=300)), daemon=True)

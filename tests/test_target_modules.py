@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from finetuner.recipe import Recipe
-from finetuner.shapes import lora_param_count, resolve_shape
+from finetuner.config.recipe import Recipe
+from finetuner.model.shapes import lora_param_count, resolve_shape
 from tests.conftest import run_cli, write_recipe
 
 
@@ -22,7 +22,7 @@ from tests.conftest import run_cli, write_recipe
     "all-linear",
 ])
 def test_peft_trains_the_modules_the_memory_model_counts(recipe_dict, tiny_model_dir, given):
-    from finetuner.modeling import load_base_model, prepare_for_training, resolve_runtime
+    from finetuner.model.loading import load_base_model, prepare_for_training, resolve_runtime
 
     recipe = Recipe.from_dict(recipe_dict, overrides=[f"lora.target_modules={given}"])
     model = prepare_for_training(load_base_model(recipe, resolve_runtime(recipe)), recipe)

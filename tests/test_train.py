@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import finetuner
-from finetuner.events import read_events
-from finetuner.recipe import Recipe
+from finetuner.runs.events import read_events
+from finetuner.config.recipe import Recipe
 
 
 def run(recipe_dict, overrides=(), **kw):
@@ -68,8 +68,8 @@ def test_qlora_trains_4bit_layers_on_cpu(recipe_dict):
 def test_qlora_model_has_linear4bit(recipe_dict):
     import bitsandbytes as bnb
 
-    from finetuner.modeling import load_base_model, prepare_for_training
-    from finetuner.runtime import resolve_runtime
+    from finetuner.model.loading import load_base_model, prepare_for_training
+    from finetuner.config.runtime import resolve_runtime
 
     r = Recipe.from_dict(recipe_dict, ["method=qlora"])
     model = prepare_for_training(load_base_model(r, resolve_runtime(r)), r)
@@ -159,7 +159,7 @@ def test_chunked_loss_equals_full_logits_loss(tiny_model_dir, packed):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetuner.trainer import token_loss_sum
+    from finetuner.training.trainer import token_loss_sum
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).double()
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The web UI's glue without a browser: training jobs (finetuner.jobs), paths and uploads, the
+"""The web UI's glue without a browser: training jobs (finetuner.runs.jobs), paths and uploads, the
 views, ``finetuner ui`` itself, and the app's API endpoints through ``gradio_client``."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import free_port, ui_client
-from finetuner import jobs
+from finetuner.runs import jobs
 from finetuner.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _wait(cond, timeout: float = 180.0, every: float = 0.2):
 @pytest.fixture
 def long_recipe(recipe_dict, tmp_path):
     """The tiny recipe with enough steps to stop it in the middle."""
-    from finetuner.recipe import Recipe
+    from finetuner.config.recipe import Recipe
 
     r = dict(recipe_dict)
     r["training"] = dict(r["training"], max_steps=40)
@@ -78,7 +78,7 @@ def test_job_start_refuse_second_stop_checkpoint_resume_list(long_recipe, tmp_pa
 
 
 def test_failed_run_reports_the_engine_error(recipe_dict, tmp_path):
-    from finetuner.recipe import Recipe
+    from finetuner.config.recipe import Recipe
 
     r = dict(recipe_dict)
     r.pop("output_dir")
@@ -199,8 +199,8 @@ def test_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch):
 
 
 def test_views_histogram_against_seq_len_and_memory():
-    from finetuner.data_stats import DataProfile
-    from finetuner.planner import estimate_recipe
+    from finetuner.data.stats import DataProfile
+    from finetuner.planning.planner import estimate_recipe
     from ui import views
 
     prof = DataProfile("x", "alpaca", 4, [10, 50, 90, 300], 100, 450, "test")
@@ -212,11 +212,11 @@ def test_views_histogram_against_seq_len_and_memory():
     mem = views.memory_df(est)
     assert abs(mem[mem.kind == "component"]["GiB"].sum() - est.total_bytes / 2**30) < 0.01
     assert list(mem.kind[-2:]) == ["predicted peak", "card budget (95 %)"]
-    assert "Fits" in views.estimate_md(est, __import__("finetuner.hardware").hardware.get_gpu("rtx4090"))
+    assert "Fits" in views.estimate_md(est, __import__("finetuner.config.hardware").hardware.get_gpu("rtx4090"))
 
 
 def test_cli_ui_auth_and_exposure_warning(tmp_path):
-    from finetuner.cli_ui import exposed_without_auth, parse_auth
+    from finetuner.cli.ui import exposed_without_auth, parse_auth
 
     assert parse_auth("alice:s3:cret") == ("alice", "s3:cret")
     with pytest.raises(UserError):

@@ -76,7 +76,7 @@ def server(tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=20)
     log.close()
-    from finetuner import jobs
+    from finetuner.runs import jobs
 
     for job in jobs.running_jobs(runs):
         jobs.stop_job(job, runs, wait=30)

@@ -1,8 +1,8 @@
 """The finetuner web UI: model → data → plan → train → chat → export, in that order.
 
-Thin by design: every action calls finetuner's Python API (:mod:`finetuner.planner`,
-:mod:`finetuner.memory`, :mod:`finetuner.data_preview`, :mod:`finetuner.jobs`,
-:mod:`finetuner.chat_worker`). Training and chat run in their own processes; the Train tab
+Thin by design: every action calls finetuner's Python API (:mod:`finetuner.planning.planner`,
+:mod:`finetuner.memory.model`, :mod:`finetuner.data.preview`, :mod:`finetuner.runs.jobs`,
+:mod:`finetuner.infer.chat_worker`). Training and chat run in their own processes; the Train tab
 follows the run's ``events.jsonl``, so closing or reloading the page loses nothing, and what it
 shows comes from disk, not from the browser session.
 
@@ -31,9 +31,9 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # never call out (version chec
 import gradio as gr  # noqa: E402
 import yaml  # noqa: E402
 
-from finetuner import jobs  # noqa: E402
+from finetuner.runs import jobs  # noqa: E402
 from finetuner.errors import UserError, did_you_mean  # noqa: E402
-from finetuner.recipe import Optimizer  # noqa: E402
+from finetuner.config.recipe import Optimizer  # noqa: E402
 from ui import paths, views  # noqa: E402
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
@@ -124,7 +124,7 @@ def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
 
 # --------------------------------------------------------------------------- engine helpers
 def gpu_profile(card: str):
-    from finetuner.hardware import get_gpu
+    from finetuner.config.hardware import get_gpu
 
     return get_gpu((card or CPU_CARD).strip())
 
@@ -135,14 +135,14 @@ def default_card() -> str:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str):
-    from finetuner.data_preview import load_preview_tokenizer
+    from finetuner.data.preview import load_preview_tokenizer
 
     return load_preview_tokenizer(model)
 
 
 def recipe_from_text(text: str):
-    """A validated :class:`~finetuner.recipe.Recipe` from the YAML in the Plan tab."""
-    from finetuner.recipe import Recipe
+    """A validated :class:`~finetuner.config.recipe.Recipe` from the YAML in the Plan tab."""
+    from finetuner.config.recipe import Recipe
 
     if not (text or "").strip():
         raise UserError("There is no recipe yet.", hint="Make a plan in the Plan tab, or load a shipped recipe.")
@@ -211,7 +211,7 @@ def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpoint
         tr["eval_every"] = int(eval_every)
     else:
         tr.pop("eval_every", None)
-    from finetuner.recipe import Recipe
+    from finetuner.config.recipe import Recipe
 
     return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
 
@@ -239,7 +239,7 @@ class ChatPool:
         return w.source if w is not None and w.alive else None
 
     def get(self, source: str):
-        from finetuner.chat_worker import ChatWorker
+        from finetuner.infer.chat_worker import ChatWorker
 
         with self._lock:
             if self._worker is not None and self._worker.source != source:
@@ -288,7 +288,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
     # ------------------------------------------------------------------ handlers: model & data
     @shows_errors(0, 1)
     def on_model(model_text: str, card: str):
-        from finetuner.shapes import resolve_shape
+        from finetuner.model.shapes import resolve_shape
 
         shape = resolve_shape(paths.resolve_model(model_text))
         return views.model_card_md(shape, gpu_profile(card))
@@ -305,7 +305,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
     @shows_errors(0, 3)
     def on_data(model_text: str, data_file: str, seq_len: float | None):
-        from finetuner.data_stats import profile_data
+        from finetuner.data.stats import profile_data
 
         if not data_file:
             raise UserError("Pick a data file, or upload one.")
@@ -328,13 +328,13 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                                       title=f"Token lengths against the sequence length ({seq})")
 
     def _preview(model: str, path: str, seq: int):
-        from finetuner.data_preview import preview_data
+        from finetuner.data.preview import preview_data
 
         return preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
 
     # ------------------------------------------------------------------ handlers: plan
     def _estimate_outputs(recipe, card: str, header: str = ""):
-        from finetuner.planner import estimate_recipe
+        from finetuner.planning.planner import estimate_recipe
 
         gpu = gpu_profile(card)
         est = estimate_recipe(recipe, gpu)
@@ -350,7 +350,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
     @shows_errors(0, 17)
     def on_plan(model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
-        from finetuner.planner import plan
+        from finetuner.planning.planner import plan
 
         if not data_file:
             raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
@@ -380,7 +380,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
 
     def _valid_md(recipe, card: str, note: str = "") -> str:
-        from finetuner.planner import estimate_recipe
+        from finetuner.planning.planner import estimate_recipe
 
         gpu = gpu_profile(card)
         est = estimate_recipe(recipe, gpu)
@@ -401,7 +401,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
     @shows_errors(14, 15)
     def on_load_recipe(name: str, card: str):
-        from finetuner.recipe import Recipe
+        from finetuner.config.recipe import Recipe
 
         local = paths.resolve_local(name)
         if local is None:
@@ -494,7 +494,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
         reason, when it does not train on the data chosen in the Data tab, or when the memory
         model says it does not fit the card (unless ``anyway``)."""
-        from finetuner.planner import estimate_recipe
+        from finetuner.planning.planner import estimate_recipe
 
         recipe = recipe_from_text(text)
         check_same_data(recipe, data_file)
@@ -922,7 +922,7 @@ def _cards_df():
 
 def _preset_choices() -> list[str]:
     try:
-        from finetuner.shapes import preset_names
+        from finetuner.model.shapes import preset_names
 
         return preset_names()
     except Exception:  # noqa: BLE001
@@ -930,7 +930,7 @@ def _preset_choices() -> list[str]:
 
 
 def _profiles():
-    from finetuner.hardware import list_profiles
+    from finetuner.config.hardware import list_profiles
 
     return list_profiles()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
-from finetuner.jobs import default_runs_dir, repo_root
-from finetuner.recipe import DATA_EXTENSIONS
+from finetuner.runs.jobs import default_runs_dir, repo_root
+from finetuner.config.recipe import DATA_EXTENSIONS
 
 ROOT = repo_root()
 DATA_DIR = ROOT / "data"

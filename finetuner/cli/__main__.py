@@ -1,0 +1,7 @@
+"""``python -m finetuner.cli`` runs the CLI."""
+
+import sys
+
+from finetuner.cli.main import main
+
+sys.exit(main())

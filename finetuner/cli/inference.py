@@ -1,0 +1,254 @@
+"""``finetuner merge``, ``finetuner chat`` and ``finetuner eval``: using a run once it has finished.
+
+Thin wrappers over :mod:`finetuner.export.merge`, :mod:`finetuner.infer.chat` and :mod:`finetuner.infer.evaluate`;
+nothing heavy is imported until a command runs. Progress and notes go to stderr, so
+``finetuner chat --prompt`` prints only the answer on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "merge",
+        help="Merge a run's LoRA adapter into its base model and write a plain transformers model folder.",
+        description=(
+            "Loads the base model unquantized (also for QLoRA runs), merges the LoRA weights, writes a sharded "
+            "safetensors save_pretrained folder with the tokenizer, chat template and generation config, and checks "
+            "that its logits match the adapter's before publishing it."
+        ),
+    )
+    m.add_argument("source", metavar="RUN_OR_ADAPTER", help="A run folder (runs/<name>) or a peft adapter folder.")
+    m.add_argument("-o", "--output", required=True, help="A new or empty folder for the merged model.")
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the merged weights (default bf16).")
+    m.add_argument("--shard-size", default="5GB", help="Largest safetensors file (default 5GB).")
+    m.add_argument("--overwrite", action="store_true", help="Replace a non-empty output folder (only once the new one is complete).")
+    m.add_argument("--base", help="The base model's folder or hub id, if not where the run or adapter says.")
+    m.add_argument("--no-verify", action="store_true", help="Skip the logits check (saves reloading the merged model).")
+    m.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    m.set_defaults(func=_cmd_merge)
+
+    c = sub.add_parser(
+        "chat",
+        help="Chat with a run's model in the terminal (streaming), or answer one --prompt.",
+        description=(
+            "Interactive chat with the run's chat template. Commands: /reset starts over, /quit ends (or Ctrl-D). "
+            "In a terminal, lines can be edited and Up recalls earlier ones (kept in ~/.cache/finetuner/chat_history, "
+            "or $FINETUNER_CACHE_DIR/chat_history)."
+        ),
+    )
+    c.add_argument("source", metavar="RUN_OR_MODEL", help="A run folder, an adapter folder, a model folder or a hub id.")
+    c.add_argument("--prompt", "-p", help="Answer this one prompt and exit (prints only the answer).")
+    c.add_argument("--compare", action="store_true", help="Show the base model's answer next to the fine-tuned one.")
+    c.add_argument("--no-adapter", action="store_true", help="Chat with the base model alone.")
+    c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, if any).")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default 0.7).")
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--seed", type=int, help="Seed for sampling (repeatable answers).")
+    c.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
+    c.add_argument("--device", default="auto", help="auto, cpu or cuda.")
+    c.set_defaults(func=_cmd_chat)
+
+    e = sub.add_parser(
+        "eval",
+        help="Held-out loss and perplexity of the base model and the fine-tune, side by side.",
+        description="Uses the run's validation split (as the trainer built it) or --data; writes the result into the run's metrics.json.",
+    )
+    e.add_argument("source", metavar="RUN", help="A run folder (runs/<name>) or its adapter/ folder.")
+    e.add_argument("--data", help="Evaluate on this data file instead of the run's validation split.")
+    e.add_argument("--exact-match", type=int, default=0, metavar="N", help="Also answer N examples greedily and count exact matches.")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
+    e.add_argument("--device", default="auto", help="auto, cpu or cuda.")
+    e.add_argument("--no-write", action="store_true", help="Do not write the result into metrics.json.")
+    e.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    e.set_defaults(func=_cmd_eval)
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- merge
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from finetuner.export.merge import merge_adapter
+
+    _err(f"Merging {args.source} → {args.output} ({args.dtype}) ...")
+    r = merge_adapter(args.source, args.output, dtype=args.dtype, shard_size=args.shard_size, overwrite=args.overwrite,
+                      base_model=args.base, verify=not args.no_verify)
+    if args.json:
+        print(json.dumps(r.to_dict(), default=str))
+        return 0
+    print(f"merged model: {r.output_dir}")
+    print(f"  base        {r.base_model}")
+    print(f"  weights     {r.weight_bytes / 2**20:.1f} MiB {r.dtype} in {r.shards} safetensors file(s)")
+    if r.max_abs_diff is not None:
+        print(f"  check       max |logit difference| vs adapter on base: {r.max_abs_diff:.3g} "
+              f"(tolerance {r.tolerance:.3g}; the adapter itself moves logits by up to {r.adapter_effect or 0:.3g}; "
+              f"top-1 agreement {r.top1_agreement:.0%}, {r.probe_tokens} tokens)")
+    print(f"  peak RAM    {r.peak_rss_bytes / 2**30:.2f} GiB (process peak RSS), {r.seconds:.1f} s")
+    for note in r.notes:
+        print(f"  note        {note}")
+    print(f"Load it with: AutoModelForCausalLM.from_pretrained({str(r.output_dir)!r})")
+    return 0
+
+
+# ---------------------------------------------------------------------- chat
+def _gen(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def _stream_to_stdout(pieces) -> str:
+    """Write the pieces as they come, without the reply's leading and trailing whitespace."""
+    text, pending = [], ""
+    for piece in pieces:
+        if not text:
+            piece = piece.lstrip()
+        body = piece.rstrip()
+        if body:
+            out = pending + body
+            text.append(out)
+            sys.stdout.write(out)
+            sys.stdout.flush()
+            pending = piece[len(body):]
+        else:
+            pending += piece
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from finetuner.infer.chat import load_chat_model
+
+    if args.compare and args.no_adapter:
+        from finetuner.errors import UserError
+
+        raise UserError("--compare needs the adapter; leave out --no-adapter.")
+    interactive = args.prompt is None
+    if interactive:
+        _err(f"Loading {args.source} ...")
+    chat = load_chat_model(args.source, adapter=not args.no_adapter, device=args.device, base_model=args.base)
+    if args.system is not None:
+        chat.system = args.system or None
+    compare = args.compare and chat.has_adapter
+    if args.compare and not chat.has_adapter:
+        _err("note: this model has no adapter, so there is no base model to compare with.")
+    gen = _gen(args)
+    if not interactive:
+        msgs = [{"role": "user", "content": args.prompt}]
+        if compare:
+            print("base:")
+            _stream_to_stdout(chat.stream(msgs, adapter=False, **gen))
+            print("\nfine-tuned:")
+        _stream_to_stdout(chat.stream(msgs, **gen))
+        return 0
+
+    tty = sys.stdin.isatty()
+    save_history = _line_editing() if tty else None
+    _err(f"{chat!r}\nType a message; /reset starts over, /quit ends (or Ctrl-D).")
+    try:
+        _chat_loop(chat, compare, gen, tty)
+    finally:
+        if save_history is not None:
+            save_history()
+    return 0
+
+
+def _chat_loop(chat, compare: bool, gen: dict, tty: bool) -> None:
+    """Read a line, stream the answer, until /quit, Ctrl-D or Ctrl-C at the prompt."""
+    history: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            if tty:  # leave the shell's prompt on a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            break
+        except KeyboardInterrupt:
+            _err("")
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit", "/q"):
+            break
+        if text == "/reset":
+            history = []
+            _err("(new conversation)")
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            if compare:
+                sys.stdout.write("base> ")
+                _stream_to_stdout(chat.stream(history, adapter=False, **gen))
+                sys.stdout.write("fine-tuned> ")
+            else:
+                sys.stdout.write("model> ")
+            answer = _stream_to_stdout(chat.stream(history, **gen))
+        except KeyboardInterrupt:
+            _err("\n(stopped)")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": answer})
+
+
+#: Lines typed in `finetuner chat`, kept between sessions (Up recalls them).
+HISTORY_FILE = "chat_history"
+HISTORY_LINES = 1000
+
+
+def _line_editing():
+    """Turn on line editing and history for ``input()`` (the readline module), with the lines of
+    earlier sessions from the cache folder; returns the function that saves them, or None where
+    Python has no readline (Windows)."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    from finetuner.data.cache import cache_root
+
+    path = cache_root() / HISTORY_FILE
+    try:
+        readline.read_history_file(path)
+    except OSError:  # no history yet, or unreadable: start without
+        pass
+    readline.set_history_length(HISTORY_LINES)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as e:
+            _err(f"note: could not save the chat history to {path} ({e}).")
+
+    return save
+
+
+# ---------------------------------------------------------------------- eval
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from finetuner.infer.evaluate import evaluate_run
+
+    _err(f"Evaluating {args.source} ...")
+    r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,
+                     device=args.device, base_model=args.base, write=not args.no_write)
+    if args.json:
+        print(json.dumps(r.to_dict(), default=str))
+        return 0
+    print(f"{r.examples} held-out examples from {r.data} ({r.fine_tuned.tokens} scored tokens)")
+    print(r.table())
+    for s in r.samples[:2]:
+        print(f"\nreference:  {s['reference'].strip()}\nbase:       {s['base'].strip()}\nfine-tuned: {s['fine_tuned'].strip()}")
+    if not args.no_write:
+        from finetuner.infer.loading import resolve_source
+
+        run_dir = resolve_source(args.source, args.base).run_dir
+        if run_dir is not None:
+            print(f"\nwritten to {run_dir / 'metrics.json'} (key 'evaluation')")
+    return 0

@@ -1,0 +1,141 @@
+"""The ``finetuner`` command line: a thin layer over the Python API.
+
+Imports are lazy: ``finetuner --help`` and commands that need no model never import torch.
+User errors (:class:`~finetuner.errors.UserError`) print one message and exit non-zero without
+a traceback; ``--debug`` shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="Fine-tune from a recipe YAML (resumes a run folder that has checkpoints).")
+    p.add_argument("recipe", help="Recipe YAML, e.g. recipes/demo_cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override a recipe value, e.g. --set training.max_steps=5 (repeatable).")
+    p.add_argument("--output", "-o", help="Run folder (default: the recipe's output_dir, or runs/<name>).")
+    p.add_argument("--no-resume", action="store_true",
+                   help="Start over even if the run folder has checkpoints (the old run is moved aside, not deleted).")
+    p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="Train on N processes (one per GPU; on a CPU machine, N CPU processes on gloo): "
+                        "sets distributed.num_processes. The effective batch stays the same.")
+    p.add_argument("--profile-memory", action="store_true",
+                   help="Record CUDA allocations for the first steps into memory_snapshot.pickle (open it at pytorch.org/memory_viz).")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from rich.console import Console
+
+    from finetuner.cli.progress import ProgressPrinter
+    from finetuner.config.recipe import Recipe
+
+    console = Console()
+    gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        console.print("[yellow]Stopping after this step and saving a checkpoint (press Ctrl-C again to abort).[/]")
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    from finetuner.training.trainer import train
+
+    with ProgressPrinter(console, quiet=args.quiet) as progress:
+        result = train(
+            recipe,
+            callbacks=[progress],
+            output_dir=args.output,
+            resume=not args.no_resume,
+            stop_event=stop,
+            profile_memory=args.profile_memory,
+        )
+    progress.summary(result)
+    return 130 if result.stopped else 0
+
+
+#: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
+#: top (no torch, no transformers), so ``finetuner --help`` stays fast.
+COMMAND_MODULES: tuple[str, ...] = ("finetuner.cli.plan", "finetuner.cli.ui", "finetuner.cli.inference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetuner",
+        description="Fine-tune 7B-13B language models on one GPU: finetuner predicts memory and picks the recipe that fits.",
+    )
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks for user errors too.")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="Show the version and exit.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    import importlib
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (importlib.metadata costs ~80 ms at start-up)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"finetuner {_version()}")
+        parser.exit()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("finetuner")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    from finetuner.quiet import quiet_libraries
+
+    quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    from finetuner.errors import UserError
+
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(e.hint, file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("aborted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""``finetuner plan``, ``finetuner estimate`` and ``finetuner gpus``: the memory model at the prompt.
+
+None of these import torch (only ``--gpu auto`` does, to look at the device), so they answer in a
+fraction of a second. Exit status: 0 when the recipe fits the card, 1 when it does not (the
+output then says what would fit), 2 for a user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+
+
+def _presets_help() -> str:
+    from finetuner.model.shapes import preset_names
+
+    return ", ".join(preset_names())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="Pick the recipe that fits a card and trains fastest (writes a runnable recipe).",
+        description=(
+            "Search method (LoRA/QLoRA 4-bit/8-bit), optimizer, gradient checkpointing, activation offload and "
+            "micro-batch x accumulation for MODEL on GPU; keep what the memory model says fits (with a safety "
+            "margin); choose the best quality, then the fastest. Exit status 1 when nothing fits (the output says "
+            "what would). Models: a preset (" + _presets_help() + "), a hub id, or a local folder with config.json."
+        ),
+    )
+    p.add_argument("--model", "-m", required=True, help="Preset name (e.g. llama-2-7b), hub id or local model folder.")
+    p.add_argument("--gpu", "-g", default="auto", help="Card name (rtx4090, a100-80gb, ... see `finetuner gpus`), a size like 24GB, cpu, or auto (default: the detected GPU, else the CPU).")
+    p.add_argument("--seq-len", type=int, help="Sequence length (default: what --data needs, else 2048).")
+    p.add_argument("--data", help="Data file (JSON/JSONL/CSV/Parquet): its token lengths set the sequence length and packing.")
+    p.add_argument("--column", dest="columns", action="append", default=[], metavar="ROLE=COLUMN",
+                   help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
+                        "--column prompt=question --column response=answer (repeatable; written as data.columns).")
+    p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
+    p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
+    p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
+    p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
+    p.add_argument("--name", help="Run name written into the recipe.")
+    p.add_argument("-o", "--output", help="Write the planned recipe to this YAML file (never overwrites; see --force).")
+    p.add_argument("--force", action="store_true", help="Overwrite --output if it exists.")
+    p.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, recipe, ...).")
+    p.set_defaults(func=_cmd_plan)
+
+    e = sub.add_parser(
+        "estimate",
+        help="Predicted peak GPU memory of a recipe, by component, and whether it fits.",
+        description="Exit status 1 when the recipe does not fit the card.",
+    )
+    e.add_argument("recipe", help="Recipe YAML.")
+    e.add_argument("--gpu", "-g", default="auto", help="Card name, size (24GB) or auto (the detected GPU; the CPU when there is none).")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="Override a recipe value (repeatable).")
+    e.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, ...).")
+    e.set_defaults(func=_cmd_estimate)
+
+    g = sub.add_parser("gpus", help="List the GPU profiles the planner knows, and the detected device.")
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--no-detect", action="store_true", help="Do not look for a CUDA device (avoids importing torch).")
+    g.set_defaults(func=_cmd_gpus)
+
+
+# ---------------------------------------------------------------------- plan
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from finetuner.errors import UserError
+    from finetuner.planning.planner import plan
+
+    out_path = Path(args.output).expanduser() if args.output else None
+    if out_path is not None and out_path.exists() and not args.force:
+        raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
+    columns: dict[str, str] = {}
+    for item in args.columns:
+        role, eq, column = item.partition("=")
+        if not eq or not role.strip() or not column.strip():
+            raise UserError(f"--column {item!r}: write ROLE=COLUMN, e.g. --column prompt=question.")
+        columns[role.strip()] = column.strip()
+    if columns and not args.data:
+        raise UserError("--column names columns of a data file: give the file with --data.")
+    p = plan(
+        args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
+        method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
+    )
+    if out_path is not None and p.recipe is not None:
+        from finetuner.fileio import atomic_write_text
+
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_path, p.to_yaml())
+    if args.json:
+        d = p.to_dict()
+        d["written_to"] = str(out_path) if out_path is not None and p.recipe is not None else None
+        print(json.dumps(d, indent=2))
+        return 0 if p.fits else 1
+    _print_plan(p, out_path)
+    return 0 if p.fits else 1
+
+
+def _print_plan(p: Any, out_path: Path | None) -> None:
+    from rich.console import Console
+
+    con = Console()
+    con.print(f"[bold]{p.shape.describe()}[/]")
+    con.print(f"Card: {p.gpu.name} — {p.gpu.description}, {p.gpu.memory_gib:.1f} GiB")
+    if p.data:
+        d = p.data
+        con.print(
+            f"Data: {d['rows']} {d['format']} examples, tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
+            f"max {d['max_tokens']} ({d['counted_with']}); {100 * d['label_fraction']:.0f}% of tokens trained on"
+        )
+    for n in p.notes:
+        con.print(f"[yellow]Note:[/] {n}")
+    if not p.fits:
+        con.print(f"[bold red]Nothing fits.[/] {p.reasons[0] if p.reasons else ''}")
+        con.print("What would fit:")
+        for s in p.suggestions:
+            con.print(f"  • {s}")
+        return
+    c = p.recipe_choice()
+    method = c["method"].upper() if c["method"] != "qlora" else f"QLoRA {c['quantization_bits']}-bit"
+    con.print(
+        f"\n[bold green]Plan:[/] {method}, seq {c['max_seq_len']}{' packed' if c['packing'] else ''}, micro-batch "
+        f"{c['micro_batch_size']} x accumulation {c['gradient_accumulation']}, {c['optimizer']}, checkpointing "
+        f"{'on' if c['gradient_checkpointing'] else 'off'}{', activation offload' if c['offload_activations'] else ''}"
+    )
+    for r in p.reasons:
+        con.print(f"  • {r}")
+    if p.sharded is not None:
+        _print_strategies(con, p)
+    else:
+        _print_breakdown(con, p.estimate)
+    if p.rejected:
+        from rich.table import Table
+
+        t = Table(title="Also considered", title_justify="left")
+        t.add_column("option")
+        t.add_column("GiB", justify="right")
+        t.add_column("why not")
+        for r in p.rejected:
+            t.add_row(r["settings"], f"{r['total_bytes'] / GiB:.1f}", r["why"])
+        con.print(t)
+    if out_path is not None:
+        con.print(f"Recipe written to [bold]{out_path}[/]: run it with `finetuner run {out_path}`")
+    else:
+        con.print("Write the recipe with -o recipe.yaml, then `finetuner run recipe.yaml`.")
+
+
+def _print_strategies(con: Any, p: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Per device on {p.gpus} x {p.gpu.name} (one device alone: {p.estimate.total_bytes / GiB:.1f} GiB)",
+              title_justify="left")
+    for col in ("strategy", "GiB per device", "CPU GiB per process", "sent per device per step", "fits"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for st in p.strategies:
+        label = st["strategy"] + ("" if st["offload"] == "none" else f" + {st['offload']} offload")
+        chosen = " (chosen)" if label == p.sharded.label else ("" if st["strategy"] != "fsdp" else " (estimate only)")
+        t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes'] / GiB:.1f}",
+                  f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", "yes" if st["fits"] else "no")
+    con.print(t)
+    for k, v in p.sharded.components.items():
+        con.print(f"  [dim]{k}: {v / GiB:.2f} GiB[/]")
+
+
+def _print_breakdown(con: Any, est: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Predicted peak memory ({est.peak_phase})", title_justify="left")
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    t.add_column("share", justify="right")
+    for k, v in est.components.items():
+        t.add_row(k, f"{v / GiB:.2f}", f"{100 * v / est.total_bytes:.0f}%")
+    t.add_row("[bold]total[/]", f"[bold]{est.total_bytes / GiB:.2f}[/]", "")
+    if est.device_bytes:
+        colour = "green" if est.fits else "red"
+        t.add_row(f"[{colour}]card / budget[/]", f"{est.device_bytes / GiB:.2f} / {est.budget_bytes / GiB:.2f}", "")
+    con.print(t)
+    for n in est.notes:
+        con.print(f"  [dim]{n}[/]")
+
+
+# ---------------------------------------------------------------------- estimate
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from finetuner.config.hardware import cpu_profile, detect, get_gpu
+    from finetuner.planning.planner import estimate_recipe
+    from finetuner.config.recipe import Recipe
+
+    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    if str(args.gpu).lower() in ("auto", ""):
+        gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
+    else:
+        gpu = get_gpu(args.gpu)
+    planned = None
+    if recipe.auto_keys():
+        from finetuner.planning.planner import resolve_auto
+
+        planned = resolve_auto(recipe, gpu)
+        recipe = planned.recipe
+    est = estimate_recipe(recipe, gpu)
+    sharded = None
+    if recipe.distributed.world_size > 1 or recipe.distributed.offload != "none":
+        from finetuner.memory.sharding import shard_estimate
+
+        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, recipe.distributed.offload)
+    if args.json:
+        d = est.to_dict()
+        d["gpu_profile"] = gpu.to_dict()
+        if sharded is not None:
+            d["per_device"] = sharded.to_dict()
+            d["total_bytes"], d["components"], d["fits"] = sharded.per_device_bytes, dict(sharded.components), sharded.fits
+        if planned is not None:
+            d["resolved"] = planned.recipe_choice()
+        print(json.dumps(d, indent=2))
+        return 0 if (sharded.fits if sharded is not None else est.fits) else 1
+    from rich.console import Console
+
+    con = Console()
+    if sharded is not None:
+        con.print(f"[bold]{args.recipe}[/]: {recipe.model.name}, {sharded.label} on {sharded.world_size} process(es) of {gpu.name}")
+        for k, v in sharded.components.items():
+            con.print(f"  {k}: {v / GiB:.2f} GiB")
+        con.print(f"per device {sharded.per_device_bytes / GiB:.1f} GiB (one device alone {est.total_bytes / GiB:.1f}); "
+                  f"CPU {sharded.host_bytes / GiB:.1f} GiB per process; sent per device per step "
+                  f"{sharded.comm_bytes_per_step / GiB:.2f} GiB ({sharded.comm_formula})")
+        con.print("[green]Fits[/]" if sharded.fits else "[red]Does not fit[/]")
+        return 0 if sharded.fits else 1
+    con.print(f"[bold]{args.recipe}[/]: {recipe.model.name} ({est.settings.label}), on {gpu.name} ({gpu.memory_gib:.1f} GiB)")
+    if planned is not None:
+        con.print(f"auto values resolved by the planner: {json.dumps(planned.recipe_choice())}")
+    _print_breakdown(con, est)
+    if est.fits:
+        con.print(f"[green]Fits[/] with {est.headroom_bytes / GiB:.1f} GiB to spare.")
+        return 0
+    con.print(f"[red]Does not fit[/]: {est.total_bytes / GiB:.1f} GiB needed, budget {est.budget_bytes / GiB:.1f} GiB.")
+    con.print(f"Try: finetuner plan --model {recipe.model.name} --gpu {gpu.name} --seq-len {recipe.data.max_seq_len}")
+    return 1
+
+
+# ---------------------------------------------------------------------- gpus
+def _cmd_gpus(args: argparse.Namespace) -> int:
+    from finetuner.config.hardware import detect, list_profiles
+
+    detected = None if args.no_detect else detect()
+    profiles = list_profiles()
+    if args.json:
+        print(json.dumps({"profiles": [p.to_dict() for p in profiles], "detected": detected.to_dict() if detected else None}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="GPU profiles (--gpu NAME, or a size such as --gpu 24GB)", title_justify="left")
+    for col in ("name", "memory GiB", "bf16", "bf16 TFLOP/s", "description"):
+        t.add_column(col, justify="right" if col in ("memory GiB", "bf16 TFLOP/s") else "left")
+    for p in profiles:
+        t.add_row(p.name, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no", f"{p.tflops:g}", p.description)
+    con = Console()
+    con.print(t)
+    if detected:
+        con.print(f"Detected: {detected.description}, {detected.memory_gib:.1f} GiB → profile '{detected.name}'")
+    elif not args.no_detect:
+        con.print("Detected: no CUDA device.")
+    return 0
+

@@ -1,0 +1,180 @@
+"""GPU profiles: how much memory a card has, whether it does bf16, and how fast it is.
+
+A card is named by a profile (``rtx4090``), by a plain size (``24GB``, ``24``, ``80GiB``), ``cpu``
+for this machine's memory, or ``auto`` for the device torch sees (imported only then), else the CPU. ``memory_bytes`` is what
+``torch.cuda.get_device_properties(i).total_memory`` reports, a little less than the marketing
+size (the driver keeps a few hundred MiB). The CUDA context, cuBLAS and the caching allocator's
+slack come on top of the tensors: the memory model counts those, not this table.
+
+Speed figures are the dense (no sparsity) tensor-core rates with fp32 accumulation from the
+vendors' data sheets, and the memory bandwidth; the planner uses them only to rank recipes
+(see :mod:`finetuner.planning.planner`), never as a promise.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+
+from finetuner.errors import UserError, did_you_mean
+
+GiB = 1024**3
+GB = 1000**3
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One accelerator as the planner sees it."""
+
+    name: str
+    description: str
+    memory_bytes: int
+    bf16: bool = True
+    tflops: float = 100.0  # dense bf16 (or fp16 where there is no bf16) tensor TFLOP/s, fp32 accumulate
+    bandwidth_gbs: float = 900.0  # device memory bandwidth, GB/s
+    pcie_gbs: float = 16.0  # host <-> device, GB/s (PCIe 4.0 x16 ~ 25 in practice; keep it modest)
+    link_gbs: float = 16.0  # device <-> device for collectives, GB/s: PCIe unless NVLink (data-center cards)
+    detected: bool = False
+    platform: str = "cuda"  # "cpu" for :func:`cpu_profile`
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GiB
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory_gib"] = round(self.memory_gib, 2)
+        return d
+
+
+def _gib(x: float) -> int:
+    return int(x * GiB)
+
+
+#: Named cards. memory_bytes ≈ torch's total_memory for the card (GiB, not GB).
+PROFILES: dict[str, GpuProfile] = {
+    p.name: p
+    for p in [
+        GpuProfile("t4", "NVIDIA T4 16 GB (Turing, no bf16)", _gib(14.58), bf16=False, tflops=65, bandwidth_gbs=320, pcie_gbs=12),
+        GpuProfile("v100-16gb", "NVIDIA V100 16 GB (Volta, no bf16)", _gib(15.77), bf16=False, tflops=125, bandwidth_gbs=900),
+        GpuProfile("v100-32gb", "NVIDIA V100 32 GB (Volta, no bf16)", _gib(31.74), bf16=False, tflops=125, bandwidth_gbs=900),
+        GpuProfile("rtx3060", "GeForce RTX 3060 12 GB", _gib(11.76), tflops=25.6, bandwidth_gbs=360),
+        GpuProfile("rtx3090", "GeForce RTX 3090 24 GB", _gib(23.69), tflops=71, bandwidth_gbs=936),
+        GpuProfile("rtx4080", "GeForce RTX 4080 16 GB", _gib(15.70), tflops=97.5, bandwidth_gbs=717),
+        GpuProfile("rtx4090", "GeForce RTX 4090 24 GB", _gib(23.65), tflops=165, bandwidth_gbs=1008),
+        GpuProfile("rtx5090", "GeForce RTX 5090 32 GB", _gib(31.36), tflops=209, bandwidth_gbs=1792, pcie_gbs=25),
+        GpuProfile("rtx-a6000", "NVIDIA RTX A6000 48 GB", _gib(47.54), tflops=155, bandwidth_gbs=768),
+        GpuProfile("a10g", "NVIDIA A10G 24 GB (AWS g5)", _gib(22.06), tflops=70, bandwidth_gbs=600),
+        GpuProfile("l4", "NVIDIA L4 24 GB", _gib(22.06), tflops=121, bandwidth_gbs=300),
+        GpuProfile("l40s", "NVIDIA L40S 48 GB", _gib(44.52), tflops=362, bandwidth_gbs=864),
+        GpuProfile("a100-40gb", "NVIDIA A100 40 GB", _gib(39.39), tflops=312, bandwidth_gbs=1555, pcie_gbs=25, link_gbs=240),
+        GpuProfile("a100-80gb", "NVIDIA A100 80 GB", _gib(79.15), tflops=312, bandwidth_gbs=2039, pcie_gbs=25, link_gbs=240),
+        GpuProfile("h100-80gb", "NVIDIA H100 80 GB (SXM)", _gib(79.19), tflops=989, bandwidth_gbs=3350, pcie_gbs=50, link_gbs=360),
+        GpuProfile("h200", "NVIDIA H200 141 GB", _gib(139.8), tflops=989, bandwidth_gbs=4800, pcie_gbs=50, link_gbs=360),
+    ]
+}
+
+ALIASES = {
+    "3090": "rtx3090", "4090": "rtx4090", "4080": "rtx4080", "5090": "rtx5090", "3060": "rtx3060",
+    "a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100": "h100-80gb", "a10": "a10g",
+    "a6000": "rtx-a6000", "v100": "v100-32gb",
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g)?\s*$", re.IGNORECASE)
+
+
+def _normalise(name: str) -> str:
+    n = name.strip().lower().replace("_", "-").replace(" ", "")
+    n = n.removeprefix("nvidia-").removeprefix("geforce-")
+    return re.sub(r"^rtx-(\d{4})", r"rtx\1", n)
+
+
+def list_profiles() -> list[GpuProfile]:
+    return sorted(PROFILES.values(), key=lambda p: (p.memory_bytes, p.name))
+
+
+def from_size(text: str) -> GpuProfile | None:
+    """``24GB``/``24G``/``24`` → a generic card of that size (GB here means GiB, as nvidia-smi shows);
+    assumed bf16-capable with RTX 4090-like speed."""
+    m = _SIZE.match(text)
+    if not m:
+        return None
+    gib = float(m.group(1))
+    if gib <= 0:
+        raise UserError(f"--gpu {text}: the memory size must be positive.")
+    # A card sold as N GB reports a little less (24 GB → 23.6 GiB); a size is taken as given.
+    return GpuProfile(f"{gib:g}GB", f"a generic {gib:g} GiB card", _gib(gib), tflops=150, bandwidth_gbs=1000)
+
+
+def detect() -> GpuProfile | None:
+    """The CUDA device torch sees (device 0), or None. Imports torch."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    known = _match_name(props.name, props.total_memory)
+    base = known or GpuProfile("cuda", props.name, props.total_memory, tflops=150, bandwidth_gbs=1000)
+    return replace(
+        base,
+        name=base.name,
+        description=f"{props.name} (detected, device 0)",
+        memory_bytes=props.total_memory,
+        bf16=bool(torch.cuda.is_bf16_supported()),
+        detected=True,
+    )
+
+
+def cpu_profile() -> GpuProfile:
+    """The CPU as a device: 80 % of the machine's RAM, fp32 (bf16 matmuls are slow on most CPUs)."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        total = 16 * GiB
+    return GpuProfile("cpu", f"CPU ({total / GiB:.0f} GiB RAM)", int(total * 0.8), bf16=False, tflops=1.0,
+                      bandwidth_gbs=20, pcie_gbs=1000, platform="cpu")
+
+
+def _match_name(device_name: str, total: int) -> GpuProfile | None:
+    """A profile for a CUDA device name such as 'NVIDIA GeForce RTX 4090'."""
+    n = device_name.lower()
+    for key, prof in PROFILES.items():
+        stem = key.split("-")[0].replace("rtx", "rtx ")
+        if stem in n or key.replace("rtx", "rtx ") in n:
+            # among cards with this stem, take the one whose memory is closest
+            same = [p for k, p in PROFILES.items() if k.split("-")[0] == key.split("-")[0]]
+            return min(same, key=lambda p: abs(p.memory_bytes - total))
+    return None
+
+
+def get_gpu(name: str | None) -> GpuProfile:
+    """A profile from a card name, a size, ``cpu`` (this machine's RAM, :func:`cpu_profile`), or
+    ``auto`` (the detected CUDA device, else the CPU)."""
+    text = "" if name is None else str(name).strip().lower()
+    if text in ("", "auto", "detect"):
+        return detect() or cpu_profile()
+    if text in ("cpu", "cpu (this machine)"):
+        return cpu_profile()
+    if text == "cuda":
+        found = detect()
+        if found is None:
+            raise UserError(
+                "--gpu cuda: no CUDA device found on this machine.",
+                hint=f"Name the card to plan for (one of {', '.join(PROFILES)}), give its memory (--gpu 24GB), or use --gpu cpu.",
+            )
+        return found
+    key = _normalise(str(name))
+    key = ALIASES.get(key, key)
+    if key in PROFILES:
+        return PROFILES[key]
+    sized = from_size(str(name))
+    if sized is not None:
+        return sized
+    raise UserError(
+        f"Unknown GPU '{name}'.{did_you_mean(key, list(PROFILES) + list(ALIASES) + ['cpu', 'auto'])}",
+        hint=f"Known cards: {', '.join(PROFILES)}; cpu; auto (the detected GPU, else the CPU); or give the memory size, e.g. --gpu 24GB.",
+    )

@@ -1,0 +1,809 @@
+"""The recipe: a typed, validated description of one fine-tune.
+
+A recipe is a YAML file with the sections below. Loading it applies defaults, resolves
+relative paths against the recipe's folder, applies ``--set key.path=value`` overrides, and
+checks every field and every combination of fields. Every problem becomes a
+:class:`~finetuner.errors.UserError` that names the file and the key and, for a misspelt key
+or value, the closest valid one.
+
+The fully resolved recipe is saved as ``recipe.yaml`` in the run folder, so a run can be
+reproduced and resumed from that folder alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from finetuner.errors import UserError, closest, did_you_mean
+from finetuner.fileio import expand_user, exists
+from finetuner.model.shapes import preset_hub_id
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Method = Literal["lora", "qlora", "full"]
+#: ``auto`` asks the planner (:mod:`finetuner.planning.planner`) to choose for the device the run is on.
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(gt=0)]
+Optimizer = Literal[
+    "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
+]
+Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
+
+DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
+
+log = logging.getLogger(__name__)
+
+#: one module name (``q_proj``, ``self_attn.q_proj``), and names separated by commas or spaces
+_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+_NAMES = re.compile(r"\s*[A-Za-z0-9_.]+(\s*[,\s]\s*[A-Za-z0-9_.]+)*\s*,?\s*")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """Which base model to fine-tune and how to load it."""
+
+    name: str = Field(description="Hub id (org/name) or a local folder with config.json.")
+    revision: str | None = Field(None, description="Hub branch, tag or commit.")
+    dtype: Dtype = Field("auto", description="Storage dtype of the frozen base weights.")
+    trust_remote_code: bool = Field(
+        False, description="Run code shipped with the model. Off unless you trust the repository."
+    )
+    allow_pickle: bool = Field(
+        False,
+        description=(
+            "Also load pickle weights (pytorch_model.bin) when the model has no safetensors. Off: unpickling "
+            "can run code, so only turn it on for files you trust."
+        ),
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    max_memory: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Split the frozen base across several GPUs by layers (accelerate device map), e.g. "
+            "{'0': '20GiB', '1': '24GiB'}. CPU or disk entries are refused: see the error for why."
+        ),
+    )
+
+    @field_validator("max_memory")
+    @classmethod
+    def _gpus_only(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if not v:
+            return None
+        for key, size in v.items():
+            if key in ("cpu", "disk"):
+                raise ValueError(
+                    f"'{key}': base-weight offload to {key} is not supported for training: accelerate's offload hooks "
+                    "replace the offloaded weights at every forward, so the LoRA layers on them would not train and "
+                    "the weights saved for backward stay on the GPU anyway. Use method qlora (a 4-bit base is ~3.5x "
+                    "smaller), `finetuner plan` to see what fits, or distributed.strategy zero3 with parameter offload"
+                )
+            if not key.isdigit():
+                raise ValueError(f"'{key}': keys are GPU indices such as '0' and '1'")
+            if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(GiB|GB|MiB|MB)\s*", str(size)):
+                raise ValueError(f"'{key}': size {size!r} must look like '20GiB'")
+        return v
+
+
+class LoraSection(_Section):
+    """LoRA adapter hyper-parameters (peft ``LoraConfig``)."""
+
+    r: int = Field(16, gt=0, le=1024)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description=(
+            "'all-linear', module names as a list ([q_proj, v_proj]) or one comma-separated string "
+            "('q_proj,v_proj'), or a regular expression matched against whole module paths (peft's rule)."
+        ),
+    )
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        """A string of names (``q_proj,v_proj``, ``q_proj v_proj``, ``q_proj``) becomes their list."""
+        if isinstance(v, str) and v.strip() != "all-linear" and _NAMES.fullmatch(v):
+            return [n for n in re.split(r"[\s,]+", v) if n]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            names = [n.strip() for n in v]
+            if not names:
+                raise ValueError("needs at least one module name, or 'all-linear'")
+            bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{bad!r} is not a module name (letters, digits, '_' and '.'): list names such as "
+                    "[q_proj, v_proj], or give one regular expression as a string"
+                )
+            return names
+        v = v.strip()
+        if v != "all-linear":
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"{v!r} is neither 'all-linear', module names nor a valid regular expression ({e})") from None
+        return v
+
+
+class QuantizationSection(_Section):
+    """bitsandbytes quantization of the frozen base weights."""
+
+    bits: Literal[4, 8] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Dtype = "auto"
+
+
+class DataSection(_Section):
+    """Training data and how it becomes token sequences."""
+
+    path: str | list[str] = Field(description="JSON/JSONL/CSV/Parquet file(s) or a hub data set id.")
+    format: DataFormat = "auto"
+    columns: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Which column holds what, as role: column, e.g. {prompt: question, response: answer}. Roles: prompt, "
+            "input, response, system (instruction data), messages (chat), text. Implies the format unless format is set."
+        ),
+    )
+    split: str = Field("train", description="Split to use for hub data sets.")
+    max_seq_len: int = Field(1024, ge=16)
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
+    packing: bool | Auto = Field(
+        False, description="Pack short examples into full sequences; auto packs when they average under half of max_seq_len."
+    )
+    val_size: float = Field(0.0, ge=0, description="Fraction (<1) or number (>=1) of rows held out.")
+    val_path: str | None = None
+    on_bad_row: Literal["error", "skip"] = "error"
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's.")
+    system_prompt: str | None = None
+    max_examples: int | None = Field(None, gt=0)
+    num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
+    cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _numbers_are_names(cls, v: Any) -> Any:
+        """Roles in any case; a column named ``2024`` (YAML and ``--set`` read it as a number) is a name;
+        an empty value is left for the check below to explain."""
+        if isinstance(v, dict):
+            return {
+                (k.strip().lower() if isinstance(k, str) else k): "" if c is None else str(c) if isinstance(c, int) and not isinstance(c, bool) else c
+                for k, c in v.items()
+            }
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_roles(cls, v: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if not v:
+            return None
+        from finetuner.data.formats import check_columns
+
+        check_columns(v, info.data.get("format", "auto"))
+        return v
+
+
+class TrainingSection(_Section):
+    """Optimisation settings."""
+
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Scheduler = "cosine"
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of steps (0.03 if neither is set).")
+    micro_batch_size: PositiveInt | Auto = 1
+    gradient_accumulation: PositiveInt | Auto = 1
+    effective_batch: PositiveInt | None = Field(
+        None, description="Examples per optimizer step when micro_batch_size or gradient_accumulation is auto (default 16)."
+    )
+    optimizer: Optimizer | Auto = "adamw_torch"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    gradient_checkpointing: bool | Auto = False
+    offload_activations: bool | Auto = Field(
+        False, description="Keep saved activations in CPU memory (with checkpointing: each layer's input)."
+    )
+    loss_chunk_size: int = Field(
+        1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
+    )
+    precision: Dtype = Field("auto", description="Autocast dtype for compute.")
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="Fused Liger kernels (CUDA, finetuner[speed]); auto uses them when installed on a CUDA GPU."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer (slower start, faster steps).")
+    seed: int = 42
+    eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Examples per optimizer step (the planner resolves ``auto`` values first)."""
+        if self.micro_batch_size == "auto" or self.gradient_accumulation == "auto":
+            return self.effective_batch or 16
+        return self.micro_batch_size * self.gradient_accumulation
+
+
+class CheckpointSection(_Section):
+    save_every: int | None = Field(100, gt=0, description="Save a resumable checkpoint every N steps.")
+    keep_last: int = Field(2, ge=1, description="Keep only the last K checkpoints.")
+
+
+class LoggingSection(_Section):
+    every: int = Field(1, gt=0, description="Write a step event every N optimizer steps.")
+    tensorboard: bool = True
+
+
+class SamplesSection(_Section):
+    """Generations shown after training: base model vs fine-tuned, same prompt."""
+
+    prompts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(64, gt=0)
+
+
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+
+
+class DistributedSection(_Section):
+    """Several processes (GPUs, or CPU processes on gloo) training one model: :mod:`finetuner.training.launch`.
+
+    The effective batch stays ``micro_batch_size x gradient_accumulation`` whatever the number of
+    processes: each optimizer step's micro-batches are split across them, so N processes follow
+    the loss curve of one.
+    """
+
+    strategy: Strategy = Field(
+        "ddp",
+        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages); fsdp: config only, refused by run (use zero3).",
+    )
+    num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
+    offload: Offload = Field(
+        "none", description="ZeRO-Offload: optimizer states (zero1-3) or also parameters (zero3) in CPU memory."
+    )
+    cpu_adam: bool = Field(
+        True,
+        description="With offload: DeepSpeedCPUAdam (a C++ extension built on first use, ~1-3 min) instead of torch AdamW on the CPU states.",
+    )
+    nodes: int = Field(1, ge=1, description="Machines taking part; run the same command on each with its node_rank.")
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = Field("127.0.0.1", description="Address of node 0 (rendezvous).")
+    master_port: int = Field(29500, ge=1, le=65535)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.nodes
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy.startswith("zero")
+
+
+class Recipe(_Section):
+    """A complete fine-tuning recipe."""
+
+    name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
+    model: ModelSection
+    method: Method | Auto = "lora"
+    lora: LoraSection = Field(default_factory=LoraSection)
+    quantization: QuantizationSection | None = None
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    checkpointing: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    samples: SamplesSection = Field(default_factory=SamplesSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    output_dir: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' only (it names a folder)")
+        return v
+
+    #: The keys that may be ``auto`` (resolved by the planner when the run starts).
+    AUTO_KEYS: ClassVar[tuple[str, ...]] = (
+        "method",
+        "training.micro_batch_size",
+        "training.gradient_accumulation",
+        "training.optimizer",
+        "training.gradient_checkpointing",
+        "training.offload_activations",
+    )
+
+    def auto_keys(self) -> list[str]:
+        """The keys whose value is ``auto`` (empty when the recipe is fully resolved)."""
+        out = []
+        for key in self.AUTO_KEYS:
+            node: Any = self
+            for part in key.split("."):
+                node = getattr(node, part)
+            if node == "auto":
+                out.append(key)
+        return out
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        t = self.training
+        if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":
+            if t.effective_batch is not None and t.effective_batch != t.micro_batch_size * t.gradient_accumulation:
+                raise ValueError(
+                    f"training.effective_batch: {t.effective_batch} is not micro_batch_size x gradient_accumulation "
+                    f"({t.micro_batch_size} x {t.gradient_accumulation}); set one of them to auto or drop effective_batch"
+                )
+        elif t.micro_batch_size != "auto" and t.effective_batch is not None and t.effective_batch < t.micro_batch_size:
+            raise ValueError(
+                f"training.effective_batch: {t.effective_batch} is smaller than micro_batch_size {t.micro_batch_size}"
+            )
+        quant_given = "quantization" in self.model_fields_set
+        if self.method == "qlora":
+            if self.quantization is None:
+                if quant_given:
+                    raise ValueError(
+                        "quantization: method 'qlora' needs a quantized base: set quantization.bits to 4 "
+                        "(or 8), or use method 'lora'"
+                    )
+                object.__setattr__(self, "quantization", QuantizationSection())
+        elif self.quantization is not None and self.method == "lora":
+            raise ValueError(
+                "quantization: set, but method is 'lora': use method 'qlora' to train "
+                "LoRA on a quantized base, or remove the quantization section"
+            )
+        elif self.quantization is not None and self.method == "full":
+            raise ValueError(
+                "quantization: method 'full' cannot train quantized weights: remove the quantization section "
+                "or use method 'qlora'"
+            )
+        # method auto with a quantization section: the planner decides; the section says how to quantize if it picks qlora
+        t = self.training
+        if t.warmup_steps is not None and t.warmup_ratio is not None:
+            raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
+        _check_distributed(self)
+        return self
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Recipe:
+        """Load, override, validate and resolve a recipe file."""
+        path = expand_user(path)
+        if not exists(path, "file"):
+            raise UserError(
+                f"Recipe file not found: {path}",
+                hint="Give the path of a YAML recipe, e.g. recipes/demo_cpu.yaml.",
+            )
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            line = e.object[: e.start].count(b"\n") + 1
+            raise UserError(f"{path}: line {line}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
+        except RecursionError:
+            raise UserError(f"{path}: invalid YAML: lists or mappings nested too deeply.") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise UserError(f"{path}:{where}: invalid YAML: {problem}.") from None
+        if raw is None:
+            raise UserError(f"{path}: the recipe is empty.", hint="See recipes/demo_cpu.yaml for an example.")
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: a recipe must be a mapping of sections (model:, data:, ...).")
+        return cls.from_dict(raw, overrides=overrides, base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        overrides: list[str] | None = None,
+        base_dir: str | Path | None = None,
+        source: str = "recipe",
+    ) -> Recipe:
+        raw = copy.deepcopy(raw)
+        for item in overrides or []:
+            apply_override(raw, item)
+        try:
+            recipe = cls.model_validate(raw)
+        except ValidationError as e:
+            raise UserError(format_validation_error(e, source)) from None
+        return recipe.resolve_paths(Path(base_dir) if base_dir else Path.cwd(), source)
+
+    def resolve_paths(self, base_dir: Path, source: str = "recipe") -> Recipe:
+        """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
+        r = self.model_copy(deep=True)
+        model_path = _find_local(r.model.name, base_dir)
+        hub_id = preset_hub_id(r.model.name) if model_path is None else None
+        if model_path is not None:
+            r.model.name = str(model_path)
+        elif hub_id is not None:
+            log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
+                        source, r.model.name, hub_id)
+            r.model.name = hub_id
+        elif _looks_like_path(r.model.name):
+            raise UserError(
+                f"{source}: model.name: no folder '{r.model.name}' (looked in {base_dir} and {Path.cwd()}).",
+                hint="Give an existing folder with config.json, or a hub id like org/name.",
+            )
+        paths = r.data.path if isinstance(r.data.path, list) else [r.data.path]
+        resolved = [_resolve_data_path(p, base_dir, source, "data.path") for p in paths]
+        r.data.path = resolved if isinstance(r.data.path, list) else resolved[0]
+        if r.data.val_path:
+            r.data.val_path = _resolve_data_path(r.data.val_path, base_dir, source, "data.val_path")
+        return r
+
+    # ------------------------------------------------------------------ saving
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved recipe atomically."""
+        from finetuner.fileio import atomic_write_text
+
+        atomic_write_text(Path(path), self.to_yaml())
+
+    def output_path(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve() if self.output_dir else (Path.cwd() / "runs" / self.name).resolve()
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_distributed(r: Recipe) -> None:
+    """Combinations of ``distributed`` with the rest of the recipe that cannot run."""
+    d = r.distributed
+    if d.node_rank >= d.nodes:
+        raise ValueError(f"distributed.node_rank: {d.node_rank} must be below distributed.nodes ({d.nodes})")
+    if d.offload != "none" and not d.deepspeed:
+        raise ValueError(
+            f"distributed.offload: '{d.offload}' needs a DeepSpeed strategy: set distributed.strategy to zero2 "
+            "(optimizer states in CPU memory) or zero3"
+        )
+    if d.offload == "optimizer+params" and d.strategy != "zero3":
+        raise ValueError(
+            f"distributed.offload: parameter offload needs strategy zero3 (got {d.strategy}): ZeRO stages 1-2 keep the "
+            "parameters on every GPU; use offload 'optimizer' or strategy zero3"
+        )
+    if d.deepspeed and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+        raise ValueError(
+            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by DeepSpeed ZeRO (bitsandbytes and "
+            "factored optimizers keep their own state layout): use adamw_torch, or strategy ddp"
+        )
+    if d.offload != "none" and r.training.optimizer == "sgd":
+        raise ValueError("training.optimizer: ZeRO-Offload runs an Adam optimizer on the CPU: use adamw_torch")
+    if r.method == "qlora" and d.strategy in ("fsdp", "zero3"):
+        raise ValueError(
+            f"distributed.strategy: '{d.strategy}' would shard the 4-bit base weights, which finetuner does not support "
+            "for bitsandbytes-quantized models: use zero2 (shards optimizer states and gradients) or ddp with qlora, "
+            "or method lora with fsdp/zero3"
+        )
+    if r.model.max_memory and d.world_size > 1:
+        raise ValueError(
+            "model.max_memory: splitting the model by layers over GPUs cannot be combined with several processes: "
+            "remove model.max_memory, or use distributed.strategy zero3/fsdp to shard it instead"
+        )
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
+
+
+def _find_local(name: str, base_dir: Path) -> Path | None:
+    p = expand_user(name)
+    for candidate in ([p] if p.is_absolute() else [base_dir / p, Path.cwd() / p]):
+        if exists(candidate):
+            return candidate.resolve()
+    return None
+
+
+def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
+    found = _find_local(p, base_dir)
+    if found is not None and found.is_dir():  # the data reader takes files only
+        raise UserError(
+            f"{source}: {key}: '{p}' is a folder ({found}); name a data file (.json, .jsonl, .csv, .parquet).",
+        )
+    if found is not None:
+        return str(found)
+    if _looks_like_path(p):
+        raise UserError(
+            f"{source}: {key}: file not found: '{p}' (looked in {base_dir} and {Path.cwd()}).",
+            hint="Relative paths are taken from the recipe's folder, then the current folder.",
+        )
+    return p  # a hub data set id
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``key.path=value`` override to a raw recipe dict; the value is parsed as YAML."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r}: expected key.path=value, e.g. training.lr=1e-4.")
+    key, _, value_text = item.partition("=")
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise UserError(f"--set {item!r}: the key is empty.")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError:
+        value = value_text
+    node = raw
+    for i, k in enumerate(keys[:-1]):
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"--set {item!r}: '{'.'.join(keys[: i + 1])}' is not a section.")
+        node = nxt
+    node[keys[-1]] = value
+
+
+# ---------------------------------------------------------------------- error messages
+#: Names other fine-tuning tools (transformers' TrainingArguments, peft, LLaMA-Factory, Axolotl)
+#: use for a recipe key, and the key finetuner uses for it.
+SYNONYMS: dict[str, str] = {
+    **dict.fromkeys(["learning_rate", "learningrate"], "training.lr"),
+    **dict.fromkeys(["batch_size", "per_device_train_batch_size", "train_batch_size", "micro_batch",
+                     "micro_batch_per_gpu", "train_micro_batch_size_per_gpu"], "training.micro_batch_size"),
+    **dict.fromkeys(["gradient_accumulation_steps", "grad_accum", "accumulation_steps", "grad_accumulation"],
+                    "training.gradient_accumulation"),
+    **dict.fromkeys(["global_batch_size", "total_batch_size", "effective_batch_size"], "training.effective_batch"),
+    **dict.fromkeys(["num_train_epochs", "num_epochs", "epoch", "n_epochs"], "training.epochs"),
+    **dict.fromkeys(["steps", "num_steps", "train_steps", "max_iters", "total_steps"], "training.max_steps"),
+    **dict.fromkeys(["lr_scheduler_type", "lr_scheduler", "scheduler_type"], "training.scheduler"),
+    **dict.fromkeys(["warmup", "num_warmup_steps"], "training.warmup_steps"),
+    **dict.fromkeys(["optim", "optimizer_type"], "training.optimizer"),
+    **dict.fromkeys(["grad_clip", "gradient_clipping", "clip_grad_norm"], "training.max_grad_norm"),
+    **dict.fromkeys(["activation_checkpointing"], "training.gradient_checkpointing"),
+    **dict.fromkeys(["bf16", "fp16", "mixed_precision"], "training.precision"),
+    **dict.fromkeys(["torch_compile"], "training.compile"),
+    **dict.fromkeys(["eval_steps", "evaluation_steps"], "training.eval_every"),
+    **dict.fromkeys(["save_steps"], "checkpointing.save_every"),
+    **dict.fromkeys(["save_total_limit"], "checkpointing.keep_last"),
+    **dict.fromkeys(["logging_steps"], "logging.every"),
+    **dict.fromkeys(["rank", "lora_r", "lora_rank"], "lora.r"),
+    **dict.fromkeys(["lora_alpha"], "lora.alpha"),
+    **dict.fromkeys(["lora_dropout"], "lora.dropout"),
+    **dict.fromkeys(["lora_target", "lora_target_modules", "target", "targets", "modules"], "lora.target_modules"),
+    **dict.fromkeys(["cutoff_len", "max_length", "sequence_len", "seq_len", "max_seq_length", "max_len",
+                     "block_size", "context_length", "sequence_length"], "data.max_seq_len"),
+    **dict.fromkeys(["dataset", "datasets", "data_path", "train_file", "dataset_path", "file"], "data.path"),
+    **dict.fromkeys(["val_set_size", "validation_split", "val_split", "eval_split", "test_size"], "data.val_size"),
+    **dict.fromkeys(["eval_dataset", "val_file", "validation_file", "eval_file"], "data.val_path"),
+    **dict.fromkeys(["template", "prompt_template"], "data.chat_template"),
+    **dict.fromkeys(["sample_packing", "pack", "packed"], "data.packing"),
+    **dict.fromkeys(["max_samples", "num_samples"], "data.max_examples"),
+    **dict.fromkeys(["system", "system_message"], "data.system_prompt"),
+    **dict.fromkeys(["preprocessing_num_workers", "dataset_num_proc", "num_workers"], "data.num_proc"),
+    **dict.fromkeys(["model_name_or_path", "base_model", "model_name", "model_id", "model_path"], "model.name"),
+    **dict.fromkeys(["torch_dtype"], "model.dtype"),
+    **dict.fromkeys(["flash_attention", "flash_attn"], "model.attn_implementation"),
+    **dict.fromkeys(["load_in_4bit", "load_in_8bit", "quantization_bit"], "quantization.bits"),
+    **dict.fromkeys(["bnb_4bit_quant_type"], "quantization.quant_type"),
+    **dict.fromkeys(["bnb_4bit_use_double_quant"], "quantization.double_quant"),
+    **dict.fromkeys(["bnb_4bit_compute_dtype"], "quantization.compute_dtype"),
+    **dict.fromkeys(["finetuning_type", "finetune_type", "adapter"], "method"),
+    **dict.fromkeys(["output", "output_path", "save_dir"], "output_dir"),
+    **dict.fromkeys(["run_name"], "name"),
+}
+
+
+def _union_members(tp: Any) -> tuple[Any, ...] | None:
+    """The members of a union type (``X | Y``, ``Optional[X]``), else None."""
+    import types
+    import typing
+
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    members = _union_members(tp)
+    if members is not None:
+        rest = [m for m in members if m is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
+_TAGS = ("function-", "json-", "lax-", "literal[", "constrained-", "nullable[", "default[")
+
+
+def _error_key(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any, list[Any]]:
+    """The recipe key an error location names, the type expected there and its constraints.
+
+    pydantic puts the union member it tried into the location (``('method', "literal['auto']")``,
+    ``('training', 'micro_batch_size', 'constrained-int')``): those tags are left out, and an
+    error inside any member of a union is about the whole union (its key is the field's).
+    The type is None where it is not known.
+    """
+    import typing
+
+    node: Any = Recipe
+    metadata: list[Any] = []
+    key: list[Any] = []
+    for part in loc:
+        node = _unwrap_optional(node)
+        if _union_members(node) is not None:  # the rest of the location is inside one member
+            break
+        if isinstance(part, str) and part.startswith(_TAGS):
+            continue
+        key.append(part)
+        if isinstance(node, type) and issubclass(node, BaseModel):
+            field = node.model_fields.get(part) if isinstance(part, str) else None
+            node, metadata = (field.annotation, list(field.metadata)) if field else (None, [])
+        elif typing.get_origin(node) in (list, dict):
+            node, metadata = typing.get_args(node)[-1], []
+        else:
+            node, metadata = None, []
+    return tuple(key), _unwrap_optional(node), metadata
+
+
+def _bounds(metadata: list[Any], whole: bool) -> str:
+    """`` ≥ 1``, `` ≥ 0 and < 1``, `` from 1 to 1024``: a number's constraints in words."""
+    lo = hi = None
+    for m in metadata:
+        for c in getattr(m, "metadata", None) or [m]:  # a Field(...) inside Annotated holds its own
+            if getattr(c, "gt", None) is not None:
+                lo = ("≥", c.gt + 1) if whole else (">", c.gt)
+            elif getattr(c, "ge", None) is not None:
+                lo = ("≥", c.ge)
+            if getattr(c, "lt", None) is not None:
+                hi = ("≤", c.lt - 1) if whole else ("<", c.lt)
+            elif getattr(c, "le", None) is not None:
+                hi = ("≤", c.le)
+    if whole and lo and hi:
+        return f" from {lo[1]} to {hi[1]}"
+    parts = [f"{op} {v}" for op, v in (b for b in (lo, hi) if b)]
+    return " " + " and ".join(parts) if parts else ""
+
+
+def _expected(tp: Any, metadata: list[Any] | None = None) -> tuple[list[str], list[Any]]:
+    """What a type accepts, in words: (descriptions of its kinds of value, its literal choices)."""
+    import typing
+
+    metadata = list(metadata or [])
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        base, *extra = typing.get_args(tp)
+        return _expected(base, metadata + extra)
+    members = _union_members(tp)
+    if members is not None:
+        words: list[str] = []
+        choices: list[Any] = []
+        for m in members:
+            if m is type(None):
+                continue
+            w, c = _expected(m, metadata)
+            words += [x for x in w if x not in words]
+            choices += [x for x in c if x not in choices]
+        return words, choices
+    if origin is Literal:
+        return [], list(typing.get_args(tp))
+    if tp is bool:
+        return ["true or false"], []
+    if tp is int:
+        return ["a whole number" + _bounds(metadata, whole=True)], []
+    if tp is float:
+        return ["a number" + _bounds(metadata, whole=False)], []
+    if tp is str:
+        return ["text"], []
+    if origin is list:
+        return ["a list of texts" if typing.get_args(tp)[0] is str else "a list"], []
+    if origin is dict:
+        return ["a mapping of keys to values"], []
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [f"a section of keys ({', '.join(list(tp.model_fields)[:3])}, ...)"], []
+    return [], []
+
+
+def _value_message(errs: list[dict[str, Any]], tp: Any, metadata: list[Any]) -> str:
+    """One message for every error pydantic reported about one key's value."""
+    got = errs[0].get("input")
+    custom = [e for e in errs if e["type"] in ("value_error", "assertion_error")]
+    if custom:  # a validator of ours said what is wrong
+        return custom[0]["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ") + "."
+    words, choices = _expected(tp, metadata) if tp is not None else ([], [])
+    if not words and not choices:
+        ctx_choices = [c for e in errs if e["type"] == "literal_error"
+                       for c in re.findall(r"'([^']*)'", e.get("ctx", {}).get("expected", ""))]
+        if ctx_choices:
+            choices = list(dict.fromkeys(ctx_choices))
+        else:
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            return errs[0]["msg"] + shown + "."
+    best = closest(got, [c for c in choices if isinstance(c, str)]) if isinstance(got, str) else None
+    hint = f" Did you mean '{best}'?" if best else ""
+    if not words:  # choices only
+        return f"invalid value {got!r}.{hint} Valid choices: {', '.join(map(str, choices))}."
+    expected = " or ".join(words) + (f" (or {' or '.join(map(str, choices))})" if choices else "")
+    return f"must be {expected}; got {got!r}.{hint}"
+
+
+def _unknown_key_message(loc: tuple[Any, ...]) -> str:
+    """``unknown key.`` with the key finetuner uses for it (a synonym or a close spelling)."""
+    section = ".".join(str(p) for p in loc[:-1])
+    parent = _model_at(loc[:-1])
+    fields = list(parent.model_fields) if parent else []
+    name = str(loc[-1])
+    # a name from another tool, or the right name in the wrong section (training.max_seq_len)
+    target = SYNONYMS.get(name.strip().lower().replace("-", "_")) or next(
+        (k for k in recipe_keys() if k.rsplit(".", 1)[-1] == name), None)
+    if target is not None:
+        where, _, leaf = target.rpartition(".")
+        if where == section:
+            return f"unknown key. Did you mean '{leaf}'? (finetuner's name for {name})"
+        place = f"in the {where} section" if where else "at the top level of the recipe"
+        return f"unknown key. Did you mean '{target}'? (finetuner's name for {name}; it goes {place})"
+    return f"unknown key.{did_you_mean(name, fields)}" if fields else "unknown key."
+
+
+def recipe_keys() -> list[str]:
+    """Every key of a recipe that holds a value, dotted (``training.lr``, ``method``)."""
+    out = []
+    for name, field in Recipe.model_fields.items():
+        section = _unwrap_optional(field.annotation)
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            out += [f"{name}.{k}" for k in section.model_fields]
+        else:
+            out.append(name)
+    return out
+
+
+def accepted_values(key: str) -> tuple[list[str], list[Any]]:
+    """What a dotted ``key`` accepts, as the error messages say it: the kinds of value in words
+    (``a whole number ≥ 1``) and the named choices (``auto``)."""
+    loc, tp, metadata = _error_key(tuple(key.split(".")))
+    if ".".join(map(str, loc)) != key or tp is None:
+        raise KeyError(key)
+    return _expected(tp, metadata)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        model = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return model
+
+
+def format_validation_error(e: ValidationError, source: str) -> str:
+    """Turn pydantic's errors into lines that name the key, say what it must be and suggest a fix."""
+    lines = [f"{source}: the recipe is not valid:"]
+    by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    types: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
+    for err in e.errors():
+        loc, tp, metadata = _error_key(tuple(err["loc"]))
+        by_key.setdefault(loc, []).append(err)
+        types.setdefault(loc, (tp, metadata))
+    for loc, errs in by_key.items():
+        key = ".".join(str(p) for p in loc)
+        if not key:  # a cross-field check: its message starts with the key it is about
+            for err in errs:
+                k, _, rest = err["msg"].removeprefix("Value error, ").partition(": ")
+                lines.append(f"  - {k}: {rest}.")
+            continue
+        kinds = {err["type"] for err in errs}
+        if "extra_forbidden" in kinds:
+            msg = _unknown_key_message(loc)
+        elif "missing" in kinds:
+            msg = "required key is missing."
+        else:
+            msg = _value_message(errs, *types[loc])
+        lines.append(f"  - {key}: {msg}")
+    return "\n".join(dict.fromkeys(lines))

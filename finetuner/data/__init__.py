@@ -1,0 +1,1 @@
+"""The data pipeline: files and their formats → examples → tokens, masks and packing; the on-disk cache; lengths for the planner; the preview."""

@@ -1,0 +1,548 @@
+"""Reading data files as they are, detecting their format, and normalising rows.
+
+Supported inputs: JSON (an array, or JSON Lines in a .json file), JSONL, CSV and Parquet
+files, and hub data set ids (through :func:`datasets.load_dataset`).
+
+Formats, detected from a row's keys unless the recipe names one:
+
+==============  ============================================================  ==============
+format          row keys                                                      normalised to
+==============  ============================================================  ==============
+``alpaca``      ``instruction``, ``input`` (optional), ``output``,            messages
+                optional ``system`` and ``history`` ([[prompt, reply], ...])
+``chat``        ``messages`` (OpenAI: role/content) or ``conversations``      messages
+                (ShareGPT: from/value; optional ``system``, ``tools``)
+``text``        ``text``                                                      text
+``completion``  ``prompt``, ``completion``                                    prompt/completion
+==============  ============================================================  ==============
+
+Other column names are mapped to *roles* with ``data.columns`` (role: column), e.g.
+``{prompt: question, response: answer}``. The roles (:data:`ROLES`): ``prompt``, ``input``,
+``response``, ``system`` (alpaca-style instruction data, rendered with the chat template;
+``completion`` takes ``prompt`` and ``response`` only), ``messages`` (chat) and ``text``. Named
+columns imply the format (messages: chat, text: text, otherwise alpaca) unless ``data.format``
+names one. A role left out is read from the format's usual column (:data:`FORMAT_COLUMNS`).
+
+Without ``data.columns``, a file whose keys fit none of the formats above is still read when it
+has one of the column pairs in :data:`COMMON_PAIRS` (in any case), question/answer for example:
+the pair gives the prompt and the response, and an ``input`` or ``context`` column the input,
+a ``system`` column the system prompt.
+
+:class:`FileExamples` is the one place that turns a file's rows into examples: the trainer
+(:func:`finetuner.data.pipeline.load_examples`) and the planner (:func:`finetuner.data.stats.profile_data`)
+both read through it. A row that cannot be read becomes a :class:`RowError` naming the file and
+row; the caller either stops with it or skips the row and counts it (``data.on_bad_row``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError, closest
+from finetuner.fileio import exists
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+    "function": "tool",
+}
+CHAT_ROLES = {"system", "user", "assistant", "tool"}
+
+#: What each role of ``data.columns`` holds.
+ROLES = {
+    "prompt": "the instruction or question",
+    "input": "optional context, added after the prompt",
+    "response": "the answer to train on",
+    "system": "an optional system prompt",
+    "messages": "a list of chat turns (OpenAI role/content or ShareGPT from/value)",
+    "text": "plain text, trained on whole",
+}
+#: The roles in a line, for hints.
+ROLES_LINE = (
+    "Roles: prompt (the instruction or question), input (optional context), response (the answer), system; "
+    "chat data: messages; plain text: text."
+)
+#: The column each format reads a role from when ``data.columns`` does not name one (chat also
+#: reads ShareGPT's ``conversations``).
+FORMAT_COLUMNS = {
+    "alpaca": {"prompt": "instruction", "input": "input", "response": "output", "system": "system"},
+    "completion": {"prompt": "prompt", "response": "completion"},
+    "chat": {"messages": "messages", "system": "system"},
+    "text": {"text": "text"},
+}
+REQUIRED_ROLES = {"alpaca": ("prompt", "response"), "completion": ("prompt", "response"), "chat": ("messages",), "text": ("text",)}
+#: Formats ``data.columns`` implies, tried in order: the first whose roles cover the named ones.
+IMPLIED_ORDER = ("chat", "text", "alpaca")
+#: ``(prompt column, response column, format)`` found without ``data.columns`` when a row fits no
+#: format by its keys; names compare in any case, the first pair the row has wins.
+COMMON_PAIRS = (
+    ("instruction", "output", "alpaca"),
+    ("prompt", "completion", "completion"),
+    ("question", "answer", "alpaca"),
+    ("instruction", "response", "alpaca"),
+    ("query", "response", "alpaca"),
+    ("prompt", "response", "alpaca"),
+    ("input", "output", "alpaca"),
+)
+#: With a pair found for alpaca, the columns read as its optional roles (any case, first found).
+COMMON_EXTRAS = {"input": ("input", "context"), "system": ("system",)}
+#: Column names written as a role by mistake, and the role they usually hold.
+ROLE_OF_COLUMN = {
+    "instruction": "prompt", "question": "prompt", "query": "prompt", "output": "response", "answer": "response",
+    "completion": "response", "conversations": "messages", "context": "input",
+}
+
+
+class RowError(ValueError):
+    """One row of a data file cannot be used; the message says why."""
+
+
+@dataclass
+class RawRow:
+    """A row as read from its source, with where it came from (for error messages)."""
+
+    source: str
+    where: str  # "line 12" / "row 12"
+    data: Any
+
+    @property
+    def place(self) -> str:
+        return f"{self.source}, {self.where}"
+
+
+# --------------------------------------------------------------------------- reading
+def _decode(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}: line {line}: not UTF-8 text (byte {e.start}).",
+            hint="Save the file as UTF-8, or check that it is a data file at all.",
+        ) from None
+
+
+def _json_lines(path: Path, text: str, bad: list[RowError]) -> Iterator[RawRow]:
+    # lines end at \n (or \r\n) only: str.splitlines() would also split at U+2028, U+0085, ...,
+    # which JSON allows unescaped inside strings
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield RawRow(str(path), f"line {lineno}", json.loads(line))
+        except json.JSONDecodeError as e:
+            bad.append(RowError(f"{path}, line {lineno}: invalid JSON ({e.msg}, column {e.colno})."))
+        except RecursionError:
+            bad.append(RowError(f"{path}, line {lineno}: invalid JSON (nested too deeply)."))
+
+
+def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
+    """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
+    bad = bad if bad is not None else []
+    p = Path(path)
+    if not exists(p):
+        yield from _hub_rows(path, split)
+        return
+    if p.is_dir():
+        raise UserError(f"{p}: is a folder; data.path must name a file (.json, .jsonl, .csv, .parquet).")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _json_lines(p, _decode(p), bad)
+    elif suffix == ".json":
+        text = _decode(p)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if e.msg == "Extra data":  # JSON Lines saved as .json
+                yield from _json_lines(p, text, bad)
+                return
+            raise UserError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg}).") from None
+        except RecursionError:
+            raise UserError(f"{p}: invalid JSON: arrays or objects nested too deeply.") from None
+        if isinstance(data, dict):
+            if detect_format(data) is not None:  # one row (JSON Lines with a single line)
+                data = [data]
+            else:  # {"data": [rows]}
+                data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else None
+        if not isinstance(data, list):
+            raise UserError(f"{p}: expected a JSON array of rows (or JSON Lines, one object per line).")
+        for i, row in enumerate(data, start=1):
+            yield RawRow(str(p), f"row {i}", row)
+    elif suffix == ".csv":
+        text = _decode(p)
+        # newline="": lines end at \n, \r or \r\n only (str.splitlines() would also split cells at
+        # U+2028, U+0085, \x1c, ... and silently break rows apart)
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            for row in reader:
+                if None in row:
+                    bad.append(RowError(f"{p}, line {reader.line_num}: more fields than the header has."))
+                    continue
+                yield RawRow(str(p), f"line {reader.line_num}", dict(row))
+        except csv.Error as e:
+            raise UserError(f"{p}, line {reader.line_num}: invalid CSV ({e}).") from None
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise UserError(f"{p}: not a readable Parquet file ({e}).") from None
+        for i, row in enumerate(table.to_pylist(), start=1):
+            yield RawRow(str(p), f"row {i}", row)
+    else:
+        raise UserError(
+            f"{p}: unsupported file type '{suffix or '(none)'}'.",
+            hint="Use .json, .jsonl, .csv or .parquet.",
+        )
+
+
+def _hub_rows(name: str, split: str) -> Iterator[RawRow]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, missing repo, missing split
+        raise UserError(
+            f"data.path: could not load '{name}' as a local file or a hub data set ({type(e).__name__}: {e}).",
+            hint="Check the path, or the hub id and your connection (HF_HUB_OFFLINE must be unset).",
+        ) from None
+    for i, row in enumerate(ds, start=1):
+        yield RawRow(name, f"row {i}", row)
+
+
+# --------------------------------------------------------------------------- formats
+@dataclass
+class Layout:
+    """How a file's rows become examples: the format, and the columns named for its roles
+    (``data.columns``, or found by :data:`COMMON_PAIRS`); other roles use :data:`FORMAT_COLUMNS`."""
+
+    format: str
+    columns: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``alpaca`` or ``alpaca (prompt: question, response: answer)``."""
+        if not self.columns:
+            return self.format
+        return f"{self.format} ({', '.join(f'{r}: {c}' for r, c in self.columns.items())})"
+
+    def describe_quoted(self) -> str:
+        """``'alpaca'``, or ``'alpaca', columns prompt: question, response: answer`` (for row errors)."""
+        named = f", columns {', '.join(f'{r}: {c}' for r, c in self.columns.items())}" if self.columns else ""
+        return f"'{self.format}'{named}"
+
+
+def check_columns(columns: dict[str, str], fmt: str = "auto") -> str:
+    """The format ``data.columns`` is read as; a ``ValueError`` saying what to change if it cannot be."""
+    roles = ", ".join(ROLES)
+    for role, col in columns.items():
+        if role in ROLES:
+            if not isinstance(col, str) or not col.strip():
+                raise ValueError(f"{role}: give the name of the column that holds {ROLES[role]}")
+            continue
+        if isinstance(col, str) and col in ROLES:  # written the other way round: column: role
+            raise ValueError(f"'{role}' is not a role: write role: column, i.e. {col}: {role} (roles: {roles})")
+        if str(role).lower() in ROLE_OF_COLUMN:
+            meant = ROLE_OF_COLUMN[str(role).lower()]
+            raise ValueError(f"'{role}' is not a role: a column that holds {ROLES[meant]} is named as {meant}: COLUMN (roles: {roles})")
+        best = closest(str(role), ROLES)
+        guess = f" Did you mean '{best}'?" if best else ""
+        raise ValueError(f"unknown role '{role}'.{guess} The roles are {roles}")
+    seen: dict[str, str] = {}
+    for role, col in columns.items():
+        if col in seen:
+            raise ValueError(f"'{seen[col]}' and '{role}' both name the column '{col}': a column holds one role")
+        seen[col] = role
+    if fmt != "auto":
+        extra = [r for r in columns if r not in FORMAT_COLUMNS[fmt]]
+        if extra:
+            fits = _implied(columns)
+            fix = f"set data.format: {fits} (or auto)" if fits else f"drop data.columns.{extra[0]}"
+            raise ValueError(
+                f"format '{fmt}' has no role '{extra[0]}' (its roles: {', '.join(FORMAT_COLUMNS[fmt])}): {fix}"
+            )
+        return fmt
+    implied = _implied(columns)
+    if implied is None:
+        raise ValueError(
+            f"the roles {', '.join(columns)} do not belong to one kind of data: chat data has messages (and system); "
+            "instruction data prompt, input, response, system; plain text only text"
+        )
+    return implied
+
+
+def _implied(columns: dict[str, str]) -> str | None:
+    return next((f for f in IMPLIED_ORDER if set(columns) <= set(FORMAT_COLUMNS[f])), None)
+
+
+def detect_layout(row: Any) -> Layout | None:
+    """The layout a row is in, from its keys (the formats' own names, then :data:`COMMON_PAIRS`),
+    or ``None`` if none fits."""
+    if not isinstance(row, dict):
+        return None
+    keys = set(row)
+    if "messages" in keys or "conversations" in keys:
+        return Layout("chat")
+    if "instruction" in keys and "output" in keys:
+        return Layout("alpaca")
+    if "prompt" in keys and "completion" in keys:
+        return Layout("completion")
+    if "text" in keys:
+        return Layout("text")
+    by_lower: dict[str, str] = {}
+    for k in row:
+        if isinstance(k, str):
+            by_lower.setdefault(k.strip().lower(), k)
+    for prompt, response, fmt in COMMON_PAIRS:
+        if prompt in by_lower and response in by_lower:
+            columns = {"prompt": by_lower[prompt], "response": by_lower[response]}
+            if fmt == "alpaca":
+                for role, names in COMMON_EXTRAS.items():
+                    col = next((by_lower[n] for n in names if n in by_lower and by_lower[n] not in columns.values()), None)
+                    if col is not None:
+                        columns[role] = col
+            return Layout(fmt, columns)
+    return None
+
+
+def detect_format(row: Any) -> str | None:
+    """The format a row is in, from its keys, or ``None`` if none fits (see :func:`detect_layout`)."""
+    layout = detect_layout(row)
+    return layout.format if layout else None
+
+
+def _columns_text(row: Any) -> str:
+    return ", ".join(map(str, row)) if isinstance(row, dict) else f"none: the row is a {type(row).__name__}"
+
+
+def _set_columns_hint(roles: list[str]) -> str:
+    cli = " ".join(f"--set data.columns.{r}=COLUMN" for r in roles)
+    yaml_form = ", ".join(f"{r}: COLUMN" for r in roles)
+    return f"Name the columns on the command line: {cli}\nor in the recipe:\n  data:\n    columns: {{{yaml_form}}}\n"
+
+
+def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = None) -> Layout:
+    """How the rows of ``raw``'s file become examples, decided from its first row ``raw``.
+
+    With neither ``fmt`` nor ``columns``: :func:`detect_layout`. Otherwise the format is ``fmt`` or
+    the one ``columns`` implies; a role not named is read from the format's usual column and, when
+    the file has none, from a common name (:data:`COMMON_PAIRS`). A :class:`UserError` names the
+    file, the row, the column and the file's columns when a named column or a needed one is missing.
+    """
+    row = raw.data
+    if not columns and fmt == "auto":
+        found = detect_layout(row)
+        if found is None:
+            raise UserError(
+                f"{raw.place}: cannot tell the data format from the columns ({_columns_text(row)}).",
+                hint=_set_columns_hint(["prompt", "response"]) + ROLES_LINE + " Found without settings: "
+                "instruction/input/output, messages or conversations (chat), text, and the pairs "
+                + ", ".join(f"{p}/{r}" for p, r, _ in COMMON_PAIRS[1:]) + " in any case.",
+            )
+        return found
+    f = fmt if fmt != "auto" else check_columns(columns or {})
+    named = dict(columns or {})
+    if not isinstance(row, dict):
+        return Layout(f, named)  # normalize() reports the row
+    for role, col in named.items():
+        if col not in row:
+            raise UserError(
+                f"{raw.place}: data.columns.{role} names the column '{col}', which the file does not have "
+                f"(its columns: {_columns_text(row)}).",
+                hint=f"Set data.columns.{role} to the column that holds {ROLES[role]}: --set data.columns.{role}=COLUMN.",
+            )
+    usual = FORMAT_COLUMNS[f]
+    found = detect_layout(row)
+    for role, col in (found.columns if found else {}).items():  # roles whose usual column is absent
+        if role in usual and role not in named and usual[role] not in row and col not in named.values():
+            named[role] = col
+    missing = [
+        r for r in REQUIRED_ROLES[f]
+        if r not in named and not (usual[r] in row if f != "chat" else ("messages" in row or "conversations" in row))
+    ]
+    if missing:
+        where = ", ".join(f"the {r} from '{usual[r]}'" + (" or 'conversations'" if r == "messages" else "") for r in missing)
+        raise UserError(
+            f"{raw.place}: no column for {' and '.join(missing)}: format '{f}' reads {where}, and the file's columns "
+            f"are {_columns_text(row)}.",
+            hint=_set_columns_hint(missing) + ROLES_LINE
+            + (f" Or set data.format: auto, which reads the file as {found.describe()}." if found and found.format != f else ""),
+        )
+    return Layout(f, named)
+
+
+def _valid_text(v: str, what: str) -> str:
+    """``v`` if it is valid Unicode: JSON's \\ud800-style escapes can carry lone surrogates, which
+    no tokenizer or Arrow table takes."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"{what} contains an unpaired surrogate (\\u{ord(v[e.start]):04x} at character {e.start + 1}): "
+                       "not valid Unicode text") from None
+    return v
+
+
+def _text(row: dict, key: str, *, required: bool = True) -> str:
+    v = row.get(key)
+    if v is None:
+        if required:
+            raise RowError(f"missing '{key}'")
+        return ""
+    if not isinstance(v, str):
+        raise RowError(f"'{key}' must be text, got {type(v).__name__}")
+    return _valid_text(v, f"'{key}'")
+
+
+def _check_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    prev = None
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "system" and i != 0:
+            raise RowError(f"message {i + 1}: a system message must come first")
+        if role in ("user", "assistant") and role == prev:
+            raise RowError(f"messages {i} and {i + 1} are both '{role}': turns must alternate user/assistant")
+        prev = role
+    while messages and messages[-1]["role"] != "assistant":
+        messages = messages[:-1]
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise RowError("no assistant reply to train on")
+    return messages
+
+
+def columns_for(fmt: str, columns: dict[str, str] | None = None) -> dict[str, str]:
+    """Role -> column for ``fmt``: the named ``columns``, then the format's usual names for the other
+    roles (a column already named for one role is not read again for another)."""
+    cols = dict(columns or {})
+    for role, name in FORMAT_COLUMNS[fmt].items():
+        if role not in cols and name not in cols.values():
+            cols[role] = name
+    return cols
+
+
+def _sharegpt_turns(turns: Any) -> bool:
+    first = turns[0] if isinstance(turns, list) and turns else None
+    return isinstance(first, dict) and ("from" in first or "value" in first) and "role" not in first
+
+
+def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dict[str, str] | None = None) -> dict[str, Any]:
+    """Turn one raw row into ``{"messages": [...]}``, ``{"text": ...}`` or ``{"prompt", "completion"}``;
+    ``columns`` (role -> column) names the row's keys for the format's roles (:func:`columns_for`)."""
+    if fmt not in FORMAT_COLUMNS:
+        raise RowError(f"unknown format {fmt!r}")
+    if not isinstance(row, dict):
+        raise RowError(f"expected an object with named fields, got {type(row).__name__}")
+    c = columns_for(fmt, columns)
+    if fmt == "text":
+        text = _text(row, c["text"])
+        if not text.strip():
+            raise RowError(f"'{c['text']}' is empty")
+        return {"text": text}
+    if fmt == "completion":
+        prompt, completion = _text(row, c["prompt"]), _text(row, c["response"])
+        if not completion.strip():
+            raise RowError(f"'{c['response']}' is empty")
+        return {"prompt": prompt, "completion": completion}
+    system = (row.get(c["system"]) if "system" in c else None) or system_prompt
+    if fmt == "alpaca":
+        instruction, output = _text(row, c["prompt"]), _text(row, c["response"])
+        extra = _text(row, c["input"], required=False) if "input" in c else ""
+        if not output.strip():
+            raise RowError(f"'{c['response']}' is empty: nothing to train on")
+        if not (instruction.strip() or extra.strip()):
+            raise RowError(f"'{c['prompt']}' and '{c['input']}' are both empty" if "input" in c else f"'{c['prompt']}' is empty")
+        messages: list[dict[str, str]] = []
+        if system:
+            messages.append({"role": "system", "content": _valid_text(str(system), f"'{c.get('system', 'system')}'")})
+        history = row.get("history") or []
+        if not isinstance(history, list):
+            raise RowError(f"'history' must be a list of [prompt, reply] pairs, got {type(history).__name__}")
+        for j, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise RowError(f"'history' item {j + 1} must be a [prompt, reply] pair of texts")
+            for x in pair:
+                _valid_text(x, f"'history' item {j + 1}")
+            messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        user = f"{instruction}\n\n{extra}" if instruction.strip() and extra.strip() else (instruction or extra)
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        return {"messages": _check_turns(messages)}
+    # chat
+    openai = ("role", "content", {r: r for r in CHAT_ROLES})
+    sharegpt = ("from", "value", SHAREGPT_ROLES)
+    if columns and "messages" in columns:
+        if c["messages"] not in row:
+            raise RowError(f"missing '{c['messages']}'")
+        turns = row[c["messages"]]
+        role_key, content_key, roles = sharegpt if _sharegpt_turns(turns) else openai
+    elif "messages" in row:
+        turns, (role_key, content_key, roles) = row["messages"], openai
+    elif "conversations" in row:
+        turns, (role_key, content_key, roles) = row["conversations"], sharegpt
+    else:
+        raise RowError("missing 'messages' (or ShareGPT 'conversations')")
+    if not isinstance(turns, list) or not turns:
+        raise RowError("the conversation must be a non-empty list of turns")
+    messages = []
+    for i, t in enumerate(turns, start=1):
+        if not isinstance(t, dict):
+            raise RowError(f"turn {i} must be an object with '{role_key}' and '{content_key}'")
+        role, content = t.get(role_key), t.get(content_key)
+        if not isinstance(role, str) or role not in roles:
+            raise RowError(f"turn {i}: unknown {role_key} {role!r} (expected one of {', '.join(sorted(roles))})")
+        if not isinstance(content, str):
+            raise RowError(f"turn {i}: '{content_key}' must be text")
+        messages.append({"role": roles[role], "content": _valid_text(content, f"turn {i}: '{content_key}'")})
+    tools = row.get("tools")
+    if tools:
+        tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
+        system = (f"{system}\n\n" if system else "") + f"You can call these tools:\n{tools_text}"
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": _valid_text(str(system), "'system'")})
+    return {"messages": _check_turns(messages)}
+
+
+# --------------------------------------------------------------------------- examples of a file
+class FileExamples:
+    """The examples of one data file, as the trainer and the planner both read them.
+
+    Iterating reads the rows (:func:`read_rows`), decides the :class:`Layout` from the first row
+    (:func:`layout_for`: a :class:`UserError` if it cannot) and yields each row normalised
+    (:func:`normalize`) with ``_where`` naming its place. A row that cannot be used is not yielded:
+    it is added to :attr:`bad` as a :class:`RowError` naming its file and line or row, and the caller
+    stops on it or skips it (``data.on_bad_row``). :attr:`rows` counts the rows read (lines that are
+    not valid JSON are not rows: they are only in :attr:`bad`).
+    """
+
+    def __init__(self, path: str, fmt: str = "auto", columns: dict[str, str] | None = None,
+                 system_prompt: str | None = None, split: str = "train"):
+        self.path, self.fmt, self.columns, self.system_prompt, self.split = path, fmt, columns, system_prompt, split
+        self.layout: Layout | None = None
+        self.rows = 0
+        self.bad: list[RowError] = []
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for raw in read_rows(self.path, self.split, self.bad):
+            self.rows += 1
+            if self.layout is None:
+                self.layout = layout_for(raw, self.fmt, self.columns)
+            try:
+                ex = normalize(raw.data, self.layout.format, self.system_prompt, self.layout.columns)
+            except RowError as e:
+                self.bad.append(RowError(f"{raw.place}: {e} (format {self.layout.describe_quoted()})."))
+                continue
+            ex["_where"] = raw.place
+            yield ex

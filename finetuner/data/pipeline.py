@@ -1,0 +1,382 @@
+"""The data pipeline: files → normalised examples → tokens with a loss mask → batches.
+
+Steps, each a function here:
+
+1. :func:`load_examples` reads every file of ``data.path`` (see :mod:`finetuner.data.formats`),
+   detects or checks its format (or takes the columns ``data.columns`` names) and normalises
+   each row; a bad row stops with its file and row,
+   or is skipped and counted (``data.on_bad_row: skip``).
+2. :func:`tokenize_examples` renders chat rows with the tokenizer's chat template (or the
+   recipe's, or a built-in fallback) and labels only the assistant replies (``-100`` elsewhere)
+   unless ``train_on_prompt``; it truncates to ``max_seq_len`` through ``datasets.map``.
+3. :func:`pack` optionally packs short examples into full rows; position ids restart at every
+   example so attention stays inside it (transformers builds a block-diagonal mask from them).
+   ``data.packing: auto`` packs when examples average under half of ``max_seq_len``
+   (:func:`resolve_packing`).
+4. :class:`Collator` pads a micro-batch on the right.
+
+:func:`prepare_data` stores the result of steps 1-3 on disk (:mod:`finetuner.data.cache`), keyed
+by the data files' bytes, the tokenizer, the chat template and the settings: a second run with
+the same inputs loads it instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetuner.data.formats import FileExamples, RowError
+from finetuner.errors import UserError
+from finetuner.config.recipe import DataSection
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+#: Used when neither the recipe nor the tokenizer has a chat template. Turns end with the
+#: tokenizer's EOS token so the model learns to stop and generation stops there.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass
+class DataStats:
+    """What the pipeline did, reported in events and the run summary."""
+
+    format: dict[str, str] = field(default_factory=dict)
+    #: per file, the roles read from columns named in data.columns or found by their names (question/answer, ...)
+    columns: dict[str, dict[str, str]] = field(default_factory=dict)
+    rows: int = 0
+    skipped: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+    truncated: int = 0
+    dropped_empty: int = 0
+    train_examples: int = 0
+    val_examples: int = 0
+    train_tokens: int = 0
+    trained_tokens: int = 0
+    packed_rows: int | None = None
+    packing: bool | None = None
+    cache: str | None = None  # "hit", "miss" or None (not cached)
+    prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["skipped_reasons"] = self.skipped_reasons[:20]
+        return d
+
+
+# --------------------------------------------------------------------------- loading
+def load_examples(paths: str | Sequence[str], cfg: DataSection, stats: DataStats) -> list[dict[str, Any]]:
+    """Read and normalise the rows of every path (:class:`~finetuner.data.formats.FileExamples`,
+    with ``data.format`` and ``data.columns``); each example keeps ``_where`` for errors."""
+    examples: list[dict[str, Any]] = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        src = FileExamples(path, cfg.format, cfg.columns, cfg.system_prompt, cfg.split)
+        n_before = len(examples)
+        for ex in src:
+            _raise_or_skip(src.bad, cfg, stats)
+            examples.append(ex)
+            if cfg.max_examples and len(examples) >= cfg.max_examples:
+                break
+        _raise_or_skip(src.bad, cfg, stats)
+        stats.rows += src.rows
+        stats.format[path] = src.layout.format if src.layout else cfg.format
+        if src.layout and src.layout.columns:
+            stats.columns[path] = dict(src.layout.columns)
+        if len(examples) == n_before:
+            raise UserError(f"{path}: no usable rows.", hint="The file is empty or every row was skipped.")
+    return examples
+
+
+def _raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> None:
+    if not bad:
+        return
+    if cfg.on_bad_row == "error":
+        raise UserError(str(bad[0]), hint="Fix the row, or set data.on_bad_row: skip to skip bad rows and count them.")
+    stats.skipped += len(bad)
+    stats.skipped_reasons += [str(b) for b in bad]
+    bad.clear()
+
+
+# --------------------------------------------------------------------------- tokenizing
+def chat_template_for(tokenizer: Any, cfg: DataSection) -> str:
+    if cfg.chat_template:
+        return cfg.chat_template
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    log.warning("The tokenizer has no chat template; using finetuner's fallback template.")
+    return FALLBACK_CHAT_TEMPLATE
+
+
+def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
+
+
+def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: int, train_on_prompt: bool) -> dict[str, Any]:
+    """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if ex.get("messages"):
+        msgs = ex["messages"]
+        try:
+            text = _render(tokenizer, template, msgs, gen=False)
+            spans = []
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                prefix = _render(tokenizer, template, msgs[:i], gen=True) if i else ""
+                upto = _render(tokenizer, template, msgs[: i + 1], gen=False)
+                if not (text.startswith(upto) and upto.startswith(prefix)):
+                    raise RowError(
+                        "the chat template does not render conversations as prefixes of each other, "
+                        "so replies cannot be located; set data.chat_template to a template that does"
+                    )
+                spans.append((len(prefix), len(upto)))
+        except RowError:
+            raise
+        except Exception as e:  # jinja errors raised by the template for this conversation
+            raise RowError(f"the chat template failed on this conversation: {e}") from None
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        if train_on_prompt:
+            labels = list(ids)
+        else:
+            # a token is trained on if it overlaps a reply (a token may straddle the boundary)
+            labels = [
+                t if any(start < e and end > s for s, e in spans) else IGNORE_INDEX
+                for t, (start, end) in zip(ids, enc["offset_mapping"])
+            ]
+    elif ex.get("text") is not None:
+        ids = tokenizer(ex["text"], add_special_tokens=True)["input_ids"] + eos
+        labels = list(ids)
+    else:
+        prompt, completion = ex["prompt"], ex["completion"]
+        enc = tokenizer(prompt + completion, add_special_tokens=True, return_offsets_mapping=True)
+        ids = enc["input_ids"] + eos
+        cut = len(prompt)
+        labels = [
+            t if (train_on_prompt or end > cut) else IGNORE_INDEX
+            for t, (_start, end) in zip(enc["input_ids"], enc["offset_mapping"])
+        ] + eos
+    truncated = len(ids) > max_len
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len], "truncated": truncated}
+
+
+def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataSection, stats: DataStats):
+    """Tokenize with ``datasets.map``; returns a ``datasets.Dataset`` of input_ids/labels."""
+    import datasets
+
+    template = chat_template_for(tokenizer, cfg)
+    rows = {
+        "messages": [ex.get("messages") for ex in examples],
+        "text": [ex.get("text") for ex in examples],
+        "prompt": [ex.get("prompt") for ex in examples],
+        "completion": [ex.get("completion") for ex in examples],
+        "_where": [ex["_where"] for ex in examples],
+    }
+    ds = datasets.Dataset.from_dict(rows)
+
+    def _encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "error": []}
+        for i in range(len(batch["_where"])):
+            ex = {k: batch[k][i] for k in ("messages", "text", "prompt", "completion")}
+            try:
+                enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt)
+                err = ""
+            except RowError as e:
+                enc, err = {"input_ids": [], "labels": [], "truncated": False}, f"{batch['_where'][i]}: {e}."
+            for k in ("input_ids", "labels", "truncated"):
+                out[k].append(enc[k])
+            out["error"].append(err)
+        return out
+
+    ds = ds.map(
+        _encode,
+        batched=True,
+        batch_size=256,
+        num_proc=_num_proc(cfg, len(ds)),
+        remove_columns=["messages", "text", "prompt", "completion"],
+        desc="Tokenizing",
+    )
+    errors = [e for e in ds["error"] if e]
+    if errors:
+        if cfg.on_bad_row == "error":
+            raise UserError(errors[0], hint="Fix the row, or set data.on_bad_row: skip.")
+        stats.skipped += len(errors)
+        stats.skipped_reasons += errors
+    stats.truncated += int(sum(ds["truncated"]))
+    keep = [i for i, (e, labels) in enumerate(zip(ds["error"], ds["labels"])) if not e and any(t != IGNORE_INDEX for t in labels)]
+    stats.dropped_empty += len(ds) - len(errors) - len(keep)
+    ds = ds.select(keep).remove_columns(["error", "truncated"])
+    if len(ds) == 0:
+        files = ", ".join(dict.fromkeys(where.rpartition(", ")[0] for where in rows["_where"]))
+        raise UserError(
+            f"{files}: no example has any token to train on after truncation to data.max_seq_len {cfg.max_seq_len}.",
+            hint=f"Raise data.max_seq_len (now {cfg.max_seq_len}) or check the data.",
+        )
+    return ds
+
+
+def _num_proc(cfg: DataSection, n_rows: int) -> int | None:
+    """Worker processes for tokenizing: the recipe's, or up to 8 for large data sets (>= 20k rows)."""
+    if cfg.num_proc:
+        return cfg.num_proc if n_rows > 1000 else None
+    if n_rows >= 20_000:
+        import os
+
+        n = min(8, (os.cpu_count() or 1) - 1)
+        return n if n > 1 else None
+    return None
+
+
+# --------------------------------------------------------------------------- packing
+def resolve_packing(setting: bool | str, lengths: Sequence[int], max_seq_len: int) -> bool:
+    """``data.packing``: ``auto`` packs when examples average under half of ``max_seq_len``.
+
+    Below that, padding each example to the longest in its micro-batch wastes most of the
+    compute, and a packed row holds two or more examples; above it, packing gains little and
+    mixes long examples for nothing.
+    """
+    if setting != "auto":
+        return bool(setting)
+    return bool(lengths) and sum(lengths) / len(lengths) < max_seq_len / 2
+
+
+def pack(ds, max_len: int, seed: int):
+    """Greedily pack examples (in a seeded random order) into rows of at most ``max_len`` tokens.
+
+    Each packed row carries ``position_ids`` that restart at 0 for every example: with no
+    attention mask, transformers turns them into a block-diagonal causal mask, so tokens never
+    attend across examples (``transformers.masking_utils.find_packed_sequence_indices``).
+    """
+    import datasets
+
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    all_ids, all_labels = ds["input_ids"], ds["labels"]  # whole columns: no per-row Arrow reads
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    cur: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for i in order:
+        ids, labels = all_ids[i], all_labels[i]
+        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > max_len:
+            for k in rows:
+                rows[k].append(cur[k])
+            cur = {"input_ids": [], "labels": [], "position_ids": []}
+        cur["input_ids"] += ids
+        # the first token of an example must not be a target of the previous example's last one
+        cur["labels"] += [IGNORE_INDEX] + labels[1:]
+        cur["position_ids"] += list(range(len(ids)))
+    if cur["input_ids"]:
+        for k in rows:
+            rows[k].append(cur[k])
+    return datasets.Dataset.from_dict(rows)
+
+
+# --------------------------------------------------------------------------- putting it together
+@dataclass
+class PreparedData:
+    train: Any
+    val: Any | None
+    stats: DataStats
+    chat_template: str
+
+
+def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
+    """Everything from ``data.path`` to tokenized (and optionally packed) train/val sets.
+
+    Served from the on-disk cache (:mod:`finetuner.data.cache`) when the same files, tokenizer,
+    template, settings and seed were prepared before (``data.cache: false`` turns it off).
+    """
+    import time
+
+    from finetuner.data import cache as data_cache
+
+    t0 = time.perf_counter()
+    template = chat_template_for(tokenizer, cfg)
+    key = data_cache.cache_key(cfg, tokenizer, template, seed) if cfg.cache else None
+    if key is not None:
+        hit = data_cache.load(key)
+        if hit is not None:
+            train, val, stats = hit
+            stats = DataStats(**stats)
+            stats.cache = "hit"
+            stats.prepare_s = round(time.perf_counter() - t0, 3)
+            log.info("Tokenized data from the cache: %s", data_cache.cache_dir(key))
+            return PreparedData(train, val, stats, template)
+    prepared = _prepare_uncached(cfg, tokenizer, seed)
+    if key is not None:
+        prepared.stats.cache = "miss"
+        data_cache.store(key, prepared.train, prepared.val, prepared.stats.to_dict())
+    prepared.stats.prepare_s = round(time.perf_counter() - t0, 3)
+    return prepared
+
+
+def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
+    stats = DataStats()
+    examples = load_examples(cfg.path, cfg, stats)
+    train = tokenize_examples(examples, tokenizer, cfg, stats)
+    val = None
+    if cfg.val_path:
+        val = tokenize_examples(load_examples(cfg.val_path, cfg, stats), tokenizer, cfg, stats)
+    elif cfg.val_size > 0:
+        n_val = int(cfg.val_size) if cfg.val_size >= 1 else max(1, round(cfg.val_size * len(train)))
+        if n_val >= len(train):
+            raise UserError(
+                f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",
+                hint="Use a fraction below 1, or a smaller number of rows.",
+            )
+        split = train.train_test_split(test_size=n_val, seed=seed, shuffle=True)
+        train, val = split["train"], split["test"]
+    stats.train_examples = len(train)
+    stats.val_examples = len(val) if val is not None else 0
+    lengths = [len(x) for x in train["input_ids"]]
+    stats.train_tokens = sum(lengths)
+    stats.trained_tokens = sum(sum(1 for t in labels if t != IGNORE_INDEX) for labels in train["labels"])
+    train = train.remove_columns([c for c in train.column_names if c not in ("input_ids", "labels")])
+    if val is not None:
+        val = val.remove_columns([c for c in val.column_names if c not in ("input_ids", "labels")])
+    stats.packing = resolve_packing(cfg.packing, lengths, cfg.max_seq_len)
+    if stats.packing:
+        train = pack(train, cfg.max_seq_len, seed)
+        stats.packed_rows = len(train)
+        if val is not None:
+            val = pack(val, cfg.max_seq_len, seed)
+    return PreparedData(train, val, stats, chat_template_for(tokenizer, cfg))
+
+
+class Collator:
+    """Pads a list of examples on the right into a batch of tensors."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        n = max(len(x["input_ids"]) for x in batch)
+        packed = "position_ids" in batch[0]
+        ids, labels, extra = [], [], []
+        for x in batch:
+            pad = n - len(x["input_ids"])
+            ids.append(x["input_ids"] + [self.pad_token_id] * pad)
+            labels.append(x["labels"] + [IGNORE_INDEX] * pad)
+            if packed:  # padding is one more "example" with its own positions
+                extra.append(x["position_ids"] + list(range(pad)))
+            else:
+                extra.append([1] * len(x["input_ids"]) + [0] * pad)
+        out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+        if packed:
+            out["position_ids"] = torch.tensor(extra)
+            out["num_tokens"] = sum(len(x["input_ids"]) for x in batch)
+        else:
+            out["attention_mask"] = torch.tensor(extra)
+            out["num_tokens"] = int(out["attention_mask"].sum())
+        return out

@@ -1,0 +1,1 @@
+"""Exports of a run: the merged transformers folder."""

@@ -1,0 +1,324 @@
+"""Merge a LoRA adapter into its base model and export a plain ``save_pretrained`` folder.
+
+The base is loaded *unquantized*, in the output dtype, even for a QLoRA run: merging into a 4-bit
+layer re-quantizes the sum and changes the outputs, so the LoRA product ``B·A·alpha/r`` is added
+(in fp32, rounded once) to the full-precision weights. The result is checked before anything is
+published: the merged folder is written to a temporary folder next to the output, loaded back
+with plain :class:`transformers.AutoModelForCausalLM`, and its logits on a probe conversation
+are compared with the adapter-on-base logits; only then is it renamed into place.
+
+Memory: the base is loaded once (transformers materialises it tensor by tensor from the
+safetensors files, so there is no second copy), the merge happens in place layer by layer,
+and ``save_pretrained`` serialises one shard at a time. Peak RAM is about the model's size in
+the output dtype plus one shard; the check reloads the merged folder only after the first copy
+is freed. ``scripts/measure_merge_memory.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.quiet import quieted
+from finetuner.infer.loading import Source, chat_template, load_pretrained, load_tokenizer, resolve_source
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+#: Allowed max |merged - adapter| logit difference, relative to the largest |logit| (at least 1).
+#: fp32 agrees to rounding; a 16-bit merge rounds every merged weight once.
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
+
+PROBE_MESSAGES = [
+    {"role": "user", "content": "What should I pack for a day hike in the hills?"},
+    {"role": "assistant", "content": "Water, a map, a warm layer and something to eat."},
+    {"role": "user", "content": "And if it rains?"},
+]
+
+INFO_FILE = "finetuner_merge.json"
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge_adapter` wrote and how well the merged model matches the adapter."""
+
+    output_dir: Path
+    source: str
+    base_model: str
+    dtype: str
+    files: list[str]
+    weight_bytes: int
+    max_abs_diff: float | None
+    max_abs_logit: float | None
+    adapter_effect: float | None
+    tolerance: float | None
+    top1_agreement: float | None
+    probe_tokens: int
+    peak_rss_bytes: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shards(self) -> int:
+        return sum(1 for f in self.files if f.endswith(".safetensors"))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["output_dir"] = str(self.output_dir)
+        d["shards"] = self.shards
+        return d
+
+    def __repr__(self) -> str:
+        diff = "not checked" if self.max_abs_diff is None else f"max |Δlogit| {self.max_abs_diff:.2e}"
+        return (f"MergeResult({str(self.output_dir)!r}: {self.dtype}, {self.shards} shard(s), "
+                f"{self.weight_bytes / 2**20:.1f} MiB, {diff}, peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB)")
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes → bytes."""
+    if isinstance(size, int) and size > 0:
+        return size
+    s = str(size).strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            try:
+                n = float(s[: -len(unit)])
+            except ValueError:
+                break
+            if n > 0:
+                return int(n * mult)
+            break
+    else:
+        if s.isdigit() and int(s) > 0:
+            return int(s)
+    raise UserError(f"shard size '{size}' is not a size.", hint="Use e.g. 5GB, 500MB or 2GiB.")
+
+
+def check_output_dir(out: Path, overwrite: bool, src: Source) -> None:
+    """Refuse a file, a non-empty folder (unless ``overwrite``), or a folder holding the source or a run."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"The output {out} is a file.", hint="Choose a folder for -o.")
+    for inside in filter(None, [Path(str(src.path)), src.adapter_dir, Path(src.base_model) if Path(src.base_model).exists() else None]):
+        inside = inside.resolve()
+        if inside == out or out in inside.parents:
+            raise UserError(f"The output folder {out} holds the model being merged ({inside}).", hint="Choose a new folder for -o.")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"The output folder {out} is not empty; finetuner will not write into it.",
+                            hint="Choose a new folder for -o, or pass --overwrite to replace it.")
+        if (out / "recipe.yaml").is_file() or (out / "events.jsonl").is_file():
+            raise UserError(f"{out} holds a finetuner run; --overwrite does not replace run folders.", hint="Choose another -o.")
+
+
+def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
+    import torch
+
+    text = tokenizer.apply_chat_template(PROBE_MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_tokens:]
+    return torch.tensor([ids])
+
+
+def _logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids.to(model.device), use_cache=False).logits.float().cpu()
+
+
+def _all_finite(w, rows: int = 1024) -> bool:
+    """``isfinite(w).all()`` a block of rows at a time (no weight-sized temporaries)."""
+    import torch
+
+    return all(bool(torch.isfinite(block).all()) for block in w.detach().split(rows))
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (``VmHWM``: unlike ``ru_maxrss`` it is not
+    inherited from the parent across fork and exec)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def merge_adapter(
+    source: str | Path,
+    output_dir: str | Path,
+    dtype: str = "bf16",
+    shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    base_model: str | None = None,
+    verify: bool = True,
+) -> MergeResult:
+    """Merge a run's (or a peft folder's) LoRA adapter into its base and write a model folder.
+
+    The output is a ``save_pretrained`` folder (safetensors, sharded at ``shard_size``, with the
+    tokenizer, the chat template the run trained with and the generation config) that plain
+    transformers loads: ``AutoModelForCausalLM.from_pretrained(output_dir)``.
+
+    Args:
+        source: a run folder made by ``finetuner run`` or a peft adapter folder. A full
+            fine-tune run is exported (re-saved in ``dtype``) as there is nothing to merge.
+        output_dir: a new or empty folder; a non-empty one only with ``overwrite`` (it is then
+            replaced as a whole once the new folder is complete and checked).
+        dtype: ``bf16``, ``fp16`` or ``fp32`` — of the merged weights, and of the base while merging.
+        shard_size: largest safetensors file, e.g. ``"5GB"``.
+        overwrite: replace a non-empty ``output_dir``.
+        base_model: where the base model is, if not where the run or adapter says.
+        verify: compare the written model's logits with the adapter-on-base logits on a probe
+            conversation (max abs difference in the result) and refuse to publish on a mismatch.
+
+    Example::
+
+        >>> import finetuner
+        >>> r = finetuner.merge_adapter("runs/demo_cpu", "exports/demo-merged")  # doctest: +SKIP
+        >>> r.max_abs_diff, r.files                                              # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise UserError(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}.")
+    max_shard = parse_size(shard_size)
+    src = resolve_source(source, base_model)
+    if src.kind == "model":
+        raise UserError(f"{src.path} is a model folder with no adapter: there is nothing to merge.",
+                        hint="Give a run folder (runs/<name>) or a peft adapter folder (one with adapter_config.json).")
+    out = Path(output_dir).expanduser().resolve()
+    check_output_dir(out, overwrite, src)
+    notes: list[str] = []
+    if src.recipe is not None and src.recipe.quantization is not None:
+        notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
+                     f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
+
+    with quieted():  # after the checks above (it imports transformers), so a refusal is instant
+        return _merge_and_write(src, out, dtype, max_shard, verify, notes, t0)
+
+
+def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, notes: list[str], t0: float) -> MergeResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    tokenizer = load_tokenizer(src)
+    template = chat_template(src, tokenizer)
+    tokenizer.chat_template = template
+    trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
+    revision = src.recipe.model.revision if src.recipe is not None else None
+    load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
+    model = load_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,
+                             revision=None if src.kind == "full" else revision, trust_remote_code=trust)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
+    if free < weight_bytes * 1.05 + 50 * 2**20:
+        raise UserError(f"Not enough free disk space for {out}: {free / 2**30:.2f} GiB free, the merged weights need "
+                        f"{weight_bytes / 2**30:.2f} GiB.", hint="Free some space or choose another -o.")
+
+    probe = _probe_ids(tokenizer, template)
+    if src.has_adapter:
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
+                            hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
+        model.eval()
+        reference = _logits(model, probe) if verify else None
+        if verify:
+            with model.disable_adapter():
+                effect = float((_logits(model, probe) - reference).abs().max())
+        # In place: each weight gets W += B·A·scale (computed in fp32, rounded once), so a weight
+        # still memory-mapped from the base's safetensors is copied once, not twice.
+        targets = [n.removeprefix("base_model.model.") for n, mod in model.named_modules() if hasattr(mod, "lora_A")]
+        model = model.merge_and_unload(safe_merge=False)
+        left = [n for n, _ in model.named_modules() if "lora_" in n]
+        if left:
+            raise RuntimeError(f"LoRA modules left after merging: {left[:3]}")
+        bad = [n for n in targets if not _all_finite(model.get_submodule(n).weight)]
+        if bad:
+            raise UserError(f"Merging produced non-finite weights in {', '.join(bad[:3])}; nothing was written.",
+                            hint="The adapter holds NaN/inf values: use an earlier checkpoint's adapter, or merge with --dtype fp32.")
+    else:
+        model.eval()
+        reference = _logits(model, probe) if verify else None
+        effect = None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-merge-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        model.config.use_cache = True
+        model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        model = None  # free the merged copy before loading the written one
+        gc.collect()
+        diff = top1 = max_logit = tol = None
+        if verify:
+            merged = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
+            got = _logits(merged, probe)
+            merged = None
+            gc.collect()
+            diff = float((got - reference).abs().max())
+            max_logit = float(reference.abs().max())
+            top1 = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
+            tol = TOLERANCE[dtype] * max(1.0, max_logit)
+            if not diff <= tol:  # also catches NaN
+                raise UserError(
+                    f"The merged model does not match the adapter: max |Δlogit| {diff:.3g} > tolerance {tol:.3g} "
+                    f"(top-1 agreement {top1:.0%}). Nothing was written to {out}.",
+                    hint="Try --dtype fp32; check that --base is the model the adapter was trained on.",
+                )
+        info = {
+            "source": str(src.path), "kind": src.kind, "base_model": src.base_model, "dtype": dtype,
+            "max_abs_logit_diff": diff, "adapter_effect": effect if verify else None, "tolerance": tol, "top1_agreement": top1, "probe_tokens": int(probe.shape[1]),
+            "notes": notes,
+        }
+        if src.has_adapter:
+            info["adapter_config"] = json.loads((src.adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
+        files = sorted(p.name for p in tmp.iterdir())
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return MergeResult(
+        output_dir=out, source=str(src.path), base_model=src.base_model, dtype=dtype, files=files,
+        weight_bytes=int(weight_bytes), max_abs_diff=diff, max_abs_logit=max_logit,
+        adapter_effect=effect if verify else None, tolerance=tol,
+        top1_agreement=top1, probe_tokens=int(probe.shape[1]), peak_rss_bytes=peak_rss(),
+        seconds=round(time.perf_counter() - t0, 2), notes=notes,
+    )
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the complete ``tmp`` folder at ``out``; an existing ``out`` is moved aside first and removed last."""
+    from finetuner.fileio import publish_dir
+
+    aside = None
+    if out.exists():
+        aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
+        out.rename(aside)
+    try:
+        publish_dir(tmp, out)
+    except BaseException:
+        if aside is not None and not out.exists():
+            aside.rename(out)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)

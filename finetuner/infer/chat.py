@@ -1,0 +1,199 @@
+"""Talking to a fine-tuned model: streaming replies with the chat template the run trained with.
+
+The engine behind ``finetuner chat``, the notebook's ``Run.generate`` and the web UI's chat
+worker::
+
+    from finetuner.infer.chat import load_chat_model
+    chat = load_chat_model("runs/demo_cpu")
+    for piece in chat.stream([{"role": "user", "content": "What should I pack?"}]):
+        print(piece, end="", flush=True)
+    chat.reply(messages, adapter=False)      # the base model's answer (adapter switched off)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.infer.loading import Source, chat_template, context_length, load_model, load_tokenizer, resolve_source, system_prompt
+
+
+@dataclass
+class ChatModel:
+    """A loaded model ready to chat: the model (a peft model when it has an adapter), its tokenizer,
+    the chat template, the device, and the system prompt the run trained with (if any)."""
+
+    model: Any
+    tokenizer: Any
+    template: str
+    device: str
+    source: Source
+    system: str | None = None
+    max_context: int = 2048
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def has_adapter(self) -> bool:
+        return hasattr(self.model, "disable_adapter")
+
+    def __repr__(self) -> str:
+        what = "adapter on" if self.has_adapter else "no adapter"
+        return f"ChatModel({self.source.describe()}, {what}, {self.device}, context {self.max_context})"
+
+    # ------------------------------------------------------------------ prompts
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for ``messages`` (with the run's system prompt when none is given)."""
+        if not messages:
+            raise UserError("No messages to answer.", hint='Give a list like [{"role": "user", "content": "Hi"}].')
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UserError(f"message {i + 1} needs 'role' and 'content' keys (got {m!r}).")
+        if self.system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}, *messages]
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, messages: list[dict[str, str]]):
+        text = self.render(messages)
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        n = int(ids.shape[1])
+        if n >= self.max_context:
+            raise UserError(
+                f"The conversation is {n} tokens long; the model's context is {self.max_context} tokens.",
+                hint="Shorten the prompt, or start a new conversation (/reset in `finetuner chat`).",
+            )
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def _adapter(self, on: bool):
+        if on or not self.has_adapter:
+            yield
+        else:
+            with self.model.disable_adapter():
+                yield
+
+    def stream(
+        self,
+        messages: list[dict[str, str]],
+        max_new_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        seed: int | None = None,
+        adapter: bool = True,
+    ) -> Iterator[str]:
+        """Yield the reply to ``messages`` piece by piece as it is generated.
+
+        ``temperature`` 0 is greedy decoding; ``seed`` makes sampling repeatable; ``adapter=False``
+        answers with the base model (the adapter switched off). A conversation longer than the
+        model's context raises :class:`~finetuner.errors.UserError`; the reply is cut at the context.
+        Closing the iterator early (``break``) stops the generation.
+
+        Example::
+
+            >>> for piece in chat.stream([{"role": "user", "content": "Hi"}], seed=0):  # doctest: +SKIP
+            ...     print(piece, end="")
+        """
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+        cancel = threading.Event()
+
+        class _Cancelled(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs) -> bool:
+                return cancel.is_set()
+
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise UserError(f"temperature must be >= 0 and top_p in (0, 1] (got {temperature}, {top_p}).")
+        ids = self.encode(messages)
+        max_new_tokens = min(max_new_tokens, self.max_context - int(ids.shape[1]))
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        kwargs: dict[str, Any] = dict(
+            input_ids=ids.to(self.device),
+            attention_mask=torch.ones_like(ids).to(self.device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self._stop_ids(),
+            streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_Cancelled()]),
+        )
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with self._lock, self._adapter(adapter), torch.no_grad():
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    self.model.generate(**kwargs)
+            except BaseException as e:  # re-raised in the caller's thread
+                failure.append(e)
+                streamer.end()
+
+        worker = threading.Thread(target=run, name="finetuner-generate", daemon=True)
+        worker.start()
+        try:
+            for piece in streamer:
+                if piece:
+                    yield piece
+        finally:  # also when the caller stops early (break, Ctrl-C): generation stops at the next token
+            cancel.set()
+            worker.join()
+        if failure:
+            raise failure[0]
+
+    def reply(self, messages: list[dict[str, str]], **gen: Any) -> str:
+        """The whole reply to ``messages`` as one string (same settings as :meth:`stream`)."""
+        return "".join(self.stream(messages, **gen)).strip()
+
+    def _stop_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok) if tok in self.tokenizer.get_vocab() else None
+            ids.add(tid)
+        return sorted(i for i in ids if isinstance(i, int))
+
+
+def load_chat_model(
+    run_or_model: str | Path,
+    adapter: bool = True,
+    device: str = "auto",
+    base_model: str | None = None,
+) -> ChatModel:
+    """Load a run folder, a peft adapter folder, a model folder or a hub id for chatting.
+
+    Args:
+        run_or_model: e.g. ``"runs/demo_cpu"``, ``"runs/demo_cpu/adapter"``, ``"exports/merged"``.
+        adapter: attach the run's adapter (``False`` loads the base model alone). With the adapter
+            attached, ``stream(..., adapter=False)`` still answers as the base model.
+        device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
+        base_model: where the base model is, if not where the run or adapter says.
+
+    Example::
+
+        >>> chat = load_chat_model("runs/demo_cpu")                                # doctest: +SKIP
+        >>> chat.reply([{"role": "user", "content": "Tell me about the puffin."}])  # doctest: +SKIP
+    """
+    src = resolve_source(run_or_model, base_model)
+    tokenizer = load_tokenizer(src)
+    model, dev = load_model(src, adapter=adapter, device=device)
+    return ChatModel(
+        model=model,
+        tokenizer=tokenizer,
+        template=chat_template(src, tokenizer),
+        device=dev,
+        source=src,
+        system=system_prompt(src),
+        max_context=context_length(model, tokenizer),
+    )

@@ -1,0 +1,192 @@
+"""Chat in a separate process: the model is loaded there once, never in the caller (the web UI).
+
+Protocol (JSON lines). The worker is started as
+``python -m finetuner.infer.chat_worker RUN_OR_MODEL [--base]`` and prints ``{"ready": true,
+"describe": ...}`` once the model is loaded (or ``{"error": ...}`` and exits). Each request on
+stdin, ``{"id": 1, "messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 128,
+"temperature": 0.7, "top_p": 0.9, "seed": null, "adapter": true}`` (``adapter: false``: the
+base model's answer, the adapter switched off), is answered by ``{"id": 1, "token": "..."}``
+lines as text is generated, then ``{"id": 1, "done": true}`` (or ``{"id": 1, "error": "..."}``).
+
+:class:`ChatWorker` is the caller's side: it starts the process and turns a request into an
+iterator of text pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from finetuner.errors import UserError
+
+GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter")
+
+
+# --------------------------------------------------------------------------- the worker process
+#: Where protocol lines go; :func:`main` points ``sys.stdout`` elsewhere so library prints
+#: cannot corrupt the stream.
+_OUT = sys.stdout
+
+
+def _send(obj: dict[str, Any]) -> None:
+    _OUT.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    _OUT.flush()
+
+
+def serve(source: str, adapter: bool = True) -> int:
+    """Load the model and answer requests from stdin until it closes."""
+    try:
+        from finetuner.infer.chat import load_chat_model
+
+        model = load_chat_model(source, adapter=adapter)
+    except UserError as e:
+        _send({"error": e.message + (f"\n{e.hint}" if e.hint else "")})
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the caller as a message
+        _send({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    _send({"ready": True, "describe": repr(model), "has_adapter": bool(getattr(model, "has_adapter", False))})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            rid = req.get("id")
+            gen = {k: req[k] for k in GEN_KEYS if req.get(k) is not None}
+            for piece in model.stream(req["messages"], **gen):
+                if piece:
+                    _send({"id": rid, "token": piece})
+            _send({"id": rid, "done": True})
+        except UserError as e:
+            _send({"id": locals().get("rid"), "error": e.message})
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the worker
+            _send({"id": locals().get("rid"), "error": f"{type(e).__name__}: {e}"})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m finetuner.infer.chat_worker", description=__doc__.splitlines()[0])
+    p.add_argument("source", help="A run folder, an adapter folder or a model.")
+    p.add_argument("--base", action="store_true", help="The base model alone (no adapter).")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    global _OUT
+    _OUT, sys.stdout = sys.stdout, sys.stderr
+    return serve(args.source, adapter=not args.base)
+
+
+# --------------------------------------------------------------------------- the caller's side
+class ChatWorker:
+    """A chat model in its own process. ``stream()`` yields text pieces as they are generated."""
+
+    def __init__(self, source: str, adapter: bool = True, start_timeout: float = 600.0):
+        self.source, self.adapter = str(source), adapter
+        self.start_timeout = start_timeout
+        self.describe = ""
+        self.has_adapter = False
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> ChatWorker:
+        if self.alive:
+            return self
+        cmd = [sys.executable, "-m", "finetuner.infer.chat_worker", self.source] + ([] if self.adapter else ["--base"])
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, encoding="utf-8", bufsize=1, start_new_session=True,
+        )
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self._proc, self._lines), daemon=True).start()
+        first = self._get(self.start_timeout, "loading the model")
+        if first.get("error"):
+            self.close()
+            raise UserError(f"Could not load {self.source} for chat: {first['error']}")
+        self.describe = first.get("describe", "")
+        self.has_adapter = bool(first.get("has_adapter"))
+        return self
+
+    @staticmethod
+    def _read(proc: subprocess.Popen, out: queue.Queue) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            try:
+                out.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        out.put(None)
+
+    def _get(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            msg = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise UserError(f"The chat worker did not answer within {timeout:.0f} s ({what}).") from None
+        if msg is None:
+            code = self._proc.poll() if self._proc else None
+            self.close()
+            raise UserError(f"The chat worker for {self.source} ended unexpectedly (exit status {code}).")
+        return msg
+
+    def stream(self, messages: list[dict[str, str]], timeout: float = 300.0, **gen: Any) -> Iterator[str]:
+        """Send one conversation; yield the reply's text pieces as they arrive."""
+        with self._lock:
+            self.start()
+            self._next_id += 1
+            rid = self._next_id
+            req = {"id": rid, "messages": messages, **{k: v for k, v in gen.items() if k in GEN_KEYS}}
+            assert self._proc is not None and self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(req, ensure_ascii=False) + "\n")
+            self._proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            while True:
+                msg = self._get(max(1.0, deadline - time.monotonic()), "generating")
+                if msg.get("id") != rid:
+                    continue
+                if "token" in msg:
+                    yield msg["token"]
+                elif msg.get("done"):
+                    return
+                elif "error" in msg:
+                    raise UserError(f"Chat failed: {msg['error']}")
+
+    def reply(self, messages: list[dict[str, str]], **gen: Any) -> str:
+        return "".join(self.stream(messages, **gen))
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin:
+                proc.stdin.close()
+            proc.wait(timeout=5)
+        except (subprocess.TimeoutExpired, OSError):
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def __enter__(self) -> ChatWorker:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

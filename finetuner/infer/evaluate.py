@@ -1,0 +1,251 @@
+"""Held-out loss and perplexity of the base model and the fine-tune, side by side.
+
+The held-out set is the run's validation split exactly as the trainer built it (the same
+recipe, tokenizer and seed through :func:`finetuner.data.pipeline.prepare_data`), or any data file given
+with ``data``. The loss is the trainer's: mean next-token cross-entropy over the trained tokens
+(assistant replies, unless the run trained on prompts too). Both numbers come from one loaded
+model: the base is the same model with the adapter switched off.
+
+Optionally, for data with references, an exact-match check: the first N held-out examples are
+answered greedily and compared with the reference reply (whitespace-normalised).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
+
+
+@dataclass
+class ModelScore:
+    loss: float
+    ppl: float
+    tokens: int
+    exact_match: float | None = None
+
+
+@dataclass
+class EvalResult:
+    """Loss/perplexity of ``base`` and ``fine_tuned`` on ``examples`` held-out examples."""
+
+    source: str
+    data: str
+    examples: int
+    base: ModelScore
+    fine_tuned: ModelScore
+    exact_match_examples: int = 0
+    samples: list[dict[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        rows = [("", "base", "fine-tuned"), ("loss", f"{self.base.loss:.4f}", f"{self.fine_tuned.loss:.4f}"),
+                ("perplexity", f"{self.base.ppl:.2f}", f"{self.fine_tuned.ppl:.2f}")]
+        if self.exact_match_examples:
+            rows.append((f"exact match ({self.exact_match_examples})", f"{self.base.exact_match:.0%}", f"{self.fine_tuned.exact_match:.0%}"))
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
+
+    def __repr__(self) -> str:
+        return (f"EvalResult({self.examples} examples of {self.data}: loss {self.base.loss:.4f} (base) → "
+                f"{self.fine_tuned.loss:.4f} (fine-tuned), ppl {self.base.ppl:.2f} → {self.fine_tuned.ppl:.2f})")
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50))
+
+
+def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
+    """The tokenized held-out examples (unpacked) and a description of where they came from."""
+    from finetuner.data.pipeline import prepare_data
+    from finetuner.config.recipe import DataSection
+
+    recipe = src.recipe
+    if data is not None:
+        path = Path(data).expanduser()
+        if not path.exists():
+            raise UserError(f"--data: file not found: {data}")
+        base_cfg = recipe.data.model_dump() if recipe is not None else {}
+        # another file: its layout is detected on its own (format and column names go together)
+        base_cfg.update(path=str(path.resolve()), format="auto", columns=None, val_size=0.0, val_path=None, packing=False,
+                        max_examples=None)
+        if max_seq_len:
+            base_cfg["max_seq_len"] = max_seq_len
+        cfg = DataSection.model_validate(base_cfg)
+        prepared = prepare_data(cfg, tokenizer, seed=0)
+        return prepared.train, str(path)
+    if recipe is None:
+        raise UserError(f"{src.path} is not a run folder, so it has no held-out set.", hint="Pass a data file with --data.")
+    cfg = recipe.data
+    if not cfg.val_path and not cfg.val_size:
+        raise UserError(
+            f"The run {src.path} kept no held-out set (data.val_size is 0 and there is no data.val_path).",
+            hint="Pass a data file with --data (rows the run did not train on).",
+        )
+    for p in [cfg.val_path] if cfg.val_path else ([cfg.path] if isinstance(cfg.path, str) else cfg.path):
+        if ("/" in p or p.endswith((".json", ".jsonl", ".csv", ".parquet"))) and not Path(p).exists():
+            raise UserError(f"The run's data file {p} is gone, so its held-out split cannot be rebuilt.", hint="Pass a data file with --data.")
+    prepared = prepare_data(cfg.model_copy(update={"packing": False}), tokenizer, recipe.training.seed)
+    what = f"{cfg.val_path}" if cfg.val_path else f"the run's validation split ({len(prepared.val)} rows of {cfg.path})"
+    return prepared.val, what
+
+
+def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float, int]:
+    import torch
+
+    from finetuner.training.trainer import token_loss_sum
+
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            batch = collate([examples[j] for j in range(i, min(i + batch_size, len(examples)))])
+            batch = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
+            loss_sum, count = token_loss_sum(model, batch, 1024)
+            total += float(loss_sum)
+            n += count
+    return total / max(n, 1), n
+
+
+def _references(examples, limit: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference ids) for the first ``limit`` examples: the last trained span is the reference."""
+    from finetuner.data.pipeline import IGNORE_INDEX
+
+    out = []
+    for i in range(len(examples)):
+        if len(out) >= limit:
+            break
+        ids, labels = examples[i]["input_ids"], examples[i]["labels"]
+        trained = [j for j, t in enumerate(labels) if t != IGNORE_INDEX]
+        if not trained or trained[0] == 0:
+            continue  # nothing trained, or everything (text / train_on_prompt): no prompt to answer
+        end = trained[-1] + 1
+        start = end - 1
+        while start - 1 >= 0 and labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+        if start == 0:
+            continue
+        out.append((ids[:start], ids[start:end]))
+    return out
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _exact_match(model, tokenizer, refs, device: str, adapter: bool) -> tuple[float, list[str]]:
+    import contextlib
+
+    import torch
+
+    answers = []
+    ctx = contextlib.nullcontext() if adapter or not hasattr(model, "disable_adapter") else model.disable_adapter()
+    with ctx, torch.no_grad():
+        for prompt, ref in refs:
+            x = torch.tensor([prompt], device=device)
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=len(ref) + 8, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            answers.append(tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True))
+    hits = [_norm(a) == _norm(tokenizer.decode(r, skip_special_tokens=True)) for a, (_, r) in zip(answers, refs)]
+    return sum(hits) / max(len(hits), 1), answers
+
+
+def evaluate_run(
+    run: str | Path,
+    data: str | Path | None = None,
+    exact_match: int = 0,
+    batch_size: int = 8,
+    device: str = "auto",
+    base_model: str | None = None,
+    write: bool = True,
+) -> EvalResult:
+    """Loss and perplexity of the base model and the fine-tune on held-out data.
+
+    Args:
+        run: a run folder (``runs/<name>``) or its ``adapter/`` folder.
+        data: a data file to evaluate on instead of the run's validation split.
+        exact_match: also answer the first N examples greedily and count exact matches with
+            the reference replies (data with prompts and replies: alpaca, chat, completion).
+        batch_size: examples per forward pass.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        base_model: where the base model is, if not where the run says.
+        write: store the result under ``evaluation`` in the run's ``metrics.json`` (atomically,
+            keeping everything else in it).
+
+    Example::
+
+        >>> r = finetuner.evaluate_run("runs/demo_cpu")   # doctest: +SKIP
+        >>> r.base.loss, r.fine_tuned.loss                 # doctest: +SKIP
+    """
+    from finetuner.data.pipeline import Collator
+
+    t0 = time.perf_counter()
+    src = resolve_source(run, base_model)
+    if not src.has_adapter and src.kind != "full":
+        raise UserError(f"{src.path} is a model with no fine-tune to compare.", hint="Give a run folder (runs/<name>).")
+    tokenizer = load_tokenizer(src)
+    tokenizer.chat_template = chat_template(src, tokenizer)
+    examples, what = held_out_set(src, tokenizer, data)
+    if len(examples) == 0:
+        raise UserError(f"No examples to evaluate in {what}.")
+    collate = Collator(tokenizer.pad_token_id)
+    refs = _references(examples, exact_match) if exact_match else []
+    if exact_match and not refs:
+        raise UserError(f"--exact-match: {what} has no prompt/reply pairs to compare (text data trains on every token).")
+
+    scores: dict[str, ModelScore] = {}
+    answers: dict[str, list[str]] = {}
+    if src.kind == "full":  # two separate models: the base, then the fine-tuned one
+        for name, use_adapter in (("base", False), ("fine_tuned", True)):
+            model, dev = load_model(src, adapter=use_adapter, device=device)
+            loss, n = _loss(model, collate, examples, batch_size, dev)
+            em, answers[name] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
+            scores[name] = ModelScore(loss, _ppl(loss), n, em)
+            del model
+    else:
+        model, dev = load_model(src, adapter=True, device=device)
+        loss, n = _loss(model, collate, examples, batch_size, dev)
+        em, answers["fine_tuned"] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
+        scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em)
+        with model.disable_adapter():
+            loss, n = _loss(model, collate, examples, batch_size, dev)
+        em, answers["base"] = _exact_match(model, tokenizer, refs, dev, False) if refs else (None, [])
+        scores["base"] = ModelScore(loss, _ppl(loss), n, em)
+    samples = [
+        {"prompt": tokenizer.decode(p, skip_special_tokens=False), "reference": tokenizer.decode(r, skip_special_tokens=True),
+         "base": b, "fine_tuned": f}
+        for (p, r), b, f in zip(refs[:5], answers.get("base", []), answers.get("fine_tuned", []))
+    ]
+    result = EvalResult(
+        source=str(src.path), data=what, examples=len(examples), base=scores["base"], fine_tuned=scores["fine_tuned"],
+        exact_match_examples=len(refs), samples=samples, seconds=round(time.perf_counter() - t0, 2),
+    )
+    if write and src.run_dir is not None:
+        record_in_metrics(src.run_dir, result)
+    return result
+
+
+def record_in_metrics(run_dir: Path, result: EvalResult) -> None:
+    """Add the result under ``evaluation`` in ``metrics.json`` (atomic; other keys are kept)."""
+    import json
+
+    from finetuner.fileio import atomic_write_json
+
+    path = Path(run_dir) / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read it to add the evaluation ({e}); nothing was written.") from None
+    entry = result.to_dict()
+    entry.pop("samples", None)
+    entry["time"] = round(time.time(), 3)
+    metrics["evaluation"] = entry
+    atomic_write_json(path, metrics)

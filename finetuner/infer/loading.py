@@ -1,0 +1,244 @@
+"""What a path given to ``merge``, ``chat`` and ``eval`` points at, and loading it for inference.
+
+A *source* is one of:
+
+- a **run folder** made by ``finetuner run`` (``recipe.yaml`` + ``adapter/``): the base model is
+  the recipe's ``model.name``, loaded as it was trained (quantized for QLoRA);
+- a **peft adapter folder** (``adapter_config.json``), e.g. ``runs/x/adapter`` or a checkpoint's
+  ``checkpoints/step-N/adapter``: the base is the adapter's ``base_model_name_or_path``;
+- a **model folder** (``config.json``) or a hub id: a plain model with no adapter.
+
+``base_model`` overrides where the base is found (a run copied from another machine).
+Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from finetuner.errors import UserError
+from finetuner.fileio import exists, expand_user
+from finetuner.quiet import quieted
+
+Kind = Literal["run", "adapter", "full", "model"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved source: where the base model, the adapter and the run's files are.
+
+    ``kind`` is ``run`` (a LoRA/QLoRA run folder), ``full`` (a full fine-tune run: its
+    ``adapter/`` folder is a complete model), ``adapter`` (a peft folder) or ``model``.
+    """
+
+    path: Path | str
+    kind: Kind
+    base_model: str
+    adapter_dir: Path | None = None
+    run_dir: Path | None = None
+    recipe: Any = None  # finetuner.config.recipe.Recipe, when the source has one
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.kind in ("run", "adapter")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """The adapter folder when it holds a tokenizer (with the chat template used in training), else the base."""
+        if self.adapter_dir is not None and (self.adapter_dir / "tokenizer_config.json").is_file():
+            return str(self.adapter_dir)
+        return self.base_model
+
+    def describe(self) -> str:
+        what = {"run": "run", "full": "full fine-tune run", "adapter": "adapter", "model": "model"}[self.kind]
+        return f"{what} {self.path}" + (f" (base {self.base_model})" if self.kind != "model" else "")
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or exists(expand_user(name))
+
+
+def read_recipe(path: Path):
+    import yaml
+    from pydantic import ValidationError
+
+    from finetuner.config.recipe import Recipe, format_validation_error
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        # the saved recipe is already resolved (absolute paths); its data files need not exist any more
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, str(path))) from None
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{path}: cannot read the run's recipe ({e}).") from None
+
+
+def _check_base(base: str, where: str) -> str:
+    p = expand_user(base)
+    if _looks_local(base) and not exists(p):
+        raise UserError(
+            f"The base model '{base}' named by {where} cannot be found.",
+            hint="Pass the base model's folder or hub id with --base (Python: base_model=...).",
+        )
+    return str(p.resolve()) if exists(p) else base
+
+
+def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
+    """Tell what ``path`` is (run folder, adapter folder, model folder or hub id); clear errors otherwise."""
+    p = expand_user(path)
+    if not exists(p):
+        name = str(path)
+        if not _looks_local(name) and name.count("/") == 1:
+            return Source(name, "model", name)  # a hub id
+        raise UserError(f"No such run, adapter or model folder: {path}", hint="Give a run folder (runs/<name>), an adapter folder or a model folder.")
+    if not p.is_dir():
+        raise UserError(f"{p} is a file; expected a run folder, an adapter folder or a model folder.")
+    p = p.resolve()
+    if (p / "recipe.yaml").is_file() and not (p / "adapter_config.json").is_file():
+        recipe = read_recipe(p / "recipe.yaml")
+        adapter = p / "adapter"
+        if (adapter / "adapter_config.json").is_file():
+            kind: Kind = "run"
+        elif (adapter / "config.json").is_file():
+            kind = "full"
+        else:
+            from finetuner.training.checkpoint import latest_checkpoint
+
+            last = latest_checkpoint(p)
+            hint = f"Finish the run with `finetuner run {p / 'recipe.yaml'}` (it resumes)"
+            if last is not None:
+                hint += f", or use its last checkpoint's adapter: {last / 'adapter'}"
+            raise UserError(f"The run folder {p} has no adapter/ folder: the run has not finished.", hint=hint + ".")
+        base = _check_base(base_model or recipe.model.name, f"{p / 'recipe.yaml'} (model.name)")
+        if base != recipe.model.name:
+            recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": base})})
+        run_dir = p if (p / "events.jsonl").is_file() else None  # not a checkpoint folder
+        return Source(p, kind, base, adapter_dir=adapter, run_dir=run_dir, recipe=recipe)
+    if (p / "adapter_config.json").is_file():
+        try:
+            cfg = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{p / 'adapter_config.json'}: not readable JSON ({e}).") from None
+        if cfg.get("peft_type") not in (None, "LORA"):
+            raise UserError(f"{p}: a {cfg.get('peft_type')} adapter; finetuner handles LoRA adapters.")
+        named = cfg.get("base_model_name_or_path")
+        if not (base_model or named):
+            raise UserError(f"{p / 'adapter_config.json'} does not name its base model.", hint="Pass it with --base.")
+        base = _check_base(base_model or named, f"{p / 'adapter_config.json'} (base_model_name_or_path)")
+        recipe = read_recipe(p.parent / "recipe.yaml") if (p.parent / "recipe.yaml").is_file() else None
+        if recipe is not None:
+            recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": base})})
+        run_dir = p.parent if p.name == "adapter" and (p.parent / "events.jsonl").is_file() else None
+        return Source(p, "adapter", base, adapter_dir=p, run_dir=run_dir, recipe=recipe)
+    if (p / "config.json").is_file():
+        return Source(p, "model", str(p))
+    raise UserError(
+        f"{p} is not a run folder (recipe.yaml), a peft adapter folder (adapter_config.json) or a model folder (config.json).",
+        hint="Give the folder `finetuner run` wrote (runs/<name>), its adapter/ folder, or a save_pretrained model folder.",
+    )
+
+
+# ---------------------------------------------------------------------------- loading
+def load_tokenizer(src: Source):
+    from finetuner.model.loading import check_model_folder, open_tokenizer
+
+    trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    what = "the model" if src.kind == "model" else "the base model"
+    if src.tokenizer_dir == src.base_model:
+        check_model_folder(src.base_model, what, trust)
+    return open_tokenizer(src.tokenizer_dir, what if src.tokenizer_dir == src.base_model else "the run's adapter",
+                          trust_remote_code=trust)
+
+
+def chat_template(src: Source, tokenizer) -> str:
+    """The template the run trained with (saved with the adapter), the recipe's, the tokenizer's, or the fallback."""
+    from finetuner.data.pipeline import FALLBACK_CHAT_TEMPLATE
+
+    if src.recipe is not None and src.recipe.data.chat_template:
+        return src.recipe.data.chat_template
+    return getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+
+
+def system_prompt(src: Source) -> str | None:
+    """The recipe's ``data.system_prompt``: training rows without a system message got it."""
+    return src.recipe.data.system_prompt if src.recipe is not None else None
+
+
+def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with finetuner's weight-format rule (safetensors unless
+    ``allow_pickle``), quietly; a failure is a :class:`UserError` naming ``what`` could not be loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from finetuner.model.loading import weight_format_kwargs, weights_load_hint
+
+    try:
+        with quieted():
+            return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
+    except OSError as e:
+        raise UserError(f"Could not load {what} '{name}' ({e}).", hint=weights_load_hint(e, allow_pickle) + " Or pass --base.") from None
+
+
+def inference_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but no CUDA GPU is visible.", hint="Use device 'cpu' or 'auto'.")
+    return device
+
+
+def load_model(src: Source, adapter: bool = True, device: str = "auto"):
+    """The model for generation or evaluation, on ``device``, in eval mode, with the KV cache on.
+
+    A run's base is loaded as it was trained (its dtype, quantized for QLoRA) and the adapter is
+    attached with peft (``model.disable_adapter()`` gives the base back). ``adapter=False`` gives
+    the base model alone. Returns ``(model, device)``.
+    """
+    import torch
+
+    device = inference_device(device)
+    if src.recipe is not None and src.kind in ("run", "adapter"):
+        from finetuner.model.loading import load_base_model
+        from finetuner.config.runtime import resolve_runtime
+
+        recipe = src.recipe.model_copy(update={"device": "cuda" if device.startswith("cuda") else "cpu"})
+        rt = resolve_runtime(recipe)
+        model = load_base_model(recipe, rt)
+    else:
+        dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else (torch.float16 if device.startswith("cuda") else torch.float32)
+        trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+        pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
+        if src.kind == "full" and adapter:
+            model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
+        else:
+            model = load_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
+                                     dtype=dtype, trust_remote_code=trust)
+        model.to(device)
+    if adapter and src.has_adapter:
+        from peft import PeftModel
+
+        try:
+            with quieted():
+                model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
+                            hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
+    model.config.use_cache = True
+    model.eval()
+    return model, device
+
+
+def context_length(model, tokenizer) -> int:
+    """The longest sequence the model takes: its position embeddings, else the tokenizer's limit."""
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        n = getattr(cfg, key, None) or getattr(getattr(cfg, "text_config", None), key, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < 10**7 else 2048

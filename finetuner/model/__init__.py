@@ -1,0 +1,1 @@
+"""Models: shapes and parameter counts from a config, loading and quantizing the base, LoRA, kernels, activation offload."""

@@ -1,0 +1,271 @@
+"""Loading the base model and tokenizer, quantizing, and attaching the LoRA adapter.
+
+All choices that depend on the device (dtypes, autocast, attention, kernels) are made once, in
+:func:`finetuner.config.runtime.resolve`; this module loads what that :class:`~finetuner.config.runtime.Runtime`
+says, and the run's ``start`` event records it so a user sees what actually ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.quiet import quieted
+from finetuner.config.recipe import Recipe
+from finetuner.config.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+#: Files that hold a tokenizer's vocabulary (one of them must be in a local model folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model*", "vocab.*", "merges.txt", "*.tiktoken", "*spiece*.model",
+                   "sentencepiece*.model", "tekken.json")
+
+_WHAT_TO_GIVE = (
+    "Give the folder a model was saved to with save_pretrained (config.json, tokenizer files and *.safetensors "
+    "weights), e.g. one made by `hf download ORG/NAME --local-dir DIR`, or a hub id such as Qwen/Qwen2.5-7B-Instruct."
+)
+
+
+def check_model_folder(name: str, key: str = "model.name", trust_remote_code: bool = False) -> None:
+    """A local ``name`` must be a model folder: say what is missing before transformers tries to load it.
+
+    A folder without ``config.json`` is not a model (``finetuner plan`` says the same); one without
+    tokenizer files cannot be trained or chatted with. A hub id (no such folder) is left to the loaders.
+    """
+    from finetuner.fileio import exists, expand_user
+
+    path = expand_user(name)
+    if not exists(path, "dir"):
+        return
+    if not (path / "config.json").is_file():
+        inner = sorted(p.parent for p in [*path.glob("*/config.json"), *path.glob("snapshots/*/config.json")])
+        hint = f"It looks like the model is in {inner[0]}: give that folder." if inner else _WHAT_TO_GIVE
+        held = sorted(p.name for p in path.iterdir())[:6]
+        holds = f" (it holds: {', '.join(held)}{', ...' if len(held) == 6 else ''})" if held else " (it is empty)"
+        raise UserError(f"{key}: {path}: no config.json in this folder, so it is not a model folder{holds}.", hint=hint)
+    if not trust_remote_code and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise UserError(
+            f"{key}: {path} has a config.json but no tokenizer files (tokenizer.json, tokenizer.model or vocab.json), "
+            "so its text cannot be turned into tokens.",
+            hint="Copy the tokenizer files from where the model came from into this folder (tokenizer.save_pretrained "
+                 "writes them), or give the original model folder or hub id.",
+        )
+
+
+def open_tokenizer(name: str, what: str, revision: str | None = None, trust_remote_code: bool = False):
+    """A tokenizer from a folder or hub id, with a pad token (the EOS token when it has none);
+    a clear UserError naming ``what`` (``model.name``, ``the base model``, ...) when it cannot load."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"{what}: could not load a tokenizer from '{name}' ({str(e).splitlines()[0][:300]}).",
+            hint=hub_access_hint(e) or tokenizer_load_hint(e),
+        ) from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def load_tokenizer(recipe: Recipe):
+    m = recipe.model
+    check_model_folder(m.name, trust_remote_code=m.trust_remote_code)
+    _warn_remote_code(recipe)
+    return open_tokenizer(m.name, "model.name", m.revision, m.trust_remote_code)
+
+
+def tokenizer_load_hint(error: Exception) -> str:
+    """What to do when transformers could not build a tokenizer."""
+    text = str(error)
+    if "sentencepiece" in text or "tiktoken" in text:
+        return ("transformers found no tokenizer.json it can read and needs sentencepiece or tiktoken to convert the "
+                "files it found: pip install sentencepiece tiktoken, or give a folder with a tokenizer.json.")
+    return "Give a local folder with tokenizer files, or a hub id (online)."
+
+
+def _warn_remote_code(recipe: Recipe) -> None:
+    if recipe.model.trust_remote_code:
+        log.warning(
+            "trust_remote_code is on: code from '%s' will run on this machine. Only do this for repositories you trust.",
+            recipe.model.name,
+        )
+
+
+def weight_format_kwargs(allow_pickle: bool, name: str) -> dict[str, Any]:
+    """``from_pretrained`` arguments for the weight files finetuner accepts: safetensors only,
+    unless ``model.allow_pickle`` says pickle files (``pytorch_model.bin``) may be unpickled too."""
+    if not allow_pickle:
+        return {"use_safetensors": True}
+    log.warning("model.allow_pickle is on: pickle weight files of '%s' may be loaded; unpickling can run code.", name)
+    return {"use_safetensors": None}
+
+
+_GATED = ("gated", "401", "403", "unauthorized", "forbidden", "restricted", "access to model")
+
+
+def hub_access_hint(error: Exception) -> str | None:
+    """The hint for a gated or private hub repository (the hub answered 401/403), else None."""
+    text = str(error).lower()
+    if any(word in text for word in _GATED):
+        return ("The repository is gated or private: accept its licence on the hub, then log in with `hf auth login` "
+                "(older huggingface_hub: `huggingface-cli login`) or set HF_TOKEN. finetuner never writes the token "
+                "into a run folder.")
+    return None
+
+
+def require_bitsandbytes(what: str):
+    """Import bitsandbytes for ``what`` (4/8-bit weights, 8-bit or paged optimizers), or say why it cannot be used."""
+    try:
+        import bitsandbytes
+    except Exception as e:  # noqa: BLE001 - ImportError, or a native library that fails to load (OSError, RuntimeError)
+        raise UserError(
+            f"{what} needs bitsandbytes, which cannot be imported on this machine ({type(e).__name__}: {e}).",
+            hint="Install it (pip install bitsandbytes; it supports Linux and Windows on x86-64 with an NVIDIA GPU or the "
+                 "CPU). Without it, use method: lora with optimizer adamw_torch or adafactor (finetuner plan --method lora).",
+        ) from None
+    return bitsandbytes
+
+
+def weights_load_hint(error: Exception, allow_pickle: bool) -> str:
+    """What to do when loading weights failed: names the pickle opt-in when only pickles were found."""
+    gated = hub_access_hint(error)
+    if gated:
+        return gated
+    if not allow_pickle and "safetensors" in str(error):
+        return ("finetuner loads safetensors weights only (pickle files can run code when loaded). If this model ships "
+                "only pytorch_model.bin and you trust it, set model.allow_pickle: true; else check the folder or hub id.")
+    return "Check the folder or hub id (and your connection)."
+
+
+def bnb_config(recipe: Recipe, rt: Runtime):
+    """The ``BitsAndBytesConfig`` for the recipe's quantization section (None if unquantized)."""
+    q = recipe.quantization
+    if q is None:
+        return None
+    require_bitsandbytes(f"quantization.bits: {q.bits} (method {recipe.method})")
+    from transformers import BitsAndBytesConfig
+
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=rt.torch_dtype(rt.compute_dtype),
+    )
+
+
+def load_base_model(recipe: Recipe, rt: Runtime):
+    """The frozen base model on the device, quantized if the recipe says so."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    _warn_remote_code(recipe)
+    kwargs: dict[str, Any] = dict(
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        dtype=rt.torch_dtype(rt.base_dtype),
+        **weight_format_kwargs(m.allow_pickle, m.name),
+    )
+    if rt.attention != "auto":
+        kwargs["attn_implementation"] = rt.attention
+    quant = bnb_config(recipe, rt)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": torch.device(rt.device).index or 0} if rt.is_cuda else {"": "cpu"}
+    if m.max_memory:
+        # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
+        if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
+            raise UserError(
+                f"model.max_memory names {len(m.max_memory)} GPU(s) but {torch.cuda.device_count()} are visible.",
+                hint="Remove model.max_memory to train on one device.",
+            )
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {int(k): v.replace(" ", "") for k, v in m.max_memory.items()}
+    try:
+        with quieted():
+            model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
+    except OSError as e:
+        raise UserError(
+            f"model.name: could not load '{m.name}' ({e}).",
+            hint=weights_load_hint(e, m.allow_pickle),
+        ) from None
+    if quant is None and not m.max_memory:
+        model.to(rt.device)
+    model.config.use_cache = False
+    if rt.kernels == "liger":
+        from finetuner.model.kernels import apply_liger
+
+        apply_liger(model)
+    return model
+
+
+def prepare_for_training(model, recipe: Recipe):
+    """Freeze/quantize-prepare the base, enable checkpointing, and attach LoRA (or unfreeze all)."""
+    # Freeze the base ourselves instead of peft's prepare_model_for_kbit_training: that helper
+    # casts every non-4-bit parameter (embeddings, LM head, norms) to fp32, which for a 128k
+    # vocabulary costs 2 GB more than the 4-bit layers save on an 8B model. Norms compute in
+    # fp32 internally and everything runs under autocast, so bf16 storage is enough.
+    if recipe.method != "full":
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if recipe.training.gradient_checkpointing:
+        # non-reentrant checkpointing needs no input-grad hook and works with frozen embeddings
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    if recipe.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return _offload_checkpoints(model, recipe)
+
+    from peft import LoraConfig, get_peft_model
+
+    lc = recipe.lora
+    config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        bias=lc.bias,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with quieted():
+            model = get_peft_model(model, config)
+    except ValueError as e:
+        raise UserError(
+            f"lora.target_modules: {e}",
+            hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
+        ) from None
+    return _offload_checkpoints(model, recipe)
+
+
+def _offload_checkpoints(model, recipe: Recipe):
+    """With checkpointing and activation offload, keep each layer's saved input on the CPU."""
+    t = recipe.training
+    if t.offload_activations and t.gradient_checkpointing:
+        from finetuner.model.offload import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)
+        # the first layer's input (a frozen embedding's output) must require grad, or the
+        # custom autograd function would not run backward for it and its LoRA weights
+        model.enable_input_require_grads()
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed params count as their real element count."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if getattr(p, "quant_state", None) is not None or p.__class__.__name__ == "Params4bit":
+            n *= 2  # two 4-bit values per stored byte
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total

@@ -1,0 +1,390 @@
+"""Model shapes from a ``config.json``, with exact parameter counts — pure arithmetic.
+
+Nothing here imports torch or transformers: ``finetuner plan`` must answer in well under a
+second. The counts are checked against instantiating every preset on the ``meta`` device
+(``tests/test_shapes.py``), and the LoRA counts against peft on that meta model.
+
+Where a config comes from (:func:`load_config`), in order:
+
+1. a preset shipped in ``finetuner/model/presets/<name>.json`` (a copy of the public ``config.json``),
+   found by its name (``llama-2-7b``), its hub id (``meta-llama/Llama-2-7b-hf``) or an alias;
+2. a local folder that holds ``config.json``;
+3. the Hugging Face hub cache, then the hub itself (``huggingface_hub``, only ``config.json``).
+
+The decoder families below share one layout (pre-norm decoder layers of attention + gated MLP);
+what differs between them — biases, fused projections, extra norms, tied embeddings, logit
+soft-capping — is a field of :class:`ModelShape`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError, did_you_mean
+from finetuner.fileio import expand_user, exists
+
+PRESET_DIR = Path(__file__).with_name("presets")
+
+#: ``model_type`` values whose layout this module knows.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer inside a decoder layer (``name`` is its path in the layer)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+    @property
+    def short_name(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only causal LM: everything the memory model needs."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v, o (llama/gemma/qwen3 ``attention_bias``)
+    qkv_bias_only: bool = False  # qwen2: bias on q, k, v but not o
+    mlp_bias: bool = False
+    fused_qkv: bool = False  # phi3: one qkv_proj
+    fused_gate_up: bool = False  # phi3: one gate_up_proj
+    norms_per_layer: int = 2  # gemma2: 4 (pre/post attention and feed-forward)
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k
+    final_logit_softcapping: float | None = None  # gemma2: tanh soft-capping of the logits
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    hub_id: str | None = None
+    source: str = "config"  # "preset", "local", "hub" or "config"
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ dimensions
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_linears(self) -> tuple[Linear, ...]:
+        """The linear layers of one decoder layer, with the names transformers gives them."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        qkv_b = self.attention_bias or self.qkv_bias_only
+        if self.fused_qkv:
+            attn = [Linear("self_attn.qkv_proj", h, q + 2 * kv, qkv_b)]
+        else:
+            attn = [
+                Linear("self_attn.q_proj", h, q, qkv_b),
+                Linear("self_attn.k_proj", h, kv, qkv_b),
+                Linear("self_attn.v_proj", h, kv, qkv_b),
+            ]
+        attn.append(Linear("self_attn.o_proj", q, h, self.attention_bias))
+        if self.fused_gate_up:
+            mlp = [Linear("mlp.gate_up_proj", h, 2 * i, self.mlp_bias)]
+        else:
+            mlp = [Linear("mlp.gate_proj", h, i, self.mlp_bias), Linear("mlp.up_proj", h, i, self.mlp_bias)]
+        mlp.append(Linear("mlp.down_proj", i, h, self.mlp_bias))
+        return tuple(attn + mlp)
+
+    # ------------------------------------------------------------------ parameter counts
+    def param_counts(self) -> dict[str, int]:
+        """Exact parameters per module kind; ``lm_head`` is 0 when tied to the embeddings."""
+        linears = self.layer_linears()
+        attention = sum(lin.params for lin in linears if lin.name.startswith("self_attn."))
+        mlp = sum(lin.params for lin in linears if lin.name.startswith("mlp."))
+        layer_norms = self.norms_per_layer * self.hidden_size
+        if self.qk_norm:
+            layer_norms += 2 * self.head_dim
+        counts = {
+            "embeddings": self.vocab_size * self.hidden_size,
+            "attention": attention * self.num_layers,
+            "mlp": mlp * self.num_layers,
+            "norms": layer_norms * self.num_layers + self.hidden_size,
+            "lm_head": 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size,
+        }
+        counts["total"] = sum(counts.values())
+        return counts
+
+    @property
+    def num_params(self) -> int:
+        return self.param_counts()["total"]
+
+    @property
+    def linear_weight_numel(self) -> int:
+        """Weight elements (no biases) of the decoder layers' linear layers."""
+        return sum(lin.in_features * lin.out_features for lin in self.layer_linears()) * self.num_layers
+
+    @property
+    def largest_linear_numel(self) -> int:
+        return max(lin.in_features * lin.out_features for lin in self.layer_linears())
+
+    @property
+    def linears_per_layer(self) -> int:
+        return len(self.layer_linears())
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.model_type}, {self.num_params / 1e9:.2f}B parameters, {self.num_layers} layers, "
+            f"hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} heads "
+            f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "config"}
+        d["params"] = self.param_counts()
+        return d
+
+
+# ---------------------------------------------------------------------- LoRA
+def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linear") -> list[tuple[str, int, int, int]]:
+    """The modules LoRA attaches to, as ``(name, in_features, out_features, copies)``.
+
+    peft's rule: ``all-linear`` means every ``nn.Linear`` except the output layer; a name in a
+    list matches a module whose path equals it or ends with ``"." + name``; any other string is a
+    regular expression that must match a module's whole path (``model.layers.3.self_attn.q_proj``,
+    ``lm_head``), so it may pick some layers only. ``embed_tokens`` gets an embedding LoRA and
+    ``lm_head`` a linear one.
+    """
+    layer = shape.layer_linears()
+    if target_modules == "all-linear":
+        return [(lin.name, lin.in_features, lin.out_features, shape.num_layers) for lin in layer]
+    if isinstance(target_modules, str):
+        return _regex_targets(shape, target_modules)
+    found: list[tuple[str, int, int, int]] = []
+    known = [lin.short_name for lin in layer] + ["lm_head", "embed_tokens"]
+    for target in target_modules:
+        t = target.strip()
+        hits = [lin for lin in layer if lin.name == t or lin.name.endswith("." + t) or lin.short_name == t]
+        if hits:
+            found += [(lin.name, lin.in_features, lin.out_features, shape.num_layers) for lin in hits]
+        elif t == "lm_head":
+            found.append(("lm_head", shape.hidden_size, shape.vocab_size, 1))
+        elif t == "embed_tokens":
+            found.append(("embed_tokens", shape.vocab_size, shape.hidden_size, 1))
+        else:
+            raise UserError(
+                f"lora.target_modules: '{t}' matches no module of {shape.name}.{did_you_mean(t, known)}",
+                hint=f"Its layers are: {', '.join(known)} (or use 'all-linear').",
+            )
+    return list(dict.fromkeys(found))
+
+
+def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int, int]]:
+    """The modules whose whole path matches ``pattern`` (peft's ``re.fullmatch``), counted per layer."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"lora.target_modules: {pattern!r} is not a valid regular expression ({e}).") from None
+    found = []
+    for lin in shape.layer_linears():
+        copies = sum(1 for i in range(shape.num_layers) if rx.fullmatch(f"model.layers.{i}.{lin.name}"))
+        if copies:
+            found.append((lin.name, lin.in_features, lin.out_features, copies))
+    if rx.fullmatch("lm_head"):
+        found.append(("lm_head", shape.hidden_size, shape.vocab_size, 1))
+    if rx.fullmatch("model.embed_tokens"):
+        found.append(("embed_tokens", shape.vocab_size, shape.hidden_size, 1))
+    if not found:
+        raise UserError(
+            f"lora.target_modules: the regular expression {pattern!r} matches no module of {shape.name}: "
+            "a string that is not a list of names must match whole module paths, such as "
+            f"model.layers.0.{shape.layer_linears()[0].name}.",
+            hint="For module names use a list, [q_proj, v_proj], or a comma-separated string, 'q_proj,v_proj'; "
+                 r"a regular expression like '.*\.(q_proj|v_proj)' or 'all-linear' also work.",
+        )
+    return found
+
+
+def lora_param_count(
+    shape: ModelShape, r: int, target_modules: str | list[str] = "all-linear", bias: str = "none"
+) -> int:
+    """Trainable parameters of a LoRA adapter: ``r * (in + out)`` per targeted module.
+
+    Matches ``peft.get_peft_model(...).get_nb_trainable_parameters()``: A is ``r x in`` and B is
+    ``out x r`` (for an embedding, A is ``r x vocab`` and B ``hidden x r``). With ``bias='all'``
+    every bias of the model is trainable too; with ``'lora_only'`` the biases of the targeted
+    layers.
+    """
+    targets = lora_targets(shape, target_modules)
+    n = sum(r * (fin + fout) * copies for _, fin, fout, copies in targets)
+    if bias == "all":
+        n += sum(lin.out_features for lin in shape.layer_linears() if lin.bias) * shape.num_layers
+    elif bias == "lora_only":
+        names = {name for name, *_ in targets}
+        n += sum(lin.out_features for lin in shape.layer_linears() if lin.bias and lin.name in names) * shape.num_layers
+    return n
+
+
+# ---------------------------------------------------------------------- configs
+def _int(cfg: dict[str, Any], key: str, source: str) -> int:
+    v = cfg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise UserError(f"{source}: config.json has no valid '{key}' (got {v!r}).")
+    return v
+
+
+def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
+    """Build a :class:`ModelShape` from a ``config.json`` dict; unsupported layouts are a UserError."""
+    where = f"{name} (config.json)"
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        raise UserError(
+            f"{where}: a multimodal config (it has text_config); finetuner fine-tunes text-only causal LMs.",
+            hint=f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}.",
+        )
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"{where}: model_type {mt!r} is not supported by the memory model.{did_you_mean(str(mt), SUPPORTED_MODEL_TYPES)}",
+            hint=f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2/3, Gemma/Gemma-2, Phi-3).",
+        )
+    h = _int(cfg, "hidden_size", where)
+    heads = _int(cfg, "num_attention_heads", where)
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    tie_default = mt in ("gemma", "gemma2")
+    return ModelShape(
+        name=name,
+        model_type=mt,
+        vocab_size=_int(cfg, "vocab_size", where),
+        hidden_size=h,
+        intermediate_size=_int(cfg, "intermediate_size", where),
+        num_layers=_int(cfg, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=int(kv),
+        head_dim=int(head_dim),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
+        attention_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
+        qkv_bias_only=mt == "qwen2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        fused_qkv=mt == "phi3",
+        fused_gate_up=mt == "phi3",
+        norms_per_layer=4 if mt == "gemma2" else 2,
+        qk_norm=mt == "qwen3",
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if mt == "gemma2" else None,
+        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        hub_id=cfg.get("_name_or_path") or None,
+        source=source,
+        config=cfg,
+    )
+
+
+@functools.cache
+def _presets() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(PRESET_DIR.glob("*.json"))}
+
+
+@functools.cache
+def _preset_index() -> dict[str, str]:
+    """Lower-case name, hub id or alias → preset name."""
+    index: dict[str, str] = {}
+    for key, cfg in _presets().items():
+        for alias in [key, cfg.get("_name_or_path", ""), *cfg.get("_aliases", [])]:
+            if alias:
+                index[alias.lower()] = key
+    return index
+
+
+def preset_names() -> list[str]:
+    return list(_presets())
+
+
+def presets() -> list[ModelShape]:
+    return [shape_from_config(cfg, name=key, source="preset") for key, cfg in _presets().items()]
+
+
+def find_preset(name: str) -> str | None:
+    """The preset a name, hub id or alias refers to (case-insensitive), if any."""
+    return _preset_index().get(name.strip().lower())
+
+
+def preset_hub_id(name: str) -> str | None:
+    """The hub id to load for a preset's short name (``qwen2.5-7b`` → ``Qwen/Qwen2.5-7B``), or None
+    when ``name`` is not a short preset name (a hub id, an alias with an org, or anything else).
+
+    A preset only describes a model's shape; training loads real weights, so recipes name the hub id.
+    """
+    key = _preset_index().get(name.strip().lower())
+    if key is None or "/" in name:
+        return None
+    return _presets()[key].get("_name_or_path") or None
+
+
+def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any], str]:
+    """The ``config.json`` of a preset, a local folder or a hub id, and where it came from."""
+    key = find_preset(model)
+    if key is not None:
+        return dict(_presets()[key]), "preset"
+    path = expand_user(model)
+    if exists(path, "dir"):
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise UserError(f"{path}: no config.json in this folder.", hint="Give a model folder saved with save_pretrained.")
+        try:
+            return json.loads(cfg_path.read_text(encoding="utf-8")), "local"
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{cfg_path}: not valid JSON ({e}).") from None
+    if path.suffix == ".json" and exists(path, "file"):
+        try:
+            return json.loads(path.read_text(encoding="utf-8")), "local"
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not valid JSON ({e}).") from None
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_local or "/" not in model:
+        raise UserError(
+            f"Unknown model '{model}': not a preset and not a folder with config.json.{did_you_mean(model, preset_names())}",
+            hint=f"Presets: {', '.join(preset_names())}; or give a hub id like org/name, or a local folder.",
+        )
+    return _hub_config(model, revision), "hub"
+
+
+def _hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        raise UserError(f"Unknown model '{repo_id}' and huggingface_hub is not installed.") from None
+    last: Exception | None = None
+    for local_only in (True, False):
+        try:
+            p = hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=local_only)
+            return json.loads(Path(p).read_text(encoding="utf-8"))
+        except Exception as e:  # noqa: BLE001 - offline, gated, missing: all end in the same advice
+            last = e
+    raise UserError(
+        f"Cannot get config.json of '{repo_id}' from the hub ({type(last).__name__}: {str(last).splitlines()[0][:160]})."
+        f"{did_you_mean(repo_id.lower(), list(_preset_index()))}",
+        hint=f"Offline, use a preset ({', '.join(preset_names())}) or a local folder with config.json.",
+    )
+
+
+def resolve_shape(model: str, revision: str | None = None) -> ModelShape:
+    """The :class:`ModelShape` of a preset name, hub id or local folder."""
+    cfg, source = load_config(model, revision)
+    key = find_preset(model)
+    name = key if key else (Path(model).name if source == "local" else model)
+    shape = shape_from_config(cfg, name=name, source=source)
+    return shape

@@ -1,0 +1,813 @@
+"""The planner: pick the recipe that fits the card and trains fastest, and say why.
+
+Given a model, a card and the data (or a sequence length), :func:`plan` searches the settings
+that decide memory — method (LoRA, QLoRA 4-bit or 8-bit, full when asked for), optimizer,
+gradient checkpointing, activation offload, micro-batch and gradient accumulation (their product
+stays the effective batch) — asks the memory model (:mod:`finetuner.memory.model`) for each one's
+peak, keeps those under the card's memory less a safety margin, and ranks the rest:
+
+1. **quality first**: full fine-tuning (only when asked for) > LoRA on a bf16 base > LoRA on a
+   quantized base (QLoRA): a better method that fits always wins over a faster worse one;
+2. **then predicted throughput** (:func:`predicted_tokens_per_s`, a documented cost model);
+3. then the optimizer with full-precision states, then the plain (not paged) one, then no
+   offload, then the larger headroom.
+
+The sequence length is the user's, or what the data need: it is never cut below the data's
+longest example without a note saying how many examples are truncated. When nothing fits, the
+plan says what would: a shorter sequence, a bigger card, a smaller model.
+
+Everything here is arithmetic (no torch): ``finetuner plan`` answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetuner.errors import UserError
+from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
+from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
+from finetuner.model.shapes import ModelShape, preset_hub_id, presets, resolve_shape
+from finetuner.planning.sizing import Sizing, learning_rate, size_run
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.config.recipe import Recipe
+
+#: Fraction of the card kept free on top of the memory model's own allowances.
+DEFAULT_MARGIN = 0.05
+#: The data set the written recipe trains on when the user gives none (public, instruction data).
+DEFAULT_DATA = "yahma/alpaca-cleaned"
+
+#: Lower is better. QLoRA (4- and 8-bit) share a tier: within it the faster one wins.
+METHOD_TIER = {"full": 0, "lora": 1, "qlora": 2}
+OPTIMIZER_PREFERENCE = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd")
+
+# ---------------------------------------------------------------------- cost model constants
+#: Fraction of the card's dense bf16 peak that a training step reaches at large micro-batches.
+#: Measured: Llama-3.1-8B LoRA, micro-batch 2 x 2048 packed, checkpointing, on an H100 SXM
+#: ran 3,839 tokens/s, i.e. 44 GFLOP/token x 3,839 = 0.17 PFLOP/s of 0.99: ~0.18 with the
+#: utilisation curve below (docs/benchmarks.md).
+MFU = 0.20
+#: Tokens per micro-batch at which the step reaches half of ``MFU`` (small batches are bound by
+#: weight reads, not by arithmetic): utilisation = tokens / (tokens + UTIL_HALF_TOKENS).
+UTIL_HALF_TOKENS = 256
+#: bitsandbytes dequantizes each 4-bit weight to bf16 before the matmul, at every forward, input
+#: gradient and recompute: on the same H100 run QLoRA took 0.31 s more per 4,096-token
+#: micro-batch than LoRA for 3 passes over 7.0e9 weights → ~6.8e10 weights/s, scaled here by
+#: memory bandwidth (3,350 GB/s on the H100). 8-bit (LLM.int8 with outlier decomposition) is
+#: about twice as slow again.
+DEQUANT_WEIGHTS_PER_S_PER_GBS = 6.8e10 / 3350
+INT8_SLOWDOWN = 2.0
+#: Predicted speeds closer than this (relative) are a tie, decided by simplicity (the cost
+#: model is not that precise): no offload, then full-precision optimizer states.
+SPEED_TIE = 0.05
+#: Activation offload copies each checkpoint to pinned host memory and back; about half of it
+#: hides behind compute.
+OFFLOAD_OVERLAP = 0.5
+
+
+@dataclass(frozen=True)
+class Option:
+    """One point of the search space."""
+
+    method: str  # lora | qlora | full
+    quant_bits: int | None
+    optimizer: str
+    gradient_checkpointing: bool
+    activation_offload: bool
+    micro_batch: int
+    gradient_accumulation: int
+
+    @property
+    def label(self) -> str:
+        m = {"lora": "LoRA", "full": "full fine-tuning"}.get(self.method) or f"QLoRA {self.quant_bits}-bit"
+        parts = [m, f"micro-batch {self.micro_batch} x {self.gradient_accumulation}", self.optimizer]
+        parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        if self.activation_offload:
+            parts.append("activation offload")
+        return ", ".join(parts)
+
+
+@dataclass
+class Candidate:
+    option: Option
+    estimate: MemoryEstimate  # one device, no sharding
+    tokens_per_s: float
+    fits: bool
+    sharded: Any = None  # memory_sharding.ShardedEstimate on several devices
+
+    @property
+    def peak_bytes(self) -> int:
+        """What one device must hold."""
+        return self.sharded.per_device_bytes if self.sharded is not None else self.estimate.total_bytes
+
+    def sort_key(self) -> tuple:
+        o = self.option
+        return (
+            METHOD_TIER[o.method],
+            # within SPEED_TIE of each other, speeds count as equal: the simpler option wins
+            -math.floor(math.log(max(self.tokens_per_s, 1e-9)) / math.log(1 + SPEED_TIE)),
+            OPTIMIZER_PREFERENCE.index(o.optimizer),
+            o.activation_offload,
+            self.peak_bytes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        label = self.option.label + (f", {self.sharded.label} on {self.sharded.world_size} GPUs" if self.sharded else "")
+        return {
+            "settings": label,
+            "fits": self.fits,
+            "total_bytes": self.peak_bytes,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
+
+
+@dataclass
+class Plan:
+    """The planner's answer: a runnable recipe, its memory estimate, and the reasons."""
+
+    model: str
+    gpu: GpuProfile
+    shape: ModelShape
+    recipe: Recipe | None
+    estimate: MemoryEstimate | None
+    tokens_per_s: float | None
+    seq_len: int
+    effective_batch: int
+    reasons: list[str] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] | None = None
+    candidates_searched: int = 0
+    gpus: int = 1
+    sharded: Any = None  # the chosen strategy's per-device memory (gpus > 1)
+    strategies: list[dict[str, Any]] = field(default_factory=list)  # every strategy for the chosen option
+
+    @property
+    def fits(self) -> bool:
+        if self.sharded is not None:
+            return self.recipe is not None and self.sharded.fits
+        return self.recipe is not None and self.estimate is not None and self.estimate.fits
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """What one device must hold (per device with several GPUs)."""
+        if self.sharded is not None:
+            return self.sharded.per_device_bytes
+        return self.estimate.total_bytes if self.estimate else None
+
+    def to_dict(self) -> dict[str, Any]:
+        est = self.estimate.to_dict() if self.estimate else {}
+        per = self.sharded
+        return {
+            "model": self.model,
+            "gpu": self.gpu.to_dict(),
+            "fits": self.fits,
+            "total_bytes": per.per_device_bytes if per is not None else est.get("total_bytes"),
+            "device_bytes": self.gpu.memory_bytes,
+            "budget_bytes": est.get("budget_bytes"),
+            "components": dict(per.components) if per is not None else est.get("components", {}),
+            "predicted_tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
+            "seq_len": self.seq_len,
+            "effective_batch": self.effective_batch,
+            "choice": self.recipe_choice(),
+            "reasons": self.reasons,
+            "rejected": self.rejected,
+            "suggestions": self.suggestions,
+            "notes": self.notes,
+            "data": self.data,
+            "candidates_searched": self.candidates_searched,
+            "gpus": self.gpus,
+            "per_device": self.sharded.to_dict() if self.sharded is not None else None,
+            "strategies": self.strategies,
+            "estimate": est,
+            "recipe": self.recipe.to_dict() if self.recipe else None,
+        }
+
+    def recipe_choice(self) -> dict[str, Any] | None:
+        if self.recipe is None:
+            return None
+        r, t = self.recipe, self.recipe.training
+        return {
+            "method": r.method,
+            "quantization_bits": r.quantization.bits if r.quantization else None,
+            "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation": t.gradient_accumulation,
+            "optimizer": t.optimizer,
+            "gradient_checkpointing": t.gradient_checkpointing,
+            "offload_activations": t.offload_activations,
+            "max_seq_len": r.data.max_seq_len,
+            "packing": r.data.packing,
+            **({"strategy": r.distributed.strategy, "num_processes": r.distributed.num_processes,
+                "distributed_offload": r.distributed.offload} if self.gpus > 1 else {}),
+        }
+
+    def to_yaml(self) -> str:
+        """The recipe as YAML with a header that says where it came from."""
+        if self.recipe is None:
+            raise UserError(f"Nothing fits {self.gpu.name} for {self.model}; there is no recipe to write.")
+        head = [
+            f"# Planned by `finetuner plan` for {self.shape.name} on {self.gpu.name} ({self.gpu.memory_gib:.1f} GiB):",
+            f"# predicted peak {self.peak_bytes / GiB:.1f} GiB{' per device' if self.gpus > 1 else ''}, "
+            f"~{self.tokens_per_s:,.0f} tokens/s (cost model).",
+        ]
+        head += [f"# - {r}" for r in self.reasons]
+        head += [f"# Note: {n}" for n in self.notes]
+        head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
+        import yaml
+
+        # the values that differ from the defaults, plus every planned value
+        raw = self.recipe.model_dump(mode="json", exclude_defaults=True)
+        raw["method"] = self.recipe.method
+        training = raw.setdefault("training", {})
+        for k, v in (self.recipe_choice() or {}).items():
+            if k in ("micro_batch_size", "gradient_accumulation", "optimizer", "gradient_checkpointing", "offload_activations"):
+                training[k] = v
+        raw.setdefault("data", {})["max_seq_len"] = self.recipe.data.max_seq_len
+        if self.gpus > 1:
+            d = self.recipe.distributed
+            raw["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
+        order = ["name", "model", "method", "quantization", "lora", "data", "training", "distributed", "checkpointing", "logging", "samples"]
+        ordered = {k: raw[k] for k in order if k in raw} | {k: v for k, v in raw.items() if k not in order}
+        return "\n".join(head) + "\n" + yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        if not self.fits:
+            return f"Plan({self.model} on {self.gpu.name}: nothing fits; " + "; ".join(self.suggestions) + ")"
+        c = self.recipe_choice() or {}
+        where = f"{self.gpus} x {self.gpu.name}" if self.gpus > 1 else self.gpu.name
+        strategy = f", {self.sharded.label}" if self.sharded is not None else ""
+        return (
+            f"Plan({self.model} on {where}: {c['method']}{strategy}"
+            f"{' ' + str(c['quantization_bits']) + '-bit' if c['quantization_bits'] else ''}, micro-batch "
+            f"{c['micro_batch_size']} x {c['gradient_accumulation']}, seq {c['max_seq_len']}, {c['optimizer']}, "
+            f"checkpointing {'on' if c['gradient_checkpointing'] else 'off'}; peak "
+            f"{self.peak_bytes / GiB:.1f} of {self.gpu.memory_gib:.1f} GiB{' per device' if self.gpus > 1 else ''})"
+        )
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = "".join(
+            f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{v / GiB:.2f}</td></tr>"
+            for k, v in (self.estimate.components.items() if self.estimate else [])
+        )
+        reasons = "".join(f"<li>{html.escape(r)}</li>" for r in self.reasons + self.suggestions)
+        return (
+            f"<b>{html.escape(self.summary())}</b><ul>{reasons}</ul>"
+            f"<table><tr><th>component</th><th>GiB</th></tr>{rows}</table>"
+        )
+
+
+# ====================================================================== cost model
+def flops_per_token(shape: ModelShape, s: Settings) -> float:
+    """Matmul FLOPs of one trained token: forward ``2N`` (N = decoder matmul weights) plus the
+    attention scores and values (``2 * layers * seq * q_dim``, causal: half of ``4 * ...``) plus
+    the LM head on labelled tokens (``2 * vocab * hidden``); the backward doubles the forward for
+    the input gradients, and full fine-tuning adds the same again for the weight gradients
+    (Kaplan et al. 2020: 6N per token); checkpointing recomputes the decoder's forward."""
+    n = shape.linear_weight_numel
+    attn = 2 * shape.num_layers * s.seq_len * shape.q_dim
+    head = 2 * shape.vocab_size * shape.hidden_size * s.label_fraction
+    fwd = 2 * n + attn + head
+    bwd = 2 * fwd if s.method == "full" else fwd
+    recompute = (2 * n + attn) if s.gradient_checkpointing else 0
+    return fwd + bwd + recompute
+
+
+def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
+                           sharded: Any = None) -> float:
+    """Training tokens per second, to rank recipes (not a promise).
+
+    ``time(micro-batch) = FLOPs / (peak * MFU * utilisation) + dequantization + offload copies``;
+    ``time(step) = accumulation * time(micro-batch) + optimizer update`` (full fine-tuning reads
+    and writes ~16 bytes of weights, gradients and states per parameter at the card's bandwidth).
+    The constants are fitted on the H100 runs in docs/benchmarks.md.
+    """
+    tokens = s.micro_batch * s.seq_len
+    util = tokens / (tokens + UTIL_HALF_TOKENS)
+    t_compute = flops_per_token(shape, s) * tokens / (gpu.tflops * 1e12 * MFU * util)
+    t_dequant = 0.0
+    if s.method == "qlora":
+        passes = 3 if s.gradient_checkpointing else 2
+        rate = DEQUANT_WEIGHTS_PER_S_PER_GBS * gpu.bandwidth_gbs
+        t_dequant = passes * shape.linear_weight_numel / rate * (INT8_SLOWDOWN if s.quant_bits == 8 else 1.0)
+    t_offload = 0.0
+    if s.activation_offload and est is not None:
+        moved = est.offloaded_bytes
+        t_offload = 2 * moved / (gpu.pcie_gbs * 1e9) * (1 - OFFLOAD_OVERLAP)
+    t_micro = t_compute + t_dequant + t_offload
+    t_update = 32 * shape.num_params / (gpu.bandwidth_gbs * 1e9) if s.method == "full" else 0.0
+    if sharded is not None and sharded.world_size > 1:
+        # each device runs its share of the micro-batches; the collectives do not overlap compute
+        # (a pessimistic simplification) and move at the cards' link bandwidth
+        n = sharded.world_size
+        per_device = math.ceil(s.gradient_accumulation / n)
+        t_comm = sharded.comm_bytes_per_step / (gpu.link_gbs * 1e9)
+        if sharded.offload != "none":
+            t_comm += 2 * sharded.host_bytes / (gpu.pcie_gbs * 1e9)
+        return tokens * s.gradient_accumulation / (per_device * t_micro + t_update / n + t_comm)
+    return tokens * s.gradient_accumulation / (s.gradient_accumulation * t_micro + t_update)
+
+
+# ====================================================================== search
+def _methods(method: str | None) -> list[tuple[str, int | None]]:
+    if method in (None, "auto"):
+        return [("lora", None), ("qlora", 4), ("qlora", 8)]
+    if method == "qlora":
+        return [("qlora", 4), ("qlora", 8)]
+    if method in ("qlora4", "qlora-4bit"):
+        return [("qlora", 4)]
+    if method in ("qlora8", "qlora-8bit"):
+        return [("qlora", 8)]
+    if method in ("lora", "full"):
+        return [(method, None)]
+    if method == "any":
+        return [("full", None), ("lora", None), ("qlora", 4), ("qlora", 8)]
+    raise UserError(f"--method {method!r}: use auto, lora, qlora, qlora4, qlora8, full or any.")
+
+
+def _optimizers(method: str, fixed: str | None) -> list[str]:
+    if fixed and fixed != "auto":
+        return [fixed]
+    if method == "full":
+        return ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adafactor"]
+    return ["adamw_torch", "paged_adamw_8bit"]
+
+
+def _micro_batches(effective_batch: int, fixed: int | str | None, fixed_accum: int | str | None) -> list[tuple[int, int]]:
+    if fixed not in (None, "auto") and fixed_accum not in (None, "auto"):
+        return [(int(fixed), int(fixed_accum))]
+    if fixed not in (None, "auto"):
+        mb = int(fixed)
+        if effective_batch < mb:
+            raise UserError(f"The effective batch ({effective_batch}) is smaller than the micro-batch ({mb}).",
+                            hint="Raise the effective batch or lower micro_batch_size.")
+        return [(mb, max(1, effective_batch // mb))]
+    if fixed_accum not in (None, "auto"):
+        ga = int(fixed_accum)
+        return [(max(1, effective_batch // ga), ga)]
+    out, mb = [], 1
+    while mb <= min(effective_batch, 64):
+        if effective_batch % mb == 0:
+            out.append((mb, effective_batch // mb))
+        mb *= 2
+    return out or [(1, effective_batch)]
+
+
+def _apply(base: Recipe, o: Option) -> Recipe:
+    """A resolved copy of ``base`` with the option's values."""
+    from finetuner.config.recipe import QuantizationSection
+
+    t = base.training.model_copy(update={
+        "micro_batch_size": o.micro_batch,
+        "gradient_accumulation": o.gradient_accumulation,
+        "effective_batch": None,
+        "optimizer": o.optimizer,
+        "gradient_checkpointing": o.gradient_checkpointing,
+        "offload_activations": o.activation_offload,
+    })
+    quant = None
+    if o.method == "qlora":
+        quant = (base.quantization or QuantizationSection()).model_copy(update={"bits": o.quant_bits})
+    return base.model_copy(update={"method": o.method, "training": t, "quantization": quant})
+
+
+def search(
+    base: Recipe,
+    shape: ModelShape,
+    gpu: GpuProfile,
+    margin: float = DEFAULT_MARGIN,
+    method: str | None = None,
+    label_fraction: float = 1.0,
+    gpus: int = 1,
+) -> list[tuple[Candidate, Recipe]]:
+    """Every option the recipe leaves open, estimated and ranked (best first).
+
+    With ``gpus > 1`` each option is also split over the devices by the best strategy
+    (:func:`finetuner.memory.sharding.best_strategy`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload), and
+    its gradient accumulation must divide evenly among them.
+    """
+    t = base.training
+    eff = t.effective_batch_size
+    fixed_method = None if base.method == "auto" else base.method
+    if fixed_method == "qlora" and base.quantization is not None and method is None:
+        methods = [("qlora", base.quantization.bits)]
+    else:
+        methods = _methods(method or fixed_method)
+    if gpu.platform == "cpu":
+        methods = [m for m in methods if m[0] != "qlora"] or methods  # bitsandbytes on CPU: slow, only when asked
+    gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
+    out: list[tuple[Candidate, Recipe]] = []
+    for m, bits in methods:
+        for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None):
+            for gc in gcs:
+                offloads = [False, True] if (t.offload_activations == "auto" and gc and gpu.platform == "cuda") else (
+                    [bool(t.offload_activations)] if t.offload_activations != "auto" else [False])
+                for off in offloads:
+                    for mb, ga in _micro_batches(eff, t.micro_batch_size, t.gradient_accumulation):
+                        if gpus > 1 and ga % gpus:
+                            continue
+                        o = Option(m, bits, opt, gc, off, mb, ga)
+                        recipe = _apply(base, o)
+                        s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
+                        est = estimate(shape, s, gpu, margin=margin)
+                        sharded = None
+                        if gpus > 1:
+                            from finetuner.memory.sharding import RUN_STRATEGIES, compare_strategies
+
+                            sharded = next(e for e in compare_strategies(est, gpus) if e.strategy in RUN_STRATEGIES)
+                            fits = sharded.fits
+                            recipe = recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update={
+                                "strategy": sharded.strategy, "num_processes": gpus, "offload": sharded.offload})})
+                        else:
+                            fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
+                        tps = predicted_tokens_per_s(shape, s, gpu, est, sharded)
+                        out.append((Candidate(o, est, tps, fits, sharded), recipe))
+    out.sort(key=lambda cr: cr[0].sort_key())
+    return out
+
+
+def _why_rejected(c: Candidate, best: Candidate) -> str:
+    o, b = c.option, best.option
+    if not c.fits:
+        return f"needs {c.estimate.total_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
+    if METHOD_TIER[o.method] > METHOD_TIER[b.method]:
+        better = {"lora": "LoRA", "full": "full fine-tuning"}.get(b.method, "QLoRA")
+        return f"fits, but {better} fits too and trains a better model"
+    if c.tokens_per_s < best.tokens_per_s:
+        return f"fits, but slower (~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s)"
+    return "fits and is as fast; the chosen one keeps full-precision optimizer states / no offload"
+
+
+# ====================================================================== the entry points
+def _recipe_model_name(model: str) -> str:
+    """What the written recipe loads: a preset's hub id, a local folder's absolute path, else as given."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return str(local.resolve())
+    return preset_hub_id(model) or model
+
+
+def _default_name(model: str) -> str:
+    """``<model>-planned`` for the model as the user named it (a preset, a hub id or a folder)."""
+    slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in Path(model).name.lower()).strip("-._") or "model"
+    return f"{slug}-planned"[:100]
+
+
+def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
+                 columns: dict[str, str] | None = None) -> Recipe:
+    from finetuner.config.recipe import Recipe
+
+    training: dict[str, Any] = {
+        "epochs": sizing.epochs or 1,
+        "micro_batch_size": "auto",
+        "gradient_accumulation": "auto",
+        "effective_batch": sizing.effective_batch,
+        "optimizer": "auto",
+        "gradient_checkpointing": "auto",
+        "offload_activations": "auto",
+        "eval_every": sizing.eval_every,
+    }
+    raw = {
+        "name": name,
+        "model": {"name": model},
+        "method": "auto",
+        "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
+                 "packing": sizing.packing, **({"columns": columns} if columns else {})},
+        "training": training,
+        "checkpointing": {"save_every": sizing.save_every, "keep_last": 2},
+        "device": device,
+    }
+    from pydantic import ValidationError
+
+    from finetuner.config.recipe import format_validation_error
+
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:  # e.g. a --name that cannot name a folder
+        raise UserError(format_validation_error(e, "the planned recipe")) from None
+
+
+def plan(
+    model: str,
+    gpu: str | GpuProfile | None = None,
+    *,
+    seq_len: int | None = None,
+    data: str | None = None,
+    effective_batch: int | None = None,
+    method: str | None = None,
+    margin: float = DEFAULT_MARGIN,
+    name: str | None = None,
+    gpus: int = 1,
+    columns: dict[str, str] | None = None,
+) -> Plan:
+    """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
+
+    Args:
+        model: a preset (``llama-2-7b``, see ``finetuner plan --help``), a hub id, or a local
+            folder with ``config.json``. The written recipe names a preset by its hub id and a
+            folder by its absolute path.
+        gpu: a card name (``rtx4090``), a size (``24GB``), ``cpu``, a :class:`GpuProfile`, or
+            ``None`` / ``auto`` for the detected device (the CPU when there is no GPU).
+        seq_len: the sequence length; by default what the data need (see :mod:`finetuner.planning.sizing`),
+            else 2048; never beyond the model's positions.
+        data: a data file (JSON/JSONL/CSV/Parquet) whose real lengths and size decide the
+            sequence, packing, effective batch, epochs and held-out rows; it becomes the
+            recipe's ``data.path``. Without it the recipe trains on ``DEFAULT_DATA``, and the plan
+            says so.
+        effective_batch: examples per optimizer step (micro-batch x accumulation); by default 16,
+            lowered for small data sets.
+        method: ``auto`` (LoRA or QLoRA), ``lora``, ``qlora``, ``qlora4``, ``qlora8``, ``full``
+            or ``any`` (full fine-tuning included).
+        margin: fraction of the card kept free.
+        gpus: number of such cards: the plan adds the distributed strategy (DDP, ZeRO, FSDP)
+            with its per-device memory and communication per step.
+        columns: which of the data file's columns holds which role (``{"prompt": "question",
+            "response": "answer"}``), as ``data.columns`` in a recipe; written into the recipe.
+
+    Example:
+        >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
+        >>> p.fits, p.recipe.method, p.recipe.model.name
+        (True, 'lora', 'meta-llama/Llama-2-7b-hf')
+    """
+    from finetuner.config.recipe import Recipe
+
+    prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    if seq_len is not None and seq_len < 16:
+        raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 16 (as data.max_seq_len).")
+    if effective_batch is not None and effective_batch < 1:
+        raise UserError(f"--effective-batch {effective_batch}: must be at least 1.")
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be at least 1.")
+    if not 0 <= margin < 1:  # also NaN
+        raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
+    if effective_batch is not None and effective_batch < gpus:
+        raise UserError(f"--effective-batch {effective_batch} is smaller than --gpus {gpus}: each GPU needs an example per step.")
+    if columns:
+        from finetuner.data.formats import check_columns
+
+        try:
+            check_columns(columns, "auto")
+        except ValueError as e:
+            raise UserError(f"data.columns (--column): {e}") from None
+    shape = resolve_shape(model)
+    notes: list[str] = []
+    profile = None
+    label_fraction = 1.0
+    if data:
+        from finetuner.data.stats import profile_data
+
+        profile = profile_data(data, model, seq_len, columns=columns)
+        notes += profile.notes
+        label_fraction = profile.label_fraction
+    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus)
+    notes += sizing.notes
+    if not data:
+        notes.append(
+            f"no --data given: the recipe trains on {DEFAULT_DATA} (public instruction data, downloaded from the hub); "
+            "to train on your own file, plan with --data FILE or set data.path in the recipe"
+        )
+    data_path = str(Path(data).expanduser().resolve()) if data and Path(data).expanduser().exists() else data
+    device = "cpu" if prof.platform == "cpu" else "auto"
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device, columns)
+    result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
+    result.model = model
+    result.notes = notes + result.notes
+    result.data = profile.to_dict() if profile else None
+    if result.recipe is not None:
+        lr, why_lr = learning_rate(result.recipe.method, shape)
+        raw = result.recipe.to_dict()
+        raw["training"]["lr"] = lr
+        result.recipe = Recipe.model_validate(raw)
+        result.reasons += sizing.reasons + [why_lr]
+    return result
+
+
+def plan_recipe(
+    recipe: Recipe,
+    gpu: str | GpuProfile | None = None,
+    *,
+    shape: ModelShape | None = None,
+    margin: float = DEFAULT_MARGIN,
+    method: str | None = None,
+    label_fraction: float = 1.0,
+    gpus: int = 1,
+) -> Plan:
+    """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given."""
+    prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
+    fitting = [(c, r) for c, r in ranked if c.fits]
+    eff = recipe.training.effective_batch_size
+    out = Plan(
+        model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
+        seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
+    )
+    if not fitting:
+        if not ranked:
+            raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",
+                            hint="Make the effective batch a multiple of the number of GPUs.")
+        smallest = min(ranked, key=lambda cr: cr[0].peak_bytes)[0]
+        out.estimate = smallest.estimate
+        out.sharded = smallest.sharded
+        out.reasons.append(
+            f"The smallest option ({smallest.to_dict()['settings']}) needs "
+            f"{smallest.peak_bytes / GiB:.1f} GiB, the budget is {smallest.estimate.budget_bytes / GiB:.1f} GiB."
+        )
+        out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction, gpus)
+        out.rejected = [dict(c.to_dict(), why=_why_rejected(c, smallest)) for c, _ in ranked[:8]]
+        return out
+    best, best_recipe = fitting[0]
+    out.recipe, out.estimate, out.tokens_per_s = best_recipe, best.estimate, best.tokens_per_s
+    if gpus > 1:
+        from finetuner.memory.sharding import compare_strategies
+
+        out.sharded = best.sharded
+        out.strategies = [sh.to_dict() for sh in compare_strategies(best.estimate, gpus)]
+    out.reasons = _reasons(best, ranked, prof, shape)
+    out.rejected = _runners_up(ranked, best)
+    return out
+
+
+def _runners_up(ranked: list[tuple[Candidate, Recipe]], best: Candidate, n: int = 4) -> list[dict[str, Any]]:
+    """What the user might have expected instead: per kind of option (method, checkpointing,
+    offload), the nearest one ranked above the choice that does not fit, and the best ones that
+    fit but rank below it."""
+    def kind(c: Candidate) -> tuple:
+        return (c.option.method, c.option.quant_bits, c.option.gradient_checkpointing, c.option.activation_offload)
+
+    i_best = next(i for i, (c, _) in enumerate(ranked) if c is best)
+    above: dict[tuple, Candidate] = {}
+    for c, _ in ranked[:i_best]:
+        if kind(c) not in above or c.estimate.total_bytes < above[kind(c)].estimate.total_bytes:
+            above[kind(c)] = c
+    below: dict[tuple, Candidate] = {}
+    for c, _ in ranked[i_best + 1 :]:
+        if c.fits and kind(c) not in below:
+            below[kind(c)] = c
+    picked = list(above.values())[:n] + list(below.values())[:n]
+    return [dict(c.to_dict(), why=_why_rejected(c, best)) for c in picked]
+
+
+def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuProfile, shape: ModelShape) -> list[str]:
+    o, e = best.option, best.estimate
+    r = [f"{best.to_dict()['settings']}: predicted peak {best.peak_bytes / GiB:.1f} GiB of {gpu.memory_gib:.1f} GiB "
+         f"(budget {e.budget_bytes / GiB:.1f}), ~{best.tokens_per_s:,.0f} tokens/s"]
+    if best.sharded is not None:
+        sh = best.sharded
+        r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per device "
+                 f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{sh.comm_bytes_per_step / GiB:.2f} GiB sent "
+                 f"per device per step" + (f", {sh.host_bytes / GiB:.1f} GiB in CPU memory per process" if sh.host_bytes else ""))
+    lora_fits = any(c.fits and c.option.method == "lora" for c, _ in ranked)
+    if o.method == "qlora":
+        smallest_lora = min((c.estimate.total_bytes for c, _ in ranked if c.option.method == "lora"), default=None)
+        if smallest_lora is not None and not lora_fits:
+            r.append(f"QLoRA: LoRA on a 16-bit base needs at least {smallest_lora / GiB:.1f} GiB; the {o.quant_bits}-bit base "
+                     f"({sum(v for k, v in e.components.items() if k.startswith('weights')) / GiB:.1f} GiB) makes room")
+    elif o.method == "lora":
+        r.append("LoRA on the unquantized base fits, so no quantization (better quality than QLoRA)")
+    if o.gradient_checkpointing:
+        no_gc = [c for c, _ in ranked if not c.option.gradient_checkpointing and c.option.method == o.method]
+        if no_gc and not any(c.fits for c in no_gc):
+            r.append("gradient checkpointing on: without it the activations do not fit")
+        else:
+            r.append("gradient checkpointing on: it allows a larger micro-batch, which is faster here")
+    else:
+        r.append("no gradient checkpointing: the activations fit, so nothing is recomputed")
+    if o.micro_batch > 1 or o.gradient_accumulation > 1:
+        r.append(f"micro-batch {o.micro_batch} x accumulation {o.gradient_accumulation} = effective batch "
+                 f"{o.micro_batch * o.gradient_accumulation}: the largest micro-batch that fits and is fastest")
+    if o.activation_offload:
+        r.append("activation offload: layer inputs wait in CPU memory; without it this does not fit")
+    if o.optimizer.startswith("paged"):
+        r.append(f"{o.optimizer}: optimizer states page to CPU memory under pressure")
+    return r
+
+
+def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: float, method: str | None,
+                   label_fraction: float, gpus: int = 1) -> list[str]:
+    """When nothing fits: a shorter sequence, a bigger card, or a smaller model that would."""
+    out: list[str] = []
+    seq = recipe.data.max_seq_len
+    s = seq // 2
+    while s >= 128:
+        shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": s})})
+        if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction, gpus)):
+            out.append(f"a shorter sequence: {s} tokens fits on {gpu.name} (examples longer than that are truncated)")
+            break
+        s //= 2
+    for card in list_profiles():
+        if card.memory_bytes <= gpu.memory_bytes or card.platform != "cuda":
+            continue
+        if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus)):
+            out.append(f"a bigger card: {card.name} ({card.memory_gib:.0f} GiB) fits this recipe")
+            break
+    smaller = sorted((p for p in presets() if p.num_params < shape.num_params), key=lambda p: -p.num_params)
+    for p in smaller:
+        trial = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": p.name})})
+        if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction, gpus)):
+            out.append(f"a smaller model: {p.name} ({p.num_params / 1e9:.1f}B) fits on {gpu.name}")
+            break
+    if gpus == 1:
+        for n in (2, 4, 8):
+            if any(c.fits for c, _ in search(recipe, shape, gpu, margin, method, label_fraction, n)):
+                out.append(f"several cards: {n} x {gpu.name} with a sharded strategy (finetuner plan --gpus {n})")
+                break
+    if not out:
+        out.append("no shorter sequence, bigger card, smaller preset or up to 8 cards fits")
+    return out
+
+
+def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -> Plan:
+    """Resolve a recipe's ``auto`` values for the device a run is on (``finetuner run``).
+
+    Raises a UserError with the planner's suggestions when nothing fits.
+    """
+    result = plan_recipe(recipe, gpu, label_fraction=label_fraction)
+    if result.recipe is None:
+        raise UserError(
+            f"No setting of {', '.join(recipe.auto_keys())} fits {recipe.model.name} on {gpu.name} "
+            f"({gpu.memory_gib:.1f} GiB): {result.reasons[0]}",
+            hint="What would fit: " + "; ".join(result.suggestions),
+        )
+    return result
+
+
+
+
+def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
+    """The recipe a run starts with: ``auto`` values resolved for the device it runs on.
+
+    A run folder that already holds a resolved recipe with checkpoints keeps its values (a resume
+    continues with the same micro-batch, after any out-of-memory back-off); otherwise the planner
+    chooses for the detected GPU, or for the CPU (80 % of its RAM) when there is none.
+    """
+    import yaml
+
+    from finetuner.config.hardware import cpu_profile, detect
+    from finetuner.config.recipe import Recipe
+
+    if not recipe.auto_keys():
+        return recipe, None
+    saved = recipe.output_path() / "recipe.yaml"
+    if resume and saved.is_file() and any((recipe.output_path() / "checkpoints").glob("step-*")):
+        old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        raw = recipe.to_dict()
+        for key in recipe.auto_keys():
+            node_new, node_old = raw, old
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node_new, node_old = node_new[part], node_old.get(part, {})
+            if leaf in node_old:
+                node_new[leaf] = node_old[leaf]
+        if "quantization" in old and raw.get("method") == "qlora":
+            raw["quantization"] = old["quantization"]
+        raw["training"]["effective_batch"] = None
+        resolved = Recipe.model_validate(raw)
+        if not resolved.auto_keys():
+            return resolved, None
+    gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
+    result = resolve_auto(recipe, gpu)
+    return Recipe.model_validate(result.recipe.to_dict()), result
+
+
+def estimate_recipe(
+    recipe: Recipe | str | Path,
+    gpu: GpuProfile | str | None = None,
+    shape: ModelShape | None = None,
+    margin: float = 0.05,
+    label_fraction: float = 1.0,
+) -> MemoryEstimate:
+    """Predict the peak memory of a recipe (``finetuner.estimate``).
+
+    Args:
+        recipe: a :class:`~finetuner.config.recipe.Recipe` or the path of a recipe YAML; ``auto`` values
+            are resolved by the planner for ``gpu`` first.
+        gpu: a card name, a size (``24GB``), ``cpu``, a :class:`~finetuner.config.hardware.GpuProfile`, or
+            None (no card: the estimate has no budget and ``fits`` is True).
+        label_fraction: the share of tokens the loss is computed on (the planner measures it from
+            the data: ``DataProfile.label_fraction``); 1.0, every token, is the upper bound.
+
+    Example:
+        >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
+        >>> est.fits, round(est.total_bytes / 2**30, 1)  # doctest: +SKIP
+        (True, 20.2)
+    """
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.config.recipe import Recipe
+
+    if isinstance(recipe, (str, Path)):
+        recipe = Recipe.from_yaml(recipe)
+    prof = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if recipe.auto_keys():
+        recipe = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction).recipe
+    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    settings = settings_from_recipe(recipe, prof, shape.model_type, label_fraction=label_fraction)
+    return estimate(shape, settings, prof, margin=margin)

@@ -1,0 +1,186 @@
+"""Size a run to its data: sequence length, packing, held-out rows, effective batch, epochs,
+learning rate and how often to evaluate and save — each with the reason the planner prints.
+
+The planner (:mod:`finetuner.planning.planner`) decides what *fits* the card; this module decides what
+makes a *useful* run of the data at hand. Pure arithmetic on the data's token lengths
+(:class:`finetuner.data.stats.DataProfile`), no torch. The rules:
+
+* **Sequence length**: the longest example rounded up to a multiple of 64, never beyond the
+  model's positions (examples longer than that are truncated, with a note). Only when packing
+  is chosen does the sequence grow to ``PACKED_SEQ_LEN`` (2,048) to fill it with examples.
+* **Packing** when examples average under half the sequence *and* the packed data still give at
+  least ``MIN_STEPS_PER_EPOCH_TO_PACK`` optimizer steps per epoch: packing a small set into a
+  handful of long rows would leave almost nothing to step on.
+* **Held out**: 2 % of the rows (at most 200) for a large set; 10 % (at least 2) below 200 rows;
+  none below 10 rows.
+* **Effective batch**: the user's, else 16, halved until an epoch has at least
+  ``MIN_STEPS_PER_EPOCH`` optimizer steps.
+* **Epochs**: enough to reach ``MIN_TOTAL_STEPS`` optimizer steps, between 1 and ``MAX_EPOCHS``.
+* **Learning rate**: 2e-4 for LoRA / QLoRA and 2e-5 for full fine-tuning at hidden size 4,096
+  (the common 7B settings), scaled by ``sqrt(4096 / hidden)`` for narrower models and capped
+  at 10x, to one significant digit (a narrower layer takes larger steps for the same change of
+  its output).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.data.stats import DataProfile
+    from finetuner.model.shapes import ModelShape
+
+#: Examples per optimizer step when the user gives none and the data are large enough.
+DEFAULT_EFFECTIVE_BATCH = 16
+#: Sequence length when neither the user nor the data say.
+DEFAULT_SEQ_LEN = 2048
+#: Sequence length packed rows are filled to (capped by the model's positions).
+PACKED_SEQ_LEN = 2048
+#: Sequence lengths from the data are rounded up to this.
+SEQ_ROUND = 64
+#: Fewer optimizer steps per epoch than this and the effective batch is lowered.
+MIN_STEPS_PER_EPOCH = 8
+#: Pack only when the packed data give at least this many optimizer steps per epoch.
+MIN_STEPS_PER_EPOCH_TO_PACK = 50
+#: Epochs are raised until the run has at least this many optimizer steps ...
+MIN_TOTAL_STEPS = 100
+#: ... but never beyond this many passes over the data.
+MAX_EPOCHS = 10
+#: Below this many training examples the plan says the data set is small.
+FEW_EXAMPLES = 200
+#: Learning rates at hidden size ``REFERENCE_HIDDEN`` (the common 7B LoRA and full settings).
+REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
+REFERENCE_HIDDEN = 4096
+MAX_LR_SCALE = 10.0
+
+
+@dataclass
+class Sizing:
+    """What :func:`size_run` chose, and why (one line per choice)."""
+
+    seq_len: int
+    packing: bool
+    val_size: float
+    effective_batch: int
+    epochs: int | None
+    train_rows: int | None
+    steps_per_epoch: int | None
+    eval_every: int
+    save_every: int
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_steps(self) -> int | None:
+        return None if self.steps_per_epoch is None or self.epochs is None else self.steps_per_epoch * self.epochs
+
+
+def learning_rate(method: str, shape: ModelShape) -> tuple[float, str]:
+    """The planned learning rate for ``method`` on ``shape`` (one significant digit), and the reason."""
+    base = REFERENCE_LR.get(method, REFERENCE_LR["lora"])
+    scale = min(MAX_LR_SCALE, math.sqrt(REFERENCE_HIDDEN / max(1, shape.hidden_size)))
+    lr = float(f"{base * max(1.0, scale):.1g}")
+    what = "LoRA" if method in ("lora", "qlora") else "full fine-tuning"
+    if lr == base:
+        return lr, f"learning rate {lr:g}: the usual {what} rate for 7B-class models (hidden size {REFERENCE_HIDDEN})"
+    return lr, (f"learning rate {lr:g}: the usual {what} rate {base:g} (hidden size {REFERENCE_HIDDEN}) scaled by "
+                f"sqrt({REFERENCE_HIDDEN}/{shape.hidden_size}) for this narrower model")
+
+
+def _round_up(n: int, to: int) -> int:
+    return max(to, int(math.ceil(n / to)) * to)
+
+
+def _held_out(rows: int) -> tuple[float, int]:
+    """``data.val_size`` for ``rows`` examples, and how many rows it holds out."""
+    if rows < 10:
+        return 0.0, 0
+    if rows < 200:
+        n = max(2, round(rows * 0.1))
+        return float(n), n
+    n = min(200, max(1, round(rows * 0.02)))
+    return (0.02 if n < 200 else 200.0), n
+
+
+def _pow2_floor(n: float) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(1.0, n)))))
+
+
+def size_run(
+    shape: ModelShape,
+    profile: DataProfile | None = None,
+    *,
+    seq_len: int | None = None,
+    effective_batch: int | None = None,
+    gpus: int = 1,
+) -> Sizing:
+    """Choose the data-dependent settings of a run (see the module doc for the rules)."""
+    reasons: list[str] = []
+    notes: list[str] = []
+    positions = shape.max_position_embeddings
+    if seq_len is not None and seq_len > positions:
+        notes.append(f"--seq-len {seq_len} is longer than the model's {positions} positions: using {positions}")
+        seq_len = positions
+    eff_given = effective_batch is not None
+    eff = effective_batch or DEFAULT_EFFECTIVE_BATCH
+    if profile is None:
+        seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
+        # without data to measure, assume instruction data (short examples): packed
+        return Sizing(seq, True, 0.02, eff, 1, None, None, 200, 200,
+                      reasons=[f"sequence {seq} packed: " + ("as asked" if seq_len else "no data to measure")], notes=notes)
+
+    val_size, n_val = _held_out(profile.rows)
+    train_rows = max(1, profile.rows - n_val)
+    longest = profile.max_tokens
+    if seq_len is not None:
+        seq, why_seq = seq_len, "as asked"
+    else:
+        seq = min(_round_up(longest, SEQ_ROUND), positions)
+        why_seq = f"the longest example ({longest} tokens) rounded up to a multiple of {SEQ_ROUND}"
+        if longest > positions:
+            why_seq = f"the model's {positions} positions (the longest example has {longest} tokens)"
+    packing = False
+    if profile.should_pack(seq) or (seq_len is None and profile.should_pack(min(PACKED_SEQ_LEN, positions))):
+        pack_seq = seq if seq_len is not None else max(seq, min(PACKED_SEQ_LEN, positions))
+        packed_rows = max(1, math.ceil(profile.mean_tokens * train_rows / pack_seq))
+        if packed_rows / eff >= MIN_STEPS_PER_EPOCH_TO_PACK:
+            packing, seq = True, pack_seq
+            why_seq = (f"{seq} packed: examples average {profile.mean_tokens:.0f} tokens, under half the sequence, and "
+                       f"{train_rows} of them fill ~{packed_rows} packed rows (no attention between examples)")
+        else:
+            reasons.append(f"no packing: {train_rows} examples would fill only ~{packed_rows} packed rows "
+                           f"of {pack_seq} tokens, too few optimizer steps")
+    cut = profile.truncated(seq) if not packing else 0
+    if cut:
+        notes.append(f"{cut} of {profile.rows} examples are longer than {seq} tokens (longest {longest}) and will be truncated")
+    reasons.insert(0, f"sequence {seq}: {why_seq}")
+
+    units = max(1, math.ceil(profile.mean_tokens * train_rows / seq)) if packing else train_rows
+    if not eff_given:
+        while eff > max(1, gpus) and units / eff < MIN_STEPS_PER_EPOCH:
+            eff //= 2
+        eff = max(eff, gpus)
+        if eff < DEFAULT_EFFECTIVE_BATCH:
+            reasons.append(f"effective batch {eff} (not {DEFAULT_EFFECTIVE_BATCH}): {train_rows} training examples "
+                           f"give {max(1, units // eff)} optimizer steps per epoch")
+    steps_per_epoch = max(1, units // eff)
+    epochs = min(MAX_EPOCHS, max(1, math.ceil(MIN_TOTAL_STEPS / steps_per_epoch)))
+    total = steps_per_epoch * epochs
+    if epochs > 1:
+        cap = f" (at most {MAX_EPOCHS})" if epochs == MAX_EPOCHS else ""
+        reasons.append(f"{epochs} epochs{cap}: {steps_per_epoch} steps per epoch, {total} optimizer steps in all "
+                       f"(at least {MIN_TOTAL_STEPS} wanted)")
+    else:
+        reasons.append(f"1 epoch: {steps_per_epoch} optimizer steps")
+    reasons.append(f"held out: {n_val} examples for the eval loss" if n_val else
+                   f"no held-out examples: {profile.rows} rows are too few to spare any")
+    if train_rows < FEW_EXAMPLES:
+        notes.append(
+            f"{train_rows} training examples is a small data set: expect the model to pick up their format and style "
+            "rather than new knowledge; a few hundred to a few thousand examples fine-tune better. Watch the eval loss: "
+            "when it rises while the train loss falls, the model is memorising (lower training.epochs)"
+        )
+    every = max(10, min(500, _round_up(max(1, total // 5), 10)))
+    return Sizing(seq, packing, val_size, eff, epochs, train_rows, steps_per_epoch, every, every, reasons, notes)

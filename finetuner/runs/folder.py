@@ -1,0 +1,226 @@
+"""The run folder: where a run lives, and whether a new run may use it.
+
+``runs/<name>/`` (or the recipe's ``output_dir``) holds ``recipe.yaml`` (resolved),
+``events.jsonl``, ``checkpoints/``, ``adapter/``, ``metrics.json`` and ``tensorboard/``.
+Nothing in it is ever deleted by starting a run: ``--no-resume`` moves an old run aside.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from finetuner.training import checkpoint as ckpt_io
+from finetuner.errors import UserError
+from finetuner.config.recipe import Recipe
+
+#: Keys that must match for a checkpoint to be resumed with a recipe.
+RESUME_KEYS = (
+    "model.name",
+    "model.revision",
+    "method",
+    "lora",
+    "quantization",
+    "data.path",
+    "data.format",
+    "data.columns",
+    "data.max_seq_len",
+    "data.packing",
+    "data.train_on_prompt",
+    "data.val_size",
+    "training.seed",
+    "training.optimizer",
+)
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for k in dotted.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    diffs = [f"{k}: {_get(old, k)!r} → {_get(new, k)!r}" for k in RESUME_KEYS if _get(old, k) != _get(new, k)]
+    eff_old = _get(old, "training.micro_batch_size") * _get(old, "training.gradient_accumulation")
+    eff_new = _get(new, "training.micro_batch_size") * _get(new, "training.gradient_accumulation")
+    if eff_old != eff_new:
+        diffs.append(f"effective batch (micro_batch_size × gradient_accumulation): {eff_old} → {eff_new}")
+    diffs += _sharding_differences(old, new)
+    return diffs
+
+
+def _sharding_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """A DeepSpeed ZeRO checkpoint holds one optimizer shard per process: same strategy and process count to resume."""
+    def where(d: dict[str, Any]) -> tuple[str, int]:
+        dist = d.get("distributed") or {}
+        return dist.get("strategy", "ddp"), int(dist.get("num_processes", 1)) * int(dist.get("nodes", 1))
+
+    (s_old, n_old), (s_new, n_new) = where(old), where(new)
+    zero = s_old.startswith("zero") or s_new.startswith("zero")
+    if zero and (s_old, n_old) != (s_new, n_new):
+        return [f"distributed (ZeRO checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
+    return []
+
+
+def steps_asked(training: dict[str, Any], state: dict[str, Any], old_training: dict[str, Any]) -> int | None:
+    """How many optimizer steps a recipe's ``training`` section asks of a run whose last checkpoint
+    holds ``state`` (made with ``old_training``); None when that cannot be told without the data."""
+    if training.get("max_steps"):
+        return int(training["max_steps"])
+    per_epoch = state.get("steps_per_epoch")
+    if per_epoch is None and not old_training.get("max_steps") and state.get("max_steps"):
+        per_epoch = state["max_steps"] / float(old_training.get("epochs") or 1.0)  # checkpoints from before 0.2
+    if not per_epoch:
+        return None
+    return max(1, math.ceil(float(training.get("epochs") or 1.0) * per_epoch))
+
+
+class RunFinished(Exception):
+    """The run folder already holds a finished run that the recipe would not extend: nothing to do."""
+
+    def __init__(self, run_dir: Path, message: str):
+        super().__init__(message)
+        self.run_dir, self.message = run_dir, message
+
+
+def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last: Path) -> None:
+    """Before resuming ``run_dir`` (last checkpoint ``last``, saved recipe ``old``) with ``recipe``:
+    raise :class:`RunFinished` when it already trained every step the recipe asks for and wrote its
+    adapter, and a UserError when the recipe asks for fewer steps than were trained."""
+    try:
+        state = ckpt_io.load_trainer_state(last)
+    except (OSError, ValueError):
+        return  # the trainer reports unreadable checkpoints and falls back to older ones
+    done = int(state.get("step", 0))
+    asked = steps_asked(recipe.to_dict()["training"], state, old.get("training") or {})
+    if asked is None or asked > done:
+        return
+    how = (f"training.max_steps={asked}" if recipe.training.max_steps else f"training.epochs={recipe.training.epochs:g}")
+    if asked < done:
+        raise UserError(
+            f"{run_dir} already trained {done} steps; {how} asks for {asked}, so resuming it would train nothing "
+            "(its recipe.yaml and adapter are left as they are).",
+            hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to train "
+                 f"a new run of {asked} steps, add --no-resume (the old run is moved aside, not deleted) or give --output.",
+        )
+    if (run_dir / "adapter").is_dir():  # else the steps are done but the adapter is not written: resuming finishes it
+        raise RunFinished(run_dir, (
+            f"{run_dir} is finished: it trained all {done} steps this recipe asks for ({how}), and its adapter is in "
+            f"{run_dir / 'adapter'}. Nothing was trained or changed. To train it further, raise training.max_steps (or "
+            f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted)."))
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``.lock``), held for the life of the process.
+
+    ``flock`` locks vanish when their process dies, SIGKILL included, so there are no stale locks.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(
+                f"Another finetuner process (pid {holder}) is using the run folder {self.path.parent}.",
+                hint="Wait for it to finish or stop it, or pick another --output.",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[str], RunLock]:
+    """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock."""
+    import yaml
+
+    run_dir = recipe.output_path()
+    notes: list[str] = []
+    lock = None
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"Output path {run_dir} is a file, not a folder.", hint="Choose another --output.")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        saved = run_dir / "recipe.yaml"
+        if not saved.is_file():
+            raise UserError(
+                f"Output folder {run_dir} is not empty and holds no finetuner run; finetuner will not write into it.",
+                hint="Choose another --output (or output_dir), or empty that folder yourself.",
+            )
+        lock = RunLock(run_dir).acquire()
+        if not resume:
+            aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            run_dir.rename(aside)
+            lock.release()
+            lock = None
+            notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
+        else:
+            last = ckpt_io.latest_checkpoint(run_dir)
+            if last is not None:
+                old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+                diffs = recipe_differences(old, recipe.to_dict())
+                if diffs:
+                    lock.release()
+                    raise UserError(
+                        f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
+                        + "\n  ".join(diffs),
+                        hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
+                    )
+                try:
+                    check_not_finished(run_dir, recipe, old, last)
+                except BaseException:
+                    lock.release()
+                    raise
+                # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)
+                saved_t = old.get("training", {})
+                t = recipe.training.model_copy(
+                    update={k: saved_t[k] for k in ("micro_batch_size", "gradient_accumulation") if k in saved_t}
+                )
+                recipe = recipe.model_copy(update={"training": t})
+                notes.append(f"Resuming {run_dir} from {last.name}.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock or RunLock(run_dir).acquire()
+    recipe = recipe.model_copy(update={"output_dir": str(run_dir)})
+    recipe.save(run_dir / "recipe.yaml")
+    return run_dir, recipe, notes, lock
+
+
+def checkpoint_bytes(model, optimizer: str) -> int:
+    """Predicted size of one checkpoint: the trainable weights as saved, plus the optimizer state
+    (the memory model's :func:`~finetuner.memory.model.optimizer_state_bytes`, the same count it predicts on the GPU)."""
+    from finetuner.memory.model import optimizer_state_bytes
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    tensors = [(p.shape[0], p.numel() // max(1, p.shape[0]) if p.dim() > 1 else 1, 1) for p in trainable]
+    return int(weights + optimizer_state_bytes(tensors, optimizer)) + 1_000_000
+
+
+def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> None:
+    """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
+    import shutil
+
+    one = checkpoint_bytes(model, optimizer)
+    need = one * (keep_last + 2)  # K kept + one being written + the final adapter
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise UserError(
+            f"Not enough free disk space in {run_dir}: {free / 2**30:.2f} GiB free, but {keep_last} checkpoints of "
+            f"{one / 2**30:.2f} GiB each plus one being written and the final adapter need {need / 2**30:.2f} GiB.",
+            hint="Free some space, choose another --output, or lower checkpointing.keep_last.",
+        )

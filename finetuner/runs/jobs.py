@@ -1,0 +1,433 @@
+"""Training jobs for the web UI (or any front end): start, stop, resume, list, follow.
+
+A job is ``python -m finetuner run RUN_DIR/recipe.yaml -o RUN_DIR --quiet`` in its own process
+and session, so closing the browser or restarting the UI never stops it; its output goes to
+``RUN_DIR/train.log``. What a front end shows comes from the run's ``events.jsonl``
+(:func:`run_status`), never from the log.
+
+One job per device at a time: ``RUNS_DIR/.jobs.json`` records the running jobs (pid, run folder,
+device), written under an ``flock`` so two sessions cannot both start one. A job whose process
+has ended is dropped from the registry when it is next read. Stopping sends SIGINT: the trainer
+finishes the current step, saves a checkpoint and exits with status 130; starting the same run
+folder again resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.runs.events import read_events
+
+REGISTRY = ".jobs.json"
+LOG_NAME = "train.log"
+
+#: Children started by this process, so they are reaped (no zombies) and their exit code known.
+_CHILDREN: dict[int, subprocess.Popen] = {}
+_EXITED: dict[int, int] = {}
+
+
+def repo_root() -> Path:
+    """The folder holding the ``finetuner`` package (the checkout in a development install)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def default_runs_dir() -> Path:
+    """``runs/`` of the checkout when finetuner runs from one, else ``./runs``."""
+    root = repo_root()
+    if (root / "pyproject.toml").is_file():
+        return root / "runs"
+    return Path.cwd().resolve() / "runs"
+
+
+@dataclass
+class Job:
+    """A training process started by :func:`start_job`."""
+
+    pid: int
+    run_dir: str
+    name: str
+    device: str
+    started: float
+    log: str
+    command: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- processes
+def _alive(pid: int) -> bool:
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        if child.poll() is None:
+            return True
+        _EXITED[pid] = child.returncode
+        _CHILDREN.pop(pid, None)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child of another process may linger as a zombie
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit status of a job this process started, once it has ended (else None)."""
+    _alive(pid)
+    return _EXITED.get(pid)
+
+
+def _devices_clash(a: str, b: str) -> bool:
+    return a == b or "auto" in (a, b)
+
+
+def _device_key(device: str) -> str:
+    d = (device or "auto").strip().lower()
+    return "cuda:0" if d == "cuda" else d
+
+
+# --------------------------------------------------------------------------- the registry
+@contextmanager
+def _registry(runs_dir: Path) -> Iterator[list[dict[str, Any]]]:
+    """The running jobs, locked for the duration; ended jobs are dropped; changes are saved."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    path = runs_dir / REGISTRY
+    with open(runs_dir / (REGISTRY + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            jobs = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+        except (json.JSONDecodeError, OSError):
+            jobs = []
+        before = json.dumps(jobs)
+        jobs[:] = [j for j in jobs if isinstance(j, dict) and "pid" in j and _alive(int(j["pid"]))]
+        yield jobs
+        if json.dumps(jobs) != before:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(jobs, indent=2), encoding="utf-8")
+            os.replace(tmp, path)
+
+
+def running_jobs(runs_dir: str | Path | None = None) -> list[Job]:
+    """Jobs whose process is alive, from the registry on disk (any UI session, any process)."""
+    with _registry(Path(runs_dir or default_runs_dir())) as jobs:
+        return [Job(**j) for j in jobs]
+
+
+def job_for(run_dir: str | Path, runs_dir: str | Path | None = None) -> Job | None:
+    rd = str(Path(run_dir).resolve())
+    return next((j for j in running_jobs(runs_dir) if j.run_dir == rd), None)
+
+
+# --------------------------------------------------------------------------- start / stop
+def safe_name(name: str) -> str:
+    """A folder name from free text: letters, digits, ``.-_`` only, no leading dot."""
+    s = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", name)).strip(".-_")
+    return s[:80] or "run"
+
+
+def new_run_dir(runs_dir: str | Path, name: str) -> Path:
+    """A fresh folder ``RUNS_DIR/<name>-<date-time>`` (never an existing one)."""
+    base = Path(runs_dir) / f"{safe_name(name)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+def free_run_name(runs_dir: str | Path, name: str) -> str:
+    """``name`` if no run folder has it yet, else the first free ``name-2``, ``name-3``...: a name to
+    propose before a run starts (the user sees it), never applied silently at start."""
+    base = safe_name(name)[:96]
+    cand, i = base, 1
+    while (Path(runs_dir) / cand).exists():
+        i += 1
+        cand = f"{base}-{i}"
+    return cand
+
+
+def named_run_dir(runs_dir: str | Path, name: str) -> Path:
+    """The folder ``RUNS_DIR/<name>`` for a new run named as the user typed it.
+
+    Raises:
+        UserError: a run (or anything else) already has that name; nothing is renamed or replaced.
+    """
+    path = Path(runs_dir) / safe_name(name)
+    if path.exists():
+        raise UserError(
+            f"A run named '{path.name}' already exists in {Path(runs_dir)}; a new run needs a new name.",
+            hint=f"Change `name:` in the recipe (e.g. to {free_run_name(runs_dir, name)}) to start a new run, or pick "
+                 f"{path.name} under Run to see it (Resume continues it if it was stopped).",
+        )
+    return path
+
+
+def start_job(
+    recipe: Any,
+    run_dir: str | Path | None = None,
+    runs_dir: str | Path | None = None,
+    overrides: list[str] | None = None,
+    exact_name: bool = False,
+) -> Job:
+    """Start training in a new process; returns at once.
+
+    Args:
+        recipe: a :class:`~finetuner.config.recipe.Recipe`, or the path of a recipe YAML. Ignored when
+            ``run_dir`` already holds a run (its ``recipe.yaml`` is resumed).
+        run_dir: the run folder; default a new ``RUNS_DIR/<recipe name>-<date-time>``.
+        runs_dir: where runs and the job registry live (default :func:`default_runs_dir`).
+        overrides: ``key=value`` recipe overrides (``--set``), for a new run only.
+        exact_name: a new run's folder is ``RUNS_DIR/<recipe name>``, the name as the user typed it
+            (refused if taken), instead of ``<recipe name>-<date-time>``.
+
+    Raises:
+        UserError: another job is running on the same device, the recipe is invalid, or (with
+            ``exact_name``) a run already has the recipe's name.
+    """
+    from finetuner.config.recipe import Recipe
+
+    runs = Path(runs_dir or default_runs_dir()).resolve()
+    existing = Path(run_dir).resolve() if run_dir else None
+    resuming = existing is not None and (existing / "recipe.yaml").is_file()
+    if resuming:
+        recipe_obj = Recipe.from_yaml(existing / "recipe.yaml")
+    else:
+        recipe_obj = recipe if isinstance(recipe, Recipe) else Recipe.from_yaml(recipe, overrides)
+        if overrides and isinstance(recipe, Recipe):
+            recipe_obj = Recipe.from_dict(recipe.to_dict(), overrides)
+    device = _device_key(recipe_obj.device)
+    with _registry(runs) as jobs:
+        for j in jobs:
+            if existing is not None and j["run_dir"] == str(existing):
+                raise UserError(f"The run {j['name']} is already training (pid {j['pid']}).")
+            if _devices_clash(device, j["device"]):
+                raise UserError(
+                    f"A training job is already running on this device: {j['name']} (pid {j['pid']}, "
+                    f"started {time.strftime('%H:%M:%S', time.localtime(j['started']))}).",
+                    hint="Wait for it to finish, or stop it first (a checkpoint is saved; it can be resumed).",
+                )
+        if existing is not None:
+            target = existing
+        elif exact_name:
+            target = named_run_dir(runs, recipe_obj.name)
+        else:
+            target = new_run_dir(runs, recipe_obj.name)
+        target.mkdir(parents=True, exist_ok=True)
+        if not resuming:
+            recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
+        log_path = target / LOG_NAME
+        cmd = [sys.executable, "-m", "finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log:
+            log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=str(target), env=env,
+            )
+        _CHILDREN[proc.pid] = proc
+        job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd)
+        jobs.append(job.to_dict())
+    return job
+
+
+def stop_job(job_or_run: Job | str | Path, runs_dir: str | Path | None = None, wait: float = 0.0) -> bool:
+    """Ask a job to stop (SIGINT: checkpoint, then exit 130). Returns False if it was not running.
+
+    With ``wait > 0``, waits up to that many seconds for the process to end.
+    """
+    job = job_or_run if isinstance(job_or_run, Job) else job_for(job_or_run, runs_dir)
+    if job is None or not _alive(job.pid):
+        return False
+    try:
+        os.kill(job.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait
+    while wait > 0 and time.monotonic() < deadline and _alive(job.pid):
+        time.sleep(0.1)
+    return True
+
+
+def wait_job(job: Job, timeout: float) -> bool:
+    """Wait until the job's process ends; True if it did within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(job.pid):
+            return True
+        time.sleep(0.1)
+    return not _alive(job.pid)
+
+
+# --------------------------------------------------------------------------- status
+@dataclass
+class RunStatus:
+    """A run as its ``events.jsonl`` tells it (plus whether its process is alive)."""
+
+    run_dir: str
+    name: str
+    state: str  # starting | running | stopping | stopped | done | error | interrupted | new
+    running: bool = False
+    pid: int | None = None
+    step: int = 0
+    max_steps: int | None = None
+    eta_s: float | None = None
+    elapsed_s: float | None = None
+    tokens_per_s: float | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    predicted_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    measured_what: str | None = None
+    device: str | None = None
+    method: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+    samples: list[dict[str, Any]] | None = None
+    adapter_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    modified: float = 0.0
+
+    @property
+    def progress(self) -> float:
+        return min(1.0, self.step / self.max_steps) if self.max_steps else 0.0
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
+
+    @property
+    def has_checkpoint(self) -> bool:
+        ck = Path(self.run_dir) / "checkpoints"
+        return ck.is_dir() and any(p.name.startswith("step-") for p in ck.iterdir())
+
+    @property
+    def has_adapter(self) -> bool:
+        return (Path(self.run_dir) / "adapter").is_dir()
+
+    @property
+    def resumable(self) -> bool:
+        return not self.running and self.state in ("stopped", "interrupted", "error") and self.has_checkpoint
+
+
+def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job | None = None) -> RunStatus:
+    """Read a run folder's events into a :class:`RunStatus`."""
+    rd = Path(run_dir).resolve()
+    events_path = rd / "events.jsonl"
+    if job is None:
+        job = job_for(rd, runs_dir or rd.parent)
+    st = RunStatus(str(rd), rd.name, "new", running=job is not None, pid=job.pid if job else None)
+    try:
+        st.modified = max(p.stat().st_mtime for p in (rd, events_path) if p.exists())
+    except ValueError:
+        pass
+    losses: dict[int, float] = {}
+    evals: dict[int, float] = {}
+    last = None
+    for ev in read_events(events_path):
+        kind = ev.get("event")
+        last = kind
+        if kind == "start":
+            st.max_steps = ev.get("max_steps")
+            st.device, st.method = ev.get("device"), ev.get("method")
+            st.step = ev.get("resumed_from_step") or 0
+            st.error = None
+            pred = ev.get("predicted") or {}
+            st.predicted_bytes = pred.get("allocated_bytes") or pred.get("total_bytes")
+            if ev.get("resumed_from_step"):
+                st.notes.append(f"resumed from step {ev['resumed_from_step']}")
+        elif kind == "step":
+            st.step = ev.get("step", st.step)
+            st.max_steps = ev.get("max_steps", st.max_steps)
+            st.eta_s, st.elapsed_s = ev.get("eta_s"), ev.get("elapsed_s")
+            st.tokens_per_s = ev.get("tokens_per_s")
+            if ev.get("loss") is not None:
+                losses[int(ev["step"])] = float(ev["loss"])
+            peak = ev.get("mem_peak")
+            if peak is not None:
+                st.measured_peak_bytes = max(st.measured_peak_bytes or 0, int(peak))
+        elif kind == "eval" and ev.get("eval_loss") is not None:
+            evals[int(ev["step"])] = float(ev["eval_loss"])
+        elif kind == "oom_backoff":
+            st.notes.append(
+                f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"
+            )
+        elif kind == "done":
+            st.step = ev.get("step", st.step)
+            st.metrics = ev.get("metrics") or {}
+            st.adapter_dir = ev.get("adapter_dir")
+            mem = st.metrics.get("memory") or {}
+            st.measured_peak_bytes = mem.get("measured_peak_bytes", st.measured_peak_bytes)
+            st.predicted_bytes = mem.get("predicted_peak_bytes", st.predicted_bytes)
+            st.measured_what = mem.get("measured")
+            st.eta_s = 0
+        elif kind == "samples":
+            st.samples = ev.get("samples")
+        elif kind == "error":
+            st.error = ev.get("message")
+    st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
+    if st.running:
+        if last in ("stopped", "done", "samples", "error"):
+            st.state = "finishing"
+        else:
+            st.state = "running" if last not in (None, "plan") else "starting"
+    elif last in ("done", "samples"):
+        st.state = "done"
+    elif last == "stopped":
+        st.state = "stopped"
+    elif last == "error":
+        st.state = "error"
+    elif last is None:
+        st.state = "new"
+        if job is None and (rd / LOG_NAME).is_file():
+            st.state = "error"
+            st.error = _log_error(rd / LOG_NAME)
+    else:
+        st.state = "interrupted"
+    return st
+
+
+def _log_error(log: Path) -> str:
+    """The last ``error:`` line the CLI printed (a run that failed before writing any event)."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "the run ended before it started"
+    errs = [ln for ln in lines if ln.startswith("error:")]
+    if errs:
+        i = lines.index(errs[-1])
+        return "\n".join(lines[i : i + 3]).removeprefix("error: ")
+    tail = [ln for ln in lines if ln.strip()][-1:]
+    return tail[0] if tail else "the run ended before it started"
+
+
+def list_runs(runs_dir: str | Path | None = None) -> list[RunStatus]:
+    """The run folders under ``runs_dir`` (those with events.jsonl or recipe.yaml), newest first."""
+    runs = Path(runs_dir or default_runs_dir())
+    if not runs.is_dir():
+        return []
+    jobs = {j.run_dir: j for j in running_jobs(runs)}
+    out = []
+    for d in runs.iterdir():
+        if d.is_dir() and not d.name.startswith(".") and ((d / "events.jsonl").is_file() or (d / "recipe.yaml").is_file()):
+            out.append(run_status(d, runs, job=jobs.get(str(d.resolve()))))
+    return sorted(out, key=lambda s: s.modified, reverse=True)

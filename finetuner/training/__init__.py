@@ -1,0 +1,1 @@
+"""The trainer (one process or several), its checkpoints, the multi-process launcher, and test faults."""

@@ -1,0 +1,340 @@
+"""Launching a multi-process run: torchrun over :mod:`finetuner.training.distributed`, configs saved.
+
+``finetuner run RECIPE --gpus N`` (or a recipe with a ``distributed:`` section) comes here from
+:func:`finetuner.training.trainer.train`. The launcher, in the user's process:
+
+1. resolves the recipe and prepares the run folder exactly like a one-process run (the lock,
+   resume checks, ``recipe.yaml``), and holds the lock while the ranks run;
+2. writes the configs the run uses into ``<run>/distributed/``: ``accelerate_config.yaml`` (for
+   ``accelerate launch --config_file``), ``deepspeed.json`` for the ZeRO strategies, and
+   ``launch.sh``, the exact ``torchrun`` command, so a user can see and reuse them;
+3. starts ``python -m torch.distributed.run ... -m finetuner.training.distributed RUN_DIR`` (torchrun, not
+   ``accelerate launch``: on CPU ``accelerate launch --cpu --num_processes 2`` starts only one
+   process), follows rank 0's ``events.jsonl`` for the callbacks, and turns the end of the run
+   into a :class:`~finetuner.training.trainer.TrainResult`.
+
+Stopping: the first stop request (Ctrl-C in the CLI, or ``stop_event``) writes ``<run>/.stop``;
+every rank sees it at its next step, they agree to stop at the same step, save a checkpoint and
+exit. A second Ctrl-C, an error in the launcher, or the launcher dying (``PR_SET_PDEATHSIG``)
+terminates torchrun, which terminates its workers; each worker also dies with torchrun. torchrun
+stops all ranks when one fails. Output of all ranks goes to ``<run>/distributed/launch.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.config.recipe import Recipe
+from finetuner.config.runtime import Runtime, resolve_runtime
+
+log = logging.getLogger(__name__)
+
+#: Set in the environment of every rank; a rank never launches again.
+RANK_ENV = "FINETUNER_DISTRIBUTED_RANK"
+STOP_FILE = ".stop"
+CONFIG_DIR = "distributed"
+
+
+def needs_launch(recipe: Recipe) -> bool:
+    """True when the recipe asks for more than one process or for a sharding engine."""
+    if os.environ.get(RANK_ENV):
+        return False
+    d = recipe.distributed
+    return d.world_size > 1 or d.strategy != "ddp"
+
+
+# --------------------------------------------------------------------------- configs
+def deepspeed_config(recipe: Recipe, rt: Runtime) -> dict[str, Any]:
+    """The DeepSpeed JSON config for a ZeRO strategy (``train_batch_size`` = the effective batch),
+    in the precision the trainer autocasts to (``rt.precision``)."""
+    cuda = rt.is_cuda
+    d, t = recipe.distributed, recipe.training
+    stage = int(d.strategy[-1])
+    micro = int(t.micro_batch_size)
+    n_micro = -(-t.effective_batch_size // micro)
+    gas = max(1, -(-n_micro // d.world_size))
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if d.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if d.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * d.world_size,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cuda and rt.precision == "bf16"},
+        "fp16": {"enabled": cuda and rt.precision == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        # torch AdamW may step the offloaded states when cpu_adam is off
+        "zero_force_ds_cpu_optimizer": bool(d.offload != "none" and d.cpu_adam),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None = None) -> dict[str, Any]:
+    """An ``accelerate launch --config_file`` config equivalent to this launch."""
+    cuda = rt.is_cuda
+    d = recipe.distributed
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_machines": d.nodes,
+        "machine_rank": d.node_rank,
+        "num_processes": d.world_size,
+        "main_process_ip": d.master_addr,
+        "main_process_port": d.master_port,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": not cuda,
+        "mixed_precision": "no" if rt.precision == "fp32" else rt.precision,
+        "main_training_function": "main",
+        "downcast_bf16": "no",
+    }
+    if d.deepspeed:
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json", "zero3_init_flag": False}
+    elif d.strategy == "fsdp":
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": transformer_layer or "LlamaDecoderLayer",
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": False,
+            "fsdp_activation_checkpointing": bool(recipe.training.gradient_checkpointing is True),
+        }
+    else:
+        cfg["distributed_type"] = ("MULTI_GPU" if cuda else "MULTI_CPU") if d.world_size > 1 else "NO"
+    return cfg
+
+
+def torchrun_command(recipe: Recipe, run_dir: Path) -> list[str]:
+    """``python -m torch.distributed.run`` for this node (``--standalone`` on one machine: a free port)."""
+    d = recipe.distributed
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_processes}"]
+    if d.nodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={d.nodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}", f"--master_port={d.master_port}"]
+    return cmd + ["-m", "finetuner.training.distributed", str(run_dir)]
+
+
+def _transformer_layer(model_dir: str) -> str | None:
+    """The decoder-layer class name FSDP wraps (``LlamaForCausalLM`` → ``LlamaDecoderLayer``)."""
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        return None
+    arch = (json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or [""])[0]
+    return arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else None
+
+
+def write_configs(recipe: Recipe, run_dir: Path, rt: Runtime) -> dict[str, Path]:
+    """Write the configs of this launch into ``<run>/distributed/``; returns their paths."""
+    cuda = rt.is_cuda
+    import yaml
+
+    from finetuner.fileio import atomic_write_json, atomic_write_text
+
+    out = Path(run_dir) / CONFIG_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    if recipe.distributed.deepspeed:
+        paths["deepspeed"] = out / "deepspeed.json"
+        atomic_write_json(paths["deepspeed"], deepspeed_config(recipe, rt))
+    paths["accelerate"] = out / "accelerate_config.yaml"
+    acc = accelerate_config(recipe, rt, _transformer_layer(recipe.model.name))
+    atomic_write_text(paths["accelerate"], yaml.safe_dump(acc, sort_keys=False))
+    paths["launch"] = out / "launch.sh"
+    env = "ACCELERATE_USE_CPU=true " if not cuda else ""
+    atomic_write_text(
+        paths["launch"],
+        "#!/bin/sh\n# The command finetuner ran for this run (resumes from the run folder's checkpoints).\n"
+        f"{env}{shlex.join(torchrun_command(recipe, run_dir))}\n",
+    )
+    return paths
+
+
+# --------------------------------------------------------------------------- running
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _EventFollower(threading.Thread):
+    """Calls the callbacks with each new line of ``events.jsonl`` (written by rank 0)."""
+
+    def __init__(self, path: Path, callbacks, offset: int):
+        super().__init__(daemon=True)
+        self.path, self.callbacks, self.offset = path, callbacks or [], offset
+        self.done = threading.Event()
+        self._buf = ""
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        self._buf += chunk
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if line.strip():
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                for cb in self.callbacks:
+                    cb(event)
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.poll()
+        self.poll()
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM torchrun (it stops its workers), then SIGKILL; workers die with it (PDEATHSIG)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _events_since(path: Path, offset: int) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        f.seek(offset)
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch_training(
+    recipe: Recipe,
+    callbacks=None,
+    resume: bool = True,
+    stop_event: threading.Event | None = None,
+    profile_memory: bool = False,
+):
+    """Run ``recipe`` on ``distributed.world_size`` processes; returns a :class:`TrainResult`."""
+    import torch
+
+    from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
+    from finetuner.runs.events import EventWriter
+    from finetuner.fileio import atomic_write_json
+    from finetuner.planning.planner import resolve_for_run
+    from finetuner.runs.folder import prepare_run_dir
+    from finetuner.training.result import TrainResult
+
+    cuda = torch.cuda.is_available() and recipe.device != "cpu"
+    d = recipe.distributed
+    if d.strategy == "fsdp":
+        # accelerate's FSDP plugin refuses the CPU, so its training path cannot be tested here; rather
+        # than run something untested, finetuner writes the config and points to ZeRO-3
+        where = "" if cuda else " accelerate's FSDP plugin also refuses the CPU."
+        raise UserError(
+            f"distributed.strategy: fsdp is not supported by finetuner run yet.{where}",
+            hint="Use strategy zero3: DeepSpeed ZeRO-3 shards parameters, gradients and optimizer states the same way "
+            "(finetuner.training.launch.write_configs writes an accelerate FSDP config for `accelerate launch` if you need one).",
+        )
+    if cuda and torch.cuda.device_count() < d.num_processes:
+        raise UserError(
+            f"distributed.num_processes: {d.num_processes} processes need {d.num_processes} GPUs, "
+            f"but {torch.cuda.device_count()} are visible.",
+            hint="Lower --gpus, or set device: cpu to run the processes on the CPU (gloo).",
+        )
+    if profile_memory:
+        log.warning("--profile-memory is not supported for multi-process runs; ignored.")
+    recipe, plan = resolve_for_run(recipe, resume)
+    run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    try:
+        for note in notes:
+            log.warning(note)
+        if plan is not None:
+            atomic_write_json(run_dir / "plan.json", plan.to_dict())
+        paths = write_configs(recipe, run_dir, resolve_runtime(recipe))
+        (run_dir / STOP_FILE).unlink(missing_ok=True)
+        events_path = run_dir / "events.jsonl"
+        offset = events_path.stat().st_size if events_path.exists() else 0
+        follower = _EventFollower(events_path, callbacks, offset)
+        env = {**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"}
+        if not cuda:
+            env["ACCELERATE_USE_CPU"] = "true"
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))
+        log_path = paths["launch"].with_name("launch.log")
+        cmd = torchrun_command(recipe, run_dir)
+        log.info("Launching: %s", shlex.join(cmd))
+        with open(log_path, "ab") as log_f:
+            proc = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        follower.start()
+        stop_requested = False
+        try:
+            while proc.poll() is None:
+                if stop_event is not None and stop_event.is_set() and not stop_requested:
+                    (run_dir / STOP_FILE).write_text(str(os.getpid()), encoding="utf-8")
+                    stop_requested = True
+                time.sleep(0.2)
+        except BaseException:  # a second Ctrl-C, or anything else: no rank may outlive the launcher
+            _terminate(proc)
+            raise
+        finally:
+            follower.done.set()
+            follower.join()
+            (run_dir / STOP_FILE).unlink(missing_ok=True)
+        events = _events_since(events_path, offset)
+        ends = [e for e in events if e.get("event") in ("done", "stopped", "error")]
+        end = ends[-1] if ends else None
+        if proc.returncode != 0 or end is None or end["event"] == "error":
+            message = end.get("message") if end and end["event"] == "error" else None
+            if message is None:
+                message = f"a training process failed (torchrun exit status {proc.returncode})"
+                writer = EventWriter(events_path)
+                writer.emit("error", message=message, type="DistributedRunFailed", user_error=False)
+                writer.close()
+            if end is not None and end.get("user_error"):
+                raise UserError(message)
+            raise UserError(
+                f"Multi-process training failed: {message}",
+                hint=f"The output of every rank is in {log_path}; its end:\n{_log_tail(log_path)}",
+            )
+        ckpt = latest_checkpoint(run_dir)
+        losses = load_trainer_state(ckpt)["losses"] if ckpt else []
+        if end["event"] == "stopped":
+            return TrainResult(run_dir, run_dir / "adapter", {"step": end.get("step")}, stopped=True, losses=losses)
+        metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+        return TrainResult(run_dir, Path(end["adapter_dir"]), metrics, losses=losses)
+    finally:
+        lock.release()

@@ -1,0 +1,692 @@
+"""The training recipe, readable top to bottom: setup → train → save → cleanup.
+
+One optimizer step consumes a fixed list of example indices (``micro_batch_size ×
+gradient_accumulation`` of a seeded per-epoch permutation), split into micro-batches. The loss
+is the sum of token losses over the whole step divided by the number of trained tokens in the
+step, so it does not depend on how the step is split into micro-batches: a run that halves its
+micro-batch and doubles its accumulation follows the same loss curve.
+
+The trainer knows nothing of any UI: it writes events (:mod:`finetuner.runs.events`) and checks a
+stop flag between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from finetuner.training import checkpoint as ckpt_io
+from finetuner.data import cache as data_cache
+from finetuner.data.pipeline import IGNORE_INDEX, Collator, PreparedData, prepare_data
+from finetuner.errors import OutOfMemory, UserError
+from finetuner.runs.events import Callback, EventWriter, device_memory
+from finetuner.training.faults import FaultPlan
+from finetuner.fileio import atomic_write_json
+from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
+from finetuner.model.offload import save_on_cpu
+from finetuner.quiet import quieted
+from finetuner.config.recipe import Recipe, TrainingSection
+from finetuner.config.runtime import Runtime, resolve_runtime
+from finetuner.training.result import TrainResult
+from finetuner.runs.folder import RunFinished, check_disk_space, prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- pieces
+def build_optimizer(model, cfg: TrainingSection, on_cuda: bool):
+    """The optimizer named by ``training.optimizer`` over the trainable parameters."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("No trainable parameters.", hint="Check lora.target_modules matches modules of this model.")
+    name, lr, wd = cfg.optimizer, cfg.lr, cfg.weight_decay
+    if name == "adamw_torch":
+        # the fused kernel exists for CPU too (one pass over all tensors instead of a loop per tensor)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=wd)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False, warmup_init=False)
+    from finetuner.model.loading import require_bitsandbytes
+
+    bnb = require_bitsandbytes(f"training.optimizer: {name}")
+    cls = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[name]
+    return cls(params, lr=lr, weight_decay=wd)
+
+
+def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
+    from transformers import get_scheduler
+
+    if cfg.warmup_steps is not None:
+        warmup = cfg.warmup_steps
+    else:
+        warmup = math.ceil((0.03 if cfg.warmup_ratio is None else cfg.warmup_ratio) * total_steps)
+    return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def _decoder_and_head(model):
+    """The transformer body and the LM head of a (peft-wrapped) causal LM, if it has the usual shape."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "model", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or head is None or getattr(base.config, "logit_scale", None) is not None:
+        return None, None, None
+    return decoder, head, getattr(base.config, "final_logit_softcapping", None)
+
+
+def _at_least_fp32(t):
+    """fp16/bf16 → fp32 for the loss; fp32 and fp64 as they are."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def _chunk_ce(head, softcap, hidden, targets):
+    import torch.nn.functional as F
+
+    logits = _at_least_fp32(head(hidden))
+    if softcap:
+        logits = (logits / softcap).tanh() * softcap
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_ce=None):
+    """Sum of next-token cross-entropy (fp32) over labelled tokens, and their number.
+
+    With ``chunk_size > 0`` the logits are computed only for labelled positions, ``chunk_size``
+    tokens at a time, each chunk under activation checkpointing: the full ``tokens × vocab``
+    logits tensor (and its fp32 copy and gradient) never exists, which for a 128k vocabulary
+    is several GB per 4k tokens. The result equals the full computation.
+
+    ``fused_ce`` (``(head, hidden, targets, softcap) -> loss sum``, Liger's fused linear cross-entropy,
+    see :mod:`finetuner.model.kernels`) replaces the chunked loop when given; it too runs on the
+    labelled positions only.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    labels = batch["labels"][:, 1:]
+    n_tokens = int((labels != IGNORE_INDEX).sum())
+    decoder, head, softcap = _decoder_and_head(model) if chunk_size else (None, None, None)
+    if decoder is None:
+        logits = model(**inputs, use_cache=False).logits
+        loss = F.cross_entropy(
+            _at_least_fp32(logits[:, :-1]).reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss, n_tokens
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
+    keep = labels != IGNORE_INDEX
+    hidden, targets = hidden[keep], labels[keep]
+    if fused_ce is not None and torch.is_grad_enabled():
+        return fused_ce(head, hidden, targets, softcap), n_tokens
+    loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    for start in range(0, targets.numel(), chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        loss = loss + (checkpoint(_chunk_ce, head, softcap, h, t, use_reentrant=False) if torch.is_grad_enabled() else _chunk_ce(head, softcap, h, t))
+    return loss, n_tokens
+
+
+class StepSchedule:
+    """Which examples each optimizer step uses: chunks of a seeded permutation per epoch."""
+
+    def __init__(self, n_examples: int, effective_batch: int, seed: int):
+        self.n, self.eff, self.seed = n_examples, effective_batch, seed
+        self.steps_per_epoch = math.ceil(n_examples / effective_batch)
+        self._perm_epoch, self._perm = -1, []
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._perm_epoch = epoch
+        return self._perm[k * self.eff : (k + 1) * self.eff]
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+
+def predict_memory(recipe: Recipe, rt: Runtime):
+    """The memory model's prediction for this run on this device, or None if it cannot say."""
+    try:
+        from finetuner.config.hardware import cpu_profile, detect
+        from finetuner.memory.model import estimate, settings_from_recipe
+        from finetuner.model.shapes import resolve_shape
+
+        gpu = detect() if rt.is_cuda else cpu_profile()
+        shape = resolve_shape(recipe.model.name, recipe.model.revision)
+        return estimate(shape, settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt), gpu)
+    except Exception as e:  # an architecture the memory model does not know must not stop training
+        log.info("No memory prediction for this run: %s", e)
+        return None
+
+
+def memory_comparison(prediction, measured_peak: int, rt: Runtime) -> dict[str, Any]:
+    """Predicted vs measured peak; on CPU the measurement is the process RSS (not comparable 1:1)."""
+    out: dict[str, Any] = {"measured_peak_bytes": measured_peak, "measured": "torch.cuda.max_memory_allocated" if rt.is_cuda else "process peak RSS"}
+    if prediction is not None:
+        out["predicted_peak_bytes"] = prediction.allocated_bytes
+        if rt.is_cuda:
+            out["error_pct"] = round(100.0 * (prediction.allocated_bytes - measured_peak) / max(measured_peak, 1), 2)
+    return out
+
+
+# --------------------------------------------------------------------------- the recipe
+class Trainer:
+    """A fine-tune from a resolved recipe to an adapter in the run folder."""
+
+    #: steps recorded by ``--profile-memory`` before the snapshot is written
+    PROFILE_STEPS = 3
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        run_dir: Path,
+        callbacks: list[Callback] | None = None,
+        stop_event: threading.Event | None = None,
+        profile_memory: bool = False,
+    ):
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.events = EventWriter(self.run_dir / "events.jsonl", callbacks)
+        self.stop_event = stop_event or threading.Event()
+        self.tb = None
+        self.faults = FaultPlan()
+        self._tried_micro: list[int] = []
+        self.profile_memory = profile_memory
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import torch
+
+        r = self.recipe
+        self.rt: Runtime = resolve_runtime(r)
+        torch.manual_seed(r.training.seed)
+        random.seed(r.training.seed)
+        self.tokenizer = load_tokenizer(r)
+        self.data: PreparedData = prepare_data(r.data, self.tokenizer, r.training.seed)
+        if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
+            data_cache.relocate(self.data.stats, r.data)
+        self.model = prepare_for_training(load_base_model(r, self.rt), r)
+        self.fused_ce = None
+        if self.rt.kernels == "liger":
+            from finetuner.model.kernels import fused_linear_cross_entropy
+
+            self.fused_ce = fused_linear_cross_entropy()
+        if self.rt.compile:
+            from finetuner.model.kernels import compile_layers
+
+            compile_layers(self.model)
+        self.collate = Collator(self.tokenizer.pad_token_id)
+        t = r.training
+        self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
+        self.max_steps = t.max_steps or max(1, math.ceil(t.epochs * self.schedule.steps_per_epoch))
+        self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
+        self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
+        self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
+        self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
+        self.resumed_from = None
+        self._distribute()
+        self._resume()
+        check_disk_space(self.run_dir, self.model, t.optimizer, r.checkpointing.keep_last)
+        if r.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        trainable, total = count_parameters(self.model)
+        self.prediction = predict_memory(r, self.rt)
+        self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
+        self.events.emit(
+            "start",
+            run_dir=str(self.run_dir),
+            name=r.name,
+            resumed_from_step=self.resumed_from,
+            max_steps=self.max_steps,
+            steps_per_epoch=self.schedule.steps_per_epoch,
+            device=self.rt.device,
+            base_dtype=self.rt.base_dtype,
+            precision=self.rt.precision,
+            attention=getattr(self.model.config, "_attn_implementation", self.rt.attention),
+            kernels=self.rt.kernels,
+            loss_path=self.rt.loss_path,
+            compile=self.rt.compile,
+            method=r.method,
+            trainable_params=trainable,
+            total_params=total,
+            micro_batch_size=t.micro_batch_size,
+            gradient_accumulation=t.gradient_accumulation,
+            data=self.data.stats.to_dict(),
+            predicted=self.prediction.to_dict() if self.prediction else None,
+            **device_memory(self.rt.device),
+        )
+
+    def _distribute(self) -> None:
+        """Wrap the model for several processes: :class:`finetuner.training.distributed.DistributedTrainer` does; one process: nothing."""
+
+    def _write_json(self, name: str, data: Any) -> None:
+        """Write a JSON file into the run folder (in a multi-process run, rank 0 only)."""
+        atomic_write_json(self.run_dir / name, data)
+
+    def _resume(self) -> None:
+        """Continue from the newest readable checkpoint; unreadable ones are reported and skipped."""
+        for ckpt in reversed(ckpt_io.checkpoint_dirs(self.run_dir)):
+            try:
+                parts = ckpt_io.read_checkpoint(ckpt)
+            except ckpt_io.CheckpointUnreadable as e:
+                log.warning("Checkpoint %s cannot be read (%s); trying the one before it.", ckpt, e)
+                self.events.emit("checkpoint_invalid", path=str(ckpt), reason=str(e))
+                continue
+            state = ckpt_io.apply_checkpoint(parts, self.model, self.optimizer, self.scheduler, self.scaler, self._full)
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
+            self.resumed_from = self.step
+            return
+
+    # ---------------------------------------------------------------- one step
+    def _autocast(self):
+        import torch
+
+        if self.rt.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cuda" if self.rt.is_cuda else "cpu", dtype=self.rt.torch_dtype(self.rt.precision))
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.to(self.rt.device) if hasattr(v, "to") else v) for k, v in batch.items()}
+
+    def train_step(self, step: int) -> tuple[float, int, float | None]:
+        """One optimizer step; returns (mean token loss, real tokens processed, grad norm)."""
+        import torch
+
+        t = self.recipe.training
+        examples = [self.data.train[i] for i in self.schedule.indices(step)]
+        micro = [self.collate(examples[i : i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
+        n_target = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+        total_loss, tokens = 0.0, 0
+        if not self.model.training:  # train() walks every module: only when evaluation switched it off
+            self.model.train()
+        for i, mb in enumerate(micro):
+            mb = self._to_device(mb)
+            with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
+                loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size, self.fused_ce)
+            loss = loss_sum / max(n_target, 1)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total_loss += float(loss_sum.detach())
+            tokens += mb["num_tokens"]
+            del loss, loss_sum, mb
+            if i == 0:
+                self.faults.in_step(step + 1)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if getattr(self, "_trainable", None) is None:  # walking every parameter each step costs ~1 ms on CPU
+            self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trainable
+        max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss / max(n_target, 1), tokens, grad_norm
+
+    def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
+        """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM."""
+        import torch
+
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if self.rt.is_cuda else None)
+        while True:
+            try:
+                return self.train_step(step)
+            except torch.OutOfMemoryError as e:
+                self._free_after_oom()
+                t = self.recipe.training
+                eff = t.effective_batch_size
+                smaller = [d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0]
+                if not smaller:
+                    raise OutOfMemory(
+                        f"Out of device memory in step {step + 1} even with micro_batch_size 1 "
+                        f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
+                        hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
+                        "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
+                    ) from e
+                new_micro = smaller[0]
+                self._tried_micro.append(t.micro_batch_size)
+                new = t.model_copy(update={"micro_batch_size": new_micro, "gradient_accumulation": eff // new_micro})
+                self.events.emit(
+                    "oom_backoff",
+                    step=step + 1,
+                    old_micro_batch_size=t.micro_batch_size,
+                    old_gradient_accumulation=t.gradient_accumulation,
+                    micro_batch_size=new.micro_batch_size,
+                    gradient_accumulation=new.gradient_accumulation,
+                    message=str(e)[:300],
+                )
+                log.warning(
+                    "Out of memory in step %d: micro-batch %d → %d, accumulation %d → %d (same effective batch).",
+                    step + 1, t.micro_batch_size, new.micro_batch_size, t.gradient_accumulation, new.gradient_accumulation,
+                )
+                self.recipe = self.recipe.model_copy(update={"training": new})
+                self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state_all(rng[1])
+
+    def _start_memory_profile(self) -> bool:
+        if not self.profile_memory:
+            return False
+        if not self.rt.is_cuda:
+            log.warning("--profile-memory records CUDA allocations; this run is on %s, so nothing is recorded.", self.rt.device)
+            return False
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        return True
+
+    def _dump_memory_profile(self) -> bool:
+        """Write the snapshot (open it at https://pytorch.org/memory_viz) and stop recording."""
+        import torch
+
+        path = self.run_dir / "memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.events.emit("memory_snapshot", step=self.step, path=str(path))
+        return False
+
+    def _free_after_oom(self) -> None:
+        import gc
+
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.rt.is_cuda:
+            torch.cuda.empty_cache()
+
+    def _predicted_note(self) -> str:
+        predicted = getattr(self, "predicted_peak", None)
+        return f"The memory model predicted a peak of {predicted / 2**30:.1f} GiB." if predicted else ""
+
+    @property
+    def _full(self) -> bool:
+        return self.recipe.method == "full"
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self) -> float | None:
+        import torch
+
+        if self.data.val is None:
+            return None
+        self.model.eval()
+        total, n = 0.0, 0
+        mbs = self.recipe.training.micro_batch_size
+        with torch.no_grad():
+            for i in range(0, len(self.data.val), mbs):
+                batch = self._to_device(self.collate([self.data.val[j] for j in range(i, min(i + mbs, len(self.data.val)))]))
+                with self._autocast():
+                    loss_sum, count = token_loss_sum(self.model, batch, self.recipe.training.loss_chunk_size)
+                total += float(loss_sum)
+                n += count
+        self.model.train()
+        return total / max(n, 1)
+
+    def _eval_and_log(self) -> float | None:
+        val = self.evaluate()
+        if val is not None:
+            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)))
+            if self.tb:
+                self.tb.add_scalar("eval/loss", val, self.step)
+        return val
+
+    # ---------------------------------------------------------------- checkpoints
+    def _trainer_state(self, elapsed: float) -> dict[str, Any]:
+        t = self.recipe.training
+        return {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "steps_per_epoch": self.schedule.steps_per_epoch,
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": elapsed,
+            "losses": self.losses,
+            "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation": t.gradient_accumulation,
+        }
+
+    def save_checkpoint(self, elapsed: float) -> Path:
+        path = ckpt_io.save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self._trainer_state(elapsed),
+            self.recipe.checkpointing.keep_last,
+            scaler=self.scaler,
+            recipe_yaml=self.recipe.to_yaml(),
+        )
+        self.events.emit("checkpoint", step=self.step, path=str(path))
+        return path
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> TrainResult:
+        r = self.recipe
+        start = time.perf_counter()
+        window_start, window_tokens = start, 0
+        last_saved = self.step
+        eval_loss = None
+        stopped = False
+        profiling = self._start_memory_profile()
+        while self.step < self.max_steps:
+            if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
+                profiling = self._dump_memory_profile()
+            if self.stop_event.is_set():
+                stopped = True
+                break
+            loss, tokens, grad_norm = self.train_step_with_backoff(self.step)
+            t = self.recipe.training  # the micro-batch may have been backed off
+            if not math.isfinite(loss):
+                raise UserError(
+                    f"The loss became {loss} at step {self.step + 1}.",
+                    hint="Lower training.lr, or use bf16/fp32 precision instead of fp16.",
+                )
+            self.step += 1
+            self.tokens_seen += tokens
+            window_tokens += tokens
+            self.losses.append(round(loss, 6))
+            elapsed = self.elapsed_before + time.perf_counter() - start
+            lr = self.scheduler.get_last_lr()[0]
+            mem = device_memory(self.rt.device)
+            if self.tb:
+                self.tb.add_scalar("train/loss", loss, self.step)
+                self.tb.add_scalar("train/lr", lr, self.step)
+                for k, v in mem.items():
+                    self.tb.add_scalar(f"memory/{k}_gib", v / 2**30, self.step)
+            if self.step % r.logging.every == 0 or self.step == self.max_steps:
+                now = time.perf_counter()
+                tps = window_tokens / max(now - window_start, 1e-9)
+                window_start, window_tokens = now, 0
+                done_here = self.step - (self.resumed_from or 0)
+                per_step = (now - start) / max(done_here, 1)
+                self.events.emit(
+                    "step",
+                    step=self.step,
+                    max_steps=self.max_steps,
+                    epoch=round(self.schedule.epoch_of(self.step), 4),
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    tokens=tokens,
+                    tokens_seen=self.tokens_seen,
+                    tokens_per_s=round(tps, 2),
+                    elapsed_s=round(elapsed, 3),
+                    eta_s=round(per_step * (self.max_steps - self.step), 1),
+                    micro_batch_size=t.micro_batch_size,
+                    **mem,
+                )
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
+                eval_loss = self._eval_and_log()
+            save_every = r.checkpointing.save_every
+            if save_every and self.step % save_every == 0 and self.step < self.max_steps:
+                self.save_checkpoint(elapsed)
+                last_saved = self.step
+            self.faults.after_step(self.step)
+        if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
+            self._dump_memory_profile()
+        elapsed = self.elapsed_before + time.perf_counter() - start
+        if stopped:
+            if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:
+                self.save_checkpoint(elapsed)
+            self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
+            return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
+        if self.step > last_saved:
+            self.save_checkpoint(elapsed)
+        eval_loss = self._eval_and_log()
+        adapter_dir = self.save_final()
+        metrics = {
+            "steps": self.step,
+            "train_loss_first": self.losses[0] if self.losses else None,
+            "train_loss_last": self.losses[-1] if self.losses else None,
+            "eval_loss": eval_loss,
+            "eval_ppl": math.exp(min(eval_loss, 50)) if eval_loss is not None else None,
+            "tokens_seen": self.tokens_seen,
+            "train_seconds": round(elapsed, 2),
+            "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 2),
+            "data": self.data.stats.to_dict(),
+            **device_memory(self.rt.device),
+        }
+        metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
+        self._write_json("metrics.json", metrics)
+        self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
+        return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
+
+    def save_final(self) -> Path:
+        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically."""
+        import shutil
+
+        from finetuner.fileio import publish_dir
+
+        final = self.run_dir / "adapter"
+        tmp = self.run_dir / ".tmp-adapter"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        with quieted():  # transformers' "Writing model shards" bar for a full fine-tune
+            self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.chat_template = self.data.chat_template
+        self.tokenizer.save_pretrained(tmp)
+        if final.exists():
+            old = self.run_dir / ".old-adapter"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            publish_dir(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            publish_dir(tmp, final)
+        return final
+
+    def cleanup(self) -> None:
+        if self.tb:
+            self.tb.close()
+        self.events.close()
+
+
+# --------------------------------------------------------------------------- entry point
+def finished_result(done: RunFinished) -> TrainResult:
+    """What :func:`train` returns for a run folder that already holds the finished run."""
+    metrics_file = done.run_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
+    return TrainResult(done.run_dir, done.run_dir / "adapter", metrics, finished=done.message)
+
+
+def train(
+    recipe: Recipe | str | Path,
+    callbacks: list[Callback] | None = None,
+    output_dir: str | Path | None = None,
+    resume: bool = True,
+    stop_event: threading.Event | None = None,
+    overrides: list[str] | None = None,
+    profile_memory: bool = False,
+) -> TrainResult:
+    """Run a fine-tune. The Python API and the CLI both come here.
+
+    Args:
+        recipe: a :class:`Recipe` or the path of a recipe YAML.
+        callbacks: functions called with every event dict as it is written.
+        output_dir: the run folder (default: the recipe's ``output_dir`` or ``runs/<name>``).
+        resume: continue from the last checkpoint in the run folder if there is one; with
+            ``False`` an existing run folder is moved aside (never deleted) and a new run starts.
+        stop_event: set it to stop after the current step (a checkpoint is saved).
+        overrides: ``key.path=value`` strings applied when ``recipe`` is a path.
+        profile_memory: record CUDA allocations for the first steps and write
+            ``memory_snapshot.pickle`` to the run folder (view it at https://pytorch.org/memory_viz).
+    """
+    # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not isinstance(recipe, Recipe):
+        recipe = Recipe.from_yaml(recipe, overrides)
+    elif overrides:
+        recipe = Recipe.from_dict(recipe.to_dict(), overrides)
+    if output_dir is not None:
+        recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
+    from finetuner.training.launch import launch_training, needs_launch
+
+    try:
+        if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
+            return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
+        from finetuner.planning.planner import resolve_for_run
+
+        recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    except RunFinished as done:
+        return finished_result(done)
+    if plan is not None:
+        atomic_write_json(run_dir / "plan.json", plan.to_dict())
+    try:
+        trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
+    except BaseException:
+        lock.release()
+        raise
+    for note in notes:
+        log.warning(note)
+    if plan is not None:
+        trainer.events.emit("plan", gpu=plan.gpu.name, choice=plan.recipe_choice(), reasons=plan.reasons,
+                            predicted_total_bytes=plan.estimate.total_bytes, device_bytes=plan.gpu.memory_bytes)
+    try:
+        trainer.setup()
+        result = trainer.train()
+        if recipe.samples.prompts and not result.stopped:
+            from finetuner.infer.generate import compare_samples
+
+            samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, recipe.samples, trainer.rt)
+            result.metrics["samples"] = samples
+            atomic_write_json(run_dir / "metrics.json", result.metrics)
+            trainer.events.emit("samples", samples=samples)
+        return result
+    except UserError as e:
+        trainer.events.emit("error", message=str(e), type=type(e).__name__, user_error=True)
+        raise
+    except KeyboardInterrupt:
+        trainer.events.emit("error", message="interrupted", type="KeyboardInterrupt", user_error=True)
+        raise
+    except Exception as e:
+        trainer.events.emit("error", message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        raise
+    finally:
+        trainer.cleanup()
+        lock.release()
