@@ -805,6 +805,7 @@ def estimate_recipe(
     gpu: GpuProfile | str | None = None,
     shape: ModelShape | None = None,
     margin: float = 0.05,
+    label_fraction: float = 1.0,
 ) -> MemoryEstimate:
     """Predict the peak memory of a recipe (``finetuner.estimate``).
 
@@ -813,6 +814,8 @@ def estimate_recipe(
             are resolved by the planner for ``gpu`` first.
         gpu: a card name, a size (``24GB``), a :class:`~finetuner.hardware.GpuProfile`, or None
             (no card: the estimate has no budget and ``fits`` is True).
+        label_fraction: the share of tokens the loss is computed on (the planner measures it from
+            the data: ``DataProfile.label_fraction``); 1.0, every token, is the upper bound.
 
     Example:
         >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
@@ -832,6 +835,6 @@ def estimate_recipe(
         from finetuner.hardware import cpu_profile
         from finetuner.planner import resolve_auto
 
-        recipe = resolve_auto(recipe, prof or cpu_profile()).recipe
+        recipe = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction).recipe
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    return estimate(shape, settings_from_recipe(recipe, prof), prof, margin=margin)
+    return estimate(shape, settings_from_recipe(recipe, prof, label_fraction=label_fraction), prof, margin=margin)

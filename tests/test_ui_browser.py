@@ -133,7 +133,7 @@ def test_whole_flow_in_browser(server, page):
     page.get_by_role("button", name="Next: the plan →").click()
     wait_text(page, "#plan-summary", r"LORA")
     wait_text(page, "#estimate", r"Fits")
-    sync_api.expect(page.locator("#memory-chart canvas, #memory-chart svg").first).to_be_visible()
+    sync_api.expect(page.locator("#memory-chart svg.marks")).to_be_visible()
     assert "model:" in page.locator("#recipe-yaml").inner_text()
     shot(page, "03-plan")
 
@@ -172,7 +172,7 @@ def test_whole_flow_in_browser(server, page):
     shot(page, "06-after-reload")
 
     wait_text(page, "#train-status", r"finished", timeout=300_000)
-    sync_api.expect(page.locator("#loss-plot canvas, #loss-plot svg").first).to_be_visible()
+    sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
     wait_text(page, "#train-memory", r"predicted peak .* measured")
     assert "step 16 / 16" in page.locator("#train-status").inner_text()
     sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=15_000)
