@@ -203,7 +203,7 @@ def whole_flow(server, page, tmp_path):
     page.get_by_role("button", name="Next: the plan →").click()
     wait_text(page, "#plan-summary", r"LORA")
     wait_text(page, "#estimate", r"Fits")
-    sync_api.expect(page.locator("#memory-chart canvas, #memory-chart svg").first).to_be_visible()
+    sync_api.expect(page.locator("#memory-chart svg.marks")).to_be_visible()
     sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(stored)
     shot(page, "03-plan")
 
@@ -255,7 +255,7 @@ def whole_flow(server, page, tmp_path):
     shot(page, "06-after-reload")
 
     wait_text(page, "#train-status", r"finished", timeout=300_000)
-    sync_api.expect(page.locator("#loss-plot canvas, #loss-plot svg").first).to_be_visible()
+    sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
     wait_text(page, "#train-memory", r"predicted peak .* measured")
     assert "step 16 / 16" in page.locator("#train-status").inner_text()
     sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=15_000)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import html
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -30,11 +31,13 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # never call out (version chec
 
 import gradio as gr  # noqa: E402
 import yaml  # noqa: E402
+from gradio.components.plot import PlotData  # noqa: E402
 
 from finetuner.runs import jobs  # noqa: E402
 from finetuner.errors import UserError, did_you_mean  # noqa: E402
 from finetuner.config.recipe import Optimizer  # noqa: E402
 from ui import paths, views  # noqa: E402
+from ui.estimate import recipe_estimate  # noqa: E402
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -70,7 +73,30 @@ CSS = """
 .ft-error {margin-top: 8px; padding: 8px 10px; border-radius: 8px; background: #fef2f2; color: #991b1b;
            white-space: pre-wrap; font-family: var(--font-mono); font-size: .85em;}
 .ft-step {font-size: .95em; color: var(--body-text-color-subdued); margin-bottom: 4px;}
+/* charts (Vega-Lite, SVG, views.chart): as wide as their block, text in the theme's colour */
+.ft-chart .vega-embed {width: 100%;}
+.ft-chart g[class*="role-axis"] text, .ft-chart g[class*="role-legend"] text, .ft-chart g[class*="role-title"] text
+  {fill: var(--body-text-color);}
+/* the YAML editor's line numbers: CodeMirror sizes them from line heights it measures only on
+   screen; filled off screen (a hidden tab, below the fold) they took a 14 px guess while lines are
+   taller, and drifted from the text. Each number now takes the height of its line. */
+#recipe-yaml .cm-lineNumbers .cm-gutterElement:not([style*="visibility"]) {height: auto !important;}
+/* a chat lane's title above its messages, not floating over them as they scroll; nor its
+   one-lane trash button (the Clear button below clears both lanes) */
+.ft-lane-title {margin: 0 0 -4px 4px;}
+#chat-tuned .top-panel, #chat-base .top-panel {display: none;}
 """
+
+#: On page load: a chart whose block changes width (its tab shown, the window resized) is fitted
+#: to it again. Vega measures a "container" width on window resize events only, and a chart drawn
+#: in a hidden tab is drawn zero-wide.
+JS = """() => {
+  const fit = new ResizeObserver(() => window.dispatchEvent(new Event("resize")));
+  const seen = new WeakSet();
+  const watch = () => document.querySelectorAll(".ft-chart").forEach(el => { if (!seen.has(el)) { seen.add(el); fit.observe(el); } });
+  watch();
+  new MutationObserver(watch).observe(document.body, {childList: true, subtree: true});
+}"""
 
 
 # --------------------------------------------------------------------------- errors → messages
@@ -334,10 +360,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
     # ------------------------------------------------------------------ handlers: plan
     def _estimate_outputs(recipe, card: str, header: str = ""):
-        from finetuner.planning.planner import estimate_recipe
-
         gpu = gpu_profile(card)
-        est = estimate_recipe(recipe, gpu)
+        est = recipe_estimate(recipe, gpu)  # computed as the planner computes it: one figure on the page
         text = compact_yaml(recipe, header)
         if not est.fits:
             gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
@@ -348,7 +372,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             _download_file(text, recipe.name),
         )
 
-    @shows_errors(0, 17)
+    @shows_errors(0, 18)
     def on_plan(model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
         from finetuner.planning.planner import plan
 
@@ -367,11 +391,24 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             gr.Warning("Nothing fits this card; see the suggestions.")
             empty = _memory_plot(p.estimate, p.gpu) if p.estimate else None
             return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
-                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip())
+                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip(), gr.skip())
         recipe = with_free_name(p.recipe)
         header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
         mem, est_md, text, dl = _estimate_outputs(recipe, card, header)
-        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *_fields_of(recipe), "")
+        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *_fields_of(recipe), "", views.planned(p))
+
+    def on_recipe_text(text: str, planned: dict | None):
+        """The Plan tab's headline follows the recipe in the editor, however it changed (a plan, an
+        edited field, a loaded file, typing)."""
+        if not (text or "").strip():
+            return ""
+        try:
+            recipe = recipe_from_text(text)
+        except UserError as e:
+            return views.invalid_recipe_md(e.message)
+        except Exception as e:  # noqa: BLE001 - shown, never raised: this runs on every keystroke
+            return views.invalid_recipe_md(f"{type(e).__name__}: {e}")
+        return views.recipe_md(recipe, planned)
 
     def with_free_name(recipe):
         """A planned or loaded recipe renamed ``name-2``... when a run already has its name: the
@@ -380,10 +417,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
 
     def _valid_md(recipe, card: str, note: str = "") -> str:
-        from finetuner.planning.planner import estimate_recipe
-
         gpu = gpu_profile(card)
-        est = estimate_recipe(recipe, gpu)
+        est = recipe_estimate(recipe, gpu)
         verdict = "fits" if est.fits else "does **not** fit"
         return (f"✓ The recipe is valid: run **{recipe.name}**, predicted peak {views.gib(est.total_bytes, 1)} "
                 f"on {gpu.name}, which {verdict}.{note}")
@@ -430,11 +465,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         # whole chart in every open browser); at once when the run, its state or its eval points change
         progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
         sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
-        if sig != last_sig:  # a new series needs a new title: the chart then rebuilds its colour scale
-            df = views.loss_df(st)
-            plot = gr.update(value=df, title="Loss — " + " and ".join(sorted(set(df["series"]), reverse=True) or ["train"]))
-        else:
-            plot = gr.skip()
+        plot = _plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
         # the past-runs table reads every run's events: only when the run shown or its state changes
         if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
             table = views.runs_df(jobs.list_runs(runs))
@@ -457,17 +488,11 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         )
 
     def train_view(name: str | None, last: dict | None):
-        """The Train tab's outputs; the loss chart is cleared first when a series appears (gradio's
-        chart keeps its first colour scale otherwise, and the eval line would not show)."""
+        """The Train tab's outputs (see _train_view)."""
         try:
-            out = _train_view(name, last)
+            return _train_view(name, last)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
-            yield (gr.skip(),) * 9
-            return
-        sig, last_sig = out[7]["sig"], (last or {}).get("sig")
-        if sig is not None and (last_sig is None or sig[0] != last_sig[0] or sig[-1] != last_sig[-1]):
-            yield (gr.skip(), None, *([gr.skip()] * 7))
-        yield out
+            return (gr.skip(),) * 9
 
     def _runs_outputs(selected: str | None):
         names = run_names()
@@ -494,12 +519,10 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
         reason, when it does not train on the data chosen in the Data tab, or when the memory
         model says it does not fit the card (unless ``anyway``)."""
-        from finetuner.planning.planner import estimate_recipe
-
         recipe = recipe_from_text(text)
         check_same_data(recipe, data_file)
         gpu = gpu_profile(card)
-        est = estimate_recipe(recipe, gpu)
+        est = recipe_estimate(recipe, gpu)
         if not est.fits and not anyway:
             raise UserError(
                 f"Not started: {recipe.name} is predicted to need {views.gib(est.total_bytes, 1)}, more than "
@@ -739,11 +762,10 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                         plan_md = gr.Markdown(elem_id="plan-summary")
                         est_md = gr.Markdown(elem_id="estimate")
                     with gr.Column(scale=2):
-                        mem_plot = gr.BarPlot(x="component", y="GiB", color="kind", color_map=views.MEMORY_COLORS,
-                                              title="Predicted memory against the card", x_title="", y_title="GiB",
-                                              x_label_angle=-30, height=380, elem_id="memory-chart")
+                        mem_plot = gr.Plot(show_label=False, elem_id="memory-chart", elem_classes="ft-chart")
                 with gr.Accordion("Alternatives the planner rejected", open=False):
-                    rejected = gr.Dataframe(interactive=False, wrap=True)
+                    rejected = gr.Dataframe(interactive=False, wrap=True, column_widths=["42%", "14%", "44%"],
+                                            elem_id="rejected-table")
                 with gr.Accordion("Advanced settings", open=True):
                     # no gradio minimum on these numbers: its refusal is a bare "Error" on every output;
                     # the recipe's own checks name the key and the valid range under the YAML instead
@@ -785,9 +807,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 status = gr.HTML(views.status_html(None), elem_id="train-status")
                 with gr.Row():
                     with gr.Column(scale=3):
-                        loss_plot = gr.LinePlot(x="step", y="loss", color="series", title="Loss",
-                                                color_map={"train": "#6366f1", "eval": "#f97316"}, height=320,
-                                                elem_id="loss-plot")
+                        loss_plot = gr.Plot(show_label=False, elem_id="loss-plot", elem_classes="ft-chart")
                     with gr.Column(scale=2):
                         mem_md = gr.Markdown(elem_id="train-memory")
                         samples = gr.Markdown(elem_id="train-samples")
@@ -804,8 +824,12 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                     chat_run = gr.Dropdown([], label="Fine-tuned run", allow_custom_value=True, scale=3, elem_id="chat-run")
                     compare = gr.Checkbox(value=True, label="Base model beside it", scale=1)
                 with gr.Row():
-                    tuned_bot = gr.Chatbot(label="Fine-tuned", height=340, elem_id="chat-tuned")
-                    base_bot = gr.Chatbot(label="Base model", height=340, elem_id="chat-base")
+                    with gr.Column():
+                        gr.Markdown("**Fine-tuned**", elem_classes="ft-lane-title")
+                        tuned_bot = gr.Chatbot(label="Fine-tuned", show_label=False, buttons=[], height=340, elem_id="chat-tuned")
+                    with gr.Column():
+                        gr.Markdown("**Base model**", elem_classes="ft-lane-title")
+                        base_bot = gr.Chatbot(label="Base model", show_label=False, buttons=[], height=340, elem_id="chat-base")
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
                     send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
@@ -813,10 +837,10 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
                 chat_status = gr.Markdown(elem_id="chat-status")
                 with gr.Accordion("Generation settings", open=False):
                     with gr.Row():
-                        max_new = gr.Slider(8, 1024, value=96, step=8, label="max new tokens")
-                        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature (0 = greedy)")
-                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
-                        seed = gr.Number(value=0, precision=0, label="seed")
+                        max_new = gr.Slider(8, 1024, value=96, step=8, label="max new tokens", elem_id="gen-max-new")
+                        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature (0 = greedy)", elem_id="gen-temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p", elem_id="gen-top-p")
+                        seed = gr.Number(value=0, precision=0, label="seed", elem_id="gen-seed")
             # ---------------------------------------------------------- 6 export
             with gr.Tab("6 · Export", id="export") as export_tab:
                 gr.Markdown("Merge the adapter into the base model (a full-precision reload of the base, so outputs match), "
@@ -848,7 +872,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
         fields = [f_method, f_micro, f_accum, f_seq, f_opt, f_gc, f_r, f_steps, f_log, f_eval]
         est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
-        plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md]
+        planned = gr.State(None)  # what the planner chose and why (views.planned): edits are told apart from it
+        plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]
         plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
         plan_btn.click(_clear, None, mem_plot, api_name=False).then(on_plan, plan_inputs, plan_outputs, api_name="plan")
         def plan_if_empty(text, *args):
@@ -858,6 +883,8 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         next2.click(plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(_clear, None, mem_plot, api_name=False).then(on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
+        recipe_yaml.change(on_recipe_text, [recipe_yaml, planned], plan_md, api_name=False, show_progress="hidden",
+                           trigger_mode="always_last")
         check_btn.click(_clear, None, mem_plot, api_name=False).then(on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields, yaml_md],
                                                                    api_name="estimate")
         load_btn.click(_clear, None, mem_plot, api_name=False).then(on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields, yaml_md],
@@ -892,14 +919,20 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
 
 
 def _clear() -> None:
-    """Empties a chart before new data: gradio's charts keep their first colour scale otherwise."""
+    """Empties a chart while its new figures are computed: a gradio BarPlot keeps its first colour
+    scale otherwise, and the last plan's chart must not stand beside a new plan."""
     return None
 
 
-def _memory_plot(est, gpu) -> dict:
-    df = views.memory_df(est)
-    return gr.update(value=df, sort=list(df["component"]),
-                     title=f"Predicted peak {views.gib(est.total_bytes, 1)} against {gpu.name} ({gpu.memory_gib:.1f} GiB)")
+def _plot(spec: dict) -> PlotData:
+    """A Vega-Lite chart (views.chart) for a ``gr.Plot``: drawn afresh from the spec each time, so its
+    axes and series always match its data. (Not as gradio's own altair chart kinds: those restyle
+    the spec, and stay zero-wide once their tab has been hidden and shown again.)"""
+    return PlotData(type="altair", plot=json.dumps(spec))
+
+
+def _memory_plot(est, gpu) -> PlotData:
+    return _plot(views.memory_chart(est, gpu))
 
 
 def _message_text(content: Any) -> str:
@@ -950,7 +983,7 @@ def launch(
     app.queue(default_concurrency_limit=8)
     app.launch(
         server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
-        theme=theme, css=CSS, show_error=True, footer_links=[], ssr_mode=False,
+        theme=theme, css=CSS, js=JS, show_error=True, footer_links=[], ssr_mode=False,
         allowed_paths=[str(Path(tempfile.gettempdir()) / "finetuner-ui")],
     )
     return app

@@ -91,7 +91,9 @@ class ChatModel:
         ``temperature`` 0 is greedy decoding; ``seed`` makes sampling repeatable; ``adapter=False``
         answers with the base model (the adapter switched off). A conversation longer than the
         model's context raises :class:`~finetuner.errors.UserError`; the reply is cut at the context.
-        Closing the iterator early (``break``) stops the generation.
+        Byte sequences the model samples that are not valid UTF-8 are dropped, never shown as
+        U+FFFD (:func:`finetuner.infer.generate.text_streamer`). Closing the iterator early (``break``)
+        stops the generation.
 
         Example::
 
@@ -99,7 +101,9 @@ class ChatModel:
             ...     print(piece, end="")
         """
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        from finetuner.infer.generate import text_streamer
 
         cancel = threading.Event()
 
@@ -113,7 +117,7 @@ class ChatModel:
             raise UserError(f"temperature must be >= 0 and top_p in (0, 1] (got {temperature}, {top_p}).")
         ids = self.encode(messages)
         max_new_tokens = min(max_new_tokens, self.max_context - int(ids.shape[1]))
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        streamer = text_streamer(self.tokenizer, timeout=600)  # no U+FFFD: see finetuner.infer.generate
         kwargs: dict[str, Any] = dict(
             input_ids=ids.to(self.device),
             attention_mask=torch.ones_like(ids).to(self.device),

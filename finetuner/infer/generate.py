@@ -1,8 +1,40 @@
-"""Generation with a chat template: one answer, a stream of text, or base vs fine-tuned side by side."""
+"""Generation with a chat template: one answer, a stream of text, or base vs fine-tuned side by side.
+
+A model may sample byte tokens that are not valid UTF-8 (a small or barely trained model often
+does: a lone continuation byte, a lead byte followed by a space). The tokenizer decodes each such
+sequence to U+FFFD, the replacement character; :func:`clean_text` drops it from every answer and
+:func:`text_streamer` from every streamed piece, so no "\ufffd" reaches a terminal or the web UI.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+#: what a tokenizer's decode makes of bytes that are not valid UTF-8
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def clean_text(text: str) -> str:
+    """``text`` without replacement characters (the model's invalid byte sequences)."""
+    return text.replace(REPLACEMENT_CHAR, "")
+
+
+def text_streamer(tokenizer: Any, timeout: float | None = None):
+    """A ``transformers.TextIteratorStreamer`` (prompt and special tokens skipped) whose pieces are
+    cleaned with :func:`clean_text`.
+
+    The streamer hands out text only up to the last space, newline or CJK character it has
+    decoded, and the rest when generation ends: an unfinished multi-byte character is held back
+    until its last byte arrives, so a replacement character in a piece marks bytes that can no
+    longer become a character, and dropping it loses nothing.
+    """
+    from transformers import TextIteratorStreamer
+
+    class CleanTextStreamer(TextIteratorStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            super().on_finalized_text(clean_text(text), stream_end=stream_end)
+
+    return CleanTextStreamer(tokenizer, skip_prompt=True, timeout=timeout, skip_special_tokens=True)
 
 
 def render_prompt(tokenizer: Any, chat_template: str, prompt: str, system: str | None = None) -> str:
@@ -21,7 +53,7 @@ def generate(
     seed: int = 0,
     streamer=None,
 ) -> str:
-    """The model's answer to ``prompt`` (greedy when temperature is 0)."""
+    """The model's answer to ``prompt`` (greedy when temperature is 0), without replacement characters."""
     import torch
 
     text = render_prompt(tokenizer, chat_template, prompt)
@@ -43,7 +75,7 @@ def generate(
         out = model.generate(**enc, **kwargs)
     if was_training:
         model.train()
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    return clean_text(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
 
 
 def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime) -> list[dict[str, str]]:
