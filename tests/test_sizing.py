@@ -205,3 +205,10 @@ def test_plan_names_the_columns_of_a_file_it_cannot_read_by_itself(tmp_path):
     assert Recipe.from_yaml(tmp_path / "faq.yaml").data.columns == {"prompt": "frage", "response": "antwort"}
     r = run_cli("plan", "--model", str(DEMO), "--gpu", "cpu", "--data", str(data), "--column", "answer=antwort")
     assert r.returncode == 2 and "'answer' is not a role" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_written_recipe_states_its_learning_rate_and_epochs_even_at_the_defaults(tmp_path):
+    r = run_cli("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--seq-len", "2048", "-o", str(tmp_path / "r.yaml"))
+    assert r.returncode == 0, r.stderr
+    training = yaml.safe_load((tmp_path / "r.yaml").read_text())["training"]
+    assert training["lr"] == 2e-4 and training["epochs"] == 1  # both equal the schema's defaults

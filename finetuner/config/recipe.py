@@ -389,22 +389,24 @@ class Recipe(_Section):
                 hint="Give the path of a YAML recipe, e.g. recipes/demo_cpu.yaml.",
             )
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             line = e.object[: e.start].count(b"\n") + 1
             raise UserError(f"{path}: line {line}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
-        except RecursionError:
-            raise UserError(f"{path}: invalid YAML: lists or mappings nested too deeply.") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e)
-            raise UserError(f"{path}:{where}: invalid YAML: {problem}.") from None
-        if raw is None:
-            raise UserError(f"{path}: the recipe is empty.", hint="See recipes/demo_cpu.yaml for an example.")
-        if not isinstance(raw, dict):
-            raise UserError(f"{path}: a recipe must be a mapping of sections (model:, data:, ...).")
-        return cls.from_dict(raw, overrides=overrides, base_dir=path.parent, source=str(path))
+        return cls.from_dict(parse_yaml(text, str(path)), overrides=overrides, base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def from_yaml_text(
+        cls,
+        text: str,
+        source: str = "recipe",
+        base_dir: str | Path | None = None,
+        overrides: list[str] | None = None,
+    ) -> Recipe:
+        """A recipe from YAML text (an editor, a request): parsed, validated and resolved as
+        :meth:`from_yaml` does a file; ``source`` names it in the messages, relative paths are
+        resolved against ``base_dir`` (default: the working directory)."""
+        return cls.from_dict(parse_yaml(text, source), overrides=overrides, base_dir=base_dir, source=source)
 
     @classmethod
     def from_dict(
@@ -461,6 +463,48 @@ class Recipe(_Section):
 
     def output_path(self) -> Path:
         return Path(self.output_dir).expanduser().resolve() if self.output_dir else (Path.cwd() / "runs" / self.name).resolve()
+
+
+# ---------------------------------------------------------------------- YAML in and out
+#: The order of a recipe's keys in the YAML finetuner writes for people to read (``finetuner plan
+#: -o``, the web UI's editor): every top-level field of :class:`Recipe`, each once.
+KEY_ORDER = ("name", "model", "method", "quantization", "lora", "data", "training", "distributed",
+             "checkpointing", "logging", "samples", "output_dir", "device")
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The mapping in a recipe's YAML text; a :class:`UserError` naming ``source`` (and the line
+    and column) when it is not valid YAML, is empty, or is not a mapping of sections."""
+    try:
+        raw = yaml.safe_load(text)
+    except RecursionError:
+        raise UserError(f"{source}: invalid YAML: lists or mappings nested too deeply.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise UserError(f"{source}:{where} invalid YAML: {problem}.") from None
+    if raw is None:
+        raise UserError(f"{source}: the recipe is empty.", hint="See recipes/demo_cpu.yaml for an example.")
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: a recipe must be a mapping of sections (model:, data:, ...).")
+    return raw
+
+
+def readable_dict(recipe: Recipe, keep: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What a person reads of a recipe: the values that differ from the defaults and the method,
+    plus ``keep`` (section → key → value: written even where it is the default), in
+    :data:`KEY_ORDER`. :meth:`Recipe.from_dict` of it gives the recipe back."""
+    raw = recipe.model_dump(mode="json", exclude_defaults=True)
+    raw["method"] = recipe.method
+    for section, values in (keep or {}).items():
+        raw.setdefault(section, {}).update(values)
+    return {k: raw[k] for k in sorted(raw, key=KEY_ORDER.index)}
+
+
+def readable_yaml(recipe: Recipe, header: str = "", keep: dict[str, dict[str, Any]] | None = None) -> str:
+    """:func:`readable_dict` as YAML after ``header`` (comment lines, each ending in a newline)."""
+    return header + yaml.safe_dump(readable_dict(recipe, keep), sort_keys=False, allow_unicode=True)
 
 
 # ---------------------------------------------------------------------- helpers

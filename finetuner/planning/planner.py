@@ -217,22 +217,20 @@ class Plan:
         head += [f"# - {r}" for r in self.reasons]
         head += [f"# Note: {n}" for n in self.notes]
         head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
-        import yaml
+        from finetuner.config.recipe import readable_yaml
 
         # the values that differ from the defaults, plus every planned value
-        raw = self.recipe.model_dump(mode="json", exclude_defaults=True)
-        raw["method"] = self.recipe.method
-        training = raw.setdefault("training", {})
-        for k, v in (self.recipe_choice() or {}).items():
-            if k in ("micro_batch_size", "gradient_accumulation", "optimizer", "gradient_checkpointing", "offload_activations"):
-                training[k] = v
-        raw.setdefault("data", {})["max_seq_len"] = self.recipe.data.max_seq_len
+        planned = {k: v for k, v in (self.recipe_choice() or {}).items()
+                   if k in ("micro_batch_size", "gradient_accumulation", "optimizer", "gradient_checkpointing", "offload_activations")}
+        # the length of training and the learning rate are planned too: written even when they are the defaults
+        planned |= {"epochs": self.recipe.training.epochs, "lr": self.recipe.training.lr}
+        if self.recipe.training.max_steps:
+            planned["max_steps"] = self.recipe.training.max_steps
+        keep = {"training": planned, "data": {"max_seq_len": self.recipe.data.max_seq_len}}
         if self.gpus > 1:
             d = self.recipe.distributed
-            raw["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
-        order = ["name", "model", "method", "quantization", "lora", "data", "training", "distributed", "checkpointing", "logging", "samples"]
-        ordered = {k: raw[k] for k in order if k in raw} | {k: v for k, v in raw.items() if k not in order}
-        return "\n".join(head) + "\n" + yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)
+            keep["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
+        return readable_yaml(self.recipe, "".join(f"{line}\n" for line in head), keep)
 
     def __repr__(self) -> str:
         return self.summary()
