@@ -212,7 +212,7 @@ def test_views_histogram_against_seq_len_and_memory():
     mem = views.memory_df(est)
     assert abs(mem[mem.kind == "component"]["GiB"].sum() - est.total_bytes / 2**30) < 0.01
     assert list(mem.kind[-2:]) == ["predicted peak", "card budget (95 %)"]
-    assert "Fits" in views.estimate_md(est, __import__("finetuner.config.hardware").hardware.get_gpu("rtx4090"))
+    assert "Fits" in views.estimate_md(est, __import__("finetuner.config.hardware").config.hardware.get_gpu("rtx4090"))
 
 
 def test_cli_ui_auth_and_exposure_warning(tmp_path):
