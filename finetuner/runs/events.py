@@ -1,49 +1,66 @@
-"""The run's structured progress stream, ``events.jsonl``.
+"""The run's structured progress stream, ``events.jsonl``: writing it, reading it, following it.
 
 One JSON object per line, appended and flushed as it happens, so any process (the CLI's
-progress bar, the web UI, a notebook) can follow a run without scraping logs. Every event has
-``event`` and ``time`` (Unix seconds). The kinds and their fields:
-
-- ``start``: run_dir, resumed_from_step, max_steps, device, dtypes, trainable/total params, data stats
-- ``step``: step, max_steps, epoch, loss, lr, grad_norm, tokens, tokens_per_s, elapsed_s, eta_s,
-  mem_allocated, mem_reserved, mem_peak (bytes; on CPU the process RSS and its peak)
-- ``eval``: step, eval_loss, eval_ppl
-- ``checkpoint``: step, path
-- ``stopped``: step (a stop was requested; a checkpoint was saved)
-- ``done``: step, final metrics, adapter path
-- ``error``: message, type, user_error
+progress bar, the web UI, a notebook) can follow a run without scraping logs. The kinds of event
+and their fields, and the states of a run, are defined in :mod:`finetuner.runs.schema` and
+described in ``docs/events.md``.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from finetuner.runs.schema import SCHEMA_VERSION, EventSchemaError, RunStateTracker, clean_value, validate_event
+
+log = logging.getLogger(__name__)
+
 Callback = Callable[[dict[str, Any]], None]
 
+#: Set to 1 (the test suite does) and an event that breaks the schema raises instead of being written with a warning.
+STRICT_ENV = "FINETUNER_STRICT_EVENTS"
 
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else str(v)
-    return v
+
+def strict_events() -> bool:
+    """Whether event writers raise on an event that breaks the schema (``FINETUNER_STRICT_EVENTS=1``)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 class EventWriter:
-    """Appends events to ``events.jsonl`` and hands each to the callbacks."""
+    """Appends events to ``events.jsonl`` and hands each to the callbacks.
 
-    def __init__(self, path: Path, callbacks: list[Callback] | None = None):
+    Every event is checked against :mod:`finetuner.runs.schema` (``start`` gets ``schema_version``).
+    An unknown kind, a missing field or a value of the wrong type is a bug in the writer: with
+    ``strict`` (default: :func:`strict_events`) it raises :class:`EventSchemaError`, as do fields
+    the schema does not list; otherwise the event is written anyway and a warning logged once per
+    kind, so a user's run never fails over its progress stream.
+    """
+
+    def __init__(self, path: Path, callbacks: list[Callback] | None = None, strict: bool | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", encoding="utf-8")
         self.callbacks = list(callbacks or [])
+        self.strict = strict_events() if strict is None else strict
+        self._warned: set[str] = set()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "time": round(time.time(), 3), **{k: _clean(v) for k, v in fields.items()}}
+        if event == "start":
+            fields = {"schema_version": SCHEMA_VERSION, **fields}
+        record = {"event": event, "time": round(time.time(), 3), **{k: clean_value(v) for k, v in fields.items()}}
+        problems = validate_event(record, allow_extra=not self.strict)
+        if problems:
+            if self.strict:
+                raise EventSchemaError("; ".join(problems))
+            if event not in self._warned:
+                self._warned.add(event)
+                log.warning("Event %r does not follow the events schema: %s", event, "; ".join(problems))
         self._f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
@@ -75,16 +92,12 @@ def iter_events(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
-#: Events after which a run's process writes nothing more (once it has let go of the run folder).
-END_EVENTS = ("done", "stopped", "error")
-
-
 def run_folder_busy(run_dir: Path) -> bool:
     """Whether a process holds the run folder's lock (see :class:`finetuner.runs.folder.RunLock`)."""
     import fcntl
 
     try:
-        fd = os.open(run_dir / ".lock", os.O_RDONLY)
+        fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -96,13 +109,32 @@ def run_folder_busy(run_dir: Path) -> bool:
     return False
 
 
-def follow(run_dir: str | Path, poll: float = 0.5, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+def run_folder_holder(run_dir: Path) -> int | None:
+    """The pid of the process that holds the run folder's lock (it writes it there), or None if none does."""
+    if not run_folder_busy(run_dir):
+        return None
+    try:
+        return int((Path(run_dir) / ".lock").read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+
+
+def follow(
+    run_dir: str | Path,
+    poll: float = 0.5,
+    timeout: float | None = None,
+    *,
+    offset: int = 0,
+    stop: threading.Event | None = None,
+) -> Iterator[dict[str, Any]]:
     """Yield a run's events as they are written, from the first one (e.g. in a second notebook cell).
 
-    Waits for ``events.jsonl`` to appear, yields every complete line, and ends once the run has
-    finished: an end event (``done``, ``stopped``, ``error``) has been read and no process holds
-    the run folder any more (so the ``samples`` written after ``done`` are not missed). With
-    ``timeout``, it also ends after that many seconds without a new event.
+    Waits for ``events.jsonl`` to appear (``run_dir`` may also be the file itself), yields every
+    complete line as it is appended, and ends once the run has finished: a terminal event
+    (:data:`~finetuner.runs.schema.TERMINAL_EVENTS`) has been read and no process holds the run
+    folder any more (so the ``samples`` written after ``done`` are not missed). With ``timeout``, it
+    also ends after that many seconds without a new event; with ``stop``, once that is set (after
+    reading what has been written by then). ``offset``: the byte position to start reading at.
 
     Example::
 
@@ -113,9 +145,11 @@ def follow(run_dir: str | Path, poll: float = 0.5, timeout: float | None = None)
     run_dir = Path(run_dir)
     path = run_dir if run_dir.suffix == ".jsonl" else run_dir / "events.jsonl"
     run_dir = path.parent
-    offset, buf, ended = 0, b"", False
+    buf = b""
+    tracker = RunStateTracker()
     last_new = time.monotonic()
     while True:
+        stopping = stop is not None and stop.is_set()  # read once more after it is set, then end
         try:
             with open(path, "rb") as f:
                 f.seek(offset)
@@ -131,17 +165,21 @@ def follow(run_dir: str | Path, poll: float = 0.5, timeout: float | None = None)
                     ev = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if not isinstance(ev, dict):
+                    continue
                 last_new = time.monotonic()
-                if ev.get("event") in END_EVENTS:
-                    ended = True
-                elif ev.get("event") == "start":  # a resumed run goes on
-                    ended = False
+                tracker.feed(ev)
                 yield ev
-        if ended and not buf and not run_folder_busy(run_dir):
+        if stopping:
+            return
+        if tracker.ended and not buf and not run_folder_busy(run_dir):
             return
         if timeout is not None and time.monotonic() - last_new > timeout:
             return
-        time.sleep(poll)
+        if stop is not None:
+            stop.wait(poll)
+        else:
+            time.sleep(poll)
 
 
 def device_memory(device: str) -> dict[str, int]:

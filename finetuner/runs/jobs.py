@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.runs.events import read_events
+from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
+from finetuner.runs.schema import RESUMABLE_STATES, RunState, RunStateTracker
 
 REGISTRY = ".jobs.json"
 LOG_NAME = "train.log"
@@ -253,17 +254,23 @@ def start_job(
 def stop_job(job_or_run: Job | str | Path, runs_dir: str | Path | None = None, wait: float = 0.0) -> bool:
     """Ask a job to stop (SIGINT: checkpoint, then exit 130). Returns False if it was not running.
 
-    With ``wait > 0``, waits up to that many seconds for the process to end.
+    A run folder with no job (a ``finetuner run`` started in a terminal) is stopped the same way,
+    through the process that holds its lock. With ``wait > 0``, waits up to that many seconds for
+    the process to end.
     """
-    job = job_or_run if isinstance(job_or_run, Job) else job_for(job_or_run, runs_dir)
-    if job is None or not _alive(job.pid):
+    if isinstance(job_or_run, Job):
+        pid = job_or_run.pid
+    else:
+        job = job_for(job_or_run, runs_dir)
+        pid = job.pid if job is not None else run_folder_holder(Path(job_or_run).resolve())
+    if pid is None or not _alive(pid):
         return False
     try:
-        os.kill(job.pid, signal.SIGINT)
+        os.kill(pid, signal.SIGINT)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + wait
-    while wait > 0 and time.monotonic() < deadline and _alive(job.pid):
+    while wait > 0 and time.monotonic() < deadline and _alive(pid):
         time.sleep(0.1)
     return True
 
@@ -285,7 +292,7 @@ class RunStatus:
 
     run_dir: str
     name: str
-    state: str  # starting | running | stopping | stopped | done | error | interrupted | new
+    state: RunState  # see finetuner.runs.schema.RUN_STATES
     running: bool = False
     pid: int | None = None
     step: int = 0
@@ -326,26 +333,32 @@ class RunStatus:
 
     @property
     def resumable(self) -> bool:
-        return not self.running and self.state in ("stopped", "interrupted", "error") and self.has_checkpoint
+        return not self.running and self.state in RESUMABLE_STATES and self.has_checkpoint
 
 
 def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job | None = None) -> RunStatus:
-    """Read a run folder's events into a :class:`RunStatus`."""
+    """Read a run folder's events into a :class:`RunStatus`.
+
+    The state is :func:`finetuner.runs.schema.run_state`'s, with the run counted as running while
+    its job's process is alive or any process (e.g. ``finetuner run`` in a terminal) holds the folder.
+    """
     rd = Path(run_dir).resolve()
     events_path = rd / "events.jsonl"
     if job is None:
         job = job_for(rd, runs_dir or rd.parent)
-    st = RunStatus(str(rd), rd.name, "new", running=job is not None, pid=job.pid if job else None)
+    holder = None if job is not None else run_folder_holder(rd)
+    running = job is not None or run_folder_busy(rd)
+    st = RunStatus(str(rd), rd.name, "new", running=running, pid=job.pid if job else holder)
     try:
         st.modified = max(p.stat().st_mtime for p in (rd, events_path) if p.exists())
     except ValueError:
         pass
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
-    last = None
+    tracker = RunStateTracker()
     for ev in read_events(events_path):
+        tracker.feed(ev)
         kind = ev.get("event")
-        last = kind
         if kind == "start":
             st.max_steps = ev.get("max_steps")
             st.device, st.method = ev.get("device"), ev.get("method")
@@ -385,24 +398,10 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         elif kind == "error":
             st.error = ev.get("message")
     st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
-    if st.running:
-        if last in ("stopped", "done", "samples", "error"):
-            st.state = "finishing"
-        else:
-            st.state = "running" if last not in (None, "plan") else "starting"
-    elif last in ("done", "samples"):
-        st.state = "done"
-    elif last == "stopped":
-        st.state = "stopped"
-    elif last == "error":
+    st.state = tracker.state(st.running)
+    if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # the job failed before writing any event
         st.state = "error"
-    elif last is None:
-        st.state = "new"
-        if job is None and (rd / LOG_NAME).is_file():
-            st.state = "error"
-            st.error = _log_error(rd / LOG_NAME)
-    else:
-        st.state = "interrupted"
+        st.error = _log_error(rd / LOG_NAME)
     return st
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetuner.runs.schema import TERMINAL_EVENTS
+
 
 class ProgressBar:
     """A :func:`finetuner.train` callback that draws the steps with ``tqdm.auto``.
@@ -36,7 +38,7 @@ class ProgressBar:
         elif kind == "eval":
             self.postfix["eval_loss"] = f"{ev['eval_loss']:.4f}"
             self.bar.set_postfix(self.postfix)
-        elif kind in ("done", "stopped", "error"):
+        elif kind in TERMINAL_EVENTS:
             if kind != "done":
                 self.bar.set_description(f"{self.bar.desc} ({kind})")
             self.close()

@@ -78,15 +78,13 @@ class Run:
 
     @property
     def status(self) -> str:
-        """``done``, ``stopped``, ``failed``, ``running`` or ``not started`` (from the events)."""
+        """The run's state from its events and its folder's lock: ``new``, ``starting``, ``running``,
+        ``finishing``, ``stopped``, ``done``, ``error`` or ``interrupted`` (see
+        :data:`finetuner.runs.schema.RUN_STATES`)."""
         from finetuner.runs.events import run_folder_busy
+        from finetuner.runs.schema import run_state
 
-        kinds = [e.get("event") for e in self.events() if e.get("event") in ("start", "done", "stopped", "error")]
-        if run_folder_busy(self.path):
-            return "running"
-        if not kinds:
-            return "not started"
-        return {"done": "done", "stopped": "stopped", "error": "failed"}.get(kinds[-1], "stopped")
+        return run_state(self.events(), busy=run_folder_busy(self.path))
 
     def summary(self) -> dict[str, Any]:
         """The facts shown by ``repr``: model, method, steps, losses, memory, evaluation."""

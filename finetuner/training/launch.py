@@ -182,37 +182,20 @@ def _die_with_parent() -> None:
         pass
 
 
-class _EventFollower(threading.Thread):
-    """Calls the callbacks with each new line of ``events.jsonl`` (written by rank 0)."""
+def _relay_events(path: Path, callbacks, offset: int, stop: threading.Event, relayed: list[dict[str, Any]]) -> None:
+    """Hand each new event of ``events.jsonl`` (written by rank 0) to the callbacks, and keep it in
+    ``relayed``, until ``stop``. A callback that raises is logged and not called again."""
+    from finetuner.runs.events import follow
 
-    def __init__(self, path: Path, callbacks, offset: int):
-        super().__init__(daemon=True)
-        self.path, self.callbacks, self.offset = path, callbacks or [], offset
-        self.done = threading.Event()
-        self._buf = ""
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-            self.offset = f.tell()
-        self._buf += chunk
-        *lines, self._buf = self._buf.split("\n")
-        for line in lines:
-            if line.strip():
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                for cb in self.callbacks:
-                    cb(event)
-
-    def run(self) -> None:
-        while not self.done.wait(0.2):
-            self.poll()
-        self.poll()
+    callbacks = list(callbacks or [])
+    for event in follow(path, poll=0.2, offset=offset, stop=stop):
+        relayed.append(event)
+        for cb in list(callbacks):
+            try:
+                cb(event)
+            except Exception:
+                log.exception("An event callback failed; it gets no more events.")
+                callbacks.remove(cb)
 
 
 def _terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -225,14 +208,6 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _events_since(path: Path, offset: int) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8") as f:
-        f.seek(offset)
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -254,6 +229,7 @@ def launch_training(
 
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
     from finetuner.runs.events import EventWriter
+    from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
     from finetuner.planning.planner import resolve_for_run
     from finetuner.runs.folder import prepare_run_dir
@@ -289,7 +265,9 @@ def launch_training(
         (run_dir / STOP_FILE).unlink(missing_ok=True)
         events_path = run_dir / "events.jsonl"
         offset = events_path.stat().st_size if events_path.exists() else 0
-        follower = _EventFollower(events_path, callbacks, offset)
+        relayed: list[dict[str, Any]] = []
+        relay_stop = threading.Event()
+        follower = threading.Thread(target=_relay_events, args=(events_path, callbacks, offset, relay_stop, relayed), daemon=True)
         env = {**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"}
         if not cuda:
             env["ACCELERATE_USE_CPU"] = "true"
@@ -311,12 +289,13 @@ def launch_training(
             _terminate(proc)
             raise
         finally:
-            follower.done.set()
+            relay_stop.set()
             follower.join()
             (run_dir / STOP_FILE).unlink(missing_ok=True)
-        events = _events_since(events_path, offset)
-        ends = [e for e in events if e.get("event") in ("done", "stopped", "error")]
-        end = ends[-1] if ends else None
+        tracker = RunStateTracker()
+        for event in relayed:
+            tracker.feed(event)
+        end = tracker.end  # the terminal event the ranks wrote, if they did
         if proc.returncode != 0 or end is None or end["event"] == "error":
             message = end.get("message") if end and end["event"] == "error" else None
             if message is None:

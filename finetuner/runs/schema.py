@@ -1,0 +1,341 @@
+"""The schema of ``events.jsonl``: every event kind with its fields, and the states of a run.
+
+Each kind is a ``TypedDict`` (use them to type a consumer: ``ev: StepEvent``); :data:`EVENT_TYPES`
+maps the ``event`` name to it. :class:`finetuner.runs.events.EventWriter` checks every event it
+writes with :func:`validate_event`. The ``start`` event carries :data:`SCHEMA_VERSION`.
+
+A run's state (one of :data:`RUN_STATES`) is derived from its events and from whether a process
+holds the run folder by :class:`RunStateTracker` / :func:`run_state`; the run status of the web UI
+(:func:`finetuner.runs.jobs.run_status`), :attr:`finetuner.Run.status`, :func:`finetuner.follow`
+and the multi-process launcher all take it from here. ``docs/events.md`` describes the stream
+for people who build on it.
+
+Every event has ``event`` (its kind) and ``time`` (Unix seconds). Counts are plain integers,
+memory is in bytes, durations in seconds. A float that is not finite is written as ``null`` (NaN)
+or the string ``"inf"`` / ``"-inf"``. Readers must ignore fields they do not know: fields may be
+added without a new schema version; removing or renaming one, or changing its meaning, bumps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict, Union
+
+#: Written in every ``start`` event as ``schema_version``.
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------- the kinds
+class Event(TypedDict):
+    """Fields of every event."""
+
+    event: str  # the kind: a key of EVENT_TYPES
+    time: float  # Unix seconds, when it was written
+
+
+class _Memory(TypedDict):
+    """Device memory now, in bytes: the CUDA caching allocator's counters, or on CPU the process RSS."""
+
+    mem_allocated: int
+    mem_reserved: int
+    mem_peak: int
+
+
+class PlanEvent(Event):
+    """The planner filled the recipe's ``auto`` values (before ``start``; only when it ran)."""
+
+    gpu: str
+    choice: Union[dict[str, Any], None]
+    reasons: list[str]
+    predicted_total_bytes: int
+    device_bytes: int
+
+
+class CheckpointInvalidEvent(Event):
+    """A checkpoint could not be read on resume; the one before it is tried (before ``start``)."""
+
+    path: str
+    reason: str
+
+
+class StartEvent(Event, _Memory):
+    """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
+
+    schema_version: int
+    run_dir: str
+    name: str
+    resumed_from_step: Union[int, None]
+    max_steps: int
+    steps_per_epoch: int
+    device: str
+    base_dtype: str
+    precision: str
+    attention: Union[str, None]
+    kernels: str
+    loss_path: str
+    compile: bool
+    method: str
+    trainable_params: int
+    total_params: int
+    micro_batch_size: int
+    gradient_accumulation: int
+    data: dict[str, Any]
+    predicted: Union[dict[str, Any], None]
+
+
+class DistributedEvent(Event):
+    """A multi-process run's set-up (after ``start``, written by rank 0)."""
+
+    strategy: str
+    offload: str
+    world_size: int
+    nodes: int
+    backend: str
+    engine: str
+    optimizer: str
+    configs: list[str]
+
+
+class StepEvent(Event, _Memory):
+    """An optimizer step (every ``logging.every`` steps, and the last one)."""
+
+    step: int
+    max_steps: int
+    epoch: float
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    tokens_seen: int
+    tokens_per_s: float
+    elapsed_s: float
+    eta_s: float
+    micro_batch_size: int
+
+
+class OomBackoffEvent(Event):
+    """Out of device memory in a step: the micro-batch is halved, accumulation raised (same effective batch)."""
+
+    step: int
+    old_micro_batch_size: int
+    old_gradient_accumulation: int
+    micro_batch_size: int
+    gradient_accumulation: int
+    message: str
+
+
+class EvalEvent(Event):
+    """Validation loss (every ``training.eval_every`` steps and at the end)."""
+
+    step: int
+    eval_loss: float
+    eval_ppl: float
+
+
+class CheckpointEvent(Event):
+    """A checkpoint was saved (atomically)."""
+
+    step: int
+    path: str
+
+
+class MemorySnapshotEvent(Event):
+    """``--profile-memory`` wrote its CUDA allocation history."""
+
+    step: int
+    path: str
+
+
+class StoppedEvent(Event):
+    """A stop was asked for; a checkpoint is saved and the run can be resumed. Terminal."""
+
+    step: int
+    max_steps: int
+
+
+class DoneEvent(Event):
+    """Training finished: the adapter is saved, ``metrics.json`` written. Terminal."""
+
+    step: int
+    adapter_dir: str
+    metrics: dict[str, Any]
+
+
+class SamplesEvent(Event):
+    """The sample prompts answered by the base and the fine-tuned model (after ``done``)."""
+
+    samples: list[dict[str, Any]]
+
+
+class ErrorEvent(Event):
+    """The run failed. Terminal."""
+
+    message: str
+    type: str
+    user_error: bool
+
+
+#: Every kind of event, by its ``event`` name, in the order a run writes them.
+EVENT_TYPES: dict[str, type] = {
+    "plan": PlanEvent,
+    "checkpoint_invalid": CheckpointInvalidEvent,
+    "start": StartEvent,
+    "distributed": DistributedEvent,
+    "step": StepEvent,
+    "oom_backoff": OomBackoffEvent,
+    "eval": EvalEvent,
+    "checkpoint": CheckpointEvent,
+    "memory_snapshot": MemorySnapshotEvent,
+    "stopped": StoppedEvent,
+    "done": DoneEvent,
+    "samples": SamplesEvent,
+    "error": ErrorEvent,
+}
+
+#: After one of these, the process that wrote it writes nothing more except :data:`AFTER_END_EVENTS`.
+TERMINAL_EVENTS: tuple[str, ...] = ("done", "stopped", "error")
+#: Written after ``done`` by the same process (before it lets go of the run folder).
+AFTER_END_EVENTS: tuple[str, ...] = ("samples",)
+
+
+# --------------------------------------------------------------------------- checking an event
+class EventSchemaError(ValueError):
+    """An event that does not follow the schema (a programming error in the writer)."""
+
+
+@functools.lru_cache(maxsize=None)
+def fields(kind: str) -> dict[str, tuple[Any, bool]]:
+    """``{field: (type, required)}`` of an event kind (``event`` and ``time`` included)."""
+    cls = EVENT_TYPES[kind]
+    hints = typing.get_type_hints(cls)
+    return {name: (tp, name in cls.__required_keys__) for name, tp in hints.items()}
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is float:  # non-finite floats are written as null / "inf" / "-inf"
+        return value is None or value in ("inf", "-inf") or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp)
+
+
+def validate_event(record: Mapping[str, Any], allow_extra: bool = True) -> list[str]:
+    """What is wrong with an event, as sentences (empty when it follows the schema).
+
+    An unknown kind, a missing field and a value of the wrong type are reported; a field the
+    schema does not know only with ``allow_extra=False`` (readers must ignore such fields).
+    """
+    kind = record.get("event")
+    if kind not in EVENT_TYPES:
+        return [f"unknown event kind {kind!r} (known: {', '.join(EVENT_TYPES)})"]
+    problems = []
+    spec = fields(kind)
+    for name, (tp, required) in spec.items():
+        if name not in record:
+            if required:
+                problems.append(f"{kind}: missing field {name!r}")
+        elif not _matches(record[name], tp):
+            problems.append(f"{kind}: field {name!r} is {record[name]!r}, not {_type_name(tp)}")
+    if not allow_extra:
+        extra = [k for k in record if k not in spec]
+        if extra:
+            problems.append(f"{kind}: fields not in the schema: {', '.join(extra)}")
+    return problems
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
+
+
+def clean_value(v: Any) -> Any:
+    """A value as JSON can hold it: NaN → None, ±inf → ``"inf"`` / ``"-inf"`` (also inside lists and dicts)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else str(v)
+    if isinstance(v, dict):
+        return {k: clean_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [clean_value(x) for x in v]
+    return v
+
+
+# --------------------------------------------------------------------------- the states of a run
+RunState = Literal["new", "starting", "running", "finishing", "stopped", "done", "error", "interrupted"]
+
+#: Every state a run can be in, as :func:`run_state` names it:
+#: ``new`` no event yet and no process; ``starting`` a process holds the run folder but has not
+#: written ``start`` yet (loading the model, the data); ``running`` it has; ``finishing`` a terminal
+#: event is written and the process is still ending (samples, clean-up); ``stopped``, ``done``,
+#: ``error`` the last process ended with that terminal event; ``interrupted`` the last process ended
+#: without one (killed, power lost).
+RUN_STATES: tuple[str, ...] = typing.get_args(RunState)
+#: States in which a process holds the run folder.
+ACTIVE_STATES: tuple[str, ...] = ("starting", "running", "finishing")
+#: States from which starting the run again continues it (when a checkpoint exists).
+RESUMABLE_STATES: tuple[str, ...] = ("stopped", "interrupted", "error")
+
+
+class RunStateTracker:
+    """Reads events one at a time and knows the run's state (for a reader that follows the file).
+
+    A process writes ``plan`` / ``checkpoint_invalid`` / ``start``, then its progress, then one
+    terminal event (then perhaps :data:`AFTER_END_EVENTS`). Any other event after a terminal one
+    means a new process (a resume) has begun.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False  # any event read
+        self.started = False  # a ``start`` of the current process has been read
+        self.end: dict[str, Any] | None = None  # the terminal event of the last process, if it wrote one
+
+    def feed(self, ev: Mapping[str, Any]) -> None:
+        kind = ev.get("event")
+        if kind is None:
+            return
+        self.seen = True
+        if kind in TERMINAL_EVENTS:
+            self.end, self.started = dict(ev), False
+        elif kind in AFTER_END_EVENTS and self.end is not None:
+            pass
+        else:
+            self.end = None
+            if kind == "start":
+                self.started = True
+
+    @property
+    def ended(self) -> bool:
+        """The last process has written its terminal event."""
+        return self.end is not None
+
+    def state(self, busy: bool) -> RunState:
+        """The state, given whether a process holds the run folder's lock (or is known to be alive)."""
+        if self.end is not None:
+            return "finishing" if busy else self.end["event"]
+        if busy:
+            return "running" if self.started else "starting"
+        return "interrupted" if self.seen else "new"
+
+
+def run_state(events: Iterable[Mapping[str, Any]], busy: bool) -> RunState:
+    """A run's state from its events and whether a process holds its folder (see :data:`RUN_STATES`)."""
+    tracker = RunStateTracker()
+    for ev in events:
+        tracker.feed(ev)
+    return tracker.state(busy)
