@@ -9,6 +9,7 @@ and the refusal are tested here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 import finetuner
-from finetuner.errors import UserError
+from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
 from tests.conftest import REPO, run_cli, write_recipe
@@ -219,14 +220,103 @@ def test_a_failing_rank_stops_the_run_with_a_message(one_process, tmp_path, monk
     monkeypatch.setenv("FINETUNER_FAULT", "OOM@2*inf")  # every rank fails in step 2
     recipe = Recipe.from_dict(dict(base, output_dir=str(tmp_path / "fail"), training=dict(base["training"], micro_batch_size=1, gradient_accumulation=4)),
                               ["distributed.num_processes=2"])
-    with pytest.raises(UserError, match="out-of-memory|Out of device memory"):
+    with pytest.raises(OutOfMemory, match="Out of device memory in step 2 on rank 0 of 2 processes") as e:
         finetuner.train(recipe)
+    assert "It does not fit even with micro_batch_size 1" in e.value.message
     assert read_events(tmp_path / "fail" / "events.jsonl")[-1]["event"] == "error"
+
+
+def test_out_of_memory_on_several_processes_ends_the_run_with_the_values_to_resume_with(one_process, tmp_path, monkeypatch):
+    """No rank halves its micro-batch alone (the others wait for it in the step's collectives)."""
+    base, _ = one_process
+    monkeypatch.setenv("FINETUNER_FAULT", "OOM@5")
+    recipe = write_recipe(tmp_path / "r.yaml", dict(base, output_dir=str(tmp_path / "oom"), training=dict(base["training"], micro_batch_size=4, gradient_accumulation=2)))
+    out = run_cli("run", str(recipe), "--gpus", "2")
+    assert out.returncode == 3, out.stderr + out.stdout
+    assert "Out of device memory in step 5 on rank 0 of 2 processes (micro_batch_size 4)" in out.stderr
+    assert "Resume with training.micro_batch_size: 2 and training.gradient_accumulation: 4" in out.stderr
+    events = read_events(tmp_path / "oom" / "events.jsonl")
+    assert "oom_backoff" not in [e["event"] for e in events] and events[-1]["type"] == "OutOfMemory"
+    monkeypatch.delenv("FINETUNER_FAULT")
+    resumed = run_cli("run", str(recipe), "--gpus", "2", "--set", "training.micro_batch_size=2", "--set", "training.gradient_accumulation=4")
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    events = read_events(tmp_path / "oom" / "events.jsonl")
+    assert [e["resumed_from_step"] for e in events if e["event"] == "start"] == [None, 3]
+    assert events[-1]["event"] == "done" and events[-1]["step"] == 6
+
+
+def _ddp_rank_with_a_loss_scaler(rank: int, port: int, recipe_dict: dict, out: str) -> None:
+    """One rank of test_fp16_loss_scaling_on_two_processes (started by multiprocessing, spawn)."""
+    import torch
+
+    from finetuner.training import trainer as trainer_module
+    from finetuner.training.distributed import DistributedTrainer, init_rank
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    recipe = Recipe.from_dict(recipe_dict)
+    trainer = DistributedTrainer(recipe, Path(out), init_rank(recipe))
+    trainer.setup()
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # what an fp16 run gets on a GPU
+    scalers_seen, shared_step = [], trainer_module.optimizer_step
+
+    def spy(optimizer, scheduler, params, max_grad_norm, scaler=None):
+        scalers_seen.append(scaler)
+        return shared_step(optimizer, scheduler, params, max_grad_norm, scaler)
+
+    trainer_module.optimizer_step = spy
+    lora_b = next(p for n, p in trainer.model.named_parameters() if p.requires_grad and "lora_B" in n)
+    poisoned = {"step": None}
+    lora_b.register_hook(lambda g: g * math.inf if poisoned["step"] == 1 and rank == 1 else g)  # rank 1's gradient only
+    records = []
+    for step in range(3):
+        poisoned["step"] = step
+        before = [p.detach().clone() for p in trainer._trainable] if step else None
+        loss, tokens, norm = trainer.train_step(step)
+        changed = before is None or any(not torch.equal(b, p) for b, p in zip(before, trainer._trainable))
+        records.append({"loss": loss, "grad_norm": norm, "scale": trainer.scaler.get_scale(), "changed": changed})
+    final = {n: p.detach().tolist() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"steps": records, "scalers": [c is trainer.scaler for c in scalers_seen], "final": final}))
+    trainer.cleanup()
+    torch.distributed.destroy_process_group()
+
+
+def test_fp16_loss_scaling_on_two_processes(one_process, tmp_path):
+    """DDP on two processes steps through the single-process optimizer_step with the GradScaler:
+    the gradient is unscaled before clipping (the first step's gradient norm is the one-process
+    one), and an inf in one rank's gradient makes every rank skip that step and lower the scale.
+    CPU training has no fp16 (the runtime refuses it), so the ranks get the GradScaler an fp16
+    GPU run gets, for the CPU: its arithmetic is the same."""
+    import multiprocessing
+
+    from tests.conftest import free_port
+
+    base, ref = one_process
+    recipe = dict(base, output_dir=str(tmp_path), distributed={"strategy": "ddp", "num_processes": 2})
+    ctx, port = multiprocessing.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_ddp_rank_with_a_loss_scaler, args=(r, port, recipe, str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(240)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ref_steps = [e for e in read_events(ref.run_dir / "events.jsonl") if e["event"] == "step"]
+    for got in ranks:
+        assert got["scalers"] == [True, True, True]  # the shared optimizer step, given the trainer's scaler
+        first, skipped, after = got["steps"]
+        assert first["loss"] == pytest.approx(ref_steps[0]["loss"], abs=1e-5)
+        assert first["grad_norm"] == pytest.approx(ref_steps[0]["grad_norm"], rel=1e-4)  # not 65536 times it
+        assert first["scale"] == 2.0**16
+        assert not math.isfinite(skipped["grad_norm"]) and not skipped["changed"] and skipped["scale"] == 2.0**15
+        assert after["changed"] and math.isfinite(after["grad_norm"]) and after["scale"] == 2.0**15
+    same = [[{**step, "grad_norm": str(step["grad_norm"])} for step in got["steps"]] for got in ranks]  # nan != nan
+    assert same[0] == same[1] and ranks[0]["final"] == ranks[1]["final"]  # the ranks agree
 
 
 # --------------------------------------------------------------------------- without processes
 def test_split_step_gives_every_example_to_one_rank():
-    from finetuner.training.distributed import split_step
+    from finetuner.training.trainer import split_step
 
     assert split_step(4, 1, 2) == [[(0, 1), (2, 3)], [(1, 2), (3, 4)]]  # whole micro-batches, interleaved
     assert split_step(8, 8, 2) == [[(0, 4)], [(4, 8)]]  # one micro-batch of 8: 4 examples each
@@ -263,17 +353,19 @@ def test_impossible_combinations_are_refused_with_the_key(recipe_dict, distribut
 def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
 
+    from finetuner.config.runtime import Device, resolve
     from finetuner.training.launch import write_configs
 
+    a100 = Device("cuda", bf16=True)
     recipe = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "fsdp", "num_processes": 2}, device="cpu"))
     with pytest.raises(UserError, match="zero3"):
         finetuner.train(recipe)
-    paths = write_configs(recipe, tmp_path, cuda=True)
+    paths = write_configs(recipe, tmp_path, resolve(recipe, a100, "llama"))
     cfg = ClusterConfig.from_yaml_file(str(paths["accelerate"]))
     assert cfg.distributed_type == "FSDP" and cfg.num_processes == 2
     assert cfg.fsdp_config["fsdp_version"] == 2 and cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     zero3 = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "zero3", "num_processes": 4, "offload": "optimizer+params"}))
-    paths = write_configs(zero3, tmp_path / "z3", cuda=True)
+    paths = write_configs(zero3, tmp_path / "z3", resolve(zero3, a100, "llama"))
     ds = json.loads(paths["deepspeed"].read_text())
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert ds["train_batch_size"] == 2 * 1 * 4 and ds["bf16"]["enabled"]  # micro 2 x accumulation 1 per rank x 4

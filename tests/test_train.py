@@ -180,3 +180,42 @@ def test_chunked_loss_equals_full_logits_loss(tiny_model_dir, packed):
     for a, b in zip(g0, g1):
         assert a.dtype == torch.float64
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-9)
+
+
+def _one_param_step(grad_factors, scaler, max_grad_norm=1.0):
+    """One step of the trainers' optimizer_step on a 2-element parameter whose gradient is ``grad_factors``."""
+    import torch
+
+    from finetuner.training.trainer import optimizer_step
+
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    loss = (p * torch.tensor(grad_factors)).sum()
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    norm = optimizer_step(opt, sched, [p], max_grad_norm, scaler)
+    return p.detach(), norm, sched.last_epoch, p.grad
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # torch's note on the skipped first step
+def test_optimizer_step_with_a_loss_scaler_unscales_before_clipping_and_skips_on_inf():
+    """fp16 loss scaling, one code path for one process and for DDP (DistributedTrainer steps through
+    the same function; tests/test_distributed.py runs it on two processes)."""
+    import math
+
+    import torch
+
+    plain, plain_norm, _, _ = _one_param_step([3.0, 4.0], None)
+    assert plain_norm == pytest.approx(5.0) and plain.tolist() == pytest.approx([1 - 0.6, 2 - 0.8])  # clipped to norm 1
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    p, norm, sched_steps, grad = _one_param_step([3.0, 4.0], scaler)
+    assert norm == pytest.approx(5.0)  # the norm of the true gradient, not of the gradient × 1024
+    assert p.tolist() == pytest.approx(plain.tolist())  # clipped after unscaling: the same update
+    assert scaler.get_scale() == 2.0**10 and sched_steps == 1 and grad is None
+
+    p, norm, sched_steps, grad = _one_param_step([math.inf, 1.0], scaler)
+    assert not math.isfinite(norm)
+    assert p.tolist() == [1.0, 2.0]  # the step is skipped
+    assert scaler.get_scale() == 2.0**9  # and the scale lowered
+    assert sched_steps == 1 and grad is None  # the schedule still advances, the gradients are cleared

@@ -8,7 +8,10 @@ Layout of ``<run>/checkpoints/step-00000040/``:
   dicts, read back with ``weights_only=True`` (no arbitrary pickles);
 - ``recipe.yaml`` — the resolved recipe the checkpoint was made with;
 - ``trainer_state.json`` — step, tokens seen, elapsed time, loss history, and the micro-batch
-  and accumulation actually in use.
+  and accumulation actually in use;
+- ``deepspeed/`` instead of ``optimizer.pt`` in a DeepSpeed ZeRO run: the engine's sharded
+  optimizer states, one file per process, written and read by the engine (such a checkpoint
+  resumes only with the same strategy and number of processes).
 
 A checkpoint is written into ``.tmp-step-…`` and renamed into place only when complete, so a
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
@@ -44,21 +47,36 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int, scaler=None, recipe_yaml: str | None = None
-) -> Path:
-    import torch
+#: the folder of a checkpoint that holds a DeepSpeed engine's own (sharded) state
+ENGINE_DIR = "deepspeed"
 
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written before :func:`publish_checkpoint` renames it into place."""
+    return Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
+
+
+def start_checkpoint(run_dir: Path, step: int) -> Path:
+    """An empty :func:`staging_dir` for the checkpoint of ``step``."""
+    tmp = staging_dir(run_dir, step)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def write_checkpoint_parts(
+    tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None
+) -> None:
+    """Write a checkpoint's parts into ``tmp``; ``optimizer=None`` when an engine keeps the optimizer
+    states itself (:data:`ENGINE_DIR`)."""
+    import torch
+
     with quieted():
         model.save_pretrained(tmp / "adapter", safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -69,14 +87,29 @@ def save_checkpoint(
     if recipe_yaml is not None:
         (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
     atomic_write_json(tmp / "trainer_state.json", state)
+
+
+def publish_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
+    """Rename the complete :func:`staging_dir` of ``step`` into place and prune to the last ``keep_last``."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step-{step:08d}"
     if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
         shutil.rmtree(final)
-    publish_dir(tmp, final)
+    publish_dir(staging_dir(run_dir, step), final)
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int, scaler=None, recipe_yaml: str | None = None
+) -> Path:
+    """Write the checkpoint of ``step`` (see the module's docstring) and prune older ones."""
+    tmp = start_checkpoint(run_dir, step)
+    write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml)
+    return publish_checkpoint(run_dir, step, keep_last)
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
@@ -87,22 +120,30 @@ class CheckpointUnreadable(Exception):
     """A checkpoint folder exists but one of its parts cannot be read."""
 
 
-def read_checkpoint(ckpt: Path) -> dict[str, Any]:
-    """Read every part of a checkpoint into memory, touching no model: fails before anything is applied."""
+def read_checkpoint(ckpt: Path, engine: bool = False) -> dict[str, Any]:
+    """Read every part of a checkpoint into memory, touching no model: fails before anything is applied.
+
+    ``engine=True`` (a DeepSpeed run): the weights and optimizer states are the engine's to load
+    from :data:`ENGINE_DIR`; a checkpoint without that folder cannot be resumed by the engine.
+    """
     import torch
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
+    if engine and not (ckpt / ENGINE_DIR).is_dir():
+        raise CheckpointUnreadable("not a DeepSpeed checkpoint")
     try:
-        weights: dict[str, Any] = {}
-        files = sorted((ckpt / "adapter").glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no weights in {ckpt / 'adapter'}")
-        for f in files:
-            weights.update(load_file(f))
+        weights: dict[str, Any] | None = None
+        if not engine:
+            weights = {}
+            files = sorted((ckpt / "adapter").glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no weights in {ckpt / 'adapter'}")
+            for f in files:
+                weights.update(load_file(f))
         parts = {
             "weights": weights,
-            "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"),
+            "optimizer": None if engine else torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"),
             "scheduler": torch.load(ckpt / "scheduler.pt", weights_only=True),
             "rng": torch.load(ckpt / "rng.pt", weights_only=True),
             "state": load_trainer_state(ckpt),
@@ -115,16 +156,18 @@ def read_checkpoint(ckpt: Path) -> dict[str, Any]:
 
 
 def apply_checkpoint(parts: dict[str, Any], model, optimizer, scheduler, scaler, full: bool) -> dict[str, Any]:
-    """Load what :func:`read_checkpoint` read into the model, optimizer, scheduler and RNGs."""
+    """Load what :func:`read_checkpoint` read into the model, optimizer, scheduler and RNGs (the
+    weights and optimizer states only when it read them: not for an engine's checkpoint)."""
     import torch
 
-    if full:
+    if parts["weights"] is not None and full:
         model.load_state_dict(parts["weights"], strict=False)
-    else:
+    elif parts["weights"] is not None:
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, parts["weights"])
-    optimizer.load_state_dict(parts["optimizer"])
+    if parts["optimizer"] is not None:
+        optimizer.load_state_dict(parts["optimizer"])
     scheduler.load_state_dict(parts["scheduler"])
     if scaler is not None and parts["scaler"] is not None:
         scaler.load_state_dict(parts["scaler"])

@@ -1,8 +1,10 @@
 """One rank of a multi-process run: ``python -m finetuner.training.distributed RUN_DIR`` under torchrun.
 
 :mod:`finetuner.training.launch` prepares the run folder and starts torchrun; each process it starts
-comes here, reads the resolved ``recipe.yaml`` and trains with :class:`DistributedTrainer`, the
-single-process :class:`~finetuner.training.trainer.Trainer` with these differences:
+comes here, reads the resolved ``recipe.yaml`` and trains with :class:`DistributedTrainer`: the
+single-process :class:`~finetuner.training.trainer.Trainer` (its step, optimizer step, fp16 loss
+scaling, checkpoints, resume and end of run) with these differences, each an override of one of
+its hooks:
 
 - **process group**: gloo on CPU, NCCL on GPUs (one GPU per process, ``LOCAL_RANK``);
 - **wrapping**: ``ddp`` through accelerate's ``Accelerator`` (torch DDP), ``zero1``/``zero2``/
@@ -10,17 +12,26 @@ single-process :class:`~finetuner.training.trainer.Trainer` with these differenc
   (ZeRO-Offload: optimizer states in CPU memory, stepped by ``DeepSpeedCPUAdam`` or torch AdamW).
   accelerate's own DeepSpeed integration is not used because under torchrun on CPU it sees a
   world of one process (measured with accelerate 1.15);
-- **data**: each optimizer step's examples are split across ranks (whole micro-batches when
-  their number divides by the world size, else contiguous shares cut into micro-batches), every
-  rank runs the same number of forward/backward passes (a missing one is a zero-weight pass), and
-  the loss is the global token-loss sum over the global number of trained tokens, so N processes
-  compute the same gradient as one process with the same effective batch;
+- **data**: each optimizer step's examples are split across ranks
+  (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
+  the global number of trained tokens, so N processes compute the same gradient as one process
+  with the same effective batch; the step's loss and tokens are summed over the ranks (all-reduce);
+- **gradient synchronisation**: DDP all-reduces the gradients on the step's last backward pass
+  only (``no_sync`` before it); a DeepSpeed engine is told where the accumulation boundary is and
+  runs its own backward and step (it clips, and with fp16 scales the loss, itself). Under DDP the
+  optimizer step is the single-process one, fp16 ``GradScaler`` included: the gradients it
+  unscales are already the same on every rank, so every rank skips or takes the same steps;
 - **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
   ``metrics.json``; ZeRO-3 parameters are gathered for saving;
-- **checkpoints**: DDP's are the ordinary format; ZeRO's add ``deepspeed/`` (the engine's
-  sharded optimizer states, one file per rank) and resume with the same strategy and world size;
+- **checkpoints**: DDP's are the ordinary format; ZeRO's hold ``deepspeed/`` instead of
+  ``optimizer.pt`` (the engine's sharded states, one file per rank, see
+  :mod:`finetuner.training.checkpoint`) and resume with the same strategy and world size;
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
-  signal, so they stop at the same step and save one checkpoint together.
+  signal, so they stop at the same step and save one checkpoint together;
+- **out of memory**: a rank cannot halve its micro-batch alone (the others are in, or on their
+  way to, the collectives of the same step: DDP's gradient all-reduce, ZeRO's gathers and
+  reductions), so an out-of-memory error on any rank ends the run on every rank (torchrun stops
+  the others) with the micro-batch and accumulation to resume with.
 """
 
 from __future__ import annotations
@@ -28,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -36,12 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetuner.data.pipeline import IGNORE_INDEX
-from finetuner.errors import UserError
-from finetuner.training.launch import STOP_FILE
-from finetuner.model.offload import save_on_cpu
 from finetuner.config.recipe import Recipe
-from finetuner.training.trainer import Trainer, token_loss_sum
+from finetuner.errors import OutOfMemory, UserError
+from finetuner.training import checkpoint as ckpt_io
+from finetuner.training.launch import STOP_FILE
+from finetuner.training.trainer import Trainer, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,46 +68,6 @@ class RankContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def split_step(n_examples: int, micro_batch_size: int, world_size: int) -> list[list[tuple[int, int]]]:
-    """Each rank's micro-batches of one optimizer step, as ``(start, end)`` slices of its examples.
-
-    The single-process trainer cuts the step's examples into micro-batches of
-    ``micro_batch_size``. When their number divides by ``world_size``, rank ``r`` takes
-    micro-batches ``r, r + W, ...`` (the same micro-batches, just spread out); otherwise the
-    examples are cut into ``W`` contiguous shares (sizes differ by at most one) and each share
-    into micro-batches. Ranks may get different numbers of micro-batches (or none).
-    """
-    bounds = [(i, min(i + micro_batch_size, n_examples)) for i in range(0, n_examples, micro_batch_size)]
-    if len(bounds) % world_size == 0:
-        return [bounds[r::world_size] for r in range(world_size)]
-    base, extra = divmod(n_examples, world_size)
-    out, start = [], 0
-    for r in range(world_size):
-        end = start + base + (1 if r < extra else 0)
-        out.append([(i, min(i + micro_batch_size, end)) for i in range(start, end, micro_batch_size)])
-        start = end
-    return out
-
-
-class _StepLoss:
-    """Built lazily (needs torch): the module DDP/DeepSpeed wrap, so their hooks see every forward."""
-
-    @staticmethod
-    def build(model, chunk_size: int, fused_ce):
-        import torch
-
-        class StepLoss(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
-
-            def forward(self, batch: dict[str, Any]):
-                loss_sum, _ = token_loss_sum(self.model, batch, chunk_size, fused_ce)
-                return loss_sum
-
-        return StepLoss()
 
 
 class AgreedStop:
@@ -174,13 +143,14 @@ def _barrier() -> None:
 
 # --------------------------------------------------------------------------- the trainer
 class DistributedTrainer(Trainer):
-    """:class:`Trainer` on one rank of a DDP or DeepSpeed ZeRO run."""
+    """:class:`Trainer` on one rank of a DDP or DeepSpeed ZeRO run: only the hooks that differ."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, ctx: RankContext):
         self.ctx = ctx
         if not ctx.is_main and recipe.logging.tensorboard:
             recipe = recipe.model_copy(update={"logging": recipe.logging.model_copy(update={"tensorboard": False})})
         super().__init__(recipe, run_dir, stop_event=AgreedStop(run_dir))
+        self.rank, self.world_size = ctx.rank, ctx.world_size
         if not ctx.is_main:
             self.events.close()
             self.events = _NoEvents()
@@ -205,24 +175,22 @@ class DistributedTrainer(Trainer):
 
     # ---------------------------------------------------------------- wrapping
     def _distribute(self) -> None:
-        """Wrap the model (called by :meth:`Trainer.setup` before resuming)."""
+        """Wrap the step's loss module (called by :meth:`Trainer.setup` before resuming)."""
         if self.rt.is_cuda != self.ctx.cuda:
             raise UserError("device: the ranks and the launcher disagree about using the GPU.")
-        step_loss = _StepLoss.build(self.model, self.recipe.training.loss_chunk_size, getattr(self, "fused_ce", None))
         if self.recipe.distributed.deepspeed:
-            self._wrap_deepspeed(step_loss)
+            self._wrap_deepspeed()
         else:
             from accelerate import Accelerator
 
             self.accelerator = Accelerator(cpu=not self.ctx.cuda)
-            self.wrapped = self.accelerator.prepare_model(step_loss)
+            self.wrapped = self.accelerator.prepare_model(self.step_loss)
+        self.step_loss = self.wrapped
 
-    def _wrap_deepspeed(self, step_loss) -> None:
+    def _wrap_deepspeed(self) -> None:
         import json
 
         import deepspeed
-
-        from finetuner.training.trainer import build_scheduler
 
         d, t = self.recipe.distributed, self.recipe.training
         config = json.loads((self.run_dir / "distributed" / "deepspeed.json").read_text(encoding="utf-8"))
@@ -232,69 +200,59 @@ class DistributedTrainer(Trainer):
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = DeepSpeedCPUAdam(params, lr=t.lr, weight_decay=t.weight_decay, adamw_mode=True)
             self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
-        self.engine, _, _, _ = deepspeed.initialize(model=step_loss, optimizer=self.optimizer, config=config)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.step_loss, optimizer=self.optimizer, config=config)
         self.wrapped = self.engine
+        self.scaler = None  # the engine scales an fp16 loss itself (deepspeed.json: "fp16")
 
     # ---------------------------------------------------------------- one step
-    def train_step(self, step: int) -> tuple[float, int, float | None]:
-        """One optimizer step over this rank's share of the step's micro-batches."""
-        import torch
-        import torch.distributed as dist
-
-        t = self.recipe.training
-        W = self.ctx.world_size
-        examples = [self.data.train[i] for i in self.schedule.indices(step)]
-        shares = split_step(len(examples), t.micro_batch_size, W)
-        mine, n_passes = shares[self.ctx.rank], max(len(s) for s in shares)
-        n_target = sum(int((self.collate([ex])["labels"][:, 1:] != IGNORE_INDEX).sum()) for ex in examples)
-        total_loss, tokens = 0.0, 0
-        self.model.train()
-        for k in range(n_passes):
-            real = k < len(mine)
-            start, end = mine[k] if real else (0, 1)  # a zero-weight pass keeps the collectives in step
-            mb = self._to_device(self.collate(examples[start:end]))
-            last = k == n_passes - 1
-            if self.engine is not None:
-                self.engine.set_gradient_accumulation_boundary(last)
-            with self._sync(last), self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
-                loss_sum = self.wrapped(mb)
-                # DDP and ZeRO average gradients over the ranks: scale by W to get the global sum
-                loss = loss_sum * ((W if real else 0) / max(n_target, 1))
-                if self.engine is not None:
-                    self.engine.backward(loss, scale_wrt_gas=False)
-                else:
-                    loss.backward()
-            if real:
-                total_loss += float(loss_sum.detach())
-                tokens += mb["num_tokens"]
-            del loss, loss_sum, mb
-            if k == 0:
-                self.faults.in_step(step + 1)
-        grad_norm = self._optimizer_step()
-        self.scheduler.step()
-        stats = torch.tensor([total_loss, float(tokens)], dtype=torch.float64)
-        dist.all_reduce(stats)
-        return float(stats[0]) / max(n_target, 1), int(stats[1]), grad_norm
-
-    def _sync(self, last: bool):
-        if self.engine is None and not last:
+    def _gradient_sync(self, last: bool):
+        if self.engine is not None:
+            self.engine.set_gradient_accumulation_boundary(last)
+            return contextlib.nullcontext()
+        if not last:
             return self.wrapped.no_sync()  # accumulate locally; the last pass all-reduces
         return contextlib.nullcontext()
 
-    def _optimizer_step(self) -> float | None:
-        import torch
-
+    def _backward(self, loss) -> None:
         if self.engine is not None:
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm()
-            return None if norm is None else float(norm)
+            self.engine.backward(loss, scale_wrt_gas=False)
+        else:
+            super()._backward(loss)
+
+    def _optimizer_step(self) -> float | None:
+        if self.engine is None:
+            return super()._optimizer_step()
+        self.engine.step()
+        self.scheduler.step()
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _sum_over_ranks(self, loss_sum: float, tokens: int) -> tuple[float, int]:
+        import torch
+        import torch.distributed as dist
+
+        stats = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
+        dist.all_reduce(stats)
+        return float(stats[0]), int(stats[1])
+
+    def _back_off(self, step: int, error: BaseException) -> None:
+        """Out of memory on this rank: the run ends on every rank (see the module's docstring), with the
+        values to resume with in the message (the launcher shows rank 0's message, not its hint)."""
         t = self.recipe.training
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        eff = t.effective_batch_size
+        smaller = next((d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0), None)
+        if smaller is None:
+            what_next = "It does not fit even with micro_batch_size 1."
+        else:
+            what_next = (f"Resume with training.micro_batch_size: {smaller} and training.gradient_accumulation: "
+                         f"{eff // smaller} (the same effective batch).")
+        raise OutOfMemory(
+            f"Out of device memory in step {step + 1} on rank {self.rank} of {self.world_size} processes "
+            f"(micro_batch_size {t.micro_batch_size}); a multi-process run cannot lower its micro-batch while it "
+            f"runs. {what_next} {self._predicted_note()}".rstrip(),
+            hint="Turn on training.gradient_checkpointing, use a ZeRO strategy (with offload), or a shorter "
+            "data.max_seq_len; `finetuner plan --gpus N` finds settings that fit.",
+        ) from error
 
     # ---------------------------------------------------------------- outputs
     def _write_json(self, name: str, data: Any) -> None:
@@ -316,71 +274,44 @@ class DistributedTrainer(Trainer):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield
 
-    def save_checkpoint(self, elapsed: float) -> Path:
+    def _write_checkpoint(self, elapsed: float) -> Path:
         if self.engine is None:  # DDP: every rank holds the same state; rank 0 saves it
-            path = super().save_checkpoint(elapsed) if self.ctx.is_main else None
+            path = super()._write_checkpoint(elapsed) if self.ctx.is_main else None
             _barrier()
             return path or self.run_dir / "checkpoints" / f"step-{self.step:08d}"
-        return self._save_deepspeed_checkpoint(elapsed)
-
-    def _save_deepspeed_checkpoint(self, elapsed: float) -> Path:
-        import torch
-
-        from finetuner.training import checkpoint as ckpt_io
-        from finetuner.fileio import atomic_write_json, publish_dir
-
-        root = self.run_dir / "checkpoints"
-        final, tmp = root / f"step-{self.step:08d}", root / f".tmp-step-{self.step:08d}"
-        if self.ctx.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+        # ZeRO: every rank writes its shard of the engine's state, rank 0 the rest
+        tmp = ckpt_io.start_checkpoint(self.run_dir, self.step) if self.ctx.is_main else ckpt_io.staging_dir(self.run_dir, self.step)
         _barrier()
-        self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=not self._full)
+        self.engine.save_checkpoint(str(tmp / ckpt_io.ENGINE_DIR), tag="state", save_latest=False, exclude_frozen_parameters=not self._full)
         with self._gathered():
             if self.ctx.is_main:
-                self.model.save_pretrained(tmp / "adapter", safe_serialization=True)
+                ckpt_io.write_checkpoint_parts(
+                    tmp, self.model, None, self.scheduler, self._trainer_state(elapsed), recipe_yaml=self.recipe.to_yaml()
+                )
         _barrier()
         if self.ctx.is_main:
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
-            (tmp / "recipe.yaml").write_text(self.recipe.to_yaml(), encoding="utf-8")
-            atomic_write_json(tmp / "trainer_state.json", self._trainer_state(elapsed))
-            if final.exists():
-                shutil.rmtree(final)
-            publish_dir(tmp, final)
-            for old in ckpt_io.checkpoint_dirs(self.run_dir)[: -self.recipe.checkpointing.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            self.events.emit("checkpoint", step=self.step, path=str(final))
+            ckpt_io.publish_checkpoint(self.run_dir, self.step, self.recipe.checkpointing.keep_last)
         _barrier()
-        return final
+        return self.run_dir / "checkpoints" / f"step-{self.step:08d}"
 
-    def _resume(self) -> None:
+    def _read_checkpoint(self, ckpt: Path) -> dict[str, Any]:
         if self.engine is None:
-            return super()._resume()
-        import torch
-
-        from finetuner.training import checkpoint as ckpt_io
-
-        for ckpt in reversed(ckpt_io.checkpoint_dirs(self.run_dir)):
-            state = ckpt_io.load_trainer_state(ckpt)
-            if not (ckpt / "deepspeed").is_dir():
-                self.events.emit("checkpoint_invalid", path=str(ckpt), reason="not a DeepSpeed checkpoint")
-                continue
-            if state.get("world_size") != self.ctx.world_size:
-                raise UserError(
-                    f"{ckpt} was saved by {state.get('world_size')} processes; this run has {self.ctx.world_size}.",
-                    hint="ZeRO checkpoints shard the optimizer per process: resume with the same --gpus, or --no-resume.",
-                )
-            self.engine.load_checkpoint(
-                str(ckpt / "deepspeed"), tag="state", load_module_strict=False, load_lr_scheduler_states=False
+            return super()._read_checkpoint(ckpt)
+        parts = ckpt_io.read_checkpoint(ckpt, engine=True)
+        saved_by = parts["state"].get("world_size")
+        if saved_by != self.ctx.world_size:
+            raise UserError(
+                f"{ckpt} was saved by {saved_by} processes; this run has {self.ctx.world_size}.",
+                hint="ZeRO checkpoints shard the optimizer per process: resume with the same --gpus, or --no-resume.",
             )
-            self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-            torch.set_rng_state(torch.load(ckpt / "rng.pt", weights_only=True)["cpu"])
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
-            self.resumed_from = self.step
-            return
+        return parts
+
+    def _apply_checkpoint(self, ckpt: Path, parts: dict[str, Any]) -> dict[str, Any]:
+        if self.engine is not None:  # the weights and the optimizer's shards
+            self.engine.load_checkpoint(
+                str(ckpt / ckpt_io.ENGINE_DIR), tag="state", load_module_strict=False, load_lr_scheduler_states=False
+            )
+        return super()._apply_checkpoint(ckpt, parts)
 
     def save_final(self) -> Path:
         with self._gathered():

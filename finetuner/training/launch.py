@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetuner.errors import UserError
+from finetuner.errors import OutOfMemory, UserError
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime, resolve_runtime
 
@@ -303,6 +303,8 @@ def launch_training(
                 writer = EventWriter(events_path)
                 writer.emit("error", message=message, type="DistributedRunFailed", user_error=False)
                 writer.close()
+            if end is not None and end.get("type") == OutOfMemory.__name__:
+                raise OutOfMemory(message)  # exit status 3, as for one process
             if end is not None and end.get("user_error"):
                 raise UserError(message)
             raise UserError(

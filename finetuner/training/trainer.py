@@ -6,6 +6,12 @@ is the sum of token losses over the whole step divided by the number of trained 
 step, so it does not depend on how the step is split into micro-batches: a run that halves its
 micro-batch and doubles its accumulation follows the same loss curve.
 
+The same :class:`Trainer` runs one process and every rank of a multi-process run: the step,
+the optimizer step (clipping, fp16 loss scaling, the schedule), checkpoints, resume and the end
+of the run are written once, here; :class:`finetuner.training.distributed.DistributedTrainer`
+overrides only the hooks where several processes differ (wrapping the model, gradient
+synchronisation, summing over ranks, rank-0-only writes, DeepSpeed's engine).
+
 The trainer knows nothing of any UI: it writes events (:mod:`finetuner.runs.events`) and checks a
 stop flag between steps.
 """
@@ -78,6 +84,73 @@ def build_scheduler(optimizer, cfg: TrainingSection, total_steps: int):
     else:
         warmup = math.ceil((0.03 if cfg.warmup_ratio is None else cfg.warmup_ratio) * total_steps)
     return get_scheduler(cfg.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def optimizer_step(optimizer, scheduler, params, max_grad_norm: float | None, scaler=None) -> float:
+    """One optimizer step after the step's backward passes; returns the gradient norm before clipping.
+
+    With a loss scaler (``torch.amp.GradScaler``, fp16) the gradients are unscaled first, so the
+    norm and the clipping are those of the true gradients, and the scaler skips the update when
+    they hold an inf or a NaN (and lowers its scale). The schedule advances and the gradients are
+    cleared either way. Every trainer, on one process or on several, steps through here (a
+    DeepSpeed engine excepted: it clips, scales and steps itself).
+    """
+    import torch
+
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf")))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def split_step(n_examples: int, micro_batch_size: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Each rank's micro-batches of one optimizer step, as ``(start, end)`` slices of its examples.
+
+    One process cuts the step's examples into micro-batches of ``micro_batch_size``. When their
+    number divides by ``world_size``, rank ``r`` takes micro-batches ``r, r + W, ...`` (the same
+    micro-batches, just spread out); otherwise the examples are cut into ``W`` contiguous shares
+    (sizes differ by at most one) and each share into micro-batches. Ranks may get different
+    numbers of micro-batches (or none).
+    """
+    bounds = [(i, min(i + micro_batch_size, n_examples)) for i in range(0, n_examples, micro_batch_size)]
+    if len(bounds) % world_size == 0:
+        return [bounds[r::world_size] for r in range(world_size)]
+    base, extra = divmod(n_examples, world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        end = start + base + (1 if r < extra else 0)
+        out.append([(i, min(i + micro_batch_size, end)) for i in range(start, end, micro_batch_size)])
+        start = end
+    return out
+
+
+def target_tokens(examples: list[dict[str, list[int]]]) -> int:
+    """How many tokens of these examples the loss is taken on (labelled, after the first)."""
+    return sum(sum(1 for label in x["labels"][1:] if label != IGNORE_INDEX) for x in examples)
+
+
+def step_loss_module(model, chunk_size: int, fused_ce):
+    """The module a step's forward goes through: the token-loss sum of a batch. DDP or a DeepSpeed
+    engine wraps this module (not the bare model), so their hooks see the whole loss computation."""
+    import torch
+
+    class StepLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch: dict[str, Any]):
+            loss_sum, _ = token_loss_sum(self.model, batch, chunk_size, fused_ce)
+            return loss_sum
+
+    return StepLoss()
 
 
 def _decoder_and_head(model):
@@ -210,6 +283,8 @@ class Trainer:
         self.faults = FaultPlan()
         self._tried_micro: list[int] = []
         self.profile_memory = profile_memory
+        #: this process's place in the run: one process is rank 0 of 1
+        self.rank, self.world_size = 0, 1
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -240,6 +315,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
+        self.step_loss = step_loss_module(self.model, t.loss_chunk_size, self.fused_ce)
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
         self.resumed_from = None
         self._distribute()
@@ -276,23 +352,43 @@ class Trainer:
             **device_memory(self.rt.device),
         )
 
+    # ---------------------------------------------------------------- hooks for several processes
+    # One process: these do nothing (or the plain thing); DistributedTrainer overrides them.
     def _distribute(self) -> None:
-        """Wrap the model for several processes: :class:`finetuner.training.distributed.DistributedTrainer` does; one process: nothing."""
+        """Wrap ``self.step_loss`` for several processes (before resuming); one process: nothing."""
+
+    def _gradient_sync(self, last: bool):
+        """The context of one backward pass; ``last``: the step's last pass on this rank."""
+        return contextlib.nullcontext()
+
+    def _backward(self, loss) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _sum_over_ranks(self, loss_sum: float, tokens: int) -> tuple[float, int]:
+        """The step's token-loss sum and token count over all ranks."""
+        return loss_sum, tokens
 
     def _write_json(self, name: str, data: Any) -> None:
         """Write a JSON file into the run folder (in a multi-process run, rank 0 only)."""
         atomic_write_json(self.run_dir / name, data)
 
+    def _read_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        """Every part of ``ckpt`` this trainer resumes from (raises ``CheckpointUnreadable``)."""
+        return ckpt_io.read_checkpoint(ckpt)
+
+    def _apply_checkpoint(self, ckpt: Path, parts: dict[str, Any]) -> dict[str, Any]:
+        return ckpt_io.apply_checkpoint(parts, self.model, self.optimizer, self.scheduler, self.scaler, self._full)
+
     def _resume(self) -> None:
         """Continue from the newest readable checkpoint; unreadable ones are reported and skipped."""
         for ckpt in reversed(ckpt_io.checkpoint_dirs(self.run_dir)):
             try:
-                parts = ckpt_io.read_checkpoint(ckpt)
+                parts = self._read_checkpoint(ckpt)
             except ckpt_io.CheckpointUnreadable as e:
                 log.warning("Checkpoint %s cannot be read (%s); trying the one before it.", ckpt, e)
                 self.events.emit("checkpoint_invalid", path=str(ckpt), reason=str(e))
                 continue
-            state = ckpt_io.apply_checkpoint(parts, self.model, self.optimizer, self.scheduler, self.scaler, self._full)
+            state = self._apply_checkpoint(ckpt, parts)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
             self.resumed_from = self.step
@@ -310,42 +406,45 @@ class Trainer:
         return {k: (v.to(self.rt.device) if hasattr(v, "to") else v) for k, v in batch.items()}
 
     def train_step(self, step: int) -> tuple[float, int, float | None]:
-        """One optimizer step; returns (mean token loss, real tokens processed, grad norm)."""
-        import torch
+        """One optimizer step over this rank's micro-batches of the step (one process: all of them).
 
+        Returns (mean token loss, real tokens processed, grad norm), over all ranks. Every rank
+        runs as many backward passes as the rank with the most micro-batches (a missing one is a
+        zero-weight pass on one example) so that the ranks' collectives stay in step.
+        """
         t = self.recipe.training
         examples = [self.data.train[i] for i in self.schedule.indices(step)]
-        micro = [self.collate(examples[i : i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
-        n_target = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+        shares = split_step(len(examples), t.micro_batch_size, self.world_size)
+        mine, n_passes = shares[self.rank], max(len(s) for s in shares)
+        n_target = target_tokens(examples)
         total_loss, tokens = 0.0, 0
         if not self.model.training:  # train() walks every module: only when evaluation switched it off
             self.model.train()
-        for i, mb in enumerate(micro):
-            mb = self._to_device(mb)
-            with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
-                loss_sum, _ = token_loss_sum(self.model, mb, t.loss_chunk_size, self.fused_ce)
-            loss = loss_sum / max(n_target, 1)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total_loss += float(loss_sum.detach())
-            tokens += mb["num_tokens"]
+        for k in range(n_passes):
+            real = k < len(mine)
+            start, end = mine[k] if real else (0, 1)
+            mb = self._to_device(self.collate(examples[start:end]))
+            with self._gradient_sync(last=k == n_passes - 1):
+                with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
+                    loss_sum = self.step_loss(mb)
+                # the gradient of the global token-loss sum over the global token count: DDP and ZeRO
+                # average the ranks' gradients, so each rank's part is weighted by the number of ranks
+                loss = loss_sum * (self.world_size if real else 0) / max(n_target, 1)
+                self._backward(loss)
+            if real:
+                total_loss += float(loss_sum.detach())
+                tokens += mb["num_tokens"]
             del loss, loss_sum, mb
-            if i == 0:
+            if k == 0:
                 self.faults.in_step(step + 1)
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+        grad_norm = self._optimizer_step()
+        total_loss, tokens = self._sum_over_ranks(total_loss, tokens)
+        return total_loss / max(n_target, 1), tokens, grad_norm
+
+    def _optimizer_step(self) -> float | None:
         if getattr(self, "_trainable", None) is None:  # walking every parameter each step costs ~1 ms on CPU
             self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        params = self._trainable
-        max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total_loss / max(n_target, 1), tokens, grad_norm
+        return optimizer_step(self.optimizer, self.scheduler, self._trainable, self.recipe.training.max_grad_norm, self.scaler)
 
     def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
         """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM."""
@@ -357,37 +456,42 @@ class Trainer:
                 return self.train_step(step)
             except torch.OutOfMemoryError as e:
                 self._free_after_oom()
-                t = self.recipe.training
-                eff = t.effective_batch_size
-                smaller = [d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0]
-                if not smaller:
-                    raise OutOfMemory(
-                        f"Out of device memory in step {step + 1} even with micro_batch_size 1 "
-                        f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
-                        hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
-                        "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
-                    ) from e
-                new_micro = smaller[0]
-                self._tried_micro.append(t.micro_batch_size)
-                new = t.model_copy(update={"micro_batch_size": new_micro, "gradient_accumulation": eff // new_micro})
-                self.events.emit(
-                    "oom_backoff",
-                    step=step + 1,
-                    old_micro_batch_size=t.micro_batch_size,
-                    old_gradient_accumulation=t.gradient_accumulation,
-                    micro_batch_size=new.micro_batch_size,
-                    gradient_accumulation=new.gradient_accumulation,
-                    message=str(e)[:300],
-                )
-                log.warning(
-                    "Out of memory in step %d: micro-batch %d → %d, accumulation %d → %d (same effective batch).",
-                    step + 1, t.micro_batch_size, new.micro_batch_size, t.gradient_accumulation, new.gradient_accumulation,
-                )
-                self.recipe = self.recipe.model_copy(update={"training": new})
-                self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
+                self._back_off(step, e)
                 torch.set_rng_state(rng[0])
                 if rng[1] is not None:
                     torch.cuda.set_rng_state_all(rng[1])
+
+    def _back_off(self, step: int, error: BaseException) -> None:
+        """After an out-of-memory error in ``step``: halve the micro-batch (same effective batch),
+        or raise :class:`OutOfMemory` with advice when it is 1 already."""
+        t = self.recipe.training
+        eff = t.effective_batch_size
+        smaller = [d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0]
+        if not smaller:
+            raise OutOfMemory(
+                f"Out of device memory in step {step + 1} even with micro_batch_size 1 "
+                f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
+                hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
+                "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
+            ) from error
+        new_micro = smaller[0]
+        self._tried_micro.append(t.micro_batch_size)
+        new = t.model_copy(update={"micro_batch_size": new_micro, "gradient_accumulation": eff // new_micro})
+        self.events.emit(
+            "oom_backoff",
+            step=step + 1,
+            old_micro_batch_size=t.micro_batch_size,
+            old_gradient_accumulation=t.gradient_accumulation,
+            micro_batch_size=new.micro_batch_size,
+            gradient_accumulation=new.gradient_accumulation,
+            message=str(error)[:300],
+        )
+        log.warning(
+            "Out of memory in step %d: micro-batch %d → %d, accumulation %d → %d (same effective batch).",
+            step + 1, t.micro_batch_size, new.micro_batch_size, t.gradient_accumulation, new.gradient_accumulation,
+        )
+        self.recipe = self.recipe.model_copy(update={"training": new})
+        self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
 
     def _start_memory_profile(self) -> bool:
         if not self.profile_memory:
@@ -470,7 +574,13 @@ class Trainer:
         }
 
     def save_checkpoint(self, elapsed: float) -> Path:
-        path = ckpt_io.save_checkpoint(
+        path = self._write_checkpoint(elapsed)
+        self.events.emit("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def _write_checkpoint(self, elapsed: float) -> Path:
+        """Write the checkpoint of this step (:mod:`finetuner.training.checkpoint`); returns its folder."""
+        return ckpt_io.save_checkpoint(
             self.run_dir,
             self.step,
             self.model,
@@ -481,8 +591,6 @@ class Trainer:
             scaler=self.scaler,
             recipe_yaml=self.recipe.to_yaml(),
         )
-        self.events.emit("checkpoint", step=self.step, path=str(path))
-        return path
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> TrainResult:
