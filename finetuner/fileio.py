@@ -83,3 +83,14 @@ def tree_bytes(folder: str | Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

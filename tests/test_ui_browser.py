@@ -19,12 +19,8 @@ Debian's package); never ``playwright install``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -32,20 +28,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import alpaca_rows, free_port
+from conftest import alpaca_rows
+from ui_support import browser_page, pick, sync_api, tab, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = os.environ.get("FINETUNER_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / ".cache" / "ui-screenshots"
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-quic", "--disable-dev-shm-usage",
-]
-
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
-pytest.importorskip("gradio", reason="gradio is not installed (pip install -e '.[ui]')")
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; scripts/_setup.sh does it)", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -53,33 +40,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``finetuner ui`` as a user starts it, on a free port, with a fresh runs folder."""
-    runs = tmp_path_factory.mktemp("runs")
-    uploads = tmp_path_factory.mktemp("uploads")
-    port = free_port()
-    log = open(runs.parent / "ui-server.log", "w")
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(runs), "--upload-dir", str(uploads)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(runs.parent),  # not the checkout: paths must not depend on it
-    )
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"finetuner ui exited: {Path(log.name).read_text()}")
-            time.sleep(0.3)
-    yield {"url": url, "runs": runs, "uploads": uploads, "proc": proc}
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
-    from finetuner.runs import jobs
-
-    for job in jobs.running_jobs(runs):
-        jobs.stop_job(job, runs, wait=30)
+    yield from ui_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +48,7 @@ def page(server):
     if SHOTS.exists():
         shutil.rmtree(SHOTS)
     SHOTS.mkdir(parents=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1360, "height": 1000})
-        pg.set_default_timeout(60_000)
-        yield pg
-        browser.close()
+    yield from browser_page(1360, 1000)
 
 
 def shot(page, name: str) -> None:
@@ -100,16 +56,6 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-def tab(page, label: str) -> None:
-    page.get_by_role("tab", name=label).click()
-
-
-def pick(page, elem_id: str, value: str) -> None:
-    """Choose ``value`` in a gradio dropdown."""
-    box = page.locator(f"#{elem_id} input")
-    box.click()
-    box.fill(value)
-    page.get_by_role("option", name=value, exact=True).click()
 
 
 def type_in(page, elem_id: str, value: str) -> None:
@@ -142,11 +88,6 @@ def set_field(page, label: str, value: str) -> None:
     field.fill(value)
     field.press("Tab")
 
-
-def wait_text(page, selector: str, pattern: str, timeout: float = 60_000, flags: int = 0) -> str:
-    loc = page.locator(selector)
-    sync_api.expect(loc).to_contain_text(re.compile(pattern, flags), timeout=timeout)
-    return loc.inner_text()
 
 
 def status_step(page) -> int:

@@ -10,35 +10,20 @@ Debian's package); never ``playwright install``.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from ui_support import browser_page, pick, sync_api, tab, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = os.environ.get("FINETUNER_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-quic", "--disable-dev-shm-usage",
-]
 SIZES = [(1280, 800), (1920, 1080)]
 TABS = ["1 · Model & card", "2 · Data", "3 · Plan", "4 · Train", "5 · Chat", "6 · Export"]
 EVAL_COLOUR = "#f97316"  # views.LOSS_COLORS["eval"]
 PROMPT = "What should I pack for a day hike?"
-
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
-pytest.importorskip("gradio", reason="gradio is not installed (pip install -e '.[ui]')")
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; scripts/_setup.sh does it)", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,31 +31,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``finetuner ui`` as a user starts it, on a free port, with a fresh runs folder."""
-    runs = tmp_path_factory.mktemp("runs")
-    port = free_port()
-    log = open(runs.parent / "ui-server.log", "w")
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(runs)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(runs.parent),
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"finetuner ui exited: {Path(log.name).read_text()}")
-            time.sleep(0.3)
-    yield {"url": f"http://127.0.0.1:{port}/", "runs": runs}
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
-    from finetuner.runs import jobs
-
-    for job in jobs.running_jobs(runs):
-        jobs.stop_job(job, runs, wait=30)
+    yield from ui_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -78,31 +39,13 @@ def page(server):
     if SHOTS.exists():
         shutil.rmtree(SHOTS)
     SHOTS.mkdir(parents=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1280, "height": 800})
-        pg.set_default_timeout(60_000)
+    for pg in browser_page(1280, 800):
         pg.goto(server["url"])
         yield pg
-        browser.close()
 
 
 # --------------------------------------------------------------------------- helpers
-def tab(page, label: str) -> None:
-    page.get_by_role("tab", name=label).click()
 
-
-def pick(page, elem_id: str, value: str) -> None:
-    box = page.locator(f"#{elem_id} input")
-    box.click()
-    box.fill(value)
-    page.get_by_role("option", name=value, exact=True).click()
-
-
-def wait_text(page, selector: str, pattern: str, timeout: float = 60_000) -> str:
-    loc = page.locator(selector)
-    sync_api.expect(loc).to_contain_text(re.compile(pattern), timeout=timeout)
-    return loc.inner_text()
 
 
 def set_field(page, label: str, value: str) -> None:

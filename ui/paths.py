@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 from pathlib import Path
 
 from finetuner.errors import UserError
-from finetuner.fileio import expand_user, exists
+from finetuner.fileio import expand_user, exists, file_digest
 from finetuner.runs.jobs import default_runs_dir, repo_root
 from finetuner.config.recipe import DATA_EXTENSIONS
 
@@ -90,14 +89,6 @@ def sanitize_filename(name: str) -> str:
     return f"{stem}.{ext}" if ext else stem
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def same_content(src: Path, dest_dir: Path) -> Path | None:
     """A file in ``dest_dir`` whose bytes are those of ``src`` (sizes first, then SHA-256), if any."""
     if not dest_dir.is_dir():
@@ -106,8 +97,8 @@ def same_content(src: Path, dest_dir: Path) -> Path | None:
     candidates = sorted(p for p in dest_dir.iterdir() if p.is_file() and not p.name.startswith(".") and p.stat().st_size == size)
     if not candidates:
         return None
-    digest = file_sha256(src)
-    return next((p for p in candidates if file_sha256(p) == digest), None)
+    digest = file_digest(src)
+    return next((p for p in candidates if file_digest(p) == digest), None)
 
 
 def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR) -> tuple[Path, bool]:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from finetuner.fileio import file_digest
 from finetuner.quiet import quieted
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,6 @@ def cache_root() -> Path:
     return Path(base) / "finetuner"
 
 
-def file_digest(path: str | Path) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _local_files(paths: str | Sequence[str] | None) -> list[Path] | None:
