@@ -22,7 +22,8 @@ from tests.conftest import run_cli, write_recipe
     "all-linear",
 ])
 def test_peft_trains_the_modules_the_memory_model_counts(recipe_dict, tiny_model_dir, given):
-    from finetuner.model.loading import load_base_model, prepare_for_training, resolve_runtime
+    from finetuner.config.runtime import resolve_runtime
+    from finetuner.model.loading import load_base_model, prepare_for_training
 
     recipe = Recipe.from_dict(recipe_dict, overrides=[f"lora.target_modules={given}"])
     model = prepare_for_training(load_base_model(recipe, resolve_runtime(recipe)), recipe)
