@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from conftest import alpaca_rows
-from ui_support import browser_page, pick, sync_api, tab, ui_server, wait_text
+from ui_support import browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / ".cache" / "ui-screenshots"
@@ -56,15 +56,6 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-
-
-def type_in(page, elem_id: str, value: str) -> None:
-    """Type a value of one's own into a gradio dropdown (one that allows it)."""
-    box = page.locator(f"#{elem_id} input")
-    box.click()
-    box.fill(value)
-    box.press("Enter")
-    sync_api.expect(box).to_have_value(value)
 
 
 def no_bare_errors(page) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ui_support import browser_page, pick, sync_api, tab, ui_server, wait_text
+from ui_support import browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
@@ -142,10 +142,11 @@ def test_plan_tab_numbers_charts_and_editor(server, page):
 
     # a 7B model on a 24 GB card: one figure for the predicted peak, under "Why" and under "Fits"
     tab(page, "1 · Model & card")
-    for label, value in (("Model", "qwen2.5-7b"), ("Card", "rtx4090")):
-        box = page.get_by_label(label, exact=True)
-        box.fill(value)
-        box.press("Enter")
+    type_in(page, "card", "rtx4090")
+    wait_text(page, "#model-card", r"rtx4090")
+    box = page.get_by_label("Model", exact=True)
+    box.fill("qwen2.5-7b")
+    box.press("Enter")
     wait_text(page, "#model-card", r"qwen2.5-7b[\s\S]*rtx4090")
     tab(page, "3 · Plan")
     page.get_by_role("button", name="Make the plan").click()

@@ -85,6 +85,15 @@ def pick(page, elem_id: str, value: str) -> None:
     page.get_by_role("option", name=value, exact=True).click()
 
 
+def type_in(page, elem_id: str, value: str) -> None:
+    """Type a value of one's own into a gradio dropdown (one that allows it)."""
+    box = page.locator(f"#{elem_id} input")
+    box.click()
+    box.fill(value)
+    box.press("Enter")
+    sync_api.expect(box).to_have_value(value)
+
+
 def wait_text(page, selector: str, pattern: str, timeout: float = 60_000, flags: int = 0) -> str:
     """Wait until ``selector`` contains text matching ``pattern``; returns its text."""
     loc = page.locator(selector)
