@@ -278,9 +278,13 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
         box = page.locator(f"#{elem_id} input[type=number]")
         box.fill(value)
         box.press("Enter")
+        if elem_id != "gen-seed":  # a slider's box is committed once its range follows it
+            sync_api.expect(page.locator(f"#{elem_id} input[type=range]")).to_have_value(value, timeout=15_000)
     page.locator("#chat-input textarea").fill(PROMPT)
     page.locator("#chat-send").click()
     wait_text(page, "#chat-status", r"Answered in", timeout=300_000)
+    # the answer was generated with the settings typed above (the status line says which)
+    wait_text(page, "#chat-status", rf"temperature 1, top-p 1, seed {seed}, at most 96 tokens")
     tuned = page.locator("#chat-tuned .message").last.inner_text()
     assert "\ufffd" not in tuned and words(tuned) == words(raw.replace("\ufffd", "")), (tuned, raw)
 

@@ -600,6 +600,13 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
         except Exception as e:  # noqa: BLE001
             yield message, tuned_hist, base_hist, error_md(e)
 
+    def settings_text(gen: dict) -> str:
+        """The settings an answer was generated with, so that a sampled answer can be repeated."""
+        if gen["temperature"] == 0:
+            return f"greedy, at most {gen['max_new_tokens']} tokens"
+        seed = "no seed" if gen["seed"] is None else f"seed {gen['seed']}"
+        return f"temperature {gen['temperature']:g}, top-p {gen['top_p']:g}, {seed}, at most {gen['max_new_tokens']} tokens"
+
     def _chat(message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
               max_new: float, temperature: float, top_p: float, seed: float | None):
         if not (message or "").strip():
@@ -626,7 +633,7 @@ def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None 
             shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
         took = time.monotonic() - t0
         yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {worker.describe}")
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {worker.describe}")
 
     # ------------------------------------------------------------------ handlers: export
     @shows_errors(0, 1)
