@@ -35,7 +35,7 @@ if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
   echo "$_want" > "$_stamp"
 fi
 export PATH="$_venv/bin:$PATH"
-# The browser test (tests/test_ui_browser.py) drives Debian's Chromium through Playwright; never
+# The browser test (tests/ui/test_ui_browser.py) drives Debian's Chromium through Playwright; never
 # `playwright install`. Installed here with apt when missing (as root, or with password-less
 # sudo); if that cannot be done the browser test is skipped with the reason.
 if [[ ",${_extras}," == *",test,"* ]] && [ ! -x /usr/bin/chromium ] && command -v apt-get > /dev/null; then

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, write_recipe
+from tests.conftest import REPO, write_recipe
 
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe

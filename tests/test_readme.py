@@ -88,14 +88,14 @@ def test_every_finetuner_line_parses():
 
 
 def test_fit_table_is_current():
-    """The table between the fit-table markers is exactly `python scripts/fit_table.py`'s output."""
+    """The table between the fit-table markers is exactly `python -m scripts.dev.fit_table`'s output."""
     text = README.read_text(encoding="utf-8")
     m = re.search(r"<!-- fit-table:start -->\n(.*?)<!-- fit-table:end -->", text, re.S)
     assert m, "README.md has no <!-- fit-table:start --> ... <!-- fit-table:end --> section"
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "fit_table.py")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "scripts.dev.fit_table"], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert m.group(1) == out.stdout, "README's fit table is stale: paste the output of `python scripts/fit_table.py`"
+    assert m.group(1) == out.stdout, "README's fit table is stale: paste the output of `python -m scripts.dev.fit_table`"
 
 
 def test_runnable_blocks_run(tmp_path):

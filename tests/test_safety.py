@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, run_cli, write_recipe
+from tests.conftest import REPO, free_port, run_cli, write_recipe
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe
 

@@ -11,7 +11,7 @@ Memory: the base is loaded once (transformers materialises it tensor by tensor f
 safetensors files, so there is no second copy), the merge happens in place layer by layer,
 and ``save_pretrained`` serialises one shard at a time. Peak RAM is about the model's size in
 the output dtype plus one shard; the check reloads the merged folder only after the first copy
-is freed. ``scripts/measure_merge_memory.py`` measures it.
+is freed. ``scripts/validate/merge_memory.py`` measures it.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ How the activation terms were derived: by reading the forward code of transforme
 Mistral, Qwen2/3, Gemma-2, Phi-3), peft 0.21 (``lora/layer.py``, ``lora/bnb.py``) and
 bitsandbytes 0.50 (``autograd/_functions.py``), listing what autograd saves for backward, and
 checking the totals against the measured peaks of GPU runs of 7B–13B shapes
-(``scripts/validate_memory.py``, recorded in ``docs/validation/`` and ``docs/memory.md``). The
-storage terms are checked against the libraries themselves in ``tests/test_memory.py`` (nf4 and
+(``scripts/validate/memory.py``, recorded in ``docs/validation/`` and ``docs/memory.md``). The
+storage terms are checked against the libraries themselves in ``tests/memory/test_memory.py`` (nf4 and
 int8 weights against bitsandbytes, AdamW and 8-bit Adam states against torch and bitsandbytes),
 and the activation terms' scaling (linear in tokens, checkpointing keeping layer inputs only, the
 chunked loss never holding the logits) there too.
@@ -470,7 +470,7 @@ def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
     The largest of: (forward) the fp32 copy that peft's LoRA layer makes of the MLP down
     projection's input plus the MLP output; (backward) the gradients of the MLP's gate, up and
     activation alive at once. Bytes per token; fitted to the tensor-lifetime tracker on CPU for
-    the three methods (``tests/test_memory.py`` checks the whole peak within a few percent).
+    the three methods (``tests/memory/test_memory.py`` checks the whole peak within a few percent).
     """
     d = _dtypes(s)
     h, i = shape.hidden_size, shape.intermediate_size

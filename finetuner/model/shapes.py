@@ -2,7 +2,7 @@
 
 Nothing here imports torch or transformers: ``finetuner plan`` must answer in well under a
 second. The counts are checked against instantiating every preset on the ``meta`` device
-(``tests/test_shapes.py``), and the LoRA counts against peft on that meta model.
+(``tests/model/test_shapes.py``), and the LoRA counts against peft on that meta model.
 
 Where a config comes from (:func:`load_config`), in order:
 

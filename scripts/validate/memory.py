@@ -1,0 +1,241 @@
+"""Validate the memory model against real training steps on a GPU.
+
+For each configuration of a matrix (LoRA / QLoRA, sequence 512 / 2048, gradient checkpointing
+on / off, two optimizers) on 7B- and 13B-shaped Llama models built from their config with random
+weights (nothing is downloaded), this runs ``finetuner run`` for a few steps in a fresh process
+and compares the memory model's prediction (the ``predicted`` block of the run's ``start``
+event, i.e. exactly what ``finetuner estimate`` says for that recipe on this device) with the
+measured peaks (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` from the step
+events). Every token is labelled (``train_on_prompt``) and the data are packed, so each
+micro-batch is full.
+
+One command per model (on a CUDA machine, from the repository root):
+
+    python -m scripts.validate.memory --preset llama-2-7b --out docs/validation
+    python -m scripts.validate.memory --preset llama-2-13b --out docs/validation
+    python -m scripts.validate.memory --report docs/validation   # → table for docs/memory.md
+
+``--smoke`` runs a tiny model for two configurations (works on CPU; it checks the script, not
+the model: on CPU there is no device peak to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+from scripts.validate.train_gpu import build_model, write_data
+
+GiB = 2**30
+
+#: name → recipe overrides. Sequence length is the packed length; micro-batch 1 (2 where noted).
+MATRIX = {
+    "lora-seq512-gc-adamw": ["method=lora", "data.max_seq_len=512", "training.gradient_checkpointing=true", "training.optimizer=adamw_torch"],
+    "lora-seq512-nogc-adamw": ["method=lora", "data.max_seq_len=512", "training.gradient_checkpointing=false", "training.optimizer=adamw_torch"],
+    "lora-seq2048-gc-adamw": ["method=lora", "data.max_seq_len=2048", "training.gradient_checkpointing=true", "training.optimizer=adamw_torch"],
+    "lora-seq2048-nogc-adamw8": ["method=lora", "data.max_seq_len=2048", "training.gradient_checkpointing=false", "training.optimizer=adamw_8bit"],
+    "qlora-seq512-gc-paged8": ["method=qlora", "data.max_seq_len=512", "training.gradient_checkpointing=true", "training.optimizer=paged_adamw_8bit"],
+    "qlora-seq512-nogc-adamw": ["method=qlora", "data.max_seq_len=512", "training.gradient_checkpointing=false", "training.optimizer=adamw_torch"],
+    "qlora-seq2048-gc-adamw": ["method=qlora", "data.max_seq_len=2048", "training.gradient_checkpointing=true", "training.optimizer=adamw_torch"],
+    "qlora-seq2048-gc-mb2-paged8": ["method=qlora", "data.max_seq_len=2048", "training.micro_batch_size=2", "training.gradient_checkpointing=true", "training.optimizer=paged_adamw_8bit"],
+    "qlora-seq2048-nogc-adamw8": ["method=qlora", "data.max_seq_len=2048", "training.gradient_checkpointing=false", "training.optimizer=adamw_8bit"],
+}
+SMOKE = ["lora-seq512-gc-adamw", "qlora-seq512-nogc-adamw"]
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+def planned_overrides(preset: str, gpu: str, seq_len: int = 2048) -> list[str]:
+    """The planner's choice for ``preset`` on ``gpu`` as recipe overrides."""
+    from finetuner.planning.planner import plan
+
+    c = plan(preset, gpu, seq_len=seq_len).recipe_choice()
+    out = [f"method={c['method']}", f"data.max_seq_len={c['max_seq_len']}", f"training.micro_batch_size={c['micro_batch_size']}",
+           f"training.optimizer={c['optimizer']}", f"training.gradient_checkpointing={str(c['gradient_checkpointing']).lower()}",
+           f"training.offload_activations={str(c['offload_activations']).lower()}"]
+    if c["quantization_bits"]:
+        out.append(f"quantization.bits={c['quantization_bits']}")
+    return out
+
+
+def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: Path, steps: int, smoke: bool,
+            cap_gib: float | None = None) -> dict:
+    import yaml
+
+    recipe = {
+        "name": name,
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(data), "packing": True, "train_on_prompt": True},
+        "training": {"max_steps": steps, "lr": 1e-4, "gradient_accumulation": 1, "warmup_steps": 0, "micro_batch_size": 1},
+        "checkpointing": {"save_every": None},
+        "logging": {"tensorboard": False},
+        "output_dir": str(work / name),
+    }
+    if smoke:
+        overrides = [o.replace("2048", "256").replace("512", "128") for o in overrides]
+        if "method=qlora" in overrides:
+            overrides = overrides + ["quantization.compute_dtype=fp32"]
+    rpath = work / f"{name}.yaml"
+    rpath.write_text(yaml.safe_dump(recipe))
+    args = ["run", str(rpath), "--no-resume", "-q"]
+    for o in overrides:
+        args += ["--set", o]
+    if cap_gib:  # stand for a smaller card: the caching allocator refuses to grow past the cap
+        code = ("import sys, torch; torch.cuda.set_per_process_memory_fraction("
+                f"{cap_gib} * 2**30 / torch.cuda.get_device_properties(0).total_memory); "
+                f"from finetuner.cli.main import main; sys.exit(main({args!r}))")
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = [sys.executable, "-m", "finetuner.cli.main", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        log(proc.stdout[-2000:], proc.stderr[-3000:])
+        return {"config": name, "error": (proc.stderr or proc.stdout)[-600:]}
+    events = [json.loads(line) for line in (work / name / "events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    steps_ev = [e for e in events if e["event"] == "step"]
+    pred = start.get("predicted") or {}
+    measured_alloc = max(e["mem_peak"] for e in steps_ev)
+    measured_reserved = max(e.get("mem_reserved", 0) for e in steps_ev)
+    row = {
+        "config": name,
+        "overrides": overrides,
+        "tokens_per_step": steps_ev[-1].get("tokens"),
+        "measured_allocated_bytes": measured_alloc,
+        "measured_reserved_bytes": measured_reserved,
+        "predicted_allocated_bytes": pred.get("allocated_bytes"),
+        "predicted_reserved_bytes": pred.get("reserved_bytes"),
+        "predicted_total_bytes": pred.get("total_bytes"),
+        "predicted_peak_phase": pred.get("peak_phase"),
+        "predicted_components": pred.get("components"),
+        "predicted_settings": pred.get("settings"),
+        "wall_s": round(wall, 1),
+    }
+    if pred and measured_alloc:
+        row["error_allocated_pct"] = round(100 * (pred["allocated_bytes"] - measured_alloc) / measured_alloc, 2)
+    if pred and measured_reserved:
+        row["error_reserved_pct"] = round(100 * (pred["reserved_bytes"] - measured_reserved) / measured_reserved, 2)
+    return row
+
+
+def recompute(preset: str, row: dict, device: str | None) -> dict:
+    """Re-predict a measured row with the memory model as it is now (same settings, same card):
+    lets the model be refined offline against measurements taken once on the GPU."""
+    from finetuner.config.hardware import PROFILES, _match_name
+    from finetuner.memory.model import Settings, estimate
+    from finetuner.model.shapes import resolve_shape
+
+    settings = dict(row["predicted_settings"])
+    # the row that reached the model: packed rows are not always full. Only with one row per
+    # micro-batch is its length known (several rows are padded to the longest, not recorded:
+    # those keep max_seq_len, an upper bound)
+    if row.get("tokens_per_step") and settings["micro_batch"] == 1:
+        settings["seq_len"] = min(settings["seq_len"], -(-row["tokens_per_step"] // settings["micro_batch"]))
+    if isinstance(settings.get("lora_targets"), list):
+        settings["lora_targets"] = tuple(settings["lora_targets"])
+    known = Settings.__dataclass_fields__
+    est = estimate(resolve_shape(preset), Settings(**{k: v for k, v in settings.items() if k in known}),
+                   (_match_name(device or "", 0) if device else None) or PROFILES["h100-80gb"])
+    row = dict(row)
+    row["predicted_allocated_bytes"], row["predicted_reserved_bytes"] = est.allocated_bytes, est.reserved_bytes
+    row["predicted_components"] = est.components
+    row["error_allocated_pct"] = round(100 * (est.allocated_bytes - row["measured_allocated_bytes"]) / row["measured_allocated_bytes"], 2)
+    row["error_reserved_pct"] = round(100 * (est.reserved_bytes - row["measured_reserved_bytes"]) / row["measured_reserved_bytes"], 2)
+    return row
+
+
+def report(folder: Path, again: bool = False) -> str:
+    """A Markdown table of every ``validate_*.json`` in ``folder``, with the error statistics
+    (``again``: re-predict with the current memory model instead of the recorded prediction)."""
+    lines = [
+        "| model | config | tokens/step | measured allocated GiB | predicted allocated GiB | error | measured reserved GiB | predicted reserved GiB | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    errs_a, errs_r, device = [], [], None
+    for path in sorted(folder.glob("validate_*.json")):
+        doc = json.loads(path.read_text())
+        device = doc.get("device")
+        for r in doc["results"]:
+            if again and "error" not in r:
+                r = recompute(doc["preset"], r, device)
+            if "error" in r:
+                lines.append(f"| {doc['preset']} | {r['config']} | failed: {r['error'][-80:]!r} | | | | | | |")
+                continue
+            ea, er = r.get("error_allocated_pct"), r.get("error_reserved_pct")
+            errs_a.append(ea)
+            errs_r.append(er)
+            lines.append(
+                f"| {doc['preset']} | {r['config']} | {r['tokens_per_step']} | {r['measured_allocated_bytes'] / GiB:.2f} | "
+                f"{r['predicted_allocated_bytes'] / GiB:.2f} | {ea:+.1f}% | {r['measured_reserved_bytes'] / GiB:.2f} | "
+                f"{r['predicted_reserved_bytes'] / GiB:.2f} | {er:+.1f}% |"
+            )
+    if errs_a:
+        abs_a, abs_r = [abs(e) for e in errs_a], [abs(e) for e in errs_r]
+        lines += [
+            "",
+            f"Device: {device}. Rows: {len(errs_a)}. Allocated: median |error| {statistics.median(abs_a):.1f}%, "
+            f"max {max(abs_a):.1f}%, under-predicted rows {sum(e < 0 for e in errs_a)}. Reserved: median |error| "
+            f"{statistics.median(abs_r):.1f}%, max {max(abs_r):.1f}%, under-predicted rows {sum(e < 0 for e in errs_r)}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-2-7b", help="finetuner preset whose shape to build (random weights)")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of: " + ", ".join(MATRIX))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="docs/validation")
+    ap.add_argument("--work", default="/tmp/finetuner_validate")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences (runs on CPU)")
+    ap.add_argument("--planned", metavar="GPU", help="also run the planner's recipe for this card (seq 2048) under a cap of its memory")
+    ap.add_argument("--report", metavar="FOLDER", help="print the Markdown table of the JSON files in FOLDER and exit")
+    ap.add_argument("--again", action="store_true", help="with --report: re-predict each row with the current memory model")
+    args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report), again=args.again), end="")
+        return
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / ("tiny" if args.smoke else args.preset)
+    build_model(args.preset, model_dir, args.smoke)
+    data = work / "data.json"
+    write_data(data, n=600)
+    names = args.configs.split(",") if args.configs else (SMOKE if args.smoke else list(MATRIX))
+    results = []
+    runs = [(name, MATRIX[name], None) for name in names]
+    if args.planned:
+        from finetuner.config.hardware import get_gpu
+
+        card = get_gpu(args.planned)
+        runs.append((f"planned-{card.name}-capped", planned_overrides(args.preset, card.name), card.memory_gib))
+    for name, overrides, cap in runs:
+        log(f"== {args.preset} {name} {overrides if cap else ''}")
+        row = run_one(name, overrides, model_dir, data, work, args.steps, args.smoke, cap_gib=cap)
+        row["cap_gib"] = cap
+        log(json.dumps({k: v for k, v in row.items() if k not in ("predicted_components", "predicted_settings")}))
+        results.append(row)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    tag = "smoke" if args.smoke else args.preset
+    (out / f"validate_{tag}.json").write_text(json.dumps({"device": device, "preset": tag, "steps": args.steps, "results": results}, indent=2))
+    log(report(out))
+
+
+if __name__ == "__main__":
+    main()

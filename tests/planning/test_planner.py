@@ -1,0 +1,224 @@
+"""The planner's decisions on a grid of cards and models, its CLI, and auto values in recipes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetuner.errors import UserError
+from finetuner.config.hardware import get_gpu, list_profiles
+from finetuner.planning.planner import METHOD_TIER, plan
+from finetuner.config.recipe import Recipe
+
+from tests.conftest import run_cli, write_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = ["llama-3.2-1b", "phi-3-mini", "llama-2-7b", "mistral-7b-v0.1", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b",
+          "llama-2-13b", "qwen2.5-14b"]
+CARDS = ["t4", "rtx4080", "rtx4090", "l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb"]
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-2-13b", "llama-3.1-8b", "qwen2.5-7b"])
+def test_7b_and_13b_fit_a_24gb_card_at_2048(model):
+    p = plan(model, "rtx4090", seq_len=2048)
+    assert p.fits and p.recipe is not None
+    assert p.estimate.total_bytes <= p.estimate.budget_bytes
+    assert p.recipe.data.max_seq_len == 2048  # never cut
+    t = p.recipe.training
+    assert t.micro_batch_size * t.gradient_accumulation == 16
+
+
+def test_13b_on_a_4090_needs_qlora_and_7b_gets_lora():
+    assert plan("llama-2-13b", "rtx4090", seq_len=2048).recipe.method == "qlora"
+    assert plan("llama-2-7b", "rtx4090", seq_len=2048).recipe.method == "lora"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_decisions_on_a_grid_of_cards(model):
+    previous_tier = None
+    for card in sorted(CARDS, key=lambda c: get_gpu(c).memory_bytes):
+        p = plan(model, card, seq_len=1024, effective_batch=8)
+        if not p.fits:
+            assert p.suggestions, (model, card)
+            continue
+        o = p.recipe
+        assert p.estimate.total_bytes <= p.estimate.budget_bytes
+        assert o.training.micro_batch_size * o.training.gradient_accumulation == 8
+        if o.method == "qlora":  # LoRA is preferred whenever any LoRA option fits
+            lora = plan(model, card, seq_len=1024, effective_batch=8, method="lora")
+            assert not lora.fits
+        tier = METHOD_TIER[o.method]
+        if previous_tier is not None:  # a bigger card never gets a lower-quality method
+            assert tier <= previous_tier, (model, card)
+        previous_tier = tier
+
+
+def test_bigger_card_is_never_slower():
+    speeds = [plan("llama-2-7b", c, seq_len=2048).tokens_per_s for c in ("rtx4090", "a100-80gb", "h100-80gb")]
+    assert speeds == sorted(speeds)
+
+
+def test_nothing_fits_says_what_would():
+    p = plan("llama-3.1-70b", "rtx4090", seq_len=2048)
+    assert not p.fits and p.recipe is None
+    text = " ".join(p.suggestions)
+    assert "bigger card" in text and "smaller model" in text
+
+
+def test_shorter_sequence_suggested_when_only_that_fits():
+    p = plan("llama-3.1-8b", "t4", seq_len=65536, method="qlora")
+    assert not p.fits
+    assert any("shorter sequence" in s for s in p.suggestions)
+
+
+def test_full_fine_tuning_when_asked_for():
+    assert not plan("llama-2-7b", "rtx4090", method="full").fits
+    p = plan("llama-3.2-1b", "a100-80gb", method="full", seq_len=1024)
+    assert p.fits and p.recipe.method == "full"
+
+
+def test_data_sets_sequence_length_and_packing():
+    data = str(REPO / "data" / "alpaca_sample.json")
+    p = plan("llama-2-7b", "rtx4090", data=data)
+    assert p.data["rows"] == 300 and 0 < p.data["label_fraction"] < 1
+    assert p.data["max_tokens"] <= p.recipe.data.max_seq_len < p.data["max_tokens"] + 64
+    # short examples, but 294 of them would fill only ~8 packed rows: not packed (see test_sizing.py)
+    assert not p.recipe.data.packing and any(r.startswith("no packing") for r in p.reasons)
+    assert p.recipe.data.path == data
+    short = plan("llama-2-7b", "rtx4090", data=str(REPO / "data" / "chat_sample.jsonl"), seq_len=16)
+    assert any("truncated" in n for n in short.notes)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"model": "llama-2-7b", "gpu": "rtx4909"}, "rtx4090"),
+        ({"model": "lama-2-7b", "gpu": "rtx4090"}, "llama-2-7b"),
+        ({"model": "llama-2-7b", "gpu": "rtx4090", "seq_len": 0}, "at least 1"),
+        ({"model": "llama-2-7b", "gpu": "rtx4090", "effective_batch": 0}, "at least 1"),
+        ({"model": "llama-2-7b", "gpu": "rtx4090", "method": "qlra"}, "qlora"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, fragment):
+    model, gpu = kwargs.pop("model"), kwargs.pop("gpu")
+    with pytest.raises(UserError) as e:
+        plan(model, gpu, **kwargs)
+    assert fragment in (e.value.message + (e.value.hint or ""))
+
+
+def test_effective_batch_smaller_than_micro_batch_is_an_error(tmp_path):
+    raw = {"model": {"name": "llama-2-7b"}, "data": {"path": "x/y"},
+           "training": {"micro_batch_size": 4, "gradient_accumulation": "auto", "effective_batch": 2}}
+    with pytest.raises(UserError) as e:
+        Recipe.from_dict(raw)
+    assert "training.effective_batch" in e.value.message
+
+
+def test_gpu_sizes_and_profiles():
+    assert get_gpu("24GB").memory_bytes == 24 * 2**30
+    names = {p.name for p in list_profiles()}
+    assert {"rtx3090", "rtx4090", "rtx4080", "l4", "t4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb"} <= names
+    assert not get_gpu("t4").bf16
+
+
+def test_shipped_gpu_recipes_are_what_the_planner_says():
+    from scripts.dev.make_gpu_recipes import GPU_RECIPES, planned
+
+    for file in GPU_RECIPES:
+        shipped = Recipe.from_yaml(REPO / "recipes" / file)
+        fresh = planned(file)
+        assert fresh.fits
+        assert fresh.recipe_choice() == {
+            "method": shipped.method,
+            "quantization_bits": shipped.quantization.bits if shipped.quantization else None,
+            "micro_batch_size": shipped.training.micro_batch_size,
+            "gradient_accumulation": shipped.training.gradient_accumulation,
+            "optimizer": shipped.training.optimizer,
+            "gradient_checkpointing": shipped.training.gradient_checkpointing,
+            "offload_activations": shipped.training.offload_activations,
+            "max_seq_len": shipped.data.max_seq_len,
+            "packing": shipped.data.packing,
+        }, f"recipes/{file} drifted from the planner: run python -m scripts.dev.make_gpu_recipes"
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_plan_json_and_recipe_file(tmp_path):
+    out = tmp_path / "r.yaml"
+    res = run_cli("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--seq-len", "2048", "--json", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["fits"] is True and d["device_bytes"] == get_gpu("rtx4090").memory_bytes
+    assert d["total_bytes"] == sum(d["components"].values())
+    recipe = Recipe.from_yaml(out)
+    assert recipe.method == d["choice"]["method"] and not recipe.auto_keys()
+    again = run_cli("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "-o", str(out))
+    assert again.returncode == 2 and "will not overwrite" in again.stderr and "Traceback" not in again.stderr
+    est = run_cli("estimate", str(out), "--gpu", "rtx4090", "--json")
+    assert est.returncode == 0 and json.loads(est.stdout)["total_bytes"] == d["total_bytes"]
+
+
+def test_cli_plan_text_nothing_fits_and_errors():
+    res = run_cli("plan", "--model", "llama-2-13b", "--gpu", "rtx4090", "--seq-len", "2048")
+    assert res.returncode == 0 and "QLoRA 4-bit" in res.stdout and "Predicted peak memory" in res.stdout
+    none = run_cli("plan", "--model", "llama-3.1-70b", "--gpu", "rtx4090")
+    assert none.returncode == 1 and "What would fit" in none.stdout
+    bad = run_cli("plan", "--model", "llama-2-7b", "--gpu", "rtx4909")
+    assert bad.returncode == 2 and "rtx4090" in bad.stderr and "Traceback" not in bad.stderr
+    gpus = run_cli("gpus", "--json", "--no-detect")
+    assert any(p["name"] == "a100-80gb" for p in json.loads(gpus.stdout)["profiles"])
+
+
+def test_plan_does_not_import_torch():
+    import subprocess
+
+    code = ("import sys; from finetuner.cli.main import main; main(['plan','--model','llama-2-7b','--gpu','rtx4090','--json']);"
+            "heavy=[m for m in ('torch','transformers','peft','datasets') if m in sys.modules]; print('HEAVY', heavy)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in res.stdout, res.stdout[-300:] + res.stderr[-300:]
+
+
+def test_run_resolves_auto_values_and_writes_the_plan(recipe_dict, tmp_path):
+    recipe_dict["method"] = "auto"
+    recipe_dict["training"].update({"micro_batch_size": "auto", "gradient_accumulation": "auto", "effective_batch": 4,
+                                    "gradient_checkpointing": "auto", "max_steps": 2})
+    path = write_recipe(tmp_path / "auto.yaml", recipe_dict)
+    res = run_cli("run", str(path), "-q")
+    assert res.returncode == 0, res.stderr[-2000:]
+    run_dir = Path(recipe_dict["output_dir"])
+    plan_doc = json.loads((run_dir / "plan.json").read_text())
+    assert plan_doc["fits"] and plan_doc["gpu"]["platform"] in ("cpu", "cuda")
+    saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    t = saved["training"]
+    assert saved["method"] in ("lora", "qlora") and t["micro_batch_size"] * t["gradient_accumulation"] == 4
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "plan" for e in events)
+    # resuming keeps the resolved values instead of planning again
+    res2 = run_cli("run", str(path), "-q", "--set", "training.max_steps=3")
+    assert res2.returncode == 0, res2.stderr[-2000:]
+
+
+def test_several_gpus_get_a_strategy_with_per_device_memory():
+    single = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, method="lora")
+    four = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, gpus=4, method="lora")
+    assert not single.fits and four.fits
+    assert four.recipe.distributed.num_processes == 4 and four.recipe.distributed.strategy == "zero3"  # fsdp is shown, never chosen: run refuses it
+    assert four.sharded.per_device_bytes < four.estimate.total_bytes and four.sharded.comm_bytes_per_step > 0
+    assert four.recipe.training.gradient_accumulation % 4 == 0
+    assert {s["strategy"] for s in four.strategies} >= {"ddp", "zero1", "zero2", "zero3"}
+    small = plan("llama-2-7b", "rtx4090", seq_len=2048, gpus=2)
+    assert small.fits and small.recipe.distributed.strategy == "ddp"  # fits replicated: least communication
+    with pytest.raises(UserError):
+        plan("llama-2-7b", "rtx4090", gpus=4, effective_batch=2)
+
+
+def test_cli_plan_gpus_json():
+    res = run_cli("plan", "--model", "llama-2-13b", "--gpu", "a100-40gb", "--gpus", "4", "--method", "lora", "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["gpus"] == 4 and d["per_device"]["world_size"] == 4
+    assert d["total_bytes"] == d["per_device"]["per_device_bytes"] == sum(d["components"].values())
+    assert d["choice"]["strategy"] == d["per_device"]["strategy"]

@@ -1,0 +1,296 @@
+"""The web UI in a real browser: Playwright driving Debian's Chromium, headless.
+
+The whole flow on the shipped tiny model and a data file of the user's own: upload it (it is
+listed, and the same file again is the same file), reload (the choice is remembered), see the
+plan and its memory chart, check an edited YAML (a bad key is one message; a good one says so),
+start a short training run on the upload, watch the progress and the loss curve move, reload the
+page mid-run (the run goes on and is shown again), see it finish; Start refuses a recipe that
+does not fit the card unless confirmed, and a name already taken; the chosen run is remembered
+over a reload; chat with the result next to the base model (a bad run name says why), and export
+(the adapter zip in one click, a merge that names the overwrite box, then a merge). Every error
+is text on the page, never a bare "Error" badge. A screenshot of each stage goes to
+``.cache/ui-screenshots/`` (git-ignored) for a person to look at; on a failure, the page as it
+was goes there as ``failed-here.png``.
+
+Needs ``playwright`` (the ``test`` extra) and ``/usr/bin/chromium`` (scripts/_setup.sh installs
+Debian's package); never ``playwright install``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import alpaca_rows
+from tests.ui.support import browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / ".cache" / "ui-screenshots"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``finetuner ui`` as a user starts it, on a free port, with a fresh runs folder."""
+    yield from ui_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    if SHOTS.exists():
+        shutil.rmtree(SHOTS)
+    SHOTS.mkdir(parents=True)
+    yield from browser_page(1360, 1000)
+
+
+def shot(page, name: str) -> None:
+    page.wait_for_timeout(400)  # let charts finish their transition
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+
+
+def no_bare_errors(page) -> None:
+    """Errors are text on the page: no component shows gradio's bare "Error" badge (nor its toast)."""
+    sync_api.expect(page.get_by_text("Error", exact=True)).to_have_count(0)
+
+
+def yaml_text(page) -> str:
+    return page.locator("#recipe-yaml .cm-content").inner_text()
+
+
+def set_yaml(page, text: str) -> None:
+    """Replace the recipe in the editor, as pasting it would (no auto-indent)."""
+    page.locator("#recipe-yaml .cm-content").click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(text)
+
+
+def set_field(page, label: str, value: str) -> None:
+    field = page.get_by_label(label, exact=True)
+    field.fill(value)
+    field.press("Tab")
+
+
+
+def status_step(page) -> int:
+    m = re.search(r"step (\d+)", page.locator("#train-status").inner_text())
+    return int(m.group(1)) if m else -1
+
+
+def test_whole_flow_in_browser(server, page, tmp_path):
+    try:
+        whole_flow(server, page, tmp_path)
+    except Exception:
+        page.screenshot(path=str(SHOTS / "failed-here.png"), full_page=True)  # the page as the failure left it
+        raise
+
+
+def whole_flow(server, page, tmp_path):
+    t0 = time.monotonic()
+    runs, uploads = server["runs"], server["uploads"]
+    mine = tmp_path / "my hikes.jsonl"  # the user's own file, outside the checkout
+    mine.write_text("".join(json.dumps(r) + "\n" for r in alpaca_rows(37)), encoding="utf-8")
+    stored = str(uploads / "my_hikes.jsonl")
+
+    page.goto(server["url"])
+    # 1. model and card: the shipped tiny model on this machine's CPU
+    wait_text(page, "#model-card", r"demo_model.*parameters")
+    wait_text(page, "#model-card", r"cpu")
+    shot(page, "01-model")
+
+    # 2. data: upload a file of one's own; it is stored, listed, chosen and analysed
+    tab(page, "2 · Data")
+    wait_text(page, "#data-summary", r"Format:.*alpaca")  # the shipped sample, before any upload
+    for _ in range(2):  # the same file twice: one stored file
+        with page.expect_file_chooser() as chooser:
+            page.locator("#upload-btn").click()
+        chooser.value.set_files(str(mine))
+        sync_api.expect(page.locator("#data-file input")).to_have_value(stored)
+        wait_text(page, "#data-summary", r"Format:.*alpaca.*\b37\b examples")
+    assert sorted(p.name for p in uploads.iterdir()) == ["my_hikes.jsonl"]
+    page.locator("#data-file input").click()
+    sync_api.expect(page.get_by_role("option", name=stored, exact=True)).to_be_visible()  # listed with data/*
+    page.keyboard.press("Escape")
+    sync_api.expect(page.locator("#data-preview")).to_contain_text("Tern here", timeout=60_000)
+    sync_api.expect(page.locator("#data-preview")).to_contain_text("trained")
+    sync_api.expect(page.locator("#length-hist canvas, #length-hist svg").first).to_be_visible()
+    shot(page, "02-data")
+
+    # a reload (or a new session in this browser) keeps the upload as the data
+    page.reload()
+    tab(page, "2 · Data")
+    sync_api.expect(page.locator("#data-file input")).to_have_value(stored)
+    wait_text(page, "#data-summary", r"\b37\b examples")
+
+    # 3. plan: the planner's recipe for the upload, its memory chart against the card, the reasons
+    page.get_by_role("button", name="Next: the plan →").click()
+    wait_text(page, "#plan-summary", r"LORA")
+    wait_text(page, "#estimate", r"Fits")
+    sync_api.expect(page.locator("#memory-chart svg.marks")).to_be_visible()
+    sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(stored)
+    shot(page, "03-plan")
+
+    # a bad key in the YAML: one message naming it; the advanced fields keep their values
+    micro = page.get_by_label("micro-batch", exact=True).input_value()
+    planned = yaml_text(page)
+    set_yaml(page, "bogus_key: 1\n" + planned)
+    page.locator("#check-yaml").click()
+    wait_text(page, "#yaml-status", r"bogus_key: unknown key.*Valid choices")
+    no_bare_errors(page)
+    shot(page, "03b-yaml-error")
+    assert page.get_by_label("micro-batch", exact=True).input_value() == micro
+    set_yaml(page, planned)  # fixed: Check says so, and the stale error goes
+    page.locator("#check-yaml").click()
+    wait_text(page, "#yaml-status", r"✓ The recipe is valid.*fits")
+    assert "bogus_key" not in page.locator("#yaml-status").inner_text()
+
+    # a short run: edit advanced fields (the estimate follows)
+    for label, value in (("micro-batch", "4"), ("gradient accumulation", "1"), ("max steps (0 = epochs)", "16"),
+                         ("log every (steps)", "2"), ("eval every (0 = at the end)", "4")):
+        set_field(page, label, value)
+    wait_text(page, "#recipe-yaml", r"max_steps: 16")
+    wait_text(page, "#recipe-yaml", r"eval_every: 4")
+    run_name = yaml.safe_load(yaml_text(page))["name"]
+    shot(page, "04-recipe")
+
+    # 4. train: start; the run is named as in the YAML, on the upload; progress and the loss curve move
+    tab(page, "4 · Train")
+    page.locator("#start-btn").click()
+    wait_text(page, "#train-message", rf"Training started: {re.escape(run_name)}\b")
+    wait_text(page, "#train-status", r"training", timeout=120_000)
+    assert page.locator("#train-status .ft-run").inner_text() == run_name
+    assert yaml.safe_load((runs / run_name / "recipe.yaml").read_text())["data"]["path"] == stored
+    page.wait_for_function("() => /step [1-9]/.test(document.querySelector('#train-status').innerText)", timeout=180_000)
+    first = status_step(page)
+    shot(page, "05-training")
+
+    # a reload mid-run: the run goes on, and the page shows it again
+    page.reload()
+    tab(page, "4 · Train")
+    wait_text(page, "#train-status", re.escape(run_name))
+    wait_text(page, "#train-status", r"training|finishing|finished")
+    # the run went on: a later step, or (a fast machine, a run already at its last step) finished
+    page.wait_for_function(
+        "() => { const t = document.querySelector('#train-status').innerText; const m = t.match(/step (\\d+) \\/ (\\d+)/);"
+        f" return m && (+m[1] > {first} || (+m[1] === +m[2] && /finished/.test(t))); }}",
+        timeout=180_000,
+    )
+    shot(page, "06-after-reload")
+
+    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
+    wait_text(page, "#train-memory", r"predicted peak .* measured")
+    assert "step 16 / 16" in page.locator("#train-status").inner_text()
+    sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=15_000)
+    shot(page, "07-trained")
+
+    # after the reload the editor is empty: the Plan tab plans again for the remembered upload,
+    # under a free name (a run has the planner's name now)
+    tab(page, "3 · Plan")
+    sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(stored)
+    set_field(page, "max steps (0 = epochs)", "2")
+    wait_text(page, "#recipe-yaml", r"max_steps: 2\b")
+    replanned = yaml_text(page)
+    assert yaml.safe_load(replanned)["name"] != run_name
+    set_yaml(page, re.sub(r"(?m)^name: .*$", f"name: {run_name}", replanned))  # a name already taken
+
+    # Start refuses a recipe predicted not to fit the card, with the reason, unless confirmed
+    tab(page, "1 · Model & card")
+    type_in(page, "card", "1GB")
+    wait_text(page, "#model-card", r"1GB")
+    tab(page, "4 · Train")
+    page.locator("#start-btn").click()
+    wait_text(page, "#train-message", r"Not started: .* more than 1GB .*tick “Start even if it does not fit”", flags=re.S)
+    no_bare_errors(page)
+    shot(page, "07b-does-not-fit")
+    page.get_by_label("Start even if it does not fit").check()
+    page.locator("#start-btn").click()  # confirmed, but the name is taken: refused, nothing renamed
+    wait_text(page, "#train-message", rf"A run named '{re.escape(run_name)}' already exists")
+    no_bare_errors(page)
+    assert sorted(p.name for p in runs.iterdir() if not p.name.startswith(".")) == [run_name]
+    tab(page, "3 · Plan")
+    set_yaml(page, re.sub(r"(?m)^name: .*$", "name: my-second-run", replanned))
+    tab(page, "4 · Train")
+    page.locator("#start-btn").click()
+    wait_text(page, "#train-message", r"Training started: my-second-run .*predicted not to fit")
+    wait_text(page, "#train-status", r"my-second-run")
+    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    assert (runs / "my-second-run" / "adapter").is_dir()  # the folder is the name as typed
+    shot(page, "08-second-run")
+
+    # the chosen run (the first, not the newest) is remembered over a reload, with the data and card
+    remembered = page.evaluate("() => localStorage.getItem('finetuner-ui')")
+    pick(page, "run-pick", run_name)
+    wait_text(page, "#train-status", re.escape(run_name))
+    page.wait_for_function("(before) => localStorage.getItem('finetuner-ui') !== before", arg=remembered)
+    page.reload()
+    tab(page, "4 · Train")
+    sync_api.expect(page.locator("#run-pick input")).to_have_value(run_name)
+    wait_text(page, "#train-status", re.escape(run_name))
+    tab(page, "2 · Data")
+    sync_api.expect(page.locator("#data-file input")).to_have_value(stored)
+    tab(page, "1 · Model & card")
+    sync_api.expect(page.locator("#card input")).to_have_value("1GB")
+
+    # 5. chat: a run name that does not exist says so; then the fine-tuned run next to the base model
+    tab(page, "5 · Chat")
+    sync_api.expect(page.locator("#chat-run input")).to_have_value(run_name, timeout=15_000)
+    type_in(page, "chat-run", "no-such-run")
+    page.locator("#chat-input textarea").fill("What should I pack for a day hike?")
+    page.locator("#chat-send").click()
+    wait_text(page, "#chat-status", r"No run named no-such-run")
+    no_bare_errors(page)
+    shot(page, "09a-chat-error")
+    sync_api.expect(page.locator("#chat-input textarea")).to_have_value("What should I pack for a day hike?")
+    pick(page, "chat-run", run_name)
+    page.locator("#chat-send").click()
+    wait_text(page, "#chat-status", r"Answered in", timeout=300_000)
+    for lane in ("#chat-tuned", "#chat-base"):
+        text = page.locator(lane).inner_text()
+        assert "day hike" in text and "…" not in text and "(no answer)" not in text, text
+        answer = text.replace("What should I pack for a day hike?", "").strip()
+        assert len(answer) >= 5, f"{lane} shows the question but no answer: {text!r}"
+    shot(page, "09-chat")
+
+    # 6. export: the adapter zip in one click; a non-empty folder names the overwrite box; a merge
+    tab(page, "6 · Export")
+    sync_api.expect(page.locator("#export-run input")).to_have_value(run_name, timeout=15_000)
+    sync_api.expect(page.locator("#zip-btn")).to_be_enabled()
+    with page.expect_download() as download:
+        page.locator("#zip-btn").click()
+    assert download.value.suggested_filename == f"{run_name}-adapter.zip"
+    assert "adapter_config.json" in zipfile.ZipFile(download.value.path()).namelist()
+    page.locator("#out-dir textarea, #out-dir input").first.fill(str(tmp_path))  # holds the user's file
+    page.locator("#merge-btn").click()
+    wait_text(page, "#export-status", r"is not empty.*Tick “overwrite” to replace it", flags=re.S)
+    assert "Merging" not in page.locator("#export-status").inner_text()
+    no_bare_errors(page)
+    shot(page, "10a-export-error")
+    assert mine.is_file() and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+    page.locator("#out-dir textarea, #out-dir input").first.fill("")
+    page.locator("#merge-btn").click()
+    wait_text(page, "#export-status", r"Merged model saved", timeout=300_000)
+    shot(page, "10-export")
+    merged = runs / run_name / "merged"
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+
+    # a new session in another browser (nothing remembered there) starts from the newest run's data
+    other = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
+    try:
+        fresh = other.new_page()
+        fresh.goto(server["url"])
+        tab(fresh, "2 · Data")
+        sync_api.expect(fresh.locator("#data-file input")).to_have_value(stored, timeout=60_000)
+        wait_text(fresh, "#data-summary", r"\b37\b examples")
+    finally:
+        other.close()
+    print(f"\nbrowser flow: {time.monotonic() - t0:.0f} s; screenshots in {SHOTS}")
