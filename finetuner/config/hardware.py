@@ -115,7 +115,7 @@ def detect() -> GpuProfile | None:
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
-    known = _match_name(props.name, props.total_memory)
+    known = profile_for_device_name(props.name, props.total_memory)
     base = known or GpuProfile("cuda", props.name, props.total_memory, tflops=150, bandwidth_gbs=1000)
     return replace(
         base,
@@ -139,8 +139,9 @@ def cpu_profile() -> GpuProfile:
                       bandwidth_gbs=20, pcie_gbs=1000, platform="cpu")
 
 
-def _match_name(device_name: str, total: int) -> GpuProfile | None:
-    """A profile for a CUDA device name such as 'NVIDIA GeForce RTX 4090'."""
+def profile_for_device_name(device_name: str, total: int) -> GpuProfile | None:
+    """The profile of a CUDA device name such as 'NVIDIA GeForce RTX 4090' (``total``: its memory in
+    bytes, to tell sizes of one card apart; 0 takes the smallest), or None for an unknown card."""
     n = device_name.lower()
     for key, prof in PROFILES.items():
         stem = key.split("-")[0].replace("rtx", "rtx ")

@@ -131,10 +131,13 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
     return row
 
 
+VALIDATION = REPO / "docs" / "validation"
+
+
 def recompute(preset: str, row: dict, device: str | None) -> dict:
     """Re-predict a measured row with the memory model as it is now (same settings, same card):
-    lets the model be refined offline against measurements taken once on the GPU."""
-    from finetuner.config.hardware import PROFILES, _match_name
+    lets the model be refined offline against measurements taken once on the GPU. Torch-free."""
+    from finetuner.config.hardware import PROFILES, profile_for_device_name
     from finetuner.memory.model import Settings, estimate
     from finetuner.model.shapes import resolve_shape
 
@@ -148,7 +151,7 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
         settings["lora_targets"] = tuple(settings["lora_targets"])
     known = Settings.__dataclass_fields__
     est = estimate(resolve_shape(preset), Settings(**{k: v for k, v in settings.items() if k in known}),
-                   (_match_name(device or "", 0) if device else None) or PROFILES["h100-80gb"])
+                   (profile_for_device_name(device or "", 0) if device else None) or PROFILES["h100-80gb"])
     row = dict(row)
     row["predicted_allocated_bytes"], row["predicted_reserved_bytes"] = est.allocated_bytes, est.reserved_bytes
     row["predicted_components"] = est.components
@@ -157,38 +160,61 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
     return row
 
 
-def report(folder: Path, again: bool = False) -> str:
+def replay(folder: Path = VALIDATION, again: bool = True) -> list[dict]:
+    """Every run recorded in ``folder``'s ``validate_*.json``, in file order, each with its
+    ``preset`` and ``device``; ``again``: re-predicted by the current memory model
+    (:func:`recompute`), else the prediction recorded at the time. A run that failed keeps its
+    ``error``. What ``--report`` prints and what ``tests/memory/test_memory_accuracy.py`` checks."""
+    rows = []
+    for path in sorted(folder.glob("validate_*.json")):
+        doc = json.loads(path.read_text())
+        for r in doc["results"]:
+            if again and "error" not in r:
+                r = recompute(doc["preset"], r, doc.get("device"))
+            rows.append({**r, "preset": doc["preset"], "device": doc.get("device")})
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """The error statistics of :func:`replay`'s measured rows (failed runs left out): per
+    ``allocated`` and ``reserved``, the median and max of |error| in percent and the number of
+    rows predicted below the measurement."""
+    done = [r for r in rows if "error" not in r]
+    out: dict = {"rows": len(done), "devices": sorted({r["device"] for r in done if r["device"]})}
+    for kind in ("allocated", "reserved"):
+        errs = [r[f"error_{kind}_pct"] for r in done]
+        out[kind] = {"median_abs_pct": statistics.median(abs(e) for e in errs) if errs else None,
+                     "max_abs_pct": max((abs(e) for e in errs), default=None),
+                     "under_predicted": [f"{r['preset']} {r['config']}" for r in done if r[f"error_{kind}_pct"] < 0]}
+    return out
+
+
+def report(folder: Path = VALIDATION, again: bool = False) -> str:
     """A Markdown table of every ``validate_*.json`` in ``folder``, with the error statistics
     (``again``: re-predict with the current memory model instead of the recorded prediction)."""
     lines = [
         "| model | config | tokens/step | measured allocated GiB | predicted allocated GiB | error | measured reserved GiB | predicted reserved GiB | error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    errs_a, errs_r, device = [], [], None
-    for path in sorted(folder.glob("validate_*.json")):
-        doc = json.loads(path.read_text())
-        device = doc.get("device")
-        for r in doc["results"]:
-            if again and "error" not in r:
-                r = recompute(doc["preset"], r, device)
-            if "error" in r:
-                lines.append(f"| {doc['preset']} | {r['config']} | failed: {r['error'][-80:]!r} | | | | | | |")
-                continue
-            ea, er = r.get("error_allocated_pct"), r.get("error_reserved_pct")
-            errs_a.append(ea)
-            errs_r.append(er)
-            lines.append(
-                f"| {doc['preset']} | {r['config']} | {r['tokens_per_step']} | {r['measured_allocated_bytes'] / GiB:.2f} | "
-                f"{r['predicted_allocated_bytes'] / GiB:.2f} | {ea:+.1f}% | {r['measured_reserved_bytes'] / GiB:.2f} | "
-                f"{r['predicted_reserved_bytes'] / GiB:.2f} | {er:+.1f}% |"
-            )
-    if errs_a:
-        abs_a, abs_r = [abs(e) for e in errs_a], [abs(e) for e in errs_r]
+    rows = replay(folder, again=again)
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['config']} | failed: {r['error'][-80:]!r} | | | | | | |")
+            continue
+        ea, er = r["error_allocated_pct"], r["error_reserved_pct"]
+        lines.append(
+            f"| {r['preset']} | {r['config']} | {r['tokens_per_step']} | {r['measured_allocated_bytes'] / GiB:.2f} | "
+            f"{r['predicted_allocated_bytes'] / GiB:.2f} | {ea:+.1f}% | {r['measured_reserved_bytes'] / GiB:.2f} | "
+            f"{r['predicted_reserved_bytes'] / GiB:.2f} | {er:+.1f}% |"
+        )
+    st = summary(rows)
+    if st["rows"]:
+        a, rs = st["allocated"], st["reserved"]
         lines += [
             "",
-            f"Device: {device}. Rows: {len(errs_a)}. Allocated: median |error| {statistics.median(abs_a):.1f}%, "
-            f"max {max(abs_a):.1f}%, under-predicted rows {sum(e < 0 for e in errs_a)}. Reserved: median |error| "
-            f"{statistics.median(abs_r):.1f}%, max {max(abs_r):.1f}%, under-predicted rows {sum(e < 0 for e in errs_r)}.",
+            f"Device: {', '.join(st['devices'])}. Rows: {st['rows']}. Allocated: median |error| {a['median_abs_pct']:.1f}%, "
+            f"max {a['max_abs_pct']:.1f}%, under-predicted rows {len(a['under_predicted'])}. Reserved: median |error| "
+            f"{rs['median_abs_pct']:.1f}%, max {rs['max_abs_pct']:.1f}%, under-predicted rows {len(rs['under_predicted'])}.",
         ]
     return "\n".join(lines) + "\n"
 
