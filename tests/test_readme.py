@@ -98,6 +98,25 @@ def test_fit_table_is_current():
     assert m.group(1) == out.stdout, "README's fit table is stale: paste the output of `python -m scripts.dev.fit_table`"
 
 
+@pytest.mark.parametrize("installed", [True, False], ids=["liger-and-flash-attn-installed", "neither-installed"])
+def test_fit_table_does_not_depend_on_what_is_installed(monkeypatch, installed):
+    """The table is made for a default install whatever this environment has: the same with
+    liger-kernel (and triton, flash_attn) importable as without, where a plan for the card as
+    found here does change."""
+    import finetuner.config.runtime as runtime
+    from finetuner.planning.planner import plan
+    from scripts.dev.fit_table import table
+
+    text = README.read_text(encoding="utf-8")
+    section = re.search(r"<!-- fit-table:start -->\n(.*?)<!-- fit-table:end -->", text, re.S).group(1)
+    monkeypatch.setattr(runtime, "_installed", lambda package: installed)
+    assert table() == section
+    # the simulation reaches the planner: the card as found here (no assumption) is planned differently
+    found_here = plan("llama-3.1-8b", "a100-40gb", seq_len=2048).estimate.settings
+    assert (found_here.fused_ce, found_here.attn_implementation) == (
+        (True, "flash_attention_2") if installed else (False, "sdpa"))
+
+
 def test_runnable_blocks_run(tmp_path):
     """The README's runnable blocks, line by line, in a copy of recipes/ and data/."""
     finetuner = BIN / "finetuner"

@@ -36,6 +36,12 @@ class GpuProfile:
     link_gbs: float = 16.0  # device <-> device for collectives, GB/s: PCIe unless NVLink (data-center cards)
     detected: bool = False
     platform: str = "cuda"  # "cpu" for :func:`cpu_profile`
+    #: The software a plan for this card assumes: whether Liger Kernel (``finetuner[speed]``) and
+    #: FlashAttention-2 can run there. None (the default): whether they are installed in this
+    #: Python environment, the one the run is launched from. Set them (``dataclasses.replace``)
+    #: for a plan that does not depend on what is installed here, as the README's table does.
+    liger: bool | None = None
+    flash_attention: bool | None = None
 
     @property
     def memory_gib(self) -> float:

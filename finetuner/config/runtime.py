@@ -61,14 +61,17 @@ class Device:
     def of(cls, gpu: GpuProfile | None) -> Device:
         """A card from its profile (the planner's view; ``None`` means an unnamed bf16 CUDA card).
 
-        Whether flash_attn and liger-kernel are installed is answered for this Python environment:
-        a plan is made where the run will be launched. Every bf16 card is Ampere or newer.
+        Whether FlashAttention-2 and Liger can run is what the profile says
+        (``GpuProfile.flash_attention`` / ``liger``), else whether flash_attn and liger-kernel
+        (with triton) are installed in this Python environment: a plan is made where the run will
+        be launched. Every bf16 card is Ampere or newer.
         """
         if gpu is not None and gpu.platform == "cpu":
             return cls("cpu")
         bf16 = gpu.bf16 if gpu is not None else True
-        return cls("cuda", bf16=bf16, flash_attention=bf16 and _installed("flash_attn"),
-                   liger=_installed("liger_kernel") and _installed("triton"))
+        flash = gpu.flash_attention if gpu is not None and gpu.flash_attention is not None else _installed("flash_attn")
+        liger = gpu.liger if gpu is not None and gpu.liger is not None else _installed("liger_kernel") and _installed("triton")
+        return cls("cuda", bf16=bf16, flash_attention=bf16 and flash, liger=liger)
 
     @classmethod
     def here(cls, want: str = "auto") -> Device:

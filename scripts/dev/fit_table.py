@@ -3,56 +3,102 @@
     python -m scripts.dev.fit_table
 
 Paste the output between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->`` in README.md.
+
+The table is the same wherever it is made: every card is planned for a default install
+(:data:`ASSUME`: no Liger Kernel, no FlashAttention-2), whatever this environment has installed.
+The measured column is read from ``docs/validation/`` (the runs ``scripts/validate/memory.py
+--planned CARD`` recorded as ``planned-<card>-capped``), never typed in; a recorded run whose
+settings are no longer the planner's choice stops the script.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 MODELS = ["llama-2-7b", "qwen2.5-7b", "llama-3.1-8b", "llama-2-13b"]
 CARDS = ["rtx4090", "a100-40gb", "a100-80gb"]
-#: GPU measurements of exactly the planner's recipe for (model, card): docs/memory.md, the
-#: ``planned-rtx4090-capped`` row of docs/validation/validate_llama-3.1-8b.json (21,879,407,104 B
-#: allocated, 23,450,353,664 B reserved). Only rows whose settings match the plan belong here.
-MEASURED = {("llama-3.1-8b", "rtx4090"): "20.4 GiB allocated, 21.8 GiB reserved ¹"}
+#: What the plans assume can run on the card (``GpuProfile.liger`` / ``flash_attention``): a
+#: default ``pip install finetuner``, so SDPA attention and finetuner's chunked loss.
+ASSUME = {"liger": False, "flash_attention": False}
+#: The settings that make a recorded run the planner's recipe (the rest: the run's own, said in the note).
+SAME_RECIPE = ("method", "lora_r", "lora_targets", "micro_batch", "seq_len", "gradient_checkpointing", "optimizer",
+               "activation_offload")
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+GiB = 2**30
 
 FOOTNOTES = """\
 Predicted peak: the memory model's total for full 2,048-token rows (weights, LoRA, gradients,
-optimizer states, activations, allocator slack and the 0.6 GiB CUDA context) against the card's
-usable memory; the planner keeps 5 % of the card free. `finetuner plan --model M --gpu G
---seq-len 2048` prints the same choice with its reasons and the options it rejected.
+optimizer states, activations, allocator slack and the {context:.1f} GiB CUDA context) against the card's
+usable memory; the planner keeps 5 % of the card free. Planned for a default install: no Liger
+Kernel and no FlashAttention-2 (SDPA attention, finetuner's chunked loss); with `finetuner[speed]`
+installed, `finetuner plan` counts Liger's fused loss instead, and some of its peaks differ.
+`finetuner plan --model M --gpu G --seq-len 2048` prints the choice with its reasons and the
+options it rejected.
+"""
 
-¹ Measured on an NVIDIA H100 capped at 23.65 GiB (`torch.cuda.set_per_process_memory_fraction`)
-by `scripts/validate/memory.py --preset llama-3.1-8b --planned rtx4090`
-([docs/memory.md](docs/memory.md)): the planner's recipe (LoRA r16 on all linear layers,
-micro-batch 4, sequence 2,048 packed, checkpointing, AdamW) on a random-weight model of
-Llama-3.1-8B's shape, 3 steps, with accumulation 1 instead of 4 and packed rows averaging 1,759
-of 2,048 tokens. Measured figures are torch's counters (`max_memory_allocated`,
-`max_memory_reserved`); the CUDA context (about 0.6 GiB) comes on top, so 22.5 GiB is the figure
-to set against the predicted 21.8. The prediction for that run was 20.5 GiB allocated (+0.5 %)
-and 21.2 GiB reserved (−2.9 %: near the cap the allocator fragmented more than the model allows
-for; the 5 % margin covered it).
-
-The other GPU measurements used settings the planner does not choose for these cards, so they
-are not in the table (all on an H100, packed 2,048-token rows, peak allocated; docs/memory.md and
-[docs/benchmarks.md](docs/benchmarks.md)): Llama-2-7B LoRA, micro-batch 1, checkpointing, AdamW:
-14.16 GiB; Llama-3.1-8B LoRA, micro-batch 2, checkpointing, AdamW: 18.18 GiB, 3,839 tokens/s;
-Llama-3.1-8B QLoRA nf4, micro-batch 2, checkpointing, paged AdamW 8-bit: 8.12 GiB, 2,984
-tokens/s; Llama-2-13B QLoRA nf4, micro-batch 1, checkpointing, paged AdamW 8-bit: 8.61 GiB,
-1,382 tokens/s; Llama-2-13B LoRA, micro-batch 1, no checkpointing, AdamW 8-bit: 45.83 GiB.
+NOTE = """\
+{mark} Measured on an {device} capped at {cap:.2f} GiB (`torch.cuda.set_per_process_memory_fraction`)
+by `scripts/validate/memory.py --preset {model} --planned {card}`
+([docs/memory.md](docs/memory.md)): the planner's recipe ({method} r{r} on {targets},
+micro-batch {mb}, sequence {seq:,} packed, {gc}, {opt}) on a random-weight model of
+{model}'s shape, {steps} steps, with accumulation {run_ga} instead of {plan_ga} and packed rows averaging {avg:,.0f}
+of {seq:,} tokens{liger}. Measured figures are torch's counters (`max_memory_allocated`,
+`max_memory_reserved`); the CUDA context (about {context:.1f} GiB) comes on top, so {card_total:.1f} GiB is the figure
+to set against the predicted {predicted:.1f}. The memory model predicts {pa:.1f} GiB allocated ({ea:+.1f} %)
+and {pr:.1f} GiB reserved ({er:+.1f} %) for that run{under}.
 """
 
 
-def table() -> str:
-    from finetuner.planning.planner import plan
+def measured_runs() -> dict[tuple[str, str], dict]:
+    """(model, card) → the recorded GPU run of the planner's recipe, re-predicted by the current
+    memory model (:func:`scripts.validate.memory.replay`), with the file's ``steps``."""
+    import json
 
+    from scripts.validate.memory import VALIDATION, replay
+
+    steps = {json.loads(p.read_text())["preset"]: json.loads(p.read_text()).get("steps") for p in VALIDATION.glob("validate_*.json")}
+    out = {}
+    for r in replay(VALIDATION):
+        m = re.fullmatch(r"planned-(.+)-capped", r["config"])
+        if m and "error" not in r:
+            out[(r["preset"], m.group(1))] = {**r, "steps": steps[r["preset"]]}
+    return out
+
+
+def _targets(t) -> str:
+    return "all linear layers" if t == "all-linear" else ", ".join(t) if isinstance(t, (list, tuple)) else str(t)
+
+
+def _under(run: dict, card_bytes: int) -> str:
+    """What an under-predicted reserved peak meant for the card."""
+    from finetuner.memory.model import CUDA_CONTEXT_BYTES
+
+    if run["error_reserved_pct"] >= 0:
+        return ""
+    total = run["measured_reserved_bytes"] + CUDA_CONTEXT_BYTES
+    return (" (reserved below the measurement: near the cap the allocator fragmented more than the model allows for; "
+            f"the run's {total / GiB:.1f} GiB {'still fit in' if total <= card_bytes else 'did not fit in'} the card's "
+            f"{card_bytes / GiB:.1f} GiB)")
+
+
+def table() -> str:
+    from finetuner.config.hardware import get_gpu
+    from finetuner.memory.model import CUDA_CONTEXT_BYTES
+    from finetuner.planning.planner import plan
+    from scripts.validate.memory import VALIDATION, replay
+
+    measured = measured_runs()
+    context = CUDA_CONTEXT_BYTES / GiB
     lines = ["| model | card | finetuner's plan (seq 2048, effective batch 16) | predicted peak | measured |",
              "|---|---|---|---|---|"]
+    notes: list[str] = []
     for m in MODELS:
         for c in CARDS:
-            p = plan(m, c, seq_len=2048)
+            p = plan(m, replace(get_gpu(c), **ASSUME), seq_len=2048)
             if not p.fits:
                 lines.append(f"| {m} | {c} | nothing fits: {p.suggestions[0]} | | |")
                 continue
@@ -61,9 +107,37 @@ def table() -> str:
             how = (f"{method}, micro-batch {ch['micro_batch_size']} x {ch['gradient_accumulation']}, {ch['optimizer']}, "
                    f"{'checkpointing' if ch['gradient_checkpointing'] else 'no checkpointing'}"
                    f"{', activation offload' if ch['offload_activations'] else ''}")
-            lines.append(f"| {m} | {c} | {how} | {p.estimate.total_bytes / 2**30:.1f} of {p.gpu.memory_gib:.1f} GiB "
-                         f"| {MEASURED.get((m, c), '')} |")
-    return "\n".join(lines) + "\n\n" + FOOTNOTES
+            cell = ""
+            run = measured.get((m, c))
+            if run:
+                planned, ran = p.estimate.settings, run["predicted_settings"]
+                differ = [k for k in SAME_RECIPE if _targets(getattr(planned, k)) != _targets(ran[k])]
+                if differ:
+                    raise SystemExit(f"The recorded run {run['config']} of {m} (docs/validation/) is not the planner's recipe any "
+                                     f"more ({', '.join(f'{k}: ran {ran[k]}, planned {getattr(planned, k)}' for k in differ)}): "
+                                     f"measure it again with `python -m scripts.validate.memory --preset {m} --planned {c}` "
+                                     "or remove the run.")
+                mark = SUPERSCRIPTS[len(notes)]
+                cell = (f"{run['measured_allocated_bytes'] / GiB:.1f} GiB allocated, "
+                        f"{run['measured_reserved_bytes'] / GiB:.1f} GiB reserved {mark}")
+                notes.append(NOTE.format(
+                    mark=mark, device=run["device"], cap=run["cap_gib"], model=m, card=c,
+                    method=method, r=ran["lora_r"], targets=_targets(ran["lora_targets"]), mb=ran["micro_batch"],
+                    seq=ran["seq_len"], gc="checkpointing" if ran["gradient_checkpointing"] else "no checkpointing",
+                    opt=ran["optimizer"], steps=run["steps"], run_ga=ran["gradient_accumulation"],
+                    plan_ga=ch["gradient_accumulation"], avg=run["tokens_per_step"] / ran["micro_batch"],
+                    liger=(",\nwith Liger Kernel installed (its fused loss; planned without it, the recipe is the same)"
+                           if ran.get("fused_ce") else ""),
+                    context=context, card_total=(run["measured_reserved_bytes"] + CUDA_CONTEXT_BYTES) / GiB,
+                    predicted=p.estimate.total_bytes / GiB, pa=run["predicted_allocated_bytes"] / GiB,
+                    ea=run["error_allocated_pct"], pr=run["predicted_reserved_bytes"] / GiB, er=run["error_reserved_pct"],
+                    under=_under(run, p.gpu.memory_bytes)))
+            lines.append(f"| {m} | {c} | {how} | {p.estimate.total_bytes / GiB:.1f} of {p.gpu.memory_gib:.1f} GiB | {cell} |")
+    others = sum(1 for r in replay(VALIDATION) if not re.fullmatch(r"planned-.+-capped", r["config"]))
+    rest = (f"The other {others} GPU runs in `docs/validation/` used settings the planner does not choose for these\n"
+            "cards, so they are not in the table: [docs/memory.md](docs/memory.md) lists them all, and\n"
+            "[docs/benchmarks.md](docs/benchmarks.md) gives the measured speeds.\n")
+    return "\n".join(lines) + "\n\n" + FOOTNOTES.format(context=context) + "".join("\n" + n for n in notes) + "\n" + rest
 
 
 if __name__ == "__main__":

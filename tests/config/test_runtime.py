@@ -9,6 +9,7 @@ resolver existed has its own case below.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -80,17 +81,32 @@ def test_every_reader_takes_the_resolved_runtime(overrides, device):
         assert acc["mixed_precision"] == ("no" if rt.precision == "fp32" else rt.precision)
 
 
+DEFAULT_INSTALL = {"liger": False, "flash_attention": False}
+SPEED_INSTALL = {"liger": True, "flash_attention": True}
+
+
 @pytest.mark.parametrize("card,device", [
     (cpu_profile(), Device("cpu")),
-    (get_gpu("rtx4090"), Device("cuda", bf16=True)),
-    (get_gpu("t4"), Device("cuda", bf16=False)),
-    (get_gpu("v100-32gb"), Device("cuda", bf16=False)),
+    (replace(get_gpu("rtx4090"), **DEFAULT_INSTALL), Device("cuda", bf16=True)),
+    (replace(get_gpu("t4"), **DEFAULT_INSTALL), Device("cuda", bf16=False)),
+    (replace(get_gpu("v100-32gb"), **DEFAULT_INSTALL), Device("cuda", bf16=False)),
+    (replace(get_gpu("rtx4090"), **SPEED_INSTALL), Device("cuda", bf16=True, flash_attention=True, liger=True)),
+    (replace(get_gpu("t4"), **SPEED_INSTALL), Device("cuda", bf16=False, liger=True)),  # FlashAttention-2: Ampere or newer
 ])
 def test_a_cards_profile_is_the_device_the_planner_resolves_for(card, device):
-    """On this machine (no flash_attn, no liger) a profile is the same Device as the facts."""
+    """A profile that says what can run on the card is the same Device as the facts, whatever is installed here."""
     assert Device.of(card) == device
     recipe = _recipe({})
     assert settings_from_recipe(recipe, card, "llama") == settings_from_recipe(recipe, runtime=resolve(recipe, device, "llama"))
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_profile_that_assumes_nothing_follows_what_is_installed_here(monkeypatch, installed):
+    import finetuner.config.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_installed", lambda package: installed)
+    assert Device.of(get_gpu("rtx4090")) == Device("cuda", bf16=True, flash_attention=installed, liger=installed)
+    assert Device.of(replace(get_gpu("rtx4090"), **DEFAULT_INSTALL)) == Device("cuda", bf16=True)
 
 
 def test_cpu_predictions_are_for_the_cpu_not_a_bf16_card():
