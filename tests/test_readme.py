@@ -10,6 +10,7 @@ RECIPE) are not run, but each ``finetuner ...`` line in them must parse with the
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -153,3 +154,189 @@ def test_runnable_blocks_run(tmp_path):
     leaked = [p for p in work.rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
     leaked += [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
     assert not leaked, f"HF_TOKEN written into {leaked}"
+
+
+# --------------------------------------------------------------------------- names that go stale
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+#: the repository's top-level folders and files: a backticked path that starts with one is a repository path
+TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - {"runs", "exports"}
+#: paths inside other projects that the docs cite (their source, not ours)
+EXTERNAL = ("torch/", "peft/", "transformers/", "bitsandbytes/", "deepspeed/", "accelerate/")
+CODE_SUFFIXES = (".py", ".sh", ".ipynb", ".md")
+INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+
+
+def inline_spans(text: str) -> list[str]:
+    """The `inline code` of a Markdown text (fenced blocks left out)."""
+    return INLINE.findall(FENCE.sub("", text))
+
+
+def shell_words(text: str) -> list[str]:
+    """Every word of every inline span and fenced shell block."""
+    words = [w for span in inline_spans(text) for w in span.split()]
+    words += [w for info, body in blocks(text) if info.startswith("bash") for c in commands(body) for w in c.split()]
+    return [w.strip("\"'(),;:") for w in words]
+
+
+def repository_paths(text: str) -> list[str]:
+    """Words that name a file or folder of this repository: rooted at one of its top-level entries,
+    or a script/module/doc file name (``.py``, ``.sh``, ``.ipynb``, ``.md``) that must be found somewhere in it."""
+    out = []
+    for w in shell_words(text):
+        w = w.removeprefix("./").split("::")[0].rstrip(".")
+        if not w or w.startswith(EXTERNAL) or "://" in w:
+            continue
+        if w.split("/")[0] in TOP and ("/" in w or "." in w):
+            out.append(w)
+        elif w.endswith(CODE_SUFFIXES) and re.fullmatch(r"[\w./-]+", w):
+            out.append(w)
+    return out
+
+
+def path_exists(w: str) -> bool:
+    """A path of the checkout (placeholders ``<name>`` and ``RUN`` match anything; a folder .gitignore
+    names is made at run time), or a file name found in it or written by finetuner (a run folder's ``launch.sh``)."""
+    if w.split("/")[0] in TOP:
+        if w in IGNORED:
+            return True
+        pattern = re.sub(r"<[^>]+>|\bRUN\b", "*", w.rstrip("/"))
+        return any(REPO.glob(pattern)) if "*" in pattern else (REPO / pattern).exists()
+    found = any(p.as_posix().endswith("/" + w) for p in REPO.rglob(Path(w).name) if ".venv" not in p.parts)
+    return found or f'"{Path(w).name}"' in CODE_TEXT
+
+
+IGNORED = set((REPO / ".gitignore").read_text(encoding="utf-8").split())
+CODE_TEXT = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "finetuner").rglob("*.py"))
+
+
+def test_every_repository_path_in_the_docs_exists():
+    """Every file or folder of the repository named in backticks, a shell block or a relative link of README.md and docs/*.md exists."""
+    missing, checked = [], 0
+    for doc in DOCS:
+        for w in repository_paths(doc.read_text(encoding="utf-8")):
+            checked += 1
+            if not path_exists(w):
+                missing.append(f"{doc.name}: {w}")
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text(encoding="utf-8")):  # Markdown links
+            if "://" not in target and not target.startswith("mailto:"):
+                checked += 1
+                if not (doc.parent / target).exists():
+                    missing.append(f"{doc.name}: link {target}")
+    assert checked >= 100
+    assert not missing, "paths in the docs that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def defined_names(module: Path) -> set[str]:
+    """The names a module defines or imports at any level (functions, classes, assignments, imports)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def dotted_name_error(name: str) -> str | None:
+    """Why ``finetuner.x.y`` / ``scripts.x.y`` (a module, then perhaps an attribute) names nothing, or None."""
+    import finetuner
+
+    parts = name.split(".")
+    i = 1
+    while i < len(parts) and ((REPO.joinpath(*parts[: i + 1])).is_dir() or REPO.joinpath(*parts[: i + 1]).with_suffix(".py").is_file()):
+        i += 1
+    module = REPO.joinpath(*parts[:i])
+    attrs = parts[i:]
+    if not attrs:
+        return None
+    if parts[:i] == ["finetuner"]:
+        return None if attrs[0] in finetuner.__all__ or attrs[0] == "__version__" else f"finetuner has no {attrs[0]}"
+    source = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
+    if not source.is_file():
+        return f"no module {'.'.join(parts[:i])}"
+    return None if attrs[0] in defined_names(source) else f"{'.'.join(parts[:i])} has no {attrs[0]} (nor a module of that name)"
+
+
+def test_every_module_and_function_named_in_the_docs_exists():
+    """``finetuner.runs.jobs.start_job``, ``python -m scripts.dev.fit_table``: each module exists, and the name after it is defined there."""
+    wrong, checked = [], 0
+    for doc in DOCS:
+        for w in shell_words(doc.read_text(encoding="utf-8")):
+            m = re.match(r"^((?:finetuner|scripts)(?:\.\w+)+)", w)
+            if not m:
+                continue
+            checked += 1
+            why = dotted_name_error(m.group(1).rstrip("."))
+            if why:
+                wrong.append(f"{doc.name}: {w}: {why}")
+    assert checked >= 20
+    assert not wrong, "names in the docs that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_every_finetuner_flag_in_the_docs_exists():
+    """Each ``--flag`` written after ``finetuner SUBCOMMAND`` (inline or in a block) is one of that subcommand's options."""
+    import contextlib
+    import io
+
+    from finetuner.cli.main import build_parser
+
+    parser = build_parser()
+    helps: dict[str, str] = {}
+
+    def help_of(sub: str) -> str:
+        if sub not in helps:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                parser.parse_args([sub, "--help"])
+            helps[sub] = out.getvalue()
+        return helps[sub]
+
+    wrong, checked = [], 0
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        spans = inline_spans(text) + [c for info, body in blocks(text) if info.startswith("bash") for c in commands(body)]
+        for span in spans:  # each command of the span (a comment dropped) that starts with `finetuner SUBCOMMAND`
+            for cmd in re.split(r"\s*(?:&&|\|\||\|)\s*", span.split(" #")[0]):
+                words = cmd.split()
+                if len(words) < 2 or words[0] != "finetuner" or words[1].startswith("-"):
+                    continue
+                sub = words[1]
+                usage = help_of(sub)
+                if not usage:
+                    wrong.append(f"{doc.name}: `{span}`: no subcommand {sub}")
+                    continue
+                for f in (x.split("=")[0].rstrip(".,)`") for x in words[2:] if x.startswith("--")):
+                    checked += 1
+                    if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", usage):
+                        wrong.append(f"{doc.name}: `{span}`: finetuner {sub} has no {f}")
+    assert checked >= 30
+    assert not wrong, "flags in the docs that do not exist:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_every_script_flag_in_the_docs_exists():
+    """Each ``--flag`` written after ``python -m scripts.X`` (or ``scripts/X.py``) is in that script's ``--help``."""
+    wanted: dict[tuple[str, ...], set[str]] = {}
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for span in inline_spans(text) + [c for info, body in blocks(text) if info.startswith("bash") for c in commands(body)]:
+            m = re.search(r"(?:python -m (scripts(?:\.\w+)+)|(scripts/[\w/]+)\.py)((?: [^|&#]*)?)", span)
+            if not m or "--" not in m.group(3):
+                continue
+            module = m.group(1) or m.group(2).replace("/", ".")
+            words = m.group(3).split()
+            positional = tuple(itertools.takewhile(lambda w: not w.startswith("-"), words))
+            wanted.setdefault((module, *positional), set()).update(w.split("=")[0] for w in words if w.startswith("--"))
+    assert len(wanted) >= 8
+    wrong = []
+    for (module, *positional), flags in sorted(wanted.items()):
+        out = subprocess.run([sys.executable, "-m", module, *positional, "--help"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, f"python -m {module} {' '.join(positional)} --help: {out.stderr[-1500:]}"
+        wrong += [f"python -m {module} {' '.join(positional)}: no {f}" for f in sorted(flags)
+                  if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", out.stdout)]
+    assert not wrong, "script flags in the docs that do not exist:\n" + "\n".join(wrong)
