@@ -340,3 +340,23 @@ def test_every_script_flag_in_the_docs_exists():
         wrong += [f"python -m {module} {' '.join(positional)}: no {f}" for f in sorted(flags)
                   if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", out.stdout)]
     assert not wrong, "script flags in the docs that do not exist:\n" + "\n".join(wrong)
+
+
+def test_recipe_table_names_every_key():
+    """README's Recipes table lists every key of every recipe section (a key added to the schema must be documented)."""
+    import typing
+
+    from finetuner.config.recipe import Recipe
+
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("| section | keys (defaults) |"):text.index("Relative paths in a recipe")]
+    missing = []
+    for name, field in Recipe.model_fields.items():
+        section = next((a for a in (field.annotation, *typing.get_args(field.annotation)) if hasattr(a, "model_fields")), None)
+        if section is None:
+            if f"`{name}`" not in table:
+                missing.append(name)
+            continue
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{name}`")), "")
+        missing += [f"{name}.{key}" for key in section.model_fields if f"`{key}`" not in row]
+    assert not missing, f"recipe keys missing from README's Recipes table: {missing}"
