@@ -9,13 +9,14 @@ trainer (a torchtune-style loop on transformers + peft + bitsandbytes):
 * QLoRA loads the linear layers of the decoder with bitsandbytes ``Linear4bit`` (or
   ``Linear8bitLt``). peft's ``prepare_model_for_kbit_training`` would cast every parameter that
   is not 4-bit — embeddings, LM head, norms, biases — to fp32 (``peft/utils/other.py``), making
-  the whole residual stream fp32; finetuner's trainer does not (``modeling.prepare_for_training``
-  freezes the base itself), so the unquantized parts stay in ``weight_dtype`` (measured on an H100:
-  the upcast costs 2.1 GB on an 8B model with a 128k vocabulary);
+  the whole residual stream fp32; finetuner's trainer does not
+  (``finetuner.model.loading.prepare_for_training`` freezes the base itself), so the unquantized
+  parts stay in ``weight_dtype`` (measured on an H100: the upcast costs 2.1 GB on an 8B model
+  with a 128k vocabulary);
 * full fine-tuning keeps fp32 master weights (mixed precision: 4 + 4 + 8 bytes per parameter of
   weights, gradients and AdamW states, the "16 bytes per parameter" of ZeRO's paper);
-* the loss is finetuner's chunked cross-entropy (``trainer.token_loss_sum``): the decoder's
-  hidden states of the labelled positions only are gathered, and the LM head + fp32
+* the loss is finetuner's chunked cross-entropy (``finetuner.training.trainer.token_loss_sum``):
+  the decoder's hidden states of the labelled positions only are gathered, and the LM head + fp32
   cross-entropy run ``loss_chunk`` tokens at a time under activation checkpointing, so the full
   ``tokens x vocab`` logits never exist. ``loss_chunk=0`` models the plain path
   (``cross_entropy(logits.float())`` with the logits held through the backward);
