@@ -47,6 +47,12 @@ class GpuProfile:
     def memory_gib(self) -> float:
         return self.memory_bytes / GiB
 
+    def with_default_install(self) -> GpuProfile:
+        """This card as a default ``pip install finetuner`` uses it: no Liger Kernel, no
+        FlashAttention-2 (SDPA and finetuner's chunked loss), whatever is installed here. The
+        README's fit table and the shipped GPU recipes are planned for it."""
+        return replace(self, liger=False, flash_attention=False)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory_gib"] = round(self.memory_gib, 2)

@@ -5,7 +5,8 @@
 Paste the output between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->`` in README.md.
 
 The table is the same wherever it is made: every card is planned for a default install
-(:data:`ASSUME`: no Liger Kernel, no FlashAttention-2), whatever this environment has installed.
+(``GpuProfile.with_default_install``: no Liger Kernel, no FlashAttention-2), whatever this
+environment has installed.
 The measured column is read from ``docs/validation/`` (the runs ``scripts/validate/memory.py
 --planned CARD`` recorded as ``planned-<card>-capped``), never typed in; a recorded run whose
 settings are no longer the planner's choice stops the script.
@@ -14,16 +15,12 @@ settings are no longer the planner's choice stops the script.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 MODELS = ["llama-2-7b", "qwen2.5-7b", "llama-3.1-8b", "llama-2-13b"]
 CARDS = ["rtx4090", "a100-40gb", "a100-80gb"]
-#: What the plans assume can run on the card (``GpuProfile.liger`` / ``flash_attention``): a
-#: default ``pip install finetuner``, so SDPA attention and finetuner's chunked loss.
-ASSUME = {"liger": False, "flash_attention": False}
 #: The settings that make a recorded run the planner's recipe (the rest: the run's own, said in the note).
 SAME_RECIPE = ("method", "lora_r", "lora_targets", "micro_batch", "seq_len", "gradient_checkpointing", "optimizer",
                "activation_offload")
@@ -98,7 +95,7 @@ def table() -> str:
     notes: list[str] = []
     for m in MODELS:
         for c in CARDS:
-            p = plan(m, replace(get_gpu(c), **ASSUME), seq_len=2048)
+            p = plan(m, get_gpu(c).with_default_install(), seq_len=2048)
             if not p.fits:
                 lines.append(f"| {m} | {c} | nothing fits: {p.suggestions[0]} | | |")
                 continue

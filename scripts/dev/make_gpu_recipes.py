@@ -20,10 +20,13 @@ GPU_RECIPES = {
 
 
 def planned(file: str):
+    """The plan for a default install (no Liger Kernel, no FlashAttention-2), whatever is installed here."""
+    from finetuner.config.hardware import get_gpu
     from finetuner.planning.planner import plan
 
     model, gpu, seq, eff = GPU_RECIPES[file]
-    return plan(model, gpu, seq_len=seq, effective_batch=eff, name=Path(file).stem.replace("_", "-"))
+    return plan(model, get_gpu(gpu).with_default_install(), seq_len=seq, effective_batch=eff,
+                name=Path(file).stem.replace("_", "-"))
 
 
 def main() -> None:

@@ -81,15 +81,14 @@ def test_every_reader_takes_the_resolved_runtime(overrides, device):
         assert acc["mixed_precision"] == ("no" if rt.precision == "fp32" else rt.precision)
 
 
-DEFAULT_INSTALL = {"liger": False, "flash_attention": False}
 SPEED_INSTALL = {"liger": True, "flash_attention": True}
 
 
 @pytest.mark.parametrize("card,device", [
     (cpu_profile(), Device("cpu")),
-    (replace(get_gpu("rtx4090"), **DEFAULT_INSTALL), Device("cuda", bf16=True)),
-    (replace(get_gpu("t4"), **DEFAULT_INSTALL), Device("cuda", bf16=False)),
-    (replace(get_gpu("v100-32gb"), **DEFAULT_INSTALL), Device("cuda", bf16=False)),
+    (get_gpu("rtx4090").with_default_install(), Device("cuda", bf16=True)),
+    (get_gpu("t4").with_default_install(), Device("cuda", bf16=False)),
+    (get_gpu("v100-32gb").with_default_install(), Device("cuda", bf16=False)),
     (replace(get_gpu("rtx4090"), **SPEED_INSTALL), Device("cuda", bf16=True, flash_attention=True, liger=True)),
     (replace(get_gpu("t4"), **SPEED_INSTALL), Device("cuda", bf16=False, liger=True)),  # FlashAttention-2: Ampere or newer
 ])
@@ -106,7 +105,7 @@ def test_a_profile_that_assumes_nothing_follows_what_is_installed_here(monkeypat
 
     monkeypatch.setattr(runtime, "_installed", lambda package: installed)
     assert Device.of(get_gpu("rtx4090")) == Device("cuda", bf16=True, flash_attention=installed, liger=installed)
-    assert Device.of(replace(get_gpu("rtx4090"), **DEFAULT_INSTALL)) == Device("cuda", bf16=True)
+    assert Device.of(get_gpu("rtx4090").with_default_install()) == Device("cuda", bf16=True)
 
 
 def test_cpu_predictions_are_for_the_cpu_not_a_bf16_card():
