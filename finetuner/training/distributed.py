@@ -37,11 +37,12 @@ its hooks:
   same split of the step's examples) and runs the step again; rank 0 alone writes the
   ``oom_backoff`` event and ``recipe.yaml``. A DeepSpeed engine cannot change course inside a
   step (ZeRO-2 has already reduced the micro-batches' gradients into its partitions, ZeRO-3
-  gathers parameters inside the forward pass), so under ZeRO the ranks end the run together with
-  exit status 3 and the micro-batch and accumulation to resume with; the resumed launch writes
-  ``deepspeed.json`` from them. An out-of-memory error inside a collective (DDP's never: it has
-  none inside a pass; ZeRO's gathers and reductions) or in the optimizer step cannot be agreed
-  on: that rank ends the run (torchrun stops the others) with the values to resume with.
+  gathers parameters inside the forward pass), so under ZeRO rank 0 writes the backed-off values
+  to ``recipe.yaml`` and the ranks end the run together with exit status 3; running the same
+  command again resumes from the last checkpoint with them (the launcher writes
+  ``deepspeed.json`` from them). An out-of-memory error inside a collective (ZeRO's gathers and
+  reductions; DDP has none inside a pass) or in the optimizer step cannot be agreed on: that
+  rank ends the run (torchrun stops the others).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.recipe import Recipe
-from finetuner.errors import UserError
+from finetuner.errors import OutOfMemory, UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.launch import STOP_FILE
 from finetuner.training.trainer import Trainer, build_scheduler
@@ -284,12 +285,27 @@ class DistributedTrainer(Trainer):
         return float(stats[0]), int(stats[1])
 
     def _back_off(self, step: int, message: str) -> None:
-        """All ranks agreed on an out-of-memory error in ``step``: DDP backs off like one process (the
-        same values on every rank); a DeepSpeed engine cannot, and the run ends (module docstring)."""
+        """All ranks agreed on an out-of-memory error in ``step``: back off like one process (the same
+        values on every rank, rank 0 writes them). A DeepSpeed engine cannot continue with them, so
+        under ZeRO the run then ends, to resume with them (see the module's docstring)."""
+        before = self.recipe.training.micro_batch_size
+        super()._back_off(step, message)
         if self.engine is None:
-            super()._back_off(step, message)
             return
-        raise self._out_of_memory_error(step, message, "a DeepSpeed engine cannot lower its micro-batch while it runs")
+        t = self.recipe.training
+        if ckpt_io.latest_checkpoint(self.run_dir) is not None:
+            how = "run the same command again: it resumes from the last checkpoint with them"
+        else:
+            how = (f"no checkpoint is saved yet: run again with --set training.micro_batch_size={t.micro_batch_size} "
+                   f"--set training.gradient_accumulation={t.gradient_accumulation}")
+        raise OutOfMemory(
+            f"Out of device memory in step {step + 1} on {self.world_size} processes (micro_batch_size {before}; {message}). "
+            f"A DeepSpeed engine cannot lower its micro-batch while it runs: the run folder's recipe.yaml now has "
+            f"micro_batch_size {t.micro_batch_size} and gradient_accumulation {t.gradient_accumulation} (the same "
+            f"effective batch); {how}. {self._predicted_note()}".rstrip(),
+            hint="Turn on training.gradient_checkpointing, add distributed.offload, or use a shorter data.max_seq_len; "
+            "`finetuner plan --gpus N` finds settings that fit.",
+        )
 
     # ---------------------------------------------------------------- outputs
     def _write_json(self, name: str, data: Any) -> None:

@@ -493,30 +493,18 @@ class Trainer:
                 if not is_out_of_memory(e):
                     raise
                 failure = describe(e)
-                if self.world_size > 1:
-                    raise self._out_of_memory_error(step, failure, "the ranks cannot agree on an error in the optimizer step") from None
+                if self.world_size > 1:  # the other ranks may have stepped: this rank ends the run
+                    raise OutOfMemory(
+                        f"Out of device memory in step {step + 1} on rank {self.rank} of {self.world_size} processes, "
+                        f"after the step's micro-batches ({failure}); a smaller micro-batch does not lower that memory.",
+                        hint="Use a ZeRO strategy with distributed.offload: optimizer, a paged or 8-bit optimizer, or "
+                        "method: qlora; `finetuner plan --gpus N` finds settings that fit.",
+                    ) from None
             self._free_after_oom()
             self._back_off(step, failure)
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
                 torch.cuda.set_rng_state_all(rng[1])
-
-    def _out_of_memory_error(self, step: int, failure: str, why: str) -> OutOfMemory:
-        """The error that ends a run whose out-of-memory error cannot be recovered from while it runs
-        (``why``), with the micro-batch and accumulation to resume with."""
-        t = self.recipe.training
-        smaller = smaller_micro_batch(t.micro_batch_size, t.effective_batch_size)
-        if smaller is None:
-            what_next = "It does not fit even with micro_batch_size 1."
-        else:
-            what_next = (f"Resume with training.micro_batch_size: {smaller} and training.gradient_accumulation: "
-                         f"{t.effective_batch_size // smaller} (the same effective batch).")
-        return OutOfMemory(
-            f"Out of device memory in step {step + 1} on {self.world_size} processes (micro_batch_size "
-            f"{t.micro_batch_size}; {failure}): {why}. {what_next} {self._predicted_note()}".rstrip(),
-            hint="Turn on training.gradient_checkpointing, use a ZeRO strategy (with offload), or a shorter "
-            "data.max_seq_len; `finetuner plan --gpus N` finds settings that fit.",
-        )
 
     def _back_off(self, step: int, message: str) -> None:
         """After an out-of-memory error in ``step``: halve the micro-batch (same effective batch),

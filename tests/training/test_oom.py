@@ -49,6 +49,35 @@ def test_a_cublas_allocation_failure_in_a_step_is_backed_off(recipe_dict, tmp_pa
     assert "CUBLAS_STATUS_ALLOC_FAILED" in backoff["message"] and result.metrics["steps"] == 4
 
 
+def test_the_failed_attempts_tensors_are_freed_before_the_back_off(recipe_dict, monkeypatch):
+    """Memory is given back after the ``except`` block: by the time the cache is emptied nothing
+    (no traceback, no frame) holds the tensors of the attempt that failed."""
+    import weakref
+
+    import torch
+
+    from finetuner.training import trainer as trainer_module
+
+    held, alive_at_free = [], []
+    real_step, real_free = trainer_module.Trainer._micro_step, trainer_module.Trainer._free_after_oom
+
+    def failing_first(self, *a, **kw):
+        if not held:
+            activations = torch.ones(1 << 16)  # what a pass holds when the allocator gives up
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(self, *a, **kw)
+
+    def spy(self):
+        alive_at_free.append(held[0]() is not None)
+        real_free(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_micro_step", failing_first)
+    monkeypatch.setattr(trainer_module.Trainer, "_free_after_oom", spy)
+    result = finetuner.train(Recipe.from_dict(recipe_dict, ["training.max_steps=1"]))
+    assert alive_at_free == [False] and result.metrics["steps"] == 1
+
+
 def test_fault_specs_with_a_rank_and_inside_writes():
     from finetuner.training.faults import FaultPlan
 
@@ -106,26 +135,54 @@ def test_out_of_memory_at_micro_batch_1_on_several_processes_ends_the_run(one_pr
     assert [e["event"] for e in events].count("error") == 1  # rank 0 alone writes
 
 
-def test_out_of_memory_under_zero_ends_the_run_together_with_the_values_to_resume_with(one_process, tmp_path, monkeypatch):
-    """A DeepSpeed engine cannot lower its micro-batch while it runs: the ranks agree and stop (exit 3);
-    the resume with the advised values writes deepspeed.json from them and finishes."""
+def test_out_of_memory_under_zero_ends_the_run_together_and_the_same_command_resumes_smaller(one_process, tmp_path, monkeypatch):
+    """A DeepSpeed engine cannot lower its micro-batch while it runs: the ranks agree and stop (exit 3)
+    with the backed-off values in the run's recipe.yaml; the same command resumes with them
+    (deepspeed.json written from them) and lands on the run without the fault."""
     from tests.conftest import run_cli, write_recipe
 
     base, ref = one_process
     monkeypatch.setenv("FINETUNER_FAULT", "OOM@5:1")
     raw = dict(base, output_dir=str(tmp_path / "z2"), distributed={"strategy": "zero2", "num_processes": 2})
-    out = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)))
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    out = run_cli("run", str(recipe))
     assert out.returncode == 3, out.stderr + out.stdout
-    assert "Out of device memory in step 5 on 2 processes (micro_batch_size 2; " in out.stderr
-    assert "on rank 1" in out.stderr and "Resume with training.micro_batch_size: 1 and training.gradient_accumulation: 4" in out.stderr
+    assert "Out of device memory in step 5 on 2 processes (micro_batch_size 2; " in out.stderr and "on rank 1" in out.stderr
+    assert "recipe.yaml now has micro_batch_size 1 and gradient_accumulation 4" in out.stderr
+    assert "run the same command again" in out.stderr
     events = read_events(tmp_path / "z2" / "events.jsonl")
     assert [e["event"] for e in events].count("error") == 1 and events[-1]["type"] == "OutOfMemory"
+    assert [e["event"] for e in events].count("oom_backoff") == 1
+    saved = yaml.safe_load((tmp_path / "z2" / "recipe.yaml").read_text())["training"]
+    assert (saved["micro_batch_size"], saved["gradient_accumulation"]) == (1, 4)
     monkeypatch.delenv("FINETUNER_FAULT")
-    resumed = run_cli("run", str(tmp_path / "r.yaml"), "--set", "training.micro_batch_size=1", "--set", "training.gradient_accumulation=4")
+    resumed = run_cli("run", str(recipe))
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
     ds = json.loads((tmp_path / "z2" / "distributed" / "deepspeed.json").read_text())
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (1, 2, 4)
     events = read_events(tmp_path / "z2" / "events.jsonl")
     assert [e["resumed_from_step"] for e in events if e["event"] == "start"] == [None, 3]
-    losses = [e["loss"] for e in events if e["event"] == "step"]
-    assert losses[-3:] == pytest.approx(ref.losses[-3:], abs=1e-5)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["micro_batch_size"] for e in steps[-3:]] == [1, 1, 1]
+    assert [e["loss"] for e in steps[-3:]] == pytest.approx(ref.losses[-3:], abs=1e-5)
+
+
+def test_the_gpu_oom_script_runs_its_smoke_check(tmp_path):
+    """``python -m scripts.validate.oom_backoff --smoke``: the CPU stand-in of the GPU check (an
+    injected error instead of a real one) runs end to end and reports the recovery."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("FINETUNER_FAULT", None)
+    out = subprocess.run([sys.executable, "-m", "scripts.validate.oom_backoff", "--smoke", "--steps", "3", "--out", str(tmp_path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads((tmp_path / "oom_backoff_smoke.json").read_text())
+    assert report["recovered"] and report["mode"] == "smoke (injected fault)"
+    limited = report["limited"]
+    assert [(b["step"], b["old_micro_batch_size"], b["micro_batch_size"]) for b in limited["backoffs"]] == [(2, 4, 2), (2, 2, 1)]
+    assert limited["micro_batch_per_step"] == [4, 1, 1] and report["max_loss_diff"] < 1e-4
