@@ -13,7 +13,8 @@ every micro-batch has the same length), each in its own process so each peak is 
 The result goes to ``--out/oom_backoff[_smoke].json``; the exit status is 1 when the limited run
 did not recover. ``--smoke`` runs on the CPU with a tiny model, where no real out-of-memory error
 can be provoked: the limited run gets an injected one instead (``FINETUNER_FAULT=OOM@2*2``), which
-checks the script and the back-off path, not the allocator.
+checks the script and the back-off path, not the allocator (and its memory figures are the
+process's resident memory, not CUDA allocations).
 
 Usage:
     python -m scripts.validate.oom_backoff --out /tmp/oom            # on a CUDA machine
@@ -58,10 +59,12 @@ def build_model(folder: Path, smoke: bool) -> None:
     tok.save_pretrained(folder)
 
 
-def write_data(path: Path, n: int = 256) -> None:
+def write_data(path: Path, smoke: bool, n: int = 256) -> None:
+    """Rows that fill ``data.max_seq_len`` once packed (64 tokens with --smoke, else 1,024)."""
     rng = random.Random(1)
     words = "the of and to in is was for on that with as by at from it this be are or an hike bird sea".split()
-    rows = [{"instruction": " ".join(rng.choices(words, k=200)), "input": "", "output": " ".join(rng.choices(words, k=400))}
+    prompt, answer = (8, 24) if smoke else (100, 300)
+    rows = [{"instruction": " ".join(rng.choices(words, k=prompt)), "input": "", "output": " ".join(rng.choices(words, k=answer))}
             for _ in range(n)]
     path.write_text(json.dumps(rows), encoding="utf-8")
 
@@ -82,6 +85,7 @@ def recipe(name: str, model_dir: Path, data: Path, work: Path, micro: int, effec
 
 def child(spec: dict) -> None:
     """One run in this process (``--child``): the memory limit first, then finetuner.train."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as finetuner.train sets it
     import torch
 
     import finetuner
@@ -126,7 +130,7 @@ def run_child(name: str, spec: dict, work: Path, fault: str | None = None) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for the JSON result")
+    ap.add_argument("--out", help="folder for the JSON result (required)")
     ap.add_argument("--work", default=None, help="scratch folder (default: OUT/work)")
     ap.add_argument("--micro", type=int, default=16, help="the micro-batch that should not fit (a multiple of 4)")
     ap.add_argument("--steps", type=int, default=4)
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
+    if not args.out:
+        ap.error("the following argument is required: --out")
     import torch
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model_dir, data = work / ("tiny" if args.smoke else "llama-1024x8"), work / "data.json"
     build_model(model_dir, args.smoke)
-    write_data(data)
+    write_data(data, args.smoke)
 
     def spec(name, m, fraction=None):
         return {"recipe": recipe(name, model_dir, data, work, m, micro, args.steps, args.smoke), "fraction": fraction}
