@@ -45,10 +45,15 @@ class EventWriter:
     def __init__(self, path: Path, callbacks: list[Callback] | None = None, strict: bool | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut_short = _ends_mid_line(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
+        if cut_short:  # a process killed while writing left half a line: end it, so it stays one bad line
+            self._f.write("\n")
         self.callbacks = list(callbacks or [])
         self.strict = strict_events() if strict is None else strict
         self._warned: set[str] = set()
+        #: fault injection (:mod:`finetuner.training.faults`): called with each record once half its line is on disk
+        self.midway: Callable[[dict[str, Any]], Any] | None = None
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         if event == "start":
@@ -61,7 +66,14 @@ class EventWriter:
             if event not in self._warned:
                 self._warned.add(event)
                 log.warning("Event %r does not follow the events schema: %s", event, "; ".join(problems))
-        self._f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+        if self.midway is not None:
+            self._f.write(line[: len(line) // 2])
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self.midway(record)
+            line = line[len(line) // 2 :]
+        self._f.write(line)
         self._f.flush()
         os.fsync(self._f.fileno())
         for cb in self.callbacks:
@@ -71,6 +83,18 @@ class EventWriter:
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

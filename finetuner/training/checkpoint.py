@@ -67,14 +67,17 @@ def start_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def write_checkpoint_parts(
-    tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None
+    tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None, midway=None
 ) -> None:
     """Write a checkpoint's parts into ``tmp``; ``optimizer=None`` when an engine keeps the optimizer
-    states itself (:data:`ENGINE_DIR`)."""
+    states itself (:data:`ENGINE_DIR`). ``midway()`` is called after the weights, before the rest
+    (the fault point of :mod:`finetuner.training.faults`' ``KILL@save:STEP``)."""
     import torch
 
     with quieted():
         model.save_pretrained(tmp / "adapter", safe_serialization=True)
+    if midway is not None:
+        midway()
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -104,11 +107,12 @@ def publish_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int, scaler=None, recipe_yaml: str | None = None
+    run_dir: Path, step: int, model, optimizer, scheduler, state: dict[str, Any], keep_last: int, scaler=None,
+    recipe_yaml: str | None = None, midway=None,
 ) -> Path:
     """Write the checkpoint of ``step`` (see the module's docstring) and prune older ones."""
     tmp = start_checkpoint(run_dir, step)
-    write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml)
+    write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml, midway)
     return publish_checkpoint(run_dir, step, keep_last)
 
 

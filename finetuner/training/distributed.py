@@ -16,11 +16,14 @@ its hooks:
   (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
   the global number of trained tokens, so N processes compute the same gradient as one process
   with the same effective batch; the step's loss and tokens are summed over the ranks (all-reduce);
-- **gradient synchronisation**: DDP all-reduces the gradients on the step's last backward pass
-  only (``no_sync`` before it); a DeepSpeed engine is told where the accumulation boundary is and
-  runs its own backward and step (it clips, and with fp16 scales the loss, itself). Under DDP the
-  optimizer step is the single-process one, fp16 ``GradScaler`` included: the gradients it
-  unscales are already the same on every rank, so every rank skips or takes the same steps;
+- **gradient synchronisation**: under DDP every backward pass runs under ``no_sync`` and, once
+  the ranks have agreed that all the step's passes fit, the accumulated gradients are averaged
+  over the ranks (an all-reduce in buckets, :func:`average_gradients`): no collective runs inside
+  a pass, so a rank that fails in one cannot leave the others waiting in it. A DeepSpeed engine
+  is told where the accumulation boundary is and runs its own backward and step (it clips, and
+  with fp16 scales the loss, itself). Under DDP the optimizer step is the single-process one,
+  fp16 ``GradScaler`` included: the gradients it unscales are already the same on every rank, so
+  every rank skips or takes the same steps;
 - **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
   ``metrics.json``; ZeRO-3 parameters are gathered for saving;
 - **checkpoints**: DDP's are the ordinary format; ZeRO's hold ``deepspeed/`` instead of
@@ -28,10 +31,18 @@ its hooks:
   :mod:`finetuner.training.checkpoint`) and resume with the same strategy and world size;
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
   signal, so they stop at the same step and save one checkpoint together;
-- **out of memory**: a rank cannot halve its micro-batch alone (the others are in, or on their
-  way to, the collectives of the same step: DDP's gradient all-reduce, ZeRO's gathers and
-  reductions), so an out-of-memory error on any rank ends the run on every rank (torchrun stops
-  the others) with the micro-batch and accumulation to resume with.
+- **out of memory**: after each micro-batch the ranks agree (an all-reduce of a flag) whether any
+  of them ran out of memory. Under DDP, if one did, every rank drops the step's gradients, halves
+  its micro-batch and doubles its accumulation the same way (the same effective batch and the
+  same split of the step's examples) and runs the step again; rank 0 alone writes the
+  ``oom_backoff`` event and ``recipe.yaml``. A DeepSpeed engine cannot change course inside a
+  step (ZeRO-2 has already reduced the micro-batches' gradients into its partitions, ZeRO-3
+  gathers parameters inside the forward pass), so under ZeRO rank 0 writes the backed-off values
+  to ``recipe.yaml`` and the ranks end the run together with exit status 3; running the same
+  command again resumes from the last checkpoint with them (the launcher writes
+  ``deepspeed.json`` from them). An out-of-memory error inside a collective (ZeRO's gathers and
+  reductions; DDP has none inside a pass) or in the optimizer step cannot be agreed on: that
+  rank ends the run (torchrun stops the others).
 """
 
 from __future__ import annotations
@@ -135,6 +146,29 @@ def init_rank(recipe: Recipe) -> RankContext:
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, cuda)
 
 
+def average_gradients(params, world_size: int, bucket_bytes: int = 64 * 2**20) -> None:
+    """Average the gradients of ``params`` over the ranks in place: one all-reduce per bucket of
+    about ``bucket_bytes`` (what DDP does in its synchronising backward pass, done here after it)."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list = []
+    size = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1 or grads[i + 1].dtype != g.dtype:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat)
+            flat /= world_size
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            bucket, size = [], 0
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -209,9 +243,24 @@ class DistributedTrainer(Trainer):
         if self.engine is not None:
             self.engine.set_gradient_accumulation_boundary(last)
             return contextlib.nullcontext()
-        if not last:
-            return self.wrapped.no_sync()  # accumulate locally; the last pass all-reduces
-        return contextlib.nullcontext()
+        return self.wrapped.no_sync()  # accumulate locally: _sync_gradients averages once the ranks agree
+
+    def _out_of_memory_anywhere(self, failure: str | None) -> str | None:
+        import torch
+        import torch.distributed as dist
+
+        first = torch.tensor([self.rank if failure is not None else self.world_size], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)  # the lowest rank that failed, or world_size
+        failed = int(first.item())
+        if failed == self.world_size:
+            return None
+        return failure if failure is not None else f"out of memory on rank {failed}"
+
+    def _sync_gradients(self) -> None:
+        if self.engine is None:
+            if getattr(self, "_trainable", None) is None:
+                self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+            average_gradients(self._trainable, self.world_size)
 
     def _backward(self, loss) -> None:
         if self.engine is not None:
@@ -235,24 +284,28 @@ class DistributedTrainer(Trainer):
         dist.all_reduce(stats)
         return float(stats[0]), int(stats[1])
 
-    def _back_off(self, step: int, error: BaseException) -> None:
-        """Out of memory on this rank: the run ends on every rank (see the module's docstring), with the
-        values to resume with in the message (the launcher shows rank 0's message, not its hint)."""
+    def _back_off(self, step: int, message: str) -> None:
+        """All ranks agreed on an out-of-memory error in ``step``: back off like one process (the same
+        values on every rank, rank 0 writes them). A DeepSpeed engine cannot continue with them, so
+        under ZeRO the run then ends, to resume with them (see the module's docstring)."""
+        before = self.recipe.training.micro_batch_size
+        super()._back_off(step, message)
+        if self.engine is None:
+            return
         t = self.recipe.training
-        eff = t.effective_batch_size
-        smaller = next((d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0), None)
-        if smaller is None:
-            what_next = "It does not fit even with micro_batch_size 1."
+        if ckpt_io.latest_checkpoint(self.run_dir) is not None:
+            how = "run the same command again: it resumes from the last checkpoint with them"
         else:
-            what_next = (f"Resume with training.micro_batch_size: {smaller} and training.gradient_accumulation: "
-                         f"{eff // smaller} (the same effective batch).")
+            how = (f"no checkpoint is saved yet: run again with --set training.micro_batch_size={t.micro_batch_size} "
+                   f"--set training.gradient_accumulation={t.gradient_accumulation}")
         raise OutOfMemory(
-            f"Out of device memory in step {step + 1} on rank {self.rank} of {self.world_size} processes "
-            f"(micro_batch_size {t.micro_batch_size}); a multi-process run cannot lower its micro-batch while it "
-            f"runs. {what_next} {self._predicted_note()}".rstrip(),
-            hint="Turn on training.gradient_checkpointing, use a ZeRO strategy (with offload), or a shorter "
-            "data.max_seq_len; `finetuner plan --gpus N` finds settings that fit.",
-        ) from error
+            f"Out of device memory in step {step + 1} on {self.world_size} processes (micro_batch_size {before}; {message}). "
+            f"A DeepSpeed engine cannot lower its micro-batch while it runs: the run folder's recipe.yaml now has "
+            f"micro_batch_size {t.micro_batch_size} and gradient_accumulation {t.gradient_accumulation} (the same "
+            f"effective batch); {how}. {self._predicted_note()}".rstrip(),
+            hint="Turn on training.gradient_checkpointing, add distributed.offload, or use a shorter data.max_seq_len; "
+            "`finetuner plan --gpus N` finds settings that fit.",
+        )
 
     # ---------------------------------------------------------------- outputs
     def _write_json(self, name: str, data: Any) -> None:

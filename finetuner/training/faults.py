@@ -4,7 +4,15 @@
 a closed laptop lid); ``INT@3`` / ``TERM@3`` send SIGINT / SIGTERM (the user's Ctrl-C, or the
 web UI's stop button); ``OOM@3`` raises an out-of-memory error in step 3 after its first
 micro-batch (``OOM@3*2``: in two attempts at it; ``OOM@3*inf``: in every attempt).
-Several faults are separated by commas. Unset in normal use; read once per run.
+
+Two fault points sit inside the writes a crash could cut short: ``KILL@save:4`` kills the
+process in the middle of writing the checkpoint of step 4 (the adapter written, the optimizer
+state and the rename not), ``KILL@events:5`` halfway through appending the ``step`` event of
+step 5 to ``events.jsonl`` (half a line on disk).
+
+In a multi-process run every fault applies to every rank unless a rank follows it:
+``OOM@3:1`` is "in step 3 on rank 1 only", ``KILL@save:4:0`` "inside the save of step 4 on rank 0".
+Several faults are separated by commas. Unset in normal use; read once per process.
 """
 
 from __future__ import annotations
@@ -13,30 +21,74 @@ import os
 import signal
 
 ENV = "FINETUNER_FAULT"
+#: the points inside a write that ``KILL@POINT:STEP`` can name
+WRITE_POINTS = ("save", "events")
+
+
+def _parse(spec: str):
+    """``(name, point, step, times, rank)`` for each fault of ``spec``; a malformed one raises ValueError."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, at, where = item.partition("@")
+        parts = where.split(":")
+        point = parts.pop(0).lower() if parts and parts[0].isalpha() else None
+        try:
+            if not at or point not in (None, *WRITE_POINTS) or len(parts) not in (1, 2):
+                raise ValueError
+            step, _, times = parts[0].partition("*")
+            rank = int(parts[1]) if len(parts) == 2 else None
+            out.append((name.upper(), point, int(step), float(times or 1), rank))
+            if name.upper() != "OOM":
+                getattr(signal, f"SIG{name.upper()}")
+            if point and name.upper() != "KILL":
+                raise ValueError
+        except (ValueError, AttributeError):
+            raise ValueError(
+                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM or OOM) "
+                f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK]"
+            ) from None
+    return out
 
 
 class FaultPlan:
     def __init__(self, spec: str | None = None):
         spec = os.environ.get(ENV, "") if spec is None else spec
-        self.signals: dict[int, int] = {}
-        self.ooms: dict[int, float] = {}
-        for item in filter(None, (x.strip() for x in spec.split(","))):
-            name, _, where = item.partition("@")
-            step, _, times = where.partition("*")
-            if name.upper() == "OOM":
-                self.ooms[int(step)] = float(times or 1)
+        self.signals: dict[tuple[int, int | None], int] = {}
+        self.ooms: dict[tuple[int, int | None], float] = {}
+        self.kills_in: dict[str, set[tuple[int, int | None]]] = {p: set() for p in WRITE_POINTS}
+        for name, point, step, times, rank in _parse(spec):
+            if point:
+                self.kills_in[point].add((step, rank))
+            elif name == "OOM":
+                self.ooms[(step, rank)] = times
             else:
-                self.signals[int(step)] = getattr(signal, f"SIG{name.upper()}")
+                self.signals[(step, rank)] = getattr(signal, f"SIG{name}")
 
-    def after_step(self, step: int) -> None:
-        if step in self.signals:
-            os.kill(os.getpid(), self.signals[step])
+    @staticmethod
+    def _find(table, step: int, rank: int):
+        """The key of ``table`` that applies to ``step`` on ``rank`` (rank-qualified first), or None."""
+        return next((key for key in ((step, rank), (step, None)) if key in table), None)
 
-    def in_step(self, step: int) -> None:
-        """Raise a simulated out-of-memory error if one is planned for this (1-based) step."""
-        left = self.ooms.get(step, 0)
-        if left > 0:
-            self.ooms[step] = left - 1
+    def after_step(self, step: int, rank: int = 0) -> None:
+        key = self._find(self.signals, step, rank)
+        if key is not None:
+            os.kill(os.getpid(), self.signals[key])
+
+    def in_step(self, step: int, rank: int = 0) -> None:
+        """Raise a simulated out-of-memory error if one is planned for this (1-based) step on this rank."""
+        key = self._find(self.ooms, step, rank)
+        if key is not None and self.ooms[key] > 0:
+            self.ooms[key] -= 1
             import torch
 
-            raise torch.OutOfMemoryError(f"simulated out-of-memory error in step {step} ({ENV})")
+            where = f" on rank {rank}" if key[1] is not None else ""
+            raise torch.OutOfMemoryError(f"simulated out-of-memory error in step {step}{where} ({ENV})")
+
+    def wants_kill_in(self, point: str) -> bool:
+        """Whether a ``KILL@point:…`` fault is planned (the writer then calls :meth:`in_write`)."""
+        return bool(self.kills_in[point])
+
+    def in_write(self, point: str, step: int, rank: int = 0) -> None:
+        """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``."""
+        if self._find(dict.fromkeys(self.kills_in[point]), step, rank) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)

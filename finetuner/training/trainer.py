@@ -35,6 +35,7 @@ from finetuner.data.pipeline import IGNORE_INDEX, Collator, PreparedData, prepar
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
+from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
 from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
 from finetuner.model.offload import save_on_cpu
@@ -281,6 +282,8 @@ class Trainer:
         self.stop_event = stop_event or threading.Event()
         self.tb = None
         self.faults = FaultPlan()
+        if self.faults.wants_kill_in("events"):  # KILL@events:STEP: halfway through that step's line
+            self.events.midway = lambda record: record["event"] == "step" and self.faults.in_write("events", record["step"], self.rank)
         self._tried_micro: list[int] = []
         self.profile_memory = profile_memory
         #: this process's place in the run: one process is rank 0 of 1
@@ -368,6 +371,13 @@ class Trainer:
         """The step's token-loss sum and token count over all ranks."""
         return loss_sum, tokens
 
+    def _out_of_memory_anywhere(self, failure: str | None) -> str | None:
+        """After each micro-batch: what ran out of memory on any rank (one process: here), or None."""
+        return failure
+
+    def _sync_gradients(self) -> None:
+        """After a step's passes all fit: make the ranks' gradients the same; one process: nothing."""
+
     def _write_json(self, name: str, data: Any) -> None:
         """Write a JSON file into the run folder (in a multi-process run, rank 0 only)."""
         atomic_write_json(self.run_dir / name, data)
@@ -410,7 +420,10 @@ class Trainer:
 
         Returns (mean token loss, real tokens processed, grad norm), over all ranks. Every rank
         runs as many backward passes as the rank with the most micro-batches (a missing one is a
-        zero-weight pass on one example) so that the ranks' collectives stay in step.
+        zero-weight pass on one example) so that the ranks' collectives stay in step. After each
+        pass the ranks agree whether any ran out of memory (:meth:`_out_of_memory_anywhere`); if
+        one did, every rank raises :class:`StepOutOfMemory` before the gradients are synchronised
+        (:meth:`_sync_gradients`) or the optimizer steps.
         """
         t = self.recipe.training
         examples = [self.data.train[i] for i in self.schedule.indices(step)]
@@ -421,25 +434,39 @@ class Trainer:
         if not self.model.training:  # train() walks every module: only when evaluation switched it off
             self.model.train()
         for k in range(n_passes):
-            real = k < len(mine)
-            start, end = mine[k] if real else (0, 1)
-            mb = self._to_device(self.collate(examples[start:end]))
-            with self._gradient_sync(last=k == n_passes - 1):
-                with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
-                    loss_sum = self.step_loss(mb)
-                # the gradient of the global token-loss sum over the global token count: DDP and ZeRO
-                # average the ranks' gradients, so each rank's part is weighted by the number of ranks
-                loss = loss_sum * (self.world_size if real else 0) / max(n_target, 1)
-                self._backward(loss)
-            if real:
-                total_loss += float(loss_sum.detach())
-                tokens += mb["num_tokens"]
-            del loss, loss_sum, mb
-            if k == 0:
-                self.faults.in_step(step + 1)
+            failure = None
+            try:
+                loss_sum, n_tokens = self._micro_step(examples, mine[k] if k < len(mine) else None, n_target, k == n_passes - 1)
+                if k == 0:
+                    self.faults.in_step(step + 1, self.rank)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                failure = describe(e)  # the text only: the error's traceback holds the pass's tensors
+            failure = self._out_of_memory_anywhere(failure)
+            if failure is not None:
+                raise StepOutOfMemory(failure)
+            total_loss += loss_sum
+            tokens += n_tokens
+        self._sync_gradients()
         grad_norm = self._optimizer_step()
         total_loss, tokens = self._sum_over_ranks(total_loss, tokens)
         return total_loss / max(n_target, 1), tokens, grad_norm
+
+    def _micro_step(self, examples, bounds: tuple[int, int] | None, n_target: int, last: bool) -> tuple[float, int]:
+        """Forward and backward of one micro-batch (``bounds`` of ``examples``; None: a zero-weight pass
+        on one example); returns its token-loss sum and tokens. Its tensors die with this call."""
+        t = self.recipe.training
+        start, end = bounds or (0, 1)
+        mb = self._to_device(self.collate(examples[start:end]))
+        with self._gradient_sync(last=last):
+            with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
+                loss_sum = self.step_loss(mb)
+            # the gradient of the global token-loss sum over the global token count: DDP and ZeRO
+            # average the ranks' gradients, so each rank's part is weighted by the number of ranks
+            loss = loss_sum * (self.world_size if bounds else 0) / max(n_target, 1)
+            self._backward(loss)
+        return (float(loss_sum.detach()), mb["num_tokens"]) if bounds else (0.0, 0)
 
     def _optimizer_step(self) -> float | None:
         if getattr(self, "_trainable", None) is None:  # walking every parameter each step costs ~1 ms on CPU
@@ -447,34 +474,53 @@ class Trainer:
         return optimizer_step(self.optimizer, self.scheduler, self._trainable, self.recipe.training.max_grad_norm, self.scaler)
 
     def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
-        """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM."""
+        """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM.
+
+        The failure is recorded inside the ``except`` block and the memory freed after it: while
+        the error is being handled its traceback keeps the failed step's frames, and their tensors,
+        alive. An out-of-memory error after the passes (in the optimizer step) is retried the
+        same way on one process; on several the ranks have not agreed on it and the run ends.
+        """
         import torch
 
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if self.rt.is_cuda else None)
         while True:
             try:
                 return self.train_step(step)
-            except torch.OutOfMemoryError as e:
-                self._free_after_oom()
-                self._back_off(step, e)
-                torch.set_rng_state(rng[0])
-                if rng[1] is not None:
-                    torch.cuda.set_rng_state_all(rng[1])
+            except StepOutOfMemory as e:
+                failure = e.message
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                failure = describe(e)
+                if self.world_size > 1:  # the other ranks may have stepped: this rank ends the run
+                    raise OutOfMemory(
+                        f"Out of device memory in step {step + 1} on rank {self.rank} of {self.world_size} processes, "
+                        f"after the step's micro-batches ({failure}); a smaller micro-batch does not lower that memory.",
+                        hint="Use a ZeRO strategy with distributed.offload: optimizer, a paged or 8-bit optimizer, or "
+                        "method: qlora; `finetuner plan --gpus N` finds settings that fit.",
+                    ) from None
+            self._free_after_oom()
+            self._back_off(step, failure)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state_all(rng[1])
 
-    def _back_off(self, step: int, error: BaseException) -> None:
+    def _back_off(self, step: int, message: str) -> None:
         """After an out-of-memory error in ``step``: halve the micro-batch (same effective batch),
-        or raise :class:`OutOfMemory` with advice when it is 1 already."""
+        or raise :class:`OutOfMemory` with advice when it is 1 already. On several processes every
+        rank comes here with the same values (they agreed on the error); rank 0 writes."""
         t = self.recipe.training
         eff = t.effective_batch_size
-        smaller = [d for d in range(t.micro_batch_size // 2, 0, -1) if eff % d == 0]
-        if not smaller:
+        new_micro = smaller_micro_batch(t.micro_batch_size, eff)
+        if new_micro is None:
+            where = f" on {self.world_size} processes" if self.world_size > 1 else ""
             raise OutOfMemory(
-                f"Out of device memory in step {step + 1} even with micro_batch_size 1 "
+                f"Out of device memory in step {step + 1}{where} even with micro_batch_size 1 "
                 f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
                 hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
                 "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
-            ) from error
-        new_micro = smaller[0]
+            )
         self._tried_micro.append(t.micro_batch_size)
         new = t.model_copy(update={"micro_batch_size": new_micro, "gradient_accumulation": eff // new_micro})
         self.events.emit(
@@ -484,14 +530,15 @@ class Trainer:
             old_gradient_accumulation=t.gradient_accumulation,
             micro_batch_size=new.micro_batch_size,
             gradient_accumulation=new.gradient_accumulation,
-            message=str(error)[:300],
+            message=message[:300],
         )
         log.warning(
             "Out of memory in step %d: micro-batch %d → %d, accumulation %d → %d (same effective batch).",
             step + 1, t.micro_batch_size, new.micro_batch_size, t.gradient_accumulation, new.gradient_accumulation,
         )
         self.recipe = self.recipe.model_copy(update={"training": new})
-        self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
+        if self.rank == 0:
+            self.recipe.save(self.run_dir / "recipe.yaml")  # a resume uses the values that fit
 
     def _start_memory_profile(self) -> bool:
         if not self.profile_memory:
@@ -515,6 +562,8 @@ class Trainer:
         return False
 
     def _free_after_oom(self) -> None:
+        """Give back what the failed attempt held (called after its ``except`` block has ended, when
+        nothing refers to its tensors any more): its gradients, reference cycles, the CUDA cache."""
         import gc
 
         import torch
@@ -578,6 +627,10 @@ class Trainer:
         self.events.emit("checkpoint", step=self.step, path=str(path))
         return path
 
+    def _midway_through_save(self) -> None:
+        """Called inside a checkpoint write, after the weights: where ``KILL@save:STEP`` strikes."""
+        self.faults.in_write("save", self.step, self.rank)
+
     def _write_checkpoint(self, elapsed: float) -> Path:
         """Write the checkpoint of this step (:mod:`finetuner.training.checkpoint`); returns its folder."""
         return ckpt_io.save_checkpoint(
@@ -590,6 +643,7 @@ class Trainer:
             self.recipe.checkpointing.keep_last,
             scaler=self.scaler,
             recipe_yaml=self.recipe.to_yaml(),
+            midway=self._midway_through_save,
         )
 
     # ---------------------------------------------------------------- the loop
@@ -654,7 +708,7 @@ class Trainer:
             if save_every and self.step % save_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint(elapsed)
                 last_saved = self.step
-            self.faults.after_step(self.step)
+            self.faults.after_step(self.step, self.rank)
         if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
             self._dump_memory_profile()
         elapsed = self.elapsed_before + time.perf_counter() - start

@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 import finetuner
-from finetuner.errors import OutOfMemory, UserError
+from finetuner.errors import UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
 from tests.conftest import REPO, run_cli, write_recipe
@@ -213,36 +213,6 @@ def _locked(path: Path) -> bool:
         except BlockingIOError:
             return True
         return False
-
-
-def test_a_failing_rank_stops_the_run_with_a_message(one_process, tmp_path, monkeypatch):
-    base, _ = one_process
-    monkeypatch.setenv("FINETUNER_FAULT", "OOM@2*inf")  # every rank fails in step 2
-    recipe = Recipe.from_dict(dict(base, output_dir=str(tmp_path / "fail"), training=dict(base["training"], micro_batch_size=1, gradient_accumulation=4)),
-                              ["distributed.num_processes=2"])
-    with pytest.raises(OutOfMemory, match="Out of device memory in step 2 on rank 0 of 2 processes") as e:
-        finetuner.train(recipe)
-    assert "It does not fit even with micro_batch_size 1" in e.value.message
-    assert read_events(tmp_path / "fail" / "events.jsonl")[-1]["event"] == "error"
-
-
-def test_out_of_memory_on_several_processes_ends_the_run_with_the_values_to_resume_with(one_process, tmp_path, monkeypatch):
-    """No rank halves its micro-batch alone (the others wait for it in the step's collectives)."""
-    base, _ = one_process
-    monkeypatch.setenv("FINETUNER_FAULT", "OOM@5")
-    recipe = write_recipe(tmp_path / "r.yaml", dict(base, output_dir=str(tmp_path / "oom"), training=dict(base["training"], micro_batch_size=4, gradient_accumulation=2)))
-    out = run_cli("run", str(recipe), "--gpus", "2")
-    assert out.returncode == 3, out.stderr + out.stdout
-    assert "Out of device memory in step 5 on rank 0 of 2 processes (micro_batch_size 4)" in out.stderr
-    assert "Resume with training.micro_batch_size: 2 and training.gradient_accumulation: 4" in out.stderr
-    events = read_events(tmp_path / "oom" / "events.jsonl")
-    assert "oom_backoff" not in [e["event"] for e in events] and events[-1]["type"] == "OutOfMemory"
-    monkeypatch.delenv("FINETUNER_FAULT")
-    resumed = run_cli("run", str(recipe), "--gpus", "2", "--set", "training.micro_batch_size=2", "--set", "training.gradient_accumulation=4")
-    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
-    events = read_events(tmp_path / "oom" / "events.jsonl")
-    assert [e["resumed_from_step"] for e in events if e["event"] == "start"] == [None, 3]
-    assert events[-1]["event"] == "done" and events[-1]["step"] == 6
 
 
 def _ddp_rank_with_a_loss_scaler(rank: int, port: int, recipe_dict: dict, out: str) -> None:
