@@ -25,9 +25,12 @@ check on, peak RAM is about twice the model's size in float32; ``verify=False`` 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -310,10 +313,15 @@ def _logits(model, ids):
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
-def _check_tokenizer(folder: Path, name: str, tokenizer, texts: list[str]) -> int:
+def _check_tokenizer(folder: Path, name: str, tokenizer, texts: list[str], specials: list[str]) -> int:
     from transformers import AutoTokenizer
 
     rebuilt = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    for token in specials:
+        if rebuilt.convert_tokens_to_ids(token) != tokenizer.convert_tokens_to_ids(token):
+            raise UserError(f"The tokenizer cannot be represented in GGUF: rebuilt from the file, the special token {token!r} has "
+                            f"id {rebuilt.convert_tokens_to_ids(token)}, not {tokenizer.convert_tokens_to_ids(token)}. Nothing was written.",
+                            hint="Export a transformers folder with `finetuner merge` instead.")
     for text in texts:
         for special in (False, True):
             want = tokenizer(text, add_special_tokens=special)["input_ids"]
@@ -340,7 +348,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
+    with contextlib.redirect_stderr(io.StringIO()):  # its loader draws a tqdm bar straight to stderr
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
     got = _logits(model, probe)
     model = None
     gc.collect()
@@ -472,7 +481,16 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
         n_texts = 0
         if verify:
             texts = SAMPLE_TEXTS + [probe_text, " ".join(t for t in tokenizer.all_special_tokens)]
-            n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts)
+            if vocab.model == "llama":
+                # transformers rebuilds a sentencepiece vocabulary with Metaspace(prepend_scheme="first"): unlike the
+                # original and llama.cpp it adds no "▁" after a special token nor before leading spaces. So the text
+                # between special tokens is compared piece by piece, and the special tokens by their ids.
+                pieces = re.split("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))), probe_text)
+                texts = [t.lstrip() for t in SAMPLE_TEXTS + pieces if t.strip()]
+                notes.append("sentencepiece vocabulary: the tokenizer check compares the text between special tokens, without "
+                             "leading spaces, and the special tokens' ids (transformers' GGUF tokenizer adds no space there; "
+                             "the original and llama.cpp do).")
+            n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts, tokenizer.all_special_tokens)
             diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
         command = None
         if fmt == "gguf":

@@ -102,7 +102,7 @@ def _kind(spec: dict[str, Any], what: str) -> tuple[str, str | None, bool | None
         if not norms and types == ["Metaspace"]:
             return "llama", None, pres[0].get("prepend_scheme", "always") != "never"
         raise _refuse(what, f"a byte-fallback BPE with normalizer {norm and norm.get('type')!r} and pre-tokenizer {types}")
-    if norm is not None:
+    if norm is not None and norm.get("type") != "NFC":  # Qwen2's NFC: llama.cpp skips it (same ids on NFC text)
         raise _refuse(what, f"it has a {norm.get('type')!r} normalizer, which llama.cpp does not apply")
     if types == ["ByteLevel"] and pres[0].get("use_regex", True) and not pres[0].get("add_prefix_space", False):
         return "gpt2", "gpt-2", None
@@ -163,12 +163,12 @@ def vocab_from_tokenizer(tokenizer, vocab_size: int, what: str) -> GGUFVocab:
             token_types.append(UNUSED)
             continue
         tokens.append(tok)
-        if i in types:
-            token_types.append(types[i])
+        if model_kind == "llama" and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            token_types.append(BYTE)  # byte fallback pieces, also where the tokenizer lists them as added tokens
         elif unk is not None and tok == unk:
             token_types.append(UNKNOWN)
-        elif model_kind == "llama" and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-            token_types.append(BYTE)
+        elif i in types:
+            token_types.append(types[i])
         else:
             token_types.append(NORMAL)
     if len(set(tokens)) != len(tokens):
