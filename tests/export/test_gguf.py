@@ -4,14 +4,17 @@ logits and the original tokenizer's ids; Ollama Modelfiles; Llama, Mistral and Q
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.export.gguf import export_model
-from tests.conftest import alpaca_rows, corpus, run_cli
+from tests.conftest import REPO, alpaca_rows, corpus, run_cli
 
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
@@ -213,7 +216,15 @@ def test_refuses_unsupported_architecture(tmp_path):
 
 def test_refuses_unknown_quant_and_k_quant_without_llama_cpp(tmp_path, tiny_model_dir):
     _refused(tmp_path, str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q3_xs", match="invalid choice: 'q3_xs'")
-    _refused(tmp_path, str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q4_k_m", match="llama-cpp-python is not installed")
+    # an environment without llama-cpp-python (the CLI's own python, with llama_cpp made unimportable)
+    code = ("import sys, importlib.util; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'llama_cpp' else real(n, *a); "
+            "from finetuner.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = subprocess.run([sys.executable, "-c", code, "export", str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q4_k_m"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and "llama-cpp-python is not installed" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_refuses_existing_output_folder_and_bad_names(tmp_path, tiny_model_dir):
