@@ -44,7 +44,7 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(REPO / "data" / "demo_model")
     for hidden in args.hidden:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out_dir:
             cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=args.layers,
                               num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, tie_word_embeddings=True)
             model = LlamaForCausalLM(cfg)
@@ -52,8 +52,10 @@ def main() -> int:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             del model
-            p = subprocess.run([sys.executable, "-c", CHILD, tmp, str(Path(tmp) / "out.gguf"), args.quant, "0" if args.no_verify else "1"],
-                               capture_output=True, text=True, check=True, cwd=REPO)
+            p = subprocess.run([sys.executable, "-c", CHILD, tmp, str(Path(out_dir) / "out.gguf"), args.quant, "0" if args.no_verify else "1"],
+                               capture_output=True, text=True, cwd=REPO)
+            if p.returncode != 0:
+                sys.exit(p.stderr[-3000:])
             r = json.loads(p.stdout.strip().splitlines()[-1])
             print(json.dumps({"hidden": hidden, "fp32_weights_mib": round(weights / 2**20), "quant": args.quant, "verify": not args.no_verify,
                               "baseline_mib": round(r["baseline_rss"] / 2**20), "peak_mib": round(r["peak_rss"] / 2**20),

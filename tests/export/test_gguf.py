@@ -214,6 +214,13 @@ def test_refuses_unsupported_architecture(tmp_path):
     _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'phi3'.*Llama family.*Mistral.*Qwen2")
 
 
+def test_cli_offers_the_quant_types_the_exporter_writes():
+    from finetuner.cli import export as cli_export
+    from finetuner.export import gguf as exporter
+
+    assert set(cli_export.QUANTS) == set(exporter.QUANTS) and set(cli_export.FORMATS) == set(exporter.FORMATS)
+
+
 def test_refuses_unknown_quant_and_k_quant_without_llama_cpp(tmp_path, tiny_model_dir):
     _refused(tmp_path, str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q3_xs", match="invalid choice: 'q3_xs'")
     # an environment without llama-cpp-python (the CLI's own python, with llama_cpp made unimportable)
