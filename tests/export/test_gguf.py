@@ -255,3 +255,17 @@ def test_refuses_unrepresentable_tokenizer(tmp_path, tiny_model_dir):
     tok.backend_tokenizer.normalizer = normalizers.Lowercase()
     tok.save_pretrained(model)
     _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"cannot be represented in a GGUF file: .*'Lowercase' normalizer")
+
+
+def test_modelfile_for_llama3_template_and_refusal_of_unknown_family():
+    from finetuner.data.pipeline import FALLBACK_CHAT_TEMPLATE
+    from finetuner.errors import UserError
+    from finetuner.export.ollama import modelfile
+
+    llama3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + "
+              "'<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    text = modelfile("model.gguf", llama3, system=None, eos_token="<|eot_id|>")
+    assert "<|start_header_id|>{{ .Role }}<|end_header_id|>" in text and 'PARAMETER stop "<|eot_id|>"' in text
+    assert text.count('PARAMETER stop "<|eot_id|>"') == 1 and "SYSTEM" not in text
+    with pytest.raises(UserError, match="not ChatML, Llama 3 or Mistral"):
+        modelfile("model.gguf", FALLBACK_CHAT_TEMPLATE)
