@@ -512,6 +512,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
     except BaseException:
         if fmt == "gguf":
             path.unlink(missing_ok=True)
+            (tmp_dir / f".{name}.f16.gguf").unlink(missing_ok=True)
         else:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
