@@ -33,6 +33,8 @@ _LAZY = {
     "Run": "finetuner.runs.status",
     "merge_adapter": "finetuner.export.merge",
     "MergeResult": "finetuner.export.merge",
+    "export_model": "finetuner.export.gguf",
+    "ExportResult": "finetuner.export.gguf",
     "evaluate_run": "finetuner.infer.evaluate",
     "EvalResult": "finetuner.infer.evaluate",
     "load_chat_model": "finetuner.infer.chat",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from finetuner.infer.evaluate import EvalResult, evaluate_run
     from finetuner.runs.events import follow, read_events
     from finetuner.planning.planner import estimate_recipe as estimate
+    from finetuner.export.gguf import ExportResult, export_model
     from finetuner.export.merge import MergeResult, merge_adapter
     from finetuner.planning.planner import Plan, plan
     from finetuner.runs.progress_bar import ProgressBar

@@ -600,7 +600,7 @@ def test_paths_with_an_unknown_user_home(tmp_path, tiny_model_dir):
 
 
 # =========================================================================== the CLI, in-process
-DANGEROUS = {"run", "chat", "merge", "eval", "ui"}
+DANGEROUS = {"run", "chat", "merge", "export", "eval", "ui"}
 CARDS = ["rtx4090", "a100-80gb", "24GB", "0GB", "-8GB", "1e400GB", "nan", "inf", "cpu", "auto", "", "rtx 4090", "GEFORCE_RTX_3060"]
 MODELS = ["llama-2-7b", "Llama-2-13B", "mistral-7b", "org/name", "a/b/c", "./nope", "~nosuchuser_ft/m", "", ".", "..", "/"]
 NUMS = st.one_of(st.integers(1, 4096).map(str), st.integers(-10, 10**6).map(str),

@@ -70,7 +70,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 #: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
 #: top (no torch, no transformers), so ``finetuner --help`` stays fast.
-COMMAND_MODULES: tuple[str, ...] = ("finetuner.cli.plan", "finetuner.cli.ui", "finetuner.cli.inference")
+COMMAND_MODULES: tuple[str, ...] = ("finetuner.cli.plan", "finetuner.cli.ui", "finetuner.cli.inference", "finetuner.cli.export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,525 @@
+"""Export a run (or a model folder) to one GGUF file, or to an Ollama folder (GGUF + Modelfile).
+
+The adapter is merged first with :func:`finetuner.export.merge.merge_adapter` (unquantized base,
+also for QLoRA runs; checked there against the adapter), into a temporary folder next to the
+output. The GGUF is then written with the ``gguf`` package (the ggml project's writer, tensor-name
+map and quantizers) in two passes over the merged safetensors: the first reads only shapes to
+write the header, the second converts and writes **one tensor at a time**, so the export holds one
+tensor (and its quantized copy) on top of what the merge needed.
+
+The file is checked before it is published (renamed into place):
+
+1. read back with ``gguf.GGUFReader``: every tensor, dequantized, is compared with the merged
+   weight (f32 exactly; f16/bf16 within their rounding; q8_0/q4_0 within their block's step);
+2. loaded by transformers' GGUF loader (``from_pretrained(folder, gguf_file=...)``), a reader
+   nobody here wrote, and its logits on a probe conversation compared with the merged model's:
+   within a tolerance for f32/f16/bf16, by top-1 agreement for q8_0 (both are reported);
+3. the tokenizer transformers rebuilds from the file must give the same ids as the original on
+   sample texts, the chat template's special tokens included.
+
+Memory: the merge's peak (the model in the merge dtype, see ``merge.py``), then one tensor at a
+time while writing; the logits check loads the merged model and then the GGUF model (transformers'
+loader dequantizes every tensor to float32 and keeps them until the model is built), so with the
+check on, peak RAM is about twice the model's size in float32; ``verify=False`` skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError, did_you_mean
+from finetuner.export.gguf_arch import Arch, arch_for
+from finetuner.export.gguf_vocab import vocab_from_tokenizer
+from finetuner.export.merge import PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss
+from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
+from finetuner.quiet import quieted
+
+FORMATS = ("gguf", "ollama")
+#: --quant → (GGML tensor type for 2-D weights, llama.cpp file type); q4_k_m goes through llama.cpp's quantizer.
+QUANTS = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2), "q4_k_m": (None, 15)}
+#: Logit tolerance (relative to the largest |logit|, at least 1) per float type, as merge's.
+LOGIT_TOLERANCE = {"f32": TOLERANCE["fp32"], "f16": TOLERANCE["fp16"], "bf16": TOLERANCE["bf16"]}
+#: The fewest probe positions whose top-1 token must agree, for the 8-bit type.
+MIN_TOP1 = {"q8_0": 0.9}
+#: Largest dequantization error allowed, as a fraction of the block's largest |weight| (blocks of 32).
+BLOCK_ERROR = {"Q8_0": 0.5 / 127 + 2e-3, "Q4_0": 1 / 8 + 2e-3}
+#: Largest error for float types, relative to |weight| (half an ulp, and subnormals).
+FLOAT_ERROR = {"F32": 0.0, "F16": 2.0**-11, "BF16": 2.0**-8}
+SAMPLE_TEXTS = [
+    "Hello world! How are you today?",
+    "  Leading spaces, tabs\tand\nnew lines\n\n",
+    "Numbers 12345 and 3.14159, symbols #@$%^&*() and e-mail a.b@c.org",
+    "Unicode: café, naïve, 東京, Привет, emoji 🙂",
+]
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_model` wrote and how well the file matches the merged model."""
+
+    output: Path
+    gguf_file: Path
+    modelfile: Path | None
+    format: str
+    quant: str
+    source: str
+    base_model: str
+    architecture: str
+    tensors: int
+    file_bytes: int
+    max_weight_error: float | None
+    max_abs_logit_diff: float | None
+    max_abs_logit: float | None
+    tolerance: float | None
+    top1_agreement: float | None
+    probe_tokens: int
+    tokenizer_texts: int
+    peak_rss_bytes: int
+    seconds: float
+    ollama_command: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("output", "gguf_file", "modelfile"):
+            d[k] = None if d[k] is None else str(d[k])
+        return d
+
+    def __repr__(self) -> str:
+        diff = "not checked" if self.max_abs_logit_diff is None else (
+            f"max |Δlogit| {self.max_abs_logit_diff:.2e}, top-1 {self.top1_agreement:.0%}")
+        return (f"ExportResult({str(self.gguf_file)!r}: {self.quant}, {self.file_bytes / 2**20:.1f} MiB, {diff}, "
+                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB)")
+
+
+def _ggml_type(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[name]
+
+
+def _check_args(fmt: str, quant: str) -> None:
+    if fmt not in FORMATS:
+        raise UserError(f"format '{fmt}' is not one of {', '.join(FORMATS)}.{did_you_mean(fmt, FORMATS)}")
+    if quant not in QUANTS:
+        raise UserError(f"quant '{quant}' is not one of {', '.join(QUANTS)}.{did_you_mean(quant, QUANTS)}")
+    if quant == "q4_k_m":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise UserError(
+                "quant 'q4_k_m' needs llama.cpp's quantizer (the k-quants are not in the gguf package), and "
+                "llama-cpp-python is not installed.",
+                hint="Install it (pip install llama-cpp-python; it compiles llama.cpp), or use --quant q8_0 or q4_0.",
+            )
+
+
+def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
+    if out.suffix != ".gguf":
+        raise UserError(f"The output {out} does not end in .gguf.", hint="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).")
+    if out.is_dir():
+        raise UserError(f"The output {out} is a folder.", hint="Name a .gguf file for -o.")
+    if out.exists() and not overwrite:
+        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
+    for inside in filter(None, [Path(str(src.path)), src.adapter_dir]):
+        inside = inside.resolve()
+        if out.parent == inside or inside in out.parents:
+            raise UserError(f"The output {out} is inside the model being exported ({inside}).", hint="Write it somewhere else.")
+
+
+def _model_config(src: Source) -> tuple[dict[str, Any], str]:
+    """The ``config.json`` of the model whose weights are exported, and where it came from."""
+    folder = src.adapter_dir if src.kind == "full" else None
+    path = Path(folder or src.base_model) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = Path(hf_hub_download(src.base_model, "config.json"))
+        except Exception as e:  # noqa: BLE001 - any hub failure is the same message to the user
+            raise UserError(f"Could not read the config of '{src.base_model}' ({e}).", hint="Pass the base model's folder with --base.") from None
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), str(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not readable JSON ({e}).") from None
+
+
+def _weights_folder(src: Source) -> Path:
+    folder = src.adapter_dir if src.kind == "full" else Path(src.base_model)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(src.base_model, allow_patterns=["*.safetensors", "*.json"]))
+    return folder
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} holds no .safetensors weights; GGUF export reads safetensors.",
+                        hint="Re-save the model with save_pretrained(safe_serialization=True).")
+    return files
+
+
+class _Plan:
+    """Every tensor to write: GGUF name, source (file, HF name) or an extra array, and GGML type."""
+
+    def __init__(self, arch: Arch, folder: Path, quant: str):
+        import gguf
+        from safetensors import safe_open
+
+        arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.gguf_arch)
+        allowed = set(gguf.MODEL_TENSORS[arch_enum])
+        name_map = gguf.get_tensor_name_map(arch_enum, arch.n_layers)
+        tied = bool(arch.config.get("tie_word_embeddings", False))
+        self.arch, self.items = arch, []
+        for f in _safetensors_files(folder):
+            with safe_open(str(f), framework="pt") as st:
+                for hf_name in st.keys():
+                    if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+                        continue
+                    found = name_map.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+                    if found is None or found[0] not in allowed:
+                        raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
+                                        "GGUF export refuses the model rather than drop it.")
+                    shape = tuple(st.get_slice(hf_name).get_shape())
+                    self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant)))
+        for name, array in arch.extra_tensors().items():
+            self.items.append((name, array, tuple(array.shape), "F32"))
+
+    @staticmethod
+    def _type(shape: tuple[int, ...], quant: str) -> str:
+        want = QUANTS[quant][0] or "F16"
+        if len(shape) < 2:
+            return "F32"  # norms and biases stay float32, as llama.cpp's converter keeps them
+        if want in BLOCK_ERROR and shape[-1] % 32:
+            return "F16"  # rows that are not whole blocks
+        return want
+
+    def tensor(self, src) -> Any:
+        """The float32 numpy array GGUF stores for ``src`` (permuted for RoPE where needed)."""
+        if not isinstance(src, tuple):
+            return src
+        from safetensors import safe_open
+
+        f, hf_name = src
+        with safe_open(str(f), framework="pt") as st:
+            w = st.get_tensor(hf_name).float().numpy()
+        return self.arch.transform(hf_name, w)
+
+
+def _encode(data, qtype_name: str):
+    import gguf
+    import numpy as np
+
+    if qtype_name == "F32":
+        return data.astype(np.float32, copy=False)
+    if qtype_name == "F16":
+        return data.astype(np.float16)
+    return gguf.quants.quantize(data, _ggml_type(qtype_name))
+
+
+def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name: str, quant: str) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch.gguf_arch)
+    try:
+        writer.add_name(name)
+        arch.write_metadata(writer)
+        writer.add_file_type(QUANTS[quant][1])
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        vocab.write(writer, template)
+        for gname, _, shape, tname in plan.items:
+            qtype = _ggml_type(tname)
+            if tname in ("F32", "F16"):
+                dtype = np.float32 if tname == "F32" else np.float16
+                writer.add_tensor_info(gname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            else:
+                byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+                writer.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, src, _, tname in plan.items:  # one tensor in memory at a time
+            writer.write_tensor_data(_encode(plan.tensor(src), tname))
+    finally:
+        writer.close()
+
+
+def _error_ratio(expected, got, tname: str) -> float:
+    """Worst error over its allowed bound (≤ 1 passes)."""
+    import numpy as np
+
+    err = np.abs(got - expected)
+    if tname in FLOAT_ERROR:
+        return float((err / (FLOAT_ERROR[tname] * np.abs(expected) + 1e-7)).max())
+    # block types: the error is bounded by a fraction of the block's largest |weight| (llama.cpp's
+    # k-quants, written by its quantizer, get a loose quarter of it)
+    amax = np.abs(expected).reshape(-1, 32).max(axis=1, keepdims=True)
+    return float((err.reshape(-1, 32) / (BLOCK_ERROR.get(tname, 0.25) * amax + 1e-12)).max())
+
+
+def _check_tensors(path: Path, plan: _Plan) -> float:
+    """Read the file back, dequantize each tensor and compare with the merged weight; the largest |error|."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: t for t in reader.tensors}
+    if sorted(stored) != sorted(i[0] for i in plan.items):
+        raise RuntimeError(f"GGUF read-back: tensors {sorted(set(stored) ^ {i[0] for i in plan.items})} differ from those written")
+    worst = 0.0
+    for gname, src, shape, tname in plan.items:
+        t = stored[gname]
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        expected = plan.tensor(src)
+        if t.tensor_type.name != tname and tname != "F16":
+            raise RuntimeError(f"GGUF read-back: {gname} is {t.tensor_type.name}, not {tname}")
+        worst = max(worst, float(np.abs(got - expected).max()))
+        if _error_ratio(expected, got, t.tensor_type.name) > 1.0 or not np.isfinite(got).all():
+            raise RuntimeError(f"GGUF read-back: {gname} ({t.tensor_type.name}) differs from the merged weight by up to "
+                               f"{float(np.abs(got - expected).max()):.3g}, more than the type's rounding")
+    del reader
+    return worst
+
+
+def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
+    import torch
+
+    text = tokenizer.apply_chat_template(PROBE_MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_tokens:]
+    return torch.tensor([ids]), text
+
+
+def _logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def _check_tokenizer(folder: Path, name: str, tokenizer, texts: list[str], specials: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    rebuilt = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
+    for token in specials:
+        if rebuilt.convert_tokens_to_ids(token) != tokenizer.convert_tokens_to_ids(token):
+            raise UserError(f"The tokenizer cannot be represented in GGUF: rebuilt from the file, the special token {token!r} has "
+                            f"id {rebuilt.convert_tokens_to_ids(token)}, not {tokenizer.convert_tokens_to_ids(token)}. Nothing was written.",
+                            hint="Export a transformers folder with `finetuner merge` instead.")
+    for text in texts:
+        for special in (False, True):
+            want = tokenizer(text, add_special_tokens=special)["input_ids"]
+            got = rebuilt(text, add_special_tokens=special)["input_ids"]
+            if want != got:
+                at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+                raise UserError(
+                    f"The tokenizer cannot be represented in GGUF: rebuilt from the file it splits {text[:60]!r} differently "
+                    f"(from token {at}: {want[at:at + 4]} vs {got[at:at + 4]}). Nothing was written.",
+                    hint="Export a transformers folder with `finetuner merge` instead.",
+                )
+    return len(texts)
+
+
+def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, quant: str, notes: list[str]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    reference = _logits(merged, probe)
+    merged = None
+    gc.collect()
+    extra = {}
+    if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
+        extra["rope_parameters"] = arch.rope
+        notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
+    with contextlib.redirect_stderr(io.StringIO()):  # its loader draws a tqdm bar straight to stderr
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
+    got = _logits(model, probe)
+    model = None
+    gc.collect()
+    diff = float((got - reference).abs().max())
+    max_logit = float(reference.abs().max())
+    top1 = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
+    tol = LOGIT_TOLERANCE[quant] * max(1.0, max_logit) if quant in LOGIT_TOLERANCE else None
+    if (tol is not None and not diff <= tol) or (quant in MIN_TOP1 and top1 < MIN_TOP1[quant]):
+        limit = f"tolerance {tol:.3g}" if tol is not None else f"top-1 agreement at least {MIN_TOP1[quant]:.0%}"
+        raise RuntimeError(f"transformers' GGUF loader gives logits that differ from the merged model's by up to {diff:.3g} "
+                           f"(top-1 agreement {top1:.0%}; {limit}); nothing was written")
+    return diff, max_logit, tol, top1
+
+
+def _quantize_k(f16_path: Path, out_path: Path, quant: str) -> None:
+    """llama.cpp's own quantizer (k-quants) on an f16 GGUF."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANTS[quant][1]
+    rc = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(out_path).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) on {f16_path}")
+
+
+def _k_quant_plan(plan: _Plan, path: Path) -> None:
+    """After llama.cpp's quantizer, what each tensor became (for the read-back check)."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    plan.items = [(g, s, shape, types.get(g, t)) for g, s, shape, t in plan.items]
+
+
+def export_model(
+    source: str | Path,
+    output: str | Path,
+    format: str = "gguf",
+    quant: str = "f16",
+    overwrite: bool = False,
+    base_model: str | None = None,
+    merge_dtype: str = "fp32",
+    verify: bool = True,
+) -> ExportResult:
+    """Export a run, an adapter or a model folder to GGUF (llama.cpp, LM Studio) or Ollama.
+
+    Args:
+        source: a run folder, a peft adapter folder, or a model folder (nothing to merge).
+        output: ``format="gguf"``: the ``.gguf`` file to write; ``format="ollama"``: a new or
+            empty folder that gets ``model.gguf`` and a ``Modelfile``.
+        format: ``gguf`` or ``ollama``.
+        quant: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0`` (the gguf package's quantizers), or
+            ``q4_k_m`` (needs llama-cpp-python). Norms and biases stay float32.
+        overwrite: replace an existing output, only once the new one is complete and checked.
+        base_model: where the base model is, if not where the run or adapter says.
+        merge_dtype: dtype of the merge (``fp32`` by default: the GGUF is rounded once, from it).
+        verify: check the file with transformers' GGUF loader (logits and tokenizer); the
+            read-back of the tensors always runs.
+
+    Example::
+
+        >>> import finetuner
+        >>> r = finetuner.export_model("runs/demo_cpu", "exports/demo.gguf", quant="q8_0")  # doctest: +SKIP
+        >>> r.max_abs_logit_diff, r.top1_agreement                                         # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    _check_args(format, quant)
+    src = resolve_source(source, base_model)
+    out = Path(output).expanduser().resolve()
+    if format == "gguf":
+        _check_gguf_output(out, overwrite, src)
+    else:
+        check_output_dir(out, overwrite, src)
+    config, config_path = _model_config(src)
+    arch = arch_for(config, config_path)
+    notes: list[str] = []
+    with quieted():
+        tokenizer = load_tokenizer(src)
+        template = chat_template(src, tokenizer)
+        vocab = vocab_from_tokenizer(tokenizer, int(config["vocab_size"]), str(src.tokenizer_dir))
+        system = system_prompt(src)
+        modelfile_text = None
+        if format == "ollama":
+            from finetuner.export.ollama import modelfile
+
+            modelfile_text = modelfile("model.gguf", template, system, tokenizer.eos_token)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        merged_dir = out.parent / f".{out.name}.tmp-merged-{os.getpid()}"
+        try:
+            if src.has_adapter:
+                merge_adapter(src.path, merged_dir, dtype=merge_dtype, base_model=base_model, verify=verify, overwrite=True)
+                weights = merged_dir
+                if src.recipe is not None and src.recipe.quantization is not None:
+                    notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter was merged into the "
+                                 f"unquantized base in {merge_dtype}.")
+            else:
+                weights = _weights_folder(src)
+            return _write_and_check(src, out, format, quant, overwrite, arch, weights, vocab, tokenizer, template,
+                                    modelfile_text, verify, notes, t0)
+        finally:
+            shutil.rmtree(merged_dir, ignore_errors=True)
+
+
+def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0):
+    from finetuner.fileio import publish_dir
+
+    plan = _Plan(arch, weights, quant)
+    if fmt == "gguf":
+        tmp_dir, name = out.parent, f".{out.stem}.tmp-export-{os.getpid()}.gguf"
+    else:
+        tmp_dir, name = out.parent / f".{out.name}.tmp-export-{os.getpid()}", "model.gguf"
+        tmp_dir.mkdir()
+    path = tmp_dir / name
+    title = src.run_dir.name if src.run_dir is not None else Path(str(src.path)).name
+    try:
+        if quant == "q4_k_m":
+            f16 = tmp_dir / f".{name}.f16.gguf"
+            plan_f16 = _Plan(arch, weights, "f16")
+            _write_gguf(f16, arch, plan_f16, vocab, template, title, "f16")
+            _quantize_k(f16, path, quant)
+            f16.unlink()
+            _k_quant_plan(plan, path)
+        else:
+            _write_gguf(path, arch, plan, vocab, template, title, quant)
+        max_err = _check_tensors(path, plan)
+        probe, probe_text = _probe_ids(tokenizer, template)
+        diff = max_logit = tol = top1 = None
+        n_texts = 0
+        if verify:
+            texts = SAMPLE_TEXTS + [probe_text, " ".join(t for t in tokenizer.all_special_tokens)]
+            if vocab.model == "llama":
+                # transformers rebuilds a sentencepiece vocabulary with Metaspace(prepend_scheme="first"): unlike the
+                # original and llama.cpp it adds no "▁" after a special token nor before leading spaces. So the text
+                # between special tokens is compared piece by piece, and the special tokens by their ids.
+                pieces = re.split("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))), probe_text)
+                texts = [t.lstrip() for t in SAMPLE_TEXTS + pieces if t.strip()]
+                notes.append("sentencepiece vocabulary: the tokenizer check compares the text between special tokens, without "
+                             "leading spaces, and the special tokens' ids (transformers' GGUF tokenizer adds no space there; "
+                             "the original and llama.cpp do).")
+            n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts, tokenizer.all_special_tokens)
+            diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
+        command = None
+        if fmt == "gguf":
+            os.replace(path, out)
+            gguf_file, modelfile_path = out, None
+        else:
+            from finetuner.export.ollama import model_name
+
+            (tmp_dir / "Modelfile").write_text(modelfile_text, encoding="utf-8")
+            if out.exists():
+                aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
+                out.rename(aside)
+                publish_dir(tmp_dir, out)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                publish_dir(tmp_dir, out)
+            gguf_file, modelfile_path = out / name, out / "Modelfile"
+            command = f"ollama create {model_name(out.name)} -f {modelfile_path}"
+    except BaseException:
+        if fmt == "gguf":
+            path.unlink(missing_ok=True)
+            (tmp_dir / f".{name}.f16.gguf").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return ExportResult(
+        output=out, gguf_file=gguf_file, modelfile=modelfile_path, format=fmt, quant=quant, source=str(src.path),
+        base_model=src.base_model, architecture=arch.gguf_arch, tensors=len(plan.items), file_bytes=gguf_file.stat().st_size,
+        max_weight_error=max_err, max_abs_logit_diff=diff, max_abs_logit=max_logit, tolerance=tol, top1_agreement=top1,
+        probe_tokens=int(probe.shape[1]), tokenizer_texts=n_texts, peak_rss_bytes=peak_rss(),
+        seconds=round(time.perf_counter() - t0, 2), ollama_command=command, notes=notes,
+    )

@@ -1,0 +1,122 @@
+"""Which models GGUF export handles, and how their config and tensors become GGUF metadata and tensors.
+
+Supported: the Llama family (``model_type`` ``llama``), Mistral (written as llama.cpp writes it: the
+``llama`` architecture) and Qwen2. Names come from gguf's own ``TensorNameMap`` for the
+architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
+tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
+key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
+the same; transformers' GGUF loader undoes it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetuner.errors import UserError
+
+#: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
+SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class Arch:
+    """A supported model's GGUF architecture and the hyper-parameters the export needs."""
+
+    model_type: str
+    gguf_arch: str
+    permute_qk: bool
+    config: dict[str, Any]
+    n_layers: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    rope: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope.get("rope_type") or self.rope.get("type") or "default"
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope.get("rope_theta") or self.config.get("rope_theta") or 10000.0)
+
+    def write_metadata(self, writer) -> None:
+        c = self.config
+        writer.add_context_length(int(c["max_position_embeddings"]))
+        writer.add_embedding_length(int(c["hidden_size"]))
+        writer.add_block_count(self.n_layers)
+        writer.add_feed_forward_length(int(c["intermediate_size"]))
+        writer.add_head_count(self.n_head)
+        writer.add_head_count_kv(self.n_kv_head)
+        writer.add_rope_freq_base(self.rope_theta)
+        writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+        writer.add_vocab_size(int(c["vocab_size"]))
+        if self.gguf_arch == "llama":
+            writer.add_rope_dimension_count(self.head_dim)
+        if self.head_dim != int(c["hidden_size"]) // self.n_head:
+            writer.add_key_length(self.head_dim)
+            writer.add_value_length(self.head_dim)
+
+    def transform(self, hf_name: str, w):
+        """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
+        if self.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            return permute_for_rope(w, self.n_head, self.n_head)
+        if self.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            return permute_for_rope(w, self.n_head, self.n_kv_head)
+        return w
+
+    def extra_tensors(self) -> dict[str, Any]:
+        """Tensors llama.cpp needs that the checkpoint does not hold (Llama 3.1's RoPE frequency factors)."""
+        if self.rope_type != "llama3":
+            return {}
+        import numpy as np
+
+        return {"rope_freqs.weight": np.asarray(llama3_rope_factors(self.rope, self.rope_theta, self.head_dim), dtype=np.float32)}
+
+
+def permute_for_rope(w, n_head: int, n_kv_head: int):
+    """llama.cpp's ``LlamaModel.permute``: each head's rotary halves interleaved (rows of ``w``)."""
+    if n_kv_head != n_head:
+        n_head = n_kv_head
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> list[float]:
+    """Per-frequency divisors of Llama 3.1's RoPE scaling, as llama.cpp's converter computes them."""
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def arch_for(config: dict[str, Any], where: str) -> Arch:
+    """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported."""
+    mt = config.get("model_type")
+    supported = "Llama family (llama), Mistral (mistral) and Qwen2 (qwen2)"
+    if mt not in SUPPORTED:
+        raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
+                        hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
+    if config.get("mlp_bias"):
+        raise UserError(f"{where}: mlp_bias=true is not part of llama.cpp's {mt} architecture; GGUF export refuses it.")
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
+    gguf_arch, permute = SUPPORTED[mt]
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_head)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)
+    return Arch(mt, gguf_arch, permute, config, int(config["num_hidden_layers"]), n_head, n_kv, head_dim, rope)

@@ -1,0 +1,78 @@
+"""An Ollama ``Modelfile`` for an exported GGUF: FROM, the chat template in Ollama's Go-template
+syntax, the stop tokens, and the recipe's system prompt.
+
+Ollama does not run Jinja chat templates, so the template is recognised by its family from the
+markers it writes (ChatML's ``<|im_start|>``, Llama 3's ``<|start_header_id|>``, Mistral's
+``[INST]``) and the family's Go template is written; a template of another family is refused with
+a clear message (``--format gguf`` still works: llama.cpp reads the Jinja template in the file).
+"""
+
+from __future__ import annotations
+
+import re
+
+from finetuner.errors import UserError
+
+CHATML = """{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+"""
+
+LLAMA3 = """{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>
+
+{{ .Content }}<|eot_id|>
+{{- end }}<|start_header_id|>assistant<|end_header_id|>
+
+"""
+
+MISTRAL = """{{- range $i, $m := .Messages }}
+{{- if eq $m.Role "user" }}[INST] {{ if and (eq $i 0) $.System }}{{ $.System }}
+
+{{ end }}{{ $m.Content }} [/INST]
+{{- else if eq $m.Role "assistant" }} {{ $m.Content }}</s>
+{{- end }}
+{{- end }}"""
+
+#: family → (marker in the Jinja template, Ollama template, stop tokens)
+FAMILIES = {
+    "chatml": ("<|im_start|>", CHATML, ["<|im_start|>", "<|im_end|>"]),
+    "llama3": ("<|start_header_id|>", LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+    "mistral": ("[INST]", MISTRAL, ["[INST]", "[/INST]", "</s>"]),
+}
+
+
+def template_family(chat_template: str) -> str:
+    """``chatml``, ``llama3`` or ``mistral``; a UserError for any other template."""
+    for family, (marker, _, _) in FAMILIES.items():
+        if marker in chat_template:
+            return family
+    raise UserError(
+        "The model's chat template is not ChatML, Llama 3 or Mistral, the families whose Ollama template finetuner "
+        "writes; no Modelfile was written.",
+        hint="Export with --format gguf (llama.cpp and LM Studio read the Jinja template stored in the file), or set "
+             "data.chat_template in the recipe to one of those families before training.",
+    )
+
+
+def _quote(text: str) -> str:
+    return '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
+
+
+def modelfile(gguf_name: str, chat_template: str, system: str | None = None, eos_token: str | None = None) -> str:
+    """The Modelfile's text, with ``FROM ./<gguf_name>``."""
+    family = template_family(chat_template)
+    _, template, stops = FAMILIES[family]
+    stops = list(stops)
+    if eos_token and eos_token not in stops:
+        stops.append(eos_token)
+    lines = [f"# Written by finetuner export ({family} chat template).", f"FROM ./{gguf_name}", f"TEMPLATE {_quote(template)}"]
+    if system:
+        lines.append(f"SYSTEM {_quote(system)}")
+    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    return "\n".join(lines) + "\n"
+
+
+def model_name(folder_name: str) -> str:
+    """An Ollama model name from the output folder's name (lowercase letters, digits, ``-_.``)."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", folder_name.lower()).strip("-._")
+    return name or "finetuned"

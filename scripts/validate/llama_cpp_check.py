@@ -1,0 +1,149 @@
+"""llama.cpp itself loads finetuner's GGUF export and answers the demo prompt as transformers does.
+
+Installs llama-cpp-python (it compiles llama.cpp: minutes, not part of the test run) into a
+folder of its own (``--target``, default ``.cache/llama_cpp_python``; the project's environment
+is left as it is), exports the demo (``runs/demo_cpu`` if it exists, else ``data/demo_model``)
+to GGUF with ``finetuner.export_model``, and then, in a process that imports llama_cpp from that
+folder:
+
+- tokenizes the chat-formatted demo prompt with llama.cpp (special tokens parsed) and compares
+  the ids with transformers' tokenizer;
+- answers greedily (argmax of llama.cpp's logits, up to ``--max-new-tokens``) and compares the
+  tokens with transformers' greedy answer from the merged model.
+
+With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The result is
+written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
+
+    python -m scripts.validate.llama_cpp_check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "What should I pack for a day hike?"
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+path, ids, max_new, eos = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+text = sys.argv[5]
+llm = Llama(model_path=path, n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+llama_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+llm.reset()
+llm.eval(ids)
+out = []
+for _ in range(max_new):
+    logits = np.asarray(llm.scores[llm.n_tokens - 1])
+    tok = int(logits.argmax())
+    if tok in eos:
+        break
+    out.append(tok)
+    llm.eval([tok])
+print(json.dumps({"llama_cpp_prompt_ids": llama_ids, "llama_cpp_answer_ids": out,
+                  "llama_cpp_answer": llm.detokenize(out).decode("utf-8", "replace")}))
+"""
+
+
+def install(target: Path) -> float:
+    if (target / "llama_cpp").is_dir():
+        return 0.0
+    t0 = time.perf_counter()
+    env = {**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")}
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-cache-dir", "--target", str(target), "llama-cpp-python"], check=True, env=env)
+    return time.perf_counter() - t0
+
+
+def transformers_answer(weights: str, tokenizer, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)
+    answer = out[0, len(ids):].tolist()
+    while answer and answer[-1] in eos:
+        answer.pop()
+    return answer
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(REPO / ".cache" / "llama_cpp_python"), help="Where llama-cpp-python is installed.")
+    ap.add_argument("--source", help="Run or model folder (default runs/demo_cpu, else data/demo_model).")
+    ap.add_argument("--quant", default="f16")
+    ap.add_argument("--k-quant", action="store_true", help="Also export q4_k_m with llama.cpp's quantizer.")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(REPO / "docs" / "validation" / "llama_cpp_check.json"))
+    args = ap.parse_args()
+
+    target = Path(args.target)
+    seconds_install = install(target)
+    sys.path.insert(0, str(target))  # for q4_k_m: finetuner finds llama_cpp's quantizer
+
+    import finetuner
+    from finetuner.export.merge import merge_adapter
+    from finetuner.infer.loading import chat_template, load_tokenizer, resolve_source
+
+    source = args.source or (str(REPO / "runs" / "demo_cpu") if (REPO / "runs" / "demo_cpu" / "adapter").is_dir() else str(REPO / "data" / "demo_model"))
+    src = resolve_source(source)
+    tokenizer = load_tokenizer(src)
+    template = chat_template(src, tokenizer)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], chat_template=template, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = sorted({tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids("<|im_end|>")} if "<|im_end|>" in tokenizer.get_vocab() else set()))
+    result: dict = {"source": source, "prompt": PROMPT, "prompt_text": text, "prompt_ids": ids, "install_seconds": round(seconds_install, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = source
+        if src.has_adapter:
+            weights = str(Path(tmp) / "merged")
+            merge_adapter(source, weights, dtype="fp32")
+        answer = transformers_answer(weights, tokenizer, ids, args.max_new_tokens, eos)
+        result["transformers_answer_ids"] = answer
+        result["transformers_answer"] = tokenizer.decode(answer)
+        quants = [args.quant] + (["q4_k_m"] if args.k_quant else [])
+        result["exports"] = {}
+        for quant in quants:
+            r = finetuner.export_model(source, Path(tmp) / f"demo-{quant}.gguf", quant=quant)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
+            p = subprocess.run([sys.executable, "-c", CHILD, str(r.gguf_file), json.dumps(ids), str(args.max_new_tokens), json.dumps(eos), text],
+                               capture_output=True, text=True, env=env)
+            if p.returncode != 0:
+                result["exports"][quant] = {"error": p.stderr[-2000:]}
+                continue
+            got = json.loads(p.stdout.strip().splitlines()[-1])
+            got.update(file_bytes=r.file_bytes, max_abs_logit_diff=r.max_abs_logit_diff, top1_agreement=r.top1_agreement,
+                       tokenizer_ids_equal=got["llama_cpp_prompt_ids"] == ids, answer_equal=got["llama_cpp_answer_ids"] == answer)
+            result["exports"][quant] = got
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    lines = ["# llama.cpp loads finetuner's GGUF export", "",
+             f"`python -m scripts.validate.llama_cpp_check` on `{Path(source).name}`, prompt {PROMPT!r} (chat template applied), "
+             f"greedy, up to {args.max_new_tokens} new tokens. Raw result: `{out.name}`.", "",
+             f"transformers (merged model, fp32): {result['transformers_answer']!r}", "",
+             "| GGUF | MiB | llama.cpp prompt ids = transformers' | llama.cpp greedy answer = transformers' | llama.cpp's answer |",
+             "|---|---|---|---|---|"]
+    for quant, g in result["exports"].items():
+        if "error" in g:
+            lines.append(f"| {quant} | | error | error | {g['error'].splitlines()[-1] if g['error'] else ''} |")
+        else:
+            lines.append(f"| {quant} | {g['file_bytes'] / 2**20:.1f} | {g['tokenizer_ids_equal']} | {g['answer_equal']} | {g['llama_cpp_answer']!r} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    ok = all("error" not in g and g["tokenizer_ids_equal"] and g["answer_equal"] for g in result["exports"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""finetuner export: GGUF files that transformers' GGUF loader reads back with the merged model's
+logits and the original tokenizer's ids; Ollama Modelfiles; Llama, Mistral and Qwen2 shapes; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import finetuner
+from finetuner.config.recipe import Recipe
+from finetuner.export.gguf import export_model
+from tests.conftest import REPO, alpaca_rows, corpus, run_cli
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model_dir):
+    data = tmp_path_factory.mktemp("gguf-data") / "alpaca.json"
+    data.write_text(json.dumps(alpaca_rows(24)), encoding="utf-8")
+    recipe = {
+        "name": "gguf", "model": {"name": str(tiny_model_dir)}, "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 128, "system_prompt": "Be brief."},
+        "training": {"max_steps": 3, "lr": 2e-2, "micro_batch_size": 4, "warmup_steps": 0},
+        "checkpointing": {"save_every": 3}, "logging": {"tensorboard": False},
+        "output_dir": str(tmp_path_factory.mktemp("gguf-run") / "run"),
+    }
+    return finetuner.train(Recipe.from_dict(recipe)).run_dir
+
+
+def _spm_tokenizer():
+    """A sentencepiece-style BPE (byte fallback, ▁ for spaces) like Llama 2's and Mistral's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials + [f"<0x{i:02X}>" for i in range(256)])
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = MISTRAL_TEMPLATE
+    return fast
+
+
+def _qwen2_tokenizer():
+    """The tests' byte-level BPE, splitting text with Qwen2's regex (as Qwen2's tokenizer.json does)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from finetuner.export.gguf_vocab import QWEN2_SPLIT
+    from finetuner.model.tiny_llama import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(corpus(), vocab_size=400)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+def _save(model, tok, path):
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = _spm_tokenizer()
+    cfg = MistralConfig(vocab_size=len(tok) + 5, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, sliding_window=None,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    return _save(MistralForCausalLM(cfg), tok, tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = _qwen2_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(2)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # biases that are not zero, so the check sees whether they were written
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return _save(model, tok, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def _fields(path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return reader, {k: f.contents() for k, f in reader.fields.items() if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_lora_run_to_f16_gguf_matches_the_merged_model(lora_run, tmp_path):
+    import gguf
+
+    out = tmp_path / "exports" / "tiny.gguf"
+    r = export_model(lora_run, out, quant="f16")
+    assert r.gguf_file == out and out.is_file() and r.architecture == "llama"
+    assert r.max_abs_logit_diff is not None and r.max_abs_logit_diff <= r.tolerance and r.top1_agreement == 1.0
+    assert 0 < r.max_weight_error < 1e-2 and r.tokenizer_texts >= 5 and r.peak_rss_bytes > 0
+    assert _leftovers(out.parent) == []
+    reader, f = _fields(out)
+    assert f["general.architecture"] == "llama" and f["general.file_type"] == 1
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"
+    assert "<|im_start|>" in f["tokenizer.chat_template"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(lora_run / "adapter")
+    assert f["tokenizer.ggml.eos_token_id"] == tok.eos_token_id and f["tokenizer.ggml.bos_token_id"] == tok.bos_token_id
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16 and types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert "output.weight" not in types  # tied embeddings: llama.cpp reuses token_embd
+    names = {name for _, name in gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping.values()}
+    assert {n.rsplit(".", 1)[0] for n in types} <= names
+
+    again = run_cli("export", str(lora_run), "-o", str(out))
+    assert again.returncode == 2 and "exists" in again.stderr and "--overwrite" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_cli_ollama_q8_0_writes_modelfile_and_reports_top1(lora_run, tmp_path):
+    out = tmp_path / "Tern Model"
+    p = run_cli("export", str(lora_run), "--format", "ollama", "--quant", "q8_0", "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"top-1 agreement 100% on \d+ tokens", p.stdout), p.stdout
+    assert re.search(r"max \|logit difference\| [0-9.e-]+", p.stdout)
+    assert f"ollama create tern-model -f {out / 'Modelfile'}" in p.stdout
+    assert sorted(x.name for x in out.iterdir()) == ["Modelfile", "model.gguf"]
+    text = (out / "Modelfile").read_text(encoding="utf-8")
+    assert "FROM ./model.gguf" in text and "{{ range .Messages }}" in text.replace("{{- ", "{{ ")
+    assert '<|im_start|>{{ .Role }}' in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert 'SYSTEM """Be brief."""' in text
+    _, f = _fields(out / "model.gguf")
+    assert f["general.file_type"] == 7
+    p = run_cli("export", str(lora_run), "--format", "ollama", "--quant", "q4_0", "-o", str(out), "--overwrite", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["quant"] == "q4_0" and r["top1_agreement"] is not None and r["max_abs_logit_diff"] is not None
+    assert _fields(out / "model.gguf")[1]["general.file_type"] == 2 and _leftovers(tmp_path) == []
+
+
+def test_mistral_sentencepiece_model_folder(mistral_dir, tmp_path):
+    r = export_model(mistral_dir, tmp_path / "m.gguf", quant="f32")
+    assert r.max_abs_logit_diff <= r.tolerance and r.max_weight_error == 0.0 and r.top1_agreement == 1.0
+    reader, f = _fields(tmp_path / "m.gguf")
+    assert f["tokenizer.ggml.model"] == "llama" and f["general.architecture"] == "llama"
+    assert "output.weight" in {t.name for t in reader.tensors}  # untied head written
+    assert f["tokenizer.ggml.add_bos_token"] is False  # this tokenizer adds no BOS itself
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    assert types[tokens.index("<0x41>")] == 6 and types[tokens.index("<s>")] == 3 and tokens[-1].startswith("[PAD")
+    o = export_model(mistral_dir, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
+    text = o.modelfile.read_text(encoding="utf-8")
+    assert "[INST]" in text and 'PARAMETER stop "</s>"' in text and o.max_abs_logit_diff is None
+
+
+def test_qwen2_with_biases_q8_0(qwen2_dir, tmp_path):
+    import gguf
+
+    r = export_model(qwen2_dir, tmp_path / "q.gguf", quant="q8_0")
+    assert r.architecture == "qwen2" and r.top1_agreement >= 0.9
+    reader, f = _fields(tmp_path / "q.gguf")
+    assert f["tokenizer.ggml.pre"] == "qwen2"
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.1.attn_k.bias"] == gguf.GGMLQuantizationType.F32 and types["blk.1.ffn_up.weight"] == gguf.GGMLQuantizationType.Q8_0
+
+
+# ------------------------------------------------------------------ bad input: clear errors, nothing written
+def _refused(tmp_path, *args, match):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = run_cli("export", *args)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert re.search(match, p.stderr), p.stderr
+    assert "Traceback" not in p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    return p
+
+
+def test_refuses_run_without_adapter(tmp_path, lora_run):
+    import shutil
+
+    run = tmp_path / "unfinished"
+    run.mkdir()
+    shutil.copy(lora_run / "recipe.yaml", run / "recipe.yaml")
+    _refused(tmp_path, str(run), "-o", str(tmp_path / "x.gguf"), match="has no adapter/ folder")
+
+
+def test_refuses_unsupported_architecture(tmp_path):
+    model = tmp_path / "phi"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "phi3", "vocab_size": 10}), encoding="utf-8")
+    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'phi3'.*Llama family.*Mistral.*Qwen2")
+
+
+def test_cli_offers_the_quant_types_the_exporter_writes():
+    from finetuner.cli import export as cli_export
+    from finetuner.export import gguf as exporter
+
+    assert set(cli_export.QUANTS) == set(exporter.QUANTS) and set(cli_export.FORMATS) == set(exporter.FORMATS)
+
+
+def test_refuses_unknown_quant_and_k_quant_without_llama_cpp(tmp_path, tiny_model_dir):
+    _refused(tmp_path, str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q3_xs", match="invalid choice: 'q3_xs'")
+    # an environment without llama-cpp-python (the CLI's own python, with llama_cpp made unimportable)
+    code = ("import sys, importlib.util; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'llama_cpp' else real(n, *a); "
+            "from finetuner.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = subprocess.run([sys.executable, "-c", code, "export", str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q4_k_m"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and "llama-cpp-python is not installed" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_refuses_existing_output_folder_and_bad_names(tmp_path, tiny_model_dir):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine", encoding="utf-8")
+    _refused(tmp_path, str(tiny_model_dir), "--format", "ollama", "-o", str(out), match="not empty")
+    assert (out / "keep.txt").read_text(encoding="utf-8") == "mine"
+    _refused(tmp_path, str(tiny_model_dir), "-o", str(tmp_path / "model.bin"), match=r"does not end in \.gguf")
+
+
+def test_refuses_unrepresentable_tokenizer(tmp_path, tiny_model_dir):
+    import shutil
+
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "lower"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    tok.save_pretrained(model)
+    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"cannot be represented in a GGUF file: .*'Lowercase' normalizer")
+
+
+def test_modelfile_for_llama3_template_and_refusal_of_unknown_family():
+    from finetuner.data.pipeline import FALLBACK_CHAT_TEMPLATE
+    from finetuner.errors import UserError
+    from finetuner.export.ollama import modelfile
+
+    llama3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + "
+              "'<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    text = modelfile("model.gguf", llama3, system=None, eos_token="<|eot_id|>")
+    assert "<|start_header_id|>{{ .Role }}<|end_header_id|>" in text and 'PARAMETER stop "<|eot_id|>"' in text
+    assert text.count('PARAMETER stop "<|eot_id|>"') == 1 and "SYSTEM" not in text
+    with pytest.raises(UserError, match="not ChatML, Llama 3 or Mistral"):
+        modelfile("model.gguf", FALLBACK_CHAT_TEMPLATE)
