@@ -87,6 +87,35 @@ def recipe_dict(tiny_model_dir, alpaca_file, tmp_path):
     }
 
 
+def demo_run_folder(runs: Path, name: str = "merge-me", adapter: bool = False) -> Path:
+    """A run folder of the demo model as the merge reads it: its recipe and its adapter (a real
+    LoRA adapter with ``adapter=True``, else only its config: enough for the checks made before
+    anything is loaded)."""
+    from finetuner.config.recipe import Recipe
+
+    run = runs / name
+    run.mkdir(parents=True)
+    Recipe.from_dict({"name": name, "model": {"name": str(REPO / "data" / "demo_model")},
+                      "data": {"path": str(REPO / "data" / "alpaca_sample.json")}}).save(run / "recipe.yaml")
+    if adapter:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(REPO / "data" / "demo_model")
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:  # B starts at zero: give the adapter an effect the merge must carry
+                torch.nn.init.normal_(p, std=0.02)
+        model.save_pretrained(run / "adapter")
+    else:
+        (run / "adapter").mkdir()
+        (run / "adapter" / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(REPO / "data" / "demo_model")}), encoding="utf-8")
+    return run
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     import yaml
 
@@ -118,8 +147,8 @@ def free_port() -> int:
 def ui_client(base: Path):
     """The web UI app served in this process on a free port, and a ``gradio_client`` on it;
     runs and uploads under ``base``. Training jobs it started are stopped afterwards."""
-    gradio_client = pytest.importorskip("gradio_client")
-    pytest.importorskip("gradio")
+    import gradio_client  # a dependency of gradio, which is one of finetuner's
+
     from finetuner.runs import jobs
     from ui.app import build_app
 

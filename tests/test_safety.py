@@ -131,7 +131,6 @@ _NO_CALLS_OUT = textwrap.dedent(
 
 
 def test_ui_listens_on_localhost_and_never_calls_out(tmp_path):
-    pytest.importorskip("gradio")
     port = free_port()
     script = tmp_path / "probe.py"
     script.write_text(_NO_CALLS_OUT)

@@ -13,6 +13,8 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from finetuner.export.merge import DTYPE_CHOICES  # a light module: torch and transformers load when merging
+
     m = sub.add_parser(
         "merge",
         help="Merge a run's LoRA adapter into its base model and write a plain transformers model folder.",
@@ -24,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument("source", metavar="RUN_OR_ADAPTER", help="A run folder (runs/<name>) or a peft adapter folder.")
     m.add_argument("-o", "--output", required=True, help="A new or empty folder for the merged model.")
-    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the merged weights (default bf16).")
+    m.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="dtype of the merged weights (default auto: the dtype the base model was saved in).")
     m.add_argument("--shard-size", default="5GB", help="Largest safetensors file (default 5GB).")
     m.add_argument("--overwrite", action="store_true", help="Replace a non-empty output folder (only once the new one is complete).")
     m.add_argument("--base", help="The base model's folder or hub id, if not where the run or adapter says.")

@@ -1,6 +1,6 @@
 """``finetuner ui``: serve the web UI (Gradio) on this machine.
 
-gradio is imported only when the command runs (it is the optional ``ui`` extra), so
+gradio (a dependency of finetuner) is imported only when the command runs, so
 ``finetuner --help`` stays fast. Analytics and version checks are off: the UI never calls out.
 """
 
@@ -14,7 +14,7 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ui",
-        help="Serve the web UI: pick a model and data, plan, train, chat, export (needs the 'ui' extra).",
+        help="Serve the web UI: pick a model and data, plan, train, chat, export.",
         description="Serve the finetuner web UI. Training runs in its own process; closing the page does not stop it.",
     )
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1: this machine only).")
@@ -56,7 +56,7 @@ def _cmd_ui(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UserError(
             f"The web UI needs gradio ({e}).",
-            hint="Install the ui extra: pip install -e '.[ui]' -c constraints.txt",
+            hint="gradio comes with finetuner: install finetuner again (pip install -c constraints.txt -e .).",
         ) from None
     print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
     launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True)

@@ -34,6 +34,8 @@ from finetuner.infer.loading import Source, chat_template, load_pretrained, load
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: what ``dtype`` may be: ``auto`` is the dtype the base model was saved in (:func:`saved_dtype`)
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 #: Allowed max |merged - adapter| logit difference, relative to the largest |logit| (at least 1).
 #: fp32 agrees to rounding; a 16-bit merge rounds every merged weight once.
@@ -46,6 +48,21 @@ PROBE_MESSAGES = [
 ]
 
 INFO_FILE = "finetuner_merge.json"
+
+
+def saved_dtype(model: str | Path, revision: str | None = None) -> str:
+    """The dtype a model folder or hub id was saved in, as ``bf16``, ``fp16`` or ``fp32``: its
+    ``config.json``'s ``dtype`` (``torch_dtype`` in configs of older transformers). A config that names
+    none, or another dtype, gives ``fp32`` (what transformers loads such a model in)."""
+    from transformers import PretrainedConfig
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(str(model), revision=revision)
+    except (OSError, ValueError) as e:
+        raise UserError(f"Cannot read the config of the base model '{model}' ({e}).",
+                        hint="Give the base model's folder or hub id with --base, or choose --dtype.") from None
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return {v: k for k, v in DTYPES.items()}.get(name, "fp32")
 
 
 @dataclass
@@ -78,6 +95,12 @@ class MergeResult:
         d["shards"] = self.shards
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MergeResult:
+        """The result back from :meth:`to_dict` (e.g. from another process)."""
+        fields = {k: v for k, v in d.items() if k != "shards"}
+        return cls(**{**fields, "output_dir": Path(fields["output_dir"])})
+
     def __repr__(self) -> str:
         diff = "not checked" if self.max_abs_diff is None else f"max |Δlogit| {self.max_abs_diff:.2e}"
         return (f"MergeResult({str(self.output_dir)!r}: {self.dtype}, {self.shards} shard(s), "
@@ -108,17 +131,19 @@ def parse_size(size: int | str) -> int:
 def check_output_dir(out: Path, overwrite: bool, src: Source) -> None:
     """Refuse a file, a non-empty folder (unless ``overwrite``), or a folder holding the source or a run."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"The output {out} is a file.", hint="Choose a folder for -o.")
+        raise UserError(f"The output {out} is a file.", hint="Choose a folder for the output (-o).")
     for inside in filter(None, [Path(str(src.path)), src.adapter_dir, Path(src.base_model) if Path(src.base_model).exists() else None]):
         inside = inside.resolve()
         if inside == out or out in inside.parents:
-            raise UserError(f"The output folder {out} holds the model being merged ({inside}).", hint="Choose a new folder for -o.")
+            raise UserError(f"The output folder {out} holds the model being merged ({inside}).", hint="Choose a new output folder (-o).")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"The output folder {out} is not empty; finetuner will not write into it.",
-                            hint="Choose a new folder for -o, or pass --overwrite to replace it.")
+                            hint="Choose a new output folder (-o), or allow overwrite (--overwrite) to replace it "
+                                 "once the new model is complete.")
         if (out / "recipe.yaml").is_file() or (out / "events.jsonl").is_file():
-            raise UserError(f"{out} holds a finetuner run; --overwrite does not replace run folders.", hint="Choose another -o.")
+            raise UserError(f"{out} holds a finetuner run; overwrite does not replace run folders.",
+                            hint="Choose another output folder (-o).")
 
 
 def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
@@ -159,7 +184,7 @@ def peak_rss() -> int:
 def merge_adapter(
     source: str | Path,
     output_dir: str | Path,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     shard_size: int | str = "5GB",
     overwrite: bool = False,
     base_model: str | None = None,
@@ -176,7 +201,9 @@ def merge_adapter(
             fine-tune run is exported (re-saved in ``dtype``) as there is nothing to merge.
         output_dir: a new or empty folder; a non-empty one only with ``overwrite`` (it is then
             replaced as a whole once the new folder is complete and checked).
-        dtype: ``bf16``, ``fp16`` or ``fp32`` — of the merged weights, and of the base while merging.
+        dtype: ``auto`` (the dtype the base was saved in, :func:`saved_dtype`: an fp32 base stays
+            fp32 and the merged model matches the adapter to fp32 rounding), ``bf16``, ``fp16``
+            or ``fp32`` — of the merged weights, and of the base while merging.
         shard_size: largest safetensors file, e.g. ``"5GB"``.
         overwrite: replace a non-empty ``output_dir``.
         base_model: where the base model is, if not where the run or adapter says.
@@ -190,8 +217,8 @@ def merge_adapter(
         >>> r.max_abs_diff, r.files                                              # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    if dtype not in DTYPES:
-        raise UserError(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}.")
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"dtype '{dtype}' is not one of {', '.join(DTYPE_CHOICES)}.")
     max_shard = parse_size(shard_size)
     src = resolve_source(source, base_model)
     if src.kind == "model":
@@ -199,12 +226,16 @@ def merge_adapter(
                         hint="Give a run folder (runs/<name>) or a peft adapter folder (one with adapter_config.json).")
     out = Path(output_dir).expanduser().resolve()
     check_output_dir(out, overwrite, src)
-    notes: list[str] = []
-    if src.recipe is not None and src.recipe.quantization is not None:
-        notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
-                     f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
 
     with quieted():  # after the checks above (it imports transformers), so a refusal is instant
+        if dtype == "auto":
+            full = src.kind == "full"  # a full fine-tune's folder is the model itself
+            dtype = saved_dtype(src.adapter_dir if full else src.base_model,
+                                None if full or src.recipe is None else src.recipe.model.revision)
+        notes: list[str] = []
+        if src.recipe is not None and src.recipe.quantization is not None:
+            notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
+                         f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
         return _merge_and_write(src, out, dtype, max_shard, verify, notes, t0)
 
 
@@ -226,7 +257,7 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
     if free < weight_bytes * 1.05 + 50 * 2**20:
         raise UserError(f"Not enough free disk space for {out}: {free / 2**30:.2f} GiB free, the merged weights need "
-                        f"{weight_bytes / 2**30:.2f} GiB.", hint="Free some space or choose another -o.")
+                        f"{weight_bytes / 2**30:.2f} GiB.", hint="Free some space or choose another output folder (-o).")
 
     probe = _probe_ids(tokenizer, template)
     if src.has_adapter:

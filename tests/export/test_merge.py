@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 import finetuner
-from finetuner.export.merge import merge_adapter, parse_size
+from finetuner.export.merge import merge_adapter, parse_size, saved_dtype
 from finetuner.config.recipe import Recipe
 from tests.conftest import alpaca_rows, run_cli
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _train(tmp_path_factory, tiny_model_dir, name, overrides=()):
@@ -85,6 +88,42 @@ def test_qlora_run_merges_onto_the_full_precision_base(tmp_path_factory, tiny_mo
     assert torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, want, atol=1e-6)
 
 
+def test_the_default_merge_keeps_an_fp32_base_in_fp32_and_matches_the_adapter(lora_run, tiny_model_dir, tmp_path):
+    """``dtype="auto"`` (the default) merges in the dtype the base was saved in: an fp32 base
+    (the tiny test model, and the demo model) gives an fp32 model whose logits are the adapter's
+    to fp32 rounding; a bf16 merge of the same run (the old default) is far outside that."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert saved_dtype(tiny_model_dir) == "fp32" and saved_dtype(REPO / "data" / "demo_model") == "fp32"
+    r = merge_adapter(lora_run, tmp_path / "auto")
+    cfg = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert r.dtype == "fp32" and cfg.get("dtype", cfg.get("torch_dtype")) == "float32"
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=_probe()).logits.double()  # differences taken in float64: no rounding of their own
+
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                        lora_run / "adapter").eval()
+    want = logits(adapter)
+    # The two fp32 forward passes differ only by rounding: the merged weight W + B·A·s is rounded
+    # once (relative error 2**-24 ~ 6e-8), and W·x + B·(A·x)·s is summed in another order than
+    # (W + B·A·s)·x; over dot products of at most 384 terms (the MLP), a few layers and the LM head
+    # that stays within ~1e-5 of the logits' scale (measured here: 3e-7). 1e-4 of the scale leaves
+    # room for that, and is far below what rounding the weights to bf16 (2**-8 ~ 4e-3 relative)
+    # does to these logits (measured: 1.8e-3): the bf16 merge below must fall outside it.
+    tol = 1e-4 * max(1.0, float(want.abs().max()))
+    diff = float((logits(AutoModelForCausalLM.from_pretrained(tmp_path / "auto")) - want).abs().max())
+    assert diff <= tol, (diff, tol)
+    assert r.adapter_effect > 100 * tol  # the adapter moves the logits far more than the tolerance
+
+    merge_adapter(lora_run, tmp_path / "bf16", dtype="bf16")
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)  # bf16 weights, fp32 maths
+    assert float((logits(bf16) - want).abs().max()) > 10 * tol
+
+
 def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -92,9 +131,10 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     (tmp_path / "beside.txt").write_text("also mine")
     p = run_cli("merge", str(lora_run), "-o", str(out))
     assert p.returncode == 2 and "not empty" in p.stderr and "--overwrite" in p.stderr
+    assert f"→ {out} (auto) ..." in p.stderr  # the default: the base's own dtype
     assert (out / "notes.txt").read_text() == "mine"
 
-    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite")
+    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
     assert p.returncode == 0, p.stderr
     assert "max |logit difference|" in p.stdout and "peak RAM" in p.stdout
     # nothing but finetuner's own lines: no library warnings (DeepSpeed's "Setting accelerator to CPU"

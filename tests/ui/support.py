@@ -27,7 +27,6 @@ CHROMIUM_ARGS = [
 ]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
-pytest.importorskip("gradio", reason="gradio is not installed (pip install -e '.[ui]')")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; scripts/_setup.sh does it)", allow_module_level=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port, ui_client
+from tests.conftest import demo_run_folder, free_port, ui_client
 from finetuner.runs import jobs
 from finetuner.errors import UserError
 
@@ -287,7 +287,7 @@ def test_api_errors_are_messages_not_tracebacks(client):
     button, export_md = client.predict("../etc", api_name="/adapter_zip")
     assert "No run named ../etc" in export_md and button["value"] is None
     *_, checked = client.predict("model: [", "cpu", api_name="/estimate")
-    assert "not valid YAML" in checked
+    assert "recipe: line 1, column 9: invalid YAML" in checked  # the recipe's own message (Recipe.from_yaml_text)
 
 
 def test_api_upload_is_stored_under_a_safe_name(client, tmp_path):
@@ -354,15 +354,13 @@ def test_api_training_start_refuse_stop_and_adapter_zip(client, recipe_dict):
     assert yaml.safe_load(loaded[0])["name"] == "demo_cpu-2" and "Renamed from demo_cpu" in loaded[-1]
 
 
-def test_api_merge_into_a_non_empty_folder_names_the_overwrite_box(client, tmp_path):
-    run = client.base / "runs" / "merge-me"
-    (run / "adapter").mkdir(parents=True)
-    (run / "recipe.yaml").write_text("name: merge-me\n")
+def test_api_merge_into_a_non_empty_folder_is_refused_in_the_merges_words(client, tmp_path):
+    demo_run_folder(client.base / "runs", "merge-me")
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
     msg = client.predict("merge-me", str(full), "bf16", False, api_name="/merge")
-    assert "is not empty" in msg and "Tick “overwrite”" in msg and "Merging" not in msg
+    assert "is not empty; finetuner will not write into it" in msg and "allow overwrite" in msg and "Merging" not in msg
     assert (full / "keep.txt").read_text() == "mine"
 
 

@@ -7,7 +7,7 @@ start a short training run on the upload, watch the progress and the loss curve 
 page mid-run (the run goes on and is shown again), see it finish; Start refuses a recipe that
 does not fit the card unless confirmed, and a name already taken; the chosen run is remembered
 over a reload; chat with the result next to the base model (a bad run name says why), and export
-(the adapter zip in one click, a merge that names the overwrite box, then a merge). Every error
+(the adapter zip in one click, a merge refused in the merge's own words, then a merge). Every error
 is text on the page, never a bare "Error" badge. A screenshot of each stage goes to
 ``.cache/ui-screenshots/`` (git-ignored) for a person to look at; on a failure, the page as it
 was goes there as ``failed-here.png``.
@@ -261,7 +261,7 @@ def whole_flow(server, page, tmp_path):
         assert len(answer) >= 5, f"{lane} shows the question but no answer: {text!r}"
     shot(page, "09-chat")
 
-    # 6. export: the adapter zip in one click; a non-empty folder names the overwrite box; a merge
+    # 6. export: the adapter zip in one click; a non-empty folder is refused in the merge's words; a merge
     tab(page, "6 · Export")
     sync_api.expect(page.locator("#export-run input")).to_have_value(run_name, timeout=15_000)
     sync_api.expect(page.locator("#zip-btn")).to_be_enabled()
@@ -271,7 +271,7 @@ def whole_flow(server, page, tmp_path):
     assert "adapter_config.json" in zipfile.ZipFile(download.value.path()).namelist()
     page.locator("#out-dir textarea, #out-dir input").first.fill(str(tmp_path))  # holds the user's file
     page.locator("#merge-btn").click()
-    wait_text(page, "#export-status", r"is not empty.*Tick “overwrite” to replace it", flags=re.S)
+    wait_text(page, "#export-status", r"is not empty; finetuner will not write into it.*allow overwrite", flags=re.S)
     assert "Merging" not in page.locator("#export-status").inner_text()
     no_bare_errors(page)
     shot(page, "10a-export-error")

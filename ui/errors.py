@@ -1,0 +1,61 @@
+"""Errors as text on the page, where they happen: what is wrong and what to do (a
+:class:`~finetuner.errors.UserError`'s message and hint, as the library raised them)."""
+
+from __future__ import annotations
+
+import functools
+import html
+import inspect
+from collections.abc import Callable
+
+import gradio as gr
+
+from finetuner.errors import UserError
+
+
+def error_md(e: Exception) -> str:
+    """An error as a block of text on the page: what is wrong and what to do."""
+    if isinstance(e, UserError):
+        text = e.message + (f"\n{e.hint}" if e.hint else "")
+    elif isinstance(e, gr.Error):
+        text = str(e.message)
+    else:
+        text = f"Unexpected error: {type(e).__name__}: {e}"
+    return f'<div class="ft-error" role="alert">✕ {html.escape(text, quote=False)}</div>'
+
+
+def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
+    """A handler whose errors are shown as text in its output number ``status`` (of ``outputs``),
+    the other outputs keeping what they showed: the reason is on the page (a raised error would
+    turn every output into a bare "Error" badge, and its toast goes away). Engine errors become a
+    message, never a traceback."""
+
+    def failed(e: Exception):
+        if outputs == 1:
+            return error_md(e)
+        out = [gr.skip()] * outputs
+        out[status] = error_md(e)
+        return tuple(out)
+
+    def wrap(fn: Callable) -> Callable:
+        if inspect.isgeneratorfunction(fn):
+
+            @functools.wraps(fn)
+            def gen_wrapper(*args, **kwargs):
+                try:
+                    yield from fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001
+                    yield failed(e)
+
+            return gen_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                return failed(e)
+
+        return wrapper
+
+    return wrap

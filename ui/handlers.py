@@ -1,0 +1,499 @@
+"""What each control of the web UI does: the methods of :class:`Handlers`.
+
+A handler takes the values of its inputs and returns (or yields) those of its outputs;
+:mod:`ui.layout` wires it to the page. Each calls finetuner's Python API
+(:mod:`finetuner.planning.planner`, :mod:`finetuner.data.preview`, :mod:`finetuner.runs.jobs`,
+:mod:`finetuner.infer.chat_worker`, :mod:`finetuner.export.worker`) and shows its
+:class:`~finetuner.errors.UserError` as text in one output (:func:`ui.errors.shows_errors`).
+Training, chat and merging run in processes of their own. None needs a browser:
+``Handlers(runs_dir).on_check_yaml(text, "cpu")`` returns what the page would show.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+from gradio.components.plot import PlotData
+
+from finetuner.errors import UserError, did_you_mean
+from finetuner.infer.loading import read_recipe
+from finetuner.runs import jobs
+from ui import paths, views
+from ui.chat_pool import ChatPool
+from ui.errors import error_md, shows_errors
+from ui.estimate import recipe_estimate
+from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
+
+#: seconds between redraws of the loss chart while a run trains
+PLOT_EVERY_S = 6
+
+CPU_CARD = "cpu"
+#: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
+START_ANYWAY = "Start even if it does not fit"
+
+
+def gpu_profile(card: str):
+    """The card chosen on the page as a profile (:func:`finetuner.config.hardware.get_gpu`)."""
+    from finetuner.config.hardware import get_gpu
+
+    return get_gpu((card or CPU_CARD).strip())
+
+
+@functools.cache
+def default_card() -> str:
+    """``auto`` where finetuner finds a CUDA device (:func:`finetuner.config.hardware.detect`),
+    else ``cpu``; looked for once per process."""
+    from finetuner.config.hardware import detect
+
+    return "auto" if detect() is not None else CPU_CARD
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str):
+    from finetuner.data.preview import load_preview_tokenizer
+
+    return load_preview_tokenizer(model)
+
+
+def plot(spec: dict) -> PlotData:
+    """A Vega-Lite chart (views.chart) for a ``gr.Plot``: drawn afresh from the spec each time, so its
+    axes and series always match its data. (Not as gradio's own altair chart kinds: those restyle
+    the spec, and stay zero-wide once their tab has been hidden and shown again.)"""
+    return PlotData(type="altair", plot=json.dumps(spec))
+
+
+def memory_plot(est, gpu) -> PlotData:
+    return plot(views.memory_chart(est, gpu))
+
+
+def empty_chart() -> None:
+    """Empties a chart while its new figures are computed: a gradio BarPlot keeps its first colour
+    scale otherwise, and the last plan's chart must not stand beside a new plan."""
+    return None
+
+
+def message_text(content: Any) -> str:
+    """A chat message's text, whether gradio hands it over as a string or as content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(message_text(c) for c in content)
+    return "" if content is None else str(content)
+
+
+def settings_text(gen: dict) -> str:
+    """The settings an answer was generated with, so that a sampled answer can be repeated."""
+    if gen["temperature"] == 0:
+        return f"greedy, at most {gen['max_new_tokens']} tokens"
+    seed = "no seed" if gen["seed"] is None else f"seed {gen['seed']}"
+    return f"temperature {gen['temperature']:g}, top-p {gen['top_p']:g}, {seed}, at most {gen['max_new_tokens']} tokens"
+
+
+class Handlers:
+    """The handlers of one app. ``runs_dir``: where runs and the job registry live (default
+    ``runs/`` of the checkout); ``upload_dir``: where uploaded data files are stored (default
+    ``data/uploads/``)."""
+
+    def __init__(self, runs_dir: str | Path | None = None, upload_dir: str | Path | None = None):
+        self.runs = Path(runs_dir or paths.runs_dir_default()).expanduser().resolve()
+        self.uploads = Path(upload_dir).expanduser().resolve() if upload_dir else paths.UPLOAD_DIR
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self.chat_pool = ChatPool()
+        #: what a browser with nothing remembered, and no run yet, starts from
+        self.demo_model = paths.display(paths.DEMO_MODEL) if paths.DEMO_MODEL.is_dir() else ""
+        data_choices = paths.data_files(self.uploads)
+        self.default_data = ("data/alpaca_sample.json" if "data/alpaca_sample.json" in data_choices
+                             else (data_choices[0] if data_choices else None))
+
+    # ------------------------------------------------------------------ runs
+    def run_path(self, name: str | None) -> Path:
+        """The folder of the run ``name``: only folders directly in the runs folder."""
+        if not name:
+            raise UserError("Pick a run first.")
+        p = self.runs / name
+        if Path(name).name != name or name.startswith(".") or not p.is_dir():
+            names = self.run_names()
+            raise UserError(f"No run named {name} in {self.runs}.",
+                            hint=f"Pick a run from the list.{did_you_mean(name, names)}" if names else "Train one first (tab 4).")
+        return p
+
+    def run_names(self, pred: Callable[[Any], bool] = lambda s: True) -> list[str]:
+        return [s.name for s in jobs.list_runs(self.runs) if pred(s)]
+
+    def current_run(self) -> str | None:
+        running = jobs.running_jobs(self.runs)
+        if running:
+            return Path(running[0].run_dir).name
+        names = self.run_names()
+        return names[0] if names else None
+
+    def with_free_name(self, recipe):
+        """A planned or loaded recipe renamed ``name-2``... when a run already has its name: the
+        name shown in the YAML is the run's folder, and Start never renames."""
+        free = jobs.free_run_name(self.runs, recipe.name)
+        return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
+
+    # ------------------------------------------------------------------ model & data
+    @shows_errors(0, 1)
+    def on_model(self, model_text: str, card: str):
+        from finetuner.model.shapes import resolve_shape
+
+        shape = resolve_shape(paths.resolve_model(model_text))
+        return views.model_card_md(shape, gpu_profile(card))
+
+    @shows_errors(1, 2)
+    def on_upload(self, file_path: str | None):
+        """The uploaded file stored (or the stored file with the same content) and selected."""
+        if not file_path:
+            raise UserError("No file was uploaded.")
+        dest, new = paths.save_upload(file_path, Path(file_path).name, self.uploads)
+        shown = paths.display(dest)
+        gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
+        return gr.update(choices=paths.data_files(self.uploads), value=shown), gr.skip()
+
+    @shows_errors(0, 3)
+    def on_data(self, model_text: str, data_file: str, seq_len: float | None):
+        from finetuner.data.preview import preview_data
+        from finetuner.data.stats import profile_data
+
+        if not data_file:
+            raise UserError("Pick a data file, or upload one.")
+        if seq_len is not None and seq_len < 0:
+            raise UserError(f"Sequence length {seq_len:g}: give a number of tokens, or 0 to take it from the data.")
+        local = paths.resolve_local(data_file)
+        path = str(local) if local else data_file
+        model = paths.resolve_model(model_text)
+        seq = int(seq_len or 0) or 2048
+        profile = profile_data(path, model, seq)
+        preview, preview_note = None, ""
+        try:
+            preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
+        except UserError as e:
+            preview_note = f"\n\n**No token preview:** {e.message}"
+        summary = views.data_summary_md(profile, preview, seq) + preview_note
+        hist = views.histogram_df(profile, seq)
+        hl = views.preview_highlights(preview) if preview else []
+        return summary, hl, gr.update(value=hist, sort=list(hist["tokens"]),
+                                      title=f"Token lengths against the sequence length ({seq})")
+
+    # ------------------------------------------------------------------ plan
+    def _estimate_outputs(self, recipe, card: str, header: str = ""):
+        gpu = gpu_profile(card)
+        est = recipe_estimate(recipe, gpu)  # computed as the planner computes it: one figure on the page
+        text = recipe_text(recipe, header)
+        if not est.fits:
+            gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
+        return memory_plot(est, gpu), views.estimate_md(est, gpu), text, download_file(text, recipe.name)
+
+    def _valid_md(self, recipe, card: str, note: str = "") -> str:
+        gpu = gpu_profile(card)
+        est = recipe_estimate(recipe, gpu)
+        verdict = "fits" if est.fits else "does **not** fit"
+        return (f"✓ The recipe is valid: run **{recipe.name}**, predicted peak {views.gib(est.total_bytes, 1)} "
+                f"on {gpu.name}, which {verdict}.{note}")
+
+    @shows_errors(0, 18)
+    def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
+        from finetuner.planning.planner import plan
+
+        if not data_file:
+            raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
+        local = paths.resolve_local(data_file)
+        p = plan(
+            paths.resolve_model(model_text),
+            gpu_profile(card),
+            seq_len=int(seq_len) if seq_len else None,
+            data=str(local) if local else data_file,
+            effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
+            method=None if method in (None, "", "auto") else method,
+        )
+        if p.recipe is None:
+            gr.Warning("Nothing fits this card; see the suggestions.")
+            empty = memory_plot(p.estimate, p.gpu) if p.estimate else None
+            return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
+                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip(), gr.skip())
+        recipe = self.with_free_name(p.recipe)
+        header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
+        mem, est_md, text, dl = self._estimate_outputs(recipe, card, header)
+        return (views.plan_md(p), mem, est_md, views.rejected_df(p), text, dl, *fields_of(recipe), "", views.planned(p))
+
+    def plan_if_empty(self, text: str, *args):
+        """The plan, made when the editor is still empty (the Plan tab opened, Next pressed)."""
+        return self.on_plan(*args) if not (text or "").strip() else (gr.skip(),) * 18
+
+    def on_recipe_text(self, text: str, planned: dict | None):
+        """The Plan tab's headline follows the recipe in the editor, however it changed (a plan, an
+        edited field, a loaded file, typing)."""
+        if not (text or "").strip():
+            return ""
+        try:
+            recipe = recipe_from_text(text)
+        except UserError as e:
+            return views.invalid_recipe_md(e.message)
+        except Exception as e:  # noqa: BLE001 - shown, never raised: this runs on every keystroke
+            return views.invalid_recipe_md(f"{type(e).__name__}: {e}")
+        return views.recipe_md(recipe, planned)
+
+    @shows_errors(4, 5)
+    def on_edit(self, text: str, card: str, *fields):
+        recipe = apply_fields(text, *fields)
+        return *self._estimate_outputs(recipe, card), ""
+
+    @shows_errors(13, 14)
+    def on_check_yaml(self, text: str, card: str):
+        recipe = recipe_from_text(text)
+        mem, est_md, _text, dl = self._estimate_outputs(recipe, card)
+        return mem, est_md, dl, *fields_of(recipe), self._valid_md(recipe, card)
+
+    @shows_errors(14, 15)
+    def on_load_recipe(self, name: str, card: str):
+        from finetuner.config.recipe import Recipe
+
+        local = paths.resolve_local(name)
+        if local is None:
+            raise UserError(f"No recipe file {name}.")
+        loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        recipe = self.with_free_name(loaded)
+        note = "" if recipe.name == loaded.name else f" Renamed from {loaded.name}: a run already has that name."
+        comments = []
+        for line in local.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#"):
+                break
+            comments.append(line + "\n")
+        mem, est_md, text, dl = self._estimate_outputs(recipe, card, "".join(comments))
+        return text, mem, est_md, dl, *fields_of(recipe), self._valid_md(recipe, card, note)
+
+    # ------------------------------------------------------------------ train
+    def _train_view(self, name: str | None, last: dict | None):
+        """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
+        polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser)."""
+        last = last or {}
+        last_sig, shown = last.get("sig"), last.get("shown") or ()
+        st = None
+        if name and (self.runs / name).is_dir():
+            st = jobs.run_status(self.runs / name, self.runs)
+        # while a run trains the chart redraws at most every PLOT_EVERY_S (each redraw re-renders the
+        # whole chart in every open browser); at once when the run, its state or its eval points change
+        progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
+        sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
+        chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
+        # the past-runs table reads every run's events: only when the run shown or its state changes
+        if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
+            table = views.runs_df(jobs.list_runs(self.runs))
+        else:
+            table = gr.skip()
+        running = bool(st and st.running)
+        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable))
+        same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
+        mem, smp, start_i, stop_i, resume_i = values
+        return (
+            views.status_html(st),
+            chart,
+            gr.skip() if same[0] else mem,
+            gr.skip() if same[1] else smp,
+            gr.skip() if same[2] else gr.update(interactive=start_i),
+            gr.skip() if same[3] else gr.update(interactive=stop_i),
+            gr.skip() if same[4] else gr.update(interactive=resume_i),
+            {"sig": sig, "shown": values},
+            table,
+        )
+
+    def train_view(self, name: str | None, last: dict | None = None):
+        """The Train tab's outputs (see _train_view)."""
+        try:
+            return self._train_view(name, last)
+        except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
+            return (gr.skip(),) * 9
+
+    def _runs_outputs(self, selected: str | None):
+        names = self.run_names()
+        return (gr.update(choices=names, value=selected if selected in names else (names[0] if names else None)),
+                views.runs_df(jobs.list_runs(self.runs)))
+
+    def check_same_data(self, recipe, data_file: str | None) -> None:
+        """The recipe must train on the file chosen in the Data tab: a recipe planned before
+        another file was chosen (or uploaded) would quietly train on the old one."""
+        if not (data_file or "").strip():
+            return
+        local = paths.resolve_local(data_file)
+        chosen = str(local) if local else data_file.strip()
+        listed = recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]
+        if chosen in [str(Path(p).resolve()) if Path(p).exists() else p for p in listed]:
+            return
+        raise UserError(
+            f"Not started: the recipe trains on {', '.join(paths.display(p) for p in listed)}, but the Data tab has "
+            f"{paths.display(chosen)} chosen.",
+            hint="Make the plan again in the Plan tab to train on the chosen file, or choose the recipe's file in the Data tab.",
+        )
+
+    @shows_errors(2, 3)
+    def on_start(self, text: str, card: str, data_file: str | None, anyway: bool):
+        """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
+        reason, when it does not train on the data chosen in the Data tab, or when the memory
+        model says it does not fit the card (unless ``anyway``)."""
+        recipe = recipe_from_text(text)
+        self.check_same_data(recipe, data_file)
+        gpu = gpu_profile(card)
+        est = recipe_estimate(recipe, gpu)
+        if not est.fits and not anyway:
+            raise UserError(
+                f"Not started: {recipe.name} is predicted to need {views.gib(est.total_bytes, 1)}, more than "
+                f"{gpu.name} can give it ({views.gib(est.budget_bytes, 1)}).",
+                hint="Make it fit in the Plan tab (a smaller micro-batch or sequence length, gradient checkpointing, "
+                     f"qlora), or choose the card you train on in tab 1. To try it anyway, tick “{START_ANYWAY}”.",
+            )
+        job = jobs.start_job(recipe, runs_dir=self.runs, exact_name=True)
+        note = "" if est.fits else (f" It is predicted not to fit {gpu.name}: if it runs out of memory, training "
+                                    "halves the micro-batch and goes on.")
+        return *self._runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}"
+
+    @shows_errors(0, 1)
+    def on_stop(self, name: str):
+        if not jobs.stop_job(self.run_path(name), self.runs):
+            raise UserError(f"{name} is not running.")
+        return f"Stopping **{name}** after this step: a checkpoint is saved, and ↻ Resume continues it."
+
+    @shows_errors(2, 3)
+    def on_resume(self, name: str):
+        st = jobs.run_status(self.run_path(name), self.runs)
+        if not st.resumable:
+            raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
+                            hint="Only stopped or interrupted runs with a checkpoint resume.")
+        job = jobs.start_job(None, run_dir=self.run_path(name), runs_dir=self.runs)
+        return *self._runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint."
+
+    # ------------------------------------------------------------------ page load
+    def latest_choice(self) -> dict[str, str]:
+        """The model and data of the newest run's recipe: what a browser with nothing remembered
+        starts from (the server's state, not the shipped sample)."""
+        for st in jobs.list_runs(self.runs):
+            try:
+                recipe = read_recipe(Path(st.run_dir) / "recipe.yaml")  # as saved: its files need not exist any more
+            except UserError:
+                continue
+            local_model = paths.resolve_local(str(recipe.model.name))
+            local_data = paths.resolve_local(str(recipe.data.path))
+            return {"model": paths.display(local_model) if local_model else str(recipe.model.name),
+                    "data": paths.display(local_data) if local_data else ""}
+        return {}
+
+    def on_restore(self, saved: dict | None):
+        """A page (re)load: the choices this browser made last time (model, card, data, run),
+        else those of the newest run, else the defaults; uploads from any session are listed."""
+        saved = saved if isinstance(saved, dict) else {}
+        latest = self.latest_choice()
+        data_choices = paths.data_files(self.uploads)
+        data = next((d for d in (saved.get("data"), latest.get("data")) if d and paths.resolve_local(d)), self.default_data)
+        model_v = saved.get("model") or latest.get("model") or self.demo_model or None
+        card_v = saved.get("card") or default_card()
+        names = self.run_names()
+        chosen = saved.get("run") if saved.get("run") in names else self.current_run()
+        finished = self.run_names(lambda s: s.has_adapter)
+        done = chosen if chosen in finished else (finished[0] if finished else None)
+        return (
+            gr.update(value=model_v),
+            gr.update(value=card_v),
+            gr.update(choices=sorted({*data_choices, data} - {None}), value=data),
+            *self._runs_outputs(chosen),
+            gr.update(choices=finished, value=done),
+            gr.update(choices=finished, value=done),
+        )
+
+    def on_refresh_finished(self, current: str | None):
+        finished = self.run_names(lambda s: s.has_adapter)
+        return gr.update(choices=finished, value=current if current in finished else (finished[0] if finished else None))
+
+    # ------------------------------------------------------------------ chat
+    def on_chat(self, message: str, tuned_hist: list, base_hist: list, *settings):
+        """One exchange in both lanes; an error puts the message and the conversations back as
+        they were and says why in the status line."""
+        try:
+            yield from self._chat(message, tuned_hist, base_hist, *settings)
+        except Exception as e:  # noqa: BLE001
+            yield message, tuned_hist, base_hist, error_md(e)
+
+    def _chat(self, message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
+              max_new: float, temperature: float, top_p: float, seed: float | None):
+        if not (message or "").strip():
+            raise UserError("Type a message first.")
+        source = str(self.run_path(run))
+        gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
+               "seed": int(seed) if seed not in (None, "") else None}
+        lanes = [("tuned", True, list(tuned_hist or []))] + ([("base", False, list(base_hist or []))] if compare else [])
+        convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
+        shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
+        t0 = time.monotonic()
+        fresh = self.chat_pool.loaded != source
+        yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
+        worker = self.chat_pool.get(source)
+        texts = {name: "" for name in convo}
+        for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
+            msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
+            for piece in worker.stream(msgs, adapter=adapter, **gen):
+                texts[name] += piece
+                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
+                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
+            shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+        took = time.monotonic() - t0
+        yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {worker.describe}")
+
+    # ------------------------------------------------------------------ export
+    @shows_errors(0, 1)
+    def on_merge(self, run: str, out: str, dtype: str, overwrite: bool):
+        """Merge the run's adapter into its base model in another process (the UI never holds a
+        model): :func:`finetuner.export.worker.merge_in_subprocess`. Its refusals (a file, a
+        non-empty folder, a run folder) are shown as the merge words them."""
+        from finetuner.export.worker import merge_in_subprocess
+
+        rp = self.run_path(run)
+        target = Path(out).expanduser() if out and out.strip() else rp / "merged"
+        if not target.is_absolute():
+            target = paths.ROOT / target
+        yield f"Merging {run} into its base model → `{paths.display(target)}` …"
+        result = merge_in_subprocess(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite))
+        files = result.files
+        yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
+               f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
+               f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
+
+    def adapter_zip(self, run: str) -> Path:
+        """The run's adapter folder as ``<run>-adapter.zip`` (rebuilt when the adapter is newer)."""
+        rp = self.run_path(run)
+        adapter = rp / "adapter"
+        if not adapter.is_dir():
+            raise UserError(f"{run} has no adapter yet.", hint="Finish training first (a stopped run has checkpoints only).")
+        folder = Path(tempfile.gettempdir()) / "finetuner-ui" / "adapters" / hashlib.sha1(str(rp).encode()).hexdigest()[:12]
+        archive = folder / f"{run}-adapter.zip"
+        newest = max((p.stat().st_mtime for p in adapter.rglob("*")), default=adapter.stat().st_mtime)
+        if not archive.is_file() or archive.stat().st_mtime < newest:
+            folder.mkdir(parents=True, exist_ok=True)
+            building = Path(tempfile.mkdtemp(dir=folder))
+            try:
+                built = shutil.make_archive(str(building / archive.stem), "zip", root_dir=adapter)
+                os.replace(built, archive)  # whole or not at all, if two pages ask at once
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
+        return archive
+
+    def on_zip(self, run: str | None):
+        """The download button holds the chosen run's adapter zip (one click downloads it); a run
+        without an adapter empties it and says why."""
+        try:
+            if not run:
+                return gr.update(value=None, interactive=False), ""
+            return gr.update(value=str(self.adapter_zip(run)), interactive=True), ""
+        except Exception as e:  # noqa: BLE001
+            return gr.update(value=None, interactive=False), error_md(e)
