@@ -469,6 +469,33 @@ class Handlers:
                f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
                f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
 
+    @shows_errors(0, 1)
+    def on_gguf(self, run: str, fmt: str, quant: str, out: str, overwrite: bool):
+        """Export the run to GGUF (or GGUF + an Ollama Modelfile) in another process:
+        :func:`finetuner.export.worker.export_in_subprocess`; the file is checked against the merged
+        model before it is put in place, and the page says how closely it matches."""
+        from finetuner.export.worker import export_in_subprocess
+
+        rp = self.run_path(run)
+        fmt, quant = fmt or "gguf", quant or "f16"
+        default = rp / ("ollama" if fmt == "ollama" else f"{rp.name}-{quant}.gguf")
+        target = Path(out).expanduser() if out and out.strip() else default
+        if not target.is_absolute():
+            target = paths.ROOT / target
+        yield f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → `{paths.display(target)}` …"
+        r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite))
+        lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
+                 f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
+        if r.get("max_abs_logit_diff") is not None:
+            lines.append(f"Checked against the merged model with transformers' GGUF loader: largest logit difference "
+                         f"{r['max_abs_logit_diff']:.2g}, top-1 agreement {r['top1_agreement']:.0%} "
+                         f"on {r['probe_tokens']} tokens; the tokenizer gives the same ids on {r['tokenizer_texts']} texts.")
+        if r.get("modelfile"):
+            lines.append(f"Ollama Modelfile: `{paths.display(Path(r['modelfile']))}`. Create the model with:\n\n"
+                         f"```\n{r['ollama_command']}\n```")
+        lines += [f"- {note}" for note in r.get("notes") or []]
+        yield "\n\n".join(lines)
+
     def adapter_zip(self, run: str) -> Path:
         """The run's adapter folder as ``<run>-adapter.zip`` (rebuilt when the adapter is newer)."""
         rp = self.run_path(run)

@@ -11,6 +11,7 @@ import gradio as gr
 
 from finetuner.config.hardware import list_profiles
 from finetuner.config.recipe import Optimizer
+from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
 from ui.handlers import CPU_CARD, START_ANYWAY, Handlers, default_card, empty_chart
@@ -185,6 +186,18 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     merge_btn = gr.Button("Merge and save", variant="primary", elem_id="merge-btn")
                     zip_btn = gr.DownloadButton("Download the adapter (.zip)", value=None, interactive=False, elem_id="zip-btn")
                 export_md = gr.Markdown(elem_id="export-status")
+                gr.Markdown("Or export for llama.cpp, Ollama and LM Studio: the merged model as one GGUF file (or a GGUF "
+                            "and an Ollama Modelfile), read back and checked against the merged model before it is "
+                            "put in place.", elem_classes="ft-step")
+                with gr.Row():
+                    gguf_format = gr.Dropdown(list(FORMATS), value="gguf", label="format", scale=1, elem_id="gguf-format",
+                                              info="ollama: a folder with the GGUF and a Modelfile")
+                    gguf_quant = gr.Dropdown(list(QUANTS), value="f16", label="quantization", scale=1, elem_id="gguf-quant",
+                                             info="q4_k_m needs llama-cpp-python")
+                    gguf_out = gr.Textbox(label="Output file or folder", scale=3, elem_id="gguf-out",
+                                          placeholder="default: runs/<run>/<run>-<quant>.gguf, or runs/<run>/ollama")
+                    gguf_btn = gr.Button("Export to GGUF", variant="primary", scale=1, elem_id="gguf-btn")
+                gguf_md = gr.Markdown(elem_id="gguf-status")
 
         # ------------------------------------------------------------------ wiring
         for button, target in ((next1, "data"), (next2, "plan"), (next3, "train")):
@@ -239,6 +252,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         export_tab.select(h.on_refresh_finished, export_run, export_run, api_name=False)
 
         merge_btn.click(h.on_merge, [export_run, out_dir, dtype, overwrite], export_md, api_name="merge")
+        gguf_btn.click(h.on_gguf, [export_run, gguf_format, gguf_quant, gguf_out, overwrite], gguf_md, api_name="export_gguf")
         export_run.change(h.on_zip, export_run, [zip_btn, export_md], api_name="adapter_zip")
 
     return app

@@ -131,7 +131,10 @@ def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
         raise UserError(f"The output {out} is a folder.", hint="Name a .gguf file for -o.")
     if out.exists() and not overwrite:
         raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
-    for inside in filter(None, [Path(str(src.path)), src.adapter_dir]):
+    # a run folder may hold the export (as it holds merge's default runs/<run>/merged); a model or
+    # adapter folder may not (the export would become part of what it was made from)
+    folders = [src.adapter_dir] + ([] if src.kind in ("run", "full") else [Path(str(src.path))])
+    for inside in filter(None, folders):
         inside = inside.resolve()
         if out.parent == inside or inside in out.parents:
             raise UserError(f"The output {out} is inside the model being exported ({inside}).", hint="Write it somewhere else.")

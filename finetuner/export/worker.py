@@ -1,15 +1,18 @@
-"""Merge in a separate process: the model is loaded there, never in the caller (the web UI).
+"""Merge or export in a separate process: the model is loaded there, never in the caller (the web UI).
 
 Protocol (one JSON line each way). The worker is started as ``python -m finetuner.export.worker``
-and reads one request from stdin, the keywords of :func:`finetuner.export.merge.merge_adapter`:
-``{"source": "runs/demo", "output_dir": "out", "dtype": "auto", "overwrite": false}``. It prints
-one line on stdout: ``{"result": {...}}`` (:meth:`MergeResult.to_dict`), ``{"error": message,
-"hint": hint}`` for a :class:`~finetuner.errors.UserError` (as the merge raised it), or
+and reads one request from stdin: the keywords of :func:`finetuner.export.merge.merge_adapter`,
+``{"source": "runs/demo", "output_dir": "out", "dtype": "auto", "overwrite": false}``, or, with
+``"task": "export"``, those of :func:`finetuner.export.gguf.export_model`
+(``{"task": "export", "source": "runs/demo", "output": "demo.gguf", "quant": "q8_0"}``). It prints
+one line on stdout: ``{"result": {...}}`` (the result's ``to_dict()``), ``{"error": message,
+"hint": hint}`` for a :class:`~finetuner.errors.UserError` (as the merge or export raised it), or
 ``{"error": ..., "unexpected": true}`` for anything else (a bug). Whatever else is printed
 (library output) goes to stderr.
 
-:func:`merge_in_subprocess` is the caller's side: the arguments and the result of
-:func:`~finetuner.export.merge.merge_adapter`, and the same :class:`UserError`.
+:func:`merge_in_subprocess` and :func:`export_in_subprocess` are the caller's side: the arguments
+and the results of :func:`~finetuner.export.merge.merge_adapter` and
+:func:`~finetuner.export.gguf.export_model`, and the same :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -25,18 +28,31 @@ from finetuner.errors import UserError
 
 #: the keywords of merge_adapter a request may carry
 KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify")
+#: the keywords of export_model an export request may carry
+EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model", "merge_dtype", "verify")
 
 
 # --------------------------------------------------------------------------- the worker process
 def serve(request: Any) -> dict[str, Any]:
-    """The answer to one request (a dict of :data:`KEYS`)."""
-    from finetuner.export import merge
-
-    if not isinstance(request, dict) or not {"source", "output_dir"} <= set(request) or set(request) - set(KEYS):
-        return {"error": f"A merge request is a JSON object with source, output_dir and some of {', '.join(KEYS[2:])}; "
-                         f"got {json.dumps(request)[:200]}.", "unexpected": True}
+    """The answer to one request (a dict of :data:`KEYS`, or ``task: export`` and :data:`EXPORT_KEYS`)."""
+    if isinstance(request, dict) and request.get("task") == "export":
+        request = {k: v for k, v in request.items() if k != "task"}
+        keys, required, what = EXPORT_KEYS, {"source", "output"}, "An export"
+    else:
+        keys, required, what = KEYS, {"source", "output_dir"}, "A merge"
+    if not isinstance(request, dict) or not required <= set(request) or set(request) - set(keys):
+        return {"error": f"{what} request is a JSON object with {', '.join(sorted(required))} and some of "
+                         f"{', '.join(k for k in keys if k not in required)}; got {json.dumps(request)[:200]}.",
+                "unexpected": True}
     try:
-        result = merge.merge_adapter(**request)
+        if keys is EXPORT_KEYS:
+            from finetuner.export.gguf import export_model
+
+            result = export_model(**request)
+        else:
+            from finetuner.export.merge import merge_adapter
+
+            result = merge_adapter(**request)
     except UserError as e:
         return {"error": e.message, "hint": e.hint}
     except Exception as e:  # noqa: BLE001 - the caller shows it as a bug
@@ -60,17 +76,8 @@ def main() -> int:
 
 
 # --------------------------------------------------------------------------- the caller's side
-def merge_in_subprocess(source: str | Path, output_dir: str | Path, **kwargs: Any):
-    """:func:`~finetuner.export.merge.merge_adapter` run in a new Python process, so that the
-    caller never holds the model. Returns its :class:`~finetuner.export.merge.MergeResult`;
-    raises its :class:`UserError` (message and hint as the merge raised them), or
-    :class:`RuntimeError` for anything else (a bug, or the process killed, e.g. out of memory)."""
-    from finetuner.export.merge import MergeResult
-
-    unknown = sorted(set(kwargs) - set(KEYS))
-    if unknown:
-        raise TypeError(f"merge_in_subprocess() got unexpected keyword arguments: {', '.join(unknown)}")
-    request = {"source": str(source), "output_dir": str(output_dir), **kwargs}
+def _answer(request: dict[str, Any], what: str) -> dict[str, Any]:
+    """Run one request in a new worker process; its result dict, or raise its error."""
     proc = subprocess.run(
         [sys.executable, "-m", "finetuner.export.worker"], input=json.dumps(request), capture_output=True,
         text=True, encoding="utf-8",
@@ -78,13 +85,38 @@ def merge_in_subprocess(source: str | Path, output_dir: str | Path, **kwargs: An
     lines = proc.stdout.strip().splitlines()
     if len(lines) != 1:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"The merge process ended without an answer (exit status {proc.returncode}).\n{tail}".strip())
+        raise RuntimeError(f"The {what} process ended without an answer (exit status {proc.returncode}).\n{tail}".strip())
     answer = json.loads(lines[0])
     if "result" in answer:
-        return MergeResult.from_dict(answer["result"])
+        return answer["result"]
     if answer.get("unexpected"):
         raise RuntimeError(answer["error"])
     raise UserError(answer["error"], hint=answer.get("hint"))
+
+
+def _check_keywords(func: str, kwargs: dict[str, Any], keys: tuple[str, ...]) -> None:
+    unknown = sorted(set(kwargs) - set(keys))
+    if unknown:
+        raise TypeError(f"{func}() got unexpected keyword arguments: {', '.join(unknown)}")
+
+
+def merge_in_subprocess(source: str | Path, output_dir: str | Path, **kwargs: Any):
+    """:func:`~finetuner.export.merge.merge_adapter` run in a new Python process, so that the
+    caller never holds the model. Returns its :class:`~finetuner.export.merge.MergeResult`;
+    raises its :class:`UserError` (message and hint as the merge raised them), or
+    :class:`RuntimeError` for anything else (a bug, or the process killed, e.g. out of memory)."""
+    from finetuner.export.merge import MergeResult
+
+    _check_keywords("merge_in_subprocess", kwargs, KEYS)
+    return MergeResult.from_dict(_answer({"source": str(source), "output_dir": str(output_dir), **kwargs}, "merge"))
+
+
+def export_in_subprocess(source: str | Path, output: str | Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`~finetuner.export.gguf.export_model` run in a new Python process. Returns its
+    :meth:`ExportResult.to_dict() <finetuner.export.gguf.ExportResult.to_dict>`; raises its
+    :class:`UserError`, or :class:`RuntimeError` for anything else."""
+    _check_keywords("export_in_subprocess", kwargs, EXPORT_KEYS)
+    return _answer({"task": "export", "source": str(source), "output": str(output), **kwargs}, "export")
 
 
 if __name__ == "__main__":

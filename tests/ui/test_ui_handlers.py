@@ -39,6 +39,26 @@ def test_the_export_handler_shows_the_merges_own_refusal(tmp_path):
     assert len(missing) == 1 and "No run named no-such-run" in missing[0]  # refused before anything starts
 
 
+def test_the_export_tab_writes_a_checked_gguf_and_an_ollama_folder(tmp_path):
+    """GGUF and Ollama from the Export tab: the library's export in another process, its checks
+    reported on the page, and its refusals shown as raised."""
+    import gguf
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    run = demo_run_folder(h.runs, adapter=True)
+    shown = list(h.on_gguf(run.name, "gguf", "q8_0", "", False))
+    file = run / f"{run.name}-q8_0.gguf"
+    assert shown[0].startswith(f"Exporting {run.name} to GGUF (q8_0)")
+    assert shown[-1].startswith(f"✓ q8_0 GGUF saved to `{file}`"), shown[-1]
+    assert "top-1 agreement 100%" in shown[-1] and "same ids" in shown[-1]
+    assert gguf.GGUFReader(file).fields["general.architecture"].contents() == "llama"
+    again = list(h.on_gguf(run.name, "gguf", "q8_0", "", False))[-1]
+    assert "exists" in again and "overwrite" in again and not again.startswith("✓")  # the export's own refusal
+    folder = tmp_path / "ollama"
+    done = list(h.on_gguf(run.name, "ollama", "f16", str(folder), False))[-1]
+    assert "ollama create" in done and (folder / "Modelfile").is_file() and (folder / "model.gguf").is_file()
+
+
 def test_the_editor_reads_and_writes_recipes_with_the_library(tmp_path):
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
     recipe = Recipe.from_dict(dict(DEMO, name="edited", distributed={"num_processes": 2}))
