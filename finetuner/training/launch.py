@@ -28,6 +28,7 @@ stops all ranks when one fails. Output of all ranks goes to ``<run>/distributed/
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -244,7 +245,7 @@ def _wait_for_first_node(recipe: Recipe, stop_event: threading.Event | None) -> 
             raise UserError(f"Stopped while node {d.node_rank} waited for node 0 to prepare {run_dir}.")
         if time.monotonic() > deadline:
             raise UserError(
-                f"distributed.node_rank: node {d.node_rank} waited {NODE_WAIT_S / 60:.0f} minutes and node 0 has not "
+                f"distributed.node_rank: node {d.node_rank} waited {NODE_WAIT_S:.0f} s and node 0 has not "
                 f"prepared the run folder {run_dir}.",
                 hint="Start node 0 with the same recipe (node_rank 0) and the same output_dir, on a file system every node shares.",
             )
@@ -284,6 +285,11 @@ def launch_training(
             f"distributed.strategy: fsdp is not supported by finetuner run yet.{where}",
             hint="Use strategy zero3: DeepSpeed ZeRO-3 shards parameters, gradients and optimizer states the same way "
             "(finetuner.training.launch.write_configs writes an accelerate FSDP config for `accelerate launch` if you need one).",
+        )
+    if d.deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(
+            f"distributed.strategy: {d.strategy} runs on DeepSpeed, which is not installed.",
+            hint="Install the distributed extra (pip install -c constraints.txt -e '.[distributed]'), or use strategy ddp.",
         )
     if cuda and torch.cuda.device_count() < d.num_processes:
         raise UserError(
