@@ -240,10 +240,12 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, witho
     assert (run_dir / "distributed" / "launch-node1.log").is_file()
     assert [e["loss"] for e in events if e["event"] == "step"] == pytest.approx(ref.losses, abs=1e-5)
     assert _max_diff(_adapter(run_dir), _adapter(ref.run_dir)) < 1e-5
+    again = finetuner.train(tmp_path / "node1.yaml")  # node 1 alone on the finished run: it waits for no one
+    assert again.finished and "is finished" in again.finished
 
 
 def _launch_and_interrupt(recipe_path: Path, run_dir: Path, presses: int) -> tuple[int, str, list[int]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetuner.cli.main", "run", str(recipe_path), "--gpus", "2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
