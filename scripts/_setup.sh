@@ -37,7 +37,8 @@ fi
 export PATH="$_venv/bin:$PATH"
 # The browser test (tests/ui/test_ui_browser.py) drives Debian's Chromium through Playwright; never
 # `playwright install`. Installed here with apt when missing (as root, or with password-less
-# sudo); if that cannot be done the browser test is skipped with the reason.
+# sudo); if that cannot be done the browser test is skipped with the reason (with CI=true a skip
+# is a failure: tests/conftest.py).
 if [[ ",${_extras}," == *",test,"* ]] && [ ! -x /usr/bin/chromium ] && command -v apt-get > /dev/null; then
   _sudo=""
   [ "$(id -u)" != "0" ] && command -v sudo > /dev/null && sudo -n true 2> /dev/null && _sudo="sudo -n"
@@ -45,8 +46,19 @@ if [[ ",${_extras}," == *",test,"* ]] && [ ! -x /usr/bin/chromium ] && command -
     echo "finetuner: installing chromium for the browser test (apt-get)"
     { $_sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $_sudo apt-get install -y -q --no-install-recommends chromium; } \
       > "$_venv/chromium-install.log" 2>&1 \
-      || echo "finetuner: could not install chromium (see $_venv/chromium-install.log); the browser test will be skipped" >&2
+      || echo "finetuner: could not install chromium (see $_venv/chromium-install.log); the browser test will be skipped (failed with CI=true)" >&2
   else
-    echo "finetuner: no /usr/bin/chromium and no root/sudo to install it; the browser test will be skipped" >&2
+    echo "finetuner: no /usr/bin/chromium and no root/sudo to install it; the browser test will be skipped (failed with CI=true)" >&2
   fi
+fi
+# DeepSpeedCPUAdam, the optimizer of ZeRO-Offload by default (distributed.cpu_adam: true), is a C++
+# extension DeepSpeed compiles on first use: 3 minutes of CPU on two cores. The tests run it, so it
+# is built here once, into $TORCH_EXTENSIONS_DIR (.cache/torch_extensions, git-ignored: keep .cache/
+# between CI runs); later runs load the build in seconds.
+if [[ ",${_extras}," == *",test,"* ]] && [ ! -f "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ]; then
+  echo "finetuner: building DeepSpeedCPUAdam into $TORCH_EXTENSIONS_DIR (once; a few minutes)"
+  "$_venv/bin/python" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$_venv/cpu_adam-build.log" 2>&1 \
+    || { tail -n 20 "$_venv/cpu_adam-build.log" >&2
+         echo "finetuner: could not build DeepSpeedCPUAdam (full log: $_venv/cpu_adam-build.log); its tests will fail" >&2; }
 fi

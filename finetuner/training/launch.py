@@ -13,6 +13,12 @@
    process), follows rank 0's ``events.jsonl`` for the callbacks, and turns the end of the run
    into a :class:`~finetuner.training.trainer.TrainResult`.
 
+Several machines (``distributed.nodes`` > 1): the same command runs on each with its
+``node_rank``; the run folder is on a file system they share. Node 0's launcher does steps 1-2
+and holds the lock; the launcher of any other node waits for node 0's configs in the run folder,
+then starts its torchrun (the ranks meet at ``master_addr:master_port``), writes its ranks' output
+to ``distributed/launch-node<K>.log`` and follows the same ``events.jsonl`` (rank 0 writes it).
+
 Stopping: the first stop request (Ctrl-C in the CLI, or ``stop_event``) writes ``<run>/.stop``;
 every rank sees it at its next step, they agree to stop at the same step, save a checkpoint and
 exit. A second Ctrl-C, an error in the launcher, or the launcher dying (``PR_SET_PDEATHSIG``)
@@ -22,6 +28,7 @@ stops all ranks when one fails. Output of all ranks goes to ``<run>/distributed/
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -44,6 +51,8 @@ log = logging.getLogger(__name__)
 RANK_ENV = "FINETUNER_DISTRIBUTED_RANK"
 STOP_FILE = ".stop"
 CONFIG_DIR = "distributed"
+#: How long the launcher of a node other than 0 waits for node 0 to prepare the run folder.
+NODE_WAIT_S = 900.0
 
 
 def needs_launch(recipe: Recipe) -> bool:
@@ -217,6 +226,37 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+def _wait_for_first_node(recipe: Recipe, stop_event: threading.Event | None) -> Path:
+    """On a node other than 0: wait until node 0's launcher has prepared the shared run folder (its
+    ``distributed/launch.sh`` is written last); returns the folder. A finished run raises
+    :class:`~finetuner.runs.folder.RunFinished` here as on node 0, which then launches nothing."""
+    import yaml
+
+    from finetuner.runs.folder import check_not_finished
+    from finetuner.training.checkpoint import latest_checkpoint
+
+    run_dir = recipe.output_path()
+    ready = run_dir / CONFIG_DIR / "launch.sh"
+    d = recipe.distributed
+    log.warning("Node %d of %d: waiting for node 0 to prepare %s.", d.node_rank, d.nodes, run_dir)
+    deadline = time.monotonic() + NODE_WAIT_S
+    while not (ready.is_file() and (run_dir / "recipe.yaml").is_file()):
+        if stop_event is not None and stop_event.is_set():
+            raise UserError(f"Stopped while node {d.node_rank} waited for node 0 to prepare {run_dir}.")
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"distributed.node_rank: node {d.node_rank} waited {NODE_WAIT_S:.0f} s and node 0 has not "
+                f"prepared the run folder {run_dir}.",
+                hint="Start node 0 with the same recipe (node_rank 0) and the same output_dir, on a file system every node shares.",
+            )
+        time.sleep(0.5)
+    last = latest_checkpoint(run_dir)
+    if last is not None:
+        saved = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8")) or {}
+        check_not_finished(run_dir, recipe, saved, last)
+    return run_dir
+
+
 def launch_training(
     recipe: Recipe,
     callbacks=None,
@@ -246,6 +286,11 @@ def launch_training(
             hint="Use strategy zero3: DeepSpeed ZeRO-3 shards parameters, gradients and optimizer states the same way "
             "(finetuner.training.launch.write_configs writes an accelerate FSDP config for `accelerate launch` if you need one).",
         )
+    if d.deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(
+            f"distributed.strategy: {d.strategy} runs on DeepSpeed, which is not installed.",
+            hint="Install the distributed extra (pip install -c constraints.txt -e '.[distributed]'), or use strategy ddp.",
+        )
     if cuda and torch.cuda.device_count() < d.num_processes:
         raise UserError(
             f"distributed.num_processes: {d.num_processes} processes need {d.num_processes} GPUs, "
@@ -254,15 +299,23 @@ def launch_training(
         )
     if profile_memory:
         log.warning("--profile-memory is not supported for multi-process runs; ignored.")
-    recipe, plan = resolve_for_run(recipe, resume)
-    run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    first_node = d.node_rank == 0
+    if first_node:
+        recipe, plan = resolve_for_run(recipe, resume)
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+    else:  # node 0 prepares the shared run folder, resolves the recipe and holds the lock
+        run_dir, lock = _wait_for_first_node(recipe, stop_event), None
     try:
-        for note in notes:
-            log.warning(note)
-        if plan is not None:
-            atomic_write_json(run_dir / "plan.json", plan.to_dict())
-        paths = write_configs(recipe, run_dir, resolve_runtime(recipe))
-        (run_dir / STOP_FILE).unlink(missing_ok=True)
+        if first_node:
+            for note in notes:
+                log.warning(note)
+            if plan is not None:
+                atomic_write_json(run_dir / "plan.json", plan.to_dict())
+            launch_sh = write_configs(recipe, run_dir, resolve_runtime(recipe))["launch"]
+            log_path = launch_sh.with_name("launch.log")
+            (run_dir / STOP_FILE).unlink(missing_ok=True)
+        else:
+            log_path = run_dir / CONFIG_DIR / f"launch-node{d.node_rank}.log"
         events_path = run_dir / "events.jsonl"
         offset = events_path.stat().st_size if events_path.exists() else 0
         relayed: list[dict[str, Any]] = []
@@ -272,7 +325,6 @@ def launch_training(
         if not cuda:
             env["ACCELERATE_USE_CPU"] = "true"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))
-        log_path = paths["launch"].with_name("launch.log")
         cmd = torchrun_command(recipe, run_dir)
         log.info("Launching: %s", shlex.join(cmd))
         with open(log_path, "ab") as log_f:
@@ -300,9 +352,10 @@ def launch_training(
             message = end.get("message") if end and end["event"] == "error" else None
             if message is None:
                 message = f"a training process failed (torchrun exit status {proc.returncode})"
-                writer = EventWriter(events_path)
-                writer.emit("error", message=message, type="DistributedRunFailed", user_error=False)
-                writer.close()
+                if first_node:  # the events' one writer is on node 0
+                    writer = EventWriter(events_path)
+                    writer.emit("error", message=message, type="DistributedRunFailed", user_error=False)
+                    writer.close()
             if end is not None and end.get("type") == OutOfMemory.__name__:
                 raise OutOfMemory(message)  # exit status 3, as for one process
             if end is not None and end.get("user_error"):
@@ -318,4 +371,5 @@ def launch_training(
         metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
         return TrainResult(run_dir, Path(end["adapter_dir"]), metrics, losses=losses)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()

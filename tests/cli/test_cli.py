@@ -73,7 +73,6 @@ def test_missing_recipe_and_bad_set(tmp_path, recipe_dict):
     assert r.returncode == 2 and "expected key.path=value" in r.stderr
 
 
-@pytest.mark.skipif(not (REPO / "data" / "demo_model" / "config.json").exists(), reason="demo model not built")
 def test_demo_recipe_runs_a_few_steps(tmp_path):
     r = run_cli("run", str(REPO / "recipes" / "demo_cpu.yaml"), "--set", "training.max_steps=2", "--output", str(tmp_path / "demo"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -234,7 +234,7 @@ def test_max_examples_and_system_prompt(tmp_path, tok):
     assert len(ex) == 4 and ex[0]["messages"][0] == {"role": "system", "content": "You are Tern."}
 
 
-@pytest.mark.skipif(not PEER_DATA.exists(), reason="shared peer data not present")
+@pytest.mark.skipif(not PEER_DATA.exists(), reason=f"the peer data sets are not at {PEER_DATA} (a failure with CI=true)")
 @pytest.mark.parametrize(
     "name, fmt, rows",
     [("alpaca_en_demo.json", "alpaca", 999), ("glaive_toolcall_en_demo.json", "chat", 300), ("c4_demo.jsonl", "text", 300)],

@@ -1,9 +1,16 @@
 """Multi-process training on CPU for real: torchrun, gloo, DDP through accelerate, DeepSpeed ZeRO.
 
-Two processes with the same effective batch must follow the single-process run; only rank 0
-writes; Ctrl-C of the launcher leaves no process behind; the configs are saved in the run
-folder. accelerate's FSDP plugin refuses the CPU, so for ``fsdp`` only the generated config
-and the refusal are tested here.
+Every strategy the planner can choose (finetuner.memory.sharding.candidate_strategies: ddp,
+zero1-3, ZeRO-Offload of the optimizer and of the parameters) runs here on two processes with
+the same effective batch and must follow the single-process run (loss and adapter); so do two
+nodes on 127.0.0.1. Only rank 0 writes; Ctrl-C of the launcher leaves no process behind; the
+configs are saved in the run folder. accelerate's FSDP plugin refuses the CPU, so for ``fsdp``
+only the generated config and the refusal are tested here.
+
+DeepSpeed is needed by the ZeRO tests only (their ``deepspeed`` fixture); the DDP run and the
+tests without processes run with it hidden. DeepSpeedCPUAdam (the default of offload) is a C++
+extension built once into ``$TORCH_EXTENSIONS_DIR`` (``.cache/torch_extensions``, see
+tests/conftest.py; scripts/_setup.sh builds it before the tests).
 """
 
 from __future__ import annotations
@@ -26,10 +33,29 @@ import finetuner
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, free_port, run_cli, write_recipe
 
-pytest.importorskip("deepspeed")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+
+@pytest.fixture
+def deepspeed():
+    """The ZeRO tests need DeepSpeed (the ``test`` and ``distributed`` extras); with CI=true its absence fails them."""
+    return pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -c constraints.txt -e '.[test]')")
+
+
+@pytest.fixture
+def without_deepspeed(tmp_path, monkeypatch):
+    """DeepSpeed hidden from this process and from every process it starts (as if not installed):
+    ``import deepspeed`` fails and ``importlib.util.find_spec`` finds nothing, which is what
+    accelerate and transformers check."""
+    import importlib.util
+
+    site = tmp_path / "no_deepspeed"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None\n", encoding="utf-8")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert importlib.util.find_spec("deepspeed") is None
+    return site
 
 
 def _recipe(recipe_dict, tmp_path, name, **distributed):
@@ -75,7 +101,7 @@ def one_process(tmp_path_factory, tiny_model_dir):
     return base, result
 
 
-def _rank0_only(run_dir: Path, world_size: int) -> list[dict]:
+def _rank0_only(run_dir: Path, world_size: int, per_node: int | None = None) -> list[dict]:
     events = read_events(run_dir / "events.jsonl")
     kinds = [e["event"] for e in events]
     assert kinds.count("start") == 1 and kinds.count("done") == 1  # one writer
@@ -86,11 +112,11 @@ def _rank0_only(run_dir: Path, world_size: int) -> list[dict]:
     assert (run_dir / "metrics.json").is_file() and not (run_dir / ".stop").exists()
     assert (run_dir / "distributed" / "accelerate_config.yaml").is_file()
     launch = (run_dir / "distributed" / "launch.sh").read_text()
-    assert f"--nproc_per_node={world_size}" in launch and "-m finetuner.training.distributed" in launch
+    assert f"--nproc_per_node={per_node or world_size}" in launch and "-m finetuner.training.distributed" in launch
     return events
 
 
-def test_ddp_two_processes_match_one_process(one_process, tmp_path):
+def test_ddp_two_processes_match_one_process(one_process, tmp_path, without_deepspeed):
     base, ref = one_process
     recipe = write_recipe(tmp_path / "r.yaml", dict(base, output_dir=str(tmp_path / "ddp")))
     out = run_cli("run", str(recipe), "--gpus", "2", "--quiet")
@@ -105,7 +131,7 @@ def test_ddp_two_processes_match_one_process(one_process, tmp_path):
     assert acc["distributed_type"] == "MULTI_CPU" and acc["num_processes"] == 2 and acc["use_cpu"] is True
 
 
-def test_zero2_two_processes_match_one_process_and_resume_after_stop(one_process, tmp_path, monkeypatch):
+def test_zero2_two_processes_match_one_process_and_resume_after_stop(deepspeed, one_process, tmp_path, monkeypatch):
     """Each rank gets SIGINT after step 3: they stop together with a ZeRO checkpoint; the resume finishes."""
     base, ref = one_process
     recipe = Recipe.from_dict(dict(base, output_dir=str(tmp_path / "z2"), distributed={"strategy": "zero2", "num_processes": 2}))
@@ -127,8 +153,9 @@ def test_zero2_two_processes_match_one_process_and_resume_after_stop(one_process
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 4 and ds["gradient_accumulation_steps"] == 1
 
 
-def test_zero_offload_full_fine_tune_on_cpu(one_process, tmp_path):
-    """method full, ZeRO-2 with the optimizer states offloaded to CPU memory, one process."""
+def test_zero_offload_full_fine_tune_on_cpu(deepspeed, one_process, tmp_path):
+    """method full, ZeRO-2 with the optimizer states offloaded to CPU memory, one process, stepped
+    by torch AdamW (cpu_adam: false; the default, DeepSpeedCPUAdam, runs in the two-process tests below)."""
     base, _ = one_process
     full = dict(base, method="full", training=dict(base["training"], lr=1e-3, max_steps=4), checkpointing={"save_every": 10})
     ref = _train(dict(full, output_dir=str(tmp_path / "plain")))
@@ -141,25 +168,84 @@ def test_zero_offload_full_fine_tune_on_cpu(one_process, tmp_path):
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert (tmp_path / "offload" / "adapter" / "model.safetensors").is_file()  # the whole model
     dist = next(e for e in read_events(tmp_path / "offload" / "events.jsonl") if e["event"] == "distributed")
-    assert dist["world_size"] == 1 and dist["offload"] == "optimizer"
+    assert dist["world_size"] == 1 and dist["offload"] == "optimizer" and dist["optimizer"] == "AdamW"
 
 
-@pytest.mark.skipif(
-    not os.environ.get("FINETUNER_TEST_CPU_ADAM") and not list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("cpu_adam/*.so")),
-    reason="DeepSpeedCPUAdam's C++ extension is not built yet (a 1-3 min compile); set FINETUNER_TEST_CPU_ADAM=1 to build and test it",
+def _logits_with_adapter(base_dir: Path, adapter_dir: Path):
+    """The logits of a fixed prompt through the base with the saved adapter, loaded as a user loads it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter_dir)
+    ids = torch.arange(3, 35).unsqueeze(0)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize(
+    "strategy, offload",
+    [("zero1", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "optimizer+params")],
 )
-def test_zero_offload_with_deepspeed_cpu_adam(one_process, tmp_path):
-    base, _ = one_process
-    full = dict(base, method="full", training=dict(base["training"], lr=1e-3, max_steps=3), checkpointing={"save_every": 10})
-    ref = _train(dict(full, output_dir=str(tmp_path / "plain")))
-    off = _train(dict(full, output_dir=str(tmp_path / "cpu_adam")), ["distributed.strategy=zero2", "distributed.offload=optimizer"])
-    assert off.losses == pytest.approx(ref.losses, abs=1e-4)
-    dist = next(e for e in read_events(tmp_path / "cpu_adam" / "events.jsonl") if e["event"] == "distributed")
-    assert dist["optimizer"] == "DeepSpeedCPUAdam"
+def test_zero_strategies_on_two_processes_match_one_process(deepspeed, one_process, tmp_path, strategy, offload):
+    """The ZeRO strategies and offloads the planner chooses besides ddp and zero2 (tested above),
+    on two processes: the losses and the saved adapter are the one-process run's. ZeRO-3 shards
+    the LoRA weights too, so the adapter is gathered for saving: it holds the full tensors and
+    loads with PeftModel.from_pretrained. Offload uses the default optimizer, DeepSpeedCPUAdam (its
+    C++ extension is built once into $TORCH_EXTENSIONS_DIR)."""
+    import torch
+
+    base, ref = one_process
+    run_dir = tmp_path / strategy
+    result = _train(dict(base, output_dir=str(run_dir), distributed={"strategy": strategy, "num_processes": 2, "offload": offload}))
+    events = _rank0_only(run_dir, 2)
+    dist = next(e for e in events if e["event"] == "distributed")
+    assert (dist["strategy"], dist["offload"], dist["engine"]) == (strategy, offload, "deepspeed")
+    assert dist["optimizer"] == ("AdamW" if offload == "none" else "DeepSpeedCPUAdam")
+    ds = json.loads((run_dir / "distributed" / "deepspeed.json").read_text())["zero_optimization"]
+    assert ds["stage"] == int(strategy[-1])
+    assert ("offload_optimizer" in ds, "offload_param" in ds) == (offload != "none", offload == "optimizer+params")
+    assert result.losses == pytest.approx(ref.losses, abs=1e-5)
+    got, want = _adapter(run_dir), _adapter(ref.run_dir)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}  # full tensors, not shards
+    assert _max_diff(got, want) < 1e-5
+    ckpt = load_file(str(run_dir / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"))
+    assert _max_diff(ckpt, want) < 1e-5  # the checkpoint's adapter is gathered too
+    model_dir = Path(base["model"]["name"])
+    assert torch.allclose(_logits_with_adapter(model_dir, run_dir / "adapter"), _logits_with_adapter(model_dir, ref.run_dir / "adapter"), atol=1e-4)
+
+
+def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, without_deepspeed):
+    """distributed.nodes 2: the same recipe launched twice on 127.0.0.1 (node_rank 0 and 1, one
+    process each, one master address and port) trains one run in one shared run folder. Node 1
+    starts first and waits for node 0 to prepare the folder; both commands end with the result."""
+    base, ref = one_process
+    run_dir, port = tmp_path / "nodes", free_port()
+    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in (1, 0):
+        recipe = write_recipe(tmp_path / f"node{node}.yaml", dict(base, output_dir=str(run_dir), distributed={
+            "nodes": 2, "node_rank": node, "num_processes": 1, "master_addr": "127.0.0.1", "master_port": port}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(recipe), "--quiet"], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if node == 1:
+            time.sleep(2)  # node 1 is up before node 0 has made the run folder
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    assert "waiting for node 0" in outs[0]
+    events = _rank0_only(run_dir, 2, per_node=1)
+    assert next(e for e in events if e["event"] == "distributed")["nodes"] == 2
+    launch = (run_dir / "distributed" / "launch.sh").read_text()
+    assert f"--nnodes=2 --node_rank=0 --master_addr=127.0.0.1 --master_port={port}" in launch and "--standalone" not in launch
+    assert (run_dir / "distributed" / "launch-node1.log").is_file()
+    assert [e["loss"] for e in events if e["event"] == "step"] == pytest.approx(ref.losses, abs=1e-5)
+    assert _max_diff(_adapter(run_dir), _adapter(ref.run_dir)) < 1e-5
+    again = finetuner.train(tmp_path / "node1.yaml")  # node 1 alone on the finished run: it waits for no one
+    assert again.finished and "is finished" in again.finished
 
 
 def _launch_and_interrupt(recipe_path: Path, run_dir: Path, presses: int) -> tuple[int, str, list[int]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetuner.cli.main", "run", str(recipe_path), "--gpus", "2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -190,8 +276,20 @@ def _gone(pids: list[int]) -> bool:
     return False
 
 
+def test_a_node_other_than_0_waits_for_node_0_then_says_what_to_start(recipe_dict, tmp_path, monkeypatch, without_deepspeed):
+    from finetuner.training import launch
+
+    monkeypatch.setattr(launch, "NODE_WAIT_S", 1.0)
+    shared = tmp_path / "shared"
+    recipe = Recipe.from_dict(dict(recipe_dict, output_dir=str(shared), distributed={"nodes": 2, "node_rank": 1}))
+    with pytest.raises(UserError, match=f"distributed.node_rank: node 1 waited 1 s and node 0 has not prepared the run folder {shared}") as e:
+        finetuner.train(recipe)
+    assert "Start node 0 with the same recipe" in e.value.hint
+    assert not shared.exists()  # nothing written where node 0 makes the run folder
+
+
 @pytest.mark.parametrize("presses", [1, 2], ids=["stop-with-checkpoint", "abort"])
-def test_ctrl_c_of_the_launcher_leaves_no_process(one_process, tmp_path, presses):
+def test_ctrl_c_of_the_launcher_leaves_no_process(one_process, tmp_path, presses, without_deepspeed):
     base, _ = one_process
     long = dict(base, output_dir=str(tmp_path / "run"), training=dict(base["training"], max_steps=2000), checkpointing={"save_every": 1000})
     rc, out, family = _launch_and_interrupt(write_recipe(tmp_path / "r.yaml", long), tmp_path / "run", presses)
@@ -251,7 +349,7 @@ def _ddp_rank_with_a_loss_scaler(rank: int, port: int, recipe_dict: dict, out: s
     torch.distributed.destroy_process_group()
 
 
-def test_fp16_loss_scaling_on_two_processes(one_process, tmp_path):
+def test_fp16_loss_scaling_on_two_processes(one_process, tmp_path, without_deepspeed):
     """DDP on two processes steps through the single-process optimizer_step with the GradScaler:
     the gradient is unscaled before clipping (the first step's gradient norm is the one-process
     one), and an inf in one rank's gradient makes every rank skip that step and lower the scale.
@@ -285,7 +383,7 @@ def test_fp16_loss_scaling_on_two_processes(one_process, tmp_path):
 
 
 # --------------------------------------------------------------------------- without processes
-def test_split_step_gives_every_example_to_one_rank():
+def test_split_step_gives_every_example_to_one_rank(without_deepspeed):
     from finetuner.training.trainer import split_step
 
     assert split_step(4, 1, 2) == [[(0, 1), (2, 3)], [(1, 2), (3, 4)]]  # whole micro-batches, interleaved
@@ -311,7 +409,7 @@ def test_split_step_gives_every_example_to_one_rank():
         ({"strategy": "zero3", "nodes": 1, "num_processes": 0}, {}, "distributed.num_processes"),
     ],
 )
-def test_impossible_combinations_are_refused_with_the_key(recipe_dict, distributed, extra, key):
+def test_impossible_combinations_are_refused_with_the_key(recipe_dict, distributed, extra, key, without_deepspeed):
     raw = dict(recipe_dict, distributed=distributed)
     for k, v in extra.items():
         raw[k] = dict(raw[k], **v) if isinstance(v, dict) else v
@@ -320,7 +418,14 @@ def test_impossible_combinations_are_refused_with_the_key(recipe_dict, distribut
     assert f"  - {key}:" in e.value.message
 
 
-def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path):
+def test_a_zero_strategy_without_deepspeed_says_what_to_install(recipe_dict, tmp_path, without_deepspeed):
+    recipe = Recipe.from_dict(dict(recipe_dict, output_dir=str(tmp_path / "z"), distributed={"strategy": "zero2", "num_processes": 2}))
+    with pytest.raises(UserError, match="distributed.strategy: zero2 runs on DeepSpeed, which is not installed") as e:
+        finetuner.train(recipe)
+    assert "'.[distributed]'" in e.value.hint and not (tmp_path / "z").exists()
+
+
+def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path, without_deepspeed):
     from accelerate.commands.config.config_args import ClusterConfig
 
     from finetuner.config.runtime import Device, resolve
@@ -343,7 +448,7 @@ def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recip
     assert acc.distributed_type == "DEEPSPEED" and acc.deepspeed_config["deepspeed_config_file"] == "deepspeed.json"
 
 
-def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count(recipe_dict):
+def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count(recipe_dict, without_deepspeed):
     from finetuner.runs.folder import recipe_differences
 
     def d(**dist):
