@@ -183,6 +183,21 @@ def test_dpo_starts_at_log_2_and_reports_rewards(tiny_model_dir, pairs_file, tmp
     ev = events(result.run_dir, "eval")[-1]
     assert 0 <= ev["eval_reward_accuracy"] <= 1 and "eval_reward_margin" in ev
     assert events(result.run_dir, "start")[0]["objective"] == "dpo"
+    # finetuner eval RUN --data PAIRS: preference accuracy and margin of the base and the tune
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    p = subprocess.run([sys.executable, "-m", "finetuner", "eval", str(result.run_dir), "--data", str(pairs_file), "--json"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["kind"] == "preference" and r["examples"] == 24
+    for model in ("base", "fine_tuned"):
+        assert 0 <= r[model]["accuracy"] <= 1 and 0 <= r[model]["accuracy_per_token"] <= 1
+    assert r["fine_tuned"]["margin"] > r["base"]["margin"] and r["reward_margin"] > 0
+    assert json.loads((result.run_dir / "metrics.json").read_text())["evaluation"]["kind"] == "preference"
 
 
 @pytest.mark.parametrize("objective, extra", [("orpo", {}), ("simpo", {}), ("kto", {}),
