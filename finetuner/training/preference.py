@@ -325,9 +325,10 @@ class PreferenceObjective:
 
         return PreferenceStepLoss()
 
-    @staticmethod
-    def denominator(examples: list[dict[str, Any]]) -> int:
-        """What a step's loss sum is divided by: its number of examples."""
+    def start_step(self, examples: list[dict[str, Any]]) -> int:
+        """A step (or its retry after an out-of-memory back-off) begins: the rewards are summed
+        afresh; returns what the step's loss sum is divided by, its number of examples."""
+        self.metrics = StepMetrics()
         return len(examples)
 
     def step_metrics(self) -> dict[str, float]:

@@ -414,7 +414,7 @@ class Trainer:
         examples = [self.data.train[i] for i in self.schedule.indices(step)]
         shares = split_step(len(examples), t.micro_batch_size, self.world_size)
         mine, n_passes = shares[self.rank], max(len(s) for s in shares)
-        n_target = self.pref.denominator(examples) if self.pref else target_tokens(examples)
+        n_target = self.pref.start_step(examples) if self.pref else target_tokens(examples)
         total_loss, tokens = 0.0, 0
         if not self.model.training:  # train() walks every module: only when evaluation switched it off
             self.model.train()
