@@ -35,6 +35,12 @@ Optimizer = Literal[
 ]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
+#: What training optimises: supervised fine-tuning, or a preference objective (:mod:`finetuner.training.preference`).
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+#: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
+PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")
+#: The objectives that compare the model with a reference model (ORPO and SimPO need none).
+REFERENCE_OBJECTIVES = ("dpo", "kto")
 
 DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
 
@@ -256,6 +262,54 @@ class SamplesSection(_Section):
     max_new_tokens: int = Field(64, gt=0)
 
 
+class PreferenceSection(_Section):
+    """Settings of the preference objectives (``objective: dpo | orpo | simpo | kto``).
+
+    Each key applies to the objectives its description names; setting one the recipe's objective
+    does not use is an error (it would silently do nothing).
+    """
+
+    #: the objectives each key applies to (the check in :meth:`Recipe._combinations`)
+    APPLIES_TO: ClassVar[dict[str, tuple[str, ...]]] = {
+        "beta": ("dpo", "simpo", "kto"),
+        "loss_type": ("dpo",),
+        "label_smoothing": ("dpo",),
+        "gamma": ("simpo",),
+        "orpo_weight": ("orpo",),
+        "desirable_weight": ("kto",),
+        "undesirable_weight": ("kto",),
+        "reference": REFERENCE_OBJECTIVES,
+        "start_from": ("dpo", "orpo", "simpo", "kto"),
+    }
+    #: ``beta`` when the recipe leaves it out
+    DEFAULT_BETA: ClassVar[dict[str, float]] = {"dpo": 0.1, "kto": 0.1, "simpo": 2.0}
+
+    beta: float | None = Field(
+        None, gt=0, description="dpo, kto: strength of the pull towards the reference (default 0.1); simpo: reward scale (default 2.0)."
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (the DPO paper) or ipo (squared loss, IPO paper).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo sigmoid: assumed fraction of pairs whose labels are flipped (cDPO).")
+    gamma: float = Field(1.0, ge=0, description="simpo: target reward margin.")
+    orpo_weight: float = Field(0.1, gt=0, description="orpo: weight (lambda) of the odds-ratio term added to the SFT loss of the chosen response.")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (label true) examples.")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (label false) examples.")
+    reference: Literal["adapter_off", "precomputed"] = Field(
+        "adapter_off",
+        description=(
+            "dpo, kto: the reference model. adapter_off: the same base with the adapter switched off, each step; "
+            "precomputed: the model as training starts, scored once before the first step (required with start_from "
+            "and method full)."
+        ),
+    )
+    start_from: str | None = Field(
+        None, description="A finished SFT run folder: its adapter is where training starts, and the reference is that SFT model."
+    )
+
+    def beta_for(self, objective: str) -> float:
+        """``beta``, or the objective's default."""
+        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(objective, 0.1)
+
+
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
@@ -300,6 +354,8 @@ class Recipe(_Section):
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
+    objective: Objective = Field("sft", description="sft (supervised), or a preference objective on pairs (dpo, orpo, simpo) or rated responses (kto).")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     quantization: QuantizationSection | None = None
     data: DataSection
@@ -376,6 +432,7 @@ class Recipe(_Section):
         if t.warmup_steps is not None and t.warmup_ratio is not None:
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
         _check_distributed(self)
+        _check_preference(self)
         return self
 
     # ------------------------------------------------------------------ loading
@@ -446,6 +503,8 @@ class Recipe(_Section):
         r.data.path = resolved if isinstance(r.data.path, list) else resolved[0]
         if r.data.val_path:
             r.data.val_path = _resolve_data_path(r.data.val_path, base_dir, source, "data.val_path")
+        if r.preference.start_from:
+            r.preference.start_from = _resolve_run_path(r.preference.start_from, base_dir, source)
         return r
 
     # ------------------------------------------------------------------ saving
@@ -468,7 +527,7 @@ class Recipe(_Section):
 # ---------------------------------------------------------------------- YAML in and out
 #: The order of a recipe's keys in the YAML finetuner writes for people to read (``finetuner plan
 #: -o``, the web UI's editor): every top-level field of :class:`Recipe`, each once.
-KEY_ORDER = ("name", "model", "method", "quantization", "lora", "data", "training", "distributed",
+KEY_ORDER = ("name", "model", "method", "objective", "preference", "quantization", "lora", "data", "training", "distributed",
              "checkpointing", "logging", "samples", "output_dir", "device")
 
 
@@ -543,6 +602,46 @@ def _check_distributed(r: Recipe) -> None:
         )
 
 
+def _check_preference(r: Recipe) -> None:
+    """Combinations of ``objective`` and ``preference`` with the rest of the recipe that cannot run."""
+    p, obj = r.preference, r.objective
+    # keys whose value is not the default (a saved recipe holds every key, so being present says nothing)
+    given = [k for k, f in PreferenceSection.model_fields.items() if getattr(p, k) != f.default]
+    if obj == "sft":
+        if given:
+            raise ValueError(
+                f"preference.{given[0]}: set, but objective is 'sft': set objective to dpo, orpo, simpo or kto, "
+                "or remove the preference section"
+            )
+        return
+    for key in given:
+        if obj not in p.APPLIES_TO[key]:
+            users = ", ".join(p.APPLIES_TO[key])
+            raise ValueError(f"preference.{key}: applies to {users}, not to objective '{obj}': remove it, or change the objective")
+    if p.loss_type == "ipo" and p.label_smoothing:
+        raise ValueError("preference.label_smoothing: applies to loss_type sigmoid (IPO has no label smoothing): remove it")
+    if obj in REFERENCE_OBJECTIVES and p.reference == "adapter_off":
+        why = None
+        if p.start_from:
+            why = ("switching the adapter off would give the base model, not the SFT model of preference.start_from; "
+                   "precomputed scores that SFT model once before the first step")
+        elif r.method == "full":
+            why = "method 'full' trains the whole model, so there is no adapter to switch off"
+        if why:
+            if "reference" in p.model_fields_set:
+                raise ValueError(f"preference.reference: 'adapter_off' cannot be used here: {why}; set reference: precomputed")
+            object.__setattr__(p, "reference", "precomputed")
+    if p.start_from and r.method == "full":
+        raise ValueError("preference.start_from: starts from a LoRA run's adapter, so it needs method lora or qlora")
+    if r.data.packing is True:
+        raise ValueError(
+            f"data.packing: objective '{obj}' scores each response as a whole sequence, so examples cannot be packed: "
+            "set packing: false"
+        )
+    if r.data.train_on_prompt:
+        raise ValueError(f"data.train_on_prompt: objective '{obj}' scores only the responses: remove train_on_prompt")
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
 
@@ -553,6 +652,22 @@ def _find_local(name: str, base_dir: Path) -> Path | None:
         if exists(candidate):
             return candidate.resolve()
     return None
+
+
+def _resolve_run_path(p: str, base_dir: Path, source: str) -> str:
+    """``preference.start_from``: a finished run's folder (one with ``adapter/``), made absolute."""
+    found = _find_local(p, base_dir)
+    if found is None or not found.is_dir():
+        raise UserError(
+            f"{source}: preference.start_from: no run folder '{p}' (looked in {base_dir} and {Path.cwd()}).",
+            hint="Give the folder of a finished SFT run, e.g. runs/demo_cpu.",
+        )
+    if not (found / "adapter").is_dir():
+        raise UserError(
+            f"{source}: preference.start_from: {found} holds no adapter/ folder: that run has not finished.",
+            hint="Let the SFT run finish (finetuner run RECIPE resumes it), or start from another run.",
+        )
+    return str(found)
 
 
 def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
@@ -641,6 +756,16 @@ SYNONYMS: dict[str, str] = {
     **dict.fromkeys(["finetuning_type", "finetune_type", "adapter"], "method"),
     **dict.fromkeys(["output", "output_path", "save_dir"], "output_dir"),
     **dict.fromkeys(["run_name"], "name"),
+    **dict.fromkeys(["rl", "rl_type", "pref_loss", "training_objective", "stage"], "objective"),
+    **dict.fromkeys(["pref_beta", "rl_beta", "dpo_beta"], "preference.beta"),
+    **dict.fromkeys(["dpo_loss", "dpo_loss_type"], "preference.loss_type"),
+    **dict.fromkeys(["dpo_label_smoothing", "cdpo_label_smoothing"], "preference.label_smoothing"),
+    **dict.fromkeys(["simpo_gamma"], "preference.gamma"),
+    **dict.fromkeys(["orpo_alpha", "orpo_lambda", "orpo_beta"], "preference.orpo_weight"),
+    **dict.fromkeys(["kto_chosen_weight", "kto_desirable_weight"], "preference.desirable_weight"),
+    **dict.fromkeys(["kto_rejected_weight", "kto_undesirable_weight"], "preference.undesirable_weight"),
+    **dict.fromkeys(["ref_model", "reference_model", "precompute_ref_log_probs"], "preference.reference"),
+    **dict.fromkeys(["sft_run", "init_from", "adapter_name_or_path"], "preference.start_from"),
 }
 
 

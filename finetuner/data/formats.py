@@ -320,6 +320,39 @@ def detect_layout(row: Any) -> Layout | None:
     return None
 
 
+def preference_kind(row: Any) -> str | None:
+    """``pairs`` for a row of preference pairs (``chosen`` and ``rejected``: LLaMA-Factory's ranking
+    ShareGPT, TRL's preference format, columns), ``rated`` for a row of KTO's unpaired data (a
+    boolean ``label`` with ``messages`` or ``prompt``/``completion``), else ``None``
+    (:mod:`finetuner.data.preference` reads them)."""
+    if not isinstance(row, dict):
+        return None
+    if "chosen" in row or "rejected" in row:
+        return "pairs"
+    if isinstance(row.get("label"), bool) and ("messages" in row or "completion" in row):
+        return "rated"
+    return None
+
+
+#: The objectives each kind of data fits, as the errors name them.
+OBJECTIVES_OF_KIND = {"pairs": "dpo, orpo or simpo", "rated": "kto", "sft": "sft"}
+KIND_WORDS = {
+    "pairs": "preference pairs (a chosen and a rejected response)",
+    "rated": "rated responses (a response with a true/false label, KTO's unpaired data)",
+    "sft": "supervised examples",
+}
+
+
+def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> UserError:
+    """The error for a file whose rows are ``kind`` of data given to a recipe whose objective needs another."""
+    fits = OBJECTIVES_OF_KIND[kind]
+    first = fits.split(",")[0].split(" ")[0]
+    return UserError(
+        f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
+        hint=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+    )
+
+
 def detect_format(row: Any) -> str | None:
     """The format a row is in, from its keys, or ``None`` if none fits (see :func:`detect_layout`)."""
     layout = detect_layout(row)
@@ -346,6 +379,9 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
     """
     row = raw.data
     if not columns and fmt == "auto":
+        kind = preference_kind(row)
+        if kind is not None:
+            raise wrong_objective(raw.place, kind, "sft")
         found = detect_layout(row)
         if found is None:
             raise UserError(

@@ -1,5 +1,8 @@
 """Held-out loss and perplexity of the base model and the fine-tune, side by side.
 
+Held-out preference pairs (a file of pairs, or a preference run's own split) get preference
+accuracy and margin instead (:mod:`finetuner.infer.preference_eval`).
+
 The held-out set is the run's validation split exactly as the trainer built it (the same
 recipe, tokenizer and seed through :func:`finetuner.data.pipeline.prepare_data`), or any data file given
 with ``data``. The loss is the trainer's: mean next-token cross-entropy over the trained tokens
@@ -18,8 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
+from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs, is_preference_file
 
 
 @dataclass
@@ -166,8 +171,9 @@ def evaluate_run(
     device: str = "auto",
     base_model: str | None = None,
     write: bool = True,
-) -> EvalResult:
-    """Loss and perplexity of the base model and the fine-tune on held-out data.
+) -> EvalResult | PreferenceEvalResult:
+    """Loss and perplexity of the base model and the fine-tune on held-out data (on preference
+    pairs: preference accuracy and margin, a :class:`PreferenceEvalResult`).
 
     Args:
         run: a run folder (``runs/<name>``) or its ``adapter/`` folder.
@@ -193,6 +199,20 @@ def evaluate_run(
         raise UserError(f"{src.path} is a model with no fine-tune to compare.", hint="Give a run folder (runs/<name>).")
     tokenizer = load_tokenizer(src)
     tokenizer.chat_template = chat_template(src, tokenizer)
+    if data is not None and not Path(data).expanduser().exists():
+        raise UserError(f"--data: file not found: {data}")
+    pairs = is_preference_file(Path(data).expanduser()) if data is not None else (
+        "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else None)
+    if pairs == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
+        raise UserError("finetuner eval scores preference pairs (chosen and rejected); KTO's rated responses have no pairs.",
+                        hint="Pass a file of pairs with --data to measure the preference accuracy of a KTO run.")
+    if pairs:  # preference accuracy and margin instead of loss and perplexity
+        if exact_match:
+            raise UserError("--exact-match: compares generated replies with one reference; pairs have two responses.")
+        result = evaluate_pairs(src, tokenizer, data, batch_size, device, load_model)
+        if write and src.run_dir is not None:
+            record_in_metrics(src.run_dir, result)
+        return result
     examples, what = held_out_set(src, tokenizer, data)
     if len(examples) == 0:
         raise UserError(f"No examples to evaluate in {what}.")
@@ -233,7 +253,7 @@ def evaluate_run(
     return result
 
 
-def record_in_metrics(run_dir: Path, result: EvalResult) -> None:
+def record_in_metrics(run_dir: Path, result: EvalResult | PreferenceEvalResult) -> None:
     """Add the result under ``evaluation`` in ``metrics.json`` (atomic; other keys are kept)."""
     import json
 

@@ -146,6 +146,8 @@ class Settings:
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
     platform: Literal["cuda", "cpu"] = "cuda"
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"  # preference objectives: preference_cost
+    reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
 
     def __post_init__(self) -> None:
         if not 0 < self.label_fraction <= 1:
@@ -585,6 +587,50 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
     )
 
 
+# ====================================================================== preference objectives
+@dataclass
+class PreferenceCost:
+    """What a preference objective (:mod:`finetuner.training.preference`) adds to a step.
+
+    * ``rows``: sequences per micro-batch in the forward: each example is two (chosen and
+      rejected; KTO: the response and its mismatched pair), so the activations are those of a
+      micro-batch twice as large;
+    * ``buffers_bytes``: the per-token fp32 log-probabilities of the scored tokens, their int64 row
+      index and the bool mask that gathers them, and the per-sequence sums;
+    * ``reference_pass_bytes``: the reference forward with the adapter switched off, under
+      ``no_grad``, run while the policy's activations are saved: nothing is kept between layers, so
+      its peak is one layer's temporaries plus one loss chunk's fp32 logits and their log-softmax
+      (the plain loss path: the whole micro-batch's logits in the compute dtype and the two fp32
+      tensors). Zero for ORPO and SimPO (no reference) and for ``precomputed`` scores (read from
+      a table: two floats per example, kept in CPU memory).
+    """
+
+    rows: int
+    buffers_bytes: int
+    reference_pass_bytes: int
+
+
+def preference_cost(shape: ModelShape, s: Settings) -> PreferenceCost | None:
+    """The preference objective's term of :func:`estimate`; ``None`` for SFT."""
+    if s.objective == "sft":
+        return None
+    rows = 2 * s.micro_batch
+    T = rows * s.seq_len
+    labelled = max(1, math.ceil(T * s.label_fraction))
+    buffers = (4 + 8) * labelled + T + 8 * rows
+    ref = 0
+    if s.reference == "adapter_off" and s.objective in ("dpo", "kto"):
+        both = s.with_(micro_batch=rows)
+        layer = int(layer_transient_per_token(shape, both) * T)
+        V = shape.vocab_size
+        if s.loss_chunk > 0:
+            logits = 8 * min(s.loss_chunk, labelled) * V
+        else:
+            logits = _dtypes(s).c * T * V + 8 * labelled * V
+        ref = layer + logits
+    return PreferenceCost(rows=rows, buffers_bytes=buffers, reference_pass_bytes=ref)
+
+
 # ====================================================================== the estimate
 def _quant_temp_bytes(shape: ModelShape, s: Settings) -> int:
     """Temporaries of quantized layers: for training-sized inputs bitsandbytes dequantizes the
@@ -636,7 +682,9 @@ def estimate(
     paged = states if s.optimizer.startswith("paged_") else 0
     step_temp = optimizer_step_temp_bytes(tensors, s.optimizer)
     cast_cache = d.c * n_train if d.autocast else 0
-    act = activation_bytes(shape, s)
+    pref = preference_cost(shape, s)
+    # a preference objective's micro-batch is twice as many sequences
+    act = activation_bytes(shape, s.with_(micro_batch=pref.rows) if pref else s)
     quant_temp = _quant_temp_bytes(shape, s)
 
     held = act.logits  # 0 with the chunked or fused loss
@@ -650,6 +698,12 @@ def estimate(
         layer_phase = act.saved_total + held + act.transient + quant_temp
     # the dequantized weight exists only inside a quantized layer: not at the cross-entropy
     loss_phase = act.saved_total + act.logits + act.loss_peak + LOSS_PHASE_EXTRA_BYTES
+    if pref:
+        loss_phase += pref.buffers_bytes
+        layer_phase += pref.buffers_bytes
+        # the reference forward runs after the policy's, before the backward
+        ref_phase = act.saved_total + act.logits + pref.buffers_bytes + pref.reference_pass_bytes
+        layer_phase = max(layer_phase, ref_phase)
     act_peak = max(loss_phase, layer_phase)
     act_label = "activations (cross-entropy backward)" if loss_phase >= layer_phase else "activations (layer backward)"
 
@@ -721,6 +775,7 @@ def estimate(
         "autocast_copies_bytes": cast_cache,
         "dequant_buffer_bytes": quant_temp,
         "paged_bytes": paged,
+        "preference": asdict(pref) if pref else None,
     }
     return MemoryEstimate(
         model=shape.name,
@@ -778,7 +833,9 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         platform="cpu" if not rt.is_cuda else "cuda",
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
-        fused_ce=rt.loss_path == "liger_fused_linear_ce",
+        fused_ce=rt.loss_path == "liger_fused_linear_ce" and recipe.objective == "sft",
+        objective=recipe.objective,
+        reference=recipe.preference.reference if recipe.objective in ("dpo", "kto") else "none",
     )
     if q is not None and recipe.method == "qlora":
         kw.update(quant_bits=q.bits, quant_type=q.quant_type, double_quant=q.double_quant, compute_dtype=rt.compute_dtype)

@@ -62,7 +62,34 @@ class CheckpointInvalidEvent(Event):
     reason: str
 
 
-class StartEvent(Event, _Memory):
+class _Objective(TypedDict, total=False):
+    """The objective trained (absent in the events of runs from before it was written: sft)."""
+
+    objective: str  # sft, dpo, orpo, simpo or kto
+
+
+class _Rewards(TypedDict, total=False):
+    """A preference objective's implicit rewards (finetuner.training.preference), means over the
+    step's examples: of the chosen (KTO: desirable) and rejected (undesirable) responses, their
+    difference, and the fraction of pairs whose chosen reward is the higher (KTO: of responses whose
+    reward has the sign of their label). Absent for SFT."""
+
+    reward_chosen: float
+    reward_rejected: float
+    reward_margin: float
+    reward_accuracy: float
+
+
+class _EvalRewards(TypedDict, total=False):
+    """:class:`_Rewards` on the validation examples."""
+
+    eval_reward_chosen: float
+    eval_reward_rejected: float
+    eval_reward_margin: float
+    eval_reward_accuracy: float
+
+
+class StartEvent(Event, _Memory, _Objective):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int
@@ -100,7 +127,7 @@ class DistributedEvent(Event):
     configs: list[str]
 
 
-class StepEvent(Event, _Memory):
+class StepEvent(Event, _Memory, _Rewards):
     """An optimizer step (every ``logging.every`` steps, and the last one)."""
 
     step: int
@@ -128,7 +155,7 @@ class OomBackoffEvent(Event):
     message: str
 
 
-class EvalEvent(Event):
+class EvalEvent(Event, _EvalRewards):
     """Validation loss (every ``training.eval_every`` steps and at the end)."""
 
     step: int

@@ -35,6 +35,7 @@ from finetuner.data.pipeline import IGNORE_INDEX, Collator, PreparedData, prepar
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
+from finetuner.training.lm_head import at_least_fp32 as _at_least_fp32, decoder_and_head as _decoder_and_head
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
 from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
@@ -152,21 +153,6 @@ def step_loss_module(model, chunk_size: int, fused_ce):
             return loss_sum
 
     return StepLoss()
-
-
-def _decoder_and_head(model):
-    """The transformer body and the LM head of a (peft-wrapped) causal LM, if it has the usual shape."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = getattr(base, "model", None)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if decoder is None or head is None or getattr(base.config, "logit_scale", None) is not None:
-        return None, None, None
-    return decoder, head, getattr(base.config, "final_logit_softcapping", None)
-
-
-def _at_least_fp32(t):
-    """fp16/bf16 → fp32 for the loss; fp32 and fp64 as they are."""
-    return t.float() if t.element_size() < 4 else t
 
 
 def _chunk_ce(head, softcap, hidden, targets):
@@ -298,10 +284,18 @@ class Trainer:
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
         self.tokenizer = load_tokenizer(r)
-        self.data: PreparedData = prepare_data(r.data, self.tokenizer, r.training.seed)
+        self.pref = None  # a preference objective (finetuner.training.preference), or None for SFT
+        if r.objective != "sft":
+            from finetuner.training.preference import PreferenceObjective
+
+            self.pref = PreferenceObjective(r, self.run_dir)
+            r = self.recipe = self.pref.adopt_start(r)
+        self.data: PreparedData = self.pref.prepare_data(self.tokenizer) if self.pref else prepare_data(r.data, self.tokenizer, r.training.seed)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
         self.model = prepare_for_training(load_base_model(r, self.rt), r)
+        if self.pref:
+            self.pref.load_start_adapter(self.model)
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -311,14 +305,17 @@ class Trainer:
             from finetuner.model.kernels import compile_layers
 
             compile_layers(self.model)
-        self.collate = Collator(self.tokenizer.pad_token_id)
+        self.collate = self.pref.collator(self.tokenizer.pad_token_id) if self.pref else Collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
         self.max_steps = t.max_steps or max(1, math.ceil(t.epochs * self.schedule.steps_per_epoch))
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
-        self.step_loss = step_loss_module(self.model, t.loss_chunk_size, self.fused_ce)
+        self.step_loss = (self.pref.step_loss_module(self.model, t.loss_chunk_size) if self.pref
+                          else step_loss_module(self.model, t.loss_chunk_size, self.fused_ce))
+        if self.pref:
+            self.pref.prepare_reference(self)  # the step-0 model's scores, before any checkpoint is applied
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
         self.resumed_from = None
         self._distribute()
@@ -346,6 +343,7 @@ class Trainer:
             loss_path=self.rt.loss_path,
             compile=self.rt.compile,
             method=r.method,
+            objective=r.objective,
             trainable_params=trainable,
             total_params=total,
             micro_batch_size=t.micro_batch_size,
@@ -429,7 +427,7 @@ class Trainer:
         examples = [self.data.train[i] for i in self.schedule.indices(step)]
         shares = split_step(len(examples), t.micro_batch_size, self.world_size)
         mine, n_passes = shares[self.rank], max(len(s) for s in shares)
-        n_target = target_tokens(examples)
+        n_target = self.pref.start_step(examples) if self.pref else target_tokens(examples)
         total_loss, tokens = 0.0, 0
         if not self.model.training:  # train() walks every module: only when evaluation switched it off
             self.model.train()
@@ -585,6 +583,9 @@ class Trainer:
     def evaluate(self) -> float | None:
         import torch
 
+        if self.pref:
+            loss, self.eval_extra = self.pref.evaluate(self)
+            return loss
         if self.data.val is None:
             return None
         self.model.eval()
@@ -603,7 +604,7 @@ class Trainer:
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
         if val is not None:
-            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)))
+            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)), **getattr(self, "eval_extra", {}))
             if self.tb:
                 self.tb.add_scalar("eval/loss", val, self.step)
         return val
@@ -700,6 +701,7 @@ class Trainer:
                     elapsed_s=round(elapsed, 3),
                     eta_s=round(per_step * (self.max_steps - self.step), 1),
                     micro_batch_size=t.micro_batch_size,
+                    **(self.pref.step_metrics() if self.pref else {}),
                     **mem,
                 )
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
@@ -730,6 +732,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "train_seconds": round(elapsed, 2),
             "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 2),
+            **getattr(self, "eval_extra", {}),
             "data": self.data.stats.to_dict(),
             **device_memory(self.rt.device),
         }

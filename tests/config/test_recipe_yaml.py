@@ -44,7 +44,7 @@ def test_every_section_is_kept_in_order_distributed_included(tmp_path):
                quantization={"bits": 8}, lora={"r": 8}, training={"lr": 1e-4},
                distributed={"strategy": "ddp", "num_processes": 2, "master_port": 29601},
                checkpointing={"save_every": 7}, logging={"every": 3, "tensorboard": False},
-               samples={"prompts": ["Hi"]})
+               samples={"prompts": ["Hi"]}, objective="dpo", preference={"beta": 0.2})
     recipe = Recipe.from_dict(raw)
     text = readable_yaml(recipe, header="# mine\n")
     assert text.startswith("# mine\nname: ")

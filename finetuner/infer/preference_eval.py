@@ -1,0 +1,151 @@
+"""Preference accuracy and margin of the base model and the fine-tune on held-out pairs.
+
+``finetuner eval RUN --data PAIRS`` (or a preference run's own validation split) comes here
+(:func:`finetuner.infer.evaluate.evaluate_run` hands pairs over). For each pair, each model's
+log-probability of the chosen and of the rejected response is summed over the response tokens
+(:func:`finetuner.training.preference.sequence_logps`, the trainer's own scoring): a model
+*prefers* the chosen response when it gives it the higher log-probability. Reported per model:
+
+* ``accuracy``: the fraction of pairs it prefers the chosen response of;
+* ``margin``: the mean of (chosen − rejected) log-probability, in nats;
+* ``accuracy_per_token``, ``margin_per_token``: the same on log-probabilities averaged over each
+  response's tokens (SimPO's and ORPO's view; summed log-probabilities favour the shorter response).
+
+And, as the training events report it, the implicit reward of the fine-tune against the base
+(DPO's, with the base as the reference): ``reward_accuracy``, the fraction of pairs whose chosen
+response gained more log-probability than the rejected one, and ``reward_margin``, the mean of
+that gain difference. Both models come from one loaded model (the base is the adapter switched off).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+
+
+@dataclass
+class PreferenceScore:
+    accuracy: float
+    margin: float
+    accuracy_per_token: float
+    margin_per_token: float
+    tokens: int  # scored response tokens, chosen and rejected
+
+
+@dataclass
+class PreferenceEvalResult:
+    """Preference accuracy and margin of ``base`` and ``fine_tuned`` on ``examples`` held-out pairs."""
+
+    source: str
+    data: str
+    examples: int
+    base: PreferenceScore
+    fine_tuned: PreferenceScore
+    reward_accuracy: float
+    reward_margin: float
+    kind: str = "preference"
+    samples: list[dict[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        rows = [("", "base", "fine-tuned"),
+                ("preference accuracy", f"{self.base.accuracy:.1%}", f"{self.fine_tuned.accuracy:.1%}"),
+                ("log-prob margin", f"{self.base.margin:.3f}", f"{self.fine_tuned.margin:.3f}"),
+                ("accuracy per token", f"{self.base.accuracy_per_token:.1%}", f"{self.fine_tuned.accuracy_per_token:.1%}"),
+                ("margin per token", f"{self.base.margin_per_token:.3f}", f"{self.fine_tuned.margin_per_token:.3f}"),
+                ("reward accuracy (vs base)", "", f"{self.reward_accuracy:.1%}")]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
+
+
+def is_preference_file(path: str | Path) -> str | None:
+    """``pairs`` or ``rated`` when the file's first row is preference data, else None."""
+    from finetuner.data.formats import preference_kind, read_rows
+
+    for raw in read_rows(str(path)):
+        return preference_kind(raw.data)
+    return None
+
+
+def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
+    """The tokenized held-out pairs and where they came from: ``data``, or the run's validation split."""
+    from finetuner.config.recipe import DataSection
+    from finetuner.data.preference import prepare_preference_data
+
+    recipe = src.recipe
+    if data is not None:
+        base_cfg = recipe.data.model_dump() if recipe is not None else {}
+        base_cfg.update(path=str(Path(data).expanduser().resolve()), format="auto", columns=None, val_size=0.0,
+                        val_path=None, packing=False, max_examples=None, train_on_prompt=False)
+        if max_seq_len:
+            base_cfg["max_seq_len"] = max_seq_len
+        return prepare_preference_data(DataSection.model_validate(base_cfg), "dpo", tokenizer, seed=0).train, str(data)
+    cfg = recipe.data
+    if not cfg.val_path and not cfg.val_size:
+        raise UserError(f"The run {src.path} kept no held-out pairs (data.val_size is 0 and there is no data.val_path).",
+                        hint="Pass a file of pairs with --data.")
+    prepared = prepare_preference_data(cfg, "dpo", tokenizer, recipe.training.seed)
+    return prepared.val, cfg.val_path or f"the run's validation split ({len(prepared.val)} pairs of {cfg.path})"
+
+
+def _scores(model, collate, pairs, batch_size: int, device: str):
+    """Summed log-probabilities of every pair's chosen and rejected responses, their numbers of
+    scored tokens, and the scored tokens in all."""
+    import torch
+
+    from finetuner.training.preference import sequence_logps
+
+    chosen, rejected, n_chosen, n_rejected, tokens = [], [], [], [], 0
+    with torch.no_grad():
+        for i in range(0, len(pairs), batch_size):
+            batch = collate(pairs[i : i + batch_size])
+            batch = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
+            sums, counts = sequence_logps(model, batch, 1024)
+            n = batch["idx"].numel()
+            chosen.append(sums[:n].float().cpu())
+            rejected.append(sums[n:].float().cpu())
+            n_chosen.append(counts[:n].clamp(min=1).float().cpu())
+            n_rejected.append(counts[n:].clamp(min=1).float().cpu())
+            tokens += int(counts.sum())
+    return torch.cat(chosen), torch.cat(rejected), torch.cat(n_chosen), torch.cat(n_rejected), tokens
+
+
+def evaluate_pairs(src, tokenizer, data, batch_size: int, device: str, load_model) -> PreferenceEvalResult:
+    """Score the held-out pairs with the fine-tune and the base (see the module's docstring)."""
+    from finetuner.data.preference import PreferenceCollator
+
+    t0 = time.perf_counter()
+    pairs, what = held_out_pairs(src, tokenizer, data)
+    if not pairs:
+        raise UserError(f"No pairs to evaluate in {what}.")
+    collate = PreferenceCollator(tokenizer.pad_token_id)
+    if src.kind == "full":
+        tuned_model, dev = load_model(src, adapter=True, device=device)
+        tc, tr, nc, nr, tokens = _scores(tuned_model, collate, pairs, batch_size, dev)
+        del tuned_model
+        base_model, dev = load_model(src, adapter=False, device=device)
+        bc, br, *_ = _scores(base_model, collate, pairs, batch_size, dev)
+    else:
+        model, dev = load_model(src, adapter=True, device=device)
+        tc, tr, nc, nr, tokens = _scores(model, collate, pairs, batch_size, dev)
+        with model.disable_adapter():
+            bc, br, *_ = _scores(model, collate, pairs, batch_size, dev)
+
+    def score(c, r) -> PreferenceScore:
+        ac, ar = c / nc, r / nr
+        return PreferenceScore(round(float((c > r).float().mean()), 6), round(float((c - r).mean()), 6),
+                               round(float((ac > ar).float().mean()), 6), round(float((ac - ar).mean()), 6), tokens)
+
+    gain = (tc - bc) - (tr - br)
+    return PreferenceEvalResult(
+        source=str(src.path), data=what, examples=len(pairs), base=score(bc, br), fine_tuned=score(tc, tr),
+        reward_accuracy=round(float((gain > 0).float().mean()), 6), reward_margin=round(float(gain.mean()), 6),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
