@@ -370,21 +370,69 @@ def junk_file(draw):
                                      ["text", "messages", "instruction", "output", "prompt", "completion", "x"]), c, max_size=3),
                                  max_leaves=8))
         body = json.dumps(frag).encode("utf-8")
-    return suffix, body
+    return suffix, body, draw(st.sampled_from(["error", "skip"]))
+
+
+def records_in(path: Path, text: str) -> int:
+    """How many records (rows, or lines of JSON Lines) the file holds, read without finetuner."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows
+    if suffix == ".csv":
+        return len(list(csv.DictReader(io.StringIO(text, newline=""))))
+    lines = [line for line in text.split("\n") if line.strip()]
+    if suffix == ".jsonl":
+        return len(lines)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # JSON Lines saved as .json
+        return len(lines)
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        return len(next(iter(data.values())))  # {"data": [rows]}
+    return len(data) if isinstance(data, list) else 1
 
 
 @fuzz(200)
 @given(case=junk_file())
+@example(case=(".jsonl", '{"instruction": "Café ümlaut", "output": "naïve"}\n'.encode("latin-1"), "skip"))
+@example(case=(".json", '[{"text": "ÀÉÎ õ ß"}]'.encode("cp1252"), "error"))
+@example(case=(".jsonl", b'{"text": "a"}\n\x00junk\n{"text": "b"}\n', "skip"))
+@example(case=(".jsonl", b'{"text": "a"}\n\x00junk\n{"text": "b"}\n', "error"))
+@example(case=(".json", b'[{"text": "a"}, 5, {"x": 1}, {"text": "b"}]', "skip"))
+@example(case=(".csv", b"text\r\na\r\nb,c\r\n", "skip"))
 def test_junk_data_files(tmp_path, tok, case):
-    """Binary junk, other encodings, empty files, JSON of the wrong shape: a UserError naming the file."""
-    suffix, body = case
+    """Binary junk, other encodings, empty files, JSON of the wrong shape: a UserError naming the file
+    (and the row or line), or, with ``data.on_bad_row: skip``, every unusable row said to be skipped
+    with its place. A file is read only when it is UTF-8 text, and then every record in it is
+    accounted for: trained on, held out, counted as cut to nothing, or reported as skipped."""
+    suffix, body, on_bad_row = case
     path = fresh_dir(tmp_path) / f"junk{suffix}"
     path.write_bytes(body)
     with untouched(path):
         try:
-            prepare_data(DataSection(path=str(path), max_seq_len=64, cache=False), tok, seed=0)
+            data = prepare_data(DataSection(path=str(path), max_seq_len=64, on_bad_row=on_bad_row, cache=False), tok, seed=0)
         except UserError as e:
             assert_names_file_and_place(str(e), path)
+            event("junk: refused")
+            return
+    event(f"junk: read ({on_bad_row})")
+    assert suffix in (".json", ".jsonl", ".csv", ".parquet"), f"a {suffix or 'suffix-less'} file was read as data"
+    text = ""
+    if suffix != ".parquet":
+        try:
+            text = body.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            pytest.fail(f"bytes that are not UTF-8 were read as data: {body!r}")
+    s = data.stats
+    check_prepared(data, 64)
+    assert len(s.skipped_reasons) == s.skipped, s.skipped_reasons
+    if on_bad_row == "error":
+        assert s.skipped == 0, s.skipped_reasons
+    for reason in s.skipped_reasons:  # each skipped row is named with its place
+        assert re.match(rf"{re.escape(str(path))}, (line|row) \d+: ", reason), reason
+    assert s.train_examples + s.val_examples + s.dropped_empty + s.skipped == records_in(path, text), (body, s)
 
 
 @pytest.mark.parametrize(
