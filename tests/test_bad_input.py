@@ -370,21 +370,69 @@ def junk_file(draw):
                                      ["text", "messages", "instruction", "output", "prompt", "completion", "x"]), c, max_size=3),
                                  max_leaves=8))
         body = json.dumps(frag).encode("utf-8")
-    return suffix, body
+    return suffix, body, draw(st.sampled_from(["error", "skip"]))
+
+
+def records_in(path: Path, text: str) -> int:
+    """How many records (rows, or lines of JSON Lines) the file holds, read without finetuner."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows
+    if suffix == ".csv":
+        return len(list(csv.DictReader(io.StringIO(text, newline=""))))
+    lines = [line for line in text.split("\n") if line.strip()]
+    if suffix == ".jsonl":
+        return len(lines)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # JSON Lines saved as .json
+        return len(lines)
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        return len(next(iter(data.values())))  # {"data": [rows]}
+    return len(data) if isinstance(data, list) else 1
 
 
 @fuzz(200)
 @given(case=junk_file())
+@example(case=(".jsonl", '{"instruction": "Café ümlaut", "output": "naïve"}\n'.encode("latin-1"), "skip"))
+@example(case=(".json", '[{"text": "ÀÉÎ õ ß"}]'.encode("cp1252"), "error"))
+@example(case=(".jsonl", b'{"text": "a"}\n\x00junk\n{"text": "b"}\n', "skip"))
+@example(case=(".jsonl", b'{"text": "a"}\n\x00junk\n{"text": "b"}\n', "error"))
+@example(case=(".json", b'[{"text": "a"}, 5, {"x": 1}, {"text": "b"}]', "skip"))
+@example(case=(".csv", b"text\r\na\r\nb,c\r\n", "skip"))
 def test_junk_data_files(tmp_path, tok, case):
-    """Binary junk, other encodings, empty files, JSON of the wrong shape: a UserError naming the file."""
-    suffix, body = case
+    """Binary junk, other encodings, empty files, JSON of the wrong shape: a UserError naming the file
+    (and the row or line), or, with ``data.on_bad_row: skip``, every unusable row said to be skipped
+    with its place. A file is read only when it is UTF-8 text, and then every record in it is
+    accounted for: trained on, held out, counted as cut to nothing, or reported as skipped."""
+    suffix, body, on_bad_row = case
     path = fresh_dir(tmp_path) / f"junk{suffix}"
     path.write_bytes(body)
     with untouched(path):
         try:
-            prepare_data(DataSection(path=str(path), max_seq_len=64, cache=False), tok, seed=0)
+            data = prepare_data(DataSection(path=str(path), max_seq_len=64, on_bad_row=on_bad_row, cache=False), tok, seed=0)
         except UserError as e:
             assert_names_file_and_place(str(e), path)
+            event("junk: refused")
+            return
+    event(f"junk: read ({on_bad_row})")
+    assert suffix in (".json", ".jsonl", ".csv", ".parquet"), f"a {suffix or 'suffix-less'} file was read as data"
+    text = ""
+    if suffix != ".parquet":
+        try:
+            text = body.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            pytest.fail(f"bytes that are not UTF-8 were read as data: {body!r}")
+    s = data.stats
+    check_prepared(data, 64)
+    assert len(s.skipped_reasons) == s.skipped, s.skipped_reasons
+    if on_bad_row == "error":
+        assert s.skipped == 0, s.skipped_reasons
+    for reason in s.skipped_reasons:  # each skipped row is named with its place
+        assert re.match(rf"{re.escape(str(path))}, (line|row) \d+: ", reason), reason
+    assert s.train_examples + s.val_examples + s.dropped_empty + s.skipped == records_in(path, text), (body, s)
 
 
 @pytest.mark.parametrize(
@@ -474,9 +522,18 @@ SECTIONS = {
 }
 TOP = ["name", "method", "output_dir", "device"]
 KEYS = [f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks] + TOP
-#: Keys that checks across fields report (a value elsewhere can make them wrong).
-CROSS_FIELD = ("training.warmup_steps", "training.effective_batch", "quantization", "training.optimizer",
-               "distributed.strategy", "distributed.node_rank", "distributed.offload", "model.max_memory")
+#: Keys that checks across fields report (a value elsewhere can make them wrong), each with the keys
+#: whose values the check reads (finetuner/config/recipe.py: Recipe._check, _check_distributed).
+CROSS_FIELD = {
+    "training.effective_batch": ("training.effective_batch", "training.micro_batch_size", "training.gradient_accumulation"),
+    "quantization": ("quantization", "method"),
+    "training.warmup_steps": ("training.warmup_steps", "training.warmup_ratio"),
+    "training.optimizer": ("training.optimizer", "distributed.strategy", "distributed.offload"),
+    "distributed.node_rank": ("distributed.node_rank", "distributed.nodes"),
+    "distributed.offload": ("distributed.offload", "distributed.strategy"),
+    "distributed.strategy": ("distributed.strategy", "method"),
+    "model.max_memory": ("model.max_memory", "distributed.num_processes", "distributed.nodes"),
+}
 YAML_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), texts(max_size=12), texts(WITH_SURROGATES, max_size=12),
     st.sampled_from(["auto", "lora", "qlora", "full", "bf16", "cpu", "cuda", "zero3", "4", "1e-4", "~", "yes", "0x10"]),
@@ -508,11 +565,13 @@ def recipe_mutation(draw):
 
 
 def _apply(raw: dict, kind: str, key, value) -> str:
-    """Apply a mutation to a raw recipe; returns the dotted key path it changed."""
+    """Apply a mutation to a raw recipe; returns the dotted key path it changed, as messages write
+    it (a blank name quoted: ``samples.' '``)."""
     if kind == "unknown":
         section, name = key
         (raw if section is None else raw.setdefault(section, {}))[name] = value
-        return name if section is None else f"{section}.{name}"
+        shown = name if name.strip() else repr(name)
+        return shown if section is None else f"{section}.{shown}"
     node, leaf = raw, key
     if "." in key:
         section, leaf = key.split(".", 1)
@@ -524,8 +583,26 @@ def _apply(raw: dict, kind: str, key, value) -> str:
     return key
 
 
+def names_key(msg: str, key: str) -> bool:
+    """``msg`` (the recipe's path taken out: it can hold any short key) has a line about ``key``: the
+    whole dotted key path (or a key inside it) begins the line, ``  - training.lr: ...`` or
+    ``<recipe>: data.path: ...``. A check across fields may report its own key instead, when
+    ``key`` is one of the keys it reads."""
+    def begins_a_line(k: str) -> bool:
+        return re.search(rf"^(  - |<recipe>: ){re.escape(k)}[.:]", msg, re.M) is not None
+
+    def related(a: str, b: str) -> bool:  # the same key, or one inside the other (a section and its keys)
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    return begins_a_line(key) or any(begins_a_line(k) and any(related(key, d) for d in reads) for k, reads in CROSS_FIELD.items())
+
+
 @fuzz(300)
 @given(mutation=recipe_mutation(), allow_unicode=st.booleans())
+@example(mutation=("unknown", (None, ""), None), allow_unicode=True)
+@example(mutation=("unknown", (None, "rank"), 8), allow_unicode=True)
+@example(mutation=("unknown", ("samples", " "), 1), allow_unicode=True)
+@example(mutation=("set", "quantization.bits", 4), allow_unicode=True)
 def test_recipe_mutations_name_the_key(tmp_path, tiny_model_dir, mutation, allow_unicode):
     """Wrong types, missing keys, unknown keys, whole sections replaced: the error names file and key."""
     kind, key, value = mutation
@@ -541,9 +618,8 @@ def test_recipe_mutations_name_the_key(tmp_path, tiny_model_dir, mutation, allow
             r = Recipe.from_yaml(path)
         except UserError as e:
             msg = str(e)
-            assert str(path) in msg, msg
-            named = key in msg or any(k in msg for k in CROSS_FIELD)
-            assert named, f"{kind} {key}={value!r}: the key is not named:\n{msg}"
+            assert msg.startswith(f"{path}: "), msg
+            assert names_key(msg.replace(str(path), "<recipe>"), key), f"{kind} {key}={value!r}: the key is not named:\n{msg}"
             return
     assert isinstance(r, Recipe)
     if not key.startswith("data.path"):  # a data.path that is not a local file is taken as a hub id
@@ -585,8 +661,13 @@ def test_set_overrides(tmp_path, tiny_model_dir, item):
             Recipe.from_yaml(path, [item])
         except UserError as e:
             msg = str(e)
-            keys = [k for k in item.partition("=")[0].strip().split(".") if k]
-            assert "--set" in msg or (keys and keys[0] in msg) or any(k in msg for k in CROSS_FIELD), f"{item!r}:\n{msg}"
+            # the key path as apply_override splits it, and the sections on the way
+            parts = [k if k.strip() else repr(k) for k in item.partition("=")[0].strip().split(".") if k]
+            sections = [".".join(parts[:i]) for i in range(1, len(parts))]
+            body = msg.replace(str(path), "<recipe>")
+            named = (f"--set {item!r}" in msg or (parts and names_key(body, ".".join(parts)))
+                     or any(re.search(rf"^  - {re.escape(k)}: ", body, re.M) for k in sections))
+            assert named, f"{item!r}:\n{msg}"
 
 
 def test_paths_with_an_unknown_user_home(tmp_path, tiny_model_dir):

@@ -961,8 +961,8 @@ def format_validation_error(e: ValidationError, source: str) -> str:
         by_key.setdefault(loc, []).append(err)
         types.setdefault(loc, (tp, metadata))
     for loc, errs in by_key.items():
-        key = ".".join(str(p) for p in loc)
-        if not key:  # a cross-field check: its message starts with the key it is about
+        key = ".".join(str(p) if str(p).strip() else repr(str(p)) for p in loc)  # a blank key shown quoted: ''
+        if not loc:  # a cross-field check: its message starts with the key it is about
             for err in errs:
                 k, _, rest = err["msg"].removeprefix("Value error, ").partition(": ")
                 lines.append(f"  - {k}: {rest}.")

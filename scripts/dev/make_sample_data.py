@@ -199,6 +199,13 @@ def write_corpus(rng: random.Random) -> None:
     rng.shuffle(corpus)
     (DATA / "pretrain").mkdir(parents=True, exist_ok=True)
     (DATA / "pretrain" / "corpus.txt").write_text("\n".join(corpus) + "\n", encoding="utf-8")
+    # the first 100 chats of the corpus as chat data: what the demo model knew before the demo
+    # fine-tune, to measure forgetting (finetuner eval RUN --data ...) or to mix back in
+    plain = [c for c in corpus if c.startswith("<|im_start|>")][:100]
+    with open(DATA / "plain_sample.jsonl", "w", encoding="utf-8") as f:
+        for chat in plain:
+            q, a = chat.removeprefix("<|im_start|>user\n").removesuffix("<|im_end|>\n").split("<|im_end|>\n<|im_start|>assistant\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}, ensure_ascii=False) + "\n")
 
 
 def main() -> None:

@@ -25,7 +25,10 @@ def _model(tiny_model_dir, attn: str):
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn)
-    return get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    # float64: packed and alone, the same sums run over rows of different lengths (other blockings,
+    # another order), which in fp32 differ by ~1e-6 relative; in float64 that noise is ~1e-15, so
+    # the tolerances below are tight and a leak across examples (~1e-2) stands out by far
+    return get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).double()
 
 
 def _examples(n=4):
@@ -55,7 +58,8 @@ def test_packed_row_logits_equal_each_example_alone(tiny_model_dir, attn):
         for e in exs:
             alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
             n = len(e["input_ids"])
-            torch.testing.assert_close(packed[start : start + n], alone, atol=1e-5, rtol=1e-4)
+            assert packed.dtype == torch.float64
+            torch.testing.assert_close(packed[start : start + n], alone, atol=1e-12, rtol=1e-9)
             start += n
         # and the mask really matters: without restarting positions, later examples differ
         leaky = model(input_ids=ids, use_cache=False).logits[0]
@@ -88,9 +92,10 @@ def test_packed_and_unpacked_training_give_the_same_loss_and_gradients(tiny_mode
         results.append((total, count, grads))
     (l0, n0, g0), (l1, n1, g1) = results
     assert n0 == n1 == sum(len(e["input_ids"]) - 4 for e in exs)
-    assert l1 == pytest.approx(l0, rel=1e-5)
+    assert l1 == pytest.approx(l0, rel=1e-12)
     for a, b in zip(g0, g1):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9)
 
 
 def test_pack_masks_the_first_token_of_every_example_and_restarts_positions():
