@@ -175,7 +175,7 @@ def shell_words(text: str) -> list[str]:
     """Every word of every inline span and fenced shell block."""
     words = [w for span in inline_spans(text) for w in span.split()]
     words += [w for info, body in blocks(text) if info.startswith("bash") for c in commands(body) for w in c.split()]
-    return [w.strip("\"'(),;:") for w in words]
+    return [w.strip("\"'()[]{},;:") for w in words]
 
 
 def repository_paths(text: str) -> list[str]:
