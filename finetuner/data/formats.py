@@ -343,13 +343,23 @@ KIND_WORDS = {
 }
 
 
-def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> UserError:
+class WrongObjective(UserError):
+    """A data file whose rows are ``kind`` of data (``pairs``, ``rated``, ``sft``) given where
+    ``objective`` needs another kind; ``place`` is the file and row."""
+
+    def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str):
+        super().__init__(message, hint=hint)
+        self.place, self.kind, self.objective = place, kind, objective
+
+
+def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> WrongObjective:
     """The error for a file whose rows are ``kind`` of data given to a recipe whose objective needs another."""
     fits = OBJECTIVES_OF_KIND[kind]
     first = fits.split(",")[0].split(" ")[0]
-    return UserError(
+    return WrongObjective(
         f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
         hint=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+        place=place, kind=kind, objective=objective,
     )
 
 

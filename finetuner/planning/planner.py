@@ -560,9 +560,19 @@ def plan(
     profile = None
     label_fraction = 1.0
     if data:
+        from finetuner.data.formats import KIND_WORDS, WrongObjective
         from finetuner.data.stats import profile_data
 
-        profile = profile_data(data, model, seq_len, columns=columns)
+        try:
+            profile = profile_data(data, model, seq_len, columns=columns)
+        except WrongObjective as e:  # `plan` has no recipe to set an objective in: say what works
+            raise UserError(
+                f"{e.place}: this file holds {KIND_WORDS[e.kind]}; `finetuner plan` sizes supervised fine-tuning "
+                "(objective sft) only.",
+                hint="Write a recipe with objective: dpo (orpo, simpo; kto for rated responses) and a preference "
+                "section, e.g. recipes/demo_dpo_cpu.yaml; `finetuner estimate RECIPE` predicts its memory, two "
+                "sequences per example and the reference pass included.",
+            ) from None
         notes += profile.notes
         label_fraction = profile.label_fraction
     sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus)

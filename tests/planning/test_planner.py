@@ -222,3 +222,16 @@ def test_cli_plan_gpus_json():
     assert d["gpus"] == 4 and d["per_device"]["world_size"] == 4
     assert d["total_bytes"] == d["per_device"]["per_device_bytes"] == sum(d["components"].values())
     assert d["choice"]["strategy"] == d["per_device"]["strategy"]
+
+
+def test_plan_given_preference_pairs_says_what_to_do_instead():
+    """`plan` sizes SFT only: a file of preference pairs is refused with a way forward (a recipe with an
+    objective, then `estimate`), not with a `--set` that `plan` does not have."""
+    p = run_cli("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu",
+                "--data", str(REPO / "data" / "preference_sample.jsonl"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "preference_sample.jsonl, line 1: this file holds preference pairs" in p.stderr
+    assert "sizes supervised fine-tuning (objective sft) only" in p.stderr
+    assert "objective: dpo" in p.stderr and "finetuner estimate RECIPE" in p.stderr and "--set" not in p.stderr
+    est = run_cli("estimate", str(REPO / "recipes" / "demo_dpo_cpu.yaml"))
+    assert est.returncode == 0, est.stderr  # the way forward the message gives works
