@@ -83,11 +83,11 @@ def load_examples(paths: str | Sequence[str], cfg: DataSection, stats: DataStats
         src = FileExamples(path, cfg.format, cfg.columns, cfg.system_prompt, cfg.split)
         n_before = len(examples)
         for ex in src:
-            _raise_or_skip(src.bad, cfg, stats)
+            raise_or_skip(src.bad, cfg, stats)
             examples.append(ex)
             if cfg.max_examples and len(examples) >= cfg.max_examples:
                 break
-        _raise_or_skip(src.bad, cfg, stats)
+        raise_or_skip(src.bad, cfg, stats)
         stats.rows += src.rows
         stats.format[path] = src.layout.format if src.layout else cfg.format
         if src.layout and src.layout.columns:
@@ -97,7 +97,8 @@ def load_examples(paths: str | Sequence[str], cfg: DataSection, stats: DataStats
     return examples
 
 
-def _raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> None:
+def raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> None:
+    """The rows found bad so far: the first raised (``data.on_bad_row: error``), or all counted as skipped."""
     if not bad:
         return
     if cfg.on_bad_row == "error":

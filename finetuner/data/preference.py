@@ -51,7 +51,7 @@ from finetuner.data.formats import (
     read_rows,
     wrong_objective,
 )
-from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for
+from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -326,26 +326,16 @@ def load_preference_examples(paths: str | list[str], objective: str, cfg: DataSe
         rows, info = read_preference_file(path, objective, cfg, bad)
         n_before = len(examples)
         for ex in rows:
-            _raise_or_skip(bad, cfg, stats)
+            raise_or_skip(bad, cfg, stats)
             examples.append(ex)
             if cfg.max_examples and len(examples) >= cfg.max_examples:
                 break
-        _raise_or_skip(bad, cfg, stats)
+        raise_or_skip(bad, cfg, stats)
         stats.rows += info["rows"]
         stats.format[path] = info["layout"] or "preference"
         if len(examples) == n_before:
             raise UserError(f"{path}: no usable rows.", hint="The file is empty or every row was skipped.")
     return examples
-
-
-def _raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> None:
-    if not bad:
-        return
-    if cfg.on_bad_row == "error":
-        raise UserError(str(bad[0]), hint="Fix the row, or set data.on_bad_row: skip to skip bad rows and count them.")
-    stats.skipped += len(bad)
-    stats.skipped_reasons += [str(b) for b in bad]
-    bad.clear()
 
 
 def prepare_preference_data(cfg: DataSection, objective: str, tokenizer: Any, seed: int) -> PreparedData:
