@@ -940,7 +940,7 @@ def _ui_call(client, *args, api_name: str):
 
 
 def _ui_alive(client) -> None:
-    summary, _preview, _hist = client.predict("data/demo_model", "data/alpaca_sample.json", 256, api_name="/analyse_data")
+    summary, _preview, _hist, _pairs = client.predict("data/demo_model", "data/alpaca_sample.json", 256, api_name="/analyse_data")
     assert "alpaca" in summary
 
 
@@ -972,7 +972,8 @@ def test_ui_endpoints_with_anything_typed_in(ui, tmp_path, data):
     elif which == "plan":
         args = (data.draw(UI_TEXT | st.sampled_from(MODELS)), data.draw(UI_TEXT | st.sampled_from(CARDS)),
                 data.draw(st.sampled_from(["", "data/alpaca_sample.json"]) | UI_TEXT), data.draw(st.sampled_from([None, 0, 256, -3])),
-                data.draw(st.sampled_from([None, 16, 0, -1])), data.draw(st.sampled_from(["auto", "lora", "full"]) | UI_TEXT))
+                data.draw(st.sampled_from([None, 16, 0, -1])), data.draw(st.sampled_from(["auto", "lora", "full"]) | UI_TEXT),
+                data.draw(st.sampled_from(["auto", "sft", "dpo", "kto"]) | UI_TEXT))
         _ui_call(ui, *args, api_name="/plan")
     else:
         raw = base_recipe(Path("data/demo_model"), Path("data/alpaca_sample.json"))
@@ -992,9 +993,11 @@ def test_ui_endpoints_with_anything_typed_in(ui, tmp_path, data):
     ("/analyse_data", ("data/demo_model", "\x00", 256)),
     ("/analyse_data", ("m" * 5000, "d" * 5000 + ".jsonl", 256)),
     ("/analyse_data", ("m" * 5000, "data/alpaca_sample.json", 256)),
-    ("/plan", ("data/demo_model", "cpu", "data/alpaca_sample.json", 1, 16, "auto")),
-    ("/plan", ("~nosuchuser_ft/m", "rtx4090", "", None, None, "auto")),
-    ("/plan", ("llama-2-7b", "-24GB", "", 2048, 0, "lora")),
+    ("/plan", ("data/demo_model", "cpu", "data/alpaca_sample.json", 1, 16, "auto", "auto")),
+    ("/plan", ("~nosuchuser_ft/m", "rtx4090", "", None, None, "auto", "dpo")),
+    ("/plan", ("llama-2-7b", "-24GB", "", 2048, 0, "lora", "auto")),
+    ("/plan", ("data/demo_model", "cpu", "data/alpaca_sample.json", 256, 16, "auto", "kto")),
+    ("/plan", ("data/demo_model", "cpu", "data/preference_sample.jsonl", 256, 16, "auto", "rlhf")),
     ("/estimate", ("model: {name: data/demo_model}\ndata: {path: data/alpaca_sample.json, max_seq_len: 8}", "cpu")),
     ("/estimate", ("model: {name: data/demo_model}\ndata: {path: data/alpaca_sample.json}\n" + "x: " + "[" * 3000 + "]" * 3000, "cpu")),
     ("/estimate", ("- just\n- a list", "cpu")),

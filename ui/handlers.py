@@ -20,11 +20,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import gradio as gr
 from gradio.components.plot import PlotData
 
+from finetuner.config.recipe import Objective
 from finetuner.errors import UserError, did_you_mean
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
@@ -38,6 +39,10 @@ from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_t
 PLOT_EVERY_S = 6
 
 CPU_CARD = "cpu"
+#: how many outputs the Train tab's view has (Handlers.train_view)
+TRAIN_OUTPUTS = 11
+#: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
+OBJECTIVES = ["auto", *get_args(Objective)]
 #: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
 START_ANYWAY = "Start even if it does not fit"
 
@@ -163,9 +168,12 @@ class Handlers:
         gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
         return gr.update(choices=paths.data_files(self.uploads), value=shown), gr.skip()
 
-    @shows_errors(0, 3)
+    @shows_errors(0, 4)
     def on_data(self, model_text: str, data_file: str, seq_len: float | None):
-        from finetuner.data.preview import preview_data
+        """The Data tab: what the file holds, its token lengths against the sequence length, and its
+        first examples: as the model sees them (SFT), or side by side for preference pairs and rated
+        responses (:func:`finetuner.data.preview.preview_preferences`)."""
+        from finetuner.data.preview import preview_data, preview_preferences
         from finetuner.data.stats import profile_data
 
         if not data_file:
@@ -177,16 +185,25 @@ class Handlers:
         model = paths.resolve_model(model_text)
         seq = int(seq_len or 0) or 2048
         profile = profile_data(path, model, seq)
+        hist = views.histogram_df(profile, seq)
+        hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
+        if profile.kind != "sft":
+            pairs, note = None, ""
+            try:
+                pairs = preview_preferences(path, n=3)
+            except UserError as e:
+                note = f"\n\n**No preview:** {e.message}"
+            shown = views.pairs_html(pairs) if pairs else ""
+            return (views.preference_summary_md(profile, seq) + note, gr.update(value=[], visible=False), hist_update,
+                    gr.update(value=shown, visible=bool(shown)))
         preview, preview_note = None, ""
         try:
             preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
         except UserError as e:
             preview_note = f"\n\n**No token preview:** {e.message}"
         summary = views.data_summary_md(profile, preview, seq) + preview_note
-        hist = views.histogram_df(profile, seq)
         hl = views.preview_highlights(preview) if preview else []
-        return summary, hl, gr.update(value=hist, sort=list(hist["tokens"]),
-                                      title=f"Token lengths against the sequence length ({seq})")
+        return summary, gr.update(value=hl, visible=True), hist_update, gr.update(value="", visible=False)
 
     # ------------------------------------------------------------------ plan
     def _estimate_outputs(self, recipe, card: str, header: str = ""):
@@ -205,7 +222,10 @@ class Handlers:
                 f"on {gpu.name}, which {verdict}.{note}")
 
     @shows_errors(0, 18)
-    def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str):
+    def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
+                objective: str | None = "auto"):
+        """The planner's recipe for the model, card and data file; ``objective`` ``auto`` takes it
+        from the data (sft, dpo for pairs, kto for rated responses), another must fit the file."""
         from finetuner.planning.planner import plan
 
         if not data_file:
@@ -218,6 +238,7 @@ class Handlers:
             data=str(local) if local else data_file,
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
+            objective=None if objective in (None, "", "auto") else objective,
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
@@ -278,7 +299,9 @@ class Handlers:
     # ------------------------------------------------------------------ train
     def _train_view(self, name: str | None, last: dict | None):
         """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
-        polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser)."""
+        polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser).
+        A preference run also shows its reward accuracy (and margin) beside the loss; for an SFT run
+        that chart's column is hidden."""
         last = last or {}
         last_sig, shown = last.get("sig"), last.get("shown") or ()
         st = None
@@ -287,17 +310,19 @@ class Handlers:
         # while a run trains the chart redraws at most every PLOT_EVERY_S (each redraw re-renders the
         # whole chart in every open browser); at once when the run, its state or its eval points change
         progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
-        sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals)) if st else None
+        preference = views.is_preference(st)
+        sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals), preference) if st else None
         chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
+        rewards = plot(views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
         # the past-runs table reads every run's events: only when the run shown or its state changes
         if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
             table = views.runs_df(jobs.list_runs(self.runs))
         else:
             table = gr.skip()
         running = bool(st and st.running)
-        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable))
+        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable), preference)
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
-        mem, smp, start_i, stop_i, resume_i = values
+        mem, smp, start_i, stop_i, resume_i, _pref = values
         return (
             views.status_html(st),
             chart,
@@ -308,6 +333,8 @@ class Handlers:
             gr.skip() if same[4] else gr.update(interactive=resume_i),
             {"sig": sig, "shown": values},
             table,
+            gr.skip() if same[5] else gr.update(visible=preference),
+            rewards,
         )
 
     def train_view(self, name: str | None, last: dict | None = None):
@@ -315,7 +342,7 @@ class Handlers:
         try:
             return self._train_view(name, last)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
-            return (gr.skip(),) * 9
+            return (gr.skip(),) * TRAIN_OUTPUTS
 
     def _runs_outputs(self, selected: str | None):
         names = self.run_names()

@@ -14,7 +14,7 @@ from finetuner.config.recipe import Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
-from ui.handlers import CPU_CARD, START_ANYWAY, Handlers, default_card, empty_chart
+from ui.handlers import CPU_CARD, OBJECTIVES, START_ANYWAY, Handlers, default_card, empty_chart
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -57,8 +57,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
             # ---------------------------------------------------------- 2 data
             with gr.Tab("2 · Data", id="data"):
                 gr.Markdown("Pick a data file (JSONL, JSON, CSV or Parquet) or upload one. The preview shows each example "
-                            "as the model sees it: **green** tokens are trained on, grey ones are context only.",
-                            elem_classes="ft-step")
+                            "as the model sees it: **green** tokens are trained on, grey ones are context only. For "
+                            "preference data (pairs of a chosen and a rejected response, or rated responses) it shows "
+                            "the first examples side by side.", elem_classes="ft-step")
                 with gr.Row():
                     data_file = gr.Dropdown(data_choices, value=h.default_data, allow_custom_value=True, label="Data file",
                                             info=f"files in data/ and your uploads ({paths.display(h.uploads)}/), or a path",
@@ -73,6 +74,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     with gr.Column(scale=3):
                         preview = gr.HighlightedText(label="Examples as the model sees them", color_map=COLORS,
                                                      combine_adjacent=False, show_legend=True, elem_id="data-preview")
+                        pairs = gr.HTML(visible=False, elem_id="pair-preview")
                     with gr.Column(scale=2):
                         hist = gr.BarPlot(x="tokens", y="examples", color="fits", sort=None,
                                           color_map={"fits": "#10b981", "partly cut": "#f59e0b", "cut": "#ef4444"},
@@ -87,6 +89,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     eff_batch = gr.Number(value=0, precision=0, label="Effective batch",
                                           info="0 = sized to the data", scale=1)
                     plan_method = gr.Dropdown(METHODS, value="auto", label="Method", scale=1)
+                    plan_objective = gr.Dropdown(OBJECTIVES, value="auto", label="Objective", scale=1, elem_id="plan-objective",
+                                                 info="auto: from the data (sft; dpo for pairs; kto for rated responses)")
                     plan_btn = gr.Button("Make the plan", variant="primary", scale=1)
                 with gr.Row():
                     with gr.Column(scale=3):
@@ -139,6 +143,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 with gr.Row():
                     with gr.Column(scale=3):
                         loss_plot = gr.Plot(show_label=False, elem_id="loss-plot", elem_classes="ft-chart")
+                    with gr.Column(scale=3, visible=False, elem_id="reward-column") as reward_col:  # preference runs only
+                        reward_plot = gr.Plot(show_label=False, elem_id="reward-plot", elem_classes="ft-chart")
                     with gr.Column(scale=2):
                         mem_md = gr.Markdown(elem_id="train-memory")
                         samples = gr.Markdown(elem_id="train-samples")
@@ -207,7 +213,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
             comp.change(h.on_model, model_inputs, model_md, api_name=False)
 
         data_inputs = [model, data_file, seq_len]
-        data_outputs = [data_md, preview, hist]
+        data_outputs = [data_md, preview, hist, pairs]
         data_file.change(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name="analyse_data")
         seq_len.submit(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
         seq_len.blur(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
@@ -218,7 +224,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
         planned = gr.State(None)  # what the planner chose and why (views.planned): edits are told apart from it
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]
-        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method]
+        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective]
         plan_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_plan, plan_inputs, plan_outputs, api_name="plan")
         plan_tab.select(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         next2.click(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
@@ -231,7 +237,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         load_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_load_recipe, [shipped, card], [recipe_yaml, mem_plot, est_md, download, *fields, yaml_md],
                        api_name="load_recipe")
 
-        train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table]
+        train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table,
+                         reward_col, reward_plot]
         start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway], [run_pick, runs_table, train_msg], api_name="start_training")
         stop_btn.click(h.on_stop, run_pick, train_msg, api_name="stop_training")
         resume_btn.click(h.on_resume, run_pick, [run_pick, runs_table, train_msg], api_name="resume_training")

@@ -23,6 +23,16 @@ CSS = """
 .ft-chart .vega-embed {width: 100%;}
 .ft-chart g[class*="role-axis"] text, .ft-chart g[class*="role-legend"] text, .ft-chart g[class*="role-title"] text
   {fill: var(--body-text-color);}
+/* the Data tab's preference pairs side by side (views.pairs_html): texts wrap, never cut */
+.ft-pairs-title {font-size: .9em; color: var(--body-text-color-subdued); margin: 0 0 6px 2px;}
+table.ft-pairs {width: 100%; table-layout: fixed; border-collapse: collapse; font-size: .9em;}
+table.ft-pairs th {text-align: left; padding: 6px 8px; border-bottom: 2px solid var(--border-color-primary);}
+table.ft-pairs td {vertical-align: top; padding: 8px; border-bottom: 1px solid var(--border-color-primary);
+                   white-space: pre-wrap; overflow-wrap: anywhere;}
+table.ft-pairs td.ft-chosen {background: rgba(16, 185, 129, .10);}
+table.ft-pairs td.ft-rejected {background: rgba(239, 68, 68, .08);}
+table.ft-pairs .ft-msg + .ft-msg {margin-top: 4px;}
+table.ft-pairs .ft-where {margin-top: 6px; font-size: .85em; color: var(--body-text-color-subdued);}
 /* the YAML editor's line numbers: CodeMirror sizes them from line heights it measures only on
    screen; filled off screen (a hidden tab, below the fold) they took a 14 px guess while lines are
    taller, and drifted from the text. Each number now takes the height of its line. */

@@ -70,6 +70,77 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
     return "\n\n".join(lines)
 
 
+#: the most characters of one text shown in the Data tab's table of pairs (the rest is counted)
+CELL_CHARS = 600
+
+
+def preference_summary_md(profile: Any, seq_len: int) -> str:
+    """What a file of preference pairs or rated responses holds, the objectives it fits (and the one
+    the Plan tab's objective ``auto`` takes), its size and token lengths against ``seq_len``."""
+    from finetuner.data.formats import KIND_WORDS, OBJECTIVES_OF_KIND
+    from finetuner.data.formats import AUTO_OBJECTIVE
+
+    d = profile.to_dict()
+    kind = d["kind"]
+    unit = "pairs" if kind == "pairs" else "rated responses"
+    lines = [
+        f"**Holds** {html.escape(KIND_WORDS[kind])} · layout `{d['format']}` · **{d['rows']:,}** {unit}",
+        f"**Fits objective {OBJECTIVES_OF_KIND[kind]}** (the plan's objective *auto* takes **{AUTO_OBJECTIVE[kind]}**)",
+        f"mean **{d['mean_tokens']:.0f}** tokens, 95 % under {d['p95_tokens']}, longest **{d['max_tokens']}**"
+        + (" (prompt and the longer response)" if kind == "pairs" else " (prompt and response)"),
+    ]
+    over = profile.truncated(seq_len)
+    if over:
+        lines.append(f"**Note:** {over} example(s) are longer than the sequence length {seq_len}: their prompts would be "
+                     "cut from the start.")
+    else:
+        lines.append(f"✓ every example fits in {seq_len} tokens.")
+    if d.get("bad_rows"):
+        lines.append(f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}")
+    lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
+    return "\n\n".join(lines)
+
+
+def _cell_text(text: str) -> str:
+    more = len(text) - CELL_CHARS
+    shown = text if more <= 0 else text[:CELL_CHARS].rstrip() + "…"
+    return html.escape(shown) + (f"<span class='ft-muted'> ({more:,} more characters)</span>" if more > 0 else "")
+
+
+def _prompt_cell(prompt: list[dict[str, str]], where: str) -> str:
+    """The prompt's messages (a lone user message as its text, a conversation with its roles) and the row."""
+    if len(prompt) == 1:
+        body = _cell_text(prompt[0]["content"])
+    else:
+        body = "".join(f"<div class='ft-msg'><b>{html.escape(m['role'])}</b> {_cell_text(m['content'])}</div>" for m in prompt)
+    row = where.rsplit(", ", 1)[-1]
+    return f"{body}<div class='ft-where'>{html.escape(row)}</div>"
+
+
+def pairs_html(preview: Any) -> str:
+    """The first examples of a preference file side by side: prompt | chosen | rejected for pairs,
+    prompt | response | label for rated responses (a :class:`finetuner.data.preview.PreferencePreview`)."""
+    pairs = preview.kind == "pairs"
+    heads = ("prompt", "chosen ✓", "rejected ✕") if pairs else ("prompt", "response", "label")
+    rows = []
+    for ex in preview.examples:
+        if pairs:
+            cells = (f"<td class='ft-chosen'>{_cell_text(ex.chosen)}</td>"
+                     f"<td class='ft-rejected'>{_cell_text(ex.rejected)}</td>")
+        else:
+            label = "<td class='ft-chosen'>✓ desirable</td>" if ex.desirable else "<td class='ft-rejected'>✕ undesirable</td>"
+            cells = f"<td>{_cell_text(ex.response)}</td>{label}"
+        rows.append(f"<tr><td class='ft-prompt'>{_prompt_cell(ex.prompt, ex.where)}</td>{cells}</tr>")
+    cols = "<colgroup><col style='width:30%'><col style='width:35%'><col style='width:35%'></colgroup>" if pairs else \
+        "<colgroup><col style='width:35%'><col style='width:47%'><col style='width:18%'></colgroup>"
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    what = "pairs" if pairs else "rated responses"
+    return (f"<div class='ft-pairs-title'>The first {len(preview.examples)} {what} as training reads them "
+            f"(layout {html.escape(preview.layout)})</div>"
+            f"<table class='ft-pairs' data-kind='{preview.kind}'>{cols}<thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
 def histogram_df(profile: Any, seq_len: int, bins: int = 24) -> pd.DataFrame:
     """Examples per length bin over 0..max(longest, seq_len): where the data sit against the limit."""
     import math
@@ -199,11 +270,13 @@ PACKING = {True: " (packed)", "auto": " (packing auto)"}
 
 
 def recipe_headline(recipe: Any) -> str:
-    """The recipe's choice in one line: method, micro-batch × accumulation, sequence, optimizer."""
+    """The recipe's choice in one line: the objective (when not sft), method, micro-batch ×
+    accumulation, sequence, optimizer."""
     t = recipe.training
     quant = f" {recipe.quantization.bits}-bit" if recipe.method == "qlora" and recipe.quantization else ""
     gc = t.gradient_checkpointing
-    return (f"{str(recipe.method).upper()}{quant} · micro-batch {t.micro_batch_size} × {t.gradient_accumulation} · "
+    head = f"{recipe.objective.upper()} · " if recipe.objective != "sft" else ""
+    return (f"{head}{str(recipe.method).upper()}{quant} · micro-batch {t.micro_batch_size} × {t.gradient_accumulation} · "
             f"seq {recipe.data.max_seq_len}{PACKING.get(recipe.data.packing, '')} · {t.optimizer}"
             f"{' · checkpointing' if gc is True else (' · checkpointing auto' if gc == 'auto' else '')}")
 
@@ -267,6 +340,11 @@ def status_html(st: Any | None) -> str:
         bits.append(f"loss <b>{st.last_loss:.3f}</b>")
     if st.evals:
         bits.append(f"eval loss <b>{st.evals[-1][1]:.3f}</b>")
+    rewards = getattr(st, "rewards", None) or {}
+    if rewards.get("reward_accuracy"):
+        bits.append(f"reward accuracy <b>{rewards['reward_accuracy'][-1][1]:.0%}</b>")
+    if rewards.get("eval_reward_accuracy"):
+        bits.append(f"eval reward accuracy <b>{rewards['eval_reward_accuracy'][-1][1]:.0%}</b>")
     err = f"<div class='ft-error'>{html.escape(st.error)}</div>" if st.error and st.state == "error" else ""
     notes = "".join(f"<div class='ft-muted'>{html.escape(n)}</div>" for n in st.notes[-3:])
     return (
@@ -298,6 +376,14 @@ def loss_df(st: Any | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["step", "loss", "series"])
 
 
+def step_axis(st: Any | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The x encoding of a chart against the step: 0 to the run's last step (or the last point), at most 9 ticks."""
+    end = max([getattr(st, "max_steps", None) or 0, 1] + [r["step"] for r in rows])
+    every = next(k * 10**e for e in range(12) for k in (1, 2, 5) if k * 10**e * 8 >= end)
+    return {"field": "step", "type": "quantitative", "title": "step",
+            "scale": {"domain": [0, end], "nice": False}, "axis": {"values": list(range(0, end + 1, every)), "format": "d"}}
+
+
 def loss_chart(st: Any | None) -> dict[str, Any]:
     """Training and eval loss against the step, on numeric axes from step 0 to the run's last step:
     a line from two points on, and a dot on each point while there are few (eval points always)."""
@@ -306,16 +392,14 @@ def loss_chart(st: Any | None) -> dict[str, Any]:
     few = int((df["series"] == "train").sum()) <= DOTS_UP_TO
     rows = [{"step": int(r.step), "loss": float(r.loss), "series": r.series, "dot": r.series == "eval" or few}
             for r in df.itertuples(index=False)]
-    end = max([getattr(st, "max_steps", None) or 0, 1] + [r["step"] for r in rows])
-    every = next(k * 10**e for e in range(12) for k in (1, 2, 5) if k * 10**e * 8 >= end)  # at most 9 ticks
+    x_axis = step_axis(st, rows)
     title = ("Loss — " + " and ".join(series)) if rows else "Loss — waiting for the first step"
     return chart({
         "title": {"text": title, "frame": "bounds"},
         "height": 280,
         "data": {"values": rows},
         "encoding": {
-            "x": {"field": "step", "type": "quantitative", "title": "step",
-                  "scale": {"domain": [0, end], "nice": False}, "axis": {"values": list(range(0, end + 1, every)), "format": "d"}},
+            "x": x_axis,
             "y": {"field": "loss", "type": "quantitative", "title": "loss", "scale": {"zero": False}, "axis": {"format": ".3~f"}},
             "color": {"field": "series", "type": "nominal", "title": None, "legend": {"orient": "bottom", "labelLimit": 0},
                       "scale": {"domain": series, "range": [LOSS_COLORS[s] for s in series]}},
@@ -327,6 +411,84 @@ def loss_chart(st: Any | None) -> dict[str, Any]:
             {"transform": [{"filter": "datum.dot"}], "encoding": {},
              "mark": {"type": "point", "filled": True, "size": 50, "opacity": 1, "strokeWidth": 0}},
         ],
+    })
+
+
+#: the reward chart's series: (field of RunStatus.rewards, name in the legend, colour, dashed)
+REWARD_SERIES = (
+    ("reward_accuracy", "accuracy", "#059669", False),
+    ("eval_reward_accuracy", "eval accuracy", "#f97316", False),
+    ("reward_margin", "margin", "#64748b", True),
+    ("eval_reward_margin", "eval margin", "#a855f7", True),
+)
+
+
+def is_preference(st: Any | None) -> bool:
+    """Whether ``st`` is a run of a preference objective (its start event says so, or it logged rewards)."""
+    return st is not None and (getattr(st, "objective", None) not in (None, "sft") or bool(getattr(st, "rewards", None)))
+
+
+def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    if len(points) <= MAX_PLOT_POINTS:
+        return points
+    every = -(-len(points) // MAX_PLOT_POINTS)
+    return points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
+
+
+def reward_chart(st: Any | None) -> dict[str, Any]:
+    """A preference run's reward accuracy (the share of pairs whose chosen response the model
+    rewards more; KTO: of responses rewarded on the side of their label) on a 0–100 % axis, and the
+    reward margin (chosen − rejected) dashed on an axis of its own on the right; eval points as dots."""
+    rewards = (getattr(st, "rewards", None) or {}) if st is not None else {}
+    rows = []
+    for key, name, _colour, _dash in REWARD_SERIES:
+        points = rewards.get(key) or []
+        train = not key.startswith("eval_")
+        few = len(points) <= DOTS_UP_TO
+        for s, v in (_thin(points) if train else points):
+            rows.append({"step": int(s), "value": round(float(v), 4), "series": name,
+                         "metric": "accuracy" if key.endswith("accuracy") else "margin", "dot": (not train) or few})
+    shown = [r for r in REWARD_SERIES if rewards.get(r[0])] or [REWARD_SERIES[0]]
+    series = [name for _k, name, _c, _d in shown]
+    colours = [c for _k, _n, c, _d in shown]
+    x_axis = step_axis(st, rows)
+    last = rewards.get("reward_accuracy") or []
+    title = (f"Reward accuracy — {last[-1][1]:.0%} at step {last[-1][0]}" if last
+             else "Reward accuracy — waiting for the first step")
+    colour = {"field": "series", "type": "nominal", "title": None,
+              "legend": {"orient": "bottom", "labelLimit": 0, "columns": 2},
+              "scale": {"domain": series, "range": colours}}
+    tooltip = [{"field": "series"}, {"field": "step", "type": "quantitative"},
+               {"field": "value", "type": "quantitative", "format": ".3f"}]
+
+    def lines(metric: str, y: dict[str, Any], dash: list[int] | None) -> dict[str, Any]:
+        line = {"type": "line", "strokeWidth": 2, **({"strokeDash": dash} if dash else {})}
+        return {
+            "transform": [{"filter": f"datum.metric === '{metric}'"}],
+            "encoding": {"y": y, "color": colour, "tooltip": tooltip},
+            "layer": [
+                {"mark": line},
+                {"transform": [{"filter": "datum.dot"}],
+                 "mark": {"type": "point", "filled": True, "size": 50, "opacity": 1, "strokeWidth": 0}},
+            ],
+        }
+
+    layers = [lines("accuracy", {"field": "value", "type": "quantitative", "title": "reward accuracy",
+                                 "scale": {"domain": [0, 1]}, "axis": {"format": ".0%", "values": [0, 0.25, 0.5, 0.75, 1]}},
+                    None)]
+    if any(r["metric"] == "margin" for r in rows):
+        layers.append(lines("margin", {"field": "value", "type": "quantitative", "title": "margin (dashed)",
+                                       "scale": {"zero": False}, "axis": {"orient": "right", "format": ".3~r", "grid": False}},
+                            [5, 3]))
+    return chart({
+        "title": {"text": title, "frame": "bounds"},
+        "height": 280,
+        "data": {"values": rows},
+        "encoding": {
+            "x": x_axis,
+        },
+        "layer": layers,
+        "resolve": {"scale": {"y": "independent"}},
     })
 
 

@@ -41,12 +41,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--column prompt=question --column response=answer (repeatable; written as data.columns).")
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
+    p.add_argument("--objective", default="auto",
+                   help="auto (from --data: sft for supervised examples, dpo for preference pairs, kto for rated "
+                        "responses), sft, dpo, orpo, simpo or kto: plans with the objective's memory (two sequences "
+                        "per pair, the reference pass), no packing, at most 3 epochs and its learning rate.")
     p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
     p.add_argument("--name", help="Run name written into the recipe.")
     p.add_argument("-o", "--output", help="Write the planned recipe to this YAML file (never overwrites; see --force).")
     p.add_argument("--force", action="store_true", help="Overwrite --output if it exists.")
     p.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, recipe, ...).")
+    p.add_argument("--longest", action="store_true",
+                   help="Instead of a recipe: the longest sequence the card trains for --model and --method at "
+                        "micro-batch 1, with the most memory-frugal settings (checkpointing, activation offload, "
+                        "paged 8-bit AdamW, chunked loss, tiled MLP), capped at the model's positions, and what bounds it, e.g. "
+                        "`finetuner plan --model llama-3.1-8b --gpu rtx4090 --method qlora --longest` (with --json: "
+                        "one JSON object).")
     p.set_defaults(func=_cmd_plan)
 
     e = sub.add_parser(
@@ -62,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     g = sub.add_parser("gpus", help="List the GPU profiles the planner knows, and the detected device.")
     g.add_argument("--json", action="store_true")
-    g.add_argument("--no-detect", action="store_true", help="Do not look for a CUDA device (avoids importing torch).")
+    g.add_argument("--no-detect", action="store_true", help="Do not look for a CUDA device (avoids importing torch); "
+                   "without it, also says which fast kernels (FlashAttention-2, Liger Kernel) a run here uses and how to install the missing ones.")
     g.set_defaults(func=_cmd_gpus)
 
 
@@ -71,6 +82,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from finetuner.errors import UserError
     from finetuner.planning.planner import plan
 
+    if args.longest:
+        return _cmd_longest(args)
     out_path = Path(args.output).expanduser() if args.output else None
     if out_path is not None and out_path.exists() and not args.force:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
@@ -85,6 +98,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
+        objective=args.objective,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -100,8 +114,55 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if p.fits else 1
 
 
+def _cmd_longest(args: argparse.Namespace) -> int:
+    """``plan --longest``: the longest sequence (finetuner.planning.longest). Exit 1 when nothing fits."""
+    from finetuner.errors import UserError
+    from finetuner.planning.longest import longest_sequence
+
+    given = [flag for flag, value in (("--seq-len", args.seq_len), ("--data", args.data), ("--column", args.columns),
+                                      ("--effective-batch", args.effective_batch), ("--name", args.name),
+                                      ("-o/--output", args.output)) if value]
+    if args.gpus != 1:
+        given.append("--gpus")
+    if given:
+        raise UserError(f"--longest searches the sequence length for one card and writes no recipe: drop {', '.join(given)}.",
+                        hint="Plan a recipe at that length afterwards with --seq-len.")
+    if args.objective not in ("auto", "sft"):
+        raise UserError(f"--longest sizes supervised fine-tuning (objective sft), not --objective {args.objective}.")
+    r = longest_sequence(args.model, args.gpu, args.method, margin=args.margin)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return 0 if r.fits else 1
+    from rich.console import Console
+    from rich.markup import escape
+
+    con = Console()
+    budget = f"{r.budget_bytes / GiB:.1f} GiB budget (margin {r.margin:g})"
+    con.print(f"[bold]{escape(r.model)}[/] on {r.gpu.name} ({r.gpu.memory_gib:.1f} GiB, {budget}), method {r.method}, micro-batch 1")
+    if not r.fits:
+        con.print(f"[bold red]No sequence fits[/]: {escape(r.bound['text'])}")
+        return 1
+    cap = " [yellow](capped by the model's positions)[/]" if r.capped else ""
+    con.print(f"[bold green]Longest sequence: {r.max_seq:,} tokens[/]{cap}")
+    con.print(f"Settings: {escape(r.candidate.label)}")
+    con.print("Recipe values: " + ", ".join(f"{k}: {v}" for k, v in r.recipe_values().items()))
+    con.print(f"Bound: {escape(r.bound['text'])}")
+    for n in r.notes:
+        con.print(f"  [dim]{escape(n)}[/]")
+    others: dict[str, int] = {}
+    for c in r.considered:
+        if c["settings"] != r.candidate.label:
+            others[c["settings"]] = c["max_seq"]
+    best_other = sorted(others.items(), key=lambda kv: -kv[1])[:3]
+    if best_other:
+        con.print("Next best: " + "; ".join(f"{escape(k)}: {v:,}" for k, v in best_other))
+    return 0
+
+
 def _print_plan(p: Any, out_path: Path | None) -> None:
     from rich.console import Console
+
+    from finetuner.data.formats import KIND_UNITS
 
     con = Console()
     con.print(f"[bold]{p.shape.describe()}[/]")
@@ -109,7 +170,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     if p.data:
         d = p.data
         con.print(
-            f"Data: {d['rows']} {d['format']} examples, tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
+            f"Data: {d['rows']} {d['format']} {KIND_UNITS[d['kind']]}, tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
             f"max {d['max_tokens']} ({d['counted_with']}); {100 * d['label_fraction']:.0f}% of tokens trained on"
         )
     for n in p.notes:
@@ -122,6 +183,8 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         return
     c = p.recipe_choice()
     method = c["method"].upper() if c["method"] != "qlora" else f"QLoRA {c['quantization_bits']}-bit"
+    if p.recipe.objective != "sft":
+        method = f"{p.recipe.objective.upper()} with {method}"
     con.print(
         f"\n[bold green]Plan:[/] {method}, seq {c['max_seq_len']}{' packed' if c['packing'] else ''}, micro-batch "
         f"{c['micro_batch_size']} x accumulation {c['gradient_accumulation']}, {c['optimizer']}, checkpointing "
@@ -246,9 +309,15 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import detect, list_profiles
 
     detected = None if args.no_detect else detect()
+    fast = None
+    if not args.no_detect:
+        from finetuner.config.runtime import Device, fast_path
+
+        fast = fast_path(Device.here())
     profiles = list_profiles()
     if args.json:
-        print(json.dumps({"profiles": [p.to_dict() for p in profiles], "detected": detected.to_dict() if detected else None}, indent=2))
+        print(json.dumps({"profiles": [p.to_dict() for p in profiles], "detected": detected.to_dict() if detected else None,
+                          "fast_path": fast}, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -264,5 +333,10 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
         con.print(f"Detected: {detected.description}, {detected.memory_gib:.1f} GiB → profile '{detected.name}'")
     elif not args.no_detect:
         con.print("Detected: no CUDA device.")
+    if fast is not None:
+        con.print(f"Fast path here (kernels: auto, attention: auto): attention {fast['attention']}, kernels {fast['kernels']}, "
+                  f"loss {fast['loss_path']}; a run's start event records what it used.", highlight=False)
+        for m in fast["missing"]:
+            con.print(f"  not used: {m}", highlight=False)
     return 0
 

@@ -13,6 +13,15 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _rewards(ev: dict[str, Any], prefix: str = "", sep: str = "  ") -> str:
+    """A preference run's implicit rewards in a step (``prefix`` "") or eval ("eval_") record, e.g.
+    ``"  reward accuracy 85%, margin 4.323"``; "" for an SFT record (no reward fields)."""
+    acc = ev.get(f"{prefix}reward_accuracy")
+    if acc is None:
+        return ""
+    return f"{sep} reward accuracy {acc:.0%}, margin {ev[f'{prefix}reward_margin']:.3f}"
+
+
 def _memory_line(m: dict[str, Any]) -> str:
     mem = m.get("memory") or {}
     line = f"{_gib(m.get('mem_peak'))} ({mem.get('measured', 'measured')})"
@@ -73,12 +82,15 @@ class ProgressPrinter:
                 self.progress.update(self.task, completed=ev["step"], loss=f"{ev['loss']:.4f}", tps=f"{ev['tokens_per_s']:.0f}")
             elif not self.quiet:
                 self.console.print(
-                    f"step {ev['step']}/{ev['max_steps']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
+                    f"step {ev['step']}/{ev['max_steps']}  loss {ev['loss']:.4f}{_rewards(ev)}  lr {ev['lr']:.2e}  "
                     f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  ETA {ev['eta_s']:.0f}s",
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:
-            self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.2f}", highlight=False)
+            if "eval_reward_accuracy" in ev:  # a preference objective's loss is not a language-model loss: no perplexity
+                self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}{_rewards(ev, 'eval_', ',')}", highlight=False)
+            else:
+                self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.2f}", highlight=False)
         elif kind == "checkpoint" and not self.quiet and not self.progress:
             self.console.print(f"checkpoint: {ev['path']}", highlight=False)
 
@@ -97,7 +109,9 @@ class ProgressPrinter:
             ("adapter", str(result.adapter_dir)),
             ("steps", str(m["steps"])),
             ("train loss", f"{m['train_loss_first']:.4f} → {m['train_loss_last']:.4f}" if m["train_loss_first"] is not None else "-"),
-            ("eval loss", f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if m.get("eval_loss") is not None else "-"),
+            ("eval loss", "-" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}" if "eval_reward_accuracy" in m
+             else f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})"),
+            *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}"),
             ("train time", f"{m['train_seconds']:.1f} s"),
             ("peak memory", _memory_line(m)),

@@ -234,6 +234,14 @@ class TrainingSection(_Section):
         "auto", description="Fused Liger kernels (CUDA, finetuner[speed]); auto uses them when installed on a CUDA GPU."
     )
     compile: bool = Field(False, description="torch.compile each decoder layer (slower start, faster steps).")
+    tiled_mlp: bool | Auto = Field(
+        "auto",
+        description=(
+            "Run each layer's MLP over 2048-token chunks, each recomputed in backward, so only one chunk's MLP "
+            "tensors exist at a time (one more MLP forward per step). auto: on with gradient checkpointing from "
+            "max_seq_len 16384, where the MLP's tensors are most of a recomputed layer's backward."
+        ),
+    )
     seed: int = 42
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
 

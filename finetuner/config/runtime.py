@@ -26,6 +26,9 @@ The rules:
   (the ``flash_attn`` package, an Ampere or newer card, 16-bit weights), else transformers'
   default (SDPA).
 * **kernels** / **loss_path**: see :mod:`finetuner.model.kernels`.
+* **tiled_mlp** (``training.tiled_mlp``): tokens per MLP chunk, 0 when not tiled; ``auto`` tiles
+  with gradient checkpointing from ``data.max_seq_len`` 16,384
+  (:func:`finetuner.model.tiled_mlp.resolve_tiled_mlp`). The same on every device.
 """
 
 from __future__ import annotations
@@ -91,6 +94,32 @@ class Device:
                    flash_attention=ampere and _installed("flash_attn"), liger=liger)
 
 
+#: How a CUDA user gets finetuner's fast path (README, Speed): the extra brings Liger Kernel and triton.
+SPEED_INSTALL = "pip install 'finetuner[speed]'"
+#: FlashAttention-2 is not an extra: its wheels are built per torch and CUDA version.
+FLASH_INSTALL = "pip install flash-attn --no-build-isolation"
+
+
+def fast_path(device: Device) -> dict[str, object]:
+    """Which fast kernels a run on ``device`` uses with ``training.kernels: auto`` and
+    ``model.attn_implementation: auto`` (what the ``start`` event will record), and what to install
+    for the ones missing: ``{"device", "attention", "kernels", "loss_path", "missing": [hints]}``."""
+    from finetuner.model import kernels
+
+    if not device.is_cuda:
+        return {"device": "cpu", "attention": "sdpa", "kernels": "none", "loss_path": kernels.loss_path("none", 1024),
+                "missing": ["no CUDA device: Liger Kernel and FlashAttention-2 run on CUDA GPUs only"]}
+    missing = []
+    if not device.liger:
+        missing.append(f"Liger Kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy): {SPEED_INSTALL}")
+    if not device.flash_attention:
+        missing.append(f"FlashAttention-2: {FLASH_INSTALL} (where a wheel exists for your torch and CUDA), on an "
+                       "Ampere or newer card" if device.bf16 else "FlashAttention-2 needs an Ampere or newer card")
+    kern = "liger" if device.liger else "none"
+    return {"device": "cuda", "attention": "flash_attention_2" if device.flash_attention else "sdpa", "kernels": kern,
+            "loss_path": kernels.loss_path(kern, 1024), "missing": missing}
+
+
 @functools.cache
 def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
@@ -108,6 +137,7 @@ class Runtime:
     kernels: str = "none"  # liger | none (see finetuner.model.kernels)
     loss_path: str = "chunked_ce"  # liger_fused_linear_ce | chunked_ce | full_logits
     compile: bool = False  # decoder layers under torch.compile
+    tiled_mlp: int = 0  # tokens per MLP chunk (finetuner.model.tiled_mlp); 0: the MLP runs whole
 
     @property
     def is_cuda(self) -> bool:
@@ -126,6 +156,7 @@ def resolve(recipe: Recipe, device: Device, model_type: str | None = None) -> Ru
     without it, FlashAttention-2 or Liger where they cannot run).
     """
     from finetuner.model import kernels
+    from finetuner.model.tiled_mlp import resolve_tiled_mlp
 
     cuda = device.is_cuda
     half = ("bf16" if device.bf16 else "fp16") if cuda else "fp32"
@@ -154,6 +185,7 @@ def resolve(recipe: Recipe, device: Device, model_type: str | None = None) -> Ru
         kernels=kern,
         loss_path=kernels.loss_path(kern, t.loss_chunk_size),
         compile=t.compile,
+        tiled_mlp=resolve_tiled_mlp(t.tiled_mlp, t.gradient_checkpointing, recipe.data.max_seq_len),
     )
 
 

@@ -334,8 +334,21 @@ def preference_kind(row: Any) -> str | None:
     return None
 
 
+def file_kind(path: str) -> str:
+    """What a data file holds, from its first row: ``sft``, ``pairs`` or ``rated`` (see
+    :func:`preference_kind`); a file with no readable row is ``sft`` (its reader then says what is wrong)."""
+    for raw in read_rows(path, "train", []):
+        return preference_kind(raw.data) or "sft"
+    return "sft"
+
+
 #: The objectives each kind of data fits, as the errors name them.
 OBJECTIVES_OF_KIND = {"pairs": "dpo, orpo or simpo", "rated": "kto", "sft": "sft"}
+#: The objective a kind of data is trained with when none is asked for (``objective: auto`` in
+#: ``finetuner plan`` and the web UI's Plan tab).
+AUTO_OBJECTIVE = {"sft": "sft", "pairs": "dpo", "rated": "kto"}
+#: What one row of each kind of data is called (``finetuner plan``'s data line, the profile's errors).
+KIND_UNITS = {"sft": "examples", "pairs": "pairs", "rated": "rated responses"}
 KIND_WORDS = {
     "pairs": "preference pairs (a chosen and a rejected response)",
     "rated": "rated responses (a response with a true/false label, KTO's unpaired data)",

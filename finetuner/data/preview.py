@@ -1,4 +1,6 @@
-"""A few examples of a data file as the model will see them: tokens, and which are trained on.
+"""A few examples of a data file as the model will see them: tokens, and which are trained on;
+for preference data, the prompt beside its chosen and rejected responses (or beside a rated
+response and its label).
 
 Uses the same path as training (:func:`finetuner.data.pipeline.load_examples` and
 :func:`finetuner.data.pipeline.encode_example` with the model's tokenizer and chat template), so what is
@@ -10,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
+from finetuner.data.formats import KIND_WORDS, OBJECTIVES_OF_KIND, file_kind
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, chat_template_for, encode_example, load_examples
-from finetuner.config.recipe import DataSection
+from finetuner.data.preference import load_preference_examples
 
 
 @dataclass
@@ -83,4 +87,65 @@ def preview_data(
                 truncated=bool(enc["truncated"]),
             )
         )
+    return out
+
+
+# --------------------------------------------------------------------------- preference data
+@dataclass
+class PreferenceExample:
+    """One row of preference data as training reads it: the prompt (chat messages, a system
+    message first when there is one) and either a chosen and a rejected response (pairs) or one
+    response rated desirable or not (KTO's rated responses)."""
+
+    where: str
+    prompt: list[dict[str, str]]
+    chosen: str | None = None
+    rejected: str | None = None
+    response: str | None = None
+    desirable: bool | None = None
+
+
+@dataclass
+class PreferencePreview:
+    """The first examples of a file of preference pairs or rated responses (:func:`preview_preferences`)."""
+
+    path: str
+    kind: str  # "pairs" or "rated" (finetuner.data.formats.preference_kind)
+    layout: str  # as finetuner.data.preference names it: sharegpt_ranking, trl, columns, kto_messages, kto_completion
+    rows_read: int
+    examples: list[PreferenceExample] = field(default_factory=list)
+
+    @property
+    def what(self) -> str:
+        """What the file holds, in words (:data:`finetuner.data.formats.KIND_WORDS`)."""
+        return KIND_WORDS[self.kind]
+
+    @property
+    def fits(self) -> str:
+        """The objectives the file fits, in words ("dpo, orpo or simpo"; "kto")."""
+        return OBJECTIVES_OF_KIND[self.kind]
+
+    @property
+    def objectives(self) -> tuple[str, ...]:
+        """The objectives the file fits: the paired ones for pairs, kto for rated responses."""
+        return PAIRED_OBJECTIVES if self.kind == "pairs" else ("kto",)
+
+
+def preview_preferences(path: str, n: int = 3, system_prompt: str | None = None) -> PreferencePreview:
+    """The first ``n`` examples of a file of preference pairs or rated responses, read by training's
+    own reader (:func:`finetuner.data.preference.load_preference_examples`): the same layout
+    detection and the same row checks, so a bad row among them is a :class:`UserError` naming its
+    file and row. A file of supervised examples gets the error training gives it for a paired
+    objective (it names the objective the file fits)."""
+    kind = file_kind(path)  # what profile_data and the planner take the file for
+    objective = "kto" if kind == "rated" else PAIRED_OBJECTIVES[0]
+    cfg = DataSection(path=path, system_prompt=system_prompt, max_examples=n)
+    stats = DataStats()
+    examples = load_preference_examples(path, objective, cfg, stats)
+    out = PreferencePreview(path, kind, stats.format.get(path, "preference"), stats.rows)
+    for ex in examples[:n]:
+        if kind == "pairs":
+            out.examples.append(PreferenceExample(ex["_where"], ex["prompt"], chosen=ex["chosen"], rejected=ex["rejected"]))
+        else:
+            out.examples.append(PreferenceExample(ex["_where"], ex["prompt"], response=ex["completion"], desirable=ex["desirable"]))
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.data.formats import FileExamples
+from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 
@@ -51,6 +51,10 @@ class DataProfile:
     #: rows that cannot be used (invalid JSON, or not normalisable), and the first one's message
     bad_rows: int = 0
     first_bad_row: str | None = None
+    #: what the rows are: ``sft`` (supervised examples), ``pairs`` (a chosen and a rejected response:
+    #: DPO, ORPO, SimPO) or ``rated`` (a response with a true/false label: KTO). For pairs, a length is
+    #: the longer of the example's two sequences (prompt + chosen, prompt + rejected).
+    kind: str = "sft"
 
     @property
     def mean_tokens(self) -> float:
@@ -87,6 +91,7 @@ class DataProfile:
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
+            "kind": self.kind,
             "format": self.format,
             "columns": dict(self.columns),
             "rows": self.rows,
@@ -158,9 +163,33 @@ def profile_data(
     count, how = _tokenizer_counter(model)
     if count is None:
         count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
+    src = FileExamples(path, fmt, columns, system_prompt)
+    try:
+        lengths, trained, total = _sft_lengths(src, count)
+    except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
+        return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
+    layout = src.layout
+    profile = _profile(path, layout.format if layout else fmt, "sft", lengths, trained, total, how, seq_len, src.bad,
+                       on_bad_row, columns=dict(layout.columns) if layout else {})
+    if layout.columns and not columns:
+        profile.notes.append(
+            f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())} "
+            f"(format {layout.format}); set data.columns to map them otherwise"
+        )
+    if seq_len is not None:
+        cut = profile.truncated(seq_len)
+        if cut and not profile.should_pack(seq_len):
+            profile.notes.append(
+                f"{cut} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens (longest {profile.max_tokens}) "
+                "and will be truncated"
+            )
+    return profile
+
+
+def _sft_lengths(src: FileExamples, count) -> tuple[list[int], int, int]:
+    """Each supervised example's tokens (at most ``MAX_ROWS``), and the trained and total tokens."""
     lengths: list[int] = []
     trained = total = 0
-    src = FileExamples(path, fmt, columns, system_prompt)
     for ex in src:
         if "messages" in ex:
             prompt = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["messages"] if m["role"] != "assistant")
@@ -174,32 +203,53 @@ def profile_data(
         total += prompt + answer
         if len(lengths) >= MAX_ROWS:
             break
-    if not lengths:
-        first = f" (first: {str(src.bad[0]).rstrip('.')})" if src.bad else ""
-        raise UserError(
-            f"{path}: no usable examples to measure: {len(src.bad)} row(s) cannot be used{first}." if src.bad
-            else f"{path}: no usable examples to measure: the file has no rows.",
-            hint="Fix the rows; `finetuner run` names each with its place." if src.bad else None,
-        )
-    layout = src.layout
-    profile = DataProfile(
-        str(path), layout.format, len(lengths), lengths, trained, total, how, requested_seq_len=seq_len,
-        columns=dict(layout.columns), bad_rows=len(src.bad), first_bad_row=str(src.bad[0]) if src.bad else None,
-    )
-    if src.bad:
-        profile.notes.append(bad_rows_note(len(src.bad), len(lengths), str(src.bad[0]), on_bad_row, len(lengths) >= MAX_ROWS))
-    if layout.columns and not columns:
+    return lengths, trained, total
+
+
+def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | None, on_bad_row: str,
+                        system_prompt: str | None) -> DataProfile:
+    """:func:`profile_data` for a file of pairs or rated responses, read by the preference
+    trainer's own reader (:func:`finetuner.data.preference.read_preference_file`)."""
+    from finetuner.config.recipe import DataSection
+    from finetuner.data.preference import read_preference_file
+
+    bad: list[RowError] = []
+    rows, info = read_preference_file(path, "dpo" if kind == "pairs" else "kto", DataSection(path=path, system_prompt=system_prompt), bad)
+    lengths: list[int] = []
+    trained = total = 0
+    for ex in rows:
+        prompt = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["prompt"])
+        answers = [ex["chosen"], ex["rejected"]] if kind == "pairs" else [ex["completion"]]
+        scored = [count(a) + TEMPLATE_TOKENS_PER_MESSAGE for a in answers]
+        lengths.append(prompt + max(scored))
+        trained += sum(scored)
+        total += len(scored) * prompt + sum(scored)
+        if len(lengths) >= MAX_ROWS:
+            break
+    profile = _profile(path, info["layout"], kind, lengths, trained, total, how, seq_len, bad, on_bad_row)
+    if seq_len is not None and profile.truncated(seq_len):
         profile.notes.append(
-            f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())} "
-            f"(format {layout.format}); set data.columns to map them otherwise"
+            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens "
+            f"(longest {profile.max_tokens}): their prompts will be cut from the start"
         )
-    if seq_len is not None:
-        cut = profile.truncated(seq_len)
-        if cut and not profile.should_pack(seq_len):
-            profile.notes.append(
-                f"{cut} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens (longest {profile.max_tokens}) "
-                "and will be truncated"
-            )
+    return profile
+
+
+def _profile(path: str, fmt: str, kind: str, lengths: list[int], trained: int, total: int, how: str, seq_len: int | None,
+             bad: list[RowError], on_bad_row: str, columns: dict[str, str] | None = None) -> DataProfile:
+    """The profile of measured examples, with the note on the rows that cannot be used; a
+    :class:`UserError` when none can."""
+    if not lengths:
+        first = f" (first: {str(bad[0]).rstrip('.')})" if bad else ""
+        raise UserError(
+            f"{path}: no usable {KIND_UNITS[kind]} to measure: {len(bad)} row(s) cannot be used{first}." if bad
+            else f"{path}: no usable examples to measure: the file has no rows.",
+            hint="Fix the rows; `finetuner run` names each with its place." if bad else None,
+        )
+    profile = DataProfile(str(path), fmt, len(lengths), lengths, trained, total, how, requested_seq_len=seq_len,
+                          columns=columns or {}, bad_rows=len(bad), first_bad_row=str(bad[0]) if bad else None, kind=kind)
+    if bad:
+        profile.notes.append(bad_rows_note(len(bad), len(lengths), str(bad[0]), on_bad_row, len(lengths) >= MAX_ROWS))
     return profile
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
-from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs, is_preference_file
+from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs
 
 
 @dataclass
@@ -191,6 +191,7 @@ def evaluate_run(
         >>> r = finetuner.evaluate_run("runs/demo_cpu")   # doctest: +SKIP
         >>> r.base.loss, r.fine_tuned.loss                 # doctest: +SKIP
     """
+    from finetuner.data.formats import file_kind
     from finetuner.data.pipeline import Collator
 
     t0 = time.perf_counter()
@@ -201,12 +202,12 @@ def evaluate_run(
     tokenizer.chat_template = chat_template(src, tokenizer)
     if data is not None and not Path(data).expanduser().exists():
         raise UserError(f"--data: file not found: {data}")
-    pairs = is_preference_file(Path(data).expanduser()) if data is not None else (
-        "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else None)
-    if pairs == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
+    kind = file_kind(str(Path(data).expanduser())) if data is not None else (
+        "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else "sft")
+    if kind == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
         raise UserError("finetuner eval scores preference pairs (chosen and rejected); KTO's rated responses have no pairs.",
                         hint="Pass a file of pairs with --data to measure the preference accuracy of a KTO run.")
-    if pairs:  # preference accuracy and margin instead of loss and perplexity
+    if kind == "pairs":  # preference accuracy and margin instead of loss and perplexity
         if exact_match:
             raise UserError("--exact-match: compares generated replies with one reference; pairs have two responses.")
         result = evaluate_pairs(src, tokenizer, data, batch_size, device, load_model)

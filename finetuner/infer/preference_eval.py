@@ -15,6 +15,10 @@ And, as the training events report it, the implicit reward of the fine-tune agai
 (DPO's, with the base as the reference): ``reward_accuracy``, the fraction of pairs whose chosen
 response gained more log-probability than the rejected one, and ``reward_margin``, the mean of
 that gain difference. Both models come from one loaded model (the base is the adapter switched off).
+
+A preference run that started from a finished SFT run (``preference.start_from``) is compared with
+that SFT model instead of the bare base: it is the model the preference run set out to improve, and
+its reference. ``compared_with`` says which model the ``base`` column is.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class PreferenceEvalResult:
     fine_tuned: PreferenceScore
     reward_accuracy: float
     reward_margin: float
+    #: what the ``base`` scores are of: ``base`` (the adapter switched off) or ``start: RUN`` (the SFT
+    #: run the preference run started from)
+    compared_with: str = "base"
     kind: str = "preference"
     samples: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
@@ -55,23 +62,18 @@ class PreferenceEvalResult:
         return asdict(self)
 
     def table(self) -> str:
-        rows = [("", "base", "fine-tuned"),
+        before = "base" if self.compared_with == "base" else "SFT start"
+        rows = [("", before, "fine-tuned"),
                 ("preference accuracy", f"{self.base.accuracy:.1%}", f"{self.fine_tuned.accuracy:.1%}"),
                 ("log-prob margin", f"{self.base.margin:.3f}", f"{self.fine_tuned.margin:.3f}"),
                 ("accuracy per token", f"{self.base.accuracy_per_token:.1%}", f"{self.fine_tuned.accuracy_per_token:.1%}"),
                 ("margin per token", f"{self.base.margin_per_token:.3f}", f"{self.fine_tuned.margin_per_token:.3f}"),
-                ("reward accuracy (vs base)", "", f"{self.reward_accuracy:.1%}")]
+                (f"reward accuracy (vs {before})", "", f"{self.reward_accuracy:.1%}")]
         w = max(len(r[0]) for r in rows)
-        return "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
-
-
-def is_preference_file(path: str | Path) -> str | None:
-    """``pairs`` or ``rated`` when the file's first row is preference data, else None."""
-    from finetuner.data.formats import preference_kind, read_rows
-
-    for raw in read_rows(str(path)):
-        return preference_kind(raw.data)
-    return None
+        table = "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
+        if self.compared_with != "base":
+            table += f"\n{before}: the model of the SFT run the preference run started from ({self.compared_with[len('start: '):]})"
+        return table
 
 
 def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
@@ -126,12 +128,16 @@ def evaluate_pairs(src, tokenizer, data, batch_size: int, device: str, load_mode
     if not pairs:
         raise UserError(f"No pairs to evaluate in {what}.")
     collate = PreferenceCollator(tokenizer.pad_token_id)
-    if src.kind == "full":
+    start = _start_run(src)
+    if start is not None or src.kind == "full":  # two models, one after the other: the fine-tune, then the one before it
         tuned_model, dev = load_model(src, adapter=True, device=device)
         tc, tr, nc, nr, tokens = _scores(tuned_model, collate, pairs, batch_size, dev)
         del tuned_model
-        base_model, dev = load_model(src, adapter=False, device=device)
-        bc, br, *_ = _scores(base_model, collate, pairs, batch_size, dev)
+        # before = the SFT run it started from (its adapter on), or a full fine-tune's base
+        before_src, before_adapter = (start, True) if start is not None else (src, False)
+        before, dev = load_model(before_src, adapter=before_adapter, device=device)
+        bc, br, *_ = _scores(before, collate, pairs, batch_size, dev)
+        del before
     else:
         model, dev = load_model(src, adapter=True, device=device)
         tc, tr, nc, nr, tokens = _scores(model, collate, pairs, batch_size, dev)
@@ -147,5 +153,19 @@ def evaluate_pairs(src, tokenizer, data, batch_size: int, device: str, load_mode
     return PreferenceEvalResult(
         source=str(src.path), data=what, examples=len(pairs), base=score(bc, br), fine_tuned=score(tc, tr),
         reward_accuracy=round(float((gain > 0).float().mean()), 6), reward_margin=round(float(gain.mean()), 6),
-        seconds=round(time.perf_counter() - t0, 2),
+        compared_with="base" if start is None else f"start: {start.path}", seconds=round(time.perf_counter() - t0, 2),
     )
+
+
+def _start_run(src):
+    """The source of the finished SFT run a preference run started from (``preference.start_from``), or None."""
+    from finetuner.infer.loading import resolve_source
+
+    recipe = src.recipe
+    if recipe is None or recipe.objective == "sft" or not recipe.preference.start_from:
+        return None
+    start = recipe.preference.start_from
+    if not Path(start).is_dir():
+        raise UserError(f"{src.path}: the run started from {start}, which no longer exists: its model is the one to compare with.",
+                        hint="Restore that run folder (its adapter/ is what the comparison loads).")
+    return resolve_source(start)

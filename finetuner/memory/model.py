@@ -20,7 +20,13 @@ trainer (a torchtune-style loop on transformers + peft + bitsandbytes):
   cross-entropy run ``loss_chunk`` tokens at a time under activation checkpointing, so the full
   ``tokens x vocab`` logits never exist. ``loss_chunk=0`` models the plain path
   (``cross_entropy(logits.float())`` with the logits held through the backward);
-* gradient checkpointing is transformers' non-reentrant per-decoder-layer checkpointing.
+* gradient checkpointing is transformers' non-reentrant per-decoder-layer checkpointing;
+* a tiled MLP (``tiled_mlp``, :mod:`finetuner.model.tiled_mlp`) runs each layer's MLP over chunks
+  of ``tiled_mlp`` tokens, each under its own checkpoint: the layer keeps the MLP's input for the
+  whole micro-batch and everything else the MLP saves for one chunk only (with or without
+  checkpointing of the layers). What a chunk saves is counted on the CPU against torch
+  (``tests/model/test_tiled_mlp.py``); the peak of a tiled run has not been measured on a GPU, so
+  the tiled predictions are the model's, unvalidated (the recorded runs below are all untiled).
 
 How the activation terms were derived: by reading the forward code of transformers 5 (Llama,
 Mistral, Qwen2/3, Gemma-2, Phi-3), peft 0.21 (``lora/layer.py``, ``lora/bnb.py``) and
@@ -143,6 +149,7 @@ class Settings:
     attention_mask: bool = False  # a padding or packing mask reaches attention
     activation_offload: bool = False  # checkpointed layer inputs (or all saved activations) in CPU memory
     loss_chunk: int = 1024  # tokens per cross-entropy chunk (finetuner's chunked loss); 0: full logits
+    tiled_mlp: int = 0  # tokens per MLP chunk (finetuner.model.tiled_mlp); 0: the MLP runs whole
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
     platform: Literal["cuda", "cpu"] = "cuda"
@@ -154,12 +161,20 @@ class Settings:
             raise UserError("label_fraction must be in (0, 1].")
         if self.micro_batch < 1 or self.seq_len < 1 or self.gradient_accumulation < 1:
             raise UserError("micro-batch, sequence length and accumulation must be at least 1.")
+        if self.tiled_mlp < 0:
+            raise UserError("tiled_mlp is tokens per MLP chunk: 0 (not tiled) or more.")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"Unknown optimizer '{self.optimizer}'; one of {', '.join(OPTIMIZERS)}.")
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def mlp_tile_fraction(self) -> float:
+        """The share of the micro-batch's tokens whose MLP tensors exist at once: one chunk's with
+        ``tiled_mlp`` (1.0 when not tiled, or when one chunk holds the whole micro-batch)."""
+        return min(1.0, self.tiled_mlp / self.tokens) if self.tiled_mlp else 1.0
 
     @property
     def quantized(self) -> bool:
@@ -460,6 +475,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
         norm("post-attention norm", d.base == "trainable")
     # ---- MLP block
     norm("MLP norm", d.base == "trainable")
+    mlp_start = len(terms)
     mlp_mods = [("gate_up_proj", h)] if shape.fused_gate_up else [("gate_proj", h), ("up_proj", h)]
     consumers("MLP input", d.R, mlp_mods)
     m1 = out_dtype(d.R)
@@ -467,9 +483,22 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
     terms.append(("MLP: activation output", m1 * i))
     terms.append(("MLP: up", m1 * i))
     consumers("MLP: act(gate) * up", m1, [("down_proj", i)])
+    frac = s.mlp_tile_fraction
+    if frac < 1:
+        # tiled: the chunks' checkpoints keep the MLP input (the norm's output, a residual-dtype
+        # tensor) for the whole micro-batch; everything the MLP saves inside exists for one chunk
+        mlp = terms[mlp_start:]
+        del terms[mlp_start:]
+        held = "MLP input (kept for backward)"
+        terms.append((held if any(n == held for n, _ in mlp) else "MLP input (held by the tiled chunks)", d.R * h))
+        terms += [(f"{n}{_CHUNK_SUFFIX}", b * frac) for n, b in mlp if n != held]
     if shape.norms_per_layer == 4:
         norm("post-MLP norm", d.base == "trainable")
     return terms
+
+
+#: the suffix of a tiled MLP's terms in :func:`layer_activation_terms` (one chunk's, scaled per token)
+_CHUNK_SUFFIX = " (one chunk of the tiled MLP)"
 
 
 def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
@@ -479,7 +508,10 @@ def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
     projection's input plus the MLP output; (backward) the gradients of the MLP's gate, up and
     activation alive at once. Bytes per token, read from the same forward/backward code as
     :func:`layer_activation_terms`; with checkpointing :func:`estimate` counts one
-    ``GC_TRANSIENT_DIVISOR``-th of it, fitted on the Llama-2 H100 runs. Checked only through the
+    ``GC_TRANSIENT_DIVISOR``-th of it, fitted on the Llama-2 H100 runs. With a tiled MLP the
+    intermediate-size gradients exist for one chunk (scaled by ``Settings.mlp_tile_fraction``), and
+    the hidden-size part plus the chunks' input gradients are counted whole
+    (:func:`_tiled_whole_per_token`: not fitted, on the safe side). Checked only through the
     whole peak: ``tests/memory/test_memory_accuracy.py`` replays every GPU run in
     ``docs/validation/`` (every allocated prediction at or above the measurement, median error
     under 5 %).
@@ -487,12 +519,22 @@ def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
     d = _dtypes(s)
     h, i = shape.hidden_size, shape.intermediate_size
     m1 = 4 if d.base in ("nf4", "int8") and d.R == 4 else d.c
-    return 3 * m1 * i + 4 * i + 4 * 4 * h
+    return (3 * m1 * i + 4 * i) * s.mlp_tile_fraction + 4 * 4 * h + _tiled_whole_per_token(shape, s)
+
+
+def _tiled_whole_per_token(shape: ModelShape, s: Settings) -> float:
+    """With a tiled MLP, the part of :func:`layer_transient_per_token` that stays whole-sequence:
+    the hidden-size gradients (``4 * 4 * h``) and the chunks' input gradients, all alive until
+    autograd concatenates them into the MLP input's gradient (``R * h``). Counted without the
+    checkpointing divisor, which was fitted on untiled runs (0 when not tiled)."""
+    if s.mlp_tile_fraction >= 1:
+        return 0
+    return _dtypes(s).R * shape.hidden_size
 
 
 @dataclass
 class ActivationEstimate:
-    per_layer: int  # one layer's saved tensors
+    per_layer: int  # one layer's saved tensors (kept from its forward to its backward)
     checkpoints: int  # with checkpointing: the saved layer inputs, all layers
     saved_total: int  # all layers' saved tensors (or checkpoints) + the model's own
     model_extra: int  # final norm, LM-head input/weight copies, masks, RoPE tables
@@ -501,6 +543,8 @@ class ActivationEstimate:
     transient: int  # one layer's short-lived tensors
     offloaded: int  # bytes kept in CPU memory instead
     terms: list[tuple[str, float]]
+    transient_whole: int = 0  # with a tiled MLP, the part of ``transient`` counted whole under checkpointing
+    mlp_chunk: int = 0  # with a tiled MLP, one chunk's MLP tensors: alive only in a layer's backward
 
 
 def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
@@ -531,7 +575,9 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
     d = _dtypes(s)
     h, V = shape.hidden_size, shape.vocab_size
     terms = layer_activation_terms(shape, s)
-    per_tok = sum(b for _, b in terms)
+    # a tiled MLP's chunk terms exist only while that chunk is recomputed in the layer's backward
+    chunk_tok = sum(b for n, b in terms if n.endswith(_CHUNK_SUFFIX))
+    per_tok = sum(b for n, b in terms if not n.endswith(_CHUNK_SUFFIX))
     per_layer = int(per_tok * T)
     frozen_embed = s.method != "full"
     extra_tok = 4 * h + 4  # final norm
@@ -584,6 +630,8 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
         transient=transient,
         offloaded=offloaded,
         terms=terms,
+        transient_whole=0 if s.mlp_tile_fraction >= 1 else int((4 * 4 * shape.hidden_size + _tiled_whole_per_token(shape, s)) * T),
+        mlp_chunk=int(chunk_tok * T),
     )
 
 
@@ -693,9 +741,11 @@ def estimate(
         # the recomputed layer's saved tensors come back one layer at a time, and are freed as its
         # backward goes; of the MLP's short-lived gradients about one of three is alive at the
         # layer's peak (fitted on the H100 runs: docs/memory.md)
-        layer_phase = act.saved_total + held + act.per_layer + act.transient // GC_TRANSIENT_DIVISOR + quant_temp
+        # (tiled MLP: the whole-sequence part of the transient is counted whole, see layer_transient_per_token)
+        layer_phase = (act.saved_total + held + act.per_layer + act.mlp_chunk
+                       + (act.transient - act.transient_whole) // GC_TRANSIENT_DIVISOR + act.transient_whole + quant_temp)
     else:
-        layer_phase = act.saved_total + held + act.transient + quant_temp
+        layer_phase = act.saved_total + held + act.mlp_chunk + act.transient + quant_temp
     # the dequantized weight exists only inside a quantized layer: not at the cross-entropy
     loss_phase = act.saved_total + act.logits + act.loss_peak + LOSS_PHASE_EXTRA_BYTES
     if pref:
@@ -768,6 +818,7 @@ def estimate(
             "logits_bytes": act.logits,
             "loss_peak_bytes": act.loss_peak,
             "transient_bytes": act.transient,
+            "tiled_mlp_chunk_bytes": act.mlp_chunk,
             "loss_phase_bytes": loss_phase,
             "layer_phase_bytes": layer_phase,
         },
@@ -833,6 +884,7 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         platform="cpu" if not rt.is_cuda else "cuda",
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
+        tiled_mlp=rt.tiled_mlp,
         fused_ce=rt.loss_path == "liger_fused_linear_ce" and recipe.objective == "sft",
         objective=recipe.objective,
         reference=recipe.preference.reference if recipe.objective in ("dpo", "kto") else "none",

@@ -205,8 +205,10 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     return model
 
 
-def prepare_for_training(model, recipe: Recipe):
-    """Freeze/quantize-prepare the base, enable checkpointing, and attach LoRA (or unfreeze all)."""
+def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
+    """Freeze/quantize-prepare the base, enable checkpointing, and attach LoRA (or unfreeze all);
+    ``tiled_mlp`` (the runtime's :attr:`~finetuner.config.runtime.Runtime.tiled_mlp`): tokens per MLP
+    chunk, 0 for the plain MLP (:mod:`finetuner.model.tiled_mlp`)."""
     # Freeze the base ourselves instead of peft's prepare_model_for_kbit_training: that helper
     # casts every non-4-bit parameter (embeddings, LM head, norms) to fp32, which for a 128k
     # vocabulary costs 2 GB more than the 4-bit layers save on an 8B model. Norms compute in
@@ -221,7 +223,7 @@ def prepare_for_training(model, recipe: Recipe):
     if recipe.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        return _offload_checkpoints(model, recipe)
+        return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
 
     from peft import LoraConfig, get_peft_model
 
@@ -242,7 +244,16 @@ def prepare_for_training(model, recipe: Recipe):
             f"lora.target_modules: {e}",
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
-    return _offload_checkpoints(model, recipe)
+    return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
+
+
+def _tile_mlp(model, chunk: int):
+    """Run the MLPs in chunks of ``chunk`` tokens (0: unchanged)."""
+    if chunk:
+        from finetuner.model.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, chunk)
+    return model
 
 
 def _offload_checkpoints(model, recipe: Recipe):

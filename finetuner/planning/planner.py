@@ -315,7 +315,8 @@ def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est:
 
 
 # ====================================================================== search
-def _methods(method: str | None) -> list[tuple[str, int | None]]:
+def method_options(method: str | None) -> list[tuple[str, int | None]]:
+    """The (method, quantization bits) pairs a ``--method`` value searches (``plan``, ``plan --longest``)."""
     if method in (None, "auto"):
         return [("lora", None), ("qlora", 4), ("qlora", 8)]
     if method == "qlora":
@@ -398,7 +399,7 @@ def search(
     if fixed_method == "qlora" and base.quantization is not None and method is None:
         methods = [("qlora", base.quantization.bits)]
     else:
-        methods = _methods(method or fixed_method)
+        methods = method_options(method or fixed_method)
     if gpu.platform == "cpu":
         methods = [m for m in methods if m[0] != "qlora"] or methods  # bitsandbytes on CPU: slow, only when asked
     gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
@@ -460,7 +461,7 @@ def _default_name(model: str) -> str:
 
 
 def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
-                 columns: dict[str, str] | None = None) -> Recipe:
+                 columns: dict[str, str] | None = None, objective: str = "sft") -> Recipe:
     from finetuner.config.recipe import Recipe
 
     training: dict[str, Any] = {
@@ -477,6 +478,7 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         "name": name,
         "model": {"name": model},
         "method": "auto",
+        **({"objective": objective} if objective != "sft" else {}),
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
                  "packing": sizing.packing, **({"columns": columns} if columns else {})},
         "training": training,
@@ -493,6 +495,40 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         raise UserError(format_validation_error(e, "the planned recipe")) from None
 
 
+def _check_objective(objective: str | None) -> str | None:
+    """``objective`` as :func:`plan` takes it: ``None`` for ``auto``, else a known objective."""
+    from typing import get_args
+
+    from finetuner.config.recipe import Objective
+
+    if objective in (None, "auto"):
+        return None
+    if objective not in get_args(Objective):
+        raise UserError(f"--objective {objective}: not an objective; choose auto, {', '.join(get_args(Objective))}.")
+    return objective
+
+
+def _objective_for(objective: str | None, profile) -> tuple[str, str | None]:
+    """The objective of a plan on data ``profile`` (``objective`` as asked, ``None``: from the data),
+    and the reason to print when it came from the data. A :class:`UserError` when the data do not fit it."""
+    from finetuner.config.recipe import PAIRED_OBJECTIVES
+    from finetuner.data.formats import AUTO_OBJECTIVE, KIND_WORDS, OBJECTIVES_OF_KIND, wrong_objective
+
+    kind = profile.kind
+    if objective is None:
+        chosen = AUTO_OBJECTIVE[kind]
+        if kind == "sft":
+            return chosen, None
+        others = " (orpo and simpo need no reference model: --objective orpo|simpo)" if kind == "pairs" else ""
+        return chosen, f"objective {chosen}: {profile.path} holds {KIND_WORDS[kind]}{others}"
+    need = "sft" if objective == "sft" else "pairs" if objective in PAIRED_OBJECTIVES else "rated"
+    if kind != need:
+        e = wrong_objective(profile.path, kind, objective)
+        raise UserError(e.message, hint=f"Plan with objective {OBJECTIVES_OF_KIND[kind]}, or auto (--objective on the command "
+                        f"line, Objective in the web UI's Plan tab), or give data for '{objective}'.") from None
+    return objective, None
+
+
 def plan(
     model: str,
     gpu: str | GpuProfile | None = None,
@@ -505,6 +541,7 @@ def plan(
     name: str | None = None,
     gpus: int = 1,
     columns: dict[str, str] | None = None,
+    objective: str | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -529,6 +566,10 @@ def plan(
             with its per-device memory and communication per step.
         columns: which of the data file's columns holds which role (``{"prompt": "question",
             "response": "answer"}``), as ``data.columns`` in a recipe; written into the recipe.
+        objective: ``sft``, ``dpo``, ``orpo``, ``simpo`` or ``kto``; ``None`` or ``auto``: what the
+            data file holds (supervised examples: sft, preference pairs: dpo, rated responses: kto).
+            A preference objective is searched with its own memory cost (two sequences per pair,
+            the reference pass) and sized as :mod:`finetuner.planning.sizing` says; it needs ``data``.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -555,27 +596,27 @@ def plan(
             check_columns(columns, "auto")
         except ValueError as e:
             raise UserError(f"data.columns (--column): {e}") from None
+    objective = _check_objective(objective)
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
     label_fraction = 1.0
+    reasons: list[str] = []
     if data:
-        from finetuner.data.formats import KIND_WORDS, WrongObjective
         from finetuner.data.stats import profile_data
 
-        try:
-            profile = profile_data(data, model, seq_len, columns=columns)
-        except WrongObjective as e:  # `plan` has no recipe to set an objective in: say what works
-            raise UserError(
-                f"{e.place}: this file holds {KIND_WORDS[e.kind]}; `finetuner plan` sizes supervised fine-tuning "
-                "(objective sft) only.",
-                hint="Write a recipe with objective: dpo (orpo, simpo; kto for rated responses) and a preference "
-                "section, e.g. recipes/demo_dpo_cpu.yaml; `finetuner estimate RECIPE` predicts its memory, two "
-                "sequences per example and the reference pass included.",
-            ) from None
+        profile = profile_data(data, model, seq_len, columns=columns)
+        objective, why_objective = _objective_for(objective, profile)
+        if why_objective:
+            reasons.append(why_objective)
         notes += profile.notes
         label_fraction = profile.label_fraction
-    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus)
+    elif objective not in (None, "sft"):
+        raise UserError(f"--objective {objective}: a preference objective needs --data with its pairs (or rated "
+                        "responses for kto); there is no default preference data set.",
+                        hint="Plan with --data PAIRS.jsonl, e.g. data/preference_sample.jsonl.")
+    objective = objective or "sft"
+    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective)
     notes += sizing.notes
     if not data:
         notes.append(
@@ -584,17 +625,17 @@ def plan(
         )
     data_path = str(Path(data).expanduser().resolve()) if data and Path(data).expanduser().exists() else data
     device = "cpu" if prof.platform == "cpu" else "auto"
-    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device, columns)
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device, columns, objective)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
     if result.recipe is not None:
-        lr, why_lr = learning_rate(result.recipe.method, shape)
+        lr, why_lr = learning_rate(result.recipe.method, shape, objective)
         raw = result.recipe.to_dict()
         raw["training"]["lr"] = lr
         result.recipe = Recipe.model_validate(raw)
-        result.reasons += sizing.reasons + [why_lr]
+        result.reasons += reasons + sizing.reasons + [why_lr]
     return result
 
 

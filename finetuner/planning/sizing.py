@@ -20,6 +20,12 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
   (the common 7B settings), scaled by ``sqrt(4096 / hidden)`` for narrower models and capped
   at 10x, to one significant digit (a narrower layer takes larger steps for the same change of
   its output).
+
+A preference objective (DPO, ORPO, SimPO, KTO) changes three of these: no packing (each response
+is scored as a whole sequence), at most ``PREFERENCE_MAX_EPOCHS`` epochs (the alignment handbook's
+Zephyr-7B DPO recipes train one epoch; a small set of pairs gets up to three to come nearer
+``MIN_TOTAL_STEPS``), and learning rates a fortieth of SFT's (``PREFERENCE_LR``: 5e-6 for LoRA /
+QLoRA, 5e-7 for full fine-tuning at hidden size 4,096, the rates of those recipes), scaled as above.
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ FEW_EXAMPLES = 200
 REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 REFERENCE_HIDDEN = 4096
 MAX_LR_SCALE = 10.0
+#: Learning rates of the preference objectives at hidden size ``REFERENCE_HIDDEN`` (the alignment
+#: handbook's Zephyr-7B DPO recipes: 5e-6 with QLoRA, 5e-7 full).
+PREFERENCE_LR = {"lora": 5e-6, "qlora": 5e-6, "full": 5e-7}
+#: A preference run is sized to reach ``MIN_TOTAL_STEPS`` in at most this many epochs.
+PREFERENCE_MAX_EPOCHS = 3
 
 
 @dataclass
@@ -77,12 +88,15 @@ class Sizing:
         return None if self.steps_per_epoch is None or self.epochs is None else self.steps_per_epoch * self.epochs
 
 
-def learning_rate(method: str, shape: ModelShape) -> tuple[float, str]:
-    """The planned learning rate for ``method`` on ``shape`` (one significant digit), and the reason."""
-    base = REFERENCE_LR.get(method, REFERENCE_LR["lora"])
+def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tuple[float, str]:
+    """The planned learning rate for ``method`` and ``objective`` on ``shape`` (one significant digit), and the reason."""
+    rates = REFERENCE_LR if objective == "sft" else PREFERENCE_LR
+    base = rates.get(method, rates["lora"])
     scale = min(MAX_LR_SCALE, math.sqrt(REFERENCE_HIDDEN / max(1, shape.hidden_size)))
     lr = float(f"{base * max(1.0, scale):.1g}")
     what = "LoRA" if method in ("lora", "qlora") else "full fine-tuning"
+    if objective != "sft":
+        what = f"{objective.upper()} {what} (the alignment handbook's Zephyr-7B DPO recipes)"
     if lr == base:
         return lr, f"learning rate {lr:g}: the usual {what} rate for 7B-class models (hidden size {REFERENCE_HIDDEN})"
     return lr, (f"learning rate {lr:g}: the usual {what} rate {base:g} (hidden size {REFERENCE_HIDDEN}) scaled by "
@@ -115,8 +129,10 @@ def size_run(
     seq_len: int | None = None,
     effective_batch: int | None = None,
     gpus: int = 1,
+    objective: str = "sft",
 ) -> Sizing:
     """Choose the data-dependent settings of a run (see the module doc for the rules)."""
+    preference = objective != "sft"
     reasons: list[str] = []
     notes: list[str] = []
     positions = shape.max_position_embeddings
@@ -127,6 +143,10 @@ def size_run(
     eff = effective_batch or DEFAULT_EFFECTIVE_BATCH
     if profile is None:
         seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
+        if preference:
+            return Sizing(seq, False, 0.02, eff, 1, None, None, 200, 200,
+                          reasons=[f"sequence {seq}, not packed ({objective} scores each response as a whole sequence): "
+                                   + ("as asked" if seq_len else "no data to measure")], notes=notes)
         # without data to measure, assume instruction data (short examples): packed
         return Sizing(seq, True, 0.02, eff, 1, None, None, 200, 200,
                       reasons=[f"sequence {seq} packed: " + ("as asked" if seq_len else "no data to measure")], notes=notes)
@@ -142,7 +162,9 @@ def size_run(
         if longest > positions:
             why_seq = f"the model's {positions} positions (the longest example has {longest} tokens)"
     packing = False
-    if profile.should_pack(seq) or (seq_len is None and profile.should_pack(min(PACKED_SEQ_LEN, positions))):
+    if preference:
+        reasons.append(f"no packing: {objective} scores each response as a whole sequence")
+    elif profile.should_pack(seq) or (seq_len is None and profile.should_pack(min(PACKED_SEQ_LEN, positions))):
         pack_seq = seq if seq_len is not None else max(seq, min(PACKED_SEQ_LEN, positions))
         packed_rows = max(1, math.ceil(profile.mean_tokens * train_rows / pack_seq))
         if packed_rows / eff >= MIN_STEPS_PER_EPOCH_TO_PACK:
@@ -166,10 +188,11 @@ def size_run(
             reasons.append(f"effective batch {eff} (not {DEFAULT_EFFECTIVE_BATCH}): {train_rows} training examples "
                            f"give {max(1, units // eff)} optimizer steps per epoch")
     steps_per_epoch = max(1, units // eff)
-    epochs = min(MAX_EPOCHS, max(1, math.ceil(MIN_TOTAL_STEPS / steps_per_epoch)))
+    max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
+    epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / steps_per_epoch)))
     total = steps_per_epoch * epochs
     if epochs > 1:
-        cap = f" (at most {MAX_EPOCHS})" if epochs == MAX_EPOCHS else ""
+        cap = f" (at most {max_epochs}{' for ' + objective + ': preference recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
         reasons.append(f"{epochs} epochs{cap}: {steps_per_epoch} steps per epoch, {total} optimizer steps in all "
                        f"(at least {MIN_TOTAL_STEPS} wanted)")
     else:

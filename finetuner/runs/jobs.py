@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -307,6 +308,12 @@ class RunStatus:
     measured_what: str | None = None
     device: str | None = None
     method: str | None = None
+    #: the objective trained (sft, dpo, orpo, simpo, kto): the start event's, sft for runs from before it was written
+    objective: str | None = None
+    #: a preference run's implicit rewards (docs/events.md): each field of its step events
+    #: (reward_accuracy, reward_margin, reward_chosen, reward_rejected) and of its eval events
+    #: (eval_reward_*) as (step, value) in step order; empty for SFT
+    rewards: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     error: str | None = None
     metrics: dict[str, Any] | None = None
     samples: list[dict[str, Any]] | None = None
@@ -355,6 +362,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         pass
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
+    rewards: dict[str, dict[int, float]] = {}
     tracker = RunStateTracker()
     for ev in read_events(events_path):
         tracker.feed(ev)
@@ -362,6 +370,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         if kind == "start":
             st.max_steps = ev.get("max_steps")
             st.device, st.method = ev.get("device"), ev.get("method")
+            st.objective = ev.get("objective") or "sft"
             st.step = ev.get("resumed_from_step") or 0
             st.error = None
             pred = ev.get("predicted") or {}
@@ -375,11 +384,14 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.tokens_per_s = ev.get("tokens_per_s")
             if ev.get("loss") is not None:
                 losses[int(ev["step"])] = float(ev["loss"])
+            _add_rewards(rewards, ev, "reward_")
             peak = ev.get("mem_peak")
             if peak is not None:
                 st.measured_peak_bytes = max(st.measured_peak_bytes or 0, int(peak))
-        elif kind == "eval" and ev.get("eval_loss") is not None:
-            evals[int(ev["step"])] = float(ev["eval_loss"])
+        elif kind == "eval":
+            if ev.get("eval_loss") is not None:
+                evals[int(ev["step"])] = float(ev["eval_loss"])
+            _add_rewards(rewards, ev, "eval_reward_")
         elif kind == "oom_backoff":
             st.notes.append(
                 f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"
@@ -398,11 +410,22 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         elif kind == "error":
             st.error = ev.get("message")
     st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
+    st.rewards = {k: sorted(v.items()) for k, v in rewards.items()}
     st.state = tracker.state(st.running)
     if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # the job failed before writing any event
         st.state = "error"
         st.error = _log_error(rd / LOG_NAME)
     return st
+
+
+def _add_rewards(rewards: dict[str, dict[int, float]], ev: dict[str, Any], prefix: str) -> None:
+    """The fields of ``ev`` named ``prefix...`` (a preference run's rewards) at its step; a value
+    that is not a finite number (NaN is written as null, infinities as strings) is left out."""
+    if ev.get("step") is None:
+        return
+    for key, value in ev.items():
+        if key.startswith(prefix) and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            rewards.setdefault(key, {})[int(ev["step"])] = float(value)
 
 
 def _log_error(log: Path) -> str:

@@ -89,7 +89,14 @@ class _EvalRewards(TypedDict, total=False):
     eval_reward_accuracy: float
 
 
-class StartEvent(Event, _Memory, _Objective):
+class _Tiling(TypedDict, total=False):
+    """Tokens per MLP chunk with ``training.tiled_mlp`` (0: the MLP runs whole; absent in the events
+    of runs from before it was written)."""
+
+    tiled_mlp: int
+
+
+class StartEvent(Event, _Memory, _Objective, _Tiling):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int

@@ -15,7 +15,8 @@ its hooks:
 - **data**: each optimizer step's examples are split across ranks
   (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
   the global number of trained tokens, so N processes compute the same gradient as one process
-  with the same effective batch; the step's loss and tokens are summed over the ranks (all-reduce);
+  with the same effective batch; the step's loss and tokens (and a preference objective's reward
+  sums) are summed over the ranks in one all-reduce, so rank 0 reports the whole step;
 - **gradient synchronisation**: under DDP every backward pass runs under ``no_sync`` and, once
   the ranks have agreed that all the step's passes fit, the accumulated gradients are averaged
   over the ranks (an all-reduce in buckets, :func:`average_gradients`): no collective runs inside
@@ -96,11 +97,9 @@ class AgreedStop:
 
     def is_set(self) -> bool:
         import torch
-        import torch.distributed as dist
 
-        flag = torch.tensor([1 if (self.local.is_set() or self.stop_file.exists()) else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        (flag,) = all_reduce_values([1 if (self.local.is_set() or self.stop_file.exists()) else 0], torch.int32, "max")
+        return bool(flag)
 
 
 class _NoEvents:
@@ -167,6 +166,19 @@ def average_gradients(params, world_size: int, bucket_bytes: int = 64 * 2**20) -
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
             bucket, size = [], 0
+
+
+def all_reduce_values(values: list, dtype, op: str = "sum") -> list:
+    """A few numbers reduced over the ranks (``op``: ``sum``, ``min`` or ``max``), in one all-reduce.
+    The tensor lives where the process group's backend reduces: the current GPU under NCCL (which
+    has no CPU tensors), the CPU under gloo."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    stats = torch.tensor(values, dtype=dtype, device=device)
+    dist.all_reduce(stats, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return stats.tolist()
 
 
 def _barrier() -> None:
@@ -247,11 +259,9 @@ class DistributedTrainer(Trainer):
 
     def _out_of_memory_anywhere(self, failure: str | None) -> str | None:
         import torch
-        import torch.distributed as dist
 
-        first = torch.tensor([self.rank if failure is not None else self.world_size], dtype=torch.int64)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)  # the lowest rank that failed, or world_size
-        failed = int(first.item())
+        # the lowest rank that failed, or world_size
+        (failed,) = all_reduce_values([self.rank if failure is not None else self.world_size], torch.int64, "min")
         if failed == self.world_size:
             return None
         return failure if failure is not None else f"out of memory on rank {failed}"
@@ -276,13 +286,10 @@ class DistributedTrainer(Trainer):
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
-    def _sum_over_ranks(self, loss_sum: float, tokens: int) -> tuple[float, int]:
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
         import torch
-        import torch.distributed as dist
 
-        stats = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
-        dist.all_reduce(stats)
-        return float(stats[0]), int(stats[1])
+        return all_reduce_values(values, torch.float64)
 
     def _back_off(self, step: int, message: str) -> None:
         """All ranks agreed on an out-of-memory error in ``step``: back off like one process (the same

@@ -21,10 +21,19 @@ The reference model (DPO, KTO) is the policy's own base:
 The losses (:func:`dpo_loss`, :func:`orpo_loss`, :func:`simpo_loss`, :func:`kto_loss`) take
 per-sequence log-probabilities and return the per-example losses and the rewards the events
 report. A step's loss is the mean over the step's examples, whatever its split into micro-batches.
+
+On several processes (:mod:`finetuner.training.distributed`) each rank sums the rewards of its own
+micro-batches (:class:`StepMetrics`), not those of the zero-weight pass a rank with fewer
+micro-batches runs (:meth:`PreferenceObjective.uncounted`); the trainer sums them over the ranks
+with the step's loss, so every rank holds, and rank 0 reports, the rewards of all the step's
+examples. Evaluation and the ``precomputed`` scores are computed whole on every rank from the same
+weights: the same numbers everywhere, as on one process. KTO's reference point ``z`` is a
+micro-batch's, so KTO (on one process or several) depends on how a step is cut into micro-batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -144,11 +153,28 @@ def kto_loss(policy, reference, policy_kl, reference_kl, desirable, beta: float,
 
 # --------------------------------------------------------------------------- the objective
 class StepMetrics:
-    """Sums over a step's (or an evaluation's) examples of the rewards the events report."""
+    """Sums over a step's (or an evaluation's) examples of the rewards the events report.
+
+    On several processes each rank sums its own micro-batches; :meth:`totals` and
+    :meth:`from_totals` carry the sums through the step's all-reduce, so the step's rewards are
+    those of all its examples, as on one process."""
+
+    #: the sums, in the order of :meth:`totals`
+    FIELDS = ("n", "n_chosen", "n_rejected", "chosen", "rejected", "correct", "loss")
 
     def __init__(self) -> None:
         self.n = self.n_chosen = self.n_rejected = 0
         self.chosen = self.rejected = self.correct = self.loss = 0.0
+
+    def totals(self) -> list[float]:
+        return [float(getattr(self, f)) for f in self.FIELDS]
+
+    @classmethod
+    def from_totals(cls, values) -> StepMetrics:
+        out = cls()
+        for f, v in zip(cls.FIELDS, values, strict=True):
+            setattr(out, f, round(v) if f.startswith("n") else float(v))
+        return out
 
     def add_pairs(self, chosen, rejected) -> None:
         self.n += len(chosen)
@@ -243,7 +269,9 @@ class PreferenceObjective:
 
     def prepare_reference(self, trainer) -> None:
         """``precomputed``: the reference scores of every example, read from the run folder or
-        computed now with the model as it starts (before any checkpoint is applied)."""
+        computed now with the model as it starts (before any checkpoint is applied). On several
+        processes every rank scores every example (the same weights: the same scores) and rank 0
+        writes the file, atomically, so a rank that finds it already there reads the same numbers."""
         if not self.precomputed:
             return
         import torch
@@ -331,8 +359,26 @@ class PreferenceObjective:
         self.metrics = StepMetrics()
         return len(examples)
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """A pass whose examples are not the step's (the zero-weight pass a rank with fewer
+        micro-batches runs so that the ranks' collectives stay in step): its rewards go nowhere."""
+        kept, self.metrics = self.metrics, StepMetrics()
+        try:
+            yield
+        finally:
+            self.metrics = kept
+
+    def step_totals(self) -> list[float]:
+        """This process's sums of the step's rewards, to be summed over the ranks (:meth:`set_step_totals`)."""
+        return self.metrics.totals()
+
+    def set_step_totals(self, values) -> None:
+        """The step's sums over all ranks (what :meth:`step_totals` gave, summed)."""
+        self.metrics = StepMetrics.from_totals(values)
+
     def step_metrics(self) -> dict[str, float]:
-        """The rewards of the step just taken (on this process), and a fresh sum for the next."""
+        """The rewards of the step just taken (over all ranks), and a fresh sum for the next."""
         out = self.metrics.to_dict()
         self.metrics = StepMetrics()
         return out

@@ -293,7 +293,7 @@ class Trainer:
         self.data: PreparedData = self.pref.prepare_data(self.tokenizer) if self.pref else prepare_data(r.data, self.tokenizer, r.training.seed)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
-        self.model = prepare_for_training(load_base_model(r, self.rt), r)
+        self.model = prepare_for_training(load_base_model(r, self.rt), r, self.rt.tiled_mlp)
         if self.pref:
             self.pref.load_start_adapter(self.model)
         self.fused_ce = None
@@ -342,6 +342,7 @@ class Trainer:
             kernels=self.rt.kernels,
             loss_path=self.rt.loss_path,
             compile=self.rt.compile,
+            tiled_mlp=self.rt.tiled_mlp,
             method=r.method,
             objective=r.objective,
             trainable_params=trainable,
@@ -365,9 +366,10 @@ class Trainer:
     def _backward(self, loss) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def _sum_over_ranks(self, loss_sum: float, tokens: int) -> tuple[float, int]:
-        """The step's token-loss sum and token count over all ranks."""
-        return loss_sum, tokens
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """The step's sums (its loss sum, its token count, a preference objective's rewards) over
+        all ranks, in one all-reduce; one process: as they are."""
+        return values
 
     def _out_of_memory_anywhere(self, failure: str | None) -> str | None:
         """After each micro-batch: what ran out of memory on any rank (one process: here), or None."""
@@ -448,7 +450,10 @@ class Trainer:
             tokens += n_tokens
         self._sync_gradients()
         grad_norm = self._optimizer_step()
-        total_loss, tokens = self._sum_over_ranks(total_loss, tokens)
+        sums = self._sum_over_ranks([total_loss, float(tokens), *(self.pref.step_totals() if self.pref else ())])
+        total_loss, tokens = sums[0], round(sums[1])
+        if self.pref:
+            self.pref.set_step_totals(sums[2:])  # the rewards of all the step's examples, not only this rank's
         return total_loss / max(n_target, 1), tokens, grad_norm
 
     def _micro_step(self, examples, bounds: tuple[int, int] | None, n_target: int, last: bool) -> tuple[float, int]:
@@ -457,7 +462,8 @@ class Trainer:
         t = self.recipe.training
         start, end = bounds or (0, 1)
         mb = self._to_device(self.collate(examples[start:end]))
-        with self._gradient_sync(last=last):
+        padding = self.pref.uncounted() if self.pref and bounds is None else contextlib.nullcontext()
+        with self._gradient_sync(last=last), padding:  # a zero-weight pass adds nothing to the step's rewards
             with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
                 loss_sum = self.step_loss(mb)
             # the gradient of the global token-loss sum over the global token count: DDP and ZeRO

@@ -18,6 +18,35 @@ Throughput is real (non-padding) tokens per second over the steps after ``--warm
 from the end of one optimizer step to the end of the next (data collation included). Peak memory
 is ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU.
 
+The GPU modes (``--gpu``, ``--max-seq``) also write their figures as data: a JSON list of rows in
+``docs/validation/speed_<device>.json`` (``<device>`` the GPU profile's name, e.g. ``h100-80gb``;
+``--json PATH`` writes elsewhere; a ``--smoke`` run or a run without CUDA writes only with
+``--json``). A row of the same config and device is replaced, the others are kept. Each row:
+
+  config                  what ran (model, method, sequence, micro-batch x accumulation, cap)
+  device                  the CUDA device's name (the CPU's on a smoke run), torch version
+  finetuner_tokens_per_s  real tokens per second, finetuner (median of the rounds; for long-context
+                          rows one timed step at its longest sequence)
+  baseline_tokens_per_s   the same for transformers.Trainer + peft (long context: at its own longest)
+  finetuner_peak_bytes    torch.cuda.max_memory_allocated (peak RSS on the CPU); long context: of the
+  baseline_peak_bytes     timed step at the longest sequence
+  mfu                     finetuner's model FLOPs utilisation: 6 * N * finetuner_tokens_per_s / P,
+                          N the model's parameter count (frozen base included), P the card's dense
+                          bf16 tensor peak from finetuner's GPU profile (`finetuner gpus`: H100 SXM
+                          989e12 FLOP/s); null where the card has no profile (and on the CPU). The 6
+                          is the usual 2 (forward) + 4 (backward: input and weight gradients) per
+                          parameter and token: LoRA's backward computes no weight gradients for the
+                          frozen base, so about 2N of the 6N is counted but not done, while
+                          checkpointing's recompute (another 2N), the adapters' own FLOPs and
+                          attention's s^2 FLOPs (of the order of 6N per token at 50k+ tokens on 8B)
+                          are done but not counted.
+  finetuner_max_seq       long-context rows only (--max-seq): the longest sequence that trained
+  baseline_max_seq        (within --seq-step tokens) under the cap, finetuner and baseline;
+  predicted_max_seq       finetuner.planning.longest.longest_sequence for the same model and
+                          settings (QLoRA 4-bit, LoRA r16 without dropout, checkpointing, the run's
+                          offload, optimizer and loss path) on a card of --cap-gb GiB plus the CUDA
+                          context (the cap covers torch's allocator only), margin 0.
+
 Usage:
   python -m scripts.bench.train                         # CPU, the demo model (data/demo_model)
   python -m scripts.bench.train --gpu --preset llama-3.1-8b --methods qlora,lora --cap-gb 24
@@ -281,6 +310,22 @@ def _search(try_len, start: int, limit: int, step: int) -> tuple[int, list]:
     return good, tried
 
 
+def _timed_at(try_len, n: int) -> dict:
+    """One more step at the longest sequence ``n``, timed, with the peak counter reset first (the
+    probes that ran out of memory pushed it to the cap): its tokens/s and peak."""
+    import torch
+
+    if n <= 0:
+        return {"tokens_per_s": None, "peak_bytes": None}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    t0 = time.perf_counter()
+    ok = try_len(n)
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": n / dt if ok else None, "peak_bytes": _peak_bytes() if ok else None}
+
+
 def _free() -> None:
     import gc
 
@@ -316,7 +361,7 @@ def max_seq_finetuner(spec: dict) -> dict:
             _free()
 
     best, tried = _search(try_len, spec["seq_start"], spec["seq_limit"], spec["seq_step"])
-    return {"max_seq": best, "tried": tried, "peak_bytes": _peak_bytes(), "loss_path": tr.rt.loss_path,
+    return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": tr.rt.loss_path,
             "offload_activations": spec.get("offload_activations", False)}
 
 
@@ -356,7 +401,7 @@ def max_seq_baseline(spec: dict) -> dict:
             _free()
 
     best, tried = _search(try_len, spec["seq_start"], spec["seq_limit"], spec["seq_step"])
-    return {"max_seq": best, "tried": tried, "peak_bytes": _peak_bytes(), "loss_path": "full_logits (transformers ForCausalLMLoss)"}
+    return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": "full_logits (transformers ForCausalLMLoss)"}
 
 
 # --------------------------------------------------------------------------- driver
@@ -417,6 +462,149 @@ def _versions() -> str:
     import importlib.metadata as md
 
     return ", ".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "peft", "datasets"))
+
+
+# --------------------------------------------------------------------------- the figures as data
+SPEED_KEYS = ("config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
+              "baseline_peak_bytes", "mfu")
+LONG_KEYS = SPEED_KEYS + ("finetuner_max_seq", "baseline_max_seq", "predicted_max_seq")
+
+
+def card_profile():
+    """finetuner's profile of the CUDA device here (None on the CPU or for a card it has no profile of)."""
+    import torch
+
+    from finetuner.config.hardware import profile_for_device_name
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return profile_for_device_name(props.name, props.total_memory)
+
+
+def device_slug() -> str:
+    """``<device>`` of ``speed_<device>.json``: the card's profile name, else its name; ``cpu``."""
+    import torch
+
+    prof = card_profile()
+    if prof is not None:
+        return prof.name
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-") or "cuda"
+    return "cpu"
+
+
+def mfu(n_params: int, tokens_per_s: float | None, peak_flops: float | None) -> float | None:
+    """6 * N * tokens/s over the card's dense bf16 peak (see the module doc for what 6N counts)."""
+    if not tokens_per_s or not peak_flops:
+        return None
+    return 6 * n_params * tokens_per_s / peak_flops
+
+
+def _num(x):
+    return None if x is None else round(float(x), 1)
+
+
+def _ratio(x):
+    return None if x is None else round(float(x), 4)
+
+
+def _int(x):
+    return None if x is None else int(x)
+
+
+def throughput_rows(summary: dict, specs: dict, device: str, n_params: int, peak_flops: float | None) -> list[dict]:
+    """One row per config: finetuner (padded micro-batches, like the baseline; ``finetuner_packed``
+    when that is the only finetuner variant run) against the baseline."""
+    rows = []
+    for cname, row in summary.items():
+        spec = specs[cname]
+        variant = "finetuner" if "finetuner" in row else "finetuner_packed"
+        ft, base = row.get(variant, {}), row.get("baseline", {})
+        cap = f", cap {spec['cap_gb']:g} GiB" if spec.get("cap_gb") else ""
+        config = (f"{cname}, micro-batch {spec['micro_batch']} x {spec['grad_accum']}, {spec['optimizer']}, "
+                  f"checkpointing {'on' if spec['gradient_checkpointing'] else 'off'}{cap}, {variant} vs baseline")
+        rows.append({
+            "config": config, "device": device,
+            "finetuner_tokens_per_s": _num(ft.get("tokens_per_s")), "baseline_tokens_per_s": _num(base.get("tokens_per_s")),
+            "finetuner_peak_bytes": _int(ft.get("peak_bytes")), "baseline_peak_bytes": _int(base.get("peak_bytes")),
+            "mfu": _ratio(mfu(n_params, ft.get("tokens_per_s"), peak_flops)),
+        })
+    return rows
+
+
+def predicted_max_seq(model_dir: Path, spec: dict, cap_gb: float, offload: bool, loss_path: str | None) -> int | None:
+    """finetuner's prediction for a --max-seq run: a card of ``cap_gb`` GiB plus the CUDA context
+    (``set_per_process_memory_fraction`` caps torch's allocator, not the context), margin 0, the
+    run's settings fixed (the card's own profile for attention and kernels where it has one)."""
+    from dataclasses import replace
+
+    from finetuner.config.hardware import get_gpu
+    from finetuner.errors import UserError
+    from finetuner.memory.model import CUDA_CONTEXT_BYTES
+    from finetuner.model.shapes import resolve_shape
+    from finetuner.planning.longest import longest_sequence
+
+    base = card_profile() or get_gpu(f"{cap_gb:g}GB")
+    card = replace(base, name=f"{cap_gb:g} GiB cap", memory_bytes=int(cap_gb * 2**30) + CUDA_CONTEXT_BYTES)
+    try:
+        r = longest_sequence(
+            resolve_shape(str(model_dir)), card, "qlora4", margin=0.0, lora_r=LORA["r"], lora_dropout=LORA["dropout"],
+            gradient_checkpointing=spec["gradient_checkpointing"], offload_activations=offload, optimizer=spec["optimizer"],
+            kernels="liger" if loss_path == "liger_fused_linear_ce" else "none",
+        )
+    except UserError as e:
+        log(f"no prediction: {e.message}")
+        return None
+    return r.max_seq
+
+
+def max_seq_rows(res: dict, spec: dict, label: str, device: str, n_params: int, peak_flops: float | None,
+                 predicted: dict[str, int | None]) -> list[dict]:
+    """One row per finetuner variant (checkpointing; checkpointing + activation offload), each against the baseline."""
+    base = res.get("maxseq_baseline", {})
+    rows = []
+    for kind, what in (("maxseq_finetuner", "checkpointing"), ("maxseq_finetuner_offload", "checkpointing + activation offload")):
+        ft = res.get(kind, {})
+        cap = f", cap {spec['cap_gb']:g} GiB" if spec.get("cap_gb") else ""
+        tps = ft.get("tokens_per_s")
+        rows.append({
+            "config": f"{label} QLoRA 4-bit longest sequence, micro-batch 1, {spec['optimizer']}, {what}{cap}",
+            "device": device,
+            "finetuner_tokens_per_s": _num(tps), "baseline_tokens_per_s": _num(base.get("tokens_per_s")),
+            "finetuner_peak_bytes": _int(ft.get("peak_bytes")), "baseline_peak_bytes": _int(base.get("peak_bytes")),
+            "mfu": _ratio(mfu(n_params, tps, peak_flops)),
+            "finetuner_max_seq": _int(ft.get("max_seq")), "baseline_max_seq": _int(base.get("max_seq")),
+            "predicted_max_seq": predicted.get(kind),
+        })
+    return rows
+
+
+def write_speed_json(path: Path, rows: list[dict]) -> None:
+    """Merge ``rows`` into the JSON list at ``path``: a row with the same config and device is replaced."""
+    from finetuner.fileio import atomic_write_text
+
+    old = []
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise SystemExit(f"{path} is not JSON ({e}); move it away or pass another --json path")
+        if not isinstance(old, list):
+            raise SystemExit(f"{path} holds no JSON list of rows; move it away or pass another --json path")
+    new_keys = {(r["config"], r["device"]) for r in rows}
+    merged = [r for r in old if (r.get("config"), r.get("device")) not in new_keys] + rows
+    atomic_write_text(path, json.dumps(merged, indent=2) + "\n")
+    log(f"wrote {len(rows)} row(s) to {path}")
+
+
+def speed_json_path(args, cuda: bool) -> Path | None:
+    if args.json:
+        return Path(args.json)
+    if cuda and not args.smoke:
+        return REPO / "docs" / "validation" / f"speed_{device_slug()}.json"
+    return None
 
 
 def throughput(args, specs: dict[str, dict]) -> dict:
@@ -497,6 +685,10 @@ def main() -> None:
                     "threads spinning while other work holds the cores; 0 = torch's default)")
     ap.add_argument("--work", default=None, help="where GPU-mode models and data are built (default: a temp folder)")
     ap.add_argument("--out", default=None, help="write the JSON and markdown results into this folder")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="GPU modes: merge the speed rows into this JSON file (default on CUDA without --smoke: "
+                    "docs/validation/speed_<device>.json; otherwise none)")
+    ap.add_argument("--seq-step", type=int, default=None, help="--max-seq: bisect to this many tokens (default 1024; smoke 256)")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, json.loads(args.spec))))
@@ -511,6 +703,9 @@ def main() -> None:
     threads = args.threads if args.threads is not None else (0 if cuda else 1)
     common = {"warmup": args.warmup, "cuda": cuda, "cap_gb": args.cap_gb if cuda else None, "threads": threads}
 
+    json_path = None
+    if args.json and not (args.gpu or args.max_seq):
+        raise SystemExit("--json writes the GPU modes' rows: add --gpu or --max-seq (with --smoke on a CPU)")
     if args.gpu or args.max_seq:
         from scripts.validate.train_gpu import build_model, write_data
 
@@ -522,12 +717,18 @@ def main() -> None:
         write_data(data)
         precision = "bf16" if cuda else "fp32"
         seq = args.seq_len or (256 if args.smoke else 2048)
+        from finetuner.model.shapes import resolve_shape
+
+        n_params = resolve_shape(str(model_dir)).num_params
+        prof = card_profile()
+        peak_flops = prof.tflops * 1e12 if prof is not None else None
+        json_path = speed_json_path(args, cuda)
     if args.max_seq:
         spec = {**common, "model": str(model_dir), "data": str(data), "seq_len": seq, "method": "qlora", "micro_batch": 1,
                 "grad_accum": 1, "steps": 1, "optimizer": "paged_adamw_8bit" if cuda else "adamw_torch",
                 "gradient_checkpointing": True, "precision": precision,
                 "seq_start": 256 if args.smoke else 4096, "seq_limit": 2048 if args.smoke else 262144,
-                "seq_step": 256 if args.smoke else 1024}
+                "seq_step": args.seq_step or (256 if args.smoke else 1024)}
         res = {}
         for kind in ("maxseq_baseline", "maxseq_finetuner", "maxseq_finetuner_offload"):
             log(f"== {kind}")
@@ -546,11 +747,17 @@ def main() -> None:
                 continue
             ratio = f"{r['max_seq'] / b:.2f}" if b else ""
             probes = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in r["tried"])
-            md += f"| {label} | {r['max_seq']:,} | {ratio} | {r['peak_bytes'] / 2**30:.2f} GiB | {probes} |\n"
+            peak = f"{r['peak_bytes'] / 2**30:.2f} GiB" if r.get("peak_bytes") else ""
+            md += f"| {label} | {r['max_seq']:,} | {ratio} | {peak} | {probes} |\n"
         print(md)
         if out:
             (out / "bench_max_seq.json").write_text(json.dumps({"machine": machine(), "results": res}, indent=2))
             (out / "bench_max_seq.md").write_text(md)
+        if json_path:
+            predicted = {kind: predicted_max_seq(model_dir, spec, args.cap_gb, kind.endswith("_offload"), res[kind].get("loss_path"))
+                         for kind in ("maxseq_finetuner", "maxseq_finetuner_offload")}
+            write_speed_json(json_path, max_seq_rows(res, spec, args.preset if not args.smoke else "tiny", machine(),
+                                                     n_params, peak_flops, predicted))
         return
 
     if args.gpu:
@@ -579,6 +786,8 @@ def main() -> None:
     if out:
         (out / "bench_train.json").write_text(json.dumps({"machine": where, "specs": specs, "summary": summary}, indent=2))
         (out / "bench_train.md").write_text(md)
+    if args.gpu and json_path:
+        write_speed_json(json_path, throughput_rows(summary, specs, machine(), n_params, peak_flops))
 
 
 if __name__ == "__main__":

@@ -127,18 +127,24 @@ def main() -> int:
             result["exports"][quant] = got
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    version = (target / "llama_cpp" / "__init__.py").read_text(encoding="utf-8").split('__version__ = "', 1)[-1].split('"', 1)[0]
+    result["llama_cpp_python"] = version
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    built = f", built from source in {seconds_install:.0f} s" if seconds_install else ""
     lines = ["# llama.cpp loads finetuner's GGUF export", "",
-             f"`python -m scripts.validate.llama_cpp_check` on `{Path(source).name}`, prompt {PROMPT!r} (chat template applied), "
-             f"greedy, up to {args.max_new_tokens} new tokens. Raw result: `{out.name}`.", "",
+             f"`python -m scripts.validate.llama_cpp_check{' --k-quant' if args.k_quant else ''}` on `{Path(source).name}`, "
+             f"prompt {PROMPT!r} (chat template applied), greedy, up to {args.max_new_tokens} new tokens, with "
+             f"llama-cpp-python {version}{built}. Raw result: `{out.name}`.", "",
              f"transformers (merged model, fp32): {result['transformers_answer']!r}", "",
-             "| GGUF | MiB | llama.cpp prompt ids = transformers' | llama.cpp greedy answer = transformers' | llama.cpp's answer |",
-             "|---|---|---|---|---|"]
+             "| GGUF | MiB | max abs logit diff, top-1 (transformers' GGUF loader vs merged) | llama.cpp prompt ids = transformers' "
+             "| llama.cpp greedy answer = transformers' | llama.cpp's answer |",
+             "|---|---|---|---|---|---|"]
     for quant, g in result["exports"].items():
         if "error" in g:
-            lines.append(f"| {quant} | | error | error | {g['error'].splitlines()[-1] if g['error'] else ''} |")
+            lines.append(f"| {quant} | | | error | error | {g['error'].splitlines()[-1] if g['error'] else ''} |")
         else:
-            lines.append(f"| {quant} | {g['file_bytes'] / 2**20:.1f} | {g['tokenizer_ids_equal']} | {g['answer_equal']} | {g['llama_cpp_answer']!r} |")
+            lines.append(f"| {quant} | {g['file_bytes'] / 2**20:.1f} | {g['max_abs_logit_diff']:.4f}, {g['top1_agreement']:.0%} "
+                         f"| {g['tokenizer_ids_equal']} | {g['answer_equal']} | {g['llama_cpp_answer']!r} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     ok = all("error" not in g and g["tokenizer_ids_equal"] and g["answer_equal"] for g in result["exports"].values())

@@ -41,10 +41,19 @@ def log(*a):
     print(*a, flush=True)
 
 
+def preset_config(preset: str):
+    """The transformers config of a preset shipped with finetuner (finetuner/model/presets/<preset>.json)."""
+    from transformers import AutoConfig
+
+    cfg_dict = json.loads((REPO / "finetuner" / "model" / "presets" / f"{preset}.json").read_text())
+    cfg_dict = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
+    return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+
+
 def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     """A random-weight model from a preset config plus a small tokenizer, saved with save_pretrained."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
@@ -58,9 +67,7 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     if smoke:
         model = tiny_llama(tok, hidden_size=128, num_layers=2)
     else:
-        cfg_dict = json.loads((REPO / "finetuner" / "presets" / f"{preset}.json").read_text())
-        cfg_dict = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
-        cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+        cfg = preset_config(preset)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (

@@ -162,3 +162,36 @@ def test_the_runtime_is_frozen():
     assert isinstance(rt, Runtime)
     with pytest.raises(AttributeError):
         rt.precision = "bf16"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dname", list(DEVICES) + ["bf16 card with liger only"])
+def test_the_fast_path_report_is_what_the_resolver_decides(dname):
+    """`finetuner gpus` says which fast kernels a run uses (config.runtime.fast_path): the same
+    attention, kernels and loss path resolve() gives a LoRA recipe with every choice on auto, and
+    an install hint for each fast kernel not used on a CUDA card."""
+    from finetuner.config.runtime import FLASH_INSTALL, SPEED_INSTALL, fast_path
+
+    device = DEVICES.get(dname) or Device("cuda", bf16=True, liger=True)
+    report = fast_path(device)
+    rt = resolve(_recipe({}), device, "llama")
+    attention = "sdpa" if rt.attention == "auto" else rt.attention  # auto: transformers' default, SDPA
+    assert (report["attention"], report["kernels"], report["loss_path"]) == (attention, rt.kernels, rt.loss_path)
+    hints = " ".join(report["missing"])
+    if device.is_cuda:
+        assert (SPEED_INSTALL in hints) == (not device.liger)
+        assert (FLASH_INSTALL in hints) == (device.bf16 and not device.flash_attention)
+    else:
+        assert report["missing"] == ["no CUDA device: Liger Kernel and FlashAttention-2 run on CUDA GPUs only"]
+
+
+def test_gpus_says_what_runs_here():
+    import json
+
+    from tests.conftest import run_cli
+
+    r = run_cli("gpus", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fast_path"]["device"] == "cpu"  # this machine and CI's have no GPU
+    text = run_cli("gpus")
+    assert "Fast path here" in text.stdout and "not used: no CUDA device" in text.stdout
+    assert json.loads(run_cli("gpus", "--json", "--no-detect").stdout)["fast_path"] is None

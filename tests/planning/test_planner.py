@@ -224,14 +224,86 @@ def test_cli_plan_gpus_json():
     assert d["choice"]["strategy"] == d["per_device"]["strategy"]
 
 
-def test_plan_given_preference_pairs_says_what_to_do_instead():
-    """`plan` sizes SFT only: a file of preference pairs is refused with a way forward (a recipe with an
-    objective, then `estimate`), not with a `--set` that `plan` does not have."""
-    p = run_cli("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu",
-                "--data", str(REPO / "data" / "preference_sample.jsonl"))
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "preference_sample.jsonl, line 1: this file holds preference pairs" in p.stderr
-    assert "sizes supervised fine-tuning (objective sft) only" in p.stderr
-    assert "objective: dpo" in p.stderr and "finetuner estimate RECIPE" in p.stderr and "--set" not in p.stderr
-    est = run_cli("estimate", str(REPO / "recipes" / "demo_dpo_cpu.yaml"))
-    assert est.returncode == 0, est.stderr  # the way forward the message gives works
+def test_plan_of_preference_pairs_plans_dpo_with_its_memory_and_sizing(tmp_path):
+    """A file of pairs is planned as DPO (objective auto): searched with the objective's memory (two
+    sequences per pair, the reference pass), not packed, at most 3 epochs, the preference learning rate;
+    the written recipe trains as it is (`finetuner run`, as a user would)."""
+    from finetuner.memory.model import estimate, settings_from_recipe
+    from finetuner.planning.sizing import PREFERENCE_LR, PREFERENCE_MAX_EPOCHS
+
+    pairs = REPO / "data" / "preference_sample.jsonl"
+    p = plan("llama-3.1-8b", "rtx4090", data=str(pairs), seq_len=2048)
+    r = p.recipe
+    assert (r.objective, r.method, r.data.packing) == ("dpo", "lora", False)
+    assert r.training.epochs <= PREFERENCE_MAX_EPOCHS and r.training.lr == PREFERENCE_LR["lora"]
+    assert p.data["kind"] == "pairs" and p.data["format"] == "sharegpt_ranking"
+    assert any(x.startswith("objective dpo: ") for x in p.reasons)
+    # the plan's estimate is the memory model's for the written recipe, the preference term included
+    from finetuner.data.stats import profile_data
+
+    fraction = profile_data(str(pairs), "llama-3.1-8b", 2048).label_fraction
+    est = estimate(p.shape, settings_from_recipe(r, p.gpu, p.shape.model_type).with_(label_fraction=fraction), p.gpu)
+    assert est.allocated_bytes == p.estimate.allocated_bytes
+    assert est.details["preference"]["rows"] == 2 * r.training.micro_batch_size
+    # the same settings as SFT need less: the objective's cost is in the search
+    as_sft = {**r.to_dict(), "objective": "sft"}
+    as_sft.pop("preference", None)
+    sft = estimate(p.shape, settings_from_recipe(Recipe.from_dict(as_sft), p.gpu, p.shape.model_type)
+                   .with_(label_fraction=fraction), p.gpu)
+    assert sft.allocated_bytes < est.allocated_bytes
+    out = tmp_path / "dpo.yaml"
+    made = run_cli("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu", "--data", str(pairs), "-o", str(out))
+    assert made.returncode == 0, made.stderr
+    assert "Plan: DPO with LORA" in made.stdout and "400 sharegpt_ranking pairs" in made.stdout
+    raw = yaml.safe_load(out.read_text())
+    assert raw["objective"] == "dpo" and raw["data"].get("packing", False) is False
+    ran = run_cli("run", str(out), "--set", "training.max_steps=2", "--set", "data.max_examples=48",
+                  "--output", str(tmp_path / "run"), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in steps if e["event"] == "step"]
+    assert len(steps) == 2 and "reward_accuracy" in steps[0]
+
+
+def test_plan_of_rated_responses_plans_kto_and_an_objective_must_fit_the_data(tmp_path):
+    rated = tmp_path / "rated.jsonl"
+    rated.write_text("".join(json.dumps({"prompt": f"Question {i}?", "completion": f"Answer number {i}.", "label": i % 2 == 0}) + "\n"
+                             for i in range(40)))
+    demo = str(REPO / "data" / "demo_model")
+    p = plan(demo, "cpu", data=str(rated))
+    assert p.recipe.objective == "kto" and p.data["kind"] == "rated" and p.data["format"] == "kto_completion"
+    assert plan(demo, "cpu", data=str(REPO / "data" / "preference_sample.jsonl"), objective="orpo").recipe.objective == "orpo"
+    assert plan(demo, "cpu", data=str(REPO / "data" / "alpaca_sample.json"), objective="auto").recipe.objective == "sft"
+    cases = [
+        (["--data", str(REPO / "data" / "preference_sample.jsonl"), "--objective", "sft"],
+         "preference_sample.jsonl: this file holds preference pairs", "Plan with objective dpo"),
+        (["--data", str(REPO / "data" / "alpaca_sample.json"), "--objective", "dpo"],
+         "alpaca_sample.json: this file holds supervised examples", "Plan with objective sft"),
+        (["--data", str(rated), "--objective", "simpo"], "rated.jsonl: this file holds rated responses", "Plan with objective kto"),
+        (["--objective", "dpo"], "--objective dpo: a preference objective needs --data", "--data PAIRS.jsonl"),
+        (["--objective", "rlhf"], "--objective rlhf: not an objective", "auto, sft, dpo"),
+    ]
+    for args, message, hint in cases:
+        r = run_cli("plan", "--model", demo, "--gpu", "cpu", *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert message in r.stderr and hint in r.stderr, r.stderr
+        assert "--set" not in r.stderr  # plan has no --set: the hint names plan's own flag
+
+
+def test_a_pair_is_measured_by_its_longer_side(tmp_path):
+    """The profile of pairs: one length per pair, the longer of prompt + chosen and prompt + rejected;
+    both responses count as trained; a bad pair is counted in a note with its row."""
+    from finetuner.data.stats import CHARS_PER_TOKEN, TEMPLATE_TOKENS_PER_MESSAGE, profile_data
+
+    rows = [{"prompt": "p" * 35, "chosen": "c" * 70, "rejected": "r" * 7},
+            {"prompt": "q" * 35, "chosen": "same", "rejected": "same"},
+            {"prompt": "s" * 7, "chosen": "c" * 7, "rejected": "r" * 350}]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prof = profile_data(str(f))  # no model: 3.5 characters per token
+    t = TEMPLATE_TOKENS_PER_MESSAGE
+    assert CHARS_PER_TOKEN == 3.5 and (prof.kind, prof.format, prof.rows, prof.bad_rows) == ("pairs", "columns", 2, 1)
+    assert prof.lengths == [10 + t + 20 + t, 2 + t + 100 + t]
+    assert prof.trained_tokens == (20 + t) + (2 + t) + (2 + t) + (100 + t)
+    assert prof.total_tokens == prof.trained_tokens + 2 * (10 + t) + 2 * (2 + t)
+    assert "pairs.jsonl, line 2" in prof.notes[0] and "the same response" in prof.notes[0]

@@ -98,3 +98,44 @@ def wait_text(page, selector: str, pattern: str, timeout: float = 60_000, flags:
     loc = page.locator(selector)
     sync_api.expect(loc).to_contain_text(re.compile(pattern, flags), timeout=timeout)
     return loc.inner_text()
+
+
+#: what is cut off: text in a box that clips it, a table wider than its scroll box, a chart label
+#: shortened with "…"
+CUT_OFF_JS = """() => { const out = [];
+  for (const el of document.querySelectorAll('body *')) {
+    const r = el.getBoundingClientRect(); if (!r.width || !r.height) continue;
+    if (el.closest('.sr-only')) continue;
+    const cs = getComputedStyle(el); if (cs.visibility === 'hidden') continue;
+    if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
+    const clips = cs.textOverflow === 'ellipsis' || ['hidden', 'clip'].includes(cs.overflowX);
+    if (clips && el.scrollWidth > el.clientWidth + 1) out.push(el.tagName + ': ' + el.textContent.trim().slice(0, 60));
+  }
+  for (const t of document.querySelectorAll('table')) {
+    if (!t.getBoundingClientRect().width) continue;
+    let p = t.parentElement; while (p && !['auto', 'scroll', 'hidden'].includes(getComputedStyle(p).overflowX)) p = p.parentElement;
+    if (p && p.scrollWidth > p.clientWidth + 1) out.push('table: ' + t.innerText.slice(0, 60));
+  }
+  for (const t of document.querySelectorAll('svg text')) if (t.textContent.endsWith('…')) out.push('chart: ' + t.textContent);
+  for (const s of document.querySelectorAll('svg.marks')) { const b = s.getBoundingClientRect(); if (!b.width) continue;
+    for (const t of s.querySelectorAll('text')) { const r = t.getBoundingClientRect();
+      if (r.width && (r.left < b.left - 1 || r.right > b.right + 1)) out.push('chart text outside its chart: ' + t.textContent); } }
+  return out; }"""
+
+
+#: every chart shown is as wide as its block (charts re-fit when the window or the tab changes)
+CHARTS_FITTED_JS = """() => [...document.querySelectorAll('.altair')].filter(a => a.getBoundingClientRect().width > 0)
+  .every(a => { const s = a.querySelector('svg.marks');
+                return s && Math.abs(s.getBoundingClientRect().width - a.getBoundingClientRect().width) < 2; })"""
+
+
+def assert_nothing_cut_off(page, where: str, timeout: float = 10_000) -> None:
+    """Nothing on the page is cut off (:data:`CUT_OFF_JS`) once its charts have settled: a chart
+    re-laid out after a resize or a tab change has ``timeout`` ms to fit again (the length
+    histogram, a gradio BarPlot, is not among the charts CHARTS_FITTED_JS waits for); what is still
+    cut off then fails, listed."""
+    try:
+        page.wait_for_function(f"() => ({CUT_OFF_JS})().length === 0", timeout=timeout)
+    except sync_api.TimeoutError:
+        pass
+    assert page.evaluate(CUT_OFF_JS) == [], f"cut off {where}"

@@ -118,6 +118,30 @@ def test_run_status_from_events(tmp_path):
     assert st.state == "error" and st.error == "CUDA out of memory"
 
 
+def test_run_status_reads_a_preference_runs_rewards(tmp_path):
+    run = tmp_path / "runs" / "dpo"
+    run.mkdir(parents=True)
+    events = [
+        {"event": "start", "max_steps": 4, "device": "cpu", "method": "lora", "objective": "dpo"},
+        {"event": "step", "step": 1, "loss": 0.69, "reward_accuracy": 0.5, "reward_margin": 0.0, "reward_chosen": 0.0},
+        {"event": "step", "step": 2, "loss": 0.6, "reward_accuracy": 0.75, "reward_margin": None, "reward_chosen": "inf"},
+        {"event": "eval", "step": 2, "eval_loss": 0.65, "eval_reward_accuracy": 0.6, "eval_reward_margin": 0.1},
+        # resumed from step 1: step 2 again
+        {"event": "start", "max_steps": 4, "resumed_from_step": 1, "device": "cpu", "objective": "dpo"},
+        {"event": "step", "step": 2, "loss": 0.55, "reward_accuracy": 0.875, "reward_margin": 0.2},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    st = jobs.run_status(run)
+    assert st.objective == "dpo" and st.losses == [(1, 0.69), (2, 0.55)]
+    assert st.rewards == {"reward_accuracy": [(1, 0.5), (2, 0.875)], "reward_margin": [(1, 0.0), (2, 0.2)],
+                          "reward_chosen": [(1, 0.0)],  # not finite (null, "inf"): left out
+                          "eval_reward_accuracy": [(2, 0.6)], "eval_reward_margin": [(2, 0.1)]}
+    old = tmp_path / "runs" / "old"
+    old.mkdir()
+    (old / "events.jsonl").write_text(json.dumps({"event": "start", "max_steps": 4}) + "\n")  # from before objective was written
+    assert (jobs.run_status(old).objective, jobs.run_status(old).rewards) == ("sft", {})
+
+
 def test_registry_drops_dead_jobs_and_devices(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -245,7 +269,9 @@ def client(tmp_path_factory):
 
 
 def test_api_analyse_data_shows_format_preview_and_lengths(client):
-    summary, preview, hist = client.predict("data/demo_model", "data/chat_sample.jsonl", 256, api_name="/analyse_data")
+    summary, shown, hist, pairs = client.predict("data/demo_model", "data/chat_sample.jsonl", 256, api_name="/analyse_data")
+    assert (shown["visible"], pairs["visible"], pairs["value"]) == (True, False, "")  # tokens shown, no pairs
+    preview = shown["value"]
     assert "chat" in summary and "every example fits in 256 tokens" in summary
     labels = {item["class_or_confidence"] for item in preview if item.get("class_or_confidence")}
     assert labels == {"trained", "masked"}
@@ -254,8 +280,16 @@ def test_api_analyse_data_shows_format_preview_and_lengths(client):
     assert sum(row[1] for row in hist["value"]["data"]) > 0 and hist["sort"][0].startswith("0–")
 
 
+def test_api_preference_pairs_side_by_side_and_a_dpo_plan(client):
+    summary, shown, hist, pairs = client.predict("data/demo_model", "data/preference_sample.jsonl", 256, api_name="/analyse_data")
+    assert "**400** pairs" in summary and "Fits objective dpo, orpo or simpo" in summary
+    assert shown["visible"] is False and pairs["visible"] is True and "<th>chosen ✓</th><th>rejected ✕</th>" in pairs["value"]
+    out = client.predict("data/demo_model", "cpu", "data/preference_sample.jsonl", 128, 0, "auto", "orpo", api_name="/plan")
+    assert out[0].startswith("### ORPO · LORA") and yaml.safe_load(out[4])["objective"] == "orpo"
+
+
 def test_api_plan_for_the_tiny_model_on_cpu(client):
-    out = client.predict("data/demo_model", "cpu", "data/alpaca_sample.json", 256, 16, "auto", api_name="/plan")
+    out = client.predict("data/demo_model", "cpu", "data/alpaca_sample.json", 256, 16, "auto", "auto", api_name="/plan")
     plan_md, _plot, est_md, _rejected, recipe_text = out[:5]
     assert "LORA" in plan_md and "Why" in plan_md and "Fits" in est_md
     recipe = yaml.safe_load(recipe_text)

@@ -8,7 +8,9 @@ page mid-run (the run goes on and is shown again), see it finish; Start refuses 
 does not fit the card unless confirmed, and a name already taken; the chosen run is remembered
 over a reload; chat with the result next to the base model (a bad run name says why), and export
 (the adapter zip in one click, a merge refused in the merge's own words, then a merge). Every error
-is text on the page, never a bare "Error" badge. A screenshot of each stage goes to
+is text on the page, never a bare "Error" badge. And a DPO run: the shipped pairs side by side in
+the Data tab, the objective planned from the data (a wrong one refused in the planner's words), a
+few steps, and the reward-accuracy chart beside the loss. A screenshot of each stage goes to
 ``.cache/ui-screenshots/`` (git-ignored) for a person to look at; on a failure, the page as it
 was goes there as ``failed-here.png``.
 
@@ -29,7 +31,7 @@ import pytest
 import yaml
 
 from tests.conftest import alpaca_rows
-from tests.ui.support import browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-screenshots"
@@ -294,3 +296,107 @@ def whole_flow(server, page, tmp_path):
     finally:
         other.close()
     print(f"\nbrowser flow: {time.monotonic() - t0:.0f} s; screenshots in {SHOTS}")
+
+
+# --------------------------------------------------------------------------- preference tuning
+PAIRS = "data/preference_sample.jsonl"
+#: the line of the reward chart (its accuracy): the number of points on it
+REWARD_LINE_JS = """() => { const s = document.querySelector('#reward-plot svg.marks'); if (!s) return 0;
+  return Math.max(0, ...[...s.querySelectorAll('.mark-line path')].map(p => (p.getAttribute('d') || '').split(/[ML]/).length - 1)); }"""
+
+
+def test_dpo_run_in_browser(server, page):
+    """In a browser of its own (nothing remembered from another test): pairs side by side, a DPO
+    plan, a few steps, and the reward accuracy beside the loss."""
+    browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
+    pg = browser.new_page()
+    pg.set_default_timeout(60_000)
+    try:
+        dpo_flow(server, pg)
+    except Exception:
+        pg.screenshot(path=str(SHOTS / "dpo-failed-here.png"), full_page=True)
+        raise
+    finally:
+        browser.close()
+
+
+def dpo_flow(server, page):
+    first = json.loads((ROOT / PAIRS).read_text(encoding="utf-8").splitlines()[0])
+    page.goto(server["url"])
+    wait_text(page, "#model-card", r"demo_model.*parameters")
+    wait_text(page, "#model-card", r"cpu")
+
+    # the Data tab: the pairs side by side, read as training reads them, and what the file fits
+    tab(page, "2 · Data")
+    wait_text(page, "#data-summary", r"Format|Holds")  # the start-up analysis is done before another file is picked
+    pick(page, "data-file", PAIRS)
+    wait_text(page, "#data-summary", r"preference pairs .*\b400\b pairs")
+    wait_text(page, "#data-summary", r"Fits objective dpo, orpo or simpo")
+    table = page.locator("#pair-preview table.ft-pairs")
+    sync_api.expect(table).to_be_visible()
+    sync_api.expect(page.locator("#data-preview")).to_be_hidden()  # the token view gives way to the pairs
+    assert [h.inner_text() for h in table.locator("th").all()] == ["prompt", "chosen ✓", "rejected ✕"]
+    cells = table.locator("tbody tr").first.locator("td")
+    assert cells.nth(1).inner_text() == first["chosen"]["value"] and cells.nth(2).inner_text() == first["rejected"]["value"]
+    boxes = [cells.nth(i).bounding_box() for i in range(3)]
+    assert boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"] and len({round(b["y"]) for b in boxes}) == 1  # side by side
+    sync_api.expect(page.locator("#length-hist canvas, #length-hist svg").first).to_be_visible()
+    assert_nothing_cut_off(page, "in the Data tab's pairs")
+    shot(page, "dpo-01-pairs")
+
+    # the Plan tab: auto plans DPO for pairs; an objective the file does not fit is refused, naming it
+    tab(page, "3 · Plan")
+    wait_text(page, "#plan-summary", r"DPO · LORA")
+    wait_text(page, "#recipe-yaml", r"objective: dpo")
+    sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(PAIRS)
+    pick(page, "plan-objective", "kto")
+    page.get_by_role("button", name="Make the plan").click()
+    wait_text(page, "#plan-summary", r"this file holds preference pairs.*fits objective dpo, orpo or simpo, not 'kto'")
+    no_bare_errors(page)
+    pick(page, "plan-objective", "dpo")
+    page.get_by_role("button", name="Make the plan").click()
+    wait_text(page, "#plan-summary", r"DPO · LORA")
+    wait_text(page, "#estimate", r"Fits")
+    for label, value in (("micro-batch", "2"), ("gradient accumulation", "1"), ("max steps (0 = epochs)", "4"),
+                         ("log every (steps)", "1"), ("eval every (0 = at the end)", "2")):
+        set_field(page, label, value)
+    wait_text(page, "#recipe-yaml", r"max_steps: 4")
+    wait_text(page, "#recipe-yaml", r"eval_every: 2")
+    wait_text(page, "#recipe-yaml", r"micro_batch_size: 2")
+    recipe = yaml.safe_load(yaml_text(page))
+    assert recipe["objective"] == "dpo" and recipe["training"]["max_steps"] == 4
+    shot(page, "dpo-02-plan")
+
+    # the Train tab: no reward chart before a preference run; then the reward accuracy beside the loss
+    tab(page, "4 · Train")
+    sync_api.expect(page.locator("#reward-column")).to_be_hidden()
+    page.locator("#start-btn").click()
+    wait_text(page, "#train-message", rf"Training started: {re.escape(recipe['name'])}\b")
+    wait_text(page, "#train-status", re.escape(recipe["name"]))
+    sync_api.expect(page.locator("#reward-column")).to_be_visible(timeout=180_000)
+    wait_text(page, "#train-status", r"reward accuracy \d+%", timeout=300_000)
+    page.wait_for_function(f"() => ({REWARD_LINE_JS})() >= 2", timeout=300_000)  # a line from two steps on
+    shot(page, "dpo-03-training")
+    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    status = page.locator("#train-status").inner_text()
+    assert "step 4 / 4" in status and re.search(r"eval reward accuracy \d+%", status), status
+    page.wait_for_function(f"() => ({REWARD_LINE_JS})() === 4", timeout=60_000)  # every step drawn
+    wait_text(page, "#reward-plot", r"Reward accuracy — \d+% at step 4")
+    sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
+    loss, rewards = page.locator("#loss-plot").bounding_box(), page.locator("#reward-plot").bounding_box()
+    assert loss["x"] + loss["width"] <= rewards["x"] and abs(loss["y"] - rewards["y"]) < 40  # beside the loss chart
+    from finetuner.runs import jobs
+
+    st = jobs.run_status(server["runs"] / recipe["name"], server["runs"])
+    assert st.objective == "dpo" and [s for s, _ in st.rewards["reward_accuracy"]] == [1, 2, 3, 4]
+    assert f"reward accuracy {st.rewards['reward_accuracy'][-1][1]:.0%}" in status.split("eval reward")[0]  # the latest step's
+    no_bare_errors(page)
+    shot(page, "dpo-04-trained")
+    # the pairs and the reward chart at common window sizes: nothing cut off, charts as wide as their blocks
+    for w, h in ((1280, 800), (1920, 1080)):
+        page.set_viewport_size({"width": w, "height": h})
+        for label in ("2 · Data", "4 · Train"):
+            tab(page, label)
+            page.wait_for_function(CHARTS_FITTED_JS)
+            assert_nothing_cut_off(page, f"at {w}x{h} on {label}")
+            shot(page, f"dpo-05-{w}x{h}-{label.split(' ')[0]}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.support import browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
@@ -58,35 +58,6 @@ def chart_drawn(page, elem_id: str) -> None:
     sync_api.expect(page.locator(f"#{elem_id} svg.marks .role-mark").first).to_be_attached(timeout=60_000)
 
 
-#: what is cut off: text in a box that clips it, a table wider than its scroll box, a chart label
-#: shortened with "…"
-CUT_OFF_JS = """() => { const out = [];
-  for (const el of document.querySelectorAll('body *')) {
-    const r = el.getBoundingClientRect(); if (!r.width || !r.height) continue;
-    if (el.closest('.sr-only')) continue;
-    const cs = getComputedStyle(el); if (cs.visibility === 'hidden') continue;
-    if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
-    const clips = cs.textOverflow === 'ellipsis' || ['hidden', 'clip'].includes(cs.overflowX);
-    if (clips && el.scrollWidth > el.clientWidth + 1) out.push(el.tagName + ': ' + el.textContent.trim().slice(0, 60));
-  }
-  for (const t of document.querySelectorAll('table')) {
-    if (!t.getBoundingClientRect().width) continue;
-    let p = t.parentElement; while (p && !['auto', 'scroll', 'hidden'].includes(getComputedStyle(p).overflowX)) p = p.parentElement;
-    if (p && p.scrollWidth > p.clientWidth + 1) out.push('table: ' + t.innerText.slice(0, 60));
-  }
-  for (const t of document.querySelectorAll('svg text')) if (t.textContent.endsWith('…')) out.push('chart: ' + t.textContent);
-  for (const s of document.querySelectorAll('svg.marks')) { const b = s.getBoundingClientRect(); if (!b.width) continue;
-    for (const t of s.querySelectorAll('text')) { const r = t.getBoundingClientRect();
-      if (r.width && (r.left < b.left - 1 || r.right > b.right + 1)) out.push('chart text outside its chart: ' + t.textContent); } }
-  return out; }"""
-
-
-#: every chart shown is as wide as its block (charts re-fit when the window or the tab changes)
-CHARTS_FITTED_JS = """() => [...document.querySelectorAll('.altair')].filter(a => a.getBoundingClientRect().width > 0)
-  .every(a => { const s = a.querySelector('svg.marks');
-                return s && Math.abs(s.getBoundingClientRect().width - a.getBoundingClientRect().width) < 2; })"""
-
-
 def shoot_every_tab(page, name: str) -> None:
     """Each tab at each common window size: nothing cut off, and a screenshot for a person."""
     for w, h in SIZES:
@@ -94,7 +65,7 @@ def shoot_every_tab(page, name: str) -> None:
         for label in TABS:
             tab(page, label)
             page.wait_for_function(CHARTS_FITTED_JS)
-            assert page.evaluate(CUT_OFF_JS) == [], f"cut off at {w}x{h} on {label}"
+            assert_nothing_cut_off(page, f"at {w}x{h} on {label}")
             page.screenshot(path=str(SHOTS / f"{name}-{w}x{h}-{label.split(' ')[0]}.png"), full_page=True)
     page.set_viewport_size({"width": 1280, "height": 800})
 

@@ -101,3 +101,100 @@ def test_ui_runs_no_command_to_scrape_and_keeps_no_copy_of_library_logic():
         assert not [s for s in strings if s.startswith("error:")], f"ui/{path.name} looks for error: lines"
         assert "nvidia-smi" not in text, f"ui/{path.name} runs nvidia-smi (use finetuner.config.hardware.detect)"
         assert "exclude_defaults" not in text, f"ui/{path.name} dumps a recipe itself (use finetuner.config.recipe.readable_yaml)"
+
+
+# --------------------------------------------------------------------------- preference tuning
+PAIRS = REPO / "data" / "preference_sample.jsonl"
+MODEL = str(REPO / "data" / "demo_model")
+
+
+def test_the_data_tab_shows_pairs_side_by_side_and_sft_as_before(tmp_path):
+    import json
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    summary, highlights, hist, pairs = h.on_data(MODEL, str(PAIRS), 256)
+    assert "preference pairs" in summary and "**400** pairs" in summary and "Fits objective dpo, orpo or simpo" in summary
+    assert highlights["visible"] is False and pairs["visible"] is True  # the token view gives way to the pairs
+    first = json.loads(PAIRS.read_text(encoding="utf-8").splitlines()[0])
+    assert first["chosen"]["value"] in pairs["value"] and first["rejected"]["value"] in pairs["value"]
+    assert sum(hist["value"]["examples"]) == 400  # lengths of the pairs, against the sequence length
+    summary, highlights, _hist, pairs = h.on_data(MODEL, str(REPO / "data" / "alpaca_sample.json"), 256)
+    assert summary.startswith("**Format:** `alpaca`") and "No token preview" not in summary  # the SFT view, unchanged
+    assert highlights["visible"] is True and {label for _t, label in highlights["value"]} >= {"trained", "masked"}
+    assert pairs == {"__type__": "update", "value": "", "visible": False}
+    rated = tmp_path / "rated.jsonl"
+    rated.write_text("".join(json.dumps({"prompt": f"Where is hide {i}?", "completion": "North.", "label": i % 2 == 0}) + "\n"
+                             for i in range(6)), encoding="utf-8")
+    summary, highlights, _hist, shown = h.on_data(MODEL, str(rated), 256)
+    assert "**6** rated responses" in summary and "Fits objective kto" in summary and highlights["visible"] is False
+    assert "<th>prompt</th><th>response</th><th>label</th>" in shown["value"] and (shown["value"].count("✓ desirable"), shown["value"].count("✕ undesirable")) == (2, 1)
+
+
+def test_the_data_tab_names_a_bad_pair_among_the_first(tmp_path):
+    import json
+
+    bad = tmp_path / "pairs.jsonl"
+    rows = [{"question": f"Q{i}", "chosen": "Tern here!", "rejected": "No."} for i in range(5)]
+    rows[1]["rejected"] = "Tern here!"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    summary, _hl, _hist, pairs = h.on_data(MODEL, str(bad), 256)
+    assert "**4** pairs" in summary and "**1 row(s) cannot be used**" in summary
+    assert f"**No preview:** {bad}, line 2: 'chosen' and 'rejected' are the same response" in summary
+    assert pairs["visible"] is False
+
+
+def test_the_plan_tab_plans_the_objective_chosen_or_the_datas(tmp_path):
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+
+    def planned(data, objective):
+        out = h.on_plan(MODEL, "cpu", str(data), 128, 0, "auto", objective)
+        return out[0], Recipe.from_yaml_text(out[4], source="recipe") if out[4] and isinstance(out[4], str) else None
+
+    head, recipe = planned(PAIRS, "auto")
+    assert recipe.objective == "dpo" and head.startswith("### DPO · LORA") and "objective dpo:" in head
+    head, recipe = planned(PAIRS, "simpo")
+    assert recipe.objective == "simpo" and head.startswith("### SIMPO · LORA")
+    head, recipe = planned(REPO / "data" / "alpaca_sample.json", "auto")
+    assert recipe.objective == "sft" and head.startswith("### LORA")
+    head, recipe = planned(PAIRS, "kto")
+    assert recipe is None and head.startswith('<div class="ft-error"') and f"{PAIRS}: this file holds preference pairs" in head
+    assert "fits objective dpo, orpo or simpo, not 'kto'" in head
+
+
+def _events(run, events) -> None:
+    import json
+
+    run.mkdir(parents=True)
+    (run / "events.jsonl").write_text("".join(json.dumps(dict(e, time=1.0)) + "\n" for e in events), encoding="utf-8")
+
+
+def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
+    import json
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    start = {"event": "start", "max_steps": 4, "device": "cpu", "method": "lora"}
+    steps = [{"event": "step", "step": s, "max_steps": 4, "loss": 0.7 - 0.05 * s} for s in (1, 2, 3)]
+    rewards = [{"reward_chosen": 0.1 * s, "reward_rejected": -0.1 * s, "reward_margin": 0.2 * s, "reward_accuracy": a}
+               for s, a in ((1, 0.5), (2, 0.625), (3, 0.875))]
+    _events(h.runs / "dpo", [dict(start, objective="dpo"), *[s | r for s, r in zip(steps, rewards)],
+                             {"event": "eval", "step": 2, "eval_loss": 0.66, "eval_reward_accuracy": 0.7, "eval_reward_margin": 0.3}])
+    _events(h.runs / "sft", [start, *steps])
+    out = h.train_view("dpo")
+    assert len(out) == ui_handlers.TRAIN_OUTPUTS
+    status, _loss, *_, seen, _table, column, rewards_plot = out
+    assert "reward accuracy <b>88%</b>" in status and "eval reward accuracy <b>70%</b>" in status
+    assert column == {"__type__": "update", "visible": True}
+    spec = json.loads(rewards_plot.plot)
+    assert [(r["step"], r["value"]) for r in spec["data"]["values"] if r["series"] == "accuracy"] == [(1, 0.5), (2, 0.625), (3, 0.875)]
+    assert [(r["step"], r["value"]) for r in spec["data"]["values"] if r["series"] == "eval accuracy"] == [(2, 0.7)]
+    again = h.train_view("dpo", seen)  # nothing new: neither chart nor the column is sent again
+    assert again[1] == again[9] == again[10] == gr_skip()
+    status, *_, column, rewards_plot = h.train_view("sft", seen)
+    assert "reward" not in status and column == {"__type__": "update", "visible": False} and rewards_plot == gr_skip()
+
+
+def gr_skip():
+    import gradio as gr
+
+    return gr.skip()

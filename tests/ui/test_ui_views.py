@@ -1,5 +1,6 @@
-"""What the web UI shows, without a browser: the loss and memory charts' specifications, the plan's
-headline against the recipe in the editor, and one memory figure for one plan."""
+"""What the web UI shows, without a browser: the loss, reward and memory charts' specifications, the
+plan's headline against the recipe in the editor, one memory figure for one plan, and preference
+pairs side by side."""
 
 from __future__ import annotations
 
@@ -130,3 +131,121 @@ def test_train_tab_names_its_memory_figure():
                          predicted_bytes=20 * GiB, measured_peak_bytes=21 * GiB)
     text = views.memory_md(st)
     assert "predicted peak 20.00 GiB allocated" in text and "Plan tab's peak" in text
+
+
+# --------------------------------------------------------------------------- preference data and runs
+def _write(path: Path, rows: list) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _cells(html_text: str) -> list[list[str]]:
+    """The table's rows as the text of their cells (tags dropped)."""
+    import re
+
+    body = html_text.split("<tbody>", 1)[1]
+    return [[re.sub(r"<[^>]+>", "|", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", body)]
+
+
+def test_pairs_are_shown_side_by_side_as_training_reads_them():
+    import json
+
+    from finetuner.data.preview import preview_preferences
+
+    path = REPO / "data" / "preference_sample.jsonl"
+    text = views.pairs_html(preview_preferences(str(path), n=3))
+    assert "<th>prompt</th><th>chosen ✓</th><th>rejected ✕</th>" in text and "layout sharegpt_ranking" in text
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()[:3]]
+    cells = _cells(text)
+    assert len(cells) == 3
+    for (prompt, chosen, rejected), row, line in zip(cells, rows, (1, 2, 3)):
+        assert prompt == f"{row['conversations'][0]['value']}|line {line}|"
+        assert (chosen, rejected) == (row["chosen"]["value"], row["rejected"]["value"])
+
+
+def test_rated_rows_conversations_markup_and_long_texts(tmp_path):
+    from finetuner.data.preview import preview_preferences
+
+    long = "Tern here! " + "Bring water. " * 80
+    path = _write(tmp_path / "rated.jsonl", [
+        {"messages": [{"role": "system", "content": "Be Tern."}, {"role": "user", "content": "<b>What</b> & why?"},
+                      {"role": "assistant", "content": long}], "label": True},
+        {"prompt": "Where is the hide?", "completion": "No idea.", "label": False},
+    ])
+    text = views.pairs_html(preview_preferences(path))
+    assert "<th>prompt</th><th>response</th><th>label</th>" in text and "<b>What</b>" not in text  # the data is text, not markup
+    (p1, r1, l1), (p2, r2, l2) = _cells(text)
+    assert p1 == "||system| Be Tern.|||user| &lt;b&gt;What&lt;/b&gt; &amp; why?||line 1|"
+    assert (l1, l2) == ("✓ desirable", "✕ undesirable") and r2 == "No idea." and p2 == "Where is the hide?|line 2|"
+    more = len(long) - views.CELL_CHARS
+    assert r1.startswith("Tern here! Bring water.") and r1.endswith(f"…| ({more:,} more characters)|")
+
+
+def test_the_data_summary_says_what_a_preference_file_fits(tmp_path):
+    from finetuner.data.stats import profile_data
+
+    pairs = profile_data(str(REPO / "data" / "preference_sample.jsonl"), str(REPO / "data" / "demo_model"), 40)
+    text = views.preference_summary_md(pairs, 40)
+    assert "preference pairs (a chosen and a rejected response) · layout `sharegpt_ranking` · **400** pairs" in text
+    assert "**Fits objective dpo, orpo or simpo** (the plan's objective *auto* takes **dpo**)" in text
+    assert f"{pairs.truncated(40)} example(s) are longer than the sequence length 40" in text and pairs.truncated(40) > 0
+    assert "every example fits in 256 tokens" in views.preference_summary_md(pairs, 256)
+    rated = profile_data(_write(tmp_path / "r.jsonl", [{"prompt": "Q", "completion": "A", "label": True},
+                                                      {"prompt": "Q", "completion": "A", "label": "yes"}]), None, 256)
+    text = views.preference_summary_md(rated, 256)
+    assert "**1** rated responses" in text and "**Fits objective kto** (the plan's objective *auto* takes **kto**)" in text
+    assert "**1 row(s) cannot be used**, the first: " in text and "r.jsonl, line 2: &#x27;label&#x27; must be true" in text
+
+
+def _dpo_status(steps: int = 3, evals: bool = True) -> SimpleNamespace:
+    rewards = {"reward_accuracy": [(s, 0.25 * s) for s in range(1, steps + 1)],
+               "reward_margin": [(s, 0.01 * s) for s in range(1, steps + 1)]}
+    if evals:
+        rewards |= {"eval_reward_accuracy": [(2, 0.6)], "eval_reward_margin": [(2, 0.02)]}
+    return SimpleNamespace(losses=[(s, 0.69 - 0.01 * s) for s in range(1, steps + 1)], evals=[(2, 0.68)] if evals else [],
+                           rewards=rewards, objective="dpo", max_steps=8)
+
+
+def test_the_reward_chart_draws_accuracy_and_margin_on_their_own_axes():
+    spec = views.reward_chart(_dpo_status())
+    rows = spec["data"]["values"]
+    assert [(r["step"], r["value"], r["series"]) for r in rows if r["metric"] == "accuracy"] == [
+        (1, 0.25, "accuracy"), (2, 0.5, "accuracy"), (3, 0.75, "accuracy"), (2, 0.6, "eval accuracy")]
+    assert [(r["step"], r["series"]) for r in rows if r["metric"] == "margin"] == [
+        (1, "margin"), (2, "margin"), (3, "margin"), (2, "eval margin")]
+    accuracy, margin = spec["layer"]
+    assert accuracy["transform"] == [{"filter": "datum.metric === 'accuracy'"}]
+    assert accuracy["encoding"]["y"]["scale"]["domain"] == [0, 1] and accuracy["encoding"]["y"]["axis"]["format"] == ".0%"
+    assert margin["encoding"]["y"]["axis"]["orient"] == "right" and spec["resolve"] == {"scale": {"y": "independent"}}
+    assert margin["layer"][0]["mark"]["strokeDash"] and "strokeDash" not in accuracy["layer"][0]["mark"]
+    colour = accuracy["encoding"]["color"]["scale"]
+    assert colour["domain"] == ["accuracy", "eval accuracy", "margin", "eval margin"] and len(set(colour["range"])) == 4
+    assert spec["encoding"]["x"]["scale"]["domain"] == [0, 8] and spec["title"]["text"] == "Reward accuracy — 75% at step 3"
+
+
+def test_the_reward_chart_before_the_first_step():
+    spec = views.reward_chart(SimpleNamespace(losses=[], evals=[], rewards={}, objective="orpo", max_steps=None))
+    assert spec["data"]["values"] == [] and spec["title"]["text"] == "Reward accuracy — waiting for the first step"
+    assert len(spec["layer"]) == 1 and spec["layer"][0]["encoding"]["color"]["scale"]["domain"] == ["accuracy"]
+
+
+def test_the_status_line_shows_the_latest_reward_accuracy():
+    from finetuner.runs.jobs import RunStatus
+
+    dpo = RunStatus("runs/d", "d", "running", step=3, **vars(_dpo_status()))
+    text = views.status_html(dpo)
+    assert "reward accuracy <b>75%</b>" in text and "eval reward accuracy <b>60%</b>" in text
+    sft = RunStatus("runs/s", "s", "running", step=3, max_steps=8, losses=[(3, 2.0)], objective="sft")
+    assert "reward" not in views.status_html(sft)
+    assert views.is_preference(_dpo_status()) and not views.is_preference(sft) and not views.is_preference(None)
+
+
+def test_the_headline_names_a_preference_objective():
+    from finetuner.config.recipe import Recipe
+
+    base = {"model": {"name": str(REPO / "data" / "demo_model")}, "data": {"path": str(REPO / "data" / "preference_sample.jsonl")}}
+    assert views.recipe_headline(Recipe.from_dict(dict(base, objective="dpo"))).startswith("DPO · LORA · micro-batch")
+    assert views.recipe_headline(Recipe.from_dict(base)).startswith("LORA · micro-batch")
