@@ -10,6 +10,11 @@ process in the middle of writing the checkpoint of step 4 (the adapter written, 
 state and the rename not), ``KILL@events:5`` halfway through appending the ``step`` event of
 step 5 to ``events.jsonl`` (half a line on disk).
 
+``HOLD@4`` holds the run after optimizer step 4 (its events written) for as long as the file
+named by ``FINETUNER_HOLD_FILE`` exists, or until a stop is asked for: a test that must see a
+run mid-way (a status, a page reloaded during training, a stop) creates the file, looks, then
+deletes it or stops the run, however fast the machine.
+
 In a multi-process run every fault applies to every rank unless a rank follows it:
 ``OOM@3:1`` is "in step 3 on rank 1 only", ``KILL@save:4:0`` "inside the save of step 4 on rank 0".
 Several faults are separated by commas. Unset in normal use; read once per process.
@@ -19,8 +24,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "FINETUNER_FAULT"
+#: the gate file of ``HOLD@STEP``: the run waits after that step while this file exists
+HOLD_ENV = "FINETUNER_HOLD_FILE"
 #: the points inside a write that ``KILL@POINT:STEP`` can name
 WRITE_POINTS = ("save", "events")
 
@@ -38,13 +46,13 @@ def _parse(spec: str):
             step, _, times = parts[0].partition("*")
             rank = int(parts[1]) if len(parts) == 2 else None
             out.append((name.upper(), point, int(step), float(times or 1), rank))
-            if name.upper() != "OOM":
+            if name.upper() not in ("OOM", "HOLD"):
                 getattr(signal, f"SIG{name.upper()}")
             if point and name.upper() != "KILL":
                 raise ValueError
         except (ValueError, AttributeError):
             raise ValueError(
-                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM or OOM) "
+                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD) "
                 f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK]"
             ) from None
     return out
@@ -56,9 +64,15 @@ class FaultPlan:
         self.signals: dict[tuple[int, int | None], int] = {}
         self.ooms: dict[tuple[int, int | None], float] = {}
         self.kills_in: dict[str, set[tuple[int, int | None]]] = {p: set() for p in WRITE_POINTS}
+        self.holds: set[tuple[int, int | None]] = set()
+        self.gate = os.environ.get(HOLD_ENV, "")
         for name, point, step, times, rank in _parse(spec):
             if point:
                 self.kills_in[point].add((step, rank))
+            elif name == "HOLD":
+                if not self.gate:
+                    raise ValueError(f"{ENV}: HOLD@{step} needs {HOLD_ENV}, the file whose presence holds the run")
+                self.holds.add((step, rank))
             elif name == "OOM":
                 self.ooms[(step, rank)] = times
             else:
@@ -69,7 +83,11 @@ class FaultPlan:
         """The key of ``table`` that applies to ``step`` on ``rank`` (rank-qualified first), or None."""
         return next((key for key in ((step, rank), (step, None)) if key in table), None)
 
-    def after_step(self, step: int, rank: int = 0) -> None:
+    def after_step(self, step: int, rank: int = 0, stopping=lambda: False) -> None:
+        """Hold (``HOLD@``) until the gate file is gone or ``stopping()`` is true, then send a planned signal."""
+        if self._find(dict.fromkeys(self.holds), step, rank) is not None:
+            while os.path.exists(self.gate) and not stopping():
+                time.sleep(0.05)
         key = self._find(self.signals, step, rank)
         if key is not None:
             os.kill(os.getpid(), self.signals[key])

@@ -716,7 +716,7 @@ class Trainer:
             if save_every and self.step % save_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint(elapsed)
                 last_saved = self.step
-            self.faults.after_step(self.step, self.rank)
+            self.faults.after_step(self.step, self.rank, stopping=self.stop_event.is_set)
         if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
             self._dump_memory_profile()
         elapsed = self.elapsed_before + time.perf_counter() - start

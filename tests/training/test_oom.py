@@ -101,6 +101,36 @@ def test_fault_specs_with_a_rank_and_inside_writes():
             FaultPlan(bad)
 
 
+
+def test_a_hold_fault_holds_after_its_step_while_the_gate_file_exists(tmp_path, monkeypatch):
+    """``HOLD@4``: after step 4 the run waits for as long as the gate file exists, and no longer;
+    a stop asked for ends it; other steps pass; without a gate file named the spec is refused."""
+    import threading
+
+    from finetuner.training.faults import HOLD_ENV, FaultPlan
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(HOLD_ENV, str(gate))
+    plan = FaultPlan("HOLD@4")
+    gate.touch()
+    plan.after_step(3)  # not its step: returns although the gate exists
+    held = threading.Thread(target=plan.after_step, args=(4,), daemon=True)
+    held.start()
+    held.join(0.5)
+    assert held.is_alive()  # it cannot return while the gate exists
+    gate.unlink()
+    held.join(30)
+    assert not held.is_alive()
+    plan.after_step(4)  # no gate: passes at once
+    gate.touch()
+    plan.after_step(4, stopping=lambda: True)  # a stop asked for ends the hold (the run then stops)
+    gate.unlink()
+    monkeypatch.delenv(HOLD_ENV)
+    with pytest.raises(ValueError, match=f"HOLD@4 needs {HOLD_ENV}"):
+        FaultPlan("HOLD@4")
+    with pytest.raises(ValueError, match="FINETUNER_FAULT"):
+        FaultPlan("HOLD@save:4")
+
 # --------------------------------------------------------------------------- two processes
 def test_out_of_memory_on_one_rank_backs_off_every_rank_and_keeps_the_loss(one_process, tmp_path, monkeypatch):
     """Only rank 1 fails in step 3: the ranks agree, both go from micro-batch 2 x 2 to 1 x 4 (the same

@@ -31,14 +31,21 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; scripts/_setup.sh does it)", allow_module_level=True)
 
 
-def ui_server(tmp_path_factory) -> Iterator[dict]:
+def ui_server(tmp_path_factory, hold_at: int | None = None) -> Iterator[dict]:
     """``finetuner ui`` on a free port with fresh runs and uploads folders, run from outside the
-    checkout (paths must not depend on it); yields its url and folders, then stops it and its jobs."""
+    checkout (paths must not depend on it); yields its url and folders, then stops it and its jobs.
+
+    With ``hold_at``, every run the server starts holds after that optimizer step while the file
+    ``server["hold"]`` exists (``FINETUNER_FAULT=HOLD@N``): create it to see a run mid-way on any
+    machine, delete it to let the run go on. It is deleted at the end whatever happened."""
     runs = tmp_path_factory.mktemp("runs")
     uploads = tmp_path_factory.mktemp("uploads")
+    hold = runs.parent / "hold-gate"
     port = free_port()
     log = open(runs.parent / "ui-server.log", "w")
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    if hold_at is not None:
+        env.update(FINETUNER_FAULT=f"HOLD@{hold_at}", FINETUNER_HOLD_FILE=str(hold))
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(runs), "--upload-dir", str(uploads)],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(runs.parent),
@@ -52,7 +59,10 @@ def ui_server(tmp_path_factory) -> Iterator[dict]:
             if proc.poll() is not None:
                 raise RuntimeError(f"finetuner ui exited: {Path(log.name).read_text()}")
             time.sleep(0.3)
-    yield {"url": f"http://127.0.0.1:{port}/", "runs": runs, "uploads": uploads, "proc": proc}
+    try:
+        yield {"url": f"http://127.0.0.1:{port}/", "runs": runs, "uploads": uploads, "proc": proc, "hold": hold}
+    finally:
+        hold.unlink(missing_ok=True)  # no run is left held
     proc.terminate()
     proc.wait(timeout=20)
     log.close()

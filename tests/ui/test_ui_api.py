@@ -44,8 +44,12 @@ def long_recipe(recipe_dict, tmp_path):
 
 
 # --------------------------------------------------------------------------- jobs
-def test_job_start_refuse_second_stop_checkpoint_resume_list(long_recipe, tmp_path):
+def test_job_start_refuse_second_stop_checkpoint_resume_list(long_recipe, tmp_path, monkeypatch):
     runs = tmp_path / "runs"
+    gate = tmp_path / "hold-gate"  # the run holds after step 2 until stopped: mid-run on any machine
+    gate.touch()
+    monkeypatch.setenv("FINETUNER_FAULT", "HOLD@2")
+    monkeypatch.setenv("FINETUNER_HOLD_FILE", str(gate))
     job = jobs.start_job(long_recipe, runs_dir=runs)
     assert Path(job.run_dir).parent == runs.resolve() and (Path(job.run_dir) / "recipe.yaml").is_file()
     with pytest.raises(UserError, match=rf"already running.*{job.name}.*pid {job.pid}"):
@@ -60,9 +64,10 @@ def test_job_start_refuse_second_stop_checkpoint_resume_list(long_recipe, tmp_pa
     st = jobs.run_status(job.run_dir, runs)
     assert st.state == "stopped" and not st.running and st.has_checkpoint and st.resumable
     stopped_at = st.step
-    assert 2 <= stopped_at < 40
+    assert stopped_at == 2  # the stop ended the hold; the run saved its checkpoint at once
     assert jobs.running_jobs(runs) == []
     assert jobs.stop_job(job, runs) is False  # nothing to stop any more
+    gate.unlink()
 
     again = jobs.start_job(None, run_dir=job.run_dir, runs_dir=runs)  # resume the same folder
     assert jobs.wait_job(again, 300)
