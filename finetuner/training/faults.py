@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Callable
 
 ENV = "FINETUNER_FAULT"
 #: the gate file of ``HOLD@STEP``: the run waits after that step while this file exists
@@ -80,12 +81,12 @@ class FaultPlan:
 
     @staticmethod
     def _find(table, step: int, rank: int):
-        """The key of ``table`` that applies to ``step`` on ``rank`` (rank-qualified first), or None."""
+        """The key of ``table`` (a dict or a set) that applies to ``step`` on ``rank`` (rank-qualified first), or None."""
         return next((key for key in ((step, rank), (step, None)) if key in table), None)
 
-    def after_step(self, step: int, rank: int = 0, stopping=lambda: False) -> None:
+    def after_step(self, step: int, rank: int = 0, stopping: Callable[[], bool] = lambda: False) -> None:
         """Hold (``HOLD@``) until the gate file is gone or ``stopping()`` is true, then send a planned signal."""
-        if self._find(dict.fromkeys(self.holds), step, rank) is not None:
+        if self._find(self.holds, step, rank) is not None:
             while os.path.exists(self.gate) and not stopping():
                 time.sleep(0.05)
         key = self._find(self.signals, step, rank)
@@ -108,5 +109,5 @@ class FaultPlan:
 
     def in_write(self, point: str, step: int, rank: int = 0) -> None:
         """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``."""
-        if self._find(dict.fromkeys(self.kills_in[point]), step, rank) is not None:
+        if self._find(self.kills_in[point], step, rank) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
