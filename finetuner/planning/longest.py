@@ -44,7 +44,7 @@ from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.errors import UserError
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
-from finetuner.planning.planner import DEFAULT_MARGIN, method_options
+from finetuner.planning.planner import DEFAULT_MARGIN, method_name, method_options
 
 #: The shortest sequence a recipe allows (``data.max_seq_len``).
 MIN_SEQ = 16
@@ -67,8 +67,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        m = {"lora": "LoRA", "full": "full fine-tuning"}.get(self.method) or f"QLoRA {self.quant_bits}-bit"
-        parts = [m, "checkpointing" if self.gradient_checkpointing else "no checkpointing"]
+        parts = [method_name(self.method, self.quant_bits), "checkpointing" if self.gradient_checkpointing else "no checkpointing"]
         if self.offload_activations:
             parts.append("activation offload")
         parts.append(self.optimizer)

@@ -82,12 +82,18 @@ class Option:
 
     @property
     def label(self) -> str:
-        m = {"lora": "LoRA", "full": "full fine-tuning"}.get(self.method) or f"QLoRA {self.quant_bits}-bit"
-        parts = [m, f"micro-batch {self.micro_batch} x {self.gradient_accumulation}", self.optimizer]
+        parts = [method_name(self.method, self.quant_bits), f"micro-batch {self.micro_batch} x {self.gradient_accumulation}", self.optimizer]
         parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
         if self.activation_offload:
             parts.append("activation offload")
         return ", ".join(parts)
+
+
+def method_name(method: str, quant_bits: int | None = None) -> str:
+    """How a plan names a method: ``LoRA``, ``full fine-tuning``, ``QLoRA 4-bit`` (``QLoRA`` without bits)."""
+    if method in ("lora", "full"):
+        return {"lora": "LoRA", "full": "full fine-tuning"}[method]
+    return f"QLoRA {quant_bits}-bit" if quant_bits else "QLoRA"
 
 
 @dataclass
@@ -438,7 +444,7 @@ def _why_rejected(c: Candidate, best: Candidate) -> str:
     if not c.fits:
         return f"needs {c.estimate.total_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
     if METHOD_TIER[o.method] > METHOD_TIER[b.method]:
-        better = {"lora": "LoRA", "full": "full fine-tuning"}.get(b.method, "QLoRA")
+        better = method_name(b.method)
         return f"fits, but {better} fits too and trains a better model"
     if c.tokens_per_s < best.tokens_per_s:
         return f"fits, but slower (~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s)"
