@@ -1,6 +1,7 @@
 # Sourced by demo.sh and test.sh: creates .venv/ at the repo root and installs finetuner into it.
 # Idempotent: a second run installs nothing unless pyproject.toml or constraints.txt changed.
-# Usage: source scripts/_setup.sh [EXTRAS]   (e.g. "test")
+# Usage: source scripts/_setup.sh EXTRAS   (e.g. "test", or "" for none: always pass it, since a bare
+# `source` hands the caller's own arguments to this script)
 set -euo pipefail
 FINETUNER_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Caches stay inside the repo (git-ignored), out of the user's home.
@@ -18,9 +19,12 @@ if [ ! -x "$_venv/bin/python" ]; then
   echo "finetuner: creating $_venv"
   "${PYTHON:-python3}" -m venv "$_venv"
 fi
-_want="$(cat "$FINETUNER_ROOT/pyproject.toml" "$FINETUNER_ROOT/constraints.txt" | sha256sum | cut -c1-16)-${_extras}"
+_hash="$(cat "$FINETUNER_ROOT/pyproject.toml" "$FINETUNER_ROOT/constraints.txt" | sha256sum | cut -c1-16)"
+_want="${_hash}-${_extras}"
 _stamp="$_venv/.finetuner-install"
-if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
+_have="$(cat "$_stamp" 2>/dev/null || true)"
+# An install with extras serves a caller that asks for none (demo.sh after test.sh installs nothing).
+if [ "$_have" != "$_want" ] && { [ -n "$_extras" ] || [ "${_have%%-*}" != "$_hash" ]; }; then
   echo "finetuner: installing into $_venv (torch pinned by constraints.txt; this takes a minute the first time)"
   _spec="$FINETUNER_ROOT"
   [ -n "$_extras" ] && _spec="$FINETUNER_ROOT[$_extras]"

@@ -24,6 +24,16 @@ PEER_DATA = REPO.parent / "shared" / "peer-data" / "llamafactory"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
+@pytest.fixture
+def peer_data() -> Path:
+    """LLaMA-Factory's demo files, read in place from ../shared/peer-data (never copied into the repo).
+    A user's clone has no ../shared: there the test is skipped with the reason, and with CI=true the
+    skip is a failure (below)."""
+    if not PEER_DATA.is_dir():
+        pytest.skip(f"the peer data sets are not at {PEER_DATA} (a failure with CI=true)")
+    return PEER_DATA
+
+
 def in_ci() -> bool:
     """True when the environment variable ``CI`` says so (``CI=true``, as CI services set it)."""
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")

@@ -11,7 +11,7 @@ from finetuner.data.pipeline import IGNORE_INDEX, Collator, encode_example, load
 from finetuner.data.formats import detect_format
 from finetuner.errors import UserError
 from finetuner.config.recipe import DataSection
-from tests.conftest import PEER_DATA, alpaca_rows
+from tests.conftest import alpaca_rows
 
 
 @pytest.fixture(scope="module")
@@ -234,13 +234,12 @@ def test_max_examples_and_system_prompt(tmp_path, tok):
     assert len(ex) == 4 and ex[0]["messages"][0] == {"role": "system", "content": "You are Tern."}
 
 
-@pytest.mark.skipif(not PEER_DATA.exists(), reason=f"the peer data sets are not at {PEER_DATA} (a failure with CI=true)")
 @pytest.mark.parametrize(
     "name, fmt, rows",
     [("alpaca_en_demo.json", "alpaca", 999), ("glaive_toolcall_en_demo.json", "chat", 300), ("c4_demo.jsonl", "text", 300)],
 )
-def test_peer_data_files_are_read_as_they_are(tok, name, fmt, rows):
-    path = PEER_DATA / name
+def test_peer_data_files_are_read_as_they_are(tok, peer_data, name, fmt, rows):
+    path = peer_data / name
     stats = __import__("finetuner.data.pipeline", fromlist=["DataStats"]).DataStats()
     examples = load_examples(str(path), cfg(path), stats)
     assert stats.format[str(path)] == fmt and stats.rows == rows

@@ -13,7 +13,7 @@ from finetuner.config.recipe import DataSection
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, load_examples
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
-from tests.conftest import PEER_DATA, REPO
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def scored(tok, ids, labels) -> str:
     return tok.decode([t for t in labels if t != IGNORE_INDEX])
 
 
-def test_llamafactory_ranking_sharegpt_is_read_as_it_is(tok):
-    d = prep(PEER_DATA / "dpo_en_demo.json", tok, max_examples=20)
-    assert d.stats.format == {str(PEER_DATA / "dpo_en_demo.json"): "sharegpt_ranking"}
+def test_llamafactory_ranking_sharegpt_is_read_as_it_is(tok, peer_data):
+    d = prep(peer_data / "dpo_en_demo.json", tok, max_examples=20)
+    assert d.stats.format == {str(peer_data / "dpo_en_demo.json"): "sharegpt_ranking"}
     assert d.stats.rows == 20 and len(d.train) == 20
-    row = json.loads((PEER_DATA / "dpo_en_demo.json").read_text())[0]
+    row = json.loads((peer_data / "dpo_en_demo.json").read_text())[0]
     ex = d.train[0]
     assert scored(tok, ex["chosen_ids"], ex["chosen_labels"]).startswith(row["chosen"]["value"][:40])
     assert scored(tok, ex["rejected_ids"], ex["rejected_labels"]).startswith(row["rejected"]["value"][:40])
@@ -136,9 +136,9 @@ def test_each_file_given_to_the_wrong_objective_says_which_it_fits(tok, tmp_path
         assert str(path) in str(e.value)
 
 
-def test_the_cli_names_the_objective_a_file_fits(tmp_path, tiny_model_dir):
+def test_the_cli_names_the_objective_a_file_fits(tmp_path, tiny_model_dir, peer_data):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {{name: {tiny_model_dir}}}\ndata: {{path: {PEER_DATA / 'dpo_en_demo.json'}}}\n"
+    recipe.write_text(f"model: {{name: {tiny_model_dir}}}\ndata: {{path: {peer_data / 'dpo_en_demo.json'}}}\n"
                       f"output_dir: {tmp_path / 'out'}\ndevice: cpu\n", encoding="utf-8")
     p = subprocess.run([sys.executable, "-m", "finetuner", "run", str(recipe)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode != 0 and "Traceback" not in p.stderr

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from finetuner.training.preference import dpo_loss, kto_loss, orpo_loss, sequence_logps, simpo_loss
-from tests.conftest import PEER_DATA
 
 
 # --------------------------------------------------------------------------- the formulas, written out
@@ -295,13 +294,13 @@ def test_a_dpo_run_starts_from_a_finished_sft_run(tiny_model_dir, pairs_file, al
     assert events(result.run_dir, "step")[0]["reward_chosen"] == pytest.approx(0, abs=1e-4)
 
 
-def test_llamafactory_dpo_demo_trains_as_it_is(tiny_model_dir, tmp_path):
+def test_llamafactory_dpo_demo_trains_as_it_is(tiny_model_dir, tmp_path, peer_data):
     import finetuner
     from finetuner.config.recipe import Recipe
 
-    raw = pref_recipe(tiny_model_dir, PEER_DATA / "dpo_en_demo.json", tmp_path, name="lf", max_steps=2)
+    raw = pref_recipe(tiny_model_dir, peer_data / "dpo_en_demo.json", tmp_path, name="lf", max_steps=2)
     raw["data"].update(max_examples=16, max_seq_len=48)
     result = finetuner.train(Recipe.from_dict(raw))
     formats = {Path(k).resolve(): v for k, v in result.metrics["data"]["format"].items()}  # ../shared may be a link
-    assert formats == {(PEER_DATA / "dpo_en_demo.json").resolve(): "sharegpt_ranking"}
+    assert formats == {(peer_data / "dpo_en_demo.json").resolve(): "sharegpt_ranking"}
     assert len(events(result.run_dir, "step")) == 2
