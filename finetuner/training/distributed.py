@@ -49,6 +49,7 @@ its hooks:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -379,6 +380,35 @@ class DistributedTrainer(Trainer):
         _barrier()
         return final
 
+    def cleanup(self) -> None:
+        """Close the event and TensorBoard writers, then take this rank out of the run in order:
+        the DeepSpeed engine releases its hooks, buffers and optimizer (DeepSpeedCPUAdam's C++
+        state), and the rank leaves the process group (:func:`leave_process_group`), all while the
+        interpreter is whole."""
+        super().cleanup()
+        if self.engine is not None:
+            self.engine.destroy()
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the process group before the interpreter shuts down.
+
+    A rank that exits with its process group alive leaves gloo's worker threads holding finished
+    work and the tensors it used; freeing such a tensor once Python has begun tearing itself down
+    needs the GIL that is no longer there, and the process dies with SIGABRT after the run is done
+    (pytorch/pytorch#179291 describes it; torch does not destroy the group at exit by itself, and
+    its documentation asks every process to call ``destroy_process_group``). Finished work is
+    collected first, so its handles go while Python can still release them.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
 
 # --------------------------------------------------------------------------- entry point
 def _die_with_torchrun() -> None:
@@ -396,6 +426,7 @@ def _die_with_torchrun() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_torchrun()
+    faulthandler.enable()  # a rank that dies by a signal leaves every thread's Python stack in launch.log
     run_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR, format=f"[rank {rank}] %(levelname)s: %(message)s")

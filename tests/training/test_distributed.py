@@ -215,6 +215,27 @@ def test_zero_strategies_on_two_processes_match_one_process(deepspeed, one_proce
     assert torch.allclose(_logits_with_adapter(model_dir, run_dir / "adapter"), _logits_with_adapter(model_dir, ref.run_dir / "adapter"), atol=1e-4)
 
 
+def test_a_rank_leaves_its_process_group_before_it_exits():
+    """Every rank ends by destroying its process group (DistributedTrainer.cleanup calls
+    leave_process_group), after its last collective: a rank that exits with the group alive can die
+    by SIGABRT while Python tears down (see leave_process_group). One process on gloo, in this one."""
+    import torch
+    import torch.distributed as dist
+
+    from finetuner.training.distributed import leave_process_group
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        t = torch.ones(4)
+        dist.all_reduce(t, async_op=True).wait()
+        leave_process_group()
+        assert not dist.is_initialized()
+        leave_process_group()  # a second call (a rank that failed early) does nothing
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, without_deepspeed):
     """distributed.nodes 2: the same recipe launched twice on 127.0.0.1 (node_rank 0 and 1, one
     process each, one master address and port) trains one run in one shared run folder. Node 1
