@@ -13,6 +13,8 @@ from typing import Any
 
 import pandas as pd
 
+from finetuner.model.shapes import parameter_count
+
 GiB = 1024**3
 
 STATE_LABELS = {
@@ -46,7 +48,7 @@ def duration(seconds: float | None) -> str:
 
 # --------------------------------------------------------------------------- model & data
 def model_card_md(shape: Any, gpu: Any) -> str:
-    parts = [f"**{html.escape(shape.name)}** · {shape.model_type} · {shape.num_params / 1e9:.3g} B parameters"
+    parts = [f"**{html.escape(shape.name)}** · {shape.model_type} · {parameter_count(shape.num_params)} parameters"
              if shape.num_params >= 1e8 else
              f"**{html.escape(shape.name)}** · {shape.model_type} · {shape.num_params / 1e6:.3g} M parameters",
              f"{shape.num_layers} layers · hidden {shape.hidden_size} · vocabulary {shape.vocab_size:,}"]

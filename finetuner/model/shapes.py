@@ -33,6 +33,14 @@ PRESET_DIR = Path(__file__).with_name("presets")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
 
+def parameter_count(n: int) -> str:
+    """``n`` parameters in the unit that keeps three significant digits: 6.74B, 135M, 0.933M for the
+    demo model (never "0.00B")."""
+    if n >= 1e9:
+        return f"{n / 1e9:.3g}B"
+    return f"{n / 1e6:.3g}M"
+
+
 @dataclass(frozen=True)
 class Linear:
     """One linear layer inside a decoder layer (``name`` is its path in the layer)."""
@@ -146,7 +154,7 @@ class ModelShape:
 
     def describe(self) -> str:
         return (
-            f"{self.name}: {self.model_type}, {self.num_params / 1e9:.2f}B parameters, {self.num_layers} layers, "
+            f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
             f"hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} heads "
             f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
         )

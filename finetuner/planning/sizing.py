@@ -97,10 +97,17 @@ def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tup
     what = "LoRA" if method in ("lora", "qlora") else "full fine-tuning"
     if objective != "sft":
         what = f"{objective.upper()} {what} (the alignment handbook's Zephyr-7B DPO recipes)"
-    if lr == base:
+    hidden = shape.hidden_size
+    if hidden == REFERENCE_HIDDEN:
         return lr, f"learning rate {lr:g}: the usual {what} rate for 7B-class models (hidden size {REFERENCE_HIDDEN})"
+    if hidden > REFERENCE_HIDDEN:
+        return lr, (f"learning rate {lr:g}: the usual {what} rate for 7B-class models (hidden size {REFERENCE_HIDDEN}), "
+                    f"not raised for this wider model (hidden size {hidden})")
+    if lr == base:
+        return lr, (f"learning rate {lr:g}: the usual {what} rate {base:g} (hidden size {REFERENCE_HIDDEN}); "
+                    f"scaled by sqrt({REFERENCE_HIDDEN}/{hidden}) for hidden size {hidden} it rounds to the same")
     return lr, (f"learning rate {lr:g}: the usual {what} rate {base:g} (hidden size {REFERENCE_HIDDEN}) scaled by "
-                f"sqrt({REFERENCE_HIDDEN}/{shape.hidden_size}) for this narrower model")
+                f"sqrt({REFERENCE_HIDDEN}/{hidden}) for this narrower model")
 
 
 def _round_up(n: int, to: int) -> int:

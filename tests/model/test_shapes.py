@@ -8,6 +8,7 @@ import pytest
 
 from finetuner.errors import UserError
 from finetuner.model.shapes import lora_param_count, preset_names, presets, resolve_shape, shape_from_config
+from tests.conftest import REPO
 
 #: Published totals (also what instantiating on meta gives).
 KNOWN_TOTALS = {
@@ -112,3 +113,13 @@ def test_unknown_lora_target_suggests_one():
     with pytest.raises(UserError) as e:
         lora_param_count(resolve_shape("llama-2-7b"), 8, ["q_prj"])
     assert "q_proj" in e.value.message
+
+
+def test_parameter_counts_read_at_every_size():
+    """Issue 24: the demo model was described as "0.00B parameters"."""
+    from finetuner.model.shapes import parameter_count
+
+    assert parameter_count(6_738_415_616) == "6.74B"
+    assert parameter_count(134_515_008) == "135M"
+    assert parameter_count(933_120) == "0.933M"
+    assert "0.00B" not in resolve_shape(str(REPO / "data" / "demo_model")).describe()

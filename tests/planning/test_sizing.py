@@ -128,6 +128,17 @@ def test_learning_rate_follows_the_method_and_the_width():
     assert lr == 1e-3 and "sqrt(4096/128)" in why
 
 
+
+def test_the_learning_rate_reason_names_the_model_s_own_width():
+    """Issue 24: Qwen2.5-7B (hidden 3584) was told "hidden size 4096", Llama-3.1-70B (8192) "7B-class"."""
+    lr, why = learning_rate("lora", resolve_shape("qwen2.5-7b"))
+    assert lr == 2e-4 and "for hidden size 3584 it rounds to the same" in why, why
+    lr, why = learning_rate("lora", resolve_shape("llama-3.1-70b"))
+    assert lr == 2e-4 and "not raised for this wider model (hidden size 8192)" in why, why
+    assert learning_rate("lora", resolve_shape("llama-2-7b"))[1] == (
+        "learning rate 0.0002: the usual LoRA rate for 7B-class models (hidden size 4096)")
+
+
 def test_no_data_is_said_not_silent(tmp_path):
     r = run_cli("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "-o", str(tmp_path / "r.yaml"))
     assert r.returncode == 0, r.stderr
