@@ -44,7 +44,7 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
-from finetuner.runs.folder import RunFinished, check_disk_space, prepare_run_dir
+from finetuner.runs.folder import RunFinished, check_disk_space, is_new_run_dir, prepare_run_dir, remove_failed_setup
 
 log = logging.getLogger(__name__)
 
@@ -823,15 +823,19 @@ def train(
         from finetuner.planning.planner import resolve_for_run
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
+        new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
     except RunFinished as done:
         return finished_result(done)
-    if plan is not None:
-        atomic_write_json(run_dir / "plan.json", plan.to_dict())
+    in_setup = True  # until the first step: a failure there leaves no folder behind (remove_failed_setup)
     try:
+        if plan is not None:
+            atomic_write_json(run_dir / "plan.json", plan.to_dict())
         trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
     except BaseException:
         lock.release()
+        if new_folder:
+            remove_failed_setup(run_dir, existed)
         raise
     for note in notes:
         log.warning(note)
@@ -840,6 +844,7 @@ def train(
                             predicted_total_bytes=plan.estimate.total_bytes, device_bytes=plan.gpu.memory_bytes)
     try:
         trainer.setup()
+        in_setup = False
         result = trainer.train()
         if recipe.samples.prompts and not result.stopped:
             from finetuner.infer.generate import compare_samples
@@ -861,3 +866,5 @@ def train(
     finally:
         trainer.cleanup()
         lock.release()
+        if in_setup and new_folder:
+            remove_failed_setup(run_dir, existed)
