@@ -215,13 +215,15 @@ def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> No
     """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
     import shutil
 
+    from finetuner.fileio import size_text
+
     one = checkpoint_bytes(model, optimizer)
     need = one * (keep_last + 2)  # K kept + one being written + the final adapter
     free = shutil.disk_usage(run_dir).free
     if free < need:
         raise UserError(
-            f"Not enough free disk space in {run_dir}: {free / 2**30:.2f} GiB free, but {keep_last} checkpoints of "
-            f"{one / 2**30:.2f} GiB each plus one being written and the final adapter need {need / 2**30:.2f} GiB.",
+            f"Not enough free disk space in {run_dir}: {size_text(free)} free, but {keep_last} checkpoints of "
+            f"{size_text(one)} each plus one being written and the final adapter need {size_text(need)}.",
             hint="Free some space, choose another --output, or lower checkpointing.keep_last.",
         )
 
