@@ -42,12 +42,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     console = Console()
     gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    from finetuner.training.launch import needs_launch
+
     recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
     stop = threading.Event()
+    received: list[int] = []  # the signals asked to stop, first first: the exit status is 128 + the first
+    started = threading.Event()  # set by the run's "start" event: from then on a stop saves a checkpoint
+    aborting: list[int] = []
+    owner, launched = os.getpid(), needs_launch(recipe)  # a launched run's ranks stop on their own (.stop)
 
     def _on_signal(signum, _frame):
+        if os.getpid() != owner:  # a worker forked by this process (datasets' tokenization pool): its parent decides
+            if signum != signal.SIGINT:
+                os._exit(128 + signum)  # the pool ends its workers with SIGTERM
+            return
+        received.append(signum)
+        if aborting:  # already stopping before the first step: let its clean-up (ending worker processes) finish
+            return
         if stop.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted(received[0])
+        if not started.is_set() and not launched:  # loading, tokenizing: nothing to save, so stop now
+            aborting.append(signum)
+            console.print("[yellow]Stopped before the first training step: there is nothing to save.[/]")
+            raise Interrupted(signum)
         stop.set()
         console.print("[yellow]Stopping after this step and saving a checkpoint (press Ctrl-C again to abort).[/]")
 
@@ -58,14 +75,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with ProgressPrinter(console, quiet=args.quiet) as progress:
         result = train(
             recipe,
-            callbacks=[progress],
+            callbacks=[progress, lambda ev: ev["event"] == "start" and started.set()],
             output_dir=args.output,
             resume=not args.no_resume,
             stop_event=stop,
             profile_memory=args.profile_memory,
         )
     progress.summary(result)
-    return 130 if result.stopped else 0
+    return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal (Ctrl-C, SIGTERM): abort now. The process exits with the shell's
+    status for the first signal it got, 128 + its number: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 #: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
@@ -132,9 +158,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.hint:
             print(e.hint, file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("aborted.", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)  # SIGINT's number is 2 on every platform
+    except Exception as e:  # a full disk wherever no caller said what was being written: still one line
+        from finetuner.errors import interruption
+        from finetuner.fileio import disk_full_path, is_disk_full
+
+        stop = interruption(e)  # a Ctrl-C that a library's clean-up turned into an error of its own
+        if stop is not None and not args.debug:
+            print("aborted.", file=sys.stderr)
+            return 128 + getattr(stop, "signum", 2)
+        if args.debug or not is_disk_full(e):
+            raise
+        where = disk_full_path(e)
+        print(f"error: No space left on device{f' while writing {where}' if where else ''}.", file=sys.stderr)
+        print("Free some space on that disk, then run the same command again (a training run resumes from its last checkpoint).",
+              file=sys.stderr)
+        return UserError.exit_code
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.data.formats import FileExamples, RowError
-from finetuner.errors import UserError
+from finetuner.errors import UserError, interruption
 from finetuner.config.recipe import DataSection
 
 log = logging.getLogger(__name__)
@@ -199,14 +199,20 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             out["error"].append(err)
         return out
 
-    ds = ds.map(
-        _encode,
-        batched=True,
-        batch_size=256,
-        num_proc=_num_proc(cfg, len(ds)),
-        remove_columns=["messages", "text", "prompt", "completion"],
-        desc="Tokenizing",
-    )
+    try:
+        ds = ds.map(
+            _encode,
+            batched=True,
+            batch_size=256,
+            num_proc=_num_proc(cfg, len(ds)),
+            remove_columns=["messages", "text", "prompt", "completion"],
+            desc="Tokenizing",
+        )
+    except Exception as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up raises a TimeoutError over it
+        stop = interruption(e)
+        if stop is None:
+            raise
+        raise stop from None
     errors = [e for e in ds["error"] if e]
     if errors:
         if cfg.on_bad_row == "error":
