@@ -658,19 +658,21 @@ class Trainer:
         first step already (the base model or the data), fp16, a high learning rate, no clipping,
         a loss that was climbing before."""
         t, causes = self.recipe.training, []
-        if first_step:
+        if first_step:  # nothing was updated yet: not the learning rate
             causes.append(
                 "the loss is not finite at the first step, before any update: the base model's own outputs are (check "
                 f"its weights in {self.recipe.model.name}, or try training.precision: fp32)")
         if self.rt.precision == "fp16":
             causes.append("fp16 overflows easily: use training.precision bf16 (on GPUs that have it) or fp32")
+        if first_step:
+            return "Likely cause: " + "; ".join(causes) + "."
         if t.lr > 1e-2 or (t.lr > 2e-3 and self.recipe.method == "full"):
             causes.append(f"training.lr {t.lr:g} is very high for {self.recipe.method} (LoRA trains at 1e-4 to 2e-3, "
                           "a full fine-tune at 1e-6 to 5e-5): lower it")
         if t.max_grad_norm is None:
             causes.append("gradient clipping is off: set training.max_grad_norm: 1.0")
         finite = [x for x in self.losses if math.isfinite(x)]
-        if not first_step and len(finite) >= 2 and finite[-1] > 2 * min(finite):
+        if len(finite) >= 2 and finite[-1] > 2 * min(finite):
             causes.append(f"the loss was climbing ({min(finite):.3g} → {finite[-1]:.3g}): the training diverged; lower "
                           "training.lr or raise warmup_steps")
         if not causes:
@@ -846,6 +848,7 @@ def _record_error(trainer: Trainer, **fields: Any) -> None:
         trainer.events.emit("error", **fields)
     except OSError as e:
         log.warning("Could not record the error in %s (%s).", trainer.events.path, e)
+
 
 def finished_result(done: RunFinished) -> TrainResult:
     """What :func:`train` returns for a run folder that already holds the finished run."""
