@@ -841,11 +841,11 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- entry point
-def _record_error(trainer: Trainer, **fields: Any) -> None:
+def _record_error(trainer: Trainer, message: str, kind: str, user_error: bool) -> None:
     """The ``error`` event of a failed run; when it cannot be written (the disk is full: often why the
     run failed) the error being raised is what the user sees, not a second traceback chained to it."""
     try:
-        trainer.events.emit("error", **fields)
+        trainer.events.emit("error", message=message, type=kind, user_error=user_error)
     except OSError as e:
         log.warning("Could not record the error in %s (%s).", trainer.events.path, e)
 
@@ -927,13 +927,13 @@ def train(
             trainer.events.emit("samples", samples=samples)
         return result
     except UserError as e:
-        _record_error(trainer, message=str(e), type=type(e).__name__, user_error=True)
+        _record_error(trainer, str(e), type(e).__name__, user_error=True)
         raise
     except KeyboardInterrupt:
-        _record_error(trainer, message="interrupted", type="KeyboardInterrupt", user_error=True)
+        _record_error(trainer, "interrupted", "KeyboardInterrupt", user_error=True)
         raise
     except Exception as e:
-        _record_error(trainer, message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        _record_error(trainer, f"{type(e).__name__}: {e}", type(e).__name__, user_error=False)
         raise
     finally:
         trainer.cleanup()
