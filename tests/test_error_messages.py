@@ -87,7 +87,7 @@ def _break(folder: Path, how: str) -> str:
     if how == "no-model_type":
         config.pop("model_type")
         (folder / "config.json").write_text(json.dumps(config))
-        return f"'{folder}': config.json does not say which architecture this is"
+        return f"'{folder}': config.json names no model_type this transformers knows"
     config["intermediate_size"] *= 2  # shape mismatch
     (folder / "config.json").write_text(json.dumps(config))
     return f"the weights in '{folder}' do not have the shapes its config.json describes"

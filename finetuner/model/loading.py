@@ -173,9 +173,10 @@ def model_files_error(error: BaseException, name: str, what: str = "model.name")
         where = _broken_weight_file(name) or f"a *.safetensors file in '{name}'"
         return UserError(f"{what}: the weight file {where} is truncated or corrupt ({first}).",
                          hint=refetch + " An interrupted download or copy leaves such a file.")
-    if isinstance(error, (ValueError, KeyError)) and ("model_type" in text or "Unrecognized model" in text or isinstance(error, KeyError)):
+    architecture = ("model_type", "Unrecognized model", "does not recognize this architecture")
+    if isinstance(error, (ValueError, KeyError)) and any(marker in text for marker in architecture):
         return UserError(
-            f"{what}: '{name}': config.json does not say which architecture this is ({first}).",
+            f"{what}: '{name}': config.json names no model_type this transformers knows ({first.rstrip('.')}).",
             hint="Its config.json needs a \"model_type\" transformers knows (e.g. \"llama\", \"qwen2\", \"mistral\"): use the "
                  "config.json that came with the weights, or upgrade transformers for a newer architecture. " + refetch,
         )
