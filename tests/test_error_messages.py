@@ -210,6 +210,26 @@ def test_a_full_disk_anywhere_else_is_still_one_line(recipe_dict, tmp_path):
     assert "run the same command again" in r.stderr
 
 
+def test_a_full_disk_during_merge_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from finetuner.export.merge import merge_adapter
+    from tests.conftest import demo_run_folder
+
+    run = demo_run_folder(tmp_path / "runs", adapter=True)
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    out = tmp_path / "merged"
+    with pytest.raises(UserError, match=rf"^No space left on device while writing {out} \(") as e:
+        merge_adapter(run, out)
+    assert e.value.hint.startswith("Free at least ") and "run the same command again (nothing was written to" in e.value.hint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no output, no half-written temporary folder
+
+
 def test_disk_full_is_recognised_in_each_writers_words(tmp_path):
     import errno
 
