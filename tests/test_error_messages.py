@@ -449,3 +449,36 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
     assert r.stdout.splitlines() == ["worker alive", "worker exit 143 stop set: False"], (r.stdout, r.stderr)
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):
+    """Python drops an exception raised inside ``__del__``: the stop is raised again outside it,
+    with no "Exception ignored" traceback (under load, datasets' pool hit this in about one run in two)."""
+    script = tmp_path / "finalizer.py"
+    script.write_text(textwrap.dedent('''
+        import os, signal, sys, time
+        import finetuner.cli.main as cli
+        import finetuner.training.trainer as trainer
+
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(10000):  # the handler runs here, inside the finalizer
+                    pass
+
+        def train(recipe, callbacks, stop_event, **kw):
+            Finalized()  # collected at once
+            for _ in range(200):
+                time.sleep(0.05)
+            print("not interrupted", flush=True)
+            sys.exit(0)
+
+        trainer.train = train
+        sys.exit(cli.main(sys.argv[1:]))
+    '''), encoding="utf-8")
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, (r.stdout, r.stderr)
+    assert r.stdout.count("Stopped before the first training step") == 1 and "not interrupted" not in r.stdout, r.stdout
+    assert r.stderr.strip() == "aborted.", r.stderr

@@ -48,7 +48,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     received: list[int] = []  # the signals asked to stop, first first: the exit status is 128 + the first
     started = threading.Event()  # set by the run's "start" event: from then on a stop saves a checkpoint
-    aborting: list[int] = []
+    aborting: list[int] = []  # the signal of a stop before the first step, once one came
+    lost: list[int] = []  # that stop's exception was dropped by Python (see _unraisable)
     owner, launched = os.getpid(), needs_launch(recipe)  # a launched run's ranks stop on their own (.stop)
 
     def _on_signal(signum, _frame):
@@ -58,6 +59,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return
         received.append(signum)
         if aborting:  # already stopping before the first step: let its clean-up (ending worker processes) finish
+            if lost:  # ... unless the stop was lost (see _unraisable): raise it again
+                lost.clear()
+                raise Interrupted(aborting[0])
             return
         if stop.is_set():
             raise Interrupted(received[0])
@@ -68,6 +72,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stop.set()
         console.print("[yellow]Stopping after this step and saving a checkpoint (press Ctrl-C again to abort).[/]")
 
+    def _on_event(ev):
+        if ev["event"] != "start":
+            return
+        if aborting:  # the Ctrl-C's exception was lost (Python drops one raised inside a finalizer): stop here, still before step 1
+            raise Interrupted(aborting[0])
+        started.set()
+
+    default_unraisable = sys.unraisablehook
+
+    def _unraisable(unraisable):
+        """Python drops an exception raised while a finalizer (``__del__``, a weakref callback) runs:
+        a stop that lands there is raised again a moment later, outside it, instead of a traceback."""
+        if isinstance(unraisable.exc_value, Interrupted) and os.getpid() == owner:
+            lost.append(unraisable.exc_value.signum)
+            threading.Timer(0.01, os.kill, (owner, signal.SIGINT)).start()
+            return
+        default_unraisable(unraisable)
+
+    sys.unraisablehook = _unraisable
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     from finetuner.training.trainer import train
@@ -75,7 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with ProgressPrinter(console, quiet=args.quiet) as progress:
         result = train(
             recipe,
-            callbacks=[progress, lambda ev: ev["event"] == "start" and started.set()],
+            callbacks=[_on_event, progress],
             output_dir=args.output,
             resume=not args.no_resume,
             stop_event=stop,
