@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +33,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     from rich.console import Console
@@ -91,6 +91,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         default_unraisable(unraisable)
 
     sys.unraisablehook = _unraisable
+    if not launched:  # processes forked from this one (datasets' tokenization workers) get the kernel's handling:
+        # Ctrl-C ignored (this process stops them), SIGTERM ends them at once even while they wait inside a lock,
+        # where a Python handler would never run and the pool's terminate() would leave them behind
+        os.register_at_fork(after_in_child=_signals_of_a_worker)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     from finetuner.training.trainer import train
@@ -106,6 +110,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     progress.summary(result)
     return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0
+
+
+def _signals_of_a_worker() -> None:
+    """In a process forked from ``finetuner run``: Ctrl-C is the parent's to act on, SIGTERM ends
+    it, and so does the parent's end (Linux ``PR_SET_PDEATHSIG``): a pool's manager process that a
+    Ctrl-C cut off from its clean-up would otherwise live on, holding the terminal's pipes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class Interrupted(KeyboardInterrupt):

@@ -208,10 +208,11 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             remove_columns=["messages", "text", "prompt", "completion"],
             desc="Tokenizing",
         )
-    except Exception as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up raises a TimeoutError over it
+    except BaseException as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up may raise a TimeoutError over it
         stop = interruption(e)
         if stop is None:
             raise
+        _end_worker_processes()
         raise stop from None
     errors = [e for e in ds["error"] if e]
     if errors:
@@ -230,6 +231,25 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             hint=f"Raise data.max_seq_len (now {cfg.max_seq_len}) or check the data.",
         )
     return ds
+
+
+def _end_worker_processes() -> None:
+    """End the processes a ``datasets.map`` cut short left behind: a Ctrl-C during the pool's start
+    skips its clean-up, and its manager process (not a daemon) would keep this process from exiting."""
+    import importlib
+
+    for name in ("multiprocess", "multiprocessing"):
+        try:
+            children = importlib.import_module(name).active_children()
+        except Exception:  # noqa: BLE001 - not installed, or nothing to ask
+            continue
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+                child.join(5)
 
 
 def _num_proc(cfg: DataSection, n_rows: int) -> int | None:
