@@ -41,3 +41,17 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     if best:
         return f" Did you mean '{best}'?"
     return f" Valid choices: {', '.join(choices)}."
+
+
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (``KeyboardInterrupt``) that ``error`` was raised while handling, if any: a library's
+    clean-up can replace it with an error of its own (``datasets.map`` with worker processes raises
+    a ``TimeoutError`` from its ``finally``), which must still stop the program as a Ctrl-C does."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def expand_user(path: str | Path) -> Path:
@@ -94,3 +95,92 @@ def file_digest(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------- a full disk
+#: ``errno`` of a write refused for want of space: no space left, disk quota exceeded
+DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (Linux numbers; errno.ENOSPC is 28 on every platform finetuner runs on)
+#: how libraries that do not raise ``OSError`` report it: safetensors' Rust writer (``os error 28``,
+#: ``StorageFull``), torch's zip writer (``file write failed`` / ``inline_container.cc … unexpected pos``)
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "storagefull", "disk quota exceeded", "os error 122")
+_WRITE_FAILED_TEXT = ("file write failed", "unexpected pos")
+#: below this much free space a failed write of torch's zip writer (which gives no reason) is taken for a full disk
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def size_text(n: float) -> str:
+    """A size in words with the precision that says something: ``0 bytes``, ``812 KiB``, ``3.4 MiB``, ``1.25 GiB``."""
+    n = max(0.0, float(n))
+    if n < 1024:
+        return f"{n:.0f} bytes"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        if n < scale * 1024 or unit == "TiB":
+            value = n / scale
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.1f} {unit}" if value >= 10 else f"{value:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free space on the file system of ``path`` (its nearest existing parent), or None if unknown."""
+    import shutil
+
+    p = Path(path).absolute()
+    for candidate in (p, *p.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def _chain(error: BaseException):
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_disk_full(error: BaseException, path: str | Path | None = None) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a write refused for want of disk space:
+    an ``OSError`` ENOSPC/EDQUOT, safetensors' ``os error 28``, or torch's zip writer failing to
+    write while the disk of ``path`` is (nearly) full."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(e).lower()
+        if any(marker in text for marker in _DISK_FULL_TEXT):
+            return True
+        if path is not None and any(marker in text for marker in _WRITE_FAILED_TEXT):
+            free = free_bytes(path)
+            if free is not None and free < _NEARLY_FULL_BYTES:
+                return True
+    return False
+
+
+def disk_full_path(error: BaseException) -> str | None:
+    """The file an ``OSError`` in ``error``'s chain names, if any."""
+    return next((str(e.filename) for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+
+
+def disk_full_error(path: str | Path, then: str, need_bytes: int | None = None):
+    """The :class:`~finetuner.errors.UserError` of a write to ``path`` that ran out of space:
+    how much is free, how much to free (``need_bytes``, when known), and ``then``: what to do next."""
+    from finetuner.errors import UserError
+
+    free = free_bytes(path)
+    has = f" ({size_text(free)} free)" if free is not None else ""
+    need = f"at least {size_text(need_bytes)}" if need_bytes else "some space"
+    return UserError(f"No space left on device while writing {path}{has}.", hint=f"Free {need} on that disk, then {then}.")
+
+
+@contextlib.contextmanager
+def disk_full_as_user_error(path: str | Path, then: str, need_bytes: int | None = None) -> Iterator[None]:
+    """Turn a write that fails for want of disk space inside the block into :func:`disk_full_error`
+    (one line, no traceback); any other error passes through unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e, path):
+            raise
+        raise disk_full_error(path, then, need_bytes) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +33,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     from rich.console import Console
@@ -42,15 +42,59 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     console = Console()
     gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    from finetuner.training.launch import needs_launch
+
     recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
     stop = threading.Event()
+    received: list[int] = []  # the signals asked to stop, first first: the exit status is 128 + the first
+    started = threading.Event()  # set by the run's "start" event: from then on a stop saves a checkpoint
+    aborting: list[int] = []  # the signal of a stop before the first step, once one came
+    lost: list[int] = []  # that stop's exception was dropped by Python (see _unraisable)
+    owner, launched = os.getpid(), needs_launch(recipe)  # a launched run's ranks stop on their own (.stop)
 
     def _on_signal(signum, _frame):
+        if os.getpid() != owner:  # a worker forked by this process (datasets' tokenization pool): its parent decides
+            if signum != signal.SIGINT:
+                os._exit(128 + signum)  # the pool ends its workers with SIGTERM
+            return
+        received.append(signum)
+        if aborting:  # already stopping before the first step: let its clean-up (ending worker processes) finish
+            if lost:  # ... unless the stop was lost (see _unraisable): raise it again
+                lost.clear()
+                raise Interrupted(aborting[0])
+            return
         if stop.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted(received[0])
+        if not started.is_set() and not launched:  # loading, tokenizing: nothing to save, so stop now
+            aborting.append(signum)
+            console.print("[yellow]Stopped before the first training step: there is nothing to save.[/]")
+            raise Interrupted(signum)
         stop.set()
         console.print("[yellow]Stopping after this step and saving a checkpoint (press Ctrl-C again to abort).[/]")
 
+    def _on_event(ev):
+        if ev["event"] != "start":
+            return
+        if aborting:  # the Ctrl-C's exception was lost (Python drops one raised inside a finalizer): stop here, still before step 1
+            raise Interrupted(aborting[0])
+        started.set()
+
+    default_unraisable = sys.unraisablehook
+
+    def _unraisable(unraisable):
+        """Python drops an exception raised while a finalizer (``__del__``, a weakref callback) runs:
+        a stop that lands there is raised again a moment later, outside it, instead of a traceback."""
+        if isinstance(unraisable.exc_value, Interrupted) and os.getpid() == owner:
+            lost.append(unraisable.exc_value.signum)
+            threading.Timer(0.01, os.kill, (owner, signal.SIGINT)).start()
+            return
+        default_unraisable(unraisable)
+
+    sys.unraisablehook = _unraisable
+    if not launched:  # processes forked from this one (datasets' tokenization workers) get the kernel's handling:
+        # Ctrl-C ignored (this process stops them), SIGTERM ends them at once even while they wait inside a lock,
+        # where a Python handler would never run and the pool's terminate() would leave them behind
+        os.register_at_fork(after_in_child=_signals_of_a_worker)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     from finetuner.training.trainer import train
@@ -58,14 +102,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with ProgressPrinter(console, quiet=args.quiet) as progress:
         result = train(
             recipe,
-            callbacks=[progress],
+            callbacks=[_on_event, progress],
             output_dir=args.output,
             resume=not args.no_resume,
             stop_event=stop,
             profile_memory=args.profile_memory,
         )
     progress.summary(result)
-    return 130 if result.stopped else 0
+    return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0
+
+
+def _signals_of_a_worker() -> None:
+    """In a process forked from ``finetuner run``: Ctrl-C is the parent's to act on, SIGTERM ends
+    it, and so does the parent's end (Linux ``PR_SET_PDEATHSIG``): a pool's manager process that a
+    Ctrl-C cut off from its clean-up would otherwise live on, holding the terminal's pipes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal (Ctrl-C, SIGTERM): abort now. The process exits with the shell's
+    status for the first signal it got, 128 + its number: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 #: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the
@@ -132,9 +199,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.hint:
             print(e.hint, file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("aborted.", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)  # SIGINT's number is 2 on every platform
+    except Exception as e:  # a full disk wherever no caller said what was being written: still one line
+        from finetuner.errors import interruption
+        from finetuner.fileio import disk_full_path, is_disk_full
+
+        stop = interruption(e)  # a Ctrl-C that a library's clean-up turned into an error of its own
+        if stop is not None and not args.debug:
+            print("aborted.", file=sys.stderr)
+            return 128 + getattr(stop, "signum", 2)
+        if args.debug or not is_disk_full(e):
+            raise
+        where = disk_full_path(e)
+        print(f"error: No space left on device{f' while writing {where}' if where else ''}.", file=sys.stderr)
+        print("Free some space on that disk, then run the same command again (a training run resumes from its last checkpoint).",
+              file=sys.stderr)
+        return UserError.exit_code
 
 
 if __name__ == "__main__":

@@ -9,6 +9,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+def _num(v: Any, spec: str) -> str:
+    """A number of an event formatted with ``spec``; NaN (null in events.jsonl) and infinities
+    (written as strings) as ``nan``/``inf``: a diverging run's line must not crash the printer."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, spec)
+    return "nan" if v is None else str(v)
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -79,18 +87,18 @@ class ProgressPrinter:
                 self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps="-")
         elif kind == "step":
             if self.progress and self.task is not None:
-                self.progress.update(self.task, completed=ev["step"], loss=f"{ev['loss']:.4f}", tps=f"{ev['tokens_per_s']:.0f}")
+                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=f"{ev['tokens_per_s']:.0f}")
             elif not self.quiet:
                 self.console.print(
-                    f"step {ev['step']}/{ev['max_steps']}  loss {ev['loss']:.4f}{_rewards(ev)}  lr {ev['lr']:.2e}  "
+                    f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
                     f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  ETA {ev['eta_s']:.0f}s",
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:
             if "eval_reward_accuracy" in ev:  # a preference objective's loss is not a language-model loss: no perplexity
-                self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}{_rewards(ev, 'eval_', ',')}", highlight=False)
+                self.console.print(f"eval at step {ev['step']}: loss {_num(ev['eval_loss'], '.4f')}{_rewards(ev, 'eval_', ',')}", highlight=False)
             else:
-                self.console.print(f"eval at step {ev['step']}: loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.2f}", highlight=False)
+                self.console.print(f"eval at step {ev['step']}: loss {_num(ev['eval_loss'], '.4f')}, perplexity {_num(ev['eval_ppl'], '.2f')}", highlight=False)
         elif kind == "checkpoint" and not self.quiet and not self.progress:
             self.console.print(f"checkpoint: {ev['path']}", highlight=False)
 

@@ -51,8 +51,38 @@ _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 _NAMES = re.compile(r"\s*[A-Za-z0-9_.]+(\s*[,\s]\s*[A-Za-z0-9_.]+)*\s*,?\s*")
 
 
+#: the seeds torch, numpy and ``random`` all accept (numpy's ``SeedSequence`` takes 0 to 2**32 - 1)
+MAX_SEED = 2**32 - 1
+
+
+def _numeric_kinds(annotation: Any) -> set[type]:
+    """``int`` and ``float`` among the kinds of value a field's annotation accepts (unions and
+    ``Annotated`` looked into); ``bool`` too where the field takes true/false."""
+    import typing
+
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _numeric_kinds(typing.get_args(annotation)[0])
+    members = _union_members(annotation)
+    if members is not None:
+        return set().union(*(_numeric_kinds(m) for m in members))
+    return {annotation} & {int, float, bool}
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a sensible setting (``training.lr: .inf`` trained a model of NaNs)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """``true``/``false`` where a number belongs is a mistake (pydantic would read it as 1/0:
+        ``lora.r: true`` trained with r=1)."""
+        if isinstance(v, bool):
+            field = cls.model_fields.get(info.field_name or "")
+            kinds = _numeric_kinds(field.annotation) if field else set()
+            if kinds and bool not in kinds:
+                raise ValueError(f"must be a number, not {str(v).lower()}")
+        return v
 
 
 class ModelSection(_Section):
@@ -242,7 +272,7 @@ class TrainingSection(_Section):
             "max_seq_len 16384, where the MLP's tensors are most of a recomputed layer's backward."
         ),
     )
-    seed: int = 42
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seeds the data order, the LoRA initialisation and dropout.")
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
 
     @property
@@ -902,6 +932,8 @@ def _value_message(errs: list[dict[str, Any]], tp: Any, metadata: list[Any]) -> 
         else:
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             return errs[0]["msg"] + shown + "."
+    if any(e["type"] == "finite_number" for e in errs):  # inf or nan given (pydantic: allow_inf_nan=False)
+        words = [w.replace("a number", "a finite number", 1) for w in words]
     best = closest(got, [c for c in choices if isinstance(c, str)]) if isinstance(got, str) else None
     hint = f" Did you mean '{best}'?" if best else ""
     if not words:  # choices only

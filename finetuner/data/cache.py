@@ -172,7 +172,9 @@ def store(key: str, train, val, stats: dict[str, Any]) -> Path | None:
             return folder
         tmp.rename(folder)
         return folder
-    except OSError as e:
-        log.warning("Could not write the tokenized-data cache to %s (%s); the next run tokenizes again.", folder, e)
+    except BaseException as e:  # a full disk, or Ctrl-C: no half-written entry is left in the cache
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
+        log.warning("Could not write the tokenized-data cache to %s (%s); the next run tokenizes again.", folder, e)
         return None

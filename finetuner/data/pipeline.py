@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.data.formats import FileExamples, RowError
-from finetuner.errors import UserError
+from finetuner.errors import UserError, interruption
 from finetuner.config.recipe import DataSection
 
 log = logging.getLogger(__name__)
@@ -199,14 +199,21 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             out["error"].append(err)
         return out
 
-    ds = ds.map(
-        _encode,
-        batched=True,
-        batch_size=256,
-        num_proc=_num_proc(cfg, len(ds)),
-        remove_columns=["messages", "text", "prompt", "completion"],
-        desc="Tokenizing",
-    )
+    try:
+        ds = ds.map(
+            _encode,
+            batched=True,
+            batch_size=256,
+            num_proc=_num_proc(cfg, len(ds)),
+            remove_columns=["messages", "text", "prompt", "completion"],
+            desc="Tokenizing",
+        )
+    except BaseException as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up may raise a TimeoutError over it
+        stop = interruption(e)
+        if stop is None:
+            raise
+        _end_worker_processes()
+        raise stop from None
     errors = [e for e in ds["error"] if e]
     if errors:
         if cfg.on_bad_row == "error":
@@ -224,6 +231,25 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             hint=f"Raise data.max_seq_len (now {cfg.max_seq_len}) or check the data.",
         )
     return ds
+
+
+def _end_worker_processes() -> None:
+    """End the processes a ``datasets.map`` cut short left behind: a Ctrl-C during the pool's start
+    skips its clean-up, and its manager process (not a daemon) would keep this process from exiting."""
+    import importlib
+
+    for name in ("multiprocess", "multiprocessing"):
+        try:
+            children = importlib.import_module(name).active_children()
+        except Exception:  # noqa: BLE001 - not installed, or nothing to ask
+            continue
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+                child.join(5)
 
 
 def _num_proc(cfg: DataSection, n_rows: int) -> int | None:

@@ -256,8 +256,10 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
     if free < weight_bytes * 1.05 + 50 * 2**20:
-        raise UserError(f"Not enough free disk space for {out}: {free / 2**30:.2f} GiB free, the merged weights need "
-                        f"{weight_bytes / 2**30:.2f} GiB.", hint="Free some space or choose another output folder (-o).")
+        from finetuner.fileio import size_text
+
+        raise UserError(f"Not enough free disk space for {out}: {size_text(free)} free, the merged weights need "
+                        f"{size_text(weight_bytes * 1.05 + 50 * 2**20)}.", hint="Free some space or choose another output folder (-o).")
 
     probe = _probe_ids(tokenizer, template)
     if src.has_adapter:
@@ -325,8 +327,12 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
         files = sorted(p.name for p in tmp.iterdir())
         _publish(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        from finetuner.fileio import disk_full_error, is_disk_full
+
+        if isinstance(e, Exception) and is_disk_full(e, out.parent):
+            raise disk_full_error(out, f"run the same command again (nothing was written to {out})", int(weight_bytes * 1.05)) from None
         raise
     return MergeResult(
         output_dir=out, source=str(src.path), base_model=src.base_model, dtype=dtype, files=files,

@@ -173,12 +173,17 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
     ``allow_pickle``), quietly; a failure is a :class:`UserError` naming ``what`` could not be loaded."""
     from transformers import AutoModelForCausalLM
 
-    from finetuner.model.loading import weight_format_kwargs, weights_load_hint
+    from finetuner.model.loading import model_files_error, weight_format_kwargs, weights_load_hint
 
     try:
         with quieted():
             return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
+        broken = model_files_error(e, name, what)
+        if broken is not None:
+            raise broken from None
+        if not isinstance(e, OSError):
+            raise
         raise UserError(f"Could not load {what} '{name}' ({e}).", hint=weights_load_hint(e, allow_pickle) + " Or pass --base.") from None
 
 

@@ -141,6 +141,57 @@ def weights_load_hint(error: Exception, allow_pickle: bool) -> str:
     return "Check the folder or hub id (and your connection)."
 
 
+def _broken_weight_file(folder: Any) -> str | None:
+    """The first ``*.safetensors`` file in a local ``folder`` whose header cannot be read, or None."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(str(folder)).expanduser()
+    if not path.is_dir():
+        return None
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception:  # noqa: BLE001 - SafetensorError, OSError: this is the broken file
+            return f"{f} ({f.stat().st_size} bytes)"
+    return None
+
+
+def model_files_error(error: BaseException, name: str, what: str = "model.name") -> UserError | None:
+    """A :class:`UserError` naming the model folder (or hub id) ``name`` when ``error``, raised by
+    ``from_pretrained``, says its files are broken or do not fit together: a truncated or empty
+    safetensors file, a config.json without ``model_type`` (or with one transformers does not know),
+    weights whose shapes differ from config.json. None for anything else (a bug, or out of memory)."""
+    from safetensors import SafetensorError
+
+    text = str(error).strip()
+    first = text.splitlines()[0][:300] if text else type(error).__name__
+    refetch = "Download or copy the model again from where it came from (hf download ORG/NAME --local-dir DIR)."
+    if isinstance(error, SafetensorError) or (isinstance(error, OSError) and "safetensors" in text.lower() and "header" in text.lower()):
+        where = _broken_weight_file(name) or f"a *.safetensors file in '{name}'"
+        return UserError(f"{what}: the weight file {where} is truncated or corrupt ({first}).",
+                         hint=refetch + " An interrupted download or copy leaves such a file.")
+    architecture = ("model_type", "Unrecognized model", "does not recognize this architecture")
+    if isinstance(error, (ValueError, KeyError)) and any(marker in text for marker in architecture):
+        return UserError(
+            f"{what}: '{name}': config.json names no model_type this transformers knows ({first.rstrip('.')}).",
+            hint="Its config.json needs a \"model_type\" transformers knows (e.g. \"llama\", \"qwen2\", \"mistral\"): use the "
+                 "config.json that came with the weights, or upgrade transformers for a newer architecture. " + refetch,
+        )
+    if isinstance(error, RuntimeError) and ("size mismatch" in text or "mismatched_sizes" in text or "mismatched sizes" in text):
+        return UserError(
+            f"{what}: the weights in '{name}' do not have the shapes its config.json describes (size mismatch).",
+            hint="config.json and the *.safetensors files come from different models, or a size in config.json (hidden_size, "
+                 "intermediate_size, vocab_size, num_key_value_heads) was edited: put back the config.json that came with "
+                 "the weights. " + refetch,
+        )
+    if isinstance(error, ValueError) and ("config" in text.lower() or "json" in text.lower()):
+        return UserError(f"{what}: '{name}': its config.json cannot be used ({first}).", hint=refetch)
+    return None
+
+
 def bnb_config(recipe: Recipe, rt: Runtime):
     """The ``BitsAndBytesConfig`` for the recipe's quantization section (None if unquantized)."""
     q = recipe.quantization
@@ -190,8 +241,11 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     try:
         with quieted():
             model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
-    except OSError as e:
-        raise UserError(
+    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
+        broken = model_files_error(e, m.name)
+        if broken is None and not isinstance(e, OSError):
+            raise
+        raise broken or UserError(
             f"model.name: could not load '{m.name}' ({e}).",
             hint=weights_load_hint(e, m.allow_pickle),
         ) from None

@@ -215,12 +215,52 @@ def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> No
     """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
     import shutil
 
+    from finetuner.fileio import size_text
+
     one = checkpoint_bytes(model, optimizer)
     need = one * (keep_last + 2)  # K kept + one being written + the final adapter
     free = shutil.disk_usage(run_dir).free
     if free < need:
         raise UserError(
-            f"Not enough free disk space in {run_dir}: {free / 2**30:.2f} GiB free, but {keep_last} checkpoints of "
-            f"{one / 2**30:.2f} GiB each plus one being written and the final adapter need {need / 2**30:.2f} GiB.",
+            f"Not enough free disk space in {run_dir}: {size_text(free)} free, but {keep_last} checkpoints of "
+            f"{size_text(one)} each plus one being written and the final adapter need {size_text(need)}.",
             hint="Free some space, choose another --output, or lower checkpointing.keep_last.",
         )
+
+
+#: what a run writes into its folder before its first step: nothing a user needs once the run failed there
+SETUP_FILES = frozenset({".lock", "recipe.yaml", "events.jsonl", "plan.json", "tensorboard"})
+
+
+def is_new_run_dir(run_dir: Path) -> bool:
+    """True when ``run_dir`` does not exist or is an empty folder (a run there starts from nothing)."""
+    run_dir = Path(run_dir)
+    return not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
+
+
+def remove_failed_setup(run_dir: Path, existed: bool) -> bool:
+    """After a run failed before its first step (a bad data row, a broken model folder, too little
+    disk, Ctrl-C while tokenizing) in a folder that was new for it (:func:`is_new_run_dir`): remove
+    what it wrote there, so no folder holding only an error is left behind; the folder itself too
+    unless it ``existed`` (empty) before. Anything else in it (a checkpoint, a file of the user's)
+    and the folder is left as it is. Returns whether it removed anything."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return False
+    if any(p.name not in SETUP_FILES or p.is_symlink() for p in entries):
+        return False
+    for p in entries:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if not existed:
+        try:
+            run_dir.rmdir()
+        except OSError:
+            pass
+    return True

@@ -16,7 +16,7 @@ Layout of ``<run>/checkpoints/step-00000040/``:
 A checkpoint is written into ``.tmp-step-…`` and renamed into place only when complete, so a
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
 Resuming reads a checkpoint whole before applying any of it; one that cannot be read (a
-truncated file, a missing part) is reported and the one before it is used.
+truncated file, a missing part, weights that hold NaN or inf) is reported and the one before it is used.
 """
 
 from __future__ import annotations
@@ -112,7 +112,11 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``step`` (see the module's docstring) and prune older ones."""
     tmp = start_checkpoint(run_dir, step)
-    write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml, midway)
+    try:
+        write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml, midway)
+    except Exception:  # a full disk, say: give the space of the half-written checkpoint back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return publish_checkpoint(run_dir, step, keep_last)
 
 
@@ -145,6 +149,9 @@ def read_checkpoint(ckpt: Path, engine: bool = False) -> dict[str, Any]:
                 raise FileNotFoundError(f"no weights in {ckpt / 'adapter'}")
             for f in files:
                 weights.update(load_file(f))
+            bad = [name for name, w in weights.items() if w.is_floating_point() and not bool(torch.isfinite(w).all())]
+            if bad:  # written before finetuner refused to save such weights: resuming would train NaNs
+                raise ValueError(f"{len(bad)} of its {len(weights)} weight tensors hold NaN or inf values (e.g. {bad[0]})")
         parts = {
             "weights": weights,
             "optimizer": None if engine else torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"),

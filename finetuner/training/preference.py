@@ -152,6 +152,29 @@ def kto_loss(policy, reference, policy_kl, reference_kl, desirable, beta: float,
 
 
 # --------------------------------------------------------------------------- the objective
+def _read_reference(path: Path, sizes: dict[str, int]) -> dict[str, Any] | None:
+    """The reference scores saved in ``path`` (``{split: tensor of shape (rows, 2)}``), read as
+    plain tensors only (``weights_only``: a planted pickle runs no code); None when the file is
+    missing, unreadable, or made for other data (then the caller computes the scores again: they
+    are the step-0 model's, so the result is the same)."""
+    import torch
+
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+        fits = (isinstance(saved, dict) and set(saved) == set(sizes)
+                and all(isinstance(v, torch.Tensor) and tuple(v.shape) == (sizes[k], 2) and bool(v.isfinite().all())
+                        for k, v in saved.items()))
+    except Exception as e:  # noqa: BLE001 - truncated, not a torch file, or a pickle of something else
+        log.warning("%s cannot be read (%s: %s); computing the reference scores again.", path, type(e).__name__, str(e)[:200])
+        return None
+    if not fits:
+        log.warning("%s does not hold the reference scores of this data; computing them again.", path)
+        return None
+    return saved
+
+
 class StepMetrics:
     """Sums over a step's (or an evaluation's) examples of the rewards the events report.
 
@@ -278,11 +301,10 @@ class PreferenceObjective:
 
         path = self.run_dir / REFERENCE_FILE
         sizes = {"train": len(trainer.data.train), "val": len(trainer.data.val or [])}
-        if path.is_file():
-            saved = torch.load(path)
-            if {k: len(v) for k, v in saved.items()} == sizes:
-                self.reference = saved
-                return
+        saved = _read_reference(path, sizes)
+        if saved is not None:
+            self.reference = saved
+            return
         was_training = trainer.model.training
         trainer.model.eval()
         mbs = trainer.recipe.training.micro_batch_size

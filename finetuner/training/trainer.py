@@ -44,7 +44,7 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
-from finetuner.runs.folder import RunFinished, check_disk_space, prepare_run_dir
+from finetuner.runs.folder import RunFinished, check_disk_space, is_new_run_dir, prepare_run_dir, remove_failed_setup
 
 log = logging.getLogger(__name__)
 
@@ -630,9 +630,67 @@ class Trainer:
         }
 
     def save_checkpoint(self, elapsed: float) -> Path:
-        path = self._write_checkpoint(elapsed)
+        self._check_finite_weights()
+        with self._disk_full_guard(ckpt_io.staging_dir(self.run_dir, self.step)):
+            path = self._write_checkpoint(elapsed)
         self.events.emit("checkpoint", step=self.step, path=str(path))
         return path
+
+    def _check_finite_weights(self) -> None:
+        """Before a checkpoint or the adapter is written (on every rank, which agree): a trained
+        weight that is NaN or inf ends the run instead, so no checkpoint a resume would load again,
+        and no adapter, ever holds one; the run folder keeps its last good checkpoint."""
+        import torch
+
+        bad = [n for n, p in self.model.named_parameters() if p.requires_grad and p.numel() and not bool(torch.isfinite(p).all())]
+        if not self._sum_over_ranks([float(len(bad))])[0]:
+            return
+        shown = f" ({', '.join(bad[:2])}{f' and {len(bad) - 2} more' if len(bad) > 2 else ''})" if bad else ""
+        last = ckpt_io.latest_checkpoint(self.run_dir)
+        kept = f"the run folder keeps its last good checkpoint ({last.name})" if last is not None else "the run folder has no checkpoint yet"
+        raise UserError(
+            f"After step {self.step} the trained weights hold NaN or inf values{shown}; nothing was saved ({kept}).",
+            hint=self.divergence_hint(),
+        )
+
+    def divergence_hint(self, first_step: bool = False) -> str:
+        """What most likely made the loss or the weights non-finite, from what this run did: the
+        first step already (the base model or the data), fp16, a high learning rate, no clipping,
+        a loss that was climbing before."""
+        t, causes = self.recipe.training, []
+        if first_step:  # nothing was updated yet: not the learning rate
+            causes.append(
+                "the loss is not finite at the first step, before any update: the base model's own outputs are (check "
+                f"its weights in {self.recipe.model.name}, or try training.precision: fp32)")
+        if self.rt.precision == "fp16":
+            causes.append("fp16 overflows easily: use training.precision bf16 (on GPUs that have it) or fp32")
+        if first_step:
+            return "Likely cause: " + "; ".join(causes) + "."
+        if t.lr > 1e-2 or (t.lr > 2e-3 and self.recipe.method == "full"):
+            causes.append(f"training.lr {t.lr:g} is very high for {self.recipe.method} (LoRA trains at 1e-4 to 2e-3, "
+                          "a full fine-tune at 1e-6 to 5e-5): lower it")
+        if t.max_grad_norm is None:
+            causes.append("gradient clipping is off: set training.max_grad_norm: 1.0")
+        finite = [x for x in self.losses if math.isfinite(x)]
+        if len(finite) >= 2 and finite[-1] > 2 * min(finite):
+            causes.append(f"the loss was climbing ({min(finite):.3g} → {finite[-1]:.3g}): the training diverged; lower "
+                          "training.lr or raise warmup_steps")
+        if not causes:
+            causes.append(f"lower training.lr ({t.lr:g}) or raise warmup_steps; try training.precision: fp32 to rule out rounding")
+        return "Likely cause: " + "; ".join(causes) + "."
+
+    def _disk_full_guard(self, path: Path, weights_only: bool = False):
+        """A full disk while writing ``path`` (a checkpoint, the adapter) ends the run with one line
+        saying how much to free and how to resume, instead of the writers' chained tracebacks."""
+        from finetuner.fileio import disk_full_as_user_error
+        from finetuner.runs.folder import checkpoint_bytes
+
+        last = ckpt_io.latest_checkpoint(self.run_dir)
+        since = f"from its last checkpoint ({last.name})" if last is not None else "from the start"
+        then = (f"resume with `finetuner run {self.run_dir / 'recipe.yaml'} -o {self.run_dir}` (the run continues "
+                f"{since}; lowering checkpointing.keep_last also saves space)")
+        need = checkpoint_bytes(self.model, "sgd" if weights_only else self.recipe.training.optimizer)
+        return disk_full_as_user_error(path, then, need)
 
     def _midway_through_save(self) -> None:
         """Called inside a checkpoint write, after the weights: where ``KILL@save:STEP`` strikes."""
@@ -672,8 +730,8 @@ class Trainer:
             t = self.recipe.training  # the micro-batch may have been backed off
             if not math.isfinite(loss):
                 raise UserError(
-                    f"The loss became {loss} at step {self.step + 1}.",
-                    hint="Lower training.lr, or use bf16/fp32 precision instead of fp16.",
+                    f"The loss became {loss} at step {self.step + 1}; no checkpoint was written after it.",
+                    hint=self.divergence_hint(first_step=self.step == (self.resumed_from or 0) and not self.losses),
                 )
             self.step += 1
             self.tokens_seen += tokens
@@ -728,6 +786,7 @@ class Trainer:
         if self.step > last_saved:
             self.save_checkpoint(elapsed)
         eval_loss = self._eval_and_log()
+        self._check_finite_weights()
         adapter_dir = self.save_final()
         metrics = {
             "steps": self.step,
@@ -757,10 +816,14 @@ class Trainer:
         tmp = self.run_dir / ".tmp-adapter"
         if tmp.exists():
             shutil.rmtree(tmp)
-        with quieted():  # transformers' "Writing model shards" bar for a full fine-tune
-            self.model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.chat_template = self.data.chat_template
-        self.tokenizer.save_pretrained(tmp)
+        try:
+            with self._disk_full_guard(tmp, weights_only=True), quieted():  # quieted: transformers' "Writing model shards" bar
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.chat_template = self.data.chat_template
+                self.tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space of the half-written adapter back
+            raise
         if final.exists():
             old = self.run_dir / ".old-adapter"
             shutil.rmtree(old, ignore_errors=True)
@@ -778,6 +841,15 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- entry point
+def _record_error(trainer: Trainer, message: str, kind: str, user_error: bool) -> None:
+    """The ``error`` event of a failed run; when it cannot be written (the disk is full: often why the
+    run failed) the error being raised is what the user sees, not a second traceback chained to it."""
+    try:
+        trainer.events.emit("error", message=message, type=kind, user_error=user_error)
+    except OSError as e:
+        log.warning("Could not record the error in %s (%s).", trainer.events.path, e)
+
+
 def finished_result(done: RunFinished) -> TrainResult:
     """What :func:`train` returns for a run folder that already holds the finished run."""
     metrics_file = done.run_dir / "metrics.json"
@@ -823,15 +895,19 @@ def train(
         from finetuner.planning.planner import resolve_for_run
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
+        new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
     except RunFinished as done:
         return finished_result(done)
-    if plan is not None:
-        atomic_write_json(run_dir / "plan.json", plan.to_dict())
+    in_setup = True  # until the first step: a failure there leaves no folder behind (remove_failed_setup)
     try:
+        if plan is not None:
+            atomic_write_json(run_dir / "plan.json", plan.to_dict())
         trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
     except BaseException:
         lock.release()
+        if new_folder:
+            remove_failed_setup(run_dir, existed)
         raise
     for note in notes:
         log.warning(note)
@@ -840,6 +916,7 @@ def train(
                             predicted_total_bytes=plan.estimate.total_bytes, device_bytes=plan.gpu.memory_bytes)
     try:
         trainer.setup()
+        in_setup = False
         result = trainer.train()
         if recipe.samples.prompts and not result.stopped:
             from finetuner.infer.generate import compare_samples
@@ -850,14 +927,16 @@ def train(
             trainer.events.emit("samples", samples=samples)
         return result
     except UserError as e:
-        trainer.events.emit("error", message=str(e), type=type(e).__name__, user_error=True)
+        _record_error(trainer, str(e), type(e).__name__, user_error=True)
         raise
     except KeyboardInterrupt:
-        trainer.events.emit("error", message="interrupted", type="KeyboardInterrupt", user_error=True)
+        _record_error(trainer, "interrupted", "KeyboardInterrupt", user_error=True)
         raise
     except Exception as e:
-        trainer.events.emit("error", message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        _record_error(trainer, f"{type(e).__name__}: {e}", type(e).__name__, user_error=False)
         raise
     finally:
         trainer.cleanup()
         lock.release()
+        if in_setup and new_folder:
+            remove_failed_setup(run_dir, existed)
