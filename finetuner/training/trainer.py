@@ -785,6 +785,20 @@ def finished_result(done: RunFinished) -> TrainResult:
     return TrainResult(done.run_dir, done.run_dir / "adapter", metrics, finished=done.message)
 
 
+def check_inputs(recipe: Recipe) -> None:
+    """What a run reads, checked before its run folder is changed (``--no-resume`` moves an old run
+    aside only after this): the model's tokenizer, and the data read, checked and tokenized as the
+    run will (into the data cache, so the run itself then reads it from there)."""
+    with quieted():
+        tokenizer = load_tokenizer(recipe)
+        if recipe.objective != "sft":
+            from finetuner.data.preference import prepare_preference_data
+
+            prepare_preference_data(recipe.data, recipe.objective, tokenizer, recipe.training.seed)
+        else:
+            prepare_data(recipe.data, tokenizer, recipe.training.seed)
+
+
 def train(
     recipe: Recipe | str | Path,
     callbacks: list[Callback] | None = None,
@@ -823,7 +837,7 @@ def train(
         from finetuner.planning.planner import resolve_for_run
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
-        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
     except RunFinished as done:
         return finished_result(done)
     if plan is not None:
