@@ -274,7 +274,7 @@ def launch_training(
     from finetuner.planning.planner import resolve_for_run
     from finetuner.runs.folder import prepare_run_dir
     from finetuner.training.result import TrainResult
-    from finetuner.training.trainer import check_inputs
+    from finetuner.training.inputs import check_inputs
 
     cuda = torch.cuda.is_available() and recipe.device != "cpu"
     d = recipe.distributed

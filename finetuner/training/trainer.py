@@ -45,6 +45,7 @@ from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
 from finetuner.runs.folder import RunFinished, check_disk_space, prepare_run_dir
+from finetuner.training.inputs import check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -783,20 +784,6 @@ def finished_result(done: RunFinished) -> TrainResult:
     metrics_file = done.run_dir / "metrics.json"
     metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
     return TrainResult(done.run_dir, done.run_dir / "adapter", metrics, finished=done.message)
-
-
-def check_inputs(recipe: Recipe) -> None:
-    """What a run reads, checked before its run folder is changed (``--no-resume`` moves an old run
-    aside only after this): the model's tokenizer, and the data read, checked and tokenized as the
-    run will (into the data cache, so the run itself then reads it from there)."""
-    with quieted():
-        tokenizer = load_tokenizer(recipe)
-        if recipe.objective != "sft":
-            from finetuner.data.preference import prepare_preference_data
-
-            prepare_preference_data(recipe.data, recipe.objective, tokenizer, recipe.training.seed)
-        else:
-            prepare_data(recipe.data, tokenizer, recipe.training.seed)
 
 
 def train(
