@@ -212,3 +212,24 @@ def test_the_ui_overwrite_checkbox_does_not_replace_a_folder_of_the_users(tmp_pa
     assert _tree(out) == before
     done = list(h.on_gguf(run.name, "ollama", "f16", str(out), True))[-1]
     assert "notes.txt" in done and not done.startswith("✓") and _tree(out) == before
+
+
+def test_the_marker_rule_itself(run, tmp_path):
+    """A folder is replaceable when its marker (a plain file) lists every entry, each a plain file."""
+    src = resolve_source(run)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    (out / EXPORT_MARKER).write_text(json.dumps({"kind": "merge", "source": "x", "time": "t", "files": ["model.safetensors"]}))
+    check_output_dir(out, True, src)  # finetuner's own: replaced with overwrite
+    with pytest.raises(UserError, match="earlier finetuner merge"):
+        check_output_dir(out, False, src)
+    real = tmp_path / "marker.json"
+    (out / EXPORT_MARKER).rename(real)
+    (out / EXPORT_MARKER).symlink_to(real)  # a link is not finetuner's marker
+    with pytest.raises(UserError, match="no finetuner merge or export wrote"):
+        check_output_dir(out, True, src)
+    (out / EXPORT_MARKER).unlink()
+    (out / EXPORT_MARKER).write_text("not json")
+    with pytest.raises(UserError, match="no finetuner merge or export wrote"):
+        check_output_dir(out, True, src)

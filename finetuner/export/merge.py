@@ -147,19 +147,29 @@ def write_export_marker(folder: Path, kind: str, source: str) -> None:
     (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
 
 
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s marker as written by :func:`write_export_marker` (a plain file of at most 1 MiB, a
+    JSON object with a list of ``files``), or None."""
+    marker = folder / EXPORT_MARKER
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 2**20:
+            return None
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
+
+
 def export_marker(folder: Path) -> dict[str, Any] | None:
     """The marker of ``folder`` when finetuner wrote the folder as it is: a marker file (not a link)
     listing every entry in it, each a plain file (merge and export outputs have no sub-folders);
     else None."""
-    marker = folder / EXPORT_MARKER
-    try:
-        if not marker.is_file() or marker.is_symlink():
-            return None
-        info = json.loads(marker.read_text(encoding="utf-8"))
-        entries = list(folder.iterdir())
-    except (OSError, ValueError):
+    info = _read_marker(folder)
+    if info is None:
         return None
-    if not isinstance(info, dict) or not isinstance(info.get("files"), list):
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
         return None
     listed = {str(f) for f in info["files"]} | {EXPORT_MARKER}
     for entry in entries:
@@ -171,10 +181,7 @@ def export_marker(folder: Path) -> dict[str, Any] | None:
 def _foreign_entries(folder: Path, n: int = 4) -> str:
     """A few of the entries in ``folder`` that no finetuner export wrote there (entries its marker does
     not list, sub-folders, links first), e.g. ``notes.txt, .ssh/ and 3 more``."""
-    try:
-        listed = {str(f) for f in json.loads((folder / EXPORT_MARKER).read_text(encoding="utf-8")).get("files", [])}
-    except (OSError, ValueError, AttributeError, TypeError):
-        listed = set()
+    listed = {str(f) for f in (_read_marker(folder) or {}).get("files", [])}
     try:
         entries = sorted(folder.iterdir())
     except OSError as e:
