@@ -85,6 +85,15 @@ def test_no_resume_checks_the_data_before_moving_a_finished_run(recipe_dict, tmp
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
 
+    no_tokenizer = tmp_path / "model"  # a model folder without tokenizer files: the model is checked first too
+    no_tokenizer.mkdir()
+    shutil.copy(Path(recipe_dict["model"]["name"]) / "config.json", no_tokenizer)
+    p = run_cli("run", str(recipe), "-o", str(run), "--no-resume", "--set", f"model.name={no_tokenizer}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert str(no_tokenizer) in p.stderr
+    assert not [d for d in tmp_path.iterdir() if ".old-" in d.name]
+    assert {k: v for k, v in _snapshot(run).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+
 
 def test_a_run_folder_made_before_the_marker_is_still_recognised(recipe_dict, tmp_path):
     recipe, run = _finished_run(recipe_dict, tmp_path)
