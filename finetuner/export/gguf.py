@@ -21,6 +21,11 @@ Memory: the merge's peak (the model in the merge dtype, see ``merge.py``), then 
 time while writing; the logits check loads the merged model and then the GGUF model (transformers'
 loader dequantizes every tensor to float32 and keeps them until the model is built), so with the
 check on, peak RAM is about twice the model's size in float32; ``verify=False`` skips it.
+
+Overwrite: every GGUF file finetuner writes holds the metadata key ``finetuner.export`` (JSON:
+kind, source, time), and an Ollama folder gets merge's marker file (``.finetuner-export.json``).
+``overwrite`` replaces only a ``.gguf`` file with that key, or a folder a finetuner merge or export
+wrote; any other file or folder is refused, overwrite or not.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from typing import Any
 from finetuner.errors import UserError, did_you_mean
 from finetuner.export.gguf_arch import Arch, arch_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
-from finetuner.export.merge import PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss
+from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
+                                    write_export_marker)
 from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
 from finetuner.quiet import quieted
 
@@ -124,13 +130,44 @@ def _check_args(fmt: str, quant: str) -> None:
             )
 
 
+#: The GGUF metadata key finetuner writes into every file it exports (JSON: kind, source, time);
+#: ``overwrite`` replaces only a ``.gguf`` file that holds it.
+MARKER_KEY = "finetuner.export"
+
+
+def gguf_marker(path: Path) -> dict[str, Any] | None:
+    """The :data:`MARKER_KEY` metadata of a GGUF file finetuner exported; None for any other file
+    (not GGUF, unreadable, or a GGUF without the key)."""
+    import gguf
+
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        field = gguf.GGUFReader(str(path)).fields.get(MARKER_KEY)
+        info = json.loads(field.contents()) if field is not None else None
+    except Exception:  # noqa: BLE001 - whatever the reader makes of a file that is not GGUF: not ours
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def check_gguf_replaceable(out: Path, overwrite: bool) -> None:
+    """An existing ``out`` is replaced only with ``overwrite``, and only when it is a GGUF file
+    finetuner exported (:func:`gguf_marker`); checked before the export and again before the rename."""
+    if out.is_symlink() or out.is_dir():
+        raise UserError(f"The output {out} is a {'link' if out.is_symlink() else 'folder'}.", hint="Name a new .gguf file for -o.")
+    if not out.exists():
+        return
+    if gguf_marker(out) is None:
+        raise UserError(f"The output {out} exists and is not a GGUF file finetuner exported; finetuner will not "
+                        "replace it (overwrite or not).", hint="Choose a new file name, or move that file away yourself.")
+    if not overwrite:
+        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
+
+
 def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
     if out.suffix != ".gguf":
         raise UserError(f"The output {out} does not end in .gguf.", hint="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).")
-    if out.is_dir():
-        raise UserError(f"The output {out} is a folder.", hint="Name a .gguf file for -o.")
-    if out.exists() and not overwrite:
-        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
+    check_gguf_replaceable(out, overwrite)
     # a run folder may hold the export (as it holds merge's default runs/<run>/merged); a model or
     # adapter folder may not (the export would become part of what it was made from)
     folders = [src.adapter_dir] + ([] if src.kind in ("run", "full") else [Path(str(src.path))])
@@ -236,13 +273,14 @@ def _encode(data, qtype_name: str):
     return gguf.quants.quantize(data, _ggml_type(qtype_name))
 
 
-def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name: str, quant: str) -> None:
+def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name: str, quant: str, source: str) -> None:
     import gguf
     import numpy as np
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_arch)
     try:
         writer.add_name(name)
+        writer.add_string(MARKER_KEY, json.dumps({"kind": "gguf", "source": source, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         arch.write_metadata(writer)
         writer.add_file_type(QUANTS[quant][1])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -458,8 +496,6 @@ def export_model(
 
 
 def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0):
-    from finetuner.fileio import publish_dir
-
     plan = _Plan(arch, weights, quant)
     if fmt == "gguf":
         tmp_dir, name = out.parent, f".{out.stem}.tmp-export-{os.getpid()}.gguf"
@@ -472,12 +508,12 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
         if quant == "q4_k_m":
             f16 = tmp_dir / f".{name}.f16.gguf"
             plan_f16 = _Plan(arch, weights, "f16")
-            _write_gguf(f16, arch, plan_f16, vocab, template, title, "f16")
+            _write_gguf(f16, arch, plan_f16, vocab, template, title, "f16", str(src.path))
             _quantize_k(f16, path, quant)
             f16.unlink()
             _k_quant_plan(plan, path)
         else:
-            _write_gguf(path, arch, plan, vocab, template, title, quant)
+            _write_gguf(path, arch, plan, vocab, template, title, quant, str(src.path))
         max_err = _check_tensors(path, plan)
         probe, probe_text = _probe_ids(tokenizer, template)
         diff = max_logit = tol = top1 = None
@@ -497,19 +533,15 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
         command = None
         if fmt == "gguf":
+            check_gguf_replaceable(out, overwrite)  # again: nothing else arrived there meanwhile
             os.replace(path, out)
             gguf_file, modelfile_path = out, None
         else:
             from finetuner.export.ollama import model_name
 
             (tmp_dir / "Modelfile").write_text(modelfile_text, encoding="utf-8")
-            if out.exists():
-                aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
-                out.rename(aside)
-                publish_dir(tmp_dir, out)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                publish_dir(tmp_dir, out)
+            write_export_marker(tmp_dir, "ollama", str(src.path))
+            publish_replacing(tmp_dir, out, overwrite)
             gguf_file, modelfile_path = out / name, out / "Modelfile"
             command = f"ollama create {model_name(out.name)} -f {modelfile_path}"
     except BaseException as e:

@@ -7,6 +7,11 @@ published: the merged folder is written to a temporary folder next to the output
 with plain :class:`transformers.AutoModelForCausalLM`, and its logits on a probe conversation
 are compared with the adapter-on-base logits; only then is it renamed into place.
 
+Overwrite: the output folder gets a marker, ``.finetuner-export.json`` (what wrote it, from what,
+when, and its files), in the temporary folder, so it is published with the model. ``overwrite``
+replaces only a folder whose marker lists everything in it (:func:`check_replaceable`); a folder
+holding anything else (the user's files, a run, the home folder) is refused, overwrite or not.
+
 Memory: the base is loaded once (transformers materialises it tensor by tensor from the
 safetensors files, so there is no second copy), the merge happens in place layer by layer,
 and ``save_pretrained`` serialises one shard at a time. Peak RAM is about the model's size in
@@ -128,22 +133,108 @@ def parse_size(size: int | str) -> int:
     raise UserError(f"shard size '{size}' is not a size.", hint="Use e.g. 5GB, 500MB or 2GiB.")
 
 
+#: The marker a merge or an Ollama export writes into its output folder (in the temporary folder,
+#: so it appears with the output in one rename): what wrote it, from what, when, and the files it
+#: wrote. ``overwrite`` replaces only a folder whose marker lists every entry in it.
+EXPORT_MARKER = ".finetuner-export.json"
+
+
+def write_export_marker(folder: Path, kind: str, source: str) -> None:
+    """Record in ``folder`` (complete, not yet published) that finetuner's ``kind`` export of
+    ``source`` wrote it, with the names of its files."""
+    files = sorted(p.name for p in folder.iterdir() if p.name != EXPORT_MARKER)
+    marker = {"kind": kind, "source": str(source), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+    (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s marker as written by :func:`write_export_marker` (a plain file of at most 1 MiB, a
+    JSON object with a list of ``files``), or None."""
+    marker = folder / EXPORT_MARKER
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 2**20:
+            return None
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("files"), list) else None
+
+
+def export_marker(folder: Path) -> dict[str, Any] | None:
+    """The marker of ``folder`` when finetuner wrote the folder as it is: a marker file (not a link)
+    listing every entry in it, each a plain file (merge and export outputs have no sub-folders);
+    else None."""
+    info = _read_marker(folder)
+    if info is None:
+        return None
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return None
+    listed = {str(f) for f in info["files"]} | {EXPORT_MARKER}
+    for entry in entries:
+        if entry.name not in listed or entry.is_symlink() or not entry.is_file():
+            return None
+    return info
+
+
+def _foreign_entries(folder: Path, n: int = 4) -> str:
+    """A few of the entries in ``folder`` that no finetuner export wrote there (entries its marker does
+    not list, sub-folders, links first), e.g. ``notes.txt, .ssh/ and 3 more``."""
+    listed = {str(f) for f in (_read_marker(folder) or {}).get("files", [])}
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as e:
+        return f"entries finetuner cannot list ({e.strerror})"
+    listed.add(EXPORT_MARKER)
+
+    def theirs(p: Path) -> bool:
+        return p.name not in listed or p.is_symlink() or not p.is_file()
+
+    names = [p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in sorted(entries, key=lambda p: not theirs(p))]
+    shown = ", ".join(names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """An existing non-empty folder ``out`` may be replaced only with ``overwrite``, and only when a
+    finetuner merge or export wrote it (:func:`export_marker`); anything else is refused, overwrite
+    or not: a folder of the user's, a run folder, the home folder, a system folder. An empty folder
+    is fine. Called before the work starts and again right before the output is put in place."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"The output {out} is not a folder; finetuner will not replace it.", hint="Choose a new output folder.")
+    try:
+        empty = not out.exists() or next(out.iterdir(), None) is None
+    except OSError as e:
+        raise UserError(f"The output folder {out} cannot be read ({e.strerror}); finetuner will not write into it.",
+                        hint="Choose a new output folder.") from None
+    if empty:
+        return
+    if (out / "recipe.yaml").is_file() or (out / "events.jsonl").is_file():
+        raise UserError(f"{out} holds a finetuner run; overwrite does not replace run folders.",
+                        hint="Choose another output folder.")
+    marker = export_marker(out)
+    if marker is None:
+        raise UserError(f"The output folder {out} is not empty; finetuner will not write into it: it holds "
+                        f"{_foreign_entries(out)}, which no finetuner merge or export wrote (overwrite or not).",
+                        hint="Choose a new output folder, or empty that folder yourself.")
+    if not overwrite:
+        raise UserError(f"The output folder {out} is not empty (it holds an earlier finetuner {marker.get('kind', 'export')}); "
+                        "finetuner will not write into it.",
+                        hint="Choose a new output folder (-o), or allow overwrite (--overwrite) to replace it "
+                             "once the new model is complete.")
+
+
 def check_output_dir(out: Path, overwrite: bool, src: Source) -> None:
-    """Refuse a file, a non-empty folder (unless ``overwrite``), or a folder holding the source or a run."""
+    """Refuse a file, a folder holding the source, and a non-empty folder unless ``overwrite`` and
+    a finetuner merge or export wrote it (:func:`check_replaceable`)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"The output {out} is a file.", hint="Choose a folder for the output (-o).")
     for inside in filter(None, [Path(str(src.path)), src.adapter_dir, Path(src.base_model) if Path(src.base_model).exists() else None]):
         inside = inside.resolve()
         if inside == out or out in inside.parents:
             raise UserError(f"The output folder {out} holds the model being merged ({inside}).", hint="Choose a new output folder (-o).")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"The output folder {out} is not empty; finetuner will not write into it.",
-                            hint="Choose a new output folder (-o), or allow overwrite (--overwrite) to replace it "
-                                 "once the new model is complete.")
-        if (out / "recipe.yaml").is_file() or (out / "events.jsonl").is_file():
-            raise UserError(f"{out} holds a finetuner run; overwrite does not replace run folders.",
-                            hint="Choose another output folder (-o).")
+    check_replaceable(out, overwrite)
 
 
 def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
@@ -199,13 +290,14 @@ def merge_adapter(
     Args:
         source: a run folder made by ``finetuner run`` or a peft adapter folder. A full
             fine-tune run is exported (re-saved in ``dtype``) as there is nothing to merge.
-        output_dir: a new or empty folder; a non-empty one only with ``overwrite`` (it is then
-            replaced as a whole once the new folder is complete and checked).
+        output_dir: a new or empty folder; with ``overwrite``, also the folder of an earlier merge or
+            export (it is then replaced as a whole once the new folder is complete and checked). Any
+            other non-empty folder is refused, overwrite or not (:func:`check_replaceable`).
         dtype: ``auto`` (the dtype the base was saved in, :func:`saved_dtype`: an fp32 base stays
             fp32 and the merged model matches the adapter to fp32 rounding), ``bf16``, ``fp16``
             or ``fp32`` — of the merged weights, and of the base while merging.
         shard_size: largest safetensors file, e.g. ``"5GB"``.
-        overwrite: replace a non-empty ``output_dir``.
+        overwrite: replace an ``output_dir`` that an earlier finetuner merge or export wrote.
         base_model: where the base model is, if not where the run or adapter says.
         verify: compare the written model's logits with the adapter-on-base logits on a probe
             conversation (max abs difference in the result) and refuse to publish on a mismatch.
@@ -236,10 +328,11 @@ def merge_adapter(
         if src.recipe is not None and src.recipe.quantization is not None:
             notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
                          f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
-        return _merge_and_write(src, out, dtype, max_shard, verify, notes, t0)
+        return _merge_and_write(src, out, dtype, max_shard, verify, overwrite, notes, t0)
 
 
-def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, notes: list[str], t0: float) -> MergeResult:
+def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, overwrite: bool, notes: list[str],
+                     t0: float) -> MergeResult:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -325,8 +418,9 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         if src.has_adapter:
             info["adapter_config"] = json.loads((src.adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
+        write_export_marker(tmp, "merge", str(src.path))
         files = sorted(p.name for p in tmp.iterdir())
-        _publish(tmp, out)
+        publish_replacing(tmp, out, overwrite)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         from finetuner.fileio import disk_full_error, is_disk_full
@@ -343,10 +437,13 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     )
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Put the complete ``tmp`` folder at ``out``; an existing ``out`` is moved aside first and removed last."""
+def publish_replacing(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Put the complete ``tmp`` folder at ``out``; an existing ``out`` is checked again
+    (:func:`check_replaceable`: nothing of the user's arrived while the model was written), moved
+    aside, and removed last."""
     from finetuner.fileio import publish_dir
 
+    check_replaceable(out, overwrite)
     aside = None
     if out.exists():
         aside = out.parent / f".{out.name}.replaced-{os.getpid()}"

@@ -3,6 +3,13 @@
 ``runs/<name>/`` (or the recipe's ``output_dir``) holds ``recipe.yaml`` (resolved),
 ``events.jsonl``, ``checkpoints/``, ``adapter/``, ``metrics.json`` and ``tensorboard/``.
 Nothing in it is ever deleted by starting a run: ``--no-resume`` moves an old run aside.
+
+A folder is a run folder only when finetuner made it: it holds the marker :data:`RUN_MARKER`
+(written when the folder is set up, by ``finetuner run`` or the UI's job start), or, for folders
+made before the marker, both ``recipe.yaml`` and ``events.jsonl``. A non-empty folder that is not a
+run folder is never written into; a finished run (``adapter/`` or ``metrics.json``) is never
+replaced unless the user asks for it (``--no-resume``, which moves it aside after the recipe,
+the model and the data have been checked).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import fcntl
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +122,36 @@ def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last:
             f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted)."))
 
 
+#: The file finetuner writes into every run folder it sets up (JSON: when, by which process).
+RUN_MARKER = ".finetuner-run"
+#: What a finished run leaves that a new run in its folder would replace.
+RESULTS = ("adapter", "metrics.json")
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether finetuner made ``folder`` as a run folder: its :data:`RUN_MARKER`, or (folders made
+    before the marker) ``recipe.yaml`` and ``events.jsonl`` both. A folder the user made and put a
+    ``recipe.yaml`` in is not one."""
+    folder = Path(folder)
+    return (folder / RUN_MARKER).is_file() or ((folder / "recipe.yaml").is_file() and (folder / "events.jsonl").is_file())
+
+
+def mark_run_folder(folder: Path) -> None:
+    """Write :data:`RUN_MARKER` into a run folder finetuner sets up (once; atomically)."""
+    import json
+
+    from finetuner.fileio import atomic_write_text
+
+    marker = Path(folder) / RUN_MARKER
+    if not marker.is_file():
+        atomic_write_text(marker, json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}) + "\n")
+
+
+def _some_entries(folder: Path, n: int = 4) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 class RunLock:
     """An exclusive lock on a run folder (``.lock``), held for the life of the process.
 
@@ -146,8 +184,16 @@ class RunLock:
             self._fd = None
 
 
-def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[str], RunLock]:
-    """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock."""
+def prepare_run_dir(recipe: Recipe, resume: bool,
+                    check_inputs: Callable[[Recipe], None] | None = None) -> tuple[Path, Recipe, list[str], RunLock]:
+    """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock.
+
+    Refused, with nothing written: a file; a non-empty folder finetuner did not make as a run folder
+    (:func:`is_run_folder`); a run with checkpoints of a different recipe; a finished run whose
+    checkpoints are gone (its results would be replaced). With ``resume=False`` an existing run is
+    moved aside, but only after ``check_inputs(recipe)`` (the model and the data, read and checked)
+    has passed: a bad data file or model leaves the run where it was.
+    """
     import yaml
 
     run_dir = recipe.output_path()
@@ -157,44 +203,60 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
         raise UserError(f"Output path {run_dir} is a file, not a folder.", hint="Choose another --output.")
     if run_dir.is_dir() and any(run_dir.iterdir()):
         saved = run_dir / "recipe.yaml"
-        if not saved.is_file():
+        if not is_run_folder(run_dir):
             raise UserError(
-                f"Output folder {run_dir} is not empty and holds no finetuner run; finetuner will not write into it.",
+                f"Output folder {run_dir} is not empty and holds no finetuner run (it holds {_some_entries(run_dir)}); "
+                "finetuner will not write into it.",
                 hint="Choose another --output (or output_dir), or empty that folder yourself.",
             )
         lock = RunLock(run_dir).acquire()
-        if not resume:
-            aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            run_dir.rename(aside)
-            lock.release()
-            lock = None
-            notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
-        else:
-            last = ckpt_io.latest_checkpoint(run_dir)
-            if last is not None:
-                old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
-                diffs = recipe_differences(old, recipe.to_dict())
-                if diffs:
-                    lock.release()
+        try:
+            if not resume:
+                if check_inputs is not None:
+                    check_inputs(recipe)  # before anything moves: a bad model or data file leaves the run where it is
+                aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+                run_dir.rename(aside)
+                lock.release()
+                lock = None
+                notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
+            else:
+                last = ckpt_io.latest_checkpoint(run_dir)
+                results = [name for name in RESULTS if (run_dir / name).exists()]
+                if last is None and results:
                     raise UserError(
-                        f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
-                        + "\n  ".join(diffs),
-                        hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
+                        f"{run_dir} holds a finished run ({', '.join(results)}) and no checkpoint to resume; finetuner "
+                        "will not start a new run over it.",
+                        hint="Choose another --output (or output_dir) for the new run, or add --no-resume to move that "
+                             "run aside (not deleted) and start over in its folder.",
                     )
-                try:
+                if last is not None:
+                    old = yaml.safe_load(saved.read_text(encoding="utf-8")) if saved.is_file() else None
+                    if not isinstance(old, dict) or not isinstance(old.get("training"), dict):
+                        raise UserError(f"{run_dir} has checkpoints but no readable recipe.yaml to resume them with.",
+                                        hint="Use --no-resume to start over (the old run is moved aside, not deleted), "
+                                             "or --output for a new folder.")
+                    diffs = recipe_differences(old, recipe.to_dict())
+                    if diffs:
+                        raise UserError(
+                            f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
+                            + "\n  ".join(diffs),
+                            hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
+                        )
                     check_not_finished(run_dir, recipe, old, last)
-                except BaseException:
-                    lock.release()
-                    raise
-                # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)
-                saved_t = old.get("training", {})
-                t = recipe.training.model_copy(
-                    update={k: saved_t[k] for k in ("micro_batch_size", "gradient_accumulation") if k in saved_t}
-                )
-                recipe = recipe.model_copy(update={"training": t})
-                notes.append(f"Resuming {run_dir} from {last.name}.")
+                    # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)
+                    saved_t = old.get("training", {})
+                    t = recipe.training.model_copy(
+                        update={k: saved_t[k] for k in ("micro_batch_size", "gradient_accumulation") if k in saved_t}
+                    )
+                    recipe = recipe.model_copy(update={"training": t})
+                    notes.append(f"Resuming {run_dir} from {last.name}.")
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = lock or RunLock(run_dir).acquire()
+    mark_run_folder(run_dir)
     recipe = recipe.model_copy(update={"output_dir": str(run_dir)})
     recipe.save(run_dir / "recipe.yaml")
     return run_dir, recipe, notes, lock
@@ -229,7 +291,7 @@ def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> No
 
 
 #: what a run writes into its folder before its first step: nothing a user needs once the run failed there
-SETUP_FILES = frozenset({".lock", "recipe.yaml", "events.jsonl", "plan.json", "tensorboard"})
+SETUP_FILES = frozenset({".lock", RUN_MARKER, "recipe.yaml", "events.jsonl", "plan.json", "tensorboard"})
 
 
 def is_new_run_dir(run_dir: Path) -> bool:

@@ -233,8 +233,13 @@ def start_job(
             target = named_run_dir(runs, recipe_obj.name)
         else:
             target = new_run_dir(runs, recipe_obj.name)
+        if not resuming and target.is_dir() and any(target.iterdir()):
+            raise UserError(f"{target} is not empty and holds no run; a new run needs a new or empty folder.")
         target.mkdir(parents=True, exist_ok=True)
         if not resuming:
+            from finetuner.runs.folder import mark_run_folder
+
+            mark_run_folder(target)  # finetuner made this folder for the run: `finetuner run` may write into it
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
         log_path = target / LOG_NAME
         cmd = [sys.executable, "-m", "finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet"]

@@ -274,6 +274,7 @@ def launch_training(
     from finetuner.planning.planner import resolve_for_run
     from finetuner.runs.folder import prepare_run_dir
     from finetuner.training.result import TrainResult
+    from finetuner.training.inputs import check_inputs
 
     cuda = torch.cuda.is_available() and recipe.device != "cpu"
     d = recipe.distributed
@@ -302,7 +303,7 @@ def launch_training(
     first_node = d.node_rank == 0
     if first_node:
         recipe, plan = resolve_for_run(recipe, resume)
-        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
     else:  # node 0 prepares the shared run folder, resolves the recipe and holds the lock
         run_dir, lock = _wait_for_first_node(recipe, stop_event), None
     try:

@@ -45,6 +45,7 @@ from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
 from finetuner.runs.folder import RunFinished, check_disk_space, is_new_run_dir, prepare_run_dir, remove_failed_setup
+from finetuner.training.inputs import check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -896,7 +897,7 @@ def train(
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
         new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
-        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume)
+        run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
     except RunFinished as done:
         return finished_result(done)
     in_setup = True  # until the first step: a failure there leaves no folder behind (remove_failed_setup)

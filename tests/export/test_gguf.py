@@ -147,7 +147,7 @@ def test_cli_ollama_q8_0_writes_modelfile_and_reports_top1(lora_run, tmp_path):
     assert re.search(r"top-1 agreement 100% on \d+ tokens", p.stdout), p.stdout
     assert re.search(r"max \|logit difference\| [0-9.e-]+", p.stdout)
     assert f"ollama create tern-model -f {out / 'Modelfile'}" in p.stdout
-    assert sorted(x.name for x in out.iterdir()) == ["Modelfile", "model.gguf"]
+    assert sorted(x.name for x in out.iterdir()) == [".finetuner-export.json", "Modelfile", "model.gguf"]
     text = (out / "Modelfile").read_text(encoding="utf-8")
     assert "FROM ./model.gguf" in text and "{{ range .Messages }}" in text.replace("{{- ", "{{ ")
     assert '<|im_start|>{{ .Role }}' in text and 'PARAMETER stop "<|im_end|>"' in text

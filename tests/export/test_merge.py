@@ -130,9 +130,15 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     (out / "notes.txt").write_text("mine")
     (tmp_path / "beside.txt").write_text("also mine")
     p = run_cli("merge", str(lora_run), "-o", str(out))
-    assert p.returncode == 2 and "not empty" in p.stderr and "--overwrite" in p.stderr
+    assert p.returncode == 2 and "not empty" in p.stderr and "empty that folder yourself" in p.stderr
     assert f"→ {out} (auto) ..." in p.stderr  # the default: the base's own dtype
     assert (out / "notes.txt").read_text() == "mine"
+
+    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
+    assert p.returncode == 2 and "no finetuner merge or export wrote" in p.stderr  # overwrite replaces only an export
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    assert run_cli("merge", str(lora_run), "-o", str(out)).returncode == 0  # an empty folder: no overwrite needed
 
     p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
     assert p.returncode == 0, p.stderr
@@ -143,7 +149,7 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     assert p.stderr.splitlines() == [f"Merging {lora_run} → {out} (bf16) ..."], p.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
-    assert not (out / "notes.txt").exists() and (tmp_path / "beside.txt").read_text() == "also mine"
+    assert (tmp_path / "beside.txt").read_text() == "also mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["beside.txt", "out"]  # no temporary folders left
 
     other_run = tmp_path / "other-run"

@@ -32,7 +32,7 @@ def test_the_worker_raises_the_merges_own_user_error(tmp_path, full_folder):
     with pytest.raises(UserError) as there:
         worker.merge_in_subprocess(run, full_folder)
     assert (there.value.message, there.value.hint) == (here.value.message, here.value.hint)  # both parts, as raised
-    assert "is not empty" in there.value.message and "overwrite" in there.value.hint
+    assert "is not empty" in there.value.message and "empty that folder yourself" in there.value.hint
     assert [p.name for p in full_folder.iterdir()] == ["keep.txt"]  # nothing written
 
 

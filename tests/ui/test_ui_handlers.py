@@ -33,7 +33,7 @@ def test_the_export_handler_shows_the_merges_own_refusal(tmp_path):
         merge_adapter(run, full)
     assert shown[0].startswith(f"Merging {run.name} into its base model")
     assert shown[-1] == error_md(e.value)  # the merge's message and hint, nothing of the UI's own
-    assert "is not empty" in shown[-1] and "allow overwrite" in shown[-1]
+    assert "is not empty" in shown[-1] and "keep.txt" in shown[-1] and "empty that folder yourself" in shown[-1]
     assert [p.name for p in full.iterdir()] == ["keep.txt"]
     missing = list(h.on_merge("no-such-run", "", "auto", False))
     assert len(missing) == 1 and "No run named no-such-run" in missing[0]  # refused before anything starts

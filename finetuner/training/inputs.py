@@ -1,0 +1,25 @@
+"""What a run reads, checked before its run folder is changed."""
+
+from __future__ import annotations
+
+from finetuner.config.recipe import Recipe
+
+
+def check_inputs(recipe: Recipe) -> None:
+    """Load the model's tokenizer and read, check and tokenize the data as the run will (into the
+    data cache, so the run itself then reads it from there): a bad model or data file is a
+    :class:`~finetuner.errors.UserError` here. ``--no-resume`` moves an old run aside only after this
+    (:func:`finetuner.runs.folder.prepare_run_dir`)."""
+    from finetuner.model.loading import load_tokenizer
+    from finetuner.quiet import quieted
+
+    with quieted():
+        tokenizer = load_tokenizer(recipe)
+        if recipe.objective != "sft":
+            from finetuner.data.preference import prepare_preference_data
+
+            prepare_preference_data(recipe.data, recipe.objective, tokenizer, recipe.training.seed)
+        else:
+            from finetuner.data.pipeline import prepare_data
+
+            prepare_data(recipe.data, tokenizer, recipe.training.seed)
