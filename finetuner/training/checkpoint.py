@@ -20,7 +20,9 @@ Layout of ``<run>/checkpoints/step-00000040/``:
 A checkpoint is written into ``.tmp-step-…`` and renamed into place only when complete, so a
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
 Resuming reads a checkpoint whole before applying any of it; one that cannot be read (a
-truncated file, a missing part) is reported and the one before it is used.
+truncated file, a missing part) is reported and the one before it is used. Pruning to the last
+``keep_last`` gives up the unreadable checkpoints of later steps that such a resume left behind
+before any checkpoint written since, and never the one just written.
 """
 
 from __future__ import annotations
@@ -129,14 +131,28 @@ def write_checkpoint_parts(
     atomic_write_json(tmp / "trainer_state.json", state)
 
 
+def prune_order(dirs: list[Path], step: int) -> list[Path]:
+    """The checkpoints ``dirs`` (oldest step first) in the order they are given up, after ``step``'s
+    was written: first those of later steps, then the others oldest first. A checkpoint of a later
+    step than the one just written is left from before the run resumed from an earlier one, which
+    it does only when the later ones cannot be read; they go before any the run wrote since, so
+    that the newest (the one just written last of all) are kept."""
+
+    def step_of(p: Path) -> int:
+        return int(_STEP_DIR.match(p.name).group(1))
+
+    return [p for p in dirs if step_of(p) > step] + [p for p in dirs if step_of(p) <= step]
+
+
 def publish_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
-    """Rename the complete :func:`staging_dir` of ``step`` into place and prune to the last ``keep_last``."""
+    """Rename the complete :func:`staging_dir` of ``step`` into place and prune to the last ``keep_last``
+    (in :func:`prune_order`: unreadable ones left from before a resume go first; never ``step``'s)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:08d}"
     if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
         shutil.rmtree(final)
     publish_dir(staging_dir(run_dir, step), final)
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+    for old in prune_order(checkpoint_dirs(run_dir), step)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)

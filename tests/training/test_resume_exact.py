@@ -56,3 +56,38 @@ def test_a_two_process_run_stopped_and_resumed_logs_the_losses_of_the_uninterrup
     # the same computation on the same states, in the same order, with gloo's deterministic sums:
     # equal to the last bit (restoring rank 0's state on rank 1 moved steps 3 and 4 by ~1e-3)
     assert [got[s] for s in range(1, 5)] == [want[s] for s in range(1, 5)]
+
+
+def _run_until(raw: dict, stop_after: int, max_steps: int):
+    """A single-process run of ``raw`` that the user stops after step ``stop_after``."""
+    import threading
+
+    stop = threading.Event()
+    cb = lambda ev: ev["event"] == "step" and ev["step"] == stop_after and stop.set()  # noqa: E731
+    return finetuner.train(Recipe.from_dict(raw, overrides=[f"training.max_steps={max_steps}"]), callbacks=[cb], stop_event=stop)
+
+
+def test_after_every_checkpoint_was_unreadable_pruning_keeps_the_new_ones_and_removes_the_corrupt(recipe_dict, tmp_path):
+    raw = dict(recipe_dict, checkpointing={"save_every": 2, "keep_last": 2})
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert _run_until(raw, 8, 10).stopped
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000006", "step-00000008"]
+    for name in ("step-00000006", "step-00000008"):  # every checkpoint truncated: nothing to resume from
+        weights = ckpts / name / "adapter" / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+
+    # the restarted run begins again at step 0 and saves steps 2 and 4 (more than keep_last with the corrupt ones)
+    assert _run_until(raw, 4, 10).stopped
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    assert [e["resumed_from_step"] for e in events if e["event"] == "start"] == [None, None]
+    assert sum(e["event"] == "checkpoint_invalid" for e in events) == 2
+    # the new checkpoints are kept, the corrupt ones (of later steps, from before the restart) removed
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004"]
+    for ckpt in ckpt_io.checkpoint_dirs(tmp_path / "run"):
+        assert ckpt_io.read_checkpoint(ckpt)["state"]["step"] == int(ckpt.name[5:])
+
+    # so the next run continues from the restarted run's progress, not from scratch once more
+    result = finetuner.train(Recipe.from_dict(raw, overrides=["training.max_steps=6"]))
+    assert result.metrics["steps"] == 6
+    starts = [e["resumed_from_step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "start"]
+    assert starts == [None, None, 4]
