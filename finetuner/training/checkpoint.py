@@ -182,12 +182,13 @@ def _read_rng_state(ckpt: Path, rank: int, world_size: int) -> dict[str, Any]:
     ``rng.pt``, or one saved by fewer processes) rank 0's, which rank 0 warns about."""
     import torch
 
-    missing = [r for r in range(world_size) if not (ckpt / rng_file(r)).is_file()]
+    old = (ckpt / OLD_RNG_FILE).is_file()  # rank 0's
+    missing = [r for r in range(world_size) if not ((ckpt / rng_file(r)).is_file() or (r == 0 and old))]
     if missing and rank == 0 and world_size > 1:
         log.warning(
             "%s holds no random-generator state of rank %s (saved by an older version of finetuner or by fewer "
-            "processes): %s resume with rank 0's, so their dropout masks differ from those of an uninterrupted run.",
-            ckpt.name, ", ".join(map(str, missing)), "they" if len(missing) > 1 else "it",
+            "processes); rank 0's is used instead, so the resumed run's dropout masks differ from those of an "
+            "uninterrupted run.", ckpt.name, ", ".join(map(str, missing)),
         )
     for name in (rng_file(rank), rng_file(0), OLD_RNG_FILE):
         if (ckpt / name).is_file():

@@ -91,3 +91,22 @@ def test_after_every_checkpoint_was_unreadable_pruning_keeps_the_new_ones_and_re
     assert result.metrics["steps"] == 6
     starts = [e["resumed_from_step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "start"]
     assert starts == [None, None, 4]
+
+
+def test_a_checkpoint_of_an_older_version_with_one_rng_file_still_resumes(recipe_dict, tmp_path, caplog):
+    raw = dict(recipe_dict, lora=dict(recipe_dict["lora"], dropout=0.1), checkpointing={"save_every": 2, "keep_last": 2})
+    ref = finetuner.train(Recipe.from_dict(dict(raw, output_dir=str(tmp_path / "ref")), overrides=["training.max_steps=4"]))
+    assert _run_until(raw, 2, 4).stopped
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    new = torch.load(ckpt / "rng_rank0.pt", weights_only=True)
+    torch.save({"cpu": new["cpu"]}, ckpt / "rng.pt")  # what versions before rng_rank{N}.pt wrote
+    (ckpt / "rng_rank0.pt").unlink()
+    # several processes: every rank gets rank 0's state, and rank 0 says the resume is not exact
+    with caplog.at_level("WARNING", logger="finetuner.training.checkpoint"):
+        parts = [ckpt_io.read_checkpoint(ckpt, rank=r, world_size=2) for r in (0, 1)]
+    assert all(torch.equal(p["rng"]["cpu"], new["cpu"]) for p in parts)
+    assert "holds no random-generator state of rank 1 " in caplog.text and "rank 0's is used instead" in caplog.text
+    # one process: rank 0's state is its own, so the resume is exact
+    result = finetuner.train(Recipe.from_dict(raw, overrides=["training.max_steps=4"]))
+    assert [e["resumed_from_step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "start"] == [None, 2]
+    assert result.losses == ref.losses
