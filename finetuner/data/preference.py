@@ -31,7 +31,8 @@ objective gets an error saying which objective it fits.
 Examples are plain dicts: pairs hold ``chosen_ids``/``chosen_labels``/``rejected_ids``/
 ``rejected_labels``; rated ones ``input_ids``/``labels``/``desirable`` plus ``kl_ids``/``kl_labels``
 (this prompt with a response to another prompt: the mismatched pair KTO estimates its reference
-point from; see :func:`mismatched_partners`). Each has ``idx``, its place in its split (the key of precomputed reference scores).
+point from; see :func:`mismatched_partners`). Each has ``idx``, its place in its split (the key of
+precomputed reference scores).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ its hooks:
   with fp16 scales the loss, itself). Under DDP the optimizer step is the single-process one,
   fp16 ``GradScaler`` included: the gradients it unscales are already the same on every rank, so
   every rank skips or takes the same steps;
-- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
-  ``metrics.json``; ZeRO-3 parameters are gathered for saving;
+- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints (each rank adds its RNG
+  state, and under ZeRO its shard), the adapter and ``metrics.json``; ZeRO-3 parameters are gathered for saving;
 - **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and resumes with it, so
   its dropout masks after a resume are those of an uninterrupted run; the ranks agree whether
   each could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary
