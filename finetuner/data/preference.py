@@ -30,8 +30,9 @@ objective gets an error saying which objective it fits.
 
 Examples are plain dicts: pairs hold ``chosen_ids``/``chosen_labels``/``rejected_ids``/
 ``rejected_labels``; rated ones ``input_ids``/``labels``/``desirable`` plus ``kl_ids``/``kl_labels``
-(this prompt with the next example's response: the mismatched pair KTO estimates its reference
-point from). Each has ``idx``, its place in its split (the key of precomputed reference scores).
+(this prompt with a response to another prompt: the mismatched pair KTO estimates its reference
+point from; see :func:`mismatched_partners`). Each has ``idx``, its place in its split (the key of
+precomputed reference scores).
 """
 
 from __future__ import annotations
@@ -285,9 +286,28 @@ def join(prompt: list[int], response: list[int], max_len: int) -> tuple[list[int
     return prompt + response, [IGNORE_INDEX] * len(prompt) + list(response), truncated
 
 
+def mismatched_partners(prompts: list[Any]) -> list[int] | None:
+    """For each rated example, the one whose response makes its mismatched pair: the next example
+    (wrapping around) whose prompt differs from its own, so that no pair is a second answer to the
+    same prompt (a file that lists both answers to a prompt back to back would otherwise pair them);
+    None when every example has the same prompt."""
+    n = len(prompts)
+    # the examples that start a run of equal prompts, going round the list (the last one precedes the first)
+    starts = [i for i in range(n) if prompts[i] != prompts[i - 1]]
+    if not starts:
+        return None
+    partners, following = [0] * n, starts[0]  # after the last run comes the first (there are at least two)
+    for i in range(n - 1, -1, -1):
+        partners[i] = following
+        if prompts[i] != prompts[i - 1]:
+            following = i
+    return partners
+
+
 def encode_examples(examples: list[dict[str, Any]], tokenizer: Any, template: str, cfg: DataSection,
-                    stats: DataStats) -> list[dict[str, Any]]:
-    """Tokens and labels of every example (see the module's docstring for the fields)."""
+                    stats: DataStats, key: str = "data.path") -> list[dict[str, Any]]:
+    """Tokens and labels of every example (see the module's docstring for the fields); ``key``: the
+    recipe key that named the examples' files, for the error about rated rows of a single prompt."""
     out: list[dict[str, Any]] = []
     bad: list[str] = []
     split: list[tuple[dict[str, Any], tuple[list[int], list[int]]]] = []
@@ -304,11 +324,19 @@ def encode_examples(examples: list[dict[str, Any]], tokenizer: Any, template: st
                 split.append((ex, split_tokens(tokenizer, template, ex["prompt"], ex["completion"])))
         except RowError as e:
             bad.append(f"{ex['_where']}: {e}.")
+    partners = mismatched_partners([ex["prompt"] for ex, _ in split])
+    if split and partners is None:
+        where = split[0][0]["_where"].rpartition(", ")[0] or split[0][0]["_where"]
+        raise UserError(
+            f"{key}: every rated row of {where} has the same prompt ({len(split)} row{'s' if len(split) > 1 else ''}); KTO "
+            "measures each response against a response to another prompt, so it needs rows of at least two prompts.",
+            hint="Add rated rows for other prompts to the file.",
+        )
     for i, (ex, (p, r)) in enumerate(split):
         ids, labels, cut = join(p, r, cfg.max_seq_len)
         stats.truncated += int(cut)
-        # the mismatched pair: this prompt, the next example's response
-        kl_ids, kl_labels, _ = join(p, split[(i + 1) % len(split)][1][1], cfg.max_seq_len)
+        # the mismatched pair: this prompt, the response of the next example with another prompt
+        kl_ids, kl_labels, _ = join(p, split[partners[i]][1][1], cfg.max_seq_len)
         out.append({"input_ids": ids, "labels": labels, "desirable": ex["desirable"], "kl_ids": kl_ids, "kl_labels": kl_labels})
     if bad:
         if cfg.on_bad_row == "error":
@@ -355,7 +383,8 @@ def prepare_preference_data(cfg: DataSection, objective: str, tokenizer: Any, se
     train = encode_examples(load_preference_examples(cfg.path, objective, cfg, stats), tokenizer, template, cfg, stats)
     val = None
     if cfg.val_path:
-        val = encode_examples(load_preference_examples(cfg.val_path, objective, cfg, stats), tokenizer, template, cfg, stats)
+        val = encode_examples(load_preference_examples(cfg.val_path, objective, cfg, stats), tokenizer, template, cfg, stats,
+                              "data.val_path")
     elif cfg.val_size > 0:
         n_val = int(cfg.val_size) if cfg.val_size >= 1 else max(1, round(cfg.val_size * len(train)))
         if n_val >= len(train):

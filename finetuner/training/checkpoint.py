@@ -4,8 +4,12 @@ Layout of ``<run>/checkpoints/step-00000040/``:
 
 - ``adapter/`` — the trainable weights, ``save_pretrained`` (safetensors): the LoRA adapter, or
   the whole model for full fine-tuning;
-- ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (and ``scaler.pt`` for fp16) — torch state
-  dicts, read back with ``weights_only=True`` (no arbitrary pickles);
+- ``optimizer.pt``, ``scheduler.pt`` (and ``scaler.pt`` for fp16) — torch state dicts, read back
+  with ``weights_only=True`` (no arbitrary pickles);
+- ``rng_rank0.pt``, ``rng_rank1.pt``, … — each process's random generators (Python's, NumPy's,
+  torch's CPU and CUDA ones), written by that process, so that every rank of a multi-process run
+  draws the same dropout masks after a resume as it would have without the interruption
+  (checkpoints of older versions hold one ``rng.pt``, rank 0's, which every rank then resumes with);
 - ``recipe.yaml`` — the resolved recipe the checkpoint was made with;
 - ``trainer_state.json`` — step, tokens seen, elapsed time, loss history, and the micro-batch
   and accumulation actually in use;
@@ -17,11 +21,14 @@ A checkpoint is written into ``.tmp-step-…`` and renamed into place only when 
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
 Resuming reads a checkpoint whole before applying any of it; one that cannot be read (a
 truncated file, a missing part, weights that hold NaN or inf) is reported and the one before it is used.
+Pruning to the last ``keep_last`` gives up the unreadable checkpoints of later steps that such a
+resume left behind before any checkpoint written since, and never the one just written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -29,6 +36,8 @@ from typing import Any
 
 from finetuner.fileio import atomic_write_json, publish_dir
 from finetuner.quiet import quieted
+
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -66,12 +75,45 @@ def start_checkpoint(run_dir: Path, step: int) -> Path:
     return tmp
 
 
+def rng_file(rank: int) -> str:
+    """The name of the file of a checkpoint that holds the random generators' state of ``rank``."""
+    return f"rng_rank{rank}.pt"
+
+
+#: the single RNG file of checkpoints written before each rank saved its own (rank 0's state)
+OLD_RNG_FILE = "rng.pt"
+
+
+def write_rng_state(tmp: Path, rank: int = 0) -> None:
+    """Save this process's random generators (Python's, NumPy's, torch's CPU and CUDA ones) into the
+    checkpoint being written in ``tmp``, as :func:`rng_file` of ``rank``; each rank calls this."""
+    import random
+
+    import numpy as np
+    import torch
+
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    rng: dict[str, Any] = {  # plain numbers and tensors only: read back with weights_only=True
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached_gaussian)},
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / rng_file(rank))
+
+
 def write_checkpoint_parts(
-    tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None, midway=None
+    tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None, midway=None,
+    rank: int = 0,
 ) -> None:
     """Write a checkpoint's parts into ``tmp``; ``optimizer=None`` when an engine keeps the optimizer
     states itself (:data:`ENGINE_DIR`). ``midway()`` is called after the weights, before the rest
-    (the fault point of :mod:`finetuner.training.faults`' ``KILL@save:STEP``)."""
+    (the fault point of :mod:`finetuner.training.faults`' ``KILL@save:STEP``). The RNG state
+    written is this process's, as ``rank``'s; in a multi-process run the other ranks write theirs
+    with :func:`write_rng_state` into the same ``tmp`` before it is published."""
     import torch
 
     with quieted():
@@ -81,10 +123,7 @@ def write_checkpoint_parts(
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
+    write_rng_state(tmp, rank)
     if scaler is not None:
         torch.save(scaler.state_dict(), tmp / "scaler.pt")
     if recipe_yaml is not None:
@@ -92,14 +131,28 @@ def write_checkpoint_parts(
     atomic_write_json(tmp / "trainer_state.json", state)
 
 
+def prune_order(dirs: list[Path], step: int) -> list[Path]:
+    """The checkpoints ``dirs`` (oldest step first) in the order they are given up, after ``step``'s
+    was written: first those of later steps, then the others oldest first. A checkpoint of a later
+    step than the one just written is left from before the run resumed from an earlier one, which
+    it does only when the later ones cannot be read; they go before any the run wrote since, so
+    that the newest (the one just written last of all) are kept."""
+
+    def step_of(p: Path) -> int:
+        return int(_STEP_DIR.match(p.name).group(1))
+
+    return [p for p in dirs if step_of(p) > step] + [p for p in dirs if step_of(p) <= step]
+
+
 def publish_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
-    """Rename the complete :func:`staging_dir` of ``step`` into place and prune to the last ``keep_last``."""
+    """Rename the complete :func:`staging_dir` of ``step`` into place and prune to the last ``keep_last``
+    (in :func:`prune_order`: unreadable ones left from before a resume go first; never ``step``'s)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:08d}"
     if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
         shutil.rmtree(final)
     publish_dir(staging_dir(run_dir, step), final)
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+    for old in prune_order(checkpoint_dirs(run_dir), step)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -128,11 +181,31 @@ class CheckpointUnreadable(Exception):
     """A checkpoint folder exists but one of its parts cannot be read."""
 
 
-def read_checkpoint(ckpt: Path, engine: bool = False) -> dict[str, Any]:
+def _read_rng_state(ckpt: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """The RNG state ``rank`` resumes with: its own, or in a checkpoint without it (an older version's
+    ``rng.pt``, or one saved by fewer processes) rank 0's, which rank 0 warns about."""
+    import torch
+
+    old = (ckpt / OLD_RNG_FILE).is_file()  # rank 0's
+    missing = [r for r in range(world_size) if not ((ckpt / rng_file(r)).is_file() or (r == 0 and old))]
+    if missing and rank == 0 and world_size > 1:
+        log.warning(
+            "%s holds no random-generator state of rank %s (saved by an older version of finetuner or by fewer "
+            "processes); rank 0's is used instead, so the resumed run's dropout masks differ from those of an "
+            "uninterrupted run.", ckpt.name, ", ".join(map(str, missing)),
+        )
+    for name in (rng_file(rank), rng_file(0), OLD_RNG_FILE):
+        if (ckpt / name).is_file():
+            return torch.load(ckpt / name, weights_only=True)
+    raise FileNotFoundError(f"no random-generator state ({rng_file(rank)}) in {ckpt}")
+
+
+def read_checkpoint(ckpt: Path, engine: bool = False, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
     """Read every part of a checkpoint into memory, touching no model: fails before anything is applied.
 
     ``engine=True`` (a DeepSpeed run): the weights and optimizer states are the engine's to load
     from :data:`ENGINE_DIR`; a checkpoint without that folder cannot be resumed by the engine.
+    ``rank`` of ``world_size`` processes: whose RNG state is read (see :func:`_read_rng_state`).
     """
     import torch
     from safetensors.torch import load_file
@@ -156,7 +229,7 @@ def read_checkpoint(ckpt: Path, engine: bool = False) -> dict[str, Any]:
             "weights": weights,
             "optimizer": None if engine else torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"),
             "scheduler": torch.load(ckpt / "scheduler.pt", weights_only=True),
-            "rng": torch.load(ckpt / "rng.pt", weights_only=True),
+            "rng": _read_rng_state(ckpt, rank, world_size),
             "state": load_trainer_state(ckpt),
         }
         scaler = ckpt / "scaler.pt"
@@ -182,7 +255,23 @@ def apply_checkpoint(parts: dict[str, Any], model, optimizer, scheduler, scaler,
     scheduler.load_state_dict(parts["scheduler"])
     if scaler is not None and parts["scaler"] is not None:
         scaler.load_state_dict(parts["scaler"])
-    torch.set_rng_state(parts["rng"]["cpu"])
-    if "cuda" in parts["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
+    set_rng_state(parts["rng"])
     return parts["state"]
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore what :func:`write_rng_state` saved (an older ``rng.pt`` holds torch's generators only)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "python" in rng:
+        py = rng["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    if "numpy" in rng:
+        n = rng["numpy"]
+        np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))

@@ -25,9 +25,12 @@ its hooks:
   with fp16 scales the loss, itself). Under DDP the optimizer step is the single-process one,
   fp16 ``GradScaler`` included: the gradients it unscales are already the same on every rank, so
   every rank skips or takes the same steps;
-- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
-  ``metrics.json``; ZeRO-3 parameters are gathered for saving;
-- **checkpoints**: DDP's are the ordinary format; ZeRO's hold ``deepspeed/`` instead of
+- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints (each rank adds its RNG
+  state, and under ZeRO its shard), the adapter and ``metrics.json``; ZeRO-3 parameters are gathered for saving;
+- **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and resumes with it, so
+  its dropout masks after a resume are those of an uninterrupted run; the ranks agree whether
+  each could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary
+  format; ZeRO's hold ``deepspeed/`` instead of
   ``optimizer.pt`` (the engine's sharded states, one file per rank, see
   :mod:`finetuner.training.checkpoint`) and resume with the same strategy and world size;
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
@@ -336,29 +339,45 @@ class DistributedTrainer(Trainer):
             yield
 
     def _write_checkpoint(self, elapsed: float) -> Path:
-        if self.engine is None:  # DDP: every rank holds the same state; rank 0 saves it
-            path = super()._write_checkpoint(elapsed) if self.ctx.is_main else None
-            _barrier()
-            return path or self.run_dir / "checkpoints" / f"step-{self.step:08d}"
-        # ZeRO: every rank writes its shard of the engine's state, rank 0 the rest
-        tmp = ckpt_io.start_checkpoint(self.run_dir, self.step) if self.ctx.is_main else ckpt_io.staging_dir(self.run_dir, self.step)
+        """Rank 0 starts the staging folder; every rank writes its own RNG state into it (and under ZeRO
+        its shard of the engine's state); rank 0 writes the rest (under DDP every rank holds the same
+        weights and optimizer states) and publishes the checkpoint once all have written."""
+        main = self.ctx.is_main
+        tmp = ckpt_io.start_checkpoint(self.run_dir, self.step) if main else ckpt_io.staging_dir(self.run_dir, self.step)
         _barrier()
-        self.engine.save_checkpoint(str(tmp / ckpt_io.ENGINE_DIR), tag="state", save_latest=False, exclude_frozen_parameters=not self._full)
+        if self.engine is not None:
+            self.engine.save_checkpoint(str(tmp / ckpt_io.ENGINE_DIR), tag="state", save_latest=False, exclude_frozen_parameters=not self._full)
+        if not main:
+            ckpt_io.write_rng_state(tmp, self.rank)
         with self._gathered():
-            if self.ctx.is_main:
+            if main:
                 ckpt_io.write_checkpoint_parts(
-                    tmp, self.model, None, self.scheduler, self._trainer_state(elapsed), recipe_yaml=self.recipe.to_yaml()
+                    tmp, self.model, self.optimizer if self.engine is None else None, self.scheduler, self._trainer_state(elapsed),
+                    scaler=self.scaler, recipe_yaml=self.recipe.to_yaml(), midway=self._midway_through_save, rank=self.rank,
                 )
         _barrier()
-        if self.ctx.is_main:
+        if main:
             ckpt_io.publish_checkpoint(self.run_dir, self.step, self.recipe.checkpointing.keep_last)
         _barrier()
         return self.run_dir / "checkpoints" / f"step-{self.step:08d}"
 
     def _read_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        """This rank's parts of ``ckpt`` (its own RNG state); the ranks agree whether all could read
+        theirs, so that they all resume from the same checkpoint."""
+        import torch
+
+        failure = None
+        try:
+            parts = ckpt_io.read_checkpoint(ckpt, engine=self.engine is not None, rank=self.rank, world_size=self.world_size)
+        except ckpt_io.CheckpointUnreadable as e:
+            failure = e
+        (failed,) = all_reduce_values([self.rank if failure is not None else self.world_size], torch.int64, "min")
+        if failure is not None:
+            raise failure
+        if failed != self.world_size:
+            raise ckpt_io.CheckpointUnreadable(f"{ckpt.name}: unreadable on rank {failed}")
         if self.engine is None:
-            return super()._read_checkpoint(ckpt)
-        parts = ckpt_io.read_checkpoint(ckpt, engine=True)
+            return parts
         saved_by = parts["state"].get("world_size")
         if saved_by != self.ctx.world_size:
             raise UserError(
