@@ -174,6 +174,8 @@ def load_chat_model(
     adapter: bool = True,
     device: str = "auto",
     base_model: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> ChatModel:
     """Load a run folder, a peft adapter folder, a model folder or a hub id for chatting.
 
@@ -183,13 +185,16 @@ def load_chat_model(
             attached, ``stream(..., adapter=False)`` still answers as the base model.
         device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
         base_model: where the base model is, if not where the run or adapter says.
+        trust_remote_code: allow the model's own code to run (needed when the run's recipe sets
+            ``model.trust_remote_code``; a run with it on is refused without this).
+        allow_pickle: allow pickle weight files to be unpickled (as ``trust_remote_code``, for ``model.allow_pickle``).
 
     Example::
 
         >>> chat = load_chat_model("runs/demo_cpu")                                # doctest: +SKIP
         >>> chat.reply([{"role": "user", "content": "Tell me about the puffin."}])  # doctest: +SKIP
     """
-    src = resolve_source(run_or_model, base_model)
+    src = resolve_source(run_or_model, base_model, trust_remote_code, allow_pickle)
     tokenizer = load_tokenizer(src)
     model, dev = load_model(src, adapter=adapter, device=device)
     return ChatModel(
