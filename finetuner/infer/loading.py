@@ -76,18 +76,17 @@ def _looks_local(name: str) -> bool:
 
 
 def read_recipe(path: Path):
-    import yaml
     from pydantic import ValidationError
 
-    from finetuner.config.recipe import Recipe, format_validation_error
+    from finetuner.config.recipe import Recipe, format_validation_error, load_yaml
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
         # the saved recipe is already resolved (absolute paths); its data files need not exist any more
         return Recipe.model_validate(raw)
     except ValidationError as e:
         raise UserError(format_validation_error(e, str(path))) from None
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise UserError(f"{path}: cannot read the run's recipe ({e}).") from None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
-from finetuner.config.recipe import Recipe
+from finetuner.config.recipe import Recipe, load_yaml
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
 RESUME_KEYS = (
@@ -148,8 +148,6 @@ class RunLock:
 
 def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[str], RunLock]:
     """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock."""
-    import yaml
-
     run_dir = recipe.output_path()
     notes: list[str] = []
     lock = None
@@ -172,7 +170,7 @@ def prepare_run_dir(recipe: Recipe, resume: bool) -> tuple[Path, Recipe, list[st
         else:
             last = ckpt_io.latest_checkpoint(run_dir)
             if last is not None:
-                old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+                old = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) or {}
                 diffs = recipe_differences(old, recipe.to_dict())
                 if diffs:
                     lock.release()
