@@ -52,7 +52,8 @@ from finetuner.data.formats import (
     wrong_objective,
 )
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for, raise_or_skip
-from finetuner.data.textcut import char_budget, head, tail
+from finetuner.data.textcut import char_budget
+from finetuner.data import textcut
 from finetuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -265,8 +266,8 @@ def split_tokens(tokenizer: Any, template: str, prompt: list[dict[str, str]], re
     (:mod:`finetuner.data.textcut`): the end of each prompt message and the start of the response."""
     if max_len is not None:
         budget = char_budget(tokenizer, max_len)
-        prompt = [{**m, "content": tail(m["content"], budget)} if isinstance(m.get("content"), str) else m for m in prompt]
-        response = head(response, budget)
+        prompt = [{**m, "content": textcut.tail(m["content"], budget)} if isinstance(m.get("content"), str) else m for m in prompt]
+        response = textcut.head(response, budget)
     try:
         head = _render(tokenizer, template, prompt, gen=True)
         full = _render(tokenizer, template, [*prompt, {"role": "assistant", "content": response}], gen=False)
