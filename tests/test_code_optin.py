@@ -168,3 +168,43 @@ def test_the_torch_floor_is_one_whose_default_is_weights_only():
     as_tuple = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:2])  # noqa: E731
     assert as_tuple(floor) >= (2, 6)
     assert as_tuple(torch.__version__) >= as_tuple(floor)
+
+
+# ---------------------------------------------------------------------------- the web UI
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    from tests.conftest import ui_client
+
+    with ui_client(tmp_path_factory.mktemp("ui_optin")) as c:
+        run = demo_run_folder(c.base / "runs", "handed-over", adapter=True)
+        _set_model_keys(run, trust_remote_code=True)
+        yield c
+
+
+def test_ui_chat_asks_for_confirmation_then_loads(ui):
+    chat = ("hi", [], [], "handed-over", False, 8, 0.0, 0.9, 0)
+    *_, status = ui.predict(*chat, api_name="/chat")
+    assert "model.trust_remote_code: true" in status and "Allow code from this run's folder" in status
+    *_, status = ui.predict(*chat, True, api_name="/chat")
+    assert status.startswith("Answered in"), status
+
+
+def test_ui_merge_and_export_ask_for_confirmation(ui, tmp_path):
+    msg = ui.predict("handed-over", str(tmp_path / "m"), "auto", False, api_name="/merge")
+    assert "model.trust_remote_code: true" in msg and "Allow code from this run's folder" in msg and "Merging" not in msg
+    msg = ui.predict("handed-over", "gguf", "f16", str(tmp_path / "m.gguf"), False, api_name="/export_gguf")
+    assert "model.trust_remote_code: true" in msg and "Exporting" not in msg
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_ui_does_not_start_a_recipe_with_remote_code_unconfirmed(ui, recipe_dict):
+    r = dict(recipe_dict, name="trusting", training=dict(recipe_dict["training"], max_steps=2))
+    r.pop("output_dir")
+    r["model"] = dict(r["model"], trust_remote_code=True)
+    text = yaml.safe_dump(r)
+    data = r["data"]["path"]
+    run_update, _table, msg = ui.predict(text, "cpu", data, False, api_name="/start_training")
+    assert "Not started" in msg and "model.trust_remote_code: true" in msg and "Allow the model's own code to run" in msg
+    assert not (ui.base / "runs" / "trusting").exists()
+    run_update, _table, msg = ui.predict(text, "cpu", data, False, True, api_name="/start_training")
+    assert "Training started" in msg and (ui.base / "runs" / "trusting" / "recipe.yaml").is_file()
