@@ -602,8 +602,9 @@ def load_yaml(text: str, source: str) -> Any:
     recipe file, the UI's editor, a run folder's ``recipe.yaml``, a ``--set`` value) goes
     through here. A :class:`UserError` naming ``source`` (and the line and column) when it is not
     valid YAML."""
-    loader = _RecipeYamlLoader(text)
+    loader = None
     try:
+        loader = _RecipeYamlLoader(text)  # its reader already refuses unprintable characters
         node = loader.get_single_node()
         if node is None:
             return None
@@ -617,7 +618,8 @@ def load_yaml(text: str, source: str) -> Any:
         problem = getattr(e, "problem", None) or str(e)
         raise UserError(f"{source}:{where} invalid YAML: {shown(problem, quote=False)}.") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def shown(value: Any, quote: bool = True) -> str:
