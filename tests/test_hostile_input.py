@@ -209,3 +209,23 @@ def test_the_cut_keeps_the_same_tokens(monkeypatch):
                   for p, r in ((long, "yes"), ("q", long), (long, long))]
     assert cut == whole and all(c["truncated"] for c in cut)
     assert pair_cut == pair_whole and all(c[2] for c in pair_cut)
+
+
+def test_a_huge_chat_message_is_refused_without_tokenizing_it():
+    """A 50 MB message to a chat model is refused as longer than the context, in bounded memory."""
+    out = _measured(
+        f"""
+from finetuner.errors import UserError
+from finetuner.infer.chat import load_chat_model
+chat = load_chat_model({str(DEMO_MODEL)!r}, device="cpu")
+huge = "puffin " * 7_000_000
+""",
+        """
+try:
+    chat.encode([{"role": "user", "content": huge}])
+except UserError as e:
+    out["message"] = str(e)
+""",
+    )
+    assert "the model's context is" in out["message"] and len(out["message"]) < 300
+    assert out["grew_mib"] < 200, out

@@ -58,7 +58,16 @@ class ChatModel:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True)
 
     def encode(self, messages: list[dict[str, str]]):
+        from finetuner.data.textcut import char_budget
+
         text = self.render(messages)
+        budget = char_budget(self.tokenizer, self.max_context)
+        if len(text) > budget:  # more tokens than the context for certain: refused without tokenizing it all
+            raise UserError(
+                f"The conversation is {len(text):,} characters long; the model's context is {self.max_context} tokens "
+                f"(at most {budget:,} characters).",
+                hint="Shorten the prompt, or start a new conversation (/reset in `finetuner chat`).",
+            )
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         n = int(ids.shape[1])
         if n >= self.max_context:
