@@ -19,15 +19,17 @@ class ChatPool:
         w = self._worker
         return w.source if w is not None and w.alive else None
 
-    def get(self, source: str):
+    def get(self, source: str, allow_code: bool = False):
+        """The worker for ``source``; ``allow_code``: the user confirmed that code from the run's
+        folder may run (its recipe's model.trust_remote_code / model.allow_pickle)."""
         from finetuner.infer.chat_worker import ChatWorker
 
         with self._lock:
-            if self._worker is not None and self._worker.source != source:
+            if self._worker is not None and (self._worker.source != source or self._worker.allow_code != allow_code):
                 self._worker.close()
                 self._worker = None
             if self._worker is None:
-                self._worker = ChatWorker(source, adapter=True)
+                self._worker = ChatWorker(source, adapter=True, allow_code=allow_code)
             return self._worker
 
     def close(self) -> None:

@@ -45,6 +45,11 @@ TRAIN_OUTPUTS = 11
 OBJECTIVES = ["auto", *get_args(Objective)]
 #: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
 START_ANYWAY = "Start even if it does not fit"
+#: The confirmation that code from a run's folder (or a recipe's model) may run: unchecked by default.
+ALLOW_CODE = "Allow code from this run's folder"
+ALLOW_CODE_INFO = "needed when its recipe sets model.trust_remote_code or model.allow_pickle: only for runs you trust"
+START_CODE = "Allow the model's own code to run"
+START_CODE_INFO = "needed when the recipe sets model.trust_remote_code or model.allow_pickle: only for models you trust"
 
 
 def gpu_profile(card: str):
@@ -365,12 +370,31 @@ class Handlers:
             hint="Make the plan again in the Plan tab to train on the chosen file, or choose the recipe's file in the Data tab.",
         )
 
+    def confirm_code(self, run: str, allow_code: bool, box: str = ALLOW_CODE) -> None:
+        """Refuse a run whose recipe.yaml lets code run (``model.trust_remote_code``,
+        ``model.allow_pickle``) unless the checkbox ``box`` is ticked: a run folder may come from
+        someone else, so its own recipe is never taken as consent."""
+        path = self.run_path(run) / "recipe.yaml"
+        if allow_code or not path.is_file():
+            return
+        model = read_recipe(path).model
+        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(model, k)]
+        if asks:
+            raise UserError(f"{run}: its recipe.yaml sets {' and '.join(f'model.{k}: true' for k in asks)}, so loading it can "
+                            "run code from the run's folder.", hint=f"Tick “{box}” to confirm, only for a run you trust.")
+
     @shows_errors(2, 3)
-    def on_start(self, text: str, card: str, data_file: str | None, anyway: bool):
+    def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
-        reason, when it does not train on the data chosen in the Data tab, or when the memory
-        model says it does not fit the card (unless ``anyway``)."""
+        reason, when it does not train on the data chosen in the Data tab, when the memory
+        model says it does not fit the card (unless ``anyway``), or when it lets the model's code
+        run (``model.trust_remote_code``, ``model.allow_pickle``) and ``allow_code`` is not ticked."""
         recipe = recipe_from_text(text)
+        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(recipe.model, k)]
+        if asks and not allow_code:
+            raise UserError(f"Not started: the recipe sets {' and '.join(f'model.{k}: true' for k in asks)}, so code "
+                            f"from {recipe.model.name} may run on this machine.",
+                            hint=f"Tick “{START_CODE}” to confirm, only for a model you trust.")
         self.check_same_data(recipe, data_file)
         gpu = gpu_profile(card)
         est = recipe_estimate(recipe, gpu)
@@ -393,7 +417,8 @@ class Handlers:
         return f"Stopping **{name}** after this step: a checkpoint is saved, and ↻ Resume continues it."
 
     @shows_errors(2, 3)
-    def on_resume(self, name: str):
+    def on_resume(self, name: str, allow_code: bool = False):
+        self.confirm_code(name, bool(allow_code), START_CODE)
         st = jobs.run_status(self.run_path(name), self.runs)
         if not st.resumable:
             raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
@@ -452,9 +477,10 @@ class Handlers:
             yield message, tuned_hist, base_hist, error_md(e)
 
     def _chat(self, message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
-              max_new: float, temperature: float, top_p: float, seed: float | None):
+              max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False):
         if not (message or "").strip():
             raise UserError("Type a message first.")
+        self.confirm_code(run, bool(allow_code))
         source = str(self.run_path(run))
         gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
                "seed": int(seed) if seed not in (None, "") else None}
@@ -462,9 +488,10 @@ class Handlers:
         convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
         shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
         t0 = time.monotonic()
+        allow_code = bool(allow_code)
         fresh = self.chat_pool.loaded != source
         yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
-        worker = self.chat_pool.get(source)
+        worker = self.chat_pool.get(source, allow_code=allow_code)
         texts = {name: "" for name in convo}
         for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
             msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
@@ -479,30 +506,33 @@ class Handlers:
 
     # ------------------------------------------------------------------ export
     @shows_errors(0, 1)
-    def on_merge(self, run: str, out: str, dtype: str, overwrite: bool):
+    def on_merge(self, run: str, out: str, dtype: str, overwrite: bool, allow_code: bool = False):
         """Merge the run's adapter into its base model in another process (the UI never holds a
         model): :func:`finetuner.export.worker.merge_in_subprocess`. Its refusals (a file, a
         non-empty folder, a run folder) are shown as the merge words them."""
         from finetuner.export.worker import merge_in_subprocess
 
+        self.confirm_code(run, bool(allow_code))
         rp = self.run_path(run)
         target = Path(out).expanduser() if out and out.strip() else rp / "merged"
         if not target.is_absolute():
             target = paths.ROOT / target
         yield f"Merging {run} into its base model → `{paths.display(target)}` …"
-        result = merge_in_subprocess(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite))
+        result = merge_in_subprocess(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite),
+                                     trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
         files = result.files
         yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
                f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
                f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
 
     @shows_errors(0, 1)
-    def on_gguf(self, run: str, fmt: str, quant: str, out: str, overwrite: bool):
+    def on_gguf(self, run: str, fmt: str, quant: str, out: str, overwrite: bool, allow_code: bool = False):
         """Export the run to GGUF (or GGUF + an Ollama Modelfile) in another process:
         :func:`finetuner.export.worker.export_in_subprocess`; the file is checked against the merged
         model before it is put in place, and the page says how closely it matches."""
         from finetuner.export.worker import export_in_subprocess
 
+        self.confirm_code(run, bool(allow_code))
         rp = self.run_path(run)
         fmt, quant = fmt or "gguf", quant or "f16"
         default = rp / ("ollama" if fmt == "ollama" else f"{rp.name}-{quant}.gguf")
@@ -510,7 +540,8 @@ class Handlers:
         if not target.is_absolute():
             target = paths.ROOT / target
         yield f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → `{paths.display(target)}` …"
-        r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite))
+        r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
+                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
         lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
                  f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
         if r.get("max_abs_logit_diff") is not None:

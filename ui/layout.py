@@ -14,7 +14,8 @@ from finetuner.config.recipe import Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
-from ui.handlers import CPU_CARD, OBJECTIVES, START_ANYWAY, Handlers, default_card, empty_chart
+from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, CPU_CARD, OBJECTIVES, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers,
+                         default_card, empty_chart)
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -136,6 +137,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     resume_btn = gr.Button("↻ Resume", interactive=False, elem_id="resume-btn")
                     start_anyway = gr.Checkbox(label=START_ANYWAY, value=False, elem_id="start-anyway",
                                                info="when the memory estimate says the recipe does not fit the card")
+                    start_code = gr.Checkbox(label=START_CODE, value=False, elem_id="start-allow-code", info=START_CODE_INFO)
                 train_msg = gr.Markdown(elem_id="train-message")
                 run_pick = gr.Dropdown([], label="Run", allow_custom_value=True, info="the run shown below; pick a past run to reopen it",
                                        elem_id="run-pick")
@@ -160,6 +162,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 with gr.Row():
                     chat_run = gr.Dropdown([], label="Fine-tuned run", allow_custom_value=True, scale=3, elem_id="chat-run")
                     compare = gr.Checkbox(value=True, label="Base model beside it", scale=1)
+                    chat_code = gr.Checkbox(value=False, label=ALLOW_CODE, info=ALLOW_CODE_INFO, scale=1, elem_id="chat-allow-code")
                 with gr.Row():
                     with gr.Column():
                         gr.Markdown("**Fine-tuned**", elem_classes="ft-lane-title")
@@ -188,6 +191,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", label="dtype", scale=1, elem_id="merge-dtype",
                                         info="auto: as the base model was saved")
                     overwrite = gr.Checkbox(label=OVERWRITE_LABEL, scale=1, elem_id="overwrite")
+                    export_code = gr.Checkbox(value=False, label=ALLOW_CODE, info=ALLOW_CODE_INFO, scale=1, elem_id="export-allow-code")
                 with gr.Row():
                     merge_btn = gr.Button("Merge and save", variant="primary", elem_id="merge-btn")
                     zip_btn = gr.DownloadButton("Download the adapter (.zip)", value=None, interactive=False, elem_id="zip-btn")
@@ -239,9 +243,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
 
         train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table,
                          reward_col, reward_plot]
-        start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway], [run_pick, runs_table, train_msg], api_name="start_training")
+        start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway, start_code], [run_pick, runs_table, train_msg], api_name="start_training")
         stop_btn.click(h.on_stop, run_pick, train_msg, api_name="stop_training")
-        resume_btn.click(h.on_resume, run_pick, [run_pick, runs_table, train_msg], api_name="resume_training")
+        resume_btn.click(h.on_resume, [run_pick, start_code], [run_pick, runs_table, train_msg], api_name="resume_training")
         run_pick.change(functools.partial(h.train_view, last=None), run_pick, train_outputs, api_name=False)
         timer.tick(h.train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
         # a (re)load restores this browser's choices, then shows the model and the data chosen
@@ -251,15 +255,15 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         for comp in remembered:  # in the browser only: stored at once, no round trip to the server
             comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 
-        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed]
+        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code]
         send.click(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
         msg.submit(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)
         clear_btn.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)
         chat_tab.select(h.on_refresh_finished, chat_run, chat_run, api_name=False)
         export_tab.select(h.on_refresh_finished, export_run, export_run, api_name=False)
 
-        merge_btn.click(h.on_merge, [export_run, out_dir, dtype, overwrite], export_md, api_name="merge")
-        gguf_btn.click(h.on_gguf, [export_run, gguf_format, gguf_quant, gguf_out, overwrite], gguf_md, api_name="export_gguf")
+        merge_btn.click(h.on_merge, [export_run, out_dir, dtype, overwrite, export_code], export_md, api_name="merge")
+        gguf_btn.click(h.on_gguf, [export_run, gguf_format, gguf_quant, gguf_out, overwrite, export_code], gguf_md, api_name="export_gguf")
         export_run.change(h.on_zip, export_run, [zip_btn, export_md], api_name="adapter_zip")
 
     return app

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from finetuner.cli.inference import add_code_optins
+
 FORMATS = ("gguf", "ollama")
 QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k_m")
 
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the merge before conversion (default fp32: the GGUF is rounded once).")
     x.add_argument("--no-verify", action="store_true", help="Skip the transformers checks (logits, tokenizer); the read-back still runs.")
     x.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    add_code_optins(x)
     x.set_defaults(func=_cmd_export)
 
 
@@ -44,7 +47,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     print(f"Exporting {args.source} → {args.output} ({args.format}, {args.quant}) ...", file=sys.stderr, flush=True)
     r = export_model(args.source, args.output, format=args.format, quant=args.quant, overwrite=args.overwrite,
-                     base_model=args.base, merge_dtype=args.merge_dtype, verify=not args.no_verify)
+                     base_model=args.base, merge_dtype=args.merge_dtype, verify=not args.no_verify,
+                     trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0

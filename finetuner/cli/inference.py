@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--base", help="The base model's folder or hub id, if not where the run or adapter says.")
     m.add_argument("--no-verify", action="store_true", help="Skip the logits check (saves reloading the merged model).")
     m.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    add_code_optins(m)
     m.set_defaults(func=_cmd_merge)
 
     c = sub.add_parser(
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, help="Seed for sampling (repeatable answers).")
     c.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
     c.add_argument("--device", default="auto", help="auto, cpu or cuda.")
+    add_code_optins(c)
     c.set_defaults(func=_cmd_chat)
 
     e = sub.add_parser(
@@ -70,7 +72,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device", default="auto", help="auto, cpu or cuda.")
     e.add_argument("--no-write", action="store_true", help="Do not write the result into metrics.json.")
     e.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    add_code_optins(e)
     e.set_defaults(func=_cmd_eval)
+
+
+def add_code_optins(p: argparse.ArgumentParser) -> None:
+    """``--trust-remote-code`` and ``--allow-pickle``: a run folder whose recipe turns
+    ``model.trust_remote_code`` or ``model.allow_pickle`` on is loaded only with them."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="Allow the model's own code to run (needed when the run's recipe sets model.trust_remote_code).")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="Allow pickle weight files to be unpickled (needed when the run's recipe sets model.allow_pickle).")
+
+
+def code_optins(args: argparse.Namespace) -> dict:
+    return dict(trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
 
 
 def _err(msg: str) -> None:
@@ -83,7 +99,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
     _err(f"Merging {args.source} → {args.output} ({args.dtype}) ...")
     r = merge_adapter(args.source, args.output, dtype=args.dtype, shard_size=args.shard_size, overwrite=args.overwrite,
-                      base_model=args.base, verify=not args.no_verify)
+                      base_model=args.base, verify=not args.no_verify, **code_optins(args))
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
@@ -136,7 +152,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     interactive = args.prompt is None
     if interactive:
         _err(f"Loading {args.source} ...")
-    chat = load_chat_model(args.source, adapter=not args.no_adapter, device=args.device, base_model=args.base)
+    chat = load_chat_model(args.source, adapter=not args.no_adapter, device=args.device, base_model=args.base,
+                           **code_optins(args))
     if args.system is not None:
         chat.system = args.system or None
     compare = args.compare and chat.has_adapter
@@ -240,7 +257,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     _err(f"Evaluating {args.source} ...")
     r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,
-                     device=args.device, base_model=args.base, write=not args.no_write)
+                     device=args.device, base_model=args.base, write=not args.no_write, **code_optins(args))
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
@@ -251,7 +268,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if not args.no_write:
         from finetuner.infer.loading import resolve_source
 
-        run_dir = resolve_source(args.source, args.base).run_dir
+        run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
         if run_dir is not None:
             print(f"\nwritten to {run_dir / 'metrics.json'} (key 'evaluation')")
     return 0

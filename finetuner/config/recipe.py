@@ -569,18 +569,100 @@ KEY_ORDER = ("name", "model", "method", "objective", "preference", "quantization
              "checkpointing", "logging", "samples", "output_dir", "device")
 
 
-def parse_yaml(text: str, source: str) -> dict[str, Any]:
-    """The mapping in a recipe's YAML text; a :class:`UserError` naming ``source`` (and the line
-    and column) when it is not valid YAML, is empty, or is not a mapping of sections."""
+#: The most nodes (mappings, lists, scalars) a recipe's YAML may stand for once its aliases are
+#: expanded. A recipe has a few hundred; an alias bomb ("billion laughs") stands for billions in a
+#: few hundred bytes, and every consumer of the parsed value (validation, its error messages, the
+#: run folder's copy) walks it expanded.
+MAX_YAML_NODES = 10_000
+#: The longest a value may be where an error message shows it (the rest is cut, with "…").
+MAX_SHOWN_CHARS = 120
+#: The longest one line of a validation error may be, and the most lines it has.
+MAX_ERROR_LINE = 400
+MAX_ERROR_LINES = 40
+
+
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (no Python objects) that builds a document only after checking its node
+    graph: :func:`_check_nodes`."""
+
+
+def _check_nodes(root: yaml.Node, source: str) -> None:
+    """Refuse a document that stands for more than :data:`MAX_YAML_NODES` nodes once its aliases are
+    expanded, or that gives one key twice in a mapping (YAML keeps the last silently)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:  # an alias: the same node object again, counted again in full
+            return sizes[id(node)]
+        sizes[id(node)] = MAX_YAML_NODES + 1  # a node that contains itself (a recursive alias) is too big
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], yaml.Node] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    first = seen.setdefault((key.tag, key.value), key)
+                    if first is not key:
+                        raise UserError(
+                            f"{source}: line {key.start_mark.line + 1}: the key '{shown(key.value, quote=False)}' is given twice "
+                            f"in one section (first on line {first.start_mark.line + 1}); YAML would keep only the last.",
+                            hint="Keep one of them.",
+                        )
+                total += size(key) + size(value)
+                if total > MAX_YAML_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item)
+                if total > MAX_YAML_NODES:
+                    break
+        sizes[id(node)] = total
+        return total
+
+    if size(root) > MAX_YAML_NODES:
+        raise UserError(
+            f"{source}: the YAML stands for more than {MAX_YAML_NODES:,} values once its aliases (*name) are expanded; "
+            "a recipe has a few hundred.",
+            hint="Write the values out instead of repeating anchors (&name) many times over.",
+        )
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """The value of one YAML document read safely (no Python objects), with aliases bounded and
+    duplicate keys refused (:func:`_check_nodes`): every YAML finetuner reads from the user (a
+    recipe file, the UI's editor, a run folder's ``recipe.yaml``, a ``--set`` value) goes
+    through here. A :class:`UserError` naming ``source`` (and the line and column) when it is not
+    valid YAML."""
+    loader = None
     try:
-        raw = yaml.safe_load(text)
+        loader = _RecipeYamlLoader(text)  # its reader already refuses unprintable characters
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, source)
+        return loader.construct_document(node)
     except RecursionError:
         raise UserError(f"{source}: invalid YAML: lists or mappings nested too deeply.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise UserError(f"{source}:{where} invalid YAML: {problem}.") from None
+        raise UserError(f"{source}:{where} invalid YAML: {shown(problem, quote=False)}.") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def shown(value: Any, quote: bool = True) -> str:
+    """``value`` as an error message shows it (``repr``, or ``str`` with ``quote=False``), cut to
+    :data:`MAX_SHOWN_CHARS`: a message never echoes a whole hostile input back."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 1] + "…"
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The mapping in a recipe's YAML text (:func:`load_yaml`); a :class:`UserError` naming ``source``
+    (and the line and column) when it is not valid YAML, is empty, or is not a mapping of sections."""
+    raw = load_yaml(text, source)
     if raw is None:
         raise UserError(f"{source}: the recipe is empty.", hint="See recipes/demo_cpu.yaml for an example.")
     if not isinstance(raw, dict):
@@ -733,8 +815,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not keys:
         raise UserError(f"--set {item!r}: the key is empty.")
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
-    except yaml.YAMLError:
+        value = load_yaml(value_text, f"--set {key.strip()}") if value_text.strip() else None
+    except UserError as e:
+        if "invalid YAML" not in str(e):
+            raise
         value = value_text
     node = raw
     for i, k in enumerate(keys[:-1]):
@@ -930,16 +1014,16 @@ def _value_message(errs: list[dict[str, Any]], tp: Any, metadata: list[Any]) -> 
         if ctx_choices:
             choices = list(dict.fromkeys(ctx_choices))
         else:
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            return errs[0]["msg"] + shown + "."
+            echo = "" if isinstance(got, dict) else f" (got {shown(got)})"
+            return errs[0]["msg"] + echo + "."
     if any(e["type"] == "finite_number" for e in errs):  # inf or nan given (pydantic: allow_inf_nan=False)
         words = [w.replace("a number", "a finite number", 1) for w in words]
     best = closest(got, [c for c in choices if isinstance(c, str)]) if isinstance(got, str) else None
     hint = f" Did you mean '{best}'?" if best else ""
     if not words:  # choices only
-        return f"invalid value {got!r}.{hint} Valid choices: {', '.join(map(str, choices))}."
+        return f"invalid value {shown(got)}.{hint} Valid choices: {', '.join(map(str, choices))}."
     expected = " or ".join(words) + (f" (or {' or '.join(map(str, choices))})" if choices else "")
-    return f"must be {expected}; got {got!r}.{hint}"
+    return f"must be {expected}; got {shown(got)}.{hint}"
 
 
 def _unknown_key_message(loc: tuple[Any, ...]) -> str:
@@ -1015,4 +1099,7 @@ def format_validation_error(e: ValidationError, source: str) -> str:
         else:
             msg = _value_message(errs, *types[loc])
         lines.append(f"  - {key}: {msg}")
-    return "\n".join(dict.fromkeys(lines))
+    lines = [line if len(line) <= MAX_ERROR_LINE else line[: MAX_ERROR_LINE - 1] + "…" for line in dict.fromkeys(lines)]
+    if len(lines) > MAX_ERROR_LINES:
+        lines = lines[:MAX_ERROR_LINES] + [f"  ... and {len(lines) - MAX_ERROR_LINES} more."]
+    return "\n".join(lines)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.data.formats import FileExamples, RowError
+from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
 from finetuner.config.recipe import DataSection
 
@@ -122,9 +123,25 @@ def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: 
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
 
 
+def cut_example(ex: dict[str, Any], budget: int) -> dict[str, Any]:
+    """``ex`` with its text cut to the first ``budget`` characters (:mod:`finetuner.data.textcut`):
+    the same kept tokens, without tokenizing what truncation drops."""
+    if ex.get("messages"):
+        return {**ex, "messages": head_messages(ex["messages"], budget)}
+    if ex.get("text") is not None:
+        return {**ex, "text": head(ex["text"], budget)}
+    if ex.get("prompt") is not None and ex.get("completion") is not None:
+        prompt = head(ex["prompt"], budget)
+        return {**ex, "prompt": prompt, "completion": head(ex["completion"], budget - len(prompt))}
+    return ex
+
+
 def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: int, train_on_prompt: bool) -> dict[str, Any]:
-    """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken."""
+    """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken.
+    Only the characters ``max_len`` tokens can hold are tokenized (:func:`cut_example`)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    budget = char_budget(tokenizer, max_len)
+    ex = cut_example(ex, budget)
     if ex.get("messages"):
         msgs = ex["messages"]
         try:
@@ -145,7 +162,7 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
             raise
         except Exception as e:  # jinja errors raised by the template for this conversation
             raise RowError(f"the chat template failed on this conversation: {e}") from None
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(head(text, budget), add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
         if train_on_prompt:
             labels = list(ids)
@@ -176,6 +193,8 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
     import datasets
 
     template = chat_template_for(tokenizer, cfg)
+    budget = char_budget(tokenizer, cfg.max_seq_len)
+    examples = [cut_example(ex, budget) for ex in examples]  # before Arrow copies them
     rows = {
         "messages": [ex.get("messages") for ex in examples],
         "text": [ex.get("text") for ex in examples],

@@ -53,6 +53,8 @@ from finetuner.data.formats import (
     wrong_objective,
 )
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for, raise_or_skip
+from finetuner.data.textcut import char_budget
+from finetuner.data import textcut
 from finetuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -257,9 +259,16 @@ def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: 
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
 
 
-def split_tokens(tokenizer: Any, template: str, prompt: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
+def split_tokens(tokenizer: Any, template: str, prompt: list[dict[str, str]], response: str,
+                 max_len: int | None = None) -> tuple[list[int], list[int]]:
     """The tokens of the prompt (with the generation prompt) and of the response (with the end of
-    its turn), as the whole conversation tokenizes; a token straddling the boundary is the response's."""
+    its turn), as the whole conversation tokenizes; a token straddling the boundary is the response's.
+    With ``max_len`` (the tokens :func:`join` keeps), only what those can hold is tokenized
+    (:mod:`finetuner.data.textcut`): the end of each prompt message and the start of the response."""
+    if max_len is not None:
+        budget = char_budget(tokenizer, max_len)
+        prompt = [{**m, "content": textcut.tail(m["content"], budget)} if isinstance(m.get("content"), str) else m for m in prompt]
+        response = textcut.head(response, budget)
     try:
         head = _render(tokenizer, template, prompt, gen=True)
         full = _render(tokenizer, template, [*prompt, {"role": "assistant", "content": response}], gen=False)
@@ -314,14 +323,14 @@ def encode_examples(examples: list[dict[str, Any]], tokenizer: Any, template: st
     for ex in examples:
         try:
             if "chosen" in ex:
-                pc, rc = split_tokens(tokenizer, template, ex["prompt"], ex["chosen"])
-                pr, rr = split_tokens(tokenizer, template, ex["prompt"], ex["rejected"])
+                pc, rc = split_tokens(tokenizer, template, ex["prompt"], ex["chosen"], cfg.max_seq_len)
+                pr, rr = split_tokens(tokenizer, template, ex["prompt"], ex["rejected"], cfg.max_seq_len)
                 c_ids, c_labels, c_cut = join(pc, rc, cfg.max_seq_len)
                 r_ids, r_labels, r_cut = join(pr, rr, cfg.max_seq_len)
                 stats.truncated += int(c_cut or r_cut)
                 out.append({"chosen_ids": c_ids, "chosen_labels": c_labels, "rejected_ids": r_ids, "rejected_labels": r_labels})
             else:
-                split.append((ex, split_tokens(tokenizer, template, ex["prompt"], ex["completion"])))
+                split.append((ex, split_tokens(tokenizer, template, ex["prompt"], ex["completion"], cfg.max_seq_len)))
         except RowError as e:
             bad.append(f"{ex['_where']}: {e}.")
     partners = mismatched_partners([ex["prompt"] for ex, _ in split])

@@ -117,6 +117,23 @@ def histogram(lengths: list[int], bins: int = 20) -> list[dict[str, int]]:
     return [{"from": i * width, "to": (i + 1) * width, "count": c} for i, c in enumerate(counts)]
 
 
+#: The most characters of one text that are tokenized to count its tokens; a longer text's count is
+#: extrapolated from its first this-many characters (the planner needs lengths, not exact ids, and
+#: a tokenizer's memory grows with its input: a 10 MB row took the UI to 2.9 GB).
+MAX_COUNTED_CHARS = 200_000
+
+
+def bounded(count):
+    """``count`` (text -> tokens) that tokenizes at most :data:`MAX_COUNTED_CHARS` characters of a text
+    and scales the count of a longer text by its length."""
+    def counted(text: str) -> int:
+        if len(text) <= MAX_COUNTED_CHARS:
+            return count(text)
+        return int(math.ceil(count(text[:MAX_COUNTED_CHARS]) * len(text) / MAX_COUNTED_CHARS))
+
+    return counted
+
+
 def _tokenizer_counter(model: str | None):
     """A ``text -> n_tokens`` function from the model's tokenizer.json, if it can be found offline."""
     if not model:
@@ -137,7 +154,7 @@ def _tokenizer_counter(model: str | None):
                 from tokenizers import Tokenizer
 
                 tok = Tokenizer.from_file(str(c))
-                return (lambda text: len(tok.encode(text, add_special_tokens=False).ids)), f"tokenizer {c}"
+                return bounded(lambda text: len(tok.encode(text, add_special_tokens=False).ids)), f"tokenizer {c}"
             except Exception:  # noqa: BLE001
                 continue
     return None, None

@@ -435,6 +435,8 @@ def export_model(
     base_model: str | None = None,
     merge_dtype: str = "fp32",
     verify: bool = True,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> ExportResult:
     """Export a run, an adapter or a model folder to GGUF (llama.cpp, LM Studio) or Ollama.
 
@@ -450,6 +452,9 @@ def export_model(
         merge_dtype: dtype of the merge (``fp32`` by default: the GGUF is rounded once, from it).
         verify: check the file with transformers' GGUF loader (logits and tokenizer); the
             read-back of the tensors always runs.
+        trust_remote_code: allow the model's own code to run (a run whose recipe sets
+            ``model.trust_remote_code`` is refused without this).
+        allow_pickle: allow pickle weight files (a run whose recipe sets ``model.allow_pickle`` is refused without this).
 
     Example::
 
@@ -459,7 +464,7 @@ def export_model(
     """
     t0 = time.perf_counter()
     _check_args(format, quant)
-    src = resolve_source(source, base_model)
+    src = resolve_source(source, base_model, trust_remote_code, allow_pickle)
     out = Path(output).expanduser().resolve()
     if format == "gguf":
         _check_gguf_output(out, overwrite, src)

@@ -280,6 +280,8 @@ def merge_adapter(
     overwrite: bool = False,
     base_model: str | None = None,
     verify: bool = True,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> MergeResult:
     """Merge a run's (or a peft folder's) LoRA adapter into its base and write a model folder.
 
@@ -301,6 +303,9 @@ def merge_adapter(
         base_model: where the base model is, if not where the run or adapter says.
         verify: compare the written model's logits with the adapter-on-base logits on a probe
             conversation (max abs difference in the result) and refuse to publish on a mismatch.
+        trust_remote_code: allow the model's own code to run (a run whose recipe sets
+            ``model.trust_remote_code`` is refused without this).
+        allow_pickle: allow pickle weight files (a run whose recipe sets ``model.allow_pickle`` is refused without this).
 
     Example::
 
@@ -312,7 +317,7 @@ def merge_adapter(
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"dtype '{dtype}' is not one of {', '.join(DTYPE_CHOICES)}.")
     max_shard = parse_size(shard_size)
-    src = resolve_source(source, base_model)
+    src = resolve_source(source, base_model, trust_remote_code, allow_pickle)
     if src.kind == "model":
         raise UserError(f"{src.path} is a model folder with no adapter: there is nothing to merge.",
                         hint="Give a run folder (runs/<name>) or a peft adapter folder (one with adapter_config.json).")
@@ -340,8 +345,8 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     tokenizer = load_tokenizer(src)
     template = chat_template(src, tokenizer)
     tokenizer.chat_template = template
-    trust = bool(src.recipe and src.recipe.model.trust_remote_code)
-    pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
+    trust = src.trust_remote_code
+    pickle_ok = src.allow_pickle
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
     model = load_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,

@@ -27,9 +27,10 @@ from typing import Any
 from finetuner.errors import UserError
 
 #: the keywords of merge_adapter a request may carry
-KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify")
+KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify", "trust_remote_code", "allow_pickle")
 #: the keywords of export_model an export request may carry
-EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model", "merge_dtype", "verify")
+EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model", "merge_dtype", "verify", "trust_remote_code",
+               "allow_pickle")
 
 
 # --------------------------------------------------------------------------- the worker process

@@ -58,7 +58,16 @@ class ChatModel:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True)
 
     def encode(self, messages: list[dict[str, str]]):
+        from finetuner.data.textcut import char_budget
+
         text = self.render(messages)
+        budget = char_budget(self.tokenizer, self.max_context)
+        if len(text) > budget:  # more tokens than the context for certain: refused without tokenizing it all
+            raise UserError(
+                f"The conversation is {len(text):,} characters long; the model's context is {self.max_context} tokens "
+                f"(at most {budget:,} characters).",
+                hint="Shorten the prompt, or start a new conversation (/reset in `finetuner chat`).",
+            )
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         n = int(ids.shape[1])
         if n >= self.max_context:
@@ -174,6 +183,8 @@ def load_chat_model(
     adapter: bool = True,
     device: str = "auto",
     base_model: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> ChatModel:
     """Load a run folder, a peft adapter folder, a model folder or a hub id for chatting.
 
@@ -183,13 +194,16 @@ def load_chat_model(
             attached, ``stream(..., adapter=False)`` still answers as the base model.
         device: ``auto`` (the GPU if there is one), ``cpu`` or ``cuda``.
         base_model: where the base model is, if not where the run or adapter says.
+        trust_remote_code: allow the model's own code to run (needed when the run's recipe sets
+            ``model.trust_remote_code``; a run with it on is refused without this).
+        allow_pickle: allow pickle weight files to be unpickled (as ``trust_remote_code``, for ``model.allow_pickle``).
 
     Example::
 
         >>> chat = load_chat_model("runs/demo_cpu")                                # doctest: +SKIP
         >>> chat.reply([{"role": "user", "content": "Tell me about the puffin."}])  # doctest: +SKIP
     """
-    src = resolve_source(run_or_model, base_model)
+    src = resolve_source(run_or_model, base_model, trust_remote_code, allow_pickle)
     tokenizer = load_tokenizer(src)
     model, dev = load_model(src, adapter=adapter, device=device)
     return ChatModel(

@@ -41,12 +41,13 @@ def _send(obj: dict[str, Any]) -> None:
     _OUT.flush()
 
 
-def serve(source: str, adapter: bool = True) -> int:
-    """Load the model and answer requests from stdin until it closes."""
+def serve(source: str, adapter: bool = True, allow_code: bool = False) -> int:
+    """Load the model and answer requests from stdin until it closes. ``allow_code``: the user's
+    opt-in to the run's ``model.trust_remote_code`` and ``model.allow_pickle``."""
     try:
         from finetuner.infer.chat import load_chat_model
 
-        model = load_chat_model(source, adapter=adapter)
+        model = load_chat_model(source, adapter=adapter, trust_remote_code=allow_code, allow_pickle=allow_code)
     except UserError as e:
         _send({"error": e.message + (f"\n{e.hint}" if e.hint else "")})
         return 2
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m finetuner.infer.chat_worker", description=__doc__.splitlines()[0])
     p.add_argument("source", help="A run folder, an adapter folder or a model.")
     p.add_argument("--base", action="store_true", help="The base model alone (no adapter).")
+    p.add_argument("--allow-code", action="store_true",
+                   help="Allow the run's model.trust_remote_code and model.allow_pickle (code from the run's folder may run).")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -84,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     global _OUT
     _OUT, sys.stdout = sys.stdout, sys.stderr
-    return serve(args.source, adapter=not args.base)
+    return serve(args.source, adapter=not args.base, allow_code=args.allow_code)
 
 
 # --------------------------------------------------------------------------- the caller's side
 class ChatWorker:
     """A chat model in its own process. ``stream()`` yields text pieces as they are generated."""
 
-    def __init__(self, source: str, adapter: bool = True, start_timeout: float = 600.0):
-        self.source, self.adapter = str(source), adapter
+    def __init__(self, source: str, adapter: bool = True, start_timeout: float = 600.0, allow_code: bool = False):
+        self.source, self.adapter, self.allow_code = str(source), adapter, allow_code
         self.start_timeout = start_timeout
         self.describe = ""
         self.has_adapter = False
@@ -108,7 +111,8 @@ class ChatWorker:
     def start(self) -> ChatWorker:
         if self.alive:
             return self
-        cmd = [sys.executable, "-m", "finetuner.infer.chat_worker", self.source] + ([] if self.adapter else ["--base"])
+        cmd = ([sys.executable, "-m", "finetuner.infer.chat_worker", self.source] + ([] if self.adapter else ["--base"])
+               + (["--allow-code"] if self.allow_code else []))
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, encoding="utf-8", bufsize=1, start_new_session=True,

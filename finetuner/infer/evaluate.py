@@ -171,6 +171,8 @@ def evaluate_run(
     device: str = "auto",
     base_model: str | None = None,
     write: bool = True,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> EvalResult | PreferenceEvalResult:
     """Loss and perplexity of the base model and the fine-tune on held-out data (on preference
     pairs: preference accuracy and margin, a :class:`PreferenceEvalResult`).
@@ -185,6 +187,9 @@ def evaluate_run(
         base_model: where the base model is, if not where the run says.
         write: store the result under ``evaluation`` in the run's ``metrics.json`` (atomically,
             keeping everything else in it).
+        trust_remote_code: allow the model's own code to run (a run whose recipe sets
+            ``model.trust_remote_code`` is refused without this).
+        allow_pickle: allow pickle weight files (a run whose recipe sets ``model.allow_pickle`` is refused without this).
 
     Example::
 
@@ -195,7 +200,7 @@ def evaluate_run(
     from finetuner.data.pipeline import Collator
 
     t0 = time.perf_counter()
-    src = resolve_source(run, base_model)
+    src = resolve_source(run, base_model, trust_remote_code, allow_pickle)
     if not src.has_adapter and src.kind != "full":
         raise UserError(f"{src.path} is a model with no fine-tune to compare.", hint="Give a run folder (runs/<name>).")
     tokenizer = load_tokenizer(src)

@@ -40,6 +40,20 @@ class Source:
     adapter_dir: Path | None = None
     run_dir: Path | None = None
     recipe: Any = None  # finetuner.config.recipe.Recipe, when the source has one
+    #: the opt-ins given on the command (``--trust-remote-code``, ``--allow-pickle``) or to the Python API
+    allow_code: bool = False
+    allow_pickle_files: bool = False
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """Whether loading may run the model's own code: the recipe asks for it (allowed by
+        :func:`resolve_source` only with the opt-in), or, with no recipe, the opt-in itself."""
+        return bool(self.recipe.model.trust_remote_code) if self.recipe is not None else self.allow_code
+
+    @property
+    def allow_pickle(self) -> bool:
+        """Whether pickle weight files may be unpickled (as :attr:`trust_remote_code`)."""
+        return bool(self.recipe.model.allow_pickle) if self.recipe is not None else self.allow_pickle_files
 
     @property
     def has_adapter(self) -> bool:
@@ -62,18 +76,17 @@ def _looks_local(name: str) -> bool:
 
 
 def read_recipe(path: Path):
-    import yaml
     from pydantic import ValidationError
 
-    from finetuner.config.recipe import Recipe, format_validation_error
+    from finetuner.config.recipe import Recipe, format_validation_error, load_yaml
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
         # the saved recipe is already resolved (absolute paths); its data files need not exist any more
         return Recipe.model_validate(raw)
     except ValidationError as e:
         raise UserError(format_validation_error(e, str(path))) from None
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise UserError(f"{path}: cannot read the run's recipe ({e}).") from None
 
 
@@ -87,19 +100,39 @@ def _check_base(base: str, where: str) -> str:
     return str(p.resolve()) if exists(p) else base
 
 
-def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
-    """Tell what ``path`` is (run folder, adapter folder, model folder or hub id); clear errors otherwise."""
+def check_code_optin(recipe, where: Path, trust_remote_code: bool, allow_pickle: bool) -> None:
+    """Refuse a recipe from a run folder that asks to run code (``model.trust_remote_code``) or to
+    unpickle weights (``model.allow_pickle``) unless the command opted in: a run folder may come
+    from someone else, so its own recipe is never taken as the user's consent."""
+    for key, on, flag, given in (("model.trust_remote_code", recipe.model.trust_remote_code, "--trust-remote-code", trust_remote_code),
+                                 ("model.allow_pickle", recipe.model.allow_pickle, "--allow-pickle", allow_pickle)):
+        if on and not given:
+            api = flag.removeprefix("--").replace("-", "_")
+            raise UserError(
+                f"{where}: {key} is true, so loading this run can run code from its folder; add {flag} to allow it.",
+                hint=f"Only for a run folder you trust (Python: {api}=True).",
+            )
+
+
+def resolve_source(path: str | Path, base_model: str | None = None, trust_remote_code: bool = False,
+                   allow_pickle: bool = False) -> Source:
+    """Tell what ``path`` is (run folder, adapter folder, model folder or hub id); clear errors otherwise.
+
+    ``trust_remote_code`` and ``allow_pickle`` are the user's opt-ins: a run whose recipe turns
+    either on is refused without them (:func:`check_code_optin`); a source with no recipe gets them as given."""
+    optin = dict(allow_code=trust_remote_code, allow_pickle_files=allow_pickle)
     p = expand_user(path)
     if not exists(p):
         name = str(path)
         if not _looks_local(name) and name.count("/") == 1:
-            return Source(name, "model", name)  # a hub id
+            return Source(name, "model", name, **optin)  # a hub id
         raise UserError(f"No such run, adapter or model folder: {path}", hint="Give a run folder (runs/<name>), an adapter folder or a model folder.")
     if not p.is_dir():
         raise UserError(f"{p} is a file; expected a run folder, an adapter folder or a model folder.")
     p = p.resolve()
     if (p / "recipe.yaml").is_file() and not (p / "adapter_config.json").is_file():
         recipe = read_recipe(p / "recipe.yaml")
+        check_code_optin(recipe, p / "recipe.yaml", trust_remote_code, allow_pickle)
         adapter = p / "adapter"
         if (adapter / "adapter_config.json").is_file():
             kind: Kind = "run"
@@ -117,7 +150,7 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
         if base != recipe.model.name:
             recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": base})})
         run_dir = p if (p / "events.jsonl").is_file() else None  # not a checkpoint folder
-        return Source(p, kind, base, adapter_dir=adapter, run_dir=run_dir, recipe=recipe)
+        return Source(p, kind, base, adapter_dir=adapter, run_dir=run_dir, recipe=recipe, **optin)
     if (p / "adapter_config.json").is_file():
         try:
             cfg = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
@@ -131,11 +164,12 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
         base = _check_base(base_model or named, f"{p / 'adapter_config.json'} (base_model_name_or_path)")
         recipe = read_recipe(p.parent / "recipe.yaml") if (p.parent / "recipe.yaml").is_file() else None
         if recipe is not None:
+            check_code_optin(recipe, p.parent / "recipe.yaml", trust_remote_code, allow_pickle)
             recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": base})})
         run_dir = p.parent if p.name == "adapter" and (p.parent / "events.jsonl").is_file() else None
-        return Source(p, "adapter", base, adapter_dir=p, run_dir=run_dir, recipe=recipe)
+        return Source(p, "adapter", base, adapter_dir=p, run_dir=run_dir, recipe=recipe, **optin)
     if (p / "config.json").is_file():
-        return Source(p, "model", str(p))
+        return Source(p, "model", str(p), **optin)
     raise UserError(
         f"{p} is not a run folder (recipe.yaml), a peft adapter folder (adapter_config.json) or a model folder (config.json).",
         hint="Give the folder `finetuner run` wrote (runs/<name>), its adapter/ folder, or a save_pretrained model folder.",
@@ -146,7 +180,7 @@ def resolve_source(path: str | Path, base_model: str | None = None) -> Source:
 def load_tokenizer(src: Source):
     from finetuner.model.loading import check_model_folder, open_tokenizer
 
-    trust = bool(src.recipe and src.recipe.model.trust_remote_code)
+    trust = src.trust_remote_code
     what = "the model" if src.kind == "model" else "the base model"
     if src.tokenizer_dir == src.base_model:
         check_model_folder(src.base_model, what, trust)
@@ -216,8 +250,8 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
         model = load_base_model(recipe, rt)
     else:
         dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else (torch.float16 if device.startswith("cuda") else torch.float32)
-        trust = bool(src.recipe and src.recipe.model.trust_remote_code)
-        pickle_ok = bool(src.recipe and src.recipe.model.allow_pickle)
+        trust = src.trust_remote_code
+        pickle_ok = src.allow_pickle
         if src.kind == "full" and adapter:
             model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
         else:

@@ -168,4 +168,4 @@ def _start_run(src):
     if not Path(start).is_dir():
         raise UserError(f"{src.path}: the run started from {start}, which no longer exists: its model is the one to compare with.",
                         hint="Restore that run folder (its adapter/ is what the comparison loads).")
-    return resolve_source(start)
+    return resolve_source(start, trust_remote_code=src.allow_code, allow_pickle=src.allow_pickle_files)

@@ -804,16 +804,14 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
     continues with the same micro-batch, after any out-of-memory back-off); otherwise the planner
     chooses for the detected GPU, or for the CPU (80 % of its RAM) when there is none.
     """
-    import yaml
-
     from finetuner.config.hardware import cpu_profile, detect
-    from finetuner.config.recipe import Recipe
+    from finetuner.config.recipe import Recipe, load_yaml
 
     if not recipe.auto_keys():
         return recipe, None
     saved = recipe.output_path() / "recipe.yaml"
     if resume and saved.is_file() and any((recipe.output_path() / "checkpoints").glob("step-*")):
-        old = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        old = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) or {}
         raw = recipe.to_dict()
         for key in recipe.auto_keys():
             node_new, node_old = raw, old

@@ -24,7 +24,7 @@ from typing import Any
 
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
-from finetuner.config.recipe import Recipe
+from finetuner.config.recipe import Recipe, load_yaml
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
 RESUME_KEYS = (
@@ -194,8 +194,6 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
     moved aside, but only after ``check_inputs(recipe)`` (the model and the data, read and checked)
     has passed: a bad data file or model leaves the run where it was.
     """
-    import yaml
-
     run_dir = recipe.output_path()
     notes: list[str] = []
     lock = None
@@ -230,7 +228,7 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                              "run aside (not deleted) and start over in its folder.",
                     )
                 if last is not None:
-                    old = yaml.safe_load(saved.read_text(encoding="utf-8")) if saved.is_file() else None
+                    old = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) if saved.is_file() else None
                     if not isinstance(old, dict) or not isinstance(old.get("training"), dict):
                         raise UserError(f"{run_dir} has checkpoints but no readable recipe.yaml to resume them with.",
                                         hint="Use --no-resume to start over (the old run is moved aside, not deleted), "

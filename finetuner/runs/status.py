@@ -142,12 +142,13 @@ class Run:
         return f"<div><b>Run</b> <code>{html.escape(str(self.path))}</code><table>{cells}</table></div>"
 
     # ------------------------------------------------------------------ using it
-    def chat_model(self, device: str = "auto"):
-        """The run's :class:`~finetuner.infer.chat.ChatModel` (loaded once, then reused)."""
+    def chat_model(self, device: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False):
+        """The run's :class:`~finetuner.infer.chat.ChatModel` (loaded once, then reused). A run whose
+        recipe sets ``model.trust_remote_code`` / ``model.allow_pickle`` needs the matching opt-in."""
         if self._chat is None:
             from finetuner.infer.chat import load_chat_model
 
-            self._chat = load_chat_model(self.path, device=device)
+            self._chat = load_chat_model(self.path, device=device, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         return self._chat
 
     def generate(self, prompt: str, adapter: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import OutOfMemory, UserError
-from finetuner.config.recipe import Recipe
+from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,6 @@ def _wait_for_first_node(recipe: Recipe, stop_event: threading.Event | None) -> 
     """On a node other than 0: wait until node 0's launcher has prepared the shared run folder (its
     ``distributed/launch.sh`` is written last); returns the folder. A finished run raises
     :class:`~finetuner.runs.folder.RunFinished` here as on node 0, which then launches nothing."""
-    import yaml
-
     from finetuner.runs.folder import check_not_finished
     from finetuner.training.checkpoint import latest_checkpoint
 
@@ -252,7 +250,7 @@ def _wait_for_first_node(recipe: Recipe, stop_event: threading.Event | None) -> 
         time.sleep(0.5)
     last = latest_checkpoint(run_dir)
     if last is not None:
-        saved = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8")) or {}
+        saved = load_yaml((run_dir / "recipe.yaml").read_text(encoding="utf-8"), str(run_dir / "recipe.yaml")) or {}
         check_not_finished(run_dir, recipe, saved, last)
     return run_dir
 

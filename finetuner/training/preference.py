@@ -38,7 +38,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe
+from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe, load_yaml
 from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
@@ -253,12 +253,10 @@ class PreferenceObjective:
         start = self.settings.start_from
         if not start:
             return recipe
-        import yaml
-
         saved = Path(start) / "recipe.yaml"
         try:
-            sft = yaml.safe_load(saved.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as e:
+            sft = load_yaml(saved.read_text(encoding="utf-8"), str(saved))
+        except OSError as e:
             raise UserError(f"preference.start_from: cannot read {saved} ({e}).",
                             hint="Start from the folder of a finished finetuner run.") from None
         base = (sft.get("model") or {}).get("name")
