@@ -462,20 +462,21 @@ class Handlers:
         convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
         shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
         t0 = time.monotonic()
-        fresh = self.chat_pool.loaded != source
+        fresh = not self.chat_pool.is_loaded(source)
         yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
-        worker = self.chat_pool.get(source)
         texts = {name: "" for name in convo}
-        for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
-            msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
-            for piece in worker.stream(msgs, adapter=adapter, **gen):
-                texts[name] += piece
-                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
-                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
-            shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+        with self.chat_pool.lease(source) as worker:  # not closed under this session while it answers
+            for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
+                msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
+                for piece in worker.stream(msgs, adapter=adapter, **gen):
+                    texts[name] += piece
+                    shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
+                    yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
+                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+            describe = worker.describe
         took = time.monotonic() - t0
         yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {worker.describe}")
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {describe}")
 
     # ------------------------------------------------------------------ export
     @shows_errors(0, 1)
