@@ -114,9 +114,10 @@ def test_a_planted_link_is_never_followed(own_tmp, tmp_path):
 
 
 @pytest.fixture
-def two_servers(own_tmp, tmp_path):
+def two_servers(own_tmp, tmp_path, monkeypatch):
     """Two UIs served as ``finetuner ui`` serves one (ui.app.launch), in this process; the first
     takes uploads up to 1 MiB."""
+    monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)  # each launch sets its own; put back afterwards
     apps = []
     try:
         for name, limit in (("a", 2**20), ("b", None)):
@@ -124,6 +125,7 @@ def two_servers(own_tmp, tmp_path):
             app = launch(runs_dir=tmp_path / f"runs-{name}", upload_dir=tmp_path / f"up-{name}", port=port,
                          block=False, quiet=True, max_upload_bytes=limit)
             app.url = f"http://127.0.0.1:{port}"
+            app.cache = Path(app.GRADIO_CACHE)  # where gradio keeps this app's uploads and handed-out files
             apps.append(app)
         yield apps
     finally:
@@ -146,6 +148,20 @@ def test_an_instance_serves_its_own_files_only(two_servers):
     assert b.allowed_paths == [str(b.temp_dir)]
 
 
+def test_an_upload_is_kept_in_its_instances_own_cache_and_served_by_it_only(two_servers):
+    a, b = two_servers
+    boundary = "finetunerboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"mine.jsonl\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n").encode() + b'{"text": "private"}\n' + f"\r\n--{boundary}--\r\n".encode()
+    status, text = _http_status(f"{a.url}/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 200
+    stored = Path(json.loads(text)[0])
+    assert _http_status(f"{a.url}/gradio_api/file={stored}")[0] == 200
+    assert _http_status(f"{b.url}/gradio_api/file={stored}")[0] in (403, 404)
+    assert stored.is_relative_to(a.cache) and a.cache != b.cache  # not the gradio folder every app shares
+    assert a.cache.parent == Path(tempfile.gettempdir()) and stat.S_IMODE(os.lstat(a.cache).st_mode) == 0o700
+
+
 # --------------------------------------------------------------------------- item 5: share
 def test_gradio_share_in_the_environment_is_ignored(monkeypatch, tmp_path, capsys):
     seen = {}
@@ -164,26 +180,48 @@ def test_gradio_share_in_the_environment_is_ignored(monkeypatch, tmp_path, capsy
 
 
 # --------------------------------------------------------------------------- item 7: chat
-def test_two_sessions_chat_with_two_runs_at_once(tmp_path):
+def test_two_sessions_chat_with_two_runs_at_once(tmp_path, monkeypatch):
+    """Session one has loaded run-a's model and is about to send its message when session two asks
+    run-b something (the moment is pinned with events, not timing): both are answered."""
+    import threading
+
+    from finetuner.infer.chat_worker import ChatWorker
+
     runs = tmp_path / "runs"
     for name in ("run-a", "run-b"):
         demo_run_folder(runs, name, adapter=True)
     h = Handlers(runs, tmp_path / "uploads")
-    settings = (False, 12, 0.0, 1.0, None)  # no base lane, 12 tokens, greedy
+    one_loaded, two_done = threading.Event(), threading.Event()
+    real_start = ChatWorker.start
+
+    def start(worker):  # the real start; then, the first time run-a's model is loaded, session two goes
+        out = real_start(worker)
+        if worker.source.endswith("run-a") and not one_loaded.is_set():
+            one_loaded.set()
+            assert two_done.wait(300)
+        return out
+
+    monkeypatch.setattr(ChatWorker, "start", start)
+    settings = (True, 8, 0.0, 1.0, None)  # both lanes (the fine-tune, then the base model), 8 tokens, greedy
+    one: list = []
     try:
-        one = h.on_chat("Hello", [], [], "run-a", *settings)
-        assert next(one)[3] == "Loading the model…"
-        assert next(one)[3] == "Answering…"  # session one is mid-answer, its worker lent to it
-        two = list(h.on_chat("Hi there", [], [], "run-b", *settings))  # session two, another run, meanwhile
-        rest = list(one)
-        for outputs in (two[-1], rest[-1]):
-            _msg, tuned, _base, status = outputs
+        session_one = threading.Thread(target=lambda: one.extend(h.on_chat("Hello", [], [], "run-a", *settings)))
+        session_one.start()
+        assert one_loaded.wait(300)
+        two = list(h.on_chat("Hi there", [], [], "run-b", *settings))
+        two_done.set()
+        session_one.join(300)
+        assert not session_one.is_alive()
+        for outputs in (one[-1], two[-1]):
+            _msg, tuned, base, status = outputs
             assert status.startswith("Answered in"), status
-            assert tuned[-1]["role"] == "assistant" and tuned[-1]["content"].strip()
+            for lane in (tuned, base):
+                assert lane[-1]["role"] == "assistant" and lane[-1]["content"].strip()
         assert h.chat_pool.loaded == [str((runs / "run-a").resolve())]  # one model kept loaded once both are done
-        again = list(h.on_chat("Hello", [], [], "run-a", *settings))  # and it answers again at once
+        again = list(h.on_chat("Hello", [], [], "run-a", *settings))  # and it answers again without loading
         assert again[0][3] == "Answering…" and again[-1][3].startswith("Answered in")
     finally:
+        two_done.set()
         h.chat_pool.close()
 
 
