@@ -73,8 +73,9 @@ def test_each_ui_instance_has_a_private_temp_folder_of_its_own(own_tmp):
 def test_the_temp_folder_goes_when_the_ui_process_exits(tmp_path):
     code = ("import sys; from ui.app import build_app; a = build_app(sys.argv[1], sys.argv[2]); "
             "print(a.temp_dir); (a.temp_dir / 'x.yaml').write_text('x')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs"), str(tmp_path / "up")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     folder = Path(r.stdout.strip().splitlines()[-1])
     assert folder.name.startswith("finetuner-ui-") and not folder.exists()
@@ -318,3 +319,44 @@ def test_the_cli_takes_an_upload_limit_and_refuses_a_bad_one():
     r = run_cli("ui", "--max-upload-mb", "0")
     assert r.returncode == 2 and "--max-upload-mb 0: give a size in MiB above 0" in r.stderr
     assert "--max-upload-mb" in run_cli("ui", "--help").stdout
+
+
+def test_finetuner_ui_with_gradio_share_set_serves_locally_and_caps_uploads(tmp_path):
+    """``finetuner ui`` as a user starts it, with GRADIO_SHARE=True in the environment and a 1 MiB
+    upload limit: one warning line, no share link, and a larger upload is cut off."""
+    port = free_port()
+    env = dict(os.environ, GRADIO_SHARE="True", GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    log = tmp_path / "ui.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(tmp_path / "runs"),
+             "--upload-dir", str(tmp_path / "up"), "--max-upload-mb", "1"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while not (_port_open(port) and _http_status(url + "/")[0] == 200):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        boundary = "finetunerboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"d.jsonl\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\n").encode() + b"x" * (2**20 + 1) + f"\r\n--{boundary}--\r\n".encode()
+        status, _ = _http_status(url + "/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert status == 413
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = log.read_text()
+    assert "warning: GRADIO_SHARE is set; ignored: finetuner ui never makes a public share link" in text
+    assert "gradio.live" not in text and "public URL" not in text
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
