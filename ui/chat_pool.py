@@ -15,8 +15,8 @@ class ChatPool:
     Sessions borrow a worker with :meth:`lease`; a worker lent out is never closed (another
     session chatting with another run starts a worker of its own beside it). Once returned, the
     least recently used workers nobody holds are closed down to ``keep`` (default 1: the model
-    of the last chat stays loaded, as before; two pages chatting with two runs take turns loading
-    theirs rather than hold two models in memory)."""
+    of the last chat stays loaded, as before; two pages chatting with two runs hold two models
+    only while both are answering, and otherwise take turns loading theirs)."""
 
     def __init__(self, keep: int = 1):
         self.keep = max(0, int(keep))
