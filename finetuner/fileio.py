@@ -42,8 +42,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def private_temp_dir(prefix: str, owner: object | None = None) -> Path:
+    """A new folder under the system's temp folder that only this user can enter (mode 0700, an
+    unpredictable name: :func:`tempfile.mkdtemp`, never a fixed name someone else could have
+    made first), removed with everything in it when ``owner`` is garbage collected or, at the
+    latest, when the process exits."""
+    import shutil
+    import weakref
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if owner is not None:
+        weakref.finalize(owner, shutil.rmtree, path, True)
+    else:
+        import atexit
+
+        atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: a new file
+    made with ``O_CREAT | O_EXCL`` (:func:`tempfile.mkstemp`), so a symbolic link already at
+    ``path`` is replaced, never followed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

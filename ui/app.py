@@ -11,25 +11,50 @@ what it shows comes from disk, not from the browser session.
 
 from __future__ import annotations
 
-import tempfile
+import os
+import sys
 from pathlib import Path
 
 import gradio as gr
 
+from finetuner.fileio import private_temp_dir
 from ui.handlers import Handlers
 from ui.layout import build_blocks
 from ui.style import CSS, JS
 
 
-def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None = None) -> gr.Blocks:
+def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None = None,
+              max_upload_bytes: int | None = None) -> gr.Blocks:
     """The app. ``runs_dir``: where runs and the job registry live (default ``runs/`` of the
-    checkout); ``upload_dir``: where uploaded data files are stored (default ``data/uploads/``)."""
-    handlers = Handlers(runs_dir, upload_dir)
+    checkout); ``upload_dir``: where uploaded data files are stored (default ``data/uploads/``);
+    ``max_upload_bytes``: the largest upload taken (default :data:`ui.paths.MAX_UPLOAD_BYTES`).
+    Each app has a temp folder of its own (``app.temp_dir``, mode 0700), removed with it."""
+    handlers = Handlers(runs_dir, upload_dir, max_upload_bytes=max_upload_bytes)
     app = build_blocks(handlers)
     app.handlers = handlers  # for tests
     app.chat_pool = handlers.chat_pool  # for tests and shutdown
     app.runs_dir = handlers.runs
+    app.temp_dir = handlers.temp_dir
     return app
+
+
+#: the GRADIO_TEMP_DIR :func:`private_gradio_cache` set (not one the user set)
+_OWN_CACHE: str | None = None
+
+
+def private_gradio_cache() -> None:
+    """Gradio's own file cache (uploads, and the copies of the files the app hands out, which it
+    serves) in a private folder of this process (mode 0700) instead of the ``gradio`` folder every
+    gradio app on the machine shares and serves; a ``GRADIO_TEMP_DIR`` the user set is kept."""
+    global _OWN_CACHE
+    if os.environ.get("GRADIO_TEMP_DIR") and os.environ["GRADIO_TEMP_DIR"] != _OWN_CACHE:
+        return
+    _OWN_CACHE = os.environ["GRADIO_TEMP_DIR"] = str(private_temp_dir("finetuner-ui-gradio-"))
+
+
+def share_asked_by_env() -> bool:
+    """Whether ``GRADIO_SHARE`` asks gradio for a public share link (which :func:`launch` never makes)."""
+    return os.environ.get("GRADIO_SHARE", "").strip().lower() in ("true", "1", "yes", "on")
 
 
 def launch(
@@ -40,14 +65,26 @@ def launch(
     auth: tuple[str, str] | None = None,
     block: bool = True,
     quiet: bool = False,
+    max_upload_bytes: int | None = None,
 ) -> gr.Blocks:
-    """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves."""
-    app = build_app(runs_dir, upload_dir)
+    """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves.
+
+    It listens on ``host`` only and never makes a public share link (``share=False`` whatever
+    ``GRADIO_SHARE`` says: a warning says it is ignored). The only folder it serves files from is
+    its own temp folder (``app.temp_dir``; ``GRADIO_ALLOWED_PATHS`` is not read) and gradio's cache,
+    which is private to this process too (:func:`private_gradio_cache`); it takes uploads up to
+    ``max_upload_bytes``."""
+    private_gradio_cache()
+    app = build_app(runs_dir, upload_dir, max_upload_bytes)
+    if share_asked_by_env():
+        print("warning: GRADIO_SHARE is set; ignored: finetuner ui never makes a public share link "
+              f"(it serves on {host}:{port} only).", file=sys.stderr, flush=True)
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
     app.queue(default_concurrency_limit=8)
     app.launch(
         server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
         theme=theme, css=CSS, js=JS, show_error=True, footer_links=[], ssr_mode=False,
-        allowed_paths=[str(Path(tempfile.gettempdir()) / "finetuner-ui")],
+        share=False, mcp_server=False, allowed_paths=[str(app.temp_dir)],
+        max_file_size=app.handlers.max_upload_bytes,
     )
     return app

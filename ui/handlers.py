@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from gradio.components.plot import PlotData
 
 from finetuner.config.recipe import Objective
 from finetuner.errors import UserError, did_you_mean
+from finetuner.fileio import private_temp_dir
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from ui import paths, views
@@ -116,11 +118,17 @@ class Handlers:
     ``runs/`` of the checkout); ``upload_dir``: where uploaded data files are stored (default
     ``data/uploads/``)."""
 
-    def __init__(self, runs_dir: str | Path | None = None, upload_dir: str | Path | None = None):
+    def __init__(self, runs_dir: str | Path | None = None, upload_dir: str | Path | None = None,
+                 max_upload_bytes: int | None = None):
         self.runs = Path(runs_dir or paths.runs_dir_default()).expanduser().resolve()
         self.uploads = Path(upload_dir).expanduser().resolve() if upload_dir else paths.UPLOAD_DIR
+        #: the largest upload taken (the launch gives gradio the same limit)
+        self.max_upload_bytes = int(max_upload_bytes or paths.MAX_UPLOAD_BYTES)
         self.runs.mkdir(parents=True, exist_ok=True)
         self.chat_pool = ChatPool()
+        #: this app's own temp folder (0700, a fresh name): the recipe and adapter-zip downloads are
+        #: written there, and it is the only folder the app serves files from (ui.app.launch)
+        self.temp_dir = private_temp_dir("finetuner-ui-", owner=self)
         #: what a browser with nothing remembered, and no run yet, starts from
         self.demo_model = paths.display(paths.DEMO_MODEL) if paths.DEMO_MODEL.is_dir() else ""
         data_choices = paths.data_files(self.uploads)
@@ -168,7 +176,7 @@ class Handlers:
         """The uploaded file stored (or the stored file with the same content) and selected."""
         if not file_path:
             raise UserError("No file was uploaded.")
-        dest, new = paths.save_upload(file_path, Path(file_path).name, self.uploads)
+        dest, new = paths.save_upload(file_path, Path(file_path).name, self.uploads, self.max_upload_bytes)
         shown = paths.display(dest)
         gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
         return gr.update(choices=paths.data_files(self.uploads), value=shown), gr.skip()
@@ -217,7 +225,7 @@ class Handlers:
         text = recipe_text(recipe, header)
         if not est.fits:
             gr.Warning(f"This recipe is predicted to need {views.gib(est.total_bytes, 1)}: more than {gpu.name} holds.")
-        return memory_plot(est, gpu), views.estimate_md(est, gpu), text, download_file(text, recipe.name)
+        return memory_plot(est, gpu), views.estimate_md(est, gpu), text, download_file(text, recipe.name, self.temp_dir)
 
     def _valid_md(self, recipe, card: str, note: str = "") -> str:
         gpu = gpu_profile(card)
@@ -489,20 +497,21 @@ class Handlers:
         shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
         t0 = time.monotonic()
         allow_code = bool(allow_code)
-        fresh = self.chat_pool.loaded != source
+        fresh = not self.chat_pool.is_loaded(source, allow_code)
         yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
-        worker = self.chat_pool.get(source, allow_code=allow_code)
         texts = {name: "" for name in convo}
-        for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
-            msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
-            for piece in worker.stream(msgs, adapter=adapter, **gen):
-                texts[name] += piece
-                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
-                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
-            shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+        with self.chat_pool.lease(source, allow_code) as worker:  # not closed under this session while it answers
+            for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
+                msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
+                for piece in worker.stream(msgs, adapter=adapter, **gen):
+                    texts[name] += piece
+                    shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
+                    yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
+                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
+            describe = worker.describe
         took = time.monotonic() - t0
         yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {worker.describe}")
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {describe}")
 
     # ------------------------------------------------------------------ export
     @shows_errors(0, 1)
@@ -560,10 +569,15 @@ class Handlers:
         adapter = rp / "adapter"
         if not adapter.is_dir():
             raise UserError(f"{run} has no adapter yet.", hint="Finish training first (a stopped run has checkpoints only).")
-        folder = Path(tempfile.gettempdir()) / "finetuner-ui" / "adapters" / hashlib.sha1(str(rp).encode()).hexdigest()[:12]
+        folder = self.temp_dir / "adapters" / hashlib.sha1(str(rp).encode()).hexdigest()[:12]
         archive = folder / f"{run}-adapter.zip"
         newest = max((p.stat().st_mtime for p in adapter.rglob("*")), default=adapter.stat().st_mtime)
-        if not archive.is_file() or archive.stat().st_mtime < newest:
+        try:
+            built_at = os.lstat(archive)  # the zip itself: a link put in its place is not one we built
+            fresh = stat.S_ISREG(built_at.st_mode) and built_at.st_mtime >= newest
+        except OSError:
+            fresh = False
+        if not fresh:
             folder.mkdir(parents=True, exist_ok=True)
             building = Path(tempfile.mkdtemp(dir=folder))
             try:

@@ -63,7 +63,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                             "the first examples side by side.", elem_classes="ft-step")
                 with gr.Row():
                     data_file = gr.Dropdown(data_choices, value=h.default_data, allow_custom_value=True, label="Data file",
-                                            info=f"files in data/ and your uploads ({paths.display(h.uploads)}/), or a path",
+                                            info=f"files in data/ and your uploads ({paths.display(h.uploads)}/, up to "
+                                                 f"{h.max_upload_bytes / 2**20:g} MiB each), or a path",
                                             scale=3, elem_id="data-file")
                     seq_len = gr.Number(value=256, precision=0, label="Sequence length",
                                         info="tokens per example (0 = from the data)", scale=1)

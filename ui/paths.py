@@ -16,8 +16,11 @@ DATA_DIR = ROOT / "data"
 UPLOAD_DIR = DATA_DIR / "uploads"
 RECIPES_DIR = ROOT / "recipes"
 DEMO_MODEL = DATA_DIR / "demo_model"
-#: Uploads larger than this are refused (the browser sends the whole file to the UI process).
-MAX_UPLOAD_BYTES = 2 * 1024**3
+#: Uploads larger than this are refused (``finetuner ui --max-upload-mb`` changes it): the browser
+#: sends the whole file to the UI process, which stores it twice (gradio's copy, then ours) and
+#: reads it whole to preview it. 512 MiB holds instruction sets of a million short rows (Alpaca's
+#: 52k rows are 22 MB); a larger file is better given by its path, which copies nothing.
+MAX_UPLOAD_BYTES = 512 * 2**20
 
 
 def runs_dir_default() -> Path:
@@ -101,7 +104,18 @@ def same_content(src: Path, dest_dir: Path) -> Path | None:
     return next((p for p in candidates if file_digest(p) == digest), None)
 
 
-def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR) -> tuple[Path, bool]:
+def upload_too_large(name: str, size: int, limit: int) -> UserError:
+    """The refusal of an upload over ``limit`` bytes: the limit, and how to use the file anyway."""
+    return UserError(
+        f"'{name}' is {size / 2**20:,.1f} MiB: the UI takes uploads up to {limit / 2**20:g} MiB.",
+        hint="Put the file on this machine (e.g. in data/) and type its path in the Data file box, or train from "
+             "the command line (finetuner run with data.path set to it); or start the UI with a larger limit "
+             "(finetuner ui --max-upload-mb N).",
+    )
+
+
+def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir: Path = UPLOAD_DIR,
+                max_bytes: int = MAX_UPLOAD_BYTES) -> tuple[Path, bool]:
     """Store an uploaded file in the app's upload folder under a sanitised name.
 
     The same content uploaded again is the file already stored (whatever its name then); another
@@ -115,8 +129,8 @@ def save_upload(tmp_path: str | Path, original_name: str | None = None, dest_dir
             f"'{original_name or src.name}' is not a data file finetuner reads.",
             hint=f"Upload one of: {', '.join(DATA_EXTENSIONS)}.",
         )
-    if src.stat().st_size > MAX_UPLOAD_BYTES:
-        raise UserError(f"'{name}' is larger than {MAX_UPLOAD_BYTES / 2**30:.0f} GiB; copy it into data/ instead.")
+    if src.stat().st_size > max_bytes:
+        raise upload_too_large(original_name or src.name, src.stat().st_size, max_bytes)
     dest_dir = Path(dest_dir)
     known = same_content(src, dest_dir)
     if known is not None:

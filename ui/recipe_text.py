@@ -3,11 +3,11 @@ written back, all with the recipe's own reader and writer (:mod:`finetuner.confi
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from finetuner.config.recipe import Recipe, readable_dict, readable_yaml
 from finetuner.errors import UserError
+from finetuner.fileio import atomic_write_text
 from finetuner.runs import jobs
 from ui import paths
 
@@ -74,10 +74,9 @@ def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpoint
     return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
 
 
-def download_file(text: str, name: str) -> str:
-    """``text`` saved as ``<name>.yaml`` where the download button serves files from."""
-    folder = Path(tempfile.gettempdir()) / "finetuner-ui"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{jobs.safe_name(name)}.yaml"
-    path.write_text(text, encoding="utf-8")
+def download_file(text: str, name: str, folder: Path) -> str:
+    """``text`` saved as ``<name>.yaml`` in ``folder`` (the app's private temp folder, where the
+    download button serves files from); a link already there is replaced, never followed."""
+    path = Path(folder) / f"{jobs.safe_name(name)}.yaml"
+    atomic_write_text(path, text)
     return str(path)

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", metavar="USER:PASS", help="Require this user name and password.")
     p.add_argument("--runs-dir", help="Where runs are kept (default: runs/ of the checkout).")
     p.add_argument("--upload-dir", help="Where uploaded data files are stored (default: data/uploads/ of the checkout).")
+    p.add_argument("--max-upload-mb", type=float, default=None, metavar="MB",
+                   help="The largest data file the page takes as an upload, in MiB (default 512); a larger file is "
+                        "given by its path instead.")
     p.set_defaults(func=_cmd_ui)
 
 
@@ -45,6 +48,9 @@ def _cmd_ui(args: argparse.Namespace) -> int:
 
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     auth = parse_auth(args.auth)
+    max_upload = args.max_upload_mb
+    if max_upload is not None and not (max_upload > 0 and max_upload < 2**40):  # also refuses nan and inf
+        raise UserError(f"--max-upload-mb {max_upload:g}: give a size in MiB above 0, e.g. --max-upload-mb 1024.")
     if exposed_without_auth(args.host, auth):
         print(
             f"warning: listening on {args.host} without --auth: anyone who can reach this machine can start "
@@ -59,5 +65,6 @@ def _cmd_ui(args: argparse.Namespace) -> int:
             hint="gradio comes with finetuner: install finetuner again (pip install -c constraints.txt -e .).",
         ) from None
     print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
-    launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True)
+    launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True,
+           max_upload_bytes=int(max_upload * 2**20) if max_upload is not None else None)
     return 0

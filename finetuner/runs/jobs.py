@@ -5,9 +5,11 @@ and session, so closing the browser or restarting the UI never stops it; its out
 ``RUN_DIR/train.log``. What a front end shows comes from the run's ``events.jsonl``
 (:func:`run_status`), never from the log.
 
-One job per device at a time: ``RUNS_DIR/.jobs.json`` records the running jobs (pid, run folder,
-device), written under an ``flock`` so two sessions cannot both start one. A job whose process
-has ended is dropped from the registry when it is next read. Stopping sends SIGINT: the trainer
+One job per device at a time: ``RUNS_DIR/.jobs.json`` records the running jobs (pid and the
+process's start time, run folder, device), written under an ``flock`` so two sessions cannot both
+start one. A job whose process has ended is dropped from the registry when it is next read; so is
+one whose pid now belongs to another process (the pid was reused after the job ended: its start
+time differs), which is therefore never signalled. Stopping sends SIGINT: the trainer
 finishes the current step, saves a checkpoint and exits with status 130; starting the same run
 folder again resumes from that checkpoint.
 """
@@ -65,6 +67,9 @@ class Job:
     started: float
     log: str
     command: list[str] = field(default_factory=list)
+    #: the process's start time as the system tells it (:func:`process_start_time`): with the pid,
+    #: what identifies the job's process (a pid alone may since have been given to another process)
+    proc_start: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +95,44 @@ def _alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def process_start_time(pid: int) -> float | None:
+    """When the process ``pid`` started (seconds since the epoch, as ``psutil`` reads it from the
+    system: the same value however often it is asked), or None if there is no such process."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError, ValueError):
+        return None
+
+
+#: how far (s) two readings of one process's start time may differ: float noise only (the system
+#: counts in clock ticks, 10 ms); a reused pid belongs to a process started long after the job's
+START_TIME_SLACK_S = 0.05
+
+
+def _is_job_process(job: dict[str, Any]) -> bool:
+    """Whether the registry record ``job`` still names a live process of that job: its pid is alive
+    and is the same process (the start time recorded matches; a record without one, written by an
+    older finetuner, must match the recorded command line instead). A pid reused by an unrelated
+    process after the job ended is not the job."""
+    pid = int(job["pid"])
+    if not _alive(pid):
+        return False
+    if pid in _CHILDREN:  # started and not yet reaped by this process: the pid cannot have been reused
+        return True
+    recorded = job.get("proc_start")
+    if recorded is not None:
+        now = process_start_time(pid)
+        return now is not None and abs(now - float(recorded)) <= START_TIME_SLACK_S
+    import psutil
+
+    try:
+        return bool(job.get("command")) and psutil.Process(pid).cmdline() == list(job["command"])
+    except (psutil.Error, OSError):
+        return False
 
 
 def exit_code(pid: int) -> int | None:
@@ -120,7 +163,7 @@ def _registry(runs_dir: Path) -> Iterator[list[dict[str, Any]]]:
         except (json.JSONDecodeError, OSError):
             jobs = []
         before = json.dumps(jobs)
-        jobs[:] = [j for j in jobs if isinstance(j, dict) and "pid" in j and _alive(int(j["pid"]))]
+        jobs[:] = [j for j in jobs if isinstance(j, dict) and "pid" in j and _is_job_process(j)]
         yield jobs
         if json.dumps(jobs) != before:
             tmp = path.with_suffix(".tmp")
@@ -252,7 +295,8 @@ def start_job(
                 start_new_session=True, cwd=str(target), env=env,
             )
         _CHILDREN[proc.pid] = proc
-        job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd)
+        job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd,
+                  proc_start=process_start_time(proc.pid))
         jobs.append(job.to_dict())
     return job
 
@@ -266,6 +310,8 @@ def stop_job(job_or_run: Job | str | Path, runs_dir: str | Path | None = None, w
     """
     if isinstance(job_or_run, Job):
         pid = job_or_run.pid
+        if not _is_job_process(job_or_run.to_dict()):  # ended, and its pid perhaps given to another process
+            return False
     else:
         job = job_for(job_or_run, runs_dir)
         pid = job.pid if job is not None else run_folder_holder(Path(job_or_run).resolve())
@@ -285,10 +331,10 @@ def wait_job(job: Job, timeout: float) -> bool:
     """Wait until the job's process ends; True if it did within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(job.pid):
+        if not _is_job_process(job.to_dict()):
             return True
         time.sleep(0.1)
-    return not _alive(job.pid)
+    return not _is_job_process(job.to_dict())
 
 
 # --------------------------------------------------------------------------- status
