@@ -148,8 +148,6 @@ def test_every_torch_load_is_weights_only():
     calls = []
     for folder in ("finetuner", "ui", "scripts"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "finetuner" / "training" / "preference.py":
-                continue  # its reference_logps.pt load is rewritten on another branch of issue 23 (drop this line once merged)
             for call in _torch_load_calls(path):
                 weights_only = [k for k in call.keywords if k.arg == "weights_only"]
                 calls.append(path)
