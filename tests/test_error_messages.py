@@ -445,10 +445,14 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
         trainer.train = train
         sys.exit(cli.main(sys.argv[1:]))
     '''), encoding="utf-8")
-    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
+    r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))
     assert r.stdout.splitlines() == ["worker alive", "worker exit -15 stop set: False"], (r.stdout, r.stderr)  # killed by SIGTERM
+
+
+def _run_patched_cli(script, recipe) -> subprocess.CompletedProcess:
+    """``finetuner run RECIPE`` through ``script``, which patches the trainer before calling the CLI."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):
@@ -476,9 +480,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):
         trainer.train = train
         sys.exit(cli.main(sys.argv[1:]))
     '''), encoding="utf-8")
-    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
+    r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))
     assert r.returncode == 130, (r.stdout, r.stderr)
     assert r.stdout.count("Stopped before the first training step") == 1 and "not interrupted" not in r.stdout, r.stdout
     assert r.stderr.strip() == "aborted.", r.stderr
