@@ -117,6 +117,8 @@ def test_chat_with_a_broken_base_is_one_line(tiny_model_dir, tmp_path):
 
 
 def test_a_failed_start_in_an_empty_folder_leaves_it_empty_and_a_used_folder_is_kept(recipe_dict, tmp_path):
+    from finetuner.runs.folder import mark_run_folder
+
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"instruction": "hi", "output": 3}]), encoding="utf-8")
     empty = tmp_path / "mine"
@@ -127,6 +129,7 @@ def test_a_failed_start_in_an_empty_folder_leaves_it_empty_and_a_used_folder_is_
     # a run folder that already holds a run (here: the recipe the web UI writes before it starts a job) is left as it is
     ui_made = tmp_path / "ui-run"
     ui_made.mkdir()
+    mark_run_folder(ui_made)  # as runs.jobs.start_job marks the folder it makes for a job
     Recipe.from_dict(dict(recipe_dict, data={"path": str(bad)}, output_dir=str(ui_made))).save(ui_made / "recipe.yaml")
     with pytest.raises(UserError, match="bad.json"):
         finetuner.train(ui_made / "recipe.yaml")

@@ -273,7 +273,7 @@ def whole_flow(server, page, tmp_path):
     assert "adapter_config.json" in zipfile.ZipFile(download.value.path()).namelist()
     page.locator("#out-dir textarea, #out-dir input").first.fill(str(tmp_path))  # holds the user's file
     page.locator("#merge-btn").click()
-    wait_text(page, "#export-status", r"is not empty; finetuner will not write into it.*allow overwrite", flags=re.S)
+    wait_text(page, "#export-status", r"is not empty; finetuner will not write into it: it holds my hikes.jsonl.*Choose a new output folder", flags=re.S)
     assert "Merging" not in page.locator("#export-status").inner_text()
     no_bare_errors(page)
     shot(page, "10a-export-error")
