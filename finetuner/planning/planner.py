@@ -30,6 +30,7 @@ from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, preset_hub_id, presets, resolve_shape
+from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -624,6 +625,9 @@ def plan(
     objective = objective or "sft"
     sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective)
     notes += sizing.notes
+    expect = expectation(shape, prof.platform)
+    if expect:
+        notes.append(expect)
     if not data:
         notes.append(
             f"no --data given: the recipe trains on {DEFAULT_DATA} (public instruction data, downloaded from the hub); "

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from finetuner.planning.expectations import is_toy
+
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.data.stats import DataProfile
     from finetuner.model.shapes import ModelShape
@@ -207,9 +209,11 @@ def size_run(
     reasons.append(f"held out: {n_val} examples for the eval loss" if n_val else
                    f"no held-out examples: {profile.rows} rows are too few to spare any")
     if train_rows < FEW_EXAMPLES:
+        # a toy model picks up no style worth the name: the plan's expectation note says what it does instead
+        expect = "" if is_toy(shape) else "expect the model to pick up their format and style rather than new knowledge; "
         notes.append(
-            f"{train_rows} training examples is a small data set: expect the model to pick up their format and style "
-            "rather than new knowledge; a few hundred to a few thousand examples fine-tune better. Watch the eval loss: "
+            f"{train_rows} training examples is a small data set: {expect}a few hundred to a few thousand examples "
+            "fine-tune better. Watch the eval loss: "
             "when it rises while the train loss falls, the model is memorising (lower training.epochs)"
         )
     every = max(10, min(500, _round_up(max(1, total // 5), 10)))

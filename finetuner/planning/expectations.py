@@ -1,0 +1,58 @@
+"""What a fine-tune of a small model can do, said in the plan from what was measured.
+
+Two kinds of small model reach a CPU user:
+
+* **A toy model** (under ``TOY_PARAMS``), like the 0.93M-parameter demo model in
+  ``data/demo_model``: it knows only the corpus it was pre-trained on. Fine-tuned on a user's own
+  chats it copies words of their answers but does not answer their questions (60 rows of a user's
+  chats: eval loss 5.98, answers such as "Ah is the boats come home. cliff, the station…").
+* **A ~100M-class instruction model** (under ``SMALL_PARAMS``), measured on SmolLM2-135M-Instruct
+  with ``recipes/smollm2_cpu.yaml`` by ``scripts/bench/cpu_walkthrough.py``
+  (``docs/cpu_walkthrough.json``): it takes on the data's style and format within a few dozen
+  steps and stays fluent, while its knowledge stays what it was (what it got wrong before stays wrong).
+
+Larger models get no note here: the general small-data note of :mod:`finetuner.planning.sizing`
+applies to them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.model.shapes import ModelShape
+
+#: Below this many parameters a model is a toy: it knows its own corpus and nothing else.
+TOY_PARAMS = 20_000_000
+#: Below this many parameters (and from ``TOY_PARAMS``), the measurement on SmolLM2-135M-Instruct applies.
+SMALL_PARAMS = 1_000_000_000
+#: The model the CPU walk-through uses (``recipes/smollm2_cpu.yaml``).
+CPU_MODEL = "smollm2-135m-instruct"
+
+
+def is_toy(shape: ModelShape) -> bool:
+    """A model too small to answer questions outside the corpus it was pre-trained on."""
+    return shape.num_params < TOY_PARAMS
+
+
+def expectation(shape: ModelShape, platform: str) -> str | None:
+    """The plan's note on what this model will learn from the user's data, or ``None`` (larger models).
+
+    Args:
+        shape: the base model.
+        platform: the planned device's platform (``cpu``, ``cuda``, ...): the CPU note names the
+            measured wall time.
+    """
+    n = shape.num_params
+    if n < TOY_PARAMS:
+        return (f"{shape.name} has {n / 1e6:.2f}M parameters: a toy model that knows only the text it was pre-trained on "
+                "(the demo model: data/pretrain/corpus.txt). It will not answer your questions: fine-tuned on your own "
+                "chats it strings together words of your answers. Use it to check the path; for answers in your style "
+                f"on the CPU, plan with --model {CPU_MODEL} (recipes/smollm2_cpu.yaml)")
+    if n < SMALL_PARAMS:
+        where = (" (measured on 2 CPU cores: 20 LoRA steps of 4 chats, TIME)" if platform == "cpu" else "")
+        return (f"{shape.name} has {n / 1e6:.0f}M parameters. Measured on SmolLM2-135M-Instruct with 72 chats of a "
+                f"made-up shop assistant{where}: answers to held-out questions took on the data's sign-off and stayed "
+                "fluent; general questions it answered right before it still answered right, and it learned no new facts. "
+                "This holds for an instruction-tuned model; a base model must learn the chat format from your data too")
+    return None
