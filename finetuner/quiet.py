@@ -10,7 +10,8 @@ Two scopes:
   "Writing model shards", "Saving the dataset"); DeepSpeed's warnings below ERROR are dropped
   ("Setting accelerator to CPU", printed on stdout when accelerate imports it on a machine
   without a GPU); and peft's read of a transformers property deprecated in v5
-  (``is_gradient_checkpointing``, peft's call, not finetuner's) does not warn. Everything is put
+  (``is_gradient_checkpointing``, peft's call, not finetuner's) does not warn; transformers' GGUF loader
+  draws no "Converting and de-quantizing GGUF tensors" bar (a plain tqdm it does not switch off). Everything is put
   back afterwards, so the user's other code keeps its own settings.
 
 Nothing here imports torch or transformers at module level.
@@ -19,6 +20,7 @@ Nothing here imports torch or transformers at module level.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -77,6 +79,17 @@ def _silence() -> list[Callable[[], None]]:
                 disable_progress_bars()
 
         undo.append(_bars_back)
+    gguf_loader = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_loader is None and "torch" in sys.modules:  # a model may load (importing the loader costs torch)
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is not None:  # the loader needs it; without it no GGUF can load anyway
+            import transformers.modeling_gguf_pytorch_utils as gguf_loader
+    if gguf_loader is not None and not isinstance(gguf_loader.tqdm, functools.partial):
+        # its "Converting and de-quantizing GGUF tensors" bar is a plain tqdm, outside transformers' switch
+        bar = gguf_loader.tqdm
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
+        undo.append(lambda: setattr(gguf_loader, "tqdm", bar))
     datasets = sys.modules.get("datasets")  # only when the caller uses it (importing it costs a second)
     if datasets is not None and datasets.is_progress_bar_enabled():
         datasets.disable_progress_bars()
