@@ -116,18 +116,19 @@ class ModelSection(_Section):
         ),
     )
 
-    @model_validator(mode="after")
-    def _gguf_file_in_folder(self) -> ModelSection:
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_file_in_folder(cls, raw: Any) -> Any:
         """``name`` + ``gguf_file`` become one path to the file (every loader takes a ``.gguf`` model.name)."""
-        if self.gguf_file is None:
-            return self
-        if gguf_base.is_gguf_name(self.name):
-            raise ValueError(f"model.name '{self.name}' is already a GGUF file; model.gguf_file "
-                             f"('{self.gguf_file}') names a file inside a folder: give one or the other")
-        if not gguf_base.is_gguf_name(self.gguf_file):
-            raise ValueError(f"gguf_file '{self.gguf_file}' does not end with .gguf: name the GGUF file in the folder model.name")
-        self.name, self.gguf_file = str(Path(self.name) / self.gguf_file), None
-        return self
+        if not isinstance(raw, dict) or raw.get("gguf_file") is None or not isinstance(raw.get("name"), str):
+            return raw
+        name, file = raw["name"], str(raw["gguf_file"])
+        if gguf_base.is_gguf_name(name):
+            raise ValueError(f"model.name '{name}' is already a GGUF file; model.gguf_file "
+                             f"('{file}') names a file inside a folder: give one or the other")
+        if not gguf_base.is_gguf_name(file):
+            raise ValueError(f"gguf_file '{file}' does not end with .gguf: name the GGUF file in the folder model.name")
+        return {**raw, "name": str(Path(name) / file), "gguf_file": None}
 
     @field_validator("max_memory")
     @classmethod
