@@ -79,17 +79,6 @@ def _silence() -> list[Callable[[], None]]:
                 disable_progress_bars()
 
         undo.append(_bars_back)
-    gguf_loader = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if gguf_loader is None and "torch" in sys.modules:  # a model may load (importing the loader costs torch)
-        import importlib.util
-
-        if importlib.util.find_spec("gguf") is not None:  # the loader needs it; without it no GGUF can load anyway
-            import transformers.modeling_gguf_pytorch_utils as gguf_loader
-    if gguf_loader is not None and not isinstance(gguf_loader.tqdm, functools.partial):
-        # its "Converting and de-quantizing GGUF tensors" bar is a plain tqdm, outside transformers' switch
-        bar = gguf_loader.tqdm
-        gguf_loader.tqdm = functools.partial(bar, disable=True)
-        undo.append(lambda: setattr(gguf_loader, "tqdm", bar))
     datasets = sys.modules.get("datasets")  # only when the caller uses it (importing it costs a second)
     if datasets is not None and datasets.is_progress_bar_enabled():
         datasets.disable_progress_bars()
@@ -103,6 +92,22 @@ def _silence() -> list[Callable[[], None]]:
     warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
     undo.append(lambda: caught.__exit__(None, None, None))
     return undo
+
+
+def quiet_gguf_loader() -> None:
+    """Inside :func:`quieted`: also keep transformers' GGUF loader from drawing its "Converting and
+    de-quantizing GGUF tensors" bar (a plain tqdm, outside transformers' switch); called when a GGUF
+    file is about to load (importing the loader costs torch), put back when the quiet spell ends."""
+    with _lock:
+        if _depth == 0:
+            return
+        import transformers.modeling_gguf_pytorch_utils as gguf_loader
+
+        if isinstance(gguf_loader.tqdm, functools.partial):
+            return
+        bar = gguf_loader.tqdm
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
+        _undo.append(lambda: setattr(gguf_loader, "tqdm", bar))
 
 
 @contextlib.contextmanager

@@ -218,11 +218,12 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
 
     from finetuner.model.loading import model_files_error, weight_format_kwargs, weights_load_hint
 
-    from finetuner.model.gguf_base import pretrained_args
+    from finetuner.model.gguf_base import as_dequantized, pretrained_args
 
     try:
         with quieted():
-            return AutoModelForCausalLM.from_pretrained(pretrained_args(name)[0], **weight_format_kwargs(allow_pickle, name), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(pretrained_args(name)[0], **weight_format_kwargs(allow_pickle, name), **kwargs)
+        return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, name, what)
         if broken is not None:

@@ -9,6 +9,7 @@ that knows about it:
 
 - :func:`pretrained_args`: the ``from_pretrained`` arguments for a model name (a ``.gguf`` path
   becomes its folder plus ``gguf_file=``); every loader in finetuner goes through it;
+- :func:`as_dequantized`: the loaded model as the plain full-precision model it is (saveable, mergeable);
 - :func:`check_file`: a clear error for a missing file, a file that is not GGUF, or an
   architecture transformers cannot dequantize (or the memory model does not know);
 - :func:`read`: the metadata (read from the file's header, no weights loaded): a ``config.json``-like dict
@@ -49,8 +50,34 @@ def pretrained_args(name: str) -> tuple[str, dict[str, Any]]:
     file is its folder and ``gguf_file=<file name>``; anything else is passed as it is."""
     if not is_gguf_name(name):
         return name, {}
+    from finetuner.quiet import quiet_gguf_loader
+
+    quiet_gguf_loader()  # inside finetuner's quiet spell: no dequantization progress bar
     path = expand_user(name)
     return str(path.parent), {"gguf_file": path.name}
+
+
+def as_dequantized(model: Any, name: str) -> Any:
+    """A model transformers loaded from the GGUF file ``name``, as the plain full-precision model it is.
+
+    transformers' loader dequantizes every tensor of the architectures in :data:`ARCHITECTURES` to
+    float, yet leaves a GGUF "quantizer" on the model, which makes ``save_pretrained`` refuse
+    ("quantized with gguf and is not serializable") and would write ``quantization_config`` into the
+    merged model's config.json. Both go; ``name_or_path`` becomes the file (peft writes it into the
+    adapter as ``base_model_name_or_path``), not its folder."""
+    if not is_gguf_name(name):
+        return model
+    packed = [n for n, m in model.named_modules() if type(m).__name__.startswith("Gguf")]
+    if packed:  # weights kept in GGUF blocks (an architecture of transformers' packed path): not trainable here
+        raise UserError(f"model.name: {name}: transformers kept its weights packed ({packed[0]}), which cannot be "
+                        "trained or merged.", hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.")
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.name_or_path = name
+    return model
 
 
 def packaged_file(package: str, file: str) -> Path | None:

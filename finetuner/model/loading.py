@@ -261,8 +261,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
             f"model.name: could not load '{m.name}' ({e}).",
             hint=weights_load_hint(e, m.allow_pickle),
         ) from None
-    if gguf_base.is_gguf_name(m.name):
-        model.name_or_path = m.name  # what peft writes as the adapter's base_model_name_or_path (not the folder)
+    model = gguf_base.as_dequantized(model, m.name)
     if quant is None and not m.max_memory:
         model.to(rt.device)
     model.config.use_cache = False
