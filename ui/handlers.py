@@ -166,10 +166,13 @@ class Handlers:
     # ------------------------------------------------------------------ model & data
     @shows_errors(0, 1)
     def on_model(self, model_text: str, card: str):
-        from finetuner.model.shapes import resolve_shape
+        from finetuner.model.gguf_base import info_for
+        from finetuner.model.shapes import preset_model, resolve_shape
 
-        shape = resolve_shape(paths.resolve_model(model_text))
-        return views.model_card_md(shape, gpu_profile(card))
+        model = paths.resolve_model(model_text)
+        shape = resolve_shape(model)
+        gguf = info_for(preset_model(model) or model)  # a GGUF file, or a named model that loads one
+        return views.model_card_md(shape, gpu_profile(card), gguf.note() if gguf is not None else None)
 
     @shows_errors(1, 2)
     def on_upload(self, file_path: str | None):

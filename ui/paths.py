@@ -48,9 +48,11 @@ def resolve_local(text: str) -> Path | None:
 
 
 def resolve_model(text: str) -> str:
-    """A local model folder as an absolute path; a preset or hub id unchanged."""
+    """A local model folder or GGUF file as an absolute path; a preset or hub id unchanged."""
+    from finetuner.model.gguf_base import is_gguf_name
+
     local = resolve_local(text)
-    return str(local) if local is not None and local.is_dir() else (text or "").strip()
+    return str(local) if local is not None and (local.is_dir() or is_gguf_name(local)) else (text or "").strip()
 
 
 def local_models() -> list[str]:

@@ -47,13 +47,16 @@ def duration(seconds: float | None) -> str:
 
 
 # --------------------------------------------------------------------------- model & data
-def model_card_md(shape: Any, gpu: Any) -> str:
+def model_card_md(shape: Any, gpu: Any, gguf_note: str | None = None) -> str:
+    """The Model tab's card: the model's size and shape, the card; ``gguf_note``: what loading it from a GGUF file means."""
     parts = [f"**{html.escape(shape.name)}** · {shape.model_type} · {parameter_count(shape.num_params)} parameters"
              if shape.num_params >= 1e8 else
              f"**{html.escape(shape.name)}** · {shape.model_type} · {shape.num_params / 1e6:.3g} M parameters",
              f"{shape.num_layers} layers · hidden {shape.hidden_size} · vocabulary {shape.vocab_size:,}"]
     card = f"**{html.escape(gpu.name)}** — {html.escape(gpu.description)} · {gpu.memory_gib:.1f} GiB"
     card += " · bf16" if gpu.bf16 else " · no bf16"
+    if gguf_note:
+        parts.append(f"**Note:** {html.escape(gguf_note)}")
     return "  \n".join(parts) + "\n\n" + card
 
 

@@ -29,10 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Search method (LoRA/QLoRA 4-bit/8-bit), optimizer, gradient checkpointing, activation offload and "
             "micro-batch x accumulation for MODEL on GPU; keep what the memory model says fits (with a safety "
             "margin); choose the best quality, then the fastest. Exit status 1 when nothing fits (the output says "
-            "what would). Models: a preset (" + _presets_help() + "), a hub id, or a local folder with config.json."
+            "what would). Models: a preset (" + _presets_help() + "), a hub id, a local folder with config.json, or a GGUF file (*.gguf)."
         ),
     )
-    p.add_argument("--model", "-m", required=True, help="Preset name (e.g. llama-2-7b), hub id or local model folder.")
+    p.add_argument("--model", "-m", required=True, help="Preset name (e.g. llama-2-7b, smollm2-135m-instruct), hub id, local model folder or GGUF file (*.gguf).")
     p.add_argument("--gpu", "-g", default="auto", help="Card name (rtx4090, a100-80gb, ... see `finetuner gpus`), a size like 24GB, cpu, or auto (default: the detected GPU, else the CPU).")
     p.add_argument("--seq-len", type=int, help="Sequence length (default: what --data needs, else 2048).")
     p.add_argument("--data", help="Data file (JSON/JSONL/CSV/Parquet): its token lengths set the sequence length and packing.")

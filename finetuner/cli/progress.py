@@ -81,6 +81,8 @@ class ProgressPrinter:
                     f"{d.get('train_examples')} training / {d.get('val_examples')} validation examples, "
                     f"{ev['max_steps']} steps → {ev['run_dir']}"
                 )
+                if ev.get("gguf"):
+                    self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
             if self.progress:

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from finetuner.errors import UserError, closest, did_you_mean
 from finetuner.fileio import expand_user, exists
-from finetuner.model.shapes import preset_hub_id
+from finetuner.model import gguf_base
+from finetuner.model.shapes import preset_model
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -88,7 +89,12 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """Which base model to fine-tune and how to load it."""
 
-    name: str = Field(description="Hub id (org/name) or a local folder with config.json.")
+    name: str = Field(description=(
+        "Hub id (org/name), a local folder with config.json, a preset name (smollm2-135m-instruct), or a GGUF file "
+        "(*.gguf, e.g. from Ollama or LM Studio: its weights are dequantized and trained in full precision)."))
+    gguf_file: str | None = Field(None, description=(
+        "A GGUF file inside the folder model.name names (transformers' gguf_file); the resolved recipe names the "
+        "file itself in model.name."))
     revision: str | None = Field(None, description="Hub branch, tag or commit.")
     dtype: Dtype = Field("auto", description="Storage dtype of the frozen base weights.")
     trust_remote_code: bool = Field(
@@ -109,6 +115,20 @@ class ModelSection(_Section):
             "{'0': '20GiB', '1': '24GiB'}. CPU or disk entries are refused: see the error for why."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_file_in_folder(cls, raw: Any) -> Any:
+        """``name`` + ``gguf_file`` become one path to the file (every loader takes a ``.gguf`` model.name)."""
+        if not isinstance(raw, dict) or raw.get("gguf_file") is None or not isinstance(raw.get("name"), str):
+            return raw
+        name, file = raw["name"], str(raw["gguf_file"])
+        if gguf_base.is_gguf_name(name):
+            raise ValueError(f"model.name '{name}' is already a GGUF file; model.gguf_file "
+                             f"('{file}') names a file inside a folder: give one or the other")
+        if not gguf_base.is_gguf_name(file):
+            raise ValueError(f"gguf_file '{file}' does not end with .gguf: name the GGUF file in the folder model.name")
+        return {**raw, "name": str(Path(name) / file), "gguf_file": None}
 
     @field_validator("max_memory")
     @classmethod
@@ -524,13 +544,27 @@ class Recipe(_Section):
         """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
         r = self.model_copy(deep=True)
         model_path = _find_local(r.model.name, base_dir)
-        hub_id = preset_hub_id(r.model.name) if model_path is None else None
+        hub_id = preset_model(r.model.name) if model_path is None else None
         if model_path is not None:
+            if model_path.is_file() or gguf_base.is_gguf_name(model_path):
+                gguf_base.check_file(model_path, f"{source}: model.name")
+            elif not (model_path / "config.json").is_file() and next(model_path.glob("*.gguf"), None) is not None:
+                files = sorted(p.name for p in model_path.glob("*.gguf"))
+                raise UserError(
+                    f"{source}: model.name: {model_path} holds GGUF files ({', '.join(files[:6])}) but no config.json: "
+                    "name the file to load.",
+                    hint=f"Set model.gguf_file: {files[0]} (or give the file's path as model.name).",
+                )
             r.model.name = str(model_path)
         elif hub_id is not None:
-            log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
-                        source, r.model.name, hub_id)
+            if gguf_base.is_gguf_name(hub_id):
+                log.info("%s: model.name '%s' loads the GGUF file %s.", source, r.model.name, hub_id)
+            else:
+                log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
+                            source, r.model.name, hub_id)
             r.model.name = hub_id
+        elif gguf_base.is_gguf_name(r.model.name):
+            gguf_base.check_file(base_dir / expand_user(r.model.name), f"{source}: model.name")
         elif _looks_like_path(r.model.name):
             raise UserError(
                 f"{source}: model.name: no folder '{r.model.name}' (looked in {base_dir} and {Path.cwd()}).",

@@ -48,6 +48,7 @@ from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
                                     write_export_marker)
 from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
+from finetuner.model.gguf_base import is_gguf_name, pretrained_args
 from finetuner.quiet import quieted
 
 FORMATS = ("gguf", "ollama")
@@ -180,6 +181,14 @@ def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
 def _model_config(src: Source) -> tuple[dict[str, Any], str]:
     """The ``config.json`` of the model whose weights are exported, and where it came from."""
     folder = src.adapter_dir if src.kind == "full" else None
+    if folder is None and is_gguf_name(src.base_model):
+        if not src.has_adapter:
+            raise UserError(f"{src.base_model} is a GGUF file already; there is no adapter to merge into it.",
+                            hint="Export a run trained on it (runs/<name>), or use the file as it is.")
+        from transformers import AutoConfig
+
+        where, extra = pretrained_args(src.base_model)
+        return AutoConfig.from_pretrained(where, **extra).to_dict(), src.base_model  # what the loader dequantizes to
     path = Path(folder or src.base_model) / "config.json"
     if not path.is_file():
         from huggingface_hub import hf_hub_download

@@ -58,9 +58,13 @@ INFO_FILE = "finetuner_merge.json"
 def saved_dtype(model: str | Path, revision: str | None = None) -> str:
     """The dtype a model folder or hub id was saved in, as ``bf16``, ``fp16`` or ``fp32``: its
     ``config.json``'s ``dtype`` (``torch_dtype`` in configs of older transformers). A config that names
-    none, or another dtype, gives ``fp32`` (what transformers loads such a model in)."""
+    none, or another dtype, gives ``fp32`` (what transformers loads such a model in), as does a GGUF file."""
     from transformers import PretrainedConfig
 
+    from finetuner.model.gguf_base import is_gguf_name
+
+    if is_gguf_name(model):
+        return "fp32"  # transformers dequantizes a GGUF file's weights to float32
     try:
         config, _ = PretrainedConfig.get_config_dict(str(model), revision=revision)
     except (OSError, ValueError) as e:

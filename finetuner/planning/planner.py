@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
-from finetuner.model.shapes import ModelShape, preset_hub_id, presets, resolve_shape
+from finetuner.model.gguf_base import info_for
+from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_shape
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
 
@@ -454,11 +455,12 @@ def _why_rejected(c: Candidate, best: Candidate) -> str:
 
 # ====================================================================== the entry points
 def _recipe_model_name(model: str) -> str:
-    """What the written recipe loads: a preset's hub id, a local folder's absolute path, else as given."""
+    """What the written recipe loads: a local folder's or GGUF file's absolute path, a preset's packaged GGUF
+    file or hub id (:func:`~finetuner.model.shapes.preset_model`), else as given."""
     local = Path(model).expanduser()
-    if local.is_dir():
+    if local.exists():
         return str(local.resolve())
-    return preset_hub_id(model) or model
+    return preset_model(model) or model
 
 
 def _default_name(model: str) -> str:
@@ -669,6 +671,9 @@ def plan_recipe(
         model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
         seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
     )
+    gguf = info_for(recipe.model.name)
+    if gguf is not None:
+        out.notes.append(gguf.note())
     if not fitting:
         if not ranked:
             raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",

