@@ -4,7 +4,6 @@ instruction model gets what the measurement on SmolLM2-135M-Instruct showed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from finetuner.model.shapes import resolve_shape
@@ -15,19 +14,6 @@ from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_model"
-#: SmolLM2-135M-Instruct's shape (its config, as transformers reads it from the packaged GGUF).
-SMOLLM2_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-}
-
-
-def _smollm2(tmp_path: Path) -> Path:
-    folder = tmp_path / "SmolLM2-135M-Instruct"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    return folder
 
 
 def test_the_demo_model_is_planned_as_a_toy_that_will_not_answer_questions():
@@ -38,12 +24,11 @@ def test_the_demo_model_is_planned_as_a_toy_that_will_not_answer_questions():
     assert "small data set" in notes  # the general advice stays
 
 
-def test_a_100m_instruction_model_gets_what_was_measured(tmp_path):
-    folder = _smollm2(tmp_path)
-    shape = resolve_shape(str(folder))
+def test_a_100m_instruction_model_gets_what_was_measured():
+    shape = resolve_shape("smollm2-135m-instruct")
     assert TOY_PARAMS <= shape.num_params == 134_515_008 < SMALL_PARAMS
-    p = plan(str(folder), "cpu")
-    note = next(n for n in p.notes if n.startswith("SmolLM2-135M-Instruct has 135M parameters"))
+    p = plan("smollm2-135m-instruct", "cpu")
+    note = next(n for n in p.notes if n.startswith("smollm2-135m-instruct has 135M parameters"))
     assert "measured on 2 CPU cores" in note and "sign-off" in note and "fluent" in note
     assert "toy" not in note
     assert "2 CPU cores" not in expectation(shape, "cuda")  # the wall time is the CPU's
