@@ -47,6 +47,8 @@ HELD_OUT = REPO / "data" / "bike_shop_heldout.jsonl"
 GENERAL = REPO / "data" / "general_sample.jsonl"
 DEMO = REPO / "data" / "demo_model"
 MARKER = "— Wren, Copperhill Cycles"
+#: Room for an answer of the data's length (up to ~70 tokens with the sign-off).
+MAX_NEW_TOKENS = 96
 #: What each general answer must contain (a regular expression, case-insensitive), by question.
 FACTS = {
     "What is the capital of France?": r"Paris",
@@ -97,7 +99,7 @@ def compare_answers(run: Path, questions: list[str], cwd: Path) -> list[dict[str
     """Greedy answers of the base and the fine-tune to each question, each a new conversation
     (one ``finetuner chat --compare`` session, fed on stdin)."""
     script = "".join(f"{q}\n/reset\n" for q in questions)
-    out = finetuner("chat", str(run), "--compare", "--temperature", "0", "--max-new-tokens", "64", cwd=cwd, stdin=script)
+    out = finetuner("chat", str(run), "--compare", "--temperature", "0", "--max-new-tokens", str(MAX_NEW_TOKENS), cwd=cwd, stdin=script)
     pairs = re.findall(r"base> (.*?)\nfine-tuned> (.*?)\n(?=base> |\Z)", out, flags=re.S)
     if len(pairs) != len(questions):
         raise SystemExit(f"expected {len(questions)} answers from chat --compare, parsed {len(pairs)}:\n{out}")
@@ -106,7 +108,7 @@ def compare_answers(run: Path, questions: list[str], cwd: Path) -> list[dict[str
 
 def demo_answers(questions: list[str], cwd: Path) -> list[str]:
     script = "".join(f"{q}\n/reset\n" for q in questions)
-    out = finetuner("chat", str(DEMO), "--temperature", "0", "--max-new-tokens", "64", cwd=cwd, stdin=script)
+    out = finetuner("chat", str(DEMO), "--temperature", "0", "--max-new-tokens", str(MAX_NEW_TOKENS), cwd=cwd, stdin=script)
     answers = re.findall(r"model> (.*?)\n(?=model> |\Z)", out, flags=re.S)
     if len(answers) != len(questions):
         raise SystemExit(f"expected {len(questions)} answers from the demo model, parsed {len(answers)}:\n{out}")
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reused = (run / "metrics.json").exists()
     t0 = time.perf_counter()
-    finetuner("run", str(RECIPE), "--output", str(run), *over, cwd=work)
+    if not reused:
+        finetuner("run", str(RECIPE), "--output", str(run), *over, cwd=work)
     command_s = time.perf_counter() - t0
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     start = next(e for e in events if e["event"] == "start")

@@ -70,7 +70,7 @@ def test_held_out_loss_falls(run):
 
 
 def test_a_held_out_answer_is_fluent_and_in_the_users_style(run):
-    answer = _cli("chat", str(run), "-p", QUESTION, "--temperature", "0", "--max-new-tokens", "64", cwd=run).strip()
+    answer = _cli("chat", str(run), "-p", QUESTION, "--temperature", "0", "--max-new-tokens", "96", cwd=run).strip()
     assert MARKER in answer, answer
     body = answer.split(MARKER)[0]
     assert len(body.split()) >= 8, answer  # an answer, not only the sign-off
