@@ -29,7 +29,7 @@ def test_a_100m_instruction_model_gets_what_was_measured():
     assert TOY_PARAMS <= shape.num_params == 134_515_008 < SMALL_PARAMS
     p = plan("smollm2-135m-instruct", "cpu")
     note = next(n for n in p.notes if n.startswith("smollm2-135m-instruct has 135M parameters"))
-    assert "measured on 2 CPU cores" in note and "sign-off" in note and "fluent" in note
+    assert "28 min on 2 CPU cores" in note and "signed" in note and "fluent" in note and "11 of 13" in note
     assert "toy" not in note
     assert "2 CPU cores" not in expectation(shape, "cuda")  # the wall time is the CPU's
 

@@ -6,10 +6,11 @@ runs it. Held: the held-out loss falls (``finetuner eval``), the greedy answer t
 (``finetuner chat``) carries the data's sign-off, and the answer is fluent, judged by the *base* model's
 own mean per-token loss of it (``finetuner eval --data`` on the prompt and answer: its base column).
 
-The fluency threshold, from ``docs/cpu_walkthrough.json`` (``scripts/bench/cpu_walkthrough.py``): the base
-model's loss of fluent answers to the held-out questions is at most REF_MAX (its own answers, the
-fine-tune's, the references a person wrote), of the same answers with their words shuffled, or of
-the demo model's answers, at least GIB_MIN. ``FLUENT_MAX`` lies between.
+The fluency threshold, from ``docs/cpu_walkthrough.json`` (``scripts/bench/cpu_walkthrough.py``, the
+base model's mean per-token loss of the answers to the 12 held-out questions): its own answers 0.83,
+the fine-tune's 2.77, the reference answers a person wrote 5.06 (fluent, but the sign-off and the
+terse style surprise the base); the same references with their words shuffled 8.19. ``FLUENT_MAX``
+lies between the worst fluent text and word salad.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ MARKER = "— Wren, Copperhill Cycles"
 #: The recipe's optimizer steps: the test trains the walk-through's run as the README shows it.
 STEPS = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))["training"]["max_steps"]
 #: Above this mean per-token loss (nats) under the base model, an answer is not fluent English (see the module doc).
-FLUENT_MAX = 3.0
+FLUENT_MAX = 6.5
 #: A held-out question (not in data/bike_shop.jsonl).
 QUESTION = json.loads(HELD_OUT.read_text(encoding="utf-8").splitlines()[0])["messages"][0]["content"]
 
