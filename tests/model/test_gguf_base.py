@@ -96,6 +96,9 @@ def test_a_folder_of_gguf_files_without_gguf_file_says_to_name_one(tiny_gguf, da
     with pytest.raises(UserError) as e:
         _recipe(str(tiny_gguf.parent), data_file)
     assert "no config.json" in e.value.message and f"model.gguf_file: {tiny_gguf.name}" in (e.value.hint or "")
+    with pytest.raises(UserError) as e:
+        resolve_shape(str(tiny_gguf.parent))  # finetuner plan --model FOLDER
+    assert "no config.json" in e.value.message and str(tiny_gguf) in (e.value.hint or "")
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, data_file):
