@@ -118,8 +118,8 @@ def check_file(path: str | Path, key: str = "model.name") -> Path:
     info = read(p)
     if info.model_type is None:
         raise UserError(
-            f"{key}: {p} holds a '{info.architecture}' model; transformers cannot dequantize that architecture "
-            "for training here.",
+            f"{key}: {p} holds a '{info.architecture}' model, an architecture transformers cannot dequantize into a "
+            "model finetuner trains.",
             hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.",
         )
     return p
