@@ -35,12 +35,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     import threading
 
-    from rich.console import Console
-
-    from finetuner.cli.progress import ProgressPrinter
+    from finetuner.cli.progress import ProgressPrinter, console as run_console
     from finetuner.config.recipe import Recipe
 
-    console = Console()
+    console = run_console()
     gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
     from finetuner.training.launch import needs_launch
 
