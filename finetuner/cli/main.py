@@ -187,10 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     from finetuner.errors import UserError
+    from finetuner.runs.worker_protocol import REPORT_ENV, report_failure
 
     try:
         return int(args.func(args) or 0)
     except UserError as e:
+        report_failure(e, os.environ.get(REPORT_ENV))  # a job's runner (the web UI) reads it there
         if args.debug:
             raise
         print(f"error: {e.message}", file=sys.stderr)
@@ -208,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop is not None and not args.debug:
             print("aborted.", file=sys.stderr)
             return 128 + getattr(stop, "signum", 2)
+        report_failure(e, os.environ.get(REPORT_ENV))
         if args.debug or not is_disk_full(e):
             raise
         where = disk_full_path(e)

@@ -67,6 +67,7 @@ from finetuner.errors import OutOfMemory, UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.launch import STOP_FILE
 from finetuner.training.trainer import Trainer, build_scheduler
+from finetuner.runs.worker_protocol import event_fields
 
 log = logging.getLogger(__name__)
 
@@ -475,11 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.events.emit("samples", samples=samples)
         return 0
     except UserError as e:
-        trainer.events.emit("error", message=str(e), type=type(e).__name__, user_error=True)
+        trainer.events.emit("error", **event_fields(e))
         log.error("%s", e)
         return 2
     except Exception as e:
-        trainer.events.emit("error", message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        trainer.events.emit("error", **event_fields(e))
         raise
     finally:
         trainer.cleanup()
