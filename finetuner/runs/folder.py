@@ -291,7 +291,6 @@ def record_early_failure(run_dir: Path, error: BaseException, events_before: int
     (:data:`finetuner.runs.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
     Returns whether the event was written."""
     from finetuner.runs.events import EventWriter
-    from finetuner.runs.worker_protocol import event_fields
 
     run_dir = Path(run_dir)
     if isinstance(error, RunFolderRefused) or not run_dir.is_dir() or not is_run_folder(run_dir):
@@ -305,7 +304,7 @@ def record_early_failure(run_dir: Path, error: BaseException, events_before: int
     try:
         writer = EventWriter(run_dir / "events.jsonl")
         try:
-            writer.emit("error", **event_fields(error))
+            writer.error(error)
         finally:
             writer.close()
     except OSError:  # a full disk, often why the run failed: the error being raised is what the user sees

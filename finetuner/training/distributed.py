@@ -67,7 +67,6 @@ from finetuner.errors import OutOfMemory, UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.launch import STOP_FILE
 from finetuner.training.trainer import Trainer, build_scheduler
-from finetuner.runs.worker_protocol import event_fields
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +111,9 @@ class _NoEvents:
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         return {"event": event, **fields}
+
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        return {"event": "error"}
 
     def close(self) -> None:
         pass
@@ -476,11 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.events.emit("samples", samples=samples)
         return 0
     except UserError as e:
-        trainer.events.emit("error", **event_fields(e))
+        trainer.events.error(e)
         log.error("%s", e)
         return 2
     except Exception as e:
-        trainer.events.emit("error", **event_fields(e))
+        trainer.events.error(e)
         raise
     finally:
         trainer.cleanup()

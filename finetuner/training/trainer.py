@@ -53,7 +53,6 @@ from finetuner.runs.folder import (
     record_early_failure,
     remove_failed_setup,
 )
-from finetuner.runs.worker_protocol import event_fields
 from finetuner.training.inputs import check_inputs
 
 log = logging.getLogger(__name__)
@@ -855,7 +854,7 @@ def _record_error(trainer: Trainer, error: BaseException) -> None:
     """The ``error`` event of a failed run; when it cannot be written (the disk is full: often why the
     run failed) the error being raised is what the user sees, not a second traceback chained to it."""
     try:
-        trainer.events.emit("error", **event_fields(error))
+        trainer.events.error(error)
     except OSError as e:
         log.warning("Could not record the error in %s (%s).", trainer.events.path, e)
 
