@@ -112,3 +112,28 @@ def test_an_early_failure_is_not_written_where_it_does_not_belong(tmp_path):
     for run in (refused, finished, held):
         assert not (run / "events.jsonl").exists()
     assert len(read_events(moved_on / "events.jsonl")) == 1
+
+
+def test_a_run_whose_own_recipe_no_longer_loads_records_why(recipe_dict, alpaca_file, tmp_path):
+    """``finetuner run RUN/recipe.yaml -o RUN`` (how the web UI resumes a job) on a stopped run whose data
+    file has since been moved: the attempt fails before the recipe loads, and the run's events end with
+    that error. Another recipe pointed at the run folder is not that run's attempt: nothing is written."""
+    import json
+
+    from finetuner.config.recipe import Recipe
+    from tests.conftest import run_cli, write_recipe
+
+    run = _run_folder(tmp_path / "runs" / "stopped")
+    r = dict(recipe_dict, output_dir=str(run))
+    Recipe.from_dict(r).save(run / "recipe.yaml")
+    stopped = [{"event": "start", "time": 1.0, "max_steps": 8}, {"event": "stopped", "time": 2.0, "step": 4, "max_steps": 8}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in stopped))
+    alpaca_file.rename(alpaca_file.with_name("moved.json"))
+    other = write_recipe(tmp_path / "other.yaml", dict(r, data={"path": str(tmp_path / "nowhere.json")}))
+    p = run_cli("run", str(other), "-o", str(run))
+    assert p.returncode == 2 and "file not found" in p.stderr
+    assert read_events(run / "events.jsonl") == stopped
+    p = run_cli("run", str(run / "recipe.yaml"), "-o", str(run))
+    assert p.returncode == 2 and "file not found" in p.stderr, p.stderr
+    *_, error = read_events(run / "events.jsonl")
+    assert error["event"] == "error" and "file not found" in error["message"] and validate_event(error) == []
