@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from finetuner import quiet as _quiet  # noqa: E402 - stdlib only: `import finetuner` stays cheap
+
+_quiet.drop_bnb_kernels_notice()  # before anything imports bitsandbytes (peft does, on every LoRA run)
+
 _LAZY = {
     "Recipe": "finetuner.config.recipe",
     "UserError": "finetuner.errors",

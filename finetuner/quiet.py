@@ -41,12 +41,38 @@ class _ErrorsOnly(logging.Filter):
 
 _DEEPSPEED_FILTER = _ErrorsOnly()
 
+#: the logger bitsandbytes (0.50) warns on, when it is imported on a CPU machine without the optional ``kernels`` package
+BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _NoKernelsNotice(logging.Filter):
+    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community: No module named
+    'kernels'" (printed on import, so on every LoRA run on a CPU, since peft imports bitsandbytes): an optional
+    faster 4-bit kernel that finetuner does not need. Its other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+                    and "No module named 'kernels'" in text)
+
+
+_NO_KERNELS_NOTICE = _NoKernelsNotice()
+
+
+def drop_bnb_kernels_notice() -> None:
+    """Keep bitsandbytes' notice about the missing optional ``kernels`` package (:class:`_NoKernelsNotice`)
+    out of the output, and nothing else it says. Installed when :mod:`finetuner` is imported, before
+    anything imports bitsandbytes (its logger is configured before the module exists)."""
+    logger = logging.getLogger(BNB_CPU_LOGGER)
+    if _NO_KERNELS_NOTICE not in logger.filters:
+        logger.addFilter(_NO_KERNELS_NOTICE)
+
 
 def quiet_libraries() -> None:
     """Keep library chatter (progress bars, deprecation notes, DeepSpeed's accelerator warning) out of a finetuner process."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    drop_bnb_kernels_notice()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("DeepSpeed").addFilter(_DEEPSPEED_FILTER)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -35,16 +35,19 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     import threading
 
-    from rich.console import Console
-
-    from finetuner.cli.progress import ProgressPrinter
+    from finetuner.cli.progress import ProgressPrinter, console as run_console
     from finetuner.config.recipe import Recipe
+    from finetuner.errors import UserError
 
-    console = Console()
+    console = run_console()
     gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
     from finetuner.training.launch import needs_launch
 
-    recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
+    try:
+        recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
+    except UserError as e:  # e.g. a resumed run's data file moved away: the run's own recipe no longer loads
+        _record_if_own_recipe(args, e)
+        raise
     stop = threading.Event()
     received: list[int] = []  # the signals asked to stop, first first: the exit status is 128 + the first
     started = threading.Event()  # set by the run's "start" event: from then on a stop saves a checkpoint
@@ -110,6 +113,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     progress.summary(result)
     return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0
+
+
+def _record_if_own_recipe(args: argparse.Namespace, error: Exception) -> None:
+    """A run folder's own ``recipe.yaml`` that no longer loads (``finetuner run RUN/recipe.yaml -o RUN``,
+    how the web UI starts and resumes a job): the attempt to run it failed, so its events say so
+    (:func:`~finetuner.runs.folder.record_early_failure` decides whether they may). Another recipe's
+    failure is not that run's."""
+    from pathlib import Path
+
+    from finetuner.runs.folder import events_size, record_early_failure
+
+    if not args.output:
+        return
+    out = Path(args.output).expanduser().resolve()
+    if Path(args.recipe).expanduser().resolve() == out / "recipe.yaml":
+        record_early_failure(out, error, events_size(out))
 
 
 def _signals_of_a_worker() -> None:
@@ -189,10 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     from finetuner.errors import UserError
+    from finetuner.runs.worker_protocol import REPORT_ENV, report_failure
 
     try:
         return int(args.func(args) or 0)
     except UserError as e:
+        report_failure(e, os.environ.get(REPORT_ENV))  # a job's runner (the web UI) reads it there
         if args.debug:
             raise
         print(f"error: {e.message}", file=sys.stderr)
@@ -210,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop is not None and not args.debug:
             print("aborted.", file=sys.stderr)
             return 128 + getattr(stop, "signum", 2)
+        report_failure(e, os.environ.get(REPORT_ENV))
         if args.debug or not is_disk_full(e):
             raise
         where = disk_full_path(e)

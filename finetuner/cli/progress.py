@@ -9,6 +9,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+def console() -> Console:
+    """The console the CLI prints a run on. On a terminal, rich's (lines fit the window); elsewhere (a log
+    file, a pipe, CI) lines are never wrapped: rich would cut them at 80 columns, splitting a step line
+    in two, and a log is read with ``grep`` and ``tail``, not in a window of a known width."""
+    con = Console()
+    if not con.is_terminal:
+        con.soft_wrap = True
+    return con
+
+
 def _num(v: Any, spec: str) -> str:
     """A number of an event formatted with ``spec``; NaN (null in events.jsonl) and infinities
     (written as strings) as ``nan``/``inf``: a diverging run's line must not crash the printer."""

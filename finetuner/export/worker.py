@@ -1,14 +1,14 @@
 """Merge or export in a separate process: the model is loaded there, never in the caller (the web UI).
 
-Protocol (one JSON line each way). The worker is started as ``python -m finetuner.export.worker``
-and reads one request from stdin: the keywords of :func:`finetuner.export.merge.merge_adapter`,
-``{"source": "runs/demo", "output_dir": "out", "dtype": "auto", "overwrite": false}``, or, with
-``"task": "export"``, those of :func:`finetuner.export.gguf.export_model`
-(``{"task": "export", "source": "runs/demo", "output": "demo.gguf", "quant": "q8_0"}``). It prints
-one line on stdout: ``{"result": {...}}`` (the result's ``to_dict()``), ``{"error": message,
-"hint": hint}`` for a :class:`~finetuner.errors.UserError` (as the merge or export raised it), or
-``{"error": ..., "unexpected": true}`` for anything else (a bug). Whatever else is printed
-(library output) goes to stderr.
+The worker speaks finetuner's worker protocol (:mod:`finetuner.runs.worker_protocol`). Started as
+``python -m finetuner.export.worker``, it reads one request from stdin: the keywords of
+:func:`finetuner.export.merge.merge_adapter`, ``{"source": "runs/demo", "output_dir": "out", "dtype":
+"auto", "overwrite": false}``, or, with ``"task": "export"``, those of
+:func:`finetuner.export.gguf.export_model` (``{"task": "export", "source": "runs/demo", "output":
+"demo.gguf", "quant": "q8_0"}``). It prints one message on stdout: ``{"kind": "done", "result":
+{...}}`` (the result's ``to_dict()``), or ``{"kind": "error", "message": ..., "hint": ...,
+"user_error": ...}``: a :class:`~finetuner.errors.UserError` as the merge or export raised it, or
+anything else (a bug, ``user_error: false``). Whatever else is printed (library output) goes to stderr.
 
 :func:`merge_in_subprocess` and :func:`export_in_subprocess` are the caller's side: the arguments
 and the results of :func:`~finetuner.export.merge.merge_adapter` and
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.runs import worker_protocol as protocol
 
 #: the keywords of merge_adapter a request may carry
 KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify", "trust_remote_code", "allow_pickle")
@@ -34,17 +35,22 @@ EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model",
 
 
 # --------------------------------------------------------------------------- the worker process
+def _bad_request(text: str) -> dict[str, Any]:
+    """The answer to a request the worker cannot read: a caller's bug, not the user's."""
+    return protocol.message("error", message=text, hint=None, type="BadRequest", user_error=False)
+
+
 def serve(request: Any) -> dict[str, Any]:
-    """The answer to one request (a dict of :data:`KEYS`, or ``task: export`` and :data:`EXPORT_KEYS`)."""
+    """The answer to one request (a dict of :data:`KEYS`, or ``task: export`` and :data:`EXPORT_KEYS`):
+    a ``done`` or ``error`` message of the worker protocol."""
     if isinstance(request, dict) and request.get("task") == "export":
         request = {k: v for k, v in request.items() if k != "task"}
         keys, required, what = EXPORT_KEYS, {"source", "output"}, "An export"
     else:
         keys, required, what = KEYS, {"source", "output_dir"}, "A merge"
     if not isinstance(request, dict) or not required <= set(request) or set(request) - set(keys):
-        return {"error": f"{what} request is a JSON object with {', '.join(sorted(required))} and some of "
-                         f"{', '.join(k for k in keys if k not in required)}; got {json.dumps(request)[:200]}.",
-                "unexpected": True}
+        return _bad_request(f"{what} request is a JSON object with {', '.join(sorted(required))} and some of "
+                            f"{', '.join(k for k in keys if k not in required)}; got {json.dumps(request)[:200]}.")
     try:
         if keys is EXPORT_KEYS:
             from finetuner.export.gguf import export_model
@@ -54,26 +60,25 @@ def serve(request: Any) -> dict[str, Any]:
             from finetuner.export.merge import merge_adapter
 
             result = merge_adapter(**request)
-    except UserError as e:
-        return {"error": e.message, "hint": e.hint}
-    except Exception as e:  # noqa: BLE001 - the caller shows it as a bug
-        return {"error": f"{type(e).__name__}: {e}", "unexpected": True}
-    return {"result": result.to_dict()}
+    except Exception as e:  # noqa: BLE001 - a UserError as raised; anything else the caller shows as a bug
+        return protocol.error_message(e)
+    return protocol.message("done", result=result.to_dict())
 
 
 def main() -> int:
-    """Read one request from stdin, print its answer line; exit 0 (merged), 2 (a UserError) or 1."""
-    out, sys.stdout = sys.stdout, sys.stderr  # library prints must not corrupt the answer line
+    """Read one request from stdin, print its answer message; exit 0 (merged), 2 (a UserError) or 1."""
+    out = protocol.take_stdout()  # library prints must not corrupt the answer line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         request = json.loads(sys.stdin.read())
     except json.JSONDecodeError as e:
-        answer: dict[str, Any] = {"error": f"The merge request is not JSON ({e}).", "unexpected": True}
+        answer = _bad_request(f"The merge request is not JSON ({e}).")
     else:
         answer = serve(request)
-    out.write(json.dumps(answer, ensure_ascii=False, default=str) + "\n")
-    out.flush()
-    return 0 if "result" in answer else 1 if answer.get("unexpected") else UserError.exit_code
+    out.send(**answer)
+    if answer["kind"] == "done":
+        return 0
+    return UserError.exit_code if answer["user_error"] else 1
 
 
 # --------------------------------------------------------------------------- the caller's side
@@ -83,16 +88,13 @@ def _answer(request: dict[str, Any], what: str) -> dict[str, Any]:
         [sys.executable, "-m", "finetuner.export.worker"], input=json.dumps(request), capture_output=True,
         text=True, encoding="utf-8",
     )
-    lines = proc.stdout.strip().splitlines()
-    if len(lines) != 1:
+    answer = protocol.last_message(proc.stdout)
+    if answer is None or answer["kind"] not in ("done", "error"):
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"The {what} process ended without an answer (exit status {proc.returncode}).\n{tail}".strip())
-    answer = json.loads(lines[0])
-    if "result" in answer:
-        return answer["result"]
-    if answer.get("unexpected"):
-        raise RuntimeError(answer["error"])
-    raise UserError(answer["error"], hint=answer.get("hint"))
+    if answer["kind"] == "error":
+        protocol.raise_error(answer)
+    return answer["result"]
 
 
 def _check_keywords(func: str, kwargs: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -1,12 +1,13 @@
 """Chat in a separate process: the model is loaded there once, never in the caller (the web UI).
 
-Protocol (JSON lines). The worker is started as
-``python -m finetuner.infer.chat_worker RUN_OR_MODEL [--base]`` and prints ``{"ready": true,
-"describe": ...}`` once the model is loaded (or ``{"error": ...}`` and exits). Each request on
-stdin, ``{"id": 1, "messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 128,
-"temperature": 0.7, "top_p": 0.9, "seed": null, "adapter": true}`` (``adapter: false``: the
-base model's answer, the adapter switched off), is answered by ``{"id": 1, "token": "..."}``
-lines as text is generated, then ``{"id": 1, "done": true}`` (or ``{"id": 1, "error": "..."}``).
+The worker speaks finetuner's worker protocol (:mod:`finetuner.runs.worker_protocol`, JSON lines on
+its stdout). Started as ``python -m finetuner.infer.chat_worker RUN_OR_MODEL [--base]``, it sends
+``{"kind": "started", "describe": ..., "has_adapter": ...}`` once the model is loaded (or an
+``error`` message and exits). Each request on stdin, ``{"id": 1, "messages": [{"role": "user",
+"content": "Hi"}], "max_new_tokens": 128, "temperature": 0.7, "top_p": 0.9, "seed": null,
+"adapter": true}`` (``adapter: false``: the base model's answer, the adapter switched off), is
+answered by ``{"kind": "progress", "id": 1, "token": "..."}`` lines as text is generated, then
+``{"kind": "done", "id": 1}`` (or ``{"kind": "error", "id": 1, "message": ...}``).
 
 :class:`ChatWorker` is the caller's side: it starts the process and turns a request into an
 iterator of text pieces.
@@ -26,50 +27,37 @@ from collections.abc import Iterator
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.runs import worker_protocol as protocol
 
 GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter")
 
 
 # --------------------------------------------------------------------------- the worker process
-#: Where protocol lines go; :func:`main` points ``sys.stdout`` elsewhere so library prints
-#: cannot corrupt the stream.
-_OUT = sys.stdout
-
-
-def _send(obj: dict[str, Any]) -> None:
-    _OUT.write(json.dumps(obj, ensure_ascii=False) + "\n")
-    _OUT.flush()
-
-
-def serve(source: str, adapter: bool = True, allow_code: bool = False) -> int:
-    """Load the model and answer requests from stdin until it closes. ``allow_code``: the user's
-    opt-in to the run's ``model.trust_remote_code`` and ``model.allow_pickle``."""
+def serve(source: str, out: protocol.Sender, adapter: bool = True, allow_code: bool = False) -> int:
+    """Load the model and answer requests from stdin until it closes, reporting on ``out``.
+    ``allow_code``: the user's opt-in to the run's ``model.trust_remote_code`` and ``model.allow_pickle``."""
     try:
         from finetuner.infer.chat import load_chat_model
 
         model = load_chat_model(source, adapter=adapter, trust_remote_code=allow_code, allow_pickle=allow_code)
-    except UserError as e:
-        _send({"error": e.message + (f"\n{e.hint}" if e.hint else "")})
-        return 2
     except Exception as e:  # noqa: BLE001 - reported to the caller as a message
-        _send({"error": f"{type(e).__name__}: {e}"})
-        return 1
-    _send({"ready": True, "describe": repr(model), "has_adapter": bool(getattr(model, "has_adapter", False))})
+        out.error(e)
+        return UserError.exit_code if isinstance(e, UserError) else 1
+    out.send("started", describe=repr(model), has_adapter=bool(getattr(model, "has_adapter", False)))
     for line in sys.stdin:
         if not line.strip():
             continue
+        rid = None
         try:
             req = json.loads(line)
             rid = req.get("id")
             gen = {k: req[k] for k in GEN_KEYS if req.get(k) is not None}
             for piece in model.stream(req["messages"], **gen):
                 if piece:
-                    _send({"id": rid, "token": piece})
-            _send({"id": rid, "done": True})
-        except UserError as e:
-            _send({"id": locals().get("rid"), "error": e.message})
+                    out.send("progress", id=rid, token=piece)
+            out.send("done", id=rid)
         except Exception as e:  # noqa: BLE001 - one bad request must not end the worker
-            _send({"id": locals().get("rid"), "error": f"{type(e).__name__}: {e}"})
+            out.error(e, id=rid)
     return 0
 
 
@@ -85,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    global _OUT
-    _OUT, sys.stdout = sys.stdout, sys.stderr
-    return serve(args.source, adapter=not args.base, allow_code=args.allow_code)
+    return serve(args.source, protocol.take_stdout(), adapter=not args.base, allow_code=args.allow_code)
 
 
 # --------------------------------------------------------------------------- the caller's side
@@ -100,7 +86,7 @@ class ChatWorker:
         self.describe = ""
         self.has_adapter = False
         self._proc: subprocess.Popen | None = None
-        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._messages: protocol.Receiver | None = None
         self._lock = threading.Lock()
         self._next_id = 0
 
@@ -117,28 +103,19 @@ class ChatWorker:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, encoding="utf-8", bufsize=1, start_new_session=True,
         )
-        self._lines = queue.Queue()
-        threading.Thread(target=self._read, args=(self._proc, self._lines), daemon=True).start()
+        self._messages = protocol.Receiver(self._proc.stdout)  # type: ignore[arg-type]
         first = self._get(self.start_timeout, "loading the model")
-        if first.get("error"):
+        if first["kind"] == "error":
             self.close()
-            raise UserError(f"Could not load {self.source} for chat: {first['error']}")
+            raise UserError(f"Could not load {self.source} for chat: {protocol.error_text(first)}")
         self.describe = first.get("describe", "")
         self.has_adapter = bool(first.get("has_adapter"))
         return self
 
-    @staticmethod
-    def _read(proc: subprocess.Popen, out: queue.Queue) -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            try:
-                out.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        out.put(None)
-
     def _get(self, timeout: float, what: str) -> dict[str, Any]:
         try:
-            msg = self._lines.get(timeout=timeout)
+            assert self._messages is not None
+            msg = self._messages.get(timeout)
         except queue.Empty:
             self.close()
             raise UserError(f"The chat worker did not answer within {timeout:.0f} s ({what}).") from None
@@ -163,12 +140,12 @@ class ChatWorker:
                 msg = self._get(max(1.0, deadline - time.monotonic()), "generating")
                 if msg.get("id") != rid:
                     continue
-                if "token" in msg:
+                if msg["kind"] == "progress":
                     yield msg["token"]
-                elif msg.get("done"):
+                elif msg["kind"] == "done":
                     return
-                elif "error" in msg:
-                    raise UserError(f"Chat failed: {msg['error']}")
+                elif msg["kind"] == "error":
+                    raise UserError(f"Chat failed: {msg['message']}")
 
     def reply(self, messages: list[dict[str, str]], **gen: Any) -> str:
         return "".join(self.stream(messages, **gen))

@@ -118,8 +118,8 @@ def check_file(path: str | Path, key: str = "model.name") -> Path:
     info = read(p)
     if info.model_type is None:
         raise UserError(
-            f"{key}: {p} holds a '{info.architecture}' model; transformers cannot dequantize that architecture "
-            "for training here.",
+            f"{key}: {p} holds a '{info.architecture}' model, an architecture transformers cannot dequantize into a "
+            "model finetuner trains.",
             hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.",
         )
     return p
@@ -154,19 +154,19 @@ class GGUFInfo:
         return self.bits < 16
 
     def summary(self) -> str:
-        """``Q4_1, 4-bit`` (and the other types that hold a share of the weights)."""
-        others = [f"{t} {share:.0%}" for t, share in self.tensor_types.items() if t != self.quant_type and t != "F32" and share >= 0.01]
-        return f"{self.quant_type}, {self.bits:g}-bit" + (f"; also {', '.join(others)} of the weights" if others else "")
+        """``4-bit Q4_1 (Q8_0 for 21% of the weights)``: the file's type and the other types holding a share of the weights."""
+        others = [f"{t} for {share:.0%}" for t, share in self.tensor_types.items() if t not in (self.quant_type, "F32") and share >= 0.01]
+        return f"{self.bits:g}-bit {self.quant_type}" + (f" ({', '.join(others)} of the weights)" if others else "")
 
     def note(self) -> str:
         """What loading this file means for the quality of what is trained from it."""
         if not self.quantized:
-            return (f"the base weights come from the GGUF file {self.path.name}, stored in {self.quant_type} ({self.bits:g}-bit): "
-                    "transformers converts them to the training dtype; nothing is lost beyond that storage's rounding.")
-        return (f"the base weights were dequantized from {self.bits:g}-bit ({self.summary()}) in the GGUF file {self.path.name}: "
-                "the model trains in full precision from the dequantized weights, so the quantization error is baked into "
-                "the base (it answers as the quantized model does, not as the original); merging gives a full-precision "
-                "model of those dequantized weights, not the original full-precision weights.")
+            return (f"the base weights come from the GGUF file {self.path.name}, stored as {self.summary()}: transformers "
+                    "converts them to the training dtype; nothing is lost beyond that storage's rounding.")
+        return (f"the base weights were dequantized from {self.summary()} in the GGUF file {self.path.name}: the model "
+                "trains in full precision from the dequantized weights, so the quantization error is baked into the base "
+                "(it answers as the quantized model does, not as the original); merging gives a full-precision model of "
+                "those dequantized weights, not the original full-precision weights.")
 
     def to_event(self) -> dict[str, Any]:
         """The ``start`` event's ``gguf`` field (docs/events.md)."""

@@ -370,7 +370,10 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
     if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
-            raise UserError(f"{path}: no config.json in this folder.", hint="Give a model folder saved with save_pretrained.")
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            raise UserError(f"{path}: no config.json in this folder.",
+                            hint=f"It holds GGUF files: give one, e.g. {path / ggufs[0]}." if ggufs else
+                            "Give a model folder saved with save_pretrained.")
         try:
             return json.loads(cfg_path.read_text(encoding="utf-8")), "local"
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

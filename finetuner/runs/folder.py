@@ -87,6 +87,12 @@ def steps_asked(training: dict[str, Any], state: dict[str, Any], old_training: d
     return max(1, math.ceil(float(training.get("epochs") or 1.0) * per_epoch))
 
 
+class RunFolderRefused(UserError):
+    """The run folder may not be used by this run (a file, someone else's folder, a folder another
+    process holds, a run this recipe cannot continue): nothing is written into it, not even the
+    error (:func:`record_early_failure`); the run already in it stays as it was."""
+
+
 class RunFinished(Exception):
     """The run folder already holds a finished run that the recipe would not extend: nothing to do."""
 
@@ -109,7 +115,7 @@ def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last:
         return
     how = (f"training.max_steps={asked}" if recipe.training.max_steps else f"training.epochs={recipe.training.epochs:g}")
     if asked < done:
-        raise UserError(
+        raise RunFolderRefused(
             f"{run_dir} already trained {done} steps; {how} asks for {asked}, so resuming it would train nothing "
             "(its recipe.yaml and adapter are left as they are).",
             hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to train "
@@ -169,7 +175,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise UserError(
+            raise RunFolderRefused(
                 f"Another finetuner process (pid {holder}) is using the run folder {self.path.parent}.",
                 hint="Wait for it to finish or stop it, or pick another --output.",
             ) from None
@@ -198,11 +204,11 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
     notes: list[str] = []
     lock = None
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"Output path {run_dir} is a file, not a folder.", hint="Choose another --output.")
+        raise RunFolderRefused(f"Output path {run_dir} is a file, not a folder.", hint="Choose another --output.")
     if run_dir.is_dir() and any(run_dir.iterdir()):
         saved = run_dir / "recipe.yaml"
         if not is_run_folder(run_dir):
-            raise UserError(
+            raise RunFolderRefused(
                 f"Output folder {run_dir} is not empty and holds no finetuner run (it holds {_some_entries(run_dir)}); "
                 "finetuner will not write into it.",
                 hint="Choose another --output (or output_dir), or empty that folder yourself.",
@@ -211,7 +217,10 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
         try:
             if not resume:
                 if check_inputs is not None:
-                    check_inputs(recipe)  # before anything moves: a bad model or data file leaves the run where it is
+                    try:
+                        check_inputs(recipe)  # before anything moves: a bad model or data file leaves the run where it is
+                    except UserError as e:  # ... and its events as they are: the failure is the new run's, which has no folder yet
+                        raise RunFolderRefused(e.message, hint=e.hint) from None
                 aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
                 run_dir.rename(aside)
                 lock.release()
@@ -221,7 +230,7 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                 last = ckpt_io.latest_checkpoint(run_dir)
                 results = [name for name in RESULTS if (run_dir / name).exists()]
                 if last is None and results:
-                    raise UserError(
+                    raise RunFolderRefused(
                         f"{run_dir} holds a finished run ({', '.join(results)}) and no checkpoint to resume; finetuner "
                         "will not start a new run over it.",
                         hint="Choose another --output (or output_dir) for the new run, or add --no-resume to move that "
@@ -230,12 +239,12 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                 if last is not None:
                     old = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) if saved.is_file() else None
                     if not isinstance(old, dict) or not isinstance(old.get("training"), dict):
-                        raise UserError(f"{run_dir} has checkpoints but no readable recipe.yaml to resume them with.",
+                        raise RunFolderRefused(f"{run_dir} has checkpoints but no readable recipe.yaml to resume them with.",
                                         hint="Use --no-resume to start over (the old run is moved aside, not deleted), "
                                              "or --output for a new folder.")
                     diffs = recipe_differences(old, recipe.to_dict())
                     if diffs:
-                        raise UserError(
+                        raise RunFolderRefused(
                             f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
                             + "\n  ".join(diffs),
                             hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
@@ -258,6 +267,51 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
     recipe = recipe.model_copy(update={"output_dir": str(run_dir)})
     recipe.save(run_dir / "recipe.yaml")
     return run_dir, recipe, notes, lock
+
+
+def events_size(run_dir: Path) -> int:
+    """The size of the run folder's ``events.jsonl`` now (0 when there is none): what
+    :func:`record_early_failure` compares with to tell whether the run wrote events of its own."""
+    try:
+        return (Path(run_dir) / "events.jsonl").stat().st_size
+    except OSError:
+        return 0
+
+
+def record_early_failure(run_dir: Path, error: BaseException, events_before: int) -> bool:
+    """Write the ``error`` event of a run that failed before it wrote any event of its own (a recipe value
+    the planner refuses, a model folder without config.json, a launcher that cannot start its processes),
+    so that whoever follows the run (the web UI's job runner, :func:`finetuner.follow`) reads why.
+
+    Written only where it belongs: into a run folder finetuner made (:func:`is_run_folder`) that holds
+    no finished run's results (a later attempt that never started does not mark a finished run failed),
+    that no other process holds, and whose ``events.jsonl`` is still ``events_before`` bytes long (else the
+    run wrote its events, its error among them). Never for :class:`RunFolderRefused`: the folder is not
+    this run's to write into; a job's runner learns that error from its report
+    (:data:`finetuner.runs.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
+    Returns whether the event was written."""
+    from finetuner.runs.events import EventWriter
+
+    run_dir = Path(run_dir)
+    if isinstance(error, RunFolderRefused) or not run_dir.is_dir() or not is_run_folder(run_dir):
+        return False
+    if any((run_dir / name).exists() for name in RESULTS) or events_size(run_dir) != events_before:
+        return False
+    try:
+        lock = RunLock(run_dir).acquire()
+    except (UserError, OSError):  # another process holds it: its events are its own
+        return False
+    try:
+        writer = EventWriter(run_dir / "events.jsonl")
+        try:
+            writer.error(error)
+        finally:
+            writer.close()
+    except OSError:  # a full disk, often why the run failed: the error being raised is what the user sees
+        return False
+    finally:
+        lock.release()
+    return True
 
 
 def checkpoint_bytes(model, optimizer: str) -> int:

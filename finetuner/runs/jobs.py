@@ -2,8 +2,12 @@
 
 A job is ``python -m finetuner run RUN_DIR/recipe.yaml -o RUN_DIR --quiet`` in its own process
 and session, so closing the browser or restarting the UI never stops it; its output goes to
-``RUN_DIR/train.log``. What a front end shows comes from the run's ``events.jsonl``
-(:func:`run_status`), never from the log.
+``RUN_DIR/train.log``, for people to read. What a front end shows comes from the run's
+``events.jsonl`` (:func:`run_status`), never from the log: a run that fails, even before it trains
+(a recipe value the planner refuses, a missing model), ends there with an ``error`` event. A failure
+that may not be written into the run's events (the folder is held by another process: see
+:func:`finetuner.runs.folder.record_early_failure`) reaches the job's runner through the worker
+protocol's report file, ``RUN_DIR/.job-report.jsonl`` (:mod:`finetuner.runs.worker_protocol`).
 
 One job per device at a time: ``RUNS_DIR/.jobs.json`` records the running jobs (pid and the
 process's start time, run folder, device), written under an ``flock`` so two sessions cannot both
@@ -32,11 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
 from finetuner.runs.schema import RESUMABLE_STATES, RunState, RunStateTracker
 
 REGISTRY = ".jobs.json"
 LOG_NAME = "train.log"
+#: where a job's process reports a failure it could not record in the run's events (worker protocol messages)
+REPORT_NAME = ".job-report.jsonl"
 
 #: Children started by this process, so they are reaped (no zombies) and their exit code known.
 _CHILDREN: dict[int, subprocess.Popen] = {}
@@ -286,7 +293,9 @@ def start_job(
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
         log_path = target / LOG_NAME
         cmd = [sys.executable, "-m", "finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        report = target / REPORT_NAME
+        report.unlink(missing_ok=True)  # what an earlier attempt reported is not this one's
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)})
         with open(log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             log.flush()
@@ -463,9 +472,9 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
     st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
     st.rewards = {k: sorted(v.items()) for k, v in rewards.items()}
     st.state = tracker.state(st.running)
-    if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # the job failed before writing any event
+    if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # a job ran here and ended without any event
         st.state = "error"
-        st.error = _log_error(rd / LOG_NAME)
+        st.error = _reported_error(rd)
     return st
 
 
@@ -479,18 +488,13 @@ def _add_rewards(rewards: dict[str, dict[int, float]], ev: dict[str, Any], prefi
             rewards.setdefault(key, {})[int(ev["step"])] = float(value)
 
 
-def _log_error(log: Path) -> str:
-    """The last ``error:`` line the CLI printed (a run that failed before writing any event)."""
-    try:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return "the run ended before it started"
-    errs = [ln for ln in lines if ln.startswith("error:")]
-    if errs:
-        i = lines.index(errs[-1])
-        return "\n".join(lines[i : i + 3]).removeprefix("error: ")
-    tail = [ln for ln in lines if ln.strip()][-1:]
-    return tail[0] if tail else "the run ended before it started"
+def _reported_error(run_dir: Path) -> str:
+    """Why a job that wrote no event ended: the last error its process reported (:data:`REPORT_NAME`),
+    else that it ended before it started (killed, or it died before it could report)."""
+    errors = [m for m in protocol.read_report(run_dir / REPORT_NAME) if m["kind"] == "error"]
+    if errors:
+        return protocol.error_text(errors[-1])
+    return f"the run ended before it started (its output is in {run_dir / LOG_NAME})"
 
 
 def list_runs(runs_dir: str | Path | None = None) -> list[RunStatus]:

@@ -112,6 +112,9 @@ class _NoEvents:
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         return {"event": event, **fields}
 
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        return {"event": "error"}
+
     def close(self) -> None:
         pass
 
@@ -475,11 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.events.emit("samples", samples=samples)
         return 0
     except UserError as e:
-        trainer.events.emit("error", message=str(e), type=type(e).__name__, user_error=True)
+        trainer.events.error(e)
         log.error("%s", e)
         return 2
     except Exception as e:
-        trainer.events.emit("error", message=f"{type(e).__name__}: {e}", type=type(e).__name__, user_error=False)
+        trainer.events.error(e)
         raise
     finally:
         trainer.cleanup()

@@ -45,7 +45,15 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
-from finetuner.runs.folder import RunFinished, check_disk_space, is_new_run_dir, prepare_run_dir, remove_failed_setup
+from finetuner.runs.folder import (
+    RunFinished,
+    check_disk_space,
+    events_size,
+    is_new_run_dir,
+    prepare_run_dir,
+    record_early_failure,
+    remove_failed_setup,
+)
 from finetuner.training.inputs import check_inputs
 
 log = logging.getLogger(__name__)
@@ -845,11 +853,11 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- entry point
-def _record_error(trainer: Trainer, message: str, kind: str, user_error: bool) -> None:
+def _record_error(trainer: Trainer, error: BaseException) -> None:
     """The ``error`` event of a failed run; when it cannot be written (the disk is full: often why the
     run failed) the error being raised is what the user sees, not a second traceback chained to it."""
     try:
-        trainer.events.emit("error", message=message, type=kind, user_error=user_error)
+        trainer.events.error(error)
     except OSError as e:
         log.warning("Could not record the error in %s (%s).", trainer.events.path, e)
 
@@ -893,6 +901,10 @@ def train(
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
     from finetuner.training.launch import launch_training, needs_launch
 
+    # A failure before the run writes its first event (the planner, the run folder, the launcher, the
+    # trainer's construction) is still recorded in the run's events.jsonl, where it may be written.
+    run_folder, events_before = recipe.output_path(), events_size(recipe.output_path())
+    writes_events = not needs_launch(recipe) or recipe.distributed.node_rank == 0  # node 0 writes a shared run's events
     try:
         if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
             return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
@@ -901,18 +913,22 @@ def train(
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
         new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
+        try:
+            if plan is not None:
+                atomic_write_json(run_dir / "plan.json", plan.to_dict())
+            trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
+        except BaseException:
+            lock.release()
+            if new_folder:
+                remove_failed_setup(run_dir, existed)
+            raise
     except RunFinished as done:
         return finished_result(done)
-    in_setup = True  # until the first step: a failure there leaves no folder behind (remove_failed_setup)
-    try:
-        if plan is not None:
-            atomic_write_json(run_dir / "plan.json", plan.to_dict())
-        trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
-    except BaseException:
-        lock.release()
-        if new_folder:
-            remove_failed_setup(run_dir, existed)
+    except BaseException as e:
+        if writes_events:
+            record_early_failure(run_folder, e, events_before)
         raise
+    in_setup = True  # until the first step: a failure there leaves no folder behind (remove_failed_setup)
     for note in notes:
         log.warning(note)
     if plan is not None:
@@ -930,14 +946,9 @@ def train(
             atomic_write_json(run_dir / "metrics.json", result.metrics)
             trainer.events.emit("samples", samples=samples)
         return result
-    except UserError as e:
-        _record_error(trainer, str(e), type(e).__name__, user_error=True)
-        raise
-    except KeyboardInterrupt:
-        _record_error(trainer, "interrupted", "KeyboardInterrupt", user_error=True)
-        raise
-    except Exception as e:
-        _record_error(trainer, f"{type(e).__name__}: {e}", type(e).__name__, user_error=False)
+    except BaseException as e:  # a UserError, a Ctrl-C ("interrupted") or a bug: recorded, then raised
+        if isinstance(e, Exception | KeyboardInterrupt):
+            _record_error(trainer, e)
         raise
     finally:
         trainer.cleanup()

@@ -35,7 +35,7 @@ def gguf_run(tmp_path_factory, tiny_model_dir):
 
 def test_the_plan_says_the_weights_are_dequantized(gguf_run):
     out = " ".join(gguf_run["plan"].split())
-    assert "dequantized from 8-bit (Q8_0, 8-bit)" in out
+    assert "dequantized from 8-bit Q8_0 in the GGUF file tiny.Q8_0.gguf" in out
     assert "trains in full precision from the dequantized weights" in out and "not the original full-precision weights" in out
     assert gguf_run["recipe"]["model"]["name"] == str(gguf_run["base"])
 

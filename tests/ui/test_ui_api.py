@@ -99,6 +99,68 @@ def test_failed_run_reports_the_engine_error(recipe_dict, tmp_path):
     assert st.state == "error" and "cannot tell the data format" in st.error and "Traceback" not in st.error
 
 
+@pytest.mark.parametrize("case", ["model folder without config.json", "launcher refuses the strategy"])
+def test_a_run_that_fails_before_training_ends_with_an_error_event(recipe_dict, tiny_model_dir, tmp_path, case):
+    """A job that fails before its trainer exists (the planner, resolving an ``auto`` value, finds no
+    config.json; the multi-process launcher refuses the strategy) records the error in its
+    events.jsonl, and the job's status reads it from there (train.log is for people)."""
+    import shutil
+
+    from finetuner.config.recipe import Recipe
+    from finetuner.runs.events import read_events
+    from finetuner.runs.schema import validate_event
+
+    r = dict(recipe_dict)
+    r.pop("output_dir")
+    if case == "model folder without config.json":
+        model = tmp_path / "model"
+        shutil.copytree(tiny_model_dir, model)
+        r["model"] = {"name": str(model)}
+        r["training"] = dict(r["training"], micro_batch_size="auto")  # the planner reads the model's shape
+        recipe = Recipe.from_dict(r)
+        (model / "config.json").unlink()  # gone after the UI checked the recipe
+        expected = "no config.json"
+    else:
+        recipe = Recipe.from_dict({**r, "distributed": {"num_processes": 2, "strategy": "fsdp"}})
+        expected = "fsdp is not supported"
+    job = jobs.start_job(recipe, runs_dir=tmp_path / "runs")
+    assert jobs.wait_job(job, 180)
+    assert jobs.exit_code(job.pid) == 2
+    events = read_events(Path(job.run_dir) / "events.jsonl")
+    assert [e["event"] for e in events] == ["error"], events
+    error = events[-1]
+    assert validate_event(error) == [] and error["user_error"] is True and expected in error["message"]
+    (Path(job.run_dir) / "train.log").write_text("error: not what the status shows\n")  # the log is not read
+    st = jobs.run_status(job.run_dir, tmp_path / "runs")
+    assert st.state == "error" and st.error == error["message"]
+
+
+def test_a_job_refused_its_folder_reports_the_error_without_writing_into_the_run(recipe_dict, tmp_path):
+    """Another process holds the run folder when the job resumes it: nothing is written into the
+    run's events (they are that process's), and the job's status still shows why it ended, from the
+    job's report (the worker protocol), not from its log."""
+    from finetuner.config.recipe import Recipe
+    from finetuner.runs.folder import RunLock, mark_run_folder
+
+    run = tmp_path / "runs" / "held"
+    run.mkdir(parents=True)
+    mark_run_folder(run)
+    r = dict(recipe_dict)
+    r.pop("output_dir")
+    Recipe.from_dict(r).save(run / "recipe.yaml")
+    lock = RunLock(run).acquire()  # e.g. `finetuner run` in a terminal, still loading
+    try:
+        job = jobs.start_job(None, run_dir=run, runs_dir=tmp_path / "runs")
+        assert jobs.wait_job(job, 180)
+        assert jobs.exit_code(job.pid) == 2
+    finally:
+        lock.release()
+    assert not (run / "events.jsonl").exists()
+    (run / "train.log").write_text("error: not what the status shows\n")
+    st = jobs.run_status(run, tmp_path / "runs")
+    assert st.state == "error" and st.error.startswith("Another finetuner process") and "is using the run folder" in st.error
+
+
 def test_run_status_from_events(tmp_path):
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
