@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_readme import README, blocks, commands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +91,9 @@ def test_every_not_run_reason_names_a_readme_command():
         assert any(re.search(pattern, c) for c in cmds), f"no README command matches {pattern!r} ({why}): remove it"
 
 
+# the suite's 600 s hang guard (pyproject) is less than this test's work: the demo's 150 steps, the
+# 90-step plan run, two DPO runs, evals, merges and three verified exports (as tests/ui/ raise theirs)
+@pytest.mark.timeout(3600)
 def test_the_readme_commands_run_in_order(tmp_path):
     work = tmp_path / "clone"
     fresh_copy(work)
