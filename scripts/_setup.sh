@@ -28,7 +28,7 @@ _have="$(cat "$_stamp" 2>/dev/null || true)"
 # and pip cannot say that in pyproject.toml, so it is installed here (pinned in constraints.txt).
 # An install with extras serves a caller that asks for none (demo.sh after test.sh installs nothing).
 if [ "$_have" != "$_want" ] && { [ -n "$_extras" ] || [ "${_have%%-*}" != "$_hash" ]; }; then
-  echo "finetuner: installing into $_venv (torch pinned by constraints.txt; this takes a minute the first time)"
+  echo "finetuner: installing into $_venv (torch pinned by constraints.txt; the first time this takes minutes: it downloads torch and the Hugging Face stack)"
   _spec="$FINETUNER_ROOT"
   [ -n "$_extras" ] && _spec="$FINETUNER_ROOT[$_extras]"
   _log="$_venv/install.log"

@@ -191,6 +191,7 @@ class Handlers:
         responses (:func:`finetuner.data.preview.preview_preferences`)."""
         from finetuner.data.preview import preview_data, preview_preferences
         from finetuner.data.stats import profile_data
+        from finetuner.planning.planner import data_seq_len
 
         if not data_file:
             raise UserError("Pick a data file, or upload one.")
@@ -199,8 +200,8 @@ class Handlers:
         local = paths.resolve_local(data_file)
         path = str(local) if local else data_file
         model = paths.resolve_model(model_text)
-        seq = int(seq_len or 0) or 2048
-        profile = profile_data(path, model, seq)
+        profile = profile_data(path, model, int(seq_len or 0) or None)
+        seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
         if profile.kind != "sft":
@@ -255,6 +256,7 @@ class Handlers:
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
             objective=None if objective in (None, "", "auto") else objective,
+            runs_dir=self.runs,
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")

@@ -66,7 +66,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                                             info=f"files in data/ and your uploads ({paths.display(h.uploads)}/, up to "
                                                  f"{h.max_upload_bytes / 2**20:g} MiB each), or a path",
                                             scale=3, elem_id="data-file")
-                    seq_len = gr.Number(value=256, precision=0, label="Sequence length",
+                    seq_len = gr.Number(value=0, precision=0, label="Sequence length",
                                         info="tokens per example (0 = from the data)", scale=1)
                     # no file_types filter: gradio would refuse another type with a bare "Error" badge;
                     # save_upload's refusal says which types it reads, under the data tab's summary

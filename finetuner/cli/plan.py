@@ -104,7 +104,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from finetuner.fileio import atomic_write_text
 
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_path, p.to_yaml())
+        atomic_write_text(out_path, p.to_yaml(out_path))
     if args.json:
         d = p.to_dict()
         d["written_to"] = str(out_path) if out_path is not None and p.recipe is not None else None
@@ -207,7 +207,10 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
             t.add_row(r["settings"], f"{r['total_bytes'] / GiB:.1f}", r["why"])
         con.print(t)
     if out_path is not None:
-        con.print(f"Recipe written to [bold]{out_path}[/]: run it with `finetuner run {out_path}`")
+        from finetuner.runs.folder import shown
+
+        con.print(f"Recipe written to [bold]{out_path}[/]: run it with `finetuner run {out_path}` "
+                  f"(its run folder: {shown(p.recipe.output_path())})")
     else:
         con.print("Write the recipe with -o recipe.yaml, then `finetuner run recipe.yaml`.")
 

@@ -712,7 +712,19 @@ def readable_dict(recipe: Recipe, keep: dict[str, dict[str, Any]] | None = None)
     raw["method"] = recipe.method
     for section, values in (keep or {}).items():
         raw.setdefault(section, {}).update(values)
-    return {k: raw[k] for k in sorted(raw, key=KEY_ORDER.index)}
+    return {k: _whole_numbers_as_int(raw[k]) for k in sorted(raw, key=KEY_ORDER.index)}
+
+
+def _whole_numbers_as_int(value: Any) -> Any:
+    """``value`` with every whole float written as an int (``epochs: 8``, ``val_size: 6``, not ``8.0``,
+    ``6.0``): the schema reads them back as the same floats."""
+    if isinstance(value, dict):
+        return {k: _whole_numbers_as_int(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers_as_int(v) for v in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
 
 
 def readable_yaml(recipe: Recipe, header: str = "", keep: dict[str, dict[str, Any]] | None = None) -> str:

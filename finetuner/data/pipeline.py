@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetuner.planning.sizing import held_out_rows
 from finetuner.data.formats import FileExamples, RowError
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
@@ -373,7 +374,7 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedDa
     if cfg.val_path:
         val = tokenize_examples(load_examples(cfg.val_path, cfg, stats), tokenizer, cfg, stats)
     elif cfg.val_size > 0:
-        n_val = int(cfg.val_size) if cfg.val_size >= 1 else max(1, round(cfg.val_size * len(train)))
+        n_val = held_out_rows(cfg.val_size, len(train))  # as the plan counts them
         if n_val >= len(train):
             raise UserError(
                 f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",

@@ -42,6 +42,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+from finetuner.planning.sizing import held_out_rows
 from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,
@@ -395,7 +396,7 @@ def prepare_preference_data(cfg: DataSection, objective: str, tokenizer: Any, se
         val = encode_examples(load_preference_examples(cfg.val_path, objective, cfg, stats), tokenizer, template, cfg, stats,
                               "data.val_path")
     elif cfg.val_size > 0:
-        n_val = int(cfg.val_size) if cfg.val_size >= 1 else max(1, round(cfg.val_size * len(train)))
+        n_val = held_out_rows(cfg.val_size, len(train))  # as the plan counts them
         if n_val >= len(train):
             raise UserError(
                 f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",

@@ -153,6 +153,8 @@ class Plan:
     gpus: int = 1
     sharded: Any = None  # the chosen strategy's per-device memory (gpus > 1)
     strategies: list[dict[str, Any]] = field(default_factory=list)  # every strategy for the chosen option
+    #: optimizer steps a run of the recipe takes (with --data: counted as the trainer counts them), or None
+    optimizer_steps: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -181,6 +183,7 @@ class Plan:
             "predicted_tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
             "seq_len": self.seq_len,
             "effective_batch": self.effective_batch,
+            "optimizer_steps": self.optimizer_steps,
             "choice": self.recipe_choice(),
             "reasons": self.reasons,
             "rejected": self.rejected,
@@ -213,8 +216,9 @@ class Plan:
                 "distributed_offload": r.distributed.offload} if self.gpus > 1 else {}),
         }
 
-    def to_yaml(self) -> str:
-        """The recipe as YAML with a header that says where it came from."""
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The recipe as YAML with a header that says where it came from; ``path``, where it is written,
+        fills the header's ``finetuner estimate`` command."""
         if self.recipe is None:
             raise UserError(f"Nothing fits {self.gpu.name} for {self.model}; there is no recipe to write.")
         head = [
@@ -224,7 +228,8 @@ class Plan:
         ]
         head += [f"# - {r}" for r in self.reasons]
         head += [f"# Note: {n}" for n in self.notes]
-        head.append(f"# Check it: finetuner estimate RECIPE --gpu {self.gpu.name}")
+        check = f"finetuner estimate {path} --gpu {self.gpu.name}" if path else f"`finetuner estimate` on this file with --gpu {self.gpu.name}"
+        head.append(f"# Check it: {check}")
         from finetuner.config.recipe import readable_yaml
 
         # the values that differ from the defaults, plus every planned value
@@ -463,10 +468,30 @@ def _recipe_model_name(model: str) -> str:
     return preset_model(model) or model
 
 
-def _default_name(model: str) -> str:
-    """``<model>-planned`` for the model as the user named it (a preset, a hub id or a folder)."""
-    slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in Path(model).name.lower()).strip("-._") or "model"
-    return f"{slug}-planned"[:100]
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in text.lower()).strip("-._")
+
+
+def default_run_name(model: str, data: str | None, objective: str) -> str:
+    """``<model>-<data>-<objective>`` for the model as the user named it (a preset, a hub id or a folder),
+    the data file's stem (or the default data set's name) and the objective: plans of other data or
+    another objective never share a run folder."""
+    from finetuner.runs.jobs import safe_name
+
+    data_name = Path(str(data)).stem if data else Path(DEFAULT_DATA).name
+    return safe_name("-".join([_slug(Path(model).name) or "model", _slug(data_name) or "data", objective]))
+
+
+def _free_name(name: str, runs_dir: Path) -> tuple[str, str | None]:
+    """``name``, or the first ``name-2``, ``name-3``... that no folder in ``runs_dir`` has yet, and the
+    note that says so (a finished run's folder is never reused silently)."""
+    from finetuner.runs.jobs import free_run_name
+
+    free = free_run_name(runs_dir, name)
+    if free == name:
+        return name, None
+    return free, (f"run named {free}: {runs_dir / name} already holds a run (this plan's run gets a folder of its own, "
+                  f"{runs_dir / free}; --name NAME to choose another)")
 
 
 def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
@@ -502,6 +527,13 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         return Recipe.model_validate(raw)
     except ValidationError as e:  # e.g. a --name that cannot name a folder
         raise UserError(format_validation_error(e, "the planned recipe")) from None
+
+
+def data_seq_len(model: str, profile) -> int:
+    """The sequence length :func:`plan` chooses for ``model`` on the data of ``profile`` when none is
+    asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0."""
+    objective = "sft" if profile.kind == "sft" else ("kto" if profile.kind == "rated" else "dpo")
+    return size_run(resolve_shape(model), profile, objective=objective).seq_len
 
 
 def _check_objective(objective: str | None) -> str | None:
@@ -551,6 +583,7 @@ def plan(
     gpus: int = 1,
     columns: dict[str, str] | None = None,
     objective: str | None = None,
+    runs_dir: str | Path | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -579,6 +612,11 @@ def plan(
             data file holds (supervised examples: sft, preference pairs: dpo, rated responses: kto).
             A preference objective is searched with its own memory cost (two sequences per pair,
             the reference pass) and sized as :mod:`finetuner.planning.sizing` says; it needs ``data``.
+        name: the run's name; by default ``<model>-<data stem>-<objective>``
+            (:func:`default_run_name`), with ``-2``, ``-3``... when ``runs_dir`` already has a folder
+            of that name (the plan's notes say so).
+        runs_dir: where the run folders are (default ``runs`` in the current folder, where
+            ``finetuner run`` puts them).
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -637,11 +675,15 @@ def plan(
         )
     data_path = str(Path(data).expanduser().resolve()) if data and Path(data).expanduser().exists() else data
     device = "cpu" if prof.platform == "cpu" else "auto"
-    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name or _default_name(model), device, columns, objective)
+    if not name:
+        name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
+        notes += [why_name] if why_name else []
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
+    result.optimizer_steps = sizing.total_steps
     if result.recipe is not None:
         lr, why_lr = learning_rate(result.recipe.method, shape, objective)
         raw = result.recipe.to_dict()

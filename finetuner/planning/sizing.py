@@ -13,6 +13,8 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
   handful of long rows would leave almost nothing to step on.
 * **Held out**: 2 % of the rows (at most 200) for a large set; 10 % (at least 2) below 200 rows;
   none below 10 rows.
+* **Steps**: ``ceil(training rows / effective batch)`` an epoch (:func:`steps_per_epoch`, the
+  trainer's own count: the last step takes the rows left over), times the epochs.
 * **Effective batch**: the user's, else 16, halved until an epoch has at least
   ``MIN_STEPS_PER_EPOCH`` optimizer steps.
 * **Epochs**: enough to reach ``MIN_TOTAL_STEPS`` optimizer steps, between 1 and ``MAX_EPOCHS``.
@@ -87,7 +89,7 @@ class Sizing:
 
     @property
     def total_steps(self) -> int | None:
-        return None if self.steps_per_epoch is None or self.epochs is None else self.steps_per_epoch * self.epochs
+        return None if self.steps_per_epoch is None or self.epochs is None else total_steps(self.epochs, self.steps_per_epoch)
 
 
 def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tuple[float, str]:
@@ -112,6 +114,26 @@ def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tup
                 f"sqrt({REFERENCE_HIDDEN}/{hidden}) for this narrower model")
 
 
+def held_out_rows(val_size: float, rows: int) -> int:
+    """How many of ``rows`` examples ``data.val_size`` holds out: a number of rows when at least 1, else a
+    fraction (at least one row). The trainer's split and the plan's count both come from here."""
+    if val_size <= 0:
+        return 0
+    return int(val_size) if val_size >= 1 else max(1, round(val_size * rows))
+
+
+def steps_per_epoch(units: int, effective_batch: int) -> int:
+    """Optimizer steps in one pass over ``units`` training rows (examples, pairs or packed rows),
+    ``effective_batch`` a step: the last step of an epoch takes the rows left over. The trainer's
+    schedule and the plan's step count both come from here."""
+    return max(1, math.ceil(units / max(1, effective_batch)))
+
+
+def total_steps(epochs: float, per_epoch: int) -> int:
+    """Optimizer steps of a run of ``epochs`` (a fraction allowed) at ``per_epoch`` steps an epoch."""
+    return max(1, math.ceil(epochs * per_epoch))
+
+
 def _round_up(n: int, to: int) -> int:
     return max(to, int(math.ceil(n / to)) * to)
 
@@ -122,9 +144,9 @@ def _held_out(rows: int) -> tuple[float, int]:
         return 0.0, 0
     if rows < 200:
         n = max(2, round(rows * 0.1))
-        return float(n), n
-    n = min(200, max(1, round(rows * 0.02)))
-    return (0.02 if n < 200 else 200.0), n
+        return float(n), held_out_rows(float(n), rows)
+    val_size = 0.02 if round(rows * 0.02) < 200 else 200.0
+    return val_size, held_out_rows(val_size, rows)
 
 
 def _pow2_floor(n: float) -> int:
@@ -195,17 +217,18 @@ def size_run(
         eff = max(eff, gpus)
         if eff < DEFAULT_EFFECTIVE_BATCH:
             reasons.append(f"effective batch {eff} (not {DEFAULT_EFFECTIVE_BATCH}): {train_rows} training examples "
-                           f"give {max(1, units // eff)} optimizer steps per epoch")
-    steps_per_epoch = max(1, units // eff)
+                           f"give {steps_per_epoch(units, eff)} optimizer steps per epoch")
+    per_epoch = steps_per_epoch(units, eff)
     max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
-    epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / steps_per_epoch)))
-    total = steps_per_epoch * epochs
+    epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
+    total = total_steps(epochs, per_epoch)
+    about = "about " if packing else ""  # packed rows are counted when the run packs them
     if epochs > 1:
         cap = f" (at most {max_epochs}{' for ' + objective + ': preference recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
-        reasons.append(f"{epochs} epochs{cap}: {steps_per_epoch} steps per epoch, {total} optimizer steps in all "
+        reasons.append(f"{epochs} epochs{cap}: {about}{per_epoch} steps per epoch, {about}{total} optimizer steps in all "
                        f"(at least {MIN_TOTAL_STEPS} wanted)")
     else:
-        reasons.append(f"1 epoch: {steps_per_epoch} optimizer steps")
+        reasons.append(f"1 epoch: {about}{per_epoch} optimizer steps")
     reasons.append(f"held out: {n_val} examples for the eval loss" if n_val else
                    f"no held-out examples: {profile.rows} rows are too few to spare any")
     if train_rows < FEW_EXAMPLES:
@@ -217,4 +240,4 @@ def size_run(
             "when it rises while the train loss falls, the model is memorising (lower training.epochs)"
         )
     every = max(10, min(500, _round_up(max(1, total // 5), 10)))
-    return Sizing(seq, packing, val_size, eff, epochs, train_rows, steps_per_epoch, every, every, reasons, notes)
+    return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from finetuner.planning.sizing import total_steps
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe, load_yaml
@@ -84,7 +85,7 @@ def steps_asked(training: dict[str, Any], state: dict[str, Any], old_training: d
         per_epoch = state["max_steps"] / float(old_training.get("epochs") or 1.0)  # checkpoints from before 0.2
     if not per_epoch:
         return None
-    return max(1, math.ceil(float(training.get("epochs") or 1.0) * per_epoch))
+    return total_steps(float(training.get("epochs") or 1.0), per_epoch)
 
 
 class RunFolderRefused(UserError):
@@ -101,10 +102,36 @@ class RunFinished(Exception):
         self.run_dir, self.message = run_dir, message
 
 
+def free_sibling(run_dir: Path) -> Path:
+    """``run_dir`` itself if nothing is there, else the first free ``<name>-2``, ``<name>-3``... beside it:
+    the folder to propose for a new run instead of one that holds a run."""
+    run_dir = Path(run_dir)
+    cand, i = run_dir, 1
+    while cand.exists():
+        i += 1
+        cand = run_dir.with_name(f"{run_dir.name}-{i}")
+    return cand
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the current folder when it is under it (as a user types it), else absolute."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def new_folder_hint(run_dir: Path) -> str:
+    """How to start a new run without touching the finished one in ``run_dir``: a free folder beside it."""
+    return f"--output {shown(free_sibling(run_dir))}"
+
+
 def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last: Path) -> None:
     """Before resuming ``run_dir`` (last checkpoint ``last``, saved recipe ``old``) with ``recipe``:
-    raise :class:`RunFinished` when it already trained every step the recipe asks for and wrote its
-    adapter, and a UserError when the recipe asks for fewer steps than were trained."""
+    raise :class:`RunFinished` when it already trained at least every step the recipe asks for and
+    wrote its adapter (a rerun with the same or a smaller ``training.max_steps`` changes nothing and
+    says where the model is), and a UserError when the recipe asks for fewer steps than were trained
+    but the adapter is not written (an interrupted run)."""
     try:
         state = ckpt_io.load_trainer_state(last)
     except (OSError, ValueError):
@@ -114,18 +141,20 @@ def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last:
     if asked is None or asked > done:
         return
     how = (f"training.max_steps={asked}" if recipe.training.max_steps else f"training.epochs={recipe.training.epochs:g}")
-    if asked < done:
+    if (run_dir / "adapter").is_dir():  # finished: never trained again, never moved aside by a hint
+        what = (f"it trained all {done} steps this recipe asks for ({how})" if asked == done else
+                f"it already trained {done} steps, more than the {asked} that {how} asks for")
+        raise RunFinished(run_dir, (
+            f"{shown(run_dir)} is finished: {what}, and its model (the adapter) is in {shown(run_dir / 'adapter')}. "
+            f"Nothing was trained or changed. To train it further, raise training.max_steps (or epochs) above {done}; "
+            f"for a new run of {asked} steps, give it a folder of its own: {new_folder_hint(run_dir)}."))
+    if asked < done:  # else the steps are done but the adapter is not written: resuming finishes it
         raise RunFolderRefused(
             f"{run_dir} already trained {done} steps; {how} asks for {asked}, so resuming it would train nothing "
-            "(its recipe.yaml and adapter are left as they are).",
-            hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to train "
-                 f"a new run of {asked} steps, add --no-resume (the old run is moved aside, not deleted) or give --output.",
+            "(its recipe.yaml and checkpoints are left as they are).",
+            hint=f"To train it further, ask for more than {done} steps (training.max_steps or training.epochs); to "
+                 f"train a new run of {asked} steps, give it a folder of its own: {new_folder_hint(run_dir)}.",
         )
-    if (run_dir / "adapter").is_dir():  # else the steps are done but the adapter is not written: resuming finishes it
-        raise RunFinished(run_dir, (
-            f"{run_dir} is finished: it trained all {done} steps this recipe asks for ({how}), and its adapter is in "
-            f"{run_dir / 'adapter'}. Nothing was trained or changed. To train it further, raise training.max_steps (or "
-            f"epochs) above {done}; to start over, add --no-resume (the old run is moved aside, not deleted)."))
 
 
 #: The file finetuner writes into every run folder it sets up (JSON: when, by which process).
@@ -190,6 +219,15 @@ class RunLock:
             self._fd = None
 
 
+def _start_over_hint(run_dir: Path, results: list[str]) -> str:
+    """What to do when a recipe cannot resume ``run_dir``: a folder of its own; ``--no-resume`` (which moves
+    the old run aside) only for a run that is not finished (no ``results``): a finished one is never moved by a hint."""
+    own = f"give the new run a folder of its own: {new_folder_hint(run_dir)}"
+    if results:
+        return f"{run_dir.name} is a finished run ({', '.join(results)}): {own}."
+    return f"Use --no-resume to start over (the unfinished run is moved aside, not deleted), or {own}."
+
+
 def prepare_run_dir(recipe: Recipe, resume: bool,
                     check_inputs: Callable[[Recipe], None] | None = None) -> tuple[Path, Recipe, list[str], RunLock]:
     """Lock, create or check the run folder; returns it, the recipe to run, notes, and the lock.
@@ -233,21 +271,19 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                     raise RunFolderRefused(
                         f"{run_dir} holds a finished run ({', '.join(results)}) and no checkpoint to resume; finetuner "
                         "will not start a new run over it.",
-                        hint="Choose another --output (or output_dir) for the new run, or add --no-resume to move that "
-                             "run aside (not deleted) and start over in its folder.",
+                        hint=f"Give the new run a folder of its own: {new_folder_hint(run_dir)}.",
                     )
                 if last is not None:
                     old = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) if saved.is_file() else None
                     if not isinstance(old, dict) or not isinstance(old.get("training"), dict):
                         raise RunFolderRefused(f"{run_dir} has checkpoints but no readable recipe.yaml to resume them with.",
-                                        hint="Use --no-resume to start over (the old run is moved aside, not deleted), "
-                                             "or --output for a new folder.")
+                                               hint=_start_over_hint(run_dir, results))
                     diffs = recipe_differences(old, recipe.to_dict())
                     if diffs:
                         raise RunFolderRefused(
                             f"{run_dir} holds a run with checkpoints made by a different recipe:\n  "
                             + "\n  ".join(diffs),
-                            hint="Use --no-resume to start over (the old run is moved aside, not deleted), or --output for a new folder.",
+                            hint=_start_over_hint(run_dir, results),
                         )
                     check_not_finished(run_dir, recipe, old, last)
                     # the saved recipe holds the micro-batch actually in use (after any out-of-memory back-off)

@@ -45,6 +45,7 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
+from finetuner.planning.sizing import steps_per_epoch, total_steps
 from finetuner.runs.folder import (
     RunFinished,
     check_disk_space,
@@ -217,7 +218,7 @@ class StepSchedule:
 
     def __init__(self, n_examples: int, effective_batch: int, seed: int):
         self.n, self.eff, self.seed = n_examples, effective_batch, seed
-        self.steps_per_epoch = math.ceil(n_examples / effective_batch)
+        self.steps_per_epoch = steps_per_epoch(n_examples, effective_batch)  # as the plan counts them
         self._perm_epoch, self._perm = -1, []
 
     def indices(self, step: int) -> list[int]:
@@ -318,7 +319,7 @@ class Trainer:
         self.collate = self.pref.collator(self.tokenizer.pad_token_id) if self.pref else Collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
-        self.max_steps = t.max_steps or max(1, math.ceil(t.epochs * self.schedule.steps_per_epoch))
+        self.max_steps = t.max_steps or total_steps(t.epochs, self.schedule.steps_per_epoch)
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None

@@ -32,7 +32,7 @@ def planned(file: str):
 def main() -> None:
     for file in GPU_RECIPES:
         p = planned(file)
-        (REPO / "recipes" / file).write_text(p.to_yaml().replace(" /work/main", ""), encoding="utf-8")
+        (REPO / "recipes" / file).write_text(p.to_yaml(f"recipes/{file}").replace(" /work/main", ""), encoding="utf-8")
         print(file, p.summary())
 
 

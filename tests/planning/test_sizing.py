@@ -33,7 +33,7 @@ def _profile(lengths: list[int], trained: float = 0.7) -> DataProfile:
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_is_planned_into_a_recipe_that_names_its_hub_id(preset, tmp_path):
     out = tmp_path / "my.yaml"
-    r = run_cli("plan", "--model", preset, "--gpu", "a100-80gb", "--seq-len", "1024", "-o", str(out))
+    r = run_cli("plan", "--model", preset, "--gpu", "a100-80gb", "--seq-len", "1024", "-o", str(out), cwd=tmp_path)
     assert r.returncode in (0, 1), r.stderr
     if r.returncode == 1:  # nothing fits (a 70B model on one card): no recipe is written
         assert not out.exists() and "Nothing fits" in r.stdout
@@ -46,7 +46,7 @@ def test_every_preset_is_planned_into_a_recipe_that_names_its_hub_id(preset, tmp
     loads = str(file) if file else hub_id
     assert written["model"]["name"] == loads  # what from_pretrained loads, not the preset's short name
     assert "/" in hub_id and find_preset(hub_id) == preset
-    assert written["name"] == f"{preset}-planned"
+    assert written["name"] == f"{preset}-alpaca-cleaned-sft"  # model, data (the default set), objective
     recipe = Recipe.from_yaml(out)
     assert recipe.model.name == loads and recipe.training.lr > 0
 
@@ -165,9 +165,9 @@ def test_a_cpu_plan_for_a_40_row_file_trains_enough_to_learn(tmp_path):
     assert t.micro_batch_size * t.gradient_accumulation == 4 and t.epochs == MAX_EPOCHS and t.lr == 1e-3
     r = run_cli("run", str(tmp_path / "my.yaml"), cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr
-    metrics = json.loads((tmp_path / "runs" / "demo_model-planned" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "runs" / "demo_model-my-sft" / "metrics.json").read_text())
     assert metrics["steps"] == 90
-    events = [json.loads(line) for line in (tmp_path / "runs" / "demo_model-planned" / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "runs" / "demo_model-my-sft" / "events.jsonl").read_text().splitlines()]
     logged = [e["loss"] for e in events if e["event"] == "step"]  # every 10 steps
     # learnt, not noise: the last three logged losses average under half of the first step's
     assert sum(logged[-3:]) / 3 < 0.5 * metrics["train_loss_first"], (metrics["train_loss_first"], logged)
@@ -185,12 +185,17 @@ def test_a_finished_run_says_so_and_changes_nothing(recipe_dict, tmp_path):
     again = run_cli("run", str(recipe))
     assert again.returncode == 0, again.stderr
     said = " ".join(again.stdout.split())
-    assert "Already finished" in said and "trained all 4 steps" in said and "--no-resume" in said
+    assert "Already finished" in said and "trained all 4 steps" in said and f"is in {out / 'adapter'}" in said
+    # a finished run is never moved aside by a hint: a new run gets a folder of its own
+    assert "--no-resume" not in said and f"--output {tmp_path / 'run-2'}" in said
 
+    # fewer steps than were trained: the run is finished for that recipe too (exit 0), nothing changes
     fewer = run_cli("run", str(recipe), "--set", "training.max_steps=2", "--set", "training.lr=0.5")
-    assert fewer.returncode == 2 and "Traceback" not in fewer.stderr
-    said = " ".join(fewer.stderr.split())
-    assert "already trained 4 steps; training.max_steps=2 asks for 2" in said and "--no-resume" in said
+    assert fewer.returncode == 0 and "Traceback" not in fewer.stderr, fewer.stderr
+    said = " ".join(fewer.stdout.split())
+    assert "Already finished" in said and "already trained 4 steps, more than the 2 that training.max_steps=2 asks for" in said
+    assert f"is in {out / 'adapter'}" in said and "Nothing was trained or changed" in said
+    assert "--no-resume" not in said and f"for a new run of 2 steps, give it a folder of its own: --output {tmp_path / 'run-2'}" in said
     assert (out / "recipe.yaml").read_text() == saved and (out / "events.jsonl").read_text() == events
 
     more = run_cli("run", str(recipe), "--set", "training.max_steps=6")

@@ -46,7 +46,9 @@ def test_a_finished_run_without_checkpoints_is_not_replaced_by_another_recipe(re
     p = run_cli("run", str(other), "-o", str(run), "--set", "training.max_steps=2")
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"error: {run} holds a finished run (adapter, metrics.json) and no checkpoint to resume" in p.stderr
-    assert "--no-resume" in p.stderr and "Traceback" not in p.stderr + p.stdout
+    # a finished run: the hint is a folder of its own, never --no-resume (which would move it aside)
+    assert f"--output {tmp_path / 'run-2'}" in p.stderr and "--no-resume" not in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
     assert _results(run) == kept and "(new run)" not in p.stdout
 
     # naming it explicitly: --no-resume moves it aside (not deleted) and trains the new recipe there

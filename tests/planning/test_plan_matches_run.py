@@ -1,0 +1,72 @@
+"""The plan's numbers are the run's: the optimizer steps ``finetuner plan`` predicts are the steps
+the trainer takes (the same held-out split and ``ceil(rows / effective batch)`` an epoch, from
+:mod:`finetuner.planning.sizing`), for SFT and DPO on the shipped data; and the web UI plans the
+same sequence length as the CLI for the same file (its Data tab's default is 0 = from the data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetuner.config.recipe import Recipe
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "data" / "demo_model"
+
+
+def plan_cli(tmp_path: Path, data: str, *extra: str) -> tuple[dict, Recipe]:
+    out = tmp_path / "plan.yaml"
+    p = subprocess.run([sys.executable, "-m", "finetuner", "plan", "--model", str(DEMO), "--gpu", "cpu", "--data",
+                        str(REPO / "data" / data), "-o", str(out), "--json", *extra],
+                       cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout), Recipe.from_yaml(out)
+
+
+# alpaca_sample: 300 rows, 6 held out, 294 at 16 a step = 18.4 steps an epoch; preference_sample:
+# 400 pairs, 8 held out, 392 at 16 = 24.5: the plan counted 18 and 24 (floor), the trainer 19 and 25
+@pytest.mark.parametrize("data, objective", [("alpaca_sample.json", "sft"), ("preference_sample.jsonl", "dpo")])
+def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective):
+    from finetuner.planning.planner import resolve_for_run
+    from finetuner.training.trainer import Trainer
+
+    planned, recipe = plan_cli(tmp_path, data)
+    assert recipe.objective == objective
+    recipe, _ = resolve_for_run(recipe.model_copy(update={"output_dir": str(tmp_path / "run")}), True)
+    trainer = Trainer(recipe, tmp_path / "run")
+    try:
+        trainer.setup()  # tokenizes, splits and schedules exactly as `finetuner run` does
+        assert trainer.max_steps == planned["optimizer_steps"], (trainer.max_steps, planned["reasons"])
+        assert trainer.schedule.steps_per_epoch * int(recipe.training.epochs) == planned["optimizer_steps"]
+        said = next(r for r in planned["reasons"] if "optimizer steps in all" in r)
+        assert f"{trainer.max_steps} optimizer steps" in said
+        held_out = next(r for r in planned["reasons"] if r.startswith("held out"))
+        assert f"held out: {len(trainer.data.val)} examples" in held_out
+    finally:
+        trainer.cleanup()
+
+
+def test_the_ui_plans_the_sequence_the_cli_plans(tmp_path):
+    """The Plan tab, with the Data tab's sequence length as the page starts (0: from the data),
+    writes the max_seq_len the CLI writes for the same file; the Data tab measures against it."""
+    import gradio as gr
+    import yaml
+
+    from ui.handlers import Handlers
+    from ui.layout import build_blocks
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    blocks = build_blocks(h)
+    seq_field = next(c for c in blocks.blocks.values() if isinstance(c, gr.Number) and c.label == "Sequence length")
+    assert "0 = from the data" in seq_field.info
+    _, cli = plan_cli(tmp_path, "alpaca_sample.json")
+    out = h.on_plan(str(DEMO), "cpu", str(REPO / "data" / "alpaca_sample.json"), seq_field.value, None, "auto", "auto")
+    ui_recipe = yaml.safe_load(out[4])
+    assert ui_recipe["data"]["max_seq_len"] == cli.data.max_seq_len == 128
+    summary = h.on_data(str(DEMO), str(REPO / "data" / "alpaca_sample.json"), seq_field.value)[0]
+    assert f"every example fits in {cli.data.max_seq_len} tokens" in summary

@@ -1,0 +1,135 @@
+"""Every shell command of README.md, in the order written, as a newcomer runs them on a fresh clone.
+
+The README's quick start is ``./scripts/demo.sh`` and the sections after it assume what it left
+behind (``runs/demo_cpu`` trained 150 steps); each section's commands assume the ones before it.
+``tests/test_readme.py`` runs the ``bash runnable`` blocks on their own; this test runs *all* the
+``bash`` blocks, top to bottom, in one temporary copy of the checkout, so that a command that
+only fails after an earlier one (the walk-through's 5-step ``run`` after the 150-step demo, a
+second ``merge -o`` into a folder an earlier line wrote) is caught.
+
+What "as written" means here, and where it cannot be:
+
+* Every command runs exactly as printed, with no flag added or changed: ``./scripts/demo.sh``
+  trains its full 150 steps (the walk-through's trouble came from exactly that state), the
+  exports verify their files. This makes the test long (minutes of CPU); that is its point.
+* ``./scripts/demo.sh`` runs the real script. Its ``.venv/`` is this environment, linked in (the
+  copy's ``.venv/bin`` holds ``python`` and ``finetuner`` from here and the install stamp
+  ``scripts/_setup.sh`` writes), so the script's setup finds nothing to install; what install
+  costs on a fresh machine is measured separately (README, Quick start).
+* An interactive ``finetuner chat`` gets an empty standard input: the user presses Ctrl-D.
+* Commands that cannot run here are skipped, each for the reason in :data:`NOT_RUN` (matched by
+  pattern, and every pattern must match a README command, so the list cannot go stale): the test
+  suite itself, placeholders (``RECIPE``, the user's ``my_data.jsonl``), hub downloads of
+  7B-class models and GPU recipes (nothing can be downloaded here), the web server, package
+  installs, and the shell's ``source``. Skipped commands still must parse (``tests/test_readme.py``).
+
+Each command must exit 0 and print no Python traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_readme import README, blocks, commands
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+#: (pattern on the command, why it is not run): every README command that is not run, and why
+NOT_RUN: list[tuple[str, str]] = [
+    (r"^\./scripts/test\.sh\b", "runs the whole test suite, of which this test is a part"),
+    (r"my_data\.jsonl", "my_data.jsonl stands for the user's own file"),
+    (r"^finetuner run my\.yaml$", "trains Qwen2.5-7B: a 15 GB hub download and a 24 GB GPU"),
+    (r"qwen2\.5-7b-my_data-sft", "uses the Qwen2.5-7B run of the line before (not run)"),
+    (r"^source ", "each command runs in a shell of its own with this environment's finetuner already on PATH"),
+    (r"^finetuner ui\b", "starts the web server, which runs until stopped (tests/ui/ drive it)"),
+    (r"^finetuner run recipes/7b_4090\.yaml", "downloads Qwen2.5-7B-Instruct and needs a 24 GB GPU"),
+    (r"\bRECIPE\b", "RECIPE is a placeholder for the user's recipe"),
+    (r"smollm2_cpu", "the real 135M model's walk-through (minutes of CPU): tests/training/test_cpu_walkthrough.py "
+                     "runs its recipe, chat and evals through the CLI and checks what the README says of them"),
+    (r"^pip install ", "installs packages (network; changes the environment under test)"),
+]
+
+
+def readme_commands() -> list[str]:
+    """Every command of every ``bash`` block (``bash runnable`` included), in the order written."""
+    text = README.read_text(encoding="utf-8")
+    cmds = [c for info, body in blocks(text) if info.split()[:1] == ["bash"] for c in commands(body)]
+    return [re.sub(r"\s+#.*$", "", c) for c in cmds]  # the trailing comment, as bash drops it
+
+
+def why_not_run(cmd: str) -> str | None:
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, cmd)), None)
+
+
+def fresh_copy(work: Path) -> None:
+    """The files a clone has that the commands use, and a ``.venv`` that is this environment."""
+    for part in ("recipes", "data", "scripts"):
+        shutil.copytree(REPO / part, work / part, ignore=shutil.ignore_patterns("uploads", "__pycache__"))
+    for name in ("pyproject.toml", "constraints.txt", "README.md"):
+        shutil.copy2(REPO / name, work / name)
+    venv_bin = work / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    (venv_bin / "finetuner").symlink_to(BIN / "finetuner")
+    # the stamp scripts/_setup.sh writes after an install without extras: sha256 of the two files, 16 hex digits
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes()).hexdigest()
+    (work / ".venv" / ".finetuner-install").write_text(f"{digest[:16]}-\n", encoding="utf-8")
+
+
+def test_every_not_run_reason_names_a_readme_command():
+    cmds = readme_commands()
+    assert any(c.startswith("./scripts/demo.sh") for c in cmds)
+    for pattern, why in NOT_RUN:
+        assert any(re.search(pattern, c) for c in cmds), f"no README command matches {pattern!r} ({why}): remove it"
+
+
+# the suite's 600 s hang guard (pyproject) is less than this test's work: the demo's 150 steps, the
+# 90-step plan run, two DPO runs, evals, merges and three verified exports (as tests/ui/ raise theirs)
+@pytest.mark.timeout(3600)
+def test_the_readme_commands_run_in_order(tmp_path):
+    work = tmp_path / "clone"
+    fresh_copy(work)
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "FINETUNER_CACHE_DIR": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "MPLCONFIGDIR": str(tmp_path / "mpl"),
+        "COLUMNS": "120",
+    }
+    ran, skipped, outputs = [], [], {}
+    for cmd in readme_commands():
+        why = why_not_run(cmd)
+        if why:
+            skipped.append(f"{cmd}  ({why})")
+            continue
+        proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)  # an interactive chat ends as Ctrl-D ends it
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode} after {len(ran)} commands:\n{output[-3000:]}"
+        assert "Traceback" not in output, f"`{cmd}` printed a traceback:\n{output[-3000:]}"
+        ran.append(cmd)
+        outputs[cmd] = " ".join(output.split())
+    print("not run:\n  " + "\n  ".join(skipped))
+    assert len(ran) >= 30 and len(ran) + len(skipped) == len(readme_commands()), (len(ran), skipped)
+
+    # the demo trained its 150 steps; the walk-through's 5-step run then said so and changed nothing
+    demo = work / "runs" / "demo_cpu"
+    assert json.loads((demo / "metrics.json").read_text(encoding="utf-8"))["steps"] == 150
+    said = outputs["finetuner run recipes/demo_cpu.yaml --set training.max_steps=5"]
+    assert "already trained 150 steps, more than the 5 that training.max_steps=5 asks for" in said, said
+    assert "runs/demo_cpu/adapter" in said and "--no-resume" not in said
+    for folder in ("exports/demo-merged", "exports/demo-bf16", "exports/demo-ollama"):
+        assert (work / folder).is_dir(), folder
