@@ -53,6 +53,8 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"^source ", "each command runs in a shell of its own with this environment's finetuner already on PATH"),
     (r"^finetuner ui\b", "starts the web server, which runs until stopped (tests/ui/ drive it)"),
     (r"^finetuner run recipes/7b_4090\.yaml", "downloads Qwen2.5-7B-Instruct and needs a 24 GB GPU"),
+    (r"~/models/", "~/models/model.Q8_0.gguf stands for the user's own GGUF file: "
+                   "tests/export/test_gguf_base_run.py plans, trains and exports a GGUF base through the CLI"),
     (r"\bRECIPE\b", "RECIPE is a placeholder for the user's recipe"),
     (r"smollm2_cpu", "the real 135M model's walk-through (minutes of CPU): tests/training/test_cpu_walkthrough.py "
                      "runs its recipe, chat and evals through the CLI and checks what the README says of them"),

@@ -120,9 +120,9 @@ class ModelSection(_Section):
     @classmethod
     def _gguf_file_in_folder(cls, raw: Any) -> Any:
         """``name`` + ``gguf_file`` become one path to the file (every loader takes a ``.gguf`` model.name)."""
-        if not isinstance(raw, dict) or raw.get("gguf_file") is None or not isinstance(raw.get("name"), str):
-            return raw
-        name, file = raw["name"], str(raw["gguf_file"])
+        if not isinstance(raw, dict) or not isinstance(raw.get("gguf_file"), str) or not isinstance(raw.get("name"), str):
+            return raw  # a gguf_file of the wrong kind is said by its field's own check
+        name, file = raw["name"], raw["gguf_file"]
         if gguf_base.is_gguf_name(name):
             raise ValueError(f"model.name '{name}' is already a GGUF file; model.gguf_file "
                              f"('{file}') names a file inside a folder: give one or the other")

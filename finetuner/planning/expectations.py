@@ -50,7 +50,7 @@ def expectation(shape: ModelShape, platform: str) -> str | None:
                 "chats it strings together words of your answers. Use it to check the path; for answers in your style "
                 f"on the CPU, plan with --model {CPU_MODEL} (recipes/smollm2_cpu.yaml)")
     if n < SMALL_PARAMS:
-        where = ", 28 min on 2 CPU cores busy with other jobs" if platform == "cpu" else ""
+        where = ", 60 s on 2 idle CPU cores, 18 s of it training" if platform == "cpu" else ""
         return (f"{shape.name} has {n / 1e6:.0f}M parameters. Measured on SmolLM2-135M-Instruct (recipes/smollm2_cpu.yaml: "
                 f"72 chats of a made-up shop assistant, 16 LoRA steps of 2 chats{where}): held-out loss 5.06 to 2.32, and "
                 "11 of 12 answers to held-out questions came back fluent and signed as the data sign; the content is a "

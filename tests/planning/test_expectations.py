@@ -29,7 +29,8 @@ def test_a_100m_instruction_model_gets_what_was_measured():
     assert TOY_PARAMS <= shape.num_params == 134_515_008 < SMALL_PARAMS
     p = plan("smollm2-135m-instruct", "cpu")
     note = next(n for n in p.notes if n.startswith("smollm2-135m-instruct has 135M parameters"))
-    assert "28 min on 2 CPU cores" in note and "signed" in note and "fluent" in note and "11 of 13" in note
+    assert "60 s on 2 idle CPU cores, 18 s of it training" in note and "signed" in note and "fluent" in note
+    assert "11 of 13" in note
     assert "toy" not in note
     assert "2 CPU cores" not in expectation(shape, "cuda")  # the wall time is the CPU's
 
@@ -45,3 +46,15 @@ def test_the_cli_plan_prints_the_toy_note():
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "will not answer your questions" in text and "pick up their format and style" not in text
+
+
+def test_the_measured_note_says_what_docs_cpu_walkthrough_json_measured():
+    """The note's figures are the benchmark's (scripts/bench/cpu_walkthrough.py): rerun it, update both."""
+    import json
+    m = json.loads((REPO / "docs" / "cpu_walkthrough.json").read_text(encoding="utf-8"))
+    note = expectation(resolve_shape("smollm2-135m-instruct"), "cpu")
+    assert f"{round(m['run']['command_s'])} s on 2 idle CPU cores" in note and m["machine"]["load_avg_1min_at_end"] < 2
+    assert f"{round(m['run']['train_seconds'])} s of it training" in note
+    assert f"held-out loss {m['held_out']['base_loss']:.2f} to {m['held_out']['fine_tuned_loss']:.2f}" in note
+    assert f"{m['style']['fine_tuned_with_marker']} of {m['style']['held_out_prompts']} answers" in note
+    assert f"{m['general']['fine_tuned_correct']} of {m['general']['examples']} general questions" in note
