@@ -55,3 +55,14 @@ def interruption(error: BaseException) -> KeyboardInterrupt | None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    """The first line of a library's error text, at most ``limit`` characters, cut between words
+    (with "…") and never inside one."""
+    line = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"

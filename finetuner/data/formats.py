@@ -46,6 +46,7 @@ from typing import Any
 
 from finetuner.errors import UserError, closest
 from finetuner.fileio import exists
+from finetuner.locate import check_hub, locate
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -154,9 +155,9 @@ def _json_lines(path: Path, text: str, bad: list[RowError]) -> Iterator[RawRow]:
 def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
     bad = bad if bad is not None else []
-    p = Path(path)
-    if not exists(p):
-        yield from _hub_rows(path, split)
+    p = locate(path, "data.path")
+    if isinstance(p, str):
+        yield from _hub_rows(p, split)
         return
     if p.is_dir():
         raise UserError(f"{p}: is a folder; data.path must name a file (.json, .jsonl, .csv, .parquet).")
@@ -213,6 +214,7 @@ def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None
 
 
 def _hub_rows(name: str, split: str) -> Iterator[RawRow]:
+    check_hub(name, "data.path", "dataset")
     import datasets
 
     try:
