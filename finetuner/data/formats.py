@@ -362,8 +362,9 @@ class WrongObjective(UserError):
     """A data file whose rows are ``kind`` of data (``pairs``, ``rated``, ``sft``) given where
     ``objective`` needs another kind; ``place`` is the file and row."""
 
-    def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str):
-        super().__init__(message, hint=hint)
+    def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str,
+                 settings: dict[str, str] | None = None):
+        super().__init__(message, hint=hint, settings=settings)
         self.place, self.kind, self.objective = place, kind, objective
 
 
@@ -373,7 +374,7 @@ def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> Wr
     first = fits.split(",")[0].split(" ")[0]
     return WrongObjective(
         f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
-        hint=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+        settings={"objective": first}, hint=f"Or give data for '{objective}'.",
         place=place, kind=kind, objective=objective,
     )
 
@@ -388,10 +389,9 @@ def _columns_text(row: Any) -> str:
     return ", ".join(map(str, row)) if isinstance(row, dict) else f"none: the row is a {type(row).__name__}"
 
 
-def _set_columns_hint(roles: list[str]) -> str:
-    cli = " ".join(f"--set data.columns.{r}=COLUMN" for r in roles)
-    yaml_form = ", ".join(f"{r}: COLUMN" for r in roles)
-    return f"Name the columns on the command line: {cli}\nor in the recipe:\n  data:\n    columns: {{{yaml_form}}}\n"
+def _column_settings(roles: list[str]) -> dict[str, str]:
+    """The ``data.columns`` settings that name the columns of ``roles`` (shown as each command takes them)."""
+    return {f"data.columns.{r}": "COLUMN" for r in roles}
 
 
 def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = None) -> Layout:
@@ -411,7 +411,8 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
         if found is None:
             raise UserError(
                 f"{raw.place}: cannot tell the data format from the columns ({_columns_text(row)}).",
-                hint=_set_columns_hint(["prompt", "response"]) + ROLES_LINE + " Found without settings: "
+                settings=_column_settings(["prompt", "response"]),
+                hint=ROLES_LINE + " Found without settings: "
                 "instruction/input/output, messages or conversations (chat), text, and the pairs "
                 + ", ".join(f"{p}/{r}" for p, r, _ in COMMON_PAIRS[1:]) + " in any case.",
             )
@@ -425,7 +426,7 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
             raise UserError(
                 f"{raw.place}: data.columns.{role} names the column '{col}', which the file does not have "
                 f"(its columns: {_columns_text(row)}).",
-                hint=f"Set data.columns.{role} to the column that holds {ROLES[role]}: --set data.columns.{role}=COLUMN.",
+                settings=_column_settings([role]), hint=f"Name the column that holds {ROLES[role]}.",
             )
     usual = FORMAT_COLUMNS[f]
     found = detect_layout(row)
@@ -441,7 +442,7 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
         raise UserError(
             f"{raw.place}: no column for {' and '.join(missing)}: format '{f}' reads {where}, and the file's columns "
             f"are {_columns_text(row)}.",
-            hint=_set_columns_hint(missing) + ROLES_LINE
+            settings=_column_settings(missing), hint=ROLES_LINE
             + (f" Or set data.format: auto, which reads the file as {found.describe()}." if found and found.format != f else ""),
         )
     return Layout(f, named)
