@@ -131,9 +131,6 @@ def interruption(error: BaseException) -> KeyboardInterrupt | None:
 def first_line(text: str, limit: int = 200) -> str:
     """The first line of a library's error text, at most ``limit`` characters, cut between words
     (with "…") and never inside one."""
-    line = text.strip().splitlines()[0].strip() if text.strip() else ""
-    if len(line) <= limit:
-        return line
-    cut = line[: limit - 1]
-    space = cut.rfind(" ")
-    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
+    from finetuner.text import cut_words
+
+    return cut_words(text.strip().splitlines()[0].strip() if text.strip() else "", limit)

@@ -178,7 +178,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     if p.data:
         d = p.data
         con.print(
-            f"Data: {d['rows']} {d['format']} {KIND_UNITS[d['kind']]}, tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
+            f"Data: {d['rows']} {KIND_UNITS[d['kind']]} ({d['format_label']}), tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
             f"max {d['max_tokens']} ({d['counted_with']}); {100 * d['label_fraction']:.0f}% of tokens trained on"
         )
     for n in p.notes:

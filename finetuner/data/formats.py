@@ -152,6 +152,41 @@ def _json_lines(path: Path, text: str, bad: list[RowError]) -> Iterator[RawRow]:
             bad.append(RowError(f"{path}, line {lineno}: invalid JSON (nested too deeply)."))
 
 
+#: Field separators a CSV file may use instead of commas (found by :func:`csv_delimiter`).
+OTHER_DELIMITERS = ";\t|"
+
+
+def csv_delimiter(text: str) -> str:
+    """The field separator of a CSV file's ``text``: ``,`` unless its header is one column when split at
+    commas and :class:`csv.Sniffer` finds ``;``, a tab or ``|`` that splits it (Excel in many locales
+    writes ``;``)."""
+    sample = "\n".join(text.split("\n", 50)[:50])
+    header = next(csv.reader(io.StringIO(sample, newline="")), [])
+    if len(header) != 1:
+        return ","
+    try:
+        found = csv.Sniffer().sniff(sample, delimiters=OTHER_DELIMITERS).delimiter
+    except csv.Error:
+        return ","
+    split = next(csv.reader(io.StringIO(sample, newline=""), delimiter=found), [])
+    return found if len(split) > 1 else ","
+
+
+def delimiter_note(path: str) -> str | None:
+    """A note for a CSV file whose fields are not separated by commas: which separator was found."""
+    p = Path(path)
+    if p.suffix.lower() != ".csv" or not exists(p, "file"):
+        return None
+    try:
+        with open(p, "rb") as f:
+            head = f.read(65536).decode("utf-8-sig", errors="replace")
+    except OSError:
+        return None
+    d = csv_delimiter(head)
+    name = {"\t": "tabs", ";": "semicolons (;)", "|": "bars (|)"}.get(d)
+    return f"{p.name}: fields separated by {name}, found in the file (read as such)" if name else None
+
+
 def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
     bad = bad if bad is not None else []
@@ -188,7 +223,7 @@ def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None
         text = _decode(p)
         # newline="": lines end at \n, \r or \r\n only (str.splitlines() would also split cells at
         # U+2028, U+0085, \x1c, ... and silently break rows apart)
-        reader = csv.DictReader(io.StringIO(text, newline=""))
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=csv_delimiter(text))
         try:
             for row in reader:
                 if None in row:
@@ -342,6 +377,24 @@ def file_kind(path: str) -> str:
     for raw in read_rows(path, "train", []):
         return preference_kind(raw.data) or "sft"
     return "sft"
+
+
+#: The names users know each layout by (``finetuner plan``'s data line, the web UI's Data tab):
+#: the SFT formats, then the preference layouts (:mod:`finetuner.data.preference`).
+FORMAT_LABELS = {
+    "alpaca": "alpaca (instruction/output)", "chat": "chat (messages)", "completion": "prompt/completion",
+    "text": "plain text", "sharegpt_ranking": "ShareGPT ranking", "trl": "TRL preference",
+    "columns": "prompt/chosen/rejected", "kto_messages": "KTO messages", "kto_completion": "KTO prompt/completion",
+}
+
+
+def format_label(fmt: str, columns: dict[str, str] | None = None) -> str:
+    """The layout as users know it: the file's own prompt/response columns when they were found by
+    name or named (``question/answer``, never "alpaca" for a Q/A file), else :data:`FORMAT_LABELS`."""
+    cols = columns or {}
+    if fmt in ("alpaca", "completion") and "prompt" in cols and "response" in cols:
+        return f"{cols['prompt']}/{cols['response']}"
+    return FORMAT_LABELS.get(fmt, fmt)
 
 
 #: The objectives each kind of data fits, as the errors name them.
