@@ -95,3 +95,16 @@ def test_the_data_columns_hint_works_where_it_is_shown(tmp_path):
 def test_eval_column_items_are_checked(tmp_path, bad):
     r = run_cli("eval", str(tmp_path), "--data", "x.csv", "--column", bad, cwd=tmp_path)
     assert r.returncode == 2 and "write ROLE=COLUMN" in r.stderr
+
+
+def test_the_ui_shows_settings_without_command_line_flags(tmp_path):
+    from ui.errors import error_md
+    from ui.handlers import Handlers
+
+    data = write_csv(tmp_path / "fragen.csv")
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    shown = h.on_data(DEMO_MODEL, str(data), 0)[0]
+    assert "cannot tell the data format" in shown and "columns: {prompt: COLUMN, response: COLUMN}" in shown
+    assert "--set" not in shown and "--column" not in shown
+    e = UserError("x", settings={"objective": "dpo"})
+    assert "--" not in error_md(e) and "objective: dpo" in error_md(e)
