@@ -201,7 +201,7 @@ def profile_data(
         cut = profile.truncated(seq_len)
         if cut and not profile.should_pack(seq_len):
             profile.notes.append(
-                f"{cut} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens (longest {profile.max_tokens}) "
+                f"{cut} of {len(lengths)} examples are longer than the sequence length, {seq_len} tokens (longest {profile.max_tokens}), "
                 "and will be truncated"
             )
     return profile
@@ -250,7 +250,7 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
     profile = _profile(path, info["layout"], kind, lengths, trained, total, how, seq_len, bad, on_bad_row)
     if seq_len is not None and profile.truncated(seq_len):
         profile.notes.append(
-            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens "
+            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than the sequence length, {seq_len} tokens "
             f"(longest {profile.max_tokens}): their prompts will be cut from the start"
         )
     return profile
