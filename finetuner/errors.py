@@ -16,10 +16,81 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, hint: str | None = None):
+    def __init__(self, message: str, *, hint: str | None = None, settings: dict[str, str] | None = None):
         self.message = message
-        self.hint = hint
-        super().__init__(message if not hint else f"{message}\n{hint}")
+        #: recipe settings that fix it (``{"data.columns.prompt": "COLUMN"}``): each place that shows
+        #: the error says how to set them there (:meth:`hint_for`)
+        self.settings = dict(settings or {})
+        self.plain_hint = hint
+        self.hint = self.hint_for(None)
+        super().__init__(message if not self.hint else f"{message}\n{self.hint}")
+
+    def hint_for(self, command: str | None) -> str | None:
+        """The hint as shown by ``command`` (``run``, ``plan``, ``eval``, ``ui``...; None: anywhere):
+        the settings written the way that command takes them (:func:`how_to_set`), then the rest."""
+        how = how_to_set(self.settings, command) if self.settings else None
+        return "\n".join(x for x in (how, self.plain_hint) if x) or None
+
+
+#: Commands that take any recipe setting as ``--set KEY=VALUE``.
+SET_COMMANDS = ("run", "estimate")
+#: Settings other commands take as flags of their own (``*``: the last key, e.g. a data.columns role).
+COMMAND_FLAGS: dict[str, dict[str, str]] = {
+    "plan": {"data.columns.*": "--column {leaf}={value}", "objective": "--objective {value}",
+             "data.max_seq_len": "--seq-len {value}", "method": "--method {value}"},
+    "eval": {"data.columns.*": "--column {leaf}={value}"},
+}
+
+
+def _flag(command: str, key: str, value: str) -> str | None:
+    flags = COMMAND_FLAGS.get(command, {})
+    head, _, leaf = key.rpartition(".")
+    form = flags.get(key) or flags.get(f"{head}.*")
+    return form.format(leaf=leaf, value=value) if form else None
+
+
+def recipe_form(settings: dict[str, str]) -> str:
+    """``settings`` as recipe YAML, indented two spaces: dotted keys nested, the innermost level on
+    one line (``columns: {prompt: COLUMN, response: COLUMN}``)."""
+    import yaml
+
+    tree: dict = {}
+    for key, value in settings.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+
+    def lines(node: dict, depth: int) -> list[str]:
+        out = []
+        for k, v in node.items():
+            pad = "  " * depth
+            if isinstance(v, dict) and any(isinstance(x, dict) for x in v.values()):
+                out += [f"{pad}{k}:", *lines(v, depth + 1)]
+            else:
+                out.append(f"{pad}{yaml.safe_dump({k: v}, default_flow_style=True, sort_keys=False, width=1000).strip()[1:-1]}")
+        return out
+
+    return "\n".join(lines(tree, 1))
+
+
+def how_to_set(settings: dict[str, str], command: str | None) -> str:
+    """How to give recipe ``settings`` where ``command`` shows the error: ``--set`` for ``run`` and
+    ``estimate``, the command's own flags (``plan --column``, ``--objective``), else the recipe; with no
+    command known, the recipe and which command takes which flag."""
+    recipe = f"in the recipe:\n{recipe_form(settings)}"
+    if command in SET_COMMANDS:
+        return "On the command line: " + " ".join(f"--set {k}={v}" for k, v in settings.items()) + f"\nor {recipe}"
+    flags = [_flag(command, k, v) for k, v in settings.items()] if command else [None]
+    if all(flags):
+        return f"On the command line (finetuner {command}): " + " ".join(flags)  # type: ignore[arg-type]
+    if command:
+        return recipe[0].upper() + recipe[1:]
+    sets = " ".join(f"--set {k}={v}" for k, v in settings.items())
+    plan = [_flag("plan", k, v) for k, v in settings.items()]
+    cli = f"`finetuner run` and `estimate` take {sets}" + (f"; `finetuner plan` takes {' '.join(plan)}" if all(plan) else "")
+    return f"In the recipe:\n{recipe_form(settings)}\n(on the command line, {cli})"
 
 
 class OutOfMemory(UserError):
@@ -55,3 +126,11 @@ def interruption(error: BaseException) -> KeyboardInterrupt | None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    """The first line of a library's error text, at most ``limit`` characters, cut between words
+    (with "…") and never inside one."""
+    from finetuner.text import cut_words
+
+    return cut_words(text.strip().splitlines()[0].strip() if text.strip() else "", limit)

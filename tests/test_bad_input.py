@@ -676,7 +676,7 @@ def test_paths_with_an_unknown_user_home(tmp_path, tiny_model_dir):
         Recipe.from_yaml("~nosuchuser_ft/recipe.yaml")
     raw = base_recipe(tiny_model_dir, tmp_path / "x.json")
     raw["data"]["path"] = "~nosuchuser_ft/data.jsonl"
-    with pytest.raises(UserError, match="data.path: file not found"):
+    with pytest.raises(UserError, match="data.path: '~nosuchuser_ft/data.jsonl' does not exist"):
         Recipe.from_dict(raw, base_dir=tmp_path)
 
 

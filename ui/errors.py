@@ -16,7 +16,8 @@ from finetuner.errors import UserError
 def error_md(e: Exception) -> str:
     """An error as a block of text on the page: what is wrong and what to do."""
     if isinstance(e, UserError):
-        text = e.message + (f"\n{e.hint}" if e.hint else "")
+        hint = e.hint_for("ui")  # settings as the UI takes them, never a command-line flag
+        text = e.message + (f"\n{hint}" if hint else "")
     elif isinstance(e, gr.Error):
         text = str(e.message)
     else:

@@ -197,8 +197,7 @@ class Handlers:
             raise UserError("Pick a data file, or upload one.")
         if seq_len is not None and seq_len < 0:
             raise UserError(f"Sequence length {seq_len:g}: give a number of tokens, or 0 to take it from the data.")
-        local = paths.resolve_local(data_file)
-        path = str(local) if local else data_file
+        path = paths.resolve_data(data_file)
         model = paths.resolve_model(model_text)
         profile = profile_data(path, model, int(seq_len or 0) or None)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
@@ -247,12 +246,11 @@ class Handlers:
 
         if not data_file:
             raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
-        local = paths.resolve_local(data_file)
         p = plan(
             paths.resolve_model(model_text),
             gpu_profile(card),
             seq_len=int(seq_len) if seq_len else None,
-            data=str(local) if local else data_file,
+            data=paths.resolve_data(data_file),
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
             objective=None if objective in (None, "", "auto") else objective,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists, file_digest
+from finetuner.locate import locate
 from finetuner.runs.jobs import default_runs_dir, repo_root
 from finetuner.config.recipe import DATA_EXTENSIONS
 
@@ -48,11 +49,16 @@ def resolve_local(text: str) -> Path | None:
 
 
 def resolve_model(text: str) -> str:
-    """A local model folder or GGUF file as an absolute path; a preset or hub id unchanged."""
-    from finetuner.model.gguf_base import is_gguf_name
+    """A local model folder or file as an absolute path; a preset or hub id unchanged; a local path
+    that does not exist: a :class:`UserError` with near matches (:func:`finetuner.locate.locate`)."""
+    t = (text or "").strip()
+    return str(locate(t, "Model", [ROOT])) if t else t
 
-    local = resolve_local(text)
-    return str(local) if local is not None and (local.is_dir() or is_gguf_name(local)) else (text or "").strip()
+
+def resolve_data(text: str) -> str:
+    """A data file as an absolute path, or a hub data set id; a missing file: a :class:`UserError`."""
+    t = (text or "").strip()
+    return str(locate(t, "Data file", [ROOT])) if t else t
 
 
 def local_models() -> list[str]:

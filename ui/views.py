@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from finetuner.model.shapes import parameter_count
+from finetuner.text import CUT_MARK, cut_words
 
 GiB = 1024**3
 
@@ -64,7 +65,7 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
     d = profile.to_dict()
     over = profile.truncated(seq_len)
     lines = [
-        f"**Format:** `{d['format']}` · **{d['rows']:,}** examples · mean **{d['mean_tokens']:.0f}** tokens, "
+        f"**Format:** `{d['format_label']}` · **{d['rows']:,}** examples · mean **{d['mean_tokens']:.0f}** tokens, "
         f"95 % under {d['p95_tokens']}, longest **{d['max_tokens']}** · trained on {100 * d['label_fraction']:.0f} % of tokens",
     ]
     if over:
@@ -89,7 +90,7 @@ def preference_summary_md(profile: Any, seq_len: int) -> str:
     kind = d["kind"]
     unit = "pairs" if kind == "pairs" else "rated responses"
     lines = [
-        f"**Holds** {html.escape(KIND_WORDS[kind])} · layout `{d['format']}` · **{d['rows']:,}** {unit}",
+        f"**Holds** {html.escape(KIND_WORDS[kind])} · layout `{d['format_label']}` · **{d['rows']:,}** {unit}",
         f"**Fits objective {OBJECTIVES_OF_KIND[kind]}** (the plan's objective *auto* takes **{AUTO_OBJECTIVE[kind]}**)",
         f"mean **{d['mean_tokens']:.0f}** tokens, 95 % under {d['p95_tokens']}, longest **{d['max_tokens']}**"
         + (" (prompt and the longer response)" if kind == "pairs" else " (prompt and response)"),
@@ -107,8 +108,8 @@ def preference_summary_md(profile: Any, seq_len: int) -> str:
 
 
 def _cell_text(text: str) -> str:
-    more = len(text) - CELL_CHARS
-    shown = text if more <= 0 else text[:CELL_CHARS].rstrip() + "…"
+    shown = cut_words(text, CELL_CHARS)  # between words
+    more = len(text) - len(shown.removesuffix(CUT_MARK)) if shown != text else 0
     return html.escape(shown) + (f"<span class='ft-muted'> ({more:,} more characters)</span>" if more > 0 else "")
 
 

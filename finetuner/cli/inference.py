@@ -66,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("source", metavar="RUN", help="A run folder (runs/<name>) or its adapter/ folder.")
     e.add_argument("--data", help="Evaluate on this data file instead of the run's validation split.")
+    e.add_argument("--column", dest="columns", action="append", default=[], metavar="ROLE=COLUMN",
+                   help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
+                        "--column prompt=question (repeatable; as data.columns in a recipe).")
     e.add_argument("--exact-match", type=int, default=0, metavar="N", help="Also answer N examples greedily and count exact matches.")
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
@@ -253,15 +256,18 @@ def _line_editing():
 
 # ---------------------------------------------------------------------- eval
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from finetuner.cli.plan import parse_columns
     from finetuner.infer.evaluate import evaluate_run
 
+    columns = parse_columns(args.columns, args.data)
     _err(f"Evaluating {args.source} ...")
     r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,
-                     device=args.device, base_model=args.base, write=not args.no_write, **code_optins(args))
+                     device=args.device, base_model=args.base, write=not args.no_write, columns=columns or None,
+                     **code_optins(args))
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
-    print(f"{r.examples} held-out examples from {r.data} ({r.fine_tuned.tokens} scored tokens)")
+    print(f"{r.describe()} ({r.fine_tuned.tokens} scored tokens)")
     print(r.table())
     for s in r.samples[:2]:
         print(f"\nreference:  {s['reference'].strip()}\nbase:       {s['base'].strip()}\nfine-tuned: {s['fine_tuned'].strip()}")

@@ -217,8 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(e.hint, file=sys.stderr)
+        hint = e.hint_for(args.command)  # settings to change, written as this command takes them
+        if hint:
+            print(hint, file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
         print("aborted.", file=sys.stderr)

@@ -78,6 +78,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------------- plan
+def parse_columns(items: list[str], data: str | None) -> dict[str, str]:
+    """``--column ROLE=COLUMN`` items (``plan`` and ``eval``) as ``data.columns``."""
+    from finetuner.errors import UserError
+
+    columns: dict[str, str] = {}
+    for item in items:
+        role, eq, column = item.partition("=")
+        if not eq or not role.strip() or not column.strip():
+            raise UserError(f"--column {item!r}: write ROLE=COLUMN, e.g. --column prompt=question.")
+        columns[role.strip()] = column.strip()
+    if columns and not data:
+        raise UserError("--column names columns of a data file: give the file with --data.")
+    return columns
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from finetuner.errors import UserError
     from finetuner.planning.planner import plan
@@ -87,14 +102,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out_path = Path(args.output).expanduser() if args.output else None
     if out_path is not None and out_path.exists() and not args.force:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
-    columns: dict[str, str] = {}
-    for item in args.columns:
-        role, eq, column = item.partition("=")
-        if not eq or not role.strip() or not column.strip():
-            raise UserError(f"--column {item!r}: write ROLE=COLUMN, e.g. --column prompt=question.")
-        columns[role.strip()] = column.strip()
-    if columns and not args.data:
-        raise UserError("--column names columns of a data file: give the file with --data.")
+    columns = parse_columns(args.columns, args.data)
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
@@ -170,7 +178,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     if p.data:
         d = p.data
         con.print(
-            f"Data: {d['rows']} {d['format']} {KIND_UNITS[d['kind']]}, tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
+            f"Data: {d['rows']} {KIND_UNITS[d['kind']]} ({d['format_label']}), tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
             f"max {d['max_tokens']} ({d['counted_with']}); {100 * d['label_fraction']:.0f}% of tokens trained on"
         )
     for n in p.notes:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from finetuner.errors import UserError, closest, did_you_mean
 from finetuner.fileio import expand_user, exists
+from finetuner.locate import find_local, locate
 from finetuner.model import gguf_base
 from finetuner.model.shapes import preset_model
 
@@ -543,7 +544,7 @@ class Recipe(_Section):
     def resolve_paths(self, base_dir: Path, source: str = "recipe") -> Recipe:
         """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
         r = self.model_copy(deep=True)
-        model_path = _find_local(r.model.name, base_dir)
+        model_path = find_local(r.model.name, [base_dir])
         hub_id = preset_model(r.model.name) if model_path is None else None
         if model_path is not None:
             if model_path.is_file() or gguf_base.is_gguf_name(model_path):
@@ -563,13 +564,8 @@ class Recipe(_Section):
                 log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
                             source, r.model.name, hub_id)
             r.model.name = hub_id
-        elif gguf_base.is_gguf_name(r.model.name):
-            gguf_base.check_file(base_dir / expand_user(r.model.name), f"{source}: model.name")
-        elif _looks_like_path(r.model.name):
-            raise UserError(
-                f"{source}: model.name: no folder '{r.model.name}' (looked in {base_dir} and {Path.cwd()}).",
-                hint="Give an existing folder with config.json, or a hub id like org/name.",
-            )
+        else:  # a hub id, or a missing folder or GGUF file said at once (with near matches)
+            locate(r.model.name, f"{source}: model.name", [base_dir])
         paths = r.data.path if isinstance(r.data.path, list) else [r.data.path]
         resolved = [_resolve_data_path(p, base_dir, source, "data.path") for p in paths]
         r.data.path = resolved if isinstance(r.data.path, list) else resolved[0]
@@ -808,26 +804,12 @@ def _check_preference(r: Recipe) -> None:
         raise ValueError(f"data.train_on_prompt: objective '{obj}' scores only the responses: remove train_on_prompt")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(DATA_EXTENSIONS)
-
-
-def _find_local(name: str, base_dir: Path) -> Path | None:
-    p = expand_user(name)
-    for candidate in ([p] if p.is_absolute() else [base_dir / p, Path.cwd() / p]):
-        if exists(candidate):
-            return candidate.resolve()
-    return None
-
-
 def _resolve_run_path(p: str, base_dir: Path, source: str) -> str:
     """``preference.start_from``: a finished run's folder (one with ``adapter/``), made absolute."""
-    found = _find_local(p, base_dir)
-    if found is None or not found.is_dir():
-        raise UserError(
-            f"{source}: preference.start_from: no run folder '{p}' (looked in {base_dir} and {Path.cwd()}).",
-            hint="Give the folder of a finished SFT run, e.g. runs/demo_cpu.",
-        )
+    found = locate(p, f"{source}: preference.start_from", [base_dir], hub=False)
+    if not found.is_dir():
+        raise UserError(f"{source}: preference.start_from: {found} is a file; give the folder of a finished SFT run, "
+                        "e.g. runs/demo_cpu.")
     if not (found / "adapter").is_dir():
         raise UserError(
             f"{source}: preference.start_from: {found} holds no adapter/ folder: that run has not finished.",
@@ -837,19 +819,12 @@ def _resolve_run_path(p: str, base_dir: Path, source: str) -> str:
 
 
 def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
-    found = _find_local(p, base_dir)
-    if found is not None and found.is_dir():  # the data reader takes files only
+    found = locate(p, f"{source}: {key}", [base_dir])
+    if isinstance(found, Path) and found.is_dir():  # the data reader takes files only
         raise UserError(
             f"{source}: {key}: '{p}' is a folder ({found}); name a data file (.json, .jsonl, .csv, .parquet).",
         )
-    if found is not None:
-        return str(found)
-    if _looks_like_path(p):
-        raise UserError(
-            f"{source}: {key}: file not found: '{p}' (looked in {base_dir} and {Path.cwd()}).",
-            hint="Relative paths are taken from the recipe's folder, then the current folder.",
-        )
-    return p  # a hub data set id
+    return str(found)  # a local file, or a hub data set id
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

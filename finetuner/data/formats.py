@@ -46,6 +46,7 @@ from typing import Any
 
 from finetuner.errors import UserError, closest
 from finetuner.fileio import exists
+from finetuner.locate import check_hub, locate
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -151,12 +152,47 @@ def _json_lines(path: Path, text: str, bad: list[RowError]) -> Iterator[RawRow]:
             bad.append(RowError(f"{path}, line {lineno}: invalid JSON (nested too deeply)."))
 
 
+#: Field separators a CSV file may use instead of commas (found by :func:`csv_delimiter`).
+OTHER_DELIMITERS = ";\t|"
+
+
+def csv_delimiter(text: str) -> str:
+    """The field separator of a CSV file's ``text``: ``,`` unless its header is one column when split at
+    commas and :class:`csv.Sniffer` finds ``;``, a tab or ``|`` that splits it (Excel in many locales
+    writes ``;``)."""
+    sample = "\n".join(text.split("\n", 50)[:50])
+    header = next(csv.reader(io.StringIO(sample, newline="")), [])
+    if len(header) != 1:
+        return ","
+    try:
+        found = csv.Sniffer().sniff(sample, delimiters=OTHER_DELIMITERS).delimiter
+    except csv.Error:
+        return ","
+    split = next(csv.reader(io.StringIO(sample, newline=""), delimiter=found), [])
+    return found if len(split) > 1 else ","
+
+
+def delimiter_note(path: str) -> str | None:
+    """A note for a CSV file whose fields are not separated by commas: which separator was found."""
+    p = Path(path)
+    if p.suffix.lower() != ".csv" or not exists(p, "file"):
+        return None
+    try:
+        with open(p, "rb") as f:
+            head = f.read(65536).decode("utf-8-sig", errors="replace")
+    except OSError:
+        return None
+    d = csv_delimiter(head)
+    name = {"\t": "tabs", ";": "semicolons (;)", "|": "bars (|)"}.get(d)
+    return f"{p.name}: fields separated by {name}, found in the file (read as such)" if name else None
+
+
 def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
     bad = bad if bad is not None else []
-    p = Path(path)
-    if not exists(p):
-        yield from _hub_rows(path, split)
+    p = locate(path, "data.path")
+    if isinstance(p, str):
+        yield from _hub_rows(p, split)
         return
     if p.is_dir():
         raise UserError(f"{p}: is a folder; data.path must name a file (.json, .jsonl, .csv, .parquet).")
@@ -187,7 +223,7 @@ def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None
         text = _decode(p)
         # newline="": lines end at \n, \r or \r\n only (str.splitlines() would also split cells at
         # U+2028, U+0085, \x1c, ... and silently break rows apart)
-        reader = csv.DictReader(io.StringIO(text, newline=""))
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=csv_delimiter(text))
         try:
             for row in reader:
                 if None in row:
@@ -213,6 +249,7 @@ def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None
 
 
 def _hub_rows(name: str, split: str) -> Iterator[RawRow]:
+    check_hub(name, "data.path", "dataset")
     import datasets
 
     try:
@@ -342,6 +379,24 @@ def file_kind(path: str) -> str:
     return "sft"
 
 
+#: The names users know each layout by (``finetuner plan``'s data line, the web UI's Data tab):
+#: the SFT formats, then the preference layouts (:mod:`finetuner.data.preference`).
+FORMAT_LABELS = {
+    "alpaca": "alpaca (instruction/output)", "chat": "chat (messages)", "completion": "prompt/completion",
+    "text": "plain text", "sharegpt_ranking": "ShareGPT ranking", "trl": "TRL preference",
+    "columns": "prompt/chosen/rejected", "kto_messages": "KTO messages", "kto_completion": "KTO prompt/completion",
+}
+
+
+def format_label(fmt: str, columns: dict[str, str] | None = None) -> str:
+    """The layout as users know it: the file's own prompt/response columns when they were found by
+    name or named (``question/answer``, never "alpaca" for a Q/A file), else :data:`FORMAT_LABELS`."""
+    cols = columns or {}
+    if fmt in ("alpaca", "completion") and "prompt" in cols and "response" in cols:
+        return f"{cols['prompt']}/{cols['response']}"
+    return FORMAT_LABELS.get(fmt, fmt)
+
+
 #: The objectives each kind of data fits, as the errors name them.
 OBJECTIVES_OF_KIND = {"pairs": "dpo, orpo or simpo", "rated": "kto", "sft": "sft"}
 #: The objective a kind of data is trained with when none is asked for (``objective: auto`` in
@@ -360,8 +415,9 @@ class WrongObjective(UserError):
     """A data file whose rows are ``kind`` of data (``pairs``, ``rated``, ``sft``) given where
     ``objective`` needs another kind; ``place`` is the file and row."""
 
-    def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str):
-        super().__init__(message, hint=hint)
+    def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str,
+                 settings: dict[str, str] | None = None):
+        super().__init__(message, hint=hint, settings=settings)
         self.place, self.kind, self.objective = place, kind, objective
 
 
@@ -371,7 +427,7 @@ def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> Wr
     first = fits.split(",")[0].split(" ")[0]
     return WrongObjective(
         f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
-        hint=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+        settings={"objective": first}, hint=f"Or give data for '{objective}'.",
         place=place, kind=kind, objective=objective,
     )
 
@@ -386,10 +442,9 @@ def _columns_text(row: Any) -> str:
     return ", ".join(map(str, row)) if isinstance(row, dict) else f"none: the row is a {type(row).__name__}"
 
 
-def _set_columns_hint(roles: list[str]) -> str:
-    cli = " ".join(f"--set data.columns.{r}=COLUMN" for r in roles)
-    yaml_form = ", ".join(f"{r}: COLUMN" for r in roles)
-    return f"Name the columns on the command line: {cli}\nor in the recipe:\n  data:\n    columns: {{{yaml_form}}}\n"
+def _column_settings(roles: list[str]) -> dict[str, str]:
+    """The ``data.columns`` settings that name the columns of ``roles`` (shown as each command takes them)."""
+    return {f"data.columns.{r}": "COLUMN" for r in roles}
 
 
 def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = None) -> Layout:
@@ -409,7 +464,8 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
         if found is None:
             raise UserError(
                 f"{raw.place}: cannot tell the data format from the columns ({_columns_text(row)}).",
-                hint=_set_columns_hint(["prompt", "response"]) + ROLES_LINE + " Found without settings: "
+                settings=_column_settings(["prompt", "response"]),
+                hint=ROLES_LINE + " Found without settings: "
                 "instruction/input/output, messages or conversations (chat), text, and the pairs "
                 + ", ".join(f"{p}/{r}" for p, r, _ in COMMON_PAIRS[1:]) + " in any case.",
             )
@@ -423,7 +479,7 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
             raise UserError(
                 f"{raw.place}: data.columns.{role} names the column '{col}', which the file does not have "
                 f"(its columns: {_columns_text(row)}).",
-                hint=f"Set data.columns.{role} to the column that holds {ROLES[role]}: --set data.columns.{role}=COLUMN.",
+                settings=_column_settings([role]), hint=f"Name the column that holds {ROLES[role]}.",
             )
     usual = FORMAT_COLUMNS[f]
     found = detect_layout(row)
@@ -439,7 +495,7 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
         raise UserError(
             f"{raw.place}: no column for {' and '.join(missing)}: format '{f}' reads {where}, and the file's columns "
             f"are {_columns_text(row)}.",
-            hint=_set_columns_hint(missing) + ROLES_LINE
+            settings=_column_settings(missing), hint=ROLES_LINE
             + (f" Or set data.format: auto, which reads the file as {found.describe()}." if found and found.format != f else ""),
         )
     return Layout(f, named)

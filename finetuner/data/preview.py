@@ -4,7 +4,8 @@ response and its label).
 
 Uses the same path as training (:func:`finetuner.data.pipeline.load_examples` and
 :func:`finetuner.data.pipeline.encode_example` with the model's tokenizer and chat template), so what is
-shown is exactly what the trainer computes the loss on. Loads a tokenizer, never a model.
+shown is exactly what the trainer computes the loss on (an example cut at ``max_seq_len`` tokens is
+shown up to its last whole word, then "…"). Loads a tokenizer, never a model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import KIND_WORDS, OBJECTIVES_OF_KIND, file_kind
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, chat_template_for, encode_example, load_examples
 from finetuner.data.preference import load_preference_examples
+from finetuner.text import drop_partial_word
 
 
 @dataclass
@@ -78,10 +80,13 @@ def preview_data(
     for ex in examples[:n]:
         enc = encode_example(ex, tokenizer, template, max_seq_len, train_on_prompt)
         ids, labels = enc["input_ids"], enc["labels"]
+        runs = segments(tokenizer, ids, labels)
+        if enc["truncated"] and runs:  # cut at a token, perhaps inside a word: shown up to its last whole word
+            runs[-1] = (drop_partial_word(runs[-1][0]), runs[-1][1])
         out.examples.append(
             ExamplePreview(
                 where=ex.get("_where", ""),
-                segments=segments(tokenizer, ids, labels),
+                segments=runs,
                 n_tokens=len(ids),
                 n_trained=sum(t != IGNORE_INDEX for t in labels),
                 truncated=bool(enc["truncated"]),

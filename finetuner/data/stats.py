@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective
+from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 
@@ -93,6 +93,7 @@ class DataProfile:
             "path": self.path,
             "kind": self.kind,
             "format": self.format,
+            "format_label": format_label(self.format, self.columns),
             "columns": dict(self.columns),
             "rows": self.rows,
             "bad_rows": self.bad_rows,
@@ -186,18 +187,21 @@ def profile_data(
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
+    sep = delimiter_note(path)
     profile = _profile(path, layout.format if layout else fmt, "sft", lengths, trained, total, how, seq_len, src.bad,
                        on_bad_row, columns=dict(layout.columns) if layout else {})
+    if sep:
+        profile.notes.append(sep)
     if layout.columns and not columns:
         profile.notes.append(
-            f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())} "
-            f"(format {layout.format}); set data.columns to map them otherwise"
+            f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())}; "
+            "to map them otherwise, name them (data.columns in a recipe, --column ROLE=COLUMN to plan)"
         )
     if seq_len is not None:
         cut = profile.truncated(seq_len)
         if cut and not profile.should_pack(seq_len):
             profile.notes.append(
-                f"{cut} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens (longest {profile.max_tokens}) "
+                f"{cut} of {len(lengths)} examples are longer than the sequence length, {seq_len} tokens (longest {profile.max_tokens}), "
                 "and will be truncated"
             )
     return profile
@@ -246,7 +250,7 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
     profile = _profile(path, info["layout"], kind, lengths, trained, total, how, seq_len, bad, on_bad_row)
     if seq_len is not None and profile.truncated(seq_len):
         profile.notes.append(
-            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens "
+            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than the sequence length, {seq_len} tokens "
             f"(longest {profile.max_tokens}): their prompts will be cut from the start"
         )
     return profile

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, did_you_mean
+from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
@@ -193,6 +194,7 @@ def _model_config(src: Source) -> tuple[dict[str, Any], str]:
     if not path.is_file():
         from huggingface_hub import hf_hub_download
 
+        check_hub(src.base_model, "The base model")
         try:
             path = Path(hf_hub_download(src.base_model, "config.json"))
         except Exception as e:  # noqa: BLE001 - any hub failure is the same message to the user
@@ -208,6 +210,7 @@ def _weights_folder(src: Source) -> Path:
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
+        check_hub(src.base_model, "The base model")
         folder = Path(snapshot_download(src.base_model, allow_patterns=["*.safetensors", "*.json"]))
     return folder
 

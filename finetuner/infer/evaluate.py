@@ -25,6 +25,7 @@ from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
 from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs
+from finetuner.locate import locate
 
 
 @dataclass
@@ -47,6 +48,18 @@ class EvalResult:
     exact_match_examples: int = 0
     samples: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    #: what the examples are to the run: ``held-out`` (its validation split or data.val_path),
+    #: ``training`` (a --data file the run trained on) or ``other`` (another --data file)
+    examples_are: str = "held-out"
+
+    def describe(self) -> str:
+        """One line on what was scored: ``12 held-out examples from ...``."""
+        if self.examples_are == "held-out":
+            return f"{self.examples} held-out examples from {self.data}"
+        if self.examples_are == "training":
+            return (f"{self.examples} examples from {self.data}, the run's training data: the loss shows how well the "
+                    "fine-tune fits what it trained on, not how it does on new text")
+        return f"{self.examples} examples from {self.data}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,25 +81,30 @@ def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50))
 
 
-def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
-    """The tokenized held-out examples (unpacked) and a description of where they came from."""
+def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: int | None = None,
+                 columns: dict[str, str] | None = None):
+    """The tokenized examples to score (unpacked), where they came from, and what they are to the run
+    (``held-out``, ``training`` or ``other``: see :attr:`EvalResult.examples_are`)."""
     from finetuner.data.pipeline import prepare_data
     from finetuner.config.recipe import DataSection
 
     recipe = src.recipe
     if data is not None:
-        path = Path(data).expanduser()
-        if not path.exists():
-            raise UserError(f"--data: file not found: {data}")
+        path = locate(str(data), "--data", hub=False)
         base_cfg = recipe.data.model_dump() if recipe is not None else {}
-        # another file: its layout is detected on its own (format and column names go together)
-        base_cfg.update(path=str(path.resolve()), format="auto", columns=None, val_size=0.0, val_path=None, packing=False,
+        trained = recipe.data.path if recipe is not None else []
+        trained = {str(Path(p).resolve()) for p in ([trained] if isinstance(trained, str) else trained)}
+        # another file: its layout is detected on its own (format and column names go together), or named with columns
+        base_cfg.update(path=str(path), format="auto", columns=columns or None, val_size=0.0, val_path=None, packing=False,
                         max_examples=None)
         if max_seq_len:
             base_cfg["max_seq_len"] = max_seq_len
-        cfg = DataSection.model_validate(base_cfg)
+        try:
+            cfg = DataSection.model_validate(base_cfg)
+        except ValueError as e:
+            raise UserError(f"--column: {e}") from None
         prepared = prepare_data(cfg, tokenizer, seed=0)
-        return prepared.train, str(path)
+        return prepared.train, str(path), "training" if str(path) in trained else "other"
     if recipe is None:
         raise UserError(f"{src.path} is not a run folder, so it has no held-out set.", hint="Pass a data file with --data.")
     cfg = recipe.data
@@ -100,7 +118,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
             raise UserError(f"The run's data file {p} is gone, so its held-out split cannot be rebuilt.", hint="Pass a data file with --data.")
     prepared = prepare_data(cfg.model_copy(update={"packing": False}), tokenizer, recipe.training.seed)
     what = f"{cfg.val_path}" if cfg.val_path else f"the run's validation split ({len(prepared.val)} rows of {cfg.path})"
-    return prepared.val, what
+    return prepared.val, what, "held-out"
 
 
 def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float, int]:
@@ -173,6 +191,7 @@ def evaluate_run(
     write: bool = True,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    columns: dict[str, str] | None = None,
 ) -> EvalResult | PreferenceEvalResult:
     """Loss and perplexity of the base model and the fine-tune on held-out data (on preference
     pairs: preference accuracy and margin, a :class:`PreferenceEvalResult`).
@@ -180,6 +199,7 @@ def evaluate_run(
     Args:
         run: a run folder (``runs/<name>``) or its ``adapter/`` folder.
         data: a data file to evaluate on instead of the run's validation split.
+        columns: which column of ``data`` holds which role (``{"prompt": "frage"}``), as ``data.columns``.
         exact_match: also answer the first N examples greedily and count exact matches with
             the reference replies (data with prompts and replies: alpaca, chat, completion).
         batch_size: examples per forward pass.
@@ -203,11 +223,11 @@ def evaluate_run(
     src = resolve_source(run, base_model, trust_remote_code, allow_pickle)
     if not src.has_adapter and src.kind != "full":
         raise UserError(f"{src.path} is a model with no fine-tune to compare.", hint="Give a run folder (runs/<name>).")
+    if data is not None:
+        data = locate(str(data), "--data", hub=False)
     tokenizer = load_tokenizer(src)
     tokenizer.chat_template = chat_template(src, tokenizer)
-    if data is not None and not Path(data).expanduser().exists():
-        raise UserError(f"--data: file not found: {data}")
-    kind = file_kind(str(Path(data).expanduser())) if data is not None else (
+    kind = file_kind(str(data)) if data is not None else (
         "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else "sft")
     if kind == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
         raise UserError("finetuner eval scores preference pairs (chosen and rejected); KTO's rated responses have no pairs.",
@@ -219,7 +239,7 @@ def evaluate_run(
         if write and src.run_dir is not None:
             record_in_metrics(src.run_dir, result)
         return result
-    examples, what = held_out_set(src, tokenizer, data)
+    examples, what, examples_are = held_out_set(src, tokenizer, data, columns=columns)
     if len(examples) == 0:
         raise UserError(f"No examples to evaluate in {what}.")
     collate = Collator(tokenizer.pad_token_id)
@@ -253,6 +273,7 @@ def evaluate_run(
     result = EvalResult(
         source=str(src.path), data=what, examples=len(examples), base=scores["base"], fine_tuned=scores["fine_tuned"],
         exact_match_examples=len(refs), samples=samples, seconds=round(time.perf_counter() - t0, 2),
+        examples_are=examples_are,
     )
     if write and src.run_dir is not None:
         record_in_metrics(src.run_dir, result)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
+from finetuner.locate import check_hub, locate
 from finetuner.model import gguf_base
 from finetuner.model.shapes import preset_model
 from finetuner.quiet import quieted
@@ -74,10 +75,6 @@ class Source:
         return f"{what} {self.path}" + (f" (base {self.base_model})" if self.kind != "model" else "")
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or exists(expand_user(name))
-
-
 def read_recipe(path: Path):
     from pydantic import ValidationError
 
@@ -94,13 +91,11 @@ def read_recipe(path: Path):
 
 
 def _check_base(base: str, where: str) -> str:
-    p = expand_user(base)
-    if _looks_local(base) and not exists(p):
-        raise UserError(
-            f"The base model '{base}' named by {where} cannot be found.",
-            hint="Pass the base model's folder or hub id with --base (Python: base_model=...).",
-        )
-    return str(p.resolve()) if exists(p) else base
+    try:
+        found = locate(base, f"The base model named by {where}")
+    except UserError as e:
+        raise UserError(e.message, hint="Pass the base model's folder or hub id with --base (Python: base_model=...).") from None
+    return str(found)
 
 
 def check_code_optin(recipe, where: Path, trust_remote_code: bool, allow_pickle: bool) -> None:
@@ -124,18 +119,20 @@ def resolve_source(path: str | Path, base_model: str | None = None, trust_remote
     ``trust_remote_code`` and ``allow_pickle`` are the user's opt-ins: a run whose recipe turns
     either on is refused without them (:func:`check_code_optin`); a source with no recipe gets them as given."""
     optin = dict(allow_code=trust_remote_code, allow_pickle_files=allow_pickle)
-    p = expand_user(path)
-    if not exists(p) and preset_model(str(path)) is not None:
-        path = preset_model(str(path))  # a named model: the GGUF file a package ships, or its hub id
-        p = expand_user(path)
-    if gguf_base.is_gguf_name(str(path)) or exists(p, "file"):
-        gguf = gguf_base.check_file(p, "the model")
+    name = str(path)
+    if not exists(expand_user(name)) and preset_model(name) is not None:
+        name = preset_model(name)  # a named model: the GGUF file a package ships, or its hub id
+    if gguf_base.is_gguf_name(name) or exists(expand_user(name), "file"):
+        gguf = gguf_base.check_file(locate(name, "The model file", hub=False), "the model")
         return Source(gguf, "model", str(gguf), **optin)
-    if not exists(p):
-        name = str(path)
-        if not _looks_local(name) and name.count("/") == 1:
-            return Source(name, "model", name, **optin)  # a hub id
-        raise UserError(f"No such run, adapter or model folder: {path}", hint="Give a run folder (runs/<name>), an adapter folder or a model folder.")
+    try:
+        p = locate(name, "The run, adapter or model folder", hub=name.count("/") == 1)
+    except UserError as e:
+        raise UserError(e.message, hint="Give a run folder (runs/<name>), an adapter folder, a model folder or a "
+                                        "hub id (org/name).") from None
+    if isinstance(p, str):
+        check_hub(p, "The model")
+        return Source(p, "model", p, **optin)  # a hub id
     if not p.is_dir():
         raise UserError(f"{p} is a file; expected a run folder, an adapter folder or a model folder.")
     p = p.resolve()
@@ -220,6 +217,7 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
 
     from finetuner.model.gguf_base import as_dequantized, pretrained_args
 
+    check_hub(name, what)
     try:
         with quieted():
             model = AutoModelForCausalLM.from_pretrained(pretrained_args(name)[0], **weight_format_kwargs(allow_pickle, name), **kwargs)

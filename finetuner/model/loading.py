@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from finetuner.errors import UserError
+from finetuner.errors import UserError, first_line
+from finetuner.locate import check_hub
 from finetuner.model import gguf_base
 from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe
@@ -66,13 +67,14 @@ def open_tokenizer(name: str, what: str, revision: str | None = None, trust_remo
     a clear UserError naming ``what`` (``model.name``, ``the base model``, ...) when it cannot load."""
     from transformers import AutoTokenizer
 
+    check_hub(name, what)
     where, extra = gguf_base.pretrained_args(name)
     try:
         with quieted():
             tok = AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as e:
         raise UserError(
-            f"{what}: could not load a tokenizer from '{name}' ({str(e).splitlines()[0][:300]}).",
+            f"{what}: could not load a tokenizer from '{name}' ({first_line(str(e), 300)}).",
             hint=hub_access_hint(e) or tokenizer_load_hint(e),
         ) from None
     if tok.pad_token_id is None:
@@ -179,7 +181,7 @@ def model_files_error(error: BaseException, name: str, what: str = "model.name")
     from safetensors import SafetensorError
 
     text = str(error).strip()
-    first = text.splitlines()[0][:300] if text else type(error).__name__
+    first = first_line(text, 300) if text.strip() else type(error).__name__
     refetch = "Download or copy the model again from where it came from (hf download ORG/NAME --local-dir DIR)."
     if isinstance(error, SafetensorError) or (isinstance(error, OSError) and "safetensors" in text.lower() and "header" in text.lower()):
         where = _broken_weight_file(name) or f"a *.safetensors file in '{name}'"
@@ -250,6 +252,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
             )
         kwargs["device_map"] = "auto"
         kwargs["max_memory"] = {int(k): v.replace(" ", "") for k, v in m.max_memory.items()}
+    check_hub(m.name, "model.name")
     try:
         with quieted():
             model = AutoModelForCausalLM.from_pretrained(gguf_base.pretrained_args(m.name)[0], **kwargs)

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.errors import UserError, did_you_mean
+from finetuner.errors import UserError, did_you_mean, first_line
 from finetuner.fileio import expand_user, exists
+from finetuner.locate import check_hub, locate
 from finetuner.model import gguf_base
 
 PRESET_DIR = Path(__file__).with_name("presets")
@@ -366,7 +367,7 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
         return dict(_presets()[key]), "preset"
     path = expand_user(model)
     if gguf_base.is_gguf_name(model):
-        return dict(gguf_base.read(gguf_base.check_file(path)).config), "gguf"
+        return dict(gguf_base.read(gguf_base.check_file(locate(model, "The model file", hub=False))).config), "gguf"
     if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
@@ -383,13 +384,12 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
             return json.loads(path.read_text(encoding="utf-8")), "local"
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path}: not valid JSON ({e}).") from None
-    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1
-    if looks_local or "/" not in model:
+    if "/" not in model:
         raise UserError(
             f"Unknown model '{model}': not a preset and not a folder with config.json.{did_you_mean(model, preset_names())}",
             hint=f"Presets: {', '.join(preset_names())}; or give a hub id like org/name, or a local folder.",
         )
-    return _hub_config(model, revision), "hub"
+    return _hub_config(str(locate(model, "The model")), revision), "hub"
 
 
 def _hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
@@ -397,6 +397,7 @@ def _hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
         from huggingface_hub import hf_hub_download
     except ImportError:  # pragma: no cover - a dependency of transformers
         raise UserError(f"Unknown model '{repo_id}' and huggingface_hub is not installed.") from None
+    check_hub(repo_id, "The model")
     last: Exception | None = None
     for local_only in (True, False):
         try:
@@ -405,7 +406,7 @@ def _hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - offline, gated, missing: all end in the same advice
             last = e
     raise UserError(
-        f"Cannot get config.json of '{repo_id}' from the hub ({type(last).__name__}: {str(last).splitlines()[0][:160]})."
+        f"Cannot get config.json of '{repo_id}' from the hub ({type(last).__name__}: {first_line(str(last))})."
         f"{did_you_mean(repo_id.lower(), list(_preset_index()))}",
         hint=f"Offline, use a preset ({', '.join(preset_names())}) or a local folder with config.json.",
     )

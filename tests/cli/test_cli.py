@@ -42,7 +42,7 @@ def test_rerun_resumes_and_output_flag(recipe_dict, tmp_path):
     [
         ({"training": {"optimzer": "sgd"}}, "training.optimzer: unknown key. Did you mean 'optimizer'?"),
         ({"method": "qlora", "quantization": None}, "quantization: method 'qlora' needs a quantized base"),
-        ({"data": {"path": "missing.jsonl"}}, "data.path: file not found: 'missing.jsonl'"),
+        ({"data": {"path": "missing.jsonl"}}, "data.path: 'missing.jsonl' does not exist"),
     ],
 )
 def test_bad_recipes_exit_2_without_traceback(recipe_dict, tmp_path, change, message):

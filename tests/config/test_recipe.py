@@ -198,10 +198,10 @@ def test_relative_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch)
 def test_missing_local_paths_are_errors(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump({"model": {"name": "./nope"}, "data": {"path": "x.jsonl"}}))
-    with pytest.raises(UserError, match="model.name: no folder './nope'"):
+    with pytest.raises(UserError, match="model.name: './nope' does not exist"):
         Recipe.from_yaml(p)
     p.write_text(yaml.safe_dump({"model": {"name": "org/m"}, "data": {"path": "missing.jsonl"}}))
-    with pytest.raises(UserError, match="data.path: file not found: 'missing.jsonl'"):
+    with pytest.raises(UserError, match="data.path: 'missing.jsonl' does not exist"):
         Recipe.from_yaml(p)
 
 

@@ -167,8 +167,8 @@ def test_profile_reads_rows_as_training_does(tmp_path):
     assert (prof.format, prof.rows, prof.columns, prof.notes) == ("alpaca", len(examples), {"prompt": "q", "response": "a"}, [])
     detected = profile_data(str(write_csv(tmp_path / "qa.csv", ["question", "answer"], QA)))
     assert detected.to_dict()["columns"] == {"prompt": "question", "response": "answer"}
-    assert detected.notes == ["columns found by their names: prompt = question, response = answer (format alpaca); "
-                              "set data.columns to map them otherwise"]
+    assert detected.notes == ["columns found by their names: prompt = question, response = answer; to map them "
+                              "otherwise, name them (data.columns in a recipe, --column ROLE=COLUMN to plan)"]
 
 
 def test_profile_and_preview_take_the_recipe_settings(tmp_path):

@@ -175,7 +175,7 @@ def test_a_run_with_no_adapter_and_a_missing_base_are_clear_errors(lora_run, tin
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = str(tmp_path / "gone")
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(finetuner.UserError, match="cannot be found") as e:
+    with pytest.raises(finetuner.UserError, match="base_model_name_or_path.*does not exist") as e:
         merge_adapter(adapter, tmp_path / "m")
     assert "--base" in e.value.hint
     with pytest.raises(finetuner.UserError, match="nothing to merge"):

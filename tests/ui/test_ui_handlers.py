@@ -119,7 +119,7 @@ def test_the_data_tab_shows_pairs_side_by_side_and_sft_as_before(tmp_path):
     assert first["chosen"]["value"] in pairs["value"] and first["rejected"]["value"] in pairs["value"]
     assert sum(hist["value"]["examples"]) == 400  # lengths of the pairs, against the sequence length
     summary, highlights, _hist, pairs = h.on_data(MODEL, str(REPO / "data" / "alpaca_sample.json"), 256)
-    assert summary.startswith("**Format:** `alpaca`") and "No token preview" not in summary  # the SFT view, unchanged
+    assert summary.startswith("**Format:** `alpaca (instruction/output)`") and "No token preview" not in summary  # the SFT view, unchanged
     assert highlights["visible"] is True and {label for _t, label in highlights["value"]} >= {"trained", "masked"}
     assert pairs == {"__type__": "update", "value": "", "visible": False}
     rated = tmp_path / "rated.jsonl"

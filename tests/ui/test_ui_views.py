@@ -180,8 +180,9 @@ def test_rated_rows_conversations_markup_and_long_texts(tmp_path):
     (p1, r1, l1), (p2, r2, l2) = _cells(text)
     assert p1 == "||system| Be Tern.|||user| &lt;b&gt;What&lt;/b&gt; &amp; why?||line 1|"
     assert (l1, l2) == ("✓ desirable", "✕ undesirable") and r2 == "No idea." and p2 == "Where is the hide?|line 2|"
-    more = len(long) - views.CELL_CHARS
-    assert r1.startswith("Tern here! Bring water.") and r1.endswith(f"…| ({more:,} more characters)|")
+    shown = r1.split("…|")[0]  # cut between words, the rest counted
+    assert r1.startswith("Tern here! Bring water.") and shown.endswith("Bring water.") and len(shown) < views.CELL_CHARS
+    assert r1.endswith(f"…| ({len(long) - len(shown):,} more characters)|")
 
 
 def test_the_data_summary_says_what_a_preference_file_fits(tmp_path):
@@ -189,7 +190,7 @@ def test_the_data_summary_says_what_a_preference_file_fits(tmp_path):
 
     pairs = profile_data(str(REPO / "data" / "preference_sample.jsonl"), str(REPO / "data" / "demo_model"), 40)
     text = views.preference_summary_md(pairs, 40)
-    assert "preference pairs (a chosen and a rejected response) · layout `sharegpt_ranking` · **400** pairs" in text
+    assert "preference pairs (a chosen and a rejected response) · layout `ShareGPT ranking` · **400** pairs" in text
     assert "**Fits objective dpo, orpo or simpo** (the plan's objective *auto* takes **dpo**)" in text
     assert f"{pairs.truncated(40)} example(s) are longer than the sequence length 40" in text and pairs.truncated(40) > 0
     assert "every example fits in 256 tokens" in views.preference_summary_md(pairs, 256)
