@@ -106,7 +106,9 @@ def locate(name: str, what: str, base_dirs: Iterable[str | Path] = (), hub: bool
     found = find_local(name, base_dirs)
     if found is not None:
         return found
-    if not hub or could_be_local(name, base_dirs):
+    if not hub:
+        raise missing(name, what, base_dirs, hint="Check the spelling and the folder it is in.")
+    if could_be_local(name, base_dirs):
         raise missing(name, what, base_dirs)
     return name
 

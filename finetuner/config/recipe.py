@@ -564,7 +564,9 @@ class Recipe(_Section):
                 log.warning("%s: model.name '%s' is a finetuner preset (a shape for planning); loading its hub id %s.",
                             source, r.model.name, hub_id)
             r.model.name = hub_id
-        else:  # a hub id, or a missing folder or GGUF file said at once (with near matches)
+        elif gguf_base.is_gguf_name(r.model.name):  # a missing GGUF file, with the files beside it
+            gguf_base.check_file(base_dir / expand_user(r.model.name), f"{source}: model.name")
+        else:  # a hub id, or a missing folder said at once (with near matches)
             locate(r.model.name, f"{source}: model.name", [base_dir])
         paths = r.data.path if isinstance(r.data.path, list) else [r.data.path]
         resolved = [_resolve_data_path(p, base_dir, source, "data.path") for p in paths]

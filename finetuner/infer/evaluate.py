@@ -24,7 +24,7 @@ from typing import Any
 from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
-from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs
+from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs, examples_are
 from finetuner.locate import locate
 
 
@@ -92,8 +92,6 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
     if data is not None:
         path = locate(str(data), "--data", hub=False)
         base_cfg = recipe.data.model_dump() if recipe is not None else {}
-        trained = recipe.data.path if recipe is not None else []
-        trained = {str(Path(p).resolve()) for p in ([trained] if isinstance(trained, str) else trained)}
         # another file: its layout is detected on its own (format and column names go together), or named with columns
         base_cfg.update(path=str(path), format="auto", columns=columns or None, val_size=0.0, val_path=None, packing=False,
                         max_examples=None)
@@ -104,7 +102,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
         except ValueError as e:
             raise UserError(f"--column: {e}") from None
         prepared = prepare_data(cfg, tokenizer, seed=0)
-        return prepared.train, str(path), "training" if str(path) in trained else "other"
+        return prepared.train, str(path), examples_are(recipe, path)
     if recipe is None:
         raise UserError(f"{src.path} is not a run folder, so it has no held-out set.", hint="Pass a data file with --data.")
     cfg = recipe.data

@@ -123,7 +123,7 @@ def resolve_source(path: str | Path, base_model: str | None = None, trust_remote
     if not exists(expand_user(name)) and preset_model(name) is not None:
         name = preset_model(name)  # a named model: the GGUF file a package ships, or its hub id
     if gguf_base.is_gguf_name(name) or exists(expand_user(name), "file"):
-        gguf = gguf_base.check_file(locate(name, "The model file", hub=False), "the model")
+        gguf = gguf_base.check_file(expand_user(name), "the model")
         return Source(gguf, "model", str(gguf), **optin)
     try:
         p = locate(name, "The run, adapter or model folder", hub=name.count("/") == 1)

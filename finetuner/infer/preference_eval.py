@@ -57,6 +57,17 @@ class PreferenceEvalResult:
     kind: str = "preference"
     samples: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    #: what the pairs are to the run: ``held-out``, ``training`` or ``other`` (:func:`examples_are`)
+    examples_are: str = "held-out"
+
+    def describe(self) -> str:
+        """One line on what was scored: ``40 held-out pairs from ...``."""
+        if self.examples_are == "held-out":
+            return f"{self.examples} held-out pairs from {self.data}"
+        if self.examples_are == "training":
+            return (f"{self.examples} pairs from {self.data}, the run's training data: the scores show how well the "
+                    "fine-tune fits what it trained on, not how it does on new pairs")
+        return f"{self.examples} pairs from {self.data}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +106,16 @@ def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | N
                         hint="Pass a file of pairs with --data.")
     prepared = prepare_preference_data(cfg, "dpo", tokenizer, recipe.training.seed)
     return prepared.val, cfg.val_path or f"the run's validation split ({len(prepared.val)} pairs of {cfg.path})"
+
+
+def examples_are(recipe, data: str | Path | None) -> str:
+    """What the examples of ``data`` are to the run of ``recipe``: ``held-out`` (no ``data``: the run's
+    own validation split or data.val_path), ``training`` (a file the run trained on) or ``other``."""
+    if data is None:
+        return "held-out"
+    trained = recipe.data.path if recipe is not None else []
+    trained = {str(Path(p).resolve()) for p in ([trained] if isinstance(trained, str) else trained)}
+    return "training" if str(Path(data).resolve()) in trained else "other"
 
 
 def _scores(model, collate, pairs, batch_size: int, device: str):
@@ -154,6 +175,7 @@ def evaluate_pairs(src, tokenizer, data, batch_size: int, device: str, load_mode
         source=str(src.path), data=what, examples=len(pairs), base=score(bc, br), fine_tuned=score(tc, tr),
         reward_accuracy=round(float((gain > 0).float().mean()), 6), reward_margin=round(float(gain.mean()), 6),
         compared_with="base" if start is None else f"start: {start.path}", seconds=round(time.perf_counter() - t0, 2),
+        examples_are=examples_are(src.recipe, data),
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user
+from finetuner.locate import missing
 
 MAGIC = b"GGUF"
 
@@ -98,11 +99,9 @@ def check_file(path: str | Path, key: str = "model.name") -> Path:
     p = expand_user(str(path))
     if not p.exists():
         near = sorted(q.name for q in p.parent.glob("*.gguf")) if p.parent.is_dir() else []
-        raise UserError(
-            f"{key}: no GGUF file {p}.",
-            hint=(f"GGUF files in {p.parent}: {', '.join(near[:6])}." if near else
-                  "Give the path of a .gguf file (Ollama keeps them as blobs, LM Studio under ~/.lmstudio/models)."),
-        )
+        raise missing(str(p), key, hint=(
+            f"GGUF files in {p.parent}: {', '.join(near[:6])}." if near else
+            "Give the path of a .gguf file (Ollama keeps them as blobs, LM Studio under ~/.lmstudio/models)."))
     if p.is_dir():
         raise UserError(f"{key}: {p} is a folder, not a GGUF file.", hint="Name the .gguf file in it, or set model.gguf_file.")
     try:

@@ -367,7 +367,7 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
         return dict(_presets()[key]), "preset"
     path = expand_user(model)
     if gguf_base.is_gguf_name(model):
-        return dict(gguf_base.read(gguf_base.check_file(locate(model, "The model file", hub=False))).config), "gguf"
+        return dict(gguf_base.read(gguf_base.check_file(path)).config), "gguf"
     if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():

@@ -65,7 +65,7 @@ def test_start_from_names_a_finished_run(tmp_path):
     assert r.preference.start_from == str(tmp_path / "sft") and r.preference.reference == "precomputed"
     with pytest.raises(UserError, match="holds no adapter/ folder"):
         Recipe.from_dict(BASE, ["objective=dpo", "preference.start_from=unfinished"], base_dir=tmp_path)
-    with pytest.raises(UserError, match="no run folder 'missing'"):
+    with pytest.raises(UserError, match="preference.start_from: 'missing' does not exist"):
         Recipe.from_dict(BASE, ["objective=dpo", "preference.start_from=missing"], base_dir=tmp_path)
     with pytest.raises(UserError, match="would give the base model, not the SFT model"):
         Recipe.from_dict(BASE, ["objective=dpo", "preference.start_from=sft", "preference.reference=adapter_off"], base_dir=tmp_path)

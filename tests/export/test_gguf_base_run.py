@@ -89,6 +89,6 @@ def test_chat_answers_from_the_gguf_base_and_the_run(gguf_run):
 
 def test_a_missing_gguf_is_one_clear_error_in_the_cli(tmp_path):
     r = run_cli("plan", "--model", str(tmp_path / "nope.Q4_K_M.gguf"), "--gpu", "cpu")
-    assert r.returncode != 0 and "no GGUF file" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "nope.Q4_K_M.gguf' does not exist" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("chat", str(tmp_path / "nope.gguf"), "--prompt", "hi")
-    assert r.returncode != 0 and "no GGUF file" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "nope.gguf' does not exist" in r.stderr and "Traceback" not in r.stderr

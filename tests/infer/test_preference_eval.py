@@ -29,3 +29,4 @@ def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path)
     assert after >= before + 0.3, (before, after)
     table = run_cli("eval", str(tmp_path / "dpo"), "--no-write", cwd=tmp_path)
     assert "SFT start" in table.stdout and str(tmp_path / "sft") in table.stdout
+    assert table.stdout.startswith("40 held-out pairs from the run's validation split"), table.stdout

