@@ -27,13 +27,15 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from finetuner.config.recipe import Objective
+from finetuner.data.formats import ROLES
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
+from finetuner.surface import shown_in
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from ui import paths, views
 from ui.chat_pool import ChatPool
-from ui.errors import error_md, shows_errors
+from ui.errors import error_md, shows_errors, steps_in_ui
 from ui.estimate import recipe_estimate
 from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
 
@@ -45,6 +47,10 @@ CPU_CARD = "cpu"
 TRAIN_OUTPUTS = 11
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
+#: the roles of ``data.columns`` the Data tab has a column menu for, in its order
+COLUMN_ROLES = tuple(ROLES)
+#: a column menu's choice that names no column: the role is read as the file's format has it
+AS_DETECTED = ("— as detected —", "")
 #: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
 START_ANYWAY = "Start even if it does not fit"
 #: The confirmation that code from a run's folder (or a recipe's model) may run: unchecked by default.
@@ -92,6 +98,13 @@ def empty_chart() -> None:
     """Empties a chart while its new figures are computed: a gradio BarPlot keeps its first colour
     scale otherwise, and the last plan's chart must not stand beside a new plan."""
     return None
+
+
+def picked_columns(picked: tuple | list) -> dict[str, str] | None:
+    """``data.columns`` from the Data tab's column menus (in :data:`COLUMN_ROLES`' order): the roles
+    given a column; ``None`` when none is (the format and columns are detected)."""
+    columns = {role: str(col) for role, col in zip(COLUMN_ROLES, picked) if col}
+    return columns or None
 
 
 def message_text(content: Any) -> str:
@@ -181,11 +194,29 @@ class Handlers:
         gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
         return gr.update(choices=paths.data_files(self.uploads), value=shown), gr.skip()
 
+    def on_columns(self, data_file: str | None):
+        """A data file chosen: the Data tab's column menus offer its columns (each left as detected),
+        shown for a local file of supervised examples (preference data is read by its column names);
+        the previous file's preview is cleared at once."""
+        from finetuner.data.formats import file_columns, file_kind
+
+        columns: list[str] = []
+        local = paths.resolve_local(data_file or "")
+        if local is not None and local.is_file():
+            try:
+                with shown_in("ui"):
+                    columns = file_columns(str(local)) if file_kind(str(local)) == "sft" else []
+            except UserError:
+                columns = []  # on_data says what is wrong with the file
+        menus = [gr.update(choices=[AS_DETECTED, *((c, c) for c in columns)], value="") for _ in COLUMN_ROLES]
+        return (gr.update(visible=bool(columns)), *menus, gr.update(value=[]), gr.update(value="", visible=False))
+
     @shows_errors(0, 4)
-    def on_data(self, model_text: str, data_file: str, seq_len: float | None):
+    def on_data(self, model_text: str, data_file: str, seq_len: float | None, *picked: str):
         """The Data tab: what the file holds, its token lengths against the sequence length, and its
         first examples: as the model sees them (SFT), or side by side for preference pairs and rated
-        responses (:func:`finetuner.data.preview.preview_preferences`)."""
+        responses (:func:`finetuner.data.preview.preview_preferences`). ``picked``: the column menus'
+        choices (:data:`COLUMN_ROLES`' order; blank: as detected), as ``data.columns``."""
         from finetuner.data.preview import preview_data, preview_preferences
         from finetuner.data.stats import profile_data
 
@@ -197,7 +228,8 @@ class Handlers:
         path = str(local) if local else data_file
         model = paths.resolve_model(model_text)
         seq = int(seq_len or 0) or 2048
-        profile = profile_data(path, model, seq)
+        columns = picked_columns(picked)
+        profile = profile_data(path, model, seq, columns=columns)
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
         if profile.kind != "sft":
@@ -211,7 +243,7 @@ class Handlers:
                     gr.update(value=shown, visible=bool(shown)))
         preview, preview_note = None, ""
         try:
-            preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
+            preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq, columns=columns)
         except UserError as e:
             preview_note = f"\n\n**No token preview:** {e.message}"
         summary = views.data_summary_md(profile, preview, seq) + preview_note
@@ -236,9 +268,10 @@ class Handlers:
 
     @shows_errors(0, 18)
     def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
-                objective: str | None = "auto"):
+                objective: str | None = "auto", *picked: str):
         """The planner's recipe for the model, card and data file; ``objective`` ``auto`` takes it
-        from the data (sft, dpo for pairs, kto for rated responses), another must fit the file."""
+        from the data (sft, dpo for pairs, kto for rated responses), another must fit the file.
+        ``picked``: the Data tab's column menus (see :meth:`on_data`), written as ``data.columns``."""
         from finetuner.planning.planner import plan
 
         if not data_file:
@@ -252,6 +285,7 @@ class Handlers:
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
             objective=None if objective in (None, "", "auto") else objective,
+            columns=picked_columns(picked),
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
@@ -480,7 +514,7 @@ class Handlers:
         """One exchange in both lanes; an error puts the message and the conversations back as
         they were and says why in the status line."""
         try:
-            yield from self._chat(message, tuned_hist, base_hist, *settings)
+            yield from steps_in_ui(self._chat(message, tuned_hist, base_hist, *settings))
         except Exception as e:  # noqa: BLE001
             yield message, tuned_hist, base_hist, error_md(e)
 

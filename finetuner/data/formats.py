@@ -46,6 +46,7 @@ from typing import Any
 
 from finetuner.errors import UserError, closest
 from finetuner.fileio import exists
+from finetuner.surface import say
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -334,6 +335,14 @@ def preference_kind(row: Any) -> str | None:
     return None
 
 
+def file_columns(path: str) -> list[str]:
+    """The columns of a data file, as its first row names them (in the file's order), for choosing
+    ``data.columns``; empty when the file has no row or its first row is not an object."""
+    for raw in read_rows(path, "train", []):
+        return [str(k) for k in raw.data] if isinstance(raw.data, dict) else []
+    return []
+
+
 def file_kind(path: str) -> str:
     """What a data file holds, from its first row: ``sft``, ``pairs`` or ``rated`` (see
     :func:`preference_kind`); a file with no readable row is ``sft`` (its reader then says what is wrong)."""
@@ -371,7 +380,8 @@ def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> Wr
     first = fits.split(",")[0].split(" ")[0]
     return WrongObjective(
         f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
-        hint=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+        hint=say(cli=f"Set objective: {first} in the recipe (--set objective={first}), or give data for '{objective}'.",
+                 ui=f"Choose objective {first} in the Plan tab's Objective menu (or auto), or give data for '{objective}'."),
         place=place, kind=kind, objective=objective,
     )
 
@@ -387,9 +397,15 @@ def _columns_text(row: Any) -> str:
 
 
 def _set_columns_hint(roles: list[str]) -> str:
-    cli = " ".join(f"--set data.columns.{r}=COLUMN" for r in roles)
+    """What to do when no column holds ``roles``: on the command line, ``finetuner plan --column``
+    or ``finetuner run --set data.columns...`` (or the recipe); in the web UI, its column menus."""
+    plan = " ".join(f"--column {r}=COLUMN" for r in roles)
+    run = " ".join(f"--set data.columns.{r}=COLUMN" for r in roles)
     yaml_form = ", ".join(f"{r}: COLUMN" for r in roles)
-    return f"Name the columns on the command line: {cli}\nor in the recipe:\n  data:\n    columns: {{{yaml_form}}}\n"
+    return say(cli=f"Name the columns on the command line: finetuner plan ... {plan}, or finetuner run ... {run}\n"
+                   f"or in the recipe:\n  data:\n    columns: {{{yaml_form}}}\n",
+               ui=f"Choose the column{'s' if len(roles) > 1 else ''} for {' and '.join(roles)} in the Data tab's column "
+                  "menus (under the data file).\n")
 
 
 def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = None) -> Layout:
@@ -423,7 +439,9 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
             raise UserError(
                 f"{raw.place}: data.columns.{role} names the column '{col}', which the file does not have "
                 f"(its columns: {_columns_text(row)}).",
-                hint=f"Set data.columns.{role} to the column that holds {ROLES[role]}: --set data.columns.{role}=COLUMN.",
+                hint=say(cli=f"Set data.columns.{role} to the column that holds {ROLES[role]}: --set data.columns.{role}=COLUMN "
+                             f"(finetuner plan: --column {role}=COLUMN).",
+                         ui=f"Choose the column that holds {ROLES[role]} in the Data tab's {role} menu."),
             )
     usual = FORMAT_COLUMNS[f]
     found = detect_layout(row)

@@ -28,6 +28,7 @@ from typing import Any
 from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
+from finetuner.surface import say
 
 CHARS_PER_TOKEN = 3.5
 TEMPLATE_TOKENS_PER_MESSAGE = 5
@@ -191,13 +192,14 @@ def profile_data(
     if layout.columns and not columns:
         profile.notes.append(
             f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())} "
-            f"(format {layout.format}); set data.columns to map them otherwise"
+            f"(format {layout.format}); "
+            + say(cli="set data.columns to map them otherwise", ui="choose others in the Data tab's column menus")
         )
     if seq_len is not None:
         cut = profile.truncated(seq_len)
         if cut and not profile.should_pack(seq_len):
             profile.notes.append(
-                f"{cut} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens (longest {profile.max_tokens}) "
+                f"{cut} of {len(lengths)} examples are longer than {say(cli='--seq-len', ui='the sequence length')} {seq_len} tokens (longest {profile.max_tokens}) "
                 "and will be truncated"
             )
     return profile
@@ -246,7 +248,7 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
     profile = _profile(path, info["layout"], kind, lengths, trained, total, how, seq_len, bad, on_bad_row)
     if seq_len is not None and profile.truncated(seq_len):
         profile.notes.append(
-            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than --seq-len {seq_len} tokens "
+            f"{profile.truncated(seq_len)} of {len(lengths)} examples are longer than {say(cli='--seq-len', ui='the sequence length')} {seq_len} tokens "
             f"(longest {profile.max_tokens}): their prompts will be cut from the start"
         )
     return profile

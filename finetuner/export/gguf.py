@@ -49,6 +49,7 @@ from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir,
                                     write_export_marker)
 from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
 from finetuner.quiet import quieted
+from finetuner.surface import say
 
 FORMATS = ("gguf", "ollama")
 #: --quant → (GGML tensor type for 2-D weights, llama.cpp file type); q4_k_m goes through llama.cpp's quantizer.
@@ -154,19 +155,24 @@ def check_gguf_replaceable(out: Path, overwrite: bool) -> None:
     """An existing ``out`` is replaced only with ``overwrite``, and only when it is a GGUF file
     finetuner exported (:func:`gguf_marker`); checked before the export and again before the rename."""
     if out.is_symlink() or out.is_dir():
-        raise UserError(f"The output {out} is a {'link' if out.is_symlink() else 'folder'}.", hint="Name a new .gguf file for -o.")
+        raise UserError(f"The output {out} is a {'link' if out.is_symlink() else 'folder'}.", hint=say(
+            cli="Name a new .gguf file for -o.", ui="Name a new .gguf file in “Output file or folder”."))
     if not out.exists():
         return
     if gguf_marker(out) is None:
         raise UserError(f"The output {out} exists and is not a GGUF file finetuner exported; finetuner will not "
                         "replace it (overwrite or not).", hint="Choose a new file name, or move that file away yourself.")
     if not overwrite:
-        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
+        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint=say(
+            cli="Choose a new name for -o, or pass --overwrite to replace it.",
+            ui="Choose a new name in “Output file or folder”, or tick “overwrite” to replace it."))
 
 
 def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
     if out.suffix != ".gguf":
-        raise UserError(f"The output {out} does not end in .gguf.", hint="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).")
+        raise UserError(f"The output {out} does not end in .gguf.", hint=say(
+            cli="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).",
+            ui="Name the file in “Output file or folder”, e.g. exports/model.gguf (or choose the format ollama for a folder)."))
     check_gguf_replaceable(out, overwrite)
     # a run folder may hold the export (as it holds merge's default runs/<run>/merged); a model or
     # adapter folder may not (the export would become part of what it was made from)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.surface import child_env
 
 #: the keywords of merge_adapter a request may carry
 KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify", "trust_remote_code", "allow_pickle")
@@ -81,7 +82,7 @@ def _answer(request: dict[str, Any], what: str) -> dict[str, Any]:
     """Run one request in a new worker process; its result dict, or raise its error."""
     proc = subprocess.run(
         [sys.executable, "-m", "finetuner.export.worker"], input=json.dumps(request), capture_output=True,
-        text=True, encoding="utf-8",
+        text=True, encoding="utf-8", env=child_env(),  # its messages are worded for where the caller shows them
     )
     lines = proc.stdout.strip().splitlines()
     if len(lines) != 1:

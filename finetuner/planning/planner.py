@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
+from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, preset_hub_id, presets, resolve_shape
@@ -525,13 +526,15 @@ def _objective_for(objective: str | None, profile) -> tuple[str, str | None]:
         chosen = AUTO_OBJECTIVE[kind]
         if kind == "sft":
             return chosen, None
-        others = " (orpo and simpo need no reference model: --objective orpo|simpo)" if kind == "pairs" else ""
+        others = say(cli=" (orpo and simpo need no reference model: --objective orpo|simpo)",
+                     ui=" (orpo and simpo need no reference model: choose one in the Objective menu)") if kind == "pairs" else ""
         return chosen, f"objective {chosen}: {profile.path} holds {KIND_WORDS[kind]}{others}"
     need = "sft" if objective == "sft" else "pairs" if objective in PAIRED_OBJECTIVES else "rated"
     if kind != need:
         e = wrong_objective(profile.path, kind, objective)
-        raise UserError(e.message, hint=f"Plan with objective {OBJECTIVES_OF_KIND[kind]}, or auto (--objective on the command "
-                        f"line, Objective in the web UI's Plan tab), or give data for '{objective}'.") from None
+        where = say(cli="--objective", ui="the Objective menu")
+        raise UserError(e.message, hint=f"Plan with objective {OBJECTIVES_OF_KIND[kind]}, or auto ({where}), or give "
+                        f"data for '{objective}'.") from None
     return objective, None
 
 
@@ -586,9 +589,10 @@ def plan(
 
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     if seq_len is not None and seq_len < 16:
-        raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 16 (as data.max_seq_len).")
+        raise UserError(f"{say(cli='--seq-len', ui='Sequence length')} {seq_len}: the sequence length must be at least 16 "
+                        "(as data.max_seq_len).")
     if effective_batch is not None and effective_batch < 1:
-        raise UserError(f"--effective-batch {effective_batch}: must be at least 1.")
+        raise UserError(f"{say(cli='--effective-batch', ui='Effective batch')} {effective_batch}: must be at least 1.")
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1.")
     if not 0 <= margin < 1:  # also NaN
