@@ -289,9 +289,18 @@ class Handlers:
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
-            empty = memory_plot(p.estimate, p.gpu) if p.estimate else None
-            return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
-                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip(), gr.skip())
+            chart = memory_plot(p.estimate, p.gpu) if p.estimate else None
+            est_md = views.estimate_md(p.estimate, p.gpu) if p.estimate else ""
+            if p.closest is None:
+                return (views.plan_md(p), chart, est_md, views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10,
+                        gr.skip(), gr.skip())
+            # the editor holds the option that needs the least memory: what "Start even if it does not fit" starts
+            closest = self.with_free_name(p.closest)
+            header = (f"# Nothing fits {p.gpu.name}: this is the option that needs the least memory "
+                      f"({views.gib(p.peak_bytes, 1)}). To try it anyway, tick “{START_ANYWAY}” on the Train tab.\n")
+            text = recipe_text(closest, header)
+            return (views.plan_md(p), chart, est_md, views.rejected_df(p), text,
+                    download_file(text, closest.name, self.temp_dir), *fields_of(closest), "", views.planned(p))
         recipe = self.with_free_name(p.recipe)
         header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
         mem, est_md, text, dl = self._estimate_outputs(recipe, card, header)
@@ -483,9 +492,27 @@ class Handlers:
                     "data": paths.display(local_data) if local_data else ""}
         return {}
 
+    def restored_recipe(self, text: str | None):
+        """The recipe this browser had in the Plan tab's editor, for the editor and its advanced
+        fields after a reload: as it was, renamed as a plan is (``name-2``...) when a run has taken
+        its name meanwhile; a text that is not a valid recipe is given back as it was (the headline
+        says what is wrong)."""
+        if not (text or "").strip():
+            return (gr.skip(),) * 11
+        try:
+            recipe = recipe_from_text(text)
+        except Exception:  # noqa: BLE001 - the user's own half-edited text: kept, the editor's checks explain it
+            return (text, *[gr.skip()] * 10)
+        free = self.with_free_name(recipe)
+        if free.name != recipe.name:
+            header = "".join(f"{line}\n" for line in text.splitlines() if line.startswith("#"))
+            text = recipe_text(free, header)
+        return (text, *fields_of(free))
+
     def on_restore(self, saved: dict | None):
-        """A page (re)load: the choices this browser made last time (model, card, data, run),
-        else those of the newest run, else the defaults; uploads from any session are listed."""
+        """A page (re)load: the choices this browser made last time (model, card, data, run, the
+        recipe in the editor), else those of the newest run, else the defaults; uploads from any
+        session are listed."""
         saved = saved if isinstance(saved, dict) else {}
         latest = self.latest_choice()
         data_choices = paths.data_files(self.uploads)
@@ -503,6 +530,7 @@ class Handlers:
             *self._runs_outputs(chosen),
             gr.update(choices=finished, value=done),
             gr.update(choices=finished, value=done),
+            *self.restored_recipe(saved.get("recipe")),
         )
 
     def on_refresh_finished(self, current: str | None):
@@ -584,7 +612,8 @@ class Handlers:
             target = paths.ROOT / target
         yield f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → `{paths.display(target)}` …"
         r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
-                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
+                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
+                                 **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
         lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
                  f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
         if r.get("max_abs_logit_diff") is not None:

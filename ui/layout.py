@@ -28,7 +28,7 @@ OPTIMIZERS = list(get_args(Optimizer))
 COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
 
 #: what a browser remembers of its choices (gr.BrowserState, in localStorage): the inputs of on_restore
-REMEMBER_JS = "(model, card, data, run) => ({model: model, card: card, data: data, run: run})"
+REMEMBER_JS = "(model, card, data, run, recipe) => ({model: model, card: card, data: data, run: run, recipe: recipe})"
 
 
 def build_blocks(h: Handlers) -> gr.Blocks:
@@ -262,10 +262,11 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         run_pick.change(functools.partial(h.train_view, last=None), run_pick, train_outputs, api_name=False)
         timer.tick(h.train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
         # a (re)load restores this browser's choices, then shows the model and the data chosen
-        app.load(h.on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run], api_name=False
+        app.load(h.on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run, recipe_yaml, *fields],
+                 api_name=False
                  ).then(h.on_model, model_inputs, model_md, api_name=False).then(h.on_columns, data_file, column_outputs, api_name=False
                  ).then(h.on_data, data_inputs, data_outputs, api_name=False)
-        remembered = [model, card, data_file, run_pick]
+        remembered = [model, card, data_file, run_pick, recipe_yaml]
         for comp in remembered:  # in the browser only: stored at once, no round trip to the server
             comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 

@@ -284,11 +284,17 @@ def recipe_headline(recipe: Any) -> str:
 
 
 def planned(plan: Any) -> dict[str, Any] | None:
-    """What the page keeps of a plan to tell, later, whether the recipe shown is still the planner's."""
-    if plan.recipe is None:
+    """What the page keeps of a plan to tell, later, whether the recipe shown is still the planner's;
+    when nothing fits, of the option that needs the least memory (``plan.closest``), with the card
+    it does not fit and what would."""
+    recipe = plan.recipe if plan.recipe is not None else getattr(plan, "closest", None)
+    if recipe is None:
         return None
-    return {"headline": recipe_headline(plan.recipe), "reasons": list(plan.reasons), "notes": list(plan.notes),
-            "model": plan.recipe.model.name, "data": plan.recipe.data.path}
+    kept = {"headline": recipe_headline(recipe), "reasons": list(plan.reasons), "notes": list(plan.notes),
+            "model": recipe.model.name, "data": recipe.data.path}
+    if plan.recipe is None:
+        kept |= {"nothing_fits": plan.gpu.name, "suggestions": list(plan.suggestions)}
+    return kept
 
 
 def _bullets(items: list[str]) -> str:
@@ -303,6 +309,10 @@ def recipe_md(recipe: Any, plan: dict[str, Any] | None) -> str:
     if plan is None or (recipe.model.name, recipe.data.path) != (plan["model"], plan["data"]):
         return (f"{head}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
                 "for the planner's choice and its reasons.")
+    if recipe_headline(recipe) == plan["headline"] and plan.get("nothing_fits"):
+        return (f"### ✕ Nothing fits {html.escape(plan['nothing_fits'])}\n{_bullets(plan['reasons'])}\n\n"
+                f"**What would fit:**\n{_bullets(plan['suggestions'])}\n\nThe recipe below is the option that needs the "
+                f"least memory ({html.escape(plan['headline'])}): it does not fit either.{notes}")
     if recipe_headline(recipe) == plan["headline"]:
         return f"{head}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
     return (f"{head}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
@@ -314,6 +324,8 @@ def invalid_recipe_md(message: str) -> str:
 
 
 def plan_md(plan: Any) -> str:
+    if plan.recipe is None and getattr(plan, "closest", None) is not None:
+        return recipe_md(plan.closest, planned(plan))
     if not plan.fits:
         return (f"### ✕ Nothing fits {html.escape(plan.gpu.name)}\n{_bullets(plan.reasons)}\n\n"
                 f"**What would fit:**\n{_bullets(plan.suggestions)}")

@@ -443,6 +443,7 @@ def export_model(
     verify: bool = True,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    ollama_name: str | None = None,
 ) -> ExportResult:
     """Export a run, an adapter or a model folder to GGUF (llama.cpp, LM Studio) or Ollama.
 
@@ -461,6 +462,8 @@ def export_model(
         trust_remote_code: allow the model's own code to run (a run whose recipe sets
             ``model.trust_remote_code`` is refused without this).
         allow_pickle: allow pickle weight files (a run whose recipe sets ``model.allow_pickle`` is refused without this).
+        ollama_name: ``format="ollama"``: the model's name in the printed ``ollama create`` command
+            (made a valid Ollama name); default: the output folder's name.
 
     Example::
 
@@ -554,7 +557,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             write_export_marker(tmp_dir, "ollama", str(src.path))
             publish_replacing(tmp_dir, out, overwrite)
             gguf_file, modelfile_path = out / name, out / "Modelfile"
-            command = f"ollama create {model_name(out.name)} -f {modelfile_path}"
+            command = f"ollama create {model_name(ollama_name or out.name)} -f {modelfile_path}"
     except BaseException as e:
         if fmt == "gguf":
             path.unlink(missing_ok=True)

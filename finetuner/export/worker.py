@@ -31,7 +31,7 @@ from finetuner.surface import child_env
 KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify", "trust_remote_code", "allow_pickle")
 #: the keywords of export_model an export request may carry
 EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model", "merge_dtype", "verify", "trust_remote_code",
-               "allow_pickle")
+               "allow_pickle", "ollama_name")
 
 
 # --------------------------------------------------------------------------- the worker process

@@ -152,6 +152,9 @@ class Plan:
     gpus: int = 1
     sharded: Any = None  # the chosen strategy's per-device memory (gpus > 1)
     strategies: list[dict[str, Any]] = field(default_factory=list)  # every strategy for the chosen option
+    #: when nothing fits: the recipe of the option that needs the least memory (it does not fit
+    #: either; for a user who starts it anyway, e.g. on a card with more memory than its profile says)
+    closest: Recipe | None = None
 
     @property
     def fits(self) -> bool:
@@ -640,12 +643,15 @@ def plan(
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
-    if result.recipe is not None:
-        lr, why_lr = learning_rate(result.recipe.method, shape, objective)
-        raw = result.recipe.to_dict()
+    for attr in ("recipe", "closest"):
+        if getattr(result, attr) is None:
+            continue
+        lr, why_lr = learning_rate(getattr(result, attr).method, shape, objective)
+        raw = getattr(result, attr).to_dict()
         raw["training"]["lr"] = lr
-        result.recipe = Recipe.model_validate(raw)
-        result.reasons += reasons + sizing.reasons + [why_lr]
+        setattr(result, attr, Recipe.model_validate(raw))
+        if attr == "recipe":
+            result.reasons += reasons + sizing.reasons + [why_lr]
     return result
 
 
@@ -673,7 +679,7 @@ def plan_recipe(
         if not ranked:
             raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",
                             hint="Make the effective batch a multiple of the number of GPUs.")
-        smallest = min(ranked, key=lambda cr: cr[0].peak_bytes)[0]
+        smallest, out.closest = min(ranked, key=lambda cr: cr[0].peak_bytes)
         out.estimate = smallest.estimate
         out.sharded = smallest.sharded
         out.reasons.append(

@@ -58,6 +58,7 @@ def test_the_export_tab_writes_a_checked_gguf_and_an_ollama_folder(tmp_path):
     folder = tmp_path / "ollama"
     done = list(h.on_gguf(run.name, "ollama", "f16", str(folder), False))[-1]
     assert "ollama create" in done and (folder / "Modelfile").is_file() and (folder / "model.gguf").is_file()
+    assert f"ollama create {run.name} -f" in done  # named after the run, not the folder
 
 
 def test_the_editor_reads_and_writes_recipes_with_the_library(tmp_path):
