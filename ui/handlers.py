@@ -44,7 +44,7 @@ PLOT_EVERY_S = 6
 
 CPU_CARD = "cpu"
 #: how many outputs the Train tab's view has (Handlers.train_view)
-TRAIN_OUTPUTS = 11
+TRAIN_OUTPUTS = 12
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
 #: the roles of ``data.columns`` the Data tab has a column menu for, in its order
@@ -357,7 +357,9 @@ class Handlers:
         """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
         polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser).
         A preference run also shows its reward accuracy (and margin) beside the loss; for an SFT run
-        that chart's column is hidden."""
+        that chart's column is hidden. The past-runs table's row of the run shown is made from the
+        same status as the status line, on the same tick; the Train tab's message ("Training
+        started ...") is cleared when the run shown stops running."""
         last = last or {}
         last_sig, shown = last.get("sig"), last.get("shown") or ()
         st = None
@@ -370,12 +372,17 @@ class Handlers:
         sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals), preference) if st else None
         chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
         rewards = plot(views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
-        # the past-runs table reads every run's events: only when the run shown or its state changes
-        if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
-            table = views.runs_df(jobs.list_runs(self.runs))
-        else:
-            table = gr.skip()
+        # the past-runs table reads every run's events: only when the run shown or its state changes;
+        # otherwise only the shown run's row is made again, from st (the status line's own figures)
+        rows = last.get("rows")
+        if rows is None or sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
+            rows = [views.run_row(st if st is not None and r.name == st.name else r) for r in jobs.list_runs(self.runs)]
+        elif st is not None:
+            rows = [views.run_row(st) if row[0] == st.name else row for row in rows]
+        rows = [tuple(r) for r in rows]
+        table = gr.skip() if rows == last.get("rows") else views.runs_table(rows)
         running = bool(st and st.running)
+        ended = bool(shown) and shown[3] and not running  # the run shown was running at the last look
         values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable), preference)
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
         mem, smp, start_i, stop_i, resume_i, _pref = values
@@ -387,10 +394,11 @@ class Handlers:
             gr.skip() if same[2] else gr.update(interactive=start_i),
             gr.skip() if same[3] else gr.update(interactive=stop_i),
             gr.skip() if same[4] else gr.update(interactive=resume_i),
-            {"sig": sig, "shown": values},
+            {"sig": sig, "shown": values, "rows": rows},
             table,
             gr.skip() if same[5] else gr.update(visible=preference),
             rewards,
+            "" if ended else gr.skip(),
         )
 
     def train_view(self, name: str | None, last: dict | None = None):

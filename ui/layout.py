@@ -255,7 +255,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                        api_name="load_recipe")
 
         train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table,
-                         reward_col, reward_plot]
+                         reward_col, reward_plot, train_msg]
         start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway, start_code], [run_pick, runs_table, train_msg], api_name="start_training")
         stop_btn.click(h.on_stop, run_pick, train_msg, api_name="stop_training")
         resume_btn.click(h.on_resume, [run_pick, start_code], [run_pick, runs_table, train_msg], api_name="resume_training")

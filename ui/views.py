@@ -530,17 +530,28 @@ def samples_md(st: Any | None) -> str:
     return "**Samples after training**\n\n" + "\n".join(rows)
 
 
+#: the Past runs table's columns
+RUNS_COLUMNS = ["run", "state", "data", "objective", "steps", "loss", "eval loss", "updated"]
+
+
+def run_row(r: Any) -> tuple:
+    """A run's row in the Past runs table: what it trains on and how, and how far it got."""
+    return (
+        r.name,
+        STATE_LABELS.get(r.state, ("", r.state, ""))[1].split(" —")[0],
+        ", ".join(Path(p).name for p in r.data) or "–",
+        r.objective or "–",
+        f"{r.step}/{r.max_steps or '?'}",
+        "–" if r.last_loss is None else f"{r.last_loss:.3f}",
+        "–" if not r.evals else f"{r.evals[-1][1]:.3f}",
+        time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified)) if r.modified else "",
+    )
+
+
+def runs_table(rows: list[tuple]) -> pd.DataFrame:
+    """The Past runs table of rows made by :func:`run_row`."""
+    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
+
+
 def runs_df(runs: list[Any]) -> pd.DataFrame:
-    rows = []
-    for r in runs:
-        rows.append(
-            (
-                r.name,
-                STATE_LABELS.get(r.state, ("", r.state, ""))[1].split(" —")[0],
-                f"{r.step}/{r.max_steps or '?'}",
-                "–" if r.last_loss is None else f"{r.last_loss:.3f}",
-                "–" if not r.evals else f"{r.evals[-1][1]:.3f}",
-                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified)) if r.modified else "",
-            )
-        )
-    return pd.DataFrame(rows, columns=["run", "state", "steps", "loss", "eval loss", "updated"])
+    return runs_table([run_row(r) for r in runs])

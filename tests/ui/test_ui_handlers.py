@@ -184,7 +184,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     _events(h.runs / "sft", [start, *steps])
     out = h.train_view("dpo")
     assert len(out) == ui_handlers.TRAIN_OUTPUTS
-    status, _loss, *_, seen, _table, column, rewards_plot = out
+    status, _loss, *_, seen, _table, column, rewards_plot, _message = out
     assert "reward accuracy <b>88%</b>" in status and "eval reward accuracy <b>70%</b>" in status
     assert column == {"__type__": "update", "visible": True}
     spec = json.loads(rewards_plot.plot)
@@ -192,7 +192,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     assert [(r["step"], r["value"]) for r in spec["data"]["values"] if r["series"] == "eval accuracy"] == [(2, 0.7)]
     again = h.train_view("dpo", seen)  # nothing new: neither chart nor the column is sent again
     assert again[1] == again[9] == again[10] == gr_skip()
-    status, *_, column, rewards_plot = h.train_view("sft", seen)
+    status, *_, column, rewards_plot, _message = h.train_view("sft", seen)
     assert "reward" not in status and column == {"__type__": "update", "visible": False} and rewards_plot == gr_skip()
 
 
