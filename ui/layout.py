@@ -243,8 +243,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]
         plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective, *pickers]
         plan_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_plan, plan_inputs, plan_outputs, api_name="plan")
+        # opening the Plan tab plans an empty editor; "Next: the plan" opens it (a tab chosen by a button
+        # fires select too: planning on the button as well made two plans, and two "Nothing fits" toasts)
         plan_tab.select(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
-        next2.click(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(empty_chart, None, mem_plot, api_name=False).then(h.on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
         recipe_yaml.change(h.on_recipe_text, [recipe_yaml, planned], plan_md, api_name=False, show_progress="hidden",

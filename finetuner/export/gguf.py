@@ -504,12 +504,13 @@ def export_model(
             else:
                 weights = _weights_folder(src)
             return _write_and_check(src, out, format, quant, overwrite, arch, weights, vocab, tokenizer, template,
-                                    modelfile_text, verify, notes, t0)
+                                    modelfile_text, verify, notes, t0, ollama_name)
         finally:
             shutil.rmtree(merged_dir, ignore_errors=True)
 
 
-def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0):
+def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0,
+                     ollama_name=None):
     plan = _Plan(arch, weights, quant)
     if fmt == "gguf":
         tmp_dir, name = out.parent, f".{out.stem}.tmp-export-{os.getpid()}.gguf"

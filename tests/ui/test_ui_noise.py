@@ -90,3 +90,17 @@ def test_a_plan_that_does_not_fit_warns_once(tmp_path):
             out = h.plan_if_empty(editor, *args)
             editor = out[4] if isinstance(out[4], str) else editor  # what the page's editor holds afterwards
     assert [str(w.message) for w in seen if "Nothing fits" in str(w.message)] == ["Nothing fits this card; see the suggestions."]
+
+
+def test_next_the_plan_plans_once(tmp_path):
+    """"Next: the plan" opens the Plan tab, whose select event plans an empty editor: the button
+    itself plans nothing (it did, so one click made two plans and two "Nothing fits" toasts)."""
+    from ui.app import build_app
+
+    app = build_app(tmp_path / "runs", tmp_path / "uploads")
+    next_btn = next(b for b in app.blocks.values() if isinstance(b, gr.Button) and b.value == "Next: the plan →")
+    plan_tab = next(b for b in app.blocks.values() if isinstance(b, gr.Tab) and b.label == "3 · Plan")
+    planners = [f for f in app.fns.values() if getattr(f.fn, "__name__", "") in ("plan_if_empty", "on_plan")]
+    triggers = [t for f in planners for t in f.targets]
+    assert (next_btn._id, "click") not in triggers
+    assert triggers.count((plan_tab._id, "select")) == 1
