@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from finetuner.surface import current as current_surface
+
 
 class UserError(Exception):
     """An error caused by the user's input, with a message that says what to do."""
@@ -28,6 +30,8 @@ class UserError(Exception):
     def hint_for(self, command: str | None) -> str | None:
         """The hint as shown by ``command`` (``run``, ``plan``, ``eval``, ``ui``...; None: anywhere):
         the settings written the way that command takes them (:func:`how_to_set`), then the rest."""
+        if command is None and current_surface() == "ui":  # raised where the web UI shows it (a UI-started worker)
+            command = "ui"
         how = how_to_set(self.settings, command) if self.settings else None
         return "\n".join(x for x in (how, self.plain_hint) if x) or None
 
@@ -40,6 +44,34 @@ COMMAND_FLAGS: dict[str, dict[str, str]] = {
              "data.max_seq_len": "--seq-len {value}", "method": "--method {value}"},
     "eval": {"data.columns.*": "--column {leaf}={value}"},
 }
+
+
+#: Where the web UI (``command`` ``ui``) takes a setting: ``{leaf}`` is the last key (a data.columns role).
+UI_CONTROLS: dict[str, str] = {
+    "data.columns.*": "the Data tab's {leaf} column menu (under the data file)",
+    "objective": "the Plan tab's Objective menu",
+    "method": "the Plan tab's Method menu",
+    "data.max_seq_len": "the Data tab's Sequence length box",
+}
+
+
+def _ui_control(key: str) -> str | None:
+    head, _, leaf = key.rpartition(".")
+    form = UI_CONTROLS.get(key) or UI_CONTROLS.get(f"{head}.*")
+    return form.format(leaf=leaf) if form else None
+
+
+def _in_the_ui(settings: dict[str, str]) -> str | None:
+    """``settings`` as the web UI takes them (its menus), or None when one has no control there."""
+    said = []
+    for key, value in settings.items():
+        control = _ui_control(key)
+        if control is None:
+            return None
+        what = "the column that holds it" if value == "COLUMN" else value
+        said.append(f"choose {what} in {control}")
+    text = "; ".join(said)
+    return "In the web UI: " + text + "."
 
 
 def _flag(command: str, key: str, value: str) -> str | None:
@@ -78,8 +110,14 @@ def recipe_form(settings: dict[str, str]) -> str:
 def how_to_set(settings: dict[str, str], command: str | None) -> str:
     """How to give recipe ``settings`` where ``command`` shows the error: ``--set`` for ``run`` and
     ``estimate``, the command's own flags (``plan --column``, ``--objective``), else the recipe; with no
-    command known, the recipe and which command takes which flag."""
+    command known, the recipe and which command takes which flag; ``ui``: the web UI's menus
+    (:data:`UI_CONTROLS`), else its recipe editor."""
     recipe = f"in the recipe:\n{recipe_form(settings)}"
+    if command == "ui":
+        ui = _in_the_ui(settings)
+        if ui is not None:
+            return ui
+        return "In the recipe editor (Plan tab):\n" + recipe_form(settings)
     if command in SET_COMMANDS:
         return "On the command line: " + " ".join(f"--set {k}={v}" for k, v in settings.items()) + f"\nor {recipe}"
     flags = [_flag(command, k, v) for k, v in settings.items()] if command else [None]

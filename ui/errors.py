@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 import html
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import gradio as gr
 
 from finetuner.errors import UserError
+from finetuner.surface import shown_in
 
 
 def error_md(e: Exception) -> str:
@@ -25,11 +26,25 @@ def error_md(e: Exception) -> str:
     return f'<div class="ft-error" role="alert">✕ {html.escape(text, quote=False)}</div>'
 
 
+def steps_in_ui(gen: Iterator) -> Iterator:
+    """The items of a handler's generator, each step run with messages worded for the web UI
+    (:func:`finetuner.surface.shown_in`): gradio may resume a generator in another thread or
+    context, so the surface is set for each step, not once around the loop."""
+    while True:
+        with shown_in("ui"):
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+        yield item
+
+
 def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
     """A handler whose errors are shown as text in its output number ``status`` (of ``outputs``),
     the other outputs keeping what they showed: the reason is on the page (a raised error would
     turn every output into a bare "Error" badge, and its toast goes away). Engine errors become a
-    message, never a traceback."""
+    message, never a traceback. The library words its messages for the web UI while the handler
+    runs (:func:`finetuner.surface.shown_in`): they name the page's controls, not the CLI's options."""
 
     def failed(e: Exception):
         if outputs == 1:
@@ -44,7 +59,7 @@ def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
             @functools.wraps(fn)
             def gen_wrapper(*args, **kwargs):
                 try:
-                    yield from fn(*args, **kwargs)
+                    yield from steps_in_ui(fn(*args, **kwargs))
                 except Exception as e:  # noqa: BLE001
                     yield failed(e)
 
@@ -53,7 +68,8 @@ def shows_errors(status: int, outputs: int) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             try:
-                return fn(*args, **kwargs)
+                with shown_in("ui"):
+                    return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
                 return failed(e)
 

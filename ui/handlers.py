@@ -27,13 +27,15 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from finetuner.config.recipe import Objective
+from finetuner.data.formats import ROLES
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
+from finetuner.surface import shown_in
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from ui import paths, views
 from ui.chat_pool import ChatPool
-from ui.errors import error_md, shows_errors
+from ui.errors import error_md, shows_errors, steps_in_ui
 from ui.estimate import recipe_estimate
 from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
 
@@ -42,9 +44,13 @@ PLOT_EVERY_S = 6
 
 CPU_CARD = "cpu"
 #: how many outputs the Train tab's view has (Handlers.train_view)
-TRAIN_OUTPUTS = 11
+TRAIN_OUTPUTS = 12
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
+#: the roles of ``data.columns`` the Data tab has a column menu for, in its order
+COLUMN_ROLES = tuple(ROLES)
+#: a column menu's choice that names no column: the role is read as the file's format has it
+AS_DETECTED = ("— as detected —", "")
 #: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
 START_ANYWAY = "Start even if it does not fit"
 #: The confirmation that code from a run's folder (or a recipe's model) may run: unchecked by default.
@@ -92,6 +98,13 @@ def empty_chart() -> None:
     """Empties a chart while its new figures are computed: a gradio BarPlot keeps its first colour
     scale otherwise, and the last plan's chart must not stand beside a new plan."""
     return None
+
+
+def picked_columns(picked: tuple | list) -> dict[str, str] | None:
+    """``data.columns`` from the Data tab's column menus (in :data:`COLUMN_ROLES`' order): the roles
+    given a column; ``None`` when none is (the format and columns are detected)."""
+    columns = {role: str(col) for role, col in zip(COLUMN_ROLES, picked) if col}
+    return columns or None
 
 
 def message_text(content: Any) -> str:
@@ -184,11 +197,29 @@ class Handlers:
         gr.Info(f"Saved as {shown}" if new else f"Already uploaded (same content): {shown}")
         return gr.update(choices=paths.data_files(self.uploads), value=shown), gr.skip()
 
+    def on_columns(self, data_file: str | None):
+        """A data file chosen: the Data tab's column menus offer its columns (each left as detected),
+        shown for a local file of supervised examples (preference data is read by its column names);
+        the previous file's preview is cleared at once."""
+        from finetuner.data.formats import file_columns, file_kind
+
+        columns: list[str] = []
+        local = paths.resolve_local(data_file or "")
+        if local is not None and local.is_file():
+            try:
+                with shown_in("ui"):
+                    columns = file_columns(str(local)) if file_kind(str(local)) == "sft" else []
+            except UserError:
+                columns = []  # on_data says what is wrong with the file
+        menus = [gr.update(choices=[AS_DETECTED, *((c, c) for c in columns)], value="") for _ in COLUMN_ROLES]
+        return (gr.update(visible=bool(columns)), *menus, gr.update(value=[]), gr.update(value="", visible=False))
+
     @shows_errors(0, 4)
-    def on_data(self, model_text: str, data_file: str, seq_len: float | None):
+    def on_data(self, model_text: str, data_file: str, seq_len: float | None, *picked: str):
         """The Data tab: what the file holds, its token lengths against the sequence length, and its
         first examples: as the model sees them (SFT), or side by side for preference pairs and rated
-        responses (:func:`finetuner.data.preview.preview_preferences`)."""
+        responses (:func:`finetuner.data.preview.preview_preferences`). ``picked``: the column menus'
+        choices (:data:`COLUMN_ROLES`' order; blank: as detected), as ``data.columns``."""
         from finetuner.data.preview import preview_data, preview_preferences
         from finetuner.data.stats import profile_data
         from finetuner.planning.planner import data_seq_len
@@ -199,7 +230,8 @@ class Handlers:
             raise UserError(f"Sequence length {seq_len:g}: give a number of tokens, or 0 to take it from the data.")
         path = paths.resolve_data(data_file)
         model = paths.resolve_model(model_text)
-        profile = profile_data(path, model, int(seq_len or 0) or None)
+        columns = picked_columns(picked)
+        profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
@@ -214,7 +246,7 @@ class Handlers:
                     gr.update(value=shown, visible=bool(shown)))
         preview, preview_note = None, ""
         try:
-            preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq)
+            preview = preview_data(path, _tokenizer(model), n=3, max_seq_len=seq, columns=columns)
         except UserError as e:
             preview_note = f"\n\n**No token preview:** {e.message}"
         summary = views.data_summary_md(profile, preview, seq) + preview_note
@@ -239,9 +271,10 @@ class Handlers:
 
     @shows_errors(0, 18)
     def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
-                objective: str | None = "auto"):
+                objective: str | None = "auto", *picked: str):
         """The planner's recipe for the model, card and data file; ``objective`` ``auto`` takes it
-        from the data (sft, dpo for pairs, kto for rated responses), another must fit the file."""
+        from the data (sft, dpo for pairs, kto for rated responses), another must fit the file.
+        ``picked``: the Data tab's column menus (see :meth:`on_data`), written as ``data.columns``."""
         from finetuner.planning.planner import plan
 
         if not data_file:
@@ -255,12 +288,22 @@ class Handlers:
             method=None if method in (None, "", "auto") else method,
             objective=None if objective in (None, "", "auto") else objective,
             runs_dir=self.runs,
+            columns=picked_columns(picked),
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")
-            empty = memory_plot(p.estimate, p.gpu) if p.estimate else None
-            return (views.plan_md(p), empty, views.estimate_md(p.estimate, p.gpu) if p.estimate else "",
-                    views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10, gr.skip(), gr.skip())
+            chart = memory_plot(p.estimate, p.gpu) if p.estimate else None
+            est_md = views.estimate_md(p.estimate, p.gpu) if p.estimate else ""
+            if p.closest is None:
+                return (views.plan_md(p), chart, est_md, views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10,
+                        gr.skip(), gr.skip())
+            # the editor holds the option that needs the least memory: what "Start even if it does not fit" starts
+            closest = self.with_free_name(p.closest)
+            header = (f"# Nothing fits {p.gpu.name}: this is the option that needs the least memory "
+                      f"({views.gib(p.peak_bytes, 1)}). To try it anyway, tick “{START_ANYWAY}” on the Train tab.\n")
+            text = recipe_text(closest, header)
+            return (views.plan_md(p), chart, est_md, views.rejected_df(p), text,
+                    download_file(text, closest.name, self.temp_dir), *fields_of(closest), "", views.planned(p))
         recipe = self.with_free_name(p.recipe)
         header = "".join(f"{line}\n" for line in p.to_yaml().splitlines() if line.startswith("# "))
         mem, est_md, text, dl = self._estimate_outputs(recipe, card, header)
@@ -317,7 +360,9 @@ class Handlers:
         """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
         polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser).
         A preference run also shows its reward accuracy (and margin) beside the loss; for an SFT run
-        that chart's column is hidden."""
+        that chart's column is hidden. The past-runs table's row of the run shown is made from the
+        same status as the status line, on the same tick; the Train tab's message ("Training
+        started ...") is cleared when the run shown stops running."""
         last = last or {}
         last_sig, shown = last.get("sig"), last.get("shown") or ()
         st = None
@@ -330,12 +375,17 @@ class Handlers:
         sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals), preference) if st else None
         chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
         rewards = plot(views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
-        # the past-runs table reads every run's events: only when the run shown or its state changes
-        if sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
-            table = views.runs_df(jobs.list_runs(self.runs))
-        else:
-            table = gr.skip()
+        # the past-runs table reads every run's events: only when the run shown or its state changes;
+        # otherwise only the shown run's row is made again, from st (the status line's own figures)
+        rows = last.get("rows")
+        if rows is None or sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
+            rows = [views.run_row(st if st is not None and r.name == st.name else r) for r in jobs.list_runs(self.runs)]
+        elif st is not None:
+            rows = [views.run_row(st) if row[0] == st.name else row for row in rows]
+        rows = [tuple(r) for r in rows]
+        table = gr.skip() if rows == last.get("rows") else views.runs_table(rows)
         running = bool(st and st.running)
+        ended = bool(shown) and shown[3] and not running  # the run shown was running at the last look
         values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable), preference)
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
         mem, smp, start_i, stop_i, resume_i, _pref = values
@@ -347,10 +397,11 @@ class Handlers:
             gr.skip() if same[2] else gr.update(interactive=start_i),
             gr.skip() if same[3] else gr.update(interactive=stop_i),
             gr.skip() if same[4] else gr.update(interactive=resume_i),
-            {"sig": sig, "shown": values},
+            {"sig": sig, "shown": values, "rows": rows},
             table,
             gr.skip() if same[5] else gr.update(visible=preference),
             rewards,
+            "" if ended else gr.skip(),
         )
 
     def train_view(self, name: str | None, last: dict | None = None):
@@ -452,9 +503,27 @@ class Handlers:
                     "data": paths.display(local_data) if local_data else ""}
         return {}
 
+    def restored_recipe(self, text: str | None):
+        """The recipe this browser had in the Plan tab's editor, for the editor and its advanced
+        fields after a reload: as it was, renamed as a plan is (``name-2``...) when a run has taken
+        its name meanwhile; a text that is not a valid recipe is given back as it was (the headline
+        says what is wrong)."""
+        if not (text or "").strip():
+            return (gr.skip(),) * 11
+        try:
+            recipe = recipe_from_text(text)
+        except Exception:  # noqa: BLE001 - the user's own half-edited text: kept, the editor's checks explain it
+            return (text, *[gr.skip()] * 10)
+        free = self.with_free_name(recipe)
+        if free.name != recipe.name:
+            header = "".join(f"{line}\n" for line in text.splitlines() if line.startswith("#"))
+            text = recipe_text(free, header)
+        return (text, *fields_of(free))
+
     def on_restore(self, saved: dict | None):
-        """A page (re)load: the choices this browser made last time (model, card, data, run),
-        else those of the newest run, else the defaults; uploads from any session are listed."""
+        """A page (re)load: the choices this browser made last time (model, card, data, run, the
+        recipe in the editor), else those of the newest run, else the defaults; uploads from any
+        session are listed."""
         saved = saved if isinstance(saved, dict) else {}
         latest = self.latest_choice()
         data_choices = paths.data_files(self.uploads)
@@ -472,6 +541,7 @@ class Handlers:
             *self._runs_outputs(chosen),
             gr.update(choices=finished, value=done),
             gr.update(choices=finished, value=done),
+            *self.restored_recipe(saved.get("recipe")),
         )
 
     def on_refresh_finished(self, current: str | None):
@@ -483,7 +553,7 @@ class Handlers:
         """One exchange in both lanes; an error puts the message and the conversations back as
         they were and says why in the status line."""
         try:
-            yield from self._chat(message, tuned_hist, base_hist, *settings)
+            yield from steps_in_ui(self._chat(message, tuned_hist, base_hist, *settings))
         except Exception as e:  # noqa: BLE001
             yield message, tuned_hist, base_hist, error_md(e)
 
@@ -553,7 +623,8 @@ class Handlers:
             target = paths.ROOT / target
         yield f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → `{paths.display(target)}` …"
         r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
-                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
+                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
+                                 **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
         lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
                  f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
         if r.get("max_abs_logit_diff") is not None:

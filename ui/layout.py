@@ -14,8 +14,9 @@ from finetuner.config.recipe import Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
-from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, CPU_CARD, OBJECTIVES, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers,
-                         default_card, empty_chart)
+from finetuner.data.formats import ROLES
+from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, OBJECTIVES, START_ANYWAY, START_CODE,
+                         START_CODE_INFO, Handlers, default_card, empty_chart)
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -27,7 +28,7 @@ OPTIMIZERS = list(get_args(Optimizer))
 COLORS = {"trained": "#10b981", "masked": "#cbd5e1"}
 
 #: what a browser remembers of its choices (gr.BrowserState, in localStorage): the inputs of on_restore
-REMEMBER_JS = "(model, card, data, run) => ({model: model, card: card, data: data, run: run})"
+REMEMBER_JS = "(model, card, data, run, recipe) => ({model: model, card: card, data: data, run: run, recipe: recipe})"
 
 
 def build_blocks(h: Handlers) -> gr.Blocks:
@@ -71,6 +72,13 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     # no file_types filter: gradio would refuse another type with a bare "Error" badge;
                     # save_upload's refusal says which types it reads, under the data tab's summary
                     upload = gr.UploadButton("Upload a file…", type="filepath", scale=1, elem_id="upload-btn")
+                with gr.Accordion("Columns: which column holds what", open=True, visible=False,
+                                  elem_id="column-menus") as column_box:
+                    gr.Markdown("Leave a role *as detected* to read it as the file's format has it; choose a column to "
+                                "map it (written into the recipe as `data.columns`).", elem_classes="ft-step")
+                    with gr.Row():
+                        pickers = [gr.Dropdown([AS_DETECTED], value="", label=role, info=ROLES[role], min_width=140,
+                                               elem_id=f"column-{role}") for role in COLUMN_ROLES]
                 data_md = gr.Markdown(elem_id="data-summary")
                 with gr.Row():
                     with gr.Column(scale=3):
@@ -217,9 +225,13 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         for comp in model_inputs:
             comp.change(h.on_model, model_inputs, model_md, api_name=False)
 
-        data_inputs = [model, data_file, seq_len]
+        data_inputs = [model, data_file, seq_len, *pickers]
         data_outputs = [data_md, preview, hist, pairs]
-        data_file.change(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name="analyse_data")
+        column_outputs = [column_box, *pickers, preview, pairs]
+        data_file.change(empty_chart, None, hist, api_name=False).then(h.on_columns, data_file, column_outputs, api_name=False
+                                                                        ).then(h.on_data, data_inputs, data_outputs, api_name="analyse_data")
+        for picker in pickers:  # the user's choice only: the menus filled for a new file do not analyse it twice
+            picker.input(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
         seq_len.submit(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
         seq_len.blur(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
         model.change(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
@@ -229,10 +241,11 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
         planned = gr.State(None)  # what the planner chose and why (views.planned): edits are told apart from it
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]
-        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective]
+        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective, *pickers]
         plan_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_plan, plan_inputs, plan_outputs, api_name="plan")
+        # opening the Plan tab plans an empty editor; "Next: the plan" opens it (a tab chosen by a button
+        # fires select too: planning on the button as well made two plans, and two "Nothing fits" toasts)
         plan_tab.select(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
-        next2.click(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(empty_chart, None, mem_plot, api_name=False).then(h.on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
         recipe_yaml.change(h.on_recipe_text, [recipe_yaml, planned], plan_md, api_name=False, show_progress="hidden",
@@ -243,16 +256,18 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                        api_name="load_recipe")
 
         train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table,
-                         reward_col, reward_plot]
+                         reward_col, reward_plot, train_msg]
         start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway, start_code], [run_pick, runs_table, train_msg], api_name="start_training")
         stop_btn.click(h.on_stop, run_pick, train_msg, api_name="stop_training")
         resume_btn.click(h.on_resume, [run_pick, start_code], [run_pick, runs_table, train_msg], api_name="resume_training")
         run_pick.change(functools.partial(h.train_view, last=None), run_pick, train_outputs, api_name=False)
         timer.tick(h.train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
         # a (re)load restores this browser's choices, then shows the model and the data chosen
-        app.load(h.on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run], api_name=False
-                 ).then(h.on_model, model_inputs, model_md, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
-        remembered = [model, card, data_file, run_pick]
+        app.load(h.on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run, recipe_yaml, *fields],
+                 api_name=False
+                 ).then(h.on_model, model_inputs, model_md, api_name=False).then(h.on_columns, data_file, column_outputs, api_name=False
+                 ).then(h.on_data, data_inputs, data_outputs, api_name=False)
+        remembered = [model, card, data_file, run_pick, recipe_yaml]
         for comp in remembered:  # in the browser only: stored at once, no round trip to the server
             comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 

@@ -288,11 +288,17 @@ def recipe_headline(recipe: Any) -> str:
 
 
 def planned(plan: Any) -> dict[str, Any] | None:
-    """What the page keeps of a plan to tell, later, whether the recipe shown is still the planner's."""
-    if plan.recipe is None:
+    """What the page keeps of a plan to tell, later, whether the recipe shown is still the planner's;
+    when nothing fits, of the option that needs the least memory (``plan.closest``), with the card
+    it does not fit and what would."""
+    recipe = plan.recipe if plan.recipe is not None else getattr(plan, "closest", None)
+    if recipe is None:
         return None
-    return {"headline": recipe_headline(plan.recipe), "reasons": list(plan.reasons), "notes": list(plan.notes),
-            "model": plan.recipe.model.name, "data": plan.recipe.data.path}
+    kept = {"headline": recipe_headline(recipe), "reasons": list(plan.reasons), "notes": list(plan.notes),
+            "model": recipe.model.name, "data": recipe.data.path}
+    if plan.recipe is None:
+        kept |= {"nothing_fits": plan.gpu.name, "suggestions": list(plan.suggestions)}
+    return kept
 
 
 def _bullets(items: list[str]) -> str:
@@ -307,6 +313,10 @@ def recipe_md(recipe: Any, plan: dict[str, Any] | None) -> str:
     if plan is None or (recipe.model.name, recipe.data.path) != (plan["model"], plan["data"]):
         return (f"{head}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
                 "for the planner's choice and its reasons.")
+    if recipe_headline(recipe) == plan["headline"] and plan.get("nothing_fits"):
+        return (f"### ✕ Nothing fits {html.escape(plan['nothing_fits'])}\n{_bullets(plan['reasons'])}\n\n"
+                f"**What would fit:**\n{_bullets(plan['suggestions'])}\n\nThe recipe below is the option that needs the "
+                f"least memory ({html.escape(plan['headline'])}): it does not fit either.{notes}")
     if recipe_headline(recipe) == plan["headline"]:
         return f"{head}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
     return (f"{head}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
@@ -318,6 +328,8 @@ def invalid_recipe_md(message: str) -> str:
 
 
 def plan_md(plan: Any) -> str:
+    if plan.recipe is None and getattr(plan, "closest", None) is not None:
+        return recipe_md(plan.closest, planned(plan))
     if not plan.fits:
         return (f"### ✕ Nothing fits {html.escape(plan.gpu.name)}\n{_bullets(plan.reasons)}\n\n"
                 f"**What would fit:**\n{_bullets(plan.suggestions)}")
@@ -522,17 +534,28 @@ def samples_md(st: Any | None) -> str:
     return "**Samples after training**\n\n" + "\n".join(rows)
 
 
+#: the Past runs table's columns
+RUNS_COLUMNS = ["run", "state", "data", "objective", "steps", "loss", "eval loss", "updated"]
+
+
+def run_row(r: Any) -> tuple:
+    """A run's row in the Past runs table: what it trains on and how, and how far it got."""
+    return (
+        r.name,
+        STATE_LABELS.get(r.state, ("", r.state, ""))[1].split(" —")[0],
+        ", ".join(Path(p).name for p in r.data) or "–",
+        r.objective or "–",
+        f"{r.step}/{r.max_steps or '?'}",
+        "–" if r.last_loss is None else f"{r.last_loss:.3f}",
+        "–" if not r.evals else f"{r.evals[-1][1]:.3f}",
+        time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified)) if r.modified else "",
+    )
+
+
+def runs_table(rows: list[tuple]) -> pd.DataFrame:
+    """The Past runs table of rows made by :func:`run_row`."""
+    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
+
+
 def runs_df(runs: list[Any]) -> pd.DataFrame:
-    rows = []
-    for r in runs:
-        rows.append(
-            (
-                r.name,
-                STATE_LABELS.get(r.state, ("", r.state, ""))[1].split(" —")[0],
-                f"{r.step}/{r.max_steps or '?'}",
-                "–" if r.last_loss is None else f"{r.last_loss:.3f}",
-                "–" if not r.evals else f"{r.evals[-1][1]:.3f}",
-                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified)) if r.modified else "",
-            )
-        )
-    return pd.DataFrame(rows, columns=["run", "state", "steps", "loss", "eval loss", "updated"])
+    return runs_table([run_row(r) for r in runs])

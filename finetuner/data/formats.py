@@ -371,6 +371,14 @@ def preference_kind(row: Any) -> str | None:
     return None
 
 
+def file_columns(path: str) -> list[str]:
+    """The columns of a data file, as its first row names them (in the file's order), for choosing
+    ``data.columns``; empty when the file has no row or its first row is not an object."""
+    for raw in read_rows(path, "train", []):
+        return [str(k) for k in raw.data] if isinstance(raw.data, dict) else []
+    return []
+
+
 def file_kind(path: str) -> str:
     """What a data file holds, from its first row: ``sft``, ``pairs`` or ``rated`` (see
     :func:`preference_kind`); a file with no readable row is ``sft`` (its reader then says what is wrong)."""

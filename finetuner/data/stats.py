@@ -28,6 +28,7 @@ from typing import Any
 from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
+from finetuner.surface import say
 
 CHARS_PER_TOKEN = 3.5
 TEMPLATE_TOKENS_PER_MESSAGE = 5
@@ -195,7 +196,8 @@ def profile_data(
     if layout.columns and not columns:
         profile.notes.append(
             f"columns found by their names: {', '.join(f'{r} = {c}' for r, c in layout.columns.items())}; "
-            "to map them otherwise, name them (data.columns in a recipe, --column ROLE=COLUMN to plan)"
+            + say(cli="to map them otherwise, name them (data.columns in a recipe, --column ROLE=COLUMN to plan)",
+                  ui="to map them otherwise, choose others in the Data tab's column menus")
         )
     if seq_len is not None:
         cut = profile.truncated(seq_len)

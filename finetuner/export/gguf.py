@@ -51,6 +51,7 @@ from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir,
 from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
 from finetuner.model.gguf_base import is_gguf_name, pretrained_args
 from finetuner.quiet import quieted
+from finetuner.surface import say
 
 FORMATS = ("gguf", "ollama")
 #: --quant → (GGML tensor type for 2-D weights, llama.cpp file type); q4_k_m goes through llama.cpp's quantizer.
@@ -156,19 +157,24 @@ def check_gguf_replaceable(out: Path, overwrite: bool) -> None:
     """An existing ``out`` is replaced only with ``overwrite``, and only when it is a GGUF file
     finetuner exported (:func:`gguf_marker`); checked before the export and again before the rename."""
     if out.is_symlink() or out.is_dir():
-        raise UserError(f"The output {out} is a {'link' if out.is_symlink() else 'folder'}.", hint="Name a new .gguf file for -o.")
+        raise UserError(f"The output {out} is a {'link' if out.is_symlink() else 'folder'}.", hint=say(
+            cli="Name a new .gguf file for -o.", ui="Name a new .gguf file in “Output file or folder”."))
     if not out.exists():
         return
     if gguf_marker(out) is None:
         raise UserError(f"The output {out} exists and is not a GGUF file finetuner exported; finetuner will not "
                         "replace it (overwrite or not).", hint="Choose a new file name, or move that file away yourself.")
     if not overwrite:
-        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint="Choose a new name for -o, or pass --overwrite to replace it.")
+        raise UserError(f"The output {out} exists; finetuner will not overwrite it.", hint=say(
+            cli="Choose a new name for -o, or pass --overwrite to replace it.",
+            ui="Choose a new name in “Output file or folder”, or tick “overwrite” to replace it."))
 
 
 def _check_gguf_output(out: Path, overwrite: bool, src: Source) -> None:
     if out.suffix != ".gguf":
-        raise UserError(f"The output {out} does not end in .gguf.", hint="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).")
+        raise UserError(f"The output {out} does not end in .gguf.", hint=say(
+            cli="Name the file, e.g. -o exports/model.gguf (or use --format ollama for a folder).",
+            ui="Name the file in “Output file or folder”, e.g. exports/model.gguf (or choose the format ollama for a folder)."))
     check_gguf_replaceable(out, overwrite)
     # a run folder may hold the export (as it holds merge's default runs/<run>/merged); a model or
     # adapter folder may not (the export would become part of what it was made from)
@@ -449,6 +455,7 @@ def export_model(
     verify: bool = True,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    ollama_name: str | None = None,
 ) -> ExportResult:
     """Export a run, an adapter or a model folder to GGUF (llama.cpp, LM Studio) or Ollama.
 
@@ -467,6 +474,8 @@ def export_model(
         trust_remote_code: allow the model's own code to run (a run whose recipe sets
             ``model.trust_remote_code`` is refused without this).
         allow_pickle: allow pickle weight files (a run whose recipe sets ``model.allow_pickle`` is refused without this).
+        ollama_name: ``format="ollama"``: the model's name in the printed ``ollama create`` command
+            (made a valid Ollama name); default: the output folder's name.
 
     Example::
 
@@ -507,12 +516,13 @@ def export_model(
             else:
                 weights = _weights_folder(src)
             return _write_and_check(src, out, format, quant, overwrite, arch, weights, vocab, tokenizer, template,
-                                    modelfile_text, verify, notes, t0)
+                                    modelfile_text, verify, notes, t0, ollama_name)
         finally:
             shutil.rmtree(merged_dir, ignore_errors=True)
 
 
-def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0):
+def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0,
+                     ollama_name=None):
     plan = _Plan(arch, weights, quant)
     if fmt == "gguf":
         tmp_dir, name = out.parent, f".{out.stem}.tmp-export-{os.getpid()}.gguf"
@@ -560,7 +570,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             write_export_marker(tmp_dir, "ollama", str(src.path))
             publish_replacing(tmp_dir, out, overwrite)
             gguf_file, modelfile_path = out / name, out / "Modelfile"
-            command = f"ollama create {model_name(out.name)} -f {modelfile_path}"
+            command = f"ollama create {model_name(ollama_name or out.name)} -f {modelfile_path}"
     except BaseException as e:
         if fmt == "gguf":
             path.unlink(missing_ok=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.surface import say
 from finetuner.quiet import quieted
 from finetuner.infer.loading import Source, chat_template, load_pretrained, load_tokenizer, resolve_source
 
@@ -225,15 +226,18 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise UserError(f"The output folder {out} is not empty (it holds an earlier finetuner {marker.get('kind', 'export')}); "
                         "finetuner will not write into it.",
-                        hint="Choose a new output folder (-o), or allow overwrite (--overwrite) to replace it "
-                             "once the new model is complete.")
+                        hint=say(cli="Choose a new output folder (-o), or allow overwrite (--overwrite) to replace it "
+                                     "once the new model is complete.",
+                                 ui="Choose a new output folder, or tick “overwrite” to replace it once the new model "
+                                    "is complete."))
 
 
 def check_output_dir(out: Path, overwrite: bool, src: Source) -> None:
     """Refuse a file, a folder holding the source, and a non-empty folder unless ``overwrite`` and
     a finetuner merge or export wrote it (:func:`check_replaceable`)."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"The output {out} is a file.", hint="Choose a folder for the output (-o).")
+        raise UserError(f"The output {out} is a file.", hint=say(cli="Choose a folder for the output (-o).",
+                                                                                   ui="Name a folder as the output, not a file."))
     for inside in filter(None, [Path(str(src.path)), src.adapter_dir, Path(src.base_model) if Path(src.base_model).exists() else None]):
         inside = inside.resolve()
         if inside == out or out in inside.parents:

@@ -26,12 +26,13 @@ from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
+from finetuner.surface import child_env
 
 #: the keywords of merge_adapter a request may carry
 KEYS = ("source", "output_dir", "dtype", "shard_size", "overwrite", "base_model", "verify", "trust_remote_code", "allow_pickle")
 #: the keywords of export_model an export request may carry
 EXPORT_KEYS = ("source", "output", "format", "quant", "overwrite", "base_model", "merge_dtype", "verify", "trust_remote_code",
-               "allow_pickle")
+               "allow_pickle", "ollama_name")
 
 
 # --------------------------------------------------------------------------- the worker process
@@ -86,7 +87,7 @@ def _answer(request: dict[str, Any], what: str) -> dict[str, Any]:
     """Run one request in a new worker process; its result dict, or raise its error."""
     proc = subprocess.run(
         [sys.executable, "-m", "finetuner.export.worker"], input=json.dumps(request), capture_output=True,
-        text=True, encoding="utf-8",
+        text=True, encoding="utf-8", env=child_env(),  # its messages are worded for where the caller shows them
     )
     answer = protocol.last_message(proc.stdout)
     if answer is None or answer["kind"] not in ("done", "error"):

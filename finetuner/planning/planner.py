@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
+from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.model.gguf_base import info_for
@@ -155,6 +156,9 @@ class Plan:
     strategies: list[dict[str, Any]] = field(default_factory=list)  # every strategy for the chosen option
     #: optimizer steps a run of the recipe takes (with --data: counted as the trainer counts them), or None
     optimizer_steps: int | None = None
+    #: when nothing fits: the recipe of the option that needs the least memory (it does not fit
+    #: either; for a user who starts it anyway, e.g. on a card with more memory than its profile says)
+    closest: Recipe | None = None
 
     @property
     def fits(self) -> bool:
@@ -560,13 +564,15 @@ def _objective_for(objective: str | None, profile) -> tuple[str, str | None]:
         chosen = AUTO_OBJECTIVE[kind]
         if kind == "sft":
             return chosen, None
-        others = " (orpo and simpo need no reference model: --objective orpo|simpo)" if kind == "pairs" else ""
+        others = say(cli=" (orpo and simpo need no reference model: --objective orpo|simpo)",
+                     ui=" (orpo and simpo need no reference model: choose one in the Objective menu)") if kind == "pairs" else ""
         return chosen, f"objective {chosen}: {profile.path} holds {KIND_WORDS[kind]}{others}"
     need = "sft" if objective == "sft" else "pairs" if objective in PAIRED_OBJECTIVES else "rated"
     if kind != need:
         e = wrong_objective(profile.path, kind, objective)
-        raise UserError(e.message, hint=f"Plan with objective {OBJECTIVES_OF_KIND[kind]}, or auto (--objective on the command "
-                        f"line, Objective in the web UI's Plan tab), or give data for '{objective}'.") from None
+        where = say(cli="--objective", ui="the Objective menu")
+        raise UserError(e.message, hint=f"Plan with objective {OBJECTIVES_OF_KIND[kind]}, or auto ({where}), or give "
+                        f"data for '{objective}'.") from None
     return objective, None
 
 
@@ -627,9 +633,10 @@ def plan(
 
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     if seq_len is not None and seq_len < 16:
-        raise UserError(f"--seq-len {seq_len}: the sequence length must be at least 16 (as data.max_seq_len).")
+        raise UserError(f"{say(cli='--seq-len', ui='Sequence length')} {seq_len}: the sequence length must be at least 16 "
+                        "(as data.max_seq_len).")
     if effective_batch is not None and effective_batch < 1:
-        raise UserError(f"--effective-batch {effective_batch}: must be at least 1.")
+        raise UserError(f"{say(cli='--effective-batch', ui='Effective batch')} {effective_batch}: must be at least 1.")
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1.")
     if not 0 <= margin < 1:  # also NaN
@@ -684,12 +691,15 @@ def plan(
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
-    if result.recipe is not None:
-        lr, why_lr = learning_rate(result.recipe.method, shape, objective)
-        raw = result.recipe.to_dict()
+    for attr in ("recipe", "closest"):
+        if getattr(result, attr) is None:
+            continue
+        lr, why_lr = learning_rate(getattr(result, attr).method, shape, objective)
+        raw = getattr(result, attr).to_dict()
         raw["training"]["lr"] = lr
-        result.recipe = Recipe.model_validate(raw)
-        result.reasons += reasons + sizing.reasons + [why_lr]
+        setattr(result, attr, Recipe.model_validate(raw))
+        if attr == "recipe":
+            result.reasons += reasons + sizing.reasons + [why_lr]
     return result
 
 
@@ -720,7 +730,7 @@ def plan_recipe(
         if not ranked:
             raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",
                             hint="Make the effective batch a multiple of the number of GPUs.")
-        smallest = min(ranked, key=lambda cr: cr[0].peak_bytes)[0]
+        smallest, out.closest = min(ranked, key=lambda cr: cr[0].peak_bytes)
         out.estimate = smallest.estimate
         out.sharded = smallest.sharded
         out.reasons.append(

@@ -15,7 +15,6 @@ the model and the data have been checked).
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import time
 from collections.abc import Callable

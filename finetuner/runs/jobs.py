@@ -370,6 +370,8 @@ class RunStatus:
     method: str | None = None
     #: the objective trained (sft, dpo, orpo, simpo, kto): the start event's, sft for runs from before it was written
     objective: str | None = None
+    #: the data file(s) its recipe trains on (``data.path`` of its recipe.yaml, as written there)
+    data: list[str] = field(default_factory=list)
     #: a preference run's implicit rewards (docs/events.md): each field of its step events
     #: (reward_accuracy, reward_margin, reward_chosen, reward_rejected) and of its eval events
     #: (eval_reward_*) as (step, value) in step order; empty for SFT
@@ -470,12 +472,29 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         elif kind == "error":
             st.error = ev.get("message")
     st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
+    recipe = _recipe_fields(rd)
+    path = recipe.get("data", {}).get("path") if isinstance(recipe.get("data"), dict) else None
+    st.data = [str(p) for p in (path if isinstance(path, list) else [path] if path else [])]
+    if st.objective is None and isinstance(recipe.get("objective"), str):  # not started yet: as the recipe asks
+        st.objective = recipe["objective"]
     st.rewards = {k: sorted(v.items()) for k, v in rewards.items()}
     st.state = tracker.state(st.running)
     if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # a job ran here and ended without any event
         st.state = "error"
         st.error = _reported_error(rd)
     return st
+
+
+def _recipe_fields(run_dir: Path) -> dict[str, Any]:
+    """The run's recipe.yaml as written (not validated: a run's listing must not fail on an old or
+    broken recipe); empty when it is missing or unreadable."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _add_rewards(rewards: dict[str, dict[int, float]], ev: dict[str, Any], prefix: str) -> None:

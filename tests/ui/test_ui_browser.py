@@ -64,6 +64,18 @@ def shot(page, name: str) -> None:
 
 
 
+#: records the text of each toast the page shows (window.ftToasts), from the start of each page load
+TOASTS_JS = """window.ftToasts = []; new MutationObserver(ms => { for (const m of ms) for (const n of m.addedNodes) {
+  if (n.nodeType !== 1) continue;
+  for (const t of [n, ...n.querySelectorAll('.toast-body')]) if (t.matches('.toast-body'))
+    window.ftToasts.push(t.querySelector('.toast-text, .toast-details')?.innerText ?? t.innerText); } })
+  .observe(document, {subtree: true, childList: true});"""
+
+
+def toasts(page) -> list[str]:
+    return [t.strip() for t in page.evaluate("() => window.ftToasts")]
+
+
 def no_bare_errors(page) -> None:
     """Errors are text on the page: no component shows gradio's bare "Error" badge (nor its toast)."""
     sync_api.expect(page.get_by_text("Error", exact=True)).to_have_count(0)
@@ -102,6 +114,7 @@ def whole_flow(server, page, tmp_path):
     mine.write_text("".join(json.dumps(r) + "\n" for r in alpaca_rows(37)), encoding="utf-8")
     stored = str(uploads / "my_hikes.jsonl")
 
+    page.add_init_script(TOASTS_JS)  # counts the toasts each page load shows
     page.goto(server["url"])
     # 1. model and card: the shipped tiny model on this machine's CPU
     wait_text(page, "#model-card", r"demo_model.*parameters")
@@ -118,6 +131,11 @@ def whole_flow(server, page, tmp_path):
         sync_api.expect(page.locator("#data-file input")).to_have_value(stored)
         wait_text(page, "#data-summary", r"Format:.*alpaca.*\b37\b examples")
     assert sorted(p.name for p in uploads.iterdir()) == ["my_hikes.jsonl"]
+    page.wait_for_timeout(1000)
+    assert [t for t in toasts(page) if "Saved as" in t or "Already uploaded" in t] == [
+        f"Saved as {stored}", f"Already uploaded (same content): {stored}"]  # one toast each, not two
+    sync_api.expect(page.locator("#column-menus")).to_be_visible()  # the file's columns, each as detected
+    sync_api.expect(page.locator("#column-prompt input")).to_have_value("— as detected —")
     page.locator("#data-file input").click()
     sync_api.expect(page.get_by_role("option", name=stored, exact=True)).to_be_visible()  # listed with data/*
     page.keyboard.press("Escape")
@@ -181,6 +199,10 @@ def whole_flow(server, page, tmp_path):
     wait_text(page, "#train-status", re.escape(run_name))
     wait_text(page, "#train-status", rf"training.*step {HOLD_STEP} / 16", flags=re.S)
     shot(page, "06-after-reload")
+    tab(page, "3 · Plan")  # the recipe planned and edited is still in the editor (under a free name: the run has its name)
+    wait_text(page, "#recipe-yaml", r"max_steps: 16")
+    assert yaml.safe_load(yaml_text(page))["name"] not in ("", run_name)
+    tab(page, "4 · Train")
     server["hold"].unlink()
     page.wait_for_function(
         "() => { const m = document.querySelector('#train-status').innerText.match(/step (\\d+) \\//);"
@@ -189,14 +211,14 @@ def whole_flow(server, page, tmp_path):
     )
 
     wait_text(page, "#train-status", r"finished", timeout=300_000)
+    sync_api.expect(page.locator("#train-message")).not_to_contain_text("Training started")  # gone with the run
     sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
     wait_text(page, "#train-memory", r"predicted peak .* measured")
     assert "step 16 / 16" in page.locator("#train-status").inner_text()
     sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=15_000)
     shot(page, "07-trained")
 
-    # after the reload the editor is empty: the Plan tab plans again for the remembered upload,
-    # under a free name (a run has the planner's name now)
+    # after the reload the editor holds the recipe it had, under a free name (a run has its name now)
     tab(page, "3 · Plan")
     sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(stored)
     set_field(page, "max steps (0 = epochs)", "2")

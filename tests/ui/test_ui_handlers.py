@@ -6,6 +6,7 @@ and writes recipes with ``finetuner.config.recipe``; it finds the GPU with
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,11 @@ def test_the_export_tab_writes_a_checked_gguf_and_an_ollama_folder(tmp_path):
     assert gguf.GGUFReader(file).fields["general.architecture"].contents() == "llama"
     again = list(h.on_gguf(run.name, "gguf", "q8_0", "", False))[-1]
     assert "exists" in again and "overwrite" in again and not again.startswith("✓")  # the export's own refusal
+    assert "tick “overwrite”" in again and not re.search(r"(?<![\w-])(-o|--overwrite)\b", again)  # worded for the page
     folder = tmp_path / "ollama"
     done = list(h.on_gguf(run.name, "ollama", "f16", str(folder), False))[-1]
     assert "ollama create" in done and (folder / "Modelfile").is_file() and (folder / "model.gguf").is_file()
+    assert f"ollama create {run.name} -f" in done  # named after the run, not the folder
 
 
 def test_the_editor_reads_and_writes_recipes_with_the_library(tmp_path):
@@ -182,7 +185,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     _events(h.runs / "sft", [start, *steps])
     out = h.train_view("dpo")
     assert len(out) == ui_handlers.TRAIN_OUTPUTS
-    status, _loss, *_, seen, _table, column, rewards_plot = out
+    status, _loss, *_, seen, _table, column, rewards_plot, _message = out
     assert "reward accuracy <b>88%</b>" in status and "eval reward accuracy <b>70%</b>" in status
     assert column == {"__type__": "update", "visible": True}
     spec = json.loads(rewards_plot.plot)
@@ -190,7 +193,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     assert [(r["step"], r["value"]) for r in spec["data"]["values"] if r["series"] == "eval accuracy"] == [(2, 0.7)]
     again = h.train_view("dpo", seen)  # nothing new: neither chart nor the column is sent again
     assert again[1] == again[9] == again[10] == gr_skip()
-    status, *_, column, rewards_plot = h.train_view("sft", seen)
+    status, *_, column, rewards_plot, _message = h.train_view("sft", seen)
     assert "reward" not in status and column == {"__type__": "update", "visible": False} and rewards_plot == gr_skip()
 
 
