@@ -46,32 +46,26 @@ COMMAND_FLAGS: dict[str, dict[str, str]] = {
 }
 
 
-#: Where the web UI (``command`` ``ui``) takes a setting: ``{leaf}`` is the last key (a data.columns role).
+#: Where the web UI (``command`` ``ui``) takes a setting (data.columns: :data:`UI_COLUMN_MENUS`).
 UI_CONTROLS: dict[str, str] = {
-    "data.columns.*": "the Data tab's {leaf} column menu (under the data file)",
     "objective": "the Plan tab's Objective menu",
     "method": "the Plan tab's Method menu",
     "data.max_seq_len": "the Data tab's Sequence length box",
 }
-
-
-def _ui_control(key: str) -> str | None:
-    head, _, leaf = key.rpartition(".")
-    form = UI_CONTROLS.get(key) or UI_CONTROLS.get(f"{head}.*")
-    return form.format(leaf=leaf) if form else None
+UI_COLUMN_MENUS = "the Data tab's column menus (under the data file)"
 
 
 def _in_the_ui(settings: dict[str, str]) -> str | None:
     """``settings`` as the web UI takes them (its menus), or None when one has no control there."""
-    said = []
+    roles = [k.rpartition(".")[2] for k in settings if k.startswith("data.columns.")]
+    said = [f"choose the column{'s' if len(roles) > 1 else ''} for {' and '.join(roles)} in {UI_COLUMN_MENUS}"] if roles else []
     for key, value in settings.items():
-        control = _ui_control(key)
-        if control is None:
+        if key.startswith("data.columns."):
+            continue
+        if key not in UI_CONTROLS:
             return None
-        what = "the column that holds it" if value == "COLUMN" else value
-        said.append(f"choose {what} in {control}")
-    text = "; ".join(said)
-    return "In the web UI: " + text + "."
+        said.append(f"choose {value} in {UI_CONTROLS[key]}")
+    return "In the web UI: " + "; ".join(said) + "."
 
 
 def _flag(command: str, key: str, value: str) -> str | None:

@@ -11,6 +11,7 @@ import shlex
 
 import pytest
 
+from finetuner.surface import shown_in
 from finetuner.errors import UserError, how_to_set
 from tests.conftest import REPO, run_cli, write_recipe
 
@@ -45,7 +46,13 @@ def test_settings_are_written_as_each_command_takes_them():
     assert e.hint_for("run").startswith("On the command line: --set data.columns.prompt=COLUMN --set data.columns.response=COLUMN")
     assert e.hint_for("plan").startswith("On the command line (finetuner plan): --column prompt=COLUMN --column response=COLUMN")
     assert e.hint_for("eval").startswith("On the command line (finetuner eval): --column prompt=COLUMN --column response=COLUMN")
-    assert "--" not in e.hint_for("ui") and "columns: {prompt: COLUMN, response: COLUMN}" in e.hint_for("ui")
+    assert e.hint_for("ui") == ("In the web UI: choose the columns for prompt and response in the Data tab's column "
+                                "menus (under the data file).\nRoles: ...")
+    assert how_to_set({"objective": "dpo"}, "ui") == "In the web UI: choose dpo in the Plan tab's Objective menu."
+    # a setting the UI has no control for: its recipe editor
+    assert how_to_set({"training.micro_batch_size": "2"}, "ui").startswith("In the recipe editor (Plan tab):\n  training:")
+    with shown_in("ui"):  # raised in a worker the web UI started: worded for the UI from the start
+        assert UserError("x", settings={"objective": "dpo"}).hint.startswith("In the web UI: choose dpo")
     # anywhere (the Python API's str(e)): the recipe, and which command takes which flag
     assert "`finetuner run` and `estimate` take --set data.columns.prompt=COLUMN" in e.hint
     assert "`finetuner plan` takes --column prompt=COLUMN" in e.hint and e.hint.endswith("Roles: ...")
@@ -104,7 +111,7 @@ def test_the_ui_shows_settings_without_command_line_flags(tmp_path):
     data = write_csv(tmp_path / "fragen.csv")
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
     shown = h.on_data(DEMO_MODEL, str(data), 0)[0]
-    assert "cannot tell the data format" in shown and "columns: {prompt: COLUMN, response: COLUMN}" in shown
+    assert "cannot tell the data format" in shown and "choose the columns for prompt and response" in shown
     assert "--set" not in shown and "--column" not in shown
     e = UserError("x", settings={"objective": "dpo"})
-    assert "--" not in error_md(e) and "objective: dpo" in error_md(e)
+    assert "--" not in error_md(e) and "choose dpo in the Plan tab's Objective menu" in error_md(e)

@@ -254,7 +254,7 @@ def test_plan_of_preference_pairs_plans_dpo_with_its_memory_and_sizing(tmp_path)
     out = tmp_path / "dpo.yaml"
     made = run_cli("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu", "--data", str(pairs), "-o", str(out))
     assert made.returncode == 0, made.stderr
-    assert "Plan: DPO with LORA" in made.stdout and "400 sharegpt_ranking pairs" in made.stdout
+    assert "Plan: DPO with LORA" in made.stdout and "400 pairs (ShareGPT ranking)" in made.stdout
     raw = yaml.safe_load(out.read_text())
     assert raw["objective"] == "dpo" and raw["data"].get("packing", False) is False
     ran = run_cli("run", str(out), "--set", "training.max_steps=2", "--set", "data.max_examples=48",
