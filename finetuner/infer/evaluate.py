@@ -24,7 +24,7 @@ from typing import Any
 from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
-from finetuner.infer.preference_eval import PreferenceEvalResult, evaluate_pairs, examples_are
+from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
 from finetuner.locate import locate
 
 
@@ -54,12 +54,7 @@ class EvalResult:
 
     def describe(self) -> str:
         """One line on what was scored: ``12 held-out examples from ...``."""
-        if self.examples_are == "held-out":
-            return f"{self.examples} held-out examples from {self.data}"
-        if self.examples_are == "training":
-            return (f"{self.examples} examples from {self.data}, the run's training data: the loss shows how well the "
-                    "fine-tune fits what it trained on, not how it does on new text")
-        return f"{self.examples} examples from {self.data}"
+        return describe_examples(self.examples, "examples", self.data, self.examples_are, "the loss shows")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -62,12 +62,7 @@ class PreferenceEvalResult:
 
     def describe(self) -> str:
         """One line on what was scored: ``40 held-out pairs from ...``."""
-        if self.examples_are == "held-out":
-            return f"{self.examples} held-out pairs from {self.data}"
-        if self.examples_are == "training":
-            return (f"{self.examples} pairs from {self.data}, the run's training data: the scores show how well the "
-                    "fine-tune fits what it trained on, not how it does on new pairs")
-        return f"{self.examples} pairs from {self.data}"
+        return describe_examples(self.examples, "pairs", self.data, self.examples_are, "the scores show")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +101,17 @@ def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | N
                         hint="Pass a file of pairs with --data.")
     prepared = prepare_preference_data(cfg, "dpo", tokenizer, recipe.training.seed)
     return prepared.val, cfg.val_path or f"the run's validation split ({len(prepared.val)} pairs of {cfg.path})"
+
+
+def describe_examples(count: int, unit: str, data: str, relation: str, measure: str) -> str:
+    """One line on what an eval scored: ``12 held-out examples from FILE``; for the run's own training
+    rows, that ``measure`` (``the loss shows``) how well the fine-tune fits them, not new ones."""
+    if relation == "held-out":
+        return f"{count} held-out {unit} from {data}"
+    if relation == "training":
+        return (f"{count} {unit} from {data}, the run's training data: {measure} how well the fine-tune fits "
+                f"what it trained on, not how it does on new {unit}")
+    return f"{count} {unit} from {data}"
 
 
 def examples_are(recipe, data: str | Path | None) -> str:
