@@ -131,9 +131,9 @@ def test_a_run_whose_own_recipe_no_longer_loads_records_why(recipe_dict, alpaca_
     alpaca_file.rename(alpaca_file.with_name("moved.json"))
     other = write_recipe(tmp_path / "other.yaml", dict(r, data={"path": str(tmp_path / "nowhere.json")}))
     p = run_cli("run", str(other), "-o", str(run))
-    assert p.returncode == 2 and "file not found" in p.stderr
+    assert p.returncode == 2 and "nowhere.json' does not exist" in p.stderr
     assert read_events(run / "events.jsonl") == stopped
     p = run_cli("run", str(run / "recipe.yaml"), "-o", str(run))
-    assert p.returncode == 2 and "file not found" in p.stderr, p.stderr
+    assert p.returncode == 2 and "does not exist" in p.stderr, p.stderr
     *_, error = read_events(run / "events.jsonl")
-    assert error["event"] == "error" and "file not found" in error["message"] and validate_event(error) == []
+    assert error["event"] == "error" and "does not exist" in error["message"] and validate_event(error) == []
