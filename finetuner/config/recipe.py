@@ -383,11 +383,17 @@ class DistributedSection(_Section):
 
     strategy: Strategy = Field(
         "ddp",
-        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages); fsdp: config only, refused by run (use zero3).",
+        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages), fsdp (torch FSDP2: parameters, gradients "
+        "and optimizer states sharded per decoder layer; with LoRA, QLoRA or full fine-tuning).",
     )
     num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
     offload: Offload = Field(
         "none", description="ZeRO-Offload: optimizer states (zero1-3) or also parameters (zero3) in CPU memory."
+    )
+    fsdp_offload: bool = Field(
+        False,
+        description="fsdp only: keep the parameter shards, their gradients and the optimizer states in CPU memory "
+        "(less GPU memory, slower steps; the optimizer steps on the CPU).",
     )
     cpu_adam: bool = Field(
         True,
@@ -753,11 +759,15 @@ def _check_distributed(r: Recipe) -> None:
         )
     if d.offload != "none" and r.training.optimizer == "sgd":
         raise ValueError("training.optimizer: ZeRO-Offload runs an Adam optimizer on the CPU: use adamw_torch")
-    if r.method == "qlora" and d.strategy in ("fsdp", "zero3"):
+    if d.fsdp_offload and d.strategy != "fsdp":
         raise ValueError(
-            f"distributed.strategy: '{d.strategy}' would shard the 4-bit base weights, which finetuner does not support "
-            "for bitsandbytes-quantized models: use zero2 (shards optimizer states and gradients) or ddp with qlora, "
-            "or method lora with fsdp/zero3"
+            f"distributed.fsdp_offload: applies to strategy fsdp (got {d.strategy}): set strategy fsdp, or use "
+            "distributed.offload with a ZeRO strategy"
+        )
+    if r.method == "qlora" and d.strategy == "zero3":
+        raise ValueError(
+            "distributed.strategy: 'zero3' would shard the 4-bit base weights, which DeepSpeed does not support for "
+            "bitsandbytes-quantized models: use fsdp (shards the 4-bit weights), zero2 or ddp with qlora, or method lora with zero3"
         )
     if r.model.max_memory and d.world_size > 1:
         raise ValueError(

@@ -221,6 +221,9 @@ def bnb_config(recipe: Recipe, rt: Runtime):
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=rt.torch_dtype(rt.compute_dtype),
+        # FSDP shards a parameter in its own dtype and all-gathers it in the mixed-precision one: the packed
+        # 4-bit bytes are kept in that one so that both are the same and no cast touches them
+        **({"bnb_4bit_quant_storage": rt.torch_dtype(rt.gather_dtype)} if recipe.distributed.strategy == "fsdp" else {}),
     )
 
 

@@ -276,15 +276,6 @@ def launch_training(
 
     cuda = torch.cuda.is_available() and recipe.device != "cpu"
     d = recipe.distributed
-    if d.strategy == "fsdp":
-        # accelerate's FSDP plugin refuses the CPU, so its training path cannot be tested here; rather
-        # than run something untested, finetuner writes the config and points to ZeRO-3
-        where = "" if cuda else " accelerate's FSDP plugin also refuses the CPU."
-        raise UserError(
-            f"distributed.strategy: fsdp is not supported by finetuner run yet.{where}",
-            hint="Use strategy zero3: DeepSpeed ZeRO-3 shards parameters, gradients and optimizer states the same way "
-            "(finetuner.training.launch.write_configs writes an accelerate FSDP config for `accelerate launch` if you need one).",
-        )
     if d.deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             f"distributed.strategy: {d.strategy} runs on DeepSpeed, which is not installed.",

@@ -4,8 +4,7 @@ Every strategy the planner can choose (finetuner.memory.sharding.candidate_strat
 zero1-3, ZeRO-Offload of the optimizer and of the parameters) runs here on two processes with
 the same effective batch and must follow the single-process run (loss and adapter); so do two
 nodes on 127.0.0.1. Only rank 0 writes; Ctrl-C of the launcher leaves no process behind; the
-configs are saved in the run folder. accelerate's FSDP plugin refuses the CPU, so for ``fsdp``
-only the generated config and the refusal are tested here.
+configs are saved in the run folder. ``fsdp`` (torch FSDP2) has its own file, test_fsdp.py.
 
 DeepSpeed is needed by the ZeRO tests only (their ``deepspeed`` fixture); the DDP run and the
 tests without processes run with it hidden. DeepSpeedCPUAdam (the default of offload) is a C++
@@ -423,7 +422,7 @@ def test_split_step_gives_every_example_to_one_rank(without_deepspeed):
     [
         ({"strategy": "ddp", "offload": "optimizer"}, {}, "distributed.offload"),
         ({"strategy": "zero2", "offload": "optimizer+params"}, {}, "distributed.offload"),
-        ({"strategy": "fsdp"}, {"method": "qlora"}, "distributed.strategy"),
+        ({"strategy": "ddp", "fsdp_offload": True}, {}, "distributed.fsdp_offload"),
         ({"strategy": "zero3"}, {"method": "qlora"}, "distributed.strategy"),
         ({"strategy": "zero2"}, {"training": {"optimizer": "adamw_8bit"}}, "training.optimizer"),
         ({"nodes": 2, "node_rank": 2}, {}, "distributed.node_rank"),
@@ -446,7 +445,9 @@ def test_a_zero_strategy_without_deepspeed_says_what_to_install(recipe_dict, tmp
     assert "'.[distributed]'" in e.value.hint and not (tmp_path / "z").exists()
 
 
-def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path, without_deepspeed):
+def test_the_generated_fsdp_and_deepspeed_configs_load_in_accelerate(recipe_dict, tmp_path, without_deepspeed):
+    """``finetuner run`` trains fsdp itself (tests/training/test_fsdp.py); the accelerate config it saves
+    beside the run is for users who launch with ``accelerate launch``."""
     from accelerate.commands.config.config_args import ClusterConfig
 
     from finetuner.config.runtime import Device, resolve
@@ -454,8 +455,6 @@ def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recip
 
     a100 = Device("cuda", bf16=True)
     recipe = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "fsdp", "num_processes": 2}, device="cpu"))
-    with pytest.raises(UserError, match="zero3"):
-        finetuner.train(recipe)
     paths = write_configs(recipe, tmp_path, resolve(recipe, a100, "llama"))
     cfg = ClusterConfig.from_yaml_file(str(paths["accelerate"]))
     assert cfg.distributed_type == "FSDP" and cfg.num_processes == 2
