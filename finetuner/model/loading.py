@@ -296,7 +296,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     if recipe.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
+        return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
     from peft import LoraConfig, get_peft_model
 
@@ -317,7 +317,25 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
             f"lora.target_modules: {e}",
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
-    return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
+    return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
+
+
+def _training_mode(model):
+    """Every module in training mode, and 4-bit layers kept in their trained-on layout.
+
+    ``from_pretrained`` returns the model in eval mode and peft's wrapper starts in training mode,
+    so without this the base model's modules stayed in eval mode while training: transformers'
+    gradient checkpointing, which runs only in training mode, was silently off. And on CPUs with
+    AVX512-BF16 a bitsandbytes 4-bit layer in eval mode (or evaluated without gradients) repacks its
+    weight in place into an inference layout with bf16 block scales: the training's numbers would
+    change after the first evaluation, and under FSDP the repacked copy is a gathered one that is
+    thrown away while the shared quantization state says it was repacked.
+    """
+    model.train()
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
 
 
 def _tile_mlp(model, chunk: int):
