@@ -743,9 +743,10 @@ def _check_distributed(r: Recipe) -> None:
     if d.node_rank >= d.nodes:
         raise ValueError(f"distributed.node_rank: {d.node_rank} must be below distributed.nodes ({d.nodes})")
     if d.offload != "none" and not d.deepspeed:
+        also = "; with fsdp, set distributed.fsdp_offload: true instead" if d.strategy == "fsdp" else ""
         raise ValueError(
             f"distributed.offload: '{d.offload}' needs a DeepSpeed strategy: set distributed.strategy to zero2 "
-            "(optimizer states in CPU memory) or zero3"
+            f"(optimizer states in CPU memory) or zero3{also}"
         )
     if d.offload == "optimizer+params" and d.strategy != "zero3":
         raise ValueError(

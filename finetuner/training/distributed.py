@@ -4,49 +4,44 @@
 comes here, reads the resolved ``recipe.yaml`` and trains with :class:`DistributedTrainer`: the
 single-process :class:`~finetuner.training.trainer.Trainer` (its step, optimizer step, fp16 loss
 scaling, checkpoints, resume and end of run) with these differences, each an override of one of
-its hooks:
+its hooks. Where strategies differ the trainer asks the run's strategy object, one module each in
+:mod:`finetuner.training.strategies` (keyed by ``distributed.strategy``), and never asks which runs:
 
 - **process group**: gloo on CPU, NCCL on GPUs (one GPU per process, ``LOCAL_RANK``);
-- **wrapping**: ``ddp`` through accelerate's ``Accelerator`` (torch DDP), ``zero1``/``zero2``/
-  ``zero3`` through ``deepspeed.initialize`` with the run folder's ``distributed/deepspeed.json``
-  (ZeRO-Offload: optimizer states in CPU memory, stepped by ``DeepSpeedCPUAdam`` or torch AdamW).
-  accelerate's own DeepSpeed integration is not used because under torchrun on CPU it sees a
-  world of one process (measured with accelerate 1.15);
+- **wrapping** (``Strategy.wrap``): ``ddp`` through accelerate's ``Accelerator`` (torch DDP,
+  :mod:`~finetuner.training.strategies.ddp`); ``zero1``/``zero2``/``zero3`` through
+  ``deepspeed.initialize`` (:mod:`~finetuner.training.strategies.zero`); ``fsdp`` through torch's
+  FSDP2 ``fully_shard``, one unit per decoder layer (:mod:`~finetuner.training.strategies.fsdp`,
+  which also checks that QLoRA's 4-bit weights stay 4-bit once sharded);
 - **data**: each optimizer step's examples are split across ranks
   (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
   the global number of trained tokens, so N processes compute the same gradient as one process
   with the same effective batch; the step's loss and tokens (and a preference objective's reward
   sums) are summed over the ranks in one all-reduce, so rank 0 reports the whole step;
-- **gradient synchronisation**: under DDP every backward pass runs under ``no_sync`` and, once
-  the ranks have agreed that all the step's passes fit, the accumulated gradients are averaged
-  over the ranks (an all-reduce in buckets, :func:`average_gradients`): no collective runs inside
-  a pass, so a rank that fails in one cannot leave the others waiting in it. A DeepSpeed engine
-  is told where the accumulation boundary is and runs its own backward and step (it clips, and
-  with fp16 scales the loss, itself). Under DDP the optimizer step is the single-process one,
-  fp16 ``GradScaler`` included: the gradients it unscales are already the same on every rank, so
-  every rank skips or takes the same steps;
-- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints (each rank adds its RNG
-  state, and under ZeRO its shard), the adapter and ``metrics.json``; ZeRO-3 parameters are gathered for saving;
-- **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and resumes with it, so
-  its dropout masks after a resume are those of an uninterrupted run; the ranks agree whether
-  each could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary
-  format; ZeRO's hold ``deepspeed/`` instead of
-  ``optimizer.pt`` (the engine's sharded states, one file per rank, see
-  :mod:`finetuner.training.checkpoint`) and resume with the same strategy and world size;
+- **gradient synchronisation** (``Strategy.gradient_sync``, ``backward``, ``sync_gradients``,
+  ``optimizer_step``): DDP runs every pass under ``no_sync`` and averages once the ranks have
+  agreed that all the step's passes fit; a DeepSpeed engine runs its own backward and step; FSDP
+  reduce-scatters in each pass and clips by the norm of the whole gradient;
+- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
+  ``metrics.json``; sharded weights (ZeRO-3, FSDP) are gathered for saving (``Strategy.gathered``),
+  so the adapter is always a normal peft folder;
+- **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and its share of the
+  strategy's sharded state (``Strategy.write_shards``: ZeRO's ``deepspeed/``, FSDP's ``fsdp/``
+  through ``torch.distributed.checkpoint``) and resumes with them; the ranks agree whether each
+  could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary format;
+  sharded ones resume with the same strategy and world size;
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
   signal, so they stop at the same step and save one checkpoint together;
 - **out of memory**: after each micro-batch the ranks agree (an all-reduce of a flag) whether any
-  of them ran out of memory. Under DDP, if one did, every rank drops the step's gradients, halves
-  its micro-batch and doubles its accumulation the same way (the same effective batch and the
-  same split of the step's examples) and runs the step again; rank 0 alone writes the
+  of them ran out of memory. If one did, every rank drops the step's gradients, halves its
+  micro-batch and doubles its accumulation the same way (the same effective batch and the same
+  split of the step's examples) and runs the step again (DDP, FSDP); rank 0 alone writes the
   ``oom_backoff`` event and ``recipe.yaml``. A DeepSpeed engine cannot change course inside a
-  step (ZeRO-2 has already reduced the micro-batches' gradients into its partitions, ZeRO-3
-  gathers parameters inside the forward pass), so under ZeRO rank 0 writes the backed-off values
-  to ``recipe.yaml`` and the ranks end the run together with exit status 3; running the same
-  command again resumes from the last checkpoint with them (the launcher writes
-  ``deepspeed.json`` from them). An out-of-memory error inside a collective (ZeRO's gathers and
-  reductions; DDP has none inside a pass) or in the optimizer step cannot be agreed on: that
-  rank ends the run (torchrun stops the others).
+  step, so under ZeRO the ranks end the run together with exit status 3 and the same command
+  resumes from the last checkpoint with the backed-off values (``Strategy.after_back_off``). An
+  out-of-memory error inside a collective (ZeRO's and FSDP's gathers and reductions; DDP has none
+  inside a pass) or in the optimizer step cannot be agreed on: that rank ends the run (torchrun
+  stops the others).
 """
 
 from __future__ import annotations

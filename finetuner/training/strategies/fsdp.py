@@ -211,8 +211,12 @@ class FSDP(Strategy):
         """The trained weights, whole, on rank 0 (in CPU memory); the other ranks get an empty dict."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        weights = get_model_state_dict(self.trainer.model, options=self._options(full_state_dict=True, cpu_offload=True))
-        yield weights
+        model = self.trainer.model
+        weights = get_model_state_dict(model, options=self._options(full_state_dict=True, cpu_offload=True))
+        # a tied weight (the LM head sharing the embeddings) is saved once, under its first name, as
+        # save_pretrained does with the model's own (it finds ties by storage, which gathered copies lose)
+        aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        yield {k: v for k, v in weights.items() if k not in aliases}
 
     @property
     def saves_optimizer(self) -> bool:
