@@ -765,6 +765,11 @@ def _check_distributed(r: Recipe) -> None:
             f"distributed.fsdp_offload: applies to strategy fsdp (got {d.strategy}): set strategy fsdp, or use "
             "distributed.offload with a ZeRO strategy"
         )
+    if r.method == "qlora" and d.strategy == "fsdp" and r.quantization is not None and r.quantization.bits == 8:
+        raise ValueError(
+            "quantization.bits: 8-bit bitsandbytes weights cannot be sharded by fsdp (their scales live on the parameter "
+            "object, which FSDP replaces with its shard): use bits 4 with fsdp, or strategy ddp or zero2 for 8-bit QLoRA"
+        )
     if r.method == "qlora" and d.strategy == "zero3":
         raise ValueError(
             "distributed.strategy: 'zero3' would shard the 4-bit base weights, which DeepSpeed does not support for "

@@ -235,7 +235,8 @@ def test_a_rank_leaves_its_process_group_before_it_exits():
             dist.destroy_process_group()
 
 
-def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, without_deepspeed):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, strategy, without_deepspeed):
     """distributed.nodes 2: the same recipe launched twice on 127.0.0.1 (node_rank 0 and 1, one
     process each, one master address and port) trains one run in one shared run folder. Node 1
     starts first and waits for node 0 to prepare the folder; both commands end with the result."""
@@ -245,7 +246,8 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, witho
     procs = []
     for node in (1, 0):
         recipe = write_recipe(tmp_path / f"node{node}.yaml", dict(base, output_dir=str(run_dir), distributed={
-            "nodes": 2, "node_rank": node, "num_processes": 1, "master_addr": "127.0.0.1", "master_port": port}))
+            "nodes": 2, "node_rank": node, "num_processes": 1, "master_addr": "127.0.0.1", "master_port": port,
+            "strategy": strategy}))
         procs.append(subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(recipe), "--quiet"], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if node == 1:
@@ -254,7 +256,8 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, witho
     assert [proc.returncode for proc in procs] == [0, 0], outs
     assert "waiting for node 0" in outs[0]
     events = _rank0_only(run_dir, 2, per_node=1)
-    assert next(e for e in events if e["event"] == "distributed")["nodes"] == 2
+    dist = next(e for e in events if e["event"] == "distributed")
+    assert dist["nodes"] == 2 and dist["strategy"] == strategy
     launch = (run_dir / "distributed" / "launch.sh").read_text()
     assert f"--nnodes=2 --node_rank=0 --master_addr=127.0.0.1 --master_port={port}" in launch and "--standalone" not in launch
     assert (run_dir / "distributed" / "launch-node1.log").is_file()

@@ -279,3 +279,13 @@ def test_dpo_on_two_fsdp_processes_matches_one_process(tiny_model_dir, tmp_path,
             assert g == pytest.approx(w, rel=REL, abs=1e-7), (kind, g, w)
     a, b = _weights(result.run_dir), _weights(ref.run_dir)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= ABS_W
+
+
+def test_8bit_qlora_with_fsdp_is_refused_with_the_key(recipe_dict, without_deepspeed):  # noqa: F811
+    """bitsandbytes' 8-bit weights lose their scales when FSDP replaces the parameter (measured: the
+    first forward fails with "'Parameter' object has no attribute 'CB'"): refused in the recipe."""
+    raw = _with(recipe_dict, method="qlora", quantization={"bits": 8}, distributed={"strategy": "fsdp", "num_processes": 2})
+    with pytest.raises(UserError) as e:
+        Recipe.from_dict(raw)
+    assert "  - quantization.bits:" in e.value.message and "use bits 4 with fsdp" in e.value.message
+    Recipe.from_dict(_with(raw, distributed={"strategy": "zero2"}))  # 8-bit QLoRA still runs on the others
