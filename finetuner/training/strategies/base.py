@@ -23,6 +23,7 @@ overrides what differs.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from finetuner.training.distributed import DistributedTrainer
 
 
-class Strategy:
+class Strategy(ABC):
     """How one rank of a ``distributed.strategy`` run wraps, steps, synchronises, saves and loads."""
 
     #: the ``distributed.strategy`` values this class runs
@@ -46,13 +47,13 @@ class Strategy:
         """Called on every rank once the process group exists."""
 
     # ---------------------------------------------------------------- wrapping
+    @abstractmethod
     def wrap(self, step_loss):
         """Wrap ``step_loss`` (the module the forward pass goes through); returns the wrapped module."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self) -> str:
         """What runs the model, for the ``distributed`` event."""
-        raise NotImplementedError
 
     def event_fields(self) -> dict[str, Any]:
         """What else the ``distributed`` event says about this strategy."""
@@ -115,7 +116,7 @@ class Strategy:
         """Release the engine (its hooks, buffers, optimizer) before the rank leaves the process group."""
 
 
-def check_same_world(ckpt: Path, parts: dict[str, Any], world_size: int, strategy: str, why: str) -> None:
+def check_same_world(ckpt: Path, parts: dict[str, Any], world_size: int, why: str) -> None:
     """A sharded checkpoint resumes only with the number of processes that saved it."""
     from finetuner.errors import UserError
 

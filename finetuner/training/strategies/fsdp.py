@@ -243,7 +243,7 @@ class FSDP(Strategy):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         tr = self.trainer
-        check_same_world(ckpt, parts, tr.world_size, "fsdp", "FSDP checkpoints hold one shard per process")
+        check_same_world(ckpt, parts, tr.world_size, "FSDP checkpoints hold one shard per process")
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(ckpt / SHARDS_DIR))
         set_model_state_dict(tr.model, state["model"], options=self._options(strict=False))

@@ -132,7 +132,7 @@ class Zero(Strategy):
         return ckpt_io.read_checkpoint(ckpt, engine=True, rank=tr.rank, world_size=tr.world_size)
 
     def load_shards(self, ckpt: Path, parts: dict[str, Any]) -> None:
-        check_same_world(ckpt, parts, self.trainer.world_size, "zero", "ZeRO checkpoints shard the optimizer per process")
+        check_same_world(ckpt, parts, self.trainer.world_size, "ZeRO checkpoints shard the optimizer per process")
         self.engine.load_checkpoint(str(ckpt / ckpt_io.ENGINE_DIR), tag="state", load_module_strict=False,
                                     load_lr_scheduler_states=False)
 
