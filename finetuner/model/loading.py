@@ -245,7 +245,10 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     quant = bnb_config(recipe, rt)
     if quant is not None:
         kwargs["quantization_config"] = quant
-        kwargs["device_map"] = {"": torch.device(rt.device).index or 0} if rt.is_cuda else {"": "cpu"}
+        # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
+        # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
+        index = torch.device(rt.device).index
+        kwargs["device_map"] = {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"}
     if m.max_memory:
         # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
         if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):

@@ -1,4 +1,4 @@
-"""The model a run trains is in training mode, all of it.
+"""The base model as a run loads it for training: in training mode, all of it, and on this process's GPU.
 
 ``from_pretrained`` returns a model in eval mode and peft's wrapper starts in training mode, so a
 trainer that checked only the wrapper left every base module in eval mode: transformers' gradient
@@ -34,3 +34,27 @@ def test_every_module_trains_and_checkpointing_runs(recipe_dict, method):
     four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
     assert (method == "qlora") == bool(four_bit)
     assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in four_bit)  # as loaded
+
+
+def test_a_quantized_base_loads_onto_this_process_s_gpu(recipe_dict, monkeypatch):
+    """A rank of a multi-process run has set its current GPU to its LOCAL_RANK's; a 4-bit base must be
+    quantized onto that one (it was loaded onto GPU 0 by every rank). No GPU here: from_pretrained is
+    stopped with the arguments it got."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetuner.config.runtime import Runtime
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", capture)
+    recipe = Recipe.from_dict(dict(recipe_dict, method="qlora"))
+    for device, want in (("cuda", 1), ("cuda:0", 0)):
+        with pytest.raises(Stop) as e:
+            load_base_model(recipe, Runtime(device, "bf16", "bf16", "bf16"))
+        assert e.value.args[0]["device_map"] == {"": want}
