@@ -280,9 +280,10 @@ class DistributedTrainer(Trainer):
         self.strategy.load_shards(ckpt, parts)
         return super()._apply_checkpoint(ckpt, parts)
 
-    def save_final(self, weights: dict[str, Any] | None = None) -> Path:  # noqa: ARG002 - the strategy gathers them
-        with self.strategy.gathered() as weights:
-            final = super().save_final(weights) if self.ctx.is_main else self.run_dir / "adapter"
+    def save_final(self, weights: dict[str, Any] | None = None) -> Path:
+        """Rank 0 saves the weights the strategy gathered (``weights`` is for one process only)."""
+        with self.strategy.gathered() as gathered:
+            final = super().save_final(gathered) if self.ctx.is_main else self.run_dir / "adapter"
         _barrier()
         return final
 

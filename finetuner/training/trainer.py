@@ -10,7 +10,8 @@ The same :class:`Trainer` runs one process and every rank of a multi-process run
 the optimizer step (clipping, fp16 loss scaling, the schedule), checkpoints, resume and the end
 of the run are written once, here; :class:`finetuner.training.distributed.DistributedTrainer`
 overrides only the hooks where several processes differ (wrapping the model, gradient
-synchronisation, summing over ranks, rank-0-only writes, DeepSpeed's engine).
+synchronisation, summing over ranks, rank-0-only writes), asking its strategy object
+(:mod:`finetuner.training.strategies`: ddp, zero, fsdp) where strategies differ.
 
 The trainer knows nothing of any UI: it writes events (:mod:`finetuner.runs.events`) and checks a
 stop flag between steps.
