@@ -753,9 +753,10 @@ def _check_distributed(r: Recipe) -> None:
             f"distributed.offload: parameter offload needs strategy zero3 (got {d.strategy}): ZeRO stages 1-2 keep the "
             "parameters on every GPU; use offload 'optimizer' or strategy zero3"
         )
-    if d.deepspeed and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+    if (d.deepspeed or d.strategy == "fsdp") and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+        engine = "DeepSpeed ZeRO" if d.deepspeed else "fsdp (measured: bitsandbytes' and Adafactor's updates fail on its sharded parameters)"
         raise ValueError(
-            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by DeepSpeed ZeRO (bitsandbytes and "
+            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by {engine} (bitsandbytes and "
             "factored optimizers keep their own state layout): use adamw_torch, or strategy ddp"
         )
     if d.offload != "none" and r.training.optimizer == "sgd":

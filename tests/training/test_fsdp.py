@@ -289,3 +289,13 @@ def test_8bit_qlora_with_fsdp_is_refused_with_the_key(recipe_dict, without_deeps
         Recipe.from_dict(raw)
     assert "  - quantization.bits:" in e.value.message and "use bits 4 with fsdp" in e.value.message
     Recipe.from_dict(_with(raw, distributed={"strategy": "zero2"}))  # 8-bit QLoRA still runs on the others
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit", "adafactor"])
+def test_optimizers_that_cannot_step_sharded_parameters_are_refused_with_fsdp(recipe_dict, optimizer, without_deepspeed):  # noqa: F811
+    """Measured on two processes: bitsandbytes' update has no sharding rule for DTensors and Adafactor
+    mixes plain tensors with them; the recipe refuses them with fsdp, naming the key."""
+    raw = _with(recipe_dict, training={"optimizer": optimizer}, distributed={"strategy": "fsdp", "num_processes": 2})
+    with pytest.raises(UserError) as e:
+        Recipe.from_dict(raw)
+    assert "  - training.optimizer:" in e.value.message and "fsdp" in e.value.message
