@@ -518,7 +518,8 @@ SECTIONS = {
     "checkpointing": ["save_every", "keep_last"],
     "logging": ["every", "tensorboard"],
     "samples": ["prompts", "max_new_tokens"],
-    "distributed": ["strategy", "num_processes", "offload", "cpu_adam", "nodes", "node_rank", "master_addr", "master_port"],
+    "distributed": ["strategy", "num_processes", "offload", "fsdp_offload", "cpu_adam", "nodes", "node_rank", "master_addr",
+                    "master_port"],
 }
 TOP = ["name", "method", "output_dir", "device"]
 KEYS = [f"{s}.{k}" for s, ks in SECTIONS.items() for k in ks] + TOP
@@ -532,6 +533,8 @@ CROSS_FIELD = {
     "distributed.node_rank": ("distributed.node_rank", "distributed.nodes"),
     "distributed.offload": ("distributed.offload", "distributed.strategy"),
     "distributed.strategy": ("distributed.strategy", "method"),
+    "distributed.fsdp_offload": ("distributed.fsdp_offload", "distributed.strategy"),
+    "quantization.bits": ("quantization.bits", "quantization", "method", "distributed.strategy"),
     "model.max_memory": ("model.max_memory", "distributed.num_processes", "distributed.nodes"),
 }
 YAML_VALUES = st.one_of(

@@ -383,11 +383,17 @@ class DistributedSection(_Section):
 
     strategy: Strategy = Field(
         "ddp",
-        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages); fsdp: config only, refused by run (use zero3).",
+        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages), fsdp (torch FSDP2: parameters, gradients "
+        "and optimizer states sharded per decoder layer; with LoRA, QLoRA or full fine-tuning).",
     )
     num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
     offload: Offload = Field(
         "none", description="ZeRO-Offload: optimizer states (zero1-3) or also parameters (zero3) in CPU memory."
+    )
+    fsdp_offload: bool = Field(
+        False,
+        description="fsdp only: keep the parameter shards, their gradients and the optimizer states in CPU memory "
+        "(less GPU memory, slower steps; the optimizer steps on the CPU).",
     )
     cpu_adam: bool = Field(
         True,
@@ -737,27 +743,38 @@ def _check_distributed(r: Recipe) -> None:
     if d.node_rank >= d.nodes:
         raise ValueError(f"distributed.node_rank: {d.node_rank} must be below distributed.nodes ({d.nodes})")
     if d.offload != "none" and not d.deepspeed:
+        also = "; with fsdp, set distributed.fsdp_offload: true instead" if d.strategy == "fsdp" else ""
         raise ValueError(
             f"distributed.offload: '{d.offload}' needs a DeepSpeed strategy: set distributed.strategy to zero2 "
-            "(optimizer states in CPU memory) or zero3"
+            f"(optimizer states in CPU memory) or zero3{also}"
         )
     if d.offload == "optimizer+params" and d.strategy != "zero3":
         raise ValueError(
             f"distributed.offload: parameter offload needs strategy zero3 (got {d.strategy}): ZeRO stages 1-2 keep the "
             "parameters on every GPU; use offload 'optimizer' or strategy zero3"
         )
-    if d.deepspeed and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+    if (d.deepspeed or d.strategy == "fsdp") and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+        engine = "DeepSpeed ZeRO" if d.deepspeed else "fsdp (measured: bitsandbytes' and Adafactor's updates fail on its sharded parameters)"
         raise ValueError(
-            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by DeepSpeed ZeRO (bitsandbytes and "
+            f"training.optimizer: '{r.training.optimizer}' cannot be sharded by {engine} (bitsandbytes and "
             "factored optimizers keep their own state layout): use adamw_torch, or strategy ddp"
         )
     if d.offload != "none" and r.training.optimizer == "sgd":
         raise ValueError("training.optimizer: ZeRO-Offload runs an Adam optimizer on the CPU: use adamw_torch")
-    if r.method == "qlora" and d.strategy in ("fsdp", "zero3"):
+    if d.fsdp_offload and d.strategy != "fsdp":
         raise ValueError(
-            f"distributed.strategy: '{d.strategy}' would shard the 4-bit base weights, which finetuner does not support "
-            "for bitsandbytes-quantized models: use zero2 (shards optimizer states and gradients) or ddp with qlora, "
-            "or method lora with fsdp/zero3"
+            f"distributed.fsdp_offload: applies to strategy fsdp (got {d.strategy}): set strategy fsdp, or use "
+            "distributed.offload with a ZeRO strategy"
+        )
+    if r.method == "qlora" and d.strategy == "fsdp" and r.quantization is not None and r.quantization.bits == 8:
+        raise ValueError(
+            "quantization.bits: 8-bit bitsandbytes weights cannot be sharded by fsdp (their scales live on the parameter "
+            "object, which FSDP replaces with its shard): use bits 4 with fsdp, or strategy ddp or zero2 for 8-bit QLoRA"
+        )
+    if r.method == "qlora" and d.strategy == "zero3":
+        raise ValueError(
+            "distributed.strategy: 'zero3' would shard the 4-bit base weights, which DeepSpeed does not support for "
+            "bitsandbytes-quantized models: use fsdp (shards the 4-bit weights), zero2 or ddp with qlora, or method lora with zero3"
         )
     if r.model.max_memory and d.world_size > 1:
         raise ValueError(

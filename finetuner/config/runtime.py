@@ -143,6 +143,12 @@ class Runtime:
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    @property
+    def gather_dtype(self) -> str:
+        """The dtype FSDP all-gathers the parameters in (its mixed-precision policy): the autocast
+        precision's; bitsandbytes keeps packed 4-bit weights in it under fsdp, so no cast touches them."""
+        return self.precision
+
     def torch_dtype(self, name: str):
         import torch
 

@@ -221,6 +221,9 @@ def bnb_config(recipe: Recipe, rt: Runtime):
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=rt.torch_dtype(rt.compute_dtype),
+        # FSDP shards a parameter in its own dtype and all-gathers it in the mixed-precision one: the packed
+        # 4-bit bytes are kept in that one so that both are the same and no cast touches them
+        **({"bnb_4bit_quant_storage": rt.torch_dtype(rt.gather_dtype)} if recipe.distributed.strategy == "fsdp" else {}),
     )
 
 
@@ -242,7 +245,10 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     quant = bnb_config(recipe, rt)
     if quant is not None:
         kwargs["quantization_config"] = quant
-        kwargs["device_map"] = {"": torch.device(rt.device).index or 0} if rt.is_cuda else {"": "cpu"}
+        # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
+        # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
+        index = torch.device(rt.device).index
+        kwargs["device_map"] = {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"}
     if m.max_memory:
         # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
         if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
@@ -293,7 +299,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     if recipe.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
+        return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
     from peft import LoraConfig, get_peft_model
 
@@ -314,7 +320,25 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
             f"lora.target_modules: {e}",
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
-    return _tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp)
+    return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
+
+
+def _training_mode(model):
+    """Every module in training mode, and 4-bit layers kept in their trained-on layout.
+
+    ``from_pretrained`` returns the model in eval mode and peft's wrapper starts in training mode,
+    so without this the base model's modules stayed in eval mode while training: transformers'
+    gradient checkpointing, which runs only in training mode, was silently off. And on CPUs with
+    AVX512-BF16 a bitsandbytes 4-bit layer in eval mode (or evaluated without gradients) repacks its
+    weight in place into an inference layout with bf16 block scales: the training's numbers would
+    change after the first evaluation, and under FSDP the repacked copy is a gathered one that is
+    thrown away while the shared quantization state says it was repacked.
+    """
+    model.train()
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
 
 
 def _tile_mlp(model, chunk: int):

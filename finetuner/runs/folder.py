@@ -62,15 +62,16 @@ def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _sharding_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """A DeepSpeed ZeRO checkpoint holds one optimizer shard per process: same strategy and process count to resume."""
+    """A DeepSpeed ZeRO or FSDP checkpoint holds one shard per process: same strategy and process count to resume."""
     def where(d: dict[str, Any]) -> tuple[str, int]:
         dist = d.get("distributed") or {}
         return dist.get("strategy", "ddp"), int(dist.get("num_processes", 1)) * int(dist.get("nodes", 1))
 
     (s_old, n_old), (s_new, n_new) = where(old), where(new)
-    zero = s_old.startswith("zero") or s_new.startswith("zero")
-    if zero and (s_old, n_old) != (s_new, n_new):
-        return [f"distributed (ZeRO checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
+    sharded = [s for s in (s_old, s_new) if s.startswith("zero") or s == "fsdp"]
+    if sharded and (s_old, n_old) != (s_new, n_new):
+        kind = "ZeRO" if sharded[0].startswith("zero") else "FSDP"
+        return [f"distributed ({kind} checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
     return []
 
 

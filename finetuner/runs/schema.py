@@ -130,7 +130,17 @@ class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf):
     predicted: Union[dict[str, Any], None]
 
 
-class DistributedEvent(Event):
+class _Fsdp(TypedDict, total=False):
+    """What an fsdp run adds (finetuner.training.strategies.fsdp): whether its shards, gradients and
+    optimizer states live in CPU memory, and for QLoRA what each rank measured of the 4-bit base
+    weights after sharding (``{"bits", "ranks": [{"local_bytes", "quantized_bytes", "dtypes",
+    "world_size", "ratio"}, ...]}``; None without QLoRA). Absent for other strategies."""
+
+    fsdp_offload: bool
+    quantized_storage: Union[dict[str, Any], None]
+
+
+class DistributedEvent(Event, _Fsdp):
     """A multi-process run's set-up (after ``start``, written by rank 0)."""
 
     strategy: str

@@ -14,8 +14,10 @@ Layout of ``<run>/checkpoints/step-00000040/``:
 - ``trainer_state.json`` — step, tokens seen, elapsed time, loss history, and the micro-batch
   and accumulation actually in use;
 - ``deepspeed/`` instead of ``optimizer.pt`` in a DeepSpeed ZeRO run: the engine's sharded
-  optimizer states, one file per process, written and read by the engine (such a checkpoint
-  resumes only with the same strategy and number of processes).
+  optimizer states, one file per process, written and read by the engine; ``fsdp/`` instead of
+  it in an FSDP run: the trained weights' and the optimizer's shards, one file per process,
+  through ``torch.distributed.checkpoint`` (such checkpoints resume only with the same strategy
+  and number of processes).
 
 A checkpoint is written into ``.tmp-step-…`` and renamed into place only when complete, so a
 run killed at any moment leaves either the old checkpoint or the new one, never half of one.
@@ -107,17 +109,17 @@ def write_rng_state(tmp: Path, rank: int = 0) -> None:
 
 def write_checkpoint_parts(
     tmp: Path, model, optimizer, scheduler, state: dict[str, Any], scaler=None, recipe_yaml: str | None = None, midway=None,
-    rank: int = 0,
+    rank: int = 0, weights: dict[str, Any] | None = None,
 ) -> None:
     """Write a checkpoint's parts into ``tmp``; ``optimizer=None`` when an engine keeps the optimizer
-    states itself (:data:`ENGINE_DIR`). ``midway()`` is called after the weights, before the rest
+    states itself (:data:`ENGINE_DIR`); ``weights``: see :func:`save_weights`. ``midway()`` is called after the weights, before the rest
     (the fault point of :mod:`finetuner.training.faults`' ``KILL@save:STEP``). The RNG state
     written is this process's, as ``rank``'s; in a multi-process run the other ranks write theirs
     with :func:`write_rng_state` into the same ``tmp`` before it is published."""
     import torch
 
     with quieted():
-        model.save_pretrained(tmp / "adapter", safe_serialization=True)
+        save_weights(model, tmp / "adapter", weights)
     if midway is not None:
         midway()
     if optimizer is not None:
@@ -129,6 +131,16 @@ def write_checkpoint_parts(
     if recipe_yaml is not None:
         (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
     atomic_write_json(tmp / "trainer_state.json", state)
+
+
+def save_weights(model, folder: Path, weights: dict[str, Any] | None = None) -> None:
+    """``model.save_pretrained(folder)`` (safetensors): a peft adapter or a whole model; ``weights``:
+    the state dict to save instead of the model's own (gathered from the ranks when the model's
+    parameters are sharded)."""
+    if weights is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=weights)
 
 
 def prune_order(dirs: list[Path], step: int) -> list[Path]:
@@ -200,19 +212,20 @@ def _read_rng_state(ckpt: Path, rank: int, world_size: int) -> dict[str, Any]:
     raise FileNotFoundError(f"no random-generator state ({rng_file(rank)}) in {ckpt}")
 
 
-def read_checkpoint(ckpt: Path, engine: bool = False, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+def read_checkpoint(ckpt: Path, engine: bool = False, rank: int = 0, world_size: int = 1, engine_dir: str = ENGINE_DIR) -> dict[str, Any]:
     """Read every part of a checkpoint into memory, touching no model: fails before anything is applied.
 
-    ``engine=True`` (a DeepSpeed run): the weights and optimizer states are the engine's to load
-    from :data:`ENGINE_DIR`; a checkpoint without that folder cannot be resumed by the engine.
+    ``engine=True`` (a sharded run: DeepSpeed's engine, FSDP): the weights and optimizer states are
+    the strategy's to load from its folder ``engine_dir`` (:data:`ENGINE_DIR` for DeepSpeed); a
+    checkpoint without that folder cannot be resumed by it.
     ``rank`` of ``world_size`` processes: whose RNG state is read (see :func:`_read_rng_state`).
     """
     import torch
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
-    if engine and not (ckpt / ENGINE_DIR).is_dir():
-        raise CheckpointUnreadable("not a DeepSpeed checkpoint")
+    if engine and not (ckpt / engine_dir).is_dir():
+        raise CheckpointUnreadable("not a DeepSpeed checkpoint" if engine_dir == ENGINE_DIR else f"no {engine_dir}/ shards in it")
     try:
         weights: dict[str, Any] | None = None
         if not engine:

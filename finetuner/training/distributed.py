@@ -4,54 +4,48 @@
 comes here, reads the resolved ``recipe.yaml`` and trains with :class:`DistributedTrainer`: the
 single-process :class:`~finetuner.training.trainer.Trainer` (its step, optimizer step, fp16 loss
 scaling, checkpoints, resume and end of run) with these differences, each an override of one of
-its hooks:
+its hooks. Where strategies differ the trainer asks the run's strategy object, one module each in
+:mod:`finetuner.training.strategies` (keyed by ``distributed.strategy``), and never asks which runs:
 
 - **process group**: gloo on CPU, NCCL on GPUs (one GPU per process, ``LOCAL_RANK``);
-- **wrapping**: ``ddp`` through accelerate's ``Accelerator`` (torch DDP), ``zero1``/``zero2``/
-  ``zero3`` through ``deepspeed.initialize`` with the run folder's ``distributed/deepspeed.json``
-  (ZeRO-Offload: optimizer states in CPU memory, stepped by ``DeepSpeedCPUAdam`` or torch AdamW).
-  accelerate's own DeepSpeed integration is not used because under torchrun on CPU it sees a
-  world of one process (measured with accelerate 1.15);
+- **wrapping** (``Strategy.wrap``): ``ddp`` through accelerate's ``Accelerator`` (torch DDP,
+  :mod:`~finetuner.training.strategies.ddp`); ``zero1``/``zero2``/``zero3`` through
+  ``deepspeed.initialize`` (:mod:`~finetuner.training.strategies.zero`); ``fsdp`` through torch's
+  FSDP2 ``fully_shard``, one unit per decoder layer (:mod:`~finetuner.training.strategies.fsdp`,
+  which also checks that QLoRA's 4-bit weights stay 4-bit once sharded);
 - **data**: each optimizer step's examples are split across ranks
   (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
   the global number of trained tokens, so N processes compute the same gradient as one process
   with the same effective batch; the step's loss and tokens (and a preference objective's reward
   sums) are summed over the ranks in one all-reduce, so rank 0 reports the whole step;
-- **gradient synchronisation**: under DDP every backward pass runs under ``no_sync`` and, once
-  the ranks have agreed that all the step's passes fit, the accumulated gradients are averaged
-  over the ranks (an all-reduce in buckets, :func:`average_gradients`): no collective runs inside
-  a pass, so a rank that fails in one cannot leave the others waiting in it. A DeepSpeed engine
-  is told where the accumulation boundary is and runs its own backward and step (it clips, and
-  with fp16 scales the loss, itself). Under DDP the optimizer step is the single-process one,
-  fp16 ``GradScaler`` included: the gradients it unscales are already the same on every rank, so
-  every rank skips or takes the same steps;
-- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints (each rank adds its RNG
-  state, and under ZeRO its shard), the adapter and ``metrics.json``; ZeRO-3 parameters are gathered for saving;
-- **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and resumes with it, so
-  its dropout masks after a resume are those of an uninterrupted run; the ranks agree whether
-  each could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary
-  format; ZeRO's hold ``deepspeed/`` instead of
-  ``optimizer.pt`` (the engine's sharded states, one file per rank, see
-  :mod:`finetuner.training.checkpoint`) and resume with the same strategy and world size;
+- **gradient synchronisation** (``Strategy.gradient_sync``, ``backward``, ``sync_gradients``,
+  ``optimizer_step``): DDP runs every pass under ``no_sync`` and averages once the ranks have
+  agreed that all the step's passes fit; a DeepSpeed engine runs its own backward and step; FSDP
+  reduce-scatters in each pass and clips by the norm of the whole gradient;
+- **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
+  ``metrics.json``; sharded weights (ZeRO-3, FSDP) are gathered for saving (``Strategy.gathered``),
+  so the adapter is always a normal peft folder;
+- **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and its share of the
+  strategy's sharded state (``Strategy.write_shards``: ZeRO's ``deepspeed/``, FSDP's ``fsdp/``
+  through ``torch.distributed.checkpoint``) and resumes with them; the ranks agree whether each
+  could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary format;
+  sharded ones resume with the same strategy and world size;
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
   signal, so they stop at the same step and save one checkpoint together;
 - **out of memory**: after each micro-batch the ranks agree (an all-reduce of a flag) whether any
-  of them ran out of memory. Under DDP, if one did, every rank drops the step's gradients, halves
-  its micro-batch and doubles its accumulation the same way (the same effective batch and the
-  same split of the step's examples) and runs the step again; rank 0 alone writes the
+  of them ran out of memory. If one did, every rank drops the step's gradients, halves its
+  micro-batch and doubles its accumulation the same way (the same effective batch and the same
+  split of the step's examples) and runs the step again (DDP, FSDP); rank 0 alone writes the
   ``oom_backoff`` event and ``recipe.yaml``. A DeepSpeed engine cannot change course inside a
-  step (ZeRO-2 has already reduced the micro-batches' gradients into its partitions, ZeRO-3
-  gathers parameters inside the forward pass), so under ZeRO rank 0 writes the backed-off values
-  to ``recipe.yaml`` and the ranks end the run together with exit status 3; running the same
-  command again resumes from the last checkpoint with them (the launcher writes
-  ``deepspeed.json`` from them). An out-of-memory error inside a collective (ZeRO's gathers and
-  reductions; DDP has none inside a pass) or in the optimizer step cannot be agreed on: that
-  rank ends the run (torchrun stops the others).
+  step, so under ZeRO the ranks end the run together with exit status 3 and the same command
+  resumes from the last checkpoint with the backed-off values (``Strategy.after_back_off``). An
+  out-of-memory error inside a collective (ZeRO's and FSDP's gathers and reductions; DDP has none
+  inside a pass) or in the optimizer step cannot be agreed on: that rank ends the run (torchrun
+  stops the others).
 """
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import logging
 import os
@@ -63,10 +57,11 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.recipe import Recipe
-from finetuner.errors import OutOfMemory, UserError
+from finetuner.errors import UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.launch import STOP_FILE
-from finetuner.training.trainer import Trainer, build_scheduler
+from finetuner.training.strategies import Strategy, strategy_class
+from finetuner.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +114,6 @@ class _NoEvents:
         pass
 
 
-def _disable_deepspeed_shm_allreduce() -> None:
-    """Use gloo's all-reduce on CPU instead of DeepSpeed's shared-memory kernel.
-
-    DeepSpeed builds that C++ kernel the first time a CPU process group starts (1-2 minutes on two
-    cores); gloo computes the same reduction.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def init_rank(recipe: Recipe) -> RankContext:
     """Join the process group torchrun set up the environment for."""
     import datetime
@@ -143,36 +127,8 @@ def init_rank(recipe: Recipe) -> RankContext:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    if recipe.distributed.deepspeed:
-        import deepspeed
-
-        if not cuda:
-            _disable_deepspeed_shm_allreduce()
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    strategy_class(recipe.distributed.strategy).join(cuda)
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, cuda)
-
-
-def average_gradients(params, world_size: int, bucket_bytes: int = 64 * 2**20) -> None:
-    """Average the gradients of ``params`` over the ranks in place: one all-reduce per bucket of
-    about ``bucket_bytes`` (what DDP does in its synchronising backward pass, done here after it)."""
-    import torch
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params if p.grad is not None]
-    bucket: list = []
-    size = 0
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= bucket_bytes or i == len(grads) - 1 or grads[i + 1].dtype != g.dtype:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat)
-            flat /= world_size
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-            bucket, size = [], 0
 
 
 def all_reduce_values(values: list, dtype, op: str = "sum") -> list:
@@ -196,7 +152,8 @@ def _barrier() -> None:
 
 # --------------------------------------------------------------------------- the trainer
 class DistributedTrainer(Trainer):
-    """:class:`Trainer` on one rank of a DDP or DeepSpeed ZeRO run: only the hooks that differ."""
+    """:class:`Trainer` on one rank of a multi-process run: only the hooks that differ, each asking
+    the run's :class:`~finetuner.training.strategies.base.Strategy` where strategies differ."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, ctx: RankContext):
         self.ctx = ctx
@@ -207,9 +164,8 @@ class DistributedTrainer(Trainer):
         if not ctx.is_main:
             self.events.close()
             self.events = _NoEvents()
-        self.strategy = recipe.distributed.strategy
-        self.engine = None  # the DeepSpeed engine
-        self.wrapped = None  # what forward goes through: DDP module or DeepSpeed engine
+        self.strategy: Strategy = strategy_class(recipe.distributed.strategy)(self)
+        self.wrapped = None  # what forward goes through: the strategy's wrapping of the step's loss module
 
     def setup(self) -> None:
         super().setup()
@@ -221,7 +177,8 @@ class DistributedTrainer(Trainer):
             world_size=self.ctx.world_size,
             nodes=d.nodes,
             backend="nccl" if self.ctx.cuda else "gloo",
-            engine="deepspeed" if self.engine is not None else f"accelerate ({type(self.wrapped).__name__})",
+            engine=self.strategy.describe(),
+            **self.strategy.event_fields(),
             optimizer=type(self.optimizer).__name__,
             configs=sorted(str(p) for p in (self.run_dir / "distributed").glob("*.*") if p.suffix != ".log"),
         )
@@ -231,38 +188,12 @@ class DistributedTrainer(Trainer):
         """Wrap the step's loss module (called by :meth:`Trainer.setup` before resuming)."""
         if self.rt.is_cuda != self.ctx.cuda:
             raise UserError("device: the ranks and the launcher disagree about using the GPU.")
-        if self.recipe.distributed.deepspeed:
-            self._wrap_deepspeed()
-        else:
-            from accelerate import Accelerator
-
-            self.accelerator = Accelerator(cpu=not self.ctx.cuda)
-            self.wrapped = self.accelerator.prepare_model(self.step_loss)
+        self.wrapped = self.strategy.wrap(self.step_loss)
         self.step_loss = self.wrapped
-
-    def _wrap_deepspeed(self) -> None:
-        import json
-
-        import deepspeed
-
-        d, t = self.recipe.distributed, self.recipe.training
-        config = json.loads((self.run_dir / "distributed" / "deepspeed.json").read_text(encoding="utf-8"))
-        if d.offload != "none" and d.cpu_adam:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = DeepSpeedCPUAdam(params, lr=t.lr, weight_decay=t.weight_decay, adamw_mode=True)
-            self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
-        self.engine, _, _, _ = deepspeed.initialize(model=self.step_loss, optimizer=self.optimizer, config=config)
-        self.wrapped = self.engine
-        self.scaler = None  # the engine scales an fp16 loss itself (deepspeed.json: "fp16")
 
     # ---------------------------------------------------------------- one step
     def _gradient_sync(self, last: bool):
-        if self.engine is not None:
-            self.engine.set_gradient_accumulation_boundary(last)
-            return contextlib.nullcontext()
-        return self.wrapped.no_sync()  # accumulate locally: _sync_gradients averages once the ranks agree
+        return self.strategy.gradient_sync(last)
 
     def _out_of_memory_anywhere(self, failure: str | None) -> str | None:
         import torch
@@ -274,24 +205,16 @@ class DistributedTrainer(Trainer):
         return failure if failure is not None else f"out of memory on rank {failed}"
 
     def _sync_gradients(self) -> None:
-        if self.engine is None:
-            if getattr(self, "_trainable", None) is None:
-                self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-            average_gradients(self._trainable, self.world_size)
+        self.strategy.sync_gradients()
+
+    def evaluation(self):
+        return self.strategy.whole_forward()
 
     def _backward(self, loss) -> None:
-        if self.engine is not None:
-            self.engine.backward(loss, scale_wrt_gas=False)
-        else:
-            super()._backward(loss)
+        self.strategy.backward(loss)
 
     def _optimizer_step(self) -> float | None:
-        if self.engine is None:
-            return super()._optimizer_step()
-        self.engine.step()
-        self.scheduler.step()
-        norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        return self.strategy.optimizer_step()
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         import torch
@@ -300,26 +223,10 @@ class DistributedTrainer(Trainer):
 
     def _back_off(self, step: int, message: str) -> None:
         """All ranks agreed on an out-of-memory error in ``step``: back off like one process (the same
-        values on every rank, rank 0 writes them). A DeepSpeed engine cannot continue with them, so
-        under ZeRO the run then ends, to resume with them (see the module's docstring)."""
+        values on every rank, rank 0 writes them); the strategy ends the run if it cannot go on with them."""
         before = self.recipe.training.micro_batch_size
         super()._back_off(step, message)
-        if self.engine is None:
-            return
-        t = self.recipe.training
-        if ckpt_io.latest_checkpoint(self.run_dir) is not None:
-            how = "run the same command again: it resumes from the last checkpoint with them"
-        else:
-            how = (f"no checkpoint is saved yet: run again with --set training.micro_batch_size={t.micro_batch_size} "
-                   f"--set training.gradient_accumulation={t.gradient_accumulation}")
-        raise OutOfMemory(
-            f"Out of device memory in step {step + 1} on {self.world_size} processes (micro_batch_size {before}; {message}). "
-            f"A DeepSpeed engine cannot lower its micro-batch while it runs: the run folder's recipe.yaml now has "
-            f"micro_batch_size {t.micro_batch_size} and gradient_accumulation {t.gradient_accumulation} (the same "
-            f"effective batch); {how}. {self._predicted_note()}".rstrip(),
-            hint="Turn on training.gradient_checkpointing, add distributed.offload, or use a shorter data.max_seq_len; "
-            "`finetuner plan --gpus N` finds settings that fit.",
-        )
+        self.strategy.after_back_off(step, before, message)
 
     # ---------------------------------------------------------------- outputs
     def _write_json(self, name: str, data: Any) -> None:
@@ -327,36 +234,24 @@ class DistributedTrainer(Trainer):
             super()._write_json(name, data)
 
     def _trainer_state(self, elapsed: float) -> dict[str, Any]:
-        return {**super()._trainer_state(elapsed), "world_size": self.ctx.world_size, "strategy": self.strategy}
-
-    @contextlib.contextmanager
-    def _gathered(self):
-        """ZeRO-3: the full trainable (or, for full fine-tuning, all) parameters on every rank."""
-        if self.strategy != "zero3":
-            yield
-            return
-        import deepspeed
-
-        params = [p for p in self.model.parameters() if p.requires_grad or self._full]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield
+        return {**super()._trainer_state(elapsed), "world_size": self.ctx.world_size, "strategy": self.recipe.distributed.strategy}
 
     def _write_checkpoint(self, elapsed: float) -> Path:
-        """Rank 0 starts the staging folder; every rank writes its own RNG state into it (and under ZeRO
-        its shard of the engine's state); rank 0 writes the rest (under DDP every rank holds the same
-        weights and optimizer states) and publishes the checkpoint once all have written."""
+        """Rank 0 starts the staging folder; every rank writes its own RNG state into it (and its share
+        of the strategy's sharded state); rank 0 writes the rest and publishes the checkpoint once all
+        have written."""
         main = self.ctx.is_main
         tmp = ckpt_io.start_checkpoint(self.run_dir, self.step) if main else ckpt_io.staging_dir(self.run_dir, self.step)
         _barrier()
-        if self.engine is not None:
-            self.engine.save_checkpoint(str(tmp / ckpt_io.ENGINE_DIR), tag="state", save_latest=False, exclude_frozen_parameters=not self._full)
+        self.strategy.write_shards(tmp)
         if not main:
             ckpt_io.write_rng_state(tmp, self.rank)
-        with self._gathered():
+        with self.strategy.gathered() as weights:
             if main:
                 ckpt_io.write_checkpoint_parts(
-                    tmp, self.model, self.optimizer if self.engine is None else None, self.scheduler, self._trainer_state(elapsed),
-                    scaler=self.scaler, recipe_yaml=self.recipe.to_yaml(), midway=self._midway_through_save, rank=self.rank,
+                    tmp, self.model, self.optimizer if self.strategy.saves_optimizer else None, self.scheduler,
+                    self._trainer_state(elapsed), scaler=self.scaler, recipe_yaml=self.recipe.to_yaml(),
+                    midway=self._midway_through_save, rank=self.rank, weights=weights,
                 )
         _barrier()
         if main:
@@ -371,7 +266,7 @@ class DistributedTrainer(Trainer):
 
         failure = None
         try:
-            parts = ckpt_io.read_checkpoint(ckpt, engine=self.engine is not None, rank=self.rank, world_size=self.world_size)
+            parts = self.strategy.read_parts(ckpt)
         except ckpt_io.CheckpointUnreadable as e:
             failure = e
         (failed,) = all_reduce_values([self.rank if failure is not None else self.world_size], torch.int64, "min")
@@ -379,37 +274,27 @@ class DistributedTrainer(Trainer):
             raise failure
         if failed != self.world_size:
             raise ckpt_io.CheckpointUnreadable(f"{ckpt.name}: unreadable on rank {failed}")
-        if self.engine is None:
-            return parts
-        saved_by = parts["state"].get("world_size")
-        if saved_by != self.ctx.world_size:
-            raise UserError(
-                f"{ckpt} was saved by {saved_by} processes; this run has {self.ctx.world_size}.",
-                hint="ZeRO checkpoints shard the optimizer per process: resume with the same --gpus, or --no-resume.",
-            )
         return parts
 
     def _apply_checkpoint(self, ckpt: Path, parts: dict[str, Any]) -> dict[str, Any]:
-        if self.engine is not None:  # the weights and the optimizer's shards
-            self.engine.load_checkpoint(
-                str(ckpt / ckpt_io.ENGINE_DIR), tag="state", load_module_strict=False, load_lr_scheduler_states=False
-            )
+        self.strategy.load_shards(ckpt, parts)
         return super()._apply_checkpoint(ckpt, parts)
 
-    def save_final(self) -> Path:
-        with self._gathered():
-            final = super().save_final() if self.ctx.is_main else self.run_dir / "adapter"
+    def save_final(self, weights: dict[str, Any] | None = None) -> Path:
+        """Rank 0 saves the weights the strategy gathered (``weights`` is for one process only)."""
+        with self.strategy.gathered() as gathered:
+            final = super().save_final(gathered) if self.ctx.is_main else self.run_dir / "adapter"
         _barrier()
         return final
 
     def cleanup(self) -> None:
         """Close the event and TensorBoard writers, then take this rank out of the run in order:
-        the DeepSpeed engine releases its hooks, buffers and optimizer (DeepSpeedCPUAdam's C++
+        the strategy releases its engine (hooks, buffers, optimizer: DeepSpeedCPUAdam's C++
         state), and the rank leaves the process group (:func:`leave_process_group`), all while the
         interpreter is whole."""
         super().cleanup()
-        if self.engine is not None:
-            self.engine.destroy()
+        if self.wrapped is not None:
+            self.strategy.close()
         leave_process_group()
 
 
@@ -466,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.setup()
         result = trainer.train()
         if ctx.is_main and recipe.samples.prompts and not result.stopped:
-            if trainer.strategy == "zero3":
-                log.warning("Samples are not generated for zero3 runs (the parameters are sharded); load the adapter to try it.")
+            if not trainer.strategy.whole_model_on_rank0:
+                log.warning("Samples are not generated for %s runs (the parameters are sharded); load the adapter to try it.",
+                            recipe.distributed.strategy)
             else:
                 from finetuner.fileio import atomic_write_json
                 from finetuner.infer.generate import compare_samples

@@ -6,8 +6,10 @@
 1. resolves the recipe and prepares the run folder exactly like a one-process run (the lock,
    resume checks, ``recipe.yaml``), and holds the lock while the ranks run;
 2. writes the configs the run uses into ``<run>/distributed/``: ``accelerate_config.yaml`` (for
-   ``accelerate launch --config_file``), ``deepspeed.json`` for the ZeRO strategies, and
-   ``launch.sh``, the exact ``torchrun`` command, so a user can see and reuse them;
+   ``accelerate launch --config_file``; for fsdp, accelerate's FSDP2 plugin settings, which
+   finetuner itself does not use: its ranks call torch's ``fully_shard``), ``deepspeed.json`` for
+   the ZeRO strategies, and ``launch.sh``, the exact ``torchrun`` command, so a user can see and
+   reuse them;
 3. starts ``python -m torch.distributed.run ... -m finetuner.training.distributed RUN_DIR`` (torchrun, not
    ``accelerate launch``: on CPU ``accelerate launch --cpu --num_processes 2`` starts only one
    process), follows rank 0's ``events.jsonl`` for the callbacks, and turns the end of the run
@@ -126,7 +128,7 @@ def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None
             "fsdp_reshard_after_forward": True,
             "fsdp_state_dict_type": "FULL_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_offload_params": False,
+            "fsdp_offload_params": d.fsdp_offload,
             "fsdp_activation_checkpointing": bool(recipe.training.gradient_checkpointing is True),
         }
     else:
@@ -276,15 +278,6 @@ def launch_training(
 
     cuda = torch.cuda.is_available() and recipe.device != "cpu"
     d = recipe.distributed
-    if d.strategy == "fsdp":
-        # accelerate's FSDP plugin refuses the CPU, so its training path cannot be tested here; rather
-        # than run something untested, finetuner writes the config and points to ZeRO-3
-        where = "" if cuda else " accelerate's FSDP plugin also refuses the CPU."
-        raise UserError(
-            f"distributed.strategy: fsdp is not supported by finetuner run yet.{where}",
-            hint="Use strategy zero3: DeepSpeed ZeRO-3 shards parameters, gradients and optimizer states the same way "
-            "(finetuner.training.launch.write_configs writes an accelerate FSDP config for `accelerate launch` if you need one).",
-        )
     if d.deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             f"distributed.strategy: {d.strategy} runs on DeepSpeed, which is not installed.",

@@ -414,7 +414,7 @@ class PreferenceObjective:
         trainer.model.eval()
         mbs = trainer.recipe.training.micro_batch_size
         val = trainer.data.val
-        with torch.no_grad():
+        with torch.no_grad(), trainer.evaluation():
             for i in range(0, len(val), mbs):
                 batch = trainer._to_device(trainer.collate(val[i : i + mbs]))
                 with trainer._autocast():

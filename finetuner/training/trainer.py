@@ -10,7 +10,8 @@ The same :class:`Trainer` runs one process and every rank of a multi-process run
 the optimizer step (clipping, fp16 loss scaling, the schedule), checkpoints, resume and the end
 of the run are written once, here; :class:`finetuner.training.distributed.DistributedTrainer`
 overrides only the hooks where several processes differ (wrapping the model, gradient
-synchronisation, summing over ranks, rank-0-only writes, DeepSpeed's engine).
+synchronisation, summing over ranks, rank-0-only writes), asking its strategy object
+(:mod:`finetuner.training.strategies`: ddp, zero, fsdp) where strategies differ.
 
 The trainer knows nothing of any UI: it writes events (:mod:`finetuner.runs.events`) and checks a
 stop flag between steps.
@@ -121,6 +122,11 @@ def optimizer_step(optimizer, scheduler, params, max_grad_norm: float | None, sc
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def local_part(t):
+    """This process's part of a parameter: a sharded one's (DTensor) local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def split_step(n_examples: int, micro_batch_size: int, world_size: int) -> list[list[tuple[int, int]]]:
@@ -391,6 +397,11 @@ class Trainer:
     def _sync_gradients(self) -> None:
         """After a step's passes all fit: make the ranks' gradients the same; one process: nothing."""
 
+    def evaluation(self):
+        """The context of evaluation's forward passes (which call the model's parts, not the step's
+        loss module); one process: nothing."""
+        return contextlib.nullcontext()
+
     def _write_json(self, name: str, data: Any) -> None:
         """Write a JSON file into the run folder (in a multi-process run, rank 0 only)."""
         atomic_write_json(self.run_dir / name, data)
@@ -485,10 +496,15 @@ class Trainer:
             self._backward(loss)
         return (float(loss_sum.detach()), mb["num_tokens"]) if bounds else (0.0, 0)
 
-    def _optimizer_step(self) -> float | None:
-        if getattr(self, "_trainable", None) is None:  # walking every parameter each step costs ~1 ms on CPU
+    def trainable_params(self, refresh: bool = False) -> list:
+        """The parameters the optimizer trains (kept: walking every parameter each step costs ~1 ms on CPU;
+        ``refresh`` after a strategy replaced them)."""
+        if refresh or getattr(self, "_trainable", None) is None:
             self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        return optimizer_step(self.optimizer, self.scheduler, self._trainable, self.recipe.training.max_grad_norm, self.scaler)
+        return self._trainable
+
+    def _optimizer_step(self) -> float | None:
+        return optimizer_step(self.optimizer, self.scheduler, self.trainable_params(), self.recipe.training.max_grad_norm, self.scaler)
 
     def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
         """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM.
@@ -534,7 +550,7 @@ class Trainer:
             where = f" on {self.world_size} processes" if self.world_size > 1 else ""
             raise OutOfMemory(
                 f"Out of device memory in step {step + 1}{where} even with micro_batch_size 1 "
-                f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self._predicted_note()}",
+                f"(tried {', '.join(map(str, self._tried_micro + [1]))}). {self.predicted_note()}",
                 hint="Turn on training.gradient_checkpointing, use method: qlora, a paged or 8-bit optimizer, "
                 "or a shorter data.max_seq_len; `finetuner plan` finds settings that fit this card.",
             )
@@ -590,7 +606,7 @@ class Trainer:
         if self.rt.is_cuda:
             torch.cuda.empty_cache()
 
-    def _predicted_note(self) -> str:
+    def predicted_note(self) -> str:
         predicted = getattr(self, "predicted_peak", None)
         return f"The memory model predicted a peak of {predicted / 2**30:.1f} GiB." if predicted else ""
 
@@ -610,7 +626,7 @@ class Trainer:
         self.model.eval()
         total, n = 0.0, 0
         mbs = self.recipe.training.micro_batch_size
-        with torch.no_grad():
+        with torch.no_grad(), self.evaluation():
             for i in range(0, len(self.data.val), mbs):
                 batch = self._to_device(self.collate([self.data.val[j] for j in range(i, min(i + mbs, len(self.data.val)))]))
                 with self._autocast():
@@ -655,7 +671,8 @@ class Trainer:
         and no adapter, ever holds one; the run folder keeps its last good checkpoint."""
         import torch
 
-        bad = [n for n, p in self.model.named_parameters() if p.requires_grad and p.numel() and not bool(torch.isfinite(p).all())]
+        bad = [n for n, p in self.model.named_parameters() if p.requires_grad and local_part(p).numel()
+               and not bool(torch.isfinite(local_part(p)).all())]
         if not self._sum_over_ranks([float(len(bad))])[0]:
             return
         shown = f" ({', '.join(bad[:2])}{f' and {len(bad) - 2} more' if len(bad) > 2 else ''})" if bad else ""
@@ -819,8 +836,9 @@ class Trainer:
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
-    def save_final(self) -> Path:
-        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically."""
+    def save_final(self, weights: dict[str, Any] | None = None) -> Path:
+        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically;
+        ``weights``: the trained weights to save when the model's own are sharded (a state dict)."""
         import shutil
 
         from finetuner.fileio import publish_dir
@@ -831,7 +849,7 @@ class Trainer:
             shutil.rmtree(tmp)
         try:
             with self._disk_full_guard(tmp, weights_only=True), quieted():  # quieted: transformers' "Writing model shards" bar
-                self.model.save_pretrained(tmp, safe_serialization=True)
+                ckpt_io.save_weights(self.model, tmp, weights)
                 self.tokenizer.chat_template = self.data.chat_template
                 self.tokenizer.save_pretrained(tmp)
         except BaseException:

@@ -4,8 +4,7 @@ Every strategy the planner can choose (finetuner.memory.sharding.candidate_strat
 zero1-3, ZeRO-Offload of the optimizer and of the parameters) runs here on two processes with
 the same effective batch and must follow the single-process run (loss and adapter); so do two
 nodes on 127.0.0.1. Only rank 0 writes; Ctrl-C of the launcher leaves no process behind; the
-configs are saved in the run folder. accelerate's FSDP plugin refuses the CPU, so for ``fsdp``
-only the generated config and the refusal are tested here.
+configs are saved in the run folder. ``fsdp`` (torch FSDP2) has its own file, test_fsdp.py.
 
 DeepSpeed is needed by the ZeRO tests only (their ``deepspeed`` fixture); the DDP run and the
 tests without processes run with it hidden. DeepSpeedCPUAdam (the default of offload) is a C++
@@ -236,7 +235,8 @@ def test_a_rank_leaves_its_process_group_before_it_exits():
             dist.destroy_process_group()
 
 
-def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, without_deepspeed):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, strategy, without_deepspeed):
     """distributed.nodes 2: the same recipe launched twice on 127.0.0.1 (node_rank 0 and 1, one
     process each, one master address and port) trains one run in one shared run folder. Node 1
     starts first and waits for node 0 to prepare the folder; both commands end with the result."""
@@ -246,7 +246,8 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, witho
     procs = []
     for node in (1, 0):
         recipe = write_recipe(tmp_path / f"node{node}.yaml", dict(base, output_dir=str(run_dir), distributed={
-            "nodes": 2, "node_rank": node, "num_processes": 1, "master_addr": "127.0.0.1", "master_port": port}))
+            "nodes": 2, "node_rank": node, "num_processes": 1, "master_addr": "127.0.0.1", "master_port": port,
+            "strategy": strategy}))
         procs.append(subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(recipe), "--quiet"], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if node == 1:
@@ -255,7 +256,8 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, witho
     assert [proc.returncode for proc in procs] == [0, 0], outs
     assert "waiting for node 0" in outs[0]
     events = _rank0_only(run_dir, 2, per_node=1)
-    assert next(e for e in events if e["event"] == "distributed")["nodes"] == 2
+    dist = next(e for e in events if e["event"] == "distributed")
+    assert dist["nodes"] == 2 and dist["strategy"] == strategy
     launch = (run_dir / "distributed" / "launch.sh").read_text()
     assert f"--nnodes=2 --node_rank=0 --master_addr=127.0.0.1 --master_port={port}" in launch and "--standalone" not in launch
     assert (run_dir / "distributed" / "launch-node1.log").is_file()
@@ -423,7 +425,7 @@ def test_split_step_gives_every_example_to_one_rank(without_deepspeed):
     [
         ({"strategy": "ddp", "offload": "optimizer"}, {}, "distributed.offload"),
         ({"strategy": "zero2", "offload": "optimizer+params"}, {}, "distributed.offload"),
-        ({"strategy": "fsdp"}, {"method": "qlora"}, "distributed.strategy"),
+        ({"strategy": "ddp", "fsdp_offload": True}, {}, "distributed.fsdp_offload"),
         ({"strategy": "zero3"}, {"method": "qlora"}, "distributed.strategy"),
         ({"strategy": "zero2"}, {"training": {"optimizer": "adamw_8bit"}}, "training.optimizer"),
         ({"nodes": 2, "node_rank": 2}, {}, "distributed.node_rank"),
@@ -446,7 +448,9 @@ def test_a_zero_strategy_without_deepspeed_says_what_to_install(recipe_dict, tmp
     assert "'.[distributed]'" in e.value.hint and not (tmp_path / "z").exists()
 
 
-def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recipe_dict, tmp_path, without_deepspeed):
+def test_the_generated_fsdp_and_deepspeed_configs_load_in_accelerate(recipe_dict, tmp_path, without_deepspeed):
+    """``finetuner run`` trains fsdp itself (tests/training/test_fsdp.py); the accelerate config it saves
+    beside the run is for users who launch with ``accelerate launch``."""
     from accelerate.commands.config.config_args import ClusterConfig
 
     from finetuner.config.runtime import Device, resolve
@@ -454,8 +458,6 @@ def test_fsdp_refuses_the_cpu_and_its_generated_config_loads_in_accelerate(recip
 
     a100 = Device("cuda", bf16=True)
     recipe = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "fsdp", "num_processes": 2}, device="cpu"))
-    with pytest.raises(UserError, match="zero3"):
-        finetuner.train(recipe)
     paths = write_configs(recipe, tmp_path, resolve(recipe, a100, "llama"))
     cfg = ClusterConfig.from_yaml_file(str(paths["accelerate"]))
     assert cfg.distributed_type == "FSDP" and cfg.num_processes == 2
