@@ -281,10 +281,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         recipe = planned.recipe
     est = estimate_recipe(recipe, gpu)
     sharded = None
-    if recipe.distributed.world_size > 1 or recipe.distributed.offload != "none":
-        from finetuner.memory.sharding import shard_estimate
+    from finetuner.memory.sharding import recipe_offload, shard_estimate
 
-        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, recipe.distributed.offload)
+    offload = recipe_offload(recipe.distributed)
+    if recipe.distributed.world_size > 1 or offload != "none":
+        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, offload)
     if args.json:
         d = est.to_dict()
         d["gpu_profile"] = gpu.to_dict()

@@ -210,6 +210,23 @@ class ShardedEstimate:
         }
 
 
+def recipe_offload(distributed) -> str:
+    """The offload of a recipe's ``distributed`` section in this module's terms: ZeRO's
+    ``distributed.offload``, or for fsdp ``"optimizer+params"`` when ``distributed.fsdp_offload``
+    (FSDP2's CPUOffloadPolicy) is on."""
+    if distributed.strategy == "fsdp":
+        return "optimizer+params" if getattr(distributed, "fsdp_offload", False) else "none"
+    return distributed.offload
+
+
+def distributed_keys(strategy: str, offload: str) -> dict[str, object]:
+    """The ``distributed`` keys of a recipe that runs ``strategy`` with ``offload`` (the inverse of
+    :func:`recipe_offload`)."""
+    if strategy == "fsdp":
+        return {"strategy": strategy, "offload": "none", **({"fsdp_offload": True} if offload != "none" else {})}
+    return {"strategy": strategy, "offload": offload}
+
+
 def _layer_params(estimate, shape: ModelShape) -> tuple[int, int]:
     """(parameters of one decoder layer, of the embedding or LM head): the largest units gathered at once."""
     counts = estimate.details.get("parameters", {}) if estimate.details else {}

@@ -30,6 +30,7 @@ from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
+from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_shape
 from finetuner.planning.expectations import expectation
@@ -230,7 +231,7 @@ class Plan:
             "max_seq_len": r.data.max_seq_len,
             "packing": r.data.packing,
             **({"strategy": r.distributed.strategy, "num_processes": r.distributed.num_processes,
-                "distributed_offload": r.distributed.offload} if self.gpus > 1 else {}),
+                "distributed_offload": recipe_offload(r.distributed)} if self.gpus > 1 else {}),
         }
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -259,7 +260,8 @@ class Plan:
         keep = {"training": planned, "data": {"max_seq_len": self.recipe.data.max_seq_len}}
         if self.gpus > 1:
             d = self.recipe.distributed
-            keep["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
+            keep["distributed"] = {"num_processes": d.num_processes,
+                                   **distributed_keys(d.strategy, recipe_offload(d))}
         return readable_yaml(self.recipe, "".join(f"{line}\n" for line in head), keep)
 
     def __repr__(self) -> str:
@@ -466,8 +468,8 @@ def search(
 
 def with_strategy(recipe: Recipe, sharded: Any, gpus: int) -> Recipe:
     """``recipe`` with the ``distributed`` section of a strategy on ``gpus`` processes."""
-    return recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update={
-        "strategy": sharded.strategy, "num_processes": gpus, "offload": sharded.offload})})
+    keys = {"num_processes": gpus, **distributed_keys(sharded.strategy, sharded.offload)}
+    return recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update=keys)})
 
 
 def schema_accepts(recipe: Recipe) -> bool:
