@@ -468,7 +468,9 @@ def search(
 
 def with_strategy(recipe: Recipe, sharded: Any, gpus: int) -> Recipe:
     """``recipe`` with the ``distributed`` section of a strategy on ``gpus`` processes."""
-    keys = {"num_processes": gpus, **distributed_keys(sharded.strategy, sharded.offload)}
+    keys: dict[str, Any] = {"num_processes": gpus, **distributed_keys(sharded.strategy, sharded.offload)}
+    if "fsdp_offload" in type(recipe.distributed).model_fields:  # off unless this strategy turns it on
+        keys.setdefault("fsdp_offload", False)
     return recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update=keys)})
 
 
