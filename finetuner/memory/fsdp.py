@@ -1,10 +1,11 @@
 """FSDP2 per device: the terms of ``distributed.strategy: fsdp`` on N devices.
 
-finetuner's fsdp is torch's FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer is
-one unit, the model itself the root unit (embeddings, final norm, LM head), parameters are
-``DTensor`` shards (dim 0, ``1/N`` each) under a ``MixedPrecisionPolicy`` (all-gather in the
-compute dtype, gradients reduced in fp32), ``reshard_after_forward=True`` for the layers, and
-optionally ``CPUOffloadPolicy``. What one device holds, term by term (each a function below):
+finetuner's fsdp is torch's FSDP2 (``torch.distributed.fsdp.fully_shard``, the trainer's
+``finetuner.training.strategies.fsdp``): each decoder layer is one unit, the step's loss module
+the root unit (embeddings, final norm, LM head), parameters are ``DTensor`` shards (dim 0, ``1/N``
+each) under a ``MixedPrecisionPolicy`` (all-gather in the compute dtype, gradients reduced in
+fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
+(``distributed.fsdp_offload``). What one device holds, term by term (each a function below):
 
 - **sharded model states** (:func:`sharded_bytes`): ``ceil(b / N)`` of every parameter, gradient
   and optimizer state of the single-device estimate. For QLoRA the quantized weights are stored
@@ -17,9 +18,9 @@ optionally ``CPUOffloadPolicy``. What one device holds, term by term (each a fun
   fsdp"), so every device holds all of it, unsharded;
 - **the gathered units** (:func:`gathered_bytes`): a unit's parameters exist in full while it
   computes. FSDP2 prefetches the next layer while one runs (forward: the next, backward: the
-  previous), so two layers are gathered at once; the root unit is not resharded after forward
-  (FSDP2 sets ``reshard_after_forward=False`` for the root: its parameters are needed again at
-  once by the backward), so it stays gathered through the step. A layer is gathered at the
+  previous), so two layers are gathered at once; the root unit is gathered from the LM head at
+  the start of the backward to the embeddings at its end (its post-backward runs last), so
+  through every layer's backward. A layer is gathered at the
   all-gather dtype: the frozen base in its storage dtype (QLoRA: the packed 4-bit bytes, the
   layer is dequantized one linear at a time at compute, which the single-device estimate's
   dequantization buffer already counts), the trainable parameters in the compute dtype;
@@ -37,7 +38,9 @@ optionally ``CPUOffloadPolicy``. What one device holds, term by term (each a fun
   the unit's backward, under the same gather), the root once, and the trainable gradients are
   reduce-scattered: a ring moves ``(N-1)/N`` of each buffer per device.
 
-Activations are per micro-batch, so the same on every device (the single-device estimate's).
+Activations are per micro-batch, so the same on every device (the single-device estimate's),
+less the autocast copies of the trainable weights: the policy gathers them in the compute dtype
+already, so autocast casts nothing (:func:`autocast_copies_bytes`).
 What FSDP2's own bookkeeping, the NCCL buffers and the allocator's fragmentation from the
 all-gathers add is not modelled beyond the allocator slack the single-device model adds.
 """
@@ -118,6 +121,12 @@ def reduce_scatter_bytes(shape: ModelShape, s: Settings) -> int:
 def quant_state_bytes(shape: ModelShape, s: Settings) -> int:
     """The QLoRA quantization state every device holds whole (0 without quantization)."""
     return quantized_weight_parts(shape, s)[1] if s.method == "qlora" else 0
+
+
+def autocast_copies_bytes(n: int, single_device_copies: int) -> int:
+    """The autocast copies of trainable weights under fsdp on ``n`` devices: none with several
+    (the mixed-precision policy all-gathers them in the compute dtype), else the single device's."""
+    return single_device_copies if n == 1 else 0
 
 
 def sharded_bytes(b: int, n: int) -> int:

@@ -254,7 +254,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     ``machine_host_bytes``: the CPU memory of the machine that runs the ``world_size`` processes
     (None: not checked).
     """
-    from finetuner.memory.fsdp import fsdp_terms
+    from finetuner.memory.fsdp import autocast_copies_bytes, fsdp_terms
     from finetuner.memory.model import ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION
     from finetuner.model.shapes import resolve_shape
 
@@ -313,6 +313,14 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
         total_params = max(estimate.details.get("parameters", {}).get("total", 0), 1)
         fb["gathered parameters (layer + prefetch)"] = int(max(2 * layer, unit) * weights / total_params)
     if fsdp is not None and n > 1:
+        copies = estimate.details.get("autocast_copies_bytes", 0)
+        kept = autocast_copies_bytes(n, copies)
+        if "autocast weight copies" in fb:
+            fb["autocast weight copies"] = kept
+            if not kept:
+                del fb["autocast weight copies"]
+        elif "activations, logits and weight copies" in fb:
+            fb["activations, logits and weight copies"] -= copies - kept
         fb["gathered units (root + 2 layers)"] = fsdp.gathered
         if fsdp.reduce_scatter:
             fb["reduce-scatter buffers"] = fsdp.reduce_scatter
