@@ -14,6 +14,7 @@ from tests.conftest import REPO
 KNOWN_TOTALS = {
     "llama-2-7b": 6_738_415_616,
     "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b-v0.1": 7_241_732_096,
     "qwen2.5-7b": 7_615_616_512,
