@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Search method (LoRA/QLoRA 4-bit/8-bit), optimizer, gradient checkpointing, activation offload and "
             "micro-batch x accumulation for MODEL on GPU; keep what the memory model says fits (with a safety "
-            "margin); choose the best quality, then the fastest. Exit status 1 when nothing fits (the output says "
+            "margin); choose the best quality, then the fastest. With --gpus N: the strategy (DDP, ZeRO, FSDP, CPU "
+            "offload) and the CPU memory the machine needs (--cpu-memory). Exit status 1 when nothing fits (the output says "
             "what would). Models: a preset (" + _presets_help() + "), a hub id, a local folder with config.json, or a GGUF file (*.gguf)."
         ),
     )

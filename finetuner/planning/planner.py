@@ -12,6 +12,12 @@ peak, keeps those under the card's memory less a safety margin, and ranks the re
 3. then the optimizer with full-precision states, then the plain (not paged) one, then no
    offload, then the larger headroom.
 
+With several GPUs (``gpus``) each option is also split over them by the best strategy the recipe's
+schema accepts (:mod:`finetuner.memory.sharding`: DDP, ZeRO 1-3, FSDP2, their CPU offload; QLoRA
+sharded by fsdp), and it must fit the machine's CPU memory too: every process's offloaded state
+and activations (``cpu_memory``, by default this machine's RAM). A plan says how much CPU memory
+it needs, and one that needs more than the machine has does not fit.
+
 The sequence length is the user's, or what the data need: it is never cut below the data's
 longest example without a note saying how many examples are truncated. When nothing fits, the
 plan says what would: a shorter sequence, a bigger card, a smaller model.
@@ -427,7 +433,7 @@ def search(
     evenly among them. ``cpu_memory``: the machine's CPU memory, which the processes' offloaded
     state must fit (None: not checked).
     """
-    accepted: dict[tuple, bool] = {}
+    refused: dict[tuple, str | None] = {}
     t = base.training
     eff = t.effective_batch_size
     fixed_method = None if base.method == "auto" else base.method
@@ -454,9 +460,7 @@ def search(
                         est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
                         if gpus > 1:
-                            sharded, recipe = _strategy_for(recipe, est, shape, gpus, cpu_memory, accepted)
-                            if sharded is None:
-                                continue
+                            sharded, recipe = _strategy_for(recipe, est, shape, gpus, cpu_memory, refused)
                             fits = sharded.fits
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
@@ -474,35 +478,46 @@ def with_strategy(recipe: Recipe, sharded: Any, gpus: int) -> Recipe:
     return recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update=keys)})
 
 
-def schema_accepts(recipe: Recipe) -> bool:
-    """Whether the recipe's schema (:class:`~finetuner.config.recipe.Recipe`, the one place that says
-    which combinations ``finetuner run`` starts) accepts ``recipe``."""
+def schema_error(recipe: Recipe) -> str | None:
+    """Why the recipe's schema (:class:`~finetuner.config.recipe.Recipe`, the one place that says which
+    combinations ``finetuner run`` starts) refuses ``recipe``, or None when it accepts it."""
     from pydantic import ValidationError
 
-    from finetuner.config.recipe import Recipe
+    from finetuner.config.recipe import Recipe, format_validation_error
 
     try:
         Recipe.model_validate(recipe.to_dict())
-    except ValidationError:
-        return False
-    return True
+    except ValidationError as e:  # "<source>: the recipe is not valid:" then one "  - key: why" line per error
+        lines = format_validation_error(e, "recipe").splitlines()[1:]
+        return "; ".join(line.strip().removeprefix("- ") for line in lines)
+    return None
+
+
+def schema_accepts(recipe: Recipe) -> bool:
+    """Whether the recipe's schema accepts ``recipe`` (:func:`schema_error`)."""
+    return schema_error(recipe) is None
 
 
 def _strategy_for(recipe: Recipe, est: MemoryEstimate, shape: ModelShape, gpus: int, cpu_memory: int | None,
-                  accepted: dict[tuple, bool]) -> tuple[Any, Recipe]:
+                  refused: dict[tuple, str | None]) -> tuple[Any, Recipe]:
     """The best strategy for one option (:func:`~finetuner.memory.sharding.compare_strategies`) whose
-    recipe the schema accepts, and that recipe; ``(None, recipe)`` when it accepts none.
-    ``accepted`` caches the schema's answers by method, optimizer, strategy and offload."""
+    recipe the schema accepts, and that recipe. ``refused`` caches the schema's answers by method,
+    optimizer, strategy and offload. A UserError when it accepts none (not even ddp: the recipe cannot
+    run on several processes at all)."""
     from finetuner.memory.sharding import compare_strategies
 
+    errors: dict[str, str] = {}
     for sh in compare_strategies(est, gpus, shape, cpu_memory):
         r = with_strategy(recipe, sh, gpus)
         key = (r.method, r.quantization.bits if r.quantization else None, r.training.optimizer, sh.strategy, sh.offload)
-        if key not in accepted:
-            accepted[key] = schema_accepts(r)
-        if accepted[key]:
+        if key not in refused:
+            refused[key] = schema_error(r)
+        if refused[key] is None:
             return sh, r
-    return None, recipe
+        errors.setdefault(sh.strategy, refused[key])
+    why = errors.get("ddp") or next(iter(errors.values()))
+    raise UserError(f"No distributed strategy can run this recipe on {gpus} GPUs: {why}",
+                    hint="Change what the message names, or plan for one GPU.")
 
 
 def _why_rejected(c: Candidate, best: Candidate) -> str:

@@ -79,3 +79,18 @@ def test_by_default_the_plan_is_for_this_machines_ram(monkeypatch):
     assert "this machine's RAM" in p.reasons[0] and "Does not fit the machine's CPU memory" in p.reasons[0]
     with pytest.raises(UserError, match="--cpu-memory 0GB"):
         plan("llama-3.1-70b", "rtx4090", seq_len=2048, gpus=2, cpu_memory="0GB")
+
+
+def test_a_recipe_no_strategy_can_run_says_why_instead_of_planning():
+    """A recipe that splits its base by layers (model.max_memory) cannot run on several processes with any
+    strategy: the plan says the schema's reason, not that nothing fits the memory."""
+    from finetuner.config.recipe import Recipe
+    from finetuner.planning.planner import plan_recipe
+
+    recipe = Recipe.model_validate({
+        "model": {"name": "llama-3.1-8b", "max_memory": {"0": "20GiB", "1": "20GiB"}}, "method": "lora",
+        "data": {"path": "data.jsonl", "max_seq_len": 2048},
+        "training": {"micro_batch_size": "auto", "gradient_accumulation": "auto", "effective_batch": 16},
+    })
+    with pytest.raises(UserError, match="No distributed strategy can run this recipe on 2 GPUs: .*model.max_memory"):
+        plan_recipe(recipe, "rtx4090", gpus=2, cpu_memory=64 * GiB)
