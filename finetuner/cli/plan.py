@@ -133,7 +133,7 @@ def _cmd_longest(args: argparse.Namespace) -> int:
 
     given = [flag for flag, value in (("--seq-len", args.seq_len), ("--data", args.data), ("--column", args.columns),
                                       ("--effective-batch", args.effective_batch), ("--name", args.name),
-                                      ("-o/--output", args.output)) if value]
+                                      ("-o/--output", args.output), ("--cpu-memory", args.cpu_memory)) if value]
     if args.gpus != 1:
         given.append("--gpus")
     if given:
