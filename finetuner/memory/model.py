@@ -208,6 +208,8 @@ class MemoryEstimate:
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     gpu: str | None = None
+    #: the model's shape the estimate was made for (the sharded estimates split it into units)
+    shape: ModelShape | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -851,6 +853,7 @@ def estimate(
         details=details,
         notes=notes,
         gpu=gpu.name if gpu else None,
+        shape=shape,
     )
 
 

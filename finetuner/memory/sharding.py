@@ -91,20 +91,11 @@ SHARDED_KINDS: dict[str, frozenset[str]] = {
 #: (not measured: no GPU was lent for this).
 PROCESS_HOST_BYTES = 400 * 2**20
 
-#: what each strategy's offload puts in CPU memory, in words
-_OFFLOADED = {
-    "fsdp": "parameters, gradients and optimizer states (CPUOffloadPolicy)",
-    "zero3": "optimizer states, gradients (and parameters with optimizer+params)",
-    "zero2": "optimizer states and gradients",
-    "zero1": "optimizer states and gradients",
-    "ddp": "state",
-}
 
 #: DeepSpeed cannot shard the state of bitsandbytes or factored optimizers (the recipe refuses them);
 #: under FSDP2 the parameters are DTensor shards, which torch's optimizers step and bitsandbytes'
 #: kernels (plain storage pointers) and a factored optimizer (row/column means of a shard) do not
 SHARDED_OPTIMIZERS = ("adamw_torch", "sgd")
-ZERO_OPTIMIZERS = SHARDED_OPTIMIZERS
 
 
 def component_kind(name: str) -> str:
@@ -172,12 +163,15 @@ class ShardedEstimate:
         """What the machine's CPU memory holds, in words (for a plan and its refusal)."""
         parts = []
         if self.host_bytes:
-            parts.append(f"{self.host_bytes / 2**30:.1f} GiB offloaded {_OFFLOADED[self.strategy]}")
+            what = ("parameters, gradients and optimizer states" if self.offload == "optimizer+params"
+                    else "optimizer states and gradients")
+            parts.append(f"{self.host_bytes / 2**30:.1f} GiB offloaded {what}")
         if self.activation_host_bytes:
             parts.append(f"{self.activation_host_bytes / 2**30:.1f} GiB offloaded activations")
         parts.append(f"{PROCESS_HOST_BYTES / 2**30:.1f} GiB for the process itself")
-        return (f"{self.host_bytes_per_machine / 2**30:.1f} GiB of CPU memory for the machine: {self.world_size} "
-                f"process(es) x {self.host_bytes_per_process / 2**30:.1f} GiB ({', '.join(parts)})")
+        procs = f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
+        return (f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine: {procs} x "
+                f"{self.host_bytes_per_process / 2**30:.1f} GiB ({', '.join(parts)})")
 
     @property
     def label(self) -> str:
@@ -250,7 +244,8 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
                    shape: ModelShape | None = None, machine_host_bytes: int | None = None) -> ShardedEstimate:
     """Per-device memory and communication of ``strategy`` on ``world_size`` devices (see the module doc).
 
-    ``shape``: the model's (the planner has it); by default resolved from ``estimate.model``.
+    ``shape``: the model's; by default the estimate's own (``estimate.shape``), else resolved from
+    ``estimate.model``.
     ``machine_host_bytes``: the CPU memory of the machine that runs the ``world_size`` processes
     (None: not checked).
     """
@@ -265,7 +260,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     if world_size < 1:
         raise UserError("world_size must be at least 1.")
     _check_offload(strategy, offload)
-    shape = shape or resolve_shape(estimate.model)
+    shape = shape or getattr(estimate, "shape", None) or resolve_shape(estimate.model)
     n = world_size
     sharded = SHARDED_KINDS[strategy]
     comps = estimate.components

@@ -837,7 +837,7 @@ def plan_recipe(
             least = min(blocked, key=lambda c: c.sharded.host_bytes_per_machine)
             out.reasons.append(
                 f"Does not fit the machine's CPU memory: {least.to_dict()['settings']} fits the cards "
-                f"({least.peak_bytes / GiB:.1f} GiB per card) but needs {least.sharded.host_summary()}; the machine has "
+                f"({least.peak_bytes / GiB:.1f} GiB per card) but needs more CPU memory: {least.sharded.host_summary()}; the machine has "
                 f"{cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})."
             )
         out.reasons.append(

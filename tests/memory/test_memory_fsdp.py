@@ -123,7 +123,7 @@ def test_cpu_memory_of_the_machine_and_its_limit():
     assert off.fits and off.host_fits  # no machine given: not checked
     small = shard_estimate(e, "fsdp", 2, "optimizer+params", shape=deep, machine_host_bytes=2 * per_process - 1)
     assert small.device_fits and not small.host_fits and not small.fits
-    assert "2 process(es)" in small.host_summary() and "offloaded activations" in small.host_summary()
+    assert "for the machine: 2 processes x" in small.host_summary() and "offloaded activations" in small.host_summary()
     assert shard_estimate(e, "fsdp", 2, "optimizer+params", shape=deep, machine_host_bytes=2 * per_process).fits
 
 

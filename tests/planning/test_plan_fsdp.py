@@ -26,7 +26,7 @@ def test_70b_on_two_4090s_is_qlora_sharded_by_fsdp_within_the_goal(tmp_path):
     text = " ".join(res.stdout.split())
     assert "Plan: QLoRA 4-bit" in text and "fsdp + CPU offload on 2 GPUs" in text
     per_card = float(re.search(r"fsdp \+ CPU offload on 2 GPUs: ([\d.]+) GiB per card", text).group(1))
-    machine = float(re.search(r"CPU memory: ([\d.]+) GiB of CPU memory for the machine: 2 process\(es\)", text).group(1))
+    machine = float(re.search(r"CPU memory: ([\d.]+) GiB for the machine: 2 processes x", text).group(1))
     assert per_card <= 22.5 and machine <= 64
     assert "the machine has 64.0 GiB (--cpu-memory)" in text
 
@@ -56,7 +56,7 @@ def test_too_little_cpu_memory_does_not_fit_and_says_how_much_is_needed():
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     text = " ".join(res.stdout.split())
     assert "Nothing fits." in text and "Does not fit the machine's CPU memory" in text
-    m = re.search(r"needs ([\d.]+) GiB of CPU memory for the machine: 2 process\(es\) x ([\d.]+) GiB \(([^)]*)", text)
+    m = re.search(r"needs more CPU memory: ([\d.]+) GiB for the machine: 2 processes x ([\d.]+) GiB \(([^)]*)", text)
     assert m, text
     needed, per_process = float(m.group(1)), float(m.group(2))
     assert needed > 16 and abs(needed - 2 * per_process) <= 0.1 and "offloaded" in m.group(3)
