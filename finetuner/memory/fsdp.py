@@ -12,16 +12,16 @@ fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
   with ``bnb_4bit_quant_storage`` = the compute dtype, so their packed 4-bit bytes are an ordinary
   floating-point parameter that FSDP shards like any other: ``ceil(numel / 2) / N`` bytes;
 - **the quantization state** (:func:`quant_state_bytes`): absmax, nested absmax and code tables
-  (8-bit: the row scales) are not parameters. bitsandbytes keeps them on the ``Linear4bit``
+  are not parameters. bitsandbytes keeps them on the ``Linear4bit``
   module and puts them back on the gathered weight (``fix_4bit_weight_quant_state_from_module``,
   "the quant state got lost when the parameter got converted. This happens for example for
   fsdp"), so every device holds all of it, unsharded;
 - **the gathered units** (:func:`gathered_bytes`): a unit's parameters exist in full while it
   computes. FSDP2 prefetches the next layer while one runs (forward: the next, backward: the
-  previous), so two layers are gathered at once; the root unit is gathered from the LM head at
-  the start of the backward to the embeddings at its end (its post-backward runs last), so
-  through every layer's backward. A layer is gathered at the
-  all-gather dtype: the frozen base in its storage dtype (QLoRA: the packed 4-bit bytes, the
+  previous), so two layers are gathered at once; the root unit is gathered through the whole
+  forward (the embeddings open it, the LM head closes it) and again through the whole backward
+  (the LM head opens it, its post-backward runs last), so beside every layer. A layer is
+  gathered at the all-gather dtype: the frozen base in its storage dtype (QLoRA: the packed 4-bit bytes, the
   layer is dequantized one linear at a time at compute, which the single-device estimate's
   dequantization buffer already counts), the trainable parameters in the compute dtype;
 - **the reduce-scatter buffers** (:func:`reduce_scatter_bytes`): a unit's backward produces its
@@ -30,13 +30,17 @@ fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
   layers' gradients in fp32 (the root's alone, at the end of the backward);
 - **CPU offload** (``CPUOffloadPolicy``): the sharded parameters, gradients and optimizer
   states (and so the optimizer step) live in CPU memory, per process
-  (:attr:`FsdpTerms.host_bytes`); the device keeps the gathered units, the reduce-scatter
+  (``ShardedEstimate.host_bytes`` in :mod:`finetuner.memory.sharding`); the device keeps the gathered units, the reduce-scatter
   buffers, the quantization state and the activations. Each all-gather first copies its shard
   to the device, and each reduce-scatter's output goes back: :func:`host_transfer_bytes`;
 - **communication** (:func:`comm_bytes`): in every micro-batch each layer is all-gathered for
   the forward and again for the backward (the recompute of gradient checkpointing runs inside
   the unit's backward, under the same gather), the root once, and the trainable gradients are
   reduce-scattered: a ring moves ``(N-1)/N`` of each buffer per device.
+
+8-bit QLoRA is counted the same way (int8 data sharded, row scales whole), but whether it runs
+under fsdp is the recipe's to say (:func:`finetuner.planning.planner.schema_error`): the planner
+offers only what the recipe accepts.
 
 Activations are per micro-batch, so the same on every device (the single-device estimate's),
 less the autocast copies of the trainable weights: the policy gathers them in the compute dtype
