@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Search method (LoRA/QLoRA 4-bit/8-bit), optimizer, gradient checkpointing, activation offload and "
             "micro-batch x accumulation for MODEL on GPU; keep what the memory model says fits (with a safety "
-            "margin); choose the best quality, then the fastest. Exit status 1 when nothing fits (the output says "
+            "margin); choose the best quality, then the fastest. With --gpus N: the strategy (DDP, ZeRO, FSDP, CPU "
+            "offload) and the CPU memory the machine needs (--cpu-memory). Exit status 1 when nothing fits (the output says "
             "what would). Models: a preset (" + _presets_help() + "), a hub id, a local folder with config.json, or a GGUF file (*.gguf)."
         ),
     )
@@ -46,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "responses), sft, dpo, orpo, simpo or kto: plans with the objective's memory (two sequences "
                         "per pair, the reference pass), no packing, at most 3 epochs and its learning rate.")
     p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
+    p.add_argument("--cpu-memory", metavar="SIZE",
+                   help="CPU memory of the machine running the --gpus processes, e.g. 64GB (GiB; default: this machine's "
+                        "RAM): plans whose offloaded state needs more do not fit.")
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
     p.add_argument("--name", help="Run name written into the recipe.")
     p.add_argument("-o", "--output", help="Write the planned recipe to this YAML file (never overwrites; see --force).")
@@ -106,7 +110,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
-        objective=args.objective,
+        objective=args.objective, cpu_memory=args.cpu_memory,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -129,7 +133,7 @@ def _cmd_longest(args: argparse.Namespace) -> int:
 
     given = [flag for flag, value in (("--seq-len", args.seq_len), ("--data", args.data), ("--column", args.columns),
                                       ("--effective-batch", args.effective_batch), ("--name", args.name),
-                                      ("-o/--output", args.output)) if value]
+                                      ("-o/--output", args.output), ("--cpu-memory", args.cpu_memory)) if value]
     if args.gpus != 1:
         given.append("--gpus")
     if given:
@@ -228,13 +232,14 @@ def _print_strategies(con: Any, p: Any) -> None:
 
     t = Table(title=f"Per device on {p.gpus} x {p.gpu.name} (one device alone: {p.estimate.total_bytes / GiB:.1f} GiB)",
               title_justify="left")
-    for col in ("strategy", "GiB per device", "CPU GiB per process", "sent per device per step", "fits"):
+    for col in ("strategy", "GiB per card", "CPU GiB, machine", "sent per card per step", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st in p.strategies:
-        label = st["strategy"] + ("" if st["offload"] == "none" else f" + {st['offload']} offload")
-        chosen = " (chosen)" if label == p.sharded.label else ("" if st["strategy"] != "fsdp" else " (estimate only)")
-        t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes'] / GiB:.1f}",
-                  f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", "yes" if st["fits"] else "no")
+        label = st["label"]
+        chosen = " (chosen)" if label == p.sharded.label else ("" if st.get("runnable", True) else " (the recipe refuses it)")
+        fits = "yes" if st["fits"] else ("no: CPU memory" if st["device_fits"] else "no")
+        t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes_per_machine'] / GiB:.1f}",
+                  f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", fits)
     con.print(t)
     for k, v in p.sharded.components.items():
         con.print(f"  [dim]{k}: {v / GiB:.2f} GiB[/]")
@@ -277,10 +282,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         recipe = planned.recipe
     est = estimate_recipe(recipe, gpu)
     sharded = None
-    if recipe.distributed.world_size > 1 or recipe.distributed.offload != "none":
-        from finetuner.memory.sharding import shard_estimate
+    from finetuner.memory.sharding import recipe_offload, shard_estimate
 
-        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, recipe.distributed.offload)
+    offload = recipe_offload(recipe.distributed)
+    if recipe.distributed.world_size > 1 or offload != "none":
+        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, offload)
     if args.json:
         d = est.to_dict()
         d["gpu_profile"] = gpu.to_dict()
@@ -299,7 +305,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         for k, v in sharded.components.items():
             con.print(f"  {k}: {v / GiB:.2f} GiB")
         con.print(f"per device {sharded.per_device_bytes / GiB:.1f} GiB (one device alone {est.total_bytes / GiB:.1f}); "
-                  f"CPU {sharded.host_bytes / GiB:.1f} GiB per process; sent per device per step "
+                  f"CPU {sharded.host_bytes_per_machine / GiB:.1f} GiB for the machine; sent per device per step "
                   f"{sharded.comm_bytes_per_step / GiB:.2f} GiB ({sharded.comm_formula})")
         con.print("[green]Fits[/]" if sharded.fits else "[red]Does not fit[/]")
         return 0 if sharded.fits else 1

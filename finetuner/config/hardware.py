@@ -139,14 +139,27 @@ def detect() -> GpuProfile | None:
     )
 
 
-def cpu_profile() -> GpuProfile:
-    """The CPU as a device: 80 % of the machine's RAM, fp32 (bf16 matmuls are slow on most CPUs)."""
+def machine_memory_bytes() -> int:
+    """This machine's RAM (physical pages x page size; 16 GiB where the system does not say)."""
     import os
 
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
-        total = 16 * GiB
+        return 16 * GiB
+
+
+def parse_memory_size(text: str, what: str = "--cpu-memory") -> int:
+    """``64GB``/``64G``/``64GiB``/``64`` → bytes (GB means GiB here, as for ``--gpu 24GB``)."""
+    m = _SIZE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"{what} {text}: give a positive size such as 64GB (GiB).", hint=f"e.g. {what} 64GB")
+    return _gib(float(m.group(1)))
+
+
+def cpu_profile() -> GpuProfile:
+    """The CPU as a device: 80 % of the machine's RAM, fp32 (bf16 matmuls are slow on most CPUs)."""
+    total = machine_memory_bytes()
     return GpuProfile("cpu", f"CPU ({total / GiB:.0f} GiB RAM)", int(total * 0.8), bf16=False, tflops=1.0,
                       bandwidth_gbs=20, pcie_gbs=1000, platform="cpu")
 

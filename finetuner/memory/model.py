@@ -208,6 +208,8 @@ class MemoryEstimate:
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     gpu: str | None = None
+    #: the model's shape the estimate was made for (the sharded estimates split it into units)
+    shape: ModelShape | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -261,24 +263,31 @@ def weight_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
     w = DTYPE_BYTES[s.weight_dtype]
     if s.method == "lora":
         return {s.weight_dtype: w * total}
-    numel = shape.linear_weight_numel
-    n_linear = shape.linears_per_layer * shape.num_layers
-    other = total - numel  # embeddings, lm head, norms, biases
+    other = total - shape.linear_weight_numel  # embeddings, lm head, norms, biases
     other_bytes = w * other
+    packed, state = quantized_weight_parts(shape, s)
+    kind = f"{s.quant_type}{' + double quant' if s.double_quant else ''}" if s.quant_bits == 4 else "int8"
+    return {kind: packed + state, f"{s.weight_dtype} (not quantized)": other_bytes}
+
+
+def quantized_weight_parts(shape: ModelShape, s: Settings) -> tuple[int, int]:
+    """The quantized linear weights of a QLoRA base as ``(data bytes, quantization-state bytes)``.
+
+    * 4-bit: the packed weights, two per byte (``ceil(numel / 2)``), and the state: the block-wise
+      absmax (one fp32 per ``NF4_BLOCK`` values; with double quant one uint8 per block plus one
+      fp32 per ``NF4_NESTED_BLOCK`` blocks) plus ``NF4_PER_LAYER_BYTES`` of code tables per linear;
+    * 8-bit: one int8 byte per weight, and the state: one fp32 scale per output row (``SCB``).
+
+    The split matters under FSDP (:mod:`finetuner.memory.fsdp`): the data are a parameter and are
+    sharded, the state is an attribute of the layer and stays whole on every device.
+    """
+    numel = shape.linear_weight_numel
     if s.quant_bits == 4:
-        packed = math.ceil(numel / 2)
         blocks = sum(math.ceil(lin.in_features * lin.out_features / NF4_BLOCK) for lin in shape.layer_linears()) * shape.num_layers
-        if s.double_quant:
-            absmax = blocks * 1 + math.ceil(blocks / NF4_NESTED_BLOCK) * 4
-        else:
-            absmax = blocks * 4
-        quant = packed + absmax + n_linear * NF4_PER_LAYER_BYTES
-        kind = f"{s.quant_type}{' + double quant' if s.double_quant else ''}"
-    else:
-        rows = sum(lin.out_features for lin in shape.layer_linears()) * shape.num_layers
-        quant = numel + 4 * rows
-        kind = "int8"
-    return {kind: quant, f"{s.weight_dtype} (not quantized)": other_bytes}
+        absmax = blocks * 1 + math.ceil(blocks / NF4_NESTED_BLOCK) * 4 if s.double_quant else blocks * 4
+        return math.ceil(numel / 2), absmax + shape.linears_per_layer * shape.num_layers * NF4_PER_LAYER_BYTES
+    rows = sum(lin.out_features for lin in shape.layer_linears()) * shape.num_layers
+    return numel, 4 * rows
 
 
 def trainable_tensors(shape: ModelShape, s: Settings) -> list[tuple[int, int, int]]:
@@ -844,6 +853,7 @@ def estimate(
         details=details,
         notes=notes,
         gpu=gpu.name if gpu else None,
+        shape=shape,
     )
 
 

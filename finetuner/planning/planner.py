@@ -12,6 +12,12 @@ peak, keeps those under the card's memory less a safety margin, and ranks the re
 3. then the optimizer with full-precision states, then the plain (not paged) one, then no
    offload, then the larger headroom.
 
+With several GPUs (``gpus``) each option is also split over them by the best strategy the recipe's
+schema accepts (:mod:`finetuner.memory.sharding`: DDP, ZeRO 1-3, FSDP2, their CPU offload; QLoRA
+sharded by fsdp), and it must fit the machine's CPU memory too: every process's offloaded state
+and activations (``cpu_memory``, by default this machine's RAM). A plan says how much CPU memory
+it needs, and one that needs more than the machine has does not fit.
+
 The sequence length is the user's, or what the data need: it is never cut below the data's
 longest example without a note saying how many examples are truncated. When nothing fits, the
 plan says what would: a shorter sequence, a bigger card, a smaller model.
@@ -30,6 +36,7 @@ from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
+from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_shape
 from finetuner.planning.expectations import expectation
@@ -159,6 +166,9 @@ class Plan:
     #: when nothing fits: the recipe of the option that needs the least memory (it does not fit
     #: either; for a user who starts it anyway, e.g. on a card with more memory than its profile says)
     closest: Recipe | None = None
+    #: the CPU memory of the machine the plan is for (gpus > 1), and where that figure came from
+    cpu_memory: int | None = None
+    cpu_memory_source: str = ""
 
     @property
     def fits(self) -> bool:
@@ -198,9 +208,19 @@ class Plan:
             "gpus": self.gpus,
             "per_device": self.sharded.to_dict() if self.sharded is not None else None,
             "strategies": self.strategies,
+            "cpu_memory": self.cpu_memory_dict(),
             "estimate": est,
             "recipe": self.recipe.to_dict() if self.recipe else None,
         }
+
+    def cpu_memory_dict(self) -> dict[str, Any] | None:
+        """The CPU memory the plan needs on its machine and what the machine has (gpus > 1)."""
+        if self.sharded is None:
+            return None
+        sh = self.sharded
+        return {"needed_bytes": sh.host_bytes_per_machine, "per_process_bytes": sh.host_bytes_per_process,
+                "processes": sh.world_size, "machine_bytes": self.cpu_memory, "source": self.cpu_memory_source,
+                "fits": sh.host_fits}
 
     def recipe_choice(self) -> dict[str, Any] | None:
         if self.recipe is None:
@@ -217,7 +237,7 @@ class Plan:
             "max_seq_len": r.data.max_seq_len,
             "packing": r.data.packing,
             **({"strategy": r.distributed.strategy, "num_processes": r.distributed.num_processes,
-                "distributed_offload": r.distributed.offload} if self.gpus > 1 else {}),
+                "distributed_offload": recipe_offload(r.distributed)} if self.gpus > 1 else {}),
         }
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -246,7 +266,8 @@ class Plan:
         keep = {"training": planned, "data": {"max_seq_len": self.recipe.data.max_seq_len}}
         if self.gpus > 1:
             d = self.recipe.distributed
-            keep["distributed"] = {"strategy": d.strategy, "num_processes": d.num_processes, "offload": d.offload}
+            keep["distributed"] = {"num_processes": d.num_processes,
+                                   **distributed_keys(d.strategy, recipe_offload(d))}
         return readable_yaml(self.recipe, "".join(f"{line}\n" for line in head), keep)
 
     def __repr__(self) -> str:
@@ -325,8 +346,7 @@ def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est:
         n = sharded.world_size
         per_device = math.ceil(s.gradient_accumulation / n)
         t_comm = sharded.comm_bytes_per_step / (gpu.link_gbs * 1e9)
-        if sharded.offload != "none":
-            t_comm += 2 * sharded.host_bytes / (gpu.pcie_gbs * 1e9)
+        t_comm += sharded.host_transfer_bytes_per_step / (gpu.pcie_gbs * 1e9)
         return tokens * s.gradient_accumulation / (per_device * t_micro + t_update / n + t_comm)
     return tokens * s.gradient_accumulation / (s.gradient_accumulation * t_micro + t_update)
 
@@ -403,13 +423,17 @@ def search(
     method: str | None = None,
     label_fraction: float = 1.0,
     gpus: int = 1,
+    cpu_memory: int | None = None,
 ) -> list[tuple[Candidate, Recipe]]:
     """Every option the recipe leaves open, estimated and ranked (best first).
 
     With ``gpus > 1`` each option is also split over the devices by the best strategy
-    (:func:`finetuner.memory.sharding.best_strategy`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload), and
-    its gradient accumulation must divide evenly among them.
+    (:func:`finetuner.memory.sharding.compare_strategies`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload,
+    FSDP's CPU offload) that the recipe's schema accepts, and its gradient accumulation must divide
+    evenly among them. ``cpu_memory``: the machine's CPU memory, which the processes' offloaded
+    state must fit (None: not checked).
     """
+    refused: dict[tuple, str | None] = {}
     t = base.training
     eff = t.effective_batch_size
     fixed_method = None if base.method == "auto" else base.method
@@ -436,12 +460,8 @@ def search(
                         est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
                         if gpus > 1:
-                            from finetuner.memory.sharding import RUN_STRATEGIES, compare_strategies
-
-                            sharded = next(e for e in compare_strategies(est, gpus) if e.strategy in RUN_STRATEGIES)
+                            sharded, recipe = _strategy_for(recipe, est, shape, gpus, cpu_memory, refused)
                             fits = sharded.fits
-                            recipe = recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update={
-                                "strategy": sharded.strategy, "num_processes": gpus, "offload": sharded.offload})})
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
                         tps = predicted_tokens_per_s(shape, s, gpu, est, sharded)
@@ -450,10 +470,63 @@ def search(
     return out
 
 
+def with_strategy(recipe: Recipe, sharded: Any, gpus: int) -> Recipe:
+    """``recipe`` with the ``distributed`` section of a strategy on ``gpus`` processes."""
+    keys: dict[str, Any] = {"num_processes": gpus, **distributed_keys(sharded.strategy, sharded.offload)}
+    if "fsdp_offload" in type(recipe.distributed).model_fields:  # off unless this strategy turns it on
+        keys.setdefault("fsdp_offload", False)
+    return recipe.model_copy(update={"distributed": recipe.distributed.model_copy(update=keys)})
+
+
+def schema_error(recipe: Recipe) -> str | None:
+    """Why the recipe's schema (:class:`~finetuner.config.recipe.Recipe`, the one place that says which
+    combinations ``finetuner run`` starts) refuses ``recipe``, or None when it accepts it."""
+    from pydantic import ValidationError
+
+    from finetuner.config.recipe import Recipe, format_validation_error
+
+    try:
+        Recipe.model_validate(recipe.to_dict())
+    except ValidationError as e:  # "<source>: the recipe is not valid:" then one "  - key: why" line per error
+        lines = format_validation_error(e, "recipe").splitlines()[1:]
+        return "; ".join(line.strip().removeprefix("- ") for line in lines)
+    return None
+
+
+def schema_accepts(recipe: Recipe) -> bool:
+    """Whether the recipe's schema accepts ``recipe`` (:func:`schema_error`)."""
+    return schema_error(recipe) is None
+
+
+def _strategy_for(recipe: Recipe, est: MemoryEstimate, shape: ModelShape, gpus: int, cpu_memory: int | None,
+                  refused: dict[tuple, str | None]) -> tuple[Any, Recipe]:
+    """The best strategy for one option (:func:`~finetuner.memory.sharding.compare_strategies`) whose
+    recipe the schema accepts, and that recipe. ``refused`` caches the schema's answers by method,
+    optimizer, strategy and offload. A UserError when it accepts none (not even ddp: the recipe cannot
+    run on several processes at all)."""
+    from finetuner.memory.sharding import compare_strategies
+
+    errors: dict[str, str] = {}
+    for sh in compare_strategies(est, gpus, shape, cpu_memory):
+        r = with_strategy(recipe, sh, gpus)
+        key = (r.method, r.quantization.bits if r.quantization else None, r.training.optimizer, sh.strategy, sh.offload)
+        if key not in refused:
+            refused[key] = schema_error(r)
+        if refused[key] is None:
+            return sh, r
+        errors.setdefault(sh.strategy, refused[key])
+    why = errors.get("ddp") or next(iter(errors.values()))
+    raise UserError(f"No distributed strategy can run this recipe on {gpus} GPUs: {why}",
+                    hint="Change what the message names, or plan for one GPU.")
+
+
 def _why_rejected(c: Candidate, best: Candidate) -> str:
     o, b = c.option, best.option
+    if c.sharded is not None and c.sharded.device_fits and not c.sharded.host_fits:
+        return (f"fits the cards, but needs {c.sharded.host_bytes_per_machine / GiB:.1f} GiB of CPU memory, over the "
+                f"machine's {c.sharded.machine_host_bytes / GiB:.1f} GiB")
     if not c.fits:
-        return f"needs {c.estimate.total_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
+        return f"needs {c.peak_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
     if METHOD_TIER[o.method] > METHOD_TIER[b.method]:
         better = method_name(b.method)
         return f"fits, but {better} fits too and trains a better model"
@@ -540,6 +613,19 @@ def data_seq_len(model: str, profile) -> int:
     return size_run(resolve_shape(model), profile, objective=objective).seq_len
 
 
+def _cpu_memory(cpu_memory: int | str | None) -> tuple[int, str]:
+    """The machine's CPU memory a plan is for, and where the figure came from."""
+    from finetuner.config.hardware import machine_memory_bytes, parse_memory_size
+
+    if cpu_memory is None:
+        return machine_memory_bytes(), "this machine's RAM; --cpu-memory SIZE plans for another machine"
+    if isinstance(cpu_memory, str):
+        return parse_memory_size(cpu_memory), "--cpu-memory"
+    if cpu_memory <= 0:
+        raise UserError(f"cpu_memory {cpu_memory}: must be a positive number of bytes.")
+    return int(cpu_memory), "--cpu-memory"
+
+
 def _check_objective(objective: str | None) -> str | None:
     """``objective`` as :func:`plan` takes it: ``None`` for ``auto``, else a known objective."""
     from typing import get_args
@@ -590,6 +676,7 @@ def plan(
     columns: dict[str, str] | None = None,
     objective: str | None = None,
     runs_dir: str | Path | None = None,
+    cpu_memory: int | str | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -623,6 +710,8 @@ def plan(
             of that name (the plan's notes say so).
         runs_dir: where the run folders are (default ``runs`` in the current folder, where
             ``finetuner run`` puts them).
+        cpu_memory: the CPU memory of the machine that runs the ``gpus`` processes, in bytes or as
+            a size (``64GB``, GiB); by default this machine's RAM. Offloaded state must fit it.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -651,6 +740,7 @@ def plan(
         except ValueError as e:
             raise UserError(f"data.columns (--column): {e}") from None
     objective = _check_objective(objective)
+    cpu_bytes, cpu_source = _cpu_memory(cpu_memory)
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
@@ -686,7 +776,8 @@ def plan(
         name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
         notes += [why_name] if why_name else []
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective)
-    result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
+    result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
+                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
@@ -712,16 +803,24 @@ def plan_recipe(
     method: str | None = None,
     label_fraction: float = 1.0,
     gpus: int = 1,
+    cpu_memory: int | None = None,
+    cpu_memory_source: str = "",
 ) -> Plan:
-    """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given."""
+    """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given.
+
+    ``cpu_memory``: the CPU memory of the machine that runs the ``gpus`` processes (None: not
+    checked), and ``cpu_memory_source`` where that figure came from, for the plan's reasons.
+    """
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus)
+    ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
+                    cpu_memory=cpu_memory)
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
     out = Plan(
         model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
         seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
+        cpu_memory=cpu_memory, cpu_memory_source=cpu_memory_source,
     )
     gguf = info_for(recipe.model.name)
     if gguf is not None:
@@ -733,11 +832,19 @@ def plan_recipe(
         smallest, out.closest = min(ranked, key=lambda cr: cr[0].peak_bytes)
         out.estimate = smallest.estimate
         out.sharded = smallest.sharded
+        blocked = [c for c, _ in ranked if c.sharded is not None and c.sharded.device_fits and not c.sharded.host_fits]
+        if blocked:
+            least = min(blocked, key=lambda c: c.sharded.host_bytes_per_machine)
+            out.reasons.append(
+                f"Does not fit the machine's CPU memory: {least.to_dict()['settings']} fits the cards "
+                f"({least.peak_bytes / GiB:.1f} GiB per card) but needs more CPU memory: {least.sharded.host_summary()}; the machine has "
+                f"{cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})."
+            )
         out.reasons.append(
             f"The smallest option ({smallest.to_dict()['settings']}) needs "
             f"{smallest.peak_bytes / GiB:.1f} GiB, the budget is {smallest.estimate.budget_bytes / GiB:.1f} GiB."
         )
-        out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction, gpus)
+        out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction, gpus, cpu_memory)
         out.rejected = [dict(c.to_dict(), why=_why_rejected(c, smallest)) for c, _ in ranked[:8]]
         return out
     best, best_recipe = fitting[0]
@@ -746,8 +853,12 @@ def plan_recipe(
         from finetuner.memory.sharding import compare_strategies
 
         out.sharded = best.sharded
-        out.strategies = [sh.to_dict() for sh in compare_strategies(best.estimate, gpus)]
+        out.strategies = [dict(sh.to_dict(), runnable=schema_accepts(with_strategy(best_recipe, sh, gpus)))
+                          for sh in compare_strategies(best.estimate, gpus, shape, cpu_memory)]
     out.reasons = _reasons(best, ranked, prof, shape)
+    if best.sharded is not None:
+        where = f"the machine has {cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"
+        out.reasons.insert(2, f"CPU memory: {best.sharded.host_summary()}; {where}")
     out.rejected = _runners_up(ranked, best)
     return out
 
@@ -778,9 +889,9 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
          f"(budget {e.budget_bytes / GiB:.1f}), ~{best.tokens_per_s:,.0f} tokens/s"]
     if best.sharded is not None:
         sh = best.sharded
-        r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per device "
+        r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per card "
                  f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{sh.comm_bytes_per_step / GiB:.2f} GiB sent "
-                 f"per device per step" + (f", {sh.host_bytes / GiB:.1f} GiB in CPU memory per process" if sh.host_bytes else ""))
+                 f"per card per step")
     lora_fits = any(c.fits and c.option.method == "lora" for c, _ in ranked)
     if o.method == "qlora":
         smallest_lora = min((c.estimate.total_bytes for c, _ in ranked if c.option.method == "lora"), default=None)
@@ -808,32 +919,38 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
 
 
 def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: float, method: str | None,
-                   label_fraction: float, gpus: int = 1) -> list[str]:
-    """When nothing fits: a shorter sequence, a bigger card, or a smaller model that would."""
+                   label_fraction: float, gpus: int = 1, cpu_memory: int | None = None) -> list[str]:
+    """When nothing fits: more CPU memory, a shorter sequence, a bigger card, or a smaller model that would."""
     out: list[str] = []
+    if cpu_memory is not None:
+        ranked = search(recipe, shape, gpu, margin, method, label_fraction, gpus, None)
+        need = min((c.sharded.host_bytes_per_machine for c, _ in ranked if c.fits and c.sharded is not None), default=None)
+        if need is not None:
+            out.append(f"more CPU memory: a machine with {need / GiB:.1f} GiB of it fits on {gpus} x {gpu.name} "
+                       f"(--cpu-memory SIZE plans for another machine)")
     seq = recipe.data.max_seq_len
     s = seq // 2
     while s >= 128:
         shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": s})})
-        if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction, gpus)):
+        if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a shorter sequence: {s} tokens fits on {gpu.name} (examples longer than that are truncated)")
             break
         s //= 2
     for card in list_profiles():
         if card.memory_bytes <= gpu.memory_bytes or card.platform != "cuda":
             continue
-        if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus)):
+        if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a bigger card: {card.name} ({card.memory_gib:.0f} GiB) fits this recipe")
             break
     smaller = sorted((p for p in presets() if p.num_params < shape.num_params), key=lambda p: -p.num_params)
     for p in smaller:
         trial = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name": p.name})})
-        if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction, gpus)):
+        if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a smaller model: {p.name} ({p.num_params / 1e9:.1f}B) fits on {gpu.name}")
             break
     if gpus == 1:
         for n in (2, 4, 8):
-            if any(c.fits for c, _ in search(recipe, shape, gpu, margin, method, label_fraction, n)):
+            if any(c.fits for c, _ in search(recipe, shape, gpu, margin, method, label_fraction, n, cpu_memory)):
                 out.append(f"several cards: {n} x {gpu.name} with a sharded strategy (finetuner plan --gpus {n})")
                 break
     if not out:

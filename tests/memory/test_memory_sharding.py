@@ -27,7 +27,7 @@ def _kind(components: dict[str, int], prefix: str) -> int:
 
 @pytest.mark.parametrize(
     "method, strategy",
-    [(m, s) for m in ("full", "lora", "qlora") for s in ("ddp", "zero1", "zero2", "zero3") if (m, s) != ("qlora", "zero3")],
+    [(m, s) for m in ("full", "lora", "qlora") for s in ("ddp", "zero1", "zero2", "zero3", "fsdp") if (m, s) != ("qlora", "zero3")],
 )
 def test_one_device_is_the_single_device_estimate(method, strategy):
     e = _est(method)
@@ -97,9 +97,14 @@ def test_impossible_strategies_are_refused_or_not_offered():
         shard_estimate(e, "zero2", 2, "optimizer+params")
     with pytest.raises(UserError, match="Unknown strategy"):
         shard_estimate(e, "zero4", 2)
+    with pytest.raises(UserError, match="CPUOffloadPolicy"):
+        shard_estimate(e, "fsdp", 2, "optimizer")
     offered = candidate_strategies(_est("qlora"))
-    assert ("zero3", "none") not in offered and ("fsdp", "none") not in offered and ("zero2", "none") in offered
-    assert candidate_strategies(_est("lora", optimizer="paged_adamw_8bit")) == [("ddp", "none"), ("fsdp", "none")]
+    # QLoRA: fsdp shards the 4-bit base (with or without CPU offload), zero3 does not
+    assert ("zero3", "none") not in offered and ("zero3", "optimizer+params") not in offered
+    assert ("fsdp", "none") in offered and ("fsdp", "optimizer+params") in offered and ("zero2", "none") in offered
+    # bitsandbytes' optimizers step neither ZeRO partitions nor FSDP's DTensor shards
+    assert candidate_strategies(_est("lora", optimizer="paged_adamw_8bit")) == [("ddp", "none")]
 
 
 def test_best_strategy_prefers_the_simplest_that_fits():

@@ -174,6 +174,7 @@ def test_cli_capped_and_nothing_fits():
     (["--gpu", "cpu"], "CPU"),
     (["--gpu", "rtx4090", "--seq-len", "4096"], "--seq-len"),
     (["--gpu", "rtx4090", "--gpus", "2"], "--gpus"),
+    (["--gpu", "rtx4090", "--cpu-memory", "64GB"], "--cpu-memory"),
     (["--gpu", "rtx4090", "-o", "x.yaml"], "-o/--output"),
     (["--gpu", "rtx4090", "--method", "nope"], "--method"),
 ])

@@ -203,9 +203,13 @@ def test_run_resolves_auto_values_and_writes_the_plan(recipe_dict, tmp_path):
 
 def test_several_gpus_get_a_strategy_with_per_device_memory():
     single = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, method="lora")
-    four = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, gpus=4, method="lora")
+    four = plan("llama-3.1-70b", "a100-80gb", seq_len=2048, gpus=4, method="lora", cpu_memory="512GB")
     assert not single.fits and four.fits
-    assert four.recipe.distributed.num_processes == 4 and four.recipe.distributed.strategy == "zero3"  # fsdp is shown, never chosen: run refuses it
+    # LoRA of 70B on 4 x 80 GB needs its parameters sharded: FSDP2 and ZeRO-3 both fit; FSDP2 sends less
+    # (its root unit, embeddings and LM head, is gathered once per micro-batch, not for forward and backward)
+    assert four.recipe.distributed.num_processes == 4 and four.recipe.distributed.strategy == "fsdp"
+    by = {s["label"]: s for s in four.strategies}
+    assert by["fsdp"]["fits"] and by["zero3"]["fits"] and by["fsdp"]["comm_bytes_per_step"] < by["zero3"]["comm_bytes_per_step"]
     assert four.sharded.per_device_bytes < four.estimate.total_bytes and four.sharded.comm_bytes_per_step > 0
     assert four.recipe.training.gradient_accumulation % 4 == 0
     assert {s["strategy"] for s in four.strategies} >= {"ddp", "zero1", "zero2", "zero3"}

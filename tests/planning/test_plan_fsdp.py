@@ -1,0 +1,96 @@
+"""`finetuner plan --gpus N` with FSDP2 and the machine's CPU memory, as a user runs it (CLI subprocess).
+
+The issue's goal: `finetuner plan --model llama-3.1-70b --gpu rtx4090 --gpus 2` gives a plan at most
+22.5 GiB a card and 64 GiB of CPU memory for the machine, QLoRA sharded by fsdp unless something
+better fits; a machine with too little CPU memory gets "does not fit" with what it would need.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from finetuner.errors import UserError
+from finetuner.planning.planner import plan
+from tests.conftest import run_cli
+
+GiB = 2**30
+GOAL = ("plan", "--model", "llama-3.1-70b", "--gpu", "rtx4090", "--gpus", "2")
+
+
+def test_70b_on_two_4090s_is_qlora_sharded_by_fsdp_within_the_goal(tmp_path):
+    res = run_cli(*GOAL, "--cpu-memory", "64GB")
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = " ".join(res.stdout.split())
+    assert "Plan: QLoRA 4-bit" in text and "fsdp + CPU offload on 2 GPUs" in text
+    per_card = float(re.search(r"fsdp \+ CPU offload on 2 GPUs: ([\d.]+) GiB per card", text).group(1))
+    machine = float(re.search(r"CPU memory: ([\d.]+) GiB for the machine: 2 processes x", text).group(1))
+    assert per_card <= 22.5 and machine <= 64
+    assert "the machine has 64.0 GiB (--cpu-memory)" in text
+
+    res = run_cli(*GOAL, "--cpu-memory", "64GB", "--json", "-o", str(tmp_path / "70b.yaml"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(res.stdout)
+    c = d["choice"]
+    assert (c["method"], c["quantization_bits"], c["strategy"], c["distributed_offload"]) == ("qlora", 4, "fsdp", "optimizer+params")
+    assert d["total_bytes"] == d["per_device"]["per_device_bytes"] <= 22.5 * GiB
+    cpu = d["cpu_memory"]
+    assert cpu["needed_bytes"] == 2 * cpu["per_process_bytes"] <= cpu["machine_bytes"] == 64 * GiB and cpu["fits"]
+    assert round(per_card, 1) == round(d["total_bytes"] / GiB, 1) and round(machine, 1) == round(cpu["needed_bytes"] / GiB, 1)
+    # the 4-bit base is sharded: a card holds about half of it, and its quantization state whole
+    comps = d["components"]
+    assert "quantization state (every device)" in comps and "gathered units (root + 2 layers)" in comps
+
+    # the written recipe says fsdp with CPU offload, and `finetuner estimate` predicts the same for it
+    written = (tmp_path / "70b.yaml").read_text()
+    assert "strategy: fsdp" in written and "fsdp_offload: true" in written and "method: qlora" in written
+    est = run_cli("estimate", str(tmp_path / "70b.yaml"), "--gpu", "rtx4090", "--json")
+    assert est.returncode == 0, est.stderr[-2000:]
+    assert json.loads(est.stdout)["per_device"]["per_device_bytes"] == d["total_bytes"]
+
+
+def test_too_little_cpu_memory_does_not_fit_and_says_how_much_is_needed():
+    res = run_cli(*GOAL, "--cpu-memory", "16GB")
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    text = " ".join(res.stdout.split())
+    assert "Nothing fits." in text and "Does not fit the machine's CPU memory" in text
+    m = re.search(r"needs more CPU memory: ([\d.]+) GiB for the machine: 2 processes x ([\d.]+) GiB \(([^)]*)", text)
+    assert m, text
+    needed, per_process = float(m.group(1)), float(m.group(2))
+    assert needed > 16 and abs(needed - 2 * per_process) <= 0.1 and "offloaded" in m.group(3)
+    assert "the machine has 16.0 GiB (--cpu-memory)" in text
+    assert re.search(r"more CPU memory: a machine with [\d.]+ GiB of it fits on 2 x rtx4090", text)
+
+
+def test_a_cpu_memory_that_is_not_a_size_is_a_user_error():
+    res = run_cli(*GOAL, "--cpu-memory", "lots")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--cpu-memory lots: give a positive size such as 64GB" in res.stderr + res.stdout
+
+
+def test_by_default_the_plan_is_for_this_machines_ram(monkeypatch):
+    import finetuner.config.hardware as hw
+
+    monkeypatch.setattr(hw, "machine_memory_bytes", lambda: 8 * GiB)
+    p = plan("llama-3.1-70b", "rtx4090", seq_len=2048, gpus=2)
+    assert not p.fits and p.cpu_memory == 8 * GiB
+    assert "this machine's RAM" in p.reasons[0] and "Does not fit the machine's CPU memory" in p.reasons[0]
+    with pytest.raises(UserError, match="--cpu-memory 0GB"):
+        plan("llama-3.1-70b", "rtx4090", seq_len=2048, gpus=2, cpu_memory="0GB")
+
+
+def test_a_recipe_no_strategy_can_run_says_why_instead_of_planning():
+    """A recipe that splits its base by layers (model.max_memory) cannot run on several processes with any
+    strategy: the plan says the schema's reason, not that nothing fits the memory."""
+    from finetuner.config.recipe import Recipe
+    from finetuner.planning.planner import plan_recipe
+
+    recipe = Recipe.model_validate({
+        "model": {"name": "llama-3.1-8b", "max_memory": {"0": "20GiB", "1": "20GiB"}}, "method": "lora",
+        "data": {"path": "data.jsonl", "max_seq_len": 2048},
+        "training": {"micro_batch_size": "auto", "gradient_accumulation": "auto", "effective_batch": 16},
+    })
+    with pytest.raises(UserError, match="No distributed strategy can run this recipe on 2 GPUs: .*model.max_memory"):
+        plan_recipe(recipe, "rtx4090", gpus=2, cpu_memory=64 * GiB)
