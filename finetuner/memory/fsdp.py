@@ -42,6 +42,12 @@ fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
 under fsdp is the recipe's to say (:func:`finetuner.planning.planner.schema_error`): the planner
 offers only what the recipe accepts.
 
+- **loading** (:func:`loading_bytes`): the trainer loads the whole model onto every device
+  (QLoRA: quantized there) and only then shards it, layer by layer; so before training each
+  device holds the single-device weights in full. Where that is more than training needs (a model
+  whose weights alone exceed a card), it is the device's peak: loading once and sharding across
+  the processes (as Answer.AI's fsdp_qlora does) is not built yet.
+
 Activations are per micro-batch, so the same on every device (the single-device estimate's),
 less the autocast copies of the trainable weights: the policy gathers them in the compute dtype
 already, so autocast casts nothing (:func:`autocast_copies_bytes`).
@@ -131,6 +137,12 @@ def autocast_copies_bytes(n: int, single_device_copies: int) -> int:
     """The autocast copies of trainable weights under fsdp on ``n`` devices: none with several
     (the mixed-precision policy all-gathers them in the compute dtype), else the single device's."""
     return single_device_copies if n == 1 else 0
+
+
+def loading_bytes(weight_bytes: int) -> int:
+    """What one device holds while the model loads, before ``fully_shard``: every weight of the
+    single-device estimate (frozen base, quantized or not, its quantization state, the adapters)."""
+    return weight_bytes
 
 
 def sharded_bytes(b: int, n: int) -> int:

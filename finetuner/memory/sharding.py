@@ -135,6 +135,9 @@ class ShardedEstimate:
     activation_host_bytes: int = 0
     #: the CPU memory of the machine running the processes (None: not checked)
     machine_host_bytes: int | None = None
+    #: what training alone needs per device, when loading the model needs more (``per_device_bytes``
+    #: is then the loading peak); None when training is the peak
+    training_bytes: int | None = None
 
     @property
     def host_bytes_per_process(self) -> int:
@@ -186,6 +189,7 @@ class ShardedEstimate:
             "world_size": self.world_size,
             "offload": self.offload,
             "per_device_bytes": self.per_device_bytes,
+            "training_bytes": self.training_bytes,
             "host_bytes": self.host_bytes,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_formula": self.comm_formula,
@@ -249,7 +253,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     ``machine_host_bytes``: the CPU memory of the machine that runs the ``world_size`` processes
     (None: not checked).
     """
-    from finetuner.memory.fsdp import autocast_copies_bytes, fsdp_terms
+    from finetuner.memory.fsdp import autocast_copies_bytes, fsdp_terms, loading_bytes
     from finetuner.memory.model import ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION
     from finetuner.model.shapes import resolve_shape
 
@@ -337,6 +341,21 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     if "CUDA context" in comps:
         out["CUDA context"] = comps["CUDA context"]
     per_device = sum(out.values())
+    training_bytes = None
+    if strategy in ("zero3", "fsdp") and n > 1:
+        # each process loads the whole model onto its device before FSDP / DeepSpeed shards it
+        load = {"whole model while loading, before sharding": loading_bytes(weights)}
+        if "allocator slack" in comps:
+            load["allocator slack"] = int(load["whole model while loading, before sharding"] * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
+        if "CUDA context" in comps:
+            load["CUDA context"] = comps["CUDA context"]
+        if sum(load.values()) > per_device:
+            notes.append(
+                f"the peak is while loading: every process loads the whole model ({weights / 2**30:.1f} GiB) onto its "
+                f"device before {'FSDP' if fsdp is not None else 'DeepSpeed'} shards it (training would need {per_device / 2**30:.1f} GiB); loading the model "
+                "once and sharding it across the processes is not built yet")
+            training_bytes = per_device
+            out, per_device = load, sum(load.values())
 
     m = max(1, math.ceil(s.gradient_accumulation / n))
     ring = (n - 1) / n
@@ -372,6 +391,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
         host_transfer_bytes_per_step=int(transfer),
         activation_host_bytes=estimate.offloaded_bytes,
         machine_host_bytes=machine_host_bytes,
+        training_bytes=training_bytes,
     )
 
 
