@@ -79,23 +79,29 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_model_dir):
-    """The single-process reference run (micro-batch 2 x accumulation 2, 6 steps)."""
+def reference_recipe(tmp: Path, model_dir: Path) -> dict:
+    """The recipe the multi-process tests compare with one process: LoRA r8 on the tiny model, the
+    alpaca rows written into ``tmp``, micro-batch 2 x accumulation 2, 6 steps, a checkpoint every 3."""
     from tests.conftest import alpaca_rows
 
-    tmp = tmp_path_factory.mktemp("one")
     data = tmp / "alpaca.json"
     data.write_text(json.dumps(alpaca_rows()), encoding="utf-8")
-    base = {
+    return {
         "name": "test",
-        "model": {"name": str(tiny_model_dir)},
+        "model": {"name": str(model_dir)},
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
         "data": {"path": str(data), "max_seq_len": 64},
         "training": {"max_steps": 6, "lr": 5e-3, "micro_batch_size": 2, "gradient_accumulation": 2, "warmup_steps": 0},
         "checkpointing": {"save_every": 3, "keep_last": 2},
         "logging": {"tensorboard": False},
     }
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir):
+    """The single-process reference run (micro-batch 2 x accumulation 2, 6 steps)."""
+    tmp = tmp_path_factory.mktemp("one")
+    base = reference_recipe(tmp, tiny_model_dir)
     result = _train(dict(base, output_dir=str(tmp / "run")))
     return base, result
 

@@ -26,8 +26,8 @@ import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
-from tests.conftest import alpaca_rows, run_cli, write_recipe
-from tests.training.test_distributed import without_deepspeed  # noqa: F401  (a fixture)
+from tests.conftest import run_cli, write_recipe
+from tests.training.test_distributed import reference_recipe, without_deepspeed  # noqa: F401  (a fixture)
 
 REL = 1e-5  # see the module's docstring
 ABS_W = 1e-5
@@ -35,18 +35,7 @@ ABS_W = 1e-5
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    data = tmp / "alpaca.json"
-    data.write_text(json.dumps(alpaca_rows()), encoding="utf-8")
-    return {
-        "name": "test",
-        "model": {"name": str(tiny_model_dir)},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 64},
-        "training": {"max_steps": 6, "lr": 5e-3, "micro_batch_size": 2, "gradient_accumulation": 2, "warmup_steps": 0},
-        "checkpointing": {"save_every": 3, "keep_last": 2},
-        "logging": {"tensorboard": False},
-    }
+    return reference_recipe(tmp_path_factory.mktemp("fsdp"), tiny_model_dir)
 
 
 def _with(raw: dict, **sections) -> dict:
