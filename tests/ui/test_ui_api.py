@@ -99,10 +99,10 @@ def test_failed_run_reports_the_engine_error(recipe_dict, tmp_path):
     assert st.state == "error" and "cannot tell the data format" in st.error and "Traceback" not in st.error
 
 
-@pytest.mark.parametrize("case", ["model folder without config.json", "launcher refuses the strategy"])
+@pytest.mark.parametrize("case", ["model folder without config.json", "the same under the multi-process launcher"])
 def test_a_run_that_fails_before_training_ends_with_an_error_event(recipe_dict, tiny_model_dir, tmp_path, case):
     """A job that fails before its trainer exists (the planner, resolving an ``auto`` value, finds no
-    config.json; the multi-process launcher refuses the strategy) records the error in its
+    config.json, in one process or in the launcher of several) records the error in its
     events.jsonl, and the job's status reads it from there (train.log is for people)."""
     import shutil
 
@@ -112,17 +112,15 @@ def test_a_run_that_fails_before_training_ends_with_an_error_event(recipe_dict, 
 
     r = dict(recipe_dict)
     r.pop("output_dir")
-    if case == "model folder without config.json":
-        model = tmp_path / "model"
-        shutil.copytree(tiny_model_dir, model)
-        r["model"] = {"name": str(model)}
-        r["training"] = dict(r["training"], micro_batch_size="auto")  # the planner reads the model's shape
-        recipe = Recipe.from_dict(r)
-        (model / "config.json").unlink()  # gone after the UI checked the recipe
-        expected = "no config.json"
-    else:
-        recipe = Recipe.from_dict({**r, "distributed": {"num_processes": 2, "strategy": "fsdp"}})
-        expected = "fsdp is not supported"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    r["model"] = {"name": str(model)}
+    r["training"] = dict(r["training"], micro_batch_size="auto")  # the planner reads the model's shape
+    if case == "the same under the multi-process launcher":
+        r["distributed"] = {"num_processes": 2, "strategy": "ddp"}
+    recipe = Recipe.from_dict(r)
+    (model / "config.json").unlink()  # gone after the UI checked the recipe
+    expected = "no config.json"
     job = jobs.start_job(recipe, runs_dir=tmp_path / "runs")
     assert jobs.wait_job(job, 180)
     assert jobs.exit_code(job.pid) == 2
