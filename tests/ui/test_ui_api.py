@@ -476,3 +476,23 @@ def test_loss_chart_is_thinned_for_long_runs():
     assert list(df[df.series == "eval"].step) == [2500, 5000]  # eval points are never thinned
     short = SimpleNamespace(losses=[(i, 1.0) for i in range(1, 51)], evals=[])
     assert len(views.loss_df(short)) == 50
+
+
+def test_the_same_content_uploaded_again_is_the_stored_file(tmp_path, monkeypatch):
+    """The Data tab's upload: a new file is saved and said once; the same content again (any name, any
+    folder) selects the stored file and says so, and nothing more is stored."""
+    from ui import handlers as ui_handlers
+    from ui.handlers import Handlers
+
+    said = []
+    monkeypatch.setattr(ui_handlers.gr, "Info", lambda message, *a, **k: said.append(message))
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    mine = tmp_path / "my hikes.jsonl"
+    mine.write_text('{"instruction": "Hi", "output": "Hello"}\n', encoding="utf-8")
+    again = tmp_path / "elsewhere" / "copy.jsonl"
+    again.parent.mkdir()
+    again.write_bytes(mine.read_bytes())
+    first = h.on_upload(str(mine))[0]["value"]
+    second = h.on_upload(str(again))[0]["value"]
+    assert first == second and sorted(p.name for p in (tmp_path / "uploads").iterdir()) == ["my_hikes.jsonl"]
+    assert said == [f"Saved as {first}", f"Already uploaded (same content): {first}"]
