@@ -42,11 +42,14 @@ fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
 under fsdp is the recipe's to say (:func:`finetuner.planning.planner.schema_error`): the planner
 offers only what the recipe accepts.
 
-- **loading** (:func:`loading_bytes`): the trainer loads the whole model onto every device
-  (QLoRA: quantized there) and only then shards it, layer by layer; so before training each
-  device holds the single-device weights in full. Where that is more than training needs (a model
-  whose weights alone exceed a card), it is the device's peak: loading once and sharding across
-  the processes (as Answer.AI's fsdp_qlora does) is not built yet.
+- **loading** (:func:`largest_tensor_bytes`, :func:`loading_host_bytes`): the model is loaded
+  once (:mod:`finetuner.training.strategies.rank0_loading`): rank 0 reads it into CPU memory
+  (QLoRA: quantized there), the other ranks build it empty, and each tensor is scattered in turn
+  into the ranks' shards. A device then holds its shards (none under CPU offload) and, while one
+  tensor passes, that tensor whole: less than training's gathered root unit, so not the device's
+  peak (``finetuner.memory.sharding`` checks it). The machine's CPU
+  memory holds rank 0's copy of the whole model (the single-device weights) beside what the
+  processes themselves need.
 
 Activations are per micro-batch, so the same on every device (the single-device estimate's),
 less the autocast copies of the trainable weights: the policy gathers them in the compute dtype
@@ -139,9 +142,23 @@ def autocast_copies_bytes(n: int, single_device_copies: int) -> int:
     return single_device_copies if n == 1 else 0
 
 
-def loading_bytes(weight_bytes: int) -> int:
-    """What one device holds while the model loads, before ``fully_shard``: every weight of the
-    single-device estimate (frozen base, quantized or not, its quantization state, the adapters)."""
+def largest_tensor_bytes(shape: ModelShape, s: Settings) -> int:
+    """The largest single tensor scattered while loading: the embeddings (or the LM head), kept in
+    ``weight_dtype``, or a decoder layer's largest linear at its stored size, whichever is more."""
+    w = DTYPE_BYTES[s.weight_dtype]
+    linear = max(shape.hidden_size * shape.intermediate_size, shape.hidden_size * shape.num_heads * shape.head_dim)
+    if s.method == "qlora":
+        data, _ = quantized_weight_parts(shape, s)
+        linear = math.ceil(linear * data / max(shape.linear_weight_numel, 1))
+    else:
+        linear *= w
+    return max(w * shape.vocab_size * shape.hidden_size, linear)
+
+
+def loading_host_bytes(weight_bytes: int) -> int:
+    """The CPU memory rank 0's copy of the model takes while it loads: every weight of the
+    single-device estimate (``weight_bytes``: the frozen base, quantized or not, its quantization
+    state, the adapters)."""
     return weight_bytes
 
 

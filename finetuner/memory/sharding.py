@@ -138,6 +138,9 @@ class ShardedEstimate:
     #: what training alone needs per device, when loading the model needs more (``per_device_bytes``
     #: is then the loading peak); None when training is the peak
     training_bytes: int | None = None
+    #: the machine's CPU memory taken by rank 0's copy of the whole model while it loads (fsdp,
+    #: :func:`finetuner.memory.fsdp.loading_host_bytes`); 0 where each process loads onto its device
+    loading_host_bytes: int = 0
 
     @property
     def host_bytes_per_process(self) -> int:
@@ -146,9 +149,19 @@ class ShardedEstimate:
         return self.host_bytes + self.activation_host_bytes + PROCESS_HOST_BYTES
 
     @property
+    def loading_host_bytes_per_machine(self) -> int:
+        """CPU memory the machine needs while the model loads: rank 0's copy of the model and the
+        processes themselves (offloaded shards are allocated module by module as rank 0's copy
+        empties: together they stay about one copy)."""
+        if not self.loading_host_bytes:
+            return 0
+        return self.loading_host_bytes + self.world_size * PROCESS_HOST_BYTES
+
+    @property
     def host_bytes_per_machine(self) -> int:
-        """CPU memory the machine needs: every process's (one machine runs all ``world_size``)."""
-        return self.world_size * self.host_bytes_per_process
+        """CPU memory the machine needs: every process's (one machine runs all ``world_size``), or
+        more while the model loads (:attr:`loading_host_bytes_per_machine`)."""
+        return max(self.world_size * self.host_bytes_per_process, self.loading_host_bytes_per_machine)
 
     @property
     def device_fits(self) -> bool:
@@ -173,8 +186,11 @@ class ShardedEstimate:
             parts.append(f"{self.activation_host_bytes / 2**30:.1f} GiB offloaded activations")
         parts.append(f"{PROCESS_HOST_BYTES / 2**30:.1f} GiB for the process itself")
         procs = f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
-        return (f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine: {procs} x "
-                f"{self.host_bytes_per_process / 2**30:.1f} GiB ({', '.join(parts)})")
+        training = (f"{procs} x {self.host_bytes_per_process / 2**30:.1f} GiB ({', '.join(parts)})")
+        if self.loading_host_bytes_per_machine > self.world_size * self.host_bytes_per_process:
+            return (f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine while the model loads (rank 0's copy "
+                    f"of the whole model, {self.loading_host_bytes / 2**30:.1f} GiB, and {procs}); training then needs {training}")
+        return f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine: {training}"
 
     @property
     def label(self) -> str:
@@ -190,6 +206,7 @@ class ShardedEstimate:
             "offload": self.offload,
             "per_device_bytes": self.per_device_bytes,
             "training_bytes": self.training_bytes,
+            "loading_host_bytes": self.loading_host_bytes,
             "host_bytes": self.host_bytes,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_formula": self.comm_formula,
@@ -253,7 +270,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     ``machine_host_bytes``: the CPU memory of the machine that runs the ``world_size`` processes
     (None: not checked).
     """
-    from finetuner.memory.fsdp import autocast_copies_bytes, fsdp_terms, loading_bytes
+    from finetuner.memory.fsdp import autocast_copies_bytes, fsdp_terms, loading_host_bytes
     from finetuner.memory.model import ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION
     from finetuner.model.shapes import resolve_shape
 
@@ -342,20 +359,12 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
         out["CUDA context"] = comps["CUDA context"]
     per_device = sum(out.values())
     training_bytes = None
-    if strategy in ("zero3", "fsdp") and n > 1:
-        # each process loads the whole model onto its device before FSDP / DeepSpeed shards it
-        load = {"whole model while loading, before sharding": loading_bytes(weights)}
-        if "allocator slack" in comps:
-            load["allocator slack"] = int(load["whole model while loading, before sharding"] * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
-        if "CUDA context" in comps:
-            load["CUDA context"] = comps["CUDA context"]
-        if sum(load.values()) > per_device:
-            notes.append(
-                f"the peak is while loading: every process loads the whole model ({weights / 2**30:.1f} GiB) onto its "
-                f"device before {'FSDP' if fsdp is not None else 'DeepSpeed'} shards it (training would need {per_device / 2**30:.1f} GiB); loading the model "
-                "once and sharding it across the processes is not built yet")
-            training_bytes = per_device
-            out, per_device = load, sum(load.values())
+    loading = _loading_peak(strategy, n, shape, s, comps, weights, per_device, "parameters" in host_kinds)
+    if loading is not None:
+        notes.append(loading[1])
+        training_bytes = per_device
+        out, per_device = loading[0], sum(loading[0].values())
+    loading_host = loading_host_bytes(weights) if fsdp is not None else 0
 
     m = max(1, math.ceil(s.gradient_accumulation / n))
     ring = (n - 1) / n
@@ -392,7 +401,44 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
         activation_host_bytes=estimate.offloaded_bytes,
         machine_host_bytes=machine_host_bytes,
         training_bytes=training_bytes,
+        loading_host_bytes=loading_host,
     )
+
+
+def _loading_peak(strategy: str, n: int, shape: ModelShape, s, comps: dict[str, int], weights: int,
+                  training: int, params_offloaded: bool) -> tuple[dict[str, int], str] | None:
+    """``(components, note)`` of one device while the model loads, when that is more than training
+    needs (``training`` bytes), else None.
+
+    zero3: every process loads the whole model (``weights``: the single-device weights) onto its
+    device before DeepSpeed partitions it. fsdp: the model is loaded once and scattered into the
+    shards: a device holds its shards of
+    ``weights`` (none when ``params_offloaded``: their shards are in CPU memory) and one whole
+    tensor (:func:`finetuner.memory.fsdp.largest_tensor_bytes`), which training's gathered root unit exceeds, so this is None for fsdp unless a model's
+    single largest tensor outweighs everything else (checked, not assumed).
+    """
+    from finetuner.memory.fsdp import largest_tensor_bytes
+    from finetuner.memory.model import ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION
+
+    if strategy not in ("zero3", "fsdp") or n < 2:
+        return None
+    if strategy == "zero3":
+        load = {"whole model while loading, before sharding": weights}
+        why = (f"the peak is while loading: every process loads the whole model ({weights / 2**30:.1f} GiB) onto its "
+               "device before DeepSpeed partitions it")
+    else:
+        load = {f"weights (1/{n}) while loading": 0 if params_offloaded else math.ceil(weights / n),
+                "one whole tensor passing while loading": largest_tensor_bytes(shape, s)}
+        load = {k: v for k, v in load.items() if v}
+        why = ("the peak is while loading: a device holds its shards of the weights and the largest tensor whole "
+               "while rank 0 scatters it")
+    if "allocator slack" in comps:
+        load["allocator slack"] = int(sum(load.values()) * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
+    if "CUDA context" in comps:
+        load["CUDA context"] = comps["CUDA context"]
+    if sum(load.values()) <= training:
+        return None
+    return load, f"{why} (training would need {training / 2**30:.1f} GiB)"
 
 
 def candidate_strategies(estimate) -> list[tuple[str, str]]:

@@ -227,8 +227,13 @@ def bnb_config(recipe: Recipe, rt: Runtime):
     )
 
 
-def load_base_model(recipe: Recipe, rt: Runtime):
-    """The frozen base model on the device, quantized if the recipe says so."""
+def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
+    """The frozen base model on the device, quantized if the recipe says so.
+
+    ``place`` (a multi-process strategy that loads the model once,
+    :mod:`finetuner.training.strategies.rank0_loading`): ``"cpu"`` keeps the model in CPU memory
+    (QLoRA: quantized there), ``"meta"`` builds its modules without weights (nothing is read into
+    memory). A GGUF base is dequantized as it loads, so it is loaded whole whatever ``place`` says."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -243,12 +248,16 @@ def load_base_model(recipe: Recipe, rt: Runtime):
     if rt.attention != "auto":
         kwargs["attn_implementation"] = rt.attention
     quant = bnb_config(recipe, rt)
+    if place is not None and gguf_base.is_gguf_name(m.name):
+        place = None
+    if place is not None:
+        kwargs["device_map"] = {"": place}
     if quant is not None:
         kwargs["quantization_config"] = quant
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
         # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
         index = torch.device(rt.device).index
-        kwargs["device_map"] = {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"}
+        kwargs.setdefault("device_map", {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"})
     if m.max_memory:
         # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
         if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
@@ -271,7 +280,7 @@ def load_base_model(recipe: Recipe, rt: Runtime):
             hint=weights_load_hint(e, m.allow_pickle),
         ) from None
     model = gguf_base.as_dequantized(model, m.name)
-    if quant is None and not m.max_memory:
+    if quant is None and not m.max_memory and place is None:
         model.to(rt.device)
     model.config.use_cache = False
     if rt.kernels == "liger":

@@ -134,10 +134,13 @@ class _Fsdp(TypedDict, total=False):
     """What an fsdp run adds (finetuner.training.strategies.fsdp): whether its shards, gradients and
     optimizer states live in CPU memory, and for QLoRA what each rank measured of the 4-bit base
     weights after sharding (``{"bits", "ranks": [{"local_bytes", "quantized_bytes", "dtypes",
-    "world_size", "ratio"}, ...]}``; None without QLoRA). Absent for other strategies."""
+    "world_size", "ratio"}, ...]}``; None without QLoRA), and the bytes of weights each rank had
+    loaded before sharding (``loaded_bytes``, by rank: rank 0 loads the model, the others build it
+    empty, finetuner.training.strategies.rank0_loading). Absent for other strategies."""
 
     fsdp_offload: bool
     quantized_storage: Union[dict[str, Any], None]
+    loaded_bytes: list[int]
 
 
 class DistributedEvent(Event, _Fsdp):

@@ -167,6 +167,9 @@ class DistributedTrainer(Trainer):
         self.strategy: Strategy = strategy_class(recipe.distributed.strategy)(self)
         self.wrapped = None  # what forward goes through: the strategy's wrapping of the step's loss module
 
+    def base_placement(self) -> str | None:
+        return self.strategy.base_placement()
+
     def setup(self) -> None:
         super().setup()
         d = self.recipe.distributed

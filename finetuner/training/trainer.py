@@ -293,6 +293,11 @@ class Trainer:
         self.rank, self.world_size = 0, 1
 
     # ---------------------------------------------------------------- setup
+    def base_placement(self) -> str | None:
+        """Where this process loads the base model (:func:`~finetuner.model.loading.load_base_model`'s
+        ``place``): None, on its device."""
+        return None
+
     def setup(self) -> None:
         import torch
 
@@ -310,7 +315,7 @@ class Trainer:
         self.data: PreparedData = self.pref.prepare_data(self.tokenizer) if self.pref else prepare_data(r.data, self.tokenizer, r.training.seed)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
-        self.model = prepare_for_training(load_base_model(r, self.rt), r, self.rt.tiled_mlp)
+        self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement()), r, self.rt.tiled_mlp)
         if self.pref:
             self.pref.load_start_adapter(self.model)
         self.fused_ce = None

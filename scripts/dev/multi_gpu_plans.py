@@ -79,11 +79,11 @@ def answer_ai_comparison() -> dict:
     s = Settings(method="qlora", micro_batch=ANSWER_AI["batch_size"], seq_len=ANSWER_AI["context_length"],
                  gradient_accumulation=2, gradient_checkpointing=True, attention_mask=True)
     sh = shard_estimate(estimate(shape, s, gpu), "fsdp", 2, "optimizer+params", shape)
-    training = sh.training_bytes or sh.per_device_bytes
-    return {**ANSWER_AI, "finetuner_per_card_bytes": training,
-            "finetuner_reserved_bytes": training - CUDA_CONTEXT_BYTES,
-            "finetuner_loading_peak_bytes": sh.per_device_bytes,
-            "finetuner_cpu_bytes_per_machine": sh.host_bytes_per_machine}
+    return {**ANSWER_AI, "finetuner_per_card_bytes": sh.per_device_bytes,
+            "finetuner_reserved_bytes": sh.per_device_bytes - CUDA_CONTEXT_BYTES,
+            "finetuner_training_bytes": sh.training_bytes,
+            "finetuner_cpu_bytes_per_machine": sh.host_bytes_per_machine,
+            "finetuner_loading_cpu_bytes_per_machine": sh.loading_host_bytes_per_machine}
 
 
 def _plan_cell(r: dict) -> str:
@@ -103,9 +103,10 @@ def markdown(rows: list[dict], aai: dict) -> str:
         "**Every figure of finetuner here is the memory model's prediction; none was measured on these GPUs.**",
         "Per card: the predicted peak (CUDA context included) against the card's memory less the planner's 5 % margin.",
         "CPU memory: what every process on the machine needs (offloaded parameters, gradients and optimizer states,",
-        "offloaded activations, 0.4 GiB for each process itself), against the machine's 64 GiB. Per card includes the",
-        "loading peak: every process loads the whole model (QLoRA: quantized) onto its card before fsdp or zero3 shards",
-        "it; loading once and sharding across the processes is not built yet, so a 70B model fits no 24 GB card here.",
+        "offloaded activations, 0.4 GiB for each process itself), or more while the model loads, against the machine's",
+        "64 GiB. Loading: under fsdp rank 0 loads the model (QLoRA: quantized) into CPU memory and scatters it into the",
+        "shards, so no card holds the whole model and the machine holds it once; under zero3 every process loads the whole",
+        "model onto its card before DeepSpeed partitions it, which per card counts where it is the peak.",
         "Sent: bytes each card sends per optimizer step.",
         "",
         "| model | GPUs | finetuner's plan | per card (GiB) | CPU memory, machine (GiB) | sent per card per step (GiB) | predicted tokens/s |",
@@ -136,11 +137,10 @@ def markdown(rows: list[dict], aai: dict) -> str:
         "their write-up uses it, torch's peak reserved memory; finetuner's row is its memory model's prediction for its own",
         "FSDP2 recipe on the same shape. Their 70B run filled the 128 GB of CPU RAM of their dual-3090 machine while",
         "loading (they added a swap file); finetuner predicts "
-        f"{aai['finetuner_cpu_bytes_per_machine'] / GiB:.1f} GiB of CPU memory for the machine in training. The figure",
-        "above is finetuner's training peak; with its loading today (the whole 4-bit model onto each card before",
-        f"sharding: {aai['finetuner_loading_peak_bytes'] / GiB:.1f} GiB) the card's peak is the loading one, and this "
-        "recipe does not fit a 4090: Answer.AI's low-memory",
-        "loading (one process loads, the shards are sent to the others) is what finetuner's fsdp lacks for 70B on 24 GB cards.",
+        f"{aai['finetuner_cpu_bytes_per_machine'] / GiB:.1f} GiB of CPU memory for the machine (while loading, rank 0's",
+        f"copy of the 4-bit model and the two processes take {aai['finetuner_loading_cpu_bytes_per_machine'] / GiB:.1f} GiB). "
+        "finetuner loads as their low-memory mode does (one process loads, the",
+        "shards are sent to the others), so the figure above is the card's peak; on a GPU it is unmeasured.",
         "",
     ]
     return "\n".join(lines)

@@ -88,6 +88,11 @@ def test_lora_on_two_fsdp_processes_matches_one_process(base, tmp_path, without_
     _assert_same_run(run, ref)
     event = _fsdp_event(run)
     assert event["strategy"] == "fsdp" and event["world_size"] == 2 and "FSDP2" in event["engine"]
+    # the model was loaded once: rank 0 read all of it (the base's weights file, and the adapter it
+    # added), rank 1 built it empty and received only its shards
+    weights_file = sum(f.stat().st_size for f in Path(base["model"]["name"]).glob("*.safetensors"))
+    rank0, rank1 = event["loaded_bytes"]
+    assert rank1 == 0 and weights_file - 2**16 < rank0 < weights_file + 2**16, (event["loaded_bytes"], weights_file)
     # a checkpoint holds the gathered adapter and one shard file per rank
     ckpt = run / "checkpoints" / "step-00000006"
     assert sorted(p.name for p in (ckpt / "fsdp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -5,6 +5,7 @@ the end of a run the same way whichever strategy runs; at each point where they 
 its strategy (one object, made by :func:`finetuner.training.strategies.for_recipe`):
 
 - :meth:`Strategy.join`: anything the engine needs once the process group exists;
+- :meth:`Strategy.base_placement`: where this rank loads the base model;
 - :meth:`Strategy.wrap`: wrap the step's loss module (and replace the optimizer, scheduler or
   loss scaler when the engine owns them); returns what the forward pass goes through;
 - :meth:`Strategy.whole_forward`: around an evaluation's forward passes;
@@ -47,6 +48,11 @@ class Strategy(ABC):
         """Called on every rank once the process group exists."""
 
     # ---------------------------------------------------------------- wrapping
+    def base_placement(self) -> str | None:
+        """Where this rank loads the base model (:func:`~finetuner.model.loading.load_base_model`'s
+        ``place``); None: every rank loads the whole model onto its device."""
+        return None
+
     @abstractmethod
     def wrap(self, step_loss):
         """Wrap ``step_loss`` (the module the forward pass goes through); returns the wrapped module."""

@@ -130,9 +130,15 @@ class FSDP(Strategy):
     names: ClassVar[tuple[str, ...]] = ("fsdp",)
     whole_model_on_rank0: ClassVar[bool] = False
 
+    def base_placement(self) -> str | None:
+        """Rank 0 loads the model into CPU memory, the others build it empty (:mod:`.rank0_loading`)."""
+        return "cpu" if self.trainer.rank == 0 else "meta"
+
     def wrap(self, step_loss):
+        import torch
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        from finetuner.training.strategies import rank0_loading
         from finetuner.training.trainer import build_optimizer, build_scheduler
 
         tr = self.trainer
@@ -146,9 +152,15 @@ class FSDP(Strategy):
         offload = CPUOffloadPolicy(pin_memory=tr.ctx.cuda) if r.distributed.fsdp_offload else OffloadPolicy()
         kw = dict(mp_policy=mixed_precision(tr.rt), offload_policy=offload, reshard_after_forward=True)
         layers = decoder_layers(tr.model)
+        device = torch.device(tr.rt.device)
+        loaded = rank0_loading.to_meta(step_loss, tr.rank)
+        if r.method == "qlora":
+            rank0_loading.share_quant_states(step_loss, tr.rank, device)
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(step_loss, **kw)
+        rank0_loading.fill(step_loss, loaded, tr.rank, device, torch.device("cpu") if r.distributed.fsdp_offload else device)
+        self.loading = self._everywhere_loaded(loaded)
         self.root = step_loss
         self.storage = None
         if r.method == "qlora":
@@ -159,6 +171,14 @@ class FSDP(Strategy):
         tr.optimizer = build_optimizer(tr.model, t, tr.ctx.cuda)
         tr.scheduler = build_scheduler(tr.optimizer, t, tr.max_steps)
         return step_loss
+
+    def _everywhere_loaded(self, loaded) -> list[int]:
+        """The bytes of weights each rank had loaded before sharding (rank 0: all; the others: none)."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.trainer.world_size
+        dist.all_gather_object(out, loaded.bytes_loaded)
+        return out
 
     def _everywhere(self, report: StorageReport) -> dict[str, Any]:
         """Every rank's measurement (for the ``distributed`` event): one all-gather of small objects."""
@@ -172,7 +192,8 @@ class FSDP(Strategy):
         return "torch FSDP2 (fully_shard per decoder layer)"
 
     def event_fields(self) -> dict[str, Any]:
-        return {"fsdp_offload": self.trainer.recipe.distributed.fsdp_offload, "quantized_storage": self.storage}
+        return {"fsdp_offload": self.trainer.recipe.distributed.fsdp_offload, "quantized_storage": self.storage,
+                "loaded_bytes": self.loading}
 
     @contextlib.contextmanager
     def whole_forward(self):
