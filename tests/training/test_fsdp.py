@@ -127,6 +127,16 @@ def test_full_fine_tune_on_two_fsdp_processes_matches_one_process(base, tmp_path
     _assert_same_run(run, ref)
 
 
+def test_activation_offload_with_checkpointing_on_two_fsdp_processes_matches_one_process(base, tmp_path, without_deepspeed):  # noqa: F811
+    raw = _with(base, training={"gradient_checkpointing": True, "offload_activations": True})
+    ref, run = _one_and_two(raw, tmp_path, "actoffload")
+    _assert_same_run(run, ref)
+    from finetuner.config.recipe import load_yaml
+
+    resolved = load_yaml((run / "recipe.yaml").read_text(encoding="utf-8"), "recipe.yaml")
+    assert resolved["training"]["offload_activations"] is True and resolved["distributed"]["strategy"] == "fsdp"
+
+
 def test_cpu_offload_policy_on_two_fsdp_processes_matches_one_process(base, tmp_path, without_deepspeed):  # noqa: F811
     ref, run = _one_and_two(base, tmp_path, "offload", fsdp_offload="true")
     _assert_same_run(run, ref)
