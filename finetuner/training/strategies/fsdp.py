@@ -138,7 +138,7 @@ class FSDP(Strategy):
         import torch
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from finetuner.training.strategies import rank0_loading
+        from finetuner.training.strategies.rank0_loading import fill, share_quant_states, to_meta
         from finetuner.training.trainer import build_optimizer, build_scheduler
 
         tr = self.trainer
@@ -153,13 +153,13 @@ class FSDP(Strategy):
         kw = dict(mp_policy=mixed_precision(tr.rt), offload_policy=offload, reshard_after_forward=True)
         layers = decoder_layers(tr.model)
         device = torch.device(tr.rt.device)
-        loaded = rank0_loading.to_meta(step_loss, tr.rank)
+        loaded = to_meta(step_loss, tr.rank)
         if r.method == "qlora":
-            rank0_loading.share_quant_states(step_loss, tr.rank, device)
+            share_quant_states(step_loss, tr.rank, device)
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(step_loss, **kw)
-        rank0_loading.fill(step_loss, loaded, tr.rank, device, torch.device("cpu") if r.distributed.fsdp_offload else device)
+        fill(step_loss, loaded, tr.rank, device, torch.device("cpu") if r.distributed.fsdp_offload else device)
         self.loading = self._everywhere_loaded(loaded)
         self.root = step_loss
         self.storage = None
