@@ -378,7 +378,7 @@ def speed_table(folder: Path) -> str:
     """docs/benchmarks.md's GPU speed and longest-sequence tables, from ``folder``'s speed_*.json."""
     rows = speed_rows(folder)
     if not rows:
-        return "No GPU speed row is recorded yet (`docs/validation/speed_*.json`).\n"
+        return "No GPU speed row is recorded yet (no speed_<device>.json in docs/validation).\n"
     out = []
     speed = [r for r in rows if "finetuner_max_seq" not in r]
     if speed:
@@ -432,6 +432,29 @@ def _replace_between(text: str, marker: str, body: str, where: str) -> str:
     return pat.sub(lambda m: m.group(1) + body + m.group(3), text, count=1)
 
 
+def coverage(rows: list[dict]) -> str:
+    """What the measured memory rows cover, in words (README's memory sentence)."""
+    done = [r["predicted_settings"] for r in rows if "error" not in r]
+    methods = sorted({"QLoRA" if s["method"] == "qlora" else "LoRA" if s["method"] == "lora" else "full" for s in done},
+                     key=["LoRA", "QLoRA", "full"].index)
+    seqs = sorted({s["seq_len"] for s in done})
+    gcs = {s["gradient_checkpointing"] for s in done}
+    parts = [" and ".join(methods),
+             (f"{seqs[0]:,} and {seqs[1]:,}" if len(seqs) == 2 else f"{seqs[0]:,} to {seqs[-1]:,}") + " tokens",
+             "with and without checkpointing" if len(gcs) == 2 else "with checkpointing" if True in gcs else "without checkpointing"]
+    if any(s.get("activation_offload") for s in done):
+        parts.append("activation offload")
+    if any(s.get("tiled_mlp") for s in done):
+        parts.append("the tiled MLP")
+    objectives = sorted({s.get("objective", "sft") for s in done} - {"sft"})
+    if objectives:
+        parts.append(" and ".join(o.upper() for o in objectives))
+    strategies = sorted({r["distributed"]["strategy"] for r in rows if r.get("distributed") and "error" not in r})
+    if strategies:
+        parts.append(" and ".join(strategies))
+    return ", ".join(parts)
+
+
 def readme_sentence(text: str, rows: list[dict]) -> str:
     """README's sentence on the memory model's measured error, with the figures of ``rows``
     (:func:`scripts.validate.memory.replay`'s) put in: the run count, the allocated median and
@@ -447,13 +470,13 @@ def readme_sentence(text: str, rows: list[dict]) -> str:
             return "never under"
         return f"one run {abs(under[0]):.1f} % under" if len(under) == 1 else f"{len(under)} runs under"
 
-    pat = re.compile(r"(?P<n>\d+)\s+runs of 7B-, 8B- and 13B-shaped models on an\s+H100.*?median\s+error\s+(?P<med>[\d.]+)\s+%"
+    pat = re.compile(r"(?P<n>\d+)\s+runs of 7B-, 8B- and 13B-shaped models on an\s+H100\s+\((?P<what>[^)]*)\),\s+median\s+error\s+(?P<med>[\d.]+)\s+%"
                      r"\s+of\s+the\s+allocated\s+peak\s+\(largest\s+(?P<max>[\d.]+)\s+%,\s+(?P<aside>[^)]*)\)\s+and\s+"
                      r"(?P<rmed>[\d.]+)\s+%\s+of\s+the\s+reserved\s+peak\s+\((?P<rside>[^)]*)\)", re.S)
     m = pat.search(text)
     if not m:
         raise SystemExit("README.md no longer states the memory model's measured error in the expected words")
-    values = {"n": str(st["rows"]), "med": f"{a['median_abs_pct']:.1f}", "max": f"{a['max_abs_pct']:.1f}",
+    values = {"n": str(st["rows"]), "what": coverage(rows), "med": f"{a['median_abs_pct']:.1f}", "max": f"{a['max_abs_pct']:.1f}",
               "aside": side("allocated"), "rmed": f"{r['median_abs_pct']:.1f}", "rside": side("reserved")}
     for name in sorted(values, key=lambda g: m.start(g), reverse=True):  # from the end, so earlier spans stay put
         if " ".join(m[name].split()) != values[name]:  # the same words keep their line breaks
