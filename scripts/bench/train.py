@@ -44,7 +44,7 @@ The GPU modes (``--gpu``, ``--max-seq``) also write their figures as data: a JSO
   baseline_max_seq        (within --seq-step tokens) under the cap, finetuner and baseline;
   predicted_max_seq       finetuner.planning.longest.longest_sequence for the same model and
                           settings (QLoRA 4-bit, LoRA r16 without dropout, checkpointing, the run's
-                          offload, optimizer and loss path) on a card of --cap-gb GiB plus the CUDA
+                          offload, MLP (whole or tiled), optimizer and loss path) on a card of --cap-gb GiB plus the CUDA
                           context (the cap covers torch's allocator only), margin 0.
 
 Usage:
