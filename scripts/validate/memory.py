@@ -222,7 +222,7 @@ def measure(preset: str, runs: list[tuple[str, list[str], float | None, dict | N
         write_data(data, n=600)
     results = []
     for name, overrides, cap, sections in runs:
-        log(f"== {preset} {name} {overrides if cap else ''}")
+        log(f"== {'smoke' if smoke else preset} {name} {overrides if cap else ''}")
         row = run_one(name, overrides, model_dir, data, work, steps, smoke, cap_gib=cap, sections=sections)
         row["cap_gib"] = cap
         if row.get("distributed") and "error" not in row and row.get("predicted_settings"):
