@@ -16,6 +16,9 @@ import pytest
 
 from scripts.validate import gpu_all
 
+#: the smoke run takes about 3.5 minutes on two busy cores; the fixture's first test waits for it
+pytestmark = pytest.mark.timeout(1500)
+
 REPO = Path(__file__).resolve().parents[1]
 SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
               "baseline_peak_bytes", "mfu"]
