@@ -145,7 +145,7 @@ def test_parts_are_chosen_by_number_or_name():
 
 
 def test_longest_search_finds_the_threshold_from_above_or_below():
-    from scripts.bench.train import _search
+    from scripts.bench.train import search_longest
 
     for threshold in (5000, 93000, 130000):
         for start in (4096, 90112, 98304):
@@ -155,7 +155,7 @@ def test_longest_search_finds_the_threshold_from_above_or_below():
                 tried.append(n)
                 return n <= t
 
-            best, probes = _search(fits, start, 262144, 1024, 1.05)
+            best, probes = search_longest(fits, start, 262144, 1024, 1.05)
             assert best <= threshold < best + 1024, (threshold, start, probes)
             assert all(n % 1024 == 0 for n in tried)
 

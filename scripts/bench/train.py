@@ -288,7 +288,7 @@ def _long_example(n: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def _search(try_len, start: int, limit: int, step: int, factor: float = 2.0) -> tuple[int, list]:
+def search_longest(try_len, start: int, limit: int, step: int, factor: float = 2.0) -> tuple[int, list]:
     """Grow from ``start`` by ``factor`` (rounded to ``step``) until a failure (or ``limit``), then
     bisect to ``step`` tokens. A ``start`` near the answer (the memory model's prediction) with a
     small factor saves the long probes far below it."""
@@ -375,7 +375,7 @@ def max_seq_finetuner(spec: dict) -> dict:
         finally:
             _free()
 
-    best, tried = _search(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
+    best, tried = search_longest(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
                           spec.get("seq_factor", 2.0))
     return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": tr.rt.loss_path,
             "offload_activations": spec.get("offload_activations", False), "tiled_mlp": tr.rt.tiled_mlp}
@@ -416,7 +416,7 @@ def max_seq_baseline(spec: dict) -> dict:
             del batch
             _free()
 
-    best, tried = _search(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
+    best, tried = search_longest(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
                           spec.get("seq_factor", 2.0))
     return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": "full_logits (transformers ForCausalLMLoss)"}
 
