@@ -26,7 +26,8 @@ arithmetic of model size, tokens and process start-up on an H100, not yet measur
    peft, SDPA, gradient checkpointing, bf16, paged 8-bit AdamW for QLoRA), LoRA and QLoRA, 2,048
    tokens, micro-batch 1 x 4, the same examples, in one run, both under a 24 GiB cap
    (``torch.cuda.set_per_process_memory_fraction``);
-5. ``speed-80gb``: the same comparison on the planner's recipe for an 80 GB card, uncapped;
+5. ``speed-80gb``: the same comparison on the planner's recipe for an 80 GB card, capped at that
+   card's memory (the whole of an H100 80GB);
 6. ``longest``: the longest 8B QLoRA sequence under a 24 GiB cap, finetuner (checkpointing,
    activation offload, tiled MLP: what ``finetuner plan --longest`` picks) against the baseline,
    with the planner's prediction (:mod:`finetuner.planning.longest`) for the same settings; the
@@ -270,7 +271,8 @@ def speed_24gb(ctx: Context) -> list[Path]:
 
 
 def speed_80gb(ctx: Context) -> list[Path]:
-    """Part 5: the planner's recipe for an 80 GB card (2,048 tokens), no cap, both sides: finetuner
+    """Part 5: the planner's recipe for an 80 GB card (2,048 tokens), both sides capped at that card's
+    memory (on an H100 80GB the whole card; on an H200 the same budget): finetuner
     packs the rows when the plan does (``data.packing: auto``), the baseline pads as a plain
     script does; both count real tokens."""
     from finetuner.config.hardware import get_gpu
@@ -280,7 +282,7 @@ def speed_80gb(ctx: Context) -> list[Path]:
     card = get_gpu("h100-80gb")
     c = plan(PRESET, card, seq_len=2048).recipe_choice()
     steps, warmup = (3, 1) if ctx.smoke else (4, 1)
-    spec = {**_bench_common(ctx, None, warmup), "model": str(model), "data": str(data), "seq_len": 256 if ctx.smoke else 2048,
+    spec = {**_bench_common(ctx, card.memory_gib, warmup), "model": str(model), "data": str(data), "seq_len": 256 if ctx.smoke else 2048,
             "method": c["method"], "micro_batch": c["micro_batch_size"],
             "grad_accum": min(c["gradient_accumulation"], 2) if ctx.smoke else c["gradient_accumulation"], "steps": steps,
             "optimizer": c["optimizer"] if ctx.cuda else "adamw_torch", "gradient_checkpointing": c["gradient_checkpointing"],
@@ -322,7 +324,7 @@ PARTS: list[Part] = [
     Part("oom-backoff", 2.0, "a real CUDA out-of-memory error and finetuner's back-off (a 1024x8 model)", oom_backoff),
     Part("memory-savers", 2.5, "activation offload and tiled-MLP peaks, each against the run without it (8B, 4 runs)", memory_savers),
     Part("speed-24gb", 4.0, "finetuner vs transformers.Trainer + peft, 8B LoRA and QLoRA, 2,048 tokens, 24 GiB cap", speed_24gb),
-    Part("speed-80gb", 3.0, "finetuner vs the baseline on the planner's 80 GB recipe for 8B, 2,048 tokens, uncapped", speed_80gb),
+    Part("speed-80gb", 3.0, "finetuner vs the baseline on the planner's 80 GB recipe for 8B, 2,048 tokens", speed_80gb),
     Part("longest", 6.5, "the longest 8B QLoRA sequence under a 24 GiB cap: finetuner, baseline, prediction", longest),
     Part("memory-dpo", 1.5, "DPO memory rows (8B LoRA 1,024 and QLoRA 2x2,048 tokens)", memory_dpo),
     Part("memory-fsdp", 1.0, "fsdp on one process: a memory row predicted per device (8B LoRA)", memory_fsdp),
