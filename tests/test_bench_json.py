@@ -119,10 +119,16 @@ def test_predicted_max_seq_is_the_planners_longest_sequence_for_the_capped_card(
     spec = {"gradient_checkpointing": True, "optimizer": "paged_adamw_8bit"}
     got = bench.predicted_max_seq(Path("llama-3.1-8b"), spec, 24.0, True, "chunked_ce")
     card = replace(get_gpu("24GB"), memory_bytes=24 * 2**30 + CUDA_CONTEXT_BYTES)
+    # the MLP as the run has it: whole unless the run tiles it (a prediction for a tiled MLP
+    # against an untiled run once claimed 60 % more tokens than the run could reach)
     want = longest_sequence("llama-3.1-8b", card, "qlora4", margin=0.0, lora_dropout=0.0, gradient_checkpointing=True,
-                            offload_activations=True, optimizer="paged_adamw_8bit", kernels="none")
-    assert got == want.max_seq and want.candidate.offload_activations
+                            offload_activations=True, optimizer="paged_adamw_8bit", kernels="none", tiled_mlp=False)
+    assert got == want.max_seq and want.candidate.offload_activations and not want.candidate.tiled_mlp
     assert bench.predicted_max_seq(Path("llama-3.1-8b"), spec, 24.0, False, "chunked_ce") < got
+    tiled = bench.predicted_max_seq(Path("llama-3.1-8b"), spec, 24.0, True, "chunked_ce", tiled_mlp=True)
+    want_tiled = longest_sequence("llama-3.1-8b", card, "qlora4", margin=0.0, lora_dropout=0.0, gradient_checkpointing=True,
+                                  offload_activations=True, optimizer="paged_adamw_8bit", kernels="none", tiled_mlp=True)
+    assert tiled == want_tiled.max_seq > got and want_tiled.candidate.tiled_mlp
 
 
 def test_the_gpu_scripts_build_every_preset_shape():

@@ -44,7 +44,7 @@ The GPU modes (``--gpu``, ``--max-seq``) also write their figures as data: a JSO
   baseline_max_seq        (within --seq-step tokens) under the cap, finetuner and baseline;
   predicted_max_seq       finetuner.planning.longest.longest_sequence for the same model and
                           settings (QLoRA 4-bit, LoRA r16 without dropout, checkpointing, the run's
-                          offload, optimizer and loss path) on a card of --cap-gb GiB plus the CUDA
+                          offload, MLP (whole or tiled), optimizer and loss path) on a card of --cap-gb GiB plus the CUDA
                           context (the cap covers torch's allocator only), margin 0.
 
 Usage:
@@ -126,6 +126,7 @@ def _recipe(spec: dict, packing) -> "Recipe":  # noqa: F821
             "micro_batch_size": spec["micro_batch"], "gradient_accumulation": spec["grad_accum"],
             "optimizer": spec["optimizer"], "gradient_checkpointing": spec["gradient_checkpointing"],
             "offload_activations": spec.get("offload_activations", False),
+            "tiled_mlp": spec.get("tiled_mlp", False),
             "precision": spec["precision"], "seed": 0,
         },
         "checkpointing": {"save_every": None},
@@ -287,8 +288,10 @@ def _long_example(n: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def _search(try_len, start: int, limit: int, step: int) -> tuple[int, list]:
-    """Double from ``start`` until a failure (or ``limit``), then bisect to ``step`` tokens."""
+def search_longest(try_len, start: int, limit: int, step: int, factor: float = 2.0) -> tuple[int, list]:
+    """Grow from ``start`` by ``factor`` (rounded to ``step``) until a failure (or ``limit``), then
+    bisect to ``step`` tokens. A ``start`` near the answer (the memory model's prediction) with a
+    small factor saves the long probes far below it."""
     tried, good, bad = [], 0, None
     n = start
     while n <= limit:
@@ -297,7 +300,19 @@ def _search(try_len, start: int, limit: int, step: int) -> tuple[int, list]:
         if not ok:
             bad = n
             break
-        good, n = n, n * 2
+        good, n = n, max(n + step, int(n * factor) // step * step)
+    if bad == start:  # the first probe failed: shrink by the same factor until one trains
+        n = start
+        while n > step:
+            n = min(n - step, int(n / factor) // step * step)
+            if n < step:
+                break
+            ok = try_len(n)
+            tried.append((n, ok))
+            if ok:
+                good = n
+                break
+            bad = n
     if bad is None:
         return good, tried
     while bad - good > step:
@@ -360,9 +375,10 @@ def max_seq_finetuner(spec: dict) -> dict:
         finally:
             _free()
 
-    best, tried = _search(try_len, spec["seq_start"], spec["seq_limit"], spec["seq_step"])
+    best, tried = search_longest(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
+                          spec.get("seq_factor", 2.0))
     return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": tr.rt.loss_path,
-            "offload_activations": spec.get("offload_activations", False)}
+            "offload_activations": spec.get("offload_activations", False), "tiled_mlp": tr.rt.tiled_mlp}
 
 
 def max_seq_baseline(spec: dict) -> dict:
@@ -400,11 +416,23 @@ def max_seq_baseline(spec: dict) -> dict:
             del batch
             _free()
 
-    best, tried = _search(try_len, spec["seq_start"], spec["seq_limit"], spec["seq_step"])
+    best, tried = search_longest(try_len, spec.get("seq_guess") or spec["seq_start"], spec["seq_limit"], spec["seq_step"],
+                          spec.get("seq_factor", 2.0))
     return {"max_seq": best, "tried": tried, **_timed_at(try_len, best), "loss_path": "full_logits (transformers ForCausalLMLoss)"}
 
 
 # --------------------------------------------------------------------------- driver
+#: the finetuner sides of a --max-seq run: worker kind → (settings over the spec, what its row says)
+MAXSEQ_FINETUNER = {
+    "maxseq_finetuner": ({}, "checkpointing"),
+    "maxseq_finetuner_offload": ({"offload_activations": True}, "checkpointing + activation offload"),
+    "maxseq_finetuner_offload_tiled": ({"offload_activations": True, "tiled_mlp": True},
+                                       "checkpointing + activation offload + tiled MLP"),
+}
+#: what ``--max-seq`` runs (the baseline first)
+MAXSEQ_KINDS = ("maxseq_baseline", "maxseq_finetuner", "maxseq_finetuner_offload")
+
+
 def worker(kind: str, spec: dict) -> dict:
     if spec.get("threads"):
         import torch
@@ -416,10 +444,8 @@ def worker(kind: str, spec: dict) -> dict:
         return run_finetuner(spec, False)
     if kind == "finetuner_packed":
         return run_finetuner(spec, "auto")
-    if kind == "maxseq_finetuner":
-        return max_seq_finetuner(spec)
-    if kind == "maxseq_finetuner_offload":
-        return max_seq_finetuner(dict(spec, offload_activations=True))
+    if kind in MAXSEQ_FINETUNER:
+        return max_seq_finetuner(dict(spec, **MAXSEQ_FINETUNER[kind][0]))
     if kind == "maxseq_baseline":
         return max_seq_baseline(spec)
     raise SystemExit(f"unknown worker {kind}")
@@ -534,7 +560,8 @@ def throughput_rows(summary: dict, specs: dict, device: str, n_params: int, peak
     return rows
 
 
-def predicted_max_seq(model_dir: Path, spec: dict, cap_gb: float, offload: bool, loss_path: str | None) -> int | None:
+def predicted_max_seq(model_dir: Path, spec: dict, cap_gb: float, offload: bool, loss_path: str | None,
+                      tiled_mlp: bool = False) -> int | None:
     """finetuner's prediction for a --max-seq run: a card of ``cap_gb`` GiB plus the CUDA context
     (``set_per_process_memory_fraction`` caps torch's allocator, not the context), margin 0, the
     run's settings fixed (the card's own profile for attention and kernels where it has one)."""
@@ -552,7 +579,7 @@ def predicted_max_seq(model_dir: Path, spec: dict, cap_gb: float, offload: bool,
         r = longest_sequence(
             resolve_shape(str(model_dir)), card, "qlora4", margin=0.0, lora_r=LORA["r"], lora_dropout=LORA["dropout"],
             gradient_checkpointing=spec["gradient_checkpointing"], offload_activations=offload, optimizer=spec["optimizer"],
-            kernels="liger" if loss_path == "liger_fused_linear_ce" else "none",
+            kernels="liger" if loss_path == "liger_fused_linear_ce" else "none", tiled_mlp=tiled_mlp,
         )
     except UserError as e:
         log(f"no prediction: {e.message}")
@@ -562,11 +589,13 @@ def predicted_max_seq(model_dir: Path, spec: dict, cap_gb: float, offload: bool,
 
 def max_seq_rows(res: dict, spec: dict, label: str, device: str, n_params: int, peak_flops: float | None,
                  predicted: dict[str, int | None]) -> list[dict]:
-    """One row per finetuner variant (checkpointing; checkpointing + activation offload), each against the baseline."""
+    """One row per finetuner variant run (:data:`MAXSEQ_FINETUNER`), each against the baseline."""
     base = res.get("maxseq_baseline", {})
     rows = []
-    for kind, what in (("maxseq_finetuner", "checkpointing"), ("maxseq_finetuner_offload", "checkpointing + activation offload")):
-        ft = res.get(kind, {})
+    for kind, (_settings, what) in MAXSEQ_FINETUNER.items():
+        if kind not in res:
+            continue
+        ft = res[kind]
         cap = f", cap {spec['cap_gb']:g} GiB" if spec.get("cap_gb") else ""
         tps = ft.get("tokens_per_s")
         rows.append({
@@ -607,15 +636,15 @@ def speed_json_path(args, cuda: bool) -> Path | None:
     return None
 
 
-def throughput(args, specs: dict[str, dict]) -> dict:
+def throughput(specs: dict[str, dict], variants: list[str], reps: int, timeout: int) -> dict:
     """Run every (config, variant) ``reps`` times, interleaved, alternating the order per round."""
-    results: dict[str, dict[str, list]] = {c: {v: [] for v in args.variants} for c in specs}
-    for rep in range(args.reps):
-        order = list(args.variants) if rep % 2 == 0 else list(reversed(args.variants))
+    results: dict[str, dict[str, list]] = {c: {v: [] for v in variants} for c in specs}
+    for rep in range(reps):
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for cname, spec in specs.items():
             for v in order:
-                log(f"[round {rep + 1}/{args.reps}] {cname} {v} ...")
-                r = spawn(v, spec, args.timeout)
+                log(f"[round {rep + 1}/{reps}] {cname} {v} ...")
+                r = spawn(v, spec, timeout)
                 log(f"    {json.dumps(r)}")
                 results[cname][v].append(r)
     summary = {}
@@ -643,6 +672,70 @@ def throughput(args, specs: dict[str, dict]) -> dict:
                 row[v]["best_ratio_vs_baseline"] = row[v]["best_tokens_per_s"] / row["baseline"]["best_tokens_per_s"]
         summary[cname] = row
     return summary
+
+
+def gpu_specs(common: dict, model_dir: Path, data: Path, label: str, methods: list[str], seq: int, micro_batch: int,
+              grad_accum: int, steps: int) -> dict[str, dict]:
+    """The --gpu configs: per method, what both sides train (checkpointing, bf16 on CUDA; paged
+    8-bit AdamW for QLoRA and AdamW for LoRA on CUDA, AdamW on the CPU)."""
+    cuda = common["cuda"]
+    return {f"{label} {method} seq {seq}": {
+        **common, "model": str(model_dir), "data": str(data), "seq_len": seq, "method": method,
+        "micro_batch": micro_batch, "grad_accum": grad_accum, "steps": steps,
+        "optimizer": ("paged_adamw_8bit" if method == "qlora" else "adamw_torch") if cuda else "adamw_torch",
+        "gradient_checkpointing": True, "precision": "bf16" if cuda else "fp32",
+    } for method in methods}
+
+
+def max_seq_spec(common: dict, model_dir: Path, data: Path, seq: int, smoke: bool, seq_step: int | None = None) -> dict:
+    """The --max-seq run: QLoRA nf4, micro-batch 1, one step per probe, checkpointing, from 4,096
+    tokens (smoke: 256, up to 2,048) to 262,144, bisected to ``seq_step`` tokens."""
+    cuda = common["cuda"]
+    return {**common, "model": str(model_dir), "data": str(data), "seq_len": seq, "method": "qlora", "micro_batch": 1,
+            "grad_accum": 1, "steps": 1, "optimizer": "paged_adamw_8bit" if cuda else "adamw_torch",
+            "gradient_checkpointing": True, "precision": "bf16" if cuda else "fp32",
+            "seq_start": 256 if smoke else 4096, "seq_limit": 2048 if smoke else 262144,
+            "seq_step": seq_step or (256 if smoke else 1024)}
+
+
+def predicted_for(kind: str, model_dir: Path, spec: dict, cap_gb: float, loss_path: str | None) -> int | None:
+    """:func:`predicted_max_seq` for the settings of the finetuner side ``kind``."""
+    settings = MAXSEQ_FINETUNER[kind][0]
+    return predicted_max_seq(model_dir, spec, cap_gb, settings.get("offload_activations", False), loss_path,
+                             settings.get("tiled_mlp", False))
+
+
+def longest(spec: dict, kinds, timeout: int, guesses: dict[str, int] | None = None) -> dict[str, dict]:
+    """Each side's longest sequence, one process per side (``guesses``: kind → where its search
+    starts, e.g. the memory model's prediction, searched upward in steps of 5 %)."""
+    res = {}
+    for kind in kinds:
+        log(f"== {kind}")
+        guess = (guesses or {}).get(kind)
+        res[kind] = spawn(kind, dict(spec, seq_guess=guess, seq_factor=1.05) if guess else spec, timeout)
+        log(json.dumps(res[kind]))
+    return res
+
+
+MAXSEQ_NAMES = {"maxseq_baseline": "baseline (transformers.Trainer + peft)",
+                **{k: f"finetuner ({what})" for k, (_s, what) in MAXSEQ_FINETUNER.items()}}
+
+
+def max_seq_markdown(res: dict, label: str, cap_gb: float | None) -> str:
+    b = res.get("maxseq_baseline", {}).get("max_seq")
+    md = (f"Longest trainable sequence, {label} QLoRA nf4, micro-batch 1, checkpointing, "
+          f"cap {cap_gb if cap_gb else 'none'} GiB on {machine()}:\n\n"
+          "| | longest sequence | ratio vs baseline | peak | probes (tokens: trained?) |\n|---|---|---|---|---|\n")
+    for kind, r in res.items():
+        name = MAXSEQ_NAMES[kind]
+        if "error" in r:
+            md += f"| {name} | error: {r['error']} | | | |\n"
+            continue
+        ratio = f"{r['max_seq'] / b:.2f}" if b else ""
+        probes = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in r["tried"])
+        peak = f"{r['peak_bytes'] / 2**30:.2f} GiB" if r.get("peak_bytes") else ""
+        md += f"| {name} | {r['max_seq']:,} | {ratio} | {peak} | {probes} |\n"
+    return md
 
 
 def markdown(summary: dict, header: str) -> str:
@@ -715,7 +808,6 @@ def main() -> None:
         build_model(args.preset, model_dir, args.smoke)
         data = work / "data.json"
         write_data(data)
-        precision = "bf16" if cuda else "fp32"
         seq = args.seq_len or (256 if args.smoke else 2048)
         from finetuner.model.shapes import resolve_shape
 
@@ -724,51 +816,23 @@ def main() -> None:
         peak_flops = prof.tflops * 1e12 if prof is not None else None
         json_path = speed_json_path(args, cuda)
     if args.max_seq:
-        spec = {**common, "model": str(model_dir), "data": str(data), "seq_len": seq, "method": "qlora", "micro_batch": 1,
-                "grad_accum": 1, "steps": 1, "optimizer": "paged_adamw_8bit" if cuda else "adamw_torch",
-                "gradient_checkpointing": True, "precision": precision,
-                "seq_start": 256 if args.smoke else 4096, "seq_limit": 2048 if args.smoke else 262144,
-                "seq_step": args.seq_step or (256 if args.smoke else 1024)}
-        res = {}
-        for kind in ("maxseq_baseline", "maxseq_finetuner", "maxseq_finetuner_offload"):
-            log(f"== {kind}")
-            res[kind] = spawn(kind, spec, args.timeout)
-            log(json.dumps(res[kind]))
-        b = res["maxseq_baseline"].get("max_seq")
-        md = (f"Longest trainable sequence, {args.preset if not args.smoke else 'tiny'} QLoRA nf4, micro-batch 1, checkpointing, "
-              f"cap {args.cap_gb if cuda else 'none'} GiB on {machine()}:\n\n"
-              "| | longest sequence | ratio vs baseline | peak | probes (tokens: trained?) |\n|---|---|---|---|---|\n")
-        names = {"maxseq_baseline": "baseline (transformers.Trainer + peft)", "maxseq_finetuner": "finetuner (checkpointing)",
-                 "maxseq_finetuner_offload": "finetuner (checkpointing + activation offload)"}
-        for kind, label in names.items():
-            r = res[kind]
-            if "error" in r:
-                md += f"| {label} | error: {r['error']} | | | |\n"
-                continue
-            ratio = f"{r['max_seq'] / b:.2f}" if b else ""
-            probes = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in r["tried"])
-            peak = f"{r['peak_bytes'] / 2**30:.2f} GiB" if r.get("peak_bytes") else ""
-            md += f"| {label} | {r['max_seq']:,} | {ratio} | {peak} | {probes} |\n"
+        spec = max_seq_spec(common, model_dir, data, seq, args.smoke, args.seq_step)
+        label = args.preset if not args.smoke else "tiny"
+        res = longest(spec, MAXSEQ_KINDS, args.timeout)
+        md = max_seq_markdown(res, label, args.cap_gb if cuda else None)
         print(md)
         if out:
             (out / "bench_max_seq.json").write_text(json.dumps({"machine": machine(), "results": res}, indent=2))
             (out / "bench_max_seq.md").write_text(md)
         if json_path:
-            predicted = {kind: predicted_max_seq(model_dir, spec, args.cap_gb, kind.endswith("_offload"), res[kind].get("loss_path"))
-                         for kind in ("maxseq_finetuner", "maxseq_finetuner_offload")}
-            write_speed_json(json_path, max_seq_rows(res, spec, args.preset if not args.smoke else "tiny", machine(),
-                                                     n_params, peak_flops, predicted))
+            predicted = {kind: predicted_for(kind, model_dir, spec, args.cap_gb, res[kind].get("loss_path"))
+                         for kind in MAXSEQ_KINDS if kind in MAXSEQ_FINETUNER}
+            write_speed_json(json_path, max_seq_rows(res, spec, label, machine(), n_params, peak_flops, predicted))
         return
 
     if args.gpu:
-        specs = {}
-        for method in args.methods.split(","):
-            specs[f"{args.preset if not args.smoke else 'tiny'} {method} seq {seq}"] = {
-                **common, "model": str(model_dir), "data": str(data), "seq_len": seq, "method": method,
-                "micro_batch": args.micro_batch or 1, "grad_accum": args.grad_accum or 4, "steps": args.steps or 8,
-                "optimizer": ("paged_adamw_8bit" if method == "qlora" else "adamw_torch") if cuda else "adamw_torch",
-                "gradient_checkpointing": True, "precision": precision,
-            }
+        specs = gpu_specs(common, model_dir, data, args.preset if not args.smoke else "tiny", args.methods.split(","), seq,
+                          args.micro_batch or 1, args.grad_accum or 4, args.steps or 8)
         where = f"{machine()}, cap {args.cap_gb} GiB" if cuda else machine()
     else:
         seq = args.seq_len or 256
@@ -778,7 +842,7 @@ def main() -> None:
             "steps": args.steps or 12, "optimizer": "adamw_torch", "gradient_checkpointing": False, "precision": "fp32" if not cuda else "bf16",
         }}
         where = machine()
-    summary = throughput(args, specs)
+    summary = throughput(specs, args.variants, args.reps, args.timeout)
     header = (f"Machine: {where}; {_versions()}; torch threads per run: {threads or 'default'}. Medians of {args.reps} interleaved rounds, "
               f"{next(iter(specs.values()))['steps']} steps each, the first {args.warmup} untimed.")
     md = markdown(summary, header)

@@ -52,7 +52,8 @@ and {pr:.1f} GiB reserved ({er:+.1f} %) for that run{under}.
 
 def measured_runs() -> dict[tuple[str, str], dict]:
     """(model, card) → the recorded GPU run of the planner's recipe, re-predicted by the current
-    memory model (:func:`scripts.validate.memory.replay`), with the file's ``steps``."""
+    memory model (:func:`scripts.validate.memory.replay`), with the file's ``steps``. Where a
+    model and card have runs with and without Liger's fused loss, the default install's (without)."""
     import json
 
     from scripts.validate.memory import VALIDATION, replay
@@ -62,7 +63,10 @@ def measured_runs() -> dict[tuple[str, str], dict]:
     for r in replay(VALIDATION):
         m = re.fullmatch(r"planned-(.+)-capped", r["config"])
         if m and "error" not in r:
-            out[(r["preset"], m.group(1))] = {**r, "steps": steps[r["preset"]]}
+            key = (r["preset"], m.group(1))
+            if key in out and r["predicted_settings"].get("fused_ce") and not out[key]["predicted_settings"].get("fused_ce"):
+                continue
+            out[key] = {**r, "steps": steps[r["preset"]]}
     return out
 
 

@@ -55,11 +55,14 @@ def log(*a: object) -> None:
     print(*a, flush=True)
 
 
-def planned_overrides(preset: str, gpu: str, seq_len: int = 2048) -> list[str]:
-    """The planner's choice for ``preset`` on ``gpu`` as recipe overrides."""
+def planned_overrides(preset: str, gpu: str, seq_len: int = 2048, default_install: bool = False) -> list[str]:
+    """The planner's choice for ``preset`` on ``gpu`` as recipe overrides (``default_install``: as
+    planned for an install without Liger Kernel or FlashAttention-2, like the README's table)."""
+    from finetuner.config.hardware import get_gpu
     from finetuner.planning.planner import plan
 
-    c = plan(preset, gpu, seq_len=seq_len).recipe_choice()
+    card = get_gpu(gpu).with_default_install() if default_install else gpu
+    c = plan(preset, card, seq_len=seq_len).recipe_choice()
     out = [f"method={c['method']}", f"data.max_seq_len={c['max_seq_len']}", f"training.micro_batch_size={c['micro_batch_size']}",
            f"training.optimizer={c['optimizer']}", f"training.gradient_checkpointing={str(c['gradient_checkpointing']).lower()}",
            f"training.offload_activations={str(c['offload_activations']).lower()}"]
@@ -68,8 +71,26 @@ def planned_overrides(preset: str, gpu: str, seq_len: int = 2048) -> list[str]:
     return out
 
 
+def smoke_overrides(overrides: list[str]) -> list[str]:
+    """A configuration at toy size for ``--smoke``: sequences of 2,048 tokens and more become 256,
+    shorter ones 128; QLoRA computes in fp32 (bf16 is slow on a CPU)."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        out.append(f"{key}={256 if int(value) >= 2048 else 128}" if key == "data.max_seq_len" else o)
+    if "method=qlora" in out:
+        out.append("quantization.compute_dtype=fp32")
+    return out
+
+
 def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: Path, steps: int, smoke: bool,
-            cap_gib: float | None = None) -> dict:
+            cap_gib: float | None = None, sections: dict | None = None) -> dict:
+    """One configuration in a fresh ``finetuner run`` process: the measured peaks and the memory
+    model's prediction from the run's ``start`` event. ``sections``: recipe keys set over the
+    defaults here, a section's keys one by one (``None`` removes a key), e.g. a preference run's
+    ``objective`` and its unpacked ``data``. A run with ``distributed.strategy`` keeps
+    ``distributed`` (strategy, processes, offload) in its row, and :func:`recompute` predicts
+    it per device."""
     import yaml
 
     recipe = {
@@ -81,10 +102,13 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
         "logging": {"tensorboard": False},
         "output_dir": str(work / name),
     }
+    for key, value in (sections or {}).items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+            recipe[key] = {k: v for k, v in {**recipe[key], **value}.items() if v is not None}
+        else:
+            recipe[key] = value
     if smoke:
-        overrides = [o.replace("2048", "256").replace("512", "128") for o in overrides]
-        if "method=qlora" in overrides:
-            overrides = overrides + ["quantization.compute_dtype=fp32"]
+        overrides = smoke_overrides(overrides)
     rpath = work / f"{name}.yaml"
     rpath.write_text(yaml.safe_dump(recipe))
     args = ["run", str(rpath), "--no-resume", "-q"]
@@ -124,6 +148,13 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
         "predicted_settings": pred.get("settings"),
         "wall_s": round(wall, 1),
     }
+    dist = {o.split("=", 1)[0].split(".", 1)[1]: o.split("=", 1)[1] for o in overrides if o.startswith("distributed.")}
+    if dist.get("strategy"):
+        from finetuner.memory.sharding import OFFLOADS
+
+        offload = "optimizer+params" if dist.get("fsdp_offload") == "true" else dist.get("offload", "none")
+        row["distributed"] = {"strategy": dist["strategy"], "world_size": int(dist.get("num_processes", 1)),
+                              "offload": offload if offload in OFFLOADS else "none"}
     if pred and measured_alloc:
         row["error_allocated_pct"] = round(100 * (pred["allocated_bytes"] - measured_alloc) / measured_alloc, 2)
     if pred and measured_reserved:
@@ -144,20 +175,70 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
     settings = dict(row["predicted_settings"])
     # the row that reached the model: packed rows are not always full. Only with one row per
     # micro-batch is its length known (several rows are padded to the longest, not recorded:
-    # those keep max_seq_len, an upper bound)
-    if row.get("tokens_per_step") and settings["micro_batch"] == 1:
+    # those keep max_seq_len, an upper bound); a preference pair's two sequences are each cut
+    # to max_seq_len, and its step counts both
+    if row.get("tokens_per_step") and settings["micro_batch"] == 1 and settings.get("objective", "sft") == "sft":
         settings["seq_len"] = min(settings["seq_len"], -(-row["tokens_per_step"] // settings["micro_batch"]))
     if isinstance(settings.get("lora_targets"), list):
         settings["lora_targets"] = tuple(settings["lora_targets"])
     known = Settings.__dataclass_fields__
-    est = estimate(resolve_shape(preset), Settings(**{k: v for k, v in settings.items() if k in known}),
+    shape = resolve_shape(preset)
+    est = estimate(shape, Settings(**{k: v for k, v in settings.items() if k in known}),
                    (profile_for_device_name(device or "", 0) if device else None) or PROFILES["h100-80gb"])
     row = dict(row)
     row["predicted_allocated_bytes"], row["predicted_reserved_bytes"] = est.allocated_bytes, est.reserved_bytes
     row["predicted_components"] = est.components
+    if row.get("distributed"):
+        row.update(per_device(est, shape, row["distributed"]))
     row["error_allocated_pct"] = round(100 * (est.allocated_bytes - row["measured_allocated_bytes"]) / row["measured_allocated_bytes"], 2)
     row["error_reserved_pct"] = round(100 * (est.reserved_bytes - row["measured_reserved_bytes"]) / row["measured_reserved_bytes"], 2)
     return row
+
+
+def per_device(est, shape, distributed: dict) -> dict:
+    """The prediction of one device of a ``distributed`` run (:func:`finetuner.memory.sharding.shard_estimate`):
+    reserved = the device's total less the CUDA context, allocated = that less the allocator
+    slack and the paged optimizer states (as :func:`finetuner.memory.model.estimate` counts them)."""
+    from finetuner.memory.sharding import shard_estimate
+
+    sh = shard_estimate(est, distributed["strategy"], distributed["world_size"], distributed.get("offload", "none"), shape=shape)
+    reserved = sh.per_device_bytes - sh.components.get("CUDA context", 0)
+    return {"predicted_allocated_bytes": reserved - sh.components.get("allocator slack", 0) - sh.spillable_bytes,
+            "predicted_reserved_bytes": reserved, "predicted_components": dict(sh.components)}
+
+
+def measure(preset: str, runs: list[tuple[str, list[str], float | None, dict | None]], out: Path, work: Path, steps: int,
+            smoke: bool, tag: str | None = None, model_dir: Path | None = None) -> Path:
+    """Run each ``(name, overrides, cap GiB or None, sections)`` of ``runs`` on a random-weight model
+    of ``preset``'s shape (built once into ``work``; tiny with ``smoke``) and write the rows to
+    ``out/validate_<tag>.json`` (``tag``: the preset, ``smoke`` with ``smoke``) in the format
+    :func:`replay` reads. Returns the file's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir or work / ("tiny" if smoke else preset)
+    build_model(preset, model_dir, smoke)
+    data = work / "data.json"
+    if not data.exists():
+        write_data(data, n=600)
+    results = []
+    for name, overrides, cap, sections in runs:
+        log(f"== {'smoke' if smoke else preset} {name} {overrides if cap else ''}")
+        row = run_one(name, overrides, model_dir, data, work, steps, smoke, cap_gib=cap, sections=sections)
+        row["cap_gib"] = cap
+        if row.get("distributed") and "error" not in row and row.get("predicted_settings"):
+            row = recompute(str(model_dir) if smoke else preset, row, _device_name())
+        log(json.dumps({k: v for k, v in row.items() if k not in ("predicted_components", "predicted_settings")}))
+        results.append(row)
+    path = out / f"validate_{tag or ('smoke' if smoke else preset)}.json"
+    path.write_text(json.dumps({"device": _device_name(), "preset": "smoke" if smoke else preset, "steps": steps,
+                                "results": results}, indent=2))
+    return path
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def replay(folder: Path = VALIDATION, again: bool = True) -> list[dict]:
@@ -235,31 +316,14 @@ def main() -> None:
         print(report(Path(args.report), again=args.again), end="")
         return
     out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / ("tiny" if args.smoke else args.preset)
-    build_model(args.preset, model_dir, args.smoke)
-    data = work / "data.json"
-    write_data(data, n=600)
     names = args.configs.split(",") if args.configs else (SMOKE if args.smoke else list(MATRIX))
-    results = []
-    runs = [(name, MATRIX[name], None) for name in names]
+    runs = [(name, MATRIX[name], None, None) for name in names]
     if args.planned:
         from finetuner.config.hardware import get_gpu
 
         card = get_gpu(args.planned)
-        runs.append((f"planned-{card.name}-capped", planned_overrides(args.preset, card.name), card.memory_gib))
-    for name, overrides, cap in runs:
-        log(f"== {args.preset} {name} {overrides if cap else ''}")
-        row = run_one(name, overrides, model_dir, data, work, args.steps, args.smoke, cap_gib=cap)
-        row["cap_gib"] = cap
-        log(json.dumps({k: v for k, v in row.items() if k not in ("predicted_components", "predicted_settings")}))
-        results.append(row)
-    import torch
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    tag = "smoke" if args.smoke else args.preset
-    (out / f"validate_{tag}.json").write_text(json.dumps({"device": device, "preset": tag, "steps": args.steps, "results": results}, indent=2))
+        runs.append((f"planned-{card.name}-capped", planned_overrides(args.preset, card.name), card.memory_gib, None))
+    measure(args.preset, runs, out, work, args.steps, args.smoke)
     log(report(out))
 
 

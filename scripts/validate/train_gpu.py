@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -62,7 +63,12 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     tok = train_bpe_tokenizer([" ".join(rng.choices(words, k=30)) for _ in range(500)], vocab_size=1024)
     if (folder / "config.json").exists():
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    # saved beside the folder and renamed into place: a build cut off half-way (a device command
+    # past its time limit) leaves no folder that a later call would take for a finished model
+    partial = folder.with_name(folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
     t0 = time.perf_counter()
     if smoke:
         model = tiny_llama(tok, hidden_size=128, num_layers=2)
@@ -72,9 +78,10 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
             tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
+    model.save_pretrained(partial, safe_serialization=True)
+    tok.save_pretrained(partial)
     del model
+    partial.rename(folder)
     log(f"built and saved {folder} in {time.perf_counter() - t0:.1f}s")
 
 
@@ -84,6 +91,21 @@ def write_data(path: Path, n: int = 400) -> None:
     rows = [{"instruction": " ".join(rng.choices(words, k=rng.randint(40, 200))),
              "input": "", "output": " ".join(rng.choices(words, k=rng.randint(100, 400)))} for _ in range(n)]
     path.write_text(json.dumps(rows))
+
+
+def write_pair_data(path: Path, seq_len: int, n: int = 64) -> None:
+    """Preference pairs (TRL's ``prompt``/``chosen``/``rejected``) whose every sequence is longer
+    than ``seq_len`` tokens of :func:`build_model`'s tokenizer (at least one token per word), so
+    each one is cut to exactly ``seq_len`` (the start of the prompt goes) and every micro-batch is
+    full: the peak the memory model predicts for ``data.max_seq_len``."""
+    rng = random.Random(2)
+    words = "the of and to in is was for on that with as by at from it this be are or an hike bird sea".split()
+
+    def text(k: int) -> str:
+        return " ".join(rng.choices(words, k=k))
+
+    rows = [{"prompt": text(seq_len), "chosen": text(seq_len // 4), "rejected": text(seq_len // 4)} for _ in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
 def run_config(name: str, overrides: list[str], model_dir: Path, data: Path, work: Path, steps: int, smoke: bool) -> dict:
