@@ -129,6 +129,13 @@ def detect() -> GpuProfile | None:
     props = torch.cuda.get_device_properties(0)
     known = profile_for_device_name(props.name, props.total_memory)
     base = known or GpuProfile("cuda", props.name, props.total_memory, tflops=150, bandwidth_gbs=1000)
+    from finetuner.model import kernels
+
+    # what runs on this card with what is installed here: the one answer the planner (Device.of) and
+    # the trainer (Device.here) both read
+    ampere = torch.cuda.get_device_capability(0)[0] >= 8
+    import importlib.util
+
     return replace(
         base,
         name=base.name,
@@ -136,7 +143,16 @@ def detect() -> GpuProfile | None:
         memory_bytes=props.total_memory,
         bf16=bool(torch.cuda.is_bf16_supported()),
         detected=True,
+        flash_attention=ampere and importlib.util.find_spec("flash_attn") is not None,
+        liger=kernels.liger_installed() and kernels.liger_importable(),
     )
+
+
+def run_profile(device: str = "auto") -> GpuProfile:
+    """The device a run of a recipe with ``device`` (``auto``, ``cpu`` or ``cuda``) trains on, as a
+    profile: the detected CUDA card unless the recipe says ``cpu``, else the CPU. The planner's
+    ``auto`` resolution, ``finetuner estimate`` and the trainer's predictions all take it from here."""
+    return (detect() if device != "cpu" else None) or cpu_profile()
 
 
 def machine_memory_bytes() -> int:

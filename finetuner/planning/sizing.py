@@ -134,6 +134,13 @@ def total_steps(epochs: float, per_epoch: int) -> int:
     return max(1, math.ceil(epochs * per_epoch))
 
 
+def optimizer_steps(max_steps: int | None, epochs: float, units: int, effective_batch: int) -> int:
+    """The optimizer steps a run takes: ``max_steps`` when set, else ``epochs`` passes over ``units``
+    training rows (examples, pairs or packed rows) at ``effective_batch`` a step. The trainer's
+    schedule and the plan's count (and so its total time) both come from here."""
+    return max_steps or total_steps(epochs, steps_per_epoch(units, effective_batch))
+
+
 def _round_up(n: int, to: int) -> int:
     return max(to, int(math.ceil(n / to)) * to)
 

@@ -133,6 +133,22 @@ def predict(recipe, data_path: Path):
     return recipe_step_time(recipe, gpu, speed, label_fraction=lf, padding_free=True), lf, speed
 
 
+def settings_of(recipe, label_fraction: float) -> dict:
+    """The speed model's settings for ``recipe`` on this machine (what ``recipe_step_time`` predicts from,
+    with ``padding_free``), for tests/planning/test_speed_model.py to replay the prediction."""
+    import dataclasses
+
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.memory.model import settings_from_recipe
+    from finetuner.model.shapes import resolve_shape
+
+    shape = resolve_shape(recipe.model.name)
+    s = settings_from_recipe(recipe, cpu_profile(), shape.model_type).with_(label_fraction=label_fraction, attention_mask=False)
+    d = dataclasses.asdict(s)
+    d["lora_targets"] = list(d["lora_targets"]) if isinstance(d["lora_targets"], tuple) else d["lora_targets"]
+    return d
+
+
 def run_one(name: str, work: Path, steps: int) -> dict:
     """One configuration, in this process: set the trainer up as ``finetuner run`` does, time
     ``steps`` optimizer steps (wall clock and this process's CPU time), predict."""
@@ -174,6 +190,8 @@ def run_one(name: str, work: Path, steps: int) -> dict:
         "predicted_tokens_per_step": pred.tokens_per_step,
         "predicted_parts_s": {k: round(v, 5) for k, v in pred.parts.items()},
         "label_fraction": lf,
+        "model": "demo" if recipe.model.name == DEMO else MATRIX[name][0],
+        "settings": settings_of(recipe, lf),
         "recipe": json.loads(recipe.model_copy(update={"output_dir": None}).model_dump_json()),
         "speed": speed.to_dict(),
     }
