@@ -151,7 +151,8 @@ def measure() -> DeviceSpeed:
             f"cross-entropy {max(r for _, r in kernels['cross_entropy']) / 1e6:,.0f}M and dropout {kernels['dropout'] / 1e6:,.0f}M elements/s")
     return DeviceSpeed(name, plat, matmul, bandwidth, op_s, dequant, link, link, src, calibrated=True, details=details,
                        attention_flops={"causal": kernels["attention_causal"], "masked": kernels["attention_masked"]},
-                       cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"])
+                       cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"],
+                       matmul_tokens=tokens)
 
 
 def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:

@@ -64,6 +64,13 @@ MATMUL_EFFICIENCY = 0.65
 #: Matrix width at which a card's matmul rate is half its large-matrix rate (narrow layers keep
 #: fewer tensor cores busy): ``rate(d) = rate * d / (d + MATMUL_HALF_WIDTH)``.
 MATMUL_HALF_WIDTH = 256
+#: Tokens per micro-batch at which a GPU's work (matmuls, attention, elementwise kernels) runs at half
+#: its rates: a micro-batch of few tokens launches kernels too small to fill the streaming
+#: multiprocessors and is bound by reading the weights: the device's work is divided by
+#: ``T / (T + DEVICE_HALF_TOKENS)`` (the planner's earlier utilisation curve, fitted on the H100 runs
+#: of docs/benchmarks.md). A CPU reaches its rates from a few rows (0: no such term; the CPU matrix
+#: in docs/validation/ bears it out).
+DEVICE_HALF_TOKENS = {"cuda": 256, "cpu": 0}
 #: Share of the data-sheet memory bandwidth that elementwise kernels reach (STREAM-like copies
 #: reach 80-90 % on HBM cards).
 BANDWIDTH_EFFICIENCY = 0.8
@@ -164,6 +171,8 @@ class DeviceSpeed:
     source: str
     calibrated: bool = False
     details: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: rows (tokens) of the matmuls ``matmul_flops`` was measured at; None: the large-matrix rate (data sheet)
+    matmul_tokens: int | None = None
     #: attention kernels, full-square FLOPs per second forward + backward: ``causal`` (the
     #: is_causal path: FlashAttention on a GPU) and ``masked`` (an explicit mask: padding, packing)
     attention_flops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
@@ -178,6 +187,15 @@ class DeviceSpeed:
         if width < table[0][0]:  # narrower than measured: proportionally slower
             return table[0][1] * width / table[0][0]
         return interpolate(table, width)
+
+    def utilisation(self, tokens: int) -> float:
+        """The share of its rates the device reaches on a micro-batch of ``tokens`` (see
+        ``DEVICE_HALF_TOKENS``), relative to the calibration's own matmuls (``matmul_tokens``)."""
+        half = DEVICE_HALF_TOKENS.get(self.platform, 0)
+        if not half:
+            return 1.0
+        at = self.matmul_tokens / (self.matmul_tokens + half) if self.matmul_tokens else 1.0
+        return tokens / (tokens + half) / at
 
     def attention_rate(self, kind: str, seq: int) -> float | None:
         """Full-square FLOP/s (forward + backward) of the ``causal`` or ``masked`` attention kernel at
@@ -460,6 +478,9 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
         "optimizer": optimizer_bytes(shape, s) / n_dev / speed.bandwidth_bytes_per_s,
         "fixed": STEP_FIXED_OPS * speed.op_overhead_s * EAGER_OP_FACTOR,
     }
+    util = speed.utilisation(rows_per_micro_batch(s) * s.seq_len)
+    for k in ("matmuls", "attention", "loss", "dropout", "memory-bound", "dequantization"):
+        parts[k] /= util
     if speed.platform == "cuda":
         # the host queues kernels while the device runs earlier ones: only the host's excess shows
         device = sum(v for k, v in parts.items() if k not in ("operations", "fixed"))

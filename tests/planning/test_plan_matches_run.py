@@ -47,6 +47,17 @@ def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective):
         assert f"{trainer.max_steps} optimizer steps" in said
         held_out = next(r for r in planned["reasons"] if r.startswith("held out"))
         assert f"held out: {len(trainer.data.val)} examples" in held_out
+        # one speed prediction in every front: the plan, `finetuner estimate` and the run's start event
+        from finetuner.planning.planner import estimate_time
+
+        est = estimate_time(recipe, "cpu")
+        assert est["optimizer_steps"] == trainer.max_steps == planned["optimizer_steps"]
+        run = trainer.predicted_speed
+        assert run["source"] == est["source"] == planned["speed_source"]
+        for key, plan_key in (("tokens_per_s", "predicted_tokens_per_s"), ("step_s", "predicted_step_s"),
+                              ("total_s", "predicted_total_s")):
+            assert est[key] == pytest.approx(run[key], rel=1e-3) == pytest.approx(planned[plan_key], rel=1e-3), key
+        assert planned["predicted_total_s"] == pytest.approx(planned["predicted_step_s"] * planned["optimizer_steps"], rel=1e-3)
     finally:
         trainer.cleanup()
 
