@@ -237,3 +237,26 @@ def test_a_broken_calibration_file_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv(SPEED_FILE_ENV, str(bad))
     with pytest.raises(UserError, match="not a speed calibration"):
         speed_for(cpu_profile())
+
+
+def test_gpus_calibrate_measures_caches_and_plans_for_this_machine_use_it(tmp_path, monkeypatch, capsys):
+    """`finetuner gpus --calibrate` on the CPU: the same code as on a GPU; the cached figures are what a
+    plan for this machine then reads (no second measurement). Sizes cut down: this checks the plumbing,
+    not the figures."""
+    from finetuner.cli.main import main
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.planning import calibrate
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.SPEED_FILE_ENV, raising=False)
+    monkeypatch.setattr(calibrate, "MEASURE_S", 0.0)
+    monkeypatch.setattr(calibrate, "CPU_WIDTHS", (16, 64))
+    assert main(["gpus", "--calibrate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["matmul_gflops"]["fp32"]) == {"16", "64"} or set(out["matmul_gflops"]["fp32"]) == {16, 64}
+    assert out["bandwidth_gbs"] > 0 and out["op_overhead_us"] > 0 and out["attention_gflops"]["causal"]
+    cached = Path(out["cached_in"])
+    assert cached.is_file() and cached.is_relative_to(tmp_path / "speed")
+    monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("measured again instead of reading the cache"))
+    speed = calibrate.speed_for(cpu_profile())
+    assert speed.calibrated and speed.source == out["source"]
