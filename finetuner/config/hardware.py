@@ -7,8 +7,9 @@ size (the driver keeps a few hundred MiB). The CUDA context, cuBLAS and the cach
 slack come on top of the tensors: the memory model counts those, not this table.
 
 Speed figures are the dense (no sparsity) tensor-core rates with fp32 accumulation from the
-vendors' data sheets, and the memory bandwidth; the planner uses them only to rank recipes
-(see :mod:`finetuner.planning.planner`), never as a promise.
+vendors' data sheets, and the memory bandwidth: the speed model (:mod:`finetuner.planning.speed`)
+uses them, at documented efficiencies, for a card that has no calibration of its own
+(``finetuner gpus --calibrate`` measures the device of this machine).
 """
 
 from __future__ import annotations
