@@ -4,15 +4,19 @@ A step is ``gradient_accumulation`` micro-batches plus the optimizer update. One
 ``T = rows x seq`` tokens (``rows`` = micro-batch, twice that for a preference objective's
 chosen and rejected responses) costs the sum of:
 
-* **matmuls** (:func:`matmul_flops`) at the device's achievable matmul rate for the compute dtype
-  and the layer's width (:meth:`DeviceSpeed.matmul_rate`): the base linears (forward ``2 N T``,
-  input gradient ``2 N T``, weight gradient ``2 N T`` for full fine-tuning only: Kaplan et al.
-  2020, "6N per token"), the LoRA adapters (``r (in + out)`` per target: forward, input and weight
-  gradients, ``6 r (in + out) T``), attention (``Q K^T`` and ``P V``: ``4 seq q_dim`` per token and
-  layer, half of it with a causal kernel that skips the masked half; backward twice the forward),
+* **matmuls** (:func:`matmul_flops`, :func:`matmul_seconds`) at the device's achievable matmul
+  rate for the compute dtype and the layer's width (:meth:`DeviceSpeed.matmul_rate`): the base
+  linears (forward ``2 N T``, input gradient ``2 N T``, weight gradient ``2 N T`` for full
+  fine-tuning only: Kaplan et al. 2020, "6N per token"), the LoRA adapters (``r (in + out)`` per
+  target: forward, input and weight gradients, ``6 r (in + out) T``, at the rate of width ``r``),
   the LM head on labelled tokens (``2 V h``; finetuner's chunked loss recomputes its forward in the
-  backward, so ``3x`` + ``2x`` for a trained head), the recompute of checkpointing (the decoder's
+  backward, so ``3x``, + ``1x`` for a trained head), the recompute of checkpointing (the decoder's
   forward again) and a DPO/KTO reference pass (a forward without gradients over the same rows);
+* **attention** (:func:`attention_seconds`): ``Q K^T`` and ``P V``, ``4 seq q_dim`` per token and
+  layer forward over the full square, backward twice that, at the rate of the device's
+  ``scaled_dot_product_attention`` kernel (causal, or with a mask) at that sequence length;
+* **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
+  (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
   saves for backward (:func:`finetuner.memory.model.layer_activation_terms`, the memory model's
   own list: norms, activations, dropout, attention probabilities or an SDPA mask bias) is written
@@ -34,6 +38,10 @@ chosen and rejected responses) costs the sum of:
   simplification);
 * a **fixed cost per step** (``STEP_FIXED_OPS`` operations: gradient clipping, the optimizer's
   kernels, the scheduler, zeroing the gradients, the collation and the trainer's bookkeeping).
+
+Constants that are estimates or fits, not counts, say so where they are defined: the x3 of
+``TRAFFIC_PER_SAVED_BYTE`` and ``EAGER_OP_FACTOR`` (from the CPU matrix), ``DEVICE_HALF_TOKENS`` and
+``DEQUANT_WEIGHTS_PER_S_PER_GBS`` (from the H100 runs), the data-sheet efficiencies.
 
 The device figures (:class:`DeviceSpeed`) come from a calibration on the machine
 (:mod:`finetuner.planning.calibrate`, ``finetuner gpus --calibrate``), or, for a card that is not
