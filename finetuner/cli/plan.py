@@ -158,7 +158,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from finetuner.planning.planner import format_duration
+    from finetuner.planning.planner import format_cost, format_duration
 
     t = Table(title=f"{args.model} on each card (the same job)", title_justify="left")
     for col in ("card", "recipe", "GiB", "tokens/s", "per step", "steps", "total", "cost"):
@@ -169,7 +169,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             continue
         t.add_row(r["card"], r["recipe"], f"{r['peak_gib']:.1f} of {r['card_gib']:.0f}", f"{r['tokens_per_s']:,.0f}",
                   format_duration(r["step_s"]), f"{r['optimizer_steps']:,}" if r["optimizer_steps"] else "?",
-                  format_duration(r["total_s"]) if r["total_s"] else "?", f"{r['cost']:,.2f}" if r["cost"] is not None else "")
+                  format_duration(r["total_s"]) if r["total_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
     con = Console()
     con.print(t)
     for r in rows:
@@ -380,13 +380,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _time_text(t: dict[str, Any]) -> str:
     """``estimate``'s time line: tokens/s, time per step, steps, total, cost, where the speed figures came from."""
-    from finetuner.planning.planner import format_duration
+    from finetuner.planning.planner import format_cost, format_duration
 
     bits = [f"~{t['tokens_per_s']:,.0f} tokens/s", f"{format_duration(t['step_s'])} per optimizer step"]
     if t["optimizer_steps"]:
         bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
     if t["cost"] is not None:
-        bits.append(f"~{t['cost']:,.2f} at {t['price_per_hour']:g} an hour")
+        bits.append(f"~{format_cost(t['cost'])} at {t['price_per_hour']:g} an hour")
     return ", ".join(bits) + f" (speed: {t['source']})"
 
 

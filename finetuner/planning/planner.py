@@ -189,7 +189,7 @@ class Plan:
         if self.optimizer_steps:
             bits.append(f"{self.optimizer_steps:,} optimizer steps: ~{format_duration(self.total_s)} in all")
         if self.cost is not None:
-            bits.append(f"~{self.cost:,.2f} at {self.price_per_hour:g} an hour")
+            bits.append(f"~{format_cost(self.cost)} at {self.price_per_hour:g} an hour")
         return ", ".join(bits) + f" (speed: {self.speed_source})"
 
     @property
@@ -343,6 +343,11 @@ def format_duration(seconds: float | None) -> str:
         return f"{m} min {sec:02d} s"
     h, m = divmod(m, 60)
     return f"{h} h {m:02d} min"
+
+
+def format_cost(cost: float) -> str:
+    """``12.50``, or two significant digits below 0.1 (``0.0029``): how a plan says a cost."""
+    return f"{cost:,.2f}" if cost >= 0.1 else f"{cost:.2g}"
 
 
 def predicted_step(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
