@@ -73,14 +73,13 @@ def cache_file(name: str) -> Path:
 
 def _timed(fn, sync) -> float:
     """Seconds per call of ``fn``: one warm-up, then repeated for at least ``MEASURE_S``; the best of
-    the repeats. On a GPU by the wall clock (after synchronising); on the CPU by this process's CPU
-    time divided by torch's threads: what the call takes on idle cores, steady while other
-    processes share them (the wall clock then measures the other processes too)."""
+    the repeats. By the wall clock (after synchronising a GPU), except on a CPU with one torch
+    thread: there this process's CPU time, which is what the call takes on an idle core and stays
+    steady while other processes share the machine (the wall clock then counts them too). With
+    several threads CPU time says nothing of the wall time (threads wait for cores, or spin)."""
     import torch
 
-    on_cpu = sync is _no_sync
-    clock = time.process_time if on_cpu else time.perf_counter
-    threads = torch.get_num_threads() if on_cpu else 1
+    clock = time.process_time if (sync is _no_sync and torch.get_num_threads() == 1) else time.perf_counter
     fn()
     sync()
     best, spent, n = float("inf"), 0.0, 0
@@ -88,7 +87,7 @@ def _timed(fn, sync) -> float:
         t0 = clock()
         fn()
         sync()
-        dt = (clock() - t0) / threads
+        dt = clock() - t0
         best, spent, n = min(best, dt), spent + dt, n + 1
     return best
 
