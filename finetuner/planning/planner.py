@@ -1165,21 +1165,25 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     them (:func:`finetuner.planning.sizing.optimizer_steps`): ``training.max_steps``, else the epochs
     over the training rows left after the held-out split (:func:`~finetuner.planning.sizing.held_out_rows`)
     of the data file, as :func:`plan` counts them. None when the data cannot be read here (a hub data
-    set) or are packed (the packed rows are counted only when the run packs them)."""
-    from finetuner.planning.sizing import held_out_rows, optimizer_steps
+    set). Packed data are counted by packing the examples' lengths as the trainer packs them
+    (:func:`~finetuner.planning.sizing.count_packed_rows`)."""
+    from finetuner.planning.sizing import count_packed_rows, held_out_rows, optimizer_steps
 
     t = recipe.training
     if t.max_steps:
         return t.max_steps
     d = recipe.data
-    if d.packing is True or not d.path or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+    if not d.path or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
         return None
     from finetuner.data.stats import profile_data
 
     try:
-        rows = profile_data(str(Path(d.path).expanduser()), recipe.model.name, columns=d.columns,
-                            on_bad_row=d.on_bad_row, system_prompt=d.system_prompt).rows
+        profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
+                               on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
     except (UserError, OSError, ValueError):
         return None
-    train = rows - (0 if d.val_path else held_out_rows(d.val_size, rows))
-    return optimizer_steps(None, t.epochs, max(1, train), t.effective_batch_size)
+    rows = profile.rows
+    n_val = 0 if d.val_path else held_out_rows(d.val_size, rows)
+    packing = d.packing if isinstance(d.packing, bool) else profile.should_pack(d.max_seq_len)
+    units = count_packed_rows(profile.lengths, n_val, d.max_seq_len, t.seed) if packing else rows - n_val
+    return optimizer_steps(None, t.epochs, max(1, units), t.effective_batch_size)
