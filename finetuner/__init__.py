@@ -29,6 +29,8 @@ _LAZY = {
     "plan": "finetuner.planning.planner",
     "Plan": "finetuner.planning.planner",
     "estimate": "finetuner.planning.planner:estimate_recipe",
+    "estimate_time": "finetuner.planning.planner:estimate_time",
+    "compare_cards": "finetuner.planning.planner:compare_cards",
     "shard_estimate": "finetuner.memory.sharding",
     "best_strategy": "finetuner.memory.sharding",
     "follow": "finetuner.runs.events",
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from finetuner.planning.planner import estimate_recipe as estimate
     from finetuner.export.gguf import ExportResult, export_model
     from finetuner.export.merge import MergeResult, merge_adapter
-    from finetuner.planning.planner import Plan, plan
+    from finetuner.planning.planner import Plan, compare_cards, estimate_time, plan
     from finetuner.runs.progress_bar import ProgressBar
     from finetuner.config.recipe import Recipe
     from finetuner.runs.status import Run, load_run

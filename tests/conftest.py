@@ -19,6 +19,9 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("FINETUNER_STRICT_EVENTS", "1")  # an event that breaks finetuner/runs/schema.py raises (runs started by tests inherit it)
 
 REPO = Path(__file__).resolve().parents[1]
+# plans for this machine's CPU use a fixed calibration (finetuner.planning.calibrate): the same numbers on
+# every run of the tests, and no seconds spent measuring (runs started by tests inherit it)
+os.environ.setdefault("FINETUNER_SPEED_FILE", str(REPO / "tests" / "planning" / "speed_cpu.json"))
 PEER_DATA = REPO.parent / "shared" / "peer-data" / "llamafactory"
 # DeepSpeedCPUAdam's C++ extension is built once into the repo's git-ignored .cache (scripts/_setup.sh builds it)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))

@@ -298,6 +298,8 @@ def planned(plan: Any) -> dict[str, Any] | None:
             "model": recipe.model.name, "data": recipe.data.path}
     if plan.recipe is None:
         kept |= {"nothing_fits": plan.gpu.name, "suggestions": list(plan.suggestions)}
+    elif getattr(plan, "step", None) is not None:
+        kept["time"] = plan.time_line()  # tokens/s, time per step, optimizer steps, total time (the speed model)
     return kept
 
 
@@ -318,7 +320,8 @@ def recipe_md(recipe: Any, plan: dict[str, Any] | None) -> str:
                 f"**What would fit:**\n{_bullets(plan['suggestions'])}\n\nThe recipe below is the option that needs the "
                 f"least memory ({html.escape(plan['headline'])}): it does not fit either.{notes}")
     if recipe_headline(recipe) == plan["headline"]:
-        return f"{head}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
+        time = f"\n\n**Time:** {html.escape(plan['time'])}" if plan.get("time") else ""
+        return f"{head}{time}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
     return (f"{head}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
             f"{_bullets(plan['reasons'])}{notes}")
 

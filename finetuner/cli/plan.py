@@ -51,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CPU memory of the machine running the --gpus processes, e.g. 64GB (GiB; default: this machine's "
                         "RAM): plans whose offloaded state needs more do not fit.")
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
+    p.add_argument("--price-per-hour", type=float, metavar="PRICE",
+                   help="What an hour of the machine costs (all --gpus cards): the plan adds the run's cost to its time.")
+    p.add_argument("--compare-cards", metavar="CARDS",
+                   help="Comma-separated cards (e.g. rtx4090,a100-80gb,h100): plan the same job on each and print, per "
+                        "card, the recipe, memory, time and (with --price-per-hour) cost.")
     p.add_argument("--name", help="Run name written into the recipe.")
     p.add_argument("-o", "--output", help="Write the planned recipe to this YAML file (never overwrites; see --force).")
     p.add_argument("--force", action="store_true", help="Overwrite --output if it exists.")
@@ -71,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("recipe", help="Recipe YAML.")
     e.add_argument("--gpu", "-g", default="auto", help="Card name, size (24GB) or auto (the detected GPU; the CPU when there is none).")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="Override a recipe value (repeatable).")
+    e.add_argument("--price-per-hour", type=float, metavar="PRICE", help="What an hour of the machine costs: adds the run's cost.")
     e.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, ...).")
     e.set_defaults(func=_cmd_estimate)
 
@@ -78,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--json", action="store_true")
     g.add_argument("--no-detect", action="store_true", help="Do not look for a CUDA device (avoids importing torch); "
                    "without it, also says which fast kernels (FlashAttention-2, Liger Kernel) a run here uses and how to install the missing ones.")
+    g.add_argument("--calibrate", action="store_true",
+                   help="Measure this machine's device for the speed model (matmul rate per dtype and width, memory "
+                        "bandwidth, attention, cross-entropy, dropout, per-operation cost; a few seconds) and cache it "
+                        "for plans on this device (per device and library version).")
     g.set_defaults(func=_cmd_gpus)
 
 
@@ -103,6 +113,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.longest:
         return _cmd_longest(args)
+    if args.compare_cards:
+        return _cmd_compare(args)
     out_path = Path(args.output).expanduser() if args.output else None
     if out_path is not None and out_path.exists() and not args.force:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
@@ -110,7 +122,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
-        objective=args.objective, cpu_memory=args.cpu_memory,
+        objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -124,6 +136,47 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0 if p.fits else 1
     _print_plan(p, out_path)
     return 0 if p.fits else 1
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    """``plan --compare-cards A,B,C``: the same job planned on each card (exit 1 when it fits none)."""
+    from finetuner.errors import UserError
+    from finetuner.planning.planner import compare_cards
+
+    if args.output:
+        raise UserError("--compare-cards writes no recipe: drop -o/--output, and plan one card to write its recipe.")
+    cards = [c.strip() for c in args.compare_cards.split(",") if c.strip()]
+    if not cards:
+        raise UserError("--compare-cards: give card names separated by commas, e.g. rtx4090,a100-80gb,h100.")
+    rows = compare_cards(
+        args.model, cards, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, method=args.method,
+        margin=args.margin, gpus=args.gpus, columns=parse_columns(args.columns, args.data) or None, objective=args.objective,
+        cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0 if any(r["fits"] for r in rows) else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    from finetuner.planning.planner import format_cost, format_duration
+
+    t = Table(title=f"{args.model} on each card (the same job)", title_justify="left")
+    for col in ("card", "recipe", "GiB", "tokens/s", "per step", "steps", "total", "cost"):
+        t.add_column(col, justify="left" if col in ("card", "recipe") else "right")
+    for r in rows:
+        if not r["fits"]:
+            t.add_row(r["card"], "nothing fits: " + (r["suggestions"][0] if r["suggestions"] else ""), f"{r['peak_gib']:.1f}", "", "", "", "", "")
+            continue
+        t.add_row(r["card"], r["recipe"], f"{r['peak_gib']:.1f} of {r['card_gib']:.0f}", f"{r['tokens_per_s']:,.0f}",
+                  format_duration(r["step_s"]), f"{r['optimizer_steps']:,}" if r["optimizer_steps"] else "?",
+                  format_duration(r["total_s"]) if r["total_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
+    con = Console()
+    con.print(t)
+    for r in rows:
+        con.print(f"  [dim]{r['card']}: speed from {r['speed_source']}[/]", highlight=False)
+    if args.price_per_hour is None:
+        con.print("  [dim]--price-per-hour PRICE adds the cost (the same price for every card: compare one card at a time for its own price).[/]")
+    return 0 if any(r["fits"] for r in rows) else 1
 
 
 def _cmd_longest(args: argparse.Namespace) -> int:
@@ -204,6 +257,8 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     )
     for r in p.reasons:
         con.print(f"  • {r}")
+    if p.step is not None:
+        con.print(f"[bold]Time:[/] {p.time_line()}", highlight=False)
     if p.sharded is not None:
         _print_strategies(con, p)
     else:
@@ -265,22 +320,21 @@ def _print_breakdown(con: Any, est: Any) -> None:
 
 # ---------------------------------------------------------------------- estimate
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from finetuner.config.hardware import cpu_profile, detect, get_gpu
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.config.hardware import get_gpu, run_profile
     from finetuner.config.recipe import Recipe
+    from finetuner.planning.planner import estimate_recipe, estimate_time, label_fraction_of
 
     recipe = Recipe.from_yaml(args.recipe, args.overrides)
-    if str(args.gpu).lower() in ("auto", ""):
-        gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
-    else:
-        gpu = get_gpu(args.gpu)
+    gpu = run_profile(recipe.device) if str(args.gpu).lower() in ("auto", "") else get_gpu(args.gpu)
+    label_fraction = label_fraction_of(recipe)
     planned = None
     if recipe.auto_keys():
         from finetuner.planning.planner import resolve_auto
 
-        planned = resolve_auto(recipe, gpu)
+        planned = resolve_auto(recipe, gpu, label_fraction=label_fraction)
         recipe = planned.recipe
-    est = estimate_recipe(recipe, gpu)
+    est = estimate_recipe(recipe, gpu, label_fraction=label_fraction)
+    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
     sharded = None
     from finetuner.memory.sharding import recipe_offload, shard_estimate
 
@@ -295,6 +349,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             d["total_bytes"], d["components"], d["fits"] = sharded.per_device_bytes, dict(sharded.components), sharded.fits
         if planned is not None:
             d["resolved"] = planned.recipe_choice()
+        d["time"] = timing
         print(json.dumps(d, indent=2))
         return 0 if (sharded.fits if sharded is not None else est.fits) else 1
     from rich.console import Console
@@ -307,12 +362,14 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         con.print(f"per device {sharded.per_device_bytes / GiB:.1f} GiB (one device alone {est.total_bytes / GiB:.1f}); "
                   f"CPU {sharded.host_bytes_per_machine / GiB:.1f} GiB for the machine; sent per device per step "
                   f"{sharded.comm_bytes_per_step / GiB:.2f} GiB ({sharded.comm_formula})")
+        con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
         con.print("[green]Fits[/]" if sharded.fits else "[red]Does not fit[/]")
         return 0 if sharded.fits else 1
     con.print(f"[bold]{args.recipe}[/]: {recipe.model.name} ({est.settings.label}), on {gpu.name} ({gpu.memory_gib:.1f} GiB)")
     if planned is not None:
         con.print(f"auto values resolved by the planner: {json.dumps(planned.recipe_choice())}")
     _print_breakdown(con, est)
+    con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
     if est.fits:
         con.print(f"[green]Fits[/] with {est.headroom_bytes / GiB:.1f} GiB to spare.")
         return 0
@@ -321,10 +378,24 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 1
 
 
+def _time_text(t: dict[str, Any]) -> str:
+    """``estimate``'s time line: tokens/s, time per step, steps, total, cost, where the speed figures came from."""
+    from finetuner.planning.planner import format_cost, format_duration
+
+    bits = [f"~{t['tokens_per_s']:,.0f} tokens/s", f"{format_duration(t['step_s'])} per optimizer step"]
+    if t["optimizer_steps"]:
+        bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
+    if t["cost"] is not None:
+        bits.append(f"~{format_cost(t['cost'])} at {t['price_per_hour']:g} an hour")
+    return ", ".join(bits) + f" (speed: {t['source']})"
+
+
 # ---------------------------------------------------------------------- gpus
 def _cmd_gpus(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import detect, list_profiles
 
+    if args.calibrate:
+        return _cmd_calibrate(args)
     detected = None if args.no_detect else detect()
     fast = None
     if not args.no_detect:
@@ -357,3 +428,30 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
             con.print(f"  not used: {m}", highlight=False)
     return 0
 
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """``gpus --calibrate``: measure this machine's device, cache it, print what was measured."""
+    from finetuner.planning import calibrate
+
+    speed = calibrate.measure()
+    _, name = calibrate.device_key()
+    path = calibrate.save(speed, calibrate.cache_file(name))
+    summary = calibrate.describe(speed) | {"cached_in": str(path)}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console
+
+    con = Console()
+    con.print(f"[bold]{speed.name}[/] ({speed.platform}), measured in {speed.details.get('measured_in_s')} s", highlight=False)
+    for dt, rows in summary["matmul_gflops"].items():
+        con.print(f"  matmul {dt}, GFLOP/s by width: " + ", ".join(f"{w}: {r:,.0f}" for w, r in rows.items()), highlight=False)
+    for kind, rows in summary["attention_gflops"].items():
+        con.print(f"  attention ({kind}), GFLOP/s by sequence: " + ", ".join(f"{q}: {r:,.0f}" for q, r in rows.items()), highlight=False)
+    con.print(f"  memory bandwidth {summary['bandwidth_gbs']} GB/s; {summary['op_overhead_us']} us an operation; "
+              f"dequantization {summary['dequant_gweights_per_s']} G weights/s ({speed.details.get('dequantization')})", highlight=False)
+    con.print(f"  cross-entropy M elements/s by vocabulary: {summary['cross_entropy_m_elements_per_s']}; "
+              f"dropout {summary['dropout_m_elements_per_s']} M elements/s", highlight=False)
+    con.print(f"Cached in {path}: plans for this device use it (`finetuner plan --gpu auto`).", highlight=False)
+    return 0

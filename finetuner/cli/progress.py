@@ -58,6 +58,7 @@ class ProgressPrinter:
         self.live = console.is_terminal and not quiet
         self.progress: Progress | None = None
         self.task = None
+        self.predicted: dict[str, Any] | None = None  # the start event's predicted_speed
 
     def __enter__(self) -> ProgressPrinter:
         if self.live:
@@ -93,13 +94,21 @@ class ProgressPrinter:
                 )
                 if ev.get("gguf"):
                     self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
+                pred = ev.get("predicted_speed")
+                if pred:
+                    self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
+                                       f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps (speed: {pred['source']})", highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
+            self.predicted = ev.get("predicted_speed")
             if self.progress:
-                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps="-")
+                tps = f"~{self.predicted['tokens_per_s']:.0f} predicted" if self.predicted else "-"  # until the first step is measured
+                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps=tps)
         elif kind == "step":
             if self.progress and self.task is not None:
-                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=f"{ev['tokens_per_s']:.0f}")
+                pred = self.predicted
+                tps = f"{ev['tokens_per_s']:.0f}" + (f" (predicted ~{pred['tokens_per_s']:.0f})" if pred else "")
+                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=tps)
             elif not self.quiet:
                 self.console.print(
                     f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
@@ -132,7 +141,8 @@ class ProgressPrinter:
             ("eval loss", "-" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}" if "eval_reward_accuracy" in m
              else f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})"),
             *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m else []),
-            ("tokens/s", f"{m['tokens_per_s']:.0f}"),
+            ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
+                                                        if self.predicted else "")),
             ("train time", f"{m['train_seconds']:.1f} s"),
             ("peak memory", _memory_line(m)),
         ):

@@ -7,8 +7,9 @@ size (the driver keeps a few hundred MiB). The CUDA context, cuBLAS and the cach
 slack come on top of the tensors: the memory model counts those, not this table.
 
 Speed figures are the dense (no sparsity) tensor-core rates with fp32 accumulation from the
-vendors' data sheets, and the memory bandwidth; the planner uses them only to rank recipes
-(see :mod:`finetuner.planning.planner`), never as a promise.
+vendors' data sheets, and the memory bandwidth: the speed model (:mod:`finetuner.planning.speed`)
+uses them, at documented efficiencies, for a card that has no calibration of its own
+(``finetuner gpus --calibrate`` measures the device of this machine).
 """
 
 from __future__ import annotations
@@ -129,6 +130,13 @@ def detect() -> GpuProfile | None:
     props = torch.cuda.get_device_properties(0)
     known = profile_for_device_name(props.name, props.total_memory)
     base = known or GpuProfile("cuda", props.name, props.total_memory, tflops=150, bandwidth_gbs=1000)
+    from finetuner.model import kernels
+
+    # what runs on this card with what is installed here: the one answer the planner (Device.of) and
+    # the trainer (Device.here) both read
+    ampere = torch.cuda.get_device_capability(0)[0] >= 8
+    import importlib.util
+
     return replace(
         base,
         name=base.name,
@@ -136,7 +144,16 @@ def detect() -> GpuProfile | None:
         memory_bytes=props.total_memory,
         bf16=bool(torch.cuda.is_bf16_supported()),
         detected=True,
+        flash_attention=ampere and importlib.util.find_spec("flash_attn") is not None,
+        liger=kernels.liger_installed() and kernels.liger_importable(),
     )
+
+
+def run_profile(device: str = "auto") -> GpuProfile:
+    """The device a run of a recipe with ``device`` (``auto``, ``cpu`` or ``cuda``) trains on, as a
+    profile: the detected CUDA card unless the recipe says ``cpu``, else the CPU. The planner's
+    ``auto`` resolution, ``finetuner estimate`` and the trainer's predictions all take it from here."""
+    return (detect() if device != "cpu" else None) or cpu_profile()
 
 
 def machine_memory_bytes() -> int:

@@ -78,20 +78,19 @@ class Device:
 
     @classmethod
     def here(cls, want: str = "auto") -> Device:
-        """This machine for a recipe's ``device`` setting (``auto``, ``cpu`` or ``cuda``). Imports torch."""
+        """This machine for a recipe's ``device`` setting (``auto``, ``cpu`` or ``cuda``): :meth:`of` the
+        detected card (:func:`finetuner.config.hardware.detect`, which says whether FlashAttention-2 and
+        Liger run here), so a run and a plan for this card agree. Imports torch."""
         import torch
+
+        from finetuner.config.hardware import detect
 
         cuda = torch.cuda.is_available()
         if want == "cuda" and not cuda:
             raise UserError("device: 'cuda' was asked for but no CUDA GPU is visible.", hint="Set device: auto or cpu.")
         if not cuda or want == "cpu":
             return cls("cpu")
-        from finetuner.model import kernels
-
-        ampere = torch.cuda.get_device_capability()[0] >= 8
-        liger = kernels.liger_installed() and kernels.liger_importable()
-        return cls("cuda", bf16=bool(torch.cuda.is_bf16_supported()),
-                   flash_attention=ampere and _installed("flash_attn"), liger=liger)
+        return cls.of(detect())
 
 
 #: How a CUDA user gets finetuner's fast path (README, Speed): the extra brings Liger Kernel and triton.

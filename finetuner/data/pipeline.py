@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner.planning.sizing import held_out_rows
+from finetuner.planning.sizing import held_out_rows, pack_bins
 from finetuner.data.formats import FileExamples, RowError
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
@@ -306,22 +306,16 @@ def pack(ds, max_len: int, seed: int):
     """
     import datasets
 
-    order = list(range(len(ds)))
-    random.Random(seed).shuffle(order)
     all_ids, all_labels = ds["input_ids"], ds["labels"]  # whole columns: no per-row Arrow reads
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    cur: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for i in order:
-        ids, labels = all_ids[i], all_labels[i]
-        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > max_len:
-            for k in rows:
-                rows[k].append(cur[k])
-            cur = {"input_ids": [], "labels": [], "position_ids": []}
-        cur["input_ids"] += ids
-        # the first token of an example must not be a target of the previous example's last one
-        cur["labels"] += [IGNORE_INDEX] + labels[1:]
-        cur["position_ids"] += list(range(len(ids)))
-    if cur["input_ids"]:
+    for positions in pack_bins([len(ids) for ids in all_ids], max_len, seed):  # the plan counts rows with it too
+        cur: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+        for i in positions:
+            ids, labels = all_ids[i], all_labels[i]
+            cur["input_ids"] += ids
+            # the first token of an example must not be a target of the previous example's last one
+            cur["labels"] += [IGNORE_INDEX] + labels[1:]
+            cur["position_ids"] += list(range(len(ids)))
         for k in rows:
             rows[k].append(cur[k])
     return datasets.Dataset.from_dict(rows)

@@ -8,7 +8,8 @@ peak, keeps those under the card's memory less a safety margin, and ranks the re
 
 1. **quality first**: full fine-tuning (only when asked for) > LoRA on a bf16 base > LoRA on a
    quantized base (QLoRA): a better method that fits always wins over a faster worse one;
-2. **then predicted throughput** (:func:`predicted_tokens_per_s`, a documented cost model);
+2. **then predicted throughput** (:func:`predicted_tokens_per_s`: the speed model of
+   :mod:`finetuner.planning.speed`, with this machine's calibration or the card's data sheet);
 3. then the optimizer with full-precision states, then the plain (not paged) one, then no
    offload, then the larger headroom.
 
@@ -27,6 +28,7 @@ Everything here is arithmetic (no torch): ``finetuner plan`` answers in well und
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,10 @@ from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, sett
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_shape
+from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
+from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -54,28 +58,10 @@ DEFAULT_DATA = "yahma/alpaca-cleaned"
 METHOD_TIER = {"full": 0, "lora": 1, "qlora": 2}
 OPTIMIZER_PREFERENCE = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd")
 
-# ---------------------------------------------------------------------- cost model constants
-#: Fraction of the card's dense bf16 peak that a training step reaches at large micro-batches.
-#: Measured: Llama-3.1-8B LoRA, micro-batch 2 x 2048 packed, checkpointing, on an H100 SXM
-#: ran 3,839 tokens/s, i.e. 44 GFLOP/token x 3,839 = 0.17 PFLOP/s of 0.99: ~0.18 with the
-#: utilisation curve below (docs/benchmarks.md).
-MFU = 0.20
-#: Tokens per micro-batch at which the step reaches half of ``MFU`` (small batches are bound by
-#: weight reads, not by arithmetic): utilisation = tokens / (tokens + UTIL_HALF_TOKENS).
-UTIL_HALF_TOKENS = 256
-#: bitsandbytes dequantizes each 4-bit weight to bf16 before the matmul, at every forward, input
-#: gradient and recompute: on the same H100 run QLoRA took 0.31 s more per 4,096-token
-#: micro-batch than LoRA for 3 passes over 7.0e9 weights → ~6.8e10 weights/s, scaled here by
-#: memory bandwidth (3,350 GB/s on the H100). 8-bit (LLM.int8 with outlier decomposition) is
-#: about twice as slow again.
-DEQUANT_WEIGHTS_PER_S_PER_GBS = 6.8e10 / 3350
-INT8_SLOWDOWN = 2.0
-#: Predicted speeds closer than this (relative) are a tie, decided by simplicity (the cost
+# ---------------------------------------------------------------------- speed
+#: Predicted speeds closer than this (relative) are a tie, decided by simplicity (the speed
 #: model is not that precise): no offload, then full-precision optimizer states.
 SPEED_TIE = 0.05
-#: Activation offload copies each checkpoint to pinned host memory and back; about half of it
-#: hides behind compute.
-OFFLOAD_OVERLAP = 0.5
 
 
 @dataclass(frozen=True)
@@ -113,6 +99,7 @@ class Candidate:
     tokens_per_s: float
     fits: bool
     sharded: Any = None  # memory_sharding.ShardedEstimate on several devices
+    step: StepTime | None = None  # the speed model's step time behind tokens_per_s
 
     @property
     def peak_bytes(self) -> int:
@@ -169,6 +156,41 @@ class Plan:
     #: the CPU memory of the machine the plan is for (gpus > 1), and where that figure came from
     cpu_memory: int | None = None
     cpu_memory_source: str = ""
+    #: the speed model's step time for the chosen recipe, and where the device's figures came from
+    step: StepTime | None = None
+    speed_source: str = ""
+    #: what an hour of the machine costs (``--price-per-hour``), for the plan's cost; None: not asked
+    price_per_hour: float | None = None
+
+    @property
+    def step_s(self) -> float | None:
+        """Predicted seconds per optimizer step."""
+        return self.step.step_s if self.step else None
+
+    @property
+    def total_s(self) -> float | None:
+        """Predicted seconds for the whole run (optimizer steps x step time), when the steps are known."""
+        if self.step is None or not self.optimizer_steps:
+            return None
+        return self.step.step_s * self.optimizer_steps
+
+    @property
+    def cost(self) -> float | None:
+        """Predicted cost of the run at ``price_per_hour`` (for all ``gpus`` together)."""
+        if self.price_per_hour is None or self.total_s is None:
+            return None
+        return self.total_s / 3600 * self.price_per_hour
+
+    def time_line(self) -> str:
+        """One line: tokens/s, time per step, optimizer steps, total time, cost, and the speed figures' source."""
+        if self.step is None:
+            return ""
+        bits = [f"~{self.step.tokens_per_s:,.0f} tokens/s", f"{format_duration(self.step.step_s)} per optimizer step"]
+        if self.optimizer_steps:
+            bits.append(f"{self.optimizer_steps:,} optimizer steps: ~{format_duration(self.total_s)} in all")
+        if self.cost is not None:
+            bits.append(f"~{format_cost(self.cost)} at {self.price_per_hour:g} an hour")
+        return ", ".join(bits) + f" (speed: {self.speed_source})"
 
     @property
     def fits(self) -> bool:
@@ -195,6 +217,12 @@ class Plan:
             "budget_bytes": est.get("budget_bytes"),
             "components": dict(per.components) if per is not None else est.get("components", {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
+            "predicted_step_s": round(self.step_s, 4) if self.step_s else None,
+            "predicted_total_s": round(self.total_s, 1) if self.total_s else None,
+            "price_per_hour": self.price_per_hour,
+            "predicted_cost": round(self.cost, 2) if self.cost is not None else None,
+            "speed_source": self.speed_source,
+            "speed_parts_s": {k: round(v, 5) for k, v in self.step.parts.items()} if self.step else None,
             "seq_len": self.seq_len,
             "effective_batch": self.effective_batch,
             "optimizer_steps": self.optimizer_steps,
@@ -248,7 +276,7 @@ class Plan:
         head = [
             f"# Planned by `finetuner plan` for {self.shape.name} on {self.gpu.name} ({self.gpu.memory_gib:.1f} GiB):",
             f"# predicted peak {self.peak_bytes / GiB:.1f} GiB{' per device' if self.gpus > 1 else ''}, "
-            f"~{self.tokens_per_s:,.0f} tokens/s (cost model).",
+            f"~{self.tokens_per_s:,.0f} tokens/s, {format_duration(self.step_s)} per step (speed model: {self.speed_source}).",
         ]
         head += [f"# - {r}" for r in self.reasons]
         head += [f"# Note: {n}" for n in self.notes]
@@ -301,54 +329,39 @@ class Plan:
         )
 
 
-# ====================================================================== cost model
-def flops_per_token(shape: ModelShape, s: Settings) -> float:
-    """Matmul FLOPs of one trained token: forward ``2N`` (N = decoder matmul weights) plus the
-    attention scores and values (``2 * layers * seq * q_dim``, causal: half of ``4 * ...``) plus
-    the LM head on labelled tokens (``2 * vocab * hidden``); the backward doubles the forward for
-    the input gradients, and full fine-tuning adds the same again for the weight gradients
-    (Kaplan et al. 2020: 6N per token); checkpointing recomputes the decoder's forward."""
-    n = shape.linear_weight_numel
-    attn = 2 * shape.num_layers * s.seq_len * shape.q_dim
-    head = 2 * shape.vocab_size * shape.hidden_size * s.label_fraction
-    fwd = 2 * n + attn + head
-    bwd = 2 * fwd if s.method == "full" else fwd
-    recompute = (2 * n + attn) if s.gradient_checkpointing else 0
-    return fwd + bwd + recompute
+# ====================================================================== speed
+def format_duration(seconds: float | None) -> str:
+    """``0.42 s``, ``12 s``, ``3 min 20 s``, ``2 h 05 min``: how a plan says a time."""
+    if seconds is None:
+        return "?"
+    if seconds < 10:
+        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    m, sec = divmod(int(round(seconds)), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+def format_cost(cost: float) -> str:
+    """``12.50``, or two significant digits below 0.1 (``0.0029``): how a plan says a cost."""
+    return f"{cost:,.2f}" if cost >= 0.1 else f"{cost:.2g}"
+
+
+def predicted_step(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
+                   sharded: Any = None, speed: DeviceSpeed | None = None) -> StepTime:
+    """The predicted time of one optimizer step (:func:`finetuner.planning.speed.step_time`) on ``gpu``
+    with ``speed`` (by default :func:`~finetuner.planning.calibrate.speed_for`: this machine's
+    calibration for its own device, the data sheet for another card)."""
+    return step_time(shape, s, speed or speed_for(gpu), est, sharded)
 
 
 def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
-                           sharded: Any = None) -> float:
-    """Training tokens per second, to rank recipes (not a promise).
-
-    ``time(micro-batch) = FLOPs / (peak * MFU * utilisation) + dequantization + offload copies``;
-    ``time(step) = accumulation * time(micro-batch) + optimizer update`` (full fine-tuning reads
-    and writes ~16 bytes of weights, gradients and states per parameter at the card's bandwidth).
-    The constants are fitted on the H100 runs in docs/benchmarks.md.
-    """
-    tokens = s.micro_batch * s.seq_len
-    util = tokens / (tokens + UTIL_HALF_TOKENS)
-    t_compute = flops_per_token(shape, s) * tokens / (gpu.tflops * 1e12 * MFU * util)
-    t_dequant = 0.0
-    if s.method == "qlora":
-        passes = 3 if s.gradient_checkpointing else 2
-        rate = DEQUANT_WEIGHTS_PER_S_PER_GBS * gpu.bandwidth_gbs
-        t_dequant = passes * shape.linear_weight_numel / rate * (INT8_SLOWDOWN if s.quant_bits == 8 else 1.0)
-    t_offload = 0.0
-    if s.activation_offload and est is not None:
-        moved = est.offloaded_bytes
-        t_offload = 2 * moved / (gpu.pcie_gbs * 1e9) * (1 - OFFLOAD_OVERLAP)
-    t_micro = t_compute + t_dequant + t_offload
-    t_update = 32 * shape.num_params / (gpu.bandwidth_gbs * 1e9) if s.method == "full" else 0.0
-    if sharded is not None and sharded.world_size > 1:
-        # each device runs its share of the micro-batches; the collectives do not overlap compute
-        # (a pessimistic simplification) and move at the cards' link bandwidth
-        n = sharded.world_size
-        per_device = math.ceil(s.gradient_accumulation / n)
-        t_comm = sharded.comm_bytes_per_step / (gpu.link_gbs * 1e9)
-        t_comm += sharded.host_transfer_bytes_per_step / (gpu.pcie_gbs * 1e9)
-        return tokens * s.gradient_accumulation / (per_device * t_micro + t_update / n + t_comm)
-    return tokens * s.gradient_accumulation / (s.gradient_accumulation * t_micro + t_update)
+                           sharded: Any = None, speed: DeviceSpeed | None = None) -> float:
+    """Training tokens per second of :func:`predicted_step` (what the planner ranks recipes by)."""
+    return predicted_step(shape, s, gpu, est, sharded, speed).tokens_per_s
 
 
 # ====================================================================== search
@@ -424,8 +437,11 @@ def search(
     label_fraction: float = 1.0,
     gpus: int = 1,
     cpu_memory: int | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> list[tuple[Candidate, Recipe]]:
     """Every option the recipe leaves open, estimated and ranked (best first).
+
+    ``speed``: the device's speed figures for the ranking (default :func:`speed_for` ``gpu``).
 
     With ``gpus > 1`` each option is also split over the devices by the best strategy
     (:func:`finetuner.memory.sharding.compare_strategies`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload,
@@ -434,6 +450,7 @@ def search(
     state must fit (None: not checked).
     """
     refused: dict[tuple, str | None] = {}
+    speed = speed or speed_for(gpu)
     t = base.training
     eff = t.effective_batch_size
     fixed_method = None if base.method == "auto" else base.method
@@ -464,8 +481,8 @@ def search(
                             fits = sharded.fits
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
-                        tps = predicted_tokens_per_s(shape, s, gpu, est, sharded)
-                        out.append((Candidate(o, est, tps, fits, sharded), recipe))
+                        st = step_time(shape, s, speed, est, sharded)
+                        out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
     return out
 
@@ -677,6 +694,7 @@ def plan(
     objective: str | None = None,
     runs_dir: str | Path | None = None,
     cpu_memory: int | str | None = None,
+    price_per_hour: float | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -712,6 +730,8 @@ def plan(
             ``finetuner run`` puts them).
         cpu_memory: the CPU memory of the machine that runs the ``gpus`` processes, in bytes or as
             a size (``64GB``, GiB); by default this machine's RAM. Offloaded state must fit it.
+        price_per_hour: what an hour of the machine (all ``gpus`` cards) costs: the plan adds the
+            run's predicted cost (``Plan.cost``) to its time (``Plan.total_s``).
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -728,6 +748,8 @@ def plan(
         raise UserError(f"{say(cli='--effective-batch', ui='Effective batch')} {effective_batch}: must be at least 1.")
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1.")
+    if price_per_hour is not None and not price_per_hour >= 0:  # also NaN
+        raise UserError(f"{say(cli='--price-per-hour', ui='Price per hour')} {price_per_hour}: must be 0 or more.")
     if not 0 <= margin < 1:  # also NaN
         raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
     if effective_batch is not None and effective_batch < gpus:
@@ -777,7 +799,7 @@ def plan(
         notes += [why_name] if why_name else []
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
-                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source)
+                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
@@ -794,6 +816,27 @@ def plan(
     return result
 
 
+def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """The same job (:func:`plan`'s other arguments) planned on each of ``cards``: per card its
+    recipe, peak memory, speed, time and cost (``finetuner plan --compare-cards``)."""
+    rows = []
+    for card in cards:
+        prof = get_gpu(card)
+        p = plan(model, prof, price_per_hour=price_per_hour, **kwargs)
+        c = p.recipe_choice() or {}
+        recipe = ""
+        if c:
+            recipe = (f"{method_name(c['method'], c['quantization_bits'])}, {c['micro_batch_size']} x "
+                      f"{c['gradient_accumulation']}, {c['optimizer']}{', checkpointing' if c['gradient_checkpointing'] else ''}"
+                      + (", offload" if c["offload_activations"] else ""))
+        rows.append({"card": prof.name, "fits": p.fits, "recipe": recipe, "choice": c or None,
+                     "peak_gib": round((p.peak_bytes or 0) / GiB, 2), "card_gib": round(prof.memory_gib, 2),
+                     "tokens_per_s": p.tokens_per_s, "step_s": p.step_s, "optimizer_steps": p.optimizer_steps,
+                     "total_s": p.total_s, "cost": p.cost, "price_per_hour": price_per_hour,
+                     "speed_source": p.speed_source, "suggestions": p.suggestions})
+    return rows
+
+
 def plan_recipe(
     recipe: Recipe,
     gpu: str | GpuProfile | None = None,
@@ -805,22 +848,29 @@ def plan_recipe(
     gpus: int = 1,
     cpu_memory: int | None = None,
     cpu_memory_source: str = "",
+    speed: DeviceSpeed | None = None,
+    price_per_hour: float | None = None,
 ) -> Plan:
     """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given.
 
     ``cpu_memory``: the CPU memory of the machine that runs the ``gpus`` processes (None: not
     checked), and ``cpu_memory_source`` where that figure came from, for the plan's reasons.
+    ``speed``: the device's speed figures (default :func:`speed_for`); ``price_per_hour``: for the cost.
+    The plan's optimizer steps are the recipe's ``training.max_steps`` when set (:func:`plan` counts
+    them from the data otherwise).
     """
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    speed = speed or speed_for(prof)
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
-                    cpu_memory=cpu_memory)
+                    cpu_memory=cpu_memory, speed=speed)
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
     out = Plan(
         model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
         seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
-        cpu_memory=cpu_memory, cpu_memory_source=cpu_memory_source,
+        cpu_memory=cpu_memory, cpu_memory_source=cpu_memory_source, speed_source=speed.source,
+        price_per_hour=price_per_hour, optimizer_steps=recipe.training.max_steps,
     )
     gguf = info_for(recipe.model.name)
     if gguf is not None:
@@ -848,7 +898,7 @@ def plan_recipe(
         out.rejected = [dict(c.to_dict(), why=_why_rejected(c, smallest)) for c, _ in ranked[:8]]
         return out
     best, best_recipe = fitting[0]
-    out.recipe, out.estimate, out.tokens_per_s = best_recipe, best.estimate, best.tokens_per_s
+    out.recipe, out.estimate, out.tokens_per_s, out.step = best_recipe, best.estimate, best.tokens_per_s, best.step
     if gpus > 1:
         from finetuner.memory.sharding import compare_strategies
 
@@ -912,7 +962,12 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
         r.append(f"micro-batch {o.micro_batch} x accumulation {o.gradient_accumulation} = effective batch "
                  f"{o.micro_batch * o.gradient_accumulation}: the largest micro-batch that fits and is fastest")
     if o.activation_offload:
-        r.append("activation offload: layer inputs wait in CPU memory; without it this does not fit")
+        plain = [c for c, _ in ranked if c.fits and not c.option.activation_offload and c.option.method == o.method]
+        if plain:
+            r.append(f"activation offload: layer inputs wait in CPU memory, so micro-batch {o.micro_batch} fits; predicted "
+                     f"faster than the best option without offload (~{max(c.tokens_per_s for c in plain):,.0f} tokens/s)")
+        else:
+            r.append("activation offload: layer inputs wait in CPU memory; without it this does not fit")
     if o.optimizer.startswith("paged"):
         r.append(f"{o.optimizer}: optimizer states page to CPU memory under pressure")
     return r
@@ -975,6 +1030,32 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
 
 
 
+@functools.lru_cache(maxsize=16)
+def _file_label_fraction(path: str, mtime_ns: int, size: int, model: str, fmt: str,
+                         columns: tuple[tuple[str, str], ...]) -> float:
+    from finetuner.data.stats import profile_data
+
+    return profile_data(path, model, fmt=fmt, columns=dict(columns) or None).label_fraction
+
+
+def label_fraction_of(recipe: Recipe) -> float:
+    """The share of the recipe's tokens that carry a label, measured from its data as :func:`plan`
+    measures it (:func:`finetuner.data.stats.profile_data` on ``data.path`` with the recipe's model,
+    format and ``data.columns``; cached per file version): the plan, ``estimate``, ``auto``
+    resolution, the trainer's predictions and the web UI's estimate all use it. 1.0 (every token, the
+    upper bound) with ``data.train_on_prompt``, or when the data is not one local file readable here."""
+    d = recipe.data
+    if d.train_on_prompt or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+        return 1.0
+    path = Path(d.path).expanduser().resolve()
+    st = path.stat()
+    try:
+        return _file_label_fraction(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
+                                    tuple(sorted((d.columns or {}).items())))
+    except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows; the upper bound
+        return 1.0
+
+
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
     """The recipe a run starts with: ``auto`` values resolved for the device it runs on.
 
@@ -982,7 +1063,7 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
     continues with the same micro-batch, after any out-of-memory back-off); otherwise the planner
     chooses for the detected GPU, or for the CPU (80 % of its RAM) when there is none.
     """
-    from finetuner.config.hardware import cpu_profile, detect
+    from finetuner.config.hardware import run_profile
     from finetuner.config.recipe import Recipe, load_yaml
 
     if not recipe.auto_keys():
@@ -1004,8 +1085,7 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
         resolved = Recipe.model_validate(raw)
         if not resolved.auto_keys():
             return resolved, None
-    gpu = (detect() if recipe.device != "cpu" else None) or cpu_profile()
-    result = resolve_auto(recipe, gpu)
+    result = resolve_auto(recipe, run_profile(recipe.device), label_fraction=label_fraction_of(recipe))
     return Recipe.model_validate(result.recipe.to_dict()), result
 
 
@@ -1014,7 +1094,7 @@ def estimate_recipe(
     gpu: GpuProfile | str | None = None,
     shape: ModelShape | None = None,
     margin: float = 0.05,
-    label_fraction: float = 1.0,
+    label_fraction: float | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of a recipe (``finetuner.estimate``).
 
@@ -1023,8 +1103,9 @@ def estimate_recipe(
             are resolved by the planner for ``gpu`` first.
         gpu: a card name, a size (``24GB``), ``cpu``, a :class:`~finetuner.config.hardware.GpuProfile`, or
             None (no card: the estimate has no budget and ``fits`` is True).
-        label_fraction: the share of tokens the loss is computed on (the planner measures it from
-            the data: ``DataProfile.label_fraction``); 1.0, every token, is the upper bound.
+        label_fraction: the share of tokens the loss is computed on; None (the default): measured from
+            the recipe's data as the planner does (:func:`label_fraction_of`; 1.0, every token, when
+            the data cannot be read here).
 
     Example:
         >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
@@ -1037,8 +1118,72 @@ def estimate_recipe(
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)
     prof = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if label_fraction is None:
+        label_fraction = label_fraction_of(recipe)
     if recipe.auto_keys():
         recipe = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction).recipe
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     settings = settings_from_recipe(recipe, prof, shape.model_type, label_fraction=label_fraction)
     return estimate(shape, settings, prof, margin=margin)
+
+
+def estimate_time(
+    recipe: Recipe | str | Path,
+    gpu: GpuProfile | str | None = None,
+    *,
+    shape: ModelShape | None = None,
+    label_fraction: float | None = None,
+    price_per_hour: float | None = None,
+    speed: DeviceSpeed | None = None,
+) -> dict[str, Any]:
+    """How long a resolved recipe's run takes on ``gpu``, and what it costs (``finetuner estimate``):
+    ``{"tokens_per_s", "step_s", "optimizer_steps", "total_s", "cost", "price_per_hour", "source",
+    "parts_s"}``. The optimizer steps are the run's own count (:func:`run_optimizer_steps`: its
+    ``max_steps``, else epochs over the data's training rows), None when the data cannot be read here."""
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.config.recipe import Recipe
+    from finetuner.planning.speed import recipe_step_time
+
+    if isinstance(recipe, (str, Path)):
+        recipe = Recipe.from_yaml(recipe)
+    prof = (get_gpu(gpu) if isinstance(gpu, str) else gpu) or cpu_profile()
+    if label_fraction is None:
+        label_fraction = label_fraction_of(recipe)
+    if recipe.auto_keys():
+        recipe = resolve_auto(recipe, prof, label_fraction=label_fraction).recipe
+    speed = speed or speed_for(prof)
+    st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction)
+    steps = run_optimizer_steps(recipe)
+    total = st.step_s * steps if steps else None
+    cost = total / 3600 * price_per_hour if total is not None and price_per_hour is not None else None
+    return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps, "total_s": total,
+            "price_per_hour": price_per_hour, "cost": cost, "source": speed.source, "parts_s": dict(st.parts)}
+
+
+def run_optimizer_steps(recipe: Recipe) -> int | None:
+    """The optimizer steps ``finetuner run`` takes for a resolved recipe, counted as the trainer counts
+    them (:func:`finetuner.planning.sizing.optimizer_steps`): ``training.max_steps``, else the epochs
+    over the training rows left after the held-out split (:func:`~finetuner.planning.sizing.held_out_rows`)
+    of the data file, as :func:`plan` counts them. None when the data cannot be read here (a hub data
+    set). Packed data are counted by packing the examples' lengths as the trainer packs them
+    (:func:`~finetuner.planning.sizing.count_packed_rows`)."""
+    from finetuner.planning.sizing import count_packed_rows, held_out_rows, optimizer_steps
+
+    t = recipe.training
+    if t.max_steps:
+        return t.max_steps
+    d = recipe.data
+    if not d.path or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+        return None
+    from finetuner.data.stats import profile_data
+
+    try:
+        profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
+                               on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
+    except (UserError, OSError, ValueError):
+        return None
+    rows = profile.rows
+    n_val = 0 if d.val_path else held_out_rows(d.val_size, rows)
+    packing = d.packing if isinstance(d.packing, bool) else profile.should_pack(d.max_seq_len)
+    units = count_packed_rows(profile.lengths, n_val, d.max_seq_len, t.seed) if packing else rows - n_val
+    return optimizer_steps(None, t.epochs, max(1, units), t.effective_batch_size)

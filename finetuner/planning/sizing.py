@@ -14,7 +14,8 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
 * **Held out**: 2 % of the rows (at most 200) for a large set; 10 % (at least 2) below 200 rows;
   none below 10 rows.
 * **Steps**: ``ceil(training rows / effective batch)`` an epoch (:func:`steps_per_epoch`, the
-  trainer's own count: the last step takes the rows left over), times the epochs.
+  trainer's own count: the last step takes the rows left over), times the epochs; packed rows are
+  counted by packing the data's lengths as the trainer does (:func:`count_packed_rows`).
 * **Effective batch**: the user's, else 16, halved until an epoch has at least
   ``MIN_STEPS_PER_EPOCH`` optimizer steps.
 * **Epochs**: enough to reach ``MIN_TOTAL_STEPS`` optimizer steps, between 1 and ``MAX_EPOCHS``.
@@ -33,6 +34,7 @@ QLoRA, 5e-7 for full fine-tuning at hidden size 4,096, the rates of those recipe
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -134,6 +136,51 @@ def total_steps(epochs: float, per_epoch: int) -> int:
     return max(1, math.ceil(epochs * per_epoch))
 
 
+def optimizer_steps(max_steps: int | None, epochs: float, units: int, effective_batch: int) -> int:
+    """The optimizer steps a run takes: ``max_steps`` when set, else ``epochs`` passes over ``units``
+    training rows (examples, pairs or packed rows) at ``effective_batch`` a step. The trainer's
+    schedule and the plan's count (and so its total time) both come from here."""
+    return max_steps or total_steps(epochs, steps_per_epoch(units, effective_batch))
+
+
+def train_positions(rows: int, n_val: int, seed: int) -> list[int]:
+    """Which of ``rows`` examples stay for training when ``n_val`` are held out: ``datasets``'
+    ``train_test_split(test_size=n_val, seed=seed, shuffle=True)``, which the trainer's split calls
+    (a ``numpy.random.default_rng(seed)`` permutation; the first ``n_val`` are held out)."""
+    if n_val <= 0:
+        return list(range(rows))
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).permutation(rows)[n_val:]]
+
+
+def pack_bins(lengths: list[int], max_len: int, seed: int) -> list[list[int]]:
+    """Greedy packing of examples of ``lengths`` tokens (already cut at ``max_len``) into rows of at
+    most ``max_len`` tokens, in a seeded random order: the positions each packed row holds.
+    :func:`finetuner.data.pipeline.pack` packs by it, and the plan counts packed rows with it."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    rows: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        if cur and used + lengths[i] > max_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def count_packed_rows(lengths: list[int], n_val: int, max_len: int, seed: int) -> int:
+    """Packed training rows of a data set whose examples have ``lengths`` tokens, ``n_val`` held out:
+    the trainer's split (:func:`train_positions`), examples cut at ``max_len``, then :func:`pack_bins`."""
+    train = [min(lengths[i], max_len) for i in train_positions(len(lengths), n_val, seed)]
+    return len(pack_bins(train, max_len, seed))
+
+
 def _round_up(n: int, to: int) -> int:
     return max(to, int(math.ceil(n / to)) * to)
 
@@ -161,6 +208,7 @@ def size_run(
     effective_batch: int | None = None,
     gpus: int = 1,
     objective: str = "sft",
+    seed: int = 42,
 ) -> Sizing:
     """Choose the data-dependent settings of a run (see the module doc for the rules)."""
     preference = objective != "sft"
@@ -210,7 +258,8 @@ def size_run(
         notes.append(f"{cut} of {profile.rows} examples are longer than {seq} tokens (longest {longest}) and will be truncated")
     reasons.insert(0, f"sequence {seq}: {why_seq}")
 
-    units = max(1, math.ceil(profile.mean_tokens * train_rows / seq)) if packing else train_rows
+    # packed rows counted as the trainer packs them (its split, its seeded greedy packing)
+    units = count_packed_rows(profile.lengths, n_val, seq, seed) if packing else train_rows
     if not eff_given:
         while eff > max(1, gpus) and units / eff < MIN_STEPS_PER_EPOCH:
             eff //= 2
@@ -222,7 +271,7 @@ def size_run(
     max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
     epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
     total = total_steps(epochs, per_epoch)
-    about = "about " if packing else ""  # packed rows are counted when the run packs them
+    about = ""  # packed rows are counted as the run packs them
     if epochs > 1:
         cap = f" (at most {max_epochs}{' for ' + objective + ': preference recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
         reasons.append(f"{epochs} epochs{cap}: {about}{per_epoch} steps per epoch, {about}{total} optimizer steps in all "

@@ -105,7 +105,16 @@ class _Gguf(TypedDict, total=False):
     gguf: Union[dict[str, Any], None]
 
 
-class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf):
+class _PredictedSpeed(TypedDict, total=False):
+    """The speed model's prediction for this run on this device (finetuner.planning.speed), or None
+    when it cannot say (absent in the events of runs from before it was written): ``tokens_per_s``,
+    ``step_s``, ``total_s`` (optimizer steps x step time) and ``source`` (a calibration of this
+    machine, or a card's data sheet)."""
+
+    predicted_speed: Union[dict[str, Any], None]
+
+
+class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf, _PredictedSpeed):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int
@@ -213,7 +222,18 @@ class StoppedEvent(Event):
     max_steps: int
 
 
-class DoneEvent(Event):
+class _SpeedCheck(TypedDict, total=False):
+    """Predicted against measured speed (absent in the events of runs from before it was written):
+    the speed model's tokens/s and seconds per optimizer step for this run (None when it could not
+    say), and what the run measured over its steps."""
+
+    predicted_tokens_per_s: Union[float, None]
+    measured_tokens_per_s: float
+    predicted_step_s: Union[float, None]
+    measured_step_s: float
+
+
+class DoneEvent(Event, _SpeedCheck):
     """Training finished: the adapter is saved, ``metrics.json`` written. Terminal."""
 
     step: int

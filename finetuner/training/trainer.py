@@ -46,7 +46,7 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
-from finetuner.planning.sizing import steps_per_epoch, total_steps
+from finetuner.planning.sizing import optimizer_steps, steps_per_epoch
 from finetuner.runs.folder import (
     RunFinished,
     check_disk_space,
@@ -239,18 +239,38 @@ class StepSchedule:
         return step / self.steps_per_epoch
 
 
-def predict_memory(recipe: Recipe, rt: Runtime):
+def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0):
     """The memory model's prediction for this run on this device, or None if it cannot say."""
     try:
-        from finetuner.config.hardware import cpu_profile, detect
+        from finetuner.config.hardware import run_profile
         from finetuner.memory.model import estimate, settings_from_recipe
         from finetuner.model.shapes import resolve_shape
 
-        gpu = detect() if rt.is_cuda else cpu_profile()
+        gpu = run_profile(rt.device)
         shape = resolve_shape(recipe.model.name, recipe.model.revision)
-        return estimate(shape, settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt), gpu)
+        settings = settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt).with_(label_fraction=label_fraction)
+        return estimate(shape, settings, gpu)
     except Exception as e:  # an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
+        return None
+
+
+def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
+                  prediction: Any = None) -> dict[str, Any] | None:
+    """The speed model's prediction for this run on this device (what ``finetuner plan`` and
+    ``estimate`` say for the recipe): ``tokens_per_s``, ``step_s``, ``total_s``, ``source``; None if it
+    cannot say."""
+    try:
+        from finetuner.config.hardware import run_profile
+        from finetuner.planning.calibrate import speed_for
+        from finetuner.planning.speed import recipe_step_time
+
+        gpu = run_profile(rt.device)
+        st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt)
+        return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
+                "total_s": round(st.step_s * max_steps, 1), "source": st.source}
+    except Exception as e:  # noqa: BLE001 - a prediction must not stop training
+        log.info("No speed prediction for this run: %s", e)
         return None
 
 
@@ -330,7 +350,7 @@ class Trainer:
         self.collate = self.pref.collator(self.tokenizer.pad_token_id) if self.pref else Collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
-        self.max_steps = t.max_steps or total_steps(t.epochs, self.schedule.steps_per_epoch)
+        self.max_steps = optimizer_steps(t.max_steps, t.epochs, len(self.data.train), t.effective_batch_size)
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
@@ -348,8 +368,12 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
-        self.prediction = predict_memory(r, self.rt)
+        from finetuner.planning.planner import label_fraction_of
+
+        label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
+        self.prediction = predict_memory(r, self.rt, label_fraction)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
+        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction)
         gguf = info_for(r.model.name)
         self.events.emit(
             "start",
@@ -374,6 +398,7 @@ class Trainer:
             gradient_accumulation=t.gradient_accumulation,
             data=self.data.stats.to_dict(),
             predicted=self.prediction.to_dict() if self.prediction else None,
+            predicted_speed=self.predicted_speed,
             gguf=gguf.to_event() if gguf is not None else None,
             **device_memory(self.rt.device),
         )
@@ -838,7 +863,11 @@ class Trainer:
         }
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         self._write_json("metrics.json", metrics)
-        self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics)
+        ran = max(1, self.step - (self.resumed_from or 0))
+        pred = getattr(self, "predicted_speed", None) or {}
+        self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics,
+                         predicted_tokens_per_s=pred.get("tokens_per_s"), measured_tokens_per_s=metrics["tokens_per_s"],
+                         predicted_step_s=pred.get("step_s"), measured_step_s=round((elapsed - self.elapsed_before) / ran, 5))
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
     def save_final(self, weights: dict[str, Any] | None = None) -> Path:

@@ -30,23 +30,42 @@ def plan_cli(tmp_path: Path, data: str, *extra: str) -> tuple[dict, Recipe]:
 
 # alpaca_sample: 300 rows, 6 held out, 294 at 16 a step = 18.4 steps an epoch; preference_sample:
 # 400 pairs, 8 held out, 392 at 16 = 24.5: the plan counted 18 and 24 (floor), the trainer 19 and 25
-@pytest.mark.parametrize("data, objective", [("alpaca_sample.json", "sft"), ("preference_sample.jsonl", "dpo")])
-def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective):
+# packed (text_sample at 128 tokens, one example a step): the plan packs the data's lengths as the trainer
+# does (its split, its seeded greedy packing); it used to estimate mean x rows / sequence: 116 steps, run 132
+@pytest.mark.parametrize("data, objective, extra", [("alpaca_sample.json", "sft", ()), ("preference_sample.jsonl", "dpo", ()),
+                                                    ("text_sample.jsonl", "sft", ("--seq-len", "128", "--effective-batch", "1"))],
+                         ids=["sft", "dpo", "sft-packed"])
+def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective, extra):
     from finetuner.planning.planner import resolve_for_run
     from finetuner.training.trainer import Trainer
 
-    planned, recipe = plan_cli(tmp_path, data)
+    planned, recipe = plan_cli(tmp_path, data, *extra)
     assert recipe.objective == objective
+    assert recipe.data.packing is bool(extra)
     recipe, _ = resolve_for_run(recipe.model_copy(update={"output_dir": str(tmp_path / "run")}), True)
     trainer = Trainer(recipe, tmp_path / "run")
     try:
         trainer.setup()  # tokenizes, splits and schedules exactly as `finetuner run` does
         assert trainer.max_steps == planned["optimizer_steps"], (trainer.max_steps, planned["reasons"])
         assert trainer.schedule.steps_per_epoch * int(recipe.training.epochs) == planned["optimizer_steps"]
-        said = next(r for r in planned["reasons"] if "optimizer steps in all" in r)
+        said = next(r for r in planned["reasons"] if "optimizer steps" in r and "epoch" in r)
         assert f"{trainer.max_steps} optimizer steps" in said
         held_out = next(r for r in planned["reasons"] if r.startswith("held out"))
-        assert f"held out: {len(trainer.data.val)} examples" in held_out
+        assert f"held out: {trainer.data.stats.val_examples} examples" in held_out  # examples, before any packing
+        # one speed prediction in every front: the plan, `finetuner estimate` and the run's start event
+        from finetuner.planning.planner import estimate_time
+
+        est = estimate_time(recipe, "cpu")
+        assert est["optimizer_steps"] == trainer.max_steps == planned["optimizer_steps"]
+        run = trainer.predicted_speed
+        assert run["source"] == est["source"] == planned["speed_source"]
+        for key, plan_key in (("tokens_per_s", "predicted_tokens_per_s"), ("step_s", "predicted_step_s"),
+                              ("total_s", "predicted_total_s")):
+            # both round total_s and tokens/s to 0.1; the plan's step_s to 1e-4 s
+            tol = {"tokens_per_s": 0.051, "step_s": 5.1e-5, "total_s": 0.051}[key]
+            assert est[key] == pytest.approx(run[key], abs=tol) == pytest.approx(planned[plan_key], abs=tol), key
+        assert planned["predicted_total_s"] == pytest.approx(planned["predicted_step_s"] * planned["optimizer_steps"],
+                                                             abs=0.051 + 5e-5 * planned["optimizer_steps"])
     finally:
         trainer.cleanup()
 

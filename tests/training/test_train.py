@@ -35,6 +35,12 @@ def test_lora_run_writes_a_complete_run_folder(recipe_dict):
     assert step["mem_peak"] > 0
     metrics = json.loads((d / "metrics.json").read_text())
     assert metrics["steps"] == 10 and metrics["eval_loss"] is not None
+    # the speed model's prediction before the first step, and predicted against measured at the end
+    start, done = events[0], events[-1]
+    pred = start["predicted_speed"]
+    assert pred["tokens_per_s"] > 0 and pred["total_s"] == pytest.approx(pred["step_s"] * 10, rel=1e-3, abs=0.1)
+    assert done["predicted_tokens_per_s"] == pred["tokens_per_s"] and done["predicted_step_s"] == pred["step_s"]
+    assert done["measured_tokens_per_s"] == metrics["tokens_per_s"] and done["measured_step_s"] > 0
 
 
 def test_adapter_loads_with_peft_and_matches(recipe_dict, tiny_model_dir):

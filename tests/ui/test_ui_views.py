@@ -107,7 +107,8 @@ def test_the_page_estimates_a_plan_as_the_planner_did(planned_7b):
     assert shown.total_bytes == p.estimate.total_bytes
     assert f"predicted peak **{views.gib(p.estimate.total_bytes, 1)}**" in views.estimate_md(shown, p.gpu)
     assert f"predicted peak {p.estimate.total_bytes / GiB:.1f} GiB" in p.reasons[0]  # the planner's "Why"
-    assert estimate_recipe(p.recipe, p.gpu).total_bytes > shown.total_bytes  # the figure the page showed before
+    assert estimate_recipe(p.recipe, p.gpu).total_bytes == shown.total_bytes  # `finetuner estimate` measures it too
+    assert estimate_recipe(p.recipe, p.gpu, label_fraction=1.0).total_bytes > shown.total_bytes  # every token: the upper bound
 
 
 def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
@@ -116,6 +117,7 @@ def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
     t = p.recipe.training
     plan_text = views.plan_md(p)
     assert plan_text.startswith(f"### LORA · micro-batch {t.micro_batch_size} × {t.gradient_accumulation}")
+    assert f"**Time:** ~{p.tokens_per_s:,.0f} tokens/s, " in plan_text and "per optimizer step" in plan_text
     assert "**Why**" in plan_text and views.recipe_md(p.recipe, kept) == plan_text
     edited = p.recipe.model_copy(update={"training": t.model_copy(update={"micro_batch_size": 1, "gradient_accumulation": 16})})
     text = views.recipe_md(edited, kept)

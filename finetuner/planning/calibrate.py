@@ -1,0 +1,292 @@
+"""Measure this machine's device for the speed model (``finetuner gpus --calibrate``).
+
+A few seconds of micro-benchmarks, the same code on a CPU and on a CUDA GPU, give a
+:class:`~finetuner.planning.speed.DeviceSpeed`:
+
+* **matmul rate** per compute dtype (fp32 on a CPU; bf16 or fp16, and fp32, on a GPU) and per
+  width: ``[tokens x width] @ [width x width]`` products timed over widths from 16 to 1,024 (CPU)
+  or 8,192 (GPU), so a model's narrow layers (and LoRA's rank-``r`` products) get the rate they
+  reach, not the large-matrix peak;
+* **memory bandwidth**: a copy of a 128 MiB (CPU) / 1 GiB (GPU) tensor, bytes read + written per second;
+* **per-operation cost**: a chain of tiny multiplications with autograd recording, forward and
+  backward, divided by the operations launched: what an eager training step pays per tensor
+  operation whatever its size;
+* **dequantization** (when bitsandbytes imports): ``dequantize_4bit`` of an nf4 weight, weights
+  per second; else the data-sheet default of :mod:`finetuner.planning.speed`.
+
+The result is cached as JSON under ``$FINETUNER_CACHE_DIR/speed`` (else ``~/.cache/finetuner/speed``),
+keyed by the device's name and the torch and finetuner versions: a new library or card measures
+again. ``FINETUNER_SPEED_FILE`` names a calibration file to use instead (tests make plans
+deterministic with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as _platform
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetuner.planning.speed import DeviceSpeed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.config.hardware import GpuProfile
+
+#: Environment variable naming a calibration file (a ``DeviceSpeed`` as JSON) to use for this machine.
+SPEED_FILE_ENV = "FINETUNER_SPEED_FILE"
+CPU_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
+GPU_WIDTHS = (16, 64, 256, 1024, 4096, 8192)
+#: Seconds each measurement is repeated for (at least), after one warm-up call.
+MEASURE_S = 0.1
+
+
+def device_key() -> tuple[str, str]:
+    """This machine's device as (platform, name): the CUDA device 0, else the CPU model and thread count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_name(0)
+    model = _platform.processor() or _platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return "cpu", f"{model}, {torch.get_num_threads()} threads"
+
+
+def cache_file(name: str) -> Path:
+    """Where the calibration of device ``name`` is kept, for these library versions."""
+    import torch
+
+    import finetuner
+    from finetuner.data.cache import cache_root
+
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{finetuner.__version__}".lower()).strip("-")
+    return cache_root() / "speed" / f"{slug}.json"
+
+
+def _timed(fn, sync) -> float:
+    """Seconds per call of ``fn``: one warm-up, then repeated for at least ``MEASURE_S``; the best of
+    the repeats. By the wall clock (after synchronising a GPU), except on a CPU with one torch
+    thread: there this process's CPU time, which is what the call takes on an idle core and stays
+    steady while other processes share the machine (the wall clock then counts them too). With
+    several threads CPU time says nothing of the wall time (threads wait for cores, or spin)."""
+    import torch
+
+    clock = time.process_time if (sync is _no_sync and torch.get_num_threads() == 1) else time.perf_counter
+    fn()
+    sync()
+    best, spent, n = float("inf"), 0.0, 0
+    while spent < MEASURE_S or n < 3:
+        t0 = clock()
+        fn()
+        sync()
+        dt = clock() - t0
+        best, spent, n = min(best, dt), spent + dt, n + 1
+    return best
+
+
+def _no_sync() -> None:
+    """Nothing to wait for on the CPU."""
+
+
+def measure() -> DeviceSpeed:
+    """Calibrate this machine's device (a few seconds). Imports torch."""
+    import torch
+
+    plat, name = device_key()
+    dev = torch.device("cuda" if plat == "cuda" else "cpu")
+    sync = torch.cuda.synchronize if plat == "cuda" else _no_sync
+    t_start = time.perf_counter()
+    if plat == "cuda":
+        half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        dtypes, widths, tokens = (half, "fp32"), GPU_WIDTHS, 8192
+    else:
+        dtypes, widths, tokens = ("fp32",), CPU_WIDTHS, 1024
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    matmul: dict[str, tuple[tuple[int, float], ...]] = {}
+    with torch.no_grad():
+        for dt in dtypes:
+            rows = []
+            for w in widths:
+                a = torch.randn(tokens, w, device=dev, dtype=torch_dtype[dt])
+                b = torch.randn(w, w, device=dev, dtype=torch_dtype[dt])
+                sec = _timed(lambda: a @ b, sync)
+                rows.append((w, 2.0 * tokens * w * w / sec))
+            matmul[dt] = tuple(rows)
+        n = (1 << 30 if plat == "cuda" else 1 << 27) // 4
+        x = torch.empty(n, device=dev, dtype=torch.float32).fill_(1.0)
+        y = torch.empty_like(x)
+        bandwidth = 2 * 4 * n / _timed(lambda: y.copy_(x), sync)
+    chain = 200
+    p = torch.ones(8, device=dev, requires_grad=True)
+
+    def ops() -> None:
+        y = p
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    op_s = _timed(ops, sync) / (2 * chain + 2)
+    kernels = _kernel_rates(dev, sync, "bf16" if plat == "cuda" and torch.cuda.is_bf16_supported() else ("fp16" if plat == "cuda" else "fp32"))
+    dequant, how = _dequant_rate(dev, sync)
+    details = {"measured_in_s": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "dequantization": how}
+    import finetuner
+
+    details["finetuner"] = finetuner.__version__
+    link = 25e9 if plat == "cuda" else 1e12
+    src = (f"calibrated on this machine ({name}, {time.strftime('%Y-%m-%d')}): matmul "
+           + ", ".join(f"{dt} {max(r for _, r in rows) / 1e9:,.0f} GFLOP/s" for dt, rows in matmul.items())
+           + f", {bandwidth / 1e9:,.1f} GB/s, {op_s * 1e6:.1f} us an operation")
+    src += (f", attention {max(r for _, r in kernels['attention_causal']) / 1e9:,.0f}/"
+            f"{max(r for _, r in kernels['attention_masked']) / 1e9:,.0f} GFLOP/s (causal/masked), "
+            f"cross-entropy {max(r for _, r in kernels['cross_entropy']) / 1e6:,.0f}M and dropout {kernels['dropout'] / 1e6:,.0f}M elements/s")
+    return DeviceSpeed(name, plat, matmul, bandwidth, op_s, dequant, link, link, src, calibrated=True, details=details,
+                       attention_flops={"causal": kernels["attention_causal"], "masked": kernels["attention_masked"]},
+                       cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"],
+                       matmul_tokens=tokens)
+
+
+def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:
+    """The kernels a step spends time in beyond matmuls, forward and backward as training runs them:
+    ``scaled_dot_product_attention`` with the causal flag and with an explicit mask (full-square
+    FLOPs per second, ``4 seq^2 head_dim`` per head forward, twice that backward), the
+    cross-entropy over logits and dropout (elements per second)."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    heads, hd = (16, 128) if dev.type == "cuda" else (4, 32)
+    seqs = (512, 2048, 8192) if dev.type == "cuda" else (128, 512, 1024)
+
+    def attention(masked: bool) -> tuple[tuple[int, float], ...]:
+        rows = []
+        for seq in seqs:
+            q = torch.randn(1, heads, seq, hd, device=dev, dtype=dt, requires_grad=True)
+            mask = torch.ones(seq, seq, device=dev, dtype=torch.bool).tril()
+
+            def run() -> None:
+                if masked:
+                    out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+                else:
+                    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                out.sum().backward()
+                q.grad = None
+
+            rows.append((seq, 3 * 4 * heads * seq * seq * hd / _timed(run, sync)))  # forward + backward (2x), full square
+        return tuple(rows)
+
+    rows = 4096 if dev.type == "cuda" else 512
+
+    def ce_rate(vocab: int) -> float:
+        base = torch.randn(rows, vocab, device=dev, dtype=torch.float32)
+        target = torch.randint(0, vocab, (rows,), device=dev)
+
+        def ce() -> None:  # fresh logits each call, as a step's head produces them (allocation included)
+            logits = base.clone().requires_grad_()
+            F.cross_entropy(logits, target, reduction="sum").backward()
+
+        return rows * vocab / _timed(ce, sync)
+
+    x = torch.randn(rows, 4096 if dev.type == "cuda" else 512, device=dev, dtype=dt)
+    return {
+        "attention_causal": attention(False),
+        "attention_masked": attention(True),
+        "cross_entropy": tuple((v, ce_rate(v)) for v in ((32000, 128256) if dev.type == "cuda" else (1000, 8000, 50000))),
+        "dropout": x.numel() / _timed(lambda: F.dropout(x, 0.05, training=True), sync),
+    }
+
+
+def _dequant_rate(dev, sync) -> tuple[float, str]:
+    """Weights per second ``bitsandbytes.functional.dequantize_4bit`` turns into the compute dtype,
+    and how it was found (measured, or the data-sheet default when bitsandbytes is missing)."""
+    import torch
+
+    from finetuner.planning.speed import DEQUANT_WEIGHTS_PER_S_PER_GBS
+
+    try:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            import bitsandbytes.functional as bnbf
+        side = 4096 if dev.type == "cuda" else 1024
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        w = torch.randn(side, side, device=dev, dtype=dtype)
+        q, state = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True)
+        sec = _timed(lambda: bnbf.dequantize_4bit(q, state), sync)
+        return side * side / sec, "measured (bitsandbytes dequantize_4bit, nf4, double quant)"
+    except Exception as e:  # noqa: BLE001 - any failure: the default, said so
+        return DEQUANT_WEIGHTS_PER_S_PER_GBS * 1000, f"default (bitsandbytes not usable here: {type(e).__name__})"
+
+
+def load(path: str | Path) -> DeviceSpeed:
+    """A calibration written by :func:`save` (or by hand, as JSON)."""
+    from finetuner.errors import UserError
+
+    try:
+        return DeviceSpeed.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: not a speed calibration ({e}).",
+                        hint="Write one with `finetuner gpus --calibrate`, or unset " + SPEED_FILE_ENV + ".") from None
+
+
+def save(speed: DeviceSpeed, path: Path) -> Path:
+    from finetuner.fileio import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(speed.to_dict(), indent=2))
+    return path
+
+
+def cached(measure_if_missing: bool = False) -> DeviceSpeed | None:
+    """This machine's calibration: ``$FINETUNER_SPEED_FILE``, else the cached one for this device and
+    these versions, else (``measure_if_missing``) a fresh measurement, cached; else None. Imports torch
+    (except with ``$FINETUNER_SPEED_FILE``)."""
+    if os.environ.get(SPEED_FILE_ENV):
+        return load(os.environ[SPEED_FILE_ENV])
+    _, name = device_key()
+    path = cache_file(name)
+    if path.is_file():
+        try:
+            return load(path)
+        except Exception:  # noqa: BLE001 - a broken cache file is measured again
+            pass
+    if not measure_if_missing:
+        return None
+    speed = measure()
+    save(speed, path)
+    return speed
+
+
+def speed_for(gpu: GpuProfile, calibrate: bool | None = None) -> DeviceSpeed:
+    """The speed figures a plan uses for ``gpu``: this machine's calibration when ``gpu`` is this
+    machine's device (the CPU profile, or a detected card), measured on first use for the CPU
+    (``calibrate`` None: a few seconds, then cached) or when ``calibrate`` is True; else the card's
+    data sheet (:meth:`DeviceSpeed.from_profile`)."""
+    if os.environ.get(SPEED_FILE_ENV) and (gpu.platform == "cpu" or gpu.detected):
+        return load(os.environ[SPEED_FILE_ENV])
+    if gpu.platform == "cpu" or gpu.detected:
+        want = calibrate if calibrate is not None else gpu.platform == "cpu"
+        found = cached(measure_if_missing=bool(want))
+        if found is not None and found.platform == gpu.platform:
+            return found
+    return DeviceSpeed.from_profile(gpu)
+
+
+def describe(speed: DeviceSpeed) -> dict[str, Any]:
+    """A short summary for ``finetuner gpus --calibrate``."""
+    return {"device": speed.name, "source": speed.source,
+            "matmul_gflops": {dt: {w: round(r / 1e9, 1) for w, r in rows} for dt, rows in speed.matmul_flops.items()},
+            "bandwidth_gbs": round(speed.bandwidth_bytes_per_s / 1e9, 2), "op_overhead_us": round(speed.op_overhead_s * 1e6, 2),
+            "dequant_gweights_per_s": round(speed.dequant_weights_per_s / 1e9, 3),
+            "attention_gflops": {k: {q: round(r / 1e9, 1) for q, r in rows} for k, rows in speed.attention_flops.items()},
+            "cross_entropy_m_elements_per_s": {v: round(r / 1e6, 1) for v, r in speed.cross_entropy_elements_per_s},
+            "dropout_m_elements_per_s": round(speed.dropout_elements_per_s / 1e6, 1), **speed.details}
