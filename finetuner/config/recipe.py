@@ -37,7 +37,7 @@ Optimizer = Literal[
 ]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
-#: What training optimises: supervised fine-tuning, or a preference objective (:mod:`finetuner.training.preference`).
+#: What training optimises: supervised fine-tuning, or a preference objective (:mod:`finetuner.objectives.preference`).
 Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
 #: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
 PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")

@@ -117,7 +117,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
 def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float, int]:
     import torch
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     total, n = 0.0, 0
     with torch.no_grad():

@@ -69,7 +69,7 @@ class _Objective(TypedDict, total=False):
 
 
 class _Rewards(TypedDict, total=False):
-    """A preference objective's implicit rewards (finetuner.training.preference), means over the
+    """A preference objective's implicit rewards (finetuner.objectives.preference), means over the
     step's examples: of the chosen (KTO: desirable) and rejected (undesirable) responses, their
     difference, and the fraction of pairs whose chosen reward is the higher (KTO: of responses whose
     reward has the sign of their label). Absent for SFT."""
