@@ -153,7 +153,7 @@ class Settings:
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
     platform: Literal["cuda", "cpu"] = "cuda"
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"  # preference objectives: preference_cost
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"  # preference objectives: preference_cost
     reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
 
     def __post_init__(self) -> None:
@@ -668,8 +668,8 @@ class PreferenceCost:
 
 
 def preference_cost(shape: ModelShape, s: Settings) -> PreferenceCost | None:
-    """The preference objective's term of :func:`estimate`; ``None`` for SFT."""
-    if s.objective == "sft":
+    """The preference objective's term of :func:`estimate`; ``None`` for the other objectives."""
+    if s.objective not in ("dpo", "orpo", "simpo", "kto"):
         return None
     rows = 2 * s.micro_batch
     T = rows * s.seq_len

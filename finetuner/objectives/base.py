@@ -41,6 +41,8 @@ class Objective:
 
     #: the kind of data it trains on, as :data:`finetuner.data.formats.KIND_WORDS` names it
     data_kind: str = "sft"
+    #: optimizer steps taken on each batch of the schedule (GRPO's ``num_iterations``; 1: one step each)
+    steps_per_batch: int = 1
 
     def __init__(self, recipe: Recipe, run_dir: Path | None = None):
         self.recipe, self.run_dir = recipe, Path(run_dir) if run_dir is not None else None
@@ -76,7 +78,8 @@ class Objective:
     # ---------------------------------------------------------------- a step
     def before_step(self, trainer, step: int, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Before a step's passes (a rollout phase, for an objective that generates): returns the
-        examples the step trains on (by default the scheduled ones)."""
+        examples the step trains on (by default the scheduled ones). A :class:`~finetuner.errors.UserError`
+        raised here (a reward function that fails) ends the run after a checkpoint of the last step."""
         return examples
 
     def start_step(self, examples: list[dict[str, Any]]) -> int:

@@ -256,7 +256,7 @@ class Trainer:
         self.collate = self.objective.collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
-        self.max_steps = t.max_steps or total_steps(t.epochs, self.schedule.steps_per_epoch)
+        self.max_steps = t.max_steps or total_steps(t.epochs, self.schedule.steps_per_epoch) * self.objective.steps_per_batch
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
@@ -354,6 +354,7 @@ class Trainer:
             state = self._apply_checkpoint(ckpt, parts)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
+            self.objective.load_state(state.get("objective") or {})
             self.resumed_from = self.step
             return
 
@@ -370,8 +371,16 @@ class Trainer:
         """A collated batch with its tensors on the run's device."""
         return {k: (v.to(self.rt.device) if hasattr(v, "to") else v) for k, v in batch.items()}
 
-    def train_step(self, step: int) -> tuple[float, int, float | None]:
-        """One optimizer step over this rank's micro-batches of the step (one process: all of them).
+    def step_examples(self, step: int) -> list[dict[str, Any]]:
+        """The examples ``step`` trains on: the schedule's (each batch of it used for the objective's
+        ``steps_per_batch`` steps), through the objective's step hook (an objective that generates
+        returns the generated rows)."""
+        scheduled = self.schedule.indices(step // self.objective.steps_per_batch)
+        return self.objective.before_step(self, step, [self.data.train[i] for i in scheduled])
+
+    def train_step(self, step: int, examples: list[dict[str, Any]] | None = None) -> tuple[float, int, float | None]:
+        """One optimizer step over this rank's micro-batches of the step (one process: all of them);
+        ``examples``: the step's (default: :meth:`step_examples`).
 
         Returns (mean token loss, real tokens processed, grad norm), over all ranks. Every rank
         runs as many backward passes as the rank with the most micro-batches (a missing one is a
@@ -381,7 +390,7 @@ class Trainer:
         (:meth:`_sync_gradients`) or the optimizer steps.
         """
         t = self.recipe.training
-        examples = self.objective.before_step(self, step, [self.data.train[i] for i in self.schedule.indices(step)])
+        examples = self.step_examples(step) if examples is None else examples
         shares = split_step(len(examples), t.micro_batch_size, self.world_size)
         mine, n_passes = shares[self.rank], max(len(s) for s in shares)
         n_target = self.objective.start_step(examples)
@@ -436,7 +445,7 @@ class Trainer:
     def _optimizer_step(self) -> float | None:
         return optimizer_step(self.optimizer, self.scheduler, self.trainable_params(), self.recipe.training.max_grad_norm, self.scaler)
 
-    def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
+    def train_step_with_backoff(self, step: int, examples: list[dict[str, Any]] | None = None) -> tuple[float, int, float | None]:
         """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM.
 
         The failure is recorded inside the ``except`` block and the memory freed after it: while
@@ -449,7 +458,7 @@ class Trainer:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if self.rt.is_cuda else None)
         while True:
             try:
-                return self.train_step(step)
+                return self.train_step(step, examples)
             except StepOutOfMemory as e:
                 failure = e.message
             except Exception as e:
@@ -553,9 +562,11 @@ class Trainer:
 
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
-        if val is not None:
-            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)), **getattr(self, "eval_extra", {}))
-            if self.tb:
+        extra = getattr(self, "eval_extra", {})
+        if val is not None or extra:  # an objective without a validation loss may still report (GRPO's rewards)
+            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)) if val is not None else None,
+                             **extra)
+            if self.tb and val is not None:
                 self.tb.add_scalar("eval/loss", val, self.step)
         return val
 
@@ -569,6 +580,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "elapsed_s": elapsed,
             "losses": self.losses,
+            "objective": self.objective.state(),
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation": t.gradient_accumulation,
         }
@@ -671,7 +683,13 @@ class Trainer:
             if self.stop_event.is_set():
                 stopped = True
                 break
-            loss, tokens, grad_norm = self.train_step_with_backoff(self.step)
+            try:  # the objective's step hook runs user code (GRPO's reward functions): what it stops loses nothing
+                examples = self.step_examples(self.step)
+            except UserError:
+                if self.step > last_saved:
+                    self.save_checkpoint(self.elapsed_before + time.perf_counter() - start)
+                raise
+            loss, tokens, grad_norm = self.train_step_with_backoff(self.step, examples)
             t = self.recipe.training  # the micro-batch may have been backed off
             if not math.isfinite(loss):
                 raise UserError(
