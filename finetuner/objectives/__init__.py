@@ -1,13 +1,13 @@
 """The training objectives, one module each, behind one interface (:mod:`finetuner.objectives.base`):
 supervised fine-tuning (:mod:`~finetuner.objectives.sft`) and the preference objectives
-(:mod:`~finetuner.objectives.preference`)."""
+(:mod:`~finetuner.objectives.preference`) and GRPO (:mod:`~finetuner.objectives.grpo`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from finetuner.config.recipe import Recipe
-from finetuner.objectives import preference, sft  # noqa: F401 - each registers its objectives
+from finetuner.objectives import grpo, preference, sft  # noqa: F401 - each registers its objectives
 from finetuner.objectives.base import REGISTRY, Objective, register
 
 __all__ = ["REGISTRY", "Objective", "build_objective", "register"]

@@ -171,6 +171,39 @@ def reward_functions(specs) -> list:
     return out
 
 
+# --------------------------------------------------------------------------- sampling and scoring
+def sample_completions(model, tokenizer, prompts: list[dict[str, Any]], settings, seed: int, batch_size: int) -> list[dict[str, Any]]:
+    """``settings.num_generations`` completions of each prompt (consecutive in the result), sampled
+    with ``settings``' temperature and top-p under ``seed`` (:mod:`finetuner.training.rollout`):
+    ``{"completion_ids", "text", "finished"}`` each, the ids up to and with the end token."""
+    from finetuner.training.rollout import generate_group
+
+    return generate_group(model, tokenizer, [p["prompt_ids"] for p in prompts], num_generations=settings.num_generations,
+                          max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                          seed=seed, batch_size=batch_size)
+
+
+def as_completion(prompt: dict[str, Any], completion: dict[str, Any]):
+    """A completion as TRL hands it to reward functions: a text for a text prompt, a list with one
+    assistant message for a conversational one."""
+    text = completion["text"]
+    return text if isinstance(prompt["prompt"], str) else [{"role": "assistant", "content": text}]
+
+
+def score_completions(rewards: list, num_generations: int, prompts: list[dict[str, Any]], completions: list[dict[str, Any]]):
+    """The rewards of the completions (:func:`finetuner.rewards.combine.score`): each function gets
+    the prompts, the completions and the data's other columns, one value per completion, and
+    ``completion_ids``; a :class:`~finetuner.errors.RewardError` names the function and the row."""
+    from finetuner.rewards.combine import score
+
+    group = [p for p in prompts for _ in range(num_generations)]
+    keys = sorted({k for p in prompts for k in p["columns"]})
+    columns = {k: [p["columns"].get(k) for p in group] for k in keys}
+    columns["completion_ids"] = [c["completion_ids"] for c in completions]
+    return score(rewards, [p["prompt"] for p in group], [as_completion(p, c) for p, c in zip(group, completions, strict=True)],
+                 columns, [p["where"] for p in group])
+
+
 # --------------------------------------------------------------------------- the objective
 @register("grpo")
 class GRPOObjective(Objective):
@@ -222,35 +255,12 @@ class GRPOObjective(Objective):
         return self.rollout["rows"]
 
     def generate(self, trainer, prompts: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-        """``num_generations`` completions of each prompt (consecutive), with the adapter in the loop:
-        ``{"completion_ids", "text", "finished"}`` each (the ids up to and with the end token)."""
-        from finetuner.training.rollout import generate_group
-
-        g = self.settings
-        return generate_group(trainer.model, self.tokenizer, [p["prompt_ids"] for p in prompts],
-                              num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
-                              temperature=g.temperature, top_p=g.top_p, seed=seed,
-                              batch_size=max(trainer.recipe.training.micro_batch_size, 1))
+        """:func:`sample_completions` with the trainer's model (the adapter in the loop)."""
+        return sample_completions(trainer.model, self.tokenizer, prompts, self.settings, seed,
+                                  max(trainer.recipe.training.micro_batch_size, 1))
 
     def score(self, prompts: list[dict[str, Any]], completions: list[dict[str, Any]]):
-        """The rewards of the completions (:func:`finetuner.rewards.combine.score`; a
-        :class:`~finetuner.errors.RewardError` names the function and the row)."""
-        from finetuner.rewards.combine import score
-
-        G = self.settings.num_generations
-        group = [p for p in prompts for _ in range(G)]
-        keys = sorted({k for p in prompts for k in p["columns"]})
-        columns = {k: [p["columns"].get(k) for p in group] for k in keys}
-        columns["completion_ids"] = [c["completion_ids"] for c in completions]
-        return score(self.rewards, [p["prompt"] for p in group], [self.as_completion(p, c) for p, c in zip(group, completions, strict=True)],
-                     columns, [p["where"] for p in group])
-
-    @staticmethod
-    def as_completion(prompt: dict[str, Any], completion: dict[str, Any]):
-        """A completion as TRL hands it to reward functions: a text for a text prompt, a list with one
-        assistant message for a conversational one."""
-        text = completion["text"]
-        return text if isinstance(prompt["prompt"], str) else [{"role": "assistant", "content": text}]
+        return score_completions(self.rewards, self.settings.num_generations, prompts, completions)
 
     def roll_out(self, trainer, prompts: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         """Generate, score and prepare the step's completion rows (see the module's docstring)."""
