@@ -97,7 +97,7 @@ def evaluate_rewards(src, tokenizer, data, batch_size: int, device: str, load_mo
     t0 = time.perf_counter()
     recipe = src.recipe
     settings = recipe.grpo
-    rewards = reward_functions(settings.rewards)
+    rewards = reward_functions(settings.rewards, allow_code=src.allow_code)  # the run's reward file runs only with --trust-remote-code
     prompts, what = held_out_prompts(src, tokenizer, data)
     if not prompts:
         raise UserError(f"No prompts to evaluate in {what}.")

@@ -133,11 +133,12 @@ class StepSums:
 
 
 # --------------------------------------------------------------------------- the reward functions
-def reward_functions(specs) -> list:
+def reward_functions(specs, allow_code: bool = True) -> list:
     """The recipe's ``grpo.rewards`` as :class:`finetuner.rewards.combine.RewardFunction` objects: a
     function of a user's file (:func:`finetuner.rewards.loading.load_reward_function`), or a built-in
     (:data:`finetuner.rewards.builtin.BUILTINS`) made with its ``args``. Two rewards of the same name
-    are told apart by their place in the list."""
+    are told apart by their place in the list. ``allow_code``: run a file of functions (False: refuse it,
+    for a recipe read back from a run folder the user has not vouched for with ``--trust-remote-code``)."""
     import inspect
 
     from finetuner.errors import UserError, did_you_mean
@@ -149,7 +150,7 @@ def reward_functions(specs) -> list:
     for i, spec in enumerate(specs):
         where = f"grpo.rewards[{i}]"
         if spec.file is not None:
-            fn, name = load_reward_function(spec.file, spec.function, where=where), spec.function
+            fn, name = load_reward_function(spec.file, spec.function, where=where, allow_code=allow_code), spec.function
         else:
             factory = BUILTINS.get(spec.function)
             if factory is None:
