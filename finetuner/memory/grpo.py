@@ -27,7 +27,8 @@ A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
 * **loss** (:func:`finetuner.memory.model.estimate` on ``micro_batch`` sequences of
   ``prompt_len + max_new_tokens`` tokens, padding masked, the loss on the completion tokens only:
   ``label_fraction = max_new_tokens / (prompt_len + max_new_tokens)``): the group's sequences'
-  activations and the logits of the generated tokens (chunked, or whole with ``loss_chunk = 0``), plus
+  activations and the logits of the generated tokens (``loss_chunk`` tokens at a time as
+  :func:`finetuner.losses.grpo.chunked_token_logps` computes them, or whole with ``loss_chunk = 0``), plus
   the GRPO buffers: the whole generation batch's ids and masks (int64) and its stored per-token
   log-probabilities (old and reference, fp32), and the micro-batch's per-token fp32 tensors of the
   surrogate (:func:`finetuner.losses.grpo.grpo_loss`: log-probabilities, ratio, clipped ratio, the two
