@@ -7,7 +7,8 @@ temperature sampling with nucleus (``top_p``) truncation, no top-k (``top_k=0``)
 sampled from is the one :func:`finetuner.losses.grpo.token_logps` scores at the same temperature
 (``top_p = 1``) — as TRL's GRPO samples.
 
-A prompt is a string or a list of chat messages. Messages are rendered with the chat template and the
+A prompt is a string, a list of chat messages, or a list of token ids (already rendered and tokenized, as
+:mod:`finetuner.data` prepares them; used as they are). Messages are rendered with the chat template and the
 generation prompt (as the SFT pipeline renders a conversation, :mod:`finetuner.data.pipeline`); a string
 is wrapped as one user message when a chat template is given, else tokenized as it is, with the
 tokenizer's special tokens (as the pipeline's prompt/completion format).
@@ -39,7 +40,7 @@ class Rollout:
     """A batch of groups: row ``j`` is generation ``j % G`` of prompt ``j // G`` (``G = num_generations``)."""
 
     prompts: list[Any]  #: ``[N]`` the prompts as given, each repeated ``G`` times
-    prompt_texts: list[str]  #: ``[N]`` the prompts as rendered (chat template applied)
+    prompt_texts: list[str]  #: ``[N]`` the prompts as rendered (chat template applied; token ids: decoded)
     prompt_ids: torch.Tensor  #: ``[N, P]`` left-padded
     prompt_mask: torch.Tensor  #: ``[N, P]`` 1 on prompt tokens, 0 on padding
     completion_ids: torch.Tensor  #: ``[N, C]`` padded after the completion's end
@@ -79,6 +80,11 @@ class Rollout:
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids up to and including its EOS (TRL's ``completion_ids`` for rewards)."""
         return [row[: int(n)].tolist() for row, n in zip(self.completion_ids, self.completion_lengths)]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per completion: ``completion_ids`` (up to and including the EOS), ``text``, ``finished``."""
+        return [{"completion_ids": ids, "text": text, "finished": bool(done)}
+                for ids, text, done in zip(self.completion_id_lists(), self.completions, self.finished.tolist())]
 
 
 def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: str | None) -> tuple[list[str], bool]:
@@ -121,38 +127,62 @@ def end_mask(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> tuple[torc
     return (cols.unsqueeze(0) <= first.unsqueeze(1)).long(), finished
 
 
+def _is_ids(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt) \
+        and len(prompt) > 0
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as a left-padded ``[N, P]`` tensor and its mask."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        if r:
+            ids[j, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[j, width - len(r):] = 1
+    return ids, mask
+
+
 def generate_group(model: Any, tokenizer: Any, prompts: Sequence[Any], *, num_generations: int, max_new_tokens: int,
                    temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, chat_template: str | None = None,
-                   generation_batch_size: int | None = None) -> Rollout:
+                   batch_size: int | None = None) -> Rollout:
     """Sample ``num_generations`` completions of at most ``max_new_tokens`` tokens for each prompt.
 
     ``temperature`` 0 decodes greedily (all of a group alike: no signal for GRPO, but useful to check).
-    ``generation_batch_size``: at most this many rows per ``generate`` call (None: all at once); the result
-    is the same shape, and the same for the same seed and batch size.
+    ``batch_size``: at most this many rows per ``generate`` call (None: all at once); the result has the
+    same shape, and is the same for the same seed and batch size.
     """
     import torch
 
     if num_generations < 1 or max_new_tokens < 1:
         raise ValueError("num_generations and max_new_tokens must be at least 1")
-    rows = [p for p in prompts for _ in range(num_generations)]
-    texts, templated = render_prompts(tokenizer, rows, chat_template)
+    rows = [list(p) if _is_ids(p) else p for p in prompts for _ in range(num_generations)]
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
-    finally:
-        tokenizer.padding_side = side
+    if all(_is_ids(p) for p in rows):
+        texts = [tokenizer.decode(p) for p in rows]
+        prompt_ids, prompt_mask = left_pad(rows, pad)
+    else:
+        texts, templated = render_prompts(tokenizer, rows, chat_template)
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        try:
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+        finally:
+            tokenizer.padding_side = side
+        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
 
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, use_cache=True)
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    step = generation_batch_size or len(rows)
+    step = batch_size or len(rows)
     outs = []
     was_training = model.training
     model.eval()

@@ -110,9 +110,9 @@ def test_same_seed_same_completions_and_rng_left_alone(policy):
     assert not torch.equal(a.completion_ids, c.completion_ids)
     # the groups are samples: a group's completions are not all the same
     assert len({tuple(x) for x in a.completion_ids[:4].tolist()}) > 1
-    chunked = rollout(policy, seed=7, generation_batch_size=3)
+    chunked = rollout(policy, seed=7, batch_size=3)
     assert chunked.completion_ids.shape[0] == a.completion_ids.shape[0]
-    assert torch.equal(chunked.completion_ids, rollout(policy, seed=7, generation_batch_size=3).completion_ids)
+    assert torch.equal(chunked.completion_ids, rollout(policy, seed=7, batch_size=3).completion_ids)
 
 
 def _greedy_no_cache(model, ids, steps):
@@ -184,3 +184,16 @@ def test_token_logps_over_the_rollout_are_the_sampling_distribution(policy):
     torch.testing.assert_close(mask[:, -C:], r.completion_mask.float())
     torch.testing.assert_close(logps[:, -C:], sampled * r.completion_mask, rtol=0, atol=1e-5)
     assert (logps[:, :-C] == 0).all()
+
+
+def test_token_id_prompts_and_rows(policy):
+    """Prompts already tokenized (as the data pipeline prepares them) give the same rollout as their text."""
+    model, tok = policy
+    by_text = rollout(policy, seed=4)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in by_text.prompt_texts[::4]]
+    by_ids = generate_group(model, tok, ids, num_generations=4, max_new_tokens=6, temperature=1.0, seed=4)
+    assert torch.equal(by_ids.prompt_ids, by_text.prompt_ids) and torch.equal(by_ids.prompt_mask, by_text.prompt_mask)
+    assert torch.equal(by_ids.completion_ids, by_text.completion_ids) and by_ids.completions == by_text.completions
+    rows = by_ids.rows()
+    assert [r["completion_ids"] for r in rows] == by_ids.completion_id_lists()
+    assert [r["text"] for r in rows] == by_ids.completions and [r["finished"] for r in rows] == by_ids.finished.tolist()
