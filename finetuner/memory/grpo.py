@@ -39,8 +39,10 @@ A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
   ``beta = 0``: no reference pass, no reference log-probabilities;
 * **optimizer step**: as SFT's.
 
-The generation terms are read from transformers 5's generation and cache code, not yet measured on a
-GPU; the loss phase is the validated SFT model's (docs/memory.md) on the GRPO sequence shape.
+The generation terms are read from transformers 5's generation and cache code. On the CPU they bound
+what ``generate`` allocates (torch's profiler, ``tests/memory/test_memory_grpo.py``; the KV cache term is
+exact there, the temporaries counted all alive at once are above the measurement); they are not yet
+measured on a GPU. The loss phase is the validated SFT model's (docs/memory.md) on the GRPO sequence shape.
 """
 
 from __future__ import annotations

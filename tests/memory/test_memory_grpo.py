@@ -128,3 +128,51 @@ def test_bad_settings():
         GrpoSettings(num_generations=0)
     with pytest.raises(ValueError, match="generation_batch"):
         GrpoSettings(generation_batch=0)
+
+
+def _allocated_peak(fn) -> int:
+    """The peak of the bytes torch allocates on the CPU while ``fn`` runs (the profiler's per-op
+    allocations and frees, summed in time order), counted from zero at the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.profiler.function_events
+                    if e.self_cpu_memory_usage)
+    cur = peak = 0
+    for _, d in deltas:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def test_generation_terms_bound_what_generate_allocates():
+    """On the CPU (fp32, no autocast), the generation phase's terms (KV cache, its growth copy, the larger
+    of the prefill's layer temporaries and the sampling step's tensors) are at least what ``generate``
+    allocates beyond the weights: a left-padded group of 16 rows, 96 prompt and 48 new tokens, top-p."""
+    import torch
+
+    from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
+    from tests.conftest import corpus
+
+    tok = train_bpe_tokenizer(corpus(), vocab_size=400)
+    model = tiny_llama(tok, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768).eval()
+    sh = shape_from_config(model.config.to_dict(), "tiny")
+    rows, prompt, new = 16, 96, 48
+    ids = torch.randint(5, model.config.vocab_size, (rows, prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[: rows // 2, :10] = 0
+
+    def run():
+        with torch.no_grad():
+            torch.manual_seed(0)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                           top_p=0.9, top_k=0, pad_token_id=0, use_cache=True)
+
+    run()  # first call: lazy initialisations out of the measurement
+    measured = _allocated_peak(run)
+    comp = grpo_components(sh, Settings(method="lora", compute_dtype="fp32", weight_dtype="fp32", platform="cpu"),
+                           GrpoSettings(num_generations=rows, max_new_tokens=new, prompt_len=prompt))
+    predicted = (comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
+                 + max(comp["generation: prefill layer temporaries"], comp["generation: logits and sampling"]))
+    assert kv_cache_bytes(sh, rows, prompt + new - 1, 4) < measured <= predicted
