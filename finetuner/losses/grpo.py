@@ -115,6 +115,49 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     return logps * mask, mask.float()
 
 
+def _chunk_logps(head, softcap, temperature, hidden, targets):
+    import torch.nn.functional as F
+
+    logits = head(hidden)
+    logits = logits.float() if logits.element_size() < 4 else logits
+    if softcap:
+        logits = (logits / softcap).tanh() * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    return -F.cross_entropy(logits, targets, reduction="none")
+
+
+def chunked_token_logps(hidden: torch.Tensor, head, labels: torch.Tensor, *, chunk_size: int = 1024,
+                        temperature: float = 1.0, softcap: float | None = None,
+                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logps` from the decoder's hidden states, the logits computed ``chunk_size`` scored
+    tokens at a time through ``head`` (the LM head) and each chunk recomputed in backward (activation
+    checkpointing): the ``tokens × vocab`` logits never exist at once, as in the SFT and preference losses.
+
+    ``hidden``: ``[B, T, H]`` (position ``t`` predicts ``labels[:, t + 1]``); ``softcap``: the model's final
+    logit soft-capping (Gemma-2), applied before the temperature. Returns ``(logps, mask)`` as
+    :func:`token_logps` does (``[B, T − 1]``, fp32 at least).
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    targets_all = labels[:, 1:]
+    mask = targets_all != ignore_index
+    h = hidden[:, :-1][mask]
+    targets = targets_all[mask]
+    parts = []
+    for start in range(0, targets.numel(), chunk_size):
+        hc, tc = h[start:start + chunk_size], targets[start:start + chunk_size]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logps, head, softcap, temperature, hc, tc, use_reentrant=False))
+        else:
+            parts.append(_chunk_logps(head, softcap, temperature, hc, tc))
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    flat = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=dtype)
+    logps = torch.zeros(targets_all.shape, dtype=flat.dtype, device=hidden.device).masked_scatter(mask, flat)
+    return logps, mask.to(flat.dtype)
+
+
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """The per-token KL estimate of DeepSeekMath eq. 4 (Schulman's *k3*):
     ``exp(ref − logp) − (ref − logp) − 1``, non-negative, 0 where the two agree."""

@@ -4,7 +4,8 @@ The total reward of completion ``j`` is ``Σ_k w_k · r_k[j]`` (TRL's ``sum_then
 function may return ``None`` for a completion it does not apply to: that function then adds nothing to the
 completion's total (its per-function value is NaN); a completion no function scores stops the run. A
 function that raises, returns a number of rewards other than one per completion, or something that is not
-a finite number raises :class:`finetuner.errors.RewardError` naming the function and the row.
+a finite number raises :class:`finetuner.errors.RewardError` naming the function and the row (to find the
+row a function raises on, it is called again on each row alone, in order, until one raises).
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ SIGNATURE = "def NAME(prompts, completions, **kwargs) -> list[float]"
 
 
 def _module_name(path: Path) -> str:
-    return "finetuner_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    """A module name per file and version: an edited file (another modification time or size) is run again."""
+    st = path.stat()
+    return "finetuner_rewards_" + hashlib.sha1(f"{path}\0{st.st_mtime_ns}\0{st.st_size}".encode()).hexdigest()[:12]
 
 
 def _error_line(error: BaseException, path: Path) -> str:
@@ -40,9 +42,10 @@ def _error_line(error: BaseException, path: Path) -> str:
 
 
 def load_module(path: str | Path, *, where: str = "grpo.rewards", allow_code: bool = True):
-    """Run the Python file ``path`` as a module and return it (a file already loaded is not run again).
-    ``where``: the recipe key naming it, for messages. Raises :class:`UserError` when the file is
-    missing, is refused (``allow_code=False``) or fails while it runs."""
+    """Run the Python file ``path`` as a module and return it (a file already loaded, unchanged since, is
+    not run again). While it runs, its folder is first on ``sys.path``, as for ``python path``, so that it
+    can import the modules next to it. ``where``: the recipe key naming it, for messages. Raises
+    :class:`UserError` when the file is missing, is refused (``allow_code=False``) or fails while it runs."""
     p = Path(path).expanduser().resolve()
     if not p.is_file():
         raise UserError(f"{where}: the reward file {path} does not exist.",
@@ -58,6 +61,7 @@ def load_module(path: str | Path, *, where: str = "grpo.rewards", allow_code: bo
     spec = importlib.util.spec_from_loader(name, loader)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    sys.path.insert(0, str(p.parent))
     try:
         loader.exec_module(module)
     except Exception as e:  # the user's code: any error is theirs to fix
@@ -65,6 +69,8 @@ def load_module(path: str | Path, *, where: str = "grpo.rewards", allow_code: bo
         raise UserError(f"{where}: the reward file {p} failed while loading{_error_line(e, p)}: "
                         f"{type(e).__name__}: {first_line(str(e))}",
                         hint="Fix the file; it must run on its own (python " + str(p) + ").") from None
+    finally:
+        sys.path.remove(str(p.parent))
     return module
 
 

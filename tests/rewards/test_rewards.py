@@ -127,6 +127,21 @@ def test_a_file_runs_once(tmp_path):
     assert any(m.startswith("finetuner_rewards_") for m in sys.modules)
 
 
+def test_an_edited_file_is_run_again_and_imports_its_neighbours(tmp_path):
+    import os
+
+    (tmp_path / "helpers_for_rewards.py").write_text("BONUS = 2.0\n")
+    p = tmp_path / "edited.py"
+    p.write_text("from helpers_for_rewards import BONUS\ndef f(completions, **kw):\n    return [BONUS] * len(completions)\n")
+    assert load_reward_function(p, "f")(prompts=["q"], completions=["a"]) == [2.0]
+    assert str(tmp_path) not in sys.path  # the folder is on the path only while the file runs
+    p.write_text("def f(completions, **kw):\n    return [3.0] * len(completions)\n")
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later modification time, whatever the clock
+    assert load_reward_function(p, "f")(prompts=["q"], completions=["a"]) == [3.0]
+    sys.modules.pop("helpers_for_rewards", None)
+
+
 # --------------------------------------------------------------------------- built-ins
 @pytest.mark.parametrize("text, answer", [
     ("so the total is \\boxed{42}.", "42"),
