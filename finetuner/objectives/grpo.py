@@ -175,13 +175,15 @@ def reward_functions(specs, allow_code: bool = True) -> list:
 # --------------------------------------------------------------------------- sampling and scoring
 def sample_completions(model, tokenizer, prompts: list[dict[str, Any]], settings, seed: int, batch_size: int) -> list[dict[str, Any]]:
     """``settings.num_generations`` completions of each prompt (consecutive in the result), sampled
-    with ``settings``' temperature and top-p under ``seed`` (:mod:`finetuner.training.rollout`):
-    ``{"completion_ids", "text", "finished"}`` each, the ids up to and with the end token."""
+    with ``settings``' temperature and top-p under ``seed`` (:mod:`finetuner.training.rollout`), the
+    completions of ``batch_size`` prompts a ``generate`` call: ``{"completion_ids", "text", "finished"}``
+    each, the ids up to and with the end token."""
     from finetuner.training.rollout import generate_group
 
-    return generate_group(model, tokenizer, [p["prompt_ids"] for p in prompts], num_generations=settings.num_generations,
-                          max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
-                          seed=seed, batch_size=batch_size)
+    rollout = generate_group(model, tokenizer, [p["prompt_ids"] for p in prompts], num_generations=settings.num_generations,
+                             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                             seed=seed, batch_size=batch_size * settings.num_generations)
+    return rollout.rows()
 
 
 def as_completion(prompt: dict[str, Any], completion: dict[str, Any]):

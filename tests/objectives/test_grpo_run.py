@@ -24,10 +24,10 @@ def chosen_tokens(prompts, completions, completion_ids, **columns):
     return [sum(1 for t in ids if 100 <= t < 140) / max(len(ids), 1) for ids in completion_ids]
 
 
-def fails_on_third_call(prompts, completions, **columns):
+def fails_from_third_call(prompts, completions, **columns):
     global calls
     calls += 1
-    if calls == 3:
+    if calls >= 3:  # from the third step on (its retries row by row included)
         raise ValueError("the reward server is down")
     return [0.0] * len(completions)
 '''
@@ -62,36 +62,66 @@ def _steps(run_dir):
     return {e["step"]: e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"}
 
 
-def test_the_held_out_mean_reward_rises(tiny_model_dir, tmp_path):
-    result = finetuner.train(Recipe.from_dict(grpo_recipe(tiny_model_dir, tmp_path)))
+def test_the_held_out_mean_reward_rises(tmp_path):
+    """The demo model (data/demo_model, a small LM pre-trained on plain answers) with a reward for answers of
+    3 to 6 words (the built-in length_bounds): its answers run 6 to 15 words, so every group has a spread,
+    and a few steps make them shorter on prompts the run never trained on."""
+    from tests.conftest import REPO
+
+    raw = {
+        "name": "rises", "model": {"name": str(REPO / "data" / "demo_model")}, "method": "lora", "objective": "grpo",
+        "grpo": {"num_generations": 4, "max_new_tokens": 16, "logged_completions": 2,
+                 "rewards": [{"function": "length_bounds", "args": {"min_length": 3, "max_length": 6}}]},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"path": str(REPO / "data" / "alpaca_sample.json"), "max_seq_len": 96, "val_size": 8, "max_examples": 64},
+        "training": {"max_steps": 6, "lr": 5e-3, "scheduler": "constant", "micro_batch_size": 8, "gradient_accumulation": 1,
+                     "warmup_steps": 0},
+        "checkpointing": {"save_every": 10}, "logging": {"every": 1, "tensorboard": False},
+        "output_dir": str(tmp_path / "rises"), "device": "cpu",
+    }
+    result = finetuner.train(Recipe.from_dict(raw))
     steps = _steps(result.run_dir)
-    assert sorted(steps) == list(range(1, 9))
+    assert sorted(steps) == list(range(1, 7))
     first = steps[1]
-    assert first["loss"] == pytest.approx(0.0, abs=1e-6)  # on-policy, ratio 1: the advantages of each group sum to 0
     assert {"reward", "reward_std", "rewards", "completion_length", "clip_ratio", "completions"} <= set(first)
-    assert set(first["rewards"]) == {"chosen_tokens"} and len(first["completions"]) == 1
+    assert set(first["rewards"]) == {"length_bounds"} and len(first["completions"]) == 2
     assert "kl" not in first  # beta 0: no reference pass
-    r = finetuner.evaluate_run(result.run_dir, trust_remote_code=True)
+    r = finetuner.evaluate_run(result.run_dir)
     assert r.kind == "reward" and r.examples == 8 and r.completions_per_prompt == 4
-    # the tune's completions hold more of the chosen tokens than the base's on prompts it never trained on
-    assert r.fine_tuned.reward > r.base.reward + 0.05, r.table()
+    # on the held-out prompts the tune's answers score higher than the base's (the same prompts and seed)
+    assert r.fine_tuned.reward > r.base.reward + 0.1, r.table()
+    assert r.fine_tuned.completion_length < r.base.completion_length
     # the trainer's last evaluation is the same computation as `finetuner eval`'s fine-tuned column
     last_eval = [e for e in read_events(result.run_dir / "events.jsonl") if e["event"] == "eval"][-1]
     assert last_eval["eval_loss"] is None and last_eval["eval_reward"] == pytest.approx(r.fine_tuned.reward, abs=1e-6)
 
 
+def test_the_first_step_is_on_policy(tiny_model_dir, tmp_path):
+    """Step 1 samples from the policy it trains: the ratio is 1 everywhere, nothing is clipped, and with
+    every completion of the same length (none ends before max_new_tokens on this random model) the dapo
+    loss is minus the mean advantage, 0 since a group's advantages sum to 0; the KL to the reference
+    (the base: the adapter starts as a no-op) is 0."""
+    raw = grpo_recipe(tiny_model_dir, tmp_path, max_steps=1)
+    raw["grpo"]["beta"] = 0.04
+    raw["data"]["val_size"] = 0
+    step = _steps(finetuner.train(Recipe.from_dict(raw)).run_dir)[1]
+    assert step["completions_clipped"] == 1.0 and step["completion_length"] == 8
+    assert step["loss"] == pytest.approx(0.0, abs=1e-6) and step["clip_ratio"] == 0 and step["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert step["grad_norm"] > 0
+
+
 def test_a_reward_function_that_fails_stops_the_run_after_a_checkpoint(tiny_model_dir, tmp_path):
-    raw = grpo_recipe(tiny_model_dir, tmp_path, name="bad", reward="fails_on_third_call")
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="bad", reward="fails_from_third_call")
     raw["checkpointing"] = {"save_every": 10, "keep_last": 2}
     raw["data"]["val_size"] = 0
     out = run_cli("run", str(write_recipe(tmp_path / "bad.yaml", raw)), "--quiet")
     assert out.returncode != 0
-    assert "reward function 'fails_on_third_call' raised ValueError" in out.stderr and "the reward server is down" in out.stderr
+    assert "reward function 'fails_from_third_call' raised ValueError" in out.stderr and "the reward server is down" in out.stderr
     assert "prompts.jsonl" in out.stderr and "Traceback" not in out.stderr  # the row's file and line, no traceback
     run_dir = tmp_path / "bad"
     assert (run_dir / "checkpoints" / "step-00000002").is_dir()  # the two steps done are kept
     events = read_events(run_dir / "events.jsonl")
-    assert events[-1]["event"] == "error" and "fails_on_third_call" in events[-1]["message"]
+    assert events[-1]["event"] == "error" and "fails_from_third_call" in events[-1]["message"]
     # a wrong number of rewards is named the same way
     (tmp_path / "rewards.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n", encoding="utf-8")
     raw["grpo"]["rewards"] = [{"function": "short", "file": str(tmp_path / "rewards.py")}]
