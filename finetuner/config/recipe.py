@@ -677,7 +677,10 @@ class Recipe(_Section):
 
     # ------------------------------------------------------------------ saving
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if out.get("grpo") is None:  # only a GRPO recipe has the section: other recipes read as before
+            out.pop("grpo", None)
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -1043,14 +1046,13 @@ SYNONYMS: dict[str, str] = {
     **dict.fromkeys(["kto_rejected_weight", "kto_undesirable_weight"], "preference.undesirable_weight"),
     **dict.fromkeys(["ref_model", "reference_model", "precompute_ref_log_probs"], "preference.reference"),
     **dict.fromkeys(["sft_run", "init_from", "adapter_name_or_path"], "preference.start_from"),
-    **dict.fromkeys(["num_generations", "group_size", "n_samples_per_prompt"], "grpo.num_generations"),
+    **dict.fromkeys(["group_size", "n_samples_per_prompt"], "grpo.num_generations"),
     **dict.fromkeys(["max_completion_length", "generate_max_length", "response_length"], "grpo.max_new_tokens"),
     **dict.fromkeys(["reward_funcs", "reward_functions", "reward_fn", "reward_model"], "grpo.rewards"),
-    **dict.fromkeys(["epsilon", "cliprange", "clip_range", "clip_eps"], "grpo.epsilon"),
-    **dict.fromkeys(["epsilon_high", "clip_ratio_high"], "grpo.epsilon_high"),
-    **dict.fromkeys(["num_iterations", "ppo_epochs", "mu"], "grpo.num_iterations"),
+    **dict.fromkeys(["cliprange", "clip_range", "clip_eps"], "grpo.epsilon"),
+    **dict.fromkeys(["clip_ratio_high"], "grpo.epsilon_high"),
+    **dict.fromkeys(["ppo_epochs", "mu"], "grpo.num_iterations"),
     **dict.fromkeys(["kl_coef", "init_kl_coef", "kl_beta"], "grpo.beta"),
-    **dict.fromkeys(["scale_rewards"], "grpo.scale_rewards"),
 }
 
 
