@@ -170,8 +170,9 @@ class StepSchedule:
         return step / self.steps_per_epoch
 
 
-def predict_memory(recipe: Recipe, rt: Runtime):
-    """The memory model's prediction for this run on this device, or None if it cannot say."""
+def predict_memory(recipe: Recipe, rt: Runtime, objective=None):
+    """The memory model's prediction for this run on this device (the objective's term:
+    :meth:`finetuner.objectives.base.Objective.predict_memory`), or None if it cannot say."""
     try:
         from finetuner.config.hardware import cpu_profile, detect
         from finetuner.memory.model import estimate, settings_from_recipe
@@ -179,7 +180,8 @@ def predict_memory(recipe: Recipe, rt: Runtime):
 
         gpu = detect() if rt.is_cuda else cpu_profile()
         shape = resolve_shape(recipe.model.name, recipe.model.revision)
-        return estimate(shape, settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt), gpu)
+        settings = settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt)
+        return objective.predict_memory(shape, settings, gpu) if objective is not None else estimate(shape, settings, gpu)
     except Exception as e:  # an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None
@@ -272,7 +274,7 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
-        self.prediction = predict_memory(r, self.rt)
+        self.prediction = predict_memory(r, self.rt, self.objective)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
         gguf = info_for(r.model.name)
         self.events.emit(

@@ -104,7 +104,11 @@ def test_the_first_step_is_on_policy(tiny_model_dir, tmp_path):
     raw = grpo_recipe(tiny_model_dir, tmp_path, max_steps=1)
     raw["grpo"]["beta"] = 0.04
     raw["data"]["val_size"] = 0
-    step = _steps(finetuner.train(Recipe.from_dict(raw)).run_dir)[1]
+    run_dir = finetuner.train(Recipe.from_dict(raw)).run_dir
+    step = _steps(run_dir)[1]
+    predicted = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"][0]["predicted"]
+    assert predicted["peak_phase"] in predicted["phases"] and "generation" in predicted["phases"]  # GRPO's memory terms
+    assert "reference pass" in predicted["phases"] and predicted["components"]["generation: KV cache"] > 0
     assert step["completions_clipped"] == 1.0 and step["completion_length"] == 8
     assert step["loss"] == pytest.approx(0.0, abs=1e-6) and step["clip_ratio"] == 0 and step["kl"] == pytest.approx(0.0, abs=1e-7)
     assert step["grad_norm"] > 0
