@@ -635,7 +635,7 @@ def _check_objective(objective: str | None) -> str | None:
     if objective in (None, "auto"):
         return None
     planned = [o for o in get_args(Objective) if o != "grpo"]
-    if objective == "grpo":  # the memory model has no GRPO terms yet
+    if objective == "grpo":  # the search does not use GRPO's memory terms yet
         raise UserError("--objective grpo: plan does not size GRPO runs yet.",
                         hint=f"Plan with {', '.join(planned)}, or write a GRPO recipe by hand (recipes/demo_grpo_cpu.yaml).")
     if objective not in planned:
