@@ -131,6 +131,15 @@ class OutOfMemory(UserError):
     exit_code = 3
 
 
+class RewardError(UserError):
+    """A reward function failed on a batch of completions (it raised, or returned the wrong number of
+    rewards, or something that is not a number): the message names the function and the row."""
+
+    def __init__(self, message: str, *, function: str, row: int | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.function, self.row = function, row
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The closest valid spelling of ``word`` among ``choices``, if any is close enough."""
     matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

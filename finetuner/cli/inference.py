@@ -270,7 +270,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"{r.describe()} ({r.fine_tuned.tokens} scored tokens)")
     print(r.table())
     for s in r.samples[:2]:
-        print(f"\nreference:  {s['reference'].strip()}\nbase:       {s['base'].strip()}\nfine-tuned: {s['fine_tuned'].strip()}")
+        first = f"reference:  {s['reference'].strip()}" if "reference" in s else f"prompt:     {s['prompt'].strip()}"
+        print(f"\n{first}\nbase:       {s['base'].strip()}\nfine-tuned: {s['fine_tuned'].strip()}")
     if not args.no_write:
         from finetuner.infer.loading import resolve_source
 

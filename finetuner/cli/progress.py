@@ -34,6 +34,9 @@ def _gib(n: int | None) -> str:
 def _rewards(ev: dict[str, Any], prefix: str = "", sep: str = "  ") -> str:
     """A preference run's implicit rewards in a step (``prefix`` "") or eval ("eval_") record, e.g.
     ``"  reward accuracy 85%, margin 4.323"``; "" for an SFT record (no reward fields)."""
+    if ev.get(f"{prefix}reward") is not None:  # GRPO: the mean reward of the completions
+        spread = f" ± {ev['reward_std']:.3f}" if not prefix and ev.get("reward_std") is not None else ""
+        return f"{sep} reward {ev[f'{prefix}reward']:.3f}{spread}"
     acc = ev.get(f"{prefix}reward_accuracy")
     if acc is None:
         return ""
@@ -116,7 +119,9 @@ class ProgressPrinter:
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:
-            if "eval_reward_accuracy" in ev:  # a preference objective's loss is not a language-model loss: no perplexity
+            if ev.get("eval_loss") is None and "eval_reward" in ev:  # GRPO: no validation loss, the held-out reward
+                self.console.print(f"eval at step {ev['step']}: held-out{_rewards(ev, 'eval_', '')}", highlight=False)
+            elif "eval_reward_accuracy" in ev:  # a preference objective's loss is not a language-model loss: no perplexity
                 self.console.print(f"eval at step {ev['step']}: loss {_num(ev['eval_loss'], '.4f')}{_rewards(ev, 'eval_', ',')}", highlight=False)
             else:
                 self.console.print(f"eval at step {ev['step']}: loss {_num(ev['eval_loss'], '.4f')}, perplexity {_num(ev['eval_ppl'], '.2f')}", highlight=False)
@@ -140,7 +145,7 @@ class ProgressPrinter:
             ("train loss", f"{m['train_loss_first']:.4f} → {m['train_loss_last']:.4f}" if m["train_loss_first"] is not None else "-"),
             ("eval loss", "-" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}" if "eval_reward_accuracy" in m
              else f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})"),
-            *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m else []),
+            *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m or "eval_reward" in m else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
                                                         if self.predicted else "")),
             ("train time", f"{m['train_seconds']:.1f} s"),

@@ -37,8 +37,11 @@ Optimizer = Literal[
 ]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
-#: What training optimises: supervised fine-tuning, or a preference objective (:mod:`finetuner.training.preference`).
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+#: What training optimises (:mod:`finetuner.objectives`): supervised fine-tuning, a preference objective
+#: (:mod:`finetuner.objectives.preference`), or reinforcement learning from rewards (:mod:`finetuner.objectives.grpo`).
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+#: The preference objectives (the ``preference`` section's).
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
 #: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
 PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")
 #: The objectives that compare the model with a reference model (ORPO and SimPO need none).
@@ -369,6 +372,85 @@ class PreferenceSection(_Section):
         return self.beta if self.beta is not None else self.DEFAULT_BETA.get(objective, 0.1)
 
 
+class RewardSection(_Section):
+    """One reward function of ``objective: grpo``: a function of a Python file with TRL's signature
+    ``fn(prompts, completions, **columns) -> list[float]``, or a built-in
+    (:mod:`finetuner.rewards`) with its keyword arguments."""
+
+    function: str = Field(description="The function's name in file, or the name of a built-in reward when file is not set.")
+    file: str | None = Field(None, description="A Python file defining function (relative to the recipe).")
+    weight: float = Field(1.0, description="The reward's weight in the sum the advantages are computed from.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a built-in reward (e.g. column, pattern, max_words).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, raw: Any) -> Any:
+        """``- exact_match`` (a name alone) is a built-in with no arguments."""
+        return {"function": raw} if isinstance(raw, str) else raw
+
+    @model_validator(mode="after")
+    def _args_for_builtins(self) -> RewardSection:
+        if self.file is not None and self.args:
+            raise ValueError(f"args: set for '{self.function}' from {self.file}; args are the keyword arguments of a "
+                             "built-in reward: remove them (a function of your file takes the data's columns)")
+        return self
+
+
+class GRPOSection(_Section):
+    """Settings of ``objective: grpo``: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath)
+    with Dr. GRPO's and DAPO's variants (:mod:`finetuner.losses.grpo` writes out the formulas).
+
+    Each step takes the prompts of ``training.micro_batch_size × gradient_accumulation`` examples of
+    the data (the prompt side of any supported format, or a file of prompts), generates
+    ``num_generations`` completions of each with the adapter in the loop, scores them with the reward
+    functions, and trains on the completions with their group-relative advantages. TRL's
+    ``GRPOConfig`` names are accepted where they mean the same (:attr:`TRL_NAMES`).
+    """
+
+    #: TRL ``GRPOConfig`` names → this section's key (the same meaning)
+    TRL_NAMES: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens", "reward_funcs": "rewards",
+                                           "num_completions_to_print": "logged_completions"}
+
+    num_generations: int = Field(4, ge=2, description="Completions generated per prompt (the group whose rewards are compared).")
+    max_new_tokens: int = Field(64, ge=1, description="The longest completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p.")
+    rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions, summed with their weights.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL divergence to the reference (the base with the adapter off); 0: no reference pass.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping of the importance ratio to [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="DAPO's upper clip bound (default: epsilon).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="grpo: mean per sequence (DeepSeekMath); dr_grpo: sum over tokens / (sequences x max_new_tokens) "
+        "(Dr. GRPO); dapo: mean over all tokens (DAPO).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide the advantages by the group's reward std (group), the batch's (batch), or not (none, Dr. GRPO).")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
+    logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, raw: Any) -> Any:
+        """TRL's names for the same settings; ``scale_rewards`` true/false as TRL takes it."""
+        if not isinstance(raw, dict):
+            return raw
+        out = dict(raw)
+        for theirs, ours in cls.TRL_NAMES.items():
+            if theirs in out:
+                if ours in out:
+                    raise ValueError(f"{theirs} and {ours} are the same setting (TRL's name and finetuner's): give one")
+                out[ours] = out.pop(theirs)
+        if isinstance(out.get("scale_rewards"), bool):
+            out["scale_rewards"] = "group" if out["scale_rewards"] else "none"
+        return out
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GRPOSection:
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"epsilon_high: {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's upper bound is the "
+                             "larger one: raise it, or remove it")
+        return self
+
+
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
@@ -419,8 +501,10 @@ class Recipe(_Section):
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
-    objective: Objective = Field("sft", description="sft (supervised), or a preference objective on pairs (dpo, orpo, simpo) or rated responses (kto).")
+    objective: Objective = Field("sft", description="sft (supervised), a preference objective on pairs (dpo, orpo, simpo) or rated "
+                                 "responses (kto), or grpo (reinforcement learning from reward functions on prompts).")
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    grpo: GRPOSection | None = Field(None, description="Settings of objective grpo (its reward functions, group size, generation).")
     lora: LoraSection = Field(default_factory=LoraSection)
     quantization: QuantizationSection | None = None
     data: DataSection
@@ -498,6 +582,7 @@ class Recipe(_Section):
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
         _check_distributed(self)
         _check_preference(self)
+        _check_grpo(self)
         return self
 
     # ------------------------------------------------------------------ loading
@@ -581,11 +666,21 @@ class Recipe(_Section):
             r.data.val_path = _resolve_data_path(r.data.val_path, base_dir, source, "data.val_path")
         if r.preference.start_from:
             r.preference.start_from = _resolve_run_path(r.preference.start_from, base_dir, source)
+        for i, reward in enumerate(r.grpo.rewards if r.grpo else []):
+            if reward.file is not None:
+                found = locate(reward.file, f"{source}: grpo.rewards[{i}].file", [base_dir], hub=False)
+                if not found.is_file():
+                    raise UserError(f"{source}: grpo.rewards[{i}].file: {found} is a folder; name the Python file that "
+                                    f"defines {reward.function}.")
+                reward.file = str(found)
         return r
 
     # ------------------------------------------------------------------ saving
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if out.get("grpo") is None:  # only a GRPO recipe has the section: other recipes read as before
+            out.pop("grpo", None)
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -603,7 +698,7 @@ class Recipe(_Section):
 # ---------------------------------------------------------------------- YAML in and out
 #: The order of a recipe's keys in the YAML finetuner writes for people to read (``finetuner plan
 #: -o``, the web UI's editor): every top-level field of :class:`Recipe`, each once.
-KEY_ORDER = ("name", "model", "method", "objective", "preference", "quantization", "lora", "data", "training", "distributed",
+KEY_ORDER = ("name", "model", "method", "objective", "preference", "grpo", "quantization", "lora", "data", "training", "distributed",
              "checkpointing", "logging", "samples", "output_dir", "device")
 
 
@@ -788,10 +883,10 @@ def _check_preference(r: Recipe) -> None:
     p, obj = r.preference, r.objective
     # keys whose value is not the default (a saved recipe holds every key, so being present says nothing)
     given = [k for k, f in PreferenceSection.model_fields.items() if getattr(p, k) != f.default]
-    if obj == "sft":
+    if obj not in PREFERENCE_OBJECTIVES:
         if given:
             raise ValueError(
-                f"preference.{given[0]}: set, but objective is 'sft': set objective to dpo, orpo, simpo or kto, "
+                f"preference.{given[0]}: set, but objective is '{obj}': set objective to dpo, orpo, simpo or kto, "
                 "or remove the preference section"
             )
         return
@@ -821,6 +916,33 @@ def _check_preference(r: Recipe) -> None:
         )
     if r.data.train_on_prompt:
         raise ValueError(f"data.train_on_prompt: objective '{obj}' scores only the responses: remove train_on_prompt")
+
+
+def _check_grpo(r: Recipe) -> None:
+    """Combinations of ``objective: grpo`` and its ``grpo`` section with the rest of the recipe that cannot run."""
+    g = r.grpo
+    if r.objective != "grpo":
+        if g is not None:
+            raise ValueError(f"grpo: set, but objective is '{r.objective}': set objective to grpo, or remove the grpo section")
+        return
+    if g is None or not g.rewards:
+        raise ValueError("grpo.rewards: objective grpo trains on rewards: name at least one reward function, e.g. "
+                         "grpo: {rewards: [{function: my_reward, file: rewards.py}]} (a file of functions with TRL's signature)")
+    auto = r.auto_keys()
+    if auto:  # the planner does not search GRPO's terms yet: it would size the run as another objective
+        raise ValueError(f"{auto[0]}: 'auto' is planned for sft and the preference objectives, not yet for grpo: give it a value "
+                         "(e.g. method lora, micro_batch_size 8, gradient_accumulation 1)")
+    if g.beta and r.method == "full":
+        raise ValueError("grpo.beta: the reference is the base with the adapter off, and method 'full' has no adapter: "
+                         "set beta: 0, or use method lora or qlora")
+    if r.data.packing is True:
+        raise ValueError("data.packing: objective 'grpo' generates a group of completions per prompt, so prompts cannot be "
+                         "packed: set packing: false")
+    if r.data.train_on_prompt:
+        raise ValueError("data.train_on_prompt: objective 'grpo' trains only on the generated completions: remove train_on_prompt")
+    if g.max_new_tokens >= r.data.max_seq_len:
+        raise ValueError(f"grpo.max_new_tokens: {g.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
+                         f"{r.data.max_seq_len} (prompt + completion): lower it, or raise data.max_seq_len")
 
 
 def _resolve_run_path(p: str, base_dir: Path, source: str) -> str:
@@ -928,6 +1050,13 @@ SYNONYMS: dict[str, str] = {
     **dict.fromkeys(["kto_rejected_weight", "kto_undesirable_weight"], "preference.undesirable_weight"),
     **dict.fromkeys(["ref_model", "reference_model", "precompute_ref_log_probs"], "preference.reference"),
     **dict.fromkeys(["sft_run", "init_from", "adapter_name_or_path"], "preference.start_from"),
+    **dict.fromkeys(["group_size", "n_samples_per_prompt"], "grpo.num_generations"),
+    **dict.fromkeys(["max_completion_length", "generate_max_length", "response_length"], "grpo.max_new_tokens"),
+    **dict.fromkeys(["reward_funcs", "reward_functions", "reward_fn", "reward_model"], "grpo.rewards"),
+    **dict.fromkeys(["cliprange", "clip_range", "clip_eps"], "grpo.epsilon"),
+    **dict.fromkeys(["clip_ratio_high"], "grpo.epsilon_high"),
+    **dict.fromkeys(["ppo_epochs", "mu"], "grpo.num_iterations"),
+    **dict.fromkeys(["kl_coef", "init_kl_coef", "kl_beta"], "grpo.beta"),
 }
 
 

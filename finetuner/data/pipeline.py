@@ -23,7 +23,6 @@ the same inputs loads it instead of tokenizing again.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any

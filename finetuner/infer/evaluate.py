@@ -1,7 +1,8 @@
 """Held-out loss and perplexity of the base model and the fine-tune, side by side.
 
 Held-out preference pairs (a file of pairs, or a preference run's own split) get preference
-accuracy and margin instead (:mod:`finetuner.infer.preference_eval`).
+accuracy and margin instead (:mod:`finetuner.infer.preference_eval`); a GRPO run's held-out prompts
+the mean reward of sampled completions (:mod:`finetuner.infer.reward_eval`).
 
 The held-out set is the run's validation split exactly as the trainer built it (the same
 recipe, tokenizer and seed through :func:`finetuner.data.pipeline.prepare_data`), or any data file given
@@ -25,6 +26,7 @@ from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
 from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
+from finetuner.infer.reward_eval import RewardEvalResult, evaluate_rewards
 from finetuner.locate import locate
 
 
@@ -117,7 +119,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
 def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float, int]:
     import torch
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     total, n = 0.0, 0
     with torch.no_grad():
@@ -185,9 +187,10 @@ def evaluate_run(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     columns: dict[str, str] | None = None,
-) -> EvalResult | PreferenceEvalResult:
+) -> EvalResult | PreferenceEvalResult | RewardEvalResult:
     """Loss and perplexity of the base model and the fine-tune on held-out data (on preference
-    pairs: preference accuracy and margin, a :class:`PreferenceEvalResult`).
+    pairs: preference accuracy and margin, a :class:`PreferenceEvalResult`; for a GRPO run: the mean
+    reward of completions of its held-out prompts, or of ``data``'s, a :class:`RewardEvalResult`).
 
     Args:
         run: a run folder (``runs/<name>``) or its ``adapter/`` folder.
@@ -220,6 +223,13 @@ def evaluate_run(
         data = locate(str(data), "--data", hub=False)
     tokenizer = load_tokenizer(src)
     tokenizer.chat_template = chat_template(src, tokenizer)
+    if src.recipe is not None and src.recipe.objective == "grpo":  # rewards of sampled completions
+        if exact_match:
+            raise UserError("--exact-match: compares replies with a reference; a GRPO run is scored by its reward functions.")
+        result = evaluate_rewards(src, tokenizer, data, batch_size, device, load_model)
+        if write and src.run_dir is not None:
+            record_in_metrics(src.run_dir, result)
+        return result
     kind = file_kind(str(data)) if data is not None else (
         "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else "sft")
     if kind == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
@@ -273,7 +283,7 @@ def evaluate_run(
     return result
 
 
-def record_in_metrics(run_dir: Path, result: EvalResult | PreferenceEvalResult) -> None:
+def record_in_metrics(run_dir: Path, result: EvalResult | PreferenceEvalResult | RewardEvalResult) -> None:
     """Add the result under ``evaluation`` in ``metrics.json`` (atomic; other keys are kept)."""
     import json
 

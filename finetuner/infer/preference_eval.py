@@ -3,7 +3,7 @@
 ``finetuner eval RUN --data PAIRS`` (or a preference run's own validation split) comes here
 (:func:`finetuner.infer.evaluate.evaluate_run` hands pairs over). For each pair, each model's
 log-probability of the chosen and of the rejected response is summed over the response tokens
-(:func:`finetuner.training.preference.sequence_logps`, the trainer's own scoring): a model
+(:func:`finetuner.model.scoring.sequence_logps`, the trainer's own scoring): a model
 *prefers* the chosen response when it gives it the higher log-probability. Reported per model:
 
 * ``accuracy``: the fraction of pairs it prefers the chosen response of;
@@ -129,7 +129,7 @@ def _scores(model, collate, pairs, batch_size: int, device: str):
     scored tokens, and the scored tokens in all."""
     import torch
 
-    from finetuner.training.preference import sequence_logps
+    from finetuner.model.scoring import sequence_logps
 
     chosen, rejected, n_chosen, n_rejected, tokens = [], [], [], [], 0
     with torch.no_grad():

@@ -15,7 +15,7 @@ trainer (a torchtune-style loop on transformers + peft + bitsandbytes):
   with a 128k vocabulary);
 * full fine-tuning keeps fp32 master weights (mixed precision: 4 + 4 + 8 bytes per parameter of
   weights, gradients and AdamW states, the "16 bytes per parameter" of ZeRO's paper);
-* the loss is finetuner's chunked cross-entropy (``finetuner.training.trainer.token_loss_sum``):
+* the loss is finetuner's chunked cross-entropy (``finetuner.model.scoring.token_loss_sum``):
   the decoder's hidden states of the labelled positions only are gathered, and the LM head + fp32
   cross-entropy run ``loss_chunk`` tokens at a time under activation checkpointing, so the full
   ``tokens x vocab`` logits never exist. ``loss_chunk=0`` models the plain path
@@ -153,7 +153,7 @@ class Settings:
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
     platform: Literal["cuda", "cpu"] = "cuda"
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"  # preference objectives: preference_cost
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"  # preference objectives: preference_cost
     reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
 
     def __post_init__(self) -> None:
@@ -647,7 +647,7 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
 # ====================================================================== preference objectives
 @dataclass
 class PreferenceCost:
-    """What a preference objective (:mod:`finetuner.training.preference`) adds to a step.
+    """What a preference objective (:mod:`finetuner.objectives.preference`) adds to a step.
 
     * ``rows``: sequences per micro-batch in the forward: each example is two (chosen and
       rejected; KTO: the response and its mismatched pair), so the activations are those of a
@@ -668,8 +668,8 @@ class PreferenceCost:
 
 
 def preference_cost(shape: ModelShape, s: Settings) -> PreferenceCost | None:
-    """The preference objective's term of :func:`estimate`; ``None`` for SFT."""
-    if s.objective == "sft":
+    """The preference objective's term of :func:`estimate`; ``None`` for the other objectives."""
+    if s.objective not in ("dpo", "orpo", "simpo", "kto"):
         return None
     rows = 2 * s.micro_batch
     T = rows * s.seq_len

@@ -36,7 +36,10 @@ class ProgressBar:
             self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.refresh()
         elif kind == "eval":
-            self.postfix["eval_loss"] = f"{ev['eval_loss']:.4f}"
+            if ev.get("eval_loss") is not None:
+                self.postfix["eval_loss"] = f"{ev['eval_loss']:.4f}"
+            if ev.get("eval_reward") is not None:  # GRPO's held-out reward
+                self.postfix["eval_reward"] = f"{ev['eval_reward']:.3f}"
             self.bar.set_postfix(self.postfix)
         elif kind in TERMINAL_EVENTS:
             if kind != "done":

@@ -65,11 +65,11 @@ class CheckpointInvalidEvent(Event):
 class _Objective(TypedDict, total=False):
     """The objective trained (absent in the events of runs from before it was written: sft)."""
 
-    objective: str  # sft, dpo, orpo, simpo or kto
+    objective: str  # sft, dpo, orpo, simpo, kto or grpo
 
 
 class _Rewards(TypedDict, total=False):
-    """A preference objective's implicit rewards (finetuner.training.preference), means over the
+    """A preference objective's implicit rewards (finetuner.objectives.preference), means over the
     step's examples: of the chosen (KTO: desirable) and rejected (undesirable) responses, their
     difference, and the fraction of pairs whose chosen reward is the higher (KTO: of responses whose
     reward has the sign of their label). Absent for SFT."""
@@ -87,6 +87,38 @@ class _EvalRewards(TypedDict, total=False):
     eval_reward_rejected: float
     eval_reward_margin: float
     eval_reward_accuracy: float
+
+
+class _GroupRewards(TypedDict, total=False):
+    """GRPO's step (finetuner.objectives.grpo): the rollout's rewards, means over the step's completions:
+    ``reward`` the weighted total, ``reward_std`` its within-group standard deviation averaged over the
+    groups, ``rewards`` each function's ``{"mean", "std"}`` by name; the completions' mean length in
+    tokens and the share cut at ``max_new_tokens``; the share of groups whose rewards were all equal
+    (no signal); the loss's token-mean KL to the reference (``beta > 0`` only) and clip fractions; and
+    ``completions``, a few sampled completions ``{"prompt", "completion", "reward", "rewards"}``.
+    Absent for the other objectives."""
+
+    reward: float
+    reward_std: float
+    rewards: dict[str, Any]
+    completion_length: float
+    completions_clipped: float
+    zero_std_groups: float
+    kl: float
+    clip_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    completions: list[dict[str, Any]]
+
+
+class _EvalGroupRewards(TypedDict, total=False):
+    """GRPO's evaluation: the mean total reward of completions of the held-out prompts (sampled with a
+    fixed seed), each function's mean by name, and the completions' mean length (its ``eval_loss`` is
+    null: GRPO has no validation loss)."""
+
+    eval_reward: float
+    eval_rewards: dict[str, Any]
+    eval_completion_length: float
 
 
 class _Tiling(TypedDict, total=False):
@@ -165,7 +197,7 @@ class DistributedEvent(Event, _Fsdp):
     configs: list[str]
 
 
-class StepEvent(Event, _Memory, _Rewards):
+class StepEvent(Event, _Memory, _Rewards, _GroupRewards):
     """An optimizer step (every ``logging.every`` steps, and the last one)."""
 
     step: int
@@ -193,7 +225,7 @@ class OomBackoffEvent(Event):
     message: str
 
 
-class EvalEvent(Event, _EvalRewards):
+class EvalEvent(Event, _EvalRewards, _EvalGroupRewards):
     """Validation loss (every ``training.eval_every`` steps and at the end)."""
 
     step: int

@@ -11,15 +11,8 @@ def check_inputs(recipe: Recipe) -> None:
     :class:`~finetuner.errors.UserError` here. ``--no-resume`` moves an old run aside only after this
     (:func:`finetuner.runs.folder.prepare_run_dir`)."""
     from finetuner.model.loading import load_tokenizer
+    from finetuner.objectives import build_objective
     from finetuner.quiet import quieted
 
     with quieted():
-        tokenizer = load_tokenizer(recipe)
-        if recipe.objective != "sft":
-            from finetuner.data.preference import prepare_preference_data
-
-            prepare_preference_data(recipe.data, recipe.objective, tokenizer, recipe.training.seed)
-        else:
-            from finetuner.data.pipeline import prepare_data
-
-            prepare_data(recipe.data, tokenizer, recipe.training.seed)
+        build_objective(recipe).prepare_data(load_tokenizer(recipe))

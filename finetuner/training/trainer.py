@@ -32,16 +32,16 @@ from typing import Any
 
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.data import cache as data_cache
-from finetuner.data.pipeline import IGNORE_INDEX, Collator, PreparedData, prepare_data
+from finetuner.data.pipeline import PreparedData
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
-from finetuner.training.lm_head import at_least_fp32 as _at_least_fp32, decoder_and_head as _decoder_and_head
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
 from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
 from finetuner.model.offload import save_on_cpu
+from finetuner.objectives import build_objective
 from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
@@ -150,75 +150,6 @@ def split_step(n_examples: int, micro_batch_size: int, world_size: int) -> list[
     return out
 
 
-def target_tokens(examples: list[dict[str, list[int]]]) -> int:
-    """How many tokens of these examples the loss is taken on (labelled, after the first)."""
-    return sum(sum(1 for label in x["labels"][1:] if label != IGNORE_INDEX) for x in examples)
-
-
-def step_loss_module(model, chunk_size: int, fused_ce):
-    """The module a step's forward goes through: the token-loss sum of a batch. DDP or a DeepSpeed
-    engine wraps this module (not the bare model), so their hooks see the whole loss computation."""
-    import torch
-
-    class StepLoss(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, batch: dict[str, Any]):
-            loss_sum, _ = token_loss_sum(self.model, batch, chunk_size, fused_ce)
-            return loss_sum
-
-    return StepLoss()
-
-
-def _chunk_ce(head, softcap, hidden, targets):
-    import torch.nn.functional as F
-
-    logits = _at_least_fp32(head(hidden))
-    if softcap:
-        logits = (logits / softcap).tanh() * softcap
-    return F.cross_entropy(logits, targets, reduction="sum")
-
-
-def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_ce=None):
-    """Sum of next-token cross-entropy (fp32) over labelled tokens, and their number.
-
-    With ``chunk_size > 0`` the logits are computed only for labelled positions, ``chunk_size``
-    tokens at a time, each chunk under activation checkpointing: the full ``tokens × vocab``
-    logits tensor (and its fp32 copy and gradient) never exists, which for a 128k vocabulary
-    is several GB per 4k tokens. The result equals the full computation.
-
-    ``fused_ce`` (``(head, hidden, targets, softcap) -> loss sum``, Liger's fused linear cross-entropy,
-    see :mod:`finetuner.model.kernels`) replaces the chunked loop when given; it too runs on the
-    labelled positions only.
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
-
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    labels = batch["labels"][:, 1:]
-    n_tokens = int((labels != IGNORE_INDEX).sum())
-    decoder, head, softcap = _decoder_and_head(model) if chunk_size else (None, None, None)
-    if decoder is None:
-        logits = model(**inputs, use_cache=False).logits
-        loss = F.cross_entropy(
-            _at_least_fp32(logits[:, :-1]).reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return loss, n_tokens
-    hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
-    keep = labels != IGNORE_INDEX
-    hidden, targets = hidden[keep], labels[keep]
-    if fused_ce is not None and torch.is_grad_enabled():
-        return fused_ce(head, hidden, targets, softcap), n_tokens
-    loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    for start in range(0, targets.numel(), chunk_size):
-        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        loss = loss + (checkpoint(_chunk_ce, head, softcap, h, t, use_reentrant=False) if torch.is_grad_enabled() else _chunk_ce(head, softcap, h, t))
-    return loss, n_tokens
-
-
 class StepSchedule:
     """Which examples each optimizer step uses: chunks of a seeded permutation per epoch."""
 
@@ -239,8 +170,9 @@ class StepSchedule:
         return step / self.steps_per_epoch
 
 
-def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0):
-    """The memory model's prediction for this run on this device, or None if it cannot say."""
+def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0, objective=None):
+    """The memory model's prediction for this run on this device (the objective's term:
+    :meth:`finetuner.objectives.base.Objective.predict_memory`), or None if it cannot say."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.memory.model import estimate, settings_from_recipe
@@ -249,7 +181,7 @@ def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0):
         gpu = run_profile(rt.device)
         shape = resolve_shape(recipe.model.name, recipe.model.revision)
         settings = settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt).with_(label_fraction=label_fraction)
-        return estimate(shape, settings, gpu)
+        return objective.predict_memory(shape, settings, gpu) if objective is not None else estimate(shape, settings, gpu)
     except Exception as e:  # an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None
@@ -326,18 +258,13 @@ class Trainer:
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
         self.tokenizer = load_tokenizer(r)
-        self.pref = None  # a preference objective (finetuner.training.preference), or None for SFT
-        if r.objective != "sft":
-            from finetuner.training.preference import PreferenceObjective
-
-            self.pref = PreferenceObjective(r, self.run_dir)
-            r = self.recipe = self.pref.adopt_start(r)
-        self.data: PreparedData = self.pref.prepare_data(self.tokenizer) if self.pref else prepare_data(r.data, self.tokenizer, r.training.seed)
+        self.objective = build_objective(r, self.run_dir)  # what is trained: finetuner.objectives
+        r = self.recipe = self.objective.adopt(r)
+        self.data: PreparedData = self.objective.prepare_data(self.tokenizer)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
         self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement()), r, self.rt.tiled_mlp)
-        if self.pref:
-            self.pref.load_start_adapter(self.model)
+        self.objective.on_model(self.model)
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -347,17 +274,16 @@ class Trainer:
             from finetuner.model.kernels import compile_layers
 
             compile_layers(self.model)
-        self.collate = self.pref.collator(self.tokenizer.pad_token_id) if self.pref else Collator(self.tokenizer.pad_token_id)
+        self.collate = self.objective.collator(self.tokenizer.pad_token_id)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
-        self.max_steps = optimizer_steps(t.max_steps, t.epochs, len(self.data.train), t.effective_batch_size)
+        self.max_steps = t.max_steps or (
+            optimizer_steps(None, t.epochs, len(self.data.train), t.effective_batch_size) * self.objective.steps_per_batch)
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
-        self.step_loss = (self.pref.step_loss_module(self.model, t.loss_chunk_size) if self.pref
-                          else step_loss_module(self.model, t.loss_chunk_size, self.fused_ce))
-        if self.pref:
-            self.pref.prepare_reference(self)  # the step-0 model's scores, before any checkpoint is applied
+        self.step_loss = self.objective.step_loss_module(self.model, t.loss_chunk_size, self.fused_ce)
+        self.objective.prepare(self)  # e.g. the step-0 model's reference scores, before any checkpoint is applied
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
         self.resumed_from = None
         self._distribute()
@@ -371,7 +297,7 @@ class Trainer:
         from finetuner.planning.planner import label_fraction_of
 
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
-        self.prediction = predict_memory(r, self.rt, label_fraction)
+        self.prediction = predict_memory(r, self.rt, label_fraction, self.objective)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
         self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction)
         gguf = info_for(r.model.name)
@@ -416,7 +342,7 @@ class Trainer:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        """The step's sums (its loss sum, its token count, a preference objective's rewards) over
+        """The step's sums (its loss sum, its token count, the objective's own sums) over
         all ranks, in one all-reduce; one process: as they are."""
         return values
 
@@ -455,22 +381,33 @@ class Trainer:
             state = self._apply_checkpoint(ckpt, parts)
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
             self.elapsed_before, self.losses = state["elapsed_s"], state["losses"]
+            self.objective.load_state(state.get("objective") or {})
             self.resumed_from = self.step
             return
 
     # ---------------------------------------------------------------- one step
-    def _autocast(self):
+    def autocast(self):
+        """The autocast context of a forward pass in the run's precision (fp32: none)."""
         import torch
 
         if self.rt.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type="cuda" if self.rt.is_cuda else "cpu", dtype=self.rt.torch_dtype(self.rt.precision))
 
-    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A collated batch with its tensors on the run's device."""
         return {k: (v.to(self.rt.device) if hasattr(v, "to") else v) for k, v in batch.items()}
 
-    def train_step(self, step: int) -> tuple[float, int, float | None]:
-        """One optimizer step over this rank's micro-batches of the step (one process: all of them).
+    def step_examples(self, step: int) -> list[dict[str, Any]]:
+        """The examples ``step`` trains on: the schedule's (each batch of it used for the objective's
+        ``steps_per_batch`` steps), through the objective's step hook (an objective that generates
+        returns the generated rows)."""
+        scheduled = self.schedule.indices(step // self.objective.steps_per_batch)
+        return self.objective.before_step(self, step, [self.data.train[i] for i in scheduled])
+
+    def train_step(self, step: int, examples: list[dict[str, Any]] | None = None) -> tuple[float, int, float | None]:
+        """One optimizer step over this rank's micro-batches of the step (one process: all of them);
+        ``examples``: the step's (default: :meth:`step_examples`).
 
         Returns (mean token loss, real tokens processed, grad norm), over all ranks. Every rank
         runs as many backward passes as the rank with the most micro-batches (a missing one is a
@@ -480,10 +417,10 @@ class Trainer:
         (:meth:`_sync_gradients`) or the optimizer steps.
         """
         t = self.recipe.training
-        examples = [self.data.train[i] for i in self.schedule.indices(step)]
+        examples = self.step_examples(step) if examples is None else examples
         shares = split_step(len(examples), t.micro_batch_size, self.world_size)
         mine, n_passes = shares[self.rank], max(len(s) for s in shares)
-        n_target = self.pref.start_step(examples) if self.pref else target_tokens(examples)
+        n_target = self.objective.start_step(examples)
         total_loss, tokens = 0.0, 0
         if not self.model.training:  # train() walks every module: only when evaluation switched it off
             self.model.train()
@@ -504,10 +441,9 @@ class Trainer:
             tokens += n_tokens
         self._sync_gradients()
         grad_norm = self._optimizer_step()
-        sums = self._sum_over_ranks([total_loss, float(tokens), *(self.pref.step_totals() if self.pref else ())])
+        sums = self._sum_over_ranks([total_loss, float(tokens), *self.objective.step_totals()])
         total_loss, tokens = sums[0], round(sums[1])
-        if self.pref:
-            self.pref.set_step_totals(sums[2:])  # the rewards of all the step's examples, not only this rank's
+        self.objective.set_step_totals(sums[2:])  # e.g. the rewards of all the step's examples, not only this rank's
         return total_loss / max(n_target, 1), tokens, grad_norm
 
     def _micro_step(self, examples, bounds: tuple[int, int] | None, n_target: int, last: bool) -> tuple[float, int]:
@@ -515,10 +451,10 @@ class Trainer:
         on one example); returns its token-loss sum and tokens. Its tensors die with this call."""
         t = self.recipe.training
         start, end = bounds or (0, 1)
-        mb = self._to_device(self.collate(examples[start:end]))
-        padding = self.pref.uncounted() if self.pref and bounds is None else contextlib.nullcontext()
+        mb = self.to_device(self.collate(examples[start:end]))
+        padding = self.objective.uncounted() if bounds is None else contextlib.nullcontext()
         with self._gradient_sync(last=last), padding:  # a zero-weight pass adds nothing to the step's rewards
-            with self._autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
+            with self.autocast(), save_on_cpu(t.offload_activations and not t.gradient_checkpointing, self.rt.is_cuda):
                 loss_sum = self.step_loss(mb)
             # the gradient of the global token-loss sum over the global token count: DDP and ZeRO
             # average the ranks' gradients, so each rank's part is weighted by the number of ranks
@@ -536,7 +472,7 @@ class Trainer:
     def _optimizer_step(self) -> float | None:
         return optimizer_step(self.optimizer, self.scheduler, self.trainable_params(), self.recipe.training.max_grad_norm, self.scaler)
 
-    def train_step_with_backoff(self, step: int) -> tuple[float, int, float | None]:
+    def train_step_with_backoff(self, step: int, examples: list[dict[str, Any]] | None = None) -> tuple[float, int, float | None]:
         """:meth:`train_step`, retried with half the micro-batch and twice the accumulation on OOM.
 
         The failure is recorded inside the ``except`` block and the memory freed after it: while
@@ -549,7 +485,7 @@ class Trainer:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if self.rt.is_cuda else None)
         while True:
             try:
-                return self.train_step(step)
+                return self.train_step(step, examples)
             except StepOutOfMemory as e:
                 failure = e.message
             except Exception as e:
@@ -646,31 +582,18 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
-        import torch
-
-        if self.pref:
-            loss, self.eval_extra = self.pref.evaluate(self)
-            return loss
-        if self.data.val is None:
-            return None
-        self.model.eval()
-        total, n = 0.0, 0
-        mbs = self.recipe.training.micro_batch_size
-        with torch.no_grad(), self.evaluation():
-            for i in range(0, len(self.data.val), mbs):
-                batch = self._to_device(self.collate([self.data.val[j] for j in range(i, min(i + mbs, len(self.data.val)))]))
-                with self._autocast():
-                    loss_sum, count = token_loss_sum(self.model, batch, self.recipe.training.loss_chunk_size)
-                total += float(loss_sum)
-                n += count
-        self.model.train()
-        return total / max(n, 1)
+        """The objective's validation loss (None without validation data); its other fields are kept
+        for the ``eval`` event and the metrics."""
+        loss, self.eval_extra = self.objective.evaluate(self)
+        return loss
 
     def _eval_and_log(self) -> float | None:
         val = self.evaluate()
-        if val is not None:
-            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)), **getattr(self, "eval_extra", {}))
-            if self.tb:
+        extra = getattr(self, "eval_extra", {})
+        if val is not None or extra:  # an objective without a validation loss may still report (GRPO's rewards)
+            self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)) if val is not None else None,
+                             **extra)
+            if self.tb and val is not None:
                 self.tb.add_scalar("eval/loss", val, self.step)
         return val
 
@@ -684,6 +607,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "elapsed_s": elapsed,
             "losses": self.losses,
+            "objective": self.objective.state(),
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation": t.gradient_accumulation,
         }
@@ -786,7 +710,13 @@ class Trainer:
             if self.stop_event.is_set():
                 stopped = True
                 break
-            loss, tokens, grad_norm = self.train_step_with_backoff(self.step)
+            try:  # the objective's step hook runs user code (GRPO's reward functions): what it stops loses nothing
+                examples = self.step_examples(self.step)
+            except UserError:
+                if self.step > last_saved:
+                    self.save_checkpoint(self.elapsed_before + time.perf_counter() - start)
+                raise
+            loss, tokens, grad_norm = self.train_step_with_backoff(self.step, examples)
             t = self.recipe.training  # the micro-batch may have been backed off
             if not math.isfinite(loss):
                 raise UserError(
@@ -825,7 +755,7 @@ class Trainer:
                     elapsed_s=round(elapsed, 3),
                     eta_s=round(per_step * (self.max_steps - self.step), 1),
                     micro_batch_size=t.micro_batch_size,
-                    **(self.pref.step_metrics() if self.pref else {}),
+                    **self.objective.step_metrics(),
                     **mem,
                 )
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:

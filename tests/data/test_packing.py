@@ -78,7 +78,7 @@ def test_packed_and_unpacked_training_give_the_same_loss_and_gradients(tiny_mode
     import datasets
     import torch
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     exs = _examples(6)
     ds = datasets.Dataset.from_list(exs)

@@ -61,7 +61,7 @@ def test_compiled_layers_give_the_same_loss_and_gradients(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     torch.manual_seed(0)
     # float64: the traced layers may run the same sums in another order; in fp32 that is ~1e-6

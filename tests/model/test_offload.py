@@ -57,7 +57,7 @@ def _forward_and_count(model, context=None):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     created: list[tuple[StorageWeakRef, int, str]] = []
 

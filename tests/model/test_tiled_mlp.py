@@ -56,7 +56,7 @@ def _batch():
 def _loss_and_grads(model):
     import torch
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     model.zero_grad()
     torch.manual_seed(123)  # the dropout masks

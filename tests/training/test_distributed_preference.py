@@ -141,8 +141,8 @@ def _kto_rank(rank: int, world_size: int, port: int, recipe_dict: dict, out: str
     steps = []
     for step in range(3):
         loss, _, _ = trainer.train_step(step)
-        steps.append({"loss": loss, **trainer.pref.step_metrics()})
-    eval_loss, eval_rewards = trainer.pref.evaluate(trainer)
+        steps.append({"loss": loss, **trainer.objective.step_metrics()})
+    eval_loss, eval_rewards = trainer.objective.evaluate(trainer)
     final = {n: p.detach().tolist() for n, p in trainer.model.named_parameters() if p.requires_grad}
     Path(out, f"rank{rank}-of-{world_size}.json").write_text(
         json.dumps({"steps": steps, "eval": {"eval_loss": eval_loss, **eval_rewards}, "final": final}))

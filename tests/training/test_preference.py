@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.training.preference import dpo_loss, kto_loss, orpo_loss, sequence_logps, simpo_loss
+from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss
+from finetuner.model.scoring import sequence_logps
 
 
 # --------------------------------------------------------------------------- the formulas, written out

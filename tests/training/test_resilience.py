@@ -110,7 +110,7 @@ def test_offloaded_checkpointing_is_installed_and_trains_every_layer(recipe_dict
     from finetuner.model.loading import load_base_model, prepare_for_training
     from finetuner.config.runtime import resolve_runtime
     from finetuner.model.offload import offloaded_checkpoint
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     import torch
 

@@ -165,7 +165,7 @@ def test_chunked_loss_equals_full_logits_loss(tiny_model_dir, packed):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetuner.training.trainer import token_loss_sum
+    from finetuner.model.scoring import token_loss_sum
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).double()
     g = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 A micro-batch of ``n`` pairs is one forward pass over ``2n`` rows, the chosen responses then the
 rejected ones (:class:`finetuner.data.preference.PreferenceCollator`; KTO: the rated responses
-then their mismatched pairs). :func:`sequence_logps` sums each row's log-probabilities over its
+then their mismatched pairs). :func:`finetuner.model.scoring.sequence_logps` sums each row's log-probabilities over its
 response tokens, computing the logits ``loss_chunk_size`` scored tokens at a time through the LM
 head (as the SFT loss does): the ``tokens × vocab`` logits never exist at once.
 
@@ -18,7 +18,7 @@ The reference model (DPO, KTO) is the policy's own base:
   which is exactly the SFT model the reference should be; switching the adapter off would give
   the base instead. A full fine-tune (no adapter) uses it too.
 
-The losses (:func:`dpo_loss`, :func:`orpo_loss`, :func:`simpo_loss`, :func:`kto_loss`) take
+The losses (:mod:`finetuner.losses.preference`: ``dpo_loss``, ``orpo_loss``, ``simpo_loss``, ``kto_loss``) take
 per-sequence log-probabilities and return the per-example losses and the rewards the events
 report. A step's loss is the mean over the step's examples, whatever its split into micro-batches.
 
@@ -39,119 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe, load_yaml
-from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
-from finetuner.training.lm_head import at_least_fp32, decoder_and_head
+from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss
+from finetuner.model.scoring import sequence_logps
+from finetuner.objectives.base import Objective, register
 
 log = logging.getLogger(__name__)
 
 REFERENCE_FILE = "reference_logps.pt"
 
 
-# --------------------------------------------------------------------------- log-probabilities
-def _chunk_logps(head, softcap, hidden, targets):
-    import torch.nn.functional as F
-
-    logits = at_least_fp32(head(hidden))
-    if softcap:
-        logits = (logits / softcap).tanh() * softcap
-    return -F.cross_entropy(logits, targets, reduction="none")
-
-
-def sequence_logps(model, batch: dict[str, Any], chunk_size: int = 1024):
-    """Per row: the sum of the log-probabilities of its scored tokens (labels not ``-100``), and
-    their number (both ``[rows]``, the sums in fp32). With ``chunk_size > 0`` the logits exist only
-    for ``chunk_size`` scored tokens at a time, each chunk recomputed in backward."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
-
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
-    labels = batch["labels"][:, 1:]
-    keep = labels != IGNORE_INDEX
-    counts = keep.sum(-1)
-    rows = torch.arange(labels.size(0), device=labels.device).unsqueeze(1).expand_as(labels)[keep]
-    decoder, head, softcap = decoder_and_head(model) if chunk_size else (None, None, None)
-    if decoder is None:
-        logits = at_least_fp32(model(**inputs, use_cache=False).logits[:, :-1])
-        token = -F.cross_entropy(logits[keep], labels[keep], reduction="none")
-    else:
-        hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1][keep]
-        targets = labels[keep]
-        parts = []
-        for start in range(0, targets.numel(), chunk_size):
-            h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-            parts.append(checkpoint(_chunk_logps, head, softcap, h, t, use_reentrant=False)
-                         if torch.is_grad_enabled() else _chunk_logps(head, softcap, h, t))
-        token = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    sums = token.new_zeros(labels.size(0)).index_add(0, rows, token)
-    return sums, counts
-
-
-# --------------------------------------------------------------------------- the losses
-def dpo_loss(pc, pr, rc, rr, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0, nc=None, nr=None):
-    """DPO (Rafailov et al. 2023), with cDPO's label smoothing, or IPO (Azar et al. 2023).
-
-    ``pc, pr``: the policy's summed log-probabilities of the chosen and rejected responses;
-    ``rc, rr``: the reference's. IPO takes log-probabilities averaged over the response tokens
-    (``nc, nr``: their numbers), as TRL does. Returns (losses, chosen rewards, rejected rewards),
-    the rewards ``beta · (policy − reference)``, detached.
-    """
-    import torch.nn.functional as F
-
-    if loss_type == "ipo":
-        h = (pc - rc) / nc - (pr - rr) / nr
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        h = (pc - pr) - (rc - rr)
-        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    return losses, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
-
-
-def orpo_loss(pc, pr, nc, nr, weight: float):
-    """ORPO (Hong et al. 2024): the chosen response's mean token NLL minus ``weight`` times the log
-    sigmoid of the log odds ratio, on log-probabilities averaged over response tokens. Rewards:
-    ``weight ·`` the mean log-probabilities (TRL's), detached."""
-    import torch
-    import torch.nn.functional as F
-
-    ac, ar = pc / nc, pr / nr
-    log_odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
-    losses = -ac - weight * F.logsigmoid(log_odds)
-    return losses, (weight * ac).detach(), (weight * ar).detach()
-
-
-def simpo_loss(pc, pr, nc, nr, beta: float, gamma: float):
-    """SimPO (Meng et al. 2024): ``-log σ(β (mean logp chosen − mean logp rejected) − γ)``, no
-    reference. Rewards: ``β ·`` the mean log-probabilities, detached."""
-    import torch.nn.functional as F
-
-    ac, ar = pc / nc, pr / nr
-    losses = -F.logsigmoid(beta * (ac - ar) - gamma)
-    return losses, (beta * ac).detach(), (beta * ar).detach()
-
-
-def kto_loss(policy, reference, policy_kl, reference_kl, desirable, beta: float, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0):
-    """KTO (Ethayarajh et al. 2024) on rated responses.
-
-    ``policy``, ``reference``: summed log-probabilities of the responses; ``policy_kl``,
-    ``reference_kl``: of the mismatched pairs, whose mean log-ratio (clamped at 0, no gradient)
-    is the reference point ``z``; ``desirable``: the labels. A desirable response's loss is
-    ``w_d (1 − σ(β (r − z)))``, an undesirable one's ``w_u (1 − σ(β (z − r)))`` with ``r`` its
-    log-ratio. Returns (losses, rewards ``β r`` detached).
-    """
-    import torch
-
-    z = (policy_kl - reference_kl).mean().clamp(min=0).detach()
-    ratio = policy - reference
-    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))),
-                         undesirable_weight * (1 - torch.sigmoid(beta * (z - ratio))))
-    return losses, (beta * ratio).detach()
-
-
-# --------------------------------------------------------------------------- the objective
 def _read_reference(path: Path, sizes: dict[str, int]) -> dict[str, Any] | None:
     """The reference scores saved in ``path`` (``{split: tensor of shape (rows, 2)}``), read as
     plain tensors only (``weights_only``: a planted pickle runs no code); None when the file is
@@ -226,13 +124,14 @@ class StepMetrics:
         }
 
 
-class PreferenceObjective:
+@register("dpo", "orpo", "simpo", "kto")
+class PreferenceObjective(Objective):
     """What the trainer asks of a preference objective: its data, its collator, the loss of a
     micro-batch, the reference scores, and the rewards of a step and of an evaluation."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path):
-        self.recipe, self.run_dir = recipe, Path(run_dir)
-        self.name = recipe.objective
+    def __init__(self, recipe: Recipe, run_dir: Path | None = None):
+        super().__init__(recipe, run_dir)
+        self.data_kind = "rated" if self.name == "kto" else "pairs"
         self.settings = recipe.preference
         self.beta = self.settings.beta_for(self.name)
         self.needs_reference = self.name in REFERENCE_OBJECTIVES
@@ -248,7 +147,7 @@ class PreferenceObjective:
     def collator(self, pad_token_id: int) -> PreferenceCollator:
         return PreferenceCollator(pad_token_id)
 
-    def adopt_start(self, recipe: Recipe) -> Recipe:
+    def adopt(self, recipe: Recipe) -> Recipe:
         """The recipe with the LoRA settings of the SFT run it starts from (its adapter must fit)."""
         start = self.settings.start_from
         if not start:
@@ -272,7 +171,7 @@ class PreferenceObjective:
         self.recipe = recipe.model_copy(update={"lora": lora})
         return self.recipe
 
-    def load_start_adapter(self, model) -> None:
+    def on_model(self, model) -> None:
         """Put the SFT run's adapter weights into the freshly attached adapter."""
         if not self.settings.start_from:
             return
@@ -288,7 +187,7 @@ class PreferenceObjective:
             raise UserError(f"preference.start_from: the adapter in {path.parent} does not fit this model ({missing[0]} is missing).")
         log.info("Starting from the adapter of %s.", self.settings.start_from)
 
-    def prepare_reference(self, trainer) -> None:
+    def prepare(self, trainer) -> None:
         """``precomputed``: the reference scores of every example, read from the run folder or
         computed now with the model as it starts (before any checkpoint is applied). On several
         processes every rank scores every example (the same weights: the same scores) and rank 0
@@ -311,8 +210,8 @@ class PreferenceObjective:
                 data = getattr(trainer.data, split) or []
                 out = torch.zeros(len(data), 2)
                 for i in range(0, len(data), mbs):
-                    batch = trainer._to_device(trainer.collate([data[j] for j in range(i, min(i + mbs, len(data)))]))
-                    with trainer._autocast():
+                    batch = trainer.to_device(trainer.collate([data[j] for j in range(i, min(i + mbs, len(data)))]))
+                    with trainer.autocast():
                         sums, _ = sequence_logps(trainer.model, batch, trainer.recipe.training.loss_chunk_size)
                     n = batch["idx"].numel()
                     out[batch["idx"].cpu(), 0], out[batch["idx"].cpu(), 1] = sums[:n].float().cpu(), sums[n:].float().cpu()
@@ -357,8 +256,9 @@ class PreferenceObjective:
         metrics.loss += float(losses.detach().sum())
         return losses.sum()
 
-    def step_loss_module(self, model, chunk_size: int):
-        """The module a step's forward goes through (DDP wraps it, as the SFT one)."""
+    def step_loss_module(self, model, chunk_size: int, fused_ce=None):
+        """The module a step's forward goes through (DDP wraps it, as the SFT one); the fused
+        cross-entropy is SFT's only."""
         import torch
 
         objective = self
@@ -416,8 +316,8 @@ class PreferenceObjective:
         val = trainer.data.val
         with torch.no_grad(), trainer.evaluation():
             for i in range(0, len(val), mbs):
-                batch = trainer._to_device(trainer.collate(val[i : i + mbs]))
-                with trainer._autocast():
+                batch = trainer.to_device(trainer.collate(val[i : i + mbs]))
+                with trainer.autocast():
                     self.loss_sum(trainer.model, batch, trainer.recipe.training.loss_chunk_size, "val", metrics)
         trainer.model.train()
         loss = metrics.loss / max(metrics.n, 1)

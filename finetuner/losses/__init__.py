@@ -1,0 +1,2 @@
+"""Loss functions as pure tensor maths, read by training and evaluation alike: they take
+log-probabilities, rewards and masks, never a model or a trainer."""

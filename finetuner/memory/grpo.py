@@ -1,0 +1,234 @@
+"""GRPO's memory terms: the rollout's KV cache and sampling, the loss over the group's sequences, the
+reference pass. Pure arithmetic on a :class:`~finetuner.model.shapes.ModelShape`, a
+:class:`~finetuner.memory.model.Settings` (the training side: method, dtypes, LoRA, checkpointing, loss
+path; its ``micro_batch`` is the loss's micro-batch in sequences, its ``seq_len`` is replaced by
+``prompt_len + max_new_tokens``) and a :class:`GrpoSettings` (no torch).
+
+A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
+
+* **generation** (no gradients, :mod:`finetuner.training.rollout`): the weights, the LoRA weights and the
+  optimizer states (gradients are freed by ``zero_grad(set_to_none=True)`` after each step) plus
+
+  - the KV cache of ``generation rows × (prompt_len + max_new_tokens)`` tokens: transformers'
+    ``DynamicCache`` keeps per layer a key and a value of ``num_kv_heads × head_dim`` per token, in the
+    dtype the k/v projections return (the compute dtype under autocast):
+    ``2 × layers × kv_heads × head_dim × rows × tokens × bytes`` (:func:`kv_cache_bytes`); it grows by
+    ``torch.cat`` (``cache_utils.py``), so one layer's old and new key and value exist at once: one
+    layer's share more;
+  - the prefill's largest layer temporaries (``rows × prompt_len`` tokens, nothing kept between layers:
+    the fp32 norm input, the residual and its normed copy, q, k and v repeated to the query width, the
+    attention output, the o/down projections' outputs and the MLP's gate, up and activation; the
+    attention mask as an additive bias ``rows × prompt_len²``), all counted alive at once;
+  - one decoding step's logits and sampling tensors, per row and vocabulary entry: the model's last
+    logits (compute dtype), their fp32 copy, the temperature-scaled scores and the softmax
+    probabilities (``generation/utils.py``), with ``top_p < 1`` also the sorted logits and their int64
+    indices, their softmax and cumulative sum, the two bool masks and the filled scores
+    (``TopPLogitsWarper``), all counted alive at once;
+* **loss** (:func:`finetuner.memory.model.estimate` on ``micro_batch`` sequences of
+  ``prompt_len + max_new_tokens`` tokens, padding masked, the loss on the completion tokens only:
+  ``label_fraction = max_new_tokens / (prompt_len + max_new_tokens)``): the group's sequences'
+  activations and the logits of the generated tokens (``loss_chunk`` tokens at a time as
+  :func:`finetuner.losses.grpo.chunked_token_logps` computes them, or whole with ``loss_chunk = 0``), plus
+  the GRPO buffers: the whole generation batch's ids and masks (int64) and its stored per-token
+  log-probabilities (old and reference, fp32), and the micro-batch's per-token fp32 tensors of the
+  surrogate (:func:`finetuner.losses.grpo.grpo_loss`: log-probabilities, ratio, clipped ratio, the two
+  products, the per-token loss, the KL and its exponential);
+* **reference pass** (``beta > 0`` only): the base with the adapter off, under ``no_grad``, while the
+  policy's activations are saved (as DPO's, :func:`finetuner.memory.model.preference_cost`): one layer's
+  temporaries and one loss chunk's fp32 logits and log-softmax (whole logits with ``loss_chunk = 0``);
+  ``beta = 0``: no reference pass, no reference log-probabilities;
+* **optimizer step**: as SFT's.
+
+The generation terms are read from transformers 5's generation and cache code. On the CPU they bound
+what ``generate`` allocates (torch's profiler, ``tests/memory/test_memory_grpo.py``; the KV cache term is
+exact there, the temporaries counted all alive at once are above the measurement); they are not yet
+measured on a GPU. The loss phase is the validated SFT model's (docs/memory.md) on the GRPO sequence shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
+                                    DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
+                                    layer_transient_per_token)
+from finetuner.model.shapes import ModelShape
+
+#: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
+SURROGATE_TENSORS = 8
+
+
+@dataclass(frozen=True)
+class GrpoSettings:
+    """The GRPO side of a step."""
+
+    num_generations: int = 8  #: completions per prompt (the group)
+    max_new_tokens: int = 256  #: the longest completion
+    prompt_len: int = 512  #: the longest prompt, in tokens
+    prompts_per_step: int = 1  #: prompts whose groups one step generates
+    generation_batch: int | None = None  #: rows per ``generate`` call (None: all the step's rows at once)
+    beta: float = 0.0  #: KL coefficient: 0 means no reference pass
+    num_iterations: int = 1  #: μ, passes over one rollout (> 1 stores the old log-probabilities)
+
+    def __post_init__(self) -> None:
+        for name in ("num_generations", "max_new_tokens", "prompt_len", "prompts_per_step", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.generation_batch is not None and self.generation_batch < 1:
+            raise ValueError("generation_batch must be at least 1")
+
+    @property
+    def rows(self) -> int:
+        """Completions generated per step."""
+        return self.num_generations * self.prompts_per_step
+
+    @property
+    def generation_rows(self) -> int:
+        """Rows sampled at once (one ``generate`` call)."""
+        return min(self.rows, self.generation_batch or self.rows)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        """``num_generations × max_new_tokens``: the tokens one prompt's group may generate."""
+        return self.num_generations * self.max_new_tokens
+
+    def with_(self, **kw) -> GrpoSettings:
+        return replace(self, **kw)
+
+
+def cache_dtype_bytes(s: Settings) -> int:
+    """The element size of the KV cache: what the k/v projections return (the compute dtype under
+    autocast; else the stored weights' dtype, fp32 for a full fine-tune)."""
+    if s.compute_dtype != "fp32":
+        return DTYPE_BYTES[s.compute_dtype]
+    return 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype]
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """``2 × layers × kv_heads × head_dim × sequences × tokens × dtype_bytes``: a key and a value per layer
+    and token (grouped-query attention caches ``num_kv_heads`` heads, not ``num_heads``)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * sequences * tokens * dtype_bytes
+
+
+def sampling_bytes_per_logit(s: Settings, top_p: bool) -> int:
+    """Bytes per row and vocabulary entry of one decoding step's logits and sampling (module docstring)."""
+    c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
+    plain = c + 4 + 4 + 4  # the model's logits, fp32 copy, scaled scores, probabilities
+    return plain + ((4 + 8) + 4 + 4 + 1 + 1 + 4 if top_p else 0)
+
+
+def prefill_layer_bytes(shape: ModelShape, s: Settings, rows: int, prompt_len: int) -> int:
+    """A no-grad forward's largest layer temporaries over ``rows × prompt_len`` tokens, all counted alive
+    at once, plus the attention mask as an additive bias (module docstring)."""
+    c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
+    R = 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype]  # the residual stream
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    per_token = 4 * h + 2 * R * h + c * (q + 2 * kv) + c * 2 * q + c * q + 2 * c * h + 3 * c * i
+    tokens = rows * prompt_len
+    return per_token * tokens + c * rows * prompt_len * prompt_len
+
+
+def loss_settings(s: Settings, g: GrpoSettings) -> Settings:
+    """The SFT memory model's settings for the loss over the group's sequences: ``s.micro_batch``
+    (at most the step's rows) sequences of ``prompt_len + max_new_tokens`` tokens, padded (a mask), the loss on the completion."""
+    return s.with_(micro_batch=min(s.micro_batch, g.rows), seq_len=g.seq_len, label_fraction=g.max_new_tokens / g.seq_len,
+                   attention_mask=True, objective="sft", reference="none")
+
+
+def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool = True) -> dict[str, int]:
+    """The GRPO terms in bytes (module docstring), by name; the reference pass is 0 when ``beta = 0``."""
+    rows = g.generation_rows
+    kv_b = cache_dtype_bytes(s)
+    kv = kv_cache_bytes(shape, rows, g.seq_len, kv_b)
+    ls = loss_settings(s, g)
+    mb, C, V = ls.micro_batch, g.max_new_tokens, shape.vocab_size
+    stored = 8 * g.rows * g.seq_len * 2 + 4 * g.rows * C * ((g.num_iterations > 1) + (g.beta != 0))
+    ref = 0
+    if g.beta != 0:
+        T = mb * g.seq_len
+        labelled = mb * C
+        layer = int(layer_transient_per_token(shape, ls) * T)
+        c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
+        logits = 8 * min(s.loss_chunk, labelled) * V if s.loss_chunk > 0 else c * T * V + 8 * labelled * V
+        ref = layer + logits
+    return {
+        "generation: KV cache": kv,
+        "generation: KV cache growth (one layer copied)": kv // shape.num_layers,
+        "generation: prefill layer temporaries": prefill_layer_bytes(shape, s, rows, g.prompt_len),
+        "generation: logits and sampling": sampling_bytes_per_logit(s, top_p) * rows * V,
+        "loss: GRPO buffers": stored + 4 * SURROGATE_TENSORS * mb * C,
+        "reference pass": ref,
+    }
+
+
+@dataclass
+class GrpoMemory:
+    """The prediction of a GRPO step: the GRPO terms, the phases' allocated peaks, what the card must hold."""
+
+    components: dict[str, int]  #: :func:`grpo_components`
+    phases: dict[str, int]  #: allocated bytes at each phase's peak
+    peak_phase: str
+    allocated_bytes: int
+    reserved_bytes: int
+    total_bytes: int  #: reserved + CUDA context
+    loss: MemoryEstimate  #: the SFT model's estimate of the loss's forward/backward and optimizer step
+    details: dict[str, int] = field(default_factory=dict)
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.total_bytes <= budget_bytes
+
+
+def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool = True) -> GrpoMemory:
+    """The peak of a GRPO step over its phases (module docstring), with the allocator's slack and the CUDA
+    context added as :func:`finetuner.memory.model.estimate` adds them."""
+    comp = grpo_components(shape, s, g, top_p)
+    ls = loss_settings(s, g)
+    loss = estimate(shape, ls)
+    act = activation_bytes(shape, ls)
+    resident = sum(v for k, v in loss.components.items() if k.startswith(("weights:", "LoRA weights", "optimizer states")))
+    buffers = comp["loss: GRPO buffers"]
+    gen_fixed = comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
+    generation = resident + buffers + gen_fixed + max(comp["generation: prefill layer temporaries"],
+                                                      comp["generation: logits and sampling"])
+    fwd_bwd = loss.phases["forward/backward"] + buffers
+    phases = {"generation": generation, "loss forward/backward": fwd_bwd, "optimizer step": loss.phases["optimizer step"]}
+    if comp["reference pass"]:
+        held = fwd_bwd - max(loss.details["activations"]["loss_phase_bytes"], loss.details["activations"]["layer_phase_bytes"])
+        phases["reference pass"] = held + act.saved_total + act.logits + comp["reference pass"]
+    peak_phase = max(phases, key=lambda k: phases[k])
+    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
+    allocated = phases[peak_phase] + workspace - loss.spillable_bytes
+    reserved = allocated + int(allocated * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
+    total = reserved + loss.spillable_bytes + (CUDA_CONTEXT_BYTES if s.platform == "cuda" else 0)
+    return GrpoMemory(components=comp, phases=phases, peak_phase=peak_phase, allocated_bytes=allocated,
+                      reserved_bytes=reserved, total_bytes=total, loss=loss,
+                      details={"resident_bytes": resident, "generation_rows": g.generation_rows})
+
+
+def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: int, vary: str = "max_new_tokens",
+                limit: int = 1 << 20, top_p: bool = True) -> GrpoSettings | None:
+    """``g`` with the largest ``vary`` (``max_new_tokens`` or ``num_generations``) whose step fits in
+    ``budget_bytes`` (:attr:`GrpoMemory.total_bytes`), the other settings held; None when even 1 does not
+    fit. Every term grows with both, so a bisection finds it; its ``generated_tokens`` is the largest
+    ``num_generations × max_new_tokens`` along that axis. With ``vary="num_generations"`` and
+    ``generation_batch`` set, the generation rows stop growing at ``generation_batch``."""
+    if vary not in ("max_new_tokens", "num_generations"):
+        raise ValueError("vary must be max_new_tokens or num_generations")
+
+    def fits(n: int) -> bool:
+        return grpo_estimate(shape, s, g.with_(**{vary: n}), top_p).total_bytes <= budget_bytes
+
+    if not fits(1):
+        return None
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return g.with_(**{vary: lo})
+

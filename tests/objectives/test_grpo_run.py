@@ -1,0 +1,171 @@
+"""GRPO runs on the CPU: the held-out mean reward rises, a resumed run repeats the uninterrupted one,
+a failing reward function stops the run naming the function and the row (after a checkpoint of the
+last step), and gradient checkpointing changes no loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import finetuner
+from finetuner.config.recipe import Recipe
+from finetuner.runs.events import read_events
+from tests.conftest import run_cli, write_recipe
+
+#: the test's reward: the share of the completion's tokens among forty of the vocabulary's (ids 100 to 139;
+#: TRL passes completion_ids too). The random model samples them a tenth of the time, so most groups have a
+#: spread, and raising their logits is one direction of the hidden state for the adapter to learn.
+REWARDS = '''
+calls = 0
+
+
+def chosen_tokens(prompts, completions, completion_ids, **columns):
+    return [sum(1 for t in ids if 100 <= t < 140) / max(len(ids), 1) for ids in completion_ids]
+
+
+def fails_from_third_call(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls >= 3:  # from the third step on (its retries row by row included)
+        raise ValueError("the reward server is down")
+    return [0.0] * len(completions)
+'''
+
+
+def _prompts(tmp_path):
+    from tests.conftest import WORDS
+
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"{WORDS[i % len(WORDS)]} {WORDS[(3 * i) % len(WORDS)]} what should i bring", "id": i} for i in range(40)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def grpo_recipe(tiny_model_dir, tmp_path, name="grpo", reward="chosen_tokens", **training):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS, encoding="utf-8")
+    return {
+        "name": name, "model": {"name": str(tiny_model_dir)}, "method": "lora", "objective": "grpo",
+        "grpo": {"num_generations": 4, "max_new_tokens": 8, "rewards": [{"function": reward, "file": str(rewards)}],
+                 "logged_completions": 1},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"path": str(_prompts(tmp_path)), "max_seq_len": 64, "val_size": 8},
+        "training": {"max_steps": 8, "lr": 2e-2, "scheduler": "constant", "micro_batch_size": 4, "gradient_accumulation": 1,
+                     "warmup_steps": 0, "loss_chunk_size": 16, **training},
+        "checkpointing": {"save_every": 4, "keep_last": 2}, "logging": {"every": 1, "tensorboard": False},
+        "output_dir": str(tmp_path / name), "device": "cpu",
+    }
+
+
+def _steps(run_dir):
+    return {e["step"]: e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"}
+
+
+def test_the_held_out_mean_reward_rises(tmp_path):
+    """The demo model (data/demo_model, a small LM pre-trained on plain answers) with a reward for answers of
+    3 to 6 words (the built-in length_bounds): its answers run 6 to 15 words, so every group has a spread,
+    and a few steps make them shorter on prompts the run never trained on."""
+    from tests.conftest import REPO
+
+    raw = {
+        "name": "rises", "model": {"name": str(REPO / "data" / "demo_model")}, "method": "lora", "objective": "grpo",
+        "grpo": {"num_generations": 4, "max_new_tokens": 16, "logged_completions": 2,
+                 "rewards": [{"function": "length_bounds", "args": {"min_length": 3, "max_length": 6}}]},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"path": str(REPO / "data" / "alpaca_sample.json"), "max_seq_len": 96, "val_size": 8, "max_examples": 64},
+        "training": {"max_steps": 6, "lr": 5e-3, "scheduler": "constant", "micro_batch_size": 8, "gradient_accumulation": 1,
+                     "warmup_steps": 0},
+        "checkpointing": {"save_every": 10}, "logging": {"every": 1, "tensorboard": False},
+        "output_dir": str(tmp_path / "rises"), "device": "cpu",
+    }
+    result = finetuner.train(Recipe.from_dict(raw))
+    steps = _steps(result.run_dir)
+    assert sorted(steps) == list(range(1, 7))
+    first = steps[1]
+    assert {"reward", "reward_std", "rewards", "completion_length", "clip_ratio", "completions"} <= set(first)
+    assert set(first["rewards"]) == {"length_bounds"} and len(first["completions"]) == 2
+    assert "kl" not in first  # beta 0: no reference pass
+    r = finetuner.evaluate_run(result.run_dir)
+    assert r.kind == "reward" and r.examples == 8 and r.completions_per_prompt == 4
+    # on the held-out prompts the tune's answers score higher than the base's (the same prompts and seed)
+    assert r.fine_tuned.reward > r.base.reward + 0.1, r.table()
+    assert r.fine_tuned.completion_length < r.base.completion_length
+    # the trainer's last evaluation is the same computation as `finetuner eval`'s fine-tuned column
+    last_eval = [e for e in read_events(result.run_dir / "events.jsonl") if e["event"] == "eval"][-1]
+    assert last_eval["eval_loss"] is None and last_eval["eval_reward"] == pytest.approx(r.fine_tuned.reward, abs=1e-6)
+
+
+def test_the_first_step_is_on_policy(tiny_model_dir, tmp_path):
+    """Step 1 samples from the policy it trains: the ratio is 1 everywhere, nothing is clipped, and with
+    every completion of the same length (none ends before max_new_tokens on this random model) the dapo
+    loss is minus the mean advantage, 0 since a group's advantages sum to 0; the KL to the reference
+    (the base: the adapter starts as a no-op) is 0."""
+    raw = grpo_recipe(tiny_model_dir, tmp_path, max_steps=1)
+    raw["grpo"]["beta"] = 0.04
+    raw["data"]["val_size"] = 0
+    run_dir = finetuner.train(Recipe.from_dict(raw)).run_dir
+    step = _steps(run_dir)[1]
+    predicted = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"][0]["predicted"]
+    assert predicted["peak_phase"] in predicted["phases"] and "generation" in predicted["phases"]  # GRPO's memory terms
+    assert "reference pass" in predicted["phases"] and predicted["components"]["generation: KV cache"] > 0
+    assert step["completions_clipped"] == 1.0 and step["completion_length"] == 8
+    assert step["loss"] == pytest.approx(0.0, abs=1e-6) and step["clip_ratio"] == 0 and step["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert step["grad_norm"] > 0
+
+
+def test_a_reward_function_that_fails_stops_the_run_after_a_checkpoint(tiny_model_dir, tmp_path):
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="bad", reward="fails_from_third_call")
+    raw["checkpointing"] = {"save_every": 10, "keep_last": 2}
+    raw["data"]["val_size"] = 0
+    out = run_cli("run", str(write_recipe(tmp_path / "bad.yaml", raw)), "--quiet")
+    assert out.returncode != 0
+    assert "reward function 'fails_from_third_call' raised ValueError" in out.stderr and "the reward server is down" in out.stderr
+    assert "prompts.jsonl" in out.stderr and "Traceback" not in out.stderr  # the row's file and line, no traceback
+    run_dir = tmp_path / "bad"
+    assert (run_dir / "checkpoints" / "step-00000002").is_dir()  # the two steps done are kept
+    events = read_events(run_dir / "events.jsonl")
+    assert events[-1]["event"] == "error" and "fails_from_third_call" in events[-1]["message"]
+    # a wrong number of rewards is named the same way
+    (tmp_path / "rewards.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n", encoding="utf-8")
+    raw["grpo"]["rewards"] = [{"function": "short", "file": str(tmp_path / "rewards.py")}]
+    raw["output_dir"] = str(tmp_path / "short")
+    out = run_cli("run", str(write_recipe(tmp_path / "short.yaml", raw)), "--quiet")
+    assert out.returncode != 0 and "reward function 'short' returned 1 rewards for 16 completions" in out.stderr
+
+
+def test_a_run_killed_and_resumed_gives_the_rewards_and_losses_of_the_uninterrupted_one(tiny_model_dir, tmp_path, monkeypatch):
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="ref", max_steps=5)
+    raw["grpo"]["num_iterations"] = 2  # a kill inside a rollout's two steps: the checkpoint keeps the rollout
+    raw["grpo"]["beta"] = 0.05
+    raw["checkpointing"] = {"save_every": 1, "keep_last": 2}
+    raw["data"]["val_size"] = 0
+    ref = finetuner.train(Recipe.from_dict(raw))
+    recipe = write_recipe(tmp_path / "r.yaml", dict(raw, name="run", output_dir=str(tmp_path / "run")))
+    monkeypatch.setenv("FINETUNER_FAULT", "KILL@3")  # after step 3: the middle of the second rollout's steps
+    out = run_cli("run", str(recipe), "--quiet")
+    assert out.returncode == -9, out.stderr
+    monkeypatch.delenv("FINETUNER_FAULT")
+    out = run_cli("run", str(recipe), "--quiet")
+    assert out.returncode == 0, out.stderr
+    want, got = _steps(ref.run_dir), _steps(tmp_path / "run")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for s in range(1, 6):
+        for key in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length"):
+            assert got[s][key] == want[s][key], (s, key)
+        assert got[s]["completions"] == want[s]["completions"]
+
+
+def test_gradient_checkpointing_changes_no_loss(tiny_model_dir, tmp_path):
+    """Gradient checkpointing recomputes the same forward: the same losses, rewards and KL (fp32 noise:
+    the recomputed activations are bitwise those of the first pass on the CPU, so 1e-6)."""
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="plain", max_steps=3)
+    raw["grpo"]["beta"] = 0.05
+    raw["data"]["val_size"] = 0
+    plain = finetuner.train(Recipe.from_dict(raw))
+    saver = finetuner.train(Recipe.from_dict(dict(raw, name="saver", output_dir=str(tmp_path / "saver"),
+                                                  training=dict(raw["training"], gradient_checkpointing=True))))
+    a, b = _steps(plain.run_dir), _steps(saver.run_dir)
+    for s in (1, 2, 3):
+        for key in ("loss", "reward", "kl"):
+            assert b[s][key] == pytest.approx(a[s][key], abs=1e-6), (s, key)
