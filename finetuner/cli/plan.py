@@ -333,6 +333,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
         planned = resolve_auto(recipe, gpu, label_fraction=label_fraction)
         recipe = planned.recipe
+    if recipe.objective == "grpo":
+        return _grpo_estimate(args, recipe, gpu, label_fraction)
     est = estimate_recipe(recipe, gpu, label_fraction=label_fraction)
     timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
     sharded = None
@@ -375,6 +377,56 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         return 0
     con.print(f"[red]Does not fit[/]: {est.total_bytes / GiB:.1f} GiB needed, budget {est.budget_bytes / GiB:.1f} GiB.")
     con.print(f"Try: finetuner plan --model {recipe.model.name} --gpu {gpu.name} --seq-len {recipe.data.max_seq_len}")
+    return 1
+
+
+#: how far ``estimate`` searches the largest GRPO group size and length (a tiny model fits any)
+LARGEST_LIMIT = 1 << 17
+
+
+def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fraction: float) -> int:
+    """``estimate`` of a GRPO recipe: its phases' peaks and components, and what else would fit."""
+    from finetuner.planning.planner import estimate_grpo
+
+    r = estimate_grpo(recipe, gpu, label_fraction=label_fraction, limit=LARGEST_LIMIT)
+    mem, g = r["memory"], recipe.grpo
+    if args.json:
+        print(json.dumps({"objective": "grpo", "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,
+                          "allocated_bytes": mem.allocated_bytes, "peak_phase": mem.peak_phase, "phases": dict(mem.phases),
+                          "components": dict(mem.components), "budget_bytes": r["budget_bytes"], "fits": r["fits"],
+                          "largest_max_new_tokens": r["largest_max_new_tokens"],
+                          "largest_num_generations": r["largest_num_generations"], "time": None}, indent=2))
+        return 0 if r["fits"] else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"[bold]{args.recipe}[/]: {recipe.model.name} ({recipe.method}, GRPO: {g.num_generations} generations "
+              f"of up to {g.max_new_tokens} tokens), on {gpu.name} ({gpu.memory_gib:.1f} GiB)", highlight=False)
+    t = Table(title=f"Predicted peak memory of a GRPO step ({mem.peak_phase})", title_justify="left")
+    t.add_column("phase or component")
+    t.add_column("GiB", justify="right")
+    for k, v in mem.phases.items():
+        t.add_row(f"phase: {k}" + (" (peak)" if k == mem.peak_phase else ""), f"{v / GiB:.2f}")
+    for k, v in mem.components.items():
+        t.add_row(k, f"{v / GiB:.2f}")
+    t.add_row("[bold]total[/] (with allocator slack and context)", f"[bold]{mem.total_bytes / GiB:.2f}[/]")
+    if r["budget_bytes"]:
+        colour = "green" if r["fits"] else "red"
+        t.add_row(f"[{colour}]card / budget[/]", f"{r['device_bytes'] / GiB:.2f} / {r['budget_bytes'] / GiB:.2f}")
+    con.print(t)
+    for key, what, held in (("largest_max_new_tokens", "max_new_tokens", f"num_generations {g.num_generations}"),
+                            ("largest_num_generations", "num_generations", f"max_new_tokens {g.max_new_tokens}")):
+        n = r[key]
+        text = "none (even 1 does not fit)" if not n else f"more than {n - 1:,}" if n >= LARGEST_LIMIT else f"{n:,}"
+        con.print(f"largest {what} that fits ({held}): {text}", highlight=False)
+    con.print("[bold]Time:[/] not predicted for GRPO (the speed model has no generation terms yet)", highlight=False)
+    if r["fits"]:
+        con.print(f"[green]Fits[/] with {(r['budget_bytes'] - mem.total_bytes) / GiB:.1f} GiB to spare.")
+        return 0
+    con.print(f"[red]Does not fit[/]: {mem.total_bytes / GiB:.1f} GiB needed, budget {r['budget_bytes'] / GiB:.1f} GiB. "
+              "Lower grpo.num_generations or grpo.max_new_tokens (the largest values that fit are above) or "
+              "training.micro_batch_size (the loss's rows), set training.gradient_checkpointing: true, or use method: qlora.")
     return 1
 
 

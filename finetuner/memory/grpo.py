@@ -181,6 +181,18 @@ class GrpoMemory:
         return self.total_bytes <= budget_bytes
 
 
+def grpo_settings_of(recipe) -> GrpoSettings:
+    """The GRPO settings of a resolved recipe (``objective: grpo``, its ``grpo:`` section): the prompt
+    at its longest (``data.max_seq_len − max_new_tokens``), ``micro_batch_size × gradient_accumulation``
+    prompts a step, a generation batch of ``micro_batch_size × num_generations`` rows. The trainer's
+    prediction and ``finetuner estimate`` both read it."""
+    g, t = recipe.grpo, recipe.training
+    return GrpoSettings(
+        num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
+        prompt_len=recipe.data.max_seq_len - g.max_new_tokens, prompts_per_step=t.micro_batch_size * t.gradient_accumulation,
+        generation_batch=t.micro_batch_size * g.num_generations, beta=g.beta, num_iterations=g.num_iterations)
+
+
 def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool = True) -> GrpoMemory:
     """The peak of a GRPO step over its phases (module docstring), with the allocator's slack and the CUDA
     context added as :func:`finetuner.memory.model.estimate` adds them."""
@@ -209,17 +221,24 @@ def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool =
 
 
 def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: int, vary: str = "max_new_tokens",
-                limit: int = 1 << 20, top_p: bool = True) -> GrpoSettings | None:
+                limit: int = 1 << 20, top_p: bool = True, scale_generation_batch: bool = False) -> GrpoSettings | None:
     """``g`` with the largest ``vary`` (``max_new_tokens`` or ``num_generations``) whose step fits in
     ``budget_bytes`` (:attr:`GrpoMemory.total_bytes`), the other settings held; None when even 1 does not
     fit. Every term grows with both, so a bisection finds it; its ``generated_tokens`` is the largest
     ``num_generations × max_new_tokens`` along that axis. With ``vary="num_generations"`` and
-    ``generation_batch`` set, the generation rows stop growing at ``generation_batch``."""
+    ``generation_batch`` set, the generation rows stop growing at ``generation_batch``, unless
+    ``scale_generation_batch``: then it keeps its prompts (``generation_batch / num_generations``), as
+    the trainer's ``micro_batch_size × num_generations`` does."""
     if vary not in ("max_new_tokens", "num_generations"):
         raise ValueError("vary must be max_new_tokens or num_generations")
 
+    def at(n: int) -> GrpoSettings:
+        if vary == "num_generations" and scale_generation_batch and g.generation_batch:
+            return g.with_(num_generations=n, generation_batch=max(1, g.generation_batch // g.num_generations) * n)
+        return g.with_(**{vary: n})
+
     def fits(n: int) -> bool:
-        return grpo_estimate(shape, s, g.with_(**{vary: n}), top_p).total_bytes <= budget_bytes
+        return grpo_estimate(shape, s, at(n), top_p).total_bytes <= budget_bytes
 
     if not fits(1):
         return None
@@ -230,5 +249,5 @@ def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: i
     while hi - lo > 1:  # fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return g.with_(**{vary: lo})
+    return at(lo)
 

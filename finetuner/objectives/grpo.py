@@ -420,14 +420,9 @@ class GRPOObjective(Objective):
         """GRPO's terms (:func:`finetuner.memory.grpo.grpo_estimate`: the rollout's KV cache and sampling,
         the loss over ``micro_batch_size`` completion rows, the reference pass), the prompt at its
         longest (``data.max_seq_len − max_new_tokens``)."""
-        from finetuner.memory.grpo import GrpoSettings, grpo_estimate
+        from finetuner.memory.grpo import grpo_estimate, grpo_settings_of
 
-        g, t = self.settings, self.recipe.training
-        mem = grpo_estimate(shape, settings, GrpoSettings(
-            num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
-            prompt_len=self.recipe.data.max_seq_len - g.max_new_tokens, prompts_per_step=t.micro_batch_size * t.gradient_accumulation,
-            generation_batch=t.micro_batch_size * g.num_generations, beta=g.beta, num_iterations=g.num_iterations), top_p=g.top_p < 1)
-        return GRPOPrediction(mem)
+        return GRPOPrediction(grpo_estimate(shape, settings, grpo_settings_of(self.recipe), top_p=self.settings.top_p < 1))
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:

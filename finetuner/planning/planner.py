@@ -654,7 +654,9 @@ def _check_objective(objective: str | None) -> str | None:
     planned = [o for o in get_args(Objective) if o != "grpo"]
     if objective == "grpo":  # the search does not use GRPO's memory terms yet
         raise UserError("--objective grpo: plan does not size GRPO runs yet.",
-                        hint=f"Plan with {', '.join(planned)}, or write a GRPO recipe by hand (recipes/demo_grpo_cpu.yaml).")
+                        hint=f"Plan with {', '.join(planned)}, or write a GRPO recipe (as recipes/demo_grpo_cpu.yaml) and "
+                             "check it with `finetuner estimate RECIPE --gpu CARD`: it predicts the GRPO step's memory and the "
+                             "largest num_generations and max_new_tokens that fit.")
     if objective not in planned:
         raise UserError(f"--objective {objective}: not an objective; choose auto, {', '.join(planned)}.")
     return objective
@@ -1129,6 +1131,32 @@ def estimate_recipe(
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     settings = settings_from_recipe(recipe, prof, shape.model_type, label_fraction=label_fraction)
     return estimate(shape, settings, prof, margin=margin)
+
+
+def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = 0.05,
+                  label_fraction: float = 1.0, limit: int = 1 << 17) -> dict[str, Any]:
+    """``finetuner estimate`` for a resolved ``objective: grpo`` recipe: the GRPO step's peak over its
+    phases (:func:`finetuner.memory.grpo.grpo_estimate`: generation with its KV cache, the loss over the
+    group, the reference pass, the optimizer step), whether it fits ``gpu``'s budget, and the largest
+    ``max_new_tokens`` (group size held) and ``num_generations`` (length held) that fit it.
+    Returns ``{"memory": GrpoMemory, "budget_bytes", "device_bytes", "fits", "largest_max_new_tokens",
+    "largest_num_generations"}`` (the largest values None without a card, or when even 1 does not fit;
+    ``limit`` when the search reached it)."""
+    from finetuner.memory.grpo import grpo_estimate, grpo_settings_of, largest_fit
+
+    shape = resolve_shape(recipe.model.name, recipe.model.revision)
+    settings = settings_from_recipe(recipe, gpu, shape.model_type, label_fraction=label_fraction)
+    g, top_p = grpo_settings_of(recipe), recipe.grpo.top_p < 1
+    mem = grpo_estimate(shape, settings, g, top_p=top_p)
+    budget = estimate(shape, settings, gpu, margin=margin).budget_bytes if gpu is not None else None
+    out: dict[str, Any] = {"memory": mem, "budget_bytes": budget, "device_bytes": gpu.memory_bytes if gpu else None,
+                           "fits": budget is None or mem.total_bytes <= budget,
+                           "largest_max_new_tokens": None, "largest_num_generations": None}
+    if budget is not None:
+        for vary, key in (("max_new_tokens", "largest_max_new_tokens"), ("num_generations", "largest_num_generations")):
+            best = largest_fit(shape, settings, g, budget, vary=vary, top_p=top_p, limit=limit, scale_generation_batch=True)
+            out[key] = getattr(best, vary) if best is not None else None
+    return out
 
 
 def estimate_time(
