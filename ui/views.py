@@ -456,10 +456,55 @@ def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
 
 
+#: colours of a GRPO run's reward functions (after the total's and the held-out total's)
+FUNCTION_COLOURS = ("#64748b", "#a855f7", "#0ea5e9", "#eab308", "#ec4899", "#14b8a6")
+
+
+def grpo_reward_chart(st: Any) -> dict[str, Any]:
+    """A GRPO run's mean total reward of each step's completions, the held-out prompts' mean reward as
+    dots, and each reward function's mean dashed (their weighted sum is the total)."""
+    rewards = getattr(st, "group_rewards", None) or {}
+    functions = sorted({k.split(":", 1)[1] for k in rewards if ":" in k})
+    series = [("reward", "reward (total)", "#059669", False), ("eval_reward", "held-out reward", "#f97316", False)]
+    series += [(f"reward:{f}", f, FUNCTION_COLOURS[i % len(FUNCTION_COLOURS)], True) for i, f in enumerate(functions)]
+    rows = []
+    for key, name, _colour, dashed in series:
+        points = rewards.get(key) or []
+        train = not key.startswith("eval_")
+        few = len(points) <= DOTS_UP_TO
+        for step, v in (_thin(points) if train else points):
+            rows.append({"step": int(step), "value": round(float(v), 4), "series": name, "dashed": dashed,
+                         "dot": (not train) or few})
+    shown = [x for x in series if rewards.get(x[0])] or series[:1]
+    last = rewards.get("reward") or []
+    title = (f"Mean reward — {last[-1][1]:.3f} at step {last[-1][0]}" if last else "Mean reward — waiting for the first step")
+    colour = {"field": "series", "type": "nominal", "title": None, "legend": {"orient": "bottom", "labelLimit": 0, "columns": 2},
+              "scale": {"domain": [n for _k, n, _c, _d in shown], "range": [c for _k, _n, c, _d in shown]}}
+    tooltip = [{"field": "series"}, {"field": "step", "type": "quantitative"},
+               {"field": "value", "type": "quantitative", "format": ".3f"}]
+    return chart({
+        "title": {"text": title, "frame": "bounds"},
+        "height": 280,
+        "data": {"values": rows},
+        "encoding": {"x": step_axis(st, rows), "y": {"field": "value", "type": "quantitative", "title": "mean reward",
+                                                      "scale": {"zero": False}},
+                     "color": colour, "tooltip": tooltip},
+        "layer": [
+            {"transform": [{"filter": "!datum.dashed"}], "mark": {"type": "line", "strokeWidth": 2}},
+            {"transform": [{"filter": "datum.dashed"}], "mark": {"type": "line", "strokeWidth": 2, "strokeDash": [5, 3]}},
+            {"transform": [{"filter": "datum.dot"}], "mark": {"type": "point", "filled": True, "size": 50, "opacity": 1,
+                                                               "strokeWidth": 0}},
+        ],
+    })
+
+
 def reward_chart(st: Any | None) -> dict[str, Any]:
     """A preference run's reward accuracy (the share of pairs whose chosen response the model
     rewards more; KTO: of responses rewarded on the side of their label) on a 0–100 % axis, and the
-    reward margin (chosen − rejected) dashed on an axis of its own on the right; eval points as dots."""
+    reward margin (chosen − rejected) dashed on an axis of its own on the right; eval points as dots.
+    A GRPO run's chart is :func:`grpo_reward_chart`."""
+    if st is not None and getattr(st, "objective", None) == "grpo":
+        return grpo_reward_chart(st)
     rewards = (getattr(st, "rewards", None) or {}) if st is not None else {}
     rows = []
     for key, name, _colour, _dash in REWARD_SERIES:
@@ -527,7 +572,31 @@ def memory_md(st: Any | None) -> str:
                    "hold: that plus the allocator's reserve and the CUDA context.</small>")
 
 
+def _cell(value: Any) -> str:
+    return html.escape(str(value)).replace("\n", " ").replace("|", "\\|")
+
+
+def completions_md(st: Any | None) -> str:
+    """A GRPO run's latest sampled completions with their rewards (total and per function)."""
+    comps = getattr(st, "completions", None) if st is not None else None
+    if not comps:
+        return ""
+    names = list(dict.fromkeys(k for c in comps for k in (c.get("rewards") or {})))
+    rows = ["| prompt | completion | reward | " + " | ".join(_cell(n) for n in names) + (" |" if names else ""),
+            "|---|---|---|" + "---|" * len(names)]
+    for c in comps:
+        per = c.get("rewards") or {}
+        cells = [_cell(c.get("prompt", "")), _cell(c.get("completion", "")), f"{c.get('reward', float('nan')):.3f}",
+                 *("–" if per.get(n) is None else f"{per[n]:.3f}" for n in names)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return f"**Sampled completions at step {st.completions_step}**\n\n" + "\n".join(rows)
+
+
 def samples_md(st: Any | None) -> str:
+    """The samples after training (base against fine-tuned); a GRPO run without them shows its latest
+    sampled completions (:func:`completions_md`)."""
+    if st is not None and not st.samples and getattr(st, "completions", None):
+        return completions_md(st)
     if st is None or not st.samples:
         return ""
     rows = ["| prompt | base model | fine-tuned |", "|---|---|---|"]

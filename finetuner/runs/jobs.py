@@ -376,6 +376,12 @@ class RunStatus:
     #: (reward_accuracy, reward_margin, reward_chosen, reward_rejected) and of its eval events
     #: (eval_reward_*) as (step, value) in step order; empty for SFT
     rewards: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: a GRPO run's rewards: the mean total reward of each step's completions (``reward``) and of the
+    #: held-out evaluations (``eval_reward``), and each reward function's means by name, as (step, value)
+    group_rewards: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: a GRPO run's latest sampled completions (its last step event's ``completions``) and their step
+    completions: list[dict[str, Any]] | None = None
+    completions_step: int | None = None
     error: str | None = None
     metrics: dict[str, Any] | None = None
     samples: list[dict[str, Any]] | None = None
@@ -425,6 +431,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}
     rewards: dict[str, dict[int, float]] = {}
+    group_rewards: dict[str, dict[int, float]] = {}
     tracker = RunStateTracker()
     for ev in read_events(events_path):
         tracker.feed(ev)
@@ -447,6 +454,9 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             if ev.get("loss") is not None:
                 losses[int(ev["step"])] = float(ev["loss"])
             _add_rewards(rewards, ev, "reward_")
+            _add_group_rewards(group_rewards, ev, "")
+            if ev.get("completions"):
+                st.completions, st.completions_step = ev["completions"], int(ev["step"])
             peak = ev.get("mem_peak")
             if peak is not None:
                 st.measured_peak_bytes = max(st.measured_peak_bytes or 0, int(peak))
@@ -454,6 +464,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             if ev.get("eval_loss") is not None:
                 evals[int(ev["step"])] = float(ev["eval_loss"])
             _add_rewards(rewards, ev, "eval_reward_")
+            _add_group_rewards(group_rewards, ev, "eval_")
         elif kind == "oom_backoff":
             st.notes.append(
                 f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"
@@ -478,6 +489,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
     if st.objective is None and isinstance(recipe.get("objective"), str):  # not started yet: as the recipe asks
         st.objective = recipe["objective"]
     st.rewards = {k: sorted(v.items()) for k, v in rewards.items()}
+    st.group_rewards = {k: sorted(v.items()) for k, v in group_rewards.items()}
     st.state = tracker.state(st.running)
     if st.state == "new" and job is None and (rd / LOG_NAME).is_file():  # a job ran here and ended without any event
         st.state = "error"
@@ -505,6 +517,25 @@ def _add_rewards(rewards: dict[str, dict[int, float]], ev: dict[str, Any], prefi
     for key, value in ev.items():
         if key.startswith(prefix) and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             rewards.setdefault(key, {})[int(ev["step"])] = float(value)
+
+
+def _add_group_rewards(out: dict[str, dict[int, float]], ev: dict[str, Any], prefix: str) -> None:
+    """A GRPO event's rewards at its step (docs/events.md): ``{prefix}reward`` (the mean total) under
+    ``{prefix}reward`` and each function's mean (``{prefix}rewards``) under ``{prefix}reward:NAME``;
+    values that are not finite numbers are left out."""
+    if ev.get("step") is None:
+        return
+    step = int(ev["step"])
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.setdefault(key, {})[step] = float(value)
+
+    put(f"{prefix}reward", ev.get(f"{prefix}reward"))
+    per_function = ev.get(f"{prefix}rewards")
+    if isinstance(per_function, dict):
+        for name, value in per_function.items():
+            put(f"{prefix}reward:{name}", value.get("mean") if isinstance(value, dict) else value)
 
 
 def _reported_error(run_dir: Path) -> str:

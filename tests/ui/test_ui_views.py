@@ -252,3 +252,35 @@ def test_the_headline_names_a_preference_objective():
     base = {"model": {"name": str(REPO / "data" / "demo_model")}, "data": {"path": str(REPO / "data" / "preference_sample.jsonl")}}
     assert views.recipe_headline(Recipe.from_dict(dict(base, objective="dpo"))).startswith("DPO · LORA · micro-batch")
     assert views.recipe_headline(Recipe.from_dict(base)).startswith("LORA · micro-batch")
+
+
+def test_a_grpo_run_shows_its_reward_curves_and_its_latest_sampled_completions(tmp_path):
+    """The Train tab of a GRPO run: the mean total reward of each step, the held-out reward as dots,
+    each reward function dashed, and the last step's sampled completions with their rewards."""
+    from finetuner.runs import jobs
+    from finetuner.runs.events import EventWriter
+
+    run = tmp_path / "runs" / "g"
+    run.mkdir(parents=True)
+    w = EventWriter(run / "events.jsonl", strict=False)
+    w.emit("start", objective="grpo", max_steps=4, device="cpu", method="lora")
+    for step in (1, 2, 3):
+        w.emit("step", step=step, loss=0.0, reward=0.2 * step, reward_std=0.1,
+               rewards={"whistle": {"mean": 0.1 * step, "std": 0.0}, "length_bounds": {"mean": 0.2 * step, "std": 0.0}},
+               completions=[{"prompt": f"Q{step}|", "completion": f"A whistle {step}", "reward": 0.5 * step,
+                             "rewards": {"whistle": 1.0, "length_bounds": None}}])
+    w.emit("eval", step=2, eval_loss=None, eval_reward=0.45, eval_rewards={"whistle": 0.25, "length_bounds": 0.4})
+    st = jobs.run_status(run, tmp_path / "runs")
+    assert st.objective == "grpo" and views.is_preference(st)  # the reward column is shown
+    assert st.group_rewards["reward"] == [(1, 0.2), (2, 0.4), (3, 0.6000000000000001)]
+    assert st.group_rewards["eval_reward"] == [(2, 0.45)] and st.group_rewards["eval_reward:whistle"] == [(2, 0.25)]
+    spec = views.reward_chart(st)
+    got = {(r["series"], r["step"]) for r in spec["data"]["values"]}
+    assert {("reward (total)", 3), ("held-out reward", 2), ("whistle", 1), ("length_bounds", 3)} <= got
+    dashed = {r["series"] for r in spec["data"]["values"] if r["dashed"]}
+    assert dashed == {"whistle", "length_bounds"}
+    assert spec["title"]["text"] == "Mean reward — 0.600 at step 3"
+    md = views.samples_md(st)
+    assert md.startswith("**Sampled completions at step 3**")
+    assert "| Q3\\| | A whistle 3 | 1.500 | 1.000 | – |" in md  # the prompt's | escaped; a function that did not score: –
+    assert "| whistle | length_bounds |" in md.splitlines()[2]
