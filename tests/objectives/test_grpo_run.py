@@ -156,16 +156,51 @@ def test_a_run_killed_and_resumed_gives_the_rewards_and_losses_of_the_uninterrup
         assert got[s]["completions"] == want[s]["completions"]
 
 
-def test_gradient_checkpointing_changes_no_loss(tiny_model_dir, tmp_path):
-    """Gradient checkpointing recomputes the same forward: the same losses, rewards and KL (fp32 noise:
-    the recomputed activations are bitwise those of the first pass on the CPU, so 1e-6)."""
+def test_gradient_checkpointing_and_activation_offload_change_no_loss(tiny_model_dir, tmp_path):
+    """Gradient checkpointing recomputes the same forward, and activation offload keeps the same
+    tensors in CPU memory: the same losses, rewards and KL (fp32 noise: the recomputed activations are
+    bitwise those of the first pass on the CPU, so 1e-6)."""
     raw = grpo_recipe(tiny_model_dir, tmp_path, name="plain", max_steps=3)
     raw["grpo"]["beta"] = 0.05
     raw["data"]["val_size"] = 0
     plain = finetuner.train(Recipe.from_dict(raw))
-    saver = finetuner.train(Recipe.from_dict(dict(raw, name="saver", output_dir=str(tmp_path / "saver"),
-                                                  training=dict(raw["training"], gradient_checkpointing=True))))
-    a, b = _steps(plain.run_dir), _steps(saver.run_dir)
-    for s in (1, 2, 3):
-        for key in ("loss", "reward", "kl"):
-            assert b[s][key] == pytest.approx(a[s][key], abs=1e-6), (s, key)
+    a = _steps(plain.run_dir)
+    for name, savers in (("checkpointing", {"gradient_checkpointing": True}),
+                         ("offload", {"gradient_checkpointing": True, "offload_activations": True})):
+        saver = finetuner.train(Recipe.from_dict(dict(raw, name=name, output_dir=str(tmp_path / name),
+                                                      training=dict(raw["training"], **savers))))
+        b = _steps(saver.run_dir)
+        for s in (1, 2, 3):
+            for key in ("loss", "reward", "kl"):
+                assert b[s][key] == pytest.approx(a[s][key], abs=1e-6), (name, s, key)
+
+
+def test_two_processes_give_the_rewards_losses_and_adapter_of_one(tiny_model_dir, tmp_path):
+    """``--gpus 2`` (DDP on two CPU processes, gloo): every rank samples the step's rollout with the same
+    seed and weights, trains on its share of the completions, and the gradients are averaged, so the
+    steps' rewards are equal and the losses and the saved adapter equal one process's to fp32 noise (the
+    ranks' gradients are summed in another order, ~1e-7 relative, carried through four SGD steps):
+    1e-5 absolute on the losses (~1e-2) and the weights, which moved by far more."""
+    from safetensors.torch import load_file
+
+    # SGD: Adam would turn the fp32 noise of near-zero gradient entries into whole updates (±lr)
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="one", max_steps=4, micro_batch_size=2, gradient_accumulation=2,
+                      optimizer="sgd", lr=1.0)
+    raw["grpo"]["beta"] = 0.05
+    raw["grpo"]["num_iterations"] = 2  # the second step of each rollout is off-policy: a non-zero loss
+    raw["data"]["val_size"] = 0
+    one = finetuner.train(Recipe.from_dict(raw))
+    recipe = write_recipe(tmp_path / "two.yaml", dict(raw, name="two", output_dir=str(tmp_path / "two")))
+    out = run_cli("run", str(recipe), "--gpus", "2", "--quiet")
+    assert out.returncode == 0, out.stderr + out.stdout
+    a, b = _steps(one.run_dir), _steps(tmp_path / "two")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert any(abs(a[s]["loss"]) > 1e-4 for s in a)  # the comparison is not of zeros
+    for s in a:
+        assert b[s]["reward"] == a[s]["reward"] and b[s]["completions"] == a[s]["completions"], s
+        for key in ("loss", "kl"):
+            assert b[s][key] == pytest.approx(a[s][key], abs=1e-5), (s, key)
+    wa, wb = load_file(str(one.run_dir / "adapter" / "adapter_model.safetensors")), load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
+    diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    moved = max(float(wa[k].abs().max()) for k in wa if "lora_B" in k)  # B starts at zero
+    assert wa.keys() == wb.keys() and diff <= 1e-5 and moved > 1e-3, (diff, moved)
