@@ -456,6 +456,20 @@ def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return points[::every] + ([points[-1]] if (len(points) - 1) % every else [])
 
 
+def _series_rows(values: dict[str, list[tuple[int, float]]], series: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A chart's rows: each series ``(key of values, name, extra fields)`` as ``{"step", "value",
+    "series", "dot", **extra}``; training series thinned (dots while they are few), eval points
+    (keys ``eval_…``) always dots."""
+    rows = []
+    for key, name, extra in series:
+        points = values.get(key) or []
+        train = not key.startswith("eval_")
+        few = len(points) <= DOTS_UP_TO
+        for step, v in (_thin(points) if train else points):
+            rows.append({"step": int(step), "value": round(float(v), 4), "series": name, "dot": (not train) or few, **extra})
+    return rows
+
+
 #: colours of a GRPO run's reward functions (after the total's and the held-out total's)
 FUNCTION_COLOURS = ("#64748b", "#a855f7", "#0ea5e9", "#eab308", "#ec4899", "#14b8a6")
 
@@ -467,14 +481,7 @@ def grpo_reward_chart(st: Any) -> dict[str, Any]:
     functions = sorted({k.split(":", 1)[1] for k in rewards if ":" in k})
     series = [("reward", "reward (total)", "#059669", False), ("eval_reward", "held-out reward", "#f97316", False)]
     series += [(f"reward:{f}", f, FUNCTION_COLOURS[i % len(FUNCTION_COLOURS)], True) for i, f in enumerate(functions)]
-    rows = []
-    for key, name, _colour, dashed in series:
-        points = rewards.get(key) or []
-        train = not key.startswith("eval_")
-        few = len(points) <= DOTS_UP_TO
-        for step, v in (_thin(points) if train else points):
-            rows.append({"step": int(step), "value": round(float(v), 4), "series": name, "dashed": dashed,
-                         "dot": (not train) or few})
+    rows = _series_rows(rewards, [(key, name, {"dashed": dashed}) for key, name, _c, dashed in series])
     shown = [x for x in series if rewards.get(x[0])] or series[:1]
     last = rewards.get("reward") or []
     title = (f"Mean reward — {last[-1][1]:.3f} at step {last[-1][0]}" if last else "Mean reward — waiting for the first step")
@@ -506,14 +513,8 @@ def reward_chart(st: Any | None) -> dict[str, Any]:
     if st is not None and getattr(st, "objective", None) == "grpo":
         return grpo_reward_chart(st)
     rewards = (getattr(st, "rewards", None) or {}) if st is not None else {}
-    rows = []
-    for key, name, _colour, _dash in REWARD_SERIES:
-        points = rewards.get(key) or []
-        train = not key.startswith("eval_")
-        few = len(points) <= DOTS_UP_TO
-        for s, v in (_thin(points) if train else points):
-            rows.append({"step": int(s), "value": round(float(v), 4), "series": name,
-                         "metric": "accuracy" if key.endswith("accuracy") else "margin", "dot": (not train) or few})
+    rows = _series_rows(rewards, [(key, name, {"metric": "accuracy" if key.endswith("accuracy") else "margin"})
+                                  for key, name, _c, _d in REWARD_SERIES])
     shown = [r for r in REWARD_SERIES if rewards.get(r[0])] or [REWARD_SERIES[0]]
     series = [name for _k, name, _c, _d in shown]
     colours = [c for _k, _n, c, _d in shown]
