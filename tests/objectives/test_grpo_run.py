@@ -204,3 +204,23 @@ def test_two_processes_give_the_rewards_losses_and_adapter_of_one(tiny_model_dir
     diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     moved = max(float(wa[k].abs().max()) for k in wa if "lora_B" in k)  # B starts at zero
     assert wa.keys() == wb.keys() and diff <= 1e-5 and moved > 1e-3, (diff, moved)
+
+
+def test_grpo_trains_a_qlora_adapter_on_a_4bit_base(tiny_model_dir, tmp_path):
+    """QLoRA: the rollout samples from the 4-bit base with the adapter, the reference is the 4-bit base
+    with the adapter off (beta > 0), and the saved adapter is a peft folder with trained B matrices."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="qlora", max_steps=3)
+    raw["method"], raw["quantization"] = "qlora", {"bits": 4}
+    raw["grpo"]["beta"] = 0.05
+    raw["data"]["val_size"] = 0
+    result = finetuner.train(Recipe.from_dict(raw))
+    start = next(e for e in read_events(result.run_dir / "events.jsonl") if e["event"] == "start")
+    assert start["method"] == "qlora"
+    steps = _steps(result.run_dir)
+    assert steps[1]["kl"] == 0.0 and steps[2]["kl"] > 0 and steps[3]["kl"] > 0  # the policy left the 4-bit reference
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(result.run_dir / "adapter"))
+    trained = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert trained and max(float(p.abs().max()) for p in trained) > 0
