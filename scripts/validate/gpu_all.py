@@ -373,9 +373,12 @@ def listing() -> str:
 
 # --------------------------------------------------------------------------- tables
 def speed_rows(folder: Path) -> list[dict]:
+    """The rows of ``folder``'s ``speed_<device>.json`` files (not the speed model's
+    ``speed_model_<device>.json``, which scripts/validate/speed_model.py writes)."""
     rows = []
     for path in sorted(folder.glob("speed_*.json")):
-        rows += json.loads(path.read_text(encoding="utf-8"))
+        if not path.name.startswith("speed_model_"):
+            rows += json.loads(path.read_text(encoding="utf-8"))
     return rows
 
 
