@@ -35,6 +35,23 @@ def register(*names: str):
     return add
 
 
+def loss_module(model, loss):
+    """The module a step's forward goes through (DDP, a DeepSpeed engine and FSDP wrap it, not the bare
+    model, so their hooks see the whole loss computation): ``forward(batch) = loss(model, batch)``,
+    ``model`` being its submodule (the wrappers find its parameters there)."""
+    import torch
+
+    class StepLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch: dict[str, Any]):
+            return loss(self.model, batch)
+
+    return StepLoss()
+
+
 class Objective:
     """An objective's part of a run. The defaults are those of an objective with no extra state:
     no start adapter, no reference, no rollout, nothing summed besides the loss, no extra fields."""

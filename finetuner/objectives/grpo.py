@@ -38,7 +38,7 @@ from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.prompts import prepare_prompts
 from finetuner.losses.grpo import group_advantages, grpo_loss
 from finetuner.model.scoring import scored_token_logps
-from finetuner.objectives.base import Objective, register
+from finetuner.objectives.base import Objective, loss_module, register
 
 #: added to the run's seed for the evaluation's sampling (never a training batch's seed)
 EVAL_SEED_OFFSET = 7_919
@@ -250,19 +250,7 @@ class GRPOObjective(Objective):
 
     def step_loss_module(self, model, chunk_size: int, fused_ce=None):
         """The module a micro-batch's forward goes through: its share of the step's GRPO loss."""
-        import torch
-
-        objective = self
-
-        class GRPOStepLoss(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
-
-            def forward(self, batch: dict[str, Any]):
-                return objective.loss(self.model, batch, chunk_size)
-
-        return GRPOStepLoss()
+        return loss_module(model, lambda m, batch: self.loss(m, batch, chunk_size))
 
     # ---------------------------------------------------------------- the rollout
     def before_step(self, trainer, step: int, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:

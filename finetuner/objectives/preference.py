@@ -43,7 +43,7 @@ from finetuner.data.preference import PreferenceCollator, prepare_preference_dat
 from finetuner.errors import UserError
 from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss
 from finetuner.model.scoring import sequence_logps
-from finetuner.objectives.base import Objective, register
+from finetuner.objectives.base import Objective, loss_module, register
 
 log = logging.getLogger(__name__)
 
@@ -259,19 +259,7 @@ class PreferenceObjective(Objective):
     def step_loss_module(self, model, chunk_size: int, fused_ce=None):
         """The module a step's forward goes through (DDP wraps it, as the SFT one); the fused
         cross-entropy is SFT's only."""
-        import torch
-
-        objective = self
-
-        class PreferenceStepLoss(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
-
-            def forward(self, batch: dict[str, Any]):
-                return objective.loss_sum(self.model, batch, chunk_size)
-
-        return PreferenceStepLoss()
+        return loss_module(model, lambda m, batch: self.loss_sum(m, batch, chunk_size))
 
     def start_step(self, examples: list[dict[str, Any]]) -> int:
         """A step (or its retry after an out-of-memory back-off) begins: the rewards are summed

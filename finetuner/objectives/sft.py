@@ -8,7 +8,7 @@ from typing import Any
 
 from finetuner.data.pipeline import IGNORE_INDEX, Collator, prepare_data
 from finetuner.model.scoring import token_loss_sum
-from finetuner.objectives.base import Objective, register
+from finetuner.objectives.base import Objective, loss_module, register
 
 
 def target_tokens(examples: list[dict[str, list[int]]]) -> int:
@@ -18,18 +18,7 @@ def target_tokens(examples: list[dict[str, list[int]]]) -> int:
 
 def step_loss_module(model, chunk_size: int, fused_ce):
     """The module a step's forward goes through: the token-loss sum of a batch."""
-    import torch
-
-    class StepLoss(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, batch: dict[str, Any]):
-            loss_sum, _ = token_loss_sum(self.model, batch, chunk_size, fused_ce)
-            return loss_sum
-
-    return StepLoss()
+    return loss_module(model, lambda m, batch: token_loss_sum(m, batch, chunk_size, fused_ce)[0])
 
 
 @register("sft")
