@@ -44,8 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--objective", default="auto",
                    help="auto (from --data: sft for supervised examples, dpo for preference pairs, kto for rated "
-                        "responses), sft, dpo, orpo, simpo or kto: plans with the objective's memory (two sequences "
-                        "per pair, the reference pass), no packing, at most 3 epochs and its learning rate.")
+                        "responses; grpo when --reward is given), sft, dpo, orpo, simpo, kto or grpo: plans with the "
+                        "objective's memory (two sequences per pair, the reference pass; GRPO: the rollout's KV cache and "
+                        "the group's sequences), no packing, at most 3 epochs and its learning rate.")
+    p.add_argument("--reward", dest="rewards", action="append", default=[], metavar="FILE.py:FUNCTION|BUILTIN",
+                   help="GRPO: a reward function with TRL's signature fn(prompts, completions, **columns) -> list[float] "
+                        "in a Python file, or a built-in (exact_match, regex_format, length_bounds); repeatable (weights and "
+                        "arguments: edit the written recipe). Implies --objective grpo; --data gives the prompts.")
+    p.add_argument("--num-generations", type=int, metavar="G", help="GRPO: completions per prompt (default 4).")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="GRPO: the longest completion in tokens (default 64).")
     p.add_argument("--gpus", type=int, default=1, help="Number of such cards: adds the strategy (DDP, ZeRO 1-3, FSDP, offload) with per-device memory and communication.")
     p.add_argument("--cpu-memory", metavar="SIZE",
                    help="CPU memory of the machine running the --gpus processes, e.g. 64GB (GiB; default: this machine's "
@@ -107,6 +114,26 @@ def parse_columns(items: list[str], data: str | None) -> dict[str, str]:
     return columns
 
 
+def parse_rewards(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--reward``, ``--num-generations`` and ``--max-new-tokens`` as :func:`finetuner.plan`'s ``grpo``
+    (None when none is given): ``FILE.py:FUNCTION`` names a function of a file, a bare name a built-in."""
+    from finetuner.errors import UserError
+
+    rewards = []
+    for item in args.rewards:
+        file, colon, function = item.rpartition(":")
+        if colon and (not file.strip() or not function.strip()):
+            raise UserError(f"--reward {item!r}: write FILE.py:FUNCTION or the name of a built-in reward.")
+        rewards.append({"function": function.strip(), "file": file.strip()} if colon else {"function": item.strip()})
+    extra = {k: v for k, v in (("num_generations", args.num_generations), ("max_new_tokens", args.max_new_tokens)) if v is not None}
+    if not rewards and not extra:
+        return None
+    if not rewards:
+        raise UserError("--num-generations / --max-new-tokens plan a GRPO run, which needs a reward.",
+                        hint="Add --reward FILE.py:FUNCTION (or a built-in: exact_match, regex_format, length_bounds).")
+    return {"rewards": rewards, **extra}
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from finetuner.errors import UserError
     from finetuner.planning.planner import plan
@@ -122,7 +149,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     p = plan(
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
-        objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour,
+        objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -151,7 +178,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     rows = compare_cards(
         args.model, cards, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, method=args.method,
         margin=args.margin, gpus=args.gpus, columns=parse_columns(args.columns, args.data) or None, objective=args.objective,
-        cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour)
+        cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0 if any(r["fits"] for r in rows) else 1
@@ -234,9 +261,11 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     con.print(f"Card: {p.gpu.name} — {p.gpu.description}, {p.gpu.memory_gib:.1f} GiB")
     if p.data:
         d = p.data
+        trained = ("the completions are generated" if d["kind"] == "prompts"
+                   else f"{100 * d['label_fraction']:.0f}% of tokens trained on")
         con.print(
             f"Data: {d['rows']} {KIND_UNITS[d['kind']]} ({d['format_label']}), tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
-            f"max {d['max_tokens']} ({d['counted_with']}); {100 * d['label_fraction']:.0f}% of tokens trained on"
+            f"max {d['max_tokens']} ({d['counted_with']}); {trained}"
         )
     for n in p.notes:
         con.print(f"[yellow]Note:[/] {n}")
@@ -334,7 +363,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         planned = resolve_auto(recipe, gpu, label_fraction=label_fraction)
         recipe = planned.recipe
     if recipe.objective == "grpo":
-        return _grpo_estimate(args, recipe, gpu, label_fraction)
+        return _grpo_estimate(args, recipe, gpu, label_fraction, planned)
     est = estimate_recipe(recipe, gpu, label_fraction=label_fraction)
     timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
     sharded = None
@@ -384,7 +413,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 LARGEST_LIMIT = 1 << 17
 
 
-def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fraction: float) -> int:
+def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fraction: float, planned: Any = None) -> int:
     """``estimate`` of a GRPO recipe: its phases' peaks and components, and what else would fit."""
     from finetuner.planning.planner import estimate_grpo
 
@@ -395,7 +424,8 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
                           "allocated_bytes": mem.allocated_bytes, "peak_phase": mem.peak_phase, "phases": dict(mem.phases),
                           "components": dict(mem.components), "budget_bytes": r["budget_bytes"], "fits": r["fits"],
                           "largest_max_new_tokens": r["largest_max_new_tokens"],
-                          "largest_num_generations": r["largest_num_generations"], "time": None}, indent=2))
+                          "largest_num_generations": r["largest_num_generations"], "time": None,
+                          "resolved": planned.recipe_choice() if planned is not None else None}, indent=2))
         return 0 if r["fits"] else 1
     from rich.console import Console
     from rich.table import Table
@@ -403,6 +433,8 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
     con = Console()
     con.print(f"[bold]{args.recipe}[/]: {recipe.model.name} ({recipe.method}, GRPO: {g.num_generations} generations "
               f"of up to {g.max_new_tokens} tokens), on {gpu.name} ({gpu.memory_gib:.1f} GiB)", highlight=False)
+    if planned is not None:
+        con.print(f"auto values resolved by the planner: {json.dumps(planned.recipe_choice())}", highlight=False)
     t = Table(title=f"Predicted peak memory of a GRPO step ({mem.peak_phase})", title_justify="left")
     t.add_column("phase or component")
     t.add_column("GiB", justify="right")

@@ -928,10 +928,6 @@ def _check_grpo(r: Recipe) -> None:
     if g is None or not g.rewards:
         raise ValueError("grpo.rewards: objective grpo trains on rewards: name at least one reward function, e.g. "
                          "grpo: {rewards: [{function: my_reward, file: rewards.py}]} (a file of functions with TRL's signature)")
-    auto = r.auto_keys()
-    if auto:  # the planner does not search GRPO's terms yet: it would size the run as another objective
-        raise ValueError(f"{auto[0]}: 'auto' is planned for sft and the preference objectives, not yet for grpo: give it a value "
-                         "(e.g. method lora, micro_batch_size 8, gradient_accumulation 1)")
     if g.beta and r.method == "full":
         raise ValueError("grpo.beta: the reference is the base with the adapter off, and method 'full' has no adapter: "
                          "set beta: 0, or use method lora or qlora")

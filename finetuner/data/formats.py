@@ -393,6 +393,7 @@ FORMAT_LABELS = {
     "alpaca": "alpaca (instruction/output)", "chat": "chat (messages)", "completion": "prompt/completion",
     "text": "plain text", "sharegpt_ranking": "ShareGPT ranking", "trl": "TRL preference",
     "columns": "prompt/chosen/rejected", "kto_messages": "KTO messages", "kto_completion": "KTO prompt/completion",
+    "prompts": "the prompt side of each row",
 }
 
 
@@ -411,11 +412,12 @@ OBJECTIVES_OF_KIND = {"pairs": "dpo, orpo or simpo", "rated": "kto", "sft": "sft
 #: ``finetuner plan`` and the web UI's Plan tab).
 AUTO_OBJECTIVE = {"sft": "sft", "pairs": "dpo", "rated": "kto"}
 #: What one row of each kind of data is called (``finetuner plan``'s data line, the profile's errors).
-KIND_UNITS = {"sft": "examples", "pairs": "pairs", "rated": "rated responses"}
+KIND_UNITS = {"sft": "examples", "pairs": "pairs", "rated": "rated responses", "prompts": "prompts"}
 KIND_WORDS = {
     "pairs": "preference pairs (a chosen and a rejected response)",
     "rated": "rated responses (a response with a true/false label, KTO's unpaired data)",
     "sft": "supervised examples",
+    "prompts": "prompts (objective grpo: the prompt side of each row)",
 }
 
 

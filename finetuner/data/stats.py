@@ -258,6 +258,41 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
     return profile
 
 
+def profile_prompts(
+    path: str,
+    model: str | None = None,
+    *,
+    columns: dict[str, str] | None = None,
+    on_bad_row: str = "error",
+    system_prompt: str | None = None,
+) -> DataProfile:
+    """:func:`profile_data` for ``objective: grpo``: each row's prompt, read as the GRPO trainer reads it
+    (:func:`finetuner.data.prompts.prompt_of`: a prompts-only file, or the prompt side of supervised data,
+    preference pairs or chat), measured as :func:`profile_data` measures a prompt (each message's tokens
+    plus ``TEMPLATE_TOKENS_PER_MESSAGE``, and the generation prompt's). The profile's ``kind`` is
+    ``prompts``, its lengths are the prompts' (the completions are generated, so no token is trained on
+    from the file: ``trained_tokens`` is 0). Rows without a prompt are counted as :func:`profile_data`
+    counts bad rows."""
+    from finetuner.data.formats import read_rows
+    from finetuner.data.prompts import prompt_of
+
+    count, how = _tokenizer_counter(model)
+    if count is None:
+        count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
+    bad: list[RowError] = []
+    lengths: list[int] = []
+    for raw in read_rows(path, "train", bad):
+        try:
+            p = prompt_of(raw.data, columns, system_prompt)
+        except RowError as e:
+            bad.append(RowError(f"{raw.place}: {e}."))
+            continue
+        lengths.append(sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in p.messages) + TEMPLATE_TOKENS_PER_MESSAGE)
+        if len(lengths) >= MAX_ROWS:
+            break
+    return _profile(path, "prompts", "prompts", lengths, 0, sum(lengths), how, None, bad, on_bad_row, columns=columns)
+
+
 def _profile(path: str, fmt: str, kind: str, lengths: list[int], trained: int, total: int, how: str, seq_len: int | None,
              bad: list[RowError], on_bad_row: str, columns: dict[str, str] | None = None) -> DataProfile:
     """The profile of measured examples, with the note on the rows that cannot be used; a

@@ -251,3 +251,50 @@ def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: i
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return at(lo)
 
+
+
+def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=None, margin: float = 0.05,
+                         top_p: bool = True) -> MemoryEstimate:
+    """:func:`grpo_estimate` as a :class:`~finetuner.memory.model.MemoryEstimate`, the form the planner
+    ranks, prints and checks against a card (``gpu``: a :class:`~finetuner.config.hardware.GpuProfile` or
+    None; its budget keeps ``margin`` of it free). The components are those of the step's peak phase and
+    sum to ``total_bytes``: the resident weights, LoRA weights and optimizer states, the GRPO buffers, the
+    peak phase's own memory (the generation's KV cache and its largest temporaries; the loss's gradients,
+    activations and logits; the reference pass; the optimizer step), the cuBLAS workspace, the
+    allocator's slack and the CUDA context. ``details["grpo"]`` keeps every GRPO term and phase."""
+    m = grpo_estimate(shape, s, g, top_p)
+    loss, comp, peak = m.loss, m.components, m.peak_phase
+    resident = {k: v for k, v in loss.components.items() if k.startswith(("weights:", "LoRA weights", "optimizer states"))}
+    out: dict[str, int] = dict(resident)
+    buffers = comp["loss: GRPO buffers"] if peak != "optimizer step" else 0
+    if buffers:
+        out["GRPO buffers (rollout ids, masks, log-probabilities, surrogate)"] = buffers
+    rest = m.phases[peak] - sum(resident.values()) - buffers
+    if peak == "generation":
+        kv = comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
+        out["generation: KV cache"] = kv
+        out["generation: prefill / sampling temporaries"] = rest - kv
+    elif peak == "loss forward/backward":
+        out["loss over the group: gradients, activations, logits"] = rest
+    elif peak == "reference pass":
+        out["reference pass (the policy's saved activations + the reference forward)"] = rest
+    else:
+        out["gradients and optimizer step temporaries"] = rest
+    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
+    if workspace:
+        out["cuBLAS workspace"] = workspace
+    out["allocator slack"] = m.reserved_bytes - m.allocated_bytes
+    context = m.total_bytes - m.reserved_bytes - loss.spillable_bytes
+    if context:
+        out["CUDA context"] = context
+    assert sum(out.values()) == m.total_bytes, (sum(out.values()), m.total_bytes)
+    device = gpu.memory_bytes if gpu is not None else None
+    details = dict(loss.details, grpo={"components": dict(comp), "phases": dict(m.phases), **m.details,
+                                       "num_generations": g.num_generations, "max_new_tokens": g.max_new_tokens,
+                                       "prompt_len": g.prompt_len, "prompts_per_step": g.prompts_per_step})
+    return MemoryEstimate(
+        model=shape.name, settings=s, components=out, peak_phase=peak, phases=dict(m.phases),
+        allocated_bytes=m.allocated_bytes, reserved_bytes=m.reserved_bytes, total_bytes=m.total_bytes,
+        device_bytes=device, budget_bytes=int(device * (1 - margin)) if device else None,
+        spillable_bytes=loss.spillable_bytes, offloaded_bytes=loss.offloaded_bytes, details=details,
+        notes=list(loss.notes), gpu=gpu.name if gpu is not None else None, shape=shape)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu, list_profiles
+from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
@@ -44,7 +45,7 @@ from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_sh
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
-from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
+from finetuner.planning.speed import DeviceSpeed, StepTime, recipe_step_time, step_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -460,6 +461,13 @@ def search(
         methods = method_options(method or fixed_method)
     if gpu.platform == "cpu":
         methods = [m for m in methods if m[0] != "qlora"] or methods  # bitsandbytes on CPU: slow, only when asked
+    grpo = base.objective == "grpo" and base.grpo is not None
+    if grpo and gpus > 1:
+        raise UserError(f"{gpus} GPUs: the plan of a GRPO run is made for one card.",
+                        hint="Plan for one card: with distributed.strategy ddp each of the N cards holds what one card "
+                             "holds in that plan (each process generates and trains on its share of the prompts).")
+    if grpo and base.grpo.beta:  # the reference is the base with the adapter off: full fine-tuning has none
+        methods = [m for m in methods if m[0] != "full"] or methods
     gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
     out: list[tuple[Candidate, Recipe]] = []
     for m, bits in methods:
@@ -474,14 +482,21 @@ def search(
                         o = Option(m, bits, opt, gc, off, mb, ga)
                         recipe = _apply(base, o)
                         s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
-                        est = estimate(shape, s, gpu, margin=margin)
+                        if grpo:
+                            est = grpo_memory_estimate(shape, s, grpo_settings_of(recipe), gpu, margin,
+                                                       top_p=recipe.grpo.top_p < 1)
+                        else:
+                            est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
                         if gpus > 1:
                             sharded, recipe = _strategy_for(recipe, est, shape, gpus, cpu_memory, refused)
                             fits = sharded.fits
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
-                        st = step_time(shape, s, speed, est, sharded)
+                        if grpo:  # the rollout's generation and the loss over the group (the speed model's GRPO terms)
+                            st = recipe_step_time(recipe, gpu, speed, shape=shape, label_fraction=label_fraction, est=est)
+                        else:
+                            st = step_time(shape, s, speed, est, sharded)
                         out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
     return out
@@ -589,7 +604,7 @@ def _free_name(name: str, runs_dir: Path) -> tuple[str, str | None]:
 
 
 def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
-                 columns: dict[str, str] | None = None, objective: str = "sft") -> Recipe:
+                 columns: dict[str, str] | None = None, objective: str = "sft", grpo: dict[str, Any] | None = None) -> Recipe:
     from finetuner.config.recipe import Recipe
 
     training: dict[str, Any] = {
@@ -607,6 +622,7 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         "model": {"name": model},
         "method": "auto",
         **({"objective": objective} if objective != "sft" else {}),
+        **({"grpo": grpo} if grpo is not None else {}),
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
                  "packing": sizing.packing, **({"columns": columns} if columns else {})},
         "training": training,
@@ -643,6 +659,59 @@ def _cpu_memory(cpu_memory: int | str | None) -> tuple[int, str]:
     return int(cpu_memory), "--cpu-memory"
 
 
+def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``grpo`` section a plan writes into its recipe: ``grpo`` validated as the recipe validates it
+    (:class:`~finetuner.config.recipe.GRPOSection`, TRL's names accepted), each reward file made absolute
+    and checked to define its function (read, not run: the plan runs no user code), each built-in
+    checked by name. A :class:`UserError` naming the reward when one is missing or wrong."""
+    import ast
+
+    from pydantic import ValidationError
+
+    from finetuner.config.recipe import GRPOSection, format_validation_error
+    from finetuner.rewards.builtin import BUILTINS
+
+    raw = dict(grpo or {})
+    how = say(cli="--reward FILE.py:FUNCTION (a function with TRL's signature fn(prompts, completions, **columns) -> "
+                  f"list[float]) or --reward {'|'.join(BUILTINS)}",
+              ui=f"a reward file and function, or a built-in reward ({', '.join(BUILTINS)})")
+    if not raw.get("rewards"):
+        raise UserError("objective grpo: GRPO trains on rewards, and none is named.", hint=f"Name one: {how}.")
+    rewards = []
+    for r in raw["rewards"]:
+        r = {"function": r} if isinstance(r, str) else dict(r)
+        name = r.get("function")
+        if not r.get("file"):
+            if name not in BUILTINS:
+                raise UserError(f"reward '{name}': not a built-in reward ({', '.join(BUILTINS)}) and no file given.",
+                                hint=f"Name a file that defines it: {how}.")
+        else:
+            f = Path(r["file"]).expanduser()
+            if not f.is_file():
+                raise UserError(f"reward '{name}': {f} is not a file.", hint=f"Give the Python file that defines it: {how}.")
+            try:
+                tree = ast.parse(f.read_text(encoding="utf-8"), str(f))
+            except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+                raise UserError(f"reward '{name}': {f} is not a readable Python file: {e}") from None
+            defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            if name not in defined:
+                raise UserError(f"reward '{name}': {f} defines no top-level '{name}'.",
+                                hint=f"Functions it defines: {', '.join(sorted(defined)) or 'none'}.")
+            r["file"] = str(f.resolve())
+        rewards.append(r)
+    raw["rewards"] = rewards
+    try:
+        section = GRPOSection.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, "grpo").replace("\n  - ", "\n  - grpo.")) from None
+    out = section.model_dump(mode="json", exclude_unset=True)
+    out["rewards"] = [r.model_dump(mode="json", exclude_defaults=True) | {"function": r.function} for r in section.rewards]
+    out.setdefault("max_new_tokens", section.max_new_tokens)
+    out.setdefault("num_generations", section.num_generations)
+    return out
+
+
 def _check_objective(objective: str | None) -> str | None:
     """``objective`` as :func:`plan` takes it: ``None`` for ``auto``, else a known objective."""
     from typing import get_args
@@ -651,12 +720,7 @@ def _check_objective(objective: str | None) -> str | None:
 
     if objective in (None, "auto"):
         return None
-    planned = [o for o in get_args(Objective) if o != "grpo"]
-    if objective == "grpo":  # the search does not use GRPO's memory terms yet
-        raise UserError("--objective grpo: plan does not size GRPO runs yet.",
-                        hint=f"Plan with {', '.join(planned)}, or write a GRPO recipe (as recipes/demo_grpo_cpu.yaml) and "
-                             "check it with `finetuner estimate RECIPE --gpu CARD`: it predicts the GRPO step's memory and the "
-                             "largest num_generations and max_new_tokens that fit.")
+    planned = list(get_args(Objective))
     if objective not in planned:
         raise UserError(f"--objective {objective}: not an objective; choose auto, {', '.join(planned)}.")
     return objective
@@ -669,6 +733,8 @@ def _objective_for(objective: str | None, profile) -> tuple[str, str | None]:
     from finetuner.data.formats import AUTO_OBJECTIVE, KIND_WORDS, OBJECTIVES_OF_KIND, wrong_objective
 
     kind = profile.kind
+    if objective == "grpo":  # any file with prompts: profile_prompts read it as the GRPO trainer will
+        return objective, None
     if objective is None:
         chosen = AUTO_OBJECTIVE[kind]
         if kind == "sft":
@@ -701,6 +767,7 @@ def plan(
     runs_dir: str | Path | None = None,
     cpu_memory: int | str | None = None,
     price_per_hour: float | None = None,
+    grpo: dict[str, Any] | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -738,6 +805,13 @@ def plan(
             a size (``64GB``, GiB); by default this machine's RAM. Offloaded state must fit it.
         price_per_hour: what an hour of the machine (all ``gpus`` cards) costs: the plan adds the
             run's predicted cost (``Plan.cost``) to its time (``Plan.total_s``).
+        grpo: for ``objective="grpo"`` (implied when given), the recipe's ``grpo`` section: at least
+            ``rewards`` (``[{"function": "my_reward", "file": "rewards.py"}]`` or built-in names), and
+            ``num_generations``, ``max_new_tokens`` … as the recipe takes them. ``data`` gives the prompts
+            (the prompt side of any supported file, :func:`finetuner.data.stats.profile_prompts`); the
+            search uses GRPO's memory terms (:mod:`finetuner.memory.grpo`: the rollout's KV cache, the
+            loss over the group, the reference pass) and step time (the generation included), and the
+            plan says the largest ``max_new_tokens`` and ``num_generations`` that fit its choice.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -768,13 +842,31 @@ def plan(
         except ValueError as e:
             raise UserError(f"data.columns (--column): {e}") from None
     objective = _check_objective(objective)
+    if grpo is not None and objective is None:
+        objective = "grpo"
+    grpo_raw = None
+    if objective == "grpo":
+        if not data:
+            raise UserError(f"{say(cli='--objective grpo', ui='Objective grpo')}: GRPO generates completions of prompts: "
+                            "give the prompts' file.",
+                            hint=say(cli="Plan with --data PROMPTS (any supported format: its prompt side is used).",
+                                     ui="Choose a data file in the Data tab (its prompt side is used)."))
+        grpo_raw = grpo_section(grpo)
+    elif grpo is not None:
+        raise UserError(f"GRPO settings (rewards) given, but the objective is {objective}.",
+                        hint=say(cli="Use --objective grpo, or leave out --reward.", ui="Choose objective grpo."))
     cpu_bytes, cpu_source = _cpu_memory(cpu_memory)
     shape = resolve_shape(model)
     notes: list[str] = []
     profile = None
     label_fraction = 1.0
     reasons: list[str] = []
-    if data:
+    if data and objective == "grpo":
+        from finetuner.data.stats import profile_prompts
+
+        profile = profile_prompts(data, model, columns=columns)
+        notes += profile.notes
+    elif data:
         from finetuner.data.stats import profile_data
 
         profile = profile_data(data, model, seq_len, columns=columns)
@@ -788,7 +880,8 @@ def plan(
                         "responses for kto); there is no default preference data set.",
                         hint="Plan with --data PAIRS.jsonl, e.g. data/preference_sample.jsonl.")
     objective = objective or "sft"
-    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective)
+    sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective,
+                      max_new_tokens=grpo_raw["max_new_tokens"] if grpo_raw else 0)
     notes += sizing.notes
     expect = expectation(shape, prof.platform)
     if expect:
@@ -803,7 +896,7 @@ def plan(
     if not name:
         name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
         notes += [why_name] if why_name else []
-    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective)
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour)
     result.model = model
@@ -912,11 +1005,49 @@ def plan_recipe(
         out.strategies = [dict(sh.to_dict(), runnable=schema_accepts(with_strategy(best_recipe, sh, gpus)))
                           for sh in compare_strategies(best.estimate, gpus, shape, cpu_memory)]
     out.reasons = _reasons(best, ranked, prof, shape)
+    if best_recipe.objective == "grpo" and best_recipe.grpo is not None:
+        out.reasons.append(grpo_room(best_recipe, best.estimate, shape))
     if best.sharded is not None:
         where = f"the machine has {cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"
         out.reasons.insert(2, f"CPU memory: {best.sharded.host_summary()}; {where}")
     out.rejected = _runners_up(ranked, best)
     return out
+
+
+#: how far a plan searches the largest GRPO group size and completion length (a tiny model fits any)
+GRPO_LARGEST_LIMIT = 1 << 17
+
+
+def grpo_largest(recipe: Recipe, settings: Settings, shape: ModelShape, budget_bytes: int,
+                 limit: int = GRPO_LARGEST_LIMIT) -> dict[str, int | None]:
+    """The largest ``max_new_tokens`` (``num_generations`` held) and ``num_generations`` (``max_new_tokens``
+    held, the generation batch growing with it as the trainer's does) whose GRPO step fits ``budget_bytes``
+    with ``settings`` (:func:`finetuner.memory.grpo.largest_fit`); None when even 1 does not fit, ``limit``
+    when the search reached it."""
+    from finetuner.memory.grpo import largest_fit
+
+    g, top_p = grpo_settings_of(recipe), recipe.grpo.top_p < 1
+    out: dict[str, int | None] = {}
+    for vary in ("max_new_tokens", "num_generations"):
+        best = largest_fit(shape, settings, g, budget_bytes, vary=vary, top_p=top_p, limit=limit, scale_generation_batch=True)
+        out[vary] = getattr(best, vary) if best is not None else None
+    return out
+
+
+def grpo_room(recipe: Recipe, est: MemoryEstimate, shape: ModelShape) -> str:
+    """The plan's line on what else fits a GRPO run's choice: the largest ``max_new_tokens`` and
+    ``num_generations`` (:func:`grpo_largest`) and their ``num_generations × max_new_tokens``."""
+    g = recipe.grpo
+    big = grpo_largest(recipe, est.settings, shape, est.budget_bytes + est.spillable_bytes)  # paged states may spill, as in fits
+
+    def text(n: int | None) -> str:
+        return "none" if not n else f"more than {n - 1:,}" if n >= GRPO_LARGEST_LIMIT else f"{n:,}"
+
+    tokens, gens = big["max_new_tokens"], big["num_generations"]
+    return (f"GRPO room on this choice: {g.num_generations} generations of up to {g.max_new_tokens} new tokens "
+            f"({g.num_generations * g.max_new_tokens:,} per prompt); the largest that fit are max_new_tokens {text(tokens)} "
+            f"at {g.num_generations} generations ({g.num_generations * (tokens or 0):,} tokens per prompt) or num_generations "
+            f"{text(gens)} at {g.max_new_tokens} tokens ({(gens or 0) * g.max_new_tokens:,} per prompt)")
 
 
 def _runners_up(ranked: list[tuple[Candidate, Recipe]], best: Candidate, n: int = 4) -> list[dict[str, Any]]:
@@ -981,8 +1112,12 @@ def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuPr
 
 def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: float, method: str | None,
                    label_fraction: float, gpus: int = 1, cpu_memory: int | None = None) -> list[str]:
-    """When nothing fits: more CPU memory, a shorter sequence, a bigger card, or a smaller model that would."""
+    """When nothing fits: more CPU memory, a shorter sequence, a bigger card, or a smaller model that would
+    (GRPO: fewer or shorter completions instead of a shorter sequence, and no several-card plan)."""
     out: list[str] = []
+    grpo = recipe.objective == "grpo" and recipe.grpo is not None
+    if grpo:
+        out += _grpo_would_fit(recipe, shape, gpu, margin, method, label_fraction)
     if cpu_memory is not None:
         ranked = search(recipe, shape, gpu, margin, method, label_fraction, gpus, None)
         need = min((c.sharded.host_bytes_per_machine for c, _ in ranked if c.fits and c.sharded is not None), default=None)
@@ -991,7 +1126,7 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
                        f"(--cpu-memory SIZE plans for another machine)")
     seq = recipe.data.max_seq_len
     s = seq // 2
-    while s >= 128:
+    while s >= 128 and not grpo:
         shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": s})})
         if any(c.fits for c, _ in search(shorter, shape, gpu, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a shorter sequence: {s} tokens fits on {gpu.name} (examples longer than that are truncated)")
@@ -1009,13 +1144,32 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
         if any(c.fits for c, _ in search(trial, p, gpu, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a smaller model: {p.name} ({p.num_params / 1e9:.1f}B) fits on {gpu.name}")
             break
-    if gpus == 1:
+    if gpus == 1 and not grpo:
         for n in (2, 4, 8):
             if any(c.fits for c, _ in search(recipe, shape, gpu, margin, method, label_fraction, n, cpu_memory)):
                 out.append(f"several cards: {n} x {gpu.name} with a sharded strategy (finetuner plan --gpus {n})")
                 break
     if not out:
         out.append("no shorter sequence, bigger card, smaller preset or up to 8 cards fits")
+    return out
+
+
+def _grpo_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: float, method: str | None,
+                    label_fraction: float) -> list[str]:
+    """For a GRPO recipe nothing fits: the group size and completion length that would, on the option
+    that needs the least memory."""
+    ranked = search(recipe, shape, gpu, margin, method, label_fraction)
+    if not ranked:
+        return []
+    smallest, r = min(ranked, key=lambda cr: cr[0].peak_bytes)
+    big = grpo_largest(r, smallest.estimate.settings, shape, smallest.estimate.budget_bytes + smallest.estimate.spillable_bytes)
+    g, out = recipe.grpo, []
+    if big["num_generations"] and big["num_generations"] >= 2:
+        out.append(f"fewer completions: num_generations {big['num_generations']} (of {g.max_new_tokens} tokens) fits on "
+                   f"{gpu.name} with {smallest.option.label}")
+    if big["max_new_tokens"]:
+        out.append(f"shorter completions: max_new_tokens {big['max_new_tokens']} (with {g.num_generations} generations) fits "
+                   f"on {gpu.name} with {smallest.option.label}")
     return out
 
 
@@ -1142,20 +1296,20 @@ def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = 0.05,
     Returns ``{"memory": GrpoMemory, "budget_bytes", "device_bytes", "fits", "largest_max_new_tokens",
     "largest_num_generations"}`` (the largest values None without a card, or when even 1 does not fit;
     ``limit`` when the search reached it)."""
-    from finetuner.memory.grpo import grpo_estimate, grpo_settings_of, largest_fit
+    from finetuner.memory.grpo import grpo_estimate
 
     shape = resolve_shape(recipe.model.name, recipe.model.revision)
     settings = settings_from_recipe(recipe, gpu, shape.model_type, label_fraction=label_fraction)
     g, top_p = grpo_settings_of(recipe), recipe.grpo.top_p < 1
     mem = grpo_estimate(shape, settings, g, top_p=top_p)
     budget = estimate(shape, settings, gpu, margin=margin).budget_bytes if gpu is not None else None
+    spill = mem.loss.spillable_bytes  # paged optimizer states may move to CPU memory (as MemoryEstimate.fits counts them)
     out: dict[str, Any] = {"memory": mem, "budget_bytes": budget, "device_bytes": gpu.memory_bytes if gpu else None,
-                           "fits": budget is None or mem.total_bytes <= budget,
+                           "fits": budget is None or mem.total_bytes - spill <= budget,
                            "largest_max_new_tokens": None, "largest_num_generations": None}
     if budget is not None:
-        for vary, key in (("max_new_tokens", "largest_max_new_tokens"), ("num_generations", "largest_num_generations")):
-            best = largest_fit(shape, settings, g, budget, vary=vary, top_p=top_p, limit=limit, scale_generation_batch=True)
-            out[key] = getattr(best, vary) if best is not None else None
+        big = grpo_largest(recipe, settings, shape, budget + spill, limit)
+        out["largest_max_new_tokens"], out["largest_num_generations"] = big["max_new_tokens"], big["num_generations"]
     return out
 
 
@@ -1207,11 +1361,15 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     d = recipe.data
     if not d.path or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
         return None
-    from finetuner.data.stats import profile_data
+    from finetuner.data.stats import profile_data, profile_prompts
 
     try:
-        profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
-                               on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
+        if recipe.objective == "grpo":  # its rows are prompts, read as the GRPO trainer reads them
+            profile = profile_prompts(str(Path(d.path).expanduser()), recipe.model.name, columns=d.columns,
+                                      on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
+        else:
+            profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
+                                   on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
     except (UserError, OSError, ValueError):
         return None
     rows = profile.rows

@@ -29,6 +29,12 @@ is scored as a whole sequence), at most ``PREFERENCE_MAX_EPOCHS`` epochs (the al
 Zephyr-7B DPO recipes train one epoch; a small set of pairs gets up to three to come nearer
 ``MIN_TOTAL_STEPS``), and learning rates a fortieth of SFT's (``PREFERENCE_LR``: 5e-6 for LoRA /
 QLoRA, 5e-7 for full fine-tuning at hidden size 4,096, the rates of those recipes), scaled as above.
+GRPO (``objective: grpo``) is sized on its prompts (:func:`finetuner.data.stats.profile_prompts`): the
+sequence is the longest prompt plus ``grpo.max_new_tokens``, rounded up as above; the effective batch
+counts prompts (each generates ``num_generations`` completions), ``GRPO_PROMPTS_PER_STEP`` by default,
+halved like SFT's for small sets; epochs as a preference objective's; learning rates ``GRPO_LR`` (TRL's
+``GRPOConfig`` default, 1e-6, for full fine-tuning; 5e-6 for LoRA / QLoRA, the rate of Unsloth's GRPO
+LoRA notebooks), scaled as above.
 """
 
 from __future__ import annotations
@@ -71,6 +77,11 @@ MAX_LR_SCALE = 10.0
 PREFERENCE_LR = {"lora": 5e-6, "qlora": 5e-6, "full": 5e-7}
 #: A preference run is sized to reach ``MIN_TOTAL_STEPS`` in at most this many epochs.
 PREFERENCE_MAX_EPOCHS = 3
+#: GRPO's learning rates at hidden size ``REFERENCE_HIDDEN`` (TRL's GRPOConfig default for full
+#: fine-tuning; Unsloth's GRPO LoRA notebooks for LoRA / QLoRA).
+GRPO_LR = {"lora": 5e-6, "qlora": 5e-6, "full": 1e-6}
+#: Prompts per optimizer step of a GRPO run when the user gives none (each with its group of completions).
+GRPO_PROMPTS_PER_STEP = 8
 
 
 @dataclass
@@ -96,12 +107,14 @@ class Sizing:
 
 def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tuple[float, str]:
     """The planned learning rate for ``method`` and ``objective`` on ``shape`` (one significant digit), and the reason."""
-    rates = REFERENCE_LR if objective == "sft" else PREFERENCE_LR
+    rates = REFERENCE_LR if objective == "sft" else GRPO_LR if objective == "grpo" else PREFERENCE_LR
     base = rates.get(method, rates["lora"])
     scale = min(MAX_LR_SCALE, math.sqrt(REFERENCE_HIDDEN / max(1, shape.hidden_size)))
     lr = float(f"{base * max(1.0, scale):.1g}")
     what = "LoRA" if method in ("lora", "qlora") else "full fine-tuning"
-    if objective != "sft":
+    if objective == "grpo":
+        what = f"GRPO {what} (" + ("TRL's GRPOConfig default" if method == "full" else "Unsloth's GRPO LoRA notebooks") + ")"
+    elif objective != "sft":
         what = f"{objective.upper()} {what} (the alignment handbook's Zephyr-7B DPO recipes)"
     hidden = shape.hidden_size
     if hidden == REFERENCE_HIDDEN:
@@ -209,9 +222,15 @@ def size_run(
     gpus: int = 1,
     objective: str = "sft",
     seed: int = 42,
+    max_new_tokens: int = 0,
 ) -> Sizing:
-    """Choose the data-dependent settings of a run (see the module doc for the rules)."""
+    """Choose the data-dependent settings of a run (see the module doc for the rules). ``max_new_tokens``:
+    GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then)."""
     preference = objective != "sft"
+    grpo = objective == "grpo"
+    units_word = "prompts" if grpo else "examples"
+    no_pack = ("no packing: grpo generates a group of completions for each prompt" if grpo else
+               f"no packing: {objective} scores each response as a whole sequence")
     reasons: list[str] = []
     notes: list[str] = []
     positions = shape.max_position_embeddings
@@ -219,12 +238,13 @@ def size_run(
         notes.append(f"--seq-len {seq_len} is longer than the model's {positions} positions: using {positions}")
         seq_len = positions
     eff_given = effective_batch is not None
-    eff = effective_batch or DEFAULT_EFFECTIVE_BATCH
+    default_eff = GRPO_PROMPTS_PER_STEP if grpo else DEFAULT_EFFECTIVE_BATCH
+    eff = effective_batch or default_eff
     if profile is None:
         seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
         if preference:
             return Sizing(seq, False, 0.02, eff, 1, None, None, 200, 200,
-                          reasons=[f"sequence {seq}, not packed ({objective} scores each response as a whole sequence): "
+                          reasons=[f"sequence {seq}, not packed ({no_pack.removeprefix('no packing: ')}): "
                                    + ("as asked" if seq_len else "no data to measure")], notes=notes)
         # without data to measure, assume instruction data (short examples): packed
         return Sizing(seq, True, 0.02, eff, 1, None, None, 200, 200,
@@ -232,17 +252,19 @@ def size_run(
 
     val_size, n_val = _held_out(profile.rows)
     train_rows = max(1, profile.rows - n_val)
-    longest = profile.max_tokens
+    longest = profile.max_tokens + max_new_tokens
+    what = (f"the longest prompt ({profile.max_tokens} tokens) + grpo.max_new_tokens ({max_new_tokens})" if grpo
+            else f"the longest example ({longest} tokens)")
     if seq_len is not None:
         seq, why_seq = seq_len, "as asked"
     else:
         seq = min(_round_up(longest, SEQ_ROUND), positions)
-        why_seq = f"the longest example ({longest} tokens) rounded up to a multiple of {SEQ_ROUND}"
+        why_seq = f"{what} rounded up to a multiple of {SEQ_ROUND}"
         if longest > positions:
-            why_seq = f"the model's {positions} positions (the longest example has {longest} tokens)"
+            why_seq = f"the model's {positions} positions ({what} = {longest} tokens)"
     packing = False
     if preference:
-        reasons.append(f"no packing: {objective} scores each response as a whole sequence")
+        reasons.append(no_pack)
     elif profile.should_pack(seq) or (seq_len is None and profile.should_pack(min(PACKED_SEQ_LEN, positions))):
         pack_seq = seq if seq_len is not None else max(seq, min(PACKED_SEQ_LEN, positions))
         packed_rows = max(1, math.ceil(profile.mean_tokens * train_rows / pack_seq))
@@ -253,8 +275,12 @@ def size_run(
         else:
             reasons.append(f"no packing: {train_rows} examples would fill only ~{packed_rows} packed rows "
                            f"of {pack_seq} tokens, too few optimizer steps")
-    cut = profile.truncated(seq) if not packing else 0
-    if cut:
+    cut = profile.truncated(seq - max_new_tokens) if not packing else 0
+    if cut and grpo:
+        notes.append(f"{cut} of {profile.rows} prompts are longer than {seq - max_new_tokens} tokens (data.max_seq_len - "
+                     f"grpo.max_new_tokens; longest {profile.max_tokens}): the run stops at them (data.on_bad_row: skip "
+                     "skips them)")
+    elif cut:
         notes.append(f"{cut} of {profile.rows} examples are longer than {seq} tokens (longest {longest}) and will be truncated")
     reasons.insert(0, f"sequence {seq}: {why_seq}")
 
@@ -264,8 +290,8 @@ def size_run(
         while eff > max(1, gpus) and units / eff < MIN_STEPS_PER_EPOCH:
             eff //= 2
         eff = max(eff, gpus)
-        if eff < DEFAULT_EFFECTIVE_BATCH:
-            reasons.append(f"effective batch {eff} (not {DEFAULT_EFFECTIVE_BATCH}): {train_rows} training examples "
+        if eff < default_eff:
+            reasons.append(f"effective batch {eff} (not {default_eff}): {train_rows} training {units_word} "
                            f"give {steps_per_epoch(units, eff)} optimizer steps per epoch")
     per_epoch = steps_per_epoch(units, eff)
     max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
@@ -273,14 +299,19 @@ def size_run(
     total = total_steps(epochs, per_epoch)
     about = ""  # packed rows are counted as the run packs them
     if epochs > 1:
-        cap = f" (at most {max_epochs}{' for ' + objective + ': preference recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
+        kind = "GRPO" if grpo else "preference"
+        cap = f" (at most {max_epochs}{' for ' + objective + f': {kind} recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
         reasons.append(f"{epochs} epochs{cap}: {about}{per_epoch} steps per epoch, {about}{total} optimizer steps in all "
                        f"(at least {MIN_TOTAL_STEPS} wanted)")
     else:
         reasons.append(f"1 epoch: {about}{per_epoch} optimizer steps")
-    reasons.append(f"held out: {n_val} examples for the eval loss" if n_val else
-                   f"no held-out examples: {profile.rows} rows are too few to spare any")
-    if train_rows < FEW_EXAMPLES:
+    if grpo:
+        reasons.append(f"held out: {n_val} prompts for the held-out mean reward" if n_val else
+                       f"no held-out prompts: {profile.rows} rows are too few to spare any")
+    else:
+        reasons.append(f"held out: {n_val} examples for the eval loss" if n_val else
+                       f"no held-out examples: {profile.rows} rows are too few to spare any")
+    if train_rows < FEW_EXAMPLES and not grpo:
         # a toy model picks up no style worth the name: the plan's expectation note says what it does instead
         expect = "" if is_toy(shape) else "expect the model to pick up their format and style rather than new knowledge; "
         notes.append(

@@ -47,7 +47,6 @@ def test_a_reward_named_alone_is_a_builtin(tmp_path):
     ({"grpo": {"rewards": ["exact_match"], "max_new_tokens": 128}}, "leaves no room for the prompt"),
     ({"grpo": {"rewards": ["exact_match"], "beta": 0.04}, "method": "full"}, "method 'full' has no adapter"),
     ({"grpo": {"rewards": ["exact_match"], "loss_typ": "dapo"}}, "Did you mean 'loss_type'"),
-    ({"method": "auto"}, "method: 'auto' is planned for sft and the preference objectives, not yet for grpo"),
     ({"grpo": {"rewards": [{"function": "f", "file": "missing_rewards.py"}]}}, "missing_rewards.py"),
     ({"grpo": {"rewards": [{"function": "f", "file": "r.py", "args": {"x": 1}}]}}, "args are the keyword arguments of a built-in"),
 ])
