@@ -73,7 +73,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     ``rewards``: ``[N]``, the completions of one prompt consecutive (``N = prompts × num_generations``).
     ``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the whole
     batch's (as TRL's ``batch``), ``none`` not at all (Dr. GRPO). A group whose rewards are all equal carries
-    no signal: its advantages are exactly 0 (never NaN, whatever the scaling).
+    no signal: its advantages are exactly 0 (never NaN, whatever the scaling). Elsewhere these are TRL 1.16's
+    advantages to fp32 rounding (tests/losses/test_grpo_trl.py runs TRL's ``_generate_and_score_completions``);
+    on such a group TRL keeps ``(r − mean) / (std + 1e-4)``: the fp32 rounding error of the mean over ``1e-4``
+    plus a rounding-level std, 0 only where the mean is exact (six rewards of 0.9 give −6e-4 with ``group``
+    scaling; the error grows with the rewards' magnitude).
     """
     import torch
 

@@ -1,4 +1,6 @@
-"""finetuner's GRPO loss (finetuner/losses/grpo.py) against TRL's own ``GRPOTrainer._compute_loss`` (trl 1.16).
+"""finetuner's GRPO loss and advantages (finetuner/losses/grpo.py) against TRL's own code (trl 1.16):
+``GRPOTrainer._compute_loss`` for the loss, ``GRPOTrainer._generate_and_score_completions`` for the group
+advantages (see the advantages' section below for how that one runs).
 
 TRL's method is called for real, unbound, on a trainer made with ``GRPOTrainer.__new__`` (no model, no
 ``__init__``) carrying the attributes ``_compute_loss`` reads, set from a real ``GRPOConfig`` the way
@@ -33,7 +35,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from finetuner.losses.grpo import grpo_loss
+from finetuner.losses.grpo import group_advantages, grpo_loss
 
 RTOL, ATOL = 1e-6, 1e-7
 L_MAX = 48  # max_completion_length (dr_grpo's constant), larger than the batch's widest completion
@@ -238,3 +240,64 @@ def test_trl_default_bias_corrected_kl_differs_by_the_ratio(tmp_path):
     on.backward()
     ours.loss.backward()
     torch.testing.assert_close(trl_leaf.grad, ours_leaf.grad + beta * kl * mask * weight, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- advantages
+# TRL computes the group advantages inline in GRPOTrainer._generate_and_score_completions (no function of
+# their own), after generating the completions and calling the reward functions: the tests below run that
+# method for real on a GRPOTrainer of a tiny random Llama (2 layers, generating 2 tokens a completion), with a
+# reward function that returns given rewards in the completions' order (TRL's RepeatSampler puts a prompt's
+# num_generations completions next to each other, as group_advantages expects).
+G = 6
+#: four groups of six: uniform rewards, binary ones with ties, all equal with a mean that fp32 cannot hit
+#: exactly (six 0.9s: mean − 0.9 = 6e-8), all equal with an exact mean
+REWARDS = torch.tensor([0.31, 2.5, -1.2, 0.07, 1.9, 0.66,
+                        1.0, 0.0, 0.0, 1.0, 1.0, 1.0,
+                        0.9, 0.9, 0.9, 0.9, 0.9, 0.9,
+                        2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+ZERO_STD = torch.tensor([False, False, True, True]).repeat_interleave(G)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
+    from tests.conftest import corpus
+
+    tokenizer = train_bpe_tokenizer(corpus(), vocab_size=400)
+    return tiny_llama(tokenizer, seed=0), tokenizer
+
+
+def trl_advantages(tmp_path, tiny_policy, rewards, scale_rewards):
+    from datasets import Dataset
+
+    model, tokenizer = tiny_policy
+    prompts = [f"prompt {i}" for i in range(len(rewards) // G)]
+    seen = []
+
+    def given_rewards(prompts, completions, **kwargs):
+        seen.append(len(completions))
+        return rewards.tolist()
+
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, num_generations=G,
+                      per_device_train_batch_size=len(rewards), max_completion_length=2, beta=0.0,
+                      scale_rewards=scale_rewards, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=given_rewards, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    out = trainer._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(G)])
+    assert seen == [len(rewards)]
+    return out["advantages"]
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none", True, False])
+def test_group_advantages_equal_trl(tmp_path, tiny_policy, scale_rewards):
+    """Equal to TRL's advantages up to fp32 rounding (mean and unbiased std of six numbers computed in a
+    different order: a few ulps of values of order 1), except on a group whose rewards are all equal: finetuner
+    gives exactly 0; TRL divides the rounding error of the mean (6e-8 here) by ``std + 1e-4`` (std itself
+    rounding noise), leaving −6e-4 there with group scaling (−7e-8 batch, −6e-8 none; 0 where the fp32 mean
+    is exact)."""
+    want = trl_advantages(tmp_path, tiny_policy, REWARDS, scale_rewards)
+    ours = group_advantages(REWARDS, G, scale_rewards=scale_rewards)
+    assert torch.equal(ours.zero_std.repeat_interleave(G), ZERO_STD)
+    torch.testing.assert_close(ours.advantages[~ZERO_STD], want[~ZERO_STD], rtol=RTOL, atol=ATOL)
+    assert torch.equal(ours.advantages[ZERO_STD], torch.zeros(int(ZERO_STD.sum())))
+    assert want[ZERO_STD].abs().max() < 1e-3 and torch.equal(want[-G:], torch.zeros(G))
