@@ -22,7 +22,7 @@ operations (``.mean()`` against ``.sum() / n``; TRL's dapo denominator ``num_ite
 gradient_accumulation_steps / steps_per_generation``), each one rounding (6e-8 relative). ``rtol=1e-6``
 (≈ 8 fp32 ulps) with ``atol=1e-7`` (for values near 0) is that noise with margin, and holds for the
 gradients (one token's term times its normalisation weight each). On torch 2.13 CPU the two are in fact
-bit-identical in every case here. Padding's gradient is exactly 0 on both sides.
+bit-identical in every case of :func:`test_loss_gradient_and_metrics_equal_trl`. Padding's gradient is exactly 0 on both sides.
 """
 
 from __future__ import annotations
