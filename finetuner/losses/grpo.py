@@ -24,8 +24,14 @@ computed as ``exp(logp − old_logp)``.
   - ``dapo`` (Yu et al. 2025, §3.3, token-level policy gradient loss): ``1/(Σ_i |o_i|) Σ_i Σ_t ℓ_{i,t}``.
 
 These are TRL's (1.16) ``GRPOTrainer._compute_loss`` formulas for ``importance_sampling_level="token"``,
-``loss_type`` ``grpo``, ``dr_grpo`` and ``dapo``. A batch split into micro-batches gives the same total
-when each micro-batch passes the whole batch's ``num_sequences`` and ``num_tokens`` (the losses then add up).
+``loss_type`` ``grpo``, ``dr_grpo`` and ``dapo`` with ``use_bias_correction_kl=False`` (tests/losses/
+test_grpo_trl.py calls TRL's method: same loss, gradient and clip/KL metrics). TRL 1.16's default
+``use_bias_correction_kl=True`` (DeepSeek-V3.2) weights the KL term by the ratio, ``β ρ_{i,t} KL_{i,t}``;
+here it is DeepSeekMath's ``β KL_{i,t}``: the two differ only when ``β ≠ 0``, off policy in value and also
+on policy in gradient (``ρ`` is differentiable). A batch split into micro-batches gives the same total
+when each micro-batch passes the whole batch's ``num_sequences`` and ``num_tokens`` (the losses then add up;
+TRL's grpo and dr_grpo get the same by dividing each micro-batch's loss by the accumulation steps when the
+micro-batches have equal sizes).
 """
 
 from __future__ import annotations
@@ -67,7 +73,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     ``rewards``: ``[N]``, the completions of one prompt consecutive (``N = prompts × num_generations``).
     ``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the whole
     batch's (as TRL's ``batch``), ``none`` not at all (Dr. GRPO). A group whose rewards are all equal carries
-    no signal: its advantages are exactly 0 (never NaN, whatever the scaling).
+    no signal: its advantages are exactly 0 (never NaN, whatever the scaling). Elsewhere these are TRL 1.16's
+    advantages to fp32 rounding (tests/losses/test_grpo_trl.py runs TRL's ``_generate_and_score_completions``);
+    on such a group TRL keeps ``(r − mean) / (std + 1e-4)``: the fp32 rounding error of the mean over ``1e-4``
+    plus a rounding-level std, 0 only where the mean is exact (six rewards of 0.9 give −6e-4 with ``group``
+    scaling; the error grows with the rewards' magnitude).
     """
     import torch
 

@@ -1,11 +1,6 @@
 """The GRPO losses (finetuner/losses/grpo.py) against the papers' formulas written out token by token
-in plain Python, and against TRL 1.16's ``GRPOTrainer._compute_loss`` arithmetic.
-
-TRL is not a dependency of finetuner (it is not installed in the project's environment) and its
-``_compute_loss`` needs a model forward and an accelerator, so it cannot be driven with given
-log-probabilities; :func:`trl_1_16_loss` restates its tensor expressions for
-``importance_sampling_level="token"`` (trl/trainer/grpo_trainer.py, ``_compute_loss``, read from the
-1.16.0 wheel) with one process and ``steps_per_generation == gradient_accumulation_steps``.
+in plain Python, and hand-counted cases. TRL's ``GRPOTrainer._compute_loss`` itself is the reference of
+tests/losses/test_grpo_trl.py.
 
 Tolerances: the module computes in fp32; the references run in fp64 (Python floats) on the same fp32
 inputs. Sums of a few dozen terms of order 1 carry an error of a few fp32 ulps (1.2e-7 each), so
@@ -78,34 +73,6 @@ def formula_grad(logps, old, ref, adv, mask, *, beta, eps_low, eps_high, loss_ty
     return out
 
 
-def trl_1_16_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask, *, beta,
-                  epsilon_low, epsilon_high, loss_type, max_completion_length=None):
-    """TRL 1.16 ``GRPOTrainer._compute_loss`` (token-level importance sampling), restated."""
-    advantages = advantages.unsqueeze(1)
-    log_ratio = per_token_logps - old_per_token_logps
-    coef_1 = torch.exp(log_ratio)
-    if beta != 0.0:
-        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if beta != 0.0:
-        per_token_loss = per_token_loss + beta * per_token_kl
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    else:  # dapo: num_items_in_batch (the generation batch's completion tokens) on one process
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    is_low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
-    is_high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
-    mean = lambda x: float((x * mask).sum() / mask.sum().clamp(min=1.0))  # noqa: E731
-    metrics = {"clip_ratio/low": mean(is_low.float()), "clip_ratio/high": mean(is_high.float()),
-               "clip_ratio/region": mean((is_low | is_high).float())}
-    if beta != 0.0:
-        metrics["kl"] = mean(per_token_kl)
-    return loss, metrics
-
-
 def batch(seed=0, n=6, t=7):
     """Random log-probabilities with ratios well inside and well outside the clip range, and a mask
     with varied lengths (one completion of a single token, one full)."""
@@ -144,19 +111,6 @@ def test_loss_and_gradient_match_the_formulas(loss_type, beta, eps_low, eps_high
     assert math.isclose(out.loss.item(), want, rel_tol=RTOL, abs_tol=ATOL)
     torch.testing.assert_close(leaf.grad, torch.tensor(formula_grad(*lists, **kw)), rtol=RTOL, atol=ATOL)
     assert leaf.grad[mask == 0].abs().max() == 0  # padding gets no gradient
-
-
-@pytest.mark.parametrize("loss_type, beta, eps_low, eps_high", CASES)
-def test_loss_and_metrics_match_trl(loss_type, beta, eps_low, eps_high):
-    logps, old, ref, adv, mask = batch(seed=1)
-    out = grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=beta, epsilon=eps_low,
-                    epsilon_high=eps_high, loss_type=loss_type, max_completion_length=11)
-    want, metrics = trl_1_16_loss(logps, old, ref, adv, mask, beta=beta, epsilon_low=eps_low,
-                                  epsilon_high=eps_high, loss_type=loss_type, max_completion_length=11)
-    torch.testing.assert_close(out.loss, want, rtol=RTOL, atol=ATOL)
-    for key, value in metrics.items():
-        assert math.isclose(out.metrics[key], value, rel_tol=RTOL, abs_tol=ATOL), key
-    assert ("kl" in out.metrics) == (beta != 0)
 
 
 def test_the_test_batch_clips_on_both_sides():
