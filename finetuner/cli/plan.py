@@ -118,13 +118,14 @@ def parse_rewards(args: argparse.Namespace) -> dict[str, Any] | None:
     """``--reward``, ``--num-generations`` and ``--max-new-tokens`` as :func:`finetuner.plan`'s ``grpo``
     (None when none is given): ``FILE.py:FUNCTION`` names a function of a file, a bare name a built-in."""
     from finetuner.errors import UserError
+    from finetuner.rewards.specs import parse_reward_spec
 
     rewards = []
     for item in args.rewards:
-        file, colon, function = item.rpartition(":")
-        if colon and (not file.strip() or not function.strip()):
-            raise UserError(f"--reward {item!r}: write FILE.py:FUNCTION or the name of a built-in reward.")
-        rewards.append({"function": function.strip(), "file": file.strip()} if colon else {"function": item.strip()})
+        try:
+            rewards.append(parse_reward_spec(item))
+        except UserError as e:
+            raise UserError(f"--{e.message}") from None
     extra = {k: v for k, v in (("num_generations", args.num_generations), ("max_new_tokens", args.max_new_tokens)) if v is not None}
     if not rewards and not extra:
         return None

@@ -661,46 +661,19 @@ def _cpu_memory(cpu_memory: int | str | None) -> tuple[int, str]:
 
 def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
     """The ``grpo`` section a plan writes into its recipe: ``grpo`` validated as the recipe validates it
-    (:class:`~finetuner.config.recipe.GRPOSection`, TRL's names accepted), each reward file made absolute
-    and checked to define its function (read, not run: the plan runs no user code), each built-in
-    checked by name. A :class:`UserError` naming the reward when one is missing or wrong."""
-    import ast
-
+    (:class:`~finetuner.config.recipe.GRPOSection`, TRL's names accepted), its rewards checked without
+    running them (:func:`finetuner.rewards.specs.check_reward_specs`: each file made absolute and checked
+    to define its function, each built-in checked by name). A :class:`UserError` naming what is wrong."""
     from pydantic import ValidationError
 
     from finetuner.config.recipe import GRPOSection, format_validation_error
-    from finetuner.rewards.builtin import BUILTINS
+    from finetuner.rewards.specs import SPEC_FORM, check_reward_specs
 
     raw = dict(grpo or {})
-    how = say(cli="--reward FILE.py:FUNCTION (a function with TRL's signature fn(prompts, completions, **columns) -> "
-                  f"list[float]) or --reward {'|'.join(BUILTINS)}",
-              ui=f"a reward file and function, or a built-in reward ({', '.join(BUILTINS)})")
     if not raw.get("rewards"):
-        raise UserError("objective grpo: GRPO trains on rewards, and none is named.", hint=f"Name one: {how}.")
-    rewards = []
-    for r in raw["rewards"]:
-        r = {"function": r} if isinstance(r, str) else dict(r)
-        name = r.get("function")
-        if not r.get("file"):
-            if name not in BUILTINS:
-                raise UserError(f"reward '{name}': not a built-in reward ({', '.join(BUILTINS)}) and no file given.",
-                                hint=f"Name a file that defines it: {how}.")
-        else:
-            f = Path(r["file"]).expanduser()
-            if not f.is_file():
-                raise UserError(f"reward '{name}': {f} is not a file.", hint=f"Give the Python file that defines it: {how}.")
-            try:
-                tree = ast.parse(f.read_text(encoding="utf-8"), str(f))
-            except (SyntaxError, UnicodeDecodeError, ValueError) as e:
-                raise UserError(f"reward '{name}': {f} is not a readable Python file: {e}") from None
-            defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-            if name not in defined:
-                raise UserError(f"reward '{name}': {f} defines no top-level '{name}'.",
-                                hint=f"Functions it defines: {', '.join(sorted(defined)) or 'none'}.")
-            r["file"] = str(f.resolve())
-        rewards.append(r)
-    raw["rewards"] = rewards
+        raise UserError("objective grpo: GRPO trains on rewards, and none is named.",
+                        hint=say(cli=f"Name one with --reward {SPEC_FORM}.", ui=f"Name one in Rewards: {SPEC_FORM}."))
+    raw["rewards"] = check_reward_specs(raw["rewards"])
     try:
         section = GRPOSection.model_validate(raw)
     except ValidationError as e:
