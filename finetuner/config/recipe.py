@@ -425,6 +425,7 @@ class GRPOSection(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide the advantages by the group's reward std (group), the batch's (batch), or not (none, Dr. GRPO).")
     num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
+    use_bias_correction_kl: bool = Field(False, description="Weight each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default is true); false: DeepSeekMath's beta x KL. Matters only with beta > 0.")
     logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
 
     @model_validator(mode="before")

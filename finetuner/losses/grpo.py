@@ -24,11 +24,11 @@ computed as ``exp(logp − old_logp)``.
   - ``dapo`` (Yu et al. 2025, §3.3, token-level policy gradient loss): ``1/(Σ_i |o_i|) Σ_i Σ_t ℓ_{i,t}``.
 
 These are TRL's (1.16) ``GRPOTrainer._compute_loss`` formulas for ``importance_sampling_level="token"``,
-``loss_type`` ``grpo``, ``dr_grpo`` and ``dapo`` with ``use_bias_correction_kl=False`` (tests/losses/
-test_grpo_trl.py calls TRL's method: same loss, gradient and clip/KL metrics). TRL 1.16's default
-``use_bias_correction_kl=True`` (DeepSeek-V3.2) weights the KL term by the ratio, ``β ρ_{i,t} KL_{i,t}``;
-here it is DeepSeekMath's ``β KL_{i,t}``: the two differ only when ``β ≠ 0``, off policy in value and also
-on policy in gradient (``ρ`` is differentiable). A batch split into micro-batches gives the same total
+``loss_type`` ``grpo``, ``dr_grpo`` and ``dapo``, with ``use_bias_correction_kl`` off or on (tests/losses/
+test_grpo_trl.py calls TRL's method: same loss, gradient and clip/KL metrics). TRL 1.16's default is
+``use_bias_correction_kl=True`` (DeepSeek-V3.2): the KL term weighted by the ratio, ``β ρ_{i,t} KL_{i,t}``;
+finetuner's default (``grpo.use_bias_correction_kl: false``) is DeepSeekMath's ``β KL_{i,t}``: the two differ
+only when ``β ≠ 0``, off policy in value and also on policy in gradient (``ρ`` is differentiable). A batch split into micro-batches gives the same total
 when each micro-batch passes the whole batch's ``num_sequences`` and ``num_tokens`` (the losses then add up;
 TRL's grpo and dr_grpo get the same by dividing each micro-batch's loss by the accumulation steps when the
 micro-batches have equal sizes).
@@ -193,7 +193,8 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
               beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
               loss_type: str = "dapo", max_completion_length: int | None = None,
-              num_sequences: int | None = None, num_tokens: float | None = None) -> GRPOLoss:
+              num_sequences: int | None = None, num_tokens: float | None = None,
+              use_bias_correction_kl: bool = False) -> GRPOLoss:
     """The GRPO clipped surrogate with an optional KL term (see the module's docstring for the formulas).
 
     ``logps``: ``[B, T]`` the policy's per-token log-probabilities of the completion tokens (with grad);
@@ -204,7 +205,10 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     ``1 + ε_high`` (``epsilon_high`` None: ``epsilon``). ``loss_type``: ``grpo``, ``dr_grpo`` (needs
     ``max_completion_length``) or ``dapo`` (TRL's default). ``num_sequences``/``num_tokens``: the whole
     batch's number of completions and of completion tokens when this call sees one micro-batch of it
-    (default: this call's).
+    (default: this call's). ``use_bias_correction_kl``: weight each token's KL by its importance ratio
+    ``ρ`` (differentiable), which makes the KL term's gradient the unbiased reverse-KL gradient (the
+    DeepSeek-V3.2 report; TRL 1.16's ``use_bias_correction_kl``, on by default there); off (the default
+    here): DeepSeekMath's ``β · KL``. The ``kl`` metric is the weighted KL when it is on, as TRL reports it.
     """
     import torch
 
@@ -228,6 +232,8 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     kl = None
     if beta != 0.0:
         kl = k3_kl(logps, ref_logps.float())
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
 
     n_seq = logps.size(0) if num_sequences is None else num_sequences

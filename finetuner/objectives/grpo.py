@@ -354,6 +354,7 @@ class GRPOObjective(Objective):
         mask = batch["completion_mask"]
         out = grpo_loss(logps, batch["advantages"], mask, old_logps=batch["old_logps"], ref_logps=batch["ref_logps"],
                         beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_type=g.loss_type,
+                        use_bias_correction_kl=g.use_bias_correction_kl,
                         max_completion_length=g.max_new_tokens, num_sequences=self.counts[0], num_tokens=self.counts[1])
         self.sums.add(out.metrics)
         return out.loss

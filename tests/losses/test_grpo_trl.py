@@ -135,16 +135,19 @@ def batch(seed=0, n=8, t=40):
 #: symmetric, with DAPO's clip-higher (asymmetric), and off policy with the clip out of reach.
 CLIPS = {"on-policy": (False, 0.2, 0.2), "clip": (True, 0.2, 0.2), "clip-higher": (True, 0.2, 0.28),
          "no-clip": (True, 100.0, 100.0)}
-CASES = [pytest.param(loss_type, beta, clip, id=f"{loss_type}-beta{beta}-{clip}")
+CASES = [pytest.param(loss_type, beta, clip, False, id=f"{loss_type}-beta{beta}-{clip}")
          for loss_type in ("grpo", "dr_grpo", "dapo") for beta in (0.0, 0.04) for clip in CLIPS]
+#: ``use_bias_correction_kl`` (TRL's default) only changes anything with a KL term
+CASES += [pytest.param(loss_type, 0.04, clip, True, id=f"{loss_type}-beta0.04-{clip}-bias-corrected-kl")
+          for loss_type in ("grpo", "dr_grpo", "dapo") for clip in CLIPS]
 
 
 def last(trainer, key, mode="train"):
     return trainer._metrics[mode][key][-1]
 
 
-@pytest.mark.parametrize("loss_type, beta, clip", CASES)
-def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, beta, clip):
+@pytest.mark.parametrize("loss_type, beta, clip, corrected", CASES)
+def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, beta, clip, corrected):
     off_policy, eps_low, eps_high = CLIPS[clip]
     logps, old, ref, adv, mask = batch()
     old = old if off_policy else None
@@ -152,10 +155,11 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, beta, clip):
 
     ours_leaf = logps.clone().requires_grad_(True)
     ours = grpo_loss(ours_leaf, adv, mask, old_logps=old, ref_logps=ref, beta=beta, epsilon=eps_low,
-                     epsilon_high=eps_high, loss_type=loss_type, max_completion_length=L_MAX)
+                     epsilon_high=eps_high, loss_type=loss_type, max_completion_length=L_MAX, use_bias_correction_kl=corrected)
     ours.loss.backward()
 
-    trainer = trl_trainer(tmp_path, loss_type=loss_type, beta=beta, epsilon=eps_low, epsilon_high=eps_high)
+    trainer = trl_trainer(tmp_path, loss_type=loss_type, beta=beta, epsilon=eps_low, epsilon_high=eps_high,
+                          use_bias_correction_kl=corrected)
     trl_leaf = logps.clone().requires_grad_(True)
     want = trl_loss(trainer, trl_leaf, adv, mask, old_logps=old, ref_logps=ref)
     want.backward()
