@@ -263,6 +263,9 @@ class StepTime:
     tokens_per_step: int
     micro_batches: int
     source: str
+    #: the prediction assumes the longest lengths (GRPO's prompts and completions at their limits): the
+    #: step time is at most ``step_s``; ``tokens_per_s`` is at those lengths, not what a run counts
+    upper_bound: bool = False
 
     @property
     def step_s(self) -> float:
@@ -274,7 +277,7 @@ class StepTime:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
-                "parts_s": dict(self.parts), "source": self.source}
+                "parts_s": dict(self.parts), "source": self.source, "upper_bound": self.upper_bound}
 
 
 # ---------------------------------------------------------------------- the terms

@@ -254,7 +254,8 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     parts = {**{k: v for k, v in parts.items() if k not in ("optimizer", "fixed")},
              "optimizer": parts["optimizer"], "fixed": parts["fixed"]}
     tokens = int(round(g.rows * (P + C)))
-    return StepTime(parts, tokens, micro, speed.source)
+    bound = completion_tokens is None and decode_steps is None and prompt_tokens is None
+    return StepTime(parts, tokens, micro, speed.source, upper_bound=bound)
 
 
 def grpo_lengths_from_events(steps: list[dict[str, Any]], g: GrpoSettings) -> dict[str, float]:
