@@ -62,6 +62,7 @@ class ProgressPrinter:
         self.progress: Progress | None = None
         self.task = None
         self.predicted: dict[str, Any] | None = None  # the start event's predicted_speed
+        self.predicted_bound: dict[str, Any] | None = None  # the same when it is an upper bound (GRPO)
 
     def __enter__(self) -> ProgressPrinter:
         if self.live:
@@ -98,12 +99,18 @@ class ProgressPrinter:
                 if ev.get("gguf"):
                     self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
                 pred = ev.get("predicted_speed")
-                if pred:
+                if pred and pred.get("upper_bound"):  # GRPO: at the longest prompts and completions
+                    self.console.print(f"predicted: at most {pred['step_s']:.3g} s a step, ~{pred['total_s']:,.0f} s for "
+                                       f"{ev['max_steps']} steps (prompts and completions at their longest; speed: "
+                                       f"{pred['source']})", highlight=False)
+                elif pred:
                     self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
                                        f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps (speed: {pred['source']})", highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
             self.predicted = ev.get("predicted_speed")
+            if self.predicted and self.predicted.get("upper_bound"):
+                self.predicted_bound, self.predicted = self.predicted, None  # its tokens/s is not comparable
             if self.progress:
                 tps = f"~{self.predicted['tokens_per_s']:.0f} predicted" if self.predicted else "-"  # until the first step is measured
                 self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps=tps)
@@ -148,7 +155,8 @@ class ProgressPrinter:
             *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m or "eval_reward" in m else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
                                                         if self.predicted else "")),
-            ("train time", f"{m['train_seconds']:.1f} s"),
+            ("train time", f"{m['train_seconds']:.1f} s" + (f" (predicted at most ~{self.predicted_bound['total_s']:,.0f} s)"
+                                                             if self.predicted_bound else "")),
             ("peak memory", _memory_line(m)),
         ):
             t.add_row(k, v)

@@ -31,6 +31,7 @@ evaluation: the curve shows the policy, not the sampling).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from finetuner.config.recipe import Recipe
@@ -201,6 +202,13 @@ def sample_completions(model, tokenizer, prompts: list[dict[str, Any]], settings
     return rollout.rows()
 
 
+def decode_steps(completions: list[dict[str, Any]], rows_per_call: int) -> int:
+    """The decode steps ``generate`` ran for ``completions``, summed over its calls of ``rows_per_call``
+    rows: a call generates until every row has ended, so as many tokens as its longest completion."""
+    return sum(max(len(c["completion_ids"]) for c in completions[i : i + rows_per_call])
+               for i in range(0, len(completions), rows_per_call))
+
+
 def as_completion(prompt: dict[str, Any], completion: dict[str, Any]):
     """A completion as TRL hands it to reward functions: a text for a text prompt, a list with one
     assistant message for a conversational one."""
@@ -238,6 +246,7 @@ class GRPOObjective(Objective):
         self.sums = StepSums()
         self.counts = (1, 1)  # the step's completions and completion tokens (the loss's normalisers)
         self.tokenizer = None
+        self.rollout_s = 0.0  # the wall time of the rollout this step made (0 when it reused the batch's)
 
     # ---------------------------------------------------------------- set-up
     def prepare_data(self, tokenizer):
@@ -254,9 +263,15 @@ class GRPOObjective(Objective):
 
     # ---------------------------------------------------------------- the rollout
     def before_step(self, trainer, step: int, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The step's completion rows: a new rollout at the first step of a batch (its wall time is the
+        step's ``rollout_s``), the batch's rollout again at the next ``num_iterations − 1`` steps
+        (``rollout_s`` 0: they spend nothing on it)."""
         batch = step // self.steps_per_batch
+        self.rollout_s = 0.0
         if self.rollout is None or self.rollout["batch"] != batch:
+            start = time.perf_counter()
             self.rollout = self.roll_out(trainer, examples, trainer.recipe.training.seed * 1_000_003 + batch)
+            self.rollout_s = time.perf_counter() - start
             self.rollout["batch"] = batch
         return self.rollout["rows"]
 
@@ -298,6 +313,7 @@ class GRPOObjective(Objective):
             finally:
                 model.train(was_training)
         metrics = self._rollout_metrics(prompts, completions, rewards, adv)
+        metrics["decode_steps"] = decode_steps(completions, max(trainer.recipe.training.micro_batch_size, 1) * G)
         return {"rows": rows, "metrics": metrics}
 
     def _attach_logps(self, trainer, rows: list[dict[str, Any]], key: str) -> None:
@@ -380,7 +396,8 @@ class GRPOObjective(Objective):
 
     def step_metrics(self) -> dict[str, Any]:
         """The rollout's rewards and the loss's KL and clip fractions of the step just taken."""
-        return {**(self.rollout["metrics"] if self.rollout else {}), **self.sums.to_dict(self.settings.beta)}
+        return {**(self.rollout["metrics"] if self.rollout else {}), "rollout_s": round(self.rollout_s, 4),
+                **self.sums.to_dict(self.settings.beta)}
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, trainer) -> tuple[float | None, dict[str, Any]]:

@@ -263,6 +263,9 @@ class StepTime:
     tokens_per_step: int
     micro_batches: int
     source: str
+    #: the prediction assumes the longest lengths (GRPO's prompts and completions at their limits): the
+    #: step time is at most ``step_s``; ``tokens_per_s`` is at those lengths, not what a run counts
+    upper_bound: bool = False
 
     @property
     def step_s(self) -> float:
@@ -274,7 +277,7 @@ class StepTime:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
-                "parts_s": dict(self.parts), "source": self.source}
+                "parts_s": dict(self.parts), "source": self.source, "upper_bound": self.upper_bound}
 
 
 # ---------------------------------------------------------------------- the terms
@@ -509,11 +512,24 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
     :func:`finetuner.memory.model.settings_from_recipe`, with the trainer's ``runtime`` when it has
     one). The plan, ``estimate``, the trainer's ``start`` event and ``scripts/validate/speed_model.py``
     all predict through here. ``padding_free``: every row of every micro-batch is full (no padding),
-    so no mask reaches attention (transformers then takes the causal kernel)."""
+    so no mask reaches attention (transformers then takes the causal kernel).
+
+    A GRPO recipe (``objective: grpo``) predicts through
+    :func:`finetuner.planning.speed_grpo.grpo_step_time` (its rollout, then the training passes over the
+    completions) with :func:`finetuner.memory.grpo.grpo_settings_of`, at the upper-bound lengths
+    (``label_fraction`` and ``padding_free`` do not apply)."""
     from finetuner.memory.model import settings_from_recipe
     from finetuner.model.shapes import resolve_shape
 
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    if getattr(recipe, "objective", "sft") == "grpo":
+        from finetuner.memory.grpo import grpo_settings_of
+        from finetuner.planning.speed_grpo import grpo_step_time
+
+        s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
+        # the trainer's GRPO prediction wraps the loss phase's MemoryEstimate (activation offload reads it)
+        loss_est = est if est is None or hasattr(est, "offloaded_bytes") else getattr(getattr(est, "mem", None), "loss", None)
+        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
     if padding_free and not recipe.data.packing:
         s = s.with_(attention_mask=False)

@@ -94,9 +94,12 @@ class _GroupRewards(TypedDict, total=False):
     ``reward`` the weighted total, ``reward_std`` its within-group standard deviation averaged over the
     groups, ``rewards`` each function's ``{"mean", "std"}`` by name; the completions' mean length in
     tokens and the share cut at ``max_new_tokens``; the share of groups whose rewards were all equal
-    (no signal); the loss's token-mean KL to the reference (``beta > 0`` only) and clip fractions; and
-    ``completions``, a few sampled completions ``{"prompt", "completion", "reward", "rewards"}``.
-    Absent for the other objectives."""
+    (no signal); the loss's token-mean KL to the reference (``beta > 0`` only) and clip fractions;
+    ``completions``, a few sampled completions ``{"prompt", "completion", "reward", "rewards"}``;
+    ``decode_steps``, the tokens ``generate`` produced for the rollout summed over its calls (each call's
+    longest completion); ``rollout_s``, the wall seconds this step spent on its rollout (generation,
+    scoring, reference/old log-probabilities; 0 on the steps that reuse a batch's rollout with
+    ``num_iterations > 1``). Absent for the other objectives."""
 
     reward: float
     reward_std: float
@@ -109,6 +112,8 @@ class _GroupRewards(TypedDict, total=False):
     clip_ratio_low: float
     clip_ratio_high: float
     completions: list[dict[str, Any]]
+    decode_steps: int
+    rollout_s: float
 
 
 class _EvalGroupRewards(TypedDict, total=False):

@@ -190,8 +190,9 @@ def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0, obj
 def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
                   prediction: Any = None) -> dict[str, Any] | None:
     """The speed model's prediction for this run on this device (what ``finetuner plan`` and
-    ``estimate`` say for the recipe): ``tokens_per_s``, ``step_s``, ``total_s``, ``source``; None if it
-    cannot say."""
+    ``estimate`` say for the recipe): ``tokens_per_s``, ``step_s``, ``total_s``, ``source``,
+    ``upper_bound`` (GRPO: at the longest prompts and completions, the step takes at most ``step_s``);
+    None if it cannot say."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
@@ -200,7 +201,7 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
         gpu = run_profile(rt.device)
         st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt)
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
-                "total_s": round(st.step_s * max_steps, 1), "source": st.source}
+                "total_s": round(st.step_s * max_steps, 1), "source": st.source, "upper_bound": st.upper_bound}
     except Exception as e:  # noqa: BLE001 - a prediction must not stop training
         log.info("No speed prediction for this run: %s", e)
         return None

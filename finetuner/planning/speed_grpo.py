@@ -1,0 +1,271 @@
+"""The speed model of a GRPO step (``objective: grpo``): the rollout's generation, the reference and
+old log-probabilities, then the SFT model's training passes over the completions.
+
+A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prompts × G`` completions
+(``prompts = micro_batch_size × gradient_accumulation``, ``G = num_generations``;
+:class:`~finetuner.memory.grpo.GrpoSettings`). Its time is the sum of:
+
+* **the rollout**, once per ``num_iterations`` steps and divided among them (the later steps of a batch
+  reuse it), made of ``calls = ⌈rows / R⌉`` ``generate`` calls of ``R = micro_batch_size × G`` rows
+  (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.training.rollout`):
+
+  - **generation: prefill** per call: a no-grad forward over ``R × P`` prompt tokens (:func:`forward_parts`:
+    the decoder's and LoRA's matmuls ``2 N T`` and ``2 r (in + out) T``; attention over the padded
+    prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds` counts for a
+    training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the 4-bit base
+    dequantized once), the LM head only for the last position (``2 V h R``: ``generate`` asks for
+    ``logits_to_keep=1``), the first token's sampling, and ``GENERATE_CALL_OPS`` of set-up
+    (``generate``'s configuration, logits processors, stopping criteria, cache);
+  - **generation: decode**: ``D − 1`` forwards of one token per row after the prefill (``D`` = the
+    tokens the call generates, at most ``max_new_tokens``: ``generate`` stops when every row of the
+    call has ended), each (:func:`decode_step_parts`) reading every weight once: the linears at
+    ``max(2 R N / rate, weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
+    weights), attention over the KV cache of ``L = P + D/2`` tokens on average
+    (``max(4 L q_dim layers R / rate, KV_PASSES × cache bytes / bandwidth)``: ``DynamicCache`` grows by
+    ``torch.cat``, reading and writing the cache, and attention reads it), the layers' elementwise
+    traffic for ``R`` tokens, the 4-bit base dequantized at every step (QLoRA), and the sampling of
+    every row over the vocabulary at every generated token (:func:`sampling_seconds`: softmax and
+    ``torch.multinomial``, with ``top_p < 1`` the sort of ``TopPLogitsWarper``); plus the step's
+    operations: the model's forward (:func:`~finetuner.planning.speed.op_count`'s forward) and
+    ``GENERATE_STEP_OPS`` of ``generate``'s own loop;
+  - **reference/old log-probs**: with ``beta > 0`` a no-grad forward of every completion row with the
+    adapter off, with ``num_iterations > 1`` one with it on (``π_old``), ``rows / micro_batch_size``
+    micro-batches each of the training micro-batch's shape, the LM head and log-softmax over the
+    completion tokens (half of the cross-entropy's forward + backward, as DPO's reference pass in
+    :func:`~finetuner.planning.speed.loss_seconds`);
+
+* **the training passes**: ``rows / micro_batch_size`` micro-batches of ``micro_batch_size`` rows of
+  ``P + C`` tokens (padded to the longest), the loss on the completion tokens: the SFT step model
+  (:func:`~finetuner.planning.speed.step_time` on :func:`finetuner.memory.grpo.loss_settings`), its
+  parts named ``training: …``, then its ``optimizer`` and ``fixed`` parts.
+
+Reward functions are user code and are not modelled (the demo's are microseconds).
+
+Per operation: a no-grad forward's operation costs ``GEN_OP_FACTOR`` bare operations (no autograd
+bookkeeping, against ``EAGER_OP_FACTOR`` in training). On a CPU operations add to the work; on a GPU
+(:data:`speed.py`'s rule) the host queues kernels while the device works, so each decode step takes
+``max(device work, operations)``: a small batch is launch-bound or weight-read-bound.
+
+Lengths: ``P`` (prompt tokens per row), ``C`` (completion tokens per row) and ``D`` default to their
+upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call: the prediction is then
+an upper bound ("at most"). The trainer's step events carry the measured ``decode_steps`` and
+``completion_length`` (and ``tokens``, from which ``P``), which can be passed in
+(``scripts/validate/speed_grpo.py`` does) to separate the model's error from the length guess.
+
+``tokens_per_step`` counts what the trainer counts for GRPO: the real (unpadded) prompt + completion
+tokens of the step's training micro-batches, ``rows × (P + C)`` (``CompletionCollator``'s ``num_tokens``).
+
+Constants that are fits or estimates say so where they are defined. Checked against measured runs by
+``scripts/validate/speed_grpo.py`` (``docs/validation/speed_grpo_cpu.json``, replayed by
+``tests/planning/test_speed_grpo.py``). Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
+from finetuner.memory.model import Settings
+from finetuner.model.shapes import ModelShape, lora_targets
+from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, DeviceSpeed, StepTime,
+                                      _forward_flops, _typical_width, attention_seconds, loss_seconds,
+                                      op_count, saved_bytes_per_token, step_time)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.memory.model import MemoryEstimate
+
+#: Bare operations (the calibration's ``op_overhead_s``) one operation of a no-grad forward costs: the
+#: module call and peft's adapter loop, without autograd's bookkeeping. A fit: the demo model's
+#: one-token forward with LoRA (366 counted operations) takes 1.5 ms on the development CPU at 2.6 us a
+#: bare operation (scripts/validate/speed_grpo.py, ``--probe``).
+GEN_OP_FACTOR = 1.6
+#: Operations of ``generate``'s loop per generated token outside the model: the cache position and
+#: attention mask update, ``prepare_inputs_for_generation``, the logits processors and warpers, the
+#: stopping criteria, the unfinished-rows bookkeeping and the ``torch.cat`` of the new tokens. An
+#: estimate fitted on the demo model's ``generate`` against its forward (``--probe``).
+GENERATE_STEP_OPS = 120
+#: Operations of one ``generate`` call's set-up (generation config, processors, cache, the prefill's
+#: mask and positions). An estimate fitted likewise.
+GENERATE_CALL_OPS = 600
+#: Passes over the KV cache per decode step: ``torch.cat`` reads the old cache and writes the new one
+#: (``DynamicLayer.update``), attention reads it. Counted.
+KV_PASSES = 3
+#: Sampling elements per second (softmax, then ``torch.multinomial``, per row and vocabulary entry) when
+#: the calibration has no figure: on a CPU ``torch.multinomial`` draws from each row with a scan,
+#: ~17 ns an element on one core of the development machine (measured: 1133 and 49,152 entries, 8-64
+#: rows, ``--probe``); on a GPU the softmax and multinomial kernels move about ``SAMPLING_BYTES_PER_ELEMENT``
+#: bytes an element at the bandwidth (an estimate: logits cast to fp32, scaled, softmaxed, summed).
+CPU_SAMPLING_ELEMENTS_PER_S = 6.0e7
+SAMPLING_BYTES_PER_ELEMENT = 24
+#: ``top_p < 1`` sorts every row (``TopPLogitsWarper``): on the CPU about 3.5x the cost of the sampling
+#: itself (measured with the rates above, ``--probe``); on a GPU a radix sort, about 4 more passes (estimate).
+TOP_P_SORT_FACTOR = 3.5
+
+
+def _targets(s: Settings) -> Any:
+    return list(s.lora_targets) if isinstance(s.lora_targets, tuple) else s.lora_targets
+
+
+def _dtype(s: Settings) -> str:
+    return s.compute_dtype if s.compute_dtype in DTYPE_BYTES else "fp32"
+
+
+def _lora_numel(shape: ModelShape, s: Settings) -> float:
+    """``Σ r (in + out)`` over the LoRA targets (0 for a full fine-tune)."""
+    if s.method == "full":
+        return 0.0
+    return float(sum(s.lora_r * (fin + fout) * copies for _, fin, fout, copies in lora_targets(shape, _targets(s))))
+
+
+def forward_ops(shape: ModelShape, s: Settings, adapter: bool = True) -> float:
+    """Operations of one forward of a micro-batch (:func:`~finetuner.planning.speed.op_count`'s forward),
+    without LoRA's when ``adapter`` is off (peft's disabled adapter calls the base layer only)."""
+    base = s.with_(gradient_checkpointing=False, objective="sft", reference="none")
+    ops = op_count(shape, base) / (1 + BACKWARD_OPS)
+    if not adapter and s.method != "full":
+        ops -= (op_count(shape, base.with_(method="lora")) - op_count(shape, base.with_(method="full"))) / (1 + BACKWARD_OPS)
+    return ops
+
+
+def dequant_pass_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
+    """One dequantization of the 4-bit/8-bit base (every decoder weight), as
+    :func:`~finetuner.planning.speed.dequant_seconds` counts one of its passes; 0 unless QLoRA."""
+    if s.method != "qlora":
+        return 0.0
+    slow = INT8_SLOWDOWN if s.quant_bits == 8 else 1.0
+    return shape.linear_weight_numel * slow / speed.dequant_weights_per_s
+
+
+def sampling_seconds(shape: ModelShape, rows: int, speed: DeviceSpeed, top_p: float = 1.0) -> float:
+    """One sampled token of ``rows`` rows: every row's logits over the vocabulary through softmax and
+    ``torch.multinomial`` (``CPU_SAMPLING_ELEMENTS_PER_S``, or ``SAMPLING_BYTES_PER_ELEMENT`` at the
+    bandwidth on a GPU), ``TOP_P_SORT_FACTOR`` more with nucleus sampling."""
+    elements = rows * shape.vocab_size
+    if speed.platform == "cpu":
+        t = elements / CPU_SAMPLING_ELEMENTS_PER_S
+    else:
+        t = elements * SAMPLING_BYTES_PER_ELEMENT / speed.bandwidth_bytes_per_s
+    return t * (1 + (TOP_P_SORT_FACTOR if top_p < 1 else 0.0))
+
+
+def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_tokens: float, adapter: bool = True,
+                  log_softmax: bool = False) -> tuple[float, float]:
+    """``(device seconds, operation seconds)`` of one no-grad forward over ``s.micro_batch × s.seq_len``
+    tokens (module docstring): the linears, LoRA (``adapter``), attention (one of the training pass's
+    three units), the forward's memory traffic, one dequantization, the LM head over ``head_tokens``
+    tokens and, with ``log_softmax``, the log-probabilities over them (half the cross-entropy's forward +
+    backward). The device work is divided by the device's utilisation at these tokens, as in training."""
+    T = s.micro_batch * s.seq_len
+    fs = s.with_(gradient_checkpointing=False, objective="sft", reference="none",
+                 label_fraction=min(1.0, max(head_tokens, 1e-9) / T))
+    f, w = _forward_flops(shape, fs), _typical_width(shape)
+    dt = _dtype(s)
+    t = f["decoder"] / speed.matmul_rate(dt, w["decoder"]) + f["head"] / speed.matmul_rate(dt, w["head"])
+    if adapter and f["lora"]:
+        t += f["lora"] / speed.matmul_rate(dt, max(1, s.lora_r))
+    t += attention_seconds(shape, fs, speed) / 3
+    t += saved_bytes_per_token(shape, fs) * T * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
+    t += dequant_pass_seconds(shape, s, speed)
+    if log_softmax:
+        t += loss_seconds(shape, fs, speed) / (1 + (0.5 if fs.loss_chunk > 0 else 0.0)) * 0.5
+    t /= speed.utilisation(T)
+    ops = forward_ops(shape, fs, adapter) * speed.op_overhead_s * GEN_OP_FACTOR
+    return t, ops
+
+
+def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: int, cache_len: float) -> tuple[float, float]:
+    """``(device seconds, operation seconds)`` of one decode forward: one token for each of ``rows`` rows
+    with ``cache_len`` tokens in the KV cache (module docstring). Sampling is :func:`sampling_seconds`."""
+    dt = _dtype(s)
+    w = _typical_width(shape)
+    c = DTYPE_BYTES.get(s.compute_dtype, 4)
+    stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
+    N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size
+    lora = _lora_numel(shape, s)
+    flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
+               + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0))
+    head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
+    weight_t = (N * stored + head_bytes + 4 * lora) / speed.bandwidth_bytes_per_s
+    kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)
+    attn_flops = 4 * cache_len * shape.q_dim * shape.num_layers * rows
+    attn_t = max(attn_flops / speed.matmul_rate(dt, shape.head_dim), KV_PASSES * kv / speed.bandwidth_bytes_per_s)
+    one = s.with_(micro_batch=rows, seq_len=1, gradient_checkpointing=False, objective="sft", reference="none")
+    elementwise = saved_bytes_per_token(shape, one) * rows * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
+    device = max(flops_t, weight_t) + attn_t + elementwise + dequant_pass_seconds(shape, s, speed)
+    ops = (forward_ops(shape, one) + GENERATE_STEP_OPS) * speed.op_overhead_s * GEN_OP_FACTOR
+    return device, ops
+
+
+def _combine(device: float, ops: float, speed: DeviceSpeed) -> float:
+    """speed.py's rule: on a GPU only the host's excess over the device's work shows."""
+    return max(device, ops) if speed.platform == "cuda" else device + ops
+
+
+def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: DeviceSpeed, *,
+                   completion_tokens: float | None = None, decode_steps: float | None = None,
+                   prompt_tokens: float | None = None, est: MemoryEstimate | None = None,
+                   top_p: float = 1.0) -> StepTime:
+    """The predicted time of one GRPO optimizer step (module docstring), by part.
+
+    ``s``: the run's settings (:func:`finetuner.memory.model.settings_from_recipe`: ``micro_batch`` is
+    ``micro_batch_size``); ``g``: :func:`finetuner.memory.grpo.grpo_settings_of`. ``completion_tokens``
+    and ``prompt_tokens``: mean tokens per row (default ``max_new_tokens`` and ``prompt_len``);
+    ``decode_steps``: tokens generated summed over the rollout's ``generate`` calls, each call's longest
+    completion (the step event's ``decode_steps``; default ``max_new_tokens`` per call). ``top_p``: the
+    recipe's nucleus sampling (< 1 sorts every row at each token). ``est``: passed to the training
+    part's :func:`~finetuner.planning.speed.step_time` (activation offload)."""
+    mbs = max(1, min(s.micro_batch, g.rows))
+    R = g.generation_rows
+    calls = math.ceil(g.rows / R)
+    P = float(prompt_tokens) if prompt_tokens is not None else float(g.prompt_len)
+    C = float(completion_tokens) if completion_tokens is not None else float(g.max_new_tokens)
+    D = float(decode_steps) / calls if decode_steps is not None else float(g.max_new_tokens)
+    D = max(1.0, D)
+    mu = g.num_iterations
+    Pi = max(1, int(round(P)))
+
+    # the rollout: prefill, decode, the reference and old log-probabilities
+    pre = s.with_(micro_batch=R, seq_len=Pi, attention_mask=True)
+    dev, ops = forward_parts(shape, pre, speed, head_tokens=R)
+    prefill = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops + GENERATE_CALL_OPS * speed.op_overhead_s * GEN_OP_FACTOR, speed)
+    dev, ops = decode_step_parts(shape, s, speed, R, P + D / 2)
+    step = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops, speed)
+    decode = (D - 1) * step
+
+    width = max(1, int(round(P + min(D, float(g.max_new_tokens)))))  # a training row padded to the call's longest
+    ls = loss_settings(s, g).with_(micro_batch=mbs, seq_len=width, label_fraction=min(1.0, max(C, 1e-9) / width))
+    micro = math.ceil(g.rows / mbs)
+    logps = 0.0
+    for adapter, wanted in ((False, g.beta != 0), (True, mu > 1)):
+        if wanted:
+            dev, ops = forward_parts(shape, ls, speed, head_tokens=mbs * C, adapter=adapter, log_softmax=True)
+            logps += micro * _combine(dev, ops, speed)
+
+    parts = {
+        "generation: prefill": calls * prefill / mu,
+        "generation: decode": calls * decode / mu,
+        "reference/old log-probs": logps / mu,
+    }
+    train = step_time(shape, ls.with_(gradient_accumulation=micro), speed, est)
+    for k, v in train.parts.items():
+        parts[k if k in ("optimizer", "fixed") else f"training: {k}"] = v
+    # the optimizer and the fixed costs last, as in step_time
+    parts = {**{k: v for k, v in parts.items() if k not in ("optimizer", "fixed")},
+             "optimizer": parts["optimizer"], "fixed": parts["fixed"]}
+    tokens = int(round(g.rows * (P + C)))
+    bound = completion_tokens is None and decode_steps is None and prompt_tokens is None
+    return StepTime(parts, tokens, micro, speed.source, upper_bound=bound)
+
+
+def grpo_lengths_from_events(steps: list[dict[str, Any]], g: GrpoSettings) -> dict[str, float]:
+    """The measured lengths of GRPO step events (``tokens``, ``completion_length``, ``decode_steps``),
+    averaged over the steps that rolled out, as :func:`grpo_step_time`'s keyword arguments."""
+    rolled = [e for e in steps if e.get("decode_steps")]
+    if not rolled:
+        return {}
+    n = len(rolled)
+    C = sum(e["completion_length"] for e in rolled) / n
+    P = sum(e["tokens"] for e in rolled) / n / g.rows - C
+    return {"completion_tokens": C, "prompt_tokens": P, "decode_steps": sum(e["decode_steps"] for e in rolled) / n}
+

@@ -1,0 +1,163 @@
+"""The GRPO speed model (finetuner.planning.speed_grpo): each term's arithmetic, the recipe dispatch,
+and the recorded runs replayed through it (no timing here: the measurements are in
+docs/validation/speed_grpo_cpu.json and docs/benchmarks.md, written by scripts/validate/speed_grpo.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetuner.config.hardware import get_gpu
+from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes
+from finetuner.memory.model import Settings
+from finetuner.model.shapes import resolve_shape
+from finetuner.planning import speed as sp
+from finetuner.planning import speed_grpo as sg
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "data" / "demo_model"
+CALIBRATION = Path(__file__).with_name("speed_cpu.json")
+VALIDATION = REPO / "docs" / "validation" / "speed_grpo_cpu.json"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return resolve_shape(str(DEMO))
+
+
+@pytest.fixture(scope="module")
+def cpu_speed() -> sp.DeviceSpeed:
+    return sp.DeviceSpeed.from_dict(json.loads(CALIBRATION.read_text()))
+
+
+@pytest.fixture(scope="module")
+def h100() -> sp.DeviceSpeed:
+    return sp.DeviceSpeed.from_profile(get_gpu("h100"))
+
+
+def cpu_settings(**kw) -> Settings:
+    base = dict(method="lora", micro_batch=4, seq_len=128, compute_dtype="fp32", weight_dtype="fp32", platform="cpu",
+                lora_dropout=0.0, attention_mask=True)
+    return Settings(**{**base, **kw})
+
+
+G = GrpoSettings(num_generations=4, max_new_tokens=32, prompt_len=48, prompts_per_step=4, generation_batch=16)
+
+
+def test_the_parts_and_the_tokens(demo, cpu_speed):
+    st = sg.grpo_step_time(demo, cpu_settings(), G, cpu_speed)
+    names = list(st.parts)
+    assert names[:3] == ["generation: prefill", "generation: decode", "reference/old log-probs"]
+    assert names[-2:] == ["optimizer", "fixed"]
+    assert all(n.startswith("training: ") for n in names[3:-2])
+    assert all(v >= 0 for v in st.parts.values())
+    # the trainer counts the real prompt + completion tokens of the step's rows
+    assert st.tokens_per_step == G.rows * (G.prompt_len + G.max_new_tokens)
+    assert st.micro_batches == G.rows // 4
+    measured = sg.grpo_step_time(demo, cpu_settings(), G, cpu_speed, prompt_tokens=20.5, completion_tokens=11.25)
+    assert measured.tokens_per_step == round(G.rows * (20.5 + 11.25))
+
+
+def test_decode_scales_with_the_tokens_generated(demo, cpu_speed):
+    s = cpu_settings()
+    g = G.with_(generation_batch=8)  # 16 rows: two generate calls of 8
+    a = sg.grpo_step_time(demo, s, g, cpu_speed, decode_steps=2 * 17).parts["generation: decode"]  # 2 calls of 17 tokens
+    b = sg.grpo_step_time(demo, s, g, cpu_speed, decode_steps=2 * 9).parts["generation: decode"]
+    # D - 1 decode forwards per call after the prefill, each at the mean cache length P + D/2, and D samplings
+    def step(D):
+        dev, ops = sg.decode_step_parts(demo, s, cpu_speed, 8, 48 + D / 2)
+        return dev + ops + sg.sampling_seconds(demo, 8, cpu_speed)
+    assert a == pytest.approx(2 * 16 * step(17))
+    assert b == pytest.approx(2 * 8 * step(9))
+    # the default is max_new_tokens per call
+    d = sg.grpo_step_time(demo, s, g, cpu_speed).parts["generation: decode"]
+    assert d == pytest.approx(sg.grpo_step_time(demo, s, g, cpu_speed, decode_steps=2 * 32).parts["generation: decode"])
+    assert d == pytest.approx(2 * 31 * step(32))
+
+
+def test_one_decode_step_counts_rows(demo, cpu_speed):
+    s = cpu_settings()
+    d8, o8 = sg.decode_step_parts(demo, s, cpu_speed, 8, 40)
+    d16, o16 = sg.decode_step_parts(demo, s, cpu_speed, 16, 40)
+    assert o8 == o16  # operations do not depend on the rows
+    assert 1.0 < d16 / d8 <= 2.0 + 1e-9  # the linears' weight read is shared by the rows
+    # sampling: rows x vocabulary at the CPU's sampling rate, nucleus sampling sorts on top
+    assert sg.sampling_seconds(demo, 8, cpu_speed) == pytest.approx(8 * demo.vocab_size / sg.CPU_SAMPLING_ELEMENTS_PER_S)
+    assert sg.sampling_seconds(demo, 8, cpu_speed, top_p=0.9) == pytest.approx(
+        (1 + sg.TOP_P_SORT_FACTOR) * sg.sampling_seconds(demo, 8, cpu_speed))
+
+
+def test_the_kv_cache_read_grows_with_the_cache(demo, h100):
+    s = Settings(method="lora", micro_batch=1, seq_len=1024)
+    shape = resolve_shape("llama-3.1-8b")
+    short, _ = sg.decode_step_parts(shape, s, h100, 64, 128)
+    long, _ = sg.decode_step_parts(shape, s, h100, 64, 4096)
+    kv = lambda L: sg.KV_PASSES * kv_cache_bytes(shape, 64, L, 2) / h100.bandwidth_bytes_per_s  # noqa: E731
+    # on the H100 the KV reads dominate attention at these lengths (bandwidth-bound)
+    assert long - short == pytest.approx(kv(4096) - kv(128), rel=1e-6)
+
+
+def test_beta_zero_has_no_reference_pass_and_iterations_amortise(demo, cpu_speed):
+    s = cpu_settings()
+    assert sg.grpo_step_time(demo, s, G, cpu_speed).parts["reference/old log-probs"] == 0
+    ref = sg.grpo_step_time(demo, s, G.with_(beta=0.04), cpu_speed).parts["reference/old log-probs"]
+    assert ref > 0
+    # the rollout (generation and log-probabilities) is paid once per num_iterations steps
+    one = sg.grpo_step_time(demo, s, G.with_(beta=0.04), cpu_speed)
+    three = sg.grpo_step_time(demo, s, G.with_(beta=0.04, num_iterations=3), cpu_speed)
+    for k in ("generation: prefill", "generation: decode"):
+        assert three.parts[k] == pytest.approx(one.parts[k] / 3)
+    # mu > 1 adds the old log-probabilities (adapter on) to the reference's (adapter off), both over 3 steps
+    assert three.parts["reference/old log-probs"] > one.parts["reference/old log-probs"] / 3
+    assert {k: v for k, v in three.parts.items() if k.startswith("training")} == \
+        {k: v for k, v in one.parts.items() if k.startswith("training")}
+
+
+def test_qlora_dequantizes_at_every_decode_step(demo, cpu_speed):
+    lora = cpu_settings()
+    q = cpu_settings(method="qlora", weight_dtype="fp32")
+    dl, _ = sg.decode_step_parts(demo, lora, cpu_speed, 8, 40)
+    dq, _ = sg.decode_step_parts(demo, q, cpu_speed, 8, 40)
+    assert dq - dl >= demo.linear_weight_numel / cpu_speed.dequant_weights_per_s * (1 - 1e-9)
+    a = sg.grpo_step_time(demo, lora, G, cpu_speed, decode_steps=2 * 20)
+    b = sg.grpo_step_time(demo, q, G, cpu_speed, decode_steps=2 * 20)
+    per = demo.linear_weight_numel / cpu_speed.dequant_weights_per_s
+    assert b.parts["generation: decode"] - a.parts["generation: decode"] >= 2 * 19 * per * (1 - 1e-9)
+
+
+def test_cuda_decode_is_max_of_device_work_and_operations(h100):
+    """On a GPU a decode step takes max(device work, operations): a few rows are launch-bound (eager
+    ``generate`` even of an 8B model), many rows over a long cache are bound by the KV reads."""
+    s = Settings(method="lora", micro_batch=1, seq_len=256, lora_dropout=0.0)
+    for shape, rows, cache, launch_bound in ((resolve_shape(str(DEMO)), 4, 96, True),
+                                              (resolve_shape("llama-3.1-8b"), 4, 96, True),
+                                              (resolve_shape("llama-3.1-8b"), 256, 2048, False)):
+        dev, ops = sg.decode_step_parts(shape, s, h100, rows, cache)
+        dev += sg.sampling_seconds(shape, rows, h100)
+        assert (ops > dev) == launch_bound
+        P, D = cache - 16, 32
+        g = GrpoSettings(num_generations=rows, max_new_tokens=64, prompt_len=P, prompts_per_step=1, generation_batch=rows)
+        decode = sg.grpo_step_time(shape, s, g, h100, decode_steps=D).parts["generation: decode"]
+        assert decode == pytest.approx((D - 1) * max(dev, ops))
+    # the device work reads every weight once per step at least
+    dev, _ = sg.decode_step_parts(resolve_shape("llama-3.1-8b"), s, h100, 4, 96)
+    assert dev >= resolve_shape("llama-3.1-8b").linear_weight_numel * 2 / h100.bandwidth_bytes_per_s
+
+
+def test_recipe_dispatch(tmp_path, cpu_speed):
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.config.recipe import Recipe
+    from finetuner.memory.grpo import grpo_settings_of
+    from finetuner.memory.model import settings_from_recipe
+
+    recipe = Recipe.from_yaml(REPO / "recipes" / "demo_grpo_cpu.yaml")
+    shape = resolve_shape(recipe.model.name)
+    st = sp.recipe_step_time(recipe, cpu_profile(), cpu_speed, shape=shape)
+    s = settings_from_recipe(recipe, cpu_profile(), shape.model_type)
+    direct = sg.grpo_step_time(shape, s, grpo_settings_of(recipe), cpu_speed, top_p=recipe.grpo.top_p)
+    assert st.parts == direct.parts and st.tokens_per_step == direct.tokens_per_step
+    assert "generation: decode" in st.parts
+    g = grpo_settings_of(recipe)
+    assert st.tokens_per_step == g.rows * g.seq_len
