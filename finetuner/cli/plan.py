@@ -416,16 +416,17 @@ LARGEST_LIMIT = 1 << 17
 
 def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fraction: float, planned: Any = None) -> int:
     """``estimate`` of a GRPO recipe: its phases' peaks and components, and what else would fit."""
-    from finetuner.planning.planner import estimate_grpo
+    from finetuner.planning.planner import estimate_grpo, estimate_time
 
     r = estimate_grpo(recipe, gpu, label_fraction=label_fraction, limit=LARGEST_LIMIT)
+    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
     mem, g = r["memory"], recipe.grpo
     if args.json:
         print(json.dumps({"objective": "grpo", "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,
                           "allocated_bytes": mem.allocated_bytes, "peak_phase": mem.peak_phase, "phases": dict(mem.phases),
                           "components": dict(mem.components), "budget_bytes": r["budget_bytes"], "fits": r["fits"],
                           "largest_max_new_tokens": r["largest_max_new_tokens"],
-                          "largest_num_generations": r["largest_num_generations"], "time": None,
+                          "largest_num_generations": r["largest_num_generations"], "time": timing,
                           "resolved": planned.recipe_choice() if planned is not None else None}, indent=2))
         return 0 if r["fits"] else 1
     from rich.console import Console
@@ -453,7 +454,7 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
         n = r[key]
         text = "none (even 1 does not fit)" if not n else f"more than {n - 1:,}" if n >= LARGEST_LIMIT else f"{n:,}"
         con.print(f"largest {what} that fits ({held}): {text}", highlight=False)
-    con.print("[bold]Time:[/] not predicted for GRPO (the speed model has no generation terms yet)", highlight=False)
+    con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
     if r["fits"]:
         con.print(f"[green]Fits[/] with {(r['budget_bytes'] - mem.total_bytes) / GiB:.1f} GiB to spare.")
         return 0
@@ -467,9 +468,15 @@ def _time_text(t: dict[str, Any]) -> str:
     """``estimate``'s time line: tokens/s, time per step, steps, total, cost, where the speed figures came from."""
     from finetuner.planning.planner import format_cost, format_duration
 
-    bits = [f"~{t['tokens_per_s']:,.0f} tokens/s", f"{format_duration(t['step_s'])} per optimizer step"]
-    if t["optimizer_steps"]:
-        bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
+    if t.get("upper_bound"):  # GRPO: at the longest prompts and completions
+        bits = [f"at most {format_duration(t['step_s'])} per optimizer step (prompts and completions at their longest; "
+                "the rollout's generation included)"]
+        if t["optimizer_steps"]:
+            bits.append(f"{t['optimizer_steps']:,} optimizer steps: at most ~{format_duration(t['total_s'])} in all")
+    else:
+        bits = [f"~{t['tokens_per_s']:,.0f} tokens/s", f"{format_duration(t['step_s'])} per optimizer step"]
+        if t["optimizer_steps"]:
+            bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
     if t["cost"] is not None:
         bits.append(f"~{format_cost(t['cost'])} at {t['price_per_hour']:g} an hour")
     return ", ".join(bits) + f" (speed: {t['source']})"

@@ -186,9 +186,15 @@ class Plan:
         """One line: tokens/s, time per step, optimizer steps, total time, cost, and the speed figures' source."""
         if self.step is None:
             return ""
-        bits = [f"~{self.step.tokens_per_s:,.0f} tokens/s", f"{format_duration(self.step.step_s)} per optimizer step"]
-        if self.optimizer_steps:
-            bits.append(f"{self.optimizer_steps:,} optimizer steps: ~{format_duration(self.total_s)} in all")
+        if self.recipe is not None and self.recipe.objective == "grpo":  # at the longest prompts and completions
+            bits = [f"at most {format_duration(self.step.step_s)} per optimizer step (prompts and completions at their "
+                    "longest; the rollout's generation included)"]
+            if self.optimizer_steps:
+                bits.append(f"{self.optimizer_steps:,} optimizer steps: at most ~{format_duration(self.total_s)} in all")
+        else:
+            bits = [f"~{self.step.tokens_per_s:,.0f} tokens/s", f"{format_duration(self.step.step_s)} per optimizer step"]
+            if self.optimizer_steps:
+                bits.append(f"{self.optimizer_steps:,} optimizer steps: ~{format_duration(self.total_s)} in all")
         if self.cost is not None:
             bits.append(f"~{format_cost(self.cost)} at {self.price_per_hour:g} an hour")
         return ", ".join(bits) + f" (speed: {self.speed_source})"
@@ -1297,7 +1303,8 @@ def estimate_time(
 ) -> dict[str, Any]:
     """How long a resolved recipe's run takes on ``gpu``, and what it costs (``finetuner estimate``):
     ``{"tokens_per_s", "step_s", "optimizer_steps", "total_s", "cost", "price_per_hour", "source",
-    "parts_s"}``. The optimizer steps are the run's own count (:func:`run_optimizer_steps`: its
+    "parts_s", "upper_bound"}`` (``upper_bound``: GRPO, predicted at the longest prompts and completions,
+    so the step takes at most ``step_s``). The optimizer steps are the run's own count (:func:`run_optimizer_steps`: its
     ``max_steps``, else epochs over the data's training rows), None when the data cannot be read here."""
     from finetuner.config.hardware import cpu_profile
     from finetuner.config.recipe import Recipe
@@ -1316,7 +1323,8 @@ def estimate_time(
     total = st.step_s * steps if steps else None
     cost = total / 3600 * price_per_hour if total is not None and price_per_hour is not None else None
     return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps, "total_s": total,
-            "price_per_hour": price_per_hour, "cost": cost, "source": speed.source, "parts_s": dict(st.parts)}
+            "price_per_hour": price_per_hour, "cost": cost, "source": speed.source, "parts_s": dict(st.parts),
+            "upper_bound": recipe.objective == "grpo"}
 
 
 def run_optimizer_steps(recipe: Recipe) -> int | None:

@@ -37,7 +37,10 @@ def test_the_cli_estimates_the_grpo_step_of_the_demo_recipe(tmp_path):
     assert d["components"]["generation: KV cache"] == want.components["generation: KV cache"] > 0
     assert set(d["phases"]) >= {"generation", "loss forward/backward", "optimizer step"}
     assert d["largest_max_new_tokens"] > r.grpo.max_new_tokens and d["largest_num_generations"] > r.grpo.num_generations
-    assert d["time"] is None  # the speed model has no generation terms: no time is claimed
+    # the time is the GRPO step's (the rollout's generation included), an upper bound at the longest lengths
+    t = d["time"]
+    assert t["upper_bound"] is True and t["optimizer_steps"] == r.training.max_steps
+    assert t["parts_s"]["generation: decode"] > 0 and t["step_s"] == sum(t["parts_s"].values())
 
 
 def test_the_largest_completion_length_and_group_size_are_the_edge_of_the_budget():
