@@ -192,3 +192,23 @@ def test_peer_preference_and_chat_files_are_planned_on_their_prompts(peer_data):
                                                                                  "max_new_tokens": 256})
         assert p.recipe is not None and p.recipe.objective == "grpo"
         assert p.recipe.data.max_seq_len >= min(prof.max_tokens + 256, resolve_shape("llama-3.1-8b").max_position_embeddings)
+
+
+def test_a_grpo_recipe_with_auto_values_runs_with_them_resolved(tiny_model_dir, tmp_path):
+    from finetuner.runs.events import read_events
+    from tests.objectives.test_grpo_run import grpo_recipe
+
+    raw = grpo_recipe(tiny_model_dir, tmp_path, max_steps=1)
+    raw["method"] = "auto"
+    raw["training"].update(micro_batch_size="auto", gradient_accumulation="auto", gradient_checkpointing="auto",
+                           optimizer="auto", effective_batch=4)
+    out = run_cli("run", str(write_recipe(tmp_path / "auto.yaml", raw)), "--quiet")
+    assert out.returncode == 0, out.stderr + out.stdout
+    saved = Recipe.from_yaml(tmp_path / "grpo" / "recipe.yaml")
+    assert not saved.auto_keys() and saved.objective == "grpo" and saved.method == "lora"  # QLoRA only when asked on a CPU
+    t = saved.training
+    assert t.micro_batch_size * t.gradient_accumulation == 4 and isinstance(t.gradient_checkpointing, bool)
+    events = list(read_events(tmp_path / "grpo" / "events.jsonl"))
+    start = next(e for e in events if e["event"] == "start")
+    assert start["max_steps"] == 1 and start["predicted_speed"]["upper_bound"] is True
+    assert [e["step"] for e in events if e["event"] == "step"] == [1]
