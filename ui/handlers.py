@@ -256,7 +256,10 @@ class Handlers:
         path = paths.resolve_data(data_file)
         model = paths.resolve_model(model_text)
         columns = picked_columns(picked)
-        profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        try:
+            profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        except UserError as not_sft:
+            return self.prompts_view(path, model, int(seq_len or 0), columns, not_sft)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
@@ -277,6 +280,30 @@ class Handlers:
         summary = views.data_summary_md(profile, preview, seq) + preview_note
         hl = views.preview_highlights(preview) if preview else []
         return summary, gr.update(value=hl, visible=True), hist_update, gr.update(value="", visible=False)
+
+    def prompts_view(self, path: str, model: str, seq_len: int, columns: dict[str, str] | None, not_sft: UserError):
+        """The Data tab for a file that is not supervised or preference data but holds prompts (objective
+        grpo): their lengths against the sequence length (0: the longest prompt and the default completion,
+        as a GRPO plan sizes it) and the first prompts as GRPO reads them. Raises ``not_sft`` when the file
+        holds no prompts either."""
+        from finetuner.data.preview import preview_prompts
+        from finetuner.data.stats import profile_prompts
+        from finetuner.model.shapes import resolve_shape
+        from finetuner.planning.sizing import size_run
+
+        try:
+            profile = profile_prompts(path, model, columns=columns)
+        except UserError:
+            raise not_sft from None
+        seq = seq_len or size_run(resolve_shape(model), profile, objective="grpo", max_new_tokens=GRPO_NEW_TOKENS).seq_len
+        hist = views.histogram_df(profile, seq)
+        hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Prompt lengths against the sequence length ({seq})")
+        summary, shown = views.prompts_summary_md(profile, seq, not_sft.message), ""
+        try:
+            shown = views.prompts_html(preview_prompts(path, n=3, columns=columns))
+        except UserError as e:
+            summary += f"\n\n**No preview:** {e.message}"
+        return summary, gr.update(value=[], visible=False), hist_update, gr.update(value=shown, visible=bool(shown))
 
     # ------------------------------------------------------------------ plan
     def _estimate_outputs(self, recipe, card: str, header: str = ""):

@@ -275,3 +275,37 @@ def test_the_grpo_settings_are_shown_for_objective_grpo_only():
     from ui.handlers import OBJECTIVES, grpo_settings_shown
 
     assert {o: grpo_settings_shown(o)["visible"] for o in OBJECTIVES} == {o: o == "grpo" for o in OBJECTIVES}
+
+
+def test_the_data_tab_shows_a_file_of_prompts_as_grpo_reads_it(tmp_path):
+    """A file of prompts alone (no responses: not supervised data) is shown as prompts for objective grpo:
+    their lengths, the first prompts and the columns the rewards get; the Plan tab plans GRPO on it."""
+    import json
+
+    from finetuner.data.stats import profile_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "What should I pack?", "answer": "a whistle"}, {"prompt": "Where is the hut?", "answer": "north"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which way?"}], "answer": "left"},
+            {"answer": "no prompt"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    summary, highlights, hist, table = h.on_data(MODEL, str(prompts), 256)
+    assert "ft-error" not in summary, summary
+    assert "**Holds** prompts (objective grpo: the prompt side of each row) · **3** prompts" in summary
+    assert "**Fits objective grpo**" in summary and "every prompt fits in 256 tokens" in summary
+    assert f"**1 row(s) cannot be used**, the first: {prompts}, line 4: no prompt" in summary
+    assert f"Not supervised examples: {prompts}, line 1: cannot tell the data format from the columns (prompt, answer)." in summary
+    assert highlights["visible"] is False and table["visible"] is True  # no trained tokens to show: the prompts instead
+    assert "<th>prompt</th><th>other columns (for the rewards)</th>" in table["value"]
+    assert [table["value"].count(t) for t in ("What should I pack?", "a whistle", "<b>system</b> Be brief.", "<b>user</b> Which way?",
+                                               "<b>answer</b>")] == [1, 1, 1, 1, 3]
+    assert hist["value"]["examples"].sum() == 3  # the three prompts read
+    assert profile_prompts(str(prompts), MODEL).rows == 3
+    assert h.on_data(MODEL, str(prompts), 0)[2]["title"].startswith("Prompt lengths against the sequence length (")
+    out = h.on_plan(MODEL, "cpu", str(prompts), 0, 0, "auto", "grpo", "exact_match", 2, 16)
+    assert out[0].startswith("### GRPO · LORA") and Recipe.from_yaml_text(out[4], source="recipe").data.path == str(prompts)
+    # a file with neither responses nor prompts keeps the reader's message
+    (tmp_path / "neither.jsonl").write_text(json.dumps({"colour": "red"}) + "\n", encoding="utf-8")
+    summary, *_ = h.on_data(MODEL, str(tmp_path / "neither.jsonl"), 256)
+    assert summary.startswith('<div class="ft-error"') and "cannot tell the data format from the columns (colour)" in summary
