@@ -62,7 +62,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 gr.Markdown("Pick a data file (JSONL, JSON, CSV or Parquet) or upload one. The preview shows each example "
                             "as the model sees it: **green** tokens are trained on, grey ones are context only. For "
                             "preference data (pairs of a chosen and a rejected response, or rated responses) it shows "
-                            "the first examples side by side.", elem_classes="ft-step")
+                            "the first examples side by side; for a file of prompts alone (objective grpo), the first "
+                            "prompts.", elem_classes="ft-step")
                 with gr.Row():
                     data_file = gr.Dropdown(data_choices, value=h.default_data, allow_custom_value=True, label="Data file",
                                             info=f"files in data/ and your uploads ({paths.display(h.uploads)}/, up to "

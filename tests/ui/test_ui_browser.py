@@ -435,15 +435,16 @@ SAMPLE = "data/alpaca_sample.json"
 WHISTLE = "recipes/rewards_demo.py:mentions_whistle"
 
 
-def test_grpo_plan_in_browser(server, page):
-    """In a browser of its own: objective grpo shows the reward settings, a plan without a reward is
-    refused in the planner's words, and a reward file of the checkout with a smaller group plans a GRPO
-    recipe with that reward and the plan's GRPO room among its reasons."""
+def test_grpo_plan_in_browser(server, page, tmp_path):
+    """In a browser of its own: a file of prompts alone is shown as prompts in the Data tab; objective grpo
+    shows the reward settings, a plan without a reward is refused in the planner's words, and a reward
+    file of the checkout with a smaller group plans a GRPO recipe with that reward and the plan's GRPO
+    room among its reasons."""
     browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
     pg = browser.new_page()
     pg.set_default_timeout(60_000)
     try:
-        grpo_flow(pg, server)
+        grpo_flow(pg, server, tmp_path)
     except Exception:
         pg.screenshot(path=str(SHOTS / "grpo-failed-here.png"), full_page=True)
         raise
@@ -468,11 +469,22 @@ def fill_shown(page, selector: str, value: str) -> None:
     sync_api.expect(box).to_have_value(value)
 
 
-def grpo_flow(page, server):
+def grpo_flow(page, server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Which path leads to hut {i}?", "answer": f"path {i}"}) + "\n"
+                               for i in range(5)), encoding="utf-8")
     page.goto(server["url"])
     wait_text(page, "#model-card", r"demo_model.*parameters")
     tab(page, "2 · Data")
     wait_text(page, "#data-summary", r"Format|Holds")  # the start-up analysis is done before another file is picked
+    type_in(page, "data-file", str(prompts))  # prompts alone: shown as GRPO reads them
+    wait_text(page, "#data-summary", r"Holds prompts .*\b5\b prompts.*Fits objective grpo", flags=re.S)
+    table = page.locator("#pair-preview table.ft-pairs")
+    sync_api.expect(table).to_be_visible()
+    sync_api.expect(table).to_contain_text("Which path leads to hut 0?")
+    sync_api.expect(page.locator("#data-preview")).to_be_hidden()
+    assert_nothing_cut_off(page, "in the Data tab's prompts")
+    shot(page, "grpo-00-prompts")
     pick(page, "data-file", SAMPLE)
     wait_text(page, "#data-summary", r"alpaca.*\b300\b examples")
 
