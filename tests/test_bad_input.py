@@ -976,7 +976,9 @@ def test_ui_endpoints_with_anything_typed_in(ui, tmp_path, data):
         args = (data.draw(UI_TEXT | st.sampled_from(MODELS)), data.draw(UI_TEXT | st.sampled_from(CARDS)),
                 data.draw(st.sampled_from(["", "data/alpaca_sample.json"]) | UI_TEXT), data.draw(st.sampled_from([None, 0, 256, -3])),
                 data.draw(st.sampled_from([None, 16, 0, -1])), data.draw(st.sampled_from(["auto", "lora", "full"]) | UI_TEXT),
-                data.draw(st.sampled_from(["auto", "sft", "dpo", "kto"]) | UI_TEXT))
+                data.draw(st.sampled_from(["auto", "sft", "dpo", "kto", "grpo"]) | UI_TEXT),
+                data.draw(st.sampled_from(["", "length_bounds", "recipes/rewards_demo.py:mentions_whistle", "x.py:"]) | UI_TEXT),
+                data.draw(st.sampled_from([None, 0, 4, -1])), data.draw(st.sampled_from([None, 0, 64, 10**9])))
         _ui_call(ui, *args, api_name="/plan")
     else:
         raw = base_recipe(Path("data/demo_model"), Path("data/alpaca_sample.json"))

@@ -26,10 +26,11 @@ from typing import Any, get_args
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from finetuner.config.recipe import Objective
+from finetuner.config.recipe import GRPOSection, Objective
 from finetuner.data.formats import ROLES
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
+from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
 from finetuner.surface import shown_in
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
@@ -47,6 +48,13 @@ CPU_CARD = "cpu"
 TRAIN_OUTPUTS = 12
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
+#: the Plan tab's GRPO settings (shown for objective grpo), with the recipe's defaults (GRPOSection)
+GRPO_GENERATIONS = GRPOSection.model_fields["num_generations"].default
+GRPO_NEW_TOKENS = GRPOSection.model_fields["max_new_tokens"].default
+REWARDS_LABEL = "Rewards"
+REWARDS_INFO = (f"one or more, separated by commas or new lines: {SPEC_FORM}. A relative FILE.py is looked for in "
+                f"{paths.ROOT}, then in the folder the UI was started in (as the Data file is); a built-in's arguments "
+                "(args: length_bounds' max_length, regex_format's pattern) are set in the recipe below")
 #: the roles of ``data.columns`` the Data tab has a column menu for, in its order
 COLUMN_ROLES = tuple(ROLES)
 #: a column menu's choice that names no column: the role is read as the file's format has it
@@ -98,6 +106,23 @@ def empty_chart() -> None:
     """Empties a chart while its new figures are computed: a gradio BarPlot keeps its first colour
     scale otherwise, and the last plan's chart must not stand beside a new plan."""
     return None
+
+
+def grpo_settings_shown(objective: str | None):
+    """The Plan tab's GRPO settings (rewards, generations, new tokens) are shown for objective grpo only."""
+    return gr.update(visible=objective == "grpo")
+
+
+def grpo_request(rewards: str | None, num_generations: float | None, max_new_tokens: float | None) -> dict[str, Any]:
+    """The Plan tab's GRPO settings as :func:`finetuner.plan`'s ``grpo``: the Rewards box read by
+    :func:`finetuner.rewards.specs.parse_reward_specs`, each reward file found as the Data file is
+    (:func:`ui.paths.resolve_reward_file`); an empty number is the recipe's default."""
+    specs = parse_reward_specs(rewards or "")
+    for spec in specs:
+        if "file" in spec:
+            spec["file"] = paths.resolve_reward_file(spec["file"], spec["function"])
+    numbers = (("num_generations", num_generations), ("max_new_tokens", max_new_tokens))
+    return {"rewards": specs, **{k: int(v) for k, v in numbers if v not in (None, "")}}
 
 
 def picked_columns(picked: tuple | list) -> dict[str, str] | None:
@@ -231,7 +256,10 @@ class Handlers:
         path = paths.resolve_data(data_file)
         model = paths.resolve_model(model_text)
         columns = picked_columns(picked)
-        profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        try:
+            profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        except UserError as not_sft:
+            return self.prompts_view(path, model, int(seq_len or 0), columns, not_sft)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
@@ -253,6 +281,30 @@ class Handlers:
         hl = views.preview_highlights(preview) if preview else []
         return summary, gr.update(value=hl, visible=True), hist_update, gr.update(value="", visible=False)
 
+    def prompts_view(self, path: str, model: str, seq_len: int, columns: dict[str, str] | None, not_sft: UserError):
+        """The Data tab for a file that is not supervised or preference data but holds prompts (objective
+        grpo): their lengths against the sequence length (0: the longest prompt and the default completion,
+        as a GRPO plan sizes it) and the first prompts as GRPO reads them. Raises ``not_sft`` when the file
+        holds no prompts either."""
+        from finetuner.data.preview import preview_prompts
+        from finetuner.data.stats import profile_prompts
+        from finetuner.model.shapes import resolve_shape
+        from finetuner.planning.sizing import size_run
+
+        try:
+            profile = profile_prompts(path, model, columns=columns)
+        except UserError:
+            raise not_sft from None
+        seq = seq_len or size_run(resolve_shape(model), profile, objective="grpo", max_new_tokens=GRPO_NEW_TOKENS).seq_len
+        hist = views.histogram_df(profile, seq)
+        hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Prompt lengths against the sequence length ({seq})")
+        summary, shown = views.prompts_summary_md(profile, seq, not_sft.message), ""
+        try:
+            shown = views.prompts_html(preview_prompts(path, n=3, columns=columns))
+        except UserError as e:
+            summary += f"\n\n**No preview:** {e.message}"
+        return summary, gr.update(value=[], visible=False), hist_update, gr.update(value=shown, visible=bool(shown))
+
     # ------------------------------------------------------------------ plan
     def _estimate_outputs(self, recipe, card: str, header: str = ""):
         gpu = gpu_profile(card)
@@ -271,14 +323,18 @@ class Handlers:
 
     @shows_errors(0, 18)
     def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
-                objective: str | None = "auto", *picked: str):
+                objective: str | None = "auto", rewards: str | None = "", num_generations: float | None = None,
+                max_new_tokens: float | None = None, *picked: str):
         """The planner's recipe for the model, card and data file; ``objective`` ``auto`` takes it
         from the data (sft, dpo for pairs, kto for rated responses), another must fit the file.
+        For ``grpo``: ``rewards`` (the Rewards box), ``num_generations`` and ``max_new_tokens`` as the
+        plan's ``grpo`` (:func:`grpo_request`); for another objective they are not shown, and not read.
         ``picked``: the Data tab's column menus (see :meth:`on_data`), written as ``data.columns``."""
         from finetuner.planning.planner import plan
 
         if not data_file:
             raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
+        grpo = grpo_request(rewards, num_generations, max_new_tokens) if objective == "grpo" else None
         p = plan(
             paths.resolve_model(model_text),
             gpu_profile(card),
@@ -289,6 +345,7 @@ class Handlers:
             objective=None if objective in (None, "", "auto") else objective,
             runs_dir=self.runs,
             columns=picked_columns(picked),
+            grpo=grpo,
         )
         if p.recipe is None:
             gr.Warning("Nothing fits this card; see the suggestions.")

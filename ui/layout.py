@@ -15,8 +15,9 @@ from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
 from finetuner.data.formats import ROLES
-from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, OBJECTIVES, START_ANYWAY, START_CODE,
-                         START_CODE_INFO, Handlers, default_card, empty_chart)
+from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, GRPO_GENERATIONS, GRPO_NEW_TOKENS,
+                         OBJECTIVES, REWARDS_INFO, REWARDS_LABEL, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers, default_card,
+                         empty_chart, grpo_settings_shown)
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -61,7 +62,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 gr.Markdown("Pick a data file (JSONL, JSON, CSV or Parquet) or upload one. The preview shows each example "
                             "as the model sees it: **green** tokens are trained on, grey ones are context only. For "
                             "preference data (pairs of a chosen and a rejected response, or rated responses) it shows "
-                            "the first examples side by side.", elem_classes="ft-step")
+                            "the first examples side by side; for a file of prompts alone (objective grpo), the first "
+                            "prompts.", elem_classes="ft-step")
                 with gr.Row():
                     data_file = gr.Dropdown(data_choices, value=h.default_data, allow_custom_value=True, label="Data file",
                                             info=f"files in data/ and your uploads ({paths.display(h.uploads)}/, up to "
@@ -100,8 +102,16 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                                           info="0 = sized to the data", scale=1)
                     plan_method = gr.Dropdown(METHODS, value="auto", label="Method", scale=1)
                     plan_objective = gr.Dropdown(OBJECTIVES, value="auto", label="Objective", scale=1, elem_id="plan-objective",
-                                                 info="auto: from the data (sft; dpo for pairs; kto for rated responses)")
+                                                 info="auto: from the data (sft; dpo for pairs; kto for rated responses); "
+                                                      "grpo: rewards of your own")
                     plan_btn = gr.Button("Make the plan", variant="primary", scale=1)
+                with gr.Row(visible=False, elem_id="grpo-settings") as grpo_box:  # objective grpo only
+                    plan_rewards = gr.Textbox(value="", label=REWARDS_LABEL, info=REWARDS_INFO, lines=2, scale=3, elem_id="plan-rewards",
+                                              placeholder="rewards.py:my_reward, length_bounds")
+                    plan_gens = gr.Number(value=GRPO_GENERATIONS, precision=0, label="Generations per prompt", scale=1,
+                                          info="completions per prompt, compared with each other", elem_id="plan-num-generations")
+                    plan_new = gr.Number(value=GRPO_NEW_TOKENS, precision=0, label="Max new tokens", scale=1,
+                                         info="the longest completion", elem_id="plan-max-new-tokens")
                 with gr.Row():
                     with gr.Column(scale=3):
                         plan_md = gr.Markdown(elem_id="plan-summary")
@@ -241,7 +251,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
         planned = gr.State(None)  # what the planner chose and why (views.planned): edits are told apart from it
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]
-        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective, *pickers]
+        plan_inputs = [model, card, data_file, seq_len, eff_batch, plan_method, plan_objective, plan_rewards, plan_gens, plan_new,
+                       *pickers]
+        plan_objective.change(grpo_settings_shown, plan_objective, grpo_box, api_name=False, queue=False)
         plan_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_plan, plan_inputs, plan_outputs, api_name="plan")
         # opening the Plan tab plans an empty editor; "Next: the plan" opens it (a tab chosen by a button
         # fires select too: planning on the button as well made two plans, and two "Nothing fits" toasts)

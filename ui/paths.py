@@ -61,6 +61,13 @@ def resolve_data(text: str) -> str:
     return str(locate(t, "Data file", [ROOT])) if t else t
 
 
+def resolve_reward_file(text: str, function: str) -> str:
+    """A reward function's file as an absolute path, found as a data file is (relative to the checkout,
+    then the current folder); one found nowhere: a :class:`UserError` saying where it was looked for,
+    with near matches."""
+    return str(locate(text.strip(), f"reward '{function}'", [ROOT], hub=False))
+
+
 def local_models() -> list[str]:
     """Model folders shipped in or added to ``data/`` (those with a config.json)."""
     if not DATA_DIR.is_dir():

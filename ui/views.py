@@ -147,6 +147,41 @@ def pairs_html(preview: Any) -> str:
             f"<tbody>{''.join(rows)}</tbody></table>")
 
 
+def prompts_summary_md(profile: Any, seq_len: int, not_sft: str) -> str:
+    """What a file of prompts alone holds (``kind`` prompts, :func:`finetuner.data.stats.profile_prompts`): the
+    objective it fits (grpo, with a reward), its size and prompt lengths against ``seq_len``; ``not_sft``: why
+    it is not supervised data (the reader's message)."""
+    from finetuner.data.formats import KIND_WORDS
+
+    d = profile.to_dict()
+    over = profile.truncated(seq_len)
+    lines = [
+        f"**Holds** {html.escape(KIND_WORDS['prompts'])} · **{d['rows']:,}** prompts, no responses to train on",
+        "**Fits objective grpo**: choose it in the Plan tab's Objective menu and name a reward",
+        f"prompts of mean **{d['mean_tokens']:.0f}** tokens, 95 % under {d['p95_tokens']}, longest **{d['max_tokens']}**",
+        (f"**Note:** {over} prompt(s) are longer than the sequence length {seq_len}." if over
+         else f"✓ every prompt fits in {seq_len} tokens."),
+    ]
+    if d.get("bad_rows"):
+        lines.append(f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}")
+    lines.append(f"<small>Not supervised examples: {html.escape(not_sft.splitlines()[0])} · counted with "
+                 f"{html.escape(d['counted_with'])}</small>")
+    return "\n\n".join(lines)
+
+
+def prompts_html(preview: Any) -> str:
+    """The first prompts of a file as objective grpo reads them, with the columns the reward functions get
+    (a :class:`finetuner.data.preview.PromptsPreview`)."""
+    rows = []
+    for ex in preview.examples:
+        cols = "".join(f"<div class='ft-msg'><b>{html.escape(str(k))}</b> {_cell_text(str(v))}</div>" for k, v in ex.columns.items())
+        rows.append(f"<tr><td class='ft-prompt'>{_prompt_cell(ex.messages, ex.where)}</td><td>{cols or '—'}</td></tr>")
+    return (f"<div class='ft-pairs-title'>The first {len(preview.examples)} prompts as GRPO reads them "
+            "(completions are generated; the rewards get the other columns by name)</div>"
+            "<table class='ft-pairs' data-kind='prompts'><colgroup><col style='width:55%'><col style='width:45%'></colgroup>"
+            f"<thead><tr><th>prompt</th><th>other columns (for the rewards)</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
 def histogram_df(profile: Any, seq_len: int, bins: int = 24) -> pd.DataFrame:
     """Examples per length bin over 0..max(longest, seq_len): where the data sit against the limit."""
     import math

@@ -1,6 +1,6 @@
 """A few examples of a data file as the model will see them: tokens, and which are trained on;
 for preference data, the prompt beside its chosen and rejected responses (or beside a rated
-response and its label).
+response and its label); for ``objective: grpo``, the prompts and the columns the rewards get.
 
 Uses the same path as training (:func:`finetuner.data.pipeline.load_examples` and
 :func:`finetuner.data.pipeline.encode_example` with the model's tokenizer and chat template), so what is
@@ -153,4 +153,47 @@ def preview_preferences(path: str, n: int = 3, system_prompt: str | None = None)
             out.examples.append(PreferenceExample(ex["_where"], ex["prompt"], chosen=ex["chosen"], rejected=ex["rejected"]))
         else:
             out.examples.append(PreferenceExample(ex["_where"], ex["prompt"], response=ex["completion"], desirable=ex["desirable"]))
+    return out
+
+
+# --------------------------------------------------------------------------- prompts (objective grpo)
+@dataclass
+class PromptExample:
+    """One row's prompt as ``objective: grpo`` reads it: its messages (a system message first when there is
+    one) and the row's other columns, which the reward functions get by name."""
+
+    where: str
+    messages: list[dict[str, str]]
+    columns: dict[str, Any]
+
+
+@dataclass
+class PromptsPreview:
+    """The first prompts of a file (:func:`preview_prompts`)."""
+
+    path: str
+    rows_read: int
+    examples: list[PromptExample] = field(default_factory=list)
+
+
+def preview_prompts(path: str, n: int = 3, columns: dict[str, str] | None = None,
+                    system_prompt: str | None = None) -> PromptsPreview:
+    """The first ``n`` prompts of ``path`` read as the GRPO trainer reads them
+    (:func:`finetuner.data.prompts.prompt_of`: a prompts-only file, or the prompt side of any supported
+    format; ``columns`` as ``data.columns``): a row among them without a prompt is a :class:`UserError`
+    naming its place."""
+    from finetuner.data.formats import RowError, read_rows
+    from finetuner.data.prompts import prompt_of
+    from finetuner.errors import UserError
+
+    out = PromptsPreview(path, 0)
+    for raw in read_rows(path, "train", []):
+        out.rows_read += 1
+        try:
+            p = prompt_of(raw.data, columns, system_prompt)
+        except RowError as e:
+            raise UserError(f"{raw.place}: {e}.") from None
+        out.examples.append(PromptExample(raw.place, p.messages, p.columns))
+        if len(out.examples) >= n:
+            break
     return out

@@ -9,6 +9,7 @@ level. A built-in is checked by name (:data:`finetuner.rewards.builtin.BUILTINS`
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,13 @@ def parse_reward_spec(text: str) -> dict[str, Any]:
     if colon and (not file.strip() or not function.strip()) or not text.strip():
         raise UserError(f"reward {text!r}: write {SPEC_FORM}.")
     return {"function": function.strip(), "file": file.strip()} if colon else {"function": text.strip()}
+
+
+def parse_reward_specs(text: str) -> list[dict[str, Any]]:
+    """Several reward specs in one text (the web UI's Rewards box): separated by commas or new lines, blank
+    ones ignored, each read by :func:`parse_reward_spec`; ``[]`` for a blank text. A :class:`UserError`
+    naming the first spec that is not one."""
+    return [parse_reward_spec(item.strip()) for item in re.split(r"[,\n]", text or "") if item.strip()]
 
 
 def top_level_names(path: Path) -> set[str]:

@@ -361,6 +361,15 @@ def test_api_plan_for_the_tiny_model_on_cpu(client):
     assert recipe["model"]["name"] == str(REPO / "data" / "demo_model") and recipe["data"]["max_seq_len"] == 256
 
 
+def test_api_plan_for_grpo_with_a_reward_file_of_the_checkout(client):
+    out = client.predict("data/demo_model", "cpu", "data/alpaca_sample.json", 0, 0, "auto", "grpo",
+                         "recipes/rewards_demo.py:mentions_whistle", 2, 16, api_name="/plan")
+    assert out[0].startswith("### GRPO · LORA") and "GRPO room on this choice: 2 generations of up to 16 new tokens" in out[0]
+    grpo = yaml.safe_load(out[4])["grpo"]
+    assert grpo["rewards"] == [{"function": "mentions_whistle", "file": str(REPO / "recipes" / "rewards_demo.py")}]
+    assert (grpo["num_generations"], grpo["max_new_tokens"]) == (2, 16)
+
+
 def test_api_estimate_warns_before_a_recipe_that_does_not_fit(client):
     text = yaml.safe_dump({"model": {"name": "llama-2-13b"}, "method": "lora",
                            "data": {"path": "data/alpaca_sample.json", "max_seq_len": 4096},

@@ -428,3 +428,92 @@ def dpo_flow(server, page):
             page.wait_for_function(CHARTS_FITTED_JS)
             assert_nothing_cut_off(page, f"at {w}x{h} on {label}")
             shot(page, f"dpo-05-{w}x{h}-{label.split(' ')[0]}")
+
+
+# --------------------------------------------------------------------------- GRPO
+SAMPLE = "data/alpaca_sample.json"
+WHISTLE = "recipes/rewards_demo.py:mentions_whistle"
+
+
+def test_grpo_plan_in_browser(server, page, tmp_path):
+    """In a browser of its own: a file of prompts alone is shown as prompts in the Data tab; objective grpo
+    shows the reward settings, a plan without a reward is refused in the planner's words, and a reward
+    file of the checkout with a smaller group plans a GRPO recipe with that reward and the plan's GRPO
+    room among its reasons."""
+    browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
+    pg = browser.new_page()
+    pg.set_default_timeout(60_000)
+    try:
+        grpo_flow(pg, server, tmp_path)
+    except Exception:
+        pg.screenshot(path=str(SHOTS / "grpo-failed-here.png"), full_page=True)
+        raise
+    finally:
+        browser.close()
+
+
+def fill_shown(page, selector: str, value: str) -> None:
+    """Type ``value`` into a box that has just been shown: an entry typed while its row was still
+    rendering can be dropped before the box listens (as the chat's generation settings were), so it
+    is typed again until the box holds it; a number is committed by leaving the box."""
+    box = page.locator(selector)
+    sync_api.expect(box).to_be_visible(timeout=15_000)
+    for _attempt in range(3):
+        box.fill(value)
+        box.press("Tab")
+        try:
+            sync_api.expect(box).to_have_value(value, timeout=5_000)
+            return
+        except AssertionError:
+            continue
+    sync_api.expect(box).to_have_value(value)
+
+
+def grpo_flow(page, server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Which path leads to hut {i}?", "answer": f"path {i}"}) + "\n"
+                               for i in range(5)), encoding="utf-8")
+    page.goto(server["url"])
+    wait_text(page, "#model-card", r"demo_model.*parameters")
+    tab(page, "2 · Data")
+    wait_text(page, "#data-summary", r"Format|Holds")  # the start-up analysis is done before another file is picked
+    type_in(page, "data-file", str(prompts))  # prompts alone: shown as GRPO reads them
+    wait_text(page, "#data-summary", r"Holds prompts .*\b5\b prompts.*Fits objective grpo", flags=re.S)
+    table = page.locator("#pair-preview table.ft-pairs")
+    sync_api.expect(table).to_be_visible()
+    sync_api.expect(table).to_contain_text("Which path leads to hut 0?")
+    sync_api.expect(page.locator("#data-preview")).to_be_hidden()
+    assert_nothing_cut_off(page, "in the Data tab's prompts")
+    shot(page, "grpo-00-prompts")
+    pick(page, "data-file", SAMPLE)
+    wait_text(page, "#data-summary", r"alpaca.*\b300\b examples")
+
+    # the Plan tab: the reward settings are there for objective grpo only
+    tab(page, "3 · Plan")
+    wait_text(page, "#plan-summary", r"LORA")  # the plan of the empty editor
+    sync_api.expect(page.locator("#grpo-settings")).to_be_hidden()
+    pick(page, "plan-objective", "grpo")
+    sync_api.expect(page.locator("#grpo-settings")).to_be_visible()
+    sync_api.expect(page.locator("#plan-num-generations input")).to_have_value("4")  # the recipe's defaults
+    sync_api.expect(page.locator("#plan-max-new-tokens input")).to_have_value("64")
+    page.get_by_role("button", name="Make the plan").click()  # no reward named: the planner's words, for the page
+    wait_text(page, "#plan-summary", r"GRPO trains on rewards, and none is named\.\s*Name one in Rewards: FILE\.py:FUNCTION")
+    no_bare_errors(page)
+
+    fill_shown(page, "#plan-rewards textarea", WHISTLE)
+    fill_shown(page, "#plan-num-generations input", "2")
+    fill_shown(page, "#plan-max-new-tokens input", "16")
+    page.get_by_role("button", name="Make the plan").click()
+    wait_text(page, "#plan-summary", r"GRPO · LORA")
+    wait_text(page, "#plan-summary", r"GRPO room on this choice: 2 generations of up to 16 new tokens")
+    wait_text(page, "#estimate", r"Fits")
+    wait_text(page, "#recipe-yaml", r"objective: grpo")
+    recipe = yaml.safe_load(yaml_text(page))
+    assert recipe["objective"] == "grpo" and recipe["data"]["path"] == str(ROOT / SAMPLE)
+    assert recipe["grpo"]["rewards"] == [{"function": "mentions_whistle", "file": str(ROOT / "recipes" / "rewards_demo.py")}]
+    assert (recipe["grpo"]["num_generations"], recipe["grpo"]["max_new_tokens"]) == (2, 16)
+    no_bare_errors(page)
+    shot(page, "grpo-01-plan")
+
+    pick(page, "plan-objective", "auto")  # another objective: the reward settings go
+    sync_api.expect(page.locator("#grpo-settings")).to_be_hidden()

@@ -60,9 +60,9 @@ def test_columns_not_detected_are_asked_for_in_the_menus_and_then_read(tmp_path)
 def test_the_plan_writes_the_chosen_columns_into_the_recipe(tmp_path):
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
     csv = str(german_csv(tmp_path))
-    refused = h.on_plan(MODEL, "cpu", csv, 64, 0, "auto", "auto", *picks())
+    refused = h.on_plan(MODEL, "cpu", csv, 64, 0, "auto", "auto", "", None, None, *picks())
     assert "column menus" in refused[0] and "--set" not in refused[0]
-    out = h.on_plan(MODEL, "cpu", csv, 64, 0, "auto", "auto", *picks(prompt="frage", response="antwort"))
+    out = h.on_plan(MODEL, "cpu", csv, 64, 0, "auto", "auto", "", None, None, *picks(prompt="frage", response="antwort"))
     recipe: Recipe = recipe_from_text(out[4])
     assert recipe.data.columns == {"prompt": "frage", "response": "antwort"}
     assert "columns:" in out[4]

@@ -201,3 +201,111 @@ def gr_skip():
     import gradio as gr
 
     return gr.skip()
+
+
+# --------------------------------------------------------------------------- GRPO
+REWARDS = REPO / "recipes" / "rewards_demo.py"
+SAMPLE = str(REPO / "data" / "alpaca_sample.json")
+
+
+def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_path):
+    """Objective grpo with the Rewards box (a file relative to the checkout, as a data file is, and a
+    built-in), the generations and new tokens: the planner's GRPO recipe, its reasons on the page; Start
+    runs it as a GRPO run, whose completions and rewards the Train tab shows."""
+    import time
+
+    from finetuner.planning.planner import plan
+    from finetuner.runs import jobs
+    from ui.recipe_text import fields_of
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    out = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "grpo", "recipes/rewards_demo.py:mentions_whistle,\nlength_bounds", 2, 8)
+    head, text = out[0], out[4]
+    assert head.startswith("### GRPO · LORA") and "ft-error" not in head, head
+    recipe = Recipe.from_yaml_text(text, source="recipe")
+    assert recipe.objective == "grpo" and (recipe.grpo.num_generations, recipe.grpo.max_new_tokens) == (2, 8)
+    assert [(r.function, r.file) for r in recipe.grpo.rewards] == [("mentions_whistle", str(REWARDS)), ("length_bounds", None)]
+    want = plan(MODEL, "cpu", data=SAMPLE, runs_dir=h.runs, grpo={"rewards": [{"function": "mentions_whistle", "file": str(REWARDS)},
+                                                                               "length_bounds"], "num_generations": 2, "max_new_tokens": 8})
+    assert recipe == want.recipe  # the library's plan, nothing of the UI's own
+    room = next(r for r in want.reasons if r.startswith("GRPO room on this choice: 2 generations of up to 8 new tokens"))
+    assert f"- {room}" in head and all(f"- {r}".replace("'", "&#x27;") in head for r in want.reasons)
+    # another objective does not read the (hidden) GRPO settings
+    assert Recipe.from_yaml_text(h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "auto", "no_such_reward", 2, 8)[4],
+                                 source="recipe").objective == "sft"
+    # Start: a GRPO run of two steps, followed as any run is; a built-in's arguments are set in the editor
+    fields = list(fields_of(recipe))
+    fields[1], fields[2], fields[7] = 2, 1, 2  # micro-batch, accumulation, max steps
+    *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
+    assert error == "" and "objective: grpo" in edited and "max_steps: 2" in edited
+    edited = edited.replace("  - function: length_bounds\n", "  - function: length_bounds\n    args:\n      max_length: 6\n")
+    assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"max_length": 6}
+    _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False)
+    assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
+    deadline = time.monotonic() + 240
+    while (st := jobs.run_status(h.runs / recipe.name, h.runs)).state != "done" and time.monotonic() < deadline:
+        assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
+        time.sleep(1)
+    status, _loss, _mem, samples, *_, column, rewards_plot, _message = h.train_view(recipe.name)
+    assert st.objective == "grpo" and "finished" in status and "step <b>2</b> / 2" in status
+    assert "| mentions_whistle | length_bounds |" in samples and column == {"__type__": "update", "visible": True}
+    assert rewards_plot != gr_skip()
+
+
+@pytest.mark.parametrize("rewards, shown", [
+    ("", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
+    (" , \n", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
+    ("length_bounds, no_such_reward", "reward 'no_such_reward': not a built-in reward (exact_match, regex_format, length_bounds) "
+                                      "and no file given."),
+    ("recipes/rewards_dem.py:mentions_whistle", f"reward 'mentions_whistle': 'recipes/rewards_dem.py' does not exist (looked in {REPO}"),
+    ("recipes/rewards_demo.py:whistle", f"reward 'whistle': {REWARDS} defines no top-level 'whistle'.\nFunctions it defines: "
+                                        "mentions_whistle."),
+    ("rewards.py:", "reward 'rewards.py:': write FILE.py:FUNCTION"),
+])
+def test_a_grpo_plan_without_a_usable_reward_says_which_and_what_to_do(tmp_path, rewards, shown):
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    out = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "grpo", rewards, 4, 64)
+    assert out[0].startswith(f'<div class="ft-error" role="alert">✕ {shown}'), out[0]  # the message, where errors are shown
+    assert "rewards_dem.py" not in rewards or "Near matches: recipes/rewards_demo.py." in out[0]
+    assert "Traceback" not in out[0] and "--reward" not in out[0]  # the page's wording, not the CLI's
+    assert all(o == gr_skip() for i, o in enumerate(out) if i != 0)  # the editor keeps what it had
+
+
+def test_the_grpo_settings_are_shown_for_objective_grpo_only():
+    from ui.handlers import OBJECTIVES, grpo_settings_shown
+
+    assert {o: grpo_settings_shown(o)["visible"] for o in OBJECTIVES} == {o: o == "grpo" for o in OBJECTIVES}
+
+
+def test_the_data_tab_shows_a_file_of_prompts_as_grpo_reads_it(tmp_path):
+    """A file of prompts alone (no responses: not supervised data) is shown as prompts for objective grpo:
+    their lengths, the first prompts and the columns the rewards get; the Plan tab plans GRPO on it."""
+    import json
+
+    from finetuner.data.stats import profile_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "What should I pack?", "answer": "a whistle"}, {"prompt": "Where is the hut?", "answer": "north"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which way?"}], "answer": "left"},
+            {"answer": "no prompt"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    summary, highlights, hist, table = h.on_data(MODEL, str(prompts), 256)
+    assert "ft-error" not in summary, summary
+    assert "**Holds** prompts (objective grpo: the prompt side of each row) · **3** prompts" in summary
+    assert "**Fits objective grpo**" in summary and "every prompt fits in 256 tokens" in summary
+    assert f"**1 row(s) cannot be used**, the first: {prompts}, line 4: no prompt" in summary
+    assert f"Not supervised examples: {prompts}, line 1: cannot tell the data format from the columns (prompt, answer)." in summary
+    assert highlights["visible"] is False and table["visible"] is True  # no trained tokens to show: the prompts instead
+    assert "<th>prompt</th><th>other columns (for the rewards)</th>" in table["value"]
+    assert [table["value"].count(t) for t in ("What should I pack?", "a whistle", "<b>system</b> Be brief.", "<b>user</b> Which way?",
+                                               "<b>answer</b>")] == [1, 1, 1, 1, 3]
+    assert hist["value"]["examples"].sum() == 3  # the three prompts read
+    assert profile_prompts(str(prompts), MODEL).rows == 3
+    assert h.on_data(MODEL, str(prompts), 0)[2]["title"].startswith("Prompt lengths against the sequence length (")
+    out = h.on_plan(MODEL, "cpu", str(prompts), 0, 0, "auto", "grpo", "exact_match", 2, 16)
+    assert out[0].startswith("### GRPO · LORA") and Recipe.from_yaml_text(out[4], source="recipe").data.path == str(prompts)
+    # a file with neither responses nor prompts keeps the reader's message
+    (tmp_path / "neither.jsonl").write_text(json.dumps({"colour": "red"}) + "\n", encoding="utf-8")
+    summary, *_ = h.on_data(MODEL, str(tmp_path / "neither.jsonl"), 256)
+    assert summary.startswith('<div class="ft-error"') and "cannot tell the data format from the columns (colour)" in summary
