@@ -53,8 +53,7 @@ GRPO_GENERATIONS = GRPOSection.model_fields["num_generations"].default
 GRPO_NEW_TOKENS = GRPOSection.model_fields["max_new_tokens"].default
 REWARDS_LABEL = "Rewards"
 REWARDS_INFO = (f"one or more, separated by commas or new lines: {SPEC_FORM}. A relative FILE.py is looked for in "
-                f"{paths.ROOT}, then in the folder the UI was started in (as the Data file is); a built-in's arguments "
-                "(args: length_bounds' max_length, regex_format's pattern) are set in the recipe below")
+                f"{paths.ROOT}, then in the folder the UI was started in (as the Data file is)")
 #: the roles of ``data.columns`` the Data tab has a column menu for, in its order
 COLUMN_ROLES = tuple(ROLES)
 #: a column menu's choice that names no column: the role is read as the file's format has it

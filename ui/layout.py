@@ -107,7 +107,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     plan_btn = gr.Button("Make the plan", variant="primary", scale=1)
                 with gr.Row(visible=False, elem_id="grpo-settings") as grpo_box:  # objective grpo only
                     plan_rewards = gr.Textbox(value="", label=REWARDS_LABEL, info=REWARDS_INFO, lines=2, scale=3, elem_id="plan-rewards",
-                                              placeholder="rewards.py:my_reward, length_bounds")
+                                              placeholder="rewards.py:my_reward, length_bounds(max_length=80)")
                     plan_gens = gr.Number(value=GRPO_GENERATIONS, precision=0, label="Generations per prompt", scale=1,
                                           info="completions per prompt, compared with each other", elem_id="plan-num-generations")
                     plan_new = gr.Number(value=GRPO_NEW_TOKENS, precision=0, label="Max new tokens", scale=1,

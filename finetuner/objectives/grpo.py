@@ -155,10 +155,7 @@ def reward_functions(specs, allow_code: bool = True) -> list:
     (:data:`finetuner.rewards.builtin.BUILTINS`) made with its ``args``. Two rewards of the same name
     are told apart by their place in the list. ``allow_code``: run a file of functions (False: refuse it,
     for a recipe read back from a run folder the user has not vouched for with ``--trust-remote-code``)."""
-    import inspect
-
-    from finetuner.errors import UserError, did_you_mean
-    from finetuner.rewards.builtin import BUILTINS
+    from finetuner.rewards.builtin import make_builtin
     from finetuner.rewards.combine import RewardFunction
     from finetuner.rewards.loading import load_reward_function
 
@@ -168,20 +165,7 @@ def reward_functions(specs, allow_code: bool = True) -> list:
         if spec.file is not None:
             fn, name = load_reward_function(spec.file, spec.function, where=where, allow_code=allow_code), spec.function
         else:
-            factory = BUILTINS.get(spec.function)
-            if factory is None:
-                raise UserError(f"{where}.function: '{spec.function}' is not a built-in reward.{did_you_mean(spec.function, list(BUILTINS))}",
-                                hint=f"The built-ins are {', '.join(BUILTINS)}; for a function of your own, set file to the "
-                                     "Python file that defines it.")
-            params = [p for p in inspect.signature(factory).parameters if p != "tokenizer"]
-            unknown = [k for k in spec.args if k not in params]
-            if unknown:
-                raise UserError(f"{where}.args: '{unknown[0]}' is not a setting of {spec.function}.{did_you_mean(unknown[0], params)}",
-                                hint=f"{spec.function} takes {', '.join(params) or 'no settings'}.")
-            try:
-                fn = factory(**spec.args)
-            except TypeError as e:
-                raise UserError(f"{where}.args: {spec.function}: {e}.", hint=f"{spec.function} takes {', '.join(params)}.") from None
+            fn = make_builtin(spec.function, spec.args, name_at=f"{where}.function", args_at=f"{where}.args")
             name = getattr(fn, "__name__", spec.function)
         taken = {r.name for r in out}
         out.append(RewardFunction(name if name not in taken else f"{name}#{i + 1}", fn, spec.weight))

@@ -167,3 +167,32 @@ BUILTINS: dict[str, Callable[..., RewardFn]] = {
     "regex_format": regex_format,
     "length_bounds": length_bounds,
 }
+
+
+def make_builtin(name: str, args: dict[str, Any] | None = None, name_at: str = "reward", args_at: str | None = None) -> RewardFn:
+    """The built-in reward ``name`` made with its settings ``args`` (no user code runs): a :class:`UserError`
+    beginning with ``name_at`` when the name is not a built-in, or with ``args_at`` (default ``name_at``)
+    when a setting is not one of its settings or the settings do not make a reward (e.g.
+    :func:`length_bounds` without a bound)."""
+    import inspect
+
+    from finetuner.errors import did_you_mean
+
+    args, where = dict(args or {}), args_at or name_at
+    factory = BUILTINS.get(name)
+    if factory is None:
+        raise UserError(f"{name_at}: '{name}' is not a built-in reward.{did_you_mean(name, list(BUILTINS))}",
+                        hint=f"The built-ins are {', '.join(BUILTINS)}; for a function of your own, name the Python file "
+                             "that defines it.")
+    params = [p for p in inspect.signature(factory).parameters if p != "tokenizer"]
+    unknown = [k for k in args if k not in params]
+    if unknown:
+        raise UserError(f"{where}: '{unknown[0]}' is not a setting of {name}.{did_you_mean(unknown[0], params)}",
+                        hint=f"{name} takes {', '.join(params) or 'no settings'}.")
+    try:
+        return factory(**args)
+    except TypeError as e:
+        raise UserError(f"{where}: {name}: {e}.", hint=f"{name} takes {', '.join(params)}.") from None
+    except UserError as e:
+        raise UserError(f"{where}: {e.message}", hint=e.plain_hint or f"{name} takes {', '.join(params)}.") from None
+

@@ -129,6 +129,8 @@ def test_when_nothing_fits_the_plan_names_the_group_size_that_would_and_that_pla
     ({"rewards": [{"function": "f", "file": "/nowhere/rewards.py"}]}, "reward 'f': /nowhere/rewards.py is not a file"),
     ({"rewards": [{"function": "no_such_reward", "file": str(REWARDS)}]}, "defines no top-level 'no_such_reward'"),
     ({"rewards": ["exact_match"], "num_generations": 1}, "num_generations"),
+    ({"rewards": ["length_bounds"]}, "reward 'length_bounds': reward length_bounds: give min_length, max_length or both"),
+    ({"rewards": [{"function": "exact_match", "args": {"colum": "answer"}}]}, "'colum' is not a setting of exact_match"),
 ])
 def test_bad_grpo_settings_are_named(grpo, message):
     with pytest.raises(UserError, match=message):
@@ -168,7 +170,7 @@ def test_auto_values_in_a_grpo_recipe_are_resolved_with_the_grpo_terms(tmp_path)
 def test_the_cli_plans_a_grpo_run_from_prompts_and_a_reward_file_and_estimate_agrees(tmp_path):
     out_path = tmp_path / "grpo.yaml"
     out = run_cli("plan", "--model", "llama-3.1-8b", "--gpu", "rtx4090", "--data", str(PROMPTS),
-                  "--reward", f"{REWARDS}:mentions_whistle", "--reward", "length_bounds",
+                  "--reward", f"{REWARDS}:mentions_whistle", "--reward", "length_bounds(min_length=4, max_length=80)",
                   "--num-generations", "8", "--max-new-tokens", "512", "-o", str(out_path))
     assert out.returncode == 0, out.stderr + out.stdout
     text = " ".join(out.stdout.split())
@@ -188,7 +190,7 @@ def test_peer_preference_and_chat_files_are_planned_on_their_prompts(peer_data):
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
         prof = profile_prompts(str(peer_data / name), "llama-3.1-8b")
         assert prof.kind == "prompts" and prof.rows > 100
-        p = plan("llama-3.1-8b", "a100-80gb", data=str(peer_data / name), grpo={"rewards": ["length_bounds"],
+        p = plan("llama-3.1-8b", "a100-80gb", data=str(peer_data / name), grpo={"rewards": ["exact_match"],
                                                                                  "max_new_tokens": 256})
         assert p.recipe is not None and p.recipe.objective == "grpo"
         assert p.recipe.data.max_seq_len >= min(prof.max_tokens + 256, resolve_shape("llama-3.1-8b").max_position_embeddings)

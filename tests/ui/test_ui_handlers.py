@@ -219,27 +219,28 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     from ui.recipe_text import fields_of
 
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
-    out = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "grpo", "recipes/rewards_demo.py:mentions_whistle,\nlength_bounds", 2, 8)
+    out = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "grpo", "recipes/rewards_demo.py:mentions_whistle,\nlength_bounds(min_length=2, max_length=6)", 2, 8)
     head, text = out[0], out[4]
     assert head.startswith("### GRPO · LORA") and "ft-error" not in head, head
     recipe = Recipe.from_yaml_text(text, source="recipe")
     assert recipe.objective == "grpo" and (recipe.grpo.num_generations, recipe.grpo.max_new_tokens) == (2, 8)
     assert [(r.function, r.file) for r in recipe.grpo.rewards] == [("mentions_whistle", str(REWARDS)), ("length_bounds", None)]
+    assert recipe.grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
     want = plan(MODEL, "cpu", data=SAMPLE, runs_dir=h.runs, grpo={"rewards": [{"function": "mentions_whistle", "file": str(REWARDS)},
-                                                                               "length_bounds"], "num_generations": 2, "max_new_tokens": 8})
+                                                                               {"function": "length_bounds", "args": {"min_length": 2, "max_length": 6}}],
+                                                                      "num_generations": 2, "max_new_tokens": 8})
     assert recipe == want.recipe  # the library's plan, nothing of the UI's own
     room = next(r for r in want.reasons if r.startswith("GRPO room on this choice: 2 generations of up to 8 new tokens"))
     assert f"- {room}" in head and all(f"- {r}".replace("'", "&#x27;") in head for r in want.reasons)
     # another objective does not read the (hidden) GRPO settings
     assert Recipe.from_yaml_text(h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "auto", "no_such_reward", 2, 8)[4],
                                  source="recipe").objective == "sft"
-    # Start: a GRPO run of two steps, followed as any run is; a built-in's arguments are set in the editor
+    # Start: a GRPO run of two steps, followed as any run is
     fields = list(fields_of(recipe))
     fields[1], fields[2], fields[7] = 2, 1, 2  # micro-batch, accumulation, max steps
     *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
     assert error == "" and "objective: grpo" in edited and "max_steps: 2" in edited
-    edited = edited.replace("  - function: length_bounds\n", "  - function: length_bounds\n    args:\n      max_length: 6\n")
-    assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"max_length": 6}
+    assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
     _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
     deadline = time.monotonic() + 240
@@ -255,7 +256,7 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
 @pytest.mark.parametrize("rewards, shown", [
     ("", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
     (" , \n", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
-    ("length_bounds, no_such_reward", "reward 'no_such_reward': not a built-in reward (exact_match, regex_format, length_bounds) "
+    ("exact_match, no_such_reward", "reward 'no_such_reward': not a built-in reward (exact_match, regex_format, length_bounds) "
                                       "and no file given."),
     ("recipes/rewards_dem.py:mentions_whistle", f"reward 'mentions_whistle': 'recipes/rewards_dem.py' does not exist (looked in {REPO}"),
     ("recipes/rewards_demo.py:whistle", f"reward 'whistle': {REWARDS} defines no top-level 'whistle'.\nFunctions it defines: "
