@@ -40,10 +40,13 @@ A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
 * **optimizer step**: as SFT's.
 
 **With vLLM** (``grpo.use_vllm``, :mod:`finetuner.training.rollout_vllm`): the generation runs in vLLM's
-own memory, so the generation phase's KV cache and temporaries in torch's allocator are gone (the phase
-holds the resident weights, optimizer states and GRPO buffers only), and vLLM's reserved share,
+own memory, so the generation phase's KV cache and temporaries of transformers' ``generate`` are gone (the
+phase holds the resident weights, optimizer states and GRPO buffers only), and vLLM's reserved share,
 ``vllm_gpu_memory_utilization × card memory``, is held for the whole run on top of every phase (no
-sleep mode: :func:`vllm_terms`). The share must hold vLLM's copy of the weights (the base in the compute
+sleep mode: :func:`vllm_terms`). vLLM sizes its KV cache to fill the share, and without sleep mode its
+weights and KV cache are tensors of torch's caching allocator in the same process, so the share is added
+to every phase and to the allocated peak (what ``torch.cuda.max_memory_allocated`` would see), with no
+allocator slack on it (a few large blocks). The share must hold vLLM's copy of the weights (the base in the compute
 dtype; QLoRA: quantized as vLLM quantizes it, 4-bit NF4 with double quantization, the rest in the
 compute dtype), its LoRA slots (``max_lora_rank`` on every linear layer, one adapter) and the KV cache of
 at least one sequence of ``data.max_seq_len`` tokens (vLLM refuses to start otherwise): when it cannot,
@@ -303,14 +306,17 @@ def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool =
     if comp["reference pass"]:
         held = fwd_bwd - max(loss.details["activations"]["loss_phase_bytes"], loss.details["activations"]["layer_phase_bytes"])
         phases["reference pass"] = held + act.saved_total + act.logits + comp["reference pass"]
+    share = vllm.share if vllm is not None else 0
+    if share:  # vLLM's weights and KV cache are torch tensors of the same process, held through every phase
+        phases = {k: v + share for k, v in phases.items()}
     peak_phase = max(phases, key=lambda k: phases[k])
     workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
     allocated = phases[peak_phase] + workspace - loss.spillable_bytes
-    reserved = allocated + int(allocated * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
+    training = allocated - share  # the allocator's slack on the training's tensors; vLLM's are a few large blocks
+    reserved = training + int(training * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES + share
     total = reserved + loss.spillable_bytes + (CUDA_CONTEXT_BYTES if s.platform == "cuda" else 0)
     details = {"resident_bytes": resident, "generation_rows": g.generation_rows}
-    if vllm is not None:  # held beside torch's allocator for the whole run
-        total += vllm.share
+    if vllm is not None:
         details.update(vllm_share_bytes=vllm.share, vllm_weight_bytes=vllm.weights, vllm_lora_bytes=vllm.lora_slots,
                        vllm_kv_one_sequence_bytes=vllm.kv_one_sequence, vllm_kv_rollout_bytes=vllm.kv_rollout)
     return GrpoMemory(components=comp, phases=phases, peak_phase=peak_phase, allocated_bytes=allocated,
@@ -369,7 +375,10 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     buffers = comp["loss: GRPO buffers"] if peak != "optimizer step" else 0
     if buffers:
         out["GRPO buffers (rollout ids, masks, log-probabilities, surrogate)"] = buffers
-    rest = m.phases[peak] - sum(resident.values()) - buffers
+    share = comp.get(VLLM_SHARE, 0)
+    if share:
+        out[VLLM_SHARE] = share
+    rest = m.phases[peak] - sum(resident.values()) - buffers - share
     if peak == "generation":
         kv = comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
         out["generation: KV cache"] = kv
@@ -384,12 +393,9 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     if workspace:
         out["cuBLAS workspace"] = workspace
     out["allocator slack"] = m.reserved_bytes - m.allocated_bytes
-    share = comp.get(VLLM_SHARE, 0)
-    context = m.total_bytes - m.reserved_bytes - loss.spillable_bytes - share
+    context = m.total_bytes - m.reserved_bytes - loss.spillable_bytes
     if context:
         out["CUDA context"] = context
-    if share:
-        out[VLLM_SHARE] = share
     assert sum(out.values()) == m.total_bytes, (sum(out.values()), m.total_bytes)
     device = gpu.memory_bytes if gpu is not None else None
     details = dict(loss.details, grpo={"components": dict(comp), "phases": dict(m.phases), **m.details,
