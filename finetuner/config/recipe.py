@@ -427,14 +427,30 @@ class GRPOSection(_Section):
     num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
     use_bias_correction_kl: bool = Field(False, description="Weight each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default is true); false: DeepSeekMath's beta x KL. Matters only with beta > 0.")
     logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
+    use_vllm: bool = Field(False, description="Generate the completions with vLLM (pip install 'finetuner[vllm]', a CUDA GPU), "
+                           "colocated in the training process, the adapter as it is at each rollout; false: transformers' generate.")
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, lt=1, description="With use_vllm: the share of the GPU's memory vLLM reserves for its copy of the weights "
+        "and its KV cache, for the whole run, on top of the training's (TRL's name and default).")
+
+    #: TRL's ``vllm_mode`` values: only ``colocate`` is finetuner's (the key is accepted, and not kept)
+    VLLM_MODES: ClassVar[tuple[str, ...]] = ("colocate",)
 
     @model_validator(mode="before")
     @classmethod
     def _trl_names(cls, raw: Any) -> Any:
-        """TRL's names for the same settings; ``scale_rewards`` true/false as TRL takes it."""
+        """TRL's names for the same settings; ``scale_rewards`` true/false as TRL takes it; TRL's
+        ``vllm_mode: colocate`` (the only mode finetuner runs vLLM in), ``server`` refused."""
         if not isinstance(raw, dict):
             return raw
         out = dict(raw)
+        if "vllm_mode" in out:
+            mode = out.pop("vllm_mode")
+            if mode == "server":
+                raise ValueError("vllm_mode: server is not supported: finetuner runs vLLM in its own process, colocated with "
+                                 "the training (vllm_mode: colocate): remove vllm_mode, or set it to colocate")
+            if mode not in cls.VLLM_MODES:
+                raise ValueError(f"vllm_mode: '{mode}' is not a mode; finetuner runs vLLM colocated (vllm_mode: colocate)")
         for theirs, ours in cls.TRL_NAMES.items():
             if theirs in out:
                 if ours in out:
@@ -940,6 +956,44 @@ def _check_grpo(r: Recipe) -> None:
     if g.max_new_tokens >= r.data.max_seq_len:
         raise ValueError(f"grpo.max_new_tokens: {g.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
                          f"{r.data.max_seq_len} (prompt + completion): lower it, or raise data.max_seq_len")
+    problem = vllm_refusal(r)
+    if problem:
+        raise ValueError(problem)
+
+
+#: the LoRA ranks vLLM's engine takes (``vllm/config/lora.py`` ``MaxLoRARanks``, vLLM 0.30); a rank in
+#: between is served in the next one up
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_refusal(r: Recipe) -> str | None:
+    """Why ``grpo.use_vllm`` cannot run with the rest of ``r`` (None: it can, as far as the recipe
+    says; whether vLLM and a GPU are there is checked when the objective is built,
+    :func:`finetuner.training.rollout_vllm.check_vllm`). vLLM samples from the base it loads itself
+    plus the adapter, saved at each rollout: a recipe whose policy is not that cannot use it."""
+    g = r.grpo
+    if g is None or not g.use_vllm:
+        return None
+    off = "or set grpo.use_vllm: false (transformers' generate)"
+    if r.device == "cpu":
+        return f"grpo.use_vllm: vLLM runs on a CUDA GPU, and device is cpu: set device: auto (or cuda), {off}"
+    if r.method == "full":
+        return ("grpo.use_vllm: with method 'full' vLLM would need the whole model's weights copied into it at every "
+                "rollout, which finetuner does not do (it hands vLLM the LoRA adapter): use method lora or qlora, " + off)
+    if r.distributed.world_size > 1:
+        return f"grpo.use_vllm: vLLM runs in a single training process here; set distributed.num_processes and nodes to 1, {off}"
+    if gguf_base.is_gguf_name(r.model.name):
+        return f"grpo.use_vllm: model.name is a GGUF file, which finetuner trains dequantized; vLLM would not load that base: {off}"
+    if r.lora.r > VLLM_LORA_RANKS[-1]:
+        return f"grpo.use_vllm: lora.r {r.lora.r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}: lower it, {off}"
+    if r.lora.bias != "none":
+        return f"grpo.use_vllm: vLLM serves LoRA adapters without biases: set lora.bias: none, {off}"
+    q = r.quantization
+    if r.method == "qlora" and q is not None and (q.bits != 4 or q.quant_type != "nf4" or not q.double_quant):
+        return ("grpo.use_vllm: vLLM quantizes the base itself as it loads it, to 4-bit NF4 with double quantization only, "
+                "so the policy it samples would not be the one trained: set quantization bits: 4, quant_type: nf4, "
+                f"double_quant: true, {off}")
+    return None
 
 
 def _resolve_run_path(p: str, base_dir: Path, source: str) -> str:

@@ -39,6 +39,23 @@ A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
   ``beta = 0``: no reference pass, no reference log-probabilities;
 * **optimizer step**: as SFT's.
 
+**With vLLM** (``grpo.use_vllm``, :mod:`finetuner.training.rollout_vllm`): the generation runs in vLLM's
+own memory, so the generation phase's KV cache and temporaries of transformers' ``generate`` are gone (the
+phase holds the resident weights, optimizer states and GRPO buffers only), and vLLM's reserved share,
+``vllm_gpu_memory_utilization × card memory``, is held for the whole run on top of every phase (no
+sleep mode: :func:`vllm_terms`). vLLM sizes its KV cache to fill the share, and without sleep mode its
+weights and KV cache are tensors of torch's caching allocator in the same process, so the share is added
+to every phase and to the allocated peak (what ``torch.cuda.max_memory_allocated`` would see), with no
+allocator slack on it (a few large blocks). The share must hold vLLM's copy of the weights (the base in the compute
+dtype; QLoRA: quantized as vLLM quantizes it, 4-bit NF4 with double quantization, the rest in the
+compute dtype), its LoRA slots (``max_lora_rank`` on every linear layer, one adapter) and the KV cache of
+at least one sequence of ``data.max_seq_len`` tokens (vLLM refuses to start otherwise): when it cannot,
+the estimate does not fit (:attr:`GrpoMemory.vllm_fits`), and a note says so. When the step's
+completions' KV cache does not fit what is left of the share, vLLM generates them in waves (slower),
+and a note says that. vLLM's own forward temporaries (its start-up profiling run) come out of the same
+share and are not counted. These terms are arithmetic on vLLM's documented behaviour; nothing here has
+been measured on a real vLLM.
+
 The generation terms are read from transformers 5's generation and cache code. On the CPU they bound
 what ``generate`` allocates (torch's profiler, ``tests/memory/test_memory_grpo.py``; the KV cache term is
 exact there, the temporaries counted all alive at once are above the measurement); they are not yet
@@ -48,13 +65,17 @@ measured on a GPU. The loss phase is the validated SFT model's (docs/memory.md) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+from finetuner.config.recipe import VLLM_LORA_RANKS
 from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
                                     DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
-                                    layer_transient_per_token)
+                                    layer_transient_per_token, trainable_params, weight_bytes)
 from finetuner.model.shapes import ModelShape
 
 #: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
 SURROGATE_TENSORS = 8
+#: tokens per block of vLLM's paged KV cache (its default ``block_size``): a sequence takes whole blocks
+VLLM_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,9 @@ class GrpoSettings:
     generation_batch: int | None = None  #: rows per ``generate`` call (None: all the step's rows at once)
     beta: float = 0.0  #: KL coefficient: 0 means no reference pass
     num_iterations: int = 1  #: μ, passes over one rollout (> 1 stores the old log-probabilities)
+    use_vllm: bool = False  #: generate on a colocated vLLM engine (module docstring)
+    vllm_gpu_memory_utilization: float = 0.3  #: the share of the card vLLM reserves
+    card_bytes: int | None = None  #: the card's memory (vLLM's share is a fraction of it); None: not known
 
     def __post_init__(self) -> None:
         for name in ("num_generations", "max_new_tokens", "prompt_len", "prompts_per_step", "num_iterations"):
@@ -75,6 +99,8 @@ class GrpoSettings:
                 raise ValueError(f"{name} must be at least 1")
         if self.generation_batch is not None and self.generation_batch < 1:
             raise ValueError("generation_batch must be at least 1")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ValueError("vllm_gpu_memory_utilization must be between 0 and 1")
 
     @property
     def rows(self) -> int:
@@ -138,8 +164,60 @@ def loss_settings(s: Settings, g: GrpoSettings) -> Settings:
                    attention_mask=True, objective="sft", reference="none")
 
 
+@dataclass(frozen=True)
+class VllmTerms:
+    """vLLM's reserved share of the card and what it must hold (module docstring), in bytes."""
+
+    share: int  #: ``vllm_gpu_memory_utilization × card`` (0 when the card is not known)
+    weights: int  #: vLLM's copy of the base weights
+    lora_slots: int  #: its LoRA buffers: ``max_lora_rank`` on every linear layer, one adapter
+    kv_one_sequence: int  #: the KV cache of one sequence of ``prompt_len + max_new_tokens`` tokens
+    kv_rollout: int  #: the KV cache of all the step's completions at once
+    fits: bool | None  #: weights + LoRA slots + one sequence's KV cache within the share (None: no card)
+    notes: tuple[str, ...] = ()
+
+
+def vllm_weight_bytes(shape: ModelShape, s: Settings) -> int:
+    """vLLM's copy of the base: every parameter in the compute dtype (vLLM's ``dtype``); QLoRA: the
+    linear weights quantized as vLLM's bitsandbytes loader does (4-bit NF4, double quantization), the
+    rest in the compute dtype (:func:`finetuner.memory.model.weight_bytes`)."""
+    c = s.compute_dtype
+    if s.method == "qlora":
+        return sum(weight_bytes(shape, s.with_(quant_bits=4, quant_type="nf4", double_quant=True, weight_dtype=c)).values())
+    return sum(weight_bytes(shape, s.with_(method="lora", weight_dtype=c)).values())
+
+
+def vllm_terms(shape: ModelShape, s: Settings, g: GrpoSettings) -> VllmTerms:
+    """vLLM's share and its contents for ``g.use_vllm`` (module docstring)."""
+    c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
+    weights = vllm_weight_bytes(shape, s)
+    rank = next((r for r in VLLM_LORA_RANKS if s.lora_r <= r), VLLM_LORA_RANKS[-1])
+    lora = c * trainable_params(shape, s.with_(method="lora", lora_r=rank, lora_targets="all-linear", lora_bias="none"))
+    blocks = -(-g.seq_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+    one, every = kv_cache_bytes(shape, 1, blocks, c), kv_cache_bytes(shape, g.rows, blocks, c)
+    gib = 2 ** 30
+    if g.card_bytes is None:
+        return VllmTerms(0, weights, lora, one, every, None, ("vLLM's reserved share is not counted: the card's memory is not "
+                                                            "known here (give a GPU to count it)",))
+    share = int(g.vllm_gpu_memory_utilization * g.card_bytes)
+    held = weights + lora
+    notes = []
+    fits = held + one <= share
+    if not fits:
+        notes.append(f"vLLM's share ({share / gib:.2f} GiB = grpo.vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization} × "
+                     f"{g.card_bytes / gib:.1f} GiB) cannot hold its copy of the weights and LoRA slots ({held / gib:.2f} GiB) "
+                     f"and the KV cache of one {g.seq_len}-token sequence ({one / gib:.2f} GiB): vLLM would not start; raise "
+                     "grpo.vllm_gpu_memory_utilization, shorten data.max_seq_len, or set grpo.use_vllm: false")
+    elif held + every > share:
+        notes.append(f"the step's {g.rows} completions need {every / gib:.2f} GiB of KV cache and vLLM's share has "
+                     f"{(share - held) / gib:.2f} GiB left after its weights: vLLM generates them in waves (slower); raise "
+                     "grpo.vllm_gpu_memory_utilization to generate them at once")
+    return VllmTerms(share, weights, lora, one, every, fits, tuple(notes))
+
+
 def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool = True) -> dict[str, int]:
-    """The GRPO terms in bytes (module docstring), by name; the reference pass is 0 when ``beta = 0``."""
+    """The GRPO terms in bytes (module docstring), by name; the reference pass is 0 when ``beta = 0``; with
+    ``g.use_vllm`` the generation terms are vLLM's (0 in torch's allocator) and ``vLLM share`` is added."""
     rows = g.generation_rows
     kv_b = cache_dtype_bytes(s)
     kv = kv_cache_bytes(shape, rows, g.seq_len, kv_b)
@@ -154,7 +232,7 @@ def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool
         c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
         logits = 8 * min(s.loss_chunk, labelled) * V if s.loss_chunk > 0 else c * T * V + 8 * labelled * V
         ref = layer + logits
-    return {
+    out = {
         "generation: KV cache": kv,
         "generation: KV cache growth (one layer copied)": kv // shape.num_layers,
         "generation: prefill layer temporaries": prefill_layer_bytes(shape, s, rows, g.prompt_len),
@@ -162,6 +240,14 @@ def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool
         "loss: GRPO buffers": stored + 4 * SURROGATE_TENSORS * mb * C,
         "reference pass": ref,
     }
+    if g.use_vllm:  # the generation runs in vLLM's share, not in torch's allocator
+        out.update({k: 0 for k in out if k.startswith("generation:")})
+        out[VLLM_SHARE] = vllm_terms(shape, s, g).share
+    return out
+
+
+#: the component of vLLM's reserved share (``vllm_gpu_memory_utilization × card``)
+VLLM_SHARE = "vLLM share (gpu_memory_utilization × card)"
 
 
 @dataclass
@@ -176,21 +262,30 @@ class GrpoMemory:
     total_bytes: int  #: reserved + CUDA context
     loss: MemoryEstimate  #: the SFT model's estimate of the loss's forward/backward and optimizer step
     details: dict[str, int] = field(default_factory=dict)
+    vllm: VllmTerms | None = None  #: with ``use_vllm``: vLLM's share and what it must hold
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def vllm_fits(self) -> bool:
+        """vLLM's share holds its weights, LoRA slots and one sequence's KV cache (True without vLLM or card)."""
+        return self.vllm is None or self.vllm.fits is not False
 
     def fits(self, budget_bytes: int) -> bool:
-        return self.total_bytes <= budget_bytes
+        return self.total_bytes <= budget_bytes and self.vllm_fits
 
 
-def grpo_settings_of(recipe) -> GrpoSettings:
+def grpo_settings_of(recipe, card_bytes: int | None = None) -> GrpoSettings:
     """The GRPO settings of a resolved recipe (``objective: grpo``, its ``grpo:`` section): the prompt
     at its longest (``data.max_seq_len − max_new_tokens``), ``micro_batch_size × gradient_accumulation``
-    prompts a step, a generation batch of ``micro_batch_size × num_generations`` rows. The trainer's
+    prompts a step, a generation batch of ``micro_batch_size × num_generations`` rows, and with
+    ``use_vllm`` vLLM's share of ``card_bytes`` (the card's memory; None: not known). The trainer's
     prediction and ``finetuner estimate`` both read it."""
     g, t = recipe.grpo, recipe.training
     return GrpoSettings(
         num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
         prompt_len=recipe.data.max_seq_len - g.max_new_tokens, prompts_per_step=t.micro_batch_size * t.gradient_accumulation,
-        generation_batch=t.micro_batch_size * g.num_generations, beta=g.beta, num_iterations=g.num_iterations)
+        generation_batch=t.micro_batch_size * g.num_generations, beta=g.beta, num_iterations=g.num_iterations,
+        use_vllm=g.use_vllm, vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization, card_bytes=card_bytes)
 
 
 def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool = True) -> GrpoMemory:
@@ -202,6 +297,7 @@ def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool =
     act = activation_bytes(shape, ls)
     resident = sum(v for k, v in loss.components.items() if k.startswith(("weights:", "LoRA weights", "optimizer states")))
     buffers = comp["loss: GRPO buffers"]
+    vllm = vllm_terms(shape, s, g) if g.use_vllm else None
     gen_fixed = comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
     generation = resident + buffers + gen_fixed + max(comp["generation: prefill layer temporaries"],
                                                       comp["generation: logits and sampling"])
@@ -210,14 +306,22 @@ def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool =
     if comp["reference pass"]:
         held = fwd_bwd - max(loss.details["activations"]["loss_phase_bytes"], loss.details["activations"]["layer_phase_bytes"])
         phases["reference pass"] = held + act.saved_total + act.logits + comp["reference pass"]
+    share = vllm.share if vllm is not None else 0
+    if share:  # vLLM's weights and KV cache are torch tensors of the same process, held through every phase
+        phases = {k: v + share for k, v in phases.items()}
     peak_phase = max(phases, key=lambda k: phases[k])
     workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
     allocated = phases[peak_phase] + workspace - loss.spillable_bytes
-    reserved = allocated + int(allocated * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
+    training = allocated - share  # the allocator's slack on the training's tensors; vLLM's are a few large blocks
+    reserved = training + int(training * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES + share
     total = reserved + loss.spillable_bytes + (CUDA_CONTEXT_BYTES if s.platform == "cuda" else 0)
+    details = {"resident_bytes": resident, "generation_rows": g.generation_rows}
+    if vllm is not None:
+        details.update(vllm_share_bytes=vllm.share, vllm_weight_bytes=vllm.weights, vllm_lora_bytes=vllm.lora_slots,
+                       vllm_kv_one_sequence_bytes=vllm.kv_one_sequence, vllm_kv_rollout_bytes=vllm.kv_rollout)
     return GrpoMemory(components=comp, phases=phases, peak_phase=peak_phase, allocated_bytes=allocated,
-                      reserved_bytes=reserved, total_bytes=total, loss=loss,
-                      details={"resident_bytes": resident, "generation_rows": g.generation_rows})
+                      reserved_bytes=reserved, total_bytes=total, loss=loss, details=details, vllm=vllm,
+                      notes=list(vllm.notes) if vllm is not None else [])
 
 
 def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: int, vary: str = "max_new_tokens",
@@ -238,7 +342,7 @@ def largest_fit(shape: ModelShape, s: Settings, g: GrpoSettings, budget_bytes: i
         return g.with_(**{vary: n})
 
     def fits(n: int) -> bool:
-        return grpo_estimate(shape, s, at(n), top_p).total_bytes <= budget_bytes
+        return grpo_estimate(shape, s, at(n), top_p).fits(budget_bytes)
 
     if not fits(1):
         return None
@@ -262,6 +366,8 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     peak phase's own memory (the generation's KV cache and its largest temporaries; the loss's gradients,
     activations and logits; the reference pass; the optimizer step), the cuBLAS workspace, the
     allocator's slack and the CUDA context. ``details["grpo"]`` keeps every GRPO term and phase."""
+    if g.use_vllm and g.card_bytes is None and gpu is not None:
+        g = g.with_(card_bytes=gpu.memory_bytes)
     m = grpo_estimate(shape, s, g, top_p)
     loss, comp, peak = m.loss, m.components, m.peak_phase
     resident = {k: v for k, v in loss.components.items() if k.startswith(("weights:", "LoRA weights", "optimizer states"))}
@@ -269,7 +375,10 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     buffers = comp["loss: GRPO buffers"] if peak != "optimizer step" else 0
     if buffers:
         out["GRPO buffers (rollout ids, masks, log-probabilities, surrogate)"] = buffers
-    rest = m.phases[peak] - sum(resident.values()) - buffers
+    share = comp.get(VLLM_SHARE, 0)
+    if share:
+        out[VLLM_SHARE] = share
+    rest = m.phases[peak] - sum(resident.values()) - buffers - share
     if peak == "generation":
         kv = comp["generation: KV cache"] + comp["generation: KV cache growth (one layer copied)"]
         out["generation: KV cache"] = kv
@@ -297,4 +406,4 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
         allocated_bytes=m.allocated_bytes, reserved_bytes=m.reserved_bytes, total_bytes=m.total_bytes,
         device_bytes=device, budget_bytes=int(device * (1 - margin)) if device else None,
         spillable_bytes=loss.spillable_bytes, offloaded_bytes=loss.offloaded_bytes, details=details,
-        notes=list(loss.notes), gpu=gpu.name if gpu is not None else None, shape=shape)
+        notes=list(loss.notes) + m.notes, gpu=gpu.name if gpu is not None else None, shape=shape)

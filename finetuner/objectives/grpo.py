@@ -226,6 +226,11 @@ class GRPOObjective(Objective):
         self.settings = recipe.grpo
         self.steps_per_batch = self.settings.num_iterations
         self.rewards = reward_functions(self.settings.rewards)  # a bad file or name stops here, before the run
+        self.vllm = None  # grpo.use_vllm: the colocated vLLM sampler (finetuner.training.rollout_vllm); vLLM missing stops here
+        if self.settings.use_vllm:
+            from finetuner.training.rollout_vllm import VLLMSampler
+
+            self.vllm = VLLMSampler(recipe, run_dir)
         self.rollout: dict[str, Any] | None = None  # the current batch's: {"batch": k, "rows": [...], "metrics": {...}}
         self.sums = StepSums()
         self.counts = (1, 1)  # the step's completions and completion tokens (the loss's normalisers)
@@ -260,7 +265,10 @@ class GRPOObjective(Objective):
         return self.rollout["rows"]
 
     def generate(self, trainer, prompts: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-        """:func:`sample_completions` with the trainer's model (the adapter in the loop)."""
+        """:func:`sample_completions` with the trainer's model (the adapter in the loop), or with
+        ``grpo.use_vllm`` the colocated vLLM engine given the adapter as it is now (the same rows)."""
+        if self.vllm is not None:
+            return self.vllm.sample(trainer.model, self.tokenizer, prompts, self.settings, seed, trainer.rt.precision)
         return sample_completions(trainer.model, self.tokenizer, prompts, self.settings, seed,
                                   max(trainer.recipe.training.micro_batch_size, 1))
 
@@ -412,7 +420,8 @@ class GRPOObjective(Objective):
         longest (``data.max_seq_len − max_new_tokens``)."""
         from finetuner.memory.grpo import grpo_estimate, grpo_settings_of
 
-        return GRPOPrediction(grpo_estimate(shape, settings, grpo_settings_of(self.recipe), top_p=self.settings.top_p < 1))
+        card = gpu.memory_bytes if gpu is not None else None
+        return GRPOPrediction(grpo_estimate(shape, settings, grpo_settings_of(self.recipe, card), top_p=self.settings.top_p < 1))
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
