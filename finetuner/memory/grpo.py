@@ -400,7 +400,8 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     device = gpu.memory_bytes if gpu is not None else None
     details = dict(loss.details, grpo={"components": dict(comp), "phases": dict(m.phases), **m.details,
                                        "num_generations": g.num_generations, "max_new_tokens": g.max_new_tokens,
-                                       "prompt_len": g.prompt_len, "prompts_per_step": g.prompts_per_step})
+                                       "prompt_len": g.prompt_len, "prompts_per_step": g.prompts_per_step,
+                                       "vllm_fits": m.vllm_fits})
     return MemoryEstimate(
         model=shape.name, settings=s, components=out, peak_phase=peak, phases=dict(m.phases),
         allocated_bytes=m.allocated_bytes, reserved_bytes=m.reserved_bytes, total_bytes=m.total_bytes,

@@ -499,6 +499,8 @@ def search(
                             fits = sharded.fits
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
+                            if grpo:  # and vLLM's share (grpo.use_vllm) holds its weights and a sequence's KV cache
+                                fits = fits and est.details["grpo"]["vllm_fits"]
                         if grpo:  # the rollout's generation and the loss over the group (the speed model's GRPO terms)
                             st = recipe_step_time(recipe, gpu, speed, shape=shape, label_fraction=label_fraction, est=est)
                         else:
@@ -998,14 +1000,14 @@ GRPO_LARGEST_LIMIT = 1 << 17
 
 
 def grpo_largest(recipe: Recipe, settings: Settings, shape: ModelShape, budget_bytes: int,
-                 limit: int = GRPO_LARGEST_LIMIT) -> dict[str, int | None]:
+                 limit: int = GRPO_LARGEST_LIMIT, card_bytes: int | None = None) -> dict[str, int | None]:
     """The largest ``max_new_tokens`` (``num_generations`` held) and ``num_generations`` (``max_new_tokens``
     held, the generation batch growing with it as the trainer's does) whose GRPO step fits ``budget_bytes``
-    with ``settings`` (:func:`finetuner.memory.grpo.largest_fit`); None when even 1 does not fit, ``limit``
-    when the search reached it."""
+    with ``settings`` (:func:`finetuner.memory.grpo.largest_fit`; ``card_bytes``: the card's memory, for
+    ``grpo.use_vllm``'s share); None when even 1 does not fit, ``limit`` when the search reached it."""
     from finetuner.memory.grpo import largest_fit
 
-    g, top_p = grpo_settings_of(recipe), recipe.grpo.top_p < 1
+    g, top_p = grpo_settings_of(recipe, card_bytes), recipe.grpo.top_p < 1
     out: dict[str, int | None] = {}
     for vary in ("max_new_tokens", "num_generations"):
         best = largest_fit(shape, settings, g, budget_bytes, vary=vary, top_p=top_p, limit=limit, scale_generation_batch=True)
@@ -1017,7 +1019,7 @@ def grpo_room(recipe: Recipe, est: MemoryEstimate, shape: ModelShape) -> str:
     """The plan's line on what else fits a GRPO run's choice: the largest ``max_new_tokens`` and
     ``num_generations`` (:func:`grpo_largest`) and their ``num_generations × max_new_tokens``."""
     g = recipe.grpo
-    big = grpo_largest(recipe, est.settings, shape, est.budget_bytes + est.spillable_bytes)  # paged states may spill, as in fits
+    big = grpo_largest(recipe, est.settings, shape, est.budget_bytes, card_bytes=est.device_bytes)
 
     def text(n: int | None) -> str:
         return "none" if not n else f"more than {n - 1:,}" if n >= GRPO_LARGEST_LIMIT else f"{n:,}"
@@ -1141,7 +1143,7 @@ def _grpo_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: 
     if not ranked:
         return []
     smallest, r = min(ranked, key=lambda cr: cr[0].peak_bytes)
-    big = grpo_largest(r, smallest.estimate.settings, shape, smallest.estimate.budget_bytes + smallest.estimate.spillable_bytes)
+    big = grpo_largest(r, smallest.estimate.settings, shape, smallest.estimate.budget_bytes, card_bytes=gpu.memory_bytes)
     g, out = recipe.grpo, []
     if big["num_generations"] and big["num_generations"] >= 2:
         out.append(f"fewer completions: num_generations {big['num_generations']} (of {g.max_new_tokens} tokens) fits on "
@@ -1279,15 +1281,15 @@ def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = 0.05,
 
     shape = resolve_shape(recipe.model.name, recipe.model.revision)
     settings = settings_from_recipe(recipe, gpu, shape.model_type, label_fraction=label_fraction)
-    g, top_p = grpo_settings_of(recipe), recipe.grpo.top_p < 1
+    card = gpu.memory_bytes if gpu is not None else None
+    g, top_p = grpo_settings_of(recipe, card), recipe.grpo.top_p < 1
     mem = grpo_estimate(shape, settings, g, top_p=top_p)
     budget = estimate(shape, settings, gpu, margin=margin).budget_bytes if gpu is not None else None
-    spill = mem.loss.spillable_bytes  # paged optimizer states may move to CPU memory (as MemoryEstimate.fits counts them)
-    out: dict[str, Any] = {"memory": mem, "budget_bytes": budget, "device_bytes": gpu.memory_bytes if gpu else None,
-                           "fits": budget is None or mem.total_bytes - spill <= budget,
+    out: dict[str, Any] = {"memory": mem, "budget_bytes": budget, "device_bytes": card,
+                           "fits": mem.vllm_fits if budget is None else mem.fits(budget),
                            "largest_max_new_tokens": None, "largest_num_generations": None}
     if budget is not None:
-        big = grpo_largest(recipe, settings, shape, budget + spill, limit)
+        big = grpo_largest(recipe, settings, shape, budget, limit, card_bytes=card)
         out["largest_max_new_tokens"], out["largest_num_generations"] = big["max_new_tokens"], big["num_generations"]
     return out
 
