@@ -64,7 +64,8 @@ START_ANYWAY = "Start even if it does not fit"
 ALLOW_CODE = "Allow code from this run's folder"
 ALLOW_CODE_INFO = "needed when its recipe sets model.trust_remote_code or model.allow_pickle: only for runs you trust"
 START_CODE = "Allow the model's own code to run"
-START_CODE_INFO = "needed when the recipe sets model.trust_remote_code or model.allow_pickle: only for models you trust"
+START_CODE_INFO = ("needed when the recipe sets model.trust_remote_code or model.allow_pickle, and to resume a GRPO run whose "
+                   "recipe names reward files: only for models and code you trust")
 
 
 def gpu_profile(card: str):
@@ -495,11 +496,15 @@ class Handlers:
         path = self.run_path(run) / "recipe.yaml"
         if allow_code or not path.is_file():
             return
-        model = read_recipe(path).model
-        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(model, k)]
+        recipe = read_recipe(path)
+        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(recipe.model, k)]
         if asks:
             raise UserError(f"{run}: its recipe.yaml sets {' and '.join(f'model.{k}: true' for k in asks)}, so loading it can "
                             "run code from the run's folder.", hint=f"Tick “{box}” to confirm, only for a run you trust.")
+        files = [r.file for r in (recipe.grpo.rewards if recipe.grpo else []) if r.file]
+        if files:  # GRPO's reward functions run in the training process
+            raise UserError(f"{run}: its recipe.yaml names reward functions in {', '.join(files)}, which run on this machine "
+                            "while it trains.", hint=f"Tick “{box}” to confirm, only for a run and reward files you trust.")
 
     @shows_errors(2, 3)
     def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):

@@ -310,3 +310,23 @@ def test_the_data_tab_shows_a_file_of_prompts_as_grpo_reads_it(tmp_path):
     (tmp_path / "neither.jsonl").write_text(json.dumps({"colour": "red"}) + "\n", encoding="utf-8")
     summary, *_ = h.on_data(MODEL, str(tmp_path / "neither.jsonl"), 256)
     assert summary.startswith('<div class="ft-error"') and "cannot tell the data format from the columns (colour)" in summary
+
+
+def test_resuming_a_run_whose_recipe_names_reward_files_needs_the_tick(tmp_path):
+    """A run folder may come from someone else: its recipe's reward files are code that runs while it trains."""
+    import yaml
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    raw = yaml.safe_load((REPO / "recipes" / "demo_grpo_cpu.yaml").read_text())
+    raw["model"]["name"], raw["data"]["path"] = MODEL, SAMPLE
+    raw["grpo"]["rewards"][0]["file"] = str(REWARDS)
+    run = h.runs / "someone-elses"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    with pytest.raises(UserError, match=f"names reward functions in {REWARDS}, which run on this machine") as e:
+        h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
+    assert ui_handlers.START_CODE in e.value.hint
+    h.confirm_code("someone-elses", True, ui_handlers.START_CODE)  # ticked: allowed
+    raw["grpo"]["rewards"] = [{"function": "length_bounds", "args": {"max_length": 8}}]  # built-ins run no user code
+    (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
