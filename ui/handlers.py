@@ -288,14 +288,13 @@ class Handlers:
         holds no prompts either."""
         from finetuner.data.preview import preview_prompts
         from finetuner.data.stats import profile_prompts
-        from finetuner.model.shapes import resolve_shape
-        from finetuner.planning.sizing import size_run
+        from finetuner.planning.planner import data_seq_len
 
         try:
             profile = profile_prompts(path, model, columns=columns)
         except UserError:
             raise not_sft from None
-        seq = seq_len or size_run(resolve_shape(model), profile, objective="grpo", max_new_tokens=GRPO_NEW_TOKENS).seq_len
+        seq = seq_len or data_seq_len(model, profile, GRPO_NEW_TOKENS)
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Prompt lengths against the sequence length ({seq})")
         summary, shown = views.prompts_summary_md(profile, seq, not_sft.message), ""

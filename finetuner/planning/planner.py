@@ -647,9 +647,15 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         raise UserError(format_validation_error(e, "the planned recipe")) from None
 
 
-def data_seq_len(model: str, profile) -> int:
+def data_seq_len(model: str, profile, max_new_tokens: int | None = None) -> int:
     """The sequence length :func:`plan` chooses for ``model`` on the data of ``profile`` when none is
-    asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0."""
+    asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0. A
+    profile of prompts (objective grpo) adds ``max_new_tokens`` (default: the recipe's ``grpo.max_new_tokens``)."""
+    from finetuner.config.recipe import GRPOSection
+
+    if profile.kind == "prompts":
+        new = GRPOSection.model_fields["max_new_tokens"].default if max_new_tokens is None else max_new_tokens
+        return size_run(resolve_shape(model), profile, objective="grpo", max_new_tokens=new).seq_len
     objective = "sft" if profile.kind == "sft" else ("kto" if profile.kind == "rated" else "dpo")
     return size_run(resolve_shape(model), profile, objective=objective).seq_len
 
@@ -848,9 +854,19 @@ def plan(
         profile = profile_prompts(data, model, columns=columns)
         notes += profile.notes
     elif data:
-        from finetuner.data.stats import profile_data
+        from finetuner.data.stats import profile_data, profile_prompts
 
-        profile = profile_data(data, model, seq_len, columns=columns)
+        try:
+            profile = profile_data(data, model, seq_len, columns=columns)
+        except UserError as e:  # a file of prompts alone is GRPO's data: say so rather than what SFT misses
+            try:
+                profile_prompts(data, model, columns=columns)
+            except UserError:
+                raise e from None
+            raise UserError(f"{data}: holds prompts without responses: that is data for objective grpo (completions "
+                            "generated and scored by reward functions), not for sft or a preference objective.",
+                            hint=say(cli="Plan it with --objective grpo --reward FILE.py:FUNCTION, or give a file with responses.",
+                                     ui="Choose objective grpo and name a reward, or choose a file with responses.")) from None
         objective, why_objective = _objective_for(objective, profile)
         if why_objective:
             reasons.append(why_objective)

@@ -214,3 +214,14 @@ def test_a_grpo_recipe_with_auto_values_runs_with_them_resolved(tiny_model_dir, 
     start = next(e for e in events if e["event"] == "start")
     assert start["max_steps"] == 1 and start["predicted_speed"]["upper_bound"] is True
     assert [e["step"] for e in events if e["event"] == "step"] == [1]
+
+
+def test_a_file_of_prompts_alone_planned_without_an_objective_is_pointed_to_grpo(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2+2?", "answer": "4"}\n{"prompt": "Name a colour.", "answer": "red"}\n')
+    out = run_cli("plan", "--model", "llama-3.1-8b", "--gpu", "rtx4090", "--data", str(prompts))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "holds prompts without responses: that is data for objective grpo" in out.stderr
+    assert "--objective grpo --reward FILE.py:FUNCTION" in out.stderr
+    p = plan("llama-3.1-8b", "rtx4090", data=str(prompts), grpo={"rewards": ["exact_match"]})
+    assert p.fits and p.recipe.objective == "grpo" and p.data["rows"] == 2
