@@ -94,7 +94,8 @@ def test_the_kv_cache_read_grows_with_the_cache(demo, h100):
     shape = resolve_shape("llama-3.1-8b")
     short, _ = sg.decode_step_parts(shape, s, h100, 64, 128)
     long, _ = sg.decode_step_parts(shape, s, h100, 64, 4096)
-    kv = lambda L: sg.KV_PASSES * kv_cache_bytes(shape, 64, L, 2) / h100.bandwidth_bytes_per_s  # noqa: E731
+    kv = lambda L: sg.kv_passes(shape) * kv_cache_bytes(shape, 64, L, 2) / h100.bandwidth_bytes_per_s  # noqa: E731
+    assert sg.kv_passes(shape) == 3 + 2 * 4  # 32 query heads on 8 key/value heads: repeat_kv copies 4x
     # on the H100 the KV reads dominate attention at these lengths (bandwidth-bound)
     assert long - short == pytest.approx(kv(4096) - kv(128), rel=1e-6)
 
