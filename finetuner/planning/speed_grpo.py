@@ -19,8 +19,9 @@ A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prom
   - **generation: decode**: ``D − 1`` forwards of one token per row after the prefill (``D`` = the
     tokens the call generates, at most ``max_new_tokens``: ``generate`` stops when every row of the
     call has ended), each (:func:`decode_step_parts`) reading every weight once: the linears at
-    ``max(2 R N / rate, weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
-    weights), attention over the KV cache of ``L = P + D/2`` tokens on average
+    ``max(2 R N / rate(R), weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
+    weights; ``rate(R)``: the matmul rate at ``R`` rows, ``CPU_DECODE_HALF_ROWS`` on a CPU, the device's
+    utilisation on a GPU), attention over the KV cache of ``L = P + D/2`` tokens on average
     (``max(4 L q_dim layers R / rate, kv_passes × cache bytes / bandwidth)``: ``DynamicCache`` grows by
     ``torch.cat``, reading and writing the cache, attention reads it, ``repeat_kv`` copies it with
     grouped-query attention), the layers' elementwise
@@ -108,6 +109,14 @@ SAMPLING_BYTES_PER_ELEMENT = 24
 TOP_P_SORT_FACTOR = 3.5
 
 
+#: Rows at which a CPU's matmul reaches half its calibrated rate (measured at 1,024 rows): a decode step
+#: multiplies the weights by a few rows, and the CPU's kernels do not block over so few:
+#: ``rate(R) = rate × R / (R + CPU_DECODE_HALF_ROWS)``. A fit on the development CPU (one thread,
+#: ``--probe``: fp32 4096² and 1536×576 weights out of the cache at 2, 4, 16 and 64 rows reach 0.09-0.10,
+#: 0.19-0.20, 0.47-0.49 and 0.76-0.77 of the calibrated rate: half at 16-19 rows). The
+#: training passes' micro-batches (a hundred tokens and more) keep speed.py's rates. On a GPU the
+#: decode's matmuls are at :meth:`~finetuner.planning.speed.DeviceSpeed.utilisation` of ``R`` tokens.
+CPU_DECODE_HALF_ROWS = 17
 #: Operations a 4-bit linear adds to a no-grad forward, by platform. On the CPU bitsandbytes runs its
 #: Python fallback (without the ``kernels`` package): torch.profiler counts 25 aten operations in one
 #: 4-bit linear, many of them views; as time they are worth about 10 of the calibration's operations
@@ -206,8 +215,9 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size
     lora = _lora_numel(shape, s)
+    util = speed.utilisation(rows) if speed.platform == "cuda" else rows / (rows + CPU_DECODE_HALF_ROWS)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
-               + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0))
+               + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
     head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     weight_t = (N * stored + head_bytes + 4 * lora) / speed.bandwidth_bytes_per_s
     kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)

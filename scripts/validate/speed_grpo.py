@@ -302,6 +302,19 @@ def probe() -> None:
             print(f"generate {R} rows, prompt {P}: measured {per * 1e3:6.3f} ms a decode step, formula {f * 1e3:6.3f} ms "
                   f"(device {dev * 1e3:.3f}, operations {ops * 1e3:.3f}, sampling {sg.sampling_seconds(shape, R, speed) * 1e3:.3f}); "
                   f"a 4-token call measured {short * 1e3:.1f} ms, formula {call * 1e3:.1f} ms")
+    import torch.nn.functional as F
+
+    for rows_, cols in ((4096, 4096), (1536, 576)):  # weights out of the cache, as a decode step reads them
+        ws = [torch.randn(rows_, cols) for _ in range(max(1, 64 * 2**20 // (rows_ * cols * 4)))]
+        rates = []
+        for M in (2, 4, 16, 64, 1024):
+            a = torch.randn(M, cols)
+            t = cpu_time(lambda: [F.linear(a, w) for w in ws], 3)
+            rates.append((M, 2 * M * rows_ * cols * len(ws) / t))
+        full = speed.matmul_rate("fp32", min(rows_, cols))  # the calibration's rate at this width, 1,024 rows
+        print(f"matmul {rows_}x{cols} at " + ", ".join(f"{M} rows {r / 1e9:.1f}" for M, r in rates) + " GFLOP/s; "
+              f"share of the calibrated {full / 1e9:.0f}: "
+              + ", ".join(f"{M} rows {r / full:.2f} (formula {M / (M + sg.CPU_DECODE_HALF_ROWS):.2f})" for M, r in rates[:-1]))
     for V in (1133, 49152):
         x = torch.randn(32, V)
         p = torch.softmax(x, -1)
