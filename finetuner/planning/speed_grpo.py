@@ -9,35 +9,37 @@ A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prom
   reuse it), made of ``calls = ⌈rows / R⌉`` ``generate`` calls of ``R = micro_batch_size × G`` rows
   (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.training.rollout`):
 
-  - **generation: prefill** per call: a no-grad forward over ``R × P`` prompt tokens (:func:`forward_parts`:
-    the decoder's and LoRA's matmuls ``2 N T`` and ``2 r (in + out) T``; attention over the padded
-    prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds` counts for a
-    training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the 4-bit base
-    dequantized once), the LM head only for the last position (``2 V h R``: ``generate`` asks for
-    ``logits_to_keep=1``), the first token's sampling, and ``GENERATE_CALL_OPS`` of set-up
+  - **generation: prefill** per call: a no-grad forward over ``R × P_w`` prompt tokens (``P_w``: the
+    call's prompts are left-padded to its longest) (:func:`forward_parts`: the decoder's and LoRA's
+    matmuls ``2 N T`` and ``2 r (in + out) T`` at the rate of speed.py's training passes; attention over
+    the padded prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds`
+    counts for a training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the
+    4-bit base dequantized once), the LM head only for the last position (``2 V h R``: ``generate``
+    asks for ``logits_to_keep=1``), the first token's sampling, and ``GENERATE_CALL_OPS`` of set-up
     (``generate``'s configuration, logits processors, stopping criteria, cache);
   - **generation: decode**: ``D − 1`` forwards of one token per row after the prefill (``D`` = the
     tokens the call generates, at most ``max_new_tokens``: ``generate`` stops when every row of the
     call has ended), each (:func:`decode_step_parts`) reading every weight once: the linears at
     ``max(2 R N / rate(R), weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
-    weights; ``rate(R)``: the matmul rate at ``R`` rows, ``CPU_DECODE_HALF_ROWS`` on a CPU, the device's
-    utilisation on a GPU), attention over the KV cache of ``L = P + D/2`` tokens on average
+    weights; ``rate(R)``: the matmul rate at ``R`` rows, :func:`~finetuner.planning.speed.matmul_row_efficiency`
+    on a CPU, the device's utilisation on a GPU), attention over the KV cache of ``L = P_w + D/2`` tokens on average
     (``max(4 L q_dim layers R / rate, kv_passes × cache bytes / bandwidth)``: ``DynamicCache`` grows by
     ``torch.cat``, reading and writing the cache, attention reads it, ``repeat_kv`` copies it with
     grouped-query attention), the layers' elementwise
     traffic for ``R`` tokens, the 4-bit base dequantized at every step (QLoRA), and the sampling of
     every row over the vocabulary at every generated token (:func:`sampling_seconds`: softmax and
     ``torch.multinomial``, with ``top_p < 1`` the sort of ``TopPLogitsWarper``); plus the step's
-    operations: the model's forward (:func:`~finetuner.planning.speed.op_count`'s forward) and
-    ``GENERATE_STEP_OPS`` of ``generate``'s own loop;
+    operations: the model's forward (:func:`~finetuner.planning.speed.op_count`'s forward, a 4-bit
+    linear at ``QUANT_LINEAR_OPS``) and ``GENERATE_STEP_OPS`` of ``generate``'s own loop;
   - **reference/old log-probs**: with ``beta > 0`` a no-grad forward of every completion row with the
     adapter off, with ``num_iterations > 1`` one with it on (``π_old``), ``rows / micro_batch_size``
     micro-batches each of the training micro-batch's shape, the LM head and log-softmax over the
     completion tokens (half of the cross-entropy's forward + backward, as DPO's reference pass in
     :func:`~finetuner.planning.speed.loss_seconds`);
 
-* **the training passes**: ``rows / micro_batch_size`` micro-batches of ``micro_batch_size`` rows of
-  ``P + C`` tokens (padded to the longest), the loss on the completion tokens: the SFT step model
+* **the training passes**: ``rows / micro_batch_size`` micro-batches of ``micro_batch_size`` rows
+  padded to the longest (``P + C`` with one row a micro-batch, else ``P_w`` + the call's longest
+  completion), the loss on the ``C`` completion tokens of each row: the SFT step model
   (:func:`~finetuner.planning.speed.step_time` on :func:`finetuner.memory.grpo.loss_settings`), its
   parts named ``training: …``, then its ``optimizer`` and ``fixed`` parts.
 
@@ -49,10 +51,12 @@ bookkeeping, against ``EAGER_OP_FACTOR`` in training). On a CPU operations add t
 ``max(device work, operations)``: a small batch is launch-bound or weight-read-bound.
 
 Lengths: ``P`` (prompt tokens per row), ``C`` (completion tokens per row) and ``D`` default to their
-upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call: the prediction is then
-an upper bound ("at most"). The trainer's step events carry the measured ``decode_steps`` and
-``completion_length`` (and ``tokens``, from which ``P``), which can be passed in
-(``scripts/validate/speed_grpo.py`` does) to separate the model's error from the length guess.
+upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call, with no padding: the
+prediction is then at those lengths, an upper bound on the lengths ("at most"; :attr:`StepTime.upper_bound`),
+though not on the model's own error (see docs/benchmarks.md). The trainer's step events carry the
+measured ``decode_steps`` and ``completion_length`` (and ``tokens``, from which ``P``:
+:func:`grpo_lengths_from_events`), which can be passed in; ``scripts/validate/speed_grpo.py`` passes
+those and the padded widths it measures, to separate the model's error from the length guess.
 
 ``tokens_per_step`` counts what the trainer counts for GRPO: the real (unpadded) prompt + completion
 tokens of the step's training micro-batches, ``rows × (P + C)`` (``CompletionCollator``'s ``num_tokens``).
@@ -72,7 +76,7 @@ from finetuner.memory.model import Settings
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, OPS_PER_QUANT_LINEAR,
                                       DeviceSpeed, StepTime,
-                                      _forward_flops, _typical_width, attention_seconds, loss_seconds,
+                                      _forward_flops, _typical_width, attention_seconds, loss_seconds, matmul_row_efficiency,
                                       op_count, saved_bytes_per_token, step_time)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,14 +113,6 @@ SAMPLING_BYTES_PER_ELEMENT = 24
 TOP_P_SORT_FACTOR = 3.5
 
 
-#: Rows at which a CPU's matmul reaches half its calibrated rate (measured at 1,024 rows): a decode step
-#: multiplies the weights by a few rows, and the CPU's kernels do not block over so few:
-#: ``rate(R) = rate × R / (R + CPU_DECODE_HALF_ROWS)``. A fit on the development CPU (one thread,
-#: ``--probe``: fp32 4096² and 1536×576 weights out of the cache at 2, 4, 16 and 64 rows reach 0.09-0.10,
-#: 0.19-0.20, 0.47-0.49 and 0.76-0.77 of the calibrated rate: half at 16-19 rows). The
-#: training passes' micro-batches (a hundred tokens and more) keep speed.py's rates. On a GPU the
-#: decode's matmuls are at :meth:`~finetuner.planning.speed.DeviceSpeed.utilisation` of ``R`` tokens.
-CPU_DECODE_HALF_ROWS = 17
 #: Operations a 4-bit linear adds to a no-grad forward, by platform. On the CPU bitsandbytes runs its
 #: Python fallback (without the ``kernels`` package): torch.profiler counts 25 aten operations in one
 #: 4-bit linear, many of them views; as time they are worth about 10 of the calibration's operations
@@ -193,9 +189,11 @@ def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_to
                  label_fraction=min(1.0, max(head_tokens, 1e-9) / T))
     f, w = _forward_flops(shape, fs), _typical_width(shape)
     dt = _dtype(s)
-    t = f["decoder"] / speed.matmul_rate(dt, w["decoder"]) + f["head"] / speed.matmul_rate(dt, w["head"])
+    t = f["decoder"] / speed.matmul_rate(dt, w["decoder"])
     if adapter and f["lora"]:
         t += f["lora"] / speed.matmul_rate(dt, max(1, s.lora_r))
+    t /= matmul_row_efficiency(speed, T)
+    t += f["head"] / speed.matmul_rate(dt, w["head"]) / matmul_row_efficiency(speed, head_tokens)
     t += attention_seconds(shape, fs, speed) / 3
     t += saved_bytes_per_token(shape, fs) * T * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     t += dequant_pass_seconds(shape, s, speed)
@@ -215,7 +213,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size
     lora = _lora_numel(shape, s)
-    util = speed.utilisation(rows) if speed.platform == "cuda" else rows / (rows + CPU_DECODE_HALF_ROWS)
+    util = speed.utilisation(rows) if speed.platform == "cuda" else matmul_row_efficiency(speed, rows)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
                + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
     head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
@@ -253,6 +251,7 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     ``prompt_tokens``: the prefill and the KV cache run over that width), and a training micro-batch is
     padded to its longest row (``train_width``, default: the row itself with one row a micro-batch, else
     ``prompt_width`` + the call's longest completion). A validation measures both and passes them in."""
+    bound = all(v is None for v in (completion_tokens, decode_steps, prompt_tokens, prompt_width, train_width))
     mbs = max(1, min(s.micro_batch, g.rows))
     R = g.generation_rows
     calls = math.ceil(g.rows / R)
@@ -294,7 +293,6 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     parts = {**{k: v for k, v in parts.items() if k not in ("optimizer", "fixed")},
              "optimizer": parts["optimizer"], "fixed": parts["fixed"]}
     tokens = int(round(g.rows * (P + C)))
-    bound = all(v is None for v in (completion_tokens, decode_steps, prompt_tokens, prompt_width, train_width))
     return StepTime(parts, tokens, micro, speed.source, upper_bound=bound)
 
 

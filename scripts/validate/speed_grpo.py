@@ -253,6 +253,7 @@ def probe() -> None:
     from finetuner.memory.model import Settings
     from finetuner.model.shapes import resolve_shape
     from finetuner.planning import speed_grpo as sg
+    from finetuner.planning import speed as sp
     from finetuner.planning.calibrate import speed_for
 
     torch.set_num_threads(THREADS)
@@ -314,7 +315,7 @@ def probe() -> None:
         full = speed.matmul_rate("fp32", min(rows_, cols))  # the calibration's rate at this width, 1,024 rows
         print(f"matmul {rows_}x{cols} at " + ", ".join(f"{M} rows {r / 1e9:.1f}" for M, r in rates) + " GFLOP/s; "
               f"share of the calibrated {full / 1e9:.0f}: "
-              + ", ".join(f"{M} rows {r / full:.2f} (formula {M / (M + sg.CPU_DECODE_HALF_ROWS):.2f})" for M, r in rates[:-1]))
+              + ", ".join(f"{M} rows {r / full:.2f} (formula {M / (M + sp.CPU_MATMUL_HALF_ROWS):.2f})" for M, r in rates[:-1]))
     for V in (1133, 49152):
         x = torch.randn(32, V)
         p = torch.softmax(x, -1)
