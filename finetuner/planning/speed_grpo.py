@@ -84,8 +84,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Bare operations (the calibration's ``op_overhead_s``) one operation of a no-grad forward costs: the
 #: module call and peft's adapter loop, without autograd's bookkeeping. A fit: the demo model's
-#: one-token forward with LoRA (366 counted operations) takes 1.5 ms on the development CPU at 2.6 us a
-#: bare operation (scripts/validate/speed_grpo.py, ``--probe``).
+#: one-token forward with LoRA (374 counted operations, nearly no device work) takes 1.4-1.5 ms on the
+#: development CPU at 2.5-2.6 us a bare operation: 1.5-1.6 (scripts/validate/speed_grpo.py, ``--probe``).
 GEN_OP_FACTOR = 1.6
 #: Operations of ``generate``'s loop per generated token outside the model: the cache position and
 #: attention mask update, ``prepare_inputs_for_generation``, the logits processors and warpers, the
@@ -108,8 +108,9 @@ KV_PASSES = 3
 #: bytes an element at the bandwidth (an estimate: logits cast to fp32, scaled, softmaxed, summed).
 CPU_SAMPLING_ELEMENTS_PER_S = 6.0e7
 SAMPLING_BYTES_PER_ELEMENT = 24
-#: ``top_p < 1`` sorts every row (``TopPLogitsWarper``): on the CPU about 3.5x the cost of the sampling
-#: itself (measured with the rates above, ``--probe``); on a GPU a radix sort, about 4 more passes (estimate).
+#: ``top_p < 1`` sorts every row (``TopPLogitsWarper``): on the CPU the sort costs 2.4x the sampling
+#: itself over 1,133 entries and 3.9x over 49,152 (``--probe``; 3.5: the large vocabularies that matter);
+#: on a GPU a radix sort, taken as 3.5 times the sampling's traffic too (an estimate, not measured).
 TOP_P_SORT_FACTOR = 3.5
 
 
