@@ -155,7 +155,7 @@ class ProgressPrinter:
             *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m or "eval_reward" in m else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
                                                         if self.predicted else "")),
-            ("train time", f"{m['train_seconds']:.1f} s" + (f" (predicted at most ~{self.predicted_bound['total_s']:,.0f} s)"
+            ("train time", f"{m['train_seconds']:.1f} s" + (f" (its steps predicted at most ~{self.predicted_bound['total_s']:,.0f} s)"
                                                              if self.predicted_bound else "")),
             ("peak memory", _memory_line(m)),
         ):

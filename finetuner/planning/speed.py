@@ -5,7 +5,8 @@ A step is ``gradient_accumulation`` micro-batches plus the optimizer update. One
 chosen and rejected responses) costs the sum of:
 
 * **matmuls** (:func:`matmul_flops`, :func:`matmul_seconds`) at the device's achievable matmul
-  rate for the compute dtype and the layer's width (:meth:`DeviceSpeed.matmul_rate`): the base
+  rate for the compute dtype and the layer's width (:meth:`DeviceSpeed.matmul_rate`; on a CPU less
+  for a micro-batch of few tokens, :func:`matmul_row_efficiency`): the base
   linears (forward ``2 N T``, input gradient ``2 N T``, weight gradient ``2 N T`` for full
   fine-tuning only: Kaplan et al. 2020, "6N per token"), the LoRA adapters (``r (in + out)`` per
   target: forward, input and weight gradients, ``6 r (in + out) T``, at the rate of width ``r``),
@@ -40,7 +41,8 @@ chosen and rejected responses) costs the sum of:
   kernels, the scheduler, zeroing the gradients, the collation and the trainer's bookkeeping).
 
 Constants that are estimates or fits, not counts, say so where they are defined: the x3 of
-``TRAFFIC_PER_SAVED_BYTE`` and ``EAGER_OP_FACTOR`` (from the CPU matrix), ``DEVICE_HALF_TOKENS`` and
+``TRAFFIC_PER_SAVED_BYTE`` and ``EAGER_OP_FACTOR`` (from the CPU matrix), ``CPU_MATMUL_HALF_ROWS`` (a
+CPU matmul over few rows), ``DEVICE_HALF_TOKENS`` and
 ``DEQUANT_WEIGHTS_PER_S_PER_GBS`` (from the H100 runs), the data-sheet efficiencies.
 
 The device figures (:class:`DeviceSpeed`) come from a calibration on the machine
@@ -79,6 +81,14 @@ MATMUL_HALF_WIDTH = 256
 #: of docs/benchmarks.md). A CPU reaches its rates from a few rows (0: no such term; the CPU matrix
 #: in docs/validation/ bears it out).
 DEVICE_HALF_TOKENS = {"cuda": 256, "cpu": 0}
+#: Rows at which a CPU's matmul reaches half its calibrated rate (measured at ``matmul_tokens`` rows):
+#: the CPU's kernels do not block well over few rows (a decode step's few sequences, a micro-batch of
+#: one short sequence): ``rate(T) = rate × T / (T + CPU_MATMUL_HALF_ROWS)``, relative to the
+#: calibration's rows (:func:`matmul_row_efficiency`). A fit on the development CPU (one thread,
+#: ``scripts/validate/speed_grpo.py --probe``: fp32 4096² and 1536×576 weights out of the cache at 2, 4,
+#: 16 and 64 rows reach 0.09-0.10, 0.19-0.20, 0.47-0.49 and 0.76-0.77 of the calibrated rate: half at
+#: 16-19 rows). A GPU's small micro-batches are ``DEVICE_HALF_TOKENS``'.
+CPU_MATMUL_HALF_ROWS = 17
 #: Share of the data-sheet memory bandwidth that elementwise kernels reach (STREAM-like copies
 #: reach 80-90 % on HBM cards).
 BANDWIDTH_EFFICIENCY = 0.8
@@ -354,13 +364,24 @@ def _typical_width(shape: ModelShape) -> dict[str, int]:
     return {"decoder": dec, "head": min(shape.hidden_size, shape.vocab_size), "attention": shape.head_dim}
 
 
+def matmul_row_efficiency(speed: DeviceSpeed, rows: float) -> float:
+    """The share of its calibrated matmul rate a CPU reaches on matmuls of ``rows`` rows
+    (``CPU_MATMUL_HALF_ROWS``, relative to the calibration's ``matmul_tokens``); 1 on a GPU (its small
+    micro-batches are :meth:`DeviceSpeed.utilisation`'s)."""
+    if speed.platform != "cpu":
+        return 1.0
+    at = speed.matmul_tokens / (speed.matmul_tokens + CPU_MATMUL_HALF_ROWS) if speed.matmul_tokens else 1.0
+    return rows / (rows + CPU_MATMUL_HALF_ROWS) / at
+
+
 def matmul_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
     """Seconds of one micro-batch's matmuls, each kind at the device's rate for its width (LoRA's
-    at the rank ``r``)."""
+    at the rank ``r``), on a CPU at :func:`matmul_row_efficiency` of the micro-batch's tokens."""
     f, p, w = _forward_flops(shape, s), _passes(s), _typical_width(shape)
     w["lora"] = max(1, s.lora_r)
     dtype = s.compute_dtype if s.compute_dtype in DTYPE_BYTES else "fp32"
-    return sum(f[k] * p[k] / speed.matmul_rate(dtype, w[k]) for k in f if f[k] and k != "attention")
+    eff = matmul_row_efficiency(speed, rows_per_micro_batch(s) * s.seq_len)
+    return sum(f[k] * p[k] / speed.matmul_rate(dtype, w[k]) for k in f if f[k] and k != "attention") / eff
 
 
 def attention_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:

@@ -9,33 +9,37 @@ A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prom
   reuse it), made of ``calls = ⌈rows / R⌉`` ``generate`` calls of ``R = micro_batch_size × G`` rows
   (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.training.rollout`):
 
-  - **generation: prefill** per call: a no-grad forward over ``R × P`` prompt tokens (:func:`forward_parts`:
-    the decoder's and LoRA's matmuls ``2 N T`` and ``2 r (in + out) T``; attention over the padded
-    prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds` counts for a
-    training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the 4-bit base
-    dequantized once), the LM head only for the last position (``2 V h R``: ``generate`` asks for
-    ``logits_to_keep=1``), the first token's sampling, and ``GENERATE_CALL_OPS`` of set-up
+  - **generation: prefill** per call: a no-grad forward over ``R × P_w`` prompt tokens (``P_w``: the
+    call's prompts are left-padded to its longest) (:func:`forward_parts`: the decoder's and LoRA's
+    matmuls ``2 N T`` and ``2 r (in + out) T`` at the rate of speed.py's training passes; attention over
+    the padded prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds`
+    counts for a training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the
+    4-bit base dequantized once), the LM head only for the last position (``2 V h R``: ``generate``
+    asks for ``logits_to_keep=1``), the first token's sampling, and ``GENERATE_CALL_OPS`` of set-up
     (``generate``'s configuration, logits processors, stopping criteria, cache);
   - **generation: decode**: ``D − 1`` forwards of one token per row after the prefill (``D`` = the
     tokens the call generates, at most ``max_new_tokens``: ``generate`` stops when every row of the
     call has ended), each (:func:`decode_step_parts`) reading every weight once: the linears at
-    ``max(2 R N / rate, weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
-    weights), attention over the KV cache of ``L = P + D/2`` tokens on average
-    (``max(4 L q_dim layers R / rate, KV_PASSES × cache bytes / bandwidth)``: ``DynamicCache`` grows by
-    ``torch.cat``, reading and writing the cache, and attention reads it), the layers' elementwise
+    ``max(2 R N / rate(R), weight bytes / bandwidth)`` (the roofline: a few rows are bound by reading the
+    weights; ``rate(R)``: the matmul rate at ``R`` rows, :func:`~finetuner.planning.speed.matmul_row_efficiency`
+    on a CPU, the device's utilisation on a GPU), attention over the KV cache of ``L = P_w + D/2`` tokens on average
+    (``max(4 L q_dim layers R / rate, kv_passes × cache bytes / bandwidth)``: ``DynamicCache`` grows by
+    ``torch.cat``, reading and writing the cache, attention reads it, ``repeat_kv`` copies it with
+    grouped-query attention), the layers' elementwise
     traffic for ``R`` tokens, the 4-bit base dequantized at every step (QLoRA), and the sampling of
     every row over the vocabulary at every generated token (:func:`sampling_seconds`: softmax and
     ``torch.multinomial``, with ``top_p < 1`` the sort of ``TopPLogitsWarper``); plus the step's
-    operations: the model's forward (:func:`~finetuner.planning.speed.op_count`'s forward) and
-    ``GENERATE_STEP_OPS`` of ``generate``'s own loop;
+    operations: the model's forward (:func:`~finetuner.planning.speed.op_count`'s forward, a 4-bit
+    linear at ``QUANT_LINEAR_OPS``) and ``GENERATE_STEP_OPS`` of ``generate``'s own loop;
   - **reference/old log-probs**: with ``beta > 0`` a no-grad forward of every completion row with the
     adapter off, with ``num_iterations > 1`` one with it on (``π_old``), ``rows / micro_batch_size``
     micro-batches each of the training micro-batch's shape, the LM head and log-softmax over the
     completion tokens (half of the cross-entropy's forward + backward, as DPO's reference pass in
     :func:`~finetuner.planning.speed.loss_seconds`);
 
-* **the training passes**: ``rows / micro_batch_size`` micro-batches of ``micro_batch_size`` rows of
-  ``P + C`` tokens (padded to the longest), the loss on the completion tokens: the SFT step model
+* **the training passes**: ``rows / micro_batch_size`` micro-batches of ``micro_batch_size`` rows
+  padded to the longest (``P + C`` with one row a micro-batch, else ``P_w`` + the call's longest
+  completion), the loss on the ``C`` completion tokens of each row: the SFT step model
   (:func:`~finetuner.planning.speed.step_time` on :func:`finetuner.memory.grpo.loss_settings`), its
   parts named ``training: …``, then its ``optimizer`` and ``fixed`` parts.
 
@@ -47,10 +51,12 @@ bookkeeping, against ``EAGER_OP_FACTOR`` in training). On a CPU operations add t
 ``max(device work, operations)``: a small batch is launch-bound or weight-read-bound.
 
 Lengths: ``P`` (prompt tokens per row), ``C`` (completion tokens per row) and ``D`` default to their
-upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call: the prediction is then
-an upper bound ("at most"). The trainer's step events carry the measured ``decode_steps`` and
-``completion_length`` (and ``tokens``, from which ``P``), which can be passed in
-(``scripts/validate/speed_grpo.py`` does) to separate the model's error from the length guess.
+upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call, with no padding: the
+prediction is then at those lengths, an upper bound on the lengths ("at most"; :attr:`StepTime.upper_bound`),
+though not on the model's own error (see docs/benchmarks.md). The trainer's step events carry the
+measured ``decode_steps`` and ``completion_length`` (and ``tokens``, from which ``P``:
+:func:`grpo_lengths_from_events`), which can be passed in; ``scripts/validate/speed_grpo.py`` passes
+those and the padded widths it measures, to separate the model's error from the length guess.
 
 ``tokens_per_step`` counts what the trainer counts for GRPO: the real (unpadded) prompt + completion
 tokens of the step's training micro-batches, ``rows × (P + C)`` (``CompletionCollator``'s ``num_tokens``).
@@ -68,8 +74,9 @@ from typing import TYPE_CHECKING, Any
 from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
 from finetuner.memory.model import Settings
 from finetuner.model.shapes import ModelShape, lora_targets
-from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, DeviceSpeed, StepTime,
-                                      _forward_flops, _typical_width, attention_seconds, loss_seconds,
+from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, OPS_PER_QUANT_LINEAR,
+                                      DeviceSpeed, StepTime,
+                                      _forward_flops, _typical_width, attention_seconds, loss_seconds, matmul_row_efficiency,
                                       op_count, saved_bytes_per_token, step_time)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,19 +84,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Bare operations (the calibration's ``op_overhead_s``) one operation of a no-grad forward costs: the
 #: module call and peft's adapter loop, without autograd's bookkeeping. A fit: the demo model's
-#: one-token forward with LoRA (366 counted operations) takes 1.5 ms on the development CPU at 2.6 us a
-#: bare operation (scripts/validate/speed_grpo.py, ``--probe``).
+#: one-token forward with LoRA (374 counted operations, nearly no device work) takes 1.4-1.5 ms on the
+#: development CPU at 2.5-2.6 us a bare operation: 1.5-1.6 (scripts/validate/speed_grpo.py, ``--probe``).
 GEN_OP_FACTOR = 1.6
 #: Operations of ``generate``'s loop per generated token outside the model: the cache position and
 #: attention mask update, ``prepare_inputs_for_generation``, the logits processors and warpers, the
 #: stopping criteria, the unfinished-rows bookkeeping and the ``torch.cat`` of the new tokens. An
-#: estimate fitted on the demo model's ``generate`` against its forward (``--probe``).
-GENERATE_STEP_OPS = 120
+#: estimate fitted on the demo model's ``generate`` against its forward (``--probe``: 0.1 ms a step).
+GENERATE_STEP_OPS = 40
 #: Operations of one ``generate`` call's set-up (generation config, processors, cache, the prefill's
-#: mask and positions). An estimate fitted likewise.
-GENERATE_CALL_OPS = 600
-#: Passes over the KV cache per decode step: ``torch.cat`` reads the old cache and writes the new one
-#: (``DynamicLayer.update``), attention reads it. Counted.
+#: mask and positions). An estimate fitted likewise (``--probe``: about 1.2 ms a call).
+GENERATE_CALL_OPS = 300
+#: Passes over the KV cache per decode step without grouped-query attention: ``torch.cat`` reads the
+#: old cache and writes the new one (``DynamicLayer.update``), attention reads it. Counted. With
+#: ``num_heads / num_kv_heads = n > 1`` and a padding mask (GRPO's left-padded prompts) transformers'
+#: SDPA path repeats the keys and values to the query heads (``repeat_kv``): ``n`` more written and
+#: ``n`` more read (:func:`kv_passes`).
 KV_PASSES = 3
 #: Sampling elements per second (softmax, then ``torch.multinomial``, per row and vocabulary entry) when
 #: the calibration has no figure: on a CPU ``torch.multinomial`` draws from each row with a scan,
@@ -98,9 +108,18 @@ KV_PASSES = 3
 #: bytes an element at the bandwidth (an estimate: logits cast to fp32, scaled, softmaxed, summed).
 CPU_SAMPLING_ELEMENTS_PER_S = 6.0e7
 SAMPLING_BYTES_PER_ELEMENT = 24
-#: ``top_p < 1`` sorts every row (``TopPLogitsWarper``): on the CPU about 3.5x the cost of the sampling
-#: itself (measured with the rates above, ``--probe``); on a GPU a radix sort, about 4 more passes (estimate).
+#: ``top_p < 1`` sorts every row (``TopPLogitsWarper``): on the CPU the sort costs 2.4x the sampling
+#: itself over 1,133 entries and 3.9x over 49,152 (``--probe``; 3.5: the large vocabularies that matter);
+#: on a GPU a radix sort, taken as 3.5 times the sampling's traffic too (an estimate, not measured).
 TOP_P_SORT_FACTOR = 3.5
+
+
+#: Operations a 4-bit linear adds to a no-grad forward, by platform. On the CPU bitsandbytes runs its
+#: Python fallback (without the ``kernels`` package): torch.profiler counts 25 aten operations in one
+#: 4-bit linear, many of them views; as time they are worth about 10 of the calibration's operations
+#: (a fit: the demo model's one-token forward takes 1.1 ms more with its 28 linears in 4-bit than in
+#: fp32, ``--probe``). On CUDA: speed.py's ``OPS_PER_QUANT_LINEAR``.
+QUANT_LINEAR_OPS = {"cpu": 10, "cuda": OPS_PER_QUANT_LINEAR}
 
 
 def _targets(s: Settings) -> Any:
@@ -118,11 +137,21 @@ def _lora_numel(shape: ModelShape, s: Settings) -> float:
     return float(sum(s.lora_r * (fin + fout) * copies for _, fin, fout, copies in lora_targets(shape, _targets(s))))
 
 
+def kv_passes(shape: ModelShape) -> int:
+    """Passes over the KV cache per decode step (``KV_PASSES``, and ``repeat_kv``'s copy with grouped-query
+    attention)."""
+    n = shape.num_heads // max(1, shape.num_kv_heads)
+    return KV_PASSES + (2 * n if n > 1 else 0)
+
+
 def forward_ops(shape: ModelShape, s: Settings, adapter: bool = True) -> float:
     """Operations of one forward of a micro-batch (:func:`~finetuner.planning.speed.op_count`'s forward),
-    without LoRA's when ``adapter`` is off (peft's disabled adapter calls the base layer only)."""
+    without LoRA's when ``adapter`` is off (peft's disabled adapter calls the base layer only), a 4-bit
+    linear's at ``QUANT_LINEAR_OPS``."""
     base = s.with_(gradient_checkpointing=False, objective="sft", reference="none")
     ops = op_count(shape, base) / (1 + BACKWARD_OPS)
+    if s.method == "qlora":
+        ops += (QUANT_LINEAR_OPS.get(s.platform, OPS_PER_QUANT_LINEAR) - OPS_PER_QUANT_LINEAR) * shape.linears_per_layer * shape.num_layers
     if not adapter and s.method != "full":
         ops -= (op_count(shape, base.with_(method="lora")) - op_count(shape, base.with_(method="full"))) / (1 + BACKWARD_OPS)
     return ops
@@ -161,9 +190,11 @@ def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_to
                  label_fraction=min(1.0, max(head_tokens, 1e-9) / T))
     f, w = _forward_flops(shape, fs), _typical_width(shape)
     dt = _dtype(s)
-    t = f["decoder"] / speed.matmul_rate(dt, w["decoder"]) + f["head"] / speed.matmul_rate(dt, w["head"])
+    t = f["decoder"] / speed.matmul_rate(dt, w["decoder"])
     if adapter and f["lora"]:
         t += f["lora"] / speed.matmul_rate(dt, max(1, s.lora_r))
+    t /= matmul_row_efficiency(speed, T)
+    t += f["head"] / speed.matmul_rate(dt, w["head"]) / matmul_row_efficiency(speed, head_tokens)
     t += attention_seconds(shape, fs, speed) / 3
     t += saved_bytes_per_token(shape, fs) * T * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     t += dequant_pass_seconds(shape, s, speed)
@@ -183,13 +214,14 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size
     lora = _lora_numel(shape, s)
+    util = speed.utilisation(rows) if speed.platform == "cuda" else matmul_row_efficiency(speed, rows)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
-               + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0))
+               + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
     head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     weight_t = (N * stored + head_bytes + 4 * lora) / speed.bandwidth_bytes_per_s
     kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)
     attn_flops = 4 * cache_len * shape.q_dim * shape.num_layers * rows
-    attn_t = max(attn_flops / speed.matmul_rate(dt, shape.head_dim), KV_PASSES * kv / speed.bandwidth_bytes_per_s)
+    attn_t = max(attn_flops / speed.matmul_rate(dt, shape.head_dim), kv_passes(shape) * kv / speed.bandwidth_bytes_per_s)
     one = s.with_(micro_batch=rows, seq_len=1, gradient_checkpointing=False, objective="sft", reference="none")
     elementwise = saved_bytes_per_token(shape, one) * rows * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     device = max(flops_t, weight_t) + attn_t + elementwise + dequant_pass_seconds(shape, s, speed)
@@ -205,7 +237,7 @@ def _combine(device: float, ops: float, speed: DeviceSpeed) -> float:
 def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: DeviceSpeed, *,
                    completion_tokens: float | None = None, decode_steps: float | None = None,
                    prompt_tokens: float | None = None, est: MemoryEstimate | None = None,
-                   top_p: float = 1.0) -> StepTime:
+                   top_p: float = 1.0, prompt_width: float | None = None, train_width: float | None = None) -> StepTime:
     """The predicted time of one GRPO optimizer step (module docstring), by part.
 
     ``s``: the run's settings (:func:`finetuner.memory.model.settings_from_recipe`: ``micro_batch`` is
@@ -214,7 +246,13 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     ``decode_steps``: tokens generated summed over the rollout's ``generate`` calls, each call's longest
     completion (the step event's ``decode_steps``; default ``max_new_tokens`` per call). ``top_p``: the
     recipe's nucleus sampling (< 1 sorts every row at each token). ``est``: passed to the training
-    part's :func:`~finetuner.planning.speed.step_time` (activation offload)."""
+    part's :func:`~finetuner.planning.speed.step_time` (activation offload).
+
+    Padding: a ``generate`` call's prompts are left-padded to its longest (``prompt_width``, default
+    ``prompt_tokens``: the prefill and the KV cache run over that width), and a training micro-batch is
+    padded to its longest row (``train_width``, default: the row itself with one row a micro-batch, else
+    ``prompt_width`` + the call's longest completion). A validation measures both and passes them in."""
+    bound = all(v is None for v in (completion_tokens, decode_steps, prompt_tokens, prompt_width, train_width))
     mbs = max(1, min(s.micro_batch, g.rows))
     R = g.generation_rows
     calls = math.ceil(g.rows / R)
@@ -223,17 +261,19 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     D = float(decode_steps) / calls if decode_steps is not None else float(g.max_new_tokens)
     D = max(1.0, D)
     mu = g.num_iterations
-    Pi = max(1, int(round(P)))
+    Pw = float(prompt_width) if prompt_width is not None else P
 
     # the rollout: prefill, decode, the reference and old log-probabilities
-    pre = s.with_(micro_batch=R, seq_len=Pi, attention_mask=True)
+    pre = s.with_(micro_batch=R, seq_len=max(1, int(round(Pw))), attention_mask=True)
     dev, ops = forward_parts(shape, pre, speed, head_tokens=R)
     prefill = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops + GENERATE_CALL_OPS * speed.op_overhead_s * GEN_OP_FACTOR, speed)
-    dev, ops = decode_step_parts(shape, s, speed, R, P + D / 2)
+    dev, ops = decode_step_parts(shape, s, speed, R, Pw + D / 2)
     step = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops, speed)
     decode = (D - 1) * step
 
-    width = max(1, int(round(P + min(D, float(g.max_new_tokens)))))  # a training row padded to the call's longest
+    if train_width is None:
+        train_width = P + C if mbs == 1 else Pw + min(D, float(g.max_new_tokens))
+    width = max(1, int(round(train_width)))
     ls = loss_settings(s, g).with_(micro_batch=mbs, seq_len=width, label_fraction=min(1.0, max(C, 1e-9) / width))
     micro = math.ceil(g.rows / mbs)
     logps = 0.0
@@ -254,13 +294,12 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     parts = {**{k: v for k, v in parts.items() if k not in ("optimizer", "fixed")},
              "optimizer": parts["optimizer"], "fixed": parts["fixed"]}
     tokens = int(round(g.rows * (P + C)))
-    bound = completion_tokens is None and decode_steps is None and prompt_tokens is None
     return StepTime(parts, tokens, micro, speed.source, upper_bound=bound)
 
 
 def grpo_lengths_from_events(steps: list[dict[str, Any]], g: GrpoSettings) -> dict[str, float]:
     """The measured lengths of GRPO step events (``tokens``, ``completion_length``, ``decode_steps``),
-    averaged over the steps that rolled out, as :func:`grpo_step_time`'s keyword arguments."""
+    averaged over the steps, as :func:`grpo_step_time`'s keyword arguments."""
     rolled = [e for e in steps if e.get("decode_steps")]
     if not rolled:
         return {}

@@ -110,6 +110,10 @@ def test_the_first_step_is_on_policy(tiny_model_dir, tmp_path):
     assert predicted["peak_phase"] in predicted["phases"] and "generation" in predicted["phases"]  # GRPO's memory terms
     assert "reference pass" in predicted["phases"] and predicted["components"]["generation: KV cache"] > 0
     assert step["completions_clipped"] == 1.0 and step["completion_length"] == 8
+    # one generate call (4 prompts x 4 completions) ran its 8 tokens; the rollout took some time
+    assert step["decode_steps"] == 8 and step["rollout_s"] > 0
+    speed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"][0]["predicted_speed"]
+    assert speed["upper_bound"] is True and speed["step_s"] > 0  # GRPO's prediction at the longest lengths
     assert step["loss"] == pytest.approx(0.0, abs=1e-6) and step["clip_ratio"] == 0 and step["kl"] == pytest.approx(0.0, abs=1e-7)
     assert step["grad_norm"] > 0
 
@@ -151,9 +155,13 @@ def test_a_run_killed_and_resumed_gives_the_rewards_and_losses_of_the_uninterrup
     want, got = _steps(ref.run_dir), _steps(tmp_path / "run")
     assert sorted(got) == [1, 2, 3, 4, 5]
     for s in range(1, 6):
-        for key in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length"):
+        for key in ("loss", "reward", "reward_std", "kl", "clip_ratio", "completion_length", "decode_steps"):
             assert got[s][key] == want[s][key], (s, key)
         assert got[s]["completions"] == want[s]["completions"]
+        # the rollout's wall time: at the first step of each batch of num_iterations = 2, 0 at the step reusing it
+        # (step 4 in the resumed run too: its checkpoint kept the rollout)
+        for run in (got, want):
+            assert (run[s]["rollout_s"] > 0) == (s % 2 == 1), (s, run[s]["rollout_s"])
 
 
 def test_gradient_checkpointing_and_activation_offload_change_no_loss(tiny_model_dir, tmp_path):

@@ -5,6 +5,7 @@ docs/validation/speed_grpo_cpu.json and docs/benchmarks.md, written by scripts/v
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,8 @@ def test_the_kv_cache_read_grows_with_the_cache(demo, h100):
     shape = resolve_shape("llama-3.1-8b")
     short, _ = sg.decode_step_parts(shape, s, h100, 64, 128)
     long, _ = sg.decode_step_parts(shape, s, h100, 64, 4096)
-    kv = lambda L: sg.KV_PASSES * kv_cache_bytes(shape, 64, L, 2) / h100.bandwidth_bytes_per_s  # noqa: E731
+    kv = lambda L: sg.kv_passes(shape) * kv_cache_bytes(shape, 64, L, 2) / h100.bandwidth_bytes_per_s  # noqa: E731
+    assert sg.kv_passes(shape) == 3 + 2 * 4  # 32 query heads on 8 key/value heads: repeat_kv copies 4x
     # on the H100 the KV reads dominate attention at these lengths (bandwidth-bound)
     assert long - short == pytest.approx(kv(4096) - kv(128), rel=1e-6)
 
@@ -161,3 +163,93 @@ def test_recipe_dispatch(tmp_path, cpu_speed):
     assert "generation: decode" in st.parts
     g = grpo_settings_of(recipe)
     assert st.tokens_per_step == g.rows * g.seq_len
+
+
+def test_padding_widths(demo, cpu_speed):
+    """The prefill and the KV cache run over the padded prompt width, the training passes over the
+    micro-batch's padded width; the counted tokens stay the real ones."""
+    s = cpu_settings()
+    base = sg.grpo_step_time(demo, s, G, cpu_speed, prompt_tokens=20, completion_tokens=10, decode_steps=16)
+    wide = sg.grpo_step_time(demo, s, G, cpu_speed, prompt_tokens=20, completion_tokens=10, decode_steps=16, prompt_width=30)
+    assert wide.tokens_per_step == base.tokens_per_step == G.rows * 30
+    assert wide.parts["generation: prefill"] > base.parts["generation: prefill"]
+    assert wide.parts["generation: decode"] > base.parts["generation: decode"]
+    # by default a micro-batch of several rows is as wide as the prompt width + the call's longest completion
+    trained = {k: v for k, v in wide.parts.items() if k.startswith("training")}
+    given = sg.grpo_step_time(demo, s, G, cpu_speed, prompt_tokens=20, completion_tokens=10, decode_steps=16, prompt_width=30,
+                              train_width=30 + 16)
+    assert trained == {k: v for k, v in given.parts.items() if k.startswith("training")}
+    assert not base.upper_bound and sg.grpo_step_time(demo, s, G, cpu_speed).upper_bound
+
+
+def test_a_cpu_matmul_over_few_rows_is_slower(demo, cpu_speed):
+    """speed.py's CPU matmul rate falls off over few rows (CPU_MATMUL_HALF_ROWS): a decode step's few
+    rows, a micro-batch of one short sequence; 1 at the calibration's own rows and on a GPU."""
+    half = sp.CPU_MATMUL_HALF_ROWS
+    calibrated = sp.DeviceSpeed.from_dict({**cpu_speed.to_dict(), "matmul_tokens": 1024})
+    assert sp.matmul_row_efficiency(calibrated, 1024) == pytest.approx(1.0)
+    assert sp.matmul_row_efficiency(calibrated, half) == pytest.approx(0.5 / (1024 / (1024 + half)))
+    # a calibration that does not say at how many rows it measured: relative to many rows
+    assert sp.matmul_row_efficiency(calibrated.__class__.from_dict({**cpu_speed.to_dict(), "matmul_tokens": None}), half) == 0.5
+    assert sp.matmul_row_efficiency(sp.DeviceSpeed.from_profile(get_gpu("h100")), 4) == 1.0
+    s = cpu_settings(micro_batch=1, seq_len=32)
+    f, w = sp._forward_flops(demo, s), sp._typical_width(demo)
+    p = sp._passes(s)
+    raw = sum(f[k] * p[k] / cpu_speed.matmul_rate("fp32", w[k] if k != "lora" else 16) for k in f if f[k] and k != "attention")
+    assert sp.matmul_seconds(demo, s, cpu_speed) == pytest.approx(raw / sp.matmul_row_efficiency(cpu_speed, 32))
+
+
+def test_qlora_forward_counts_the_4bit_linears_operations(demo):
+    lora, q = cpu_settings(), cpu_settings(method="qlora")
+    extra = sg.forward_ops(demo, q) - sg.forward_ops(demo, lora)
+    assert extra == pytest.approx(sg.QUANT_LINEAR_OPS["cpu"] * demo.linears_per_layer * demo.num_layers)
+    # with the adapter off (the reference pass) LoRA's operations are not run
+    assert sg.forward_ops(demo, lora, adapter=False) == pytest.approx(sg.forward_ops(demo, lora.with_(method="full")))
+
+
+def test_decode_steps_of_a_rollout():
+    from finetuner.objectives.grpo import decode_steps
+
+    rows = [{"completion_ids": [0] * n} for n in (3, 5, 2, 2, 7, 1)]
+    assert decode_steps(rows, 2) == 5 + 2 + 7
+    assert decode_steps(rows, 6) == 7
+    assert decode_steps(rows, 4) == 5 + 7
+
+
+def test_recorded_runs_replay():
+    """Each recorded configuration's two predictions (at the longest lengths, and with the measured
+    lengths), recomputed from its recorded inputs by the current code, are the recorded ones; the errors
+    are the recorded errors and the summary's; with the measured lengths every error is within the
+    documented goal."""
+    import statistics
+
+    doc = json.loads(VALIDATION.read_text())
+    goal = doc["goal_abs_error_pct"]
+    rows = doc["rows"]
+    assert len(rows) >= 8
+    for row in rows:
+        shape = resolve_shape(str(DEMO)) if row["model"] == "demo" else resolve_shape(row["model"])
+        speed = sp.DeviceSpeed.from_dict(row["speed"])
+        settings = dict(row["settings"])
+        if isinstance(settings["lora_targets"], list):
+            settings["lora_targets"] = tuple(settings["lora_targets"])
+        s, g = Settings(**settings), GrpoSettings(**row["grpo"])
+        bound = sg.grpo_step_time(shape, s, g, speed, top_p=row["top_p"])
+        assert bound.upper_bound and bound.step_s == pytest.approx(row["predicted_step_s"], rel=1e-3, abs=1e-5), row["config"]
+        given = sg.grpo_step_time(shape, s, g, speed, top_p=row["top_p"], **row["measured_lengths"])
+        assert given.step_s == pytest.approx(row["predicted_step_s_measured_lengths"], rel=1e-3, abs=1e-5), row["config"]
+        measured = row["measured_step_s"]
+        # step times rounded to 1e-5 s, errors to 0.1
+        for pred, key in ((bound.step_s, "error_pct"), (given.step_s, "error_pct_measured_lengths")):
+            assert math.isclose(100 * (pred - measured) / measured, row[key], abs_tol=0.06 + 100 * 2e-5 / measured), (row["config"], key)
+        assert abs(row["error_pct_measured_lengths"]) <= goal, row["config"]
+        # docs/benchmarks.md: at the longest lengths the prediction was above every measured step
+        assert row["error_pct"] > 0, row["config"]
+    s = doc["summary"]
+    assert s["configs"] == len(rows)
+    assert s["median_abs_error_pct_measured_lengths"] == pytest.approx(statistics.median(abs(r["error_pct_measured_lengths"]) for r in rows), abs=0.06)
+    assert s["max_abs_error_pct_measured_lengths"] == pytest.approx(max(abs(r["error_pct_measured_lengths"]) for r in rows), abs=0.06)
+    assert s["median_abs_error_pct"] == pytest.approx(statistics.median(abs(r["error_pct"]) for r in rows), abs=0.06)
+    # the matrix covers what it says: beta on and off, num_iterations 1 and 2, LoRA and QLoRA, nucleus sampling
+    assert {0.0, 0.04} <= {r["grpo"]["beta"] for r in rows} and {1, 2} <= {r["grpo"]["num_iterations"] for r in rows}
+    assert {"lora", "qlora"} <= {r["settings"]["method"] for r in rows} and any(r["top_p"] < 1 for r in rows)
