@@ -1069,8 +1069,10 @@ def _runners_up(ranked: list[tuple[Candidate, Recipe]], best: Candidate, n: int 
 
 def _reasons(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuProfile, shape: ModelShape) -> list[str]:
     o, e = best.option, best.estimate
+    speed = (f"at most {format_duration(best.step.step_s)} per step, the rollout included" if "grpo" in e.details and best.step
+             else f"~{best.tokens_per_s:,.0f} tokens/s")
     r = [f"{best.to_dict()['settings']}: predicted peak {best.peak_bytes / GiB:.1f} GiB of {gpu.memory_gib:.1f} GiB "
-         f"(budget {e.budget_bytes / GiB:.1f}), ~{best.tokens_per_s:,.0f} tokens/s"]
+         f"(budget {e.budget_bytes / GiB:.1f}), {speed}"]
     if best.sharded is not None:
         sh = best.sharded
         r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per card "
