@@ -45,7 +45,8 @@ from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_sh
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
-from finetuner.planning.speed import DeviceSpeed, StepTime, recipe_step_time, step_time
+from finetuner.planning.recipe_speed import recipe_step_time
+from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -1328,7 +1329,6 @@ def estimate_time(
     ``max_steps``, else epochs over the data's training rows), None when the data cannot be read here."""
     from finetuner.config.hardware import cpu_profile
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.speed import recipe_step_time
 
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)

