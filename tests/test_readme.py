@@ -183,8 +183,8 @@ def repository_paths(text: str) -> list[str]:
     or a script/module/doc file name (``.py``, ``.sh``, ``.ipynb``, ``.md``) that must be found somewhere in it."""
     out = []
     for w in shell_words(text):
-        w = w.removeprefix("./").split("::")[0].rstrip(".")
-        if not w or w.startswith(EXTERNAL) or "://" in w:
+        w = re.sub(r"(\.py):\w+$", r"\1", w.removeprefix("./").split("::")[0].rstrip("."))  # FILE.py:FUNCTION (a reward)
+        if not w or w.startswith(EXTERNAL) or "://" in w or re.fullmatch(r"[A-Z_]+\.py", w):  # FILE.py: a placeholder
             continue
         if w.split("/")[0] in TOP and ("/" in w or "." in w):
             out.append(w)

@@ -53,6 +53,8 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"^source ", "each command runs in a shell of its own with this environment's finetuner already on PATH"),
     (r"^finetuner ui\b", "starts the web server, which runs until stopped (tests/ui/ drive it)"),
     (r"^finetuner run recipes/7b_4090\.yaml", "downloads Qwen2.5-7B-Instruct and needs a 24 GB GPU"),
+    (r"^finetuner run grpo\.yaml", "the GRPO plan's Llama-3.1-8B: a hub download and a 24 GB GPU (tests/planning/"
+                                   "test_plan_grpo.py runs a planned GRPO recipe with auto values on the CPU)"),
     (r"~/models/", "~/models/model.Q8_0.gguf stands for the user's own GGUF file: "
                    "tests/export/test_gguf_base_run.py plans, trains and exports a GGUF base through the CLI"),
     (r"\bRECIPE\b", "RECIPE is a placeholder for the user's recipe"),

@@ -373,11 +373,12 @@ def listing() -> str:
 
 # --------------------------------------------------------------------------- tables
 def speed_rows(folder: Path) -> list[dict]:
-    """The rows of ``folder``'s ``speed_<device>.json`` files (not the speed model's
-    ``speed_model_<device>.json``, which scripts/validate/speed_model.py writes)."""
+    """The rows of ``folder``'s ``speed_<device>.json`` files (not the speed models' validations,
+    ``speed_model_<device>.json`` and ``speed_grpo_<device>.json``, which scripts/validate/speed_model.py
+    and speed_grpo.py write)."""
     rows = []
     for path in sorted(folder.glob("speed_*.json")):
-        if not path.name.startswith("speed_model_"):
+        if not path.name.startswith(("speed_model_", "speed_grpo_")):
             rows += json.loads(path.read_text(encoding="utf-8"))
     return rows
 
