@@ -94,6 +94,22 @@ def pick(page, elem_id: str, value: str) -> None:
     page.get_by_role("option", name=value, exact=True).click()
 
 
+def fill_until_held(box, value: str, commit: str = "Tab", held=None) -> None:
+    """Type ``value`` into ``box`` and commit it with the key ``commit``, again until ``held`` (default the
+    box itself; a slider's range for its number box) holds it: an entry typed while its row or accordion
+    was still rendering can be dropped before the box listens (seen in CI), so it is typed up to 3 times."""
+    held = box if held is None else held
+    for _attempt in range(3):
+        box.fill(value)
+        box.press(commit)
+        try:
+            sync_api.expect(held).to_have_value(value, timeout=5_000)
+            return
+        except AssertionError:
+            continue
+    sync_api.expect(held).to_have_value(value, timeout=5_000)
+
+
 def type_in(page, elem_id: str, value: str) -> None:
     """Type a value of one's own into a gradio dropdown (one that allows it)."""
     box = page.locator(f"#{elem_id} input")

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from tests.conftest import alpaca_rows
-from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-screenshots"
@@ -458,15 +458,7 @@ def fill_shown(page, selector: str, value: str) -> None:
     is typed again until the box holds it; a number is committed by leaving the box."""
     box = page.locator(selector)
     sync_api.expect(box).to_be_visible(timeout=15_000)
-    for _attempt in range(3):
-        box.fill(value)
-        box.press("Tab")
-        try:
-            sync_api.expect(box).to_have_value(value, timeout=5_000)
-            return
-        except AssertionError:
-            continue
-    sync_api.expect(box).to_have_value(value)
+    fill_until_held(box, value)
 
 
 def grpo_flow(page, server, tmp_path):

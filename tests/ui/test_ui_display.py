@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
@@ -254,16 +254,7 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
             continue
         # a slider's box is committed once its range follows it; typed while the accordion was still
         # rendering, the entry can be dropped before the box listens (seen once in 3 CI runs): type it again
-        slider = page.locator(f"#{elem_id} input[type=range]")
-        for _attempt in range(3):
-            box.fill(value)
-            box.press("Enter")
-            try:
-                sync_api.expect(slider).to_have_value(value, timeout=5_000)
-                break
-            except AssertionError:
-                continue
-        sync_api.expect(slider).to_have_value(value, timeout=5_000)
+        fill_until_held(box, value, "Enter", held=page.locator(f"#{elem_id} input[type=range]"))
     page.locator("#chat-input textarea").fill(PROMPT)
     page.locator("#chat-send").click()
     wait_text(page, "#chat-status", r"Answered in", timeout=300_000)
