@@ -47,6 +47,7 @@ from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
 from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
+from finetuner.planning.speed_grpo import grpo_step_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -490,8 +491,8 @@ def search(
                         recipe = _apply(base, o)
                         s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
                         if grpo:
-                            est = grpo_memory_estimate(shape, s, grpo_settings_of(recipe), gpu, margin,
-                                                       top_p=recipe.grpo.top_p < 1)
+                            g = grpo_settings_of(recipe, gpu.memory_bytes)
+                            est = grpo_memory_estimate(shape, s, g, gpu, margin, top_p=recipe.grpo.top_p < 1)
                         else:
                             est = estimate(shape, s, gpu, margin=margin)
                         sharded = None
@@ -502,8 +503,8 @@ def search(
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
                             if grpo:  # and vLLM's share (grpo.use_vllm) holds its weights and a sequence's KV cache
                                 fits = fits and est.details["grpo"]["vllm_fits"]
-                        if grpo:  # the rollout's generation and the loss over the group (the speed model's GRPO terms)
-                            st = recipe_step_time(recipe, gpu, speed, shape=shape, label_fraction=label_fraction, est=est)
+                        if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
+                            st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p)
                         else:
                             st = step_time(shape, s, speed, est, sharded)
                         out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))

@@ -17,7 +17,7 @@ from finetuner.errors import UserError
 from finetuner.memory.grpo import grpo_estimate, grpo_settings_of, largest_fit
 from finetuner.memory.model import settings_from_recipe
 from finetuner.model.shapes import resolve_shape
-from finetuner.planning.planner import estimate_grpo, plan, plan_recipe, run_optimizer_steps, search
+from finetuner.planning.planner import estimate_grpo, estimate_time, plan, plan_recipe, run_optimizer_steps, search
 from finetuner.planning.sizing import GRPO_PROMPTS_PER_STEP, SEQ_ROUND
 from tests.conftest import REPO, run_cli, write_recipe
 
@@ -57,6 +57,8 @@ def test_the_plan_is_a_grpo_recipe_sized_on_the_prompts_with_the_grpo_step_memor
     # ... which is not the SFT step's at the same sequence
     sft = plan("llama-3.1-8b", "rtx4090", seq_len=p.recipe.data.max_seq_len, effective_batch=8)
     assert sft.recipe_choice() != p.recipe_choice() or sft.estimate.total_bytes != p.estimate.total_bytes
+    # the plan's step time is the one estimate and the run's start event predict for its recipe
+    assert p.step.step_s == pytest.approx(estimate_time(p.recipe, "rtx4090")["step_s"], rel=1e-12)
     # the written recipe reads back as it is, and the plan's optimizer steps are the run's
     again = Recipe.model_validate(p.recipe.to_dict())
     assert again.grpo == p.recipe.grpo and not again.auto_keys()
