@@ -94,6 +94,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """``recipes/demo_cpu.yaml`` trained as shipped (the demo model, 150 LoRA steps, its held-out split), once
+    for the whole session, in this process: for the tests that only read a finished run (eval, chat, merge,
+    export, a preference run that starts from it). Never change it in a test: copy it first."""
+    import finetuner
+
+    out = tmp_path_factory.mktemp("demo_run") / "demo_cpu"
+    return finetuner.train(REPO / "recipes" / "demo_cpu.yaml", output_dir=out).run_dir
+
+
 def alpaca_rows(n: int = 48) -> list[dict]:
     return [
         {
@@ -164,7 +175,15 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+#: A hang guard for the tests' subprocesses and waits, not a time limit: far above what any of them takes on an
+#: idle 2-core machine (the longest single command, the README walk-through's demo training, well under 2
+#: minutes idle) and above it on cores other jobs keep busy. A test that trips it hung; a slow machine never
+#: should. pyproject's pytest-timeout (per test) is the same figure; a test that runs several such commands in a
+#: row raises its own limit with ``pytest.mark.timeout``.
+HANG_GUARD_S = 1800
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float | None = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """Run the ``finetuner`` CLI as a user would, in a subprocess."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
     return subprocess.run(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench import train as bench
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
@@ -20,7 +21,7 @@ SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per
 LONG_KEYS = SPEED_KEYS + ["finetuner_max_seq", "baseline_max_seq", "predicted_max_seq"]
 
 
-def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "scripts.bench.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

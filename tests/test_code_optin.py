@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from finetuner.errors import UserError
-from tests.conftest import REPO, demo_run_folder, run_cli
+from tests.conftest import REPO, demo_run_folder, run_cli, HANG_GUARD_S
 
 
 def _set_model_keys(run: Path, **keys: bool) -> None:
@@ -100,7 +100,7 @@ def _plant(path: Path, marker: Path) -> None:
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 

@@ -23,7 +23,7 @@ import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, run_cli, write_recipe, HANG_GUARD_S
 
 
 def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
@@ -176,7 +176,7 @@ def _run_with_full_disk(where: str, tmp_path: Path, *args: str) -> subprocess.Co
     script.write_text(_FULL_DISK, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "COLUMNS": "200", "FULL_AT": where}
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_run_resumes(recipe_dict, tmp_path):
@@ -411,7 +411,7 @@ def test_ctrl_c_while_workers_tokenize_stops_at_once_with_one_message(recipe_dic
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -455,7 +455,7 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
 def _run_patched_cli(script, recipe) -> subprocess.CompletedProcess:
     """``finetuner run RECIPE`` through ``script``, which patches the trainer before calling the CLI."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, str(script), "run", str(recipe)], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):

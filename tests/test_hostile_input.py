@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.errors import UserError
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, HANG_GUARD_S
 
 DEMO_MODEL = REPO / "data" / "demo_model"
 
@@ -45,7 +45,7 @@ print(json.dumps(out))
 
 def _measured(warm: str, work: str, cap_gib: float = 3.0) -> dict:
     code = HARNESS.format(warm=textwrap.dedent(warm), work=textwrap.dedent(work), cap_gib=cap_gib)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
                        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

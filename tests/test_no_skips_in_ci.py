@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, HANG_GUARD_S
 
 SKIPPING = '''
 import pytest
@@ -55,7 +55,7 @@ def _pytest(tmp_path, ci: str | None, *args: str) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", "-rA",
          "--rootdir", str(tmp_path), *args, str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
 
 

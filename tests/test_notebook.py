@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.conftest import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "scripts" / "quickstart.ipynb"
 
@@ -31,7 +33,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNER_QUICKSTART_STEPS", "20")
     monkeypatch.setenv("TQDM_DISABLE", "0")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    NotebookClient(nb, timeout=HANG_GUARD_S, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     outputs = {i: c.get("outputs", []) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     assert not [o for outs in outputs.values() for o in outs if o.get("output_type") == "error"]
     html = [o["data"]["text/html"] for outs in outputs.values() for o in outs if "text/html" in o.get("data", {})]
@@ -79,7 +81,7 @@ def test_python_api_calls_are_quiet_and_leave_the_users_settings(tmp_path, recip
     env["PYTHONPATH"] = str(REPO)
     recipe_dict["training"]["max_steps"] = 2
     p = subprocess.run([sys.executable, "-c", API_SCRIPT, json.dumps(recipe_dict), str(tiny_model_dir)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr
     api, _, after = p.stderr.partition("API DONE")
     assert not [n for n in NOISE if n in api + p.stdout], api

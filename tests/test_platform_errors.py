@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, write_recipe
+from tests.conftest import REPO, write_recipe, HANG_GUARD_S
 
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe
@@ -50,7 +50,7 @@ def test_qlora_with_a_broken_bitsandbytes_from_the_cli(recipe_dict, tmp_path):
     (blocker / "bitsandbytes.py").write_text("raise OSError('libbitsandbytes_cpu.so: cannot open shared object file')\n")
     r = write_recipe(tmp_path / "r.yaml", {**recipe_dict, "method": "qlora"})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), str(REPO)]))
-    res = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "run", str(r)], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "run", str(r)], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "needs bitsandbytes" in res.stderr and "libbitsandbytes_cpu.so" in res.stderr
 

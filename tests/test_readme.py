@@ -11,16 +11,14 @@ RECIPE) are not run, but each ``finetuner ...`` line in them must parse with the
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -94,7 +92,7 @@ def test_fit_table_is_current():
     m = re.search(r"<!-- fit-table:start -->\n(.*?)<!-- fit-table:end -->", text, re.S)
     assert m, "README.md has no <!-- fit-table:start --> ... <!-- fit-table:end --> section"
     out = subprocess.run([sys.executable, "-m", "scripts.dev.fit_table"], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
+                         cwd=REPO, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert m.group(1) == out.stdout, "README's fit table is stale: paste the output of `python -m scripts.dev.fit_table`"
 
@@ -116,44 +114,6 @@ def test_fit_table_does_not_depend_on_what_is_installed(monkeypatch, installed):
     found_here = plan("llama-3.1-8b", "a100-40gb", seq_len=2048).estimate.settings
     assert (found_here.fused_ce, found_here.attn_implementation) == (
         (True, "flash_attention_2") if installed else (False, "sdpa"))
-
-
-def test_runnable_blocks_run(tmp_path):
-    """The README's runnable blocks, line by line, in a copy of recipes/ and data/."""
-    finetuner = BIN / "finetuner"
-    assert finetuner.exists(), f"no finetuner entry point next to {sys.executable}: pip install -e ."
-    work = tmp_path / "checkout"
-    for part in ("recipes", "data"):
-        shutil.copytree(REPO / part, work / part, ignore=shutil.ignore_patterns("uploads", "__pycache__"))
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "FINETUNER_CACHE_DIR": str(tmp_path / "cache"),
-        "HF_HOME": str(tmp_path / "hf_home"),
-        "HF_TOKEN": FAKE_TOKEN,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "MPLCONFIGDIR": str(tmp_path / "mpl"),
-        "COLUMNS": "120",
-    }
-    cmds = runnable_commands(README.read_text(encoding="utf-8"))
-    assert cmds
-    for cmd in cmds:
-        proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=540)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode}:\n{output[-3000:]}"
-        assert "Traceback" not in output, f"`{cmd}` printed a traceback:\n{output[-3000:]}"
-
-    # what the walk-through says it leaves behind
-    run = work / "runs" / "demo_cpu"
-    assert (run / "adapter" / "adapter_config.json").is_file()
-    assert "evaluation" in json.loads((run / "metrics.json").read_text(encoding="utf-8"))
-    assert (work / "exports" / "demo-merged" / "config.json").is_file()
-    assert (work / "my.yaml").is_file()
-    # "finetuner never writes the token into run folders": nor anywhere else it writes
-    leaked = [p for p in work.rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
-    leaked += [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and FAKE_TOKEN.encode() in p.read_bytes()]
-    assert not leaked, f"HF_TOKEN written into {leaked}"
 
 
 # --------------------------------------------------------------------------- names that go stale
@@ -335,7 +295,7 @@ def test_every_script_flag_in_the_docs_exists():
     wrong = []
     for (module, *positional), flags in sorted(wanted.items()):
         out = subprocess.run([sys.executable, "-m", module, *positional, "--help"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=HANG_GUARD_S)
         assert out.returncode == 0, f"python -m {module} {' '.join(positional)} --help: {out.stderr[-1500:]}"
         wrong += [f"python -m {module} {' '.join(positional)}: no {f}" for f in sorted(flags)
                   if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", out.stdout)]

@@ -2,10 +2,13 @@
 
 The README's quick start is ``./scripts/demo.sh`` and the sections after it assume what it left
 behind (``runs/demo_cpu`` trained 150 steps); each section's commands assume the ones before it.
-``tests/test_readme.py`` runs the ``bash runnable`` blocks on their own; this test runs *all* the
-``bash`` blocks, top to bottom, in one temporary copy of the checkout, so that a command that
-only fails after an earlier one (the walk-through's 5-step ``run`` after the 150-step demo, a
-second ``merge -o`` into a folder an earlier line wrote) is caught.
+This test runs *all* the ``bash`` blocks (the ``bash runnable`` walk-through among them), top to
+bottom, in one temporary copy of the checkout, so that a command that only fails after an earlier
+one (the walk-through's 5-step ``run`` after the 150-step demo, a second ``merge -o`` into a folder
+an earlier line wrote) is caught. ``HF_TOKEN`` is set to a fake token throughout, and no file the
+commands write may contain it (README, "Gated models"). The walk-through blocks are not also run
+on their own: every command of theirs runs here, and a second run would cost minutes and show
+nothing more than a 5-step run where this one has the demo's 150 steps.
 
 What "as written" means here, and where it cannot be:
 
@@ -35,11 +38,13 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_readme import README, blocks, commands
+from tests.conftest import HANG_GUARD_S
+from tests.test_readme import FAKE_TOKEN, README, blocks, commands
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -97,9 +102,9 @@ def test_every_not_run_reason_names_a_readme_command():
         assert any(re.search(pattern, c) for c in cmds), f"no README command matches {pattern!r} ({why}): remove it"
 
 
-# the suite's 600 s hang guard (pyproject) is less than this test's work: the demo's 150 steps, the
-# 90-step plan run, two DPO runs, evals, merges and three verified exports (as tests/ui/ raise theirs)
-@pytest.mark.timeout(3600)
+# a hang guard of two per-test guards: this test runs some 35 commands in a row (the demo's 150 steps, two
+# DPO runs, a GRPO run, evals, merges and three verified exports), each with its own guard
+@pytest.mark.timeout(2 * HANG_GUARD_S)
 def test_the_readme_commands_run_in_order(tmp_path):
     work = tmp_path / "clone"
     fresh_copy(work)
@@ -108,24 +113,28 @@ def test_the_readme_commands_run_in_order(tmp_path):
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "FINETUNER_CACHE_DIR": str(tmp_path / "cache"),
         "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_TOKEN": FAKE_TOKEN,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "MPLCONFIGDIR": str(tmp_path / "mpl"),
         "COLUMNS": "120",
     }
-    ran, skipped, outputs = [], [], {}
+    ran, skipped, outputs, took = [], [], {}, []
     for cmd in readme_commands():
         why = why_not_run(cmd)
         if why:
             skipped.append(f"{cmd}  ({why})")
             continue
+        began = time.monotonic()
         proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL)  # an interactive chat ends as Ctrl-D ends it
+                              stdin=subprocess.DEVNULL, timeout=HANG_GUARD_S)  # an interactive chat ends as Ctrl-D ends it
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode} after {len(ran)} commands:\n{output[-3000:]}"
         assert "Traceback" not in output, f"`{cmd}` printed a traceback:\n{output[-3000:]}"
         ran.append(cmd)
         outputs[cmd] = " ".join(output.split())
+        took.append(f"{time.monotonic() - began:6.1f} s  {cmd}")
+    print("ran (seconds each, for whoever makes this test faster):\n  " + "\n  ".join(took))
     print("not run:\n  " + "\n  ".join(skipped))
     assert len(ran) >= 30 and len(ran) + len(skipped) == len(readme_commands()), (len(ran), skipped)
 
@@ -137,3 +146,11 @@ def test_the_readme_commands_run_in_order(tmp_path):
     assert "runs/demo_cpu/adapter" in said and "--no-resume" not in said
     for folder in ("exports/demo-merged", "exports/demo-bf16", "exports/demo-ollama"):
         assert (work / folder).is_dir(), folder
+    # what the walk-through says it leaves behind
+    assert (demo / "adapter" / "adapter_config.json").is_file()
+    assert "evaluation" in json.loads((demo / "metrics.json").read_text(encoding="utf-8"))
+    assert (work / "exports" / "demo-merged" / "config.json").is_file() and (work / "my.yaml").is_file()
+    # "finetuner never writes the token into run folders": nor anywhere else it writes
+    written = [p for p in [*work.rglob("*"), *(tmp_path / "cache").rglob("*")] if p.is_file() and not p.is_symlink()]
+    leaked = [p for p in written if FAKE_TOKEN.encode() in p.read_bytes()]
+    assert not leaked, f"HF_TOKEN written into {leaked}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, run_cli, write_recipe
+from tests.conftest import REPO, free_port, run_cli, write_recipe, HANG_GUARD_S
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe
 
@@ -80,7 +80,7 @@ def test_hub_token_is_never_written_to_the_run_folder(recipe_dict, tmp_path):
     env = dict(os.environ, HF_TOKEN=secret, HUGGING_FACE_HUB_TOKEN=secret,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "run", str(r)], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
+                         text=True, timeout=HANG_GUARD_S, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert secret not in res.stdout + res.stderr
     run_dir = Path(recipe_dict["output_dir"])
@@ -117,9 +117,10 @@ _NO_CALLS_OUT = textwrap.dedent(
     port, runs, out = sys.argv[1], sys.argv[2], sys.argv[3]
     from finetuner.cli.main import main
     threading.Thread(target=main, args=(["ui", "--port", port, "--runs-dir", runs],), daemon=True).start()
-    for _ in range(600):
+    deadline = time.monotonic() + 1800  # the suite's hang guard (tests/conftest.py: HANG_GUARD_S)
+    while time.monotonic() < deadline:
         try:
-            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60).read()
             break
         except OSError:
             time.sleep(0.2)
@@ -138,7 +139,7 @@ def test_ui_listens_on_localhost_and_never_calls_out(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "seen.json"
     res = subprocess.run([sys.executable, str(script), str(port), str(tmp_path / "runs"), str(out)],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
     assert report["page"] > 0

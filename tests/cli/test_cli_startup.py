@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tests.conftest import HANG_GUARD_S
+
 HEAVY = ("torch", "transformers", "datasets", "peft", "accelerate", "bitsandbytes", "gradio")
 
 PROBE = """
@@ -25,7 +27,7 @@ print(json.dumps({"modules": sorted(m for m in sys.modules if m.split('.')[0] in
 
 def test_parser_and_help_import_nothing_heavy():
     code = f"HEAVY = {HEAVY!r}\n" + PROBE
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["modules"] == [], f"building the CLI parser imported {got['modules']}"
     assert "finetuner.cli.plan" in got["commands"]
@@ -42,7 +44,7 @@ def test_help_exits_cleanly_without_heavy_imports():
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print('HEAVY', bad)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert "usage: finetuner" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
@@ -60,6 +62,6 @@ def test_plan_for_a_preset_imports_nothing_heavy(tmp_path):
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print('HEAVY', bad)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"

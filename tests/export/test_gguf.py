@@ -14,7 +14,7 @@ import pytest
 import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.export.gguf import export_model
-from tests.conftest import REPO, alpaca_rows, corpus, run_cli
+from tests.conftest import REPO, alpaca_rows, corpus, run_cli, HANG_GUARD_S
 
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
@@ -229,7 +229,7 @@ def test_refuses_unknown_quant_and_k_quant_without_llama_cpp(tmp_path, tiny_mode
             "from finetuner.cli.main import main; sys.exit(main(sys.argv[1:]))")
     before = sorted(p.name for p in tmp_path.iterdir())
     p = subprocess.run([sys.executable, "-c", code, "export", str(tiny_model_dir), "-o", str(tmp_path / "x.gguf"), "--quant", "q4_k_m"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                       cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 2 and "llama-cpp-python is not installed" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 

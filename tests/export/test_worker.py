@@ -13,7 +13,7 @@ import pytest
 from finetuner.errors import UserError
 from finetuner.export import worker
 from finetuner.export.merge import merge_adapter
-from tests.conftest import demo_run_folder
+from tests.conftest import demo_run_folder, HANG_GUARD_S
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_a_merge_in_another_process_returns_the_result_and_the_caller_never_load
         f"r = merge_in_subprocess({str(run)!r}, {str(tmp_path / 'merged')!r})\n"
         "print(json.dumps({'result': r.to_dict(), 'loaded': sorted({'torch', 'transformers', 'peft'} & set(sys.modules))}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["loaded"] == [], out

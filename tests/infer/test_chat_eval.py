@@ -8,7 +8,7 @@ import pytest
 
 import finetuner
 from finetuner.config.recipe import Recipe
-from tests.conftest import REPO, alpaca_rows, run_cli
+from tests.conftest import REPO, alpaca_rows, run_cli, HANG_GUARD_S
 
 PROMPT = "What should I pack for a day hike?"
 
@@ -68,7 +68,7 @@ def test_interactive_chat_and_compare(run_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-m", "finetuner.cli.main", "chat", str(run_dir), "--compare", "--temperature", "0",
                         "--max-new-tokens", "8"], input="hello\n/reset\nwhat\n/quit\n", capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=300)
+                       env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("base> ") == 2 and p.stdout.count("fine-tuned> ") == 2
 
@@ -90,7 +90,7 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
     os.close(slave)
     screen = b""
 
-    def wait_for_prompt(count: int, timeout: float = 240) -> None:
+    def wait_for_prompt(count: int, timeout: float = HANG_GUARD_S) -> None:
         nonlocal screen
         end = time.monotonic() + timeout
         while screen.count(b"you> ") < count and time.monotonic() < end:
@@ -108,7 +108,7 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
         os.write(master, b"\x1b[A\r")  # Up, Enter: the line before, sent again
         wait_for_prompt(3)
         os.write(master, b"\x04")  # Ctrl-D
-        assert p.wait(60) == 0, screen
+        assert p.wait(HANG_GUARD_S) == 0, screen
         while select.select([master], [], [], 0.2)[0]:
             try:
                 chunk = os.read(master, 4096)

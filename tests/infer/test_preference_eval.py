@@ -12,11 +12,9 @@ from tests.conftest import run_cli
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path):
-    sft = run_cli("run", str(REPO / "recipes" / "demo_cpu.yaml"), "--set", "training.max_steps=80",
-                  "--set", "data.val_size=0", "--output", str(tmp_path / "sft"), cwd=tmp_path)
-    assert sft.returncode == 0, sft.stderr
-    dpo = run_cli("run", str(REPO / "recipes" / "demo_dpo_cpu.yaml"), "--set", f"preference.start_from={tmp_path / 'sft'}",
+def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path, demo_run):
+    sft = demo_run  # the demo's SFT run as ./scripts/demo.sh leaves it (shared by the session; only read here)
+    dpo = run_cli("run", str(REPO / "recipes" / "demo_dpo_cpu.yaml"), "--set", f"preference.start_from={sft}",
                   "--set", "training.max_steps=20", "--set", "training.eval_every=20", "--output", str(tmp_path / "dpo"),
                   cwd=tmp_path)
     assert dpo.returncode == 0, dpo.stderr
@@ -24,9 +22,9 @@ def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path)
     ev = run_cli("eval", str(tmp_path / "dpo"), "--json", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr
     r = json.loads(ev.stdout)
-    assert r["compared_with"] == f"start: {tmp_path / 'sft'}" and r["examples"] == 40
+    assert r["compared_with"] == f"start: {sft}" and r["examples"] == 40
     before, after = r["base"]["accuracy"], r["fine_tuned"]["accuracy"]
     assert after >= before + 0.3, (before, after)
     table = run_cli("eval", str(tmp_path / "dpo"), "--no-write", cwd=tmp_path)
-    assert "SFT start" in table.stdout and str(tmp_path / "sft") in table.stdout
+    assert "SFT start" in table.stdout and str(sft) in table.stdout
     assert table.stdout.startswith("40 held-out pairs from the run's validation split"), table.stdout

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from scripts.validate.memory import VALIDATION, replay, report, summary
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 MEMORY_MD = REPO / "docs" / "memory.md"
@@ -72,7 +73,7 @@ def test_the_report_runs_without_torch():
             "runpy.run_module('scripts.validate.memory', run_name='__main__'); "
             "heavy = sorted({'torch', 'transformers', 'bitsandbytes', 'peft'} & set(sys.modules)); "
             "assert not heavy, heavy")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("| model | config |") and "Rows: " in out.stdout
 

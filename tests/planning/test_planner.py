@@ -14,7 +14,7 @@ from finetuner.config.hardware import get_gpu, list_profiles
 from finetuner.planning.planner import METHOD_TIER, plan
 from finetuner.config.recipe import Recipe
 
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import run_cli, write_recipe, HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = ["llama-3.2-1b", "phi-3-mini", "llama-2-7b", "mistral-7b-v0.1", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b",
@@ -177,7 +177,7 @@ def test_plan_does_not_import_torch():
 
     code = ("import sys; from finetuner.cli.main import main; main(['plan','--model','llama-2-7b','--gpu','rtx4090','--json']);"
             "heavy=[m for m in ('torch','transformers','peft','datasets') if m in sys.modules]; print('HEAVY', heavy)")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert "HEAVY []" in res.stdout, res.stdout[-300:] + res.stderr[-300:]
 
 

@@ -18,7 +18,7 @@ from finetuner.model.gguf_base import packaged_file
 from finetuner.model.shapes import find_preset, load_config, preset_names, resolve_shape
 from finetuner.planning.sizing import MAX_EPOCHS, MIN_STEPS_PER_EPOCH, MIN_TOTAL_STEPS, learning_rate, size_run
 
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import run_cli, write_recipe, HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_model"
@@ -164,7 +164,7 @@ def test_a_cpu_plan_for_a_40_row_file_trains_enough_to_learn(tmp_path):
     t = recipe.training
     assert recipe.device == "cpu" and recipe.data.max_seq_len <= 1024 and not recipe.data.packing
     assert t.micro_batch_size * t.gradient_accumulation == 4 and t.epochs == MAX_EPOCHS and t.lr == 1e-3
-    r = run_cli("run", str(tmp_path / "my.yaml"), cwd=tmp_path, timeout=600)
+    r = run_cli("run", str(tmp_path / "my.yaml"), cwd=tmp_path, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stderr
     metrics = json.loads((tmp_path / "runs" / "demo_model-my-sft" / "metrics.json").read_text())
     assert metrics["steps"] == 90

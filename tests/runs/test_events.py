@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import finetuner
+from tests.conftest import HANG_GUARD_S
 from finetuner.config.recipe import Recipe
 from finetuner.runs import jobs
 from finetuner.runs.events import EventWriter, follow, read_events
@@ -222,7 +223,7 @@ def test_stop_a_run_started_outside_the_ui(tmp_path):
         st = jobs.run_status(rd, tmp_path / "runs")
         assert (st.state, st.running, st.pid) == ("starting", True, proc.pid)
         assert jobs.stop_job(rd, tmp_path / "runs", wait=10)
-        assert proc.wait(10) == 130
+        assert proc.wait(HANG_GUARD_S) == 130
         assert jobs.run_status(rd, tmp_path / "runs").state == "new"
     finally:
         proc.kill()

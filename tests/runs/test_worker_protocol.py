@@ -13,6 +13,7 @@ from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events
 from finetuner.runs.folder import RunFolderRefused, RunLock, events_size, mark_run_folder, record_early_failure
 from finetuner.runs.schema import validate_event
+from tests.conftest import HANG_GUARD_S
 
 
 def test_an_error_crosses_the_process_as_it_was_raised():
@@ -52,7 +53,7 @@ def test_a_worker_reports_on_stdout_and_library_prints_go_to_stderr():
     got = []
     while (msg := received.get(60)) is not None:
         got.append(msg)
-    assert proc.wait(60) == 0 and "a library chatting" in proc.stderr.read()
+    assert proc.wait(HANG_GUARD_S) == 0 and "a library chatting" in proc.stderr.read()
     assert [(m["kind"], m.get("id")) for m in got] == [("started", None), ("progress", 1), ("error", 1), ("done", 2)]
     assert got[2]["message"] == "ValueError: boom"
 

@@ -63,6 +63,12 @@ def test_the_recipe_trains_the_named_cpu_model_on_the_users_file():
 
 
 def test_held_out_loss_falls(run):
+    """The named model trains as what it is: the GGUF's Q4_1 weights (4 bits) dequantized under a LoRA."""
+    from finetuner.runs.events import read_events
+
+    start = next(e for e in read_events(run / "events.jsonl") if e["event"] == "start")
+    assert start["gguf"]["quant_type"] == "Q4_1" and start["gguf"]["bits"] == 4
+    assert start["total_params"] - start["trainable_params"] == 134_515_008
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == STEPS and metrics["train_loss_last"] < metrics["train_loss_first"]
     held = json.loads(_cli("eval", str(run), "--json", "--no-write", cwd=run))

@@ -32,7 +32,7 @@ import finetuner
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
-from tests.conftest import REPO, free_port, run_cli, write_recipe
+from tests.conftest import REPO, free_port, run_cli, write_recipe, HANG_GUARD_S
 
 
 @pytest.fixture
@@ -258,7 +258,7 @@ def test_two_nodes_on_one_machine_match_one_process(one_process, tmp_path, strat
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if node == 1:
             time.sleep(2)  # node 1 is up before node 0 has made the run folder
-    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    outs = [proc.communicate(timeout=HANG_GUARD_S)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs
     assert "waiting for node 0" in outs[0]
     events = _rank0_only(run_dir, 2, per_node=1)
@@ -280,7 +280,7 @@ def _launch_and_interrupt(recipe_path: Path, run_dir: Path, presses: int) -> tup
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     events = run_dir / "events.jsonl"
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_GUARD_S
     while time.time() < deadline and proc.poll() is None:
         if events.exists() and '"event": "step"' in events.read_text():
             break
@@ -291,12 +291,12 @@ def _launch_and_interrupt(recipe_path: Path, run_dir: Path, presses: int) -> tup
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
     return proc.returncode, out, family
 
 
 def _gone(pids: list[int]) -> bool:
-    deadline = time.time() + 10
+    deadline = time.time() + 120  # a hang guard: idle, they are gone within a second
     while time.time() < deadline:
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         if not alive:

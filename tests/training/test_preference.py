@@ -12,6 +12,7 @@ import pytest
 
 from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss
 from finetuner.model.scoring import sequence_logps
+from tests.conftest import HANG_GUARD_S
 
 
 # --------------------------------------------------------------------------- the formulas, written out
@@ -191,7 +192,7 @@ def test_dpo_starts_at_log_2_and_reports_rewards(tiny_model_dir, pairs_file, tmp
     from tests.conftest import REPO
 
     p = subprocess.run([sys.executable, "-m", "finetuner", "eval", str(result.run_dir), "--data", str(pairs_file), "--json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+                       capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["kind"] == "preference" and r["examples"] == 24

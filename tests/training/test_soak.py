@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, write_recipe
+from tests.conftest import REPO, write_recipe, HANG_GUARD_S
 from finetuner.runs.events import follow
 from finetuner.fileio import tree_bytes
 
@@ -28,7 +28,7 @@ def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(re
     proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(r), "--quiet"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: list[dict] = []
-    reader = threading.Thread(target=lambda: seen.extend(follow(run_dir, poll=0.05, timeout=300)), daemon=True)
+    reader = threading.Thread(target=lambda: seen.extend(follow(run_dir, poll=0.05, timeout=HANG_GUARD_S)), daemon=True)
     reader.start()
     most, sizes = 0, []
     while proc.poll() is None:
@@ -39,7 +39,7 @@ def test_many_checkpoints_keep_disk_bounded_and_events_readable_while_growing(re
             sizes.append(tree_bytes(ck))
         time.sleep(0.05)
     assert proc.wait() == 0, proc.stderr.read()
-    reader.join(timeout=60)
+    reader.join(timeout=HANG_GUARD_S)
 
     # at most one checkpoint beyond keep_last exists, between publishing a new one and removing the oldest
     assert 0 < most <= keep + 1

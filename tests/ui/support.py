@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, HANG_GUARD_S
 
+#: Playwright counts in milliseconds: the hang guard for a wait on the page (a job starting, training, answering)
+HANG_MS = HANG_GUARD_S * 1000
 CHROMIUM = os.environ.get("FINETUNER_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -50,7 +52,7 @@ def ui_server(tmp_path_factory, hold_at: int | None = None) -> Iterator[dict]:
         [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(runs), "--upload-dir", str(uploads)],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(runs.parent),
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -64,7 +66,7 @@ def ui_server(tmp_path_factory, hold_at: int | None = None) -> Iterator[dict]:
     finally:
         hold.unlink(missing_ok=True)  # no run is left held
     proc.terminate()
-    proc.wait(timeout=20)
+    proc.wait(timeout=HANG_GUARD_S)
     log.close()
     from finetuner.runs import jobs
 
@@ -73,11 +75,11 @@ def ui_server(tmp_path_factory, hold_at: int | None = None) -> Iterator[dict]:
 
 
 def browser_page(width: int, height: int) -> Iterator:
-    """A page of headless Chromium with a 60 s default timeout."""
+    """A page of headless Chromium whose waits default to the suite's hang guard."""
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         pg = browser.new_page(viewport={"width": width, "height": height})
-        pg.set_default_timeout(60_000)
+        pg.set_default_timeout(HANG_MS)
         yield pg
         browser.close()
 
@@ -119,7 +121,7 @@ def type_in(page, elem_id: str, value: str) -> None:
     sync_api.expect(box).to_have_value(value)
 
 
-def wait_text(page, selector: str, pattern: str, timeout: float = 60_000, flags: int = 0) -> str:
+def wait_text(page, selector: str, pattern: str, timeout: float = HANG_MS, flags: int = 0) -> str:
     """Wait until ``selector`` contains text matching ``pattern``; returns its text."""
     loc = page.locator(selector)
     sync_api.expect(loc).to_contain_text(re.compile(pattern, flags), timeout=timeout)

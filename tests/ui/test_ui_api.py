@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import demo_run_folder, free_port, ui_client
+from tests.conftest import demo_run_folder, free_port, ui_client, HANG_GUARD_S
 from finetuner.runs import jobs
 from finetuner.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _wait(cond, timeout: float = 180.0, every: float = 0.2):
+def _wait(cond, timeout: float = HANG_GUARD_S, every: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
@@ -323,7 +323,7 @@ def test_cli_ui_auth_and_exposure_warning(tmp_path):
         assert line.startswith("warning: listening on 0.0.0.0 without --auth")
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_GUARD_S)
 
 
 # --------------------------------------------------------------------------- the app's endpoints
@@ -439,7 +439,7 @@ def test_api_training_start_refuse_stop_and_adapter_zip(client, recipe_dict):
     assert "already running" in msg
     _wait(lambda: jobs.run_status(runs / pick, runs).step >= 1)
     client.predict(pick, api_name="/stop_training")
-    _wait(lambda: not jobs.running_jobs(runs), timeout=120)
+    _wait(lambda: not jobs.running_jobs(runs), timeout=HANG_GUARD_S)
     st = jobs.run_status(runs / pick, runs)
     assert st.state == "stopped" and st.has_checkpoint
     # the same name again: refused, nothing renamed (the run is resumed with Resume, not Start)

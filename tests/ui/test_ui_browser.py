@@ -31,12 +31,11 @@ import pytest
 import yaml
 
 from tests.conftest import alpaca_rows
-from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text, HANG_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-screenshots"
 
-pytestmark = pytest.mark.timeout(900)
 #: the whole flow's first run holds after this step until the test lets it go: a 16-step run on the
 #: tiny model can end between two of the page's polls, and "mid-run" must be mid-run on any machine
 HOLD_STEP = 4
@@ -145,7 +144,7 @@ def whole_flow(server, page, tmp_path):
     page.locator("#data-file input").click()
     sync_api.expect(page.get_by_role("option", name=stored, exact=True)).to_be_visible()  # listed with data/*
     page.keyboard.press("Escape")
-    sync_api.expect(page.locator("#data-preview")).to_contain_text("Tern here", timeout=60_000)
+    sync_api.expect(page.locator("#data-preview")).to_contain_text("Tern here", timeout=HANG_MS)
     sync_api.expect(page.locator("#data-preview")).to_contain_text("trained")
     sync_api.expect(page.locator("#length-hist canvas, #length-hist svg").first).to_be_visible()
     shot(page, "02-data")
@@ -193,10 +192,10 @@ def whole_flow(server, page, tmp_path):
     server["hold"].touch()
     page.locator("#start-btn").click()
     wait_text(page, "#train-message", rf"Training started: {re.escape(run_name)}\b")
-    wait_text(page, "#train-status", r"training", timeout=120_000)
+    wait_text(page, "#train-status", r"training", timeout=HANG_MS)
     assert page.locator("#train-status .ft-run").inner_text() == run_name
     assert yaml.safe_load((runs / run_name / "recipe.yaml").read_text())["data"]["path"] == stored
-    wait_text(page, "#train-status", rf"training.*step {HOLD_STEP} / 16", timeout=180_000, flags=re.S)
+    wait_text(page, "#train-status", rf"training.*step {HOLD_STEP} / 16", timeout=HANG_MS, flags=re.S)
     shot(page, "05-training")
 
     # a reload mid-run: the page shows the run again, still training; let go, it goes on to the end
@@ -213,15 +212,15 @@ def whole_flow(server, page, tmp_path):
     page.wait_for_function(
         "() => { const m = document.querySelector('#train-status').innerText.match(/step (\\d+) \\//);"
         f" return m && +m[1] > {HOLD_STEP}; }}",
-        timeout=180_000,
+        timeout=HANG_MS,
     )
 
-    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    wait_text(page, "#train-status", r"finished", timeout=HANG_MS)
     sync_api.expect(page.locator("#train-message")).not_to_contain_text("Training started")  # gone with the run
     sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
     wait_text(page, "#train-memory", r"predicted peak .* measured")
     assert "step 16 / 16" in page.locator("#train-status").inner_text()
-    sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=15_000)
+    sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=HANG_MS)
     shot(page, "07-trained")
 
     # after the reload the editor holds the recipe it had, under a free name (a run has its name now)
@@ -253,7 +252,7 @@ def whole_flow(server, page, tmp_path):
     page.locator("#start-btn").click()
     wait_text(page, "#train-message", r"Training started: my-second-run .*predicted not to fit")
     wait_text(page, "#train-status", r"my-second-run")
-    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    wait_text(page, "#train-status", r"finished", timeout=HANG_MS)
     assert (runs / "my-second-run" / "adapter").is_dir()  # the folder is the name as typed
     shot(page, "08-second-run")
 
@@ -273,7 +272,7 @@ def whole_flow(server, page, tmp_path):
 
     # 5. chat: a run name that does not exist says so; then the fine-tuned run next to the base model
     tab(page, "5 · Chat")
-    sync_api.expect(page.locator("#chat-run input")).to_have_value(run_name, timeout=15_000)
+    sync_api.expect(page.locator("#chat-run input")).to_have_value(run_name, timeout=HANG_MS)
     type_in(page, "chat-run", "no-such-run")
     page.locator("#chat-input textarea").fill("What should I pack for a day hike?")
     page.locator("#chat-send").click()
@@ -283,7 +282,7 @@ def whole_flow(server, page, tmp_path):
     sync_api.expect(page.locator("#chat-input textarea")).to_have_value("What should I pack for a day hike?")
     pick(page, "chat-run", run_name)
     page.locator("#chat-send").click()
-    wait_text(page, "#chat-status", r"Answered in", timeout=300_000)
+    wait_text(page, "#chat-status", r"Answered in", timeout=HANG_MS)
     for lane in ("#chat-tuned", "#chat-base"):
         text = page.locator(lane).inner_text()
         assert "day hike" in text and "…" not in text and "(no answer)" not in text, text
@@ -293,7 +292,7 @@ def whole_flow(server, page, tmp_path):
 
     # 6. export: the adapter zip in one click; a non-empty folder is refused in the merge's words; a merge
     tab(page, "6 · Export")
-    sync_api.expect(page.locator("#export-run input")).to_have_value(run_name, timeout=15_000)
+    sync_api.expect(page.locator("#export-run input")).to_have_value(run_name, timeout=HANG_MS)
     sync_api.expect(page.locator("#zip-btn")).to_be_enabled()
     with page.expect_download() as download:
         page.locator("#zip-btn").click()
@@ -308,7 +307,7 @@ def whole_flow(server, page, tmp_path):
     assert mine.is_file() and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
     page.locator("#out-dir textarea, #out-dir input").first.fill("")
     page.locator("#merge-btn").click()
-    wait_text(page, "#export-status", r"Merged model saved", timeout=300_000)
+    wait_text(page, "#export-status", r"Merged model saved", timeout=HANG_MS)
     shot(page, "10-export")
     merged = runs / run_name / "merged"
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
@@ -319,7 +318,7 @@ def whole_flow(server, page, tmp_path):
         fresh = other.new_page()
         fresh.goto(server["url"])
         tab(fresh, "2 · Data")
-        sync_api.expect(fresh.locator("#data-file input")).to_have_value(stored, timeout=60_000)
+        sync_api.expect(fresh.locator("#data-file input")).to_have_value(stored, timeout=HANG_MS)
         wait_text(fresh, "#data-summary", r"\b37\b examples")
     finally:
         other.close()
@@ -401,14 +400,14 @@ def dpo_flow(server, page):
     page.locator("#start-btn").click()
     wait_text(page, "#train-message", rf"Training started: {re.escape(recipe['name'])}\b")
     wait_text(page, "#train-status", re.escape(recipe["name"]))
-    sync_api.expect(page.locator("#reward-column")).to_be_visible(timeout=180_000)
-    wait_text(page, "#train-status", r"reward accuracy \d+%", timeout=300_000)
-    page.wait_for_function(f"() => ({REWARD_LINE_JS})() >= 2", timeout=300_000)  # a line from two steps on
+    sync_api.expect(page.locator("#reward-column")).to_be_visible(timeout=HANG_MS)
+    wait_text(page, "#train-status", r"reward accuracy \d+%", timeout=HANG_MS)
+    page.wait_for_function(f"() => ({REWARD_LINE_JS})() >= 2", timeout=HANG_MS)  # a line from two steps on
     shot(page, "dpo-03-training")
-    wait_text(page, "#train-status", r"finished", timeout=300_000)
+    wait_text(page, "#train-status", r"finished", timeout=HANG_MS)
     status = page.locator("#train-status").inner_text()
     assert "step 4 / 4" in status and re.search(r"eval reward accuracy \d+%", status), status
-    page.wait_for_function(f"() => ({REWARD_LINE_JS})() === 4", timeout=60_000)  # every step drawn
+    page.wait_for_function(f"() => ({REWARD_LINE_JS})() === 4", timeout=HANG_MS)  # every step drawn
     wait_text(page, "#reward-plot", r"Reward accuracy — \d+% at step 4")
     sync_api.expect(page.locator("#loss-plot svg.marks")).to_be_visible()
     loss, rewards = page.locator("#loss-plot").bounding_box(), page.locator("#reward-plot").bounding_box()
@@ -457,7 +456,7 @@ def fill_shown(page, selector: str, value: str) -> None:
     rendering can be dropped before the box listens (as the chat's generation settings were), so it
     is typed again until the box holds it; a number is committed by leaving the box."""
     box = page.locator(selector)
-    sync_api.expect(box).to_be_visible(timeout=15_000)
+    sync_api.expect(box).to_be_visible(timeout=HANG_MS)
     fill_until_held(box, value)
 
 

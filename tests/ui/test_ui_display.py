@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text
+from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text, HANG_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
@@ -25,7 +25,6 @@ TABS = ["1 · Model & card", "2 · Data", "3 · Plan", "4 · Train", "5 · Chat"
 EVAL_COLOUR = "#f97316"  # views.LOSS_COLORS["eval"]
 PROMPT = "What should I pack for a day hike?"
 
-pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def set_field(page, label: str, value: str) -> None:
 
 
 def chart_drawn(page, elem_id: str) -> None:
-    sync_api.expect(page.locator(f"#{elem_id} svg.marks .role-mark").first).to_be_attached(timeout=60_000)
+    sync_api.expect(page.locator(f"#{elem_id} svg.marks .role-mark").first).to_be_attached(timeout=HANG_MS)
 
 
 def shoot_every_tab(page, name: str) -> None:
@@ -220,17 +219,17 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
 
     tab(page, "4 · Train")
     page.locator("#start-btn").click()
-    run_name = wait_text(page, "#train-status .ft-run", r"demo_cpu", timeout=120_000)
+    run_name = wait_text(page, "#train-status .ft-run", r"demo_cpu", timeout=HANG_MS)
     # from two logged steps on, a line on numeric axes (the chart redraws every few seconds)
-    page.wait_for_function(f"() => {{ const l = ({LOSS_JS})(); return l && l.line.some(n => n >= 2); }}", timeout=300_000)
+    page.wait_for_function(f"() => {{ const l = ({LOSS_JS})(); return l && l.line.some(n => n >= 2); }}", timeout=HANG_MS)
     loss = page.evaluate(LOSS_JS)
     assert_numeric_axes(loss)
     page.screenshot(path=str(SHOTS / "train-first-steps.png"), full_page=True)
     # the first eval point is drawn, alone (no line yet) as a dot
-    page.wait_for_function(f"() => {{ const l = ({LOSS_JS})(); return l && l.dots.includes('{EVAL_COLOUR}'); }}", timeout=300_000)
+    page.wait_for_function(f"() => {{ const l = ({LOSS_JS})(); return l && l.dots.includes('{EVAL_COLOUR}'); }}", timeout=HANG_MS)
     assert_numeric_axes(page.evaluate(LOSS_JS))
     page.screenshot(path=str(SHOTS / "train-first-eval.png"), full_page=True)
-    wait_text(page, "#train-status", r"finished", timeout=600_000)
+    wait_text(page, "#train-status", r"finished", timeout=HANG_MS)
     from finetuner.runs import jobs
 
     evals = jobs.run_status(server["runs"] / run_name, server["runs"]).evals
@@ -243,9 +242,9 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
     gen = {"max_new_tokens": 96, "temperature": 1.0, "top_p": 1.0}
     seed, raw = raw_answer_with_invalid_bytes(server["runs"] / run_name, gen)
     tab(page, "5 · Chat")
-    sync_api.expect(page.locator("#chat-run input")).to_have_value(run_name, timeout=15_000)
+    sync_api.expect(page.locator("#chat-run input")).to_have_value(run_name, timeout=HANG_MS)
     page.get_by_text("Generation settings").click()
-    sync_api.expect(page.locator("#gen-seed input[type=number]")).to_be_visible(timeout=15_000)  # the accordion is open
+    sync_api.expect(page.locator("#gen-seed input[type=number]")).to_be_visible(timeout=HANG_MS)  # the accordion is open
     for elem_id, value in (("gen-temperature", "1"), ("gen-top-p", "1"), ("gen-seed", str(seed))):
         box = page.locator(f"#{elem_id} input[type=number]")
         if elem_id == "gen-seed":
@@ -257,7 +256,7 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
         fill_until_held(box, value, "Enter", held=page.locator(f"#{elem_id} input[type=range]"))
     page.locator("#chat-input textarea").fill(PROMPT)
     page.locator("#chat-send").click()
-    wait_text(page, "#chat-status", r"Answered in", timeout=300_000)
+    wait_text(page, "#chat-status", r"Answered in", timeout=HANG_MS)
     # the answer was generated with the settings typed above (the status line says which)
     wait_text(page, "#chat-status", rf"temperature 1, top-p 1, seed {seed}, at most 96 tokens")
     tuned = page.locator("#chat-tuned .message").last.inner_text()
@@ -269,7 +268,7 @@ def test_live_loss_chart_chat_and_no_replacement_characters(server, page):
         page.locator("#chat-input textarea").fill(question)
         page.locator("#chat-send").click()
         page.wait_for_function(f"() => document.querySelectorAll('#chat-base .message-row').length === {2 * (i + 2)}"
-                               " && /Answered in/.test(document.querySelector('#chat-status').innerText)", timeout=300_000)
+                               " && /Answered in/.test(document.querySelector('#chat-status').innerText)", timeout=HANG_MS)
     assert page.evaluate(OVERLAP_JS) == ["scrolled true"]
     assert "\ufffd" not in page.locator("body").inner_text()
     shoot_every_tab(page, "trained")

@@ -14,7 +14,7 @@ import pytest
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.errors import UserError
 from finetuner.export.merge import merge_adapter
-from tests.conftest import demo_run_folder
+from tests.conftest import HANG_GUARD_S, demo_run_folder
 from ui import handlers as ui_handlers
 from ui.errors import error_md
 from ui.handlers import Handlers
@@ -243,7 +243,7 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
     _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_GUARD_S
     while (st := jobs.run_status(h.runs / recipe.name, h.runs)).state != "done" and time.monotonic() < deadline:
         assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
         time.sleep(1)

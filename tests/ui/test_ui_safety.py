@@ -21,7 +21,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from tests.conftest import demo_run_folder, free_port
+from tests.conftest import demo_run_folder, free_port, HANG_GUARD_S
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.runs import jobs
 from ui.app import build_app, launch
@@ -44,7 +44,7 @@ def own_tmp(tmp_path, monkeypatch) -> Path:
 def _http_status(url: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, data=data, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as r:
             return r.status, r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode("utf-8", "replace")
@@ -75,7 +75,7 @@ def test_the_temp_folder_goes_when_the_ui_process_exits(tmp_path):
             "print(a.temp_dir); (a.temp_dir / 'x.yaml').write_text('x')")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs"), str(tmp_path / "up")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     folder = Path(r.stdout.strip().splitlines()[-1])
     assert folder.name.startswith("finetuner-ui-") and not folder.exists()
@@ -199,7 +199,7 @@ def test_two_sessions_chat_with_two_runs_at_once(tmp_path, monkeypatch):
         out = real_start(worker)
         if worker.source.endswith("run-a") and not one_loaded.is_set():
             one_loaded.set()
-            assert two_done.wait(300)
+            assert two_done.wait(HANG_GUARD_S)
         return out
 
     monkeypatch.setattr(ChatWorker, "start", start)
@@ -208,7 +208,7 @@ def test_two_sessions_chat_with_two_runs_at_once(tmp_path, monkeypatch):
     try:
         session_one = threading.Thread(target=lambda: one.extend(h.on_chat("Hello", [], [], "run-a", *settings)))
         session_one.start()
-        assert one_loaded.wait(300)
+        assert one_loaded.wait(HANG_GUARD_S)
         two = list(h.on_chat("Hi there", [], [], "run-b", *settings))
         two_done.set()
         session_one.join(300)
@@ -253,7 +253,7 @@ def test_stop_never_signals_a_process_that_has_a_stale_jobs_pid(tmp_path):
 
         _record(runs, run, sleeper.pid, proc_start=started)  # the job's own process: Stop signals it
         assert "Stopping **old-run**" in h.on_stop("old-run")
-        assert sleeper.wait(timeout=30) == -signal.SIGINT
+        assert sleeper.wait(timeout=HANG_GUARD_S) == -signal.SIGINT
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
@@ -335,7 +335,7 @@ def test_finetuner_ui_with_gradio_share_set_serves_locally_and_caps_uploads(tmp_
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + HANG_GUARD_S
         while not (_port_open(port) and _http_status(url + "/")[0] == 200):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.3)
@@ -346,7 +346,7 @@ def test_finetuner_ui_with_gradio_share_set_serves_locally_and_caps_uploads(tmp_
         assert status == 413
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_GUARD_S)
     text = log.read_text()
     assert "warning: GRADIO_SHARE is set; ignored: finetuner ui never makes a public share link" in text
     assert "gradio.live" not in text and "public URL" not in text
