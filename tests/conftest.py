@@ -196,6 +196,35 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float | None = HANG_GU
     )
 
 
+def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The ``finetuner`` CLI's ``main`` called in this process, with what it prints captured: the same parser,
+    command, messages and exit status as :func:`run_cli`, without a new interpreter's ~10 s of imports (torch,
+    transformers, peft). For commands that load a model or a run and end (``eval``, ``merge``, ``export``,
+    ``chat -p``); what only a process shows (the entry point, signals, stdin, output a library writes to the
+    file descriptors itself, import-time cost) stays with :func:`run_cli`."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from finetuner.cli.main import main
+
+    out, err, here, columns = io.StringIO(), io.StringIO(), os.getcwd(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"  # as run_cli sets it: rich's width off a terminal
+    try:
+        os.chdir(cwd or REPO)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    return subprocess.CompletedProcess(["finetuner", *args], code, out.getvalue(), err.getvalue())
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on."""
     with socket.socket() as s:

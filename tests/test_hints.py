@@ -13,7 +13,7 @@ import pytest
 
 from finetuner.surface import shown_in
 from finetuner.errors import UserError, how_to_set
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, cli_in_process, run_cli, write_recipe
 
 DEMO_MODEL = str(REPO / "data" / "demo_model")
 ROWS = [(f"Was nehme ich auf Wanderung {i} mit?", f"Wasser, eine Karte und Stiefel für Wanderung {i}.", "wandern") for i in range(16)]
@@ -84,15 +84,15 @@ def test_the_data_columns_hint_works_where_it_is_shown(tmp_path):
     assert fixed.returncode == 0, fixed.stderr
 
     other = write_csv(tmp_path / "mehr.csv")  # the same columns, in a file the run did not train on
-    r = run_cli("eval", str(tmp_path / "run"), "--data", str(other), "--no-write", cwd=tmp_path)
+    r = cli_in_process("eval", str(tmp_path / "run"), "--data", str(other), "--no-write", cwd=tmp_path)
     assert r.returncode == 2 and "cannot tell the data format" in r.stderr and "--set" not in r.stderr, r.stderr
-    fixed = run_cli("eval", str(tmp_path / "run"), "--data", str(other), "--no-write", *suggested_args(r.stderr, "eval"),
+    fixed = cli_in_process("eval", str(tmp_path / "run"), "--data", str(other), "--no-write", *suggested_args(r.stderr, "eval"),
                     cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
     assert f"16 examples from {other} (" in fixed.stdout and "held-out" not in fixed.stdout
 
     # the run's own training file is named as such, not as held-out data
-    own = run_cli("eval", str(tmp_path / "run"), "--data", str(data), "--no-write", "--column", "prompt=frage",
+    own = cli_in_process("eval", str(tmp_path / "run"), "--data", str(data), "--no-write", "--column", "prompt=frage",
                   "--column", "response=antwort", cwd=tmp_path)
     assert own.returncode == 0, own.stderr
     assert f"16 examples from {data}, the run's training data" in own.stdout and "held-out" not in own.stdout
@@ -100,7 +100,7 @@ def test_the_data_columns_hint_works_where_it_is_shown(tmp_path):
 
 @pytest.mark.parametrize("bad", ["prompt", "=frage", "prompt="])
 def test_eval_column_items_are_checked(tmp_path, bad):
-    r = run_cli("eval", str(tmp_path), "--data", "x.csv", "--column", bad, cwd=tmp_path)
+    r = cli_in_process("eval", str(tmp_path), "--data", "x.csv", "--column", bad, cwd=tmp_path)
     assert r.returncode == 2 and "write ROLE=COLUMN" in r.stderr
 
 

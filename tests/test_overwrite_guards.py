@@ -20,7 +20,7 @@ import pytest
 from finetuner.errors import UserError
 from finetuner.export.merge import EXPORT_MARKER, check_output_dir, merge_adapter
 from finetuner.infer.loading import resolve_source
-from tests.conftest import REPO, demo_run_folder, run_cli
+from tests.conftest import REPO, cli_in_process, demo_run_folder
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def _leftovers(folder: Path) -> list[str]:
 def test_cli_merge_overwrite_refuses_a_folder_of_the_users_and_names_what_is_in_it(run, tmp_path):
     out = tmp_path / "v"
     before = _users_folder(out)
-    p = run_cli("merge", str(run), "-o", str(out), "--overwrite")
+    p = cli_in_process("merge", str(run), "-o", str(out), "--overwrite")
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr + p.stdout
     first = p.stderr.splitlines()[1]  # after "Merging ... → ..."
@@ -61,17 +61,17 @@ def test_cli_merge_overwrite_refuses_a_folder_of_the_users_and_names_what_is_in_
 
 def test_cli_merge_twice_into_one_folder_the_second_replaces_the_first(run, tmp_path):
     out = tmp_path / "merged"
-    p = run_cli("merge", str(run), "-o", str(out))
+    p = cli_in_process("merge", str(run), "-o", str(out))
     assert p.returncode == 0, p.stderr
     marker = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8"))
     assert marker["kind"] == "merge" and marker["source"] == str(run) and marker["time"]
     assert set(marker["files"]) == {x.name for x in out.iterdir()} - {EXPORT_MARKER}
     assert "config.json" in marker["files"] and "model.safetensors" in marker["files"]
 
-    again = run_cli("merge", str(run), "-o", str(out))  # without --overwrite: refused, the first kept
+    again = cli_in_process("merge", str(run), "-o", str(out))  # without --overwrite: refused, the first kept
     assert again.returncode == 2 and "earlier finetuner merge" in again.stderr and "--overwrite" in again.stderr
 
-    p = run_cli("merge", str(run), "-o", str(out), "--overwrite", "--dtype", "bf16")
+    p = cli_in_process("merge", str(run), "-o", str(out), "--overwrite", "--dtype", "bf16")
     assert p.returncode == 0, p.stderr
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"  # the second merge's model
@@ -165,16 +165,16 @@ def test_gguf_overwrite_replaces_only_a_file_finetuner_exported(run, tmp_path):
 
     theirs = tmp_path / "theirs.gguf"
     theirs.write_text("a file of the user's", encoding="utf-8")
-    p = run_cli("export", str(run), "-o", str(theirs), "--overwrite", "--no-verify")
+    p = cli_in_process("export", str(run), "-o", str(theirs), "--overwrite", "--no-verify")
     assert p.returncode == 2 and f"The output {theirs} exists and is not a GGUF file finetuner exported" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and theirs.read_text(encoding="utf-8") == "a file of the user's"
 
     out = tmp_path / "model.gguf"
-    assert run_cli("export", str(run), "-o", str(out), "--quant", "f16", "--no-verify").returncode == 0
+    assert cli_in_process("export", str(run), "-o", str(out), "--quant", "f16", "--no-verify").returncode == 0
     assert gguf_marker(out)["kind"] == "gguf" and gguf_marker(out)["source"] == str(run)
-    refused = run_cli("export", str(run), "-o", str(out), "--quant", "q8_0", "--no-verify")
+    refused = cli_in_process("export", str(run), "-o", str(out), "--quant", "q8_0", "--no-verify")
     assert refused.returncode == 2 and "exists" in refused.stderr
-    p = run_cli("export", str(run), "-o", str(out), "--quant", "q8_0", "--overwrite", "--no-verify", "--json")
+    p = cli_in_process("export", str(run), "-o", str(out), "--quant", "q8_0", "--overwrite", "--no-verify", "--json")
     assert p.returncode == 0, p.stderr
     import gguf
 
@@ -185,15 +185,15 @@ def test_gguf_overwrite_replaces_only_a_file_finetuner_exported(run, tmp_path):
 def test_ollama_overwrite_refuses_a_folder_of_the_users_and_replaces_its_own(run, tmp_path):
     out = tmp_path / "ollama"
     before = _users_folder(out)
-    p = run_cli("export", str(run), "--format", "ollama", "-o", str(out), "--overwrite", "--no-verify")
+    p = cli_in_process("export", str(run), "--format", "ollama", "-o", str(out), "--overwrite", "--no-verify")
     assert p.returncode == 2 and "notes.txt" in p.stderr and ".ssh/" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert _tree(out) == before
 
     mine = tmp_path / "mine"
-    assert run_cli("export", str(run), "--format", "ollama", "-o", str(mine), "--no-verify").returncode == 0
+    assert cli_in_process("export", str(run), "--format", "ollama", "-o", str(mine), "--no-verify").returncode == 0
     assert sorted(x.name for x in mine.iterdir()) == sorted([EXPORT_MARKER, "Modelfile", "model.gguf"])
     assert json.loads((mine / EXPORT_MARKER).read_text(encoding="utf-8"))["kind"] == "ollama"
-    p = run_cli("export", str(run), "--format", "ollama", "--quant", "q8_0", "-o", str(mine), "--overwrite", "--no-verify")
+    p = cli_in_process("export", str(run), "--format", "ollama", "--quant", "q8_0", "-o", str(mine), "--overwrite", "--no-verify")
     assert p.returncode == 0, p.stderr
     assert _leftovers(tmp_path) == []
 

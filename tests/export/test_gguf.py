@@ -14,7 +14,7 @@ import pytest
 import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.export.gguf import export_model
-from tests.conftest import REPO, alpaca_rows, corpus, run_cli, HANG_GUARD_S
+from tests.conftest import HANG_GUARD_S, REPO, alpaca_rows, cli_in_process, corpus
 
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
@@ -136,13 +136,13 @@ def test_lora_run_to_f16_gguf_matches_the_merged_model(lora_run, tmp_path):
     names = {name for _, name in gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping.values()}
     assert {n.rsplit(".", 1)[0] for n in types} <= names
 
-    again = run_cli("export", str(lora_run), "-o", str(out))
+    again = cli_in_process("export", str(lora_run), "-o", str(out))
     assert again.returncode == 2 and "exists" in again.stderr and "--overwrite" in again.stderr and "Traceback" not in again.stderr
 
 
 def test_cli_ollama_q8_0_writes_modelfile_and_reports_top1(lora_run, tmp_path):
     out = tmp_path / "Tern Model"
-    p = run_cli("export", str(lora_run), "--format", "ollama", "--quant", "q8_0", "-o", str(out))
+    p = cli_in_process("export", str(lora_run), "--format", "ollama", "--quant", "q8_0", "-o", str(out))
     assert p.returncode == 0, p.stderr
     assert re.search(r"top-1 agreement 100% on \d+ tokens", p.stdout), p.stdout
     assert re.search(r"max \|logit difference\| [0-9.e-]+", p.stdout)
@@ -154,7 +154,7 @@ def test_cli_ollama_q8_0_writes_modelfile_and_reports_top1(lora_run, tmp_path):
     assert 'SYSTEM """Be brief."""' in text
     _, f = _fields(out / "model.gguf")
     assert f["general.file_type"] == 7
-    p = run_cli("export", str(lora_run), "--format", "ollama", "--quant", "q4_0", "-o", str(out), "--overwrite", "--json")
+    p = cli_in_process("export", str(lora_run), "--format", "ollama", "--quant", "q4_0", "-o", str(out), "--overwrite", "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["quant"] == "q4_0" and r["top1_agreement"] is not None and r["max_abs_logit_diff"] is not None
@@ -190,7 +190,7 @@ def test_qwen2_with_biases_q8_0(qwen2_dir, tmp_path):
 # ------------------------------------------------------------------ bad input: clear errors, nothing written
 def _refused(tmp_path, *args, match):
     before = sorted(p.name for p in tmp_path.iterdir())
-    p = run_cli("export", *args)
+    p = cli_in_process("export", *args)
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     assert re.search(match, p.stderr), p.stderr
     assert "Traceback" not in p.stderr

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from finetuner.runs.events import read_events
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli_in_process, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_merge_of_the_run_loads_back_in_transformers(gguf_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = gguf_run["work"] / "merged"
-    r = run_cli("merge", str(gguf_run["run"]), "-o", str(out), "--json")
+    r = cli_in_process("merge", str(gguf_run["run"]), "-o", str(out), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["dtype"] == "fp32" and result["max_abs_diff"] <= result["tolerance"]
@@ -73,7 +73,7 @@ def test_gguf_export_of_the_run_loads_back_in_transformers(gguf_run):
     from transformers import AutoModelForCausalLM
 
     out = gguf_run["work"] / "export" / "tuned.f16.gguf"
-    r = run_cli("export", str(gguf_run["run"]), "-o", str(out), "--quant", "f16", "--json")
+    r = cli_in_process("export", str(gguf_run["run"]), "-o", str(out), "--quant", "f16", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["top1_agreement"] == 1.0 and result["max_abs_logit_diff"] <= result["tolerance"]
@@ -83,12 +83,12 @@ def test_gguf_export_of_the_run_loads_back_in_transformers(gguf_run):
 
 def test_chat_answers_from_the_gguf_base_and_the_run(gguf_run):
     for source in (str(gguf_run["base"]), str(gguf_run["run"])):
-        r = run_cli("chat", source, "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5")
+        r = cli_in_process("chat", source, "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5")
         assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_a_missing_gguf_is_one_clear_error_in_the_cli(tmp_path):
     r = run_cli("plan", "--model", str(tmp_path / "nope.Q4_K_M.gguf"), "--gpu", "cpu")
     assert r.returncode != 0 and "nope.Q4_K_M.gguf' does not exist" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("chat", str(tmp_path / "nope.gguf"), "--prompt", "hi")
+    r = cli_in_process("chat", str(tmp_path / "nope.gguf"), "--prompt", "hi")
     assert r.returncode != 0 and "nope.gguf' does not exist" in r.stderr and "Traceback" not in r.stderr

@@ -11,7 +11,7 @@ import pytest
 import finetuner
 from finetuner.export.merge import merge_adapter, parse_size, saved_dtype
 from finetuner.config.recipe import Recipe
-from tests.conftest import alpaca_rows, run_cli
+from tests.conftest import alpaca_rows, cli_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,18 +129,18 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     (tmp_path / "beside.txt").write_text("also mine")
-    p = run_cli("merge", str(lora_run), "-o", str(out))
+    p = cli_in_process("merge", str(lora_run), "-o", str(out))
     assert p.returncode == 2 and "not empty" in p.stderr and "empty that folder yourself" in p.stderr
     assert f"→ {out} (auto) ..." in p.stderr  # the default: the base's own dtype
     assert (out / "notes.txt").read_text() == "mine"
 
-    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
+    p = cli_in_process("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
     assert p.returncode == 2 and "no finetuner merge or export wrote" in p.stderr  # overwrite replaces only an export
     assert (out / "notes.txt").read_text() == "mine"
     (out / "notes.txt").unlink()
-    assert run_cli("merge", str(lora_run), "-o", str(out)).returncode == 0  # an empty folder: no overwrite needed
+    assert cli_in_process("merge", str(lora_run), "-o", str(out)).returncode == 0  # an empty folder: no overwrite needed
 
-    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
+    p = cli_in_process("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
     assert p.returncode == 0, p.stderr
     assert "max |logit difference|" in p.stdout and "peak RAM" in p.stdout
     # nothing but finetuner's own lines: no library warnings (DeepSpeed's "Setting accelerator to CPU"
@@ -166,7 +166,7 @@ def test_a_run_with_no_adapter_and_a_missing_base_are_clear_errors(lora_run, tin
     unfinished.mkdir()
     shutil.copy(lora_run / "recipe.yaml", unfinished / "recipe.yaml")
     shutil.copytree(lora_run / "checkpoints", unfinished / "checkpoints")
-    p = run_cli("merge", str(unfinished), "-o", str(tmp_path / "m"))
+    p = cli_in_process("merge", str(unfinished), "-o", str(tmp_path / "m"))
     assert p.returncode == 2 and "has no adapter/ folder" in p.stderr and "step-00000003" in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "m").exists()
 

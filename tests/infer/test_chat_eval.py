@@ -8,7 +8,7 @@ import pytest
 
 import finetuner
 from finetuner.config.recipe import Recipe
-from tests.conftest import REPO, alpaca_rows, run_cli, HANG_GUARD_S
+from tests.conftest import HANG_GUARD_S, REPO, alpaca_rows, cli_in_process
 
 PROMPT = "What should I pack for a day hike?"
 
@@ -37,7 +37,7 @@ def chat(run_dir):
 def test_chat_prompt_prints_only_the_answer(run_dir, chat):
     want = chat.reply([{"role": "user", "content": PROMPT}], temperature=0, max_new_tokens=24)
     assert want
-    p = run_cli("chat", str(run_dir), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24")
+    p = cli_in_process("chat", str(run_dir), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24")
     assert p.returncode == 0, p.stderr
     assert p.stdout == want + "\n"
 
@@ -130,7 +130,7 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
 
 def test_eval_shows_the_fine_tune_below_the_base_and_writes_metrics(run_dir):
     before = json.loads((run_dir / "metrics.json").read_text())
-    p = run_cli("eval", str(run_dir), "--json")
+    p = cli_in_process("eval", str(run_dir), "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["examples"] == 8 and r["fine_tuned"]["loss"] < r["base"]["loss"] - 0.5

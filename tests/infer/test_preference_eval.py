@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import run_cli
+from tests.conftest import cli_in_process, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,12 +19,12 @@ def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path,
                   cwd=tmp_path)
     assert dpo.returncode == 0, dpo.stderr
     assert "held-out rewards" in dpo.stdout and "perplexity" not in dpo.stdout  # a DPO loss has no perplexity
-    ev = run_cli("eval", str(tmp_path / "dpo"), "--json", cwd=tmp_path)
+    ev = cli_in_process("eval", str(tmp_path / "dpo"), "--json", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr
     r = json.loads(ev.stdout)
     assert r["compared_with"] == f"start: {sft}" and r["examples"] == 40
     before, after = r["base"]["accuracy"], r["fine_tuned"]["accuracy"]
     assert after >= before + 0.3, (before, after)
-    table = run_cli("eval", str(tmp_path / "dpo"), "--no-write", cwd=tmp_path)
+    table = cli_in_process("eval", str(tmp_path / "dpo"), "--no-write", cwd=tmp_path)
     assert "SFT start" in table.stdout and str(sft) in table.stdout
     assert table.stdout.startswith("40 held-out pairs from the run's validation split"), table.stdout
