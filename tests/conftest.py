@@ -203,11 +203,18 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedP
     ``chat -p``); what only a process shows (the entry point, signals, stdin, output a library writes to the
     file descriptors itself, import-time cost) stays with :func:`run_cli`."""
     import io
+    import logging
     from contextlib import redirect_stderr, redirect_stdout
 
     from finetuner.cli.main import main
 
-    out, err, here, columns = io.StringIO(), io.StringIO(), os.getcwd(), os.environ.get("COLUMNS")
+    # what main sets for its process (finetuner.quiet.quiet_libraries, its environment defaults) is put back,
+    # so that later tests, and the subprocesses they start with this environment, see this process's settings
+    # (warnings filters pytest puts back after each test itself)
+    loggers = {name: logging.getLogger(name) for name in ("transformers", "DeepSpeed", "bitsandbytes.backends.cpu.ops")}
+    kept = {name: (lg.level, list(lg.filters)) for name, lg in loggers.items()}
+    env, here = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
     os.environ["COLUMNS"] = "200"  # as run_cli sets it: rich's width off a terminal
     try:
         os.chdir(cwd or REPO)
@@ -218,10 +225,11 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedP
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         os.chdir(here)
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
+        os.environ.clear()
+        os.environ.update(env)
+        for name, (level, filters) in kept.items():
+            loggers[name].setLevel(level)
+            loggers[name].filters[:] = filters
     return subprocess.CompletedProcess(["finetuner", *args], code, out.getvalue(), err.getvalue())
 
 
