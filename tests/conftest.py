@@ -97,8 +97,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
     """``recipes/demo_cpu.yaml`` trained as shipped (the demo model, 150 LoRA steps, its held-out split), once
-    for the whole session, in this process: for the tests that only read a finished run (eval, chat, merge,
-    export, a preference run that starts from it). Never change it in a test: copy it first."""
+    for the whole session, in this process: for the tests that only read a finished run (today the DPO run
+    that starts from it, tests/infer/test_preference_eval.py). Never change it in a test: copy it first."""
     import finetuner
 
     out = tmp_path_factory.mktemp("demo_run") / "demo_cpu"
@@ -176,8 +176,8 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 
 
 #: A hang guard for the tests' subprocesses and waits, not a time limit: far above what any of them takes on an
-#: idle 2-core machine (the longest single command, the README walk-through's demo training, well under 2
-#: minutes idle) and above it on cores other jobs keep busy. A test that trips it hung; a slow machine never
+#: idle 2-core machine (the longest single command, gpu_all's --smoke, about 4 minutes idle here; 6.6 minutes
+#: with two busy processes competing) and above it on cores other jobs keep busy. A test that trips it hung; a slow machine never
 #: should. pyproject's pytest-timeout (per test) is the same figure; a test that runs several such commands in a
 #: row raises its own limit with ``pytest.mark.timeout``.
 HANG_GUARD_S = 1800
