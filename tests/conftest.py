@@ -196,14 +196,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float | None = HANG_GU
     )
 
 
-def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def cli_in_process(*args: str, cwd: Path | None = None, timeout: float | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The ``finetuner`` CLI's ``main`` called in this process, with what it prints captured: the same parser,
     command, messages and exit status as :func:`run_cli`, without a new interpreter's ~10 s of imports (torch,
-    transformers, peft). For commands that load a model or a run and end (``eval``, ``merge``, ``export``,
-    ``chat -p``); what only a process shows (the entry point, signals, stdin, output a library writes to the
-    file descriptors itself, import-time cost) stays with :func:`run_cli`."""
+    transformers, peft). For commands that load a model or a run and end (``run``, ``plan``, ``eval``, ``merge``,
+    ``export``, ``chat -p``); what only a process shows (the entry point, signals, stdin, output a library writes
+    to the file descriptors or its own log handlers, warnings, import-time cost) stays with :func:`run_cli`.
+    ``timeout`` is accepted for the same calls as :func:`run_cli` and left to pytest-timeout's per-test guard (a
+    call in this process cannot be cut off alone). ``env`` adds to the environment for the call; standard input is
+    empty (Ctrl-D at once, as ``stdin=DEVNULL`` gives a subprocess)."""
     import io
     import logging
+    import signal
     from contextlib import redirect_stderr, redirect_stdout
 
     from finetuner.cli.main import main
@@ -214,17 +219,27 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedP
     loggers = {name: logging.getLogger(name) for name in ("transformers", "DeepSpeed", "bitsandbytes.backends.cpu.ops")}
     kept = {name: (lg.level, list(lg.filters)) for name, lg in loggers.items()}
     env, here = dict(os.environ), os.getcwd()
+    # ``run`` installs its Ctrl-C/SIGTERM handlers and an unraisable-exception hook for its process: put back
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    unraisable = sys.unraisablehook
     out, err = io.StringIO(), io.StringIO()
     os.environ["COLUMNS"] = "200"  # as run_cli sets it: rich's width off a terminal
+    os.environ.update(env or {})
+    stdin = sys.stdin
     try:
         os.chdir(cwd or REPO)
+        sys.stdin = io.StringIO("")
         with redirect_stdout(out), redirect_stderr(err):
             try:
                 code = main(list(args))
             except SystemExit as e:  # argparse's usage errors
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
+        sys.stdin = stdin
         os.chdir(here)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        sys.unraisablehook = unraisable
         os.environ.clear()
         os.environ.update(env)
         for name, (level, filters) in kept.items():

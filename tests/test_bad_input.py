@@ -29,7 +29,7 @@ from finetuner.data.pipeline import IGNORE_INDEX, prepare_data
 from finetuner.data.formats import CHAT_ROLES, SHAREGPT_ROLES
 from finetuner.errors import UserError
 from finetuner.config.recipe import DataSection, Recipe
-from tests.conftest import alpaca_rows, run_cli, ui_client, write_recipe, HANG_GUARD_S
+from tests.conftest import alpaca_rows, cli_in_process, run_cli, ui_client, write_recipe, HANG_GUARD_S
 
 
 def fuzz(n: int):
@@ -899,7 +899,7 @@ LEAKS = ("Traceback", "constrained-int", "literal[", "sentencepiece", "Input sho
 def test_cli_run_on_bad_input(tmp_path, tiny_model_dir, case):
     recipe, data, expect, sets = _cli_case(tmp_path, tiny_model_dir, case)
     with untouched(recipe, data):
-        p = run_cli("run", str(recipe), *[a for s in sets for a in ("--set", s)], timeout=HANG_GUARD_S)
+        p = cli_in_process("run", str(recipe), *[a for s in sets for a in ("--set", s)], timeout=HANG_GUARD_S)
     assert p.returncode == 2, p.stderr
     assert not [w for w in LEAKS if w in p.stderr + p.stdout], p.stderr
     assert p.stderr.startswith("error: ")
@@ -912,7 +912,7 @@ def test_plan_and_run_say_the_same_of_a_folder_that_is_not_a_model(tmp_path, tin
     recipe, _data, _expect, _sets = _cli_case(tmp_path, tiny_model_dir, "not_a_model")
     folder = tmp_path / "user" / "downloads"
     plan = run_cli("plan", "--model", str(folder), "--gpu", "24GB")
-    run = run_cli("run", str(recipe), timeout=HANG_GUARD_S)
+    run = cli_in_process("run", str(recipe), timeout=HANG_GUARD_S)
     assert plan.returncode == run.returncode == 2
     said = f"{folder}: no config.json in this folder"
     assert said in plan.stderr and said in run.stderr, (plan.stderr, run.stderr)

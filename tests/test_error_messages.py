@@ -23,7 +23,7 @@ import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
-from tests.conftest import REPO, run_cli, write_recipe, HANG_GUARD_S
+from tests.conftest import REPO, cli_in_process, write_recipe, HANG_GUARD_S
 
 
 def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
@@ -67,7 +67,7 @@ def test_every_seed_torch_and_numpy_take_is_accepted(recipe_dict, seed):
 
 def test_lr_inf_is_refused_by_the_cli_before_anything_is_written(recipe_dict, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
-    r = run_cli("run", str(recipe), "--set", "training.lr=inf")
+    r = cli_in_process("run", str(recipe), "--set", "training.lr=inf")
     assert "training.lr: must be a finite number > 0; got 'inf'." in r.stderr
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()
@@ -99,7 +99,7 @@ def test_a_broken_model_folder_is_one_line_naming_it_and_leaves_no_run_folder(re
     shutil.copytree(tiny_model_dir, model)
     expected = _break(model, how)
     recipe = write_recipe(tmp_path / "r.yaml", dict(recipe_dict, model={"name": str(model)}))
-    r = run_cli("run", str(recipe))
+    r = cli_in_process("run", str(recipe))
     _one_line_error(r, "model.name: ", expected)
     assert not (tmp_path / "run").exists()  # the folder this run made holds nothing of use: removed
 
@@ -190,7 +190,7 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_run_resumes(r
     events = read_events(run_dir / "events.jsonl")
     assert events[-1]["event"] == "error" and events[-1]["message"].startswith("No space left on device")
     # the command the message gives finishes the run
-    done = run_cli("run", str(run_dir / "recipe.yaml"), "-o", str(run_dir), "--quiet")
+    done = cli_in_process("run", str(run_dir / "recipe.yaml"), "-o", str(run_dir), "--quiet")
     assert done.returncode == 0, done.stderr
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -327,7 +327,7 @@ def test_a_loss_that_is_nan_from_the_first_step_names_the_base_model(recipe_dict
     model.save_pretrained(tmp_path / "nan-model")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "nan-model")
     recipe = write_recipe(tmp_path / "r.yaml", dict(recipe_dict, model={"name": str(tmp_path / "nan-model")}))
-    r = run_cli("run", str(recipe), "--quiet")
+    r = cli_in_process("run", str(recipe), "--quiet")
     _one_line_error(r, "The loss became nan at step 1")
     assert "the loss is not finite at the first step, before any update: the base model's own outputs are" in r.stderr
     assert "training.lr" not in r.stderr  # not the learning rate: nothing was updated yet
@@ -336,7 +336,7 @@ def test_a_loss_that_is_nan_from_the_first_step_names_the_base_model(recipe_dict
 def test_the_hint_names_a_very_high_learning_rate(recipe_dict, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", dict(recipe_dict, training=dict(
         recipe_dict["training"], lr=1e30, optimizer="sgd", max_grad_norm=None, max_steps=4)))
-    r = run_cli("run", str(recipe), "--quiet")
+    r = cli_in_process("run", str(recipe), "--quiet")
     _one_line_error(r, "The loss became nan at step 2")
     assert "training.lr 1e+30 is very high for lora" in r.stderr and "gradient clipping is off" in r.stderr
 

@@ -78,9 +78,9 @@ def test_the_data_columns_hint_works_where_it_is_shown(tmp_path):
         "training": {"max_steps": 2, "lr": 2e-3, "micro_batch_size": 4, "gradient_accumulation": 1, "warmup_steps": 0},
         "logging": {"tensorboard": False}, "output_dir": str(tmp_path / "run"),
     })
-    r = run_cli("run", str(recipe), cwd=tmp_path)
+    r = cli_in_process("run", str(recipe), cwd=tmp_path)
     assert r.returncode == 2 and "cannot tell the data format" in r.stderr and "--column" not in r.stderr, r.stderr
-    fixed = run_cli("run", str(recipe), *suggested_args(r.stderr, "run"), cwd=tmp_path)
+    fixed = cli_in_process("run", str(recipe), *suggested_args(r.stderr, "run"), cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
 
     other = write_csv(tmp_path / "mehr.csv")  # the same columns, in a file the run did not train on

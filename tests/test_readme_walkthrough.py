@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HANG_GUARD_S
+from tests.conftest import HANG_GUARD_S, cli_in_process
 from tests.test_readme import FAKE_TOKEN, README, blocks, commands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +96,28 @@ def fresh_copy(work: Path) -> None:
     (work / ".venv" / ".finetuner-install").write_text(f"{digest[:16]}-\n", encoding="utf-8")
 
 
+#: what bash would expand or redirect: a command with any of these runs in bash
+SHELL_SYNTAX = re.compile(r"[|&;<>$`*?~(){}\\]|^\w+=")
+
+
+def finetuner_argv(cmd: str) -> list[str] | None:
+    """The arguments of a plain ``finetuner ...`` command (words and quotes only, nothing bash would expand),
+    else None. Those run in the test process: the same parser, command and output as the ``finetuner``
+    script, without a new interpreter's ~10 s of imports each (``./scripts/demo.sh`` runs the script itself)."""
+    words = shlex.split(cmd)
+    if words[:1] != ["finetuner"] or SHELL_SYNTAX.search(re.sub(r'"[^"$`\\]*"|\'[^\']*\'', "", cmd)):
+        return None
+    return words[1:]
+
+
+def test_plain_finetuner_commands_are_told_apart_from_shell_ones():
+    assert finetuner_argv('finetuner chat runs/demo_cpu -p "What do I need?" --compare') == [
+        "chat", "runs/demo_cpu", "-p", "What do I need?", "--compare"]
+    for cmd in ("./scripts/demo.sh", "finetuner gpus | head", "finetuner run ~/my.yaml", "finetuner eval $RUN",
+                "HF_TOKEN=x finetuner run a.yaml", "finetuner run a.yaml > log", "finetuner-x run"):
+        assert finetuner_argv(cmd) is None, cmd
+
+
 def test_every_not_run_reason_names_a_readme_command():
     cmds = readme_commands()
     assert any(c.startswith("./scripts/demo.sh") for c in cmds)
@@ -108,8 +131,7 @@ def test_every_not_run_reason_names_a_readme_command():
 def test_the_readme_commands_run_in_order(tmp_path):
     work = tmp_path / "clone"
     fresh_copy(work)
-    env = {
-        **os.environ,
+    overrides = {
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "FINETUNER_CACHE_DIR": str(tmp_path / "cache"),
         "HF_HOME": str(tmp_path / "hf_home"),
@@ -126,8 +148,12 @@ def test_the_readme_commands_run_in_order(tmp_path):
             skipped.append(f"{cmd}  ({why})")
             continue
         began = time.monotonic()
-        proc = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=HANG_GUARD_S)  # an interactive chat ends as Ctrl-D ends it
+        argv = finetuner_argv(cmd)
+        if argv is not None:  # the same command, parsed as bash would, in this process (cli_in_process)
+            proc = cli_in_process(*argv, cwd=work, env=overrides)
+        else:
+            proc = subprocess.run(["bash", "-c", cmd], cwd=work, env={**os.environ, **overrides}, capture_output=True,
+                                  text=True, stdin=subprocess.DEVNULL, timeout=HANG_GUARD_S)  # an interactive chat ends as Ctrl-D ends it
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode} after {len(ran)} commands:\n{output[-3000:]}"
         assert "Traceback" not in output, f"`{cmd}` printed a traceback:\n{output[-3000:]}"

@@ -97,7 +97,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not launched:  # processes forked from this one (datasets' tokenization workers) get the kernel's handling:
         # Ctrl-C ignored (this process stops them), SIGTERM ends them at once even while they wait inside a lock,
         # where a Python handler would never run and the pool's terminate() would leave them behind
-        os.register_at_fork(after_in_child=_signals_of_a_worker)
+        _register_worker_signals()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     from finetuner.training.trainer import train
@@ -129,6 +129,17 @@ def _record_if_own_recipe(args: argparse.Namespace, error: Exception) -> None:
     out = Path(args.output).expanduser().resolve()
     if Path(args.recipe).expanduser().resolve() == out / "recipe.yaml":
         record_early_failure(out, error, events_size(out))
+
+
+_worker_signals_registered: list[bool] = []
+
+
+def _register_worker_signals() -> None:
+    """:func:`_signals_of_a_worker` for every process forked from this one, registered once per process
+    (``main`` may run several times in one, as the tests call it; fork hooks cannot be removed)."""
+    if not _worker_signals_registered:
+        os.register_at_fork(after_in_child=_signals_of_a_worker)
+        _worker_signals_registered.append(True)
 
 
 def _signals_of_a_worker() -> None:

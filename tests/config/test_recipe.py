@@ -232,8 +232,8 @@ def test_base_weight_offload_to_cpu_is_refused_with_alternatives(recipe_dict):
 
 
 def test_gpu_split_on_a_machine_without_those_gpus_is_a_clear_error(recipe_dict, tmp_path):
-    from tests.conftest import run_cli, write_recipe
+    from tests.conftest import cli_in_process, write_recipe
 
     recipe_dict["model"]["max_memory"] = {"0": "20GiB", "1": "24GiB"}
-    res = run_cli("run", str(write_recipe(tmp_path / "r.yaml", recipe_dict)), "-q")
+    res = cli_in_process("run", str(write_recipe(tmp_path / "r.yaml", recipe_dict)), "-q")
     assert res.returncode == 2 and "model.max_memory" in res.stderr and "Traceback" not in res.stderr

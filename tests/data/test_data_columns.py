@@ -14,7 +14,7 @@ from finetuner.data.formats import detect_layout
 from finetuner.data.stats import profile_data
 from finetuner.errors import UserError
 from finetuner.config.recipe import DataSection, Recipe
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, cli_in_process, run_cli, write_recipe
 
 DEMO_MODEL = REPO / "data" / "demo_model"
 QA = [(f"What should I bring on hike {i}?", f"Tern here! Water, a map and boots for hike {i}.") for i in range(24)]
@@ -245,7 +245,7 @@ def start_event(run_dir):
 def test_a_question_answer_csv_trains_with_no_settings(tmp_path):
     data = write_csv(tmp_path / "faq.csv", ["Question", "Answer"], QA)
     recipe = write_recipe(tmp_path / "r.yaml", demo_recipe(tmp_path, data))
-    r = run_cli("run", str(recipe))
+    r = cli_in_process("run", str(recipe))
     assert r.returncode == 0, r.stderr
     assert "step 3/3" in r.stdout
     d = start_event(tmp_path / "run")["data"]
@@ -256,12 +256,12 @@ def test_a_question_answer_csv_trains_with_no_settings(tmp_path):
 def test_a_csv_with_its_columns_named_on_the_command_line(tmp_path):
     data = write_csv(tmp_path / "faq.csv", ["id", "ask", "reply"], [[i, q, a] for i, (q, a) in enumerate(QA)])
     recipe = write_recipe(tmp_path / "r.yaml", demo_recipe(tmp_path, data))
-    r = run_cli("run", str(recipe))  # nothing to tell the columns by
+    r = cli_in_process("run", str(recipe))  # nothing to tell the columns by
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert f"{data}, line 2: cannot tell the data format from the columns (id, ask, reply)" in r.stderr
     assert "--set data.columns.prompt=COLUMN --set data.columns.response=COLUMN" in r.stderr
 
-    r = run_cli("run", str(recipe), "--set", "data.columns.prompt=ask", "--set", "data.columns.response=reply")
+    r = cli_in_process("run", str(recipe), "--set", "data.columns.prompt=ask", "--set", "data.columns.response=reply")
     assert r.returncode == 0, r.stderr
     assert "step 3/3" in r.stdout
     d = start_event(tmp_path / "run")["data"]
@@ -282,7 +282,7 @@ def test_a_csv_with_its_columns_named_on_the_command_line(tmp_path):
 def test_bad_mappings_exit_2_without_traceback(tmp_path, overrides, message, where):
     data = write_csv(tmp_path / "faq.csv", ["id", "ask", "reply"], [[i, q, a] for i, (q, a) in enumerate(QA)])
     recipe = write_recipe(tmp_path / "r.yaml", demo_recipe(tmp_path, data))
-    r = run_cli("run", str(recipe), *[a for o in overrides for a in ("--set", o)])
+    r = cli_in_process("run", str(recipe), *[a for o in overrides for a in ("--set", o)])
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     assert message in r.stderr
     assert str(recipe if where == "recipe" else data) in r.stderr

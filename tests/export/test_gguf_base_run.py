@@ -27,7 +27,7 @@ def gguf_run(tmp_path_factory, tiny_model_dir):
                    "-o", str(work / "recipe.yaml"), cwd=work)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     recipe = yaml.safe_load((work / "recipe.yaml").read_text(encoding="utf-8"))
-    run = run_cli("run", str(work / "recipe.yaml"), "-o", str(work / "run"), "--set", "training.max_steps=3",
+    run = cli_in_process("run", str(work / "recipe.yaml"), "-o", str(work / "run"), "--set", "training.max_steps=3",
                   "--set", "training.eval_every=3", "--set", "data.max_seq_len=64", cwd=work)
     assert run.returncode == 0, run.stdout + run.stderr
     return {"base": base, "plan": plan.stdout, "recipe": recipe, "run_out": run.stdout, "run": work / "run", "work": work}

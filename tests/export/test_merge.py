@@ -11,7 +11,7 @@ import pytest
 import finetuner
 from finetuner.export.merge import merge_adapter, parse_size, saved_dtype
 from finetuner.config.recipe import Recipe
-from tests.conftest import alpaca_rows, cli_in_process
+from tests.conftest import alpaca_rows, cli_in_process, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_bf16_merge_from_the_cli_and_refusing_a_non_empty_folder(lora_run, tmp_p
     (out / "notes.txt").unlink()
     assert cli_in_process("merge", str(lora_run), "-o", str(out)).returncode == 0  # an empty folder: no overwrite needed
 
-    p = cli_in_process("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")
+    p = run_cli("merge", str(lora_run), "-o", str(out), "--overwrite", "--dtype", "bf16")  # a process: its output is all there
     assert p.returncode == 0, p.stderr
     assert "max |logit difference|" in p.stdout and "peak RAM" in p.stdout
     # nothing but finetuner's own lines: no library warnings (DeepSpeed's "Setting accelerator to CPU"

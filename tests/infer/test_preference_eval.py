@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import cli_in_process, run_cli
+from tests.conftest import cli_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_dpo_from_the_sft_demo_raises_the_held_out_preference_accuracy(tmp_path, demo_run):
     sft = demo_run  # the demo's SFT run as ./scripts/demo.sh leaves it (shared by the session; only read here)
-    dpo = run_cli("run", str(REPO / "recipes" / "demo_dpo_cpu.yaml"), "--set", f"preference.start_from={sft}",
+    dpo = cli_in_process("run", str(REPO / "recipes" / "demo_dpo_cpu.yaml"), "--set", f"preference.start_from={sft}",
                   "--set", "training.max_steps=20", "--set", "training.eval_every=20", "--output", str(tmp_path / "dpo"),
                   cwd=tmp_path)
     assert dpo.returncode == 0, dpo.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from finetuner.config.recipe import Recipe
 from finetuner.model.shapes import lora_param_count, resolve_shape
-from tests.conftest import run_cli, write_recipe, HANG_GUARD_S
+from tests.conftest import cli_in_process, write_recipe, HANG_GUARD_S
 
 
 @pytest.mark.parametrize("given", [
@@ -42,7 +42,7 @@ def test_a_regular_expression_that_matches_nothing_is_a_clear_error(tiny_model_d
 def test_run_with_a_comma_separated_string_from_the_command_line(recipe_dict, tmp_path):
     recipe_dict["training"]["max_steps"] = 1
     path = write_recipe(tmp_path / "r.yaml", recipe_dict)
-    p = run_cli("run", str(path), "-q", "--set", "lora.target_modules=q_proj,v_proj", timeout=HANG_GUARD_S)
+    p = cli_in_process("run", str(path), "-q", "--set", "lora.target_modules=q_proj,v_proj", timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr
     run = tmp_path / "run"
     assert sorted(json.loads((run / "adapter" / "adapter_config.json").read_text())["target_modules"]) == ["q_proj", "v_proj"]

@@ -11,7 +11,7 @@ import pytest
 import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.runs.events import read_events
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import cli_in_process, run_cli, write_recipe
 
 #: the test's reward: the share of the completion's tokens among forty of the vocabulary's (ids 100 to 139;
 #: TRL passes completion_ids too). The random model samples them a tenth of the time, so most groups have a
@@ -122,7 +122,7 @@ def test_a_reward_function_that_fails_stops_the_run_after_a_checkpoint(tiny_mode
     raw = grpo_recipe(tiny_model_dir, tmp_path, name="bad", reward="fails_from_third_call")
     raw["checkpointing"] = {"save_every": 10, "keep_last": 2}
     raw["data"]["val_size"] = 0
-    out = run_cli("run", str(write_recipe(tmp_path / "bad.yaml", raw)), "--quiet")
+    out = cli_in_process("run", str(write_recipe(tmp_path / "bad.yaml", raw)), "--quiet")
     assert out.returncode != 0
     assert "reward function 'fails_from_third_call' raised ValueError" in out.stderr and "the reward server is down" in out.stderr
     assert "prompts.jsonl" in out.stderr and "Traceback" not in out.stderr  # the row's file and line, no traceback
@@ -134,7 +134,7 @@ def test_a_reward_function_that_fails_stops_the_run_after_a_checkpoint(tiny_mode
     (tmp_path / "rewards.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n", encoding="utf-8")
     raw["grpo"]["rewards"] = [{"function": "short", "file": str(tmp_path / "rewards.py")}]
     raw["output_dir"] = str(tmp_path / "short")
-    out = run_cli("run", str(write_recipe(tmp_path / "short.yaml", raw)), "--quiet")
+    out = cli_in_process("run", str(write_recipe(tmp_path / "short.yaml", raw)), "--quiet")
     assert out.returncode != 0 and "reward function 'short' returned 1 rewards for 16 completions" in out.stderr
 
 

@@ -19,7 +19,7 @@ from finetuner.memory.model import settings_from_recipe
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning.planner import estimate_grpo, estimate_time, plan, plan_recipe, run_optimizer_steps, search
 from finetuner.planning.sizing import GRPO_PROMPTS_PER_STEP, SEQ_ROUND
-from tests.conftest import REPO, run_cli, write_recipe
+from tests.conftest import REPO, cli_in_process, run_cli, write_recipe
 
 PROMPTS = REPO / "data" / "alpaca_sample.json"
 REWARDS = REPO / "recipes" / "rewards_demo.py"
@@ -206,7 +206,7 @@ def test_a_grpo_recipe_with_auto_values_runs_with_them_resolved(tiny_model_dir, 
     raw["method"] = "auto"
     raw["training"].update(micro_batch_size="auto", gradient_accumulation="auto", gradient_checkpointing="auto",
                            optimizer="auto", effective_batch=4)
-    out = run_cli("run", str(write_recipe(tmp_path / "auto.yaml", raw)), "--quiet")
+    out = cli_in_process("run", str(write_recipe(tmp_path / "auto.yaml", raw)), "--quiet")
     assert out.returncode == 0, out.stderr + out.stdout
     saved = Recipe.from_yaml(tmp_path / "grpo" / "recipe.yaml")
     assert not saved.auto_keys() and saved.objective == "grpo" and saved.method == "lora"  # QLoRA only when asked on a CPU

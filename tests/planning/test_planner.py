@@ -14,7 +14,7 @@ from finetuner.config.hardware import get_gpu, list_profiles
 from finetuner.planning.planner import METHOD_TIER, plan
 from finetuner.config.recipe import Recipe
 
-from tests.conftest import run_cli, write_recipe, HANG_GUARD_S
+from tests.conftest import cli_in_process, run_cli, write_recipe, HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = ["llama-3.2-1b", "phi-3-mini", "llama-2-7b", "mistral-7b-v0.1", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b",
@@ -186,7 +186,7 @@ def test_run_resolves_auto_values_and_writes_the_plan(recipe_dict, tmp_path):
     recipe_dict["training"].update({"micro_batch_size": "auto", "gradient_accumulation": "auto", "effective_batch": 4,
                                     "gradient_checkpointing": "auto", "max_steps": 2})
     path = write_recipe(tmp_path / "auto.yaml", recipe_dict)
-    res = run_cli("run", str(path), "-q")
+    res = cli_in_process("run", str(path), "-q")
     assert res.returncode == 0, res.stderr[-2000:]
     run_dir = Path(recipe_dict["output_dir"])
     plan_doc = json.loads((run_dir / "plan.json").read_text())
@@ -197,7 +197,7 @@ def test_run_resolves_auto_values_and_writes_the_plan(recipe_dict, tmp_path):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "plan" for e in events)
     # resuming keeps the resolved values instead of planning again
-    res2 = run_cli("run", str(path), "-q", "--set", "training.max_steps=3")
+    res2 = cli_in_process("run", str(path), "-q", "--set", "training.max_steps=3")
     assert res2.returncode == 0, res2.stderr[-2000:]
 
 
@@ -262,7 +262,7 @@ def test_plan_of_preference_pairs_plans_dpo_with_its_memory_and_sizing(tmp_path)
     assert "Plan: DPO with LORA" in made.stdout and "400 pairs (ShareGPT ranking)" in made.stdout
     raw = yaml.safe_load(out.read_text())
     assert raw["objective"] == "dpo" and raw["data"].get("packing", False) is False
-    ran = run_cli("run", str(out), "--set", "training.max_steps=2", "--set", "data.max_examples=48",
+    ran = cli_in_process("run", str(out), "--set", "training.max_steps=2", "--set", "data.max_examples=48",
                   "--output", str(tmp_path / "run"), cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli_in_process, run_cli
 
 DEMO = REPO / "data" / "demo_model"
 
@@ -27,7 +27,7 @@ def test_an_sft_and_a_dpo_plan_get_runs_of_their_own(tmp_path):
     assert sft["name"] == "demo_model-qa_sample-sft"
     said = " ".join(p.stdout.split())
     assert "run it with `finetuner run sft.yaml` (its run folder: runs/demo_model-qa_sample-sft)" in said
-    p = run_cli("run", "sft.yaml", "--set", "training.max_steps=2", "--quiet", cwd=tmp_path)
+    p = cli_in_process("run", "sft.yaml", "--set", "training.max_steps=2", "--quiet", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     sft_run = tmp_path / "runs" / "demo_model-qa_sample-sft"
     assert (sft_run / "adapter").is_dir()
@@ -36,7 +36,7 @@ def test_an_sft_and_a_dpo_plan_get_runs_of_their_own(tmp_path):
     p = run_cli(*plan, "--data", str(REPO / "data" / "preference_sample.jsonl"), "-o", "dpo.yaml", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert yaml.safe_load((tmp_path / "dpo.yaml").read_text(encoding="utf-8"))["name"] == "demo_model-preference_sample-dpo"
-    p = run_cli("run", "dpo.yaml", "--set", "training.max_steps=2", "--quiet", cwd=tmp_path)
+    p = cli_in_process("run", "dpo.yaml", "--set", "training.max_steps=2", "--quiet", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr  # before: the SFT run's folder, refused with a --no-resume hint
     assert (tmp_path / "runs" / "demo_model-preference_sample-dpo" / "adapter").is_dir()
 

@@ -18,7 +18,7 @@ from finetuner.model.gguf_base import packaged_file
 from finetuner.model.shapes import find_preset, load_config, preset_names, resolve_shape
 from finetuner.planning.sizing import MAX_EPOCHS, MIN_STEPS_PER_EPOCH, MIN_TOTAL_STEPS, learning_rate, size_run
 
-from tests.conftest import run_cli, write_recipe, HANG_GUARD_S
+from tests.conftest import cli_in_process, run_cli, write_recipe, HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_model"
@@ -164,7 +164,7 @@ def test_a_cpu_plan_for_a_40_row_file_trains_enough_to_learn(tmp_path):
     t = recipe.training
     assert recipe.device == "cpu" and recipe.data.max_seq_len <= 1024 and not recipe.data.packing
     assert t.micro_batch_size * t.gradient_accumulation == 4 and t.epochs == MAX_EPOCHS and t.lr == 1e-3
-    r = run_cli("run", str(tmp_path / "my.yaml"), cwd=tmp_path, timeout=HANG_GUARD_S)
+    r = cli_in_process("run", str(tmp_path / "my.yaml"), cwd=tmp_path, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stderr
     metrics = json.loads((tmp_path / "runs" / "demo_model-my-sft" / "metrics.json").read_text())
     assert metrics["steps"] == 90
@@ -179,11 +179,11 @@ def test_a_cpu_plan_for_a_40_row_file_trains_enough_to_learn(tmp_path):
 def test_a_finished_run_says_so_and_changes_nothing(recipe_dict, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", {**recipe_dict, "training": {**recipe_dict["training"], "max_steps": 4}})
     out = tmp_path / "run"
-    assert run_cli("run", str(recipe)).returncode == 0
+    assert cli_in_process("run", str(recipe)).returncode == 0
     saved = (out / "recipe.yaml").read_text()
     events = (out / "events.jsonl").read_text()
 
-    again = run_cli("run", str(recipe))
+    again = cli_in_process("run", str(recipe))
     assert again.returncode == 0, again.stderr
     said = " ".join(again.stdout.split())
     assert "Already finished" in said and "trained all 4 steps" in said and f"is in {out / 'adapter'}" in said
@@ -191,7 +191,7 @@ def test_a_finished_run_says_so_and_changes_nothing(recipe_dict, tmp_path):
     assert "--no-resume" not in said and f"--output {tmp_path / 'run-2'}" in said
 
     # fewer steps than were trained: the run is finished for that recipe too (exit 0), nothing changes
-    fewer = run_cli("run", str(recipe), "--set", "training.max_steps=2", "--set", "training.lr=0.5")
+    fewer = cli_in_process("run", str(recipe), "--set", "training.max_steps=2", "--set", "training.lr=0.5")
     assert fewer.returncode == 0 and "Traceback" not in fewer.stderr, fewer.stderr
     said = " ".join(fewer.stdout.split())
     assert "Already finished" in said and "already trained 4 steps, more than the 2 that training.max_steps=2 asks for" in said
@@ -199,7 +199,7 @@ def test_a_finished_run_says_so_and_changes_nothing(recipe_dict, tmp_path):
     assert "--no-resume" not in said and f"for a new run of 2 steps, give it a folder of its own: --output {tmp_path / 'run-2'}" in said
     assert (out / "recipe.yaml").read_text() == saved and (out / "events.jsonl").read_text() == events
 
-    more = run_cli("run", str(recipe), "--set", "training.max_steps=6")
+    more = cli_in_process("run", str(recipe), "--set", "training.max_steps=6")
     assert more.returncode == 0, more.stderr
     assert "resuming at step 4" in more.stdout and "step 6/6" in more.stdout
     assert yaml.safe_load((out / "recipe.yaml").read_text())["training"]["max_steps"] == 6
@@ -209,9 +209,9 @@ def test_a_finished_epoch_run_counts_its_steps_from_the_epochs(recipe_dict, tmp_
     t = {**recipe_dict["training"], "epochs": 1}
     del t["max_steps"]
     recipe = write_recipe(tmp_path / "r.yaml", {**recipe_dict, "training": t})
-    assert run_cli("run", str(recipe)).returncode == 0  # 48 rows / 4 a step = 12 steps
-    assert "Already finished" in run_cli("run", str(recipe)).stdout
-    more = run_cli("run", str(recipe), "--set", "training.epochs=1.5")
+    assert cli_in_process("run", str(recipe)).returncode == 0  # 48 rows / 4 a step = 12 steps
+    assert "Already finished" in cli_in_process("run", str(recipe)).stdout
+    more = cli_in_process("run", str(recipe), "--set", "training.epochs=1.5")
     assert more.returncode == 0 and "resuming at step 12" in more.stdout and "step 18/18" in more.stdout
 
 

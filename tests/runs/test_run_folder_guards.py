@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.runs.folder import RUN_MARKER
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import cli_in_process, run_cli, write_recipe
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -32,7 +32,7 @@ def _finished_run(recipe_dict, tmp_path) -> tuple[Path, Path]:
     recipe = write_recipe(tmp_path / "a.yaml", {**recipe_dict, "training": {**recipe_dict["training"], "max_steps": 2},
                                                 "checkpointing": {"save_every": 2, "keep_last": 1}})
     run = tmp_path / "run"
-    p = run_cli("run", str(recipe), "-o", str(run), "--quiet")
+    p = cli_in_process("run", str(recipe), "-o", str(run), "--quiet")
     assert p.returncode == 0, p.stderr
     assert (run / "adapter").is_dir() and (run / "metrics.json").is_file() and (run / RUN_MARKER).is_file()
     return recipe, run
@@ -43,7 +43,7 @@ def test_a_finished_run_without_checkpoints_is_not_replaced_by_another_recipe(re
     shutil.rmtree(run / "checkpoints")  # to free space
     kept = _results(run)
     other = write_recipe(tmp_path / "b.yaml", {**recipe_dict, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}})
-    p = run_cli("run", str(other), "-o", str(run), "--set", "training.max_steps=2")
+    p = cli_in_process("run", str(other), "-o", str(run), "--set", "training.max_steps=2")
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"error: {run} holds a finished run (adapter, metrics.json) and no checkpoint to resume" in p.stderr
     # a finished run: the hint is a folder of its own, never --no-resume (which would move it aside)
@@ -52,7 +52,7 @@ def test_a_finished_run_without_checkpoints_is_not_replaced_by_another_recipe(re
     assert _results(run) == kept and "(new run)" not in p.stdout
 
     # naming it explicitly: --no-resume moves it aside (not deleted) and trains the new recipe there
-    p = run_cli("run", str(other), "-o", str(run), "--set", "training.max_steps=2", "--no-resume", "--quiet")
+    p = cli_in_process("run", str(other), "-o", str(run), "--set", "training.max_steps=2", "--no-resume", "--quiet")
     assert p.returncode == 0, p.stderr
     aside = [d for d in tmp_path.iterdir() if d.name.startswith("run.old-")]
     assert len(aside) == 1 and _results(aside[0]) == kept
@@ -67,7 +67,7 @@ def test_a_folder_holding_the_users_own_recipe_is_not_a_run_folder(recipe_dict, 
     text = "# my experiment: keep these comments\n" + yaml.safe_dump({**recipe_dict, "output_dir": None})
     (exp / "recipe.yaml").write_text(text, encoding="utf-8")
     for extra in ([], ["--no-resume"]):
-        p = run_cli("run", str(exp / "recipe.yaml"), "-o", str(exp), *extra)
+        p = cli_in_process("run", str(exp / "recipe.yaml"), "-o", str(exp), *extra)
         assert p.returncode == 2, p.stdout + p.stderr
         assert f"error: Output folder {exp} is not empty and holds no finetuner run (it holds recipe.yaml)" in p.stderr
         assert "Traceback" not in p.stderr
@@ -80,7 +80,7 @@ def test_no_resume_checks_the_data_before_moving_a_finished_run(recipe_dict, tmp
     before = _snapshot(run)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": ""}\n', encoding="utf-8")
-    p = run_cli("run", str(recipe), "-o", str(run), "--no-resume", "--set", f"data.path={bad}")
+    p = cli_in_process("run", str(recipe), "-o", str(run), "--no-resume", "--set", f"data.path={bad}")
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"{bad}, line 2: 'text' is empty" in p.stderr and "Traceback" not in p.stderr
     assert not [d for d in tmp_path.iterdir() if ".old-" in d.name]  # nothing moved aside
@@ -90,7 +90,7 @@ def test_no_resume_checks_the_data_before_moving_a_finished_run(recipe_dict, tmp
     no_tokenizer = tmp_path / "model"  # a model folder without tokenizer files: the model is checked first too
     no_tokenizer.mkdir()
     shutil.copy(Path(recipe_dict["model"]["name"]) / "config.json", no_tokenizer)
-    p = run_cli("run", str(recipe), "-o", str(run), "--no-resume", "--set", f"model.name={no_tokenizer}")
+    p = cli_in_process("run", str(recipe), "-o", str(run), "--no-resume", "--set", f"model.name={no_tokenizer}")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
     assert str(no_tokenizer) in p.stderr
     assert not [d for d in tmp_path.iterdir() if ".old-" in d.name]
@@ -100,7 +100,7 @@ def test_no_resume_checks_the_data_before_moving_a_finished_run(recipe_dict, tmp
 def test_a_run_folder_made_before_the_marker_is_still_recognised(recipe_dict, tmp_path):
     recipe, run = _finished_run(recipe_dict, tmp_path)
     (run / RUN_MARKER).unlink()  # as finetuner left run folders before the marker: recipe.yaml and events.jsonl
-    p = run_cli("run", str(recipe), "-o", str(run))
+    p = cli_in_process("run", str(recipe), "-o", str(run))
     assert p.returncode == 0, p.stderr
     assert "is finished" in p.stdout + p.stderr
 

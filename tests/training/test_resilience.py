@@ -11,7 +11,7 @@ import finetuner
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import cli_in_process, run_cli, write_recipe
 
 
 def run(recipe_dict, overrides=(), **kw):
@@ -44,7 +44,7 @@ def test_oom_gives_up_after_micro_batch_1_with_advice(recipe_dict, monkeypatch):
 def test_oom_give_up_from_the_cli_exits_3(recipe_dict, tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
     monkeypatch.setenv("FINETUNER_FAULT", "OOM@1*inf")
-    r = run_cli("run", str(recipe))
+    r = cli_in_process("run", str(recipe))
     assert r.returncode == 3 and "Out of device memory" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -73,7 +73,7 @@ def test_a_second_process_on_the_same_run_folder_is_refused(recipe_dict, tmp_pat
     lock = RunLock(tmp_path / "run").acquire()
     try:
         recipe = write_recipe(tmp_path / "r.yaml", recipe_dict)
-        r = run_cli("run", str(recipe))
+        r = cli_in_process("run", str(recipe))
         assert r.returncode == 2 and "Another finetuner process" in r.stderr
     finally:
         lock.release()
