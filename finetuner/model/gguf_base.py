@@ -214,12 +214,22 @@ class _Header:
                 key = self._str()
                 self.fields[key] = self._value(self._u(4))
             self.tensors: list[tuple[str, tuple[int, ...], int]] = []
+            end = 0  # where the last tensor's data ends, from the start of the data section
             for _ in range(n_tensors):
                 name = self._str()
-                dims = tuple(self._u(8) for _ in range(self._u(4)))
+                n_dims = self._u(4)
+                if n_dims > MAX_DIMS:  # checked before any arithmetic on them (a crafted count made it quadratic)
+                    raise ValueError(f"tensor {name!r} has {n_dims} dimensions (GGUF allows at most {MAX_DIMS})")
+                dims = tuple(self._u(8) for _ in range(n_dims))
                 kind = self._u(4)
-                self._u(8)  # offset
+                offset = self._u(8)
                 self.tensors.append((name, dims, kind))
+                end = max(end, offset + _nbytes(dims, kind))
+            alignment = self.fields.get("general.alignment", 32)
+            alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+            data_start = -(-self.pos // alignment) * alignment
+            if data_start + end > len(buf):
+                raise Truncated(f"the file has {len(buf):,} bytes; its tensors need {data_start + end:,}")
             del self.buf
 
     def _u(self, size: int) -> int:
@@ -256,6 +266,28 @@ class _Header:
         return v
 
 
+#: GGML's GGML_MAX_DIMS: a tensor has at most 4 dimensions
+MAX_DIMS = 4
+
+
+class Truncated(ValueError):
+    """A GGUF file that ends before the tensor data its header lists."""
+
+
+def _nbytes(dims: tuple[int, ...], kind: int) -> int:
+    """The bytes of a tensor of shape ``dims`` and GGML type ``kind`` (gguf's block sizes); 0 for an unknown type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        return 0
+    n = 1
+    for d in dims:
+        n *= d
+    return -(-n // block) * size
+
+
 class _Length(int):
     """A long metadata array, kept as its length."""
 
@@ -266,7 +298,10 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
 
     try:
         header = _Header(path)
-    except Exception as e:  # noqa: BLE001 - ValueError, UnicodeError: a truncated or damaged file
+    except Truncated as e:
+        raise UserError(f"model.name: {path} is a truncated GGUF file ({e}).",
+                        hint="The download or copy stopped early: download or copy it again.") from None
+    except Exception as e:  # noqa: BLE001 - ValueError, UnicodeError: a damaged file
         raise UserError(f"model.name: {path} starts like a GGUF file but cannot be read ({type(e).__name__}: {e}).",
                         hint="The file is truncated or damaged: download or copy it again.") from None
 

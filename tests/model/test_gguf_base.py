@@ -131,6 +131,44 @@ def test_an_architecture_transformers_cannot_dequantize_is_refused(tmp_path, dat
     assert "'mamba'" in e.value.message and "cannot dequantize" in e.value.message and "llama" in (e.value.hint or "")
 
 
+def _header_with_one_tensor(n_dims: int) -> bytes:
+    """A GGUF v3 header: no metadata, one F32 tensor of ``n_dims`` dimensions of 2 (data not included)."""
+    import struct
+
+    name = b"blk.0.attn_q.weight"
+    return (b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+            + struct.pack("<I", n_dims) + struct.pack(f"<{n_dims}Q", *[2] * n_dims) + struct.pack("<IQ", 0, 0))
+
+
+def test_a_header_with_more_dimensions_than_gguf_allows_is_refused_before_any_arithmetic(tmp_path, data_file):
+    """300,000 dimensions (a 2.3 MiB file) once kept ``plan`` multiplying Python integers for minutes."""
+    import time
+
+    path = tmp_path / "dims.gguf"
+    path.write_bytes(_header_with_one_tensor(300_000))
+    began = time.process_time()
+    with pytest.raises(UserError) as e:
+        resolve_shape(str(path))
+    assert "has 300000 dimensions (GGUF allows at most 4)" in e.value.message and str(path) in e.value.message
+    assert time.process_time() - began < 5  # CPU seconds: reading 300,000 numbers; the product never starts
+    ok = tmp_path / "ok.gguf"  # the same header with 4 dimensions and its 64 bytes of data reads
+    header = _header_with_one_tensor(4)
+    ok.write_bytes(header + b"\0" * (-len(header) % 32) + b"\0" * 64)
+    assert gguf_base.read(ok).architecture == "unknown"
+
+
+def test_a_truncated_gguf_file_is_named_as_truncated(tiny_gguf, tmp_path, data_file):
+    cut = tmp_path / "cut.Q8_0.gguf"
+    whole = tiny_gguf.read_bytes()
+    cut.write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(UserError) as e:
+        _recipe(str(cut), data_file)
+    assert f"{cut} is a truncated GGUF file (the file has {len(whole) - 100:,} bytes; its tensors need {len(whole):,})" \
+        in e.value.message, e.value.message
+    assert "download or copy it again" in (e.value.hint or "")
+    assert gguf_base.read(tiny_gguf).model_type == "llama"  # the whole file reads
+
+
 def test_gguf_file_with_a_gguf_model_name_is_refused(tiny_gguf, data_file):
     with pytest.raises(UserError) as e:
         _recipe(str(tiny_gguf), data_file, gguf_file=tiny_gguf.name)
