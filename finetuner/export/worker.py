@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.surface import child_env
@@ -86,8 +87,8 @@ def main() -> int:
 def _answer(request: dict[str, Any], what: str) -> dict[str, Any]:
     """Run one request in a new worker process; its result dict, or raise its error."""
     proc = subprocess.run(
-        [sys.executable, "-m", "finetuner.export.worker"], input=json.dumps(request), capture_output=True,
-        text=True, encoding="utf-8", env=child_env(),  # its messages are worded for where the caller shows them
+        module_command("finetuner.export.worker"), input=json.dumps(request), capture_output=True,
+        text=True, encoding="utf-8", env=safe_env(child_env()),  # its messages are worded for where the caller shows them
     )
     answer = protocol.last_message(proc.stdout)
     if answer is None or answer["kind"] not in ("done", "error"):

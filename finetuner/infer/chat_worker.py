@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 
@@ -97,10 +98,10 @@ class ChatWorker:
     def start(self) -> ChatWorker:
         if self.alive:
             return self
-        cmd = ([sys.executable, "-m", "finetuner.infer.chat_worker", self.source] + ([] if self.adapter else ["--base"])
-               + (["--allow-code"] if self.allow_code else []))
+        cmd = module_command("finetuner.infer.chat_worker", self.source, *([] if self.adapter else ["--base"]),
+                             *(["--allow-code"] if self.allow_code else []))
         self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=safe_env(),
             text=True, encoding="utf-8", bufsize=1, start_new_session=True,
         )
         self._messages = protocol.Receiver(self._proc.stdout)  # type: ignore[arg-type]

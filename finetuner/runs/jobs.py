@@ -27,7 +27,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
@@ -292,10 +292,11 @@ def start_job(
             mark_run_folder(target)  # finetuner made this folder for the run: `finetuner run` may write into it
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
         log_path = target / LOG_NAME
-        cmd = [sys.executable, "-m", "finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet"]
+        # the job runs inside its run folder, which is never on its sys.path (finetuner.children)
+        cmd = module_command("finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet")
         report = target / REPORT_NAME
         report.unlink(missing_ok=True)  # what an earlier attempt reported is not this one's
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)})
+        env = safe_env(dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)}))
         with open(log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             log.flush()

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetuner.children import module_args, module_command, safe_env
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
@@ -137,14 +138,16 @@ def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None
 
 
 def torchrun_command(recipe: Recipe, run_dir: Path) -> list[str]:
-    """``python -m torch.distributed.run`` for this node (``--standalone`` on one machine: a free port)."""
+    """``python -m torch.distributed.run`` for this node (``--standalone`` on one machine: a free port); it starts
+    each rank as ``python -u -P -m finetuner.training.distributed RUN`` (``--no-python``: the interpreter's flags
+    are finetuner's), so that neither it nor a rank imports from the working folder (finetuner.children)."""
     d = recipe.distributed
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_processes}"]
+    cmd = module_command("torch.distributed.run", f"--nproc_per_node={d.num_processes}")
     if d.nodes == 1:
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={d.nodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}", f"--master_port={d.master_port}"]
-    return cmd + ["-m", "finetuner.training.distributed", str(run_dir)]
+    return cmd + ["--no-python", sys.executable, *module_args("finetuner.training.distributed", str(run_dir), unbuffered=True)]
 
 
 def _transformer_layer(model_dir: str) -> str | None:
@@ -313,7 +316,7 @@ def launch_training(
         relayed: list[dict[str, Any]] = []
         relay_stop = threading.Event()
         follower = threading.Thread(target=_relay_events, args=(events_path, callbacks, offset, relay_stop, relayed), daemon=True)
-        env = {**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"}
+        env = safe_env({**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"})
         if not cuda:
             env["ACCELERATE_USE_CPU"] = "true"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))
