@@ -26,6 +26,7 @@ from finetuner.fileio import expand_user, exists
 from finetuner.locate import find_local, locate
 from finetuner.model import gguf_base
 from finetuner.model.shapes import preset_model
+from finetuner.runs.marker import is_run_folder
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -605,7 +606,9 @@ class Recipe(_Section):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Recipe:
-        """Load, override, validate and resolve a recipe file."""
+        """Load, override, validate and resolve a recipe file. A run folder's own ``recipe.yaml`` (a folder
+        finetuner made for a run) trains in that folder: its ``output_dir`` is the folder it was read from, not
+        the path saved in it (``--set output_dir=...`` still wins)."""
         path = expand_user(path)
         if not exists(path, "file"):
             raise UserError(
@@ -617,7 +620,13 @@ class Recipe(_Section):
         except UnicodeDecodeError as e:
             line = e.object[: e.start].count(b"\n") + 1
             raise UserError(f"{path}: line {line}: not a UTF-8 text file ({e.reason} at byte {e.start}).") from None
-        return cls.from_dict(parse_yaml(text, str(path)), overrides=overrides, base_dir=path.parent, source=str(path))
+        recipe = cls.from_dict(parse_yaml(text, str(path)), overrides=overrides, base_dir=path.parent, source=str(path))
+        if path.name == "recipe.yaml" and is_run_folder(path.parent) and not any(
+                o.split("=", 1)[0].strip() == "output_dir" for o in overrides or []):
+            # a run folder's own recipe trains in the folder it was read from, whatever output_dir it names: a copy
+            # resumes as the copy, and a received run never writes where the giver's path points on this machine
+            recipe = recipe.model_copy(update={"output_dir": str(path.parent.resolve())})
+        return recipe
 
     @classmethod
     def from_yaml_text(

@@ -25,6 +25,7 @@ from finetuner.planning.sizing import total_steps
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe, load_yaml
+from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder  # noqa: F401 - re-exported
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
 RESUME_KEYS = (
@@ -157,29 +158,8 @@ def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last:
         )
 
 
-#: The file finetuner writes into every run folder it sets up (JSON: when, by which process).
-RUN_MARKER = ".finetuner-run"
 #: What a finished run leaves that a new run in its folder would replace.
 RESULTS = ("adapter", "metrics.json")
-
-
-def is_run_folder(folder: Path) -> bool:
-    """Whether finetuner made ``folder`` as a run folder: its :data:`RUN_MARKER`, or (folders made
-    before the marker) ``recipe.yaml`` and ``events.jsonl`` both. A folder the user made and put a
-    ``recipe.yaml`` in is not one."""
-    folder = Path(folder)
-    return (folder / RUN_MARKER).is_file() or ((folder / "recipe.yaml").is_file() and (folder / "events.jsonl").is_file())
-
-
-def mark_run_folder(folder: Path) -> None:
-    """Write :data:`RUN_MARKER` into a run folder finetuner sets up (once; atomically)."""
-    import json
-
-    from finetuner.fileio import atomic_write_text
-
-    marker = Path(folder) / RUN_MARKER
-    if not marker.is_file():
-        atomic_write_text(marker, json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}) + "\n")
 
 
 def _some_entries(folder: Path, n: int = 4) -> str:
