@@ -75,7 +75,7 @@ def _first_failing_row(fn: Callable, kwargs: dict[str, Any], n: int) -> tuple[in
     for j in range(n):
         try:
             fn(**_call_kwargs(fn, _slice(kwargs, j)))
-        except Exception as e:  # the user's code
+        except (Exception, SystemExit) as e:  # the user's code
             return j, e
     return None
 
@@ -91,13 +91,20 @@ def call_reward(reward: RewardFunction, prompts: Sequence, completions: Sequence
         out = reward.fn(**_call_kwargs(reward.fn, kwargs))
     except UserError:
         raise
-    except Exception as e:  # the user's code: name the row it fails on
+    except (Exception, SystemExit) as e:  # the user's code (sys.exit() in it too: never the run's exit): name the row
         found = _first_failing_row(reward.fn, kwargs, n)
         j, err = found if found else (None, e)
         row = f" on {_row_words(j, prompts, places)}" if j is not None else f" on a batch of {n} completions"
-        raise RewardError(f"reward function '{reward.name}' raised {type(err).__name__}{row}: {first_line(str(err))}",
-                          function=reward.name, row=j,
-                          hint="Fix the function; it must return one number per completion.") from None
+        if isinstance(err, SystemExit):
+            head, tail = f"called sys.exit({err.code!r})", ""
+        else:
+            head, tail = f"raised {type(err).__name__}", f": {first_line(str(err))}"
+        hint = "Fix the function; it must return one number per completion."
+        if any(isinstance(c, list) for c in completions):
+            hint = ("On chat data each completion is a list of messages (TRL's convention): take its text with "
+                    "c if isinstance(c, str) else c[-1]['content']. " + hint)
+        raise RewardError(f"reward function '{reward.name}' {head}{row}{tail}", function=reward.name, row=j,
+                          hint=hint) from None
     if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) and not hasattr(out, "tolist"):
         raise RewardError(f"reward function '{reward.name}' returned a {type(out).__name__}, not a list of "
                           f"{n} numbers (one per completion).", function=reward.name,
@@ -112,12 +119,20 @@ def call_reward(reward: RewardFunction, prompts: Sequence, completions: Sequence
         if v is None:
             checked.append(math.nan)
             continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not _finite(v):
             raise RewardError(f"reward function '{reward.name}' returned {v!r} for {_row_words(j, prompts, places)}: "
                               "a reward must be a finite number (or None where the function does not apply).",
                               function=reward.name, row=j, hint="Return a float for every completion.")
         checked.append(float(v))
     return checked
+
+
+def _finite(v: numbers.Real) -> bool:
+    """Whether ``v`` is a finite float: an integer too large for a float (``10**400``) is not."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def score(rewards: Sequence[RewardFunction], prompts: Sequence, completions: Sequence,

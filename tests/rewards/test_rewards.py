@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from finetuner.rewards.builtin import (BUILTINS, completion_text, exact_match, f
                                        normalise_answer, regex_format)
 from finetuner.rewards.combine import RewardFunction, Rewards, call_reward, score
 from finetuner.rewards.loading import load_module, load_reward_function
+
+REPO = Path(__file__).resolve().parents[2]
 
 TRL_STYLE = '''
 import re
@@ -278,3 +281,41 @@ def test_duplicate_names_are_a_bug():
     f = RewardFunction("f", lambda completions, **kw: [1.0])
     with pytest.raises(ValueError, match="differ"):
         score([f, f], ["p"], ["a"])
+
+
+def test_a_reward_too_large_for_a_float_is_refused_like_a_non_finite_one():
+    """``10**400`` is a Python int that no float holds: the one-line error, not an OverflowError traceback."""
+    with pytest.raises(RewardError) as e:
+        score([RewardFunction("huge", lambda prompts, completions, **_: [1.0, 10**400])], ["p1", "p2"], ["a", "b"])
+    assert e.value.row == 1 and "returned 1000000000" in e.value.message and "a reward must be a finite number" in e.value.message
+
+
+def test_sys_exit_in_a_reward_is_an_error_of_that_function_never_the_runs_exit():
+    def leaves(prompts, completions, **_):
+        if any("bye" in c for c in completions):
+            sys.exit(0)
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError) as e:
+        score([RewardFunction("leaves", leaves)], ["p1", "p2"], ["hi", "bye"])
+    assert e.value.message == "reward function 'leaves' called sys.exit(0) on completion 2 of the batch (prompt: 'p2')"
+    assert e.value.row == 1
+
+
+def test_a_text_reward_on_chat_completions_says_what_a_completion_is_there():
+    """The README's first reward example once read ``c.lower()`` only: on chat data each completion is a list of
+    messages. The README's example works on both; a function written for text gets told what to take."""
+    import re
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    example = re.search(r"```python\n(def mentions_whistle.*?)```", readme, re.S).group(1)
+    space: dict = {}
+    exec(example, space)  # the README's own example, as written
+    text = ["A whistle helps.", "No."]
+    chat = [[{"role": "assistant", "content": t}] for t in text]
+    assert space["mentions_whistle"]([], text) == space["mentions_whistle"]([], chat) == [1.0, 0.0]
+    with pytest.raises(RewardError) as e:
+        score([RewardFunction("text_only", lambda prompts, completions, **_: [len(c.split()) for c in completions])],
+              ["p"] * 2, chat)
+    assert "raised AttributeError" in e.value.message and "'list' object has no attribute 'split'" in e.value.message
+    assert "each completion is a list of messages" in e.value.hint and "c[-1]['content']" in e.value.hint
