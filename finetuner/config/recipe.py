@@ -428,6 +428,8 @@ class GRPOSection(_Section):
     num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
     use_bias_correction_kl: bool = Field(False, description="Weight each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default is true); false: DeepSeekMath's beta x KL. Matters only with beta > 0.")
     logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
+    reward_timeout_s: float = Field(600.0, gt=0, description="The longest one call of a reward function may take, in seconds; "
+                                    "past it the run stops with a message naming the function, after a checkpoint of its last step.")
     use_vllm: bool = Field(False, description="Generate the completions with vLLM (pip install 'finetuner[vllm]', a CUDA GPU), "
                            "colocated in the training process, the adapter as it is at each rollout; false: transformers' generate.")
     vllm_gpu_memory_utilization: float = Field(

@@ -31,6 +31,7 @@ evaluation: the curve shows the policy, not the sampling).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
@@ -200,10 +201,12 @@ def as_completion(prompt: dict[str, Any], completion: dict[str, Any]):
     return text if isinstance(prompt["prompt"], str) else [{"role": "assistant", "content": text}]
 
 
-def score_completions(rewards: list, num_generations: int, prompts: list[dict[str, Any]], completions: list[dict[str, Any]]):
+def score_completions(rewards: list, num_generations: int, prompts: list[dict[str, Any]], completions: list[dict[str, Any]],
+                      timeout_s: float | None = None, stop=None):
     """The rewards of the completions (:func:`finetuner.rewards.combine.score`): each function gets
     the prompts, the completions and the data's other columns, one value per completion, and
-    ``completion_ids``; a :class:`~finetuner.errors.RewardError` names the function and the row."""
+    ``completion_ids``; a :class:`~finetuner.errors.RewardError` names the function and the row. Each call
+    runs under ``timeout_s`` and the stop request ``stop()`` (:mod:`finetuner.rewards.limits`)."""
     from finetuner.rewards.combine import score
 
     group = [p for p in prompts for _ in range(num_generations)]
@@ -211,7 +214,7 @@ def score_completions(rewards: list, num_generations: int, prompts: list[dict[st
     columns = {k: [p["columns"].get(k) for p in group] for k in keys}
     columns["completion_ids"] = [c["completion_ids"] for c in completions]
     return score(rewards, [p["prompt"] for p in group], [as_completion(p, c) for p, c in zip(group, completions, strict=True)],
-                 columns, [p["where"] for p in group])
+                 columns, [p["where"] for p in group], timeout_s, stop)
 
 
 # --------------------------------------------------------------------------- the objective
@@ -272,8 +275,13 @@ class GRPOObjective(Objective):
         return sample_completions(trainer.model, self.tokenizer, prompts, self.settings, seed,
                                   max(trainer.recipe.training.micro_batch_size, 1))
 
-    def score(self, prompts: list[dict[str, Any]], completions: list[dict[str, Any]]):
-        return score_completions(self.rewards, self.settings.num_generations, prompts, completions)
+    def score(self, prompts: list[dict[str, Any]], completions: list[dict[str, Any]], trainer=None):
+        # the stop request of one process (a threading.Event; the ranks of a multi-process run agree on theirs
+        # collectively, once per step, which a timer inside a reward call must not do)
+        event = getattr(trainer, "stop_event", None)
+        stop = event.is_set if isinstance(event, threading.Event) else None
+        return score_completions(self.rewards, self.settings.num_generations, prompts, completions,
+                                 self.settings.reward_timeout_s, stop)
 
     def roll_out(self, trainer, prompts: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         """Generate, score and prepare the step's completion rows (see the module's docstring)."""
@@ -288,7 +296,7 @@ class GRPOObjective(Objective):
                 completions = self.generate(trainer, prompts, seed)
         finally:
             model.train(was_training)
-        rewards = self.score(prompts, completions)
+        rewards = self.score(prompts, completions, trainer)
         total = torch.tensor(rewards.total, dtype=torch.float32)
         adv = group_advantages(total, g.num_generations, scale_rewards=g.scale_rewards)
         G = g.num_generations
@@ -408,7 +416,7 @@ class GRPOObjective(Objective):
                 completions = self.generate(trainer, list(val), trainer.recipe.training.seed + EVAL_SEED_OFFSET)
         finally:
             model.train(was_training)
-        rewards = self.score(list(val), completions)
+        rewards = self.score(list(val), completions, trainer)
         return None, {"eval_reward": round(sum(rewards.total) / len(rewards.total), 6),
                       "eval_rewards": {k: round(v, 6) for k, v in rewards.means().items()},
                       "eval_completion_length": round(sum(len(c["completion_ids"]) for c in completions) / len(completions), 3)}

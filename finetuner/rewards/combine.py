@@ -20,6 +20,7 @@ from typing import Any
 from finetuner.errors import RewardError, UserError, first_line
 from finetuner.rewards.builtin import completion_text
 from finetuner.text import cut_words
+from finetuner.rewards.limits import RewardTimedOut, reward_limits
 
 
 @dataclass
@@ -70,29 +71,46 @@ def _slice(kwargs: dict[str, Any], j: int) -> dict[str, Any]:
     return {k: (v[j:j + 1] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
 
 
-def _first_failing_row(fn: Callable, kwargs: dict[str, Any], n: int) -> tuple[int, BaseException] | None:
+def _first_failing_row(fn: Callable, kwargs: dict[str, Any], n: int, timeout_s: float | None = None,
+                       stop: Callable[[], bool] | None = None) -> tuple[int, BaseException] | None:
     """The first row on which ``fn`` raises when called on that row alone, and its error."""
     for j in range(n):
         try:
-            fn(**_call_kwargs(fn, _slice(kwargs, j)))
+            with reward_limits(timeout_s, stop):
+                fn(**_call_kwargs(fn, _slice(kwargs, j)))
         except (Exception, SystemExit) as e:  # the user's code
             return j, e
     return None
 
 
+def _timed_out(reward: RewardFunction, n: int, timeout_s: float | None) -> RewardError:
+    return RewardError(f"reward function '{reward.name}' did not return within {timeout_s:g} s on a batch of {n} "
+                       "completions (grpo.reward_timeout_s).", function=reward.name,
+                       hint="Make it faster (a call to a server needs a timeout of its own), or raise grpo.reward_timeout_s.")
+
+
 def call_reward(reward: RewardFunction, prompts: Sequence, completions: Sequence, columns: dict[str, Sequence],
-                places: Sequence[str] | None = None) -> list[float]:
+                places: Sequence[str] | None = None, timeout_s: float | None = None,
+                stop: Callable[[], bool] | None = None) -> list[float]:
     """One function's rewards for the batch, checked: a list of ``len(completions)`` finite numbers, NaN
     for a ``None``. ``columns``: the data's other columns (one value per completion) and, where known,
-    ``completion_ids``; ``places``: where each completion's prompt comes from (``file, line 12``)."""
+    ``completion_ids``; ``places``: where each completion's prompt comes from (``file, line 12``).
+    ``timeout_s`` and ``stop``: the call's limits (:func:`finetuner.rewards.limits.reward_limits`): past the
+    time a :class:`RewardError`; a stop request raises :class:`~finetuner.rewards.limits.RewardStopped`."""
     n = len(completions)
     kwargs = {**columns, "prompts": list(prompts), "completions": list(completions)}
     try:
-        out = reward.fn(**_call_kwargs(reward.fn, kwargs))
+        with reward_limits(timeout_s, stop):
+            out = reward.fn(**_call_kwargs(reward.fn, kwargs))
+    except RewardTimedOut:
+        raise _timed_out(reward, n, timeout_s) from None
     except UserError:
         raise
     except (Exception, SystemExit) as e:  # the user's code (sys.exit() in it too: never the run's exit): name the row
-        found = _first_failing_row(reward.fn, kwargs, n)
+        try:
+            found = _first_failing_row(reward.fn, kwargs, n, timeout_s, stop)
+        except RewardTimedOut:
+            found = None
         j, err = found if found else (None, e)
         row = f" on {_row_words(j, prompts, places)}" if j is not None else f" on a batch of {n} completions"
         if isinstance(err, SystemExit):
@@ -136,14 +154,16 @@ def _finite(v: numbers.Real) -> bool:
 
 
 def score(rewards: Sequence[RewardFunction], prompts: Sequence, completions: Sequence,
-          columns: dict[str, Sequence] | None = None, places: Sequence[str] | None = None) -> Rewards:
-    """Every function's rewards for the batch (:func:`call_reward`) and their weighted total."""
+          columns: dict[str, Sequence] | None = None, places: Sequence[str] | None = None,
+          timeout_s: float | None = None, stop: Callable[[], bool] | None = None) -> Rewards:
+    """Every function's rewards for the batch (:func:`call_reward`, each call under ``timeout_s`` and
+    ``stop``) and their weighted total."""
     if not rewards:
         raise ValueError("score needs at least one reward function")
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise ValueError(f"reward function names must differ: {names}")
-    per = {r.name: call_reward(r, prompts, completions, columns or {}, places) for r in rewards}
+    per = {r.name: call_reward(r, prompts, completions, columns or {}, places, timeout_s, stop) for r in rewards}
     total = []
     for j in range(len(completions)):
         terms = [r.weight * per[r.name][j] for r in rewards if not math.isnan(per[r.name][j])]

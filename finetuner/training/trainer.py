@@ -36,6 +36,7 @@ from finetuner.data.pipeline import PreparedData
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
+from finetuner.rewards.limits import RewardStopped
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
@@ -713,6 +714,9 @@ class Trainer:
                 break
             try:  # the objective's step hook runs user code (GRPO's reward functions): what it stops loses nothing
                 examples = self.step_examples(self.step)
+            except RewardStopped:  # a stop arrived while a reward function ran: this step is abandoned
+                stopped = True
+                break
             except UserError:
                 if self.step > last_saved:
                     self.save_checkpoint(self.elapsed_before + time.perf_counter() - start)
@@ -759,12 +763,20 @@ class Trainer:
                     **self.objective.step_metrics(),
                     **mem,
                 )
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
-                eval_loss = self._eval_and_log()
             save_every = r.checkpointing.save_every
             if save_every and self.step % save_every == 0 and self.step < self.max_steps:
-                self.save_checkpoint(elapsed)
+                self.save_checkpoint(elapsed)  # before the evaluation, which runs user code (GRPO's rewards)
                 last_saved = self.step
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
+                try:
+                    eval_loss = self._eval_and_log()
+                except RewardStopped:  # a stop arrived while a reward function scored the held-out prompts
+                    stopped = True
+                    break
+                except UserError:  # a reward function failed on the held-out prompts: the steps are kept
+                    if self.step > last_saved:
+                        self.save_checkpoint(elapsed)
+                    raise
             self.faults.after_step(self.step, self.rank, stopping=self.stop_event.is_set)
         if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
             self._dump_memory_profile()
@@ -776,7 +788,11 @@ class Trainer:
             return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
         if self.step > last_saved:
             self.save_checkpoint(elapsed)
-        eval_loss = self._eval_and_log()
+        try:
+            eval_loss = self._eval_and_log()
+        except RewardStopped:  # stopped during the final evaluation: every step is trained and saved
+            self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
+            return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
         self._check_finite_weights()
         adapter_dir = self.save_final()
         metrics = {

@@ -30,6 +30,16 @@ def fails_from_third_call(prompts, completions, **columns):
     if calls >= 3:  # from the third step on (its retries row by row included)
         raise ValueError("the reward server is down")
     return [0.0] * len(completions)
+
+
+def hangs_from_third_call(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls >= 3:  # a server that stops answering, from the third step on
+        import pathlib, time
+        pathlib.Path(__file__).with_name("hanging").write_text("yes")
+        time.sleep(3600)
+    return [0.0] * len(completions)
 '''
 
 
@@ -136,6 +146,50 @@ def test_a_reward_function_that_fails_stops_the_run_after_a_checkpoint(tiny_mode
     raw["output_dir"] = str(tmp_path / "short")
     out = cli_in_process("run", str(write_recipe(tmp_path / "short.yaml", raw)), "--quiet")
     assert out.returncode != 0 and "reward function 'short' returned 1 rewards for 16 completions" in out.stderr
+
+
+def test_a_reward_that_fails_in_the_held_out_evaluation_keeps_the_steps_before_it(tiny_model_dir, tmp_path):
+    """``eval_every`` equal to ``save_every`` (the demo's 5 and 5): the step's checkpoint is written before the
+    evaluation, whose reward calls can fail (they once ran first, and the steps were lost)."""
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="evalfail", reward="fails_from_third_call", eval_every=2)
+    raw["checkpointing"] = {"save_every": 2, "keep_last": 2}
+    out = cli_in_process("run", str(write_recipe(tmp_path / "evalfail.yaml", raw)), "--quiet")
+    assert out.returncode == 2 and "reward function 'fails_from_third_call' raised ValueError" in out.stderr, out.stderr
+    run_dir = tmp_path / "evalfail"
+    events = read_events(run_dir / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]  # two rollouts' calls, the third is the eval's
+    assert (run_dir / "checkpoints" / "step-00000002").is_dir()
+    assert events[-1]["event"] == "error"
+
+
+def test_the_first_ctrl_c_stops_a_run_whose_reward_hangs_with_the_checkpoint_of_its_last_step(tiny_model_dir, tmp_path):
+    """All the web UI's Stop sends is one SIGINT: it reaches a reward function that waits forever, the step is
+    abandoned, the steps before it are kept, and the run exits 130 as any stopped run does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import HANG_GUARD_S, REPO
+
+    raw = grpo_recipe(tiny_model_dir, tmp_path, name="hang", reward="hangs_from_third_call")
+    raw["checkpointing"] = {"save_every": 10, "keep_last": 2}
+    raw["data"]["val_size"] = 0
+    recipe = write_recipe(tmp_path / "hang.yaml", raw)
+    proc = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "run", str(recipe), "--quiet"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (tmp_path / "hanging").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err
+    run_dir = tmp_path / "hang"
+    assert (run_dir / "checkpoints" / "step-00000002").is_dir()  # the two steps done before the hang
+    events = read_events(run_dir / "events.jsonl")
+    assert events[-1]["event"] == "stopped" and events[-1]["step"] == 2
 
 
 def test_a_run_killed_and_resumed_gives_the_rewards_and_losses_of_the_uninterrupted_one(tiny_model_dir, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,43 @@ def test_a_text_reward_on_chat_completions_says_what_a_completion_is_there():
               ["p"] * 2, chat)
     assert "raised AttributeError" in e.value.message and "'list' object has no attribute 'split'" in e.value.message
     assert "each completion is a list of messages" in e.value.hint and "c[-1]['content']" in e.value.hint
+
+
+def _sleeps(prompts, completions, **_):
+    time.sleep(3600)  # a server that never answers
+    return [0.0] * len(completions)
+
+
+def test_a_reward_past_its_time_limit_is_an_error_naming_the_function():
+    with pytest.raises(RewardError) as e:
+        score([RewardFunction("slow_server", _sleeps)], ["p"], ["a"], timeout_s=0.5)
+    assert e.value.message == ("reward function 'slow_server' did not return within 0.5 s on a batch of 1 completions "
+                               "(grpo.reward_timeout_s).")
+    assert "raise grpo.reward_timeout_s" in e.value.hint
+
+
+def test_a_stop_request_reaches_a_reward_that_hangs_and_the_timer_before_it_is_put_back():
+    """The run's stop (the first Ctrl-C) raises RewardStopped into the function, which its own
+    ``except Exception`` does not swallow; a timer set before the call (pytest-timeout's) runs on after it."""
+    import signal
+
+    from finetuner.rewards.limits import RewardStopped
+
+    def swallows(prompts, completions, **_):
+        try:
+            time.sleep(3600)
+        except Exception:  # noqa: BLE001 - what a careless reward does
+            return [0.0] * len(completions)
+
+    asked = time.monotonic() + 0.5
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    signal.setitimer(signal.ITIMER_REAL, 3600)
+    try:
+        with pytest.raises(RewardStopped):
+            score([RewardFunction("swallows", swallows)], ["p"], ["a"], timeout_s=600, stop=lambda: time.monotonic() > asked)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 3500 < left < 3600 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
