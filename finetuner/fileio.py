@@ -71,6 +71,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), file_mode())  # mkstemp makes it 0600; a file written in place gets the umask's mode
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -83,11 +84,22 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def file_mode() -> int:
+    """The mode a new file gets from this process's umask (0644 under the usual 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written ``tmp_dir`` to ``final_dir`` in one rename (same filesystem)."""
+    """Move a fully written ``tmp_dir`` to ``final_dir`` in one rename (same filesystem). Its files get the
+    umask's mode (:func:`file_mode`): libraries write some of them 0600 through temporary files of their own
+    (transformers' and peft's ``*.safetensors``), the others of the folder 0644."""
+    mode = file_mode()
     for root, _dirs, files in os.walk(tmp_dir):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
+                os.fchmod(f.fileno(), mode)
                 os.fsync(f.fileno())
     os.replace(tmp_dir, final_dir)
     _fsync_dir(final_dir.parent)

@@ -11,6 +11,7 @@ import pytest
 import finetuner
 from finetuner.export.merge import merge_adapter, parse_size, saved_dtype
 from finetuner.config.recipe import Recipe
+from finetuner.fileio import file_mode
 from tests.conftest import alpaca_rows, cli_in_process, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +58,11 @@ def test_merged_folder_loads_with_plain_transformers_and_matches_the_adapter(lor
     assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", "finetuner_merge.json"} <= names
     assert not [n for n in names if n.endswith((".bin", ".pt"))]
     assert not list(tmp_path.glob(".merged.tmp-*"))
+    # every file with the umask's mode, the weights too (transformers writes its safetensors 0600), and the
+    # run's own files alike: the adapter's weights and what finetuner writes atomically (recipe, metrics)
+    mode = file_mode()
+    written = [*out.iterdir(), *(lora_run / "adapter").iterdir(), lora_run / "recipe.yaml", lora_run / "metrics.json"]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {p.name: oct(mode) for p in written}
 
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in merged.named_parameters())
