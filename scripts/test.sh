@@ -4,4 +4,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh" test
 cd "$FINETUNER_ROOT"
-exec python -m pytest "$@"
+# -n auto: one pytest worker per core, at most 4 (tests/conftest.py); --dist loadfile: a test file runs on one
+# worker, its module fixtures once. Give -n 0 to run in one process (a debugger, a single test).
+exec python -m pytest -n auto --dist loadfile "$@"

@@ -62,6 +62,26 @@ def pytest_make_collect_report(collector):
     """A module skipped as a whole (``allow_module_level``) fails its collection in CI."""
     return _fail_skips_in_ci((yield))
 
+#: The test files that take longest (seconds on 2 idle cores, main at 127ba57: the README walk-through 476, the
+#: multi-process trainings 360 and 329, the real SmolLM2's walk-through 291, gpu_all's smoke run 221, the browser
+#: 203): collected first, so that with several workers (./scripts/test.sh runs -n auto --dist loadfile) they start
+#: at once and the short ones fill in around them, instead of one of them starting last.
+LONGEST_FIRST = ("tests/test_readme_walkthrough.py", "tests/training/test_distributed.py", "tests/training/test_fsdp.py",
+                 "tests/training/test_cpu_walkthrough.py", "tests/test_gpu_all_smoke.py", "tests/ui/test_ui_browser.py",
+                 "tests/training/test_oom.py", "tests/model/test_smollm2_real.py", "tests/ui/test_ui_display.py",
+                 "tests/training/test_distributed_preference.py", "tests/objectives/test_grpo_run.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each worker's tests start processes of their own)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 WORDS = (
     "the a hike bird sea rain sun pack water map boots trail tern gull wind cold warm answer "
     "question what should i bring for day night river stone path cliff nest egg feather north"

