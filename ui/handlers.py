@@ -488,10 +488,11 @@ class Handlers:
             hint="Make the plan again in the Plan tab to train on the chosen file, or choose the recipe's file in the Data tab.",
         )
 
-    def confirm_code(self, run: str, allow_code: bool, box: str = ALLOW_CODE) -> None:
+    def confirm_code(self, run: str, allow_code: bool, box: str = ALLOW_CODE, rewards: bool = True) -> None:
         """Refuse a run whose recipe.yaml lets code run (``model.trust_remote_code``,
         ``model.allow_pickle``) unless the checkbox ``box`` is ticked: a run folder may come from
-        someone else, so its own recipe is never taken as consent."""
+        someone else, so its own recipe is never taken as consent. ``rewards``: whether what follows runs
+        GRPO's reward functions (training does; chat, merge and export never call them, so they do not ask)."""
         path = self.run_path(run) / "recipe.yaml"
         if allow_code or not path.is_file():
             return
@@ -500,7 +501,7 @@ class Handlers:
         if asks:
             raise UserError(f"{run}: its recipe.yaml sets {' and '.join(f'model.{k}: true' for k in asks)}, so loading it can "
                             "run code from the run's folder.", hint=f"Tick “{box}” to confirm, only for a run you trust.")
-        files = [r.file for r in (recipe.grpo.rewards if recipe.grpo else []) if r.file]
+        files = [r.file for r in (recipe.grpo.rewards if recipe.grpo and rewards else []) if r.file]
         if files:  # GRPO's reward functions run in the training process
             raise UserError(f"{run}: its recipe.yaml names reward functions in {', '.join(files)}, which run on this machine "
                             "while it trains.", hint=f"Tick “{box}” to confirm, only for a run and reward files you trust.")
@@ -621,7 +622,7 @@ class Handlers:
               max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False):
         if not (message or "").strip():
             raise UserError("Type a message first.")
-        self.confirm_code(run, bool(allow_code))
+        self.confirm_code(run, bool(allow_code), rewards=False)
         source = str(self.run_path(run))
         gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
                "seed": int(seed) if seed not in (None, "") else None}
@@ -654,7 +655,7 @@ class Handlers:
         non-empty folder, a run folder) are shown as the merge words them."""
         from finetuner.export.worker import merge_in_subprocess
 
-        self.confirm_code(run, bool(allow_code))
+        self.confirm_code(run, bool(allow_code), rewards=False)
         rp = self.run_path(run)
         target = Path(out).expanduser() if out and out.strip() else rp / "merged"
         if not target.is_absolute():
@@ -674,7 +675,7 @@ class Handlers:
         model before it is put in place, and the page says how closely it matches."""
         from finetuner.export.worker import export_in_subprocess
 
-        self.confirm_code(run, bool(allow_code))
+        self.confirm_code(run, bool(allow_code), rewards=False)
         rp = self.run_path(run)
         fmt, quant = fmt or "gguf", quant or "f16"
         default = rp / ("ollama" if fmt == "ollama" else f"{rp.name}-{quant}.gguf")

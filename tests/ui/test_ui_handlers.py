@@ -327,6 +327,10 @@ def test_resuming_a_run_whose_recipe_names_reward_files_needs_the_tick(tmp_path)
         h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
     assert ui_handlers.START_CODE in e.value.hint
     h.confirm_code("someone-elses", True, ui_handlers.START_CODE)  # ticked: allowed
+    # chat, merge and export never call the reward functions: they do not ask for the tick (it taught ticking it)
+    merged = " ".join(str(x) for x in h.on_merge("someone-elses", str(tmp_path / "merged"), "fp32", False))
+    assert "reward functions" not in merged and "Tick" not in merged, merged
+    h.confirm_code("someone-elses", False, rewards=False)
     raw["grpo"]["rewards"] = [{"function": "length_bounds", "args": {"max_length": 8}}]  # built-ins run no user code
     (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
     h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
