@@ -64,7 +64,7 @@ def pytest_make_collect_report(collector):
 
 #: The test files that take longest (seconds on 2 idle cores, main at 127ba57: the README walk-through 476, the
 #: multi-process trainings 360 and 329, the real SmolLM2's walk-through 291, gpu_all's smoke run 221, the browser
-#: 203): collected first, so that with several workers (./scripts/test.sh runs -n auto --dist loadfile) they start
+#: 203): collected first, so that with several workers (./scripts/test.sh: -n auto --dist loadfile --no-loadscope-reorder) they start
 #: at once and the short ones fill in around them, instead of one of them starting last.
 LONGEST_FIRST = ("tests/test_readme_walkthrough.py", "tests/training/test_distributed.py", "tests/training/test_fsdp.py",
                  "tests/training/test_cpu_walkthrough.py", "tests/test_gpu_all_smoke.py", "tests/ui/test_ui_browser.py",

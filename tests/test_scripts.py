@@ -52,4 +52,4 @@ def test_the_longest_test_files_listed_to_start_first_exist():
 
     assert [f for f in LONGEST_FIRST if not (REPO / f).is_file()] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
-    assert "-n auto --dist loadfile" in (REPO / "scripts" / "test.sh").read_text(encoding="utf-8")
+    assert "-n auto --dist loadfile --no-loadscope-reorder" in (REPO / "scripts" / "test.sh").read_text(encoding="utf-8")
