@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,10 +283,7 @@ def _nbytes(dims: tuple[int, ...], kind: int) -> int:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
         return 0
-    n = 1
-    for d in dims:
-        n *= d
-    return -(-n // block) * size
+    return -(-math.prod(dims) // block) * size
 
 
 class _Length(int):
@@ -320,10 +318,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
     for name, dims, kind in header.tensors:
         names.add(name)
         if len(dims) >= 2:
-            n = 1
-            for d in dims:
-                n *= d
-            elements[type_name(kind)] = elements.get(type_name(kind), 0) + n
+            elements[type_name(kind)] = elements.get(type_name(kind), 0) + math.prod(dims)
     total = sum(elements.values()) or 1
     shares = {k: round(v / total, 4) for k, v in sorted(elements.items(), key=lambda kv: -kv[1])}
     file_type = value("general.file_type")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.runs.folder import RUN_MARKER
-from tests.conftest import cli_in_process, run_cli, write_recipe
+from finetuner.runs.marker import RUN_MARKER
+from tests.conftest import cli_in_process, write_recipe
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:

@@ -138,7 +138,8 @@ def test_a_job_refused_its_folder_reports_the_error_without_writing_into_the_run
     run's events (they are that process's), and the job's status still shows why it ended, from the
     job's report (the worker protocol), not from its log."""
     from finetuner.config.recipe import Recipe
-    from finetuner.runs.folder import RunLock, mark_run_folder
+    from finetuner.runs.folder import RunLock
+    from finetuner.runs.marker import mark_run_folder
 
     run = tmp_path / "runs" / "held"
     run.mkdir(parents=True)
