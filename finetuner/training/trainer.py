@@ -698,6 +698,11 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------- the loop
+    def _stopped(self) -> TrainResult:
+        """The run stopped on request, its checkpoint written: the ``stopped`` event and the result."""
+        self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
+        return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
+
     def train(self) -> TrainResult:
         r = self.recipe
         start = time.perf_counter()
@@ -784,15 +789,13 @@ class Trainer:
         if stopped:
             if self.step > last_saved or ckpt_io.latest_checkpoint(self.run_dir) is None:
                 self.save_checkpoint(elapsed)
-            self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
-            return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
+            return self._stopped()
         if self.step > last_saved:
             self.save_checkpoint(elapsed)
         try:
             eval_loss = self._eval_and_log()
         except RewardStopped:  # stopped during the final evaluation: every step is trained and saved
-            self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
-            return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
+            return self._stopped()
         self._check_finite_weights()
         adapter_dir = self.save_final()
         metrics = {
