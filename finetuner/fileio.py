@@ -202,8 +202,11 @@ def disk_full_error(path: str | Path, then: str, need_bytes: int | None = None):
 
     free = free_bytes(path)
     has = f" ({size_text(free)} free)" if free is not None else ""
-    need = f"at least {size_text(need_bytes)}" if need_bytes else "some space"
-    return UserError(f"No space left on device while writing {path}{has}.", hint=f"Free {need} on that disk, then {then}.")
+    if need_bytes and free is not None:
+        need = f"at least {size_text(max(need_bytes - free, 0))} more on that disk ({size_text(need_bytes)} free in all)"
+    else:
+        need = f"at least {size_text(need_bytes)} on that disk" if need_bytes else "some space on that disk"
+    return UserError(f"No space left on device while writing {path}{has}.", hint=f"Free {need}, then {then}.")
 
 
 @contextlib.contextmanager

@@ -99,6 +99,8 @@ def corpus(n: int = 400) -> list[str]:
 def _tokenized_data_cache(tmp_path_factory):
     """The tokenized-data cache of this test session (not the user's ~/.cache/finetuner)."""
     os.environ["FINETUNER_CACHE_DIR"] = str(tmp_path_factory.mktemp("finetuner_cache"))
+    # and its checkpoint-sealing key (finetuner.training.seal), not the user's ~/.config/finetuner
+    os.environ["FINETUNER_CONFIG_DIR"] = str(tmp_path_factory.mktemp("finetuner_config"))
 
 
 @pytest.fixture(scope="session")

@@ -53,3 +53,13 @@ def test_the_longest_test_files_listed_to_start_first_exist():
     assert [f for f in LONGEST_FIRST if not (REPO / f).is_file()] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
     assert "-n auto --dist loadfile --no-loadscope-reorder" in (REPO / "scripts" / "test.sh").read_text(encoding="utf-8")
+
+
+def test_gitignore_hides_no_source_or_test_file():
+    """``runs/`` once hid every new file under tests/runs/ (written, run, never committed): the
+    ignore patterns may match the demo's run folder and caches, never a module or a test."""
+    paths = ["tests/runs/test_new.py", "tests/training/test_new.py", "finetuner/runs/new.py", "ui/new.py",
+             "scripts/bench/new.py", "recipes/new.yaml", "data/new.jsonl", "docs/validation/new.json"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", *paths], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 1, f"ignored by .gitignore:\n{r.stdout}{r.stderr}"  # 1: none of them is ignored
+    assert subprocess.run(["git", "check-ignore", "--no-index", "-q", "runs/demo_cpu/events.jsonl"], cwd=REPO).returncode == 0

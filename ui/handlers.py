@@ -34,6 +34,7 @@ from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
 from finetuner.surface import shown_in
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
+from finetuner.training import seal
 from ui import paths, views
 from ui.chat_pool import ChatPool
 from ui.errors import error_md, shows_errors, steps_in_ui
@@ -546,7 +547,12 @@ class Handlers:
         if not st.resumable:
             raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
                             hint="Only stopped or interrupted runs with a checkpoint resume.")
-        job = jobs.start_job(None, run_dir=self.run_path(name), runs_dir=self.runs)
+        foreign = seal.unsealed(self.run_path(name))
+        if foreign and not allow_code:
+            raise UserError(f"{name}: its checkpoint {foreign[-1].name} holds FSDP/ZeRO shards that finetuner did not write "
+                            "for you on this machine; resuming unpickles them, which can run code.",
+                            hint=f"Tick “{START_CODE}” to confirm, only for a run you trust.")
+        job = jobs.start_job(None, run_dir=self.run_path(name), runs_dir=self.runs, trust_checkpoints=bool(allow_code))
         return *self._runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint."
 
     # ------------------------------------------------------------------ page load

@@ -23,6 +23,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", help="Run folder (default: the recipe's output_dir, or runs/<name>).")
     p.add_argument("--no-resume", action="store_true",
                    help="Start over even if the run folder has checkpoints (the old run is moved aside, not deleted).")
+    p.add_argument("--trust-checkpoints", action="store_true",
+                   help="Resume from FSDP/ZeRO checkpoints that finetuner did not write for you on this machine (a run "
+                        "folder from someone else): loading them unpickles, which can run code.")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
     p.add_argument("--gpus", type=int, metavar="N",
                    help="Train on N processes (one per GPU; on a CPU machine, N CPU processes on gloo): "
@@ -110,6 +113,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             resume=not args.no_resume,
             stop_event=stop,
             profile_memory=args.profile_memory,
+            trust_checkpoints=args.trust_checkpoints,
         )
     progress.summary(result)
     return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0

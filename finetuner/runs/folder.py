@@ -341,19 +341,32 @@ def checkpoint_bytes(model, optimizer: str) -> int:
     return int(weights + optimizer_state_bytes(tensors, optimizer)) + 1_000_000
 
 
+def disk_space_needed(run_dir: Path, model, optimizer: str, keep_last: int) -> tuple[int, int, int]:
+    """``(one, to_write, need)``: one checkpoint's predicted size, how many more checkpoints the run
+    folder will keep than it holds now, and the free space the run needs from here on: those, one
+    more being written, and the final adapter. A resumed run's kept checkpoints are on disk already;
+    one written after them replaces the oldest once it is complete."""
+    from finetuner.training.checkpoint import checkpoint_dirs
+
+    one = checkpoint_bytes(model, optimizer)
+    to_write = max(0, keep_last - len(checkpoint_dirs(run_dir)))
+    return one, to_write, one * (to_write + 2)
+
+
 def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> None:
     """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
     import shutil
 
     from finetuner.fileio import size_text
 
-    one = checkpoint_bytes(model, optimizer)
-    need = one * (keep_last + 2)  # K kept + one being written + the final adapter
+    one, to_write, need = disk_space_needed(run_dir, model, optimizer, keep_last)
     free = shutil.disk_usage(run_dir).free
     if free < need:
+        more = f"{to_write} checkpoint{'s' if to_write != 1 else ''} of {size_text(one)} each plus one being written" if to_write \
+            else f"one checkpoint of {size_text(one)} being written (the {keep_last} kept are on disk already)"
         raise UserError(
-            f"Not enough free disk space in {run_dir}: {size_text(free)} free, but {keep_last} checkpoints of "
-            f"{size_text(one)} each plus one being written and the final adapter need {size_text(need)}.",
+            f"Not enough free disk space in {run_dir}: {size_text(free)} free, but {more} and the final adapter "
+            f"need {size_text(need)}.",
             hint="Free some space, choose another --output, or lower checkpointing.keep_last.",
         )
 

@@ -239,6 +239,7 @@ def start_job(
     runs_dir: str | Path | None = None,
     overrides: list[str] | None = None,
     exact_name: bool = False,
+    trust_checkpoints: bool = False,
 ) -> Job:
     """Start training in a new process; returns at once.
 
@@ -250,6 +251,8 @@ def start_job(
         overrides: ``key=value`` recipe overrides (``--set``), for a new run only.
         exact_name: a new run's folder is ``RUNS_DIR/<recipe name>``, the name as the user typed it
             (refused if taken), instead of ``<recipe name>-<date-time>``.
+        trust_checkpoints: ``finetuner run --trust-checkpoints``: sharded checkpoints this user did not
+            seal may be resumed (:mod:`finetuner.training.seal`).
 
     Raises:
         UserError: another job is running on the same device, the recipe is invalid, or (with
@@ -293,7 +296,8 @@ def start_job(
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
         log_path = target / LOG_NAME
         # the job runs inside its run folder, which is never on its sys.path (finetuner.children)
-        cmd = module_command("finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet")
+        cmd = module_command("finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet",
+                             *(["--trust-checkpoints"] if trust_checkpoints else []))
         report = target / REPORT_NAME
         report.unlink(missing_ok=True)  # what an earlier attempt reported is not this one's
         env = safe_env(dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)}))

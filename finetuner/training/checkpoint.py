@@ -60,6 +60,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 #: the folder of a checkpoint that holds a DeepSpeed engine's own (sharded) state
 ENGINE_DIR = "deepspeed"
+#: the folder of a checkpoint that holds FSDP's shards (``torch.distributed.checkpoint``)
+FSDP_DIR = "fsdp"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """Whether ``ckpt`` holds an engine's sharded state, which resuming unpickles (:mod:`finetuner.training.seal`)."""
+    return any((Path(ckpt) / d).is_dir() for d in (ENGINE_DIR, FSDP_DIR))
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:

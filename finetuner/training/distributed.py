@@ -29,7 +29,8 @@ its hooks. Where strategies differ the trainer asks the run's strategy object, o
   strategy's sharded state (``Strategy.write_shards``: ZeRO's ``deepspeed/``, FSDP's ``fsdp/``
   through ``torch.distributed.checkpoint``) and resumes with them; the ranks agree whether each
   could read its parts of a checkpoint before any resumes from it. DDP's are the ordinary format;
-  sharded ones resume with the same strategy and world size;
+  sharded ones resume with the same strategy and world size, and only when rank 0 finds them sealed
+  by this user (:mod:`finetuner.training.seal`: resuming them unpickles; ``--trust-checkpoints`` opts in);
 - **stopping**: ranks agree every step (an all-reduce) whether any saw ``<run>/.stop`` or a
   signal, so they stop at the same step and save one checkpoint together;
 - **out of memory**: after each micro-batch the ranks agree (an all-reduce of a flag) whether any
@@ -59,6 +60,7 @@ from typing import Any
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.training import checkpoint as ckpt_io
+from finetuner.training import seal
 from finetuner.training.launch import STOP_FILE
 from finetuner.training.strategies import Strategy, strategy_class
 from finetuner.training.trainer import Trainer
@@ -246,6 +248,16 @@ class DistributedTrainer(Trainer):
         main = self.ctx.is_main
         tmp = ckpt_io.start_checkpoint(self.run_dir, self.step) if main else ckpt_io.staging_dir(self.run_dir, self.step)
         _barrier()
+        try:
+            return self._write_staged(tmp, elapsed, main)
+        except Exception:  # a full disk, say: rank 0 gives the half-written checkpoint's space back (the others end with it)
+            if main:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _write_staged(self, tmp: Path, elapsed: float, main: bool) -> Path:
         self.strategy.write_shards(tmp)
         if not main:
             ckpt_io.write_rng_state(tmp, self.rank)
@@ -258,6 +270,8 @@ class DistributedTrainer(Trainer):
                 )
         _barrier()
         if main:
+            if self.strategy.unpickles_checkpoints:  # every rank has written its share: seal what a resume unpickles
+                seal.write(tmp)
             ckpt_io.publish_checkpoint(self.run_dir, self.step, self.recipe.checkpointing.keep_last)
         _barrier()
         return self.run_dir / "checkpoints" / f"step-{self.step:08d}"
@@ -267,6 +281,7 @@ class DistributedTrainer(Trainer):
         theirs, so that they all resume from the same checkpoint."""
         import torch
 
+        self._check_seal(ckpt)
         failure = None
         try:
             parts = self.strategy.read_parts(ckpt)
@@ -278,6 +293,30 @@ class DistributedTrainer(Trainer):
         if failed != self.world_size:
             raise ckpt_io.CheckpointUnreadable(f"{ckpt.name}: unreadable on rank {failed}")
         return parts
+
+    def _check_seal(self, ckpt: Path) -> None:
+        """Before any rank unpickles a sharded checkpoint: rank 0 checks its seal (:func:`seal.check`) and
+        the ranks agree on the verdict: go on, take the checkpoint before (a file changed since it was
+        written), or stop (not sealed by this user, and not trusted)."""
+        import torch
+
+        if not self.strategy.unpickles_checkpoints:
+            return
+        verdict, error = 0, None
+        if self.ctx.is_main:
+            try:
+                seal.check(ckpt)
+            except ckpt_io.CheckpointUnreadable as e:
+                verdict, error = 1, e
+            except seal.NotOurs as e:
+                verdict, error = 2, e
+        (agreed,) = all_reduce_values([verdict], torch.int64, "max")
+        if error is not None:
+            raise error
+        if agreed == 1:
+            raise ckpt_io.CheckpointUnreadable(f"{ckpt.name}: changed since it was written (rank 0 checked its seal)")
+        if agreed == 2:
+            raise seal.NotOurs(f"{ckpt} is not sealed by this user (rank 0 checked it).")
 
     def _apply_checkpoint(self, ckpt: Path, parts: dict[str, Any]) -> dict[str, Any]:
         self.strategy.load_shards(ckpt, parts)

@@ -47,6 +47,7 @@ from finetuner.children import module_args, module_command, safe_env
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
+from finetuner.training.seal import TRUST_ENV
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +267,11 @@ def launch_training(
     resume: bool = True,
     stop_event: threading.Event | None = None,
     profile_memory: bool = False,
+    trust_checkpoints: bool = False,
 ):
-    """Run ``recipe`` on ``distributed.world_size`` processes; returns a :class:`TrainResult`."""
+    """Run ``recipe`` on ``distributed.world_size`` processes; returns a :class:`TrainResult`.
+    ``trust_checkpoints``: the ranks may resume from sharded checkpoints this user did not seal
+    (:mod:`finetuner.training.seal`)."""
     import torch
 
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
@@ -317,6 +321,8 @@ def launch_training(
         relay_stop = threading.Event()
         follower = threading.Thread(target=_relay_events, args=(events_path, callbacks, offset, relay_stop, relayed), daemon=True)
         env = safe_env({**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"})
+        if trust_checkpoints:
+            env[TRUST_ENV] = "1"
         if not cuda:
             env["ACCELERATE_USE_CPU"] = "true"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))

@@ -669,13 +669,16 @@ class Trainer:
         """A full disk while writing ``path`` (a checkpoint, the adapter) ends the run with one line
         saying how much to free and how to resume, instead of the writers' chained tracebacks."""
         from finetuner.fileio import disk_full_as_user_error
-        from finetuner.runs.folder import checkpoint_bytes
+        from finetuner.runs.folder import checkpoint_bytes, disk_space_needed
 
         last = ckpt_io.latest_checkpoint(self.run_dir)
         since = f"from its last checkpoint ({last.name})" if last is not None else "from the start"
         then = (f"resume with `finetuner run {self.run_dir / 'recipe.yaml'} -o {self.run_dir}` (the run continues "
                 f"{since}; lowering checkpointing.keep_last also saves space)")
-        need = checkpoint_bytes(self.model, "sgd" if weights_only else self.recipe.training.optimizer)
+        if weights_only:  # the final adapter: the resume that writes it again needs only its room
+            need = checkpoint_bytes(self.model, "sgd")
+        else:  # what the resume's own check asks for (check_disk_space)
+            need = disk_space_needed(self.run_dir, self.model, self.recipe.training.optimizer, self.recipe.checkpointing.keep_last)[2]
         return disk_full_as_user_error(path, then, need)
 
     def _midway_through_save(self) -> None:
@@ -880,6 +883,7 @@ def train(
     stop_event: threading.Event | None = None,
     overrides: list[str] | None = None,
     profile_memory: bool = False,
+    trust_checkpoints: bool = False,
 ) -> TrainResult:
     """Run a fine-tune. The Python API and the CLI both come here.
 
@@ -893,6 +897,9 @@ def train(
         overrides: ``key.path=value`` strings applied when ``recipe`` is a path.
         profile_memory: record CUDA allocations for the first steps and write
             ``memory_snapshot.pickle`` to the run folder (view it at https://pytorch.org/memory_viz).
+        trust_checkpoints: resume a multi-process run from sharded (FSDP, ZeRO) checkpoints that
+            finetuner did not seal for this user (a run folder from elsewhere): loading them unpickles,
+            which can run code (:mod:`finetuner.training.seal`).
     """
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -910,7 +917,7 @@ def train(
     writes_events = not needs_launch(recipe) or recipe.distributed.node_rank == 0  # node 0 writes a shared run's events
     try:
         if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
-            return launch_training(recipe, callbacks, resume, stop_event, profile_memory)
+            return launch_training(recipe, callbacks, resume, stop_event, profile_memory, trust_checkpoints)
         from finetuner.planning.planner import resolve_for_run
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device

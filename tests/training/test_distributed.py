@@ -147,6 +147,11 @@ def test_zero2_two_processes_match_one_process_and_resume_after_stop(deepspeed, 
     ckpt = tmp_path / "z2" / "checkpoints" / "step-00000003"
     shards = sorted(p.name for p in (ckpt / "deepspeed" / "state").glob("*optim_states.pt"))
     assert len(shards) == 2  # one optimizer shard per rank
+    # sealed (finetuner.training.seal): DeepSpeed unpickles its state files when it resumes
+    from finetuner.training import seal
+
+    listed = json.loads((ckpt / seal.SEAL).read_text())["files"]
+    assert {f"deepspeed/state/{n}" for n in shards} <= set(listed) and seal.is_ours(ckpt)
     result = finetuner.train(recipe)
     assert not result.stopped and result.metrics["steps"] == 6
     events = read_events(tmp_path / "z2" / "events.jsonl")

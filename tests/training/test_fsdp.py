@@ -226,13 +226,53 @@ def test_killed_fsdp_runs_resume_from_their_sharded_checkpoints_to_the_uninterru
             del os.environ["FINETUNER_FAULT"]
         assert sorted(p.name for p in ckpts.glob("step-*"))[-1] == last
     assert (ckpts / ".tmp-step-00000004").is_dir()  # the cut checkpoint, never published
+    _a_received_copy_is_refused_before_anything_is_unpickled(tmp_path, recipe, raw)
+    # step 3's checkpoint damaged after it was sealed (a shard cut short): the resume takes step 2's
+    shard = ckpts / "step-00000003" / "fsdp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
     result = finetuner.train(recipe)
     assert not result.stopped
-    starts = [e["resumed_from_step"] for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "start"]
-    assert starts == [None, 2, 3]
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    starts = [e["resumed_from_step"] for e in events if e["event"] == "start"]
+    assert starts == [None, 2, 2]
+    (invalid,) = [e for e in events if e["event"] == "checkpoint_invalid"]
+    assert invalid["path"].endswith("step-00000003") and "changed since it was written" in invalid["reason"]
     assert [_losses(tmp_path / "run")[s] for s in range(1, 7)] == [_losses(ref.run_dir)[s] for s in range(1, 7)]
     a, b = _weights(tmp_path / "run"), _weights(ref.run_dir)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+class _Planted:
+    """A pickle that creates a file when it is loaded: what a crafted ``.metadata`` could do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _a_received_copy_is_refused_before_anything_is_unpickled(tmp_path: Path, recipe: Recipe, raw: dict) -> None:
+    """The run folder as a colleague would send it, with a crafted ``.metadata`` in its newest checkpoint:
+    resuming it (as someone else: another key) stops with one line saying how to opt in, before any rank
+    unpickles anything."""
+    import pickle
+    import shutil
+
+    received = tmp_path / "received"
+    shutil.copytree(tmp_path / "run", received, ignore=shutil.ignore_patterns(".lock"))
+    marker = tmp_path / "code-ran"
+    (received / "checkpoints" / "step-00000003" / "fsdp" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    before = len(read_events(received / "events.jsonl"))
+    own_key = os.environ["FINETUNER_CONFIG_DIR"]
+    os.environ["FINETUNER_CONFIG_DIR"] = str(tmp_path / "someone-else")
+    try:
+        with pytest.raises(UserError, match=r"step-00000003 was not written by finetuner for this user on this machine"):
+            finetuner.train(Recipe.from_dict(dict(raw, output_dir=str(received))))
+    finally:
+        os.environ["FINETUNER_CONFIG_DIR"] = own_key
+    assert not marker.exists()
+    assert not [e for e in read_events(received / "events.jsonl")[before:] if e["event"] == "step"]
 
 
 def test_a_fsdp_checkpoint_resumes_only_with_the_same_process_count(recipe_dict, without_deepspeed):  # noqa: F811

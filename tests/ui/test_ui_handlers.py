@@ -334,3 +334,34 @@ def test_resuming_a_run_whose_recipe_names_reward_files_needs_the_tick(tmp_path)
     raw["grpo"]["rewards"] = [{"function": "length_bounds", "args": {"max_length": 8}}]  # built-ins run no user code
     (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
     h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
+
+
+def test_resuming_sharded_checkpoints_that_are_not_ours_needs_the_tick(tmp_path, monkeypatch):
+    """An FSDP/ZeRO checkpoint is unpickled when it resumes: one this user's finetuner did not seal
+    (finetuner.training.seal) is code from the run's folder, so Resume asks for the tick and then
+    passes it on (``finetuner run --trust-checkpoints``)."""
+    import yaml
+
+    from finetuner.runs.jobs import RunStatus
+    from finetuner.training import seal
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    raw = yaml.safe_load((REPO / "recipes" / "demo_cpu.yaml").read_text())
+    raw["model"]["name"], raw["data"]["path"] = MODEL, SAMPLE
+    run = h.runs / "received"
+    ckpt = run / "checkpoints" / "step-00000004"
+    (ckpt / "fsdp").mkdir(parents=True)
+    (ckpt / "fsdp" / ".metadata").write_bytes(b"a pickle")
+    (ckpt / "trainer_state.json").write_text('{"step": 4}', encoding="utf-8")
+    (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    monkeypatch.setattr(ui_handlers.jobs, "run_status", lambda *a, **k: RunStatus(str(run), "received", "stopped", step=4, max_steps=10))
+    started = []
+    monkeypatch.setattr(ui_handlers.jobs, "start_job", lambda *a, **k: started.append(k) or (_ for _ in ()).throw(UserError("stop here")))
+    refused = " ".join(map(str, h.on_resume("received", False)))
+    assert "step-00000004 holds FSDP/ZeRO shards that finetuner did not write for you on this machine" in refused
+    assert ui_handlers.START_CODE in refused and started == []
+    h.on_resume("received", True)
+    assert started[-1]["trust_checkpoints"] is True
+    seal.write(ckpt)  # sealed by this user: no tick needed, nothing trusted beyond the seal
+    h.on_resume("received", False)
+    assert started[-1]["trust_checkpoints"] is False

@@ -105,6 +105,10 @@ class Strategy(ABC):
         """Whether rank 0 writes ``optimizer.pt`` (False when the states are sharded and each rank writes its own)."""
         return True
 
+    #: whether resuming this strategy's checkpoints unpickles them (its engine's own formats): such
+    #: checkpoints are sealed when written and checked before they are read (:mod:`finetuner.training.seal`)
+    unpickles_checkpoints: bool = False
+
     def write_shards(self, tmp: Path) -> None:
         """Every rank: write this rank's share of a checkpoint into the staging folder ``tmp``."""
 

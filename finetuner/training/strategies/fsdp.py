@@ -39,7 +39,7 @@ from finetuner.training.strategies.base import Strategy, check_same_world
 from finetuner.training.trainer import local_part
 
 #: the folder of a checkpoint that holds the FSDP shards (``torch.distributed.checkpoint``)
-SHARDS_DIR = "fsdp"
+SHARDS_DIR = ckpt_io.FSDP_DIR
 #: how far above ``4-bit bytes / world size`` a rank's share of the base weights may be (padding, rounding)
 STORAGE_TOLERANCE = 1.25
 
@@ -249,6 +249,8 @@ class FSDP(Strategy):
         tr = self.trainer
         return {"model": get_model_state_dict(tr.model, options=self._options()),
                 "optimizer": get_optimizer_state_dict(tr.model, tr.optimizer, options=self._options())}
+
+    unpickles_checkpoints = True  # .metadata and byte items (DCP), state files (DeepSpeed): pickles
 
     def write_shards(self, tmp: Path) -> None:
         import torch.distributed.checkpoint as dcp

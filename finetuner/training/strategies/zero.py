@@ -123,6 +123,8 @@ class Zero(Strategy):
     def saves_optimizer(self) -> bool:
         return False
 
+    unpickles_checkpoints = True  # .metadata and byte items (DCP), state files (DeepSpeed): pickles
+
     def write_shards(self, tmp: Path) -> None:
         self.engine.save_checkpoint(str(tmp / ckpt_io.ENGINE_DIR), tag="state", save_latest=False,
                                     exclude_frozen_parameters=self.trainer.recipe.method != "full")
