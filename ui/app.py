@@ -19,17 +19,19 @@ import gradio as gr
 
 from finetuner.fileio import private_temp_dir
 from ui.handlers import Handlers
+from ui.paths import LOOPBACK
 from ui.layout import build_blocks
 from ui.style import CSS, JS
 
 
 def build_app(runs_dir: str | Path | None = None, upload_dir: str | Path | None = None,
-              max_upload_bytes: int | None = None) -> gr.Blocks:
+              max_upload_bytes: int | None = None, data_dirs: list[str | Path] | None = None) -> gr.Blocks:
     """The app. ``runs_dir``: where runs and the job registry live (default ``runs/`` of the
     checkout); ``upload_dir``: where uploaded data files are stored (default ``data/uploads/``);
     ``max_upload_bytes``: the largest upload taken (default :data:`ui.paths.MAX_UPLOAD_BYTES`).
-    Each app has a temp folder of its own (``app.temp_dir``, mode 0700), removed with it."""
-    handlers = Handlers(runs_dir, upload_dir, max_upload_bytes=max_upload_bytes)
+    Each app has a temp folder of its own (``app.temp_dir``, mode 0700), removed with it. ``data_dirs``:
+    data files are read only there (and from ``data/``, the uploads and the runs); None: anywhere."""
+    handlers = Handlers(runs_dir, upload_dir, max_upload_bytes=max_upload_bytes, data_dirs=data_dirs)
     app = build_blocks(handlers)
     app.handlers = handlers  # for tests
     app.chat_pool = handlers.chat_pool  # for tests and shutdown
@@ -66,8 +68,12 @@ def launch(
     block: bool = True,
     quiet: bool = False,
     max_upload_bytes: int | None = None,
+    data_dirs: list[str | Path] | None = None,
 ) -> gr.Blocks:
     """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves.
+    ``data_dirs``: see :func:`build_app`; a host other than this machine's loopback always limits data
+    files to those folders (none given: ``data/``, the uploads and the runs), so that whoever reaches
+    the page reads no other file of this machine.
 
     It listens on ``host`` only and never makes a public share link (``share=False`` whatever
     ``GRADIO_SHARE`` says: a warning says it is ignored). The only folder it serves files from is
@@ -75,7 +81,9 @@ def launch(
     which is private to this process too (:func:`private_gradio_cache`); it takes uploads up to
     ``max_upload_bytes``."""
     private_gradio_cache()
-    app = build_app(runs_dir, upload_dir, max_upload_bytes)
+    if data_dirs is None and host not in LOOPBACK:
+        data_dirs = []
+    app = build_app(runs_dir, upload_dir, max_upload_bytes, data_dirs)
     if share_asked_by_env():
         print("warning: GRADIO_SHARE is set; ignored: finetuner ui never makes a public share link "
               f"(it serves on {host}:{port} only).", file=sys.stderr, flush=True)

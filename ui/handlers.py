@@ -158,9 +158,13 @@ class Handlers:
     ``data/uploads/``)."""
 
     def __init__(self, runs_dir: str | Path | None = None, upload_dir: str | Path | None = None,
-                 max_upload_bytes: int | None = None):
+                 max_upload_bytes: int | None = None, data_dirs: list[str | Path] | None = None):
         self.runs = Path(runs_dir or paths.runs_dir_default()).expanduser().resolve()
         self.uploads = Path(upload_dir).expanduser().resolve() if upload_dir else paths.UPLOAD_DIR
+        #: where data files may be read from (``finetuner ui --data-dir``, and always when the UI serves
+        #: other machines): ``data/``, the uploads, the runs and these; None: any file of this machine
+        self.data_dirs = None if data_dirs is None else [
+            paths.DATA_DIR, self.uploads, self.runs, *(Path(d).expanduser().resolve() for d in data_dirs)]
         #: the largest upload taken (the launch gives gradio the same limit)
         self.max_upload_bytes = int(max_upload_bytes or paths.MAX_UPLOAD_BYTES)
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -203,6 +207,23 @@ class Handlers:
         return recipe if free == recipe.name else recipe.model_copy(update={"name": free})
 
     # ------------------------------------------------------------------ model & data
+    def data_path(self, text: str) -> str:
+        """A data file named in the UI, as an absolute path (or a hub data set id), refused outside
+        :attr:`data_dirs`."""
+        path = paths.resolve_data(text)
+        if self.data_dirs is not None and Path(path).exists() and not paths.in_folders(path, self.data_dirs):
+            raise paths.data_scope_error(text, self.data_dirs)
+        return path
+
+    def check_data_scope(self, recipe) -> None:
+        """A recipe started or resumed from the UI trains only on files inside :attr:`data_dirs`."""
+        if self.data_dirs is None:
+            return
+        named = [*(recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]), recipe.data.val_path]
+        for p in (str(x) for x in named if x):
+            if Path(p).expanduser().exists() and not paths.in_folders(Path(p).expanduser(), self.data_dirs):
+                raise paths.data_scope_error(p, self.data_dirs)
+
     @shows_errors(0, 1)
     def on_model(self, model_text: str, card: str):
         from finetuner.model.gguf_base import info_for
@@ -231,6 +252,8 @@ class Handlers:
 
         columns: list[str] = []
         local = paths.resolve_local(data_file or "")
+        if local is not None and self.data_dirs is not None and not paths.in_folders(local, self.data_dirs):
+            local = None  # on_data says why it is not read
         if local is not None and local.is_file():
             try:
                 with shown_in("ui"):
@@ -254,7 +277,7 @@ class Handlers:
             raise UserError("Pick a data file, or upload one.")
         if seq_len is not None and seq_len < 0:
             raise UserError(f"Sequence length {seq_len:g}: give a number of tokens, or 0 to take it from the data.")
-        path = paths.resolve_data(data_file)
+        path = self.data_path(data_file)
         model = paths.resolve_model(model_text)
         columns = picked_columns(picked)
         try:
@@ -339,7 +362,7 @@ class Handlers:
             paths.resolve_model(model_text),
             gpu_profile(card),
             seq_len=int(seq_len) if seq_len else None,
-            data=paths.resolve_data(data_file),
+            data=self.data_path(data_file),
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
             method=None if method in (None, "", "auto") else method,
             objective=None if objective in (None, "", "auto") else objective,
@@ -520,6 +543,7 @@ class Handlers:
                             f"from {recipe.model.name} may run on this machine.",
                             hint=f"Tick “{START_CODE}” to confirm, only for a model you trust.")
         self.check_same_data(recipe, data_file)
+        self.check_data_scope(recipe)
         gpu = gpu_profile(card)
         est = recipe_estimate(recipe, gpu)
         if not est.fits and not anyway:
@@ -547,6 +571,7 @@ class Handlers:
         if not st.resumable:
             raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
                             hint="Only stopped or interrupted runs with a checkpoint resume.")
+        self.check_data_scope(read_recipe(self.run_path(name) / "recipe.yaml"))
         foreign = seal.unsealed(self.run_path(name))
         if foreign and not allow_code:
             raise UserError(f"{name}: its checkpoint {foreign[-1].name} holds FSDP/ZeRO shards that finetuner did not write "

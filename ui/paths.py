@@ -22,6 +22,8 @@ DEMO_MODEL = DATA_DIR / "demo_model"
 #: reads it whole to preview it. 512 MiB holds instruction sets of a million short rows (Alpaca's
 #: 52k rows are 22 MB); a larger file is better given by its path, which copies nothing.
 MAX_UPLOAD_BYTES = 512 * 2**20
+#: the hosts that serve this machine only (any other ``--host`` limits data files to ``--data-dir`` folders)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def runs_dir_default() -> Path:
@@ -59,6 +61,19 @@ def resolve_data(text: str) -> str:
     """A data file as an absolute path, or a hub data set id; a missing file: a :class:`UserError`."""
     t = (text or "").strip()
     return str(locate(t, "Data file", [ROOT])) if t else t
+
+
+def in_folders(path: str | Path, folders: list[Path]) -> bool:
+    """Whether ``path`` (links resolved) lies inside one of ``folders``."""
+    real = Path(path).resolve()
+    return any(real == f or f in real.parents for f in (Path(d).resolve() for d in folders))
+
+
+def data_scope_error(text: str, folders: list[Path]) -> UserError:
+    return UserError(
+        f"Data file {text}: this UI reads data files only from {', '.join(display(f) for f in folders)}.",
+        hint="Upload the file, or start the UI with --data-dir FOLDER for a folder of yours (finetuner ui --help).",
+    )
 
 
 def resolve_reward_file(text: str, function: str) -> str:

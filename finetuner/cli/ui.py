@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", metavar="USER:PASS", help="Require this user name and password.")
     p.add_argument("--runs-dir", help="Where runs are kept (default: runs/ of the checkout).")
     p.add_argument("--upload-dir", help="Where uploaded data files are stored (default: data/uploads/ of the checkout).")
+    p.add_argument("--data-dir", action="append", metavar="FOLDER",
+                   help="Read data files only from this folder (repeatable), data/, the uploads and the runs. "
+                        "Always so with a --host other than 127.0.0.1: the page then reads no other file of this machine.")
     p.add_argument("--max-upload-mb", type=float, default=None, metavar="MB",
                    help="The largest data file the page takes as an upload, in MiB (default 512); a larger file is "
                         "given by its path instead.")
@@ -40,7 +43,9 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 
 
 def exposed_without_auth(host: str, auth: tuple[str, str] | None) -> bool:
-    return auth is None and host not in ("127.0.0.1", "localhost", "::1")
+    from ui.paths import LOOPBACK
+
+    return auth is None and host not in LOOPBACK
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
@@ -66,5 +71,5 @@ def _cmd_ui(args: argparse.Namespace) -> int:
         ) from None
     print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
     launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True,
-           max_upload_bytes=int(max_upload * 2**20) if max_upload is not None else None)
+           max_upload_bytes=int(max_upload * 2**20) if max_upload is not None else None, data_dirs=args.data_dir)
     return 0

@@ -365,3 +365,43 @@ def test_resuming_sharded_checkpoints_that_are_not_ours_needs_the_tick(tmp_path,
     seal.write(ckpt)  # sealed by this user: no tick needed, nothing trusted beyond the seal
     h.on_resume("received", False)
     assert started[-1]["trust_checkpoints"] is False
+
+
+def test_a_ui_that_serves_other_machines_reads_data_files_only_from_its_folders(tmp_path, monkeypatch):
+    """``finetuner ui --host 0.0.0.0`` (or ``--data-dir``): whoever reaches the page cannot preview, plan
+    on, or train on a file of the server outside ``data/``, the uploads, the runs and ``--data-dir``."""
+    import json
+    import shutil
+
+    from ui import app as ui_app
+
+    secret = tmp_path / "home" / "notes.jsonl"  # any file of the server with a data extension
+    secret.parent.mkdir()
+    secret.write_text(json.dumps({"instruction": "the server's secret", "output": "s3cret"}) + "\n", encoding="utf-8")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copy(SAMPLE, mine / "own.json")
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads", data_dirs=[mine])
+    shown = " ".join(map(str, h.on_data(MODEL, str(secret), 64)))
+    assert f"Data file {secret}: this UI reads data files only from data, " in shown and "s3cret" not in shown
+    assert "--data-dir FOLDER" in shown
+    assert "s3cret" not in " ".join(map(str, h.on_plan(MODEL, "cpu", str(secret), 0, 0, "auto", "sft", "", 2, 16)))
+    assert h.on_columns(str(secret))[0]["visible"] is False
+    link = mine / "link.jsonl"  # a link inside an allowed folder to a file outside it
+    link.symlink_to(secret)
+    assert "this UI reads data files only from" in " ".join(map(str, h.on_data(MODEL, str(link), 64)))
+    # inside the folders: read as ever
+    assert "No data" not in " ".join(map(str, h.on_data(MODEL, str(mine / "own.json"), 64)))
+    assert h.data_path(SAMPLE) == str(Path(SAMPLE).resolve())
+    raw = Recipe.from_yaml(REPO / "recipes" / "demo_cpu.yaml").to_dict()
+    raw["data"]["path"], raw["model"]["name"] = str(secret), MODEL
+    with pytest.raises(UserError, match="this UI reads data files only from"):
+        h.check_data_scope(Recipe.from_dict(raw))
+    # a UI on this machine only reads any file of yours; any other host limits it
+    assert Handlers(tmp_path / "runs", tmp_path / "uploads").data_path(str(secret)) == str(secret)
+    built = []
+    monkeypatch.setattr(ui_app, "build_app", lambda *a: built.append(a[3]) or (_ for _ in ()).throw(RuntimeError("built")))
+    for host, want in (("127.0.0.1", None), ("0.0.0.0", [])):
+        with pytest.raises(RuntimeError, match="built"):
+            ui_app.launch(runs_dir=tmp_path / "runs", host=host, block=False)
+        assert built[-1] == want
