@@ -297,3 +297,14 @@ def ui_client(base: Path):
         for job in jobs.running_jobs(base / "runs"):
             jobs.stop_job(job, base / "runs", wait=60)
         app.close()
+
+
+class Planted:
+    """A pickle that creates the file ``marker`` when it is loaded: what a crafted checkpoint file
+    could do instead (tests/training/test_seal.py checks that loading it does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))

@@ -32,7 +32,7 @@ import finetuner
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
 from finetuner.config.recipe import Recipe
-from tests.conftest import REPO, free_port, run_cli, write_recipe, HANG_GUARD_S
+from tests.conftest import REPO, HANG_GUARD_S, Planted, free_port, run_cli, write_recipe
 
 
 @pytest.fixture
@@ -152,6 +152,19 @@ def test_zero2_two_processes_match_one_process_and_resume_after_stop(deepspeed, 
 
     listed = json.loads((ckpt / seal.SEAL).read_text())["files"]
     assert {f"deepspeed/state/{n}" for n in shards} <= set(listed) and seal.is_ours(ckpt)
+    # the same folder received by someone else, with a crafted state file: refused before DeepSpeed unpickles it
+    import shutil
+
+    import torch
+
+    received, marker = tmp_path / "received", tmp_path / "code-ran"
+    shutil.copytree(tmp_path / "z2", received, ignore=shutil.ignore_patterns(".lock"))
+    torch.save({"optimizer_state_dict": Planted(marker)}, received / "checkpoints" / "step-00000003" / "deepspeed" / "state" / shards[0])
+    monkeypatch.setenv("FINETUNER_CONFIG_DIR", str(tmp_path / "someone-else"))
+    with pytest.raises(UserError, match=r"step-00000003 was not written by finetuner for this user on this machine"):
+        finetuner.train(Recipe.from_dict(dict(base, output_dir=str(received), distributed={"strategy": "zero2", "num_processes": 2})))
+    assert not marker.exists()
+    monkeypatch.undo()  # this user again (and FINETUNER_FAULT gone)
     result = finetuner.train(recipe)
     assert not result.stopped and result.metrics["steps"] == 6
     events = read_events(tmp_path / "z2" / "events.jsonl")

@@ -26,7 +26,7 @@ import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
-from tests.conftest import run_cli, write_recipe
+from tests.conftest import Planted, run_cli, write_recipe
 from tests.training.test_distributed import reference_recipe, without_deepspeed  # noqa: F401  (a fixture)
 
 REL = 1e-5  # see the module's docstring
@@ -242,16 +242,6 @@ def test_killed_fsdp_runs_resume_from_their_sharded_checkpoints_to_the_uninterru
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
 
 
-class _Planted:
-    """A pickle that creates a file when it is loaded: what a crafted ``.metadata`` could do instead."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 def _a_received_copy_is_refused_before_anything_is_unpickled(tmp_path: Path, recipe: Recipe, raw: dict) -> None:
     """The run folder as a colleague would send it, with a crafted ``.metadata`` in its newest checkpoint:
     resuming it (as someone else: another key) stops with one line saying how to opt in, before any rank
@@ -262,7 +252,7 @@ def _a_received_copy_is_refused_before_anything_is_unpickled(tmp_path: Path, rec
     received = tmp_path / "received"
     shutil.copytree(tmp_path / "run", received, ignore=shutil.ignore_patterns(".lock"))
     marker = tmp_path / "code-ran"
-    (received / "checkpoints" / "step-00000003" / "fsdp" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    (received / "checkpoints" / "step-00000003" / "fsdp" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     before = len(read_events(received / "events.jsonl"))
     own_key = os.environ["FINETUNER_CONFIG_DIR"]
     os.environ["FINETUNER_CONFIG_DIR"] = str(tmp_path / "someone-else")

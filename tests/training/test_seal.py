@@ -109,3 +109,18 @@ def test_a_damaged_key_file_is_reported_with_what_to_do(tmp_path, key_home):
     with pytest.raises(UserError, match="is not a finetuner checkpoint key") as e:
         seal.write(ckpt)
     assert "Delete it" in e.value.hint
+
+
+def test_the_planted_pickle_of_the_refusal_tests_runs_code_when_loaded(tmp_path):
+    """What test_fsdp.py and test_distributed.py plant would have run, had it been unpickled."""
+    import torch
+
+    from tests.conftest import Planted
+
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer_state_dict": Planted(marker)}, tmp_path / "state.pt")
+    torch.load(tmp_path / "state.pt", weights_only=False)  # as DeepSpeed loads its state files
+    assert marker.exists()
+    marker.unlink()
+    pickle.loads(pickle.dumps(Planted(marker)))  # as torch.distributed.checkpoint reads .metadata
+    assert marker.exists()
