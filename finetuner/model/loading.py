@@ -68,10 +68,12 @@ def open_tokenizer(name: str, what: str, revision: str | None = None, trust_remo
     from transformers import AutoTokenizer
 
     check_hub(name, what)
-    where, extra = gguf_base.pretrained_args(name)
+    where, extra = gguf_base.pretrained_args(name, "tokenizer")
     try:
         with quieted():
             tok = AutoTokenizer.from_pretrained(where, revision=revision, trust_remote_code=trust_remote_code, **extra)
+        if "gguf_file" in extra:  # read from the GGUF file: kept for the next load
+            gguf_base.remember_tokenizer(name, tok)
     except (OSError, ValueError) as e:
         raise UserError(
             f"{what}: could not load a tokenizer from '{name}' ({first_line(str(e), 300)}).",
@@ -109,9 +111,9 @@ def _warn_remote_code(recipe: Recipe) -> None:
 def weight_format_kwargs(allow_pickle: bool, name: str) -> dict[str, Any]:
     """``from_pretrained`` arguments for the weight files finetuner accepts: safetensors only,
     unless ``model.allow_pickle`` says pickle files (``pytorch_model.bin``) may be unpickled too; a GGUF
-    file (no code in it, nothing to unpickle): its folder and ``gguf_file`` (:func:`gguf_base.pretrained_args`)."""
+    file (no code in it, nothing to unpickle): none (:func:`gguf_base.pretrained_args` gives its own)."""
     if gguf_base.is_gguf_name(name):
-        return gguf_base.pretrained_args(name)[1]
+        return {}
     if not allow_pickle:
         return {"use_safetensors": True}
     log.warning("model.allow_pickle is on: pickle weight files of '%s' may be loaded; unpickling can run code.", name)
@@ -270,7 +272,8 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
     check_hub(m.name, "model.name")
     try:
         with quieted():
-            model = AutoModelForCausalLM.from_pretrained(gguf_base.pretrained_args(m.name)[0], **kwargs)
+            where, extra = gguf_base.pretrained_args(m.name, "model", kwargs["dtype"])
+            model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, m.name)
         if broken is None and not isinstance(e, OSError):

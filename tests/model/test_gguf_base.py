@@ -229,3 +229,35 @@ def test_the_python_api_plans_a_gguf_file(tiny_gguf):
     p = finetuner.plan(str(tiny_gguf), "cpu", seq_len=64)
     assert p.recipe.model.name == str(tiny_gguf) and p.shape.source == "gguf"
     assert any("dequantized from 8-bit Q8_0" in n for n in p.notes)
+
+
+def test_the_conversion_cache_gives_the_very_tensors_and_tokenizer_of_the_file(tiny_gguf, tmp_path, monkeypatch):
+    """The first load of a GGUF file keeps its dequantized weights and its tokenizer as save_pretrained
+    folders; the next load reads those, and they are what the file gives, bit for bit."""
+    import torch
+
+    from finetuner.infer.loading import load_pretrained
+    from finetuner.model.loading import open_tokenizer
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
+    name = str(tiny_gguf)
+    assert gguf_base.pretrained_args(name, "model", torch.float32)[1] == {"gguf_file": tiny_gguf.name}
+    first, tok1 = load_pretrained(name, "the model", dtype=torch.float32), open_tokenizer(name, "the model")
+    where, extra = gguf_base.pretrained_args(name, "model", torch.float32)
+    assert extra == {} and Path(where).parent.parent == tmp_path / "cache" / "gguf" and Path(where, "config.json").is_file()
+    assert gguf_base.pretrained_args(name, "tokenizer")[1] == {}
+    assert gguf_base.pretrained_args(name, "model", torch.bfloat16)[1] == {"gguf_file": tiny_gguf.name}  # another dtype: the file
+    second, tok2 = load_pretrained(name, "the model", dtype=torch.float32), open_tokenizer(name, "the model")
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second.name_or_path == name and not hasattr(second.config, "quantization_config")
+    texts = ["Hello there, how are you?", "The quick brown fox", "<|im_start|>user\nhi<|im_end|>"]
+    assert [tok1(t)["input_ids"] for t in texts] == [tok2(t)["input_ids"] for t in texts]
+    assert (tok1.chat_template, tok1.eos_token, tok1.pad_token, tok1.get_vocab()) == (
+        tok2.chat_template, tok2.eos_token, tok2.pad_token, tok2.get_vocab())
+    # a changed file is another key: read from the file again
+    import os
+
+    st = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert gguf_base.pretrained_args(name, "model", torch.float32)[1] == {"gguf_file": tiny_gguf.name}

@@ -8,6 +8,7 @@ on the README's own recipe: one training of the real model for the suite, not tw
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,24 @@ def test_the_shape_from_the_header_is_the_loaded_models_config(loaded):
         cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
         cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings, cfg.max_position_embeddings)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_second_load_comes_from_the_conversion_cache_and_is_the_same_model(loaded):
+    """The first load kept the dequantized weights and the tokenizer (finetuner.model.gguf_base's
+    conversion cache): the second reads them, and gives the same tensors, chat template and tokens."""
+    import torch
+
+    from finetuner.config.runtime import resolve_runtime
+    from finetuner.model import gguf_base
+    from finetuner.model.loading import load_base_model, load_tokenizer
+
+    recipe, tok, model = loaded
+    where, extra = gguf_base.pretrained_args(recipe.model.name, "model", torch.float32)
+    assert extra == {} and (Path(where) / "model.safetensors").is_file()
+    tok2, model2 = load_tokenizer(recipe), load_base_model(recipe, resolve_runtime(recipe))
+    a, b = model.state_dict(), model2.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la gare? 🚲"}]
+    assert tok.chat_template == tok2.chat_template
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == tok2.apply_chat_template(chat, add_generation_prompt=True)
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (tok2.eos_token_id, tok2.pad_token_id, len(tok2))
