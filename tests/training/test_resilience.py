@@ -125,3 +125,21 @@ def test_offloaded_checkpointing_is_installed_and_trains_every_layer(recipe_dict
     loss.backward()
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
+
+
+def test_the_space_a_resume_needs_counts_the_checkpoints_already_on_disk(tmp_path):
+    """A resume with its keep_last checkpoints on disk needs room for one more being written and the
+    adapter, not for keep_last more: the advice after a full disk names what the resume's check asks."""
+    import torch
+
+    from finetuner.runs.folder import checkpoint_bytes, disk_space_needed
+
+    model = torch.nn.Linear(100, 100)
+    one = checkpoint_bytes(model, "adamw")
+    run = tmp_path / "run"
+    assert disk_space_needed(run, model, "adamw", 3) == (one, 3, 5 * one)  # a new run: 3 kept + 1 written + adapter
+    for step in (2, 4):
+        (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").write_text("{}")
+    assert disk_space_needed(run, model, "adamw", 3) == (one, 1, 3 * one)
+    assert disk_space_needed(run, model, "adamw", 2) == (one, 0, 2 * one)
