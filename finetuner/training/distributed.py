@@ -259,6 +259,7 @@ class DistributedTrainer(Trainer):
 
     def _write_staged(self, tmp: Path, elapsed: float, main: bool) -> Path:
         self.strategy.write_shards(tmp)
+        self.faults.in_write("shards", self.step, self.rank, str(tmp))  # FULL@shards: a disk that filled up here
         if not main:
             ckpt_io.write_rng_state(tmp, self.rank)
         with self.strategy.gathered() as weights:
