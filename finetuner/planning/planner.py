@@ -391,9 +391,13 @@ def method_options(method: str | None) -> list[tuple[str, int | None]]:
     raise UserError(f"--method {method!r}: use auto, lora, qlora, qlora4, qlora8, full or any.")
 
 
-def _optimizers(method: str, fixed: str | None) -> list[str]:
+def _optimizers(method: str, fixed: str | None, platform: str = "cuda") -> list[str]:
+    """The optimizers the planner weighs; on a CPU torch's own only (bitsandbytes pages on CUDA only:
+    a paged optimizer on a CPU warns "Paged optimizers are not supported on CPU" and falls back)."""
     if fixed and fixed != "auto":
         return [fixed]
+    if platform == "cpu":
+        return ["adamw_torch", "adafactor"] if method == "full" else ["adamw_torch"]
     if method == "full":
         return ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adafactor"]
     return ["adamw_torch", "paged_adamw_8bit"]
@@ -479,7 +483,7 @@ def search(
     gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
     out: list[tuple[Candidate, Recipe]] = []
     for m, bits in methods:
-        for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None):
+        for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None, gpu.platform):
             for gc in gcs:
                 offloads = [False, True] if (t.offload_activations == "auto" and gc and gpu.platform == "cuda") else (
                     [bool(t.offload_activations)] if t.offload_activations != "auto" else [False])

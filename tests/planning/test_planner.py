@@ -312,3 +312,11 @@ def test_a_pair_is_measured_by_its_longer_side(tmp_path):
     assert prof.trained_tokens == (20 + t) + (2 + t) + (2 + t) + (100 + t)
     assert prof.total_tokens == prof.trained_tokens + 2 * (10 + t) + 2 * (2 + t)
     assert "pairs.jsonl, line 2" in prof.notes[0] and "the same response" in prof.notes[0]
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "auto"])
+def test_a_cpu_plan_chooses_torch_optimizers_never_paged_or_8bit_ones(method):
+    """Paging is CUDA's (a paged optimizer on a CPU warns and falls back): a CPU plan never picks one."""
+    for model in (str(Path(__file__).resolve().parents[2] / "data" / "demo_model"), "llama-3.2-1b"):
+        p = plan(model, "cpu", seq_len=256, method=method)
+        assert p.recipe.training.optimizer in ("adamw_torch", "adafactor"), (model, method, p.recipe.training.optimizer)
