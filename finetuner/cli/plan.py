@@ -474,12 +474,16 @@ def _time_text(t: dict[str, Any]) -> str:
         if t["optimizer_steps"]:
             bits.append(f"{t['optimizer_steps']:,} optimizer steps: at most ~{format_duration(t['total_s'])} in all")
     else:
-        bits = [f"~{t['tokens_per_s']:,.0f} tokens/s", f"{format_duration(t['step_s'])} per optimizer step"]
+        bits = [f"~{t['tokens_per_s']:,.0f} tokens/s (real tokens, padding excluded)", f"{format_duration(t['step_s'])} per optimizer step"]
         if t["optimizer_steps"]:
             bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
     if t["cost"] is not None:
         bits.append(f"~{format_cost(t['cost'])} at {t['price_per_hour']:g} an hour")
-    return ", ".join(bits) + f" (speed: {t['source']})"
+    text = ", ".join(bits) + f" (speed: {t['source']})"
+    if not t.get("upper_bound"):
+        text += (f"\nLengths: {t['lengths']}." if t.get("lengths") else
+                 "\nLengths: every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound.")
+    return text
 
 
 # ---------------------------------------------------------------------- gpus

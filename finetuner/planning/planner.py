@@ -32,6 +32,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
@@ -46,6 +47,7 @@ from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
 from finetuner.planning.recipe_speed import recipe_step_time
+from finetuner.planning.lengths import BatchShape, batch_shape
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
 
@@ -451,10 +453,14 @@ def search(
     gpus: int = 1,
     cpu_memory: int | None = None,
     speed: DeviceSpeed | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> list[tuple[Candidate, Recipe]]:
     """Every option the recipe leaves open, estimated and ranked (best first).
 
-    ``speed``: the device's speed figures for the ranking (default :func:`speed_for` ``gpu``).
+    ``speed``: the device's speed figures for the ranking (default :func:`speed_for` ``gpu``);
+    ``lengths``: the training rows' token lengths (a data profile's), so that each option's time is
+    that of its micro-batches as the trainer pads them (:mod:`finetuner.planning.lengths`); None:
+    every row ``data.max_seq_len`` long.
 
     With ``gpus > 1`` each option is also split over the devices by the best strategy
     (:func:`finetuner.memory.sharding.compare_strategies`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload,
@@ -510,7 +516,8 @@ def search(
                         if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
                             st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p)
                         else:
-                            st = step_time(shape, s, speed, est, sharded)
+                            batch = batch_shape(lengths, mb, recipe.data.max_seq_len, bool(recipe.data.packing)) if lengths else None
+                            st = step_time(shape, s, speed, est, sharded, batch=batch)
                         out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
     return out
@@ -900,8 +907,9 @@ def plan(
         name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
         notes += [why_name] if why_name else []
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw)
+    lengths = profile.lengths if profile is not None and profile.kind != "prompts" else None
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
-                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour)
+                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
@@ -952,8 +960,10 @@ def plan_recipe(
     cpu_memory_source: str = "",
     speed: DeviceSpeed | None = None,
     price_per_hour: float | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> Plan:
     """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given.
+    ``lengths``: the training rows' token lengths (see :func:`search`).
 
     ``cpu_memory``: the CPU memory of the machine that runs the ``gpus`` processes (None: not
     checked), and ``cpu_memory_source`` where that figure came from, for the plan's reasons.
@@ -965,7 +975,7 @@ def plan_recipe(
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     speed = speed or speed_for(prof)
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
-                    cpu_memory=cpu_memory, speed=speed)
+                    cpu_memory=cpu_memory, speed=speed, lengths=lengths)
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
     out = Plan(
@@ -1183,7 +1193,8 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
 
     Raises a UserError with the planner's suggestions when nothing fits.
     """
-    result = plan_recipe(recipe, gpu, label_fraction=label_fraction)
+    prof = _recipe_file_profile(recipe) if recipe.objective != "grpo" else None
+    result = plan_recipe(recipe, gpu, label_fraction=label_fraction, lengths=prof[1] if prof else None)
     if result.recipe is None:
         raise UserError(
             f"No setting of {', '.join(recipe.auto_keys())} fits {recipe.model.name} on {gpu.name} "
@@ -1196,11 +1207,40 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
 
 
 @functools.lru_cache(maxsize=16)
-def _file_label_fraction(path: str, mtime_ns: int, size: int, model: str, fmt: str,
-                         columns: tuple[tuple[str, str], ...]) -> float:
+def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
+                  columns: tuple[tuple[str, str], ...]) -> tuple[float, tuple[int, ...]]:
+    """``(label fraction, token lengths)`` of a data file, once per file version."""
     from finetuner.data.stats import profile_data
 
-    return profile_data(path, model, fmt=fmt, columns=dict(columns) or None).label_fraction
+    p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None)
+    return p.label_fraction, tuple(p.lengths)
+
+
+def _recipe_file_profile(recipe: Recipe) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`_file_profile` of the recipe's one local data file, None when it has none readable here."""
+    d = recipe.data
+    if not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+        return None
+    path = Path(d.path).expanduser().resolve()
+    st = path.stat()
+    try:
+        return _file_profile(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
+                             tuple(sorted((d.columns or {}).items())))
+    except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows
+        return None
+
+
+def data_batch_of(recipe: Recipe) -> BatchShape | None:
+    """The recipe's average micro-batch from its data's token lengths (:mod:`finetuner.planning.lengths`),
+    measured as :func:`label_fraction_of` measures them (cached per file version); None when the data is
+    not one local file readable here (the speed model then takes every row as ``data.max_seq_len`` long)."""
+    from finetuner.planning.lengths import batch_shape
+
+    prof = _recipe_file_profile(recipe)
+    mb = recipe.training.micro_batch_size
+    if prof is None or not prof[1] or not isinstance(mb, int):
+        return None
+    return batch_shape(prof[1], mb, recipe.data.max_seq_len, bool(recipe.data.packing), source=str(recipe.data.path))
 
 
 def label_fraction_of(recipe: Recipe) -> float:
@@ -1209,16 +1249,10 @@ def label_fraction_of(recipe: Recipe) -> float:
     format and ``data.columns``; cached per file version): the plan, ``estimate``, ``auto``
     resolution, the trainer's predictions and the web UI's estimate all use it. 1.0 (every token, the
     upper bound) with ``data.train_on_prompt``, or when the data is not one local file readable here."""
-    d = recipe.data
-    if d.train_on_prompt or not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+    if recipe.data.train_on_prompt:
         return 1.0
-    path = Path(d.path).expanduser().resolve()
-    st = path.stat()
-    try:
-        return _file_label_fraction(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
-                                    tuple(sorted((d.columns or {}).items())))
-    except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows; the upper bound
-        return 1.0
+    prof = _recipe_file_profile(recipe)
+    return 1.0 if prof is None else prof[0]  # unreadable here: the upper bound
 
 
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
@@ -1343,13 +1377,16 @@ def estimate_time(
     if recipe.auto_keys():
         recipe = resolve_auto(recipe, prof, label_fraction=label_fraction).recipe
     speed = speed or speed_for(prof)
-    st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction)
+    batch = data_batch_of(recipe) if recipe.objective != "grpo" else None
+    st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction, batch=batch)
     steps = run_optimizer_steps(recipe)
     total = st.step_s * steps if steps else None
     cost = total / 3600 * price_per_hour if total is not None and price_per_hour is not None else None
     return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps, "total_s": total,
             "price_per_hour": price_per_hour, "cost": cost, "source": speed.source, "parts_s": dict(st.parts),
-            "upper_bound": recipe.objective == "grpo"}
+            "upper_bound": recipe.objective == "grpo", "padded_tokens_per_s": st.padded_tokens_per_s,
+            "lengths": (f"the rows of {batch.source}: {batch.padded_len:.0f} positions a micro-batch row, "
+                        f"{batch.real_per_row:.0f} of them tokens" if batch is not None else None)}
 
 
 def run_optimizer_steps(recipe: Recipe) -> int | None:

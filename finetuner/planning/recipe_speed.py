@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.grpo import grpo_settings_of
+from finetuner.planning.lengths import BatchShape
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
 
@@ -20,12 +21,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape: ModelShape | None = None,
                      label_fraction: float = 1.0, est: MemoryEstimate | None = None, runtime: Any = None,
-                     padding_free: bool = False) -> StepTime:
+                     padding_free: bool = False, batch: BatchShape | None = None) -> StepTime:
     """:func:`step_time` of a resolved recipe on ``gpu`` (the settings the memory model reads:
     :func:`finetuner.memory.model.settings_from_recipe`, with the trainer's ``runtime`` when it has
     one). The plan, ``estimate``, the trainer's ``start`` event and ``scripts/validate/speed_model.py``
     all predict through here. ``padding_free``: every row of every micro-batch is full (no padding),
-    so no mask reaches attention (transformers then takes the causal kernel).
+    so no mask reaches attention (transformers then takes the causal kernel). ``batch``: the data's
+    average micro-batch (:func:`finetuner.planning.planner.data_batch_of`): the step is timed at its
+    padded length and counts its real tokens; without it every row is ``data.max_seq_len`` long.
 
     A GRPO recipe (``objective: grpo``) predicts through
     :func:`finetuner.planning.speed_grpo.grpo_step_time` (its rollout, then the training passes over the
@@ -43,4 +46,4 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
     if padding_free and not recipe.data.packing:
         s = s.with_(attention_mask=False)
-    return step_time(shape, s, speed, est)
+    return step_time(shape, s, speed, est, batch=batch)

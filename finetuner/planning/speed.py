@@ -66,6 +66,7 @@ from finetuner.model.shapes import ModelShape, lora_targets
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
     from finetuner.memory.model import MemoryEstimate
+    from finetuner.planning.lengths import BatchShape
 
 # ---------------------------------------------------------------------- data-sheet defaults
 #: Share of a card's dense tensor-core peak that large bf16/fp16 matmuls reach in practice
@@ -270,12 +271,17 @@ class StepTime:
     """The predicted time of one optimizer step, by part (seconds), and its tokens."""
 
     parts: dict[str, float]
+    #: real tokens (padding excluded) per step: what a run counts, and ``tokens_per_s`` divides
     tokens_per_step: int
     micro_batches: int
     source: str
     #: the prediction assumes the longest lengths (GRPO's prompts and completions at their limits): the
     #: step time is at most ``step_s``; ``tokens_per_s`` is at those lengths, not what a run counts
     upper_bound: bool = False
+    #: positions per step, padding included (the work the step model times); None: every row full
+    padded_tokens_per_step: int | None = None
+    #: whether the lengths are the data's (:mod:`finetuner.planning.lengths`), else every row ``seq_len`` long
+    data_lengths: bool = False
 
     @property
     def step_s(self) -> float:
@@ -283,10 +289,17 @@ class StepTime:
 
     @property
     def tokens_per_s(self) -> float:
+        """Real tokens per second (padding excluded): the rate a run reports."""
         return self.tokens_per_step / max(self.step_s, 1e-12)
+
+    @property
+    def padded_tokens_per_s(self) -> float:
+        """Positions per second, padding included."""
+        return (self.padded_tokens_per_step or self.tokens_per_step) / max(self.step_s, 1e-12)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
+                "padded_tokens_per_s": self.padded_tokens_per_s, "data_lengths": self.data_lengths,
                 "parts_s": dict(self.parts), "source": self.source, "upper_bound": self.upper_bound}
 
 
@@ -489,12 +502,20 @@ def optimizer_bytes(shape: ModelShape, s: Settings) -> float:
 
 
 def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEstimate | None = None,
-              sharded: Any = None) -> StepTime:
+              sharded: Any = None, batch: BatchShape | None = None) -> StepTime:
     """The predicted time of one optimizer step on ``speed``'s device (see the module doc).
 
     ``est``: the memory estimate (for the bytes activation offload moves); ``sharded``: a
     :class:`~finetuner.memory.sharding.ShardedEstimate` with several devices (each runs its share of
-    the micro-batches; the collectives are added)."""
+    the micro-batches; the collectives are added); ``batch``: the data's average micro-batch
+    (:func:`finetuner.planning.lengths.batch_shape`): each micro-batch is timed at its padded length
+    instead of ``seq_len``, and only its real tokens count (the labelled share of them, ``label_fraction``,
+    is of real tokens). Without it every row is ``seq_len`` long."""
+    real_per_row = float(s.seq_len)
+    if batch is not None:
+        padded = max(1, min(s.seq_len, round(batch.padded_len)))
+        real_per_row = min(batch.real_per_row, padded)
+        s = s.with_(seq_len=padded, label_fraction=s.label_fraction * real_per_row / padded)
     ga = s.gradient_accumulation
     n_dev = sharded.world_size if sharded is not None and sharded.world_size > 1 else 1
     micro = math.ceil(ga / n_dev)
@@ -522,5 +543,6 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
     if n_dev > 1:
         parts["communication"] = (sharded.comm_bytes_per_step / speed.peer_link_bytes_per_s
                                   + sharded.host_transfer_bytes_per_step / speed.host_link_bytes_per_s)
-    tokens = rows_per_micro_batch(s) * s.seq_len * ga
-    return StepTime(parts, tokens, ga, speed.source)
+    padded_tokens = rows_per_micro_batch(s) * s.seq_len * ga
+    tokens = round(rows_per_micro_batch(s) * real_per_row * ga)
+    return StepTime(parts, tokens, ga, speed.source, padded_tokens_per_step=padded_tokens, data_lengths=batch is not None)

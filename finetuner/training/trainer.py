@@ -189,20 +189,23 @@ def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0, obj
 
 
 def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
-                  prediction: Any = None) -> dict[str, Any] | None:
+                  prediction: Any = None, batch: Any = None) -> dict[str, Any] | None:
     """The speed model's prediction for this run on this device (what ``finetuner plan`` and
-    ``estimate`` say for the recipe): ``tokens_per_s``, ``step_s``, ``total_s``, ``source``,
-    ``upper_bound`` (GRPO: at the longest prompts and completions, the step takes at most ``step_s``);
-    None if it cannot say."""
+    ``estimate`` say for the recipe): ``tokens_per_s`` (real tokens, as the run counts them),
+    ``step_s``, ``total_s``, ``source``, ``data_lengths`` (whether ``batch``, the data's average
+    micro-batch, was known), ``upper_bound`` (GRPO: at the longest prompts and completions, the step
+    takes at most ``step_s``); None if it cannot say."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
         from finetuner.planning.recipe_speed import recipe_step_time
 
         gpu = run_profile(rt.device)
-        st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt)
+        st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt,
+                              batch=batch if recipe.objective != "grpo" else None)
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
-                "total_s": round(st.step_s * max_steps, 1), "source": st.source, "upper_bound": st.upper_bound}
+                "total_s": round(st.step_s * max_steps, 1), "source": st.source, "upper_bound": st.upper_bound,
+                "data_lengths": st.data_lengths}
     except Exception as e:  # noqa: BLE001 - a prediction must not stop training
         log.info("No speed prediction for this run: %s", e)
         return None
@@ -296,12 +299,12 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
-        from finetuner.planning.planner import label_fraction_of
+        from finetuner.planning.planner import data_batch_of, label_fraction_of
 
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
         self.prediction = predict_memory(r, self.rt, label_fraction, self.objective)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
-        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction)
+        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction, data_batch_of(r))
         gguf = info_for(r.model.name)
         self.events.emit(
             "start",
