@@ -276,6 +276,8 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         for s in p.suggestions:
             con.print(f"  • {s}")
         return
+    if p.headline:
+        con.print(f"\n[bold]{p.headline}[/]", highlight=False)
     c = p.recipe_choice()
     method = c["method"].upper() if c["method"] != "qlora" else f"QLoRA {c['quantization_bits']}-bit"
     if p.recipe.objective != "sft":

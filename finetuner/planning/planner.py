@@ -166,6 +166,8 @@ class Plan:
     speed_source: str = ""
     #: what an hour of the machine costs (``--price-per-hour``), for the plan's cost; None: not asked
     price_per_hour: float | None = None
+    #: with several cards: the plan's first sentence (:func:`finetuner.planning.cards.headline`)
+    headline: str | None = None
 
     @property
     def step_s(self) -> float | None:
@@ -223,6 +225,7 @@ class Plan:
             "model": self.model,
             "gpu": self.gpu.to_dict(),
             "fits": self.fits,
+            "headline": self.headline,
             "total_bytes": per.per_device_bytes if per is not None else est.get("total_bytes"),
             "device_bytes": self.gpu.memory_bytes,
             "budget_bytes": est.get("budget_bytes"),
@@ -912,6 +915,13 @@ def plan(
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths)
     result.model = model
     result.notes = notes + result.notes
+    if gpus > 1 and result.fits:  # the same job on one card, for the sentence that opens the plan
+        from finetuner.planning.cards import headline
+
+        one = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction,
+                          cpu_memory=cpu_bytes, lengths=lengths)
+        result.optimizer_steps = sizing.total_steps
+        result.headline = headline(result, one)
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
     for attr in ("recipe", "closest"):

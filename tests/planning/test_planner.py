@@ -320,3 +320,23 @@ def test_a_cpu_plan_chooses_torch_optimizers_never_paged_or_8bit_ones(method):
     for model in (str(Path(__file__).resolve().parents[2] / "data" / "demo_model"), "llama-3.2-1b"):
         p = plan(model, "cpu", seq_len=256, method=method)
         assert p.recipe.training.optimizer in ("adamw_torch", "adafactor"), (model, method, p.recipe.training.optimizer)
+
+
+def test_a_plan_for_several_cards_opens_with_a_sentence_a_newcomer_reads():
+    """Whether one card would do, what the strategy does, and what the extra cards save: the numbers of
+    the one-card plan of the same job."""
+    two = plan("llama-2-7b", "rtx4090", seq_len=2048, gpus=2)
+    one = plan("llama-2-7b", "rtx4090", seq_len=2048)
+    from finetuner.planning.planner import format_duration
+
+    assert two.headline.startswith(f"One rtx4090 is enough for this run ({one.peak_bytes / 2**30:.1f} of 23.6 GiB); 2 save ")
+    assert f"({format_duration(two.step_s)} instead of {format_duration(one.step_s)})" in two.headline
+    assert two.headline.endswith("with DDP: each card holds the whole model and trains on its share of every step's rows.")
+    big = plan("llama-2-13b", "rtx4090", seq_len=2048, gpus=2, method="lora", cpu_memory="64GB")
+    assert not plan("llama-2-13b", "rtx4090", seq_len=2048, method="lora").fits
+    assert big.headline == (f"One rtx4090 is not enough for this run; on 2 it fits ({big.sharded.per_device_bytes / 2**30:.1f} GiB "
+                            "per card) with FSDP: the weights, gradients and optimizer states are sharded between the cards, "
+                            "each layer gathered as it runs.")
+    assert one.headline is None and two.to_dict()["headline"] == two.headline
+    out = cli_in_process("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--gpus", "2", "--seq-len", "2048")
+    assert " ".join(out.stdout.split()).find("One rtx4090 is enough") < " ".join(out.stdout.split()).find("Plan:"), out.stdout

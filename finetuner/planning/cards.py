@@ -1,0 +1,54 @@
+"""The first sentence of a plan for several cards: whether one card would do, what the chosen
+strategy does (in a clause a newcomer reads), and what the extra cards save per step and in all.
+
+``finetuner plan --gpus N`` prints it before the strategy table (which stays, for those who want the
+numbers); :func:`finetuner.planning.planner.plan` computes the one-card plan it compares with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: what each strategy does, in a clause
+STRATEGY_WORDS = {
+    "ddp": "DDP: each card holds the whole model and trains on its share of every step's rows",
+    "zero1": "ZeRO-1: each card holds the whole model, the optimizer states are split between the cards",
+    "zero2": "ZeRO-2: each card holds the whole model, the optimizer states and gradients are split between the cards",
+    "zero3": "ZeRO-3: the weights, gradients and optimizer states are split between the cards, each layer gathered as it runs",
+    "fsdp": "FSDP: the weights, gradients and optimizer states are sharded between the cards, each layer gathered as it runs",
+}
+
+
+def strategy_words(sharded: Any) -> str:
+    words = STRATEGY_WORDS.get(sharded.strategy, sharded.strategy)
+    if sharded.offload != "none":
+        words += f" (with {'the shards' if sharded.strategy == 'fsdp' else sharded.offload} kept in CPU memory)"
+    return words
+
+
+def _dur(seconds: float) -> str:
+    from finetuner.planning.planner import format_duration
+
+    return format_duration(seconds)
+
+
+def headline(n_plan: Any, one_plan: Any) -> str | None:
+    """The sentence for ``n_plan`` (a plan on ``n_plan.gpus`` cards) beside ``one_plan`` (the same job on one)."""
+    if n_plan.gpus <= 1 or n_plan.sharded is None or not n_plan.fits:
+        return None
+    card, n = n_plan.gpu.name, n_plan.gpus
+    how = strategy_words(n_plan.sharded)
+    per_card = n_plan.sharded.per_device_bytes / 2**30
+    if not one_plan.fits:
+        return (f"One {card} is not enough for this run; on {n} it fits ({per_card:.1f} GiB per card) with {how}.")
+    one_gib = one_plan.peak_bytes / 2**30
+    text = f"One {card} is enough for this run ({one_gib:.1f} of {n_plan.gpu.memory_gib:.1f} GiB)"
+    if n_plan.step_s is None or one_plan.step_s is None:
+        return text + f"; on {n} it runs with {how}."
+    saved = one_plan.step_s - n_plan.step_s
+    if saved <= 0:
+        return text + f"; {n} cards would not be faster ({_dur(n_plan.step_s)} a step against {_dur(one_plan.step_s)} on one): use one."
+    steps = n_plan.optimizer_steps
+    total = f", {_dur(saved * steps)} over its {steps:,} steps" if steps else ""
+    return (text + f"; {n} save {_dur(saved)} a step ({_dur(n_plan.step_s)} instead of {_dur(one_plan.step_s)}){total}, "
+            f"with {how}.")
