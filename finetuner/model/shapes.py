@@ -20,6 +20,7 @@ soft-capping — is a field of :class:`ModelShape`.
 from __future__ import annotations
 
 import functools
+import re
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,3 +420,21 @@ def resolve_shape(model: str, revision: str | None = None) -> ModelShape:
     name = key if key else (Path(model).name if source in ("local", "gguf") else model)
     shape = shape_from_config(cfg, name=name, source=source)
     return shape
+
+
+#: words in a hub id that mark an instruction-tuned (chat) model
+_CHAT_MARKS = re.compile(r"(instruct|chat|-it$|-it-)", re.IGNORECASE)
+
+
+def instruct_variant(name: str) -> str | None:
+    """For a base model a preset knows (by short name, hub id or alias), the hub id of its
+    instruction-tuned variant, which the preset lists among its aliases (``qwen2.5-7b`` →
+    ``Qwen/Qwen2.5-7B-Instruct``); None for an instruct model, or a model no preset knows."""
+    key = find_preset(name)
+    if key is None:
+        return None
+    cfg = _presets()[key]
+    hub_id = cfg.get("_name_or_path") or ""
+    if _CHAT_MARKS.search(hub_id) or _CHAT_MARKS.search(name):
+        return None
+    return next((a for a in cfg.get("_aliases", []) if "/" in a and _CHAT_MARKS.search(a)), None)

@@ -42,7 +42,7 @@ from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
-from finetuner.model.shapes import ModelShape, preset_model, presets, resolve_shape
+from finetuner.model.shapes import ModelShape, instruct_variant, preset_model, presets, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
@@ -888,6 +888,11 @@ def plan(
             reasons.append(why_objective)
         notes += profile.notes
         label_fraction = profile.label_fraction
+        instruct = instruct_variant(model) if profile.format == "chat" else None
+        if instruct:
+            notes.append(f"{model} is a base model, trained to continue text; a chat assistant usually starts from its "
+                         f"instruction-tuned variant {instruct} (the same shape: this plan holds for it; plan it with "
+                         f"--model {instruct})")
     elif objective not in (None, "sft"):
         raise UserError(f"--objective {objective}: a preference objective needs --data with its pairs (or rated "
                         "responses for kto); there is no default preference data set.",

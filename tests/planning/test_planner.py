@@ -340,3 +340,17 @@ def test_a_plan_for_several_cards_opens_with_a_sentence_a_newcomer_reads():
     assert one.headline is None and two.to_dict()["headline"] == two.headline
     out = cli_in_process("plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--gpus", "2", "--seq-len", "2048")
     assert " ".join(out.stdout.split()).find("One rtx4090 is enough") < " ".join(out.stdout.split()).find("Plan:"), out.stdout
+
+
+def test_a_chat_file_on_a_base_model_names_its_instruct_variant():
+    from finetuner.model.shapes import instruct_variant
+
+    repo = Path(__file__).resolve().parents[2]
+    p = plan("qwen2.5-7b", "rtx4090", data=str(repo / "data" / "chat_sample.jsonl"))
+    (note,) = [n for n in p.notes if "base model" in n]
+    assert "its instruction-tuned variant Qwen/Qwen2.5-7B-Instruct" in note and "--model Qwen/Qwen2.5-7B-Instruct" in note
+    assert not [n for n in plan("Qwen/Qwen2.5-7B-Instruct", "rtx4090", data=str(repo / "data" / "chat_sample.jsonl")).notes
+                if "base model" in n]
+    assert not [n for n in plan("qwen2.5-7b", "rtx4090", data=str(repo / "data" / "alpaca_sample.json")).notes if "base model" in n]
+    assert (instruct_variant("llama-2-13b"), instruct_variant("gemma-2-9b"), instruct_variant("smollm2-135m-instruct"),
+            instruct_variant("my/own-model")) == ("meta-llama/Llama-2-13b-chat-hf", "google/gemma-2-9b-it", None, None)
