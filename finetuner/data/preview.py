@@ -56,9 +56,11 @@ def segments(tokenizer: Any, ids: list[int], labels: list[int]) -> list[tuple[st
 
 
 def load_preview_tokenizer(model: str, trust_remote_code: bool = False):
+    """The tokenizer of ``model`` (a preset's short name: its packaged GGUF file, or its hub id)."""
     from finetuner.model.loading import open_tokenizer
+    from finetuner.model.shapes import preset_model
 
-    return open_tokenizer(model, "the model", trust_remote_code=trust_remote_code)
+    return open_tokenizer(preset_model(model) or model, "the model", trust_remote_code=trust_remote_code)
 
 
 def preview_data(

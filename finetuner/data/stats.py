@@ -140,6 +140,21 @@ def _tokenizer_counter(model: str | None):
     """A ``text -> n_tokens`` function from the model's tokenizer.json, if it can be found offline."""
     if not model:
         return None, None
+    from finetuner.model import gguf_base
+    from finetuner.model.shapes import preset_model
+
+    model = preset_model(model) or model  # a preset's short name: its packaged GGUF file, or its hub id
+    if gguf_base.is_gguf_name(model) and exists(expand_user(model), "file"):
+        folder, extra = gguf_base.pretrained_args(model, "tokenizer")
+        if extra:  # not converted yet: read it from the file once (transformers; the conversion cache keeps it)
+            from finetuner.model.loading import open_tokenizer
+
+            try:
+                open_tokenizer(model, "the model")
+            except Exception:  # noqa: BLE001 - an optional precision only: characters per token instead
+                return None, None
+            folder, extra = gguf_base.pretrained_args(model, "tokenizer")
+        model = folder
     candidates = [expand_user(model) / "tokenizer.json"]
     try:
         from huggingface_hub import try_to_load_from_cache

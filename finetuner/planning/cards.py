@@ -7,6 +7,7 @@ numbers); :func:`finetuner.planning.planner.plan` computes the one-card plan it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 #: what each strategy does, in a clause
@@ -26,14 +27,10 @@ def strategy_words(sharded: Any) -> str:
     return words
 
 
-def _dur(seconds: float) -> str:
-    from finetuner.planning.planner import format_duration
-
-    return format_duration(seconds)
-
-
-def headline(n_plan: Any, one_plan: Any) -> str | None:
-    """The sentence for ``n_plan`` (a plan on ``n_plan.gpus`` cards) beside ``one_plan`` (the same job on one)."""
+def headline(n_plan: Any, one_plan: Any, duration: Callable[[float], str]) -> str | None:
+    """The sentence for ``n_plan`` (a plan on ``n_plan.gpus`` cards) beside ``one_plan`` (the same job on
+    one); ``duration`` says a number of seconds (the planner's ``format_duration``)."""
+    _dur = duration
     if n_plan.gpus <= 1 or n_plan.sharded is None or not n_plan.fits:
         return None
     card, n = n_plan.gpu.name, n_plan.gpus

@@ -926,7 +926,7 @@ def plan(
         one = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction,
                           cpu_memory=cpu_bytes, lengths=lengths)
         result.optimizer_steps = sizing.total_steps
-        result.headline = headline(result, one)
+        result.headline = headline(result, one, format_duration)
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
     for attr in ("recipe", "closest"):

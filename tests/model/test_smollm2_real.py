@@ -81,3 +81,17 @@ def test_the_second_load_comes_from_the_conversion_cache_and_is_the_same_model(l
     assert tok.chat_template == tok2.chat_template
     assert tok.apply_chat_template(chat, add_generation_prompt=True) == tok2.apply_chat_template(chat, add_generation_prompt=True)
     assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (tok2.eos_token_id, tok2.pad_token_id, len(tok2))
+
+
+def test_the_named_model_counts_tokens_with_its_own_tokenizer_offline(loaded):
+    """plan --data and the UI's token preview with the short name smollm2-135m-instruct: its tokenizer comes from
+    the packaged GGUF (through the conversion cache), not "3.5 characters per token" or a hub download."""
+    from finetuner.data.preview import load_preview_tokenizer
+    from finetuner.data.stats import profile_data
+
+    _, tok, _ = loaded
+    data = Path(__file__).resolve().parents[2] / "data" / "bike_shop.jsonl"
+    prof = profile_data(str(data), "smollm2-135m-instruct")
+    assert prof.counted_with.startswith("tokenizer ") and prof.counted_with.endswith("tokenizer.json"), prof.counted_with
+    preview = load_preview_tokenizer("smollm2-135m-instruct")
+    assert preview.chat_template == tok.chat_template and preview("Hello, bikes!")["input_ids"] == tok("Hello, bikes!")["input_ids"]
