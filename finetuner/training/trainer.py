@@ -712,7 +712,10 @@ class Trainer:
     def train(self) -> TrainResult:
         r = self.recipe
         start = time.perf_counter()
-        window_start, window_tokens = start, 0
+        window_step_s, window_tokens = 0.0, 0
+        #: seconds inside the steps themselves (a GRPO step's rollout included; evaluations, checkpoints and
+        #: samples not) and the tokens they trained: the run's tokens/s, as the speed model predicts it
+        self.step_seconds, self.tokens_here = 0.0, 0
         last_saved = self.step
         eval_loss = None
         stopped = False
@@ -723,6 +726,7 @@ class Trainer:
             if self.stop_event.is_set():
                 stopped = True
                 break
+            step_began = time.perf_counter()
             try:  # the objective's step hook runs user code (GRPO's reward functions): what it stops loses nothing
                 examples = self.step_examples(self.step)
             except RewardStopped:  # a stop arrived while a reward function ran: this step is abandoned
@@ -733,6 +737,10 @@ class Trainer:
                     self.save_checkpoint(self.elapsed_before + time.perf_counter() - start)
                 raise
             loss, tokens, grad_norm = self.train_step_with_backoff(self.step, examples)
+            took = time.perf_counter() - step_began
+            self.step_seconds += took
+            self.tokens_here += tokens
+            window_step_s += took
             t = self.recipe.training  # the micro-batch may have been backed off
             if not math.isfinite(loss):
                 raise UserError(
@@ -753,8 +761,8 @@ class Trainer:
                     self.tb.add_scalar(f"memory/{k}_gib", v / 2**30, self.step)
             if self.step % r.logging.every == 0 or self.step == self.max_steps:
                 now = time.perf_counter()
-                tps = window_tokens / max(now - window_start, 1e-9)
-                window_start, window_tokens = now, 0
+                tps = window_tokens / max(window_step_s, 1e-9)  # real tokens per second of the steps since the last line
+                window_step_s, window_tokens = 0.0, 0
                 done_here = self.step - (self.resumed_from or 0)
                 per_step = (now - start) / max(done_here, 1)
                 self.events.emit(
@@ -812,7 +820,8 @@ class Trainer:
             "eval_ppl": math.exp(min(eval_loss, 50)) if eval_loss is not None else None,
             "tokens_seen": self.tokens_seen,
             "train_seconds": round(elapsed, 2),
-            "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 2),
+            "tokens_per_s": round(self.tokens_here / max(self.step_seconds, 1e-9), 2),  # the steps' own time
+            "step_seconds": round(self.step_seconds, 2),
             **getattr(self, "eval_extra", {}),
             "data": self.data.stats.to_dict(),
             **device_memory(self.rt.device),
@@ -823,7 +832,7 @@ class Trainer:
         pred = getattr(self, "predicted_speed", None) or {}
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics,
                          predicted_tokens_per_s=pred.get("tokens_per_s"), measured_tokens_per_s=metrics["tokens_per_s"],
-                         predicted_step_s=pred.get("step_s"), measured_step_s=round((elapsed - self.elapsed_before) / ran, 5))
+                         predicted_step_s=pred.get("step_s"), measured_step_s=round(self.step_seconds / ran, 5))
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
     def save_final(self, weights: dict[str, Any] | None = None) -> Path:

@@ -41,6 +41,14 @@ def test_lora_run_writes_a_complete_run_folder(recipe_dict):
     assert pred["tokens_per_s"] > 0 and pred["total_s"] == pytest.approx(pred["step_s"] * 10, rel=1e-3, abs=0.1)
     assert done["predicted_tokens_per_s"] == pred["tokens_per_s"] and done["predicted_step_s"] == pred["step_s"]
     assert done["measured_tokens_per_s"] == metrics["tokens_per_s"] and done["measured_step_s"] > 0
+    # one meaning of tokens/s: the real tokens the steps trained over the steps' own time (the evaluation and the
+    # checkpoints between them not counted), in the prediction (the data's lengths), the step lines and the summary
+    steps = [e for e in events if e["event"] == "step"]
+    assert metrics["tokens_seen"] == sum(e["tokens"] for e in steps) and metrics["step_seconds"] <= metrics["train_seconds"]
+    rate = metrics["tokens_seen"] / metrics["step_seconds"]  # step_seconds is rounded to 0.005 s: the rate to that share
+    assert metrics["tokens_per_s"] == pytest.approx(rate, abs=rate * 0.005 / metrics["step_seconds"] + 0.005)
+    assert done["measured_step_s"] == pytest.approx(metrics["step_seconds"] / 10, abs=0.005 / 10 + 1e-5)  # both rounded
+    assert pred["data_lengths"] is True
 
 
 def test_adapter_loads_with_peft_and_matches(recipe_dict, tiny_model_dir):
