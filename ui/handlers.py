@@ -338,11 +338,20 @@ class Handlers:
         return memory_plot(est, gpu), views.estimate_md(est, gpu), text, download_file(text, recipe.name, self.temp_dir)
 
     def _valid_md(self, recipe, card: str, note: str = "") -> str:
+        """The line under the editor, after every edit: valid, the predicted peak, and the time of this
+        recipe as it now stands (``finetuner estimate``'s :func:`~finetuner.planning.planner.estimate_time`)."""
+        from finetuner.planning.planner import estimate_time
+
         gpu = gpu_profile(card)
         est = recipe_estimate(recipe, gpu)
         verdict = "fits" if est.fits else "does **not** fit"
+        try:
+            timing = estimate_time(recipe, gpu)
+        except UserError:
+            timing = None
+        took = f" Time: {views.time_text(timing)}." if timing else ""
         return (f"✓ The recipe is valid: run **{recipe.name}**, predicted peak {views.gib(est.total_bytes, 1)} "
-                f"on {gpu.name}, which {verdict}.{note}")
+                f"on {gpu.name}, which {verdict}.{took}{note}")
 
     @shows_errors(0, 18)
     def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
@@ -393,9 +402,10 @@ class Handlers:
         """The plan, made when the editor is still empty (the Plan tab opened, Next pressed)."""
         return self.on_plan(*args) if not (text or "").strip() else (gr.skip(),) * 18
 
-    def on_recipe_text(self, text: str, planned: dict | None):
+    def on_recipe_text(self, text: str, planned: dict | None, card: str | None = None):
         """The Plan tab's headline follows the recipe in the editor, however it changed (a plan, an
-        edited field, a loaded file, typing)."""
+        edited field, a loaded file, typing), and so does its time on ``card`` (``finetuner estimate``'s
+        :func:`~finetuner.planning.planner.estimate_time` of the recipe as it now stands)."""
         if not (text or "").strip():
             return ""
         try:
@@ -404,7 +414,15 @@ class Handlers:
             return views.invalid_recipe_md(e.message)
         except Exception as e:  # noqa: BLE001 - shown, never raised: this runs on every keystroke
             return views.invalid_recipe_md(f"{type(e).__name__}: {e}")
-        return views.recipe_md(recipe, planned)
+        time = None
+        if card:
+            from finetuner.planning.planner import estimate_time
+
+            try:
+                time = views.time_text(estimate_time(recipe, gpu_profile(card)))
+            except Exception:  # noqa: BLE001 - the headline still shows; the time needs a recipe the planner reads
+                time = None
+        return views.recipe_md(recipe, planned, time)
 
     @shows_errors(4, 5)
     def on_edit(self, text: str, card: str, *fields):

@@ -260,7 +260,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         plan_tab.select(h.plan_if_empty, [recipe_yaml, *plan_inputs], plan_outputs, api_name=False)
         for f in fields:
             f.input(empty_chart, None, mem_plot, api_name=False).then(h.on_edit, [recipe_yaml, card, *fields], est_outputs, api_name=False)
-        recipe_yaml.change(h.on_recipe_text, [recipe_yaml, planned], plan_md, api_name=False, show_progress="hidden",
+        recipe_yaml.change(h.on_recipe_text, [recipe_yaml, planned, card], plan_md, api_name=False, show_progress="hidden",
                            trigger_mode="always_last")
         check_btn.click(empty_chart, None, mem_plot, api_name=False).then(h.on_check_yaml, [recipe_yaml, card], [mem_plot, est_md, download, *fields, yaml_md],
                                                                    api_name="estimate")

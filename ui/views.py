@@ -335,29 +335,41 @@ def planned(plan: Any) -> dict[str, Any] | None:
         kept |= {"nothing_fits": plan.gpu.name, "suggestions": list(plan.suggestions)}
     elif getattr(plan, "step", None) is not None:
         kept["time"] = plan.time_line()  # tokens/s, time per step, optimizer steps, total time (the speed model)
+        kept["timed"] = timed_settings(recipe)
     return kept
+
+
+def timed_settings(recipe: Any) -> list[Any]:
+    """What a plan's time depends on beyond its headline: the steps (``max_steps``, ``epochs``) and the batch."""
+    t = recipe.training
+    return [t.max_steps, t.epochs, t.effective_batch_size, recipe.data.max_seq_len]
 
 
 def _bullets(items: list[str]) -> str:
     return "\n".join(f"- {html.escape(x)}" for x in items)
 
 
-def recipe_md(recipe: Any, plan: dict[str, Any] | None) -> str:
+def recipe_md(recipe: Any, plan: dict[str, Any] | None, time: str | None = None) -> str:
     """The headline of the recipe that Train runs, then why: the planner's reasons when it is the
-    planner's choice (``plan``, from :func:`planned`), what was changed when it was edited."""
+    planner's choice (``plan``, from :func:`planned`), what was changed when it was edited. ``time``:
+    the recipe's predicted time as it now stands (:func:`time_text`), shown instead of the plan's."""
     head = f"### {html.escape(recipe_headline(recipe))}"
+    timed = f"\n\n**Time:** {html.escape(time)}" if time else ""
     notes = f"\n\n**Notes**\n{_bullets(plan['notes'])}" if plan and plan["notes"] else ""
     if plan is None or (recipe.model.name, recipe.data.path) != (plan["model"], plan["data"]):
-        return (f"{head}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
+        return (f"{head}{timed}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
                 "for the planner's choice and its reasons.")
     if recipe_headline(recipe) == plan["headline"] and plan.get("nothing_fits"):
         return (f"### ✕ Nothing fits {html.escape(plan['nothing_fits'])}\n{_bullets(plan['reasons'])}\n\n"
                 f"**What would fit:**\n{_bullets(plan['suggestions'])}\n\nThe recipe below is the option that needs the "
                 f"least memory ({html.escape(plan['headline'])}): it does not fit either.{notes}")
     if recipe_headline(recipe) == plan["headline"]:
-        time = f"\n\n**Time:** {html.escape(plan['time'])}" if plan.get("time") else ""
-        return f"{head}{time}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
-    return (f"{head}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
+        # the plan's time only while the recipe is still timed as planned (the line under the editor follows every edit)
+        same = plan.get("timed") is None or plan["timed"] == timed_settings(recipe)
+        if not timed and plan.get("time") and same:
+            timed = f"\n\n**Time:** {html.escape(plan['time'])}"
+        return f"{head}{timed}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
+    return (f"{head}{timed}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
             f"{_bullets(plan['reasons'])}{notes}")
 
 
@@ -667,3 +679,14 @@ def runs_table(rows: list[tuple]) -> pd.DataFrame:
 
 def runs_df(runs: list[Any]) -> pd.DataFrame:
     return runs_table([run_row(r) for r in runs])
+
+
+def time_text(t: dict[str, Any]) -> str:
+    """A recipe's predicted time, from :func:`finetuner.planning.planner.estimate_time`, in a few words."""
+    from finetuner.planning.planner import format_duration
+
+    if t.get("upper_bound"):
+        return (f"at most {format_duration(t['step_s'])} per optimizer step" +
+                (f", {t['optimizer_steps']:,} steps: at most ~{format_duration(t['total_s'])}" if t["optimizer_steps"] else ""))
+    out = f"~{t['tokens_per_s']:,.0f} tokens/s, {format_duration(t['step_s'])} per optimizer step"
+    return out + (f", {t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all" if t["optimizer_steps"] else "")

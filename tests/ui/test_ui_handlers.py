@@ -16,6 +16,7 @@ from finetuner.errors import UserError
 from finetuner.export.merge import merge_adapter
 from tests.conftest import HANG_GUARD_S, demo_run_folder
 from ui import handlers as ui_handlers
+from ui import views
 from ui.errors import error_md
 from ui.handlers import Handlers
 
@@ -405,3 +406,30 @@ def test_a_ui_that_serves_other_machines_reads_data_files_only_from_its_folders(
         with pytest.raises(RuntimeError, match="built"):
             ui_app.launch(runs_dir=tmp_path / "runs", host=host, block=False)
         assert built[-1] == want
+
+
+def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
+    """Planned, then max steps set to 6 (the field, or typed): the headline's time is the edited recipe's
+    (`finetuner estimate`'s estimate_time), never the plan's 100-odd steps; right after planning it is the plan's."""
+    from finetuner.planning.planner import estimate_time, format_duration, plan
+
+    from ui.recipe_text import fields_of
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    out = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "sft", "", 2, 16)
+    text, planned = out[4], out[-1]
+    p = plan(MODEL, "cpu", data=SAMPLE, runs_dir=h.runs)
+    shown = h.on_recipe_text(text, planned, "cpu")
+    assert f"**Time:** ~{p.tokens_per_s:,.0f} tokens/s, {format_duration(p.step_s)} per optimizer step, " \
+           f"{p.optimizer_steps:,} optimizer steps" in shown, shown
+    recipe = Recipe.from_yaml_text(text, source="recipe")
+    fields = list(fields_of(recipe))
+    fields[7] = 6  # max steps
+    *_, edited, _dl, _error = h.on_edit(text, "cpu", *fields)
+    six = estimate_time(Recipe.from_yaml_text(edited, source="recipe"), "cpu")
+    assert six["optimizer_steps"] == 6
+    (line,) = [x for x in h.on_recipe_text(edited, planned, "cpu").splitlines() if x.startswith("**Time:**")]
+    assert line.endswith(f"6 optimizer steps: ~{format_duration(six['total_s'])} in all") and f"{p.optimizer_steps:,}" not in line
+    assert "6 optimizer steps" in h.on_check_yaml(edited, "cpu")[-1]
+    # without a card (an older page) the plan's time is shown only while the recipe is timed as planned
+    assert "**Time:**" not in views.recipe_md(Recipe.from_yaml_text(edited, source="recipe"), planned)
