@@ -357,8 +357,8 @@ def recipe_md(recipe: Any, plan: dict[str, Any] | None, time: str | None = None)
     timed = f"\n\n**Time:** {html.escape(time)}" if time else ""
     notes = f"\n\n**Notes**\n{_bullets(plan['notes'])}" if plan and plan["notes"] else ""
     if plan is None or (recipe.model.name, recipe.data.path) != (plan["model"], plan["data"]):
-        return (f"{head}{timed}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
-                "for the planner's choice and its reasons.")
+        return (f"{head}\n\nA recipe of your own (not a plan for this model and data): press **Make the plan** "
+                f"for the planner's choice and its reasons.{timed}")
     if recipe_headline(recipe) == plan["headline"] and plan.get("nothing_fits"):
         return (f"### ✕ Nothing fits {html.escape(plan['nothing_fits'])}\n{_bullets(plan['reasons'])}\n\n"
                 f"**What would fit:**\n{_bullets(plan['suggestions'])}\n\nThe recipe below is the option that needs the "
@@ -369,8 +369,8 @@ def recipe_md(recipe: Any, plan: dict[str, Any] | None, time: str | None = None)
         if not timed and plan.get("time") and same:
             timed = f"\n\n**Time:** {html.escape(plan['time'])}"
         return f"{head}{timed}\n\n**Why**\n{_bullets(plan['reasons'])}{notes}"
-    return (f"{head}{timed}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
-            f"{_bullets(plan['reasons'])}{notes}")
+    return (f"{head}\n\n**Changed from the plan.** The planner chose {html.escape(plan['headline'])}, because:\n"
+            f"{_bullets(plan['reasons'])}{timed}{notes}")
 
 
 def invalid_recipe_md(message: str) -> str:
