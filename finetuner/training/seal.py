@@ -109,14 +109,24 @@ def write(folder: Path) -> None:
     atomic_write_text(folder / SEAL, json.dumps({"version": VERSION, "files": files, "hmac": _mac(key, files)}, indent=1) + "\n")
 
 
-def is_ours(folder: Path) -> bool:
-    """Whether ``folder``'s seal was made with this user's key (its files not checked: see :func:`check`)."""
+def _read(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s seal (its ``files`` a dict, its ``hmac`` a string), or None when it has none readable."""
     try:
         seal = json.loads((Path(folder) / SEAL).read_text(encoding="utf-8"))
-        key = _key(create=False)
-        return key is not None and hmac.compare_digest(_mac(key, seal["files"]), str(seal["hmac"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(seal, dict) and isinstance(seal.get("files"), dict) and isinstance(seal.get("hmac"), str)
+    return seal if ok else None
+
+
+def _made_with_our_key(seal: dict[str, Any] | None) -> bool:
+    key = _key(create=False)
+    return seal is not None and key is not None and hmac.compare_digest(_mac(key, seal["files"]), seal["hmac"])
+
+
+def is_ours(folder: Path) -> bool:
+    """Whether ``folder``'s seal was made with this user's key (its files not checked: see :func:`check`)."""
+    return _made_with_our_key(_read(folder))
 
 
 def unsealed(run_dir: Path) -> list[Path]:
@@ -137,15 +147,8 @@ def check(folder: Path, trusted: bool | None = None) -> None:
     from finetuner.training.checkpoint import CheckpointUnreadable
 
     trusted = trusted_by_env() if trusted is None else trusted
-    try:
-        seal = json.loads((folder / SEAL).read_text(encoding="utf-8"))
-        listed = seal["files"]
-        ok = isinstance(listed, dict) and isinstance(seal.get("hmac"), str)
-    except (OSError, ValueError, KeyError, TypeError):
-        seal, listed, ok = None, None, False
-    key = _key(create=False)
-    ours = ok and key is not None and hmac.compare_digest(_mac(key, listed), seal["hmac"])
-    if not ours and not trusted:
+    seal = _read(folder)
+    if not _made_with_our_key(seal) and not trusted:
         why = "it has no seal" if seal is None else "its seal was not made with this user's key"
         raise NotOurs(
             f"{folder} was not written by finetuner for this user on this machine ({why}): resuming it unpickles "
@@ -153,8 +156,9 @@ def check(folder: Path, trusted: bool | None = None) -> None:
             hint="If you trust whoever gave you this run, resume with `finetuner run ... --trust-checkpoints` (in the web UI: "
                  "tick the box that allows code); else train afresh with --no-resume (the old run is moved aside).",
         )
-    if not ok:  # trusted, unsealed: nothing to compare
+    if seal is None:  # trusted, unsealed: nothing to compare
         return
+    listed = seal["files"]
     found = _files(folder)
     if found != listed:
         names = sorted(set(found) ^ set(listed)) or [n for n in sorted(listed) if found.get(n) != listed[n]]
