@@ -920,15 +920,14 @@ def plan(
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths)
     result.model = model
     result.notes = notes + result.notes
+    result.data = profile.to_dict() if profile else None
+    result.optimizer_steps = sizing.total_steps
     if gpus > 1 and result.fits:  # the same job on one card, for the sentence that opens the plan
         from finetuner.planning.cards import headline
 
         one = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction,
                           cpu_memory=cpu_bytes, lengths=lengths)
-        result.optimizer_steps = sizing.total_steps
         result.headline = headline(result, one, format_duration)
-    result.data = profile.to_dict() if profile else None
-    result.optimizer_steps = sizing.total_steps
     for attr in ("recipe", "closest"):
         if getattr(result, attr) is None:
             continue
