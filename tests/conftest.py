@@ -27,6 +27,22 @@ PEER_DATA = REPO.parent / "shared" / "peer-data" / "llamafactory"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
+def cores_per_worker() -> int:
+    """The cores one pytest-xdist worker may use: the machine's cores shared among the workers (at least 1);
+    all of them without xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+# Under xdist each worker, and every process its tests start, runs torch with its share of the cores. torch's
+# default is one OpenMP thread per core in every process; two workers on two cores then run four threads that
+# spin while they wait for a core. Measured on 2 cores, -n 2, main at 3249d62 (the README walk-through, the
+# SmolLM2 walk-through and tests/cli/test_cli.py): 15 min 11 s and 27 min of CPU with torch's default, 6 min
+# 30 s and 9 min 26 s of CPU with one thread a worker. Set before anything imports torch; a variable the
+# user set wins. (torchrun's ranks get their own share from finetuner.training.launch, as for a user.)
+os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_worker()))
+
+
 @pytest.fixture
 def peer_data() -> Path:
     """LLaMA-Factory's demo files, read in place from ../shared/peer-data (never copied into the repo).
