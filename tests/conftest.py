@@ -68,8 +68,28 @@ def _fail_skips_in_ci(report):
     return report
 
 
+CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its finished subprocesses (and theirs)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[CPU_AT_SETUP] = cpu_seconds()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and CPU_AT_SETUP in item.stash:
+        # the test's CPU seconds, set-up (its module's fixtures the first time) to tear-down, subprocesses
+        # included: a --junitxml report's property ``cpu_s`` (scripts/dev/test_times.py sums them)
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[CPU_AT_SETUP], 2)))
     return _fail_skips_in_ci((yield))
 
 

@@ -63,3 +63,24 @@ def test_gitignore_hides_no_source_or_test_file():
     r = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", *paths], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1, f"ignored by .gitignore:\n{r.stdout}{r.stderr}"  # 1: none of them is ignored
     assert subprocess.run(["git", "check-ignore", "--no-index", "-q", "runs/demo_cpu/events.jsonl"], cwd=REPO).returncode == 0
+
+
+def test_test_times_sums_wall_and_cpu_seconds_per_file(tmp_path, capsys):
+    """scripts/dev/test_times.py reads the ``cpu_s`` property tests/conftest.py records into a --junitxml report."""
+    from scripts.dev import test_times
+
+    report = tmp_path / "r.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a" name="t1" time="10.0"><properties><property name="cpu_s" value="4.5"/></properties></testcase>'
+        '<testcase classname="tests.a" name="t2" time="2.0"><properties><property name="cpu_s" value="1.5"/></properties>'
+        '<failure message="x"/></testcase>'
+        '<testcase classname="tests.b" name="t3" time="5.0"/>'
+        "</testsuite></testsuites>", encoding="utf-8")
+    assert test_times.cases(str(report)) == [("tests.a", "t1", 10.0, 4.5, "passed"), ("tests.a", "t2", 2.0, 1.5, "failure"),
+                                              ("tests.b", "t3", 5.0, None, "passed")]
+    assert test_times.main([str(report), "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "3 tests (2 passed, 1 failure): 17 s of tests' wall time, 6 s of CPU" in out
+    assert "    12.0      6.0     2  tests.a" in out and "     5.0      0.0     1  tests.b" in out
+    assert "     2.0      1.5  tests.a::t2  [failure]" in out
