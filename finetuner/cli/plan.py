@@ -100,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "without it, also says which fast kernels (FlashAttention-2, Liger Kernel) a run here uses and how to install the missing ones.")
     g.add_argument("--calibrate", action="store_true",
                    help="Measure this machine's device for the speed model (matmul rate per dtype and width, memory "
-                        "bandwidth, attention, cross-entropy, dropout, per-operation cost; a few seconds) and cache it "
+                        "bandwidth, attention, cross-entropy, dropout, per-operation cost; and for a run's wait besides its steps the "
+                        "libraries' import in a new process and the disk's read and write rates; some seconds) and cache it "
                         "for plans on this device (per device and library version).")
     g.set_defaults(func=_cmd_gpus)
 
@@ -551,5 +552,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
               f"dequantization {summary['dequant_gweights_per_s']} G weights/s ({speed.details.get('dequantization')})", highlight=False)
     con.print(f"  cross-entropy M elements/s by vocabulary: {summary['cross_entropy_m_elements_per_s']}; "
               f"dropout {summary['dropout_m_elements_per_s']} M elements/s", highlight=False)
+    con.print(f"  a run's wait besides its steps: start-up (importing the libraries) {summary['startup_s']} s; disk read "
+              f"{summary['disk_read_mb_per_s']:,} MB/s, write {summary['disk_write_mb_per_s']:,} MB/s, "
+              f"{summary['file_sync_ms']} ms to write and fsync a small file", highlight=False)
     con.print(f"Cached in {path}: plans for this device use it (`finetuner plan --gpu auto`).", highlight=False)
     return 0
