@@ -9,7 +9,7 @@ import pytest
 
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
-from finetuner.memory.model import Settings
+from finetuner.memory.model import Settings, trainable_params
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning import wait
 from finetuner.planning.calibrate import load
@@ -110,7 +110,7 @@ def test_load_and_saves_use_the_calibrations_figures_else_the_named_defaults():
     assert wait.load_seconds(gguf, measured) == pytest.approx(2.0 + 0.1 + 1e8 / wait.GGUF_CONVERT_BYTES_PER_S)
     s = Settings(platform="cpu", compute_dtype="fp32")
     ckpt = wait.checkpoint_bytes(shape, s)
-    assert ckpt == pytest.approx(wait.trainable_params(shape, s) * (4 + 8))  # fp32 weights + AdamW's two fp32 states
+    assert ckpt == pytest.approx(trainable_params(shape, s) * (4 + 8))  # fp32 weights + AdamW's two fp32 states
     per = ckpt / 2e8 + wait.CHECKPOINT_FILES * 0.01
     assert wait.checkpoint_seconds(shape, s, measured, 3) - wait.checkpoint_seconds(shape, s, measured, 0) == pytest.approx(3 * per)
 
