@@ -55,9 +55,10 @@ DOWNLOAD_BYTES_PER_S = 50e6
 #: Bytes per parameter of a hub checkpoint whose files are not here to measure (bf16/fp16: how models are published).
 HUB_BYTES_PER_PARAM = 2
 #: Seconds to import the libraries a run loads when the calibration did not measure it
-#: (:data:`finetuner.planning.calibrate.STARTUP_IMPORTS`): 6.3 s measured on the 2-core development
-#: machine, idle (2026-11-27); a fast workstation takes less.
-STARTUP_S = 6.3
+#: (:data:`finetuner.planning.calibrate.STARTUP_IMPORTS`): their import in a new process took 12.7-14.7 s
+#: on the 2-core development machine while other jobs kept its cores busy (2026-11-27); an idle or a faster
+#: machine takes less.
+STARTUP_S = 12.0
 #: Disk rates without a calibration: a SATA SSD's sequential read and write (~500 and ~300 MB/s; NVMe
 #: reads several GB/s, a cloud network disk 100-250 MB/s).
 DISK_READ_BYTES_PER_S = 500e6
