@@ -59,7 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "RAM): plans whose offloaded state needs more do not fit.")
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
     p.add_argument("--price-per-hour", type=float, metavar="PRICE",
-                   help="What an hour of the machine costs (all --gpus cards): the plan adds the run's cost to its time.")
+                   help="What an hour of the machine costs (all --gpus cards): the plan adds the whole run's cost (download, "
+                        "load, steps, evaluations, checkpoints, samples) to its time.")
+    p.add_argument("--currency", metavar="CODE",
+                   help="The currency of --price-per-hour (USD, EUR, $), said with the cost (default: none, the price's units).")
     p.add_argument("--compare-cards", metavar="CARDS",
                    help="Comma-separated cards (e.g. rtx4090,a100-80gb,h100): plan the same job on each and print, per "
                         "card, the recipe, memory, time and (with --price-per-hour) cost.")
@@ -83,7 +86,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("recipe", help="Recipe YAML.")
     e.add_argument("--gpu", "-g", default="auto", help="Card name, size (24GB) or auto (the detected GPU; the CPU when there is none).")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="Override a recipe value (repeatable).")
-    e.add_argument("--price-per-hour", type=float, metavar="PRICE", help="What an hour of the machine costs: adds the run's cost.")
+    e.add_argument("--price-per-hour", type=float, metavar="PRICE",
+                   help="What an hour of the machine costs: adds the whole run's cost (download, load, steps, evaluations, "
+                        "checkpoints, samples).")
+    e.add_argument("--currency", metavar="CODE",
+                   help="The currency of --price-per-hour (USD, EUR, $), said with the cost (default: none, the price's units).")
     e.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, ...).")
     e.set_defaults(func=_cmd_estimate)
 
@@ -93,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "without it, also says which fast kernels (FlashAttention-2, Liger Kernel) a run here uses and how to install the missing ones.")
     g.add_argument("--calibrate", action="store_true",
                    help="Measure this machine's device for the speed model (matmul rate per dtype and width, memory "
-                        "bandwidth, attention, cross-entropy, dropout, per-operation cost; a few seconds) and cache it "
+                        "bandwidth, attention, cross-entropy, dropout, per-operation cost; and for a run's wait besides its steps the "
+                        "libraries' import in a new process and the disk's read and write rates; some seconds) and cache it "
                         "for plans on this device (per device and library version).")
     g.set_defaults(func=_cmd_gpus)
 
@@ -151,6 +159,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
         objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
+        currency=args.currency,
     )
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
@@ -179,7 +188,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     rows = compare_cards(
         args.model, cards, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, method=args.method,
         margin=args.margin, gpus=args.gpus, columns=parse_columns(args.columns, args.data) or None, objective=args.objective,
-        cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args))
+        cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args), currency=args.currency)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0 if any(r["fits"] for r in rows) else 1
@@ -189,7 +198,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from finetuner.planning.planner import format_cost, format_duration
 
     t = Table(title=f"{args.model} on each card (the same job)", title_justify="left")
-    for col in ("card", "recipe", "GiB", "tokens/s", "per step", "steps", "total", "cost"):
+    unit = f" ({rows[0]['currency']})" if rows and rows[0].get("currency") else ""
+    for col in ("card", "recipe", "GiB", "tokens/s", "per step", "steps", "total", "cost" + unit):
         t.add_column(col, justify="left" if col in ("card", "recipe") else "right")
     for r in rows:
         if not r["fits"]:
@@ -197,7 +207,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             continue
         t.add_row(r["card"], r["recipe"], f"{r['peak_gib']:.1f} of {r['card_gib']:.0f}", f"{r['tokens_per_s']:,.0f}",
                   format_duration(r["step_s"]), f"{r['optimizer_steps']:,}" if r["optimizer_steps"] else "?",
-                  format_duration(r["total_s"]) if r["total_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
+                  format_duration(r["wall_s"]) if r["wall_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
     con = Console()
     con.print(t)
     for r in rows:
@@ -368,7 +378,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if recipe.objective == "grpo":
         return _grpo_estimate(args, recipe, gpu, label_fraction, planned)
     est = estimate_recipe(recipe, gpu, label_fraction=label_fraction)
-    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
+    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour, currency=args.currency)
     sharded = None
     from finetuner.memory.sharding import recipe_offload, shard_estimate
 
@@ -421,7 +431,7 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
     from finetuner.planning.planner import estimate_grpo, estimate_time
 
     r = estimate_grpo(recipe, gpu, label_fraction=label_fraction, limit=LARGEST_LIMIT)
-    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour)
+    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour, currency=args.currency)
     mem, g = r["memory"], recipe.grpo
     if args.json:
         print(json.dumps({"objective": "grpo", "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,
@@ -467,21 +477,12 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
 
 
 def _time_text(t: dict[str, Any]) -> str:
-    """``estimate``'s time line: tokens/s, time per step, steps, total, cost, where the speed figures came from."""
-    from finetuner.planning.planner import format_cost, format_duration
+    """``estimate``'s time: tokens/s, time per step, the whole run by part, cost, where the speed figures
+    came from (:func:`finetuner.planning.planner.time_text`, as the plan says it), and the lengths it timed."""
+    from finetuner.planning.planner import time_text
 
-    if t.get("upper_bound"):  # GRPO: at the longest prompts and completions
-        bits = [f"at most {format_duration(t['step_s'])} per optimizer step (prompts and completions at their longest; "
-                "the rollout's generation included)"]
-        if t["optimizer_steps"]:
-            bits.append(f"{t['optimizer_steps']:,} optimizer steps: at most ~{format_duration(t['total_s'])} in all")
-    else:
-        bits = [f"~{t['tokens_per_s']:,.0f} tokens/s (real tokens, padding excluded)", f"{format_duration(t['step_s'])} per optimizer step"]
-        if t["optimizer_steps"]:
-            bits.append(f"{t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['total_s'])} in all")
-    if t["cost"] is not None:
-        bits.append(f"~{format_cost(t['cost'])} at {t['price_per_hour']:g} an hour")
-    text = ", ".join(bits) + f" (speed: {t['source']})"
+    text = time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
+                     t["currency"], t["source"], bool(t.get("upper_bound")), " (real tokens, padding excluded)")
     if not t.get("upper_bound"):
         text += (f"\nLengths: {t['lengths']}." if t.get("lengths") else
                  "\nLengths: every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound.")
@@ -551,5 +552,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
               f"dequantization {summary['dequant_gweights_per_s']} G weights/s ({speed.details.get('dequantization')})", highlight=False)
     con.print(f"  cross-entropy M elements/s by vocabulary: {summary['cross_entropy_m_elements_per_s']}; "
               f"dropout {summary['dropout_m_elements_per_s']} M elements/s", highlight=False)
+    con.print(f"  a run's wait besides its steps: start-up (importing the libraries) {summary['startup_s']} s; disk read "
+              f"{summary['disk_read_mb_per_s']:,} MB/s, write {summary['disk_write_mb_per_s']:,} MB/s, "
+              f"{summary['file_sync_ms']} ms to write and fsync a small file", highlight=False)
     con.print(f"Cached in {path}: plans for this device use it (`finetuner plan --gpu auto`).", highlight=False)
     return 0

@@ -53,6 +53,22 @@ def _memory_line(m: dict[str, Any]) -> str:
     return line
 
 
+def _time_line(t: dict[str, Any]) -> str:
+    """``metrics.json``'s ``time``, measured beside predicted: ``steps 24.0 s (predicted ~25 s), evaluations
+    0.3 s (~0.2 s), total 40.1 s (~38 s)``; the measured alone when there is no prediction."""
+    pred, meas = t.get("predicted") or {}, t["measured"]
+    bits = []
+    for key in ("load", "steps", "evaluations", "checkpoints", "samples", "total"):
+        if key not in meas or (key in ("evaluations", "samples") and not meas[key] and not pred.get(key)):
+            continue
+        shown = f"{key} {meas[key]:.1f} s"
+        if pred.get(key) is not None:
+            p = pred[key] + (pred.get("download", 0.0) if key == "load" else 0.0)
+            shown += f" (predicted ~{p:.2g} s)" if p < 10 else f" (predicted ~{p:,.0f} s)"
+        bits.append(shown)
+    return ", ".join(bits)
+
+
 class ProgressPrinter:
     """A training-event callback that shows step, loss, tokens/s and ETA."""
 
@@ -104,8 +120,10 @@ class ProgressPrinter:
                                        f"{ev['max_steps']} steps (prompts and completions at their longest; speed: "
                                        f"{pred['source']})", highlight=False)
                 elif pred:
+                    whole = f", ~{pred['wall_s']:,.0f} s the whole run" if pred.get("wall_s") else ""
                     self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
-                                       f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps (speed: {pred['source']})", highlight=False)
+                                       f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps{whole} (speed: {pred['source']})",
+                                       highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
             self.predicted = ev.get("predicted_speed")
@@ -157,6 +175,7 @@ class ProgressPrinter:
                                                         if self.predicted else "")),
             ("train time", f"{m['train_seconds']:.1f} s" + (f" (its steps predicted at most ~{self.predicted_bound['total_s']:,.0f} s)"
                                                              if self.predicted_bound else "")),
+            *([("time", _time_line(m["time"]))] if m.get("time") else []),
             ("peak memory", _memory_line(m)),
         ):
             t.add_row(k, v)

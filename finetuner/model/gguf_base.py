@@ -83,6 +83,25 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     return folder / (part if part == "tokenizer" else f"model-{str(dtype).removeprefix('torch.')}")
 
 
+def converted(name: str) -> bool:
+    """Whether the conversion cache holds dequantized weights (of any dtype) of the GGUF file ``name`` for
+    the installed transformers: its next load reads a plain folder instead of converting the file. Reads
+    transformers' version from its package metadata (no import: the planner asks)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from finetuner.data.cache import cache_root
+
+    try:
+        path = expand_user(name).resolve()
+        st = path.stat()
+        key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
+    except (OSError, PackageNotFoundError):
+        return False
+    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return any(folder.glob("model-*"))
+
+
 def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[str, dict[str, Any]]:
     """``(what to pass to from_pretrained, extra keyword arguments)`` for a model name: a ``.gguf``
     file is its folder and ``gguf_file=<file name>``, or the folder of the conversion cache that holds

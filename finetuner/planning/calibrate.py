@@ -12,7 +12,12 @@ A few seconds of micro-benchmarks, the same code on a CPU and on a CUDA GPU, giv
   backward, divided by the operations launched: what an eager training step pays per tensor
   operation whatever its size;
 * **dequantization** (when bitsandbytes imports): ``dequantize_4bit`` of an nf4 weight, weights
-  per second; else the data-sheet default of :mod:`finetuner.planning.speed`.
+  per second; else the data-sheet default of :mod:`finetuner.planning.speed`;
+* **what a run waits for besides its steps** (:mod:`finetuner.planning.wait`): the seconds a new Python
+  process takes to import the libraries a run loads (:data:`STARTUP_IMPORTS`), the disk's write rate
+  (a 64 MiB file written and ``fsync``-ed), its read rate (that file read back after
+  ``posix_fadvise(DONTNEED)`` dropped it from the page cache, where the platform has it) and the seconds
+  to write and ``fsync`` one small file, in the cache folder.
 
 The result is cached as JSON under ``$FINETUNER_CACHE_DIR/speed`` (else ``~/.cache/finetuner/speed``),
 keyed by the device's name and the torch and finetuner versions: a new library or card measures
@@ -41,6 +46,11 @@ CPU_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
 GPU_WIDTHS = (16, 64, 256, 1024, 4096, 8192)
 #: Seconds each measurement is repeated for (at least), after one warm-up call.
 MEASURE_S = 0.1
+#: The libraries ``finetuner run`` imports between its start and its first step (the model, the
+#: tokenizer, LoRA, the data pipeline): their import in a new process is the run's start-up.
+STARTUP_IMPORTS = ("torch", "transformers", "peft", "datasets")
+#: Bytes of the file the disk rates are measured with.
+DISK_PROBE_BYTES = 64 * 2**20
 
 
 def device_key() -> tuple[str, str]:
@@ -136,6 +146,8 @@ def measure() -> DeviceSpeed:
     op_s = _timed(ops, sync) / (2 * chain + 2)
     kernels = _kernel_rates(dev, sync, "bf16" if plat == "cuda" and torch.cuda.is_bf16_supported() else ("fp16" if plat == "cuda" else "fp32"))
     dequant, how = _dequant_rate(dev, sync)
+    disk = _disk_rates()
+    startup = _startup_seconds()
     details = {"measured_in_s": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dequantization": how}
     import finetuner
@@ -145,13 +157,73 @@ def measure() -> DeviceSpeed:
     src = (f"calibrated on this machine ({name}, {time.strftime('%Y-%m-%d')}): matmul "
            + ", ".join(f"{dt} {max(r for _, r in rows) / 1e9:,.0f} GFLOP/s" for dt, rows in matmul.items())
            + f", {bandwidth / 1e9:,.1f} GB/s, {op_s * 1e6:.1f} us an operation")
+    src += f", start-up {startup:.1f} s" if startup else ""
     src += (f", attention {max(r for _, r in kernels['attention_causal']) / 1e9:,.0f}/"
             f"{max(r for _, r in kernels['attention_masked']) / 1e9:,.0f} GFLOP/s (causal/masked), "
             f"cross-entropy {max(r for _, r in kernels['cross_entropy']) / 1e6:,.0f}M and dropout {kernels['dropout'] / 1e6:,.0f}M elements/s")
     return DeviceSpeed(name, plat, matmul, bandwidth, op_s, dequant, link, link, src, calibrated=True, details=details,
                        attention_flops={"causal": kernels["attention_causal"], "masked": kernels["attention_masked"]},
                        cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"],
-                       matmul_tokens=tokens)
+                       matmul_tokens=tokens, startup_s=startup, **disk)
+
+
+def _startup_seconds() -> float:
+    """Wall seconds a new Python process (this interpreter) takes to import :data:`STARTUP_IMPORTS`
+    (0.0 when it fails: the wait model's default then applies)."""
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    try:
+        subprocess.run([sys.executable, "-c", "import " + ", ".join(STARTUP_IMPORTS)], check=True, timeout=300,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return 0.0
+    return time.perf_counter() - t0
+
+
+def _disk_rates() -> dict[str, float]:
+    """The cache folder's disk: ``disk_write_bytes_per_s`` (:data:`DISK_PROBE_BYTES` written and
+    ``fsync``-ed), ``disk_read_bytes_per_s`` (read back after ``posix_fadvise(DONTNEED)``; 0.0 where the
+    platform cannot drop a file from the page cache: a read from memory would say nothing of the disk)
+    and ``file_sync_s`` (a small file written and ``fsync``-ed: what each file of a checkpoint costs
+    beyond its bytes). Empty when the folder cannot be written."""
+    import tempfile
+
+    from finetuner.data.cache import cache_root
+
+    block = os.urandom(1 << 20)
+    try:
+        root = cache_root() / "speed"
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            big = Path(tmp) / "probe.bin"
+            t0 = time.perf_counter()
+            with open(big, "wb") as f:
+                for _ in range(DISK_PROBE_BYTES // len(block)):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+            out = {"disk_write_bytes_per_s": DISK_PROBE_BYTES / (time.perf_counter() - t0)}
+            if hasattr(os, "posix_fadvise"):
+                with open(big, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    t0 = time.perf_counter()
+                    while f.read(1 << 20):
+                        pass
+                    out["disk_read_bytes_per_s"] = DISK_PROBE_BYTES / (time.perf_counter() - t0)
+            syncs = []
+            for i in range(5):
+                t0 = time.perf_counter()
+                with open(Path(tmp) / f"small-{i}", "wb") as f:
+                    f.write(block[:4096])
+                    f.flush()
+                    os.fsync(f.fileno())
+                syncs.append(time.perf_counter() - t0)
+            out["file_sync_s"] = sorted(syncs)[len(syncs) // 2]
+            return out
+    except OSError:
+        return {}
 
 
 def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:
@@ -289,4 +361,7 @@ def describe(speed: DeviceSpeed) -> dict[str, Any]:
             "dequant_gweights_per_s": round(speed.dequant_weights_per_s / 1e9, 3),
             "attention_gflops": {k: {q: round(r / 1e9, 1) for q, r in rows} for k, rows in speed.attention_flops.items()},
             "cross_entropy_m_elements_per_s": {v: round(r / 1e6, 1) for v, r in speed.cross_entropy_elements_per_s},
-            "dropout_m_elements_per_s": round(speed.dropout_elements_per_s / 1e6, 1), **speed.details}
+            "dropout_m_elements_per_s": round(speed.dropout_elements_per_s / 1e6, 1),
+            "startup_s": round(speed.startup_s, 2), "disk_read_mb_per_s": round(speed.disk_read_bytes_per_s / 1e6, 1),
+            "disk_write_mb_per_s": round(speed.disk_write_bytes_per_s / 1e6, 1),
+            "file_sync_ms": round(speed.file_sync_s * 1e3, 2), **speed.details}

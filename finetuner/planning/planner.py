@@ -45,11 +45,12 @@ from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, preset_model, presets, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
-from finetuner.planning.sizing import Sizing, learning_rate, size_run
+from finetuner.planning.sizing import Sizing, held_out_rows, learning_rate, size_run
 from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.lengths import BatchShape, batch_shape
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
+from finetuner.planning.wait import Wait, check_currency, cost_of, cost_text, parts_text, recipe_wait
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -166,6 +167,12 @@ class Plan:
     speed_source: str = ""
     #: what an hour of the machine costs (``--price-per-hour``), for the plan's cost; None: not asked
     price_per_hour: float | None = None
+    #: the price's currency (``--currency``), None: the cost is said in the price's units
+    currency: str | None = None
+    #: the whole run's predicted wait by part (:mod:`finetuner.planning.wait`), when the steps are known
+    wait: Wait | None = None
+    #: the device's speed figures the plan's times come from
+    speed: DeviceSpeed | None = None
     #: with several cards: the plan's first sentence (:func:`finetuner.planning.cards.headline`)
     headline: str | None = None
 
@@ -175,35 +182,31 @@ class Plan:
         return self.step.step_s if self.step else None
 
     @property
-    def total_s(self) -> float | None:
-        """Predicted seconds for the whole run (optimizer steps x step time), when the steps are known."""
+    def steps_s(self) -> float | None:
+        """Predicted seconds of the optimizer steps alone (steps x step time), when the steps are known."""
         if self.step is None or not self.optimizer_steps:
             return None
         return self.step.step_s * self.optimizer_steps
 
     @property
+    def wall_s(self) -> float | None:
+        """Predicted seconds of the whole run (:attr:`wait`: download, load, steps, evaluations,
+        checkpoints, samples), when the steps are known."""
+        return self.wait.wall_s if self.wait is not None else None
+
+    @property
     def cost(self) -> float | None:
-        """Predicted cost of the run at ``price_per_hour`` (for all ``gpus`` together)."""
-        if self.price_per_hour is None or self.total_s is None:
-            return None
-        return self.total_s / 3600 * self.price_per_hour
+        """Predicted cost of the whole run (:attr:`wall_s`) at ``price_per_hour`` (for all ``gpus`` together)."""
+        return cost_of(self.wall_s, self.price_per_hour)
 
     def time_line(self) -> str:
-        """One line: tokens/s, time per step, optimizer steps, total time, cost, and the speed figures' source."""
+        """tokens/s and time per step, then the whole run's time by part (:func:`time_text`), its cost, and the
+        speed figures' source."""
         if self.step is None:
             return ""
-        if self.recipe is not None and self.recipe.objective == "grpo":  # at the longest prompts and completions
-            bits = [f"at most {format_duration(self.step.step_s)} per optimizer step (prompts and completions at their "
-                    "longest; the rollout's generation included)"]
-            if self.optimizer_steps:
-                bits.append(f"{self.optimizer_steps:,} optimizer steps: at most ~{format_duration(self.total_s)} in all")
-        else:
-            bits = [f"~{self.step.tokens_per_s:,.0f} tokens/s", f"{format_duration(self.step.step_s)} per optimizer step"]
-            if self.optimizer_steps:
-                bits.append(f"{self.optimizer_steps:,} optimizer steps: ~{format_duration(self.total_s)} in all")
-        if self.cost is not None:
-            bits.append(f"~{format_cost(self.cost)} at {self.price_per_hour:g} an hour")
-        return ", ".join(bits) + f" (speed: {self.speed_source})"
+        grpo = self.recipe is not None and self.recipe.objective == "grpo"
+        return time_text(self.step.step_s, self.step.tokens_per_s, self.optimizer_steps, self.wait.to_dict() if self.wait else None,
+                         self.cost, self.price_per_hour, self.currency, self.speed_source, grpo)
 
     @property
     def fits(self) -> bool:
@@ -232,9 +235,12 @@ class Plan:
             "components": dict(per.components) if per is not None else est.get("components", {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
             "predicted_step_s": round(self.step_s, 4) if self.step_s else None,
-            "predicted_total_s": round(self.total_s, 1) if self.total_s else None,
+            "predicted_steps_s": round(self.steps_s, 1) if self.steps_s else None,
+            "predicted_wall_s": round(self.wall_s, 1) if self.wall_s else None,
+            "predicted_wait": self.wait.to_dict() if self.wait is not None else None,
             "price_per_hour": self.price_per_hour,
-            "predicted_cost": round(self.cost, 2) if self.cost is not None else None,
+            "currency": self.currency,
+            "predicted_cost": round(self.cost, 4) if self.cost is not None else None,
             "speed_source": self.speed_source,
             "speed_parts_s": {k: round(v, 5) for k, v in self.step.parts.items()} if self.step else None,
             "seq_len": self.seq_len,
@@ -362,6 +368,29 @@ def format_duration(seconds: float | None) -> str:
 def format_cost(cost: float) -> str:
     """``12.50``, or two significant digits below 0.1 (``0.0029``): how a plan says a cost."""
     return f"{cost:,.2f}" if cost >= 0.1 else f"{cost:.2g}"
+
+
+def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[str, Any] | None, cost: float | None,
+              price_per_hour: float | None, currency: str | None, source: str, upper_bound: bool = False,
+              tokens_note: str = "") -> str:
+    """How the plan and ``estimate`` say a run's time: tokens/s (``tokens_note`` after it) and time per optimizer
+    step, the ``steps``' time, the whole run by part (:func:`finetuner.planning.wait.parts_text` of a
+    :meth:`~finetuner.planning.wait.Wait.to_dict`), its cost, and where the speed figures came from.
+    ``upper_bound`` (GRPO): the step at the longest prompts and completions."""
+    if upper_bound:
+        bits = [f"at most {format_duration(step_s)} per optimizer step (prompts and completions at their longest; "
+                "the rollout's generation included)"]
+        if steps:
+            bits.append(f"{steps:,} optimizer steps: at most ~{format_duration(step_s * steps)}")
+    else:
+        bits = [f"~{tokens_per_s:,.0f} tokens/s{tokens_note}", f"{format_duration(step_s)} per optimizer step"]
+        if steps:
+            bits.append(f"{steps:,} optimizer steps: ~{format_duration(step_s * steps)}")
+    if wait is not None:
+        bits.append(parts_text(wait, format_duration, upper_bound))
+    if cost is not None:
+        bits.append(cost_text(cost, price_per_hour, currency, format_cost))
+    return ", ".join(bits) + f" (speed: {source})"
 
 
 def predicted_step(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
@@ -771,6 +800,7 @@ def plan(
     cpu_memory: int | str | None = None,
     price_per_hour: float | None = None,
     grpo: dict[str, Any] | None = None,
+    currency: str | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -807,7 +837,9 @@ def plan(
         cpu_memory: the CPU memory of the machine that runs the ``gpus`` processes, in bytes or as
             a size (``64GB``, GiB); by default this machine's RAM. Offloaded state must fit it.
         price_per_hour: what an hour of the machine (all ``gpus`` cards) costs: the plan adds the
-            run's predicted cost (``Plan.cost``) to its time (``Plan.total_s``).
+            run's predicted cost (``Plan.cost``) to its time (``Plan.wall_s``: the whole run, by part in
+            ``Plan.wait``).
+        currency: the price's currency (``USD``, ``€``), said with the cost; None: the price's units.
         grpo: for ``objective="grpo"`` (implied when given), the recipe's ``grpo`` section: at least
             ``rewards`` (``[{"function": "my_reward", "file": "rewards.py"}]`` or built-in names), and
             ``num_generations``, ``max_new_tokens`` … as the recipe takes them. ``data`` gives the prompts
@@ -833,6 +865,7 @@ def plan(
         raise UserError(f"--gpus {gpus}: must be at least 1.")
     if price_per_hour is not None and not price_per_hour >= 0:  # also NaN
         raise UserError(f"{say(cli='--price-per-hour', ui='Price per hour')} {price_per_hour}: must be 0 or more.")
+    currency = check_currency(currency, price_per_hour)
     if not 0 <= margin < 1:  # also NaN
         raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
     if effective_batch is not None and effective_batch < gpus:
@@ -917,7 +950,8 @@ def plan(
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw)
     lengths = profile.lengths if profile is not None and profile.kind != "prompts" else None
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
-                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths)
+                         cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths,
+                         currency=currency)
     result.model = model
     result.notes = notes + result.notes
     result.data = profile.to_dict() if profile else None
@@ -937,16 +971,19 @@ def plan(
         setattr(result, attr, Recipe.model_validate(raw))
         if attr == "recipe":
             result.reasons += reasons + sizing.reasons + [why_lr]
+    result.wait = plan_wait(result, label_fraction, lengths)  # with the steps counted from the data
     return result
 
 
-def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None = None, currency: str | None = None,
+                  **kwargs: Any) -> list[dict[str, Any]]:
     """The same job (:func:`plan`'s other arguments) planned on each of ``cards``: per card its
-    recipe, peak memory, speed, time and cost (``finetuner plan --compare-cards``)."""
+    recipe, peak memory, speed, time (``steps_s`` of the steps, ``wall_s`` of the whole run) and cost
+    (``finetuner plan --compare-cards``)."""
     rows = []
     for card in cards:
         prof = get_gpu(card)
-        p = plan(model, prof, price_per_hour=price_per_hour, **kwargs)
+        p = plan(model, prof, price_per_hour=price_per_hour, currency=currency, **kwargs)
         c = p.recipe_choice() or {}
         recipe = ""
         if c:
@@ -956,7 +993,8 @@ def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None 
         rows.append({"card": prof.name, "fits": p.fits, "recipe": recipe, "choice": c or None,
                      "peak_gib": round((p.peak_bytes or 0) / GiB, 2), "card_gib": round(prof.memory_gib, 2),
                      "tokens_per_s": p.tokens_per_s, "step_s": p.step_s, "optimizer_steps": p.optimizer_steps,
-                     "total_s": p.total_s, "cost": p.cost, "price_per_hour": price_per_hour,
+                     "steps_s": p.steps_s, "wall_s": p.wall_s, "cost": p.cost, "price_per_hour": price_per_hour,
+                     "currency": p.currency,
                      "speed_source": p.speed_source, "suggestions": p.suggestions})
     return rows
 
@@ -975,15 +1013,16 @@ def plan_recipe(
     speed: DeviceSpeed | None = None,
     price_per_hour: float | None = None,
     lengths: Sequence[int] | None = None,
+    currency: str | None = None,
 ) -> Plan:
     """Resolve the ``auto`` values of a recipe for a card; the values it sets are kept as given.
     ``lengths``: the training rows' token lengths (see :func:`search`).
 
     ``cpu_memory``: the CPU memory of the machine that runs the ``gpus`` processes (None: not
     checked), and ``cpu_memory_source`` where that figure came from, for the plan's reasons.
-    ``speed``: the device's speed figures (default :func:`speed_for`); ``price_per_hour``: for the cost.
-    The plan's optimizer steps are the recipe's ``training.max_steps`` when set (:func:`plan` counts
-    them from the data otherwise).
+    ``speed``: the device's speed figures (default :func:`speed_for`); ``price_per_hour`` (in ``currency``):
+    for the cost. The plan's optimizer steps are the recipe's ``training.max_steps`` when set (:func:`plan`
+    counts them from the data otherwise), and its :attr:`Plan.wait` the whole run's time when they are known.
     """
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
@@ -996,7 +1035,7 @@ def plan_recipe(
         model=recipe.model.name, gpu=prof, shape=shape, recipe=None, estimate=None, tokens_per_s=None,
         seq_len=recipe.data.max_seq_len, effective_batch=eff, candidates_searched=len(ranked), gpus=gpus,
         cpu_memory=cpu_memory, cpu_memory_source=cpu_memory_source, speed_source=speed.source,
-        price_per_hour=price_per_hour, optimizer_steps=recipe.training.max_steps,
+        price_per_hour=price_per_hour, optimizer_steps=recipe.training.max_steps, currency=currency, speed=speed,
     )
     gguf = info_for(recipe.model.name)
     if gguf is not None:
@@ -1038,7 +1077,16 @@ def plan_recipe(
         where = f"the machine has {cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"
         out.reasons.insert(2, f"CPU memory: {best.sharded.host_summary()}; {where}")
     out.rejected = _runners_up(ranked, best)
+    out.wait = plan_wait(out, label_fraction, lengths)
     return out
+
+
+def plan_wait(p: Plan, label_fraction: float, lengths: Sequence[int] | None) -> Wait | None:
+    """The whole run's wait of a plan's recipe (:func:`run_wait`); None when nothing fits or the steps are unknown."""
+    if p.recipe is None or p.step is None or not p.optimizer_steps:
+        return None
+    return run_wait(p.recipe, p.gpu, p.speed or speed_for(p.gpu), p.step, p.optimizer_steps, label_fraction,
+                    shape=p.shape, lengths=lengths)
 
 
 #: how far a plan searches the largest GRPO group size and completion length (a tiny model fits any)
@@ -1230,12 +1278,14 @@ def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
     return p.label_fraction, tuple(p.lengths)
 
 
-def _recipe_file_profile(recipe: Recipe) -> tuple[float, tuple[int, ...]] | None:
-    """:func:`_file_profile` of the recipe's one local data file, None when it has none readable here."""
+def _recipe_file_profile(recipe: Recipe, file: str | None = None) -> tuple[float, tuple[int, ...]] | None:
+    """:func:`_file_profile` of the recipe's one local data file (or of ``file``, read as the recipe reads
+    its data), None when it has none readable here."""
     d = recipe.data
-    if not isinstance(d.path, str) or not Path(d.path).expanduser().is_file():
+    file = d.path if file is None else file
+    if not isinstance(file, str) or not Path(file).expanduser().is_file():
         return None
-    path = Path(d.path).expanduser().resolve()
+    path = Path(file).expanduser().resolve()
     st = path.stat()
     try:
         return _file_profile(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
@@ -1267,6 +1317,40 @@ def label_fraction_of(recipe: Recipe) -> float:
         return 1.0
     prof = _recipe_file_profile(recipe)
     return 1.0 if prof is None else prof[0]  # unreadable here: the upper bound
+
+
+def held_out_of(recipe: Recipe) -> int | None:
+    """The held-out rows a run of the recipe evaluates, as the trainer splits them: the rows of
+    ``data.val_path``, else ``data.val_size`` of the data file's rows
+    (:func:`~finetuner.planning.sizing.held_out_rows`); None when the file cannot be read here."""
+    d = recipe.data
+    if d.val_path:
+        prof = _recipe_file_profile(recipe, d.val_path)
+        return len(prof[1]) if prof is not None else None
+    prof = _recipe_file_profile(recipe)
+    return held_out_rows(d.val_size, len(prof[1])) if prof is not None else None
+
+
+def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime, steps: int | None,
+             label_fraction: float = 1.0, *, shape: ModelShape | None = None, runtime: Any = None,
+             lengths: Sequence[int] | None = None) -> Wait | None:
+    """The whole run's predicted wait (:func:`finetuner.planning.wait.recipe_wait`: download, load, steps,
+    evaluations, checkpoints, samples) of a resolved recipe whose step takes ``step``, over ``steps``
+    optimizer steps (None: unknown, and so is the wait). The plan, ``estimate``, the trainer's ``start``
+    event and the web UI all take it from here. The held-out rows and the evaluations' micro-batches come
+    from the data's token ``lengths`` when the caller has them (a plan's data profile), else from the
+    recipe's data file (:func:`held_out_of`, :func:`data_batch_of`)."""
+    if not steps:
+        return None
+    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
+    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    d, grpo = recipe.data, recipe.objective == "grpo"
+    if lengths:
+        held_out = held_out_of(recipe) if d.val_path else held_out_rows(d.val_size, len(lengths))
+        batch = None if grpo else batch_shape(lengths, recipe.training.micro_batch_size, d.max_seq_len, bool(d.packing))
+    else:
+        held_out, batch = held_out_of(recipe), None if grpo else data_batch_of(recipe)
+    return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch)
 
 
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
@@ -1374,17 +1458,25 @@ def estimate_time(
     label_fraction: float | None = None,
     price_per_hour: float | None = None,
     speed: DeviceSpeed | None = None,
+    currency: str | None = None,
 ) -> dict[str, Any]:
     """How long a resolved recipe's run takes on ``gpu``, and what it costs (``finetuner estimate``):
-    ``{"tokens_per_s", "step_s", "optimizer_steps", "total_s", "cost", "price_per_hour", "source",
-    "parts_s", "upper_bound"}`` (``upper_bound``: GRPO, predicted at the longest prompts and completions,
-    so the step takes at most ``step_s``). The optimizer steps are the run's own count (:func:`run_optimizer_steps`: its
-    ``max_steps``, else epochs over the data's training rows), None when the data cannot be read here."""
+    ``{"tokens_per_s", "step_s", "optimizer_steps", "steps_s", "wall_s", "wait", "cost", "price_per_hour",
+    "currency", "source", "parts_s", "upper_bound"}``: ``steps_s`` the optimizer steps alone, ``wall_s`` the
+    whole run (``wait``: :meth:`finetuner.planning.wait.Wait.to_dict`, by part: download, load, steps,
+    evaluations, checkpoints, samples, :func:`run_wait`), ``cost`` the whole run's at ``price_per_hour`` (in
+    ``currency``), ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted at the longest prompts
+    and completions, so the step takes at most ``step_s``. The optimizer steps are the run's own count
+    (:func:`run_optimizer_steps`: its ``max_steps``, else epochs over the data's training rows), None when the
+    data cannot be read here (and then so are ``steps_s``, ``wall_s``, ``wait`` and ``cost``)."""
     from finetuner.config.hardware import cpu_profile
     from finetuner.config.recipe import Recipe
 
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)
+    if price_per_hour is not None and not price_per_hour >= 0:  # also NaN
+        raise UserError(f"{say(cli='--price-per-hour', ui='Price per hour')} {price_per_hour}: must be 0 or more.")
+    currency = check_currency(currency, price_per_hour)
     prof = (get_gpu(gpu) if isinstance(gpu, str) else gpu) or cpu_profile()
     if label_fraction is None:
         label_fraction = label_fraction_of(recipe)
@@ -1394,10 +1486,11 @@ def estimate_time(
     batch = data_batch_of(recipe) if recipe.objective != "grpo" else None
     st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction, batch=batch)
     steps = run_optimizer_steps(recipe)
-    total = st.step_s * steps if steps else None
-    cost = total / 3600 * price_per_hour if total is not None and price_per_hour is not None else None
-    return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps, "total_s": total,
-            "price_per_hour": price_per_hour, "cost": cost, "source": speed.source, "parts_s": dict(st.parts),
+    wait = run_wait(recipe, prof, speed, st, steps, label_fraction, shape=shape)
+    return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps,
+            "steps_s": st.step_s * steps if steps else None, "wall_s": wait.wall_s if wait else None,
+            "wait": wait.to_dict() if wait else None, "price_per_hour": price_per_hour, "currency": currency,
+            "cost": cost_of(wait.wall_s if wait else None, price_per_hour), "source": speed.source, "parts_s": dict(st.parts),
             "upper_bound": recipe.objective == "grpo", "padded_tokens_per_s": st.padded_tokens_per_s,
             "lengths": (f"the rows of {batch.source}: {batch.padded_len:.0f} positions a micro-batch row, "
                         f"{batch.real_per_row:.0f} of them tokens" if batch is not None else None)}

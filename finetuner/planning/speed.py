@@ -199,6 +199,14 @@ class DeviceSpeed:
     #: and dropout (mask + multiply), elements per second
     cross_entropy_elements_per_s: tuple[tuple[int, float], ...] = ()
     dropout_elements_per_s: float = 0.0
+    #: what a run waits for outside its steps (:mod:`finetuner.planning.wait`), 0 where not measured (a card's
+    #: data sheet, an older calibration; the wait model's named defaults then apply): seconds a new process
+    #: takes to import the libraries a run loads, bytes per second read from a file not in the page cache and
+    #: written with ``fsync``, and seconds to write and ``fsync`` one small file
+    startup_s: float = 0.0
+    disk_read_bytes_per_s: float = 0.0
+    disk_write_bytes_per_s: float = 0.0
+    file_sync_s: float = 0.0
 
     def matmul_rate(self, dtype: str, width: int) -> float:
         """FLOP/s of a matmul in ``dtype`` whose narrower weight dimension is ``width``."""
@@ -474,22 +482,66 @@ def dequant_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float
     return passes * shape.linear_weight_numel * slow / speed.dequant_weights_per_s
 
 
-def op_count(shape: ModelShape, s: Settings) -> float:
-    """Tensor operations one micro-batch launches (forward, backward, recompute, reference pass)."""
+def layer_op_count(shape: ModelShape, s: Settings) -> float:
+    """Tensor operations one decoder layer's forward launches: ``OPS_PER_LAYER``, its LoRA targets'
+    and a quantized base's per linear."""
     n_lora = 0
     if s.method != "full":
         targets = list(s.lora_targets) if isinstance(s.lora_targets, tuple) else s.lora_targets
         n_lora = sum(copies for *_, copies in lora_targets(shape, targets)) / max(1, shape.num_layers)
-    per_layer = OPS_PER_LAYER + OPS_PER_LORA_TARGET * n_lora + (OPS_PER_QUANT_LINEAR * shape.linears_per_layer if s.method == "qlora" else 0)
+    return OPS_PER_LAYER + OPS_PER_LORA_TARGET * n_lora + (OPS_PER_QUANT_LINEAR * shape.linears_per_layer if s.method == "qlora" else 0)
+
+
+def forward_op_count(shape: ModelShape, s: Settings) -> float:
+    """Tensor operations one micro-batch's forward launches: the layers', the model's own
+    (``OPS_PER_MODEL``) and the loss's chunks."""
     labelled = rows_per_micro_batch(s) * s.seq_len * s.label_fraction
     chunks = math.ceil(labelled / s.loss_chunk) if s.loss_chunk > 0 else 1
-    fwd = per_layer * shape.num_layers + OPS_PER_MODEL + OPS_PER_LOSS_CHUNK * chunks
+    return layer_op_count(shape, s) * shape.num_layers + OPS_PER_MODEL + OPS_PER_LOSS_CHUNK * chunks
+
+
+def op_count(shape: ModelShape, s: Settings) -> float:
+    """Tensor operations one micro-batch launches (forward, backward, recompute, reference pass)."""
+    per_layer = layer_op_count(shape, s)
+    fwd = forward_op_count(shape, s)
     total = fwd * (1 + BACKWARD_OPS)
     if s.gradient_checkpointing:
         total += per_layer * shape.num_layers
     if has_reference_pass(s):
         total += fwd
     return total
+
+
+def forward_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
+    """Seconds of one micro-batch's forward without gradients (an evaluation's micro-batch; a decode
+    step is one with ``seq_len`` 1): the forward's share of each term :func:`step_time` sums, at the same
+    rates. The matmuls' forward FLOPs (:func:`forward_flops`: decoder, LoRA, attention as matmuls only
+    when eager, the LM head over the labelled tokens) once; attention's kernel one of the 3 units of
+    :func:`attention_seconds` (forward, backward 2x); the cross-entropy's forward, half of its calibrated
+    forward + backward (as :func:`loss_seconds` counts a recompute); the saved tensors' forward traffic
+    (``FORWARD_TRAFFIC`` of the ``TRAFFIC_PER_SAVED_BYTE`` a step moves); a quantized base dequantized
+    once; the forward's operations (:func:`forward_op_count`) at ``EAGER_OP_FACTOR``. No dropout (the
+    model is in eval mode), no optimizer, no step's fixed cost. On a GPU the device's work is divided by
+    :meth:`DeviceSpeed.utilisation` and only the host's excess of operations counts, as in a step."""
+    f, w = forward_flops(shape, s), typical_width(shape)
+    w["lora"] = max(1, s.lora_r)
+    dtype = s.compute_dtype if s.compute_dtype in DTYPE_BYTES else "fp32"
+    T = rows_per_micro_batch(s) * s.seq_len
+    eff = matmul_row_efficiency(speed, T)
+    matmuls = sum(f[k] / speed.matmul_rate(dtype, w[k]) for k in f if f[k] and k != "attention") / eff
+    plain = s.with_(gradient_checkpointing=False, reference="none")
+    attention = attention_seconds(shape, plain, speed) / 3
+    labelled = T * s.label_fraction
+    table = speed.cross_entropy_elements_per_s
+    ce_rate = interpolate(table, shape.vocab_size) if table else speed.bandwidth_bytes_per_s / CE_BYTES_PER_ELEMENT
+    loss = 0.5 * labelled * shape.vocab_size / ce_rate
+    traffic = saved_bytes_per_token(shape, s) * T * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
+    dequant = dequant_seconds(shape, plain, speed) / 2  # dequant_seconds counts forward + input gradient
+    device = (matmuls + attention + loss + traffic + dequant) / speed.utilisation(T)
+    ops = forward_op_count(shape, s) * speed.op_overhead_s * EAGER_OP_FACTOR
+    if speed.platform == "cuda":
+        return device + max(0.0, ops - device)
+    return device + ops
 
 
 def optimizer_bytes(shape: ModelShape, s: Settings) -> float:

@@ -262,12 +262,18 @@ class StoppedEvent(Event):
 class _SpeedCheck(TypedDict, total=False):
     """Predicted against measured speed (absent in the events of runs from before it was written):
     the speed model's tokens/s and seconds per optimizer step for this run (None when it could not
-    say), and what the run measured over its steps."""
+    say), and what the run measured over its steps; and the run's wall time by part, predicted
+    (:mod:`finetuner.planning.wait`: ``download``, ``load``, ``steps``, ``evaluations``, ``checkpoints``,
+    ``samples``, ``total``; None when it could not say) and measured (``load`` from the run's start to
+    its first step, ``steps``, ``evaluations``, ``checkpoints``, ``samples`` 0 until the ``samples`` event,
+    ``total`` until this event)."""
 
     predicted_tokens_per_s: Union[float, None]
     measured_tokens_per_s: float
     predicted_step_s: Union[float, None]
     measured_step_s: float
+    predicted_wait_s: Union[dict[str, float], None]
+    measured_wait_s: dict[str, float]
 
 
 class DoneEvent(Event, _SpeedCheck):
@@ -278,7 +284,13 @@ class DoneEvent(Event, _SpeedCheck):
     metrics: dict[str, Any]
 
 
-class SamplesEvent(Event):
+class _SamplesTime(TypedDict, total=False):
+    """Wall seconds the answers took (absent in the events of runs from before it was written)."""
+
+    samples_s: float
+
+
+class SamplesEvent(Event, _SamplesTime):
     """The sample prompts answered by the base and the fine-tuned model (after ``done``)."""
 
     samples: list[dict[str, Any]]

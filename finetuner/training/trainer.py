@@ -192,23 +192,37 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
                   prediction: Any = None, batch: Any = None) -> dict[str, Any] | None:
     """The speed model's prediction for this run on this device (what ``finetuner plan`` and
     ``estimate`` say for the recipe): ``tokens_per_s`` (real tokens, as the run counts them),
-    ``step_s``, ``total_s``, ``source``, ``data_lengths`` (whether ``batch``, the data's average
-    micro-batch, was known), ``upper_bound`` (GRPO: at the longest prompts and completions, the step
+    ``step_s``, ``total_s`` (the ``max_steps`` steps alone), ``wall_s`` and ``wait`` (the whole run by part:
+    :func:`finetuner.planning.planner.run_wait`), ``source``, ``data_lengths`` (whether ``batch``, the data's
+    average micro-batch, was known), ``upper_bound`` (GRPO: at the longest prompts and completions, the step
     takes at most ``step_s``); None if it cannot say."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
+        from finetuner.planning.planner import run_wait
         from finetuner.planning.recipe_speed import recipe_step_time
 
         gpu = run_profile(rt.device)
-        st = recipe_step_time(recipe, gpu, speed_for(gpu), label_fraction=label_fraction, est=prediction, runtime=rt,
+        speed = speed_for(gpu)
+        st = recipe_step_time(recipe, gpu, speed, label_fraction=label_fraction, est=prediction, runtime=rt,
                               batch=batch if recipe.objective != "grpo" else None)
+        wait = run_wait(recipe, gpu, speed, st, max_steps, label_fraction, runtime=rt)
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
-                "total_s": round(st.step_s * max_steps, 1), "source": st.source, "upper_bound": st.upper_bound,
+                "total_s": round(st.step_s * max_steps, 1), "wall_s": round(wait.wall_s, 2) if wait else None,
+                "wait": wait.to_dict() if wait else None, "source": st.source, "upper_bound": st.upper_bound,
                 "data_lengths": st.data_lengths}
     except Exception as e:  # noqa: BLE001 - a prediction must not stop training
         log.info("No speed prediction for this run: %s", e)
         return None
+
+
+def predicted_wait(predicted_speed: dict[str, Any]) -> dict[str, float] | None:
+    """The start event's predicted wait (``predicted_speed["wait"]``) in the measured wait's keys: its parts
+    and ``total`` (the whole run); None without one."""
+    wait = predicted_speed.get("wait")
+    if not wait:
+        return None
+    return {**wait["parts_s"], "total": wait["wall_s"]}
 
 
 def memory_comparison(prediction, measured_peak: int, rt: Runtime) -> dict[str, Any]:
@@ -248,6 +262,10 @@ class Trainer:
         self.profile_memory = profile_memory
         #: this process's place in the run: one process is rank 0 of 1
         self.rank, self.world_size = 0, 1
+        #: where the run's wall clock starts (:func:`train` sets its own entry), when the first step began, and
+        #: the seconds spent in evaluations and in writing checkpoints and the adapter (:meth:`measured_wait`)
+        self.entered_at, self.first_step_at = time.perf_counter(), None
+        self.eval_seconds, self.save_seconds = 0.0, 0.0
 
     # ---------------------------------------------------------------- setup
     def base_placement(self) -> str | None:
@@ -593,7 +611,11 @@ class Trainer:
         return loss
 
     def _eval_and_log(self) -> float | None:
-        val = self.evaluate()
+        began = time.perf_counter()
+        try:
+            val = self.evaluate()
+        finally:
+            self.eval_seconds += time.perf_counter() - began
         extra = getattr(self, "eval_extra", {})
         if val is not None or extra:  # an objective without a validation loss may still report (GRPO's rewards)
             self.events.emit("eval", step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50)) if val is not None else None,
@@ -619,8 +641,12 @@ class Trainer:
 
     def save_checkpoint(self, elapsed: float) -> Path:
         self._check_finite_weights()
-        with self._disk_full_guard(ckpt_io.staging_dir(self.run_dir, self.step)):
-            path = self._write_checkpoint(elapsed)
+        began = time.perf_counter()
+        try:
+            with self._disk_full_guard(ckpt_io.staging_dir(self.run_dir, self.step)):
+                path = self._write_checkpoint(elapsed)
+        finally:
+            self.save_seconds += time.perf_counter() - began
         self.events.emit("checkpoint", step=self.step, path=str(path))
         return path
 
@@ -727,6 +753,8 @@ class Trainer:
                 stopped = True
                 break
             step_began = time.perf_counter()
+            if self.first_step_at is None:
+                self.first_step_at = step_began
             try:  # the objective's step hook runs user code (GRPO's reward functions): what it stops loses nothing
                 examples = self.step_examples(self.step)
             except RewardStopped:  # a stop arrived while a reward function ran: this step is abandoned
@@ -811,7 +839,9 @@ class Trainer:
         except RewardStopped:  # stopped during the final evaluation: every step is trained and saved
             return self._stopped()
         self._check_finite_weights()
+        began = time.perf_counter()
         adapter_dir = self.save_final()
+        self.save_seconds += time.perf_counter() - began
         metrics = {
             "steps": self.step,
             "train_loss_first": self.losses[0] if self.losses else None,
@@ -827,13 +857,27 @@ class Trainer:
             **device_memory(self.rt.device),
         }
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
+        pred = getattr(self, "predicted_speed", None) or {}
+        metrics["time"] = {"predicted": predicted_wait(pred), "measured": self.measured_wait()}
         self._write_json("metrics.json", metrics)
         ran = max(1, self.step - (self.resumed_from or 0))
-        pred = getattr(self, "predicted_speed", None) or {}
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics,
                          predicted_tokens_per_s=pred.get("tokens_per_s"), measured_tokens_per_s=metrics["tokens_per_s"],
-                         predicted_step_s=pred.get("step_s"), measured_step_s=round(self.step_seconds / ran, 5))
+                         predicted_step_s=pred.get("step_s"), measured_step_s=round(self.step_seconds / ran, 5),
+                         predicted_wait_s=metrics["time"]["predicted"], measured_wait_s=metrics["time"]["measured"])
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
+
+    def measured_wait(self, samples_s: float = 0.0) -> dict[str, float]:
+        """This process's wall time by part, as :mod:`finetuner.planning.wait` predicts it: ``load`` from
+        :attr:`entered_at` (the run's start) to the first step (the download, the libraries, the model, the
+        data), ``steps``, ``evaluations``, ``checkpoints`` (the adapter included), ``samples`` and ``total``
+        (from the start until now; the parts are inside it, the rest is the loop's own bookkeeping). A resumed
+        run measures what this process did."""
+        now = time.perf_counter()
+        first = self.first_step_at if self.first_step_at is not None else now
+        return {"load": round(first - self.entered_at, 3), "steps": round(self.step_seconds, 3),
+                "evaluations": round(self.eval_seconds, 3), "checkpoints": round(self.save_seconds, 3),
+                "samples": round(samples_s, 3), "total": round(now - self.entered_at, 3)}
 
     def save_final(self, weights: dict[str, Any] | None = None) -> Path:
         """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically;
@@ -913,6 +957,7 @@ def train(
             finetuner did not seal for this user (a run folder from elsewhere): loading them unpickles,
             which can run code (:mod:`finetuner.training.seal`).
     """
+    entered = time.perf_counter()  # the run's wall clock (Trainer.measured_wait)
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not isinstance(recipe, Recipe):
@@ -939,6 +984,7 @@ def train(
             if plan is not None:
                 atomic_write_json(run_dir / "plan.json", plan.to_dict())
             trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
+            trainer.entered_at = entered
         except BaseException:
             lock.release()
             if new_folder:
@@ -963,10 +1009,14 @@ def train(
         if recipe.samples.prompts and not result.stopped:
             from finetuner.infer.generate import compare_samples
 
+            began = time.perf_counter()
             samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, recipe.samples, trainer.rt)
+            took = time.perf_counter() - began
             result.metrics["samples"] = samples
+            if "time" in result.metrics:  # the samples' time, and the total with them
+                result.metrics["time"]["measured"] = trainer.measured_wait(took)
             atomic_write_json(run_dir / "metrics.json", result.metrics)
-            trainer.events.emit("samples", samples=samples)
+            trainer.events.emit("samples", samples=samples, samples_s=round(took, 3))
         return result
     except BaseException as e:  # a UserError, a Ctrl-C ("interrupted") or a bug: recorded, then raised
         if isinstance(e, Exception | KeyboardInterrupt):

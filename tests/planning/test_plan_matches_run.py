@@ -59,13 +59,17 @@ def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective, extra
         assert est["optimizer_steps"] == trainer.max_steps == planned["optimizer_steps"]
         run = trainer.predicted_speed
         assert run["source"] == est["source"] == planned["speed_source"]
-        for key, plan_key in (("tokens_per_s", "predicted_tokens_per_s"), ("step_s", "predicted_step_s"),
-                              ("total_s", "predicted_total_s")):
-            # both round total_s and tokens/s to 0.1; the plan's step_s to 1e-4 s
-            tol = {"tokens_per_s": 0.051, "step_s": 5.1e-5, "total_s": 0.051}[key]
-            assert est[key] == pytest.approx(run[key], abs=tol) == pytest.approx(planned[plan_key], abs=tol), key
-        assert planned["predicted_total_s"] == pytest.approx(planned["predicted_step_s"] * planned["optimizer_steps"],
+        for key, run_key, plan_key in (("tokens_per_s", "tokens_per_s", "predicted_tokens_per_s"),
+                                       ("step_s", "step_s", "predicted_step_s"), ("steps_s", "total_s", "predicted_steps_s"),
+                                       ("wall_s", "wall_s", "predicted_wall_s")):
+            # the plan rounds the times and tokens/s to 0.1 and step_s to 1e-4 s, the run wall_s to 0.01
+            tol = {"tokens_per_s": 0.051, "step_s": 5.1e-5, "steps_s": 0.051, "wall_s": 0.061}[key]
+            assert est[key] == pytest.approx(run[run_key], abs=tol) == pytest.approx(planned[plan_key], abs=tol), key
+        assert planned["predicted_steps_s"] == pytest.approx(planned["predicted_step_s"] * planned["optimizer_steps"],
                                                              abs=0.051 + 5e-5 * planned["optimizer_steps"])
+        # the whole wait, one prediction: its counts are the run's own
+        assert est["wait"]["counts"] == run["wait"]["counts"] == planned["predicted_wait"]["counts"]
+        assert est["wait"]["counts"]["held_out_rows"] == trainer.data.stats.val_examples
     finally:
         trainer.cleanup()
 

@@ -290,3 +290,18 @@ def test_follow_gives_up_after_timeout(tmp_path):
     t0 = time.monotonic()
     assert [e["event"] for e in follow(tmp_path, poll=0.01, timeout=0.2)] == ["start"]
     assert time.monotonic() - t0 < 5
+
+
+def test_the_schema_takes_the_runs_wait_by_part():
+    """The done event's predicted and measured wait (finetuner.planning.wait, Trainer.measured_wait) and the
+    samples event's time; a wait that is not an object is refused."""
+    from finetuner.runs.schema import validate_event
+
+    parts = {"load": 6.1, "steps": 24.0, "evaluations": 0.3, "checkpoints": 0.2, "samples": 0.0, "total": 31.0}
+    done = {"event": "done", "time": 1.0, "step": 150, "adapter_dir": "a", "metrics": {}, "predicted_wait_s": {**parts, "download": 0.0},
+            "measured_wait_s": parts}
+    assert validate_event(done, allow_extra=False) == []
+    assert validate_event({**done, "predicted_wait_s": None}, allow_extra=False) == []
+    assert validate_event({**done, "measured_wait_s": [1.0]}, allow_extra=False)
+    samples = {"event": "samples", "time": 1.0, "samples": [], "samples_s": 1.2}
+    assert validate_event(samples, allow_extra=False) == []

@@ -51,6 +51,29 @@ def test_lora_run_writes_a_complete_run_folder(recipe_dict):
     assert pred["data_lengths"] is True
 
 
+def test_the_run_measures_its_wait_by_part_beside_the_prediction(recipe_dict):
+    """load, steps, evaluations, checkpoints, samples and total, measured (metrics.json, done) beside the
+    plan's prediction of the same parts (the start event's ``predicted_speed.wait``); no wall time asserted."""
+    res = run(recipe_dict, ["training.max_steps=6", "training.eval_every=3", "data.val_size=8",
+                            "checkpointing.save_every=3", "samples.prompts=[Hello]", "samples.max_new_tokens=4"])
+    events = read_events(res.run_dir / "events.jsonl")
+    start, done, samples = events[0], next(e for e in events if e["event"] == "done"), events[-1]
+    pred = start["predicted_speed"]["wait"]
+    assert (pred["counts"]["evaluations"], pred["counts"]["checkpoints"], pred["counts"]["sample_answers"]) == (2, 2, 2)
+    assert pred["counts"]["held_out_rows"] == 8 and start["predicted_speed"]["wall_s"] == pytest.approx(pred["wall_s"], abs=0.01)
+    assert done["predicted_wait_s"] == {**pred["parts_s"], "total": pred["wall_s"]}
+    parts = ("load", "steps", "evaluations", "checkpoints", "samples")
+    at_done = done["measured_wait_s"]
+    assert set(at_done) == {*parts, "total"} and at_done["samples"] == 0  # the samples come after `done`
+    assert all(at_done[k] > 0 for k in ("load", "steps", "evaluations", "checkpoints"))
+    assert sum(at_done[k] for k in parts) <= at_done["total"] + 0.005  # each rounded to 1 ms
+    assert samples["event"] == "samples" and samples["samples_s"] > 0
+    measured = json.loads((res.run_dir / "metrics.json").read_text())["time"]["measured"]  # written again after the samples
+    assert measured["samples"] == pytest.approx(samples["samples_s"], abs=0.001) and measured["total"] >= at_done["total"]
+    assert sum(measured[k] for k in parts) <= measured["total"] + 0.005
+    assert measured["steps"] == pytest.approx(res.metrics["step_seconds"], abs=0.006)
+
+
 def test_adapter_loads_with_peft_and_matches(recipe_dict, tiny_model_dir):
     import torch
     from peft import PeftModel

@@ -1,0 +1,317 @@
+"""The whole wait of a run, not only its steps: what ``finetuner run`` spends from its start to its end, by part.
+
+A run (:func:`finetuner.training.trainer.train`) does, in this order:
+
+* **download** (only for a hub model not in the local Hugging Face cache): the checkpoint's bytes
+  (:func:`model_files`) at ``DOWNLOAD_BYTES_PER_S``, a stated assumption (the output says it);
+* **load**: the libraries a run imports (:attr:`DeviceSpeed.startup_s`, measured by the calibration,
+  else ``STARTUP_S``), then the base model's bytes read at the disk's rate
+  (:attr:`DeviceSpeed.disk_read_bytes_per_s`, else ``DISK_READ_BYTES_PER_S``); a GGUF base not yet in
+  finetuner's conversion cache is dequantized by transformers at ``GGUF_CONVERT_BYTES_PER_S`` of the file;
+* **steps**: ``optimizer steps x step_s`` (the step model, :mod:`finetuner.planning.speed`);
+* **evaluations**: ``(steps - 1) // eval_every + 1`` of them (every ``training.eval_every`` steps before the
+  last, and the final one), each ``ceil(held-out rows / micro_batch_size)`` micro-batches forward only
+  (:func:`finetuner.planning.speed.forward_seconds`), at the training micro-batch's average padded length;
+  none without held-out rows;
+* **checkpoints**: ``(steps - 1) // save_every + 1`` of them (every ``checkpointing.save_every`` steps
+  before the last, and the final one; ``save_every`` 0: the final one only), each the trainable weights (fp32: 4 bytes a parameter) and the optimizer's states
+  (:func:`finetuner.memory.model.optimizer_state_bytes`) written at the disk's write rate
+  (:attr:`DeviceSpeed.disk_write_bytes_per_s`, else ``DISK_WRITE_BYTES_PER_S``) plus ``CHECKPOINT_FILES``
+  files written and ``fsync``-ed (:attr:`DeviceSpeed.file_sync_s`, else ``FILE_SYNC_S``); then the
+  adapter (trainable weights, ``ADAPTER_FILES`` files);
+* **samples**: each of ``samples.prompts`` answered by the fine-tune and, for an adapter, by the base
+  (the adapter switched off): ``max_new_tokens`` decode steps each (an upper bound: an answer may stop
+  early), a decode step being a forward of one token (:func:`forward_seconds` at ``seq_len`` 1), the
+  base weights read once (``weight bytes / bandwidth``: decoding is memory-bound) and
+  ``GENERATE_OPS_PER_TOKEN`` operations of ``generate``'s own loop.
+
+Not counted: tokenizing the data (cached after the first run), writing the run folder's small files,
+the prompt's prefill before each answer, a GRPO run's held-out rollouts. The cost of a run is its wall
+time at the price of an hour (:func:`cost_text`). Pure arithmetic and a few ``stat`` calls: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetuner.errors import UserError
+from finetuner.memory.model import optimizer_state_bytes, trainable_params, trainable_tensors
+from finetuner.planning.speed import DTYPE_BYTES, EAGER_OP_FACTOR, forward_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from finetuner.memory.model import Settings
+    from finetuner.model.shapes import ModelShape
+    from finetuner.planning.lengths import BatchShape
+    from finetuner.planning.speed import DeviceSpeed, StepTime
+
+#: Download rate assumed for a hub model not in the local cache (50 MB/s, 400 Mbit/s: a cloud machine's
+#: typical rate from the Hugging Face hub's CDN; a home line is often slower). An assumption, said in the output.
+DOWNLOAD_BYTES_PER_S = 50e6
+#: Bytes per parameter of a hub checkpoint whose files are not here to measure (bf16/fp16: how models are published).
+HUB_BYTES_PER_PARAM = 2
+#: Seconds to import the libraries a run loads when the calibration did not measure it
+#: (:data:`finetuner.planning.calibrate.STARTUP_IMPORTS`): their import in a new process took 12.7-14.7 s
+#: on the 2-core development machine while other jobs kept its cores busy (2026-11-27); an idle or a faster
+#: machine takes less.
+STARTUP_S = 12.0
+#: Disk rates without a calibration: a SATA SSD's sequential read and write (~500 and ~300 MB/s; NVMe
+#: reads several GB/s, a cloud network disk 100-250 MB/s).
+DISK_READ_BYTES_PER_S = 500e6
+DISK_WRITE_BYTES_PER_S = 300e6
+#: Seconds to write and ``fsync`` a small file without a calibration (an SSD's flush: a few milliseconds).
+FILE_SYNC_S = 0.005
+#: Files a checkpoint writes and ``fsync``-s (counted in a LoRA run's ``checkpoints/step-*``: the adapter's
+#: weights, config and README, optimizer, scheduler, RNG state, trainer state, recipe) and the final
+#: adapter folder (weights, config, README, tokenizer, its config, chat template).
+CHECKPOINT_FILES = 8
+ADAPTER_FILES = 6
+#: Bytes per parameter a checkpoint keeps of each trainable weight (fp32, the memory model's ``R``).
+TRAINABLE_WEIGHT_BYTES = 4
+#: transformers' GGUF loader parses and dequantizes a file at about 1.7 MB/s on one core (~58 s for the
+#: 100 MB SmolLM2-135M file, :mod:`finetuner.model.gguf_base`); a converted base loads as a plain folder.
+GGUF_CONVERT_BYTES_PER_S = 100e6 / 58
+#: Tensor operations ``generate`` launches per new token besides the model's forward: the key/value cache's
+#: update (2 a layer, counted separately), the logits processors and the greedy choice, the stopping
+#: criteria, appending the token and the finished-sequence mask. An estimate from transformers' decoding
+#: loop, not a fit.
+GENERATE_OPS_PER_TOKEN = 30
+#: The parts of a run's wait, in the order a run spends them (the keys of :attr:`Wait.parts`).
+PARTS = ("download", "load", "steps", "evaluations", "checkpoints", "samples")
+#: Weight files of a model folder or hub snapshot, whose bytes a load reads.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The base model's bytes a run reads, and whether it downloads them first."""
+
+    bytes: int
+    download: bool
+    #: a GGUF file that transformers dequantizes (not yet in finetuner's conversion cache)
+    gguf_convert: bool = False
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A run's predicted wall time by part (seconds, :data:`PARTS`), the counts behind them and what
+    the figures assume."""
+
+    parts: dict[str, float]
+    counts: dict[str, int]
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        """The whole wait: the sum of the parts."""
+        return sum(self.parts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"wall_s": round(self.wall_s, 2), "parts_s": {k: round(v, 3) for k, v in self.parts.items()},
+                "counts": dict(self.counts), "assumptions": list(self.assumptions)}
+
+
+# ---------------------------------------------------------------------- counts
+def evaluation_count(steps: int, eval_every: int, held_out: int) -> int:
+    """Evaluations a run of ``steps`` makes: after every ``eval_every``-th step before the last, and
+    the final one (the trainer's loop); none without held-out rows."""
+    if held_out <= 0 or steps <= 0:
+        return 0
+    return ((steps - 1) // eval_every if eval_every else 0) + 1
+
+
+def checkpoint_count(steps: int, save_every: int) -> int:
+    """Checkpoints a run of ``steps`` writes: after every ``save_every``-th step before the last, and the final one."""
+    if steps <= 0:
+        return 0
+    return ((steps - 1) // save_every if save_every else 0) + 1
+
+
+def sample_answers(prompts: int, method: str) -> int:
+    """Answers the samples generate: the fine-tune's, and the base's (the adapter switched off) except
+    after full fine-tuning (no adapter to switch off)."""
+    return prompts * (1 if method == "full" else 2)
+
+
+# ---------------------------------------------------------------------- the base model's files
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloads: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _weight_bytes(folder: Path) -> int:
+    """Bytes of the weight files directly in ``folder`` (a model folder, a hub snapshot: links followed)."""
+    total = 0
+    for p in folder.iterdir() if folder.is_dir() else ():
+        if p.suffix in WEIGHT_SUFFIXES and p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def model_files(name: str, shape: ModelShape) -> ModelFiles:
+    """The bytes a run reads of base model ``name``: a GGUF file's size (dequantized by transformers unless
+    finetuner's conversion cache holds it, :func:`finetuner.model.gguf_base.converted`), a local folder's
+    weight files, a hub snapshot's weight files in the local cache; else (a hub id not downloaded) the
+    parameters at ``HUB_BYTES_PER_PARAM``, downloaded first."""
+    from finetuner.model import gguf_base
+
+    path = Path(name).expanduser()
+    if gguf_base.is_gguf_name(name) and path.is_file():
+        return ModelFiles(path.stat().st_size, False, gguf_convert=not gguf_base.converted(name), source=str(path))
+    if path.is_dir():
+        return ModelFiles(_weight_bytes(path), False, source=str(path))
+    snapshots = hub_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots"
+    if snapshots.is_dir():
+        held = max((_weight_bytes(s) for s in snapshots.iterdir()), default=0)
+        if held:
+            return ModelFiles(held, False, source=str(snapshots))
+    return ModelFiles(shape.num_params * HUB_BYTES_PER_PARAM, True, source="the hub")
+
+
+# ---------------------------------------------------------------------- the parts
+def load_seconds(files: ModelFiles, speed: DeviceSpeed) -> float:
+    """The libraries' import, then the model's bytes read (and a GGUF file's conversion)."""
+    startup = speed.startup_s or STARTUP_S
+    read = files.bytes / (speed.disk_read_bytes_per_s or DISK_READ_BYTES_PER_S)
+    return startup + read + (files.bytes / GGUF_CONVERT_BYTES_PER_S if files.gguf_convert else 0.0)
+
+
+def evaluation_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, held_out: int,
+                       batch: BatchShape | None = None) -> float:
+    """One evaluation: ``ceil(held_out / micro_batch)`` micro-batches forward only, each at the training
+    micro-batch's average padded length and labelled share (``batch``; without it every row
+    ``seq_len`` long), as :func:`finetuner.planning.speed.step_time` times a micro-batch."""
+    if held_out <= 0:
+        return 0.0
+    if batch is not None:
+        padded = max(1, min(s.seq_len, round(batch.padded_len)))
+        real = min(batch.real_per_row, padded)
+        s = s.with_(seq_len=padded, label_fraction=s.label_fraction * real / padded)
+    return math.ceil(held_out / s.micro_batch) * forward_seconds(shape, s, speed)
+
+
+def checkpoint_bytes(shape: ModelShape, s: Settings) -> int:
+    """Bytes a checkpoint holds: each trainable weight (``TRAINABLE_WEIGHT_BYTES``) and the optimizer's states."""
+    return trainable_params(shape, s) * TRAINABLE_WEIGHT_BYTES + optimizer_state_bytes(trainable_tensors(shape, s), s.optimizer)
+
+
+def checkpoint_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, checkpoints: int) -> float:
+    """``checkpoints`` checkpoints and the final adapter: their bytes at the write rate plus each file's ``fsync``."""
+    rate, sync = speed.disk_write_bytes_per_s or DISK_WRITE_BYTES_PER_S, speed.file_sync_s or FILE_SYNC_S
+    adapter = trainable_params(shape, s) * TRAINABLE_WEIGHT_BYTES
+    return (checkpoints * (checkpoint_bytes(shape, s) / rate + CHECKPOINT_FILES * sync)
+            + adapter / rate + ADAPTER_FILES * sync)
+
+
+def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
+    """One new token of an answer: the forward of one token (:func:`forward_seconds`), the base's linear
+    weights read once (``linear_weight_numel x`` their bytes ``/ bandwidth``: a 4-bit or 8-bit base also
+    dequantized once, in the forward), and ``generate``'s own ``GENERATE_OPS_PER_TOKEN`` plus 2 a layer
+    for the key/value cache, at the per-operation cost."""
+    one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective="sft", reference="none",
+                  gradient_checkpointing=False, loss_chunk=0)
+    weight = (s.quant_bits / 8 if s.method == "qlora" else DTYPE_BYTES.get(s.weight_dtype, 2)) * shape.linear_weight_numel
+    ops = (GENERATE_OPS_PER_TOKEN + 2 * shape.num_layers) * speed.op_overhead_s * EAGER_OP_FACTOR
+    return forward_seconds(shape, one, speed) + weight / speed.bandwidth_bytes_per_s + ops
+
+
+def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
+                 eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
+                 files: ModelFiles, batch: BatchShape | None = None, grpo: bool = False) -> Wait:
+    """A run's wait by part (see the module doc). ``held_out``: the held-out rows, None when unknown (the
+    data cannot be read here: no evaluation counted, and said); ``grpo``: a GRPO run (its evaluations
+    generate completions: not timed, and said)."""
+    assumptions = []
+    if files.download:
+        assumptions.append(f"the model ({files.bytes / 1e9:.2g} GB) downloaded at {DOWNLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
+    if files.gguf_convert:
+        assumptions.append(f"the GGUF file dequantized at {GGUF_CONVERT_BYTES_PER_S / 1e6:.1f} MB/s (its first load)")
+    if not speed.startup_s:
+        assumptions.append(f"{STARTUP_S:g} s to import the libraries (not calibrated here)")
+    n_val = held_out or 0
+    if grpo:
+        assumptions.append("GRPO's held-out rollouts not timed")
+    elif held_out is None:
+        assumptions.append("held-out rows unknown (the data cannot be read here): evaluations not counted")
+    evals = evaluation_count(steps, eval_every, n_val)
+    ckpts = checkpoint_count(steps, save_every)
+    answers = sample_answers(sample_prompts, s.method)
+    parts = {
+        "download": files.bytes / DOWNLOAD_BYTES_PER_S if files.download else 0.0,
+        "load": load_seconds(files, speed),
+        "steps": step.step_s * steps,
+        "evaluations": 0.0 if grpo else evals * evaluation_seconds(shape, s, speed, n_val, batch),
+        "checkpoints": checkpoint_seconds(shape, s, speed, ckpts),
+        "samples": answers * max_new_tokens * decode_token_seconds(shape, s, speed),
+    }
+    counts = {"optimizer_steps": steps, "evaluations": evals, "held_out_rows": n_val, "checkpoints": ckpts,
+              "sample_answers": answers, "sample_tokens": answers * max_new_tokens, "model_bytes": files.bytes}
+    return Wait(parts, counts, assumptions)
+
+
+def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
+                held_out: int | None, batch: BatchShape | None = None) -> Wait:
+    """:func:`predict_wait` of a resolved recipe (``s``: its settings, as the step model read them)."""
+    t = recipe.training
+    return predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
+                        save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
+                        sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
+                        files=model_files(recipe.model.name, shape), batch=batch, grpo=recipe.objective == "grpo")
+
+
+# ---------------------------------------------------------------------- what it costs, and how it is said
+#: A currency as ``--currency`` takes it: a code or a symbol, letters and currency signs, at most 8 characters.
+CURRENCY = re.compile(r"^[^\W\d_]{1,8}$|^[^\w\s]{1,3}$", re.UNICODE)
+
+
+def check_currency(currency: str | None, price_per_hour: float | None) -> str | None:
+    """``currency`` as the plan says it (stripped), None when not given; a UserError when it is not a code or
+    symbol, or when no price is given for it to be a unit of."""
+    if currency is None:
+        return None
+    c = currency.strip()
+    if not CURRENCY.match(c):
+        raise UserError(f"--currency {currency!r}: give a currency code or symbol (USD, EUR, $), up to 8 letters.")
+    if price_per_hour is None:
+        raise UserError(f"--currency {c}: give --price-per-hour too (the currency is the unit of that price).")
+    return c
+
+
+def cost_of(wall_s: float | None, price_per_hour: float | None) -> float | None:
+    """The run's cost: its whole wait at ``price_per_hour``."""
+    if wall_s is None or price_per_hour is None:
+        return None
+    return wall_s / 3600 * price_per_hour
+
+
+def cost_text(cost: float, price_per_hour: float, currency: str | None, format_cost) -> str:
+    """``~0.01 USD at 0.7 USD an hour``; without a currency ``~0.01 at 0.7 an hour`` (in the price's units)."""
+    unit = f" {currency}" if currency else ""
+    return f"~{format_cost(cost)}{unit} at {price_per_hour:g}{unit} an hour"
+
+
+def parts_text(wait: dict[str, Any], format_duration, upper_bound: bool = False) -> str:
+    """``the whole run ~2 min 10 s: the steps, load 8.1 s, 4 evaluations of 20 rows 0.4 s, 4 checkpoints 0.1 s,
+    4 sample answers 1.2 s`` of a :meth:`Wait.to_dict` (the steps' own time is said before it): the download
+    first when there is one, then what the figures assume."""
+    c, p = wait["counts"], wait["parts_s"]
+    bits = ["the steps"]
+    if p["download"]:
+        bits.append(f"download {format_duration(p['download'])}")
+    bits.append(f"load {format_duration(p['load'])}")
+    if c["evaluations"]:
+        bits.append(f"{c['evaluations']} evaluation{'s' if c['evaluations'] != 1 else ''} of {c['held_out_rows']:,} rows "
+                    f"{format_duration(p['evaluations'])}")
+    bits.append(f"{c['checkpoints']} checkpoint{'s' if c['checkpoints'] != 1 else ''} {format_duration(p['checkpoints'])}")
+    if c["sample_answers"]:
+        bits.append(f"{c['sample_answers']} sample answers {format_duration(p['samples'])}")
+    text = f"the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])}: {', '.join(bits)}"
+    return text + (f" (assumes {'; '.join(wait['assumptions'])})" if wait["assumptions"] else "")

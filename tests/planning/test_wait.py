@@ -1,0 +1,160 @@
+"""The whole wait of a run (finetuner.planning.wait): counts from the recipe, each part's arithmetic, the cost."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from finetuner.config.recipe import Recipe
+from finetuner.errors import UserError
+from finetuner.memory.model import Settings, trainable_params
+from finetuner.model.shapes import resolve_shape
+from finetuner.planning import wait
+from finetuner.planning.calibrate import load
+from finetuner.planning.planner import estimate_time, run_wait
+from finetuner.planning.speed import StepTime, forward_seconds, step_time
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "data" / "demo_model"
+SPEED = load(Path(__file__).with_name("speed_cpu.json"))
+STEP = StepTime({"matmuls": 0.1}, 1000, 1, "test")
+
+
+def demo_recipe(**sections) -> Recipe:
+    raw = {"name": "w", "model": {"name": str(DEMO)}, "method": "lora", "device": "cpu",
+           "data": {"path": str(REPO / "data" / "alpaca_sample.json"), "max_seq_len": 256, "val_size": 20},
+           "training": {"max_steps": 150, "micro_batch_size": 4, "gradient_accumulation": 1, "optimizer": "adamw_torch",
+                        "eval_every": 50, "gradient_checkpointing": False, "offload_activations": False},
+           "checkpointing": {"save_every": 50}, "samples": {"prompts": ["a", "b"], "max_new_tokens": 48}}
+    for key, values in sections.items():
+        raw[key] = {**raw.get(key, {}), **values}
+    return Recipe.from_dict(raw)
+
+
+def parts(recipe: Recipe) -> dict:
+    """The recipe's wait as ``estimate`` predicts it (its :meth:`Wait.to_dict`), the parts unrounded."""
+    from finetuner.config.hardware import get_gpu
+    from finetuner.planning.planner import data_batch_of, run_optimizer_steps
+    from finetuner.planning.recipe_speed import recipe_step_time
+
+    gpu = get_gpu("cpu")
+    w = run_wait(recipe, gpu, SPEED, recipe_step_time(recipe, gpu, SPEED, batch=data_batch_of(recipe)),
+                 run_optimizer_steps(recipe))
+    t = estimate_time(recipe, "cpu", speed=SPEED, label_fraction=1.0)
+    assert t["wait"] == w.to_dict() and t["wall_s"] == pytest.approx(sum(w.parts.values()))
+    return {**w.to_dict(), "parts_s": w.parts}
+
+
+def test_counts_follow_the_trainer_loop():
+    # every eval_every / save_every steps before the last, and the final one
+    assert wait.evaluation_count(150, 50, 20) == 3 and wait.evaluation_count(151, 50, 20) == 4
+    assert wait.evaluation_count(150, 0, 20) == 1 and wait.evaluation_count(150, 50, 0) == 0
+    assert wait.checkpoint_count(150, 50) == 3 and wait.checkpoint_count(150, 25) == 6 and wait.checkpoint_count(150, 0) == 1
+    assert wait.sample_answers(3, "lora") == 6 and wait.sample_answers(3, "full") == 3  # no adapter to switch off
+
+
+def test_the_counts_are_the_recipes():
+    w = parts(demo_recipe())
+    c = w["counts"]
+    assert (c["optimizer_steps"], c["evaluations"], c["held_out_rows"], c["checkpoints"]) == (150, 3, 20, 3)
+    assert (c["sample_answers"], c["sample_tokens"]) == (4, 4 * 48)
+    assert c["model_bytes"] == (DEMO / "model.safetensors").stat().st_size
+    assert w["parts_s"]["download"] == 0  # a local folder
+    fewer = parts(demo_recipe(training={"eval_every": None}, checkpointing={"save_every": None}, samples={"prompts": []}))
+    assert (fewer["counts"]["evaluations"], fewer["counts"]["checkpoints"], fewer["parts_s"]["samples"]) == (1, 1, 0)
+
+
+def test_each_part_scales_as_its_arithmetic_says():
+    base = parts(demo_recipe())["parts_s"]
+    # twice the held-out rows (whole micro-batches): twice each evaluation
+    assert parts(demo_recipe(data={"val_size": 40}))["parts_s"]["evaluations"] == pytest.approx(2 * base["evaluations"], rel=1e-3)
+    # twice the evaluations: twice the time
+    assert parts(demo_recipe(training={"eval_every": 25}))["parts_s"]["evaluations"] == pytest.approx(
+        2 * base["evaluations"], rel=1e-3)
+    # save_every halved: twice the checkpoints (3 -> 6; the final adapter is written once): 3 more where
+    # no save_every (the final checkpoint only) has 2 fewer
+    halved = parts(demo_recipe(checkpointing={"save_every": 25}))["parts_s"]["checkpoints"]
+    final_only = parts(demo_recipe(checkpointing={"save_every": None}))["parts_s"]["checkpoints"]
+    assert halved - base["checkpoints"] == pytest.approx(1.5 * (base["checkpoints"] - final_only), rel=1e-6)
+    # the samples: prompts x max_new_tokens
+    assert parts(demo_recipe(samples={"prompts": ["a", "b", "c", "d"]}))["parts_s"]["samples"] == pytest.approx(
+        2 * base["samples"], rel=1e-3)
+    assert parts(demo_recipe(samples={"max_new_tokens": 96}))["parts_s"]["samples"] == pytest.approx(2 * base["samples"], rel=1e-3)
+    # the steps: the step model's step times the steps
+    t = estimate_time(demo_recipe(), "cpu", speed=SPEED, label_fraction=1.0)
+    assert base["steps"] == pytest.approx(t["step_s"] * 150, abs=1e-3) == pytest.approx(t["steps_s"], abs=1e-3)
+
+
+def test_an_evaluation_is_the_step_models_forward():
+    shape = resolve_shape(str(DEMO))
+    s = Settings(micro_batch=4, seq_len=64, platform="cpu", compute_dtype="fp32", lora_dropout=0.0)
+    one = forward_seconds(shape, s, SPEED)
+    assert 0 < one < step_time(shape, s, SPEED).step_s  # no backward, no optimizer
+    assert wait.evaluation_seconds(shape, s, SPEED, 8) == pytest.approx(2 * one)  # ceil(8 / 4) micro-batches
+    assert wait.evaluation_seconds(shape, s, SPEED, 9) == pytest.approx(3 * one)
+    assert wait.evaluation_seconds(shape, s, SPEED, 0) == 0
+    # more rows per micro-batch: more forward work
+    assert forward_seconds(shape, s.with_(seq_len=128), SPEED) > one
+
+
+def test_load_and_saves_use_the_calibrations_figures_else_the_named_defaults():
+    shape = resolve_shape(str(DEMO))
+    files = wait.ModelFiles(10**9, False)
+    assert wait.load_seconds(files, SPEED) == pytest.approx(wait.STARTUP_S + 1e9 / wait.DISK_READ_BYTES_PER_S)
+    measured = replace(SPEED, startup_s=2.0, disk_read_bytes_per_s=1e9, disk_write_bytes_per_s=2e8, file_sync_s=0.01)
+    assert wait.load_seconds(files, measured) == pytest.approx(2.0 + 1.0)
+    assert wait.load_seconds(wait.ModelFiles(2 * 10**9, False), measured) == pytest.approx(2.0 + 2.0)  # bytes / rate
+    gguf = wait.ModelFiles(10**8, False, gguf_convert=True)
+    assert wait.load_seconds(gguf, measured) == pytest.approx(2.0 + 0.1 + 1e8 / wait.GGUF_CONVERT_BYTES_PER_S)
+    s = Settings(platform="cpu", compute_dtype="fp32")
+    ckpt = wait.checkpoint_bytes(shape, s)
+    assert ckpt == pytest.approx(trainable_params(shape, s) * (4 + 8))  # fp32 weights + AdamW's two fp32 states
+    per = ckpt / 2e8 + wait.CHECKPOINT_FILES * 0.01
+    assert wait.checkpoint_seconds(shape, s, measured, 3) - wait.checkpoint_seconds(shape, s, measured, 0) == pytest.approx(3 * per)
+
+
+def test_a_hub_model_not_in_the_cache_is_downloaded_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    shape = resolve_shape("llama-3.1-8b")
+    files = wait.model_files("meta-llama/Llama-3.1-8B", shape)
+    assert files.download and files.bytes == shape.num_params * wait.HUB_BYTES_PER_PARAM
+    s = Settings(platform="cpu", compute_dtype="fp32")
+    w = wait.predict_wait(shape, s, SPEED, STEP, 10, eval_every=0, save_every=0, held_out=0, sample_prompts=0,
+                          max_new_tokens=1, files=files)
+    assert w.parts["download"] == pytest.approx(files.bytes / wait.DOWNLOAD_BYTES_PER_S)
+    assert any("downloaded at 50 MB/s" in a for a in w.assumptions)
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"x" * 1000)
+    held = wait.model_files("meta-llama/Llama-3.1-8B", shape)
+    assert not held.download and held.bytes == 1000
+
+
+def test_unknown_held_out_rows_are_said():
+    shape = resolve_shape(str(DEMO))
+    w = wait.predict_wait(shape, Settings(platform="cpu"), SPEED, STEP, 10, eval_every=5, save_every=5, held_out=None,
+                          sample_prompts=0, max_new_tokens=1, files=wait.ModelFiles(0, False))
+    assert w.counts["evaluations"] == 0 and any("held-out rows unknown" in a for a in w.assumptions)
+
+
+def test_no_steps_no_wait():
+    r = demo_recipe()
+    assert run_wait(r, None, SPEED, STEP, None) is None
+
+
+def test_cost_is_the_whole_wait_in_the_given_currency():
+    t = estimate_time(demo_recipe(), "cpu", speed=SPEED, price_per_hour=0.7, currency="USD")
+    assert t["cost"] == pytest.approx(t["wall_s"] / 3600 * 0.7) and t["currency"] == "USD"
+    assert t["cost"] > t["steps_s"] / 3600 * 0.7  # the load, evaluations, checkpoints and samples cost too
+    from finetuner.planning.planner import format_cost
+
+    assert wait.cost_text(0.0123, 0.7, "USD", format_cost) == "~0.012 USD at 0.7 USD an hour"
+    assert wait.cost_text(0.0123, 0.7, None, format_cost) == "~0.012 at 0.7 an hour"  # the price's own units
+    assert wait.check_currency(" € ", 1.0) == "€"
+    for bad in ("", "12", "US D", "DOLLARSXYZ"):
+        with pytest.raises(UserError, match="--currency"):
+            wait.check_currency(bad, 1.0)
+    with pytest.raises(UserError, match="--price-per-hour too"):
+        wait.check_currency("USD", None)
