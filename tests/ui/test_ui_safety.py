@@ -237,7 +237,7 @@ def test_stop_never_signals_a_process_that_has_a_stale_jobs_pid(tmp_path):
     runs = tmp_path / "runs"
     run = demo_run_folder(runs, "old-run")
     h = Handlers(runs, tmp_path / "uploads")
-    sleeper = subprocess.Popen(["sleep", "120"])  # an unrelated process that got the ended job's pid
+    sleeper = subprocess.Popen(["sleep", "3600"])  # an unrelated process that got the ended job's pid (killed below; 120 s ran out once on a loaded machine)
     try:
         started = jobs.process_start_time(sleeper.pid)
         assert started is not None
