@@ -12,6 +12,7 @@ a two-line bootstrap that removes the working folder from ``sys.path`` before it
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -37,3 +38,13 @@ def module_command(module: str, *args: str, unbuffered: bool = False) -> list[st
 def safe_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with ``PYTHONSAFEPATH=1``, for the Python processes a child starts."""
     return {**(os.environ if env is None else env), "PYTHONSAFEPATH": "1"}
+
+
+def stop_signals_as_in_a_terminal() -> None:
+    """In a child before exec (``preexec_fn``): Ctrl-C (SIGINT) as in a terminal, Python's KeyboardInterrupt.
+
+    A process that a non-interactive shell starts in the background (``finetuner ui &`` in a script, CI's
+    runners) ignores SIGINT, and every process it starts inherits that. A job asked to stop while it is still
+    importing, before it installs its own handler, would then never hear it and train on.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

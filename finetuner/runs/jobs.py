@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.children import module_command, safe_env
+from finetuner.children import module_command, safe_env, stop_signals_as_in_a_terminal
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
@@ -306,7 +306,7 @@ def start_job(
             log.flush()
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=str(target), env=env,
+                start_new_session=True, cwd=str(target), env=env, preexec_fn=stop_signals_as_in_a_terminal,
             )
         _CHILDREN[proc.pid] = proc
         job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd,

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetuner.children import module_args, module_command, safe_env
+from finetuner.children import module_args, module_command, safe_env, stop_signals_as_in_a_terminal
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
@@ -188,7 +188,9 @@ def write_configs(recipe: Recipe, run_dir: Path, rt: Runtime) -> dict[str, Path]
 
 # --------------------------------------------------------------------------- running
 def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux); Ctrl-C as in a
+    terminal (:func:`~finetuner.children.stop_signals_as_in_a_terminal`)."""
+    stop_signals_as_in_a_terminal()
     try:
         import ctypes
 

@@ -22,6 +22,7 @@ import gradio as gr
 import pytest
 
 from tests.conftest import demo_run_folder, free_port, HANG_GUARD_S
+from finetuner.children import stop_signals_as_in_a_terminal
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.runs import jobs
 from ui.app import build_app, launch
@@ -237,7 +238,9 @@ def test_stop_never_signals_a_process_that_has_a_stale_jobs_pid(tmp_path):
     runs = tmp_path / "runs"
     run = demo_run_folder(runs, "old-run")
     h = Handlers(runs, tmp_path / "uploads")
-    sleeper = subprocess.Popen(["sleep", "3600"])  # an unrelated process that got the ended job's pid (killed below; 120 s ran out once on a loaded machine)
+    # an unrelated process that got the ended job's pid (killed below), with Ctrl-C as in a terminal even where
+    # this test runs in the background of a script (which ignores SIGINT, and its children with it)
+    sleeper = subprocess.Popen(["sleep", "3600"], preexec_fn=stop_signals_as_in_a_terminal)
     try:
         started = jobs.process_start_time(sleeper.pid)
         assert started is not None
@@ -274,6 +277,28 @@ def test_a_job_started_records_its_process_start_time(long_recipe_dict, tmp_path
         assert [j.pid for j in jobs.running_jobs(runs)] == [job.pid]
     finally:
         assert jobs.stop_job(job, runs, wait=120)
+
+
+def test_a_job_asked_to_stop_while_it_starts_stops_also_from_a_ui_that_ignores_ctrl_c(long_recipe_dict, tmp_path, monkeypatch):
+    """``finetuner ui &`` in a script: the UI ignores SIGINT and would pass that on to its jobs, so a stop sent
+    before the job installs its own handler (while it imports) was lost and the job trained on. (CI's runner
+    starts the suite like that: this test then took its whole wait and left a job behind.)"""
+    gate = tmp_path / "hold"
+    gate.touch()
+    monkeypatch.setenv("FINETUNER_FAULT", "HOLD@1")  # a job that missed the stop holds here until the gate goes
+    monkeypatch.setenv("FINETUNER_HOLD_FILE", str(gate))
+    runs = tmp_path / "runs"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        job = jobs.start_job(Recipe.from_dict(long_recipe_dict), runs_dir=runs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert jobs.stop_job(job, runs)  # at once: the job is still starting
+        assert jobs.wait_job(job, timeout=HANG_GUARD_S)  # a lost stop: the job holds at step 1 (until the gate goes)
+    finally:
+        gate.unlink(missing_ok=True)
+        jobs.stop_job(job, runs, wait=HANG_GUARD_S)
 
 
 @pytest.fixture
