@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,19 +70,26 @@ def _fail_skips_in_ci(report):
 
 
 CPU_AT_SETUP = pytest.StashKey[float]()
+OWN_CPU_AT_SETUP = pytest.StashKey[float]()
 
 
-def cpu_seconds() -> float:
+def cpu_seconds(children: bool = True) -> float:
     """CPU seconds of this process (every thread) and of its finished subprocesses (and theirs)."""
     import resource
 
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = own.ru_utime + own.ru_stime
+    if children:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds += kids.ru_utime + kids.ru_stime
+    return seconds
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[CPU_AT_SETUP] = cpu_seconds()
+    item.stash[OWN_CPU_AT_SETUP] = cpu_seconds(children=False)
+    item.user_properties += [("worker", os.environ.get("PYTEST_XDIST_WORKER", "")), ("started", round(time.time(), 1))]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -89,7 +97,9 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown" and CPU_AT_SETUP in item.stash:
         # the test's CPU seconds, set-up (its module's fixtures the first time) to tear-down, subprocesses
         # included: a --junitxml report's property ``cpu_s`` (scripts/dev/test_times.py sums them)
+        # (``own_cpu_s``: this process's threads only; ``worker`` and ``started`` say where and when it ran)
         item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[CPU_AT_SETUP], 2)))
+        item.user_properties.append(("own_cpu_s", round(cpu_seconds(children=False) - item.stash[OWN_CPU_AT_SETUP], 2)))
     return _fail_skips_in_ci((yield))
 
 
