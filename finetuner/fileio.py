@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def cache_root() -> Path:
+    """The folder of finetuner's caches: ``$FINETUNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/finetuner``, else
+    ``~/.cache/finetuner``."""
+    if os.environ.get("FINETUNER_CACHE_DIR"):
+        return Path(os.environ["FINETUNER_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "finetuner"
+
+
 def expand_user(path: str | Path) -> Path:
     """``Path(path).expanduser()``, or the path as given when ``~user`` names no user on this
     machine (pathlib raises RuntimeError there): the caller then reports a missing file."""

@@ -235,7 +235,7 @@ def _line_editing():
         import readline
     except ImportError:
         return None
-    from finetuner.data.cache import cache_root
+    from finetuner.fileio import cache_root
 
     path = cache_root() / HISTORY_FILE
     try:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from finetuner.fileio import file_digest
+from finetuner.fileio import cache_root, file_digest
 from finetuner.quiet import quieted
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,6 @@ FORMAT_VERSION = 1
 _NOT_IN_KEY = {"num_proc", "cache", "path", "val_path"}
 
 
-def cache_root() -> Path:
-    if os.environ.get("FINETUNER_CACHE_DIR"):
-        return Path(os.environ["FINETUNER_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "finetuner"
 
 
 

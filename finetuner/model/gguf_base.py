@@ -23,7 +23,7 @@ that knows about it:
 vocabulary, field by field, in Python) once for the config, once for the tokenizer and once for
 the weights, then maps and dequantizes every tensor: ~58 s for the 100 MB SmolLM2-135M file on
 one core, each time it loads. So the first load keeps what it produced, as ``save_pretrained``
-folders, under ``<cache>/gguf/<key>/`` (:func:`finetuner.data.cache.cache_root`), and later loads
+folders, under ``<cache>/gguf/<key>/`` (:func:`finetuner.fileio.cache_root`), and later loads
 read those (~2 s). The key is the file (its resolved path, size and modification time), the
 transformers version and, for the weights, the dtype they were dequantized to: the cached weights
 are the very tensors the GGUF load gave, bit for bit (``tests/model/test_gguf_base.py``). Weights
@@ -69,7 +69,7 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     (``dtype``: the weights' torch dtype; None for the tokenizer); None when the file is gone."""
     import hashlib
 
-    from finetuner.data.cache import cache_root
+    from finetuner.fileio import cache_root
 
     try:
         path = expand_user(name).resolve()
@@ -90,7 +90,7 @@ def converted(name: str) -> bool:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from finetuner.data.cache import cache_root
+    from finetuner.fileio import cache_root
 
     try:
         path = expand_user(name).resolve()

@@ -89,6 +89,11 @@ class ModelShape:
     max_position_embeddings: int = 4096
     hub_id: str | None = None
     source: str = "config"  # "preset", "local", "gguf", "hub" or "config"
+    #: the norms' parameters in one decoder layer when read from the model (:mod:`finetuner.model.inventory`):
+    #: LayerNorm biases, q/k norms over the whole width; None: ``norms_per_layer`` x hidden (+ the q/k norms)
+    layer_norm_params: int | None = None
+    #: the layout was read from the model transformers builds (a family with no layout written here)
+    derived: bool = False
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ dimensions
@@ -129,6 +134,8 @@ class ModelShape:
         layer_norms = self.norms_per_layer * self.hidden_size
         if self.qk_norm:
             layer_norms += 2 * self.head_dim
+        if self.layer_norm_params is not None:
+            layer_norms = self.layer_norm_params
         counts = {
             "embeddings": self.vocab_size * self.hidden_size,
             "attention": attention * self.num_layers,
@@ -161,6 +168,8 @@ class ModelShape:
             f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
             f"hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} heads "
             f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
+            + (" (layout read from the model transformers builds; its memory terms are those of the families "
+               "checked on a GPU)" if self.derived else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -263,16 +272,10 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
     """Build a :class:`ModelShape` from a ``config.json`` dict; unsupported layouts are a UserError."""
     where = f"{name} (config.json)"
     if "text_config" in cfg and "hidden_size" not in cfg:
-        raise UserError(
-            f"{where}: a multimodal config (it has text_config); finetuner fine-tunes text-only causal LMs.",
-            hint=f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}.",
-        )
+        return derived_shape(cfg, name, source)
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise UserError(
-            f"{where}: model_type {mt!r} is not supported by the memory model.{did_you_mean(str(mt), SUPPORTED_MODEL_TYPES)}",
-            hint=f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2/3, Gemma/Gemma-2, Phi-3).",
-        )
+        return derived_shape(cfg, name, source)
     h = _int(cfg, "hidden_size", where)
     heads = _int(cfg, "num_attention_heads", where)
     kv = cfg.get("num_key_value_heads") or heads
@@ -303,6 +306,97 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         source=source,
         config=cfg,
     )
+
+
+#: a decoder layer's linear layers in the layouts the memory model's activation terms describe
+_ATTENTION_LAYOUTS = ({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
+                      {"self_attn.qkv_proj", "self_attn.o_proj"})
+_MLP_LAYOUTS = ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}, {"mlp.gate_up_proj", "mlp.down_proj"})
+
+
+def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
+    """The :class:`ModelShape` of a family with no layout written here, read from the model transformers
+    builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
+    pre-norm attention (q, k, v, o or fused qkv) plus a gated MLP (gate, up, down or fused gate_up), with 2 or
+    4 norms per layer and optional q/k norms. Other layouts are refused in one line that says what differs."""
+    from finetuner.model.inventory import language_config, read_inventory
+
+    text_cfg, outer = language_config(cfg)
+    mt = str(text_cfg.get("model_type"))
+    where = f"{name} (config.json, model_type {mt!r}{f' inside {outer!r}' if outer else ''})"
+
+    def refuse(why: str) -> UserError:
+        return UserError(f"{where}: {why}; the memory model does not describe this layout yet.",
+                         hint=f"Layouts it describes: decoder layers of attention (q/k/v/o) and a gated MLP "
+                              f"(gate/up/down), as in {', '.join(SUPPORTED_MODEL_TYPES)}.")
+
+    if outer:  # the trainer would load the vision tower too, and its weights are not counted yet
+        raise refuse(f"an image-text-to-text checkpoint: the weights of its vision tower and projector, loaded beside "
+                     f"the {mt} language model, are not counted yet")
+    inv = read_inventory(cfg)
+
+    if inv.params["experts"] or inv.params["router"]:
+        experts = next((k.experts for k in inv.kinds if k.experts), ())
+        raise refuse(f"a mixture of experts ({inv.params['experts'] + inv.params['router']:,} expert and router "
+                     f"parameters{f', expert tensors {experts[0][1]}' if experts else ''})")
+    if not inv.uniform:
+        raise refuse(f"its {inv.num_layers} decoder layers are of {len(inv.kinds)} kinds "
+                     f"({', '.join(f'{k.count} x {k.module}' for k in inv.kinds)})")
+    kind = inv.kinds[0]
+    names = {lin.name: lin for lin in kind.linears}
+    attn = next((a for a in _ATTENTION_LAYOUTS if a <= names.keys()), None)
+    mlp = next((m for m in _MLP_LAYOUTS if m <= names.keys()), None)
+    if attn is None or mlp is None or len(names) != len(attn) + len(mlp):
+        raise refuse(f"its decoder layer's linear layers are {', '.join(sorted(names)) or 'none'}")
+    if kind.other_params or inv.params["other"]:
+        raise refuse(f"{kind.other_params or inv.params['other']:,} parameters in no linear layer or norm")
+    h = inv.hidden_size
+    layer_norms = [n for n, _ in kind.norms if not n.startswith("self_attn.")]
+    qk_norms = [n for n, _ in kind.norms if n.startswith("self_attn.")]
+    if len(layer_norms) not in (2, 4) or len(qk_norms) not in (0, 2):
+        raise refuse(f"its decoder layer has the norms {', '.join(n for n, _ in kind.norms) or 'none'}")
+    fused_qkv = "self_attn.qkv_proj" in names
+    o = names["self_attn.o_proj"]
+    q_dim = o.in_features
+    heads = int(text_cfg.get("num_attention_heads") or 0)
+    head_dim = int(text_cfg.get("head_dim") or (q_dim // heads if heads else 0))
+    if not head_dim or q_dim % head_dim:
+        raise refuse(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
+    kv_dim = (names["self_attn.qkv_proj"].out_features - q_dim) // 2 if fused_qkv else names["self_attn.k_proj"].out_features
+    first = names["self_attn.qkv_proj"] if fused_qkv else names["self_attn.q_proj"]
+    gate = names.get("mlp.gate_proj") or names["mlp.gate_up_proj"]
+    intermediate = names["mlp.down_proj"].in_features
+    softcap = text_cfg.get("final_logit_softcapping")
+    shape = ModelShape(
+        name=name,
+        model_type=mt,
+        vocab_size=inv.vocab_size,
+        hidden_size=h,
+        intermediate_size=intermediate,
+        num_layers=inv.num_layers,
+        num_heads=q_dim // head_dim,
+        num_kv_heads=kv_dim // head_dim,
+        head_dim=head_dim,
+        tie_word_embeddings=inv.tied,
+        attention_bias=o.bias,
+        qkv_bias_only=first.bias and not o.bias,
+        mlp_bias=gate.bias,
+        fused_qkv=fused_qkv,
+        fused_gate_up="mlp.gate_up_proj" in names,
+        norms_per_layer=len(layer_norms),
+        qk_norm=bool(qk_norms),
+        final_logit_softcapping=float(softcap) if softcap else None,
+        hidden_act=str(text_cfg.get("hidden_activation") or text_cfg.get("hidden_act") or "silu"),
+        max_position_embeddings=int(text_cfg.get("max_position_embeddings") or 4096),
+        hub_id=cfg.get("_name_or_path") or None,
+        source=source,
+        config=cfg,
+        layer_norm_params=sum(n for _, n in kind.norms),
+        derived=True,
+    )
+    if shape.num_params != inv.params["total"]:  # e.g. a final norm with a bias: the layout misses something
+        raise refuse(f"it has {inv.params['total']:,} parameters where this layout counts {shape.num_params:,}")
+    return shape
 
 
 @functools.cache

@@ -75,7 +75,7 @@ def cache_file(name: str) -> Path:
     import torch
 
     import finetuner
-    from finetuner.data.cache import cache_root
+    from finetuner.fileio import cache_root
 
     slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{finetuner.__version__}".lower()).strip("-")
     return cache_root() / "speed" / f"{slug}.json"
@@ -190,7 +190,7 @@ def _disk_rates() -> dict[str, float]:
     beyond its bytes). Empty when the folder cannot be written."""
     import tempfile
 
-    from finetuner.data.cache import cache_root
+    from finetuner.fileio import cache_root
 
     block = os.urandom(1 << 20)
     try:

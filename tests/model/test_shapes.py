@@ -107,8 +107,9 @@ def test_unknown_model_offline_names_the_presets():
 
 def test_unsupported_architecture_is_a_clear_error():
     with pytest.raises(UserError) as e:
-        shape_from_config({"model_type": "gpt_bigcode", "hidden_size": 64}, name="starcoder")
-    assert "gpt_bigcode" in e.value.message and "Supported" in (e.value.hint or "")
+        shape_from_config({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 4, "n_layer": 2}, name="starcoder")
+    assert "gpt_bigcode" in e.value.message and "linear layers are attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj" in e.value.message
+    assert "Layouts it describes" in (e.value.hint or "")
 
 
 def test_unknown_lora_target_suggests_one():

@@ -1,0 +1,297 @@
+"""A model read from itself: built on the meta device from its ``config.json``, its modules listed.
+
+transformers knows every architecture it builds. Instead of a layout written by hand per family, this module
+builds the causal LM (or the language model of an image-text-to-text checkpoint) on the ``meta`` device, where
+no weight takes memory, and lists what the memory model needs: the embeddings, the decoder layers and the
+linear layers in each (what LoRA can target), fused expert weights (3-D parameters), routers, norms, the
+output layer and whether it is tied to the embeddings. Layers that differ from the others (the dense first
+layers of a mixture of experts, the state-space layers of a hybrid) are listed as kinds of their own.
+
+Building needs torch and transformers (some 10 s of imports); ``finetuner plan`` on a preset never comes
+here. The result depends only on the config and the installed transformers, so it is cached as JSON under
+``<cache>/models/`` (:func:`finetuner.fileio.cache_root`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from finetuner.errors import UserError, first_line
+from finetuner.fileio import atomic_write_json, cache_root
+
+#: bump when what :func:`read_inventory` stores changes
+FORMAT_VERSION = 3
+#: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
+_NORM_MARKS = ("norm",)
+#: where an attention block lives inside a decoder layer, by the names transformers gives it
+_ATTENTION_MARKS = ("self_attn", "attention", "attn")
+#: where a feed-forward block lives inside a decoder layer
+_MLP_MARKS = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe")
+
+
+@dataclass(frozen=True)
+class LayerLinear:
+    """A linear layer inside a decoder layer: its path in the layer, its widths and whether it has a bias."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Decoder layers that hold the same modules (``count`` of them, at ``indices``)."""
+
+    linears: tuple[LayerLinear, ...]
+    #: 3-D (or larger) parameters: fused expert weights, as ``(path in the layer, shape)``
+    experts: tuple[tuple[str, tuple[int, ...]], ...]
+    #: normalisation layers as ``(path in the layer, parameters)``
+    norms: tuple[tuple[str, int], ...]
+    #: parameters in no linear layer, expert tensor or norm (a router's bias, a state-space layer's A and D ...)
+    other_params: int
+    indices: tuple[int, ...]
+    module: str  # the layer's class name
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+    @property
+    def params(self) -> int:
+        linear = sum(lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0) for lin in self.linears)
+        expert = sum(_numel(shape) for _, shape in self.experts)
+        return linear + expert + sum(n for _, n in self.norms) + self.other_params
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What a causal LM holds, read from the model transformers builds for its config."""
+
+    model_type: str
+    architecture: str  # the class transformers builds (``LlamaForCausalLM``)
+    num_layers: int
+    hidden_size: int  # the embeddings' width
+    vocab_size: int
+    kinds: tuple[LayerKind, ...]
+    #: parameters by kind: embeddings, attention, mlp, experts, router, norms, lm_head, other; and total
+    params: dict[str, int] = field(default_factory=dict)
+    tied: bool = False
+    #: the config of the language model that was built (an image-text-to-text config's ``text_config``)
+    text_only_of: str | None = None
+
+    @property
+    def uniform(self) -> bool:
+        """Every decoder layer holds the same modules."""
+        return len(self.kinds) == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Inventory:
+        kinds = tuple(
+            LayerKind(
+                linears=tuple(LayerLinear(**lin) for lin in k["linears"]),
+                experts=tuple((n, tuple(s)) for n, s in k["experts"]),
+                norms=tuple((n, c) for n, c in k["norms"]),
+                other_params=k["other_params"],
+                indices=tuple(k["indices"]),
+                module=k["module"],
+            )
+            for k in d["kinds"]
+        )
+        return cls(**{**d, "kinds": kinds})
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The config of the model to fine-tune on text: ``cfg`` itself, or the ``text_config`` of an
+    image-text-to-text checkpoint (with the outer ``model_type`` it came from)."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in cfg:
+        inner = dict(text)
+        if "model_type" not in inner:
+            raise UserError(f"config.json of model_type {cfg.get('model_type')!r}: its text_config names no model_type.")
+        if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in inner:
+            inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        return inner, str(cfg.get("model_type"))
+    return cfg, None
+
+
+def build_on_meta(cfg: dict[str, Any]):
+    """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetuner.quiet import quieted
+
+    settings = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    mt = settings.pop("model_type", None)
+    if not mt:
+        raise UserError("config.json names no model_type: transformers cannot tell which model to build.")
+    try:
+        config = AutoConfig.for_model(mt, **settings)
+    except (KeyError, ValueError) as e:
+        raise UserError(f"model_type {mt!r}: this transformers does not know it ({first_line(str(e))}).",
+                        hint="Upgrade transformers, or give a model whose config.json names a model_type it knows.") from None
+    try:
+        with quieted(), torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:  # no causal LM for this config class
+        raise UserError(f"model_type {mt!r}: transformers builds no causal LM for it ({first_line(str(e))}).") from None
+    except Exception as e:  # noqa: BLE001 - a config transformers itself cannot build (a missing field, a package)
+        raise UserError(f"model_type {mt!r}: transformers cannot build this config "
+                        f"({type(e).__name__}: {first_line(str(e))}).") from None
+
+
+def _decoder_layers(model, num_layers: int | None):
+    """The ``ModuleList`` of decoder layers: the longest one (its length ``num_hidden_layers`` when the config
+    says it), and its path."""
+    import torch
+
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
+            if best is None or len(mod) > len(best[1]) or (num_layers and len(mod) == num_layers and len(best[1]) != num_layers):
+                best = (name, mod)
+    if best is None:
+        raise UserError(f"{type(model).__name__}: no list of decoder layers found.")
+    return best
+
+
+def _is_norm(module) -> bool:
+    return any(m in type(module).__name__.lower() for m in _NORM_MARKS)
+
+
+def _layer_kind_key(layer) -> tuple:
+    import torch
+
+    linears, experts, norms, other = [], [], [], 0
+    seen: set[int] = set()
+    for mname, mod in layer.named_modules():
+        if isinstance(mod, torch.nn.modules.conv._ConvNd):  # a state-space layer's short convolution: not experts
+            other += sum(p.numel() for p in mod.parameters(recurse=False))
+            seen.update(id(p) for p in mod.parameters(recurse=False))
+        elif isinstance(mod, torch.nn.Linear):
+            linears.append(LayerLinear(mname, mod.in_features, mod.out_features, mod.bias is not None))
+            seen.update(id(p) for p in mod.parameters(recurse=False))
+        elif _is_norm(mod):
+            own = [p for p in mod.parameters(recurse=False)]
+            norms.append((mname, sum(p.numel() for p in own)))
+            seen.update(id(p) for p in own)
+    for pname, p in layer.named_parameters():
+        if id(p) in seen:
+            continue
+        if _is_expert_tensor(pname, p):
+            experts.append((pname, tuple(p.shape)))
+        else:
+            other += p.numel()
+    return tuple(linears), tuple(experts), tuple(n for n in norms if n[1]), other, type(layer).__name__
+
+
+def _is_expert_tensor(path: str, p) -> bool:
+    """Fused expert weights: a parameter of 3 or more dimensions inside an ``experts`` module (RWKV's and
+    XLNet's 3-D parameters are not experts)."""
+    return p.dim() >= 3 and "experts" in path.split(".")[:-1]
+
+
+def _kind_of(path: str) -> str:
+    """The memory model's kind of a parameter at ``path`` inside a decoder layer: a mixture of experts' router
+    is the module named ``router`` or ``gate`` (dense MLPs name theirs ``gate_proj``)."""
+    parts = path.split(".")[:-1]
+    if any(p in ("router", "gate") for p in parts):
+        return "router"
+    if any(p in ("experts", "shared_expert", "shared_experts") for p in parts):
+        return "experts"
+    if any(p.startswith(m) for p in parts for m in _ATTENTION_MARKS):
+        return "attention"
+    if any(p in _MLP_MARKS for p in parts):
+        return "mlp"
+    return "other"
+
+
+def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
+    """Parameters by kind (tied weights once) and whether the output layer is tied to the embeddings."""
+    import torch
+
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    tied = out is not None and emb is not None and out.weight is emb.weight
+    norm_params = {id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
+    conv_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)
+                   for p in m.parameters(recurse=False)}
+    counts = dict.fromkeys(("embeddings", "attention", "mlp", "experts", "router", "norms", "lm_head", "other"), 0)
+    prefix = layers_path + "."
+    for name, p in model.named_parameters():  # each shared parameter once
+        if emb is not None and p is emb.weight:
+            kind = "embeddings"
+        elif out is not None and p is out.weight:
+            kind = "lm_head"
+        elif id(p) in norm_params:
+            kind = "norms"
+        elif name.startswith(prefix):
+            inner = name[len(prefix):].split(".", 1)[-1]
+            kind = "other" if id(p) in conv_params else "experts" if _is_expert_tensor(inner, p) else _kind_of(inner)
+        else:
+            kind = "other"
+        counts[kind] += p.numel()
+    counts["total"] = sum(counts.values())
+    return counts, tied
+
+
+def inventory_of(cfg: dict[str, Any]) -> Inventory:
+    """Build ``cfg``'s language model on meta and list it (no cache: :func:`read_inventory` caches)."""
+    text_cfg, outer = language_config(cfg)
+    model = build_on_meta(text_cfg)
+    layers_path, layers = _decoder_layers(model, text_cfg.get("num_hidden_layers"))
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(_layer_kind_key(layer), []).append(i)
+    kinds = tuple(LayerKind(linears=k[0], experts=k[1], norms=k[2], other_params=k[3], indices=tuple(ix), module=k[4])
+                  for k, ix in groups.items())
+    params, tied = _count(model, layers_path)
+    emb = model.get_input_embeddings()
+    return Inventory(
+        model_type=str(text_cfg.get("model_type")),
+        architecture=type(model).__name__,
+        num_layers=len(layers),
+        hidden_size=int(emb.embedding_dim) if emb is not None else int(text_cfg.get("hidden_size") or 0),
+        vocab_size=int(emb.num_embeddings) if emb is not None else int(text_cfg.get("vocab_size") or 0),
+        kinds=kinds,
+        params=params,
+        tied=tied,
+        text_only_of=outer,
+    )
+
+
+def _key(cfg: dict[str, Any]) -> str:
+    import transformers
+
+    blob = json.dumps({"cfg": {k: v for k, v in cfg.items() if k not in ("_name_or_path", "_aliases")},
+                       "transformers": transformers.__version__, "format": FORMAT_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def read_inventory(cfg: dict[str, Any]) -> Inventory:
+    """:func:`inventory_of`, cached under ``<cache>/models/`` by the config and the transformers version."""
+    path = cache_root() / "models" / f"inventory-{_key(cfg)}.json"
+    try:
+        return Inventory.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    inv = inventory_of(cfg)
+    try:
+        atomic_write_json(path, inv.to_dict())
+    except OSError:  # a read-only cache folder: the next plan builds it again
+        pass
+    return inv
