@@ -485,13 +485,19 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
     # ---- MLP block
     norm("MLP norm", d.base == "trainable")
     mlp_start = len(terms)
-    mlp_mods = [("gate_up_proj", h)] if shape.fused_gate_up else [("gate_proj", h), ("up_proj", h)]
-    consumers("MLP input", d.R, mlp_mods)
     m1 = out_dtype(d.R)
-    terms.append(("MLP: gate (activation input)", m1 * i))
-    terms.append(("MLP: activation output", m1 * i))
-    terms.append(("MLP: up", m1 * i))
-    consumers("MLP: act(gate) * up", m1, [("down_proj", i)])
+    if shape.gated_mlp:
+        mlp_mods = [("gate_up_proj", h)] if shape.fused_gate_up else [("gate_proj", h), ("up_proj", h)]
+        consumers("MLP input", d.R, mlp_mods)
+        terms.append(("MLP: gate (activation input)", m1 * i))
+        terms.append(("MLP: activation output", m1 * i))
+        terms.append(("MLP: up", m1 * i))
+        consumers("MLP: act(gate) * up", m1, [("down_proj", i)])
+    else:  # up_proj, the activation, down_proj: the activation's input and output
+        consumers("MLP input", d.R, [("up_proj", h)])
+        terms.append(("MLP: up (activation input)", m1 * i))
+        consumers("MLP: act(up)", m1, [("down_proj", i)])
+        terms.append(("MLP: activation output", m1 * i))
     frac = s.mlp_tile_fraction
     if frac < 1:
         # tiled: the chunks' checkpoints keep the MLP input (the norm's output, a residual-dtype
@@ -528,7 +534,8 @@ def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
     d = _dtypes(s)
     h, i = shape.hidden_size, shape.intermediate_size
     m1 = 4 if d.base in ("nf4", "int8") and d.R == 4 else d.c
-    return (3 * m1 * i + 4 * i) * s.mlp_tile_fraction + 4 * 4 * h + _tiled_whole_per_token(shape, s)
+    gradients = 3 if shape.gated_mlp else 2  # gate, up and the activation's; without a gate, up and the activation's
+    return (gradients * m1 * i + 4 * i) * s.mlp_tile_fraction + 4 * 4 * h + _tiled_whole_per_token(shape, s)
 
 
 def _tiled_whole_per_token(shape: ModelShape, s: Settings) -> float:

@@ -82,6 +82,7 @@ class ModelShape:
     mlp_bias: bool = False
     fused_qkv: bool = False  # phi3: one qkv_proj
     fused_gate_up: bool = False  # phi3: one gate_up_proj
+    gated_mlp: bool = True  # False: up_proj, the activation, down_proj (no gate: Arcee, Apertus, Nemotron)
     norms_per_layer: int = 2  # gemma2: 4 (pre/post attention and feed-forward)
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k
     final_logit_softcapping: float | None = None  # gemma2: tanh soft-capping of the logits
@@ -118,7 +119,9 @@ class ModelShape:
                 Linear("self_attn.v_proj", h, kv, qkv_b),
             ]
         attn.append(Linear("self_attn.o_proj", q, h, self.attention_bias))
-        if self.fused_gate_up:
+        if not self.gated_mlp:
+            mlp = [Linear("mlp.up_proj", h, i, self.mlp_bias)]
+        elif self.fused_gate_up:
             mlp = [Linear("mlp.gate_up_proj", h, 2 * i, self.mlp_bias)]
         else:
             mlp = [Linear("mlp.gate_proj", h, i, self.mlp_bias), Linear("mlp.up_proj", h, i, self.mlp_bias)]
@@ -311,14 +314,15 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
 #: a decoder layer's linear layers in the layouts the memory model's activation terms describe
 _ATTENTION_LAYOUTS = ({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
                       {"self_attn.qkv_proj", "self_attn.o_proj"})
-_MLP_LAYOUTS = ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}, {"mlp.gate_up_proj", "mlp.down_proj"})
+_MLP_LAYOUTS = ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}, {"mlp.gate_up_proj", "mlp.down_proj"},
+               {"mlp.up_proj", "mlp.down_proj"})
 
 
 def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
     """The :class:`ModelShape` of a family with no layout written here, read from the model transformers
     builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
-    pre-norm attention (q, k, v, o or fused qkv) plus a gated MLP (gate, up, down or fused gate_up), with 2 or
-    4 norms per layer and optional q/k norms. Other layouts are refused in one line that says what differs."""
+    pre-norm attention (q, k, v, o or fused qkv) plus an MLP (gate, up, down; fused gate_up; or up, down with no
+    gate), with 2 or 4 norms per layer and optional q/k norms. Other layouts are refused in one line that says what differs."""
     from finetuner.model.inventory import language_config, read_inventory
 
     text_cfg, outer = language_config(cfg)
@@ -327,8 +331,8 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
 
     def refuse(why: str) -> UserError:
         return UserError(f"{where}: {why}; the memory model does not describe this layout yet.",
-                         hint=f"Layouts it describes: decoder layers of attention (q/k/v/o) and a gated MLP "
-                              f"(gate/up/down), as in {', '.join(SUPPORTED_MODEL_TYPES)}.")
+                         hint=f"Layouts it describes: decoder layers of attention (q/k/v/o) and an MLP "
+                              f"(gate/up/down or up/down), as in {', '.join(SUPPORTED_MODEL_TYPES)}.")
 
     if outer:  # the trainer would load the vision tower too, and its weights are not counted yet
         raise refuse(f"an image-text-to-text checkpoint: the weights of its vision tower and projector, loaded beside "
@@ -346,8 +350,10 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
     names = {lin.name: lin for lin in kind.linears}
     attn = next((a for a in _ATTENTION_LAYOUTS if a <= names.keys()), None)
     mlp = next((m for m in _MLP_LAYOUTS if m <= names.keys()), None)
+    if not names:
+        raise refuse("its decoder layer holds no torch Linear layers (GPT-2's Conv1D or its own projections)")
     if attn is None or mlp is None or len(names) != len(attn) + len(mlp):
-        raise refuse(f"its decoder layer's linear layers are {', '.join(sorted(names)) or 'none'}")
+        raise refuse(f"its decoder layer's linear layers are {', '.join(sorted(names))}")
     if kind.other_params or inv.params["other"]:
         raise refuse(f"{kind.other_params or inv.params['other']:,} parameters in no linear layer or norm")
     h = inv.hidden_size
@@ -364,7 +370,7 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         raise refuse(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
     kv_dim = (names["self_attn.qkv_proj"].out_features - q_dim) // 2 if fused_qkv else names["self_attn.k_proj"].out_features
     first = names["self_attn.qkv_proj"] if fused_qkv else names["self_attn.q_proj"]
-    gate = names.get("mlp.gate_proj") or names["mlp.gate_up_proj"]
+    gate = names.get("mlp.gate_proj") or names.get("mlp.gate_up_proj") or names["mlp.up_proj"]
     intermediate = names["mlp.down_proj"].in_features
     softcap = text_cfg.get("final_logit_softcapping")
     shape = ModelShape(
@@ -383,6 +389,7 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         mlp_bias=gate.bias,
         fused_qkv=fused_qkv,
         fused_gate_up="mlp.gate_up_proj" in names,
+        gated_mlp=len(mlp) == 3 or "mlp.gate_up_proj" in names,
         norms_per_layer=len(layer_norms),
         qk_norm=bool(qk_norms),
         final_logit_softcapping=float(softcap) if softcap else None,

@@ -62,8 +62,9 @@ def resolve_tiled_mlp(setting: bool | str, gradient_checkpointing: bool | str, m
 
 
 def _is_mlp(module) -> bool:
-    """A dense gated MLP as transformers writes it (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...)."""
-    return hasattr(module, "down_proj") and (hasattr(module, "gate_proj") or hasattr(module, "gate_up_proj"))
+    """A dense MLP as transformers writes it: gated (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...) or up, activation,
+    down (Arcee, Apertus, Nemotron), each token on its own."""
+    return hasattr(module, "down_proj") and any(hasattr(module, n) for n in ("gate_proj", "gate_up_proj", "up_proj"))
 
 
 def _tiled_forward(self, x, *args, **kwargs):

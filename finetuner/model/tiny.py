@@ -23,20 +23,27 @@ TINY_SIZES: dict[str, int] = {
 }
 
 
-def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> dict[str, Any]:
+#: what :func:`tiny_config` shrinks with ``widths=False``: the depth and the experts, every width kept (for a
+#: family whose widths depend on each other in ways one table cannot know)
+DEPTH_ONLY = ("num_hidden_layers", "num_layers", "n_layer", "num_local_experts", "num_experts", "n_routed_experts",
+              "moe_num_experts", "num_experts_per_tok", "moe_topk", "first_k_dense_replace", "n_group", "topk_group",
+              "max_position_embeddings")
+
+
+def tiny_config(model_type: str, vocab_size: int, widths: bool = True, **overrides: Any) -> dict[str, Any]:
     """``model_type``'s default config (transformers' ``CONFIG_MAPPING``) as a ``config.json`` dict with tiny
-    sizes (:data:`TINY_SIZES`, only the keys the config has), ``vocab_size`` and ``overrides``. An
-    image-text-to-text config's ``text_config`` is shrunk the same way."""
+    sizes (:data:`TINY_SIZES`, only the keys the config has; with ``widths=False`` only :data:`DEPTH_ONLY`),
+    ``vocab_size`` and ``overrides``. An image-text-to-text config's ``text_config`` is shrunk the same way."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type]().to_dict()
-    return _shrink(cfg, vocab_size, overrides)
+    return _shrink(cfg, vocab_size, overrides, widths)
 
 
-def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], widths: bool = True) -> dict[str, Any]:
     out = dict(cfg)
     for key, value in TINY_SIZES.items():
-        if isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
+        if (widths or key in DEPTH_ONLY) and isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
             out[key] = value
     if "vocab_size" in out:
         out["vocab_size"] = vocab_size
@@ -45,6 +52,6 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any]) -> 
         if isinstance(value, list) and layers and len(value) > layers and key in ("layer_types", "mlp_layer_types"):
             out[key] = value[:layers]
     if isinstance(out.get("text_config"), dict):
-        out["text_config"] = _shrink(out["text_config"], vocab_size, {})
+        out["text_config"] = _shrink(out["text_config"], vocab_size, {}, widths)
     out.update(overrides)
     return out

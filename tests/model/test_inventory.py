@@ -17,7 +17,7 @@ from tests.conftest import cli_in_process
 #: what a derived shape adds to a hand-written one (where it came from, not what it is)
 PROVENANCE = {"derived", "layer_norm_params", "source", "config", "name"}
 #: families with no layout written by hand whose layers the memory model describes (a sample of the census)
-NEW_FAMILIES = ["granite", "olmo2", "smollm3", "glm4", "gemma3_text"]
+NEW_FAMILIES = ["granite", "olmo2", "smollm3", "glm4", "gemma3_text", "arcee"]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,17 @@ def test_the_inventory_is_built_once_per_config(tok, monkeypatch):
     monkeypatch.setattr(inventory, "inventory_of", lambda cfg: pytest.fail("built again"))
     assert inventory.read_inventory(cfg) == first
     assert inventory._key(cfg) != inventory._key({**cfg, "num_hidden_layers": 3})
+
+
+def test_an_mlp_without_a_gate_has_two_linears_and_its_own_activation_terms(tok):
+    from finetuner.memory.model import Settings, layer_activation_terms, layer_transient_per_token
+
+    plain, gated = derived_shape(_tiny("arcee", tok), name="arcee"), derived_shape(_tiny("llama", tok))
+    assert (plain.hidden_size, plain.intermediate_size) == (gated.hidden_size, gated.intermediate_size)
+    assert not plain.gated_mlp and [lin.name for lin in plain.layer_linears()][-2:] == ["mlp.up_proj", "mlp.down_proj"]
+    s = Settings()
+    terms, gated_terms = dict(layer_activation_terms(plain, s)), dict(layer_activation_terms(gated, s))
+    assert terms["MLP: up (activation input)"] == terms["MLP: activation output"] == gated_terms["MLP: up"]
+    assert not any("gate" in t for t in terms) and "MLP: gate (activation input)" in gated_terms
+    # one fewer intermediate-width gradient alive in the MLP's backward: the gate's
+    assert layer_transient_per_token(gated, s) - layer_transient_per_token(plain, s) == gated_terms["MLP: up"]

@@ -1,0 +1,187 @@
+"""The model census: every causal-LM type of the installed transformers, tried as finetuner's users would.
+
+For each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``):
+
+1. **Builds tiny and trains in transformers itself**: a tiny config (:func:`finetuner.model.tiny.tiny_config`),
+   random weights, one forward and backward with labels on the CPU. A type that fails here (transformers
+   cannot build its own defaults, a missing package, an encoder that needs ``is_decoder``) is outside the
+   census's denominator, with the reason.
+2. **finetuner**: the memory model's layout (:func:`finetuner.model.shapes.shape_from_config`, read from the
+   model itself for families with no hand-written layout), ``plan`` on an RTX 4090, 2 LoRA steps with the
+   trainer, merge, and one chat answer. The first step that fails is the type's reason.
+
+Writes ``docs/models.md`` (the table) and ``docs/validation/model_census.json`` (every row)::
+
+    .venv/bin/python -m scripts.dev.model_census            # all types (a few minutes on 2 cores)
+    .venv/bin/python -m scripts.dev.model_census llama gemma3_text   # some, printed, nothing written
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "models.md"
+JSON = REPO / "docs" / "validation" / "model_census.json"
+#: the prompt of the chat step
+PROMPT = "What should I bring on a hike?"
+
+
+def _rows(n: int = 8) -> list[dict[str, str]]:
+    return [{"instruction": f"What should I bring on hike {i}?", "input": "",
+             "output": "Bring water, a map and warm boots."} for i in range(n)]
+
+
+def _transformers_trains(model_type: str, cfg: dict, tok) -> tuple[object | None, str | None]:
+    """The tiny model with random weights when transformers builds it and one forward/backward runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+        if getattr(config, "is_encoder_decoder", False):
+            return None, "an encoder-decoder model, not decoder-only"
+        if "type_vocab_size" in cfg:  # token-type embeddings: BERT and its kin
+            return None, "an encoder (BERT family) with a causal-LM head, not a decoder-only LM"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        ids = torch.tensor([tok("bring water and a map on the trail")["input_ids"][:8]])
+        out = model(input_ids=ids, labels=ids)
+        if out.loss is None or not math.isfinite(float(out.loss)):
+            return None, "transformers' own forward gives no finite loss"
+        out.loss.backward()
+        return model, None
+    except Exception as e:  # noqa: BLE001 - the census records every way a type fails
+        return None, f"transformers cannot build or train it tiny: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def census_row(model_type: str, tok, work: Path) -> dict:
+    """One type's row: ``status`` is ``supported``, ``refused`` (finetuner says why) or ``outside`` (not in the
+    denominator: transformers itself cannot build and train it tiny, or it is not decoder-only)."""
+    import finetuner
+    from finetuner.config.recipe import Recipe
+    from finetuner.errors import UserError
+    from finetuner.model.shapes import shape_from_config
+    from finetuner.model.tiny import tiny_config
+
+    began = time.monotonic()
+    row: dict = {"model_type": model_type}
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    model = why = None
+    for widths in (True, False):  # tiny widths; else the family's own widths at 2 layers (they may depend on each other)
+        try:
+            cfg = tiny_config(model_type, len(tok), widths=widths, **ids)
+        except Exception as e:  # noqa: BLE001
+            return {**row, "status": "outside", "reason": f"transformers cannot build its default config: {type(e).__name__}"}
+        model, why = _transformers_trains(model_type, cfg, tok)
+        if model is not None or why.startswith("an "):
+            break
+    if model is None:
+        return {**row, "status": "outside", "reason": why}
+    row["tiny"] = "widths" if widths else "depth"
+    step = "layout"
+    try:
+        shape = shape_from_config(cfg, name=model_type)
+        row["layout"] = "written" if not shape.derived else "read from the model"
+        folder = work / model_type
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        step = "plan"
+        finetuner.plan(str(folder), "rtx4090", seq_len=512)
+        step = "train"
+        data = work / "rows.json"
+        data.write_text(json.dumps(_rows()), encoding="utf-8")
+        recipe = {"name": model_type, "model": {"name": str(folder)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+                  "data": {"path": str(data), "max_seq_len": 32, "val_size": 0},
+                  "training": {"max_steps": 2, "lr": 1e-3, "micro_batch_size": 2, "gradient_accumulation": 1,
+                               "warmup_steps": 0},
+                  "logging": {"tensorboard": False}, "output_dir": str(work / f"run-{model_type}")}
+        result = finetuner.train(Recipe.from_dict(recipe))
+        if len(result.losses) != 2 or not all(math.isfinite(x) for x in result.losses):
+            raise RuntimeError(f"losses {result.losses}")
+        step = "merge"
+        finetuner.merge_adapter(result.run_dir, work / f"merged-{model_type}")
+        step = "chat"
+        chat = finetuner.load_chat_model(result.run_dir, device="cpu")
+        chat.reply([{"role": "user", "content": PROMPT}], max_new_tokens=4)
+        row.update(status="supported", params=shape.num_params)
+    except UserError as e:
+        row.update(status="refused", step=step, reason=e.message)
+    except Exception as e:  # noqa: BLE001 - a crash is recorded as one, with its place
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        row.update(status="refused", step=step,
+                   reason=f"crash: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} "
+                          f"({Path(tb.filename).name}:{tb.lineno})")
+    row["seconds"] = round(time.monotonic() - began, 1)
+    return row
+
+
+def _tokenizer():
+    from finetuner.model.tiny_llama import train_bpe_tokenizer
+
+    words = "the a hike bird sea rain sun pack water map boots trail bring what should i for day".split()
+    texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
+    return train_bpe_tokenizer(texts, vocab_size=400)
+
+
+def write_table(rows: list[dict]) -> str:
+    import transformers
+
+    inside = [r for r in rows if r["status"] != "outside"]
+    supported = [r for r in inside if r["status"] == "supported"]
+    share = 100 * len(supported) / max(1, len(inside))
+    lines = [
+        "# Models finetuner fine-tunes",
+        "",
+        f"Generated by `scripts/dev/model_census.py` with transformers {transformers.__version__}: every model type it "
+        f"maps to a causal LM ({len(rows)}), built tiny from its own default config with random weights.",
+        "",
+        f"**{len(supported)} of the {len(inside)} decoder-only types that transformers itself builds tiny and trains "
+        f"({share:.0f} %) plan, train 2 LoRA steps, merge and chat.** The other {len(rows) - len(inside)} types are "
+        "outside that count (transformers cannot build or train them tiny, or they are not decoder-only), with the "
+        "reason. \"written\": the memory model's layout of the family is written by hand and validated on GPU runs "
+        "(docs/validation); \"read from the model\": the layout is read from the model transformers builds "
+        "(finetuner/model/inventory.py) and its memory terms are those of the families checked on a GPU.",
+        "",
+        "| model type | status | layout | reason |",
+        "|---|---|---|---|",
+    ]
+    order = {"supported": 0, "refused": 1, "outside": 2}
+    for r in sorted(rows, key=lambda r: (order[r["status"]], r["model_type"])):
+        reason = (f"{r.get('step', '')}: " if r["status"] == "refused" else "") + r.get("reason", "")
+        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('layout', '')} | {reason.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    types = argv or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    tok = _tokenizer()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="finetuner-census-") as tmp:
+        for mt in types:
+            row = census_row(mt, tok, Path(tmp))
+            rows.append(row)
+            print(f"{row['status']:9} {mt:28} {row.get('layout', ''):20} {row.get('step', '')} {row.get('reason', '')[:150]}",
+                  flush=True)
+    if not argv:
+        DOC.write_text(write_table(rows), encoding="utf-8")
+        JSON.write_text(json.dumps({"transformers": transformers.__version__, "rows": rows}, indent=1) + "\n",
+                        encoding="utf-8")
+        print(f"wrote {DOC.relative_to(REPO)} and {JSON.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

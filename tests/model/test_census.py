@@ -1,0 +1,50 @@
+"""docs/models.md is the model census's output (scripts/dev/model_census.py) for the installed transformers:
+every causal-LM type listed, its numbers those of its rows, and a sample of rows comes out the same again."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from scripts.dev import model_census
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    return json.loads(model_census.JSON.read_text(encoding="utf-8"))
+
+
+def test_the_table_lists_every_causal_lm_type_of_the_installed_transformers(recorded):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert recorded["transformers"] == transformers.__version__, "transformers changed: run scripts/dev/model_census.py"
+    assert sorted(r["model_type"] for r in recorded["rows"]) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert model_census.DOC.read_text(encoding="utf-8") == model_census.write_table(recorded["rows"])
+
+
+def test_the_headline_counts_the_rows(recorded):
+    rows = recorded["rows"]
+    inside = [r for r in rows if r["status"] != "outside"]
+    supported = [r for r in inside if r["status"] == "supported"]
+    head = re.search(r"\*\*(\d+) of the (\d+) decoder-only types", model_census.DOC.read_text(encoding="utf-8"))
+    assert head and (int(head[1]), int(head[2])) == (len(supported), len(inside))
+    assert all(r.get("reason") for r in rows if r["status"] != "supported")  # every other row says why
+    assert {r["model_type"] for r in supported} >= {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "olmo2", "qwen3_moe", "bart"])
+def test_a_row_comes_out_again_as_recorded(model_type, recorded, tmp_path):
+    """A supported family with a written layout, one read from the model, a refused one, one outside."""
+    row = model_census.census_row(model_type, model_census._tokenizer(), tmp_path)
+    was = next(r for r in recorded["rows"] if r["model_type"] == model_type)
+    assert (row["status"], row.get("layout"), row.get("step"), row.get("reason")) == \
+        (was["status"], was.get("layout"), was.get("step"), was.get("reason"))
+
+
+def test_the_readme_points_at_the_table():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "docs/models.md" in readme
