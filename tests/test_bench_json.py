@@ -1,5 +1,8 @@
 """scripts/bench/train.py writes its GPU figures as data (speed_<device>.json rows), checked on the
-CPU through --smoke (a tiny model) into a temporary path: never into docs/."""
+CPU through --smoke (a tiny model) into a temporary path: never into docs/. The longest-sequence rows
+(``--max-seq``) come from the same functions that ``scripts/validate/gpu_all.py --smoke`` runs, whose rows
+tests/test_gpu_all_smoke.py checks key by key: a second smoke run of them here cost a minute and a half of
+CPU and showed nothing more (issue 34)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ from tests.conftest import HANG_GUARD_S
 REPO = Path(__file__).resolve().parents[1]
 SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
               "baseline_peak_bytes", "mfu"]
-LONG_KEYS = SPEED_KEYS + ["finetuner_max_seq", "baseline_max_seq", "predicted_max_seq"]
 
 
 def _bench(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
@@ -53,27 +55,6 @@ def test_smoke_gpu_mode_writes_throughput_rows_with_exactly_the_keys(tmp_path, d
     for k in ("finetuner_peak_bytes", "baseline_peak_bytes"):
         assert isinstance(row[k], int) and row[k] > 0
     assert row["mfu"] is None  # no card profile on the CPU: no peak to divide by
-    _assert_docs_untouched(docs_before)
-
-
-def test_smoke_max_seq_mode_writes_long_context_rows_with_exactly_the_keys(tmp_path, docs_before):
-    out = tmp_path / "speed.json"
-    out.write_text(json.dumps([{"config": "kept", "device": "elsewhere"}]))
-    work = tmp_path / "work"
-    p = _bench("--max-seq", "--smoke", "--seq-step", "512", "--work", str(work), "--json", str(out))
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert rows[0] == {"config": "kept", "device": "elsewhere"}  # merged, not overwritten
-    long_rows = rows[1:]
-    assert len(long_rows) == 2
-    positions = json.loads((work / "tiny" / "config.json").read_text())["max_position_embeddings"]
-    for row in long_rows:
-        assert list(row) == LONG_KEYS
-        assert "longest sequence" in row["config"]
-        assert row["finetuner_max_seq"] >= 256 and row["baseline_max_seq"] >= 256
-        assert isinstance(row["predicted_max_seq"], int) and 16 <= row["predicted_max_seq"] <= positions
-        assert row["finetuner_tokens_per_s"] > 0 and row["finetuner_peak_bytes"] > 0
-    assert "activation offload" in long_rows[1]["config"] and "activation offload" not in long_rows[0]["config"]
     _assert_docs_untouched(docs_before)
 
 
