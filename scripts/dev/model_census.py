@@ -151,8 +151,10 @@ def write_table(rows: list[dict]) -> str:
         "",
         f"**{len(supported)} of the {len(inside)} decoder-only types that transformers itself builds tiny and trains "
         f"({share:.0f} %) plan, train 2 LoRA steps, merge and chat.** The other {len(rows) - len(inside)} types are "
-        "outside that count (transformers cannot build or train them tiny, or they are not decoder-only), with the "
-        "reason. \"written\": the memory model's layout of the family is written by hand and validated on GPU runs "
+        "outside that count, with the reason: not decoder-only, or the census's tiny config "
+        "(`finetuner/model/tiny.py`: the family's defaults with the common size settings made small) does not build "
+        "or train in transformers itself, or stays too large to build on a CPU; a better shrinker moves some of them "
+        "inside. \"written\": the memory model's layout of the family is written by hand and validated on GPU runs "
         "(docs/validation); \"read from the model\": the layout is read from the model transformers builds "
         "(finetuner/model/inventory.py) and its memory terms are those of the families checked on a GPU.",
         "",
