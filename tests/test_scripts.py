@@ -84,3 +84,15 @@ def test_test_times_sums_wall_and_cpu_seconds_per_file(tmp_path, capsys):
     assert "3 tests (2 passed, 1 failure): 17 s of tests' wall time, 6 s of CPU" in out
     assert "    12.0      6.0     2  tests.a" in out and "     5.0      0.0     1  tests.b" in out
     assert "     2.0      1.5  tests.a::t2  [failure]" in out
+
+
+def test_the_speed_check_on_shipped_files_names_files_that_exist_and_signs_its_errors():
+    from scripts.validate import speed_files
+
+    for recipe, overrides in speed_files.RECIPES.values():
+        assert (REPO / recipe).is_file(), recipe
+        for o in overrides:
+            key, _, value = o.partition("=")
+            assert key == "data.path" and (REPO / value).is_file(), o
+    assert speed_files.error(12.0, 10.0) == 0.2 and speed_files.error(8.0, 10.0) == -0.2  # predicted too long: +
+    assert speed_files.error(None, 10.0) is None and speed_files.error(1.0, 0.0) is None

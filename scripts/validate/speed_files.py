@@ -37,6 +37,11 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "demo_grpo_cpu (GRPO prompts)": ("recipes/demo_grpo_cpu.yaml", []),
     "smollm2_cpu (SmolLM2-135M, bike_shop chats)": ("recipes/smollm2_cpu.yaml", []),
 }
+#: name → ``finetuner plan`` arguments: a recipe the planner writes for a data file on this machine, then run
+PLANNED: dict[str, list[str]] = {
+    "planned: demo model on data/alpaca_sample.json": ["--model", "data/demo_model", "--gpu", "cpu", "--data",
+                                                        "data/alpaca_sample.json"],
+}
 #: the parts compared (``total``: the whole run, from the process's start to the end of its samples)
 PARTS = ("load", "steps", "evaluations", "checkpoints", "samples", "total")
 
@@ -80,6 +85,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:48} steps {got['predicted'].get('steps')} s predicted / {got['measured'].get('steps')} s "
                   f"measured ({errors['steps']:+.0%}); whole run {got['predicted'].get('total')} / "
                   f"{got['measured'].get('total')} s ({errors['total']:+.0%})", flush=True)
+        for j, (name, plan_args) in enumerate(PLANNED.items()):
+            if args.only and not any(o in name for o in args.only):
+                continue
+            recipe = Path(tmp) / f"planned{j}.yaml"
+            made = subprocess.run([sys.executable, "-m", "finetuner", "plan", *plan_args, "-o", str(recipe)], cwd=REPO,
+                                  capture_output=True, text=True, timeout=600)
+            if made.returncode != 0:
+                raise SystemExit(f"plan {plan_args} failed:\n{made.stdout[-2000:]}\n{made.stderr[-2000:]}")
+            got = run_one(str(recipe), [], Path(tmp) / f"planned-run{j}")
+            errors = {p: error(got["predicted"].get(p), got["measured"].get(p)) for p in PARTS}
+            rows.append({"name": name, "recipe": "finetuner plan " + " ".join(plan_args), "overrides": [], **got,
+                         "error": errors})
+            print(f"{name:48} whole run {got['predicted'].get('total')} / {got['measured'].get('total')} s "
+                  f"({errors['total']:+.0%})", flush=True)
     steps = [abs(r["error"]["steps"]) for r in rows if r["error"]["steps"] is not None]
     totals = [abs(r["error"]["total"]) for r in rows if r["error"]["total"] is not None]
     summary = {"steps_median_abs_error": round(statistics.median(steps), 4) if steps else None,
