@@ -96,3 +96,13 @@ def test_the_speed_check_on_shipped_files_names_files_that_exist_and_signs_its_e
             assert key == "data.path" and (REPO / value).is_file(), o
     assert speed_files.error(12.0, 10.0) == 0.2 and speed_files.error(8.0, 10.0) == -0.2  # predicted too long: +
     assert speed_files.error(None, 10.0) is None and speed_files.error(1.0, 0.0) is None
+
+
+def test_the_benchmarks_page_states_the_shipped_files_check_as_recorded():
+    doc = json.loads((REPO / "docs" / "validation" / "speed_files_cpu.json").read_text(encoding="utf-8"))
+    s = doc["summary"]
+    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert (f"steps' time median error {s['steps_median_abs_error'] * 100:.1f} %, largest {s['steps_largest_abs_error'] * 100:.0f} %; "
+            f"whole run median {s['total_median_abs_error'] * 100:.1f} %, largest {s['total_largest_abs_error'] * 100:.0f} %") in page
+    for row in doc["rows"]:
+        assert f"| {row['name']} | {row['predicted']['steps']} | {row['measured']['steps']} |" in page, row["name"]
