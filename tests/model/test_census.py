@@ -21,7 +21,8 @@ def test_the_table_lists_every_causal_lm_type_of_the_installed_transformers(reco
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    assert recorded["transformers"] == transformers.__version__, "transformers changed: run scripts/dev/model_census.py"
+    minor = lambda v: v.split(".")[:2]  # noqa: E731 - constraints.txt pins transformers==X.Y.*
+    assert minor(recorded["transformers"]) == minor(transformers.__version__), "run scripts/dev/model_census.py again"
     assert sorted(r["model_type"] for r in recorded["rows"]) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert model_census.DOC.read_text(encoding="utf-8") == model_census.write_table(recorded["rows"])
 
