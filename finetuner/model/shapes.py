@@ -82,7 +82,7 @@ class ModelShape:
     mlp_bias: bool = False
     fused_qkv: bool = False  # phi3: one qkv_proj
     fused_gate_up: bool = False  # phi3: one gate_up_proj
-    gated_mlp: bool = True  # False: up_proj, the activation, down_proj (no gate: Arcee, Apertus, Nemotron)
+    gated_mlp: bool = True  # False: up_proj, the activation, down_proj (no gate: Arcee)
     norms_per_layer: int = 2  # gemma2: 4 (pre/post attention and feed-forward)
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k
     final_logit_softcapping: float | None = None  # gemma2: tanh soft-capping of the logits

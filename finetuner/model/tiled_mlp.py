@@ -63,7 +63,7 @@ def resolve_tiled_mlp(setting: bool | str, gradient_checkpointing: bool | str, m
 
 def _is_mlp(module) -> bool:
     """A dense MLP as transformers writes it: gated (Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...) or up, activation,
-    down (Arcee, Apertus, Nemotron), each token on its own."""
+    down (Arcee), each token on its own."""
     return hasattr(module, "down_proj") and any(hasattr(module, n) for n in ("gate_proj", "gate_up_proj", "up_proj"))
 
 
