@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -38,10 +37,6 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 #: settings that do not change the tokens (left out of the key)
 _NOT_IN_KEY = {"num_proc", "cache", "path", "val_path"}
-
-
-
-
 
 
 def _local_files(paths: str | Sequence[str] | None) -> list[Path] | None:

@@ -60,12 +60,6 @@ class LayerKind:
     def count(self) -> int:
         return len(self.indices)
 
-    @property
-    def params(self) -> int:
-        linear = sum(lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0) for lin in self.linears)
-        expert = sum(_numel(shape) for _, shape in self.experts)
-        return linear + expert + sum(n for _, n in self.norms) + self.other_params
-
 
 @dataclass(frozen=True)
 class Inventory:
@@ -105,13 +99,6 @@ class Inventory:
             for k in d["kinds"]
         )
         return cls(**{**d, "kinds": kinds})
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -275,10 +262,12 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
 
 
 def _key(cfg: dict[str, Any]) -> str:
-    import transformers
+    """The cache key: the config and the installed transformers' version (read from its metadata: a cached
+    inventory costs no import of transformers)."""
+    from importlib.metadata import version
 
     blob = json.dumps({"cfg": {k: v for k, v in cfg.items() if k not in ("_name_or_path", "_aliases")},
-                       "transformers": transformers.__version__, "format": FORMAT_VERSION}, sort_keys=True, default=str)
+                       "transformers": version("transformers"), "format": FORMAT_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

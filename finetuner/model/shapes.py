@@ -274,10 +274,8 @@ def _int(cfg: dict[str, Any], key: str, source: str) -> int:
 def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
     """Build a :class:`ModelShape` from a ``config.json`` dict; unsupported layouts are a UserError."""
     where = f"{name} (config.json)"
-    if "text_config" in cfg and "hidden_size" not in cfg:
-        return derived_shape(cfg, name, source)
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if mt not in SUPPORTED_MODEL_TYPES or ("text_config" in cfg and "hidden_size" not in cfg):  # no layout written here
         return derived_shape(cfg, name, source)
     h = _int(cfg, "hidden_size", where)
     heads = _int(cfg, "num_attention_heads", where)
