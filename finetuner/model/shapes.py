@@ -335,7 +335,10 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
     if outer:  # the trainer would load the vision tower too, and its weights are not counted yet
         raise refuse(f"an image-text-to-text checkpoint: the weights of its vision tower and projector, loaded beside "
                      f"the {mt} language model, are not counted yet")
-    inv = read_inventory(cfg)
+    try:
+        inv = read_inventory(cfg)
+    except UserError as e:  # transformers cannot build it: say which model's config.json
+        raise UserError(f"{name} (config.json): {e.message}", hint=e.plain_hint) from None
 
     if inv.params["experts"] or inv.params["router"]:
         experts = next((k.experts for k in inv.kinds if k.experts), ())

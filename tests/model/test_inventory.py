@@ -128,3 +128,12 @@ def test_an_mlp_without_a_gate_has_two_linears_and_its_own_activation_terms(tok)
     assert not any("gate" in t for t in terms) and "MLP: gate (activation input)" in gated_terms
     # one fewer intermediate-width gradient alive in the MLP's backward: the gate's
     assert layer_transient_per_token(gated, s) - layer_transient_per_token(plain, s) == gated_terms["MLP: up"]
+
+
+def test_a_model_type_transformers_does_not_know_is_refused_naming_the_model(tmp_path):
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "nonsense_xyz", "hidden_size": 8}), encoding="utf-8")
+    out = cli_in_process("plan", "--model", str(folder), "--gpu", "rtx4090", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "odd (config.json): model_type 'nonsense_xyz': this transformers does not know it" in out.stderr
