@@ -372,13 +372,16 @@ def listing() -> str:
 
 
 # --------------------------------------------------------------------------- tables
+#: the other scripts' ``speed_<what>_<device>.json`` in docs/validation: the speed models' validations
+#: (scripts/validate/speed_model.py, speed_grpo.py, speed_files.py), not rows of this script
+OTHER_SPEED_FILES = ("speed_model_", "speed_grpo_", "speed_files_")
+
+
 def speed_rows(folder: Path) -> list[dict]:
-    """The rows of ``folder``'s ``speed_<device>.json`` files (not the speed models' validations,
-    ``speed_model_<device>.json`` and ``speed_grpo_<device>.json``, which scripts/validate/speed_model.py
-    and speed_grpo.py write)."""
+    """The rows of ``folder``'s ``speed_<device>.json`` files (this script's; not :data:`OTHER_SPEED_FILES`)."""
     rows = []
     for path in sorted(folder.glob("speed_*.json")):
-        if not path.name.startswith(("speed_model_", "speed_grpo_")):
+        if not path.name.startswith(OTHER_SPEED_FILES):
             rows += json.loads(path.read_text(encoding="utf-8"))
     return rows
 
