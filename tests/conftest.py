@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,7 +83,7 @@ def cpu_seconds(children: bool = True) -> float:
     seconds = own.ru_utime + own.ru_stime
     if children:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        seconds += kids.ru_utime + kids.ru_stime
+        seconds += kids.ru_utime + kids.ru_stime + _ZYGOTE.cpu_s  # the zygote's commands are this process's too
     return seconds
 
 
@@ -100,6 +102,10 @@ def pytest_runtest_makereport(item, call):
         # (``own_cpu_s``: this process's threads only; ``worker`` and ``started`` say where and when it ran)
         item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[CPU_AT_SETUP], 2)))
         item.user_properties.append(("own_cpu_s", round(cpu_seconds(children=False) - item.stash[OWN_CPU_AT_SETUP], 2)))
+        # ``forked``: commands run from tests/zygote.py so far in this worker; ``fresh_for``: those that were not,
+        # by the variables that kept them out
+        item.user_properties.append(("forked", _ZYGOTE.count))
+        item.user_properties.append(("fresh_for", json.dumps(_ZYGOTE.fresh)))
     return _fail_skips_in_ci((yield))
 
 
@@ -251,17 +257,39 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 HANG_GUARD_S = 1800
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float | None = HANG_GUARD_S) -> subprocess.CompletedProcess:
-    """Run the ``finetuner`` CLI as a user would, in a subprocess."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "finetuner.cli.main", *args],
-        cwd=cwd or REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+#: the environment the tests' commands get when no test changed it (what tests/zygote.py may start with)
+_BASE_ENV = dict(os.environ)
+
+
+#: this worker's zygote (kept in tests/zygote.py: pytest imports this file as ``conftest`` and the tests import
+#: it again as ``tests.conftest``; one zygote and one count of its CPU for both)
+_ZYGOTE = zygote.CLIENT
+
+
+
+def run_module(module: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+               timeout: float | None = HANG_GUARD_S, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m module args`` as ``subprocess.run(..., capture_output=True, text=True)`` runs it, in a new
+    process forked from a zygote that has imported torch, transformers and peft already (tests/zygote.py says
+    what that changes), or with ``fresh`` (or an environment the zygote cannot give) in a new interpreter."""
+    cwd = Path(cwd or REPO)
+    env = dict(os.environ if env is None else env)
+    done = None if fresh else _ZYGOTE.run(module, args, cwd, env, timeout, start_env=_cli_env(_BASE_ENV))
+    if done is not None:
+        return done
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float | None = HANG_GUARD_S,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run the ``finetuner`` CLI as a user would, in its own process (:func:`run_module`)."""
+    return run_module("finetuner.cli.main", *args, cwd=cwd, env=_cli_env(os.environ), timeout=timeout, fresh=fresh)
+
+
+def _cli_env(env) -> dict[str, str]:
+    """The environment :func:`run_cli` runs the CLI in: ``env`` with this checkout on the path."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), "COLUMNS": "200"}
 
 
 def cli_in_process(*args: str, cwd: Path | None = None, timeout: float | None = None,

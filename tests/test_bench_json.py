@@ -10,13 +10,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.bench import train as bench
-from tests.conftest import HANG_GUARD_S
+from tests.conftest import HANG_GUARD_S, run_module
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
@@ -25,8 +24,7 @@ SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per
 
 def _bench(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "scripts.bench.train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("scripts.bench.train", *args, cwd=REPO, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

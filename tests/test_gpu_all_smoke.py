@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.validate import gpu_all
-from tests.conftest import HANG_GUARD_S
+from tests.conftest import HANG_GUARD_S, run_module
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +28,7 @@ WATCHED = [REPO / "README.md", REPO / "docs" / "memory.md", REPO / "docs" / "ben
 def _cli(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "scripts.validate.gpu_all", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("scripts.validate.gpu_all", *args, cwd=REPO, env=env, timeout=timeout)
 
 
 def _stamps() -> dict[str, int]:

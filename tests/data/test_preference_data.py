@@ -4,8 +4,6 @@ named, and files of one objective given to another."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,7 @@ from finetuner.config.recipe import DataSection
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, load_examples
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
-from tests.conftest import REPO, HANG_GUARD_S
+from tests.conftest import REPO, run_module
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +138,7 @@ def test_the_cli_names_the_objective_a_file_fits(tmp_path, tiny_model_dir, peer_
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{name: {tiny_model_dir}}}\ndata: {{path: {peer_data / 'dpo_en_demo.json'}}}\n"
                       f"output_dir: {tmp_path / 'out'}\ndevice: cpu\n", encoding="utf-8")
-    p = subprocess.run([sys.executable, "-m", "finetuner", "run", str(recipe)], capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S)
+    p = run_module("finetuner", "run", str(recipe), cwd=REPO)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "this file holds preference pairs" in p.stderr and "it fits objective dpo, orpo or simpo, not 'sft'" in p.stderr
     assert "objective: dpo" in p.stderr

@@ -12,7 +12,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.errors import OutOfMemory
 from finetuner.runs.events import read_events
 from tests.training.test_distributed import _adapter, _max_diff, _rank0_only, one_process  # noqa: F401  (a fixture)
-from tests.conftest import HANG_GUARD_S
+from tests.conftest import run_module
 
 
 # --------------------------------------------------------------------------- without processes
@@ -207,15 +207,12 @@ def test_the_gpu_oom_script_runs_its_smoke_check(tmp_path):
     """``python -m scripts.validate.oom_backoff --smoke``: the CPU stand-in of the GPU check (an
     injected error instead of a real one) runs end to end and reports the recovery."""
     import os
-    import subprocess
-    import sys
 
     from tests.conftest import REPO
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FINETUNER_FAULT", None)
-    out = subprocess.run([sys.executable, "-m", "scripts.validate.oom_backoff", "--smoke", "--steps", "3", "--out", str(tmp_path)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    out = run_module("scripts.validate.oom_backoff", "--smoke", "--steps", "3", "--out", str(tmp_path), cwd=REPO, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "oom_backoff_smoke.json").read_text())
     assert report["recovered"] and report["mode"] == "smoke (injected fault)"

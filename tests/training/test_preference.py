@@ -12,7 +12,7 @@ import pytest
 
 from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss
 from finetuner.model.scoring import sequence_logps
-from tests.conftest import HANG_GUARD_S
+from tests.conftest import run_module
 
 
 # --------------------------------------------------------------------------- the formulas, written out
@@ -186,13 +186,10 @@ def test_dpo_starts_at_log_2_and_reports_rewards(tiny_model_dir, pairs_file, tmp
     assert 0 <= ev["eval_reward_accuracy"] <= 1 and "eval_reward_margin" in ev
     assert events(result.run_dir, "start")[0]["objective"] == "dpo"
     # finetuner eval RUN --data PAIRS: preference accuracy and margin of the base and the tune
-    import subprocess
-    import sys
 
     from tests.conftest import REPO
 
-    p = subprocess.run([sys.executable, "-m", "finetuner", "eval", str(result.run_dir), "--data", str(pairs_file), "--json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S)
+    p = run_module("finetuner", "eval", str(result.run_dir), "--data", str(pairs_file), "--json", cwd=REPO)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["kind"] == "preference" and r["examples"] == 24
