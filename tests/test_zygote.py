@@ -14,6 +14,7 @@ PROBE = '''
 import atexit, os, sys, threading, time
 print("argv", sys.argv[1:], "path0", sys.path[0] == os.getcwd(), "cwd", os.path.basename(os.getcwd()))
 print("probe", os.environ.get("PROBE_VALUE"), "stdin", repr(sys.stdin.read()))
+print("path", [p for p in sys.path[1:] if "site-packages" not in p and "python3" not in p])
 print("to stderr", file=sys.stderr)
 def later():
     time.sleep(0.2)
@@ -41,7 +42,10 @@ def probe(tmp_path):
 @pytest.mark.parametrize("args", [("ok",), ("exit", "3"), ("message",), ("raise",)])
 def test_a_command_from_the_zygote_is_what_a_new_interpreter_gives(probe, args, monkeypatch):
     monkeypatch.setenv("PROBE_VALUE", "from-the-test")  # read when the command runs: the zygote may give it
-    env = conftest._cli_env(conftest.os.environ)
+    env = {k: v for k, v in conftest._cli_env(conftest.os.environ).items() if k != "PYTHONPATH"}
+    if args == ("ok",):  # the module path as PYTHONPATH gives it, not as the zygote's was
+        env["PYTHONPATH"] = str(probe / "elsewhere")
+    env["HF_HUB_DISABLE_TELEMETRY"] = "True"  # what gradio sets in a process that served the UI
     before = _ZYGOTE.count
     forked = run_module("zprobe", *args, cwd=probe, env=env)
     assert _ZYGOTE.count == before + 1  # it did come from the zygote
@@ -68,3 +72,4 @@ def test_what_a_library_reads_on_import_sends_the_command_to_a_new_interpreter()
     assert not matches(started, loaded, {**started, "OMP_NUM_THREADS": "1"})
     assert not matches(started, loaded, {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"})
     assert not matches(started, loaded, {"PATH": "/bin"})  # HOME unset
+    assert matches(started, loaded, {**started, "PYTHONPATH": "/mine", "HF_HUB_DISABLE_TELEMETRY": "True"})

@@ -53,17 +53,20 @@ READ_ON_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "PEFT", "DATASETS", "ACC
                   "LD_", "TOKENIZERS", "HOME", "PATH", "TMPDIR", "LANG", "LC_", "TZ")
 #: of those, the ones read when used, not on import: torch.cuda reads this one in ``is_available()``
 #: (torch/cuda/__init__.py, ``_nvml_based_avail``), and accelerate sets it in the tests' process while it asks;
-#: and ``PYTHONUNBUFFERED``, read by the interpreter when it starts: the child sets its streams as it would
-READ_WHEN_USED = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONUNBUFFERED"})
+#: and two the interpreter reads when it starts, which the child applies as it would: ``PYTHONUNBUFFERED`` (its
+#: standard streams) and ``PYTHONPATH`` (its module path; the preloaded libraries come from site-packages)
+READ_WHEN_USED = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONUNBUFFERED", "PYTHONPATH"})
 
 
 #: what finetuner sets in its own process (``os.environ.setdefault``: finetuner/cli/main.py, quiet.py,
 #: training/trainer.py) and applies through the libraries' own settings as well: a test's process that ran
 #: finetuner in-process has them, and a command gets the same from its own start-up either way
-SET_BY_FINETUNER = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HF_HUB_DISABLE_TELEMETRY": "1",
-                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-                    "TOKENIZERS_PARALLELISM": "false"}
+#: (and gradio's ``Blocks.launch`` sets ``HF_HUB_DISABLE_TELEMETRY=True`` in the tests that serve the UI in
+#: their process: telemetry is off either way, and nothing goes online in the tests)
+SET_BY_FINETUNER = {"TRANSFORMERS_VERBOSITY": {"error"}, "TRANSFORMERS_NO_ADVISORY_WARNINGS": {"1"},
+                    "PYTORCH_CUDA_ALLOC_CONF": {"expandable_segments:True"}, "HF_HUB_DISABLE_TELEMETRY": {"1", "True"},
+                    "HF_HUB_DISABLE_PROGRESS_BARS": {"1"}, "HF_DATASETS_DISABLE_PROGRESS_BARS": {"1"},
+                    "TOKENIZERS_PARALLELISM": {"false"}}
 
 
 def differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[str, str]) -> list[str]:
@@ -76,7 +79,7 @@ def differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[
     def same(k: str) -> bool:
         if loaded.get(k) == env.get(k) or (k in set_on_import and k not in env):
             return True
-        return k in SET_BY_FINETUNER and {loaded.get(k), env.get(k)} <= {None, SET_BY_FINETUNER[k]}
+        return k in SET_BY_FINETUNER and {loaded.get(k), env.get(k)} <= {None, *SET_BY_FINETUNER[k]}
 
     keys = {k for k in set(loaded) | set(env) if k.startswith(READ_ON_IMPORT) and k not in READ_WHEN_USED}
     return sorted(k for k in keys if not same(k))
@@ -129,7 +132,15 @@ def _child(request: dict) -> None:
         os._exit(code if code >= 0 else 1)
 
 
+def _python_path(env) -> list[str]:
+    """The module path entries ``PYTHONPATH`` gives an interpreter (made absolute, as ``site`` makes them)."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def _become(request: dict) -> None:
+    started = _python_path(os.environ)
+    if sys.path[1:1 + len(started)] == started:  # the zygote's PYTHONPATH entries become the command's
+        sys.path[1:1 + len(started)] = _python_path(request["env"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
