@@ -41,10 +41,43 @@ def safe_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def stop_signals_as_in_a_terminal() -> None:
-    """In a child before exec (``preexec_fn``): Ctrl-C (SIGINT) as in a terminal, Python's KeyboardInterrupt.
+    """In a child before exec (``preexec_fn``, only where the parent has one thread): Ctrl-C (SIGINT) as in a
+    terminal, Python's KeyboardInterrupt. (:func:`spawn_job` does the same without Python code in the child.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Spawned:
+    """A process :func:`spawn_job` started: ``pid``, and ``poll()`` / ``returncode`` as :class:`subprocess.Popen`'s."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it has ended, how is not known
+                self.returncode = -1
+                return self.returncode
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def spawn_job(cmd: list[str], cwd: str, env: Mapping[str, str], out_fd: int) -> Spawned:
+    """Start ``cmd`` in ``cwd`` in a new session, standard input empty, output and errors to ``out_fd``, with
+    Ctrl-C (SIGINT) as in a terminal.
 
     A process that a non-interactive shell starts in the background (``finetuner ui &`` in a script, CI's
-    runners) ignores SIGINT, and every process it starts inherits that. A job asked to stop while it is still
-    importing, before it installs its own handler, would then never hear it and train on.
+    runners) ignores SIGINT, and every process it starts inherits that: a job asked to stop while it is still
+    importing, before it installs its own handler, would never hear it and train on. ``posix_spawn`` resets it
+    in the child without running Python code there (a ``preexec_fn`` is not safe in a process with threads,
+    such as the web UI's server: a job started from it crashed between fork and exec). ``/bin/sh`` changes to
+    ``cwd`` (``posix_spawn`` cannot) and becomes ``cmd`` (``exec``: the same process id).
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    argv = ["/bin/sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", cwd, *cmd]
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, out_fd, 1),
+               (os.POSIX_SPAWN_DUP2, out_fd, 2)]
+    return Spawned(os.posix_spawn("/bin/sh", argv, dict(env), file_actions=actions, setsid=True,
+                                  setsigdef=(signal.SIGINT,)))

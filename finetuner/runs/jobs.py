@@ -26,7 +26,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.children import module_command, safe_env, stop_signals_as_in_a_terminal
+from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
@@ -46,7 +45,7 @@ LOG_NAME = "train.log"
 REPORT_NAME = ".job-report.jsonl"
 
 #: Children started by this process, so they are reaped (no zombies) and their exit code known.
-_CHILDREN: dict[int, subprocess.Popen] = {}
+_CHILDREN: dict[int, Spawned] = {}
 _EXITED: dict[int, int] = {}
 
 
@@ -304,10 +303,7 @@ def start_job(
         with open(log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             log.flush()
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=str(target), env=env, preexec_fn=stop_signals_as_in_a_terminal,
-            )
+            proc = spawn_job(cmd, str(target), env, log.fileno())
         _CHILDREN[proc.pid] = proc
         job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd,
                   proc_start=process_start_time(proc.pid))

@@ -22,7 +22,6 @@ import gradio as gr
 import pytest
 
 from tests.conftest import demo_run_folder, free_port, HANG_GUARD_S
-from finetuner.children import stop_signals_as_in_a_terminal
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.runs import jobs
 from ui.app import build_app, launch
@@ -240,8 +239,10 @@ def test_stop_never_signals_a_process_that_has_a_stale_jobs_pid(tmp_path):
     h = Handlers(runs, tmp_path / "uploads")
     # an unrelated process that got the ended job's pid (killed below), with Ctrl-C as in a terminal even where
     # this test runs in the background of a script (which ignores SIGINT, and its children with it)
-    sleeper = subprocess.Popen(["sleep", "3600"], preexec_fn=stop_signals_as_in_a_terminal)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                                "print('ready', flush=True); time.sleep(3600)"], stdout=subprocess.PIPE, text=True)
     try:
+        assert sleeper.stdout.readline() == "ready\n"
         started = jobs.process_start_time(sleeper.pid)
         assert started is not None
         _record(runs, run, sleeper.pid, proc_start=started - 7.0, command=["python", "-m", "finetuner", "run"])
