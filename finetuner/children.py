@@ -41,8 +41,9 @@ def safe_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def stop_signals_as_in_a_terminal() -> None:
-    """In a child before exec (``preexec_fn``, only where the parent has one thread): Ctrl-C (SIGINT) as in a
-    terminal, Python's KeyboardInterrupt. (:func:`spawn_job` does the same without Python code in the child.)"""
+    """In a child before exec (``preexec_fn``: training/launch.py's torchrun launcher): Ctrl-C (SIGINT) as in a
+    terminal, Python's KeyboardInterrupt. :func:`spawn_job` does the same without Python code in the child,
+    which a process with threads needs (see there)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

@@ -266,7 +266,6 @@ _BASE_ENV = dict(os.environ)
 _ZYGOTE = zygote.CLIENT
 
 
-
 def run_module(module: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
                timeout: float | None = HANG_GUARD_S, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m module args`` as ``subprocess.run(..., capture_output=True, text=True)`` runs it, in a new

@@ -8,7 +8,7 @@ import pytest
 
 from tests import conftest
 from tests.conftest import _ZYGOTE, run_module
-from tests.zygote import matches
+from tests.zygote import differences
 
 PROBE = '''
 import atexit, os, sys, threading, time
@@ -66,10 +66,10 @@ def test_a_hung_command_is_cut_off_as_subprocess_cuts_it_off(probe):
 def test_what_a_library_reads_on_import_sends_the_command_to_a_new_interpreter():
     started = {"PATH": "/bin", "HOME": "/root"}
     loaded = {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}  # torch sets it when it is imported
-    assert matches(started, loaded, {**started, "FINETUNER_CACHE_DIR": "/c", "COLUMNS": "200", "MINE": "1"})
-    assert matches(started, loaded, {**loaded, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})  # read when used
-    assert not matches(started, loaded, {**started, "HF_HOME": "/elsewhere"})
-    assert not matches(started, loaded, {**started, "OMP_NUM_THREADS": "1"})
-    assert not matches(started, loaded, {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"})
-    assert not matches(started, loaded, {"PATH": "/bin"})  # HOME unset
-    assert matches(started, loaded, {**started, "PYTHONPATH": "/mine", "HF_HUB_DISABLE_TELEMETRY": "True"})
+    assert not differences(started, loaded, {**started, "FINETUNER_CACHE_DIR": "/c", "COLUMNS": "200", "MINE": "1"})
+    assert not differences(started, loaded, {**loaded, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})  # read when used
+    assert differences(started, loaded, {**started, "HF_HOME": "/elsewhere"}) == ["HF_HOME"]
+    assert differences(started, loaded, {**started, "OMP_NUM_THREADS": "1"}) == ["OMP_NUM_THREADS"]
+    assert differences(started, loaded, {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"}) == ["TORCHINDUCTOR_CACHE_DIR"]
+    assert differences(started, loaded, {"PATH": "/bin"}) == ["HOME"]  # HOME unset
+    assert not differences(started, loaded, {**started, "PYTHONPATH": "/mine", "HF_HUB_DISABLE_TELEMETRY": "True"})

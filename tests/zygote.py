@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-#: imported once here: most of a ``finetuner`` command's start-up (torch ~3.5 s, transformers' model code
-#: ~6 s, peft with bitsandbytes ~3.7 s of CPU on the suite's 2-core machines)
+#: imported once here: most of a ``finetuner`` command's start-up (all of them ~13 s of CPU on the suite's 2-core
+#: machines; ``python -X importtime``: transformers.modeling_utils 8.6 s, peft with bitsandbytes 3.4 s, torch 2.6 s)
 PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "peft", "datasets", "accelerate")
 
 #: the environment variables the preloaded libraries (or the interpreter, or the native libraries they load,
@@ -85,11 +85,6 @@ def differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[
     return sorted(k for k in keys if not same(k))
 
 
-def matches(started_with: dict[str, str], loaded: dict[str, str], env: dict[str, str]) -> bool:
-    """Whether a command with environment ``env`` may run in the zygote (:func:`differences`)."""
-    return not differences(started_with, loaded, env)
-
-
 def _exit_code(e: SystemExit) -> int:
     if e.code is None:
         return 0
@@ -102,8 +97,8 @@ def _exit_code(e: SystemExit) -> int:
 def _child(request: dict) -> None:
     """In the forked child: become ``python -m MODULE ARGS``, run it, and end as an interpreter ends (its
     threads waited for, ``atexit`` handlers, output flushed; an uncaught exception's traceback, status 1; an
-    uncaught Ctrl-C, killed by SIGINT), without tearing down the imported modules one by one (about 2 s of
-    CPU with torch and transformers loaded, and nothing a test reads)."""
+    uncaught Ctrl-C, killed by SIGINT), without tearing down the imported modules one by one (with torch and
+    transformers loaded, ``finetuner --version`` took 2.4 s that way and 0.3 s this way; no test reads it)."""
     import atexit
     import threading
 
@@ -219,9 +214,12 @@ class Client:
         self.cpu_s = 0.0  # the CPU seconds of the commands it ran (the zygote's children, not this process's)
         #: the commands sent to a new interpreter instead, by the variables that kept them out
         self.fresh: dict[str, int] = {}
+        self.failed = False  # a zygote that did not start is not tried again: each try costs its imports
+        import atexit
+
+        atexit.register(self.stop)
 
     def start(self, env: dict[str, str]) -> bool:
-        import atexit
         import tempfile
 
         self.folder = Path(tempfile.mkdtemp(prefix="finetuner-zygote-"))
@@ -230,7 +228,6 @@ class Client:
             [sys.executable, "-c", "from tests.zygote import serve; serve()"], cwd=REPO, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.folder / "zygote.log", "w"),
         )
-        atexit.register(self.stop)
         ready = self._reply()
         self.loaded = ready["env"] if ready else {}
         self.counted = ready["cpu_s"] if ready else 0.0  # CPU of this zygote and its commands counted so far
@@ -257,16 +254,17 @@ class Client:
     def run(self, module: str, args: tuple[str, ...], cwd: Path, env: dict[str, str],
             timeout: float | None, start_env: dict[str, str]) -> subprocess.CompletedProcess | None:
         """``python -m module args`` forked from the zygote, or None where it cannot (see tests/zygote.py)."""
-        if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") == "1":
+        if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") == "1" or self.failed:
             return None
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
             if not self.start(start_env):
                 self.stop()
+                self.failed = True
                 return None
-        kept_out = differences(self.env, self.loaded, env)
+        kept_out = ", ".join(differences(self.env, self.loaded, env))
         if kept_out:  # e.g. a test changed the environment (monkeypatch)
-            self.fresh[", ".join(kept_out)] = self.fresh.get(", ".join(kept_out), 0) + 1
+            self.fresh[kept_out] = self.fresh.get(kept_out, 0) + 1
             return None
         self.count += 1
         out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
