@@ -83,7 +83,7 @@ def cpu_seconds(children: bool = True) -> float:
     seconds = own.ru_utime + own.ru_stime
     if children:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        seconds += kids.ru_utime + kids.ru_stime + _ZYGOTE.cpu_s  # the zygote's commands are this process's too
+        seconds += kids.ru_utime + kids.ru_stime + _ZYGOTE.cpu()  # the zygote's commands and ranks are this process's too
     return seconds
 
 
@@ -106,6 +106,9 @@ def pytest_runtest_makereport(item, call):
         # by the variables that kept them out
         item.user_properties.append(("forked", _ZYGOTE.count))
         item.user_properties.append(("fresh_for", json.dumps(_ZYGOTE.fresh)))
+        # the same for the ranks of multi-process runs (tests/zygote_rank.py)
+        item.user_properties.append(("ranks_forked", _ZYGOTE.ranks_forked))
+        item.user_properties.append(("ranks_fresh_for", json.dumps(_ZYGOTE.ranks_fresh)))
     return _fail_skips_in_ci((yield))
 
 
@@ -257,6 +260,9 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 HANG_GUARD_S = 1800
 
 
+if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") != "1":  # the ranks of multi-process runs forked as well
+    os.environ.update(zygote.CLIENT.rank_environment())
+
 #: the environment the tests' commands get when no test changed it (what tests/zygote.py may start with)
 _BASE_ENV = dict(os.environ)
 
@@ -264,6 +270,13 @@ _BASE_ENV = dict(os.environ)
 #: this worker's zygote (kept in tests/zygote.py: pytest imports this file as ``conftest`` and the tests import
 #: it again as ``tests.conftest``; one zygote and one count of its CPU for both)
 _ZYGOTE = zygote.CLIENT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_started():
+    """This worker's zygote starts its imports with the first test: the ranks of a test's run come from it
+    (tests/zygote_rank.py) and find it ready."""
+    _ZYGOTE.start(_cli_env(_BASE_ENV))
 
 
 def run_module(module: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -1,8 +1,16 @@
 """The tests' zygote (tests/zygote.py) gives a command what a new interpreter gives it: the same output, exit
-status, working folder, arguments and environment, checked against a real subprocess of the same command."""
+status, working folder, arguments and environment, checked against a real subprocess of the same command; and so
+does a rank of a multi-process run that it forks for tests/zygote_rank.py, where signals reach the rank and the
+rank ends with its stand-in."""
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +81,89 @@ def test_what_a_library_reads_on_import_sends_the_command_to_a_new_interpreter()
     assert differences(started, loaded, {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"}) == ["TORCHINDUCTOR_CACHE_DIR"]
     assert differences(started, loaded, {"PATH": "/bin"}) == ["HOME"]  # HOME unset
     assert not differences(started, loaded, {**started, "PYTHONPATH": "/mine", "HF_HUB_DISABLE_TELEMETRY": "True"})
+
+
+RANK_PROBE = '''
+import os, sys, time
+import torch
+print("argv", sys.argv[1:], "cwd first", sys.path[0] == os.getcwd(), "rank", os.environ.get("RANK"))
+print("stdin", repr(sys.stdin.read()), "threads", torch.get_num_threads(), "deepspeed", "deepspeed" in sys.modules)
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+if sys.argv[1] == "sleep":
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+'''
+
+
+def _rank(probe: Path, *args: str, zygote: bool = True, wait: bool = True):
+    """``python -I tests/zygote_rank.py -u -P -m zrank ARGS`` as torchrun starts a rank of a test's run: its own
+    environment (the rank's variables, one thread, a ``sitecustomize`` on the path), stdin and output files."""
+    env = {**os.environ, **_ZYGOTE.rank_environment(), "RANK": "1", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "t",
+           "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join([str(conftest.REPO), str(probe)])}
+    if not zygote:
+        del env["FINETUNER_TESTS_ZYGOTE_SOCKET"]
+    (probe / "in.txt").write_text("from torchrun", encoding="utf-8")
+    cmd = [sys.executable, *shlex.split(env["FINETUNER_RANK_INTERPRETER"])[1:], "-u", "-P", "-m", "zrank", *args]
+    with open(probe / "in.txt", "rb") as stdin:
+        proc = subprocess.Popen(cmd, cwd=probe, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        out, err = proc.communicate(timeout=conftest.HANG_GUARD_S)
+        return proc.returncode, out, err
+    return proc
+
+
+@pytest.fixture
+def rank_probe(tmp_path):
+    (tmp_path / "zrank.py").write_text(RANK_PROBE, encoding="utf-8")
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None\n", encoding="utf-8")
+    assert run_module("platform").returncode == 0  # the zygote is ready
+    return tmp_path
+
+
+@pytest.mark.parametrize("args", [("ok",), ("exit", "3")])
+def test_a_rank_from_the_zygote_is_what_a_new_interpreter_gives(rank_probe, args):
+    before = (_ZYGOTE.cpu(), _ZYGOTE.ranks_forked)[1]
+    forked = _rank(rank_probe, *args)
+    assert (_ZYGOTE.cpu(), _ZYGOTE.ranks_forked)[1] == before + 1  # it did come from the zygote
+    fresh = _rank(rank_probe, *args, zygote=False)
+    assert forked == fresh
+    assert "cwd first False rank 1" in forked[1] and "stdin 'from torchrun' threads 1 deepspeed True" in forked[1]
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _started_rank(probe: Path) -> tuple[subprocess.Popen, int]:
+    proc = _rank(probe, "sleep", str(probe / "pid"), wait=False)
+    deadline = time.monotonic() + 120
+    while not (probe / "pid").exists() or not (probe / "pid").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    pid = int((probe / "pid").read_text())
+    assert pid != proc.pid  # forked from the zygote, not this stand-in
+    return proc, pid
+
+
+def test_a_signal_to_the_stand_in_reaches_the_rank_and_its_status_comes_back(rank_probe):
+    proc, pid = _started_rank(rank_probe)
+    proc.send_signal(signal.SIGTERM)  # what torchrun sends its workers when it stops them
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert _gone(pid)
+
+
+def test_a_killed_stand_in_takes_its_rank_with_it(rank_probe):
+    proc, pid = _started_rank(rank_probe)
+    proc.kill()  # torchrun's last resort, or torchrun itself gone (the stand-in dies with it)
+    proc.wait(timeout=60)
+    assert _gone(pid)

@@ -24,7 +24,15 @@ command a real subprocess, for comparison.
 The protocol: one JSON line per command on this process's standard input (``module``, ``args``, ``cwd``,
 ``env``, ``stdout``, ``stderr`` (files the child writes), ``timeout``), one JSON line back on its standard
 output (``rc``: the exit status as ``subprocess`` gives it, or ``null`` when the timeout killed it; ``cpu_s``:
-the CPU seconds it used, which tests/conftest.py counts as a subprocess's).
+the CPU seconds it used, which tests/conftest.py counts as a subprocess's; ``ranks_cpu_s``, ``ranks_forked``,
+``ranks_fresh``: the ranks' totals so far). ``{"query": "cpu"}`` asks for those totals alone.
+
+The ranks of a test's multi-process run come from here too: torchrun starts tests/zygote_rank.py as each rank's
+interpreter (``$FINETUNER_RANK_INTERPRETER``, set by tests/conftest.py), which sends the command, its environment
+and its standard streams (the file descriptors) over the Unix socket ``$FINETUNER_TESTS_ZYGOTE_SOCKET``; the
+rank is forked at once, while a command (the ``finetuner run`` that launched it) may be running, and its exit
+status goes back to the stand-in. Measured on 2 cores, test_fsdp.py, test_distributed_preference.py,
+test_resume_exact.py and test_grpo_run.py (-n 2): 1,054 s of CPU with a new interpreter per rank, 458 s forked.
 """
 from __future__ import annotations
 
@@ -139,12 +147,20 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if any(os.path.exists(os.path.join(d, "sitecustomize.py")) for d in _python_path(request["env"])):
+        sys.modules.pop("sitecustomize", None)  # what ``site`` imports when an interpreter starts (it runs no
+        importlib.import_module("sitecustomize")  # code that the preloaded libraries would have run before it)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
-    if os.environ.get("PYTHONUNBUFFERED"):  # what ``python -u`` does to the standard streams
+    if "OMP_NUM_THREADS" in os.environ:  # what OpenMP reads when torch loads it: torch's threads, set as it sets them
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "stdout" in request:  # a rank keeps the streams torchrun gave its stand-in (tests/zygote_rank.py)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+    if os.environ.get("PYTHONUNBUFFERED") or request.get("unbuffered"):  # what ``python -u`` does to the streams
         import io
 
         for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -152,31 +168,52 @@ def _become(request: dict) -> None:
             setattr(sys, name, io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), encoding=old.encoding,
                                                 errors=old.errors, write_through=True))
     sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as ``-m`` does
-    sys.path[0] = os.getcwd()  # ``-m`` puts the working folder first on the path
+    if request.get("safe_path") or os.environ.get("PYTHONSAFEPATH"):
+        del sys.path[0]  # ``-P``: nothing put before the module path
+    else:
+        sys.path[0] = os.getcwd()  # ``-m`` puts the working folder first on the path
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
-def _wait(pid: int, timeout: float | None) -> tuple[int | None, float]:
-    """The child's exit status (None: killed at the timeout) and its CPU seconds, its subprocesses' included."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
-        if deadline is not None and time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            _, _, usage = os.wait4(pid, 0)
-            return None, usage.ru_utime + usage.ru_stime
-        time.sleep(0.02)
+#: what torchrun, finetuner's launcher and tests/zygote_rank.py set in a rank's environment that
+#: :data:`READ_ON_IMPORT` names, all read when used (torch.distributed.elastic, accelerate's ``PartialState``),
+#: or applied by the child as the interpreter applies it (``-u``, ``-P``; ``OMP_NUM_THREADS`` in :func:`_become`)
+RANK_READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ACCELERATE_USE_CPU", "OMP_NUM_THREADS",
+                       "PYTHONSAFEPATH")
 
 
-def serve() -> None:
-    """The zygote's loop (``python -c "from tests.zygote import serve; serve()"``): until its input ends."""
-    requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
+def rank_differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[str, str]) -> list[str]:
+    """:func:`differences` for a rank torchrun starts (tests/zygote_rank.py), and :func:`customized`."""
+    kept = [k for k in differences(started_with, loaded, env) if not k.startswith(RANK_READ_WHEN_USED)]
+    return kept + customized(env)
+
+
+def customized(env: dict[str, str]) -> list[str]:
+    """A ``usercustomize`` on the command's module path runs when an interpreter with a user site starts, which
+    a forked child does not do: such a command runs as a real subprocess (a ``sitecustomize`` it runs, in
+    :func:`_become`: e.g. tests/training/test_distributed.py's ``without_deepspeed``, which hides a library
+    that the preloaded ones look for only when asked)."""
+    return [f"PYTHONPATH (usercustomize.py)" for d in _python_path(env) if os.path.exists(os.path.join(d, "usercustomize.py"))]
+
+
+def serve(socket_path: str = "") -> None:
+    """The zygote's loop (``python -c "from tests.zygote import serve; serve(SOCKET)"``), until its input ends:
+    the tests' commands (one JSON line each on its standard input, their replies on its standard output) and,
+    meanwhile, the ranks tests/zygote_rank.py asks for on the Unix socket ``socket_path``."""
+    import selectors
+    import socket
+
+    commands = os.dup(0)
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # a child's standard input is empty, as ``stdin=DEVNULL`` gives a subprocess
     os.dup2(devnull, 1)
+    listener = None
+    if socket_path:  # bound before the imports: a rank asking meanwhile waits for them, not for a new interpreter's
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(socket_path)
+        listener.listen(64)
+    started_with = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     assert not any(m == "finetuner" or m.startswith("finetuner.") for m in sys.modules), "finetuner must not be preloaded"
@@ -184,59 +221,186 @@ def serve() -> None:
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)  # its own start-up, which the tests' process counts too
-    replies.write(json.dumps({"ready": os.getpid(), "env": dict(os.environ), "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+    loaded = dict(os.environ)
+    replies.write(json.dumps({"ready": os.getpid(), "env": loaded, "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
     replies.flush()
-    for line in requests:
-        request = json.loads(line)
+    selector = selectors.DefaultSelector()
+    selector.register(commands, selectors.EVENT_READ, "command")
+    if listener is not None:
+        selector.register(listener, selectors.EVENT_READ, "rank")
+    command: tuple[int, float | None] | None = None  # the command running: its pid and deadline
+    ranks: dict[int, socket.socket] = {}  # the ranks running, by pid: their stand-in's connection
+    ranks_cpu_s = 0.0  # the CPU seconds of the ranks that ended
+    ranks_forked, ranks_fresh = 0, {}  # how many ranks it forked, and the ranks it did not by what kept them out
+    pending = b""
+
+    def fork(request: dict, fds: list[int] = ()) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            requests.close()
+            for fd, target in zip(fds, (0, 1, 2)):
+                os.dup2(fd, target)
+            selector.close()
+            for fd in (*fds, commands, *(c.fileno() for c in ranks.values()), *([listener.fileno()] if listener else [])):
+                os.close(fd)
             replies.close()
             _child(request)
-        rc, cpu_s = _wait(pid, request.get("timeout"))
-        replies.write(json.dumps({"rc": rc, "cpu_s": cpu_s}) + "\n")
+        return pid
+
+    def reply(answer: dict) -> None:
+        replies.write(json.dumps(dict(answer, ranks_cpu_s=ranks_cpu_s, ranks_forked=ranks_forked,
+                                      ranks_fresh=ranks_fresh)) + "\n")
         replies.flush()
+
+    while True:
+        for key, _ in selector.select(timeout=0.02):
+            if key.data == "command":
+                chunk = os.read(commands, 1 << 20)
+                if not chunk:  # the tests' process is done: so is any rank it left
+                    for pid in ranks:
+                        os.kill(pid, signal.SIGKILL)
+                    return
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    request = json.loads(line)
+                    if request.get("query") == "cpu":
+                        reply({})
+                    else:
+                        timeout = request.get("timeout")
+                        command = fork(request), None if timeout is None else time.monotonic() + timeout
+            elif key.data == "rank":
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(message)
+                kept_out = rank_differences(started_with, loaded, request["env"])
+                if kept_out or len(fds) != 3:
+                    reason = ", ".join(kept_out) or "its standard streams"
+                    ranks_fresh[reason] = ranks_fresh.get(reason, 0) + 1
+                    conn.send(json.dumps({"fresh": kept_out}).encode())
+                    conn.close()
+                else:
+                    pid = fork(request, fds)
+                    ranks_forked += 1
+                    conn.send(json.dumps({"pid": pid}).encode())
+                    ranks[pid] = conn
+                    selector.register(conn, selectors.EVENT_READ, pid)
+                for fd in fds:
+                    os.close(fd)
+            elif not key.fileobj.recv(1):  # a rank's stand-in has gone (killed): so goes the rank
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.data, signal.SIGKILL)
+                selector.unregister(key.fileobj)
+        while True:  # the children that ended
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            rc, cpu_s = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+            if command is not None and pid == command[0]:
+                command = None
+                reply({"rc": rc, "cpu_s": cpu_s})
+            elif pid in ranks:
+                ranks_cpu_s += cpu_s
+                conn = ranks.pop(pid)
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"rc": rc}).encode())
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(conn)
+                conn.close()
+        if command is not None and command[1] is not None and time.monotonic() > command[1]:
+            os.kill(command[0], signal.SIGKILL)
+            _, status, usage = os.wait4(command[0], 0)
+            command = None
+            reply({"rc": None, "cpu_s": usage.ru_utime + usage.ru_stime})
 
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class Client:
-    """The tests' side: this process's zygote, started at its first command, ended with the process."""
+    """The tests' side: this process's zygote, started at its first command (or by :meth:`start` ahead of it,
+    tests/conftest.py), ended with the process."""
 
     def __init__(self):
+        import tempfile
+        import threading
+
         self.proc: subprocess.Popen | None = None
+        self.ready: dict | None = None
         self.env: dict[str, str] = {}
         self.count = 0
         self.counted = 0.0
-        self.cpu_s = 0.0  # the CPU seconds of the commands it ran (the zygote's children, not this process's)
+        self.cpu_s = 0.0  # the CPU seconds of the commands and ranks it ran (the zygote's children, not this process's)
+        self.ranks_cpu_s = 0.0  # of which its ranks' (the zygote's total so far)
+        self.ranks_forked, self.ranks_fresh = 0, {}  # the ranks it forked, and those it did not by what kept them out
         #: the commands sent to a new interpreter instead, by the variables that kept them out
         self.fresh: dict[str, int] = {}
         self.failed = False  # a zygote that did not start is not tried again: each try costs its imports
+        self.lock = threading.Lock()  # one request at a time (the UI's tests run commands from its server's threads)
+        self.folder = Path(tempfile.mkdtemp(prefix="finetuner-zygote-"))
+        #: where tests/zygote_rank.py asks for ranks (``$FINETUNER_TESTS_ZYGOTE_SOCKET``)
+        self.socket_path = str(self.folder / "ranks.sock")
         import atexit
 
         atexit.register(self.stop)
 
-    def start(self, env: dict[str, str]) -> bool:
-        import tempfile
+    def start(self, env: dict[str, str]) -> None:
+        """Start the zygote (its imports go on in the background; :meth:`run` waits for them)."""
+        if self.proc is None and not self.failed and os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") != "1":
+            self.env = dict(env)
+            self.ready = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", f"from tests.zygote import serve; serve({self.socket_path!r})"], cwd=REPO,
+                env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=open(self.folder / "zygote.log", "a"),
+            )
 
-        self.folder = Path(tempfile.mkdtemp(prefix="finetuner-zygote-"))
-        self.env = dict(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tests.zygote import serve; serve()"], cwd=REPO, env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.folder / "zygote.log", "w"),
-        )
-        ready = self._reply()
-        self.loaded = ready["env"] if ready else {}
-        self.counted = ready["cpu_s"] if ready else 0.0  # CPU of this zygote and its commands counted so far
-        self.cpu_s += self.counted
-        return ready is not None
+    def _started(self, env: dict[str, str]) -> bool:
+        """The zygote, started if need be, has done its imports (False: it failed)."""
+        if self.failed:
+            return False
+        if self.proc is not None and self.proc.poll() is not None:
+            self.stop()
+        self.start(env)
+        if self.ready is None:
+            self.ready = self._reply()
+            if self.ready is None:
+                self.stop()
+                self.failed = True
+                return False
+            self.loaded = self.ready["env"]
+            self.counted = self.ready["cpu_s"]  # CPU of this zygote and its children counted so far
+            self.cpu_s += self.counted
+        return True
 
     def _reply(self) -> dict | None:
         line = self.proc.stdout.readline() if self.proc else ""
-        return json.loads(line) if line else None
+        reply = json.loads(line) if line else None
+        if reply and "ranks_cpu_s" in reply:
+            self.ranks_forked, self.ranks_fresh = reply["ranks_forked"], reply["ranks_fresh"]
+            more = reply["ranks_cpu_s"] - self.ranks_cpu_s
+            self.ranks_cpu_s = reply["ranks_cpu_s"]
+            self.cpu_s += more
+            self.counted += more
+        return reply
+
+    def cpu(self) -> float:
+        """:attr:`cpu_s` with the ranks that ended since the last reply."""
+        if self.ready is not None and self.proc is not None and self.proc.poll() is None:
+            with self.lock:
+                self._send({"query": "cpu"})
+                self._reply()
+        return self.cpu_s
+
+    def _send(self, request: dict) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -249,35 +413,33 @@ class Client:
                 self.proc.wait()
             self.cpu_s -= self.counted  # now in this process's RUSAGE_CHILDREN, with the rest of the zygote's
             self.counted = 0.0
+            self.ranks_cpu_s = 0.0
             self.proc = None
+            self.ready = None
 
     def run(self, module: str, args: tuple[str, ...], cwd: Path, env: dict[str, str],
             timeout: float | None, start_env: dict[str, str]) -> subprocess.CompletedProcess | None:
         """``python -m module args`` forked from the zygote, or None where it cannot (see tests/zygote.py)."""
-        if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") == "1" or self.failed:
+        if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") == "1":
             return None
-        if self.proc is None or self.proc.poll() is not None:
-            self.stop()
-            if not self.start(start_env):
-                self.stop()
-                self.failed = True
+        with self.lock:
+            if not self._started(start_env):
                 return None
-        kept_out = ", ".join(differences(self.env, self.loaded, env))
-        if kept_out:  # e.g. a test changed the environment (monkeypatch)
-            self.fresh[kept_out] = self.fresh.get(kept_out, 0) + 1
-            return None
-        self.count += 1
-        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
-        request = dict(module=module, args=list(args), cwd=str(cwd), env=env, stdout=str(out), stderr=str(err),
-                       timeout=timeout)
-        try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self._reply()
-        except BaseException:  # e.g. pytest-timeout cut the test off: a zygote out of step is not reused
-            self.proc.kill()
-            self.stop()
-            raise
+            kept_out = ", ".join(differences(self.env, self.loaded, env) + customized(env))
+            if kept_out:  # e.g. a test changed the environment (monkeypatch)
+                self.fresh[kept_out] = self.fresh.get(kept_out, 0) + 1
+                return None
+            self.count += 1
+            out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
+            request = dict(module=module, args=list(args), cwd=str(cwd), env=env, stdout=str(out), stderr=str(err),
+                           timeout=timeout)
+            try:
+                self._send(request)
+                reply = self._reply()
+            except BaseException:  # e.g. pytest-timeout cut the test off: a zygote out of step is not reused
+                self.proc.kill()
+                self.stop()
+                raise
         if reply is None:
             raise RuntimeError(f"the tests' zygote ended while it ran {module} {args}: see {self.folder / 'zygote.log'}")
         text = []
@@ -291,6 +453,11 @@ class Client:
         if reply["rc"] is None:
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[0], stderr=text[1])
         return subprocess.CompletedProcess(cmd, reply["rc"], text[0], text[1])
+
+    def rank_environment(self) -> dict[str, str]:
+        """The variables that make torchrun start each rank of a test's run through tests/zygote_rank.py."""
+        client = Path(__file__).with_name("zygote_rank.py")
+        return {"FINETUNER_RANK_INTERPRETER": f"{sys.executable} -I {client}", "FINETUNER_TESTS_ZYGOTE_SOCKET": self.socket_path}
 
 
 CLIENT = Client()
