@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,27 @@ def _fail_skips_in_ci(report):
 
 CPU_AT_SETUP = pytest.StashKey[float]()
 OWN_CPU_AT_SETUP = pytest.StashKey[float]()
+GC_AT_SETUP = pytest.StashKey[float]()
+
+
+class _GcClock:
+    """Seconds this process has spent in Python's garbage collector (``gc.callbacks``): a junit property per test,
+    for whoever looks for why a test is slower in the whole suite than alone."""
+
+    def __init__(self):
+        import gc
+
+        self.seconds, self.began = 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.began
+
+
+_GC_CLOCK = _GcClock()
 
 
 def cpu_seconds(children: bool = True) -> float:
@@ -91,6 +113,7 @@ def cpu_seconds(children: bool = True) -> float:
 def pytest_runtest_setup(item):
     item.stash[CPU_AT_SETUP] = cpu_seconds()
     item.stash[OWN_CPU_AT_SETUP] = cpu_seconds(children=False)
+    item.stash[GC_AT_SETUP] = _GC_CLOCK.seconds
     item.user_properties += [("worker", os.environ.get("PYTEST_XDIST_WORKER", "")), ("started", round(time.time(), 1))]
 
 
@@ -102,6 +125,11 @@ def pytest_runtest_makereport(item, call):
         # (``own_cpu_s``: this process's threads only; ``worker`` and ``started`` say where and when it ran)
         item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[CPU_AT_SETUP], 2)))
         item.user_properties.append(("own_cpu_s", round(cpu_seconds(children=False) - item.stash[OWN_CPU_AT_SETUP], 2)))
+        # ``gc_s``: of those, in the garbage collector; ``threads``: this process's threads and torch's at the end
+        item.user_properties.append(("gc_s", round(_GC_CLOCK.seconds - item.stash[GC_AT_SETUP], 2)))
+        torch = sys.modules.get("torch")
+        item.user_properties.append(("threads", f"{threading.active_count()} python, "
+                                                f"{torch.get_num_threads() if torch else '-'} torch"))
         # ``forked``: commands run from tests/zygote.py so far in this worker; ``fresh_for``: those that were not,
         # by the variables that kept them out
         item.user_properties.append(("forked", _ZYGOTE.count))
