@@ -12,6 +12,7 @@ a two-line bootstrap that removes the working folder from ``sys.path`` before it
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Mapping
@@ -30,9 +31,21 @@ def module_args(module: str, *args: str, unbuffered: bool = False, safe_path: bo
     return [*flags, "-c", BOOTSTRAP, module, *args]
 
 
+#: The command that stands for ``python`` in the Python processes finetuner starts (web UI jobs, the ranks of a
+#: multi-process run, chat and export workers; split as a shell splits it). Default: this interpreter. A wrapper
+#: goes here, e.g. a profiler (``py-spy record -o job.svg -- python``); finetuner's tests fork those processes
+#: from one that has imported torch already (tests/zygote_child.py).
+PYTHON_ENV = "FINETUNER_PYTHON"
+
+
+def python_command() -> list[str]:
+    """``$FINETUNER_PYTHON`` (:data:`PYTHON_ENV`) split into words, or ``[sys.executable]``."""
+    return shlex.split(os.environ.get(PYTHON_ENV, "")) or [sys.executable]
+
+
 def module_command(module: str, *args: str, unbuffered: bool = False) -> list[str]:
-    """``[sys.executable, ...]``: :func:`module_args` run by this interpreter."""
-    return [sys.executable, *module_args(module, *args, unbuffered=unbuffered)]
+    """:func:`python_command` (this interpreter) with :func:`module_args`."""
+    return [*python_command(), *module_args(module, *args, unbuffered=unbuffered)]
 
 
 def safe_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

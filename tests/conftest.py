@@ -134,9 +134,9 @@ def pytest_runtest_makereport(item, call):
         # by the variables that kept them out
         item.user_properties.append(("forked", _ZYGOTE.count))
         item.user_properties.append(("fresh_for", json.dumps(_ZYGOTE.fresh)))
-        # the same for the ranks of multi-process runs (tests/zygote_rank.py)
-        item.user_properties.append(("ranks_forked", _ZYGOTE.ranks_forked))
-        item.user_properties.append(("ranks_fresh_for", json.dumps(_ZYGOTE.ranks_fresh)))
+        # the same for the Python processes finetuner started (ranks, UI jobs, workers: tests/zygote_child.py)
+        item.user_properties.append(("children_forked", _ZYGOTE.children_forked))
+        item.user_properties.append(("children_fresh_for", json.dumps(_ZYGOTE.children_fresh)))
     return _fail_skips_in_ci((yield))
 
 
@@ -288,8 +288,8 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 HANG_GUARD_S = 1800
 
 
-if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") != "1":  # the ranks of multi-process runs forked as well
-    os.environ.update(zygote.CLIENT.rank_environment())
+if os.environ.get("FINETUNER_TESTS_FRESH_PROCESS") != "1":  # the Python processes finetuner starts, forked as well
+    os.environ.update(zygote.CLIENT.children_environment())
 
 #: the environment the tests' commands get when no test changed it (what tests/zygote.py may start with)
 _BASE_ENV = dict(os.environ)
@@ -303,7 +303,7 @@ _ZYGOTE = zygote.CLIENT
 @pytest.fixture(scope="session", autouse=True)
 def _zygote_started():
     """This worker's zygote starts its imports with the first test: the ranks of a test's run come from it
-    (tests/zygote_rank.py) and find it ready."""
+    (tests/zygote_child.py) and find it ready."""
     _ZYGOTE.start(_cli_env(_BASE_ENV))
 
 

@@ -1,6 +1,6 @@
 """The tests' zygote (tests/zygote.py) gives a command what a new interpreter gives it: the same output, exit
 status, working folder, arguments and environment, checked against a real subprocess of the same command; and so
-does a rank of a multi-process run that it forks for tests/zygote_rank.py, where signals reach the rank and the
+does a rank of a multi-process run that it forks for tests/zygote_child.py, where signals reach the rank and the
 rank ends with its stand-in."""
 from __future__ import annotations
 
@@ -99,14 +99,14 @@ if sys.argv[1] == "sleep":
 
 
 def _rank(probe: Path, *args: str, zygote: bool = True, wait: bool = True):
-    """``python -I tests/zygote_rank.py -u -P -m zrank ARGS`` as torchrun starts a rank of a test's run: its own
+    """``python -I tests/zygote_child.py -u -P -m zrank ARGS`` as torchrun starts a rank of a test's run: its own
     environment (the rank's variables, one thread, a ``sitecustomize`` on the path), stdin and output files."""
-    env = {**os.environ, **_ZYGOTE.rank_environment(), "RANK": "1", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "t",
+    env = {**os.environ, **_ZYGOTE.children_environment(), "RANK": "1", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "t",
            "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join([str(conftest.REPO), str(probe)])}
     if not zygote:
         del env["FINETUNER_TESTS_ZYGOTE_SOCKET"]
     (probe / "in.txt").write_text("from torchrun", encoding="utf-8")
-    cmd = [sys.executable, *shlex.split(env["FINETUNER_RANK_INTERPRETER"])[1:], "-u", "-P", "-m", "zrank", *args]
+    cmd = [sys.executable, *shlex.split(env["FINETUNER_PYTHON"])[1:], "-u", "-P", "-m", "zrank", *args]
     with open(probe / "in.txt", "rb") as stdin:
         proc = subprocess.Popen(cmd, cwd=probe, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if wait:
@@ -125,9 +125,9 @@ def rank_probe(tmp_path):
 
 @pytest.mark.parametrize("args", [("ok",), ("exit", "3")])
 def test_a_rank_from_the_zygote_is_what_a_new_interpreter_gives(rank_probe, args):
-    before = (_ZYGOTE.cpu(), _ZYGOTE.ranks_forked)[1]
+    before = (_ZYGOTE.cpu(), _ZYGOTE.children_forked)[1]
     forked = _rank(rank_probe, *args)
-    assert (_ZYGOTE.cpu(), _ZYGOTE.ranks_forked)[1] == before + 1  # it did come from the zygote
+    assert (_ZYGOTE.cpu(), _ZYGOTE.children_forked)[1] == before + 1  # it did come from the zygote
     fresh = _rank(rank_probe, *args, zygote=False)
     assert forked == fresh
     assert "cwd first False rank 1" in forked[1] and "stdin 'from torchrun' threads 1 deepspeed True" in forked[1]
@@ -167,3 +167,20 @@ def test_a_killed_stand_in_takes_its_rank_with_it(rank_probe):
     proc.kill()  # torchrun's last resort, or torchrun itself gone (the stand-in dies with it)
     proc.wait(timeout=60)
     assert _gone(pid)
+
+
+def test_a_python_c_child_from_the_zygote_is_what_a_new_interpreter_gives(rank_probe):
+    """``python -c CODE ARGS`` (the validation scripts' measurements): argv, module path, main module, status."""
+    code = ("import os, sys; import zrank_helper; print(sys.argv, repr(sys.path[0]), __name__, zrank_helper.X, "
+            "os.path.basename(os.getcwd())); sys.exit(4)")
+    (rank_probe / "zrank_helper.py").write_text("X = 'found in the working folder'\n", encoding="utf-8")
+    env = {**os.environ, **_ZYGOTE.children_environment()}
+    runs = []
+    for socket_path in (env["FINETUNER_TESTS_ZYGOTE_SOCKET"], ""):
+        before = (_ZYGOTE.cpu(), _ZYGOTE.children_forked)[1]
+        cmd = [*shlex.split(env["FINETUNER_PYTHON"]), "-c", code, "a", "b c"]
+        p = subprocess.run(cmd, cwd=rank_probe, env={**env, "FINETUNER_TESTS_ZYGOTE_SOCKET": socket_path},
+                           capture_output=True, text=True, timeout=conftest.HANG_GUARD_S)
+        runs.append((p.returncode, p.stdout))
+        assert (_ZYGOTE.cpu(), _ZYGOTE.children_forked)[1] == before + bool(socket_path)
+    assert runs[0] == runs[1] == (4, f"['-c', 'a', 'b c'] '' __main__ found in the working folder {rank_probe.name}\n")

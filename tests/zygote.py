@@ -24,14 +24,15 @@ command a real subprocess, for comparison.
 The protocol: one JSON line per command on this process's standard input (``module``, ``args``, ``cwd``,
 ``env``, ``stdout``, ``stderr`` (files the child writes), ``timeout``), one JSON line back on its standard
 output (``rc``: the exit status as ``subprocess`` gives it, or ``null`` when the timeout killed it; ``cpu_s``:
-the CPU seconds it used, which tests/conftest.py counts as a subprocess's; ``ranks_cpu_s``, ``ranks_forked``,
-``ranks_fresh``: the ranks' totals so far). ``{"query": "cpu"}`` asks for those totals alone.
+the CPU seconds it used, which tests/conftest.py counts as a subprocess's; ``children_cpu_s``, ``children_forked``,
+``children_fresh``: the totals so far of the processes below). ``{"query": "cpu"}`` asks for those totals alone.
 
-The ranks of a test's multi-process run come from here too: torchrun starts tests/zygote_rank.py as each rank's
-interpreter (``$FINETUNER_RANK_INTERPRETER``, set by tests/conftest.py), which sends the command, its environment
+The Python processes finetuner itself starts in a test come from here too (the ranks of a multi-process run, web
+UI jobs, chat and export workers, the validation scripts' measurements): their command's ``python`` is
+tests/zygote_child.py (``$FINETUNER_PYTHON``, set by tests/conftest.py), which sends the command, its environment
 and its standard streams (the file descriptors) over the Unix socket ``$FINETUNER_TESTS_ZYGOTE_SOCKET``; the
-rank is forked at once, while a command (the ``finetuner run`` that launched it) may be running, and its exit
-status goes back to the stand-in. Measured on 2 cores, test_fsdp.py, test_distributed_preference.py,
+process is forked at once, while a command (e.g. the ``finetuner run`` that launched a rank) may be running, and
+its exit status goes back to the stand-in. Measured on 2 cores, test_fsdp.py, test_distributed_preference.py,
 test_resume_exact.py and test_grpo_run.py (-n 2): 1,054 s of CPU with a new interpreter per rank, 458 s forked.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ import importlib
 import json
 import os
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -155,7 +157,7 @@ def _become(request: dict) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if "stdout" in request:  # a rank keeps the streams torchrun gave its stand-in (tests/zygote_rank.py)
+    if "stdout" in request:  # a stand-in's child keeps the stand-in's streams (tests/zygote_child.py)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(f, fd)
@@ -167,24 +169,31 @@ def _become(request: dict) -> None:
             old = getattr(sys, name)
             setattr(sys, name, io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), encoding=old.encoding,
                                                 errors=old.errors, write_through=True))
-    sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as ``-m`` does
     if request.get("safe_path") or os.environ.get("PYTHONSAFEPATH"):
         del sys.path[0]  # ``-P``: nothing put before the module path
+    elif "code" in request:
+        sys.path[0] = ""  # ``-c`` puts the working folder first on the path, as ''
     else:
-        sys.path[0] = os.getcwd()  # ``-m`` puts the working folder first on the path
+        sys.path[0] = os.getcwd()  # ``-m`` puts it there by name
+    if "code" in request:  # ``python -c CODE ARGS``
+        sys.argv = ["-c", *request["args"]]
+        main = sys.modules["__main__"] = type(sys)("__main__")
+        exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+        return
+    sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as ``-m`` does
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
-#: what torchrun, finetuner's launcher and tests/zygote_rank.py set in a rank's environment that
+#: what torchrun, finetuner's launcher and tests/zygote_child.py set in a rank's environment (or a job's) that
 #: :data:`READ_ON_IMPORT` names, all read when used (torch.distributed.elastic, accelerate's ``PartialState``),
 #: or applied by the child as the interpreter applies it (``-u``, ``-P``; ``OMP_NUM_THREADS`` in :func:`_become`)
-RANK_READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ACCELERATE_USE_CPU", "OMP_NUM_THREADS",
+CHILD_READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ACCELERATE_USE_CPU", "OMP_NUM_THREADS",
                        "PYTHONSAFEPATH")
 
 
-def rank_differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[str, str]) -> list[str]:
-    """:func:`differences` for a rank torchrun starts (tests/zygote_rank.py), and :func:`customized`."""
-    kept = [k for k in differences(started_with, loaded, env) if not k.startswith(RANK_READ_WHEN_USED)]
+def child_differences(started_with: dict[str, str], loaded: dict[str, str], env: dict[str, str]) -> list[str]:
+    """:func:`differences` for a process finetuner starts (tests/zygote_child.py), and :func:`customized`."""
+    kept = [k for k in differences(started_with, loaded, env) if not k.startswith(CHILD_READ_WHEN_USED)]
     return kept + customized(env)
 
 
@@ -193,13 +202,13 @@ def customized(env: dict[str, str]) -> list[str]:
     a forked child does not do: such a command runs as a real subprocess (a ``sitecustomize`` it runs, in
     :func:`_become`: e.g. tests/training/test_distributed.py's ``without_deepspeed``, which hides a library
     that the preloaded ones look for only when asked)."""
-    return [f"PYTHONPATH (usercustomize.py)" for d in _python_path(env) if os.path.exists(os.path.join(d, "usercustomize.py"))]
+    return ["PYTHONPATH (usercustomize.py)" for d in _python_path(env) if os.path.exists(os.path.join(d, "usercustomize.py"))]
 
 
 def serve(socket_path: str = "") -> None:
     """The zygote's loop (``python -c "from tests.zygote import serve; serve(SOCKET)"``), until its input ends:
     the tests' commands (one JSON line each on its standard input, their replies on its standard output) and,
-    meanwhile, the ranks tests/zygote_rank.py asks for on the Unix socket ``socket_path``."""
+    meanwhile, the processes tests/zygote_child.py asks for on the Unix socket ``socket_path``."""
     import selectors
     import socket
 
@@ -209,7 +218,7 @@ def serve(socket_path: str = "") -> None:
     os.dup2(devnull, 0)  # a child's standard input is empty, as ``stdin=DEVNULL`` gives a subprocess
     os.dup2(devnull, 1)
     listener = None
-    if socket_path:  # bound before the imports: a rank asking meanwhile waits for them, not for a new interpreter's
+    if socket_path:  # bound before the imports: a stand-in asking meanwhile waits for them, not for a new interpreter's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(socket_path)
         listener.listen(64)
@@ -227,11 +236,11 @@ def serve(socket_path: str = "") -> None:
     selector = selectors.DefaultSelector()
     selector.register(commands, selectors.EVENT_READ, "command")
     if listener is not None:
-        selector.register(listener, selectors.EVENT_READ, "rank")
+        selector.register(listener, selectors.EVENT_READ, "stand-in")
     command: tuple[int, float | None] | None = None  # the command running: its pid and deadline
-    ranks: dict[int, socket.socket] = {}  # the ranks running, by pid: their stand-in's connection
-    ranks_cpu_s = 0.0  # the CPU seconds of the ranks that ended
-    ranks_forked, ranks_fresh = 0, {}  # how many ranks it forked, and the ranks it did not by what kept them out
+    children: dict[int, socket.socket] = {}  # the stand-ins' children running, by pid: the stand-in's connection
+    children_cpu_s = 0.0  # the CPU seconds of the stand-ins' children that ended
+    children_forked, children_fresh = 0, {}  # how many it forked, and those it did not by what kept them out
     pending = b""
 
     def fork(request: dict, fds: list[int] = ()) -> int:
@@ -242,23 +251,23 @@ def serve(socket_path: str = "") -> None:
             for fd, target in zip(fds, (0, 1, 2)):
                 os.dup2(fd, target)
             selector.close()
-            for fd in (*fds, commands, *(c.fileno() for c in ranks.values()), *([listener.fileno()] if listener else [])):
+            for fd in (*fds, commands, *(c.fileno() for c in children.values()), *([listener.fileno()] if listener else [])):
                 os.close(fd)
             replies.close()
             _child(request)
         return pid
 
     def reply(answer: dict) -> None:
-        replies.write(json.dumps(dict(answer, ranks_cpu_s=ranks_cpu_s, ranks_forked=ranks_forked,
-                                      ranks_fresh=ranks_fresh)) + "\n")
+        replies.write(json.dumps(dict(answer, children_cpu_s=children_cpu_s, children_forked=children_forked,
+                                      children_fresh=children_fresh)) + "\n")
         replies.flush()
 
     while True:
         for key, _ in selector.select(timeout=0.02):
             if key.data == "command":
                 chunk = os.read(commands, 1 << 20)
-                if not chunk:  # the tests' process is done: so is any rank it left
-                    for pid in ranks:
+                if not chunk:  # the tests' process is done: so is any process it left
+                    for pid in children:
                         os.kill(pid, signal.SIGKILL)
                     return
                 pending += chunk
@@ -270,25 +279,25 @@ def serve(socket_path: str = "") -> None:
                     else:
                         timeout = request.get("timeout")
                         command = fork(request), None if timeout is None else time.monotonic() + timeout
-            elif key.data == "rank":
+            elif key.data == "stand-in":
                 conn, _ = listener.accept()
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 request = json.loads(message)
-                kept_out = rank_differences(started_with, loaded, request["env"])
+                kept_out = child_differences(started_with, loaded, request["env"])
                 if kept_out or len(fds) != 3:
                     reason = ", ".join(kept_out) or "its standard streams"
-                    ranks_fresh[reason] = ranks_fresh.get(reason, 0) + 1
+                    children_fresh[reason] = children_fresh.get(reason, 0) + 1
                     conn.send(json.dumps({"fresh": kept_out}).encode())
                     conn.close()
                 else:
                     pid = fork(request, fds)
-                    ranks_forked += 1
+                    children_forked += 1
                     conn.send(json.dumps({"pid": pid}).encode())
-                    ranks[pid] = conn
+                    children[pid] = conn
                     selector.register(conn, selectors.EVENT_READ, pid)
                 for fd in fds:
                     os.close(fd)
-            elif not key.fileobj.recv(1):  # a rank's stand-in has gone (killed): so goes the rank
+            elif not key.fileobj.recv(1):  # a stand-in has gone (killed): so goes its child
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(key.data, signal.SIGKILL)
                 selector.unregister(key.fileobj)
@@ -303,9 +312,9 @@ def serve(socket_path: str = "") -> None:
             if command is not None and pid == command[0]:
                 command = None
                 reply({"rc": rc, "cpu_s": cpu_s})
-            elif pid in ranks:
-                ranks_cpu_s += cpu_s
-                conn = ranks.pop(pid)
+            elif pid in children:
+                children_cpu_s += cpu_s
+                conn = children.pop(pid)
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps({"rc": rc}).encode())
                 with contextlib.suppress(KeyError, ValueError):
@@ -334,16 +343,16 @@ class Client:
         self.env: dict[str, str] = {}
         self.count = 0
         self.counted = 0.0
-        self.cpu_s = 0.0  # the CPU seconds of the commands and ranks it ran (the zygote's children, not this process's)
-        self.ranks_cpu_s = 0.0  # of which its ranks' (the zygote's total so far)
-        self.ranks_forked, self.ranks_fresh = 0, {}  # the ranks it forked, and those it did not by what kept them out
+        self.cpu_s = 0.0  # the CPU seconds of what it ran (the zygote's children, not this process's)
+        self.children_cpu_s = 0.0  # of which its stand-ins' children (tests/zygote_child.py; the zygote's total so far)
+        self.children_forked, self.children_fresh = 0, {}  # those it forked, and those it did not by what kept them out
         #: the commands sent to a new interpreter instead, by the variables that kept them out
         self.fresh: dict[str, int] = {}
         self.failed = False  # a zygote that did not start is not tried again: each try costs its imports
         self.lock = threading.Lock()  # one request at a time (the UI's tests run commands from its server's threads)
         self.folder = Path(tempfile.mkdtemp(prefix="finetuner-zygote-"))
-        #: where tests/zygote_rank.py asks for ranks (``$FINETUNER_TESTS_ZYGOTE_SOCKET``)
-        self.socket_path = str(self.folder / "ranks.sock")
+        #: where tests/zygote_child.py asks for its process (``$FINETUNER_TESTS_ZYGOTE_SOCKET``)
+        self.socket_path = str(self.folder / "children.sock")
         import atexit
 
         atexit.register(self.stop)
@@ -382,20 +391,26 @@ class Client:
     def _reply(self) -> dict | None:
         line = self.proc.stdout.readline() if self.proc else ""
         reply = json.loads(line) if line else None
-        if reply and "ranks_cpu_s" in reply:
-            self.ranks_forked, self.ranks_fresh = reply["ranks_forked"], reply["ranks_fresh"]
-            more = reply["ranks_cpu_s"] - self.ranks_cpu_s
-            self.ranks_cpu_s = reply["ranks_cpu_s"]
+        if reply and "children_cpu_s" in reply:
+            self.children_forked, self.children_fresh = reply["children_forked"], reply["children_fresh"]
+            more = reply["children_cpu_s"] - self.children_cpu_s
+            self.children_cpu_s = reply["children_cpu_s"]
             self.cpu_s += more
             self.counted += more
         return reply
 
     def cpu(self) -> float:
-        """:attr:`cpu_s` with the ranks that ended since the last reply."""
-        if self.ready is not None and self.proc is not None and self.proc.poll() is None:
+        """:attr:`cpu_s` with the stand-ins' children that ended since the last reply (a child counts in the test
+        during which it ended)."""
+        import select
+
+        if self.proc is not None and self.proc.poll() is None:
             with self.lock:
-                self._send({"query": "cpu"})
-                self._reply()
+                if self.ready is None and select.select([self.proc.stdout], [], [], 0)[0]:  # its imports are done
+                    self._started(self.env)
+                if self.ready is not None:  # (no child has run before)
+                    self._send({"query": "cpu"})
+                    self._reply()
         return self.cpu_s
 
     def _send(self, request: dict) -> None:
@@ -413,7 +428,7 @@ class Client:
                 self.proc.wait()
             self.cpu_s -= self.counted  # now in this process's RUSAGE_CHILDREN, with the rest of the zygote's
             self.counted = 0.0
-            self.ranks_cpu_s = 0.0
+            self.children_cpu_s = 0.0
             self.proc = None
             self.ready = None
 
@@ -454,10 +469,12 @@ class Client:
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[0], stderr=text[1])
         return subprocess.CompletedProcess(cmd, reply["rc"], text[0], text[1])
 
-    def rank_environment(self) -> dict[str, str]:
-        """The variables that make torchrun start each rank of a test's run through tests/zygote_rank.py."""
-        client = Path(__file__).with_name("zygote_rank.py")
-        return {"FINETUNER_RANK_INTERPRETER": f"{sys.executable} -I {client}", "FINETUNER_TESTS_ZYGOTE_SOCKET": self.socket_path}
+    def children_environment(self) -> dict[str, str]:
+        """The variables that make finetuner start its Python processes (ranks, UI jobs, workers) in the tests
+        through tests/zygote_child.py (finetuner.children.python_command)."""
+        client = Path(__file__).with_name("zygote_child.py")
+        return {"FINETUNER_PYTHON": f"{shlex.quote(sys.executable)} -I {shlex.quote(str(client))}",
+                "FINETUNER_TESTS_ZYGOTE_SOCKET": self.socket_path}
 
 
 CLIENT = Client()

@@ -57,11 +57,6 @@ STOP_FILE = ".stop"
 CONFIG_DIR = "distributed"
 #: How long the launcher of a node other than 0 waits for node 0 to prepare the run folder.
 NODE_WAIT_S = 900.0
-#: The command that stands for the Python interpreter in each rank's command (split as a shell splits it;
-#: default: this interpreter). A wrapper goes here, e.g. a profiler per rank (``py-spy record -o rank.svg --
-#: python``); finetuner's tests start ranks through one that forks them from a process that has imported torch
-#: already (tests/zygote_rank.py).
-RANK_INTERPRETER_ENV = "FINETUNER_RANK_INTERPRETER"
 
 
 def needs_launch(recipe: Recipe) -> bool:
@@ -146,16 +141,16 @@ def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None
 def torchrun_command(recipe: Recipe, run_dir: Path) -> list[str]:
     """``python -m torch.distributed.run`` for this node (``--standalone`` on one machine: a free port); it starts
     each rank as ``python -u -P -m finetuner.training.distributed RUN`` (``--no-python``: the interpreter's flags
-    are finetuner's), so that neither it nor a rank imports from the working folder (finetuner.children); the
-    interpreter is ``$FINETUNER_RANK_INTERPRETER`` where that is set (:data:`RANK_INTERPRETER_ENV`)."""
+    are finetuner's), so that neither it nor a rank imports from the working folder (finetuner.children); a rank's
+    ``python`` is ``$FINETUNER_PYTHON`` where that is set (:func:`finetuner.children.python_command`), torchrun's
+    this interpreter."""
     d = recipe.distributed
-    cmd = module_command("torch.distributed.run", f"--nproc_per_node={d.num_processes}")
+    cmd = [sys.executable, *module_args("torch.distributed.run", f"--nproc_per_node={d.num_processes}")]
     if d.nodes == 1:
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={d.nodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}", f"--master_port={d.master_port}"]
-    interpreter = shlex.split(os.environ.get(RANK_INTERPRETER_ENV, "")) or [sys.executable]
-    return cmd + ["--no-python", *interpreter, *module_args("finetuner.training.distributed", str(run_dir), unbuffered=True)]
+    return cmd + ["--no-python", *module_command("finetuner.training.distributed", str(run_dir), unbuffered=True)]
 
 
 def _transformer_layer(model_dir: str) -> str | None:

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from finetuner.children import python_command
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2_cpu.yaml"
 HELD_OUT = REPO / "data" / "bike_shop_heldout.jsonl"
@@ -73,7 +75,7 @@ def _env() -> dict[str, str]:
 
 
 def finetuner(*args: str, cwd: Path, stdin: str | None = None) -> str:
-    cmd = [sys.executable, "-m", "finetuner.cli.main", *args]
+    cmd = [*python_command(), "-m", "finetuner.cli.main", *args]
     p = subprocess.run(cmd, cwd=cwd, env=_env(), input=stdin, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")

@@ -16,17 +16,18 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from finetuner.children import python_command
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run(work: Path, name: str, steps: int, extra: list[str]) -> dict:
     out = work / name
-    cmd = [sys.executable, "-m", "finetuner.cli.main", "run", str(REPO / "recipes" / "demo_cpu.yaml"), "--quiet", "--no-resume",
+    cmd = [*python_command(), "-m", "finetuner.cli.main", "run", str(REPO / "recipes" / "demo_cpu.yaml"), "--quiet", "--no-resume",
            "--output", str(out), "--set", f"training.max_steps={steps}", "--set", "lora.dropout=0",
            "--set", "samples.prompts=[]", "--set", "checkpointing.save_every=null", "--set", "logging.tensorboard=false",
            *extra]

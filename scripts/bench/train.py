@@ -68,6 +68,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from finetuner.children import python_command
+
 REPO = Path(__file__).resolve().parents[2]
 
 VARIANTS = ("baseline", "finetuner", "finetuner_packed")
@@ -457,7 +459,7 @@ def spawn(kind: str, spec: dict, timeout: int) -> dict:
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     if spec.get("threads"):
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec["threads"])
-    cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", kind, "--spec", json.dumps(spec)]
+    cmd = [*python_command(), "-m", "scripts.bench.train", "--worker", kind, "--spec", json.dumps(spec)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:

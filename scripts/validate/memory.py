@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 from scripts.validate.train_gpu import build_model, write_data
 
+from finetuner.children import python_command
+
 GiB = 2**30
 
 #: name → recipe overrides. Sequence length is the packed length; micro-batch 1 (2 where noted).
@@ -118,9 +120,9 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
         code = ("import sys, torch; torch.cuda.set_per_process_memory_fraction("
                 f"{cap_gib} * 2**30 / torch.cuda.get_device_properties(0).total_memory); "
                 f"from finetuner.cli.main import main; sys.exit(main({args!r}))")
-        cmd = [sys.executable, "-c", code]
+        cmd = [*python_command(), "-c", code]
     else:
-        cmd = [sys.executable, "-m", "finetuner.cli.main", *args]
+        cmd = [*python_command(), "-m", "finetuner.cli.main", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

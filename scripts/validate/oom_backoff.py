@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from finetuner.children import python_command
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -117,7 +119,7 @@ def run_child(name: str, spec: dict, work: Path, fault: str | None = None) -> di
     if fault:
         env["FINETUNER_FAULT"] = fault
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "scripts.validate.oom_backoff", "--child", json.dumps(spec)],
+    proc = subprocess.run([*python_command(), "-m", "scripts.validate.oom_backoff", "--child", json.dumps(spec)],
                           cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         log(proc.stdout[-3000:], proc.stderr[-3000:])

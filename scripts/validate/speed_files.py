@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from finetuner.children import python_command
+
 REPO = Path(__file__).resolve().parents[2]
 #: name → (recipe, overrides): every shipped CPU recipe as shipped, and the demo on the chat sample file
 RECIPES: dict[str, tuple[str, list[str]]] = {
@@ -48,7 +50,7 @@ PARTS = ("load", "steps", "evaluations", "checkpoints", "samples", "total")
 
 def run_one(recipe: str, overrides: list[str], out: Path) -> dict:
     """Train ``recipe`` into ``out`` with the ``finetuner`` command; the run's predicted and measured time."""
-    cmd = [sys.executable, "-m", "finetuner", "run", str(REPO / recipe), "--output", str(out), "--quiet"]
+    cmd = [*python_command(), "-m", "finetuner", "run", str(REPO / recipe), "--output", str(out), "--quiet"]
     for o in overrides:
         cmd += ["--set", o]
     began = time.monotonic()
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and not any(o in name for o in args.only):
                 continue
             recipe = Path(tmp) / f"planned{j}.yaml"
-            made = subprocess.run([sys.executable, "-m", "finetuner", "plan", *plan_args, "-o", str(recipe)], cwd=REPO,
+            made = subprocess.run([*python_command(), "-m", "finetuner", "plan", *plan_args, "-o", str(recipe)], cwd=REPO,
                                   capture_output=True, text=True, timeout=600)
             if made.returncode != 0:
                 raise SystemExit(f"plan {plan_args} failed:\n{made.stdout[-2000:]}\n{made.stderr[-2000:]}")

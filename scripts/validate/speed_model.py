@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from finetuner.children import python_command
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "data" / "demo_model")
 SMOL = "smollm2-135m-instruct"
@@ -242,7 +244,7 @@ def run_matrix(module: str, names: list[str], steps_of, describe) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             t0 = time.time()
-            p = subprocess.run([sys.executable, "-m", module, "--one", name, "--work", tmp, "--steps", str(steps_of(name))],
+            p = subprocess.run([*python_command(), "-m", module, "--one", name, "--work", tmp, "--steps", str(steps_of(name))],
                                cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
             if p.returncode != 0:
                 log(f"{name}: failed\n{p.stderr[-3000:]}")

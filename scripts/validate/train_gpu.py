@@ -19,9 +19,10 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from finetuner.children import python_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,7 +126,7 @@ def run_config(name: str, overrides: list[str], model_dir: Path, data: Path, wor
     rpath = work / f"{name}.yaml"
     rpath.write_text(yaml.safe_dump(recipe))
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "finetuner.cli.main", "run", str(rpath), "--no-resume", "-q"]
+    cmd = [*python_command(), "-m", "finetuner.cli.main", "run", str(rpath), "--no-resume", "-q"]
     for o in overrides:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True)

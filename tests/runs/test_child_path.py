@@ -2,7 +2,9 @@
 
 Each test plants modules named like finetuner's imports (``yaml``, ``peft``, ``safetensors``) in the folder a
 child runs in; a planted module that is imported writes a marker file and ends
-its process, so a run that imported one both leaves the marker and fails."""
+its process, so a run that imported one both leaves the marker and fails. These processes start from a new
+interpreter here (``real_interpreters``), not forked from the tests' zygote (tests/zygote_child.py), which has
+imported those libraries already and would show nothing."""
 
 from __future__ import annotations
 
@@ -16,11 +18,17 @@ import pytest
 
 import finetuner
 from finetuner.config.recipe import Recipe
-from finetuner.children import BOOTSTRAP, module_args, module_command
+from finetuner.children import BOOTSTRAP, PYTHON_ENV, module_args, module_command, python_command
 from finetuner.runs import jobs
 from tests.conftest import HANG_GUARD_S, REPO, demo_run_folder, write_recipe
 
 PLANTED = ("yaml", "peft", "safetensors")
+
+
+@pytest.fixture(autouse=True)
+def real_interpreters(monkeypatch):
+    """Every process finetuner starts in these tests is a new interpreter (``$FINETUNER_PYTHON`` unset)."""
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
 
 
 def plant(folder: Path) -> Path:
@@ -60,7 +68,9 @@ def test_every_python_child_finetuner_starts_runs_a_module_without_the_working_f
         if path.name != "children.py" and ('sys.executable, "-m"' in text or "sys.executable, '-m'" in text):
             offenders.append(str(path.relative_to(REPO)))
     assert not offenders
-    assert module_command("finetuner", "run")[1:] in (["-P", "-m", "finetuner", "run"], ["-c", BOOTSTRAP, "finetuner", "run"])
+    assert module_command("finetuner", "run") in ([sys.executable, "-P", "-m", "finetuner", "run"],
+                                                  [sys.executable, "-c", BOOTSTRAP, "finetuner", "run"])
+    assert python_command() == [sys.executable]
 
 
 def test_resuming_a_received_run_in_the_web_ui_runs_no_code_planted_in_it(recipe_dict, tmp_path):

@@ -509,16 +509,17 @@ def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count
 
 
 def test_the_ranks_interpreter_is_this_one_or_the_one_the_user_names(recipe_dict, monkeypatch):
-    """``$FINETUNER_RANK_INTERPRETER`` stands for ``python`` in each rank's command (a profiler per rank; the
-    tests' ranks come from tests/zygote_rank.py that way), and launch.sh shows it."""
-    from finetuner.children import module_args
-    from finetuner.training.launch import RANK_INTERPRETER_ENV, torchrun_command
+    """``$FINETUNER_PYTHON`` stands for ``python`` in each rank's command (a profiler per rank; the tests' ranks
+    come from tests/zygote_child.py that way), and launch.sh shows it; torchrun itself runs on this interpreter."""
+    from finetuner.children import PYTHON_ENV, module_args
+    from finetuner.training.launch import torchrun_command
 
     rank = module_args("finetuner.training.distributed", "/runs/r", unbuffered=True)  # -u -P -m ... /runs/r
     recipe = Recipe.from_dict(dict(recipe_dict, distributed={"strategy": "ddp", "num_processes": 2}))
-    monkeypatch.delenv(RANK_INTERPRETER_ENV, raising=False)
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
     plain = torchrun_command(recipe, Path("/runs/r"))
     assert plain[plain.index("--no-python") + 1:] == [sys.executable, *rank]
-    monkeypatch.setenv(RANK_INTERPRETER_ENV, "py-spy record -o 'rank profile.svg' -- /usr/bin/python3")
+    monkeypatch.setenv(PYTHON_ENV, "py-spy record -o 'rank profile.svg' -- /usr/bin/python3")
     wrapped = torchrun_command(recipe, Path("/runs/r"))
     assert wrapped[wrapped.index("--no-python") + 1:] == ["py-spy", "record", "-o", "rank profile.svg", "--", "/usr/bin/python3", *rank]
+    assert wrapped[0] == sys.executable and wrapped[:wrapped.index("--no-python")] == plain[:plain.index("--no-python")]

@@ -1,15 +1,16 @@
-"""A rank of a multi-process test run, forked from this test worker's zygote (tests/zygote.py) instead of a new
-interpreter: the interpreter torchrun starts for each rank (``$FINETUNER_RANK_INTERPRETER``, which
-tests/conftest.py sets to ``python -I tests/zygote_rank.py``; finetuner/training/launch.py puts it in the
-rank's command in place of ``python``).
+"""A Python process that finetuner starts in a test (a rank of a multi-process run, a web UI job, a chat or
+export worker, a validation script's measurement), forked from this test worker's zygote (tests/zygote.py)
+instead of a new interpreter: ``$FINETUNER_PYTHON`` (finetuner.children.python_command), which tests/conftest.py
+sets to ``python -I tests/zygote_child.py``.
 
-Run as ``python -I zygote_rank.py [-u] [-P] -m MODULE ARGS``, it imports nothing but the standard library. It
-sends the zygote (``$FINETUNER_TESTS_ZYGOTE_SOCKET``) the command, its working folder and environment, and its
-own standard input, output and error (the file descriptors themselves), and the zygote forks the rank with
-them. This process then stands for the rank towards torchrun: a signal torchrun sends it goes on to the rank;
-it ends with the rank's exit status (killed by the same signal where the rank was); torchrun dying kills it
-(``PR_SET_PDEATHSIG``, as the rank itself asks for), and the zygote kills the rank when this process is gone.
-Where the zygote is not there or cannot give the rank's environment (tests/zygote.py, ``rank_differences``),
+Run as ``python -I zygote_child.py [-u] [-P] (-m MODULE | -c CODE) ARGS``, it imports nothing but the standard
+library. It sends the zygote (``$FINETUNER_TESTS_ZYGOTE_SOCKET``) the command, its working folder and
+environment, and its own standard input, output and error (the file descriptors themselves), and the zygote
+forks the process with them. This process then stands for it towards its parent: a signal sent to it goes on
+(SIGTERM from torchrun, SIGINT from the UI's Stop); it ends with the child's exit status (killed by the same
+signal where the child was); and the zygote kills the child when this process is gone. For a rank, this
+process dies with torchrun (``PR_SET_PDEATHSIG``, which the rank itself asks for). Where the zygote is not there
+or cannot give the environment (tests/zygote.py, ``child_differences``), or the interpreter's options are others,
 it becomes the real interpreter with the same arguments (``exec``).
 """
 import ctypes
@@ -24,7 +25,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def _parse(argv: list[str]) -> dict | None:
-    """``[-u] [-P] -m MODULE ARGS`` (what finetuner.children.module_args gives a rank), or None."""
+    """``[-u] [-P] -m MODULE ARGS`` (finetuner.children.module_args) or ``[-u] [-P] -c CODE ARGS``, else None."""
     flags = {"unbuffered": False, "safe_path": False}
     for i, arg in enumerate(argv):
         if arg == "-u":
@@ -33,6 +34,8 @@ def _parse(argv: list[str]) -> dict | None:
             flags["safe_path"] = True
         elif arg == "-m" and i + 1 < len(argv):
             return dict(flags, module=argv[i + 1], args=argv[i + 2:])
+        elif arg == "-c" and i + 1 < len(argv):
+            return dict(flags, code=argv[i + 1], args=argv[i + 2:])
         else:
             return None
     return None
@@ -52,7 +55,8 @@ def main() -> None:
     request, path = _parse(sys.argv[1:]), os.environ.get(SOCKET_ENV)
     if request is None or not path:
         _interpreter()
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with torchrun, as the rank would be
+    if request.get("module") == "finetuner.training.distributed":  # a rank: gone with torchrun, as it would be
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (finetuner/training/distributed.py)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(path)
