@@ -44,7 +44,12 @@ def cores_per_worker() -> int:
 # SmolLM2 walk-through and tests/cli/test_cli.py): 15 min 11 s and 27 min of CPU with torch's default, 6 min
 # 30 s and 9 min 26 s of CPU with one thread a worker. Set before anything imports torch; a variable the
 # user set wins. (torchrun's ranks get their own share from finetuner.training.launch, as for a user.)
-os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_worker()))
+# xdist's controller imports this file too, before it starts the workers, which inherit its environment: a value
+# set here is marked as set here, and each worker sets its own share (with the marker only, "2 threads a worker
+# on 2 cores" had stayed unseen: the controller's 2 reached every worker, measured by the junit property
+# ``threads``, and the DPO-from-SFT test took 351 s of CPU in the whole suite, 56 s alone with one thread).
+if os.environ.get("FINETUNER_TESTS_OMP_SET") == os.environ.get("OMP_NUM_THREADS") or "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = os.environ["FINETUNER_TESTS_OMP_SET"] = str(cores_per_worker())
 
 
 @pytest.fixture
