@@ -33,8 +33,8 @@ def module_args(module: str, *args: str, unbuffered: bool = False, safe_path: bo
 
 #: The command that stands for ``python`` in the Python processes finetuner starts (web UI jobs, the ranks of a
 #: multi-process run, chat and export workers; split as a shell splits it). Default: this interpreter. A wrapper
-#: goes here, e.g. a profiler (``py-spy record -o job.svg -- python``); finetuner's tests fork those processes
-#: from one that has imported torch already (tests/zygote_child.py).
+#: command may go here, which must run a Python interpreter with the arguments that follow it; finetuner's tests
+#: fork those processes from one that has imported torch already (tests/zygote_child.py).
 PYTHON_ENV = "FINETUNER_PYTHON"
 
 

@@ -509,8 +509,8 @@ def test_a_zero_checkpoint_resumes_only_with_the_same_strategy_and_process_count
 
 
 def test_the_ranks_interpreter_is_this_one_or_the_one_the_user_names(recipe_dict, monkeypatch):
-    """``$FINETUNER_PYTHON`` stands for ``python`` in each rank's command (a profiler per rank; the tests' ranks
-    come from tests/zygote_child.py that way), and launch.sh shows it; torchrun itself runs on this interpreter."""
+    """``$FINETUNER_PYTHON`` stands for ``python`` in each rank's command (a wrapper command; the tests' ranks come
+    from tests/zygote_child.py that way), and launch.sh shows it; torchrun itself runs on this interpreter."""
     from finetuner.children import PYTHON_ENV, module_args
     from finetuner.training.launch import torchrun_command
 
