@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import zygote
+from tests import gc_clock, zygote
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -82,24 +82,8 @@ OWN_CPU_AT_SETUP = pytest.StashKey[float]()
 GC_AT_SETUP = pytest.StashKey[float]()
 
 
-class _GcClock:
-    """Seconds this process has spent in Python's garbage collector (``gc.callbacks``): a junit property per test,
-    for whoever looks for why a test is slower in the whole suite than alone."""
-
-    def __init__(self):
-        import gc
-
-        self.seconds, self.began = 0.0, 0.0
-        gc.callbacks.append(self)
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self.began = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self.began
-
-
-_GC_CLOCK = _GcClock()
+#: kept in tests/gc_clock.py: pytest imports this file twice (``conftest``, ``tests.conftest``), the clock once
+_GC_CLOCK = gc_clock.CLOCK
 
 
 def cpu_seconds(children: bool = True) -> float:
