@@ -483,10 +483,7 @@ def _time_text(t: dict[str, Any]) -> str:
 
     text = time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
                      t["currency"], t["source"], bool(t.get("upper_bound")), " (real tokens, padding excluded)")
-    if not t.get("upper_bound"):
-        text += (f"\nLengths: {t['lengths']}." if t.get("lengths") else
-                 "\nLengths: every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound.")
-    return text
+    return text + f"\nLengths: {t['lengths']}."
 
 
 # ---------------------------------------------------------------------- gpus

@@ -115,9 +115,9 @@ class ProgressPrinter:
                 if ev.get("gguf"):
                     self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
                 pred = ev.get("predicted_speed")
-                if pred and pred.get("upper_bound"):  # GRPO: at the longest prompts and completions
+                if pred and pred.get("upper_bound"):  # GRPO: its completions at their longest
                     self.console.print(f"predicted: at most {pred['step_s']:.3g} s a step, ~{pred['total_s']:,.0f} s for "
-                                       f"{ev['max_steps']} steps (prompts and completions at their longest; speed: "
+                                       f"{ev['max_steps']} steps (completions at their longest; speed: "
                                        f"{pred['source']})", highlight=False)
                 elif pred:
                     whole = f", ~{pred['wall_s']:,.0f} s the whole run" if pred.get("wall_s") else ""

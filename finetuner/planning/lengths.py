@@ -65,3 +65,16 @@ def batch_shape(lengths: Sequence[int], micro_batch: int, max_seq_len: int, pack
     if packing:  # rows are filled to max_seq_len from the examples end to end
         return BatchShape(float(max_seq_len), float(max_seq_len), source)
     return BatchShape(expected_longest(cut, micro_batch), sum(cut) / len(cut), source)
+
+
+
+def prompt_batch(lengths: Sequence[int], prompts: int, max_prompt_len: int, source: str = "data") -> BatchShape:
+    """GRPO's prompts as its ``generate`` calls take them (:func:`finetuner.training.rollout.generate_group`):
+    the ``prompts`` prompts sampled together (a step's ``micro_batch_size × gradient_accumulation``, or an
+    evaluation's held-out prompts) are left-padded to the longest of them before they are cut into
+    calls, so ``padded_len`` is the expected longest of ``prompts`` prompt lengths and ``real_per_row``
+    the mean prompt (both cut to ``max_prompt_len``, ``data.max_seq_len − grpo.max_new_tokens``: the
+    trainer refuses a longer prompt). ``lengths``: the prompts' token lengths
+    (:func:`finetuner.data.stats.profile_prompts`)."""
+    cut = [max(1, min(int(x), max_prompt_len)) for x in lengths]
+    return BatchShape(expected_longest(cut, prompts), sum(cut) / len(cut), source)

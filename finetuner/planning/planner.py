@@ -47,7 +47,7 @@ from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.planning.sizing import Sizing, held_out_rows, learning_rate, size_run
 from finetuner.planning.recipe_speed import recipe_step_time
-from finetuner.planning.lengths import BatchShape, batch_shape
+from finetuner.planning.lengths import BatchShape, batch_shape, prompt_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
 from finetuner.planning.wait import Wait, check_currency, cost_of, cost_text, parts_text, recipe_wait
@@ -376,9 +376,10 @@ def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[
     """How the plan and ``estimate`` say a run's time: tokens/s (``tokens_note`` after it) and time per optimizer
     step, the ``steps``' time, the whole run by part (:func:`finetuner.planning.wait.parts_text` of a
     :meth:`~finetuner.planning.wait.Wait.to_dict`), its cost, and where the speed figures came from.
-    ``upper_bound`` (GRPO): the step at the longest prompts and completions."""
+    ``upper_bound`` (GRPO): the step with its completions at their longest (the prompts the data's where it
+    can be read)."""
     if upper_bound:
-        bits = [f"at most {format_duration(step_s)} per optimizer step (prompts and completions at their longest; "
+        bits = [f"at most {format_duration(step_s)} per optimizer step (completions at their longest; "
                 "the rollout's generation included)"]
         if steps:
             bits.append(f"{steps:,} optimizer steps: at most ~{format_duration(step_s * steps)}")
@@ -490,9 +491,9 @@ def search(
     """Every option the recipe leaves open, estimated and ranked (best first).
 
     ``speed``: the device's speed figures for the ranking (default :func:`speed_for` ``gpu``);
-    ``lengths``: the training rows' token lengths (a data profile's), so that each option's time is
-    that of its micro-batches as the trainer pads them (:mod:`finetuner.planning.lengths`); None:
-    every row ``data.max_seq_len`` long.
+    ``lengths``: the training rows' token lengths (a data profile's; GRPO: its prompts'), so that each
+    option's time is that of its micro-batches as the trainer pads them (:mod:`finetuner.planning.lengths`);
+    None: every row ``data.max_seq_len`` long.
 
     With ``gpus > 1`` each option is also split over the devices by the best strategy
     (:func:`finetuner.memory.sharding.compare_strategies`: DDP, ZeRO 1-3, FSDP, ZeRO-Offload,
@@ -545,10 +546,10 @@ def search(
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
                             if grpo:  # and vLLM's share (grpo.use_vllm) holds its weights and a sequence's KV cache
                                 fits = fits and est.details["grpo"]["vllm_fits"]
+                        batch = lengths_batch(recipe, lengths, mb, ga) if lengths else None
                         if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
-                            st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p)
+                            st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
                         else:
-                            batch = batch_shape(lengths, mb, recipe.data.max_seq_len, bool(recipe.data.packing)) if lengths else None
                             st = step_time(shape, s, speed, est, sharded, batch=batch)
                         out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
@@ -948,7 +949,7 @@ def plan(
         name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
         notes += [why_name] if why_name else []
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw)
-    lengths = profile.lengths if profile is not None and profile.kind != "prompts" else None
+    lengths = profile.lengths if profile is not None else None  # GRPO's: its prompts' (profile_prompts)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths,
                          currency=currency)
@@ -1270,17 +1271,21 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
 
 @functools.lru_cache(maxsize=16)
 def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
-                  columns: tuple[tuple[str, str], ...]) -> tuple[float, tuple[int, ...]]:
-    """``(label fraction, token lengths)`` of a data file, once per file version."""
-    from finetuner.data.stats import profile_data
+                  columns: tuple[tuple[str, str], ...], prompts: bool = False) -> tuple[float, tuple[int, ...]]:
+    """``(label fraction, token lengths)`` of a data file, once per file version; with ``prompts`` its
+    prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
+    from finetuner.data.stats import profile_data, profile_prompts
 
+    if prompts:
+        p = profile_prompts(path, model, columns=dict(columns) or None)
+        return 1.0, tuple(p.lengths)
     p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None)
     return p.label_fraction, tuple(p.lengths)
 
 
-def _recipe_file_profile(recipe: Recipe, file: str | None = None) -> tuple[float, tuple[int, ...]] | None:
+def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool = False) -> tuple[float, tuple[int, ...]] | None:
     """:func:`_file_profile` of the recipe's one local data file (or of ``file``, read as the recipe reads
-    its data), None when it has none readable here."""
+    its data; ``prompts``: its prompts), None when it has none readable here."""
     d = recipe.data
     file = d.path if file is None else file
     if not isinstance(file, str) or not Path(file).expanduser().is_file():
@@ -1289,22 +1294,38 @@ def _recipe_file_profile(recipe: Recipe, file: str | None = None) -> tuple[float
     st = path.stat()
     try:
         return _file_profile(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
-                             tuple(sorted((d.columns or {}).items())))
+                             tuple(sorted((d.columns or {}).items())), prompts)
     except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows
         return None
 
 
 def data_batch_of(recipe: Recipe) -> BatchShape | None:
     """The recipe's average micro-batch from its data's token lengths (:mod:`finetuner.planning.lengths`),
-    measured as :func:`label_fraction_of` measures them (cached per file version); None when the data is
-    not one local file readable here (the speed model then takes every row as ``data.max_seq_len`` long)."""
-    from finetuner.planning.lengths import batch_shape
-
-    prof = _recipe_file_profile(recipe)
-    mb = recipe.training.micro_batch_size
-    if prof is None or not prof[1] or not isinstance(mb, int):
+    measured as :func:`label_fraction_of` measures them (cached per file version); for GRPO its prompts as
+    a ``generate`` call takes them (:func:`finetuner.planning.lengths.prompt_batch`). None when the data is
+    not one local file readable here (the speed model then takes every row, or prompt, at its longest)."""
+    prof = _recipe_file_profile(recipe, prompts=recipe.objective == "grpo")
+    t = recipe.training
+    if prof is None or not prof[1] or not isinstance(t.micro_batch_size, int) or not isinstance(t.gradient_accumulation, int):
         return None
-    return batch_shape(prof[1], mb, recipe.data.max_seq_len, bool(recipe.data.packing), source=str(recipe.data.path))
+    return lengths_batch(recipe, prof[1], t.micro_batch_size, t.gradient_accumulation, source=str(recipe.data.path))
+
+
+def lengths_batch(recipe: Recipe, lengths: Sequence[int], micro_batch: int, gradient_accumulation: int,
+                  source: str = "data") -> BatchShape:
+    """The average micro-batch of ``micro_batch`` rows of data with these token ``lengths``
+    (:func:`~finetuner.planning.lengths.batch_shape`), or for GRPO, whose ``lengths`` are its prompts', a
+    step's ``micro_batch × gradient_accumulation`` prompts as its rollout pads them
+    (:func:`~finetuner.planning.lengths.prompt_batch`)."""
+    d = recipe.data
+    if recipe.objective == "grpo":
+        return prompt_batch(lengths, micro_batch * gradient_accumulation, max_prompt_len(recipe), source)
+    return batch_shape(lengths, micro_batch, d.max_seq_len, bool(d.packing), source=source)
+
+
+def max_prompt_len(recipe: Recipe) -> int:
+    """A GRPO recipe's longest prompt: ``data.max_seq_len − grpo.max_new_tokens`` (the trainer refuses longer)."""
+    return recipe.data.max_seq_len - recipe.grpo.max_new_tokens
 
 
 def label_fraction_of(recipe: Recipe) -> float:
@@ -1325,9 +1346,9 @@ def held_out_of(recipe: Recipe) -> int | None:
     (:func:`~finetuner.planning.sizing.held_out_rows`); None when the file cannot be read here."""
     d = recipe.data
     if d.val_path:
-        prof = _recipe_file_profile(recipe, d.val_path)
+        prof = _recipe_file_profile(recipe, d.val_path, prompts=recipe.objective == "grpo")
         return len(prof[1]) if prof is not None else None
-    prof = _recipe_file_profile(recipe)
+    prof = _recipe_file_profile(recipe, prompts=recipe.objective == "grpo")
     return held_out_rows(d.val_size, len(prof[1])) if prof is not None else None
 
 
@@ -1344,13 +1365,20 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
         return None
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
-    d, grpo = recipe.data, recipe.objective == "grpo"
+    d, t, grpo = recipe.data, recipe.training, recipe.objective == "grpo"
+    source = "data"
+    if not lengths:
+        prof = _recipe_file_profile(recipe, prompts=grpo)
+        lengths, source = (prof[1], str(d.path)) if prof is not None else (None, source)
     if lengths:
         held_out = held_out_of(recipe) if d.val_path else held_out_rows(d.val_size, len(lengths))
-        batch = None if grpo else batch_shape(lengths, recipe.training.micro_batch_size, d.max_seq_len, bool(d.packing))
+        batch = lengths_batch(recipe, lengths, t.micro_batch_size, t.gradient_accumulation, source)
     else:
-        held_out, batch = held_out_of(recipe), None if grpo else data_batch_of(recipe)
-    return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch)
+        held_out, batch = held_out_of(recipe), None
+    # GRPO's evaluation samples every held-out prompt's group at once: padded to the longest of them
+    # (with data.val_path, taken from the training prompts' lengths)
+    eval_prompts = prompt_batch(lengths, held_out, max_prompt_len(recipe), source) if grpo and lengths and held_out else None
+    return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch, eval_prompts=eval_prompts)
 
 
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:
@@ -1465,8 +1493,8 @@ def estimate_time(
     "currency", "source", "parts_s", "upper_bound"}``: ``steps_s`` the optimizer steps alone, ``wall_s`` the
     whole run (``wait``: :meth:`finetuner.planning.wait.Wait.to_dict`, by part: download, load, steps,
     evaluations, checkpoints, samples, :func:`run_wait`), ``cost`` the whole run's at ``price_per_hour`` (in
-    ``currency``), ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted at the longest prompts
-    and completions, so the step takes at most ``step_s``. The optimizer steps are the run's own count
+    ``currency``), ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted with its completions at
+    their longest, so the step takes at most ``step_s``. The optimizer steps are the run's own count
     (:func:`run_optimizer_steps`: its ``max_steps``, else epochs over the data's training rows), None when the
     data cannot be read here (and then so are ``steps_s``, ``wall_s``, ``wait`` and ``cost``)."""
     from finetuner.config.hardware import cpu_profile
@@ -1483,7 +1511,7 @@ def estimate_time(
     if recipe.auto_keys():
         recipe = resolve_auto(recipe, prof, label_fraction=label_fraction).recipe
     speed = speed or speed_for(prof)
-    batch = data_batch_of(recipe) if recipe.objective != "grpo" else None
+    batch = data_batch_of(recipe)
     st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction, batch=batch)
     steps = run_optimizer_steps(recipe)
     wait = run_wait(recipe, prof, speed, st, steps, label_fraction, shape=shape)
@@ -1491,9 +1519,22 @@ def estimate_time(
             "steps_s": st.step_s * steps if steps else None, "wall_s": wait.wall_s if wait else None,
             "wait": wait.to_dict() if wait else None, "price_per_hour": price_per_hour, "currency": currency,
             "cost": cost_of(wait.wall_s if wait else None, price_per_hour), "source": speed.source, "parts_s": dict(st.parts),
-            "upper_bound": recipe.objective == "grpo", "padded_tokens_per_s": st.padded_tokens_per_s,
-            "lengths": (f"the rows of {batch.source}: {batch.padded_len:.0f} positions a micro-batch row, "
-                        f"{batch.real_per_row:.0f} of them tokens" if batch is not None else None)}
+            "upper_bound": st.upper_bound, "padded_tokens_per_s": st.padded_tokens_per_s,
+            "lengths": lengths_text(recipe, batch)}
+
+
+def lengths_text(recipe: Recipe, batch: BatchShape | None) -> str:
+    """What ``estimate`` says of the lengths it timed: the data's (``batch``), or the longest."""
+    if batch is None:
+        if recipe.objective == "grpo":
+            return ("every prompt taken as data.max_seq_len - grpo.max_new_tokens tokens long and every completion as "
+                    "grpo.max_new_tokens (the data file cannot be read here): an upper bound")
+        return "every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound"
+    if recipe.objective == "grpo":
+        return (f"the prompts of {batch.source}: {batch.real_per_row:.0f} tokens a prompt, {batch.padded_len:.0f} "
+                f"positions a generate call's; completions at their longest ({recipe.grpo.max_new_tokens} tokens)")
+    return (f"the rows of {batch.source}: {batch.padded_len:.0f} positions a micro-batch row, "
+            f"{batch.real_per_row:.0f} of them tokens")
 
 
 def run_optimizer_steps(recipe: Recipe) -> int | None:

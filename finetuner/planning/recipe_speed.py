@@ -32,7 +32,8 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
 
     A GRPO recipe (``objective: grpo``) predicts through
     :func:`finetuner.planning.speed_grpo.grpo_step_time` (its rollout, then the training passes over the
-    completions) with :func:`finetuner.memory.grpo.grpo_settings_of`, at the upper-bound lengths
+    completions) with :func:`finetuner.memory.grpo.grpo_settings_of`: ``batch`` is then the data's prompts
+    (:func:`finetuner.planning.lengths.prompt_batch`), the completions at their upper bound
     (``label_fraction`` and ``padding_free`` do not apply)."""
     from finetuner.memory.model import settings_from_recipe
     from finetuner.model.shapes import resolve_shape
@@ -42,7 +43,7 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
         s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
         # the trainer's GRPO prediction wraps the loss phase's MemoryEstimate (activation offload reads it)
         loss_est = est if est is None or hasattr(est, "offloaded_bytes") else getattr(getattr(est, "mem", None), "loss", None)
-        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p)
+        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p, prompts=batch)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
     if padding_free and not recipe.data.packing:
         s = s.with_(attention_mask=False)

@@ -10,7 +10,7 @@ A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prom
   (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.training.rollout`):
 
   - **generation: prefill** per call: a no-grad forward over ``R × P_w`` prompt tokens (``P_w``: the
-    call's prompts are left-padded to its longest) (:func:`forward_parts`: the decoder's and LoRA's
+    step's prompts are left-padded to their longest, all calls alike) (:func:`forward_parts`: the decoder's and LoRA's
     matmuls ``2 N T`` and ``2 r (in + out) T`` at the rate of speed.py's training passes; attention over
     the padded prompts, one of the three units :func:`~finetuner.planning.speed.attention_seconds`
     counts for a training pass; the forward's memory traffic ``FORWARD_TRAFFIC × saved bytes``; the
@@ -50,10 +50,13 @@ bookkeeping, against ``EAGER_OP_FACTOR`` in training). On a CPU operations add t
 (:data:`speed.py`'s rule) the host queues kernels while the device works, so each decode step takes
 ``max(device work, operations)``: a small batch is launch-bound or weight-read-bound.
 
-Lengths: ``P`` (prompt tokens per row), ``C`` (completion tokens per row) and ``D`` default to their
-upper bounds ``prompt_len``, ``max_new_tokens`` and ``max_new_tokens`` per call, with no padding: the
-prediction is then at those lengths, an upper bound on the lengths ("at most"; :attr:`StepTime.upper_bound`),
-though not on the model's own error (see docs/benchmarks.md). The trainer's step events carry the
+Lengths: ``P`` (prompt tokens per row) and the prompts' padded width per call come from the data when
+it can be read (``prompts``: :func:`finetuner.planning.lengths.prompt_batch` of
+:func:`finetuner.data.stats.profile_prompts`, as the plan, ``estimate`` and the trainer pass them), else
+they default to their upper bound ``prompt_len``; ``C`` (completion tokens per row) and ``D`` default to
+their upper bound ``max_new_tokens``: the completions are written by the model during the run. The
+prediction is then an upper bound on the lengths ("at most"; :attr:`StepTime.upper_bound`), though not on
+the model's own error (see docs/benchmarks.md). The trainer's step events carry the
 measured ``decode_steps`` and ``completion_length`` (and ``tokens``, from which ``P``:
 :func:`grpo_lengths_from_events`), which can be passed in; ``scripts/validate/speed_grpo.py`` passes
 those and the padded widths it measures, to separate the model's error from the length guess.
@@ -81,6 +84,7 @@ from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.memory.model import MemoryEstimate
+    from finetuner.planning.lengths import BatchShape
 
 #: Bare operations (the calibration's ``op_overhead_s``) one operation of a no-grad forward costs: the
 #: module call and peft's adapter loop, without autograd's bookkeeping. A fit: the demo model's
@@ -234,10 +238,44 @@ def _combine(device: float, ops: float, speed: DeviceSpeed) -> float:
     return max(device, ops) if speed.platform == "cuda" else device + ops
 
 
+def generation_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, calls: int, rows: int, prompt_width: float,
+                       decode_steps: float, top_p: float = 1.0) -> tuple[float, float]:
+    """``(prefill, decode)`` seconds of ``calls`` ``generate`` calls of ``rows`` rows each, their prompts
+    ``prompt_width`` tokens wide (left-padded to the longest), ``decode_steps`` tokens generated per call
+    (its longest completion): the rollout's generation (module docstring), and a GRPO evaluation's."""
+    R = max(1, rows)
+    D = max(1.0, float(decode_steps))
+    pre = s.with_(micro_batch=R, seq_len=max(1, int(round(prompt_width))), attention_mask=True)
+    dev, ops = forward_parts(shape, pre, speed, head_tokens=R)
+    prefill = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops + GENERATE_CALL_OPS * speed.op_overhead_s * GEN_OP_FACTOR, speed)
+    dev, ops = decode_step_parts(shape, s, speed, R, prompt_width + D / 2)
+    step = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops, speed)
+    return calls * prefill, calls * (D - 1) * step
+
+
+def evaluation_seconds(shape: ModelShape, s: Settings, g: GrpoSettings, speed: DeviceSpeed, held_out: int, *,
+                       top_p: float = 1.0, prompts: BatchShape | None = None) -> float:
+    """One GRPO evaluation (:meth:`finetuner.objectives.grpo.GRPOObjective.evaluate`): ``num_generations``
+    completions of each of the ``held_out`` prompts, ``micro_batch_size`` prompts' groups a ``generate``
+    call as in the rollout (:func:`generation_seconds`), each call generating ``max_new_tokens`` (an
+    upper bound: a call stops when all its rows have ended), the prompts padded to the longest held-out
+    one (``prompts``: :func:`finetuner.planning.lengths.prompt_batch` of the ``held_out`` prompts) or at
+    their longest. The reward functions are user code and not timed. 0 without held-out prompts."""
+    if held_out <= 0:
+        return 0.0
+    R = g.generation_rows
+    calls = math.ceil(held_out * g.num_generations / R)
+    width = prompts.padded_len if prompts is not None else float(g.prompt_len)
+    prefill, decode = generation_seconds(shape, s, speed, calls=calls, rows=R, prompt_width=width,
+                                         decode_steps=g.max_new_tokens, top_p=top_p)
+    return prefill + decode
+
+
 def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: DeviceSpeed, *,
                    completion_tokens: float | None = None, decode_steps: float | None = None,
                    prompt_tokens: float | None = None, est: MemoryEstimate | None = None,
-                   top_p: float = 1.0, prompt_width: float | None = None, train_width: float | None = None) -> StepTime:
+                   top_p: float = 1.0, prompt_width: float | None = None, train_width: float | None = None,
+                   prompts: BatchShape | None = None) -> StepTime:
     """The predicted time of one GRPO optimizer step (module docstring), by part.
 
     ``s``: the run's settings (:func:`finetuner.memory.model.settings_from_recipe`: ``micro_batch`` is
@@ -248,11 +286,21 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     recipe's nucleus sampling (< 1 sorts every row at each token). ``est``: passed to the training
     part's :func:`~finetuner.planning.speed.step_time` (activation offload).
 
-    Padding: a ``generate`` call's prompts are left-padded to its longest (``prompt_width``, default
+    Padding: the step's prompts are left-padded to their longest, every ``generate`` call alike (``prompt_width``, default
     ``prompt_tokens``: the prefill and the KV cache run over that width), and a training micro-batch is
     padded to its longest row (``train_width``, default: the row itself with one row a micro-batch, else
-    ``prompt_width`` + the call's longest completion). A validation measures both and passes them in."""
-    bound = all(v is None for v in (completion_tokens, decode_steps, prompt_tokens, prompt_width, train_width))
+    ``prompt_width`` + the call's longest completion). A validation measures both and passes them in.
+    ``prompts``: the data's prompts as the rollout pads them (:func:`finetuner.planning.lengths.prompt_batch`
+    of the step's prompts: the mean prompt, and the expected longest of the step's prompts, to which
+    :func:`~finetuner.training.rollout.generate_group` left-pads them all), for ``prompt_tokens`` and
+    ``prompt_width`` not given.
+
+    The step is an upper bound (:attr:`StepTime.upper_bound`) while the completions' lengths are assumed
+    (``max_new_tokens``): they are known only once the model writes them."""
+    if prompts is not None:
+        prompt_tokens = prompts.real_per_row if prompt_tokens is None else prompt_tokens
+        prompt_width = prompts.padded_len if prompt_width is None else prompt_width
+    bound = (completion_tokens is None or decode_steps is None) and train_width is None
     mbs = max(1, min(s.micro_batch, g.rows))
     R = g.generation_rows
     calls = math.ceil(g.rows / R)
@@ -264,12 +312,7 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     Pw = float(prompt_width) if prompt_width is not None else P
 
     # the rollout: prefill, decode, the reference and old log-probabilities
-    pre = s.with_(micro_batch=R, seq_len=max(1, int(round(Pw))), attention_mask=True)
-    dev, ops = forward_parts(shape, pre, speed, head_tokens=R)
-    prefill = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops + GENERATE_CALL_OPS * speed.op_overhead_s * GEN_OP_FACTOR, speed)
-    dev, ops = decode_step_parts(shape, s, speed, R, Pw + D / 2)
-    step = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops, speed)
-    decode = (D - 1) * step
+    prefill, decode = generation_seconds(shape, s, speed, calls=calls, rows=R, prompt_width=Pw, decode_steps=D, top_p=top_p)
 
     if train_width is None:
         train_width = P + C if mbs == 1 else Pw + min(D, float(g.max_new_tokens))
@@ -283,8 +326,8 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
             logps += micro * _combine(dev, ops, speed)
 
     parts = {
-        "generation: prefill": calls * prefill / mu,
-        "generation: decode": calls * decode / mu,
+        "generation: prefill": prefill / mu,
+        "generation: decode": decode / mu,
         "reference/old log-probs": logps / mu,
     }
     train = step_time(shape, ls.with_(gradient_accumulation=micro), speed, est)
@@ -294,7 +337,7 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     parts = {**{k: v for k, v in parts.items() if k not in ("optimizer", "fixed")},
              "optimizer": parts["optimizer"], "fixed": parts["fixed"]}
     tokens = int(round(g.rows * (P + C)))
-    return StepTime(parts, tokens, micro, speed.source, upper_bound=bound)
+    return StepTime(parts, tokens, micro, speed.source, upper_bound=bound, data_lengths=prompts is not None)
 
 
 def grpo_lengths_from_events(steps: list[dict[str, Any]], g: GrpoSettings) -> dict[str, float]:

@@ -12,7 +12,8 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
 * **evaluations**: ``(steps - 1) // eval_every + 1`` of them (every ``training.eval_every`` steps before the
   last, and the final one), each ``ceil(held-out rows / micro_batch_size)`` micro-batches forward only
   (:func:`finetuner.planning.speed.forward_seconds`), at the training micro-batch's average padded length;
-  none without held-out rows;
+  a GRPO run's evaluation instead samples ``num_generations`` completions of each held-out prompt
+  (:func:`finetuner.planning.speed_grpo.evaluation_seconds`); none without held-out rows;
 * **checkpoints**: ``(steps - 1) // save_every + 1`` of them (every ``checkpointing.save_every`` steps
   before the last, and the final one; ``save_every`` 0: the final one only), each the trainable weights (fp32: 4 bytes a parameter) and the optimizer's states
   (:func:`finetuner.memory.model.optimizer_state_bytes`) written at the disk's write rate
@@ -26,7 +27,7 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   ``GENERATE_OPS_PER_TOKEN`` operations of ``generate``'s own loop.
 
 Not counted: tokenizing the data (cached after the first run), writing the run folder's small files,
-the prompt's prefill before each answer, a GRPO run's held-out rollouts. The cost of a run is its wall
+the prompt's prefill before each answer, a GRPO run's reward functions (user code). The cost of a run is its wall
 time at the price of an hour (:func:`cost_text`). Pure arithmetic and a few ``stat`` calls: no torch.
 """
 
@@ -225,10 +226,11 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
 
 def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
                  eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
-                 files: ModelFiles, batch: BatchShape | None = None, grpo: bool = False) -> Wait:
+                 files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None) -> Wait:
     """A run's wait by part (see the module doc). ``held_out``: the held-out rows, None when unknown (the
-    data cannot be read here: no evaluation counted, and said); ``grpo``: a GRPO run (its evaluations
-    generate completions: not timed, and said)."""
+    data cannot be read here: no evaluation counted, and said); ``evaluation_s``: one evaluation's seconds
+    where the objective times its own (GRPO's held-out rollouts: :func:`recipe_wait`), else
+    :func:`evaluation_seconds`."""
     assumptions = []
     if files.download:
         assumptions.append(f"the model ({files.bytes / 1e9:.2g} GB) downloaded at {DOWNLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
@@ -237,9 +239,7 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
     if not speed.startup_s:
         assumptions.append(f"{STARTUP_S:g} s to import the libraries (not calibrated here)")
     n_val = held_out or 0
-    if grpo:
-        assumptions.append("GRPO's held-out rollouts not timed")
-    elif held_out is None:
+    if held_out is None:
         assumptions.append("held-out rows unknown (the data cannot be read here): evaluations not counted")
     evals = evaluation_count(steps, eval_every, n_val)
     ckpts = checkpoint_count(steps, save_every)
@@ -248,7 +248,7 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
         "download": files.bytes / DOWNLOAD_BYTES_PER_S if files.download else 0.0,
         "load": load_seconds(files, speed),
         "steps": step.step_s * steps,
-        "evaluations": 0.0 if grpo else evals * evaluation_seconds(shape, s, speed, n_val, batch),
+        "evaluations": evals * (evaluation_s if evaluation_s is not None else evaluation_seconds(shape, s, speed, n_val, batch)),
         "checkpoints": checkpoint_seconds(shape, s, speed, ckpts),
         "samples": answers * max_new_tokens * decode_token_seconds(shape, s, speed),
     }
@@ -258,13 +258,27 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
 
 
 def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
-                held_out: int | None, batch: BatchShape | None = None) -> Wait:
-    """:func:`predict_wait` of a resolved recipe (``s``: its settings, as the step model read them)."""
+                held_out: int | None, batch: BatchShape | None = None, eval_prompts: BatchShape | None = None) -> Wait:
+    """:func:`predict_wait` of a resolved recipe (``s``: its settings, as the step model read them; ``batch``:
+    the data's average micro-batch). A GRPO run's evaluation generates the held-out prompts' completions
+    (:func:`finetuner.planning.speed_grpo.evaluation_seconds`: ``eval_prompts``, the held-out prompts as
+    :func:`finetuner.planning.lengths.prompt_batch` pads them, else at their longest; the completions at
+    their longest: an upper bound, said)."""
     t = recipe.training
-    return predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
-                        save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
-                        sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
-                        files=model_files(recipe.model.name, shape), batch=batch, grpo=recipe.objective == "grpo")
+    evaluation_s = None
+    if recipe.objective == "grpo":
+        from finetuner.memory.grpo import grpo_settings_of
+        from finetuner.planning.speed_grpo import evaluation_seconds as grpo_evaluation_seconds
+
+        evaluation_s = grpo_evaluation_seconds(shape, s, grpo_settings_of(recipe), speed, held_out or 0,
+                                               top_p=recipe.grpo.top_p, prompts=eval_prompts)
+    w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
+                     save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
+                     sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
+                     files=model_files(recipe.model.name, shape), batch=batch, evaluation_s=evaluation_s)
+    if evaluation_s and w.counts["evaluations"]:
+        w.assumptions.append(f"GRPO's held-out rollouts at their longest completions ({recipe.grpo.max_new_tokens} tokens)")
+    return w
 
 
 # ---------------------------------------------------------------------- what it costs, and how it is said

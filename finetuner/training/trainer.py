@@ -194,8 +194,8 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
     ``estimate`` say for the recipe): ``tokens_per_s`` (real tokens, as the run counts them),
     ``step_s``, ``total_s`` (the ``max_steps`` steps alone), ``wall_s`` and ``wait`` (the whole run by part:
     :func:`finetuner.planning.planner.run_wait`), ``source``, ``data_lengths`` (whether ``batch``, the data's
-    average micro-batch, was known), ``upper_bound`` (GRPO: at the longest prompts and completions, the step
-    takes at most ``step_s``); None if it cannot say."""
+    average micro-batch, was known), ``upper_bound`` (GRPO: at the longest completions, the step takes at
+    most ``step_s``); None if it cannot say."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
@@ -204,8 +204,7 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
 
         gpu = run_profile(rt.device)
         speed = speed_for(gpu)
-        st = recipe_step_time(recipe, gpu, speed, label_fraction=label_fraction, est=prediction, runtime=rt,
-                              batch=batch if recipe.objective != "grpo" else None)
+        st = recipe_step_time(recipe, gpu, speed, label_fraction=label_fraction, est=prediction, runtime=rt, batch=batch)
         wait = run_wait(recipe, gpu, speed, st, max_steps, label_fraction, runtime=rt)
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
                 "total_s": round(st.step_s * max_steps, 1), "wall_s": round(wait.wall_s, 2) if wait else None,

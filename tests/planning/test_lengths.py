@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.planning.lengths import batch_shape, expected_longest
+from finetuner.planning.lengths import batch_shape, expected_longest, prompt_batch
 
 
 def test_the_expected_longest_is_the_mean_over_every_draw():
@@ -120,3 +120,46 @@ def test_estimate_says_which_lengths_it_timed(tmp_path):
     out = cli_in_process("estimate", str(write_recipe(tmp_path / "hub.yaml", raw)), "--gpu", "rtx4090")
     text = " ".join(out.stdout.split())
     assert "Lengths: every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound." in text, text
+
+
+def test_grpo_prompts_are_timed_as_the_rollout_pads_them():
+    """The demo GRPO recipe: the prompts the planner measures (profile_prompts, through data_batch_of) against
+    the GRPO trainer's own (prepare_prompts' prompt_ids); the rollout (generate_group) left-pads a step's
+    prompts to their longest, and over the trainer's schedule that width averages the expected longest of a
+    step's prompts (within 4 standard errors, as above)."""
+    from transformers import AutoTokenizer
+
+    from finetuner.config.recipe import Recipe
+    from finetuner.data.prompts import prepare_prompts
+    from finetuner.planning.planner import data_batch_of, max_prompt_len
+    from finetuner.training.rollout import left_pad
+    from finetuner.training.trainer import StepSchedule
+
+    repo = Path(__file__).resolve().parents[2]
+    recipe = Recipe.from_yaml(repo / "recipes" / "demo_grpo_cpu.yaml")
+    t = recipe.training
+    tok = AutoTokenizer.from_pretrained(recipe.model.name)
+    data = prepare_prompts(recipe.data, tok, t.seed, recipe.grpo.max_new_tokens)
+    own = [len(p["prompt_ids"]) for p in data.train + data.val]
+    batch = data_batch_of(recipe)
+    # the planner counts each message's tokens plus a fixed allowance for the template (data.stats), not the
+    # template itself: the mean prompt is close, not equal (20.1 tokens against the trainer's 18.1 here)
+    assert batch.real_per_row == pytest.approx(statistics.fmean(own), rel=0.15), (batch, statistics.fmean(own))
+    widths = []
+    train = [p["prompt_ids"] for p in data.train]
+    schedule = StepSchedule(len(train), t.effective_batch_size, t.seed)
+    for step in range(400 * schedule.steps_per_epoch):
+        prompts = [train[i] for i in schedule.indices(step)]
+        ids, _ = left_pad(prompts, tok.pad_token_id)
+        assert ids.shape[1] == max(len(p) for p in prompts)
+        widths.append(ids.shape[1])
+    want = prompt_batch([len(p) for p in train], t.effective_batch_size, max_prompt_len(recipe))
+    sem = statistics.stdev(widths) / math.sqrt(len(widths))
+    assert abs(statistics.fmean(widths) - want.padded_len) < 4 * sem, (statistics.fmean(widths), want, sem)
+    assert want.real_per_row == pytest.approx(statistics.fmean(len(p) for p in train))
+
+
+def test_grpo_prompts_longer_than_the_limit_are_cut_and_a_step_pads_to_its_longest():
+    shape = prompt_batch([10, 500, 20, 30], 2, max_prompt_len=100)
+    assert shape.padded_len == expected_longest([10, 100, 20, 30], 2) and shape.real_per_row == 40
+    assert prompt_batch([10, 20, 30], 3, max_prompt_len=100).padded_len == 30

@@ -166,6 +166,31 @@ def test_recipe_dispatch(tmp_path, cpu_speed):
     assert st.tokens_per_step == g.rows * g.seq_len
 
 
+def test_the_step_takes_the_datas_prompts_and_stays_an_upper_bound_on_the_completions(cpu_speed):
+    """With the data readable the rollout and the training passes are timed at the data's prompts (the mean
+    prompt, the step's prompts padded to their longest: planner.data_batch_of), the completions still at
+    max_new_tokens (written during the run): an upper bound still, and shorter than at the longest prompts."""
+    from finetuner.config.hardware import cpu_profile
+    from finetuner.config.recipe import Recipe
+    from finetuner.memory.grpo import grpo_settings_of
+    from finetuner.memory.model import settings_from_recipe
+    from finetuner.planning.planner import data_batch_of
+
+    recipe = Recipe.from_yaml(REPO / "recipes" / "demo_grpo_cpu.yaml")
+    shape = resolve_shape(recipe.model.name)
+    batch = data_batch_of(recipe)
+    g = grpo_settings_of(recipe)
+    assert batch is not None and batch.real_per_row < batch.padded_len < g.prompt_len
+    timed = recipe_step_time(recipe, cpu_profile(), cpu_speed, shape=shape, batch=batch)
+    longest = recipe_step_time(recipe, cpu_profile(), cpu_speed, shape=shape)
+    assert timed.upper_bound and longest.upper_bound and timed.data_lengths and not longest.data_lengths
+    s = settings_from_recipe(recipe, cpu_profile(), shape.model_type)
+    direct = sg.grpo_step_time(shape, s, g, cpu_speed, top_p=recipe.grpo.top_p, prompt_tokens=batch.real_per_row,
+                               prompt_width=batch.padded_len)
+    assert timed.parts == direct.parts and timed.step_s < longest.step_s
+    assert timed.tokens_per_step == round(g.rows * (batch.real_per_row + g.max_new_tokens))
+
+
 def test_padding_widths(demo, cpu_speed):
     """The prefill and the KV cache run over the padded prompt width, the training passes over the
     micro-batch's padded width; the counted tokens stay the real ones."""

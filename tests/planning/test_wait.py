@@ -99,6 +99,45 @@ def test_an_evaluation_is_the_step_models_forward():
     assert forward_seconds(shape, s.with_(seq_len=128), SPEED) > one
 
 
+def grpo_recipe(**sections) -> Recipe:
+    """The shipped GRPO demo (its reward file beside it), with sections changed."""
+    raw = Recipe.from_yaml(REPO / "recipes" / "demo_grpo_cpu.yaml").model_dump(mode="json")
+    for key, values in sections.items():
+        raw[key] = {**raw.get(key, {}), **values}
+    return Recipe.from_dict(raw)
+
+
+def test_a_grpo_evaluation_is_the_rollouts_generation_of_the_held_out_prompts():
+    """GRPO's evaluation samples num_generations completions of each held-out prompt, micro_batch_size prompts'
+    groups a generate call (speed_grpo.evaluation_seconds, as the rollout's generation): as many evaluations as
+    the trainer's loop makes, each at the held-out prompts' padded width, the completions at their longest."""
+    from finetuner.memory.grpo import grpo_settings_of
+    from finetuner.memory.model import settings_from_recipe
+    from finetuner.config.hardware import get_gpu
+    from finetuner.planning import speed_grpo
+
+    base = grpo_recipe()
+    w = parts(base)
+    n_val, evals = w["counts"]["held_out_rows"], w["counts"]["evaluations"]
+    assert n_val == 40 and evals == wait.evaluation_count(20, 5, 40) == 4
+    assert "GRPO's held-out rollouts at their longest completions (24 tokens)" in w["assumptions"]
+    shape = resolve_shape(base.model.name)
+    s = settings_from_recipe(base, get_gpu("cpu"), shape.model_type)
+    g = grpo_settings_of(base)
+    one = w["parts_s"]["evaluations"] / evals
+    # at most the held-out prompts at their longest; ceil(40 x 4 / 32) = 5 generate calls of the step's shape
+    longest = speed_grpo.evaluation_seconds(shape, s, g, SPEED, n_val)
+    assert 0 < one < longest
+    pre, dec = speed_grpo.generation_seconds(shape, s, SPEED, calls=5, rows=g.generation_rows, prompt_width=g.prompt_len,
+                                             decode_steps=g.max_new_tokens)
+    assert longest == pytest.approx(pre + dec, rel=1e-12)
+    # twice the completion length: more decode steps, each over a longer cache
+    twice = parts(grpo_recipe(grpo={"max_new_tokens": 48}, data={"max_seq_len": 152}))
+    assert twice["parts_s"]["evaluations"] / twice["counts"]["evaluations"] > 1.8 * one
+    # no held-out prompts: no evaluation
+    assert parts(grpo_recipe(data={"val_size": 0}))["parts_s"]["evaluations"] == 0
+
+
 def test_load_and_saves_use_the_calibrations_figures_else_the_named_defaults():
     shape = resolve_shape(str(DEMO))
     files = wait.ModelFiles(10**9, False)
