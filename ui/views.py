@@ -682,14 +682,8 @@ def runs_df(runs: list[Any]) -> pd.DataFrame:
 
 
 def time_text(t: dict[str, Any]) -> str:
-    """A recipe's predicted time, from :func:`finetuner.planning.planner.estimate_time`, in a few words."""
-    from finetuner.planning.planner import format_duration
+    """A recipe's predicted time, from :func:`finetuner.planning.planner.estimate_time`, in a few words
+    (:func:`finetuner.planning.planner.time_text`, brief: as ``estimate`` says it, without the parts)."""
+    from finetuner.planning.planner import estimate_text
 
-    whole = (f"; the whole run ~{format_duration(t['wall_s'])} (load, evaluations, checkpoints and samples included)"
-             if t.get("wall_s") else "")
-    if t.get("upper_bound"):
-        return (f"at most {format_duration(t['step_s'])} per optimizer step" +
-                (f", {t['optimizer_steps']:,} steps: at most ~{format_duration(t['steps_s'])}" if t["optimizer_steps"] else "")
-                + whole)
-    out = f"~{t['tokens_per_s']:,.0f} tokens/s, {format_duration(t['step_s'])} per optimizer step"
-    return out + (f", {t['optimizer_steps']:,} optimizer steps: ~{format_duration(t['steps_s'])}" if t["optimizer_steps"] else "") + whole
+    return estimate_text(t, brief=True)

@@ -479,11 +479,9 @@ def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fracti
 def _time_text(t: dict[str, Any]) -> str:
     """``estimate``'s time: tokens/s, time per step, the whole run by part, cost, where the speed figures
     came from (:func:`finetuner.planning.planner.time_text`, as the plan says it), and the lengths it timed."""
-    from finetuner.planning.planner import time_text
+    from finetuner.planning.planner import estimate_text
 
-    text = time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
-                     t["currency"], t["source"], bool(t.get("upper_bound")), " (real tokens, padding excluded)")
-    return text + f"\nLengths: {t['lengths']}."
+    return estimate_text(t, " (real tokens, padding excluded)") + f"\nLengths: {t['lengths']}."
 
 
 # ---------------------------------------------------------------------- gpus

@@ -128,6 +128,23 @@ def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
     assert "A recipe of your own" in views.recipe_md(p.recipe, None)
 
 
+def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
+    """One formatter (planner.time_text): the UI's line is `finetuner estimate`'s opening, then the whole run's time."""
+    from finetuner.config.recipe import Recipe
+    from finetuner.planning.planner import estimate_text, estimate_time, format_duration
+
+    for name in ("demo_cpu.yaml", "demo_grpo_cpu.yaml"):
+        t = estimate_time(Recipe.from_yaml(REPO / "recipes" / name), "cpu")
+        ui, cli = views.time_text(t), estimate_text(t)
+        opening = cli.split(", the whole run")[0]
+        if t["upper_bound"]:  # GRPO: the CLI says why "at most" inside its first clause
+            opening = opening.replace(" (completions at their longest; the rollout's generation included)", "")
+        assert ui.startswith(opening), (ui, cli)
+        bound = "at most " if t["upper_bound"] else ""
+        assert ui.endswith(f"; the whole run {bound}~{format_duration(t['wall_s'])} (load, evaluations, checkpoints "
+                           "and samples included)"), ui
+
+
 def test_train_tab_names_its_memory_figure():
     st = SimpleNamespace(measured_what="torch.cuda.max_memory_allocated", device="cuda",
                          predicted_bytes=20 * GiB, measured_peak_bytes=21 * GiB)
