@@ -21,8 +21,10 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   files written and ``fsync``-ed (:attr:`DeviceSpeed.file_sync_s`, else ``FILE_SYNC_S``); then the
   adapter (trainable weights, ``ADAPTER_FILES`` files);
 * **samples**: each of ``samples.prompts`` answered by the fine-tune and, for an adapter, by the base
-  (the adapter switched off): ``max_new_tokens`` decode steps each (an upper bound: an answer may stop
-  early), a decode step being a forward of one token (:func:`forward_seconds` at ``seq_len`` 1), the
+  (the adapter switched off): as many decode steps as the data's average response has tokens (a greedy
+  answer ends where the model writes its end token, and a fine-tune writes like the responses it was
+  trained on; ``label fraction x`` the average row, at most ``max_new_tokens``, the bound taken when the
+  data cannot be read), a decode step being a forward of one token (:func:`forward_seconds` at ``seq_len`` 1), the
   base weights read once (``weight bytes / bandwidth``: decoding is memory-bound) and
   ``GENERATE_OPS_PER_TOKEN`` operations of ``generate``'s own loop.
 
@@ -226,11 +228,13 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
 
 def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
                  eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
-                 files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None) -> Wait:
+                 files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None,
+                 answer_tokens: float | None = None) -> Wait:
     """A run's wait by part (see the module doc). ``held_out``: the held-out rows, None when unknown (the
     data cannot be read here: no evaluation counted, and said); ``evaluation_s``: one evaluation's seconds
     where the objective times its own (GRPO's held-out rollouts: :func:`recipe_wait`), else
-    :func:`evaluation_seconds`."""
+    :func:`evaluation_seconds`; ``answer_tokens``: the tokens of a sample answer expected (the data's average
+    response), at most ``max_new_tokens``, which it is when not given."""
     assumptions = []
     if files.download:
         assumptions.append(f"the model ({files.bytes / 1e9:.2g} GB) downloaded at {DOWNLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
@@ -244,16 +248,20 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
     evals = evaluation_count(steps, eval_every, n_val)
     ckpts = checkpoint_count(steps, save_every)
     answers = sample_answers(sample_prompts, s.method)
+    per_answer = float(max_new_tokens) if answer_tokens is None else min(float(max_new_tokens), max(1.0, answer_tokens))
+    if answers and answer_tokens is not None:
+        assumptions.append(f"sample answers as long as the data's responses ({per_answer:.0f} tokens on average, "
+                           f"at most {max_new_tokens})")
     parts = {
         "download": files.bytes / DOWNLOAD_BYTES_PER_S if files.download else 0.0,
         "load": load_seconds(files, speed),
         "steps": step.step_s * steps,
         "evaluations": evals * (evaluation_s if evaluation_s is not None else evaluation_seconds(shape, s, speed, n_val, batch)),
         "checkpoints": checkpoint_seconds(shape, s, speed, ckpts),
-        "samples": answers * max_new_tokens * decode_token_seconds(shape, s, speed),
+        "samples": answers * per_answer * decode_token_seconds(shape, s, speed),
     }
     counts = {"optimizer_steps": steps, "evaluations": evals, "held_out_rows": n_val, "checkpoints": ckpts,
-              "sample_answers": answers, "sample_tokens": answers * max_new_tokens, "model_bytes": files.bytes}
+              "sample_answers": answers, "sample_tokens": round(answers * per_answer), "model_bytes": files.bytes}
     return Wait(parts, counts, assumptions)
 
 
@@ -272,10 +280,13 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
 
         evaluation_s = grpo_evaluation_seconds(shape, s, grpo_settings_of(recipe), speed, held_out or 0,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
+    # a sample answer as long as the data's average response (its labelled share of the average row)
+    answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and evaluation_s is None else None
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
-                     files=model_files(recipe.model.name, shape), batch=batch, evaluation_s=evaluation_s)
+                     files=model_files(recipe.model.name, shape), batch=batch, evaluation_s=evaluation_s,
+                     answer_tokens=answer_tokens)
     if evaluation_s and w.counts["evaluations"]:
         w.assumptions.append(f"GRPO's held-out rollouts at their longest completions ({recipe.grpo.max_new_tokens} tokens)")
     return w

@@ -81,7 +81,19 @@ def test_each_part_scales_as_its_arithmetic_says():
     # the samples: prompts x max_new_tokens
     assert parts(demo_recipe(samples={"prompts": ["a", "b", "c", "d"]}))["parts_s"]["samples"] == pytest.approx(
         2 * base["samples"], rel=1e-3)
-    assert parts(demo_recipe(samples={"max_new_tokens": 96}))["parts_s"]["samples"] == pytest.approx(2 * base["samples"], rel=1e-3)
+    # each answer as long as the data's average response (here label fraction 1: the average row, 51 tokens),
+    # at most max_new_tokens: proportional below it, the same above it
+    short = parts(demo_recipe(samples={"max_new_tokens": 8}))
+    assert parts(demo_recipe(samples={"max_new_tokens": 16}))["parts_s"]["samples"] == pytest.approx(
+        2 * short["parts_s"]["samples"], rel=1e-3)
+    assert short["counts"]["sample_tokens"] == 2 * 2 * 8  # 2 prompts, the fine-tune and the base
+    long = parts(demo_recipe(samples={"max_new_tokens": 200}))
+    assert long["parts_s"]["samples"] == pytest.approx(parts(demo_recipe(samples={"max_new_tokens": 400}))["parts_s"]["samples"])
+    from finetuner.planning.planner import data_batch_of
+
+    mean_row = data_batch_of(demo_recipe()).real_per_row
+    assert long["counts"]["sample_tokens"] == round(4 * mean_row) and 40 < mean_row < 200
+    assert any("sample answers as long as the data's responses" in a for a in long["assumptions"])
     # the steps: the step model's step times the steps
     t = estimate_time(demo_recipe(), "cpu", speed=SPEED, label_fraction=1.0)
     assert base["steps"] == pytest.approx(t["step_s"] * 150, abs=1e-3) == pytest.approx(t["steps_s"], abs=1e-3)
@@ -197,3 +209,17 @@ def test_cost_is_the_whole_wait_in_the_given_currency():
             wait.check_currency(bad, 1.0)
     with pytest.raises(UserError, match="--price-per-hour too"):
         wait.check_currency("USD", None)
+
+
+def test_a_sample_answer_is_as_long_as_the_datas_responses():
+    """The labelled share of the average row: what the fine-tune learned to write (the planner's label fraction)."""
+    from finetuner.config.hardware import get_gpu
+    from finetuner.planning.planner import data_batch_of
+
+    recipe = demo_recipe(samples={"max_new_tokens": 200})
+    w = run_wait(recipe, get_gpu("cpu"), SPEED, STEP, 150, label_fraction=0.25)
+    assert w.counts["sample_tokens"] == round(4 * 0.25 * data_batch_of(recipe).real_per_row)
+    # without readable data: the bound, max_new_tokens an answer, and nothing assumed of the answers
+    gone = demo_recipe(data={"path": "tatsu-lab/alpaca"}, samples={"max_new_tokens": 200})  # a hub data set
+    w = run_wait(gone, get_gpu("cpu"), SPEED, STEP, 150)
+    assert w.counts["sample_tokens"] == 4 * 200 and not any("sample answers" in a for a in w.assumptions)
