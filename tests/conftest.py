@@ -399,6 +399,11 @@ def ui_client(base: Path):
     finally:
         for job in jobs.running_jobs(base / "runs"):
             jobs.stop_job(job, base / "runs", wait=60)
+        # the client's heartbeat thread and thread pools, which would outlive the test (and the heartbeat
+        # retry a closed server), then the server
+        c.close()
+        for pool in (c.executor, c.helper_executor, c.stream_executor):
+            pool.shutdown(wait=False, cancel_futures=True)
         app.close()
 
 
