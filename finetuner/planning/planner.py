@@ -1365,13 +1365,14 @@ def held_out_of(recipe: Recipe) -> int | None:
 
 def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime, steps: int | None,
              label_fraction: float = 1.0, *, shape: ModelShape | None = None, runtime: Any = None,
-             lengths: Sequence[int] | None = None) -> Wait | None:
+             lengths: Sequence[int] | None = None, loaded_as: tuple[bool, bool] | None = None) -> Wait | None:
     """The whole run's predicted wait (:func:`finetuner.planning.wait.recipe_wait`: download, load, steps,
     evaluations, checkpoints, samples) of a resolved recipe whose step takes ``step``, over ``steps``
     optimizer steps (None: unknown, and so is the wait). The plan, ``estimate``, the trainer's ``start``
     event and the web UI all take it from here. The held-out rows and the evaluations' micro-batches come
     from the data's token ``lengths`` when the caller has them (a plan's data profile), else from the
-    recipe's data file (:func:`held_out_of`, :func:`data_batch_of`)."""
+    recipe's data file (:func:`held_out_of`, :func:`data_batch_of`). ``loaded_as``: whether the model was to be
+    downloaded and converted when the run began (:func:`finetuner.planning.wait.first_load`; a run's own prediction)."""
     if not steps:
         return None
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
@@ -1389,7 +1390,8 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
     # GRPO's evaluation samples every held-out prompt's group at once: padded to the longest of them
     # (with data.val_path, taken from the training prompts' lengths)
     eval_prompts = prompt_batch(lengths, held_out, max_prompt_len(recipe), source) if grpo and lengths and held_out else None
-    return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch, eval_prompts=eval_prompts)
+    return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch, eval_prompts=eval_prompts,
+                       loaded_as=loaded_as)
 
 
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:

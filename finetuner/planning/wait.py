@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +159,22 @@ def _weight_bytes(folder: Path) -> int:
     return total
 
 
+def first_load(name: str) -> tuple[bool, bool]:
+    """``(download, gguf_convert)``: what loading base model ``name`` would do first, as things stand now (a hub
+    model not in the local cache is downloaded; a GGUF file not in the conversion cache is dequantized). A
+    run records it before it loads the model (:class:`finetuner.training.trainer.Trainer`), since its
+    prediction is made after the load has filled those caches."""
+    from finetuner.model import gguf_base
+
+    path = Path(name).expanduser()
+    if gguf_base.is_gguf_name(name) and path.is_file():
+        return False, not gguf_base.converted(name)
+    if path.is_dir():
+        return False, False
+    snapshots = hub_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots"
+    return not (snapshots.is_dir() and any(_weight_bytes(s) for s in snapshots.iterdir())), False
+
+
 def model_files(name: str, shape: ModelShape) -> ModelFiles:
     """The bytes a run reads of base model ``name``: a GGUF file's size (dequantized by transformers unless
     finetuner's conversion cache holds it, :func:`finetuner.model.gguf_base.converted`), a local folder's
@@ -266,13 +282,18 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
 
 
 def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
-                held_out: int | None, batch: BatchShape | None = None, eval_prompts: BatchShape | None = None) -> Wait:
+                held_out: int | None, batch: BatchShape | None = None, eval_prompts: BatchShape | None = None,
+                loaded_as: tuple[bool, bool] | None = None) -> Wait:
     """:func:`predict_wait` of a resolved recipe (``s``: its settings, as the step model read them; ``batch``:
     the data's average micro-batch). A GRPO run's evaluation generates the held-out prompts' completions
     (:func:`finetuner.planning.speed_grpo.evaluation_seconds`: ``eval_prompts``, the held-out prompts as
     :func:`finetuner.planning.lengths.prompt_batch` pads them, else at their longest; the completions at
-    their longest: an upper bound, said)."""
+    their longest: an upper bound, said). ``loaded_as``: :func:`first_load` as recorded before the model
+    was loaded (a run's own prediction), else as things stand now."""
     t = recipe.training
+    files = model_files(recipe.model.name, shape)
+    if loaded_as is not None:
+        files = replace(files, download=loaded_as[0], gguf_convert=loaded_as[1])
     evaluation_s = None
     if recipe.objective == "grpo":
         from finetuner.memory.grpo import grpo_settings_of
@@ -285,7 +306,7 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
-                     files=model_files(recipe.model.name, shape), batch=batch, evaluation_s=evaluation_s,
+                     files=files, batch=batch, evaluation_s=evaluation_s,
                      answer_tokens=answer_tokens)
     if evaluation_s and w.counts["evaluations"]:
         w.assumptions.append(f"GRPO's held-out rollouts at their longest completions ({recipe.grpo.max_new_tokens} tokens)")

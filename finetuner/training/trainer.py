@@ -189,13 +189,14 @@ def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0, obj
 
 
 def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
-                  prediction: Any = None, batch: Any = None) -> dict[str, Any] | None:
+                  prediction: Any = None, batch: Any = None, loaded_as: tuple[bool, bool] | None = None) -> dict[str, Any] | None:
     """The speed model's prediction for this run on this device (what ``finetuner plan`` and
     ``estimate`` say for the recipe): ``tokens_per_s`` (real tokens, as the run counts them),
     ``step_s``, ``total_s`` (the ``max_steps`` steps alone), ``wall_s`` and ``wait`` (the whole run by part:
     :func:`finetuner.planning.planner.run_wait`), ``source``, ``data_lengths`` (whether ``batch``, the data's
     average micro-batch, was known), ``upper_bound`` (GRPO: at the longest completions, the step takes at
-    most ``step_s``); None if it cannot say."""
+    most ``step_s``); None if it cannot say. ``loaded_as``: whether the model was to be downloaded and
+    converted when the run began (:func:`finetuner.planning.wait.first_load`, recorded before the load)."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.calibrate import speed_for
@@ -205,7 +206,7 @@ def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: f
         gpu = run_profile(rt.device)
         speed = speed_for(gpu)
         st = recipe_step_time(recipe, gpu, speed, label_fraction=label_fraction, est=prediction, runtime=rt, batch=batch)
-        wait = run_wait(recipe, gpu, speed, st, max_steps, label_fraction, runtime=rt)
+        wait = run_wait(recipe, gpu, speed, st, max_steps, label_fraction, runtime=rt, loaded_as=loaded_as)
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
                 "total_s": round(st.step_s * max_steps, 1), "wall_s": round(wait.wall_s, 2) if wait else None,
                 "wait": wait.to_dict() if wait else None, "source": st.source, "upper_bound": st.upper_bound,
@@ -265,6 +266,11 @@ class Trainer:
         #: the seconds spent in evaluations and in writing checkpoints and the adapter (:meth:`measured_wait`)
         self.entered_at, self.first_step_at = time.perf_counter(), None
         self.eval_seconds, self.save_seconds = 0.0, 0.0
+        from finetuner.planning.wait import first_load
+
+        #: whether loading the model will download it or convert its GGUF file (its predicted load time): known
+        #: only before the load, which fills those caches, and predicted after it
+        self.loaded_as = first_load(recipe.model.name)
 
     # ---------------------------------------------------------------- setup
     def base_placement(self) -> str | None:
@@ -321,7 +327,8 @@ class Trainer:
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
         self.prediction = predict_memory(r, self.rt, label_fraction, self.objective)
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
-        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction, data_batch_of(r))
+        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction, data_batch_of(r),
+                                             self.loaded_as)
         gguf = info_for(r.model.name)
         self.events.emit(
             "start",

@@ -48,6 +48,9 @@ def test_lora_trains_on_it_and_the_start_event_says_dequantized(gguf_run):
     assert start["method"] == "lora" and start["trainable_params"] > 0
     assert "dequantized from 8-bit" in " ".join(gguf_run["run_out"].split())  # the CLI's start line
     assert sum(e["event"] == "step" for e in events) == 3
+    # its first load dequantized the file (into the conversion cache): the run's predicted load counts it, though
+    # the prediction is made after the load (the trainer records what the load would do before it loads)
+    assert any("the GGUF file dequantized" in a for a in start["predicted_speed"]["wait"]["assumptions"]), start["predicted_speed"]
     adapter = json.loads((gguf_run["run"] / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
     assert adapter["base_model_name_or_path"] == str(gguf_run["base"])  # the file, not its folder
 

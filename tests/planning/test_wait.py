@@ -223,3 +223,14 @@ def test_a_sample_answer_is_as_long_as_the_datas_responses():
     gone = demo_recipe(data={"path": "tatsu-lab/alpaca"}, samples={"max_new_tokens": 200})  # a hub data set
     w = run_wait(gone, get_gpu("cpu"), SPEED, STEP, 150)
     assert w.counts["sample_tokens"] == 4 * 200 and not any("sample answers" in a for a in w.assumptions)
+
+
+def test_what_the_first_load_does_is_read_before_the_load(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert wait.first_load(str(DEMO)) == (False, False)  # a local folder
+    assert wait.first_load("some-org/not-downloaded") == (True, False)
+    snap = tmp_path / "hf" / "hub" / "models--some-org--downloaded" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(b"0" * 64)
+    assert wait.first_load("some-org/downloaded") == (False, False)
