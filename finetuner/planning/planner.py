@@ -1313,7 +1313,7 @@ def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool 
 def data_batch_of(recipe: Recipe) -> BatchShape | None:
     """The recipe's average micro-batch from its data's token lengths (:mod:`finetuner.planning.lengths`),
     measured as :func:`label_fraction_of` measures them (cached per file version); for GRPO its prompts as
-    a ``generate`` call takes them (:func:`finetuner.planning.lengths.prompt_batch`). None when the data is
+    a step's rollout pads them (:func:`lengths_batch`). None when the data is
     not one local file readable here (the speed model then takes every row, or prompt, at its longest)."""
     prof = _recipe_file_profile(recipe, prompts=recipe.objective == "grpo")
     t = recipe.training
