@@ -1,13 +1,16 @@
-"""How long a data set's examples are, in tokens, for the planner — without torch.
+"""How long a data set's examples are, in tokens, for the planner.
 
 The planner needs three facts from the data: the longest example (so the sequence length is not
 cut below what the data need without saying so), the typical length (short examples are packed),
 and the share of tokens that are trained on (responses only: the chunked loss works on those).
 
-Tokens are counted with the model's own ``tokenizer.json`` (the ``tokenizers`` library, no
-transformers) when the model is a local folder or in the hub cache; otherwise from characters,
+When the model's tokenizer loads from a local folder or a GGUF file, the first ``EXACT_ROWS`` rows are
+tokenized as training tokenizes them (the trainer's own encoding, with the model's chat template), and
+the rest are counted with that tokenizer plus the template tokens measured on those rows. Otherwise
+tokens are counted with the model's own ``tokenizer.json`` (the ``tokenizers`` library, no
+transformers) when the model is in the hub cache, or from characters,
 at 3.5 characters per token (English text with 32k-150k vocabularies: Llama-2 ~3.6, Llama-3 ~4.3;
-the low end, so lengths are over- rather than under-estimated). Each message adds a few tokens
+the low end, so lengths are over- rather than under-estimated), and each message adds a few tokens
 of chat-template markup (``TEMPLATE_TOKENS_PER_MESSAGE``).
 
 Rows become examples through the trainer's own reader
@@ -19,6 +22,7 @@ one's place and says what ``finetuner run`` will do with them (:func:`bad_rows_n
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -34,6 +38,13 @@ CHARS_PER_TOKEN = 3.5
 TEMPLATE_TOKENS_PER_MESSAGE = 5
 #: Read at most this many rows (the length distribution of a large set is clear long before).
 MAX_ROWS = 20_000
+#: Rows tokenized exactly as training tokenizes them (the trainer's own ``encode_example``/``encode_prompt``
+#: with the model's tokenizer and chat template) when the model's tokenizer loads from a local folder or GGUF
+#: file: their lengths are the trainer's, and the chat template's own tokens measured on them (a default system
+#: prompt, role markers: SmolLM2's rows of bike_shop.jsonl are 80 tokens, where a fixed 5 a message counted 58)
+#: replace ``TEMPLATE_TOKENS_PER_MESSAGE`` for the rows after them, which are counted (a template renders in
+#: Python, ~1 ms a row: 20,000 rows would take the plan tens of seconds).
+EXACT_ROWS = 1_000
 
 
 @dataclass
@@ -177,6 +188,41 @@ def _tokenizer_counter(model: str | None):
     return None, None
 
 
+def _encoder(model: str | None, chat_template: str | None = None) -> tuple[Any, str] | None:
+    """The model's transformers tokenizer and the chat template training renders with
+    (:func:`finetuner.data.pipeline.chat_template_for`: ``data.chat_template``, the tokenizer's, else finetuner's
+    fallback), when the tokenizer loads from a local folder or a GGUF file (its conversion cache); None
+    otherwise (a hub id: nothing is downloaded to plan)."""
+    if not model:
+        return None
+    from finetuner.model import gguf_base
+    from finetuner.model.shapes import preset_model
+
+    model = preset_model(model) or model
+    local = expand_user(model)
+    gguf = gguf_base.is_gguf_name(model) and exists(local, "file")
+    files = [local] if gguf else [f for f in (local / "tokenizer.json", local / "tokenizer_config.json") if exists(f, "file")]
+    if not files:
+        return None
+    return _loaded_encoder(model, chat_template, tuple(f.stat().st_mtime_ns for f in files))
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded_encoder(model: str, chat_template: str | None, stamp: tuple[int, ...]) -> tuple[Any, str] | None:
+    """:func:`_encoder`'s tokenizer, loaded once per model, template and version of its files (``stamp``)."""
+    from finetuner.config.recipe import DataSection
+    from finetuner.data.pipeline import chat_template_for
+    from finetuner.model.loading import open_tokenizer
+    from finetuner.quiet import quieted
+
+    try:
+        with quieted():
+            tok = open_tokenizer(model, "the model")
+            return tok, chat_template_for(tok, DataSection(path="-", chat_template=chat_template))
+    except Exception:  # noqa: BLE001 - an optional precision only: the counted lengths instead
+        return None
+
+
 def profile_data(
     path: str,
     model: str | None = None,
@@ -186,20 +232,29 @@ def profile_data(
     columns: dict[str, str] | None = None,
     on_bad_row: str = "error",
     system_prompt: str | None = None,
+    chat_template: str | None = None,
 ) -> DataProfile:
     """Read a data file and measure its examples' lengths (see the module doc).
 
     Rows become examples exactly as in training (:class:`~finetuner.data.formats.FileExamples`
     with ``data.format`` = ``fmt``, ``data.columns`` = ``columns`` and ``data.system_prompt``).
     Rows that cannot be used are counted in a note naming the first one's place and what
-    ``finetuner run`` will do with them (``on_bad_row``, as ``data.on_bad_row``).
+    ``finetuner run`` will do with them (``on_bad_row``, as ``data.on_bad_row``). Where the model's
+    tokenizer loads here, the first ``EXACT_ROWS`` are tokenized as training tokenizes them
+    (``chat_template``: ``data.chat_template``) and the rest counted with the template's measured tokens.
     """
-    count, how = _tokenizer_counter(model)
+    encoder = _encoder(model, chat_template)
+    if encoder is not None:
+        tok = encoder[0]
+        count = bounded(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
+        how = f"the model's tokenizer and chat template ({model})"
+    else:
+        count, how = _tokenizer_counter(model)
     if count is None:
         count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
     src = FileExamples(path, fmt, columns, system_prompt)
     try:
-        lengths, trained, total = _sft_lengths(src, count)
+        lengths, trained, total = _sft_lengths(src, count, encoder)
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
@@ -224,23 +279,61 @@ def profile_data(
     return profile
 
 
-def _sft_lengths(src: FileExamples, count) -> tuple[list[int], int, int]:
-    """Each supervised example's tokens (at most ``MAX_ROWS``), and the trained and total tokens."""
-    lengths: list[int] = []
-    trained = total = 0
+def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int]:
+    """Each supervised example's tokens (at most ``MAX_ROWS``), and the trained and total tokens. With an
+    ``encoder`` (:func:`_encoder`) the first ``EXACT_ROWS`` are the trainer's own encoding
+    (:func:`finetuner.data.pipeline.encode_example`, the loss on the responses), and the rest are counted with
+    the template tokens per prompt and per response message measured on those; without one a chat message
+    counts ``TEMPLATE_TOKENS_PER_MESSAGE`` of markup."""
+    from finetuner.data.pipeline import encode_example
+
+    counted: list[tuple[int, int, int, int] | None] = []  # per row: prompt and answer tokens, their messages
+    exact: list[tuple[int, int]] = []  # the exactly encoded rows' (length, trained)
+    extra_p: list[float] = []
+    extra_a: list[float] = []
     for ex in src:
         if "messages" in ex:
-            prompt = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["messages"] if m["role"] != "assistant")
-            answer = sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in ex["messages"] if m["role"] == "assistant")
+            prompt = sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
+            answer = sum(count(m["content"]) for m in ex["messages"] if m["role"] == "assistant")
+            n_p = sum(m["role"] != "assistant" for m in ex["messages"])
+            n_a = len(ex["messages"]) - n_p
         elif "text" in ex:
-            prompt, answer = 0, count(ex["text"])
+            prompt, answer, n_p, n_a = 0, count(ex["text"]), 0, 1
         else:
-            prompt, answer = count(ex["prompt"]), count(ex["completion"])
-        lengths.append(prompt + answer)
-        trained += answer
-        total += prompt + answer
-        if len(lengths) >= MAX_ROWS:
+            prompt, answer, n_p, n_a = count(ex["prompt"]), count(ex["completion"]), 1, 1
+        enc = None
+        if encoder is not None and len(exact) < EXACT_ROWS:
+            try:
+                enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False)
+            except RowError:  # the trainer reports it (or skips it) with its place
+                enc = None
+        if enc is not None and enc["input_ids"]:
+            n, a = len(enc["input_ids"]), sum(1 for x in enc["labels"] if x != -100)
+            exact.append((n, a))
+            counted.append(None)
+            if n_p:
+                extra_p.append((n - a - prompt) / n_p)
+            extra_a.append((a - answer) / n_a)
+        else:
+            counted.append((prompt, answer, n_p, n_a) if "messages" in ex or exact or encoder is not None
+                           else (prompt, answer, 0, 0))  # counted without a template: no markup
+        if len(counted) >= MAX_ROWS:
             break
+    per_p = statistics.fmean(extra_p) if extra_p else TEMPLATE_TOKENS_PER_MESSAGE
+    per_a = statistics.fmean(extra_a) if extra_a else TEMPLATE_TOKENS_PER_MESSAGE
+    lengths: list[int] = []
+    trained = total = 0
+    done = iter(exact)
+    for row in counted:
+        if row is None:
+            n, a = next(done)
+        else:
+            prompt, answer, n_p, n_a = row
+            a = max(1, round(answer + per_a * n_a))
+            n = max(0, round(prompt + per_p * n_p)) + a
+        lengths.append(n)
+        trained += a
+        total += n
     return lengths, trained, total
 
 
@@ -280,6 +373,7 @@ def profile_prompts(
     columns: dict[str, str] | None = None,
     on_bad_row: str = "error",
     system_prompt: str | None = None,
+    chat_template: str | None = None,
 ) -> DataProfile:
     """:func:`profile_data` for ``objective: grpo``: each row's prompt, read as the GRPO trainer reads it
     (:func:`finetuner.data.prompts.prompt_of`: a prompts-only file, or the prompt side of supervised data,
@@ -287,24 +381,48 @@ def profile_prompts(
     plus ``TEMPLATE_TOKENS_PER_MESSAGE``, and the generation prompt's). The profile's ``kind`` is
     ``prompts``, its lengths are the prompts' (the completions are generated, so no token is trained on
     from the file: ``trained_tokens`` is 0). Rows without a prompt are counted as :func:`profile_data`
-    counts bad rows."""
+    counts bad rows. Where the model's tokenizer loads here, the first ``EXACT_ROWS`` prompts are the GRPO
+    trainer's own encoding (:func:`finetuner.data.prompts.encode_prompt`), and the template's measured tokens
+    replace ``TEMPLATE_TOKENS_PER_MESSAGE`` for the rest."""
     from finetuner.data.formats import read_rows
-    from finetuner.data.prompts import prompt_of
+    from finetuner.data.prompts import encode_prompt, prompt_of
 
-    count, how = _tokenizer_counter(model)
+    encoder = _encoder(model, chat_template)
+    if encoder is not None:
+        tok = encoder[0]
+        count = bounded(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
+        how = f"the model's tokenizer and chat template ({model})"
+    else:
+        count, how = _tokenizer_counter(model)
     if count is None:
         count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
     bad: list[RowError] = []
-    lengths: list[int] = []
+    lengths: list[int | None] = []
+    counted: list[tuple[int, int]] = []  # the counted rows' content tokens and messages
+    extra: list[float] = []  # the exactly encoded rows' template tokens per message
     for raw in read_rows(path, "train", bad):
         try:
             p = prompt_of(raw.data, columns, system_prompt)
         except RowError as e:
             bad.append(RowError(f"{raw.place}: {e}."))
             continue
-        lengths.append(sum(count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in p.messages) + TEMPLATE_TOKENS_PER_MESSAGE)
+        content = sum(count(m["content"]) for m in p.messages)
+        if encoder is not None and len(extra) < EXACT_ROWS:  # the GRPO trainer's own encoding
+            try:
+                n = len(encode_prompt(p, encoder[0], encoder[1]))
+                extra.append((n - content) / (len(p.messages) + 1))
+                lengths.append(n)
+            except RowError:
+                lengths.append(None)
+                counted.append((content, len(p.messages) + 1))
+        else:
+            lengths.append(None)
+            counted.append((content, len(p.messages) + 1))  # its messages and the generation prompt
         if len(lengths) >= MAX_ROWS:
             break
+    per = statistics.fmean(extra) if extra else TEMPLATE_TOKENS_PER_MESSAGE
+    rest = iter(counted)
+    lengths = [n if n is not None else (lambda c: max(1, round(c[0] + per * c[1])))(next(rest)) for n in lengths]
     return _profile(path, "prompts", "prompts", lengths, 0, sum(lengths), how, None, bad, on_bad_row, columns=columns)
 
 

@@ -1282,15 +1282,16 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -
 
 @functools.lru_cache(maxsize=16)
 def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
-                  columns: tuple[tuple[str, str], ...], prompts: bool = False) -> tuple[float, tuple[int, ...]]:
+                  columns: tuple[tuple[str, str], ...], prompts: bool = False,
+                  chat_template: str | None = None) -> tuple[float, tuple[int, ...]]:
     """``(label fraction, token lengths)`` of a data file, once per file version; with ``prompts`` its
     prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
     from finetuner.data.stats import profile_data, profile_prompts
 
     if prompts:
-        p = profile_prompts(path, model, columns=dict(columns) or None)
+        p = profile_prompts(path, model, columns=dict(columns) or None, chat_template=chat_template)
         return 1.0, tuple(p.lengths)
-    p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None)
+    p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None, chat_template=chat_template)
     return p.label_fraction, tuple(p.lengths)
 
 
@@ -1305,7 +1306,7 @@ def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool 
     st = path.stat()
     try:
         return _file_profile(str(path), st.st_mtime_ns, st.st_size, recipe.model.name, d.format,
-                             tuple(sorted((d.columns or {}).items())), prompts)
+                             tuple(sorted((d.columns or {}).items())), prompts, d.chat_template)
     except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows
         return None
 

@@ -142,9 +142,8 @@ def test_grpo_prompts_are_timed_as_the_rollout_pads_them():
     data = prepare_prompts(recipe.data, tok, t.seed, recipe.grpo.max_new_tokens)
     own = [len(p["prompt_ids"]) for p in data.train + data.val]
     batch = data_batch_of(recipe)
-    # the planner counts each message's tokens plus a fixed allowance for the template (data.stats), not the
-    # template itself: the mean prompt is close, not equal (20.1 tokens against the trainer's 18.1 here)
-    assert batch.real_per_row == pytest.approx(statistics.fmean(own), rel=0.15), (batch, statistics.fmean(own))
+    # the planner encodes the prompts as the GRPO trainer does (data.stats.EXACT_ROWS: the whole file here)
+    assert batch.real_per_row == pytest.approx(statistics.fmean(own), rel=1e-12), (batch, statistics.fmean(own))
     widths = []
     train = [p["prompt_ids"] for p in data.train]
     schedule = StepSchedule(len(train), t.effective_batch_size, t.seed)
