@@ -109,3 +109,12 @@ def test_the_checker_sees_cycles_and_function_level_imports(tmp_path):
     skipped = _type_checking_only(tree)
     kept = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped]
     assert kept == ["typing", "z"]
+
+
+def test_data_does_not_import_planning():
+    """The held-out split and packing belong to the data (finetuner.data.split): the pipelines split and pack
+    with it and the planner counts with it, so no data module reaches into the planner."""
+    edges, _ = import_graph()
+    reach = {(a, b) for a, bs in edges.items() for b in bs
+             if a.startswith("finetuner.data.") and b.startswith("finetuner.planning")}
+    assert reach == set()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner.planning.sizing import held_out_rows, pack_bins
+from finetuner.data.split import held_out_rows, pack_bins
 from finetuner.data.formats import FileExamples, RowError
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption

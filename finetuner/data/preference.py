@@ -42,7 +42,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from finetuner.planning.sizing import held_out_rows
+from finetuner.data.split import held_out_rows
 from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,

@@ -25,7 +25,7 @@ from finetuner.config.recipe import DataSection
 from finetuner.data.formats import SHAREGPT_ROLES, RowError, read_rows
 from finetuner.data.pipeline import DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError
-from finetuner.planning.sizing import held_out_rows
+from finetuner.data.split import held_out_rows
 
 #: columns read as the prompt (a text) when the row has no ``prompt`` or conversation
 QUESTION_KEYS = ("instruction", "question", "query", "problem")

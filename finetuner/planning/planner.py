@@ -45,7 +45,8 @@ from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, preset_model, presets, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
-from finetuner.planning.sizing import Sizing, held_out_rows, learning_rate, size_run
+from finetuner.data.split import held_out_rows
+from finetuner.planning.sizing import Sizing, learning_rate, size_run
 from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.lengths import BatchShape, batch_shape, prompt_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
@@ -1355,7 +1356,7 @@ def label_fraction_of(recipe: Recipe) -> float:
 def held_out_of(recipe: Recipe) -> int | None:
     """The held-out rows a run of the recipe evaluates, as the trainer splits them: the rows of
     ``data.val_path``, else ``data.val_size`` of the data file's rows
-    (:func:`~finetuner.planning.sizing.held_out_rows`); None when the file cannot be read here."""
+    (:func:`~finetuner.data.split.held_out_rows`); None when the file cannot be read here."""
     d = recipe.data
     if d.val_path:
         prof = _recipe_file_profile(recipe, d.val_path, prompts=recipe.objective == "grpo")
@@ -1554,11 +1555,12 @@ def lengths_text(recipe: Recipe, batch: BatchShape | None) -> str:
 def run_optimizer_steps(recipe: Recipe) -> int | None:
     """The optimizer steps ``finetuner run`` takes for a resolved recipe, counted as the trainer counts
     them (:func:`finetuner.planning.sizing.optimizer_steps`): ``training.max_steps``, else the epochs
-    over the training rows left after the held-out split (:func:`~finetuner.planning.sizing.held_out_rows`)
+    over the training rows left after the held-out split (:func:`~finetuner.data.split.held_out_rows`)
     of the data file, as :func:`plan` counts them. None when the data cannot be read here (a hub data
     set). Packed data are counted by packing the examples' lengths as the trainer packs them
-    (:func:`~finetuner.planning.sizing.count_packed_rows`)."""
-    from finetuner.planning.sizing import count_packed_rows, held_out_rows, optimizer_steps
+    (:func:`~finetuner.data.split.count_packed_rows`)."""
+    from finetuner.data.split import count_packed_rows
+    from finetuner.planning.sizing import optimizer_steps
 
     t = recipe.training
     if t.max_steps:

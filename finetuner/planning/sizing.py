@@ -15,7 +15,7 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
   none below 10 rows.
 * **Steps**: ``ceil(training rows / effective batch)`` an epoch (:func:`steps_per_epoch`, the
   trainer's own count: the last step takes the rows left over), times the epochs; packed rows are
-  counted by packing the data's lengths as the trainer does (:func:`count_packed_rows`).
+  counted by packing the data's lengths as the trainer does (:func:`finetuner.data.split.count_packed_rows`).
 * **Effective batch**: the user's, else 16, halved until an epoch has at least
   ``MIN_STEPS_PER_EPOCH`` optimizer steps.
 * **Epochs**: enough to reach ``MIN_TOTAL_STEPS`` optimizer steps, between 1 and ``MAX_EPOCHS``.
@@ -40,10 +40,10 @@ LoRA notebooks), scaled as above.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from finetuner.data.split import count_packed_rows, held_out_rows
 from finetuner.planning.expectations import is_toy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,14 +129,6 @@ def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tup
                 f"sqrt({REFERENCE_HIDDEN}/{hidden}) for this narrower model")
 
 
-def held_out_rows(val_size: float, rows: int) -> int:
-    """How many of ``rows`` examples ``data.val_size`` holds out: a number of rows when at least 1, else a
-    fraction (at least one row). The trainer's split and the plan's count both come from here."""
-    if val_size <= 0:
-        return 0
-    return int(val_size) if val_size >= 1 else max(1, round(val_size * rows))
-
-
 def steps_per_epoch(units: int, effective_batch: int) -> int:
     """Optimizer steps in one pass over ``units`` training rows (examples, pairs or packed rows),
     ``effective_batch`` a step: the last step of an epoch takes the rows left over. The trainer's
@@ -154,44 +146,6 @@ def optimizer_steps(max_steps: int | None, epochs: float, units: int, effective_
     training rows (examples, pairs or packed rows) at ``effective_batch`` a step. The trainer's
     schedule and the plan's count (and so its total time) both come from here."""
     return max_steps or total_steps(epochs, steps_per_epoch(units, effective_batch))
-
-
-def train_positions(rows: int, n_val: int, seed: int) -> list[int]:
-    """Which of ``rows`` examples stay for training when ``n_val`` are held out: ``datasets``'
-    ``train_test_split(test_size=n_val, seed=seed, shuffle=True)``, which the trainer's split calls
-    (a ``numpy.random.default_rng(seed)`` permutation; the first ``n_val`` are held out)."""
-    if n_val <= 0:
-        return list(range(rows))
-    import numpy as np
-
-    return [int(i) for i in np.random.default_rng(seed).permutation(rows)[n_val:]]
-
-
-def pack_bins(lengths: list[int], max_len: int, seed: int) -> list[list[int]]:
-    """Greedy packing of examples of ``lengths`` tokens (already cut at ``max_len``) into rows of at
-    most ``max_len`` tokens, in a seeded random order: the positions each packed row holds.
-    :func:`finetuner.data.pipeline.pack` packs by it, and the plan counts packed rows with it."""
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)
-    rows: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in order:
-        if cur and used + lengths[i] > max_len:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += lengths[i]
-    if cur:
-        rows.append(cur)
-    return rows
-
-
-def count_packed_rows(lengths: list[int], n_val: int, max_len: int, seed: int) -> int:
-    """Packed training rows of a data set whose examples have ``lengths`` tokens, ``n_val`` held out:
-    the trainer's split (:func:`train_positions`), examples cut at ``max_len``, then :func:`pack_bins`."""
-    train = [min(lengths[i], max_len) for i in train_positions(len(lengths), n_val, seed)]
-    return len(pack_bins(train, max_len, seed))
 
 
 def _round_up(n: int, to: int) -> int:

@@ -1,0 +1,57 @@
+"""The held-out split and packing: which examples a run holds out and how it packs the rest into rows.
+
+The data pipelines (:mod:`finetuner.data.pipeline`, :mod:`finetuner.data.preference`,
+:mod:`finetuner.data.prompts`) split and pack with these, and the planner (:mod:`finetuner.planning.sizing`,
+:mod:`finetuner.planning.planner`) counts held-out rows and packed rows with the same functions, so a plan's
+step count is the run's. Pure Python (numpy for the split's permutation, as ``datasets`` draws it).
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def held_out_rows(val_size: float, rows: int) -> int:
+    """How many of ``rows`` examples ``data.val_size`` holds out: a number of rows when at least 1, else a
+    fraction (at least one row). The trainer's split and the plan's count both come from here."""
+    if val_size <= 0:
+        return 0
+    return int(val_size) if val_size >= 1 else max(1, round(val_size * rows))
+
+
+def train_positions(rows: int, n_val: int, seed: int) -> list[int]:
+    """Which of ``rows`` examples stay for training when ``n_val`` are held out: ``datasets``'
+    ``train_test_split(test_size=n_val, seed=seed, shuffle=True)``, which the trainer's split calls
+    (a ``numpy.random.default_rng(seed)`` permutation; the first ``n_val`` are held out)."""
+    if n_val <= 0:
+        return list(range(rows))
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).permutation(rows)[n_val:]]
+
+
+def pack_bins(lengths: list[int], max_len: int, seed: int) -> list[list[int]]:
+    """Greedy packing of examples of ``lengths`` tokens (already cut at ``max_len``) into rows of at
+    most ``max_len`` tokens, in a seeded random order: the positions each packed row holds.
+    :func:`finetuner.data.pipeline.pack` packs by it, and the plan counts packed rows with it."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    rows: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        if cur and used + lengths[i] > max_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def count_packed_rows(lengths: list[int], n_val: int, max_len: int, seed: int) -> int:
+    """Packed training rows of a data set whose examples have ``lengths`` tokens, ``n_val`` held out:
+    the trainer's split (:func:`train_positions`), examples cut at ``max_len``, then :func:`pack_bins`."""
+    train = [min(lengths[i], max_len) for i in train_positions(len(lengths), n_val, seed)]
+    return len(pack_bins(train, max_len, seed))
