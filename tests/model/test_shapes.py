@@ -22,6 +22,11 @@ KNOWN_TOTALS = {
     "qwen2.5-32b": 32_763_876_352,
     "gemma-2-9b": 9_241_705_984,
     "phi-3-mini": 3_821_079_552,
+    # Qwen3 (2025): the configs of Qwen/Qwen3-4B, -8B, -14B and -32B; the totals as the hub states them
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
 }
 
 
