@@ -22,7 +22,8 @@ KNOWN_TOTALS = {
     "qwen2.5-32b": 32_763_876_352,
     "gemma-2-9b": 9_241_705_984,
     "phi-3-mini": 3_821_079_552,
-    # Qwen3 (2025): the configs of Qwen/Qwen3-4B, -8B, -14B and -32B; the totals as the hub states them
+    # Qwen3 (2025): the totals of the configs of Qwen/Qwen3-4B, -8B, -14B and -32B, which the model cards round
+    # to 4.0B, 8.2B, 14.8B and 32.8B
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
     "qwen3-14b": 14_768_307_200,
