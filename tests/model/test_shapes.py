@@ -28,6 +28,7 @@ KNOWN_TOTALS = {
     "qwen3-8b": 8_190_735_360,
     "qwen3-14b": 14_768_307_200,
     "qwen3-32b": 32_762_123_264,
+    "phi-4": 14_659_507_200,  # microsoft/phi-4's config (Phi3ForCausalLM); its card rounds to 14.7B
 }
 
 
