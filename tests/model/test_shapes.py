@@ -29,6 +29,7 @@ KNOWN_TOTALS = {
     "qwen3-14b": 14_768_307_200,
     "qwen3-32b": 32_762_123_264,
     "phi-4": 14_659_507_200,  # microsoft/phi-4's config (Phi3ForCausalLM); its card rounds to 14.7B
+    "smollm3-3b": 3_075_098_624,  # HuggingFaceTB/SmolLM3-3B (a layout read from the model); its card: 3.08B
 }
 
 
