@@ -223,6 +223,21 @@ def _loaded_encoder(model: str, chat_template: str | None, stamp: tuple[int, ...
         return None
 
 
+def _counters(model: str | None, chat_template: str | None):
+    """``(encoder, count, how)``: the model's tokenizer and chat template where they load here (:func:`_encoder`),
+    a ``text -> tokens`` counter (that tokenizer's, else its ``tokenizer.json``, else ``CHARS_PER_TOKEN``) and
+    what the counts were made with."""
+    encoder = _encoder(model, chat_template)
+    if encoder is not None:
+        tok = encoder[0]
+        return encoder, bounded(lambda text: len(tok(text, add_special_tokens=False)["input_ids"])), \
+            f"the model's tokenizer and chat template ({model})"
+    count, how = _tokenizer_counter(model)
+    if count is None:
+        count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
+    return None, count, how
+
+
 def profile_data(
     path: str,
     model: str | None = None,
@@ -243,15 +258,7 @@ def profile_data(
     tokenizer loads here, the first ``EXACT_ROWS`` are tokenized as training tokenizes them
     (``chat_template``: ``data.chat_template``) and the rest counted with the template's measured tokens.
     """
-    encoder = _encoder(model, chat_template)
-    if encoder is not None:
-        tok = encoder[0]
-        count = bounded(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
-        how = f"the model's tokenizer and chat template ({model})"
-    else:
-        count, how = _tokenizer_counter(model)
-    if count is None:
-        count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
+    encoder, count, how = _counters(model, chat_template)
     src = FileExamples(path, fmt, columns, system_prompt)
     try:
         lengths, trained, total = _sft_lengths(src, count, encoder)
@@ -302,7 +309,10 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
         else:
             prompt, answer, n_p, n_a = count(ex["prompt"]), count(ex["completion"]), 1, 1
         enc = None
-        if encoder is not None and len(exact) < EXACT_ROWS:
+        chars = (sum(len(m["content"]) for m in ex["messages"]) if "messages" in ex else
+                 len(ex["text"]) if "text" in ex else len(ex["prompt"]) + len(ex["completion"]))
+        # a row longer than MAX_COUNTED_CHARS is counted (bounded) instead: its tokenizer's memory grows with it
+        if encoder is not None and len(exact) < EXACT_ROWS and chars <= MAX_COUNTED_CHARS:
             try:
                 enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False)
             except RowError:  # the trainer reports it (or skips it) with its place
@@ -387,15 +397,7 @@ def profile_prompts(
     from finetuner.data.formats import read_rows
     from finetuner.data.prompts import encode_prompt, prompt_of
 
-    encoder = _encoder(model, chat_template)
-    if encoder is not None:
-        tok = encoder[0]
-        count = bounded(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
-        how = f"the model's tokenizer and chat template ({model})"
-    else:
-        count, how = _tokenizer_counter(model)
-    if count is None:
-        count, how = (lambda text: int(math.ceil(len(text) / CHARS_PER_TOKEN))), f"{CHARS_PER_TOKEN} characters per token"
+    encoder, count, how = _counters(model, chat_template)
     bad: list[RowError] = []
     lengths: list[int | None] = []
     counted: list[tuple[int, int]] = []  # the counted rows' content tokens and messages
@@ -407,7 +409,8 @@ def profile_prompts(
             bad.append(RowError(f"{raw.place}: {e}."))
             continue
         content = sum(count(m["content"]) for m in p.messages)
-        if encoder is not None and len(extra) < EXACT_ROWS:  # the GRPO trainer's own encoding
+        chars = sum(len(m["content"]) for m in p.messages)
+        if encoder is not None and len(extra) < EXACT_ROWS and chars <= MAX_COUNTED_CHARS:  # the GRPO trainer's own encoding
             try:
                 n = len(encode_prompt(p, encoder[0], encoder[1]))
                 extra.append((n - content) / (len(p.messages) + 1))
