@@ -407,6 +407,12 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
+    if arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head and arch.gguf_arch != "llama":
+        # the file says it (attention.key_length, as llama.cpp reads it); transformers' reader of this architecture
+        # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128)
+        extra["head_dim"] = arch.head_dim
+        notes.append(f"transformers' GGUF loader reads no key length for {arch.gguf_arch}; the check gave it the model's "
+                     f"head_dim {arch.head_dim}.")
     with contextlib.redirect_stderr(io.StringIO()):  # its loader draws a tqdm bar straight to stderr
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
     got = _logits(model, probe)

@@ -1,7 +1,8 @@
 """Which models GGUF export handles, and how their config and tensors become GGUF metadata and tensors.
 
 Supported: the Llama family (``model_type`` ``llama``), Mistral (written as llama.cpp writes it: the
-``llama`` architecture) and Qwen2. Names come from gguf's own ``TensorNameMap`` for the
+``llama`` architecture), Qwen2 and Qwen3 (Qwen2's layout with per-head q/k norms, llama.cpp's ``qwen3``
+architecture). Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
 key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
@@ -17,7 +18,7 @@ from typing import Any
 from finetuner.errors import UserError
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
-SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -105,7 +106,7 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
 def arch_for(config: dict[str, Any], where: str) -> Arch:
     """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported."""
     mt = config.get("model_type")
-    supported = "Llama family (llama), Mistral (mistral) and Qwen2 (qwen2)"
+    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2) and Qwen3 (qwen3)"
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")

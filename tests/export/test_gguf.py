@@ -102,6 +102,26 @@ def qwen2_dir(tmp_path_factory):
     return _save(model, tok, tmp_path_factory.mktemp("tiny_qwen2"))
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3: per-head q/k norms (not ones, so the check sees whether they were written) and a head
+    wider than hidden / heads (head_dim 32, as Qwen3-4B's 128 against 2560 / 32)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = _qwen2_tokenizer()  # Qwen3 keeps Qwen2's tokenizer
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    return _save(model, tok, tmp_path_factory.mktemp("tiny_qwen3"))
+
+
 def _fields(path):
     import gguf
 
@@ -185,6 +205,18 @@ def test_qwen2_with_biases_q8_0(qwen2_dir, tmp_path):
     assert f["tokenizer.ggml.pre"] == "qwen2"
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.1.attn_k.bias"] == gguf.GGMLQuantizationType.F32 and types["blk.1.ffn_up.weight"] == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_qwen3_with_qk_norms_f16(qwen3_dir, tmp_path):
+    r = export_model(qwen3_dir, tmp_path / "q3.gguf", quant="f16")
+    assert r.architecture == "qwen3" and r.top1_agreement >= 0.9, r
+    # the file holds the head width; transformers' reader of qwen3 maps none, so the check is told it
+    assert any("head_dim 32" in n for n in r.notes), r.notes
+    reader, f = _fields(tmp_path / "q3.gguf")
+    assert f["general.architecture"] == "qwen3" and f["tokenizer.ggml.pre"] == "qwen2"
+    assert f["qwen3.attention.key_length"] == 32 and f["qwen3.attention.value_length"] == 32
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= names
 
 
 # ------------------------------------------------------------------ bad input: clear errors, nothing written
