@@ -106,3 +106,16 @@ def test_the_benchmarks_page_states_the_shipped_files_check_as_recorded():
             f"whole run median {s['total_median_abs_error'] * 100:.1f} %, largest {s['total_largest_abs_error'] * 100:.0f} %") in page
     for row in doc["rows"]:
         assert f"| {row['name']} | {row['predicted']['steps']} | {row['measured']['steps']} |" in page, row["name"]
+
+
+def test_the_llama_cpp_checks_tiny_qwen3_is_wider_headed_and_exports(tmp_path):
+    """scripts/validate/llama_cpp_check.py --tiny qwen3 (llama.cpp itself runs only in the script): the tiny model has a
+    head wider than hidden / heads, as Qwen3-4B has, and finetuner's export of it passes its own checks."""
+    import finetuner
+    from scripts.validate.llama_cpp_check import tiny_model
+
+    folder = tiny_model("qwen3", tmp_path / "tiny")
+    cfg = json.loads((tmp_path / "tiny" / "config.json").read_text(encoding="utf-8"))
+    assert cfg["model_type"] == "qwen3" and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    r = finetuner.export_model(folder, tmp_path / "tiny.gguf", quant="f16")
+    assert r.architecture == "qwen3" and r.top1_agreement == 1.0, r

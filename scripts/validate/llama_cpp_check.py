@@ -14,7 +14,13 @@ folder:
 With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The result is
 written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
 
+``--tiny qwen3`` checks another architecture the export writes: a tiny random model of that
+``model_type`` (:data:`TINY`: 2 layers, a head wider than hidden / heads, as Qwen3-4B's) with the demo
+model's tokenizer and chat template, built in a temporary folder; the result goes to
+``docs/validation/llama_cpp_check_qwen3.json`` (and ``.md``).
+
     python -m scripts.validate.llama_cpp_check
+    python -m scripts.validate.llama_cpp_check --tiny qwen3
 """
 
 from __future__ import annotations
@@ -63,6 +69,30 @@ def install(target: Path) -> float:
     return time.perf_counter() - t0
 
 
+#: ``--tiny`` model types: the config of a tiny random model of each (with the demo's tokenizer)
+TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True)}
+
+
+def tiny_model(model_type: str, folder: Path) -> str:
+    """A tiny random ``model_type`` model with the demo model's tokenizer, saved in ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model"))
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, **TINY[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # norms that are not all ones, so a norm written wrong shows in the answer
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1, 0.3)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 def transformers_answer(weights: str, tokenizer, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -84,7 +114,8 @@ def main() -> int:
     ap.add_argument("--quant", default="f16")
     ap.add_argument("--k-quant", action="store_true", help="Also export q4_k_m with llama.cpp's quantizer.")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(REPO / "docs" / "validation" / "llama_cpp_check.json"))
+    ap.add_argument("--tiny", choices=sorted(TINY), help="Check a tiny random model of this model_type instead of the demo.")
+    ap.add_argument("--out", help="The result (default docs/validation/llama_cpp_check.json, llama_cpp_check_<type>.json with --tiny).")
     args = ap.parse_args()
 
     target = Path(args.target)
@@ -95,7 +126,12 @@ def main() -> int:
     from finetuner.export.merge import merge_adapter
     from finetuner.infer.loading import chat_template, load_tokenizer, resolve_source
 
-    source = args.source or (str(REPO / "runs" / "demo_cpu") if (REPO / "runs" / "demo_cpu" / "adapter").is_dir() else str(REPO / "data" / "demo_model"))
+    args.out = args.out or str(REPO / "docs" / "validation" / f"llama_cpp_check{'_' + args.tiny if args.tiny else ''}.json")
+    tiny_dir = tempfile.TemporaryDirectory() if args.tiny else None
+    if args.tiny:
+        source = tiny_model(args.tiny, Path(tiny_dir.name) / f"tiny-{args.tiny}")
+    else:
+        source = args.source or (str(REPO / "runs" / "demo_cpu") if (REPO / "runs" / "demo_cpu" / "adapter").is_dir() else str(REPO / "data" / "demo_model"))
     src = resolve_source(source)
     tokenizer = load_tokenizer(src)
     template = chat_template(src, tokenizer)
@@ -132,7 +168,8 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     built = f", built from source in {seconds_install:.0f} s" if seconds_install else ""
     lines = ["# llama.cpp loads finetuner's GGUF export", "",
-             f"`python -m scripts.validate.llama_cpp_check{' --k-quant' if args.k_quant else ''}` on `{Path(source).name}`, "
+             f"`python -m scripts.validate.llama_cpp_check{' --k-quant' if args.k_quant else ''}"
+             f"{' --tiny ' + args.tiny if args.tiny else ''}` on `{Path(source).name}`, "
              f"prompt {PROMPT!r} (chat template applied), greedy, up to {args.max_new_tokens} new tokens, with "
              f"llama-cpp-python {version}{built}. Raw result: `{out.name}`.", "",
              f"transformers (merged model, fp32): {result['transformers_answer']!r}", "",
