@@ -162,3 +162,26 @@ def test_grpo_prompts_longer_than_the_limit_are_cut_and_a_step_pads_to_its_longe
     shape = prompt_batch([10, 500, 20, 30], 2, max_prompt_len=100)
     assert shape.padded_len == expected_longest([10, 100, 20, 30], 2) and shape.real_per_row == 40
     assert prompt_batch([10, 20, 30], 3, max_prompt_len=100).padded_len == 30
+
+
+def test_rows_after_the_exact_ones_are_counted_with_the_templates_measured_tokens(monkeypatch):
+    """data.stats encodes the first EXACT_ROWS rows as training does and counts the rest with the chat template's
+    tokens measured on those: with 5 exact rows the counted rows of the chat sample land within two tokens a
+    message of their exact length (a message tokenized alone may split differently at its two edges, where the
+    rendered template joins it to the markup around it), and the label fraction within 0.5 %."""
+    import json
+
+    import finetuner.data.stats as stats
+
+    repo = Path(__file__).resolve().parents[2]
+    path, model = str(repo / "data" / "chat_sample.jsonl"), str(repo / "data" / "demo_model")
+    exact = stats.profile_data(path, model)
+    assert exact.counted_with.startswith("the model's tokenizer and chat template")
+    monkeypatch.setattr(stats, "EXACT_ROWS", 5)
+    counted = stats.profile_data(path, model)
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(rows) == len(exact.lengths) == len(counted.lengths) > 5
+    assert counted.lengths[:5] == exact.lengths[:5]
+    for row, a, b in zip(rows, exact.lengths, counted.lengths):
+        assert abs(a - b) <= 2 * len(row["messages"]), (row, a, b)
+    assert counted.label_fraction == pytest.approx(exact.label_fraction, rel=0.005)
