@@ -47,6 +47,7 @@ llm = Llama(model_path=path, n_ctx=512, n_threads=2, logits_all=True, verbose=Fa
 llama_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 llm.reset()
 llm.eval(ids)
+prompt_next = [int(np.asarray(llm.scores[i]).argmax()) for i in range(len(ids))]  # teacher-forced, every position
 out = []
 for _ in range(max_new):
     logits = np.asarray(llm.scores[llm.n_tokens - 1])
@@ -55,7 +56,7 @@ for _ in range(max_new):
         break
     out.append(tok)
     llm.eval([tok])
-print(json.dumps({"llama_cpp_prompt_ids": llama_ids, "llama_cpp_answer_ids": out,
+print(json.dumps({"llama_cpp_prompt_ids": llama_ids, "llama_cpp_answer_ids": out, "llama_cpp_prompt_next": prompt_next,
                   "llama_cpp_answer": llm.detokenize(out).decode("utf-8", "replace")}))
 """
 
@@ -93,18 +94,21 @@ def tiny_model(model_type: str, folder: Path) -> str:
     return str(folder)
 
 
-def transformers_answer(weights: str, tokenizer, ids: list[int], max_new: int, eos: list[int]) -> list[int]:
+def transformers_answer(weights: str, tokenizer, ids: list[int], max_new: int, eos: list[int]) -> tuple[list[int], list[int]]:
+    """The greedy answer, and the most likely next token at every position of the prompt (teacher-forced: a
+    check that a random model's degenerate answer, one token repeated, cannot pass alone)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
     with torch.no_grad():
+        prompt_next = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id)
     answer = out[0, len(ids):].tolist()
     while answer and answer[-1] in eos:
         answer.pop()
-    return answer
+    return answer, prompt_next
 
 
 def main() -> int:
@@ -144,7 +148,7 @@ def main() -> int:
         if src.has_adapter:
             weights = str(Path(tmp) / "merged")
             merge_adapter(source, weights, dtype="fp32")
-        answer = transformers_answer(weights, tokenizer, ids, args.max_new_tokens, eos)
+        answer, prompt_next = transformers_answer(weights, tokenizer, ids, args.max_new_tokens, eos)
         result["transformers_answer_ids"] = answer
         result["transformers_answer"] = tokenizer.decode(answer)
         quants = [args.quant] + (["q4_k_m"] if args.k_quant else [])
@@ -159,7 +163,9 @@ def main() -> int:
                 continue
             got = json.loads(p.stdout.strip().splitlines()[-1])
             got.update(file_bytes=r.file_bytes, max_abs_logit_diff=r.max_abs_logit_diff, top1_agreement=r.top1_agreement,
-                       tokenizer_ids_equal=got["llama_cpp_prompt_ids"] == ids, answer_equal=got["llama_cpp_answer_ids"] == answer)
+                       tokenizer_ids_equal=got["llama_cpp_prompt_ids"] == ids, answer_equal=got["llama_cpp_answer_ids"] == answer,
+                       prompt_top1_agreement=round(sum(a == b for a, b in zip(got["llama_cpp_prompt_next"], prompt_next))
+                                                   / len(prompt_next), 4))
             result["exports"][quant] = got
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,17 +180,20 @@ def main() -> int:
              f"llama-cpp-python {version}{built}. Raw result: `{out.name}`.", "",
              f"transformers (merged model, fp32): {result['transformers_answer']!r}", "",
              "| GGUF | MiB | max abs logit diff, top-1 (transformers' GGUF loader vs merged) | llama.cpp prompt ids = transformers' "
-             "| llama.cpp greedy answer = transformers' | llama.cpp's answer |",
-             "|---|---|---|---|---|---|"]
+             "| llama.cpp's next token = transformers' at each prompt position | llama.cpp greedy answer = transformers' "
+             "| llama.cpp's answer |",
+             "|---|---|---|---|---|---|---|"]
     for quant, g in result["exports"].items():
         if "error" in g:
-            lines.append(f"| {quant} | | | error | error | {g['error'].splitlines()[-1] if g['error'] else ''} |")
+            lines.append(f"| {quant} | | | error | error | error | {g['error'].splitlines()[-1] if g['error'] else ''} |")
         else:
             lines.append(f"| {quant} | {g['file_bytes'] / 2**20:.1f} | {g['max_abs_logit_diff']:.4f}, {g['top1_agreement']:.0%} "
-                         f"| {g['tokenizer_ids_equal']} | {g['answer_equal']} | {g['llama_cpp_answer']!r} |")
+                         f"| {g['tokenizer_ids_equal']} | {g['prompt_top1_agreement']:.0%} of {len(prompt_next)} "
+                         f"| {g['answer_equal']} | {g['llama_cpp_answer']!r} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
-    ok = all("error" not in g and g["tokenizer_ids_equal"] and g["answer_equal"] for g in result["exports"].values())
+    ok = all("error" not in g and g["tokenizer_ids_equal"] and g["answer_equal"] and g["prompt_top1_agreement"] >= 0.9
+             for g in result["exports"].values())
     return 0 if ok else 1
 
 
