@@ -167,10 +167,31 @@ def corpus(n: int = 400) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=rng.randint(6, 20))) for _ in range(n)]
 
 
+def shared_gguf_cache(tmp_path_factory) -> Path:
+    """One GGUF conversion cache (finetuner.model.gguf_base) for every xdist worker of the run: dequantizing the
+    real SmolLM2 file takes 17-55 s of CPU on 2 cores, and the walk-throughs, plans and token previews of several
+    test files load it. Conversions are published atomically (two workers converting at once both load, one
+    keeps its copy). tests/model/test_smollm2_real.py converts into a cache of its own: it checks the conversion."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder above the workers'
+    folder = root / "gguf-shared"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def share_gguf_cache(cache: Path, shared: Path) -> None:
+    """``cache``'s ``gguf`` folder (finetuner's conversion cache) made a link to ``shared``."""
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "gguf").symlink_to(shared, target_is_directory=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _tokenized_data_cache(tmp_path_factory):
-    """The tokenized-data cache of this test session (not the user's ~/.cache/finetuner)."""
-    os.environ["FINETUNER_CACHE_DIR"] = str(tmp_path_factory.mktemp("finetuner_cache"))
+    """The tokenized-data cache of this test session (not the user's ~/.cache/finetuner), its GGUF conversions
+    shared by the run's workers (:func:`shared_gguf_cache`)."""
+    cache = tmp_path_factory.mktemp("finetuner_cache")
+    share_gguf_cache(cache, shared_gguf_cache(tmp_path_factory))
+    os.environ["FINETUNER_CACHE_DIR"] = str(cache)
     # and its checkpoint-sealing key (finetuner.training.seal), not the user's ~/.config/finetuner
     os.environ["FINETUNER_CONFIG_DIR"] = str(tmp_path_factory.mktemp("finetuner_config"))
 

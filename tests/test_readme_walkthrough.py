@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HANG_GUARD_S, cli_in_process
+from tests.conftest import HANG_GUARD_S, cli_in_process, share_gguf_cache, shared_gguf_cache
 from tests.test_readme import FAKE_TOKEN, README, blocks, commands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,9 +128,12 @@ def test_every_not_run_reason_names_a_readme_command():
 # a hang guard of two per-test guards: this test runs some 35 commands in a row (the demo's 150 steps, two
 # DPO runs, a GRPO run, evals, merges and three verified exports), each with its own guard
 @pytest.mark.timeout(2 * HANG_GUARD_S)
-def test_the_readme_commands_run_in_order(tmp_path):
+def test_the_readme_commands_run_in_order(tmp_path, tmp_path_factory):
     work = tmp_path / "clone"
     fresh_copy(work)
+    # a cache of its own (the token check below reads it), the GGUF conversions shared with the run's other tests:
+    # converting the real SmolLM2 file for `finetuner chat smollm2-135m-instruct` again would cost 17-55 s
+    share_gguf_cache(tmp_path / "cache", shared_gguf_cache(tmp_path_factory))
     overrides = {
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "FINETUNER_CACHE_DIR": str(tmp_path / "cache"),
@@ -177,6 +180,8 @@ def test_the_readme_commands_run_in_order(tmp_path):
     assert "evaluation" in json.loads((demo / "metrics.json").read_text(encoding="utf-8"))
     assert (work / "exports" / "demo-merged" / "config.json").is_file() and (work / "my.yaml").is_file()
     # "finetuner never writes the token into run folders": nor anywhere else it writes
-    written = [p for p in [*work.rglob("*"), *(tmp_path / "cache").rglob("*")] if p.is_file() and not p.is_symlink()]
+    # (the shared GGUF conversions behind cache/gguf are not this test's writing: os.walk does not follow the link)
+    written = [Path(d) / f for top in (work, tmp_path / "cache") for d, _, files in os.walk(top) for f in files]
+    written = [p for p in written if p.is_file() and not p.is_symlink()]
     leaked = [p for p in written if FAKE_TOKEN.encode() in p.read_bytes()]
     assert not leaked, f"HF_TOKEN written into {leaked}"

