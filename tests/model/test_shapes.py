@@ -30,6 +30,7 @@ KNOWN_TOTALS = {
     "qwen3-32b": 32_762_123_264,
     "phi-4": 14_659_507_200,  # microsoft/phi-4's config (Phi3ForCausalLM); its card rounds to 14.7B
     "smollm3-3b": 3_075_098_624,  # HuggingFaceTB/SmolLM3-3B (a layout read from the model); its card: 3.08B
+    "mistral-small-24b": 23_572_403_200,  # Mistral-Small-24B-Base-2501 (head_dim 128, not 5120 / 32); its card: 23.6B
 }
 
 
