@@ -294,7 +294,7 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
     (:func:`finetuner.data.pipeline.encode_example`, the loss on the responses), and the rest are counted with
     the template tokens per prompt and per response message measured on those; without one a chat message
     counts ``TEMPLATE_TOKENS_PER_MESSAGE`` of markup."""
-    from finetuner.data.pipeline import encode_example
+    from finetuner.data.pipeline import IGNORE_INDEX, encode_example
 
     counted: list[tuple[int, int, int, int] | None] = []  # per row: prompt and answer tokens, their messages
     exact: list[tuple[int, int]] = []  # the exactly encoded rows' (length, trained)
@@ -320,12 +320,13 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
             except RowError:  # the trainer reports it (or skips it) with its place
                 enc = None
         if enc is not None and enc["input_ids"]:
-            n, a = len(enc["input_ids"]), sum(1 for x in enc["labels"] if x != -100)
+            n, a = len(enc["input_ids"]), sum(1 for x in enc["labels"] if x != IGNORE_INDEX)
             exact.append((n, a))
             counted.append(None)
             if n_p:
                 extra_p.append((n - a - prompt) / n_p)
-            extra_a.append((a - answer) / n_a)
+            if n_a:
+                extra_a.append((a - answer) / n_a)
         else:
             counted.append((prompt, answer, n_p, n_a) if "messages" in ex or exact or encoder is not None
                            else (prompt, answer, 0, 0))  # counted without a template: no markup
