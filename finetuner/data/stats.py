@@ -306,13 +306,13 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
             answer = sum(count(m["content"]) for m in ex["messages"] if m["role"] == "assistant")
             n_p = sum(m["role"] != "assistant" for m in ex["messages"])
             n_a = len(ex["messages"]) - n_p
+            chars = sum(len(m["content"]) for m in ex["messages"])
         elif "text" in ex:
-            prompt, answer, n_p, n_a = 0, count(ex["text"]), 0, 1
+            prompt, answer, n_p, n_a, chars = 0, count(ex["text"]), 0, 1, len(ex["text"])
         else:
             prompt, answer, n_p, n_a = count(ex["prompt"]), count(ex["completion"]), 1, 1
+            chars = len(ex["prompt"]) + len(ex["completion"])
         enc = None
-        chars = (sum(len(m["content"]) for m in ex["messages"]) if "messages" in ex else
-                 len(ex["text"]) if "text" in ex else len(ex["prompt"]) + len(ex["completion"]))
         # a row longer than MAX_COUNTED_CHARS is counted (bounded) instead: its tokenizer's memory grows with it
         if encoder is not None and len(exact) < EXACT_ROWS and chars <= MAX_COUNTED_CHARS:
             try:
@@ -328,7 +328,7 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
             if n_a:
                 extra_a.append((a - answer) / n_a)
         else:
-            counted.append((prompt, answer, n_p, n_a) if "messages" in ex or exact or encoder is not None
+            counted.append((prompt, answer, n_p, n_a) if "messages" in ex or encoder is not None
                            else (prompt, answer, 0, 0))  # counted without a template: no markup
         if len(counted) >= MAX_ROWS:
             break
@@ -428,7 +428,10 @@ def profile_prompts(
             break
     per = statistics.fmean(extra) if extra else TEMPLATE_TOKENS_PER_MESSAGE
     rest = iter(counted)
-    lengths = [n if n is not None else (lambda c: max(1, round(c[0] + per * c[1])))(next(rest)) for n in lengths]
+    for i, n in enumerate(lengths):
+        if n is None:  # a counted prompt: its content and the template's measured tokens for its messages
+            content, messages = next(rest)
+            lengths[i] = max(1, round(content + per * messages))
     return _profile(path, "prompts", "prompts", lengths, 0, sum(lengths), how, None, bad, on_bad_row, columns=columns)
 
 

@@ -1296,9 +1296,12 @@ def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
     return p.label_fraction, tuple(p.lengths)
 
 
-def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool = False) -> tuple[float, tuple[int, ...]] | None:
+def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool | None = None) -> tuple[float, tuple[int, ...]] | None:
     """:func:`_file_profile` of the recipe's one local data file (or of ``file``, read as the recipe reads
-    its data; ``prompts``: its prompts), None when it has none readable here."""
+    its data), None when it has none readable here. ``prompts``: its prompts' lengths, as the GRPO trainer
+    reads them; by default for a GRPO recipe."""
+    if prompts is None:
+        prompts = recipe.objective == "grpo"
     d = recipe.data
     file = d.path if file is None else file
     if not isinstance(file, str) or not Path(file).expanduser().is_file():
@@ -1317,7 +1320,7 @@ def data_batch_of(recipe: Recipe) -> BatchShape | None:
     measured as :func:`label_fraction_of` measures them (cached per file version); for GRPO its prompts as
     a step's rollout pads them (:func:`lengths_batch`). None when the data is
     not one local file readable here (the speed model then takes every row, or prompt, at its longest)."""
-    prof = _recipe_file_profile(recipe, prompts=recipe.objective == "grpo")
+    prof = _recipe_file_profile(recipe)
     t = recipe.training
     if prof is None or not prof[1] or not isinstance(t.micro_batch_size, int) or not isinstance(t.gradient_accumulation, int):
         return None
@@ -1349,7 +1352,7 @@ def label_fraction_of(recipe: Recipe) -> float:
     upper bound) with ``data.train_on_prompt``, or when the data is not one local file readable here."""
     if recipe.data.train_on_prompt:
         return 1.0
-    prof = _recipe_file_profile(recipe)
+    prof = _recipe_file_profile(recipe, prompts=False)  # the file's supervised rows, for GRPO too
     return 1.0 if prof is None else prof[0]  # unreadable here: the upper bound
 
 
@@ -1359,9 +1362,9 @@ def held_out_of(recipe: Recipe) -> int | None:
     (:func:`~finetuner.data.split.held_out_rows`); None when the file cannot be read here."""
     d = recipe.data
     if d.val_path:
-        prof = _recipe_file_profile(recipe, d.val_path, prompts=recipe.objective == "grpo")
+        prof = _recipe_file_profile(recipe, d.val_path)
         return len(prof[1]) if prof is not None else None
-    prof = _recipe_file_profile(recipe, prompts=recipe.objective == "grpo")
+    prof = _recipe_file_profile(recipe)
     return held_out_rows(d.val_size, len(prof[1])) if prof is not None else None
 
 
@@ -1382,7 +1385,7 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
     d, t, grpo = recipe.data, recipe.training, recipe.objective == "grpo"
     source = "data"
     if not lengths:
-        prof = _recipe_file_profile(recipe, prompts=grpo)
+        prof = _recipe_file_profile(recipe)
         lengths, source = (prof[1], str(d.path)) if prof is not None else (None, source)
     if lengths:
         held_out = held_out_of(recipe) if d.val_path else held_out_rows(d.val_size, len(lengths))

@@ -171,8 +171,17 @@ def first_load(name: str) -> tuple[bool, bool]:
         return False, not gguf_base.converted(name)
     if path.is_dir():
         return False, False
-    snapshots = hub_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots"
-    return not (snapshots.is_dir() and any(_weight_bytes(s) for s in snapshots.iterdir())), False
+    return not _snapshot_bytes(name), False
+
+
+def _snapshot_bytes(name: str) -> int:
+    """Weight bytes of hub model ``name``'s largest snapshot in the local Hugging Face cache (0: not downloaded)."""
+    snapshots = _snapshots(name)
+    return max((_weight_bytes(s) for s in snapshots.iterdir()), default=0) if snapshots.is_dir() else 0
+
+
+def _snapshots(name: str) -> Path:
+    return hub_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots"
 
 
 def model_files(name: str, shape: ModelShape) -> ModelFiles:
@@ -187,11 +196,9 @@ def model_files(name: str, shape: ModelShape) -> ModelFiles:
         return ModelFiles(path.stat().st_size, False, gguf_convert=not gguf_base.converted(name), source=str(path))
     if path.is_dir():
         return ModelFiles(_weight_bytes(path), False, source=str(path))
-    snapshots = hub_cache_dir() / f"models--{name.replace('/', '--')}" / "snapshots"
-    if snapshots.is_dir():
-        held = max((_weight_bytes(s) for s in snapshots.iterdir()), default=0)
-        if held:
-            return ModelFiles(held, False, source=str(snapshots))
+    held = _snapshot_bytes(name)
+    if held:
+        return ModelFiles(held, False, source=str(_snapshots(name)))
     return ModelFiles(shape.num_params * HUB_BYTES_PER_PARAM, True, source="the hub")
 
 
@@ -302,7 +309,7 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
         evaluation_s = grpo_evaluation_seconds(shape, s, grpo_settings_of(recipe), speed, held_out or 0,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
     # a sample answer as long as the data's average response (its labelled share of the average row)
-    answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and evaluation_s is None else None
+    answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and recipe.objective != "grpo" else None
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
