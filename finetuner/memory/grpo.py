@@ -151,7 +151,7 @@ def prefill_layer_bytes(shape: ModelShape, s: Settings, rows: int, prompt_len: i
     at once, plus the attention mask as an additive bias (module docstring)."""
     c = DTYPE_BYTES[s.compute_dtype] if s.compute_dtype != "fp32" else 4
     R = 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype]  # the residual stream
-    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.active_intermediate
     per_token = 4 * h + 2 * R * h + c * (q + 2 * kv) + c * 2 * q + c * q + 2 * c * h + (3 if shape.gated_mlp else 2) * c * i
     tokens = rows * prompt_len
     return per_token * tokens + c * rows * prompt_len * prompt_len

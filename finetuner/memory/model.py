@@ -283,18 +283,28 @@ def quantized_weight_parts(shape: ModelShape, s: Settings) -> tuple[int, int]:
     """
     numel = shape.linear_weight_numel
     if s.quant_bits == 4:
-        blocks = sum(math.ceil(lin.in_features * lin.out_features / NF4_BLOCK) for lin in shape.layer_linears()) * shape.num_layers
+        blocks = sum(math.ceil(lin.in_features * lin.out_features / NF4_BLOCK) * shape.copies(lin) for lin in shape.layer_linears())
         absmax = blocks * 1 + math.ceil(blocks / NF4_NESTED_BLOCK) * 4 if s.double_quant else blocks * 4
-        return math.ceil(numel / 2), absmax + shape.linears_per_layer * shape.num_layers * NF4_PER_LAYER_BYTES
-    rows = sum(lin.out_features for lin in shape.layer_linears()) * shape.num_layers
+        return math.ceil(numel / 2), absmax + shape.linear_count * NF4_PER_LAYER_BYTES
+    rows = sum(lin.out_features * shape.copies(lin) for lin in shape.layer_linears())
     return numel, 4 * rows
 
 
 def trainable_tensors(shape: ModelShape, s: Settings) -> list[tuple[int, int, int]]:
     """The trainable tensors as ``(rows, cols, copies)`` (1-D tensors have ``cols == 1``)."""
     if s.method == "full":
-        out = [(lin.out_features, lin.in_features, shape.num_layers) for lin in shape.layer_linears()]
-        out += [(lin.out_features, 1, shape.num_layers) for lin in shape.layer_linears() if lin.bias]
+        out = [(lin.out_features, lin.in_features, shape.copies(lin)) for lin in shape.layer_linears()]
+        out += [(lin.out_features, 1, shape.copies(lin)) for lin in shape.layer_linears() if lin.bias]
+        if shape.counts_read:  # a layout read from the model: its other parameters by kind, as read
+            c = shape.param_counts()
+            out.append((c["embeddings"] // shape.hidden_size, shape.hidden_size, 1) if c["embeddings"] else (0, 0, 0))
+            if c["lm_head"]:
+                out.append((c["lm_head"] // shape.hidden_size, shape.hidden_size, 1))
+            if shape.experts:  # each MoE layer's fused expert tensors (count x rows, hidden)
+                e = shape.experts
+                out.append((e.numel // e.layers // shape.hidden_size, shape.hidden_size, e.layers))
+            out += [(c[k], 1, 1) for k in ("norms", "router", "other") if c[k] > 0]
+            return [t for t in out if t[0]]
         out.append((shape.vocab_size, shape.hidden_size, 1))
         if not shape.tie_word_embeddings:
             out.append((shape.vocab_size, shape.hidden_size, 1))
@@ -389,7 +399,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
     h, q, kv, i, nh, r = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size, shape.num_heads, s.lora_r
     seq = s.seq_len
     lora = s.method != "full"
-    targets = {name.rsplit(".", 1)[-1] for name, *_ in lora_targets(shape, list(s.lora_targets) if isinstance(s.lora_targets, tuple) else s.lora_targets)} if lora else set()
+    targets = {shape.role_of(name) for name, *_ in lora_targets(shape, list(s.lora_targets) if isinstance(s.lora_targets, tuple) else s.lora_targets)} if lora else set()
     p = s.lora_dropout
     mask_b = 1 if s.platform == "cuda" else None  # native_dropout keeps a bool mask on CUDA
     terms: list[tuple[str, float]] = []
@@ -486,7 +496,9 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
     norm("MLP norm", d.base == "trainable")
     mlp_start = len(terms)
     m1 = out_dtype(d.R)
-    if shape.gated_mlp:
+    if shape.experts is not None:
+        terms += _expert_terms(shape, s, d, m1, consumers)
+    elif shape.gated_mlp:
         mlp_mods = [("gate_up_proj", h)] if shape.fused_gate_up else [("gate_proj", h), ("up_proj", h)]
         consumers("MLP input", d.R, mlp_mods)
         terms.append(("MLP: gate (activation input)", m1 * i))
@@ -499,7 +511,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
         consumers("MLP: act(up)", m1, [("down_proj", i)])
         terms.append(("MLP: activation output", m1 * i))
     frac = s.mlp_tile_fraction
-    if frac < 1:
+    if frac < 1 and shape.experts is None:  # a tiled MLP: an MoE's experts are not tiled (only its shared ones)
         # tiled: the chunks' checkpoints keep the MLP input (the norm's output, a residual-dtype
         # tensor) for the whole micro-batch; everything the MLP saves inside exists for one chunk
         mlp = terms[mlp_start:]
@@ -509,6 +521,30 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
         terms += [(f"{n}{_CHUNK_SUFFIX}", b * frac) for n, b in mlp if n != held]
     if shape.norms_per_layer == 4:
         norm("post-MLP norm", d.base == "trainable")
+    return terms
+
+
+def _expert_terms(shape: ModelShape, s: Settings, d: _Dtypes, m1: int, consumers) -> list[tuple[str, float]]:
+    """A mixture of experts' block in :func:`layer_activation_terms`, per token: the router's fp32 logits and
+    probabilities, then for each of the ``top_k`` experts a token is routed to what a dense gated MLP of the
+    expert's width saves (the gate, its activation, the up projection), and the expert's output, which the
+    routing weight multiplies (kept for the weight's gradient); the shared experts as a dense MLP. The fused
+    expert weights are frozen under LoRA, so the inputs of their matmuls are not saved (autograd keeps a matmul's
+    input only for its weight's gradient). Assumed, not traced: every token reaches exactly ``top_k`` experts
+    (transformers' experts loop over the experts hit and gather their tokens), and the dense first layers of a
+    family (DeepSeek's, GLM's) save no more than its MoE layers (their MLP is as wide as ``top_k`` experts and
+    the shared ones in the families of 2025-26). Not yet checked on a GPU."""
+    e = shape.experts
+    h = shape.hidden_size
+    terms: list[tuple[str, float]] = [("MoE router: logits and probabilities (fp32)", 4 * 2 * e.count)]
+    if e.shared_intermediate:  # a dense gated MLP every token goes through; LoRA may target its linears
+        i = e.shared_intermediate
+        consumers("shared experts' input", d.R, [("shared.gate_proj", h), ("shared.up_proj", h)] if e.gated else [("shared.up_proj", h)])
+        terms.append(("shared experts: gate, activation and up", m1 * i * (3 if e.gated else 2)))
+        consumers("shared experts: act(gate) * up", m1, [("shared.down_proj", i)])
+    k, i = e.top_k, e.intermediate
+    terms.append((f"experts: gate, activation and up of {k} experts", k * m1 * i * (3 if e.gated else 2)))
+    terms.append((f"experts: outputs of {k} experts (routing weight's gradient)", k * d.c * h))
     return terms
 
 
@@ -532,10 +568,11 @@ def layer_transient_per_token(shape: ModelShape, s: Settings) -> float:
     under 5 %).
     """
     d = _dtypes(s)
-    h, i = shape.hidden_size, shape.intermediate_size
+    h, i = shape.hidden_size, shape.active_intermediate
     m1 = 4 if d.base in ("nf4", "int8") and d.R == 4 else d.c
     gradients = 3 if shape.gated_mlp else 2  # gate, up and the activation's; without a gate, up and the activation's
-    return (gradients * m1 * i + 4 * i) * s.mlp_tile_fraction + 4 * 4 * h + _tiled_whole_per_token(shape, s)
+    frac = s.mlp_tile_fraction if shape.experts is None else 1.0
+    return (gradients * m1 * i + 4 * i) * frac + 4 * 4 * h + _tiled_whole_per_token(shape, s)
 
 
 def _tiled_whole_per_token(shape: ModelShape, s: Settings) -> float:

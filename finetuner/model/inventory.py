@@ -23,7 +23,7 @@ from finetuner.errors import UserError, first_line
 from finetuner.fileio import atomic_write_json, cache_root
 
 #: bump when what :func:`read_inventory` stores changes
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -49,12 +49,15 @@ class LayerKind:
     linears: tuple[LayerLinear, ...]
     #: 3-D (or larger) parameters: fused expert weights, as ``(path in the layer, shape)``
     experts: tuple[tuple[str, tuple[int, ...]], ...]
-    #: normalisation layers as ``(path in the layer, parameters)``
+    #: normalisation layers as ``(path in the layer, parameters)``, also those with no parameters (OLMo's)
     norms: tuple[tuple[str, int], ...]
-    #: parameters in no linear layer, expert tensor or norm (a router's bias, a state-space layer's A and D ...)
+    #: parameters in no linear layer, expert tensor, norm or router (a state-space layer's A and D, a learned
+    #: activation's scale ...)
     other_params: int
     indices: tuple[int, ...]
     module: str  # the layer's class name
+    #: a mixture of experts' router parameters that are no torch Linear (``mlp.gate.weight`` of a top-k router)
+    router_params: int = 0
 
     @property
     def count(self) -> int:
@@ -76,6 +79,10 @@ class Inventory:
     tied: bool = False
     #: the config of the language model that was built (an image-text-to-text config's ``text_config``)
     text_only_of: str | None = None
+    #: where the decoder layers sit in the model (``model.layers``; GPT-2's ``transformer.h``)
+    layers_path: str = "model.layers"
+    #: linear layers outside the decoder layers but the output layer (OPT-350m's project_in and project_out)
+    root_linears: tuple[str, ...] = ()
 
     @property
     def uniform(self) -> bool:
@@ -95,10 +102,11 @@ class Inventory:
                 other_params=k["other_params"],
                 indices=tuple(k["indices"]),
                 module=k["module"],
+                router_params=k.get("router_params", 0),
             )
             for k in d["kinds"]
         )
-        return cls(**{**d, "kinds": kinds})
+        return cls(**{**d, "kinds": kinds, "root_linears": tuple(d.get("root_linears", ()))})
 
 
 def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -160,19 +168,32 @@ def _is_norm(module) -> bool:
     return any(m in type(module).__name__.lower() for m in _NORM_MARKS)
 
 
+def _linear_widths(module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a torch Linear or of GPT-2's ``Conv1D`` (a linear layer with its
+    weight stored transposed, which peft's LoRA and bitsandbytes treat as one), else None."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
 def _layer_kind_key(layer) -> tuple:
     import torch
 
-    linears, experts, norms, other = [], [], [], 0
+    linears, experts, norms, other, router = [], [], [], 0, 0
     seen: set[int] = set()
     for mname, mod in layer.named_modules():
+        widths = _linear_widths(mod)
         if isinstance(mod, torch.nn.modules.conv._ConvNd):  # a state-space layer's short convolution: not experts
             other += sum(p.numel() for p in mod.parameters(recurse=False))
             seen.update(id(p) for p in mod.parameters(recurse=False))
-        elif isinstance(mod, torch.nn.Linear):
-            linears.append(LayerLinear(mname, mod.in_features, mod.out_features, mod.bias is not None))
+        elif widths is not None:
+            linears.append(LayerLinear(mname, widths[0], widths[1], getattr(mod, "bias", None) is not None))
             seen.update(id(p) for p in mod.parameters(recurse=False))
-        elif _is_norm(mod):
+        elif _is_norm(mod) and mname:
             own = [p for p in mod.parameters(recurse=False)]
             norms.append((mname, sum(p.numel() for p in own)))
             seen.update(id(p) for p in own)
@@ -181,9 +202,11 @@ def _layer_kind_key(layer) -> tuple:
             continue
         if _is_expert_tensor(pname, p):
             experts.append((pname, tuple(p.shape)))
+        elif kind_of(pname) == "router":
+            router += p.numel()
         else:
             other += p.numel()
-    return tuple(linears), tuple(experts), tuple(n for n in norms if n[1]), other, type(layer).__name__
+    return tuple(linears), tuple(experts), tuple(norms), other, type(layer).__name__, router
 
 
 def _is_expert_tensor(path: str, p) -> bool:
@@ -192,7 +215,7 @@ def _is_expert_tensor(path: str, p) -> bool:
     return p.dim() >= 3 and "experts" in path.split(".")[:-1]
 
 
-def _kind_of(path: str) -> str:
+def kind_of(path: str) -> str:
     """The memory model's kind of a parameter at ``path`` inside a decoder layer: a mixture of experts' router
     is the module named ``router`` or ``gate`` (dense MLPs name theirs ``gate_proj``)."""
     parts = path.split(".")[:-1]
@@ -228,7 +251,7 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
             kind = "norms"
         elif name.startswith(prefix):
             inner = name[len(prefix):].split(".", 1)[-1]
-            kind = "other" if id(p) in conv_params else "experts" if _is_expert_tensor(inner, p) else _kind_of(inner)
+            kind = "other" if id(p) in conv_params else "experts" if _is_expert_tensor(inner, p) else kind_of(inner)
         else:
             kind = "other"
         counts[kind] += p.numel()
@@ -244,7 +267,8 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
         groups.setdefault(_layer_kind_key(layer), []).append(i)
-    kinds = tuple(LayerKind(linears=k[0], experts=k[1], norms=k[2], other_params=k[3], indices=tuple(ix), module=k[4])
+    kinds = tuple(LayerKind(linears=k[0], experts=k[1], norms=k[2], other_params=k[3], indices=tuple(ix), module=k[4],
+                            router_params=k[5])
                   for k, ix in groups.items())
     params, tied = _count(model, layers_path)
     emb = model.get_input_embeddings()
@@ -258,6 +282,10 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         params=params,
         tied=tied,
         text_only_of=outer,
+        layers_path=layers_path,
+        root_linears=tuple(n for n, m in model.named_modules()
+                           if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
+                           and m is not model.get_output_embeddings()),
     )
 
 

@@ -320,7 +320,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
-        target_modules=lc.target_modules,
+        target_modules=_moe_all_linear(model) if lc.target_modules == "all-linear" else lc.target_modules,
         bias=lc.bias,
         task_type="CAUSAL_LM",
     )
@@ -333,6 +333,26 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
     return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
+
+
+def _moe_all_linear(model):
+    """``all-linear`` for peft: as it is for a dense model; for a mixture of experts (fused 3-D expert
+    tensors), the paths of its attention's linears (:func:`finetuner.model.layout.all_linear_paths`, what the
+    memory model counts)."""
+    import re
+
+    import torch
+
+    from finetuner.model.layout import all_linear_paths
+
+    if not any(p.dim() >= 3 and ".experts." in f".{n}" for n, p in model.named_parameters()):
+        return "all-linear"
+    found = []
+    for name, mod in model.named_modules():
+        inner = re.search(r"\.\d+\.(.+)$", name)
+        if inner and (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"):
+            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1]))
+    return all_linear_paths(found, moe=True)
 
 
 def _training_mode(model):

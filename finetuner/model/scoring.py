@@ -26,6 +26,33 @@ def decoder_and_head(model):
     return decoder, head, getattr(base.config, "final_logit_softcapping", None)
 
 
+def router_balance(model):
+    """``(loss function, coefficient, experts, top_k)`` of a mixture of experts' load-balancing loss, as its
+    transformers causal LM adds it to the loss when ``output_router_logits`` is on (``router_aux_loss_coef x
+    load_balancing_loss_func(router_logits, ...)``, Switch Transformers' auxiliary loss); None for a dense model
+    or a family that balances its experts otherwise (GLM-4.5's and DeepSeek-V3's bias terms)."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    coef = getattr(cfg, "router_aux_loss_coef", None) or 0.0
+    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if coef <= 0 or fn is None or not experts or not top_k:
+        return None
+    return fn, float(coef), int(experts), int(top_k)
+
+
+def _with_balance(balance, router_logits, attention_mask, loss, n_tokens):
+    """``loss`` (a token sum) plus the load-balancing loss weighted as transformers weights it in a mean loss:
+    ``coef x aux`` per trained token."""
+    if balance is None or not router_logits:
+        return loss
+    fn, coef, experts, top_k = balance
+    return loss + coef * fn(router_logits, experts, top_k, attention_mask) * n_tokens
+
+
 def at_least_fp32(t):
     """fp16/bf16 → fp32 for the loss; fp32 and fp64 as they are."""
     return t.float() if t.element_size() < 4 else t
@@ -56,22 +83,30 @@ def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_c
     labels = batch["labels"][:, 1:]
     n_tokens = int((labels != IGNORE_INDEX).sum())
     decoder, head, softcap = decoder_and_head(model) if chunk_size else (None, None, None)
+    # a mixture of experts trains with its load-balancing loss, as transformers' own loss does; evaluations and
+    # the logged held-out loss are the cross-entropy alone
+    balance = router_balance(model) if torch.is_grad_enabled() else None
+    extra = {"output_router_logits": True} if balance else {}
+    mask = inputs.get("attention_mask")
     if decoder is None:
-        logits = model(**inputs, use_cache=False).logits
+        out = model(**inputs, use_cache=False, **extra)
+        logits = out.logits
         loss = F.cross_entropy(
             at_least_fp32(logits[:, :-1]).reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        return loss, n_tokens
-    hidden = decoder(**inputs, use_cache=False).last_hidden_state[:, :-1]
+        return _with_balance(balance, getattr(out, "router_logits", None), mask, loss, n_tokens), n_tokens
+    out = decoder(**inputs, use_cache=False, **extra)
+    router_logits = getattr(out, "router_logits", None)
+    hidden = out.last_hidden_state[:, :-1]
     keep = labels != IGNORE_INDEX
     hidden, targets = hidden[keep], labels[keep]
     if fused_ce is not None and torch.is_grad_enabled():
-        return fused_ce(head, hidden, targets, softcap), n_tokens
+        return _with_balance(balance, router_logits, mask, fused_ce(head, hidden, targets, softcap), n_tokens), n_tokens
     loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, targets.numel(), chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         loss = loss + (checkpoint(_chunk_ce, head, softcap, h, t, use_reentrant=False) if torch.is_grad_enabled() else _chunk_ce(head, softcap, h, t))
-    return loss, n_tokens
+    return _with_balance(balance, router_logits, mask, loss, n_tokens), n_tokens
 
 
 def _chunk_logps(head, softcap, hidden, targets):

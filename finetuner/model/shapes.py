@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import re
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,9 @@ from finetuner.locate import check_hub, locate
 from finetuner.model import gguf_base
 
 PRESET_DIR = Path(__file__).with_name("presets")
+
+#: the roles of an attention block's linears (:attr:`ModelShape.roles`)
+ATTENTION_ROLES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 #: ``model_type`` values whose layout this module knows.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
@@ -53,6 +56,8 @@ class Linear:
     in_features: int
     out_features: int
     bias: bool = False
+    #: the decoder layers that hold it (the dense first layers of a mixture of experts); () = every layer
+    layers: tuple[int, ...] = ()
 
     @property
     def params(self) -> int:
@@ -61,6 +66,24 @@ class Linear:
     @property
     def short_name(self) -> str:
         return self.name.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture of experts, read from its fused expert tensors (3-D parameters)."""
+
+    count: int  # experts in one MoE layer
+    top_k: int  # experts each token is routed to (the config's ``num_experts_per_tok``)
+    intermediate: int  # one expert's MLP width
+    numel: int  # the fused expert weights' elements, every MoE layer together
+    layers: int  # decoder layers with experts (the others are dense)
+    gated: bool = True  # gate and up (fused ``gate_up_proj``), else up only
+    shared_intermediate: int = 0  # the MLP width of the shared experts every token goes through
+
+    @property
+    def active_numel(self) -> int:
+        """The expert weights one token's forward multiplies: ``top_k`` of ``count`` experts."""
+        return self.numel * self.top_k // self.count
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,18 @@ class ModelShape:
     layer_norm_params: int | None = None
     #: the layout was read from the model transformers builds (a family with no layout written here)
     derived: bool = False
+    #: a layout read from the model whose linear layers carry other names, or differ between layers: the linears
+    #: as read (:meth:`layer_linears`), and each one's role in the memory model's terms as ``(role, path)``
+    #: pairs (roles: q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj, the
+    #: shared experts' shared.gate_proj ..., router); () when the names are the written layout's
+    linears: tuple[Linear, ...] = ()
+    roles: tuple[tuple[str, str], ...] = ()
+    #: the routed experts of a mixture of experts (None: a dense model)
+    experts: Experts | None = None
+    #: parameters by kind as read from the model (:meth:`param_counts`), where the written formula does not apply
+    counts_read: tuple[tuple[str, int], ...] = ()
+    #: where the decoder layers sit in the model (a LoRA target's regular expression matches whole paths)
+    layers_path: str = "model.layers"
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ dimensions
@@ -107,7 +142,10 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def layer_linears(self) -> tuple[Linear, ...]:
-        """The linear layers of one decoder layer, with the names transformers gives them."""
+        """The linear layers of one decoder layer, with the names transformers gives them (of every decoder layer
+        when they differ between layers: :meth:`copies` says in how many each one is)."""
+        if self.linears:
+            return self.linears
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
         qkv_b = self.attention_bias or self.qkv_bias_only
         if self.fused_qkv:
@@ -128,9 +166,27 @@ class ModelShape:
         mlp.append(Linear("mlp.down_proj", i, h, self.mlp_bias))
         return tuple(attn + mlp)
 
+    def copies(self, lin: Linear) -> int:
+        """In how many decoder layers ``lin`` is."""
+        return len(lin.layers) or self.num_layers
+
+    def role_of(self, path: str) -> str:
+        """The memory model's name for the linear at ``path`` in a layer (``q_proj`` ... ``down_proj``)."""
+        return next((role for role, p in self.roles if p == path), path.rsplit(".", 1)[-1])
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token goes through: a dense model's intermediate size; a mixture of experts'
+        ``top_k`` experts' and its shared experts' together."""
+        if self.experts is None:
+            return self.intermediate_size
+        return self.experts.top_k * self.experts.intermediate + self.experts.shared_intermediate
+
     # ------------------------------------------------------------------ parameter counts
     def param_counts(self) -> dict[str, int]:
         """Exact parameters per module kind; ``lm_head`` is 0 when tied to the embeddings."""
+        if self.counts_read:
+            return dict(self.counts_read)
         linears = self.layer_linears()
         attention = sum(lin.params for lin in linears if lin.name.startswith("self_attn."))
         mlp = sum(lin.params for lin in linears if lin.name.startswith("mlp."))
@@ -155,8 +211,20 @@ class ModelShape:
 
     @property
     def linear_weight_numel(self) -> int:
-        """Weight elements (no biases) of the decoder layers' linear layers."""
-        return sum(lin.in_features * lin.out_features for lin in self.layer_linears()) * self.num_layers
+        """Weight elements (no biases) of the decoder layers' linear layers (what bitsandbytes quantizes; a
+        mixture of experts' fused expert tensors are not linear layers)."""
+        return sum(lin.in_features * lin.out_features * self.copies(lin) for lin in self.layer_linears())
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of the fused expert weights, all experts (0 for a dense model)."""
+        return self.experts.numel if self.experts else 0
+
+    @property
+    def active_weight_numel(self) -> int:
+        """The decoder weights one token multiplies: every linear layer and ``top_k`` experts of each MoE layer
+        (the speed model's FLOPs)."""
+        return self.linear_weight_numel + (self.experts.active_numel if self.experts else 0)
 
     @property
     def largest_linear_numel(self) -> int:
@@ -164,7 +232,13 @@ class ModelShape:
 
     @property
     def linears_per_layer(self) -> int:
-        return len(self.layer_linears())
+        """Linear layers in a decoder layer (on average, where layers differ)."""
+        return round(self.linear_count / self.num_layers)
+
+    @property
+    def linear_count(self) -> int:
+        """Linear layers in all decoder layers."""
+        return sum(self.copies(lin) for lin in self.layer_linears())
 
     def describe(self) -> str:
         return (
@@ -192,8 +266,9 @@ def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linea
     ``lm_head`` a linear one.
     """
     layer = shape.layer_linears()
-    if target_modules == "all-linear":
-        return [(lin.name, lin.in_features, lin.out_features, shape.num_layers) for lin in layer]
+    if target_modules == "all-linear":  # a mixture of experts: its attention (finetuner.model.layout.all_linear_paths)
+        return [(lin.name, lin.in_features, lin.out_features, shape.copies(lin)) for lin in layer
+                if shape.experts is None or shape.role_of(lin.name) in ATTENTION_ROLES]
     if isinstance(target_modules, str):
         return _regex_targets(shape, target_modules)
     found: list[tuple[str, int, int, int]] = []
@@ -202,7 +277,7 @@ def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linea
         t = target.strip()
         hits = [lin for lin in layer if lin.name == t or lin.name.endswith("." + t) or lin.short_name == t]
         if hits:
-            found += [(lin.name, lin.in_features, lin.out_features, shape.num_layers) for lin in hits]
+            found += [(lin.name, lin.in_features, lin.out_features, shape.copies(lin)) for lin in hits]
         elif t == "lm_head":
             found.append(("lm_head", shape.hidden_size, shape.vocab_size, 1))
         elif t == "embed_tokens":
@@ -225,7 +300,7 @@ def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int,
         raise UserError(f"lora.target_modules: {pattern!r} is not a valid regular expression ({e}).") from None
     found = []
     for lin in shape.layer_linears():
-        copies = sum(1 for i in range(shape.num_layers) if rx.fullmatch(f"model.layers.{i}.{lin.name}"))
+        copies = sum(1 for i in (lin.layers or range(shape.num_layers)) if rx.fullmatch(f"{shape.layers_path}.{i}.{lin.name}"))
         if copies:
             found.append((lin.name, lin.in_features, lin.out_features, copies))
     if rx.fullmatch("lm_head"):
@@ -236,7 +311,7 @@ def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int,
         raise UserError(
             f"lora.target_modules: the regular expression {pattern!r} matches no module of {shape.name}: "
             "a string that is not a list of names must match whole module paths, such as "
-            f"model.layers.0.{shape.layer_linears()[0].name}.",
+            f"{shape.layers_path}.0.{shape.layer_linears()[0].name}.",
             hint="For module names use a list, [q_proj, v_proj], or a comma-separated string, 'q_proj,v_proj'; "
                  r"a regular expression like '.*\.(q_proj|v_proj)' or 'all-linear' also work.",
         )
@@ -256,10 +331,10 @@ def lora_param_count(
     targets = lora_targets(shape, target_modules)
     n = sum(r * (fin + fout) * copies for _, fin, fout, copies in targets)
     if bias == "all":
-        n += sum(lin.out_features for lin in shape.layer_linears() if lin.bias) * shape.num_layers
+        n += sum(lin.out_features * shape.copies(lin) for lin in shape.layer_linears() if lin.bias)
     elif bias == "lora_only":
         names = {name for name, *_ in targets}
-        n += sum(lin.out_features for lin in shape.layer_linears() if lin.bias and lin.name in names) * shape.num_layers
+        n += sum(lin.out_features * shape.copies(lin) for lin in shape.layer_linears() if lin.bias and lin.name in names)
     return n
 
 
@@ -309,19 +384,15 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
     )
 
 
-#: a decoder layer's linear layers in the layouts the memory model's activation terms describe
-_ATTENTION_LAYOUTS = ({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
-                      {"self_attn.qkv_proj", "self_attn.o_proj"})
-_MLP_LAYOUTS = ({"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}, {"mlp.gate_up_proj", "mlp.down_proj"},
-               {"mlp.up_proj", "mlp.down_proj"})
-
-
 def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
     """The :class:`ModelShape` of a family with no layout written here, read from the model transformers
     builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
-    pre-norm attention (q, k, v, o or fused qkv) plus an MLP (gate, up, down; fused gate_up; or up, down with no
-    gate), with 2 or 4 norms per layer and optional q/k norms. Other layouts are refused in one line that says what differs."""
+    attention (q, k, v, o or a fused qkv, under any of the names :mod:`finetuner.model.layout` knows) and an MLP
+    (gate, up, down; a fused gate_up; or up, down) or routed experts (fused expert tensors, a router, optional
+    shared experts), with any norms. Layers that differ (the dense first layers of a mixture of experts) are
+    counted each as it is. Other layouts are refused in one line that says what differs."""
     from finetuner.model.inventory import language_config, read_inventory
+    from finetuner.model.layout import LayoutError, read_layout
 
     text_cfg, outer = language_config(cfg)
     mt = str(text_cfg.get("model_type"))
@@ -329,8 +400,9 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
 
     def refuse(why: str) -> UserError:
         return UserError(f"{where}: {why}; the memory model does not describe this layout yet.",
-                         hint=f"Layouts it describes: decoder layers of attention (q/k/v/o) and an MLP "
-                              f"(gate/up/down or up/down), as in {', '.join(SUPPORTED_MODEL_TYPES)}.")
+                         hint="Layouts it describes: decoder layers of attention (q/k/v/o or a fused qkv) and an MLP "
+                              "(gate/up/down or up/down) or routed experts, as in "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}, Mixtral and Qwen3-MoE.")
 
     if outer:  # the trainer would load the vision tower too, and its weights are not counted yet
         raise refuse(f"an image-text-to-text checkpoint: the weights of its vision tower and projector, loaded beside "
@@ -339,71 +411,53 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         inv = read_inventory(cfg)
     except UserError as e:  # transformers cannot build it: say which model's config.json
         raise UserError(f"{name} (config.json): {e.message}", hint=e.plain_hint) from None
-
-    if inv.params["experts"] or inv.params["router"]:
-        experts = next((k.experts for k in inv.kinds if k.experts), ())
-        raise refuse(f"a mixture of experts ({inv.params['experts'] + inv.params['router']:,} expert and router "
-                     f"parameters{f', expert tensors {experts[0][1]}' if experts else ''})")
-    if not inv.uniform:
-        raise refuse(f"its {inv.num_layers} decoder layers are of {len(inv.kinds)} kinds "
-                     f"({', '.join(f'{k.count} x {k.module}' for k in inv.kinds)})")
-    kind = inv.kinds[0]
-    names = {lin.name: lin for lin in kind.linears}
-    attn = next((a for a in _ATTENTION_LAYOUTS if a <= names.keys()), None)
-    mlp = next((m for m in _MLP_LAYOUTS if m <= names.keys()), None)
-    if not names:
-        raise refuse("its decoder layer holds no torch Linear layers (GPT-2's Conv1D or its own projections)")
-    if attn is None or mlp is None or len(names) != len(attn) + len(mlp):
-        raise refuse(f"its decoder layer's linear layers are {', '.join(sorted(names))}")
-    if kind.other_params or inv.params["other"]:
-        raise refuse(f"{kind.other_params or inv.params['other']:,} parameters in no linear layer or norm")
-    h = inv.hidden_size
-    layer_norms = [n for n, _ in kind.norms if not n.startswith("self_attn.")]
-    qk_norms = [n for n, _ in kind.norms if n.startswith("self_attn.")]
-    if len(layer_norms) not in (2, 4) or len(qk_norms) not in (0, 2):
-        raise refuse(f"its decoder layer has the norms {', '.join(n for n, _ in kind.norms) or 'none'}")
-    fused_qkv = "self_attn.qkv_proj" in names
-    o = names["self_attn.o_proj"]
-    q_dim = o.in_features
-    heads = int(text_cfg.get("num_attention_heads") or 0)
-    head_dim = int(text_cfg.get("head_dim") or (q_dim // heads if heads else 0))
-    if not head_dim or q_dim % head_dim:
-        raise refuse(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
-    kv_dim = (names["self_attn.qkv_proj"].out_features - q_dim) // 2 if fused_qkv else names["self_attn.k_proj"].out_features
-    first = names["self_attn.qkv_proj"] if fused_qkv else names["self_attn.q_proj"]
-    gate = names.get("mlp.gate_proj") or names.get("mlp.gate_up_proj") or names["mlp.up_proj"]
-    intermediate = names["mlp.down_proj"].in_features
+    try:
+        lay = read_layout(inv, text_cfg)
+    except LayoutError as e:
+        raise refuse(str(e)) from None
+    experts = lay.experts
     softcap = text_cfg.get("final_logit_softcapping")
+    roles = dict(lay.roles)
+    first = roles.get("qkv_proj") or roles["q_proj"]
+    by_name = {lin.name: lin for lin, _ in lay.linears}
+    mlp_in = roles.get("gate_proj") or roles.get("gate_up_proj") or roles.get("up_proj")
     shape = ModelShape(
         name=name,
         model_type=mt,
         vocab_size=inv.vocab_size,
-        hidden_size=h,
-        intermediate_size=intermediate,
+        hidden_size=lay.hidden,
+        intermediate_size=lay.intermediate or (experts.intermediate if experts else 0),
         num_layers=inv.num_layers,
-        num_heads=q_dim // head_dim,
-        num_kv_heads=kv_dim // head_dim,
-        head_dim=head_dim,
+        num_heads=lay.q_dim // lay.head_dim,
+        num_kv_heads=lay.kv_dim // lay.head_dim,
+        head_dim=lay.head_dim,
         tie_word_embeddings=inv.tied,
-        attention_bias=o.bias,
-        qkv_bias_only=first.bias and not o.bias,
-        mlp_bias=gate.bias,
-        fused_qkv=fused_qkv,
-        fused_gate_up="mlp.gate_up_proj" in names,
-        gated_mlp=len(mlp) == 3 or "mlp.gate_up_proj" in names,
-        norms_per_layer=len(layer_norms),
-        qk_norm=bool(qk_norms),
+        attention_bias=by_name[roles["o_proj"]].bias,
+        qkv_bias_only=by_name[first].bias and not by_name[roles["o_proj"]].bias,
+        mlp_bias=by_name[mlp_in].bias if mlp_in else False,
+        fused_qkv=lay.fused_qkv,
+        fused_gate_up=lay.fused_gate_up,
+        gated_mlp=lay.gated,
+        norms_per_layer=lay.layer_norms,
+        qk_norm=lay.qk_norm,
         final_logit_softcapping=float(softcap) if softcap else None,
-        hidden_act=str(text_cfg.get("hidden_activation") or text_cfg.get("hidden_act") or "silu"),
-        max_position_embeddings=int(text_cfg.get("max_position_embeddings") or 4096),
+        hidden_act=str(text_cfg.get("hidden_activation") or text_cfg.get("hidden_act") or text_cfg.get("activation_function") or "silu"),
+        max_position_embeddings=int(text_cfg.get("max_position_embeddings") or text_cfg.get("n_positions") or 4096),
         hub_id=cfg.get("_name_or_path") or None,
         source=source,
         config=cfg,
-        layer_norm_params=sum(n for _, n in kind.norms),
+        layer_norm_params=lay.norm_params_per_layer,
         derived=True,
+        experts=Experts(count=experts.count, top_k=experts.top_k, intermediate=experts.intermediate, numel=experts.numel,
+                        layers=experts.layers, gated=experts.gated, shared_intermediate=experts.shared_intermediate)
+        if experts else None,
+        layers_path=inv.layers_path,
     )
-    if shape.num_params != inv.params["total"]:  # e.g. a final norm with a bias: the layout misses something
-        raise refuse(f"it has {inv.params['total']:,} parameters where this layout counts {shape.num_params:,}")
+    if not lay.standard:  # other names, or layers that differ: the linears and their roles as read
+        shape = replace(shape, linears=tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.bias, ix)
+                                             for lin, ix in lay.linears), roles=lay.roles)
+    if not lay.standard or shape.num_params != inv.params["total"]:  # a final norm with a bias, a learned activation ...
+        shape = replace(shape, counts_read=tuple(lay.counts.items()))
     return shape
 
 

@@ -19,7 +19,7 @@ TINY_SIZES: dict[str, int] = {
     "num_experts_per_tok": 2, "moe_topk": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "expert_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     # other spellings of the same sizes
-    "n_embd": 64, "n_layer": 2, "n_head": 4, "num_layers": 2, "d_model": 64, "ffn_dim": 128,
+    "n_embd": 64, "n_layer": 2, "n_head": 4, "num_layers": 2, "d_model": 64, "ffn_dim": 128, "word_embed_proj_dim": 64,
 }
 
 

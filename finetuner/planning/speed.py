@@ -341,7 +341,7 @@ def forward_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
         lora = sum(s.lora_r * (fin + fout) * copies for _, fin, fout, copies in lora_targets(shape, targets))
     seq_eff = s.seq_len / 2 if causal_skip(s) else s.seq_len
     return {
-        "decoder": 2 * shape.linear_weight_numel * T,
+        "decoder": 2 * shape.active_weight_numel * T,  # a mixture of experts: top_k experts per token
         "lora": 2 * lora * T,
         "attention": 4 * seq_eff * shape.q_dim * shape.num_layers * T,
         "head": 2 * shape.vocab_size * shape.hidden_size * T * s.label_fraction,

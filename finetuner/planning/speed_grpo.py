@@ -216,13 +216,17 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     w = typical_width(shape)
     c = DTYPE_BYTES.get(s.compute_dtype, 4)
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
-    N, head = shape.linear_weight_numel, shape.vocab_size * shape.hidden_size
+    N, head = shape.active_weight_numel, shape.vocab_size * shape.hidden_size
     lora = _lora_numel(shape, s)
     util = speed.utilisation(rows) if speed.platform == "cuda" else matmul_row_efficiency(speed, rows)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
                + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
     head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
-    weight_t = (N * stored + head_bytes + 4 * lora) / speed.bandwidth_bytes_per_s
+    # the linears at their stored size; a mixture of experts' fused experts (never quantized) as far as the rows'
+    # tokens reach them: top_k of them per row, at most all
+    experts = shape.expert_numel * min(1.0, rows * shape.experts.top_k / shape.experts.count) if shape.experts else 0.0
+    weight_t = (shape.linear_weight_numel * stored + experts * DTYPE_BYTES.get(s.weight_dtype, 2) + head_bytes
+                + 4 * lora) / speed.bandwidth_bytes_per_s
     kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)
     attn_flops = 4 * cache_len * shape.q_dim * shape.num_layers * rows
     attn_t = max(attn_flops / speed.matmul_rate(dt, shape.head_dim), kv_passes(shape) * kv / speed.bandwidth_bytes_per_s)

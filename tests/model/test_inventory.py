@@ -97,9 +97,9 @@ def test_a_new_family_is_counted_exactly_plans_and_trains_two_lora_steps(model_t
 
 
 @pytest.mark.parametrize("model_type,says", [
-    ("mixtral", "a mixture of experts"),
+    ("deepseek_v3", "its attention's linear layers are self_attn.q_a_proj"),  # multi-head latent attention
     ("mamba", "its decoder layer's linear layers are mixer."),
-    ("qwen3_5_text", "its decoder layer's linear layers are linear_attn."),  # a hybrid's linear-attention layers
+    ("qwen3_5_text", "its attention's linear layers are linear_attn.out_proj"),  # a hybrid's linear-attention layers
     ("gemma3", "an image-text-to-text checkpoint: the weights of its vision tower"),
 ])
 def test_a_layout_the_memory_model_does_not_describe_is_refused_in_one_line(model_type, says, tok):

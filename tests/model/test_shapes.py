@@ -31,6 +31,10 @@ KNOWN_TOTALS = {
     "phi-4": 14_659_507_200,  # microsoft/phi-4's config (Phi3ForCausalLM); its card rounds to 14.7B
     "smollm3-3b": 3_075_098_624,  # HuggingFaceTB/SmolLM3-3B (a layout read from the model); its card: 3.08B
     "mistral-small-24b": 23_572_403_200,  # Mistral-Small-24B-Base-2501 (head_dim 128, not 5120 / 32); its card: 23.6B
+    # mixtures of experts: Qwen/Qwen3-30B-A3B (its card: 30.5B in total, 3.3B activated) and openai/gpt-oss-20b
+    # (its card: 21B parameters, 3.6B active), configs as published
+    "qwen3-30b-a3b": 30_532_122_624,
+    "gpt-oss-20b": 20_914_757_184,
 }
 
 
@@ -44,6 +48,10 @@ def _meta_model(shape):
 
 
 def _kind(name: str) -> str:
+    if ".experts." in name:
+        return "experts"
+    if ".mlp.gate." in name or ".mlp.router." in name:
+        return "router"
     if "embed_tokens" in name:
         return "embeddings"
     if name.startswith("lm_head"):
@@ -68,8 +76,8 @@ def test_parameter_counts_equal_the_meta_model_per_module_kind(shape):
         by_kind[_kind(name)] = by_kind.get(_kind(name), 0) + p.numel()
     counts = shape.param_counts()
     assert counts["total"] == sum(p.numel() for p in model.parameters())
-    for kind in ("embeddings", "attention", "mlp", "norms", "lm_head"):
-        assert counts[kind] == by_kind.get(kind, 0), kind
+    for kind in ("embeddings", "attention", "mlp", "norms", "lm_head", "experts", "router"):
+        assert counts.get(kind, 0) == by_kind.get(kind, 0), kind
     if shape.name in KNOWN_TOTALS:
         assert counts["total"] == KNOWN_TOTALS[shape.name]
 
@@ -116,8 +124,8 @@ def test_unknown_model_offline_names_the_presets():
 
 def test_unsupported_architecture_is_a_clear_error():
     with pytest.raises(UserError) as e:
-        shape_from_config({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 4, "n_layer": 2}, name="starcoder")
-    assert "gpt_bigcode" in e.value.message and "linear layers are attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj" in e.value.message
+        shape_from_config({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}, name="mamba")
+    assert "mamba" in e.value.message and "linear layers are mixer.dt_proj, mixer.in_proj, mixer.out_proj" in e.value.message
     assert "Layouts it describes" in (e.value.hint or "")
 
 

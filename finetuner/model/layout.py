@@ -1,0 +1,312 @@
+"""What each linear layer of a decoder layer does, read from the model transformers builds.
+
+The memory model's activation terms (:mod:`finetuner.memory.model`) describe a decoder layer as an attention
+block (q, k, v and o projections, or one fused qkv) and a feed-forward block (gate, up and down; a fused
+gate_up; or up and down with no gate), or, in a mixture of experts, routed experts (fused 3-D expert tensors),
+a router and optional shared experts. Families give these layers their own names (GPT-2's ``attn.c_attn``,
+Falcon's ``self_attention.query_key_value``, OPT's ``fc1``/``fc2``, BERT's ``attention.self.query``). This
+module finds each linear layer's role in an :class:`~finetuner.model.inventory.Inventory`: which block by its
+path (an attention block's path has ``att`` in it), which role inside the block by its widths and, where
+the widths cannot tell (q, k, v and o of equal width), by the names families use (:data:`ATTENTION_NAMES`).
+A layer whose linears do not all find a role is refused in one line that names them.
+
+No torch here: the inventory is read (and cached) by :mod:`finetuner.model.inventory`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from finetuner.model.inventory import Inventory, LayerKind, LayerLinear
+
+#: the last part of an attention linear's path, lower case, by role (a wrapper's trailing ``linear`` dropped:
+#: Moshi's ``self_attn.q_proj.linear``)
+ATTENTION_NAMES = {
+    "q_proj": {"q_proj", "query", "wq", "project_q", "q", "q_lin"},
+    "k_proj": {"k_proj", "key", "wk", "project_k", "k", "k_lin"},
+    "v_proj": {"v_proj", "value", "wv", "project_v", "v", "v_lin"},
+    "qkv_proj": {"qkv_proj", "query_key_value", "c_attn", "wqkv", "qkv", "w_pack"},
+    "o_proj": {"o_proj", "out_proj", "dense", "c_proj", "attention_out", "wo", "o", "out_lin"},
+}
+#: the gate of a gated MLP where its two input linears have the same widths (Llama's gate_proj, LFM2's w1,
+#: CPM-Ant's w_0); the other one is the up projection
+GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g"}
+#: a mixture of experts' router and the gate of its shared experts, when they are torch Linear layers
+ROUTER_NAMES = {"router", "gate", "shared_expert_gate", "shared_experts_gate"}
+#: module names that hold a mixture of experts' shared experts (every token goes through them)
+SHARED_NAMES = {"shared_expert", "shared_experts", "shared_mlp"}
+#: the most parameters a layer may hold in no linear layer, norm, expert tensor or router, as a share of its own
+#: (a learned activation's scale, attention sinks, expert biases); more is a layer the memory model does not see
+#: (a state-space layer's A and D, XLNet's 3-D attention weights)
+OTHER_SHARE = 0.05
+#: config keys that say how many experts each token is routed to, in the spellings families use
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "experts_per_token", "moe_k",
+              "num_experts_per_token")
+
+
+#: config keys of the number of attention heads, in the spellings families use
+HEADS_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", "decoder_attention_heads")
+#: config keys of the decoder layers' width (OPT's embeddings may be narrower, projected in and out)
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+class LayoutError(ValueError):
+    """A layout the memory model does not describe; the message says what differs (one line)."""
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    count: int
+    top_k: int
+    intermediate: int
+    numel: int
+    layers: int
+    gated: bool
+    shared_intermediate: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The roles of a model's decoder layers (every kind of layer together)."""
+
+    #: each linear as read, with the layers that hold it (() when every layer does)
+    linears: tuple[tuple[LayerLinear, tuple[int, ...]], ...]
+    #: ``(role, path in the layer)``
+    roles: tuple[tuple[str, str], ...]
+    hidden: int  # the decoder layers' width (the residual stream)
+    q_dim: int
+    kv_dim: int
+    head_dim: int
+    #: the dense MLP's width (None: every layer routes to experts)
+    intermediate: int | None
+    gated: bool
+    fused_qkv: bool
+    fused_gate_up: bool
+    layer_norms: int  # norms per layer outside the q/k norms (the largest kind's)
+    qk_norm: bool
+    norm_params_per_layer: int  # the largest kind's
+    experts: ExpertsLayout | None
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def standard(self) -> bool:
+        """The names and layers are those of the layout written in :mod:`finetuner.model.shapes` (Llama's)."""
+        return (self.experts is None and all(not ix for _, ix in self.linears)
+                and all(path in (f"self_attn.{role}", f"mlp.{role}") for role, path in self.roles))
+
+
+def _key(path: str) -> str:
+    parts = path.lower().split(".")
+    return parts[-2] if parts[-1] == "linear" and len(parts) > 1 else parts[-1]
+
+
+def _in_attention(path: str) -> bool:
+    return any("att" in part for part in path.lower().split(".")[:-1])
+
+
+def _in_shared(path: str) -> bool:
+    return any(part in SHARED_NAMES for part in path.split(".")[:-1])
+
+
+def is_router(path: str, out_features: int, moe: bool) -> bool:
+    """The linear at ``path`` (in a decoder layer) routes tokens: a mixture of experts' router, or the one-output
+    gate of its shared experts. LoRA's ``all-linear`` leaves it out (:func:`all_linear_paths`)."""
+    parts = path.split(".")
+    key = _key(path)
+    return (moe and (key in ROUTER_NAMES or "router" in parts[:-1])) or (out_features == 1 and key in ROUTER_NAMES)
+
+
+def all_linear_paths(linears: list[tuple[str, int]], moe: bool) -> list[str] | str:
+    """What ``lora.target_modules: all-linear`` means for a decoder layer's linears (``(path in the layer,
+    out_features)``): peft's ``all-linear`` for a dense model; for a mixture of experts, its attention's linears.
+
+    peft's own ``all-linear`` differs by family on a mixture of experts: for Mixtral and the Qwen2-MoE family
+    (GLM-4.5 ...) it converts every target named ``gate``, ``w1``-``w3``, ``gate_proj``, ``up_proj`` or
+    ``down_proj`` into LoRA on the fused experts and the router (its bridge for adapters trained under
+    transformers 4), also the dense first layers' MLP and the shared experts, whose LoRA then goes missing; for
+    the others it adds the routers, and a LoRA'd router crashes Phi-MoE's forward. Attention alone is the same
+    on every family, and the memory model counts the same (:func:`finetuner.model.shapes.lora_targets`)."""
+    if not moe:
+        return "all-linear"
+    return sorted({p for p, out in linears if _in_attention(p) and not is_router(p, out, moe)})
+
+
+def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
+    by_role: dict[str, LayerLinear] = {}
+    for lin in linears:
+        role = next((r for r, names in ATTENTION_NAMES.items() if _key(lin.name) in names), None)
+        if role is None or role in by_role:
+            raise LayoutError(f"its attention's linear layers are {', '.join(x.name for x in linears)}")
+        by_role[role] = lin
+    if set(by_role) not in ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"qkv_proj", "o_proj"}):
+        raise LayoutError(f"its attention's linear layers are {', '.join(x.name for x in linears)}")
+    if by_role["o_proj"].out_features != h:
+        raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
+                          f"not the hidden size {h}")
+    return by_role
+
+
+def _mlp(linears: list[LayerLinear], h: int, prefix: str = "") -> dict[str, LayerLinear]:
+    """gate/up/down (or gate_up/down, or up/down) of a feed-forward block, by widths: the down projection
+    returns to the hidden size; the others read it."""
+    what = f"its {'shared experts' if prefix else 'MLP'}'s linear layers are {', '.join(x.name for x in linears)}"
+    downs = [x for x in linears if x.out_features == h and x.in_features != h] or [x for x in linears if x.out_features == h]
+    if len(downs) != 1 and len(linears) > 1:
+        downs = [x for x in downs if _key(x.name) not in GATE_NAMES and not x.name.endswith(("fc1", "c_fc"))]
+    if len(downs) != 1:
+        raise LayoutError(what)
+    down = downs[0]
+    ins = [x for x in linears if x is not down]
+    i = down.in_features
+    if any(x.in_features != h for x in ins):
+        raise LayoutError(what)
+    if len(ins) == 1 and ins[0].out_features == 2 * i:
+        return {f"{prefix}gate_up_proj": ins[0], f"{prefix}down_proj": down}
+    if len(ins) == 1 and ins[0].out_features == i:
+        return {f"{prefix}up_proj": ins[0], f"{prefix}down_proj": down}
+    if len(ins) == 2 and all(x.out_features == i for x in ins):
+        gate = next((x for x in ins if _key(x.name) in GATE_NAMES), ins[0])
+        up = ins[1] if gate is ins[0] else ins[0]
+        return {f"{prefix}gate_proj": gate, f"{prefix}up_proj": up, f"{prefix}down_proj": down}
+    raise LayoutError(what)
+
+
+def _experts(kind: LayerKind, h: int) -> tuple[int, int, bool, int]:
+    """``(count, one expert's intermediate width, gated, elements)`` of a kind's fused expert tensors."""
+    shapes = dict(kind.experts)
+    down = next((s for p, s in shapes.items() if p.endswith(("down_proj", "w2", "wo"))), None)
+    if down is None or len(down) != 3 or len(shapes) > 2:
+        raise LayoutError(f"its expert tensors are {', '.join(f'{p} {s}' for p, s in shapes.items())}")
+    count = down[0]
+    i = down[2] if down[1] == h else down[1]
+    other = next(s for p, s in shapes.items() if s is not down) if len(shapes) == 2 else None
+    gated = other is not None and 2 * i in other[1:]
+    return count, i, gated, sum(math.prod(s) for s in shapes.values())
+
+
+def _kind_layout(kind: LayerKind, h: int) -> tuple[dict[str, LayerLinear], list[LayerLinear]]:
+    """A kind's roles and its router linears."""
+    moe = bool(kind.experts)
+    attn, mlp, shared, routers = [], [], [], []
+    for lin in kind.linears:
+        if is_router(lin.name, lin.out_features, moe):
+            routers.append(lin)
+        elif _in_attention(lin.name):
+            attn.append(lin)
+        elif _in_shared(lin.name):
+            shared.append(lin)
+        else:
+            mlp.append(lin)
+    if not attn:
+        raise LayoutError(f"its decoder layer's linear layers are {', '.join(sorted(x.name for x in kind.linears))}"
+                          if kind.linears else "its decoder layer holds no linear layers (its own projections)")
+    roles = _attention(attn, h)
+    if mlp and moe:
+        raise LayoutError(f"it has routed experts and a dense MLP in one layer ({', '.join(x.name for x in mlp)})")
+    if mlp:
+        roles |= _mlp(mlp, h)
+    elif not moe:
+        raise LayoutError(f"its decoder layer's linear layers are {', '.join(sorted(x.name for x in kind.linears))}")
+    if shared:
+        roles |= _mlp(shared, h, prefix="shared.")
+    return roles, routers
+
+
+def _hidden(inv: Inventory, text_cfg: dict) -> int:
+    return next((int(text_cfg[k]) for k in HIDDEN_KEYS if isinstance(text_cfg.get(k), int) and text_cfg[k] > 0),
+                inv.hidden_size)
+
+
+def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
+    """The roles of ``inv``'s decoder layers (``text_cfg``: the config it was built from, for the heads and the
+    experts per token); :class:`LayoutError` when the memory model does not describe them."""
+    h = _hidden(inv, text_cfg)
+    if inv.root_linears:
+        raise LayoutError(f"it has linear layers outside its decoder layers ({', '.join(inv.root_linears)})")
+    found = [(kind, *_kind_layout(kind, h)) for kind in inv.kinds]
+    attention = {r: (x.in_features, x.out_features, x.bias, x.name) for r, x in found[0][1].items() if r in ATTENTION_NAMES}
+    for kind, roles, _ in found[1:]:
+        if {r: (x.in_features, x.out_features, x.bias, x.name) for r, x in roles.items() if r in ATTENTION_NAMES} != attention:
+            raise LayoutError(f"its {inv.num_layers} decoder layers are of {len(inv.kinds)} kinds with different attention "
+                              f"({', '.join(f'{k.count} x {k.module}' for k in inv.kinds)})")
+    for kind in inv.kinds:
+        own = sum(x.in_features * x.out_features + (x.out_features if x.bias else 0) for x in kind.linears) \
+            + sum(n for _, n in kind.norms) + sum(math.prod(s) for _, s in kind.experts) + kind.router_params
+        if kind.other_params > OTHER_SHARE * (own + kind.other_params):
+            raise LayoutError(f"{kind.other_params:,} parameters of each {kind.module} are in no linear layer, norm or "
+                              "expert")
+
+    # every linear with the layers that hold it; each role's path, the same in every kind
+    held: dict[LayerLinear, list[int]] = {}
+    paths: dict[str, set[str]] = {}
+    for kind, roles, routers in found:
+        for lin in kind.linears:
+            held.setdefault(lin, []).extend(kind.indices)
+        for role, lin in roles.items():
+            paths.setdefault(role, set()).add(lin.name)
+        for lin in routers:
+            paths.setdefault(f"router.{lin.name}", set()).add(lin.name)
+    if any(len(p) > 1 for p in paths.values()):
+        raise LayoutError(f"its decoder layers name one role differently ({'; '.join(', '.join(sorted(p)) for p in paths.values() if len(p) > 1)})")
+    every = set(range(inv.num_layers))
+    linears = tuple((lin, () if set(ix) == every else tuple(sorted(ix))) for lin, ix in held.items())
+    roles = tuple((r.split(".", 1)[0] if r.startswith("router.") else r, next(iter(p))) for r, p in paths.items())
+
+    first = found[0][1]
+    fused_qkv = "qkv_proj" in first
+    o = first["o_proj"]
+    q_dim = o.in_features
+    heads = next((int(text_cfg[k]) for k in HEADS_KEYS if isinstance(text_cfg.get(k), int) and text_cfg[k] > 0), 0)
+    head_dim = int(text_cfg.get("head_dim") or (q_dim // heads if heads else 0))
+    if not head_dim or q_dim % head_dim:
+        raise LayoutError(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
+    kv_dim = (first["qkv_proj"].out_features - q_dim) // 2 if fused_qkv else first["k_proj"].out_features
+    if kv_dim <= 0 or kv_dim % head_dim or (not fused_qkv and first["v_proj"].out_features != kv_dim):
+        raise LayoutError(f"its key/value width {kv_dim} is no whole number of heads (head_dim {head_dim})")
+
+    dense = next((roles for kind, roles, _ in found if not kind.experts and "down_proj" in roles), None)
+    moe_kinds = [(kind, roles) for kind, roles, _ in found if kind.experts]
+    experts = None
+    if moe_kinds:
+        sizes = {_experts(kind, h)[:3] for kind, _ in moe_kinds}
+        if len(sizes) > 1:
+            raise LayoutError(f"its MoE layers hold experts of different sizes ({sorted(sizes)})")
+        count, i, gated = sizes.pop()
+        top_k = next((int(text_cfg[k]) for k in TOP_K_KEYS if isinstance(text_cfg.get(k), int) and text_cfg[k] > 0), None)
+        if top_k is None or top_k > count:
+            raise LayoutError(f"a mixture of {count} experts whose config says no number of experts per token "
+                              f"({' or '.join(TOP_K_KEYS[:2])})")
+        shared = moe_kinds[0][1].get("shared.down_proj")
+        experts = ExpertsLayout(count=count, top_k=top_k, intermediate=i,
+                                numel=sum(_experts(kind, h)[3] * kind.count for kind, _ in moe_kinds),
+                                layers=sum(kind.count for kind, _ in moe_kinds), gated=gated,
+                                shared_intermediate=shared.in_features if shared else 0)
+    main = max(inv.kinds, key=lambda k: (bool(k.experts), k.count))
+    qk = [n for n, _ in main.norms if _in_attention(n) and any(m in _key(n) for m in ("q_", "k_", "query", "key"))]
+    mlp_roles = dense or {}
+    counts = _counts(inv, found)
+    return Layout(
+        linears=linears, roles=roles, hidden=h, q_dim=q_dim, kv_dim=kv_dim, head_dim=head_dim,
+        intermediate=mlp_roles["down_proj"].in_features if mlp_roles else None,
+        gated=("gate_proj" in mlp_roles or "gate_up_proj" in mlp_roles) if mlp_roles else bool(experts and experts.gated),
+        fused_qkv=fused_qkv, fused_gate_up="gate_up_proj" in mlp_roles,
+        layer_norms=len(main.norms) - (len(qk) if len(qk) == 2 else 0), qk_norm=len(qk) == 2,
+        norm_params_per_layer=sum(n for _, n in main.norms), experts=experts, counts=counts,
+    )
+
+
+def _counts(inv: Inventory, found) -> dict[str, int]:
+    """Parameters by kind: the inventory's, by where each one sits (:func:`finetuner.model.inventory.kind_of`), with
+    linears outside any marked block (OPT's top-level ``fc1``) moved to the kind their role says."""
+    from finetuner.model.inventory import kind_of
+
+    c = {k: v for k, v in inv.params.items() if k != "total"}
+    for kind, roles, _ in found:
+        for role, lin in roles.items():
+            if kind_of(lin.name + ".weight") == "other":
+                n = (lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0)) * kind.count
+                c["other"] -= n
+                c["attention" if role in ATTENTION_NAMES else "mlp"] += n
+    c["total"] = inv.params["total"]
+    return c
