@@ -263,11 +263,17 @@ def weight_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
     w = DTYPE_BYTES[s.weight_dtype]
     if s.method == "lora":
         return {s.weight_dtype: w * total}
-    other = total - shape.linear_weight_numel  # embeddings, lm head, norms, biases
+    other = total - quantized_numel(shape, s)  # embeddings, lm head, norms, biases (8-bit: also the experts)
     other_bytes = w * other
     packed, state = quantized_weight_parts(shape, s)
     kind = f"{s.quant_type}{' + double quant' if s.double_quant else ''}" if s.quant_bits == 4 else "int8"
     return {kind: packed + state, f"{s.weight_dtype} (not quantized)": other_bytes}
+
+
+def quantized_numel(shape: ModelShape, s: Settings) -> int:
+    """The weights a QLoRA base holds quantized: the decoder's linear layers and, in 4-bit, a mixture of
+    experts' fused expert weights (:mod:`finetuner.model.experts4bit`; in 8-bit they stay in ``weight_dtype``)."""
+    return shape.linear_weight_numel + (shape.expert_numel if s.quant_bits == 4 else 0)
 
 
 def quantized_weight_parts(shape: ModelShape, s: Settings) -> tuple[int, int]:
@@ -281,11 +287,14 @@ def quantized_weight_parts(shape: ModelShape, s: Settings) -> tuple[int, int]:
     The split matters under FSDP (:mod:`finetuner.memory.fsdp`): the data are a parameter and are
     sharded, the state is an attribute of the layer and stays whole on every device.
     """
-    numel = shape.linear_weight_numel
+    numel = quantized_numel(shape, s)
     if s.quant_bits == 4:
         blocks = sum(math.ceil(lin.in_features * lin.out_features / NF4_BLOCK) * shape.copies(lin) for lin in shape.layer_linears())
+        # each expert's two matrices quantized on their own (experts4bit): their blocks and code tables
+        matrices = shape.linear_count + (2 * shape.experts.count * shape.experts.layers if shape.experts else 0)
+        blocks += math.ceil(shape.expert_numel / NF4_BLOCK)
         absmax = blocks * 1 + math.ceil(blocks / NF4_NESTED_BLOCK) * 4 if s.double_quant else blocks * 4
-        return math.ceil(numel / 2), absmax + shape.linear_count * NF4_PER_LAYER_BYTES
+        return math.ceil(numel / 2), absmax + matrices * NF4_PER_LAYER_BYTES
     rows = sum(lin.out_features * shape.copies(lin) for lin in shape.layer_linears())
     return numel, 4 * rows
 

@@ -254,12 +254,21 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
         place = None
     if place is not None:
         kwargs["device_map"] = {"": place}
+    experts_cpu: dict[str, str] = {}
     if quant is not None:
+        _refuse_prequantized(m.name, m.revision)
         kwargs["quantization_config"] = quant
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
         # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
         index = torch.device(rt.device).index
         kwargs.setdefault("device_map", {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"})
+        if rt.is_cuda and recipe.quantization.bits == 4 and "" in kwargs["device_map"] and not gguf_base.is_gguf_name(m.name):
+            # a mixture of experts' 16-bit experts would fill the GPU before they are quantized: they load into
+            # CPU memory and are quantized onto the GPU one expert at a time (finetuner.model.experts4bit)
+            experts_cpu = experts_in_cpu_memory(m.name, m.revision)
+            if experts_cpu:
+                kwargs["device_map"] = {**kwargs["device_map"], **experts_cpu}
+                quant.llm_int8_enable_fp32_cpu_offload = True
     if m.max_memory:
         # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
         if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
@@ -283,6 +292,17 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
             hint=weights_load_hint(e, m.allow_pickle),
         ) from None
     model = gguf_base.as_dequantized(model, m.name)
+    if quant is not None and recipe.quantization.bits == 4:
+        from finetuner.model.experts4bit import quantize_experts
+
+        gpu = torch.device(rt.device) if rt.is_cuda else None
+        if experts_cpu:
+            from accelerate.hooks import remove_hook_from_module
+
+            for name in experts_cpu:
+                remove_hook_from_module(model.get_submodule(name))
+        quantize_experts(model, recipe.quantization.quant_type, recipe.quantization.double_quant,
+                         device=gpu if experts_cpu else None)
     if quant is None and not m.max_memory and place is None:
         model.to(rt.device)
     model.config.use_cache = False
@@ -335,6 +355,43 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
 
+def _refuse_prequantized(name: str, revision: str | None) -> None:
+    """A checkpoint stored quantized by another method (gpt-oss's MXFP4) cannot be loaded into bitsandbytes'
+    4-bit: say so before any weight is read."""
+    from finetuner.model.shapes import load_config
+
+    if gguf_base.is_gguf_name(name):
+        return
+    try:
+        cfg, _ = load_config(name, revision)
+    except UserError:
+        return  # from_pretrained says what is wrong with it
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method and method != "bitsandbytes":
+        raise UserError(
+            f"model.name: '{name}' is stored quantized ({method}); QLoRA quantizes a 16-bit checkpoint with "
+            "bitsandbytes and cannot load this one.",
+            hint="Train with method: lora on it, or give a bf16 copy of it (for MXFP4: load it with transformers' "
+                 "Mxfp4Config(dequantize=True) and save_pretrained).")
+
+
+def experts_in_cpu_memory(name: str, revision: str | None = None) -> dict[str, str]:
+    """``{experts module path: "cpu"}`` for a mixture of experts (its config read, the model built on meta,
+    :mod:`finetuner.model.inventory`); empty for a dense model or one whose config cannot be read here."""
+    from finetuner.model.inventory import language_config, read_inventory
+    from finetuner.model.shapes import load_config
+
+    try:
+        cfg, _ = load_config(name, revision)
+        if language_config(cfg)[1]:
+            return {}
+        inv = read_inventory(cfg)
+    except UserError:
+        return {}
+    return {f"{inv.layers_path}.{i}.{path.rsplit('.', 1)[0]}": "cpu"
+            for kind in inv.kinds for i in kind.indices for path in dict(kind.experts) if path.endswith("down_proj")}
+
+
 def _moe_all_linear(model):
     """``all-linear`` for peft: as it is for a dense model; for a mixture of experts (fused 3-D expert
     tensors), the paths of its attention's linears (:func:`finetuner.model.layout.all_linear_paths`, what the
@@ -345,7 +402,9 @@ def _moe_all_linear(model):
 
     from finetuner.model.layout import all_linear_paths
 
-    if not any(p.dim() >= 3 and ".experts." in f".{n}" for n, p in model.named_parameters()):
+    from finetuner.model.experts4bit import is_mixture_of_experts
+
+    if not is_mixture_of_experts(model):
         return "all-linear"
     found = []
     for name, mod in model.named_modules():

@@ -245,6 +245,9 @@ class ModelShape:
             f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
             f"hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} heads "
             f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
+            + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
+               f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
+               if self.experts else "")
             + (" (layout read from the model transformers builds; its memory terms are those of the families "
                "checked on a GPU)" if self.derived else "")
         )

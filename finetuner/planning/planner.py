@@ -42,7 +42,7 @@ from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
-from finetuner.model.shapes import ModelShape, instruct_variant, preset_model, presets, resolve_shape
+from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, preset_model, presets, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.data.split import held_out_rows
@@ -596,6 +596,18 @@ def schema_accepts(recipe: Recipe) -> bool:
     return schema_error(recipe) is None
 
 
+def experts_loading_note(shape: ModelShape, cpu_bytes: int | None) -> str:
+    """What loading a mixture of experts for 4-bit QLoRA takes from CPU memory: its 16-bit experts, held there
+    while they are quantized onto the GPU one expert at a time (:func:`finetuner.model.loading.load_base_model`)."""
+    need = 2 * shape.expert_numel
+    have = f"; this machine has {cpu_bytes / 2**30:.0f} GiB" if cpu_bytes else ""
+    short = " (too little: load on a machine with more, or from a checkpoint saved already quantized)" \
+        if cpu_bytes and cpu_bytes < need * 1.1 else ""
+    return (f"its {parameter_count(shape.expert_numel)} expert weights are held in 4-bit on the GPU; loading reads them "
+            f"into CPU memory in bf16 first ({need / 2**30:.0f} GiB) and quantizes them onto the GPU one expert at a "
+            f"time{have}{short}")
+
+
 def _strategy_for(recipe: Recipe, est: MemoryEstimate, shape: ModelShape, gpus: int, cpu_memory: int | None,
                   refused: dict[tuple, str | None]) -> tuple[Any, Recipe]:
     """The best strategy for one option (:func:`~finetuner.memory.sharding.compare_strategies`) whose
@@ -967,6 +979,9 @@ def plan(
                          currency=currency)
     result.model = model
     result.notes = notes + result.notes
+    if shape.experts and result.fits and result.recipe.method == "qlora" and result.recipe.quantization.bits == 4 \
+            and prof.platform != "cpu":
+        result.notes.append(experts_loading_note(shape, cpu_bytes))
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
     if gpus > 1 and result.fits:  # the same job on one card, for the sentence that opens the plan

@@ -60,7 +60,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from finetuner.memory.model import Settings, layer_activation_terms, trainable_params
+from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -479,7 +479,7 @@ def dequant_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float
         return 0.0
     passes = 2 + (1 if s.gradient_checkpointing else 0) + (1 if has_reference_pass(s) else 0)
     slow = INT8_SLOWDOWN if s.quant_bits == 8 else 1.0
-    return passes * shape.linear_weight_numel * slow / speed.dequant_weights_per_s
+    return passes * quantized_numel(shape, s) * slow / speed.dequant_weights_per_s
 
 
 def layer_op_count(shape: ModelShape, s: Settings) -> float:

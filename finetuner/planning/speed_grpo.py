@@ -75,7 +75,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
-from finetuner.memory.model import Settings
+from finetuner.memory.model import Settings, quantized_numel
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, OPS_PER_QUANT_LINEAR,
                                       DeviceSpeed, StepTime,
@@ -167,7 +167,7 @@ def dequant_pass_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
     if s.method != "qlora":
         return 0.0
     slow = INT8_SLOWDOWN if s.quant_bits == 8 else 1.0
-    return shape.linear_weight_numel * slow / speed.dequant_weights_per_s
+    return quantized_numel(shape, s) * slow / speed.dequant_weights_per_s
 
 
 def sampling_seconds(shape: ModelShape, rows: int, speed: DeviceSpeed, top_p: float = 1.0) -> float:
@@ -225,7 +225,8 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     # the linears at their stored size; a mixture of experts' fused experts (never quantized) as far as the rows'
     # tokens reach them: top_k of them per row, at most all
     experts = shape.expert_numel * min(1.0, rows * shape.experts.top_k / shape.experts.count) if shape.experts else 0.0
-    weight_t = (shape.linear_weight_numel * stored + experts * DTYPE_BYTES.get(s.weight_dtype, 2) + head_bytes
+    expert_b = 0.5 if s.method == "qlora" and s.quant_bits == 4 else DTYPE_BYTES.get(s.weight_dtype, 2)
+    weight_t = (shape.linear_weight_numel * stored + experts * expert_b + head_bytes
                 + 4 * lora) / speed.bandwidth_bytes_per_s
     kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)
     attn_flops = 4 * cache_len * shape.q_dim * shape.num_layers * rows

@@ -245,8 +245,8 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
     one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective="sft", reference="none",
                   gradient_checkpointing=False, loss_chunk=0)
     weight = (s.quant_bits / 8 if s.method == "qlora" else DTYPE_BYTES.get(s.weight_dtype, 2)) * shape.linear_weight_numel
-    if shape.experts:  # one token reads top_k experts of each MoE layer, never quantized
-        weight += DTYPE_BYTES.get(s.weight_dtype, 2) * shape.experts.active_numel
+    if shape.experts:  # one token reads top_k experts of each MoE layer (4-bit under 4-bit QLoRA)
+        weight += (0.5 if s.method == "qlora" and s.quant_bits == 4 else DTYPE_BYTES.get(s.weight_dtype, 2)) * shape.experts.active_numel
     ops = (GENERATE_OPS_PER_TOKEN + 2 * shape.num_layers) * speed.op_overhead_s * EAGER_OP_FACTOR
     return forward_seconds(shape, one, speed) + weight / speed.bandwidth_bytes_per_s + ops
 
