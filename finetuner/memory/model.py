@@ -499,6 +499,9 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
             terms.append(("attention: soft-capping tanh", c_att * nh * seq))
         o_input_shared = False
     consumers("attention output", c_att, [("o_proj", q)], x_saved_elsewhere=o_input_shared)
+    for path, width, out in shape.attention_extras:  # an output gate, latent attention's low-rank projections
+        consumers(f"{path} input", d.R, [(path, width)])
+        terms.append((f"{path}: output (and what reads it)", 2 * c_att * out))
     if shape.norms_per_layer == 4:
         norm("post-attention norm", d.base == "trainable")
     # ---- MLP block

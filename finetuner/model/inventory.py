@@ -23,7 +23,7 @@ from finetuner.errors import UserError, first_line
 from finetuner.fileio import atomic_write_json, cache_root
 
 #: bump when what :func:`read_inventory` stores changes
-FORMAT_VERSION = 4
+FORMAT_VERSION = 6
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -40,6 +40,9 @@ class LayerLinear:
     in_features: int
     out_features: int
     bias: bool
+    #: a plain linear layer (torch's ``Linear.forward`` or GPT-2's ``Conv1D``); False for a Linear subclass with a
+    #: forward of its own (DeepSeek-V4's grouped o_a_proj), which LoRA cannot wrap
+    plain: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class Inventory:
     layers_path: str = "model.layers"
     #: linear layers outside the decoder layers but the output layer (OPT-350m's project_in and project_out)
     root_linears: tuple[str, ...] = ()
+    #: peft turns LoRA targets named like transformers 4's expert linears into LoRA on the fused experts for
+    #: this family (:func:`peft_renames`)
+    peft_renames: bool = False
 
     @property
     def uniform(self) -> bool:
@@ -168,6 +174,33 @@ def _is_norm(module) -> bool:
     return any(m in type(module).__name__.lower() for m in _NORM_MARKS)
 
 
+def peft_renames(model_type: str) -> bool:
+    """peft (0.18+) carries adapters trained under transformers 4 over to a mixture of experts whose per-expert
+    linears transformers 5 fused: for such a family (transformers converts its checkpoints' ``experts.*.gate_proj``
+    or ``experts.*.w1`` into ``experts.gate_up_proj``) it turns every LoRA target named ``gate``, ``w1``-``w3``,
+    ``gate_proj``, ``up_proj`` or ``down_proj`` into LoRA on the fused experts, wherever the module is (an
+    attention's output gate, a dense MLP, shared experts). True for those families."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    for conversion in get_checkpoint_conversion_mapping(model_type) or ():
+        sources = getattr(conversion, "source_patterns", None) or ()
+        if any("experts" in src and (".gate_proj." in src or ".w1." in src) for src in sources):
+            return True
+    return False
+
+
+def is_plain_linear(module) -> bool:
+    """A linear layer LoRA can wrap: torch's ``Linear`` (its forward, or a subclass's that holds no settings of
+    its own: Falcon's ``FalconLinear``), a bitsandbytes layer, GPT-2's ``Conv1D``; not a subclass whose forward
+    uses its weight its own way by settings of its own (DeepSeek-V4's grouped ``o_a_proj`` and its ``n_groups``)."""
+    import torch
+
+    kind = type(module)
+    if kind.__name__ == "Conv1D" or kind.forward is torch.nn.Linear.forward or kind.__module__.startswith("bitsandbytes"):
+        return True
+    return not {k for k in set(vars(module)) - set(vars(torch.nn.Linear(1, 1, device="meta"))) if not k.startswith("_")}
+
+
 def _linear_widths(module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of a torch Linear or of GPT-2's ``Conv1D`` (a linear layer with its
     weight stored transposed, which peft's LoRA and bitsandbytes treat as one), else None."""
@@ -191,7 +224,8 @@ def _layer_kind_key(layer) -> tuple:
             other += sum(p.numel() for p in mod.parameters(recurse=False))
             seen.update(id(p) for p in mod.parameters(recurse=False))
         elif widths is not None:
-            linears.append(LayerLinear(mname, widths[0], widths[1], getattr(mod, "bias", None) is not None))
+            linears.append(LayerLinear(mname, widths[0], widths[1], getattr(mod, "bias", None) is not None,
+                                       is_plain_linear(mod)))
             seen.update(id(p) for p in mod.parameters(recurse=False))
         elif _is_norm(mod) and mname:
             own = [p for p in mod.parameters(recurse=False)]
@@ -283,6 +317,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         tied=tied,
         text_only_of=outer,
         layers_path=layers_path,
+        peft_renames=peft_renames(str(text_cfg.get("model_type"))),
         root_linears=tuple(n for n, m in model.named_modules()
                            if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
                            and m is not model.get_output_embeddings()),

@@ -32,6 +32,13 @@ ATTENTION_NAMES = {
 #: the gate of a gated MLP where its two input linears have the same widths (Llama's gate_proj, LFM2's w1,
 #: CPM-Ant's w_0); the other one is the up projection
 GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g"}
+#: latent attention's queries (DeepSeek's q_b_proj; A.X K2's q_gate_proj, queries and an output gate fused) and a
+#: low-rank output's second half (DeepSeek-V4's o_b_proj), where the block has no q_proj / o_proj
+LATENT_NAMES = {"q_b_proj": "q_proj", "q_gate_proj": "q_proj", "o_b_proj": "o_proj"}
+#: modules inside an attention block whose linears are its extras whatever their names
+AUXILIARY_NAMES = {"indexer", "compressor"}
+#: the down projection, where widths cannot tell it (an MLP as wide as the hidden size)
+DOWN_NAMES = {"down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "w_out", "layer_2", "wo", "fc_out"}
 #: a mixture of experts' router and the gate of its shared experts, when they are torch Linear layers
 ROUTER_NAMES = {"router", "gate", "shared_expert_gate", "shared_experts_gate"}
 #: module names that hold a mixture of experts' shared experts (every token goes through them)
@@ -77,6 +84,8 @@ class Layout:
     hidden: int  # the decoder layers' width (the residual stream)
     q_dim: int
     kv_dim: int
+    #: attention linears outside q/k/v/o, as ``(path, in_features, out_features)`` (:func:`_attention`)
+    attention_extras: tuple[tuple[str, int, int], ...]
     head_dim: int
     #: the dense MLP's width (None: every layer routes to experts)
     intermediate: int | None
@@ -88,6 +97,8 @@ class Layout:
     norm_params_per_layer: int  # the largest kind's
     experts: ExpertsLayout | None
     counts: dict[str, int] = field(default_factory=dict)
+    #: the paths ``all-linear`` trains (:func:`all_linear_paths`); None: every linear
+    all_linear: tuple[str, ...] | None = None
 
     @property
     def standard(self) -> bool:
@@ -114,37 +125,65 @@ def is_router(path: str, out_features: int, moe: bool) -> bool:
     gate of its shared experts. LoRA's ``all-linear`` leaves it out (:func:`all_linear_paths`)."""
     parts = path.split(".")
     key = _key(path)
-    return (moe and (key in ROUTER_NAMES or "router" in parts[:-1])) or (out_features == 1 and key in ROUTER_NAMES)
+    return (moe and (key in ROUTER_NAMES or bool({"router", "gate"} & set(parts[:-1])))) or (out_features == 1 and key in ROUTER_NAMES)
 
 
-def all_linear_paths(linears: list[tuple[str, int]], moe: bool) -> list[str] | str:
+def all_linear_paths(linears: list[tuple[str, int, bool]], moe: bool, renames: bool = False,
+                     root: bool = False) -> list[str] | str:
     """What ``lora.target_modules: all-linear`` means for a decoder layer's linears (``(path in the layer,
-    out_features)``): peft's ``all-linear`` for a dense model; for a mixture of experts, its attention's linears.
+    out_features, plain)``): peft's ``all-linear`` where peft does what it says; else the paths themselves.
 
-    peft's own ``all-linear`` differs by family on a mixture of experts: for Mixtral and the Qwen2-MoE family
-    (GLM-4.5 ...) it converts every target named ``gate``, ``w1``-``w3``, ``gate_proj``, ``up_proj`` or
-    ``down_proj`` into LoRA on the fused experts and the router (its bridge for adapters trained under
-    transformers 4), also the dense first layers' MLP and the shared experts, whose LoRA then goes missing; for
-    the others it adds the routers, and a LoRA'd router crashes Phi-MoE's forward. Attention alone is the same
-    on every family, and the memory model counts the same (:func:`finetuner.model.shapes.lora_targets`)."""
-    if not moe:
+    Left out: a linear with a forward of its own (:func:`finetuner.model.inventory.is_plain_linear`); on a
+    mixture of experts everything but its attention (peft adds the routers, and a LoRA'd router crashes
+    Phi-MoE's forward); where peft renames (``renames``, :func:`finetuner.model.inventory.peft_renames`) every
+    linear named like an expert's, wherever it is (peft would move its LoRA onto the fused experts, and the
+    dense MLP or the attention gate would go without); ``root``: linears outside the decoder layers (ModernBERT's
+    head.dense, OPT-350m's project_in), which stay frozen. The memory model counts the same
+    (:func:`finetuner.model.shapes.lora_targets`)."""
+    if not moe and not renames and not root and all(plain for *_, plain in linears):
         return "all-linear"
-    return sorted({p for p, out in linears if _in_attention(p) and not is_router(p, out, moe)})
+    return sorted({p for p, out, plain in linears if plain and not (renames and peft_moe_name(p)) and (not moe or (
+        _in_attention(p) and not is_router(p, out, moe)))})
+
+
+#: the names peft's bridge for adapters trained under transformers 4 turns into LoRA on a mixture of experts'
+#: fused experts (peft.utils.transformers_weight_conversion); a target ending in one is not where it says
+PEFT_MOE_NAMES = {"gate", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"}
+
+
+def peft_moe_name(path: str) -> bool:
+    """An attention linear of a mixture of experts that LoRA leaves out: its name is one peft would take for
+    the experts' (AFMoE's attention output gate ``self_attn.gate_proj``)."""
+    return _key(path) in PEFT_MOE_NAMES
 
 
 def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
+    """q/k/v/o (or a fused qkv and o) of an attention block by their names; other linears in it are extras
+    (role ``extra:<path>``): an output gate (AFMoE's gate_proj, MiniMax's output_gate), Doge's dt_proj, the
+    low-rank projections of multi-head latent attention (DeepSeek's q_a_proj, kv_a_proj_with_mqa, kv_b_proj,
+    whose queries are q_b_proj's)."""
+    what = f"its attention's linear layers are {', '.join(x.name for x in linears)}"
     by_role: dict[str, LayerLinear] = {}
     for lin in linears:
         role = next((r for r, names in ATTENTION_NAMES.items() if _key(lin.name) in names), None)
-        if role is None or role in by_role:
-            raise LayoutError(f"its attention's linear layers are {', '.join(x.name for x in linears)}")
-        by_role[role] = lin
-    if set(by_role) not in ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"qkv_proj", "o_proj"}):
-        raise LayoutError(f"its attention's linear layers are {', '.join(x.name for x in linears)}")
+        if set(lin.name.split(".")[:-1]) & AUXILIARY_NAMES:
+            role = None  # a sparse-attention indexer's own projections (DeepSeek-V3.2's, Hunyuan's)
+        if role is None and _key(lin.name) in LATENT_NAMES and LATENT_NAMES[_key(lin.name)] not in by_role:
+            role = LATENT_NAMES[_key(lin.name)]
+        by_role[role if role is not None and role not in by_role else f"extra:{lin.name}"] = lin
+    standard = {"q_proj", "k_proj", "v_proj"} <= by_role.keys() or "qkv_proj" in by_role
+    latent = "q_proj" in by_role and not {"k_proj", "v_proj", "qkv_proj"} & by_role.keys() \
+        and any("kv" in _key(r) for r in by_role if r.startswith("extra:"))
+    if "o_proj" not in by_role or not (standard or latent):
+        raise LayoutError(what)
     if by_role["o_proj"].out_features != h:
         raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
                           f"not the hidden size {h}")
     return by_role
+
+
+def is_attention_role(role: str) -> bool:
+    return role in ATTENTION_NAMES or role.startswith("extra:")
 
 
 def _mlp(linears: list[LayerLinear], h: int, prefix: str = "") -> dict[str, LayerLinear]:
@@ -153,7 +192,7 @@ def _mlp(linears: list[LayerLinear], h: int, prefix: str = "") -> dict[str, Laye
     what = f"its {'shared experts' if prefix else 'MLP'}'s linear layers are {', '.join(x.name for x in linears)}"
     downs = [x for x in linears if x.out_features == h and x.in_features != h] or [x for x in linears if x.out_features == h]
     if len(downs) != 1 and len(linears) > 1:
-        downs = [x for x in downs if _key(x.name) not in GATE_NAMES and not x.name.endswith(("fc1", "c_fc"))]
+        downs = [x for x in downs if _key(x.name) in DOWN_NAMES]
     if len(downs) != 1:
         raise LayoutError(what)
     down = downs[0]
@@ -190,6 +229,8 @@ def _kind_layout(kind: LayerKind, h: int) -> tuple[dict[str, LayerLinear], list[
     moe = bool(kind.experts)
     attn, mlp, shared, routers = [], [], [], []
     for lin in kind.linears:
+        if not lin.plain:
+            continue  # frozen, counted with its block's parameters (roles: "frozen")
         if is_router(lin.name, lin.out_features, moe):
             routers.append(lin)
         elif _in_attention(lin.name):
@@ -222,14 +263,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     """The roles of ``inv``'s decoder layers (``text_cfg``: the config it was built from, for the heads and the
     experts per token); :class:`LayoutError` when the memory model does not describe them."""
     h = _hidden(inv, text_cfg)
-    if inv.root_linears:
-        raise LayoutError(f"it has linear layers outside its decoder layers ({', '.join(inv.root_linears)})")
     found = [(kind, *_kind_layout(kind, h)) for kind in inv.kinds]
-    attention = {r: (x.in_features, x.out_features, x.bias, x.name) for r, x in found[0][1].items() if r in ATTENTION_NAMES}
-    for kind, roles, _ in found[1:]:
-        if {r: (x.in_features, x.out_features, x.bias, x.name) for r, x in roles.items() if r in ATTENTION_NAMES} != attention:
-            raise LayoutError(f"its {inv.num_layers} decoder layers are of {len(inv.kinds)} kinds with different attention "
-                              f"({', '.join(f'{k.count} x {k.module}' for k in inv.kinds)})")
     for kind in inv.kinds:
         own = sum(x.in_features * x.out_features + (x.out_features if x.bias else 0) for x in kind.linears) \
             + sum(n for _, n in kind.norms) + sum(math.prod(s) for _, s in kind.experts) + kind.router_params
@@ -247,23 +281,40 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
             paths.setdefault(role, set()).add(lin.name)
         for lin in routers:
             paths.setdefault(f"router.{lin.name}", set()).add(lin.name)
-    if any(len(p) > 1 for p in paths.values()):
-        raise LayoutError(f"its decoder layers name one role differently ({'; '.join(', '.join(sorted(p)) for p in paths.values() if len(p) > 1)})")
+        for lin in kind.linears:
+            if not lin.plain:
+                paths.setdefault(f"frozen.{lin.name}", set()).add(lin.name)
     every = set(range(inv.num_layers))
     linears = tuple((lin, () if set(ix) == every else tuple(sorted(ix))) for lin, ix in held.items())
-    roles = tuple((r.split(".", 1)[0] if r.startswith("router.") else r, next(iter(p))) for r, p in paths.items())
+    # each role's paths (a family may name one role differently in different layers: MiniMax's o_proj / out_proj)
+    roles = tuple((r.split(".", 1)[0] if r.startswith(("router.", "frozen.")) else r.split(":", 1)[1] if r.startswith("extra:") else r, p)
+                  for r, ps in paths.items() for p in sorted(ps))
 
-    first = found[0][1]
+    # the attention the memory model's terms describe: the widest kind's (layers with other attention widths are
+    # counted at these; on the safe side)
+    def width(roles: dict) -> int:
+        return sum(x.out_features for r, x in roles.items() if r in ("q_proj", "k_proj", "v_proj", "qkv_proj"))
+
+    first = max((roles for _, roles, _ in found), key=width)
     fused_qkv = "qkv_proj" in first
     o = first["o_proj"]
-    q_dim = o.in_features
+    q_dim = first["q_proj"].out_features if "q_proj" in first else o.in_features
     heads = next((int(text_cfg[k]) for k in HEADS_KEYS if isinstance(text_cfg.get(k), int) and text_cfg[k] > 0), 0)
-    head_dim = int(text_cfg.get("head_dim") or (q_dim // heads if heads else 0))
+    head_dim = int(text_cfg.get("head_dim") or text_cfg.get("qk_head_dim") or (q_dim // heads if heads else 0))
+    if heads and not text_cfg.get("head_dim") and q_dim % heads == 0:
+        head_dim = q_dim // heads
     if not head_dim or q_dim % head_dim:
         raise LayoutError(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
-    kv_dim = (first["qkv_proj"].out_features - q_dim) // 2 if fused_qkv else first["k_proj"].out_features
-    if kv_dim <= 0 or kv_dim % head_dim or (not fused_qkv and first["v_proj"].out_features != kv_dim):
+    if fused_qkv:
+        kv_dim = (first["qkv_proj"].out_features - q_dim) // 2
+    elif "k_proj" in first:
+        kv_dim = max(first["k_proj"].out_features, first["v_proj"].out_features)
+    else:  # latent attention: keys and values expanded to every head
+        kv_dim = q_dim
+    kv_dim = -(-kv_dim // head_dim) * head_dim if kv_dim > 0 else kv_dim  # whole heads, rounded up
+    if kv_dim <= 0:
         raise LayoutError(f"its key/value width {kv_dim} is no whole number of heads (head_dim {head_dim})")
+    extras = tuple((x.name, x.in_features, x.out_features) for r, x in first.items() if r.startswith("extra:"))
 
     dense = next((roles for kind, roles, _ in found if not kind.experts and "down_proj" in roles), None)
     moe_kinds = [(kind, roles) for kind, roles, _ in found if kind.experts]
@@ -286,13 +337,16 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     qk = [n for n, _ in main.norms if _in_attention(n) and any(m in _key(n) for m in ("q_", "k_", "query", "key"))]
     mlp_roles = dense or {}
     counts = _counts(inv, found)
+    chosen = all_linear_paths([(lin.name, lin.out_features, lin.plain) for lin, _ in linears], bool(experts), inv.peft_renames,
+                              root=bool(inv.root_linears))
     return Layout(
-        linears=linears, roles=roles, hidden=h, q_dim=q_dim, kv_dim=kv_dim, head_dim=head_dim,
+        linears=linears, roles=roles, hidden=h, q_dim=q_dim, attention_extras=extras, kv_dim=kv_dim, head_dim=head_dim,
         intermediate=mlp_roles["down_proj"].in_features if mlp_roles else None,
         gated=("gate_proj" in mlp_roles or "gate_up_proj" in mlp_roles) if mlp_roles else bool(experts and experts.gated),
         fused_qkv=fused_qkv, fused_gate_up="gate_up_proj" in mlp_roles,
         layer_norms=len(main.norms) - (len(qk) if len(qk) == 2 else 0), qk_norm=len(qk) == 2,
         norm_params_per_layer=sum(n for _, n in main.norms), experts=experts, counts=counts,
+        all_linear=None if isinstance(chosen, str) else tuple(chosen),
     )
 
 
@@ -307,6 +361,6 @@ def _counts(inv: Inventory, found) -> dict[str, int]:
             if kind_of(lin.name + ".weight") == "other":
                 n = (lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0)) * kind.count
                 c["other"] -= n
-                c["attention" if role in ATTENTION_NAMES else "mlp"] += n
+                c["attention" if is_attention_role(role) else "mlp"] += n
     c["total"] = inv.params["total"]
     return c

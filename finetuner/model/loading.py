@@ -340,7 +340,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
-        target_modules=_moe_all_linear(model) if lc.target_modules == "all-linear" else lc.target_modules,
+        target_modules=all_linear_targets(model) if lc.target_modules == "all-linear" else lc.target_modules,
         bias=lc.bias,
         task_type="CAUSAL_LM",
     )
@@ -392,26 +392,31 @@ def experts_in_cpu_memory(name: str, revision: str | None = None) -> dict[str, s
             for kind in inv.kinds for i in kind.indices for path in dict(kind.experts) if path.endswith("down_proj")}
 
 
-def _moe_all_linear(model):
-    """``all-linear`` for peft: as it is for a dense model; for a mixture of experts (fused 3-D expert
-    tensors), the paths of its attention's linears (:func:`finetuner.model.layout.all_linear_paths`, what the
-    memory model counts)."""
+def all_linear_targets(model):
+    """``all-linear`` for peft: as it is for a dense model of plain linear layers; else the paths
+    :func:`finetuner.model.layout.all_linear_paths` names (a mixture of experts: its attention's linears; never
+    a Linear subclass with a forward of its own), what the memory model counts."""
     import re
 
     import torch
 
+    from finetuner.model.inventory import is_plain_linear, peft_renames
     from finetuner.model.layout import all_linear_paths
 
     from finetuner.model.experts4bit import is_mixture_of_experts
 
-    if not is_mixture_of_experts(model):
-        return "all-linear"
-    found = []
+    found, root = [], False
+    head = model.get_output_embeddings()
     for name, mod in model.named_modules():
+        if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
+            continue
         inner = re.search(r"\.\d+\.(.+)$", name)
-        if inner and (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"):
-            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1]))
-    return all_linear_paths(found, moe=True)
+        if inner:
+            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
+        else:
+            root = True
+    return all_linear_paths(found, moe=is_mixture_of_experts(model), renames=peft_renames(str(model.config.model_type)),
+                            root=root)
 
 
 def _training_mode(model):

@@ -33,9 +33,6 @@ from finetuner.model import gguf_base
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
-#: the roles of an attention block's linears (:attr:`ModelShape.roles`)
-ATTENTION_ROLES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
-
 #: ``model_type`` values whose layout this module knows.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
@@ -126,6 +123,12 @@ class ModelShape:
     roles: tuple[tuple[str, str], ...] = ()
     #: the routed experts of a mixture of experts (None: a dense model)
     experts: Experts | None = None
+    #: the linears ``lora.target_modules: all-linear`` trains when not every one
+    #: (:func:`finetuner.model.layout.all_linear_paths`: a mixture of experts' attention ...)
+    all_linear: tuple[str, ...] | None = None
+    #: attention linears besides q/k/v/o, as ``(path, in_features, out_features)``: an output gate, the low-rank
+    #: projections of multi-head latent attention (their role is their path)
+    attention_extras: tuple[tuple[str, int, int], ...] = ()
     #: parameters by kind as read from the model (:meth:`param_counts`), where the written formula does not apply
     counts_read: tuple[tuple[str, int], ...] = ()
     #: where the decoder layers sit in the model (a LoRA target's regular expression matches whole paths)
@@ -269,9 +272,9 @@ def lora_targets(shape: ModelShape, target_modules: str | list[str] = "all-linea
     ``lm_head`` a linear one.
     """
     layer = shape.layer_linears()
-    if target_modules == "all-linear":  # a mixture of experts: its attention (finetuner.model.layout.all_linear_paths)
+    if target_modules == "all-linear":  # where not every linear: ModelShape.all_linear
         return [(lin.name, lin.in_features, lin.out_features, shape.copies(lin)) for lin in layer
-                if shape.experts is None or shape.role_of(lin.name) in ATTENTION_ROLES]
+                if shape.all_linear is None or lin.name in shape.all_linear]
     if isinstance(target_modules, str):
         return _regex_targets(shape, target_modules)
     found: list[tuple[str, int, int, int]] = []
@@ -455,6 +458,8 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
                         layers=experts.layers, gated=experts.gated, shared_intermediate=experts.shared_intermediate)
         if experts else None,
         layers_path=inv.layers_path,
+        attention_extras=lay.attention_extras,
+        all_linear=lay.all_linear,
     )
     if not lay.standard:  # other names, or layers that differ: the linears and their roles as read
         shape = replace(shape, linears=tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.bias, ix)

@@ -97,7 +97,7 @@ def test_a_new_family_is_counted_exactly_plans_and_trains_two_lora_steps(model_t
 
 
 @pytest.mark.parametrize("model_type,says", [
-    ("deepseek_v3", "its attention's linear layers are self_attn.q_a_proj"),  # multi-head latent attention
+    ("jetmoe", "its attention's linear layers are self_attention.kv_proj"),  # a mixture of attention heads
     ("mamba", "its decoder layer's linear layers are mixer."),
     ("qwen3_5_text", "its attention's linear layers are linear_attn.out_proj"),  # a hybrid's linear-attention layers
     ("gemma3", "an image-text-to-text checkpoint: the weights of its vision tower"),

@@ -46,7 +46,7 @@ def test_the_roles_of_gpt2s_conv1d_layers():
 def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner_targets(model_type):
     from peft import LoraConfig, get_peft_model
 
-    from finetuner.model.loading import _moe_all_linear
+    from finetuner.model.loading import all_linear_targets
 
     cfg = tiny_config(model_type, 400)
     shape = derived_shape(cfg, name=model_type)
@@ -57,7 +57,7 @@ def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner
     assert e.numel == sum(p.numel() for p in experts.values()) and e.count == next(iter(experts.values())).shape[0]
     assert e.top_k == 2 and e.layers == len({n.split(".experts.")[0] for n in experts})
     assert shape.active_weight_numel == shape.linear_weight_numel + e.numel * e.top_k // e.count
-    targets = _moe_all_linear(model)
+    targets = all_linear_targets(model)
     assert targets and all("attn" in t for t in targets)  # attention only: no router, expert or shared expert
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     assert not lora.peft_config["default"].target_parameters  # peft added no LoRA on the fused experts
@@ -105,3 +105,39 @@ def test_training_adds_the_load_balancing_loss_as_transformers_does_and_evaluati
         ce = float(model(input_ids=ids, labels=ids).loss)
     assert float(plain) / n == pytest.approx(ce, rel=1e-5) and float(plain) < float(loss)
     assert router_balance(_build(tiny_config("llama", 400))) is None
+
+
+@pytest.mark.parametrize("model_type", ["beam", "doge", "minimax", "mimo_v2_flash", "glm4_moe_lite", "afmoe", "deepseek_v3",
+                                        "deepseek_v4"])
+def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type):
+    """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections (GLM-4.7
+    Lite), layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
+    from peft import LoraConfig, get_peft_model
+
+    from finetuner.memory.model import Settings, layer_activation_terms
+    from finetuner.model.loading import all_linear_targets
+
+    cfg = tiny_config(model_type, 400)
+    shape = derived_shape(cfg, name=model_type)
+    model = _build(cfg)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    if model_type != "mimo_v2_flash":
+        assert shape.attention_extras
+        terms = dict(layer_activation_terms(shape, Settings()))
+        for path, _, out in shape.attention_extras:
+            assert terms[f"{path}: output (and what reads it)"] == 2 * 2 * out
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(model)))
+    assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+
+
+def test_a_linear_with_a_forward_of_its_own_is_frozen_and_never_a_lora_target():
+    """DeepSeek-V4's grouped o_a_proj is a Linear subclass that uses its weight its own way: peft's LoRA
+    wrapper crashed its forward. It is counted, held frozen, and left out of all-linear on both sides."""
+    from finetuner.model.loading import all_linear_targets
+
+    cfg = tiny_config("deepseek_v4", 400)
+    shape = derived_shape(cfg, name="deepseek_v4")
+    assert ("frozen", "self_attn.o_a_proj") in shape.roles
+    assert "self_attn.o_a_proj" not in [t[0] for t in lora_targets(shape, "all-linear")]
+    assert "self_attn.o_a_proj" not in all_linear_targets(_build(cfg))
+    assert all_linear_targets(_build(tiny_config("llama", 400))) == "all-linear"  # a dense model: peft's own
