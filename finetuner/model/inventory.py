@@ -23,7 +23,7 @@ from finetuner.errors import UserError, first_line
 from finetuner.fileio import atomic_write_json, cache_root
 
 #: bump when what :func:`read_inventory` stores changes
-FORMAT_VERSION = 6
+FORMAT_VERSION = 8
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -155,19 +155,20 @@ def build_on_meta(cfg: dict[str, Any]):
                         f"({type(e).__name__}: {first_line(str(e))}).") from None
 
 
-def _decoder_layers(model, num_layers: int | None):
-    """The ``ModuleList`` of decoder layers: the longest one (its length ``num_hidden_layers`` when the config
-    says it), and its path."""
+def decoder_layers(model, num_layers: int | None):
+    """The ``ModuleList`` of decoder layers and its path: of the lists ``num_hidden_layers`` long (else the longest
+    ones), the one beside the input embeddings (an image-text-to-text model's vision tower has layers too)."""
     import torch
 
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            if best is None or len(mod) > len(best[1]) or (num_layers and len(mod) == num_layers and len(best[1]) != num_layers):
-                best = (name, mod)
-    if best is None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    home = next((n.rsplit(".", 1)[0] if "." in n else "" for n, m in model.named_modules() if m is emb), None)
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
         raise UserError(f"{type(model).__name__}: no list of decoder layers found.")
-    return best
+    exact = [x for x in lists if num_layers and len(x[1]) == num_layers]
+    longest = max(len(m) for _, m in lists)
+    candidates = exact or [x for x in lists if len(x[1]) == longest]
+    return next((x for x in candidates if (x[0].rsplit(".", 1)[0] if "." in x[0] else "") == home), candidates[0])
 
 
 def _is_norm(module) -> bool:
@@ -276,12 +277,13 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
                    for p in m.parameters(recurse=False)}
     counts = dict.fromkeys(("embeddings", "attention", "mlp", "experts", "router", "norms", "lm_head", "other"), 0)
     prefix = layers_path + "."
+    home = layers_path.rsplit(".", 1)[0] + "." if "." in layers_path else ""  # the language model's own modules
     for name, p in model.named_parameters():  # each shared parameter once
         if emb is not None and p is emb.weight:
             kind = "embeddings"
         elif out is not None and p is out.weight:
             kind = "lm_head"
-        elif id(p) in norm_params:
+        elif id(p) in norm_params and name.startswith(home):  # (a vision tower's norms are its other weights)
             kind = "norms"
         elif name.startswith(prefix):
             inner = name[len(prefix):].split(".", 1)[-1]
@@ -294,10 +296,12 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
 
 
 def inventory_of(cfg: dict[str, Any]) -> Inventory:
-    """Build ``cfg``'s language model on meta and list it (no cache: :func:`read_inventory` caches)."""
+    """Build the causal LM transformers builds for ``cfg`` on meta and list it (no cache: :func:`read_inventory`
+    caches). For an image-text-to-text checkpoint that is what training loads: the language model with its vision
+    tower and projector beside it (their parameters are ``other``, their linears :attr:`Inventory.root_linears`)."""
     text_cfg, outer = language_config(cfg)
-    model = build_on_meta(text_cfg)
-    layers_path, layers = _decoder_layers(model, text_cfg.get("num_hidden_layers"))
+    model = build_on_meta(cfg if outer else text_cfg)
+    layers_path, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
         groups.setdefault(_layer_kind_key(layer), []).append(i)

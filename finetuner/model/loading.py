@@ -400,23 +400,28 @@ def all_linear_targets(model):
 
     import torch
 
-    from finetuner.model.inventory import is_plain_linear, peft_renames
+    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames
     from finetuner.model.layout import all_linear_paths
 
     from finetuner.model.experts4bit import is_mixture_of_experts
 
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
     found, root = [], False
-    head = model.get_output_embeddings()
-    for name, mod in model.named_modules():
+    head = base.get_output_embeddings()
+    for name, mod in base.named_modules():
         if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
             continue
-        inner = re.search(r"\.\d+\.(.+)$", name)
+        inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
         if inner:
             found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
         else:
             root = True
-    return all_linear_paths(found, moe=is_mixture_of_experts(model), renames=peft_renames(str(model.config.model_type)),
-                            root=root)
+    paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root)
+    if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
+        return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
+    return paths
 
 
 def _training_mode(model):

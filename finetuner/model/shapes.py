@@ -123,6 +123,8 @@ class ModelShape:
     roles: tuple[tuple[str, str], ...] = ()
     #: the routed experts of a mixture of experts (None: a dense model)
     experts: Experts | None = None
+    #: the model_type of the image-text-to-text checkpoint whose language model this is (None: a causal LM)
+    text_only_of: str | None = None
     #: the linears ``lora.target_modules: all-linear`` trains when not every one
     #: (:func:`finetuner.model.layout.all_linear_paths`: a mixture of experts' attention ...)
     all_linear: tuple[str, ...] | None = None
@@ -248,6 +250,9 @@ class ModelShape:
             f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
             f"hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} heads "
             f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
+            + (f"; the language model of an image-text-to-text checkpoint, its vision tower "
+               f"({parameter_count(self.param_counts().get('other', 0))} parameters with the projector) loaded frozen"
+               if self.text_only_of else "")
             + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
                f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
                if self.experts else "")
@@ -410,9 +415,6 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
                               "(gate/up/down or up/down) or routed experts, as in "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}, Mixtral and Qwen3-MoE.")
 
-    if outer:  # the trainer would load the vision tower too, and its weights are not counted yet
-        raise refuse(f"an image-text-to-text checkpoint: the weights of its vision tower and projector, loaded beside "
-                     f"the {mt} language model, are not counted yet")
     try:
         inv = read_inventory(cfg)
     except UserError as e:  # transformers cannot build it: say which model's config.json
@@ -460,6 +462,7 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         layers_path=inv.layers_path,
         attention_extras=lay.attention_extras,
         all_linear=lay.all_linear,
+        text_only_of=outer,
     )
     if not lay.standard:  # other names, or layers that differ: the linears and their roles as read
         shape = replace(shape, linears=tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.bias, ix)

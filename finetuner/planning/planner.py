@@ -982,6 +982,11 @@ def plan(
     if shape.experts and result.fits and result.recipe.method == "qlora" and result.recipe.quantization.bits == 4 \
             and prof.platform != "cpu":
         result.notes.append(experts_loading_note(shape, cpu_bytes))
+    stored = (shape.config.get("quantization_config") or {}).get("quant_method")
+    if stored and stored != "bitsandbytes" and result.fits and result.recipe.method == "qlora":
+        result.notes.append(f"{model}'s published checkpoint is stored in {stored}: QLoRA quantizes a bf16 checkpoint, so "
+                            f"set model.name to a bf16 copy of it (for MXFP4: load it with transformers' "
+                            f"Mxfp4Config(dequantize=True) and save_pretrained)")
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
     if gpus > 1 and result.fits:  # the same job on one card, for the sentence that opens the plan

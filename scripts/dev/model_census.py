@@ -10,7 +10,8 @@ For each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPP
    model itself for families with no hand-written layout), ``plan`` on an RTX 4090, 2 LoRA steps with the
    trainer, merge, and one chat answer. The first step that fails is the type's reason.
 
-Writes ``docs/models.md`` (the table) and ``docs/validation/model_census.json`` (every row)::
+Writes ``docs/models.md`` (the table), ``docs/validation/model_census.json`` (every row) and the README's model list
+(between its ``model census`` markers)::
 
     .venv/bin/python -m scripts.dev.model_census            # all types (a few minutes on 2 cores)
     .venv/bin/python -m scripts.dev.model_census llama gemma3_text   # some, printed, nothing written
@@ -168,6 +169,32 @@ def write_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: where README.md lists the supported types (between these two lines, written by :func:`readme_block`)
+README = REPO / "README.md"
+README_START, README_END = "<!-- model census: start -->", "<!-- model census: end -->"
+
+
+def readme_block(rows: list[dict]) -> str:
+    """The README's model list: the census's supported types and its headline numbers."""
+    inside = [r for r in rows if r["status"] != "outside"]
+    supported = sorted(r["model_type"] for r in inside if r["status"] == "supported")
+    return (f"{README_START}\n{len(supported)} of the {len(inside)} decoder-only model types transformers "
+            f"{_version()} builds tiny and trains plan, train, merge and chat (the census, "
+            f"[docs/models.md](docs/models.md), says why each other one is refused): "
+            + ", ".join(f"`{t}`" for t in supported) + f".\n{README_END}")
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def with_readme_block(text: str, rows: list[dict]) -> str:
+    a, b = text.index(README_START), text.index(README_END) + len(README_END)
+    return text[:a] + readme_block(rows) + text[b:]
+
+
 def main(argv: list[str]) -> int:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -185,6 +212,7 @@ def main(argv: list[str]) -> int:
                   flush=True)
     if not argv:
         DOC.write_text(write_table(rows), encoding="utf-8")
+        README.write_text(with_readme_block(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
         JSON.write_text(json.dumps({"transformers": transformers.__version__, "rows": rows}, indent=1) + "\n",
                         encoding="utf-8")
         print(f"wrote {DOC.relative_to(REPO)} and {JSON.relative_to(REPO)}")

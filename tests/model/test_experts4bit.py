@@ -136,3 +136,4 @@ def test_the_mixtures_of_experts_of_2026_plan_to_fit_a_24gb_card_with_4bit_exper
     assert weights / GIB == pytest.approx(weights_gib, abs=0.05)
     assert any("expert weights are held in 4-bit on the GPU; loading reads them into CPU memory" in n for n in plan.notes)
     assert "active)" in plan.shape.describe()
+    assert any("stored in mxfp4" in n for n in plan.notes) == (model == "gpt-oss-20b")

@@ -35,6 +35,9 @@ KNOWN_TOTALS = {
     # (its card: 21B parameters, 3.6B active), configs as published
     "qwen3-30b-a3b": 30_532_122_624,
     "gpt-oss-20b": 20_914_757_184,
+    # an image-text-to-text checkpoint, trained on text: google/gemma-3-12b-pt (its card: 12B; the language model
+    # 11.77B and the SigLIP vision tower with its projector 0.42B)
+    "gemma-3-12b": 12_187_325_040,
 }
 
 
@@ -48,6 +51,8 @@ def _meta_model(shape):
 
 
 def _kind(name: str) -> str:
+    if "vision_tower" in name or "multi_modal_projector" in name:
+        return "other"
     if ".experts." in name:
         return "experts"
     if ".mlp.gate." in name or ".mlp.router." in name:
