@@ -2,7 +2,10 @@
 
 Supported: the Llama family (``model_type`` ``llama``), Mistral (written as llama.cpp writes it: the
 ``llama`` architecture), Qwen2 and Qwen3 (Qwen2's layout with per-head q/k norms, llama.cpp's ``qwen3``
-architecture). Names come from gguf's own ``TensorNameMap`` for the
+architecture), Phi-3 (its fused qkv and gate_up as llama.cpp's ``phi3`` reads them), Gemma 2 (norms stored as
+``1 + weight``, as llama.cpp's converter writes them; its soft-capping and sliding window; llama.cpp scales the
+queries by the head width, or by hidden / heads for the 46-layer 27B, so another ``query_pre_attn_scalar`` is
+refused). Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
 key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
@@ -18,7 +21,10 @@ from typing import Any
 from finetuner.errors import UserError
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
-SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+             "phi3": ("phi3", False), "gemma2": ("gemma2", False)}
+#: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
+ONE_PLUS_NORMS = ("gemma2",)
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -55,14 +61,20 @@ class Arch:
         writer.add_rope_freq_base(self.rope_theta)
         writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
         writer.add_vocab_size(int(c["vocab_size"]))
-        if self.gguf_arch == "llama":
+        if self.gguf_arch in ("llama", "phi3"):  # phi3: its fused qkv and gate_up as llama.cpp's phi3 reads them
             writer.add_rope_dimension_count(self.head_dim)
+        if self.gguf_arch == "gemma2":  # soft-capping and the sliding window of its local layers
+            writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 50.0))
+            writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 30.0))
+            writer.add_sliding_window(int(c.get("sliding_window") or 4096))
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
 
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
+        if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
+            return w + 1
         if self.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             return permute_for_rope(w, self.n_head, self.n_head)
         if self.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -106,7 +118,7 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
 def arch_for(config: dict[str, Any], where: str) -> Arch:
     """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported."""
     mt = config.get("model_type")
-    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2) and Qwen3 (qwen3)"
+    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Phi-3 (phi3) and Gemma 2 (gemma2)"
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
@@ -117,6 +129,13 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     if rope_type not in ROPE_TYPES:
         raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
     gguf_arch, permute = SUPPORTED[mt]
+    if mt == "gemma2":
+        hd = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+        scalar = config.get("query_pre_attn_scalar", 256)
+        if scalar != hd and not (int(config["num_hidden_layers"]) == 46
+                                 and scalar == int(config["hidden_size"]) // int(config["num_attention_heads"])):
+            raise UserError(f"{where}: query_pre_attn_scalar {scalar} is neither the head width {hd} nor Gemma-2-27B's; "
+                            "llama.cpp's gemma2 would scale the queries otherwise, so GGUF export refuses it.")
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)

@@ -240,10 +240,54 @@ def test_refuses_run_without_adapter(tmp_path, lora_run):
 
 
 def test_refuses_unsupported_architecture(tmp_path):
-    model = tmp_path / "phi"
+    model = tmp_path / "olmo"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "phi3", "vocab_size": 10}), encoding="utf-8")
-    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'phi3'.*Llama family.*Mistral.*Qwen2")
+    (model / "config.json").write_text(json.dumps({"model_type": "olmo2", "vocab_size": 10}), encoding="utf-8")
+    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'olmo2'.*Llama family.*Mistral.*Qwen2.*Phi-3.*Gemma 2")
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gemma2"])
+def test_phi3_and_gemma2_export_as_llama_cpp_reads_them(model_type, tmp_path):
+    """Phi-3's fused qkv and gate_up; Gemma 2's 1 + weight norms, soft-capping and sliding window (a window of 8
+    under the check's longer prompt). llama.cpp itself ran these tiny shapes: docs/validation/llama_cpp_check_{phi3,gemma2}.md."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = _qwen2_tokenizer()
+    extra = {"gemma2": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32),
+             "phi3": dict(original_max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)}[model_type]
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # norms that are not all ones (Gemma's: not all zeros), so a norm written wrong shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.5, 0.3)
+    folder = _save(model, tok, tmp_path / model_type)
+    r = export_model(folder, tmp_path / "m.gguf", quant="f16")
+    assert r.architecture == model_type and r.top1_agreement == 1.0, r
+    reader, f = _fields(tmp_path / "m.gguf")
+    names = {t.name for t in reader.tensors}
+    if model_type == "phi3":
+        assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight", "output.weight"} <= names
+        assert f["phi3.rope.dimension_count"] == 16
+    else:
+        assert {"blk.0.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= names and "output.weight" not in names
+        assert f["gemma2.attention.sliding_window"] == 8 and f["gemma2.final_logit_softcapping"] == 30.0
+        w = {t.name: t for t in reader.tensors}["blk.0.attn_norm.weight"].data
+        torch.testing.assert_close(torch.as_tensor(w.copy()).float(), model.model.layers[0].input_layernorm.weight.float() + 1)
+
+
+def test_gemma2_with_another_query_scale_is_refused(tmp_path):
+    from finetuner.errors import UserError
+    from finetuner.export.gguf_arch import arch_for
+
+    cfg = {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, "num_hidden_layers": 2,
+           "query_pre_attn_scalar": 256, "vocab_size": 10, "max_position_embeddings": 64, "intermediate_size": 128}
+    with pytest.raises(UserError, match="query_pre_attn_scalar 256"):
+        arch_for(cfg, "gemma2")
 
 
 def test_cli_offers_the_quant_types_the_exporter_writes():
