@@ -413,11 +413,11 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
         extra["head_dim"] = arch.head_dim
         notes.append(f"transformers' GGUF loader reads no key length for {arch.gguf_arch}; the check gave it the model's "
                      f"head_dim {arch.head_dim}.")
-    if arch.gguf_arch == "gemma2":  # the file says the soft-capping (llama.cpp reads it); transformers' reader does not
-        for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-            if arch.config.get(key) is not None:
-                extra[key] = arch.config[key]
-        notes.append("transformers' GGUF loader reads no soft-capping or query scale for gemma2; the check gave it the "
+    told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
+            "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters")}.get(arch.gguf_arch, ())
+    if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
+        extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
+        notes.append(f"transformers' GGUF loader reads no {', '.join(told)} for {arch.gguf_arch}; the check gave it the "
                      "model's.")
     with contextlib.redirect_stderr(io.StringIO()):  # its loader draws a tqdm bar straight to stderr
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)

@@ -22,9 +22,9 @@ from finetuner.errors import UserError
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
-             "phi3": ("phi3", False), "gemma2": ("gemma2", False)}
+             "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False)}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
-ONE_PLUS_NORMS = ("gemma2",)
+ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -67,6 +67,8 @@ class Arch:
             writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 50.0))
             writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 30.0))
             writer.add_sliding_window(int(c.get("sliding_window") or 4096))
+        if self.gguf_arch == "gemma3":  # its local layers' window (llama.cpp: every sixth layer global)
+            writer.add_sliding_window(int(c.get("sliding_window") or 512))
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
@@ -129,7 +131,7 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     if rope_type not in ROPE_TYPES:
         raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
     gguf_arch, permute = SUPPORTED[mt]
-    if mt == "gemma2":
+    if mt in ("gemma2", "gemma3_text"):
         hd = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
         scalar = config.get("query_pre_attn_scalar", 256)
         if scalar != hd and not (int(config["num_hidden_layers"]) == 46

@@ -23,7 +23,7 @@ from finetuner.errors import UserError, first_line
 from finetuner.fileio import atomic_write_json, cache_root
 
 #: bump when what :func:`read_inventory` stores changes
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -86,6 +86,9 @@ class Inventory:
     layers_path: str = "model.layers"
     #: linear layers outside the decoder layers but the output layer (OPT-350m's project_in and project_out)
     root_linears: tuple[str, ...] = ()
+    #: the language model's config as transformers completed it (its defaults for what config.json leaves out:
+    #: Gemma-3-4B's published config names no head count), scalars and lists only
+    resolved: dict[str, Any] = field(default_factory=dict)
     #: peft turns LoRA targets named like transformers 4's expert linears into LoRA on the fused experts for
     #: this family (:func:`peft_renames`)
     peft_renames: bool = False
@@ -173,6 +176,15 @@ def decoder_layers(model, num_layers: int | None):
 
 def _is_norm(module) -> bool:
     return any(m in type(module).__name__.lower() for m in _NORM_MARKS)
+
+
+def _resolved(config) -> dict[str, Any]:
+    """The text config's settings transformers built the model with (JSON-able values only)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kept = {k: v for k, v in text.to_dict().items()
+            if not k.startswith("_") and k not in ("id2label", "label2id")
+            and isinstance(v, (int, float, str, bool, type(None), list, dict)) and len(json.dumps(v, default=str)) < 10_000}
+    return json.loads(json.dumps(kept, default=str))  # as the cache gives it back
 
 
 def peft_renames(model_type: str) -> bool:
@@ -322,6 +334,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         text_only_of=outer,
         layers_path=layers_path,
         peft_renames=peft_renames(str(text_cfg.get("model_type"))),
+        resolved=_resolved(model.config),
         root_linears=tuple(n for n, m in model.named_modules()
                            if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
                            and m is not model.get_output_embeddings()),

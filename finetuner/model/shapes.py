@@ -419,6 +419,7 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         inv = read_inventory(cfg)
     except UserError as e:  # transformers cannot build it: say which model's config.json
         raise UserError(f"{name} (config.json): {e.message}", hint=e.plain_hint) from None
+    text_cfg = {**text_cfg, **inv.resolved}  # transformers' defaults for what config.json leaves out
     try:
         lay = read_layout(inv, text_cfg)
     except LayoutError as e:

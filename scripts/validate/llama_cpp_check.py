@@ -78,7 +78,10 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                      rope_scaling=None, tie_word_embeddings=False),
         "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
-                       query_pre_attn_scalar=32)}
+                       query_pre_attn_scalar=32),
+        "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
+                            query_pre_attn_scalar=32)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

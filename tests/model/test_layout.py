@@ -141,3 +141,12 @@ def test_a_linear_with_a_forward_of_its_own_is_frozen_and_never_a_lora_target():
     assert "self_attn.o_a_proj" not in [t[0] for t in lora_targets(shape, "all-linear")]
     assert "self_attn.o_a_proj" not in all_linear_targets(_build(cfg))
     assert all_linear_targets(_build(tiny_config("llama", 400))) == "all-linear"  # a dense model: peft's own
+
+
+def test_a_config_that_leaves_sizes_to_transformers_defaults_is_read_with_them():
+    """google/gemma-3-4b-it's published config names no head count, key/value heads or head width (Gemma3TextConfig's
+    defaults: 8, 4, 256): the layout is read with the values transformers built the model with."""
+    cfg = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    shape = derived_shape(cfg, name="gemma-3-4b-text")
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (8, 4, 256)

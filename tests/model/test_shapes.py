@@ -38,6 +38,11 @@ KNOWN_TOTALS = {
     # an image-text-to-text checkpoint, trained on text: google/gemma-3-12b-pt (its card: 12B; the language model
     # 11.77B and the SigLIP vision tower with its projector 0.42B)
     "gemma-3-12b": 12_187_325_040,
+    "gemma-3-27b": 27_432_406_640,  # google/gemma-3-27b (its card: 27B), the -it config as published
+    "mistral-nemo-12b": 12_247_782_400,  # Mistral-Nemo-Base-2407 (its card: 12B)
+    "olmo-2-7b": 7_298_617_344,  # allenai/OLMo-2-1124-7B (its card: 7B)
+    "granite-3.3-8b": 8_170_864_640,  # ibm-granite/granite-3.3-8b (its card: 8B)
+    "ministral-8b": 8_019_808_256,  # Ministral-8B-Instruct-2410 (its card: 8.02B)
 }
 
 
