@@ -5,7 +5,8 @@ Supported: the Llama family (``model_type`` ``llama``), Mistral (written as llam
 architecture), Phi-3 (its fused qkv and gate_up as llama.cpp's ``phi3`` reads them), Gemma 2 (norms stored as
 ``1 + weight``, as llama.cpp's converter writes them; its soft-capping and sliding window; llama.cpp scales the
 queries by the head width, or by hidden / heads for the 46-layer 27B, so another ``query_pre_attn_scalar`` is
-refused). Names come from gguf's own ``TensorNameMap`` for the
+refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every sixth layer global as llama.cpp's
+``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000). Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
 key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
@@ -25,7 +26,7 @@ SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qw
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False)}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass
@@ -69,6 +70,11 @@ class Arch:
             writer.add_sliding_window(int(c.get("sliding_window") or 4096))
         if self.gguf_arch == "gemma3":  # its local layers' window (llama.cpp: every sixth layer global)
             writer.add_sliding_window(int(c.get("sliding_window") or 512))
+        if self.rope_type == "linear":  # positions divided by the factor (Gemma-3-4B and up: 8, global layers)
+            import gguf
+
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(self.rope.get("factor", 1.0)))
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
@@ -120,17 +126,29 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
 def arch_for(config: dict[str, Any], where: str) -> Arch:
     """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported."""
     mt = config.get("model_type")
-    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Phi-3 (phi3) and Gemma 2 (gemma2)"
+    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Phi-3 (phi3), Gemma 2 (gemma2) and Gemma 3 text (gemma3_text)"
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
     if config.get("mlp_bias"):
         raise UserError(f"{where}: mlp_bias=true is not part of llama.cpp's {mt} architecture; GGUF export refuses it.")
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "full_attention" in rope:  # Gemma 3: per kind of layer; llama.cpp reads the global layers' and runs the
+        local = dict(rope.get("sliding_attention") or {})  # local ones at base 10,000 unscaled
+        if float(local.get("rope_theta", 10000.0)) != 10000.0 or (local.get("rope_type") or "default") != "default":
+            raise UserError(f"{where}: its sliding-window layers' RoPE ({local}) is not llama.cpp's gemma3 (base 10000, "
+                            "unscaled); GGUF export refuses it.")
+        rope = dict(rope["full_attention"])
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
     gguf_arch, permute = SUPPORTED[mt]
+    if mt == "gemma3_text":  # llama.cpp's gemma3: every sixth layer global, the others sliding
+        types = config.get("layer_types") or []
+        want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(int(config["num_hidden_layers"]))]
+        if types and list(types) != want:
+            raise UserError(f"{where}: its layers' attention kinds are not llama.cpp's gemma3 pattern (every sixth "
+                            "layer global); GGUF export refuses it.")
     if mt in ("gemma2", "gemma3_text"):
         hd = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
         scalar = config.get("query_pre_attn_scalar", 256)

