@@ -248,9 +248,10 @@ class _Plan:
         for f in _safetensors_files(folder):
             with safe_open(str(f), framework="pt") as st:
                 for hf_name in st.keys():
-                    if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
-                        continue
-                    found = name_map.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+                    own = arch.language_name(hf_name)
+                    if own is None or own.endswith("rotary_emb.inv_freq") or (tied and own == "lm_head.weight"):
+                        continue  # (an image-text-to-text checkpoint's vision tower: not part of the language model)
+                    found = name_map.get_type_and_name(own, try_suffixes=(".weight", ".bias"))
                     if found is None or found[0] not in allowed:
                         raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
                                         "GGUF export refuses the model rather than drop it.")
@@ -506,6 +507,10 @@ def export_model(
     config, config_path = _model_config(src)
     arch = arch_for(config, config_path)
     notes: list[str] = []
+    if arch.text_of:
+        config = arch.config
+        notes.append(f"{arch.text_of} is an image-text-to-text checkpoint: its language model is written; its vision tower "
+                     "and projector are not (llama.cpp reads them from a separate mmproj file, which finetuner does not write).")
     with quieted():
         tokenizer = load_tokenizer(src)
         template = chat_template(src, tokenizer)

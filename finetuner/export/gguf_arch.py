@@ -42,6 +42,20 @@ class Arch:
     n_kv_head: int
     head_dim: int
     rope: dict[str, Any] = field(default_factory=dict)
+    #: the image-text-to-text checkpoint's model_type when only its language model is written (None: a causal LM)
+    text_of: str | None = None
+
+    def language_name(self, hf_name: str) -> str | None:
+        """The name of a checkpoint tensor as the language model's own (``model.language_model.x`` →
+        ``model.x``), or None for a vision tower's or projector's, which llama.cpp reads from an mmproj file."""
+        if self.text_of is None:
+            return hf_name
+        if hf_name.startswith(VISION_PREFIXES):
+            return None
+        for prefix, own in LANGUAGE_PREFIXES:  # transformers 5's names and the checkpoints' (transformers 4's)
+            if hf_name.startswith(prefix):
+                return own + hf_name[len(prefix):]
+        return hf_name
 
     @property
     def rope_type(self) -> str:
@@ -123,8 +137,22 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
     return out
 
 
+#: an image-text-to-text checkpoint's language model tensors, and their names in a causal LM's checkpoint
+LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."))
+#: where an image-text-to-text checkpoint keeps what is not its language model
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
 def arch_for(config: dict[str, Any], where: str) -> Arch:
-    """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported."""
+    """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported. For an
+    image-text-to-text checkpoint (Gemma 3), its language model's."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in config:
+        inner = {**text, **({"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {})}
+        arch = arch_for(inner, where)
+        arch.text_of = str(config.get("model_type"))
+        return arch
     mt = config.get("model_type")
     supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Phi-3 (phi3), Gemma 2 (gemma2) and Gemma 3 text (gemma3_text)"
     if mt not in SUPPORTED:

@@ -353,3 +353,26 @@ def test_modelfile_for_llama3_template_and_refusal_of_unknown_family():
     assert text.count('PARAMETER stop "<|eot_id|>"') == 1 and "SYSTEM" not in text
     with pytest.raises(UserError, match="not ChatML, Llama 3 or Mistral"):
         modelfile("model.gguf", FALLBACK_CHAT_TEMPLATE)
+
+
+def test_an_image_text_to_text_gemma3_exports_its_language_model(tmp_path):
+    """A Gemma 3 checkpoint with its vision tower (as google/gemma-3-4b-it and up are): the GGUF holds the
+    language model as llama.cpp's gemma3 reads it, the vision tensors are left out and the export says so."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetuner.model.tiny import tiny_config
+
+    tok = _qwen2_tokenizer()
+    cfg = tiny_config("gemma3", len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    cfg["text_config"].update(head_dim=32, query_pre_attn_scalar=32)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    folder = _save(model, tok, tmp_path / "gemma3")
+    r = export_model(folder, tmp_path / "g.gguf", quant="f16")
+    assert r.architecture == "gemma3" and r.top1_agreement >= 0.9, r
+    assert any("its vision tower and projector are not" in n for n in r.notes), r.notes
+    reader, f = _fields(tmp_path / "g.gguf")
+    assert f["general.architecture"] == "gemma3" and not any("v." in t.name[:2] or "mm" in t.name for t in reader.tensors)
+    assert {"token_embd.weight", "blk.1.ffn_down.weight"} <= {t.name for t in reader.tensors}
