@@ -742,8 +742,8 @@ class Handlers:
                          f"{r['max_abs_logit_diff']:.2g}, top-1 agreement {r['top1_agreement']:.0%} "
                          f"on {r['probe_tokens']} tokens; the tokenizer gives the same ids on {r['tokenizer_texts']} texts.")
         if r.get("modelfile"):
-            lines.append(f"Ollama Modelfile: `{paths.display(Path(r['modelfile']))}`. Create the model with:\n\n"
-                         f"```\n{r['ollama_command']}\n```")
+            lines.append(f"Ollama Modelfile: `{paths.display(Path(r['modelfile']))}`. Create the model and chat with it:\n\n"
+                         f"```\n{r['ollama_command']}\n{r.get('ollama_run') or ''}\n```")
         lines += [f"- {note}" for note in r.get("notes") or []]
         yield "\n\n".join(lines)
 

@@ -66,6 +66,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if r.modelfile is not None:
         print(f"Modelfile: {r.modelfile}")
         print(f"Create the Ollama model with: {r.ollama_command}")
+        print(f"Then chat with it: {r.ollama_run}")
     else:
         print(f"Run it with llama.cpp: llama-cli -m {r.gguf_file}")
     return 0

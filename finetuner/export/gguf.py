@@ -96,6 +96,8 @@ class ExportResult:
     peak_rss_bytes: int
     seconds: float
     ollama_command: str | None = None
+    #: then: ``ollama run NAME``
+    ollama_run: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -518,8 +520,16 @@ def export_model(
         system = system_prompt(src)
         modelfile_text = None
         if format == "ollama":
-            from finetuner.export.ollama import modelfile
+            from finetuner.export.ollama import default_system, modelfile
 
+            if not system:  # the template's own system block, which every example without one was trained with
+                alone = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], chat_template=template,
+                                                      tokenize=False, add_generation_prompt=True)
+                system = default_system(template, alone)
+                if system:
+                    notes.append(f"the chat template writes a system block of its own when there is none ({system[:60]!r}"
+                                 f"{'...' if len(system) > 60 else ''}); the Modelfile's SYSTEM says it, so Ollama prompts as "
+                                 "training did")
             modelfile_text = modelfile("model.gguf", template, system, tokenizer.eos_token)
         out.parent.mkdir(parents=True, exist_ok=True)
         merged_dir = out.parent / f".{out.name}.tmp-merged-{os.getpid()}"
@@ -575,7 +585,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                              "the original and llama.cpp do).")
             n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts, tokenizer.all_special_tokens)
             diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
-        command = None
+        command = run_command = None
         if fmt == "gguf":
             check_gguf_replaceable(out, overwrite)  # again: nothing else arrived there meanwhile
             os.replace(path, out)
@@ -588,6 +598,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             publish_replacing(tmp_dir, out, overwrite)
             gguf_file, modelfile_path = out / name, out / "Modelfile"
             command = f"ollama create {model_name(ollama_name or out.name)} -f {modelfile_path}"
+            run_command = f"ollama run {model_name(ollama_name or out.name)}"
     except BaseException as e:
         if fmt == "gguf":
             path.unlink(missing_ok=True)
@@ -604,5 +615,5 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
         base_model=src.base_model, architecture=arch.gguf_arch, tensors=len(plan.items), file_bytes=gguf_file.stat().st_size,
         max_weight_error=max_err, max_abs_logit_diff=diff, max_abs_logit=max_logit, tolerance=tol, top1_agreement=top1,
         probe_tokens=int(probe.shape[1]), tokenizer_texts=n_texts, peak_rss_bytes=peak_rss(),
-        seconds=round(time.perf_counter() - t0, 2), ollama_command=command, notes=notes,
+        seconds=round(time.perf_counter() - t0, 2), ollama_command=command, ollama_run=run_command, notes=notes,
     )

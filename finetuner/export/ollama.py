@@ -54,6 +54,23 @@ def template_family(chat_template: str) -> str:
     )
 
 
+#: family → the system block a rendering holds (its content the group)
+SYSTEM_BLOCKS = {
+    "chatml": re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL),
+    "llama3": re.compile(r"<\|start_header_id\|>system<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.DOTALL),
+}
+
+
+def default_system(chat_template: str, rendered_without_system: str) -> str | None:
+    """The system block a chat template writes by itself when the conversation has none (SmolLM2's "You are a
+    helpful AI assistant named SmolLM ...", Llama 3.1's knowledge-cutoff lines): ``rendered_without_system`` is
+    the template's rendering of one user message. Training saw that block on every example without a system
+    prompt; Ollama's template writes a system block only from SYSTEM, so the Modelfile's SYSTEM must say it."""
+    found = SYSTEM_BLOCKS.get(template_family(chat_template), None)
+    match = found.search(rendered_without_system) if found else None
+    return match.group(1) if match else None
+
+
 def _quote(text: str) -> str:
     return '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
 

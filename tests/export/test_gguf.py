@@ -167,6 +167,7 @@ def test_cli_ollama_q8_0_writes_modelfile_and_reports_top1(lora_run, tmp_path):
     assert re.search(r"top-1 agreement 100% on \d+ tokens", p.stdout), p.stdout
     assert re.search(r"max \|logit difference\| [0-9.e-]+", p.stdout)
     assert f"ollama create tern-model -f {out / 'Modelfile'}" in p.stdout
+    assert p.stdout.rstrip().endswith("Then chat with it: ollama run tern-model")
     assert sorted(x.name for x in out.iterdir()) == [".finetuner-export.json", "Modelfile", "model.gguf"]
     text = (out / "Modelfile").read_text(encoding="utf-8")
     assert "FROM ./model.gguf" in text and "{{ range .Messages }}" in text.replace("{{- ", "{{ ")
@@ -376,3 +377,49 @@ def test_an_image_text_to_text_gemma3_exports_its_language_model(tmp_path):
     reader, f = _fields(tmp_path / "g.gguf")
     assert f["general.architecture"] == "gemma3" and not any("v." in t.name[:2] or "mm" in t.name for t in reader.tensors)
     assert {"token_embd.weight", "blk.1.ffn_down.weight"} <= {t.name for t in reader.tensors}
+
+
+#: SmolLM2-135M-Instruct's published chat template: a default system block when the conversation has none
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+                    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _ollama_prompt(modelfile_text: str, messages: list[dict]) -> str:
+    """What Ollama sends the model for ``messages`` under this Modelfile: its SYSTEM as the first message when the
+    conversation has none, then the ChatML TEMPLATE's loop over the messages (the template finetuner writes, read
+    back from the file and checked to be that one)."""
+    from finetuner.export.ollama import CHATML
+
+    template = re.search(r'TEMPLATE """(.*?)"""', modelfile_text, re.DOTALL)[1]
+    assert template == CHATML
+    system = re.search(r'SYSTEM """(.*?)"""', modelfile_text, re.DOTALL)
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system[1]}] + messages
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def test_the_modelfile_prompts_as_training_did_with_the_templates_own_system_block(tiny_model_dir, tmp_path):
+    """Issue 38: SmolLM2's template writes its own system block when a conversation has none, and every example
+    without a system prompt trained with it; the Modelfile says it as SYSTEM, so Ollama's prompt has the same
+    token ids as the training template's."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "smol-like"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text(encoding="utf-8"))
+    cfg["chat_template"] = SMOLLM2_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    r = export_model(model, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
+    text = r.modelfile.read_text(encoding="utf-8")
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""' in text
+    assert any("writes a system block of its own" in n for n in r.notes) and r.ollama_run == "ollama run ollama"
+    tok = AutoTokenizer.from_pretrained(model)
+    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Answer as the ferry desk."}, {"role": "user", "content": "When?"}]):
+        trained = tok.apply_chat_template(messages, chat_template=SMOLLM2_TEMPLATE, tokenize=False, add_generation_prompt=True)
+        assert tok(_ollama_prompt(text, messages))["input_ids"] == tok(trained)["input_ids"]
