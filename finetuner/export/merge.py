@@ -245,6 +245,30 @@ def check_output_dir(out: Path, overwrite: bool, src: Source) -> None:
     check_replaceable(out, overwrite)
 
 
+#: an image-text-to-text checkpoint's processor settings, which its merge keeps beside the tokenizer
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def _copy_processor_files(base_model: str, out: Path) -> list[str]:
+    """The base model's processor files (a local folder's, or the hub cache's: nothing is downloaded) copied into
+    the merged folder, so that ``AutoProcessor`` loads it as it loads the original checkpoint."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        found = Path(base_model) / name
+        if not found.is_file() and "/" in base_model and not Path(base_model).exists():
+            try:
+                from huggingface_hub import try_to_load_from_cache
+
+                cached = try_to_load_from_cache(base_model, name)
+                found = Path(cached) if isinstance(cached, str) else found
+            except Exception:  # noqa: BLE001 - an unusual hub id or cache: the merge goes on without it
+                pass
+        if found.is_file() and not (out / name).exists():
+            shutil.copyfile(found, out / name)
+            copied.append(name)
+    return copied
+
+
 def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
     import torch
 
@@ -405,6 +429,7 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         model.config.use_cache = True
         model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _copy_processor_files(src.base_model, tmp)
         model = None  # free the merged copy before loading the written one
         gc.collect()
         diff = top1 = max_logit = tol = None

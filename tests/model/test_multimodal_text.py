@@ -1,6 +1,6 @@
 """An image-text-to-text checkpoint fine-tuned on text (Gemma 3): the language model gets LoRA, the vision tower and
 projector are loaded as they are and stay frozen and counted, the adapter loads onto the original checkpoint
-with peft, and the merged checkpoint is the same image-text-to-text model."""
+with peft, and the merged checkpoint is the same image-text-to-text model, with its processor settings."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
     folder = tmp_path / "gemma3"
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    from transformers import Gemma3ImageProcessor
+
+    Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)  # its processor settings
 
     data = tmp_path / "a.json"
     data.write_text(json.dumps(alpaca_rows(8)), encoding="utf-8")
@@ -61,6 +64,9 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
     finetuner.merge_adapter(result.run_dir, merged)
     again = AutoModelForCausalLM.from_pretrained(merged)
     assert type(again).__name__ == "Gemma3ForConditionalGeneration"
+    from transformers import AutoImageProcessor
+
+    assert AutoImageProcessor.from_pretrained(merged).size == {"height": 32, "width": 32}  # loads as the original does
     for n, p in again.named_parameters():  # the vision tower as it was
         if n in vision:
             torch.testing.assert_close(p, vision[n], rtol=0, atol=0)
