@@ -8,6 +8,10 @@ Falcon's ``self_attention.query_key_value``, OPT's ``fc1``/``fc2``, BERT's ``att
 module finds each linear layer's role in an :class:`~finetuner.model.inventory.Inventory`: which block by its
 path (an attention block's path has ``att`` in it), which role inside the block by its widths and, where
 the widths cannot tell (q, k, v and o of equal width), by the names families use (:data:`ATTENTION_NAMES`).
+Linears the memory model's terms do not name are kept with a role of their own: an attention block's extras (an
+output gate, latent attention's low-rank projections, an indexer's projections: role = their path), routers,
+and ``frozen`` ones (a Linear subclass with a forward and settings of its own). Which linears LoRA's
+``all-linear`` trains is decided here too (:func:`all_linear_paths`), for the memory model and the trainer alike.
 A layer whose linears do not all find a role is refused in one line that names them.
 
 No torch here: the inventory is read (and cached) by :mod:`finetuner.model.inventory`.
@@ -64,6 +68,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ExpertsLayout:
+    """The routed experts as read from the fused expert tensors (see :class:`finetuner.model.shapes.Experts`)."""
+
     count: int
     top_k: int
     intermediate: int
