@@ -21,17 +21,27 @@ def _build(cfg: dict):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
 
 
-@pytest.mark.parametrize("model_type", RENAMED)
-def test_a_family_with_its_own_names_is_counted_as_peft_and_transformers_build_it(model_type):
+def _counted(model_type: str):
+    """A tiny ``model_type``'s shape read from the model and the model itself, counted equal to the last parameter."""
+    cfg = tiny_config(model_type, 400)
+    shape, model = derived_shape(cfg, name=model_type), _build(cfg)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    return shape, model
+
+
+def _lora_counted_as_peft_builds_it(shape, model, targets) -> None:
     from peft import LoraConfig, get_peft_model
 
-    cfg = tiny_config(model_type, 400)
-    shape = derived_shape(cfg, name=model_type)
-    model = _build(cfg)
-    assert shape.num_params == sum(p.numel() for p in model.parameters())
-    assert {role for role, _ in shape.roles} >= {"o_proj", "down_proj"}  # every linear found its role
-    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    assert not lora.peft_config["default"].target_parameters  # peft added no LoRA on fused experts
     assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+
+
+@pytest.mark.parametrize("model_type", RENAMED)
+def test_a_family_with_its_own_names_is_counted_as_peft_and_transformers_build_it(model_type):
+    shape, model = _counted(model_type)
+    assert {role for role, _ in shape.roles} >= {"o_proj", "down_proj"}  # every linear found its role
+    _lora_counted_as_peft_builds_it(shape, model, "all-linear")
 
 
 def test_the_roles_of_gpt2s_conv1d_layers():
@@ -44,14 +54,9 @@ def test_the_roles_of_gpt2s_conv1d_layers():
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner_targets(model_type):
-    from peft import LoraConfig, get_peft_model
-
     from finetuner.model.loading import all_linear_targets
 
-    cfg = tiny_config(model_type, 400)
-    shape = derived_shape(cfg, name=model_type)
-    model = _build(cfg)
-    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    shape, model = _counted(model_type)
     experts = {n: p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
     e = shape.experts
     assert e.numel == sum(p.numel() for p in experts.values()) and e.count == next(iter(experts.values())).shape[0]
@@ -59,9 +64,7 @@ def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner
     assert shape.active_weight_numel == shape.linear_weight_numel + e.numel * e.top_k // e.count
     targets = all_linear_targets(model)
     assert targets and all("attn" in t for t in targets)  # attention only: no router, expert or shared expert
-    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    assert not lora.peft_config["default"].target_parameters  # peft added no LoRA on the fused experts
-    assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+    _lora_counted_as_peft_builds_it(shape, model, targets)
 
 
 def test_dense_first_layers_and_shared_experts_are_counted_where_they_are():
@@ -112,22 +115,16 @@ def test_training_adds_the_load_balancing_loss_as_transformers_does_and_evaluati
 def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type):
     """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections (GLM-4.7
     Lite), layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
-    from peft import LoraConfig, get_peft_model
-
     from finetuner.memory.model import Settings, layer_activation_terms
     from finetuner.model.loading import all_linear_targets
 
-    cfg = tiny_config(model_type, 400)
-    shape = derived_shape(cfg, name=model_type)
-    model = _build(cfg)
-    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    shape, model = _counted(model_type)
     if model_type != "mimo_v2_flash":
         assert shape.attention_extras
         terms = dict(layer_activation_terms(shape, Settings()))
         for path, _, out in shape.attention_extras:
             assert terms[f"{path}: output (and what reads it)"] == 2 * 2 * out
-    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(model)))
-    assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+    _lora_counted_as_peft_builds_it(shape, model, all_linear_targets(model))
 
 
 def test_a_linear_with_a_forward_of_its_own_is_frozen_and_never_a_lora_target():
