@@ -180,6 +180,8 @@ class ProgressPrinter:
         ):
             t.add_row(k, v)
         c.print(t)
+        if m.get("held_out_note"):  # the held-out loss rose from its best: which adapter the run kept
+            c.print(f"[yellow]Note:[/] {m['held_out_note']}", highlight=False)
         for s in m.get("samples", []):
             st = Table(title=f"Prompt: {s['prompt']}", show_lines=True)
             st.add_column("base model")

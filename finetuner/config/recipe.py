@@ -299,6 +299,18 @@ class TrainingSection(_Section):
     )
     seed: int = Field(42, ge=0, le=MAX_SEED, description="Seeds the data order, the LoRA initialisation and dropout.")
     eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
+    keep_best: bool = Field(
+        True,
+        description=(
+            "SFT with LoRA or QLoRA on one process or DDP: the run's adapter is the one of the evaluation with the "
+            "lowest held-out loss; when the last is not it, the last is kept beside it as adapter-last/ (a resumed run: "
+            "the lowest since it resumed)."
+        ),
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0,
+        description="Stop after this many evaluations in a row without a lower held-out loss (needs eval_every and held-out data).",
+    )
 
     @property
     def effective_batch_size(self) -> int:

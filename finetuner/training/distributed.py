@@ -323,10 +323,10 @@ class DistributedTrainer(Trainer):
         self.strategy.load_shards(ckpt, parts)
         return super()._apply_checkpoint(ckpt, parts)
 
-    def save_final(self, weights: dict[str, Any] | None = None) -> Path:
+    def save_final(self, weights: dict[str, Any] | None = None, name: str = "adapter") -> Path:
         """Rank 0 saves the weights the strategy gathered (``weights`` is for one process only)."""
         with self.strategy.gathered() as gathered:
-            final = super().save_final(gathered) if self.ctx.is_main else self.run_dir / "adapter"
+            final = super().save_final(gathered, name) if self.ctx.is_main else self.run_dir / name
         _barrier()
         return final
 

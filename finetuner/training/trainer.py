@@ -616,6 +616,29 @@ class Trainer:
         loss, self.eval_extra = self.objective.evaluate(self)
         return loss
 
+    def _keeps_best(self) -> bool:
+        """``training.keep_best`` applies: SFT's held-out loss, an adapter (a snapshot of it is small), and each
+        process holding whole adapters (one process or DDP; sharded strategies hold pieces)."""
+        r = self.recipe
+        return (r.training.keep_best and not self._full and r.objective == "sft"
+                and (self.world_size == 1 or r.distributed.strategy == "ddp"))
+
+    def _track_best(self, val: float | None) -> None:
+        """After an evaluation: the lowest held-out loss so far, its step and (``keep_best``) a CPU copy of the
+        adapter then; the evaluations since it (``early_stopping_patience``)."""
+        if val is None:
+            return
+        if self.best is None or val < self.best[0]:
+            self.best, self.evals_since_best = (val, self.step), 0
+            if self._keeps_best():
+                self.best_weights = [p.detach().to("cpu", copy=True) for p in self.trainable_params()]
+        else:
+            self.evals_since_best += 1
+
+    def _restore_best(self) -> None:
+        for p, w in zip(self.trainable_params(), self.best_weights):
+            p.data.copy_(w.to(p.device, p.dtype))
+
     def _eval_and_log(self) -> float | None:
         began = time.perf_counter()
         try:
@@ -750,7 +773,8 @@ class Trainer:
         self.step_seconds, self.tokens_here = 0.0, 0
         last_saved = self.step
         eval_loss = None
-        stopped = False
+        stopped = early = False
+        self.best, self.best_weights, self.evals_since_best = None, None, 0
         profiling = self._start_memory_profile()
         while self.step < self.max_steps:
             if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
@@ -830,6 +854,10 @@ class Trainer:
                     if self.step > last_saved:
                         self.save_checkpoint(elapsed)
                     raise
+                self._track_best(eval_loss)
+                if t.early_stopping_patience and self.evals_since_best >= t.early_stopping_patience:
+                    early = True  # the final save and evaluation below run as at the last step
+                    break
             self.faults.after_step(self.step, self.rank, stopping=self.stop_event.is_set)
         if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
             self._dump_memory_profile()
@@ -844,16 +872,22 @@ class Trainer:
             eval_loss = self._eval_and_log()
         except RewardStopped:  # stopped during the final evaluation: every step is trained and saved
             return self._stopped()
+        self._track_best(eval_loss)
         self._check_finite_weights()
         began = time.perf_counter()
+        best = self._best_summary(eval_loss, early)
+        if best.get("adapter_step") not in (None, self.step):  # the held-out loss rose after its best
+            self.save_final(name="adapter-last")
+            self._restore_best()
         adapter_dir = self.save_final()
         self.save_seconds += time.perf_counter() - began
         metrics = {
             "steps": self.step,
             "train_loss_first": self.losses[0] if self.losses else None,
             "train_loss_last": self.losses[-1] if self.losses else None,
-            "eval_loss": eval_loss,
-            "eval_ppl": math.exp(min(eval_loss, 50)) if eval_loss is not None else None,
+            "eval_loss": best.get("eval_loss", eval_loss),
+            "eval_ppl": math.exp(min(best.get("eval_loss", eval_loss), 50)) if eval_loss is not None else None,
+            **{k: v for k, v in best.items() if k != "eval_loss"},
             "tokens_seen": self.tokens_seen,
             "train_seconds": round(elapsed, 2),
             "tokens_per_s": round(self.tokens_here / max(self.step_seconds, 1e-9), 2),  # the steps' own time
@@ -873,6 +907,27 @@ class Trainer:
                          predicted_wait_s=metrics["time"]["predicted"], measured_wait_s=metrics["time"]["measured"])
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
+    def _best_summary(self, last: float | None, early: bool) -> dict[str, Any]:
+        """The metrics of the best evaluation: ``best_eval_loss``/``best_step``; with ``keep_best`` the
+        adapter's step and loss (``adapter_step``, ``eval_loss``: the best's when the last is not) and the last
+        evaluation's (``eval_loss_last``); ``stopped_early``; ``held_out_note``: one line when the held-out loss
+        rose from its best."""
+        out: dict[str, Any] = {"stopped_early": early} if self.recipe.training.early_stopping_patience else {}
+        if self.best is None or last is None:
+            return out
+        loss, step = self.best
+        out.update(best_eval_loss=loss, best_step=step)
+        if step == self.step:
+            return out
+        if self._keeps_best() and self.best_weights is not None:
+            out.update(eval_loss=loss, eval_loss_last=last, adapter_step=step,
+                       held_out_note=f"held-out loss rose from {loss:.4f} at step {step} to {last:.4f} at step {self.step}: "
+                                     f"the adapter is step {step}'s (the last is adapter-last/)")
+        else:
+            out["held_out_note"] = (f"held-out loss rose from {loss:.4f} at step {step} to {last:.4f} at step {self.step}; "
+                                    "the adapter is the last step's")
+        return out
+
     def measured_wait(self, samples_s: float = 0.0) -> dict[str, float]:
         """This process's wall time by part, as :mod:`finetuner.planning.wait` predicts it: ``load`` from
         :attr:`entered_at` (the run's start) to the first step (the download, the libraries, the model, the
@@ -885,15 +940,15 @@ class Trainer:
                 "evaluations": round(self.eval_seconds, 3), "checkpoints": round(self.save_seconds, 3),
                 "samples": round(samples_s, 3), "total": round(now - self.entered_at, 3)}
 
-    def save_final(self, weights: dict[str, Any] | None = None) -> Path:
-        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder, atomically;
+    def save_final(self, weights: dict[str, Any] | None = None, name: str = "adapter") -> Path:
+        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder ``name`` in the run, atomically;
         ``weights``: the trained weights to save when the model's own are sharded (a state dict)."""
         import shutil
 
         from finetuner.fileio import publish_dir
 
-        final = self.run_dir / "adapter"
-        tmp = self.run_dir / ".tmp-adapter"
+        final = self.run_dir / name
+        tmp = self.run_dir / f".tmp-{name}"
         if tmp.exists():
             shutil.rmtree(tmp)
         try:
@@ -905,7 +960,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space of the half-written adapter back
             raise
         if final.exists():
-            old = self.run_dir / ".old-adapter"
+            old = self.run_dir / f".old-{name}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             publish_dir(tmp, final)
