@@ -474,6 +474,8 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.step = ev.get("step", st.step)
             st.metrics = ev.get("metrics") or {}
             st.adapter_dir = ev.get("adapter_dir")
+            if st.metrics.get("held_out_note"):  # which adapter the run kept (the UI's Train tab shows the notes)
+                st.notes.append(st.metrics["held_out_note"])
             mem = st.metrics.get("memory") or {}
             st.measured_peak_bytes = mem.get("measured_peak_bytes", st.measured_peak_bytes)
             st.predicted_bytes = mem.get("predicted_peak_bytes", st.predicted_bytes)

@@ -112,6 +112,7 @@ class Run:
             "measured": mem.get("measured"),
             "eval_base_loss": (ev.get("base") or {}).get("loss"),
             "eval_fine_tuned_loss": (ev.get("fine_tuned") or {}).get("loss"),
+            "held_out_note": m.get("held_out_note"),
             "adapter": str(self.adapter_dir) if self.adapter_dir.is_dir() else None,
         }
 
@@ -125,6 +126,8 @@ class Run:
             ("train loss", f"{_num(s['train_loss_first'])} → {_num(s['train_loss_last'])}"),
             ("eval loss", f"{_num(s['eval_loss'])} (ppl {_num(s['eval_ppl'], '.2f')})" if s["eval_loss"] is not None else "–"),
         ]
+        if s["held_out_note"]:  # the held-out loss rose from its best: which adapter the run kept
+            rows.append(("held-out", s["held_out_note"]))
         if s["eval_base_loss"] is not None:
             rows.append(("held-out loss", f"base {_num(s['eval_base_loss'])} → fine-tuned {_num(s['eval_fine_tuned_loss'])}"))
         if s["measured_peak_bytes"] is not None:

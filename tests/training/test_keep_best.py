@@ -69,3 +69,13 @@ def test_early_stopping_stops_after_the_evaluations_without_a_lower_held_out_los
     # best at step 2, no lower loss at steps 4 and 6: stopped there, evaluated again at the end
     assert m["stopped_early"] is True and m["steps"] == m["best_step"] + 2 * 2 < 12
     assert m["adapter_step"] == m["best_step"] and len(losses) == 3 + 1
+
+
+def test_the_python_api_and_the_uis_job_state_say_which_adapter_the_run_kept(tiny_model_dir, tmp_path):
+    import finetuner
+    from finetuner.runs.jobs import run_status
+
+    result = finetuner.train(_recipe(tiny_model_dir, tmp_path))
+    note = result.metrics["held_out_note"]
+    assert ("held-out", note) in finetuner.Run(result.run_dir)._rows()
+    assert note in run_status(result.run_dir, runs_dir=tmp_path).notes
