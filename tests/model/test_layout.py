@@ -113,8 +113,8 @@ def test_training_adds_the_load_balancing_loss_as_transformers_does_and_evaluati
 @pytest.mark.parametrize("model_type", ["beam", "doge", "minimax", "mimo_v2_flash", "glm4_moe_lite", "afmoe", "deepseek_v3",
                                         "deepseek_v4"])
 def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type):
-    """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections (GLM-4.7
-    Lite), layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
+    """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections
+    (glm4_moe_lite, DeepSeek-V3), DeepSeek-V4's grouped output, layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
     from finetuner.memory.model import Settings, layer_activation_terms
     from finetuner.model.loading import all_linear_targets
 
