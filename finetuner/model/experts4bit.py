@@ -77,6 +77,8 @@ def quantize_experts(model, quant_type: str = "nf4", double_quant: bool = True, 
             store[wname] = (packed, states)
             del param
         setattr(mod, _STORE, store)
+        if device is not None:  # what stays a parameter (gpt-oss's expert biases) goes where the experts went
+            mod.to(device)
         mod.forward = types.MethodType(_forward_4bit, mod)
         done += 1
     return done
