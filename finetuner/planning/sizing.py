@@ -271,7 +271,8 @@ def size_run(
         notes.append(
             f"{train_rows} training examples is a small data set: {expect}a few hundred to a few thousand examples "
             "fine-tune better. Watch the eval loss: "
-            "when it rises while the train loss falls, the model is memorising (lower training.epochs)"
+            "when it rises while the train loss falls, the model is memorising (lower training.epochs); the run keeps the "
+            "adapter of its lowest eval loss (training.keep_best) and training.early_stopping_patience ends it sooner"
         )
     every = max(10, min(500, _round_up(max(1, total // 5), 10)))
     return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes)
