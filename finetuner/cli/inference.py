@@ -70,6 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
                         "--column prompt=question (repeatable; as data.columns in a recipe).")
     e.add_argument("--exact-match", type=int, default=0, metavar="N", help="Also answer N examples greedily and count exact matches.")
+    e.add_argument("--general", nargs="?", const="", default=None, metavar="FILE",
+                   help="What the fine-tune kept: the base and the fine-tune answer the general probe set (the shipped "
+                        "data/general_probe.jsonl, or FILE), scored without a judge; prints 'kept N of M'.")
+    e.add_argument("--limit", type=int, default=None, metavar="N", help="With --general: the first N probes only.")
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda.")
@@ -255,10 +259,37 @@ def _line_editing():
 
 
 # ---------------------------------------------------------------------- eval
+def _cmd_general(args: argparse.Namespace) -> int:
+    """``eval RUN --general``: the probe set answered by the base and the fine-tune (finetuner.infer.probe)."""
+    from finetuner.infer.evaluate import record_in_metrics
+    from finetuner.infer.loading import resolve_source
+    from finetuner.infer.probe import probe_run
+
+    _err(f"Answering the general probe set with {args.source}'s base model and its fine-tune ...")
+    r = probe_run(args.source, probes=args.general or None, limit=args.limit, device=args.device, base_model=args.base,
+                  **code_optins(args))
+    run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
+    if not args.no_write and run_dir is not None:
+        record_in_metrics(run_dir, r, key="general_probe")
+    if args.json:
+        print(json.dumps(r.to_dict(), default=str))
+        return 0
+    print(r.describe())
+    for kind, k in r.by_kind.items():
+        print(f"  {kind:<12} base {k['base_right']:>3} / {k['questions']:<3}  fine-tuned {k['fine_tuned_right']:>3} / {k['questions']}")
+    for a in [a for a in r.answers if a["id"] in r.lost][:3]:
+        print(f"\n{a['question']}\nbase:       {a['base'].strip()}\nfine-tuned: {a['fine_tuned'].strip()}")
+    if not args.no_write and run_dir is not None:
+        print(f"\nwritten to {run_dir / 'metrics.json'} (key 'general_probe')")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from finetuner.cli.plan import parse_columns
     from finetuner.infer.evaluate import evaluate_run
 
+    if args.general is not None:
+        return _cmd_general(args)
     columns = parse_columns(args.columns, args.data)
     _err(f"Evaluating {args.source} ...")
     r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,

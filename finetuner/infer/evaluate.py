@@ -283,8 +283,9 @@ def evaluate_run(
     return result
 
 
-def record_in_metrics(run_dir: Path, result: EvalResult | PreferenceEvalResult | RewardEvalResult) -> None:
-    """Add the result under ``evaluation`` in ``metrics.json`` (atomic; other keys are kept)."""
+def record_in_metrics(run_dir: Path, result, key: str = "evaluation") -> None:
+    """Add the result (an :class:`EvalResult` and the like, or a probe's) under ``key`` in ``metrics.json``
+    (atomic; other keys are kept)."""
     import json
 
     from finetuner.fileio import atomic_write_json
@@ -296,6 +297,7 @@ def record_in_metrics(run_dir: Path, result: EvalResult | PreferenceEvalResult |
         raise UserError(f"{path}: cannot read it to add the evaluation ({e}); nothing was written.") from None
     entry = result.to_dict()
     entry.pop("samples", None)
+    entry.pop("answers", None)
     entry["time"] = round(time.time(), 3)
-    metrics["evaluation"] = entry
+    metrics[key] = entry
     atomic_write_json(path, metrics)

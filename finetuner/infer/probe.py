@@ -1,0 +1,129 @@
+"""What a fine-tune kept: the general probe set answered by the base model and by the fine-tune, scored without a
+judge model.
+
+The probe set (``data/general_probe.jsonl``, written for this project by ``scripts/dev/make_general_probe.py``)
+holds short questions with checkable answers: facts, arithmetic, instructions. An answer is right when it holds
+one of the accepted strings as a whole word (``contains``; case-insensitive unless the row says ``case``) or when
+its first number is the accepted one (``numeric``). Both models answer greedily, one chat turn each, with the
+run's chat template. "Kept N of M": of the M questions the base answers right, the fine-tune still answers N.
+``finetuner eval RUN --general`` runs it (``--general FILE`` for another set in the same format).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetuner.errors import UserError
+
+#: the probe set shipped with the project
+PROBE_FILE = Path(__file__).resolve().parents[2] / "data" / "general_probe.jsonl"
+#: tokens an answer may take (the set's answers are a word or a number; a sentence around them fits)
+MAX_NEW_TOKENS = 24
+MATCHES = ("contains", "numeric")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Probe:
+    id: str
+    kind: str
+    question: str
+    answers: tuple[str, ...]
+    match: str = "contains"
+    case: bool = False
+
+
+def load_probes(path: str | Path | None = None) -> list[Probe]:
+    """The probes of a JSONL file (default :data:`PROBE_FILE`); a bad row is a UserError naming the file and row."""
+    path = Path(path).expanduser() if path else PROBE_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such probe file.", hint="Give a JSONL file of probes, or leave --general empty for the "
+                                                             "shipped set.")
+    probes = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            answers = tuple(str(a) for a in row["answers"])
+            probe = Probe(str(row["id"]), str(row.get("kind", "")), str(row["question"]), answers,
+                          str(row.get("match", "contains")), bool(row.get("case", False)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}, row {n}: not a probe ({type(e).__name__}: {e}).",
+                            hint='A probe is {"id": ..., "question": ..., "answers": [...], "match": "contains" or '
+                                 '"numeric"}.') from None
+        if probe.match not in MATCHES or not answers:
+            raise UserError(f"{path}, row {n}: match must be one of {', '.join(MATCHES)} and answers must not be empty.")
+        probes.append(probe)
+    if not probes:
+        raise UserError(f"{path}: holds no probes.")
+    return probes
+
+
+def is_right(answer: str, probe: Probe) -> bool:
+    """Whether ``answer`` answers ``probe`` (see the module docstring)."""
+    if probe.match == "numeric":
+        found = _NUMBER.search(answer.replace(",", ""))
+        return found is not None and any(float(found.group()) == float(a) for a in probe.answers)
+    flags = 0 if probe.case else re.IGNORECASE
+    return any(re.search(rf"(?<![\w]){re.escape(a)}(?![\w])", answer, flags) for a in probe.answers)
+
+
+@dataclass
+class ProbeResult:
+    """The probe set answered by the base and the fine-tune."""
+
+    source: str
+    probes: str
+    questions: int
+    base_right: int
+    fine_tuned_right: int
+    kept: int  # of the base's right answers, the fine-tune's still right
+    lost: list[str] = field(default_factory=list)  # ids the base answered and the fine-tune no longer does
+    gained: list[str] = field(default_factory=list)
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        return (f"general probe ({self.questions} questions, {Path(self.probes).name}): the base answers "
+                f"{self.base_right}, the fine-tune {self.fine_tuned_right}; kept {self.kept} of the base's {self.base_right}"
+                + (f" (lost: {', '.join(self.lost[:6])}{' ...' if len(self.lost) > 6 else ''})" if self.lost else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_run(run: str | Path, probes: str | Path | None = None, limit: int | None = None, device: str = "auto",
+              base_model: str | None = None, trust_remote_code: bool = False, allow_pickle: bool = False) -> ProbeResult:
+    """Answer the probe set with the run's base model and its fine-tune (the adapter attached and detached in one
+    loaded model) and count what the fine-tune kept (``limit``: the first N probes)."""
+    from finetuner.infer.chat import load_chat_model
+
+    began = time.perf_counter()
+    items = load_probes(probes)[: limit or None]
+    chat = load_chat_model(run, device=device, base_model=base_model, trust_remote_code=trust_remote_code,
+                           allow_pickle=allow_pickle)
+    answers, by_kind = [], {}
+    for p in items:
+        messages = [{"role": "user", "content": p.question}]
+        base = chat.reply(messages, adapter=False, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+        tuned = chat.reply(messages, adapter=True, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+        answers.append({"id": p.id, "question": p.question, "base": base, "fine_tuned": tuned,
+                        "base_right": is_right(base, p), "fine_tuned_right": is_right(tuned, p)})
+        k = by_kind.setdefault(p.kind or "other", {"questions": 0, "base_right": 0, "fine_tuned_right": 0})
+        k["questions"] += 1
+        k["base_right"] += answers[-1]["base_right"]
+        k["fine_tuned_right"] += answers[-1]["fine_tuned_right"]
+    return ProbeResult(
+        source=str(run), probes=str(probes or PROBE_FILE), questions=len(items),
+        base_right=sum(a["base_right"] for a in answers), fine_tuned_right=sum(a["fine_tuned_right"] for a in answers),
+        kept=sum(a["base_right"] and a["fine_tuned_right"] for a in answers),
+        lost=[a["id"] for a in answers if a["base_right"] and not a["fine_tuned_right"]],
+        gained=[a["id"] for a in answers if a["fine_tuned_right"] and not a["base_right"]],
+        by_kind=by_kind, answers=answers, seconds=round(time.perf_counter() - began, 2))
