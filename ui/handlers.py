@@ -715,7 +715,8 @@ class Handlers:
         files = result.files
         yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
                f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
-               f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`.")
+               f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`."
+               + "".join(f"\n\n- {note}" for note in getattr(result, "notes", None) or []))  # what it forgot, too
 
     @shows_errors(0, 1)
     def on_gguf(self, run: str, fmt: str, quant: str, out: str, overwrite: bool, allow_code: bool = False):

@@ -508,7 +508,9 @@ def export_model(
         check_output_dir(out, overwrite, src)
     config, config_path = _model_config(src)
     arch = arch_for(config, config_path)
-    notes: list[str] = []
+    from finetuner.infer.probe import kept_note
+
+    notes: list[str] = [n for n in [kept_note(src.run_dir if src.has_adapter else None)] if n]  # before shipping
     if arch.text_of:
         config = arch.config
         notes.append(f"{arch.text_of} is an image-text-to-text checkpoint: its language model is written; its vision tower "

@@ -365,6 +365,9 @@ def merge_adapter(
         if src.recipe is not None and src.recipe.quantization is not None:
             notes.append(f"The run trained on a {src.recipe.quantization.bits}-bit base; the adapter is merged into the "
                          f"unquantized base in {dtype} (merging into quantized weights would re-quantize them).")
+        from finetuner.infer.probe import kept_note
+
+        notes += [n for n in [kept_note(src.run_dir if src.has_adapter else None)] if n]  # what it forgot, before shipping
         return _merge_and_write(src, out, dtype, max_shard, verify, overwrite, notes, t0)
 
 

@@ -28,6 +28,31 @@ MATCHES = ("contains", "numeric")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+#: a fine-tune that keeps less than this share of the base's right answers is warned about before it is shipped
+KEEP_WARNING = 0.8
+
+
+def kept_note(run_dir: Path | None) -> str | None:
+    """What a merge or an export says about the run's forgetting: the probe's result stored in its
+    ``metrics.json`` (``eval --general``), with a warning below :data:`KEEP_WARNING`, or how to measure it. No
+    block: the user decides. None for a folder that is not a run."""
+    if run_dir is None:
+        return None
+    try:
+        probe = json.loads((Path(run_dir) / "metrics.json").read_text(encoding="utf-8")).get("general_probe")
+    except (OSError, ValueError, AttributeError):
+        probe = None
+    if not probe or not probe.get("base_right"):
+        return f"what the fine-tune forgot is not measured: `finetuner eval {run_dir} --general` says it"
+    share = probe["kept"] / probe["base_right"]
+    text = f"general probe: the fine-tune kept {probe['kept']} of the base's {probe['base_right']} right answers ({share:.0%})"
+    if share < KEEP_WARNING:
+        return (f"warning: {text}, under {KEEP_WARNING:.0%}: it forgot general answers the base knew (lost: "
+                f"{', '.join(probe.get('lost', [])[:5])}); ship it if that is what you want, or train with fewer epochs "
+                "or general chats mixed in")
+    return text
+
+
 @dataclass(frozen=True)
 class Probe:
     id: str

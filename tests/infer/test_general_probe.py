@@ -73,3 +73,25 @@ def test_eval_general_on_the_demo_says_what_the_fine_tune_kept(demo_run, tmp_pat
     r = json.loads(again.stdout)
     assert r["kept"] == stored["kept"] and len(r["answers"]) == 12  # greedy: the same answers again
     assert r["lost"] == [a["id"] for a in r["answers"] if a["base_right"] and not a["fine_tuned_right"]]
+
+
+def test_merge_and_export_say_what_the_run_forgot_before_it_ships(demo_run, tmp_path):
+    """Part 5: no block, a line: the stored probe result (a warning under 80 % kept), or how to measure it."""
+    import shutil
+
+    import finetuner
+    from finetuner.infer.probe import kept_note
+
+    run = tmp_path / "demo_cpu"
+    shutil.copytree(demo_run, run)
+    assert kept_note(run) == f"what the fine-tune forgot is not measured: `finetuner eval {run} --general` says it"
+    metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8"))
+    metrics["general_probe"] = {"base_right": 10, "kept": 7, "lost": ["fact-001", "fact-013", "arithmetic-004"]}
+    (run / "metrics.json").write_text(json.dumps(metrics), encoding="utf-8")
+    r = finetuner.merge_adapter(run, tmp_path / "merged", verify=False)
+    assert ("warning: general probe: the fine-tune kept 7 of the base's 10 right answers (70%), under 80%: it forgot "
+            "general answers the base knew (lost: fact-001, fact-013, arithmetic-004)") in r.notes[-1]
+    out = cli_in_process("export", str(run), "--format", "gguf", "--quant", "f16", "-o", str(tmp_path / "m.gguf"),
+                         "--no-verify", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "note        warning: general probe: the fine-tune kept 7 of the base's 10" in out.stdout
