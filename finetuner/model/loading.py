@@ -256,7 +256,8 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
     if quant is not None:
-        _refuse_prequantized(m.name, m.revision)
+        stored = _stored_config(m.name, m.revision)  # read once for the two checks below
+        _refuse_prequantized(stored, m.name)
         kwargs["quantization_config"] = quant
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
         # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
@@ -265,7 +266,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
         if rt.is_cuda and recipe.quantization.bits == 4 and "" in kwargs["device_map"] and not gguf_base.is_gguf_name(m.name):
             # a mixture of experts' 16-bit experts would fill the GPU before they are quantized: they load into
             # CPU memory and are quantized onto the GPU one expert at a time (finetuner.model.experts4bit)
-            experts_cpu = experts_in_cpu_memory(m.name, m.revision)
+            experts_cpu = experts_in_cpu_memory(stored) if stored else {}
             if experts_cpu:
                 kwargs["device_map"] = {**kwargs["device_map"], **experts_cpu}
                 quant.llm_int8_enable_fp32_cpu_offload = True
@@ -355,18 +356,23 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
 
-def _refuse_prequantized(name: str, revision: str | None) -> None:
-    """A checkpoint stored quantized by another method (gpt-oss's MXFP4) cannot be loaded into bitsandbytes'
-    4-bit: say so before any weight is read."""
+def _stored_config(name: str, revision: str | None) -> dict[str, Any] | None:
+    """The ``config.json`` of the checkpoint to load (a preset's, a folder's, the hub's); None for a GGUF base or
+    a config that cannot be read here (``from_pretrained`` then says what is wrong with it)."""
     from finetuner.model.shapes import load_config
 
     if gguf_base.is_gguf_name(name):
-        return
+        return None
     try:
-        cfg, _ = load_config(name, revision)
+        return load_config(name, revision)[0]
     except UserError:
-        return  # from_pretrained says what is wrong with it
-    method = (cfg.get("quantization_config") or {}).get("quant_method")
+        return None
+
+
+def _refuse_prequantized(cfg: dict[str, Any] | None, name: str) -> None:
+    """A checkpoint stored quantized by another method (gpt-oss's MXFP4) cannot be loaded into bitsandbytes'
+    4-bit: say so before any weight is read."""
+    method = ((cfg or {}).get("quantization_config") or {}).get("quant_method")
     if method and method != "bitsandbytes":
         raise UserError(
             f"model.name: '{name}' is stored quantized ({method}); QLoRA quantizes a 16-bit checkpoint with "
@@ -375,14 +381,12 @@ def _refuse_prequantized(name: str, revision: str | None) -> None:
                  "Mxfp4Config(dequantize=True) and save_pretrained).")
 
 
-def experts_in_cpu_memory(name: str, revision: str | None = None) -> dict[str, str]:
-    """``{experts module path: "cpu"}`` for a mixture of experts (its config read, the model built on meta,
-    :mod:`finetuner.model.inventory`); empty for a dense model or one whose config cannot be read here."""
+def experts_in_cpu_memory(cfg: dict[str, Any]) -> dict[str, str]:
+    """``{experts module path: "cpu"}`` for a mixture of experts (``cfg``: its ``config.json``; the model built
+    on meta, :mod:`finetuner.model.inventory`); empty for a dense model or an image-text-to-text one."""
     from finetuner.model.inventory import language_config, read_inventory
-    from finetuner.model.shapes import load_config
 
     try:
-        cfg, _ = load_config(name, revision)
         if language_config(cfg)[1]:
             return {}
         inv = read_inventory(cfg)

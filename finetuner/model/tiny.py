@@ -66,9 +66,7 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], wid
             out[key] = value[:layers]
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = _shrink(out["text_config"], vocab_size, {}, widths)
-    if isinstance(out.get("vision_config"), dict):  # its own widths, no vocabulary
-        vision = _shrink(out["vision_config"], vocab_size, {}, widths)
-        vision.pop("vocab_size", None) if "vocab_size" not in out["vision_config"] else None
-        out["vision_config"] = vision
+    if isinstance(out.get("vision_config"), dict):  # its own widths (a vocabulary only if it has one)
+        out["vision_config"] = _shrink(out["vision_config"], vocab_size, {}, widths)
     out.update(overrides)
     return out

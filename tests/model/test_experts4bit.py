@@ -99,9 +99,10 @@ def test_a_qlora_run_of_a_mixture_of_experts_holds_its_experts_in_4bit_and_train
 
 def test_a_4bit_mixture_of_experts_loads_its_experts_into_cpu_memory_first(tmp_path):
     from finetuner.model.loading import experts_in_cpu_memory
+    from finetuner.model.shapes import load_config
 
-    assert experts_in_cpu_memory("qwen3-30b-a3b") == {f"model.layers.{i}.mlp.experts": "cpu" for i in range(48)}
-    assert experts_in_cpu_memory("llama-2-7b") == {}
+    assert experts_in_cpu_memory(load_config("qwen3-30b-a3b")[0]) == {f"model.layers.{i}.mlp.experts": "cpu" for i in range(48)}
+    assert experts_in_cpu_memory(load_config("llama-2-7b")[0]) == {}
 
 
 def test_qlora_of_a_checkpoint_stored_in_mxfp4_is_refused_before_loading(tmp_path):
