@@ -44,6 +44,10 @@ class LayerLinear:
     #: forward of its own (DeepSeek-V4's grouped o_a_proj), which LoRA cannot wrap
     plain: bool = True
 
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
 
 @dataclass(frozen=True)
 class LayerKind:

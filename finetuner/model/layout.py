@@ -271,7 +271,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     h = _hidden(inv, text_cfg)
     found = [(kind, *_kind_layout(kind, h)) for kind in inv.kinds]
     for kind in inv.kinds:
-        own = sum(x.in_features * x.out_features + (x.out_features if x.bias else 0) for x in kind.linears) \
+        own = sum(x.params for x in kind.linears) \
             + sum(n for _, n in kind.norms) + sum(math.prod(s) for _, s in kind.experts) + kind.router_params
         if kind.other_params > OTHER_SHARE * (own + kind.other_params):
             raise LayoutError(f"{kind.other_params:,} parameters of each {kind.module} are in no linear layer, norm or "
@@ -326,7 +326,8 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     moe_kinds = [(kind, roles) for kind, roles, _ in found if kind.experts]
     experts = None
     if moe_kinds:
-        sizes = {_experts(kind, h)[:3] for kind, _ in moe_kinds}
+        read = [(_experts(kind, h), kind.count) for kind, _ in moe_kinds]
+        sizes = {e[:3] for e, _ in read}
         if len(sizes) > 1:
             raise LayoutError(f"its MoE layers hold experts of different sizes ({sorted(sizes)})")
         count, i, gated = sizes.pop()
@@ -336,7 +337,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
                               f"({' or '.join(TOP_K_KEYS[:2])})")
         shared = moe_kinds[0][1].get("shared.down_proj")
         experts = ExpertsLayout(count=count, top_k=top_k, intermediate=i,
-                                numel=sum(_experts(kind, h)[3] * kind.count for kind, _ in moe_kinds),
+                                numel=sum(e[3] * n for e, n in read),
                                 layers=sum(kind.count for kind, _ in moe_kinds), gated=gated,
                                 shared_intermediate=shared.in_features if shared else 0)
     main = max(inv.kinds, key=lambda k: (bool(k.experts), k.count))
@@ -365,7 +366,7 @@ def _counts(inv: Inventory, found) -> dict[str, int]:
     for kind, roles, _ in found:
         for role, lin in roles.items():
             if kind_of(lin.name + ".weight") == "other":
-                n = (lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0)) * kind.count
+                n = lin.params * kind.count
                 c["other"] -= n
                 c["attention" if is_attention_role(role) else "mlp"] += n
     c["total"] = inv.params["total"]
