@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from finetuner.version import __version__  # noqa: E402,F401
 
 from finetuner import quiet as _quiet  # noqa: E402 - stdlib only: `import finetuner` stays cheap
 

@@ -1,13 +1,15 @@
 """The import structure: no cycles between modules and no private names borrowed across them.
 
-Every ``import`` of ``finetuner`` and ``ui`` is read from the source (imports inside functions
-included; those under ``if TYPE_CHECKING:`` excluded, as they never run), so a cycle hidden by a
-function-level import fails here as surely as one at the top of a module.
+Every ``import`` of ``finetuner`` and ``ui`` is read from the source, imports inside functions and
+under ``if TYPE_CHECKING:`` included, so a cycle hidden by a function-level import or by a type
+annotation fails here as surely as one at the top of a module (a type-only cycle is still two modules
+that each need the other: the design says neither).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,14 +25,6 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
-
-
 def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
     """Module → the project modules it imports; and (importer, module, name) for private names."""
     mods = modules()
@@ -38,15 +32,12 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
     private: list[tuple[str, str, str]] = []
     for name, path in mods.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _type_checking_only(tree)
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 if node.module in mods:
                     edges[name].add(node.module)
                     private += [(name, node.module, a.name) for a in node.names
-                                if a.name.startswith("_") and node.module != name]
+                                if a.name.startswith("_") and not a.name.endswith("__") and node.module != name]
                 edges[name].update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods)
             elif isinstance(node, ast.Import):
                 edges[name].update(a.name for a in node.names if a.name in mods)
@@ -101,14 +92,20 @@ def test_no_private_names_imported_from_other_modules():
     assert private == []
 
 
-def test_the_checker_sees_cycles_and_function_level_imports(tmp_path):
-    """The checks themselves: a cycle through an import inside a function is found."""
+def test_the_checker_sees_cycles_and_function_level_imports(tmp_path, monkeypatch):
+    """The checks themselves: a cycle through an import inside a function and one under TYPE_CHECKING is found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from x import y\ndef f():\n    from z import w\n")
-    skipped = _type_checking_only(tree)
-    kept = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skipped]
-    assert kept == ["typing", "z"]
+    pkg = tmp_path / "finetuner"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from finetuner.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from finetuner.a import A\n")
+    (tmp_path / "ui").mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    edges, _ = import_graph()
+    assert edges["finetuner.a"] == {"finetuner.b"} and edges["finetuner.b"] == {"finetuner.a"}
+    assert cycles(edges) == [["finetuner.a", "finetuner.b"]]
 
 
 def test_data_does_not_import_planning():

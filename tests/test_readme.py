@@ -320,3 +320,12 @@ def test_recipe_table_names_every_key():
         row = next((line for line in table.splitlines() if line.startswith(f"| `{name}`")), "")
         missing += [f"{name}.{key}" for key in section.model_fields if f"`{key}`" not in row]
     assert not missing, f"recipe keys missing from README's Recipes table: {missing}"
+
+
+def test_the_model_list_names_every_preset():
+    """The README's "Models: the presets ..." sentence is the list `plan --model` accepts, no more, no less."""
+    from finetuner.model.shapes import preset_names
+
+    text = README.read_text(encoding="utf-8")
+    sentence = text[text.index("Models: the presets "):text.index("(their hub ids work")]
+    assert sorted(re.findall(r"`([^`]+)`", sentence)) == sorted(preset_names())

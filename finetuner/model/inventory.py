@@ -7,16 +7,21 @@ linear layers in each (what LoRA can target), fused expert weights (3-D paramete
 output layer and whether it is tied to the embeddings. Layers that differ from the others (the dense first
 layers of a mixture of experts, the state-space layers of a hybrid) are listed as kinds of their own.
 
-Building needs torch and transformers (some 10 s of imports); ``finetuner plan`` on a preset never comes
-here. The result depends only on the config and the installed transformers, so it is cached as JSON under
-``<cache>/models/`` (:func:`finetuner.fileio.cache_root`).
+Building needs torch and transformers (some 10 s of imports). The result depends only on the config and the
+installed transformers, so it is cached as JSON under ``<cache>/models/`` (:func:`finetuner.fileio.cache_root`).
+The models finetuner names (its presets) and ships (``data/demo_model``) come read already:
+``finetuner/model/inventories.json`` holds their inventories as the pinned transformers builds them
+(written by ``python -m scripts.dev.read_models``; ``tests/model/test_inventory.py`` reads every one again with
+the installed transformers and fails on any difference), so ``finetuner plan`` on a preset imports neither.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, first_line
@@ -24,6 +29,8 @@ from finetuner.fileio import atomic_write_json, cache_root
 
 #: bump when what :func:`read_inventory` stores changes
 FORMAT_VERSION = 9
+#: inventories of the models finetuner names or ships, by :func:`config_key` (see the module's docstring)
+PACKAGED = Path(__file__).with_name("inventories.json")
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -345,18 +352,42 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
     )
 
 
+def _digest(blob: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _config_only(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if k not in ("_name_or_path", "_aliases")}
+
+
+def config_key(cfg: dict[str, Any]) -> str:
+    """The key of a config in :data:`PACKAGED`: the config (where it came from left out) and the format."""
+    return _digest({"cfg": _config_only(cfg), "format": FORMAT_VERSION})
+
+
 def _key(cfg: dict[str, Any]) -> str:
     """The cache key: the config and the installed transformers' version (read from its metadata: a cached
     inventory costs no import of transformers)."""
     from importlib.metadata import version
 
-    blob = json.dumps({"cfg": {k: v for k, v in cfg.items() if k not in ("_name_or_path", "_aliases")},
-                       "transformers": version("transformers"), "format": FORMAT_VERSION}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return _digest({"cfg": _config_only(cfg), "transformers": version("transformers"), "format": FORMAT_VERSION})
+
+
+@functools.cache
+def packaged() -> dict[str, Any]:
+    """:data:`PACKAGED`: ``{"transformers": version read with, "models": {config_key: {"name", "inventory"}}}``."""
+    try:
+        return json.loads(PACKAGED.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not written yet (scripts.dev.read_models writes it): every model is built
+        return {"transformers": None, "models": {}}
 
 
 def read_inventory(cfg: dict[str, Any]) -> Inventory:
-    """:func:`inventory_of`, cached under ``<cache>/models/`` by the config and the transformers version."""
+    """:func:`inventory_of`: packaged for the models finetuner names or ships, else cached under
+    ``<cache>/models/`` by the config and the transformers version."""
+    stored = packaged()["models"].get(config_key(cfg))
+    if stored is not None:
+        return Inventory.from_dict(stored["inventory"])
     path = cache_root() / "models" / f"inventory-{_key(cfg)}.json"
     try:
         return Inventory.from_dict(json.loads(path.read_text(encoding="utf-8")))

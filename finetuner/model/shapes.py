@@ -1,8 +1,11 @@
 """Model shapes from a ``config.json``, with exact parameter counts — pure arithmetic.
 
-Nothing here imports torch or transformers: ``finetuner plan`` must answer in well under a
-second. The counts are checked against instantiating every preset on the ``meta`` device
-(``tests/model/test_shapes.py``), and the LoRA counts against peft on that meta model.
+A shape is read from the model itself (:mod:`finetuner.model.inventory`: built on the ``meta`` device,
+its modules listed; :mod:`finetuner.model.layout`: the role of each linear layer), never written by hand per
+family. The models finetuner names come read already (``finetuner/model/inventories.json``), so ``finetuner
+plan`` on a preset imports neither torch nor transformers and answers in well under a second. The counts are
+checked against instantiating every preset on the ``meta`` device (``tests/model/test_shapes.py``), and the
+LoRA counts against peft on that meta model.
 
 Where a config comes from (:func:`load_config`), in order:
 
@@ -12,9 +15,8 @@ Where a config comes from (:func:`load_config`), in order:
 3. a local folder that holds ``config.json``;
 4. the Hugging Face hub cache, then the hub itself (``huggingface_hub``, only ``config.json``).
 
-The decoder families below share one layout (pre-norm decoder layers of attention + gated MLP);
-what differs between them — biases, fused projections, extra norms, tied embeddings, logit
-soft-capping — is a field of :class:`ModelShape`.
+What differs between families (biases, fused projections, extra norms, tied embeddings, logit
+soft-capping, experts) is a field of :class:`ModelShape`, set from what the model holds.
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ from finetuner.model import gguf_base
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
-#: ``model_type`` values whose layout this module knows.
+#: Families of the common layout (attention q/k/v/o or a fused qkv, a gated MLP), named in the hint of a layout
+#: the memory model refuses; a GGUF base loads as one of them (:data:`finetuner.model.gguf_base.ARCHITECTURES`).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+#: Families whose training runs' peak memory was measured on a GPU (docs/validation, replayed by
+#: tests/memory/test_memory_accuracy.py, which checks this list against the records).
+GPU_MEASURED_TYPES = ("llama",)
 
 
 def parameter_count(n: int) -> str:
@@ -113,8 +119,6 @@ class ModelShape:
     #: the norms' parameters in one decoder layer when read from the model (:mod:`finetuner.model.inventory`):
     #: LayerNorm biases, q/k norms over the whole width; None: ``norms_per_layer`` x hidden (+ the q/k norms)
     layer_norm_params: int | None = None
-    #: the layout was read from the model transformers builds (a family with no layout written here)
-    derived: bool = False
     #: a layout read from the model whose linear layers carry other names, or differ between layers: the linears
     #: as read (:meth:`layer_linears`), and each one's role in the memory model's terms as ``(role, path)``
     #: pairs (roles: q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj, the
@@ -256,8 +260,9 @@ class ModelShape:
             + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
                f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
                if self.experts else "")
-            + (" (layout read from the model transformers builds; its memory terms are those of the families "
-               "checked on a GPU)" if self.derived else "")
+            + ("" if self.model_type in GPU_MEASURED_TYPES else
+               f" (memory terms of the families measured on a GPU, {', '.join(GPU_MEASURED_TYPES)}; "
+               f"{self.model_type} itself not measured)")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,54 +355,8 @@ def lora_param_count(
 
 
 # ---------------------------------------------------------------------- configs
-def _int(cfg: dict[str, Any], key: str, source: str) -> int:
-    v = cfg.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise UserError(f"{source}: config.json has no valid '{key}' (got {v!r}).")
-    return v
-
-
 def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
-    """Build a :class:`ModelShape` from a ``config.json`` dict; unsupported layouts are a UserError."""
-    where = f"{name} (config.json)"
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES or ("text_config" in cfg and "hidden_size" not in cfg):  # no layout written here
-        return derived_shape(cfg, name, source)
-    h = _int(cfg, "hidden_size", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or h // heads
-    tie_default = mt in ("gemma", "gemma2")
-    return ModelShape(
-        name=name,
-        model_type=mt,
-        vocab_size=_int(cfg, "vocab_size", where),
-        hidden_size=h,
-        intermediate_size=_int(cfg, "intermediate_size", where),
-        num_layers=_int(cfg, "num_hidden_layers", where),
-        num_heads=heads,
-        num_kv_heads=int(kv),
-        head_dim=int(head_dim),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
-        attention_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
-        qkv_bias_only=mt == "qwen2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        fused_qkv=mt == "phi3",
-        fused_gate_up=mt == "phi3",
-        norms_per_layer=4 if mt == "gemma2" else 2,
-        qk_norm=mt == "qwen3",
-        final_logit_softcapping=cfg.get("final_logit_softcapping") if mt == "gemma2" else None,
-        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-        hub_id=cfg.get("_name_or_path") or None,
-        source=source,
-        config=cfg,
-    )
-
-
-def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
-    """The :class:`ModelShape` of a family with no layout written here, read from the model transformers
-    builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
+    """The :class:`ModelShape` of a ``config.json`` dict, read from the model transformers builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
     attention (q, k, v, o or a fused qkv, under any of the names :mod:`finetuner.model.layout` knows) and an MLP
     (gate, up, down; a fused gate_up; or up, down) or routed experts (fused expert tensors, a router, optional
     shared experts), with any norms. Layers that differ (the dense first layers of a mixture of experts) are
@@ -456,7 +415,6 @@ def derived_shape(cfg: dict[str, Any], name: str = "model", source: str = "confi
         source=source,
         config=cfg,
         layer_norm_params=lay.norm_params_per_layer,
-        derived=True,
         experts=Experts(count=experts.count, top_k=experts.top_k, intermediate=experts.intermediate, numel=experts.numel,
                         layers=experts.layers, gated=experts.gated, shared_intermediate=experts.shared_intermediate)
         if experts else None,

@@ -74,10 +74,10 @@ def cache_file(name: str) -> Path:
     """Where the calibration of device ``name`` is kept, for these library versions."""
     import torch
 
-    import finetuner
     from finetuner.fileio import cache_root
+    from finetuner.version import __version__
 
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{finetuner.__version__}".lower()).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{__version__}".lower()).strip("-")
     return cache_root() / "speed" / f"{slug}.json"
 
 
@@ -150,9 +150,9 @@ def measure() -> DeviceSpeed:
     startup = _startup_seconds()
     details = {"measured_in_s": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dequantization": how}
-    import finetuner
+    from finetuner.version import __version__
 
-    details["finetuner"] = finetuner.__version__
+    details["finetuner"] = __version__
     link = 25e9 if plat == "cuda" else 1e12
     src = (f"calibrated on this machine ({name}, {time.strftime('%Y-%m-%d')}): matmul "
            + ", ".join(f"{dt} {max(r for _, r in rows) / 1e9:,.0f} GFLOP/s" for dt, rows in matmul.items())

@@ -7,7 +7,7 @@ For each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPP
    cannot build its own defaults, a missing package, an encoder that needs ``is_decoder``) is outside the
    census's denominator, with the reason.
 2. **finetuner**: the memory model's layout (:func:`finetuner.model.shapes.shape_from_config`, read from the
-   model itself for families with no hand-written layout), ``plan`` on an RTX 4090, 2 LoRA steps with the
+   model itself), ``plan`` on an RTX 4090, 2 LoRA steps with the
    trainer, merge, and one chat answer. The first step that fails is the type's reason.
 
 Writes ``docs/models.md`` (the table), ``docs/validation/model_census.json`` (every row) and the README's model list
@@ -36,6 +36,19 @@ MAX_PARAMS = 60_000_000
 #: the prompt of the chat step
 PROMPT = "What should I bring on a hike?"
 
+
+
+def gpu_rows() -> dict[str, int]:
+    """Recorded GPU training runs (``docs/validation/validate_*.json``, the memory model's replay) by model type."""
+    from finetuner.model.shapes import load_config
+    from scripts.validate.memory import replay
+
+    out: dict[str, int] = {}
+    for r in replay(again=False):
+        if "error" not in r:
+            mt = load_config(r["preset"])[0]["model_type"]
+            out[mt] = out.get(mt, 0) + 1
+    return out
 
 def _rows(n: int = 8) -> list[dict[str, str]]:
     return [{"instruction": f"What should I bring on hike {i}?", "input": "",
@@ -96,7 +109,7 @@ def census_row(model_type: str, tok, work: Path) -> dict:
     step = "layout"
     try:
         shape = shape_from_config(cfg, name=model_type)
-        row["layout"] = "written" if not shape.derived else "read from the model"
+        row["gpu_rows"] = gpu_rows().get(shape.model_type, 0)
         folder = work / model_type
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
@@ -155,17 +168,18 @@ def write_table(rows: list[dict]) -> str:
         "outside that count, with the reason: not decoder-only, or the census's tiny config "
         "(`finetuner/model/tiny.py`: the family's defaults with the common size settings made small) does not build "
         "or train in transformers itself, or stays too large to build on a CPU; a better shrinker moves some of them "
-        "inside. \"written\": the memory model's layout of the family is written by hand and validated on GPU runs "
-        "(docs/validation); \"read from the model\": the layout is read from the model transformers builds "
-        "(finetuner/model/inventory.py) and its memory terms are those of the families checked on a GPU.",
+        "inside. Every layout is read from the model transformers builds (finetuner/model/inventory.py, "
+        "finetuner/model/layout.py); \"GPU runs\": the family's training runs whose peak memory was measured on a GPU "
+        "and is replayed by the tests (docs/validation, docs/memory.md); the other families' memory terms are those "
+        "of the measured ones.",
         "",
-        "| model type | status | layout | reason |",
+        "| model type | status | GPU runs | reason |",
         "|---|---|---|---|",
     ]
     order = {"supported": 0, "refused": 1, "outside": 2}
     for r in sorted(rows, key=lambda r: (order[r["status"]], r["model_type"])):
         reason = (f"{r.get('step', '')}: " if r["status"] == "refused" else "") + r.get("reason", "")
-        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('layout', '')} | {reason.replace('|', '/')} |")
+        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('gpu_rows') or ''} | {reason.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +222,7 @@ def main(argv: list[str]) -> int:
         for mt in types:
             row = census_row(mt, tok, Path(tmp))
             rows.append(row)
-            print(f"{row['status']:9} {mt:28} {row.get('layout', ''):20} {row.get('step', '')} {row.get('reason', '')[:150]}",
+            print(f"{row['status']:9} {mt:28} {row.get('gpu_rows', ''):3} {row.get('step', '')} {row.get('reason', '')[:150]}",
                   flush=True)
     if not argv:
         DOC.write_text(write_table(rows), encoding="utf-8")

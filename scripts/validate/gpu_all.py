@@ -33,14 +33,17 @@ arithmetic of model size, tokens and process start-up on an H100, not yet measur
    with the planner's prediction (:mod:`finetuner.planning.longest`) for the same settings; the
    finetuner search starts at the prediction, moves by 5 % and bisects to 2,048 tokens;
 7. ``memory-dpo``: preference-objective (DPO) memory rows;
-8. ``memory-fsdp``: ``distributed.strategy: fsdp`` on one process, predicted per device.
+8. ``memory-fsdp``: ``distributed.strategy: fsdp`` on one process, predicted per device;
+9. ``memory-families``: a mixture of experts (OLMoE-1B-7B, QLoRA with its experts in 4-bit) and Gemma 3 4B's
+   language model (the vision tower frozen), LoRA and QLoRA rows of each.
 
 A part is one entry of :data:`PARTS`: a name, its estimated minutes, what it measures, and a
 function that takes the :class:`Context` (``out``, ``work``, ``smoke``, ``cuda``; ``ctx.model()``
 builds the random-weight model once) and returns the files it wrote under ``ctx.out``. A new part
 (the speed model's matrix, say) is one more entry, e.g. ``Part("speed-model", 4.0, "...",
-speed_model)``; its ``--smoke`` form runs in the smoke test with the others, and the total stays
-within 25 minutes (``tests/test_gpu_all_smoke.py`` checks the estimates).
+speed_model)``; its ``--smoke`` form runs in the smoke test with the others, and each part fits one device call
+(``tests/test_gpu_all_smoke.py`` checks the estimates). A session's device time (15 minutes now) holds
+some of the parts: run them in order, the ones no session has recorded first.
 
 On the device (``run`` tool), from the repository root, with the wheels the image lacks carried
 in ``.whl/`` (once, here: ``echo /.whl/ >> .git/info/exclude`` and)::
@@ -78,7 +81,7 @@ import shutil
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -111,11 +114,13 @@ class Context:
 
     @property
     def model_dir(self) -> Path:
-        return self.work / ("tiny" if self.smoke else self.preset)
+        return self.work / self.label
 
     @property
     def label(self) -> str:
-        return "tiny" if self.smoke else self.preset
+        if not self.smoke:
+            return self.preset
+        return "tiny" if self.preset == PRESET else f"tiny-{self.preset}"
 
     def tag(self, what: str) -> str:
         return f"{'smoke' if self.smoke else self.preset}-{what}"
@@ -203,6 +208,20 @@ def memory_fsdp(ctx: Context) -> list[Path]:
                                                       "training.optimizer=adamw_torch", "distributed.strategy=fsdp",
                                                       "distributed.num_processes=1"] + DEFAULT_LOSS, smoke=True)]
     return _memory(ctx, "fsdp", runs)
+
+
+def memory_families(ctx: Context) -> list[Path]:
+    """Part 9: a mixture of experts (OLMoE-1B-7B: 64 experts, 8 a token) and the text of an image-text-to-text
+    checkpoint (Gemma 3 4B, its vision tower loaded frozen), LoRA and QLoRA (QLoRA holds the experts in 4-bit,
+    finetuner.model.experts4bit), each a row the memory model is replayed on; at toy size the families' tiny configs."""
+    common = ["data.max_seq_len=2048", "training.gradient_checkpointing=true"] + DEFAULT_LOSS
+    runs = [MemoryRun("lora-seq2048-gc-adamw", ["method=lora", "training.optimizer=adamw_torch"] + common),
+            MemoryRun("qlora-seq2048-gc-mb2-paged8", ["method=qlora", "training.micro_batch_size=2",
+                                                      "training.optimizer=paged_adamw_8bit"] + common, smoke=True)]
+    files = []
+    for preset, what in (("olmoe-1b-7b", "moe"), ("gemma-3-4b", "gemma3")):
+        files += _memory(replace(ctx, preset=preset), what, runs)
+    return files
 
 
 # --------------------------------------------------------------------------- out-of-memory back-off
@@ -328,6 +347,8 @@ PARTS: list[Part] = [
     Part("longest", 6.5, "the longest 8B QLoRA sequence under a 24 GiB cap: finetuner, baseline, prediction", longest),
     Part("memory-dpo", 1.5, "DPO memory rows (8B LoRA 1,024 and QLoRA 2x2,048 tokens)", memory_dpo),
     Part("memory-fsdp", 1.0, "fsdp on one process: a memory row predicted per device (8B LoRA)", memory_fsdp),
+    Part("memory-families", 7.0, "OLMoE-1B-7B (64 experts) and Gemma 3 4B text, LoRA and QLoRA memory rows, the models built",
+         memory_families),
 ]
 
 

@@ -53,9 +53,10 @@ def preset_config(preset: str):
 
 
 def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
-    """A random-weight model from a preset config plus a small tokenizer, saved with save_pretrained."""
+    """A random-weight model from a preset config plus a small tokenizer, saved with save_pretrained. ``smoke``: at toy
+    size, a tiny Llama, or for a preset of another family that family's tiny config (:func:`finetuner.model.tiny.tiny_config`)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
@@ -71,8 +72,15 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     t0 = time.perf_counter()
-    if smoke:
+    family = json.loads((REPO / "finetuner" / "model" / "presets" / f"{preset}.json").read_text())["model_type"] if preset else "llama"
+    if smoke and family == "llama":
         model = tiny_llama(tok, hidden_size=128, num_layers=2)
+    elif smoke:
+        from finetuner.model.tiny import tiny_config
+
+        cfg = tiny_config(family, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     else:
         cfg = preset_config(preset)
         with torch.device("cuda"):

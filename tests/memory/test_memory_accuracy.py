@@ -38,6 +38,14 @@ def test_every_recorded_run_is_replayed():
     assert {r["preset"] for r in rows} >= {"llama-2-7b", "llama-2-13b", "llama-3.1-8b"}
 
 
+def test_the_measured_families_are_the_records():
+    """What a plan says of a family's memory terms (measured on a GPU or not) follows docs/validation."""
+    from finetuner.model.shapes import GPU_MEASURED_TYPES, load_config
+
+    measured = {load_config(r["preset"])[0]["model_type"] for r in replay(again=False) if "error" not in r}
+    assert measured == set(GPU_MEASURED_TYPES)
+
+
 def test_allocated_peak_is_never_under_predicted_and_the_median_error_is_small():
     """The published claim: every allocated prediction at or above the measurement, median |error| < 5 %."""
     rows = replay()

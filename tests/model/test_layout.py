@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetuner.model.shapes import derived_shape, lora_param_count, lora_targets
+from finetuner.model.shapes import shape_from_config, lora_param_count, lora_targets
 from finetuner.model.tiny import tiny_config
 
 RENAMED = ["gpt2", "opt", "falcon", "bloom", "phi", "biogpt", "gpt_neox", "mpt", "bert-generation", "starcoder2"]
@@ -24,7 +24,7 @@ def _build(cfg: dict):
 def _counted(model_type: str):
     """A tiny ``model_type``'s shape read from the model and the model itself, counted equal to the last parameter."""
     cfg = tiny_config(model_type, 400)
-    shape, model = derived_shape(cfg, name=model_type), _build(cfg)
+    shape, model = shape_from_config(cfg, name=model_type), _build(cfg)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     return shape, model
 
@@ -45,7 +45,7 @@ def test_a_family_with_its_own_names_is_counted_as_peft_and_transformers_build_i
 
 
 def test_the_roles_of_gpt2s_conv1d_layers():
-    shape = derived_shape(tiny_config("gpt2", 400), name="gpt2")
+    shape = shape_from_config(tiny_config("gpt2", 400), name="gpt2")
     assert dict(shape.roles) == {"qkv_proj": "attn.c_attn", "o_proj": "attn.c_proj", "up_proj": "mlp.c_fc",
                                  "down_proj": "mlp.c_proj"}
     assert shape.fused_qkv and not shape.gated_mlp and shape.layers_path == "transformer.h"
@@ -68,7 +68,7 @@ def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner
 
 
 def test_dense_first_layers_and_shared_experts_are_counted_where_they_are():
-    shape = derived_shape(tiny_config("glm4_moe", 400), name="glm4_moe")  # layer 0 dense, layer 1 routed + shared
+    shape = shape_from_config(tiny_config("glm4_moe", 400), name="glm4_moe")  # layer 0 dense, layer 1 routed + shared
     dense = [lin for lin in shape.layer_linears() if lin.name.startswith("mlp.") and "shared" not in lin.name]
     shared = [lin for lin in shape.layer_linears() if "shared_experts" in lin.name]
     assert dense and all(lin.layers == (0,) for lin in dense) and all(lin.layers == (1,) for lin in shared)
@@ -81,7 +81,7 @@ def test_the_experts_activation_terms_scale_with_the_experts_per_token():
 
     from finetuner.memory.model import Settings, layer_activation_terms
 
-    shape = derived_shape(tiny_config("qwen3_moe", 400), name="qwen3_moe")
+    shape = shape_from_config(tiny_config("qwen3_moe", 400), name="qwen3_moe")
     two = dict(layer_activation_terms(shape, Settings()))
     four = dict(layer_activation_terms(replace(shape, experts=replace(shape.experts, top_k=4)), Settings()))
     assert four["experts: gate, activation and up of 4 experts"] == 2 * two["experts: gate, activation and up of 2 experts"]
@@ -133,7 +133,7 @@ def test_a_linear_with_a_forward_of_its_own_is_frozen_and_never_a_lora_target():
     from finetuner.model.loading import all_linear_targets
 
     cfg = tiny_config("deepseek_v4", 400)
-    shape = derived_shape(cfg, name="deepseek_v4")
+    shape = shape_from_config(cfg, name="deepseek_v4")
     assert ("frozen", "self_attn.o_a_proj") in shape.roles
     assert "self_attn.o_a_proj" not in [t[0] for t in lora_targets(shape, "all-linear")]
     assert "self_attn.o_a_proj" not in all_linear_targets(_build(cfg))
@@ -145,5 +145,5 @@ def test_a_config_that_leaves_sizes_to_transformers_defaults_is_read_with_them()
     defaults: 8, 4, 256): the layout is read with the values transformers built the model with."""
     cfg = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
-    shape = derived_shape(cfg, name="gemma-3-4b-text")
+    shape = shape_from_config(cfg, name="gemma-3-4b-text")
     assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (8, 4, 256)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from finetuner.model.shapes import derived_shape, lora_param_count
+from finetuner.model.shapes import shape_from_config, lora_param_count
 from finetuner.model.tiny import tiny_config
 
 
@@ -29,7 +29,7 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
 
     tok = train_bpe_tokenizer(corpus(), vocab_size=400)
     cfg = _tiny_gemma3(tok)
-    shape = derived_shape(cfg, name="gemma3")
+    shape = shape_from_config(cfg, name="gemma3")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     vision = {n: p.detach().clone() for n, p in model.named_parameters() if "vision_tower" in n or "multi_modal_projector" in n}

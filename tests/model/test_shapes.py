@@ -43,6 +43,8 @@ KNOWN_TOTALS = {
     "olmo-2-7b": 7_298_617_344,  # allenai/OLMo-2-1124-7B (its card: 7B)
     "granite-3.3-8b": 8_170_864_640,  # ibm-granite/granite-3.3-8b (its card: 8B)
     "ministral-8b": 8_019_808_256,  # Ministral-8B-Instruct-2410 (its card: 8.02B)
+    "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 (its paper: 6.9B in total, 1.3B active; 64 experts, 8 a token)
+    "gemma-3-4b": 4_300_079_472,  # google/gemma-3-4b-it (its card: 4.3B with the vision tower)
 }
 
 

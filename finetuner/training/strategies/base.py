@@ -26,10 +26,28 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Protocol
 
-if TYPE_CHECKING:
-    from finetuner.training.distributed import DistributedTrainer
+
+class RankTrainer(Protocol):
+    """What a strategy uses of the trainer of its rank (``DistributedTrainer`` is one): the strategies
+    are imported by that trainer, so they name what they need here instead of importing it back."""
+
+    ctx: Any  # the rank's RankContext: rank, world size, CUDA or not
+    rank: int
+    world_size: int
+    recipe: Any
+    rt: Any
+    run_dir: Path
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    max_steps: int
+
+    def trainable_params(self, refresh: bool = False) -> list: ...
+
+    def predicted_note(self) -> str: ...
 
 
 class Strategy(ABC):
@@ -40,7 +58,7 @@ class Strategy(ABC):
     #: whether rank 0 holds the whole trained model after the run (it can generate the samples)
     whole_model_on_rank0: ClassVar[bool] = True
 
-    def __init__(self, trainer: DistributedTrainer):
+    def __init__(self, trainer: RankTrainer):
         self.trainer = trainer
 
     @classmethod

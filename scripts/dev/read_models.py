@@ -1,0 +1,52 @@
+"""Read the models finetuner names or ships from themselves, once, into the package.
+
+Every preset (``finetuner/model/presets/*.json``) and the shipped demo model (``data/demo_model``) is built on
+the meta device with the installed transformers and listed (:func:`finetuner.model.inventory.inventory_of`);
+the lists go to ``finetuner/model/inventories.json``, which :func:`finetuner.model.inventory.read_inventory`
+answers from, so ``finetuner plan`` on a preset needs neither torch nor transformers. Run it after adding a preset
+or moving the transformers pin; ``tests/model/test_inventory.py`` fails while the file differs from what the
+installed transformers builds.
+
+    python -m scripts.dev.read_models
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_MODEL = REPO / "data" / "demo_model"
+
+
+def shipped_configs() -> dict[str, dict[str, Any]]:
+    """The configs read: each preset by its name, the demo model as ``data/demo_model``."""
+    from finetuner.model.shapes import PRESET_DIR
+
+    out = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(PRESET_DIR.glob("*.json"))}
+    out["data/demo_model"] = json.loads((DEMO_MODEL / "config.json").read_text(encoding="utf-8"))
+    return out
+
+
+def read_all() -> dict[str, Any]:
+    from finetuner.model.inventory import config_key, inventory_of
+
+    models = {}
+    for name, cfg in shipped_configs().items():
+        models[config_key(cfg)] = {"name": name, "inventory": inventory_of(cfg).to_dict()}
+    return {"transformers": version("transformers"), "models": dict(sorted(models.items(), key=lambda kv: kv[1]["name"]))}
+
+
+def main() -> None:
+    from finetuner.fileio import atomic_write_json
+    from finetuner.model.inventory import PACKAGED
+
+    data = read_all()
+    atomic_write_json(PACKAGED, data)
+    print(f"{PACKAGED.relative_to(REPO)}: {len(data['models'])} models read with transformers {data['transformers']}")
+
+
+if __name__ == "__main__":
+    main()
