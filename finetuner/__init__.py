@@ -28,8 +28,8 @@ _LAZY = {
     "read_events": "finetuner.runs.events",
     "plan": "finetuner.planning.planner",
     "Plan": "finetuner.planning.planner",
-    "estimate": "finetuner.planning.planner:estimate_recipe",
-    "estimate_time": "finetuner.planning.planner:estimate_time",
+    "estimate": "finetuner.planning.predict:estimate_recipe",
+    "estimate_time": "finetuner.planning.predict:estimate_time",
     "compare_cards": "finetuner.planning.planner:compare_cards",
     "shard_estimate": "finetuner.memory.sharding",
     "best_strategy": "finetuner.memory.sharding",
@@ -54,10 +54,11 @@ if TYPE_CHECKING:
     from finetuner.infer.chat import ChatModel, load_chat_model
     from finetuner.infer.evaluate import EvalResult, evaluate_run
     from finetuner.runs.events import follow, read_events
-    from finetuner.planning.planner import estimate_recipe as estimate
+    from finetuner.planning.predict import estimate_recipe as estimate
     from finetuner.export.gguf import ExportResult, export_model
     from finetuner.export.merge import MergeResult, merge_adapter
-    from finetuner.planning.planner import Plan, compare_cards, estimate_time, plan
+    from finetuner.planning.planner import Plan, compare_cards, plan
+    from finetuner.planning.predict import estimate_time
     from finetuner.runs.progress_bar import ProgressBar
     from finetuner.config.recipe import Recipe
     from finetuner.runs.status import Run, load_run

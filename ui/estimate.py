@@ -23,6 +23,6 @@ def label_fraction(recipe: Any) -> float:
 
 def recipe_estimate(recipe: Any, gpu: Any):
     """``estimate_recipe`` for ``recipe`` on ``gpu`` with its data's :func:`label_fraction`."""
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.planning.predict import estimate_recipe
 
     return estimate_recipe(recipe, gpu, label_fraction=label_fraction(recipe))

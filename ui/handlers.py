@@ -339,8 +339,8 @@ class Handlers:
 
     def _valid_md(self, recipe, card: str, note: str = "") -> str:
         """The line under the editor, after every edit: valid, the predicted peak, and the time of this
-        recipe as it now stands (``finetuner estimate``'s :func:`~finetuner.planning.planner.estimate_time`)."""
-        from finetuner.planning.planner import estimate_time
+        recipe as it now stands (``finetuner estimate``'s :func:`~finetuner.planning.predict.estimate_time`)."""
+        from finetuner.planning.predict import estimate_time
 
         gpu = gpu_profile(card)
         est = recipe_estimate(recipe, gpu)
@@ -405,7 +405,7 @@ class Handlers:
     def on_recipe_text(self, text: str, planned: dict | None, card: str | None = None):
         """The Plan tab's headline follows the recipe in the editor, however it changed (a plan, an
         edited field, a loaded file, typing), and so does its time on ``card`` (``finetuner estimate``'s
-        :func:`~finetuner.planning.planner.estimate_time` of the recipe as it now stands)."""
+        :func:`~finetuner.planning.predict.estimate_time` of the recipe as it now stands)."""
         if not (text or "").strip():
             return ""
         try:
@@ -416,7 +416,7 @@ class Handlers:
             return views.invalid_recipe_md(f"{type(e).__name__}: {e}")
         time = None
         if card:
-            from finetuner.planning.planner import estimate_time
+            from finetuner.planning.predict import estimate_time
 
             try:
                 time = views.time_text(estimate_time(recipe, gpu_profile(card)))

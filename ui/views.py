@@ -682,7 +682,7 @@ def runs_df(runs: list[Any]) -> pd.DataFrame:
 
 
 def time_text(t: dict[str, Any]) -> str:
-    """A recipe's predicted time, from :func:`finetuner.planning.planner.estimate_time`, in a few words
+    """A recipe's predicted time, from :func:`finetuner.planning.predict.estimate_time`, in a few words
     (:func:`finetuner.planning.planner.time_text`, brief: as ``estimate`` says it, without the parts)."""
     from finetuner.planning.planner import estimate_text
 

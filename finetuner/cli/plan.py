@@ -364,21 +364,16 @@ def _print_breakdown(con: Any, est: Any) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import get_gpu, run_profile
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.planner import estimate_recipe, estimate_time, label_fraction_of
+    from finetuner.planning.predict import predict
 
     recipe = Recipe.from_yaml(args.recipe, args.overrides)
     gpu = run_profile(recipe.device) if str(args.gpu).lower() in ("auto", "") else get_gpu(args.gpu)
-    label_fraction = label_fraction_of(recipe)
-    planned = None
-    if recipe.auto_keys():
-        from finetuner.planning.planner import resolve_auto
-
-        planned = resolve_auto(recipe, gpu, label_fraction=label_fraction)
-        recipe = planned.recipe
+    p = predict(recipe, gpu)  # the auto values, the model, the share of trained tokens: resolved once
+    recipe, planned = p.recipe, p.planned
     if recipe.objective == "grpo":
-        return _grpo_estimate(args, recipe, gpu, label_fraction, planned)
-    est = estimate_recipe(recipe, gpu, label_fraction=label_fraction)
-    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour, currency=args.currency)
+        return _grpo_estimate(args, p)
+    est = p.memory
+    timing = p.time(args.price_per_hour, args.currency)
     sharded = None
     from finetuner.memory.sharding import recipe_offload, shard_estimate
 
@@ -426,12 +421,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 LARGEST_LIMIT = 1 << 17
 
 
-def _grpo_estimate(args: argparse.Namespace, recipe: Any, gpu: Any, label_fraction: float, planned: Any = None) -> int:
-    """``estimate`` of a GRPO recipe: its phases' peaks and components, and what else would fit."""
-    from finetuner.planning.planner import estimate_grpo, estimate_time
+def _grpo_estimate(args: argparse.Namespace, p: Any) -> int:
+    """``estimate`` of a GRPO recipe's prediction ``p``: its phases' peaks and components, and what else would fit."""
+    from finetuner.planning.predict import grpo_report
 
-    r = estimate_grpo(recipe, gpu, label_fraction=label_fraction, limit=LARGEST_LIMIT)
-    timing = estimate_time(recipe, gpu, label_fraction=label_fraction, price_per_hour=args.price_per_hour, currency=args.currency)
+    recipe, gpu, planned = p.recipe, p.gpu, p.planned
+    r = grpo_report(p, limit=LARGEST_LIMIT)
+    timing = p.time(args.price_per_hour, args.currency)
     mem, g = r["memory"], recipe.grpo
     if args.json:
         print(json.dumps({"objective": "grpo", "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,

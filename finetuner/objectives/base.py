@@ -125,15 +125,6 @@ class Objective:
         """The validation loss (None without validation data) and the ``eval`` event's other fields."""
         raise NotImplementedError
 
-    # ---------------------------------------------------------------- the memory model
-    def predict_memory(self, shape, settings, gpu):
-        """The memory model's prediction of a step (``allocated_bytes``, ``to_dict()``) for the
-        training side ``settings`` (:func:`finetuner.memory.model.settings_from_recipe`); by default
-        :func:`finetuner.memory.model.estimate`, which holds the SFT and preference terms."""
-        from finetuner.memory.model import estimate
-
-        return estimate(shape, settings, gpu)
-
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the objective (JSON-able) so that a resumed run goes on as the

@@ -99,20 +99,6 @@ def completion_logps(model, batch: dict[str, Any], chunk_size: int):
 
 
 # --------------------------------------------------------------------------- the memory prediction
-class GRPOPrediction:
-    """:class:`finetuner.memory.grpo.GrpoMemory` as the trainer reports a prediction (the start event's
-    ``predicted``, the metrics' predicted peak)."""
-
-    def __init__(self, mem):
-        self.mem = mem
-        self.allocated_bytes, self.total_bytes = mem.allocated_bytes, mem.total_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        m = self.mem
-        return {"allocated_bytes": m.allocated_bytes, "reserved_bytes": m.reserved_bytes, "total_bytes": m.total_bytes,
-                "peak_phase": m.peak_phase, "phases": dict(m.phases), "components": dict(m.components)}
-
-
 # --------------------------------------------------------------------------- the step's sums
 class StepSums:
     """The loss-side sums of a step over its micro-batches (token-weighted), all-reduced with the loss."""
@@ -420,16 +406,6 @@ class GRPOObjective(Objective):
         return None, {"eval_reward": round(sum(rewards.total) / len(rewards.total), 6),
                       "eval_rewards": {k: round(v, 6) for k, v in rewards.means().items()},
                       "eval_completion_length": round(sum(len(c["completion_ids"]) for c in completions) / len(completions), 3)}
-
-    # ---------------------------------------------------------------- the memory model
-    def predict_memory(self, shape, settings, gpu):
-        """GRPO's terms (:func:`finetuner.memory.grpo.grpo_estimate`: the rollout's KV cache and sampling,
-        the loss over ``micro_batch_size`` completion rows, the reference pass), the prompt at its
-        longest (``data.max_seq_len − max_new_tokens``)."""
-        from finetuner.memory.grpo import grpo_estimate, grpo_settings_of
-
-        card = gpu.memory_bytes if gpu is not None else None
-        return GRPOPrediction(grpo_estimate(shape, settings, grpo_settings_of(self.recipe, card), top_p=self.settings.top_p < 1))
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:

@@ -47,7 +47,6 @@ from finetuner.planning.calibrate import speed_for
 from finetuner.planning.expectations import expectation
 from finetuner.data.split import held_out_rows
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
-from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.lengths import BatchShape, batch_shape, prompt_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
@@ -401,7 +400,7 @@ def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[
 
 
 def estimate_text(t: dict[str, Any], tokens_note: str = "", brief: bool = False) -> str:
-    """:func:`time_text` of an :func:`estimate_time` result (``finetuner estimate``, the web UI)."""
+    """:func:`time_text` of an :func:`finetuner.planning.predict.estimate_time` result (``finetuner estimate``, the web UI)."""
     return time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
                      t["currency"], t["source"], bool(t.get("upper_bound")), tokens_note, brief)
 
@@ -1283,13 +1282,14 @@ def _grpo_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: 
     return out
 
 
-def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0) -> Plan:
-    """Resolve a recipe's ``auto`` values for the device a run is on (``finetuner run``).
+def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, shape: ModelShape | None = None) -> Plan:
+    """Resolve a recipe's ``auto`` values for the device a run is on (``finetuner run``); ``shape``: the recipe's
+    model when the caller resolved it already.
 
     Raises a UserError with the planner's suggestions when nothing fits.
     """
     prof = _recipe_file_profile(recipe) if recipe.objective != "grpo" else None
-    result = plan_recipe(recipe, gpu, label_fraction=label_fraction, lengths=prof[1] if prof else None)
+    result = plan_recipe(recipe, gpu, shape=shape, label_fraction=label_fraction, lengths=prof[1] if prof else None)
     if result.recipe is None:
         raise UserError(
             f"No setting of {', '.join(recipe.auto_keys())} fits {recipe.model.name} on {gpu.name} "
@@ -1450,115 +1450,6 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
             return resolved, None
     result = resolve_auto(recipe, run_profile(recipe.device), label_fraction=label_fraction_of(recipe))
     return Recipe.model_validate(result.recipe.to_dict()), result
-
-
-def estimate_recipe(
-    recipe: Recipe | str | Path,
-    gpu: GpuProfile | str | None = None,
-    shape: ModelShape | None = None,
-    margin: float = 0.05,
-    label_fraction: float | None = None,
-) -> MemoryEstimate:
-    """Predict the peak memory of a recipe (``finetuner.estimate``).
-
-    Args:
-        recipe: a :class:`~finetuner.config.recipe.Recipe` or the path of a recipe YAML; ``auto`` values
-            are resolved by the planner for ``gpu`` first.
-        gpu: a card name, a size (``24GB``), ``cpu``, a :class:`~finetuner.config.hardware.GpuProfile`, or
-            None (no card: the estimate has no budget and ``fits`` is True).
-        label_fraction: the share of tokens the loss is computed on; None (the default): measured from
-            the recipe's data as the planner does (:func:`label_fraction_of`; 1.0, every token, when
-            the data cannot be read here).
-
-    Example:
-        >>> est = estimate_recipe("recipes/7b_4090.yaml", gpu="rtx4090")
-        >>> est.fits, round(est.total_bytes / 2**30, 1)  # doctest: +SKIP
-        (True, 20.2)
-    """
-    from finetuner.config.hardware import cpu_profile
-    from finetuner.config.recipe import Recipe
-
-    if isinstance(recipe, (str, Path)):
-        recipe = Recipe.from_yaml(recipe)
-    prof = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if label_fraction is None:
-        label_fraction = label_fraction_of(recipe)
-    if recipe.auto_keys():
-        recipe = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction).recipe
-    shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    settings = settings_from_recipe(recipe, prof, shape.model_type, label_fraction=label_fraction)
-    return estimate(shape, settings, prof, margin=margin)
-
-
-def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = 0.05,
-                  label_fraction: float = 1.0, limit: int = 1 << 17) -> dict[str, Any]:
-    """``finetuner estimate`` for a resolved ``objective: grpo`` recipe: the GRPO step's peak over its
-    phases (:func:`finetuner.memory.grpo.grpo_estimate`: generation with its KV cache, the loss over the
-    group, the reference pass, the optimizer step), whether it fits ``gpu``'s budget, and the largest
-    ``max_new_tokens`` (group size held) and ``num_generations`` (length held) that fit it.
-    Returns ``{"memory": GrpoMemory, "budget_bytes", "device_bytes", "fits", "largest_max_new_tokens",
-    "largest_num_generations"}`` (the largest values None without a card, or when even 1 does not fit;
-    ``limit`` when the search reached it)."""
-    from finetuner.memory.grpo import grpo_estimate
-
-    shape = resolve_shape(recipe.model.name, recipe.model.revision)
-    settings = settings_from_recipe(recipe, gpu, shape.model_type, label_fraction=label_fraction)
-    card = gpu.memory_bytes if gpu is not None else None
-    g, top_p = grpo_settings_of(recipe, card), recipe.grpo.top_p < 1
-    mem = grpo_estimate(shape, settings, g, top_p=top_p)
-    budget = estimate(shape, settings, gpu, margin=margin).budget_bytes if gpu is not None else None
-    out: dict[str, Any] = {"memory": mem, "budget_bytes": budget, "device_bytes": card,
-                           "fits": mem.vllm_fits if budget is None else mem.fits(budget),
-                           "largest_max_new_tokens": None, "largest_num_generations": None}
-    if budget is not None:
-        big = grpo_largest(recipe, settings, shape, budget, limit, card_bytes=card)
-        out["largest_max_new_tokens"], out["largest_num_generations"] = big["max_new_tokens"], big["num_generations"]
-    return out
-
-
-def estimate_time(
-    recipe: Recipe | str | Path,
-    gpu: GpuProfile | str | None = None,
-    *,
-    shape: ModelShape | None = None,
-    label_fraction: float | None = None,
-    price_per_hour: float | None = None,
-    speed: DeviceSpeed | None = None,
-    currency: str | None = None,
-) -> dict[str, Any]:
-    """How long a resolved recipe's run takes on ``gpu``, and what it costs (``finetuner estimate``):
-    ``{"tokens_per_s", "step_s", "optimizer_steps", "steps_s", "wall_s", "wait", "cost", "price_per_hour",
-    "currency", "source", "parts_s", "upper_bound"}``: ``steps_s`` the optimizer steps alone, ``wall_s`` the
-    whole run (``wait``: :meth:`finetuner.planning.wait.Wait.to_dict`, by part: download, load, steps,
-    evaluations, checkpoints, samples, :func:`run_wait`), ``cost`` the whole run's at ``price_per_hour`` (in
-    ``currency``), ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted with its completions at
-    their longest, so the step takes at most ``step_s``. The optimizer steps are the run's own count
-    (:func:`run_optimizer_steps`: its ``max_steps``, else epochs over the data's training rows), None when the
-    data cannot be read here (and then so are ``steps_s``, ``wall_s``, ``wait`` and ``cost``)."""
-    from finetuner.config.hardware import cpu_profile
-    from finetuner.config.recipe import Recipe
-
-    if isinstance(recipe, (str, Path)):
-        recipe = Recipe.from_yaml(recipe)
-    if price_per_hour is not None and not price_per_hour >= 0:  # also NaN
-        raise UserError(f"{say(cli='--price-per-hour', ui='Price per hour')} {price_per_hour}: must be 0 or more.")
-    currency = check_currency(currency, price_per_hour)
-    prof = (get_gpu(gpu) if isinstance(gpu, str) else gpu) or cpu_profile()
-    if label_fraction is None:
-        label_fraction = label_fraction_of(recipe)
-    if recipe.auto_keys():
-        recipe = resolve_auto(recipe, prof, label_fraction=label_fraction).recipe
-    speed = speed or speed_for(prof)
-    batch = data_batch_of(recipe)
-    st = recipe_step_time(recipe, prof, speed, shape=shape, label_fraction=label_fraction, batch=batch)
-    steps = run_optimizer_steps(recipe)
-    wait = run_wait(recipe, prof, speed, st, steps, label_fraction, shape=shape)
-    return {"tokens_per_s": st.tokens_per_s, "step_s": st.step_s, "optimizer_steps": steps,
-            "steps_s": st.step_s * steps if steps else None, "wall_s": wait.wall_s if wait else None,
-            "wait": wait.to_dict() if wait else None, "price_per_hour": price_per_hour, "currency": currency,
-            "cost": cost_of(wait.wall_s if wait else None, price_per_hour), "source": speed.source, "parts_s": dict(st.parts),
-            "upper_bound": st.upper_bound, "padded_tokens_per_s": st.padded_tokens_per_s,
-            "lengths": lengths_text(recipe, batch)}
 
 
 def lengths_text(recipe: Recipe, batch: BatchShape | None) -> str:

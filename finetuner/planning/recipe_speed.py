@@ -41,9 +41,7 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     if getattr(recipe, "objective", "sft") == "grpo":
         s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
-        # the trainer's GRPO prediction wraps the loss phase's MemoryEstimate (activation offload reads it)
-        loss_est = est if est is None or hasattr(est, "offloaded_bytes") else getattr(getattr(est, "mem", None), "loss", None)
-        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=loss_est, top_p=recipe.grpo.top_p, prompts=batch)
+        return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
     if padding_free and not recipe.data.packing:
         s = s.with_(attention_mask=False)

@@ -171,46 +171,30 @@ class StepSchedule:
         return step / self.steps_per_epoch
 
 
-def predict_memory(recipe: Recipe, rt: Runtime, label_fraction: float = 1.0, objective=None):
-    """The memory model's prediction for this run on this device (the objective's term:
-    :meth:`finetuner.objectives.base.Objective.predict_memory`), or None if it cannot say."""
+def predict_run(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
+                loaded_as: tuple[bool, bool] | None = None):
+    """This run's :func:`finetuner.planning.predict.predict` on this device, with the trainer's runtime and its own
+    count of optimizer steps (what ``finetuner plan`` and ``estimate`` say of the recipe), or None if the models
+    cannot say. ``loaded_as``: whether the model was to be downloaded and converted when the run began
+    (:func:`finetuner.planning.wait.first_load`, recorded before the load)."""
     try:
         from finetuner.config.hardware import run_profile
-        from finetuner.memory.model import estimate, settings_from_recipe
-        from finetuner.model.shapes import resolve_shape
+        from finetuner.planning.predict import predict
 
-        gpu = run_profile(rt.device)
-        shape = resolve_shape(recipe.model.name, recipe.model.revision)
-        settings = settings_from_recipe(recipe, gpu, shape.model_type, runtime=rt).with_(label_fraction=label_fraction)
-        return objective.predict_memory(shape, settings, gpu) if objective is not None else estimate(shape, settings, gpu)
-    except Exception as e:  # an architecture the memory model does not know must not stop training
+        return predict(recipe, run_profile(rt.device), runtime=rt, label_fraction=label_fraction, steps=max_steps,
+                       loaded_as=loaded_as)
+    except Exception as e:  # noqa: BLE001 - an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None
 
 
-def predict_speed(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
-                  prediction: Any = None, batch: Any = None, loaded_as: tuple[bool, bool] | None = None) -> dict[str, Any] | None:
-    """The speed model's prediction for this run on this device (what ``finetuner plan`` and
-    ``estimate`` say for the recipe): ``tokens_per_s`` (real tokens, as the run counts them),
-    ``step_s``, ``total_s`` (the ``max_steps`` steps alone), ``wall_s`` and ``wait`` (the whole run by part:
-    :func:`finetuner.planning.planner.run_wait`), ``source``, ``data_lengths`` (whether ``batch``, the data's
-    average micro-batch, was known), ``upper_bound`` (GRPO: at the longest completions, the step takes at
-    most ``step_s``); None if it cannot say. ``loaded_as``: whether the model was to be downloaded and
-    converted when the run began (:func:`finetuner.planning.wait.first_load`, recorded before the load)."""
+def predicted_speed_of(prediction) -> dict[str, Any] | None:
+    """The start event's ``predicted_speed`` (:meth:`finetuner.planning.predict.Prediction.speed_dict`: tokens/s,
+    the step, the steps alone, the whole wait by part), or None if the speed model cannot say."""
+    if prediction is None:
+        return None
     try:
-        from finetuner.config.hardware import run_profile
-        from finetuner.planning.calibrate import speed_for
-        from finetuner.planning.planner import run_wait
-        from finetuner.planning.recipe_speed import recipe_step_time
-
-        gpu = run_profile(rt.device)
-        speed = speed_for(gpu)
-        st = recipe_step_time(recipe, gpu, speed, label_fraction=label_fraction, est=prediction, runtime=rt, batch=batch)
-        wait = run_wait(recipe, gpu, speed, st, max_steps, label_fraction, runtime=rt, loaded_as=loaded_as)
-        return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
-                "total_s": round(st.step_s * max_steps, 1), "wall_s": round(wait.wall_s, 2) if wait else None,
-                "wait": wait.to_dict() if wait else None, "source": st.source, "upper_bound": st.upper_bound,
-                "data_lengths": st.data_lengths}
+        return prediction.speed_dict()
     except Exception as e:  # noqa: BLE001 - a prediction must not stop training
         log.info("No speed prediction for this run: %s", e)
         return None
@@ -322,13 +306,13 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
-        from finetuner.planning.planner import data_batch_of, label_fraction_of
+        from finetuner.planning.planner import label_fraction_of
 
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
-        self.prediction = predict_memory(r, self.rt, label_fraction, self.objective)
+        predicted = predict_run(r, self.rt, self.max_steps, label_fraction, self.loaded_as)
+        self.prediction = predicted.memory if predicted is not None else None
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
-        self.predicted_speed = predict_speed(r, self.rt, self.max_steps, label_fraction, self.prediction, data_batch_of(r),
-                                             self.loaded_as)
+        self.predicted_speed = predicted_speed_of(predicted)
         gguf = info_for(r.model.name)
         self.events.emit(
             "start",

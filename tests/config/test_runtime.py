@@ -110,11 +110,11 @@ def test_a_profile_that_assumes_nothing_follows_what_is_installed_here(monkeypat
 
 def test_cpu_predictions_are_for_the_cpu_not_a_bf16_card():
     """Before: a CPU run's prediction was made for a bf16 CUDA card."""
-    from finetuner.training.trainer import predict_memory
+    from finetuner.training.trainer import predict_run
 
     recipe = Recipe.from_dict({**BASE, "model": {"name": "llama-3.2-1b"}, "device": "cpu"})
     rt = resolve(recipe, Device("cpu"))
-    est = predict_memory(recipe, rt)
+    est = predict_run(recipe, rt, max_steps=1).memory
     assert est.settings.platform == "cpu" and est.settings.weight_dtype == "fp32" and est.settings.compute_dtype == "fp32"
 
 

@@ -11,7 +11,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.memory.grpo import grpo_estimate, grpo_settings_of
 from finetuner.memory.model import settings_from_recipe
 from finetuner.model.shapes import resolve_shape
-from finetuner.planning.planner import estimate_grpo
+from finetuner.planning.predict import estimate_grpo
 from tests.conftest import REPO, run_cli
 
 DEMO = REPO / "recipes" / "demo_grpo_cpu.yaml"

@@ -53,7 +53,7 @@ def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective, extra
         held_out = next(r for r in planned["reasons"] if r.startswith("held out"))
         assert f"held out: {trainer.data.stats.val_examples} examples" in held_out  # examples, before any packing
         # one speed prediction in every front: the plan, `finetuner estimate` and the run's start event
-        from finetuner.planning.planner import estimate_time
+        from finetuner.planning.predict import estimate_time
 
         est = estimate_time(recipe, "cpu")
         assert est["optimizer_steps"] == trainer.max_steps == planned["optimizer_steps"]

@@ -13,7 +13,8 @@ from finetuner.memory.model import Settings, trainable_params
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning import wait
 from finetuner.planning.calibrate import load
-from finetuner.planning.planner import estimate_time, run_wait
+from finetuner.planning.planner import run_wait
+from finetuner.planning.predict import estimate_time
 from finetuner.planning.speed import StepTime, forward_seconds, step_time
 
 REPO = Path(__file__).resolve().parents[2]

@@ -477,12 +477,10 @@ def test_weights_that_do_not_fit_vllms_share_make_the_estimate_not_fit_and_say_w
 
 def test_the_trainers_prediction_passes_the_card(tiny_model_dir, tmp_path, monkeypatch):
     from finetuner.config.hardware import GpuProfile
-    from finetuner.memory.model import Settings
     from finetuner.model.shapes import resolve_shape
-    from finetuner.objectives import build_objective
+    from finetuner.planning.predict import predict
 
     StandIn(lambda *a: []).install(monkeypatch)
-    objective = build_objective(_recipe(tiny_model_dir, tmp_path, vllm_gpu_memory_utilization=0.25))
     gpu = GpuProfile(name="test-24", description="test", memory_bytes=24 * GiB)
-    pred = objective.predict_memory(resolve_shape("llama-3-8b"), Settings(method="lora", lora_r=8), gpu)
-    assert pred.to_dict()["components"]["vLLM share (gpu_memory_utilization × card)"] == int(0.25 * gpu.memory_bytes)
+    pred = predict(_recipe(tiny_model_dir, tmp_path, vllm_gpu_memory_utilization=0.25), gpu, shape=resolve_shape("llama-3-8b"))
+    assert pred.memory.to_dict()["components"]["vLLM share (gpu_memory_utilization × card)"] == int(0.25 * gpu.memory_bytes)

@@ -290,7 +290,7 @@ def test_paths_do_not_depend_on_the_working_directory(tmp_path, monkeypatch):
 
 def test_views_histogram_against_seq_len_and_memory():
     from finetuner.data.stats import DataProfile
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.planning.predict import estimate_recipe
     from ui import views
 
     prof = DataProfile("x", "alpaca", 4, [10, 50, 90, 300], 100, 450, "test")

@@ -51,7 +51,7 @@ def test_loss_chart_before_the_first_step_and_for_long_runs():
 # --------------------------------------------------------------------------- the memory chart
 def test_memory_chart_on_cpu_is_drawn_to_the_scale_of_the_peak():
     from finetuner.config.hardware import cpu_profile
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.planning.predict import estimate_recipe
 
     cpu = cpu_profile()
     est = estimate_recipe(str(REPO / "recipes" / "demo_cpu.yaml"), cpu)
@@ -72,7 +72,7 @@ def test_memory_chart_on_cpu_is_drawn_to_the_scale_of_the_peak():
 
 def test_memory_chart_on_a_gpu_shows_the_budget_to_scale():
     from finetuner.config.hardware import get_gpu
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.planning.predict import estimate_recipe
 
     gpu = get_gpu("rtx4090")
     est = estimate_recipe(str(REPO / "recipes" / "7b_4090.yaml"), gpu)
@@ -98,7 +98,7 @@ def planned_7b():
 def test_the_page_estimates_a_plan_as_the_planner_did(planned_7b):
     """One figure for one plan: the estimate under "Fits" is the planner's (the data's trained
     share of tokens counted), not estimate_recipe's every-token upper bound."""
-    from finetuner.planning.planner import estimate_recipe
+    from finetuner.planning.predict import estimate_recipe
     from ui.estimate import label_fraction, recipe_estimate
 
     p = planned_7b
@@ -131,7 +131,8 @@ def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
 def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
     """One formatter (planner.time_text): the UI's line is `finetuner estimate`'s opening, then the whole run's time."""
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.planner import estimate_text, estimate_time, format_duration
+    from finetuner.planning.planner import estimate_text, format_duration
+    from finetuner.planning.predict import estimate_time
 
     for name in ("demo_cpu.yaml", "demo_grpo_cpu.yaml"):
         t = estimate_time(Recipe.from_yaml(REPO / "recipes" / name), "cpu")
