@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from finetuner.errors import UserError
 from finetuner.config.recipe import Optimizer
 from finetuner.model.shapes import ModelShape, lora_param_count, lora_targets
+from finetuner.model.trace import TRACE_LORA_DROPOUT, TRACE_LORA_R
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -397,12 +398,13 @@ def _dtypes(s: Settings) -> _Dtypes:
     return _Dtypes(R=w, c=c if autocast else w, base="nf4" if s.quant_bits == 4 else "int8", autocast=autocast)
 
 
-def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, float]]:
+def layer_activation_terms(shape: ModelShape, s: Settings, traced: bool = True) -> list[tuple[str, float]]:
     """What one decoder layer saves for backward, as ``(what, bytes per token)``.
 
     Multiply by ``micro_batch * seq_len`` for bytes. A tensor shared by several consumers is
     listed once. Symbols: ``h`` hidden, ``q``/``kv`` the query and key/value widths,
     ``i`` the MLP width, ``R``/``c`` the residual and compute element sizes (see module doc).
+    ``traced``: with the layer's trace's excess over these named terms (:func:`traced_excess`) as one more term.
     """
     d = _dtypes(s)
     h, q, kv, i, nh, r = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size, shape.num_heads, s.lora_r
@@ -533,7 +535,31 @@ def layer_activation_terms(shape: ModelShape, s: Settings) -> list[tuple[str, fl
         terms += [(f"{n}{_CHUNK_SUFFIX}", b * frac) for n, b in mlp if n != held]
     if shape.norms_per_layer == 4:
         norm("post-MLP norm", d.base == "trainable")
+    if traced:
+        extra = traced_excess(shape, s)
+        if extra > 0:
+            terms.append(("saved beyond the terms above (the layer's trace, at fp32)", extra))
     return terms
+
+
+#: the settings the layer's trace runs under (:mod:`finetuner.model.trace`): LoRA all-linear, fp32, the CPU
+TRACE_SETTINGS = Settings(method="lora", weight_dtype="fp32", compute_dtype="fp32", platform="cpu", lora_r=TRACE_LORA_R,
+                          lora_dropout=TRACE_LORA_DROPOUT, attn_implementation="sdpa")
+
+
+def traced_excess(shape: ModelShape, s: Settings) -> float:
+    """Bytes per token that a decoder layer saves for backward beyond the terms :func:`layer_activation_terms` names:
+    the layer's own trace (:attr:`ModelShape.trace`, read from the model on the meta device) at ``s.seq_len`` less
+    the named terms under the trace's settings (:data:`TRACE_SETTINGS`), never below 0. Zero for the families the
+    terms were written for (the census shows them equal to the trace); a family's own dropout, LayerNorm
+    statistics, a learned activation's saved inputs or an attention it materialises are what it adds. Kept at the
+    trace's fp32: an upper bound under bf16 autocast (what autocast would halve, the trace cannot tell)."""
+    if shape.trace is None:
+        return 0.0
+    tokens = s.seq_len
+    named = sum(b for _, b in layer_activation_terms(shape, TRACE_SETTINGS.with_(seq_len=tokens), traced=False))
+    a, b, c = shape.trace
+    return max(0.0, (a + b * tokens + c * tokens * tokens) / tokens - named)
 
 
 def _expert_terms(shape: ModelShape, s: Settings, d: _Dtypes, m1: int, consumers) -> list[tuple[str, float]]:

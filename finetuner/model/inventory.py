@@ -7,30 +7,20 @@ linear layers in each (what LoRA can target), fused expert weights (3-D paramete
 output layer and whether it is tied to the embeddings. Layers that differ from the others (the dense first
 layers of a mixture of experts, the state-space layers of a hybrid) are listed as kinds of their own.
 
-Building needs torch and transformers (some 10 s of imports). The result depends only on the config and the
-installed transformers, so it is cached as JSON under ``<cache>/models/`` (:func:`finetuner.fileio.cache_root`).
-The models finetuner names (its presets) and ships (``data/demo_model``) come read already:
-``finetuner/model/inventories.json`` holds their inventories as the pinned transformers builds them
-(written by ``python -m scripts.dev.read_models``; ``tests/model/test_inventory.py`` reads every one again with
-the installed transformers and fails on any difference), so ``finetuner plan`` on a preset imports neither.
+Building needs torch and transformers (some 10 s of imports); :mod:`finetuner.model.reading` adds the layer's
+trace and caches the result (and ships the presets' read already).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, first_line
-from finetuner.fileio import atomic_write_json, cache_root
 
-#: bump when what :func:`read_inventory` stores changes
-FORMAT_VERSION = 9
-#: inventories of the models finetuner names or ships, by :func:`config_key` (see the module's docstring)
-PACKAGED = Path(__file__).with_name("inventories.json")
+#: bump when what :func:`finetuner.model.reading.read_inventory` stores changes
+FORMAT_VERSION = 10
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -103,6 +93,10 @@ class Inventory:
     #: peft turns LoRA targets named like transformers 4's expert linears into LoRA on the fused experts for
     #: this family (:func:`peft_renames`)
     peft_renames: bool = False
+    #: what the first decoder layer saves for backward, traced (:func:`finetuner.model.trace.trace_layer`) as
+    #: ``(constant, per_token, per_token2)`` bytes; None when it cannot be traced (``trace_note`` says why)
+    trace: tuple[float, float, float] | None = None
+    trace_note: str | None = None
 
     @property
     def uniform(self) -> bool:
@@ -113,7 +107,7 @@ class Inventory:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Inventory:
+    def from_dict(cls, d: dict[str, Any]) -> Inventory:  # noqa: D102
         kinds = tuple(
             LayerKind(
                 linears=tuple(LayerLinear(**lin) for lin in k["linears"]),
@@ -126,7 +120,8 @@ class Inventory:
             )
             for k in d["kinds"]
         )
-        return cls(**{**d, "kinds": kinds, "root_linears": tuple(d.get("root_linears", ()))})
+        trace = tuple(d["trace"]) if d.get("trace") is not None else None
+        return cls(**{**d, "kinds": kinds, "root_linears": tuple(d.get("root_linears", ())), "trace": trace})
 
 
 def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -319,8 +314,8 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
 
 
 def inventory_of(cfg: dict[str, Any]) -> Inventory:
-    """Build the causal LM transformers builds for ``cfg`` on meta and list it (no cache: :func:`read_inventory`
-    caches). For an image-text-to-text checkpoint that is what training loads: the language model with its vision
+    """Build the causal LM transformers builds for ``cfg`` on meta and list it (no trace and no cache:
+    :func:`finetuner.model.reading.read_inventory` adds both). For an image-text-to-text checkpoint that is what training loads: the language model with its vision
     tower and projector beside it (their parameters are ``other``, their linears :attr:`Inventory.root_linears`)."""
     text_cfg, outer = language_config(cfg)
     model = build_on_meta(cfg if outer else text_cfg)
@@ -350,52 +345,3 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
                            if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
                            and m is not model.get_output_embeddings()),
     )
-
-
-def _digest(blob: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def _config_only(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg.items() if k not in ("_name_or_path", "_aliases")}
-
-
-def config_key(cfg: dict[str, Any]) -> str:
-    """The key of a config in :data:`PACKAGED`: the config (where it came from left out) and the format."""
-    return _digest({"cfg": _config_only(cfg), "format": FORMAT_VERSION})
-
-
-def _key(cfg: dict[str, Any]) -> str:
-    """The cache key: the config and the installed transformers' version (read from its metadata: a cached
-    inventory costs no import of transformers)."""
-    from importlib.metadata import version
-
-    return _digest({"cfg": _config_only(cfg), "transformers": version("transformers"), "format": FORMAT_VERSION})
-
-
-@functools.cache
-def packaged() -> dict[str, Any]:
-    """:data:`PACKAGED`: ``{"transformers": version read with, "models": {config_key: {"name", "inventory"}}}``."""
-    try:
-        return json.loads(PACKAGED.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # not written yet (scripts.dev.read_models writes it): every model is built
-        return {"transformers": None, "models": {}}
-
-
-def read_inventory(cfg: dict[str, Any]) -> Inventory:
-    """:func:`inventory_of`: packaged for the models finetuner names or ships, else cached under
-    ``<cache>/models/`` by the config and the transformers version."""
-    stored = packaged()["models"].get(config_key(cfg))
-    if stored is not None:
-        return Inventory.from_dict(stored["inventory"])
-    path = cache_root() / "models" / f"inventory-{_key(cfg)}.json"
-    try:
-        return Inventory.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    inv = inventory_of(cfg)
-    try:
-        atomic_write_json(path, inv.to_dict())
-    except OSError:  # a read-only cache folder: the next plan builds it again
-        pass
-    return inv

@@ -371,3 +371,33 @@ def _counts(inv: Inventory, found) -> dict[str, int]:
                 c["attention" if is_attention_role(role) else "mlp"] += n
     c["total"] = inv.params["total"]
     return c
+
+
+def all_linear_targets(model):
+    """``all-linear`` for peft: as it is for a dense model of plain linear layers; else the paths
+    :func:`finetuner.model.layout.all_linear_paths` names (a mixture of experts: its attention's linears; never
+    a Linear subclass with a forward of its own), what the memory model counts."""
+    import re
+
+    import torch
+
+    from finetuner.model.experts4bit import is_mixture_of_experts
+    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
+    found, root = [], False
+    head = base.get_output_embeddings()
+    for name, mod in base.named_modules():
+        if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
+            continue
+        inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
+        if inner:
+            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
+        else:
+            root = True
+    paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root)
+    if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
+        return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
+    return paths

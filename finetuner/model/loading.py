@@ -13,6 +13,7 @@ from typing import Any
 from finetuner.errors import UserError, first_line
 from finetuner.locate import check_hub
 from finetuner.model import gguf_base
+from finetuner.model.layout import all_linear_targets
 from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime
@@ -255,8 +256,14 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
     if place is not None:
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
+    stored = _stored_config(m.name, m.revision)  # read once for the checks below
+    if quant is None and _stored_method(stored) == "mxfp4":
+        # gpt-oss's published experts: dequantized as they load (to the recipe's dtype), as a GGUF base is; kept
+        # in MXFP4 the triton kernels transformers would pick train nothing through them
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if quant is not None:
-        stored = _stored_config(m.name, m.revision)  # read once for the two checks below
         _refuse_prequantized(stored, m.name)
         kwargs["quantization_config"] = quant
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
@@ -369,22 +376,28 @@ def _stored_config(name: str, revision: str | None) -> dict[str, Any] | None:
         return None
 
 
+def _stored_method(cfg: dict[str, Any] | None) -> str | None:
+    """How a checkpoint's weights are stored quantized (``quantization_config.quant_method``), None in 16 bits."""
+    return ((cfg or {}).get("quantization_config") or {}).get("quant_method")
+
+
 def _refuse_prequantized(cfg: dict[str, Any] | None, name: str) -> None:
     """A checkpoint stored quantized by another method (gpt-oss's MXFP4) cannot be loaded into bitsandbytes'
     4-bit: say so before any weight is read."""
-    method = ((cfg or {}).get("quantization_config") or {}).get("quant_method")
+    method = _stored_method(cfg)
     if method and method != "bitsandbytes":
         raise UserError(
             f"model.name: '{name}' is stored quantized ({method}); QLoRA quantizes a 16-bit checkpoint with "
             "bitsandbytes and cannot load this one.",
-            hint="Train with method: lora on it, or give a bf16 copy of it (for MXFP4: load it with transformers' "
-                 "Mxfp4Config(dequantize=True) and save_pretrained).")
+            hint="Train with method: lora on it (an MXFP4 checkpoint is dequantized as it loads), or give a bf16 copy of "
+                 "it (for MXFP4: load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained).")
 
 
 def experts_in_cpu_memory(cfg: dict[str, Any]) -> dict[str, str]:
     """``{experts module path: "cpu"}`` for a mixture of experts (``cfg``: its ``config.json``; the model built
     on meta, :mod:`finetuner.model.inventory`); empty for a dense model or an image-text-to-text one."""
-    from finetuner.model.inventory import language_config, read_inventory
+    from finetuner.model.inventory import language_config
+    from finetuner.model.reading import read_inventory
 
     try:
         if language_config(cfg)[1]:
@@ -394,38 +407,6 @@ def experts_in_cpu_memory(cfg: dict[str, Any]) -> dict[str, str]:
         return {}
     return {f"{inv.layers_path}.{i}.{path.rsplit('.', 1)[0]}": "cpu"
             for kind in inv.kinds for i in kind.indices for path in dict(kind.experts) if path.endswith("down_proj")}
-
-
-def all_linear_targets(model):
-    """``all-linear`` for peft: as it is for a dense model of plain linear layers; else the paths
-    :func:`finetuner.model.layout.all_linear_paths` names (a mixture of experts: its attention's linears; never
-    a Linear subclass with a forward of its own), what the memory model counts."""
-    import re
-
-    import torch
-
-    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames
-    from finetuner.model.layout import all_linear_paths
-
-    from finetuner.model.experts4bit import is_mixture_of_experts
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
-    found, root = [], False
-    head = base.get_output_embeddings()
-    for name, mod in base.named_modules():
-        if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
-            continue
-        inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
-        if inner:
-            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
-        else:
-            root = True
-    paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root)
-    if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
-        return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
-    return paths
 
 
 def _training_mode(model):

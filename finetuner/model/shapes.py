@@ -116,6 +116,9 @@ class ModelShape:
     max_position_embeddings: int = 4096
     hub_id: str | None = None
     source: str = "config"  # "preset", "local", "gguf", "hub" or "config"
+    #: what one decoder layer saves for backward, traced from the model (:mod:`finetuner.model.trace`) as
+    #: ``(constant, per_token, per_token2)`` bytes at fp32 under LoRA; None where it cannot be traced
+    trace: tuple[float, float, float] | None = None
     #: the norms' parameters in one decoder layer when read from the model (:mod:`finetuner.model.inventory`):
     #: LayerNorm biases, q/k norms over the whole width; None: ``norms_per_layer`` x hidden (+ the q/k norms)
     layer_norm_params: int | None = None
@@ -356,12 +359,13 @@ def lora_param_count(
 
 # ---------------------------------------------------------------------- configs
 def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelShape:
-    """The :class:`ModelShape` of a ``config.json`` dict, read from the model transformers builds for ``cfg`` (:func:`finetuner.model.inventory.read_inventory`): any family whose decoder layers are
+    """The :class:`ModelShape` of a ``config.json`` dict, read from the model transformers builds for ``cfg`` (:func:`finetuner.model.reading.read_inventory`): any family whose decoder layers are
     attention (q, k, v, o or a fused qkv, under any of the names :mod:`finetuner.model.layout` knows) and an MLP
     (gate, up, down; a fused gate_up; or up, down) or routed experts (fused expert tensors, a router, optional
     shared experts), with any norms. Layers that differ (the dense first layers of a mixture of experts) are
     counted each as it is. Other layouts are refused in one line that says what differs."""
-    from finetuner.model.inventory import language_config, read_inventory
+    from finetuner.model.inventory import language_config
+    from finetuner.model.reading import read_inventory
     from finetuner.model.layout import LayoutError, read_layout
 
     text_cfg, outer = language_config(cfg)
@@ -422,6 +426,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         attention_extras=lay.attention_extras,
         all_linear=lay.all_linear,
         text_only_of=outer,
+        trace=inv.trace,
     )
     if not lay.standard:  # other names, or layers that differ: the linears and their roles as read
         shape = replace(shape, linears=tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.bias, ix)

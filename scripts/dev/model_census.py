@@ -132,6 +132,7 @@ def census_row(model_type: str, tok, work: Path) -> dict:
         chat = finetuner.load_chat_model(result.run_dir, device="cpu")
         chat.reply([{"role": "user", "content": PROMPT}], max_new_tokens=4)
         row.update(status="supported", params=shape.num_params)
+        row["traced"] = _traced(cfg, shape)
     except UserError as e:
         row.update(status="refused", step=step, reason=e.message)
     except Exception as e:  # noqa: BLE001 - a crash is recorded as one, with its place
@@ -141,6 +142,20 @@ def census_row(model_type: str, tok, work: Path) -> dict:
                           f"({Path(tb.filename).name}:{tb.lineno})")
     row["seconds"] = round(time.monotonic() - began, 1)
     return row
+
+
+def _traced(cfg: dict, shape) -> str:
+    """The memory model's activation terms against the layer's own trace (:mod:`finetuner.memory.trace`), in
+    words: the formula's error in percent, or why the layer was not traced."""
+    from finetuner.memory.trace_check import compare
+
+    if shape.experts is not None:
+        return "not traced (routing by value)"
+    try:
+        c = compare(cfg, shape)
+    except Exception as e:  # noqa: BLE001 - a check: a layer it cannot run is said, never a refusal
+        return f"not traced: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    return f"{c['error_pct']:+.1f} %"
 
 
 def _tokenizer():
@@ -171,15 +186,19 @@ def write_table(rows: list[dict]) -> str:
         "inside. Every layout is read from the model transformers builds (finetuner/model/inventory.py, "
         "finetuner/model/layout.py); \"GPU runs\": the family's training runs whose peak memory was measured on a GPU "
         "and is replayed by the tests (docs/validation, docs/memory.md); the other families' memory terms are those "
-        "of the measured ones.",
+        "of the measured ones. \"activations vs trace\": the memory model's named activation terms of one decoder "
+        "layer (LoRA, fp32, 256 tokens) against what the layer itself saves for backward, traced on the meta device "
+        "(finetuner/model/trace.py; negative: the terms name less, and the memory model adds the difference from the "
+        "trace, finetuner/memory/model.py's traced_excess); a mixture of experts routes by value, which the meta "
+        "device cannot run, and some layers need inputs the trace does not give (ALiBi biases).",
         "",
-        "| model type | status | GPU runs | reason |",
-        "|---|---|---|---|",
+        "| model type | status | GPU runs | activations vs trace | reason |",
+        "|---|---|---|---|---|",
     ]
     order = {"supported": 0, "refused": 1, "outside": 2}
     for r in sorted(rows, key=lambda r: (order[r["status"]], r["model_type"])):
         reason = (f"{r.get('step', '')}: " if r["status"] == "refused" else "") + r.get("reason", "")
-        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('gpu_rows') or ''} | {reason.replace('|', '/')} |")
+        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('gpu_rows') or ''} | {r.get('traced', '')} | {reason.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,7 +241,7 @@ def main(argv: list[str]) -> int:
         for mt in types:
             row = census_row(mt, tok, Path(tmp))
             rows.append(row)
-            print(f"{row['status']:9} {mt:28} {row.get('gpu_rows', ''):3} {row.get('step', '')} {row.get('reason', '')[:150]}",
+            print(f"{row['status']:9} {mt:28} {row.get('gpu_rows', ''):3} {row.get('traced', ''):12} {row.get('step', '')} {row.get('reason', '')[:150]}",
                   flush=True)
     if not argv:
         DOC.write_text(write_table(rows), encoding="utf-8")

@@ -1,8 +1,8 @@
 """Read the models finetuner names or ships from themselves, once, into the package.
 
 Every preset (``finetuner/model/presets/*.json``) and the shipped demo model (``data/demo_model``) is built on
-the meta device with the installed transformers and listed (:func:`finetuner.model.inventory.inventory_of`);
-the lists go to ``finetuner/model/inventories.json``, which :func:`finetuner.model.inventory.read_inventory`
+the meta device with the installed transformers and listed (:func:`finetuner.model.reading.read_model`: the inventory and the first layer's trace);
+the lists go to ``finetuner/model/inventories.json``, which :func:`finetuner.model.reading.read_inventory`
 answers from, so ``finetuner plan`` on a preset needs neither torch nor transformers. Run it after adding a preset
 or moving the transformers pin; ``tests/model/test_inventory.py`` fails while the file differs from what the
 installed transformers builds.
@@ -31,17 +31,17 @@ def shipped_configs() -> dict[str, dict[str, Any]]:
 
 
 def read_all() -> dict[str, Any]:
-    from finetuner.model.inventory import config_key, inventory_of
+    from finetuner.model.reading import config_key, read_model
 
     models = {}
     for name, cfg in shipped_configs().items():
-        models[config_key(cfg)] = {"name": name, "inventory": inventory_of(cfg).to_dict()}
+        models[config_key(cfg)] = {"name": name, "inventory": read_model(cfg).to_dict()}
     return {"transformers": version("transformers"), "models": dict(sorted(models.items(), key=lambda kv: kv[1]["name"]))}
 
 
 def main() -> None:
     from finetuner.fileio import atomic_write_json
-    from finetuner.model.inventory import PACKAGED
+    from finetuner.model.reading import PACKAGED
 
     data = read_all()
     atomic_write_json(PACKAGED, data)

@@ -77,10 +77,18 @@ def test_published_table_is_the_replay():
 
 def test_the_report_runs_without_torch():
     """The replay is arithmetic on the records: the report command imports neither torch nor transformers."""
-    code = ("import runpy, sys; sys.argv = ['memory', '--report', 'docs/validation', '--again']; "
-            "runpy.run_module('scripts.validate.memory', run_name='__main__'); "
-            "heavy = sorted({'torch', 'transformers', 'bitsandbytes', 'peft'} & set(sys.modules)); "
-            "assert not heavy, heavy")
+    code = ("import runpy, sys, traceback, builtins\n"
+            "first = []\n"
+            "real = builtins.__import__\n"
+            "def spy(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('torch', 'transformers') and not first:\n"
+            "        first.append(''.join(traceback.format_stack(limit=30)))\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = spy\n"
+            "sys.argv = ['memory', '--report', 'docs/validation', '--again']\n"
+            "runpy.run_module('scripts.validate.memory', run_name='__main__')\n"
+            "heavy = sorted({'torch', 'transformers', 'bitsandbytes', 'peft'} & set(sys.modules))\n"
+            "assert not heavy, (heavy, first)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("| model | config |") and "Rows: " in out.stdout

@@ -42,8 +42,8 @@ def test_a_row_comes_out_again_as_recorded(model_type, recorded, tmp_path):
     """A supported family measured on a GPU, one that was not, a mixture of experts, a refused one, one outside."""
     row = model_census.census_row(model_type, model_census._tokenizer(), tmp_path)
     was = next(r for r in recorded["rows"] if r["model_type"] == model_type)
-    assert (row["status"], row.get("gpu_rows"), row.get("step"), row.get("reason")) == \
-        (was["status"], was.get("gpu_rows"), was.get("step"), was.get("reason"))
+    assert (row["status"], row.get("gpu_rows"), row.get("traced"), row.get("step"), row.get("reason")) == \
+        (was["status"], was.get("gpu_rows"), was.get("traced"), was.get("step"), was.get("reason"))
 
 
 def test_the_readmes_model_list_is_the_tables(recorded):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+from pathlib import Path
+
 import pytest
 
 from finetuner.model.tiny import tiny_config
@@ -138,3 +140,78 @@ def test_the_mixtures_of_experts_of_2026_plan_to_fit_a_24gb_card_with_4bit_exper
     assert any("expert weights are held in 4-bit on the GPU; loading reads them into CPU memory" in n for n in plan.notes)
     assert "active)" in plan.shape.describe()
     assert any("stored in mxfp4" in n for n in plan.notes) == (model == "gpt-oss-20b")
+
+
+def _mxfp4_checkpoint(folder):
+    """A tiny gpt-oss saved as openai/gpt-oss-20b is published: its experts as MXFP4 blocks and scales (random
+    4-bit codes, exponents around 2^0), everything else in 16 bits; and the experts that layout dequantizes to."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "data" / "demo_model"))
+    cfg = AutoConfig.for_model("gpt_oss", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=256, sliding_window=16,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    expected = {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, cols_out = state.pop(key).shape  # stored [experts, in, out]; MXFP4 rows are the outputs
+        blocks = torch.randint(0, 256, (e, cols_out, rows_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(125, 130, (e, cols_out, rows_in // 32), dtype=torch.uint8, generator=g)
+        state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
+        expected[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    tok.save_pretrained(folder)
+    return expected
+
+
+def test_lora_of_a_checkpoint_stored_in_mxfp4_dequantizes_its_experts_as_they_load_and_trains(tmp_path, monkeypatch):
+    """gpt-oss as published (MXFP4 experts): a LoRA run loads the experts dequantized to the recipe's dtype, the
+    values the MXFP4 codes hold, and trains. The loader asks for the dequantization itself: on a GPU with triton's
+    MXFP4 kernels transformers would otherwise keep the experts packed (here, with no kernels, it would dequantize
+    on its own)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    asked = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: asked.append(k.get("quantization_config")) or real(cls, *a, **k)))
+
+    import finetuner
+    from finetuner.config.recipe import Recipe
+    from finetuner.config.runtime import Runtime
+    from finetuner.model.loading import load_base_model
+    from tests.conftest import alpaca_rows
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    expected = _mxfp4_checkpoint(folder)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(alpaca_rows(8)), encoding="utf-8")
+    raw = {"name": "t", "model": {"name": str(folder)}, "device": "cpu", "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+           "data": {"path": str(data), "max_seq_len": 32, "val_size": 0}, "output_dir": str(tmp_path / "run"),
+           "training": {"max_steps": 2, "micro_batch_size": 2, "gradient_accumulation": 1, "lr": 1e-3}}
+    model = load_base_model(Recipe.from_dict(raw), Runtime("cpu", "fp32", "fp32", "fp32"))
+    assert asked and asked[0].quant_method == "mxfp4" and asked[0].dequantize is True
+    for key, want in expected.items():
+        got = model.get_parameter(key)
+        assert got.dtype == torch.float32 and torch.equal(got.detach(), want), key
+    result = finetuner.train(Recipe.from_dict(raw))
+    assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from finetuner.errors import UserError
-from finetuner.model import inventory
+from finetuner.model import reading
 from finetuner.model.shapes import SUPPORTED_MODEL_TYPES, lora_param_count, resolve_shape, shape_from_config
 from finetuner.model.tiny import tiny_config
 from tests.conftest import cli_in_process
@@ -63,7 +63,7 @@ def test_the_shipped_inventories_are_what_transformers_builds():
     preset and the demo model read again now; after a new preset or pin: `python -m scripts.dev.read_models`."""
     from scripts.dev.read_models import read_all
 
-    stored, now = inventory.packaged(), read_all()
+    stored, now = reading.packaged(), read_all()
     assert {v["name"] for v in stored["models"].values()} == {v["name"] for v in now["models"].values()}, \
         "a preset was added or removed: run `python -m scripts.dev.read_models`"
     for key, entry in now["models"].items():
@@ -71,7 +71,7 @@ def test_the_shipped_inventories_are_what_transformers_builds():
 
 
 def test_a_preset_is_answered_from_the_shipped_inventory(monkeypatch):
-    monkeypatch.setattr(inventory, "inventory_of", lambda cfg: pytest.fail("built a preset's model again"))
+    monkeypatch.setattr(reading, "read_model", lambda cfg: pytest.fail("built a preset's model again"))
     assert resolve_shape("qwen3-30b-a3b").experts.count == 128
 
 
@@ -79,7 +79,7 @@ def test_every_preset_reads_as_it_is_written():
     from finetuner.model.shapes import _presets
 
     for name, cfg in _presets().items():
-        inv = inventory.read_inventory(cfg)
+        inv = reading.read_inventory(cfg)
         shape = resolve_shape(name)
         assert inv.uniform and inv.params["total"] == shape.num_params, name
         assert {k: inv.params[k] for k in ("embeddings", "attention", "mlp", "lm_head")} == \
@@ -137,10 +137,10 @@ def test_a_layout_the_memory_model_does_not_describe_is_refused_in_one_line(mode
 
 def test_the_inventory_is_built_once_per_config(tok, monkeypatch):
     cfg = _tiny("granite", tok)
-    first = inventory.read_inventory(cfg)
-    monkeypatch.setattr(inventory, "inventory_of", lambda cfg: pytest.fail("built again"))
-    assert inventory.read_inventory(cfg) == first
-    assert inventory._key(cfg) != inventory._key({**cfg, "num_hidden_layers": 3})
+    first = reading.read_inventory(cfg)
+    monkeypatch.setattr(reading, "read_model", lambda cfg: pytest.fail("built again"))
+    assert reading.read_inventory(cfg) == first
+    assert reading._key(cfg) != reading._key({**cfg, "num_hidden_layers": 3})
 
 
 def test_an_mlp_without_a_gate_has_two_linears_and_its_own_activation_terms(tok):

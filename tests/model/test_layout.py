@@ -54,7 +54,7 @@ def test_the_roles_of_gpt2s_conv1d_layers():
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_a_mixture_of_experts_is_counted_and_its_lora_is_the_attention_finetuner_targets(model_type):
-    from finetuner.model.loading import all_linear_targets
+    from finetuner.model.layout import all_linear_targets
 
     shape, model = _counted(model_type)
     experts = {n: p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
@@ -116,7 +116,7 @@ def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type)
     """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections
     (glm4_moe_lite, DeepSeek-V3), DeepSeek-V4's grouped output, layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
     from finetuner.memory.model import Settings, layer_activation_terms
-    from finetuner.model.loading import all_linear_targets
+    from finetuner.model.layout import all_linear_targets
 
     shape, model = _counted(model_type)
     if model_type != "mimo_v2_flash":
@@ -130,7 +130,7 @@ def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type)
 def test_a_linear_with_a_forward_of_its_own_is_frozen_and_never_a_lora_target():
     """DeepSeek-V4's grouped o_a_proj is a Linear subclass that uses its weight its own way: peft's LoRA
     wrapper crashed its forward. It is counted, held frozen, and left out of all-linear on both sides."""
-    from finetuner.model.loading import all_linear_targets
+    from finetuner.model.layout import all_linear_targets
 
     cfg = tiny_config("deepseek_v4", 400)
     shape = shape_from_config(cfg, name="deepseek_v4")

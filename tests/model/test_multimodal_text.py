@@ -23,7 +23,7 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
 
     import finetuner
     from finetuner.config.recipe import Recipe
-    from finetuner.model.loading import all_linear_targets
+    from finetuner.model.layout import all_linear_targets
     from finetuner.model.tiny_llama import train_bpe_tokenizer
     from tests.conftest import alpaca_rows, corpus
 

@@ -1,0 +1,151 @@
+"""What one decoder layer saves for backward, traced from the model itself: a check of the memory model's terms.
+
+The memory model's activation terms (:func:`finetuner.memory.model.layer_activation_terms`) are written from
+transformers' forward code and measured on a GPU for Llama (docs/memory.md). For every other family they are
+applied to the layout read from the model, which can miss what a family's layer saves beyond it (an extra norm,
+a gate, a cast). This module asks the model instead: the causal LM is built on the ``meta`` device (no weight
+takes memory), LoRA is applied as the trainer applies it (peft, ``all-linear``), and one forward of a decoder
+layer runs under :func:`torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps for
+backward; each storage is counted once and parameters are left out. Two lengths give bytes = a + b·T.
+
+What tracing on ``meta`` cannot see is stated, not guessed:
+
+* the attention kernel: on ``meta`` SDPA falls back to its math path (a T x T matrix); the trace runs the
+  attention through :class:`FlashLikeAttention` instead, which saves what FlashAttention-2 and PyTorch's
+  flash kernels save (q, k, v, the output and the fp32 log-sum-exp), the kernel the trainer runs without a
+  mask;
+* the device: the trace runs in fp32 without autocast, the CPU's semantics (``Settings(platform="cpu")``);
+  CUDA's autocast copies and bitsandbytes' layers are the formula's alone;
+* routing: a mixture of experts picks its tokens' experts by value (data-dependent shapes, which ``meta``
+  cannot run), so an MoE layer is not traced.
+
+The inventory keeps each model's trace (:attr:`finetuner.model.inventory.Inventory.trace`); the memory model adds
+what the trace holds beyond its named terms (:func:`finetuner.memory.model.traced_excess`), and
+``python -m scripts.dev.model_census`` compares the two for every supported family (docs/models.md's
+"activations vs trace" column); ``tests/memory/test_trace.py`` holds the families of the common layout to it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+#: the attention implementation the trace registers (transformers' AttentionInterface)
+TRACE_ATTENTION = "finetuner_trace_flash"
+#: the lengths the trace runs at (tokens, micro-batch 1): three, so a layer that materialises its attention
+#: (T x T) is fitted exactly as a + b·T + c·T²
+LENGTHS = (64, 128, 256)
+#: the LoRA the trace applies (the settings :func:`finetuner.memory.model.traced_excess` compares it under)
+TRACE_LORA_R, TRACE_LORA_DROPOUT = 16, 0.05
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """Bytes one decoder layer saves for backward, fitted through :data:`LENGTHS`: ``constant`` + ``per_token``·T +
+    ``per_token2``·T² (``per_token2`` > 0 only where the layer materialises its attention)."""
+
+    constant: float
+    per_token: float
+    per_token2: float = 0.0
+
+    def at(self, tokens: int) -> float:
+        return self.constant + self.per_token * tokens + self.per_token2 * tokens * tokens
+
+
+def _flash_like():
+    import torch
+
+    class FlashLikeAttention(torch.autograd.Function):
+        """Stands in for a flash kernel on ``meta``: the output's shape, and exactly what the kernel saves."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def attention(module, query, key, value, attention_mask, **kwargs: Any):
+        out = FlashLikeAttention.apply(query, key, value)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    if TRACE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(TRACE_ATTENTION, _flash_like())
+
+
+def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: float = TRACE_LORA_DROPOUT,
+                layer_index: int = 0, model: Any = None) -> LayerTrace:
+    """Trace decoder layer ``layer_index`` of the model ``cfg`` (a ``config.json`` dict) under LoRA ``all-linear`` (the trainer's
+    paths, :func:`finetuner.model.layout.all_linear_targets`) at :data:`LENGTHS`; raises RuntimeError when the layer cannot run on ``meta`` (say, an MoE's routing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from finetuner.model.inventory import build_on_meta, decoder_layers, language_config
+    from finetuner.model.layout import all_linear_targets
+
+    _register()
+    text_cfg, outer = language_config(cfg)
+    model = model if model is not None else build_on_meta(cfg if outer else text_cfg)  # a model given is changed
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        config._attn_implementation = TRACE_ATTENTION
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"  # grouped_mm takes bf16 only; the trace runs in fp32
+        for sub in ("text_config", "language_config"):
+            if hasattr(config, sub):
+                getattr(config, sub)._attn_implementation = TRACE_ATTENTION
+    model = model.float()
+    with warnings.catch_warnings():  # peft asks the model about checkpointing by a name transformers deprecates
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout,
+                                                      target_modules=all_linear_targets(model)))  # as the trainer names them
+    peft_model.train()
+    _, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
+    layer = layers[layer_index]
+    inner = next((m for m in model.modules() if hasattr(m, "rotary_emb") and m is not layer), None)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    hidden = int(model.get_input_embeddings().embedding_dim)
+    totals: dict[int, int] = {}
+    for n in LENGTHS:
+        x = torch.empty(1, n, hidden, device="meta", requires_grad=True)
+        pos = torch.arange(n, device="meta")[None]
+        kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+        if inner is not None:
+            layer_types = getattr(inner.config, "layer_types", None)
+            if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters and layer_types:
+                kwargs["position_embeddings"] = inner.rotary_emb(x, pos, layer_types[layer_index])  # Gemma 3's per type
+            else:
+                kwargs["position_embeddings"] = inner.rotary_emb(x, pos)
+        seen: dict[int, int] = {}
+        # the rotary cos/sin are made once for all layers (the model's forward), not by a layer
+        shared = params | {t.untyped_storage()._cdata for t in (kwargs.get("position_embeddings") or ())}
+
+        def pack(t, seen=seen, shared=shared):
+            storage = t.untyped_storage()
+            if storage._cdata not in shared:  # the layer's input counts: the residual sum before it saves nothing
+                seen[storage._cdata] = storage.nbytes()
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                layer(x, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a layer meta cannot run: say why, in one line
+            raise RuntimeError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]) from None
+        totals[n] = sum(seen.values())
+    (t1, t2, t3), (y1, y2, y3) = LENGTHS, (totals[n] for n in LENGTHS)
+    c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)  # the parabola through the three points
+    c = c if abs(c * t3 * t3) > 1e-9 * max(y3, 1) else 0.0  # rounding of a straight line
+    b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
+    return LayerTrace(constant=y1 - b * t1 - c * t1 * t1, per_token=b, per_token2=c)
