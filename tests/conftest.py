@@ -20,6 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+# the general probe at the end of every run (finetuner/infer/probe.py) answers 80 questions; the tests that check it
+# set training.general_probe, the others' runs skip it (a tiny model knows no general answers anyway)
+os.environ.setdefault("FINETUNER_GENERAL_PROBE", "0")
 os.environ.setdefault("FINETUNER_STRICT_EVENTS", "1")  # an event that breaks finetuner/runs/schema.py raises (runs started by tests inherit it)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--general", nargs="?", const="", default=None, metavar="FILE",
                    help="What the fine-tune kept: the base and the fine-tune answer the general probe set (the shipped "
                         "data/general_probe.jsonl, or FILE), scored without a judge; prints 'kept N of M'.")
-    e.add_argument("--limit", type=int, default=None, metavar="N", help="With --general: the first N probes only.")
+    e.add_argument("--limit", type=int, default=None, metavar="N", help="With --general: N probes spread over the set (every kind of question).")
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda.")

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from finetuner.infer.probe import kept_line
+
 
 def console() -> Console:
     """The console the CLI prints a run on. On a terminal, rich's (lines fit the window); elsewhere (a log
@@ -182,6 +184,9 @@ class ProgressPrinter:
         c.print(t)
         if m.get("held_out_note"):  # the held-out loss rose from its best: which adapter the run kept
             c.print(f"[yellow]Note:[/] {m['held_out_note']}", highlight=False)
+        kept = kept_line(m.get("general_probe"))
+        if kept:  # what the fine-tune forgot of what the base knew
+            c.print(kept, highlight=False)
         for s in m.get("samples", []):
             st = Table(title=f"Prompt: {s['prompt']}", show_lines=True)
             st.add_column("base model")

@@ -311,6 +311,15 @@ class TrainingSection(_Section):
         None, gt=0,
         description="Stop after this many evaluations in a row without a lower held-out loss (needs eval_every and held-out data).",
     )
+    general_probe: int | None = Field(
+        None, ge=0,
+        description=(
+            "At the end of a LoRA or QLoRA run on one process, the base and the fine-tune answer this many questions "
+            "of data/general_probe.jsonl (facts, arithmetic, instructions; scored without a judge): 'kept N of M' in "
+            "the summary and metrics.json. 0: none. Default: 40 on a GPU, 16 on the CPU (the FINETUNER_GENERAL_PROBE "
+            "environment variable sets another default)."
+        ),
+    )
 
     @property
     def effective_batch_size(self) -> int:

@@ -164,6 +164,35 @@ class ChatModel:
         if failure:
             raise failure[0]
 
+    def greedy_replies(self, conversations: list[list[dict[str, str]]], adapter: bool = True, max_new_tokens: int = 32,
+                       batch: int = 16) -> list[str]:
+        """Greedy replies to many short conversations, ``batch`` at a time in one ``generate`` call each (padded on
+        the left): what a probe of many questions needs, several times faster than one :meth:`reply` each on a CPU.
+        ``adapter=False``: the base model's."""
+        import torch
+
+        from finetuner.infer.generate import clean_text
+
+        tok = self.tokenizer
+        out: list[str] = []
+        side, pad = tok.padding_side, tok.pad_token
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        try:
+            for start in range(0, len(conversations), batch):
+                texts = [self.render(c) for c in conversations[start:start + batch]]
+                enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+                with self._lock, self._adapter(adapter), torch.no_grad():
+                    ids = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
+                                              top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
+                                              eos_token_id=self._stop_ids())
+                width = enc["input_ids"].shape[1]
+                out += [clean_text(tok.decode(row[width:], skip_special_tokens=True)).strip() for row in ids]
+        finally:
+            tok.padding_side, tok.pad_token = side, pad
+        return out
+
     def reply(self, messages: list[dict[str, str]], **gen: Any) -> str:
         """The whole reply to ``messages`` as one string (same settings as :meth:`stream`)."""
         return "".join(self.stream(messages, **gen)).strip()

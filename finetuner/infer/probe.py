@@ -28,6 +28,58 @@ MATCHES = ("contains", "numeric")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+#: questions a run answers at its end when ``training.general_probe`` is not set: on a GPU, and on a CPU (where
+#: one answer of SmolLM2-135M takes about a second on 2 cores)
+DEFAULT_RUN_PROBES = 40
+DEFAULT_CPU_RUN_PROBES = 16
+#: the environment variable that sets another default (0: no probe at the end of runs)
+RUN_PROBES_ENV = "FINETUNER_GENERAL_PROBE"
+
+
+def run_probe_count(setting: int | None, cuda: bool = True) -> int:
+    """How many probes a run answers at its end: ``training.general_probe``, else :data:`RUN_PROBES_ENV`, else
+    :data:`DEFAULT_RUN_PROBES` (``cuda``) or :data:`DEFAULT_CPU_RUN_PROBES`."""
+    import os
+
+    if setting is not None:
+        return setting
+    raw = os.environ.get(RUN_PROBES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RUN_PROBES if cuda else DEFAULT_CPU_RUN_PROBES
+    if not raw.isdigit():
+        raise UserError(f"{RUN_PROBES_ENV}={raw!r}: a number of probes (0: none) is needed.")
+    return int(raw)
+
+
+def spread(items: list, n: int | None) -> list:
+    """``n`` of ``items`` spread evenly over them, in order (every kind of question, not the first kind alone); all
+    of them when ``n`` is None or not smaller."""
+    if not n or n >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def entry_of(result: ProbeResult) -> dict[str, Any]:
+    """What ``metrics.json`` keeps of a probe (under ``general_probe``): everything but the answers themselves."""
+    entry = result.to_dict()
+    entry.pop("answers", None)
+    entry["time"] = round(time.time(), 3)
+    return entry
+
+
+def kept_line(probe: dict[str, Any] | None) -> str | None:
+    """The summary's line of a stored probe: ``kept N of M`` of the base's right answers, and what was lost."""
+    if not probe or not probe.get("questions"):
+        return None
+    if not probe.get("base_right"):
+        return (f"general probe: the base answers none of {probe['questions']} general questions, so there was nothing "
+                "general to keep (a model that knows only its corpus)")
+    lost = probe.get("lost") or []
+    return (f"general probe: kept {probe['kept']} of the base's {probe['base_right']} right answers "
+            f"({probe['kept'] / probe['base_right']:.0%}, {probe['questions']} questions)"
+            + (f"; lost: {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}" if lost else ""))
+
+
 #: a fine-tune that keeps less than this share of the base's right answers is warned about before it is shipped
 KEEP_WARNING = 0.8
 
@@ -127,18 +179,24 @@ class ProbeResult:
 def probe_run(run: str | Path, probes: str | Path | None = None, limit: int | None = None, device: str = "auto",
               base_model: str | None = None, trust_remote_code: bool = False, allow_pickle: bool = False) -> ProbeResult:
     """Answer the probe set with the run's base model and its fine-tune (the adapter attached and detached in one
-    loaded model) and count what the fine-tune kept (``limit``: the first N probes)."""
+    loaded model) and count what the fine-tune kept (``limit``: N probes spread over the set, :func:`spread`)."""
     from finetuner.infer.chat import load_chat_model
 
-    began = time.perf_counter()
-    items = load_probes(probes)[: limit or None]
     chat = load_chat_model(run, device=device, base_model=base_model, trust_remote_code=trust_remote_code,
                            allow_pickle=allow_pickle)
+    return probe_chat(chat, str(run), probes, limit)
+
+
+def probe_chat(chat: Any, source: str, probes: str | Path | None = None, limit: int | None = None) -> ProbeResult:
+    """:func:`probe_run` on a model already loaded (a :class:`~finetuner.infer.chat.ChatModel` with its adapter:
+    the trainer's own, at the end of a run)."""
+    began = time.perf_counter()
+    items = spread(load_probes(probes), limit)
     answers, by_kind = [], {}
-    for p in items:
-        messages = [{"role": "user", "content": p.question}]
-        base = chat.reply(messages, adapter=False, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
-        tuned = chat.reply(messages, adapter=True, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    asked = [[{"role": "user", "content": p.question}] for p in items]
+    base_replies = chat.greedy_replies(asked, adapter=False, max_new_tokens=MAX_NEW_TOKENS)
+    tuned_replies = chat.greedy_replies(asked, adapter=True, max_new_tokens=MAX_NEW_TOKENS)
+    for p, base, tuned in zip(items, base_replies, tuned_replies):
         answers.append({"id": p.id, "question": p.question, "base": base, "fine_tuned": tuned,
                         "base_right": is_right(base, p), "fine_tuned_right": is_right(tuned, p)})
         k = by_kind.setdefault(p.kind or "other", {"questions": 0, "base_right": 0, "fine_tuned_right": 0})
@@ -146,7 +204,7 @@ def probe_run(run: str | Path, probes: str | Path | None = None, limit: int | No
         k["base_right"] += answers[-1]["base_right"]
         k["fine_tuned_right"] += answers[-1]["fine_tuned_right"]
     return ProbeResult(
-        source=str(run), probes=str(probes or PROBE_FILE), questions=len(items),
+        source=source, probes=str(probes or PROBE_FILE), questions=len(items),
         base_right=sum(a["base_right"] for a in answers), fine_tuned_right=sum(a["fine_tuned_right"] for a in answers),
         kept=sum(a["base_right"] and a["fine_tuned_right"] for a in answers),
         lost=[a["id"] for a in answers if a["base_right"] and not a["fine_tuned_right"]],

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner.infer.probe import kept_line
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
@@ -476,6 +477,9 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.adapter_dir = ev.get("adapter_dir")
             if st.metrics.get("held_out_note"):  # which adapter the run kept (the UI's Train tab shows the notes)
                 st.notes.append(st.metrics["held_out_note"])
+            kept = kept_line(st.metrics.get("general_probe"))
+            if kept:  # what the fine-tune forgot of what the base knew
+                st.notes.append(kept)
             mem = st.metrics.get("memory") or {}
             st.measured_peak_bytes = mem.get("measured_peak_bytes", st.measured_peak_bytes)
             st.predicted_bytes = mem.get("predicted_peak_bytes", st.predicted_bytes)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from finetuner.infer.probe import kept_line
 from finetuner.errors import UserError
 
 
@@ -113,6 +114,7 @@ class Run:
             "eval_base_loss": (ev.get("base") or {}).get("loss"),
             "eval_fine_tuned_loss": (ev.get("fine_tuned") or {}).get("loss"),
             "held_out_note": m.get("held_out_note"),
+            "general_probe": kept_line(m.get("general_probe")),
             "adapter": str(self.adapter_dir) if self.adapter_dir.is_dir() else None,
         }
 
@@ -128,6 +130,8 @@ class Run:
         ]
         if s["held_out_note"]:  # the held-out loss rose from its best: which adapter the run kept
             rows.append(("held-out", s["held_out_note"]))
+        if s["general_probe"]:  # what the fine-tune forgot of what the base knew (eval --general, or the run's end)
+            rows.append(("kept", s["general_probe"]))
         if s["eval_base_loss"] is not None:
             rows.append(("held-out loss", f"base {_num(s['eval_base_loss'])} → fine-tuned {_num(s['eval_fine_tuned_loss'])}"))
         if s["measured_peak_bytes"] is not None:

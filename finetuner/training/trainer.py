@@ -865,6 +865,7 @@ class Trainer:
             self._restore_best()
         adapter_dir = self.save_final()
         self.save_seconds += time.perf_counter() - began
+        probe = self._general_probe()
         metrics = {
             "steps": self.step,
             "train_loss_first": self.losses[0] if self.losses else None,
@@ -880,6 +881,10 @@ class Trainer:
             "data": self.data.stats.to_dict(),
             **device_memory(self.rt.device),
         }
+        if probe is not None:
+            from finetuner.infer.probe import entry_of
+
+            metrics["general_probe"] = entry_of(probe)
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
         metrics["time"] = {"predicted": predicted_wait(pred), "measured": self.measured_wait()}
@@ -890,6 +895,40 @@ class Trainer:
                          predicted_step_s=pred.get("step_s"), measured_step_s=round(self.step_seconds / ran, 5),
                          predicted_wait_s=metrics["time"]["predicted"], measured_wait_s=metrics["time"]["measured"])
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
+
+    def _general_probe(self):
+        """What the fine-tune kept (:mod:`finetuner.infer.probe`): the base (the adapter switched off) and the
+        fine-tune answer ``training.general_probe`` general questions with the model in memory; None when the run
+        has no adapter to switch off, is spread over processes, or is set to ask none. A failure is a warning:
+        the trained adapter is saved already."""
+        from finetuner.infer.probe import run_probe_count
+
+        r = self.recipe
+        n = run_probe_count(r.training.general_probe, cuda=self.rt.is_cuda)
+        if not n or self._full or self.world_size != 1 or not hasattr(self.model, "disable_adapter"):
+            return None
+        from finetuner.infer.chat import ChatModel
+        from finetuner.infer.loading import Source
+        from finetuner.infer.probe import probe_chat
+
+        config = self.model.config
+        context = min(2048, int(getattr(config, "max_position_embeddings", None) or 2048))
+        chat = ChatModel(model=self.model, tokenizer=self.tokenizer, template=self.data.chat_template,
+                         device=str(self.rt.device), source=Source(self.run_dir, "run", r.model.name, recipe=r),
+                         system=r.data.system_prompt, max_context=context)
+        was_training, use_cache = self.model.training, config.use_cache
+        self.model.eval()  # greedy answers: no dropout
+        config.use_cache = True
+        try:
+            result = probe_chat(chat, str(self.run_dir), limit=n)
+        except Exception as e:  # noqa: BLE001 - the run is trained and saved; the probe is a report on it
+            log.warning("The general probe failed (%s: %s); `finetuner eval %s --general` runs it again.",
+                        type(e).__name__, e, self.run_dir)
+            return None
+        finally:
+            config.use_cache = use_cache
+            self.model.train(was_training)
+        return result
 
     def _best_summary(self, last: float | None, early: bool) -> dict[str, Any]:
         """The metrics of the best evaluation: ``best_eval_loss``/``best_step``; with ``keep_best`` the

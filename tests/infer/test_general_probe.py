@@ -95,3 +95,69 @@ def test_merge_and_export_say_what_the_run_forgot_before_it_ships(demo_run, tmp_
                          "--no-verify", cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "note        warning: general probe: the fine-tune kept 7 of the base's 10" in out.stdout
+
+
+def test_every_run_ends_with_the_probe_and_says_what_it_kept(tmp_path, monkeypatch):
+    """Part 1 at the end of a run: the trainer's model in memory answers `training.general_probe` questions with its
+    adapter off and on; metrics.json, the done event, the CLI summary, `finetuner status` and the UI's notes carry
+    "kept N of M". The probe file here accepts the base model's own answers, so the base is right on all of them
+    and what the fine-tune kept is measured against it."""
+    import finetuner
+    import finetuner.infer.probe as probe
+    from finetuner.config.recipe import Recipe
+    from finetuner.infer.chat import load_chat_model
+    from finetuner.runs.events import read_events
+    from finetuner.runs.jobs import run_status
+    from finetuner.runs.status import load_run
+    from tests.conftest import alpaca_rows
+
+    demo = REPO / "data" / "demo_model"  # it answers in words (of its corpus): a random model says nothing
+    questions = ["What is the capital of France?", "What should I pack for a day hike?", "What is 2 plus 3?", "Say hello."]
+    base = load_chat_model(demo, device="cpu")
+    rows = [{"id": f"q{i}", "kind": "fact", "question": q, "answers": [a], "match": "contains"}
+            for i, (q, a) in enumerate((q, base.reply([{"role": "user", "content": q}], max_new_tokens=probe.MAX_NEW_TOKENS,
+                                                       temperature=0.0)) for q in questions) if a.strip()]
+    assert rows, "the demo model answered nothing"
+    probes = tmp_path / "probes.jsonl"
+    probes.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    monkeypatch.setattr(probe, "PROBE_FILE", probes)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(alpaca_rows(16)), encoding="utf-8")
+    raw = {"name": "p", "model": {"name": str(demo)}, "device": "cpu", "output_dir": str(tmp_path / "run"),
+           "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
+           "training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation": 1, "lr": 5e-3,
+                        "general_probe": len(rows)}}
+    result = finetuner.train(Recipe.from_dict(raw))
+    stored = result.metrics["general_probe"]
+    assert stored["questions"] == stored["base_right"] == len(rows)  # the adapter switched off: the base's answers
+    assert stored["kept"] == stored["fine_tuned_right"] and len(stored["lost"]) == len(rows) - stored["kept"]
+    on_disk = json.loads((result.run_dir / "metrics.json").read_text(encoding="utf-8"))["general_probe"]
+    assert on_disk == stored and "answers" not in on_disk
+    done = [e for e in read_events(result.run_dir / "events.jsonl") if e["event"] == "done"][0]
+    assert done["metrics"]["general_probe"] == stored
+    line = probe.kept_line(stored)
+    assert line.startswith(f"general probe: kept {stored['kept']} of the base's {len(rows)} right answers")
+    assert ("kept", line) in load_run(result.run_dir)._rows()
+    assert line in run_status(result.run_dir, runs_dir=tmp_path).notes  # the UI's Train tab shows these notes
+    raw["training"]["general_probe"] = 0  # asked for none: no probe, no key
+    raw["output_dir"] = str(tmp_path / "run0")
+    assert "general_probe" not in finetuner.train(Recipe.from_dict(raw)).metrics
+
+
+def test_the_number_of_probes_a_run_answers(monkeypatch):
+    from finetuner.errors import UserError
+    from finetuner.infer.probe import DEFAULT_RUN_PROBES, RUN_PROBES_ENV, run_probe_count
+
+    from finetuner.infer.probe import DEFAULT_CPU_RUN_PROBES, load_probes, spread
+
+    monkeypatch.delenv(RUN_PROBES_ENV, raising=False)
+    assert run_probe_count(None) == DEFAULT_RUN_PROBES == 40 and run_probe_count(7) == 7 and run_probe_count(0) == 0
+    assert run_probe_count(None, cuda=False) == DEFAULT_CPU_RUN_PROBES == 16 and run_probe_count(5, cuda=False) == 5
+    chosen = spread(load_probes(), 16)  # every kind of question, not the first kind alone
+    assert len(chosen) == len({p.id for p in chosen}) == 16 and {p.kind for p in chosen} == {"fact", "arithmetic", "instruction"}
+    assert spread([1, 2, 3], None) == spread([1, 2, 3], 5) == [1, 2, 3] and spread(list(range(10)), 2) == [0, 5]
+    monkeypatch.setenv(RUN_PROBES_ENV, "12")
+    assert run_probe_count(None) == 12 and run_probe_count(3) == 3
+    monkeypatch.setenv(RUN_PROBES_ENV, "lots")
+    with pytest.raises(UserError, match="FINETUNER_GENERAL_PROBE='lots'"):
+        run_probe_count(None)
