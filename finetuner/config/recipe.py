@@ -236,6 +236,14 @@ class DataSection(_Section):
     max_examples: int | None = Field(None, gt=0)
     num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
     cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
+    replay: float = Field(
+        0.0, ge=0, le=1,
+        description=(
+            "A guard against forgetting (SFT on one process): this share of the training rows again as the base "
+            "model's own answers to general prompts (data/replay_prompts.jsonl), generated before training, cached, "
+            "never with data.system_prompt; 0.25 adds one for every four rows."
+        ),
+    )
 
     @field_validator("columns", mode="before")
     @classmethod
@@ -624,6 +632,9 @@ class Recipe(_Section):
         _check_distributed(self)
         _check_preference(self)
         _check_grpo(self)
+        if self.data.replay and (self.objective != "sft" or self.distributed.world_size > 1):
+            raise ValueError(f"data.replay: mixes the base model's answers into SFT rows on one process; this recipe "
+                             f"trains {self.objective} on {self.distributed.world_size} process(es): set replay: 0")
         return self
 
     # ------------------------------------------------------------------ loading

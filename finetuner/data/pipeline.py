@@ -68,6 +68,7 @@ class DataStats:
     packing: bool | None = None
     cache: str | None = None  # "hit", "miss" or None (not cached)
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
+    replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

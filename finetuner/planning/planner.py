@@ -1497,4 +1497,8 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     n_val = 0 if d.val_path else held_out_rows(d.val_size, rows)
     packing = d.packing if isinstance(d.packing, bool) else profile.should_pack(d.max_seq_len)
     units = count_packed_rows(profile.lengths, n_val, d.max_seq_len, t.seed) if packing else rows - n_val
+    if d.replay:  # the base's answers mixed in (finetuner.data.replay); packed, each counted as a row: at most
+        from finetuner.data.replay import load_prompts, replay_count
+
+        units += replay_count(d.replay, rows - n_val, len(load_prompts()))
     return optimizer_steps(None, t.epochs, max(1, units), t.effective_batch_size)

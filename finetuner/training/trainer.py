@@ -277,6 +277,7 @@ class Trainer:
             data_cache.relocate(self.data.stats, r.data)
         self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement()), r, self.rt.tiled_mlp)
         self.objective.on_model(self.model)
+        self.replay = self._mix_replay()
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -881,6 +882,8 @@ class Trainer:
             "data": self.data.stats.to_dict(),
             **device_memory(self.rt.device),
         }
+        if self.replay is not None:
+            metrics["replay"] = self.replay
         if probe is not None:
             from finetuner.infer.probe import entry_of
 
@@ -896,6 +899,51 @@ class Trainer:
                          predicted_wait_s=metrics["time"]["predicted"], measured_wait_s=metrics["time"]["measured"])
         return TrainResult(self.run_dir, adapter_dir, metrics, losses=self.losses)
 
+    def _chat(self, system: str | None):
+        """The model in memory as a :class:`~finetuner.infer.chat.ChatModel` (its adapter switchable)."""
+        from finetuner.infer.chat import ChatModel
+        from finetuner.infer.loading import Source
+
+        r = self.recipe
+        context = min(2048, int(getattr(self.model.config, "max_position_embeddings", None) or 2048))
+        return ChatModel(model=self.model, tokenizer=self.tokenizer, template=self.data.chat_template,
+                         device=str(self.rt.device), source=Source(self.run_dir, "run", r.model.name, recipe=r),
+                         system=system, max_context=context)
+
+    @contextlib.contextmanager
+    def _answering(self):
+        """Greedy answers from the model in memory: eval mode (no dropout), the KV cache on; restored after."""
+        config = self.model.config
+        was_training, use_cache = self.model.training, config.use_cache
+        self.model.eval()
+        config.use_cache = True
+        try:
+            yield
+        finally:
+            config.use_cache = use_cache
+            self.model.train(was_training)
+
+    def _mix_replay(self) -> dict[str, Any] | None:
+        """``data.replay``: the base model's answers to general prompts (the model in memory before any step, the
+        adapter off, without the user's system prompt) mixed into the training rows (:mod:`finetuner.data.replay`).
+        None when the recipe asks for none."""
+        r = self.recipe
+        if not r.data.replay:  # the recipe allows it for SFT on one process only
+            return None
+        from finetuner.data.replay import MAX_NEW_TOKENS, mix_replay
+
+        chat = self._chat(system=None)  # never the user's system prompt
+
+        def answer(prompts: list[str]) -> list[str]:
+            log.info("data.replay: the base model answers %d general prompts (cached for the next run)", len(prompts))
+            with self._answering():
+                return chat.greedy_replies([[{"role": "user", "content": p}] for p in prompts], adapter=False,
+                                           max_new_tokens=MAX_NEW_TOKENS)
+
+        model_id = json.dumps([r.model.name, r.model.revision, str(self.rt.base_dtype), self.model.config.to_json_string()])
+        self.data, info = mix_replay(self.data, r.data, self.tokenizer, model_id, r.training.seed, answer)
+        return info
+
     def _general_probe(self):
         """What the fine-tune kept (:mod:`finetuner.infer.probe`): the base (the adapter switched off) and the
         fine-tune answer ``training.general_probe`` general questions with the model in memory; None when the run
@@ -907,28 +955,16 @@ class Trainer:
         n = run_probe_count(r.training.general_probe, cuda=self.rt.is_cuda)
         if not n or self._full or self.world_size != 1 or not hasattr(self.model, "disable_adapter"):
             return None
-        from finetuner.infer.chat import ChatModel
-        from finetuner.infer.loading import Source
         from finetuner.infer.probe import probe_chat
 
-        config = self.model.config
-        context = min(2048, int(getattr(config, "max_position_embeddings", None) or 2048))
-        chat = ChatModel(model=self.model, tokenizer=self.tokenizer, template=self.data.chat_template,
-                         device=str(self.rt.device), source=Source(self.run_dir, "run", r.model.name, recipe=r),
-                         system=r.data.system_prompt, max_context=context)
-        was_training, use_cache = self.model.training, config.use_cache
-        self.model.eval()  # greedy answers: no dropout
-        config.use_cache = True
+        chat = self._chat(system=r.data.system_prompt)  # as the run's model is asked (the Modelfile's SYSTEM too)
         try:
-            result = probe_chat(chat, str(self.run_dir), limit=n)
+            with self._answering():
+                return probe_chat(chat, str(self.run_dir), limit=n)
         except Exception as e:  # noqa: BLE001 - the run is trained and saved; the probe is a report on it
             log.warning("The general probe failed (%s: %s); `finetuner eval %s --general` runs it again.",
                         type(e).__name__, e, self.run_dir)
             return None
-        finally:
-            config.use_cache = use_cache
-            self.model.train(was_training)
-        return result
 
     def _best_summary(self, last: float | None, early: bool) -> dict[str, Any]:
         """The metrics of the best evaluation: ``best_eval_loss``/``best_step``; with ``keep_best`` the

@@ -1,0 +1,104 @@
+"""What ``data.replay`` buys: the default plan's SmolLM2 run on a user's own small chat file, without and with the
+guard (issue 38, part 6), on the CPU.
+
+For each ratio (0: no guard) the recipe ``finetuner plan --model smollm2-135m-instruct --gpu cpu --data
+data/bike_shop.jsonl`` writes is run with ``data.replay`` set and the whole general probe at its end
+(``training.general_probe: 120``); then the fine-tune answers, greedy:
+
+* the 12 held-out questions of ``data/bike_shop_heldout.jsonl`` (the new skill: the shop's sign-off
+  "— Wren, Copperhill Cycles" in the answer);
+* three simple facts asked without any system prompt (the capital of France, the days of a week, the chemical
+  symbol for water);
+
+and the run's own probe says what it kept of the base's right answers. Writes ``docs/replay_guard.json`` and
+prints the table the README quotes::
+
+    python -m scripts.bench.replay_guard                 # both runs (about 9 and 11 minutes on 2 cores)
+    python -m scripts.bench.replay_guard --runs RUN0 RUN1 --ratios 0 0.25   # measure runs made already
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "docs" / "replay_guard.json"
+HELD_OUT = REPO / "data" / "bike_shop_heldout.jsonl"
+MARKER = "— Wren, Copperhill Cycles"
+#: the issue's three simple facts, each with what a right answer holds (a whole word, any case)
+FACTS = [("What is the capital of France?", r"\bparis\b"), ("How many days are in a week?", r"\b(seven|7)\b"),
+         ("What is the chemical symbol for water?", r"\bh2o\b|\bh₂o\b")]
+
+
+def run(ratio: float, out: Path, recipe: Path) -> float:
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "finetuner", "run", str(recipe), "-o", str(out), "--quiet",
+                    "--set", f"data.replay={ratio}", "--set", "training.general_probe=120",
+                    "--set", "logging.tensorboard=false"], check=True, cwd=REPO)
+    return time.perf_counter() - began
+
+
+def measure(run_dir: Path, ratio: float, seconds: float | None) -> dict:
+    from finetuner.infer.chat import load_chat_model
+
+    chat = load_chat_model(run_dir, device="cpu")
+    questions = [json.loads(line)["messages"][0]["content"] for line in HELD_OUT.read_text(encoding="utf-8").splitlines()]
+    styled = chat.greedy_replies([[{"role": "user", "content": q}] for q in questions], max_new_tokens=96)
+    facts_tuned = chat.greedy_replies([[{"role": "user", "content": q}] for q, _ in FACTS], max_new_tokens=48)
+    facts_base = chat.greedy_replies([[{"role": "user", "content": q}] for q, _ in FACTS], adapter=False, max_new_tokens=48)
+    metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+    probe = metrics["general_probe"]
+    return {
+        "ratio": ratio, "run": str(run_dir), "seconds": round(seconds, 1) if seconds else None,
+        "steps": metrics["steps"], "replay_rows": (metrics.get("replay") or {}).get("rows", 0),
+        "eval_loss": metrics.get("eval_loss"), "held_out": len(questions),
+        "held_out_signed": sum(MARKER in a for a in styled),
+        "facts_base_right": sum(bool(re.search(p, a, re.I)) for (_, p), a in zip(FACTS, facts_base)),
+        "facts_right": sum(bool(re.search(p, a, re.I)) for (_, p), a in zip(FACTS, facts_tuned)),
+        "facts_signed": sum(MARKER in a for a in facts_tuned),  # the shop's sign-off leaking into general answers
+        "facts_answers": dict(zip((q for q, _ in FACTS), facts_tuned)),
+        "probe_questions": probe["questions"], "probe_base_right": probe["base_right"], "probe_kept": probe["kept"],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| data.replay | held-out answers signed | simple facts right (base) | facts answered with the sign-off | "
+             "general probe kept | eval loss |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ratio']:g} ({r['replay_rows']} rows) | {r['held_out_signed']} of {r['held_out']} | "
+                     f"{r['facts_right']} of 3 ({r['facts_base_right']}) | {r['facts_signed']} of 3 | {r['probe_kept']} of the base's "
+                     f"{r['probe_base_right']} ({r['probe_questions']} questions) | {r['eval_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.25])
+    ap.add_argument("--runs", nargs="+", help="Run folders made already, one per ratio (nothing is trained).")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "plan.yaml"
+        if not args.runs:
+            subprocess.run([sys.executable, "-m", "finetuner", "plan", "--model", "smollm2-135m-instruct", "--gpu", "cpu",
+                            "--data", str(REPO / "data" / "bike_shop.jsonl"), "-o", str(recipe)], check=True, cwd=REPO,
+                           stdout=subprocess.DEVNULL)
+        for i, ratio in enumerate(args.ratios):
+            run_dir = Path(args.runs[i]) if args.runs else Path(tmp) / f"run-{ratio:g}"
+            seconds = None if args.runs else run(ratio, run_dir, recipe)
+            rows.append(measure(run_dir, ratio, seconds))
+    OUT.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
