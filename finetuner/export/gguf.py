@@ -235,6 +235,10 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+#: one expert's matrix in a checkpoint that stores them apart (Qwen3-MoE's ``mlp.experts.7.up_proj.weight``)
+_EXPERT = re.compile(r"(?P<stack>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
 class _Plan:
     """Every tensor to write: GGUF name, source (file, HF name) or an extra array, and GGML type."""
 
@@ -247,18 +251,39 @@ class _Plan:
         name_map = gguf.get_tensor_name_map(arch_enum, arch.n_layers)
         tied = bool(arch.config.get("tie_word_embeddings", False))
         self.arch, self.items = arch, []
+        experts: dict[tuple[str, str], dict[int, tuple[Path, str, tuple[int, ...]]]] = {}
         for f in _safetensors_files(folder):
             with safe_open(str(f), framework="pt") as st:
                 for hf_name in st.keys():
                     own = arch.language_name(hf_name)
                     if own is None or own.endswith("rotary_emb.inv_freq") or (tied and own == "lm_head.weight"):
                         continue  # (an image-text-to-text checkpoint's vision tower: not part of the language model)
+                    each = _EXPERT.fullmatch(own)
+                    if each:  # one expert's matrix, as checkpoints store them: stacked below, as llama.cpp reads them
+                        experts.setdefault((each["stack"], each["proj"]), {})[int(each["i"])] = (
+                            f, hf_name, tuple(st.get_slice(hf_name).get_shape()))
+                        continue
+                    shape = tuple(st.get_slice(hf_name).get_shape())
+                    if own.endswith("experts.gate_up_proj"):  # transformers' fused experts: llama.cpp's two stacks
+                        half = (shape[0], shape[1] // 2, *shape[2:])
+                        for i, part in enumerate(("gate_proj", "up_proj")):  # the gate first (transformers' chunk)
+                            found = name_map.get_type_and_name(own.replace("gate_up_proj", part), try_suffixes=(".weight",))
+                            self.items.append((found[1] + ".weight", (f, hf_name, i), half, self._type(half, quant)))
+                        continue
                     found = name_map.get_type_and_name(own, try_suffixes=(".weight", ".bias"))
+                    if found is not None and own.endswith("experts.down_proj"):  # a bare parameter: GGUF's .weight
+                        found = (found[0], found[1] + ".weight")
                     if found is None or found[0] not in allowed:
                         raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
                                         "GGUF export refuses the model rather than drop it.")
-                    shape = tuple(st.get_slice(hf_name).get_shape())
                     self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant)))
+        for (stack, proj), per in sorted(experts.items()):
+            found = name_map.get_type_and_name(f"{stack}.{proj}", try_suffixes=(".weight",))
+            if found is None or found[0] not in allowed or sorted(per) != list(range(len(per))):
+                raise UserError(f"{folder}: the experts '{stack}.*.{proj}' have no place in llama.cpp's {arch.gguf_arch} "
+                                "architecture; GGUF export refuses the model rather than drop them.")
+            shape = (len(per), *per[0][2])
+            self.items.append((found[1] + ".weight", [per[i][:2] for i in range(len(per))], shape, self._type(shape, quant)))
         for name, array in arch.extra_tensors().items():
             self.items.append((name, array, tuple(array.shape), "F32"))
 
@@ -273,13 +298,24 @@ class _Plan:
 
     def tensor(self, src) -> Any:
         """The float32 numpy array GGUF stores for ``src`` (permuted for RoPE where needed)."""
-        if not isinstance(src, tuple):
-            return src
         from safetensors import safe_open
 
-        f, hf_name = src
+        if isinstance(src, list):  # one matrix an expert: stacked (experts, out, in)
+            import numpy as np
+
+            out = []
+            for f, hf_name in src:
+                with safe_open(str(f), framework="pt") as st:
+                    out.append(self.arch.transform(hf_name, st.get_tensor(hf_name).float().numpy()))
+            return np.stack(out)
+        if not isinstance(src, tuple):
+            return src
+        f, hf_name, *part = src
         with safe_open(str(f), framework="pt") as st:
             w = st.get_tensor(hf_name).float().numpy()
+        if part:  # one half of a fused gate_up stack (experts, 2 x width, hidden)
+            rows = w.shape[1] // 2
+            w = w[:, part[0] * rows:(part[0] + 1) * rows]
         return self.arch.transform(hf_name, w)
 
 
@@ -417,7 +453,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
         notes.append(f"transformers' GGUF loader reads no key length for {arch.gguf_arch}; the check gave it the model's "
                      f"head_dim {arch.head_dim}.")
     told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
-            "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters")}.get(arch.gguf_arch, ())
+            "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters"),
+            "qwen3moe": ("moe_intermediate_size", "norm_topk_prob")}.get(arch.gguf_arch, ())
     if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
         extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
         notes.append(f"transformers' GGUF loader reads no {', '.join(told)} for {arch.gguf_arch}; the check gave it the "

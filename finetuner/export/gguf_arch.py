@@ -23,7 +23,8 @@ from finetuner.errors import UserError
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
-             "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False)}
+             "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
+             "qwen3_moe": ("qwen3moe", False)}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -92,6 +93,10 @@ class Arch:
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
+        if self.gguf_arch == "qwen3moe":  # the routed experts: how many, how many a token, each one's width
+            writer.add_expert_count(int(c.get("num_experts") or c["num_local_experts"]))
+            writer.add_expert_used_count(int(c["num_experts_per_tok"]))
+            writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
 
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
@@ -154,10 +159,18 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         arch.text_of = str(config.get("model_type"))
         return arch
     mt = config.get("model_type")
-    supported = "Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Phi-3 (phi3), Gemma 2 (gemma2) and Gemma 3 text (gemma3_text)"
+    supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
+                 "Gemma 2 (gemma2) and Gemma 3 text (gemma3_text)")
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
+    if mt == "qwen3_moe":
+        if not config.get("norm_topk_prob", False):  # llama.cpp's qwen3moe always renormalises the top-k weights
+            raise UserError(f"{where}: norm_topk_prob=false is not llama.cpp's qwen3moe (it renormalises the chosen "
+                            "experts' weights); GGUF export refuses it.")
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+            raise UserError(f"{where}: dense layers among the experts' (mlp_only_layers, decoder_sparse_step) are not "
+                            "llama.cpp's qwen3moe; GGUF export refuses it.")
     if config.get("mlp_bias"):
         raise UserError(f"{where}: mlp_bias=true is not part of llama.cpp's {mt} architecture; GGUF export refuses it.")
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})

@@ -14,7 +14,7 @@ folder:
 With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The result is
 written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
 
-``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``) checks another architecture the export writes: a tiny random model of that
+``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``) checks another architecture the export writes: a tiny random model of that
 ``model_type`` (:data:`TINY`: 2 layers, a head wider than hidden / heads, as Qwen3-4B's) with the demo
 model's tokenizer and chat template, built in a temporary folder; the result goes to
 ``docs/validation/llama_cpp_check_qwen3.json`` (and ``.md``).
@@ -79,6 +79,9 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
                        query_pre_attn_scalar=32),
+        "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False),
         "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
                             query_pre_attn_scalar=32,  # Gemma-3-4B and up: the global layers' positions scaled

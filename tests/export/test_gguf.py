@@ -247,11 +247,13 @@ def test_refuses_unsupported_architecture(tmp_path):
     _refused(tmp_path, str(model), "-o", str(tmp_path / "x.gguf"), match=r"model_type 'olmo2'.*Llama family.*Mistral.*Qwen2.*Phi-3.*Gemma 2.*Gemma 3")
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["phi3", "gemma2", "gemma3_text", "qwen3_moe"])
 def test_phi3_and_gemma_export_as_llama_cpp_reads_them(model_type, tmp_path):
     """Phi-3's fused qkv and gate_up; Gemma 2's and 3's 1 + weight norms, Gemma 2's soft-capping, their sliding
     windows (8, under the check's longer prompt), Gemma 3's linearly scaled global RoPE. llama.cpp itself ran these
-    tiny shapes: docs/validation/llama_cpp_check_{phi3,gemma2,gemma3_text}.md."""
+    tiny shapes: docs/validation/llama_cpp_check_{phi3,gemma2,gemma3_text}.md. Qwen3-MoE: the checkpoint's one matrix
+    an expert stacked into llama.cpp's ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the expert counts in the
+    metadata (llama_cpp_check_qwen3_moe.md)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -260,7 +262,9 @@ def test_phi3_and_gemma_export_as_llama_cpp_reads_them(model_type, tmp_path):
              "gemma3_text": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32, num_hidden_layers=6,
                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-             "phi3": dict(original_max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False)}[model_type]
+             "phi3": dict(original_max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False),
+             "qwen3_moe": dict(head_dim=32, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                               norm_topk_prob=True, tie_word_embeddings=False)}[model_type]
     cfg = AutoConfig.for_model(model_type, **{**dict(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -273,10 +277,20 @@ def test_phi3_and_gemma_export_as_llama_cpp_reads_them(model_type, tmp_path):
                 param.normal_(0.5, 0.3)
     folder = _save(model, tok, tmp_path / model_type)
     r = export_model(folder, tmp_path / "m.gguf", quant="f16")
-    assert r.architecture == {"gemma3_text": "gemma3"}.get(model_type, model_type) and r.top1_agreement >= 0.9, r
+    assert r.architecture == {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}.get(model_type, model_type) \
+        and r.top1_agreement >= 0.9, r
     reader, f = _fields(tmp_path / "m.gguf")
     names = {t.name for t in reader.tensors}
-    if model_type == "phi3":
+    if model_type == "qwen3_moe":
+        assert {"blk.0.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
+                "blk.0.ffn_gate_inp.weight", "blk.0.attn_q_norm.weight"} <= names
+        assert f["qwen3moe.expert_count"] == 4 and f["qwen3moe.expert_used_count"] == 2
+        assert f["qwen3moe.expert_feed_forward_length"] == 32
+        gate = {t.name: t for t in reader.tensors}["blk.1.ffn_gate_exps.weight"].data
+        experts = model.model.layers[1].mlp.experts  # transformers holds gate and up fused, the gate first
+        torch.testing.assert_close(torch.as_tensor(gate.copy()).float(), experts.gate_up_proj[:, :32].float(),
+                                   atol=1e-3, rtol=1e-3)
+    elif model_type == "phi3":
         assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight", "output.weight"} <= names
         assert f["phi3.rope.dimension_count"] == 16
     elif model_type == "gemma3_text":
@@ -287,6 +301,18 @@ def test_phi3_and_gemma_export_as_llama_cpp_reads_them(model_type, tmp_path):
         assert f["gemma2.attention.sliding_window"] == 8 and f["gemma2.final_logit_softcapping"] == 30.0
         w = {t.name: t for t in reader.tensors}["blk.0.attn_norm.weight"].data
         torch.testing.assert_close(torch.as_tensor(w.copy()).float(), model.model.layers[0].input_layernorm.weight.float() + 1)
+
+
+def test_a_qwen3_moe_that_is_not_llama_cpps_is_refused():
+    from finetuner.errors import UserError
+    from finetuner.export.gguf_arch import arch_for
+
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "vocab_size": 10, "max_position_embeddings": 64, "intermediate_size": 128, "norm_topk_prob": False}
+    with pytest.raises(UserError, match="norm_topk_prob=false"):
+        arch_for(cfg, "moe")
+    with pytest.raises(UserError, match="mlp_only_layers"):
+        arch_for({**cfg, "norm_topk_prob": True, "mlp_only_layers": [0]}, "moe")
 
 
 def test_gemma2_with_another_query_scale_is_refused(tmp_path):
