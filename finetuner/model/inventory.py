@@ -13,6 +13,7 @@ trace and caches the result (and ships the presets' read already).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -145,7 +146,9 @@ def build_on_meta(cfg: dict[str, Any]):
 
     from finetuner.quiet import quieted
 
-    settings = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    # a copy all the way down: transformers completes nested settings in place (Llama 3.1's rope_scaling), and the
+    # caller's config must stay as read (it keys the caches: finetuner.model.reading)
+    settings = copy.deepcopy({k: v for k, v in cfg.items() if not k.startswith("_")})
     mt = settings.pop("model_type", None)
     if not mt:
         raise UserError("config.json names no model_type: transformers cannot tell which model to build.")

@@ -11,9 +11,9 @@ preset imports neither torch nor transformers.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,13 +66,23 @@ def _key(cfg: dict[str, Any]) -> str:
     return _digest({"cfg": _config_only(cfg), "transformers": version("transformers"), "format": FORMAT_VERSION})
 
 
-@functools.cache
+_PACKAGED_READ: dict[str, Any] = {}
+
+
 def packaged() -> dict[str, Any]:
-    """:data:`PACKAGED`: ``{"transformers": version read with, "models": {config_key: {"name", "inventory"}}}``."""
-    try:
-        return json.loads(PACKAGED.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # not written yet (scripts.dev.read_models writes it): every model is built
-        return {"transformers": None, "models": {}}
+    """:data:`PACKAGED`: ``{"transformers": version read with, "models": {config_key: {"name", "inventory"}}}``, read
+    once a process. A read that fails is tried again (three times, 0.1 s apart) and never kept: an empty answer would
+    make every named model be built with torch."""
+    if _PACKAGED_READ:
+        return _PACKAGED_READ
+    for attempt in range(3):
+        try:
+            _PACKAGED_READ.update(json.loads(PACKAGED.read_text(encoding="utf-8")))
+            return _PACKAGED_READ
+        except (OSError, ValueError):  # not written yet (scripts.dev.read_models writes it), or read mid-copy
+            if attempt < 2:
+                time.sleep(0.1)
+    return {"transformers": None, "models": {}}
 
 
 def read_inventory(cfg: dict[str, Any]) -> Inventory:

@@ -35,7 +35,8 @@ def read_all() -> dict[str, Any]:
 
     models = {}
     for name, cfg in shipped_configs().items():
-        models[config_key(cfg)] = {"name": name, "inventory": read_model(cfg).to_dict()}
+        key = config_key(cfg)  # the config as a user's load_config gives it, before transformers reads it
+        models[key] = {"name": name, "inventory": read_model(cfg).to_dict()}
     return {"transformers": version("transformers"), "models": dict(sorted(models.items(), key=lambda kv: kv[1]["name"]))}
 
 

@@ -70,9 +70,17 @@ def test_the_shipped_inventories_are_what_transformers_builds():
         assert stored["models"].get(key) == json.loads(json.dumps(entry)), f"{entry['name']}: run `python -m scripts.dev.read_models`"
 
 
-def test_a_preset_is_answered_from_the_shipped_inventory(monkeypatch):
+def test_every_preset_is_answered_from_the_shipped_inventory(monkeypatch, tmp_path):
+    """No preset is built again, whatever the cache holds (an empty one here): a config that transformers completed
+    in place (Llama 3.1's rope_scaling) once keyed the shipped file wrongly, and the torch-free replay imported torch
+    whenever no other test had cached that model first."""
+    from finetuner.model.shapes import preset_names
+
+    monkeypatch.setattr(reading, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(reading, "read_model", lambda cfg: pytest.fail("built a preset's model again"))
     assert resolve_shape("qwen3-30b-a3b").experts.count == 128
+    for name in preset_names():
+        assert resolve_shape(name).num_params > 0, name
 
 
 def test_every_preset_reads_as_it_is_written():
