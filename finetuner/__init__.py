@@ -43,6 +43,8 @@ _LAZY = {
     "ExportResult": "finetuner.export.gguf",
     "evaluate_run": "finetuner.infer.evaluate",
     "EvalResult": "finetuner.infer.evaluate",
+    "probe_run": "finetuner.infer.probe",
+    "evaluate_tasks": "finetuner.infer.harness",
     "load_chat_model": "finetuner.infer.chat",
     "ChatModel": "finetuner.infer.chat",
 }
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
     from finetuner.errors import UserError
     from finetuner.infer.chat import ChatModel, load_chat_model
     from finetuner.infer.evaluate import EvalResult, evaluate_run
+    from finetuner.infer.harness import evaluate_tasks
+    from finetuner.infer.probe import probe_run
     from finetuner.runs.events import follow, read_events
     from finetuner.planning.predict import estimate_recipe as estimate
     from finetuner.export.gguf import ExportResult, export_model

@@ -73,7 +73,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--general", nargs="?", const="", default=None, metavar="FILE",
                    help="What the fine-tune kept: the base and the fine-tune answer the general probe set (the shipped "
                         "data/general_probe.jsonl, or FILE), scored without a judge; prints 'kept N of M'.")
-    e.add_argument("--limit", type=int, default=None, metavar="N", help="With --general: N probes spread over the set (every kind of question).")
+    e.add_argument("--tasks", metavar="TASK[,TASK]",
+                   help="Benchmarks through lm-evaluation-harness (pip install lm_eval): the base and the fine-tune "
+                        "scored on these tasks, e.g. arc_easy,hellaswag (the harness fetches a task's data unless its "
+                        "YAML points at local files).")
+    e.add_argument("--include-path", metavar="FOLDER", help="With --tasks: a folder of your own task YAMLs.")
+    e.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="With --tasks: K examples in each prompt.")
+    e.add_argument("--chat-template", action="store_true", help="With --tasks: the prompts through the run's chat template.")
+    e.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="With --general: N probes spread over the set (every kind of question); with --tasks: the "
+                        "first N documents of each task.")
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--base", help="The base model's folder or hub id, if not where the run says.")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda.")
@@ -284,12 +293,43 @@ def _cmd_general(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tasks(args: argparse.Namespace) -> int:
+    """``eval RUN --tasks A,B``: lm-evaluation-harness on the base and the fine-tune (finetuner.infer.harness)."""
+    from finetuner.infer.evaluate import record_in_metrics
+    from finetuner.infer.harness import evaluate_tasks
+    from finetuner.infer.loading import resolve_source
+
+    _err(f"Scoring {args.source}'s base model and its fine-tune on {args.tasks} (lm-evaluation-harness) ...")
+    r = evaluate_tasks(args.source, args.tasks, include_path=args.include_path, limit=args.limit,
+                       num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device, base_model=args.base,
+                       apply_chat_template=args.chat_template, **code_optins(args))
+    run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
+    if not args.no_write and run_dir is not None:
+        record_in_metrics(run_dir, r, key="harness")
+    if args.json:
+        print(json.dumps(r.to_dict(), default=str))
+        return 0
+    print(r.describe())
+    print(r.table())
+    if not args.no_write and run_dir is not None:
+        print(f"\nwritten to {run_dir / 'metrics.json'} (key 'harness')")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from finetuner.cli.plan import parse_columns
+    from finetuner.errors import UserError
     from finetuner.infer.evaluate import evaluate_run
 
+    if args.general is not None and args.tasks:
+        raise UserError("eval: --general and --tasks are two runs; give one of them.")
     if args.general is not None:
         return _cmd_general(args)
+    if args.tasks:
+        return _cmd_tasks(args)
+    for flag in ("include_path", "num_fewshot"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"eval: --{flag.replace('_', '-')} goes with --tasks.")
     columns = parse_columns(args.columns, args.data)
     _err(f"Evaluating {args.source} ...")
     r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,

@@ -79,7 +79,8 @@ class ChatModel:
 
     # ------------------------------------------------------------------ generation
     @contextlib.contextmanager
-    def _adapter(self, on: bool):
+    def adapter(self, on: bool):
+        """The adapter switched on (``True``) or off for what runs inside (nothing to switch on a model without one)."""
         if on or not self.has_adapter:
             yield
         else:
@@ -144,7 +145,7 @@ class ChatModel:
 
         def run() -> None:
             try:
-                with self._lock, self._adapter(adapter), torch.no_grad():
+                with self._lock, self.adapter(adapter), torch.no_grad():
                     if seed is not None:
                         torch.manual_seed(seed)
                     self.model.generate(**kwargs)
@@ -183,7 +184,7 @@ class ChatModel:
             for start in range(0, len(conversations), batch):
                 texts = [self.render(c) for c in conversations[start:start + batch]]
                 enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-                with self._lock, self._adapter(adapter), torch.no_grad():
+                with self._lock, self.adapter(adapter), torch.no_grad():
                     ids = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
                                               top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
                                               eos_token_id=self._stop_ids())
