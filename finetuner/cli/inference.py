@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("source", metavar="RUN_OR_MODEL", help="A run folder, an adapter folder, a model folder or a hub id.")
     c.add_argument("--prompt", "-p", help="Answer this one prompt and exit (prints only the answer).")
+    c.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
+                   help="A picture for a model that reads pictures (an image-text-to-text model or a run trained on "
+                        "pictures), placed before the prompt; give --image again for more.")
     c.add_argument("--compare", action="store_true", help="Show the base model's answer next to the fine-tuned one.")
     c.add_argument("--no-adapter", action="store_true", help="Chat with the base model alone.")
     c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, if any).")
@@ -176,6 +179,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if args.compare and not chat.has_adapter:
         _err("note: this model has no adapter, so there is no base model to compare with.")
     gen = _gen(args)
+    if args.images:
+        if interactive:
+            from finetuner.errors import UserError
+
+            raise UserError("--image goes with --prompt/-p (one question about the pictures).")
+        gen["images"] = args.images
     if not interactive:
         msgs = [{"role": "user", "content": args.prompt}]
         if compare:

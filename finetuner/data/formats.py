@@ -533,6 +533,73 @@ def _text(row: dict, key: str, *, required: bool = True) -> str:
     return _valid_text(v, f"'{key}'")
 
 
+#: the label of a token no loss is taken on (torch's cross-entropy ignore_index)
+IGNORE_INDEX = -100
+
+# --------------------------------------------------------------------------- pictures in a row
+#: where a picture sits in a message's text (LLaMA-Factory's placeholder; OpenAI-style image parts become it)
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def _picture_ref(part: dict, where: str) -> str:
+    """The local path of an OpenAI-style image part: ``{"type": "image", "image": PATH}`` (or ``"path"``, ``"url"``),
+    ``{"type": "image_url", "image_url": {"url": PATH}}`` or ``"image_url": PATH``; ``file://`` is read as a path."""
+    ref = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
+    if isinstance(ref, dict):
+        ref = ref.get("url") or ref.get("path")
+    if not isinstance(ref, str) or not ref.strip():
+        raise RowError(f"{where}: an image part needs the picture's path (\"image\": \"img/001.png\")")
+    ref = ref.strip()
+    if ref.startswith("file://"):
+        ref = ref[len("file://"):]
+    if "://" in ref or ref.startswith("data:"):
+        raise RowError(f"{where}: picture {ref[:80]!r} is not a local file: finetuner reads pictures from disk only "
+                       "(download it and give its path, relative to the data file)")
+    return ref
+
+
+def _content_parts(content: list, where: str) -> tuple[str, list[str]]:
+    """An OpenAI-style content list as text with :data:`IMAGE_PLACEHOLDER` where each picture is, and the pictures."""
+    text, pictures = [], []
+    for j, part in enumerate(content, start=1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif kind in ("image", "image_url"):
+            pictures.append(_picture_ref(part, f"{where}, part {j}"))
+            text.append(IMAGE_PLACEHOLDER)
+        else:
+            raise RowError(f"{where}, part {j}: expected {{\"type\": \"text\", \"text\": ...}} or "
+                           f"{{\"type\": \"image\", \"image\": PATH}}, got {str(part)[:80]}")
+    return "".join(text), pictures
+
+
+def attach_pictures(messages: list[dict[str, str]], row: dict, in_parts: list[str]) -> dict[str, Any]:
+    """``{"messages": ...}`` with ``"images"`` when the row has pictures: the image parts' (in order) or the row's
+    ``images`` column (LLaMA-Factory's; its pictures go where the ``<image>`` placeholders are, or before the first
+    user message's text when it has none). The placeholders must be as many as the pictures."""
+    column = row.get("images")
+    if column is not None and not (isinstance(column, list) and not column):
+        if in_parts:
+            raise RowError("the row has both image parts in its messages and an 'images' column: give one of them")
+        column = [column] if isinstance(column, str) else column
+        if not isinstance(column, list) or not all(isinstance(x, str) and x.strip() for x in column):
+            raise RowError("'images' must be a list of picture paths")
+        in_parts = [_picture_ref({"image": x}, "'images'") for x in column]
+        if not any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
+            first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages[first] = {**messages[first], "content": IMAGE_PLACEHOLDER * len(in_parts) + messages[first]["content"]}
+    if not in_parts:
+        return {"messages": messages}
+    placed = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if placed != len(in_parts):
+        raise RowError(f"{placed} {IMAGE_PLACEHOLDER} placeholder(s) in the messages for {len(in_parts)} picture(s): "
+                       "give one placeholder per picture")
+    if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] == "assistant"):
+        raise RowError("a picture in an assistant message: pictures go in user (or system) messages")
+    return {"messages": messages, "images": in_parts}
+
+
 def _check_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     prev = None
     for i, m in enumerate(messages):
@@ -604,7 +671,7 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
             messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
         user = f"{instruction}\n\n{extra}" if instruction.strip() and extra.strip() else (instruction or extra)
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-        return {"messages": _check_turns(messages)}
+        return attach_pictures(_check_turns(messages), row, [])
     # chat
     openai = ("role", "content", {r: r for r in CHAT_ROLES})
     sharegpt = ("from", "value", SHAREGPT_ROLES)
@@ -621,13 +688,16 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
         raise RowError("missing 'messages' (or ShareGPT 'conversations')")
     if not isinstance(turns, list) or not turns:
         raise RowError("the conversation must be a non-empty list of turns")
-    messages = []
+    messages, pictures = [], []
     for i, t in enumerate(turns, start=1):
         if not isinstance(t, dict):
             raise RowError(f"turn {i} must be an object with '{role_key}' and '{content_key}'")
         role, content = t.get(role_key), t.get(content_key)
         if not isinstance(role, str) or role not in roles:
             raise RowError(f"turn {i}: unknown {role_key} {role!r} (expected one of {', '.join(sorted(roles))})")
+        if isinstance(content, list):  # OpenAI-style parts: text and pictures
+            content, found = _content_parts(content, f"turn {i}")
+            pictures += found
         if not isinstance(content, str):
             raise RowError(f"turn {i}: '{content_key}' must be text")
         messages.append({"role": roles[role], "content": _valid_text(content, f"turn {i}: '{content_key}'")})
@@ -637,7 +707,7 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
         system = (f"{system}\n\n" if system else "") + f"You can call these tools:\n{tools_text}"
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": _valid_text(str(system), "'system'")})
-    return {"messages": _check_turns(messages)}
+    return attach_pictures(_check_turns(messages), row, pictures)
 
 
 # --------------------------------------------------------------------------- examples of a file
@@ -669,5 +739,20 @@ class FileExamples:
             except RowError as e:
                 self.bad.append(RowError(f"{raw.place}: {e} (format {self.layout.describe_quoted()})."))
                 continue
+            if ex.get("images"):
+                try:
+                    ex["images"] = [picture_path(self.path, p) for p in ex["images"]]
+                except RowError as e:
+                    self.bad.append(RowError(f"{raw.place}: {e}."))
+                    continue
             ex["_where"] = raw.place
             yield ex
+
+
+def picture_path(data_file: str, ref: str) -> str:
+    """A picture's path as the data file names it (relative to the file's folder, or absolute), checked to exist."""
+    p = Path(ref).expanduser()
+    where = p if p.is_absolute() else Path(data_file).expanduser().resolve().parent / p
+    if not where.is_file():
+        raise RowError(f"picture {ref!r} not found (looked for {where})")
+    return str(where)

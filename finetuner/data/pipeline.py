@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.data.split import held_out_rows, pack_bins
-from finetuner.data.formats import FileExamples, RowError
+from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
+from finetuner.data.images import encode_pictured
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
 from finetuner.config.recipe import DataSection
 
 log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
 
 #: Used when neither the recipe nor the tokenizer has a chat template. Turns end with the
 #: tokenizer's EOS token so the model learns to stop and generation stops there.
@@ -68,6 +67,7 @@ class DataStats:
     packing: bool | None = None
     cache: str | None = None  # "hit", "miss" or None (not cached)
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
+    pictures: int = 0  # the training rows' pictures (an image-text-to-text model's data, finetuner.data.images)
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,33 +189,45 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "truncated": truncated}
 
 
-def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataSection, stats: DataStats):
-    """Tokenize with ``datasets.map``; returns a ``datasets.Dataset`` of input_ids/labels."""
+def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataSection, stats: DataStats,
+                      processor: Any = None):
+    """Tokenize with ``datasets.map``; returns a ``datasets.Dataset`` of input_ids/labels (and ``images``, the
+    pictures' paths, with a ``processor``: an image-text-to-text model's, :mod:`finetuner.data.images`)."""
     import datasets
 
-    template = chat_template_for(tokenizer, cfg)
+    template = chat_template_for(processor or tokenizer, cfg)
     budget = char_budget(tokenizer, cfg.max_seq_len)
-    examples = [cut_example(ex, budget) for ex in examples]  # before Arrow copies them
+    if processor is None:  # a picture's tokens are not known before the processor runs: pictured rows are not cut
+        examples = [cut_example(ex, budget) for ex in examples]  # before Arrow copies them
     rows = {
         "messages": [ex.get("messages") for ex in examples],
         "text": [ex.get("text") for ex in examples],
         "prompt": [ex.get("prompt") for ex in examples],
         "completion": [ex.get("completion") for ex in examples],
+        "images": [ex.get("images") or [] for ex in examples],
         "_where": [ex["_where"] for ex in examples],
     }
     ds = datasets.Dataset.from_dict(rows)
 
     def _encode(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "error": []}
+        if processor is not None:
+            out["images"] = []
         for i in range(len(batch["_where"])):
-            ex = {k: batch[k][i] for k in ("messages", "text", "prompt", "completion")}
+            ex = {k: batch[k][i] for k in ("messages", "text", "prompt", "completion", "images")}
             try:
-                enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt)
+                if processor is not None and ex["messages"]:
+                    enc = encode_pictured(ex, processor, template, cfg.max_seq_len, cfg.train_on_prompt)
+                elif ex["images"]:
+                    raise RowError(f"the row has {len(ex['images'])} picture(s), but {cfg_model_hint(processor)}")
+                else:
+                    enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt)
                 err = ""
             except RowError as e:
-                enc, err = {"input_ids": [], "labels": [], "truncated": False}, f"{batch['_where'][i]}: {e}."
-            for k in ("input_ids", "labels", "truncated"):
-                out[k].append(enc[k])
+                enc, err = {"input_ids": [], "labels": [], "truncated": False, "images": []}, f"{batch['_where'][i]}: {e}."
+            for k in out:
+                if k != "error":
+                    out[k].append(enc.get(k, []))
             out["error"].append(err)
         return out
 
@@ -224,8 +236,8 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             _encode,
             batched=True,
             batch_size=256,
-            num_proc=_num_proc(cfg, len(ds)),
-            remove_columns=["messages", "text", "prompt", "completion"],
+            num_proc=_num_proc(cfg, len(ds)) if processor is None else None,
+            remove_columns=["messages", "text", "prompt", "completion", "images"],
             desc="Tokenizing",
         )
     except BaseException as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up may raise a TimeoutError over it
@@ -251,6 +263,12 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             hint=f"Raise data.max_seq_len (now {cfg.max_seq_len}) or check the data.",
         )
     return ds
+
+
+def cfg_model_hint(processor: Any) -> str:
+    """Why a row's pictures cannot be used (no processor: the model reads text only)."""
+    return ("the model reads only text: pictures need an image-text-to-text model (LLaVA, Qwen2.5-VL, Gemma 3, "
+            "SmolVLM ...); fine-tune one of those, or drop the pictures from the data")
 
 
 def _end_worker_processes() -> None:
@@ -330,17 +348,23 @@ class PreparedData:
     chat_template: str
 
 
-def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
+def prepare_data(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = None) -> PreparedData:
     """Everything from ``data.path`` to tokenized (and optionally packed) train/val sets.
 
     Served from the on-disk cache (:mod:`finetuner.data.cache`) when the same files, tokenizer,
-    template, settings and seed were prepared before (``data.cache: false`` turns it off).
+    template, settings and seed were prepared before (``data.cache: false`` turns it off). With an
+    image-text-to-text model's ``processor`` the rows' pictures are encoded with it
+    (:mod:`finetuner.data.images`) and nothing is cached (the key does not cover the pictures' bytes).
     """
     import time
 
     from finetuner.data import cache as data_cache
 
     t0 = time.perf_counter()
+    if processor is not None:
+        prepared = _prepare_uncached(cfg, tokenizer, seed, processor)
+        prepared.stats.prepare_s = round(time.perf_counter() - t0, 3)
+        return prepared
     template = chat_template_for(tokenizer, cfg)
     key = data_cache.cache_key(cfg, tokenizer, template, seed) if cfg.cache else None
     if key is not None:
@@ -360,13 +384,13 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
     return prepared
 
 
-def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedData:
+def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = None) -> PreparedData:
     stats = DataStats()
     examples = load_examples(cfg.path, cfg, stats)
-    train = tokenize_examples(examples, tokenizer, cfg, stats)
+    train = tokenize_examples(examples, tokenizer, cfg, stats, processor)
     val = None
     if cfg.val_path:
-        val = tokenize_examples(load_examples(cfg.val_path, cfg, stats), tokenizer, cfg, stats)
+        val = tokenize_examples(load_examples(cfg.val_path, cfg, stats), tokenizer, cfg, stats, processor)
     elif cfg.val_size > 0:
         n_val = held_out_rows(cfg.val_size, len(train))  # as the plan counts them
         if n_val >= len(train):
@@ -381,16 +405,21 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int) -> PreparedDa
     lengths = [len(x) for x in train["input_ids"]]
     stats.train_tokens = sum(lengths)
     stats.trained_tokens = sum(sum(1 for t in labels if t != IGNORE_INDEX) for labels in train["labels"])
-    train = train.remove_columns([c for c in train.column_names if c not in ("input_ids", "labels")])
+    kept = ("input_ids", "labels", "images")
+    train = train.remove_columns([c for c in train.column_names if c not in kept])
     if val is not None:
-        val = val.remove_columns([c for c in val.column_names if c not in ("input_ids", "labels")])
-    stats.packing = resolve_packing(cfg.packing, lengths, cfg.max_seq_len)
+        val = val.remove_columns([c for c in val.column_names if c not in kept])
+    stats.pictures = sum(len(x) for x in train["images"]) if "images" in train.column_names else 0
+    if stats.pictures and cfg.packing is True:
+        raise UserError("data.packing: true, but the rows have pictures, which are not packed.",
+                        hint="Set data.packing to auto or false.")
+    stats.packing = resolve_packing(cfg.packing, lengths, cfg.max_seq_len) and not stats.pictures
     if stats.packing:
         train = pack(train, cfg.max_seq_len, seed)
         stats.packed_rows = len(train)
         if val is not None:
             val = pack(val, cfg.max_seq_len, seed)
-    return PreparedData(train, val, stats, chat_template_for(tokenizer, cfg))
+    return PreparedData(train, val, stats, chat_template_for(processor or tokenizer, cfg))
 
 
 class Collator:

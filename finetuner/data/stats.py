@@ -67,6 +67,8 @@ class DataProfile:
     #: DPO, ORPO, SimPO) or ``rated`` (a response with a true/false label: KTO). For pairs, a length is
     #: the longer of the example's two sequences (prompt + chosen, prompt + rejected).
     kind: str = "sft"
+    #: examples whose conversation starts with a system message (the file's, or data.system_prompt's)
+    system_rows: int = 0
 
     @property
     def mean_tokens(self) -> float:
@@ -263,13 +265,14 @@ def profile_data(
     encoder, count, how = _counters(model, chat_template)
     src = FileExamples(path, fmt, columns, system_prompt)
     try:
-        lengths, trained, total = _sft_lengths(src, count, encoder)
+        lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
     sep = delimiter_note(path)
     profile = _profile(path, layout.format if layout else fmt, "sft", lengths, trained, total, how, seq_len, src.bad,
                        on_bad_row, columns=dict(layout.columns) if layout else {})
+    profile.system_rows = system_rows
     if sep:
         profile.notes.append(sep)
     if layout.columns and not columns:
@@ -288,8 +291,9 @@ def profile_data(
     return profile
 
 
-def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int]:
-    """Each supervised example's tokens (at most ``MAX_ROWS``), and the trained and total tokens. With an
+def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int, int]:
+    """Each supervised example's tokens (at most ``MAX_ROWS``), the trained and total tokens, and how many of the
+    examples start with a system message. With an
     ``encoder`` (:func:`_encoder`) the first ``EXACT_ROWS`` are the trainer's own encoding
     (:func:`finetuner.data.pipeline.encode_example`, the loss on the responses), and the rest are counted with
     the template tokens per prompt and per response message measured on those; without one a chat message
@@ -300,8 +304,10 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
     exact: list[tuple[int, int]] = []  # the exactly encoded rows' (length, trained)
     extra_p: list[float] = []
     extra_a: list[float] = []
+    system_rows = 0
     for ex in src:
         if "messages" in ex:
+            system_rows += ex["messages"][0]["role"] == "system"
             prompt = sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
             answer = sum(count(m["content"]) for m in ex["messages"] if m["role"] == "assistant")
             n_p = sum(m["role"] != "assistant" for m in ex["messages"])
@@ -347,7 +353,7 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
         lengths.append(n)
         trained += a
         total += n
-    return lengths, trained, total
+    return lengths, trained, total, system_rows
 
 
 def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | None, on_bad_row: str,

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.infer.loading import Source, chat_template, context_length, load_model, load_tokenizer, resolve_source, system_prompt
+from finetuner.infer.loading import (Source, chat_template, context_length, load_model, load_tokenizer, picture_processor,
+                                    resolve_source, system_prompt)
 
 
 @dataclass
@@ -35,6 +36,8 @@ class ChatModel:
     source: Source
     system: str | None = None
     max_context: int = 2048
+    #: an image-text-to-text model's processor (it reads pictures: ``images=`` in :meth:`stream`), else None
+    processor: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -55,7 +58,54 @@ class ChatModel:
                 raise UserError(f"message {i + 1} needs 'role' and 'content' keys (got {m!r}).")
         if self.system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system}, *messages]
+        if self.processor is not None:  # pictures (the <image> placeholders) as content parts, as in training
+            from finetuner.data.images import message_parts
+
+            messages = message_parts(messages)
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True)
+
+    def with_pictures(self, messages: list[dict[str, str]], images: list[str]) -> list[dict[str, str]]:
+        """``messages`` with ``images`` (paths) placed before the last user message's text, unless the messages
+        already hold as many ``<image>`` placeholders; a model that reads no pictures, or a missing picture, is a
+        :class:`UserError`."""
+        from finetuner.data.formats import IMAGE_PLACEHOLDER
+
+        if self.processor is None:
+            raise UserError(f"{self.source.describe()} reads no pictures: --image needs an image-text-to-text model "
+                            "(or a run trained on pictures).")
+        for p in images:
+            if not Path(p).expanduser().is_file():
+                raise UserError(f"--image {p}: no such file.")
+        placed = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if placed == len(images):
+            return messages
+        if placed:
+            raise UserError(f"{placed} {IMAGE_PLACEHOLDER} placeholder(s) in the messages for {len(images)} picture(s).")
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        return [*messages[:last], {**messages[last], "content": IMAGE_PLACEHOLDER * len(images) + messages[last]["content"]},
+                *messages[last + 1:]]
+
+    def inputs(self, messages: list[dict[str, str]], images: list[str] | None = None) -> dict[str, Any]:
+        """The model's inputs for ``messages``: the prompt's token ids (and, with ``images``, the processor's
+        image tokens and pixel values)."""
+        import torch
+
+        if not images:
+            ids = self.encode(messages)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        from finetuner.data.images import load_picture
+        from finetuner.data.formats import RowError
+
+        messages = self.with_pictures(messages, images)
+        try:
+            pictures = [load_picture(str(Path(p).expanduser())) for p in images]
+        except RowError as e:
+            raise UserError(f"--image: {e}.") from None
+        enc = self.processor(text=[self.render(messages)], images=pictures, return_tensors="pt", add_special_tokens=False)
+        if int(enc["input_ids"].shape[1]) >= self.max_context:
+            raise UserError(f"The conversation and its pictures are {int(enc['input_ids'].shape[1])} tokens long; the "
+                            f"model's context is {self.max_context} tokens.")
+        return dict(enc)
 
     def encode(self, messages: list[dict[str, str]]):
         from finetuner.data.textcut import char_budget
@@ -95,8 +145,11 @@ class ChatModel:
         top_p: float = 0.9,
         seed: int | None = None,
         adapter: bool = True,
+        images: list[str] | None = None,
     ) -> Iterator[str]:
-        """Yield the reply to ``messages`` piece by piece as it is generated.
+        """Yield the reply to ``messages`` piece by piece as it is generated; ``images``: pictures (paths) for a
+        model that reads them, placed where the messages' ``<image>`` placeholders are, or before the last user
+        message's text.
 
         ``temperature`` 0 is greedy decoding; ``seed`` makes sampling repeatable; ``adapter=False``
         answers with the base model (the adapter switched off). A conversation longer than the
@@ -125,12 +178,11 @@ class ChatModel:
             raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
         if temperature < 0 or not 0 < top_p <= 1:
             raise UserError(f"temperature must be >= 0 and top_p in (0, 1] (got {temperature}, {top_p}).")
-        ids = self.encode(messages)
-        max_new_tokens = min(max_new_tokens, self.max_context - int(ids.shape[1]))
+        inputs = self.inputs(messages, images)
+        max_new_tokens = min(max_new_tokens, self.max_context - int(inputs["input_ids"].shape[1]))
         streamer = text_streamer(self.tokenizer, timeout=600)  # no U+FFFD: see finetuner.infer.generate
         kwargs: dict[str, Any] = dict(
-            input_ids=ids.to(self.device),
-            attention_mask=torch.ones_like(ids).to(self.device),
+            **{k: v.to(self.device) for k, v in inputs.items()},
             max_new_tokens=max_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self._stop_ids(),
@@ -234,14 +286,17 @@ def load_chat_model(
         >>> chat.reply([{"role": "user", "content": "Tell me about the puffin."}])  # doctest: +SKIP
     """
     src = resolve_source(run_or_model, base_model, trust_remote_code, allow_pickle)
-    tokenizer = load_tokenizer(src)
-    model, dev = load_model(src, adapter=adapter, device=device)
+    processor = picture_processor(src)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
+    model, dev = load_model(src, adapter=adapter, device=device, pictures=processor is not None)
+    template = chat_template(src, processor if processor is not None else tokenizer)
     return ChatModel(
         model=model,
         tokenizer=tokenizer,
-        template=chat_template(src, tokenizer),
+        template=template,
         device=dev,
         source=src,
         system=system_prompt(src),
         max_context=context_length(model, tokenizer),
+        processor=processor,
     )

@@ -208,10 +208,29 @@ def system_prompt(src: Source) -> str | None:
     return src.recipe.data.system_prompt if src.recipe is not None else None
 
 
-def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` with finetuner's weight-format rule (safetensors unless
-    ``allow_pickle``), quietly; a failure is a :class:`UserError` naming ``what`` could not be loaded."""
-    from transformers import AutoModelForCausalLM
+def picture_processor(src: Source):
+    """The processor of a source that reads pictures, else None: a run or adapter trained on pictures (its adapter
+    folder keeps the processor), or an image-text-to-text model folder or hub id with its processor."""
+    from finetuner.model.loading import stored_config
+    from finetuner.model.vision import image_text_type, load_processor
+
+    if gguf_base.is_gguf_name(src.base_model) or not image_text_type(stored_config(src.base_model, None)):
+        return None
+    if src.kind == "model":
+        try:
+            return load_processor(src.base_model, trust_remote_code=src.trust_remote_code)
+        except UserError:
+            return None  # an image-text-to-text checkpoint without its processor: a text model here
+    if src.adapter_dir is not None and (Path(src.adapter_dir) / "processor_config.json").is_file():
+        return load_processor(str(src.adapter_dir), trust_remote_code=src.trust_remote_code)
+    return None
+
+
+def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: bool = False, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` (``AutoModelForImageTextToText`` with ``pictures``) with finetuner's
+    weight-format rule (safetensors unless ``allow_pickle``), quietly; a failure is a :class:`UserError` naming
+    ``what`` could not be loaded."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from finetuner.model.loading import model_files_error, weight_format_kwargs, weights_load_hint
 
@@ -221,7 +240,8 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, **kwargs):
     try:
         with quieted():
             where, extra = pretrained_args(name, "model", kwargs.get("dtype"))
-            model = AutoModelForCausalLM.from_pretrained(where, **weight_format_kwargs(allow_pickle, name), **extra, **kwargs)
+            model_class = AutoModelForImageTextToText if pictures else AutoModelForCausalLM
+            model = model_class.from_pretrained(where, **weight_format_kwargs(allow_pickle, name), **extra, **kwargs)
         return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, name, what)
@@ -242,12 +262,13 @@ def inference_device(device: str = "auto") -> str:
     return device
 
 
-def load_model(src: Source, adapter: bool = True, device: str = "auto"):
+def load_model(src: Source, adapter: bool = True, device: str = "auto", pictures: bool = False):
     """The model for generation or evaluation, on ``device``, in eval mode, with the KV cache on.
 
     A run's base is loaded as it was trained (its dtype, quantized for QLoRA) and the adapter is
     attached with peft (``model.disable_adapter()`` gives the base back). ``adapter=False`` gives
-    the base model alone. Returns ``(model, device)``.
+    the base model alone; ``pictures``: the image-text-to-text model (:func:`picture_processor`). Returns
+    ``(model, device)``.
     """
     import torch
 
@@ -258,16 +279,17 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto"):
 
         recipe = src.recipe.model_copy(update={"device": "cuda" if device.startswith("cuda") else "cpu"})
         rt = resolve_runtime(recipe)
-        model = load_base_model(recipe, rt)
+        model = load_base_model(recipe, rt, pictures=pictures)
     else:
         dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else (torch.float16 if device.startswith("cuda") else torch.float32)
         trust = src.trust_remote_code
         pickle_ok = src.allow_pickle
         if src.kind == "full" and adapter:
-            model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, dtype=dtype, trust_remote_code=trust)
+            model = load_pretrained(str(src.adapter_dir), "the fine-tuned model", pickle_ok, pictures, dtype=dtype,
+                                    trust_remote_code=trust)
         else:
             model = load_pretrained(src.base_model, "the base model" if src.kind != "model" else "the model", pickle_ok,
-                                     dtype=dtype, trust_remote_code=trust)
+                                    pictures, dtype=dtype, trust_remote_code=trust)
         model.to(device)
     if adapter and src.has_adapter:
         from peft import PeftModel

@@ -230,18 +230,20 @@ def bnb_config(recipe: Recipe, rt: Runtime):
     )
 
 
-def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
-    """The frozen base model on the device, quantized if the recipe says so.
+def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictures: bool = False):
+    """The frozen base model on the device, quantized if the recipe says so; ``pictures``: an image-text-to-text
+    model for a run whose data has pictures (:mod:`finetuner.model.vision`), loaded whole, its vision tower too.
 
     ``place`` (a multi-process strategy that loads the model once,
     :mod:`finetuner.training.strategies.rank0_loading`): ``"cpu"`` keeps the model in CPU memory
     (QLoRA: quantized there), ``"meta"`` builds its modules without weights (nothing is read into
     memory). A GGUF base is dequantized as it loads, so it is loaded whole whatever ``place`` says."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     m = recipe.model
     _warn_remote_code(recipe)
+    model_class = AutoModelForImageTextToText if pictures else AutoModelForCausalLM
     kwargs: dict[str, Any] = dict(
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
@@ -256,7 +258,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
     if place is not None:
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
-    stored = _stored_config(m.name, m.revision)  # read once for the checks below
+    stored = stored_config(m.name, m.revision)  # read once for the checks below
     if quant is None and _stored_method(stored) == "mxfp4":
         # gpt-oss's published experts: dequantized as they load (to the recipe's dtype), as a GGUF base is; kept
         # in MXFP4 the triton kernels transformers would pick train nothing through them
@@ -290,7 +292,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None):
     try:
         with quieted():
             where, extra = gguf_base.pretrained_args(m.name, "model", kwargs["dtype"])
-            model = AutoModelForCausalLM.from_pretrained(where, **kwargs, **extra)
+            model = model_class.from_pretrained(where, **kwargs, **extra)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
         broken = model_files_error(e, m.name)
         if broken is None and not isinstance(e, OSError):
@@ -363,7 +365,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
 
-def _stored_config(name: str, revision: str | None) -> dict[str, Any] | None:
+def stored_config(name: str, revision: str | None) -> dict[str, Any] | None:
     """The ``config.json`` of the checkpoint to load (a preset's, a folder's, the hub's); None for a GGUF base or
     a config that cannot be read here (``from_pretrained`` then says what is wrong with it)."""
     from finetuner.model.shapes import load_config

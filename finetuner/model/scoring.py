@@ -80,6 +80,7 @@ def token_loss_sum(model, batch: dict[str, Any], chunk_size: int = 1024, fused_c
     from torch.utils.checkpoint import checkpoint
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs.update(batch.get("pictures") or {})  # an image-text-to-text model's pixel values (finetuner.data.images)
     labels = batch["labels"][:, 1:]
     n_tokens = int((labels != IGNORE_INDEX).sum())
     decoder, head, softcap = decoder_and_head(model) if chunk_size else (None, None, None)

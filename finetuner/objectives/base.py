@@ -71,9 +71,10 @@ class Objective:
         the run it starts from); by default ``recipe`` itself."""
         return recipe
 
-    def prepare_data(self, tokenizer):
+    def prepare_data(self, tokenizer, processor=None):
         """The run's :class:`~finetuner.data.pipeline.PreparedData` (also called by the checks made
-        before the run folder changes, :func:`finetuner.training.inputs.check_inputs`)."""
+        before the run folder changes, :func:`finetuner.training.inputs.check_inputs`); ``processor``: an
+        image-text-to-text model's, for data with pictures (:mod:`finetuner.model.vision`)."""
         raise NotImplementedError
 
     def on_model(self, model) -> None:

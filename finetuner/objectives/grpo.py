@@ -227,7 +227,7 @@ class GRPOObjective(Objective):
         self.rollout_s = 0.0  # the wall time of the rollout this step made (0 when it reused the batch's)
 
     # ---------------------------------------------------------------- set-up
-    def prepare_data(self, tokenizer):
+    def prepare_data(self, tokenizer, processor=None):
         r = self.recipe
         self.tokenizer = tokenizer
         return prepare_prompts(r.data, tokenizer, r.training.seed, self.settings.max_new_tokens)

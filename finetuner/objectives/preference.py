@@ -140,7 +140,7 @@ class PreferenceObjective(Objective):
         self.metrics = StepMetrics()
 
     # ---------------------------------------------------------------- set-up
-    def prepare_data(self, tokenizer):
+    def prepare_data(self, tokenizer, processor=None):
         r = self.recipe
         return prepare_preference_data(r.data, self.name, tokenizer, r.training.seed)
 

@@ -27,9 +27,9 @@ class SFTObjective(Objective):
 
     data_kind = "sft"
 
-    def prepare_data(self, tokenizer):
+    def prepare_data(self, tokenizer, processor=None):
         r = self.recipe
-        return prepare_data(r.data, tokenizer, r.training.seed)
+        return prepare_data(r.data, tokenizer, r.training.seed, processor)
 
     def collator(self, pad_token_id: int) -> Collator:
         return Collator(pad_token_id)

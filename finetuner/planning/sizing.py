@@ -68,6 +68,12 @@ MIN_TOTAL_STEPS = 100
 MAX_EPOCHS = 10
 #: Below this many training examples the plan says the data set is small.
 FEW_EXAMPLES = 200
+#: ``data.replay`` the plan sets for a small SFT file whose rows carry a system prompt, on one process. Measured
+#: (scripts/bench/replay_guard.py, docs/replay_guard.json, SmolLM2-135M's default plan): on such a file (a ferry
+#: desk's 40 chats) the unguarded run answered 1 of 3 simple facts asked without the system prompt, the guarded
+#: one 3 of 3, the file's style kept (8 of 8 held-out answers signed), the probe 37 -> 40 of the base's 47; on a
+#: file without a system prompt (bike_shop) the guard kept no more facts (2 -> 1 of 3), so it is not set there.
+REPLAY_FOR_SYSTEM_PROMPT = 0.25
 #: Learning rates at hidden size ``REFERENCE_HIDDEN`` (the common 7B LoRA and full settings).
 REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 REFERENCE_HIDDEN = 4096
@@ -99,6 +105,8 @@ class Sizing:
     save_every: int
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: data.replay chosen for the run (0: none)
+    replay: float = 0.0
 
     @property
     def total_steps(self) -> int | None:
@@ -240,6 +248,13 @@ def size_run(
 
     # packed rows counted as the trainer packs them (its split, its seeded greedy packing)
     units = count_packed_rows(profile.lengths, n_val, seq, seed) if packing else train_rows
+    replay, replayed = 0.0, 0
+    if objective == "sft" and gpus == 1 and train_rows < FEW_EXAMPLES and profile.system_rows * 2 >= profile.rows > 0:
+        from finetuner.data.replay import load_prompts, replay_count
+
+        replay = REPLAY_FOR_SYSTEM_PROMPT
+        replayed = replay_count(replay, train_rows, len(load_prompts()))
+        units += replayed  # packed apart, each a row of its own, as the trainer takes them
     if not eff_given:
         while eff > max(1, gpus) and units / eff < MIN_STEPS_PER_EPOCH:
             eff //= 2
@@ -275,4 +290,10 @@ def size_run(
             "adapter of its lowest eval loss (training.keep_best) and training.early_stopping_patience ends it sooner"
         )
     every = max(10, min(500, _round_up(max(1, total // 5), 10)))
-    return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes)
+    if replay:
+        reasons.append(
+            f"data.replay {replay:g}: {replayed} answers the base model itself gives to general prompts (asked without "
+            f"your system prompt) are mixed into your {train_rows} examples, because they carry a system prompt: "
+            "measured on such a file, a fine-tune without them answered 1 of 3 simple facts asked without the system "
+            "prompt, with them 3 of 3, its style still learned (docs/replay_guard.json)")
+    return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes, replay)

@@ -40,7 +40,9 @@ from finetuner.rewards.limits import RewardStopped
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
-from finetuner.model.loading import count_parameters, load_base_model, load_tokenizer, prepare_for_training
+from finetuner.data.images import PictureCollator
+from finetuner.model.loading import count_parameters, load_base_model, prepare_for_training
+from finetuner.model.vision import text_inputs
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.quiet import quieted
@@ -269,13 +271,16 @@ class Trainer:
         self.rt: Runtime = resolve_runtime(r)
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
-        self.tokenizer = load_tokenizer(r)
+        # the tokenizer, and an image-text-to-text model's processor when the data has pictures
+        self.tokenizer, self.processor = text_inputs(r)
         self.objective = build_objective(r, self.run_dir)  # what is trained: finetuner.objectives
         r = self.recipe = self.objective.adopt(r)
-        self.data: PreparedData = self.objective.prepare_data(self.tokenizer)
+        self.data: PreparedData = self.objective.prepare_data(self.tokenizer, self.processor)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
-        self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement()), r, self.rt.tiled_mlp)
+        pictures = self.processor is not None and bool(self.data.stats.pictures)
+        self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
+                                          self.rt.tiled_mlp)
         self.objective.on_model(self.model)
         self.replay = self._mix_replay()
         self.fused_ce = None
@@ -288,6 +293,8 @@ class Trainer:
 
             compile_layers(self.model)
         self.collate = self.objective.collator(self.tokenizer.pad_token_id)
+        if pictures:
+            self.collate = PictureCollator(self.collate, self.processor)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
         self.max_steps = t.max_steps or (
@@ -1015,6 +1022,8 @@ class Trainer:
                 ckpt_io.save_weights(self.model, tmp, weights)
                 self.tokenizer.chat_template = self.data.chat_template
                 self.tokenizer.save_pretrained(tmp)
+                if self.processor is not None:  # a picture run: the processor (image settings, template) goes along
+                    self.processor.save_pretrained(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space of the half-written adapter back
             raise

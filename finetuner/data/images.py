@@ -1,0 +1,148 @@
+"""Pictures in chat data: rows whose messages hold pictures, encoded with the model's processor for an
+image-text-to-text model (LLaVA, Qwen2.5-VL, Gemma 3, SmolVLM ...).
+
+A normalised example (:func:`finetuner.data.formats.normalize`) keeps its pictures as ``images``, absolute paths in
+order, and each one's place in the messages' text as :data:`~finetuner.data.formats.IMAGE_PLACEHOLDER`. Here:
+
+* :func:`message_parts` turns the messages back into content parts (``{"type": "image"}``, ``{"type": "text"}``),
+  what the processors' chat templates read;
+* :func:`encode_pictured` renders the conversation with the processor's template, lets the processor turn each
+  picture into its image tokens (resizing it as the model's settings say), and labels only the assistant's
+  tokens: never an image token, never the prompt (unless ``data.train_on_prompt``, and then still no image token);
+* :class:`PictureCollator` adds what the processor's image processor makes of a micro-batch's pictures (pixel
+  values, and the grid, sizes or masks a family needs) under ``pictures``; the model's forward takes them with
+  the tokens (:func:`finetuner.model.scoring.token_loss_sum`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetuner.data.formats import IGNORE_INDEX, IMAGE_PLACEHOLDER, RowError
+
+
+def load_picture(path: str):
+    """The picture at ``path`` as RGB (a :class:`RowError` naming the path when it cannot be read)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise RowError(f"picture {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+
+
+def message_parts(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The messages with their content as parts: text, and ``{"type": "image"}`` where each picture is."""
+    out = []
+    for m in messages:
+        pieces = m["content"].split(IMAGE_PLACEHOLDER)
+        parts: list[dict[str, Any]] = []
+        for i, text in enumerate(pieces):
+            if i:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def image_token_ids(processor) -> set[int]:
+    """The ids of the tokens that stand for a picture (its patches, and the marks around them where the processor
+    names them): never labels."""
+    tok = processor.tokenizer
+    ids = set()
+    for attr in ("image_token", "boi_token", "eoi_token", "image_start_token", "image_end_token", "fake_image_token",
+                 "global_image_token", "vision_start_token", "vision_end_token"):
+        name = getattr(processor, attr, None)
+        if isinstance(name, str) and name in tok.get_vocab():
+            ids.add(tok.convert_tokens_to_ids(name))
+    for attr in ("image_token_id", "image_token_index"):
+        value = getattr(processor, attr, None)
+        if isinstance(value, int):
+            ids.add(value)
+    return ids
+
+
+def _count_pictures(messages: list[dict[str, str]]) -> int:
+    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+
+
+def encode_pictured(ex: dict[str, Any], processor, template: str, max_len: int, train_on_prompt: bool) -> dict[str, Any]:
+    """Tokens (image tokens expanded by the processor) and labels of one example with pictures (or without: a
+    text row of the same file). The assistant replies are located as in the text pipeline: the conversation up
+    to each reply must render as a prefix of the whole."""
+    tok = processor.tokenizer
+    msgs = ex["messages"]
+    pictures = [load_picture(p) for p in ex.get("images") or []]
+
+    def ids(upto: list[dict[str, str]], gen: bool) -> list[int]:
+        text = tok.apply_chat_template(message_parts(upto), chat_template=template, tokenize=False, add_generation_prompt=gen)
+        n = _count_pictures(upto)
+        enc = processor(text=[text], images=pictures[:n] if n else None, add_special_tokens=False)
+        return list(enc["input_ids"][0])
+
+    try:
+        whole = ids(msgs, gen=False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            start = len(ids(msgs[:i], gen=True)) if i else 0
+            upto = ids(msgs[: i + 1], gen=False)
+            if whole[: len(upto)] != upto or start > len(upto):
+                raise RowError("the chat template does not render conversations as prefixes of each other, so replies "
+                               "cannot be located; set data.chat_template to a template that does")
+            spans.append((start, len(upto)))
+    except RowError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template's jinja error, a processor that cannot match tokens and pictures
+        raise RowError(f"the processor failed on this conversation ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    pictured = image_token_ids(processor)
+    if train_on_prompt:
+        labels = [t if t not in pictured else IGNORE_INDEX for t in whole]
+    else:
+        labels = [IGNORE_INDEX] * len(whole)
+        for a, b in spans:
+            labels[a:b] = [t if t not in pictured else IGNORE_INDEX for t in whole[a:b]]
+    truncated = len(whole) > max_len
+    if truncated and pictures:
+        last = max(i for i, t in enumerate(whole) if t in pictured)
+        if last >= max_len:
+            raise RowError(f"its {len(whole)} tokens (its {len(pictures)} picture(s) included) do not fit "
+                           f"data.max_seq_len {max_len}, and a picture cannot be cut: raise data.max_seq_len, or "
+                           "make the pictures smaller (the processor's size settings)")
+    return {"input_ids": whole[:max_len], "labels": labels[:max_len], "truncated": truncated,
+            "images": list(ex.get("images") or [])}
+
+
+def picture_inputs(processor, paths: list[list[str]]):
+    """What the processor's image processor makes of the pictures of a micro-batch (one list of paths per
+    example, in order), each example's outputs joined along their first dimension: a ``BatchFeature``
+    (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask`` ...),
+    None when no example has a picture."""
+    import torch
+
+    parts = []
+    for example in paths:
+        if example:
+            parts.append(processor.image_processor(images=[load_picture(p) for p in example], return_tensors="pt"))
+    if not parts:
+        return None
+    from transformers import BatchFeature
+
+    return BatchFeature({k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()})
+
+
+class PictureCollator:
+    """A collator's batch (the padded tokens) with the micro-batch's pictures under ``pictures``."""
+
+    def __init__(self, collate, processor):
+        self.collate, self.processor = collate, processor
+
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self.collate(batch)
+        pictures = picture_inputs(self.processor, [x.get("images") or [] for x in batch])
+        if pictures is not None:
+            out["pictures"] = pictures
+        return out

@@ -1,0 +1,80 @@
+"""Image-text-to-text models: whether a run reads pictures, and the processor that turns them into tokens.
+
+A run is a picture run when its model is an image-text-to-text checkpoint (its ``config.json``'s ``model_type`` is
+one transformers loads with ``AutoModelForImageTextToText``, and it has a ``vision_config``) and its data has
+pictures (:mod:`finetuner.data.images`). Such a run loads the model with ``AutoModelForImageTextToText`` and the
+checkpoint's ``AutoProcessor`` (its tokenizer, its image processor, its chat template); LoRA's ``all-linear``
+targets the language model alone (:func:`finetuner.model.layout.all_linear_targets`), the vision tower and the
+projector stay frozen. The same checkpoint on text data trains as a text model, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetuner.errors import UserError, first_line
+
+
+def image_text_type(cfg: dict[str, Any] | None) -> bool:
+    """Whether ``cfg`` (a ``config.json``) is an image-text-to-text model's: a vision tower and a model type
+    transformers loads with ``AutoModelForImageTextToText``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return bool(cfg) and cfg.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and "vision_config" in cfg
+
+
+def data_has_pictures(data) -> bool:
+    """Whether any row of ``data.path`` (a recipe's data section) has pictures: rows read until the first one that
+    has (a bad row is left to the pipeline to report)."""
+    from finetuner.data.formats import FileExamples
+
+    for path in [data.path] if isinstance(data.path, str) else data.path:
+        src = FileExamples(path, data.format, data.columns, data.system_prompt, data.split)
+        try:
+            if any(ex.get("images") for ex in src):
+                return True
+        except UserError:
+            return False
+        if src.bad and "picture" in str(src.bad[0]):  # a pictured row whose picture is missing: it reads pictures
+            return True
+    return False
+
+
+def reads_pictures(recipe, cfg: dict[str, Any] | None) -> bool:
+    """Whether ``recipe`` is a picture run (``cfg``: its model's ``config.json``, read once by the caller)."""
+    return image_text_type(cfg) and data_has_pictures(recipe.data)
+
+
+def text_inputs(recipe):
+    """The run's tokenizer and, for a picture run (:func:`reads_pictures`), its processor (else None): decided
+    here once, for the trainer and the checks before a run."""
+    from finetuner.model.loading import load_tokenizer, stored_config
+
+    m = recipe.model
+    if reads_pictures(recipe, stored_config(m.name, m.revision)):
+        processor = load_processor(m.name, m.revision, m.trust_remote_code)
+        return processor.tokenizer, processor
+    return load_tokenizer(recipe), None
+
+
+def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The checkpoint's ``AutoProcessor`` (tokenizer, image processor, chat template), its tokenizer given a pad
+    token when it has none; a one-line error when it has none."""
+    from transformers import AutoProcessor
+
+    from finetuner.quiet import quieted
+
+    try:
+        with quieted():
+            processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError: no or a broken processor config
+        raise UserError(f"model.name: could not load the processor of '{name}' ({first_line(str(e), 200)}).",
+                        hint="An image-text-to-text checkpoint needs its processor files (processor_config.json or "
+                             "preprocessor_config.json, the tokenizer's).") from None
+    tok = getattr(processor, "tokenizer", None)
+    if tok is None or not hasattr(processor, "image_processor"):
+        raise UserError(f"model.name: '{name}''s processor has no tokenizer and image processor, so it cannot "
+                        "read pictures.")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return processor

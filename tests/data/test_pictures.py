@@ -1,0 +1,142 @@
+"""Issue 39, part 1: chat rows with pictures. OpenAI-style image parts, LLaMA-Factory's ``images`` column with
+``<image>`` placeholders and ShareGPT with images are read into one form (the placeholders where the pictures are,
+the pictures' paths relative to the data file); a missing or unreadable picture names its file, row and path; the
+model's processor turns each picture into its image tokens, and only the assistant's tokens are labels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetuner.data.formats import IGNORE_INDEX, RowError, normalize
+from tests.conftest import REPO
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "yellow": (230, 220, 40)}
+
+
+def write_pictures(folder: Path, n: int = 8) -> list[tuple[str, str]]:
+    """``n`` plain-colour pictures of different sizes in ``folder/img``: (relative path, colour) each."""
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        colour = list(COLOURS)[i % len(COLOURS)]
+        Image.new("RGB", (40 + 3 * i, 30 + 2 * i), COLOURS[colour]).save(folder / "img" / f"{i:03d}.png")
+        out.append((f"img/{i:03d}.png", colour))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny LLaVA (CLIP tower, projector, Llama) with its processor: 16 image tokens a picture."""
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_llava
+
+    out = tmp_path_factory.mktemp("tiny_llava")
+    tiny_llava(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), out)
+    return out
+
+
+def test_the_three_ways_of_giving_pictures_read_the_same():
+    openai = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "img/a.png"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A puffin."}]}
+    url = {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file://img/a.png"}},
+                                     {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A puffin."}]}]}
+    factory = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A puffin."}],
+               "images": ["img/a.png"]}
+    sharegpt = {"conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A puffin."}],
+                "images": ["img/a.png"]}
+    no_placeholder = {"messages": [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A puffin."}],
+                      "images": "img/a.png"}
+    want = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A puffin."}],
+            "images": ["img/a.png"]}
+    for row in (openai, url, factory, sharegpt, no_placeholder):
+        assert normalize(row, "chat") == want
+    alpaca = normalize({"instruction": "<image>What is it?", "output": "A puffin.", "images": ["img/a.png"]}, "alpaca")
+    assert alpaca == want
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"messages": [{"role": "user", "content": "<image><image>Which?"}, {"role": "assistant", "content": "Left."}],
+      "images": ["a.png"]}, "2 <image> placeholder(s) in the messages for 1 picture(s)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]},
+                   {"role": "assistant", "content": "A."}]}, "is not a local file"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}, {"role": "assistant", "content": "A."}]},
+     "turn 1, part 1: expected"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "A."}]},
+     "an image part needs the picture's path"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}, {"role": "assistant", "content": "A."}],
+      "images": ["b.png"]}, "both image parts in its messages and an 'images' column"),
+])
+def test_bad_picture_rows_say_what_is_wrong(row, message):
+    with pytest.raises(RowError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        normalize(row, "chat")
+
+
+def test_pictures_are_found_next_to_the_data_file_and_a_missing_one_is_named(tmp_path):
+    from finetuner.data.formats import FileExamples
+
+    write_pictures(tmp_path / "data", 1)
+    rows = [{"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
+             "images": ["img/000.png"]},
+            {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Blue."}],
+             "images": ["img/404.png"]}]
+    f = tmp_path / "data" / "pics.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    src = FileExamples(str(f))
+    examples = list(src)
+    assert examples[0]["images"] == [str(tmp_path / "data" / "img" / "000.png")]
+    assert len(examples) == 1 and str(src.bad[0]) == (f"{f}, line 2: picture 'img/404.png' not found "
+                                                      f"(looked for {tmp_path / 'data' / 'img' / '404.png'}).")
+
+
+def test_the_processor_expands_each_picture_and_only_the_reply_is_labelled(tiny_vlm, tmp_path):
+    from transformers import AutoProcessor
+
+    from finetuner.data.images import PictureCollator, encode_pictured, image_token_ids
+    from finetuner.data.pipeline import Collator
+
+    pics = write_pictures(tmp_path, 2)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert image_token_ids(processor) == {image_id}
+    ex = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "It is red."},
+                       {"role": "user", "content": "And this one?<image>"}, {"role": "assistant", "content": "Green."}],
+          "images": [str(tmp_path / p) for p, _ in pics]}
+    enc = encode_pictured(ex, processor, processor.chat_template, 512, train_on_prompt=False)
+    ids, labels = enc["input_ids"], enc["labels"]
+    assert ids.count(image_id) == 2 * 16  # (32 / 8)² patches a picture
+    labelled = processor.tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+    assert labelled == "It is red.<|im_end|>\nGreen.<|im_end|>\n"
+    assert not any(t != IGNORE_INDEX and t == image_id for t in labels)
+    everything = encode_pictured(ex, processor, processor.chat_template, 512, train_on_prompt=True)["labels"]
+    assert image_id not in everything and sum(t != IGNORE_INDEX for t in everything) == len(ids) - 32
+    # the collated pixel values are the processor's own for these pictures, in order
+    from PIL import Image
+
+    batch = PictureCollator(Collator(processor.tokenizer.pad_token_id), processor)([enc, enc])
+    own = processor.image_processor(images=[Image.open(tmp_path / p).convert("RGB") for p, _ in pics], return_tensors="pt")
+    assert batch["pictures"]["pixel_values"].shape == (4, 3, 32, 32)
+    assert (batch["pictures"]["pixel_values"][:2] == own["pixel_values"]).all()
+    with pytest.raises(RowError, match=rf"its {len(ids)} tokens \(its 2 picture\(s\) included\) do not fit data.max_seq_len 20"):
+        encode_pictured(ex, processor, processor.chat_template, 20, train_on_prompt=False)
+
+
+def test_an_unreadable_picture_is_named(tiny_vlm, tmp_path):
+    from transformers import AutoProcessor
+
+    from finetuner.data.images import encode_pictured
+
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not a picture")
+    ex = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
+          "images": [str(bad)]}
+    with pytest.raises(RowError, match=f"picture {bad} cannot be read"):
+        encode_pictured(ex, AutoProcessor.from_pretrained(tiny_vlm), "", 64, False)
