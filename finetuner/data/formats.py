@@ -728,6 +728,8 @@ class FileExamples:
         self.layout: Layout | None = None
         self.rows = 0
         self.bad: list[RowError] = []
+        #: the pictures of the examples yielded so far
+        self.pictures = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for raw in read_rows(self.path, self.split, self.bad):
@@ -746,6 +748,7 @@ class FileExamples:
                     self.bad.append(RowError(f"{raw.place}: {e}."))
                     continue
             ex["_where"] = raw.place
+            self.pictures += len(ex.get("images") or [])
             yield ex
 
 

@@ -69,6 +69,10 @@ class DataProfile:
     kind: str = "sft"
     #: examples whose conversation starts with a system message (the file's, or data.system_prompt's)
     system_rows: int = 0
+    #: the examples' pictures, and the image tokens the model's processor makes of them (0 where it did not
+    #: run: a text model, or no processor here); the lengths count those tokens where it ran
+    pictures: int = 0
+    picture_tokens: int = 0
 
     @property
     def mean_tokens(self) -> float:
@@ -119,6 +123,8 @@ class DataProfile:
             "label_fraction": round(self.label_fraction, 3),
             "counted_with": self.counted_with,
             "histogram": histogram(self.lengths),
+            "pictures": self.pictures,
+            "picture_tokens": self.picture_tokens,
         }
 
 
@@ -266,6 +272,12 @@ def profile_data(
     src = FileExamples(path, fmt, columns, system_prompt)
     try:
         lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
+        pictures = src.pictures
+        processor = picture_processor_of(model) if pictures else None
+        if processor is not None:  # every row through the processor: its pictures' tokens are the trainer's
+            src = FileExamples(path, fmt, columns, system_prompt)
+            lengths, trained, total, picture_tokens = picture_lengths(src, processor, chat_template)
+            how = f"the model's processor and chat template ({model})"
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
@@ -273,6 +285,17 @@ def profile_data(
     profile = _profile(path, layout.format if layout else fmt, "sft", lengths, trained, total, how, seq_len, src.bad,
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
+    profile.pictures = pictures
+    if processor is not None:
+        profile.picture_tokens = picture_tokens
+        profile.notes.append(f"{pictures} picture(s): {picture_tokens:,} image tokens in all, "
+                             f"{picture_tokens / pictures:.0f} a picture on average (the model's processor, at its "
+                             "settings), counted in the examples' lengths")
+    elif pictures:
+        profile.notes.append(f"{pictures} picture(s) in the rows, not counted in the lengths: "
+                             + ("no model given to count their image tokens" if not model else
+                                f"{model} reads no pictures here (a text model, or its processor is not on this "
+                                "machine): a picture run needs an image-text-to-text model"))
     if sep:
         profile.notes.append(sep)
     if layout.columns and not columns:
@@ -289,6 +312,49 @@ def profile_data(
                 "and will be truncated"
             )
     return profile
+
+
+def picture_processor_of(model: str | None):
+    """The processor of ``model`` when it is an image-text-to-text checkpoint whose processor loads here (a local
+    folder, or the hub's cache: nothing is downloaded to plan); None otherwise."""
+    if not model:
+        return None
+    from finetuner.model.loading import stored_config
+    from finetuner.model.shapes import preset_model
+    from finetuner.model.vision import image_text_type, load_processor
+
+    model = preset_model(model) or model
+    if not image_text_type(stored_config(model, None)):
+        return None
+    try:
+        return load_processor(model)
+    except UserError:
+        return None
+
+
+def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int]:
+    """Each example's tokens as the trainer encodes them with the processor (its pictures' image tokens
+    included), the trained and total tokens, and the image tokens in all."""
+    from finetuner.config.recipe import DataSection
+    from finetuner.data.images import encode_pictured, image_token_ids
+    from finetuner.data.pipeline import IGNORE_INDEX, chat_template_for
+
+    template = chat_template_for(processor, DataSection(path="-", chat_template=chat_template))
+    pictured = image_token_ids(processor)
+    lengths, trained, total, image_tokens = [], 0, 0, 0
+    for ex in src:
+        try:
+            enc = encode_pictured(ex, processor, template, 1 << 30, False)
+        except RowError as e:  # the trainer reports it (or skips it) with its place
+            src.bad.append(RowError(f"{ex['_where']}: {e}."))
+            continue
+        lengths.append(len(enc["input_ids"]))
+        trained += sum(1 for t in enc["labels"] if t != IGNORE_INDEX)
+        total += len(enc["input_ids"])
+        image_tokens += sum(1 for t in enc["input_ids"] if t in pictured)
+        if len(lengths) >= MAX_ROWS:
+            break
+    return lengths, trained, total, image_tokens
 
 
 def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int, int]:

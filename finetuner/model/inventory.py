@@ -140,9 +140,11 @@ def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 
 
 def build_on_meta(cfg: dict[str, Any]):
-    """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device."""
+    """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device; for an
+    image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL ...), its image-text-to-text model."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     from finetuner.quiet import quieted
 
@@ -157,9 +159,11 @@ def build_on_meta(cfg: dict[str, Any]):
     except (KeyError, ValueError) as e:
         raise UserError(f"model_type {mt!r}: this transformers does not know it ({first_line(str(e))}).",
                         hint="Upgrade transformers, or give a model whose config.json names a model_type it knows.") from None
+    auto = (AutoModelForImageTextToText if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else AutoModelForCausalLM)
     try:
         with quieted(), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return auto.from_config(config)
     except ValueError as e:  # no causal LM for this config class
         raise UserError(f"model_type {mt!r}: transformers builds no causal LM for it ({first_line(str(e))}).") from None
     except Exception as e:  # noqa: BLE001 - a config transformers itself cannot build (a missing field, a package)
