@@ -223,6 +223,52 @@ def demo_run(tmp_path_factory) -> Path:
     return finetuner.train(REPO / "recipes" / "demo_cpu.yaml", output_dir=out).run_dir
 
 
+#: the plain colours of the pictures tests write (write_pictures)
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "yellow": (230, 220, 40)}
+
+
+def write_pictures(folder: Path, n: int = 8) -> list[tuple[str, str]]:
+    """``n`` plain-colour pictures of different sizes in ``folder/img``: (path relative to ``folder``, colour) each."""
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        colour = list(COLOURS)[i % len(COLOURS)]
+        Image.new("RGB", (40 + 3 * i, 30 + 2 * i), COLOURS[colour]).save(folder / "img" / f"{i:03d}.png")
+        out.append((f"img/{i:03d}.png", colour))
+    return out
+
+
+def write_picture_chats(folder: Path, n: int = 8) -> Path:
+    """``folder/colours.jsonl``: one chat a picture of :func:`write_pictures` ("What colour is this?" → "It is
+    <colour>."), in LLaMA-Factory's form (an ``images`` column and ``<image>``) and OpenAI's (image parts) by turns."""
+    rows = []
+    for i, (path, colour) in enumerate(write_pictures(folder, n)):
+        answer = {"role": "assistant", "content": f"It is {colour}."}
+        if i % 2:
+            rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": path},
+                                                                   {"type": "text", "text": "What colour is this?"}]}, answer]})
+        else:
+            rows.append({"messages": [{"role": "user", "content": "<image>What colour is this?"}, answer], "images": [path]})
+    out = folder / "colours.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """A saved tiny LLaVA (a CLIP tower, a projector, a 2-layer Llama; random weights, fp32) with its processor:
+    pictures resized to 32 px, 16 image tokens each."""
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_llava
+
+    out = tmp_path_factory.mktemp("tiny_llava")
+    tiny_llava(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), out)
+    return out
+
+
 def alpaca_rows(n: int = 48) -> list[dict]:
     return [
         {

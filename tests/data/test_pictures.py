@@ -11,35 +11,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.data.formats import IGNORE_INDEX, RowError, normalize
-from tests.conftest import REPO
-
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "yellow": (230, 220, 40)}
-
-
-def write_pictures(folder: Path, n: int = 8) -> list[tuple[str, str]]:
-    """``n`` plain-colour pictures of different sizes in ``folder/img``: (relative path, colour) each."""
-    from PIL import Image
-
-    (folder / "img").mkdir(parents=True, exist_ok=True)
-    out = []
-    for i in range(n):
-        colour = list(COLOURS)[i % len(COLOURS)]
-        Image.new("RGB", (40 + 3 * i, 30 + 2 * i), COLOURS[colour]).save(folder / "img" / f"{i:03d}.png")
-        out.append((f"img/{i:03d}.png", colour))
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> Path:
-    """A tiny LLaVA (CLIP tower, projector, Llama) with its processor: 16 image tokens a picture."""
-    from transformers import AutoTokenizer
-
-    from finetuner.model.tiny_vlm import tiny_llava
-
-    out = tmp_path_factory.mktemp("tiny_llava")
-    tiny_llava(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), out)
-    return out
-
+from tests.conftest import write_pictures
 
 def test_the_three_ways_of_giving_pictures_read_the_same():
     openai = {"messages": [
@@ -97,14 +69,14 @@ def test_pictures_are_found_next_to_the_data_file_and_a_missing_one_is_named(tmp
                                                       f"(looked for {tmp_path / 'data' / 'img' / '404.png'}).")
 
 
-def test_the_processor_expands_each_picture_and_only_the_reply_is_labelled(tiny_vlm, tmp_path):
+def test_the_processor_expands_each_picture_and_only_the_reply_is_labelled(tiny_vlm_dir, tmp_path):
     from transformers import AutoProcessor
 
     from finetuner.data.images import PictureCollator, encode_pictured, image_token_ids
     from finetuner.data.pipeline import Collator
 
     pics = write_pictures(tmp_path, 2)
-    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
     assert image_token_ids(processor) == {image_id}
     ex = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "It is red."},
@@ -129,7 +101,7 @@ def test_the_processor_expands_each_picture_and_only_the_reply_is_labelled(tiny_
         encode_pictured(ex, processor, processor.chat_template, 20, train_on_prompt=False)
 
 
-def test_an_unreadable_picture_is_named(tiny_vlm, tmp_path):
+def test_an_unreadable_picture_is_named(tiny_vlm_dir, tmp_path):
     from transformers import AutoProcessor
 
     from finetuner.data.images import encode_pictured
@@ -139,4 +111,4 @@ def test_an_unreadable_picture_is_named(tiny_vlm, tmp_path):
     ex = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
           "images": [str(bad)]}
     with pytest.raises(RowError, match=f"picture {bad} cannot be read"):
-        encode_pictured(ex, AutoProcessor.from_pretrained(tiny_vlm), "", 64, False)
+        encode_pictured(ex, AutoProcessor.from_pretrained(tiny_vlm_dir), "", 64, False)

@@ -1,0 +1,107 @@
+"""Issue 39, parts 2 and 4: a user's chat file with pictures trains an image-text-to-text model from the CLI (LoRA on
+the language model, the vision tower frozen), the run's adapter loads with peft on AutoModelForImageTextToText, the
+pictures reach the model (other pictures, other loss), `chat --image` answers about a picture, and `plan` counts the
+pictures' image tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import REPO, cli_in_process, write_picture_chats, write_recipe
+
+
+@pytest.fixture(scope="module")
+def picture_run(tiny_vlm_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pictures")
+    data = write_picture_chats(folder, 8)
+    recipe = write_recipe(folder / "recipe.yaml", {
+        "name": "colours", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
+        "data": {"path": str(data), "max_seq_len": 64, "val_size": 2},
+        "training": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "eval_every": 3},
+        "logging": {"tensorboard": False}, "device": "cpu"})
+    out = cli_in_process("run", str(recipe), "-o", str(folder / "run"), "--quiet", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return folder / "run", data
+
+
+def test_a_picture_file_trains_lora_on_the_language_model_only(picture_run, tiny_vlm_dir):
+    import math
+
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    run, _ = picture_run
+    metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8"))
+    assert metrics["steps"] == 3 and math.isfinite(metrics["eval_loss"])
+    assert metrics["data"]["pictures"] == 6  # the training rows' (2 of the 8 held out)
+    assert (run / "adapter" / "processor_config.json").is_file()  # the processor goes with the adapter
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(".language_model." in k for k in keys), keys[:5]  # the vision tower and projector frozen
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir), run / "adapter")
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
+
+
+def test_the_pictures_reach_the_model(picture_run, tiny_vlm_dir):
+    """The loss of the same chat with a red and with a blue picture differs: the pixel values go through the
+    vision tower into the language model (finetuner.model.scoring.token_loss_sum)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetuner.data.images import PictureCollator, encode_pictured
+    from finetuner.data.pipeline import Collator
+    from finetuner.model.scoring import token_loss_sum
+
+    _, data = picture_run
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).eval()
+    collate = PictureCollator(Collator(processor.tokenizer.pad_token_id), processor)
+    losses = []
+    for picture in ("img/000.png", "img/002.png"):  # red, blue
+        ex = {"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                           {"role": "assistant", "content": "It is red."}], "images": [str(data.parent / picture)]}
+        batch = collate([encode_pictured(ex, processor, processor.chat_template, 64, False)])
+        with torch.no_grad():
+            losses.append(float(token_loss_sum(model, batch)[0]))
+    assert losses[0] != losses[1]
+
+
+def test_chat_answers_about_a_picture(picture_run):
+    run, data = picture_run
+    out = cli_in_process("chat", str(run), "-p", "What colour is this?", "--image", str(data.parent / "img" / "001.png"),
+                         "--temperature", "0", "--max-new-tokens", "4", "--compare", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("base:") and "fine-tuned:" in out.stdout
+    missing = cli_in_process("chat", str(run), "-p", "What colour?", "--image", "nope.png", cwd=REPO)
+    assert missing.returncode != 0 and "error: --image nope.png: no such file." in missing.stderr
+
+
+def test_a_text_model_refuses_pictures_in_one_line(tmp_path):
+    data = write_picture_chats(tmp_path, 2)
+    recipe = write_recipe(tmp_path / "recipe.yaml", {
+        "name": "text", "model": {"name": str(REPO / "data" / "demo_model")}, "data": {"path": str(data)},
+        "training": {"max_steps": 1}, "device": "cpu"})
+    out = cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{data}, line 1: the row has 1 picture(s), but the model reads only text" in out.stderr
+
+
+def test_plan_counts_the_pictures_tokens(picture_run, tiny_vlm_dir):
+    _, data = picture_run
+    out = cli_in_process("plan", "--model", str(tiny_vlm_dir), "--gpu", "rtx4090", "--data", str(data), "--json", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["data"]["pictures"] == 8 and plan["data"]["picture_tokens"] == 8 * 16
+    # each example's length is the trainer's: its text and its picture's 16 tokens
+    from transformers import AutoProcessor
+
+    from finetuner.data.formats import FileExamples
+    from finetuner.data.images import encode_pictured
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    longest = max(len(encode_pictured(ex, processor, processor.chat_template, 1024, False)["input_ids"])
+                  for ex in FileExamples(str(data)))
+    assert plan["data"]["max_tokens"] == longest
