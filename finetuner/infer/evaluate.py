@@ -24,7 +24,7 @@ from typing import Any
 
 from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
-from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, resolve_source
+from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source
 from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
 from finetuner.infer.reward_eval import RewardEvalResult, evaluate_rewards
 from finetuner.locate import locate
@@ -79,9 +79,10 @@ def _ppl(loss: float) -> float:
 
 
 def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: int | None = None,
-                 columns: dict[str, str] | None = None):
+                 columns: dict[str, str] | None = None, processor=None):
     """The tokenized examples to score (unpacked), where they came from, and what they are to the run
-    (``held-out``, ``training`` or ``other``: see :attr:`EvalResult.examples_are`)."""
+    (``held-out``, ``training`` or ``other``: see :attr:`EvalResult.examples_are`); ``processor``: a picture
+    model's, for data with pictures."""
     from finetuner.data.pipeline import prepare_data
     from finetuner.config.recipe import DataSection
 
@@ -98,7 +99,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
             cfg = DataSection.model_validate(base_cfg)
         except ValueError as e:
             raise UserError(f"--column: {e}") from None
-        prepared = prepare_data(cfg, tokenizer, seed=0)
+        prepared = prepare_data(cfg, tokenizer, seed=0, processor=processor)
         return prepared.train, str(path), examples_are(recipe, path)
     if recipe is None:
         raise UserError(f"{src.path} is not a run folder, so it has no held-out set.", hint="Pass a data file with --data.")
@@ -111,7 +112,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
     for p in [cfg.val_path] if cfg.val_path else ([cfg.path] if isinstance(cfg.path, str) else cfg.path):
         if ("/" in p or p.endswith((".json", ".jsonl", ".csv", ".parquet"))) and not Path(p).exists():
             raise UserError(f"The run's data file {p} is gone, so its held-out split cannot be rebuilt.", hint="Pass a data file with --data.")
-    prepared = prepare_data(cfg.model_copy(update={"packing": False}), tokenizer, recipe.training.seed)
+    prepared = prepare_data(cfg.model_copy(update={"packing": False}), tokenizer, recipe.training.seed, processor)
     what = f"{cfg.val_path}" if cfg.val_path else f"the run's validation split ({len(prepared.val)} rows of {cfg.path})"
     return prepared.val, what, "held-out"
 
@@ -221,8 +222,12 @@ def evaluate_run(
         raise UserError(f"{src.path} is a model with no fine-tune to compare.", hint="Give a run folder (runs/<name>).")
     if data is not None:
         data = locate(str(data), "--data", hub=False)
-    tokenizer = load_tokenizer(src)
-    tokenizer.chat_template = chat_template(src, tokenizer)
+    processor = picture_processor(src)  # a run trained on pictures, or an image-text-to-text model
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
+    tokenizer.chat_template = chat_template(src, processor if processor is not None else tokenizer)
+    if processor is not None and exact_match:
+        raise UserError("--exact-match: generated replies are compared on text rows only; this model reads pictures.",
+                        hint="Leave out --exact-match (the loss and perplexity are measured with the pictures).")
     if src.recipe is not None and src.recipe.objective == "grpo":  # rewards of sampled completions
         if exact_match:
             raise UserError("--exact-match: compares replies with a reference; a GRPO run is scored by its reward functions.")
@@ -242,10 +247,14 @@ def evaluate_run(
         if write and src.run_dir is not None:
             record_in_metrics(src.run_dir, result)
         return result
-    examples, what, examples_are = held_out_set(src, tokenizer, data, columns=columns)
+    examples, what, examples_are = held_out_set(src, tokenizer, data, columns=columns, processor=processor)
     if len(examples) == 0:
         raise UserError(f"No examples to evaluate in {what}.")
     collate = Collator(tokenizer.pad_token_id)
+    if processor is not None:
+        from finetuner.data.images import PictureCollator
+
+        collate = PictureCollator(collate, processor)
     refs = _references(examples, exact_match) if exact_match else []
     if exact_match and not refs:
         raise UserError(f"--exact-match: {what} has no prompt/reply pairs to compare (text data trains on every token).")
@@ -254,13 +263,13 @@ def evaluate_run(
     answers: dict[str, list[str]] = {}
     if src.kind == "full":  # two separate models: the base, then the fine-tuned one
         for name, use_adapter in (("base", False), ("fine_tuned", True)):
-            model, dev = load_model(src, adapter=use_adapter, device=device)
+            model, dev = load_model(src, adapter=use_adapter, device=device, pictures=processor is not None)
             loss, n = _loss(model, collate, examples, batch_size, dev)
             em, answers[name] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
             scores[name] = ModelScore(loss, _ppl(loss), n, em)
             del model
     else:
-        model, dev = load_model(src, adapter=True, device=device)
+        model, dev = load_model(src, adapter=True, device=device, pictures=processor is not None)
         loss, n = _loss(model, collate, examples, batch_size, dev)
         em, answers["fine_tuned"] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
         scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em)

@@ -105,3 +105,13 @@ def test_plan_counts_the_pictures_tokens(picture_run, tiny_vlm_dir):
     longest = max(len(encode_pictured(ex, processor, processor.chat_template, 1024, False)["input_ids"])
                   for ex in FileExamples(str(data)))
     assert plan["data"]["max_tokens"] == longest
+
+
+def test_eval_scores_the_held_out_pictures(picture_run):
+    run, data = picture_run
+    out = cli_in_process("eval", str(run), "--json", "--no-write", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["examples"] == 2 and r["base"]["loss"] != r["fine_tuned"]["loss"]
+    other = cli_in_process("eval", str(run), "--data", str(data), "--json", "--no-write", cwd=REPO)
+    assert other.returncode == 0 and json.loads(other.stdout)["examples"] == 8
