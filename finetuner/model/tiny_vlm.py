@@ -55,10 +55,10 @@ TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 
 
-def parts_template(image: str, bos: str = "") -> str:
+def parts_template(image: str) -> str:
     """ChatML that reads content parts, ``image`` (the family's image token string, which its processor expands)
-    where a picture is; ``bos`` before the first message (a family whose processor expects it there)."""
-    return (bos and "{{ '" + bos + "' }}") + CHATML_PARTS_TEMPLATE.replace("'<image>'", repr(image))
+    where a picture is."""
+    return CHATML_PARTS_TEMPLATE.replace("'<image>'", repr(image))
 
 
 def _named_tokens(tokenizer, named: dict[str, str] | None = None, plain: list[str] | None = None):
@@ -111,6 +111,27 @@ def tiny_qwen2_5_vl(tokenizer, out: str | Path, seed: int = 0):
                               video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_start_token_id,
                               vision_end_token_id=tok.vision_end_token_id, tie_word_embeddings=True)
     return _save(Qwen2_5_VLForConditionalGeneration, config, processor, out, seed)
+
+
+def tiny_qwen2_vl(tokenizer, out: str | Path, seed: int = 0):
+    """Save a tiny Qwen2-VL (a 1-layer ViT with 14-pixel patches merged 2x2, a 2-layer Qwen2 with 3-D rotary
+    positions) and its processor to ``out``: pictures resized to 28-56 pixels a side, 1 to 4 ``<|image_pad|>``
+    tokens each. Returns the model."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    tok = _named_tokens(tokenizer, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                                    "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
+    template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    processor = without_video(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2}
+    text = {**TEXT, "vocab_size": len(tok), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 3, 3]}, **_ids(tok)}
+    config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
+                           video_token_id=tok.video_token_id, vision_start_token_id=tok.vision_start_token_id,
+                           vision_end_token_id=tok.vision_end_token_id, tie_word_embeddings=True)
+    return _save(Qwen2VLForConditionalGeneration, config, processor, out, seed)
 
 
 def tiny_qwen3_vl(tokenizer, out: str | Path, seed: int = 0):
@@ -177,6 +198,28 @@ def tiny_llava_next(tokenizer, out: str | Path, seed: int = 0):
                              image_grid_pinpoints=pinpoints, vision_feature_layer=-1, image_seq_length=16,
                              vision_feature_select_strategy="default", tie_word_embeddings=True)
     return _save(LlavaNextForConditionalGeneration, config, processor, out, seed)
+
+
+def tiny_llava_onevision(tokenizer, out: str | Path, seed: int = 0):
+    """Save a tiny LLaVA-OneVision (a 1-layer SigLIP tower on 32-pixel tiles in 8-pixel patches, any-resolution
+    tiling to 32x32, 32x64 or 64x32 pixels, a 2-layer Qwen2) and its processor to ``out``: a picture is its base
+    view's 16 ``<image>`` tokens and its tiles' (a newline token a row). Returns the model."""
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor)
+
+    tok = _named_tokens(tokenizer, {"image_token": "<image>", "video_token": "<video>"})
+    template = parts_template("<image>")
+    pinpoints = [[32, 32], [32, 64], [64, 32]]
+    images = LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
+    processor = without_video(LlavaOnevisionProcessor)(image_processor=images, tokenizer=tok, num_image_tokens=16,
+                                                       vision_feature_select_strategy="full", chat_template=template)
+    vision = {**VISION, "image_size": 32, "patch_size": 8, "model_type": "siglip_vision_model"}
+    text = {**TEXT, "vocab_size": len(tok), "model_type": "qwen2", **_ids(tok)}
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
+                                  video_token_index=tok.video_token_id, image_grid_pinpoints=pinpoints,
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  tie_word_embeddings=True)
+    return _save(LlavaOnevisionForConditionalGeneration, config, processor, out, seed)
 
 
 def _save_files(model_cls, config, processor_class: str, images, tok, template: str, out, seed: int, **settings):
@@ -281,10 +324,12 @@ def tiny_mistral3(tokenizer, out: str | Path, seed: int = 0):
 #: model type -> builder ``(tokenizer, out folder) -> model``: a tiny model and its processor saved to the folder
 TINY_VLMS = {
     "llava": tiny_llava,
+    "qwen2_vl": tiny_qwen2_vl,
     "qwen2_5_vl": tiny_qwen2_5_vl,
     "qwen3_vl": tiny_qwen3_vl,
     "gemma3": tiny_gemma3,
     "llava_next": tiny_llava_next,
+    "llava_onevision": tiny_llava_onevision,
     "idefics3": tiny_idefics3,
     "smolvlm": tiny_smolvlm,
     "mllama": tiny_mllama,

@@ -61,7 +61,7 @@ def test_the_recorded_losses_are_reproduced(rerun):
     assert row["losses"] == pytest.approx(recorded[row["model_type"]]["losses"], abs=2e-3)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_vl", "llava_next", "mllama", "idefics3"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen3_vl", "llava_next", "llava_onevision", "mllama", "idefics3"])
 def test_the_collator_gives_the_model_what_its_processor_gives(family, work):
     """Pictures of different shapes in one micro-batch (LLaVA-NeXT's tiles padded), and the inputs the processor makes
     from the tokens (Qwen's mm_token_type_ids, Gemma 3's token_type_ids, Mllama's cross-attention mask) equal to the
