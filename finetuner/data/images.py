@@ -116,13 +116,27 @@ def encode_pictured(ex: dict[str, Any], processor, template: str, max_len: int, 
             "images": list(ex.get("images") or [])}
 
 
+def join_padded(parts: list):
+    """Tensors joined along their first dimension, each first padded with zeros at the end of every other dimension
+    to the largest (LLaVA-NeXT's tiles, Idefics3's and Mllama's pictures a row, Pixtral's picture sizes: zeros are
+    what each family pads with, and what its masks and sizes tell apart); lists (Mllama's tiles a picture) joined."""
+    import torch
+    import torch.nn.functional as F
+
+    if not isinstance(parts[0], torch.Tensor):
+        return [x for p in parts for x in p]
+    if parts[0].dim() > 1:
+        top = [max(p.shape[d] for p in parts) for d in range(parts[0].dim())]
+        parts = [p if list(p.shape[1:]) == top[1:] else
+                 F.pad(p, [x for d in reversed(range(1, p.dim())) for x in (0, top[d] - p.shape[d])]) for p in parts]
+    return torch.cat(parts)
+
+
 def picture_inputs(processor, paths: list[list[str]]):
     """What the processor's image processor makes of the pictures of a micro-batch (one list of paths per
-    example, in order), each example's outputs joined along their first dimension: a ``BatchFeature``
-    (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask`` ...),
-    None when no example has a picture."""
-    import torch
-
+    example, in order), each example's outputs joined along their first dimension (:func:`join_padded`): a
+    ``BatchFeature`` (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``,
+    ``pixel_attention_mask`` ...), None when no example has a picture."""
     parts = []
     for example in paths:
         if example:
@@ -131,11 +145,42 @@ def picture_inputs(processor, paths: list[list[str]]):
         return None
     from transformers import BatchFeature
 
-    return BatchFeature({k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()})
+    return BatchFeature({k: join_padded([p[k] for p in parts]) for k in parts[0].keys()})
+
+
+def token_inputs(processor, input_ids, pictures) -> dict[str, Any]:
+    """The inputs a processor makes from the (expanded, padded) token ids besides the ids themselves, which the
+    model needs with the pictures: the tokens' modality (``mm_token_type_ids``, Qwen-VL's 3-D positions; Gemma 3's
+    ``token_type_ids``, its pictures' bidirectional attention), the cross-attention mask (Mllama: each token sees
+    the pictures before it, ``num_tiles`` of each, taken out of ``pictures``)."""
+    import sys
+
+    import torch
+
+    names = set(getattr(processor, "model_input_names", None) or [])
+    out: dict[str, Any] = {}
+    if getattr(processor, "return_mm_token_type_ids", False) and hasattr(processor, "create_mm_token_type_ids"):
+        kinds = torch.tensor(processor.create_mm_token_type_ids(input_ids.tolist()), dtype=torch.long)
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in names:
+                out[name] = kinds
+                break
+    tiles = pictures.pop("num_tiles", None) if pictures is not None else None
+    family = sys.modules.get(type(processor).__module__)
+    dense = getattr(family, "convert_sparse_cross_attention_mask_to_dense", None)
+    sparse = getattr(family, "get_cross_attention_token_mask", None)
+    if "cross_attention_mask" in names and tiles is not None and dense and sparse:
+        rows = [sparse(row, processor.image_token_id) for row in input_ids.tolist()]
+        mask = dense(rows, num_tiles=tiles, max_num_tiles=processor.image_processor.max_image_tiles,
+                     length=input_ids.shape[1])
+        out["cross_attention_mask"] = torch.as_tensor(mask)
+    return out
 
 
 class PictureCollator:
-    """A collator's batch (the padded tokens) with the micro-batch's pictures under ``pictures``."""
+    """A collator's batch (the padded tokens) with the micro-batch's pictures, and the inputs the processor makes
+    from the tokens for them (:func:`token_inputs`), under ``pictures``: those of the processor's
+    ``model_input_names`` (what it gives the model)."""
 
     def __init__(self, collate, processor):
         self.collate, self.processor = collate, processor
@@ -144,5 +189,9 @@ class PictureCollator:
         out = self.collate(batch)
         pictures = picture_inputs(self.processor, [x.get("images") or [] for x in batch])
         if pictures is not None:
+            pictures.update(token_inputs(self.processor, out["input_ids"], pictures))
+            names = set(getattr(self.processor, "model_input_names", None) or pictures.keys())
+            for k in [k for k in pictures if k not in names]:  # what the processor keeps back (Gemma 3's num_crops)
+                del pictures[k]
             out["pictures"] = pictures
         return out

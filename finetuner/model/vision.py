@@ -6,10 +6,16 @@ pictures (:mod:`finetuner.data.images`). Such a run loads the model with ``AutoM
 checkpoint's ``AutoProcessor`` (its tokenizer, its image processor, its chat template); LoRA's ``all-linear``
 targets the language model alone (:func:`finetuner.model.layout.all_linear_targets`), the vision tower and the
 projector stay frozen. The same checkpoint on text data trains as a text model, as before.
+
+A processor that carries a video processor (Qwen2.5-VL's, Qwen3-VL's) loads without it where torchvision, which
+transformers' video processors need, is not installed (:func:`without_video`): pictures need none. A processor that
+cannot be built at all for a missing package (Pixtral's needs torchvision, SmolVLM's its video processor and
+num2words) is a one-line :class:`UserError` naming the package, before any training.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, first_line
@@ -66,7 +72,21 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
 
     try:
         with quieted():
-            processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+            try:
+                processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+            except (ImportError, OSError) as e:  # its video processor without torchvision (or saved without one)
+                cls = processor_class(name, revision, trust_remote_code)
+                if cls is None or without_video(cls) is cls:
+                    raise
+                try:
+                    processor = without_video(cls).from_pretrained(name, revision=revision,
+                                                                   trust_remote_code=trust_remote_code)
+                except Exception:  # noqa: BLE001 - it cannot do without its video processor (SmolVLM's)
+                    raise e from None
+    except ImportError as e:  # a package the family's processor needs (torchvision for Pixtral's, num2words)
+        raise UserError(f"model.name: the processor of '{name}' needs a package that is not installed "
+                        f"({first_line(str(e), 200).split('. ')[0].rstrip('.')}).",
+                        hint="Install the package it names (pip install torchvision, num2words ...).") from None
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError: no or a broken processor config
         raise UserError(f"model.name: could not load the processor of '{name}' ({first_line(str(e), 200)}).",
                         hint="An image-text-to-text checkpoint needs its processor files (processor_config.json or "
@@ -78,3 +98,34 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return processor
+
+
+def processor_class(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The checkpoint's processor class: its ``processor_config.json``'s, else the one transformers maps its model
+    type to (None when neither names one)."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+    from transformers.utils import cached_file
+
+    path = cached_file(name, "processor_config.json", revision=revision, _raise_exceptions_for_missing_entries=False)
+    cls_name = json.loads(Path(path).read_text(encoding="utf-8")).get("processor_class") if path else None
+    if not cls_name:
+        model_type = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code).model_type
+        cls_name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    return processor_class_from_name(cls_name) if isinstance(cls_name, str) else None
+
+
+def without_video(cls):
+    """``cls`` (a processor class) when torchvision is installed or it has no video processor; else a subclass of
+    the same name without one (transformers' video processors need torchvision, pictures do not): built from an
+    image processor and a tokenizer (where ``cls`` takes its video processor as an optional argument), saved and
+    loaded as ``cls`` is. None for None."""
+    from transformers.utils import is_torchvision_available
+
+    if cls is None or is_torchvision_available() or "video_processor" not in cls.get_attributes():
+        return cls
+    kept = [a for a in cls.get_attributes() if a != "video_processor"]
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                       "get_attributes": classmethod(lambda c: list(kept))})
