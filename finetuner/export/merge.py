@@ -35,7 +35,7 @@ from typing import Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.quiet import quieted
-from finetuner.infer.loading import Source, chat_template, load_pretrained, load_tokenizer, resolve_source
+from finetuner.infer.loading import Source, chat_template, load_pretrained, load_tokenizer, picture_processor, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -374,17 +374,18 @@ def merge_adapter(
 def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, overwrite: bool, notes: list[str],
                      t0: float) -> MergeResult:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch_dtype = getattr(torch, DTYPES[dtype])
-    tokenizer = load_tokenizer(src)
-    template = chat_template(src, tokenizer)
+    processor = picture_processor(src)  # a run trained on pictures: the image-text model, its processor kept
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
+    template = chat_template(src, processor if processor is not None else tokenizer)
     tokenizer.chat_template = template
     trust = src.trust_remote_code
     pickle_ok = src.allow_pickle
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
-    model = load_pretrained(load_from, "the base model", pickle_ok, dtype=torch_dtype,
+    model = load_pretrained(load_from, "the base model", pickle_ok, processor is not None, dtype=torch_dtype,
                              revision=None if src.kind == "full" else revision, trust_remote_code=trust)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
@@ -432,12 +433,16 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         model.config.use_cache = True
         model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if processor is not None:
+            processor.chat_template = template
+            processor.save_pretrained(tmp)
         _copy_processor_files(src.base_model, tmp)
         model = None  # free the merged copy before loading the written one
         gc.collect()
         diff = top1 = max_logit = tol = None
         if verify:
-            merged = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
+            auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
+            merged = auto.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
             got = _logits(merged, probe)
             merged = None
             gc.collect()

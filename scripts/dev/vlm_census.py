@@ -81,8 +81,13 @@ def train_and_chat(model_type: str, folder: Path, work: Path) -> tuple[dict, Pat
     from finetuner.infer.chat import load_chat_model
 
     data = write_pictures_data(work / f"data-{model_type}")
-    step = "train"
+    step = "plan"
     try:
+        # what `finetuner plan --model FOLDER --gpu rtx4090 --data FILE` says: the pictures' tokens, the peak
+        planned = finetuner.plan(str(folder), "rtx4090", data=str(data))
+        plan = {"picture_tokens": planned.data["picture_tokens"], "pictures": planned.data["pictures"],
+                "plan_gib": round(planned.estimate.total_bytes / 2**30, 3) if planned.estimate else None}
+        step = "train"
         recipe = {"name": model_type, "model": {"name": str(folder)}, "method": "lora",
                   "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
                   "data": {"path": str(data), "max_seq_len": 512, "val_size": 0},
@@ -99,7 +104,7 @@ def train_and_chat(model_type: str, folder: Path, work: Path) -> tuple[dict, Pat
                             temperature=0, max_new_tokens=8)
         if not isinstance(answer, str):
             raise RuntimeError(f"the answer is a {type(answer).__name__}")
-        return {"status": "trains", "losses": losses, "answer": answer}, Path(result.run_dir)
+        return {"status": "trains", **plan, "losses": losses, "answer": answer}, Path(result.run_dir)
     except UserError as e:  # the model's folder named as the type, not the census's temporary path
         return {"status": "refused", "step": step, "reason": e.message.replace(str(folder), model_type)}, None
     except Exception as e:  # noqa: BLE001 - a crash is recorded as one, with its place
@@ -146,21 +151,24 @@ def write_table(rows: list[dict]) -> str:
         "2-layer language model, and a working processor made from the demo tokenizer with the family's image tokens "
         "and a chat template that reads content parts) trains 2 LoRA steps at micro-batch 2 with `finetuner.train` "
         "on 4 chat rows with plain-colour pictures of different shapes, on the CPU, and answers one chat turn with a "
-        "picture (`load_chat_model(run).reply(..., images=[...])`); seconds: building, training and chatting. The "
+        "picture (`load_chat_model(run).reply(..., images=[...])`), after `finetuner.plan(FOLDER, 'rtx4090', "
+        "data=FILE)` counted the image tokens of its 4 pictures through the processor (tokens a picture, at the "
+        "tiny processor's sizes) and predicted the peak; seconds: building, planning, training and chatting. The "
         "others are not checked: they need a tiny processor built for them first.",
         "",
         f"**{len(trains)} of the {len(trains) + len(refused)} types checked train and chat; {len(refused)} refused "
         f"(finetuner says why in one line before training); {len(rows) - len(trains) - len(refused)} not checked.**",
         "",
-        "| model type | status | architecture | parameters | losses (2 steps) | seconds | reason |",
-        "|---|---|---|---|---|---|---|",
+        "| model type | status | architecture | parameters | image tokens a picture | losses (2 steps) | seconds | reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     order = {"trains": 0, "refused": 1}
     for r in sorted(rows, key=lambda r: (order.get(r["status"], 2), r["model_type"])):
         losses = ", ".join(f"{x:.4f}" for x in r.get("losses", []))
         reason = (f"{r['step']}: " if r.get("step") else "") + r.get("reason", "")
         params = f"{r['params']:,}" if r.get("params") else ""
-        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('architecture', '')} | {params} | {losses} | "
+        per_picture = f"{r['picture_tokens'] / r['pictures']:g}" if r.get("pictures") else ""
+        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('architecture', '')} | {params} | {per_picture} | {losses} | "
                      f"{r.get('seconds', '')} | {reason.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 

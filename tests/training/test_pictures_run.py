@@ -115,3 +115,20 @@ def test_eval_scores_the_held_out_pictures(picture_run):
     assert r["examples"] == 2 and r["base"]["loss"] != r["fine_tuned"]["loss"]
     other = cli_in_process("eval", str(run), "--data", str(data), "--json", "--no-write", cwd=REPO)
     assert other.returncode == 0 and json.loads(other.stdout)["examples"] == 8
+
+
+def test_merge_keeps_the_processor_and_the_merged_model_reads_pictures(picture_run, tmp_path):
+    run, data = picture_run
+    out = cli_in_process("merge", str(run), "-o", str(tmp_path / "merged"), cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "merged" / "processor_config.json").is_file()
+    from finetuner.infer.chat import load_chat_model
+
+    chat = load_chat_model(tmp_path / "merged", device="cpu")
+    assert chat.processor is not None  # a model folder with its processor: it reads pictures
+    answer = chat.reply([{"role": "user", "content": "What colour is this?"}], images=[str(data.parent / "img" / "000.png")],
+                        temperature=0, max_new_tokens=4)
+    fine_tuned = load_chat_model(run, device="cpu").reply([{"role": "user", "content": "What colour is this?"}],
+                                                          images=[str(data.parent / "img" / "000.png")], temperature=0,
+                                                          max_new_tokens=4)
+    assert answer == fine_tuned  # greedy: the merged weights answer as the adapter on its base
