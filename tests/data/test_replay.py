@@ -117,3 +117,37 @@ def test_replay_is_refused_where_it_cannot_run(tmp_path):
         Recipe.from_dict({**base, "objective": "dpo"})
     with pytest.raises((UserError, ValueError), match="on 2 process"):
         Recipe.from_dict({**base, "distributed": {"num_processes": 2}})
+
+
+def test_the_plan_turns_the_guard_on_for_a_small_file_with_a_system_prompt_and_counts_its_rows():
+    """The planner's rule (finetuner.planning.sizing.REPLAY_FOR_SYSTEM_PROMPT): on the ferry desk's chats (each with
+    its system prompt) the plan sets data.replay and says why; on the bike shop's (no system prompt) it does not; the
+    plan's optimizer steps are the trainer's count with the replayed rows (run_optimizer_steps)."""
+    from finetuner.planning.planner import plan, run_optimizer_steps
+    from finetuner.planning.sizing import REPLAY_FOR_SYSTEM_PROMPT
+
+    ferry = plan("smollm2-135m-instruct", "cpu", data=str(REPO / "data" / "ferry_desk.jsonl"))
+    assert ferry.recipe.data.replay == REPLAY_FOR_SYSTEM_PROMPT
+    why = next(r for r in ferry.reasons if r.startswith("data.replay"))
+    assert "because they carry a system prompt" in why and "docs/replay_guard.json" in why
+    assert ferry.optimizer_steps == run_optimizer_steps(ferry.recipe)
+    unguarded = ferry.recipe.model_copy(update={"data": ferry.recipe.data.model_copy(update={"replay": 0.0})})
+    assert run_optimizer_steps(unguarded) < ferry.optimizer_steps  # the replayed rows are steps too
+    shop = plan("smollm2-135m-instruct", "cpu", data=str(REPO / "data" / "bike_shop.jsonl"))
+    assert not shop.recipe.data.replay and not any(r.startswith("data.replay") for r in shop.reasons)
+    several = plan("smollm2-135m-instruct", "cpu", data=str(REPO / "data" / "ferry_desk.jsonl"), gpus=2)
+    assert not several.recipe.data.replay  # refused on several processes: not planned there
+
+
+def test_the_rule_is_what_the_recorded_measurement_shows():
+    """docs/replay_guard.json (scripts/bench/replay_guard.py, 2 runs of the default plan on 2 cores each): on the
+    ferry desk's file the guard keeps at least 2 of the 3 simple facts the unguarded run loses, the style still
+    learned; on the bike shop's file it keeps no more facts, so the plan leaves it off there."""
+    recorded = json.loads((REPO / "docs" / "replay_guard.json").read_text(encoding="utf-8"))
+    off, on = sorted(recorded["ferry_desk"]["rows"], key=lambda r: r["ratio"])
+    assert off["ratio"] == 0 and on["ratio"] > 0
+    assert on["facts_right"] - off["facts_right"] >= 2 and off["facts_right"] <= off["facts_base_right"] - 2
+    assert on["held_out_signed"] >= 0.75 * on["held_out"]  # the new style: signed on at least 3 of 4 unseen questions
+    assert on["probe_kept"] >= off["probe_kept"]
+    shop_off, shop_on = sorted(recorded["bike_shop"]["rows"], key=lambda r: r["ratio"])
+    assert shop_on["facts_right"] <= shop_off["facts_right"]
