@@ -277,18 +277,28 @@ def _line_editing():
 
 
 # ---------------------------------------------------------------------- eval
-def _cmd_general(args: argparse.Namespace) -> int:
-    """``eval RUN --general``: the probe set answered by the base and the fine-tune (finetuner.infer.probe)."""
+def _stored(args: argparse.Namespace, result, key: str):
+    """``result`` written under ``key`` in the run's ``metrics.json`` (unless ``--no-write``): the run folder it was
+    written in, or None (``--no-write``, or a source that is not a run folder)."""
     from finetuner.infer.evaluate import record_in_metrics
     from finetuner.infer.loading import resolve_source
+
+    if args.no_write:
+        return None
+    run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
+    if run_dir is not None:
+        record_in_metrics(run_dir, result, key=key)
+    return run_dir
+
+
+def _cmd_general(args: argparse.Namespace) -> int:
+    """``eval RUN --general``: the probe set answered by the base and the fine-tune (finetuner.infer.probe)."""
     from finetuner.infer.probe import probe_run
 
     _err(f"Answering the general probe set with {args.source}'s base model and its fine-tune ...")
     r = probe_run(args.source, probes=args.general or None, limit=args.limit, device=args.device, base_model=args.base,
                   **code_optins(args))
-    run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
-    if not args.no_write and run_dir is not None:
-        record_in_metrics(run_dir, r, key="general_probe")
+    run_dir = _stored(args, r, "general_probe")
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
@@ -297,30 +307,26 @@ def _cmd_general(args: argparse.Namespace) -> int:
         print(f"  {kind:<12} base {k['base_right']:>3} / {k['questions']:<3}  fine-tuned {k['fine_tuned_right']:>3} / {k['questions']}")
     for a in [a for a in r.answers if a["id"] in r.lost][:3]:
         print(f"\n{a['question']}\nbase:       {a['base'].strip()}\nfine-tuned: {a['fine_tuned'].strip()}")
-    if not args.no_write and run_dir is not None:
+    if run_dir is not None:
         print(f"\nwritten to {run_dir / 'metrics.json'} (key 'general_probe')")
     return 0
 
 
 def _cmd_tasks(args: argparse.Namespace) -> int:
     """``eval RUN --tasks A,B``: lm-evaluation-harness on the base and the fine-tune (finetuner.infer.harness)."""
-    from finetuner.infer.evaluate import record_in_metrics
     from finetuner.infer.harness import evaluate_tasks
-    from finetuner.infer.loading import resolve_source
 
     _err(f"Scoring {args.source}'s base model and its fine-tune on {args.tasks} (lm-evaluation-harness) ...")
     r = evaluate_tasks(args.source, args.tasks, include_path=args.include_path, limit=args.limit,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device, base_model=args.base,
                        apply_chat_template=args.chat_template, **code_optins(args))
-    run_dir = resolve_source(args.source, args.base, **code_optins(args)).run_dir
-    if not args.no_write and run_dir is not None:
-        record_in_metrics(run_dir, r, key="harness")
+    run_dir = _stored(args, r, "harness")
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
     print(r.describe())
     print(r.table())
-    if not args.no_write and run_dir is not None:
+    if run_dir is not None:
         print(f"\nwritten to {run_dir / 'metrics.json'} (key 'harness')")
     return 0
 
