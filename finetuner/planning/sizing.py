@@ -69,10 +69,11 @@ MAX_EPOCHS = 10
 #: Below this many training examples the plan says the data set is small.
 FEW_EXAMPLES = 200
 #: ``data.replay`` the plan sets for a small SFT file whose rows carry a system prompt, on one process. Measured
-#: (scripts/bench/replay_guard.py, docs/replay_guard.json, SmolLM2-135M's default plan): on such a file (a ferry
-#: desk's 40 chats) the unguarded run answered 1 of 3 simple facts asked without the system prompt, the guarded
-#: one 3 of 3, the file's style kept (8 of 8 held-out answers signed), the probe 37 -> 40 of the base's 47; on a
-#: file without a system prompt (bike_shop) the guard kept no more facts (2 -> 1 of 3), so it is not set there.
+#: (scripts/bench/replay_guard.py, docs/replay_guard.json, SmolLM2-135M's default plan, twice): on such a file (a
+#: ferry desk's 40 chats) the unguarded runs answered 1 and 2 of 3 simple facts asked without the system prompt
+#: (10 and 9 epochs), the guarded ones 3 of 3, the file's style kept (8 of 8 held-out answers signed), the probe
+#: 37 -> 40 and 40 -> 41 of the base's 47; on a file without a system prompt (bike_shop) the guard kept no more
+#: facts (2 -> 1 of 3), so it is not set there.
 REPLAY_FOR_SYSTEM_PROMPT = 0.25
 #: Learning rates at hidden size ``REFERENCE_HIDDEN`` (the common 7B LoRA and full settings).
 REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
@@ -294,6 +295,6 @@ def size_run(
         reasons.append(
             f"data.replay {replay:g}: {replayed} answers the base model itself gives to general prompts (asked without "
             f"your system prompt) are mixed into your {train_rows} examples, because they carry a system prompt: "
-            "measured on such a file, a fine-tune without them answered 1 of 3 simple facts asked without the system "
-            "prompt, with them 3 of 3, its style still learned (docs/replay_guard.json)")
+            "measured twice on such a file, fine-tunes without them answered 1 and 2 of 3 simple facts asked without the "
+            "system prompt, with them 3 of 3, their style still learned (docs/replay_guard.json)")
     return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes, replay)

@@ -40,6 +40,8 @@ FILES = {
     "ferry_desk": (REPO / "data" / "ferry_desk.jsonl", REPO / "data" / "ferry_desk_heldout.jsonl",
                    "— Gullwing Ferries desk"),
 }
+#: the first words of each file's sign-off: a general answer that carries them has caught the file's style
+LEAKS = {"bike_shop": "Ride safe", "ferry_desk": "Safe crossing"}
 #: the issue's three simple facts, each with what a right answer holds (a whole word, any case)
 FACTS = [("What is the capital of France?", r"\bparis\b"), ("How many days are in a week?", r"\b(seven|7)\b"),
          ("What is the chemical symbol for water?", r"\bh2o\b|\bh₂o\b")]
@@ -53,7 +55,7 @@ def run(ratio: float, out: Path, recipe: Path) -> float:
     return time.perf_counter() - began
 
 
-def measure(run_dir: Path, ratio: float, seconds: float | None, held_out: Path, marker: str) -> dict:
+def measure(run_dir: Path, ratio: float, seconds: float | None, held_out: Path, marker: str, leak: str) -> dict:
     from finetuner.infer.chat import load_chat_model
 
     chat = load_chat_model(run_dir, device="cpu")
@@ -70,7 +72,7 @@ def measure(run_dir: Path, ratio: float, seconds: float | None, held_out: Path, 
         "held_out_signed": sum(marker in a for a in styled),
         "facts_base_right": sum(bool(re.search(p, a, re.I)) for (_, p), a in zip(FACTS, facts_base)),
         "facts_right": sum(bool(re.search(p, a, re.I)) for (_, p), a in zip(FACTS, facts_tuned)),
-        "facts_signed": sum(marker in a for a in facts_tuned),  # the shop's sign-off leaking into general answers
+        "facts_signed": sum(leak in a for a in facts_tuned),  # the file's sign-off leaking into general answers
         "facts_answers": dict(zip((q for q, _ in FACTS), facts_tuned)),
         "probe_questions": probe["questions"], "probe_base_right": probe["base_right"], "probe_kept": probe["kept"],
     }
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, ratio in enumerate(args.ratios):
             run_dir = Path(args.runs[i]) if args.runs else Path(tmp) / f"run-{ratio:g}"
             seconds = None if args.runs else run(ratio, run_dir, recipe)
-            rows.append(measure(run_dir, ratio, seconds, held_out, marker))
+            rows.append(measure(run_dir, ratio, seconds, held_out, marker, LEAKS[args.data]))
     recorded = json.loads(OUT.read_text(encoding="utf-8")) if OUT.exists() else {}
     recorded[args.data] = {"measured": time.strftime("%Y-%m-%d"), "data": str(data.relative_to(REPO)), "rows": rows}
     OUT.write_text(json.dumps(recorded, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -109,13 +109,16 @@ def check(model, processor) -> str:
     return "held-out pictures, answered exactly: " + "; ".join(f"{q!r} {r} of {n}" for q, (r, n) in right.items())
 
 
-def main() -> None:
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    import argparse
 
     import torch
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="Only answer 60 new pictures with the shipped model.")
+    args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    if "--check" in sys.argv[1:]:
+    if args.check:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         print(check(AutoModelForImageTextToText.from_pretrained(OUT).eval(), AutoProcessor.from_pretrained(OUT)))

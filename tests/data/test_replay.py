@@ -140,14 +140,19 @@ def test_the_plan_turns_the_guard_on_for_a_small_file_with_a_system_prompt_and_c
 
 
 def test_the_rule_is_what_the_recorded_measurement_shows():
-    """docs/replay_guard.json (scripts/bench/replay_guard.py, 2 runs of the default plan on 2 cores each): on the
-    ferry desk's file the guard keeps at least 2 of the 3 simple facts the unguarded run loses, the style still
-    learned; on the bike shop's file it keeps no more facts, so the plan leaves it off there."""
+    """docs/replay_guard.json (scripts/bench/replay_guard.py, runs of the default plan on 2 cores): on the ferry
+    desk's file, measured with the plan's 10 epochs and its 9, the guarded run keeps all 3 simple facts the base
+    knows where the unguarded ones lost 2 and 1, the style still learned, no less of the probe kept; on the bike
+    shop's file it keeps no more facts, so the plan leaves it off there."""
     recorded = json.loads((REPO / "docs" / "replay_guard.json").read_text(encoding="utf-8"))
-    off, on = sorted(recorded["ferry_desk"]["rows"], key=lambda r: r["ratio"])
-    assert off["ratio"] == 0 and on["ratio"] > 0
-    assert on["facts_right"] - off["facts_right"] >= 2 and off["facts_right"] <= off["facts_base_right"] - 2
-    assert on["held_out_signed"] >= 0.75 * on["held_out"]  # the new style: signed on at least 3 of 4 unseen questions
-    assert on["probe_kept"] >= off["probe_kept"]
+    lost = []
+    for key in ("ferry_desk", "ferry_desk_10_epochs"):
+        off, on = sorted(recorded[key]["rows"], key=lambda r: r["ratio"])
+        assert off["ratio"] == 0 and on["ratio"] > 0
+        assert on["facts_right"] == on["facts_base_right"] == 3 and off["facts_right"] < 3
+        assert on["held_out_signed"] >= 0.75 * on["held_out"]  # the new style: signed on at least 3 of 4 unseen questions
+        assert on["probe_kept"] >= off["probe_kept"] and on["probe_kept"] > 0.8 * on["probe_base_right"]
+        lost.append(off["facts_base_right"] - off["facts_right"])
+    assert max(lost) >= 2  # once, the unguarded run lost 2 of the 3 facts and the guard kept both
     shop_off, shop_on = sorted(recorded["bike_shop"]["rows"], key=lambda r: r["ratio"])
     assert shop_on["facts_right"] <= shop_off["facts_right"]
