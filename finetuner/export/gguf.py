@@ -496,6 +496,24 @@ def _k_quant_plan(plan: _Plan, path: Path) -> None:
     plan.items = [(g, s, shape, types.get(g, t)) for g, s, shape, t in plan.items]
 
 
+def _refuse_pictures(src: Source, config: dict, source) -> None:
+    """A run trained on pictures, or an image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL
+    ...), is refused in one line: its GGUF needs a projector file (mmproj) beside the language model, which is not
+    written (Gemma 3's language model alone is, with a note)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from finetuner.infer.loading import picture_processor
+    from finetuner.model.vision import image_text_type
+
+    trained_on_pictures = src.kind != "model" and picture_processor(src) is not None
+    if trained_on_pictures or (image_text_type(config) and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        raise UserError(f"{source}: {'a fine-tune on pictures' if trained_on_pictures else 'an image-text-to-text model'}: "
+                        "GGUF and Ollama export of its language model with the projector file (mmproj) llama.cpp "
+                        "reads pictures with is not built yet.",
+                        hint="`finetuner merge RUN -o FOLDER` writes a transformers folder that reads pictures "
+                             "(AutoModelForImageTextToText and AutoProcessor load it).")
+
+
 def export_model(
     source: str | Path,
     output: str | Path,
@@ -544,6 +562,7 @@ def export_model(
     else:
         check_output_dir(out, overwrite, src)
     config, config_path = _model_config(src)
+    _refuse_pictures(src, config, source)
     arch = arch_for(config, config_path)
     from finetuner.infer.probe import kept_note
 

@@ -132,3 +132,13 @@ def test_merge_keeps_the_processor_and_the_merged_model_reads_pictures(picture_r
                                                           images=[str(data.parent / "img" / "000.png")], temperature=0,
                                                           max_new_tokens=4)
     assert answer == fine_tuned  # greedy: the merged weights answer as the adapter on its base
+
+
+def test_export_of_a_picture_run_is_refused_in_one_line(picture_run, tiny_vlm_dir, tmp_path):
+    run, _ = picture_run
+    for source in (run, tiny_vlm_dir):
+        out = cli_in_process("export", str(source), "--format", "gguf", "--quant", "f16", "-o", str(tmp_path / "m.gguf"),
+                             cwd=REPO)
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert "GGUF and Ollama export of its language model with the projector file (mmproj)" in out.stderr
+        assert not (tmp_path / "m.gguf").exists()
