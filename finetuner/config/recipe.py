@@ -236,6 +236,12 @@ class DataSection(_Section):
     max_examples: int | None = Field(None, gt=0)
     num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
     cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
+    max_pixels: int | None = Field(
+        None, gt=0,
+        description=("Pictures (an image-text-to-text model whose processor sizes them by pixel count: Qwen2-VL, "
+                     "Qwen2.5-VL, Qwen3-VL): the most pixels a picture keeps; larger ones are scaled down. finetuner "
+                     "plan chooses the largest that fits the card."),
+    )
     replay: float = Field(
         0.0, ge=0, le=1,
         description=(

@@ -73,6 +73,10 @@ class DataProfile:
     #: run: a text model, or no processor here); the lengths count those tokens where it ran
     pictures: int = 0
     picture_tokens: int = 0
+    #: the largest picture's pixels, and the processor's pixel budget ``(fewest, most)`` where it sizes pictures
+    #: by their pixel count (finetuner.model.vision.pixel_budget; the most: ``max_pixels`` when one was given)
+    largest_picture: int = 0
+    pixel_budget: tuple[int, int] | None = None
 
     @property
     def mean_tokens(self) -> float:
@@ -125,6 +129,8 @@ class DataProfile:
             "histogram": histogram(self.lengths),
             "pictures": self.pictures,
             "picture_tokens": self.picture_tokens,
+            "largest_picture": self.largest_picture,
+            "pixel_budget": list(self.pixel_budget) if self.pixel_budget else None,
         }
 
 
@@ -258,8 +264,10 @@ def profile_data(
     on_bad_row: str = "error",
     system_prompt: str | None = None,
     chat_template: str | None = None,
+    max_pixels: int | None = None,
 ) -> DataProfile:
-    """Read a data file and measure its examples' lengths (see the module doc).
+    """Read a data file and measure its examples' lengths (see the module doc); ``max_pixels``: ``data.max_pixels``
+    for a model that sizes pictures by their pixel count.
 
     Rows become examples exactly as in training (:class:`~finetuner.data.formats.FileExamples`
     with ``data.format`` = ``fmt``, ``data.columns`` = ``columns`` and ``data.system_prompt``).
@@ -273,10 +281,10 @@ def profile_data(
     try:
         lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
         pictures = src.pictures
-        processor = picture_processor_of(model) if pictures else None
+        processor = picture_processor_of(model, max_pixels) if pictures else None
         if processor is not None:  # every row through the processor: its pictures' tokens are the trainer's
             src = FileExamples(path, fmt, columns, system_prompt)
-            lengths, trained, total, picture_tokens = picture_lengths(src, processor, chat_template)
+            lengths, trained, total, picture_tokens, largest = picture_lengths(src, processor, chat_template)
             how = f"the model's processor and chat template ({model})"
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
@@ -287,10 +295,15 @@ def profile_data(
     profile.system_rows = system_rows
     profile.pictures = pictures
     if processor is not None:
-        profile.picture_tokens = picture_tokens
+        from finetuner.model.vision import pixel_budget
+
+        profile.picture_tokens, profile.largest_picture = picture_tokens, largest
+        profile.pixel_budget = pixel_budget(processor)
+        at = (f"pictures of at most {profile.pixel_budget[1]:,} pixels" if profile.pixel_budget
+              else "at the processor's settings")
         profile.notes.append(f"{pictures} picture(s): {picture_tokens:,} image tokens in all, "
-                             f"{picture_tokens / pictures:.0f} a picture on average (the model's processor, at its "
-                             "settings), counted in the examples' lengths")
+                             f"{picture_tokens / pictures:.0f} a picture on average (the model's processor, {at}), "
+                             "counted in the examples' lengths")
     elif pictures:
         profile.notes.append(f"{pictures} picture(s) in the rows, not counted in the lengths: "
                              + ("no model given to count their image tokens" if not model else
@@ -314,34 +327,40 @@ def profile_data(
     return profile
 
 
-def picture_processor_of(model: str | None):
+def picture_processor_of(model: str | None, max_pixels: int | None = None):
     """The processor of ``model`` when it is an image-text-to-text checkpoint whose processor loads here (a local
-    folder, or the hub's cache: nothing is downloaded to plan); None otherwise."""
+    folder, or the hub's cache: nothing is downloaded to plan), keeping at most ``max_pixels`` of a picture when
+    given; None otherwise."""
     if not model:
         return None
     from finetuner.model.loading import stored_config
     from finetuner.model.shapes import preset_model
-    from finetuner.model.vision import image_text_type, load_processor
+    from finetuner.model.vision import image_text_type, load_processor, set_max_pixels
 
     model = preset_model(model) or model
     if not image_text_type(stored_config(model, None)):
         return None
     try:
-        return load_processor(model)
+        processor = load_processor(model)
     except UserError:
         return None
+    if max_pixels is not None:
+        set_max_pixels(processor, max_pixels)
+    return processor
 
 
-def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int]:
+def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int, int]:
     """Each example's tokens as the trainer encodes them with the processor (its pictures' image tokens
-    included), the trained and total tokens, and the image tokens in all."""
+    included), the trained and total tokens, the image tokens in all, and the largest picture's pixels."""
+    from PIL import Image
+
     from finetuner.config.recipe import DataSection
     from finetuner.data.images import encode_pictured, image_token_ids
     from finetuner.data.pipeline import IGNORE_INDEX, chat_template_for
 
     template = chat_template_for(processor, DataSection(path="-", chat_template=chat_template))
     pictured = image_token_ids(processor)
-    lengths, trained, total, image_tokens = [], 0, 0, 0
+    lengths, trained, total, image_tokens, largest = [], 0, 0, 0, 0
     for ex in src:
         try:
             enc = encode_pictured(ex, processor, template, 1 << 30, False)
@@ -352,9 +371,12 @@ def picture_lengths(src: FileExamples, processor, chat_template: str | None = No
         trained += sum(1 for t in enc["labels"] if t != IGNORE_INDEX)
         total += len(enc["input_ids"])
         image_tokens += sum(1 for t in enc["input_ids"] if t in pictured)
+        for path in ex.get("images") or []:
+            with Image.open(path) as im:  # the header only
+                largest = max(largest, im.width * im.height)
         if len(lengths) >= MAX_ROWS:
             break
-    return lengths, trained, total, image_tokens
+    return lengths, trained, total, image_tokens, largest
 
 
 def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int, int]:

@@ -51,6 +51,35 @@ def reads_pictures(recipe, cfg: dict[str, Any] | None) -> bool:
     return image_text_type(cfg) and data_has_pictures(recipe.data)
 
 
+#: the image processors that size a picture by its pixel count (Qwen2-VL's, which Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+#: use): ``size["longest_edge"]`` is the most pixels a picture keeps (a larger one is scaled down to it, its image
+#: tokens pixels / (patch x merge)²), ``size["shortest_edge"]`` the fewest
+PIXEL_BUDGET_PROCESSORS = ("Qwen2VLImageProcessor",)
+
+
+def pixel_budget(processor) -> tuple[int, int] | None:
+    """``(fewest, most)`` pixels a picture keeps, for a processor that sizes pictures by their pixel count; None for
+    the others (a fixed size, tiles: their pictures cost what their settings say)."""
+    ip = getattr(processor, "image_processor", None)
+    if ip is None or not type(ip).__name__.startswith(PIXEL_BUDGET_PROCESSORS):
+        return None
+    size = ip.size
+    return int(size["shortest_edge"]), int(size["longest_edge"])
+
+
+def set_max_pixels(processor, max_pixels: int) -> None:
+    """Make ``processor`` keep at most ``max_pixels`` pixels of a picture (``data.max_pixels``); a one-line error
+    for a processor that does not size pictures by their pixel count, or a value under its least."""
+    budget = pixel_budget(processor)
+    if budget is None:
+        raise UserError(f"data.max_pixels: this model's image processor ({type(processor.image_processor).__name__}) "
+                        "does not size pictures by their pixel count.",
+                        hint="Leave data.max_pixels out: the processor's own settings size the pictures.")
+    if max_pixels < budget[0]:
+        raise UserError(f"data.max_pixels {max_pixels:,}: under the processor's least, {budget[0]:,} pixels.")
+    processor.image_processor.size = {"shortest_edge": budget[0], "longest_edge": int(max_pixels)}
+
+
 def text_inputs(recipe):
     """The run's tokenizer and, for a picture run (:func:`reads_pictures`), its processor (else None): decided
     here once, for the trainer and the checks before a run."""
@@ -59,6 +88,8 @@ def text_inputs(recipe):
     m = recipe.model
     if reads_pictures(recipe, stored_config(m.name, m.revision)):
         processor = load_processor(m.name, m.revision, m.trust_remote_code)
+        if recipe.data.max_pixels is not None:
+            set_max_pixels(processor, recipe.data.max_pixels)
         return processor.tokenizer, processor
     return load_tokenizer(recipe), None
 

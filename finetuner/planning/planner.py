@@ -681,7 +681,8 @@ def _free_name(name: str, runs_dir: Path) -> tuple[str, str | None]:
 
 
 def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
-                 columns: dict[str, str] | None = None, objective: str = "sft", grpo: dict[str, Any] | None = None) -> Recipe:
+                 columns: dict[str, str] | None = None, objective: str = "sft", grpo: dict[str, Any] | None = None,
+                 max_pixels: int | None = None) -> Recipe:
     from finetuner.config.recipe import Recipe
 
     training: dict[str, Any] = {
@@ -702,7 +703,8 @@ def _base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device
         **({"grpo": grpo} if grpo is not None else {}),
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
                  "packing": sizing.packing, **({"columns": columns} if columns else {}),
-                 **({"replay": sizing.replay} if sizing.replay else {})},
+                 **({"replay": sizing.replay} if sizing.replay else {}),
+                 **({"max_pixels": max_pixels} if max_pixels else {})},
         "training": training,
         "checkpointing": {"save_every": sizing.save_every, "keep_last": 2},
         "device": device,
@@ -826,6 +828,7 @@ def plan(
     price_per_hour: float | None = None,
     grpo: dict[str, Any] | None = None,
     currency: str | None = None,
+    max_pixels: int | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -872,6 +875,10 @@ def plan(
             search uses GRPO's memory terms (:mod:`finetuner.memory.grpo`: the rollout's KV cache, the
             loss over the group, the reference pass) and step time (the generation included), and the
             plan says the largest ``max_new_tokens`` and ``num_generations`` that fit its choice.
+        max_pixels: for pictures in ``data`` and a model whose processor sizes them by pixel count (Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL), the most pixels a picture keeps (``data.max_pixels``); None: the largest of the
+            data's largest picture and its halvings (down to the processor's least) that fits
+            (:func:`plan_picture_size`).
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -880,6 +887,7 @@ def plan(
     """
     from finetuner.config.recipe import Recipe
 
+    asked = {k: v for k, v in locals().items() if k != "Recipe"}  # the arguments, for plan_picture_size
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     if seq_len is not None and seq_len < 16:
         raise UserError(f"{say(cli='--seq-len', ui='Sequence length')} {seq_len}: the sequence length must be at least 16 "
@@ -931,7 +939,7 @@ def plan(
         from finetuner.data.stats import profile_data, profile_prompts
 
         try:
-            profile = profile_data(data, model, seq_len, columns=columns)
+            profile = profile_data(data, model, seq_len, columns=columns, max_pixels=max_pixels)
         except UserError as e:  # a file of prompts alone is GRPO's data: say so rather than what SFT misses
             try:
                 profile_prompts(data, model, columns=columns)
@@ -972,7 +980,10 @@ def plan(
     if not name:
         name, why_name = _free_name(default_run_name(model, data, objective), Path(runs_dir or "runs").expanduser())
         notes += [why_name] if why_name else []
-    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw)
+    if max_pixels is None and profile is not None and profile.pixel_budget and profile.largest_picture and seq_len is None:
+        return plan_picture_size(asked, profile)
+    base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw,
+                        max_pixels)
     lengths = profile.lengths if profile is not None else None  # GRPO's: its prompts' (profile_prompts)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths,
@@ -1006,6 +1017,46 @@ def plan(
             result.reasons += reasons + sizing.reasons + [why_lr]
     result.wait = plan_wait(result, label_fraction, lengths)  # with the steps counted from the data
     return result
+
+
+def picture_sizes(largest: int, fewest: int, most: int) -> list[int]:
+    """The picture sizes (most pixels kept) :func:`plan_picture_size` tries, largest first: the data's largest picture
+    (no more than the processor's most), then halved until the processor's least."""
+    size = min(largest, most)
+    sizes = [size]
+    while size // 2 >= fewest:
+        size //= 2
+        sizes.append(size)
+    if sizes[-1] > fewest:
+        sizes.append(fewest)
+    return sizes
+
+
+def plan_picture_size(asked: dict[str, Any], profile) -> Plan:
+    """:func:`plan` for pictures a processor sizes by their pixel count: the largest picture size of
+    :func:`picture_sizes` whose plan fits the card and whose longest example fits the model's positions (a picture
+    is never cut), the recipe's ``data.max_pixels``, with the image tokens a picture costs at it; the smallest
+    one's plan when none fits."""
+    fewest, most = profile.pixel_budget
+    tried: list[tuple[int, Plan]] = []
+    for size in picture_sizes(profile.largest_picture, fewest, most):
+        p = plan(**{**asked, "max_pixels": size})
+        tried.append((size, p))
+        if p.fits and p.data["max_tokens"] <= p.shape.max_position_embeddings:
+            break
+    size, chosen = tried[-1]
+    per_picture = chosen.data["picture_tokens"] / max(1, chosen.data["pictures"])
+    if chosen.fits and chosen.data["max_tokens"] <= chosen.shape.max_position_embeddings:
+        why = (f"pictures of at most {size:,} pixels (data.max_pixels), {per_picture:.0f} image tokens a picture: "
+               + ("all the data's pictures at their size" if size >= min(profile.largest_picture, most) and len(tried) == 1
+                  else f"the largest size that fits the card and the model's {chosen.shape.max_position_embeddings:,} "
+                       f"positions (tried {', '.join(f'{s:,}' for s, _ in tried)})"))
+    else:
+        why = (f"pictures of at most {size:,} pixels (data.max_pixels, the processor's least), {per_picture:.0f} image "
+               f"tokens a picture: no picture size tried fits this card and the model's "
+               f"{chosen.shape.max_position_embeddings:,} positions")
+    chosen.reasons.insert(0, why)
+    return chosen
 
 
 def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None = None, currency: str | None = None,

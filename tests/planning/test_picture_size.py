@@ -1,0 +1,97 @@
+"""Issue 39, part 3: for a model whose processor sizes pictures by their pixel count (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL), the plan chooses the largest picture size (``data.max_pixels``) whose run fits the card and the model's
+positions, counts the image tokens a picture costs at it, and the trainer encodes the pictures to the plan's
+lengths with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from finetuner.planning.planner import picture_sizes, plan
+from tests.conftest import REPO
+
+#: the tiny Qwen2.5-VL's processor here keeps up to this many pixels (28 x 28 x 4096: a 1200 x 900 picture whole)
+MOST = 28 * 28 * 4096
+
+
+@pytest.fixture(scope="module")
+def qwen_pictures(tmp_path_factory):
+    """A tiny Qwen2.5-VL (1,024 positions) whose processor keeps up to :data:`MOST` pixels, and 6 chats, each with
+    a 1200 x 900 picture (1,376 image tokens whole: more than the model's positions)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import TINY_VLMS
+    from finetuner.model.vision import load_processor
+
+    d = tmp_path_factory.mktemp("qwen_pictures")
+    TINY_VLMS["qwen2_5_vl"](AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), d / "model")
+    processor = load_processor(str(d / "model"))
+    processor.image_processor.size = {"shortest_edge": 28 * 28, "longest_edge": MOST}
+    processor.save_pretrained(d / "model")
+    (d / "img").mkdir()
+    rows = []
+    for i in range(6):
+        Image.new("RGB", (1200, 900), (200, 30 * i, 30)).save(d / "img" / f"{i}.png")
+        rows.append({"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                                  {"role": "assistant", "content": "It is red."}], "images": [f"img/{i}.png"]})
+    (d / "pics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return d / "model", d / "pics.jsonl"
+
+
+def test_the_sizes_tried_halve_from_the_largest_picture_down_to_the_least():
+    assert picture_sizes(1_080_000, 784, MOST) == [1_080_000, 540_000, 270_000, 135_000, 67_500, 33_750, 16_875, 8_437,
+                                                   4_218, 2_109, 1_054, 784]
+    assert picture_sizes(10_000_000, 784, 3136) == [3136, 1568, 784]  # never more than the processor keeps
+    assert picture_sizes(500, 784, 3136) == [500]  # a picture under the least: its own size
+
+
+def test_the_plan_chooses_the_largest_size_within_the_models_positions(qwen_pictures):
+    model, data = qwen_pictures
+    p = plan(str(model), "rtx4090", data=str(data))
+    assert p.fits and p.data["max_tokens"] <= p.shape.max_position_embeddings == 1024
+    chosen = p.recipe.data.max_pixels
+    assert chosen == 540_000  # 1,080,000 (the pictures whole) gives 1,396 tokens an example: over 1,024
+    assert p.data["picture_tokens"] == 6 * 660  # a 1200 x 900 picture kept as 44 x 60 patches of 14 px, merged 2 x 2
+    assert p.reasons[0] == ("pictures of at most 540,000 pixels (data.max_pixels), 660 image tokens a picture: the largest "
+                            "size that fits the card and the model's 1,024 positions (tried 1,080,000, 540,000)")
+    # the trainer encodes the pictures as the plan counted them, with the recipe's data.max_pixels
+    from finetuner.data.formats import FileExamples
+    from finetuner.data.images import encode_pictured
+    from finetuner.model.vision import text_inputs
+
+    recipe = p.recipe.model_copy(update={"data": p.recipe.data.model_copy(update={"path": str(data)})})
+    _, processor = text_inputs(recipe)
+    lengths = [len(encode_pictured(ex, processor, processor.chat_template, 4096, False)["input_ids"])
+               for ex in FileExamples(str(data))]
+    assert max(lengths) == p.data["max_tokens"] and round(sum(lengths) / len(lengths), 1) == p.data["mean_tokens"]
+
+
+def test_a_smaller_card_gets_smaller_pictures(qwen_pictures):
+    """A card between the least memory a run of the largest size that fits the positions needs (its most frugal
+    option: micro-batch 1, checkpointing ...) and that of the smallest size: the plan takes a smaller size than on a
+    large card, and it fits."""
+    from finetuner.config.hardware import get_gpu
+
+    model, data = qwen_pictures
+    least = {}
+    for size in (540_000, 784):  # on a card too small for anything, the plan's estimate is its least-memory option's
+        q = plan(str(model), "0.5GB", data=str(data), max_pixels=size)
+        assert not q.fits
+        least[size] = q.estimate.total_bytes
+    need_big, need_small = least[540_000], least[784]
+    assert need_small < need_big
+    card = dataclasses.replace(get_gpu("rtx4090"), memory_bytes=int((need_big + need_small) / 2 / (1 - 0.05)))
+    p = plan(str(model), card, data=str(data))
+    assert p.fits and 784 <= p.recipe.data.max_pixels < 540_000
+
+
+def test_max_pixels_on_a_processor_of_fixed_size_is_refused(tiny_vlm_dir):
+    from finetuner.errors import UserError
+    from finetuner.model.vision import load_processor, set_max_pixels
+
+    with pytest.raises(UserError, match=r"data.max_pixels: this model's image processor \(CLIPImageProcessor"):
+        set_max_pixels(load_processor(str(tiny_vlm_dir)), 100_000)
