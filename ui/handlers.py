@@ -668,13 +668,16 @@ class Handlers:
             yield message, tuned_hist, base_hist, error_md(e)
 
     def _chat(self, message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
-              max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False):
+              max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False,
+              picture: str | None = None):
         if not (message or "").strip():
             raise UserError("Type a message first.")
         self.confirm_code(run, bool(allow_code), rewards=False)
         source = str(self.run_path(run))
         gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
                "seed": int(seed) if seed not in (None, "") else None}
+        if picture:  # the uploaded picture goes with this message (a model that reads pictures; others say so)
+            gen["images"] = [str(picture)]
         lanes = [("tuned", True, list(tuned_hist or []))] + ([("base", False, list(base_hist or []))] if compare else [])
         convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
         shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
@@ -694,7 +697,8 @@ class Handlers:
             describe = worker.describe
         took = time.monotonic() - t0
         yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)} · {describe}")
+               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)}"
+               f"{' · with the picture ' + Path(picture).name if picture else ''} · {describe}")
 
     # ------------------------------------------------------------------ export
     @shows_errors(0, 1)

@@ -190,6 +190,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                         gr.Markdown("**Base model**", elem_classes="ft-lane-title")
                         base_bot = gr.Chatbot(label="Base model", show_label=False, buttons=[], height=340, elem_id="chat-base")
                 with gr.Row():
+                    picture = gr.Image(type="filepath", sources=["upload"], label="Picture (a model that reads pictures)",
+                                       height=120, scale=1, elem_id="chat-picture")
                     msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
                     send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                     clear_btn = gr.Button("Clear", scale=1)
@@ -283,7 +285,10 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         for comp in remembered:  # in the browser only: stored at once, no round trip to the server
             comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 
-        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code]
+        # the picture reaches the handler through a State, which is not part of the /chat API's parameters
+        picture_held = gr.State(None)
+        picture.change(lambda p: p, picture, picture_held, api_name=False, queue=False)
+        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code, picture_held]
         send.click(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
         msg.submit(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)
         clear_btn.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)

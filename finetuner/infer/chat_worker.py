@@ -30,7 +30,7 @@ from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 
-GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter")
+GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter", "images")
 
 
 # --------------------------------------------------------------------------- the worker process

@@ -142,3 +142,23 @@ def test_export_of_a_picture_run_is_refused_in_one_line(picture_run, tiny_vlm_di
         assert out.returncode != 0 and "Traceback" not in out.stderr
         assert "GGUF and Ollama export of its language model with the projector file (mmproj)" in out.stderr
         assert not (tmp_path / "m.gguf").exists()
+
+
+def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
+    """The Chat tab's picture goes with the message to the run's chat worker (its own process): the fine-tune's
+    greedy answer is the one load_chat_model gives with the picture; the status line says which picture."""
+    from finetuner.infer.chat import load_chat_model
+    from ui.handlers import Handlers
+
+    run, data = picture_run
+    picture = str(data.parent / "img" / "001.png")
+    h = Handlers(run.parent, tmp_path / "uploads")
+    try:
+        out = list(h.on_chat("What colour is this?", [], [], run.name, False, 4, 0.0, 1.0, None, False, picture))
+    finally:
+        h.chat_pool.close()
+    _msg, tuned, _base, status = out[-1]
+    assert status.startswith("Answered in") and "with the picture 001.png" in status, status
+    want = load_chat_model(run, device="cpu").reply([{"role": "user", "content": "What colour is this?"}], images=[picture],
+                                                    temperature=0, max_new_tokens=4)
+    assert tuned[-1]["content"] == (want or "(no answer)")
