@@ -162,3 +162,36 @@ def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
     want = load_chat_model(run, device="cpu").reply([{"role": "user", "content": "What colour is this?"}], images=[picture],
                                                     temperature=0, max_new_tokens=4)
     assert tuned[-1]["content"] == (want or "(no answer)")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir, tmp_path, strategy):
+    """Two processes (DDP or FSDP over gloo, `--gpus 2`) train the picture file as one process does: the same losses
+    and adapter, each rank collating its own examples' pictures."""
+    import torch
+    from safetensors.torch import load_file
+
+    from finetuner.runs.events import read_events
+    from tests.conftest import run_cli
+
+    _, data = picture_run
+    base = {"name": "colours", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
+            "lora": {"dropout": 0.0},  # no random masks: each rank draws its own
+            "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
+            "training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation": 2, "lr": 1e-3,
+                         "seed": 7},
+            "logging": {"tensorboard": False}, "device": "cpu"}
+    runs = {}
+    for name, gpus in (("one", None), ("two", "2")):
+        recipe = write_recipe(tmp_path / f"{name}.yaml", dict(base, output_dir=str(tmp_path / name),
+                                                              **({"distributed": {"strategy": strategy}} if gpus else {})))
+        out = run_cli("run", str(recipe), "--quiet", *(["--gpus", gpus] if gpus else []))
+        assert out.returncode == 0, out.stderr + out.stdout
+        runs[name] = tmp_path / name
+    dist = next(e for e in read_events(runs["two"] / "events.jsonl") if e["event"] == "distributed")
+    assert dist["strategy"] == strategy and dist["world_size"] == 2
+    assert {"ddp": "DistributedDataParallel", "fsdp": "FSDP2"}[strategy] in dist["engine"]
+    losses = {n: [e["loss"] for e in read_events(d / "events.jsonl") if e["event"] == "step"] for n, d in runs.items()}
+    assert len(losses["one"]) == 3 and losses["two"] == pytest.approx(losses["one"], abs=1e-5)
+    one, two = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in runs.values())
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5 and torch.is_tensor(next(iter(one.values())))
