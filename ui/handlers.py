@@ -303,7 +303,8 @@ class Handlers:
             preview_note = f"\n\n**No token preview:** {e.message}"
         summary = views.data_summary_md(profile, preview, seq) + preview_note
         hl = views.preview_highlights(preview) if preview else []
-        return summary, gr.update(value=hl, visible=True), hist_update, gr.update(value="", visible=False)
+        pictures = views.pictures_html(preview) if preview else ""  # a file with pictures: their thumbnails
+        return summary, gr.update(value=hl, visible=True), hist_update, gr.update(value=pictures, visible=bool(pictures))
 
     def prompts_view(self, path: str, model: str, seq_len: int, columns: dict[str, str] | None, not_sft: UserError):
         """The Data tab for a file that is not supervised or preference data but holds prompts (objective

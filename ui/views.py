@@ -68,6 +68,12 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
         f"**Format:** `{d['format_label']}` · **{d['rows']:,}** examples · mean **{d['mean_tokens']:.0f}** tokens, "
         f"95 % under {d['p95_tokens']}, longest **{d['max_tokens']}** · trained on {100 * d['label_fraction']:.0f} % of tokens",
     ]
+    if d["pictures"] and d["picture_tokens"]:  # counted through the model's processor, in the lengths above
+        lines.append(f"**{d['pictures']:,}** pictures · {d['picture_tokens'] / d['pictures']:.0f} image tokens a picture "
+                     f"({d['picture_tokens']:,} in all, in the lengths above)")
+    elif d["pictures"]:
+        lines.append(f"**{d['pictures']:,}** pictures, not counted: this model reads no pictures here (an "
+                     "image-text-to-text model with its processor does)")
     if over:
         lines.append(f"**Note:** {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
     else:
@@ -121,6 +127,45 @@ def _prompt_cell(prompt: list[dict[str, str]], where: str) -> str:
         body = "".join(f"<div class='ft-msg'><b>{html.escape(m['role'])}</b> {_cell_text(m['content'])}</div>" for m in prompt)
     row = where.rsplit(", ", 1)[-1]
     return f"{body}<div class='ft-where'>{html.escape(row)}</div>"
+
+
+#: the longest side of a picture's thumbnail in the Data tab, in pixels
+THUMBNAIL = 96
+
+
+def thumbnail_src(path: str) -> str:
+    """A picture as a ``data:`` URI of a PNG thumbnail (at most :data:`THUMBNAIL` pixels a side): the page shows it
+    without serving the file; an unreadable picture gives an empty string."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            im.thumbnail((THUMBNAIL, THUMBNAIL))
+            buf = io.BytesIO()
+            im.save(buf, format="PNG")
+    except OSError:
+        return ""
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def pictures_html(preview: Any) -> str:
+    """The pictures of the first examples of a file with pictures, as thumbnails under each example's place (a
+    :class:`finetuner.data.preview.DataPreview`); empty when none has a picture."""
+    blocks = []
+    for ex in preview.examples:
+        if not ex.images:
+            continue
+        thumbs = "".join(
+            f"<figure class='ft-thumb'><img src='{thumbnail_src(p)}' alt='{html.escape(Path(p).name)}'>"
+            f"<figcaption>{html.escape(Path(p).name)}</figcaption></figure>" for p in ex.images)
+        blocks.append(f"<div class='ft-thumbs'><div class='ft-thumbs-where'>{html.escape(ex.where)}</div>{thumbs}</div>")
+    if not blocks:
+        return ""
+    return f"<div class='ft-pairs-title'>The pictures of the first {len(blocks)} examples</div>" + "".join(blocks)
 
 
 def pairs_html(preview: Any) -> str:

@@ -29,6 +29,8 @@ class ExamplePreview:
     n_tokens: int
     n_trained: int
     truncated: bool
+    #: the example's pictures (paths), in order
+    images: list[str] = field(default_factory=list)
 
     def highlighted(self) -> list[tuple[str, str | None]]:
         """``(text, label)`` pairs for a highlighted-text view: 'trained' or 'masked'."""
@@ -92,6 +94,7 @@ def preview_data(
                 n_tokens=len(ids),
                 n_trained=sum(t != IGNORE_INDEX for t in labels),
                 truncated=bool(enc["truncated"]),
+                images=list(ex.get("images") or []),
             )
         )
     return out

@@ -195,3 +195,27 @@ def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir
     assert len(losses["one"]) == 3 and losses["two"] == pytest.approx(losses["one"], abs=1e-5)
     one, two = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in runs.values())
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5 and torch.is_tensor(next(iter(one.values())))
+
+
+def test_the_ui_data_tab_shows_the_pictures(tmp_path):
+    """The Data tab's preview of a file with pictures: the first examples' pictures as thumbnails (PNG data URIs of
+    at most 96 px a side), under each example's place; the summary counts the pictures' image tokens."""
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    from ui.handlers import Handlers
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    data = REPO / "data" / "pictures" / "shapes.jsonl"
+    summary, _preview, _hist, pictures = h.on_data(str(REPO / "data" / "demo_vlm"), str(data), 0)
+    assert pictures["visible"] is True
+    shown = re.findall(r"<img src='data:image/png;base64,([^']+)' alt='(train-\d+\.png)'>", pictures["value"])
+    assert [name for _, name in shown] == ["train-000.png", "train-001.png", "train-002.png"]
+    for b64, name in shown:
+        thumb = Image.open(io.BytesIO(base64.b64decode(b64)))
+        with Image.open(REPO / "data" / "pictures" / "img" / name) as original:
+            assert max(thumb.size) <= 96 and thumb.size == original.size  # 48 px pictures are shown whole
+    assert "**48** pictures · 16 image tokens a picture (768 in all, in the lengths above)" in summary
