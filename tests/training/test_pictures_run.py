@@ -219,3 +219,36 @@ def test_the_ui_data_tab_shows_the_pictures(tmp_path):
         with Image.open(REPO / "data" / "pictures" / "img" / name) as original:
             assert max(thumb.size) <= 96 and thumb.size == original.size  # 48 px pictures are shown whole
     assert "**48** pictures · 16 image tokens a picture (768 in all, in the lengths above)" in summary
+
+
+def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
+    """The Plan tab plans the picture demo's file on the demo's image-text model (the pictures counted), and Start
+    runs it as a picture run in its own process: its adapter keeps the processor."""
+    import time
+
+    from finetuner.runs import jobs
+    from tests.conftest import HANG_GUARD_S
+    from ui.handlers import Handlers
+    from ui.recipe_text import fields_of
+
+    from finetuner.config.recipe import Recipe
+
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    model, data = str(REPO / "data" / "demo_vlm"), str(REPO / "data" / "pictures" / "shapes.jsonl")
+    out = h.on_plan(model, "cpu", data, 0, 0, "auto", "auto", "", 4, 64)
+    head, text = out[0], out[4]
+    assert "ft-error" not in head, head
+    recipe = Recipe.from_yaml_text(text, source="recipe")
+    fields = list(fields_of(recipe))
+    fields[1], fields[2], fields[7] = 2, 1, 2  # micro-batch, accumulation, max steps
+    *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
+    assert error == "", error
+    _run, _table, started = h.on_start(edited, "cpu", data, False)
+    assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (st := jobs.run_status(h.runs / recipe.name, h.runs)).state != "done" and time.monotonic() < deadline:
+        assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
+        time.sleep(1)
+    run = h.runs / recipe.name
+    assert (run / "adapter" / "processor_config.json").is_file()
+    assert json.loads((run / "metrics.json").read_text(encoding="utf-8"))["data"]["pictures"] > 0
