@@ -269,6 +269,20 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
     return out
 
 
+def wait_until_done(runs, name: str):
+    """Poll the run ``name`` under ``runs`` (as the Train tab follows it) until it is done, failing if it is in any
+    other state than starting or running on the way, or still not done after the hang guard; its last status."""
+    import time
+
+    from finetuner.runs import jobs
+
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (st := jobs.run_status(runs / name, runs)).state != "done" and time.monotonic() < deadline:
+        assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
+        time.sleep(1)
+    return st
+
+
 def alpaca_rows(n: int = 48) -> list[dict]:
     return [
         {

@@ -224,10 +224,7 @@ def test_the_ui_data_tab_shows_the_pictures(tmp_path):
 def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
     """The Plan tab plans the picture demo's file on the demo's image-text model (the pictures counted), and Start
     runs it as a picture run in its own process: its adapter keeps the processor."""
-    import time
-
-    from finetuner.runs import jobs
-    from tests.conftest import HANG_GUARD_S
+    from tests.conftest import wait_until_done
     from ui.handlers import Handlers
     from ui.recipe_text import fields_of
 
@@ -245,10 +242,7 @@ def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
     assert error == "", error
     _run, _table, started = h.on_start(edited, "cpu", data, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
-    deadline = time.monotonic() + HANG_GUARD_S
-    while (st := jobs.run_status(h.runs / recipe.name, h.runs)).state != "done" and time.monotonic() < deadline:
-        assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
-        time.sleep(1)
+    wait_until_done(h.runs, recipe.name)
     run = h.runs / recipe.name
     assert (run / "adapter" / "processor_config.json").is_file()
     assert json.loads((run / "metrics.json").read_text(encoding="utf-8"))["data"]["pictures"] > 0

@@ -14,7 +14,7 @@ import pytest
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.errors import UserError
 from finetuner.export.merge import merge_adapter
-from tests.conftest import HANG_GUARD_S, demo_run_folder
+from tests.conftest import demo_run_folder, wait_until_done
 from ui import handlers as ui_handlers
 from ui import views
 from ui.errors import error_md
@@ -213,10 +213,7 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     """Objective grpo with the Rewards box (a file relative to the checkout, as a data file is, and a
     built-in), the generations and new tokens: the planner's GRPO recipe, its reasons on the page; Start
     runs it as a GRPO run, whose completions and rewards the Train tab shows."""
-    import time
-
     from finetuner.planning.planner import plan
-    from finetuner.runs import jobs
     from ui.recipe_text import fields_of
 
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
@@ -244,10 +241,7 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
     _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
-    deadline = time.monotonic() + HANG_GUARD_S
-    while (st := jobs.run_status(h.runs / recipe.name, h.runs)).state != "done" and time.monotonic() < deadline:
-        assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
-        time.sleep(1)
+    st = wait_until_done(h.runs, recipe.name)
     status, _loss, _mem, samples, *_, column, rewards_plot, _message = h.train_view(recipe.name)
     assert st.objective == "grpo" and "finished" in status and "step <b>2</b> / 2" in status
     assert "| mentions_whistle | length_bounds |" in samples and column == {"__type__": "update", "visible": True}
