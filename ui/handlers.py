@@ -743,6 +743,9 @@ class Handlers:
                                  **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
         lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
                  f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
+        if r.get("mmproj_file"):
+            lines.append(f"Projector file for pictures (llama.cpp's `--mmproj`): `{paths.display(Path(r['mmproj_file']))}` "
+                         f"({r['mmproj_bytes'] / 2**20:.1f} MiB, {r['mmproj_tensors']} tensors).")
         if r.get("max_abs_logit_diff") is not None:
             lines.append(f"Checked against the merged model with transformers' GGUF loader: largest logit difference "
                          f"{r['max_abs_logit_diff']:.2g}, top-1 agreement {r['top1_agreement']:.0%} "

@@ -54,6 +54,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 0
     print(f"GGUF file: {r.gguf_file}")
     print(f"  model       {r.architecture}, {r.tensors} tensors, {r.quant}, {r.file_bytes / 2**20:.1f} MiB")
+    if r.mmproj_file is not None:
+        print(f"  projector   {r.mmproj_file} (mmproj: vision tower and projector), {r.mmproj_tensors} tensors, "
+              f"{r.mmproj_bytes / 2**20:.1f} MiB")
     print(f"  read-back   max |dequantized - merged weight| {r.max_weight_error:.3g} (gguf.GGUFReader)")
     if r.max_abs_logit_diff is not None:
         tol = f"tolerance {r.tolerance:.3g}; " if r.tolerance is not None else ""
@@ -67,6 +70,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"Modelfile: {r.modelfile}")
         print(f"Create the Ollama model with: {r.ollama_command}")
         print(f"Then chat with it: {r.ollama_run}")
+    elif r.mmproj_file is not None:
+        print(f"Run it with llama.cpp: llama-mtmd-cli -m {r.gguf_file} --mmproj {r.mmproj_file} --image PICTURE -p TEXT")
     else:
         print(f"Run it with llama.cpp: llama-cli -m {r.gguf_file}")
     return 0

@@ -45,6 +45,7 @@ from typing import Any
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
+from finetuner.export.gguf_mmproj import Projector, projector_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
                                     write_export_marker)
@@ -99,10 +100,14 @@ class ExportResult:
     #: then: ``ollama run NAME``
     ollama_run: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: an image-text model's projector file (llama.cpp's ``--mmproj``), else None
+    mmproj_file: Path | None = None
+    mmproj_tensors: int = 0
+    mmproj_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("output", "gguf_file", "modelfile"):
+        for k in ("output", "gguf_file", "modelfile", "mmproj_file"):
             d[k] = None if d[k] is None else str(d[k])
         return d
 
@@ -319,6 +324,24 @@ class _Plan:
         return self.arch.transform(hf_name, w)
 
 
+class _ProjectorPlan(_Plan):
+    """The projector file's tensors: the vision tower's and the projector's, named as llama.cpp's mmproj reads them."""
+
+    def __init__(self, projector: Projector, folder: Path, quant: str):
+        from safetensors import safe_open
+
+        self.arch, self.items = projector, []
+        for f in _safetensors_files(folder):
+            with safe_open(str(f), framework="pt") as st:
+                for hf_name in st.keys():
+                    gname = projector.gguf_name(hf_name)
+                    if gname is not None:
+                        shape = tuple(st.get_slice(hf_name).get_shape())
+                        self.items.append((gname, (f, hf_name), shape, projector.tensor_type(hf_name, shape, quant)))
+        if not any(g.startswith("v.blk.") for g, *_ in self.items) or not any(g.startswith("mm.") for g, *_ in self.items):
+            raise UserError(f"{folder}: no vision tower or projector weights were found for the projector file (mmproj).")
+
+
 def _encode(data, qtype_name: str):
     import gguf
     import numpy as np
@@ -330,31 +353,57 @@ def _encode(data, qtype_name: str):
     return gguf.quants.quantize(data, _ggml_type(qtype_name))
 
 
-def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name: str, quant: str, source: str) -> None:
+def _write_tensors(writer, plan) -> None:
+    """The tensor infos, the header and then the data, one tensor in memory at a time."""
     import gguf
     import numpy as np
+
+    for gname, _, shape, tname in plan.items:
+        qtype = _ggml_type(tname)
+        if tname in ("F32", "F16"):
+            dtype = np.float32 if tname == "F32" else np.float16
+            writer.add_tensor_info(gname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        else:
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+            writer.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, src, _, tname in plan.items:
+        writer.write_tensor_data(_encode(plan.tensor(src), tname))
+
+
+def _marker(source: str) -> str:
+    return json.dumps({"kind": "gguf", "source": source, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name: str, quant: str, source: str) -> None:
+    import gguf
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_arch)
     try:
         writer.add_name(name)
-        writer.add_string(MARKER_KEY, json.dumps({"kind": "gguf", "source": source, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        writer.add_string(MARKER_KEY, _marker(source))
         arch.write_metadata(writer)
         writer.add_file_type(QUANTS[quant][1])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         vocab.write(writer, template)
-        for gname, _, shape, tname in plan.items:
-            qtype = _ggml_type(tname)
-            if tname in ("F32", "F16"):
-                dtype = np.float32 if tname == "F32" else np.float16
-                writer.add_tensor_info(gname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
-            else:
-                byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
-                writer.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, src, _, tname in plan.items:  # one tensor in memory at a time
-            writer.write_tensor_data(_encode(plan.tensor(src), tname))
+        _write_tensors(writer, plan)
+    finally:
+        writer.close()
+
+
+def _write_mmproj(path: Path, projector: Projector, plan: _Plan, name: str, source: str) -> None:
+    """The projector file: architecture ``clip``, type ``mmproj``, float tensors (see ``gguf_mmproj``)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), projector.gguf_arch)
+    try:
+        writer.add_name(name)
+        writer.add_string(MARKER_KEY, _marker(source))
+        projector.write_metadata(writer)
+        writer.add_file_type(QUANTS["f32" if all(t == "F32" for *_, t in plan.items) else "f16"][1])
+        _write_tensors(writer, plan)
     finally:
         writer.close()
 
@@ -438,7 +487,12 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     import torch
     from transformers import AutoModelForCausalLM
 
-    merged = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    if arch.text_of:  # an image-text checkpoint: its language model on the text probe
+        from transformers import AutoModelForImageTextToText
+
+        merged = AutoModelForImageTextToText.from_pretrained(str(weights), dtype=torch.float32)
+    else:
+        merged = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
     reference = _logits(merged, probe)
     merged = None
     gc.collect()
@@ -452,8 +506,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
         extra["head_dim"] = arch.head_dim
         notes.append(f"transformers' GGUF loader reads no key length for {arch.gguf_arch}; the check gave it the model's "
                      f"head_dim {arch.head_dim}.")
-    told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
-            "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters"),
+    told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"),
+            "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "head_dim"),
             "qwen3moe": ("moe_intermediate_size", "norm_topk_prob")}.get(arch.gguf_arch, ())
     if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
         extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
@@ -496,22 +550,29 @@ def _k_quant_plan(plan: _Plan, path: Path) -> None:
     plan.items = [(g, s, shape, types.get(g, t)) for g, s, shape, t in plan.items]
 
 
-def _refuse_pictures(src: Source, config: dict, source) -> None:
-    """A run trained on pictures, or an image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL
-    ...), is refused in one line: its GGUF needs a projector file (mmproj) beside the language model, which is not
-    written (Gemma 3's language model alone is, with a note)."""
+def _projector(src: Source, config: dict, source) -> Projector | None:
+    """The projector file (mmproj) to write beside the language model: for an image-text model, or a run on one,
+    whose family's projector finetuner writes (``gguf_mmproj``). None for a text model, and for an image-text
+    model whose projector is not written when its language model stands alone (a causal LM class, Gemma 3's) and
+    the run saw no pictures: that one is written alone, with a note. Otherwise a one-line refusal says why."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from finetuner.infer.loading import picture_processor
-    from finetuner.model.vision import image_text_type
+    from finetuner.model.vision import image_text_type, load_processor
 
-    trained_on_pictures = src.kind != "model" and picture_processor(src) is not None
-    if trained_on_pictures or (image_text_type(config) and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        raise UserError(f"{source}: {'a fine-tune on pictures' if trained_on_pictures else 'an image-text-to-text model'}: "
-                        "GGUF and Ollama export of its language model with the projector file (mmproj) llama.cpp "
-                        "reads pictures with is not built yet.",
-                        hint="`finetuner merge RUN -o FOLDER` writes a transformers folder that reads pictures "
-                             "(AutoModelForImageTextToText and AutoProcessor load it).")
+    if not image_text_type(config):
+        return None
+    processor = picture_processor(src)
+    trained_on_pictures = src.kind != "model" and processor is not None
+    if processor is None and src.kind != "model" and not is_gguf_name(src.base_model):
+        with contextlib.suppress(UserError):  # a run on text: the base model's processor, where it has one
+            processor = load_processor(src.base_model, trust_remote_code=src.trust_remote_code)
+    try:
+        return projector_for(config, getattr(processor, "image_processor", None), str(source))
+    except UserError:
+        if trained_on_pictures or config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise
+        return None
 
 
 def export_model(
@@ -562,13 +623,16 @@ def export_model(
     else:
         check_output_dir(out, overwrite, src)
     config, config_path = _model_config(src)
-    _refuse_pictures(src, config, source)
+    projector = _projector(src, config, source)
     arch = arch_for(config, config_path)
+    if format == "gguf" and projector is not None:
+        check_gguf_replaceable(mmproj_path(out), overwrite)
     from finetuner.infer.probe import kept_note
 
     notes: list[str] = [n for n in [kept_note(src.run_dir if src.has_adapter else None)] if n]  # before shipping
     if arch.text_of:
         config = arch.config
+    if arch.text_of and projector is None:
         notes.append(f"{arch.text_of} is an image-text-to-text checkpoint: its language model is written; its vision tower "
                      "and projector are not (llama.cpp reads them from a separate mmproj file, which finetuner does not write).")
     with quieted():
@@ -588,7 +652,8 @@ def export_model(
                     notes.append(f"the chat template writes a system block of its own when there is none ({system[:60]!r}"
                                  f"{'...' if len(system) > 60 else ''}); the Modelfile's SYSTEM says it, so Ollama prompts as "
                                  "training did")
-            modelfile_text = modelfile("model.gguf", template, system, tokenizer.eos_token)
+            modelfile_text = modelfile("model.gguf", template, system, tokenizer.eos_token,
+                                       projector="mmproj.gguf" if projector is not None else None)
         out.parent.mkdir(parents=True, exist_ok=True)
         merged_dir = out.parent / f".{out.name}.tmp-merged-{os.getpid()}"
         try:
@@ -601,20 +666,30 @@ def export_model(
             else:
                 weights = _weights_folder(src)
             return _write_and_check(src, out, format, quant, overwrite, arch, weights, vocab, tokenizer, template,
-                                    modelfile_text, verify, notes, t0, ollama_name)
+                                    modelfile_text, verify, notes, t0, ollama_name, projector)
         finally:
             shutil.rmtree(merged_dir, ignore_errors=True)
 
 
+def mmproj_path(out: Path) -> Path:
+    """Where ``export --format gguf -o OUT`` writes an image-text model's projector file: ``mmproj-OUT`` beside it
+    (llama.cpp's and LM Studio's name for it)."""
+    return out.with_name(f"mmproj-{out.name}")
+
+
 def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, tokenizer, template, modelfile_text, verify, notes, t0,
-                     ollama_name=None):
+                     ollama_name=None, projector: Projector | None = None):
     plan = _Plan(arch, weights, quant)
+    projector_plan = _ProjectorPlan(projector, weights, quant) if projector is not None else None
     if fmt == "gguf":
         tmp_dir, name = out.parent, f".{out.stem}.tmp-export-{os.getpid()}.gguf"
+        mm_name = f".{out.stem}.tmp-export-{os.getpid()}.mmproj.gguf"
     else:
         tmp_dir, name = out.parent / f".{out.name}.tmp-export-{os.getpid()}", "model.gguf"
+        mm_name = "mmproj.gguf"
         tmp_dir.mkdir()
     path = tmp_dir / name
+    mm_path = tmp_dir / mm_name
     title = src.run_dir.name if src.run_dir is not None else Path(str(src.path)).name
     try:
         if quant == "q4_k_m":
@@ -627,6 +702,12 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
         else:
             _write_gguf(path, arch, plan, vocab, template, title, quant, str(src.path))
         max_err = _check_tensors(path, plan)
+        if projector_plan is not None:
+            _write_mmproj(mm_path, projector, projector_plan, f"{title} (projector)", str(src.path))
+            max_err = max(max_err, _check_tensors(mm_path, projector_plan))
+            notes.append(f"the projector file (mmproj, llama.cpp's '{projector.projector_type}' projector) holds the vision "
+                         f"tower and projector: {len(projector_plan.items)} tensors, {projector.n_layers} vision layers, "
+                         "float16 matrices (float32 with --quant f32).")
         probe, probe_text = _probe_ids(tokenizer, template)
         diff = max_logit = tol = top1 = None
         n_texts = 0
@@ -643,9 +724,13 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                              "the original and llama.cpp do).")
             n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts, tokenizer.all_special_tokens)
             diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
-        command = run_command = None
+        command = run_command = mmproj_file = None
         if fmt == "gguf":
             check_gguf_replaceable(out, overwrite)  # again: nothing else arrived there meanwhile
+            if projector_plan is not None:
+                mmproj_file = mmproj_path(out)
+                check_gguf_replaceable(mmproj_file, overwrite)
+                os.replace(mm_path, mmproj_file)
             os.replace(path, out)
             gguf_file, modelfile_path = out, None
         else:
@@ -655,11 +740,13 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             write_export_marker(tmp_dir, "ollama", str(src.path))
             publish_replacing(tmp_dir, out, overwrite)
             gguf_file, modelfile_path = out / name, out / "Modelfile"
+            mmproj_file = out / mm_name if projector_plan is not None else None
             command = f"ollama create {model_name(ollama_name or out.name)} -f {modelfile_path}"
             run_command = f"ollama run {model_name(ollama_name or out.name)}"
     except BaseException as e:
         if fmt == "gguf":
             path.unlink(missing_ok=True)
+            mm_path.unlink(missing_ok=True)
             (tmp_dir / f".{name}.f16.gguf").unlink(missing_ok=True)
         else:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -674,4 +761,6 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
         max_weight_error=max_err, max_abs_logit_diff=diff, max_abs_logit=max_logit, tolerance=tol, top1_agreement=top1,
         probe_tokens=int(probe.shape[1]), tokenizer_texts=n_texts, peak_rss_bytes=peak_rss(),
         seconds=round(time.perf_counter() - t0, 2), ollama_command=command, ollama_run=run_command, notes=notes,
+        mmproj_file=mmproj_file, mmproj_tensors=len(projector_plan.items) if projector_plan is not None else 0,
+        mmproj_bytes=mmproj_file.stat().st_size if mmproj_file is not None else 0,
     )

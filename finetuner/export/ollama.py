@@ -75,14 +75,19 @@ def _quote(text: str) -> str:
     return '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
 
 
-def modelfile(gguf_name: str, chat_template: str, system: str | None = None, eos_token: str | None = None) -> str:
-    """The Modelfile's text, with ``FROM ./<gguf_name>``."""
+def modelfile(gguf_name: str, chat_template: str, system: str | None = None, eos_token: str | None = None,
+              projector: str | None = None) -> str:
+    """The Modelfile's text, with ``FROM ./<gguf_name>``; an image-text model's projector file (``projector``) is a
+    second ``FROM`` line, as Ollama imports a language model and its projector (ollama/ollama#9780)."""
     family = template_family(chat_template)
     _, template, stops = FAMILIES[family]
     stops = list(stops)
     if eos_token and eos_token not in stops:
         stops.append(eos_token)
-    lines = [f"# Written by finetuner export ({family} chat template).", f"FROM ./{gguf_name}", f"TEMPLATE {_quote(template)}"]
+    lines = [f"# Written by finetuner export ({family} chat template).", f"FROM ./{gguf_name}"]
+    if projector:
+        lines.append(f"FROM ./{projector}")
+    lines.append(f"TEMPLATE {_quote(template)}")
     if system:
         lines.append(f"SYSTEM {_quote(system)}")
     lines += [f'PARAMETER stop "{s}"' for s in stops]

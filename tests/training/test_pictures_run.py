@@ -134,14 +134,58 @@ def test_merge_keeps_the_processor_and_the_merged_model_reads_pictures(picture_r
     assert answer == fine_tuned  # greedy: the merged weights answer as the adapter on its base
 
 
-def test_export_of_a_picture_run_is_refused_in_one_line(picture_run, tiny_vlm_dir, tmp_path):
+def test_export_writes_the_language_model_and_the_projector_file(picture_run, tiny_vlm_dir, tmp_path):
+    """A picture run exports to llama.cpp's two files: the language model and the projector file (mmproj) with the
+    CLIP tower up to the model's feature layer and LLaVA's projector as llama.cpp's 'mlp' reads them; Ollama's
+    folder gets both, each a FROM line of the Modelfile."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
     run, _ = picture_run
-    for source in (run, tiny_vlm_dir):
-        out = cli_in_process("export", str(source), "--format", "gguf", "--quant", "f16", "-o", str(tmp_path / "m.gguf"),
-                             cwd=REPO)
-        assert out.returncode != 0 and "Traceback" not in out.stderr
-        assert "GGUF and Ollama export of its language model with the projector file (mmproj)" in out.stderr
-        assert not (tmp_path / "m.gguf").exists()
+    out = cli_in_process("export", str(run), "--format", "gguf", "--quant", "f16", "-o", str(tmp_path / "m.gguf"), cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m.gguf").is_file() and f"--mmproj {tmp_path / 'mmproj-m.gguf'}" in out.stdout
+    reader = gguf.GGUFReader(str(tmp_path / "mmproj-m.gguf"))
+    field = {k: reader.fields[k].contents() for k in ("general.architecture", "general.type", "clip.projector_type",
+                                                     "clip.vision.block_count", "clip.vision.feature_layer",
+                                                     "clip.vision.image_size", "clip.vision.patch_size",
+                                                     "clip.vision.projection_dim")}
+    assert field == {"general.architecture": "clip", "general.type": "mmproj", "clip.projector_type": "mlp",
+                     "clip.vision.block_count": 2, "clip.vision.feature_layer": [2],  # vision_feature_layer -1 of 2
+                     "clip.vision.image_size": 32, "clip.vision.patch_size": 8, "clip.vision.projection_dim": 64}
+    assert "clip.use_gelu" not in reader.fields  # CLIP's quick GELU, llama.cpp's default
+    names = {t.name for t in reader.tensors}
+    assert {"v.class_embd", "v.patch_embd.weight", "v.position_embd.weight", "v.pre_ln.weight", "v.blk.1.attn_q.weight",
+            "v.blk.1.ffn_down.bias", "mm.0.weight", "mm.0.bias", "mm.2.weight", "mm.2.bias"} <= names
+    assert not any(n.startswith(("v.post_ln", "token_embd", "blk.")) for n in names)  # LLaVA reads before it; no text
+    stored = {t.name: t for t in reader.tensors}
+    base = load_file(str(tiny_vlm_dir / "model.safetensors"))
+    want = base[next(k for k in base if k.endswith("multi_modal_projector.linear_1.weight"))].numpy()
+    got = np.asarray(stored["mm.0.weight"].data, dtype=np.float32).reshape(want.shape)  # the run trained the text only
+    assert np.abs(got - want).max() <= 2.0**-11 * np.abs(want).max()
+
+    ollama = cli_in_process("export", str(run), "--format", "ollama", "--quant", "f16", "-o", str(tmp_path / "ol"), cwd=REPO)
+    assert ollama.returncode == 0, ollama.stderr
+    froms = [line for line in (tmp_path / "ol" / "Modelfile").read_text().splitlines() if line.startswith("FROM")]
+    assert froms == ["FROM ./model.gguf", "FROM ./mmproj.gguf"] and (tmp_path / "ol" / "mmproj.gguf").is_file()
+
+    from ui.handlers import Handlers  # the Export tab says where the projector file went
+
+    shown = list(Handlers(run.parent, tmp_path / "uploads").on_gguf(run.name, "gguf", "f16", str(tmp_path / "ui.gguf"), False))
+    assert shown[-1].startswith("✓ f16 GGUF saved") and f"`{tmp_path / 'mmproj-ui.gguf'}`" in shown[-1], shown[-1]
+
+
+def test_export_of_a_family_without_a_projector_writer_is_refused_in_one_line(tmp_path):
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl
+
+    tiny_qwen2_5_vl(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), tmp_path / "qwen")
+    out = cli_in_process("export", str(tmp_path / "qwen"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"), cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "the projector file (mmproj) llama.cpp reads pictures with is not written for qwen2_5_vl" in out.stderr
+    assert "gemma3, llava" in out.stderr and not list(tmp_path.glob("*.gguf"))
 
 
 def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):

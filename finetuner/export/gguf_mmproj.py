@@ -1,0 +1,177 @@
+"""The projector file (``mmproj``) llama.cpp reads pictures with, beside an image-text model's language GGUF.
+
+llama.cpp (``libmtmd``, its ``clip`` architecture) runs an image-text model from two files: the language model
+(written as a text model's, see ``gguf_arch``) and the vision tower plus projector in a GGUF of architecture
+``clip`` and type ``mmproj``. Names come from gguf's own ``TensorNameMap`` for ``MODEL_ARCH.MMPROJ`` (the vision
+tower's) and the keys from ``gguf.Keys.ClipVision``; what differs per family is below, each with its source.
+
+Written:
+
+- **LLaVA** (``llava``: a CLIP vision tower, a two-layer MLP projector): llama.cpp's projector type ``mlp``, its
+  ``mm.0`` / ``mm.2`` (the legacy llava converter's names, ``tools/mtmd/legacy-models``), the encoder's layers up
+  to the model's ``vision_feature_layer`` (``clip.vision.feature_layer``: llama.cpp stops there, and without the
+  key stops one layer short of the last, LLaVA-1.5's -2), CLIP's quick GELU (no ``clip.use_gelu``), no
+  post-layernorm (LLaVA reads the hidden state before it). Only ``vision_feature_select_strategy: default`` (the
+  class token dropped), as llama.cpp runs it. Measured (``scripts/validate/llama_cpp_vlm_check.py``): the llama.cpp
+  that llama-cpp-python 0.3.36 builds puts the class token after the patches in its CLIP graph
+  (ggml-org/llama.cpp#25814): each patch gets its neighbour's position, the first patch is dropped and the class
+  token fed as an image token, so its picture embeddings differ from transformers' for any LLaVA file.
+- **Gemma 3** (``gemma3``: a SigLIP tower, average-pooled, RMS-normed and projected): llama.cpp's ``gemma3``
+  projector, the SigLIP tower with its post-layernorm and tanh GELU (``clip.use_gelu``), the soft-embedding norm
+  stored as ``1 + weight`` (Gemma's RMSNorm; llama.cpp's converter, ``Gemma3VisionModel``), the pooling factor
+  written when it is not Gemma 3's 4 (``clip.vision.projector.scale_factor``).
+
+Any other image-text type is refused with the reason (its projector is not written here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetuner.errors import UserError
+
+#: model_type → llama.cpp's projector type, for the families whose mmproj is written
+PROJECTORS = {"llava": "mlp", "gemma3": "gemma3"}
+#: the vision towers each family's projector file holds (vision_config.model_type)
+TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",)}
+#: where a checkpoint keeps its vision tower (transformers 5 and the checkpoints' own names), read as
+#: ``vision_tower.vision_model.`` (gguf's map)
+_TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
+_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+#: LLaVA's projector (Linear, GELU, Linear) under the names llama.cpp's ``mlp`` projector reads
+_LLAVA_MM = {"linear_1": "mm.0", "linear_2": "mm.2"}
+#: Gemma 3's default pooling: (image_size / patch_size) / sqrt(mm_tokens_per_image) (896 / 14 / 16 = 4)
+GEMMA3_POOL = 4
+
+
+@dataclass
+class Projector:
+    """An image-text model's vision tower and projector as llama.cpp's mmproj file holds them."""
+
+    model_type: str
+    projector_type: str
+    vision: dict[str, Any]
+    text_hidden: int
+    image_mean: list[float]
+    image_std: list[float]
+    n_layers: int
+    #: hidden state the projector reads, as llama.cpp counts it (0: the encoder's input); None: the last layer's
+    feature_layer: int | None = None
+    keep_post_norm: bool = True
+    use_gelu: bool = False
+    extra_uint32: dict[str, int] = field(default_factory=dict)
+    gguf_arch: str = "clip"
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The file's name for a checkpoint tensor, or None for one the projector file does not hold (the language
+        model's; a layer past the feature layer; LLaVA's unused post-layernorm)."""
+        import gguf
+
+        for prefix in _PROJECTOR_PREFIXES:
+            if hf_name.startswith(prefix):
+                rest = hf_name[len(prefix):]
+                if self.model_type == "llava":
+                    layer, _, kind = rest.partition(".")
+                    return f"{_LLAVA_MM[layer]}.{kind}" if layer in _LLAVA_MM else None
+                rest = rest.replace("_weight", ".weight")  # Gemma 3's bare parameters (mm_input_projection_weight)
+                return self._mapped(f"multi_modal_projector.{rest}", gguf)
+        for prefix in _TOWER_PREFIXES:
+            if hf_name.startswith(prefix):
+                rest = hf_name[len(prefix):]
+                if rest.startswith("post_layernorm.") and not self.keep_post_norm:
+                    return None
+                if rest.startswith("head."):  # SigLIP's pooling head: not part of the picture's tokens
+                    return None
+                if rest.startswith("encoder.layers."):
+                    layer = int(rest.split(".")[2])
+                    if layer >= self.n_layers:
+                        return None
+                if rest == "embeddings.class_embedding":
+                    return "v.class_embd"  # a bare parameter (clip.cpp's TN_CLASS_EMBD)
+                return self._mapped(f"vision_tower.vision_model.{rest}", gguf)
+        return None
+
+    def _mapped(self, name: str, gguf) -> str:
+        found = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, self.n_layers).get_name(name, try_suffixes=(".weight", ".bias"))
+        if found is None:
+            raise UserError(f"The tensor '{name}' of this {self.model_type} model has no place in llama.cpp's projector "
+                            "file; GGUF export refuses the model rather than drop it.")
+        return found
+
+    def transform(self, hf_name: str, array):
+        if self.model_type == "gemma3" and "mm_soft_emb_norm" in hf_name:
+            return array + 1.0  # Gemma's RMSNorm multiplies by 1 + weight; llama.cpp's by the stored weight
+        return array
+
+    def tensor_type(self, hf_name: str, shape: tuple[int, ...], quant: str) -> str:
+        """F32 for ``quant=f32``, vectors and the embeddings (as llama.cpp's converter keeps them), F16 otherwise:
+        llama.cpp's projector files are float (its converter writes f16 or f32)."""
+        if quant == "f32" or len(shape) < 2 or ".embeddings." in hf_name:
+            return "F32"
+        return "F16"
+
+    def write_metadata(self, writer) -> None:
+        import gguf
+
+        writer.add_type(gguf.GGUFType.MMPROJ)
+        writer.add_clip_has_vision_encoder(True)
+        writer.add_clip_projector_type(self.projector_type)
+        writer.add_vision_projection_dim(self.text_hidden)
+        writer.add_vision_image_size(int(self.vision["image_size"]))
+        writer.add_vision_patch_size(int(self.vision["patch_size"]))
+        writer.add_vision_embedding_length(int(self.vision["hidden_size"]))
+        writer.add_vision_feed_forward_length(int(self.vision["intermediate_size"]))
+        writer.add_vision_block_count(self.n_layers)
+        writer.add_vision_head_count(int(self.vision["num_attention_heads"]))
+        writer.add_vision_attention_layernorm_eps(float(self.vision.get("layer_norm_eps", 1e-6)))
+        writer.add_vision_image_mean([float(x) for x in self.image_mean])
+        writer.add_vision_image_std([float(x) for x in self.image_std])
+        if self.use_gelu:
+            writer.add_vision_use_gelu(True)
+        if self.feature_layer is not None:
+            writer.add_array("clip.vision.feature_layer", [int(self.feature_layer)])
+        for key, value in self.extra_uint32.items():
+            writer.add_uint32(key, int(value))
+
+
+def _refuse(where: str, model_type: str, why: str) -> UserError:
+    return UserError(f"{where}: the projector file (mmproj) llama.cpp reads pictures with is not written for {model_type}: "
+                     f"{why}.", hint="`finetuner merge RUN -o FOLDER` writes a transformers folder that reads pictures "
+                                     "(AutoModelForImageTextToText and AutoProcessor load it).")
+
+
+def projector_for(config: dict[str, Any], image_processor, where: str) -> Projector:
+    """The :class:`Projector` of an image-text model's ``config.json`` contents and its image processor, or a
+    UserError saying why its projector file is not written."""
+    mt = str(config.get("model_type"))
+    if mt not in PROJECTORS:
+        return_types = ", ".join(sorted(PROJECTORS))
+        raise _refuse(where, mt, f"finetuner writes it for {return_types}")
+    vision = dict(config.get("vision_config") or {})
+    text = dict(config.get("text_config") or {})
+    if vision.get("model_type") not in TOWERS[mt]:
+        raise _refuse(where, mt, f"its vision tower is {vision.get('model_type')!r}, not {' or '.join(TOWERS[mt])}")
+    if image_processor is None:
+        raise _refuse(where, mt, "its image processor (the pictures' size, mean and deviation) was not found")
+    n = int(vision["num_hidden_layers"])
+    common = dict(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
+                  image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std))
+    if mt == "llava":
+        if config.get("vision_feature_select_strategy", "default") != "default":
+            raise _refuse(where, mt, "llama.cpp drops the class token (vision_feature_select_strategy 'default'); this "
+                                     f"model keeps it ('{config.get('vision_feature_select_strategy')}')")
+        layer = config.get("vision_feature_layer", -2)
+        if not isinstance(layer, int):
+            raise _refuse(where, mt, f"it reads several vision layers ({layer}); llama.cpp's llava projector reads one")
+        if str(config.get("projector_hidden_act", "gelu")) != "gelu" or config.get("multimodal_projector_bias") is False:
+            raise _refuse(where, mt, "its projector is not LLaVA's (Linear with bias, GELU, Linear with bias)")
+        index = layer if layer >= 0 else n + 1 + layer  # hidden_states[index]: 0 is the encoder's input
+        return Projector(**common, n_layers=max(index, 1), feature_layer=index, keep_post_norm=False, use_gelu=False)
+    tokens = int(config.get("mm_tokens_per_image", 256))
+    side = round(tokens ** 0.5)
+    patches = int(vision["image_size"]) // int(vision["patch_size"])
+    if side * side != tokens or patches % side:
+        raise _refuse(where, mt, f"{tokens} tokens a picture is not a square pooling of its {patches}x{patches} patches")
+    extra = {} if patches // side == GEMMA3_POOL else {"clip.vision.projector.scale_factor": patches // side}
+    return Projector(**common, n_layers=n, keep_post_norm=True, use_gelu=True, extra_uint32=extra)
