@@ -169,6 +169,16 @@ class LoraSection(_Section):
         ),
     )
     bias: Literal["none", "all", "lora_only"] = "none"
+    train_projector: bool = Field(
+        False,
+        description=("An image-text model on pictures: train the projector between the vision tower and the language "
+                     "model in full (saved with the adapter, peft's modules_to_save); off: frozen."),
+    )
+    train_vision_tower: bool = Field(
+        False,
+        description=("An image-text model on pictures: LoRA (the same r and alpha) on the vision tower's linear layers "
+                     "too; off: the tower is frozen."),
+    )
 
     @field_validator("target_modules", mode="before")
     @classmethod

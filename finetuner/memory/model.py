@@ -156,6 +156,10 @@ class Settings:
     platform: Literal["cuda", "cpu"] = "cuda"
     objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"  # preference objectives: preference_cost
     reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
+    #: an image-text model's trainable vision tensors (lora.train_projector / train_vision_tower) as (rows, cols,
+    #: copies), and what autograd keeps of the micro-batch's pictures through the tower (finetuner.memory.vision)
+    vision_trainable: tuple[tuple[int, int, int], ...] = ()
+    vision_activation_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.label_fraction <= 1:
@@ -813,8 +817,8 @@ def estimate(
     d = _dtypes(s)
     weights = weight_bytes(shape, s)
     w_total = sum(weights.values())
-    tensors = trainable_tensors(shape, s)
-    n_train = trainable_params(shape, s)
+    tensors = trainable_tensors(shape, s) + list(s.vision_trainable)
+    n_train = trainable_params(shape, s) + sum(r * c * k for r, c, k in s.vision_trainable)
     trainable = 0 if s.method == "full" else 4 * n_train  # LoRA A/B in fp32 (full: in weights)
     grads = 4 * n_train
     states = optimizer_state_bytes(tensors, s.optimizer)
@@ -839,6 +843,10 @@ def estimate(
         layer_phase = act.saved_total + held + act.mlp_chunk + act.transient + quant_temp
     # the dequantized weight exists only inside a quantized layer: not at the cross-entropy
     loss_phase = act.saved_total + act.logits + act.loss_peak + LOSS_PHASE_EXTRA_BYTES
+    # the pictures' way through a trained vision tower is kept until the backward reaches it, after every layer's
+    vision = s.vision_activation_bytes
+    loss_phase += vision
+    layer_phase += vision
     if pref:
         loss_phase += pref.buffers_bytes
         layer_phase += pref.buffers_bytes
@@ -872,6 +880,9 @@ def estimate(
         if quant_temp and layer_phase > loss_phase:
             comp["dequantization buffer"] = quant_temp
             rest -= quant_temp
+        if vision:
+            comp["activations: vision tower and projector (traced)"] = vision
+            rest -= vision
         comp[act_label] = rest
         comp["logits"] = act.logits if loss_phase >= layer_phase else held
     else:
@@ -917,6 +928,8 @@ def estimate(
         "autocast_copies_bytes": cast_cache,
         "dequant_buffer_bytes": quant_temp,
         "paged_bytes": paged,
+        "vision_activation_bytes": vision,
+        "vision_trainable_params": sum(r * c * k for r, c, k in s.vision_trainable),
         "preference": asdict(pref) if pref else None,
     }
     return MemoryEstimate(

@@ -259,6 +259,8 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
     stored = stored_config(m.name, m.revision)  # read once for the checks below
+    if not pictures:
+        _refuse_pictures_only(stored, m.name)
     if quant is None and _stored_method(stored) == "mxfp4":
         # gpt-oss's published experts: dequantized as they load (to the recipe's dtype), as a GGUF base is; kept
         # in MXFP4 the triton kernels transformers would pick train nothing through them
@@ -323,10 +325,33 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     return model
 
 
-def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
+def _refuse_pictures_only(stored: dict[str, Any] | None, name: str) -> None:
+    """An image-text-to-text checkpoint with no text-only class (LLaVA, Qwen2.5-VL ...) on data without pictures:
+    one line saying so (transformers' own error names the causal-LM classes)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from finetuner.model.vision import image_text_type
+
+    if stored and image_text_type(stored) and stored.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"model.name: '{name}' is an image-text model ({stored.get('model_type')}) with no text-only "
+                        "class in transformers, and the data has no pictures.",
+                        hint="Train it on a data file whose rows carry pictures, or choose a text model.")
+
+
+def check_vision_training(recipe: Recipe, pictures: bool) -> None:
+    """``lora.train_projector`` / ``lora.train_vision_tower`` on a run that reads no pictures: one line."""
+    lc = recipe.lora
+    if recipe.method != "full" and (lc.train_projector or lc.train_vision_tower) and not pictures:
+        key = "lora.train_projector" if lc.train_projector else "lora.train_vision_tower"
+        raise UserError(f"{key}: this run reads no pictures (a text model, or data without pictures); the vision "
+                        "tower and projector take part only in a picture run.", hint=f"Remove {key}.")
+
+
+def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0, pictures: bool = False):
     """Freeze/quantize-prepare the base, enable checkpointing, and attach LoRA (or unfreeze all);
     ``tiled_mlp`` (the runtime's :attr:`~finetuner.config.runtime.Runtime.tiled_mlp`): tokens per MLP
-    chunk, 0 for the plain MLP (:mod:`finetuner.model.tiled_mlp`)."""
+    chunk, 0 for the plain MLP (:mod:`finetuner.model.tiled_mlp`); ``pictures``: an image-text model on pictures,
+    whose projector (``lora.train_projector``) and vision tower (``lora.train_vision_tower``) may train too."""
     # Freeze the base ourselves instead of peft's prepare_model_for_kbit_training: that helper
     # casts every non-4-bit parameter (embeddings, LM head, norms) to fp32, which for a 128k
     # vocabulary costs 2 GB more than the 4-bit layers save on an 8B model. Norms compute in
@@ -346,13 +371,24 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
     from peft import LoraConfig, get_peft_model
 
     lc = recipe.lora
+    target = all_linear_targets(model) if lc.target_modules == "all-linear" else lc.target_modules
+    projectors = None
+    if lc.train_projector or lc.train_vision_tower:
+        check_vision_training(recipe, pictures)
+        from finetuner.model.vision import lora_targets_with_tower, vision_parts
+
+        tower, parts = vision_parts(model)
+        if lc.train_vision_tower:
+            target = lora_targets_with_tower(target, model, tower, parts)
+        projectors = parts if lc.train_projector else None
     config = LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
-        target_modules=all_linear_targets(model) if lc.target_modules == "all-linear" else lc.target_modules,
+        target_modules=target,
         bias=lc.bias,
         task_type="CAUSAL_LM",
+        modules_to_save=projectors,
     )
     try:
         with quieted():
@@ -362,6 +398,12 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0):
             f"lora.target_modules: {e}",
             hint="Use 'all-linear' or names of Linear modules in the model (e.g. q_proj, v_proj).",
         ) from None
+    if projectors:  # peft's copy of the projector has the base's dtype: trained in fp32, as the LoRA matrices are
+        import torch
+
+        for p in model.parameters():
+            if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+                p.data = p.data.float()
     return _training_mode(_tile_mlp(_offload_checkpoints(model, recipe), tiled_mlp))
 
 

@@ -79,7 +79,8 @@ def _flash_like():
     return attention
 
 
-def _register() -> None:
+def register_trace_attention() -> None:
+    """Register the trace's attention (:data:`TRACE_ATTENTION`) with transformers, once."""
     from transformers import AttentionInterface
 
     if TRACE_ATTENTION not in AttentionInterface._global_mapping:
@@ -96,7 +97,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     from finetuner.model.inventory import build_on_meta, decoder_layers, language_config
     from finetuner.model.layout import all_linear_targets
 
-    _register()
+    register_trace_attention()
     text_cfg, outer = language_config(cfg)
     model = model if model is not None else build_on_meta(cfg if outer else text_cfg)  # a model given is changed
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():

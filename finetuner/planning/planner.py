@@ -531,6 +531,9 @@ def search(
     if grpo and base.grpo.beta:  # the reference is the base with the adapter off: full fine-tuning has none
         methods = [m for m in methods if m[0] != "full"] or methods
     gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
+    from finetuner.memory.vision import vision_cost_of
+
+    vision = vision_cost_of(base)  # a trained projector or vision tower: the LoRA options' extra (None: none)
     out: list[tuple[Candidate, Recipe]] = []
     for m, bits in methods:
         for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None, gpu.platform):
@@ -544,6 +547,8 @@ def search(
                         o = Option(m, bits, opt, gc, off, mb, ga)
                         recipe = _apply(base, o)
                         s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
+                        if vision is not None and m != "full":
+                            s = s.with_(vision_trainable=vision.trainable, vision_activation_bytes=vision.activation_bytes(mb))
                         if grpo:
                             g = grpo_settings_of(recipe, gpu.memory_bytes)
                             est = grpo_memory_estimate(shape, s, g, gpu, margin, top_p=recipe.grpo.top_p < 1)

@@ -124,12 +124,20 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
         planned = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction, shape=shape)
         recipe = planned.recipe
     s = settings_from_recipe(recipe, prof, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    from finetuner.memory.vision import vision_cost_of
+
+    vision = vision_cost_of(recipe)
+    if vision is not None:
+        s = s.with_(vision_trainable=vision.trainable,
+                    vision_activation_bytes=vision.activation_bytes(recipe.training.micro_batch_size))
     if recipe.objective == "grpo":
         card = prof.memory_bytes if prof is not None else None
         memory = grpo_memory_estimate(shape, s, grpo_settings_of(recipe, card), prof, margin=margin,
                                       top_p=recipe.grpo.top_p < 1)
     else:
         memory = estimate(shape, s, prof, margin=margin)
+    if vision is not None:
+        memory.notes.append(vision.note)
     return Prediction(recipe=recipe, gpu=prof, shape=shape, settings=s, label_fraction=label_fraction, memory=memory,
                       speed=speed or speed_for(prof or cpu_profile()), planned=planned, runtime=runtime,
                       steps_given=steps, loaded_as=loaded_as)

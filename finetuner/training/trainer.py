@@ -41,7 +41,7 @@ from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, 
 from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
 from finetuner.data.images import PictureCollator
-from finetuner.model.loading import count_parameters, load_base_model, prepare_for_training
+from finetuner.model.loading import check_vision_training, count_parameters, load_base_model, prepare_for_training
 from finetuner.model.vision import text_inputs
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
@@ -279,8 +279,9 @@ class Trainer:
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
         pictures = self.processor is not None and bool(self.data.stats.pictures)
+        check_vision_training(r, pictures)  # before the model loads
         self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
-                                          self.rt.tiled_mlp)
+                                          self.rt.tiled_mlp, pictures)
         self.objective.on_model(self.model)
         self.replay = self._mix_replay()
         self.fused_ce = None

@@ -290,3 +290,51 @@ def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
     run = h.runs / recipe.name
     assert (run / "adapter" / "processor_config.json").is_file()
     assert json.loads((run / "metrics.json").read_text(encoding="utf-8"))["data"]["pictures"] > 0
+
+
+def test_the_projector_and_the_vision_tower_train_by_setting(tiny_vlm_dir, tmp_path):
+    """lora.train_projector trains the projector in full (saved with the adapter), lora.train_vision_tower puts
+    LoRA on the vision tower's linears; the merged folder holds both and answers as the adapter does; a text run
+    with either setting is refused in one line."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = write_picture_chats(tmp_path, 8)
+    recipe = write_recipe(tmp_path / "recipe.yaml", {
+        "name": "eyes", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
+        "lora": {"train_projector": True, "train_vision_tower": True},
+        "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
+        "training": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-2}, "logging": {"tensorboard": False}, "device": "cpu"})
+    out = cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), "--quiet", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    tower_lora = [k for k in adapter if "vision_tower" in k and "lora_B" in k]
+    assert tower_lora and all(float(adapter[k].abs().max()) > 0 for k in tower_lora)  # trained from B = 0
+    assert any("language_model" in k for k in adapter)
+    base = load_file(str(tiny_vlm_dir / "model.safetensors"))
+    key = next(k for k in base if k.endswith("multi_modal_projector.linear_1.weight"))
+    trained = next(v for k, v in adapter.items() if k.endswith("multi_modal_projector.linear_1.weight"))
+    assert not torch.allclose(trained, base[key])  # the whole projector, trained and kept
+
+    merged = cli_in_process("merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), cwd=REPO)
+    assert merged.returncode == 0, merged.stderr
+    weights = load_file(str(next((tmp_path / "merged").glob("*.safetensors"))))
+    torch.testing.assert_close(next(v for k, v in weights.items() if k.endswith("multi_modal_projector.linear_1.weight")),
+                               trained)
+    from finetuner.infer.chat import load_chat_model
+
+    question = [{"role": "user", "content": "What colour is this?"}]
+    picture = [str(data.parent / "img" / "003.png")]
+    assert (load_chat_model(tmp_path / "merged", device="cpu").reply(question, images=picture, temperature=0, max_new_tokens=4)
+            == load_chat_model(tmp_path / "run", device="cpu").reply(question, images=picture, temperature=0, max_new_tokens=4))
+
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Hi {i}"},
+                                                     {"role": "assistant", "content": "Hello."}]}) + "\n" for i in range(8)))
+    refused = write_recipe(tmp_path / "text.yaml", {
+        "name": "text", "model": {"name": str(tiny_vlm_dir)}, "method": "lora", "lora": {"train_projector": True},
+        "data": {"path": str(text), "max_seq_len": 64, "val_size": 0}, "training": {"max_steps": 1},
+        "logging": {"tensorboard": False}, "device": "cpu"})
+    out = cli_in_process("run", str(refused), "-o", str(tmp_path / "text-run"), "--quiet", cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "lora.train_projector: this run reads no pictures" in out.stderr

@@ -1,0 +1,149 @@
+"""What training an image-text model's projector or vision tower adds to the memory of a picture run.
+
+With ``lora.train_projector`` or ``lora.train_vision_tower`` the picture's way through the vision tower and the
+projector takes part in the backward: their trainable tensors (the projector's copy in full, the tower's LoRA
+matrices) get fp32 weights, gradients and optimizer states like the language model's LoRA, and what autograd keeps
+of the tower's forward stays alive until the backward reaches it. Both are read from the model itself
+(:func:`finetuner.model.vision.vision_parts`): the model is built on the ``meta`` device, the adapter applied as
+the trainer applies it (:func:`finetuner.model.loading.prepare_for_training`'s targets), and one picture of the
+data's largest size goes through ``get_image_features`` under ``saved_tensors_hooks`` (as
+:mod:`finetuner.model.trace` does for a decoder layer: each storage once, parameters left out).
+
+What the trace cannot see, stated, not guessed: it runs in fp32 without autocast and without checkpointing, so on a
+GPU in bf16 or with the tower's layers checkpointed it counts more than is kept (an upper bound); a tower whose
+forward needs values on the CPU (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's picture grid) cannot run on ``meta``, and
+then only its trainable tensors are counted, with a note saying so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VisionCost:
+    """The vision side's training cost in a picture run."""
+
+    #: the trainable tensors of the tower and projector as ``(rows, cols, copies)`` (the memory model's form)
+    trainable: tuple[tuple[int, int, int], ...]
+    #: bytes autograd keeps of one picture's way through the tower and projector (None: not traced, see ``note``)
+    saved_per_picture: int | None
+    #: the most pictures one example has
+    per_example: int
+    note: str
+
+    def activation_bytes(self, micro_batch: int) -> int:
+        """What a micro-batch of ``micro_batch`` examples keeps, each with the most pictures one has."""
+        return (self.saved_per_picture or 0) * self.per_example * micro_batch
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(r * c * k for r, c, k in self.trainable)
+
+
+def _largest_picture(paths: list[str]) -> tuple[int, int]:
+    from PIL import Image
+
+    best = (0, 0)
+    for path in paths:
+        try:
+            with Image.open(path) as im:  # the header only
+                size = im.size
+        except OSError:
+            continue  # an unreadable picture is the data check's to report
+        if size[0] * size[1] > best[0] * best[1]:
+            best = size
+    return best if best[0] else (224, 224)
+
+
+def data_pictures(path: str) -> tuple[list[str], int]:
+    """Every picture of a data file and the most one example has."""
+    from finetuner.data.formats import FileExamples
+
+    pictures, most = [], 0
+    for ex in FileExamples(path):
+        images = ex.get("images") or []
+        pictures += images
+        most = max(most, len(images))
+    return pictures, most
+
+
+def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -> VisionCost | None:
+    """The :class:`VisionCost` of ``recipe`` (None when it trains neither the projector nor the tower):
+    ``processor`` the model's (its image processor sizes the traced picture), ``pictures`` the data's."""
+    lc = recipe.lora
+    if recipe.method == "full" or not (lc.train_projector or lc.train_vision_tower):
+        return None
+    import torch
+    from PIL import Image
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetuner.model.layout import all_linear_targets
+    from finetuner.model.trace import TRACE_ATTENTION, register_trace_attention
+    from finetuner.model.vision import lora_targets_with_tower, vision_parts
+
+    register_trace_attention()
+    m = recipe.model
+    config = AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, trust_remote_code=m.trust_remote_code)
+    for module in model.modules():
+        if getattr(module, "config", None) is not None:
+            module.config._attn_implementation = TRACE_ATTENTION
+    model = model.float()
+    tower, projectors = vision_parts(model)
+    target = all_linear_targets(model) if lc.target_modules == "all-linear" else lc.target_modules
+    if lc.train_vision_tower:
+        target = lora_targets_with_tower(target, model, tower, projectors)
+    peft_model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                  target_modules=target, modules_to_save=projectors if lc.train_projector else None))
+    peft_model.train()
+    vision = [tower] + projectors
+    trainable = tuple((p.shape[0], p[0].numel() if p.dim() > 1 else 1, 1) for name, p in peft_model.named_parameters()
+                      if p.requires_grad and any(f"{v}." in name for v in vision))
+    per_example = max(1, most_per_example)
+    width, height = _largest_picture(pictures)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[Image.new("RGB", (width, height))], return_tensors="pt")
+    names = [n for n in getattr(processor.image_processor, "model_input_names", ["pixel_values"]) if n in inputs]
+    kwargs: dict[str, Any] = {n: inputs[n].to("meta") if inputs[n].is_floating_point() else inputs[n] for n in names}
+    params = {p.untyped_storage()._cdata for p in peft_model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            peft_model.get_base_model().model.get_image_features(**kwargs)
+    except Exception as e:  # noqa: BLE001 - a tower meta cannot run: its activations are not counted, and it says so
+        return VisionCost(trainable, None, per_example,
+                          f"the vision tower's activations are not counted: it does not run on the meta device "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    return VisionCost(trainable, sum(seen.values()), per_example,
+                      f"the vision tower's and projector's activations traced for a {width}x{height} picture (fp32, "
+                      f"without checkpointing: an upper bound), {per_example} an example")
+
+
+def vision_cost_of(recipe):
+    """:func:`vision_cost` for a recipe: its model's processor, its data's pictures (one an example at the
+    processor's size when the data cannot be read here); None when it trains neither the projector nor the tower
+    (a recipe whose method is ``auto``: its LoRA options')."""
+    from finetuner.errors import UserError
+    from finetuner.model.vision import load_processor
+
+    lc = recipe.lora
+    if recipe.method == "full" or not (lc.train_projector or lc.train_vision_tower):
+        return None
+    try:
+        pictures, most = data_pictures(str(recipe.data.path))
+    except (UserError, OSError):
+        pictures, most = [], 1
+    processor = load_processor(recipe.model.name, trust_remote_code=recipe.model.trust_remote_code)
+    return vision_cost(recipe, processor, pictures, most)
