@@ -28,6 +28,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "models.md"
 JSON = REPO / "docs" / "validation" / "model_census.json"
@@ -166,7 +167,17 @@ def _tokenizer():
     return train_bpe_tokenizer(texts, vocab_size=400)
 
 
-def write_table(rows: list[dict]) -> str:
+#: where docs/models.md's section of image-text types begins (scripts/dev/vlm_census.py writes it)
+PICTURES_HEADING = "## Image-text-to-text types (pictures)"
+
+
+def pictures_section(doc: str) -> str:
+    """The image-text section of a docs/models.md text ('' when it has none)."""
+    return doc[doc.index(PICTURES_HEADING):] if PICTURES_HEADING in doc else ""
+
+
+def write_table(rows: list[dict], pictures_section: str = "") -> str:
+    """docs/models.md: the causal-LM census's table, then ``pictures_section`` (the picture census's, kept as it is)."""
     import transformers
 
     inside = [r for r in rows if r["status"] != "outside"]
@@ -199,6 +210,8 @@ def write_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (order[r["status"]], r["model_type"])):
         reason = (f"{r.get('step', '')}: " if r["status"] == "refused" else "") + r.get("reason", "")
         lines.append(f"| {r['model_type']} | {r['status']} | {r.get('gpu_rows') or ''} | {r.get('traced', '')} | {reason.replace('|', '/')} |")
+    if pictures_section:  # the picture census's (scripts/dev/vlm_census.py)
+        lines += ["", pictures_section.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -244,7 +257,8 @@ def main(argv: list[str]) -> int:
             print(f"{row['status']:9} {mt:28} {row.get('gpu_rows', ''):3} {row.get('traced', ''):12} {row.get('step', '')} {row.get('reason', '')[:150]}",
                   flush=True)
     if not argv:
-        DOC.write_text(write_table(rows), encoding="utf-8")
+        kept = pictures_section(DOC.read_text(encoding="utf-8")) if DOC.is_file() else ""
+        DOC.write_text(write_table(rows, kept), encoding="utf-8")
         README.write_text(with_readme_block(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
         JSON.write_text(json.dumps({"transformers": transformers.__version__, "rows": rows}, indent=1) + "\n",
                         encoding="utf-8")

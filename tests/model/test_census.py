@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from scripts.dev import model_census
+from scripts.dev import model_census, vlm_census
 from tests.conftest import REPO
 
 
@@ -24,7 +24,9 @@ def test_the_table_lists_every_causal_lm_type_of_the_installed_transformers(reco
     minor = lambda v: v.split(".")[:2]  # noqa: E731 - constraints.txt pins transformers==X.Y.*
     assert minor(recorded["transformers"]) == minor(transformers.__version__), "run scripts/dev/model_census.py again"
     assert sorted(r["model_type"] for r in recorded["rows"]) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    assert model_census.DOC.read_text(encoding="utf-8") == model_census.write_table(recorded["rows"])
+    pictures = json.loads(vlm_census.JSON.read_text(encoding="utf-8"))["rows"]  # the page's image-text section
+    assert model_census.DOC.read_text(encoding="utf-8") == model_census.write_table(recorded["rows"],
+                                                                                   vlm_census.write_table(pictures))
 
 
 def test_the_headline_counts_the_rows(recorded):

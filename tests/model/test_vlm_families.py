@@ -1,5 +1,5 @@
 """Image-text-to-text families as a table: the picture census (``scripts/dev/vlm_census.py``) is what
-``docs/vlm_models.md`` shows; three of its fastest families still build tiny, train 2 LoRA steps on pictured chat
+``docs/models.md``'s image-text section shows; three of its fastest families still build tiny, train 2 LoRA steps on pictured chat
 rows and answer about a picture; the collator gives every family what its own processor gives the model; a family
 whose processor cannot be built here is refused in one line before training."""
 
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from scripts.dev import vlm_census
+from scripts.dev import model_census, vlm_census
 from tests.conftest import REPO
 
 #: families whose census row is re-run (the fastest of those that train, and the two families the issue names)
@@ -19,7 +19,8 @@ RERUN = ["llava", "qwen2_5_vl", "mllama"]
 
 def test_the_table_is_the_census_json():
     data = json.loads(vlm_census.JSON.read_text(encoding="utf-8"))
-    assert (REPO / "docs" / "vlm_models.md").read_text(encoding="utf-8") == vlm_census.write_table(data["rows"])
+    doc = (REPO / "docs" / "models.md").read_text(encoding="utf-8")
+    assert model_census.pictures_section(doc) == vlm_census.write_table(data["rows"])
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     from finetuner.model.tiny_vlm import TINY_VLMS
@@ -55,10 +56,11 @@ def test_the_family_still_trains_and_chats(rerun):
     assert any("lora_A" in name for name, _ in model.named_parameters())
 
 
-def test_the_recorded_losses_are_reproduced(rerun):
+def test_the_recorded_losses_and_export_are_reproduced(rerun):
     row, _, _ = rerun
     recorded = {r["model_type"]: r for r in json.loads(vlm_census.JSON.read_text(encoding="utf-8"))["rows"]}
     assert row["losses"] == pytest.approx(recorded[row["model_type"]]["losses"], abs=2e-3)
+    assert row["gguf"] == recorded[row["model_type"]]["gguf"]  # the files written, or the same one-line refusal
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen3_vl", "llava_next", "llava_onevision", "mllama", "idefics3"])
