@@ -59,6 +59,21 @@ def share_asked_by_env() -> bool:
     return os.environ.get("GRADIO_SHARE", "").strip().lower() in ("true", "1", "yes", "on")
 
 
+def warm_imports() -> None:
+    """Import transformers' auto classes once, before the page's handlers run (several threads at once):
+    transformers resolves its names lazily, and without this the first page of a server whose last run is a picture
+    run left every later ``from transformers import AutoConfig`` in the server failing ("cannot import name
+    'AutoConfig' from 'transformers'", the model card shown as an error; tests/ui/test_ui_browser.py's pictures
+    test, 2 of 2 without this, 0 of 3 with it)."""
+    import transformers
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,  # noqa: F401
+                              AutoTokenizer)
+
+    for module in ("configuration_auto", "modeling_auto", "processing_auto", "image_processing_auto", "tokenization_auto"):
+        __import__(f"transformers.models.auto.{module}")
+    del transformers
+
+
 def launch(
     runs_dir: str | Path | None = None,
     upload_dir: str | Path | None = None,
@@ -81,6 +96,7 @@ def launch(
     which is private to this process too (:func:`private_gradio_cache`); it takes uploads up to
     ``max_upload_bytes``."""
     private_gradio_cache()
+    warm_imports()
     if data_dirs is None and host not in LOOPBACK:
         data_dirs = []
     app = build_app(runs_dir, upload_dir, max_upload_bytes, data_dirs)

@@ -50,7 +50,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 gr.Markdown("Choose the model to fine-tune and the card it will train on.", elem_classes="ft-step")
                 with gr.Row():
                     model = gr.Dropdown(model_choices, value=h.demo_model or None, allow_custom_value=True, label="Model",
-                                        info="a preset, a hub id (org/name) or a local folder with config.json", scale=3)
+                                        info="a preset, a hub id (org/name) or a local folder with config.json", scale=3,
+                                        elem_id="model-name")
                     card = gr.Dropdown(card_choices, value=default_card(), allow_custom_value=True, label="Card", elem_id="card",
                                        info="a known GPU, 'auto' (detected), 'cpu', or a size such as 24GB", scale=2)
                 model_md = gr.Markdown(elem_id="model-card")

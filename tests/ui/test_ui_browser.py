@@ -508,3 +508,57 @@ def grpo_flow(page, server, tmp_path):
 
     pick(page, "plan-objective", "auto")  # another objective: the reward settings go
     sync_api.expect(page.locator("#grpo-settings")).to_be_hidden()
+
+
+def test_pictures_in_browser(server, page, tiny_vlm_dir, tmp_path):
+    """In a browser of its own: the picture demo's model and file show the file's first pictures as thumbnails (each
+    one loaded) and count their image tokens; a run trained on pictures answers a message sent with an uploaded
+    picture, and the status line says which picture went with it."""
+    from tests.conftest import cli_in_process, write_picture_chats, write_recipe
+
+    data = write_picture_chats(tmp_path, 8)
+    recipe = write_recipe(tmp_path / "recipe.yaml", {
+        "name": "eyes", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
+        "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
+        "training": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3}, "logging": {"tensorboard": False}, "device": "cpu"})
+    out = cli_in_process("run", str(recipe), "-o", str(server["runs"] / "eyes"), "--quiet", cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
+    pg = browser.new_page()
+    pg.set_default_timeout(60_000)
+    try:
+        pictures_flow(pg, server, data)
+    except Exception:
+        pg.screenshot(path=str(SHOTS / "pictures-failed-here.png"), full_page=True)
+        raise
+    finally:
+        browser.close()
+
+
+def pictures_flow(page, server, data):
+    page.goto(server["url"])
+    wait_text(page, "#model-card", r"parameters", timeout=120_000)
+    type_in(page, "model-name", str(ROOT / "data" / "demo_vlm"))
+    wait_text(page, "#model-card", r"demo_vlm", timeout=120_000)
+    tab(page, "2 · Data")
+    wait_text(page, "#data-summary", r"Format|Holds")
+    type_in(page, "data-file", str(ROOT / "data" / "pictures" / "shapes.jsonl"))
+    wait_text(page, "#data-summary", r"48\*?\*? pictures · 16 image tokens a picture")
+    thumbs = page.locator("#pair-preview img")
+    sync_api.expect(thumbs.first).to_be_visible(timeout=HANG_MS)
+    assert thumbs.evaluate_all("els => els.map(e => e.getAttribute('alt'))")[:3] == ["train-000.png", "train-001.png",
+                                                                                   "train-002.png"]
+    assert all(w == 48 for w in thumbs.evaluate_all("els => els.map(e => e.naturalWidth)"))  # each picture loaded
+    assert_nothing_cut_off(page, "in the Data tab's pictures")
+    shot(page, "pictures-01-data")
+
+    tab(page, "5 · Chat")
+    type_in(page, "chat-run", "eyes")
+    page.locator("#chat-picture input[type=file]").set_input_files(str(data.parent / "img" / "001.png"))
+    sync_api.expect(page.locator("#chat-picture img").first).to_be_visible(timeout=HANG_MS)
+    page.locator("#chat-input textarea").fill("What colour is this?")
+    page.locator("#chat-send").click()
+    wait_text(page, "#chat-status", r"Answered in .*with the picture 001\.png", timeout=HANG_MS)
+    sync_api.expect(page.locator("#chat-tuned")).to_contain_text("What colour is this?")
+    no_bare_errors(page)
+    shot(page, "pictures-02-chat")
