@@ -269,6 +269,10 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if quant is not None:
         _refuse_prequantized(stored, m.name)
+        if pictures and recipe.lora.train_projector and stored:  # its trained copy cannot be 4-bit: kept whole
+            from finetuner.model.vision import not_quantized
+
+            quant.llm_int8_skip_modules = not_quantized(stored, m.trust_remote_code)
         kwargs["quantization_config"] = quant
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
         # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0

@@ -211,3 +211,19 @@ def lora_targets_with_tower(target, model, tower: str, projectors: list[str]) ->
     language = target if isinstance(target, str) else r"(?:.*\.)?(?:" + "|".join(re.escape(n) for n in target) + ")"
     tower_paths = vision_tower_linears(model, tower, projectors)
     return f"(?:{language})|(?:" + "|".join(re.escape(n) for n in tower_paths) + ")"
+
+
+def not_quantized(config: dict[str, Any], trust_remote_code: bool = False) -> list[str]:
+    """What a 4-bit load must leave unquantized when the projector trains (``lora.train_projector``: its copy is
+    trained, and 4-bit weights cannot be): transformers' own defaults (the output layer and what is tied to it,
+    ``get_keys_to_not_convert``, which a list of one's own replaces) and the projector's paths, read from the
+    model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    cfg = AutoConfig.for_model(**config) if "model_type" in config else AutoConfig.from_dict(config)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg, trust_remote_code=trust_remote_code)
+    _, projectors = vision_parts(model)
+    return sorted(set(get_keys_to_not_convert(model)) | set(projectors))

@@ -338,3 +338,27 @@ def test_the_projector_and_the_vision_tower_train_by_setting(tiny_vlm_dir, tmp_p
     out = cli_in_process("run", str(refused), "-o", str(tmp_path / "text-run"), "--quiet", cwd=REPO)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "lora.train_projector: this run reads no pictures" in out.stderr
+
+
+def test_qlora_keeps_a_trained_projector_whole(tiny_vlm_dir, tmp_path):
+    """QLoRA with lora.train_projector: the projector is left out of the 4-bit load (its copy trains; 4-bit weights
+    cannot), the output layer stays out as transformers keeps it, and the vision tower's 4-bit linears get LoRA."""
+    from safetensors.torch import load_file
+
+    import finetuner
+    from finetuner.config.recipe import Recipe
+    from finetuner.model.vision import not_quantized
+
+    config = json.loads((tiny_vlm_dir / "config.json").read_text())
+    assert {"lm_head", "model.multi_modal_projector"} <= set(not_quantized(config))  # with transformers' own defaults
+    data = write_picture_chats(tmp_path, 8)
+    recipe = Recipe.from_dict({
+        "name": "q", "model": {"name": str(tiny_vlm_dir)}, "method": "qlora",
+        "lora": {"train_projector": True, "train_vision_tower": True},
+        "data": {"path": str(data), "max_seq_len": 64, "val_size": 0}, "training": {"max_steps": 2, "micro_batch_size": 2},
+        "logging": {"tensorboard": False}, "device": "cpu"})
+    result = finetuner.train(recipe, output_dir=str(tmp_path / "run"))
+    assert len(result.losses) == 2
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert adapter["base_model.model.model.multi_modal_projector.linear_1.weight"].shape == (64, 32)
+    assert any("vision_tower" in k and "lora_A" in k for k in adapter)
