@@ -17,6 +17,12 @@ The file is checked before it is published (renamed into place):
 3. the tokenizer transformers rebuilds from the file must give the same ids as the original on
    sample texts, the chat template's special tokens included.
 
+An image-text model (LLaVA, Gemma 3) also gets llama.cpp's projector file beside the language model
+(``mmproj-<name>.gguf``, or ``mmproj.gguf`` in an Ollama folder with a second ``FROM`` line): its vision tower and
+projector, written by :mod:`finetuner.export.gguf_mmproj`, read back and compared with the merged weights like the
+language model's; that llama.cpp reads pictures with it as transformers does is measured by
+``scripts/validate/llama_cpp_vlm_check.py`` (docs/validation/llama_cpp_vlm_check.md).
+
 Memory: the merge's peak (the model in the merge dtype, see ``merge.py``), then one tensor at a
 time while writing; the logits check loads the merged model and then the GGUF model (transformers'
 loader dequantizes every tensor to float32 and keeps them until the model is built), so with the
@@ -500,7 +506,7 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
-    if arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head and arch.gguf_arch != "llama":
+    if arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head and arch.gguf_arch not in ("llama", "gemma2", "gemma3"):
         # the file says it (attention.key_length, as llama.cpp reads it); transformers' reader of this architecture
         # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128)
         extra["head_dim"] = arch.head_dim

@@ -439,13 +439,19 @@ def test_grpo_plan_in_browser(server, page, tmp_path):
     shows the reward settings, a plan without a reward is refused in the planner's words, and a reward
     file of the checkout with a smaller group plans a GRPO recipe with that reward and the plan's GRPO
     room among its reasons."""
+    in_own_browser(page, "grpo", grpo_flow, server, tmp_path)
+
+
+def in_own_browser(page, name: str, flow, *args) -> None:
+    """``flow(new_page, *args)`` in a browser context of its own (no state of the other tests' page); on a failure
+    the page as it was goes to ``<name>-failed-here.png``."""
     browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
     pg = browser.new_page()
     pg.set_default_timeout(60_000)
     try:
-        grpo_flow(pg, server, tmp_path)
+        flow(pg, *args)
     except Exception:
-        pg.screenshot(path=str(SHOTS / "grpo-failed-here.png"), full_page=True)
+        pg.screenshot(path=str(SHOTS / f"{name}-failed-here.png"), full_page=True)
         raise
     finally:
         browser.close()
@@ -523,16 +529,7 @@ def test_pictures_in_browser(server, page, tiny_vlm_dir, tmp_path):
         "training": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3}, "logging": {"tensorboard": False}, "device": "cpu"})
     out = cli_in_process("run", str(recipe), "-o", str(server["runs"] / "eyes"), "--quiet", cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
-    pg = browser.new_page()
-    pg.set_default_timeout(60_000)
-    try:
-        pictures_flow(pg, server, data)
-    except Exception:
-        pg.screenshot(path=str(SHOTS / "pictures-failed-here.png"), full_page=True)
-        raise
-    finally:
-        browser.close()
+    in_own_browser(page, "pictures", pictures_flow, server, data)
 
 
 def pictures_flow(page, server, data):
