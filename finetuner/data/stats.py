@@ -341,7 +341,7 @@ def picture_processor_of(model: str | None, max_pixels: int | None = None):
     if not image_text_type(stored_config(model, None)):
         return None
     try:
-        processor = load_processor(model)
+        processor = load_processor(model, local_only=True)  # planning asks the hub nothing
     except UserError:
         return None
     if max_pixels is not None:

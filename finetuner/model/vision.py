@@ -94,9 +94,10 @@ def text_inputs(recipe):
     return load_tokenizer(recipe), None
 
 
-def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False):
+def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False, local_only: bool = False):
     """The checkpoint's ``AutoProcessor`` (tokenizer, image processor, chat template), its tokenizer given a pad
-    token when it has none; a one-line error when it has none."""
+    token when it has none; a one-line error when it has none. ``local_only``: from a folder or the hub's cache,
+    never asking the hub."""
     from transformers import AutoProcessor
 
     from finetuner.quiet import quieted
@@ -104,13 +105,14 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
     try:
         with quieted():
             try:
-                processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+                processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
+                                                          local_files_only=local_only)
             except (ImportError, OSError) as e:  # its video processor without torchvision (or saved without one)
-                cls = processor_class(name, revision, trust_remote_code)
+                cls = processor_class(name, revision, trust_remote_code, local_only)
                 if cls is None or without_video(cls) is cls:
                     raise
                 try:
-                    processor = without_video(cls).from_pretrained(name, revision=revision,
+                    processor = without_video(cls).from_pretrained(name, revision=revision, local_files_only=local_only,
                                                                    trust_remote_code=trust_remote_code)
                 except Exception:  # noqa: BLE001 - it cannot do without its video processor (SmolVLM's)
                     raise e from None
@@ -131,7 +133,7 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
     return processor
 
 
-def processor_class(name: str, revision: str | None = None, trust_remote_code: bool = False):
+def processor_class(name: str, revision: str | None = None, trust_remote_code: bool = False, local_only: bool = False):
     """The checkpoint's processor class: its ``processor_config.json``'s, else the one transformers maps its model
     type to (None when neither names one)."""
     import json
@@ -140,10 +142,12 @@ def processor_class(name: str, revision: str | None = None, trust_remote_code: b
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
     from transformers.utils import cached_file
 
-    path = cached_file(name, "processor_config.json", revision=revision, _raise_exceptions_for_missing_entries=False)
+    path = cached_file(name, "processor_config.json", revision=revision, local_files_only=local_only,
+                       _raise_exceptions_for_missing_entries=False)
     cls_name = json.loads(Path(path).read_text(encoding="utf-8")).get("processor_class") if path else None
     if not cls_name:
-        model_type = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code).model_type
+        model_type = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
+                                                local_files_only=local_only).model_type
         cls_name = PROCESSOR_MAPPING_NAMES.get(model_type)
     return processor_class_from_name(cls_name) if isinstance(cls_name, str) else None
 

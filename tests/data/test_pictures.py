@@ -112,3 +112,22 @@ def test_an_unreadable_picture_is_named(tiny_vlm_dir, tmp_path):
           "images": [str(bad)]}
     with pytest.raises(RowError, match=f"picture {bad} cannot be read"):
         encode_pictured(ex, AutoProcessor.from_pretrained(tiny_vlm_dir), "", 64, False)
+
+
+def test_planning_a_hub_model_asks_the_hub_for_no_processor(monkeypatch):
+    """A preset or hub image-text model: the plan reads its processor from this machine only (a folder or the hub's
+    cache; offline it would wait on the hub's retries); not there, the pictures are said to be uncounted."""
+    from transformers import AutoProcessor
+
+    from finetuner.data.stats import picture_processor_of
+
+    asked = []
+
+    def from_pretrained(name, **kwargs):
+        asked.append(kwargs.get("local_files_only"))
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", from_pretrained)
+    monkeypatch.setattr("finetuner.model.vision.processor_class", lambda *a, **k: None)
+    assert picture_processor_of("gemma-3-4b") is None
+    assert asked == [True]
