@@ -4,7 +4,7 @@ With ``lora.train_projector`` or ``lora.train_vision_tower`` the picture's way t
 projector takes part in the backward: their trainable tensors (the projector's copy in full, the tower's LoRA
 matrices) get fp32 weights, gradients and optimizer states like the language model's LoRA, and what autograd keeps
 of the tower's forward stays alive until the backward reaches it. Both are read from the model itself
-(:func:`finetuner.model.vision.vision_parts`): the model is built on the ``meta`` device, the adapter applied as
+(:func:`finetuner.model.vision_parts.vision_parts`): the model is built on the ``meta`` device, the adapter applied as
 the trainer applies it (:func:`finetuner.model.loading.prepare_for_training`'s targets), and one picture of the
 data's largest size goes through ``get_image_features`` under ``saved_tensors_hooks`` (as
 :mod:`finetuner.model.trace` does for a decoder layer: each storage once, parameters left out).
@@ -82,7 +82,7 @@ def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -
 
     from finetuner.model.layout import all_linear_targets
     from finetuner.model.trace import TRACE_ATTENTION, register_trace_attention
-    from finetuner.model.vision import lora_targets_with_tower, vision_parts
+    from finetuner.model.vision_parts import lora_targets_with_tower, vision_parts
 
     register_trace_attention()
     m = recipe.model

@@ -259,8 +259,6 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
     stored = stored_config(m.name, m.revision)  # read once for the checks below
-    if not pictures:
-        _refuse_pictures_only(stored, m.name)
     if quant is None and _stored_method(stored) == "mxfp4":
         # gpt-oss's published experts: dequantized as they load (to the recipe's dtype), as a GGUF base is; kept
         # in MXFP4 the triton kernels transformers would pick train nothing through them
@@ -270,7 +268,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     if quant is not None:
         _refuse_prequantized(stored, m.name)
         if pictures and recipe.lora.train_projector and stored:  # its trained copy cannot be 4-bit: kept whole
-            from finetuner.model.vision import not_quantized
+            from finetuner.model.vision_parts import not_quantized
 
             quant.llm_int8_skip_modules = not_quantized(stored, m.trust_remote_code)
         kwargs["quantization_config"] = quant
@@ -329,19 +327,6 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     return model
 
 
-def _refuse_pictures_only(stored: dict[str, Any] | None, name: str) -> None:
-    """An image-text-to-text checkpoint with no text-only class (LLaVA, Qwen2.5-VL ...) on data without pictures:
-    one line saying so (transformers' own error names the causal-LM classes)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from finetuner.model.vision import image_text_type
-
-    if stored and image_text_type(stored) and stored.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"model.name: '{name}' is an image-text model ({stored.get('model_type')}) with no text-only "
-                        "class in transformers, and the data has no pictures.",
-                        hint="Train it on a data file whose rows carry pictures, or choose a text model.")
-
-
 def check_vision_training(recipe: Recipe, pictures: bool) -> None:
     """``lora.train_projector`` / ``lora.train_vision_tower`` on a run that reads no pictures: one line."""
     lc = recipe.lora
@@ -379,7 +364,7 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0, pictures: bo
     projectors = None
     if lc.train_projector or lc.train_vision_tower:
         check_vision_training(recipe, pictures)
-        from finetuner.model.vision import lora_targets_with_tower, vision_parts
+        from finetuner.model.vision_parts import lora_targets_with_tower, vision_parts
 
         tower, parts = vision_parts(model)
         if lc.train_vision_tower:

@@ -42,7 +42,7 @@ from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
 from finetuner.data.images import PictureCollator
 from finetuner.model.loading import check_vision_training, count_parameters, load_base_model, prepare_for_training
-from finetuner.model.vision import text_inputs
+from finetuner.model.vision import refuse_pictures_only, text_inputs
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.quiet import quieted
@@ -280,6 +280,8 @@ class Trainer:
             data_cache.relocate(self.data.stats, r.data)
         pictures = self.processor is not None and bool(self.data.stats.pictures)
         check_vision_training(r, pictures)  # before the model loads
+        if not pictures:
+            refuse_pictures_only(r)
         self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
                                           self.rt.tiled_mlp, pictures)
         self.objective.on_model(self.model)

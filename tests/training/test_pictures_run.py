@@ -338,6 +338,13 @@ def test_the_projector_and_the_vision_tower_train_by_setting(tiny_vlm_dir, tmp_p
     out = cli_in_process("run", str(refused), "-o", str(tmp_path / "text-run"), "--quiet", cwd=REPO)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "lora.train_projector: this run reads no pictures" in out.stderr
+    plain = write_recipe(tmp_path / "plain.yaml", {
+        "name": "plain", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
+        "data": {"path": str(text), "max_seq_len": 64, "val_size": 0}, "training": {"max_steps": 1},
+        "logging": {"tensorboard": False}, "device": "cpu"})
+    out = cli_in_process("run", str(plain), "-o", str(tmp_path / "plain-run"), "--quiet", cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "is an image-text model (llava) with no text-only class in transformers, and the data has no pictures" in out.stderr
 
 
 def test_qlora_keeps_a_trained_projector_whole(tiny_vlm_dir, tmp_path):
@@ -347,7 +354,7 @@ def test_qlora_keeps_a_trained_projector_whole(tiny_vlm_dir, tmp_path):
 
     import finetuner
     from finetuner.config.recipe import Recipe
-    from finetuner.model.vision import not_quantized
+    from finetuner.model.vision_parts import not_quantized
 
     config = json.loads((tiny_vlm_dir / "config.json").read_text())
     assert {"lm_head", "model.multi_modal_projector"} <= set(not_quantized(config))  # with transformers' own defaults
