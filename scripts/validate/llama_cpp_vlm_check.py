@@ -182,7 +182,7 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
                         json.dumps([str(q) for q in sized]), str(max_new), json.dumps(eos), json.dumps([x[2] for x in reference])],
                        capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        return {"source": source, "error": p.stderr[-3000:]}
+        return {"source": Path(source).name, "error": p.stderr[-3000:]}
     got = json.loads(p.stdout.strip().splitlines()[-1])
     rows = []
     for q, g, (hf, first, ids, simulated) in zip(sized, got, reference):
@@ -198,7 +198,8 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
         if simulated is not None:
             row["max_abs_diff_to_llama_cpp_graph"] = float(np.abs(ll - simulated.numpy()).max())
         rows.append(row)
-    return {"source": source, "gguf_bytes": r.file_bytes, "mmproj_bytes": r.mmproj_bytes, "mmproj_tensors": r.mmproj_tensors,
+    shown = source if not source.startswith(tempfile.gettempdir()) else Path(source).name  # a tiny model built here
+    return {"source": shown, "gguf_bytes": r.file_bytes, "mmproj_bytes": r.mmproj_bytes, "mmproj_tensors": r.mmproj_tensors,
             "picture_size": size, "prompt": text, "pictures": rows}
 
 

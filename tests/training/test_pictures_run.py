@@ -321,6 +321,16 @@ def test_the_projector_and_the_vision_tower_train_by_setting(tiny_vlm_dir, tmp_p
     weights = load_file(str(next((tmp_path / "merged").glob("*.safetensors"))))
     torch.testing.assert_close(next(v for k, v in weights.items() if k.endswith("multi_modal_projector.linear_1.weight")),
                                trained)
+    import gguf
+    import numpy as np
+
+    exported = cli_in_process("export", str(tmp_path / "run"), "--quant", "f32", "-o", str(tmp_path / "eyes.gguf"), cwd=REPO)
+    assert exported.returncode == 0, exported.stderr
+    stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "mmproj-eyes.gguf")).tensors}
+    np.testing.assert_array_equal(np.asarray(stored["mm.0.weight"].data).reshape(trained.shape), trained.numpy())
+    tower_q = next(k for k in weights if k.endswith("vision_tower.encoder.layers.0.self_attn.q_proj.weight"))
+    np.testing.assert_array_equal(np.asarray(stored["v.blk.0.attn_q.weight"].data).reshape(weights[tower_q].shape),
+                                  weights[tower_q].numpy())  # the tower with its LoRA merged in
     from finetuner.infer.chat import load_chat_model
 
     question = [{"role": "user", "content": "What colour is this?"}]
