@@ -329,10 +329,12 @@ def profile_data(
 
 def picture_processor_of(model: str | None, max_pixels: int | None = None):
     """The processor of ``model`` when it is an image-text-to-text checkpoint whose processor loads here (a local
-    folder, or the hub's cache: nothing is downloaded to plan), keeping at most ``max_pixels`` of a picture when
-    given; None otherwise."""
+    folder, the hub's cache, or the hub when it is reachable: its processor files are small; offline, nothing is
+    asked of the hub, which would only retry), keeping at most ``max_pixels`` of a picture when given; None
+    otherwise."""
     if not model:
         return None
+    from finetuner.locate import hub_unreachable
     from finetuner.model.loading import stored_config
     from finetuner.model.shapes import preset_model
     from finetuner.model.vision import image_text_type, load_processor, set_max_pixels
@@ -341,7 +343,7 @@ def picture_processor_of(model: str | None, max_pixels: int | None = None):
     if not image_text_type(stored_config(model, None)):
         return None
     try:
-        processor = load_processor(model, local_only=True)  # planning asks the hub nothing
+        processor = load_processor(model, local_only=hub_unreachable() is not None)
     except UserError:
         return None
     if max_pixels is not None:

@@ -114,9 +114,11 @@ def test_an_unreadable_picture_is_named(tiny_vlm_dir, tmp_path):
         encode_pictured(ex, AutoProcessor.from_pretrained(tiny_vlm_dir), "", 64, False)
 
 
-def test_planning_a_hub_model_asks_the_hub_for_no_processor(monkeypatch):
-    """A preset or hub image-text model: the plan reads its processor from this machine only (a folder or the hub's
-    cache; offline it would wait on the hub's retries); not there, the pictures are said to be uncounted."""
+@pytest.mark.parametrize("offline", [True, False])
+def test_planning_a_hub_model_offline_asks_the_hub_nothing(monkeypatch, offline):
+    """A preset or hub image-text model: offline, the plan reads its processor from this machine only (a folder or
+    the hub's cache; asking the hub would only wait on its retries), online from the hub too; not found, the
+    pictures are said to be uncounted."""
     from transformers import AutoProcessor
 
     from finetuner.data.stats import picture_processor_of
@@ -129,5 +131,6 @@ def test_planning_a_hub_model_asks_the_hub_for_no_processor(monkeypatch):
 
     monkeypatch.setattr(AutoProcessor, "from_pretrained", from_pretrained)
     monkeypatch.setattr("finetuner.model.vision.processor_class", lambda *a, **k: None)
+    monkeypatch.setattr("finetuner.locate.hub_unreachable", lambda: "cannot connect" if offline else None)
     assert picture_processor_of("gemma-3-4b") is None
-    assert asked == [True]
+    assert asked == [offline]
