@@ -71,7 +71,8 @@ def data_pictures(path: str) -> tuple[list[str], int]:
 
 def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -> VisionCost | None:
     """The :class:`VisionCost` of ``recipe`` (None when it trains neither the projector nor the tower):
-    ``processor`` the model's (its image processor sizes the traced picture), ``pictures`` the data's."""
+    ``processor`` the model's (its image processor sizes the traced picture; None: not traced), ``pictures`` the
+    data's."""
     lc = recipe.lora
     if recipe.method == "full" or not (lc.train_projector or lc.train_vision_tower):
         return None
@@ -104,6 +105,9 @@ def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -
     trainable = tuple((p.shape[0], p[0].numel() if p.dim() > 1 else 1, 1) for name, p in peft_model.named_parameters()
                       if p.requires_grad and any(f"{v}." in name for v in vision))
     per_example = max(1, most_per_example)
+    if processor is None:
+        return VisionCost(trainable, None, per_example, "the vision tower's activations are not counted: the model's "
+                                                        "processor (the pictures' size) is not on this machine")
     width, height = _largest_picture(pictures)
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
                                          add_generation_prompt=True, tokenize=False)
@@ -132,10 +136,12 @@ def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -
 
 
 def vision_cost_of(recipe):
-    """:func:`vision_cost` for a recipe: its model's processor, its data's pictures (one an example at the
+    """:func:`vision_cost` for a recipe: its model's processor (offline, from this machine only; none found: the
+    tower's activations are not counted, and the note says so), its data's pictures (one an example at the
     processor's size when the data cannot be read here); None when it trains neither the projector nor the tower
     (a recipe whose method is ``auto``: its LoRA options')."""
     from finetuner.errors import UserError
+    from finetuner.locate import hub_unreachable
     from finetuner.model.vision import load_processor
 
     lc = recipe.lora
@@ -145,5 +151,9 @@ def vision_cost_of(recipe):
         pictures, most = data_pictures(str(recipe.data.path))
     except (UserError, OSError):
         pictures, most = [], 1
-    processor = load_processor(recipe.model.name, trust_remote_code=recipe.model.trust_remote_code)
+    try:
+        processor = load_processor(recipe.model.name, trust_remote_code=recipe.model.trust_remote_code,
+                                   local_only=hub_unreachable() is not None)
+    except UserError:
+        processor = None
     return vision_cost(recipe, processor, pictures, most)

@@ -101,3 +101,12 @@ def test_the_planner_counts_them_for_each_micro_batch_it_tries(tiny_vlm_dir, pic
     assert options
     for candidate, r in options:
         assert candidate.estimate.details["vision_activation_bytes"] == cost.activation_bytes(r.training.micro_batch_size)
+
+
+def test_without_the_processor_the_tensors_are_counted_and_the_note_says_why(tiny_vlm_dir, pictures):
+    from finetuner.memory.vision import vision_cost
+
+    r = recipe_for(tiny_vlm_dir, pictures, train_vision_tower=True)
+    cost = vision_cost(r, None, [], 1)
+    assert cost.trainable_params > 0 and cost.saved_per_picture is None and cost.activation_bytes(4) == 0
+    assert "processor (the pictures' size) is not on this machine" in cost.note
