@@ -64,7 +64,7 @@ def warm_imports() -> None:
     transformers resolves its names lazily, and without this the first page of a server whose last run is a picture
     run left every later ``from transformers import AutoConfig`` in the server failing ("cannot import name
     'AutoConfig' from 'transformers'", the model card shown as an error; tests/ui/test_ui_browser.py's pictures
-    test, 2 of 2 without this, 0 of 3 with it)."""
+    test, 2 of 2 without this, 0 of 4 with it)."""
     import transformers
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,  # noqa: F401
                               AutoTokenizer)
