@@ -409,12 +409,38 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         trainer.events.error(e)
         log.error("%s", e)
+        if not ctx.is_main:
+            wait_for_the_error_event(run_dir / "events.jsonl")
         return 2
     except Exception as e:
         trainer.events.error(e)
         raise
     finally:
         trainer.cleanup()
+
+
+#: how long a rank other than 0 waits, on a stop all ranks agreed on, for rank 0 to write the run's error event
+ERROR_EVENT_WAIT_S = 10.0
+
+
+def wait_for_the_error_event(events: Path, timeout: float = ERROR_EVENT_WAIT_S) -> bool:
+    """Whether rank 0 wrote the run's error event within ``timeout`` seconds. A rank that exits first on a stop the
+    ranks agreed on (an out-of-memory step under ZeRO) makes torchrun end the others at once: rank 0 could be ended
+    before it wrote the event the launcher reads the stop from (seen in CI: exit 2 instead of 3). An error of this
+    rank alone waits the whole ``timeout``, once, on its way out."""
+    import time
+
+    from finetuner.runs.events import read_events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(e.get("event") == "error" for e in read_events(events)):
+                return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return False
 
 
 if __name__ == "__main__":

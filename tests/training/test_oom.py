@@ -219,3 +219,18 @@ def test_the_gpu_oom_script_runs_its_smoke_check(tmp_path):
     limited = report["limited"]
     assert [(b["step"], b["old_micro_batch_size"], b["micro_batch_size"]) for b in limited["backoffs"]] == [(2, 4, 2), (2, 2, 1)]
     assert limited["micro_batch_per_step"] == [4, 1, 1] and report["max_loss_diff"] < 1e-4
+
+
+def test_a_rank_waits_for_rank_0s_error_event_before_exiting(tmp_path):
+    """On a stop the ranks agreed on, a rank other than 0 exits only once rank 0 wrote the run's error event (else
+    torchrun could end rank 0 before it and the launcher would not see the stop), and not forever."""
+    import threading
+
+    from finetuner.runs.events import EventWriter
+    from finetuner.training.distributed import wait_for_the_error_event
+
+    events = tmp_path / "events.jsonl"
+    log = EventWriter(events)
+    threading.Timer(0.3, lambda: log.error(RuntimeError("simulated"))).start()
+    assert wait_for_the_error_event(events, timeout=30)
+    assert not wait_for_the_error_event(tmp_path / "none.jsonl", timeout=0.2)
