@@ -146,8 +146,7 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
     UserError saying why its projector file is not written."""
     mt = str(config.get("model_type"))
     if mt not in PROJECTORS:
-        return_types = ", ".join(sorted(PROJECTORS))
-        raise _refuse(where, mt, f"finetuner writes it for {return_types}")
+        raise _refuse(where, mt, f"finetuner writes it for {', '.join(sorted(PROJECTORS))}")
     vision = dict(config.get("vision_config") or {})
     text = dict(config.get("text_config") or {})
     if vision.get("model_type") not in TOWERS[mt]:

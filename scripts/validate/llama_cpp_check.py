@@ -61,6 +61,11 @@ print(json.dumps({"llama_cpp_prompt_ids": llama_ids, "llama_cpp_answer_ids": out
 """
 
 
+def installed_version(target: Path) -> str:
+    """The version of the llama-cpp-python installed in ``target``."""
+    return (target / "llama_cpp" / "__init__.py").read_text(encoding="utf-8").split('__version__ = "', 1)[-1].split('"', 1)[0]
+
+
 def install(target: Path) -> float:
     if (target / "llama_cpp").is_dir():
         return 0.0
@@ -185,7 +190,7 @@ def main() -> int:
             result["exports"][quant] = got
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    version = (target / "llama_cpp" / "__init__.py").read_text(encoding="utf-8").split('__version__ = "', 1)[-1].split('"', 1)[0]
+    version = installed_version(target)
     result["llama_cpp_python"] = version
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     built = f", built from source in {seconds_install:.0f} s" if seconds_install else ""

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.validate.llama_cpp_check import install
+from scripts.validate.llama_cpp_check import install, installed_version
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTION = "What is in the picture?"
@@ -227,7 +227,7 @@ def main() -> int:
             else:
                 source = tiny_gemma3(Path(tmp) / "tiny-gemma3")
             result["families"][family] = check_family(family, source, target, pictures, args.max_new_tokens, Path(tmp))
-    version = (target / "llama_cpp" / "__init__.py").read_text(encoding="utf-8").split('__version__ = "', 1)[-1].split('"', 1)[0]
+    version = installed_version(target)
     result["llama_cpp_python"] = version
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
