@@ -115,12 +115,13 @@ def test_the_gpu_scripts_build_every_preset_shape():
     """The GPU validation and bench scripts build their random-weight models from the shipped presets
     (scripts.validate.train_gpu.preset_config): each gives the parameter count finetuner's shapes give."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from finetuner.model.inventory import auto_class
     from finetuner.model.shapes import preset_names, resolve_shape
     from scripts.validate.train_gpu import preset_config
 
     for name in preset_names():
+        cfg = preset_config(name)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(preset_config(name))
+            model = auto_class(cfg.model_type).from_config(cfg)  # an image-text preset: its image-text model
         assert sum(p.numel() for p in model.parameters()) == resolve_shape(name).num_params, name

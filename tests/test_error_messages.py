@@ -452,6 +452,43 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
     assert r.stdout.splitlines() == ["worker alive", "worker exit -15 stop set: False"], (r.stdout, r.stderr)  # killed by SIGTERM
 
 
+def test_a_sigterm_that_reaches_a_worker_before_its_handlers_are_set_still_ends_it(recipe_dict, tmp_path):
+    """A pool ends a worker its handler thread has just forked (a Ctrl-C's clean-up): the SIGTERM waits, blocked,
+    until the worker's own handlers are set, and then ends it (the kernel's default, -15). Unblocked, it lands while
+    the parent's handler is still the worker's and Python drops it (without the block this test's worker lives on
+    and exits 0), leaving the pool to wait for that worker forever (seen in CI)."""
+    script = tmp_path / "fork_early.py"
+    script.write_text(textwrap.dedent('''
+        import os, signal, sys, threading, time
+        import finetuner.cli.main as cli
+        import finetuner.training.trainer as trainer
+
+        os.register_at_fork(after_in_child=lambda: time.sleep(0.5))  # runs first in the new worker: a slow start
+
+        def train(recipe, callbacks, stop_event, **kw):
+            exits = []
+
+            def fork_and_end():  # as a pool's worker-handler thread forks a worker, and the pool then ends it
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(5)
+                    os._exit(0)
+                os.kill(pid, signal.SIGTERM)
+                exits.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+            t = threading.Thread(target=fork_and_end)
+            t.start()
+            t.join()
+            print("worker exit", exits[0], flush=True)
+            sys.exit(0)
+
+        trainer.train = train
+        sys.exit(cli.main(sys.argv[1:]))
+    '''), encoding="utf-8")
+    r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))
+    assert r.stdout.splitlines() == ["worker exit -15"], (r.stdout, r.stderr)
+
+
 def _run_patched_cli(script, recipe) -> subprocess.CompletedProcess:
     """``finetuner run RECIPE`` through ``script``, which patches the trainer before calling the CLI."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 
@@ -36,8 +37,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import threading
-
     from finetuner.cli.progress import ProgressPrinter, console as run_console
     from finetuner.config.recipe import Recipe
     from finetuner.errors import UserError
@@ -136,20 +135,43 @@ def _record_if_own_recipe(args: argparse.Namespace, error: Exception) -> None:
 
 
 _worker_signals_registered: list[bool] = []
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_fork_masks = threading.local()  # per forking thread: its signal mask before the fork
 
 
 def _register_worker_signals() -> None:
     """:func:`_signals_of_a_worker` for every process forked from this one, registered once per process
     (``main`` may run several times in one, as the tests call it; fork hooks cannot be removed)."""
     if not _worker_signals_registered:
-        os.register_at_fork(after_in_child=_signals_of_a_worker)
+        os.register_at_fork(before=_hold_stop_signals, after_in_parent=_release_stop_signals,
+                            after_in_child=_signals_of_a_worker)
         _worker_signals_registered.append(True)
+
+
+def _hold_stop_signals() -> None:
+    """Before a fork, in the forking thread: Ctrl-C and SIGTERM wait (blocked) until :func:`_release_stop_signals`
+    in this process and :func:`_signals_of_a_worker` in the new one. A SIGTERM that reached a new worker before its
+    handlers were reset would run this process's handler there, at the C level only, and Python then drops it
+    ("signal ignored due to race condition"): a pool that ends its workers just after its handler thread forked a
+    replacement (as a Ctrl-C's clean-up does) would wait for that worker forever."""
+    _fork_masks.saved = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def _release_stop_signals() -> None:
+    """After a fork, in the forking thread: its signal mask as it was (a stop signal that came meanwhile is
+    delivered now)."""
+    saved = getattr(_fork_masks, "saved", None)
+    if saved is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+        _fork_masks.saved = None
 
 
 def _signals_of_a_worker() -> None:
     """In a process forked from ``finetuner run``: Ctrl-C is the parent's to act on, SIGTERM ends
     it, and so does the parent's end (Linux ``PR_SET_PDEATHSIG``): a pool's manager process that a
-    Ctrl-C cut off from its clean-up would otherwise live on, holding the terminal's pipes."""
+    Ctrl-C cut off from its clean-up would otherwise live on, holding the terminal's pipes. The stop signals are
+    blocked from the fork (:func:`_hold_stop_signals`) until its handlers are set here: a SIGTERM sent meanwhile
+    ends it once they are."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -158,6 +180,7 @@ def _signals_of_a_worker() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 class Interrupted(KeyboardInterrupt):

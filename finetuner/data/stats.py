@@ -282,10 +282,15 @@ def profile_data(
         lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
         pictures = src.pictures
         processor = picture_processor_of(model, max_pixels) if pictures else None
+        sizer = None if processor is not None or not pictures else preset_picture_sizer(model, max_pixels)
         if processor is not None:  # every row through the processor: its pictures' tokens are the trainer's
             src = FileExamples(path, fmt, columns, system_prompt)
             lengths, trained, total, picture_tokens, largest = picture_lengths(src, processor, chat_template)
             how = f"the model's processor and chat template ({model})"
+        elif sizer is not None:  # the text counted, each picture's tokens from the preset's image processor
+            picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths, sizer)
+            total += picture_tokens
+            how += f"; image tokens: the image processor settings of the {model} preset"
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
@@ -294,15 +299,16 @@ def profile_data(
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
-    if processor is not None:
+    if processor is not None or sizer is not None:
         from finetuner.model.vision import pixel_budget
 
         profile.picture_tokens, profile.largest_picture = picture_tokens, largest
-        profile.pixel_budget = pixel_budget(processor)
+        profile.pixel_budget = pixel_budget(processor or sizer)
         at = (f"pictures of at most {profile.pixel_budget[1]:,} pixels" if profile.pixel_budget
               else "at the processor's settings")
+        whose = "the model's processor" if processor is not None else "the preset's image processor settings"
         profile.notes.append(f"{pictures} picture(s): {picture_tokens:,} image tokens in all, "
-                             f"{picture_tokens / pictures:.0f} a picture on average (the model's processor, {at}), "
+                             f"{picture_tokens / pictures:.0f} a picture on average ({whose}, {at}), "
                              "counted in the examples' lengths")
     elif pictures:
         profile.notes.append(f"{pictures} picture(s) in the rows, not counted in the lengths: "
@@ -349,6 +355,51 @@ def picture_processor_of(model: str | None, max_pixels: int | None = None):
     if max_pixels is not None:
         set_max_pixels(processor, max_pixels)
     return processor
+
+
+def preset_picture_sizer(model: str | None, max_pixels: int | None = None):
+    """For a preset whose processor files are not on this machine: the image processor its settings
+    (:func:`~finetuner.model.shapes.preset_image_processor`) build, when it sizes pictures by their pixel count
+    (the one kind whose tokens follow from a picture's size alone), keeping at most ``max_pixels``; None otherwise."""
+    if not model:
+        return None
+    from finetuner.model.shapes import preset_image_processor
+    from finetuner.model.vision import image_processor_from, pixel_budget, set_max_pixels
+
+    settings = preset_image_processor(model)
+    if settings is None:
+        return None
+    sizer = image_processor_from(settings)
+    if pixel_budget(sizer) is None:
+        return None
+    if max_pixels is not None:
+        set_max_pixels(sizer, max_pixels)
+    return sizer
+
+
+def add_picture_tokens(src: FileExamples, lengths: list[int], sizer) -> tuple[int, int]:
+    """Add to each of ``lengths`` (the examples of ``src`` in order, their text counted) the image tokens of its
+    pictures at their sizes (:func:`~finetuner.model.vision.picture_tokens`); the image tokens in all and the
+    largest picture's pixels. A picture that does not open is left to the trainer to report with its row."""
+    from PIL import Image
+
+    from finetuner.model.vision import picture_tokens
+
+    added = largest = 0
+    for i, ex in enumerate(src):
+        if i >= len(lengths):
+            break
+        for path in ex.get("images") or []:
+            try:
+                with Image.open(path) as im:  # the header only
+                    width, height = im.size
+            except OSError:
+                continue
+            tokens = picture_tokens(sizer, width, height)
+            lengths[i] += tokens
+            added += tokens
+            largest = max(largest, width * height)
+    return added, largest
 
 
 def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int, int]:

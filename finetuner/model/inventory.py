@@ -139,12 +139,22 @@ def language_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return cfg, None
 
 
+def auto_class(model_type: str):
+    """The auto class that builds a whole model of ``model_type``: ``AutoModelForCausalLM``, or for an image-text
+    type with no causal LM class (LLaVA, Qwen2.5-VL ...) ``AutoModelForImageTextToText``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def build_on_meta(cfg: dict[str, Any]):
     """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device; for an
     image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL ...), its image-text-to-text model."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers import AutoConfig
 
     from finetuner.quiet import quieted
 
@@ -159,8 +169,7 @@ def build_on_meta(cfg: dict[str, Any]):
     except (KeyError, ValueError) as e:
         raise UserError(f"model_type {mt!r}: this transformers does not know it ({first_line(str(e))}).",
                         hint="Upgrade transformers, or give a model whose config.json names a model_type it knows.") from None
-    auto = (AutoModelForImageTextToText if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else AutoModelForCausalLM)
+    auto = auto_class(mt)
     try:
         with quieted(), torch.device("meta"):
             return auto.from_config(config)

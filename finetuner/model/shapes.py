@@ -465,6 +465,14 @@ def find_preset(name: str) -> str | None:
     return _preset_index().get(name.strip().lower())
 
 
+def preset_image_processor(name: str) -> dict[str, Any] | None:
+    """The image processor's settings (its ``preprocessor_config.json``) an image-text preset carries under
+    ``_image_processor``, for counting a picture's tokens without the checkpoint's processor files; None for any
+    other name."""
+    key = find_preset(name)
+    return _presets()[key].get("_image_processor") if key is not None else None
+
+
 def preset_hub_id(name: str) -> str | None:
     """The hub id to load for a preset's short name (``qwen2.5-7b`` → ``Qwen/Qwen2.5-7B``), or None
     when ``name`` is not a short preset name (a hub id, an alias with an org, or anything else).

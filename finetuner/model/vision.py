@@ -58,9 +58,9 @@ PIXEL_BUDGET_PROCESSORS = ("Qwen2VLImageProcessor",)
 
 
 def pixel_budget(processor) -> tuple[int, int] | None:
-    """``(fewest, most)`` pixels a picture keeps, for a processor that sizes pictures by their pixel count; None for
-    the others (a fixed size, tiles: their pictures cost what their settings say)."""
-    ip = getattr(processor, "image_processor", None)
+    """``(fewest, most)`` pixels a picture keeps, for a processor (or an image processor alone) that sizes pictures
+    by their pixel count; None for the others (a fixed size, tiles: their pictures cost what their settings say)."""
+    ip = getattr(processor, "image_processor", processor)
     if ip is None or not type(ip).__name__.startswith(PIXEL_BUDGET_PROCESSORS):
         return None
     size = ip.size
@@ -68,16 +68,38 @@ def pixel_budget(processor) -> tuple[int, int] | None:
 
 
 def set_max_pixels(processor, max_pixels: int) -> None:
-    """Make ``processor`` keep at most ``max_pixels`` pixels of a picture (``data.max_pixels``); a one-line error
-    for a processor that does not size pictures by their pixel count, or a value under its least."""
-    budget = pixel_budget(processor)
+    """Make ``processor`` (or an image processor alone) keep at most ``max_pixels`` pixels of a picture
+    (``data.max_pixels``); a one-line error for a processor that does not size pictures by their pixel count, or a
+    value under its least."""
+    ip = getattr(processor, "image_processor", processor)
+    budget = pixel_budget(ip)
     if budget is None:
-        raise UserError(f"data.max_pixels: this model's image processor ({type(processor.image_processor).__name__}) "
+        raise UserError(f"data.max_pixels: this model's image processor ({type(ip).__name__}) "
                         "does not size pictures by their pixel count.",
                         hint="Leave data.max_pixels out: the processor's own settings size the pictures.")
     if max_pixels < budget[0]:
         raise UserError(f"data.max_pixels {max_pixels:,}: under the processor's least, {budget[0]:,} pixels.")
-    processor.image_processor.size = {"shortest_edge": budget[0], "longest_edge": int(max_pixels)}
+    ip.size = {"shortest_edge": budget[0], "longest_edge": int(max_pixels)}
+
+
+def image_processor_from(settings: dict[str, Any]):
+    """The image processor that ``settings`` (a ``preprocessor_config.json``'s contents, as a preset carries them
+    under ``_image_processor``) describe: the class they name (its PIL variant where torchvision is not installed),
+    built from them, nothing downloaded."""
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    from finetuner.quiet import quieted
+
+    with quieted():
+        cls = get_image_processor_class_from_name(settings["image_processor_type"])
+        return cls(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+
+
+def picture_tokens(image_processor, width: int, height: int) -> int:
+    """The image tokens a ``width`` x ``height`` picture becomes with a processor that sizes pictures by their pixel
+    count (:data:`PIXEL_BUDGET_PROCESSORS`): its patches after the processor's resize (transformers'
+    ``get_number_of_image_patches``, what the processor's own token count uses), ``merge_size``² patches a token."""
+    return image_processor.get_number_of_image_patches(height, width, {}) // image_processor.merge_size ** 2
 
 
 def text_inputs(recipe):

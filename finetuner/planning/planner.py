@@ -1026,8 +1026,8 @@ def plan(
 
 def picture_sizes(largest: int, fewest: int, most: int) -> list[int]:
     """The picture sizes (most pixels kept) :func:`plan_picture_size` tries, largest first: the data's largest picture
-    (no more than the processor's most), then halved until the processor's least."""
-    size = min(largest, most)
+    (no more than the processor's most, no less than its least), then halved until the processor's least."""
+    size = max(fewest, min(largest, most))
     sizes = [size]
     while size // 2 >= fewest:
         size //= 2
@@ -1053,7 +1053,9 @@ def plan_picture_size(asked: dict[str, Any], profile) -> Plan:
     per_picture = chosen.data["picture_tokens"] / max(1, chosen.data["pictures"])
     if chosen.fits and chosen.data["max_tokens"] <= chosen.shape.max_position_embeddings:
         why = (f"pictures of at most {size:,} pixels (data.max_pixels), {per_picture:.0f} image tokens a picture: "
-               + ("all the data's pictures at their size" if size >= min(profile.largest_picture, most) and len(tried) == 1
+               + ((f"the processor's least: the data's pictures (the largest {profile.largest_picture:,} pixels) are "
+                   "scaled up to it" if profile.largest_picture < fewest else "all the data's pictures at their size")
+                  if size >= min(profile.largest_picture, most) and len(tried) == 1
                   else f"the largest size that fits the card and the model's {chosen.shape.max_position_embeddings:,} "
                        f"positions (tried {', '.join(f'{s:,}' for s, _ in tried)})"))
     else:

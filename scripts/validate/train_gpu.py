@@ -58,6 +58,7 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetuner.model.inventory import auto_class
     from finetuner.model.tiny_llama import tiny_llama, train_bpe_tokenizer
 
     rng = random.Random(0)
@@ -84,7 +85,7 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
     else:
         cfg = preset_config(preset)
         with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model = auto_class(cfg.model_type).from_config(cfg, dtype=torch.bfloat16)
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
             tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     model.save_pretrained(partial, safe_serialization=True)

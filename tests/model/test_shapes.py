@@ -31,6 +31,7 @@ KNOWN_TOTALS = {
     "phi-4": 14_659_507_200,  # microsoft/phi-4's config (Phi3ForCausalLM); its card rounds to 14.7B
     "smollm3-3b": 3_075_098_624,  # HuggingFaceTB/SmolLM3-3B (a layout read from the model); its card: 3.08B
     "mistral-small-24b": 23_572_403_200,  # Mistral-Small-24B-Base-2501 (head_dim 128, not 5120 / 32); its card: 23.6B
+    "qwen2.5-vl-7b": 8_292_166_656,  # Qwen/Qwen2.5-VL-7B-Instruct: the language model and its 32-block vision tower; card: 8.29B
     # mixtures of experts: Qwen/Qwen3-30B-A3B (its card: 30.5B in total, 3.3B activated) and openai/gpt-oss-20b
     # (its card: 21B parameters, 3.6B active), configs as published
     "qwen3-30b-a3b": 30_532_122_624,
@@ -49,16 +50,13 @@ KNOWN_TOTALS = {
 
 
 def _meta_model(shape):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from finetuner.model.inventory import build_on_meta
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in shape.config.items() if not k.startswith("_")})
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+    return build_on_meta(shape.config)  # the causal LM, or an image-text preset's image-text model
 
 
 def _kind(name: str) -> str:
-    if "vision_tower" in name or "multi_modal_projector" in name:
+    if "vision_tower" in name or "multi_modal_projector" in name or ".visual." in name:
         return "other"
     if ".experts." in name:
         return "experts"

@@ -46,7 +46,7 @@ def test_the_sizes_tried_halve_from_the_largest_picture_down_to_the_least():
     assert picture_sizes(1_080_000, 784, MOST) == [1_080_000, 540_000, 270_000, 135_000, 67_500, 33_750, 16_875, 8_437,
                                                    4_218, 2_109, 1_054, 784]
     assert picture_sizes(10_000_000, 784, 3136) == [3136, 1568, 784]  # never more than the processor keeps
-    assert picture_sizes(500, 784, 3136) == [500]  # a picture under the least: its own size
+    assert picture_sizes(500, 784, 3136) == [784]  # pictures under the least: scaled up to it, as the processor does
 
 
 def test_the_plan_chooses_the_largest_size_within_the_models_positions(qwen_pictures):
@@ -95,3 +95,54 @@ def test_max_pixels_on_a_processor_of_fixed_size_is_refused(tiny_vlm_dir):
 
     with pytest.raises(UserError, match=r"data.max_pixels: this model's image processor \(CLIPImageProcessor"):
         set_max_pixels(load_processor(str(tiny_vlm_dir)), 100_000)
+
+
+def test_a_presets_image_processor_settings_count_a_pictures_tokens_as_its_processor_does(qwen_pictures):
+    """Without the checkpoint's processor files, an image-text preset's image processor settings (its
+    ``preprocessor_config.json``, shipped in the preset) count a picture's tokens: the same count as the processor's
+    own encoding, at the same settings, for pictures below, within and above its pixel range."""
+    from PIL import Image
+
+    from finetuner.data.images import image_token_ids
+    from finetuner.data.stats import preset_picture_sizer
+    from finetuner.model.vision import load_processor, picture_tokens
+
+    sizer = preset_picture_sizer("qwen2.5-vl-7b")
+    assert type(sizer).__name__.startswith("Qwen2VLImageProcessor")
+    assert (sizer.size["shortest_edge"], sizer.size["longest_edge"]) == (3136, 12_845_056)  # Qwen2.5-VL-7B-Instruct's
+    processor = load_processor(str(qwen_pictures[0]))
+    processor.image_processor.size = dict(sizer.size)
+    pads = image_token_ids(processor)
+    for width, height in [(20, 30), (640, 480), (1000, 333), (4000, 3000)]:
+        enc = processor(images=[Image.new("RGB", (width, height))], text=["<|vision_start|><|image_pad|><|vision_end|>"])
+        made = sum(1 for t in enc["input_ids"][0] if t in pads)
+        assert picture_tokens(sizer, width, height) == made, (width, height)
+    assert preset_picture_sizer("qwen2.5-7b") is None  # a text preset
+    assert preset_picture_sizer("gemma-3-4b") is None  # no settings shipped: its pictures cost a fixed 256 tokens
+
+
+def test_the_issues_example_plans_a_presets_picture_size_without_its_processor(tmp_path, monkeypatch):
+    """``finetuner plan --model qwen2.5-vl-7b --gpu rtx4090 --data pics.jsonl`` offline (the preset's processor files
+    are not on this machine): the pictures' tokens are counted from the preset's settings and the plan says the
+    picture size it chose and what fits."""
+    from PIL import Image
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i in range(12):
+        Image.new("RGB", (2400, 1800), (250, 250, 20 * i)).save(tmp_path / "img" / f"{i}.png")
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"},
+                                                               {"type": "text", "text": "What is the total?"}]},
+                                  {"role": "assistant", "content": f"The total is {i + 10}.50."}]})
+    data = tmp_path / "pics.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    p = plan("qwen2.5-vl-7b", "rtx4090", data=str(data))
+    # 2400 x 1800 resized to a multiple of 28 within 12,845,056 pixels: 2408 x 1792, 86 x 64 tokens of 28 x 28
+    assert p.data["pictures"] == 12 and p.data["picture_tokens"] == 12 * 86 * 64
+    assert p.fits and p.recipe.data.max_pixels == 2400 * 1800
+    assert p.reasons[0].startswith("pictures of at most 4,320,000 pixels (data.max_pixels), 5504 image tokens a picture")
+    assert "image tokens: the image processor settings of the qwen2.5-vl-7b preset" in p.data["counted_with"]
+    small = plan("qwen2.5-vl-7b", "10GB", data=str(data))  # a smaller card: QLoRA, and the pictures at half their size
+    assert small.fits and small.recipe.method == "qlora" and small.recipe.data.max_pixels == 2400 * 1800 // 2
+    assert small.data["picture_tokens"] == 12 * 2700
