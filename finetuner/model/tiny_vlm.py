@@ -253,13 +253,10 @@ def _idefics_like(tokenizer, out, seed, family: str):
                                                    image_token_id=tok.image_token_id, tie_word_embeddings=True,
                                                    pad_token_id=tok.pad_token_id)
     model_cls = getattr(transformers, f"{cls}ForConditionalGeneration")
-    try:
-        kwargs = {"video_processor": None} if family == "smolvlm" else {}
-        processor = without_video(getattr(transformers, f"{cls}Processor"))(image_processor=images, tokenizer=tok,
-                                                                            image_seq_len=4, chat_template=template,
-                                                                            **kwargs)
-    except ImportError:  # SmolVLM's processor needs num2words
-        return _save_files(model_cls, config, f"{cls}Processor", images, tok, template, out, seed, image_seq_len=4)
+    kwargs = {"video_processor": None} if family == "smolvlm" else {}  # SmolVLM's requires the argument
+    processor = without_video(getattr(transformers, f"{cls}Processor"))(image_processor=images, tokenizer=tok,
+                                                                        image_seq_len=4, chat_template=template,
+                                                                        **kwargs)
     return _save(model_cls, config, processor, out, seed)
 
 

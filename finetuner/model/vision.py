@@ -9,8 +9,8 @@ projector stay frozen. The same checkpoint on text data trains as a text model, 
 
 A processor that carries a video processor (Qwen2.5-VL's, Qwen3-VL's) loads without it where torchvision, which
 transformers' video processors need, is not installed (:func:`without_video`): pictures need none. A processor that
-cannot be built at all for a missing package (Pixtral's needs torchvision, SmolVLM's its video processor and
-num2words) is a one-line :class:`UserError` naming the package, before any training.
+cannot be built at all for a missing package (Pixtral's needs torchvision) is a one-line :class:`UserError` naming
+the package, before any training.
 """
 
 from __future__ import annotations
@@ -136,12 +136,12 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
                 try:
                     processor = without_video(cls).from_pretrained(name, revision=revision, local_files_only=local_only,
                                                                    trust_remote_code=trust_remote_code)
-                except Exception:  # noqa: BLE001 - it cannot do without its video processor (SmolVLM's)
+                except Exception:  # noqa: BLE001 - it cannot do without its video processor
                     raise e from None
-    except ImportError as e:  # a package the family's processor needs (torchvision for Pixtral's, num2words)
+    except ImportError as e:  # a package the family's processor needs (torchvision for Pixtral's)
         raise UserError(f"model.name: the processor of '{name}' needs a package that is not installed "
                         f"({first_line(str(e), 200).split('. ')[0].rstrip('.')}).",
-                        hint="Install the package it names (pip install torchvision, num2words ...).") from None
+                        hint="Install the package it names (pip install torchvision ...).") from None
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError: no or a broken processor config
         raise UserError(f"model.name: could not load the processor of '{name}' ({first_line(str(e), 200)}).",
                         hint="An image-text-to-text checkpoint needs its processor files (processor_config.json or "
@@ -177,15 +177,28 @@ def processor_class(name: str, revision: str | None = None, trust_remote_code: b
 def without_video(cls):
     """``cls`` (a processor class) when torchvision is installed or it has no video processor; else a subclass of
     the same name without one (transformers' video processors need torchvision, pictures do not): built from an
-    image processor and a tokenizer (where ``cls`` takes its video processor as an optional argument), saved and
-    loaded as ``cls`` is. None for None."""
+    image processor and a tokenizer (``video_processor`` None, also where ``cls`` requires the argument: SmolVLM's),
+    saved and loaded as ``cls`` is. None for None."""
     from transformers.utils import is_torchvision_available
 
     if cls is None or is_torchvision_available() or "video_processor" not in cls.get_attributes():
         return cls
+    import types
+
     kept = [a for a in cls.get_attributes() if a != "video_processor"]
-    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
-                                       "get_attributes": classmethod(lambda c: list(kept))})
+    namespace = {"__module__": cls.__module__, "get_attributes": classmethod(lambda c: list(kept))}
+    init = cls.__init__
+    code = getattr(init, "__code__", None)
+    names = code.co_varnames[:code.co_argcount] if code else ()
+    defaults = init.__defaults__ or () if code else ()
+    first_default = len(names) - len(defaults)
+    if "video_processor" in names and names.index("video_processor") < first_default:
+        # SmolVLM's requires the argument: the same __init__ with None for it (transformers reads the names an
+        # __init__ takes from its code, so a wrapper taking *args would lose the processor's settings)
+        filled = (None,) * (first_default - names.index("video_processor")) + tuple(defaults)
+        namespace["__init__"] = types.FunctionType(code, init.__globals__, init.__name__, filled, init.__closure__)
+        namespace["__init__"].__kwdefaults__ = init.__kwdefaults__
+    return type(cls.__name__, (cls,), namespace)
 
 
 def refuse_pictures_only(recipe) -> None:

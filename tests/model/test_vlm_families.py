@@ -119,3 +119,24 @@ def test_a_family_whose_processor_cannot_be_built_is_refused_in_one_line(work):
                                "(PixtralProcessor requires the Torchvision library but it was not found in your "
                                "environment).")
     assert not (out / "adapter").exists()
+
+
+def test_a_processor_that_requires_its_video_processor_loads_without_it(work):
+    """SmolVLM's processor takes its video processor as a required argument, and transformers' video processors need
+    torchvision: it loads without one (pictures need none), with its own settings (chat template, image tokens a
+    picture), and saves as SmolVLM's."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_smolvlm
+    from finetuner.model.vision import load_processor
+
+    folder = work / "smolvlm-processor"
+    tiny_smolvlm(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), folder)
+    processor = load_processor(str(folder))
+    assert type(processor).__name__ == "SmolVLMProcessor" and processor.image_seq_len == 4
+    assert processor.chat_template and "<image>" in processor.chat_template
+    enc = processor(images=[[Image.new("RGB", (40, 30))]], text=["<image>What colour is this?"])
+    assert sum(t == processor.image_token_id for t in enc["input_ids"][0]) == 4
+    processor.save_pretrained(work / "smolvlm-saved")
+    assert json.loads((work / "smolvlm-saved" / "processor_config.json").read_text())["processor_class"] == "SmolVLMProcessor"
