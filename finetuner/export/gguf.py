@@ -340,12 +340,18 @@ class _ProjectorPlan(_Plan):
         for f in _safetensors_files(folder):
             with safe_open(str(f), framework="pt") as st:
                 for hf_name in st.keys():
-                    gname = projector.gguf_name(hf_name)
-                    if gname is not None:
-                        shape = tuple(st.get_slice(hf_name).get_shape())
-                        self.items.append((gname, (f, hf_name), shape, projector.tensor_type(hf_name, shape, quant)))
+                    for gname, part, shape in projector.parts(hf_name, tuple(st.get_slice(hf_name).get_shape())):
+                        self.items.append((gname, (f, hf_name, part), shape, projector.tensor_type(hf_name, shape, quant)))
         if not any(g.startswith("v.blk.") for g, *_ in self.items) or not any(g.startswith("mm.") for g, *_ in self.items):
             raise UserError(f"{folder}: no vision tower or projector weights were found for the projector file (mmproj).")
+
+    def tensor(self, src) -> Any:
+        """The float32 numpy array the projector file stores for ``src`` (a part of a split tensor where named)."""
+        from safetensors import safe_open
+
+        f, hf_name, part = src
+        with safe_open(str(f), framework="pt") as st:
+            return self.arch.transform(hf_name, st.get_tensor(hf_name).float().numpy(), part)
 
 
 def _encode(data, qtype_name: str):
@@ -449,6 +455,39 @@ def _check_tensors(path: Path, plan: _Plan) -> float:
                                f"{float(np.abs(got - expected).max()):.3g}, more than the type's rounding")
     del reader
     return worst
+
+
+#: llama.cpp architectures transformers' GGUF loader does not read, and the one it reads their language model as
+#: (Qwen2-VL's and Qwen2.5-VL's language model is Qwen2's with M-RoPE, which equals RoPE on text)
+READ_AS = {"qwen2vl": "qwen2"}
+
+
+def _text_twin(path: Path, twin: Path, gguf_arch: str) -> None:
+    """A copy of the GGUF at ``path`` whose architecture is :data:`READ_AS`'s for ``gguf_arch``: its settings
+    renamed, the M-RoPE sections left out, the tensors' bytes as they are. For the checks only."""
+    import gguf
+
+    into = READ_AS[gguf_arch]
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(twin), into)
+    try:
+        for f in reader.fields.values():
+            if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF.") or f.name.endswith(
+                    ".rope.dimension_sections"):
+                continue
+            key = into + f.name[len(gguf_arch):] if f.name.startswith(gguf_arch + ".") else f.name
+            kind = f.types[0]
+            writer.add_key_value(key, f.contents(), kind,
+                                 sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        for t in reader.tensors:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
+            writer.write_tensor_data(t.data)
+    finally:
+        writer.close()
 
 
 def _probe_ids(tokenizer, template: str, max_tokens: int = 48):
@@ -728,8 +767,19 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                 notes.append("sentencepiece vocabulary: the tokenizer check compares the text between special tokens, without "
                              "leading spaces, and the special tokens' ids (transformers' GGUF tokenizer adds no space there; "
                              "the original and llama.cpp do).")
-            n_texts = _check_tokenizer(tmp_dir, name, tokenizer, texts, tokenizer.all_special_tokens)
-            diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, name, probe, arch, quant, notes)
+            checked = name
+            if arch.gguf_arch in READ_AS:  # an architecture transformers' loader does not read: its text twin
+                checked = f".{out.stem}.tmp-check-{os.getpid()}.gguf"
+                _text_twin(path, tmp_dir / checked, arch.gguf_arch)
+                notes.append(f"transformers' GGUF loader does not read llama.cpp's {arch.gguf_arch}: the tokenizer and "
+                             f"logits checks read a copy of the file as {READ_AS[arch.gguf_arch]} (the same tensors and "
+                             "settings, without the M-RoPE sections, which text alone does not use).")
+            try:
+                n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
+                diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)
+            finally:
+                if checked != name:
+                    (tmp_dir / checked).unlink(missing_ok=True)
         command = run_command = mmproj_file = None
         if fmt == "gguf":
             check_gguf_replaceable(out, overwrite)  # again: nothing else arrived there meanwhile

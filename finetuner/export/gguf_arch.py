@@ -6,7 +6,9 @@ architecture), Phi-3 (its fused qkv and gate_up as llama.cpp's ``phi3`` reads th
 ``1 + weight``, as llama.cpp's converter writes them; its soft-capping and sliding window; llama.cpp scales the
 queries by the head width, or by hidden / heads for the 46-layer 27B, so another ``query_pre_attn_scalar`` is
 refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every sixth layer global as llama.cpp's
-``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000). Names come from gguf's own ``TensorNameMap`` for the
+``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000), the language models of
+image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
+with the M-RoPE sections, ``rope.dimension_sections``). Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
 key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
@@ -24,7 +26,7 @@ from finetuner.errors import UserError
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
-             "qwen3_moe": ("qwen3moe", False)}
+             "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False)}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -93,6 +95,8 @@ class Arch:
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
+        if self.gguf_arch == "qwen2vl":  # M-RoPE: each position's (time, height, width) sections of the rotary pairs
+            writer.add_rope_dimension_sections(mrope_sections(self.rope))
         if self.gguf_arch == "qwen3moe":  # the routed experts: how many, how many a token, each one's width
             writer.add_expert_count(int(c.get("num_experts") or c["num_local_experts"]))
             writer.add_expert_used_count(int(c["num_experts_per_tok"]))
@@ -115,6 +119,13 @@ class Arch:
         import numpy as np
 
         return {"rope_freqs.weight": np.asarray(llama3_rope_factors(self.rope, self.rope_theta, self.head_dim), dtype=np.float32)}
+
+
+def mrope_sections(rope: dict[str, Any]) -> list[int]:
+    """Qwen2-VL's and Qwen2.5-VL's ``mrope_section`` as llama.cpp's ``rope.dimension_sections``: four numbers, the
+    missing ones 0 (llama.cpp's converter)."""
+    sections = [int(x) for x in rope.get("mrope_section") or []]
+    return (sections + [0, 0, 0, 0])[:4]
 
 
 def permute_for_rope(w, n_head: int, n_kv_head: int):
@@ -145,13 +156,16 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
 #: an image-text-to-text checkpoint's language model tensors, and their names in a causal LM's checkpoint
 LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head."))
-#: where an image-text-to-text checkpoint keeps what is not its language model
-VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+#: where an image-text-to-text checkpoint keeps what is not its language model (Qwen-VL's tower and merger: visual)
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
+                   "model.visual.", "visual.")
 
 
 def arch_for(config: dict[str, Any], where: str) -> Arch:
     """The :class:`Arch` of a model's ``config.json`` contents, or a UserError naming what is supported. For an
     image-text-to-text checkpoint (Gemma 3), its language model's."""
+    if "vision_config" in config and "text_config" not in config:  # a checkpoint of transformers 4's layout
+        config = nested_config(config)  # (Qwen2.5-VL's on the hub: the language model's settings at the top)
     text = config.get("text_config")
     if isinstance(text, dict) and "hidden_size" not in config:
         inner = {**text, **({"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {})}
@@ -160,7 +174,8 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         return arch
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
-                 "Gemma 2 (gemma2) and Gemma 3 text (gemma3_text)")
+                 "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL and "
+                 "Qwen2.5-VL")
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
@@ -184,6 +199,11 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     if rope_type not in ROPE_TYPES:
         raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
     gguf_arch, permute = SUPPORTED[mt]
+    if gguf_arch == "qwen2vl":  # llama.cpp's M-RoPE: the sections must cover each head's rotary pairs
+        head = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+        if sum(mrope_sections(rope)) != head // 2 or len(rope.get("mrope_section") or []) > 4:
+            raise UserError(f"{where}: its M-RoPE sections {rope.get('mrope_section')} do not cover the {head // 2} "
+                            "rotary pairs of a head as llama.cpp's qwen2vl reads them; GGUF export refuses it.")
     if mt == "gemma3_text":  # llama.cpp's gemma3: every sixth layer global, the others sliding
         types = config.get("layer_types") or []
         want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(int(config["num_hidden_layers"]))]
@@ -201,3 +221,17 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     n_kv = int(config.get("num_key_value_heads") or n_head)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)
     return Arch(mt, gguf_arch, permute, config, int(config["num_hidden_layers"]), n_head, n_kv, head_dim, rope)
+
+
+def nested_config(config: dict[str, Any]) -> dict[str, Any]:
+    """An image-text ``config.json`` of transformers 4's layout (the language model's settings at the top, as
+    Qwen2-VL's and Qwen2.5-VL's checkpoints on the hub have them) as the installed transformers reads it: with a
+    ``text_config``."""
+    from transformers import AutoConfig
+
+    settings = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        nested = AutoConfig.for_model(settings.pop("model_type"), **settings).to_dict()
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: arch_for refuses it by its model_type
+        return config
+    return nested if isinstance(nested.get("text_config"), dict) else config

@@ -21,6 +21,15 @@ Written:
   stored as ``1 + weight`` (Gemma's RMSNorm; llama.cpp's converter, ``Gemma3VisionModel``), the pooling factor
   written when it is not Gemma 3's 4 (``clip.vision.projector.scale_factor``).
 
+- **Qwen2-VL / Qwen2.5-VL** (``qwen2_vl``, ``qwen2_5_vl``: a ViT on 14-pixel patches of two frames, merged 2 x 2
+  by an MLP): llama.cpp's ``qwen2vl_merger`` / ``qwen2.5vl_merger``, as its converter (``Qwen2VLVisionModel``)
+  writes them: the fused ``qkv`` split into q, k and v, the Conv3d patch embedding as one Conv2d kernel a frame
+  (``v.patch_embd.weight`` and ``.weight.1``); Qwen2.5-VL's SiLU gate (``clip.use_silu``) and the period of its
+  whole-picture layers (``clip.vision.n_wa_pattern``). What llama.cpp's graph fixes is checked and a model that
+  differs refused: a 2 x 2 merge of 2 frames, Qwen2-VL's quick GELU, Qwen2.5-VL's SiLU, whole-picture layers every
+  n-th, and windows of 112 pixels (llama.cpp does not read the size from the file). The language model is written
+  as llama.cpp's ``qwen2vl`` (``gguf_arch``).
+
 Any other image-text type is refused with the reason (its projector is not written here).
 """
 
@@ -32,9 +41,15 @@ from typing import Any
 from finetuner.errors import UserError
 
 #: model_type → llama.cpp's projector type, for the families whose mmproj is written
-PROJECTORS = {"llava": "mlp", "gemma3": "gemma3"}
+PROJECTORS = {"llava": "mlp", "gemma3": "gemma3", "qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger"}
 #: the vision towers each family's projector file holds (vision_config.model_type)
-TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",)}
+TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",), "qwen2_vl": ("qwen2_vl_vision",),
+          "qwen2_5_vl": ("qwen2_5_vl_vision",)}
+#: where a Qwen-VL checkpoint keeps its vision tower and merger, read as ``visual.`` (gguf's map)
+_QWEN_PREFIXES = ("model.visual.", "visual.")
+#: the window llama.cpp's Qwen2.5-VL graph attends in (pixels a side; its ``attn_window_size`` default, not read from
+#: the file for this projector)
+QWEN25_WINDOW = 112
 #: where a checkpoint keeps its vision tower (transformers 5 and the checkpoints' own names), read as
 #: ``vision_tower.vision_model.`` (gguf's map)
 _TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
@@ -62,6 +77,33 @@ class Projector:
     use_gelu: bool = False
     extra_uint32: dict[str, int] = field(default_factory=dict)
     gguf_arch: str = "clip"
+    use_silu: bool = False
+    #: Qwen2.5-VL: every how many layers one attends to the whole picture (the others in windows)
+    wa_pattern: int | None = None
+
+    def parts(self, hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, Any, tuple[int, ...]]]:
+        """``(name in the file, part, shape)`` for each tensor the projector file holds of a checkpoint tensor: none,
+        one (``part`` None), or, for Qwen-VL, its fused q/k/v as three (``("rows", i)``: a third of the rows) and its
+        two-frame patch embedding (a Conv3d) as one Conv2d a frame (``("frame", i)``), as llama.cpp's converter splits
+        them."""
+        if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+            name = self.gguf_name(hf_name)
+            return [] if name is None else [(name, None, shape)]
+        prefix = next((p for p in _QWEN_PREFIXES if hf_name.startswith(p)), None)
+        if prefix is None:
+            return []
+        rest = f"visual.{hf_name[len(prefix):]}"
+        if ".attn.qkv." in rest:
+            third = (shape[0] // 3, *shape[1:])
+            return [(self._mapped(rest.replace(".qkv.", f".{x}."), max(self.n_layers, 3)), ("rows", i), third)
+                    for i, x in enumerate("qkv")]
+        if rest == "visual.patch_embed.proj.weight":
+            import gguf
+
+            frame = (shape[0], shape[1], *shape[3:])
+            base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+            return [(base if i == 0 else f"{base}.{i}", ("frame", i), frame) for i in range(shape[2])]
+        return [(self._mapped(rest, max(self.n_layers, 3)), None, shape)]  # the merger's mm.2 needs 3 blocks' map
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The file's name for a checkpoint tensor, or None for one the projector file does not hold (the language
@@ -75,7 +117,7 @@ class Projector:
                     layer, _, kind = rest.partition(".")
                     return f"{_LLAVA_MM[layer]}.{kind}" if layer in _LLAVA_MM else None
                 rest = rest.replace("_weight", ".weight")  # Gemma 3's bare parameters (mm_input_projection_weight)
-                return self._mapped(f"multi_modal_projector.{rest}", gguf)
+                return self._mapped(f"multi_modal_projector.{rest}")
         for prefix in _TOWER_PREFIXES:
             if hf_name.startswith(prefix):
                 rest = hf_name[len(prefix):]
@@ -89,19 +131,27 @@ class Projector:
                         return None
                 if rest == "embeddings.class_embedding":
                     return "v.class_embd"  # a bare parameter (clip.cpp's TN_CLASS_EMBD)
-                return self._mapped(f"vision_tower.vision_model.{rest}", gguf)
+                return self._mapped(f"vision_tower.vision_model.{rest}")
         return None
 
-    def _mapped(self, name: str, gguf) -> str:
-        found = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, self.n_layers).get_name(name, try_suffixes=(".weight", ".bias"))
+    def _mapped(self, name: str, blocks: int | None = None) -> str:
+        import gguf
+
+        found = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, blocks or self.n_layers).get_name(
+            name, try_suffixes=(".weight", ".bias"))
         if found is None:
             raise UserError(f"The tensor '{name}' of this {self.model_type} model has no place in llama.cpp's projector "
                             "file; GGUF export refuses the model rather than drop it.")
         return found
 
-    def transform(self, hf_name: str, array):
+    def transform(self, hf_name: str, array, part=None):
         if self.model_type == "gemma3" and "mm_soft_emb_norm" in hf_name:
             return array + 1.0  # Gemma's RMSNorm multiplies by 1 + weight; llama.cpp's by the stored weight
+        if part is not None and part[0] == "rows":  # one of q, k, v
+            rows = array.shape[0] // 3
+            return array[part[1] * rows:(part[1] + 1) * rows]
+        if part is not None and part[0] == "frame":  # one frame's kernel of the patch embedding
+            return array[:, :, part[1]]
         return array
 
     def tensor_type(self, hf_name: str, shape: tuple[int, ...], quant: str) -> str:
@@ -129,6 +179,10 @@ class Projector:
         writer.add_vision_image_std([float(x) for x in self.image_std])
         if self.use_gelu:
             writer.add_vision_use_gelu(True)
+        if self.use_silu:
+            writer.add_vision_use_silu(True)
+        if self.wa_pattern is not None:
+            writer.add_vision_n_wa_pattern(self.wa_pattern)
         if self.feature_layer is not None:
             writer.add_array("clip.vision.feature_layer", [int(self.feature_layer)])
         for key, value in self.extra_uint32.items():
@@ -153,6 +207,8 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
         raise _refuse(where, mt, f"its vision tower is {vision.get('model_type')!r}, not {' or '.join(TOWERS[mt])}")
     if image_processor is None:
         raise _refuse(where, mt, "its image processor (the pictures' size, mean and deviation) was not found")
+    if mt in ("qwen2_vl", "qwen2_5_vl"):
+        return _qwen_projector(config, vision, text, image_processor, where)
     n = int(vision["num_hidden_layers"])
     common = dict(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
                   image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std))
@@ -174,3 +230,43 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
         raise _refuse(where, mt, f"{tokens} tokens a picture is not a square pooling of its {patches}x{patches} patches")
     extra = {} if patches // side == GEMMA3_POOL else {"clip.vision.projector.scale_factor": patches // side}
     return Projector(**common, n_layers=n, keep_post_norm=True, use_gelu=True, extra_uint32=extra)
+
+
+def _qwen_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[str, Any], image_processor,
+                    where: str) -> Projector:
+    """Qwen2-VL's and Qwen2.5-VL's vision tower and merger as llama.cpp's ``qwen2vl_merger`` / ``qwen2.5vl_merger``
+    read them (llama.cpp's converter, ``Qwen2VLVisionModel``): what that graph fixes (a 2 x 2 merge, two frames a
+    patch, Qwen2-VL's quick GELU and LayerNorm, Qwen2.5-VL's SiLU gate, RMSNorm and 112-pixel windows) is checked
+    here, and a model that differs is refused rather than written wrong."""
+    mt = str(config["model_type"])
+    n = int(vision["depth"])
+    hidden = int(vision.get("embed_dim") or vision["hidden_size"])  # Qwen2-VL: embed_dim (its hidden_size: the output)
+    if int(vision.get("spatial_merge_size", 2)) != 2 or int(vision.get("temporal_patch_size", 2)) != 2:
+        raise _refuse(where, mt, "llama.cpp's Qwen-VL graph merges 2 x 2 patches of 2 frames; this tower does otherwise")
+    extra: dict[str, Any] = {}
+    if mt == "qwen2_vl":
+        if vision.get("hidden_act", "quick_gelu") != "quick_gelu":
+            raise _refuse(where, mt, f"its vision MLP's activation is {vision.get('hidden_act')}, not quick GELU")
+        width = int(hidden * float(vision.get("mlp_ratio", 4)))
+        out = int(vision.get("hidden_size", text.get("hidden_size")))
+    else:
+        if vision.get("hidden_act", "silu") != "silu":
+            raise _refuse(where, mt, f"its vision MLP's activation is {vision.get('hidden_act')}, not SiLU")
+        width, out = int(vision["intermediate_size"]), int(vision["out_hidden_size"])
+        full = [int(i) for i in vision.get("fullatt_block_indexes") or []]
+        pattern = full[0] + 1 if full else 0
+        if not full or full != [pattern * (k + 1) - 1 for k in range(len(full))]:
+            raise _refuse(where, mt, f"its whole-picture layers {full} are not every n-th layer, as llama.cpp reads them")
+        windowed = any(i not in full for i in range(n))
+        if windowed and int(vision.get("window_size", QWEN25_WINDOW)) != QWEN25_WINDOW:
+            raise _refuse(where, mt, f"its attention windows are {vision.get('window_size')} pixels; llama.cpp's are "
+                                     f"{QWEN25_WINDOW}")
+        extra = dict(use_silu=True, wa_pattern=pattern)
+    if out != int(text["hidden_size"]):
+        raise _refuse(where, mt, f"its merger gives {out} features, its language model takes {text['hidden_size']}")
+    settings = {"image_size": int(vision.get("image_size", 560)), "patch_size": int(vision["patch_size"]),
+                "hidden_size": hidden, "intermediate_size": width, "num_attention_heads": int(vision["num_heads"]),
+                "layer_norm_eps": 1e-6}  # transformers' Qwen-VL towers: eps 1e-6 in every norm
+    return Projector(model_type=mt, projector_type=PROJECTORS[mt], vision=settings, text_hidden=int(text["hidden_size"]),
+                     image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std),
+                     n_layers=n, keep_post_norm=True, **extra)

@@ -91,20 +91,24 @@ def _save(model_cls, config, processor, out, seed: int = 0):
     return model
 
 
-def tiny_qwen2_5_vl(tokenizer, out: str | Path, seed: int = 0):
+def tiny_qwen2_5_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, full_attention: tuple[int, ...] = (0,),
+                    window: int = 56, pixels: tuple[int, int] = (28 * 28, 56 * 56)):
     """Save a tiny Qwen2.5-VL (a 1-layer windowed ViT with 14-pixel patches merged 2x2, a 2-layer Qwen2 with
     3-D rotary positions) and its processor to ``out``: pictures resized to 28-56 pixels a side, so 1 to 4 image
-    tokens (``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``). Returns the model."""
+    tokens (``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``). ``depth``, ``full_attention``
+    (the layers that attend to the whole picture), ``window`` (the others' window, pixels a side) and ``pixels`` (the
+    fewest and most pixels a picture keeps) change the tower and the processor. Returns the model."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                               Qwen2VLImageProcessorPil)
 
     tok = _named_tokens(tokenizer, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
-    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, merge_size=2)
     processor = without_video(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
-              "spatial_merge_size": 2, "window_size": 56, "out_hidden_size": 64, "fullatt_block_indexes": [0]}
+    vision = {"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "window_size": window, "out_hidden_size": 64,
+              "fullatt_block_indexes": list(full_attention)}
     text = {**TEXT, "vocab_size": len(tok), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "mrope_section": [2, 3, 3]}, **_ids(tok)}
     config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
@@ -113,18 +117,19 @@ def tiny_qwen2_5_vl(tokenizer, out: str | Path, seed: int = 0):
     return _save(Qwen2_5_VLForConditionalGeneration, config, processor, out, seed)
 
 
-def tiny_qwen2_vl(tokenizer, out: str | Path, seed: int = 0):
+def tiny_qwen2_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, pixels: tuple[int, int] = (28 * 28, 56 * 56)):
     """Save a tiny Qwen2-VL (a 1-layer ViT with 14-pixel patches merged 2x2, a 2-layer Qwen2 with 3-D rotary
     positions) and its processor to ``out``: pictures resized to 28-56 pixels a side, 1 to 4 ``<|image_pad|>``
-    tokens each. Returns the model."""
+    tokens each (``depth``: the tower's layers; ``pixels``: the fewest and most pixels a picture keeps). Returns the
+    model."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
     tok = _named_tokens(tokenizer, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
-    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, merge_size=2)
     processor = without_video(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
+    vision = {"depth": depth, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
               "spatial_merge_size": 2}
     text = {**TEXT, "vocab_size": len(tok), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "mrope_section": [2, 3, 3]}, **_ids(tok)}

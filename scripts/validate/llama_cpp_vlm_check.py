@@ -37,7 +37,15 @@ QUESTION = "What is in the picture?"
 #: (@@PICTURE@@: its marker) so that both sides read the same tokens: llama.cpp writes Gemma 3's <start_of_image>
 #: ... <end_of_image> around the picture itself, and transformers' Gemma3Processor also puts two blank lines on
 #: each side (its full_image_sequence), which llama.cpp does not
-PLACEHOLDER = {"llava": ("<image>", "@@PICTURE@@"), "gemma3": ("<start_of_image>", "\n\n@@PICTURE@@\n\n")}
+PLACEHOLDER = {"llava": ("<image>", "@@PICTURE@@"), "gemma3": ("<start_of_image>", "\n\n@@PICTURE@@\n\n"),
+               "qwen2_5_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
+               "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@")}
+#: the size both sides see a family's pictures at (width, height); the others: their tower's square picture size.
+#: Qwen2.5-VL: 16 x 12 patches, more than one of llama.cpp's 112-pixel (8-patch) windows each way, 48 image tokens
+PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168)}
+#: the pixels llama.cpp's Qwen-VL graph keeps of a picture (8 to 4,096 image tokens of 28 x 28 pixels: its
+#: set_limit_image_tokens), given to the tiny model's processor so that both sides resize alike
+QWEN_PIXELS = (8 * 28 * 28, 4096 * 28 * 28)
 
 CHILD = r"""
 import ctypes, json, sys
@@ -115,6 +123,29 @@ def tiny_gemma3(folder: Path) -> str:
     return str(folder)
 
 
+def tiny_qwen(family: str, folder: Path) -> str:
+    """A tiny Qwen2.5-VL (2 vision layers: the first attending in llama.cpp's 112-pixel windows, the second to the
+    whole picture) or Qwen2-VL (2 vision layers) with the demo tokenizer, random weights everywhere (the language
+    model's too, so that its answers are not one token repeated and depend on the picture), its processor keeping
+    the pixels llama.cpp keeps (:data:`QWEN_PIXELS`); saved in ``folder``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model"))
+    if family == "qwen2_5_vl":
+        model = tiny_qwen2_5_vl(tok, folder, depth=2, full_attention=(1,), window=112, pixels=QWEN_PIXELS)
+    else:
+        model = tiny_qwen2_vl(tok, folder, depth=2, pixels=QWEN_PIXELS)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "visual" in name else 0.2))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def clip_as_llama_cpp_runs_it(model, pixel_values):
     """LLaVA's picture embeddings computed as this llama.cpp's CLIP graph computes them (ggml-org/llama.cpp#25814):
     the class token after the patches, positions 0..n in that order, rows 1..n taken (the last n)."""
@@ -153,11 +184,11 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
     processor = load_processor(weights)
     model = AutoModelForImageTextToText.from_pretrained(weights, dtype=torch.float32).eval()
     r = finetuner.export_model(source, tmp / f"{family}.gguf", quant="f16")
-    size = int(model.config.vision_config.image_size)
+    size = PICTURE_SIZE.get(family) or (int(model.config.vision_config.image_size),) * 2
     sized = []
     for p in pictures:  # the model's own size: llama.cpp pads, transformers crops; the same pixels on both sides
         q = tmp / f"{family}-{p.name}"
-        Image.open(p).convert("RGB").resize((size, size), Image.BICUBIC).save(q)
+        Image.open(p).convert("RGB").resize(size, Image.BICUBIC).save(q)
         sized.append(q)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -167,7 +198,7 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
     for q in sized:
         inputs = processor(text=text, images=[Image.open(q).convert("RGB")], return_tensors="pt")
         with torch.no_grad():
-            feats = model.get_image_features(pixel_values=inputs["pixel_values"])
+            feats = model.get_image_features(**{k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs})
             feats = getattr(feats, "pooler_output", feats)
             feats = (feats[0] if isinstance(feats, (list, tuple)) else feats).reshape(-1, model.config.text_config.hidden_size)
             first = model(**inputs).logits[0, -1]
@@ -200,7 +231,7 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
         rows.append(row)
     shown = source if not source.startswith(tempfile.gettempdir()) else Path(source).name  # a tiny model built here
     return {"source": shown, "gguf_bytes": r.file_bytes, "mmproj_bytes": r.mmproj_bytes, "mmproj_tensors": r.mmproj_tensors,
-            "picture_size": size, "prompt": text, "pictures": rows}
+            "picture_size": list(size), "prompt": text, "pictures": rows}
 
 
 def main() -> int:
@@ -224,8 +255,10 @@ def main() -> int:
         for family in args.family or sorted(PLACEHOLDER):
             if family == "llava":
                 source = str(demo) if (demo / "adapter").is_dir() else str(REPO / "data" / "demo_vlm")
-            else:
+            elif family == "gemma3":
                 source = tiny_gemma3(Path(tmp) / "tiny-gemma3")
+            else:
+                source = tiny_qwen(family, Path(tmp) / f"tiny-{family}")
             result["families"][family] = check_family(family, source, target, pictures, args.max_new_tokens, Path(tmp))
     version = installed_version(target)
     result["llama_cpp_python"] = version

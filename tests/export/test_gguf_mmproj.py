@@ -38,7 +38,7 @@ def test_the_feature_layer_decides_the_layers_written(layer, count):
     ({"vision_feature_select_strategy": "full"}, "drops the class token"),
     ({"vision_feature_layer": [-2, -5]}, "reads several vision layers"),
     ({"projector_hidden_act": "relu"}, "its projector is not LLaVA's"),
-    ({"model_type": "qwen2_5_vl"}, "finetuner writes it for gemma3, llava"),
+    ({"model_type": "idefics3"}, "finetuner writes it for gemma3, llava, qwen2_5_vl, qwen2_vl"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(change, why):
     with pytest.raises(UserError, match=why):
@@ -72,3 +72,84 @@ def test_gemma3_projector_file(tmp_path):
     np.testing.assert_array_equal(stored["mm.soft_emb_norm.weight"], 1.0 + norm)
     projection = model.model.multi_modal_projector.mm_input_projection_weight.detach().numpy()
     np.testing.assert_array_equal(stored["mm.input_projection.weight"].reshape(projection.shape), projection)
+
+
+def qwen25(**vision) -> dict:
+    v = {"model_type": "qwen2_5_vl_vision", "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+         "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112, "out_hidden_size": 64,
+         "fullatt_block_indexes": [1, 3], "hidden_act": "silu", **vision}
+    return {"model_type": "qwen2_5_vl", "vision_config": v, "text_config": {"hidden_size": 64}}
+
+
+@pytest.mark.parametrize("vision, why", [
+    ({"window_size": 56}, "its attention windows are 56 pixels; llama.cpp's are 112"),
+    ({"fullatt_block_indexes": [1, 2]}, r"its whole-picture layers \[1, 2\] are not every n-th layer"),
+    ({"hidden_act": "gelu"}, "not SiLU"),
+    ({"out_hidden_size": 48}, "its merger gives 48 features, its language model takes 64"),
+    ({"spatial_merge_size": 3}, "merges 2 x 2 patches of 2 frames"),
+])
+def test_a_qwen_tower_llama_cpp_would_run_otherwise_is_refused(vision, why):
+    with pytest.raises(UserError, match=why):
+        projector_for(qwen25(**vision), IMAGES, "m")
+
+
+def test_a_qwen25_tower_whose_layers_all_see_the_whole_picture_needs_no_windows_of_llama_cpps_size():
+    p = projector_for(qwen25(depth=2, fullatt_block_indexes=[0, 1], window_size=56), IMAGES, "m")
+    assert (p.projector_type, p.wa_pattern, p.use_silu, p.n_layers) == ("qwen2.5vl_merger", 1, True, 2)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen_projector_and_language_files(family, tmp_path):
+    """Qwen2-VL and Qwen2.5-VL: the language model as llama.cpp's qwen2vl (Qwen2's tensors and M-RoPE's sections),
+    checked through a qwen2 copy of it (transformers does not read qwen2vl); the projector file with the fused q/k/v
+    split in three and the two-frame patch embedding as one kernel a frame (llama.cpp's converter), Qwen2.5-VL's
+    SiLU and window pattern. (llama.cpp's own reading: scripts/validate/llama_cpp_vlm_check.py.)"""
+    import gguf
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    import finetuner
+    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data" / "demo_model")
+    if family == "qwen2_5_vl":
+        model = tiny_qwen2_5_vl(tok, tmp_path / "q", depth=2, full_attention=(1,), window=112)
+    else:
+        model = tiny_qwen2_vl(tok, tmp_path / "q", depth=2)
+    r = finetuner.export_model(tmp_path / "q", tmp_path / "q.gguf", quant="f32")
+    assert r.architecture == "qwen2vl" and r.max_abs_logit_diff is not None and r.top1_agreement == 1.0
+    assert any("read a copy of the file as qwen2" in n for n in r.notes)
+    lm = gguf.GGUFReader(str(r.gguf_file))
+    assert list(lm.fields["qwen2vl.rope.dimension_sections"].contents()) == [2, 3, 3, 0]
+    assert not list(tmp_path.glob(".*"))  # neither the check's copy nor anything else left beside the files
+    reader = gguf.GGUFReader(str(r.mmproj_file))
+    f = reader.fields
+    assert f["clip.projector_type"].contents() == {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger"}[family]
+    assert ("clip.use_silu" in f, "clip.vision.n_wa_pattern" in f) == ((True, True) if family == "qwen2_5_vl" else (False, False))
+    if family == "qwen2_5_vl":
+        assert f["clip.vision.n_wa_pattern"].contents() == 2  # layer 1 of 0, 1 sees the whole picture
+    assert f["clip.vision.block_count"].contents() == 2 and f["clip.vision.embedding_length"].contents() == 32
+    assert f["clip.vision.feed_forward_length"].contents() == 64
+    stored = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    visual = {k: v.detach().numpy() for k, v in model.model.visual.state_dict().items()}
+    qkv = visual["blocks.1.attn.qkv.weight"]
+    for i, x in enumerate("qkv"):
+        np.testing.assert_array_equal(stored[f"v.blk.1.attn_{x}.weight"].reshape(32, 32), qkv[32 * i:32 * (i + 1)])
+    kernel = visual["patch_embed.proj.weight"]  # (out, channels, frames, 14, 14)
+    np.testing.assert_array_equal(stored["v.patch_embd.weight"].reshape(32, 3, 14, 14), kernel[:, :, 0])
+    np.testing.assert_array_equal(stored["v.patch_embd.weight.1"].reshape(32, 3, 14, 14), kernel[:, :, 1])
+    assert {"v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_out.weight"} <= set(stored)
+    assert ("v.blk.0.ffn_gate.weight" in stored) == (family == "qwen2_5_vl")  # Qwen2.5-VL's SiLU gate
+    assert not any(name.startswith(("token_embd", "blk.")) for name in stored)  # the language model is not here
+
+
+def test_a_hub_qwen25_vl_config_of_transformers_4s_layout_is_read_as_the_installed_transformers_reads_it():
+    """Qwen2.5-VL-7B-Instruct's config.json keeps its language model's settings at the top (no text_config)."""
+    from finetuner.export.gguf_arch import arch_for
+    from finetuner.model.shapes import load_config
+
+    cfg, _ = load_config("qwen2.5-vl-7b")
+    assert "text_config" not in cfg
+    arch = arch_for(cfg, "m")
+    assert (arch.gguf_arch, arch.text_of, arch.n_layers, arch.head_dim) == ("qwen2vl", "qwen2_5_vl", 28, 128)
+    assert arch.rope["mrope_section"] == [16, 24, 24]
