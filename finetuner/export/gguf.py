@@ -458,8 +458,9 @@ def _check_tensors(path: Path, plan: _Plan) -> float:
 
 
 #: llama.cpp architectures transformers' GGUF loader does not read, and the one it reads their language model as
-#: (Qwen2-VL's and Qwen2.5-VL's language model is Qwen2's with M-RoPE, which equals RoPE on text)
-READ_AS = {"qwen2vl": "qwen2"}
+#: (Qwen2-VL's and Qwen2.5-VL's language model is Qwen2's with M-RoPE, Qwen3-VL's Qwen3's with interleaved M-RoPE
+#: and DeepStack inputs: on text alone, Qwen2's and Qwen3's)
+READ_AS = {"qwen2vl": "qwen2", "qwen3vl": "qwen3"}
 
 
 def _text_twin(path: Path, twin: Path, gguf_arch: str) -> None:
@@ -473,7 +474,7 @@ def _text_twin(path: Path, twin: Path, gguf_arch: str) -> None:
     try:
         for f in reader.fields.values():
             if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF.") or f.name.endswith(
-                    ".rope.dimension_sections"):
+                    (".rope.dimension_sections", ".n_deepstack_layers")):
                 continue
             key = into + f.name[len(gguf_arch):] if f.name.startswith(gguf_arch + ".") else f.name
             kind = f.types[0]
@@ -545,9 +546,11 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
-    if arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head and arch.gguf_arch not in ("llama", "gemma2", "gemma3"):
+    if (arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head or arch.gguf_arch in ("qwen3", "qwen3moe", "qwen3vl")) \
+            and arch.gguf_arch not in ("llama", "gemma2", "gemma3"):
         # the file says it (attention.key_length, as llama.cpp reads it); transformers' reader of this architecture
-        # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128)
+        # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128), or for Qwen3 its config's default,
+        # 128, whatever the file holds
         extra["head_dim"] = arch.head_dim
         notes.append(f"transformers' GGUF loader reads no key length for {arch.gguf_arch}; the check gave it the model's "
                      f"head_dim {arch.head_dim}.")
@@ -773,7 +776,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                 _text_twin(path, tmp_dir / checked, arch.gguf_arch)
                 notes.append(f"transformers' GGUF loader does not read llama.cpp's {arch.gguf_arch}: the tokenizer and "
                              f"logits checks read a copy of the file as {READ_AS[arch.gguf_arch]} (the same tensors and "
-                             "settings, without the M-RoPE sections, which text alone does not use).")
+                             "settings, without the M-RoPE sections and DeepStack inputs, which text alone does not use).")
             try:
                 n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
                 diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)

@@ -26,7 +26,8 @@ from finetuner.errors import UserError
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
-             "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False)}
+             "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
+             "qwen3_vl_text": ("qwen3vl", False)}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -47,6 +48,8 @@ class Arch:
     rope: dict[str, Any] = field(default_factory=dict)
     #: the image-text-to-text checkpoint's model_type when only its language model is written (None: a causal LM)
     text_of: str | None = None
+    #: Qwen3-VL: how many of the language model's first layers take the vision tower's DeepStack features
+    deepstack_layers: int = 0
 
     def language_name(self, hf_name: str) -> str | None:
         """The name of a checkpoint tensor as the language model's own (``model.language_model.x`` →
@@ -95,8 +98,10 @@ class Arch:
         if self.head_dim != int(c["hidden_size"]) // self.n_head:
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
-        if self.gguf_arch == "qwen2vl":  # M-RoPE: each position's (time, height, width) sections of the rotary pairs
+        if self.gguf_arch in ("qwen2vl", "qwen3vl"):  # M-RoPE: each position's (time, height, width) sections
             writer.add_rope_dimension_sections(mrope_sections(self.rope))
+        if self.gguf_arch == "qwen3vl":
+            writer.add_num_deepstack_layers(self.deepstack_layers)
         if self.gguf_arch == "qwen3moe":  # the routed experts: how many, how many a token, each one's width
             writer.add_expert_count(int(c.get("num_experts") or c["num_local_experts"]))
             writer.add_expert_used_count(int(c["num_experts_per_tok"]))
@@ -171,11 +176,12 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         inner = {**text, **({"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {})}
         arch = arch_for(inner, where)
         arch.text_of = str(config.get("model_type"))
+        arch.deepstack_layers = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
         return arch
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
-                 "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL and "
-                 "Qwen2.5-VL")
+                 "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
+                 "Qwen2.5-VL and Qwen3-VL")
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
@@ -199,11 +205,14 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     if rope_type not in ROPE_TYPES:
         raise UserError(f"{where}: RoPE scaling '{rope_type}' is not supported by GGUF export (supported: {', '.join(ROPE_TYPES)}).")
     gguf_arch, permute = SUPPORTED[mt]
-    if gguf_arch == "qwen2vl":  # llama.cpp's M-RoPE: the sections must cover each head's rotary pairs
+    if gguf_arch == "qwen3vl" and not rope.get("mrope_interleaved", False):
+        raise UserError(f"{where}: llama.cpp's qwen3vl interleaves the M-RoPE sections; this model does not "
+                        "(mrope_interleaved false), so GGUF export refuses it.")
+    if gguf_arch in ("qwen2vl", "qwen3vl"):  # llama.cpp's M-RoPE: the sections must cover each head's rotary pairs
         head = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
         if sum(mrope_sections(rope)) != head // 2 or len(rope.get("mrope_section") or []) > 4:
             raise UserError(f"{where}: its M-RoPE sections {rope.get('mrope_section')} do not cover the {head // 2} "
-                            "rotary pairs of a head as llama.cpp's qwen2vl reads them; GGUF export refuses it.")
+                            f"rotary pairs of a head as llama.cpp's {gguf_arch} reads them; GGUF export refuses it.")
     if mt == "gemma3_text":  # llama.cpp's gemma3: every sixth layer global, the others sliding
         types = config.get("layer_types") or []
         want = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(int(config["num_hidden_layers"]))]

@@ -41,10 +41,16 @@ from typing import Any
 from finetuner.errors import UserError
 
 #: model_type → llama.cpp's projector type, for the families whose mmproj is written
-PROJECTORS = {"llava": "mlp", "gemma3": "gemma3", "qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger"}
+PROJECTORS = {"llava": "mlp", "gemma3": "gemma3", "qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger",
+              "qwen3_vl": "qwen3vl_merger"}
 #: the vision towers each family's projector file holds (vision_config.model_type)
 TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",), "qwen2_vl": ("qwen2_vl_vision",),
-          "qwen2_5_vl": ("qwen2_5_vl_vision",)}
+          "qwen2_5_vl": ("qwen2_5_vl_vision",), "qwen3_vl": ("qwen3_vl_vision",)}
+#: the Qwen-VL families (their tower under ``visual.``, its q/k/v fused, its patch kernel two frames deep)
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Qwen3-VL's merger and DeepStack mergers under the names llama.cpp reads (its converter, ``Qwen3VLVisionModel``)
+_QWEN3_MERGER = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+_QWEN3_DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 #: where a Qwen-VL checkpoint keeps its vision tower and merger, read as ``visual.`` (gguf's map)
 _QWEN_PREFIXES = ("model.visual.", "visual.")
 #: the window llama.cpp's Qwen2.5-VL graph attends in (pixels a side; its ``attn_window_size`` default, not read from
@@ -80,23 +86,40 @@ class Projector:
     use_silu: bool = False
     #: Qwen2.5-VL: every how many layers one attends to the whole picture (the others in windows)
     wa_pattern: int | None = None
+    #: Qwen3-VL: the layers whose features its DeepStack mergers pass to the language model
+    deepstack: tuple[int, ...] = ()
+    spatial_merge: int | None = None
 
     def parts(self, hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, Any, tuple[int, ...]]]:
         """``(name in the file, part, shape)`` for each tensor the projector file holds of a checkpoint tensor: none,
-        one (``part`` None), or, for Qwen-VL, its fused q/k/v as three (``("rows", i)``: a third of the rows) and its
-        two-frame patch embedding (a Conv3d) as one Conv2d a frame (``("frame", i)``), as llama.cpp's converter splits
-        them."""
-        if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        one (``part`` None), or, for Qwen-VL, its fused q/k/v as three (``("rows", i)``: a third of the rows; Qwen2-VL
+        and Qwen2.5-VL) and its two-frame patch embedding (a Conv3d) as one Conv2d a frame (``("frame", i)``), as
+        llama.cpp's converter splits them."""
+        if self.model_type not in QWEN_VL:
             name = self.gguf_name(hf_name)
             return [] if name is None else [(name, None, shape)]
         prefix = next((p for p in _QWEN_PREFIXES if hf_name.startswith(p)), None)
         if prefix is None:
             return []
         rest = f"visual.{hf_name[len(prefix):]}"
-        if ".attn.qkv." in rest:
+        parts = rest.split(".")
+        if parts[1] == "merger" and self.model_type == "qwen3_vl":  # visual.merger.linear_fc1.weight
+            if parts[2] not in _QWEN3_MERGER:
+                raise UserError(f"The tensor '{hf_name}' of this qwen3_vl model has no place in llama.cpp's projector file; "
+                                "GGUF export refuses the model rather than drop it.")
+            return [(f"{_QWEN3_MERGER[parts[2]]}.{parts[3]}", None, shape)]
+        if parts[1] == "deepstack_merger_list":  # visual.deepstack_merger_list.K.norm.weight: by the tower layer it reads
+            if parts[3] not in _QWEN3_DEEPSTACK:
+                raise UserError(f"The tensor '{hf_name}' of this qwen3_vl model has no place in llama.cpp's projector file; "
+                                "GGUF export refuses the model rather than drop it.")
+            layer = self.deepstack[int(parts[2])]
+            return [(f"v.deepstack.{layer}.{_QWEN3_DEEPSTACK[parts[3]]}.{parts[4]}", None, shape)]
+        if ".attn.qkv." in rest and self.model_type != "qwen3_vl":  # (llama.cpp's Qwen3-VL graph reads it fused)
             third = (shape[0] // 3, *shape[1:])
             return [(self._mapped(rest.replace(".qkv.", f".{x}."), max(self.n_layers, 3)), ("rows", i), third)
                     for i, x in enumerate("qkv")]
+        if rest == "visual.patch_embed.proj.bias":  # Qwen3-VL's
+            return [("v.patch_embd.bias", None, shape)]
         if rest == "visual.patch_embed.proj.weight":
             import gguf
 
@@ -157,8 +180,8 @@ class Projector:
     def tensor_type(self, hf_name: str, shape: tuple[int, ...], quant: str) -> str:
         """F32 for ``quant=f32``, vectors and the embeddings (as llama.cpp's converter keeps them), F16 otherwise:
         llama.cpp's projector files are float (its converter writes f16 or f32)."""
-        if quant == "f32" or len(shape) < 2 or ".embeddings." in hf_name:
-            return "F32"
+        if quant == "f32" or len(shape) < 2 or ".embeddings." in hf_name or hf_name.endswith("pos_embed.weight"):
+            return "F32"  # (Qwen3-VL's learned positions: resized in llama.cpp's graph, kept float32 as CLIP's are)
         return "F16"
 
     def write_metadata(self, writer) -> None:
@@ -183,6 +206,10 @@ class Projector:
             writer.add_vision_use_silu(True)
         if self.wa_pattern is not None:
             writer.add_vision_n_wa_pattern(self.wa_pattern)
+        if self.spatial_merge is not None:
+            writer.add_vision_spatial_merge_size(self.spatial_merge)
+        if self.deepstack:
+            writer.add_vision_is_deepstack_layers([i in self.deepstack for i in range(self.n_layers)])
         if self.feature_layer is not None:
             writer.add_array("clip.vision.feature_layer", [int(self.feature_layer)])
         for key, value in self.extra_uint32.items():
@@ -207,7 +234,7 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
         raise _refuse(where, mt, f"its vision tower is {vision.get('model_type')!r}, not {' or '.join(TOWERS[mt])}")
     if image_processor is None:
         raise _refuse(where, mt, "its image processor (the pictures' size, mean and deviation) was not found")
-    if mt in ("qwen2_vl", "qwen2_5_vl"):
+    if mt in QWEN_VL:
         return _qwen_projector(config, vision, text, image_processor, where)
     n = int(vision["num_hidden_layers"])
     common = dict(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
@@ -234,17 +261,30 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
 
 def _qwen_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[str, Any], image_processor,
                     where: str) -> Projector:
-    """Qwen2-VL's and Qwen2.5-VL's vision tower and merger as llama.cpp's ``qwen2vl_merger`` / ``qwen2.5vl_merger``
-    read them (llama.cpp's converter, ``Qwen2VLVisionModel``): what that graph fixes (a 2 x 2 merge, two frames a
-    patch, Qwen2-VL's quick GELU and LayerNorm, Qwen2.5-VL's SiLU gate, RMSNorm and 112-pixel windows) is checked
-    here, and a model that differs is refused rather than written wrong."""
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision tower and merger as llama.cpp's ``qwen2vl_merger`` /
+    ``qwen2.5vl_merger`` / ``qwen3vl_merger`` read them (llama.cpp's converter, ``Qwen2VLVisionModel`` and
+    ``Qwen3VLVisionModel``): what those graphs fix (a 2 x 2 merge, two frames a patch, Qwen2-VL's quick GELU,
+    Qwen2.5-VL's SiLU gate and 112-pixel windows, Qwen3-VL's tanh GELU and square grid of learned positions) is
+    checked here, and a model that differs is refused rather than written wrong."""
     mt = str(config["model_type"])
     n = int(vision["depth"])
     hidden = int(vision.get("embed_dim") or vision["hidden_size"])  # Qwen2-VL: embed_dim (its hidden_size: the output)
     if int(vision.get("spatial_merge_size", 2)) != 2 or int(vision.get("temporal_patch_size", 2)) != 2:
         raise _refuse(where, mt, "llama.cpp's Qwen-VL graph merges 2 x 2 patches of 2 frames; this tower does otherwise")
     extra: dict[str, Any] = {}
-    if mt == "qwen2_vl":
+    image_size = int(vision.get("image_size", 560))
+    if mt == "qwen3_vl":
+        if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise _refuse(where, mt, f"its vision MLP's activation is {vision.get('hidden_act')}, not tanh GELU")
+        width, out = int(vision["intermediate_size"]), int(vision["out_hidden_size"])
+        positions = int(vision.get("num_position_embeddings", 2304))
+        side = round(positions ** 0.5)
+        if side * side != positions:
+            raise _refuse(where, mt, f"its {positions} learned positions are not a square grid")
+        image_size = side * int(vision["patch_size"])  # llama.cpp's converter: the grid the positions were learned on
+        extra = dict(use_gelu=True, deepstack=tuple(int(i) for i in vision.get("deepstack_visual_indexes") or []),
+                     spatial_merge=2)
+    elif mt == "qwen2_vl":
         if vision.get("hidden_act", "quick_gelu") != "quick_gelu":
             raise _refuse(where, mt, f"its vision MLP's activation is {vision.get('hidden_act')}, not quick GELU")
         width = int(hidden * float(vision.get("mlp_ratio", 4)))
@@ -264,7 +304,7 @@ def _qwen_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[s
         extra = dict(use_silu=True, wa_pattern=pattern)
     if out != int(text["hidden_size"]):
         raise _refuse(where, mt, f"its merger gives {out} features, its language model takes {text['hidden_size']}")
-    settings = {"image_size": int(vision.get("image_size", 560)), "patch_size": int(vision["patch_size"]),
+    settings = {"image_size": image_size, "patch_size": int(vision["patch_size"]),
                 "hidden_size": hidden, "intermediate_size": width, "num_attention_heads": int(vision["num_heads"]),
                 "layer_norm_eps": 1e-6}  # transformers' Qwen-VL towers: eps 1e-6 in every norm
     return Projector(model_type=mt, projector_type=PROJECTORS[mt], vision=settings, text_hidden=int(text["hidden_size"]),

@@ -139,18 +139,19 @@ def tiny_qwen2_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, 
     return _save(Qwen2VLForConditionalGeneration, config, processor, out, seed)
 
 
-def tiny_qwen3_vl(tokenizer, out: str | Path, seed: int = 0):
+def tiny_qwen3_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, pixels: tuple[int, int] = (32 * 32, 64 * 64)):
     """Save a tiny Qwen3-VL (a 1-layer ViT with 16-pixel patches merged 2x2 and one DeepStack feature, a 2-layer
     Qwen3 with interleaved 3-D rotary positions) and its processor to ``out``: pictures resized to 32-64 pixels a
-    side, 1 to 4 ``<|image_pad|>`` tokens each. Returns the model."""
+    side, 1 to 4 ``<|image_pad|>`` tokens each (``depth``: the tower's layers; ``pixels``: the fewest and most
+    pixels a picture keeps). Returns the model."""
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
     tok = _named_tokens(tokenizer, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
-    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2)
+    images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=16, merge_size=2)
     processor = without_video(Qwen3VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+    vision = {"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
               "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
               "deepstack_visual_indexes": [0]}
     text = {**TEXT, "head_dim": 16, "vocab_size": len(tok), **_ids(tok),

@@ -8,7 +8,8 @@ model's picture size first, so both sides see the same pixels), in a process tha
 ``--target`` (installed as ``scripts/validate/llama_cpp_check.py`` does):
 
 - the picture's embeddings after the projector, from llama.cpp's ``mtmd_encode_chunk``, against transformers'
-  ``get_image_features`` (largest difference, least cosine over the image tokens);
+  ``get_image_features`` (largest difference, least cosine over the image tokens; Qwen3-VL's DeepStack features
+  beside each token's embedding, as llama.cpp gives them);
 - for LLaVA also against transformers' tower run the way this llama.cpp's CLIP graph runs it (the class token
   after the patches: ggml-org/llama.cpp#25814), which tells a wrong file from llama.cpp's known bug;
 - the question "What is in the picture?" with the picture, chat template applied, answered greedily by llama.cpp
@@ -39,13 +40,16 @@ QUESTION = "What is in the picture?"
 #: each side (its full_image_sequence), which llama.cpp does not
 PLACEHOLDER = {"llava": ("<image>", "@@PICTURE@@"), "gemma3": ("<start_of_image>", "\n\n@@PICTURE@@\n\n"),
                "qwen2_5_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
-               "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@")}
+               "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
+               "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@")}
 #: the size both sides see a family's pictures at (width, height); the others: their tower's square picture size.
 #: Qwen2.5-VL: 16 x 12 patches, more than one of llama.cpp's 112-pixel (8-patch) windows each way, 48 image tokens
-PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168)}
-#: the pixels llama.cpp's Qwen-VL graph keeps of a picture (8 to 4,096 image tokens of 28 x 28 pixels: its
-#: set_limit_image_tokens), given to the tiny model's processor so that both sides resize alike
+#: (Qwen2-VL's the same; Qwen3-VL's 16 x 12 patches of 16 pixels)
+PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168), "qwen3_vl": (256, 192)}
+#: the pixels llama.cpp's Qwen-VL graph keeps of a picture (8 to 4,096 image tokens of 28 x 28 pixels, 32 x 32 for
+#: Qwen3-VL: its set_limit_image_tokens), given to the tiny model's processor so that both sides resize alike
 QWEN_PIXELS = (8 * 28 * 28, 4096 * 28 * 28)
+QWEN3_PIXELS = (8 * 32 * 32, 4096 * 32 * 32)
 
 CHILD = r"""
 import ctypes, json, sys
@@ -61,7 +65,7 @@ params.n_threads = 2
 params.print_timings = False
 ctx = M.mtmd_init_from_file(mm.encode(), llm.model, params)
 assert ctx, "mtmd could not load the projector file"
-width = llama_cpp.llama_model_n_embd(llm.model)
+width = llama_cpp.llama_model_n_embd_inp(llm.model)  # an image token's embedding (Qwen3-VL's: its DeepStack features too)
 marker = M.mtmd_default_marker().decode()
 out = []
 def run(chunks, ids):
@@ -125,17 +129,20 @@ def tiny_gemma3(folder: Path) -> str:
 
 def tiny_qwen(family: str, folder: Path) -> str:
     """A tiny Qwen2.5-VL (2 vision layers: the first attending in llama.cpp's 112-pixel windows, the second to the
-    whole picture) or Qwen2-VL (2 vision layers) with the demo tokenizer, random weights everywhere (the language
+    whole picture), Qwen2-VL (2 vision layers) or Qwen3-VL (2 vision layers, the first's features passed to the
+    language model by a DeepStack merger) with the demo tokenizer, random weights everywhere (the language
     model's too, so that its answers are not one token repeated and depend on the picture), its processor keeping
     the pixels llama.cpp keeps (:data:`QWEN_PIXELS`); saved in ``folder``."""
     import torch
     from transformers import AutoTokenizer
 
-    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl
+    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
 
     tok = AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model"))
     if family == "qwen2_5_vl":
         model = tiny_qwen2_5_vl(tok, folder, depth=2, full_attention=(1,), window=112, pixels=QWEN_PIXELS)
+    elif family == "qwen3_vl":
+        model = tiny_qwen3_vl(tok, folder, depth=2, pixels=QWEN3_PIXELS)
     else:
         model = tiny_qwen2_vl(tok, folder, depth=2, pixels=QWEN_PIXELS)
     g = torch.Generator().manual_seed(0)
@@ -198,9 +205,11 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
     for q in sized:
         inputs = processor(text=text, images=[Image.open(q).convert("RGB")], return_tensors="pt")
         with torch.no_grad():
-            feats = model.get_image_features(**{k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs})
-            feats = getattr(feats, "pooler_output", feats)
+            out = model.get_image_features(**{k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs})
+            feats = getattr(out, "pooler_output", out)
             feats = (feats[0] if isinstance(feats, (list, tuple)) else feats).reshape(-1, model.config.text_config.hidden_size)
+            deep = getattr(out, "deepstack_features", None) or []  # Qwen3-VL: beside each image token's embedding
+            feats = torch.cat([feats] + [(d[0] if isinstance(d, (list, tuple)) else d).reshape(feats.shape) for d in deep], -1)
             first = model(**inputs).logits[0, -1]
             ids = model.generate(**inputs, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                                  pad_token_id=tok.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()

@@ -38,7 +38,7 @@ def test_the_feature_layer_decides_the_layers_written(layer, count):
     ({"vision_feature_select_strategy": "full"}, "drops the class token"),
     ({"vision_feature_layer": [-2, -5]}, "reads several vision layers"),
     ({"projector_hidden_act": "relu"}, "its projector is not LLaVA's"),
-    ({"model_type": "idefics3"}, "finetuner writes it for gemma3, llava, qwen2_5_vl, qwen2_vl"),
+    ({"model_type": "idefics3"}, "finetuner writes it for gemma3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(change, why):
     with pytest.raises(UserError, match=why):
@@ -98,33 +98,40 @@ def test_a_qwen25_tower_whose_layers_all_see_the_whole_picture_needs_no_windows_
     assert (p.projector_type, p.wa_pattern, p.use_silu, p.n_layers) == ("qwen2.5vl_merger", 1, True, 2)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_qwen_projector_and_language_files(family, tmp_path):
     """Qwen2-VL and Qwen2.5-VL: the language model as llama.cpp's qwen2vl (Qwen2's tensors and M-RoPE's sections),
-    checked through a qwen2 copy of it (transformers does not read qwen2vl); the projector file with the fused q/k/v
-    split in three and the two-frame patch embedding as one kernel a frame (llama.cpp's converter), Qwen2.5-VL's
-    SiLU and window pattern. (llama.cpp's own reading: scripts/validate/llama_cpp_vlm_check.py.)"""
+    Qwen3-VL's as qwen3vl (with its DeepStack layer count), checked through a qwen2 / qwen3 copy of it (transformers
+    reads neither); the projector file with the two-frame patch embedding as one kernel a frame, Qwen2's q/k/v split
+    in three and Qwen3-VL's fused (as llama.cpp's converter writes them), Qwen2.5-VL's SiLU and window pattern,
+    Qwen3-VL's DeepStack mergers under the layer each reads. (llama.cpp's own reading:
+    scripts/validate/llama_cpp_vlm_check.py.)"""
     import gguf
     import numpy as np
     from transformers import AutoTokenizer
 
     import finetuner
-    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl
+    from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
 
     tok = AutoTokenizer.from_pretrained(REPO / "data" / "demo_model")
     if family == "qwen2_5_vl":
         model = tiny_qwen2_5_vl(tok, tmp_path / "q", depth=2, full_attention=(1,), window=112)
+    elif family == "qwen3_vl":
+        model = tiny_qwen3_vl(tok, tmp_path / "q", depth=2)
     else:
         model = tiny_qwen2_vl(tok, tmp_path / "q", depth=2)
+    arch, twin = ("qwen3vl", "qwen3") if family == "qwen3_vl" else ("qwen2vl", "qwen2")
     r = finetuner.export_model(tmp_path / "q", tmp_path / "q.gguf", quant="f32")
-    assert r.architecture == "qwen2vl" and r.max_abs_logit_diff is not None and r.top1_agreement == 1.0
-    assert any("read a copy of the file as qwen2" in n for n in r.notes)
+    assert r.architecture == arch and r.max_abs_logit_diff is not None and r.top1_agreement == 1.0
+    assert any(f"read a copy of the file as {twin} " in n for n in r.notes)
     lm = gguf.GGUFReader(str(r.gguf_file))
-    assert list(lm.fields["qwen2vl.rope.dimension_sections"].contents()) == [2, 3, 3, 0]
+    assert list(lm.fields[f"{arch}.rope.dimension_sections"].contents()) == [2, 3, 3, 0]
+    assert (lm.fields["qwen3vl.n_deepstack_layers"].contents() == 1) if family == "qwen3_vl" else True
     assert not list(tmp_path.glob(".*"))  # neither the check's copy nor anything else left beside the files
     reader = gguf.GGUFReader(str(r.mmproj_file))
     f = reader.fields
-    assert f["clip.projector_type"].contents() == {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger"}[family]
+    assert f["clip.projector_type"].contents() == {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger",
+                                                   "qwen3_vl": "qwen3vl_merger"}[family]
     assert ("clip.use_silu" in f, "clip.vision.n_wa_pattern" in f) == ((True, True) if family == "qwen2_5_vl" else (False, False))
     if family == "qwen2_5_vl":
         assert f["clip.vision.n_wa_pattern"].contents() == 2  # layer 1 of 0, 1 sees the whole picture
@@ -133,13 +140,25 @@ def test_qwen_projector_and_language_files(family, tmp_path):
     stored = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
     visual = {k: v.detach().numpy() for k, v in model.model.visual.state_dict().items()}
     qkv = visual["blocks.1.attn.qkv.weight"]
-    for i, x in enumerate("qkv"):
-        np.testing.assert_array_equal(stored[f"v.blk.1.attn_{x}.weight"].reshape(32, 32), qkv[32 * i:32 * (i + 1)])
-    kernel = visual["patch_embed.proj.weight"]  # (out, channels, frames, 14, 14)
-    np.testing.assert_array_equal(stored["v.patch_embd.weight"].reshape(32, 3, 14, 14), kernel[:, :, 0])
-    np.testing.assert_array_equal(stored["v.patch_embd.weight.1"].reshape(32, 3, 14, 14), kernel[:, :, 1])
+    if family == "qwen3_vl":  # fused, as llama.cpp's Qwen3-VL graph reads it
+        np.testing.assert_array_equal(stored["v.blk.1.attn_qkv.weight"].reshape(96, 32), qkv)
+    else:
+        for i, x in enumerate("qkv"):
+            np.testing.assert_array_equal(stored[f"v.blk.1.attn_{x}.weight"].reshape(32, 32), qkv[32 * i:32 * (i + 1)])
+    kernel = visual["patch_embed.proj.weight"]  # (out, channels, frames, patch, patch)
+    side = kernel.shape[-1]
+    np.testing.assert_array_equal(stored["v.patch_embd.weight"].reshape(32, 3, side, side), kernel[:, :, 0])
+    np.testing.assert_array_equal(stored["v.patch_embd.weight.1"].reshape(32, 3, side, side), kernel[:, :, 1])
+    if family == "qwen3_vl":  # its DeepStack merger reads layer 0; its learned positions; the patch bias
+        assert list(f["clip.vision.is_deepstack_layers"].contents()) == [True, False]
+        assert {"v.deepstack.0.norm.weight", "v.deepstack.0.fc1.weight", "v.deepstack.0.fc2.bias",
+                "v.position_embd.weight", "v.patch_embd.bias"} <= set(stored)
+        np.testing.assert_array_equal(stored["v.deepstack.0.fc1.weight"].reshape(128, 128),
+                                      visual["deepstack_merger_list.0.linear_fc1.weight"])
+        assert f["clip.vision.image_size"].contents() == 64  # its 4 x 4 learned positions of 16 pixels
     assert {"v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_out.weight"} <= set(stored)
     assert ("v.blk.0.ffn_gate.weight" in stored) == (family == "qwen2_5_vl")  # Qwen2.5-VL's SiLU gate
+    assert ("clip.use_gelu" in f) == (family == "qwen3_vl")
     assert not any(name.startswith(("token_embd", "blk.")) for name in stored)  # the language model is not here
 
 
