@@ -208,10 +208,11 @@ def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
     assert tuned[-1]["content"] == (want or "(no answer)")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir, tmp_path, strategy):
+@pytest.mark.parametrize("strategy, tower", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir, tmp_path, strategy, tower):
     """Two processes (DDP or FSDP over gloo, `--gpus 2`) train the picture file as one process does: the same losses
-    and adapter, each rank collating its own examples' pictures."""
+    and adapter, each rank collating its own examples' pictures; under FSDP also with the projector trained in full
+    and LoRA on the vision tower (``tower``), whose weights the adapter then holds."""
     import torch
     from safetensors.torch import load_file
 
@@ -220,7 +221,8 @@ def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir
 
     _, data = picture_run
     base = {"name": "colours", "model": {"name": str(tiny_vlm_dir)}, "method": "lora",
-            "lora": {"dropout": 0.0},  # no random masks: each rank draws its own
+            "lora": {"dropout": 0.0,  # no random masks: each rank draws its own
+                     **({"train_projector": True, "train_vision_tower": True} if tower else {})},
             "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
             "training": {"max_steps": 3, "micro_batch_size": 2, "gradient_accumulation": 2, "lr": 1e-3,
                          "seed": 7},
@@ -238,7 +240,11 @@ def test_two_processes_with_pictures_match_one_process(picture_run, tiny_vlm_dir
     losses = {n: [e["loss"] for e in read_events(d / "events.jsonl") if e["event"] == "step"] for n, d in runs.items()}
     assert len(losses["one"]) == 3 and losses["two"] == pytest.approx(losses["one"], abs=1e-5)
     one, two = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in runs.values())
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5 and torch.is_tensor(next(iter(one.values())))
+    assert set(one) == set(two) and max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    assert torch.is_tensor(next(iter(one.values())))
+    if tower:  # the projector's own weights and the tower's LoRA weights are in both adapters, trained alike
+        assert any("multi_modal_projector" in k and "lora_" not in k for k in one)
+        assert any("vision_tower" in k and "lora_A" in k for k in one)
 
 
 def test_the_ui_data_tab_shows_the_pictures(tmp_path):
