@@ -160,10 +160,11 @@ def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> li
 
 #: an image-text-to-text checkpoint's language model tensors, and their names in a causal LM's checkpoint
 LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                     ("language_model.lm_head.", "lm_head."))
-#: where an image-text-to-text checkpoint keeps what is not its language model (Qwen-VL's tower and merger: visual)
+                     ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))
+#: where an image-text-to-text checkpoint keeps what is not its language model (Qwen-VL's tower and merger: visual;
+#: Idefics3's and SmolVLM's: vision_model and connector)
 VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
-                   "model.visual.", "visual.")
+                   "model.visual.", "visual.", "model.vision_model.", "model.connector.")
 
 
 def arch_for(config: dict[str, Any], where: str) -> Arch:
@@ -181,7 +182,7 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
-                 "Qwen2.5-VL and Qwen3-VL")
+                 "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM")
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")

@@ -30,6 +30,10 @@ Written:
   n-th, and windows of 112 pixels (llama.cpp does not read the size from the file). The language model is written
   as llama.cpp's ``qwen2vl`` (``gguf_arch``).
 
+- **Idefics3 / SmolVLM** (``idefics3``, ``smolvlm``: a SigLIP tower, a pixel-shuffle connector): llama.cpp's
+  ``idefics3`` projector, names as gguf's map reads them, the shuffle factor and the processor's longest side (the
+  size llama.cpp resizes a picture to before cutting it into tiles).
+
 Any other image-text type is refused with the reason (its projector is not written here).
 """
 
@@ -42,10 +46,13 @@ from finetuner.errors import UserError
 
 #: model_type → llama.cpp's projector type, for the families whose mmproj is written
 PROJECTORS = {"llava": "mlp", "gemma3": "gemma3", "qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger",
-              "qwen3_vl": "qwen3vl_merger"}
+              "qwen3_vl": "qwen3vl_merger", "idefics3": "idefics3", "smolvlm": "idefics3"}
 #: the vision towers each family's projector file holds (vision_config.model_type)
 TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",), "qwen2_vl": ("qwen2_vl_vision",),
-          "qwen2_5_vl": ("qwen2_5_vl_vision",), "qwen3_vl": ("qwen3_vl_vision",)}
+          "qwen2_5_vl": ("qwen2_5_vl_vision",), "qwen3_vl": ("qwen3_vl_vision",), "idefics3": ("idefics3_vision",),
+          "smolvlm": ("smolvlm_vision",)}
+#: where Idefics3 and SmolVLM keep their tower and connector (gguf's map reads these names as they are)
+_IDEFICS_PREFIXES = ("model.vision_model.", "model.connector.")
 #: the Qwen-VL families (their tower under ``visual.``, its q/k/v fused, its patch kernel two frames deep)
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: Qwen3-VL's merger and DeepStack mergers under the names llama.cpp reads (its converter, ``Qwen3VLVisionModel``)
@@ -89,12 +96,16 @@ class Projector:
     #: Qwen3-VL: the layers whose features its DeepStack mergers pass to the language model
     deepstack: tuple[int, ...] = ()
     spatial_merge: int | None = None
+    #: Idefics3 / SmolVLM: the longest side a picture is resized to before it is cut into tiles of ``image_size``
+    preproc_image_size: int | None = None
 
     def parts(self, hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, Any, tuple[int, ...]]]:
         """``(name in the file, part, shape)`` for each tensor the projector file holds of a checkpoint tensor: none,
         one (``part`` None), or, for Qwen-VL, its fused q/k/v as three (``("rows", i)``: a third of the rows; Qwen2-VL
         and Qwen2.5-VL) and its two-frame patch embedding (a Conv3d) as one Conv2d a frame (``("frame", i)``), as
         llama.cpp's converter splits them."""
+        if self.projector_type == "idefics3":
+            return [(self._mapped(hf_name), None, shape)] if hf_name.startswith(_IDEFICS_PREFIXES) else []
         if self.model_type not in QWEN_VL:
             name = self.gguf_name(hf_name)
             return [] if name is None else [(name, None, shape)]
@@ -208,6 +219,8 @@ class Projector:
             writer.add_vision_n_wa_pattern(self.wa_pattern)
         if self.spatial_merge is not None:
             writer.add_vision_spatial_merge_size(self.spatial_merge)
+        if self.preproc_image_size is not None:
+            writer.add_vision_preproc_image_size(self.preproc_image_size)
         if self.deepstack:
             writer.add_vision_is_deepstack_layers([i in self.deepstack for i in range(self.n_layers)])
         if self.feature_layer is not None:
@@ -236,6 +249,8 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
         raise _refuse(where, mt, "its image processor (the pictures' size, mean and deviation) was not found")
     if mt in QWEN_VL:
         return _qwen_projector(config, vision, text, image_processor, where)
+    if PROJECTORS[mt] == "idefics3":
+        return _idefics3_projector(config, vision, text, image_processor, where)
     n = int(vision["num_hidden_layers"])
     common = dict(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
                   image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std))
@@ -310,3 +325,21 @@ def _qwen_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[s
     return Projector(model_type=mt, projector_type=PROJECTORS[mt], vision=settings, text_hidden=int(text["hidden_size"]),
                      image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std),
                      n_layers=n, keep_post_norm=True, **extra)
+
+
+def _idefics3_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[str, Any], image_processor,
+                        where: str) -> Projector:
+    """Idefics3's and SmolVLM's SigLIP tower (with its post-layernorm, tanh GELU) and pixel-shuffle connector as
+    llama.cpp's ``idefics3`` projector reads them (its converter, ``SmolVLMModel``): the shuffle factor
+    (``clip.vision.projector.scale_factor``) and the longest side a picture is resized to before llama.cpp cuts it
+    into tiles of the tower's size (``clip.vision.preproc_image_size``: the processor's ``size["longest_edge"]``)."""
+    mt = str(config["model_type"])
+    if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise _refuse(where, mt, f"its vision MLP's activation is {vision.get('hidden_act')}, not tanh GELU")
+    size = getattr(image_processor, "size", None) or {}
+    longest = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+    return Projector(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
+                     image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std),
+                     n_layers=int(vision["num_hidden_layers"]), keep_post_norm=True, use_gelu=True,
+                     extra_uint32={"clip.vision.projector.scale_factor": int(config.get("scale_factor", 2))},
+                     preproc_image_size=int(longest) if longest else None)

@@ -244,15 +244,15 @@ def _save_files(model_cls, config, processor_class: str, images, tok, template: 
     return model
 
 
-def _idefics_like(tokenizer, out, seed, family: str):
+def _idefics_like(tokenizer, out, seed, family: str, longest_edge: int = 32):
     import transformers
 
     cls = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[family]
     tok = _named_tokens(tokenizer, {"image_token": "<image>"}, ["<fake_token_around_image>", "<global-img>",
                                                                  "<end_of_utterance>"])
     template = parts_template("<image>")
-    images = getattr(transformers, f"{cls}ImageProcessorPil")(
-        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False)
+    images = getattr(transformers, f"{cls}ImageProcessorPil")(  # tiles of 32 pixels when pictures are larger
+        size={"longest_edge": longest_edge}, max_image_size={"longest_edge": 32}, do_image_splitting=longest_edge > 32)
     vision = {**VISION, "image_size": 32, "patch_size": 8}
     text = {**TEXT, "vocab_size": len(tok), "model_type": "llama", **_ids(tok)}
     config = getattr(transformers, f"{cls}Config")(vision_config=vision, text_config=text, scale_factor=2,
@@ -273,10 +273,12 @@ def tiny_idefics3(tokenizer, out: str | Path, seed: int = 0):
     return _idefics_like(tokenizer, out, seed, "idefics3")
 
 
-def tiny_smolvlm(tokenizer, out: str | Path, seed: int = 0):
+def tiny_smolvlm(tokenizer, out: str | Path, seed: int = 0, *, longest_edge: int = 32):
     """Save a tiny SmolVLM (Idefics3's layout: a 1-layer tower on 32-pixel pictures, pixel-shuffled into 4 tokens,
-    a 2-layer Llama) and its processor to ``out`` (no tiles, no video processor). Returns the model."""
-    return _idefics_like(tokenizer, out, seed, "smolvlm")
+    a 2-layer Llama) and its processor to ``out`` (no video processor; no tiles, or with ``longest_edge`` over 32
+    pictures resized to that longest side and cut into 32-pixel tiles, each and the whole picture 4 tokens).
+    Returns the model."""
+    return _idefics_like(tokenizer, out, seed, "smolvlm", longest_edge)
 
 
 def tiny_mllama(tokenizer, out: str | Path, seed: int = 0):

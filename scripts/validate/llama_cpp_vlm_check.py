@@ -41,11 +41,13 @@ QUESTION = "What is in the picture?"
 PLACEHOLDER = {"llava": ("<image>", "@@PICTURE@@"), "gemma3": ("<start_of_image>", "\n\n@@PICTURE@@\n\n"),
                "qwen2_5_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
                "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
-               "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@")}
+               "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
+               "smolvlm": ("<image>", "@@PICTURE@@")}
 #: the size both sides see a family's pictures at (width, height); the others: their tower's square picture size.
 #: Qwen2.5-VL: 16 x 12 patches, more than one of llama.cpp's 112-pixel (8-patch) windows each way, 48 image tokens
-#: (Qwen2-VL's the same; Qwen3-VL's 16 x 12 patches of 16 pixels)
-PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168), "qwen3_vl": (256, 192)}
+#: (Qwen2-VL's the same; Qwen3-VL's 16 x 12 patches of 16 pixels); SmolVLM: 2 x 2 tiles of 32 pixels and the whole
+#: picture, 4 image tokens each
+PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168), "qwen3_vl": (256, 192), "smolvlm": (64, 64)}
 #: the pixels llama.cpp's Qwen-VL graph keeps of a picture (8 to 4,096 image tokens of 28 x 28 pixels, 32 x 32 for
 #: Qwen3-VL: its set_limit_image_tokens), given to the tiny model's processor so that both sides resize alike
 QWEN_PIXELS = (8 * 28 * 28, 4096 * 28 * 28)
@@ -98,7 +100,8 @@ for picture, ids in zip(pictures, forced):
         if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_IMAGE:
             n = M.mtmd_input_chunk_get_n_tokens(chunk)
             assert M.mtmd_encode_chunk(ctx, chunk) == 0
-            embeddings = np.ctypeslib.as_array(M.mtmd_get_output_embd(ctx), shape=(n * width,)).reshape(n, width).tolist()
+            rows = np.ctypeslib.as_array(M.mtmd_get_output_embd(ctx), shape=(n * width,)).reshape(n, width).tolist()
+            embeddings = (embeddings or []) + rows  # every image chunk in order (SmolVLM's tiles, then the whole)
     first, answer = run(chunks, None)
     _, next_tokens = run(chunks, ids)
     M.mtmd_input_chunks_free(chunks)
@@ -153,6 +156,33 @@ def tiny_qwen(family: str, folder: Path) -> str:
     return str(folder)
 
 
+def tiny_smolvlm(folder: Path) -> str:
+    """A tiny SmolVLM with the demo tokenizer whose processor cuts a 64-pixel picture into 2 x 2 tiles of 32 pixels
+    (and the whole picture), random weights everywhere (as :func:`tiny_qwen`'s); saved in ``folder``. The tokenizer
+    gets a blank line as one token (a BPE merge of two new lines, as SmolVLM's own tokenizer has it): llama.cpp
+    looks that token up to write before the whole picture."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_smolvlm as build
+
+    words = folder.with_name(folder.name + "-tokenizer")
+    shutil.copytree(REPO / "data" / "demo_model", words, ignore=shutil.ignore_patterns("*.safetensors"))
+    spec = json.loads((words / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["model"]["vocab"]["\u010a\u010a"] = max(spec["model"]["vocab"].values()) + 1  # "ĊĊ": byte-level "\n\n"
+    spec["model"]["merges"].append(["\u010a", "\u010a"])
+    (words / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    model = build(AutoTokenizer.from_pretrained(str(words)), folder, longest_edge=64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "vision" in name or "connector" in name else 0.2))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def clip_as_llama_cpp_runs_it(model, pixel_values):
     """LLaVA's picture embeddings computed as this llama.cpp's CLIP graph computes them (ggml-org/llama.cpp#25814):
     the class token after the patches, positions 0..n in that order, rows 1..n taken (the last n)."""
@@ -198,7 +228,8 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
         Image.open(p).convert("RGB").resize(size, Image.BICUBIC).save(q)
         sized.append(q)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = processor.tokenizer.apply_chat_template(messages, chat_template=processor.chat_template,  # as finetuner renders
+                                                   add_generation_prompt=True, tokenize=False)
     tok = processor.tokenizer
     eos = sorted({tok.eos_token_id} | ({tok.convert_tokens_to_ids("<|im_end|>")} if "<|im_end|>" in tok.get_vocab() else set()))
     reference = []
@@ -266,6 +297,8 @@ def main() -> int:
                 source = str(demo) if (demo / "adapter").is_dir() else str(REPO / "data" / "demo_vlm")
             elif family == "gemma3":
                 source = tiny_gemma3(Path(tmp) / "tiny-gemma3")
+            elif family == "smolvlm":
+                source = tiny_smolvlm(Path(tmp) / "tiny-smolvlm")
             else:
                 source = tiny_qwen(family, Path(tmp) / f"tiny-{family}")
             result["families"][family] = check_family(family, source, target, pictures, args.max_new_tokens, Path(tmp))

@@ -38,7 +38,7 @@ def test_the_feature_layer_decides_the_layers_written(layer, count):
     ({"vision_feature_select_strategy": "full"}, "drops the class token"),
     ({"vision_feature_layer": [-2, -5]}, "reads several vision layers"),
     ({"projector_hidden_act": "relu"}, "its projector is not LLaVA's"),
-    ({"model_type": "idefics3"}, "finetuner writes it for gemma3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl"),
+    ({"model_type": "mllama"}, "finetuner writes it for gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(change, why):
     with pytest.raises(UserError, match=why):
@@ -172,3 +172,31 @@ def test_a_hub_qwen25_vl_config_of_transformers_4s_layout_is_read_as_the_install
     arch = arch_for(cfg, "m")
     assert (arch.gguf_arch, arch.text_of, arch.n_layers, arch.head_dim) == ("qwen2vl", "qwen2_5_vl", 28, 128)
     assert arch.rope["mrope_section"] == [16, 24, 24]
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "idefics3"])
+def test_idefics3_and_smolvlm_projector_files(family, tmp_path):
+    """Idefics3 and SmolVLM: the language model (a Llama) written as llama.cpp's llama; the projector file as
+    llama.cpp's idefics3 reads it: the SigLIP tower with its post-layernorm and tanh GELU, the pixel-shuffle
+    connector (mm.model.fc), the shuffle factor and the longest side the processor resizes a picture to before
+    cutting it into tiles."""
+    import gguf
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    import finetuner
+    from finetuner.model.tiny_vlm import tiny_idefics3, tiny_smolvlm
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data" / "demo_model")
+    model = (tiny_smolvlm(tok, tmp_path / "m", longest_edge=64) if family == "smolvlm" else tiny_idefics3(tok, tmp_path / "m"))
+    r = finetuner.export_model(tmp_path / "m", tmp_path / "m.gguf", quant="f32")
+    assert r.architecture == "llama" and r.top1_agreement == 1.0
+    f = gguf.GGUFReader(str(r.mmproj_file)).fields
+    assert f["clip.projector_type"].contents() == "idefics3" and f["clip.use_gelu"].contents() is True
+    assert f["clip.vision.projector.scale_factor"].contents() == 2
+    assert f["clip.vision.preproc_image_size"].contents() == (64 if family == "smolvlm" else 32)
+    stored = {t.name: np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(str(r.mmproj_file)).tensors}
+    fc = model.model.connector.modality_projection.proj.weight.detach().numpy()
+    np.testing.assert_array_equal(stored["mm.model.fc.weight"].reshape(fc.shape), fc)
+    assert {"v.post_ln.weight", "v.position_embd.weight", "v.patch_embd.bias", "v.blk.0.attn_q.weight"} <= set(stored)
+    assert not any(name.startswith(("token_embd", "blk.")) for name in stored)

@@ -179,13 +179,13 @@ def test_export_writes_the_language_model_and_the_projector_file(picture_run, ti
 def test_export_of_a_family_without_a_projector_writer_is_refused_in_one_line(tmp_path):
     from transformers import AutoTokenizer
 
-    from finetuner.model.tiny_vlm import tiny_idefics3
+    from finetuner.model.tiny_vlm import tiny_llava_next
 
-    tiny_idefics3(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), tmp_path / "idefics")
-    out = cli_in_process("export", str(tmp_path / "idefics"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"), cwd=REPO)
+    tiny_llava_next(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), tmp_path / "next")
+    out = cli_in_process("export", str(tmp_path / "next"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"), cwd=REPO)
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "the projector file (mmproj) llama.cpp reads pictures with is not written for idefics3" in out.stderr
-    assert "gemma3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl" in out.stderr and not list(tmp_path.glob("*.gguf"))
+    assert "the projector file (mmproj) llama.cpp reads pictures with is not written for llava_next" in out.stderr
+    assert "gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm" in out.stderr and not list(tmp_path.glob("*.gguf"))
 
 
 def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
