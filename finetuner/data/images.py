@@ -89,7 +89,7 @@ def encode_pictured(ex: dict[str, Any], processor, template: str, max_len: int, 
             if m["role"] != "assistant":
                 continue
             start = len(ids(msgs[:i], gen=True)) if i else 0
-            upto = ids(msgs[: i + 1], gen=False)
+            upto = whole if i + 1 == len(msgs) else ids(msgs[: i + 1], gen=False)  # the last reply ends the whole
             if whole[: len(upto)] != upto or start > len(upto):
                 raise RowError("the chat template does not render conversations as prefixes of each other, so replies "
                                "cannot be located; set data.chat_template to a template that does")
