@@ -109,8 +109,9 @@ def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -
         return VisionCost(trainable, None, per_example, "the vision tower's activations are not counted: the model's "
                                                         "processor (the pictures' size) is not on this machine")
     width, height = _largest_picture(pictures)
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = processor.tokenizer.apply_chat_template(  # as the trainer renders (SmolVLM's own needs its video processor)
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+        chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[Image.new("RGB", (width, height))], return_tensors="pt")
     names = [n for n in getattr(processor.image_processor, "model_input_names", ["pixel_values"]) if n in inputs]
     kwargs: dict[str, Any] = {n: inputs[n].to("meta") if inputs[n].is_floating_point() else inputs[n] for n in names}
@@ -140,13 +141,39 @@ def vision_cost_of(recipe):
     tower's activations are not counted, and the note says so), its data's pictures (one an example at the
     processor's size when the data cannot be read here); None when it trains neither the projector nor the tower
     (a recipe whose method is ``auto``: its LoRA options')."""
+    lc = recipe.lora
+    if recipe.method == "full" or not (lc.train_projector or lc.train_vision_tower):
+        return None
+    key = _cost_key(recipe)
+    if key not in _COSTS:  # a plan asks twice (its search, then the chosen recipe's prediction): traced once
+        _COSTS[key] = _vision_cost_of(recipe)
+        while len(_COSTS) > 8:
+            _COSTS.pop(next(iter(_COSTS)))
+    return _COSTS[key]
+
+
+#: :func:`vision_cost_of`'s results in this process, by :func:`_cost_key`
+_COSTS: dict[str, VisionCost | None] = {}
+
+
+def _cost_key(recipe) -> str:
+    """What :func:`vision_cost_of` reads of a recipe: its model (and a local folder's config.json's modification
+    time), its LoRA settings, its data files (and theirs)."""
+    import json
+    from pathlib import Path
+
+    paths = [recipe.data.path] if isinstance(recipe.data.path, str) else list(recipe.data.path)
+    files = [*map(str, paths), str(Path(recipe.model.name).expanduser() / "config.json")]
+    stamps = [Path(p).stat().st_mtime_ns if Path(p).is_file() else None for p in files]
+    return json.dumps([recipe.model.model_dump(mode="json"), recipe.lora.model_dump(mode="json"),
+                       [str(p) for p in paths], stamps], sort_keys=True, default=str)
+
+
+def _vision_cost_of(recipe):
     from finetuner.errors import UserError
     from finetuner.locate import hub_unreachable
     from finetuner.model.vision import load_processor
 
-    lc = recipe.lora
-    if recipe.method == "full" or not (lc.train_projector or lc.train_vision_tower):
-        return None
     try:
         pictures, most = data_pictures(str(recipe.data.path))
     except (UserError, OSError):

@@ -110,3 +110,34 @@ def test_without_the_processor_the_tensors_are_counted_and_the_note_says_why(tin
     cost = vision_cost(r, None, [], 1)
     assert cost.trainable_params > 0 and cost.saved_per_picture is None and cost.activation_bytes(4) == 0
     assert "processor (the pictures' size) is not on this machine" in cost.note
+
+
+def test_a_prediction_traces_the_tower_once(tiny_vlm_dir, pictures, monkeypatch):
+    """An auto micro-batch: the planner's search and the chosen recipe's estimate ask for the same cost; the tower
+    is built and traced once."""
+    import finetuner.memory.vision as vision
+    from finetuner.planning.predict import predict
+
+    calls = []
+    real = vision._vision_cost_of
+    monkeypatch.setattr(vision, "_vision_cost_of", lambda recipe: calls.append(1) or real(recipe))
+    monkeypatch.setattr(vision, "_COSTS", {})
+    p = predict(recipe_for(tiny_vlm_dir, pictures, micro="auto", train_vision_tower=True), "rtx4090")
+    assert p.memory.details["vision_activation_bytes"] > 0 and "traced for a" in p.memory.notes[-1]
+    assert len(calls) == 1
+
+
+def test_a_smolvlm_tower_is_counted_and_the_note_says_why_its_activations_are_not(pictures, tmp_path):
+    """SmolVLM's processor loads without its video processor (whose own chat template method needs it); its tower
+    picks the pictures' patches by value (torch.nonzero), which the meta device cannot run: the trainable tensors
+    are counted, the note says why the activations are not."""
+    from transformers import AutoTokenizer
+
+    from finetuner.memory.vision import vision_cost_of
+    from finetuner.model.tiny_vlm import tiny_smolvlm
+    from tests.conftest import REPO
+
+    tiny_smolvlm(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), tmp_path / "smol")
+    cost = vision_cost_of(recipe_for(tmp_path / "smol", pictures, train_projector=True, train_vision_tower=True))
+    assert cost.trainable_params > 0 and cost.saved_per_picture is None
+    assert "does not run on the meta device (NotImplementedError" in cost.note
