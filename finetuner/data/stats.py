@@ -283,14 +283,19 @@ def profile_data(
         pictures = src.pictures
         processor = picture_processor_of(model, max_pixels) if pictures else None
         sizer = None if processor is not None or not pictures else preset_picture_sizer(model, max_pixels)
+        fixed = None if processor is not None or sizer is not None or not pictures else preset_picture_tokens(model)
         if processor is not None:  # every row through the processor: its pictures' tokens are the trainer's
             src = FileExamples(path, fmt, columns, system_prompt)
             lengths, trained, total, picture_tokens, largest = picture_lengths(src, processor, chat_template)
             how = f"the model's processor and chat template ({model})"
-        elif sizer is not None:  # the text counted, each picture's tokens from the preset's image processor
-            picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths, sizer)
+        elif sizer is not None or fixed is not None:  # the text counted; each picture's tokens from the preset
+            from finetuner.model.vision import picture_tokens as tokens_at
+
+            count = (lambda w, h: tokens_at(sizer, w, h)) if sizer is not None else (lambda w, h: fixed)
+            picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths, count)
             total += picture_tokens
-            how += f"; image tokens: the image processor settings of the {model} preset"
+            how += (f"; image tokens: the image processor settings of the {model} preset" if sizer is not None else
+                    f"; image tokens: {fixed} a picture, the {model} preset's mm_tokens_per_image")
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
@@ -299,14 +304,15 @@ def profile_data(
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
-    if processor is not None or sizer is not None:
+    if processor is not None or sizer is not None or fixed is not None:
         from finetuner.model.vision import pixel_budget
 
         profile.picture_tokens, profile.largest_picture = picture_tokens, largest
-        profile.pixel_budget = pixel_budget(processor or sizer)
+        profile.pixel_budget = pixel_budget(processor or sizer) if (processor or sizer) is not None else None
         at = (f"pictures of at most {profile.pixel_budget[1]:,} pixels" if profile.pixel_budget
-              else "at the processor's settings")
-        whose = "the model's processor" if processor is not None else "the preset's image processor settings"
+              else "at the processor's settings" if fixed is None else "every picture resized to its tower's size")
+        whose = ("the model's processor" if processor is not None else "the preset's image processor settings"
+                 if sizer is not None else "the preset's config")
         profile.notes.append(f"{pictures} picture(s): {picture_tokens:,} image tokens in all, "
                              f"{picture_tokens / pictures:.0f} a picture on average ({whose}, {at}), "
                              "counted in the examples' lengths")
@@ -377,13 +383,24 @@ def preset_picture_sizer(model: str | None, max_pixels: int | None = None):
     return sizer
 
 
-def add_picture_tokens(src: FileExamples, lengths: list[int], sizer) -> tuple[int, int]:
-    """Add to each of ``lengths`` (the examples of ``src`` in order, their text counted) the image tokens of its
-    pictures at their sizes (:func:`~finetuner.model.vision.picture_tokens`); the image tokens in all and the
-    largest picture's pixels. A picture that does not open is left to the trainer to report with its row."""
-    from PIL import Image
+def preset_picture_tokens(model: str | None) -> int | None:
+    """The image tokens every picture costs for an image-text preset whose tower takes one picture size, as its
+    config says (``mm_tokens_per_image``: Gemma 3's 256); None for any other model."""
+    from finetuner.model.shapes import find_preset, load_config
+    from finetuner.model.vision import image_text_type
 
-    from finetuner.model.vision import picture_tokens
+    if not model or find_preset(model) is None:
+        return None
+    cfg, _ = load_config(model)
+    fixed = cfg.get("mm_tokens_per_image")
+    return int(fixed) if image_text_type(cfg) and isinstance(fixed, int) else None
+
+
+def add_picture_tokens(src: FileExamples, lengths: list[int], tokens) -> tuple[int, int]:
+    """Add to each of ``lengths`` (the examples of ``src`` in order, their text counted) the image tokens of its
+    pictures, ``tokens(width, height)`` each; the image tokens in all and the largest picture's pixels. A picture
+    that does not open is left to the trainer to report with its row."""
+    from PIL import Image
 
     added = largest = 0
     for i, ex in enumerate(src):
@@ -395,9 +412,9 @@ def add_picture_tokens(src: FileExamples, lengths: list[int], sizer) -> tuple[in
                     width, height = im.size
             except OSError:
                 continue
-            tokens = picture_tokens(sizer, width, height)
-            lengths[i] += tokens
-            added += tokens
+            n = tokens(width, height)
+            lengths[i] += n
+            added += n
             largest = max(largest, width * height)
     return added, largest
 

@@ -146,3 +146,26 @@ def test_the_issues_example_plans_a_presets_picture_size_without_its_processor(t
     small = plan("qwen2.5-vl-7b", "10GB", data=str(data))  # a smaller card: QLoRA, and the pictures at half their size
     assert small.fits and small.recipe.method == "qlora" and small.recipe.data.max_pixels == 2400 * 1800 // 2
     assert small.data["picture_tokens"] == 12 * 2700
+
+
+def test_a_gemma3_preset_counts_its_config_s_tokens_a_picture_without_its_processor(tmp_path, monkeypatch):
+    """Gemma 3's tower takes one picture size: offline, each picture costs the preset config's mm_tokens_per_image
+    (256), whatever its size, in the lengths the plan sizes the run by."""
+    from PIL import Image
+
+    from finetuner.data.stats import preset_picture_tokens
+
+    assert preset_picture_tokens("gemma-3-4b") == 256
+    assert preset_picture_tokens("qwen2.5-7b") is None and preset_picture_tokens(str(tmp_path)) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i, size in enumerate([(64, 64), (1200, 900), (300, 2000)]):
+        Image.new("RGB", size, (10, 20, 30)).save(tmp_path / "img" / f"{i}.png")
+        rows.append({"messages": [{"role": "user", "content": "<image>What is it?"},
+                                  {"role": "assistant", "content": "A box."}], "images": [f"img/{i}.png"]})
+    (tmp_path / "pics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    p = plan("gemma-3-4b", "rtx4090", data=str(tmp_path / "pics.jsonl"), seq_len=512)
+    assert p.data["pictures"] == 3 and p.data["picture_tokens"] == 3 * 256
+    assert 256 < p.data["max_tokens"] < 256 + 40  # a picture and a short question and answer
+    assert "256 a picture, the gemma-3-4b preset's mm_tokens_per_image" in p.data["counted_with"]
