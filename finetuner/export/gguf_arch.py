@@ -234,9 +234,10 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
 
 
 def nested_config(config: dict[str, Any]) -> dict[str, Any]:
-    """An image-text ``config.json`` of transformers 4's layout (the language model's settings at the top, as
-    Qwen2-VL's and Qwen2.5-VL's checkpoints on the hub have them) as the installed transformers reads it: with a
-    ``text_config``."""
+    """An image-text ``config.json`` as the installed transformers reads it: with a ``text_config`` (transformers 4's
+    layout has the language model's settings at the top, as Qwen2-VL's and Qwen2.5-VL's checkpoints on the hub have
+    them) and every setting the file leaves to its defaults (SmolVLM2's tower widths); the config as it is where
+    transformers cannot read it."""
     from transformers import AutoConfig
 
     settings = {k: v for k, v in config.items() if not k.startswith("_")}

@@ -142,8 +142,6 @@ class Projector:
     def gguf_name(self, hf_name: str) -> str | None:
         """The file's name for a checkpoint tensor, or None for one the projector file does not hold (the language
         model's; a layer past the feature layer; LLaVA's unused post-layernorm)."""
-        import gguf
-
         for prefix in _PROJECTOR_PREFIXES:
             if hf_name.startswith(prefix):
                 rest = hf_name[len(prefix):]
@@ -237,7 +235,11 @@ def _refuse(where: str, model_type: str, why: str) -> UserError:
 
 def projector_for(config: dict[str, Any], image_processor, where: str) -> Projector:
     """The :class:`Projector` of an image-text model's ``config.json`` contents and its image processor, or a
-    UserError saying why its projector file is not written."""
+    UserError saying why its projector file is not written. The config is read as the installed transformers reads
+    it (its defaults filled in, transformers 4's layout nested: Qwen2.5-VL's and SmolVLM2's on the hub)."""
+    from finetuner.export.gguf_arch import nested_config
+
+    config = nested_config(config)
     mt = str(config.get("model_type"))
     if mt not in PROJECTORS:
         raise _refuse(where, mt, f"finetuner writes it for {', '.join(sorted(PROJECTORS))}")

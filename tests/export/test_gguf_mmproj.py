@@ -200,3 +200,17 @@ def test_idefics3_and_smolvlm_projector_files(family, tmp_path):
     np.testing.assert_array_equal(stored["mm.model.fc.weight"].reshape(fc.shape), fc)
     assert {"v.post_ln.weight", "v.position_embd.weight", "v.patch_embd.bias", "v.blk.0.attn_q.weight"} <= set(stored)
     assert not any(name.startswith(("token_embd", "blk.")) for name in stored)
+
+
+def test_the_real_shapes_of_the_presets_give_llama_cpps_settings():
+    """Qwen2.5-VL-7B-Instruct's config (transformers 4's layout, as on the hub) and Gemma-3-4B's: the projector
+    file's settings llama.cpp's converter writes for them (a whole-picture layer every 8th, of 32; SigLIP's 27
+    layers pooled 4 x 4, the default, so no scale factor)."""
+    from finetuner.model.shapes import load_config
+
+    qwen = projector_for(load_config("qwen2.5-vl-7b")[0], IMAGES, "m")
+    assert (qwen.projector_type, qwen.n_layers, qwen.wa_pattern, qwen.use_silu, qwen.text_hidden) == (
+        "qwen2.5vl_merger", 32, 8, True, 3584)
+    assert (qwen.vision["hidden_size"], qwen.vision["intermediate_size"], qwen.vision["num_attention_heads"]) == (1280, 3420, 16)
+    gemma = projector_for(load_config("gemma-3-4b")[0], IMAGES, "m")
+    assert (gemma.projector_type, gemma.n_layers, gemma.extra_uint32, gemma.text_hidden) == ("gemma3", 27, {}, 2560)
