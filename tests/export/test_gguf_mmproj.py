@@ -212,5 +212,7 @@ def test_the_real_shapes_of_the_presets_give_llama_cpps_settings():
     assert (qwen.projector_type, qwen.n_layers, qwen.wa_pattern, qwen.use_silu, qwen.text_hidden) == (
         "qwen2.5vl_merger", 32, 8, True, 3584)
     assert (qwen.vision["hidden_size"], qwen.vision["intermediate_size"], qwen.vision["num_attention_heads"]) == (1280, 3420, 16)
+    q3 = projector_for(load_config("qwen3-vl-4b")[0], IMAGES, "m")  # 48 x 48 learned positions of 16 pixels
+    assert (q3.projector_type, q3.n_layers, q3.deepstack, q3.vision["image_size"]) == ("qwen3vl_merger", 24, (5, 11, 17), 768)
     gemma = projector_for(load_config("gemma-3-4b")[0], IMAGES, "m")
     assert (gemma.projector_type, gemma.n_layers, gemma.extra_uint32, gemma.text_hidden) == ("gemma3", 27, {}, 2560)
