@@ -167,9 +167,14 @@ def test_a_hub_qwen25_vl_config_of_transformers_4s_layout_is_read_as_the_install
     from finetuner.export.gguf_arch import arch_for
     from finetuner.model.shapes import load_config
 
+    import copy
+
     cfg, _ = load_config("qwen2.5-vl-7b")
+    read = copy.deepcopy(cfg)
     assert "text_config" not in cfg
     arch = arch_for(cfg, "m")
+    projector_for(cfg, IMAGES, "m")
+    assert cfg == read == load_config("qwen2.5-vl-7b")[0]  # the preset as shipped (it keys the shipped inventories)
     assert (arch.gguf_arch, arch.text_of, arch.n_layers, arch.head_dim) == ("qwen2vl", "qwen2_5_vl", 28, 128)
     assert arch.rope["mrope_section"] == [16, 24, 24]
 
