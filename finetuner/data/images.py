@@ -51,9 +51,10 @@ def image_token_ids(processor) -> set[int]:
     """The ids of the tokens that stand for a picture (its patches, and the marks around them where the processor
     names them): never labels."""
     tok = processor.tokenizer
-    ids = set()
+    own = getattr(processor, "image_token_ids", None)  # the processor's own list, where it has one (Pixtral's, Gemma's)
+    ids = {int(i) for i in own} if isinstance(own, (list, tuple, set)) else set()
     for attr in ("image_token", "boi_token", "eoi_token", "image_start_token", "image_end_token", "fake_image_token",
-                 "global_image_token", "vision_start_token", "vision_end_token"):
+                 "global_image_token", "vision_start_token", "vision_end_token", "image_break_token"):
         name = getattr(processor, attr, None)
         if isinstance(name, str) and name in tok.get_vocab():
             ids.add(tok.convert_tokens_to_ids(name))
@@ -80,7 +81,7 @@ def encode_pictured(ex: dict[str, Any], processor, template: str, max_len: int, 
         text = tok.apply_chat_template(message_parts(upto), chat_template=template, tokenize=False, add_generation_prompt=gen)
         n = _count_pictures(upto)
         enc = processor(text=[text], images=pictures[:n] if n else None, add_special_tokens=False)
-        return list(enc["input_ids"][0])
+        return [int(t) for t in enc["input_ids"][0]]  # ints, also from a processor that returns tensors (Pixtral's)
 
     try:
         whole = ids(msgs, gen=False)
@@ -132,15 +133,21 @@ def join_padded(parts: list):
     return torch.cat(parts)
 
 
+#: what a processor given pictures alone also returns from its empty text: the collator makes these from the tokens
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
 def picture_inputs(processor, paths: list[list[str]]):
-    """What the processor's image processor makes of the pictures of a micro-batch (one list of paths per
-    example, in order), each example's outputs joined along their first dimension (:func:`join_padded`): a
-    ``BatchFeature`` (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``,
-    ``pixel_attention_mask`` ...), None when no example has a picture."""
+    """What the processor makes of the pictures of a micro-batch (one list of paths per example, in order), each
+    example's outputs joined along their first dimension (:func:`join_padded`): a ``BatchFeature``
+    (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask`` ...),
+    None when no example has a picture. The processor itself, not its image processor alone: it sizes the pictures
+    as it counted their tokens (Pixtral's resizes to whole merged patches, which its image processor alone does not)."""
     parts = []
     for example in paths:
         if example:
-            parts.append(processor.image_processor(images=[load_picture(p) for p in example], return_tensors="pt"))
+            made = processor(images=[load_picture(p) for p in example], return_tensors="pt")
+            parts.append({k: v for k, v in made.items() if k not in TEXT_KEYS})
     if not parts:
         return None
     from transformers import BatchFeature
@@ -166,6 +173,8 @@ def token_inputs(processor, input_ids, pictures) -> dict[str, Any]:
                 out[name] = kinds
                 break
     tiles = pictures.pop("num_tiles", None) if pictures is not None else None
+    if tiles is None and pictures is not None and "aspect_ratio_mask" in pictures:  # Mllama: each picture's tiles
+        tiles = [[int(n) for n in row.sum(-1).tolist() if n] for row in pictures["aspect_ratio_mask"]]
     family = sys.modules.get(type(processor).__module__)
     dense = getattr(family, "convert_sparse_cross_attention_mask_to_dense", None)
     sparse = getattr(family, "get_cross_attention_token_mask", None)

@@ -259,7 +259,11 @@ def _idefics_like(tokenizer, out, seed, family: str, longest_edge: int = 32):
                                                    image_token_id=tok.image_token_id, tie_word_embeddings=True,
                                                    pad_token_id=tok.pad_token_id)
     model_cls = getattr(transformers, f"{cls}ForConditionalGeneration")
-    kwargs = {"video_processor": None} if family == "smolvlm" else {}  # SmolVLM's requires the argument
+    kwargs = {}
+    if family == "smolvlm":  # SmolVLM's requires the argument: its own where torchvision is installed, else None
+        from transformers.utils import is_torchvision_available
+
+        kwargs["video_processor"] = transformers.SmolVLMVideoProcessor() if is_torchvision_available() else None
     processor = without_video(getattr(transformers, f"{cls}Processor"))(image_processor=images, tokenizer=tok,
                                                                         image_seq_len=4, chat_template=template,
                                                                         **kwargs)

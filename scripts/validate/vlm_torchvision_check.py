@@ -67,7 +67,8 @@ def main() -> int:
     for r in result["rows"]:
         losses = ", ".join(f"{x:.4f}" for x in r.get("losses") or [])
         tokens = f"{r['picture_tokens'] / r['pictures']:.0f}" if r.get("pictures") else ""
-        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('params', ''):,} | {tokens} | {losses} | "
+        params = f"{r['params']:,}" if "params" in r else ""
+        lines.append(f"| {r['model_type']} | {r['status']} | {params} | {tokens} | {losses} | "
                      f"{r.get('gguf', '')} | {r.get('answer', '')!r} | {r.get('reason', '')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

@@ -101,6 +101,33 @@ def test_the_processor_expands_each_picture_and_only_the_reply_is_labelled(tiny_
         encode_pictured(ex, processor, processor.chat_template, 20, train_on_prompt=False)
 
 
+def test_a_processor_that_returns_tensors_is_read_as_ids(tiny_vlm_dir, tmp_path):
+    """Pixtral's processor returns tensors even when not asked to: its ids are read as ints, so its image tokens are
+    found (never labels, counted in the plan)."""
+    from transformers import AutoProcessor
+
+    from finetuner.data.images import encode_pictured
+
+    pics = write_pictures(tmp_path, 1)
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    as_lists = encode_pictured({"messages": [{"role": "user", "content": "<image>Colour?"},
+                                             {"role": "assistant", "content": "It is red."}],
+                                "images": [str(tmp_path / pics[0][0])]}, processor, processor.chat_template, 512, True)
+
+    class Tensors:  # the same processor, returning tensors as Pixtral's does
+        tokenizer, image_token, image_token_id = processor.tokenizer, processor.image_token, image_id
+
+        def __call__(self, **kwargs):
+            return processor(**kwargs, return_tensors="pt")
+
+    got = encode_pictured({"messages": [{"role": "user", "content": "<image>Colour?"},
+                                        {"role": "assistant", "content": "It is red."}],
+                           "images": [str(tmp_path / pics[0][0])]}, Tensors(), processor.chat_template, 512, True)
+    assert got["input_ids"] == as_lists["input_ids"] and all(type(t) is int for t in got["input_ids"])
+    assert got["labels"] == as_lists["labels"] and image_id not in got["labels"] and image_id in got["input_ids"]
+
+
 def test_an_unreadable_picture_is_named(tiny_vlm_dir, tmp_path):
     from transformers import AutoProcessor
 
