@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.data.formats import IGNORE_INDEX, RowError, normalize
-from tests.conftest import write_pictures
+from tests.conftest import REPO, write_pictures
 
 def test_the_three_ways_of_giving_pictures_read_the_same():
     openai = {"messages": [
@@ -161,3 +161,23 @@ def test_planning_a_hub_model_offline_asks_the_hub_nothing(monkeypatch, offline)
     monkeypatch.setattr("finetuner.locate.hub_unreachable", lambda: "cannot connect" if offline else None)
     assert picture_processor_of("gemma-3-4b") is None
     assert asked == [offline]
+
+
+def test_gemma3s_soft_image_tokens_are_picture_tokens(tmp_path):
+    """Gemma 3's processor names its placeholder (<start_of_image>) as its image token; the tokens a picture becomes
+    are its soft tokens, which its own image_token_ids list: never labels, even with train_on_prompt."""
+    from transformers import AutoTokenizer
+
+    from finetuner.data.images import encode_pictured, image_token_ids
+    from finetuner.model.tiny_vlm import tiny_gemma3
+    from finetuner.model.vision import load_processor
+
+    tiny_gemma3(AutoTokenizer.from_pretrained(REPO / "data" / "demo_model"), tmp_path / "g3")
+    processor = load_processor(str(tmp_path / "g3"))
+    soft = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert soft in image_token_ids(processor)
+    pics = write_pictures(tmp_path, 1)
+    enc = encode_pictured({"messages": [{"role": "user", "content": "<image>Colour?"},
+                                        {"role": "assistant", "content": "It is red."}],
+                           "images": [str(tmp_path / pics[0][0])]}, processor, processor.chat_template, 512, True)
+    assert enc["input_ids"].count(soft) == 4 and soft not in enc["labels"]  # the tiny tower's 4 tokens a picture
