@@ -616,7 +616,8 @@ def _projector(src: Source, config: dict, source) -> Projector | None:
         with contextlib.suppress(UserError):  # a run on text: the base model's processor, where it has one
             processor = load_processor(src.base_model, trust_remote_code=src.trust_remote_code)
     try:
-        return projector_for(config, getattr(processor, "image_processor", None), str(source))
+        return projector_for(config, getattr(processor, "image_processor", None), str(source),
+                             getattr(processor, "image_break_token_id", None))
     except UserError:
         if trained_on_pictures or config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise

@@ -46,11 +46,14 @@ from finetuner.errors import UserError
 
 #: model_type → llama.cpp's projector type, for the families whose mmproj is written
 PROJECTORS = {"llava": "mlp", "gemma3": "gemma3", "qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger",
-              "qwen3_vl": "qwen3vl_merger", "idefics3": "idefics3", "smolvlm": "idefics3"}
+              "qwen3_vl": "qwen3vl_merger", "idefics3": "idefics3", "smolvlm": "idefics3", "mistral3": "pixtral"}
 #: the vision towers each family's projector file holds (vision_config.model_type)
 TOWERS = {"llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",), "qwen2_vl": ("qwen2_vl_vision",),
           "qwen2_5_vl": ("qwen2_5_vl_vision",), "qwen3_vl": ("qwen3_vl_vision",), "idefics3": ("idefics3_vision",),
-          "smolvlm": ("smolvlm_vision",)}
+          "smolvlm": ("smolvlm_vision",), "mistral3": ("pixtral",)}
+#: where Mistral 3 keeps its Pixtral tower and projector, and its language model's embeddings (the [IMG_BREAK] row)
+_PIXTRAL_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_EMBEDDINGS = ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
 #: where Idefics3 and SmolVLM keep their tower and connector (gguf's map reads these names as they are)
 _IDEFICS_PREFIXES = ("model.vision_model.", "model.connector.")
 #: the Qwen-VL families (their tower under ``visual.``, its q/k/v fused, its patch kernel two frames deep)
@@ -98,6 +101,8 @@ class Projector:
     spatial_merge: int | None = None
     #: Idefics3 / SmolVLM: the longest side a picture is resized to before it is cut into tiles of ``image_size``
     preproc_image_size: int | None = None
+    #: Mistral 3 (Pixtral): the [IMG_BREAK] token's id, whose embedding row the projector file holds
+    image_break_id: int | None = None
 
     def parts(self, hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, Any, tuple[int, ...]]]:
         """``(name in the file, part, shape)`` for each tensor the projector file holds of a checkpoint tensor: none,
@@ -106,6 +111,18 @@ class Projector:
         llama.cpp's converter splits them."""
         if self.projector_type == "idefics3":
             return [(self._mapped(hf_name), None, shape)] if hf_name.startswith(_IDEFICS_PREFIXES) else []
+        if self.projector_type == "pixtral":
+            if hf_name in _EMBEDDINGS:  # the [IMG_BREAK] token's row: llama.cpp writes it after each row of patches
+                import gguf
+
+                return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_TOK_EMBD_IMG_BREAK], ("row", self.image_break_id),
+                         (shape[1],))]
+            if not hf_name.startswith(_PIXTRAL_PREFIXES):
+                return []
+            name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+            rope = name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"))
+            return [(self._mapped(name, max(self.n_layers, 3)),  # (the projector's mm.1 and mm.2 need 3 blocks' map)
+                     ("rope", int(self.vision["num_attention_heads"])) if rope else None, shape)]
         if self.model_type not in QWEN_VL:
             name = self.gguf_name(hf_name)
             return [] if name is None else [(name, None, shape)]
@@ -184,6 +201,12 @@ class Projector:
             return array[part[1] * rows:(part[1] + 1) * rows]
         if part is not None and part[0] == "frame":  # one frame's kernel of the patch embedding
             return array[:, :, part[1]]
+        if part is not None and part[0] == "rope":  # Pixtral's q/k: each head's rotary halves interleaved (its converter)
+            from finetuner.export.gguf_arch import permute_for_rope
+
+            return permute_for_rope(array, part[1], part[1])
+        if part is not None and part[0] == "row":  # one token's embedding
+            return array[part[1]]
         return array
 
     def tensor_type(self, hf_name: str, shape: tuple[int, ...], quant: str) -> str:
@@ -233,9 +256,9 @@ def _refuse(where: str, model_type: str, why: str) -> UserError:
                                      "(AutoModelForImageTextToText and AutoProcessor load it).")
 
 
-def projector_for(config: dict[str, Any], image_processor, where: str) -> Projector:
-    """The :class:`Projector` of an image-text model's ``config.json`` contents and its image processor, or a
-    UserError saying why its projector file is not written. The config is read as the installed transformers reads
+def projector_for(config: dict[str, Any], image_processor, where: str, image_break_id: int | None = None) -> Projector:
+    """The :class:`Projector` of an image-text model's ``config.json`` contents and its image processor (and, for
+    Mistral 3, its processor's [IMG_BREAK] token id), or a UserError saying why its projector file is not written. The config is read as the installed transformers reads
     it (its defaults filled in, transformers 4's layout nested: Qwen2.5-VL's and SmolVLM2's on the hub)."""
     from finetuner.export.gguf_arch import nested_config
 
@@ -253,6 +276,8 @@ def projector_for(config: dict[str, Any], image_processor, where: str) -> Projec
         return _qwen_projector(config, vision, text, image_processor, where)
     if PROJECTORS[mt] == "idefics3":
         return _idefics3_projector(config, vision, text, image_processor, where)
+    if mt == "mistral3":
+        return _pixtral_projector(config, vision, text, image_processor, where, image_break_id)
     n = int(vision["num_hidden_layers"])
     common = dict(model_type=mt, projector_type=PROJECTORS[mt], vision=vision, text_hidden=int(text["hidden_size"]),
                   image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std))
@@ -345,3 +370,27 @@ def _idefics3_projector(config: dict[str, Any], vision: dict[str, Any], text: di
                      n_layers=int(vision["num_hidden_layers"]), keep_post_norm=True, use_gelu=True,
                      extra_uint32={"clip.vision.projector.scale_factor": int(config.get("scale_factor", 2))},
                      preproc_image_size=int(longest) if longest else None)
+
+
+def _pixtral_projector(config: dict[str, Any], vision: dict[str, Any], text: dict[str, Any], image_processor,
+                       where: str, break_id: int | None) -> Projector:
+    """Mistral 3's Pixtral tower (2-D rotary positions, its q/k stored as llama.cpp rotates them) and projector (an
+    RMS norm, the 2 x 2 patch merger, two linears) as llama.cpp's ``pixtral`` projector reads them (its converter,
+    ``LlavaVisionModel``): the [IMG_BREAK] token's embedding row from the language model, the spatial merge size,
+    Pixtral's fixed norm epsilon (1e-5: not in its config)."""
+    mt = str(config["model_type"])
+    act = vision.get("hidden_act", "gelu")
+    if act not in ("gelu", "silu"):
+        raise _refuse(where, mt, f"its vision MLP's activation is {act}, not GELU or SiLU")
+    layer = config.get("vision_feature_layer", -1)
+    n = int(vision["num_hidden_layers"])
+    if layer not in (-1, n):
+        raise _refuse(where, mt, f"its projector reads vision layer {layer}; llama.cpp's pixtral reads the last")
+    if not isinstance(break_id, int):
+        raise _refuse(where, mt, "its processor names no [IMG_BREAK] token, whose embedding llama.cpp needs")
+    settings = {**vision, "layer_norm_eps": 1e-5}
+    extra = {"use_silu": True} if act == "silu" else {"use_gelu": True}
+    return Projector(model_type=mt, projector_type="pixtral", vision=settings, text_hidden=int(text["hidden_size"]),
+                     image_mean=list(image_processor.image_mean), image_std=list(image_processor.image_std),
+                     n_layers=n, keep_post_norm=True, spatial_merge=int(config.get("spatial_merge_size", 1)),
+                     image_break_id=break_id, **extra)

@@ -80,6 +80,23 @@ def _ids(tok) -> dict[str, int | None]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
+def _processor(cls, model_type: str, **parts):
+    """``cls`` (a processor class) built from ``parts``: where torchvision is installed with ``model_type``'s default
+    video processor (the class then requires one), else without one (:func:`without_video`)."""
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available() and "video_processor" in cls.get_attributes():
+        import transformers
+        from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+        names = VIDEO_PROCESSOR_MAPPING_NAMES[model_type]
+        name = names.get("torchvision") if isinstance(names, dict) else names
+        parts["video_processor"] = getattr(transformers, name)()
+    elif "video_processor" in parts:
+        parts["video_processor"] = None
+    return without_video(cls)(**parts)
+
+
 def _save(model_cls, config, processor, out, seed: int = 0):
     import torch
 
@@ -105,7 +122,8 @@ def tiny_qwen2_5_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
     images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, merge_size=2)
-    processor = without_video(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
+    processor = _processor(Qwen2_5_VLProcessor, "qwen2_5_vl", image_processor=images, tokenizer=tok,
+                           chat_template=template)
     vision = {"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
               "spatial_merge_size": 2, "window_size": window, "out_hidden_size": 64,
               "fullatt_block_indexes": list(full_attention)}
@@ -128,7 +146,8 @@ def tiny_qwen2_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, 
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
     images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, merge_size=2)
-    processor = without_video(Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
+    processor = _processor(Qwen2VLProcessor, "qwen2_vl", image_processor=images, tokenizer=tok,
+                           chat_template=template)
     vision = {"depth": depth, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
               "spatial_merge_size": 2}
     text = {**TEXT, "vocab_size": len(tok), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -150,7 +169,8 @@ def tiny_qwen3_vl(tokenizer, out: str | Path, seed: int = 0, *, depth: int = 1, 
                                     "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"})
     template = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
     images = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=16, merge_size=2)
-    processor = without_video(Qwen3VLProcessor)(image_processor=images, tokenizer=tok, chat_template=template)
+    processor = _processor(Qwen3VLProcessor, "qwen3_vl", image_processor=images, tokenizer=tok,
+                           chat_template=template)
     vision = {"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
               "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
               "deepstack_visual_indexes": [0]}
@@ -217,8 +237,8 @@ def tiny_llava_onevision(tokenizer, out: str | Path, seed: int = 0):
     template = parts_template("<image>")
     pinpoints = [[32, 32], [32, 64], [64, 32]]
     images = LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
-    processor = without_video(LlavaOnevisionProcessor)(image_processor=images, tokenizer=tok, num_image_tokens=16,
-                                                       vision_feature_select_strategy="full", chat_template=template)
+    processor = _processor(LlavaOnevisionProcessor, "llava_onevision", image_processor=images, tokenizer=tok,
+                           num_image_tokens=16, vision_feature_select_strategy="full", chat_template=template)
     vision = {**VISION, "image_size": 32, "patch_size": 8, "model_type": "siglip_vision_model"}
     text = {**TEXT, "vocab_size": len(tok), "model_type": "qwen2", **_ids(tok)}
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
@@ -259,14 +279,9 @@ def _idefics_like(tokenizer, out, seed, family: str, longest_edge: int = 32):
                                                    image_token_id=tok.image_token_id, tie_word_embeddings=True,
                                                    pad_token_id=tok.pad_token_id)
     model_cls = getattr(transformers, f"{cls}ForConditionalGeneration")
-    kwargs = {}
-    if family == "smolvlm":  # SmolVLM's requires the argument: its own where torchvision is installed, else None
-        from transformers.utils import is_torchvision_available
-
-        kwargs["video_processor"] = transformers.SmolVLMVideoProcessor() if is_torchvision_available() else None
-    processor = without_video(getattr(transformers, f"{cls}Processor"))(image_processor=images, tokenizer=tok,
-                                                                        image_seq_len=4, chat_template=template,
-                                                                        **kwargs)
+    kwargs = {"video_processor": None} if family == "smolvlm" else {}  # SmolVLM's requires the argument
+    processor = _processor(getattr(transformers, f"{cls}Processor"), family, image_processor=images, tokenizer=tok,
+                           image_seq_len=4, chat_template=template, **kwargs)
     return _save(model_cls, config, processor, out, seed)
 
 
@@ -306,19 +321,19 @@ def tiny_mllama(tokenizer, out: str | Path, seed: int = 0):
     return _save(MllamaForConditionalGeneration, config, processor, out, seed)
 
 
-def tiny_mistral3(tokenizer, out: str | Path, seed: int = 0):
+def tiny_mistral3(tokenizer, out: str | Path, seed: int = 0, *, longest_edge: int = 32):
     """Save a tiny Mistral 3 (a 1-layer Pixtral tower with 2-D rotary positions on pictures of up to 32 pixels a
     side in 8-pixel patches, merged 2x2; a 2-layer Mistral) and its processor (``PixtralProcessor``) to ``out``: a
     picture is rows of ``[IMG]`` tokens, each row ended by ``[IMG_BREAK]``, the last by ``[IMG_END]`` (at most 4
-    ``[IMG]``). Returns the model."""
+    ``[IMG]``; ``longest_edge``: the longest side a picture keeps). Returns the model."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessorPil, PixtralProcessor
 
     tok = _named_tokens(tokenizer, {"image_token": "[IMG]"}, ["[IMG_BREAK]", "[IMG_END]"])
     template = parts_template("[IMG]")
-    images = PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size=8)
+    images = PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size=8)
     settings = {"patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                 "image_end_token": "[IMG_END]"}
-    vision = {**VISION, "head_dim": 16, "image_size": 32, "patch_size": 8, "model_type": "pixtral"}
+    vision = {**VISION, "head_dim": 16, "image_size": longest_edge, "patch_size": 8, "model_type": "pixtral"}
     text = {**TEXT, "head_dim": 16, "vocab_size": len(tok), "model_type": "mistral", "sliding_window": None, **_ids(tok)}
     config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
                             spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=True)

@@ -42,12 +42,13 @@ PLACEHOLDER = {"llava": ("<image>", "@@PICTURE@@"), "gemma3": ("<start_of_image>
                "qwen2_5_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
                "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
                "qwen3_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "@@PICTURE@@"),
-               "smolvlm": ("<image>", "@@PICTURE@@")}
+               "smolvlm": ("<image>", "@@PICTURE@@"), "mistral3": ("[IMG]", "@@PICTURE@@")}
 #: the size both sides see a family's pictures at (width, height); the others: their tower's square picture size.
 #: Qwen2.5-VL: 16 x 12 patches, more than one of llama.cpp's 112-pixel (8-patch) windows each way, 48 image tokens
 #: (Qwen2-VL's the same; Qwen3-VL's 16 x 12 patches of 16 pixels); SmolVLM: 2 x 2 tiles of 32 pixels and the whole
-#: picture, 4 image tokens each
-PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168), "qwen3_vl": (256, 192), "smolvlm": (64, 64)}
+#: picture, 4 image tokens each; Mistral 3: 8 x 6 patches of 8 pixels merged 2 x 2, 12 image tokens in 3 rows
+PICTURE_SIZE = {"qwen2_5_vl": (224, 168), "qwen2_vl": (224, 168), "qwen3_vl": (256, 192), "smolvlm": (64, 64),
+                "mistral3": (64, 48)}
 #: the pixels llama.cpp's Qwen-VL graph keeps of a picture (8 to 4,096 image tokens of 28 x 28 pixels, 32 x 32 for
 #: Qwen3-VL: its set_limit_image_tokens), given to the tiny model's processor so that both sides resize alike
 QWEN_PIXELS = (8 * 28 * 28, 4096 * 28 * 28)
@@ -156,6 +157,30 @@ def tiny_qwen(family: str, folder: Path) -> str:
     return str(folder)
 
 
+def tiny_mistral3(folder: Path) -> str:
+    """A tiny Mistral 3 (needs torchvision: run this check with an interpreter that has it) keeping pictures of up to
+    64 pixels a side, random weights everywhere (as :func:`tiny_qwen`'s); saved in ``folder``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from finetuner.model.tiny_vlm import tiny_mistral3 as build
+
+    model = build(AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model")), folder, longest_edge=64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "vision" in name or "projector" in name else 0.2))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def without_breaks(rows, width: int, height: int):
+    """llama.cpp's Pixtral embeddings without the [IMG_BREAK] rows it puts after each row of ``width`` image tokens
+    but the last (transformers' image features have none: its processor writes the token in the text)."""
+    keep = [i for i in range(len(rows)) if (i + 1) % (width + 1) or i // (width + 1) == height - 1]
+    return rows[keep]
+
+
 def tiny_smolvlm(folder: Path) -> str:
     """A tiny SmolVLM with the demo tokenizer whose processor cuts a 64-pixel picture into 2 x 2 tiles of 32 pixels
     (and the whole picture), random weights everywhere (as :func:`tiny_qwen`'s); saved in ``folder``. The tokenizer
@@ -236,7 +261,8 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
     for q in sized:
         inputs = processor(text=text, images=[Image.open(q).convert("RGB")], return_tensors="pt")
         with torch.no_grad():
-            out = model.get_image_features(**{k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs})
+            out = model.get_image_features(**{k: inputs[k] for k in ("pixel_values", "image_grid_thw", "image_sizes")
+                                              if k in inputs})
             feats = getattr(out, "pooler_output", out)
             feats = (feats[0] if isinstance(feats, (list, tuple)) else feats).reshape(-1, model.config.text_config.hidden_size)
             deep = getattr(out, "deepstack_features", None) or []  # Qwen3-VL: beside each image token's embedding
@@ -258,6 +284,8 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
     rows = []
     for q, g, (hf, first, ids, simulated) in zip(sized, got, reference):
         ll = np.asarray(g["embeddings"], dtype=np.float32)
+        if family == "mistral3":  # 8 x 6 patches merged 2 x 2: 4 tokens a row, 3 rows
+            ll = without_breaks(ll, size[0] // 16, size[1] // 16)
         cos = (ll * hf).sum(-1) / (np.linalg.norm(ll, axis=-1) * np.linalg.norm(hf, axis=-1) + 1e-12)
         ll_first = np.asarray(g["first_logits"], dtype=np.float32)
         row = {"picture": q.name.split("-", 1)[1], "image_tokens": int(ll.shape[0]),
@@ -277,7 +305,8 @@ def check_family(family: str, source: str, target: Path, pictures: list[Path], m
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(REPO / ".cache" / "llama_cpp_python"), help="Where llama-cpp-python is installed.")
-    ap.add_argument("--family", choices=sorted(PLACEHOLDER), action="append", help="Default: both.")
+    ap.add_argument("--family", choices=sorted(PLACEHOLDER), action="append",
+                    help="Default: all of them (mistral3 only where torchvision is installed: its processor needs it).")
     ap.add_argument("--pictures", type=int, default=12, help="How many held-out pictures of data/pictures.")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--out", default=str(REPO / "docs" / "validation" / "llama_cpp_vlm_check.json"))
@@ -292,23 +321,32 @@ def main() -> int:
     demo = REPO / "runs" / "demo_vlm_cpu"
     result = {"question": QUESTION, "install_seconds": round(seconds_install, 1), "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.family or sorted(PLACEHOLDER):
+        from transformers.utils import is_torchvision_available
+
+        for family in args.family or [f for f in sorted(PLACEHOLDER) if f != "mistral3" or is_torchvision_available()]:
             if family == "llava":
                 source = str(demo) if (demo / "adapter").is_dir() else str(REPO / "data" / "demo_vlm")
             elif family == "gemma3":
                 source = tiny_gemma3(Path(tmp) / "tiny-gemma3")
             elif family == "smolvlm":
                 source = tiny_smolvlm(Path(tmp) / "tiny-smolvlm")
+            elif family == "mistral3":
+                source = tiny_mistral3(Path(tmp) / "tiny-mistral3")
             else:
                 source = tiny_qwen(family, Path(tmp) / f"tiny-{family}")
             result["families"][family] = check_family(family, source, target, pictures, args.max_new_tokens, Path(tmp))
     version = installed_version(target)
     result["llama_cpp_python"] = version
+    import torch
+    import transformers
+
+    result["torch"], result["transformers"] = torch.__version__, transformers.__version__
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     lines = ["# llama.cpp reads pictures with finetuner's export (language GGUF + mmproj)", "",
-             f"`python -m scripts.validate.llama_cpp_vlm_check`, llama-cpp-python {version}, f16 export, {len(pictures)} "
+             f"`python -m scripts.validate.llama_cpp_vlm_check`, llama-cpp-python {version}, torch {result['torch']}, "
+             f"transformers {result['transformers']}, f16 export, {len(pictures)} "
              f"held-out pictures of `data/pictures` at the model's picture size, {QUESTION!r} answered greedily (up to "
              f"{args.max_new_tokens} tokens). Raw result: `{out.name}`.", "",
              "| family | source | picture embeddings: max abs diff (largest abs) / least cosine, llama.cpp vs transformers "

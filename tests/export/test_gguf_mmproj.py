@@ -38,7 +38,7 @@ def test_the_feature_layer_decides_the_layers_written(layer, count):
     ({"vision_feature_select_strategy": "full"}, "drops the class token"),
     ({"vision_feature_layer": [-2, -5]}, "reads several vision layers"),
     ({"projector_hidden_act": "relu"}, "its projector is not LLaVA's"),
-    ({"model_type": "mllama"}, "finetuner writes it for gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"),
+    ({"model_type": "mllama"}, "finetuner writes it for gemma3, idefics3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(change, why):
     with pytest.raises(UserError, match=why):
@@ -221,3 +221,34 @@ def test_the_real_shapes_of_the_presets_give_llama_cpps_settings():
     assert (q3.projector_type, q3.n_layers, q3.deepstack, q3.vision["image_size"]) == ("qwen3vl_merger", 24, (5, 11, 17), 768)
     gemma = projector_for(load_config("gemma-3-4b")[0], IMAGES, "m")
     assert (gemma.projector_type, gemma.n_layers, gemma.extra_uint32, gemma.text_hidden) == ("gemma3", 27, {}, 2560)
+
+
+def test_mistral3s_pixtral_projector():
+    """Mistral 3's Pixtral tower and projector as llama.cpp's pixtral projector reads them (its converter): q/k rows
+    permuted as llama.cpp rotates them, the projector's norm, patch merger and two linears, the [IMG_BREAK] token's
+    embedding row from the language model; no break token, no file. (Built and run in llama.cpp where torchvision is
+    installed: scripts/validate/llama_cpp_vlm_check.py.)"""
+    import numpy as np
+
+    from finetuner.export.gguf_arch import permute_for_rope
+
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": 64, "patch_size": 8, "hidden_act": "gelu"}
+    config = {"model_type": "mistral3", "vision_config": vision, "text_config": {"model_type": "mistral", "hidden_size": 64},
+              "spatial_merge_size": 2, "vision_feature_layer": -1}
+    p = projector_for(config, IMAGES, "m", image_break_id=7)
+    assert (p.projector_type, p.spatial_merge, p.use_gelu, p.vision["layer_norm_eps"]) == ("pixtral", 2, True, 1e-5)
+    [(name, part, shape)] = p.parts("vision_tower.transformer.layers.1.attention.q_proj.weight", (32, 32))
+    assert (name, part) == ("v.blk.1.attn_q.weight", ("rope", 2))
+    w = np.arange(32 * 32, dtype=np.float32).reshape(32, 32)
+    np.testing.assert_array_equal(p.transform("x", w, part), permute_for_rope(w, 2, 2))
+    assert p.parts("multi_modal_projector.patch_merger.merging_layer.weight", (32, 128))[0][0] == "mm.patch_merger.weight"
+    assert p.parts("multi_modal_projector.norm.weight", (32,))[0][0] == "mm.input_norm.weight"
+    assert [x[0] for x in p.parts("multi_modal_projector.linear_2.weight", (64, 64))] == ["mm.2.weight"]
+    [(name, part, shape)] = p.parts("language_model.model.embed_tokens.weight", (100, 64))
+    embeddings = np.arange(100 * 64, dtype=np.float32).reshape(100, 64)
+    assert (name, shape) == ("v.token_embd.img_break", (64,))
+    np.testing.assert_array_equal(p.transform("x", embeddings, part), embeddings[7])
+    assert p.parts("language_model.model.layers.0.mlp.up_proj.weight", (128, 64)) == []
+    with pytest.raises(UserError, match=r"names no \[IMG_BREAK\] token"):
+        projector_for(config, IMAGES, "m")

@@ -185,7 +185,7 @@ def test_export_of_a_family_without_a_projector_writer_is_refused_in_one_line(tm
     out = cli_in_process("export", str(tmp_path / "next"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"), cwd=REPO)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "the projector file (mmproj) llama.cpp reads pictures with is not written for llava_next" in out.stderr
-    assert "gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm" in out.stderr and not list(tmp_path.glob("*.gguf"))
+    assert "gemma3, idefics3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm" in out.stderr and not list(tmp_path.glob("*.gguf"))
 
 
 def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
