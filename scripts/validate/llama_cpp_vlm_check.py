@@ -113,22 +113,31 @@ print(json.dumps(out))
 """
 
 
+def randomized(model, folder: Path, vision: tuple[str, ...], text_scale: float = 0.2) -> str:
+    """``model`` with random weights added (seeded): 0.05 deviations to the parameters whose names hold one of
+    ``vision`` (the tower and projector), ``text_scale`` to the others (0: the language model as built), so that a
+    tensor written wrong shows and answers depend on the picture; saved in ``folder``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.05 if any(v in name for v in vision) else text_scale
+            if scale:
+                param.add_(torch.randn(param.shape, generator=g) * scale)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def tiny_gemma3(folder: Path) -> str:
     """A tiny Gemma 3 with the demo tokenizer, its vision tower and projector given random weights (its
     projector is built zero), saved in ``folder``."""
-    import torch
     from transformers import AutoTokenizer
 
     from finetuner.model.tiny_vlm import tiny_gemma3 as build
 
     model = build(AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model")), folder)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "language_model" not in name:
-                param.add_(torch.randn(param.shape, generator=g) * 0.05)
-    model.save_pretrained(folder)
-    return str(folder)
+    return randomized(model, folder, ("vision_tower", "multi_modal_projector"), text_scale=0)
 
 
 def tiny_qwen(family: str, folder: Path) -> str:
@@ -137,7 +146,6 @@ def tiny_qwen(family: str, folder: Path) -> str:
     language model by a DeepStack merger) with the demo tokenizer, random weights everywhere (the language
     model's too, so that its answers are not one token repeated and depend on the picture), its processor keeping
     the pixels llama.cpp keeps (:data:`QWEN_PIXELS`); saved in ``folder``."""
-    import torch
     from transformers import AutoTokenizer
 
     from finetuner.model.tiny_vlm import tiny_qwen2_5_vl, tiny_qwen2_vl, tiny_qwen3_vl
@@ -149,29 +157,18 @@ def tiny_qwen(family: str, folder: Path) -> str:
         model = tiny_qwen3_vl(tok, folder, depth=2, pixels=QWEN3_PIXELS)
     else:
         model = tiny_qwen2_vl(tok, folder, depth=2, pixels=QWEN_PIXELS)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "visual" in name else 0.2))
-    model.save_pretrained(folder)
-    return str(folder)
+    return randomized(model, folder, ("visual",))
 
 
 def tiny_mistral3(folder: Path) -> str:
     """A tiny Mistral 3 (needs torchvision: run this check with an interpreter that has it) keeping pictures of up to
     64 pixels a side, random weights everywhere (as :func:`tiny_qwen`'s); saved in ``folder``."""
-    import torch
     from transformers import AutoTokenizer
 
     from finetuner.model.tiny_vlm import tiny_mistral3 as build
 
     model = build(AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model")), folder, longest_edge=64)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "vision" in name or "projector" in name else 0.2))
-    model.save_pretrained(folder)
-    return str(folder)
+    return randomized(model, folder, ("vision", "projector"))
 
 
 def without_breaks(rows, width: int, height: int):
@@ -188,7 +185,6 @@ def tiny_smolvlm(folder: Path) -> str:
     looks that token up to write before the whole picture."""
     import shutil
 
-    import torch
     from transformers import AutoTokenizer
 
     from finetuner.model.tiny_vlm import tiny_smolvlm as build
@@ -200,12 +196,7 @@ def tiny_smolvlm(folder: Path) -> str:
     spec["model"]["merges"].append(["\u010a", "\u010a"])
     (words / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     model = build(AutoTokenizer.from_pretrained(str(words)), folder, longest_edge=64)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn(param.shape, generator=g) * (0.05 if "vision" in name or "connector" in name else 0.2))
-    model.save_pretrained(folder)
-    return str(folder)
+    return randomized(model, folder, ("vision", "connector"))
 
 
 def clip_as_llama_cpp_runs_it(model, pixel_values):
