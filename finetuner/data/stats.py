@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,20 +283,16 @@ def profile_data(
         lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
         pictures = src.pictures
         processor = picture_processor_of(model, max_pixels) if pictures else None
-        sizer = None if processor is not None or not pictures else preset_picture_sizer(model, max_pixels)
-        fixed = None if processor is not None or sizer is not None or not pictures else preset_picture_tokens(model)
+        preset = None if processor is not None or not pictures else preset_pictures(model, max_pixels)
         if processor is not None:  # every row through the processor: its pictures' tokens are the trainer's
             src = FileExamples(path, fmt, columns, system_prompt)
             lengths, trained, total, picture_tokens, largest = picture_lengths(src, processor, chat_template)
             how = f"the model's processor and chat template ({model})"
-        elif sizer is not None or fixed is not None:  # the text counted; each picture's tokens from the preset
-            from finetuner.model.vision import picture_tokens as tokens_at
-
-            count = (lambda w, h: tokens_at(sizer, w, h)) if sizer is not None else (lambda w, h: fixed)
-            picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths, count)
+        elif preset is not None:  # the text counted; each picture's tokens from the preset
+            picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths,
+                                                         preset.tokens)
             total += picture_tokens
-            how += (f"; image tokens: the image processor settings of the {model} preset" if sizer is not None else
-                    f"; image tokens: {fixed} a picture, the {model} preset's mm_tokens_per_image")
+            how += f"; image tokens: {preset.counted}"
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
@@ -304,15 +301,15 @@ def profile_data(
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
-    if processor is not None or sizer is not None or fixed is not None:
+    if processor is not None or preset is not None:
         from finetuner.model.vision import pixel_budget
 
         profile.picture_tokens, profile.largest_picture = picture_tokens, largest
-        profile.pixel_budget = pixel_budget(processor or sizer) if (processor or sizer) is not None else None
+        profile.pixel_budget = pixel_budget(processor) if processor is not None else preset.budget
         at = (f"pictures of at most {profile.pixel_budget[1]:,} pixels" if profile.pixel_budget
-              else "at the processor's settings" if fixed is None else "every picture resized to its tower's size")
-        whose = ("the model's processor" if processor is not None else "the preset's image processor settings"
-                 if sizer is not None else "the preset's config")
+              else "at the processor's settings" if processor is not None
+              else "every picture resized to its tower's size")
+        whose = "the model's processor" if processor is not None else preset.source
         profile.notes.append(f"{pictures} picture(s): {picture_tokens:,} image tokens in all, "
                              f"{picture_tokens / pictures:.0f} a picture on average ({whose}, {at}), "
                              "counted in the examples' lengths")
@@ -394,6 +391,33 @@ def preset_picture_tokens(model: str | None) -> int | None:
     cfg, _ = load_config(model)
     fixed = cfg.get("mm_tokens_per_image")
     return int(fixed) if image_text_type(cfg) and isinstance(fixed, int) else None
+
+
+@dataclass
+class PresetPictures:
+    """How a preset counts a picture's tokens without the checkpoint's processor files."""
+
+    tokens: Callable[[int, int], int]  # (width, height) -> image tokens
+    budget: tuple[int, int] | None  # (fewest, most) pixels a picture keeps, for a pixel-count processor
+    source: str  # what counted them, for the profile's note
+    counted: str  # the same, for "counted with"
+
+
+def preset_pictures(model: str | None, max_pixels: int | None = None) -> PresetPictures | None:
+    """:func:`preset_picture_sizer`'s count (a pixel-count processor's settings, ``max_pixels`` kept), else
+    :func:`preset_picture_tokens`' (a fixed count from the config); None for a model that is neither."""
+    from finetuner.model.vision import picture_tokens, pixel_budget
+
+    sizer = preset_picture_sizer(model, max_pixels)
+    if sizer is not None:
+        return PresetPictures(lambda w, h: picture_tokens(sizer, w, h), pixel_budget(sizer),
+                              "the preset's image processor settings",
+                              f"the image processor settings of the {model} preset")
+    fixed = preset_picture_tokens(model)
+    if fixed is not None:
+        return PresetPictures(lambda w, h: fixed, None, "the preset's config",
+                              f"{fixed} a picture, the {model} preset's mm_tokens_per_image")
+    return None
 
 
 def add_picture_tokens(src: FileExamples, lengths: list[int], tokens) -> tuple[int, int]:
