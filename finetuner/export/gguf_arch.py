@@ -238,15 +238,10 @@ def nested_config(config: dict[str, Any]) -> dict[str, Any]:
     layout has the language model's settings at the top, as Qwen2-VL's and Qwen2.5-VL's checkpoints on the hub have
     them) and every setting the file leaves to its defaults (SmolVLM2's tower widths); the config as it is where
     transformers cannot read it."""
-    import copy
+    from finetuner.model.inventory import transformers_config
 
-    from transformers import AutoConfig
-
-    # a copy all the way down: transformers completes nested settings in place (rope_scaling), and a preset's config
-    # must stay as read (it keys the shipped inventories)
-    settings = copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_")})
     try:
-        nested = AutoConfig.for_model(settings.pop("model_type"), **settings).to_dict()
+        nested = transformers_config(config).to_dict()
     except Exception:  # noqa: BLE001 - a config transformers cannot read: arch_for refuses it by its model_type
         return config
     return nested if isinstance(nested.get("text_config"), dict) else config

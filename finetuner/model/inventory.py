@@ -150,25 +150,33 @@ def auto_class(model_type: str):
     return AutoModelForCausalLM
 
 
-def build_on_meta(cfg: dict[str, Any]):
-    """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device; for an
-    image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL ...), its image-text-to-text model."""
-    import torch
+def transformers_config(cfg: dict[str, Any]):
+    """The installed transformers' config object for ``cfg`` (a ``config.json`` dict, its ``_`` keys left out); a
+    one-line UserError when it names no model type or one this transformers does not know. ``cfg`` stays as read:
+    transformers completes nested settings in place (Llama 3.1's rope_scaling), and a config keys the caches
+    (finetuner.model.reading) and the shipped inventories, so it is given a copy all the way down."""
     from transformers import AutoConfig
 
-    from finetuner.quiet import quieted
-
-    # a copy all the way down: transformers completes nested settings in place (Llama 3.1's rope_scaling), and the
-    # caller's config must stay as read (it keys the caches: finetuner.model.reading)
     settings = copy.deepcopy({k: v for k, v in cfg.items() if not k.startswith("_")})
     mt = settings.pop("model_type", None)
     if not mt:
         raise UserError("config.json names no model_type: transformers cannot tell which model to build.")
     try:
-        config = AutoConfig.for_model(mt, **settings)
+        return AutoConfig.for_model(mt, **settings)
     except (KeyError, ValueError) as e:
         raise UserError(f"model_type {mt!r}: this transformers does not know it ({first_line(str(e))}).",
                         hint="Upgrade transformers, or give a model whose config.json names a model_type it knows.") from None
+
+
+def build_on_meta(cfg: dict[str, Any]):
+    """The causal LM transformers builds for ``cfg`` (a ``config.json`` dict), on the meta device; for an
+    image-text-to-text checkpoint with no causal LM class (LLaVA, Qwen2.5-VL ...), its image-text-to-text model."""
+    import torch
+
+    from finetuner.quiet import quieted
+
+    config = transformers_config(cfg)
+    mt = cfg["model_type"]  # (its own spelling: a config class may name an alias)
     auto = auto_class(mt)
     try:
         with quieted(), torch.device("meta"):
