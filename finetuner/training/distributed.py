@@ -173,6 +173,8 @@ class DistributedTrainer(Trainer):
         return self.strategy.base_placement()
 
     def setup(self) -> None:
+        if self.ctx.is_main and self.strategy.unpickles_checkpoints:
+            seal.private_key()  # a damaged or readable sealing key stops the run before the model loads, not at its first save
         super().setup()
         d = self.recipe.distributed
         self.events.emit(

@@ -10,8 +10,8 @@ to seal.)
 
 How: when rank 0 has seen every rank write its share, it writes ``seal.json`` into the checkpoint:
 the size and SHA-256 of every file in it, and an HMAC-SHA256 of that list under a key only this
-user has (:func:`key_path`, made on first use, mode 0600). Before any rank unpickles anything,
-rank 0 checks the seal (:func:`check`):
+user has (:func:`key_path`, made on first use, mode 0600 in a 0700 folder). Before any rank unpickles
+anything, rank 0 checks the seal (:func:`check`):
 
 - the HMAC does not match (another machine's or another user's checkpoint, or none: an older
   finetuner's, a received one) → :class:`NotOurs`, a :class:`~finetuner.errors.UserError`: the
@@ -19,6 +19,11 @@ rank 0 checks the seal (:func:`check`):
 - the HMAC matches but a file is missing, of another size or other bytes (a truncated shard, a
   garbage ``.metadata``) → :class:`~finetuner.training.checkpoint.CheckpointUnreadable`: the run
   resumes from the checkpoint before it, as with any unreadable checkpoint.
+
+- the key itself is not private (a link, another owner, group or other access; a folder others can
+  write) → :class:`KeyExposed`, a :class:`NotOurs`: whoever could read the key could have sealed a
+  crafted checkpoint, so the key is refused as ssh refuses an open private key, and the fix is a new
+  key, not a chmod.
 
 With the opt-in (``FINETUNER_TRUST_CHECKPOINTS=1`` in the ranks' environment, which the launcher
 sets for ``--trust-checkpoints``) the HMAC is not asked for; a seal's file list is still checked.
@@ -34,6 +39,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +70,41 @@ def key_path() -> Path:
     return key_dir() / KEY_FILE
 
 
+class KeyExposed(NotOurs):
+    """The sealing key is not private (a link, another owner, group or other access on it or its folder): anyone
+    who could read it can seal a crafted checkpoint, so no seal made with it is trusted, not even after a chmod."""
+
+
+def _exposure(st: os.stat_result, what: str) -> str | None:
+    """Why a key file or its folder (``what``) is not private to this user, or None when it is."""
+    if st.st_uid != os.geteuid():
+        return f"{what} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
+    if what == "its folder" and st.st_mode & 0o022:
+        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if what == "it" and st.st_mode & 0o077:
+        return f"{what} is readable or writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _refuse_exposed(path: Path, why: str) -> KeyExposed:
+    return KeyExposed(
+        f"{path}: {why}, so a checkpoint seal made with it cannot be trusted (whoever could read it can sign one).",
+        hint=f"Remove it (rm {path}; a chmod is not enough: a copy may have been read): finetuner makes a new private "
+             "key (mode 0600 in a 0700 folder) on the next run; a sharded checkpoint sealed with the old key then "
+             "resumes only with --trust-checkpoints, if you trust everyone who could read the key.",
+    )
+
+
 def _key(create: bool) -> bytes | None:
-    """This user's sealing key (32 random bytes, hex in :func:`key_path`); made, mode 0600, when
-    ``create`` and missing (``O_EXCL``: two processes making it at once agree on the first)."""
+    """This user's sealing key (32 random bytes, hex in :func:`key_path`); made, mode 0600 in a 0700 folder, when
+    ``create`` and missing (``O_EXCL``: two processes making it at once agree on the first). Read only from a
+    regular file of this user's with no group or other access, in a folder only this user can write, opened
+    without following a link (as ssh treats a private key): else :class:`KeyExposed`."""
     path = key_path()
-    if not path.is_file() and create:
+    if create and not os.path.lexists(path):
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             pass
         else:
@@ -80,10 +113,37 @@ def _key(create: bool) -> bytes | None:
                 f.flush()
                 os.fsync(f.fileno())
     try:
-        text = path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if os.path.islink(path):
+            raise _refuse_exposed(path, "it is a link (finetuner reads its key only from a regular file)") from None
+        raise UserError(f"{path} cannot be read ({e.strerror}).",
+                        hint="Remove it: finetuner makes a new key (checkpoints sealed with the old one then ask for --trust-checkpoints).") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse_exposed(path, "it is not a regular file")
+        why = _exposure(st, "it") or _exposure(os.stat(path.parent), "its folder")
+        if why:
+            raise _refuse_exposed(path, why)
+        raw = f.read(200)
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
         return None
     return bytes.fromhex(text) if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
+
+
+def private_key() -> bytes:
+    """This user's sealing key, made when missing; a :class:`~finetuner.errors.UserError` when it is damaged or
+    not private (checked before a multi-process run starts, so that a bad key stops it in one line, not a rank)."""
+    key = _key(create=True)
+    if key is None:
+        raise UserError(f"{key_path()} is not a finetuner checkpoint key (64 hex digits).",
+                        hint="Delete it: finetuner makes a new one (checkpoints sealed with the old key then ask for --trust-checkpoints).")
+    return key
 
 
 def _files(folder: Path) -> dict[str, dict[str, Any]]:
@@ -101,10 +161,7 @@ def _mac(key: bytes, files: dict[str, dict[str, Any]]) -> str:
 
 def write(folder: Path) -> None:
     """Seal the complete checkpoint being written in ``folder`` (rank 0, after every rank wrote)."""
-    key = _key(create=True)
-    if key is None:
-        raise UserError(f"{key_path()} is not a finetuner checkpoint key (64 hex digits).",
-                        hint="Delete it: finetuner makes a new one (checkpoints sealed with the old key then ask for --trust-checkpoints).")
+    key = private_key()
     files = _files(folder)
     atomic_write_text(folder / SEAL, json.dumps({"version": VERSION, "files": files, "hmac": _mac(key, files)}, indent=1) + "\n")
 
@@ -148,7 +205,7 @@ def check(folder: Path, trusted: bool | None = None) -> None:
 
     trusted = trusted_by_env() if trusted is None else trusted
     seal = _read(folder)
-    if not _made_with_our_key(seal) and not trusted:
+    if not trusted and not _made_with_our_key(seal):
         why = "it has no seal" if seal is None else "its seal was not made with this user's key"
         raise NotOurs(
             f"{folder} was not written by finetuner for this user on this machine ({why}): resuming it unpickles "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import stat
 from pathlib import Path
@@ -105,6 +106,7 @@ def test_unsealed_lists_the_sharded_checkpoints_a_resume_would_unpickle(tmp_path
 def test_a_damaged_key_file_is_reported_with_what_to_do(tmp_path, key_home):
     key_home.mkdir()
     (key_home / seal.KEY_FILE).write_text("not a key\n")
+    (key_home / seal.KEY_FILE).chmod(0o600)
     ckpt = _checkpoint(tmp_path / "step-00000003")
     with pytest.raises(UserError, match="is not a finetuner checkpoint key") as e:
         seal.write(ckpt)
@@ -124,3 +126,87 @@ def test_the_planted_pickle_of_the_refusal_tests_runs_code_when_loaded(tmp_path)
     marker.unlink()
     pickle.loads(pickle.dumps(Planted(marker)))  # as torch.distributed.checkpoint reads .metadata
     assert marker.exists()
+
+
+def _resigned_with(key_file: Path, ckpt: Path) -> None:
+    """What anyone who can read ``key_file`` can do: plant a file in ``ckpt`` and seal it again with that key."""
+    (ckpt / "fsdp" / ".metadata").write_bytes(b"planted")
+    key = bytes.fromhex(key_file.read_text().strip())
+    files = seal._files(ckpt)
+    (ckpt / seal.SEAL).write_text(json.dumps({"version": seal.VERSION, "files": files, "hmac": seal._mac(key, files)}))
+
+
+def _expose(how: str, key: Path, tmp_path: Path) -> str:
+    """Make this user's key readable or replaceable by others, as ``how`` says; the refusal's words for it."""
+    if how == "mode 0644":
+        key.chmod(0o644)
+        return r"it is readable or writable by group or others \(mode 0644\)"
+    if how == "folder 0777":
+        key.parent.chmod(0o777)
+        return r"its folder is writable by group or others \(mode 0777\)"
+    if how == "link to a 0666 file":
+        target = tmp_path / "shared-key"
+        target.write_text(key.read_text())
+        target.chmod(0o666)
+        key.unlink()
+        key.symlink_to(target)
+        return r"it is a link \(finetuner reads its key only from a regular file\)"
+    if how == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving the key to another user needs root (CI runs as root)")
+        os.chown(key, 65534, 65534)
+        return r"it is owned by uid 65534, not by you \(uid 0\)"
+    if how == "a fifo":
+        key.unlink()
+        os.mkfifo(key, 0o600)
+        return "it is not a regular file"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["mode 0644", "folder 0777", "link to a 0666 file", "another owner", "a fifo"])
+def test_a_key_others_could_read_is_refused_and_so_is_every_seal_made_with_it(tmp_path, key_home, how):
+    """Issue 54, case 4: with the key readable by others, a crafted FSDP ``.metadata`` re-signed with it passed the
+    check. Now the key is refused (as ssh refuses an open private key), on checking and on sealing, with one line
+    naming the file, why, and the fix (a new key: a chmod afterwards would not undo a copy already read)."""
+    ckpt = _checkpoint(tmp_path / "step-00000003")
+    seal.write(ckpt)  # sealed while the key was private
+    key = key_home / seal.KEY_FILE
+    assert stat.S_IMODE(key_home.stat().st_mode) == 0o700
+    if how != "a fifo":
+        _resigned_with(key, ckpt)
+    words = _expose(how, key, tmp_path)
+    for act in (lambda: seal.check(ckpt), lambda: seal.write(ckpt), lambda: seal.is_ours(ckpt), seal.private_key):
+        with pytest.raises(seal.KeyExposed, match=rf"^{key}: {words}, so a checkpoint seal made with it cannot be trusted") as e:
+            act()
+        assert "\n" not in e.value.message and f"rm {key}" in e.value.hint and "--trust-checkpoints" in e.value.hint
+    assert isinstance(e.value, seal.NotOurs)  # the ranks' verdict on it: stop, as for a checkpoint not ours
+    if how != "a fifo":
+        seal.check(ckpt, trusted=True)  # the user's opt-in needs no key: the files match the (re-signed) list
+    # the fix the message names: remove it; a new private key is made, and the old seals are not ours
+    key.unlink()
+    key_home.chmod(0o700)
+    with pytest.raises(seal.NotOurs, match="its seal was not made with this user's key"):
+        seal.check(ckpt)
+    seal.private_key()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and not key.is_symlink()
+    with pytest.raises(seal.NotOurs, match="its seal was not made with this user's key"):
+        seal.check(ckpt)
+
+
+def test_a_run_with_sharded_checkpoints_stops_at_once_on_an_exposed_key(tmp_path, key_home, recipe_dict):
+    """`finetuner run --gpus 2` with fsdp and a readable key ends in one line, exit 2, before the model loads (rank 0
+    checks the key first: the launcher cannot ask the strategies without an import circle through the trainer)."""
+    from finetuner.runs.events import read_events
+
+    from tests.conftest import cli_in_process, write_recipe
+
+    key_home.mkdir(mode=0o700)
+    seal.private_key()
+    (key_home / seal.KEY_FILE).chmod(0o640)
+    recipe = write_recipe(tmp_path / "r.yaml", dict(recipe_dict, output_dir=str(tmp_path / "run")))
+    out = cli_in_process("run", str(recipe), "--gpus", "2", "--set", "distributed.strategy=fsdp", "--quiet")
+    assert out.returncode == 2, out.stdout + out.stderr
+    first = out.stderr.strip().splitlines()[0]
+    assert first.startswith(f"error: {key_home / seal.KEY_FILE}: it is readable or writable by group or others (mode 0640)")
+    assert "Traceback" not in out.stderr
+    assert [e["event"] for e in read_events(tmp_path / "run" / "events.jsonl")] == ["error"]
