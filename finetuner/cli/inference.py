@@ -80,7 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Benchmarks through lm-evaluation-harness (pip install lm_eval): the base and the fine-tune "
                         "scored on these tasks, e.g. arc_easy,hellaswag (the harness fetches a task's data unless its "
                         "YAML points at local files).")
-    e.add_argument("--include-path", metavar="FOLDER", help="With --tasks: a folder of your own task YAMLs.")
+    e.add_argument("--include-path", metavar="FOLDER",
+                   help="With --tasks: a folder of your own task YAMLs (one that runs code, a !function, needs "
+                        "--trust-remote-code).")
+    e.add_argument("--replace-builtin-tasks", action="store_true",
+                   help="With --include-path: let the folder's tasks replace lm-evaluation-harness's own tasks, "
+                        "groups and tags of the same name (refused otherwise).")
     e.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="With --tasks: K examples in each prompt.")
     e.add_argument("--chat-template", action="store_true", help="With --tasks: the prompts through the run's chat template.")
     e.add_argument("--limit", type=int, default=None, metavar="N",
@@ -99,7 +104,8 @@ def add_code_optins(p: argparse.ArgumentParser) -> None:
     """``--trust-remote-code`` and ``--allow-pickle``: a run folder whose recipe turns
     ``model.trust_remote_code`` or ``model.allow_pickle`` on is loaded only with them."""
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="Allow the model's own code to run (needed when the run's recipe sets model.trust_remote_code).")
+                   help="Allow the model's own code to run (needed when the run's recipe sets model.trust_remote_code); "
+                        "for eval --tasks, also the code of the --include-path task folder.")
     p.add_argument("--allow-pickle", action="store_true",
                    help="Allow pickle weight files to be unpickled (needed when the run's recipe sets model.allow_pickle).")
 
@@ -319,7 +325,8 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
     _err(f"Scoring {args.source}'s base model and its fine-tune on {args.tasks} (lm-evaluation-harness) ...")
     r = evaluate_tasks(args.source, args.tasks, include_path=args.include_path, limit=args.limit,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device, base_model=args.base,
-                       apply_chat_template=args.chat_template, **code_optins(args))
+                       apply_chat_template=args.chat_template, replace_builtin_tasks=args.replace_builtin_tasks,
+                       **code_optins(args))
     run_dir = _stored(args, r, "harness")
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
@@ -342,8 +349,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return _cmd_general(args)
     if args.tasks:
         return _cmd_tasks(args)
-    for flag in ("include_path", "num_fewshot"):
-        if getattr(args, flag) is not None:
+    for flag in ("include_path", "num_fewshot", "replace_builtin_tasks"):
+        if getattr(args, flag) not in (None, False):
             raise UserError(f"eval: --{flag.replace('_', '-')} goes with --tasks.")
     columns = parse_columns(args.columns, args.data)
     _err(f"Evaluating {args.source} ...")

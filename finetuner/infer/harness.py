@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.errors import UserError
+from finetuner.errors import UserError, first_line
 
 #: the metric keys of the harness's results that are not scores (their names, counts, the groups' bookkeeping)
 _NOT_SCORES = {"name", "alias", "sample_len", "sample_count", " ", "samples"}
@@ -90,15 +91,22 @@ def scores_of(results: dict[str, Any], task: str) -> dict[str, float]:
 def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | Path | None = None,
                    limit: int | float | None = None, num_fewshot: int | None = None, batch_size: int = 8,
                    device: str = "auto", base_model: str | None = None, trust_remote_code: bool = False,
-                   allow_pickle: bool = False, apply_chat_template: bool = False) -> HarnessResult:
+                   allow_pickle: bool = False, apply_chat_template: bool = False,
+                   replace_builtin_tasks: bool = False) -> HarnessResult:
     """Score the run's base model and its fine-tune on lm-evaluation-harness ``tasks`` (names or groups, a list
     or ``"a,b"``; ``include_path``: a folder of your own task YAMLs; ``limit``: the first N documents of each task,
-    or a fraction; ``apply_chat_template``: the prompts through the run's chat template, as the harness's flag)."""
+    or a fraction; ``apply_chat_template``: the prompts through the run's chat template, as the harness's flag).
+
+    ``include_path`` is code where its YAMLs say so (``!function``, a metric loaded by Hugging Face evaluate:
+    :mod:`finetuner.infer.task_folder`): refused before the harness reads the folder unless ``trust_remote_code``,
+    which also lets its templates render outside jinja2's sandbox. A folder task named like one of the
+    harness's own tasks, groups or tags is refused unless ``replace_builtin_tasks``."""
     lm_eval = _harness()
+    from jinja2.exceptions import SecurityError
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from finetuner.infer.chat import load_chat_model
+    from finetuner.infer.task_folder import refuse_code, sandboxed_templates, task_manager
 
     names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     if not names:
@@ -107,7 +115,10 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
         raise UserError(f"--include-path {include_path}: not a folder.", hint="A folder of task YAML files.")
     began = time.perf_counter()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices; errors still come through
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    untrusted = include_path is not None and not trust_remote_code
+    if untrusted:
+        refuse_code(include_path)  # before the harness reads the folder: nothing of it imported
+    manager = task_manager(include_path, replace_builtin_tasks)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise UserError(f"--tasks: lm-evaluation-harness knows no task {', '.join(unknown)}.",
@@ -120,7 +131,7 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
     lm = HFLM(pretrained=chat.model, tokenizer=chat.tokenizer, batch_size=batch_size)
     runs = {}
     for label, on in (("base", False), ("fine_tuned", True)):
-        with chat.adapter(on):
+        with chat.adapter(on), sandboxed_templates() if untrusted else nullcontext():
             try:
                 runs[label] = lm_eval.simple_evaluate(
                     model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
@@ -130,6 +141,10 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
                                 f"{str(e).splitlines()[0][:200]}).",
                                 hint="The harness fetches a task's data from the Hugging Face hub unless its YAML "
                                      "points at local files (dataset_path: json, data_files).") from None
+            except SecurityError as e:  # a template of the folder reached for Python objects (sandboxed_templates)
+                raise UserError(f"--tasks {','.join(names)}: a template in {include_path} reached for Python's "
+                                f"internals ({first_line(str(e))}); add --trust-remote-code if you trust the folder "
+                                "(Python: trust_remote_code=True).") from None
     base, tuned = runs["base"], runs["fine_tuned"]
     scored = []
     for task in sorted(base["results"]):
