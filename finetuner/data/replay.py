@@ -227,7 +227,7 @@ def base_answers(base: BaseModel, prompts: list[str], answer: Callable[[list[str
                            f"weights, {base.weights.digest()}; its SHA-256 checked).", path, [])
         reason, why = "model_changed", f"{path} was made with other {', '.join(changed)}"
     except FileNotFoundError:
-        reason, why = "new", "none cached yet"
+        reason, why = "new", ""
     except CacheDamaged as e:
         reason, why = "damaged", f"{path} failed its check ({e})"
     answers = answer(prompts)
@@ -237,8 +237,9 @@ def base_answers(base: BaseModel, prompts: list[str], answer: Callable[[list[str
     except OSError as e:
         log.warning("data.replay: could not write %s (%s); the next run generates the answers again.", path, e)
         kept = f"not cached: {path} could not be written ({e.strerror or e})"
-    return Answers(answers, False, reason, f"data.replay: {why}; the base model answered {n} prompts, {kept}.",
-                   path, changed)
+    said = (f"data.replay: {why}; the base model answered its {n} prompts again, {kept}." if why else
+            f"data.replay: the base model answered {n} prompts, {kept}.")
+    return Answers(answers, False, reason, said, path, changed)
 
 
 def replay_rows(prompts: list[str], answers: list[str]) -> list[dict[str, Any]]:

@@ -147,7 +147,7 @@ def test_a_cache_file_that_fails_its_check_is_never_used(tmp_path):
         path.write_bytes(content)
         got = replay.base_answers(base, prompts, answer)
         assert (got.reason, got.from_cache, got.answers) == ("damaged", False, ["A1", "A2"]), what
-        assert f"{path} failed its check" in got.message and "answered 2 prompts, cached in" in got.message, what
+        assert f"{path} failed its check" in got.message and "answered its 2 prompts again, cached in" in got.message, what
         assert replay.read_cache(path, prompts)["answers"] == ["A1", "A2"]  # written again, whole
     assert "edited or cut short" in got.message
 
@@ -240,39 +240,39 @@ def test_a_run_answers_again_when_the_weights_change_or_the_file_was_edited_and_
     first = set_up(base, data, tmp_path / "run1")
     assert (first["reason"], first["from_cache"], first["rows"], first["changed"]) == ("new", False, 2, [])
     assert hashes == ["model.safetensors"]
-    prompts, old = cached_answers(first)
-    assert old == greedy_answers(base, prompts)
+    prompts, old = cached_answers(first)  # the base's own answers: tests/data/test_replay.py
 
     hashes.clear()
     same = set_up(base, data, tmp_path / "run2")
     assert (same["reason"], same["from_cache"], same["cache"], same["weights"]) == ("cached", True, first["cache"], first["weights"])
     assert hashes == []  # unchanged: the memo's hash, the weights not read
 
-    # other weights written into the same folder (as `merge --overwrite` or a retrained base would)
+    # other weights written into the same folder (as `merge --overwrite` or a retrained base would): a nudge that
+    # changes the answers and keeps them short (they end as the demo model's do: quick to generate)
     model = AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.01)
     model.save_pretrained(base)
     changed = set_up(base, data, tmp_path / "run3")
     assert (changed["reason"], changed["from_cache"], changed["changed"]) == ("model_changed", False, ["weights (model.safetensors changed)"])
     assert changed["cache"] == first["cache"] and changed["weights"] != first["weights"]
-    assert "was made with other weights (model.safetensors changed); the base model answered 2 prompts" in changed["message"]
+    assert ("was made with other weights (model.safetensors changed); the base model answered its 2 prompts again"
+            in changed["message"])
     assert hashes == ["model.safetensors"]
     new = greedy_answers(base, prompts)
     assert cached_answers(changed) == (prompts, new) and new != old  # the new weights' own answers
 
     # the cache file edited by hand: not used, answered again, said
     path = Path(changed["cache"])
-    path.write_text(path.read_text(encoding="utf-8").replace(json.dumps(new[0]), json.dumps("Planted answer.")),
-                    encoding="utf-8")
+    header, body = path.read_text(encoding="utf-8").split("\n", 1)
+    stored = json.loads(body)
+    stored["answers"][0] = "Planted answer."  # its header (and SHA-256) left as they were
+    path.write_text(header + "\n" + json.dumps(stored, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
     edited = set_up(base, data, tmp_path / "run4")
     assert (edited["reason"], edited["from_cache"]) == ("damaged", False)
     assert "its contents do not match the SHA-256 in its header: edited or cut short" in edited["message"]
     assert cached_answers(edited) == (prompts, new)
-
-    hashes.clear()
-    assert set_up(base, data, tmp_path / "run5")["reason"] == "cached" and hashes == []
 
     # the web UI's Train tab (the run's notes): why the answers were made again; nothing for the routine ones
     from finetuner.runs.jobs import run_status
@@ -280,3 +280,31 @@ def test_a_run_answers_again_when_the_weights_change_or_the_file_was_edited_and_
     assert changed["message"] in run_status(tmp_path / "run3").notes and edited["message"] in run_status(tmp_path / "run4").notes
     assert not [n for n in run_status(tmp_path / "run2").notes + run_status(tmp_path / "run1").notes if "replay" in n]
 
+
+
+def test_the_cli_says_where_the_answers_came_from_and_warns_when_they_were_made_again(tmp_path):
+    """``finetuner run`` as a user runs it: the routine line on the console (answered, cached), then, after the
+    cache file was edited, the warning that it failed its check and was made again (exit 0: the run goes on)."""
+    from tests.conftest import run_cli, write_recipe
+
+    base = tmp_path / "base"
+    shutil.copytree(DEMO, base)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps(alpaca_rows(4)), encoding="utf-8")
+    recipe = {"name": "r", "model": {"name": str(base)}, "device": "cpu", "output_dir": str(tmp_path / "run1"),
+              "data": {"path": str(data), "max_seq_len": 128, "val_size": 0, "replay": 0.5},
+              "training": {"max_steps": 1, "micro_batch_size": 2, "gradient_accumulation": 1}, "samples": {"prompts": []}}
+    first = run_cli("run", str(write_recipe(tmp_path / "r1.yaml", recipe)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "data.replay: the base model answered 2 prompts, cached in" in first.stdout
+    from finetuner.runs.events import read_events
+
+    (event,) = [e for e in read_events(tmp_path / "run1" / "events.jsonl") if e["event"] == "replay"]
+    path = Path(event["cache"])
+    path.write_text(path.read_text(encoding="utf-8").replace('"answers": [', '"answers": ["Planted.", ', 1), encoding="utf-8")
+    recipe["output_dir"] = str(tmp_path / "run2")
+    second = run_cli("run", str(write_recipe(tmp_path / "r2.yaml", recipe)))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (f"WARNING: data.replay: {path} failed its check (its contents do not match the SHA-256 in its header: "
+            "edited or cut short); the base model answered its 2 prompts again, cached in") in second.stderr
+    assert "Traceback" not in second.stderr and "data.replay" not in second.stdout
