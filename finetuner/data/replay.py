@@ -122,8 +122,7 @@ _STATE_WORDS = {"config": "config", "generation_config": "generation config", "t
 
 def state_changes(cached: Any, now: dict[str, Any]) -> list[str]:
     """What differs between the state a cache file was made with and ``now``, in words (empty: nothing)."""
-    if not isinstance(cached, dict):
-        return ["weights", *_STATE_WORDS.values()]
+    cached = cached if isinstance(cached, dict) else {}
     out = []
     old, new = cached.get("weights"), now["weights"]
     if old != new:
@@ -181,7 +180,7 @@ def read_cache(path: Path, prompts: list[str]) -> dict[str, Any]:
     except ValueError:
         stored = None
     answers = stored.get("answers") if isinstance(stored, dict) else None
-    if (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)
+    if (not isinstance(answers, list) or len(answers) != len(prompts) or not all(isinstance(a, str) for a in answers)
             or stored.get("prompts") != prompts or stored.get("generation") != generation_settings()):
         raise CacheDamaged("it does not hold answers to these prompts made with these settings")
     return stored
@@ -189,8 +188,11 @@ def read_cache(path: Path, prompts: list[str]) -> dict[str, Any]:
 
 @dataclass
 class Answers:
-    """The base model's answers and where they came from: ``reason`` one of :data:`REASONS`, ``message`` what
-    happened in a sentence, ``changed`` what differed from the cache file (``model_changed``), ``path`` the file."""
+    """The base model's answers and where they came from. ``reason``: ``cached`` (read from the cache file);
+    answered because there was none (``new``), because the file was made with another state of the base
+    (``model_changed``: ``changed`` says what differed), because it failed its check (``damaged``), or because the
+    weights could not be fingerprinted (``unpinned``: then not cached). ``message``: what happened, in a sentence;
+    ``path``: the cache file."""
 
     answers: list[str]
     from_cache: bool
@@ -200,10 +202,6 @@ class Answers:
     changed: list[str]
 
 
-#: why the answers are what they are: read from the cache; generated because there was none, because it was
-#: made with another state of the base, because it failed its check, or because the weights could not be
-#: fingerprinted (then not cached)
-REASONS = ("cached", "new", "model_changed", "damaged", "unpinned")
 #: the reasons that need no one's attention (the others are warned about, and shown in the web UI's notes)
 ROUTINE_REASONS = ("cached", "new")
 
@@ -233,12 +231,16 @@ def base_answers(base: BaseModel, prompts: list[str], answer: Callable[[list[str
     answers = answer(prompts)
     try:
         write_cache(path, base, prompts, answers)
-        kept = f"cached in {path}"
+        failed = None
     except OSError as e:
         log.warning("data.replay: could not write %s (%s); the next run generates the answers again.", path, e)
-        kept = f"not cached: {path} could not be written ({e.strerror or e})"
-    said = (f"data.replay: {why}; the base model answered its {n} prompts again, {kept}." if why else
-            f"data.replay: the base model answered {n} prompts, {kept}.")
+        failed = e.strerror or str(e)
+    if why:  # a file was there and not used
+        done = "the file rewritten" if failed is None else f"the file not rewritten ({failed})"
+        said = f"data.replay: {why}; the base model answered its {n} prompts again, {done}."
+    else:
+        done = f"cached in {path}" if failed is None else f"not cached: {path} could not be written ({failed})"
+        said = f"data.replay: the base model answered {n} prompts, {done}."
     return Answers(answers, False, reason, said, path, changed)
 
 

@@ -5,13 +5,18 @@ files' modification times: ``finetuner merge --overwrite`` into the same folder,
 it, or an ``rsync -a`` of other weights (which keeps the source's times) all change it; a copy of the same
 weights elsewhere, or a ``touch``, does not (the same weights give the same answers).
 
-Hashing a 15 GB checkpoint at every run would cost tens of seconds, so a file's hash is computed once and kept
+Hashing reads every byte (SHA-256 at 1 to 1.4 GiB/s from the page cache on this project's 2-core machine, slower
+from disk: ``python -m scripts.bench.weights_fingerprint``): a 15 GB checkpoint at every run would cost 10 s or
+more. So a file's hash is computed once and kept
 in a small memo, ``<cache>/weights/digests.json`` (:func:`finetuner.fileio.cache_root`), keyed by the file's
 real path and its ``stat``: size, ``mtime_ns``, ``ctime_ns``, inode and device. A file rewritten in place and
 its modification time put back (``touch -r``, ``cp -p`` over it, ``rsync --inplace -t``) keeps size, mtime and
 inode but not its ctime, which only the kernel sets: any write, rename or ``utime`` changes it, so the memo
 misses and the file is hashed again. A memo entry that matches the file's ``stat`` is trusted without reading
-the file: the memo is this user's cache, as trusted as the rest of it.
+the file: the memo is this user's cache, as trusted as the rest of it. What this cannot see: a same-size
+rewrite in place, its mtime put back, that ends within the same tick of the kernel's file clock (a few
+milliseconds) as the ``stat`` taken before the earlier contents were hashed; no weight file is rewritten that
+fast. Two runs that write the memo at once: the last write wins, and the other's files are hashed again next time.
 
 Where the weights are read from (:func:`weights_location`): a local folder (its top-level weight files, as
 ``from_pretrained`` reads them), a ``.gguf`` file, or for a hub id the snapshot folder of the resolved revision

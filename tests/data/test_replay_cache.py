@@ -147,7 +147,7 @@ def test_a_cache_file_that_fails_its_check_is_never_used(tmp_path):
         path.write_bytes(content)
         got = replay.base_answers(base, prompts, answer)
         assert (got.reason, got.from_cache, got.answers) == ("damaged", False, ["A1", "A2"]), what
-        assert f"{path} failed its check" in got.message and "answered its 2 prompts again, cached in" in got.message, what
+        assert f"{path} failed its check" in got.message and "answered its 2 prompts again, the file rewritten." in got.message, what
         assert replay.read_cache(path, prompts)["answers"] == ["A1", "A2"]  # written again, whole
     assert "edited or cut short" in got.message
 
@@ -306,5 +306,15 @@ def test_the_cli_says_where_the_answers_came_from_and_warns_when_they_were_made_
     second = run_cli("run", str(write_recipe(tmp_path / "r2.yaml", recipe)))
     assert second.returncode == 0, second.stderr[-3000:]
     assert (f"WARNING: data.replay: {path} failed its check (its contents do not match the SHA-256 in its header: "
-            "edited or cut short); the base model answered its 2 prompts again, cached in") in second.stderr
+            "edited or cut short); the base model answered its 2 prompts again, the file rewritten.") in second.stderr
     assert "Traceback" not in second.stderr and "data.replay" not in second.stdout
+
+
+def test_the_fingerprint_benchmark_runs(capsys):
+    """scripts/bench/weights_fingerprint.py (the figures in finetuner/model/fingerprint.py's docstring), small."""
+    from scripts.bench import weights_fingerprint
+
+    before = os.environ["FINETUNER_CACHE_DIR"]
+    result = weights_fingerprint.main(["--mb", "2", "--runs", "1"])
+    assert json.loads(capsys.readouterr().out) == result and result["mib"] == 2
+    assert os.environ["FINETUNER_CACHE_DIR"] == before  # its memo was its own
