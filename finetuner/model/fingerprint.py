@@ -7,9 +7,9 @@ weights elsewhere, or a ``touch``, does not (the same weights give the same answ
 
 Hashing reads every byte (SHA-256 at 1 to 1.4 GiB/s from the page cache on this project's 2-core machine, slower
 from disk: ``python -m scripts.bench.weights_fingerprint``): a 15 GB checkpoint at every run would cost 10 s or
-more. So a file's hash is computed once and kept
-in a small memo, ``<cache>/weights/digests.json`` (:func:`finetuner.fileio.cache_root`), keyed by the file's
-real path and its ``stat``: size, ``mtime_ns``, ``ctime_ns``, inode and device. A file rewritten in place and
+more. So a file's hash is computed once and kept in a small memo, ``<cache>/weights/digests.json``
+(:func:`finetuner.fileio.cache_root`), keyed by the file's real path and its ``stat``: size, ``mtime_ns``,
+``ctime_ns``, inode and device. A file rewritten in place and
 its modification time put back (``touch -r``, ``cp -p`` over it, ``rsync --inplace -t``) keeps size, mtime and
 inode but not its ctime, which only the kernel sets: any write, rename or ``utime`` changes it, so the memo
 misses and the file is hashed again. A memo entry that matches the file's ``stat`` is trusted without reading
