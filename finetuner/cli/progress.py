@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
 
 
@@ -104,7 +105,9 @@ class ProgressPrinter:
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind = ev["event"]
-        if kind == "start":
+        if kind == "replay" and not self.quiet and ev.get("reason") in ROUTINE_REASONS:
+            self.console.print(ev["message"], highlight=False)  # the others are warnings the run logs itself
+        elif kind == "start":
             d = ev.get("data", {})
             where = f"resuming at step {ev['resumed_from_step']}" if ev.get("resumed_from_step") else "new run"
             if not self.quiet:

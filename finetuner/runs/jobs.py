@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.infer.probe import kept_line
+from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
@@ -467,6 +468,8 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
                 evals[int(ev["step"])] = float(ev["eval_loss"])
             _add_rewards(rewards, ev, "eval_reward_")
             _add_group_rewards(group_rewards, ev, "eval_")
+        elif kind == "replay" and ev.get("reason") not in ROUTINE_REASONS:  # answered again, or not cached: why
+            st.notes.append(str(ev.get("message")))
         elif kind == "oom_backoff":
             st.notes.append(
                 f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"

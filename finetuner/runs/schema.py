@@ -55,6 +55,25 @@ class PlanEvent(Event):
     device_bytes: int
 
 
+class ReplayEvent(Event):
+    """``data.replay``: the base model's own answers mixed into the training rows, and where they came from (before
+    ``start``; only when the recipe asks for them). ``reason``: ``cached`` (read from the cache file, its SHA-256
+    checked, made with this base), ``new`` (none cached yet), ``model_changed`` (the file was made with other
+    weights or another config, tokenizer, chat template or dtype: ``changed`` names them; answered again),
+    ``damaged`` (the file failed its check: edited or cut short; answered again) or ``unpinned`` (no weight file
+    found to fingerprint: answered, not cached); see finetuner.data.replay."""
+
+    rows: int
+    ratio: float
+    from_cache: bool
+    reason: str
+    changed: list[str]
+    message: str
+    cache: Union[str, None]
+    weights: Union[str, None]
+    prompts_file: str
+
+
 class CheckpointInvalidEvent(Event):
     """A checkpoint could not be read on resume; the one before it is tried (before ``start``)."""
 
@@ -307,6 +326,7 @@ class ErrorEvent(Event):
 #: Every kind of event, by its ``event`` name, in the order a run writes them.
 EVENT_TYPES: dict[str, type] = {
     "plan": PlanEvent,
+    "replay": ReplayEvent,
     "checkpoint_invalid": CheckpointInvalidEvent,
     "start": StartEvent,
     "distributed": DistributedEvent,
@@ -420,7 +440,7 @@ RESUMABLE_STATES: tuple[str, ...] = ("stopped", "interrupted", "error")
 class RunStateTracker:
     """Reads events one at a time and knows the run's state (for a reader that follows the file).
 
-    A process writes ``plan`` / ``checkpoint_invalid`` / ``start``, then its progress, then one
+    A process writes ``plan`` / ``replay`` / ``checkpoint_invalid`` / ``start``, then its progress, then one
     terminal event (then perhaps :data:`AFTER_END_EVENTS`). Any other event after a terminal one
     means a new process (a resume) has begun.
     """

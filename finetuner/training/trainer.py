@@ -940,18 +940,25 @@ class Trainer:
         r = self.recipe
         if not r.data.replay:  # the recipe allows it for SFT on one process only
             return None
-        from finetuner.data.replay import MAX_NEW_TOKENS, mix_replay
+        from finetuner.data.replay import BATCH, MAX_NEW_TOKENS, ROUTINE_REASONS, base_model, mix_replay
 
         chat = self._chat(system=None)  # never the user's system prompt
 
         def answer(prompts: list[str]) -> list[str]:
-            log.info("data.replay: the base model answers %d general prompts (cached for the next run)", len(prompts))
+            log.info("data.replay: the base model answers %d general prompts", len(prompts))
             with self._answering():
                 return chat.greedy_replies([[{"role": "user", "content": p}] for p in prompts], adapter=False,
-                                           max_new_tokens=MAX_NEW_TOKENS)
+                                           max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
 
-        model_id = json.dumps([r.model.name, r.model.revision, str(self.rt.base_dtype), self.model.config.to_json_string()])
-        self.data, info = mix_replay(self.data, r.data, self.tokenizer, model_id, r.training.seed, answer)
+        base = base_model(r.model.name, r.model.revision, self.rt.base_dtype, self.model, self.tokenizer,
+                          self.data.chat_template)
+        self.data, info = mix_replay(self.data, r.data, self.tokenizer, base, r.training.seed, answer)
+        # the answers made again for a reason (another base, a damaged file) or left uncached: a warning (the CLI
+        # prints it; the progress printer says the routine ones)
+        (log.info if info["reason"] in ROUTINE_REASONS else log.warning)("%s", info["message"])
+        self.events.emit("replay", rows=info["rows"], ratio=info["ratio"], from_cache=info["from_cache"],
+                         reason=info["reason"], changed=info["changed"], message=info["message"], cache=info["cache"],
+                         weights=info["weights"], prompts_file=info["prompts_file"])
         return info
 
     def _general_probe(self):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from finetuner.data.replay import PROMPTS_FILE, chosen_prompts, load_prompts, mix_replay, replay_count
+from finetuner.data.replay import PROMPTS_FILE, BaseModel, chosen_prompts, load_prompts, mix_replay, replay_count
 from tests.conftest import REPO, alpaca_rows
 
 DEMO = REPO / "data" / "demo_model"
@@ -40,7 +40,7 @@ def test_a_run_trains_on_the_base_models_own_answers_cached_and_without_the_syst
     import finetuner
     from finetuner.config.recipe import Recipe
     from finetuner.infer.chat import load_chat_model
-    from finetuner.data.replay import MAX_NEW_TOKENS
+    from finetuner.data.replay import BATCH, MAX_NEW_TOKENS
     from finetuner.fileio import cache_root
 
     data = tmp_path / "d.json"
@@ -55,12 +55,12 @@ def test_a_run_trains_on_the_base_models_own_answers_cached_and_without_the_syst
     info = first.metrics["replay"]
     assert info["rows"] == math.ceil(0.5 * 10) and info["from_cache"] is False and first.metrics["data"]["replay_rows"] == 5
     [stored] = set((cache_root() / "replay").glob("*.json")) - before
-    cached = json.loads(stored.read_text(encoding="utf-8"))
+    cached = json.loads(stored.read_text(encoding="utf-8").split("\n", 1)[1])  # after its header line
     assert cached["prompts"] == chosen_prompts(load_prompts(), 5, 42)
     # the base's own greedy answers, without the run's system prompt
     base = load_chat_model(DEMO, device="cpu")
     assert cached["answers"] == base.greedy_replies([[{"role": "user", "content": p}] for p in cached["prompts"]],
-                                                    adapter=False, max_new_tokens=MAX_NEW_TOKENS)
+                                                    adapter=False, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
     raw["output_dir"] = str(tmp_path / "run2")
     again = finetuner.train(Recipe.from_dict(raw))
     assert again.metrics["replay"]["from_cache"] is True and again.metrics["replay"]["rows"] == 5
@@ -80,7 +80,8 @@ def test_the_replayed_rows_carry_no_system_prompt_and_follow_packing(tmp_path):
                           cache=False)
         prepared = prepare_data(cfg, tok, 1)
         n_user = len(prepared.train)
-        mixed, info = mix_replay(prepared, cfg, tok, "demo", 1, lambda ps: [f"ANSWER-MARK {i}" for i in range(len(ps))])
+        unpinned = BaseModel("demo", {}, None)  # no weights to fingerprint: answered, not cached
+        mixed, info = mix_replay(prepared, cfg, tok, unpinned, 1, lambda ps: [f"ANSWER-MARK {i}" for i in range(len(ps))])
         assert info["rows"] == 4 and len(mixed.train) > n_user
         texts = [tok.decode(ids) for ids in mixed.train["input_ids"]]
         replayed = [t for t in texts if "ANSWER-MARK" in t]
