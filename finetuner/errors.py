@@ -27,6 +27,14 @@ class UserError(Exception):
         self.hint = self.hint_for(None)
         super().__init__(message if not self.hint else f"{message}\n{self.hint}")
 
+    def add_hint(self, text: str | None) -> None:
+        """Say ``text`` (if any) after the hint: what the code that reports the error knows and the code
+        that raised it did not (where a multi-process run's output went, say)."""
+        if text:
+            self.plain_hint = "\n".join(filter(None, (self.plain_hint, text)))
+            self.hint = self.hint_for(None)
+            self.args = (f"{self.message}\n{self.hint}",)
+
     def hint_for(self, command: str | None) -> str | None:
         """The hint as shown by ``command`` (``run``, ``plan``, ``eval``, ``ui``...; None: anywhere):
         the settings written the way that command takes them (:func:`how_to_set`), then the rest."""

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from finetuner.errors import UserError
+
 
 def cache_root() -> Path:
     """The folder of finetuner's caches: ``$FINETUNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/finetuner``, else
@@ -199,32 +201,54 @@ def is_disk_full(error: BaseException, path: str | Path | None = None) -> bool:
     return False
 
 
+def give_back(folder: Path, error: BaseException) -> None:
+    """Remove ``folder``, half-written when ``error`` stopped the write, and give its space back now. The
+    files the failing writer still held open (torch's zip writer, from the frames of the error's traceback)
+    are closed first: a removed file that is still open keeps its space until it is closed, and a message
+    about the free space made before would say too little."""
+    import shutil
+    import traceback
+
+    for e in _chain(error):
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)  # the frames' locals released: their files closed
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def disk_full_path(error: BaseException) -> str | None:
     """The file an ``OSError`` in ``error``'s chain names, if any."""
     return next((str(e.filename) for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
 
 
-def disk_full_error(path: str | Path, then: str, need_bytes: int | None = None):
-    """The :class:`~finetuner.errors.UserError` of a write to ``path`` that ran out of space:
-    how much is free, how much to free (``need_bytes``, when known), and ``then``: what to do next."""
-    from finetuner.errors import UserError
+class DiskFull(UserError):
+    """A write to ``path`` that ran out of space: how much is free now, how much to free (``need_bytes``,
+    when known: what the command that comes next needs in all) and ``then``, what to do next. It keeps
+    what it was made of, so that another process (the launcher of a multi-process run, which removes
+    the half-written checkpoint after its ranks have ended) can say it again with the space free then
+    (:func:`finetuner.runs.worker_protocol.error_of`)."""
 
-    free = free_bytes(path)
-    has = f" ({size_text(free)} free)" if free is not None else ""
-    if need_bytes and free is not None:
-        need = f"at least {size_text(max(need_bytes - free, 0))} more on that disk ({size_text(need_bytes)} free in all)"
-    else:
-        need = f"at least {size_text(need_bytes)} on that disk" if need_bytes else "some space on that disk"
-    return UserError(f"No space left on device while writing {path}{has}.", hint=f"Free {need}, then {then}.")
+    def __init__(self, path: str | Path, then: str, need_bytes: int | None = None):
+        self.path, self.then, self.need_bytes = str(path), then, need_bytes
+        free = free_bytes(path)
+        has = f" ({size_text(free)} free)" if free is not None else ""
+        if need_bytes and free is not None:
+            need = f"at least {size_text(max(need_bytes - free, 0))} more on that disk ({size_text(need_bytes)} free in all)"
+        else:
+            need = f"at least {size_text(need_bytes)} on that disk" if need_bytes else "some space on that disk"
+        super().__init__(f"No space left on device while writing {path}{has}.", hint=f"Free {need}, then {then}.")
+
+    def fields(self) -> dict[str, Any]:
+        """What it was made of (``DiskFull(**fields)`` says it again)."""
+        return {"path": self.path, "then": self.then, "need_bytes": self.need_bytes}
 
 
 @contextlib.contextmanager
 def disk_full_as_user_error(path: str | Path, then: str, need_bytes: int | None = None) -> Iterator[None]:
-    """Turn a write that fails for want of disk space inside the block into :func:`disk_full_error`
+    """Turn a write that fails for want of disk space inside the block into :class:`DiskFull`
     (one line, no traceback); any other error passes through unchanged."""
     try:
         yield
     except Exception as e:
         if not is_disk_full(e, path):
             raise
-        raise disk_full_error(path, then, need_bytes) from None
+        raise DiskFull(path, then, need_bytes) from None

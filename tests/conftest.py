@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -281,6 +282,19 @@ def wait_until_done(runs, name: str):
         assert st.state in ("new", "starting", "running", "finishing"), (st.state, st.error)
         time.sleep(1)
     return st
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A real file system of 12 MiB (a tmpfs: tests/small_disk.py) mounted on ``tmp_path/disk`` for the test,
+    and unmounted after it. Skipped where this process cannot mount one (a failure with CI=true)."""
+    from tests import small_disk as disks
+
+    reason = disks.mountable()
+    if reason:
+        pytest.skip(reason)
+    with disks.small_disk(tmp_path / "disk", 12) as disk:
+        yield disk
 
 
 def alpaca_rows(n: int = 48) -> list[dict]:

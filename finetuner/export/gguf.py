@@ -810,10 +810,10 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             (tmp_dir / f".{name}.f16.gguf").unlink(missing_ok=True)
         else:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        from finetuner.fileio import disk_full_error, is_disk_full
+        from finetuner.fileio import DiskFull, is_disk_full
 
         if isinstance(e, Exception) and is_disk_full(e, out.parent):
-            raise disk_full_error(out, f"run the same command again (nothing was written to {out})") from None
+            raise DiskFull(out, f"run the same command again (nothing was written to {out})") from None
         raise
     return ExportResult(
         output=out, gguf_file=gguf_file, modelfile=modelfile_path, format=fmt, quant=quant, source=str(src.path),

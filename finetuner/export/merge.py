@@ -468,11 +468,12 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         files = sorted(p.name for p in tmp.iterdir())
         publish_replacing(tmp, out, overwrite)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        from finetuner.fileio import disk_full_error, is_disk_full
+        from finetuner.fileio import DiskFull, give_back, is_disk_full
+
+        give_back(tmp, e)
 
         if isinstance(e, Exception) and is_disk_full(e, out.parent):
-            raise disk_full_error(out, f"run the same command again (nothing was written to {out})", int(weight_bytes * 1.05)) from None
+            raise DiskFull(out, f"run the same command again (nothing was written to {out})", int(weight_bytes * 1.05)) from None
         raise
     return MergeResult(
         output_dir=out, source=str(src.path), base_model=src.base_model, dtype=dtype, files=files,

@@ -24,6 +24,7 @@ from typing import Any
 from finetuner.planning.sizing import total_steps
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
+from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder
 
@@ -245,6 +246,9 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                 lock = None
                 notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
             else:
+                # a checkpoint cut short (a full disk, a kill) is given back before anything counts the free space
+                for name, size in ckpt_io.remove_staging(run_dir):
+                    notes.append(f"Removed {name} ({size_text(size)}), a checkpoint that was never completed.")
                 last = ckpt_io.latest_checkpoint(run_dir)
                 results = [name for name in RESULTS if (run_dir / name).exists()]
                 if last is None and results:
@@ -356,8 +360,6 @@ def disk_space_needed(run_dir: Path, model, optimizer: str, keep_last: int) -> t
 def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> None:
     """Fail before training, not mid-run, when the disk cannot hold the checkpoints and the adapter."""
     import shutil
-
-    from finetuner.fileio import size_text
 
     one, to_write, need = disk_space_needed(run_dir, model, optimizer, keep_last)
     free = shutil.disk_usage(run_dir).free

@@ -7,7 +7,9 @@ message a line, each an object with ``kind``:
 - ``progress``: a piece of the work (a chat reply's next text piece);
 - ``error``: it failed: ``message``, ``hint`` (or null), ``type`` (the exception's class) and
   ``user_error`` (true when the input or the machine is at fault and ``message`` says what to do;
-  false for a bug), the fields of a run's ``error`` event (docs/events.md) plus the hint;
+  false for a bug), the fields of a run's ``error`` event (docs/events.md) plus the hint; for a full
+  disk also ``disk_full`` (the write, what comes next and the space it needs), so that the caller
+  says it with the space free when it reports it;
 - ``done``: the work is finished, with its result.
 
 A message about one request of several carries the request's ``id``. The channel is the worker's
@@ -15,7 +17,7 @@ stdout, a pipe (:func:`take_stdout`: library output printed in the worker goes t
 cannot corrupt the stream), or, for a training job that outlives the process that started it, the
 run's ``events.jsonl`` (``start``, ``step``, then ``error``, ``done`` or ``stopped``, the same
 meanings) and a report file (:data:`REPORT_ENV`) for a failure that may not be written into the run
-folder. :func:`error_message` turns an exception into an ``error`` message and :func:`raise_error`
+folder. :func:`error_message` turns an exception into an ``error`` message and :func:`error_of`
 turns it back, in the caller, into the same :class:`~finetuner.errors.UserError` (message and hint as
 raised) or a :class:`RuntimeError` for a bug: one place decides how a failure crosses a process.
 """
@@ -29,7 +31,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from finetuner.errors import UserError
+from finetuner.errors import OutOfMemory, UserError
+from finetuner.fileio import DiskFull
 
 KINDS: tuple[str, ...] = ("started", "progress", "error", "done")
 
@@ -48,6 +51,8 @@ def message(kind: str, **fields: Any) -> dict[str, Any]:
 def error_fields(exc: BaseException) -> dict[str, Any]:
     """What an exception says to the user: ``message``, ``hint``, ``type``, ``user_error``. A
     :class:`UserError`'s message and hint as raised; anything else (a bug) as ``Type: text``."""
+    if isinstance(exc, DiskFull):  # and what it was made of: said again where the space is measured later (error_of)
+        return {"message": exc.message, "hint": exc.hint, "type": type(exc).__name__, "user_error": True, "disk_full": exc.fields()}
     if isinstance(exc, UserError):
         return {"message": exc.message, "hint": exc.hint, "type": type(exc).__name__, "user_error": True}
     if isinstance(exc, KeyboardInterrupt):
@@ -72,12 +77,21 @@ def error_text(msg: dict[str, Any]) -> str:
     return msg.get("message", "") + (f"\n{msg['hint']}" if msg.get("hint") else "")
 
 
-def raise_error(msg: dict[str, Any]) -> NoReturn:
-    """In the caller: raise what the worker's ``error`` message reports, a :class:`UserError` with its
-    message and hint, or a :class:`RuntimeError` (a bug in the worker)."""
+def error_of(msg: dict[str, Any]) -> Exception:
+    """In the caller: the error the worker's ``error`` message reports, a :class:`UserError` with its message
+    and hint (an :class:`~finetuner.errors.OutOfMemory` as such, a full disk as a :class:`DiskFull` that says
+    how much is free now), or a :class:`RuntimeError` (a bug in the worker)."""
+    if msg.get("disk_full"):
+        return DiskFull(**msg["disk_full"])
     if msg.get("user_error"):
-        raise UserError(msg.get("message", ""), hint=msg.get("hint"))
-    raise RuntimeError(msg.get("message", "the worker failed"))
+        kind = OutOfMemory if msg.get("type") == OutOfMemory.__name__ else UserError
+        return kind(msg.get("message", ""), hint=msg.get("hint"))
+    return RuntimeError(msg.get("message", "the worker failed"))
+
+
+def raise_error(msg: dict[str, Any]) -> NoReturn:
+    """In the caller: raise what the worker's ``error`` message reports (:func:`error_of`)."""
+    raise error_of(msg)
 
 
 def encode(msg: dict[str, Any]) -> str:

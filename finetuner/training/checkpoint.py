@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from finetuner.fileio import atomic_write_json, publish_dir
+from finetuner.fileio import atomic_write_json, give_back, publish_dir
 from finetuner.quiet import quieted
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,20 @@ def is_sharded(ckpt: Path) -> bool:
 def staging_dir(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` is written before :func:`publish_checkpoint` renames it into place."""
     return Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
+
+
+def remove_staging(run_dir: Path) -> list[tuple[str, int]]:
+    """Remove every :func:`staging_dir` of the run: checkpoints that were never completed (a full disk, a
+    process killed while it wrote), which no resume reads. Returns the name and size of each. Only where
+    nothing writes into them: once a step's checkpoint is published, under the run's lock before its
+    processes start, or after they have all ended."""
+    from finetuner.fileio import tree_bytes
+
+    removed = []
+    for stale in sorted((Path(run_dir) / "checkpoints").glob(".tmp-step-*")):
+        removed.append((stale.name, tree_bytes(stale)))
+        shutil.rmtree(stale, ignore_errors=True)
+    return removed
 
 
 def start_checkpoint(run_dir: Path, step: int) -> Path:
@@ -173,8 +187,7 @@ def publish_checkpoint(run_dir: Path, step: int, keep_last: int) -> Path:
     publish_dir(staging_dir(run_dir, step), final)
     for old in prune_order(checkpoint_dirs(run_dir), step)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_staging(run_dir)
     return final
 
 
@@ -186,8 +199,8 @@ def save_checkpoint(
     tmp = start_checkpoint(run_dir, step)
     try:
         write_checkpoint_parts(tmp, model, optimizer, scheduler, state, scaler, recipe_yaml, midway)
-    except Exception:  # a full disk, say: give the space of the half-written checkpoint back
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:  # a full disk, say: give the space of the half-written checkpoint back
+        give_back(tmp, e)
         raise
     return publish_checkpoint(run_dir, step, keep_last)
 

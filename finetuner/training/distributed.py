@@ -24,7 +24,9 @@ its hooks. Where strategies differ the trainer asks the run's strategy object, o
   reduce-scatters in each pass and clips by the norm of the whole gradient;
 - **rank 0 only** writes ``events.jsonl``, TensorBoard, checkpoints, the adapter and
   ``metrics.json``; sharded weights (ZeRO-3, FSDP) are gathered for saving (``Strategy.gathered``),
-  so the adapter is always a normal peft folder;
+  so the adapter is always a normal peft folder. A rank that fails says why on its output too
+  (:func:`~finetuner.training.rank_output.report_failure`), which the launcher reads: its error
+  reaches the user when rank 0 could not write it (another rank failed first, a full disk);
 - **checkpoints**: every rank adds its own RNG state (``rng_rank{N}.pt``) and its share of the
   strategy's sharded state (``Strategy.write_shards``: ZeRO's ``deepspeed/``, FSDP's ``fsdp/``
   through ``torch.distributed.checkpoint``) and resumes with them; the ranks agree whether each
@@ -62,8 +64,9 @@ from finetuner.errors import UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training import seal
 from finetuner.training.launch import STOP_FILE
+from finetuner.training.rank_output import report_failure
 from finetuner.training.strategies import Strategy, strategy_class
-from finetuner.training.trainer import Trainer
+from finetuner.training.trainer import Trainer, record_error
 
 log = logging.getLogger(__name__)
 
@@ -252,16 +255,15 @@ class DistributedTrainer(Trainer):
         _barrier()
         try:
             return self._write_staged(tmp, elapsed, main)
-        except Exception:  # a full disk, say: rank 0 gives the half-written checkpoint's space back (the others end with it)
+        except Exception as e:  # a full disk, say: rank 0 gives the half-written checkpoint's space back (the others end with it)
             if main:
-                import shutil
+                from finetuner.fileio import give_back
 
-                shutil.rmtree(tmp, ignore_errors=True)
+                give_back(tmp, e)
             raise
 
     def _write_staged(self, tmp: Path, elapsed: float, main: bool) -> Path:
         self.strategy.write_shards(tmp)
-        self.faults.in_write("shards", self.step, self.rank, str(tmp))  # FULL@shards: a disk that filled up here
         if not main:
             ckpt_io.write_rng_state(tmp, self.rank)
         with self.strategy.gathered() as weights:
@@ -409,16 +411,23 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.events.emit("samples", samples=samples)
         return 0
     except UserError as e:
-        trainer.events.error(e)
+        _report(trainer, e)
         log.error("%s", e)
         if not ctx.is_main:
             wait_for_the_error_event(run_dir / "events.jsonl")
         return 2
     except Exception as e:
-        trainer.events.error(e)
+        _report(trainer, e)
         raise
     finally:
         trainer.cleanup()
+
+
+def _report(trainer: DistributedTrainer, error: BaseException) -> None:
+    """Report why this rank stops: to the launcher through the ranks' output (:func:`report_failure`: no disk
+    on the way), and, on rank 0, as the run's ``error`` event where the run folder's disk can take it."""
+    report_failure(error, trainer.rank)
+    record_error(trainer, error)
 
 
 #: how long a rank other than 0 waits, on a stop all ranks agreed on, for rank 0 to write the run's error event

@@ -10,9 +10,6 @@ process in the middle of writing the checkpoint of step 4 (the adapter written, 
 state and the rename not), ``KILL@events:5`` halfway through appending the ``step`` event of
 step 5 to ``events.jsonl`` (half a line on disk).
 
-``FULL@shards:4`` raises a full disk's ``OSError`` (ENOSPC) on each rank of a multi-process run
-right after it wrote its share of the checkpoint of step 4 (``FULL@shards:4:0``: rank 0 only).
-
 ``HOLD@4`` holds the run after optimizer step 4 (its events written) for as long as the file
 named by ``FINETUNER_HOLD_FILE`` exists, or until a stop is asked for: a test that must see a
 run mid-way (a status, a page reloaded during training, a stop) creates the file, looks, then
@@ -34,7 +31,7 @@ ENV = "FINETUNER_FAULT"
 #: the gate file of ``HOLD@STEP``: the run waits after that step while this file exists
 HOLD_ENV = "FINETUNER_HOLD_FILE"
 #: the points inside a write that ``KILL@POINT:STEP`` can name
-WRITE_POINTS = ("save", "events", "shards")
+WRITE_POINTS = ("save", "events")
 
 
 def _parse(spec: str):
@@ -50,14 +47,14 @@ def _parse(spec: str):
             step, _, times = parts[0].partition("*")
             rank = int(parts[1]) if len(parts) == 2 else None
             out.append((name.upper(), point, int(step), float(times or 1), rank))
-            if name.upper() not in ("OOM", "HOLD", "FULL"):
+            if name.upper() not in ("OOM", "HOLD"):
                 getattr(signal, f"SIG{name.upper()}")
-            if (point and name.upper() not in ("KILL", "FULL")) or (name.upper() == "FULL") != (point == "shards"):
+            if point and name.upper() != "KILL":
                 raise ValueError
         except (ValueError, AttributeError):
             raise ValueError(
                 f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD) "
-                f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK] / FULL@shards:STEP[:RANK]"
+                f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK]"
             ) from None
     return out
 
@@ -110,13 +107,7 @@ class FaultPlan:
         """Whether a ``KILL@point:…`` fault is planned (the writer then calls :meth:`in_write`)."""
         return bool(self.kills_in[point])
 
-    def in_write(self, point: str, step: int, rank: int = 0, path: str | None = None) -> None:
-        """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``;
-        raise a full disk's OSError at ``shards`` (writing ``path``) if ``FULL@shards`` names it."""
-        if self._find(self.kills_in[point], step, rank) is None:
-            return
-        if point == "shards":
-            import errno
-
-            raise OSError(errno.ENOSPC, f"No space left on device (simulated, {ENV})", path)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def in_write(self, point: str, step: int, rank: int = 0) -> None:
+        """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``."""
+        if self._find(self.kills_in[point], step, rank) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)

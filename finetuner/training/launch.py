@@ -25,7 +25,12 @@ Stopping: the first stop request (Ctrl-C in the CLI, or ``stop_event``) writes `
 every rank sees it at its next step, they agree to stop at the same step, save a checkpoint and
 exit. A second Ctrl-C, an error in the launcher, or the launcher dying (``PR_SET_PDEATHSIG``)
 terminates torchrun, which terminates its workers; each worker also dies with torchrun. torchrun
-stops all ranks when one fails. Output of all ranks goes to ``<run>/distributed/launch.log``.
+stops all ranks when one fails. Output of all ranks goes through the launcher to
+``<run>/distributed/launch.log`` (:mod:`finetuner.training.rank_output`: elsewhere when that disk is full).
+
+A failed run ends with what a rank reported (its own one-line error: a full disk, an out-of-memory
+stop), else rank 0's ``error`` event, else torchrun's exit status and the end of the ranks' output; the
+checkpoint the ranks were writing when it failed is removed first (:func:`_failure`).
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.children import module_args, module_command, safe_env, stop_signals_as_in_a_terminal
-from finetuner.errors import OutOfMemory, UserError
+from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe, load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
+from finetuner.training.rank_output import RankOutput
 from finetuner.training.seal import TRUST_ENV
 
 log = logging.getLogger(__name__)
@@ -229,11 +235,39 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         proc.wait()
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def _failure(run_dir: Path, status: int, end: dict[str, Any] | None, output: RankOutput, first_node: bool) -> UserError:
+    """The error a failed run ends with, once torchrun and every rank have ended. On node 0, which holds the
+    run's lock, the checkpoint they were writing is removed first. Then: what a rank reported
+    (:class:`RankOutput`; a full disk said again with the space free now), else the ``error`` event rank 0
+    wrote, else torchrun's exit status with the end of the ranks' output; written as the run's ``error``
+    event where rank 0 wrote none."""
+    from finetuner.runs.events import EventWriter
+    from finetuner.runs.worker_protocol import error_of, error_text, event_fields
+    from finetuner.training.checkpoint import remove_staging
+
+    if first_node:
+        remove_staging(run_dir)
+    reported = output.report()
+    if reported is None and end is not None and end["event"] == "error":
+        reported = end
+    if reported is not None and reported.get("user_error"):
+        error = error_of(reported)
+        error.add_hint(output.note())  # the ranks' output is not all where the run folder says
+        event = event_fields(error)
+    else:
+        what = error_text(reported) if reported is not None else f"a training process failed (torchrun exit status {status})"
+        error = UserError(f"Multi-process training failed: {what}", hint=output.where())
+        event = {"message": what, "type": "DistributedRunFailed", "user_error": False}
+    if first_node and (end is None or end["event"] != "error"):  # the events' one writer is on node 0
+        try:
+            writer = EventWriter(run_dir / "events.jsonl")
+            try:
+                writer.emit("error", **event)
+            finally:
+                writer.close()
+        except OSError as e:  # a full disk: the error raised says what happened
+            log.warning("Could not record the error in %s (%s).", run_dir / "events.jsonl", e)
+    return error
 
 
 def _wait_for_first_node(recipe: Recipe, stop_event: threading.Event | None) -> Path:
@@ -279,7 +313,6 @@ def launch_training(
     import torch
 
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
-    from finetuner.runs.events import EventWriter
     from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
     from finetuner.planning.planner import resolve_for_run
@@ -332,8 +365,9 @@ def launch_training(
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))
         cmd = torchrun_command(recipe, run_dir)
         log.info("Launching: %s", shlex.join(cmd))
-        with open(log_path, "ab") as log_f:
-            proc = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        output = RankOutput(log_path)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        output.start(proc.stdout)
         follower.start()
         stop_requested = False
         try:
@@ -348,27 +382,14 @@ def launch_training(
         finally:
             relay_stop.set()
             follower.join()
+            output.join()
             (run_dir / STOP_FILE).unlink(missing_ok=True)
         tracker = RunStateTracker()
         for event in relayed:
             tracker.feed(event)
         end = tracker.end  # the terminal event the ranks wrote, if they did
         if proc.returncode != 0 or end is None or end["event"] == "error":
-            message = end.get("message") if end and end["event"] == "error" else None
-            if message is None:
-                message = f"a training process failed (torchrun exit status {proc.returncode})"
-                if first_node:  # the events' one writer is on node 0
-                    writer = EventWriter(events_path)
-                    writer.emit("error", message=message, type="DistributedRunFailed", user_error=False)
-                    writer.close()
-            if end is not None and end.get("type") == OutOfMemory.__name__:
-                raise OutOfMemory(message)  # exit status 3, as for one process
-            if end is not None and end.get("user_error"):
-                raise UserError(message)
-            raise UserError(
-                f"Multi-process training failed: {message}",
-                hint=f"The output of every rank is in {log_path}; its end:\n{_log_tail(log_path)}",
-            )
+            raise _failure(run_dir, proc.returncode, end, output, first_node)
         ckpt = latest_checkpoint(run_dir)
         losses = load_trainer_state(ckpt)["losses"] if ckpt else []
         if end["event"] == "stopped":

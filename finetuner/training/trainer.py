@@ -1021,22 +1021,23 @@ class Trainer:
         ``weights``: the trained weights to save when the model's own are sharded (a state dict)."""
         import shutil
 
-        from finetuner.fileio import publish_dir
+        from finetuner.fileio import give_back, publish_dir
 
         final = self.run_dir / name
         tmp = self.run_dir / f".tmp-{name}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        try:
-            with self._disk_full_guard(tmp, weights_only=True), quieted():  # quieted: transformers' "Writing model shards" bar
-                ckpt_io.save_weights(self.model, tmp, weights)
-                self.tokenizer.chat_template = self.data.chat_template
-                self.tokenizer.save_pretrained(tmp)
-                if self.processor is not None:  # a picture run: the processor (image settings, template) goes along
-                    self.processor.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space of the half-written adapter back
-            raise
+        with self._disk_full_guard(tmp, weights_only=True):  # its message once the space below is given back
+            try:
+                with quieted():  # transformers' "Writing model shards" bar
+                    ckpt_io.save_weights(self.model, tmp, weights)
+                    self.tokenizer.chat_template = self.data.chat_template
+                    self.tokenizer.save_pretrained(tmp)
+                    if self.processor is not None:  # a picture run: the processor (image settings, template) goes along
+                        self.processor.save_pretrained(tmp)
+            except BaseException as e:
+                give_back(tmp, e)  # the space of the half-written adapter
+                raise
         if final.exists():
             old = self.run_dir / f".old-{name}"
             shutil.rmtree(old, ignore_errors=True)
@@ -1054,7 +1055,7 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- entry point
-def _record_error(trainer: Trainer, error: BaseException) -> None:
+def record_error(trainer: Trainer, error: BaseException) -> None:
     """The ``error`` event of a failed run; when it cannot be written (the disk is full: often why the
     run failed) the error being raised is what the user sees, not a second traceback chained to it."""
     try:
@@ -1159,7 +1160,7 @@ def train(
         return result
     except BaseException as e:  # a UserError, a Ctrl-C ("interrupted") or a bug: recorded, then raised
         if isinstance(e, Exception | KeyboardInterrupt):
-            _record_error(trainer, e)
+            record_error(trainer, e)
         raise
     finally:
         trainer.cleanup()

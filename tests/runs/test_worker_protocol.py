@@ -37,6 +37,29 @@ def test_an_error_crosses_the_process_as_it_was_raised():
         protocol.message("finished")
 
 
+def test_a_full_disk_crosses_the_process_said_with_the_space_free_when_it_is_reported(small_disk):
+    """A :class:`DiskFull` keeps what it was made of (the write, what comes next, the space that needs), and the
+    caller says it again with what is free when it reports it (the launcher of a multi-process run, once it has
+    removed the checkpoint its ranks were writing): on a real small disk (tests/small_disk.py), first full, then not."""
+    from finetuner.fileio import DiskFull, size_text
+    from tests.small_disk import PAGE, fill, free
+
+    filler = fill(small_disk, leave=10 * PAGE)
+    raised = DiskFull(small_disk / "run" / ".tmp-step-00000002", "resume", 20 * 2**20)
+    assert raised.message == f"No space left on device while writing {small_disk}/run/.tmp-step-00000002 (40.0 KiB free)."
+    msg = protocol.decode(protocol.encode(protocol.error_message(raised, rank=1)))
+    assert msg["type"] == "DiskFull" and msg["user_error"] and msg["rank"] == 1
+    filler.unlink()
+    again = protocol.error_of(msg)
+    assert isinstance(again, DiskFull)
+    assert again.message == f"No space left on device while writing {small_disk}/run/.tmp-step-00000002 ({size_text(free(small_disk))} free)."
+    assert again.hint == (f"Free at least {size_text(20 * 2**20 - free(small_disk))} more on that disk (20.0 MiB free in all), "
+                          "then resume.")
+    again.add_hint("The ranks' output is in X.")  # what the reporting side knows and the raising side did not
+    assert again.hint.endswith("then resume.\nThe ranks' output is in X.") and str(again) == f"{again.message}\n{again.hint}"
+    assert isinstance(protocol.error_of(protocol.error_message(OutOfMemory("too big"))), OutOfMemory)  # exit status 3
+
+
 def test_a_worker_reports_on_stdout_and_library_prints_go_to_stderr():
     """The worker side (take_stdout, Sender) and the caller's (Receiver) over a real pipe: a print from
     a library inside the worker cannot corrupt the stream; the end of the stream is None."""

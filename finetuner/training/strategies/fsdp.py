@@ -23,7 +23,8 @@ Saving: the trained weights (the adapter, or every weight of a full fine-tune) a
 one state dict on rank 0 (``get_model_state_dict(full_state_dict=True)``) and saved as a normal
 peft (or transformers) folder. A checkpoint holds, besides that folder, ``fsdp/``: the trained
 weights' and the optimizer's shards through ``torch.distributed.checkpoint`` (one file per rank),
-from which a resume (with the same number of processes) loads them.
+from which a resume (with the same number of processes) loads them. A write that fails on any rank (a
+full disk) fails on every rank as an ordinary error naming its cause (:func:`_failures_as_errors`).
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ class FSDP(Strategy):
     def write_shards(self, tmp: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._sharded_state(), checkpoint_id=str(tmp / SHARDS_DIR))
+        with _failures_as_errors(self.trainer.rank):
+            dcp.save(self._sharded_state(), checkpoint_id=str(tmp / SHARDS_DIR))
 
     def read_parts(self, ckpt: Path) -> dict[str, Any]:
         tr = self.trainer
@@ -271,3 +273,20 @@ class FSDP(Strategy):
         dcp.load(state, checkpoint_id=str(ckpt / SHARDS_DIR))
         set_model_state_dict(tr.model, state["model"], options=self._options(strict=False))
         set_optimizer_state_dict(tr.model, tr.optimizer, state["optimizer"], options=self._options())
+
+
+@contextlib.contextmanager
+def _failures_as_errors(rank: int) -> Iterator[None]:
+    """``torch.distributed.checkpoint`` gathers what failed on each rank (a full disk on one of them, say) into
+    a ``CheckpointException``, the same on every rank, which is a ``BaseException``: no ``except Exception``
+    sees it (the staging folder's removal, the full-disk message). Raise it as an ordinary error instead,
+    from this rank's own failure (or the first rank's), whose ``OSError`` says why."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failed = e.failures
+        cause, _trace = failed.get(rank) or next(iter(failed.values()))
+        ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, sorted(failed)))}"
+        raise RuntimeError(f"torch.distributed.checkpoint failed on {ranks}: {type(cause).__name__}: {cause}") from cause
