@@ -240,6 +240,24 @@ def write_pictures(folder: Path, n: int = 8) -> list[tuple[str, str]]:
     return out
 
 
+def write_bomb_png(path: Path, width: int, height: int) -> Path:
+    """A real PNG of ``width`` x ``height`` black pixels, 1 bit each, its rows compressed as one zlib stream: a
+    30000 x 30000 one is about 110 KB on disk and 900 million pixels decoded (2.7 GB as RGB), written in well under a
+    second without ever holding its pixels (each row is the same bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\x00" + bytes((width + 7) // 8)  # filter type 0, then the row's bits
+    z = zlib.compressobj(9)
+    data = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1-bit greyscale, no interlace
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    return path
+
+
 def write_picture_chats(folder: Path, n: int = 8) -> Path:
     """``folder/colours.jsonl``: one chat a picture of :func:`write_pictures` ("What colour is this?" → "It is
     <colour>."), in LLaMA-Factory's form (an ``images`` column and ``<image>``) and OpenAI's (image parts) by turns."""

@@ -28,6 +28,7 @@ from gradio.components.plot import PlotData
 
 from finetuner.config.recipe import GRPOSection, Objective
 from finetuner.data.formats import ROLES
+from finetuner.data.picture_files import PictureTooLarge
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
 from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
@@ -142,6 +143,14 @@ def message_text(content: Any) -> str:
     if isinstance(content, (list, tuple)):
         return "".join(message_text(c) for c in content)
     return "" if content is None else str(content)
+
+
+def uploaded_path(payload: Any) -> str | None:
+    """Where gradio stored an upload (in its cache: it takes no other path), from the upload's value as the page
+    sends it (a FileData, unprocessed: nothing of it decoded here)."""
+    if isinstance(payload, dict):
+        return payload.get("path") or None
+    return payload or None
 
 
 def settings_text(gen: dict) -> str:
@@ -282,6 +291,8 @@ class Handlers:
         columns = picked_columns(picked)
         try:
             profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        except PictureTooLarge:
+            raise  # what the file holds is not in question: one of its pictures is refused
         except UserError as not_sft:
             return self.prompts_view(path, model, int(seq_len or 0), columns, not_sft)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data

@@ -135,21 +135,14 @@ THUMBNAIL = 96
 
 def thumbnail_src(path: str) -> str:
     """A picture as a ``data:`` URI of a PNG thumbnail (at most :data:`THUMBNAIL` pixels a side): the page shows it
-    without serving the file; an unreadable picture gives an empty string."""
+    without serving the file; an unreadable picture gives an empty string, one over finetuner's most pixels its
+    one-line refusal (:func:`finetuner.data.picture_files.thumbnail_png`, which decodes it reduced)."""
     import base64
-    import io
 
-    from PIL import Image
+    from finetuner.data.picture_files import thumbnail_png
 
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            im.thumbnail((THUMBNAIL, THUMBNAIL))
-            buf = io.BytesIO()
-            im.save(buf, format="PNG")
-    except OSError:
-        return ""
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    png = thumbnail_png(path, THUMBNAIL)
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii") if png else ""
 
 
 def pictures_html(preview: Any) -> str:
