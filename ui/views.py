@@ -78,6 +78,7 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
         lines.append(f"**Note:** {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
     else:
         lines.append(f"✓ every example fits in {seq_len} tokens.")
+    lines += bad_rows_lines(d)  # a missing picture, or one outside a served UI's folders, is said here
     lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
     return "\n\n".join(lines)
 
@@ -107,10 +108,16 @@ def preference_summary_md(profile: Any, seq_len: int) -> str:
                      "cut from the start.")
     else:
         lines.append(f"✓ every example fits in {seq_len} tokens.")
-    if d.get("bad_rows"):
-        lines.append(f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}")
+    lines += bad_rows_lines(d)
     lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
     return "\n\n".join(lines)
+
+
+def bad_rows_lines(d: dict[str, Any]) -> list[str]:
+    """How many rows of a profile (its ``to_dict()``) cannot be used and the first one's reason; none when all can."""
+    if not d.get("bad_rows"):
+        return []
+    return [f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}"]
 
 
 def _cell_text(text: str) -> str:
