@@ -241,6 +241,50 @@ def write_pictures(folder: Path, n: int = 8) -> list[tuple[str, str]]:
     return out
 
 
+def write_bomb_png(path: Path, width: int, height: int) -> Path:
+    """A real PNG of ``width`` x ``height`` black pixels, 1 bit each, its rows compressed as one zlib stream: a
+    30000 x 30000 one is about 110 KB on disk and 900 million pixels decoded (2.7 GB as RGB), written in well under a
+    second without ever holding its pixels (each row is the same bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\x00" + bytes((width + 7) // 8)  # filter type 0, then the row's bits
+    z = zlib.compressobj(9)
+    data = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1-bit greyscale, no interlace
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    return path
+
+
+def write_picture_places(base: Path) -> tuple[Path, Path]:
+    """``base/mine``, a folder a served UI reads, with a green ``ok.png``; ``base/outside`` with a red ``secret.png``
+    and a folder named ``folder.png``; and in ``mine`` the link ``link.png`` to the red picture."""
+    from PIL import Image
+
+    mine, outside = base / "mine", base / "outside"
+    mine.mkdir()
+    outside.mkdir()
+    Image.new("RGB", (8, 8), (0, 200, 0)).save(mine / "ok.png")
+    Image.new("RGB", (8, 8), (200, 0, 0)).save(outside / "secret.png")
+    (outside / "folder.png").mkdir()
+    (mine / "link.png").symlink_to(outside / "secret.png")
+    return mine, outside
+
+
+def outside_picture_refs(mine: Path, outside: Path) -> dict[str, str]:
+    """Each way a row of a data file in a sibling of ``outside`` (:func:`write_picture_places`) names a picture
+    outside ``mine`` (absolute, ``file://``, ``../``, a link out), and each state such a path can be in (there,
+    missing, a folder, under a file)."""
+    secret = outside / "secret.png"
+    return {"there": str(secret), "file://": f"file://{secret}", "../": "../outside/secret.png",
+            "../../": "../" * 12 + str(secret).lstrip("/"), "a link out": str(mine / "link.png"),
+            "missing": str(outside / "no-such.png"), "a folder": str(outside / "folder.png"),
+            "under a file": str(secret / "x.png")}
+
+
 def write_picture_chats(folder: Path, n: int = 8) -> Path:
     """``folder/colours.jsonl``: one chat a picture of :func:`write_pictures` ("What colour is this?" → "It is
     <colour>."), in LLaMA-Factory's form (an ``images`` column and ``<image>``) and OpenAI's (image parts) by turns."""
@@ -479,15 +523,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ui_client(base: Path):
+def ui_client(base: Path, data_dirs: list[Path] | None = None):
     """The web UI app served in this process on a free port, and a ``gradio_client`` on it;
-    runs and uploads under ``base``. Training jobs it started are stopped afterwards."""
+    runs and uploads under ``base``; ``data_dirs`` as ``finetuner ui --data-dir`` gives them (``[]``: as
+    ``--host 0.0.0.0`` serves it). Training jobs it started are stopped afterwards."""
     import gradio_client  # a dependency of gradio, which is one of finetuner's
 
     from finetuner.runs import jobs
     from ui.app import build_app
 
-    app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads")
+    app = build_app(runs_dir=base / "runs", upload_dir=base / "uploads", data_dirs=data_dirs)
     port = free_port()
     app.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)
     c = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)

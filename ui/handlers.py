@@ -27,17 +27,18 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from finetuner.config.recipe import GRPOSection, Objective
-from finetuner.data.formats import ROLES
+from finetuner.data.formats import ROLES, refused_picture
+from finetuner.data.picture_files import PictureTooLarge
+from finetuner.data.scope import ReadScope, data_file, within
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
 from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
-from finetuner.surface import shown_in
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from finetuner.training import seal
 from ui import paths, views
 from ui.chat_pool import ChatPool
-from ui.errors import error_md, shows_errors, steps_in_ui
+from ui.errors import error_md, on_page, shows_errors, steps_in_ui
 from ui.estimate import recipe_estimate
 from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
 
@@ -144,6 +145,14 @@ def message_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def uploaded_path(payload: Any) -> str | None:
+    """Where gradio stored an upload (in its cache: it takes no other path), from the upload's value as the page
+    sends it (a FileData, unprocessed: nothing of it decoded here)."""
+    if isinstance(payload, dict):
+        return payload.get("path") or None
+    return payload or None
+
+
 def settings_text(gen: dict) -> str:
     """The settings an answer was generated with, so that a sampled answer can be repeated."""
     if gen["temperature"] == 0:
@@ -165,6 +174,9 @@ class Handlers:
         #: other machines): ``data/``, the uploads, the runs and these; None: any file of this machine
         self.data_dirs = None if data_dirs is None else [
             paths.DATA_DIR, self.uploads, self.runs, *(Path(d).expanduser().resolve() for d in data_dirs)]
+        #: the same folders as the library reads within them (finetuner.data.scope): every handler runs in it
+        #: (ui.errors.on_page), so the data files and pictures it reads, and the jobs it starts, stay inside
+        self.scope = None if self.data_dirs is None else ReadScope.of(self.data_dirs, map(paths.display, self.data_dirs))
         #: the largest upload taken (the launch gives gradio the same limit)
         self.max_upload_bytes = int(max_upload_bytes or paths.MAX_UPLOAD_BYTES)
         self.runs.mkdir(parents=True, exist_ok=True)
@@ -208,21 +220,27 @@ class Handlers:
 
     # ------------------------------------------------------------------ model & data
     def data_path(self, text: str) -> str:
-        """A data file named in the UI, as an absolute path (or a hub data set id), refused outside
-        :attr:`data_dirs`."""
-        path = paths.resolve_data(text)
-        if self.data_dirs is not None and Path(path).exists() and not paths.in_folders(path, self.data_dirs):
-            raise paths.data_scope_error(text, self.data_dirs)
-        return path
+        """A data file named in the UI, as an absolute path (or a hub data set id); outside :attr:`scope`,
+        one refusal whatever is there (:func:`finetuner.data.scope.data_file`)."""
+        text = (text or "").strip()
+        if not text:
+            return text
+        with within(self.scope):
+            return paths.resolve_data(data_file(text, [paths.ROOT]))
 
     def check_data_scope(self, recipe) -> None:
-        """A recipe started or resumed from the UI trains only on files inside :attr:`data_dirs`."""
-        if self.data_dirs is None:
+        """A recipe started or resumed from the UI trains only on files inside :attr:`scope`, and on the
+        pictures inside it that their rows name (:func:`finetuner.data.formats.refused_picture`)."""
+        if self.scope is None:
             return
         named = [*(recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]), recipe.data.val_path]
-        for p in (str(x) for x in named if x):
-            if Path(p).expanduser().exists() and not paths.in_folders(Path(p).expanduser(), self.data_dirs):
-                raise paths.data_scope_error(p, self.data_dirs)
+        with within(self.scope):
+            for p in (str(x) for x in named if x):
+                data_file(p, [paths.ROOT])
+            refused = refused_picture(recipe.data)
+        if refused is not None:
+            raise UserError(f"Not started: {refused}", hint="Put the pictures in data/ (or in a folder the UI was started "
+                                                            "with --data-dir), and name them relative to the data file.")
 
     @shows_errors(0, 1)
     def on_model(self, model_text: str, card: str):
@@ -251,15 +269,13 @@ class Handlers:
         from finetuner.data.formats import file_columns, file_kind
 
         columns: list[str] = []
-        local = paths.resolve_local(data_file or "")
-        if local is not None and self.data_dirs is not None and not paths.in_folders(local, self.data_dirs):
-            local = None  # on_data says why it is not read
-        if local is not None and local.is_file():
+        with on_page(self):
             try:
-                with shown_in("ui"):
+                local = Path(self.data_path(data_file or ""))
+                if local.is_absolute() and local.is_file():
                     columns = file_columns(str(local)) if file_kind(str(local)) == "sft" else []
             except UserError:
-                columns = []  # on_data says what is wrong with the file
+                columns = []  # on_data says what is wrong with the file, or that this UI does not read it
         menus = [gr.update(choices=[AS_DETECTED, *((c, c) for c in columns)], value="") for _ in COLUMN_ROLES]
         return (gr.update(visible=bool(columns)), *menus, gr.update(value=[]), gr.update(value="", visible=False))
 
@@ -282,6 +298,8 @@ class Handlers:
         columns = picked_columns(picked)
         try:
             profile = profile_data(path, model, int(seq_len or 0) or None, columns=columns)
+        except PictureTooLarge:
+            raise  # what the file holds is not in question: one of its pictures is refused
         except UserError as not_sft:
             return self.prompts_view(path, model, int(seq_len or 0), columns, not_sft)
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
@@ -420,7 +438,8 @@ class Handlers:
             from finetuner.planning.predict import estimate_time
 
             try:
-                time = views.time_text(estimate_time(recipe, gpu_profile(card)))
+                with on_page(self):  # the recipe's data is read within this UI's scope
+                    time = views.time_text(estimate_time(recipe, gpu_profile(card)))
             except Exception:  # noqa: BLE001 - the headline still shows; the time needs a recipe the planner reads
                 time = None
         return views.recipe_md(recipe, planned, time)
@@ -520,8 +539,11 @@ class Handlers:
         another file was chosen (or uploaded) would quietly train on the old one."""
         if not (data_file or "").strip():
             return
-        local = paths.resolve_local(data_file)
-        chosen = str(local) if local else data_file.strip()
+        if self.scope is not None:  # inside this UI's folders, else its one refusal: nothing outside is looked up
+            chosen = self.data_path(data_file)
+        else:
+            local = paths.resolve_local(data_file)
+            chosen = str(local) if local else data_file.strip()
         listed = recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]
         if chosen in [str(Path(p).resolve()) if Path(p).exists() else p for p in listed]:
             return
@@ -561,8 +583,8 @@ class Handlers:
             raise UserError(f"Not started: the recipe sets {' and '.join(f'model.{k}: true' for k in asks)}, so code "
                             f"from {recipe.model.name} may run on this machine.",
                             hint=f"Tick “{START_CODE}” to confirm, only for a model you trust.")
+        self.check_data_scope(recipe)  # first: what follows looks at the recipe's files
         self.check_same_data(recipe, data_file)
-        self.check_data_scope(recipe)
         gpu = gpu_profile(card)
         est = recipe_estimate(recipe, gpu)
         if not est.fits and not anyway:
@@ -664,7 +686,7 @@ class Handlers:
         """One exchange in both lanes; an error puts the message and the conversations back as
         they were and says why in the status line."""
         try:
-            yield from steps_in_ui(self._chat(message, tuned_hist, base_hist, *settings))
+            yield from steps_in_ui(self._chat(message, tuned_hist, base_hist, *settings), self)
         except Exception as e:  # noqa: BLE001
             yield message, tuned_hist, base_hist, error_md(e)
 

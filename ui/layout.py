@@ -17,7 +17,7 @@ from ui import paths, views
 from finetuner.data.formats import ROLES
 from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, GRPO_GENERATIONS, GRPO_NEW_TOKENS,
                          OBJECTIVES, REWARDS_INFO, REWARDS_LABEL, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers, default_card,
-                         empty_chart, grpo_settings_shown)
+                         empty_chart, grpo_settings_shown, uploaded_path)
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -286,9 +286,11 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         for comp in remembered:  # in the browser only: stored at once, no round trip to the server
             comp.change(None, remembered, saved, js=REMEMBER_JS, api_name=False, queue=False)
 
-        # the picture reaches the handler through a State, which is not part of the /chat API's parameters
+        # the picture reaches the handler through a State, which is not part of the /chat API's parameters; as the
+        # path of the upload gradio stored, not preprocessed: gradio would decode it (to RGB) whatever its size, where
+        # the chat opens it within the model's pixel limit (finetuner.data.picture_files)
         picture_held = gr.State(None)
-        picture.change(lambda p: p, picture, picture_held, api_name=False, queue=False)
+        picture.change(uploaded_path, picture, picture_held, api_name=False, queue=False, preprocess=False)
         chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code, picture_held]
         send.click(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
         msg.submit(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)

@@ -63,19 +63,6 @@ def resolve_data(text: str) -> str:
     return str(locate(t, "Data file", [ROOT])) if t else t
 
 
-def in_folders(path: str | Path, folders: list[Path]) -> bool:
-    """Whether ``path`` (links resolved) lies inside one of ``folders``."""
-    real = Path(path).resolve()
-    return any(real == f or f in real.parents for f in (Path(d).resolve() for d in folders))
-
-
-def data_scope_error(text: str, folders: list[Path]) -> UserError:
-    return UserError(
-        f"Data file {text}: this UI reads data files only from {', '.join(display(f) for f in folders)}.",
-        hint="Upload the file, or start the UI with --data-dir FOLDER for a folder of yours (finetuner ui --help).",
-    )
-
-
 def resolve_reward_file(text: str, function: str) -> str:
     """A reward function's file as an absolute path, found as a data file is (relative to the checkout,
     then the current folder); one found nowhere: a :class:`UserError` saying where it was looked for,

@@ -78,6 +78,7 @@ def data_summary_md(profile: Any, preview: Any | None, seq_len: int) -> str:
         lines.append(f"**Note:** {over} example(s) are longer than the sequence length {seq_len} and would be cut.")
     else:
         lines.append(f"✓ every example fits in {seq_len} tokens.")
+    lines += bad_rows_lines(d)  # a missing picture, or one outside a served UI's folders, is said here
     lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
     return "\n\n".join(lines)
 
@@ -107,10 +108,16 @@ def preference_summary_md(profile: Any, seq_len: int) -> str:
                      "cut from the start.")
     else:
         lines.append(f"✓ every example fits in {seq_len} tokens.")
-    if d.get("bad_rows"):
-        lines.append(f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}")
+    lines += bad_rows_lines(d)
     lines.append(f"<small>counted with {html.escape(d['counted_with'])}</small>")
     return "\n\n".join(lines)
+
+
+def bad_rows_lines(d: dict[str, Any]) -> list[str]:
+    """How many rows of a profile (its ``to_dict()``) cannot be used and the first one's reason; none when all can."""
+    if not d.get("bad_rows"):
+        return []
+    return [f"**{d['bad_rows']} row(s) cannot be used**, the first: {html.escape(str(d['first_bad_row']))}"]
 
 
 def _cell_text(text: str) -> str:
@@ -135,21 +142,14 @@ THUMBNAIL = 96
 
 def thumbnail_src(path: str) -> str:
     """A picture as a ``data:`` URI of a PNG thumbnail (at most :data:`THUMBNAIL` pixels a side): the page shows it
-    without serving the file; an unreadable picture gives an empty string."""
+    without serving the file; an unreadable picture gives an empty string, one over finetuner's most pixels its
+    one-line refusal (:func:`finetuner.data.picture_files.thumbnail_png`, which decodes it reduced)."""
     import base64
-    import io
 
-    from PIL import Image
+    from finetuner.data.picture_files import thumbnail_png
 
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            im.thumbnail((THUMBNAIL, THUMBNAIL))
-            buf = io.BytesIO()
-            im.save(buf, format="PNG")
-    except OSError:
-        return ""
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    png = thumbnail_png(path, THUMBNAIL)
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii") if png else ""
 
 
 def pictures_html(preview: Any) -> str:

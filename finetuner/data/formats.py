@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner.data import scope
 from finetuner.errors import UserError, closest
 from finetuner.fileio import exists
 from finetuner.locate import check_hub, locate
@@ -110,6 +111,10 @@ ROLE_OF_COLUMN = {
 
 class RowError(ValueError):
     """One row of a data file cannot be used; the message says why."""
+
+
+class PictureRefused(RowError):
+    """A row names a picture outside the web UI's scope (:mod:`finetuner.data.scope`): it is never read."""
 
 
 @dataclass
@@ -190,7 +195,7 @@ def delimiter_note(path: str) -> str | None:
 def read_rows(path: str, split: str = "train", bad: list[RowError] | None = None) -> Iterator[RawRow]:
     """Yield the rows of a local file or hub data set; unreadable JSON lines go to ``bad``."""
     bad = bad if bad is not None else []
-    p = locate(path, "data.path")
+    p = locate(scope.data_file(path), "data.path")  # within the web UI's scope, when it has one
     if isinstance(p, str):
         yield from _hub_rows(p, split)
         return
@@ -745,7 +750,7 @@ class FileExamples:
                 try:
                     ex["images"] = [picture_path(self.path, p) for p in ex["images"]]
                 except RowError as e:
-                    self.bad.append(RowError(f"{raw.place}: {e}."))
+                    self.bad.append(type(e)(f"{raw.place}: {e}."))  # a PictureRefused stays one
                     continue
             ex["_where"] = raw.place
             self.pictures += len(ex.get("images") or [])
@@ -753,9 +758,35 @@ class FileExamples:
 
 
 def picture_path(data_file: str, ref: str) -> str:
-    """A picture's path as the data file names it (relative to the file's folder, or absolute), checked to exist."""
+    """A picture's path as the data file names it (relative to the file's folder, or absolute), checked to exist;
+    inside the web UI's scope when it has one (:func:`finetuner.data.scope.picture`: one refusal outside it,
+    whatever is there, before anything on disk is looked at)."""
     p = Path(ref).expanduser()
-    where = p if p.is_absolute() else Path(data_file).expanduser().resolve().parent / p
+    where = scope.picture(p if p.is_absolute() else Path(data_file).expanduser().resolve().parent / p)
+    if where is None:
+        raise PictureRefused(scope.picture_refusal(ref))
     if not where.is_file():
         raise RowError(f"picture {ref!r} not found (looked for {where})")
     return str(where)
+
+
+def refused_picture(data) -> PictureRefused | None:
+    """The first picture outside the current scope (:mod:`finetuner.data.scope`) that a recipe's data section
+    (``data.path``, ``data.val_path``; local files, each row read as training reads it) names, with its row; None
+    when there is none. What the web UI checks before it starts or resumes a run: the run itself refuses them too
+    (it inherits the scope), but only once it has started."""
+    named = [*(data.path if isinstance(data.path, list) else [data.path]), data.val_path]
+    for path in (str(p) for p in named if p):
+        local = scope.data_file(path)
+        if not exists(local, "file"):
+            continue  # a hub data set, or a file missing: training says so
+        src = FileExamples(local, data.format, data.columns, data.system_prompt, data.split)
+        try:
+            for _ex in src:
+                pass
+        except UserError:
+            pass  # not rows of examples (preference data, prompts: no pictures), or unreadable: training says so
+        refused = next((b for b in src.bad if isinstance(b, PictureRefused)), None)
+        if refused is not None:
+            return refused
+    return None

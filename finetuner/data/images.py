@@ -7,8 +7,9 @@ order, and each one's place in the messages' text as :data:`~finetuner.data.form
 * :func:`message_parts` turns the messages back into content parts (``{"type": "image"}``, ``{"type": "text"}``),
   what the processors' chat templates read;
 * :func:`encode_pictured` renders the conversation with the processor's template, lets the processor turn each
-  picture into its image tokens (resizing it as the model's settings say), and labels only the assistant's
-  tokens: never an image token, never the prompt (unless ``data.train_on_prompt``, and then still no image token);
+  picture (opened within the model's pixel limit: :mod:`finetuner.data.picture_files`) into its image tokens
+  (resizing it as the model's settings say), and labels only the assistant's tokens: never an image token, never
+  the prompt (unless ``data.train_on_prompt``, and then still no image token);
 * :class:`PictureCollator` adds what the processor's image processor makes of a micro-batch's pictures (pixel
   values, and the grid, sizes or masks a family needs) under ``pictures``; the model's forward takes them with
   the tokens (:func:`finetuner.model.scoring.token_loss_sum`).
@@ -19,17 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetuner.data.formats import IGNORE_INDEX, IMAGE_PLACEHOLDER, RowError
-
-
-def load_picture(path: str):
-    """The picture at ``path`` as RGB (a :class:`RowError` naming the path when it cannot be read)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise RowError(f"picture {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+from finetuner.data.picture_files import load_picture, pixel_limit
 
 
 def message_parts(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -75,7 +66,8 @@ def encode_pictured(ex: dict[str, Any], processor, template: str, max_len: int, 
     to each reply must render as a prefix of the whole."""
     tok = processor.tokenizer
     msgs = ex["messages"]
-    pictures = [load_picture(p) for p in ex.get("images") or []]
+    limit = pixel_limit(processor)
+    pictures = [load_picture(p, limit) for p in ex.get("images") or []]
 
     def ids(upto: list[dict[str, str]], gen: bool) -> list[int]:
         text = tok.apply_chat_template(message_parts(upto), chat_template=template, tokenize=False, add_generation_prompt=gen)
@@ -143,10 +135,10 @@ def picture_inputs(processor, paths: list[list[str]]):
     (``pixel_values`` and what the family adds: ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask`` ...),
     None when no example has a picture. The processor itself, not its image processor alone: it sizes the pictures
     as it counted their tokens (Pixtral's resizes to whole merged patches, which its image processor alone does not)."""
-    parts = []
+    parts, limit = [], pixel_limit(processor)
     for example in paths:
         if example:
-            made = processor(images=[load_picture(p) for p in example], return_tensors="pt")
+            made = processor(images=[load_picture(p, limit) for p in example], return_tensors="pt")
             parts.append({k: v for k, v in made.items() if k not in TEXT_KEYS})
     if not parts:
         return None

@@ -290,7 +290,7 @@ def profile_data(
             how = f"the model's processor and chat template ({model})"
         elif preset is not None:  # the text counted; each picture's tokens from the preset
             picture_tokens, largest = add_picture_tokens(FileExamples(path, fmt, columns, system_prompt), lengths,
-                                                         preset.tokens)
+                                                         preset.tokens, preset.limit)
             total += picture_tokens
             how += f"; image tokens: {preset.counted}"
     except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
@@ -401,41 +401,43 @@ class PresetPictures:
     budget: tuple[int, int] | None  # (fewest, most) pixels a picture keeps, for a pixel-count processor
     source: str  # what counted them, for the profile's note
     counted: str  # the same, for "counted with"
+    limit: int  # the most pixels of a picture read (finetuner.data.picture_files.pixel_limit)
 
 
 def preset_pictures(model: str | None, max_pixels: int | None = None) -> PresetPictures | None:
     """:func:`preset_picture_sizer`'s count (a pixel-count processor's settings, ``max_pixels`` kept), else
     :func:`preset_picture_tokens`' (a fixed count from the config); None for a model that is neither."""
+    from finetuner.data.picture_files import pixel_limit
     from finetuner.model.vision import picture_tokens, pixel_budget
 
     sizer = preset_picture_sizer(model, max_pixels)
     if sizer is not None:
         return PresetPictures(lambda w, h: picture_tokens(sizer, w, h), pixel_budget(sizer),
                               "the preset's image processor settings",
-                              f"the image processor settings of the {model} preset")
+                              f"the image processor settings of the {model} preset", pixel_limit(sizer))
     fixed = preset_picture_tokens(model)
     if fixed is not None:
         return PresetPictures(lambda w, h: fixed, None, "the preset's config",
-                              f"{fixed} a picture, the {model} preset's mm_tokens_per_image")
+                              f"{fixed} a picture, the {model} preset's mm_tokens_per_image", pixel_limit())
     return None
 
 
-def add_picture_tokens(src: FileExamples, lengths: list[int], tokens) -> tuple[int, int]:
+def add_picture_tokens(src: FileExamples, lengths: list[int], tokens, limit: int) -> tuple[int, int]:
     """Add to each of ``lengths`` (the examples of ``src`` in order, their text counted) the image tokens of its
     pictures, ``tokens(width, height)`` each; the image tokens in all and the largest picture's pixels. A picture
-    that does not open is left to the trainer to report with its row."""
-    from PIL import Image
+    that does not open is left to the trainer to report with its row; one over ``limit`` pixels is refused
+    (:class:`~finetuner.data.picture_files.PictureTooLarge`), as the trainer would refuse it."""
+    from finetuner.data.picture_files import picture_size
 
     added = largest = 0
     for i, ex in enumerate(src):
         if i >= len(lengths):
             break
         for path in ex.get("images") or []:
-            try:
-                with Image.open(path) as im:  # the header only
-                    width, height = im.size
-            except OSError:
+            size = picture_size(path, limit)  # the header only
+            if size is None:
                 continue
+            width, height = size
             n = tokens(width, height)
             lengths[i] += n
             added += n
@@ -446,14 +448,14 @@ def add_picture_tokens(src: FileExamples, lengths: list[int], tokens) -> tuple[i
 def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int, int]:
     """Each example's tokens as the trainer encodes them with the processor (its pictures' image tokens
     included), the trained and total tokens, the image tokens in all, and the largest picture's pixels."""
-    from PIL import Image
-
     from finetuner.config.recipe import DataSection
     from finetuner.data.images import encode_pictured, image_token_ids
+    from finetuner.data.picture_files import picture_size, pixel_limit
     from finetuner.data.pipeline import IGNORE_INDEX, chat_template_for
 
     template = chat_template_for(processor, DataSection(path="-", chat_template=chat_template))
     pictured = image_token_ids(processor)
+    limit = pixel_limit(processor)
     lengths, trained, total, image_tokens, largest = [], 0, 0, 0, 0
     for ex in src:
         try:
@@ -466,8 +468,8 @@ def picture_lengths(src: FileExamples, processor, chat_template: str | None = No
         total += len(enc["input_ids"])
         image_tokens += sum(1 for t in enc["input_ids"] if t in pictured)
         for path in ex.get("images") or []:
-            with Image.open(path) as im:  # the header only
-                largest = max(largest, im.width * im.height)
+            width, height = picture_size(path, limit) or (0, 0)  # the header only (encoded above: it reads)
+            largest = max(largest, width * height)
         if len(lengths) >= MAX_ROWS:
             break
     return lengths, trained, total, image_tokens, largest

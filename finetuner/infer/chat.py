@@ -93,12 +93,13 @@ class ChatModel:
         if not images:
             ids = self.encode(messages)
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        from finetuner.data.images import load_picture
         from finetuner.data.formats import RowError
+        from finetuner.data.picture_files import load_picture, pixel_limit
 
         messages = self.with_pictures(messages, images)
+        limit = pixel_limit(self.processor)
         try:
-            pictures = [load_picture(str(Path(p).expanduser())) for p in images]
+            pictures = [load_picture(str(Path(p).expanduser()), limit) for p in images]
         except RowError as e:
             raise UserError(f"--image: {e}.") from None
         enc = self.processor(text=[self.render(messages)], images=pictures, return_tensors="pt", add_special_tokens=False)

@@ -42,15 +42,15 @@ class VisionCost:
         return sum(r * c * k for r, c, k in self.trainable)
 
 
-def _largest_picture(paths: list[str]) -> tuple[int, int]:
-    from PIL import Image
+def _largest_picture(paths: list[str], limit: int) -> tuple[int, int]:
+    """The largest of the pictures at ``paths`` (their headers; one over ``limit`` pixels refused, as the trainer
+    refuses it: the traced stand-in is never larger); 224 x 224 when none opens."""
+    from finetuner.data.picture_files import picture_size
 
     best = (0, 0)
     for path in paths:
-        try:
-            with Image.open(path) as im:  # the header only
-                size = im.size
-        except OSError:
+        size = picture_size(path, limit)  # the header only
+        if size is None:
             continue  # an unreadable picture is the data check's to report
         if size[0] * size[1] > best[0] * best[1]:
             best = size
@@ -108,7 +108,9 @@ def vision_cost(recipe, processor, pictures: list[str], most_per_example: int) -
     if processor is None:
         return VisionCost(trainable, None, per_example, "the vision tower's activations are not counted: the model's "
                                                         "processor (the pictures' size) is not on this machine")
-    width, height = _largest_picture(pictures)
+    from finetuner.data.picture_files import pixel_limit
+
+    width, height = _largest_picture(pictures, pixel_limit(processor))
     text = processor.tokenizer.apply_chat_template(  # as the trainer renders (SmolVLM's own needs its video processor)
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
         chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)

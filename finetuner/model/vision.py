@@ -67,6 +67,34 @@ def pixel_budget(processor) -> tuple[int, int] | None:
     return int(size["shortest_edge"]), int(size["longest_edge"])
 
 
+def largest_pixels(processor) -> int | None:
+    """The most pixels of a picture ``processor`` (or an image processor alone) keeps, from its settings: its pixel
+    budget's most, its fixed size, its longest edge squared, its largest grid pinpoint, times its tiles; None when
+    its settings say none of these. What :func:`finetuner.data.picture_files.pixel_limit` sizes its limit from."""
+    ip = getattr(processor, "image_processor", processor)
+    if ip is None:
+        return None
+    budget = pixel_budget(ip)
+    if budget is not None:
+        return budget[1]
+    pinpoints = getattr(ip, "image_grid_pinpoints", None) or []
+    found = [int(h) * int(w) for h, w in pinpoints if isinstance(h, int) and isinstance(w, int)]
+    for size in (getattr(ip, "size", None), getattr(ip, "crop_size", None)):
+        if size is None:
+            continue
+        get = size.get if isinstance(size, dict) else lambda key, s=size: getattr(s, key, None)  # a dict, or a SizeDict
+        for a, b in (("height", "width"), ("max_height", "max_width"), ("longest_edge", "longest_edge"),
+                     ("shortest_edge", "shortest_edge")):
+            if isinstance(get(a), int) and isinstance(get(b), int):
+                found.append(get(a) * get(b))
+        if isinstance(get("max_pixels"), int):
+            found.append(get("max_pixels"))
+    if not found:
+        return None
+    tiles = getattr(ip, "max_image_tiles", None)
+    return max(found) * (tiles if isinstance(tiles, int) and tiles > 0 else 1)
+
+
 def set_max_pixels(processor, max_pixels: int) -> None:
     """Make ``processor`` (or an image processor alone) keep at most ``max_pixels`` pixels of a picture
     (``data.max_pixels``); a one-line error for a processor that does not size pictures by their pixel count, or a

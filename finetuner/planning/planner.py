@@ -941,10 +941,13 @@ def plan(
         profile = profile_prompts(data, model, columns=columns)
         notes += profile.notes
     elif data:
+        from finetuner.data.picture_files import PictureTooLarge
         from finetuner.data.stats import profile_data, profile_prompts
 
         try:
             profile = profile_data(data, model, seq_len, columns=columns, max_pixels=max_pixels)
+        except PictureTooLarge:
+            raise  # what the file holds is not in question: one of its pictures is refused
         except UserError as e:  # a file of prompts alone is GRPO's data: say so rather than what SFT misses
             try:
                 profile_prompts(data, model, columns=columns)

@@ -36,6 +36,7 @@ from typing import Any
 from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
+from finetuner.data import scope as read_scope
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
@@ -301,7 +302,8 @@ def start_job(
                              *(["--trust-checkpoints"] if trust_checkpoints else []))
         report = target / REPORT_NAME
         report.unlink(missing_ok=True)  # what an earlier attempt reported is not this one's
-        env = safe_env(dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)}))
+        # a job started within the web UI's scope reads its data files and pictures within it (finetuner.data.scope)
+        env = safe_env(read_scope.child_env(dict(os.environ, PYTHONUNBUFFERED="1", **{protocol.REPORT_ENV: str(report)})))
         with open(log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             log.flush()

@@ -71,7 +71,8 @@ def test_the_collator_gives_the_model_what_its_processor_gives(family, work):
     import torch
 
     from finetuner.data.formats import FileExamples
-    from finetuner.data.images import PictureCollator, encode_pictured, load_picture, message_parts
+    from finetuner.data.images import PictureCollator, encode_pictured, message_parts
+    from finetuner.data.picture_files import load_picture, pixel_limit
     from finetuner.data.pipeline import Collator
     from finetuner.model.vision import load_processor
 
@@ -85,7 +86,7 @@ def test_the_collator_gives_the_model_what_its_processor_gives(family, work):
     for row, ex in enumerate(examples[1:3]):
         text = processor.tokenizer.apply_chat_template(message_parts(ex["messages"]), chat_template=processor.chat_template,
                                                        tokenize=False)
-        own = processor(text=[text], images=[load_picture(p) for p in ex["images"]], return_tensors="pt",
+        own = processor(text=[text], images=[load_picture(p, pixel_limit(processor)) for p in ex["images"]], return_tensors="pt",
                         add_special_tokens=False)
         n = own["input_ids"].shape[1]
         assert batch["input_ids"][row, :n].tolist() == own["input_ids"][0].tolist()
