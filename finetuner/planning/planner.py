@@ -1447,6 +1447,31 @@ def held_out_of(recipe: Recipe) -> int | None:
     return held_out_rows(d.val_size, len(prof[1])) if prof is not None else None
 
 
+def training_rows(recipe: Recipe) -> int | None:
+    """The rows (GRPO: prompts) a run of the recipe trains on, as the trainer takes them: the data file's usable
+    rows up to ``data.max_examples``, less the held-out rows (none with ``data.val_path``), plus ``data.replay``'s
+    answers. None when the file cannot be read here, or holds more rows than a profile counts
+    (:data:`~finetuner.data.stats.MAX_ROWS`: then only a lower bound is known)."""
+    from finetuner.data.stats import MAX_ROWS
+
+    prof = _recipe_file_profile(recipe)
+    if prof is None or not prof[1] or len(prof[1]) >= MAX_ROWS:
+        return None
+    d = recipe.data
+    rows = min(len(prof[1]), d.max_examples or len(prof[1]))
+    train = rows - (0 if d.val_path else held_out_rows(d.val_size, rows))
+    return train + replayed_rows(recipe, train) if train > 0 else None
+
+
+def replayed_rows(recipe: Recipe, train_rows: int) -> int:
+    """The base model's answers ``data.replay`` mixes into ``train_rows`` training rows (0 without replay)."""
+    if not recipe.data.replay:
+        return 0
+    from finetuner.data.replay import load_prompts, replay_count
+
+    return replay_count(recipe.data.replay, train_rows, len(load_prompts()))
+
+
 def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime, steps: int | None,
              label_fraction: float = 1.0, *, shape: ModelShape | None = None, runtime: Any = None,
              lengths: Sequence[int] | None = None, loaded_as: tuple[bool, bool] | None = None) -> Wait | None:
@@ -1556,8 +1581,5 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     n_val = 0 if d.val_path else held_out_rows(d.val_size, rows)
     packing = d.packing if isinstance(d.packing, bool) else profile.should_pack(d.max_seq_len)
     units = count_packed_rows(profile.lengths, n_val, d.max_seq_len, t.seed) if packing else rows - n_val
-    if d.replay:  # the base's answers mixed in (finetuner.data.replay); packed, each counted as a row: at most
-        from finetuner.data.replay import load_prompts, replay_count
-
-        units += replay_count(d.replay, rows - n_val, len(load_prompts()))
+    units += replayed_rows(recipe, rows - n_val)  # the base's answers (finetuner.data.replay); packed, each a row: at most
     return optimizer_steps(None, t.epochs, max(1, units), t.effective_batch_size)
