@@ -1363,19 +1363,20 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, s
 @functools.lru_cache(maxsize=16)
 def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
                   columns: tuple[tuple[str, str], ...], prompts: bool = False,
-                  chat_template: str | None = None) -> tuple[float, tuple[int, ...]]:
-    """``(label fraction, token lengths)`` of a data file, once per file version; with ``prompts`` its
-    prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
+                  chat_template: str | None = None) -> tuple[float, tuple[int, ...], int]:
+    """``(label fraction, token lengths, rows that cannot be used)`` of a data file, once per file version; with
+    ``prompts`` its prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
     from finetuner.data.stats import profile_data, profile_prompts
 
     if prompts:
         p = profile_prompts(path, model, columns=dict(columns) or None, chat_template=chat_template)
-        return 1.0, tuple(p.lengths)
+        return 1.0, tuple(p.lengths), p.bad_rows
     p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None, chat_template=chat_template)
-    return p.label_fraction, tuple(p.lengths)
+    return p.label_fraction, tuple(p.lengths), p.bad_rows
 
 
-def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool | None = None) -> tuple[float, tuple[int, ...]] | None:
+def _recipe_file_profile(recipe: Recipe, file: str | None = None,
+                         prompts: bool | None = None) -> tuple[float, tuple[int, ...], int] | None:
     """:func:`_file_profile` of the recipe's one local data file (or of ``file``, read as the recipe reads
     its data), None when it has none readable here. ``prompts``: its prompts' lengths, as the GRPO trainer
     reads them; by default for a GRPO recipe."""
@@ -1450,12 +1451,13 @@ def held_out_of(recipe: Recipe) -> int | None:
 def training_rows(recipe: Recipe) -> int | None:
     """The rows (GRPO: prompts) a run of the recipe trains on, as the trainer takes them: the data file's usable
     rows up to ``data.max_examples``, less the held-out rows (none with ``data.val_path``), plus ``data.replay``'s
-    answers. None when the file cannot be read here, or holds more rows than a profile counts
-    (:data:`~finetuner.data.stats.MAX_ROWS`: then only a lower bound is known)."""
+    answers. None when the file cannot be read here, holds more rows than a profile counts
+    (:data:`~finetuner.data.stats.MAX_ROWS`: then only a lower bound is known), or holds rows the run stops at
+    (``data.on_bad_row: error``: the run's own message names them)."""
     from finetuner.data.stats import MAX_ROWS
 
     prof = _recipe_file_profile(recipe)
-    if prof is None or not prof[1] or len(prof[1]) >= MAX_ROWS:
+    if prof is None or not prof[1] or len(prof[1]) >= MAX_ROWS or (prof[2] and recipe.data.on_bad_row == "error"):
         return None
     d = recipe.data
     rows = min(len(prof[1]), d.max_examples or len(prof[1]))
