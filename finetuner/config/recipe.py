@@ -302,7 +302,7 @@ class DataSection(_Section):
 class TrainingSection(_Section):
     """Optimisation settings."""
 
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=MAX_WHOLE)  # more cannot be counted in steps (1e308 overflowed)
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
     lr: float = Field(2e-4, gt=0)
     scheduler: Scheduler = "cosine"

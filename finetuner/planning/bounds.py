@@ -15,15 +15,13 @@ plan`` and the web UI's Start button check the same, through :func:`check_run`:
   run folder's copy) would not be what ran, and every prediction (memory, time) would be made for rows that do
   not exist. Clamping it instead would change the effective batch the run folder records, and the same
   command would then be refused as a different recipe when it resumes.
-- **time**: a run predicted to take more than :data:`LONGEST_RUN_S` (or so long the prediction overflows) is
-  refused; one that passes over its training rows more than :data:`MANY_PASSES` times runs, with a warning
+- **time**: a run predicted to take more than :data:`LONGEST_RUN_S` is refused; one that passes over its training rows more than :data:`MANY_PASSES` times runs, with a warning
   that says its predicted time.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from finetuner.config.hardware import GpuProfile, cpu_profile, list_profiles
@@ -95,8 +93,6 @@ def check_rows(recipe: Recipe, rows: int | None) -> None:
 
 def _span(seconds: float) -> str:
     """A predicted wait as a person reads it: :func:`format_duration`, in days or years past them."""
-    if not math.isfinite(seconds):
-        return "longer than can be counted"
     if seconds >= LONGEST_RUN_S:
         return f"~{seconds / LONGEST_RUN_S:,.0f} years"
     return f"~{seconds / 86400:,.1f} days" if seconds >= 2 * 86400 else format_duration(seconds)

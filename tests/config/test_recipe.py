@@ -83,6 +83,11 @@ def test_a_whole_number_is_taken_as_written_and_no_larger_than_2_53(key):
     assert "must be a whole number" in err(BASE, [f"{key}=2.5"])  # a fraction, as before
 
 
+def test_epochs_are_bounded_as_whole_numbers_are():
+    """1e308 epochs overflowed the count of steps (a traceback); 2**53 is already a run of ~300 million years."""
+    assert "  - training.epochs: must be a number > 0 and ≤ 9007199254740992; got 1e+308." in err(BASE, ["training.epochs=1.0e+308"])
+
+
 JARGON = ("constrained-", "literal[", "Input should", "function-", "[type=", "union[", "Value error")
 
 

@@ -59,6 +59,14 @@ def test_a_recipe_file_is_refused_as_the_command_line_is(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_epochs_that_cannot_finish_are_refused_as_steps_are():
+    """No max_steps: the steps are the epochs' over the 280 training rows, 35 steps of 8 rows each."""
+    recipe = Recipe.from_yaml(DEMO, ["training.max_steps=null", "training.epochs=1.0e+9"])
+    with pytest.raises(UserError, match=r"^training.epochs 1e\+09: 35,000,000,000 optimizer steps of 8 rows .* years on cpu"):
+        check_run(recipe, "cpu")
+    assert check_run(Recipe.from_yaml(DEMO, ["training.max_steps=null", "training.epochs=3"]), "cpu") == []
+
+
 def test_a_micro_batch_larger_than_the_data_is_refused_with_the_largest_that_is_not(tmp_path):
     """The demo's 300 rows less its 20 held out: the trainer's own count, said by every run of it."""
     out = cli_in_process("run", str(DEMO), "-o", str(tmp_path / "run"), "--set", "training.micro_batch_size=281")
@@ -114,6 +122,7 @@ def test_the_micro_batchs_own_memory_is_bounded_not_the_whole_peak():
     micro-batch of ten million rows is."""
     raw = {"model": {"name": "llama-2-70b"}, "method": "full", "data": {"path": str(SAMPLE), "max_seq_len": 1024},
            "training": {"micro_batch_size": 2, "gradient_checkpointing": True}}
+    assert largest_device(get_gpu("1000GB")).name == "1000GB"  # a size planned for counts among the devices
     big = predict(Recipe.from_dict(raw), "h200", label_fraction=1.0)
     assert big.memory.total_bytes > max(p.memory_bytes for p in list_profiles())
     check_memory(big)
