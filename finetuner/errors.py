@@ -18,10 +18,10 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, hint: str | None = None, settings: dict[str, str] | None = None):
+    def __init__(self, message: str, *, hint: str | None = None, settings: dict[str, str | int] | None = None):
         self.message = message
-        #: recipe settings that fix it (``{"data.columns.prompt": "COLUMN"}``): each place that shows
-        #: the error says how to set them there (:meth:`hint_for`)
+        #: recipe settings that fix it (``{"data.columns.prompt": "COLUMN"}``, ``{"training.max_steps": 100}``): each
+        #: place that shows the error says how to set them there (:meth:`hint_for`)
         self.settings = dict(settings or {})
         self.plain_hint = hint
         self.hint = self.hint_for(None)
@@ -49,7 +49,8 @@ SET_COMMANDS = ("run", "estimate")
 #: Settings other commands take as flags of their own (``*``: the last key, e.g. a data.columns role).
 COMMAND_FLAGS: dict[str, dict[str, str]] = {
     "plan": {"data.columns.*": "--column {leaf}={value}", "objective": "--objective {value}",
-             "data.max_seq_len": "--seq-len {value}", "method": "--method {value}"},
+             "data.max_seq_len": "--seq-len {value}", "method": "--method {value}",
+             "training.effective_batch": "--effective-batch {value}"},
     "eval": {"data.columns.*": "--column {leaf}={value}"},
 }
 
@@ -63,7 +64,7 @@ UI_CONTROLS: dict[str, str] = {
 UI_COLUMN_MENUS = "the Data tab's column menus (under the data file)"
 
 
-def _in_the_ui(settings: dict[str, str]) -> str | None:
+def _in_the_ui(settings: dict[str, str | int]) -> str | None:
     """``settings`` as the web UI takes them (its menus), or None when one has no control there."""
     roles = [k.rpartition(".")[2] for k in settings if k.startswith("data.columns.")]
     said = [f"choose the column{'s' if len(roles) > 1 else ''} for {' and '.join(roles)} in {UI_COLUMN_MENUS}"] if roles else []
@@ -76,14 +77,14 @@ def _in_the_ui(settings: dict[str, str]) -> str | None:
     return "In the web UI: " + "; ".join(said) + "."
 
 
-def _flag(command: str, key: str, value: str) -> str | None:
+def _flag(command: str, key: str, value: str | int) -> str | None:
     flags = COMMAND_FLAGS.get(command, {})
     head, _, leaf = key.rpartition(".")
     form = flags.get(key) or flags.get(f"{head}.*")
     return form.format(leaf=leaf, value=value) if form else None
 
 
-def recipe_form(settings: dict[str, str]) -> str:
+def recipe_form(settings: dict[str, str | int]) -> str:
     """``settings`` as recipe YAML, indented two spaces: dotted keys nested, the innermost level on
     one line (``columns: {prompt: COLUMN, response: COLUMN}``)."""
     import yaml
@@ -109,7 +110,7 @@ def recipe_form(settings: dict[str, str]) -> str:
     return "\n".join(lines(tree, 1))
 
 
-def how_to_set(settings: dict[str, str], command: str | None) -> str:
+def how_to_set(settings: dict[str, str | int], command: str | None) -> str:
     """How to give recipe ``settings`` where ``command`` shows the error: ``--set`` for ``run`` and
     ``estimate``, the command's own flags (``plan --column``, ``--objective``), else the recipe; with no
     command known, the recipe and which command takes which flag; ``ui``: the web UI's menus

@@ -40,7 +40,7 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("training.epochs=.inf", "training.epochs: must be a finite number > 0; got inf."),
+        ("training.epochs=.inf", "training.epochs: must be a finite number > 0 and ≤ 9007199254740992; got inf."),
         ("data.val_size=.inf", "data.val_size: must be a finite number ≥ 0; got inf."),
         ("training.lr=inf", "training.lr: must be a finite number > 0; got 'inf'."),
         ("training.lr=.nan", "training.lr: must be a finite number > 0; got nan."),

@@ -574,9 +574,13 @@ class Handlers:
     @shows_errors(2, 3)
     def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
-        reason, when it does not train on the data chosen in the Data tab, when the memory
-        model says it does not fit the card (unless ``anyway``), or when it lets the model's code
-        run (``model.trust_remote_code``, ``model.allow_pickle``) and ``allow_code`` is not ticked."""
+        reason, when it does not train on the data chosen in the Data tab, when it cannot finish
+        (:func:`finetuner.planning.bounds.check_run`, as ``finetuner run`` refuses it: whatever ``anyway``
+        says), when the memory model says it does not fit the card (unless ``anyway``), or when it lets
+        the model's code run (``model.trust_remote_code``, ``model.allow_pickle``) and ``allow_code`` is not
+        ticked. The bounds' warnings (a run of many passes over its data) are shown with the start."""
+        from finetuner.planning.bounds import check_run
+
         recipe = recipe_from_text(text)
         asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(recipe.model, k)]
         if asks and not allow_code:
@@ -586,6 +590,10 @@ class Handlers:
         self.check_data_scope(recipe)  # first: what follows looks at the recipe's files
         self.check_same_data(recipe, data_file)
         gpu = gpu_profile(card)
+        try:
+            warnings = check_run(recipe, gpu)
+        except UserError as e:
+            raise UserError(f"Not started: {e.message}", hint=e.plain_hint, settings=e.settings) from None
         est = recipe_estimate(recipe, gpu)
         if not est.fits and not anyway:
             raise UserError(
@@ -597,6 +605,9 @@ class Handlers:
         job = jobs.start_job(recipe, runs_dir=self.runs, exact_name=True)
         note = "" if est.fits else (f" It is predicted not to fit {gpu.name}: if it runs out of memory, training "
                                     "halves the micro-batch and goes on.")
+        for warning in warnings:
+            gr.Warning(warning)
+            note += f" ⚠ {warning}"
         return *self._runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}"
 
     @shows_errors(0, 1)

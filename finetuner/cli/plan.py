@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
+log = logging.getLogger(__name__)
 
 
 def _presets_help() -> str:
@@ -161,6 +163,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
         currency=args.currency,
     )
+    if p.recipe is not None:  # what `finetuner run` would refuse is not written (finetuner.planning.bounds)
+        from finetuner.planning.bounds import check_run
+
+        t = p.recipe.training  # an --effective-batch the data cannot fill is said as that option
+        asked = p.recipe.model_copy(update={"training": t.model_copy(update={"effective_batch": args.effective_batch})})
+        for warning in check_run(asked, p.gpu):
+            log.warning(warning)
     if out_path is not None and p.recipe is not None:
         from finetuner.fileio import atomic_write_text
 
@@ -364,11 +373,14 @@ def _print_breakdown(con: Any, est: Any) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import get_gpu, run_profile
     from finetuner.config.recipe import Recipe
+    from finetuner.planning.bounds import check_prediction
     from finetuner.planning.predict import predict
 
     recipe = Recipe.from_yaml(args.recipe, args.overrides)
     gpu = run_profile(recipe.device) if str(args.gpu).lower() in ("auto", "") else get_gpu(args.gpu)
     p = predict(recipe, gpu)  # the auto values, the model, the share of trained tokens: resolved once
+    for warning in check_prediction(p):  # what `finetuner run` refuses (exit 2) and warns about, on this card
+        log.warning(warning)
     recipe, planned = p.recipe, p.planned
     if recipe.objective == "grpo":
         return _grpo_estimate(args, p)

@@ -59,6 +59,10 @@ _NAMES = re.compile(r"\s*[A-Za-z0-9_.]+(\s*[,\s]\s*[A-Za-z0-9_.]+)*\s*,?\s*")
 
 #: the seeds torch, numpy and ``random`` all accept (numpy's ``SeedSequence`` takes 0 to 2**32 - 1)
 MAX_SEED = 2**32 - 1
+#: the largest whole number a recipe key takes: 2**53, the largest up to which a float holds every whole number
+#: exactly. YAML reads ``1e16`` (and the web UI's JSON any number) as a float, so a larger value is not the one
+#: written; no count in a recipe comes near it (what a run can finish: :mod:`finetuner.planning.bounds`).
+MAX_WHOLE = 2**53
 
 
 def _numeric_kinds(annotation: Any) -> set[type]:
@@ -74,20 +78,31 @@ def _numeric_kinds(annotation: Any) -> set[type]:
     return {annotation} & {int, float, bool}
 
 
+def _has_upper_bound(field: Any) -> bool:
+    """Whether a field states its own largest value (``le``/``lt``, e.g. ``training.seed``): its message says it."""
+    return any(getattr(c, "le", None) is not None or getattr(c, "lt", None) is not None for c in field.metadata)
+
+
 class _Section(BaseModel):
     # inf and nan are never a sensible setting (``training.lr: .inf`` trained a model of NaNs)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+    def _numbers_as_written(cls, v: Any, info: ValidationInfo) -> Any:
         """``true``/``false`` where a number belongs is a mistake (pydantic would read it as 1/0:
-        ``lora.r: true`` trained with r=1)."""
+        ``lora.r: true`` trained with r=1); so is a whole number above :data:`MAX_WHOLE` (pydantic takes the
+        float ``1e20`` as the int 100000000000000000000, not a value anyone wrote)."""
+        if not isinstance(v, int | float):
+            return v
+        field = cls.model_fields.get(info.field_name or "")
+        kinds = _numeric_kinds(field.annotation) if field else set()
         if isinstance(v, bool):
-            field = cls.model_fields.get(info.field_name or "")
-            kinds = _numeric_kinds(field.annotation) if field else set()
             if kinds and bool not in kinds:
                 raise ValueError(f"must be a number, not {str(v).lower()}")
+        elif abs(v) > MAX_WHOLE and int in kinds and float not in kinds and not _has_upper_bound(field):
+            raise ValueError(f"must be a whole number of at most {MAX_WHOLE:,} (2**53: a larger one is not exact once "
+                             f"YAML or JSON reads it); got {shown(v)}")
         return v
 
 
@@ -287,7 +302,7 @@ class DataSection(_Section):
 class TrainingSection(_Section):
     """Optimisation settings."""
 
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=MAX_WHOLE)  # more cannot be counted in steps (1e308 overflowed)
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
     lr: float = Field(2e-4, gt=0)
     scheduler: Scheduler = "cosine"

@@ -1366,19 +1366,20 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, s
 @functools.lru_cache(maxsize=16)
 def _file_profile(path: str, mtime_ns: int, size: int, model: str, fmt: str,
                   columns: tuple[tuple[str, str], ...], prompts: bool = False,
-                  chat_template: str | None = None) -> tuple[float, tuple[int, ...]]:
-    """``(label fraction, token lengths)`` of a data file, once per file version; with ``prompts`` its
-    prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
+                  chat_template: str | None = None) -> tuple[float, tuple[int, ...], int]:
+    """``(label fraction, token lengths, rows that cannot be used)`` of a data file, once per file version; with
+    ``prompts`` its prompts' lengths, read as the GRPO trainer reads them (:func:`finetuner.data.stats.profile_prompts`)."""
     from finetuner.data.stats import profile_data, profile_prompts
 
     if prompts:
         p = profile_prompts(path, model, columns=dict(columns) or None, chat_template=chat_template)
-        return 1.0, tuple(p.lengths)
+        return 1.0, tuple(p.lengths), p.bad_rows
     p = profile_data(path, model, fmt=fmt, columns=dict(columns) or None, chat_template=chat_template)
-    return p.label_fraction, tuple(p.lengths)
+    return p.label_fraction, tuple(p.lengths), p.bad_rows
 
 
-def _recipe_file_profile(recipe: Recipe, file: str | None = None, prompts: bool | None = None) -> tuple[float, tuple[int, ...]] | None:
+def _recipe_file_profile(recipe: Recipe, file: str | None = None,
+                         prompts: bool | None = None) -> tuple[float, tuple[int, ...], int] | None:
     """:func:`_file_profile` of the recipe's one local data file (or of ``file``, read as the recipe reads
     its data), None when it has none readable here. ``prompts``: its prompts' lengths, as the GRPO trainer
     reads them; by default for a GRPO recipe."""
@@ -1448,6 +1449,32 @@ def held_out_of(recipe: Recipe) -> int | None:
         return len(prof[1]) if prof is not None else None
     prof = _recipe_file_profile(recipe)
     return held_out_rows(d.val_size, len(prof[1])) if prof is not None else None
+
+
+def training_rows(recipe: Recipe) -> int | None:
+    """The rows (GRPO: prompts) a run of the recipe trains on, as the trainer takes them: the data file's usable
+    rows up to ``data.max_examples``, less the held-out rows (none with ``data.val_path``), plus ``data.replay``'s
+    answers. None when the file cannot be read here, holds more rows than a profile counts
+    (:data:`~finetuner.data.stats.MAX_ROWS`: then only a lower bound is known), or holds rows the run stops at
+    (``data.on_bad_row: error``: the run's own message names them)."""
+    from finetuner.data.stats import MAX_ROWS
+
+    prof = _recipe_file_profile(recipe)
+    if prof is None or not prof[1] or len(prof[1]) >= MAX_ROWS or (prof[2] and recipe.data.on_bad_row == "error"):
+        return None
+    d = recipe.data
+    rows = min(len(prof[1]), d.max_examples or len(prof[1]))
+    train = rows - (0 if d.val_path else held_out_rows(d.val_size, rows))
+    return train + replayed_rows(recipe, train) if train > 0 else None
+
+
+def replayed_rows(recipe: Recipe, train_rows: int) -> int:
+    """The base model's answers ``data.replay`` mixes into ``train_rows`` training rows (0 without replay)."""
+    if not recipe.data.replay:
+        return 0
+    from finetuner.data.replay import load_prompts, replay_count
+
+    return replay_count(recipe.data.replay, train_rows, len(load_prompts()))
 
 
 def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime, steps: int | None,
@@ -1559,8 +1586,5 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     n_val = 0 if d.val_path else held_out_rows(d.val_size, rows)
     packing = d.packing if isinstance(d.packing, bool) else profile.should_pack(d.max_seq_len)
     units = count_packed_rows(profile.lengths, n_val, d.max_seq_len, t.seed) if packing else rows - n_val
-    if d.replay:  # the base's answers mixed in (finetuner.data.replay); packed, each counted as a row: at most
-        from finetuner.data.replay import load_prompts, replay_count
-
-        units += replay_count(d.replay, rows - n_val, len(load_prompts()))
+    units += replayed_rows(recipe, rows - n_val)  # the base's answers (finetuner.data.replay); packed, each a row: at most
     return optimizer_steps(None, t.epochs, max(1, units), t.effective_batch_size)

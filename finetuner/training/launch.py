@@ -315,6 +315,7 @@ def launch_training(
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
     from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
+    from finetuner.planning.bounds import check_before_run
     from finetuner.planning.planner import resolve_for_run
     from finetuner.runs.folder import prepare_run_dir
     from finetuner.training.result import TrainResult
@@ -338,6 +339,7 @@ def launch_training(
     first_node = d.node_rank == 0
     if first_node:
         recipe, plan = resolve_for_run(recipe, resume)
+        check_before_run(recipe)  # as one process checks it (finetuner.planning.bounds), before the folder is made
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
     else:  # node 0 prepares the shared run folder, resolves the recipe and holds the lock
         run_dir, lock = _wait_for_first_node(recipe, stop_event), None

@@ -1115,9 +1115,11 @@ def train(
     try:
         if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
             return launch_training(recipe, callbacks, resume, stop_event, profile_memory, trust_checkpoints)
+        from finetuner.planning.bounds import check_before_run
         from finetuner.planning.planner import resolve_for_run
 
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
+        check_before_run(recipe)  # a micro-batch, a step or a run it cannot finish: refused before anything is made
         new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)
         try:

@@ -69,6 +69,25 @@ def test_errors_name_the_key(raw, expected):
     assert expected in err(raw)
 
 
+@pytest.mark.parametrize("key", ["training.max_steps", "training.micro_batch_size", "training.gradient_accumulation",
+                                 "training.eval_every", "data.max_examples"])
+def test_a_whole_number_is_taken_as_written_and_no_larger_than_2_53(key):
+    """YAML reads 1.0e+12 as a float: a whole one is the whole number; one above 2**53 (where a float stops holding
+    every whole number, so 1e20 is not the number anyone wrote) is refused on one line naming the key."""
+    section, leaf = key.split(".")
+    assert getattr(getattr(Recipe.from_dict(BASE, [f"{key}=1.0e+12"]), section), leaf) == 10**12
+    assert getattr(getattr(Recipe.from_dict(BASE, [f"{key}={2**53}"]), section), leaf) == 2**53
+    for given, shown in ((2**53 + 1, str(2**53 + 1)), ("1.0e+20", "1e+20"), (".inf", "inf")):
+        msg = err(BASE, [f"{key}={given}"])
+        assert f"  - {key}: must be a whole number of at most 9,007,199,254,740,992 (2**53" in msg and f"got {shown}." in msg
+    assert "must be a whole number" in err(BASE, [f"{key}=2.5"])  # a fraction, as before
+
+
+def test_epochs_are_bounded_as_whole_numbers_are():
+    """1e308 epochs overflowed the count of steps (a traceback); 2**53 is already a run of ~300 million years."""
+    assert "  - training.epochs: must be a number > 0 and ≤ 9007199254740992; got 1e+308." in err(BASE, ["training.epochs=1.0e+308"])
+
+
 JARGON = ("constrained-", "literal[", "Input should", "function-", "[type=", "union[", "Value error")
 
 

@@ -464,6 +464,20 @@ def test_api_training_start_refuse_stop_and_adapter_zip(client, recipe_dict):
     assert yaml.safe_load(loaded[0])["name"] == "demo_cpu-2" and "Renamed from demo_cpu" in loaded[-1]
 
 
+def test_api_start_refuses_a_run_that_cannot_finish_even_when_told_to_start_anyway(client):
+    """The bounds `finetuner run` checks (finetuner/planning/bounds.py), on the served page: no run folder is made."""
+    text = yaml.safe_dump({"name": "forever", "model": {"name": "data/demo_model"},
+                           "data": {"path": "data/alpaca_sample.json", "val_size": 20}, "training": {"max_steps": 10**15}})
+    run_update, _table, msg = client.predict(text, "cpu", "data/alpaca_sample.json", True, api_name="/start_training")
+    assert "Not started: training.max_steps 1,000,000,000,000,000: " in msg and "more than a year" in msg, msg
+    assert run_update == {"__type__": "update"} and not (client.base / "runs" / "forever").exists()
+    step = text.replace(str(10**15), "150").replace("data:\n", "data:\n  max_examples: 100\n")  # 80 training rows
+    _run, _table, msg = client.predict(step.replace("max_steps: 150", "max_steps: 150\n  micro_batch_size: 81"), "cpu",
+                                       "data/alpaca_sample.json", True, api_name="/start_training")
+    assert "Not started: training.micro_batch_size 81 is more than the 80 training rows of " in msg, msg
+    assert "micro_batch_size: 80" in msg and not (client.base / "runs" / "forever").exists()  # the editor's fix
+
+
 def test_api_merge_into_a_non_empty_folder_is_refused_in_the_merges_words(client, tmp_path):
     demo_run_folder(client.base / "runs", "merge-me")
     full = tmp_path / "full"
