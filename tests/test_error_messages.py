@@ -233,6 +233,22 @@ def test_a_full_disk_during_merge_is_one_line_and_leaves_nothing(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no output, no half-written temporary folder
 
 
+def test_a_merge_onto_a_really_small_disk_is_one_line_before_anything_is_written(tmp_path, small_disk):
+    """On a real 12 MiB file system: `finetuner merge` measures the disk before it writes (the merged weights and
+    room for the rest), says so in one line, exit 2, and writes nothing; with room (-o elsewhere) it merges. The
+    writer's own ENOSPC mid-write (the check passed, then the disk filled) is the test above's."""
+    from tests.conftest import demo_run_folder
+
+    run = demo_run_folder(tmp_path / "runs", adapter=True)
+    out = small_disk / "merged"
+    r = cli_in_process("merge", str(run), "-o", str(out))
+    _one_line_error(r, f"Not enough free disk space for {out}: ", " free, the merged weights need ")
+    assert "choose another output folder (-o)" in r.stderr
+    assert sorted(p.name for p in small_disk.iterdir()) == []
+    done = cli_in_process("merge", str(run), "-o", str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stderr
+
+
 def test_disk_full_is_recognised_in_each_writers_words(tmp_path):
     import errno
 

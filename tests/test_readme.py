@@ -329,3 +329,30 @@ def test_the_model_list_names_every_preset():
     text = README.read_text(encoding="utf-8")
     sentence = text[text.index("Models: the presets "):text.index("(their hub ids work")]
     assert sorted(re.findall(r"`([^`]+)`", sentence)) == sorted(preset_names())
+
+
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+
+
+def test_every_test_named_in_the_docs_exists():
+    """``tests/x.py::test_name`` in README.md and docs/*.md (the Safety section names the test of each promise): the
+    file defines a test of that name, so a promise never points at a test that was renamed or removed."""
+    missing, checked = [], 0
+    for doc in DOCS:
+        for path, name in TEST_REF.findall(doc.read_text(encoding="utf-8")):
+            checked += 1
+            source = REPO / path
+            if not source.is_file() or name not in defined_names(source):
+                missing.append(f"{doc.name}: {path}::{name}")
+    assert checked >= 10
+    assert not missing, "tests named in the docs that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_every_safety_promise_names_its_test():
+    """Each bullet of README.md's Safety section ends in the test (``tests/x.py::test_name``) that holds it."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Safety: what finetuner guarantees", 1)[1].split("\n## ", 1)[0]
+    bullets = [b for b in re.split(r"\n- ", section)[1:]]
+    assert len(bullets) >= 15
+    bare = [b.splitlines()[0][:80] for b in bullets if not TEST_REF.search(b)]
+    assert not bare, "Safety promises that name no test:\n" + "\n".join(bare)
