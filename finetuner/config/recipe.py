@@ -65,6 +65,10 @@ MAX_SEED = 2**32 - 1
 MAX_WHOLE = 2**53
 
 
+#: a number in exponent notation without a dot (``1e12``, ``-2E-4``): text to YAML 1.1, a number to YAML 1.2
+EXPONENT_NUMBER = re.compile(r"[+-]?\d+[eE][+-]?\d+")
+
+
 def _numeric_kinds(annotation: Any) -> set[type]:
     """``int`` and ``float`` among the kinds of value a field's annotation accepts (unions and
     ``Annotated`` looked into); ``bool`` too where the field takes true/false."""
@@ -92,11 +96,15 @@ class _Section(BaseModel):
     def _numbers_as_written(cls, v: Any, info: ValidationInfo) -> Any:
         """``true``/``false`` where a number belongs is a mistake (pydantic would read it as 1/0:
         ``lora.r: true`` trained with r=1); so is a whole number above :data:`MAX_WHOLE` (pydantic takes the
-        float ``1e20`` as the int 100000000000000000000, not a value anyone wrote)."""
-        if not isinstance(v, int | float):
-            return v
+        float ``1e20`` as the int 100000000000000000000, not a value anyone wrote). A number written with an
+        exponent and no dot (``1e12``, ``2e-4``) is text to YAML 1.1, which PyYAML reads; where a number belongs it
+        is read as the number it is (YAML 1.2 and JSON read it so), and then checked as any other."""
         field = cls.model_fields.get(info.field_name or "")
         kinds = _numeric_kinds(field.annotation) if field else set()
+        if isinstance(v, str) and kinds - {bool} and EXPONENT_NUMBER.fullmatch(v.strip()):
+            v = float(v)
+        if not isinstance(v, int | float):
+            return v
         if isinstance(v, bool):
             if kinds and bool not in kinds:
                 raise ValueError(f"must be a number, not {str(v).lower()}")

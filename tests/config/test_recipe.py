@@ -83,6 +83,17 @@ def test_a_whole_number_is_taken_as_written_and_no_larger_than_2_53(key):
     assert "must be a whole number" in err(BASE, [f"{key}=2.5"])  # a fraction, as before
 
 
+@pytest.mark.parametrize("written, value", [("1e12", 10**12), ("1E3", 1000), ("+2e2", 200)])
+def test_a_number_written_with_an_exponent_and_no_dot_is_the_number(written, value):
+    """``--set training.micro_batch_size=1e12``: YAML 1.1 (PyYAML) reads ``1e12`` as text; where a number belongs
+    it is the number (as YAML 1.2 and JSON read it), so its own check speaks (issue 54, case 7), not "not a whole
+    number"; a float key takes ``2e-4`` as 0.0002; where text belongs it stays text."""
+    assert Recipe.from_dict(BASE, [f"training.max_steps={written}"]).training.max_steps == value
+    assert Recipe.from_dict(BASE, ["training.lr=2e-4"]).training.lr == 2e-4
+    assert "training.max_steps: must be a whole number of at most 9,007,199,254,740,992" in err(BASE, ["training.max_steps=1e20"])
+    assert Recipe.from_dict(BASE, ["name=1e3"]).name == "1e3"
+
+
 def test_epochs_are_bounded_as_whole_numbers_are():
     """1e308 epochs overflowed the count of steps (a traceback); 2**53 is already a run of ~300 million years."""
     assert "  - training.epochs: must be a number > 0 and ≤ 9007199254740992; got 1e+308." in err(BASE, ["training.epochs=1.0e+308"])
