@@ -262,7 +262,7 @@ def _failure(run_dir: Path, status: int, end: dict[str, Any] | None, output: Ran
         try:
             writer = EventWriter(run_dir / "events.jsonl")
             try:
-                writer.emit("error", **event)
+                writer.emit("error", message=event["message"], type=event["type"], user_error=event["user_error"])
             finally:
                 writer.close()
         except OSError as e:  # a full disk: the error raised says what happened
