@@ -722,14 +722,45 @@ class Recipe(_Section):
         base_dir: str | Path | None = None,
         source: str = "recipe",
     ) -> Recipe:
+        """Override, validate and resolve a raw recipe. An override that points ``data.path`` at other data, with no
+        ``data.val_path`` on the same command, drops the recipe's held-out file (:func:`drop_stale_val_path`)."""
         raw = copy.deepcopy(raw)
+        given = copy.deepcopy(raw)
         for item in overrides or []:
             apply_override(raw, item)
+        dropped = drop_stale_val_path(given, raw, overrides or [])
         try:
             recipe = cls.model_validate(raw)
         except ValidationError as e:
             raise UserError(format_validation_error(e, source)) from None
-        return recipe.resolve_paths(Path(base_dir) if base_dir else Path.cwd(), source)
+        recipe = recipe.resolve_paths(Path(base_dir) if base_dir else Path.cwd(), source)
+        return recipe if dropped is None else recipe.held_out_from_data(dropped, source)
+
+    def held_out_from_data(self, dropped: str, source: str = "recipe") -> Recipe:
+        """This recipe, whose ``data.val_path`` ``dropped`` was dropped (:func:`drop_stale_val_path`), holding out
+        rows of its own data instead: its ``data.val_size`` when it names one, else the size a plan takes for
+        that many rows (:func:`finetuner.data.split.held_out_size`; a hub data set, not counted here, holds out
+        nothing). Said in one warning line before anything runs, with the way to keep the file."""
+        from finetuner.data.formats import read_rows
+        from finetuner.data.split import held_out_rows, held_out_size
+
+        d = self.data
+        paths = d.path if isinstance(d.path, list) else [d.path]
+        rows = None
+        if d.val_size == 0 and all(Path(p).is_file() for p in paths):
+            rows = sum(sum(1 for _ in read_rows(p, d.split, [])) for p in paths)
+            d = d.model_copy(update={"val_size": held_out_size(rows)})
+        new = ", ".join(paths)
+        if d.val_size > 0:
+            part = f"{held_out_rows(d.val_size, rows)} of its {rows} rows" if rows is not None else "part of it"
+            held = f"holds out {part} (data.val_size: {d.val_size:g}) instead"
+        else:
+            held = ("holds nothing out" + (f" ({rows} rows: too few to spare)" if rows is not None else "")
+                    + ": no held-out loss, no best adapter by it")
+        log.warning("%s: data.path is now %s, but data.val_path %s holds out rows of the data the recipe was written for: "
+                    "dropped; the run %s. To evaluate on that file anyway, add --set data.val_path=%s",
+                    source, new, dropped, held, dropped)
+        return self.model_copy(update={"data": d})
 
     def resolve_paths(self, base_dir: Path, source: str = "recipe") -> Recipe:
         """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
@@ -1099,6 +1130,20 @@ def _resolve_data_path(p: str, base_dir: Path, source: str, key: str) -> str:
             f"{source}: {key}: '{p}' is a folder ({found}); name a data file (.json, .jsonl, .csv, .parquet).",
         )
     return str(found)  # a local file, or a hub data set id
+
+
+def drop_stale_val_path(given: dict[str, Any], raw: dict[str, Any], overrides: list[str]) -> str | None:
+    """Drop from ``raw`` (``given`` with ``overrides`` applied) a held-out file that belongs to other data: when
+    an override changed ``data.path`` and none named ``data.val_path`` (or the whole ``data`` section), the
+    recipe's ``val_path`` holds out rows of the data it was written for, and a run on the new data would pick its
+    best adapter by how well it fits the old data. Returns the dropped path, or None when nothing was dropped."""
+    named = {".".join(k for k in item.partition("=")[0].strip().split(".") if k) for item in overrides}
+    old, new = given.get("data"), raw.get("data")
+    if not (isinstance(old, dict) and isinstance(new, dict)) or named & {"data", "data.val_path"}:
+        return None
+    if "data.path" not in named or new.get("path") == old.get("path") or not new.get("val_path"):
+        return None
+    return str(new.pop("val_path"))
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -19,6 +19,18 @@ def held_out_rows(val_size: float, rows: int) -> int:
     return int(val_size) if val_size >= 1 else max(1, round(val_size * rows))
 
 
+def held_out_size(rows: int) -> float:
+    """The ``data.val_size`` finetuner chooses for ``rows`` examples when nobody named one: none under 10
+    rows (each is needed for training), a tenth (at least 2) under 200, then 2 % and at most 200 rows. A
+    plan's recipe (:mod:`finetuner.planning.sizing`) and a recipe pointed at other data than its held-out
+    file belongs to (:meth:`finetuner.config.recipe.Recipe.from_dict`) both take it from here."""
+    if rows < 10:
+        return 0.0
+    if rows < 200:
+        return float(max(2, round(rows * 0.1)))
+    return 0.02 if round(rows * 0.02) < 200 else 200.0
+
+
 def train_positions(rows: int, n_val: int, seed: int) -> list[int]:
     """Which of ``rows`` examples stay for training when ``n_val`` are held out: ``datasets``'
     ``train_test_split(test_size=n_val, seed=seed, shuffle=True)``, which the trainer's split calls

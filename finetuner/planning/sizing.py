@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from finetuner.data.split import count_packed_rows, held_out_rows
+from finetuner.data.split import count_packed_rows, held_out_rows, held_out_size
 from finetuner.planning.expectations import is_toy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,12 +163,7 @@ def _round_up(n: int, to: int) -> int:
 
 def _held_out(rows: int) -> tuple[float, int]:
     """``data.val_size`` for ``rows`` examples, and how many rows it holds out."""
-    if rows < 10:
-        return 0.0, 0
-    if rows < 200:
-        n = max(2, round(rows * 0.1))
-        return float(n), held_out_rows(float(n), rows)
-    val_size = 0.02 if round(rows * 0.02) < 200 else 200.0
+    val_size = held_out_size(rows)
     return val_size, held_out_rows(val_size, rows)
 
 
