@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -1024,6 +1024,13 @@ def plan(
         if attr == "recipe":
             result.reasons += reasons + sizing.reasons + [why_lr]
     result.wait = plan_wait(result, label_fraction, lengths)  # with the steps counted from the data
+    cap = sizing.cap
+    if cap is not None:
+        result.data["length_cap"] = asdict(cap)
+        if result.fits:  # what keeping the cut rows costs: the same job planned as `--seq-len <uncapped>` plans it
+            at = next(i for i, r in enumerate(result.reasons) if r.startswith(f"sequence {cap.seq}"))
+            result.reasons.insert(at + 1, cap.keeping_text(plan(**{**asked, "seq_len": cap.uncapped}), result,
+                                                           format_duration))
     return result
 
 
