@@ -185,9 +185,11 @@ def size_run(
     objective: str = "sft",
     seed: int = 42,
     max_new_tokens: int = 0,
+    epochs: int | None = None,
 ) -> Sizing:
     """Choose the data-dependent settings of a run (see the module doc for the rules). ``max_new_tokens``:
-    GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then)."""
+    GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then); ``epochs``: the
+    passes over the data as asked (default: the rule above)."""
     preference = objective != "sft"
     grpo = objective == "grpo"
     units_word = "prompts" if grpo else "examples"
@@ -205,11 +207,11 @@ def size_run(
     if profile is None:
         seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
         if preference:
-            return Sizing(seq, False, 0.02, eff, 1, None, None, 200, 200,
+            return Sizing(seq, False, 0.02, eff, epochs or 1, None, None, 200, 200,
                           reasons=[f"sequence {seq}, not packed ({no_pack.removeprefix('no packing: ')}): "
                                    + ("as asked" if seq_len else "no data to measure")], notes=notes)
         # without data to measure, assume instruction data (short examples): packed
-        return Sizing(seq, True, 0.02, eff, 1, None, None, 200, 200,
+        return Sizing(seq, True, 0.02, eff, epochs or 1, None, None, 200, 200,
                       reasons=[f"sequence {seq} packed: " + ("as asked" if seq_len else "no data to measure")], notes=notes)
 
     val_size, n_val = _held_out(profile.rows)
@@ -272,10 +274,13 @@ def size_run(
                            f"give {steps_per_epoch(units, eff)} optimizer steps per epoch")
     per_epoch = steps_per_epoch(units, eff)
     max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
-    epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
+    asked_epochs = epochs
+    epochs = asked_epochs or min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
     total = total_steps(epochs, per_epoch)
     about = ""  # packed rows are counted as the run packs them
-    if epochs > 1:
+    if asked_epochs:
+        reasons.append(f"{epochs} epoch{'s' if epochs > 1 else ''} (as asked): {per_epoch} steps per epoch, {total} optimizer steps")
+    elif epochs > 1:
         kind = "GRPO" if grpo else "preference"
         cap = f" (at most {max_epochs}{' for ' + objective + f': {kind} recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
         reasons.append(f"{epochs} epochs{cap}: {about}{per_epoch} steps per epoch, {about}{total} optimizer steps in all "
