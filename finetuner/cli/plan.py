@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--column", dest="columns", action="append", default=[], metavar="ROLE=COLUMN",
                    help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
                         "--column prompt=question --column response=answer (repeatable; written as data.columns).")
+    p.add_argument("--epochs", type=int, help="Passes over --data (default: enough for 100 optimizer steps, at most 10).")
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--objective", default="auto",
@@ -158,7 +159,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
     columns = parse_columns(args.columns, args.data)
     p = plan(
-        args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
+        args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, epochs=args.epochs,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
         objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
         currency=args.currency,
@@ -287,6 +288,8 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
             f"Data: {d['rows']} {KIND_UNITS[d['kind']]} ({d['format_label']}), tokens mean {d['mean_tokens']:.0f} / p95 {d['p95_tokens']} / "
             f"max {d['max_tokens']} ({d['counted_with']}); {trained}"
         )
+    for w in p.warnings:
+        con.print(f"[bold yellow]Warning:[/] {w}", highlight=False)
     for n in p.notes:
         con.print(f"[yellow]Note:[/] {n}")
     if not p.fits:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -175,6 +175,8 @@ class Plan:
     speed: DeviceSpeed | None = None
     #: with several cards: the plan's first sentence (:func:`finetuner.planning.cards.headline`)
     headline: str | None = None
+    #: what the plan says up front: a run predicted to take hours, with its cheaper choices (:mod:`finetuner.planning.budget`)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def step_s(self) -> float | None:
@@ -251,6 +253,7 @@ class Plan:
             "rejected": self.rejected,
             "suggestions": self.suggestions,
             "notes": self.notes,
+            "warnings": self.warnings,
             "data": self.data,
             "candidates_searched": self.candidates_searched,
             "gpus": self.gpus,
@@ -298,6 +301,7 @@ class Plan:
             f"# predicted peak {self.peak_bytes / GiB:.1f} GiB{' per device' if self.gpus > 1 else ''}, "
             f"~{self.tokens_per_s:,.0f} tokens/s, {format_duration(self.step_s)} per step (speed model: {self.speed_source}).",
         ]
+        head += [f"# Warning: {w}" for w in self.warnings]
         head += [f"# - {r}" for r in self.reasons]
         head += [f"# Note: {n}" for n in self.notes]
         check = f"finetuner estimate {path} --gpu {self.gpu.name}" if path else f"`finetuner estimate` on this file with --gpu {self.gpu.name}"
@@ -834,6 +838,8 @@ def plan(
     grpo: dict[str, Any] | None = None,
     currency: str | None = None,
     max_pixels: int | None = None,
+    epochs: int | None = None,
+    alternatives: bool = True,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -884,6 +890,11 @@ def plan(
             Qwen2.5-VL, Qwen3-VL), the most pixels a picture keeps (``data.max_pixels``); None: the largest of the
             data's largest picture and its halvings (down to the processor's least) that fits
             (:func:`plan_picture_size`).
+        epochs: the passes over the data (default: enough for ``MIN_TOTAL_STEPS`` optimizer steps, see
+            :mod:`finetuner.planning.sizing`).
+        alternatives: a plan predicted to take more than a few hours says so in :attr:`Plan.warnings` with its cheaper
+            choices and their times (:mod:`finetuner.planning.budget`), and a capped sequence says what keeping the
+            rows it cuts costs (:mod:`finetuner.planning.length_cap`): each planned again; False: the plan alone.
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -901,6 +912,8 @@ def plan(
         raise UserError(f"{say(cli='--effective-batch', ui='Effective batch')} {effective_batch}: must be at least 1.")
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1.")
+    if epochs is not None and epochs < 1:
+        raise UserError(f"--epochs {epochs}: the passes over the data must be at least 1.")
     if price_per_hour is not None and not price_per_hour >= 0:  # also NaN
         raise UserError(f"{say(cli='--price-per-hour', ui='Price per hour')} {price_per_hour}: must be 0 or more.")
     currency = check_currency(currency, price_per_hour)
@@ -973,7 +986,7 @@ def plan(
                         hint="Plan with --data PAIRS.jsonl, e.g. data/preference_sample.jsonl.")
     objective = objective or "sft"
     sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective,
-                      max_new_tokens=grpo_raw["max_new_tokens"] if grpo_raw else 0)
+                      max_new_tokens=grpo_raw["max_new_tokens"] if grpo_raw else 0, epochs=epochs)
     notes += sizing.notes
     expect = expectation(shape, prof.platform)
     if expect:
@@ -1024,6 +1037,21 @@ def plan(
         if attr == "recipe":
             result.reasons += reasons + sizing.reasons + [why_lr]
     result.wait = plan_wait(result, label_fraction, lengths)  # with the steps counted from the data
+    cap = sizing.cap
+    if cap is not None:
+        result.data["length_cap"] = asdict(cap)
+
+    def replan(**changes: Any) -> Plan:  # the same job with a flag changed, as `finetuner plan` plans it
+        return plan(**{**asked, **changes, "alternatives": False})
+
+    if cap is not None and result.fits and alternatives:  # what keeping the cut rows costs: planned at `--seq-len <uncapped>`
+        at = next(i for i, r in enumerate(result.reasons) if r.startswith(f"sequence {cap.seq}"))
+        result.reasons.insert(at + 1, cap.keeping_text(replan(seq_len=cap.uncapped), result, format_duration))
+    if alternatives:
+        from finetuner.planning.budget import long_run_warning
+
+        warning = long_run_warning(result, replan, format_duration, profile if objective != "grpo" else None)
+        result.warnings += [warning] if warning else []
     return result
 
 

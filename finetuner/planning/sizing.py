@@ -6,7 +6,9 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
 (:class:`finetuner.data.stats.DataProfile`), no torch. The rules:
 
 * **Sequence length**: the longest example rounded up to a multiple of 64, never beyond the
-  model's positions (examples longer than that are truncated, with a note). Only when packing
+  model's positions (examples longer than that are truncated, with a note); when a few rows are outliers
+  (the longest more than twice the 99th percentile), that percentile rounded up instead, saying the rows
+  cut (:mod:`finetuner.planning.length_cap`; not for GRPO, whose trainer refuses a longer prompt). Only when packing
   is chosen does the sequence grow to ``PACKED_SEQ_LEN`` (2,048) to fill it with examples.
 * **Packing** when examples average under half the sequence *and* the packed data still give at
   least ``MIN_STEPS_PER_EPOCH_TO_PACK`` optimizer steps per epoch: packing a small set into a
@@ -40,11 +42,12 @@ LoRA notebooks), scaled as above.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from finetuner.data.split import count_packed_rows, held_out_rows, held_out_size
 from finetuner.planning.expectations import is_toy
+from finetuner.planning.length_cap import SEQ_ROUND, LengthCap, outlier_cap, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.data.stats import DataProfile
@@ -56,8 +59,6 @@ DEFAULT_EFFECTIVE_BATCH = 16
 DEFAULT_SEQ_LEN = 2048
 #: Sequence length packed rows are filled to (capped by the model's positions).
 PACKED_SEQ_LEN = 2048
-#: Sequence lengths from the data are rounded up to this.
-SEQ_ROUND = 64
 #: Fewer optimizer steps per epoch than this and the effective batch is lowered.
 MIN_STEPS_PER_EPOCH = 8
 #: Pack only when the packed data give at least this many optimizer steps per epoch.
@@ -108,6 +109,8 @@ class Sizing:
     notes: list[str] = field(default_factory=list)
     #: data.replay chosen for the run (0: none)
     replay: float = 0.0
+    #: the sequence capped below the longest row (a few outliers), None when it is not
+    cap: LengthCap | None = None
 
     @property
     def total_steps(self) -> int | None:
@@ -157,10 +160,6 @@ def optimizer_steps(max_steps: int | None, epochs: float, units: int, effective_
     return max_steps or total_steps(epochs, steps_per_epoch(units, effective_batch))
 
 
-def _round_up(n: int, to: int) -> int:
-    return max(to, int(math.ceil(n / to)) * to)
-
-
 def _held_out(rows: int) -> tuple[float, int]:
     """``data.val_size`` for ``rows`` examples, and how many rows it holds out."""
     val_size = held_out_size(rows)
@@ -181,9 +180,11 @@ def size_run(
     objective: str = "sft",
     seed: int = 42,
     max_new_tokens: int = 0,
+    epochs: int | None = None,
 ) -> Sizing:
     """Choose the data-dependent settings of a run (see the module doc for the rules). ``max_new_tokens``:
-    GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then)."""
+    GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then); ``epochs``: the
+    passes over the data as asked (default: the rule above)."""
     preference = objective != "sft"
     grpo = objective == "grpo"
     units_word = "prompts" if grpo else "examples"
@@ -201,11 +202,11 @@ def size_run(
     if profile is None:
         seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
         if preference:
-            return Sizing(seq, False, 0.02, eff, 1, None, None, 200, 200,
+            return Sizing(seq, False, 0.02, eff, epochs or 1, None, None, 200, 200,
                           reasons=[f"sequence {seq}, not packed ({no_pack.removeprefix('no packing: ')}): "
                                    + ("as asked" if seq_len else "no data to measure")], notes=notes)
         # without data to measure, assume instruction data (short examples): packed
-        return Sizing(seq, True, 0.02, eff, 1, None, None, 200, 200,
+        return Sizing(seq, True, 0.02, eff, epochs or 1, None, None, 200, 200,
                       reasons=[f"sequence {seq} packed: " + ("as asked" if seq_len else "no data to measure")], notes=notes)
 
     val_size, n_val = _held_out(profile.rows)
@@ -213,10 +214,13 @@ def size_run(
     longest = profile.max_tokens + max_new_tokens
     what = (f"the longest prompt ({profile.max_tokens} tokens) + grpo.max_new_tokens ({max_new_tokens})" if grpo
             else f"the longest example ({longest} tokens)")
+    length_cap = None if seq_len is not None or grpo else outlier_cap(profile, positions, preference)
     if seq_len is not None:
         seq, why_seq = seq_len, "as asked"
+    elif length_cap is not None:
+        seq, why_seq = length_cap.seq, ""
     else:
-        seq = min(_round_up(longest, SEQ_ROUND), positions)
+        seq = min(round_up(longest, SEQ_ROUND), positions)
         why_seq = f"{what} rounded up to a multiple of {SEQ_ROUND}"
         if longest > positions:
             why_seq = f"the model's {positions} positions ({what} = {longest} tokens)"
@@ -234,13 +238,18 @@ def size_run(
             reasons.append(f"no packing: {train_rows} examples would fill only ~{packed_rows} packed rows "
                            f"of {pack_seq} tokens, too few optimizer steps")
     cut = profile.truncated(seq - max_new_tokens) if not packing else 0
-    if cut and grpo:
+    if length_cap is not None and packing:  # packed at the cap or longer: the rows still longer than the packed rows are cut
+        length_cap = replace(length_cap, seq=seq, cut=profile.truncated(seq)) if profile.truncated(seq) else None
+    if length_cap is not None:
+        reasons.insert(0, length_cap.reason(units_word, why_seq.removeprefix(f"{seq} ") if packing else None))
+    elif cut and grpo:
         notes.append(f"{cut} of {profile.rows} prompts are longer than {seq - max_new_tokens} tokens (data.max_seq_len - "
                      f"grpo.max_new_tokens; longest {profile.max_tokens}): the run stops at them (data.on_bad_row: skip "
                      "skips them)")
     elif cut:
         notes.append(f"{cut} of {profile.rows} examples are longer than {seq} tokens (longest {longest}) and will be truncated")
-    reasons.insert(0, f"sequence {seq}: {why_seq}")
+    if length_cap is None:
+        reasons.insert(0, f"sequence {seq}: {why_seq}")
 
     # packed rows counted as the trainer packs them (its split, its seeded greedy packing)
     units = count_packed_rows(profile.lengths, n_val, seq, seed) if packing else train_rows
@@ -260,10 +269,13 @@ def size_run(
                            f"give {steps_per_epoch(units, eff)} optimizer steps per epoch")
     per_epoch = steps_per_epoch(units, eff)
     max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
-    epochs = min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
+    asked_epochs = epochs
+    epochs = asked_epochs or min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
     total = total_steps(epochs, per_epoch)
     about = ""  # packed rows are counted as the run packs them
-    if epochs > 1:
+    if asked_epochs:
+        reasons.append(f"{epochs} epoch{'s' if epochs > 1 else ''} (as asked): {per_epoch} steps per epoch, {total} optimizer steps")
+    elif epochs > 1:
         kind = "GRPO" if grpo else "preference"
         cap = f" (at most {max_epochs}{' for ' + objective + f': {kind} recipes train about one epoch' if preference else ''})" if epochs == max_epochs else ""
         reasons.append(f"{epochs} epochs{cap}: {about}{per_epoch} steps per epoch, {about}{total} optimizer steps in all "
@@ -285,11 +297,11 @@ def size_run(
             "when it rises while the train loss falls, the model is memorising (lower training.epochs); the run keeps the "
             "adapter of its lowest eval loss (training.keep_best) and training.early_stopping_patience ends it sooner"
         )
-    every = max(10, min(500, _round_up(max(1, total // 5), 10)))
+    every = max(10, min(500, round_up(max(1, total // 5), 10)))
     if replay:
         reasons.append(
             f"data.replay {replay:g}: {replayed} answers the base model itself gives to general prompts (asked without "
             f"your system prompt) are mixed into your {train_rows} examples, because they carry a system prompt: "
             "measured twice on such a file, fine-tunes without them answered 1 and 2 of 3 simple facts asked without the "
             "system prompt, with them 3 of 3, their style still learned (docs/replay_guard.json)")
-    return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes, replay)
+    return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes, replay, length_cap)
