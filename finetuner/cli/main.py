@@ -102,8 +102,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _register_worker_signals()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    import warnings
+
+    from finetuner.runs.folder import RunAlreadyFinished
     from finetuner.training.trainer import train
 
+    warnings.filterwarnings("ignore", category=RunAlreadyFinished)  # progress.summary says it, in the CLI's words
     with ProgressPrinter(console, quiet=args.quiet) as progress:
         result = train(
             recipe,

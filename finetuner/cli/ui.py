@@ -69,7 +69,10 @@ def _cmd_ui(args: argparse.Namespace) -> int:
             f"The web UI needs gradio ({e}).",
             hint="gradio comes with finetuner: install finetuner again (pip install -c constraints.txt -e .).",
         ) from None
+    app = launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=False,
+                 quiet=True, max_upload_bytes=int(max_upload * 2**20) if max_upload is not None else None,
+                 data_dirs=args.data_dir)
+    # said once the port accepts connections (launch returns then), so the address works when it is read
     print(f"finetuner UI on http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port} (Ctrl-C to quit)", flush=True)
-    launch(runs_dir=args.runs_dir, upload_dir=args.upload_dir, host=args.host, port=args.port, auth=auth, block=True, quiet=True,
-           max_upload_bytes=int(max_upload * 2**20) if max_upload is not None else None, data_dirs=args.data_dir)
+    app.block_thread()
     return 0

@@ -5,7 +5,8 @@ The probe set (``data/general_probe.jsonl``, written for this project by ``scrip
 holds short questions with checkable answers: facts, arithmetic, instructions. An answer is right when it holds
 one of the accepted strings as a whole word (``contains``; case-insensitive unless the row says ``case``) or when
 its first number is the accepted one (``numeric``). Both models answer greedily, one chat turn each, with the
-run's chat template. "Kept N of M": of the M questions the base answers right, the fine-tune still answers N.
+run's chat template. Said as a "general knowledge check" (:func:`kept_words`): of the M questions the base answers
+right, the fine-tune still answers N (M - N forgotten).
 ``finetuner eval RUN --general`` runs it (``--general FILE`` for another set in the same format).
 """
 
@@ -67,17 +68,24 @@ def entry_of(result: ProbeResult) -> dict[str, Any]:
     return entry
 
 
+def kept_words(kept: int, base_right: int, questions: int | None = None, lost: list[str] | None = None) -> str:
+    """What a probe measured, in words a first-time user reads without knowing the probe: how many general
+    questions the base model answered right, and how many of those the fine-tune still answers right."""
+    asked = f"of {questions} general questions" if questions else "of the general questions it asks"
+    forgot = base_right - kept
+    named = f": {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}" if lost and forgot else ""
+    return (f"general knowledge check: {asked}, the base model answered {base_right} right; after training, {kept} "
+            f"of those are still right ({forgot} forgotten{named})")
+
+
 def kept_line(probe: dict[str, Any] | None) -> str | None:
-    """The summary's line of a stored probe: ``kept N of M`` of the base's right answers, and what was lost."""
+    """The summary's line of a stored probe: of the base's right answers, how many the fine-tune kept, and which it lost."""
     if not probe or not probe.get("questions"):
         return None
     if not probe.get("base_right"):
-        return (f"general probe: the base answers none of {probe['questions']} general questions, so there was nothing "
-                "general to keep (a model that knows only its corpus)")
-    lost = probe.get("lost") or []
-    return (f"general probe: kept {probe['kept']} of the base's {probe['base_right']} right answers "
-            f"({probe['kept'] / probe['base_right']:.0%}, {probe['questions']} questions)"
-            + (f"; lost: {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}" if lost else ""))
+        return (f"general knowledge check: the base model answered none of {probe['questions']} general questions "
+                "right, so training had nothing general to forget (a model that knows only its own corpus)")
+    return kept_words(probe["kept"], probe["base_right"], probe["questions"], probe.get("lost"))
 
 
 #: a fine-tune that keeps less than this share of the base's right answers is warned about before it is shipped
@@ -97,11 +105,10 @@ def kept_note(run_dir: Path | None) -> str | None:
     if not probe or not probe.get("base_right"):
         return f"what the fine-tune forgot is not measured: `finetuner eval {run_dir} --general` says it"
     share = probe["kept"] / probe["base_right"]
-    text = f"general probe: the fine-tune kept {probe['kept']} of the base's {probe['base_right']} right answers ({share:.0%})"
+    text = f"{kept_words(probe['kept'], probe['base_right'], probe.get('questions'), probe.get('lost'))}, {share:.0%} kept"
     if share < KEEP_WARNING:
-        return (f"warning: {text}, under {KEEP_WARNING:.0%}: it forgot general answers the base knew (lost: "
-                f"{', '.join(probe.get('lost', [])[:5])}); ship it if that is what you want, or train with fewer epochs "
-                "or general chats mixed in")
+        return (f"warning: {text}, under {KEEP_WARNING:.0%}: it forgot general answers the base knew; ship it if that "
+                "is what you want, or train with fewer epochs or general chats mixed in")
     return text
 
 
@@ -168,9 +175,8 @@ class ProbeResult:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        return (f"general probe ({self.questions} questions, {Path(self.probes).name}): the base answers "
-                f"{self.base_right}, the fine-tune {self.fine_tuned_right}; kept {self.kept} of the base's {self.base_right}"
-                + (f" (lost: {', '.join(self.lost[:6])}{' ...' if len(self.lost) > 6 else ''})" if self.lost else ""))
+        return (f"{kept_words(self.kept, self.base_right, self.questions, self.lost)}; the fine-tune answers "
+                f"{self.fine_tuned_right} of the {self.questions} right in all ({Path(self.probes).name})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -104,6 +104,12 @@ class RunFinished(Exception):
         self.run_dir, self.message = run_dir, message
 
 
+class RunAlreadyFinished(UserWarning):
+    """Warned by :func:`finetuner.train` when it returns a finished run's result without training
+    (:class:`RunFinished`): a script or a notebook says that nothing trained, and what would train
+    (the message); the CLI silences it and prints the same message in its summary."""
+
+
 def free_sibling(run_dir: Path) -> Path:
     """``run_dir`` itself if nothing is there, else the first free ``<name>-2``, ``<name>-3``... beside it:
     the folder to propose for a new run instead of one that holds a run."""
@@ -124,8 +130,10 @@ def shown(path: Path) -> str:
 
 
 def new_folder_hint(run_dir: Path) -> str:
-    """How to start a new run without touching the finished one in ``run_dir``: a free folder beside it."""
-    return f"--output {shown(free_sibling(run_dir))}"
+    """How to start a new run without touching the finished one in ``run_dir``: a free folder beside it
+    (as the CLI and the Python API take it)."""
+    free = shown(free_sibling(run_dir))
+    return f"--output {free} (Python: finetuner.train(..., output_dir={free!r}))"
 
 
 def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last: Path) -> None:

@@ -27,6 +27,7 @@ import os
 import random
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
 from finetuner.planning.sizing import optimizer_steps, steps_per_epoch
 from finetuner.runs.folder import (
+    RunAlreadyFinished,
     RunFinished,
     check_disk_space,
     events_size,
@@ -1133,6 +1135,7 @@ def train(
                 remove_failed_setup(run_dir, existed)
             raise
     except RunFinished as done:
+        warnings.warn(done.message, RunAlreadyFinished, stacklevel=2)  # the API's caller reads that nothing trained
         return finished_result(done)
     except BaseException as e:
         if writes_events:

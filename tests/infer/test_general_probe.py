@@ -63,11 +63,15 @@ def test_eval_general_on_the_demo_says_what_the_fine_tune_kept(demo_run, tmp_pat
     shutil.copytree(demo_run, run)  # the shared run is only read; metrics.json is written here
     out = cli_in_process("eval", str(run), "--general", "--limit", "12", cwd=REPO)
     assert out.returncode == 0, out.stderr
-    head = re.search(r"general probe \(12 questions, general_probe.jsonl\): the base answers (\d+), the fine-tune (\d+); "
-                     r"kept (\d+) of the base's (\d+)", out.stdout)
+    # said in words a first-time user reads: what was asked, what the base knew, what is still right after training
+    head = re.search(r"general knowledge check: of 12 general questions, the base model answered (\d+) right; after "
+                     r"training, (\d+) of those are still right \((\d+) forgotten.*\); the fine-tune answers (\d+) of the "
+                     r"12 right in all \(general_probe.jsonl\)", " ".join(out.stdout.split()))
     assert head, out.stdout
     stored = json.loads((run / "metrics.json").read_text(encoding="utf-8"))["general_probe"]
-    assert (stored["base_right"], stored["fine_tuned_right"], stored["kept"]) == tuple(int(g) for g in head.groups()[:3])
+    base, kept, forgot, tuned = (int(g) for g in head.groups())
+    assert (stored["base_right"], stored["kept"], stored["fine_tuned_right"]) == (base, kept, tuned)
+    assert forgot == base - kept == len(stored["lost"])
     assert stored["kept"] <= stored["base_right"] and stored["questions"] == 12 and "answers" not in stored
     again = cli_in_process("eval", str(run), "--general", "--limit", "12", "--json", "--no-write", cwd=REPO)
     r = json.loads(again.stdout)
@@ -89,12 +93,14 @@ def test_merge_and_export_say_what_the_run_forgot_before_it_ships(demo_run, tmp_
     metrics["general_probe"] = {"base_right": 10, "kept": 7, "lost": ["fact-001", "fact-013", "arithmetic-004"]}
     (run / "metrics.json").write_text(json.dumps(metrics), encoding="utf-8")
     r = finetuner.merge_adapter(run, tmp_path / "merged", verify=False)
-    assert ("warning: general probe: the fine-tune kept 7 of the base's 10 right answers (70%), under 80%: it forgot "
-            "general answers the base knew (lost: fact-001, fact-013, arithmetic-004)") in r.notes[-1]
+    assert ("warning: general knowledge check: of the general questions it asks, the base model answered 10 right; "
+            "after training, 7 of those are still right (3 forgotten: fact-001, fact-013, arithmetic-004), 70% kept, "
+            "under 80%: it forgot general answers the base knew") in r.notes[-1]
     out = cli_in_process("export", str(run), "--format", "gguf", "--quant", "f16", "-o", str(tmp_path / "m.gguf"),
                          "--no-verify", cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "note        warning: general probe: the fine-tune kept 7 of the base's 10" in out.stdout
+    assert "note warning: general knowledge check: of the general questions it asks, the base model answered 10 right" \
+        in " ".join(out.stdout.split())
 
 
 def test_every_run_ends_with_the_probe_and_says_what_it_kept(tmp_path, monkeypatch):
@@ -136,7 +142,9 @@ def test_every_run_ends_with_the_probe_and_says_what_it_kept(tmp_path, monkeypat
     done = [e for e in read_events(result.run_dir / "events.jsonl") if e["event"] == "done"][0]
     assert done["metrics"]["general_probe"] == stored
     line = probe.kept_line(stored)
-    assert line.startswith(f"general probe: kept {stored['kept']} of the base's {len(rows)} right answers")
+    assert line.startswith(f"general knowledge check: of {len(rows)} general questions, the base model answered "
+                           f"{len(rows)} right; after training, {stored['kept']} of those are still right "
+                           f"({len(rows) - stored['kept']} forgotten")
     assert ("kept", line) in load_run(result.run_dir)._rows()
     assert line in run_status(result.run_dir, runs_dir=tmp_path).notes  # the UI's Train tab shows these notes
     raw["training"]["general_probe"] = 0  # asked for none: no probe, no key

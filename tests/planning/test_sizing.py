@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import finetuner
+from finetuner.runs.folder import RunAlreadyFinished
+
 from finetuner.data.stats import DataProfile
 from finetuner.config.hardware import cpu_profile, get_gpu
 from finetuner.planning.planner import DEFAULT_DATA, plan
@@ -198,6 +201,15 @@ def test_a_finished_run_says_so_and_changes_nothing(recipe_dict, tmp_path):
     assert "Already finished" in said and "already trained 4 steps, more than the 2 that training.max_steps=2 asks for" in said
     assert f"is in {out / 'adapter'}" in said and "Nothing was trained or changed" in said
     assert "--no-resume" not in said and f"for a new run of 2 steps, give it a folder of its own: --output {tmp_path / 'run-2'}" in said
+    assert "RunAlreadyFinished" not in fewer.stdout + fewer.stderr  # the CLI says it once, in its summary
+    # the Python API (the trial: overrides=["training.max_steps=20"] on the finished demo returned its old result
+    # without a word): the same decision, said as a warning naming what would train
+    with pytest.warns(RunAlreadyFinished) as said_api:
+        same = finetuner.train(recipe, overrides=["training.max_steps=2"])
+    said = " ".join(str(w.message) for w in said_api)
+    assert "already trained 4 steps, more than the 2" in said and "Nothing was trained or changed" in said
+    assert f"output_dir='{tmp_path / 'run-2'}'" in said and "raise training.max_steps" in said
+    assert same.finished and same.metrics["steps"] == 4 and same.adapter_dir == out / "adapter"
     assert (out / "recipe.yaml").read_text() == saved and (out / "events.jsonl").read_text() == events
 
     more = cli_in_process("run", str(recipe), "--set", "training.max_steps=6")

@@ -378,6 +378,30 @@ def test_finetuner_ui_with_gradio_share_set_serves_locally_and_caps_uploads(tmp_
     assert "gradio.live" not in text and "public URL" not in text
 
 
+def test_finetuner_ui_says_its_address_once_it_serves(tmp_path):
+    """The address line is printed once the port accepts connections: a user (or a script) who opens it the
+    moment it appears gets the page, at the first try, with no wait and no retry."""
+    port = free_port()
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "finetuner", "ui", "--port", str(port), "--runs-dir", str(tmp_path / "runs"),
+         "--upload-dir", str(tmp_path / "up")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # the line as it appears; a server that exits ends the loop
+            seen.append(line)
+            if "finetuner UI on" in line:
+                break
+        assert seen and f"finetuner UI on http://127.0.0.1:{port} (Ctrl-C to quit)" in seen[-1], "".join(seen)
+        assert _port_open(port)  # at once, one try: the port accepted connections before the line was printed
+        assert _http_status(f"http://127.0.0.1:{port}/")[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=HANG_GUARD_S)
+
+
 def _port_open(port: int) -> bool:
     import socket
 
