@@ -139,6 +139,8 @@ class ProgressPrinter:
                     self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
                                        f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps{whole} (speed: {pred['source']})",
                                        highlight=False)
+                if pred and pred.get("load_note"):  # a machine busier than at calibration
+                    self.console.print(f"[yellow]Note:[/] {pred['load_note']}.", highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
             self.predicted = ev.get("predicted_speed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 from pathlib import Path
@@ -259,6 +260,8 @@ def test_gpus_calibrate_measures_caches_and_plans_for_this_machine_use_it(tmp_pa
     out = json.loads(capsys.readouterr().out)
     assert set(out["matmul_gflops"]["fp32"]) == {"16", "64"} or set(out["matmul_gflops"]["fp32"]) == {16, 64}
     assert out["bandwidth_gbs"] > 0 and out["op_overhead_us"] > 0 and out["attention_gflops"]["causal"]
+    assert out["cores"] == os.cpu_count() and out["load_average"] >= 0  # the load it was made under
+    assert out["timed_by"] == ("cpu time" if out["threads"] == 1 else "wall clock")
     cached = Path(out["cached_in"])
     assert cached.is_file() and cached.is_relative_to(tmp_path / "speed")
     monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("measured again instead of reading the cache"))

@@ -113,7 +113,8 @@ def test_the_rule_in_numbers():
 
 
 def test_the_console_bar_shows_the_runs_eta_not_its_own_guess():
-    """The rich bar's ETA is the step event's (planned for the first steps, said so; then the measured)."""
+    """The rich bar's ETA is the step event's (planned for the first steps, said so; then the measured); the start
+    event's note of a machine busier than at calibration is printed."""
     import io
 
     from rich.console import Console
@@ -121,10 +122,10 @@ def test_the_console_bar_shows_the_runs_eta_not_its_own_guess():
     from finetuner.cli.progress import ProgressPrinter
 
     out = io.StringIO()
-    con = Console(file=out, force_terminal=True, width=200)
+    con = Console(file=out, force_terminal=True, width=200, color_system=None)
     start = {"event": "start", "name": "n", "device": "cpu", "method": "lora", "trainable_params": 1, "total_params": 2,
              "max_steps": 10, "run_dir": "r", "predicted_speed": {"tokens_per_s": 100.0, "step_s": 2.0, "total_s": 20.0,
-                                                                 "source": "s"}}
+                                                                 "source": "s", "load_note": "the machine is busier now: x"}}
     step = {"event": "step", "max_steps": 10, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 50.0}
     with ProgressPrinter(con) as printer:
         printer(start)
@@ -134,3 +135,4 @@ def test_the_console_bar_shows_the_runs_eta_not_its_own_guess():
         printer({**step, "step": 4, "eta_s": 65.4, "eta_from": "measured"})
         assert printer.progress.tasks[0].fields["eta"] == "0:01:05"
     assert "ETA 0:01:05" in out.getvalue()
+    assert "Note: the machine is busier now: x." in out.getvalue()  # the start event's load note
