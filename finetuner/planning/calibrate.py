@@ -101,6 +101,20 @@ def _timed(fn, sync) -> float:
     return best
 
 
+def place(this_device: bool = True) -> dict[str, Any]:
+    """Where this machine's calibration lives, as ``finetuner gpus`` says it: ``folder`` (under
+    :func:`finetuner.fileio.cache_root`, the one cache folder of the CLI, ``scripts/demo.sh``, the web UI and the
+    Python API), with ``this_device`` also ``file`` (this device's, for these versions: imports torch) and
+    ``cached`` (whether it is there), and ``speed_file``: ``$FINETUNER_SPEED_FILE`` when set (used instead)."""
+    from finetuner.fileio import cache_root
+
+    out: dict[str, Any] = {"folder": str(cache_root() / "speed"), "speed_file": os.environ.get(SPEED_FILE_ENV) or None}
+    if this_device:
+        path = cache_file(device_key()[1])
+        out.update(file=str(path), cached=path.is_file())
+    return out
+
+
 def _cpu_clock(on_cpu: bool) -> bool:
     """Whether :func:`_timed` times by this process's CPU time: on a CPU with one torch thread."""
     import torch
