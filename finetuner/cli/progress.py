@@ -159,8 +159,8 @@ class ProgressPrinter:
             elif not self.quiet:
                 self.console.print(
                     f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
-                    f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  ETA {ev['eta_s']:.0f}s"
-                    f"{' (planned)' if ev.get('eta_from') == 'planned' else ''}",
+                    f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  "
+                    f"{'planned ' if ev.get('eta_from') == 'planned' else ''}ETA {ev['eta_s']:.0f}s",
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:

@@ -404,7 +404,8 @@ def estimate_text(t: dict[str, Any], tokens_note: str = "", brief: bool = False)
     """:func:`time_text` of an :func:`finetuner.planning.predict.estimate_time` result (``finetuner estimate``, the web UI)."""
     text = time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
                      t["currency"], t["source"], bool(t.get("upper_bound")), tokens_note, brief)
-    return f"{text} Note: {t['load_note']}." if t.get("load_note") else text
+    # the UI's brief line leaves it to the plan's notes, which say it too
+    return f"{text} Note: {t['load_note']}." if t.get("load_note") and not brief else text
 
 
 def predicted_step(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,

@@ -136,3 +136,9 @@ def test_the_console_bar_shows_the_runs_eta_not_its_own_guess():
         assert printer.progress.tasks[0].fields["eta"] == "0:01:05"
     assert "ETA 0:01:05" in out.getvalue()
     assert "Note: the machine is busier now: x." in out.getvalue()  # the start event's load note
+    plain = io.StringIO()
+    printer = ProgressPrinter(Console(file=plain, width=200))  # off a terminal: a line a step
+    printer({**step, "step": 1, "eta_s": 18.0, "eta_from": "planned"})
+    printer({**step, "step": 4, "eta_s": 65.4, "eta_from": "measured"})
+    first, fourth = plain.getvalue().splitlines()
+    assert first.endswith(" planned ETA 18s") and fourth.endswith("  ETA 65s") and "planned" not in fourth
