@@ -769,7 +769,8 @@ class Trainer:
         self.events.emit("slow_steps", step=self.step, measured_step_s=round(measured, 5),
                          planned_step_s=rate.planned_step_s, factor=round(measured / rate.planned_step_s, 2),
                          message=message)
-        log.warning("%s", message)
+        if self.rank == 0:  # one line for the run, as its one event
+            log.warning("%s", message)
 
     def train(self) -> TrainResult:
         r = self.recipe
