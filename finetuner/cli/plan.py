@@ -508,9 +508,12 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
 
         fast = fast_path(Device.here())
     profiles = list_profiles()
+    from finetuner.planning.calibrate import place
+
+    where = place(this_device=not args.no_detect)
     if args.json:
         print(json.dumps({"profiles": [p.to_dict() for p in profiles], "detected": detected.to_dict() if detected else None,
-                          "fast_path": fast}, indent=2))
+                          "fast_path": fast, "calibration": where}, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -531,7 +534,19 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
                   f"loss {fast['loss_path']}; a run's start event records what it used.", highlight=False)
         for m in fast["missing"]:
             con.print(f"  not used: {m}", highlight=False)
+    con.print(_calibration_text(where), highlight=False)
     return 0
+
+
+def _calibration_text(where: dict[str, Any]) -> str:
+    """Where the speed calibration lives (:func:`finetuner.planning.calibrate.place`), in a line."""
+    if where["speed_file"]:
+        return f"Speed calibration: {where['speed_file']} ($FINETUNER_SPEED_FILE, used instead of the cache in {where['folder']})."
+    if "file" not in where:
+        return f"Speed calibration: cached in {where['folder']} (the CLI, scripts/demo.sh, the web UI and the API share it)."
+    state = "measured" if where["cached"] else "not measured yet: `finetuner gpus --calibrate` or the first plan on the CPU measures it"
+    return (f"Speed calibration: {where['file']} ({state}; the CLI, scripts/demo.sh, the web UI and the API share this "
+            "folder; $FINETUNER_CACHE_DIR moves it).")
 
 
 

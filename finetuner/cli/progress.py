@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from finetuner.data.replay import ROUTINE_REASONS
@@ -56,6 +56,17 @@ def _memory_line(m: dict[str, Any]) -> str:
     return line
 
 
+def _duration(s: float) -> str:
+    """Seconds as the bar shows them: ``0:01:05``."""
+    s = max(0, int(round(s)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _eta(steps_left: int, predicted: dict[str, Any] | None) -> str:
+    """The bar's ETA before the first step: the plan's, or ``-`` without one."""
+    return f"{_duration(predicted['step_s'] * steps_left)} (planned)" if predicted else "-"
+
+
 def _time_line(t: dict[str, Any]) -> str:
     """``metrics.json``'s ``time``, measured beside predicted: ``steps 24.0 s (predicted ~25 s), evaluations
     0.3 s (~0.2 s), total 40.1 s (~38 s)``; the measured alone when there is no prediction."""
@@ -92,8 +103,7 @@ class ProgressPrinter:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
+                TextColumn("ETA {task.fields[eta]}"),  # the run's own (finetuner.training.step_rate), not rich's guess
                 console=self.console,
             )
             self.progress.start()
@@ -129,6 +139,8 @@ class ProgressPrinter:
                     self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
                                        f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps{whole} (speed: {pred['source']})",
                                        highlight=False)
+                if pred and pred.get("load_note"):  # a machine busier than at calibration
+                    self.console.print(f"[yellow]Note:[/] {pred['load_note']}.", highlight=False)
                 if d.get("skipped"):
                     self.console.print(f"[yellow]Skipped {d['skipped']} bad rows[/] (first: {d['skipped_reasons'][0]})")
             self.predicted = ev.get("predicted_speed")
@@ -136,16 +148,19 @@ class ProgressPrinter:
                 self.predicted_bound, self.predicted = self.predicted, None  # its tokens/s is not comparable
             if self.progress:
                 tps = f"~{self.predicted['tokens_per_s']:.0f} predicted" if self.predicted else "-"  # until the first step is measured
-                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps=tps)
+                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps=tps,
+                                                   eta=_eta(ev["max_steps"] - (ev.get("resumed_from_step") or 0), self.predicted))
         elif kind == "step":
             if self.progress and self.task is not None:
                 pred = self.predicted
                 tps = f"{ev['tokens_per_s']:.0f}" + (f" (predicted ~{pred['tokens_per_s']:.0f})" if pred else "")
-                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=tps)
+                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=tps,
+                                     eta=f"{_duration(ev['eta_s'])}{' (planned)' if ev.get('eta_from') == 'planned' else ''}")
             elif not self.quiet:
                 self.console.print(
                     f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
-                    f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  ETA {ev['eta_s']:.0f}s",
+                    f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  "
+                    f"{'planned ' if ev.get('eta_from') == 'planned' else ''}ETA {ev['eta_s']:.0f}s",
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetuner.planning.load import load_now
 from finetuner.planning.speed import DeviceSpeed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,9 +88,7 @@ def _timed(fn, sync) -> float:
     thread: there this process's CPU time, which is what the call takes on an idle core and stays
     steady while other processes share the machine (the wall clock then counts them too). With
     several threads CPU time says nothing of the wall time (threads wait for cores, or spin)."""
-    import torch
-
-    clock = time.process_time if (sync is _no_sync and torch.get_num_threads() == 1) else time.perf_counter
+    clock = time.process_time if _cpu_clock(sync is _no_sync) else time.perf_counter
     fn()
     sync()
     best, spent, n = float("inf"), 0.0, 0
@@ -100,6 +99,27 @@ def _timed(fn, sync) -> float:
         dt = clock() - t0
         best, spent, n = min(best, dt), spent + dt, n + 1
     return best
+
+
+def place(this_device: bool = True) -> dict[str, Any]:
+    """Where this machine's calibration lives, as ``finetuner gpus`` says it: ``folder`` (under
+    :func:`finetuner.fileio.cache_root`, the one cache folder of the CLI, ``scripts/demo.sh``, the web UI and the
+    Python API), with ``this_device`` also ``file`` (this device's, for these versions: imports torch) and
+    ``cached`` (whether it is there), and ``speed_file``: ``$FINETUNER_SPEED_FILE`` when set (used instead)."""
+    from finetuner.fileio import cache_root
+
+    out: dict[str, Any] = {"folder": str(cache_root() / "speed"), "speed_file": os.environ.get(SPEED_FILE_ENV) or None}
+    if this_device:
+        path = cache_file(device_key()[1])
+        out.update(file=str(path), cached=path.is_file())
+    return out
+
+
+def _cpu_clock(on_cpu: bool) -> bool:
+    """Whether :func:`_timed` times by this process's CPU time: on a CPU with one torch thread."""
+    import torch
+
+    return on_cpu and torch.get_num_threads() == 1
 
 
 def _no_sync() -> None:
@@ -150,6 +170,9 @@ def measure() -> DeviceSpeed:
     startup = _startup_seconds()
     details = {"measured_in_s": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dequantization": how}
+    # the load it was made under and its clock (finetuner.planning.load: a plan says when the machine is busier now)
+    load, cores = load_now()
+    details.update(load_average=round(load, 2), cores=cores, timed_by="cpu time" if _cpu_clock(plat == "cpu") else "wall clock")
     from finetuner.version import __version__
 
     details["finetuner"] = __version__

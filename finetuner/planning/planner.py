@@ -44,6 +44,7 @@ from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, preset_model, presets, resolve_shape
 from finetuner.planning.calibrate import speed_for
+from finetuner.planning.load import note_now
 from finetuner.planning.expectations import expectation
 from finetuner.data.split import held_out_rows
 from finetuner.planning.sizing import Sizing, learning_rate, size_run
@@ -405,8 +406,10 @@ def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[
 
 def estimate_text(t: dict[str, Any], tokens_note: str = "", brief: bool = False) -> str:
     """:func:`time_text` of an :func:`finetuner.planning.predict.estimate_time` result (``finetuner estimate``, the web UI)."""
-    return time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
+    text = time_text(t["step_s"], t["tokens_per_s"], t["optimizer_steps"], t["wait"], t["cost"], t["price_per_hour"],
                      t["currency"], t["source"], bool(t.get("upper_bound")), tokens_note, brief)
+    # the UI's brief line leaves it to the plan's notes, which say it too
+    return f"{text} Note: {t['load_note']}." if t.get("load_note") and not brief else text
 
 
 def predicted_step(shape: ModelShape, s: Settings, gpu: GpuProfile, est: MemoryEstimate | None = None,
@@ -1159,6 +1162,9 @@ def plan_recipe(
         cpu_memory=cpu_memory, cpu_memory_source=cpu_memory_source, speed_source=speed.source,
         price_per_hour=price_per_hour, optimizer_steps=recipe.training.max_steps, currency=currency, speed=speed,
     )
+    busier = note_now(speed)
+    if busier:  # the times above are the calibrated machine's
+        out.notes.append(f"{busier[0].upper()}{busier[1:]}.")
     gguf = info_for(recipe.model.name)
     if gguf is not None:
         out.notes.append(gguf.note())

@@ -27,6 +27,7 @@ from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.calibrate import speed_for
+from finetuner.planning.load import note_now
 from finetuner.planning.planner import (Plan, data_batch_of, grpo_largest, label_fraction_of, lengths_text,
                                         resolve_auto, run_optimizer_steps, run_wait)
 from finetuner.planning.recipe_speed import recipe_step_time
@@ -88,7 +89,7 @@ class Prediction:
                 "wait": wait.to_dict() if wait else None, "price_per_hour": price_per_hour, "currency": currency,
                 "cost": cost_of(wait.wall_s if wait else None, price_per_hour), "source": self.speed.source,
                 "parts_s": dict(st.parts), "upper_bound": st.upper_bound, "padded_tokens_per_s": st.padded_tokens_per_s,
-                "lengths": lengths_text(self.recipe, self.batch)}
+                "lengths": lengths_text(self.recipe, self.batch), "load_note": note_now(self.speed)}
 
     def speed_dict(self) -> dict[str, Any]:
         """The trainer's ``start`` event's ``predicted_speed``: tokens/s, the step, its steps alone, the whole wait."""
@@ -96,7 +97,7 @@ class Prediction:
         return {"tokens_per_s": round(st.tokens_per_s, 1), "step_s": round(st.step_s, 5),
                 "total_s": round(st.step_s * steps, 1), "wall_s": round(wait.wall_s, 2) if wait else None,
                 "wait": wait.to_dict() if wait else None, "source": st.source, "upper_bound": st.upper_bound,
-                "data_lengths": st.data_lengths}
+                "data_lengths": st.data_lengths, "load_note": note_now(self.speed)}
 
 
 def _profile(gpu: GpuProfile | str | None) -> GpuProfile | None:

@@ -476,6 +476,8 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.notes.append(
                 f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"
             )
+        elif kind == "slow_steps":  # the steps are much slower than planned: the measured rate
+            st.notes.append(str(ev.get("message")))
         elif kind == "done":
             st.step = ev.get("step", st.step)
             st.metrics = ev.get("metrics") or {}

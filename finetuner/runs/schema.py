@@ -221,7 +221,15 @@ class DistributedEvent(Event, _Fsdp):
     configs: list[str]
 
 
-class StepEvent(Event, _Memory, _Rewards, _GroupRewards):
+class _EtaFrom(TypedDict, total=False):
+    """Where ``eta_s`` came from (absent in the events of runs from before it was written): ``planned`` (the
+    plan's seconds a step, for the first steps of a process) or ``measured`` (the steps timed since;
+    finetuner.training.step_rate)."""
+
+    eta_from: str
+
+
+class StepEvent(Event, _Memory, _Rewards, _GroupRewards, _EtaFrom):
     """An optimizer step (every ``logging.every`` steps, and the last one)."""
 
     step: int
@@ -246,6 +254,17 @@ class OomBackoffEvent(Event):
     old_gradient_accumulation: int
     micro_batch_size: int
     gradient_accumulation: int
+    message: str
+
+
+class SlowStepsEvent(Event):
+    """The steps timed so far take much longer than planned (finetuner.training.step_rate.SLOW_FACTOR times or
+    more); written once a run (a resume may write it again). The ETA follows the measured steps."""
+
+    step: int
+    measured_step_s: float
+    planned_step_s: float
+    factor: float
     message: str
 
 
@@ -332,6 +351,7 @@ EVENT_TYPES: dict[str, type] = {
     "distributed": DistributedEvent,
     "step": StepEvent,
     "oom_backoff": OomBackoffEvent,
+    "slow_steps": SlowStepsEvent,
     "eval": EvalEvent,
     "checkpoint": CheckpointEvent,
     "memory_snapshot": MemorySnapshotEvent,

@@ -50,6 +50,7 @@ from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe, TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
+from finetuner.training.step_rate import StepRate
 from finetuner.planning.sizing import optimizer_steps, steps_per_epoch
 from finetuner.runs.folder import (
     RunAlreadyFinished,
@@ -761,6 +762,18 @@ class Trainer:
         self.events.emit("stopped", step=self.step, max_steps=self.max_steps)
         return TrainResult(self.run_dir, self.run_dir / "adapter", {"step": self.step}, stopped=True, losses=self.losses)
 
+    def _say_if_slow(self, rate: StepRate) -> None:
+        """The ``slow_steps`` event and a warning, once, when the timed steps are much slower than planned."""
+        slow = rate.slow_message()
+        if slow is None:
+            return
+        message, measured = slow
+        self.events.emit("slow_steps", step=self.step, measured_step_s=round(measured, 5),
+                         planned_step_s=rate.planned_step_s, factor=round(measured / rate.planned_step_s, 2),
+                         message=message)
+        if self.rank == 0:  # one line for the run, as its one event
+            log.warning("%s", message)
+
     def train(self) -> TrainResult:
         r = self.recipe
         start = time.perf_counter()
@@ -773,6 +786,7 @@ class Trainer:
         stopped = early = False
         self.best, self.best_weights, self.evals_since_best = None, None, 0
         profiling = self._start_memory_profile()
+        rate = StepRate((self.predicted_speed or {}).get("step_s"), self.max_steps, start, self.resumed_from or 0)
         while self.step < self.max_steps:
             if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
                 profiling = self._dump_memory_profile()
@@ -806,7 +820,10 @@ class Trainer:
             self.tokens_seen += tokens
             window_tokens += tokens
             self.losses.append(round(loss, 6))
-            elapsed = self.elapsed_before + time.perf_counter() - start
+            now = time.perf_counter()
+            elapsed = self.elapsed_before + now - start
+            rate.record(self.step, took, now)
+            self._say_if_slow(rate)
             lr = self.scheduler.get_last_lr()[0]
             mem = device_memory(self.rt.device)
             if self.tb:
@@ -815,11 +832,9 @@ class Trainer:
                 for k, v in mem.items():
                     self.tb.add_scalar(f"memory/{k}_gib", v / 2**30, self.step)
             if self.step % r.logging.every == 0 or self.step == self.max_steps:
-                now = time.perf_counter()
                 tps = window_tokens / max(window_step_s, 1e-9)  # real tokens per second of the steps since the last line
                 window_step_s, window_tokens = 0.0, 0
-                done_here = self.step - (self.resumed_from or 0)
-                per_step = (now - start) / max(done_here, 1)
+                eta, eta_from = rate.eta(self.step, now)
                 self.events.emit(
                     "step",
                     step=self.step,
@@ -832,7 +847,8 @@ class Trainer:
                     tokens_seen=self.tokens_seen,
                     tokens_per_s=round(tps, 2),
                     elapsed_s=round(elapsed, 3),
-                    eta_s=round(per_step * (self.max_steps - self.step), 1),
+                    eta_s=round(eta, 1),
+                    eta_from=eta_from,
                     micro_batch_size=t.micro_batch_size,
                     **self.objective.step_metrics(),
                     **mem,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 from pathlib import Path
@@ -259,11 +260,34 @@ def test_gpus_calibrate_measures_caches_and_plans_for_this_machine_use_it(tmp_pa
     out = json.loads(capsys.readouterr().out)
     assert set(out["matmul_gflops"]["fp32"]) == {"16", "64"} or set(out["matmul_gflops"]["fp32"]) == {16, 64}
     assert out["bandwidth_gbs"] > 0 and out["op_overhead_us"] > 0 and out["attention_gflops"]["causal"]
+    assert out["cores"] == os.cpu_count() and out["load_average"] >= 0  # the load it was made under
+    assert out["timed_by"] == ("cpu time" if out["threads"] == 1 else "wall clock")
     cached = Path(out["cached_in"])
     assert cached.is_file() and cached.is_relative_to(tmp_path / "speed")
     monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("measured again instead of reading the cache"))
     speed = calibrate.speed_for(cpu_profile())
     assert speed.calibrated and speed.source == out["source"]
+
+
+def test_gpus_says_where_the_calibration_lives(tmp_path, monkeypatch):
+    """`finetuner gpus` names the calibration file of this machine (the cache every front shares), whether it is
+    measured, and a $FINETUNER_SPEED_FILE used instead."""
+    from finetuner.planning import calibrate
+    from tests.conftest import cli_in_process
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.SPEED_FILE_ENV, raising=False)
+    r = cli_in_process("gpus")
+    expected = calibrate.cache_file(calibrate.device_key()[1])
+    assert expected.parent == tmp_path / "speed"
+    assert f"Speed calibration: {expected} (not measured yet" in " ".join(r.stdout.split()), r.stdout
+    calibrate.save(calibrate.load(CALIBRATION), expected)
+    r = cli_in_process("gpus", "--json")
+    assert json.loads(r.stdout)["calibration"] == {"folder": str(tmp_path / "speed"), "file": str(expected), "cached": True,
+                                                   "speed_file": None}
+    assert f"cached in {tmp_path / 'speed'} " in " ".join(cli_in_process("gpus", "--no-detect").stdout.split())
+    monkeypatch.setenv(calibrate.SPEED_FILE_ENV, str(CALIBRATION))
+    assert f"Speed calibration: {CALIBRATION} ($FINETUNER_SPEED_FILE" in " ".join(cli_in_process("gpus", "--no-detect").stdout.split())
 
 
 def test_plan_reports_time_and_cost_and_compares_cards(capsys):
