@@ -485,7 +485,7 @@ def cli_in_process(*args: str, cwd: Path | None = None, timeout: float | None = 
     # (warnings filters pytest puts back after each test itself)
     loggers = {name: logging.getLogger(name) for name in ("transformers", "DeepSpeed", "bitsandbytes.backends.cpu.ops")}
     kept = {name: (lg.level, list(lg.filters)) for name, lg in loggers.items()}
-    env, here = dict(os.environ), os.getcwd()
+    kept_env, here = dict(os.environ), os.getcwd()
     # ``run`` installs its Ctrl-C/SIGTERM handlers and an unraisable-exception hook for its process: put back
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     unraisable = sys.unraisablehook
@@ -508,7 +508,7 @@ def cli_in_process(*args: str, cwd: Path | None = None, timeout: float | None = 
             signal.signal(sig, handler)
         sys.unraisablehook = unraisable
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(kept_env)
         for name, (level, filters) in kept.items():
             loggers[name].setLevel(level)
             loggers[name].filters[:] = filters
