@@ -38,11 +38,10 @@ precomputed reference scores).
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterator
 from typing import Any
 
-from finetuner.data.split import held_out_rows
+from finetuner.data.split import held_out_rows, shuffled_split
 from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,
@@ -402,9 +401,8 @@ def prepare_preference_data(cfg: DataSection, objective: str, tokenizer: Any, se
                 f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",
                 hint="Use a fraction below 1, or a smaller number of rows.",
             )
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        val, train = [train[i] for i in order[:n_val]], [train[i] for i in order[n_val:]]
+        held, kept = shuffled_split(len(train), n_val, seed)
+        val, train = [train[i] for i in held], [train[i] for i in kept]
     for split in (train, val or []):
         for i, ex in enumerate(split):
             ex["idx"] = i

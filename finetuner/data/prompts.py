@@ -17,7 +17,6 @@ Every other column of the row is kept as it is and handed to the reward function
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from finetuner.config.recipe import DataSection
 from finetuner.data.formats import SHAREGPT_ROLES, RowError, read_rows
 from finetuner.data.pipeline import DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError
-from finetuner.data.split import held_out_rows
+from finetuner.data.split import held_out_rows, shuffled_split
 
 #: columns read as the prompt (a text) when the row has no ``prompt`` or conversation
 QUESTION_KEYS = ("instruction", "question", "query", "problem")
@@ -152,9 +151,7 @@ def prepare_prompts(cfg: DataSection, tokenizer: Any, seed: int, max_new_tokens:
         if n_val >= len(train):
             raise UserError(f"data.val_size: {cfg.val_size} leaves no training prompts ({len(train)} in all).",
                             hint="Use a fraction below 1, or a smaller number of rows.")
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        held = set(order[:n_val])
+        held = set(shuffled_split(len(train), n_val, seed)[0])
         val = [train[i] for i in sorted(held)]
         train = [x for i, x in enumerate(train) if i not in held]
     stats.train_examples, stats.val_examples = len(train), len(val or [])

@@ -31,15 +31,32 @@ def held_out_size(rows: int) -> float:
     return 0.02 if round(rows * 0.02) < 200 else 200.0
 
 
+def _permutation(rows: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).permutation(rows)]
+
+
 def train_positions(rows: int, n_val: int, seed: int) -> list[int]:
     """Which of ``rows`` examples stay for training when ``n_val`` are held out: ``datasets``'
     ``train_test_split(test_size=n_val, seed=seed, shuffle=True)``, which the trainer's split calls
     (a ``numpy.random.default_rng(seed)`` permutation; the first ``n_val`` are held out)."""
-    if n_val <= 0:
-        return list(range(rows))
-    import numpy as np
+    return _permutation(rows, seed)[n_val:] if n_val > 0 else list(range(rows))
 
-    return [int(i) for i in np.random.default_rng(seed).permutation(rows)[n_val:]]
+
+def held_out_positions(rows: int, n_val: int, seed: int) -> list[int]:
+    """The ``n_val`` examples :func:`train_positions` leaves out, in the order the trainer's held-out split
+    keeps them (the plan's sample prompts are the first of them, :mod:`finetuner.planning.sample_prompts`)."""
+    return _permutation(rows, seed)[:n_val] if n_val > 0 else []
+
+
+def shuffled_split(rows: int, n_val: int, seed: int) -> tuple[list[int], list[int]]:
+    """The split of the preference pairs and of GRPO's prompts (plain lists, not ``datasets``): a
+    ``random.Random(seed)`` shuffle of the ``rows`` positions, the first ``n_val`` held out. Returns the
+    held-out positions and the training positions, each in the shuffled order."""
+    order = list(range(rows))
+    random.Random(seed).shuffle(order)
+    return order[:n_val], order[n_val:]
 
 
 def pack_bins(lengths: list[int], max_len: int, seed: int) -> list[list[int]]:

@@ -1008,6 +1008,12 @@ def plan(
         return plan_picture_size(asked, profile)
     base = _base_recipe(_recipe_model_name(model), sizing, data_path, name, device, columns, objective, grpo_raw,
                         max_pixels)
+    if data_path and Path(data_path).is_file():  # two prompts the run holds out, answered at its end
+        from finetuner.planning.sample_prompts import held_out_prompts
+
+        prompts, why_samples = held_out_prompts(base)
+        base = base.model_copy(update={"samples": base.samples.model_copy(update={"prompts": prompts})})
+        reasons.append(why_samples)
     lengths = profile.lengths if profile is not None else None  # GRPO's: its prompts' (profile_prompts)
     result = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                          cpu_memory=cpu_bytes, cpu_memory_source=cpu_source, price_per_hour=price_per_hour, lengths=lengths,
