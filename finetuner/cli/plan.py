@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Which column of --data holds a role (prompt, input, response, system, messages, text), e.g. "
                         "--column prompt=question --column response=answer (repeatable; written as data.columns).")
     p.add_argument("--epochs", type=int, help="Passes over --data (default: enough for 100 optimizer steps, at most 10).")
+    p.add_argument("--max-hours", type=float, metavar="H",
+                   help="A time budget for the whole run: the least-reduced plan predicted to end within H hours on this "
+                        "card (fewer epochs first, then the sequence at the data's 95th percentile), its reasons saying what "
+                        "was reduced; exit status 1 (no recipe written) when none does, saying the shortest.")
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--objective", default="auto",
@@ -162,8 +166,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, epochs=args.epochs,
         method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
         objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
-        currency=args.currency,
+        currency=args.currency, max_hours=args.max_hours,
     )
+    if p.over_budget:  # the shortest plan is over the budget: said in one line, not written
+        if args.json:
+            print(json.dumps(p.to_dict(), indent=2))
+        else:
+            print(f"Over budget: {p.over_budget}.")
+        return 1
     if p.recipe is not None:  # what `finetuner run` would refuse is not written (finetuner.planning.bounds)
         from finetuner.planning.bounds import check_run
 
@@ -190,6 +200,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from finetuner.errors import UserError
     from finetuner.planning.planner import compare_cards
 
+    if args.max_hours is not None:
+        raise UserError("--max-hours plans one card within a budget: drop --compare-cards, or plan each card with it.")
     if args.output:
         raise UserError("--compare-cards writes no recipe: drop -o/--output, and plan one card to write its recipe.")
     cards = [c.strip() for c in args.compare_cards.split(",") if c.strip()]
@@ -234,7 +246,8 @@ def _cmd_longest(args: argparse.Namespace) -> int:
 
     given = [flag for flag, value in (("--seq-len", args.seq_len), ("--data", args.data), ("--column", args.columns),
                                       ("--effective-batch", args.effective_batch), ("--name", args.name),
-                                      ("-o/--output", args.output), ("--cpu-memory", args.cpu_memory)) if value]
+                                      ("-o/--output", args.output), ("--cpu-memory", args.cpu_memory),
+                                      ("--max-hours", args.max_hours is not None)) if value]
     if args.gpus != 1:
         given.append("--gpus")
     if given:

@@ -15,10 +15,12 @@ plan would say:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 from finetuner.config.hardware import get_gpu
+from finetuner.errors import UserError
 from finetuner.planning.length_cap import round_up
 
 #: A plan predicted to take longer than this (the whole run) says so up front.
@@ -64,3 +66,67 @@ def long_run_warning(p: Any, replan: Callable[..., Any], duration: Callable[[flo
     more = f": cheaper choices: {'; '.join(choices)}" if choices else ""
     return (f"the whole run is predicted to take ~{duration(p.wall_s)} on {p.gpu.name}, more than "
             f"{LONG_RUN_S // 3600} hours{more}")
+
+
+def budget_cuts(p: Any) -> list[tuple[dict[str, Any], str]]:
+    """The cheaper choices :func:`within_budget` tries for the plan ``p`` as asked, least reduced first, each as
+    ``plan``'s changed arguments and the words for them: fewer epochs (one fewer each, down to one), then the
+    sequence at the data's 95th percentile (when it is shorter than ``p``'s, unpacked and not GRPO: the rows above
+    it are truncated) with the epochs as asked and again one fewer each. Never another card: the budget is for the
+    machine asked for."""
+    epochs = p.recipe.training.epochs
+    fewer = [({"epochs": e}, f"--epochs {e} (not {epochs:g})") for e in range(math.ceil(epochs) - 1, 0, -1)]
+    cuts = list(fewer)
+    data = p.data or {}
+    if data.get("p95_tokens") and p.recipe.objective != "grpo" and not p.recipe.data.packing:
+        seq = round_up(data["p95_tokens"])
+        if seq < p.seq_len:
+            shorter = f"--seq-len {seq} (the data's 95th percentile, not {p.seq_len}: the rows above it are truncated)"
+            cuts.append(({"seq_len": seq}, shorter))
+            cuts += [({"seq_len": seq, **c}, f"{shorter}, {what}") for c, what in fewer]
+    return cuts
+
+
+def hours_above(seconds: float) -> str:
+    """``seconds`` in hours rounded up to two significant digits, as a ``--max-hours`` that holds them."""
+    hours = seconds / 3600
+    step = 10 ** (math.floor(math.log10(hours)) - 1)
+    return f"{math.ceil(round(hours / step, 9)) * step:.2g}"
+
+
+def within_budget(max_hours: float, replan: Callable[..., Any], duration: Callable[[float | None], str]) -> Any:
+    """The plan of ``finetuner plan --max-hours H``: the least-reduced of the job as asked and its
+    :func:`budget_cuts` whose whole run (:attr:`~finetuner.planning.planner.Plan.wall_s`) is predicted to take at
+    most ``max_hours``, planned in full, its first reason saying what was reduced and the predicted time. When none
+    is, the one predicted shortest, with :attr:`~finetuner.planning.planner.Plan.over_budget` saying so (the CLI
+    exits 1 and writes no recipe). ``replan(**changes)``: the same job planned with ``seq_len``, ``epochs`` or
+    ``alternatives`` changed. A plan that does not fit the card is returned as it is (memory comes first)."""
+    if not max_hours > 0 or math.isinf(max_hours):  # also NaN
+        raise UserError(f"--max-hours {max_hours:g}: the time budget must be a number of hours above 0, e.g. 2 or 0.5.")
+    limit = max_hours * 3600
+    asked = replan(alternatives=False)
+    if not asked.fits:
+        return replan()
+    if not asked.wall_s:
+        raise UserError(f"--max-hours {max_hours:g}: the whole run's time of this plan is not predicted (its steps are "
+                        "not known), so no plan can be chosen by it.", hint="Plan with --data FILE, or leave out --max-hours.")
+    if asked.wall_s <= limit:
+        chosen = replan()
+        chosen.reasons.insert(0, f"fits --max-hours {max_hours:g} as asked: the whole run ~{duration(chosen.wall_s)}")
+        return chosen
+    shortest, said = asked, "the plan as asked"
+    for changes, what in budget_cuts(asked):
+        q = replan(alternatives=False, **changes)
+        if not (q.fits and q.wall_s):
+            continue
+        if q.wall_s <= limit:
+            chosen = replan(**changes)
+            chosen.reasons.insert(0, f"reduced to fit --max-hours {max_hours:g}: {what}: the whole run ~"
+                                     f"{duration(chosen.wall_s)} (as asked ~{duration(asked.wall_s)})")
+            return chosen
+        if q.wall_s < shortest.wall_s:
+            shortest, said = q, what
+    shortest.over_budget = (f"nothing fits --max-hours {max_hours:g} on {shortest.gpu.name}: the shortest "
+                            f"plan is {said}, ~{duration(shortest.wall_s)} (as asked ~{duration(asked.wall_s)}); give "
+                            f"--max-hours {hours_above(shortest.wall_s)} or more, or a faster --gpu")
+    return shortest

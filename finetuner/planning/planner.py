@@ -178,6 +178,9 @@ class Plan:
     headline: str | None = None
     #: what the plan says up front: a run predicted to take hours, with its cheaper choices (:mod:`finetuner.planning.budget`)
     warnings: list[str] = field(default_factory=list)
+    #: with ``max_hours``: no plan of the job is predicted to end within it; this plan is the shortest, and the line
+    #: says so (:func:`finetuner.planning.budget.within_budget`; ``finetuner plan`` exits 1 and writes no recipe)
+    over_budget: str | None = None
 
     @property
     def step_s(self) -> float | None:
@@ -255,6 +258,7 @@ class Plan:
             "suggestions": self.suggestions,
             "notes": self.notes,
             "warnings": self.warnings,
+            "over_budget": self.over_budget,
             "data": self.data,
             "candidates_searched": self.candidates_searched,
             "gpus": self.gpus,
@@ -843,6 +847,7 @@ def plan(
     max_pixels: int | None = None,
     epochs: int | None = None,
     alternatives: bool = True,
+    max_hours: float | None = None,
 ) -> Plan:
     """Plan a fine-tune of ``model`` on ``gpu`` (``finetuner.plan``).
 
@@ -898,6 +903,10 @@ def plan(
         alternatives: a plan predicted to take more than a few hours says so in :attr:`Plan.warnings` with its cheaper
             choices and their times (:mod:`finetuner.planning.budget`), and a capped sequence says what keeping the
             rows it cuts costs (:mod:`finetuner.planning.length_cap`): each planned again; False: the plan alone.
+        max_hours: a time budget for the whole run (``--max-hours``): the least-reduced of the job as asked, fewer
+            epochs, then the sequence at the data's 95th percentile (on the same card) whose predicted time fits it,
+            its first reason saying what was reduced; when none fits, the shortest, with :attr:`Plan.over_budget`
+            (:func:`finetuner.planning.budget.within_budget`).
 
     Example:
         >>> p = plan("llama-2-7b", "rtx4090", seq_len=2048)
@@ -924,6 +933,10 @@ def plan(
         raise UserError(f"--margin {margin}: the fraction of the card kept free must be at least 0 and below 1.")
     if effective_batch is not None and effective_batch < gpus:
         raise UserError(f"--effective-batch {effective_batch} is smaller than --gpus {gpus}: each GPU needs an example per step.")
+    if max_hours is not None:
+        from finetuner.planning.budget import within_budget
+
+        return within_budget(max_hours, lambda **changes: plan(**{**asked, "max_hours": None, **changes}), format_duration)
     if columns:
         from finetuner.data.formats import check_columns
 
