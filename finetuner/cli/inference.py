@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "pictures), placed before the prompt; give --image again for more.")
     c.add_argument("--compare", action="store_true", help="Show the base model's answer next to the fine-tuned one.")
     c.add_argument("--no-adapter", action="store_true", help="Chat with the base model alone.")
-    c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, if any).")
+    c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, else the one every training row carried, if any).")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default 0.7).")
     c.add_argument("--top-p", type=float, default=0.9)
@@ -181,6 +181,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                            **code_optins(args))
     if args.system is not None:
         chat.system = args.system or None
+    elif chat.system:  # the run's own (finetuner.infer.loading.system_prompt): said, so that an answer is not a puzzle
+        from finetuner.text import cut_words
+
+        _err(f"system prompt: the run's, {cut_words(chat.system, 80)!r} (--system '' asks without it)")
     compare = args.compare and chat.has_adapter
     if args.compare and not chat.has_adapter:
         _err("note: this model has no adapter, so there is no base model to compare with.")

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
+from finetuner.text import cut_words
 
 
 def console() -> Console:
@@ -202,6 +203,10 @@ class ProgressPrinter:
         c.print(t)
         if m.get("held_out_note"):  # the held-out loss rose from its best: which adapter the run kept
             c.print(f"[yellow]Note:[/] {m['held_out_note']}", highlight=False)
+        system = (m.get("data") or {}).get("system_prompt")
+        if system:  # the rows' shared system prompt: chat, the UI and the Modelfile ask with it (finetuner.infer.loading)
+            c.print(f"System prompt: every training row carried {cut_words(system, 80)!r}; chat, the UI and the Ollama export "
+                    "use it when you give none.", highlight=False)
         kept = kept_line(m.get("general_probe"))
         if kept:  # what the fine-tune forgot of what the base knew
             c.print(kept, highlight=False)

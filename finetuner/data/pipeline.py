@@ -69,6 +69,9 @@ class DataStats:
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
     pictures: int = 0  # the training rows' pictures (an image-text-to-text model's data, finetuner.data.images)
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
+    #: the system message every row of data.path starts with (the file's own, or data.system_prompt's), else None:
+    #: the model learned its answers under it, so chat, the UI and the Ollama Modelfile ask with it (run_system_prompt)
+    system_prompt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -97,6 +100,26 @@ def load_examples(paths: str | Sequence[str], cfg: DataSection, stats: DataStats
         if len(examples) == n_before:
             raise UserError(f"{path}: no usable rows.", hint="The file is empty or every row was skipped.")
     return examples
+
+
+def shared_system(examples: Sequence[dict[str, Any]]) -> str | None:
+    """The system message every example's conversation starts with, when all of them start with the same one;
+    None when one has none (a prompt/completion or text row, or a conversation without a system turn) or another."""
+    found: set[str] = set()
+    for ex in examples:
+        msgs = ex.get("messages") or []
+        if not msgs or msgs[0]["role"] != "system":
+            return None
+        found.add(msgs[0]["content"])
+        if len(found) > 1:
+            return None
+    return found.pop() if found else None
+
+
+def run_system_prompt(recipe_system: str | None, data_stats: dict[str, Any] | None) -> str | None:
+    """The system prompt a run's model is asked with when the user gives none: the recipe's ``data.system_prompt``,
+    else the one every training row carried (``data_stats``: the run's :class:`DataStats` as metrics.json keeps it)."""
+    return recipe_system or (data_stats or {}).get("system_prompt") or None
 
 
 def raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> None:
@@ -387,6 +410,7 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = N
 def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = None) -> PreparedData:
     stats = DataStats()
     examples = load_examples(cfg.path, cfg, stats)
+    stats.system_prompt = shared_system(examples)
     train = tokenize_examples(examples, tokenizer, cfg, stats, processor)
     val = None
     if cfg.val_path:

@@ -204,8 +204,20 @@ def chat_template(src: Source, tokenizer) -> str:
 
 
 def system_prompt(src: Source) -> str | None:
-    """The recipe's ``data.system_prompt``: training rows without a system message got it."""
-    return src.recipe.data.system_prompt if src.recipe is not None else None
+    """The system prompt the run trained with: the recipe's ``data.system_prompt`` (training rows without a system
+    message got it), else the one every training row carried, as the run's ``metrics.json`` says (``data``)."""
+    from finetuner.data.pipeline import run_system_prompt
+
+    if src.recipe is None:
+        return None
+    metrics = None
+    if src.run_dir is not None and (src.run_dir / "metrics.json").is_file():
+        try:
+            metrics = json.loads((src.run_dir / "metrics.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            metrics = None  # unreadable: the recipe's alone (eval and the probe say what is wrong with the file)
+    stats = metrics.get("data") if isinstance(metrics, dict) else None
+    return run_system_prompt(src.recipe.data.system_prompt, stats if isinstance(stats, dict) else None)
 
 
 def picture_processor(src: Source):

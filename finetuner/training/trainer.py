@@ -992,7 +992,10 @@ class Trainer:
             return None
         from finetuner.infer.probe import probe_chat
 
-        chat = self._chat(system=r.data.system_prompt)  # as the run's model is asked (the Modelfile's SYSTEM too)
+        from finetuner.data.pipeline import run_system_prompt
+
+        # as the run's model is asked (chat's default and the Modelfile's SYSTEM too)
+        chat = self._chat(system=run_system_prompt(r.data.system_prompt, self.data.stats.to_dict()))
         try:
             with self._answering():
                 return probe_chat(chat, str(self.run_dir), limit=n)
