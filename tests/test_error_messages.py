@@ -46,7 +46,7 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
         ("training.lr=.nan", "training.lr: must be a finite number > 0; got nan."),
         ("training.max_grad_norm=.inf", "training.max_grad_norm: must be a finite number > 0; got inf."),
         ("training.seed=-1", "training.seed: must be a whole number from 0 to 4294967295; got -1."),
-        ("training.seed=1e23", "training.seed: must be a whole number from 0 to 4294967295; got '1e23'."),
+        ("training.seed=1e23", "training.seed: must be a whole number from 0 to 4294967295; got 1e+23."),
         ("training.seed=1.0e+23", "training.seed: must be a whole number from 0 to 4294967295; got 1e+23."),
         ("training.seed=4294967296", "training.seed: must be a whole number from 0 to 4294967295; got 4294967296."),
         ("lora.r=true", "lora.r: must be a number, not true."),
