@@ -686,17 +686,16 @@ def completions_md(st: Any | None) -> str:
 
 
 def samples_md(st: Any | None) -> str:
-    """The samples after training (base against fine-tuned); a GRPO run without them shows its latest
-    sampled completions (:func:`completions_md`)."""
-    if st is not None and not st.samples and getattr(st, "completions", None):
-        return completions_md(st)
+    """The samples after training (base against fine-tuned), then a GRPO run's latest sampled completions with
+    their rewards (:func:`completions_md`): a planned recipe carries sample prompts, and the rewards stay in view."""
+    completions = completions_md(st)
     if st is None or not st.samples:
-        return ""
+        return completions
     rows = ["| prompt | base model | fine-tuned |", "|---|---|---|"]
     for s in st.samples:
         cells = [html.escape(str(s.get(k, ""))).replace("\n", " ").replace("|", "\\|") for k in ("prompt", "base", "fine_tuned")]
         rows.append("| " + " | ".join(cells) + " |")
-    return "**Samples after training**\n\n" + "\n".join(rows)
+    return "\n\n".join(filter(None, ["**Samples after training**\n\n" + "\n".join(rows), completions]))
 
 
 #: the Past runs table's columns

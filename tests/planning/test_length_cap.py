@@ -4,7 +4,6 @@ percentile, the rows it cuts, and what keeping them costs, as ``finetuner plan -
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,6 @@ from tests.conftest import cli_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_model"  # 1,024 positions
-GLAIVE = Path(os.environ.get("FINETUNER_PEER_DATA", REPO.parent.parent / "shared" / "peer-data")) / "llamafactory" / \
-    "glaive_toolcall_en_demo.json"
 
 
 def _write(path: Path, long_words: int, rows: int = 200) -> Path:
@@ -80,9 +77,9 @@ def test_no_outlier_and_a_small_file_keep_the_longest_row(tmp_path):
     assert asked["recipe"]["data"]["max_seq_len"] == 512 and asked["data"].get("length_cap") is None
 
 
-@pytest.mark.skipif(not GLAIVE.is_file(), reason="LLaMA-Factory's glaive demo file is not on this machine")
-def test_the_glaive_demo_file_is_capped_not_planned_at_8192():
-    r = cli_in_process("plan", "--model", "smollm2-135m-instruct", "--gpu", "cpu", "--data", str(GLAIVE), "--json")
+def test_the_glaive_demo_file_is_capped_not_planned_at_8192(peer_data):
+    glaive = peer_data / "glaive_toolcall_en_demo.json"
+    r = cli_in_process("plan", "--model", "smollm2-135m-instruct", "--gpu", "cpu", "--data", str(glaive), "--json")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["data"]["max_tokens"] == 11625
