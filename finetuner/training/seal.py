@@ -75,14 +75,13 @@ class KeyExposed(NotOurs):
     who could read it can seal a crafted checkpoint, so no seal made with it is trusted, not even after a chmod."""
 
 
-def _exposure(st: os.stat_result, what: str) -> str | None:
-    """Why a key file or its folder (``what``) is not private to this user, or None when it is."""
+def _exposure(st: os.stat_result, what: str, forbidden: int, access: str) -> str | None:
+    """Why a key file or its folder (``what``) is not private to this user (another owner, or a ``forbidden`` mode
+    bit set: ``access`` by group or others), or None when it is."""
     if st.st_uid != os.geteuid():
         return f"{what} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
-    if what == "its folder" and st.st_mode & 0o022:
-        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    if what == "it" and st.st_mode & 0o077:
-        return f"{what} is readable or writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if st.st_mode & forbidden:
+        return f"{what} is {access} by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
 
@@ -125,7 +124,8 @@ def _key(create: bool) -> bytes | None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise _refuse_exposed(path, "it is not a regular file")
-        why = _exposure(st, "it") or _exposure(os.stat(path.parent), "its folder")
+        why = (_exposure(st, "it", 0o077, "readable or writable")
+               or _exposure(os.stat(path.parent), "its folder", 0o022, "writable"))
         if why:
             raise _refuse_exposed(path, why)
         raw = f.read(200)
