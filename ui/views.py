@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from finetuner.model.shapes import parameter_count
+from finetuner.runs.schema import ACTIVE_STATES
 from finetuner.text import CUT_MARK, cut_words
 
 GiB = 1024**3
@@ -458,6 +459,9 @@ def status_html(st: Any | None) -> str:
         bits.append(f"reward accuracy <b>{rewards['reward_accuracy'][-1][1]:.0%}</b>")
     if rewards.get("eval_reward_accuracy"):
         bits.append(f"eval reward accuracy <b>{rewards['eval_reward_accuracy'][-1][1]:.0%}</b>")
+    phase = getattr(st, "phase", None)
+    if phase and st.state in ACTIVE_STATES:  # loading, tokenizing, replay answers, an evaluation ... (finetuner.phases)
+        bits.insert(0, f"<span class='ft-phase'>{html.escape(phase)}</span>")
     err = f"<div class='ft-error'>{html.escape(st.error)}</div>" if st.error and st.state == "error" else ""
     notes = "".join(f"<div class='ft-muted'>{html.escape(n)}</div>" for n in st.notes[-3:])
     return (

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from finetuner import phases
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
 from finetuner.text import cut_words
@@ -84,30 +85,83 @@ def _time_line(t: dict[str, Any]) -> str:
     return ", ".join(bits)
 
 
+def _train_info(loss: str, tps: str) -> str:
+    return f"loss {loss}  {tps} tok/s"
+
+
+def phase_progress(console: Console) -> Progress:
+    """The bars of a run or a command: the training steps' (info: loss and tokens/s) and each phase's
+    (:mod:`finetuner.phases`), one below the other; the ETA is finetuner's own (the steps':
+    :mod:`finetuner.training.step_rate`; a phase's: :meth:`finetuner.phases.Phase.eta`), not rich's guess."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA {task.fields[eta]}"),
+        console=console,
+    )
+
+
+class PhasePrinter:
+    """Shows :mod:`finetuner.phases` records: on a terminal a bar each in ``progress`` while the phase runs; off one
+    (a log, a pipe) a line once a phase has run ``QUIET_S`` seconds, then at most every ``EVERY_S`` (a phase's heartbeat
+    makes one at least that often), and its end line if it said anything: short phases stay silent, a long one
+    never goes a minute without a line."""
+
+    QUIET_S = 3.0
+    EVERY_S = 10.0
+
+    def __init__(self, console: Console, progress: Progress | None):
+        self.console, self.progress = console, progress
+        self.tasks: dict[str, Any] = {}
+        self.said: dict[str, float] = {}  # a phase's elapsed_s at its last line (off a terminal)
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        name, state = rec["phase"], rec["state"]
+        if self.progress is not None:
+            if state == "start":
+                self.tasks[name] = self.progress.add_task(rec["label"], total=rec.get("total"), info=rec.get("unit") or "",
+                                                          eta=phases.eta_text(rec))
+            elif name in self.tasks:
+                task = self.tasks[name]
+                if state == "end":
+                    self.progress.remove_task(task)
+                    del self.tasks[name]
+                else:
+                    self.progress.update(task, completed=rec["done"], total=rec.get("total"), eta=phases.eta_text(rec))
+            return
+        if state == "start":
+            self.said.pop(name, None)
+            return
+        last = self.said.get(name)
+        if state == "end":
+            if last is not None:
+                self.console.print(phases.line(rec), highlight=False)
+            self.said.pop(name, None)
+        elif rec["elapsed_s"] >= self.QUIET_S and (last is None or rec["elapsed_s"] - last >= self.EVERY_S):
+            self.console.print(phases.line(rec), highlight=False)
+            self.said[name] = rec["elapsed_s"]
+
+
 class ProgressPrinter:
-    """A training-event callback that shows step, loss, tokens/s and ETA."""
+    """A training-event callback that shows step, loss, tokens/s and ETA, and the phases between the steps."""
 
     def __init__(self, console: Console, quiet: bool = False):
         self.console, self.quiet = console, quiet
         self.live = console.is_terminal and not quiet
         self.progress: Progress | None = None
+        self.phases = PhasePrinter(console, None) if not quiet else (lambda rec: None)
         self.task = None
         self.predicted: dict[str, Any] | None = None  # the start event's predicted_speed
         self.predicted_bound: dict[str, Any] | None = None  # the same when it is an upper bound (GRPO)
 
     def __enter__(self) -> ProgressPrinter:
         if self.live:
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(),
-                TextColumn("ETA {task.fields[eta]}"),  # the run's own (finetuner.training.step_rate), not rich's guess
-                console=self.console,
-            )
+            self.progress = phase_progress(self.console)
             self.progress.start()
+            self.phases = PhasePrinter(self.console, self.progress)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -116,7 +170,9 @@ class ProgressPrinter:
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind = ev["event"]
-        if kind == "replay" and not self.quiet and ev.get("reason") in ROUTINE_REASONS:
+        if kind == "phase":
+            self.phases(ev)
+        elif kind == "replay" and not self.quiet and ev.get("reason") in ROUTINE_REASONS:
             self.console.print(ev["message"], highlight=False)  # the others are warnings the run logs itself
         elif kind == "start":
             d = ev.get("data", {})
@@ -149,13 +205,14 @@ class ProgressPrinter:
                 self.predicted_bound, self.predicted = self.predicted, None  # its tokens/s is not comparable
             if self.progress:
                 tps = f"~{self.predicted['tokens_per_s']:.0f} predicted" if self.predicted else "-"  # until the first step is measured
-                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0, loss="-", tps=tps,
+                self.task = self.progress.add_task("train", total=ev["max_steps"], completed=ev.get("resumed_from_step") or 0,
+                                                   info=_train_info("-", tps),
                                                    eta=_eta(ev["max_steps"] - (ev.get("resumed_from_step") or 0), self.predicted))
         elif kind == "step":
             if self.progress and self.task is not None:
                 pred = self.predicted
                 tps = f"{ev['tokens_per_s']:.0f}" + (f" (predicted ~{pred['tokens_per_s']:.0f})" if pred else "")
-                self.progress.update(self.task, completed=ev["step"], loss=_num(ev['loss'], '.4f'), tps=tps,
+                self.progress.update(self.task, completed=ev["step"], info=_train_info(_num(ev['loss'], '.4f'), tps),
                                      eta=f"{_duration(ev['eta_s'])}{' (planned)' if ev.get('eta_from') == 'planned' else ''}")
             elif not self.quiet:
                 self.console.print(

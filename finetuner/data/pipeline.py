@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetuner import phases
 from finetuner.data.split import held_out_rows, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured
@@ -231,6 +232,8 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
         "_where": [ex["_where"] for ex in examples],
     }
     ds = datasets.Dataset.from_dict(rows)
+    phases.expect(len(examples))  # the open phase's count (a run's "tokenize"): advanced batch by batch below
+    advance = phases.Advance()  # what datasets can hash (the module's thread state it cannot pickle)
 
     def _encode(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "error": []}
@@ -252,6 +255,7 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
                 if k != "error":
                     out[k].append(enc.get(k, []))
             out["error"].append(err)
+        advance(len(batch["_where"]))  # nothing in a worker process (num_proc): its count comes at the end
         return out
 
     try:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetuner import phases
 from finetuner.errors import UserError
 from finetuner.infer.loading import (Source, chat_template, context_length, load_model, load_tokenizer, picture_processor,
                                     resolve_source, system_prompt)
@@ -243,6 +244,7 @@ class ChatModel:
                                               eos_token_id=self._stop_ids())
                 width = enc["input_ids"].shape[1]
                 out += [clean_text(tok.decode(row[width:], skip_special_tokens=True)).strip() for row in ids]
+                phases.advance(len(texts))  # the open phase's count (replay, probe), if one is open
         finally:
             tok.padding_side, tok.pad_token = side, pad
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetuner import phases
+
 #: what a tokenizer's decode makes of bytes that are not valid UTF-8
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -86,9 +88,11 @@ def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime) 
     try:
         for prompt in samples_cfg.prompts:
             tuned = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+            phases.advance()  # the run's "samples" phase, when one is open
             if hasattr(model, "disable_adapter"):
                 with model.disable_adapter():
                     base = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+                phases.advance()
             else:
                 base = None
             results.append({"prompt": prompt, "base": base, "fine_tuned": tuned})

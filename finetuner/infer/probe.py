@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner import phases
 from finetuner.errors import UserError
 
 #: the probe set shipped with the project
@@ -200,6 +201,7 @@ def probe_chat(chat: Any, source: str, probes: str | Path | None = None, limit: 
     items = spread(load_probes(probes), limit)
     answers, by_kind = [], {}
     asked = [[{"role": "user", "content": p.question}] for p in items]
+    phases.expect(2 * len(asked))  # the base's answers, then the fine-tune's (a phase's count, when one is open)
     base_replies = chat.greedy_replies(asked, adapter=False, max_new_tokens=MAX_NEW_TOKENS)
     tuned_replies = chat.greedy_replies(asked, adapter=True, max_new_tokens=MAX_NEW_TOKENS)
     for p, base, tuned in zip(items, base_replies, tuned_replies):

@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from finetuner import phases
 from finetuner.config.recipe import Recipe
 from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.prompts import prepare_prompts
@@ -400,6 +401,7 @@ class GRPOObjective(Objective):
         try:
             with torch.no_grad(), trainer.evaluation():
                 completions = self.generate(trainer, list(val), trainer.recipe.training.seed + EVAL_SEED_OFFSET)
+            phases.advance(len(val))  # the trainer's "eval" phase: its prompts sampled (one generate call)
         finally:
             model.train(was_training)
         rewards = self.score(list(val), completions, trainer)

@@ -38,6 +38,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from finetuner import phases
 from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe, load_yaml
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
@@ -307,6 +308,7 @@ class PreferenceObjective(Objective):
                 batch = trainer.to_device(trainer.collate(val[i : i + mbs]))
                 with trainer.autocast():
                     self.loss_sum(trainer.model, batch, trainer.recipe.training.loss_chunk_size, "val", metrics)
+                phases.advance(len(val[i : i + mbs]))  # the trainer's "eval" phase
         trainer.model.train()
         loss = metrics.loss / max(metrics.n, 1)
         return loss, metrics.to_dict("eval_")

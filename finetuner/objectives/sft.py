@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetuner import phases
 from finetuner.data.pipeline import IGNORE_INDEX, Collator, prepare_data
 from finetuner.model.scoring import token_loss_sum
 from finetuner.objectives.base import Objective, loss_module, register
@@ -57,5 +58,6 @@ class SFTObjective(Objective):
                     loss_sum, count = token_loss_sum(trainer.model, batch, trainer.recipe.training.loss_chunk_size)
                 total += float(loss_sum)
                 n += count
+                phases.advance(min(i + mbs, len(val)) - i)  # the trainer's "eval" phase
         trainer.model.train()
         return total / max(n, 1), {}

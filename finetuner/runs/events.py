@@ -52,10 +52,16 @@ class EventWriter:
         self.callbacks = list(callbacks or [])
         self.strict = strict_events() if strict is None else strict
         self._warned: set[str] = set()
+        #: a phase's heartbeat (:mod:`finetuner.phases`) writes from its own thread: one line at a time
+        self._lock = threading.Lock()
         #: fault injection (:mod:`finetuner.training.faults`): called with each record once half its line is on disk
         self.midway: Callable[[dict[str, Any]], Any] | None = None
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            return self._emit(event, fields)
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
         if event == "start":
             fields = {"schema_version": SCHEMA_VERSION, **fields}
         record = {"event": event, "time": round(time.time(), 3), **{k: clean_value(v) for k, v in fields.items()}}

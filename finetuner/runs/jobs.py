@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetuner import phases
 from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
@@ -393,6 +394,9 @@ class RunStatus:
     adapter_dir: str | None = None
     notes: list[str] = field(default_factory=list)
     modified: float = 0.0
+    #: the phase running between the steps (loading, tokenizing, replay answers, an evaluation, a checkpoint, the
+    #: probe, the samples) as one line (:func:`finetuner.phases.line`); None when none is running
+    phase: str | None = None
 
     @property
     def progress(self) -> float:
@@ -476,6 +480,8 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.notes.append(
                 f"out of memory at step {ev.get('step')}: micro-batch {ev.get('old_micro_batch_size')} → {ev.get('micro_batch_size')}"
             )
+        elif kind == "phase":
+            st.phase = None if ev.get("state") == "end" else phases.line(ev)
         elif kind == "slow_steps":  # the steps are much slower than planned: the measured rate
             st.notes.append(str(ev.get("message")))
         elif kind == "done":
@@ -496,6 +502,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             st.samples = ev.get("samples")
         elif kind == "error":
             st.error = ev.get("message")
+            st.phase = None
     st.losses, st.evals = sorted(losses.items()), sorted(evals.items())
     recipe = _recipe_fields(rd)
     path = recipe.get("data", {}).get("path") if isinstance(recipe.get("data"), dict) else None

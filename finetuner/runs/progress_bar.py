@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetuner import phases
 from finetuner.runs.schema import TERMINAL_EVENTS
 
 
@@ -23,24 +24,32 @@ class ProgressBar:
         self.desc, self.leave, self.kwargs = desc, leave, tqdm_kwargs
         self.bar = None
         self.postfix: dict[str, str] = {}
+        self.phase: str | None = None  # the phase running between the steps, as one line (finetuner.phases.line)
+
+    def _show(self) -> None:
+        self.bar.set_postfix({**self.postfix, **({"now": self.phase} if self.phase else {})}, refresh=False)
+        self.bar.refresh()
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
-        if kind == "start":
+        if kind == "phase":  # loading, an evaluation, the samples ...: said beside the bar while it runs
+            self.phase = None if ev["state"] == "end" else phases.line(ev)
+            if self.bar is not None:
+                self._show()
+        elif kind == "start":
             self._open(ev)
         elif self.bar is None:
             return
         elif kind == "step":
             self.bar.n = int(ev["step"])
             self.postfix.update(loss=f"{ev['loss']:.4f}", lr=f"{ev['lr']:.2e}")
-            self.bar.set_postfix(self.postfix, refresh=False)
-            self.bar.refresh()
+            self._show()
         elif kind == "eval":
             if ev.get("eval_loss") is not None:
                 self.postfix["eval_loss"] = f"{ev['eval_loss']:.4f}"
             if ev.get("eval_reward") is not None:  # GRPO's held-out reward
                 self.postfix["eval_reward"] = f"{ev['eval_reward']:.3f}"
-            self.bar.set_postfix(self.postfix)
+            self._show()
         elif kind in TERMINAL_EVENTS:
             if kind != "done":
                 self.bar.set_description(f"{self.bar.desc} ({kind})")

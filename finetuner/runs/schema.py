@@ -334,6 +334,23 @@ class SamplesEvent(Event, _SamplesTime):
     samples: list[dict[str, Any]]
 
 
+class PhaseEvent(Event):
+    """Progress of a phase that is not a training step (:mod:`finetuner.phases`): loading the model, tokenizing,
+    replay answers, the general probe, an evaluation, a checkpoint, the adapter's save, the sample answers. Written
+    when a phase starts, every few seconds while it runs (also when its one call blocks: a heartbeat), and when it
+    ends; may come before ``start`` and, for the samples, after ``done``."""
+
+    phase: str  # a key of finetuner.phases.PHASES
+    label: str  # its words, as the console and the UI show them
+    state: Literal["start", "progress", "end"]
+    done: int
+    total: Union[int, None]  # None while not known
+    unit: str
+    elapsed_s: float
+    eta_s: Union[float, None]  # None when it cannot say
+    eta_from: Union[Literal["measured", "planned"], None]
+
+
 class ErrorEvent(Event):
     """The run failed. Terminal."""
 
@@ -358,13 +375,14 @@ EVENT_TYPES: dict[str, type] = {
     "stopped": StoppedEvent,
     "done": DoneEvent,
     "samples": SamplesEvent,
+    "phase": PhaseEvent,
     "error": ErrorEvent,
 }
 
 #: After one of these, the process that wrote it writes nothing more except :data:`AFTER_END_EVENTS`.
 TERMINAL_EVENTS: tuple[str, ...] = ("done", "stopped", "error")
 #: Written after ``done`` by the same process (before it lets go of the run folder).
-AFTER_END_EVENTS: tuple[str, ...] = ("samples",)
+AFTER_END_EVENTS: tuple[str, ...] = ("samples", "phase")
 
 
 # --------------------------------------------------------------------------- checking an event

@@ -402,13 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("Samples are not generated for %s runs (the parameters are sharded); load the adapter to try it.",
                             recipe.distributed.strategy)
             else:
-                from finetuner.fileio import atomic_write_json
-                from finetuner.infer.generate import compare_samples
-
-                samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, recipe.samples, trainer.rt)
-                result.metrics["samples"] = samples
-                atomic_write_json(run_dir / "metrics.json", result.metrics)
-                trainer.events.emit("samples", samples=samples)
+                trainer.answer_samples(result)
         return 0
     except UserError as e:
         _report(trainer, e)

@@ -63,6 +63,7 @@ from finetuner.runs.folder import (
     remove_failed_setup,
 )
 from finetuner.training.inputs import check_inputs
+from finetuner.phases import Phase
 
 log = logging.getLogger(__name__)
 
@@ -278,15 +279,17 @@ class Trainer:
         self.tokenizer, self.processor = text_inputs(r)
         self.objective = build_objective(r, self.run_dir)  # what is trained: finetuner.objectives
         r = self.recipe = self.objective.adopt(r)
-        self.data: PreparedData = self.objective.prepare_data(self.tokenizer, self.processor)
+        with self.phase("tokenize", unit="rows"):  # the rows counted as datasets.map reaches them (data.pipeline)
+            self.data: PreparedData = self.objective.prepare_data(self.tokenizer, self.processor)
         if self.data.stats.cache == "hit":  # the entry may name other copies of these files: record the user's
             data_cache.relocate(self.data.stats, r.data)
         pictures = self.processor is not None and bool(self.data.stats.pictures)
         check_vision_training(r, pictures)  # before the model loads
         if not pictures:
             refuse_pictures_only(r)
-        self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
-                                          self.rt.tiled_mlp, pictures)
+        with self.phase("load", predicted_s=self._before_load()):
+            self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
+                                              self.rt.tiled_mlp, pictures)
         self.objective.on_model(self.model)
         self.replay = self._mix_replay()
         self.fused_ce = None
@@ -355,6 +358,36 @@ class Trainer:
             gguf=gguf.to_event() if gguf is not None else None,
             **device_memory(self.rt.device),
         )
+
+    # ---------------------------------------------------------------- phases
+    def phase(self, name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None) -> Phase:
+        """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events."""
+        return Phase(name, self._say_phase, total=total, unit=unit, predicted_s=predicted_s)
+
+    def _say_phase(self, rec: dict[str, Any]) -> None:
+        self.events.emit("phase", phase=rec["phase"], label=rec["label"], state=rec["state"], done=rec["done"],
+                         total=rec["total"], unit=rec["unit"], elapsed_s=rec["elapsed_s"], eta_s=rec["eta_s"],
+                         eta_from=rec["eta_from"])
+
+    def _before_load(self) -> float | None:
+        """The load's predicted seconds (the download's too), from the prediction made before it (the run's own is
+        made after the replay rows are mixed in, which need the model); None when the models cannot say."""
+        from finetuner.planning.planner import label_fraction_of
+
+        r = self.recipe
+        rows = len(self.data.train)
+        steps = r.training.max_steps or optimizer_steps(None, r.training.epochs, rows, r.training.effective_batch_size)
+        predicted = predict_run(r, self.rt, steps, label_fraction_of(r), self.loaded_as)
+        parts = predicted_wait(predicted_speed_of(predicted) or {}) or {}
+        return parts["load"] + parts.get("download", 0.0) if "load" in parts else None
+
+    def _predicted_part(self, part: str, count: str | None = None) -> float | None:
+        """One of a part of the run's predicted wait (:mod:`finetuner.planning.wait`): the part's seconds over its
+        ``count`` (e.g. one evaluation's); None without a prediction."""
+        wait = (getattr(self, "predicted_speed", None) or {}).get("wait") or {}
+        secs = (wait.get("parts_s") or {}).get(part)
+        n = (wait.get("counts") or {}).get(count, 1) if count else 1
+        return None if secs is None or not n else secs / n
 
     # ---------------------------------------------------------------- hooks for several processes
     # One process: these do nothing (or the plain thing); DistributedTrainer overrides them.
@@ -611,7 +644,11 @@ class Trainer:
     def evaluate(self) -> float | None:
         """The objective's validation loss (None without validation data); its other fields are kept
         for the ``eval`` event and the metrics."""
-        loss, self.eval_extra = self.objective.evaluate(self)
+        val = self.data.val
+        phase = (self.phase("eval", total=len(val), unit="rows", predicted_s=self._predicted_part("evaluations", "evaluations"))
+                 if val else contextlib.nullcontext())
+        with phase:
+            loss, self.eval_extra = self.objective.evaluate(self)  # each objective counts its rows (phases.advance)
         return loss
 
     def _keeps_best(self) -> bool:
@@ -670,7 +707,8 @@ class Trainer:
         self._check_finite_weights()
         began = time.perf_counter()
         try:
-            with self._disk_full_guard(ckpt_io.staging_dir(self.run_dir, self.step)):
+            with self._disk_full_guard(ckpt_io.staging_dir(self.run_dir, self.step)), \
+                    self.phase("checkpoint", predicted_s=self._predicted_part("checkpoints", "checkpoints")):
                 path = self._write_checkpoint(elapsed)
         finally:
             self.save_seconds += time.perf_counter() - began
@@ -964,7 +1002,8 @@ class Trainer:
 
         def answer(prompts: list[str]) -> list[str]:
             log.info("data.replay: the base model answers %d general prompts", len(prompts))
-            with self._answering():
+            with self._answering(), self.phase("replay", total=len(prompts), unit="answers",
+                                               predicted_s=self._predicted_part("replay")):
                 return chat.greedy_replies([[{"role": "user", "content": p}] for p in prompts], adapter=False,
                                            max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
 
@@ -997,8 +1036,8 @@ class Trainer:
         # as the run's model is asked (chat's default and the Modelfile's SYSTEM too)
         chat = self._chat(system=run_system_prompt(r.data.system_prompt, self.data.stats.to_dict()))
         try:
-            with self._answering():
-                return probe_chat(chat, str(self.run_dir), limit=n)
+            with self._answering(), self.phase("probe", unit="answers", predicted_s=self._predicted_part("probe")):
+                return probe_chat(chat, str(self.run_dir), limit=n)  # counts its answers (phases.expect, advance)
         except Exception as e:  # noqa: BLE001 - the run is trained and saved; the probe is a report on it
             log.warning("The general probe failed (%s: %s); `finetuner eval %s --general` runs it again.",
                         type(e).__name__, e, self.run_dir)
@@ -1048,7 +1087,7 @@ class Trainer:
         tmp = self.run_dir / f".tmp-{name}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        with self._disk_full_guard(tmp, weights_only=True):  # its message once the space below is given back
+        with self._disk_full_guard(tmp, weights_only=True), self.phase("save"):  # its message once the space is given back
             try:
                 with quieted():  # transformers' "Writing model shards" bar
                     ckpt_io.save_weights(self.model, tmp, weights)
@@ -1068,6 +1107,24 @@ class Trainer:
         else:
             publish_dir(tmp, final)
         return final
+
+    def answer_samples(self, result: TrainResult) -> None:
+        """``samples.prompts`` answered by the fine-tune and the base (after ``done``): into ``metrics.json``, with
+        their time, and the ``samples`` event."""
+        from finetuner.infer.generate import compare_samples
+        from finetuner.planning.wait import sample_answers
+
+        r = self.recipe
+        began = time.perf_counter()
+        answers = sample_answers(len(r.samples.prompts), "full" if not hasattr(self.model, "disable_adapter") else r.method)
+        with self.phase("samples", total=answers, unit="answers", predicted_s=self._predicted_part("samples")):
+            samples = compare_samples(self.model, self.tokenizer, self.data.chat_template, r.samples, self.rt)
+        took = time.perf_counter() - began
+        result.metrics["samples"] = samples
+        if "time" in result.metrics:  # the samples' time, and the total with them
+            result.metrics["time"]["measured"] = self.measured_wait(took)
+        atomic_write_json(self.run_dir / "metrics.json", result.metrics)
+        self.events.emit("samples", samples=samples, samples_s=round(took, 3))
 
     def cleanup(self) -> None:
         if self.tb:
@@ -1171,16 +1228,7 @@ def train(
         in_setup = False
         result = trainer.train()
         if recipe.samples.prompts and not result.stopped:
-            from finetuner.infer.generate import compare_samples
-
-            began = time.perf_counter()
-            samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, recipe.samples, trainer.rt)
-            took = time.perf_counter() - began
-            result.metrics["samples"] = samples
-            if "time" in result.metrics:  # the samples' time, and the total with them
-                result.metrics["time"]["measured"] = trainer.measured_wait(took)
-            atomic_write_json(run_dir / "metrics.json", result.metrics)
-            trainer.events.emit("samples", samples=samples, samples_s=round(took, 3))
+            trainer.answer_samples(result)
         return result
     except BaseException as e:  # a UserError, a Ctrl-C ("interrupted") or a bug: recorded, then raised
         if isinstance(e, Exception | KeyboardInterrupt):

@@ -150,11 +150,22 @@ def test_a_real_run_writes_valid_events_that_the_docs_example_follows(recipe_dic
     assert printed[-1] == "state: done"
 
     events = read_events(run_dir / "events.jsonl")
-    kinds = [e["event"] for e in events]
+    kinds = [e["event"] for e in events if e["event"] != "phase"]
     assert kinds[0] == "start" and kinds[-2:] == ["done", "samples"] and {"step", "eval", "checkpoint"} <= set(kinds)
+    # every phase between the steps said, each ended, in the order the run meets them (finetuner.phases)
+    said = [(e["phase"], e["state"]) for e in events if e["event"] == "phase" and e["state"] != "progress"]
+    order = [p for p, state in said if state == "start"]
+    assert order[:2] == ["tokenize", "load"] and order[-2:] == ["probe", "samples"] if "probe" in order else order[-1] == "samples"
+    assert {"eval", "checkpoint", "save"} <= set(order)
+    assert all(said[i + 1] == (p, "end") for i, (p, state) in enumerate(said) if state == "start")  # none nested
+    first = next(e for e in events if e["event"] == "phase" and e["phase"] == "tokenize" and e["state"] == "end")
+    data = events[[e["event"] for e in events].index("start")]["data"]
+    assert first["done"] == first["total"] == data["rows"] > 0 and first["unit"] == "rows"  # every row the file has
+    evals = [e for e in events if e["event"] == "phase" and e["phase"] == "eval" and e["state"] == "end"]
+    assert [e["done"] for e in evals] == [8, 8]  # the 8 held-out rows, at step 2 and at the end
     for ev in events:
         assert validate_event(ev, allow_extra=False) == [], ev
-    assert events[0]["schema_version"] == SCHEMA_VERSION
+    assert data is not None and next(e for e in events if e["event"] == "start")["schema_version"] == SCHEMA_VERSION
     assert run_state(events, busy=False) == "done"
     assert finetuner.load_run(run_dir).status == "done" == jobs.run_status(run_dir).state
 
