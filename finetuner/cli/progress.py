@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
 from finetuner.text import cut_words

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.data.split import held_out_rows, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured

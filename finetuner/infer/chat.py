@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.infer.loading import (Source, chat_template, context_length, load_model, load_tokenizer, picture_processor,
                                     resolve_source, system_prompt)

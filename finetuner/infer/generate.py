@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 
 #: what a tokenizer's decode makes of bytes that are not valid UTF-8
 REPLACEMENT_CHAR = "\ufffd"

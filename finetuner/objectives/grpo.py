@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.config.recipe import Recipe
 from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.prompts import prepare_prompts

@@ -38,7 +38,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe, load_yaml
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError

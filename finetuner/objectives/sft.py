@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.data.pipeline import IGNORE_INDEX, Collator, prepare_data
 from finetuner.model.scoring import token_loss_sum
 from finetuner.objectives.base import Objective, loss_module, register

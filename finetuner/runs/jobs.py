@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.runs.schema import TERMINAL_EVENTS
 
 
