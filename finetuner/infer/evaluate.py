@@ -11,7 +11,9 @@ with ``data``. The loss is the trainer's: mean next-token cross-entropy over the
 model: the base is the same model with the adapter switched off.
 
 Optionally, for data with references, an exact-match check: the first N held-out examples are
-answered greedily and compared with the reference reply (whitespace-normalised).
+answered greedily and compared with the reference reply (whitespace-normalised). A row's pictures go into the
+generation as they go into the loss, through the run's collator (the processor's pixel values with the prompt's
+image tokens), so a picture run is compared as a text run is; the result counts the compared rows with pictures.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class EvalResult:
     base: ModelScore
     fine_tuned: ModelScore
     exact_match_examples: int = 0
+    #: how many of the ``exact_match_examples`` rows had pictures (answered with them)
+    exact_match_pictured: int = 0
     samples: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     #: what the examples are to the run: ``held-out`` (its validation split or data.val_path),
@@ -65,7 +69,8 @@ class EvalResult:
         rows = [("", "base", "fine-tuned"), ("loss", f"{self.base.loss:.4f}", f"{self.fine_tuned.loss:.4f}"),
                 ("perplexity", f"{self.base.ppl:.2f}", f"{self.fine_tuned.ppl:.2f}")]
         if self.exact_match_examples:
-            rows.append((f"exact match ({self.exact_match_examples})", f"{self.base.exact_match:.0%}", f"{self.fine_tuned.exact_match:.0%}"))
+            with_pictures = f"; {self.exact_match_pictured} with pictures" if self.exact_match_pictured else ""
+            rows.append((f"exact match ({self.exact_match_examples}{with_pictures})", f"{self.base.exact_match:.0%}", f"{self.fine_tuned.exact_match:.0%}"))
         w = max(len(r[0]) for r in rows)
         return "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
 
@@ -133,11 +138,22 @@ def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float
     return total / max(n, 1), n
 
 
-def _references(examples, limit: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reference ids) for the first ``limit`` examples: the last trained span is the reference."""
+@dataclass
+class Reference:
+    """A held-out row to answer: its prompt's token ids (image tokens expanded), the reference reply's, and the
+    row's pictures (paths), which go into the generation with the prompt."""
+
+    prompt: list[int]
+    reply: list[int]
+    images: list[str] = field(default_factory=list)
+
+
+def _references(examples, limit: int, pictured: set[int] = frozenset()) -> list[Reference]:
+    """The first ``limit`` examples with a prompt to answer: the last trained span is the reference. A row with
+    image tokens (``pictured``) after its reference is left out: its later pictures are not the prompt's."""
     from finetuner.data.pipeline import IGNORE_INDEX
 
-    out = []
+    out: list[Reference] = []
     for i in range(len(examples)):
         if len(out) >= limit:
             break
@@ -149,9 +165,9 @@ def _references(examples, limit: int) -> list[tuple[list[int], list[int]]]:
         start = end - 1
         while start - 1 >= 0 and labels[start - 1] != IGNORE_INDEX:
             start -= 1
-        if start == 0:
+        if start == 0 or pictured.intersection(ids[end:]):
             continue
-        out.append((ids[:start], ids[start:end]))
+        out.append(Reference(ids[:start], ids[start:end], list(examples[i].get("images") or [])))
     return out
 
 
@@ -159,7 +175,10 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def _exact_match(model, tokenizer, refs, device: str, adapter: bool) -> tuple[float, list[str]]:
+def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, adapter: bool) -> tuple[float, list[str]]:
+    """The fraction of ``refs`` answered greedily with exactly their reply, and the answers. Each prompt goes
+    through ``collate``, the loss's collator: a row's pictures reach the model as in the loss (pixel values and
+    what the family adds, under ``pictures``: :class:`finetuner.data.images.PictureCollator`)."""
     import contextlib
 
     import torch
@@ -167,13 +186,16 @@ def _exact_match(model, tokenizer, refs, device: str, adapter: bool) -> tuple[fl
     answers = []
     ctx = contextlib.nullcontext() if adapter or not hasattr(model, "disable_adapter") else model.disable_adapter()
     with ctx, torch.no_grad():
-        for prompt, ref in refs:
-            x = torch.tensor([prompt], device=device)
-            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=len(ref) + 8, do_sample=False,
-                                 temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+        for ref in refs:
+            batch = collate([{"input_ids": ref.prompt, "labels": ref.prompt, "images": ref.images}])
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+            inputs.update(batch.get("pictures") or {})
+            inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
+            out = model.generate(**inputs, max_new_tokens=len(ref.reply) + 8, do_sample=False, temperature=None,
+                                 top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
-            answers.append(tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True))
-    hits = [_norm(a) == _norm(tokenizer.decode(r, skip_special_tokens=True)) for a, (_, r) in zip(answers, refs)]
+            answers.append(tokenizer.decode(out[0, len(ref.prompt):], skip_special_tokens=True))
+    hits = [_norm(a) == _norm(tokenizer.decode(r.reply, skip_special_tokens=True)) for a, r in zip(answers, refs)]
     return sum(hits) / max(len(hits), 1), answers
 
 
@@ -198,7 +220,8 @@ def evaluate_run(
         data: a data file to evaluate on instead of the run's validation split.
         columns: which column of ``data`` holds which role (``{"prompt": "frage"}``), as ``data.columns``.
         exact_match: also answer the first N examples greedily and count exact matches with
-            the reference replies (data with prompts and replies: alpaca, chat, completion).
+            the reference replies (data with prompts and replies: alpaca, chat, completion; a chat's pictures
+            go into the generation with its prompt, and ``exact_match_pictured`` counts those rows).
         batch_size: examples per forward pass.
         device: ``auto``, ``cpu`` or ``cuda``.
         base_model: where the base model is, if not where the run says.
@@ -225,9 +248,6 @@ def evaluate_run(
     processor = picture_processor(src)  # a run trained on pictures, or an image-text-to-text model
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
     tokenizer.chat_template = chat_template(src, processor if processor is not None else tokenizer)
-    if processor is not None and exact_match:
-        raise UserError("--exact-match: generated replies are compared on text rows only; this model reads pictures.",
-                        hint="Leave out --exact-match (the loss and perplexity are measured with the pictures).")
     if src.recipe is not None and src.recipe.objective == "grpo":  # rewards of sampled completions
         if exact_match:
             raise UserError("--exact-match: compares replies with a reference; a GRPO run is scored by its reward functions.")
@@ -251,11 +271,13 @@ def evaluate_run(
     if len(examples) == 0:
         raise UserError(f"No examples to evaluate in {what}.")
     collate = Collator(tokenizer.pad_token_id)
+    pictured: set[int] = set()
     if processor is not None:
-        from finetuner.data.images import PictureCollator
+        from finetuner.data.images import PictureCollator, image_token_ids
 
         collate = PictureCollator(collate, processor)
-    refs = _references(examples, exact_match) if exact_match else []
+        pictured = image_token_ids(processor)
+    refs = _references(examples, exact_match, pictured) if exact_match else []
     if exact_match and not refs:
         raise UserError(f"--exact-match: {what} has no prompt/reply pairs to compare (text data trains on every token).")
 
@@ -265,26 +287,26 @@ def evaluate_run(
         for name, use_adapter in (("base", False), ("fine_tuned", True)):
             model, dev = load_model(src, adapter=use_adapter, device=device, pictures=processor is not None)
             loss, n = _loss(model, collate, examples, batch_size, dev)
-            em, answers[name] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
+            em, answers[name] = _exact_match(model, tokenizer, collate, refs, dev, True) if refs else (None, [])
             scores[name] = ModelScore(loss, _ppl(loss), n, em)
             del model
     else:
         model, dev = load_model(src, adapter=True, device=device, pictures=processor is not None)
         loss, n = _loss(model, collate, examples, batch_size, dev)
-        em, answers["fine_tuned"] = _exact_match(model, tokenizer, refs, dev, True) if refs else (None, [])
+        em, answers["fine_tuned"] = _exact_match(model, tokenizer, collate, refs, dev, True) if refs else (None, [])
         scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em)
         with model.disable_adapter():
             loss, n = _loss(model, collate, examples, batch_size, dev)
-        em, answers["base"] = _exact_match(model, tokenizer, refs, dev, False) if refs else (None, [])
+        em, answers["base"] = _exact_match(model, tokenizer, collate, refs, dev, False) if refs else (None, [])
         scores["base"] = ModelScore(loss, _ppl(loss), n, em)
     samples = [
-        {"prompt": tokenizer.decode(p, skip_special_tokens=False), "reference": tokenizer.decode(r, skip_special_tokens=True),
-         "base": b, "fine_tuned": f}
-        for (p, r), b, f in zip(refs[:5], answers.get("base", []), answers.get("fine_tuned", []))
+        {"prompt": tokenizer.decode(r.prompt, skip_special_tokens=False),
+         "reference": tokenizer.decode(r.reply, skip_special_tokens=True), "base": b, "fine_tuned": f}
+        for r, b, f in zip(refs[:5], answers.get("base", []), answers.get("fine_tuned", []))
     ]
     result = EvalResult(
         source=str(src.path), data=what, examples=len(examples), base=scores["base"], fine_tuned=scores["fine_tuned"],
-        exact_match_examples=len(refs), samples=samples, seconds=round(time.perf_counter() - t0, 2),
+        exact_match_examples=len(refs), exact_match_pictured=sum(bool(r.images) for r in refs), samples=samples, seconds=round(time.perf_counter() - t0, 2),
         examples_are=examples_are,
     )
     if write and src.run_dir is not None:

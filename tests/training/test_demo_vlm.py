@@ -57,3 +57,50 @@ def test_the_fine_tune_names_pictures_it_never_saw_in_the_new_form(demo_vlm_run)
     assert in_form >= 11 and right_colour >= 10, (in_form, right_colour)
     metrics = json.loads((demo_vlm_run / "metrics.json").read_text(encoding="utf-8"))
     assert metrics["data"]["pictures"] == 48 and metrics["eval_loss"] < 0.5 * metrics["train_loss_first"]
+
+
+
+def test_exact_match_answers_the_held_out_rows_with_their_pictures(demo_vlm_run):
+    """Issue 55, item 5: ``eval --exact-match`` on a picture run answers each held-out row with its picture (through
+    the run's processor, as the loss reads it) and compares the reply as on text rows; the report counts the rows
+    with pictures. The fine-tune's replies name the colour only the picture shows; the base never answers in the
+    demo's form, so it matches none."""
+    from tests.conftest import cli_in_process
+
+    out = cli_in_process("eval", str(demo_vlm_run), "--exact-match", "12", "--no-write", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    line = re.search(r"exact match \((\d+); (\d+) with pictures\)\s+(\d+)%\s+(\d+)%", out.stdout)
+    assert line, out.stdout
+    rows, pictured, base, tuned = map(int, line.groups())
+    assert (rows, pictured) == (12, 12) and base == 0 and tuned > 0, out.stdout
+    shown = re.findall(r"^reference: +(.*)\nbase: +(.*)\nfine-tuned: +(.*)$", out.stdout, re.M)
+    assert len(shown) == 2, out.stdout  # the first two rows' replies, both made
+    for reference, base_reply, tuned_reply in shown:
+        assert base_reply.strip() and FORM.fullmatch(tuned_reply)[1] == FORM.fullmatch(reference)[1], out.stdout
+
+
+def test_exact_match_counts_the_rows_with_pictures_and_leaves_out_a_reply_cut_before_its_picture(demo_vlm_run, tmp_path):
+    """A --data file of a picture row, a text row and a row cut at data.max_seq_len (64) after its second picture but
+    before that picture's reply: two rows are compared, one with its picture; the cut row's last whole reply comes
+    before the second picture, so it has no prompt to answer with its pictures and is left out, not a model error."""
+    from tests.conftest import cli_in_process
+
+    img = REPO / "data" / "pictures" / "img"
+    question = "What is in the picture?"
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>" + question}, {"role": "assistant", "content": "A red circle."}],
+         "images": [str(img / "heldout-000.png")]},
+        {"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello."}]},
+        {"messages": [{"role": "user", "content": "<image>" + question}, {"role": "assistant", "content": "A red circle."},
+                      {"role": "user", "content": "<image>" + " and this one?" * 20}, {"role": "assistant", "content": "A green circle."}],
+         "images": [str(img / "heldout-000.png"), str(img / "heldout-001.png")]},
+    ]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = cli_in_process("eval", str(demo_vlm_run), "--data", str(data), "--exact-match", "10", "--json", "--no-write",
+                         "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["examples"], r["exact_match_examples"], r["exact_match_pictured"]) == (3, 2, 1), r
+    assert [s["reference"].strip() for s in r["samples"]] == ["A red circle.", "Hello."], r["samples"]
+    assert all(s["base"].strip() and s["fine_tuned"].strip() for s in r["samples"]), r["samples"]
