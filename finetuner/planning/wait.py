@@ -140,24 +140,24 @@ class Wait:
 class Answering:
     """Greedy answers a run generates in batches (replay before training, the probe after it): each prompt's
     tokens as the chat template renders it (``prompt_tokens``), ``batch`` prompts a ``generate`` call (left-padded
-    to the call's longest), ``new_tokens`` decoded a call (the bound), each prompt answered ``passes`` times (the
-    probe: by the base and by the fine-tune)."""
+    to the call's longest), ``new_tokens`` decoded a call (the bound), each prompt answered once a pass, each
+    pass with the adapter on or off (``adapters``; replay: the base alone, the probe: the base, then the fine-tune)."""
 
     prompt_tokens: tuple[float, ...]
     new_tokens: int
     batch: int
-    passes: int = 1
+    adapters: tuple[bool, ...] = (False,)
 
     @classmethod
-    def of_texts(cls, texts: list[str], new_tokens: int, batch: int, passes: int = 1) -> Answering:
+    def of_texts(cls, texts: list[str], new_tokens: int, batch: int, adapters: tuple[bool, ...] = (False,)) -> Answering:
         """Of the prompts' texts: ``ceil(characters / CHARS_PER_TOKEN) + CHAT_TURN_TOKENS`` tokens each."""
         from finetuner.data.stats import CHARS_PER_TOKEN
 
-        return cls(tuple(math.ceil(len(t) / CHARS_PER_TOKEN) + CHAT_TURN_TOKENS for t in texts), new_tokens, batch, passes)
+        return cls(tuple(math.ceil(len(t) / CHARS_PER_TOKEN) + CHAT_TURN_TOKENS for t in texts), new_tokens, batch, adapters)
 
     @property
     def answers(self) -> int:
-        return len(self.prompt_tokens) * self.passes
+        return len(self.prompt_tokens) * len(self.adapters)
 
     def calls(self) -> list[tuple[int, float]]:
         """One pass's ``generate`` calls: ``(rows, width)``, the width its longest prompt."""
@@ -167,14 +167,14 @@ class Answering:
 
 def answering_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, a: Answering | None) -> float:
     """The answers' time: each pass's calls, each :func:`finetuner.planning.speed_grpo.generation_seconds`'
-    prefill and decode of its rows at its width, ``new_tokens`` decoded."""
+    prefill and decode of its rows at its width, ``new_tokens`` decoded, the adapter on or off as the pass has it."""
     if a is None or not a.prompt_tokens:
         return 0.0
     from finetuner.planning.speed_grpo import generation_seconds
 
-    return a.passes * sum(sum(generation_seconds(shape, s, speed, calls=1, rows=rows, prompt_width=width,
-                                                 decode_steps=a.new_tokens))
-                          for rows, width in a.calls())
+    return sum(sum(generation_seconds(shape, s, speed, calls=1, rows=rows, prompt_width=width, decode_steps=a.new_tokens,
+                                      adapter=adapter))
+               for adapter in a.adapters for rows, width in a.calls())
 
 
 # ---------------------------------------------------------------------- counts
@@ -424,7 +424,7 @@ def recipe_answering(recipe: Any, train_rows: int | None, *, cuda: bool,
         n = pb.run_probe_count(recipe.training.general_probe, cuda=cuda)
         if n:
             probe = Answering.of_texts([p.question for p in pb.spread(pb.load_probes(), n)], pb.MAX_NEW_TOKENS,
-                                       pb.BATCH, passes=2)
+                                       pb.BATCH, adapters=(False, True))
     return replay, probe, said
 
 

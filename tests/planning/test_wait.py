@@ -240,7 +240,7 @@ def test_what_the_first_load_does_is_read_before_the_load(tmp_path, monkeypatch)
 def test_replay_and_probe_answers_are_batched_generation():
     """A replay or probe answer set: its prompts' tokens (characters / CHARS_PER_TOKEN + the chat turn), BATCH of
     them a generate call left-padded to the call's longest, max_new_tokens decoded a call: GRPO's generation
-    model call by call; the probe's pass made twice (the base, then the fine-tune)."""
+    model call by call; the base's passes with the adapter off, the fine-tune's (the probe's second) with it on."""
     from finetuner.data.stats import CHARS_PER_TOKEN
     from finetuner.planning.speed_grpo import generation_seconds
 
@@ -250,11 +250,17 @@ def test_replay_and_probe_answers_are_batched_generation():
     assert a.prompt_tokens == tuple([35 / CHARS_PER_TOKEN + turn] * 15 + [20 + turn] + [2 + turn] * 4)
     assert a.calls() == [(16, 20 + turn), (4, 2 + turn)] and a.answers == 20
     shape, s = resolve_shape(str(DEMO)), Settings(platform="cpu", compute_dtype="fp32")
-    expected = sum(sum(generation_seconds(shape, s, SPEED, calls=1, rows=r, prompt_width=w, decode_steps=96))
+    s = s.with_(method="lora")
+
+    def answered(adapter):
+        return sum(sum(generation_seconds(shape, s, SPEED, calls=1, rows=r, prompt_width=w, decode_steps=96, adapter=adapter))
                    for r, w in ((16, 20 + turn), (4, 2 + turn)))
+
+    expected = answered(False)  # the base's answers: the adapter off
     assert wait.answering_seconds(shape, s, SPEED, a) == pytest.approx(expected, rel=1e-12) and expected > 0
-    twice = wait.Answering.of_texts(texts, 96, 16, passes=2)
-    assert wait.answering_seconds(shape, s, SPEED, twice) == pytest.approx(2 * expected, rel=1e-12) and twice.answers == 40
+    twice = wait.Answering.of_texts(texts, 96, 16, adapters=(False, True))
+    assert wait.answering_seconds(shape, s, SPEED, twice) == pytest.approx(expected + answered(True), rel=1e-12)
+    assert twice.answers == 40 and answered(True) > expected  # LoRA's matmuls and operations with the adapter on
     # a batch of 16 rows decodes 16 tokens a forward: less than 16 one-row calls
     one = wait.Answering.of_texts(["x" * 35], 96, 16)
     assert wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(["x" * 35] * 16, 96, 16)) < 16 * wait.answering_seconds(shape, s, SPEED, one)
@@ -287,7 +293,7 @@ def test_a_recipes_replay_and_probe_are_parts_of_its_wait(monkeypatch):
         wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(prompts, 96, rp.BATCH)), rel=1e-9)
     questions = [p.question for p in pb.spread(pb.load_probes(), 20)]
     assert w["parts_s"]["probe"] == pytest.approx(
-        wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(questions, 24, pb.BATCH, passes=2)), rel=1e-9)
+        wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(questions, 24, pb.BATCH, adapters=(False, True))), rel=1e-9)
     assert all(w["parts_s"][k] == plain["parts_s"][k] for k in wait.PARTS if k not in ("replay", "probe"))
     assert w["wall_s"] == pytest.approx(plain["wall_s"] + w["parts_s"]["replay"] + w["parts_s"]["probe"], abs=0.01)
     assert "replay answers at their longest (96 tokens)" in w["assumptions"]
