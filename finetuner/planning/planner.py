@@ -196,8 +196,8 @@ class Plan:
 
     @property
     def wall_s(self) -> float | None:
-        """Predicted seconds of the whole run (:attr:`wait`: download, load, steps, evaluations,
-        checkpoints, samples), when the steps are known."""
+        """Predicted seconds of the whole run (:attr:`wait`: download, load, replay, steps, evaluations,
+        checkpoints, probe, samples), when the steps are known."""
         return self.wait.wall_s if self.wait is not None else None
 
     @property
@@ -399,7 +399,7 @@ def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[
             bits.append(f"{steps:,} optimizer steps: ~{format_duration(step_s * steps)}")
     if brief:
         whole = (f"; the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])} "
-                 "(load, evaluations, checkpoints and samples included)" if wait is not None else "")
+                 "(load, replay, evaluations, checkpoints, probe and samples included)" if wait is not None else "")
         return ", ".join(bits) + whole
     if wait is not None:
         bits.append(parts_text(wait, format_duration, upper_bound))

@@ -173,8 +173,8 @@ def estimate_time(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = No
     """How long a recipe's run takes on ``gpu`` (None: this CPU), and what it costs (``finetuner estimate``):
     :meth:`Prediction.time`, ``{"tokens_per_s", "step_s", "optimizer_steps", "steps_s", "wall_s", "wait", "cost",
     "price_per_hour", "currency", "source", "parts_s", "upper_bound", "padded_tokens_per_s", "lengths"}``:
-    ``steps_s`` the optimizer steps alone, ``wall_s`` the whole run (``wait``: by part: download, load, steps,
-    evaluations, checkpoints, samples), ``cost`` the whole run's at ``price_per_hour`` (in ``currency``),
+    ``steps_s`` the optimizer steps alone, ``wall_s`` the whole run (``wait``: by part: download, load, replay, steps,
+    evaluations, checkpoints, probe, samples), ``cost`` the whole run's at ``price_per_hour`` (in ``currency``),
     ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted with its completions at their longest.
     The optimizer steps are the run's own count (its ``max_steps``, else epochs over the data's training rows),
     None when the data cannot be read here (and then so are ``steps_s``, ``wall_s``, ``wait`` and ``cost``)."""
