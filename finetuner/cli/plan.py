@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
     p.add_argument("--price-per-hour", type=float, metavar="PRICE",
                    help="What an hour of the machine costs (all --gpus cards): the plan adds the whole run's cost (download, "
-                        "load, steps, evaluations, checkpoints, samples) to its time.")
+                        "load, replay, steps, evaluations, checkpoints, probe, samples) to its time.")
     p.add_argument("--currency", metavar="CODE",
                    help="The currency of --price-per-hour (USD, EUR, $), said with the cost (default: none, the price's units).")
     p.add_argument("--compare-cards", metavar="CARDS",
@@ -94,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--gpu", "-g", default="auto", help="Card name, size (24GB) or auto (the detected GPU; the CPU when there is none).")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="Override a recipe value (repeatable).")
     e.add_argument("--price-per-hour", type=float, metavar="PRICE",
-                   help="What an hour of the machine costs: adds the whole run's cost (download, load, steps, evaluations, "
-                        "checkpoints, samples).")
+                   help="What an hour of the machine costs: adds the whole run's cost (download, load, replay, steps, evaluations, "
+                        "checkpoints, probe, samples).")
     e.add_argument("--currency", metavar="CODE",
                    help="The currency of --price-per-hour (USD, EUR, $), said with the cost (default: none, the price's units).")
     e.add_argument("--json", action="store_true", help="Print one JSON object (fits, total_bytes, device_bytes, components, ...).")

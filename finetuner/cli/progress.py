@@ -74,8 +74,8 @@ def _time_line(t: dict[str, Any]) -> str:
     0.3 s (~0.2 s), total 40.1 s (~38 s)``; the measured alone when there is no prediction."""
     pred, meas = t.get("predicted") or {}, t["measured"]
     bits = []
-    for key in ("load", "steps", "evaluations", "checkpoints", "samples", "total"):
-        if key not in meas or (key in ("evaluations", "samples") and not meas[key] and not pred.get(key)):
+    for key in ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples", "total"):
+        if key not in meas or (key in ("replay", "evaluations", "probe", "samples") and not meas[key] and not pred.get(key)):
             continue
         shown = f"{key} {meas[key]:.1f} s"
         if pred.get(key) is not None:

@@ -37,7 +37,7 @@ from typing import Any
 from finetuner.data.cache import tokenizer_fingerprint
 from finetuner.errors import UserError
 from finetuner.fileio import atomic_write_text, cache_root
-from finetuner.model.fingerprint import Fingerprint, weights_fingerprint
+from finetuner.model.fingerprint import Fingerprint, remembered_fingerprint, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,24 @@ def read_cache(path: Path, prompts: list[str]) -> dict[str, Any]:
             or stored.get("prompts") != prompts or stored.get("generation") != generation_settings()):
         raise CacheDamaged("it does not hold answers to these prompts made with these settings")
     return stored
+
+
+def cached_before_load(name: str, revision: str | None, prompts: list[str]) -> Path | None:
+    """The cache file that holds the answers of base ``name`` (at ``revision``) to ``prompts``, as far as it can
+    be told without loading the model (what a plan asks, :mod:`finetuner.planning.wait`): it passes its check
+    (:func:`read_cache`) and was made with these weights (their fingerprint from the memo,
+    :func:`~finetuner.model.fingerprint.remembered_fingerprint`). The rest of the base's state (its config,
+    tokenizer, chat template, dtype) is compared only once it is loaded. None: the run generates them."""
+    weights = remembered_fingerprint(name, revision)
+    if weights is None or not prompts:
+        return None
+    path = cache_path(BaseModel(name if revision is None else f"{name}@{revision}", {}), prompts)
+    try:
+        stored = read_cache(path, prompts)
+    except (FileNotFoundError, CacheDamaged):
+        return None
+    model = stored.get("model")
+    return path if isinstance(model, dict) and model.get("weights") == weights.files else None
 
 
 @dataclass

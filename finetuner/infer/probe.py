@@ -26,6 +26,8 @@ from finetuner.errors import UserError
 PROBE_FILE = Path(__file__).resolve().parents[2] / "data" / "general_probe.jsonl"
 #: tokens an answer may take (the set's answers are a word or a number; a sentence around them fits)
 MAX_NEW_TOKENS = 24
+#: questions answered together in one ``generate`` call (:meth:`~finetuner.infer.chat.ChatModel.greedy_replies`)
+BATCH = 16
 MATCHES = ("contains", "numeric")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -202,8 +204,8 @@ def probe_chat(chat: Any, source: str, probes: str | Path | None = None, limit: 
     answers, by_kind = [], {}
     asked = [[{"role": "user", "content": p.question}] for p in items]
     phases.expect(2 * len(asked))  # the base's answers, then the fine-tune's (a phase's count, when one is open)
-    base_replies = chat.greedy_replies(asked, adapter=False, max_new_tokens=MAX_NEW_TOKENS)
-    tuned_replies = chat.greedy_replies(asked, adapter=True, max_new_tokens=MAX_NEW_TOKENS)
+    base_replies = chat.greedy_replies(asked, adapter=False, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
+    tuned_replies = chat.greedy_replies(asked, adapter=True, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
     for p, base, tuned in zip(items, base_replies, tuned_replies):
         answers.append({"id": p.id, "question": p.question, "base": base, "fine_tuned": tuned,
                         "base_right": is_right(base, p), "fine_tuned_right": is_right(tuned, p)})

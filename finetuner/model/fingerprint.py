@@ -149,3 +149,22 @@ def weights_fingerprint(name: str, revision: str | None = None) -> Fingerprint |
             hashed.append(f.name)
     memo.save()
     return Fingerprint(location, out, hashed)
+
+
+def remembered_fingerprint(name: str, revision: str | None = None) -> Fingerprint | None:
+    """The fingerprint :func:`weights_fingerprint` would take, from the memo alone (a ``stat`` a file, no byte
+    read): None when a weight file is not in the memo as it is now, or no weight file is here (what a plan asks
+    before any run: whether a cache made with these weights still fits them)."""
+    location = weights_location(name, revision)
+    files = weight_files(location) if location is not None else []
+    if not files:
+        return None
+    entries = Memo.load().entries
+    out: dict[str, dict[str, Any]] = {}
+    for f in files:
+        real = os.path.realpath(f)
+        stamp, entry = _stamp(os.stat(real)), entries.get(real)
+        if entry is None or entry.get("stat") != stamp or not isinstance(entry.get("sha256"), str):
+            return None
+        out[f.name] = {"size": stamp[0], "sha256": entry["sha256"]}
+    return Fingerprint(location, out, [])

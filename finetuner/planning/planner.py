@@ -196,8 +196,8 @@ class Plan:
 
     @property
     def wall_s(self) -> float | None:
-        """Predicted seconds of the whole run (:attr:`wait`: download, load, steps, evaluations,
-        checkpoints, samples), when the steps are known."""
+        """Predicted seconds of the whole run (:attr:`wait`: download, load, replay, steps, evaluations,
+        checkpoints, probe, samples), when the steps are known."""
         return self.wait.wall_s if self.wait is not None else None
 
     @property
@@ -399,7 +399,7 @@ def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[
             bits.append(f"{steps:,} optimizer steps: ~{format_duration(step_s * steps)}")
     if brief:
         whole = (f"; the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])} "
-                 "(load, evaluations, checkpoints and samples included)" if wait is not None else "")
+                 "(load, replay, evaluations, checkpoints, probe and samples included)" if wait is not None else "")
         return ", ".join(bits) + whole
     if wait is not None:
         bits.append(parts_text(wait, format_duration, upper_bound))
@@ -1515,10 +1515,16 @@ def training_rows(recipe: Recipe) -> int | None:
     prof = _recipe_file_profile(recipe)
     if prof is None or not prof[1] or len(prof[1]) >= MAX_ROWS or (prof[2] and recipe.data.on_bad_row == "error"):
         return None
-    d = recipe.data
-    rows = min(len(prof[1]), d.max_examples or len(prof[1]))
-    train = rows - (0 if d.val_path else held_out_rows(d.val_size, rows))
+    train = user_training_rows(recipe, len(prof[1]))
     return train + replayed_rows(recipe, train) if train > 0 else None
+
+
+def user_training_rows(recipe: Recipe, rows: int) -> int:
+    """The user's rows a run trains on of a data file of ``rows`` usable rows: up to ``data.max_examples``, less the
+    held-out rows (none with ``data.val_path``); ``data.replay``'s answers are a share of these."""
+    d = recipe.data
+    rows = min(rows, d.max_examples or rows)
+    return rows - (0 if d.val_path else held_out_rows(d.val_size, rows))
 
 
 def replayed_rows(recipe: Recipe, train_rows: int) -> int:
@@ -1532,14 +1538,17 @@ def replayed_rows(recipe: Recipe, train_rows: int) -> int:
 
 def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime, steps: int | None,
              label_fraction: float = 1.0, *, shape: ModelShape | None = None, runtime: Any = None,
-             lengths: Sequence[int] | None = None, loaded_as: tuple[bool, bool] | None = None) -> Wait | None:
-    """The whole run's predicted wait (:func:`finetuner.planning.wait.recipe_wait`: download, load, steps,
-    evaluations, checkpoints, samples) of a resolved recipe whose step takes ``step``, over ``steps``
+             lengths: Sequence[int] | None = None, loaded_as: tuple[bool, bool] | None = None,
+             replay_cached: bool | None = None) -> Wait | None:
+    """The whole run's predicted wait (:func:`finetuner.planning.wait.recipe_wait`: download, load, replay, steps,
+    evaluations, checkpoints, probe, samples) of a resolved recipe whose step takes ``step``, over ``steps``
     optimizer steps (None: unknown, and so is the wait). The plan, ``estimate``, the trainer's ``start``
     event and the web UI all take it from here. The held-out rows and the evaluations' micro-batches come
     from the data's token ``lengths`` when the caller has them (a plan's data profile), else from the
     recipe's data file (:func:`held_out_of`, :func:`data_batch_of`). ``loaded_as``: whether the model was to be
-    downloaded and converted when the run began (:func:`finetuner.planning.wait.first_load`; a run's own prediction)."""
+    downloaded and converted when the run began (:func:`finetuner.planning.wait.first_load`; a run's own prediction);
+    ``replay_cached``: whether ``data.replay``'s answers came from its cache (a run's own record). ``data.replay``
+    counts its prompts from the data's rows (:func:`user_training_rows`)."""
     if not steps:
         return None
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
@@ -1558,7 +1567,8 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
     # (with data.val_path, taken from the training prompts' lengths)
     eval_prompts = prompt_batch(lengths, held_out, max_prompt_len(recipe), source) if grpo and lengths and held_out else None
     return recipe_wait(recipe, shape, s, speed, step, steps, held_out=held_out, batch=batch, eval_prompts=eval_prompts,
-                       loaded_as=loaded_as)
+                       loaded_as=loaded_as, train_rows=user_training_rows(recipe, len(lengths)) if lengths else None,
+                       replay_cached=replay_cached)
 
 
 def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan | None]:

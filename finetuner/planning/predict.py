@@ -54,6 +54,7 @@ class Prediction:
     runtime: Any = None
     steps_given: int | None = None
     loaded_as: tuple[bool, bool] | None = None
+    replay_cached: bool | None = None
 
     @property
     def timed_on(self) -> GpuProfile:
@@ -76,7 +77,7 @@ class Prediction:
     @functools.cached_property
     def wait(self) -> Wait | None:
         return run_wait(self.recipe, self.timed_on, self.speed, self.step, self.optimizer_steps, self.label_fraction,
-                        shape=self.shape, runtime=self.runtime, loaded_as=self.loaded_as)
+                        shape=self.shape, runtime=self.runtime, loaded_as=self.loaded_as, replay_cached=self.replay_cached)
 
     def time(self, price_per_hour: float | None = None, currency: str | None = None) -> dict[str, Any]:
         """The time and cost as ``finetuner estimate`` reports them (:func:`estimate_time`'s dict)."""
@@ -106,14 +107,16 @@ def _profile(gpu: GpuProfile | str | None) -> GpuProfile | None:
 
 def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *, shape: ModelShape | None = None,
             label_fraction: float | None = None, speed: DeviceSpeed | None = None, runtime: Any = None,
-            steps: int | None = None, loaded_as: tuple[bool, bool] | None = None, margin: float = 0.05) -> Prediction:
+            steps: int | None = None, loaded_as: tuple[bool, bool] | None = None, margin: float = 0.05,
+            replay_cached: bool | None = None) -> Prediction:
     """The one prediction of a run of ``recipe`` (a Recipe or a recipe YAML's path) on ``gpu`` (a card name, a
     size such as ``24GB``, ``cpu``, a profile, or None: no card, so no budget, timed on this CPU).
 
     ``label_fraction``: the share of tokens the loss is computed on (None: measured from the recipe's data as the
     planner measures it); ``runtime``: the trainer's device choices, in a run; ``steps``: the run's optimizer
     steps when the caller counted them (the trainer), else counted from the recipe and its data;
-    ``loaded_as``: whether the model was to be downloaded and converted when the run began (the trainer's)."""
+    ``loaded_as``: whether the model was to be downloaded and converted when the run began (the trainer's);
+    ``replay_cached``: whether ``data.replay``'s answers came from its cache (the trainer's record)."""
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)
     prof = _profile(gpu)
@@ -141,7 +144,7 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
         memory.notes.append(vision.note)
     return Prediction(recipe=recipe, gpu=prof, shape=shape, settings=s, label_fraction=label_fraction, memory=memory,
                       speed=speed or speed_for(prof or cpu_profile()), planned=planned, runtime=runtime,
-                      steps_given=steps, loaded_as=loaded_as)
+                      steps_given=steps, loaded_as=loaded_as, replay_cached=replay_cached)
 
 
 def estimate_recipe(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, shape: ModelShape | None = None,
@@ -170,8 +173,8 @@ def estimate_time(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = No
     """How long a recipe's run takes on ``gpu`` (None: this CPU), and what it costs (``finetuner estimate``):
     :meth:`Prediction.time`, ``{"tokens_per_s", "step_s", "optimizer_steps", "steps_s", "wall_s", "wait", "cost",
     "price_per_hour", "currency", "source", "parts_s", "upper_bound", "padded_tokens_per_s", "lengths"}``:
-    ``steps_s`` the optimizer steps alone, ``wall_s`` the whole run (``wait``: by part: download, load, steps,
-    evaluations, checkpoints, samples), ``cost`` the whole run's at ``price_per_hour`` (in ``currency``),
+    ``steps_s`` the optimizer steps alone, ``wall_s`` the whole run (``wait``: by part: download, load, replay, steps,
+    evaluations, checkpoints, probe, samples), ``cost`` the whole run's at ``price_per_hour`` (in ``currency``),
     ``parts_s`` the step's own parts; ``upper_bound``: GRPO, predicted with its completions at their longest.
     The optimizer steps are the run's own count (its ``max_steps``, else epochs over the data's training rows),
     None when the data cannot be read here (and then so are ``steps_s``, ``wall_s``, ``wait`` and ``cost``)."""

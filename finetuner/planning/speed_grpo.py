@@ -209,15 +209,17 @@ def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_to
     return t, ops
 
 
-def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: int, cache_len: float) -> tuple[float, float]:
+def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: int, cache_len: float,
+                      adapter: bool = True) -> tuple[float, float]:
     """``(device seconds, operation seconds)`` of one decode forward: one token for each of ``rows`` rows
-    with ``cache_len`` tokens in the KV cache (module docstring). Sampling is :func:`sampling_seconds`."""
+    with ``cache_len`` tokens in the KV cache (module docstring), without LoRA's matmuls, weights and operations
+    when ``adapter`` is off (peft's disabled adapter calls the base layer only). Sampling is :func:`sampling_seconds`."""
     dt = _dtype(s)
     w = typical_width(shape)
     c = DTYPE_BYTES.get(s.compute_dtype, 4)
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.active_weight_numel, shape.vocab_size * shape.hidden_size
-    lora = _lora_numel(shape, s)
+    lora = _lora_numel(shape, s) if adapter else 0.0
     util = speed.utilisation(rows) if speed.platform == "cuda" else matmul_row_efficiency(speed, rows)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
                + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
@@ -234,7 +236,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     one = s.with_(micro_batch=rows, seq_len=1, gradient_checkpointing=False, objective="sft", reference="none")
     elementwise = saved_bytes_per_token(shape, one) * rows * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     device = max(flops_t, weight_t) + attn_t + elementwise + dequant_pass_seconds(shape, s, speed)
-    ops = (forward_ops(shape, one) + GENERATE_STEP_OPS) * speed.op_overhead_s * GEN_OP_FACTOR
+    ops = (forward_ops(shape, one, adapter) + GENERATE_STEP_OPS) * speed.op_overhead_s * GEN_OP_FACTOR
     return device, ops
 
 
@@ -244,16 +246,17 @@ def _combine(device: float, ops: float, speed: DeviceSpeed) -> float:
 
 
 def generation_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, calls: int, rows: int, prompt_width: float,
-                       decode_steps: float, top_p: float = 1.0) -> tuple[float, float]:
+                       decode_steps: float, top_p: float = 1.0, adapter: bool = True) -> tuple[float, float]:
     """``(prefill, decode)`` seconds of ``calls`` ``generate`` calls of ``rows`` rows each, their prompts
     ``prompt_width`` tokens wide (left-padded to the longest), ``decode_steps`` tokens generated per call
-    (its longest completion): the rollout's generation (module docstring), and a GRPO evaluation's."""
+    (its longest completion): the rollout's generation (module docstring), and a GRPO evaluation's; ``adapter``
+    off: the base model's answers (replay, the probe's base pass: :mod:`finetuner.planning.wait`)."""
     R = max(1, rows)
     D = max(1.0, float(decode_steps))
     pre = s.with_(micro_batch=R, seq_len=max(1, int(round(prompt_width))), attention_mask=True)
-    dev, ops = forward_parts(shape, pre, speed, head_tokens=R)
+    dev, ops = forward_parts(shape, pre, speed, head_tokens=R, adapter=adapter)
     prefill = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops + GENERATE_CALL_OPS * speed.op_overhead_s * GEN_OP_FACTOR, speed)
-    dev, ops = decode_step_parts(shape, s, speed, R, prompt_width + D / 2)
+    dev, ops = decode_step_parts(shape, s, speed, R, prompt_width + D / 2, adapter)
     step = _combine(dev + sampling_seconds(shape, R, speed, top_p), ops, speed)
     return calls * prefill, calls * (D - 1) * step
 

@@ -8,6 +8,10 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   else ``STARTUP_S``), then the base model's bytes read at the disk's rate
   (:attr:`DeviceSpeed.disk_read_bytes_per_s`, else ``DISK_READ_BYTES_PER_S``); a GGUF base not yet in
   finetuner's conversion cache is dequantized by transformers at ``GGUF_CONVERT_BYTES_PER_S`` of the file;
+* **replay** (``data.replay``, :mod:`finetuner.data.replay`): the base model answers ``replay_count`` of its
+  general prompts, greedy, ``replay.BATCH`` prompts a ``generate`` call, before the first step; none when its
+  cache already holds these answers of these weights (:func:`finetuner.data.replay.cached_before_load`, or the
+  run's own record of it). Timed as :class:`Answering` says;
 * **steps**: ``optimizer steps x step_s`` (the step model, :mod:`finetuner.planning.speed`);
 * **evaluations**: ``(steps - 1) // eval_every + 1`` of them (every ``training.eval_every`` steps before the
   last, and the final one), each ``ceil(held-out rows / micro_batch_size)`` micro-batches forward only
@@ -20,6 +24,9 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   (:attr:`DeviceSpeed.disk_write_bytes_per_s`, else ``DISK_WRITE_BYTES_PER_S``) plus ``CHECKPOINT_FILES``
   files written and ``fsync``-ed (:attr:`DeviceSpeed.file_sync_s`, else ``FILE_SYNC_S``); then the
   adapter (trainable weights, ``ADAPTER_FILES`` files);
+* **probe** (an adapter run on one process: ``Trainer._general_probe``): the base (the adapter off) and the
+  fine-tune each answer ``run_probe_count(training.general_probe)`` questions of the general probe set
+  (:mod:`finetuner.infer.probe`), after the adapter is saved; timed as :class:`Answering` says;
 * **samples**: each of ``samples.prompts`` answered by the fine-tune and, for an adapter, by the base
   (the adapter switched off): as many decode steps as the data's average response has tokens (a greedy
   answer ends where the model writes its end token, and a fine-tune writes like the responses it was
@@ -27,6 +34,13 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   data cannot be read), a decode step being a forward of one token (:func:`forward_seconds` at ``seq_len`` 1), the
   base weights read once (``weight bytes / bandwidth``: decoding is memory-bound) and
   ``GENERATE_OPS_PER_TOKEN`` operations of ``generate``'s own loop.
+
+Replay and probe answers (:class:`Answering`, :func:`answering_seconds`) are GRPO's rollout generation
+(:func:`finetuner.planning.speed_grpo.generation_seconds`: one model of batched generation, a call of ``B``
+prompts decoding ``B`` tokens a forward): each call's prompts left-padded to its longest, a prompt's tokens
+its characters at :data:`finetuner.data.stats.CHARS_PER_TOKEN` plus ``CHAT_TURN_TOKENS`` of the chat
+template, and every call decoding its ``max_new_tokens`` (``replay.MAX_NEW_TOKENS``, ``probe.MAX_NEW_TOKENS``):
+an upper bound, since a call stops once all its rows have ended, said in :attr:`Wait.assumptions`.
 
 Not counted: tokenizing the data (cached after the first run), writing the run folder's small files,
 the prompt's prefill before each answer, a GRPO run's reward functions (user code). The cost of a run is its wall
@@ -83,8 +97,11 @@ GGUF_CONVERT_BYTES_PER_S = 100e6 / 58
 #: criteria, appending the token and the finished-sequence mask. An estimate from transformers' decoding
 #: loop, not a fit.
 GENERATE_OPS_PER_TOKEN = 30
+#: Tokens a chat template adds to one user turn and the assistant's opening: ChatML's markers (~10) and a
+#: default system block such as SmolLM2's (~15). An estimate, not a fit: only a replay or probe prompt's prefill uses it.
+CHAT_TURN_TOKENS = 24
 #: The parts of a run's wait, in the order a run spends them (the keys of :attr:`Wait.parts`).
-PARTS = ("download", "load", "steps", "evaluations", "checkpoints", "samples")
+PARTS = ("download", "load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples")
 #: Weight files of a model folder or hub snapshot, whose bytes a load reads.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -117,6 +134,47 @@ class Wait:
     def to_dict(self) -> dict[str, Any]:
         return {"wall_s": round(self.wall_s, 2), "parts_s": {k: round(v, 3) for k, v in self.parts.items()},
                 "counts": dict(self.counts), "assumptions": list(self.assumptions)}
+
+
+@dataclass(frozen=True)
+class Answering:
+    """Greedy answers a run generates in batches (replay before training, the probe after it): each prompt's
+    tokens as the chat template renders it (``prompt_tokens``), ``batch`` prompts a ``generate`` call (left-padded
+    to the call's longest), ``new_tokens`` decoded a call (the bound), each prompt answered once a pass, each
+    pass with the adapter on or off (``adapters``; replay: the base alone, the probe: the base, then the fine-tune)."""
+
+    prompt_tokens: tuple[float, ...]
+    new_tokens: int
+    batch: int
+    adapters: tuple[bool, ...] = (False,)
+
+    @classmethod
+    def of_texts(cls, texts: list[str], new_tokens: int, batch: int, adapters: tuple[bool, ...] = (False,)) -> Answering:
+        """Of the prompts' texts: ``ceil(characters / CHARS_PER_TOKEN) + CHAT_TURN_TOKENS`` tokens each."""
+        from finetuner.data.stats import CHARS_PER_TOKEN
+
+        return cls(tuple(math.ceil(len(t) / CHARS_PER_TOKEN) + CHAT_TURN_TOKENS for t in texts), new_tokens, batch, adapters)
+
+    @property
+    def answers(self) -> int:
+        return len(self.prompt_tokens) * len(self.adapters)
+
+    def calls(self) -> list[tuple[int, float]]:
+        """One pass's ``generate`` calls: ``(rows, width)``, the width its longest prompt."""
+        p, b = self.prompt_tokens, max(1, self.batch)
+        return [(len(p[i:i + b]), max(p[i:i + b])) for i in range(0, len(p), b)]
+
+
+def answering_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, a: Answering | None) -> float:
+    """The answers' time: each pass's calls, each :func:`finetuner.planning.speed_grpo.generation_seconds`'
+    prefill and decode of its rows at its width, ``new_tokens`` decoded, the adapter on or off as the pass has it."""
+    if a is None or not a.prompt_tokens:
+        return 0.0
+    from finetuner.planning.speed_grpo import generation_seconds
+
+    return sum(sum(generation_seconds(shape, s, speed, calls=1, rows=rows, prompt_width=width, decode_steps=a.new_tokens,
+                                      adapter=adapter))
+               for adapter in a.adapters for rows, width in a.calls())
 
 
 # ---------------------------------------------------------------------- counts
@@ -254,12 +312,14 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
 def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
                  eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
                  files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None,
-                 answer_tokens: float | None = None) -> Wait:
+                 answer_tokens: float | None = None, replay: Answering | None = None,
+                 probe: Answering | None = None) -> Wait:
     """A run's wait by part (see the module doc). ``held_out``: the held-out rows, None when unknown (the
     data cannot be read here: no evaluation counted, and said); ``evaluation_s``: one evaluation's seconds
     where the objective times its own (GRPO's held-out rollouts: :func:`recipe_wait`), else
     :func:`evaluation_seconds`; ``answer_tokens``: the tokens of a sample answer expected (the data's average
-    response), at most ``max_new_tokens``, which it is when not given."""
+    response), at most ``max_new_tokens``, which it is when not given; ``replay`` and ``probe``: the answers
+    generated before and after training (None: none)."""
     assumptions = []
     if files.download:
         assumptions.append(f"the model ({files.bytes / 1e9:.2g} GB) downloaded at {DOWNLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
@@ -280,25 +340,36 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
     parts = {
         "download": files.bytes / DOWNLOAD_BYTES_PER_S if files.download else 0.0,
         "load": load_seconds(files, speed),
+        "replay": answering_seconds(shape, s, speed, replay),
         "steps": step.step_s * steps,
         "evaluations": evals * (evaluation_s if evaluation_s is not None else evaluation_seconds(shape, s, speed, n_val, batch)),
         "checkpoints": checkpoint_seconds(shape, s, speed, ckpts),
+        "probe": answering_seconds(shape, s, speed, probe),
         "samples": answers * per_answer * decode_token_seconds(shape, s, speed),
     }
     counts = {"optimizer_steps": steps, "evaluations": evals, "held_out_rows": n_val, "checkpoints": ckpts,
               "sample_answers": answers, "sample_tokens": round(answers * per_answer), "model_bytes": files.bytes}
+    for name, a in (("replay", replay), ("probe", probe)):
+        n = a.answers if a is not None else 0
+        counts[f"{name}_answers"], counts[f"{name}_tokens"] = n, n * (a.new_tokens if a is not None else 0)
+        if n:
+            assumptions.append(f"{name} answers at their longest ({a.new_tokens} tokens)")
     return Wait(parts, counts, assumptions)
 
 
 def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
                 held_out: int | None, batch: BatchShape | None = None, eval_prompts: BatchShape | None = None,
-                loaded_as: tuple[bool, bool] | None = None) -> Wait:
+                loaded_as: tuple[bool, bool] | None = None, train_rows: int | None = None,
+                replay_cached: bool | None = None) -> Wait:
     """:func:`predict_wait` of a resolved recipe (``s``: its settings, as the step model read them; ``batch``:
     the data's average micro-batch). A GRPO run's evaluation generates the held-out prompts' completions
     (:func:`finetuner.planning.speed_grpo.evaluation_seconds`: ``eval_prompts``, the held-out prompts as
     :func:`finetuner.planning.lengths.prompt_batch` pads them, else at their longest; the completions at
     their longest: an upper bound, said). ``loaded_as``: :func:`first_load` as recorded before the model
-    was loaded (a run's own prediction), else as things stand now."""
+    was loaded (a run's own prediction), else as things stand now. ``train_rows``: the user's training rows
+    (``data.replay``'s count is a share of them; None: unknown, replay not counted, said); ``replay_cached``:
+    whether the replay's answers came from its cache (a run's own record), else as things stand now
+    (:func:`recipe_answering`)."""
     t = recipe.training
     files = model_files(recipe.model.name, shape)
     if loaded_as is not None:
@@ -312,14 +383,49 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
     # a sample answer as long as the data's average response (its labelled share of the average row)
     answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and recipe.objective != "grpo" else None
+    replay, probe, said = recipe_answering(recipe, train_rows, cuda=s.platform == "cuda", replay_cached=replay_cached)
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
                      files=files, batch=batch, evaluation_s=evaluation_s,
-                     answer_tokens=answer_tokens)
+                     answer_tokens=answer_tokens, replay=replay, probe=probe)
+    w.assumptions.extend(said)
     if evaluation_s and w.counts["evaluations"]:
         w.assumptions.append(f"GRPO's held-out rollouts at their longest completions ({recipe.grpo.max_new_tokens} tokens)")
     return w
+
+
+def recipe_answering(recipe: Any, train_rows: int | None, *, cuda: bool,
+                     replay_cached: bool | None = None) -> tuple[Answering | None, Answering | None, list[str]]:
+    """``(replay, probe, what is said of them)`` of a run of ``recipe``, as the trainer makes them: ``data.replay``'s
+    prompts (:func:`finetuner.data.replay.replay_count` of ``train_rows``, drawn with the run's seed), none when
+    their answers are cached (``replay_cached``, else :func:`finetuner.data.replay.cached_before_load`); the
+    probe's questions (:func:`finetuner.infer.probe.run_probe_count` on ``cuda`` or the CPU, spread over the set)
+    for an adapter trained on one process, answered twice."""
+    said: list[str] = []
+    replay = probe = None
+    if recipe.data.replay:
+        from finetuner.data import replay as rp
+
+        if train_rows is None:
+            said.append("data.replay's answers not counted (the data cannot be read here to count its rows)")
+        else:
+            prompts = rp.chosen_prompts(rp.load_prompts(), rp.replay_count(recipe.data.replay, train_rows,
+                                                                          len(rp.load_prompts())), recipe.training.seed)
+            cached = (rp.cached_before_load(recipe.model.name, recipe.model.revision, prompts) is not None
+                      if replay_cached is None else replay_cached)
+            if cached:
+                said.append(f"data.replay's {len(prompts)} answers read from its cache (made with these weights)")
+            elif prompts:
+                replay = Answering.of_texts(prompts, rp.MAX_NEW_TOKENS, rp.BATCH)
+    if recipe.method != "full" and recipe.distributed.world_size == 1:
+        from finetuner.infer import probe as pb
+
+        n = pb.run_probe_count(recipe.training.general_probe, cuda=cuda)
+        if n:
+            probe = Answering.of_texts([p.question for p in pb.spread(pb.load_probes(), n)], pb.MAX_NEW_TOKENS,
+                                       pb.BATCH, adapters=(False, True))
+    return replay, probe, said
 
 
 # ---------------------------------------------------------------------- what it costs, and how it is said
@@ -354,18 +460,23 @@ def cost_text(cost: float, price_per_hour: float, currency: str | None, format_c
 
 
 def parts_text(wait: dict[str, Any], format_duration, upper_bound: bool = False) -> str:
-    """``the whole run ~2 min 10 s: the steps, load 8.1 s, 4 evaluations of 20 rows 0.4 s, 4 checkpoints 0.1 s,
-    4 sample answers 1.2 s`` of a :meth:`Wait.to_dict` (the steps' own time is said before it): the download
+    """``the whole run ~2 min 10 s: the steps, load 8.1 s, replay: the base answers 7 prompts 20 s, 4 evaluations
+    of 20 rows 0.4 s, 4 checkpoints 0.1 s, general probe: 16 questions answered twice 30 s, 4 sample answers 1.2 s``
+    of a :meth:`Wait.to_dict` (the steps' own time is said before it), in the order a run spends them: the download
     first when there is one, then what the figures assume."""
     c, p = wait["counts"], wait["parts_s"]
     bits = ["the steps"]
     if p["download"]:
         bits.append(f"download {format_duration(p['download'])}")
     bits.append(f"load {format_duration(p['load'])}")
+    if c.get("replay_answers"):
+        bits.append(f"replay: the base answers {c['replay_answers']} prompts {format_duration(p['replay'])}")
     if c["evaluations"]:
         bits.append(f"{c['evaluations']} evaluation{'s' if c['evaluations'] != 1 else ''} of {c['held_out_rows']:,} rows "
                     f"{format_duration(p['evaluations'])}")
     bits.append(f"{c['checkpoints']} checkpoint{'s' if c['checkpoints'] != 1 else ''} {format_duration(p['checkpoints'])}")
+    if c.get("probe_answers"):
+        bits.append(f"general probe: {c['probe_answers'] // 2} questions answered twice {format_duration(p['probe'])}")
     if c["sample_answers"]:
         bits.append(f"{c['sample_answers']} sample answers {format_duration(p['samples'])}")
     text = f"the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])}: {', '.join(bits)}"

@@ -178,17 +178,18 @@ class StepSchedule:
 
 
 def predict_run(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: float = 1.0,
-                loaded_as: tuple[bool, bool] | None = None):
+                loaded_as: tuple[bool, bool] | None = None, replay_cached: bool | None = None):
     """This run's :func:`finetuner.planning.predict.predict` on this device, with the trainer's runtime and its own
     count of optimizer steps (what ``finetuner plan`` and ``estimate`` say of the recipe), or None if the models
     cannot say. ``loaded_as``: whether the model was to be downloaded and converted when the run began
-    (:func:`finetuner.planning.wait.first_load`, recorded before the load)."""
+    (:func:`finetuner.planning.wait.first_load`, recorded before the load); ``replay_cached``: whether
+    ``data.replay``'s answers came from its cache (the replay made before the prediction fills it)."""
     try:
         from finetuner.config.hardware import run_profile
         from finetuner.planning.predict import predict
 
         return predict(recipe, run_profile(rt.device), runtime=rt, label_fraction=label_fraction, steps=max_steps,
-                       loaded_as=loaded_as)
+                       loaded_as=loaded_as, replay_cached=replay_cached)
     except Exception as e:  # noqa: BLE001 - an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None
@@ -253,9 +254,10 @@ class Trainer:
         #: this process's place in the run: one process is rank 0 of 1
         self.rank, self.world_size = 0, 1
         #: where the run's wall clock starts (:func:`train` sets its own entry), when the first step began, and
-        #: the seconds spent in evaluations and in writing checkpoints and the adapter (:meth:`measured_wait`)
+        #: the seconds spent in evaluations and in writing checkpoints and the adapter, in ``data.replay``'s answers
+        #: before the first step and in the general probe after the adapter is saved (:meth:`measured_wait`)
         self.entered_at, self.first_step_at = time.perf_counter(), None
-        self.eval_seconds, self.save_seconds = 0.0, 0.0
+        self.eval_seconds, self.save_seconds, self.replay_seconds, self.probe_seconds = 0.0, 0.0, 0.0, 0.0
         from finetuner.planning.wait import first_load
 
         #: whether loading the model will download it or convert its GGUF file (its predicted load time): known
@@ -291,7 +293,9 @@ class Trainer:
             self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
                                               self.rt.tiled_mlp, pictures)
         self.objective.on_model(self.model)
+        began = time.perf_counter()
         self.replay = self._mix_replay()
+        self.replay_seconds = time.perf_counter() - began
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -326,7 +330,8 @@ class Trainer:
         from finetuner.planning.planner import label_fraction_of
 
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
-        predicted = predict_run(r, self.rt, self.max_steps, label_fraction, self.loaded_as)
+        predicted = predict_run(r, self.rt, self.max_steps, label_fraction, self.loaded_as,
+                                bool(self.replay and self.replay["from_cache"]))
         self.prediction = predicted.memory if predicted is not None else None
         self.predicted_peak = self.prediction.allocated_bytes if self.prediction else None
         self.predicted_speed = predicted_speed_of(predicted)
@@ -932,7 +937,9 @@ class Trainer:
             self._restore_best()
         adapter_dir = self.save_final()
         self.save_seconds += time.perf_counter() - began
+        began = time.perf_counter()
         probe = self._general_probe()
+        self.probe_seconds = time.perf_counter() - began
         metrics = {
             "steps": self.step,
             "train_loss_first": self.losses[0] if self.losses else None,
@@ -1067,13 +1074,15 @@ class Trainer:
     def measured_wait(self, samples_s: float = 0.0) -> dict[str, float]:
         """This process's wall time by part, as :mod:`finetuner.planning.wait` predicts it: ``load`` from
         :attr:`entered_at` (the run's start) to the first step (the download, the libraries, the model, the
-        data), ``steps``, ``evaluations``, ``checkpoints`` (the adapter included), ``samples`` and ``total``
+        data) less ``replay`` (``data.replay``'s answers, made in that time), ``steps``, ``evaluations``,
+        ``checkpoints`` (the adapter included), ``probe`` (the general probe), ``samples`` and ``total``
         (from the start until now; the parts are inside it, the rest is the loop's own bookkeeping). A resumed
         run measures what this process did."""
         now = time.perf_counter()
         first = self.first_step_at if self.first_step_at is not None else now
-        return {"load": round(first - self.entered_at, 3), "steps": round(self.step_seconds, 3),
-                "evaluations": round(self.eval_seconds, 3), "checkpoints": round(self.save_seconds, 3),
+        return {"load": round(first - self.entered_at - self.replay_seconds, 3), "replay": round(self.replay_seconds, 3),
+                "steps": round(self.step_seconds, 3), "evaluations": round(self.eval_seconds, 3),
+                "checkpoints": round(self.save_seconds, 3), "probe": round(self.probe_seconds, 3),
                 "samples": round(samples_s, 3), "total": round(now - self.entered_at, 3)}
 
     def save_final(self, weights: dict[str, Any] | None = None, name: str = "adapter") -> Path:

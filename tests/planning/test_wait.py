@@ -235,3 +235,109 @@ def test_what_the_first_load_does_is_read_before_the_load(tmp_path, monkeypatch)
     snap.mkdir(parents=True)
     (snap / "model.safetensors").write_bytes(b"0" * 64)
     assert wait.first_load("some-org/downloaded") == (False, False)
+
+
+def test_replay_and_probe_answers_are_batched_generation():
+    """A replay or probe answer set: its prompts' tokens (characters / CHARS_PER_TOKEN + the chat turn), BATCH of
+    them a generate call left-padded to the call's longest, max_new_tokens decoded a call: GRPO's generation
+    model call by call; the base's passes with the adapter off, the fine-tune's (the probe's second) with it on."""
+    from finetuner.data.stats import CHARS_PER_TOKEN
+    from finetuner.planning.speed_grpo import generation_seconds
+
+    texts = ["x" * 35] * 15 + ["y" * 70] + ["z" * 7] * 4  # 10, 20 and 2 tokens of text
+    a = wait.Answering.of_texts(texts, 96, 16)
+    turn = wait.CHAT_TURN_TOKENS
+    assert a.prompt_tokens == tuple([35 / CHARS_PER_TOKEN + turn] * 15 + [20 + turn] + [2 + turn] * 4)
+    assert a.calls() == [(16, 20 + turn), (4, 2 + turn)] and a.answers == 20
+    shape, s = resolve_shape(str(DEMO)), Settings(platform="cpu", compute_dtype="fp32")
+    s = s.with_(method="lora")
+
+    def answered(adapter):
+        return sum(sum(generation_seconds(shape, s, SPEED, calls=1, rows=r, prompt_width=w, decode_steps=96, adapter=adapter))
+                   for r, w in ((16, 20 + turn), (4, 2 + turn)))
+
+    expected = answered(False)  # the base's answers: the adapter off
+    assert wait.answering_seconds(shape, s, SPEED, a) == pytest.approx(expected, rel=1e-12) and expected > 0
+    twice = wait.Answering.of_texts(texts, 96, 16, adapters=(False, True))
+    assert wait.answering_seconds(shape, s, SPEED, twice) == pytest.approx(expected + answered(True), rel=1e-12)
+    assert twice.answers == 40 and answered(True) > expected  # LoRA's matmuls and operations with the adapter on
+    # a batch of 16 rows decodes 16 tokens a forward: less than 16 one-row calls
+    one = wait.Answering.of_texts(["x" * 35], 96, 16)
+    assert wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(["x" * 35] * 16, 96, 16)) < 16 * wait.answering_seconds(shape, s, SPEED, one)
+    assert wait.answering_seconds(shape, s, SPEED, None) == 0
+
+
+def test_a_recipes_replay_and_probe_are_parts_of_its_wait(monkeypatch):
+    """data.replay: replay_count of the user's training rows, the prompts the run's seed draws, 96 tokens each;
+    training.general_probe: that many questions spread over the set, each answered by the base and the fine-tune,
+    24 tokens each; none for a full fine-tune (no adapter to switch off). Both inside the whole wait."""
+    from finetuner.data import replay as rp
+    from finetuner.infer import probe as pb
+    from finetuner.config.hardware import get_gpu
+    from finetuner.memory.model import settings_from_recipe
+    from finetuner.planning.planner import training_rows
+
+    plain = parts(demo_recipe())
+    assert plain["parts_s"]["replay"] == plain["parts_s"]["probe"] == 0  # the session's FINETUNER_GENERAL_PROBE is 0
+    assert (plain["counts"]["replay_answers"], plain["counts"]["probe_answers"]) == (0, 0)
+    r = demo_recipe(data={"replay": 0.25}, training={"general_probe": 20})
+    w = parts(r)
+    train = training_rows(demo_recipe())  # the user's rows less the held-out ones
+    n = rp.replay_count(0.25, train, len(rp.load_prompts()))
+    assert n == -(-train // 4) and w["counts"]["replay_answers"] == n and w["counts"]["replay_tokens"] == n * 96
+    assert (w["counts"]["probe_answers"], w["counts"]["probe_tokens"]) == (40, 40 * 24)
+    shape = resolve_shape(str(DEMO))
+    s = settings_from_recipe(r, get_gpu("cpu"), shape.model_type).with_(label_fraction=1.0)
+    prompts = rp.chosen_prompts(rp.load_prompts(), n, r.training.seed)
+    assert w["parts_s"]["replay"] == pytest.approx(
+        wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(prompts, 96, rp.BATCH)), rel=1e-9)
+    questions = [p.question for p in pb.spread(pb.load_probes(), 20)]
+    assert w["parts_s"]["probe"] == pytest.approx(
+        wait.answering_seconds(shape, s, SPEED, wait.Answering.of_texts(questions, 24, pb.BATCH, adapters=(False, True))), rel=1e-9)
+    assert all(w["parts_s"][k] == plain["parts_s"][k] for k in wait.PARTS if k not in ("replay", "probe"))
+    assert w["wall_s"] == pytest.approx(plain["wall_s"] + w["parts_s"]["replay"] + w["parts_s"]["probe"], abs=0.01)
+    assert "replay answers at their longest (96 tokens)" in w["assumptions"]
+    assert "probe answers at their longest (24 tokens)" in w["assumptions"]
+    # the default count follows the run's device: FINETUNER_GENERAL_PROBE, else 16 on a CPU
+    monkeypatch.setenv(pb.RUN_PROBES_ENV, "")
+    assert parts(demo_recipe())["counts"]["probe_answers"] == 2 * pb.DEFAULT_CPU_RUN_PROBES
+    full = Recipe.from_dict({**demo_recipe().model_dump(mode="json"), "method": "full"})
+    assert parts(full)["counts"]["probe_answers"] == 0
+
+
+def test_replay_is_not_counted_when_its_cache_holds_these_weights_answers(tmp_path, monkeypatch):
+    """The plan reads the replay's cache file as the run would find it (its check passed, made with these weights
+    as the memo of their hashes knows them: a stat a file, no byte read) and counts no replay then; another base's
+    file, a damaged one, or weights the memo does not know are counted. A run's own record overrides it."""
+    from finetuner.config.hardware import get_gpu
+    from finetuner.data import replay as rp
+    from finetuner.model.fingerprint import memo_path, weights_fingerprint
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
+    r = demo_recipe(data={"replay": 0.25})
+    counted = parts(r)
+    n = counted["counts"]["replay_answers"]
+    assert n > 0 and counted["parts_s"]["replay"] > 0
+    prompts = rp.chosen_prompts(rp.load_prompts(), n, r.training.seed)
+    path = rp.cache_path(rp.BaseModel(str(DEMO), {}), prompts)
+    weights = weights_fingerprint(str(DEMO)).files  # hashed once: now in the memo
+    rp.write_cache(path, rp.BaseModel(str(DEMO), {"weights": weights}), prompts, ["An answer."] * n)
+    cached = parts(r)
+    assert (cached["parts_s"]["replay"], cached["counts"]["replay_answers"]) == (0, 0)
+    assert f"data.replay's {n} answers read from its cache (made with these weights)" in cached["assumptions"]
+    assert cached["wall_s"] == pytest.approx(counted["wall_s"] - counted["parts_s"]["replay"], abs=0.01)
+    gpu, step = get_gpu("cpu"), STEP
+    assert run_wait(r, gpu, SPEED, step, 150, replay_cached=False).parts["replay"] == pytest.approx(counted["parts_s"]["replay"])
+    # another base's answers at that path, a damaged file, weights the memo does not hold: counted
+    rp.write_cache(path, rp.BaseModel(str(DEMO), {"weights": {"model.safetensors": {"size": 1, "sha256": "0" * 64}}}),
+                   prompts, ["An answer."] * n)
+    assert parts(r)["counts"]["replay_answers"] == n
+    rp.write_cache(path, rp.BaseModel(str(DEMO), {"weights": weights}), prompts, ["An answer."] * n)
+    path.write_text(path.read_text(encoding="utf-8").replace("An answer.", "Planted.", 1), encoding="utf-8")
+    assert parts(r)["counts"]["replay_answers"] == n
+    rp.write_cache(path, rp.BaseModel(str(DEMO), {"weights": weights}), prompts, ["An answer."] * n)
+    assert parts(r)["counts"]["replay_answers"] == 0
+    memo_path().unlink()
+    assert parts(r)["counts"]["replay_answers"] == n
+    # the run's own record: its answers came from the cache, or were made
+    assert run_wait(r, gpu, SPEED, step, 150, replay_cached=True).parts["replay"] == 0

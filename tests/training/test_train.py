@@ -52,26 +52,38 @@ def test_lora_run_writes_a_complete_run_folder(recipe_dict):
 
 
 def test_the_run_measures_its_wait_by_part_beside_the_prediction(recipe_dict):
-    """load, steps, evaluations, checkpoints, samples and total, measured (metrics.json, done) beside the
-    plan's prediction of the same parts (the start event's ``predicted_speed.wait``); no wall time asserted."""
+    """load, replay, steps, evaluations, checkpoints, probe, samples and total, measured (metrics.json, done) beside
+    the plan's prediction of the same parts (the start event's ``predicted_speed.wait``); no wall time asserted.
+    ``data.replay`` answers before the first step (out of ``load``), the general probe after the adapter is saved."""
     res = run(recipe_dict, ["training.max_steps=6", "training.eval_every=3", "data.val_size=8",
-                            "checkpointing.save_every=3", "samples.prompts=[Hello]", "samples.max_new_tokens=4"])
+                            "checkpointing.save_every=3", "samples.prompts=[Hello]", "samples.max_new_tokens=4",
+                            "data.replay=0.25", "training.general_probe=2"])
     events = read_events(res.run_dir / "events.jsonl")
-    start, done, samples = events[0], next(e for e in events if e["event"] == "done"), events[-1]
+    start, done, samples = (next(e for e in events if e["event"] == k) for k in ("start", "done", "samples"))
+    replay = next(e for e in events if e["event"] == "replay")
     pred = start["predicted_speed"]["wait"]
     assert (pred["counts"]["evaluations"], pred["counts"]["checkpoints"], pred["counts"]["sample_answers"]) == (2, 2, 2)
     assert pred["counts"]["held_out_rows"] == 8 and start["predicted_speed"]["wall_s"] == pytest.approx(pred["wall_s"], abs=0.01)
+    # the replay's prompts as the run answered them (none cached in this test's own cache), each at most 96 tokens;
+    # the probe's 2 questions answered by the base and the fine-tune, each at most 24 tokens
+    n = pred["counts"]["replay_answers"]
+    assert replay["from_cache"] is False and n > 0 and f"the base model answered {n} prompts" in replay["message"]
+    assert pred["counts"]["replay_tokens"] == n * 96
+    assert (pred["counts"]["probe_answers"], pred["counts"]["probe_tokens"]) == (4, 4 * 24)
+    assert pred["parts_s"]["replay"] > 0 and pred["parts_s"]["probe"] > 0
+    assert start["predicted_speed"]["wall_s"] == pytest.approx(sum(pred["parts_s"].values()), abs=0.01)
     assert done["predicted_wait_s"] == {**pred["parts_s"], "total": pred["wall_s"]}
-    parts = ("load", "steps", "evaluations", "checkpoints", "samples")
+    parts = ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples")
     at_done = done["measured_wait_s"]
     assert set(at_done) == {*parts, "total"} and at_done["samples"] == 0  # the samples come after `done`
-    assert all(at_done[k] > 0 for k in ("load", "steps", "evaluations", "checkpoints"))
-    assert sum(at_done[k] for k in parts) <= at_done["total"] + 0.005  # each rounded to 1 ms
+    assert all(at_done[k] > 0 for k in ("load", "replay", "steps", "evaluations", "checkpoints", "probe"))
+    assert sum(at_done[k] for k in parts) <= at_done["total"] + 0.007  # each rounded to 1 ms
     assert samples["event"] == "samples" and samples["samples_s"] > 0
     measured = json.loads((res.run_dir / "metrics.json").read_text())["time"]["measured"]  # written again after the samples
     assert measured["samples"] == pytest.approx(samples["samples_s"], abs=0.001) and measured["total"] >= at_done["total"]
-    assert sum(measured[k] for k in parts) <= measured["total"] + 0.005
+    assert sum(measured[k] for k in parts) <= measured["total"] + 0.007
     assert measured["steps"] == pytest.approx(res.metrics["step_seconds"], abs=0.006)
+    assert (measured["replay"], measured["probe"]) == (at_done["replay"], at_done["probe"])
 
 
 def test_adapter_loads_with_peft_and_matches(recipe_dict, tiny_model_dir):
