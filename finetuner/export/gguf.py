@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol

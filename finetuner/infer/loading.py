@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
 from finetuner.locate import check_hub, locate

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner import phases
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.infer.preference_eval import describe_examples, examples_are
 
