@@ -114,3 +114,15 @@ def test_an_evaluation_counts_its_examples_and_answers(run):
     assert ends == [("loading the model", 0), ("held-out loss of the fine-tune", r.examples),
                     ("exact-match answers of the fine-tune", 2), ("held-out loss of the base model", r.examples),
                     ("exact-match answers of the base model", 2)]
+
+
+def test_the_general_probe_counts_the_answers_of_both_models(run):
+    from finetuner.infer.probe import probe_run
+
+    records: list[dict] = []
+    with phases.reporting(records.append):
+        r = probe_run(run, limit=3)
+    by = said(records)
+    assert list(by) == ["load", "probe"]
+    assert by["probe"][-1]["done"] == by["probe"][-1]["total"] == 2 * r.questions == 6  # the base's and the fine-tune's
+    assert by["probe"][-1]["unit"] == "answers"
