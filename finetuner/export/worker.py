@@ -98,7 +98,8 @@ def main() -> int:
 class Job:
     """One request run in a new worker process. Iterate it for the work's phase records (:mod:`finetuner.phases`)
     as the worker sends them; then :attr:`result` holds its result dict, or iterating raised its error. A job left
-    before its end (a page closed) ends its process."""
+    before its end (a page closed) still runs to its end and publishes its output: its messages are read (and
+    dropped) by a thread of their own, so its pipe never fills."""
 
     def __init__(self, request: dict[str, Any], what: str):
         self.request, self.what = request, what
@@ -114,27 +115,23 @@ class Job:
         reading = threading.Thread(target=tail.extend, args=(proc.stderr,), daemon=True)
         reading.start()
         answer = None
-        try:
-            messages = protocol.Receiver(proc.stdout)
+        messages = protocol.Receiver(proc.stdout)  # read in a thread of its own: a job left early still finishes
+        with contextlib.suppress(BrokenPipeError):  # a worker that died at once: said below with its last words
             proc.stdin.write(json.dumps(self.request))
             proc.stdin.close()
-            while True:
-                try:
-                    msg = messages.get(timeout=60.0)
-                except queue.Empty:
-                    continue
-                if msg is None:
-                    break
-                if msg["kind"] == "phase":
-                    yield {k: v for k, v in msg.items() if k != "kind"}
-                elif msg["kind"] in ("done", "error"):
-                    answer = msg
-            proc.wait()
-            reading.join()
-        finally:
-            if proc.poll() is None:  # left before its end
-                proc.kill()
-                proc.wait()
+        while True:
+            try:
+                msg = messages.get(timeout=60.0)
+            except queue.Empty:
+                continue
+            if msg is None:
+                break
+            if msg["kind"] == "phase":
+                yield {k: v for k, v in msg.items() if k != "kind"}
+            elif msg["kind"] in ("done", "error"):
+                answer = msg
+        proc.wait()
+        reading.join()
         if answer is None:
             said = "".join(tail).strip()
             raise RuntimeError(f"The {self.what} process ended without an answer (exit status {proc.returncode}).\n{said}".strip())
