@@ -41,7 +41,12 @@ PHASES: dict[str, str] = {
     "probe": "general probe",
     "samples": "sample answers",
     "merge": "merging the adapter",
-    "export": "exporting",
+    "write": "writing the model files",
+    "verify": "checking the written model",
+    "export": "writing the GGUF file",
+    "quantize": "quantizing with llama.cpp",
+    "readback": "reading the GGUF file back",
+    "answers": "exact-match answers",
 }
 #: A record's ``state``.
 STATES = ("start", "progress", "end")
@@ -195,11 +200,13 @@ def _nowhere(rec: dict[str, Any]) -> None:
     return None
 
 
-def phase(name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None) -> Phase:
+def phase(name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None,
+          label: str | None = None) -> Phase:
     """A :class:`Phase` whose records go where :class:`reporting` says for this thread (nowhere without it): what
-    a library function (a merge, an export) opens, for whichever front called it."""
+    a library function (a merge, an export) opens, for whichever front called it; ``label``: other words than
+    the name's (the same phase of another file)."""
     sink = getattr(_local, "sink", None)
-    return Phase(name, sink or _nowhere, total=total, unit=unit, predicted_s=predicted_s,
+    return Phase(name, sink or _nowhere, total=total, unit=unit, predicted_s=predicted_s, label=label,
                  heartbeat_s=HEARTBEAT_S if sink else None)
 
 

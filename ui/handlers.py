@@ -145,6 +145,16 @@ def message_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def _waiting(head: str, job):
+    """``head`` while a worker's :class:`~finetuner.export.worker.Job` runs, with its latest phase's line below it
+    (:func:`finetuner.phases.line`: loading, merging, writing, checking, with a count and an ETA)."""
+    from finetuner import phases
+
+    yield head
+    for rec in job:
+        yield f"{head}\n\n{phases.line(rec)}"
+
+
 def uploaded_path(payload: Any) -> str | None:
     """Where gradio stored an upload (in its cache: it takes no other path), from the upload's value as the page
     sends it (a FileData, unprocessed: nothing of it decoded here)."""
@@ -740,16 +750,18 @@ class Handlers:
         """Merge the run's adapter into its base model in another process (the UI never holds a
         model): :func:`finetuner.export.worker.merge_in_subprocess`. Its refusals (a file, a
         non-empty folder, a run folder) are shown as the merge words them."""
-        from finetuner.export.worker import merge_in_subprocess
+        from finetuner.export.merge import MergeResult
+        from finetuner.export.worker import merge_job
 
         self.confirm_code(run, bool(allow_code), rewards=False)
         rp = self.run_path(run)
         target = Path(out).expanduser() if out and out.strip() else rp / "merged"
         if not target.is_absolute():
             target = paths.ROOT / target
-        yield f"Merging {run} into its base model → `{paths.display(target)}` …"
-        result = merge_in_subprocess(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite),
-                                     trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
+        job = merge_job(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite),
+                        trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
+        yield from _waiting(f"Merging {run} into its base model → `{paths.display(target)}` …", job)
+        result = MergeResult.from_dict(job.result)
         files = result.files
         yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
                f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
@@ -761,7 +773,7 @@ class Handlers:
         """Export the run to GGUF (or GGUF + an Ollama Modelfile) in another process:
         :func:`finetuner.export.worker.export_in_subprocess`; the file is checked against the merged
         model before it is put in place, and the page says how closely it matches."""
-        from finetuner.export.worker import export_in_subprocess
+        from finetuner.export.worker import export_job
 
         self.confirm_code(run, bool(allow_code), rewards=False)
         rp = self.run_path(run)
@@ -770,10 +782,12 @@ class Handlers:
         target = Path(out).expanduser() if out and out.strip() else default
         if not target.is_absolute():
             target = paths.ROOT / target
-        yield f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → `{paths.display(target)}` …"
-        r = export_in_subprocess(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
-                                 trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
-                                 **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
+        job = export_job(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
+                         trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
+                         **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
+        yield from _waiting(f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → "
+                            f"`{paths.display(target)}` …", job)
+        r = job.result
         lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
                  f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
         if r.get("mmproj_file"):

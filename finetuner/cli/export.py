@@ -43,12 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from finetuner.cli.progress import command_phases
     from finetuner.export.gguf import export_model
 
     print(f"Exporting {args.source} → {args.output} ({args.format}, {args.quant}) ...", file=sys.stderr, flush=True)
-    r = export_model(args.source, args.output, format=args.format, quant=args.quant, overwrite=args.overwrite,
-                     base_model=args.base, merge_dtype=args.merge_dtype, verify=not args.no_verify,
-                     trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+    with command_phases():
+        r = export_model(args.source, args.output, format=args.format, quant=args.quant, overwrite=args.overwrite,
+                         base_model=args.base, merge_dtype=args.merge_dtype, verify=not args.no_verify,
+                         trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0

@@ -120,11 +120,13 @@ def _err(msg: str) -> None:
 
 # ---------------------------------------------------------------------- merge
 def _cmd_merge(args: argparse.Namespace) -> int:
+    from finetuner.cli.progress import command_phases
     from finetuner.export.merge import merge_adapter
 
     _err(f"Merging {args.source} → {args.output} ({args.dtype}) ...")
-    r = merge_adapter(args.source, args.output, dtype=args.dtype, shard_size=args.shard_size, overwrite=args.overwrite,
-                      base_model=args.base, verify=not args.no_verify, **code_optins(args))
+    with command_phases():
+        r = merge_adapter(args.source, args.output, dtype=args.dtype, shard_size=args.shard_size, overwrite=args.overwrite,
+                          base_model=args.base, verify=not args.no_verify, **code_optins(args))
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0
@@ -303,11 +305,13 @@ def _stored(args: argparse.Namespace, result, key: str):
 
 def _cmd_general(args: argparse.Namespace) -> int:
     """``eval RUN --general``: the probe set answered by the base and the fine-tune (finetuner.infer.probe)."""
+    from finetuner.cli.progress import command_phases
     from finetuner.infer.probe import probe_run
 
     _err(f"Answering the general probe set with {args.source}'s base model and its fine-tune ...")
-    r = probe_run(args.source, probes=args.general or None, limit=args.limit, device=args.device, base_model=args.base,
-                  **code_optins(args))
+    with command_phases():
+        r = probe_run(args.source, probes=args.general or None, limit=args.limit, device=args.device, base_model=args.base,
+                      **code_optins(args))
     run_dir = _stored(args, r, "general_probe")
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
@@ -344,6 +348,7 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from finetuner.cli.plan import parse_columns
+    from finetuner.cli.progress import command_phases
     from finetuner.errors import UserError
     from finetuner.infer.evaluate import evaluate_run
 
@@ -358,9 +363,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             raise UserError(f"eval: --{flag.replace('_', '-')} goes with --tasks.")
     columns = parse_columns(args.columns, args.data)
     _err(f"Evaluating {args.source} ...")
-    r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,
-                     device=args.device, base_model=args.base, write=not args.no_write, columns=columns or None,
-                     **code_optins(args))
+    with command_phases():
+        r = evaluate_run(args.source, data=args.data, exact_match=args.exact_match, batch_size=args.batch_size,
+                         device=args.device, base_model=args.base, write=not args.no_write, columns=columns or None,
+                         **code_optins(args))
     if args.json:
         print(json.dumps(r.to_dict(), default=str))
         return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
@@ -143,6 +145,20 @@ class PhasePrinter:
         elif rec["elapsed_s"] >= self.QUIET_S and (last is None or rec["elapsed_s"] - last >= self.EVERY_S):
             self.console.print(phases.line(rec), highlight=False)
             self.said[name] = rec["elapsed_s"]
+
+
+@contextlib.contextmanager
+def command_phases(console: Console | None = None) -> Iterator[PhasePrinter]:
+    """The phases a command opens (``merge``, ``export``, ``eval``: :func:`finetuner.phases.phase`) shown while the
+    ``with`` block runs: bars on a terminal, lines off one (:class:`PhasePrinter`). On stderr by default, beside the
+    command's other progress, so that its result on stdout (``--json``) stays one clean object."""
+    con = console or Console(stderr=True)
+    if not con.is_terminal:
+        con.soft_wrap = True  # a line each, as the run's lines (see console())
+    bars = phase_progress(con) if con.is_terminal else None
+    printer = PhasePrinter(con, bars)
+    with bars if bars is not None else contextlib.nullcontext(), phases.reporting(printer):
+        yield printer
 
 
 class ProgressPrinter:

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
@@ -383,6 +384,7 @@ def _write_tensors(writer, plan) -> None:
     writer.write_ti_data_to_file()
     for _, src, _, tname in plan.items:
         writer.write_tensor_data(_encode(plan.tensor(src), tname))
+        phases.advance()  # the caller's "export" phase
 
 
 def _marker(source: str) -> str:
@@ -400,7 +402,8 @@ def _write_gguf(path: Path, arch: Arch, plan: _Plan, vocab, template: str, name:
         writer.add_file_type(QUANTS[quant][1])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         vocab.write(writer, template)
-        _write_tensors(writer, plan)
+        with phases.phase("export", total=len(plan.items), unit="tensors"):
+            _write_tensors(writer, plan)
     finally:
         writer.close()
 
@@ -415,7 +418,8 @@ def _write_mmproj(path: Path, projector: Projector, plan: _Plan, name: str, sour
         writer.add_string(MARKER_KEY, _marker(source))
         projector.write_metadata(writer)
         writer.add_file_type(QUANTS["f32" if all(t == "F32" for *_, t in plan.items) else "f16"][1])
-        _write_tensors(writer, plan)
+        with phases.phase("export", total=len(plan.items), unit="tensors", label="writing the projector file (mmproj)"):
+            _write_tensors(writer, plan)
     finally:
         writer.close()
 
@@ -436,12 +440,22 @@ def _error_ratio(expected, got, tname: str) -> float:
 def _check_tensors(path: Path, plan: _Plan) -> float:
     """Read the file back, dequantize each tensor and compare with the merged weight; the largest |error|."""
     import gguf
-    import numpy as np
 
     reader = gguf.GGUFReader(str(path))
     stored = {t.name: t for t in reader.tensors}
     if sorted(stored) != sorted(i[0] for i in plan.items):
         raise RuntimeError(f"GGUF read-back: tensors {sorted(set(stored) ^ {i[0] for i in plan.items})} differ from those written")
+    with phases.phase("readback", total=len(plan.items), unit="tensors") as reading:
+        worst = _compare_tensors(stored, plan, reading)
+    del reader
+    return worst
+
+
+def _compare_tensors(stored: dict[str, Any], plan: _Plan, reading: phases.Phase) -> float:
+    """:func:`_check_tensors`' comparison, tensor by tensor; the largest |error|."""
+    import gguf
+    import numpy as np
+
     worst = 0.0
     for gname, src, shape, tname in plan.items:
         t = stored[gname]
@@ -453,7 +467,7 @@ def _check_tensors(path: Path, plan: _Plan) -> float:
         if _error_ratio(expected, got, t.tensor_type.name) > 1.0 or not np.isfinite(got).all():
             raise RuntimeError(f"GGUF read-back: {gname} ({t.tensor_type.name}) differs from the merged weight by up to "
                                f"{float(np.abs(got - expected).max()):.3g}, more than the type's rounding")
-    del reader
+        reading.advance()
     return worst
 
 
@@ -745,7 +759,8 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             f16 = tmp_dir / f".{name}.f16.gguf"
             plan_f16 = _Plan(arch, weights, "f16")
             _write_gguf(f16, arch, plan_f16, vocab, template, title, "f16", str(src.path))
-            _quantize_k(f16, path, quant)
+            with phases.phase("quantize"):  # one call of llama.cpp's: its heartbeat says it goes on
+                _quantize_k(f16, path, quant)
             f16.unlink()
             _k_quant_plan(plan, path)
         else:
@@ -779,8 +794,9 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                              f"logits checks read a copy of the file as {READ_AS[arch.gguf_arch]} (the same tensors and "
                              "settings, without the M-RoPE sections and DeepStack inputs, which text alone does not use).")
             try:
-                n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
-                diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)
+                with phases.phase("verify", label="checking the GGUF file with transformers' loader"):
+                    n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
+                    diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)
             finally:
                 if checked != name:
                     (tmp_dir / checked).unlink(missing_ok=True)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.quiet import quieted
@@ -385,8 +386,9 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     pickle_ok = src.allow_pickle
     revision = src.recipe.model.revision if src.recipe is not None else None
     load_from = str(src.adapter_dir) if src.kind == "full" else src.base_model
-    model = load_pretrained(load_from, "the base model", pickle_ok, processor is not None, dtype=torch_dtype,
-                             revision=None if src.kind == "full" else revision, trust_remote_code=trust)
+    with phases.phase("load"):  # one blocking call: its heartbeat says it goes on
+        model = load_pretrained(load_from, "the base model", pickle_ok, processor is not None, dtype=torch_dtype,
+                                revision=None if src.kind == "full" else revision, trust_remote_code=trust)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
     if free < weight_bytes * 1.05 + 50 * 2**20:
@@ -412,7 +414,8 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         # In place: each weight gets W += B·A·scale (computed in fp32, rounded once), so a weight
         # still memory-mapped from the base's safetensors is copied once, not twice.
         targets = [n.removeprefix("base_model.model.") for n, mod in model.named_modules() if hasattr(mod, "lora_A")]
-        model = model.merge_and_unload(safe_merge=False)
+        with phases.phase("merge", total=len(targets), unit="layers"):  # one call of peft's: the count at its end
+            model = model.merge_and_unload(safe_merge=False)
         left = [n for n, _ in model.named_modules() if "lora_" in n]
         if left:
             raise RuntimeError(f"LoRA modules left after merging: {left[:3]}")
@@ -431,19 +434,22 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         shutil.rmtree(tmp)
     try:
         model.config.use_cache = True
-        model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if processor is not None:
-            processor.chat_template = template
-            processor.save_pretrained(tmp)
-        _copy_processor_files(src.base_model, tmp)
+        with phases.phase("write", unit="shards") as writing:  # transformers writes them in one call: counted after it
+            model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            if processor is not None:
+                processor.chat_template = template
+                processor.save_pretrained(tmp)
+            _copy_processor_files(src.base_model, tmp)
+            writing.advance(sum(1 for p in tmp.glob("*.safetensors")))
         model = None  # free the merged copy before loading the written one
         gc.collect()
         diff = top1 = max_logit = tol = None
         if verify:
             auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
-            merged = auto.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
-            got = _logits(merged, probe)
+            with phases.phase("verify"):  # the written folder loaded back and its logits on the probe
+                merged = auto.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
+                got = _logits(merged, probe)
             merged = None
             gc.collect()
             diff = float((got - reference).abs().max())

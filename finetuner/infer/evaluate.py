@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.config.recipe import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source
@@ -122,19 +123,21 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
     return prepared.val, what, "held-out"
 
 
-def _loss(model, collate, examples, batch_size: int, device: str) -> tuple[float, int]:
+def _loss(model, collate, examples, batch_size: int, device: str, who: str) -> tuple[float, int]:
+    """The mean token loss of ``who`` (the fine-tune, the base model) over ``examples``, and the tokens scored."""
     import torch
 
     from finetuner.model.scoring import token_loss_sum
 
     total, n = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), phases.phase("eval", total=len(examples), unit="examples", label=f"held-out loss of {who}") as p:
         for i in range(0, len(examples), batch_size):
             batch = collate([examples[j] for j in range(i, min(i + batch_size, len(examples)))])
             batch = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
             loss_sum, count = token_loss_sum(model, batch, 1024)
             total += float(loss_sum)
             n += count
+            p.advance(min(i + batch_size, len(examples)) - i)
     return total / max(n, 1), n
 
 
@@ -175,17 +178,18 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, adapter: bool) -> tuple[float, list[str]]:
-    """The fraction of ``refs`` answered greedily with exactly their reply, and the answers. Each prompt goes
-    through ``collate``, the loss's collator: a row's pictures reach the model as in the loss (pixel values and
-    what the family adds, under ``pictures``: :class:`finetuner.data.images.PictureCollator`)."""
+def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, adapter: bool,
+                 who: str) -> tuple[float, list[str]]:
+    """The fraction of ``refs`` answered greedily with exactly their reply, and the answers (``who``: whose, in the
+    phase's words). Each prompt goes through ``collate``, the loss's collator: a row's pictures reach the model as
+    in the loss (pixel values and what the family adds, under ``pictures``: :class:`finetuner.data.images.PictureCollator`)."""
     import contextlib
 
     import torch
 
     answers = []
     ctx = contextlib.nullcontext() if adapter or not hasattr(model, "disable_adapter") else model.disable_adapter()
-    with ctx, torch.no_grad():
+    with ctx, torch.no_grad(), phases.phase("answers", total=len(refs), unit="answers", label=f"exact-match answers of {who}") as p:
         for ref in refs:
             batch = collate([{"input_ids": ref.prompt, "labels": ref.prompt, "images": ref.images}])
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
@@ -195,6 +199,7 @@ def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, 
                                  top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
             answers.append(tokenizer.decode(out[0, len(ref.prompt):], skip_special_tokens=True))
+            p.advance()
     hits = [_norm(a) == _norm(tokenizer.decode(r.reply, skip_special_tokens=True)) for a, r in zip(answers, refs)]
     return sum(hits) / max(len(hits), 1), answers
 
@@ -284,20 +289,22 @@ def evaluate_run(
     scores: dict[str, ModelScore] = {}
     answers: dict[str, list[str]] = {}
     if src.kind == "full":  # two separate models: the base, then the fine-tuned one
-        for name, use_adapter in (("base", False), ("fine_tuned", True)):
+        for name, use_adapter, who in (("base", False, "the base model"), ("fine_tuned", True, "the fine-tune")):
             model, dev = load_model(src, adapter=use_adapter, device=device, pictures=processor is not None)
-            loss, n = _loss(model, collate, examples, batch_size, dev)
-            em, answers[name] = _exact_match(model, tokenizer, collate, refs, dev, True) if refs else (None, [])
+            loss, n = _loss(model, collate, examples, batch_size, dev, who)
+            em, answers[name] = _exact_match(model, tokenizer, collate, refs, dev, True, who) if refs else (None, [])
             scores[name] = ModelScore(loss, _ppl(loss), n, em)
             del model
     else:
         model, dev = load_model(src, adapter=True, device=device, pictures=processor is not None)
-        loss, n = _loss(model, collate, examples, batch_size, dev)
-        em, answers["fine_tuned"] = _exact_match(model, tokenizer, collate, refs, dev, True) if refs else (None, [])
+        loss, n = _loss(model, collate, examples, batch_size, dev, "the fine-tune")
+        em, answers["fine_tuned"] = (_exact_match(model, tokenizer, collate, refs, dev, True, "the fine-tune")
+                                     if refs else (None, []))
         scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em)
         with model.disable_adapter():
-            loss, n = _loss(model, collate, examples, batch_size, dev)
-        em, answers["base"] = _exact_match(model, tokenizer, collate, refs, dev, False) if refs else (None, [])
+            loss, n = _loss(model, collate, examples, batch_size, dev, "the base model")
+        em, answers["base"] = (_exact_match(model, tokenizer, collate, refs, dev, False, "the base model")
+                               if refs else (None, []))
         scores["base"] = ModelScore(loss, _ppl(loss), n, em)
     samples = [
         {"prompt": tokenizer.decode(r.prompt, skip_special_tokens=False),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.fileio import exists, expand_user
 from finetuner.locate import check_hub, locate
@@ -282,9 +283,13 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto", pictures
     the base model alone; ``pictures``: the image-text-to-text model (:func:`picture_processor`). Returns
     ``(model, device)``.
     """
+    with phases.phase("load"):  # one blocking call: the command's front hears its heartbeat (finetuner.phases)
+        return _load_model(src, adapter, inference_device(device), pictures)
+
+
+def _load_model(src: Source, adapter: bool, device: str, pictures: bool):
     import torch
 
-    device = inference_device(device)
     if src.recipe is not None and src.kind in ("run", "adapter"):
         from finetuner.model.loading import load_base_model
         from finetuner.config.runtime import resolve_runtime

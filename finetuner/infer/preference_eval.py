@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.errors import UserError
 
 
@@ -124,15 +125,15 @@ def examples_are(recipe, data: str | Path | None) -> str:
     return "training" if str(Path(data).resolve()) in trained else "other"
 
 
-def _scores(model, collate, pairs, batch_size: int, device: str):
-    """Summed log-probabilities of every pair's chosen and rejected responses, their numbers of
-    scored tokens, and the scored tokens in all."""
+def _scores(model, collate, pairs, batch_size: int, device: str, who: str):
+    """Summed log-probabilities of every pair's chosen and rejected responses under ``who`` (the fine-tune, the
+    model before it), their numbers of scored tokens, and the scored tokens in all."""
     import torch
 
     from finetuner.model.scoring import sequence_logps
 
     chosen, rejected, n_chosen, n_rejected, tokens = [], [], [], [], 0
-    with torch.no_grad():
+    with torch.no_grad(), phases.phase("eval", total=len(pairs), unit="pairs", label=f"preference scores of {who}") as p:
         for i in range(0, len(pairs), batch_size):
             batch = collate(pairs[i : i + batch_size])
             batch = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items()}
@@ -143,6 +144,7 @@ def _scores(model, collate, pairs, batch_size: int, device: str):
             n_chosen.append(counts[:n].clamp(min=1).float().cpu())
             n_rejected.append(counts[n:].clamp(min=1).float().cpu())
             tokens += int(counts.sum())
+            p.advance(n)
     return torch.cat(chosen), torch.cat(rejected), torch.cat(n_chosen), torch.cat(n_rejected), tokens
 
 
@@ -158,18 +160,18 @@ def evaluate_pairs(src, tokenizer, data, batch_size: int, device: str, load_mode
     start = _start_run(src)
     if start is not None or src.kind == "full":  # two models, one after the other: the fine-tune, then the one before it
         tuned_model, dev = load_model(src, adapter=True, device=device)
-        tc, tr, nc, nr, tokens = _scores(tuned_model, collate, pairs, batch_size, dev)
+        tc, tr, nc, nr, tokens = _scores(tuned_model, collate, pairs, batch_size, dev, "the fine-tune")
         del tuned_model
         # before = the SFT run it started from (its adapter on), or a full fine-tune's base
         before_src, before_adapter = (start, True) if start is not None else (src, False)
         before, dev = load_model(before_src, adapter=before_adapter, device=device)
-        bc, br, *_ = _scores(before, collate, pairs, batch_size, dev)
+        bc, br, *_ = _scores(before, collate, pairs, batch_size, dev, "the model before it")
         del before
     else:
         model, dev = load_model(src, adapter=True, device=device)
-        tc, tr, nc, nr, tokens = _scores(model, collate, pairs, batch_size, dev)
+        tc, tr, nc, nr, tokens = _scores(model, collate, pairs, batch_size, dev, "the fine-tune")
         with model.disable_adapter():
-            bc, br, *_ = _scores(model, collate, pairs, batch_size, dev)
+            bc, br, *_ = _scores(model, collate, pairs, batch_size, dev, "the base model")
 
     def score(c, r) -> PreferenceScore:
         ac, ar = c / nc, r / nr

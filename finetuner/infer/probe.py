@@ -193,7 +193,8 @@ def probe_run(run: str | Path, probes: str | Path | None = None, limit: int | No
 
     chat = load_chat_model(run, device=device, base_model=base_model, trust_remote_code=trust_remote_code,
                            allow_pickle=allow_pickle)
-    return probe_chat(chat, str(run), probes, limit)
+    with phases.phase("probe", unit="answers"):  # its count said by probe_chat and counted by the chat model
+        return probe_chat(chat, str(run), probes, limit)
 
 
 def probe_chat(chat: Any, source: str, probes: str | Path | None = None, limit: int | None = None) -> ProbeResult:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.infer.preference_eval import describe_examples, examples_are
 
@@ -81,8 +82,9 @@ def _score(model, tokenizer, prompts, settings, rewards, seed: int, batch_size: 
     from finetuner.objectives.grpo import sample_completions, score_completions
 
     ctx = contextlib.nullcontext() if adapter else model.disable_adapter()
-    with ctx, torch.no_grad():
-        completions = sample_completions(model, tokenizer, prompts, settings, seed, batch_size)
+    who = "the fine-tune" if adapter else "the base model"
+    with ctx, torch.no_grad(), phases.phase("eval", total=len(prompts), unit="prompts", label=f"completions of {who}"):
+        completions = sample_completions(model, tokenizer, prompts, settings, seed, batch_size)  # counted at its end
     scored = score_completions(rewards, settings.num_generations, prompts, completions)
     lengths = [len(c["completion_ids"]) for c in completions]
     score = RewardScore(round(sum(scored.total) / len(scored.total), 6), {k: round(v, 6) for k, v in scored.means().items()},

@@ -5,6 +5,9 @@ message a line, each an object with ``kind``:
 
 - ``started``: it is ready (a chat model is loaded), with what it has to say about itself;
 - ``progress``: a piece of the work (a chat reply's next text piece);
+- ``phase``: how far a phase of the work has come (a merge's or an export's loading, writing, checking): the
+  fields of a :mod:`finetuner.phases` record (``phase``, ``label``, ``state``, ``done``, ``total``, ...), which
+  the caller shows (:func:`finetuner.phases.line`) while it waits;
 - ``error``: it failed: ``message``, ``hint`` (or null), ``type`` (the exception's class) and
   ``user_error`` (true when the input or the machine is at fault and ``message`` says what to do;
   false for a bug), the fields of a run's ``error`` event (docs/events.md) plus the hint; for a full
@@ -34,7 +37,7 @@ from typing import IO, Any, NoReturn
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.fileio import DiskFull
 
-KINDS: tuple[str, ...] = ("started", "progress", "error", "done")
+KINDS: tuple[str, ...] = ("started", "progress", "phase", "error", "done")
 
 #: For a training job (``finetuner run``): the file the process appends its ``error`` message to when it
 #: fails, set by the job runner (:mod:`finetuner.runs.jobs`); read when the run folder has no event saying so.

@@ -53,6 +53,12 @@ def test_the_export_tab_writes_a_checked_gguf_and_an_ollama_folder(tmp_path):
     assert shown[0].startswith(f"Exporting {run.name} to GGUF (q8_0)")
     assert shown[-1].startswith(f"✓ q8_0 GGUF saved to `{file}`"), shown[-1]
     assert "top-1 agreement 100%" in shown[-1] and "same ids" in shown[-1]
+    tensors = re.search(r"MiB, (\d+) tensors", shown[-1]).group(1)
+    waiting = shown[1:-1]  # while the worker works: the head and its latest phase's line (finetuner.phases.line)
+    assert waiting and all(w.startswith(shown[0] + "\n\n") for w in waiting)
+    assert any("loading the model: done, in " in w for w in waiting)
+    assert any(f"writing the GGUF file: done, {tensors} tensors in " in w for w in waiting), waiting
+    assert any(f"reading the GGUF file back: done, {tensors} tensors in " in w for w in waiting)
     assert gguf.GGUFReader(file).fields["general.architecture"].contents() == "llama"
     again = list(h.on_gguf(run.name, "gguf", "q8_0", "", False))[-1]
     assert "exists" in again and "overwrite" in again and not again.startswith("✓")  # the export's own refusal
