@@ -116,6 +116,9 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
     ``loaded_as``: whether the model was to be downloaded and converted when the run began (the trainer's)."""
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)
+    from finetuner.planning.data_auto import resolve_data
+
+    recipe = resolve_data(recipe)[0]  # data ``auto`` values as the run resolves them
     prof = _profile(gpu)
     if label_fraction is None:
         label_fraction = label_fraction_of(recipe)
