@@ -13,6 +13,7 @@ from rich.table import Table
 import finetuner.phases as phases
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
+from finetuner.planning.data_auto import resolved_line
 from finetuner.text import cut_words
 
 
@@ -202,6 +203,8 @@ class ProgressPrinter:
                 )
                 if ev.get("gguf"):
                     self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
+                if ev.get("resolved"):
+                    self.console.print(resolved_line(ev["resolved"]), highlight=False)
                 pred = ev.get("predicted_speed")
                 if pred and pred.get("upper_bound"):  # GRPO: its completions at their longest
                     self.console.print(f"predicted: at most {pred['step_s']:.3g} s a step, ~{pred['total_s']:,.0f} s for "

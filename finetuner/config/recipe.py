@@ -30,6 +30,9 @@ from finetuner.runs.marker import is_run_folder
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
+#: The data keys that may be ``auto``: resolved from the recipe's own data when the run starts
+#: (:func:`finetuner.planning.data_auto.resolve_data`), by the rules ``finetuner plan`` sizes a run with.
+DATA_AUTO_KEYS = ("data.max_seq_len", "data.packing", "data.replay")
 #: ``auto`` asks the planner (:mod:`finetuner.planning.planner`) to choose for the device the run is on.
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -256,10 +259,11 @@ class DataSection(_Section):
         ),
     )
     split: str = Field("train", description="Split to use for hub data sets.")
-    max_seq_len: int = Field(1024, ge=16)
+    max_seq_len: Annotated[int, Field(ge=16)] | Auto = Field(
+        1024, description="Tokens a row keeps; auto: what the data need, as finetuner plan sizes it (a few outlier rows cut).")
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
     packing: bool | Auto = Field(
-        False, description="Pack short examples into full sequences; auto packs when they average under half of max_seq_len."
+        False, description="Pack short examples into full sequences; auto: as finetuner plan decides it from the data."
     )
     val_size: float = Field(0.0, ge=0, description="Fraction (<1) or number (>=1) of rows held out.")
     val_path: str | None = None
@@ -275,12 +279,13 @@ class DataSection(_Section):
                      "Qwen2.5-VL, Qwen3-VL): the most pixels a picture keeps; larger ones are scaled down. finetuner "
                      "plan chooses the largest that fits the card."),
     )
-    replay: float = Field(
-        0.0, ge=0, le=1,
+    replay: Annotated[float, Field(ge=0, le=1)] | Auto = Field(
+        0.0,
         description=(
             "A guard against forgetting (SFT on one process): this share of the training rows again as the base "
             "model's own answers to general prompts (data/replay_prompts.jsonl), generated before training, cached, "
-            "never with data.system_prompt; 0.25 adds one for every four rows."
+            "never with data.system_prompt; 0.25 adds one for every four rows. auto: as finetuner plan sets it (0.25 "
+            "for a small file whose rows carry a system prompt, else 0)."
         ),
     )
 
@@ -619,6 +624,7 @@ class Recipe(_Section):
         "training.optimizer",
         "training.gradient_checkpointing",
         "training.offload_activations",
+        *DATA_AUTO_KEYS,
     )
 
     def auto_keys(self) -> list[str]:
@@ -671,7 +677,7 @@ class Recipe(_Section):
         _check_distributed(self)
         _check_preference(self)
         _check_grpo(self)
-        if self.data.replay and (self.objective != "sft" or self.distributed.world_size > 1):
+        if self.data.replay not in (0, "auto") and (self.objective != "sft" or self.distributed.world_size > 1):
             raise ValueError(f"data.replay: mixes the base model's answers into SFT rows on one process; this recipe "
                              f"trains {self.objective} on {self.distributed.world_size} process(es): set replay: 0")
         return self

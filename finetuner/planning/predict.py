@@ -119,6 +119,9 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
     ``replay_cached``: whether ``data.replay``'s answers came from its cache (the trainer's record)."""
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.from_yaml(recipe)
+    from finetuner.planning.data_auto import resolve_data
+
+    recipe = resolve_data(recipe)[0]  # data ``auto`` values as the run resolves them
     prof = _profile(gpu)
     if label_fraction is None:
         label_fraction = label_fraction_of(recipe)

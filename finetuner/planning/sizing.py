@@ -76,6 +76,8 @@ FEW_EXAMPLES = 200
 #: 37 -> 40 and 40 -> 41 of the base's 47; on a file without a system prompt (bike_shop) the guard kept no more
 #: facts (2 -> 1 of 3), so it is not set there.
 REPLAY_FOR_SYSTEM_PROMPT = 0.25
+#: Why rows with pictures are not packed (the data pipeline refuses ``data.packing: true`` on them).
+NO_PACK_PICTURES = "no packing: the rows have pictures, which are not packed"
 #: Learning rates at hidden size ``REFERENCE_HIDDEN`` (the common 7B LoRA and full settings).
 REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 REFERENCE_HIDDEN = 4096
@@ -170,6 +172,50 @@ def _pow2_floor(n: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1.0, n)))))
 
 
+def data_sequence(profile: DataProfile, positions: int, objective: str = "sft",
+                  max_new_tokens: int = 0) -> tuple[int, str, LengthCap | None]:
+    """The sequence the data need before any packing (the module doc's rule): ``(length, why, cap)``, the cap set
+    when a few outlier rows are cut (:func:`~finetuner.planning.length_cap.outlier_cap`; ``why`` is then empty: the
+    cap's :meth:`~finetuner.planning.length_cap.LengthCap.reason` says it). GRPO's is its longest prompt plus
+    ``max_new_tokens``, never capped. The plan and a recipe's ``data.max_seq_len: auto`` both take it from here."""
+    grpo = objective == "grpo"
+    cap = None if grpo else outlier_cap(profile, positions, objective != "sft")
+    if cap is not None:
+        return cap.seq, "", cap
+    longest = profile.max_tokens + max_new_tokens
+    what = (f"the longest prompt ({profile.max_tokens} tokens) + grpo.max_new_tokens ({max_new_tokens})" if grpo
+            else f"the longest example ({longest} tokens)")
+    if longest > positions:
+        return positions, f"the model's {positions} positions ({what} = {longest} tokens)", None
+    return min(round_up(longest, SEQ_ROUND), positions), f"{what} rounded up to a multiple of {SEQ_ROUND}", None
+
+
+def replay_share(profile: DataProfile, train_rows: int, objective: str = "sft", gpus: int = 1) -> tuple[float, str]:
+    """``data.replay`` for ``train_rows`` training rows of ``profile``: ``REPLAY_FOR_SYSTEM_PROMPT`` for a small SFT
+    file on one process whose rows (at least half of them) carry a system prompt, else 0; and why not, when 0. The
+    plan and a recipe's ``data.replay: auto`` both take it from here."""
+    if objective != "sft":
+        return 0.0, f"objective {objective}: the base's answers are mixed into SFT rows only"
+    if gpus > 1:
+        return 0.0, f"{gpus} processes: the base's answers are mixed in on one process only"
+    if profile.pictures:
+        return 0.0, "the rows have pictures: the base's text answers are not mixed into a picture run"
+    if train_rows >= FEW_EXAMPLES:
+        return 0.0, f"{train_rows} training rows, not a small set (under {FEW_EXAMPLES})"
+    if not profile.system_rows * 2 >= profile.rows > 0:
+        return 0.0, (f"{profile.system_rows} of {profile.rows} rows carry a system prompt (not half): measured on such "
+                     "a file, the guard kept no more facts (docs/replay_guard.json)")
+    return REPLAY_FOR_SYSTEM_PROMPT, ""
+
+
+def replay_reason(replay: float, replayed: int, train_rows: int) -> str:
+    """Why the run mixes ``replayed`` answers of the base (``data.replay`` ``replay``) into ``train_rows`` rows."""
+    return (f"data.replay {replay:g}: {replayed} answers the base model itself gives to general prompts (asked without "
+            f"your system prompt) are mixed into your {train_rows} examples, because they carry a system prompt: "
+            "measured twice on such a file, fine-tunes without them answered 1 and 2 of 3 simple facts asked without the "
+            "system prompt, with them 3 of 3, their style still learned (docs/replay_guard.json)")
+
+
 def size_run(
     shape: ModelShape,
     profile: DataProfile | None = None,
@@ -212,21 +258,15 @@ def size_run(
     val_size, n_val = _held_out(profile.rows)
     train_rows = max(1, profile.rows - n_val)
     longest = profile.max_tokens + max_new_tokens
-    what = (f"the longest prompt ({profile.max_tokens} tokens) + grpo.max_new_tokens ({max_new_tokens})" if grpo
-            else f"the longest example ({longest} tokens)")
-    length_cap = None if seq_len is not None or grpo else outlier_cap(profile, positions, preference)
     if seq_len is not None:
-        seq, why_seq = seq_len, "as asked"
-    elif length_cap is not None:
-        seq, why_seq = length_cap.seq, ""
+        seq, why_seq, length_cap = seq_len, "as asked", None
     else:
-        seq = min(round_up(longest, SEQ_ROUND), positions)
-        why_seq = f"{what} rounded up to a multiple of {SEQ_ROUND}"
-        if longest > positions:
-            why_seq = f"the model's {positions} positions ({what} = {longest} tokens)"
+        seq, why_seq, length_cap = data_sequence(profile, positions, objective, max_new_tokens)
     packing = False
     if preference:
         reasons.append(no_pack)
+    elif profile.pictures:
+        reasons.append(NO_PACK_PICTURES)
     elif profile.should_pack(seq) or (seq_len is None and profile.should_pack(min(PACKED_SEQ_LEN, positions))):
         pack_seq = seq if seq_len is not None else max(seq, min(PACKED_SEQ_LEN, positions))
         packed_rows = max(1, math.ceil(profile.mean_tokens * train_rows / pack_seq))
@@ -253,11 +293,10 @@ def size_run(
 
     # packed rows counted as the trainer packs them (its split, its seeded greedy packing)
     units = count_packed_rows(profile.lengths, n_val, seq, seed) if packing else train_rows
-    replay, replayed = 0.0, 0
-    if objective == "sft" and gpus == 1 and train_rows < FEW_EXAMPLES and profile.system_rows * 2 >= profile.rows > 0:
+    replay, replayed = replay_share(profile, train_rows, objective, gpus)[0], 0
+    if replay:
         from finetuner.data.replay import load_prompts, replay_count
 
-        replay = REPLAY_FOR_SYSTEM_PROMPT
         replayed = replay_count(replay, train_rows, len(load_prompts()))
         units += replayed  # packed apart, each a row of its own, as the trainer takes them
     if not eff_given:
@@ -299,9 +338,5 @@ def size_run(
         )
     every = max(10, min(500, round_up(max(1, total // 5), 10)))
     if replay:
-        reasons.append(
-            f"data.replay {replay:g}: {replayed} answers the base model itself gives to general prompts (asked without "
-            f"your system prompt) are mixed into your {train_rows} examples, because they carry a system prompt: "
-            "measured twice on such a file, fine-tunes without them answered 1 and 2 of 3 simple facts asked without the "
-            "system prompt, with them 3 of 3, their style still learned (docs/replay_guard.json)")
+        reasons.append(replay_reason(replay, replayed, train_rows))
     return Sizing(seq, packing, val_size, eff, epochs, train_rows, per_epoch, every, every, reasons, notes, replay, length_cap)

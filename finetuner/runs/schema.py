@@ -170,7 +170,15 @@ class _PredictedSpeed(TypedDict, total=False):
     predicted_speed: Union[dict[str, Any], None]
 
 
-class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf, _PredictedSpeed):
+class _Resolved(TypedDict, total=False):
+    """What the recipe's data ``auto`` values became, ``{key: {"value", "reason"}}``
+    (finetuner.planning.data_auto); empty when it has none (absent in the events of runs from before it was written,
+    and in a multi-process run's, whose launcher says them)."""
+
+    resolved: dict[str, dict[str, Any]]
+
+
+class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf, _PredictedSpeed, _Resolved):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int

@@ -338,6 +338,11 @@ def launch_training(
         log.warning("--profile-memory is not supported for multi-process runs; ignored.")
     first_node = d.node_rank == 0
     if first_node:
+        from finetuner.planning.data_auto import resolve_data
+
+        recipe, resolved = resolve_data(recipe)  # data ``auto`` values → the plan's rules, on the recipe's own data
+        for key, choice in resolved.items():  # the ranks' start event is written by their own process: said here
+            log.warning("%s: auto → %s (%s)", key, choice["value"], choice["reason"])
         recipe, plan = resolve_for_run(recipe, resume)
         check_before_run(recipe)  # as one process checks it (finetuner.planning.bounds), before the folder is made
         run_dir, recipe, notes, lock = prepare_run_dir(recipe, resume, check_inputs)

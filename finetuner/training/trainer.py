@@ -258,6 +258,9 @@ class Trainer:
         #: before the first step and in the general probe after the adapter is saved (:meth:`measured_wait`)
         self.entered_at, self.first_step_at = time.perf_counter(), None
         self.eval_seconds, self.save_seconds, self.replay_seconds, self.probe_seconds = 0.0, 0.0, 0.0, 0.0
+        #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
+        #: it), said in the ``start`` event
+        self.resolved: dict[str, dict[str, Any]] = {}
         from finetuner.planning.wait import first_load
 
         #: whether loading the model will download it or convert its GGUF file (its predicted load time): known
@@ -361,6 +364,7 @@ class Trainer:
             predicted=self.prediction.to_dict() if self.prediction else None,
             predicted_speed=self.predicted_speed,
             gguf=gguf.to_event() if gguf is not None else None,
+            resolved=self.resolved,
             **device_memory(self.rt.device),
         )
 
@@ -1205,6 +1209,9 @@ def train(
         from finetuner.planning.bounds import check_before_run
         from finetuner.planning.planner import resolve_for_run
 
+        from finetuner.planning.data_auto import resolve_data
+
+        recipe, resolved = resolve_data(recipe)  # data ``auto`` values → the plan's rules, on the recipe's own data
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
         check_before_run(recipe)  # a micro-batch, a step or a run it cannot finish: refused before anything is made
         new_folder, existed = is_new_run_dir(recipe.output_path()), recipe.output_path().exists()
@@ -1214,6 +1221,7 @@ def train(
                 atomic_write_json(run_dir / "plan.json", plan.to_dict())
             trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
             trainer.entered_at = entered
+            trainer.resolved = resolved
         except BaseException:
             lock.release()
             if new_folder:
