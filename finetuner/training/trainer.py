@@ -387,13 +387,14 @@ class Trainer:
         rows = len(self.data.train)
         steps = r.training.max_steps or optimizer_steps(None, r.training.epochs, rows, r.training.effective_batch_size)
         predicted = predict_run(r, self.rt, steps, label_fraction_of(r), self.loaded_as)
-        parts = predicted_wait(predicted_speed_of(predicted) or {}) or {}
+        self.early_speed = predicted_speed_of(predicted)  # also the replay's, made before the run's own prediction
+        parts = predicted_wait(self.early_speed or {}) or {}
         return parts["load"] + parts.get("download", 0.0) if "load" in parts else None
 
     def _predicted_part(self, part: str, count: str | None = None) -> float | None:
         """One of a part of the run's predicted wait (:mod:`finetuner.planning.wait`): the part's seconds over its
         ``count`` (e.g. one evaluation's); None without a prediction."""
-        wait = (getattr(self, "predicted_speed", None) or {}).get("wait") or {}
+        wait = (getattr(self, "predicted_speed", None) or getattr(self, "early_speed", None) or {}).get("wait") or {}
         secs = (wait.get("parts_s") or {}).get(part)
         n = (wait.get("counts") or {}).get(count, 1) if count else 1
         return None if secs is None or not n else secs / n
