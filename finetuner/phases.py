@@ -32,6 +32,7 @@ Sink = Callable[[dict[str, Any]], Any]
 
 #: The phases, in the order a run meets them, with the words the console and the UI show.
 PHASES: dict[str, str] = {
+    "measure": "measuring the data",
     "tokenize": "tokenizing the data",
     "load": "loading the model",
     "replay": "the base model's replay answers",

@@ -175,3 +175,19 @@ def test_a_command_phase_goes_where_its_front_reports():
     assert [(r["phase"], r["state"]) for r in said] == [("export", "start"), ("export", "progress"), ("export", "end"),
                                                         ("merge", "start"), ("merge", "end")]
     assert [r["state"] for r in seen] == ["start", "end"]
+
+
+def test_measuring_a_data_file_is_a_phase_counting_its_rows():
+    """The plan's and a run's auto values read the whole file first (tens of seconds for a large one): said too."""
+    import json
+    from pathlib import Path
+
+    from finetuner.data.stats import profile_data
+
+    repo = Path(__file__).resolve().parents[1]
+    data = repo / "data" / "alpaca_sample.json"
+    said = []
+    with phases.reporting(said.append):
+        profile = profile_data(str(data), str(repo / "data" / "demo_model"))
+    ends = [r for r in said if r["phase"] == "measure" and r["state"] == "end"]
+    assert len(ends) == 1 and ends[0]["done"] == len(json.loads(data.read_text())) == profile.rows

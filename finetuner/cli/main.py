@@ -104,12 +104,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     import warnings
 
+    import finetuner.phases as phases
     from finetuner.runs.folder import RunAlreadyFinished
     from finetuner.training.trainer import train
 
     warnings.filterwarnings("ignore", category=RunAlreadyFinished)  # progress.summary says it, in the CLI's words
-    with ProgressPrinter(console, quiet=args.quiet) as progress:
-        result = train(
+    with ProgressPrinter(console, quiet=args.quiet) as progress, phases.reporting(progress.phases):  # before the run's
+        result = train(  # own events (measuring the data for its auto values), the phases are said here directly
             recipe,
             callbacks=[_on_event, progress],
             output_dir=args.output,

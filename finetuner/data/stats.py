@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import finetuner.phases as phases
 from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
@@ -277,10 +278,14 @@ def profile_data(
     tokenizer loads here, the first ``EXACT_ROWS`` are tokenized as training tokenizes them
     (``chat_template``: ``data.chat_template``) and the rest counted with the template's measured tokens.
     """
-    encoder, count, how = _counters(model, chat_template)
-    src = FileExamples(path, fmt, columns, system_prompt)
+    with phases.phase("measure", unit="rows"):  # the tokenizer's load, then each row counted (_sft_lengths)
+        encoder, count, how = _counters(model, chat_template)
+        src = FileExamples(path, fmt, columns, system_prompt)
+        try:
+            lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
+        except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
+            return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     try:
-        lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
         pictures = src.pictures
         processor = picture_processor_of(model, max_pixels) if pictures else None
         preset = None if processor is not None or not pictures else preset_pictures(model, max_pixels)
@@ -490,6 +495,7 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
     extra_a: list[float] = []
     system_rows = 0
     for ex in src:
+        phases.advance()  # the open "measure" phase's count (profile_data)
         if "messages" in ex:
             system_rows += ex["messages"][0]["role"] == "system"
             prompt = sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
