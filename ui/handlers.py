@@ -731,6 +731,9 @@ class Handlers:
         yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
         texts = {name: "" for name in convo}
         with self.chat_pool.lease(source, allow_code) as worker:  # not closed under this session while it answers
+            for waited in worker.loading(every=1.0):  # a model that loads for minutes is seen loading, not hanging
+                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), f"Loading the model… {waited:.0f} s"
+            yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
             for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
                 msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
                 for piece in worker.stream(msgs, adapter=adapter, **gen):

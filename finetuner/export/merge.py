@@ -36,7 +36,7 @@ import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.quiet import quieted
-from finetuner.infer.loading import Source, chat_template, load_pretrained, load_tokenizer, picture_processor, resolve_source
+from finetuner.infer.loading import Source, attach_adapter, chat_template, load_pretrained, load_tokenizer, picture_processor, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -399,13 +399,7 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
 
     probe = _probe_ids(tokenizer, template)
     if src.has_adapter:
-        from peft import PeftModel
-
-        try:
-            model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
-                            hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
+        model = attach_adapter(model, src)
         model.eval()
         reference = _logits(model, probe) if verify else None
         if verify:

@@ -90,41 +90,74 @@ class ChatWorker:
         self._messages: protocol.Receiver | None = None
         self._lock = threading.Lock()
         self._next_id = 0
+        self._ready = False  # its model has loaded (the "started" message came)
+        self._loading_since = 0.0
 
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> ChatWorker:
-        if self.alive:
-            return self
-        cmd = module_command("finetuner.infer.chat_worker", self.source, *([] if self.adapter else ["--base"]),
-                             *(["--allow-code"] if self.allow_code else []))
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=safe_env(),
-            text=True, encoding="utf-8", bufsize=1, start_new_session=True,
-        )
-        self._messages = protocol.Receiver(self._proc.stdout)  # type: ignore[arg-type]
-        first = self._get(self.start_timeout, "loading the model")
+        """Start the process (unless it runs) and wait until its model is loaded."""
+        for _waited in self._wait_loaded(self.start_timeout):
+            pass
+        return self
+
+    def loading(self, every: float = 1.0) -> Iterator[float]:
+        """Start the process (unless it runs) and yield the seconds waited, every ``every`` seconds, until its
+        model is loaded: what a page shows so that a model that takes minutes to load (a large one, a busy
+        machine) is seen loading, not hanging. A failure to load raises :class:`UserError` with the worker's
+        message; more than ``start_timeout`` seconds, one that says so."""
+        with self._lock:  # one reader of the worker's messages at a time (stream() waits)
+            yield from self._wait_loaded(every)
+
+    def _wait_loaded(self, every: float) -> Iterator[float]:
+        if self.alive and self._ready:
+            return
+        if not self.alive:
+            cmd = module_command("finetuner.infer.chat_worker", self.source, *([] if self.adapter else ["--base"]),
+                                 *(["--allow-code"] if self.allow_code else []))
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=safe_env(),
+                text=True, encoding="utf-8", bufsize=1, start_new_session=True,
+            )
+            self._messages = protocol.Receiver(self._proc.stdout)  # type: ignore[arg-type]
+            self._ready = False
+            self._loading_since = time.monotonic()
+        deadline = self._loading_since + self.start_timeout
+        assert self._messages is not None
+        while True:
+            try:
+                first = self._messages.get(max(0.0, min(every, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise self._failed(f"did not answer within {self.start_timeout:.0f} s (loading the model)") from None
+                yield time.monotonic() - self._loading_since
+                continue
+            if first is None:
+                raise self._failed(f"ended unexpectedly (exit status {self._proc.poll() if self._proc else None})")
+            break
         if first["kind"] == "error":
             self.close()
             raise UserError(f"Could not load {self.source} for chat: {protocol.error_text(first)}")
         self.describe = first.get("describe", "")
         self.has_adapter = bool(first.get("has_adapter"))
-        return self
+        self._ready = True
 
     def _get(self, timeout: float, what: str) -> dict[str, Any]:
         try:
             assert self._messages is not None
             msg = self._messages.get(timeout)
         except queue.Empty:
-            self.close()
-            raise UserError(f"The chat worker did not answer within {timeout:.0f} s ({what}).") from None
+            raise self._failed(f"did not answer within {timeout:.0f} s ({what})") from None
         if msg is None:
-            code = self._proc.poll() if self._proc else None
-            self.close()
-            raise UserError(f"The chat worker for {self.source} ended unexpectedly (exit status {code}).")
+            raise self._failed(f"ended unexpectedly (exit status {self._proc.poll() if self._proc else None})")
         return msg
+
+    def _failed(self, what: str) -> UserError:
+        """The worker is closed; the error to raise says what it did (``what``)."""
+        self.close()
+        return UserError(f"The chat worker for {self.source} {what}.")
 
     def stream(self, messages: list[dict[str, str]], timeout: float = 300.0, **gen: Any) -> Iterator[str]:
         """Send one conversation; yield the reply's text pieces as they arrive."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import finetuner.phases as phases
-from finetuner.errors import UserError
+from finetuner.errors import UserError, first_line
 from finetuner.fileio import exists, expand_user
 from finetuner.locate import check_hub, locate
 from finetuner.model import gguf_base
@@ -309,17 +309,31 @@ def _load_model(src: Source, adapter: bool, device: str, pictures: bool):
                                     pictures, dtype=dtype, trust_remote_code=trust)
         model.to(device)
     if adapter and src.has_adapter:
-        from peft import PeftModel
-
-        try:
-            with quieted():
-                model = PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
-                            hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
+        model = attach_adapter(model, src)
     model.config.use_cache = True
     model.eval()
     return model, device
+
+
+def attach_adapter(model, src: Source):
+    """``model`` (the base) with ``src``'s LoRA adapter attached, not trainable: chat, eval and merge load it here.
+
+    An adapter file whose header cannot be read (cut short by a copy or a disk that filled, or changed
+    afterwards) is a :class:`UserError` naming the file, as is an adapter trained on another base."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+
+    try:
+        with quieted():
+            return PeftModel.from_pretrained(model, str(src.adapter_dir), is_trainable=False)
+    except SafetensorError as e:
+        weights = Path(str(src.adapter_dir)) / "adapter_model.safetensors"
+        raise UserError(f"The adapter file {weights} is truncated or corrupt ({first_line(str(e))}).",
+                        hint="Copy the run again from where it was trained, or train it again; a checkpoint's adapter "
+                             "(checkpoints/step-N/adapter in the run folder) can be used meanwhile.") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"Could not attach the adapter {src.adapter_dir} to '{src.base_model}' ({e}).",
+                        hint="The adapter must have been trained on this base model (pass the right one with --base).") from None
 
 
 def context_length(model, tokenizer) -> int:

@@ -193,16 +193,15 @@ def test_two_sessions_chat_with_two_runs_at_once(tmp_path, monkeypatch):
         demo_run_folder(runs, name, adapter=True)
     h = Handlers(runs, tmp_path / "uploads")
     one_loaded, two_done = threading.Event(), threading.Event()
-    real_start = ChatWorker.start
+    real_loading = ChatWorker.loading
 
-    def start(worker):  # the real start; then, the first time run-a's model is loaded, session two goes
-        out = real_start(worker)
+    def loading(worker, every=1.0):  # the real loading; then, the first time run-a's model is loaded, session two goes
+        yield from real_loading(worker, every)
         if worker.source.endswith("run-a") and not one_loaded.is_set():
             one_loaded.set()
             assert two_done.wait(HANG_GUARD_S)
-        return out
 
-    monkeypatch.setattr(ChatWorker, "start", start)
+    monkeypatch.setattr(ChatWorker, "loading", loading)
     settings = (True, 8, 0.0, 1.0, None)  # both lanes (the fine-tune, then the base model), 8 tokens, greedy
     one: list = []
     try:
