@@ -316,3 +316,27 @@ def test_the_schema_takes_the_runs_wait_by_part():
     assert validate_event({**done, "measured_wait_s": [1.0]}, allow_extra=False)
     samples = {"event": "samples", "time": 1.0, "samples": [], "samples_s": 1.2}
     assert validate_event(samples, allow_extra=False) == []
+
+
+def test_the_ui_status_shows_the_phase_running_between_the_steps(tmp_path):
+    """The web UI's status reads the running phase from the events (a line), and drops it once the phase ended."""
+    from ui.views import status_html
+
+    rd = tmp_path / "runs" / "r"
+    rd.mkdir(parents=True)
+    (rd / "recipe.yaml").write_text("name: r\n")
+    load = {"event": "phase", "phase": "load", "label": "loading the model", "done": 0, "total": None, "unit": "",
+            "eta_s": 30.0, "eta_from": "planned"}
+    events = [{**load, "state": "start", "elapsed_s": 0.0}, {**load, "state": "progress", "elapsed_s": 12.0, "eta_s": 18.0}]
+    (rd / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    lock = RunLock(rd).acquire()
+    try:
+        st = jobs.run_status(rd, tmp_path / "runs")
+        assert st.state == "starting" and st.phase == "loading the model: 0:00:12 so far, ETA 0:00:18 (planned)"
+        assert st.phase in status_html(st)
+        with open(rd / "events.jsonl", "a") as f:
+            f.write(json.dumps({**load, "state": "end", "elapsed_s": 13.0, "eta_s": 0.0, "eta_from": "measured"}) + "\n")
+        st = jobs.run_status(rd, tmp_path / "runs")
+        assert st.phase is None and "loading the model" not in status_html(st)
+    finally:
+        lock.release()
