@@ -3,10 +3,14 @@
 A few seconds of micro-benchmarks, the same code on a CPU and on a CUDA GPU, give a
 :class:`~finetuner.planning.speed.DeviceSpeed`:
 
+* **the wait for the threads** (a CPU with several torch threads, :func:`parallel_op_seconds`): what an
+  operation large enough to spread over the threads pays at its end, beyond its work; a scheduler's time
+  slice when other processes keep the cores busy;
 * **matmul rate** per compute dtype (fp32 on a CPU; bf16 or fp16, and fp32, on a GPU) and per
   width: ``[tokens x width] @ [width x width]`` products timed over widths from 16 to 1,024 (CPU)
   or 8,192 (GPU), so a model's narrow layers (and LoRA's rank-``r`` products) get the rate they
-  reach, not the large-matrix peak;
+  reach, not the large-matrix peak: each product's median time less the narrowest one's, which every
+  product pays whatever its size (:func:`matmul_rates`: the speed model charges it per operation);
 * **memory bandwidth**: a copy of a 128 MiB (CPU) / 1 GiB (GPU) tensor, bytes read + written per second;
 * **per-operation cost**: a chain of tiny multiplications with autograd recording, forward and
   backward, divided by the operations launched: what an eager training step pays per tensor
@@ -47,6 +51,13 @@ CPU_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
 GPU_WIDTHS = (16, 64, 256, 1024, 4096, 8192)
 #: Seconds each measurement is repeated for (at least), after one warm-up call.
 MEASURE_S = 0.1
+#: Repeats each measurement takes at least (its median is the result).
+MIN_REPEATS = 5
+#: The tensor :func:`parallel_op_seconds` times operations on: a micro-batch's activations
+#: (1,024 tokens x 128 wide), 4x torch's grain, so it spreads over the threads.
+PARALLEL_PROBE_SHAPE = (1024, 128)
+#: Operations in the chain :func:`parallel_op_seconds` times.
+PARALLEL_PROBE_OPS = 8
 #: The libraries ``finetuner run`` imports between its start and its first step (the model, the
 #: tokenizer, LoRA, the data pipeline): their import in a new process is the run's start-up.
 STARTUP_IMPORTS = ("torch", "transformers", "peft", "datasets")
@@ -83,22 +94,22 @@ def cache_file(name: str) -> Path:
 
 
 def _timed(fn, sync) -> float:
-    """Seconds per call of ``fn``: one warm-up, then repeated for at least ``MEASURE_S``; the best of
-    the repeats. By the wall clock (after synchronising a GPU), except on a CPU with one torch
+    """Seconds per call of ``fn``: one warm-up, then repeated for at least ``MEASURE_S`` and
+    ``MIN_REPEATS`` times; the median of the repeats (what a stream of such calls pays on average under
+    the load of the moment; the best one is a fluke when other processes share the cores). By the wall clock (after synchronising a GPU), except on a CPU with one torch
     thread: there this process's CPU time, which is what the call takes on an idle core and stays
     steady while other processes share the machine (the wall clock then counts them too). With
     several threads CPU time says nothing of the wall time (threads wait for cores, or spin)."""
     clock = time.process_time if _cpu_clock(sync is _no_sync) else time.perf_counter
     fn()
     sync()
-    best, spent, n = float("inf"), 0.0, 0
-    while spent < MEASURE_S or n < 3:
+    times: list[float] = []
+    while sum(times) < MEASURE_S or len(times) < MIN_REPEATS:
         t0 = clock()
         fn()
         sync()
-        dt = clock() - t0
-        best, spent, n = min(best, dt), spent + dt, n + 1
-    return best
+        times.append(clock() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def place(this_device: bool = True) -> dict[str, Any]:
@@ -140,20 +151,6 @@ def measure() -> DeviceSpeed:
     else:
         dtypes, widths, tokens = ("fp32",), CPU_WIDTHS, 1024
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    matmul: dict[str, tuple[tuple[int, float], ...]] = {}
-    with torch.no_grad():
-        for dt in dtypes:
-            rows = []
-            for w in widths:
-                a = torch.randn(tokens, w, device=dev, dtype=torch_dtype[dt])
-                b = torch.randn(w, w, device=dev, dtype=torch_dtype[dt])
-                sec = _timed(lambda: a @ b, sync)
-                rows.append((w, 2.0 * tokens * w * w / sec))
-            matmul[dt] = tuple(rows)
-        n = (1 << 30 if plat == "cuda" else 1 << 27) // 4
-        x = torch.empty(n, device=dev, dtype=torch.float32).fill_(1.0)
-        y = torch.empty_like(x)
-        bandwidth = 2 * 4 * n / _timed(lambda: y.copy_(x), sync)
     chain = 200
     p = torch.ones(8, device=dev, requires_grad=True)
 
@@ -164,6 +161,21 @@ def measure() -> DeviceSpeed:
         y.sum().backward()
 
     op_s = _timed(ops, sync) / (2 * chain + 2)
+    matmul: dict[str, tuple[tuple[int, float], ...]] = {}
+    with torch.no_grad():
+        n = (1 << 30 if plat == "cuda" else 1 << 27) // 4
+        x = torch.empty(n, device=dev, dtype=torch.float32).fill_(1.0)
+        y = torch.empty_like(x)
+        bandwidth = 2 * 4 * n / _timed(lambda: y.copy_(x), sync)
+        del x, y
+        par_s = parallel_op_seconds(torch.ones(PARALLEL_PROBE_SHAPE), op_s, bandwidth) if plat == "cpu" else 0.0
+        for dt in dtypes:
+            timings = []
+            for w in widths:
+                a = torch.randn(tokens, w, device=dev, dtype=torch_dtype[dt])
+                b = torch.randn(w, w, device=dev, dtype=torch_dtype[dt])
+                timings.append((w, _timed(lambda: a @ b, sync)))
+            matmul[dt] = matmul_rates(tokens, timings)
     kernels = _kernel_rates(dev, sync, "bf16" if plat == "cuda" and torch.cuda.is_bf16_supported() else ("fp16" if plat == "cuda" else "fp32"))
     dequant, how = _dequant_rate(dev, sync)
     disk = _disk_rates()
@@ -184,10 +196,51 @@ def measure() -> DeviceSpeed:
     src += (f", attention {max(r for _, r in kernels['attention_causal']) / 1e9:,.0f}/"
             f"{max(r for _, r in kernels['attention_masked']) / 1e9:,.0f} GFLOP/s (causal/masked), "
             f"cross-entropy {max(r for _, r in kernels['cross_entropy']) / 1e6:,.0f}M and dropout {kernels['dropout'] / 1e6:,.0f}M elements/s")
+    src += f", {par_s * 1e3:.2f} ms an operation's wait for {torch.get_num_threads()} threads" if par_s else ""
     return DeviceSpeed(name, plat, matmul, bandwidth, op_s, dequant, link, link, src, calibrated=True, details=details,
+                       parallel_op_s=par_s,
                        attention_flops={"causal": kernels["attention_causal"], "masked": kernels["attention_masked"]},
                        cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"],
                        matmul_tokens=tokens, startup_s=startup, **disk)
+
+
+def parallel_op_seconds(x, op_s: float, bandwidth: float) -> float:
+    """Seconds an operation over ``x`` (``[1,024 x 128]``, enough to spread over the CPU's threads; a chain of
+    :data:`PARALLEL_PROBE_OPS` as a layer launches them, a single repeated one lets the threads keep spinning) costs beyond the bare operation ``op_s`` and its bytes (read and written at ``bandwidth``):
+    the wait for every thread at its end, which each of a micro-batch's operations pays
+    (:func:`finetuner.planning.speed.op_seconds`). 0 with one thread (nothing to wait for). Under load
+    this is a scheduler's time slice: on 2 busy cores (load 9) 20-60 ms an operation, against 8-15 us with
+    one thread (docs/benchmarks.md)."""
+    import torch
+
+    if torch.get_num_threads() <= 1:
+        return 0.0
+    w = torch.ones(x.shape[-1], x.shape[-1]) / x.shape[-1]
+
+    def layer() -> None:  # a chain like a layer's: elementwise operations and a product over the tokens
+        y = x * 1.0001
+        for _ in range(PARALLEL_PROBE_OPS - 2):
+            y = y + x
+        y @ w
+
+    sec = _timed(layer, _no_sync) / PARALLEL_PROBE_OPS
+    return max(0.0, sec - op_s - 3 * x.element_size() * x.numel() / bandwidth)
+
+
+def matmul_rates(tokens: int, timings: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """The ``(width, FLOP/s)`` table of :attr:`DeviceSpeed.matmul_flops` from the median seconds each
+    ``[tokens x w] @ [w x w]`` product took: its FLOPs over its seconds less the narrowest product's
+    (whose work is negligible: 2 x 1,024 x 16 x 16 FLOPs, about 10 us at the 59 GFLOP/s one thread of the
+    development CPU reaches there), which is what any product pays whatever its size (the wait for the
+    threads, charged per operation by :func:`finetuner.planning.speed.op_seconds`, not per FLOP). A
+    product whose work is less than half its seconds gets the best rate measured with the fixed part
+    included instead (a lower bound of the peak that noise cannot inflate): under load the fixed part
+    varies by more than a narrow product's work, so their difference is noise. Without this, a narrow product that waits a time slice reads as
+    a few MFLOP/s, and every LoRA product of rank ``r`` is charged as if it ran that slowly per FLOP."""
+    flops = {w: 2.0 * tokens * w * w for w, _ in timings}
+    fixed = min(sec for _, sec in timings)
+    peak = max(flops[w] / sec for w, sec in timings)
+    return tuple((w, flops[w] / (sec - fixed) if sec >= 2 * fixed else peak) for w, sec in timings)
 
 
 def _startup_seconds() -> float:
@@ -381,6 +434,7 @@ def describe(speed: DeviceSpeed) -> dict[str, Any]:
     return {"device": speed.name, "source": speed.source,
             "matmul_gflops": {dt: {w: round(r / 1e9, 1) for w, r in rows} for dt, rows in speed.matmul_flops.items()},
             "bandwidth_gbs": round(speed.bandwidth_bytes_per_s / 1e9, 2), "op_overhead_us": round(speed.op_overhead_s * 1e6, 2),
+            "parallel_op_ms": round(speed.parallel_op_s * 1e3, 3),
             "dequant_gweights_per_s": round(speed.dequant_weights_per_s / 1e9, 3),
             "attention_gflops": {k: {q: round(r / 1e9, 1) for q, r in rows} for k, rows in speed.attention_flops.items()},
             "cross_entropy_m_elements_per_s": {v: round(r / 1e6, 1) for v, r in speed.cross_entropy_elements_per_s},

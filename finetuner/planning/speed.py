@@ -29,7 +29,9 @@ chosen and rejected responses) costs the sum of:
   weights, gradients and states (:func:`optimizer_bytes`);
 * **per-operation cost** (:func:`op_count`): each tensor operation an eager PyTorch step launches
   costs a fixed time (:attr:`DeviceSpeed.op_overhead_s`: Python dispatch plus a kernel launch),
-  whatever its size; this is what bounds small models and small micro-batches. On a CPU it adds
+  whatever its size, plus, on a CPU, the wait for all threads at the end of one that spreads over them
+  (:func:`op_seconds`: a micro-batch's operations do, a decode step's do not); this is what bounds small
+  models and small micro-batches, and on a CPU that other processes keep busy, every step. On a CPU it adds
   to the work; on a GPU the host queues kernels while the device runs, so only the host's excess
   over the device's work counts;
 * **transfers**: activation offload copies each saved layer input to the host and back at the
@@ -151,6 +153,11 @@ STEP_FIXED_OPS = 150
 #: fitted on the smallest configurations of the CPU matrix (docs/validation/speed_model_cpu.json),
 #: where these costs dominate.
 EAGER_OP_FACTOR = 3.0
+#: Elements from which PyTorch spreads an operation over its threads on a CPU (``at::internal::GRAIN_SIZE``;
+#: MKL's matmuls over a micro-batch's rows do too): such an operation also pays
+#: :attr:`DeviceSpeed.parallel_op_s`, the wait for every thread at its end. A decode step's operations (one
+#: token: ``hidden`` elements) stay on one thread and do not.
+PARALLEL_GRAIN = 32768
 #: Activation offload copies each checkpoint to pinned host memory and back; about half of it
 #: hides behind compute.
 OFFLOAD_OVERLAP = 0.5
@@ -207,6 +214,11 @@ class DeviceSpeed:
     disk_read_bytes_per_s: float = 0.0
     disk_write_bytes_per_s: float = 0.0
     file_sync_s: float = 0.0
+    #: seconds an operation that spreads over several CPU threads costs beyond its work and
+    #: ``op_overhead_s``: the wait for every thread at its end (microseconds on idle cores; a scheduler's
+    #: time slice, milliseconds, when other processes keep the cores busy); 0 with one thread, on a GPU
+    #: and in an older calibration
+    parallel_op_s: float = 0.0
 
     def matmul_rate(self, dtype: str, width: int) -> float:
         """FLOP/s of a matmul in ``dtype`` whose narrower weight dimension is ``width``."""
@@ -512,6 +524,13 @@ def op_count(shape: ModelShape, s: Settings) -> float:
     return total
 
 
+def op_seconds(speed: DeviceSpeed, elements: float) -> float:
+    """Seconds one eager tensor operation over ``elements`` elements costs beyond its work: the
+    calibration's bare operation times ``EAGER_OP_FACTOR``, plus :attr:`DeviceSpeed.parallel_op_s` when
+    it is large enough to spread over the threads (``PARALLEL_GRAIN``)."""
+    return speed.op_overhead_s * EAGER_OP_FACTOR + (speed.parallel_op_s if elements >= PARALLEL_GRAIN else 0.0)
+
+
 def forward_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float:
     """Seconds of one micro-batch's forward without gradients (an evaluation's micro-batch; a decode
     step is one with ``seq_len`` 1): the forward's share of each term :func:`step_time` sums, at the same
@@ -520,7 +539,7 @@ def forward_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float
     :func:`attention_seconds` (forward, backward 2x); the cross-entropy's forward, half of its calibrated
     forward + backward (as :func:`loss_seconds` counts a recompute); the saved tensors' forward traffic
     (``FORWARD_TRAFFIC`` of the ``TRAFFIC_PER_SAVED_BYTE`` a step moves); a quantized base dequantized
-    once; the forward's operations (:func:`forward_op_count`) at ``EAGER_OP_FACTOR``. No dropout (the
+    once; the forward's operations (:func:`forward_op_count`) at :func:`op_seconds` of its ``T x hidden`` elements. No dropout (the
     model is in eval mode), no optimizer, no step's fixed cost. On a GPU the device's work is divided by
     :meth:`DeviceSpeed.utilisation` and only the host's excess of operations counts, as in a step."""
     f, w = forward_flops(shape, s), typical_width(shape)
@@ -538,7 +557,7 @@ def forward_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float
     traffic = saved_bytes_per_token(shape, s) * T * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     dequant = dequant_seconds(shape, plain, speed) / 2  # dequant_seconds counts forward + input gradient
     device = (matmuls + attention + loss + traffic + dequant) / speed.utilisation(T)
-    ops = forward_op_count(shape, s) * speed.op_overhead_s * EAGER_OP_FACTOR
+    ops = forward_op_count(shape, s) * op_seconds(speed, T * shape.hidden_size)
     if speed.platform == "cuda":
         return device + max(0.0, ops - device)
     return device + ops
@@ -579,7 +598,7 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
         "dropout": micro * dropout_seconds(shape, s, speed),
         "memory-bound": micro * sum(mem.values()) / speed.bandwidth_bytes_per_s,
         "dequantization": micro * dequant_seconds(shape, s, speed),
-        "operations": micro * op_count(shape, s) * speed.op_overhead_s * EAGER_OP_FACTOR,
+        "operations": micro * op_count(shape, s) * op_seconds(speed, rows_per_micro_batch(s) * s.seq_len * shape.hidden_size),
         "optimizer": optimizer_bytes(shape, s) / n_dev / speed.bandwidth_bytes_per_s,
         "fixed": STEP_FIXED_OPS * speed.op_overhead_s * EAGER_OP_FACTOR,
     }
