@@ -390,8 +390,9 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
     experts = lay.experts
     softcap = text_cfg.get("final_logit_softcapping")
     roles = dict(lay.roles)
-    first = roles.get("qkv_proj") or roles["q_proj"]
+    first = roles.get("qkv_proj") or roles.get("q_proj")  # (None: no attention in any layer, Mamba's)
     by_name = {lin.name: lin for lin, _ in lay.linears}
+    o_bias = by_name[roles["o_proj"]].bias if "o_proj" in roles else False
     mlp_in = roles.get("gate_proj") or roles.get("gate_up_proj") or roles.get("up_proj")
     shape = ModelShape(
         name=name,
@@ -400,12 +401,12 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         hidden_size=lay.hidden,
         intermediate_size=lay.intermediate or (experts.intermediate if experts else 0),
         num_layers=inv.num_layers,
-        num_heads=lay.q_dim // lay.head_dim,
-        num_kv_heads=lay.kv_dim // lay.head_dim,
+        num_heads=lay.q_dim // lay.head_dim if lay.head_dim else 0,
+        num_kv_heads=lay.kv_dim // lay.head_dim if lay.head_dim else 0,
         head_dim=lay.head_dim,
         tie_word_embeddings=inv.tied,
-        attention_bias=by_name[roles["o_proj"]].bias,
-        qkv_bias_only=by_name[first].bias and not by_name[roles["o_proj"]].bias,
+        attention_bias=o_bias,
+        qkv_bias_only=bool(first and by_name[first].bias and not o_bias),
         mlp_bias=by_name[mlp_in].bias if mlp_in else False,
         fused_qkv=lay.fused_qkv,
         fused_gate_up=lay.fused_gate_up,

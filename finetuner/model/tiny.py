@@ -84,6 +84,7 @@ SSM_SIZES: dict[str, int] = {
     "mamba_headdim": 16,
     "n_groups": 2, "mamba_n_groups": 1, "mamba_ngroups": 1, "chunk_size": 16, "mamba_chunk_size": 16,
     "attention_hidden_size": 128, "attention_head_dim": 32, "moe_shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
     "block_multiple_of": 16,
 }
 #: keys only a state-space or short-convolution config has (:data:`SSM_SIZES` applies to such a config alone:
@@ -91,13 +92,15 @@ SSM_SIZES: dict[str, int] = {
 SSM_MARKS = ("state_size", "mamba_d_state", "ssm_state_size", "conv_L_cache")
 #: Mamba-2's own heads (``num_heads`` x ``head_dim`` = 2 x 64)
 MAMBA2_HEADS = {"num_heads": 8}
-#: the layer pattern at tiny depth: one layer of each kind the family's published checkpoints mix (a Mamba layer
-#: and an attention layer; Jamba's experts on the Mamba layer, as Jamba's odd layers; LFM2's short convolution
-#: and attention), where the defaults would give two layers of one kind (Bamba's and Granite 4's defaults have no
-#: attention layer, LFM2's no convolution, Jamba's first attention layer is its 5th); Nemotron-H's default
+#: the layer pattern at tiny depth: a layer of each kind the family's published checkpoints mix (a Mamba layer and
+#: an attention layer; LFM2's short convolution and attention; Jamba's Mamba with a dense MLP and with experts,
+#: and attention on a dense layer, as in its first 8), where the defaults would give layers of one kind (Bamba's
+#: and Granite 4's defaults have no attention layer, LFM2's no convolution, Jamba's first attention layer is its
+#: 5th); a Mamba layer first, the layer the trace reads (:mod:`finetuner.model.trace`). Nemotron-H's default
 #: pattern is one layer of each of its four kinds already
 TINY_PATTERNS: dict[str, dict[str, Any]] = {
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0},
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
