@@ -252,6 +252,14 @@ class ModelShape:
         """Linear layers in all decoder layers."""
         return sum(self.copies(lin) for lin in self.layer_linears())
 
+    @property
+    def mixer_layers(self) -> int:
+        """Decoder layers with a state-space mixer or a short convolution (role ``mixer``,
+        :func:`finetuner.model.layout.in_mixer`)."""
+        paths = {p for role, p in self.roles if role == "mixer"}
+        held = [lin.layers for lin in self.layer_linears() if lin.name in paths]
+        return self.num_layers if any(not ix for ix in held) else len({i for ix in held for i in ix})
+
     def describe(self) -> str:
         return (
             f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
@@ -263,6 +271,9 @@ class ModelShape:
             + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
                f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
                if self.experts else "")
+            + (f"; {self.mixer_layers} of its layers have a state-space mixer or short convolution, counted as "
+               "transformers' PyTorch path saves it (its scan traced on the meta device; the mamba-ssm and "
+               "causal-conv1d kernels not assumed)" if self.mixer_layers else "")
             + ("" if self.model_type in GPU_MEASURED_TYPES else
                f" (memory terms of the families measured on a GPU, {', '.join(GPU_MEASURED_TYPES)}; "
                f"{self.model_type} itself not measured)")
