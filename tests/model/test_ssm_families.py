@@ -12,25 +12,12 @@ import math
 import pytest
 
 from finetuner.model.shapes import lora_param_count, shape_from_config
-from finetuner.model.tiny import tiny_config
+from tests.model.test_inventory import _tiny, tok  # noqa: F401 - the tiny BPE tokenizer fixture and its tiny configs
 
 SSM_FAMILIES = ["mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "granitemoehybrid",
                 "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
 #: a pure Mamba, a Mamba-2 hybrid with attention in every layer (peft refuses its out_proj), a short convolution
 TRAINED = ["mamba", "falcon_h1", "lfm2"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from finetuner.model.tiny_llama import train_bpe_tokenizer
-    from tests.conftest import corpus
-
-    return train_bpe_tokenizer(corpus(), vocab_size=400)
-
-
-def _tiny(model_type: str, tok) -> dict:
-    return tiny_config(model_type, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
 
 
 def _build(cfg: dict):
