@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,7 +158,7 @@ def transformers_config(cfg: dict[str, Any]):
     (finetuner.model.reading) and the shipped inventories, so it is given a copy all the way down."""
     from transformers import AutoConfig
 
-    settings = copy.deepcopy({k: v for k, v in cfg.items() if not k.startswith("_")})
+    settings = special_floats(copy.deepcopy({k: v for k, v in cfg.items() if not k.startswith("_")}))
     mt = settings.pop("model_type", None)
     if not mt:
         raise UserError("config.json names no model_type: transformers cannot tell which model to build.")
@@ -166,6 +167,22 @@ def transformers_config(cfg: dict[str, Any]):
     except (KeyError, ValueError) as e:
         raise UserError(f"model_type {mt!r}: this transformers does not know it ({first_line(str(e))}).",
                         hint="Upgrade transformers, or give a model whose config.json names a model_type it knows.") from None
+
+
+#: how ``save_pretrained`` writes the floats JSON has no number for (Mamba-2's ``time_step_limit`` of
+#: ``[0.0, inf]``), as transformers' own ``from_pretrained`` reads them back
+SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def special_floats(value: Any) -> Any:
+    """``value`` (read from a ``config.json``) with each ``{"__float__": "Infinity"}`` turned into its float."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[value["__float__"]]
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value
 
 
 def build_on_meta(cfg: dict[str, Any]):

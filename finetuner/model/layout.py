@@ -56,6 +56,19 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
               "num_experts_per_token")
 
 
+#: the linear layers of a state-space mixer (Mamba's in_proj, x_proj, dt_proj and out_proj; Mamba-2's in_proj and
+#: out_proj) and of LFM2's short convolution (in_proj, out_proj): role ``mixer``. Its convolution, A_log, D and
+#: dt_bias are no linear layers: the inventory counts them as the layer's other parameters, frozen under LoRA as peft
+#: leaves them; the scan's saved states are the layer's trace's (:func:`finetuner.memory.model.traced_excess`)
+MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj"}
+#: the modules of a decoder layer that hold a state-space mixer or a short convolution, by the names transformers
+#: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names)
+MIXER_MODULES = {"mixer", "mamba", "conv"}
+#: a hybrid layer's linears outside its blocks (Zamba's ``linear`` after the shared transformer, Zamba2's
+#: per-layer adapters of the shared MLP): roles of their own (their paths), as an attention block's extras
+HYBRID_EXTRA_MARKS = ("adapter",)
+
+
 #: config keys of the number of attention heads, in the spellings families use
 HEADS_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", "decoder_attention_heads")
 #: config keys of the decoder layers' width (OPT's embeddings may be narrower, projected in and out)
@@ -122,6 +135,19 @@ def _in_attention(path: str) -> bool:
     return any("att" in part for part in path.lower().split(".")[:-1])
 
 
+def in_mixer(path: str) -> bool:
+    """The linear at ``path`` (in a decoder layer) is a state-space mixer's or a short convolution's
+    (:data:`MIXER_NAMES` in one of :data:`MIXER_MODULES`, outside any attention block)."""
+    return _key(path) in MIXER_NAMES and not _in_attention(path) and bool(set(path.split(".")[:-1]) & MIXER_MODULES)
+
+
+def _attention_like(path: str) -> bool:
+    """In an attention block: by its path, or by its name inside a hybrid's mixer module (Nemotron-H's
+    ``mixer.q_proj``)."""
+    return _in_attention(path) or (bool(set(path.split(".")[:-1]) & MIXER_MODULES) and not in_mixer(path)
+                                   and any(_key(path) in names for names in ATTENTION_NAMES.values()))
+
+
 def _in_shared(path: str) -> bool:
     return any(part in SHARED_NAMES for part in path.split(".")[:-1])
 
@@ -134,22 +160,35 @@ def is_router(path: str, out_features: int, moe: bool) -> bool:
     return (moe and (key in ROUTER_NAMES or bool({"router", "gate"} & set(parts[:-1])))) or (out_features == 1 and key in ROUTER_NAMES)
 
 
+#: peft refuses LoRA on a module of these names in these model types (``_check_lora_target_modules_mamba`` in
+#: peft.tuners.tuners_utils: its ``all-linear`` would name ``out_proj`` and fail): left out of ``all-linear``
+PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
+PEFT_MAMBA_REFUSED = {"out_proj", "conv1d"}
+
+
+def peft_refused(model_type: str) -> frozenset[str]:
+    """The module names peft will not put LoRA on in a model of ``model_type`` (:data:`PEFT_MAMBA_TYPES`)."""
+    return frozenset(PEFT_MAMBA_REFUSED) if model_type in PEFT_MAMBA_TYPES else frozenset()
+
+
 def all_linear_paths(linears: list[tuple[str, int, bool]], moe: bool, renames: bool = False,
-                     root: bool = False) -> list[str] | str:
+                     root: bool = False, refused: frozenset[str] = frozenset()) -> list[str] | str:
     """What ``lora.target_modules: all-linear`` means for a decoder layer's linears (``(path in the layer,
     out_features, plain)``): peft's ``all-linear`` where peft does what it says; else the paths themselves.
 
     Left out: a linear with a forward of its own (:func:`finetuner.model.inventory.is_plain_linear`); on a
-    mixture of experts everything but its attention (peft adds the routers, and a LoRA'd router crashes
+    mixture of experts everything but its attention and its state-space mixers (peft adds the routers, and a LoRA'd router crashes
     Phi-MoE's forward); where peft renames (``renames``, :func:`finetuner.model.inventory.peft_renames`) every
     linear named like an expert's, wherever it is (peft would move its LoRA onto the fused experts, and the
     dense MLP or the attention gate would go without); ``root``: linears outside the decoder layers (ModernBERT's
-    head.dense, OPT-350m's project_in), which stay frozen. The memory model counts the same
+    head.dense, OPT-350m's project_in), which stay frozen; ``refused``: names peft refuses for the family
+    (:func:`peft_refused`: a Mamba mixer's out_proj). The memory model counts the same
     (:func:`finetuner.model.shapes.lora_targets`)."""
-    if not moe and not renames and not root and all(plain for *_, plain in linears):
+    if not moe and not renames and not root and not refused and all(plain for *_, plain in linears):
         return "all-linear"
-    return sorted({p for p, out, plain in linears if plain and not (renames and peft_moe_name(p)) and (not moe or (
-        _in_attention(p) and not is_router(p, out, moe)))})
+    return sorted({p for p, out, plain in linears if plain and not (renames and peft_moe_name(p))
+                   and p.rsplit(".", 1)[-1] not in refused and (not moe or (
+        (_attention_like(p) or in_mixer(p)) and not is_router(p, out, moe)))})
 
 
 #: the names peft's bridge for adapters trained under transformers 4 turns into LoRA on a mixture of experts'
@@ -230,30 +269,36 @@ def _experts(kind: LayerKind, h: int) -> tuple[int, int, bool, int]:
     return count, i, gated, sum(math.prod(s) for s in shapes.values())
 
 
-def _kind_layout(kind: LayerKind, h: int) -> tuple[dict[str, LayerLinear], list[LayerLinear]]:
-    """A kind's roles and its router linears."""
+def _kind_layout(kind: LayerKind, h: int, hybrid: bool = False) -> tuple[dict[str, LayerLinear], list[LayerLinear]]:
+    """A kind's roles and its router linears. ``hybrid``: the model has state-space mixers or short convolutions
+    (:func:`in_mixer`), where a layer may hold no attention (a Mamba layer; Nemotron-H's MLP and MoE layers)."""
     moe = bool(kind.experts)
-    attn, mlp, shared, routers = [], [], [], []
+    attn, mlp, shared, routers, mixer, extras = [], [], [], [], [], []
     for lin in kind.linears:
         if not lin.plain:
             continue  # frozen, counted with its block's parameters (roles: "frozen")
         if is_router(lin.name, lin.out_features, moe):
             routers.append(lin)
-        elif _in_attention(lin.name):
+        elif hybrid and in_mixer(lin.name):
+            mixer.append(lin)
+        elif _attention_like(lin.name) if hybrid else _in_attention(lin.name):
             attn.append(lin)
+        elif hybrid and ("." not in lin.name or any(m in lin.name for m in HYBRID_EXTRA_MARKS)):
+            extras.append(lin)
         elif _in_shared(lin.name):
             shared.append(lin)
         else:
             mlp.append(lin)
-    if not attn:
+    if not attn and not hybrid:
         raise LayoutError(f"its decoder layer's linear layers are {', '.join(sorted(x.name for x in kind.linears))}"
                           if kind.linears else "its decoder layer holds no linear layers (its own projections)")
-    roles = _attention(attn, h)
+    roles = _attention(attn, h) if attn else {}
+    roles |= {f"mixer:{x.name}": x for x in mixer} | {f"extra:{x.name}": x for x in extras}
     if mlp and moe:
         raise LayoutError(f"it has routed experts and a dense MLP in one layer ({', '.join(x.name for x in mlp)})")
     if mlp:
         roles |= _mlp(mlp, h)
-    elif not moe:
+    elif not moe and not hybrid:
         raise LayoutError(f"its decoder layer's linear layers are {', '.join(sorted(x.name for x in kind.linears))}")
     if shared:
         roles |= _mlp(shared, h, prefix="shared.")
@@ -269,8 +314,11 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     """The roles of ``inv``'s decoder layers (``text_cfg``: the config it was built from, for the heads and the
     experts per token); :class:`LayoutError` when the memory model does not describe them."""
     h = _hidden(inv, text_cfg)
-    found = [(kind, *_kind_layout(kind, h)) for kind in inv.kinds]
+    hybrid = any(in_mixer(x.name) for kind in inv.kinds for x in kind.linears)
+    found = [(kind, *_kind_layout(kind, h, hybrid)) for kind in inv.kinds]
     for kind in inv.kinds:
+        if any(in_mixer(x.name) for x in kind.linears):
+            continue  # a mixer's own weights (its convolution, A_log, D, dt_bias; Zamba's per-head projections)
         own = sum(x.params for x in kind.linears) \
             + sum(n for _, n in kind.norms) + sum(math.prod(s) for _, s in kind.experts) + kind.router_params
         if kind.other_params > OTHER_SHARE * (own + kind.other_params):
@@ -293,7 +341,8 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     every = set(range(inv.num_layers))
     linears = tuple((lin, () if set(ix) == every else tuple(sorted(ix))) for lin, ix in held.items())
     # each role's paths (a family may name one role differently in different layers: MiniMax's o_proj / out_proj)
-    roles = tuple((r.split(".", 1)[0] if r.startswith(("router.", "frozen.")) else r.split(":", 1)[1] if r.startswith("extra:") else r, p)
+    roles = tuple((r.split(".", 1)[0] if r.startswith(("router.", "frozen.")) else r.split(":", 1)[1] if r.startswith("extra:")
+                   else "mixer" if r.startswith("mixer:") else r, p)
                   for r, ps in paths.items() for p in sorted(ps))
 
     # the attention the memory model's terms describe: the widest kind's (layers with other attention widths are
@@ -302,6 +351,8 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
         return sum(x.out_features for r, x in roles.items() if r in ("q_proj", "k_proj", "v_proj", "qkv_proj"))
 
     first = max((roles for _, roles, _ in found), key=width)
+    if "o_proj" not in first:  # no attention in any layer (Mamba, Mamba-2): no heads; its mixers are the trace's
+        return _layout(inv, text_cfg, found, linears, roles, h, q_dim=0, kv_dim=0, head_dim=0, fused_qkv=False, extras=())
     fused_qkv = "qkv_proj" in first
     o = first["o_proj"]
     q_dim = first["q_proj"].out_features if "q_proj" in first else o.in_features
@@ -321,7 +372,13 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     if kv_dim <= 0:
         raise LayoutError(f"its key/value width {kv_dim} is no whole number of heads (head_dim {head_dim})")
     extras = tuple((x.name, x.in_features, x.out_features) for r, x in first.items() if r.startswith("extra:"))
+    return _layout(inv, text_cfg, found, linears, roles, h, q_dim=q_dim, kv_dim=kv_dim, head_dim=head_dim,
+                   fused_qkv=fused_qkv, extras=extras)
 
+
+def _layout(inv: Inventory, text_cfg: dict, found, linears, roles, h: int, *, q_dim: int, kv_dim: int, head_dim: int,
+            fused_qkv: bool, extras: tuple) -> Layout:
+    """The :class:`Layout` of the attention widths read, with the MLP, the experts, the norms and the counts."""
     dense = next((roles for kind, roles, _ in found if not kind.experts and "down_proj" in roles), None)
     moe_kinds = [(kind, roles) for kind, roles, _ in found if kind.experts]
     experts = None
@@ -345,7 +402,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     mlp_roles = dense or {}
     counts = _counts(inv, found)
     chosen = all_linear_paths([(lin.name, lin.out_features, lin.plain) for lin, _ in linears], bool(experts), inv.peft_renames,
-                              root=bool(inv.root_linears))
+                              root=bool(inv.root_linears), refused=peft_refused(inv.model_type))
     return Layout(
         linears=linears, roles=roles, hidden=h, q_dim=q_dim, attention_extras=extras, kv_dim=kv_dim, head_dim=head_dim,
         intermediate=mlp_roles["down_proj"].in_features if mlp_roles else None,
@@ -397,7 +454,8 @@ def all_linear_targets(model):
             found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
         else:
             root = True
-    paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root)
+    paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root,
+                             refused=peft_refused(str(getattr(base.config, "model_type", ""))))
     if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
         return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
     return paths

@@ -252,6 +252,14 @@ class ModelShape:
         """Linear layers in all decoder layers."""
         return sum(self.copies(lin) for lin in self.layer_linears())
 
+    @property
+    def mixer_layers(self) -> int:
+        """Decoder layers with a state-space mixer or a short convolution (role ``mixer``,
+        :func:`finetuner.model.layout.in_mixer`)."""
+        paths = {p for role, p in self.roles if role == "mixer"}
+        held = [lin.layers for lin in self.layer_linears() if lin.name in paths]
+        return self.num_layers if any(not ix for ix in held) else len({i for ix in held for i in ix})
+
     def describe(self) -> str:
         return (
             f"{self.name}: {self.model_type}, {parameter_count(self.num_params)} parameters, {self.num_layers} layers, "
@@ -263,6 +271,9 @@ class ModelShape:
             + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
                f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
                if self.experts else "")
+            + (f"; {self.mixer_layers} of its layers have a state-space mixer or short convolution, counted as "
+               "transformers' PyTorch path saves it (its scan traced on the meta device; the mamba-ssm and "
+               "causal-conv1d kernels not assumed)" if self.mixer_layers else "")
             + ("" if self.model_type in GPU_MEASURED_TYPES else
                f" (memory terms of the families measured on a GPU, {', '.join(GPU_MEASURED_TYPES)}; "
                f"{self.model_type} itself not measured)")
@@ -390,8 +401,9 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
     experts = lay.experts
     softcap = text_cfg.get("final_logit_softcapping")
     roles = dict(lay.roles)
-    first = roles.get("qkv_proj") or roles["q_proj"]
+    first = roles.get("qkv_proj") or roles.get("q_proj")  # (None: no attention in any layer, Mamba's)
     by_name = {lin.name: lin for lin, _ in lay.linears}
+    o_bias = by_name[roles["o_proj"]].bias if "o_proj" in roles else False
     mlp_in = roles.get("gate_proj") or roles.get("gate_up_proj") or roles.get("up_proj")
     shape = ModelShape(
         name=name,
@@ -400,12 +412,12 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         hidden_size=lay.hidden,
         intermediate_size=lay.intermediate or (experts.intermediate if experts else 0),
         num_layers=inv.num_layers,
-        num_heads=lay.q_dim // lay.head_dim,
-        num_kv_heads=lay.kv_dim // lay.head_dim,
+        num_heads=lay.q_dim // lay.head_dim if lay.head_dim else 0,
+        num_kv_heads=lay.kv_dim // lay.head_dim if lay.head_dim else 0,
         head_dim=lay.head_dim,
         tie_word_embeddings=inv.tied,
-        attention_bias=by_name[roles["o_proj"]].bias,
-        qkv_bias_only=by_name[first].bias and not by_name[roles["o_proj"]].bias,
+        attention_bias=o_bias,
+        qkv_bias_only=bool(first and by_name[first].bias and not o_bias),
         mlp_bias=by_name[mlp_in].bias if mlp_in else False,
         fused_qkv=lay.fused_qkv,
         fused_gate_up=lay.fused_gate_up,

@@ -44,8 +44,8 @@ def tiny_config(model_type: str, vocab_size: int, widths: bool = True, **overrid
     ``vocab_size`` and ``overrides``. An image-text-to-text config's ``text_config`` is shrunk the same way."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cfg = CONFIG_MAPPING[model_type]().to_dict()
-    return _shrink(cfg, vocab_size, overrides, widths)
+    cfg = state_space_tiny(CONFIG_MAPPING[model_type]().to_dict(), widths)
+    return _shrink(cfg, vocab_size, {**TINY_PATTERNS.get(model_type, {}), **overrides}, widths)
 
 
 def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], widths: bool = True) -> dict[str, Any]:
@@ -69,4 +69,57 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], wid
     if isinstance(out.get("vision_config"), dict):  # its own widths (a vocabulary only if it has one)
         out["vision_config"] = _shrink(out["vision_config"], vocab_size, {}, widths)
     out.update(overrides)
+    return out
+
+
+# --- state-space and short-convolution families (Mamba, Mamba-2, their hybrids, LFM2) ---------------------------
+
+#: a state-space mixer's sizes at tiny widths, under the names its families use: the state (``d_state``), the
+#: time-step rank, Mamba-2's heads and head width (heads x head width = expand x hidden_size = 2 x 64, which
+#: Mamba-2, Bamba, Granite 4 and Falcon-H1 check), its groups of B and C, its scan's chunk, and Zamba's attention
+#: (twice the hidden size wide); the expansion and the convolution's kernel keep their defaults (small already)
+SSM_SIZES: dict[str, int] = {
+    "state_size": 8, "mamba_d_state": 8, "ssm_state_size": 8, "time_step_rank": 8, "mamba_dt_rank": 8,
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_d_ssm": 128,
+    "mamba_headdim": 16,
+    "n_groups": 2, "mamba_n_groups": 1, "mamba_ngroups": 1, "chunk_size": 16, "mamba_chunk_size": 16,
+    "attention_hidden_size": 128, "attention_head_dim": 32, "moe_shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "block_multiple_of": 16,
+}
+#: keys only a state-space or short-convolution config has (:data:`SSM_SIZES` applies to such a config alone:
+#: ``num_heads`` means attention heads elsewhere)
+SSM_MARKS = ("state_size", "mamba_d_state", "ssm_state_size", "conv_L_cache")
+#: Mamba-2's own heads (``num_heads`` x ``head_dim`` = 2 x 64)
+MAMBA2_HEADS = {"num_heads": 8}
+#: the layer pattern at tiny depth: a layer of each kind the family's published checkpoints mix (a Mamba layer and
+#: an attention layer; LFM2's short convolution and attention; Jamba's Mamba with a dense MLP and with experts,
+#: and attention on a dense layer, as in its first 8), where the defaults would give layers of one kind (Bamba's
+#: and Granite 4's defaults have no attention layer, LFM2's no convolution, Jamba's first attention layer is its
+#: 5th); a Mamba layer first, the layer the trace reads (:mod:`finetuner.model.trace`). Nemotron-H's default
+#: pattern is one layer of each of its four kinds already
+TINY_PATTERNS: dict[str, dict[str, Any]] = {
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "hybrid_layer_ids": [1, 2],
+               "num_hidden_layers": 3},
+}
+
+
+def state_space_tiny(cfg: dict[str, Any], widths: bool = True) -> dict[str, Any]:
+    """``cfg`` (a state-space or short-convolution family's defaults) with its mixer's sizes tiny
+    (:data:`SSM_SIZES`, with ``widths``); any other config as it is. (:func:`tiny_config` sets the layer pattern,
+    :data:`TINY_PATTERNS`, after the depth.)"""
+    if not any(k in cfg for k in SSM_MARKS):
+        return cfg
+    out = dict(cfg)
+    if widths:
+        for key, value in {**SSM_SIZES, **(MAMBA2_HEADS if "head_dim" in cfg and "num_heads" in cfg else {})}.items():
+            if isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
+                out[key] = value
     return out

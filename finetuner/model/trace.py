@@ -87,10 +87,25 @@ def register_trace_attention() -> None:
         AttentionInterface.register(TRACE_ATTENTION, _flash_like())
 
 
+#: config keys of a chunked scan's chunk (Mamba-2's and its hybrids' ``chunk_size``): the scan pads the sequence
+#: to whole chunks and keeps a state per chunk
+CHUNK_KEYS = ("chunk_size", "mamba_chunk_size")
+
+
+def trace_lengths(text_cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """The lengths a layer is traced at: :data:`LENGTHS`; for a chunked scan whose chunk is longer than their first,
+    4, 8 and 16 chunks. Inside one chunk the padding to a whole chunk reads as a constant (Nemotron-H's default traced
+    at 64, 128 and 256 tokens, chunks of 128, fits a negative b); over 1, 2 and 4 chunks the fit still bends down
+    (Falcon-H1's default: 0.78 MB a token at 4,096 tokens where traced at 1,024, 2,048 and 4,096 it saves 1.69 MB a
+    token, as at 8,192); from 4 chunks on it is a straight line."""
+    chunk = max((int(text_cfg[k]) for k in CHUNK_KEYS if isinstance(text_cfg.get(k), int)), default=0)
+    return LENGTHS if chunk <= LENGTHS[0] else (4 * chunk, 8 * chunk, 16 * chunk)
+
+
 def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: float = TRACE_LORA_DROPOUT,
                 layer_index: int = 0, model: Any = None) -> LayerTrace:
     """Trace decoder layer ``layer_index`` of the model ``cfg`` (a ``config.json`` dict) under LoRA ``all-linear`` (the trainer's
-    paths, :func:`finetuner.model.layout.all_linear_targets`) at :data:`LENGTHS`; raises RuntimeError when the layer cannot run on ``meta`` (say, an MoE's routing)."""
+    paths, :func:`finetuner.model.layout.all_linear_targets`) at :func:`trace_lengths`; raises RuntimeError when the layer cannot run on ``meta`` (say, an MoE's routing)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -115,11 +130,12 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     peft_model.train()
     _, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
     layer = layers[layer_index]
-    inner = next((m for m in model.modules() if hasattr(m, "rotary_emb") and m is not layer), None)
+    inner = next((m for m in model.modules() if getattr(m, "rotary_emb", None) is not None and m is not layer), None)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     hidden = int(model.get_input_embeddings().embedding_dim)
     totals: dict[int, int] = {}
-    for n in LENGTHS:
+    lengths = trace_lengths(text_cfg)
+    for n in lengths:
         x = torch.empty(1, n, hidden, device="meta", requires_grad=True)
         pos = torch.arange(n, device="meta")[None]
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
@@ -145,7 +161,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
         except Exception as e:  # noqa: BLE001 - a layer meta cannot run: say why, in one line
             raise RuntimeError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]) from None
         totals[n] = sum(seen.values())
-    (t1, t2, t3), (y1, y2, y3) = LENGTHS, (totals[n] for n in LENGTHS)
+    (t1, t2, t3), (y1, y2, y3) = lengths, (totals[n] for n in lengths)
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)  # the parabola through the three points
     c = c if abs(c * t3 * t3) > 1e-9 * max(y3, 1) else 0.0  # rounding of a straight line
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)

@@ -425,6 +425,8 @@ def attention_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> flo
     matmuls (its softmax is in the memory-bound term). Without a calibration, a kernel that skips
     the masked half reaches ``CAUSAL_ATTENTION_EFFICIENCY`` and a masked one
     ``MASKED_ATTENTION_EFFICIENCY`` of the matmul rate at the head dimension, in full-square FLOPs."""
+    if not shape.q_dim:  # no attention in any layer (Mamba, Mamba-2)
+        return 0.0
     T = rows_per_micro_batch(s) * s.seq_len
     full = 4 * s.seq_len * shape.q_dim * shape.num_layers * T
     units = 3 + float(s.gradient_checkpointing) + float(has_reference_pass(s))
