@@ -33,7 +33,7 @@ def test_rerun_resumes_and_output_flag(recipe_dict, tmp_path):
     r = run_cli("run", str(recipe), "--output", str(out), "--set", "training.max_steps=6")
     assert r.returncode == 0, r.stderr
     assert "resuming at step 4" in r.stdout
-    starts = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines() if '"start"' in l]
+    starts = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines() if '"event": "start"' in l]
     assert starts[-1]["resumed_from_step"] == 4
 
 

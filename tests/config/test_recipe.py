@@ -60,7 +60,7 @@ def test_qlora_defaults_to_4bit_nf4_double_quant():
         ({**BASE, "training": {"max_steps": 0}}, "training.max_steps: must be a whole number ≥ 1; got 0."),
         ({**BASE, "training": {"warmup_ratio": 1}}, "training.warmup_ratio: must be a number ≥ 0 and < 1; got 1."),
         ({**BASE, "lora": {"r": 4096}}, "lora.r: must be a whole number from 1 to 1024; got 4096."),
-        ({**BASE, "data": {"path": "x", "max_seq_len": 8}}, "data.max_seq_len: must be a whole number ≥ 16; got 8."),
+        ({**BASE, "data": {"path": "x", "max_seq_len": 8}}, "data.max_seq_len: must be a whole number ≥ 16 (or auto); got 8."),
         ({**BASE, "lora": {"target_modules": 5}}, "lora.target_modules: must be text or a list of texts; got 5."),
         ({**BASE, "training": "fast"}, "training: must be a section of keys (epochs, max_steps, lr, ...); got 'fast'."),
     ],

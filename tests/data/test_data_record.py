@@ -15,7 +15,7 @@ def _train(recipe_dict, data, out):
     recipe_dict["data"] = {**recipe_dict["data"], "path": str(data), "on_bad_row": "skip"}
     recipe_dict["training"] = {**recipe_dict["training"], "max_steps": 1}
     run_dir = finetuner.train(Recipe.from_dict(recipe_dict)).run_dir
-    start = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])
+    start = next(e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "start")
     return json.loads((run_dir / "metrics.json").read_text())["data"], start["data"]
 
 

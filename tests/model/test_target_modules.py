@@ -46,5 +46,5 @@ def test_run_with_a_comma_separated_string_from_the_command_line(recipe_dict, tm
     assert p.returncode == 0, p.stderr
     run = tmp_path / "run"
     assert sorted(json.loads((run / "adapter" / "adapter_config.json").read_text())["target_modules"]) == ["q_proj", "v_proj"]
-    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
+    start = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "start")
     assert start["event"] == "start" and start["predicted"] is not None
