@@ -135,7 +135,6 @@ def test_a_new_family_is_counted_exactly_plans_and_trains_two_lora_steps(model_t
 @pytest.mark.parametrize("model_type,says", [
     ("jetmoe", "its attention's linear layers are self_attention.kv_proj"),  # a mixture of attention heads
     ("mamba", "its decoder layer's linear layers are mixer."),
-    ("qwen3_5_text", "its attention's linear layers are linear_attn.out_proj"),  # a hybrid's linear-attention layers
 ])
 def test_a_layout_the_memory_model_does_not_describe_is_refused_in_one_line(model_type, says, tok):
     with pytest.raises(UserError) as e:
