@@ -43,6 +43,9 @@ DEPTH_ONLY = ("num_hidden_layers", "num_layers", "n_layer", "num_local_experts",
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
 #: per-layer lists that name each layer's kind: cut to the tiny depth with every kind of the defaults kept
 PATTERN_KEYS = ("layer_types", "mlp_layer_types")
+#: layer kinds that differ from full attention only in their mask: a pattern of these alone is cut as it is (Gemma 3's
+#: five sliding layers to one full stays sliding at two layers, as llama.cpp's gemma3 pattern wants)
+MASK_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 #: token ids a family's defaults set (Kimi-Linear's pad 163839): None when outside the tiny vocabulary
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
@@ -84,8 +87,9 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], wid
 
 
 def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
-    """Settings with one entry per layer, cut to the tiny depth: the layer pattern (``layer_types``) keeps every kind
-    the defaults have (Qwen3.5's linear and full attention, three to one; the last layer's kind last); other lists
+    """Settings with one entry per layer, cut to the tiny depth: the layer pattern (``layer_types``) of a hybrid keeps
+    every kind the defaults have, in turn (Qwen3.5's linear and full attention, three to one: one of each), else is
+    cut as it is; the last layer's kind is the defaults' (Gemma 4 wants full attention there); other lists
     as long as the default depth are cut (Gemma 3n's ``activation_sparsity_pattern``), its per-layer MLP widths
     made tiny; Gemma 4's ``per_layer_config`` (a full-attention layer's own head width) follows its layer's kind to
     the tiny layers, its widths scaled as the layer's defaults are; KV shared across layers (Gemma 3n/4's
@@ -95,8 +99,8 @@ def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
     if not (isinstance(before, int) and isinstance(layers, int)) or layers >= before:
         return
     kinds = {key: list(dict.fromkeys(cfg[key])) for key in PATTERN_KEYS if isinstance(cfg.get(key), list)}
-    widest = max((len(k) for k in kinds.values()), default=1)
     shared = isinstance(cfg.get("num_kv_shared_layers"), int) and cfg["num_kv_shared_layers"] > 0
+    widest = max((len(k) for k in kinds.values() if shared or set(k) - MASK_KINDS), default=1)
     layers = max(layers, widest * (2 if shared else 1))
     out["num_hidden_layers" if "num_hidden_layers" in out else "num_layers"] = layers
     if shared:
@@ -104,9 +108,11 @@ def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
     for key, value in cfg.items():
         if not (isinstance(value, list) and len(value) == before):
             continue
-        if key in kinds:  # the defaults' kinds in turn (first appearance), the last layer's kind at the end
+        if key in kinds and (shared or set(kinds[key]) - MASK_KINDS):  # each kind in turn, the last layer's at the end
             order = [k for k in kinds[key] if k != value[-1]] + [value[-1]]
             out[key] = [order[(i - layers) % len(order)] for i in range(layers)]
+        elif key in kinds:
+            out[key] = [*value[:layers - 1], value[-1]]
         elif widths and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and key in TINY_SIZES:
             out[key] = [TINY_SIZES[key]] * layers
         else:
