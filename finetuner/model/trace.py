@@ -148,5 +148,9 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     (t1, t2, t3), (y1, y2, y3) = LENGTHS, (totals[n] for n in LENGTHS)
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)  # the parabola through the three points
     c = c if abs(c * t3 * t3) > 1e-9 * max(y3, 1) else 0.0  # rounding of a straight line
+    if c < 0:  # no layer saves less per token as T grows: the shortest length is the odd one (Qwen3.5's chunked delta
+        # rule: from 64 tokens, one chunk, to 128 it adds 10 % more a token than beyond, where it is a straight line; a
+        # parabola would fall to a tenth by 2,048): the line through the two longest lengths
+        return LayerTrace(constant=y3 - (y3 - y2) / (t3 - t2) * t3, per_token=(y3 - y2) / (t3 - t2))
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
     return LayerTrace(constant=y1 - b * t1 - c * t1 * t1, per_token=b, per_token2=c)

@@ -135,3 +135,18 @@ def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_typ
     assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # the adapter holds the trained steps
     ids = torch.tensor([tok("bring water")["input_ids"]])
     assert torch.isfinite(tuned(input_ids=ids).logits).all()
+
+
+def test_the_trace_of_a_gated_deltanet_layer_is_a_line_that_holds_at_longer_lengths(monkeypatch):
+    """The chunked delta rule's PyTorch path (transformers' fallback without flash-linear-attention) saves a straight
+    line in T beyond one chunk; through the trace's three lengths it bends down (a parabola that would fall to a
+    fraction by 2,048 tokens). The fit takes the line through the two longest: what the layer saves at 1,024 tokens,
+    traced there."""
+    import finetuner.model.trace as trace
+
+    cfg = tiny_config("qwen3_5_text", 400)
+    fitted = trace.trace_layer(cfg, layer_index=0)  # layer 0: linear attention
+    assert fitted.per_token2 == 0 and fitted.per_token > 0
+    monkeypatch.setattr(trace, "LENGTHS", (256, 512, 1024))
+    at_length = trace.trace_layer(cfg, layer_index=0)
+    assert fitted.at(1024) == pytest.approx(at_length.at(1024), rel=1e-9)
