@@ -21,7 +21,7 @@ from typing import Any
 from finetuner.errors import UserError, first_line
 
 #: bump when what :func:`finetuner.model.reading.read_inventory` stores changes
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it

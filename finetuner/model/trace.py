@@ -118,11 +118,21 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     inner = next((m for m in model.modules() if hasattr(m, "rotary_emb") and m is not layer), None)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     hidden = int(model.get_input_embeddings().embedding_dim)
+    accepts = inspect.signature(layer.forward).parameters
+    lm_cfg = getattr(layer, "config", None) or model.config.get_text_config()
+    streams = int(getattr(lm_cfg, "altup_num_inputs", 0) or 0)  # Gemma 3n's AltUp: the layer reads every stream
+    per_layer = int(getattr(lm_cfg, "hidden_size_per_layer_input", 0) or 0)
     totals: dict[int, int] = {}
     for n in LENGTHS:
-        x = torch.empty(1, n, hidden, device="meta", requires_grad=True)
+        x = torch.empty(*((streams,) if streams else ()), 1, n, hidden, device="meta", requires_grad=True)
         pos = torch.arange(n, device="meta")[None]
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+        made_once = []  # inputs the model makes once for all layers (Gemma 3n/4's per-layer inputs)
+        if per_layer and "per_layer_input" in accepts:
+            made_once.append(torch.empty(1, n, per_layer, device="meta"))
+            kwargs["per_layer_input"] = made_once[-1]
+        if "shared_kv_states" in accepts:  # a layer that stores its keys and values for later layers (KV sharing)
+            kwargs["shared_kv_states"] = {}
         if inner is not None:
             layer_types = getattr(inner.config, "layer_types", None)
             if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters and layer_types:
@@ -131,7 +141,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
                 kwargs["position_embeddings"] = inner.rotary_emb(x, pos)
         seen: dict[int, int] = {}
         # the rotary cos/sin are made once for all layers (the model's forward), not by a layer
-        shared = params | {t.untyped_storage()._cdata for t in (kwargs.get("position_embeddings") or ())}
+        shared = params | {t.untyped_storage()._cdata for t in (*(kwargs.get("position_embeddings") or ()), *made_once)}
 
         def pack(t, seen=seen, shared=shared):
             storage = t.untyped_storage()

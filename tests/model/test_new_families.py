@@ -59,6 +59,7 @@ def test_each_family_builds_tiny_is_read_from_the_model_and_its_lora_is_counted_
 
     shape = shape_from_config(cfg, name=model_type)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.trace is not None or shape.experts is not None  # its first layer traced (routing by value is not)
     text = model.config.get_text_config()
     kinds = set(getattr(text, "layer_types", None) or ())
     assert len(kinds) >= 2 or model_type.startswith("gemma3n")  # the layer pattern kept at the tiny depth
@@ -90,6 +91,9 @@ def test_transformers_default_config_plans_to_fit_an_rtx4090_at_2048_tokens(mode
     plan = finetuner.plan(str(tmp_path), "rtx4090", seq_len=2048)
     assert plan.fits
     assert plan.seq_len == 2048
+    said = " ".join(plan.shape.describe().split())
+    linear = AutoConfig.for_model(model_type).layer_types.count("linear_attention")
+    assert (f"{linear} of its layers linear attention" in said) == (linear > 0)  # the assumption, stated
 
 
 def test_qwen3_5_moes_default_config_plans_and_says_what_it_needs_at_2048_tokens(tmp_path):
