@@ -11,7 +11,6 @@ import pytest
 from finetuner.errors import UserError
 from finetuner.model import reading
 from finetuner.model.shapes import SUPPORTED_MODEL_TYPES, lora_param_count, resolve_shape, shape_from_config
-from finetuner.model.tiny import tiny_config
 from tests.conftest import cli_in_process
 
 #: what each family's decoder layers hold by default, from the families' papers and model cards (a plain one: no
@@ -41,8 +40,9 @@ def tok():
 
 
 def _tiny(model_type: str, tok) -> dict:
-    return tiny_config(model_type, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    from tests.conftest import tiny_with_ids
+
+    return tiny_with_ids(model_type, tok)
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)

@@ -7,12 +7,11 @@ default configs plan on an RTX 4090, and a tiny model trains 2 LoRA steps whose 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from finetuner.model.shapes import lora_param_count, shape_from_config
 from finetuner.model.tiny import tiny_config
+from tests.conftest import tiny_with_ids, two_lora_steps
 
 #: the families, text types first; Gemma 4's image-text wrapper builds its text model tiny too
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "gemma4_text",
@@ -27,11 +26,6 @@ def tok():
     from tests.conftest import corpus
 
     return train_bpe_tokenizer(corpus(), vocab_size=400)
-
-
-def _tiny(model_type: str, tok) -> dict:
-    return tiny_config(model_type, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
 
 
 def _build(cfg: dict):
@@ -51,7 +45,7 @@ def test_each_family_builds_tiny_is_read_from_the_model_and_its_lora_is_counted_
 
     from finetuner.model.layout import all_linear_targets
 
-    cfg = _tiny(model_type, tok)
+    cfg = tiny_with_ids(model_type, tok)
     model = _build(cfg)
     ids = torch.tensor([tok("bring water and a map on the trail")["input_ids"][:8]])
     model(input_ids=ids, labels=ids).loss.backward()  # transformers trains it at these widths
@@ -114,23 +108,13 @@ def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_typ
     import torch
     from peft import PeftModel
 
-    import finetuner
-    from finetuner.config.recipe import Recipe
     from finetuner.model.inventory import auto_class
-    from tests.conftest import alpaca_rows
 
-    cfg = _tiny(model_type, tok)
+    cfg = tiny_with_ids(model_type, tok)
     folder = tmp_path / model_type
     _build(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
-    data = tmp_path / "a.json"
-    data.write_text(json.dumps(alpaca_rows(8)), encoding="utf-8")
-    recipe = Recipe.from_dict({
-        "name": "t", "model": {"name": str(folder)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 32, "val_size": 0},
-        "training": {"max_steps": 2, "lr": 1e-2, "micro_batch_size": 2, "gradient_accumulation": 1, "warmup_steps": 0},
-        "logging": {"tensorboard": False}, "output_dir": str(tmp_path / "run")})
-    result = finetuner.train(recipe)
+    result = two_lora_steps(folder, tmp_path)
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
 
     tuned = PeftModel.from_pretrained(auto_class(model_type).from_pretrained(folder), str(result.run_dir / "adapter"))
