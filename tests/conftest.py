@@ -352,6 +352,28 @@ def alpaca_rows(n: int = 48) -> list[dict]:
     ]
 
 
+def tiny_with_ids(model_type: str, tok) -> dict:
+    """:func:`finetuner.model.tiny.tiny_config` of ``model_type`` for the tokenizer ``tok``: its size and special ids."""
+    from finetuner.model.tiny import tiny_config
+
+    return tiny_config(model_type, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+
+
+def two_lora_steps(folder: Path, tmp_path: Path):
+    """Train the model saved in ``folder`` 2 LoRA steps (r 4) on 8 alpaca rows with finetuner; its TrainResult."""
+    import finetuner
+    from finetuner.config.recipe import Recipe
+
+    data = tmp_path / "a.json"
+    data.write_text(json.dumps(alpaca_rows(8)), encoding="utf-8")
+    return finetuner.train(Recipe.from_dict({
+        "name": "t", "model": {"name": str(folder)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 32, "val_size": 0},
+        "training": {"max_steps": 2, "lr": 1e-2, "micro_batch_size": 2, "gradient_accumulation": 1, "warmup_steps": 0},
+        "logging": {"tensorboard": False}, "output_dir": str(tmp_path / "run")}))
+
+
 @pytest.fixture
 def alpaca_file(tmp_path) -> Path:
     p = tmp_path / "alpaca.json"

@@ -22,7 +22,7 @@ from typing import Any
 from finetuner.errors import UserError, first_line
 
 #: bump when what :func:`finetuner.model.reading.read_inventory` stores changes
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 #: module class names that are normalisation layers (RMSNorm, LayerNorm and their family variants)
 _NORM_MARKS = ("norm",)
 #: where an attention block lives inside a decoder layer, by the names transformers gives it
@@ -325,7 +325,10 @@ def kind_of(path: str) -> str:
 
 
 def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
-    """Parameters by kind (tied weights once) and whether the output layer is tied to the embeddings."""
+    """Parameters by kind (tied weights once) and whether the output layer is tied to the embeddings. The language
+    model's other embedding tables beside its decoder layers are embeddings too: Gemma 3n/4's per-layer input table
+    (``embed_tokens_per_layer``: vocabulary x per-layer width x layers, on the device with the rest, as
+    transformers places it)."""
     import torch
 
     emb = model.get_input_embeddings()
@@ -337,8 +340,10 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
     counts = dict.fromkeys(("embeddings", "attention", "mlp", "experts", "router", "norms", "lm_head", "other"), 0)
     prefix = layers_path + "."
     home = layers_path.rsplit(".", 1)[0] + "." if "." in layers_path else ""  # the language model's own modules
+    tables = {id(m.weight) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding) and n.startswith(home) and not n.startswith(prefix)}
     for name, p in model.named_parameters():  # each shared parameter once
-        if emb is not None and p is emb.weight:
+        if (emb is not None and p is emb.weight) or id(p) in tables:
             kind = "embeddings"
         elif out is not None and p is out.weight:
             kind = "lm_head"

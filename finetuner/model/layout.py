@@ -43,6 +43,14 @@ LATENT_NAMES = {"q_b_proj": "q_proj", "q_gate_proj": "q_proj", "o_b_proj": "o_pr
 AUXILIARY_NAMES = {"indexer", "compressor"}
 #: the down projection, where widths cannot tell it (an MLP as wide as the hidden size)
 DOWN_NAMES = {"down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "w_out", "layer_2", "wo", "fc_out"}
+#: modules that hold a linear-attention block (Qwen3.5's and Qwen3-Next's Gated DeltaNet, ``linear_attn``: its
+#: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj, or the fused in_proj_qkvz and in_proj_ba), a token mixer
+#: with no q/k/v/o of its own; its linears' role is their path (role ``linear:<path>``)
+LINEAR_ATTENTION_NAMES = {"linear_attn"}
+#: linears (or modules holding them) that sit on the decoder layer itself, beside its attention and MLP: Gemma 3n/4's
+#: per-layer input (per_layer_input_gate reads the hidden state, per_layer_projection returns to it), Gemma 3n's
+#: AltUp (``altup``: its router and coefficients) and LAuReL (``laurel``: a low-rank residual); role ``beside:<path>``
+BESIDE_NAMES = {"per_layer_input_gate", "per_layer_projection", "altup", "laurel"}
 #: a mixture of experts' router and the gate of its shared experts, when they are torch Linear layers
 ROUTER_NAMES = {"router", "gate", "shared_expert_gate", "shared_experts_gate"}
 #: module names that hold a mixture of experts' shared experts (every token goes through them)
@@ -148,6 +156,18 @@ def _attention_like(path: str) -> bool:
                                    and any(_key(path) in names for names in ATTENTION_NAMES.values()))
 
 
+def _in_linear_attention(path: str) -> bool:
+    return any(part in LINEAR_ATTENTION_NAMES for part in path.split(".")[:-1])
+
+
+def _beside(path: str) -> bool:
+    return any(part in BESIDE_NAMES for part in path.split("."))
+
+
+#: role prefixes of linears that keep their path as their role (:func:`read_layout`'s ``roles``)
+PATH_ROLES = ("extra:", "linear:", "beside:")
+
+
 def _in_shared(path: str) -> bool:
     return any(part in SHARED_NAMES for part in path.split(".")[:-1])
 
@@ -206,7 +226,8 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     """q/k/v/o (or a fused qkv and o) of an attention block by their names; other linears in it are extras
     (role ``extra:<path>``): an output gate (AFMoE's gate_proj, MiniMax's output_gate), Doge's dt_proj, the
     low-rank projections of multi-head latent attention (DeepSeek's q_a_proj, kv_a_proj_with_mqa, kv_b_proj,
-    whose queries are q_b_proj's)."""
+    whose queries are q_b_proj's). A layer with q and o alone reads the keys and values of an earlier layer (KV
+    shared across layers)."""
     what = f"its attention's linear layers are {', '.join(x.name for x in linears)}"
     by_role: dict[str, LayerLinear] = {}
     for lin in linears:
@@ -219,7 +240,10 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     standard = {"q_proj", "k_proj", "v_proj"} <= by_role.keys() or "qkv_proj" in by_role
     latent = "q_proj" in by_role and not {"k_proj", "v_proj", "qkv_proj"} & by_role.keys() \
         and any("kv" in _key(r) for r in by_role if r.startswith("extra:"))
-    if "o_proj" not in by_role or not (standard or latent):
+    # a layer that reads an earlier layer's keys and values (KV shared across layers: Gemma 3n's last layers) has
+    # queries and an output only
+    reused = set(by_role) == {"q_proj", "o_proj"}
+    if "o_proj" not in by_role or not (standard or latent or reused):
         raise LayoutError(what)
     if by_role["o_proj"].out_features != h:
         raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
@@ -228,7 +252,7 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
 
 
 def is_attention_role(role: str) -> bool:
-    return role in ATTENTION_NAMES or role.startswith("extra:")
+    return role in ATTENTION_NAMES or role.startswith(("extra:", "linear:"))
 
 
 def _mlp(linears: list[LayerLinear], h: int, prefix: str = "") -> dict[str, LayerLinear]:
@@ -273,7 +297,7 @@ def _kind_layout(kind: LayerKind, h: int, hybrid: bool = False) -> tuple[dict[st
     """A kind's roles and its router linears. ``hybrid``: the model has state-space mixers or short convolutions
     (:func:`in_mixer`), where a layer may hold no attention (a Mamba layer; Nemotron-H's MLP and MoE layers)."""
     moe = bool(kind.experts)
-    attn, mlp, shared, routers, mixer, extras = [], [], [], [], [], []
+    attn, mlp, shared, routers, mixer, extras, linear, beside = [], [], [], [], [], [], [], []
     for lin in kind.linears:
         if not lin.plain:
             continue  # frozen, counted with its block's parameters (roles: "frozen")
@@ -281,6 +305,10 @@ def _kind_layout(kind: LayerKind, h: int, hybrid: bool = False) -> tuple[dict[st
             routers.append(lin)
         elif hybrid and in_mixer(lin.name):
             mixer.append(lin)
+        elif _in_linear_attention(lin.name):
+            linear.append(lin)
+        elif _beside(lin.name):
+            beside.append(lin)
         elif _attention_like(lin.name) if hybrid else _in_attention(lin.name):
             attn.append(lin)
         elif hybrid and ("." not in lin.name or any(m in lin.name for m in HYBRID_EXTRA_MARKS)):
@@ -289,11 +317,15 @@ def _kind_layout(kind: LayerKind, h: int, hybrid: bool = False) -> tuple[dict[st
             shared.append(lin)
         else:
             mlp.append(lin)
-    if not attn and not hybrid:
+    if not attn and not linear and not hybrid:
         raise LayoutError(f"its decoder layer's linear layers are {', '.join(sorted(x.name for x in kind.linears))}"
                           if kind.linears else "its decoder layer holds no linear layers (its own projections)")
+    if linear and not any(x.out_features == h for x in linear):
+        raise LayoutError(f"its linear attention's linear layers are {', '.join(x.name for x in linear)}: none returns "
+                          f"to the hidden size {h}")
     roles = _attention(attn, h) if attn else {}
     roles |= {f"mixer:{x.name}": x for x in mixer} | {f"extra:{x.name}": x for x in extras}
+    roles |= {f"linear:{x.name}": x for x in linear} | {f"beside:{x.name}": x for x in beside}
     if mlp and moe:
         raise LayoutError(f"it has routed experts and a dense MLP in one layer ({', '.join(x.name for x in mlp)})")
     if mlp:
@@ -341,7 +373,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     every = set(range(inv.num_layers))
     linears = tuple((lin, () if set(ix) == every else tuple(sorted(ix))) for lin, ix in held.items())
     # each role's paths (a family may name one role differently in different layers: MiniMax's o_proj / out_proj)
-    roles = tuple((r.split(".", 1)[0] if r.startswith(("router.", "frozen.")) else r.split(":", 1)[1] if r.startswith("extra:")
+    roles = tuple((r.split(".", 1)[0] if r.startswith(("router.", "frozen.")) else r.split(":", 1)[1] if r.startswith(PATH_ROLES)
                    else "mixer" if r.startswith("mixer:") else r, p)
                   for r, ps in paths.items() for p in sorted(ps))
 
@@ -350,9 +382,13 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     def width(roles: dict) -> int:
         return sum(x.out_features for r, x in roles.items() if r in ("q_proj", "k_proj", "v_proj", "qkv_proj"))
 
-    first = max((roles for _, roles, _ in found), key=width)
-    if "o_proj" not in first:  # no attention in any layer (Mamba, Mamba-2): no heads; its mixers are the trace's
+    attending = [roles for _, roles, _ in found if "o_proj" in roles]  # (a linear-attention kind has no q/k/v/o)
+    if not attending:
+        if any(r.startswith("linear:") for _, roles, _ in found for r in roles):
+            raise LayoutError("every decoder layer is linear attention (no softmax attention layer to take the widths of)")
+        # no attention in any layer (Mamba, Mamba-2): no heads; its mixers are the trace's
         return _layout(inv, text_cfg, found, linears, roles, h, q_dim=0, kv_dim=0, head_dim=0, fused_qkv=False, extras=())
+    first = max(attending, key=width)
     fused_qkv = "qkv_proj" in first
     o = first["o_proj"]
     q_dim = first["q_proj"].out_features if "q_proj" in first else o.in_features
@@ -422,7 +458,7 @@ def _counts(inv: Inventory, found) -> dict[str, int]:
     c = {k: v for k, v in inv.params.items() if k != "total"}
     for kind, roles, _ in found:
         for role, lin in roles.items():
-            if kind_of(lin.name + ".weight") == "other":
+            if kind_of(lin.name + ".weight") == "other" and not role.startswith("beside:"):
                 n = lin.params * kind.count
                 c["other"] -= n
                 c["attention" if is_attention_role(role) else "mlp"] += n

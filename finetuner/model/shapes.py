@@ -142,6 +142,9 @@ class ModelShape:
     counts_read: tuple[tuple[str, int], ...] = ()
     #: where the decoder layers sit in the model (a LoRA target's regular expression matches whole paths)
     layers_path: str = "model.layers"
+    #: decoder layers of linear attention (``layer_types``: Qwen3.5's and Qwen3-Next's Gated DeltaNet, Kimi's Delta
+    #: Attention); their activations are counted as the layer's trace finds them (:func:`finetuner.memory.model.traced_excess`)
+    linear_attention_layers: int = 0
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ dimensions
@@ -274,6 +277,9 @@ class ModelShape:
             + (f"; {self.mixer_layers} of its layers have a state-space mixer or short convolution, counted as "
                "transformers' PyTorch path saves it (its scan traced on the meta device; the mamba-ssm and "
                "causal-conv1d kernels not assumed)" if self.mixer_layers else "")
+            + (f"; {self.linear_attention_layers} of its layers linear attention, their activations as transformers' "
+               "PyTorch path saves them (traced on the meta device; the flash-linear-attention and causal-conv1d "
+               "kernels are not assumed)" if self.linear_attention_layers else "")
             + ("" if self.model_type in GPU_MEASURED_TYPES else
                f" (memory terms of the families measured on a GPU, {', '.join(GPU_MEASURED_TYPES)}; "
                f"{self.model_type} itself not measured)")
@@ -439,6 +445,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         all_linear=lay.all_linear,
         text_only_of=outer,
         trace=inv.trace,
+        linear_attention_layers=sum(kind == "linear_attention" for kind in text_cfg.get("layer_types") or ()),
     )
     if not lay.standard:  # other names, or layers that differ: the linears and their roles as read
         shape = replace(shape, linears=tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.bias, ix)

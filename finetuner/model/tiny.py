@@ -16,26 +16,38 @@ TINY_SIZES: dict[str, int] = {
     "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "sliding_window": 64,
     # mixtures of experts
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "expert_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     # multi-head latent attention (DeepSeek-V2/V3): its low ranks and head parts (head_dim is the rotary part)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 32,
     # other spellings of the same sizes
     "n_embd": 64, "n_layer": 2, "n_head": 4, "num_layers": 2, "d_model": 64, "ffn_dim": 128, "word_embed_proj_dim": 64,
+    # linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next; Kimi Delta Attention): its own heads and head widths
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_num_heads": 4, "linear_head_dim": 16,
+    # per-layer inputs (Gemma 3n/4: a second embedding table, per_layer_input_gate / per_layer_projection)
+    "hidden_size_per_layer_input": 16, "laurel_rank": 8,
 }
 
 
 #: what :func:`tiny_config` shrinks with ``widths=False``: the depth and the experts, every width kept (for a
 #: family whose widths depend on each other in ways one table cannot know)
 DEPTH_ONLY = ("num_hidden_layers", "num_layers", "n_layer", "num_local_experts", "num_experts", "n_routed_experts",
-              "moe_num_experts", "num_experts_per_tok", "moe_topk", "first_k_dense_replace", "n_group", "topk_group",
+              "moe_num_experts", "num_experts_per_tok", "num_experts_per_token", "moe_topk", "first_k_dense_replace", "n_group", "topk_group",
               "max_position_embeddings")
 
 
 #: sizes a family's defaults leave None though its model reads them (Ministral's head_dim, Nemotron's
 #: num_key_value_heads): set to the tiny value, which is what None stands for at the tiny widths
 SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
+#: per-layer lists that name each layer's kind: cut to the tiny depth with every kind of the defaults kept
+PATTERN_KEYS = ("layer_types", "mlp_layer_types")
+#: layer kinds that differ from full attention only in their mask: a pattern of these alone is cut as it is (Gemma 3's
+#: five sliding layers to one full stays sliding at two layers, as llama.cpp's gemma3 pattern wants)
+MASK_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
+#: token ids a family's defaults set (Kimi-Linear's pad 163839): None when outside the tiny vocabulary
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def tiny_config(model_type: str, vocab_size: int, widths: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -60,16 +72,58 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], wid
         out["num_key_value_heads"] = out["num_attention_heads"]
     if "vocab_size" in out:
         out["vocab_size"] = vocab_size
-    layers = out.get("num_hidden_layers") or out.get("num_layers")
-    for key, value in list(out.items()):
-        if isinstance(value, list) and layers and len(value) > layers and key in ("layer_types", "mlp_layer_types"):
-            out[key] = value[:layers]
+    if isinstance(out.get("vocab_size_per_layer_input"), int):  # Gemma 3n/4's per-layer table reads the same ids
+        out["vocab_size_per_layer_input"] = vocab_size
+    for key in TOKEN_ID_KEYS:
+        if isinstance(out.get(key), int) and out[key] >= vocab_size:
+            out[key] = None
+    _per_layer(cfg, out, widths)
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = _shrink(out["text_config"], vocab_size, {}, widths)
     if isinstance(out.get("vision_config"), dict):  # its own widths (a vocabulary only if it has one)
         out["vision_config"] = _shrink(out["vision_config"], vocab_size, {}, widths)
     out.update(overrides)
     return out
+
+
+def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
+    """Settings with one entry per layer, cut to the tiny depth: the layer pattern (``layer_types``) of a hybrid keeps
+    every kind the defaults have, in turn (Qwen3.5's linear and full attention, three to one: one of each), else is
+    cut as it is; the last layer's kind is the defaults' (Gemma 4 wants full attention there); other lists
+    as long as the default depth are cut (Gemma 3n's ``activation_sparsity_pattern``), its per-layer MLP widths
+    made tiny; Gemma 4's ``per_layer_config`` (a full-attention layer's own head width) follows its layer's kind to
+    the tiny layers, its widths scaled as the layer's defaults are; KV shared across layers (Gemma 3n/4's
+    ``num_kv_shared_layers``) kept with one sharing layer per kind (the depth grown to two layers per kind)."""
+    before = cfg.get("num_hidden_layers") or cfg.get("num_layers")
+    layers = out.get("num_hidden_layers") or out.get("num_layers")
+    if not (isinstance(before, int) and isinstance(layers, int)) or layers >= before:
+        return
+    kinds = {key: list(dict.fromkeys(cfg[key])) for key in PATTERN_KEYS if isinstance(cfg.get(key), list)}
+    shared = isinstance(cfg.get("num_kv_shared_layers"), int) and cfg["num_kv_shared_layers"] > 0
+    widest = max((len(k) for k in kinds.values() if shared or set(k) - MASK_KINDS), default=1)
+    layers = max(layers, widest * (2 if shared else 1))
+    out["num_hidden_layers" if "num_hidden_layers" in out else "num_layers"] = layers
+    if shared:
+        out["num_kv_shared_layers"] = widest
+    for key, value in cfg.items():
+        if not (isinstance(value, list) and len(value) == before):
+            continue
+        if key in kinds and (shared or set(kinds[key]) - MASK_KINDS):  # each kind in turn, the last layer's at the end
+            order = [k for k in kinds[key] if k != value[-1]] + [value[-1]]
+            out[key] = [order[(i - layers) % len(order)] for i in range(layers)]
+        elif key in kinds:
+            out[key] = [*value[:layers - 1], value[-1]]
+        elif widths and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and key in TINY_SIZES:
+            out[key] = [TINY_SIZES[key]] * layers
+        else:
+            out[key] = value[:layers]
+    if isinstance(cfg.get("per_layer_config"), dict) and isinstance(cfg.get("layer_types"), list):
+        old = {int(i): over for i, over in cfg["per_layer_config"].items()}
+        by_kind = {cfg["layer_types"][i]: over for i, over in sorted(old.items())}
+        scaled = {kind: {k: max(1, round(v * out[k] / cfg[k])) if widths and isinstance(v, int) and isinstance(cfg.get(k), int)
+                         and isinstance(out.get(k), int) and cfg[k] else v for k, v in over.items()}
+                  for kind, over in by_kind.items()}
+        out["per_layer_config"] = {i: scaled[kind] for i, kind in enumerate(out["layer_types"]) if kind in scaled}
 
 
 # --- state-space and short-convolution families (Mamba, Mamba-2, their hybrids, LFM2) ---------------------------

@@ -133,12 +133,22 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     inner = next((m for m in model.modules() if getattr(m, "rotary_emb", None) is not None and m is not layer), None)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     hidden = int(model.get_input_embeddings().embedding_dim)
+    accepts = inspect.signature(layer.forward).parameters
+    lm_cfg = getattr(layer, "config", None) or model.config.get_text_config()
+    streams = int(getattr(lm_cfg, "altup_num_inputs", 0) or 0)  # Gemma 3n's AltUp: the layer reads every stream
+    per_layer = int(getattr(lm_cfg, "hidden_size_per_layer_input", 0) or 0)
     totals: dict[int, int] = {}
     lengths = trace_lengths(text_cfg)
     for n in lengths:
-        x = torch.empty(1, n, hidden, device="meta", requires_grad=True)
+        x = torch.empty(*((streams,) if streams else ()), 1, n, hidden, device="meta", requires_grad=True)
         pos = torch.arange(n, device="meta")[None]
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+        made_once = []  # inputs the model makes once for all layers (Gemma 3n/4's per-layer inputs)
+        if per_layer and "per_layer_input" in accepts:
+            made_once.append(torch.empty(1, n, per_layer, device="meta"))
+            kwargs["per_layer_input"] = made_once[-1]
+        if "shared_kv_states" in accepts:  # a layer that stores its keys and values for later layers (KV sharing)
+            kwargs["shared_kv_states"] = {}
         if inner is not None:
             layer_types = getattr(inner.config, "layer_types", None)
             if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters and layer_types:
@@ -147,7 +157,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
                 kwargs["position_embeddings"] = inner.rotary_emb(x, pos)
         seen: dict[int, int] = {}
         # the rotary cos/sin are made once for all layers (the model's forward), not by a layer
-        shared = params | {t.untyped_storage()._cdata for t in (kwargs.get("position_embeddings") or ())}
+        shared = params | {t.untyped_storage()._cdata for t in (*(kwargs.get("position_embeddings") or ()), *made_once)}
 
         def pack(t, seen=seen, shared=shared):
             storage = t.untyped_storage()
@@ -164,5 +174,9 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     (t1, t2, t3), (y1, y2, y3) = lengths, (totals[n] for n in lengths)
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)  # the parabola through the three points
     c = c if abs(c * t3 * t3) > 1e-9 * max(y3, 1) else 0.0  # rounding of a straight line
+    if c < 0:  # no layer saves less per token as T grows: the shortest length is the odd one (Qwen3.5's chunked delta
+        # rule: from 64 tokens, one chunk, to 128 it adds 10 % more a token than beyond, where it is a straight line; a
+        # parabola would fall to a tenth by 2,048): the line through the two longest lengths
+        return LayerTrace(constant=y3 - (y3 - y2) / (t3 - t2) * t3, per_token=(y3 - y2) / (t3 - t2))
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
     return LayerTrace(constant=y1 - b * t1 - c * t1 * t1, per_token=b, per_token2=c)

@@ -11,7 +11,6 @@ import pytest
 from finetuner.errors import UserError
 from finetuner.model import reading
 from finetuner.model.shapes import SUPPORTED_MODEL_TYPES, lora_param_count, resolve_shape, shape_from_config
-from finetuner.model.tiny import tiny_config
 from tests.conftest import cli_in_process
 
 #: what each family's decoder layers hold by default, from the families' papers and model cards (a plain one: no
@@ -41,8 +40,9 @@ def tok():
 
 
 def _tiny(model_type: str, tok) -> dict:
-    return tiny_config(model_type, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    from tests.conftest import tiny_with_ids
+
+    return tiny_with_ids(model_type, tok)
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
@@ -134,7 +134,6 @@ def test_a_new_family_is_counted_exactly_plans_and_trains_two_lora_steps(model_t
 
 @pytest.mark.parametrize("model_type,says", [
     ("jetmoe", "its attention's linear layers are self_attention.kv_proj"),  # a mixture of attention heads
-    ("qwen3_5_text", "its attention's linear layers are linear_attn.out_proj"),  # a hybrid's linear-attention layers
 ])
 def test_a_layout_the_memory_model_does_not_describe_is_refused_in_one_line(model_type, says, tok):
     with pytest.raises(UserError) as e:

@@ -4,16 +4,15 @@ with peft, and the merged checkpoint is the same image-text-to-text model, with 
 
 from __future__ import annotations
 
-import json
 import re
 
 from finetuner.model.shapes import shape_from_config, lora_param_count
-from finetuner.model.tiny import tiny_config
 
 
 def _tiny_gemma3(tok):
-    return tiny_config("gemma3", len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    from tests.conftest import tiny_with_ids
+
+    return tiny_with_ids("gemma3", tok)
 
 
 def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_vision_tower(tmp_path):
@@ -22,10 +21,9 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import finetuner
-    from finetuner.config.recipe import Recipe
     from finetuner.model.layout import all_linear_targets
     from finetuner.model.tiny_llama import train_bpe_tokenizer
-    from tests.conftest import alpaca_rows, corpus
+    from tests.conftest import corpus, two_lora_steps
 
     tok = train_bpe_tokenizer(corpus(), vocab_size=400)
     cfg = _tiny_gemma3(tok)
@@ -44,14 +42,7 @@ def test_a_text_fine_tune_of_gemma3_trains_the_language_model_and_keeps_the_visi
 
     Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)  # its processor settings
 
-    data = tmp_path / "a.json"
-    data.write_text(json.dumps(alpaca_rows(8)), encoding="utf-8")
-    recipe = Recipe.from_dict({
-        "name": "t", "model": {"name": str(folder)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"path": str(data), "max_seq_len": 32, "val_size": 0},
-        "training": {"max_steps": 2, "lr": 1e-2, "micro_batch_size": 2, "gradient_accumulation": 1, "warmup_steps": 0},
-        "logging": {"tensorboard": False}, "output_dir": str(tmp_path / "run")})
-    result = finetuner.train(recipe)
+    result = two_lora_steps(folder, tmp_path)
     assert len(result.losses) == 2
 
     base = AutoModelForCausalLM.from_pretrained(folder)

@@ -1,0 +1,140 @@
+"""The newest families (issue 56): hybrid linear attention (Qwen3.5's and Qwen3-Next's Gated DeltaNet, Kimi's Delta
+Attention), per-layer inputs and KV shared across layers (Gemma 3n/4). Each builds tiny with its own width settings
+(finetuner/model/tiny.py), its layers are read from the model (finetuner/model/layout.py: the linear-attention
+projections and the per-layer input linears get roles, their conv1d and state parameters are counted and stay frozen,
+the per-layer embedding table is counted as an embedding), its LoRA counted as peft builds it, transformers' own
+default configs plan on an RTX 4090, and a tiny model trains 2 LoRA steps whose adapter peft loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetuner.model.shapes import lora_param_count, shape_from_config
+from finetuner.model.tiny import tiny_config
+from tests.conftest import tiny_with_ids, two_lora_steps
+
+#: the families, text types first; Gemma 4's image-text wrapper builds its text model tiny too
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "gemma4_text",
+            "gemma4", "gemma3n_text"]
+#: the parameters of a linear-attention block that no LoRA trains: its short convolution and its state's decay
+STATE_PARAMS = ("conv1d", "A_log", "dt_bias")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from finetuner.model.tiny_llama import train_bpe_tokenizer
+    from tests.conftest import corpus
+
+    return train_bpe_tokenizer(corpus(), vocab_size=400)
+
+
+def _build(cfg: dict):
+    import torch
+    from transformers import AutoConfig
+
+    from finetuner.model.inventory import auto_class
+
+    torch.manual_seed(0)
+    return auto_class(cfg["model_type"]).from_config(AutoConfig.for_model(**cfg))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_family_builds_tiny_is_read_from_the_model_and_its_lora_is_counted_as_peft_builds_it(model_type, tok):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from finetuner.model.layout import all_linear_targets
+
+    cfg = tiny_with_ids(model_type, tok)
+    model = _build(cfg)
+    ids = torch.tensor([tok("bring water and a map on the trail")["input_ids"][:8]])
+    model(input_ids=ids, labels=ids).loss.backward()  # transformers trains it at these widths
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+    shape = shape_from_config(cfg, name=model_type)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.trace is not None or shape.experts is not None  # its first layer traced (routing by value is not)
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ())
+    assert len(kinds) >= 2 or model_type.startswith("gemma3n")  # the layer pattern kept at the tiny depth
+    paths = {p for _, p in shape.roles}
+    if "linear_attention" in kinds and not model_type.startswith("kimi"):  # Gated DeltaNet: its projections' roles
+        assert any(p.startswith("linear_attn.") for p in paths)
+    if getattr(text, "hidden_size_per_layer_input", None):  # Gemma 3n/4: the per-layer input linears and table
+        assert {"per_layer_input_gate", "per_layer_projection"} <= paths
+        table = text.vocab_size_per_layer_input * text.hidden_size_per_layer_input * text.num_hidden_layers
+        emb = model.get_input_embeddings()
+        assert shape.param_counts()["embeddings"] == emb.weight.numel() + table
+
+    targets = all_linear_targets(model)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+    state = [n for n, p in lora.named_parameters() if any(s in n for s in STATE_PARAMS)]
+    assert all(not p.requires_grad for n, p in lora.named_parameters() if n in state)  # frozen, as peft leaves them
+    if "linear_attention" in kinds:
+        assert state  # (the block has them: counted in the totals above)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "gemma4_text"])
+def test_transformers_default_config_plans_to_fit_an_rtx4090_at_2048_tokens(model_type, tmp_path):
+    from transformers import AutoConfig
+
+    import finetuner
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    plan = finetuner.plan(str(tmp_path), "rtx4090", seq_len=2048)
+    assert plan.fits
+    assert plan.seq_len == 2048
+    said = " ".join(plan.shape.describe().split())
+    linear = AutoConfig.for_model(model_type).layer_types.count("linear_attention")
+    assert (f"{linear} of its layers linear attention" in said) == (linear > 0)  # the assumption, stated
+
+
+def test_qwen3_5_moes_default_config_plans_and_says_what_it_needs_at_2048_tokens(tmp_path):
+    """Qwen3.5-35B-A3B: 18 GiB of 4-bit weights; the cross-entropy over its 248k vocabulary at 2,048 tokens puts it
+    just over a 4090's budget, which the plan says; at 512 tokens it fits."""
+    from transformers import AutoConfig
+
+    import finetuner
+
+    AutoConfig.for_model("qwen3_5_moe_text").save_pretrained(tmp_path)
+    assert finetuner.plan(str(tmp_path), "rtx4090", seq_len=512).fits
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "gemma4_text"])
+def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_type, tok, tmp_path):
+    import math
+
+    import torch
+    from peft import PeftModel
+
+    from finetuner.model.inventory import auto_class
+
+    cfg = tiny_with_ids(model_type, tok)
+    folder = tmp_path / model_type
+    _build(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    result = two_lora_steps(folder, tmp_path)
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+
+    tuned = PeftModel.from_pretrained(auto_class(model_type).from_pretrained(folder), str(result.run_dir / "adapter"))
+    lora = {n: p for n, p in tuned.named_parameters() if "lora_" in n}
+    assert sum(p.numel() for p in lora.values()) == lora_param_count(shape_from_config(cfg, name=model_type), 4)
+    assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # the adapter holds the trained steps
+    ids = torch.tensor([tok("bring water")["input_ids"]])
+    assert torch.isfinite(tuned(input_ids=ids).logits).all()
+
+
+def test_the_trace_of_a_gated_deltanet_layer_is_a_line_that_holds_at_longer_lengths(monkeypatch):
+    """The chunked delta rule's PyTorch path (transformers' fallback without flash-linear-attention) saves a straight
+    line in T beyond one chunk; through the trace's three lengths it bends down (a parabola that would fall to a
+    fraction by 2,048 tokens). The fit takes the line through the two longest: what the layer saves at 1,024 tokens,
+    traced there."""
+    import finetuner.model.trace as trace
+
+    cfg = tiny_config("qwen3_5_text", 400)
+    fitted = trace.trace_layer(cfg, layer_index=0)  # layer 0: linear attention
+    assert fitted.per_token2 == 0 and fitted.per_token > 0
+    monkeypatch.setattr(trace, "LENGTHS", (256, 512, 1024))
+    at_length = trace.trace_layer(cfg, layer_index=0)
+    assert fitted.at(1024) == pytest.approx(at_length.at(1024), rel=1e-9)
