@@ -1173,6 +1173,17 @@ def plan_recipe(
     speed = speed or speed_for(prof)
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                     cpu_memory=cpu_memory, speed=speed, lengths=lengths)
+    chunk_note = None
+    smaller = smaller_loss_chunk(recipe) if not any(c.fits for c, _ in ranked) else None
+    if smaller is not None:  # a large vocabulary's cross-entropy: in smaller chunks before "nothing fits"
+        again = search(smaller, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
+                       cpu_memory=cpu_memory, speed=speed, lengths=lengths)
+        if any(c.fits for c, _ in again):
+            chunk_note = (f"Cross-entropy {smaller.training.loss_chunk_size} tokens at a time (training.loss_chunk_size): "
+                          f"at {recipe.training.loss_chunk_size} the loss over its {shape.vocab_size:,}-token vocabulary "
+                          f"would not fit (the smallest option needs "
+                          f"{min(c.peak_bytes for c, _ in ranked) / GiB:.1f} GiB); each chunk computes the same loss.")
+            recipe, ranked = smaller, again
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
     out = Plan(
@@ -1218,6 +1229,8 @@ def plan_recipe(
         out.strategies = [dict(sh.to_dict(), runnable=schema_accepts(with_strategy(best_recipe, sh, gpus)))
                           for sh in compare_strategies(best.estimate, gpus, shape, cpu_memory)]
     out.reasons = _reasons(best, ranked, prof, shape)
+    if chunk_note:
+        out.reasons.append(chunk_note)
     if best_recipe.objective == "grpo" and best_recipe.grpo is not None:
         out.reasons.append(grpo_room(best_recipe, best.estimate, shape))
     if best.sharded is not None:
@@ -1226,6 +1239,21 @@ def plan_recipe(
     out.rejected = _runners_up(ranked, best)
     out.wait = plan_wait(out, label_fraction, lengths)
     return out
+
+
+#: the cross-entropy chunk a plan takes when the recipe's (default 1,024 tokens, not set by the user) leaves nothing
+#: fitting: its loss peak is 16 bytes x chunk x vocabulary (finetuner.memory.model), a quarter of the default's
+SMALL_LOSS_CHUNK = 256
+
+
+def smaller_loss_chunk(recipe: Recipe) -> Recipe | None:
+    """``recipe`` with the cross-entropy in :data:`SMALL_LOSS_CHUNK`-token chunks, when its chunk is larger and the user
+    did not set it (``training.loss_chunk_size`` absent from the recipe: the default); None otherwise (a plain loss,
+    0, is the user's choice too)."""
+    t = recipe.training
+    if "loss_chunk_size" in t.model_fields_set or not 0 < SMALL_LOSS_CHUNK < t.loss_chunk_size:
+        return None
+    return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": SMALL_LOSS_CHUNK})})
 
 
 def plan_wait(p: Plan, label_fraction: float, lengths: Sequence[int] | None) -> Wait | None:

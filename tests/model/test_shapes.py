@@ -134,8 +134,8 @@ def test_unknown_model_offline_names_the_presets():
 
 def test_unsupported_architecture_is_a_clear_error():
     with pytest.raises(UserError) as e:
-        shape_from_config({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}, name="mamba")
-    assert "mamba" in e.value.message and "linear layers are mixer.dt_proj, mixer.in_proj, mixer.out_proj" in e.value.message
+        shape_from_config({"model_type": "jetmoe", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}, name="jetmoe")
+    assert "jetmoe" in e.value.message and "attention's linear layers are self_attention.kv_proj" in e.value.message
     assert "Layouts it describes" in (e.value.hint or "")
 
 
