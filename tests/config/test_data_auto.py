@@ -98,3 +98,20 @@ def test_the_shipped_smollm2_recipe_pointed_at_a_system_prompt_file_replays(tmp_
     assert recipe.data.replay == REPLAY_FOR_SYSTEM_PROMPT and "27 examples" in resolved["data.replay"]["reason"]
     shipped, _ = resolve_data(Recipe.from_yaml(REPO / "recipes" / "smollm2_cpu.yaml"))
     assert shipped.data.replay == 0 and shipped.data.packing is False and shipped.data.max_seq_len == 128
+
+
+def test_the_shipped_picture_recipe_pointed_at_other_pictures_holds_out_from_them_and_says_its_replay_rule(tmp_path):
+    """``recipes/demo_vlm_cpu.yaml --set data.path=`` own pictures whose rows share a system prompt: the held-out
+    file of the demo's shapes is dropped (rows of the new file held out instead), and the replay rule is applied and
+    says why it gives none (replayed rows are text; a picture run is not mixed with them)."""
+    import shutil
+
+    shutil.copytree(REPO / "data" / "pictures" / "img", tmp_path / "img")
+    rows = [json.loads(line) for line in (REPO / "data" / "pictures" / "shapes.jsonl").read_text().splitlines()][:30]
+    for r in rows:
+        r["messages"].insert(0, {"role": "system", "content": SYSTEM})
+    mine = write_jsonl(tmp_path / "mine.jsonl", rows)
+    recipe, resolved = resolve_data(Recipe.from_yaml(REPO / "recipes" / "demo_vlm_cpu.yaml", [f"data.path={mine}"]))
+    assert recipe.data.val_path is None and recipe.data.path == str(mine)
+    assert recipe.data.replay == 0 and "picture" in resolved["data.replay"]["reason"]
+    assert set(resolved) == {"data.replay", "data.packing"}  # max_seq_len is the recipe's own
