@@ -51,6 +51,7 @@ from finetuner.planning.sizing import Sizing, learning_rate, size_run
 from finetuner.planning.lengths import BatchShape, batch_shape, prompt_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
+from finetuner.planning.scans import kernel_note
 from finetuner.planning.wait import Wait, check_currency, cost_of, cost_text, parts_text, recipe_wait
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -1036,6 +1037,9 @@ def plan(
     if shape.experts and result.fits and result.recipe.method == "qlora" and result.recipe.quantization.bits == 4 \
             and prof.platform != "cpu":
         result.notes.append(experts_loading_note(shape, cpu_bytes))
+    scan_note = kernel_note(shape)  # linear attention and state-space layers: the path their speed assumes
+    if scan_note:
+        result.notes.append(f"{model}: {scan_note}")
     stored = (shape.config.get("quantization_config") or {}).get("quant_method")
     if stored and stored != "bitsandbytes" and result.fits and result.recipe.method == "qlora":
         result.notes.append(f"{model}'s published checkpoint is stored in {stored}: QLoRA quantizes a bf16 checkpoint, so "

@@ -15,7 +15,13 @@ chosen and rejected responses) costs the sum of:
   forward again) and a DPO/KTO reference pass (a forward without gradients over the same rows);
 * **attention** (:func:`attention_seconds`): ``Q K^T`` and ``P V``, ``4 seq q_dim`` per token and
   layer forward over the full square, backward twice that, at the rate of the device's
-  ``scaled_dot_product_attention`` kernel (causal, or with a mask) at that sequence length;
+  ``scaled_dot_product_attention`` kernel (causal, or with a mask) at that sequence length, in the layers
+  that have softmax attention only (:func:`finetuner.planning.scans.attention_layers`);
+* **linear attention and state-space scans** (:mod:`finetuner.planning.scans`): a Gated DeltaNet's chunked
+  delta rule, Mamba-2's chunked scan, Mamba's sequential scan, their FLOPs linear in ``seq`` as transformers'
+  PyTorch path computes them, forward and backward twice that, at the matmul rate of their narrow width; their
+  Python loops' operations (per chunk, or per token for Mamba) in the per-operation cost. Their linears are
+  decoder linears (the matmuls above);
 * **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
   (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
@@ -64,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
+from finetuner.planning.scans import attention_layers, scan_flops, scan_ops, scan_width
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -355,7 +362,8 @@ def forward_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
     return {
         "decoder": 2 * shape.active_weight_numel * T,  # a mixture of experts: top_k experts per token
         "lora": 2 * lora * T,
-        "attention": 4 * seq_eff * shape.q_dim * shape.num_layers * T,
+        "attention": 4 * seq_eff * shape.q_dim * attention_layers(shape) * T,
+        "scan": scan_flops(shape, rows_per_micro_batch(s), s.seq_len),  # linear attention, state-space mixers
         "head": 2 * shape.vocab_size * shape.hidden_size * T * s.label_fraction,
     }
 
@@ -367,6 +375,7 @@ def _passes(s: Settings) -> dict[str, float]:
         "decoder": 2 + full + gc + ref,  # forward, input gradient, weight gradient (full), recompute, reference
         "lora": 3 + gc,  # forward, input and weight gradients, recompute
         "attention": 3 + gc + ref,  # forward, backward (2x), recompute, reference
+        "scan": 3 + gc + ref,  # likewise
         # forward, its recompute in the chunked loss's backward, the input gradient, the weight gradient (full), reference
         "head": (3 if s.loss_chunk > 0 else 2) + full + ref,
     }
@@ -382,19 +391,22 @@ def matmul_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
         "base weight gradient": f["decoder"] if s.method == "full" else 0.0,
         "LoRA": 3 * f["lora"],
         "attention": 3 * f["attention"],
+        "linear attention and scans": 3 * f["scan"],
         "LM head": f["head"] * (p["head"] - ref),
-        "checkpointing recompute": (f["decoder"] + f["lora"] + f["attention"]) if gc else 0.0,
-        "reference pass": (f["decoder"] + f["attention"] + f["head"]) if ref else 0.0,
+        "checkpointing recompute": (f["decoder"] + f["lora"] + f["attention"] + f["scan"]) if gc else 0.0,
+        "reference pass": (f["decoder"] + f["attention"] + f["scan"] + f["head"]) if ref else 0.0,
     }
 
 
 def typical_width(shape: ModelShape) -> dict[str, int]:
     """The narrower dimension of each kind of matmul, which its rate depends on: the decoder's
-    linears weighted by their size, the LM head's hidden size, attention's head dimension."""
+    linears weighted by their size, the LM head's hidden size, attention's head dimension, the scans' narrow width
+    (:func:`finetuner.planning.scans.scan_width`)."""
     lin = shape.layer_linears()
     weights = sum(x.in_features * x.out_features for x in lin)
     dec = int(sum(min(x.in_features, x.out_features) * x.in_features * x.out_features for x in lin) / max(weights, 1))
-    return {"decoder": dec, "head": min(shape.hidden_size, shape.vocab_size), "attention": shape.head_dim}
+    return {"decoder": dec, "head": min(shape.hidden_size, shape.vocab_size), "attention": shape.head_dim,
+            "scan": scan_width(shape)}
 
 
 def matmul_row_efficiency(speed: DeviceSpeed, rows: float) -> float:
@@ -425,10 +437,10 @@ def attention_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> flo
     matmuls (its softmax is in the memory-bound term). Without a calibration, a kernel that skips
     the masked half reaches ``CAUSAL_ATTENTION_EFFICIENCY`` and a masked one
     ``MASKED_ATTENTION_EFFICIENCY`` of the matmul rate at the head dimension, in full-square FLOPs."""
-    if not shape.q_dim:  # no attention in any layer (Mamba, Mamba-2)
+    if not attention_layers(shape):  # no attention in any layer (Mamba, Mamba-2)
         return 0.0
     T = rows_per_micro_batch(s) * s.seq_len
-    full = 4 * s.seq_len * shape.q_dim * shape.num_layers * T
+    full = 4 * s.seq_len * shape.q_dim * attention_layers(shape) * T
     units = 3 + float(s.gradient_checkpointing) + float(has_reference_pass(s))
     dtype = s.compute_dtype if s.compute_dtype in DTYPE_BYTES else "fp32"
     if s.attn_implementation == "eager":
@@ -508,10 +520,10 @@ def layer_op_count(shape: ModelShape, s: Settings) -> float:
 
 def forward_op_count(shape: ModelShape, s: Settings) -> float:
     """Tensor operations one micro-batch's forward launches: the layers', the model's own
-    (``OPS_PER_MODEL``) and the loss's chunks."""
+    (``OPS_PER_MODEL``), the loss's chunks and the scans' loops (:func:`finetuner.planning.scans.scan_ops`)."""
     labelled = rows_per_micro_batch(s) * s.seq_len * s.label_fraction
     chunks = math.ceil(labelled / s.loss_chunk) if s.loss_chunk > 0 else 1
-    return layer_op_count(shape, s) * shape.num_layers + OPS_PER_MODEL + OPS_PER_LOSS_CHUNK * chunks
+    return layer_op_count(shape, s) * shape.num_layers + scan_ops(shape, s.seq_len) + OPS_PER_MODEL + OPS_PER_LOSS_CHUNK * chunks
 
 
 def op_count(shape: ModelShape, s: Settings) -> float:
@@ -520,7 +532,7 @@ def op_count(shape: ModelShape, s: Settings) -> float:
     fwd = forward_op_count(shape, s)
     total = fwd * (1 + BACKWARD_OPS)
     if s.gradient_checkpointing:
-        total += per_layer * shape.num_layers
+        total += per_layer * shape.num_layers + scan_ops(shape, s.seq_len)
     if has_reference_pass(s):
         total += fwd
     return total

@@ -1,0 +1,205 @@
+"""The token mixers that are not softmax attention, for the speed model: linear attention (Qwen3.5's and
+Qwen3-Next's Gated DeltaNet) and state-space mixers (Mamba, Mamba-2 and the hybrids that hold them).
+
+Their linears (in_proj, x_proj, dt_proj, out_proj; in_proj_qkv, in_proj_z, in_proj_a/b, out_proj) are decoder
+linears like any other (:meth:`finetuner.model.shapes.ModelShape.layer_linears`, roles ``mixer`` and
+``linear:<path>``): the speed model counts them as matmuls already. What this module adds is each layer's own
+sequence mixing, which grows with ``T``, not ``T²``, counted from transformers' PyTorch paths (what runs where the
+kernels are not installed):
+
+* **Gated DeltaNet** (``torch_chunk_gated_delta_rule``, chunks of ``C = 64``, ``H`` value heads of widths ``dk``,
+  ``dv``): per chunk and head ``k_beta @ kᵀ`` and ``q @ kᵀ`` (``2 C² dk`` each), two unit-triangular solves of
+  ``C x C`` against ``v_beta`` and the decayed keys (``C² dv + C² dk``), and in the scan over chunks
+  ``k_cumdecay @ S``, ``q @ S`` and ``kᵀ @ v_new`` (``2 C dk dv`` each) and ``attn @ v_new`` (``2 C² dv``): per token
+  ``H (C (5 dk + 3 dv) + 6 dk dv)``. The scan is a Python loop over the chunks: ``DELTA_OPS_PER_CHUNK`` operations
+  each.
+* **Mamba-2** (``mamba2_chunk_scan``, the ``torch_forward`` of Mamba-2, Bamba, Falcon-H1, Granite 4, Nemotron-H;
+  chunks of ``L``, ``H`` heads of width ``P``, state ``N``): per chunk and head ``C Bᵀ`` (``2 L² N``), ``M x``
+  (``2 L² P``), the chunk's state ``Bᵀ x`` and the output's ``C S`` (``2 L N P`` each): per token
+  ``H (2 L N + 2 L P + 4 N P)``; and the states passed between chunks, an einsum over every pair of chunks
+  (``2 (c + 1)² H P N`` for ``c`` chunks: quadratic in ``T``, with ``1 / L²`` of a token's weight). No loop.
+* **Mamba** (the sequential ``mamba_selective_scan``, Mamba, Falcon-Mamba, Jamba; inner width ``d``, state ``N``):
+  per token the discretized ``A`` and ``B u`` (``d N`` each), the state's update (``2 d N``) and its read by ``C``
+  (``2 d N``): ``6 d N``; a Python loop over the tokens, ``MAMBA_OPS_PER_TOKEN`` operations each.
+
+The padding to whole chunks is counted (a sequence shorter than a chunk costs a chunk). Their element-wise
+work that is saved for backward is in the memory model's trace of the layer (the speed model's memory-bound
+term); their depthwise convolution (``2 K`` FLOPs a channel and token) is counted here.
+
+Which path a run takes: transformers calls flash-linear-attention's, mamba-ssm's and causal-conv1d's kernels when
+they import, else the PyTorch path (``use_kernel_func_from_hub_with_fallback``). :func:`kernels_installed` says which
+are; the speed model times the PyTorch path in any case (no kernel's speed is measured here), and the plan says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from finetuner.model.shapes import ModelShape
+
+#: the packages whose kernels transformers uses for these layers, by what they speed up
+KERNEL_PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}
+#: ``torch_chunk_gated_delta_rule``'s chunk (its default; Qwen3.5 and Qwen3-Next call it so)
+DELTA_CHUNK = 64
+#: operations of one pass of ``torch_chunk_gated_delta_rule``'s loop over chunks, counted in its code: five
+#: chunk slices, three matmuls and the output's, a subtraction, an addition, the output's write, the state's decay
+#: and its update (16)
+DELTA_OPS_PER_CHUNK = 16
+#: operations of one pass of the sequential Mamba scan's loop over tokens, counted in ``mamba_selective_scan``:
+#: three slices, the state's multiply and add, the cast, ``unsqueeze``, the matmul and the output's slice (9)
+MAMBA_OPS_PER_TOKEN = 9
+#: Mamba-2's chunk where the config does not say (``Mamba2Config``'s default)
+MAMBA2_CHUNK = 256
+
+
+def kernels_installed() -> dict[str, bool]:
+    """Whether each kernel package imports here (``importlib.util.find_spec``: not imported)."""
+    return {pip: importlib.util.find_spec(mod) is not None for mod, pip in KERNEL_PACKAGES.items()}
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    return next((cfg[k] for k in keys if cfg.get(k)), default)
+
+
+@dataclass(frozen=True)
+class Mixers:
+    """One model's non-attention token mixers: how many layers of each kind and their widths."""
+
+    delta_layers: int = 0  # Gated DeltaNet
+    delta_heads: int = 0
+    delta_dk: int = 0
+    delta_dv: int = 0
+    delta_conv_channels: int = 0
+    mamba2_layers: int = 0
+    mamba2_heads: int = 0
+    mamba2_head_dim: int = 0
+    mamba2_state: int = 0
+    mamba2_chunk: int = MAMBA2_CHUNK
+    mamba_layers: int = 0  # Mamba-1's sequential scan
+    mamba_inner: int = 0
+    mamba_state: int = 0
+    conv_kernel: int = 4
+    #: layers whose mixer is only a short convolution (LFM2), its channels
+    conv_layers: int = 0
+    conv_channels: int = 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.delta_layers or self.mamba2_layers or self.mamba_layers or self.conv_layers)
+
+
+def attention_layers(shape: ModelShape) -> int:
+    """Decoder layers with softmax attention: those that hold the q (or fused qkv) projection; every layer of a
+    written layout; none of a pure Mamba."""
+    if not shape.q_dim:
+        return 0
+    paths = {p for role, p in shape.roles if role in ("q_proj", "qkv_proj")}
+    held = [lin.layers for lin in shape.layer_linears() if lin.name in paths]
+    if not held or any(not ix for ix in held):
+        return shape.num_layers
+    return len({i for ix in held for i in ix})
+
+
+def mixers(shape: ModelShape) -> Mixers:
+    """The model's linear-attention and state-space layers, their widths read from its mixer linears and its
+    config (the keys each family names them by)."""
+    from finetuner.model.inventory import language_config
+
+    cfg, _ = language_config(shape.config) if shape.config else ({}, None)
+    found: dict[str, Any] = {}
+    if shape.linear_attention_layers:
+        heads = int(_first(cfg, "linear_num_value_heads", default=0))
+        dk, dv = int(_first(cfg, "linear_key_head_dim", default=0)), int(_first(cfg, "linear_value_head_dim", default=0))
+        k_heads = int(_first(cfg, "linear_num_key_heads", default=heads))
+        found |= dict(delta_layers=shape.linear_attention_layers, delta_heads=heads, delta_dk=dk, delta_dv=dv,
+                      delta_conv_channels=2 * k_heads * dk + heads * dv,
+                      conv_kernel=int(_first(cfg, "linear_conv_kernel_dim", default=4)))
+    if shape.mixer_layers:
+        paths = {p for role, p in shape.roles if role == "mixer"}
+        by_short = {lin.short_name: lin for lin in shape.layer_linears() if lin.name in paths}
+        kernel = int(_first(cfg, "conv_kernel", "mamba_d_conv", "conv_L_cache", default=4))
+        if "dt_proj" in by_short and "x_proj" in by_short:  # Mamba-1: x_proj gives dt's rank, B and C
+            inner, dt_rank = by_short["dt_proj"].out_features, by_short["dt_proj"].in_features
+            found |= dict(mamba_layers=shape.mixer_layers, mamba_inner=inner,
+                          mamba_state=(by_short["x_proj"].out_features - dt_rank) // 2, conv_kernel=kernel)
+        elif _first(cfg, "mamba_n_heads", "mamba_num_heads", "num_heads") and "out_proj" in by_short and \
+                _first(cfg, "mamba_d_state", "ssm_state_size", "state_size"):
+            heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", "num_heads"))
+            inner = by_short["out_proj"].in_features
+            found |= dict(mamba2_layers=shape.mixer_layers, mamba2_heads=heads, mamba2_head_dim=inner // heads,
+                          mamba2_state=int(_first(cfg, "mamba_d_state", "ssm_state_size", "state_size")),
+                          mamba2_chunk=int(_first(cfg, "mamba_chunk_size", "chunk_size", default=MAMBA2_CHUNK)),
+                          conv_kernel=kernel)
+        else:  # a short convolution (LFM2): in_proj makes B, C and x, the convolution runs over x
+            first = next(iter(by_short.values()))
+            found |= dict(conv_layers=shape.mixer_layers, conv_channels=first.in_features, conv_kernel=kernel)
+    return Mixers(**found)
+
+
+def chunks(seq: int, size: int) -> int:
+    """Chunks of ``size`` a sequence of ``seq`` tokens is padded to."""
+    return max(1, math.ceil(seq / size))
+
+
+def scan_flops(shape: ModelShape, rows: int, seq: int) -> float:
+    """The forward FLOPs of every non-attention mixer's sequence mixing over ``rows`` sequences of ``seq`` tokens
+    (see the module doc for each formula), the padding to whole chunks included."""
+    m = mixers(shape)
+    total = 0.0
+    if m.delta_layers:
+        padded = chunks(seq, DELTA_CHUNK) * DELTA_CHUNK
+        per_token = m.delta_heads * (DELTA_CHUNK * (5 * m.delta_dk + 3 * m.delta_dv) + 6 * m.delta_dk * m.delta_dv)
+        conv = 2 * m.conv_kernel * m.delta_conv_channels * seq
+        total += m.delta_layers * rows * (per_token * padded + conv)
+    if m.mamba2_layers:
+        L, H, P, N = m.mamba2_chunk, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state
+        c = chunks(seq, L)
+        per_token = H * (2 * L * N + 2 * L * P + 4 * N * P)
+        between = 2 * (c + 1) ** 2 * H * P * N
+        conv = 2 * m.conv_kernel * H * P * seq
+        total += m.mamba2_layers * rows * (per_token * c * L + between + conv)
+    if m.mamba_layers:
+        per_token = 6 * m.mamba_inner * m.mamba_state + 2 * m.conv_kernel * m.mamba_inner
+        total += m.mamba_layers * rows * per_token * seq
+    if m.conv_layers:
+        total += m.conv_layers * rows * 2 * m.conv_kernel * m.conv_channels * seq
+    return total
+
+
+def scan_width(shape: ModelShape) -> int:
+    """The narrower dimension of the mixers' matmuls (their rate depends on it): the delta rule's key width, Mamba-2's
+    state, Mamba's state (a matmul-vector product per token)."""
+    m = mixers(shape)
+    return max(1, min(w for w in (m.delta_dk or 1 << 30, m.mamba2_state or 1 << 30, m.mamba_state or 1 << 30,
+                                   m.conv_kernel)) if m.any else 1)
+
+
+def scan_ops(shape: ModelShape, seq: int) -> float:
+    """Operations the mixers' Python loops launch in one forward over sequences of ``seq`` tokens (the rows go
+    together): the delta rule's loop over chunks, the sequential Mamba scan's loop over tokens."""
+    m = mixers(shape)
+    return (m.delta_layers * DELTA_OPS_PER_CHUNK * chunks(seq, DELTA_CHUNK)
+            + m.mamba_layers * MAMBA_OPS_PER_TOKEN * seq)
+
+
+def kernel_note(shape: ModelShape) -> str | None:
+    """What the plan says about these layers' speed: the path it times, which kernels are installed, and what
+    installing them would change (not measured here). None for a model without such layers."""
+    m = mixers(shape)
+    if not m.any:
+        return None
+    needed = (["flash-linear-attention"] if m.delta_layers else []) + (["mamba-ssm"] if m.mamba2_layers or m.mamba_layers else [])
+    needed.append("causal-conv1d")
+    have = kernels_installed()
+    missing = [k for k in needed if not have[k]]
+    kinds = ", ".join(x for x in (f"{m.delta_layers} Gated DeltaNet" if m.delta_layers else "",
+                                  f"{m.mamba2_layers + m.mamba_layers} state-space" if m.mamba2_layers or m.mamba_layers else "",
+                                  f"{m.conv_layers} short-convolution" if m.conv_layers else "") if x)
+    path = "transformers' PyTorch path" + (" (a Python loop over every token)" if m.mamba_layers else "")
+    return (f"its {kinds} layers are timed as {path}, linear in the sequence length; "
+            + (f"{', '.join(missing)} not installed here, so a run takes that path" if missing
+               else f"{', '.join(needed)} are installed, so a run on a GPU takes their kernels, which this estimate does not time")
+            + "; the kernels' speed-up is not measured")

@@ -1,0 +1,104 @@
+"""The speed model's linear-attention and state-space layers (finetuner/planning/scans.py): no softmax-attention term
+in them, their chunked delta rule and scans counted linear in the sequence length as transformers' PyTorch path
+computes them, and the plan saying which path it times. Arithmetic only: the CPU measurements are in
+docs/benchmarks.md (scripts/validate/speed_scans.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from finetuner.memory.model import Settings
+from finetuner.model.shapes import shape_from_config
+from finetuner.planning import scans
+from finetuner.planning import speed as sp
+
+CALIBRATION = Path(__file__).with_name("speed_cpu.json")
+
+
+def _default(model_type: str):
+    from transformers import AutoConfig
+
+    return shape_from_config(AutoConfig.for_model(model_type).to_dict(), name=model_type)
+
+
+@pytest.fixture(scope="module")
+def mamba2():
+    return _default("mamba2")
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    return _default("qwen3_5_text")
+
+
+@pytest.fixture(scope="module")
+def cpu_speed() -> sp.DeviceSpeed:
+    return sp.DeviceSpeed.from_dict(json.loads(CALIBRATION.read_text()))
+
+
+def _s(seq: int) -> Settings:
+    return Settings(method="lora", micro_batch=1, seq_len=seq, lora_r=16, platform="cpu", compute_dtype="fp32")
+
+
+def test_a_hybrids_linear_attention_layers_get_no_softmax_term_and_their_delta_rule_is_counted(qwen35):
+    """transformers' default Qwen3.5 (32 layers, 24 of them Gated DeltaNet): softmax attention in 8 layers only, the
+    delta rule's per-token FLOPs in the 24 others, over whole chunks of 64; its linears are decoder matmuls."""
+    m = scans.mixers(qwen35)
+    assert (scans.attention_layers(qwen35), m.delta_layers) == (8, 24)
+    assert (m.delta_heads, m.delta_dk, m.delta_dv) == (32, 128, 128)  # its config's linear_num_value_heads, widths
+    linear = [lin for lin in qwen35.layer_linears() if lin.name.startswith("linear_attn.")]
+    assert len(linear) == 5 and all(qwen35.copies(lin) == 24 for lin in linear)  # in_proj_qkv/z/a/b, out_proj
+    assert qwen35.active_weight_numel >= sum(lin.in_features * lin.out_features * 24 for lin in linear)  # matmuls
+    f = sp.forward_flops(qwen35, _s(2048))
+    assert f["attention"] == 4 * 2048 * qwen35.q_dim * 8 * 2048
+    per_token = 32 * (64 * (5 * 128 + 3 * 128) + 6 * 128 * 128)
+    conv = 2 * 4 * (2 * 16 * 128 + 32 * 128)
+    assert f["scan"] == 24 * (per_token + conv) * 2048
+    # a sequence shorter than a chunk is padded to one (the conv is not)
+    assert sp.forward_flops(qwen35, _s(10))["scan"] == 24 * (per_token * 64 + conv * 10)
+
+
+def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
+    """Doubling the tokens doubles a Mamba-2 step's FLOPs but for the states passed between chunks (an einsum over
+    every pair of chunks: ``2 (c + 1)² H P N`` a layer), and its predicted time ~2x: within the share of the parts
+    that do not grow with T (operations, optimizer, fixed, the trace's constant) and of the between-chunk term."""
+    m = scans.mixers(mamba2)
+    assert scans.attention_layers(mamba2) == 0 and m.mamba2_layers == 64
+    T, L, H, P, N = 4096, m.mamba2_chunk, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state
+    f1, f2 = sp.forward_flops(mamba2, _s(T)), sp.forward_flops(mamba2, _s(2 * T))
+    c = T // L
+    between = lambda chunks: 64 * 2 * (chunks + 1) ** 2 * H * P * N  # noqa: E731
+    assert f2["scan"] - 2 * f1["scan"] == between(2 * c) - 2 * between(c)  # all else exactly linear
+    assert f1["attention"] == f2["attention"] == 0
+    t1, t2 = sp.step_time(mamba2, _s(T), cpu_speed), sp.step_time(mamba2, _s(2 * T), cpu_speed)
+    flat = sum(t1.parts[k] for k in ("operations", "optimizer", "fixed")) / t1.step_s
+    quad = between(2 * c) / (sum(f2.values()) - f2["lora"])  # the quadratic term's share of the 2T step's FLOPs
+    ratio = t2.step_s / t1.step_s
+    assert 2 * (1 - flat) - 0.05 <= ratio <= 2 * (1 + quad) + 0.05, (ratio, flat, quad)  # 0.05: the trace's a, rows
+    assert ratio < 2.5  # softmax attention over every layer would be ~4x at these lengths
+
+
+def test_the_sequential_mamba_scan_costs_operations_per_token():
+    """Mamba-1's PyTorch scan is a Python loop over the tokens: its operations grow with T (a Gated DeltaNet's loop
+    with the chunks), counted in the forward's operations."""
+    mamba = _default("mamba")
+    m = scans.mixers(mamba)
+    assert (m.mamba_inner, m.mamba_state) == (1536, 16)  # dt_proj's out, x_proj's (out - dt rank) / 2
+    n1, n2 = sp.forward_op_count(mamba, _s(512)), sp.forward_op_count(mamba, _s(1024))
+    assert n2 - n1 == 32 * scans.MAMBA_OPS_PER_TOKEN * 512 + sp.OPS_PER_LOSS_CHUNK * 0
+
+
+def test_the_plan_says_which_path_it_times_and_which_kernels_are_missing(qwen35, mamba2):
+    have = {pip: importlib.util.find_spec(mod) is not None for mod, pip in scans.KERNEL_PACKAGES.items()}
+    assert scans.kernels_installed() == have
+    note = scans.kernel_note(qwen35)
+    assert "24 Gated DeltaNet layers are timed as transformers' PyTorch path" in note
+    assert "the kernels' speed-up is not measured" in note
+    for pip in ("flash-linear-attention", "causal-conv1d"):
+        assert (pip in note.split("not installed")[0]) == (not have[pip])
+    assert "mamba-ssm" in scans.kernel_note(mamba2) or have["mamba-ssm"]
+    assert scans.kernel_note(_default("llama")) is None
