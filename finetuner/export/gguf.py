@@ -275,7 +275,7 @@ class _Plan:
                         experts.setdefault((each["stack"], each["proj"]), {})[int(each["i"])] = (
                             f, hf_name, tuple(st.get_slice(hf_name).get_shape()))
                         continue
-                    shape = tuple(st.get_slice(hf_name).get_shape())
+                    shape = arch.stored_shape(hf_name, tuple(st.get_slice(hf_name).get_shape()))
                     if own.endswith("experts.gate_up_proj"):  # transformers' fused experts: llama.cpp's two stacks
                         half = (shape[0], shape[1] // 2, *shape[2:])
                         for i, part in enumerate(("gate_proj", "up_proj")):  # the gate first (transformers' chunk)
@@ -560,7 +560,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
-    if (arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head or arch.gguf_arch in ("qwen3", "qwen3moe", "qwen3vl")) \
+    if arch.n_head and (arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head  # (Mamba: no attention)
+                        or arch.gguf_arch in ("qwen3", "qwen3moe", "qwen3vl")) \
             and arch.gguf_arch not in ("llama", "gemma2", "gemma3"):
         # the file says it (attention.key_length, as llama.cpp reads it); transformers' reader of this architecture
         # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128), or for Qwen3 its config's default,
@@ -570,7 +571,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
                      f"head_dim {arch.head_dim}.")
     told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"),
             "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "head_dim"),
-            "qwen3moe": ("moe_intermediate_size", "norm_topk_prob")}.get(arch.gguf_arch, ())
+            "qwen3moe": ("moe_intermediate_size", "norm_topk_prob"),
+            "lfm2": ("norm_eps",)}.get(arch.gguf_arch, ())
     if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
         extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
         notes.append(f"transformers' GGUF loader reads no {', '.join(told)} for {arch.gguf_arch}; the check gave it the "
