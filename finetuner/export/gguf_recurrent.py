@@ -8,7 +8,7 @@ llama.cpp's mamba has no bias on the in- and out-projections and one on the conv
 LFM2 (``lfm2``): short-convolution layers and attention layers; llama.cpp tells them apart by each layer's key-value
 head count (0 for a convolution layer), reads the feed-forward width as the model built it (``block_auto_adjust_ff_dim``
 applied), and the convolution's weight ``(channels, 1, L)`` as ``(channels, L)``. llama.cpp's lfm2 has no
-convolution bias: a model with one is refused.
+convolution bias and finetuner writes no RoPE scaling for it: a model with either is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ def check(config: dict[str, Any], where: str) -> None:
         if inner_size(config) != 2 * int(config["hidden_size"]):
             raise UserError(f"{where}: intermediate_size {inner_size(config)} is not twice hidden_size, which llama.cpp's "
                             "converter requires of mamba; GGUF export refuses it.")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if mt == "lfm2" and (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        raise UserError(f"{where}: RoPE scaling '{rope.get('rope_type') or rope.get('type')}' is not written for llama.cpp's "
+                        "lfm2 by finetuner (its positions unscaled); GGUF export refuses it.")
     if mt == "lfm2" and config.get("conv_bias"):
         raise UserError(f"{where}: conv_bias=true is not llama.cpp's lfm2 (its short convolution has no bias); GGUF "
                         "export refuses it.")

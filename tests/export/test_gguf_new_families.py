@@ -90,3 +90,18 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
         p = _refused(tmp_path, str(model), "--format", fmt, "-o", str(tmp_path / out),
                      match=rf"model_type '{model_type}': .*{missing}; nothing was written")
         assert len([line for line in p.stderr.splitlines() if line.startswith("error")]) == 1, p.stderr
+
+
+@pytest.mark.parametrize("model_type, change, why", [
+    ("mamba", {"use_bias": True}, "no projection bias, a convolution bias"),
+    ("lfm2", {"conv_bias": True}, "its short convolution has no bias"),
+    ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "RoPE scaling 'linear'"),
+])
+def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
+    from finetuner.errors import UserError
+    from finetuner.export.gguf_arch import arch_for
+
+    cfg = {**tiny_with_ids(model_type, _qwen2_tokenizer()), **change}
+    with pytest.raises(UserError, match=why):
+        arch_for(cfg, "config.json")
+    arch_for(tiny_with_ids(model_type, _qwen2_tokenizer()), "config.json")  # the same family without the change
