@@ -6,6 +6,7 @@ missing, with nothing written."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -105,3 +106,14 @@ def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     with pytest.raises(UserError, match=why):
         arch_for(cfg, "config.json")
     arch_for(tiny_with_ids(model_type, _qwen2_tokenizer()), "config.json")  # the same family without the change
+
+
+def test_a_gguf_package_without_the_architecture_is_named_as_what_is_missing(monkeypatch):
+    """A gguf package without llama.cpp's qwen35 (an older one): the refusal names the package and its version."""
+    import gguf
+
+    from finetuner.export.gguf_arch import not_written
+
+    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen35"})
+    assert re.search(r"model_type 'qwen3_5_text': the installed gguf package \([\d.]+\) has no 'qwen35' architecture; "
+                     "nothing was written", str(not_written("qwen3_5_text", "config.json")))
