@@ -52,6 +52,7 @@ import finetuner.phases as phases
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
+from finetuner.export.gguf_recurrent import F32_ALWAYS
 from finetuner.export.gguf_mmproj import Projector, projector_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
@@ -288,7 +289,7 @@ class _Plan:
                     if found is None or found[0] not in allowed:
                         raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
                                         "GGUF export refuses the model rather than drop it.")
-                    self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant)))
+                    self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant, found[1])))
         for (stack, proj), per in sorted(experts.items()):
             found = name_map.get_type_and_name(f"{stack}.{proj}", try_suffixes=(".weight",))
             if found is None or found[0] not in allowed or sorted(per) != list(range(len(per))):
@@ -300,10 +301,10 @@ class _Plan:
             self.items.append((name, array, tuple(array.shape), "F32"))
 
     @staticmethod
-    def _type(shape: tuple[int, ...], quant: str) -> str:
+    def _type(shape: tuple[int, ...], quant: str, gguf_name: str = ".weight") -> str:
         want = QUANTS[quant][0] or "F16"
-        if len(shape) < 2:
-            return "F32"  # norms and biases stay float32, as llama.cpp's converter keeps them
+        if len(shape) < 2 or not gguf_name.endswith(".weight") or gguf_name.endswith(F32_ALWAYS):
+            return "F32"  # norms, biases, Mamba's A and D, the convolutions: float32, as llama.cpp's converter keeps them
         if want in BLOCK_ERROR and shape[-1] % 32:
             return "F16"  # rows that are not whole blocks
         return want

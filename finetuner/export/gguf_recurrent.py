@@ -19,6 +19,9 @@ from finetuner.errors import UserError
 
 #: transformers ``model_type`` → llama.cpp architecture, for the families this module writes
 RECURRENT = {"mamba": "mamba", "lfm2": "lfm2"}
+#: 2-D tensors llama.cpp's converter keeps in float32 whatever the file type (its CPU convolution reads float32 only:
+#: ``GGML_ASSERT(src1->nb[0] == sizeof(float))`` in ggml's ``ssm_conv`` otherwise)
+F32_ALWAYS = ("ssm_conv1d.weight", "shortconv.conv.weight")
 
 
 def check(config: dict[str, Any], where: str) -> None:

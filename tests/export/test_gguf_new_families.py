@@ -35,8 +35,8 @@ def _trained(model_type: str, tmp_path):
 
 
 def test_a_trained_mamba_exports_as_llama_cpps_mamba(tmp_path):
-    """Its scan's widths in ``mamba.ssm.*``, ``A`` as ``-exp(A_log)``, the convolution squeezed to (channels, kernel),
-    and transformers' GGUF loader (which takes the log back) gives the merged model's logits."""
+    """Its scan's widths in ``mamba.ssm.*``, ``A`` as ``-exp(A_log)``, the convolution squeezed to (channels, kernel)
+    and kept float32, and transformers' GGUF loader (which takes the log back) gives the merged model's logits."""
     model, run = _trained("mamba", tmp_path)
     r = export_model(run, tmp_path / "m.gguf", quant="f16")
     assert r.architecture == "mamba" and r.top1_agreement >= 0.9 and r.max_abs_logit_diff is not None, r
@@ -48,6 +48,9 @@ def test_a_trained_mamba_exports_as_llama_cpps_mamba(tmp_path):
     assert {"blk.1.ssm_in.weight", "blk.0.ssm_x.weight", "blk.0.ssm_dt.bias", "blk.0.ssm_d", "output_norm.weight"} <= set(tensors)
     conv = tensors["blk.0.ssm_conv1d.weight"]
     assert [int(x) for x in conv.shape] == [cfg.conv_kernel, cfg.intermediate_size]  # GGUF lists the fastest axis first
+    # float32 in an f16 file, as llama.cpp's converter keeps them (ggml's CPU ssm_conv asserts float32 weights)
+    assert {tensors[n].tensor_type.name for n in ("blk.0.ssm_conv1d.weight", "blk.1.ssm_a", "blk.1.ssm_d")} == {"F32"}
+    assert tensors["blk.0.ssm_in.weight"].tensor_type.name == "F16"
     a_log = model.backbone.layers[1].mixer.A_log.detach().numpy()  # frozen by LoRA: the base's
     np.testing.assert_allclose(np.asarray(tensors["blk.1.ssm_a"].data), -np.exp(a_log), rtol=1e-6)
 
@@ -67,6 +70,8 @@ def test_a_trained_lfm2_exports_as_llama_cpps_lfm2_and_for_ollama(tmp_path):
     assert f["lfm2.shortconv.l_cache"] == cfg.conv_L_cache
     names = {t.name for t in reader.tensors}
     conv_layer = attends.index(False)
+    conv = next(t for t in reader.tensors if t.name == f"blk.{conv_layer}.shortconv.conv.weight")
+    assert conv.tensor_type.name == "F32" and [int(x) for x in conv.shape] == [cfg.conv_L_cache, cfg.hidden_size]
     assert {f"blk.{conv_layer}.shortconv.conv.weight", f"blk.{conv_layer}.shortconv.in_proj.weight",
             f"blk.{attends.index(True)}.attn_q_norm.weight", "token_embd_norm.weight"} <= names
     o = export_model(run, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
