@@ -52,6 +52,7 @@ import finetuner.phases as phases
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
+from finetuner.export.gguf_recurrent import F32_ALWAYS
 from finetuner.export.gguf_mmproj import Projector, projector_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import (PROBE_MESSAGES, TOLERANCE, check_output_dir, merge_adapter, peak_rss, publish_replacing,
@@ -275,7 +276,7 @@ class _Plan:
                         experts.setdefault((each["stack"], each["proj"]), {})[int(each["i"])] = (
                             f, hf_name, tuple(st.get_slice(hf_name).get_shape()))
                         continue
-                    shape = tuple(st.get_slice(hf_name).get_shape())
+                    shape = arch.stored_shape(hf_name, tuple(st.get_slice(hf_name).get_shape()))
                     if own.endswith("experts.gate_up_proj"):  # transformers' fused experts: llama.cpp's two stacks
                         half = (shape[0], shape[1] // 2, *shape[2:])
                         for i, part in enumerate(("gate_proj", "up_proj")):  # the gate first (transformers' chunk)
@@ -288,7 +289,7 @@ class _Plan:
                     if found is None or found[0] not in allowed:
                         raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
                                         "GGUF export refuses the model rather than drop it.")
-                    self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant)))
+                    self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant, found[1])))
         for (stack, proj), per in sorted(experts.items()):
             found = name_map.get_type_and_name(f"{stack}.{proj}", try_suffixes=(".weight",))
             if found is None or found[0] not in allowed or sorted(per) != list(range(len(per))):
@@ -300,10 +301,10 @@ class _Plan:
             self.items.append((name, array, tuple(array.shape), "F32"))
 
     @staticmethod
-    def _type(shape: tuple[int, ...], quant: str) -> str:
+    def _type(shape: tuple[int, ...], quant: str, gguf_name: str = ".weight") -> str:
         want = QUANTS[quant][0] or "F16"
-        if len(shape) < 2:
-            return "F32"  # norms and biases stay float32, as llama.cpp's converter keeps them
+        if len(shape) < 2 or not gguf_name.endswith(".weight") or gguf_name.endswith(F32_ALWAYS):
+            return "F32"  # norms, biases, Mamba's A and D, the convolutions: float32, as llama.cpp's converter keeps them
         if want in BLOCK_ERROR and shape[-1] % 32:
             return "F16"  # rows that are not whole blocks
         return want
@@ -560,7 +561,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
         notes.append(f"transformers' GGUF loader ignores RoPE scaling; the check gave it the model's {arch.rope_type} parameters.")
-    if (arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head or arch.gguf_arch in ("qwen3", "qwen3moe", "qwen3vl")) \
+    if arch.n_head and (arch.head_dim != int(arch.config["hidden_size"]) // arch.n_head  # (Mamba: no attention)
+                        or arch.gguf_arch in ("qwen3", "qwen3moe", "qwen3vl")) \
             and arch.gguf_arch not in ("llama", "gemma2", "gemma3"):
         # the file says it (attention.key_length, as llama.cpp reads it); transformers' reader of this architecture
         # maps no key length and takes hidden_size / heads (Qwen3-4B: 80, not 128), or for Qwen3 its config's default,
@@ -570,7 +572,8 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
                      f"head_dim {arch.head_dim}.")
     told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"),
             "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "head_dim"),
-            "qwen3moe": ("moe_intermediate_size", "norm_topk_prob")}.get(arch.gguf_arch, ())
+            "qwen3moe": ("moe_intermediate_size", "norm_topk_prob"),
+            "lfm2": ("norm_eps",)}.get(arch.gguf_arch, ())
     if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
         extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
         notes.append(f"transformers' GGUF loader reads no {', '.join(told)} for {arch.gguf_arch}; the check gave it the "

@@ -8,7 +8,10 @@ queries by the head width, or by hidden / heads for the 46-layer 27B, so another
 refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every sixth layer global as llama.cpp's
 ``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000), the language models of
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
-with the M-RoPE sections, ``rope.dimension_sections``). Names come from gguf's own ``TensorNameMap`` for the
+with the M-RoPE sections, ``rope.dimension_sections``), Mamba and LFM2 (their scan and short convolutions as
+:mod:`finetuner.export.gguf_recurrent` writes them). The other newest families (:data:`NOT_WRITTEN`: Qwen3.5, Gemma 4,
+the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
+architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
 key projections permuted the way llama.cpp's rotary embedding expects (llama.cpp's converter does
@@ -22,12 +25,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.errors import UserError
+from finetuner.export import gguf_recurrent
+from finetuner.export.gguf_recurrent import RECURRENT
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
              "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
-             "qwen3_vl_text": ("qwen3vl", False)}
+             "qwen3_vl_text": ("qwen3vl", False), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
+#: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
+#: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
+NOT_WRITTEN = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+               "gemma4_text": "gemma4", "gemma3n_text": "gemma3n", "mamba2": "mamba2", "falcon_mamba": "mamba",
+               "jamba": "jamba", "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
+               "falcon_h1": "falcon-h1", "lfm2_moe": "lfm2moe", "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -73,6 +84,9 @@ class Arch:
 
     def write_metadata(self, writer) -> None:
         c = self.config
+        if self.model_type in RECURRENT:  # Mamba's scan, LFM2's short convolutions: their own keys
+            gguf_recurrent.write_metadata(writer, c, self.n_layers)
+            return
         writer.add_context_length(int(c["max_position_embeddings"]))
         writer.add_embedding_length(int(c["hidden_size"]))
         writer.add_block_count(self.n_layers)
@@ -107,8 +121,16 @@ class Arch:
             writer.add_expert_used_count(int(c["num_experts_per_tok"]))
             writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
 
+    def stored_shape(self, hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape GGUF stores for a checkpoint tensor of ``shape`` (what :meth:`transform` returns)."""
+        if self.model_type in RECURRENT:
+            return gguf_recurrent.stored_shape(self.model_type, hf_name, shape)
+        return shape
+
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
+        if self.model_type in RECURRENT:
+            return gguf_recurrent.transform(self.model_type, hf_name, w)
         if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
             return w + 1
         if self.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -182,7 +204,9 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
-                 "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM")
+                 "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba) and LFM2 (lfm2)")
+    if mt in NOT_WRITTEN:
+        raise not_written(mt, where)
     if mt not in SUPPORTED:
         raise UserError(f"{where}: GGUF export does not support model_type '{mt}'; it supports the {supported}.",
                         hint="Use `finetuner merge` for a transformers folder, and llama.cpp's convert_hf_to_gguf.py on it.")
@@ -227,10 +251,32 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
                                  and scalar == int(config["hidden_size"]) // int(config["num_attention_heads"])):
             raise UserError(f"{where}: query_pre_attn_scalar {scalar} is neither the head width {hd} nor Gemma-2-27B's; "
                             "llama.cpp's gemma2 would scale the queries otherwise, so GGUF export refuses it.")
+    gguf_recurrent.check(config, where)
+    if mt in RECURRENT and not config.get("num_attention_heads"):  # Mamba: no attention
+        return Arch(mt, gguf_arch, permute, config, int(config["num_hidden_layers"]), 0, 0, 0, rope)
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // n_head)
     return Arch(mt, gguf_arch, permute, config, int(config["num_hidden_layers"]), n_head, n_kv, head_dim, rope)
+
+
+def not_written(model_type: str, where: str) -> UserError:
+    """The one-line refusal of a family in :data:`NOT_WRITTEN`: what is missing, the installed gguf package's
+    architecture (it names the tensors llama.cpp loads) or finetuner's mapping to it."""
+    import gguf
+    from importlib.metadata import version
+
+    arch = NOT_WRITTEN[model_type]
+    if arch is None:
+        missing = "llama.cpp has no architecture for it"
+    elif arch not in gguf.MODEL_ARCH_NAMES.values():
+        missing = f"the installed gguf package ({version('gguf')}) has no '{arch}' architecture"
+    else:
+        missing = (f"the installed gguf package ({version('gguf')}) knows llama.cpp's '{arch}' architecture, but finetuner's "
+                   "mapping to it is not written yet")
+    return UserError(f"{where}: GGUF export of model_type '{model_type}': {missing}; nothing was written.",
+                     hint="Use `finetuner merge` for a transformers folder instead; "
+                          "docs/export_families.md lists what each family needs.")
 
 
 def nested_config(config: dict[str, Any]) -> dict[str, Any]:

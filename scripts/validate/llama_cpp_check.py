@@ -14,7 +14,7 @@ folder:
 With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The result is
 written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
 
-``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``) checks another architecture the export writes: a tiny random model of that
+``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``, ``mamba``, ``lfm2``) checks another architecture the export writes: a tiny random model of that
 ``model_type`` (:data:`TINY`: 2 layers, a head wider than hidden / heads, as Qwen3-4B's) with the demo
 model's tokenizer and chat template, built in a temporary folder; the result goes to
 ``docs/validation/llama_cpp_check_qwen3.json`` (and ``.md``).
@@ -91,7 +91,12 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
                             query_pre_attn_scalar=32,  # Gemma-3-4B and up: the global layers' positions scaled
                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})}
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        # issue 56: a pure Mamba (the scan's widths its own) and LFM2's short convolutions beside attention
+        "mamba": dict(hidden_size=64, state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_hidden_layers=2),
+        "lfm2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, layer_types=["conv", "full_attention"],
+                     full_attn_idxs=[1])}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:
