@@ -64,6 +64,9 @@ class LayerKind:
     module: str  # the layer's class name
     #: a mixture of experts' router parameters that are no torch Linear (``mlp.gate.weight`` of a top-k router)
     router_params: int = 0
+    #: of ``other_params``, those of the layer's convolutions (a short convolution's kernel: frozen under LoRA,
+    #: its activations traced with the layer); 0 in inventories read before it was counted
+    conv_params: int = 0
 
     @property
     def count(self) -> int:
@@ -119,6 +122,7 @@ class Inventory:
                 indices=tuple(k["indices"]),
                 module=k["module"],
                 router_params=k.get("router_params", 0),
+                conv_params=k.get("conv_params", 0),
             )
             for k in d["kinds"]
         )
@@ -276,12 +280,12 @@ def _linear_widths(module) -> tuple[int, int] | None:
 def _layer_kind_key(layer) -> tuple:
     import torch
 
-    linears, experts, norms, other, router = [], [], [], 0, 0
+    linears, experts, norms, other, router, conv = [], [], [], 0, 0, 0
     seen: set[int] = set()
     for mname, mod in layer.named_modules():
         widths = _linear_widths(mod)
         if isinstance(mod, torch.nn.modules.conv._ConvNd):  # a state-space layer's short convolution: not experts
-            other += sum(p.numel() for p in mod.parameters(recurse=False))
+            conv += sum(p.numel() for p in mod.parameters(recurse=False))
             seen.update(id(p) for p in mod.parameters(recurse=False))
         elif widths is not None:
             linears.append(LayerLinear(mname, widths[0], widths[1], getattr(mod, "bias", None) is not None,
@@ -300,7 +304,7 @@ def _layer_kind_key(layer) -> tuple:
             router += p.numel()
         else:
             other += p.numel()
-    return tuple(linears), tuple(experts), tuple(norms), other, type(layer).__name__, router
+    return tuple(linears), tuple(experts), tuple(norms), other + conv, type(layer).__name__, router, conv
 
 
 def _is_expert_tensor(path: str, p) -> bool:
@@ -370,6 +374,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
     for i, layer in enumerate(layers):
         groups.setdefault(_layer_kind_key(layer), []).append(i)
     kinds = tuple(LayerKind(linears=k[0], experts=k[1], norms=k[2], other_params=k[3], indices=tuple(ix), module=k[4],
+                            conv_params=k[6],
                             router_params=k[5])
                   for k, ix in groups.items())
     params, tied = _count(model, layers_path)

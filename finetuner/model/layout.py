@@ -351,9 +351,9 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     for kind in inv.kinds:
         if any(in_mixer(x.name) for x in kind.linears):
             continue  # a mixer's own weights (its convolution, A_log, D, dt_bias; Zamba's per-head projections)
-        own = sum(x.params for x in kind.linears) \
+        own = sum(x.params for x in kind.linears) + kind.conv_params \
             + sum(n for _, n in kind.norms) + sum(math.prod(s) for _, s in kind.experts) + kind.router_params
-        if kind.other_params > OTHER_SHARE * (own + kind.other_params):
+        if kind.other_params - kind.conv_params > OTHER_SHARE * (own + kind.other_params - kind.conv_params):
             raise LayoutError(f"{kind.other_params:,} parameters of each {kind.module} are in no linear layer, norm or "
                               "expert")
 

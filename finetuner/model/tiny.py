@@ -22,6 +22,8 @@ TINY_SIZES: dict[str, int] = {
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 32,
     # other spellings of the same sizes
+    # Inkling's relative-position logits (a d_rel x rel_extent table in each full-attention layer)
+    "rel_extent": 64,
     "n_embd": 64, "n_layer": 2, "n_head": 4, "num_layers": 2, "d_model": 64, "ffn_dim": 128, "word_embed_proj_dim": 64,
     # linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next; Kimi Delta Attention): its own heads and head widths
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
