@@ -133,7 +133,8 @@ def test_a_failed_start_in_an_empty_folder_leaves_it_empty_and_a_used_folder_is_
     Recipe.from_dict(dict(recipe_dict, data={"path": str(bad)}, output_dir=str(ui_made))).save(ui_made / "recipe.yaml")
     with pytest.raises(UserError, match="bad.json"):
         finetuner.train(ui_made / "recipe.yaml")
-    assert [e["event"] for e in read_events(ui_made / "events.jsonl")] == ["error"]
+    said = [(e["event"], e.get("phase"), e.get("state")) for e in read_events(ui_made / "events.jsonl")]
+    assert said == [("phase", "tokenize", "start"), ("error", None, None)]  # tokenizing began, and failed on the row
 
 
 # --------------------------------------------------------------------------- a full disk

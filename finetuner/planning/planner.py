@@ -1178,7 +1178,9 @@ def plan_recipe(
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                     cpu_memory=cpu_memory, speed=speed, lengths=lengths)
     chunk_note = None
-    smaller = smaller_loss_chunk(recipe) if not any(c.fits for c, _ in ranked) else None
+    every_method = method is None and recipe.method == "auto"  # (with one method asked for, a smaller chunk could
+    # fit it where the plan of every method took another at the default chunk: the plans would disagree)
+    smaller = smaller_loss_chunk(recipe) if every_method and not any(c.fits for c, _ in ranked) else None
     if smaller is not None:  # a large vocabulary's cross-entropy: in smaller chunks before "nothing fits"
         again = search(smaller, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                        cpu_memory=cpu_memory, speed=speed, lengths=lengths)
@@ -1245,8 +1247,9 @@ def plan_recipe(
     return out
 
 
-#: the cross-entropy chunk a plan takes when the recipe's (default 1,024 tokens, not set by the user) leaves nothing
-#: fitting: its loss peak is 16 bytes x chunk x vocabulary (finetuner.memory.model), a quarter of the default's
+#: the cross-entropy chunk a plan of every method takes when the recipe's (default 1,024 tokens, not set by the user)
+#: leaves no option of any method fitting: its loss peak is 16 bytes x chunk x vocabulary (finetuner.memory.model), a
+#: quarter of the default's
 SMALL_LOSS_CHUNK = 256
 
 

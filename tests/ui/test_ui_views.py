@@ -142,8 +142,8 @@ def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
             opening = opening.replace(" (completions at their longest; the rollout's generation included)", "")
         assert ui.startswith(opening), (ui, cli)
         bound = "at most " if t["upper_bound"] else ""
-        assert ui.endswith(f"; the whole run {bound}~{format_duration(t['wall_s'])} (load, evaluations, checkpoints "
-                           "and samples included)"), ui
+        assert ui.endswith(f"; the whole run {bound}~{format_duration(t['wall_s'])} (load, replay, evaluations, "
+                           "checkpoints, probe and samples included)"), ui
 
 
 def test_train_tab_names_its_memory_figure():
