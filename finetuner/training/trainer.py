@@ -185,11 +185,16 @@ def predict_run(recipe: Recipe, rt: Runtime, max_steps: int, label_fraction: flo
     (:func:`finetuner.planning.wait.first_load`, recorded before the load); ``replay_cached``: whether
     ``data.replay``'s answers came from its cache (the replay made before the prediction fills it)."""
     try:
+        import torch
+
         from finetuner.config.hardware import run_profile
         from finetuner.planning.predict import predict
 
-        return predict(recipe, run_profile(rt.device), runtime=rt, label_fraction=label_fraction, steps=max_steps,
-                       loaded_as=loaded_as, replay_cached=replay_cached)
+        # reading a model the cache lacks (its layer traced under LoRA) may draw random numbers: never the run's own,
+        # so that its weights' init and dropout masks do not depend on what the cache held
+        with torch.random.fork_rng(devices=[]):
+            return predict(recipe, run_profile(rt.device), runtime=rt, label_fraction=label_fraction, steps=max_steps,
+                           loaded_as=loaded_as, replay_cached=replay_cached)
     except Exception as e:  # noqa: BLE001 - an architecture the memory model does not know must not stop training
         log.info("No memory prediction for this run: %s", e)
         return None

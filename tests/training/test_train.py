@@ -268,3 +268,23 @@ def test_optimizer_step_with_a_loss_scaler_unscales_before_clipping_and_skips_on
     assert p.tolist() == [1.0, 2.0]  # the step is skipped
     assert scaler.get_scale() == 2.0**9  # and the scale lowered
     assert sched_steps == 1 and grad is None  # the schedule still advances, the gradients are cleared
+
+
+def test_the_runs_prediction_draws_none_of_its_random_numbers(recipe_dict, tmp_path, monkeypatch):
+    """A run predicts its memory and time before and after the model's load; reading a model the cache lacks traces its
+    layer under LoRA, which may draw random numbers. None of the run's own: with an empty cache, as with a full one,
+    the generator is where it was (found by two processes under FSDP losing step for step against one process, whose
+    run had filled the cache first: the LoRA weights' init had moved)."""
+    import torch
+
+    from finetuner.config.runtime import resolve_runtime
+    from finetuner.model import reading
+    from finetuner.training.trainer import predict_run
+
+    monkeypatch.setattr(reading, "cache_root", lambda: tmp_path)  # nothing read before: the model is built and traced
+    recipe = Recipe.from_dict(recipe_dict)
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    assert predict_run(recipe, resolve_runtime(recipe), 4) is not None
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert list(tmp_path.rglob("inventory-*.json"))  # it was read now, not from a cache
