@@ -61,15 +61,9 @@ def _memory_line(m: dict[str, Any]) -> str:
     return line
 
 
-def _duration(s: float) -> str:
-    """Seconds as the bar shows them: ``0:01:05``."""
-    s = max(0, int(round(s)))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 def _eta(steps_left: int, predicted: dict[str, Any] | None) -> str:
     """The bar's ETA before the first step: the plan's, or ``-`` without one."""
-    return f"{_duration(predicted['step_s'] * steps_left)} (planned)" if predicted else "-"
+    return f"{phases.clock(predicted['step_s'] * steps_left)} (planned)" if predicted else "-"
 
 
 def _time_line(t: dict[str, Any]) -> str:
@@ -232,7 +226,7 @@ class ProgressPrinter:
                 pred = self.predicted
                 tps = f"{ev['tokens_per_s']:.0f}" + (f" (predicted ~{pred['tokens_per_s']:.0f})" if pred else "")
                 self.progress.update(self.task, completed=ev["step"], info=_train_info(_num(ev['loss'], '.4f'), tps),
-                                     eta=f"{_duration(ev['eta_s'])}{' (planned)' if ev.get('eta_from') == 'planned' else ''}")
+                                     eta=phases.eta_text(ev))  # the step's ETA as a phase's is said
             elif not self.quiet:
                 self.console.print(
                     f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
