@@ -178,10 +178,17 @@ def test_readme_sentence_is_rewritten_from_the_replay():
     text = (REPO / "README.md").read_text()
     rows = replay()
     assert gpu_all.readme_sentence(text, rows) == text  # the README states the replay today
-    worse = [dict(r, error_allocated_pct=-1.0) if i == 0 else r for i, r in enumerate(rows)]
+    worse = [dict(r, error_allocated_pct=-1.0 if i == 0 else abs(r["error_allocated_pct"])) for i, r in enumerate(rows)]
     new = gpu_all.readme_sentence(text, worse)
     assert "(largest" in new and "one run 1.0 % under)" in " ".join(new.split())
-    assert gpu_all.coverage(rows) == "LoRA and QLoRA, 512 and 2,048 tokens, with and without checkpointing"
+    h100 = [dict(r, device="NVIDIA H100 80GB HBM3") for r in rows]
+    assert "models on an H100 (" in " ".join(gpu_all.readme_sentence(text, h100).split())
+    assert gpu_all.devices([*h100, dict(rows[0], device="NVIDIA H200"), dict(rows[0], device="NVIDIA A100-SXM4-80GB")]) == (
+        "an A100 and an H100 and an H200")
+    plain = [r for r in rows if r["predicted_settings"]["seq_len"] in (512, 2048) and not r["predicted_settings"].get("activation_offload")
+             and not r["predicted_settings"].get("tiled_mlp") and r["predicted_settings"].get("objective", "sft") == "sft"
+             and not r.get("distributed")]
+    assert gpu_all.coverage(plain) == "LoRA and QLoRA, 512 and 2,048 tokens, with and without checkpointing"
     extra = dict(rows[0], predicted_settings={**rows[0]["predicted_settings"], "seq_len": 16384, "objective": "dpo", "tiled_mlp": 2048},
                  distributed={"strategy": "fsdp", "world_size": 1, "offload": "none"})
     assert gpu_all.coverage([*rows, extra]) == ("LoRA and QLoRA, 512 to 16,384 tokens, with and without checkpointing, "

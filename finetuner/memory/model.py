@@ -104,8 +104,14 @@ ALLOCATOR_FIXED_BYTES = 320 * MiB
 #: buffers add a little on top of the saved tensors; 128 MiB keeps the cross-entropy phase on
 #: the safe side in every H100 validation row (docs/memory.md).
 LOSS_PHASE_EXTRA_BYTES = 128 * MiB
-#: With checkpointing, the share of a layer's short-lived backward tensors alive at its peak.
+#: With checkpointing, the share of a layer's short-lived backward tensors alive at its peak:
+#: one third with a 4-bit base (fitted on the H100 QLoRA runs, Llama-2 7B/13B, Llama-3.1 8B: docs/memory.md),
 GC_TRANSIENT_DIVISOR = 3
+#: and all of them with a 16-bit base: the H200 runs of Llama-3.1 8B on PyTorch's own layers (no
+#: Liger kernels) at 7,000-8,200 tokens per micro-batch measured 60-80 KB per token above one
+#: third (0.4-0.7 GiB); Liger's RMSNorm and SwiGLU kernels, not modelled, save less and hid it
+#: in the earlier H100 rows of that model (docs/validation/gpu_all_h200.log)
+GC_TRANSIENT_DIVISOR_16BIT = 1
 
 #: bitsandbytes 4-bit: weights packed two per byte, one absmax per block of 64 (fp32), or with
 #: double quantization one uint8 absmax per block plus an fp32 absmax per 256 blocks
@@ -838,7 +844,8 @@ def estimate(
         # layer's peak (fitted on the H100 runs: docs/memory.md)
         # (tiled MLP: the whole-sequence part of the transient is counted whole, see layer_transient_per_token)
         layer_phase = (act.saved_total + held + act.per_layer + act.mlp_chunk
-                       + (act.transient - act.transient_whole) // GC_TRANSIENT_DIVISOR + act.transient_whole + quant_temp)
+                       + int((act.transient - act.transient_whole) / (GC_TRANSIENT_DIVISOR if s.method == "qlora" else GC_TRANSIENT_DIVISOR_16BIT))
+                       + act.transient_whole + quant_temp)
     else:
         layer_phase = act.saved_total + held + act.mlp_chunk + act.transient + quant_temp
     # the dequantized weight exists only inside a quantized layer: not at the cross-entropy

@@ -9,7 +9,8 @@ The table is the same wherever it is made: every card is planned for a default i
 environment has installed.
 The measured column is read from ``docs/validation/`` (the runs ``scripts/validate/memory.py
 --planned CARD`` recorded as ``planned-<card>-capped``), never typed in; a recorded run whose
-settings are no longer the planner's choice stops the script.
+settings are no longer the planner's choice leaves the cell empty, and a note says what that run
+measured and what the planner chooses now (measure the new recipe on a GPU to fill the cell).
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ of {seq:,} tokens{liger}. Measured figures are torch's counters (`max_memory_all
 `max_memory_reserved`); the CUDA context (about {context:.1f} GiB) comes on top, so {card_total:.1f} GiB is the figure
 to set against the predicted {predicted:.1f}. The memory model predicts {pa:.1f} GiB allocated ({ea:+.1f} %)
 and {pr:.1f} GiB reserved ({er:+.1f} %) for that run{under}.
+"""
+
+
+STALE = """\
+{mark} Not measured yet: the recorded run `{config}` ran an earlier planner's recipe for this card
+({ran}), on an {device} capped at {cap:.2f} GiB: {alloc:.1f} GiB allocated, {res:.1f} GiB reserved, so {card_total:.1f} GiB with the
+CUDA context, above the {keep:.1f} GiB the planner lets itself use ({margin:.0f} % of the card kept free); the memory
+model predicts {pa:.1f} GiB allocated ({ea:+.1f} %) and {pr:.1f} GiB reserved ({er:+.1f} %) for that run. The planner
+now chooses {now}. `python -m scripts.validate.memory --preset {model} --planned {card}` on a GPU measures it.
 """
 
 
@@ -114,10 +124,21 @@ def table() -> str:
                 planned, ran = p.estimate.settings, run["predicted_settings"]
                 differ = [k for k in SAME_RECIPE if _targets(getattr(planned, k)) != _targets(ran[k])]
                 if differ:
-                    raise SystemExit(f"The recorded run {run['config']} of {m} (docs/validation/) is not the planner's recipe any "
-                                     f"more ({', '.join(f'{k}: ran {ran[k]}, planned {getattr(planned, k)}' for k in differ)}): "
-                                     f"measure it again with `python -m scripts.validate.memory --preset {m} --planned {c}` "
-                                     "or remove the run.")
+                    from finetuner.planning.planner import DEFAULT_MARGIN as SAFETY_MARGIN
+
+                    mark = SUPERSCRIPTS[len(notes)]
+                    cell = f"not measured {mark}"
+                    notes.append(STALE.format(
+                        mark=mark, config=run["config"], device=run["device"], cap=run["cap_gib"], model=m, card=c,
+                        ran=", ".join(f"{k.replace('_', ' ')} {ran[k]}" for k in differ),
+                        now=", ".join(f"{k.replace('_', ' ')} {getattr(planned, k)}" for k in differ),
+                        alloc=run["measured_allocated_bytes"] / GiB, res=run["measured_reserved_bytes"] / GiB,
+                        card_total=(run["measured_reserved_bytes"] + CUDA_CONTEXT_BYTES) / GiB,
+                        keep=p.gpu.memory_bytes * (1 - SAFETY_MARGIN) / GiB, margin=100 * SAFETY_MARGIN,
+                        pa=run["predicted_allocated_bytes"] / GiB, ea=run["error_allocated_pct"],
+                        pr=run["predicted_reserved_bytes"] / GiB, er=run["error_reserved_pct"]))
+                    lines.append(f"| {m} | {c} | {how} | {p.estimate.total_bytes / GiB:.1f} of {p.gpu.memory_gib:.1f} GiB | {cell} |")
+                    continue
                 mark = SUPERSCRIPTS[len(notes)]
                 cell = (f"{run['measured_allocated_bytes'] / GiB:.1f} GiB allocated, "
                         f"{run['measured_reserved_bytes'] / GiB:.1f} GiB reserved {mark}")

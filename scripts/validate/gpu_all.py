@@ -13,8 +13,9 @@ the format the rest of the project reads:
   ``baseline_max_seq``, ``predicted_max_seq``);
 * the out-of-memory back-off: ``oom_backoff.json`` (:mod:`scripts.validate.oom_backoff`).
 
-The parts (``--list`` prints them with their minutes; the minutes are estimates from the
-arithmetic of model size, tokens and process start-up on an H100, not yet measured):
+The parts (``--list`` prints them with their minutes; parts 1-3 were measured on an H200 on
+2026-11-28, docs/validation/gpu_all_h200.log; the others are estimates from the arithmetic of
+model size, tokens and process start-up on an H100):
 
 1. ``memory-default-loss``: Llama-3.1-8B memory rows on the default loss path (finetuner's
    chunked cross-entropy, ``training.kernels: none``; the recorded 8B rows ran Liger's fused loss),
@@ -45,19 +46,16 @@ speed_model)``; its ``--smoke`` form runs in the smoke test with the others, and
 (``tests/test_gpu_all_smoke.py`` checks the estimates). A session's device time (15 minutes now) holds
 some of the parts: run them in order, the ones no session has recorded first.
 
-On the device (``run`` tool), from the repository root, with the wheels the image lacks carried
-in ``.whl/`` (once, here: ``echo /.whl/ >> .git/info/exclude`` and)::
+On the device (``run`` tool), from the repository root, with the packages the image lacks (and
+this project's transformers and peft: the image's are older) unpacked in ``.site/`` by
+``bash scripts/validate/device_site.sh`` (once, here; 30 MB, so that the tree stays under the
+tool's 64 MiB), one ``run`` per group of parts that ``--list`` suggests (``carry: [".site"]``), e.g.::
 
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \\
-      --platform manylinux2014_x86_64 --platform any -d .whl bitsandbytes==0.50.2 datasets==5.2.0 dill==0.4.1 \\
-      multiprocess==0.70.19 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+    export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 FINETUNER_CACHE_DIR=/tmp/ftcache; \\
+      set -o pipefail; timeout 530 python3 -m scripts.validate.gpu_all --part 1,2 --out $OUT --work /tmp/gpu_all 2>&1 | tee $OUT/gpu_all.log
 
-then one ``run`` per group of parts that ``--list`` suggests (``carry: [".whl"]``), e.g.::
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
-      && export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 FINETUNER_CACHE_DIR=/tmp/ftcache || exit; \\
-      set -o pipefail; python3 -m scripts.validate.gpu_all --part 1,2 --out $OUT --work /tmp/gpu_all 2>&1 | tee $OUT/gpu_all.log
+(a part's files are written when it ends: a call stopped at its limit returns the parts done and
+the log, so give each call a ``timeout`` below the tool's)
 
 (the model built by a part stays in ``--work`` while the machine stays warm; a fresh machine
 builds it again, about a minute). Back here, the files of each call go into docs/validation and
@@ -339,9 +337,9 @@ def longest(ctx: Context) -> list[Path]:
 
 #: The parts, in the order they run. A new part is one more entry.
 PARTS: list[Part] = [
-    Part("memory-default-loss", 4.5, "Llama-3.1-8B memory rows on the chunked (non-Liger) loss, 5 runs, the model built", memory_default_loss),
-    Part("oom-backoff", 2.0, "a real CUDA out-of-memory error and finetuner's back-off (a 1024x8 model)", oom_backoff),
-    Part("memory-savers", 2.5, "activation offload and tiled-MLP peaks, each against the run without it (8B, 4 runs)", memory_savers),
+    Part("memory-default-loss", 4.8, "Llama-3.1-8B memory rows on the chunked (non-Liger) loss, 5 runs, the model built", memory_default_loss),
+    Part("oom-backoff", 1.8, "a real CUDA out-of-memory error and finetuner's back-off (a 1024x8 model)", oom_backoff),
+    Part("memory-savers", 3.7, "activation offload and tiled-MLP peaks, each against the run without it (8B, 4 runs)", memory_savers),
     Part("speed-24gb", 4.0, "finetuner vs transformers.Trainer + peft, 8B LoRA and QLoRA, 2,048 tokens, 24 GiB cap", speed_24gb),
     Part("speed-80gb", 3.0, "finetuner vs the baseline on the planner's 80 GB recipe for 8B, 2,048 tokens", speed_80gb),
     Part("longest", 6.5, "the longest 8B QLoRA sequence under a 24 GiB cap: finetuner, baseline, prediction", longest),
@@ -496,9 +494,15 @@ def coverage(rows: list[dict]) -> str:
     return ", ".join(parts)
 
 
+def devices(rows: list[dict]) -> str:
+    """The GPUs that measured ``rows``, in words: "an H100", "an H100 and an H200"."""
+    names = sorted({r.get("device", "NVIDIA H100").removeprefix("NVIDIA ").split()[0].split("-")[0] for r in rows if "error" not in r})
+    return " and ".join(("an " if n[:1] in "AEFHILMNORSX" else "a ") + n for n in names)
+
+
 def readme_sentence(text: str, rows: list[dict]) -> str:
     """README's sentence on the memory model's measured error, with the figures of ``rows``
-    (:func:`scripts.validate.memory.replay`'s) put in: the run count, the allocated median and
+    (:func:`scripts.validate.memory.replay`'s) put in: the run count, the GPUs, the allocated median and
     largest error and its side, the reserved median and its side."""
     from scripts.validate.memory import summary
 
@@ -511,13 +515,13 @@ def readme_sentence(text: str, rows: list[dict]) -> str:
             return "never under"
         return f"one run {abs(under[0]):.1f} % under" if len(under) == 1 else f"{len(under)} runs under"
 
-    pat = re.compile(r"(?P<n>\d+)\s+runs of 7B-, 8B- and 13B-shaped models on an\s+H100\s+\((?P<what>[^)]*)\),\s+median\s+error\s+(?P<med>[\d.]+)\s+%"
+    pat = re.compile(r"(?P<n>\d+)\s+runs of 7B-, 8B- and 13B-shaped models on\s+(?P<dev>an?\s+[^()]+?)\s+\((?P<what>[^)]*)\),\s+median\s+error\s+(?P<med>[\d.]+)\s+%"
                      r"\s+of\s+the\s+allocated\s+peak\s+\(largest\s+(?P<max>[\d.]+)\s+%,\s+(?P<aside>[^)]*)\)\s+and\s+"
                      r"(?P<rmed>[\d.]+)\s+%\s+of\s+the\s+reserved\s+peak\s+\((?P<rside>[^)]*)\)", re.S)
     m = pat.search(text)
     if not m:
         raise SystemExit("README.md no longer states the memory model's measured error in the expected words")
-    values = {"n": str(st["rows"]), "what": coverage(rows), "med": f"{a['median_abs_pct']:.1f}", "max": f"{a['max_abs_pct']:.1f}",
+    values = {"n": str(st["rows"]), "dev": devices(rows), "what": coverage(rows), "med": f"{a['median_abs_pct']:.1f}", "max": f"{a['max_abs_pct']:.1f}",
               "aside": side("allocated"), "rmed": f"{r['median_abs_pct']:.1f}", "rside": side("reserved")}
     for name in sorted(values, key=lambda g: m.start(g), reverse=True):  # from the end, so earlier spans stay put
         if " ".join(m[name].split()) != values[name]:  # the same words keep their line breaks

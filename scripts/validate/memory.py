@@ -272,21 +272,32 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def _gpu(row: dict) -> str:
+    """The row's GPU, short: "H100", "H200"."""
+    return (row.get("device") or "?").removeprefix("NVIDIA ").split()[0]
+
+
+def _loss(row: dict) -> str:
+    """Which loss the row's run used: Liger's fused cross-entropy or finetuner's chunked one."""
+    fused = (row.get("predicted_settings") or {}).get("fused_ce")
+    return "?" if fused is None else "Liger fused" if fused else "chunked"
+
+
 def report(folder: Path = VALIDATION, again: bool = False) -> str:
     """A Markdown table of every ``validate_*.json`` in ``folder``, with the error statistics
     (``again``: re-predict with the current memory model instead of the recorded prediction)."""
     lines = [
-        "| model | config | tokens/step | measured allocated GiB | predicted allocated GiB | error | measured reserved GiB | predicted reserved GiB | error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | config | GPU | loss | tokens/step | measured allocated GiB | predicted allocated GiB | error | measured reserved GiB | predicted reserved GiB | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = replay(folder, again=again)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['config']} | failed: {r['error'][-80:]!r} | | | | | | |")
+            lines.append(f"| {r['preset']} | {r['config']} | {_gpu(r)} | | failed: {r['error'][-80:]!r} | | | | | | |")
             continue
         ea, er = r["error_allocated_pct"], r["error_reserved_pct"]
         lines.append(
-            f"| {r['preset']} | {r['config']} | {r['tokens_per_step']} | {r['measured_allocated_bytes'] / GiB:.2f} | "
+            f"| {r['preset']} | {r['config']} | {_gpu(r)} | {_loss(r)} | {r['tokens_per_step']} | {r['measured_allocated_bytes'] / GiB:.2f} | "
             f"{r['predicted_allocated_bytes'] / GiB:.2f} | {ea:+.1f}% | {r['measured_reserved_bytes'] / GiB:.2f} | "
             f"{r['predicted_reserved_bytes'] / GiB:.2f} | {er:+.1f}% |"
         )
