@@ -40,7 +40,8 @@ class LayerLinear:
     out_features: int
     bias: bool
     #: a plain linear layer (torch's ``Linear.forward`` or GPT-2's ``Conv1D``); False for a Linear subclass with a
-    #: forward of its own (DeepSeek-V4's grouped o_a_proj), which LoRA cannot wrap
+    #: forward of its own (DeepSeek-V4's grouped o_a_proj), which LoRA cannot wrap, and for a linear whose weight
+    #: another module shares (:func:`shared_weights`)
     plain: bool = True
 
     @property
@@ -277,7 +278,20 @@ def _linear_widths(module) -> tuple[int, int] | None:
     return None
 
 
-def _layer_kind_key(layer) -> tuple:
+def shared_weights(model) -> set[int]:
+    """The ids of the linear weights that more than one module holds: Zamba2's shared transformer block, one
+    weight called from several layers through a module of each. peft would put a LoRA on each module, which no
+    single merged weight can hold (the merge adds both to the one weight): these linears are left out of
+    ``all-linear`` and counted frozen."""
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if w is not None and _linear_widths(mod) is not None:
+            seen[id(w)] = seen.get(id(w), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def _layer_kind_key(layer, shared: set[int] = frozenset()) -> tuple:
     import torch
 
     linears, experts, norms, other, router, conv = [], [], [], 0, 0, 0
@@ -289,7 +303,7 @@ def _layer_kind_key(layer) -> tuple:
             seen.update(id(p) for p in mod.parameters(recurse=False))
         elif widths is not None:
             linears.append(LayerLinear(mname, widths[0], widths[1], getattr(mod, "bias", None) is not None,
-                                       is_plain_linear(mod)))
+                                       is_plain_linear(mod) and id(mod.weight) not in shared))
             seen.update(id(p) for p in mod.parameters(recurse=False))
         elif _is_norm(mod) and mname:
             own = [p for p in mod.parameters(recurse=False)]
@@ -371,8 +385,9 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
     model = build_on_meta(cfg if outer else text_cfg)
     layers_path, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
     groups: dict[tuple, list[int]] = {}
+    shared = shared_weights(model)
     for i, layer in enumerate(layers):
-        groups.setdefault(_layer_kind_key(layer), []).append(i)
+        groups.setdefault(_layer_kind_key(layer, shared), []).append(i)
     kinds = tuple(LayerKind(linears=k[0], experts=k[1], norms=k[2], other_params=k[3], indices=tuple(ix), module=k[4],
                             conv_params=k[6],
                             router_params=k[5])

@@ -196,7 +196,8 @@ def all_linear_paths(linears: list[tuple[str, int, bool]], moe: bool, renames: b
     """What ``lora.target_modules: all-linear`` means for a decoder layer's linears (``(path in the layer,
     out_features, plain)``): peft's ``all-linear`` where peft does what it says; else the paths themselves.
 
-    Left out: a linear with a forward of its own (:func:`finetuner.model.inventory.is_plain_linear`); on a
+    Left out: a linear with a forward of its own (:func:`finetuner.model.inventory.is_plain_linear`) or whose
+    weight another module shares (:func:`finetuner.model.inventory.shared_weights`: Zamba2's shared block); on a
     mixture of experts everything but its attention and its state-space mixers (peft adds the routers, and a LoRA'd router crashes
     Phi-MoE's forward); where peft renames (``renames``, :func:`finetuner.model.inventory.peft_renames`) every
     linear named like an expert's, wherever it is (peft would move its LoRA onto the fused experts, and the
@@ -475,19 +476,21 @@ def all_linear_targets(model):
     import torch
 
     from finetuner.model.experts4bit import is_mixture_of_experts
-    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames
+    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames, shared_weights
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
     found, root = [], False
     head = base.get_output_embeddings()
+    shared = shared_weights(base)
     for name, mod in base.named_modules():
         if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
             continue
         inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
         if inner:
-            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1], is_plain_linear(mod)))
+            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1],
+                          is_plain_linear(mod) and id(mod.weight) not in shared))
         else:
             root = True
     paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root,

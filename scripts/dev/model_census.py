@@ -15,6 +15,7 @@ Writes ``docs/models.md`` (the table), ``docs/validation/model_census.json`` (ev
 
     .venv/bin/python -m scripts.dev.model_census            # all types (a few minutes on 2 cores)
     .venv/bin/python -m scripts.dev.model_census llama gemma3_text   # some, printed, nothing written
+    .venv/bin/python -m scripts.dev.model_census --update zamba2     # some again, their recorded rows replaced
 """
 
 from __future__ import annotations
@@ -247,6 +248,13 @@ def main(argv: list[str]) -> int:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    update = bool(argv) and argv[0] == "--update"  # these types again, their rows replaced in the recorded census
+    if update:
+        argv = argv[1:]
+        recorded = json.loads(JSON.read_text(encoding="utf-8"))
+        if recorded["transformers"] != transformers.__version__:
+            raise SystemExit(f"{JSON.name} was made with transformers {recorded['transformers']}, this is "
+                             f"{transformers.__version__}: run the whole census (no arguments)")
     types = argv or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     tok = _tokenizer()
     rows = []
@@ -256,7 +264,10 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print(f"{row['status']:9} {mt:28} {row.get('gpu_rows', ''):3} {row.get('traced', ''):12} {row.get('step', '')} {row.get('reason', '')[:150]}",
                   flush=True)
-    if not argv:
+    if update:
+        again = {r["model_type"]: r for r in rows}
+        rows = [again.pop(r["model_type"], r) for r in recorded["rows"]] + list(again.values())
+    if update or not argv:
         kept = pictures_section(DOC.read_text(encoding="utf-8")) if DOC.is_file() else ""
         DOC.write_text(write_table(rows, kept), encoding="utf-8")
         README.write_text(with_readme_block(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
