@@ -270,6 +270,13 @@ class DataSection(_Section):
     on_bad_row: Literal["error", "skip"] = "error"
     chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's.")
     system_prompt: str | None = None
+    thinking: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=("A thinking chat template's form (one that takes enable_thinking: Qwen3, Qwen3.5): auto renders "
+                     "a row with reasoning (reasoning_content, or <think>...</think>) in its thinking form and a row "
+                     "without in its non-thinking form (enable_thinking=False); on or off: every row in that form "
+                     "(off drops the reasoning). No effect on other templates."),
+    )
     max_examples: int | None = Field(None, gt=0)
     num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
     cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")

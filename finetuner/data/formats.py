@@ -706,6 +706,9 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
         if not isinstance(content, str):
             raise RowError(f"turn {i}: '{content_key}' must be text")
         messages.append({"role": roles[role], "content": _valid_text(content, f"turn {i}: '{content_key}'")})
+        reasoning = t.get("reasoning_content")  # a thinking template renders it (finetuner.data.thinking)
+        if roles[role] == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            messages[-1]["reasoning_content"] = _valid_text(reasoning, f"turn {i}: 'reasoning_content'")
     tools = row.get("tools")
     if tools:
         tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)

@@ -31,6 +31,7 @@ import finetuner.phases as phases
 from finetuner.data.split import held_out_rows, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured
+from finetuner.data import thinking
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
 from finetuner.config.recipe import DataSection
@@ -70,6 +71,8 @@ class DataStats:
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
     pictures: int = 0  # the training rows' pictures (an image-text-to-text model's data, finetuner.data.images)
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
+    #: the forms a thinking chat template's rows trained in (finetuner.data.thinking.statement), None without one
+    thinking: dict[str, Any] | None = None
     #: the system message every row of data.path starts with (the file's own, or data.system_prompt's), else None:
     #: the model learned its answers under it, so chat, the UI and the Ollama Modelfile ask with it (run_system_prompt)
     system_prompt: str | None = None
@@ -144,8 +147,9 @@ def chat_template_for(tokenizer: Any, cfg: DataSection) -> str:
     return FALLBACK_CHAT_TEMPLATE
 
 
-def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: bool) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
+def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: bool, **switches: Any) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen,
+                                         **switches)
 
 
 def cut_example(ex: dict[str, Any], budget: int) -> dict[str, Any]:
@@ -161,23 +165,29 @@ def cut_example(ex: dict[str, Any], budget: int) -> dict[str, Any]:
     return ex
 
 
-def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: int, train_on_prompt: bool) -> dict[str, Any]:
+def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: int, train_on_prompt: bool,
+                   thinking_setting: str = "auto") -> dict[str, Any]:
     """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken.
-    Only the characters ``max_len`` tokens can hold are tokenized (:func:`cut_example`)."""
+    Only the characters ``max_len`` tokens can hold are tokenized (:func:`cut_example`). A thinking template's
+    row renders in the form :mod:`finetuner.data.thinking` decides (``thinking_setting``: ``data.thinking``); an
+    earlier reply such a template writes otherwise than it was answered is context, not a label."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     budget = char_budget(tokenizer, max_len)
     ex = cut_example(ex, budget)
     if ex.get("messages"):
-        msgs = ex["messages"]
+        msgs, switches = thinking.row_for(template, ex["messages"], thinking_setting)
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
         try:
-            text = _render(tokenizer, template, msgs, gen=False)
+            text = _render(tokenizer, template, msgs, gen=False, **switches)
             spans = []
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant":
                     continue
-                prefix = _render(tokenizer, template, msgs[:i], gen=True) if i else ""
-                upto = _render(tokenizer, template, msgs[: i + 1], gen=False)
+                prefix = _render(tokenizer, template, msgs[:i], gen=True, **switches) if i else ""
+                upto = _render(tokenizer, template, msgs[: i + 1], gen=False, **switches)
                 if not (text.startswith(upto) and upto.startswith(prefix)):
+                    if switches and i < last:  # a thinking template's earlier reply: context (module doc)
+                        continue
                     raise RowError(
                         "the chat template does not render conversations as prefixes of each other, "
                         "so replies cannot be located; set data.chat_template to a template that does"
@@ -247,7 +257,7 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
                 elif ex["images"]:
                     raise RowError(f"the row has {len(ex['images'])} picture(s), but {cfg_model_hint(processor)}")
                 else:
-                    enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt)
+                    enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt, cfg.thinking)
                 err = ""
             except RowError as e:
                 enc, err = {"input_ids": [], "labels": [], "truncated": False, "images": []}, f"{batch['_where'][i]}: {e}."
@@ -415,6 +425,9 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: An
     stats = DataStats()
     examples = load_examples(cfg.path, cfg, stats)
     stats.system_prompt = shared_system(examples)
+    if processor is None:
+        stats.thinking = thinking.statement(chat_template_for(tokenizer, cfg),
+                                            (ex.get("messages") for ex in examples), cfg.thinking)
     train = tokenize_examples(examples, tokenizer, cfg, stats, processor)
     val = None
     if cfg.val_path:

@@ -32,6 +32,7 @@ from typing import Any
 
 import finetuner.phases as phases
 from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
+from finetuner.data.thinking import statement
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 from finetuner.surface import say
@@ -79,6 +80,8 @@ class DataProfile:
     #: by their pixel count (finetuner.model.vision.pixel_budget; the most: ``max_pixels`` when one was given)
     largest_picture: int = 0
     pixel_budget: tuple[int, int] | None = None
+    #: a thinking chat template's forms of the rows (finetuner.data.thinking.statement), None without one
+    thinking: dict[str, Any] | None = None
 
     @property
     def mean_tokens(self) -> float:
@@ -133,6 +136,7 @@ class DataProfile:
             "picture_tokens": self.picture_tokens,
             "largest_picture": self.largest_picture,
             "pixel_budget": list(self.pixel_budget) if self.pixel_budget else None,
+            "thinking": self.thinking,
         }
 
 
@@ -267,6 +271,7 @@ def profile_data(
     system_prompt: str | None = None,
     chat_template: str | None = None,
     max_pixels: int | None = None,
+    thinking: str = "auto",
 ) -> DataProfile:
     """Read a data file and measure its examples' lengths (see the module doc); ``max_pixels``: ``data.max_pixels``
     for a model that sizes pictures by their pixel count.
@@ -282,7 +287,8 @@ def profile_data(
         encoder, count, how = _counters(model, chat_template)
         src = FileExamples(path, fmt, columns, system_prompt)
         try:
-            lengths, trained, total, system_rows = _sft_lengths(src, count, encoder)
+            chats: list[list[dict[str, Any]]] = []  # the rows' conversations, for a thinking template's statement
+            lengths, trained, total, system_rows = _sft_lengths(src, count, encoder, thinking, chats)
         except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
             return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     try:
@@ -306,6 +312,9 @@ def profile_data(
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
+    profile.thinking = statement(encoder[1], chats, thinking) if encoder is not None else None
+    if profile.thinking:
+        profile.notes.append(profile.thinking["reason"])
     if processor is not None or preset is not None:
         from finetuner.model.vision import pixel_budget
 
@@ -480,7 +489,8 @@ def picture_lengths(src: FileExamples, processor, chat_template: str | None = No
     return lengths, trained, total, image_tokens, largest
 
 
-def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None) -> tuple[list[int], int, int, int]:
+def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None, thinking: str = "auto",
+                 chats: list | None = None) -> tuple[list[int], int, int, int]:
     """Each supervised example's tokens (at most ``MAX_ROWS``), the trained and total tokens, and how many of the
     examples start with a system message. With an
     ``encoder`` (:func:`_encoder`) the first ``EXACT_ROWS`` are the trainer's own encoding
@@ -498,6 +508,8 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
         phases.advance()  # the open "measure" phase's count (profile_data)
         if "messages" in ex:
             system_rows += ex["messages"][0]["role"] == "system"
+            if chats is not None:
+                chats.append(ex["messages"])
             prompt = sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
             answer = sum(count(m["content"]) for m in ex["messages"] if m["role"] == "assistant")
             n_p = sum(m["role"] != "assistant" for m in ex["messages"])
@@ -512,7 +524,7 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
         # a row longer than MAX_COUNTED_CHARS is counted (bounded) instead: its tokenizer's memory grows with it
         if encoder is not None and len(exact) < EXACT_ROWS and chars <= MAX_COUNTED_CHARS:
             try:
-                enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False)
+                enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False, thinking)
             except RowError:  # the trainer reports it (or skips it) with its place
                 enc = None
         if enc is not None and enc["input_ids"]:

@@ -1677,7 +1677,7 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
                                       on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
         else:
             profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
-                                   on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
+                                   on_bad_row=d.on_bad_row, system_prompt=d.system_prompt, thinking=d.thinking)
     except (UserError, OSError, ValueError):
         return None
     rows = profile.rows

@@ -34,6 +34,7 @@ from typing import Any
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.data import cache as data_cache
 from finetuner.data.pipeline import PreparedData
+from finetuner.data.thinking import resolved as thinking_resolved
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
@@ -369,7 +370,7 @@ class Trainer:
             predicted=self.prediction.to_dict() if self.prediction else None,
             predicted_speed=self.predicted_speed,
             gguf=gguf.to_event() if gguf is not None else None,
-            resolved=self.resolved,
+            resolved={**self.resolved, **thinking_resolved(self.data.stats.thinking)},
             **device_memory(self.rt.device),
         )
 

@@ -1,0 +1,106 @@
+"""Thinking chat templates: which form a chat row renders in.
+
+A thinking family's chat template (Qwen3, Qwen3.5, Qwen3-Next, Gemma 4 ...) takes an ``enable_thinking`` switch:
+off, it opens the reply with an empty think block (Qwen3's ``<think>\\n\\n</think>\\n\\n``) or none, and the model
+answers at once; on, the model writes its reasoning first. A template takes the switch when its text names
+``enable_thinking`` (read from the template, not from a list of models). The form is decided per row, by
+``data.thinking``:
+
+- ``auto`` (the default): a row whose assistant turns carry reasoning (``reasoning_content`` on a message, or an
+  inline ``<think>...</think>`` in its content) renders in the thinking form (``enable_thinking=True``), the
+  reasoning labelled; a row without renders in the non-thinking form (``enable_thinking=False``), as the model
+  sees a conversation at inference with thinking off. A file without reasoning thus trains the non-thinking form.
+- ``off``: every row in the non-thinking form, the reasoning a row carries dropped.
+- ``on``: every row in the thinking form.
+
+The template's own empty think block is written by its generation prompt, so it lies in the prompt and is never a
+label (:func:`finetuner.data.pipeline.encode_example` labels from the end of that prompt). Such a template writes
+an earlier reply of a conversation without the think block it was answered after: that reply is context, not a
+label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
+(``resolved``) state the forms (:func:`statement`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+#: The template variable that switches a thinking family's reasoning.
+SWITCH = "enable_thinking"
+THINK_END = "</think>"
+
+
+def takes_switch(template: str | None) -> bool:
+    """Whether the chat template reads ``enable_thinking`` (module doc)."""
+    return bool(template) and SWITCH in template
+
+
+def carries_reasoning(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether an assistant turn carries reasoning: ``reasoning_content``, or a ``</think>`` in its content."""
+    return any(m.get("role") == "assistant" and (bool((m.get("reasoning_content") or "").strip())
+                                                 or THINK_END in (m.get("content") or ""))
+               for m in messages)
+
+
+def without_reasoning(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with their reasoning dropped (``data.thinking: off``): the answer after ``</think>``, as the
+    Qwen3 templates split it."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            if THINK_END in m.get("content", ""):
+                m["content"] = m["content"].split(THINK_END)[-1].lstrip("\n")
+        out.append(m)
+    return out
+
+
+def thinking_on(template: str | None, messages: Sequence[dict[str, Any]], setting: str = "auto") -> bool | None:
+    """The form of one row: True (thinking), False (non-thinking), None when the template takes no switch."""
+    if not takes_switch(template):
+        return None
+    if setting != "auto":
+        return setting == "on"
+    return carries_reasoning(messages)
+
+
+def row_for(template: str | None, messages: list[dict[str, Any]], setting: str = "auto"
+            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages to render and the template's keyword arguments for them (``{}`` without a switch)."""
+    on = thinking_on(template, messages, setting)
+    if on is None:
+        return messages, {}
+    return (messages if on else without_reasoning(messages)), {SWITCH: on}
+
+
+def statement(template: str | None, rows: Iterable[Sequence[dict[str, Any]]], setting: str = "auto"
+              ) -> dict[str, Any] | None:
+    """What the plan and the start event say of the rows' forms: ``{"value", "reason", "thinking_rows",
+    "plain_rows"}``; None when the template takes no switch (or the rows are not chat)."""
+    if not takes_switch(template):
+        return None
+    on = off = 0
+    for messages in rows:
+        if messages:
+            if thinking_on(template, messages, setting):
+                on += 1
+            else:
+                off += 1
+    if not on + off:
+        return None
+    parts = []
+    if off:
+        why = "" if setting == "off" else " without reasoning"
+        parts.append(f"{off} row(s){why} trained in its non-thinking form ({SWITCH}=False, the template's "
+                     "empty think block unlabelled)")
+    if on:
+        why = "" if setting == "on" else " with reasoning"
+        parts.append(f"{on} row(s){why} in its thinking form ({SWITCH}=True, the reasoning labelled)")
+    value = "off" if not on else "on" if not off else "per row"
+    return {"value": value, "reason": f"the chat template takes {SWITCH}: " + "; ".join(parts),
+            "thinking_rows": on, "plain_rows": off}
+
+
+def resolved(stated: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The start event's ``resolved`` entry for a :func:`statement` (``{}`` without one)."""
+    return {"data.thinking": {"value": stated["value"], "reason": stated["reason"]}} if stated else {}

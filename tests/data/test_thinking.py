@@ -1,0 +1,111 @@
+"""A thinking chat template (Qwen3's, verbatim in tests/data/templates) renders each row in the form
+finetuner.data.thinking decides: rows without reasoning in its non-thinking form, the empty think block unlabelled."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from finetuner.config.recipe import DataSection
+from finetuner.data.formats import IGNORE_INDEX
+from finetuner.data.pipeline import encode_example, prepare_data
+from tests.conftest import REPO, cli_in_process
+
+DEMO = REPO / "data" / "demo_model"
+QWEN3 = (Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+PLAIN = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
+REASONED = [{"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": "It is 5.", "reasoning_content": "Two plus three makes five."}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(DEMO)
+    t.chat_template = QWEN3
+    return t
+
+
+def labelled(enc: dict) -> list[int]:
+    return [t for t in enc["labels"] if t != IGNORE_INDEX]
+
+
+def test_a_row_without_reasoning_trains_the_non_thinking_form(tok):
+    enc = encode_example({"messages": PLAIN}, tok, QWEN3, 512, False)
+    expected = tok.apply_chat_template(PLAIN, tokenize=False, enable_thinking=False)
+    assert "<think>\n\n</think>\n\n" in expected  # the template's own empty think block
+    assert enc["input_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(enc)) == "It is 4.<|im_end|>\n"  # the answer and the turn's end, no think block
+
+
+def test_a_row_with_reasoning_trains_the_thinking_form_with_the_reasoning_labelled(tok):
+    enc = encode_example({"messages": REASONED}, tok, QWEN3, 512, False)
+    expected = tok.apply_chat_template(REASONED, tokenize=False, enable_thinking=True)
+    assert enc["input_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(enc)) == "<think>\nTwo plus three makes five.\n</think>\n\nIt is 5.<|im_end|>\n"
+    inline = [REASONED[0], {"role": "assistant", "content": "<think>\nTwo plus three makes five.\n</think>\n\nIt is 5."}]
+    assert encode_example({"messages": inline}, tok, QWEN3, 512, False)["labels"] == enc["labels"]
+    off = encode_example({"messages": REASONED}, tok, QWEN3, 512, False, "off")  # data.thinking: off drops it
+    assert tok.decode(labelled(off)) == "It is 5.<|im_end|>\n"
+
+
+def test_an_earlier_reply_is_context_and_the_last_is_trained(tok):
+    chat = PLAIN + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]
+    enc = encode_example({"messages": chat}, tok, QWEN3, 512, False)
+    expected = tok.apply_chat_template(chat, tokenize=False, enable_thinking=False)
+    assert enc["input_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(enc)) == "It is 6.<|im_end|>\n"
+
+
+def test_a_template_without_the_switch_is_unchanged(tok):
+    plain = (DEMO / "chat_template.jinja").read_text()
+    enc = encode_example({"messages": PLAIN}, tok, plain, 512, False)
+    assert enc["input_ids"] == tok(tok.apply_chat_template(PLAIN, chat_template=plain, tokenize=False),
+                                   add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(enc)) == "It is 4.<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory) -> Path:
+    """The demo model with Qwen3's chat template."""
+    folder = tmp_path_factory.mktemp("qwen3-template")
+    for f in DEMO.iterdir():
+        if f.name != "chat_template.jinja":
+            (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text(QWEN3)
+    return folder
+
+
+def write_chats(path: Path, rows: list[list[dict]]) -> Path:
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    return path
+
+
+def test_the_plan_and_the_run_state_the_form(qwen3_model, tmp_path):
+    data = write_chats(tmp_path / "chats.jsonl", [PLAIN] * 5 + [REASONED] * 2)
+    plan = json.loads(cli_in_process("plan", "--model", str(qwen3_model), "--gpu", "cpu", "--data", str(data),
+                                     "--json").stdout)
+    said = json.dumps(plan)
+    assert ("the chat template takes enable_thinking: 5 row(s) without reasoning trained in its non-thinking form "
+            "(enable_thinking=False, the template's empty think block unlabelled); 2 row(s) with reasoning in its "
+            "thinking form (enable_thinking=True, the reasoning labelled)") in said
+    text = cli_in_process("plan", "--model", str(qwen3_model), "--gpu", "cpu", "--data", str(data)).stdout
+    assert "5 row(s) without reasoning trained in its non-thinking form" in text
+    from transformers import AutoTokenizer
+
+    stats = prepare_data(DataSection(path=str(data), cache=False), AutoTokenizer.from_pretrained(qwen3_model), 0).stats
+    assert (stats.thinking["value"], stats.thinking["plain_rows"], stats.thinking["thinking_rows"]) == ("per row", 5, 2)
+    plain = prepare_data(DataSection(path=str(write_chats(tmp_path / "plain.jsonl", [PLAIN] * 3)), cache=False),
+                         AutoTokenizer.from_pretrained(DEMO), 0).stats
+    assert plain.thinking is None  # the demo's template takes no switch
+
+
+def test_a_bad_thinking_value_is_one_line(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="thinking"):
+        DataSection(path="x.jsonl", thinking="maybe")
