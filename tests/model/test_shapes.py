@@ -46,6 +46,9 @@ KNOWN_TOTALS = {
     "ministral-8b": 8_019_808_256,  # Ministral-8B-Instruct-2410 (its card: 8.02B)
     "olmoe-1b-7b": 6_919_161_856,  # allenai/OLMoE-1B-7B-0924 (its paper: 6.9B in total, 1.3B active; 64 experts, 8 a token)
     "gemma-3-4b": 4_300_079_472,  # google/gemma-3-4b-it (its card: 4.3B with the vision tower)
+    # Qwen/Qwen3-Next-80B-A3B-Thinking (its name: 80B in total, 3B active), the config as ai-dynamo/aiconfigurator
+    # vendors it (src/aiconfigurator/model_configs/Qwen--Qwen3-Next-80B-A3B-Thinking_config.json)
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 
 
@@ -58,8 +61,12 @@ def _meta_model(shape):
 def _kind(name: str) -> str:
     if "vision_tower" in name or "multi_modal_projector" in name or ".visual." in name:
         return "other"
-    if ".experts." in name:
+    if ".experts." in name or ".shared_expert." in name:  # a shared expert is counted with the experts
         return "experts"
+    if ".linear_attn." in name:  # a linear-attention block: its projections, its gated norm, its conv and state
+        if "norm" in name:
+            return "norms"
+        return "other" if any(k in name for k in ("conv1d", "A_log", "dt_bias")) else "attention"
     if ".mlp.gate." in name or ".mlp.router." in name:
         return "router"
     if "embed_tokens" in name:
@@ -86,7 +93,7 @@ def test_parameter_counts_equal_the_meta_model_per_module_kind(shape):
         by_kind[_kind(name)] = by_kind.get(_kind(name), 0) + p.numel()
     counts = shape.param_counts()
     assert counts["total"] == sum(p.numel() for p in model.parameters())
-    for kind in ("embeddings", "attention", "mlp", "norms", "lm_head", "experts", "router"):
+    for kind in ("embeddings", "attention", "mlp", "norms", "lm_head", "experts", "router", "other"):
         assert counts.get(kind, 0) == by_kind.get(kind, 0), kind
     if shape.name in KNOWN_TOTALS:
         assert counts["total"] == KNOWN_TOTALS[shape.name]
