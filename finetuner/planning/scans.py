@@ -22,9 +22,23 @@ kernels are not installed):
   per token the discretized ``A`` and ``B u`` (``d N`` each), the state's update (``2 d N``) and its read by ``C``
   (``2 d N``): ``6 d N``; a Python loop over the tokens, ``MAMBA_OPS_PER_TOKEN`` operations each.
 
-The padding to whole chunks is counted (a sequence shorter than a chunk costs a chunk). Their element-wise
-work that is saved for backward is in the memory model's trace of the layer (the speed model's memory-bound
-term); their depthwise convolution (``2 K`` FLOPs a channel and token) is counted here.
+The padding to whole chunks is counted (a sequence shorter than a chunk costs a chunk). Their depthwise
+convolution (``2 K`` FLOPs a channel and token) is counted here.
+
+**Their element-wise work** (:func:`scan_bytes`, the speed model's memory-bound term): the bytes every operation
+that is neither a matmul nor a view reads and writes, forward and backward, counted on a dispatch trace of
+transformers 5.23's code (``TorchDispatchMode``, every tensor an operation takes or returns) at many widths and
+lengths; the counts are exact polynomials, written out below with their integer (or half) coefficients, in
+elements:
+
+* Gated DeltaNet's ``torch_chunk_gated_delta_rule`` (fp32 whatever the compute dtype, query and key normalised
+  in it), per value head (two or more heads: one head skips the transposes' copies), ``c`` chunks of ``C``: ``c (127 C dk + 53 C dv + 52 C² + 120 C + 19 dk dv + 6)`` and
+  ``c² (12 C dk + 9 C dv + 4 C² + 4)``. The ``c²`` term is the loop's backward: the gradient of each chunk's slice
+  (``new_values[:, :, i]``, ``k_cumdecay``, ``query``, ``key``, ``intra_chunk_attn``, the in-place write into
+  ``core_attn_out``) is a zero tensor of the whole sequence's size with the slice filled in, then added to the
+  others: the PyTorch path's backward grows as ``T²``. The rest of the layer (its convolution, gates and norm)
+  is in the memory model's terms like any layer's; the key heads' ``repeat_interleave`` is not counted.
+Mamba-2's, Mamba-1's and LFM2's element-wise work is not counted here (their operations are, above).
 
 Which path a run takes: transformers calls flash-linear-attention's, mamba-ssm's and causal-conv1d's kernels when
 they import, else the PyTorch path (``use_kernel_func_from_hub_with_fallback``). :func:`kernels_installed` says which
@@ -166,6 +180,19 @@ def scan_flops(shape: ModelShape, rows: int, seq: int) -> float:
         total += m.mamba_layers * rows * per_token * seq
     if m.conv_layers:
         total += m.conv_layers * rows * 2 * m.conv_kernel * m.conv_channels * seq
+    return total
+
+
+def scan_bytes(shape: ModelShape, rows: int, seq: int) -> float:
+    """Bytes the mixers' element-wise operations move over ``rows`` sequences of ``seq`` tokens, forward and
+    backward (the module doc's counts): the delta rule, at fp32 whatever the compute dtype."""
+    m = mixers(shape)
+    total = 0.0
+    if m.delta_layers:
+        C, dk, dv, c = DELTA_CHUNK, m.delta_dk, m.delta_dv, chunks(seq, DELTA_CHUNK)
+        per_chunk = 127 * C * dk + 53 * C * dv + 52 * C * C + 120 * C + 19 * dk * dv + 6
+        per_pair = 12 * C * dk + 9 * C * dv + 4 * C * C + 4
+        total += 4 * m.delta_layers * rows * m.delta_heads * (c * per_chunk + c * c * per_pair)
     return total
 
 

@@ -20,8 +20,9 @@ chosen and rejected responses) costs the sum of:
 * **linear attention and state-space scans** (:mod:`finetuner.planning.scans`): a Gated DeltaNet's chunked
   delta rule, Mamba-2's chunked scan, Mamba's sequential scan, their FLOPs linear in ``seq`` as transformers'
   PyTorch path computes them, forward and backward twice that, at the matmul rate of their narrow width; their
-  Python loops' operations (per chunk, or per token for Mamba) in the per-operation cost. Their linears are
-  decoder linears (the matmuls above);
+  Python loops' operations (per chunk, or per token for Mamba) in the per-operation cost, their element-wise
+  bytes (:func:`finetuner.planning.scans.scan_bytes`, counted on a trace: the delta rule's backward grows as
+  ``T²``) in the memory-bound term. Their linears are decoder linears (the matmuls above);
 * **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
   (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
@@ -70,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
-from finetuner.planning.scans import attention_layers, scan_flops, scan_ops, scan_width
+from finetuner.planning.scans import attention_layers, scan_bytes, scan_flops, scan_ops, scan_width
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -495,6 +496,9 @@ def memory_bytes(shape: ModelShape, s: Settings) -> dict[str, float]:
         # fp32 cast (the cross-entropy itself: :func:`loss_seconds`), and their gradient likewise
         "logits": 4 * c * labelled * shape.vocab_size if c != 4 else 0.0,
         "reference pass": saved * FORWARD_TRAFFIC if has_reference_pass(s) else 0.0,
+        # linear attention's element-wise work, forward and backward (counted once: a recompute's
+        # forward share and a reference pass are not added)
+        "scans": scan_bytes(shape, rows_per_micro_batch(s), s.seq_len),
     }
 
 

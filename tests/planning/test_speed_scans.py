@@ -102,3 +102,62 @@ def test_the_plan_says_which_path_it_times_and_which_kernels_are_missing(qwen35,
         assert (pip in note.split("not installed")[0]) == (not have[pip])
     assert "mamba-ssm" in scans.kernel_note(mamba2) or have["mamba-ssm"]
     assert scans.kernel_note(_default("llama")) is None
+
+
+# ---------------------------------------------------------------------- the element-wise term, against a trace
+def _elementwise_bytes(fn) -> int:
+    """Bytes every operation that is neither a matmul nor a view takes and returns while ``fn`` runs (a forward and
+    its backward): the count :func:`finetuner.planning.scans.scan_bytes` writes out, done here on a dispatch trace."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+                aten.linalg_solve_triangular.default}
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func not in matmuls:
+                Count.total += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                                   if isinstance(t, torch.Tensor))
+            return out
+
+    with Count():
+        fn()
+    return Count.total
+
+
+def _delta_rule_bytes(chunks: int, heads: int, dk: int, dv: int) -> int:
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    T = chunks * scans.DELTA_CHUNK
+    q, k = (torch.randn(1, T, heads, dk, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, T, heads, dv, requires_grad=True)
+    g, beta = -torch.rand(1, T, heads, requires_grad=True), torch.rand(1, T, heads, requires_grad=True)
+    return _elementwise_bytes(lambda: torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+                              .sum().backward())
+
+
+def test_the_delta_rules_elementwise_bytes_are_the_traced_count_and_grow_as_t_squared():
+    """The Gated DeltaNet's formula at 2 heads of widths 16 and 8 equals the traced count of transformers' PyTorch
+    path between 2 and 3 chunks and between 3 and 5 (the differences cancel the count's constant: the bool mask and
+    the initial state, which do not grow with T), and its backward makes the growth quadratic."""
+    cfg = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=64, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+               linear_key_head_dim=16, linear_value_head_dim=8, num_hidden_layers=2, vocab_size=64,
+               layer_types=["linear_attention", "full_attention"])
+    from transformers import AutoConfig
+
+    shape = shape_from_config(AutoConfig.for_model(**cfg).to_dict(), name="tiny")
+    assert scans.mixers(shape).delta_layers == 1
+    formula = {c: scans.scan_bytes(shape, 1, c * scans.DELTA_CHUNK) for c in (2, 3, 5)}
+    traced = {c: _delta_rule_bytes(c, 2, 16, 8) for c in (2, 3, 5)}
+    assert formula[3] - formula[2] == traced[3] - traced[2]
+    assert formula[5] - formula[3] == traced[5] - traced[3]
+    assert traced[5] - traced[3] > 2 * (traced[3] - traced[2])  # super-linear: the c² term
+
