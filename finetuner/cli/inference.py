@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--compare", action="store_true", help="Show the base model's answer next to the fine-tuned one.")
     c.add_argument("--no-adapter", action="store_true", help="Chat with the base model alone.")
     c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, else the one every training row carried, if any).")
+    c.add_argument("--thinking", choices=["on", "off"],
+                   help="A thinking chat template's form (one that takes enable_thinking: Qwen3, Qwen3.5); default: "
+                        "the form the run's rows trained in (a file without reasoning: off), else the template's own.")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.7, help="0 for greedy decoding (default 0.7).")
     c.add_argument("--top-p", type=float, default=0.9)
@@ -170,6 +173,7 @@ def _stream_to_stdout(pieces) -> str:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from finetuner.data.thinking import prompt_switches
     from finetuner.infer.chat import load_chat_model
 
     if args.compare and args.no_adapter:
@@ -181,6 +185,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         _err(f"Loading {args.source} ...")
     chat = load_chat_model(args.source, adapter=not args.no_adapter, device=args.device, base_model=args.base,
                            **code_optins(args))
+    if args.thinking:
+        chat.switches = prompt_switches(chat.template, None, args.thinking)
     if args.system is not None:
         chat.system = args.system or None
     elif chat.system:  # the run's own (finetuner.infer.loading.system_prompt): said, so that an answer is not a puzzle

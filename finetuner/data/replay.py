@@ -99,9 +99,12 @@ class BaseModel:
     weights: Fingerprint | None = None
 
 
-def base_model(name: str, revision: str | None, dtype: str, model: Any, tokenizer: Any, template: str) -> BaseModel:
+def base_model(name: str, revision: str | None, dtype: str, model: Any, tokenizer: Any, template: str,
+               switches: dict[str, Any] | None = None) -> BaseModel:
     """The :class:`BaseModel` of ``model.name`` (at ``revision``) loaded as ``model`` (its config and generation
-    config as loaded: a quantized base's config says so) with ``tokenizer`` and the chat ``template`` in use."""
+    config as loaded: a quantized base's config says so) with ``tokenizer`` and the chat ``template`` in use, with
+    its keyword arguments ``switches`` (the run's thinking form, :func:`finetuner.data.thinking.prompt_switches`:
+    hashed with the template, so that answers asked in another form are made again)."""
     weights = weights_fingerprint(name, revision)
     generation = getattr(model, "generation_config", None)
     state = {
@@ -109,7 +112,7 @@ def base_model(name: str, revision: str | None, dtype: str, model: Any, tokenize
         "config": _sha(model.config.to_json_string()),
         "generation_config": _sha(generation.to_json_string()) if generation is not None else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "chat_template": _sha(template or ""),
+        "chat_template": _sha((template or "") + (json.dumps(switches, sort_keys=True) if switches else "")),
         "dtype": str(dtype),
     }
     return BaseModel(name if revision is None else f"{name}@{revision}", state, weights)

@@ -17,7 +17,13 @@ The template's own empty think block is written by its generation prompt, so it 
 label (:func:`finetuner.data.pipeline.encode_example` labels from the end of that prompt). Such a template writes
 an earlier reply of a conversation without the think block it was answered after: that reply is context, not a
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
-(``resolved``) state the forms (:func:`statement`).
+(``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
+
+A prompt the run's model answers (``finetuner chat``, the run's sample answers, its general probe, the notebook's
+and the web UI's chat) renders in the form the rows trained in when all of them trained in one
+(:func:`prompt_switches`): a file without reasoning trained the non-thinking form, and the model is asked in it;
+rows of both forms leave the template's own default. Exact-match answers need nothing: their prompts are the
+held-out rows encoded as in training.
 """
 
 from __future__ import annotations
@@ -104,3 +110,17 @@ def statement(template: str | None, rows: Iterable[Sequence[dict[str, Any]]], se
 def resolved(stated: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """The start event's ``resolved`` entry for a :func:`statement` (``{}`` without one)."""
     return {"data.thinking": {"value": stated["value"], "reason": stated["reason"]}} if stated else {}
+
+
+def prompt_switches(template: str | None, stated: dict[str, Any] | None, setting: str | None = None
+                    ) -> dict[str, Any]:
+    """The template's keyword arguments for a prompt the run's model answers (module doc): ``setting`` (``on`` or
+    ``off``: ``finetuner chat --thinking``) when given, else the one form every row trained in (``stated``: the
+    run's :func:`statement`, as ``metrics.json`` keeps it); ``{}`` when the rows trained in both forms or the
+    template takes no switch."""
+    if not takes_switch(template):
+        return {}
+    if setting in ("on", "off"):
+        return {SWITCH: setting == "on"}
+    value = stated.get("value") if isinstance(stated, dict) else None
+    return {SWITCH: value == "on"} if value in ("on", "off") else {}

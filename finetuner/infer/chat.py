@@ -21,8 +21,9 @@ from typing import Any
 
 import finetuner.phases as phases
 from finetuner.errors import UserError
+from finetuner.data.thinking import prompt_switches
 from finetuner.infer.loading import (Source, chat_template, context_length, load_model, load_tokenizer, picture_processor,
-                                    resolve_source, system_prompt)
+                                    resolve_source, system_prompt, trained_thinking)
 
 
 @dataclass
@@ -39,6 +40,9 @@ class ChatModel:
     max_context: int = 2048
     #: an image-text-to-text model's processor (it reads pictures: ``images=`` in :meth:`stream`), else None
     processor: Any = None
+    #: the chat template's keyword arguments: the thinking form the run's rows trained in
+    #: (:func:`finetuner.data.thinking.prompt_switches`; ``finetuner chat --thinking`` sets another)
+    switches: dict[str, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -63,7 +67,8 @@ class ChatModel:
             from finetuner.data.images import message_parts
 
             messages = message_parts(messages)
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True,
+                                                  **self.switches)
 
     def with_pictures(self, messages: list[dict[str, str]], images: list[str]) -> list[dict[str, str]]:
         """``messages`` with ``images`` (paths) placed before the last user message's text, unless the messages
@@ -302,4 +307,5 @@ def load_chat_model(
         system=system_prompt(src),
         max_context=context_length(model, tokenizer),
         processor=processor,
+        switches=prompt_switches(template, trained_thinking(src)),
     )

@@ -39,9 +39,13 @@ def text_streamer(tokenizer: Any, timeout: float | None = None):
     return CleanTextStreamer(tokenizer, skip_prompt=True, timeout=timeout, skip_special_tokens=True)
 
 
-def render_prompt(tokenizer: Any, chat_template: str, prompt: str, system: str | None = None) -> str:
+def render_prompt(tokenizer: Any, chat_template: str, prompt: str, system: str | None = None,
+                  switches: dict[str, Any] | None = None) -> str:
+    """``prompt`` (after ``system``) as the model is asked it; ``switches``: the template's keyword arguments (the
+    run's thinking form, :func:`finetuner.data.thinking.prompt_switches`)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
+                                         **(switches or {}))
 
 
 def generate(
@@ -54,11 +58,13 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     streamer=None,
+    switches: dict[str, Any] | None = None,
 ) -> str:
-    """The model's answer to ``prompt`` (greedy when temperature is 0), without replacement characters."""
+    """The model's answer to ``prompt`` (greedy when temperature is 0), without replacement characters;
+    ``switches``: as :func:`render_prompt`."""
     import torch
 
-    text = render_prompt(tokenizer, chat_template, prompt)
+    text = render_prompt(tokenizer, chat_template, prompt, switches=switches)
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
     torch.manual_seed(seed)
     kwargs: dict[str, Any] = dict(
@@ -80,18 +86,20 @@ def generate(
     return clean_text(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
 
 
-def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime) -> list[dict[str, str]]:
-    """For each prompt: the base model's answer (adapter disabled) and the fine-tuned one."""
+def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime,
+                    switches: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """For each prompt: the base model's answer (adapter disabled) and the fine-tuned one, both asked in the run's
+    thinking form (``switches``: :func:`finetuner.data.thinking.prompt_switches`)."""
     results = []
     use_cache = model.config.use_cache
     model.config.use_cache = True
     try:
         for prompt in samples_cfg.prompts:
-            tuned = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+            tuned = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens, switches=switches)
             phases.advance()  # the run's "samples" phase, when one is open
             if hasattr(model, "disable_adapter"):
                 with model.disable_adapter():
-                    base = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens)
+                    base = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens, switches=switches)
                 phases.advance()
             else:
                 base = None

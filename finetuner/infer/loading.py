@@ -211,6 +211,11 @@ def system_prompt(src: Source) -> str | None:
 
     if src.recipe is None:
         return None
+    return run_system_prompt(src.recipe.data.system_prompt, run_data_stats(src))
+
+
+def run_data_stats(src: Source) -> dict[str, Any] | None:
+    """The run's data statistics as its ``metrics.json`` keeps them (``data``), None without a readable one."""
     metrics = None
     if src.run_dir is not None and (src.run_dir / "metrics.json").is_file():
         try:
@@ -218,7 +223,14 @@ def system_prompt(src: Source) -> str | None:
         except (OSError, json.JSONDecodeError):
             metrics = None  # unreadable: the recipe's alone (eval and the probe say what is wrong with the file)
     stats = metrics.get("data") if isinstance(metrics, dict) else None
-    return run_system_prompt(src.recipe.data.system_prompt, stats if isinstance(stats, dict) else None)
+    return stats if isinstance(stats, dict) else None
+
+
+def trained_thinking(src: Source) -> dict[str, Any] | None:
+    """The thinking forms the run's rows trained in (:func:`finetuner.data.thinking.statement`, as ``metrics.json``
+    keeps it), None for a model, an adapter without its run, or a template without the switch."""
+    found = (run_data_stats(src) or {}).get("thinking")
+    return found if isinstance(found, dict) else None
 
 
 def picture_processor(src: Source):

@@ -34,7 +34,7 @@ from typing import Any
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.data import cache as data_cache
 from finetuner.data.pipeline import PreparedData
-from finetuner.data.thinking import resolved as thinking_resolved
+from finetuner.data.thinking import prompt_switches, resolved as thinking_resolved
 from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
@@ -992,7 +992,11 @@ class Trainer:
         context = min(2048, int(getattr(self.model.config, "max_position_embeddings", None) or 2048))
         return ChatModel(model=self.model, tokenizer=self.tokenizer, template=self.data.chat_template,
                          device=str(self.rt.device), source=Source(self.run_dir, "run", r.model.name, recipe=r),
-                         system=system, max_context=context)
+                         system=system, max_context=context, switches=self.prompt_switches())
+
+    def prompt_switches(self) -> dict[str, Any]:
+        """The chat template's keyword arguments for the prompts the run answers: the form its rows trained in."""
+        return prompt_switches(self.data.chat_template, self.data.stats.thinking)
 
     @contextlib.contextmanager
     def _answering(self):
@@ -1026,7 +1030,7 @@ class Trainer:
                                            max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
 
         base = base_model(r.model.name, r.model.revision, self.rt.base_dtype, self.model, self.tokenizer,
-                          self.data.chat_template)
+                          self.data.chat_template, self.prompt_switches())
         self.data, info = mix_replay(self.data, r.data, self.tokenizer, base, r.training.seed, answer)
         # the answers made again for a reason (another base, a damaged file) or left uncached: a warning (the CLI
         # prints it; the progress printer says the routine ones)
@@ -1138,7 +1142,8 @@ class Trainer:
         began = time.perf_counter()
         answers = sample_answers(len(r.samples.prompts), "full" if not hasattr(self.model, "disable_adapter") else r.method)
         with self.phase("samples", total=answers, unit="answers", predicted_s=self._predicted_part("samples")):
-            samples = compare_samples(self.model, self.tokenizer, self.data.chat_template, r.samples, self.rt)
+            samples = compare_samples(self.model, self.tokenizer, self.data.chat_template, r.samples, self.rt,
+                                      self.prompt_switches())
         took = time.perf_counter() - began
         result.metrics["samples"] = samples
         if "time" in result.metrics:  # the samples' time, and the total with them

@@ -12,7 +12,7 @@ import pytest
 from finetuner.config.recipe import DataSection
 from finetuner.data.formats import IGNORE_INDEX
 from finetuner.data.pipeline import encode_example, prepare_data
-from tests.conftest import REPO, cli_in_process
+from tests.conftest import REPO, cli_in_process, write_recipe
 
 DEMO = REPO / "data" / "demo_model"
 QWEN3 = (Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -104,8 +104,78 @@ def test_the_plan_and_the_run_state_the_form(qwen3_model, tmp_path):
     assert plain.thinking is None  # the demo's template takes no switch
 
 
-def test_a_bad_thinking_value_is_one_line(tmp_path):
-    from pydantic import ValidationError
+ASKED = "What is 5+5?"
 
-    with pytest.raises(ValidationError, match="thinking"):
-        DataSection(path="x.jsonl", thinking="maybe")
+
+@pytest.fixture(scope="module")
+def plain_run(qwen3_model, tmp_path_factory) -> Path:
+    """The demo model with Qwen3's template trained 2 LoRA steps on chats without reasoning, a sample prompt
+    answered (a real run on the CPU)."""
+    import finetuner
+    from finetuner.config.recipe import Recipe
+
+    folder = tmp_path_factory.mktemp("thinking-run")
+    data = write_chats(folder / "chats.jsonl", [[{"role": "user", "content": f"What is {i}+{i}?"},
+                                                 {"role": "assistant", "content": f"It is {2 * i}."}] for i in range(8)])
+    return finetuner.train(Recipe.from_dict({
+        "name": "plain", "model": {"name": str(qwen3_model)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"path": str(data), "max_seq_len": 64, "val_size": 0},
+        "training": {"max_steps": 2, "lr": 1e-2, "micro_batch_size": 2, "gradient_accumulation": 1, "warmup_steps": 0,
+                     "general_probe": 0},
+        "samples": {"prompts": [ASKED], "max_new_tokens": 8},
+        "logging": {"tensorboard": False}, "output_dir": str(folder / "run")})).run_dir
+
+
+def test_a_run_states_its_form_and_is_asked_in_it(plain_run, tok):
+    """The start event's resolved states the form; chat and the sample answers ask in it: the prompt is Qwen3's
+    own with enable_thinking=False."""
+    from finetuner.infer.chat import load_chat_model
+    from finetuner.infer.generate import render_prompt
+    from finetuner.infer.loading import resolve_source, trained_thinking
+    from finetuner.runs.events import read_events
+
+    start = next(e for e in read_events(plain_run / "events.jsonl") if e["event"] == "start")
+    assert start["resolved"]["data.thinking"] == {
+        "value": "off", "reason": "the chat template takes enable_thinking: 8 row(s) without reasoning trained in its "
+                                  "non-thinking form (enable_thinking=False, the template's empty think block unlabelled)"}
+    stated = trained_thinking(resolve_source(str(plain_run)))  # what metrics.json keeps
+    assert (stated["value"], stated["plain_rows"], stated["thinking_rows"]) == ("off", 8, 0)
+
+    asked = [{"role": "user", "content": ASKED}]
+    expected = tok.apply_chat_template(asked, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert expected.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # the template's non-thinking prompt
+    chat = load_chat_model(str(plain_run), device="cpu")
+    assert chat.switches == {"enable_thinking": False} and chat.render(asked) == expected
+    assert render_prompt(tok, QWEN3, ASKED, switches=chat.switches) == expected  # how a sample answer is asked
+    # the run's sample answer is the greedy reply to that prompt, not to the thinking form's
+    sample = json.loads((plain_run / "metrics.json").read_text())["samples"][0]["fine_tuned"]
+    assert chat.reply(asked, max_new_tokens=8, temperature=0.0) == sample
+    chat.switches = {"enable_thinking": True}
+    assert chat.render(asked) == tok.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    assert chat.reply(asked, max_new_tokens=8, temperature=0.0) != sample  # so the equality above tells the forms apart
+
+
+def test_chat_asks_in_the_form_given(plain_run):
+    out = cli_in_process("chat", str(plain_run), "-p", ASKED, "--thinking", "on", "--temperature", "0",
+                         "--max-new-tokens", "8", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    from finetuner.infer.chat import load_chat_model
+
+    chat = load_chat_model(str(plain_run), device="cpu")
+    chat.switches = {"enable_thinking": True}
+    assert out.stdout.strip() == chat.reply([{"role": "user", "content": ASKED}], max_new_tokens=8, temperature=0.0)
+
+
+def test_a_bad_thinking_value_is_one_line(tmp_path):
+    """``data.thinking: maybe`` in a recipe file or with --set: exit 2, the key and the allowed values, no traceback."""
+    data = write_chats(tmp_path / "chats.jsonl", [PLAIN] * 2)
+    good = {"name": "t", "model": {"name": str(DEMO)}, "data": {"path": str(data)}, "output_dir": str(tmp_path / "run")}
+    bad = write_recipe(tmp_path / "bad.yaml", {**good, "data": {"path": str(data), "thinking": "maybe"}})
+    for args in (["run", str(bad)], ["run", str(write_recipe(tmp_path / "good.yaml", good)), "--set", "data.thinking=maybe"]):
+        out = cli_in_process(*args)
+        assert out.returncode == 2, out.stderr
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        assert "Traceback" not in out.stderr and lines[-1] == (
+            "  - data.thinking: invalid value 'maybe'. Valid choices: auto, on, off."), out.stderr
+        assert len(lines) == 2 and lines[0].startswith("error: ") and "the recipe is not valid" in lines[0]
+    assert not (tmp_path / "run").exists()
