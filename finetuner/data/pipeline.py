@@ -185,6 +185,10 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
                     continue
                 prefix = _render(tokenizer, template, msgs[:i], gen=True, **switches) if i else ""
                 upto = _render(tokenizer, template, msgs[: i + 1], gen=False, **switches)
+                joined = (thinking.joined_reply(prefix, upto) if switches and i == last and text.startswith(upto)
+                          and not upto.startswith(prefix) else None)
+                if joined is not None:  # the reply after the non-thinking prompt's empty think block (thinking.py)
+                    text, upto = joined + text[len(upto):], joined
                 if not (text.startswith(upto) and upto.startswith(prefix)):
                     if switches and i < last:  # a thinking template's earlier reply: context (module doc)
                         continue

@@ -14,7 +14,10 @@ answers at once; on, the model writes its reasoning first. A template takes the 
 - ``on``: every row in the thinking form.
 
 The template's own empty think block is written by its generation prompt, so it lies in the prompt and is never a
-label (:func:`finetuner.data.pipeline.encode_example` labels from the end of that prompt). Such a template writes
+label (:func:`finetuner.data.pipeline.encode_example` labels from the end of that prompt). A template may write a
+reply without reasoning with no think block while its non-thinking generation prompt ends in an empty one
+(Qwen3.5's: llama.cpp's models/templates/Qwen3.5-4B.jinja): the last reply is then trained after that prompt, as
+the model is asked at inference (:func:`joined_reply`). Such a template writes
 an earlier reply of a conversation without the think block it was answered after: that reply is context, not a
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
 (``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
@@ -59,6 +62,21 @@ def without_reasoning(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
                 m["content"] = m["content"].split(THINK_END)[-1].lstrip("\n")
         out.append(m)
     return out
+
+
+def joined_reply(prompt: str, rendered: str) -> str | None:
+    """The conversation up to a reply as the model sees it with thinking off, where the template renders the reply
+    without the empty think block its generation prompt ends in (module doc): ``prompt`` (the generation prompt)
+    followed by the reply as ``rendered`` writes it. None when ``prompt`` differs from ``rendered`` otherwise."""
+    same = 0
+    for a, b in zip(prompt, rendered):
+        if a != b:
+            break
+        same += 1
+    inserted = prompt[same:]
+    if inserted.strip().replace("\n", "").replace(" ", "") != "<think></think>":
+        return None
+    return prompt + rendered[same:]
 
 
 def thinking_on(template: str | None, messages: Sequence[dict[str, Any]], setting: str = "auto") -> bool | None:

@@ -61,6 +61,31 @@ def test_an_earlier_reply_is_context_and_the_last_is_trained(tok):
     assert tok.decode(labelled(enc)) == "It is 6.<|im_end|>\n"
 
 
+#: Qwen3.5's rule, in a template this test writes (llama.cpp's models/templates/Qwen3.5-4B.jinja follows it): a
+#: reply without reasoning rendered with no think block, the non-thinking generation prompt ending in an empty one
+SPLIT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+         "{% if m.role == 'assistant' and m.reasoning_content and loop.last %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+         "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+         "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def test_a_reply_the_template_writes_without_the_think_block_trains_after_the_non_thinking_prompt(tok):
+    """The model is asked with the empty think block and answers after it: that is what the row trains."""
+    asked = tok.apply_chat_template(PLAIN[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False,
+                                    chat_template=SPLIT)
+    assert asked.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "<think>" not in tok.apply_chat_template(PLAIN, tokenize=False, enable_thinking=False, chat_template=SPLIT)
+    enc = encode_example({"messages": PLAIN}, tok, SPLIT, 512, False)
+    assert enc["input_ids"] == tok(asked + "It is 4.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(enc)) == "It is 4.<|im_end|>\n"  # the empty think block is the prompt's
+    chat = PLAIN + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]
+    assert tok.decode(labelled(encode_example({"messages": chat}, tok, SPLIT, 512, False))) == "It is 6.<|im_end|>\n"
+    thought = encode_example({"messages": REASONED}, tok, SPLIT, 512, False)  # the thinking form is a prefix already
+    assert thought["input_ids"] == tok(tok.apply_chat_template(REASONED, tokenize=False, enable_thinking=True,
+                                                                chat_template=SPLIT), add_special_tokens=False)["input_ids"]
+    assert tok.decode(labelled(thought)) == "Two plus three makes five.\n</think>\n\nIt is 5.<|im_end|>\n"
+
+
 def test_a_template_without_the_switch_is_unchanged(tok):
     plain = (DEMO / "chat_template.jinja").read_text()
     enc = encode_example({"messages": PLAIN}, tok, plain, 512, False)
