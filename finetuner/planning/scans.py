@@ -42,7 +42,8 @@ Mamba-2's, Mamba-1's and LFM2's element-wise work is not counted here (their ope
 
 Which path a run takes: transformers calls flash-linear-attention's, mamba-ssm's and causal-conv1d's kernels when
 they import, else the PyTorch path (``use_kernel_func_from_hub_with_fallback``). :func:`kernels_installed` says which
-are; the speed model times the PyTorch path in any case (no kernel's speed is measured here), and the plan says so.
+are; the speed model times the PyTorch path in any case (no kernel's speed is measured here), and the plan says so,
+naming the extra that installs the missing ones (``finetuner[kernels]``, Linux x86_64 only: they build CUDA code).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from finetuner.model.shapes import ModelShape
 
 #: the packages whose kernels transformers uses for these layers, by what they speed up
 KERNEL_PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}
+#: the optional extra that installs them (pyproject.toml: on Linux x86_64 only, where they build)
+KERNELS_EXTRA = "finetuner[kernels]"
 #: ``torch_chunk_gated_delta_rule``'s chunk (its default; Qwen3.5 and Qwen3-Next call it so)
 DELTA_CHUNK = 64
 #: operations of one pass of ``torch_chunk_gated_delta_rule``'s loop over chunks, counted in its code: five
@@ -227,6 +230,7 @@ def kernel_note(shape: ModelShape) -> str | None:
                                   f"{m.conv_layers} short-convolution" if m.conv_layers else "") if x)
     path = "transformers' PyTorch path" + (" (a Python loop over every token)" if m.mamba_layers else "")
     return (f"its {kinds} layers are timed as {path}, linear in the sequence length; "
-            + (f"{', '.join(missing)} not installed here, so a run takes that path" if missing
+            + (f"{', '.join(missing)} not installed here, so a run takes that path (`pip install '{KERNELS_EXTRA}'` "
+               "installs the kernels on Linux x86_64, with a CUDA toolkit and a C++ compiler to build them)" if missing
                else f"{', '.join(needed)} are installed, so a run on a GPU takes their kernels, which this estimate does not time")
             + "; the kernels' speed-up is not measured")

@@ -104,6 +104,70 @@ def test_the_plan_says_which_path_it_times_and_which_kernels_are_missing(qwen35,
     assert scans.kernel_note(_default("llama")) is None
 
 
+@pytest.fixture(scope="module")
+def tiny_mixer_plans(tmp_path_factory) -> dict:
+    """A tiny Qwen3.5 and a tiny Mamba-2 (their default configs shrunk, as ``config.json`` folders) planned on an
+    RTX 4090 as a user would: ``finetuner.plan(folder, "rtx4090")``, each plan's note on its mixers."""
+    import finetuner
+    from finetuner.model.tiny import tiny_config
+
+    notes = {}
+    for model_type in ("qwen3_5_text", "mamba2"):
+        folder = tmp_path_factory.mktemp(model_type)
+        (folder / "config.json").write_text(json.dumps(tiny_config(model_type, 256)))
+        plan = finetuner.plan(str(folder), "rtx4090", seq_len=256, alternatives=False)
+        notes[model_type] = next(n for n in plan.notes if "timed as transformers' PyTorch path" in n)
+    return notes
+
+
+@pytest.mark.parametrize("model_type, needed", [("qwen3_5_text", ["flash-linear-attention", "causal-conv1d"]),
+                                                ("mamba2", ["mamba-ssm", "causal-conv1d"])])
+def test_the_plan_names_the_kernels_extra_for_the_kernels_not_installed(tiny_mixer_plans, model_type, needed):
+    """The plan of a model with such layers says it timed transformers' PyTorch path, and where the kernels its layers
+    use are not installed, names them and the extra that installs them (no speed-up figure)."""
+    have = scans.kernels_installed()
+    note = tiny_mixer_plans[model_type]
+    missing = [pip for pip in needed if not have[pip]]
+    assert "layers are timed as transformers' PyTorch path" in note and "the kernels' speed-up is not measured" in note
+    assert ("pip install 'finetuner[kernels]'" in note) == bool(missing)
+    if missing:
+        assert f"{', '.join(missing)} not installed here, so a run takes that path" in note
+    assert "%" not in note and "x faster" not in note
+
+
+def test_with_every_kernel_installed_the_note_says_their_kernels_run_untimed(qwen35, monkeypatch):
+    monkeypatch.setattr(scans, "kernels_installed", lambda: dict.fromkeys(scans.KERNEL_PACKAGES.values(), True))
+    note = scans.kernel_note(qwen35)
+    assert "are installed, so a run on a GPU takes their kernels, which this estimate does not time" in note
+    assert "finetuner[kernels]" not in note
+
+
+def test_the_kernels_extra_installs_the_three_packages_only_on_linux_x86_64():
+    """pyproject.toml's ``kernels`` extra holds the packages the plan names (their PyPI names), each with a marker
+    that is true on Linux x86_64 only (they build CUDA code), and none of them is in the ``test`` extra."""
+    import platform
+    import tomllib
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    extra = Requirement(scans.KERNELS_EXTRA)
+    assert extra.name == project["name"] and extra.extras == {"kernels"}
+    reqs = [Requirement(r) for r in project["optional-dependencies"]["kernels"]]
+    assert sorted(r.name for r in reqs) == sorted(scans.KERNEL_PACKAGES.values())
+    here = default_environment()
+    places = {("Linux", "x86_64"): True, ("Linux", "aarch64"): False, ("Darwin", "arm64"): False,
+              ("Darwin", "x86_64"): False, ("Windows", "AMD64"): False}
+    for r in reqs:
+        assert r.marker is not None and r.specifier, r
+        for (system, machine), expected in places.items():
+            assert r.marker.evaluate({**here, "platform_system": system, "platform_machine": machine}) is expected, r
+        assert r.marker.evaluate() is (platform.system() == "Linux" and platform.machine() == "x86_64")
+    tested = {Requirement(r).name for r in project["optional-dependencies"]["test"]}
+    assert not tested & {r.name for r in reqs}
+
+
 # ---------------------------------------------------------------------- the element-wise term, against a trace
 def _elementwise_bytes(fn) -> int:
     """Bytes every operation that is neither a matmul nor a view takes and returns while ``fn`` runs (a forward and
