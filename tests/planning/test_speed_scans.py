@@ -56,10 +56,10 @@ def test_a_hybrids_linear_attention_layers_get_no_softmax_term_and_their_delta_r
     f = sp.forward_flops(qwen35, _s(2048))
     assert f["attention"] == 4 * 2048 * qwen35.q_dim * 8 * 2048
     per_token = 32 * (64 * (5 * 128 + 3 * 128) + 6 * 128 * 128)
-    conv = 2 * 4 * (2 * 16 * 128 + 32 * 128)
-    assert f["scan"] == 24 * (per_token + conv) * 2048
-    # a sequence shorter than a chunk is padded to one (the conv is not)
-    assert sp.forward_flops(qwen35, _s(10))["scan"] == 24 * (per_token * 64 + conv * 10)
+    conv = 2 * 4 * (2 * 16 * 128 + 32 * 128)  # kernel 4 over q, k and v's channels, T + 3 outputs (padded both sides)
+    assert f["scan"] == 24 * (per_token * 2048 + conv * (2048 + 3))
+    # a sequence shorter than a chunk is padded to one chunk (the conv to its T + 3 outputs only)
+    assert sp.forward_flops(qwen35, _s(10))["scan"] == 24 * (per_token * 64 + conv * 13)
 
 
 def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
@@ -72,7 +72,8 @@ def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
     f1, f2 = sp.forward_flops(mamba2, _s(T)), sp.forward_flops(mamba2, _s(2 * T))
     c = T // L
     between = lambda chunks: 64 * 2 * (chunks + 1) ** 2 * H * P * N  # noqa: E731
-    assert f2["scan"] - 2 * f1["scan"] == between(2 * c) - 2 * between(c)  # all else exactly linear
+    conv_tail = 64 * 2 * m.conv_kernel * H * P * (m.conv_kernel - 1)  # the conv's K - 1 padded outputs a sequence
+    assert f2["scan"] - 2 * f1["scan"] == between(2 * c) - 2 * between(c) - conv_tail  # all else exactly linear
     assert f1["attention"] == f2["attention"] == 0
     t1, t2 = sp.step_time(mamba2, _s(T), cpu_speed), sp.step_time(mamba2, _s(2 * T), cpu_speed)
     flat = sum(t1.parts[k] for k in ("operations", "optimizer", "fixed")) / t1.step_s
@@ -169,9 +170,10 @@ def test_the_kernels_extra_installs_the_three_packages_only_on_linux_x86_64():
 
 
 # ---------------------------------------------------------------------- the element-wise term, against a trace
-def _elementwise_bytes(fn) -> int:
-    """Bytes every operation that is neither a matmul nor a view takes and returns while ``fn`` runs (a forward and
-    its backward): the count :func:`finetuner.planning.scans.scan_bytes` writes out, done here on a dispatch trace."""
+def _elementwise_bytes(fn, skip: frozenset = frozenset()) -> int:
+    """Bytes every operation that is neither a matmul nor a view (nor in ``skip``) takes and returns while ``fn``
+    runs (a forward and its backward): the count :func:`finetuner.planning.scans.scan_bytes` writes out, done here on
+    a dispatch trace."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -185,7 +187,7 @@ def _elementwise_bytes(fn) -> int:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if not func.is_view and func not in matmuls:
+            if not func.is_view and func not in matmuls and func not in skip:
                 Count.total += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
                                    if isinstance(t, torch.Tensor))
             return out
@@ -225,3 +227,43 @@ def test_the_delta_rules_elementwise_bytes_are_the_traced_count_and_grow_as_t_sq
     assert formula[5] - formula[3] == traced[5] - traced[3]
     assert traced[5] - traced[3] > 2 * (traced[3] - traced[2])  # super-linear: the c² term
 
+
+
+# ---------------------------------------------------------------------- LFM2's short convolution
+def _lfm2_short_conv(channels: int, kernel: int):
+    from transformers import AutoConfig
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    cfg = AutoConfig.for_model("lfm2", hidden_size=channels, conv_L_cache=kernel, num_hidden_layers=2,
+                               layer_types=["conv", "full_attention"], intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, vocab_size=64)
+    return cfg, Lfm2ShortConv(cfg, 0)
+
+
+@pytest.mark.parametrize("channels, kernel", [(16, 3), (24, 4)])
+def test_lfm2s_short_convolution_is_timed_as_its_conv_and_elementwise_work_on_a_trace(channels, kernel):
+    """A tiny LFM2 (one conv layer, one attention layer) run forward and backward over 1 to 3 rows of 5 and 9 tokens:
+    the speed model's convolution FLOPs are ``torch.utils.flop_counter``'s count of the layer's ``aten.convolution``
+    (its padded ``T + K - 1`` outputs), and its element-wise bytes the dispatch trace's count (the linears, their
+    reshapes and the convolution left out), exactly; neither is counted for a plain attention layer."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg, layer = _lfm2_short_conv(channels, kernel)
+    shape = shape_from_config(cfg.to_dict(), name="tiny-lfm2")
+    m = scans.mixers(shape)
+    assert (m.conv_layers, m.conv_channels, m.conv_kernel) == (1, channels, kernel)
+    aten = torch.ops.aten
+    for rows, seq in ((1, 5), (2, 5), (2, 9), (3, 9)):
+        x = torch.randn(rows, seq, channels, requires_grad=True)
+        with FlopCounterMode(display=False) as flops:
+            out = layer(x)
+        assert scans.scan_flops(shape, rows, seq) == flops.get_flop_counts()["Global"][aten.convolution] > 0
+        grad = torch.randn_like(out)
+        x = torch.randn(rows, seq, channels, requires_grad=True)
+        layer.zero_grad(set_to_none=True)  # a first gradient, not an accumulation
+        skip = {aten.convolution.default, aten.convolution_backward.default, aten._unsafe_view.default}
+        traced = _elementwise_bytes(lambda: layer(x).backward(grad), skip=skip)  # the linears' reshapes: views
+        assert scans.scan_bytes(shape, rows, seq, dtype_bytes=4) == traced, (rows, seq)
+    llama = _default("llama")
+    assert scans.scan_flops(llama, 2, 9) == scans.scan_bytes(llama, 2, 9) == 0
