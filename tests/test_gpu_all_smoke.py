@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 SPEED_KEYS = ["config", "device", "finetuner_tokens_per_s", "baseline_tokens_per_s", "finetuner_peak_bytes",
               "baseline_peak_bytes", "mfu"]
 LONG_KEYS = SPEED_KEYS + ["finetuner_max_seq", "baseline_max_seq", "predicted_max_seq"]
-MEMORY_FILES = {"default-loss", "savers", "dpo", "fsdp", "moe", "gemma3"}
+MEMORY_FILES = {"default-loss", "savers", "dpo", "fsdp", "moe", "gemma3", "linear-attention", "mamba-hybrid"}
 WATCHED = [REPO / "README.md", REPO / "docs" / "memory.md", REPO / "docs" / "benchmarks.md"]
 
 
@@ -84,6 +84,37 @@ def test_smoke_memory_rows_are_in_the_validation_format(smoke):
         assert row["predicted_settings"]["method"] == "qlora" and row["predicted_settings"]["quant_bits"] == 4
         assert json.loads((out.parent / "work" / f"tiny-{'olmoe-1b-7b' if tag == 'moe' else 'gemma-3-4b'}"
                                        / "config.json").read_text())["model_type"] == family
+
+
+def test_smoke_linear_attention_rows_keep_their_config_and_replay_on_it(smoke):
+    """Part 10's models are transformers' default configs (no preset): each file keeps the config the run trained,
+    and the replay re-predicts a row from it as from the model's own folder."""
+    from scripts.validate.memory import recompute
+
+    out = smoke["out"]
+    for tag, model_type, method in (("linear-attention", "qwen3_5_text", "qlora"), ("mamba-hybrid", "falcon_h1", "lora")):
+        doc = json.loads((out / f"validate_smoke-{tag}.json").read_text())
+        folder = out.parent / "work" / f"tiny-{model_type}"
+        assert doc["config"] == json.loads((folder / "config.json").read_text())
+        assert doc["config"]["model_type"] == model_type
+        (row,) = doc["results"]
+        assert row["predicted_settings"]["method"] == method
+        again = recompute(doc["preset"], row, doc["device"], doc["config"])
+        assert again["predicted_allocated_bytes"] == recompute(str(folder), row, doc["device"])["predicted_allocated_bytes"] > 0
+    assert "config" not in json.loads((out / "validate_smoke-moe.json").read_text())  # a preset's shape is its name's
+
+
+def test_the_linear_attention_part_refuses_a_gpu_with_the_kernels(monkeypatch, tmp_path):
+    """Its rows are for transformers' PyTorch path: on a CUDA machine where a kernel package imports (transformers
+    would take it) the part stops before building anything, naming the package."""
+    from finetuner.planning import scans
+
+    monkeypatch.setattr(scans, "kernels_installed", lambda: {"flash-linear-attention": False, "mamba-ssm": True,
+                                                              "causal-conv1d": False})
+    ctx = gpu_all.Context(out=tmp_path / "out", work=tmp_path / "work", smoke=False, cuda=True)
+    with pytest.raises(RuntimeError, match="mamba-ssm installed: .* PyTorch path"):
+        gpu_all.memory_linear_attention(ctx)
+    assert not (tmp_path / "work").exists()
 
 
 def test_smoke_oom_backoff_recovered(smoke):

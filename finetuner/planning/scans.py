@@ -1,5 +1,6 @@
 """The token mixers that are not softmax attention, for the speed model: linear attention (Qwen3.5's and
-Qwen3-Next's Gated DeltaNet) and state-space mixers (Mamba, Mamba-2 and the hybrids that hold them).
+Qwen3-Next's Gated DeltaNet), state-space mixers (Mamba, Mamba-2 and the hybrids that hold them) and LFM2's short
+convolutions.
 
 Their linears (in_proj, x_proj, dt_proj, out_proj; in_proj_qkv, in_proj_z, in_proj_a/b, out_proj) are decoder
 linears like any other (:meth:`finetuner.model.shapes.ModelShape.layer_linears`, roles ``mixer`` and
@@ -21,9 +22,13 @@ kernels are not installed):
 * **Mamba** (the sequential ``mamba_selective_scan``, Mamba, Falcon-Mamba, Jamba; inner width ``d``, state ``N``):
   per token the discretized ``A`` and ``B u`` (``d N`` each), the state's update (``2 d N``) and its read by ``C``
   (``2 d N``): ``6 d N``; a Python loop over the tokens, ``MAMBA_OPS_PER_TOKEN`` operations each.
+* **LFM2's short convolution** (``Lfm2ShortConv``, LFM2 and LFM2-MoE; ``D`` channels, the config's
+  ``conv_L_cache`` ``K``): ``in_proj`` makes ``B``, ``C`` and ``x``, the layer convolves ``B x`` over the sequence and
+  multiplies by ``C``; its only sequence mixing is that convolution.
 
-The padding to whole chunks is counted (a sequence shorter than a chunk costs a chunk). Their depthwise
-convolution (``2 K`` FLOPs a channel and token) is counted here.
+The padding to whole chunks is counted (a sequence shorter than a chunk costs a chunk). Their depthwise convolutions
+(:func:`short_conv_flops`; transformers' ``causal_conv1d_fn`` and LFM2's ``nn.Conv1d`` pad ``K - 1`` on both sides,
+then keep the first ``T`` outputs: ``2 K`` FLOPs a channel for each of ``T + K - 1`` outputs) are counted here.
 
 **Their element-wise work** (:func:`scan_bytes`, the speed model's memory-bound term): the bytes every operation
 that is neither a matmul nor a view reads and writes, forward and backward, counted on a dispatch trace of
@@ -38,11 +43,18 @@ elements:
   ``core_attn_out``) is a zero tensor of the whole sequence's size with the slice filled in, then added to the
   others: the PyTorch path's backward grows as ``T²``. The rest of the layer (its convolution, gates and norm)
   is in the memory model's terms like any layer's; the key heads' ``repeat_interleave`` is not counted.
-Mamba-2's, Mamba-1's and LFM2's element-wise work is not counted here (their operations are, above).
+* LFM2's short convolution, in the compute dtype, per layer and sequence (``D`` channels, ``T`` tokens, kernel
+  ``K``): ``D (26 T + K - 1)``: forward ``B * x`` and ``C * conv`` (``3 D T`` each), backward their four gradient
+  products (``3 D T`` each), the gradient of the slice to ``T`` outputs (``D T`` read, ``D (T + K - 1)`` written) and
+  of the ``chunk`` into ``B``, ``C``, ``x`` (``6 D T``); with two or more sequences ``6 D T`` more (that gradient,
+  transposed, copied to ``in_proj``'s layout: one sequence's is a view). The convolution itself is timed by its FLOPs (like the
+  matmuls, not counted here), ``_unsafe_view`` as the view it is.
+Mamba-2's and Mamba-1's element-wise work is not counted here (their operations are, above).
 
 Which path a run takes: transformers calls flash-linear-attention's, mamba-ssm's and causal-conv1d's kernels when
 they import, else the PyTorch path (``use_kernel_func_from_hub_with_fallback``). :func:`kernels_installed` says which
-are; the speed model times the PyTorch path in any case (no kernel's speed is measured here), and the plan says so.
+are; the speed model times the PyTorch path in any case (no kernel's speed is measured here), and the plan says so,
+naming the extra that installs the missing ones (``finetuner[kernels]``, Linux x86_64 only: they build CUDA code).
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ from finetuner.model.shapes import ModelShape
 
 #: the packages whose kernels transformers uses for these layers, by what they speed up
 KERNEL_PACKAGES = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}
+#: the optional extra that installs them (pyproject.toml: on Linux x86_64 only, where they build)
+KERNELS_EXTRA = "finetuner[kernels]"
 #: ``torch_chunk_gated_delta_rule``'s chunk (its default; Qwen3.5 and Qwen3-Next call it so)
 DELTA_CHUNK = 64
 #: operations of one pass of ``torch_chunk_gated_delta_rule``'s loop over chunks, counted in its code: five
@@ -158,6 +172,13 @@ def chunks(seq: int, size: int) -> int:
     return max(1, math.ceil(seq / size))
 
 
+def short_conv_flops(kernel: int, channels: int, seq: int) -> int:
+    """Forward FLOPs of a depthwise causal convolution over one sequence as transformers' PyTorch path computes it:
+    padded by ``kernel - 1`` on both sides, ``seq + kernel - 1`` outputs of ``2 kernel`` FLOPs a channel, the last
+    ``kernel - 1`` thrown away."""
+    return 2 * kernel * channels * (seq + kernel - 1)
+
+
 def scan_flops(shape: ModelShape, rows: int, seq: int) -> float:
     """The forward FLOPs of every non-attention mixer's sequence mixing over ``rows`` sequences of ``seq`` tokens
     (see the module doc for each formula), the padding to whole chunks included."""
@@ -166,26 +187,27 @@ def scan_flops(shape: ModelShape, rows: int, seq: int) -> float:
     if m.delta_layers:
         padded = chunks(seq, DELTA_CHUNK) * DELTA_CHUNK
         per_token = m.delta_heads * (DELTA_CHUNK * (5 * m.delta_dk + 3 * m.delta_dv) + 6 * m.delta_dk * m.delta_dv)
-        conv = 2 * m.conv_kernel * m.delta_conv_channels * seq
+        conv = short_conv_flops(m.conv_kernel, m.delta_conv_channels, seq)
         total += m.delta_layers * rows * (per_token * padded + conv)
     if m.mamba2_layers:
         L, H, P, N = m.mamba2_chunk, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state
         c = chunks(seq, L)
         per_token = H * (2 * L * N + 2 * L * P + 4 * N * P)
         between = 2 * (c + 1) ** 2 * H * P * N
-        conv = 2 * m.conv_kernel * H * P * seq
+        conv = short_conv_flops(m.conv_kernel, H * P, seq)
         total += m.mamba2_layers * rows * (per_token * c * L + between + conv)
     if m.mamba_layers:
-        per_token = 6 * m.mamba_inner * m.mamba_state + 2 * m.conv_kernel * m.mamba_inner
-        total += m.mamba_layers * rows * per_token * seq
+        conv = short_conv_flops(m.conv_kernel, m.mamba_inner, seq)
+        total += m.mamba_layers * rows * (6 * m.mamba_inner * m.mamba_state * seq + conv)
     if m.conv_layers:
-        total += m.conv_layers * rows * 2 * m.conv_kernel * m.conv_channels * seq
+        total += m.conv_layers * rows * short_conv_flops(m.conv_kernel, m.conv_channels, seq)
     return total
 
 
-def scan_bytes(shape: ModelShape, rows: int, seq: int) -> float:
+def scan_bytes(shape: ModelShape, rows: int, seq: int, dtype_bytes: int = 4) -> float:
     """Bytes the mixers' element-wise operations move over ``rows`` sequences of ``seq`` tokens, forward and
-    backward (the module doc's counts): the delta rule, at fp32 whatever the compute dtype."""
+    backward (the module doc's counts): the delta rule at fp32 whatever the compute dtype, LFM2's short
+    convolution at ``dtype_bytes`` (the compute dtype's)."""
     m = mixers(shape)
     total = 0.0
     if m.delta_layers:
@@ -193,6 +215,9 @@ def scan_bytes(shape: ModelShape, rows: int, seq: int) -> float:
         per_chunk = 127 * C * dk + 53 * C * dv + 52 * C * C + 120 * C + 19 * dk * dv + 6
         per_pair = 12 * C * dk + 9 * C * dv + 4 * C * C + 4
         total += 4 * m.delta_layers * rows * m.delta_heads * (c * per_chunk + c * c * per_pair)
+    if m.conv_layers:
+        per_token = 26 + (6 if rows > 1 else 0)  # two or more rows: in_proj's gradient copied to its layout
+        total += dtype_bytes * m.conv_layers * rows * m.conv_channels * (per_token * seq + m.conv_kernel - 1)
     return total
 
 
@@ -227,6 +252,7 @@ def kernel_note(shape: ModelShape) -> str | None:
                                   f"{m.conv_layers} short-convolution" if m.conv_layers else "") if x)
     path = "transformers' PyTorch path" + (" (a Python loop over every token)" if m.mamba_layers else "")
     return (f"its {kinds} layers are timed as {path}, linear in the sequence length; "
-            + (f"{', '.join(missing)} not installed here, so a run takes that path" if missing
+            + (f"{', '.join(missing)} not installed here, so a run takes that path (`pip install '{KERNELS_EXTRA}'` "
+               "installs the kernels on Linux x86_64, with a CUDA toolkit and a C++ compiler to build them)" if missing
                else f"{', '.join(needed)} are installed, so a run on a GPU takes their kernels, which this estimate does not time")
             + "; the kernels' speed-up is not measured")

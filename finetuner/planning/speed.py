@@ -18,11 +18,11 @@ chosen and rejected responses) costs the sum of:
   ``scaled_dot_product_attention`` kernel (causal, or with a mask) at that sequence length, in the layers
   that have softmax attention only (:func:`finetuner.planning.scans.attention_layers`);
 * **linear attention and state-space scans** (:mod:`finetuner.planning.scans`): a Gated DeltaNet's chunked
-  delta rule, Mamba-2's chunked scan, Mamba's sequential scan, their FLOPs linear in ``seq`` as transformers'
+  delta rule, Mamba-2's chunked scan, Mamba's sequential scan, LFM2's short convolution, their FLOPs linear in ``seq`` as transformers'
   PyTorch path computes them, forward and backward twice that, at the matmul rate of their narrow width; their
   Python loops' operations (per chunk, or per token for Mamba) in the per-operation cost, their element-wise
   bytes (:func:`finetuner.planning.scans.scan_bytes`, counted on a trace: the delta rule's backward grows as
-  ``T²``) in the memory-bound term. Their linears are decoder linears (the matmuls above);
+  ``T²``; LFM2's short convolution's) in the memory-bound term. Their linears are decoder linears (the matmuls above);
 * **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
   (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
@@ -498,7 +498,7 @@ def memory_bytes(shape: ModelShape, s: Settings) -> dict[str, float]:
         "reference pass": saved * FORWARD_TRAFFIC if has_reference_pass(s) else 0.0,
         # linear attention's element-wise work, forward and backward (counted once: a recompute's
         # forward share and a reference pass are not added)
-        "scans": scan_bytes(shape, rows_per_micro_batch(s), s.seq_len),
+        "scans": scan_bytes(shape, rows_per_micro_batch(s), s.seq_len, c),
     }
 
 

@@ -19,9 +19,9 @@ PY=${PYTHON:-python3}
 rm -rf .site && mkdir .site
 for w in .whl/*.whl; do unzip -q -o "$w" -d .site; done
 find .site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda130.so' -delete
-# the families gpu_all builds (llama, olmoe, gemma3 with siglip), what peft imports (bloom, bart, gpt2)
-# and what transformers' auto classes import (encoder_decoder); the rest is 50 MB the device never reads
-keep='^(auto|llama|olmoe|gemma|gemma3|siglip|mistral|qwen2|bloom|bart|gpt2|encoder_decoder|__init__\.py)$'
+# the families gpu_all builds (llama, olmoe, gemma3 with siglip, qwen3_5, falcon_h1), what peft imports (bloom,
+# bart, gpt2) and what transformers' auto classes import (encoder_decoder); the rest is 50 MB the device never reads
+keep='^(auto|llama|olmoe|gemma|gemma3|siglip|mistral|qwen2|qwen3_5|falcon_h1|bloom|bart|gpt2|encoder_decoder|__init__\.py)$'
 for d in .site/transformers/models/*; do
   basename "$d" | grep -qE "$keep" || rm -rf "$d"
 done

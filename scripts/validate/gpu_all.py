@@ -36,7 +36,9 @@ model size, tokens and process start-up on an H100):
 7. ``memory-dpo``: preference-objective (DPO) memory rows;
 8. ``memory-fsdp``: ``distributed.strategy: fsdp`` on one process, predicted per device;
 9. ``memory-families``: a mixture of experts (OLMoE-1B-7B, QLoRA with its experts in 4-bit) and Gemma 3 4B's
-   language model (the vision tower frozen), LoRA and QLoRA rows of each.
+   language model (the vision tower frozen), LoRA and QLoRA rows of each;
+10. ``memory-linear-attention``: transformers' default Qwen3.5 (Gated DeltaNet; LoRA and QLoRA) and Falcon-H1
+    (Mamba-2 hybrid; LoRA) on transformers' PyTorch path (the kernels not installed), 2,048 tokens, checkpointing.
 
 A part is one entry of :data:`PARTS`: a name, its estimated minutes, what it measures, and a
 function that takes the :class:`Context` (``out``, ``work``, ``smoke``, ``cuda``; ``ctx.model()``
@@ -208,18 +210,45 @@ def memory_fsdp(ctx: Context) -> list[Path]:
     return _memory(ctx, "fsdp", runs)
 
 
+_FAMILY_COMMON = ["data.max_seq_len=2048", "training.gradient_checkpointing=true"] + DEFAULT_LOSS
+#: a family's LoRA and QLoRA rows at 2,048 tokens with checkpointing (parts 9 and 10)
+FAMILY_LORA = MemoryRun("lora-seq2048-gc-adamw", ["method=lora", "training.optimizer=adamw_torch"] + _FAMILY_COMMON)
+FAMILY_QLORA = MemoryRun("qlora-seq2048-gc-mb2-paged8", ["method=qlora", "training.micro_batch_size=2",
+                                                         "training.optimizer=paged_adamw_8bit"] + _FAMILY_COMMON, smoke=True)
+
+
 def memory_families(ctx: Context) -> list[Path]:
     """Part 9: a mixture of experts (OLMoE-1B-7B: 64 experts, 8 a token) and the text of an image-text-to-text
     checkpoint (Gemma 3 4B, its vision tower loaded frozen), LoRA and QLoRA (QLoRA holds the experts in 4-bit,
     finetuner.model.experts4bit), each a row the memory model is replayed on; at toy size the families' tiny configs."""
-    common = ["data.max_seq_len=2048", "training.gradient_checkpointing=true"] + DEFAULT_LOSS
-    runs = [MemoryRun("lora-seq2048-gc-adamw", ["method=lora", "training.optimizer=adamw_torch"] + common),
-            MemoryRun("qlora-seq2048-gc-mb2-paged8", ["method=qlora", "training.micro_batch_size=2",
-                                                      "training.optimizer=paged_adamw_8bit"] + common, smoke=True)]
     files = []
     for preset, what in (("olmoe-1b-7b", "moe"), ("gemma-3-4b", "gemma3")):
-        files += _memory(replace(ctx, preset=preset), what, runs)
+        files += _memory(replace(ctx, preset=preset), what, [FAMILY_LORA, FAMILY_QLORA])
     return files
+
+
+def memory_linear_attention(ctx: Context) -> list[Path]:
+    """Part 10: the layers whose memory the model traces on transformers' PyTorch path (issue 56): transformers'
+    default Qwen3.5 (``qwen3_5_text``, 8.95B: 24 Gated DeltaNet layers and 8 attention layers), LoRA and QLoRA, and
+    its default Falcon-H1 (``falcon_h1``, 8.51B: a Mamba-2 mixer beside attention in every layer), LoRA, each at 2,048
+    tokens with checkpointing; rows in ``validate_<type>-<what>.json``, the config kept in the file (no preset has
+    it). The PyTorch path is what they measure: a machine with flash-linear-attention, mamba-ssm or causal-conv1d
+    installed (transformers would take their kernels) is refused rather than recorded under the wrong path. At toy
+    size the two types' tiny configs, one row each.
+
+    Its minutes, by arithmetic from the H200 run of part 1 (docs/validation/gpu_all_h200.log: an 8B model built
+    in 32 s, each 8B run at 2,048 tokens 51 s): two builds of ~8.5-9B (0.6 min each), three runs (0.9 min each),
+    and the PyTorch path's Python loops (Qwen3.5's 24 layers x 32 chunks x 16 operations, forward, recompute and
+    backward: ~50k launches a step at ~20 us, ~1 s a step, 3 steps in each of its 2 runs) ~0.1 min: 4.0, with 1
+    minute for what the H200 has not measured (the QLoRA quantization of a 9B hybrid, the Mamba-2 PyTorch scan)."""
+    from finetuner.planning.scans import kernels_installed
+
+    present = [k for k, have in kernels_installed().items() if have]
+    if ctx.cuda and present:
+        raise RuntimeError(f"{', '.join(present)} installed: transformers would take their kernels, and these rows are "
+                           "for its PyTorch path; run this part where they are not installed")
+    files = _memory(replace(ctx, preset="qwen3_5_text"), "linear-attention", [FAMILY_LORA, FAMILY_QLORA])
+    return files + _memory(replace(ctx, preset="falcon_h1"), "mamba-hybrid", [replace(FAMILY_LORA, smoke=True)])
 
 
 # --------------------------------------------------------------------------- out-of-memory back-off
@@ -347,6 +376,8 @@ PARTS: list[Part] = [
     Part("memory-fsdp", 1.0, "fsdp on one process: a memory row predicted per device (8B LoRA)", memory_fsdp),
     Part("memory-families", 7.0, "OLMoE-1B-7B (64 experts) and Gemma 3 4B text, LoRA and QLoRA memory rows, the models built",
          memory_families),
+    Part("memory-linear-attention", 5.0, "transformers' default Qwen3.5 (8.95B, LoRA and QLoRA) and Falcon-H1 (8.51B, LoRA) "
+         "on the PyTorch path, 2,048 tokens, the models built", memory_linear_attention),
 ]
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-from scripts.validate.train_gpu import build_model, write_data
+from scripts.validate.train_gpu import build_model, is_preset, write_data
 
 from finetuner.children import python_command
 
@@ -167,12 +167,13 @@ def run_one(name: str, overrides: list[str], model_dir: Path, data: Path, work: 
 VALIDATION = REPO / "docs" / "validation"
 
 
-def recompute(preset: str, row: dict, device: str | None) -> dict:
+def recompute(preset: str, row: dict, device: str | None, config: dict | None = None) -> dict:
     """Re-predict a measured row with the memory model as it is now (same settings, same card):
-    lets the model be refined offline against measurements taken once on the GPU. Torch-free."""
+    lets the model be refined offline against measurements taken once on the GPU. Torch-free. ``config``: the
+    model's ``config.json`` as its file recorded it, for a model that is not a preset (a model type's default)."""
     from finetuner.config.hardware import PROFILES, profile_for_device_name
     from finetuner.memory.model import Settings, estimate
-    from finetuner.model.shapes import resolve_shape
+    from finetuner.model.shapes import resolve_shape, shape_from_config
 
     settings = dict(row["predicted_settings"])
     # the row that reached the model: packed rows are not always full. Only with one row per
@@ -184,7 +185,7 @@ def recompute(preset: str, row: dict, device: str | None) -> dict:
     if isinstance(settings.get("lora_targets"), list):
         settings["lora_targets"] = tuple(settings["lora_targets"])
     known = Settings.__dataclass_fields__
-    shape = resolve_shape(preset)
+    shape = shape_from_config(config, name=preset) if config else resolve_shape(preset)
     est = estimate(shape, Settings(**{k: v for k, v in settings.items() if k in known}),
                    (profile_for_device_name(device or "", 0) if device else None) or PROFILES["h100-80gb"])
     row = dict(row)
@@ -232,8 +233,10 @@ def measure(preset: str, runs: list[tuple[str, list[str], float | None, dict | N
         log(json.dumps({k: v for k, v in row.items() if k not in ("predicted_components", "predicted_settings")}))
         results.append(row)
     path = out / f"validate_{tag or ('smoke' if smoke else preset)}.json"
-    path.write_text(json.dumps({"device": _device_name(), "preset": "smoke" if smoke else preset, "steps": steps,
-                                "results": results}, indent=2))
+    doc = {"device": _device_name(), "preset": "smoke" if smoke else preset, "steps": steps, "results": results}
+    if not is_preset(preset):  # a model type's default config: its shape is the config the run trained, kept here
+        doc["config"] = json.loads((model_dir / "config.json").read_text())
+    path.write_text(json.dumps(doc, indent=2))
     return path
 
 
@@ -253,7 +256,7 @@ def replay(folder: Path = VALIDATION, again: bool = True) -> list[dict]:
         doc = json.loads(path.read_text())
         for r in doc["results"]:
             if again and "error" not in r:
-                r = recompute(doc["preset"], r, doc.get("device"))
+                r = recompute(doc["preset"], r, doc.get("device"), doc.get("config"))
             rows.append({**r, "preset": doc["preset"], "device": doc.get("device")})
     return rows
 

@@ -43,18 +43,31 @@ def log(*a):
     print(*a, flush=True)
 
 
+PRESETS = REPO / "finetuner" / "model" / "presets"
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` is a preset shipped with finetuner (else :func:`preset_config` takes it as a model type)."""
+    return (PRESETS / f"{name}.json").exists()
+
+
 def preset_config(preset: str):
-    """The transformers config of a preset shipped with finetuner (finetuner/model/presets/<preset>.json)."""
+    """The transformers config of a preset shipped with finetuner (finetuner/model/presets/<preset>.json), or where
+    no preset has that name, transformers' default config of the model type ``preset`` (``qwen3_5_text``:
+    ``AutoConfig.for_model``, what a user gets from ``AutoConfig.for_model(T).save_pretrained(DIR)``)."""
     from transformers import AutoConfig
 
-    cfg_dict = json.loads((REPO / "finetuner" / "model" / "presets" / f"{preset}.json").read_text())
+    if not is_preset(preset):
+        return AutoConfig.for_model(preset)
+    cfg_dict = json.loads((PRESETS / f"{preset}.json").read_text())
     cfg_dict = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
     return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
 
 
 def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
-    """A random-weight model from a preset config plus a small tokenizer, saved with save_pretrained. ``smoke``: at toy
-    size, a tiny Llama, or for a preset of another family that family's tiny config (:func:`finetuner.model.tiny.tiny_config`)."""
+    """A random-weight model from a preset config (or a model type's default config, :func:`preset_config`) plus a
+    small tokenizer, saved with save_pretrained. ``smoke``: at toy size, a tiny Llama, or for a preset of another
+    family that family's tiny config (:func:`finetuner.model.tiny.tiny_config`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,7 +86,7 @@ def build_model(preset: str | None, folder: Path, smoke: bool) -> None:
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     t0 = time.perf_counter()
-    family = json.loads((REPO / "finetuner" / "model" / "presets" / f"{preset}.json").read_text())["model_type"] if preset else "llama"
+    family = preset_config(preset).model_type if preset else "llama"
     if smoke and family == "llama":
         model = tiny_llama(tok, hidden_size=128, num_layers=2)
     elif smoke:

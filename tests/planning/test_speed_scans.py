@@ -56,10 +56,10 @@ def test_a_hybrids_linear_attention_layers_get_no_softmax_term_and_their_delta_r
     f = sp.forward_flops(qwen35, _s(2048))
     assert f["attention"] == 4 * 2048 * qwen35.q_dim * 8 * 2048
     per_token = 32 * (64 * (5 * 128 + 3 * 128) + 6 * 128 * 128)
-    conv = 2 * 4 * (2 * 16 * 128 + 32 * 128)
-    assert f["scan"] == 24 * (per_token + conv) * 2048
-    # a sequence shorter than a chunk is padded to one (the conv is not)
-    assert sp.forward_flops(qwen35, _s(10))["scan"] == 24 * (per_token * 64 + conv * 10)
+    conv = 2 * 4 * (2 * 16 * 128 + 32 * 128)  # kernel 4 over q, k and v's channels, T + 3 outputs (padded both sides)
+    assert f["scan"] == 24 * (per_token * 2048 + conv * (2048 + 3))
+    # a sequence shorter than a chunk is padded to one chunk (the conv to its T + 3 outputs only)
+    assert sp.forward_flops(qwen35, _s(10))["scan"] == 24 * (per_token * 64 + conv * 13)
 
 
 def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
@@ -72,7 +72,8 @@ def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
     f1, f2 = sp.forward_flops(mamba2, _s(T)), sp.forward_flops(mamba2, _s(2 * T))
     c = T // L
     between = lambda chunks: 64 * 2 * (chunks + 1) ** 2 * H * P * N  # noqa: E731
-    assert f2["scan"] - 2 * f1["scan"] == between(2 * c) - 2 * between(c)  # all else exactly linear
+    conv_tail = 64 * 2 * m.conv_kernel * H * P * (m.conv_kernel - 1)  # the conv's K - 1 padded outputs a sequence
+    assert f2["scan"] - 2 * f1["scan"] == between(2 * c) - 2 * between(c) - conv_tail  # all else exactly linear
     assert f1["attention"] == f2["attention"] == 0
     t1, t2 = sp.step_time(mamba2, _s(T), cpu_speed), sp.step_time(mamba2, _s(2 * T), cpu_speed)
     flat = sum(t1.parts[k] for k in ("operations", "optimizer", "fixed")) / t1.step_s
@@ -104,10 +105,75 @@ def test_the_plan_says_which_path_it_times_and_which_kernels_are_missing(qwen35,
     assert scans.kernel_note(_default("llama")) is None
 
 
+@pytest.fixture(scope="module")
+def tiny_mixer_plans(tmp_path_factory) -> dict:
+    """A tiny Qwen3.5 and a tiny Mamba-2 (their default configs shrunk, as ``config.json`` folders) planned on an
+    RTX 4090 as a user would: ``finetuner.plan(folder, "rtx4090")``, each plan's note on its mixers."""
+    import finetuner
+    from finetuner.model.tiny import tiny_config
+
+    notes = {}
+    for model_type in ("qwen3_5_text", "mamba2"):
+        folder = tmp_path_factory.mktemp(model_type)
+        (folder / "config.json").write_text(json.dumps(tiny_config(model_type, 256)))
+        plan = finetuner.plan(str(folder), "rtx4090", seq_len=256, alternatives=False)
+        notes[model_type] = next(n for n in plan.notes if "timed as transformers' PyTorch path" in n)
+    return notes
+
+
+@pytest.mark.parametrize("model_type, needed", [("qwen3_5_text", ["flash-linear-attention", "causal-conv1d"]),
+                                                ("mamba2", ["mamba-ssm", "causal-conv1d"])])
+def test_the_plan_names_the_kernels_extra_for_the_kernels_not_installed(tiny_mixer_plans, model_type, needed):
+    """The plan of a model with such layers says it timed transformers' PyTorch path, and where the kernels its layers
+    use are not installed, names them and the extra that installs them (no speed-up figure)."""
+    have = scans.kernels_installed()
+    note = tiny_mixer_plans[model_type]
+    missing = [pip for pip in needed if not have[pip]]
+    assert "layers are timed as transformers' PyTorch path" in note and "the kernels' speed-up is not measured" in note
+    assert ("pip install 'finetuner[kernels]'" in note) == bool(missing)
+    if missing:
+        assert f"{', '.join(missing)} not installed here, so a run takes that path" in note
+    assert "%" not in note and "x faster" not in note
+
+
+def test_with_every_kernel_installed_the_note_says_their_kernels_run_untimed(qwen35, monkeypatch):
+    monkeypatch.setattr(scans, "kernels_installed", lambda: dict.fromkeys(scans.KERNEL_PACKAGES.values(), True))
+    note = scans.kernel_note(qwen35)
+    assert "are installed, so a run on a GPU takes their kernels, which this estimate does not time" in note
+    assert "finetuner[kernels]" not in note
+
+
+def test_the_kernels_extra_installs_the_three_packages_only_on_linux_x86_64():
+    """pyproject.toml's ``kernels`` extra holds the packages the plan names (their PyPI names), each with a marker
+    that is true on Linux x86_64 only (they build CUDA code), and none of them is in the ``test`` extra."""
+    import platform
+    import tomllib
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    extra = Requirement(scans.KERNELS_EXTRA)
+    assert extra.name == project["name"] and extra.extras == {"kernels"}
+    reqs = [Requirement(r) for r in project["optional-dependencies"]["kernels"]]
+    assert sorted(r.name for r in reqs) == sorted(scans.KERNEL_PACKAGES.values())
+    here = default_environment()
+    places = {("Linux", "x86_64"): True, ("Linux", "aarch64"): False, ("Darwin", "arm64"): False,
+              ("Darwin", "x86_64"): False, ("Windows", "AMD64"): False}
+    for r in reqs:
+        assert r.marker is not None and r.specifier, r
+        for (system, machine), expected in places.items():
+            assert r.marker.evaluate({**here, "platform_system": system, "platform_machine": machine}) is expected, r
+        assert r.marker.evaluate() is (platform.system() == "Linux" and platform.machine() == "x86_64")
+    tested = {Requirement(r).name for r in project["optional-dependencies"]["test"]}
+    assert not tested & {r.name for r in reqs}
+
+
 # ---------------------------------------------------------------------- the element-wise term, against a trace
-def _elementwise_bytes(fn) -> int:
-    """Bytes every operation that is neither a matmul nor a view takes and returns while ``fn`` runs (a forward and
-    its backward): the count :func:`finetuner.planning.scans.scan_bytes` writes out, done here on a dispatch trace."""
+def _elementwise_bytes(fn, skip: frozenset = frozenset()) -> int:
+    """Bytes every operation that is neither a matmul nor a view (nor in ``skip``) takes and returns while ``fn``
+    runs (a forward and its backward): the count :func:`finetuner.planning.scans.scan_bytes` writes out, done here on
+    a dispatch trace."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -121,7 +187,7 @@ def _elementwise_bytes(fn) -> int:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if not func.is_view and func not in matmuls:
+            if not func.is_view and func not in matmuls and func not in skip:
                 Count.total += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
                                    if isinstance(t, torch.Tensor))
             return out
@@ -161,3 +227,43 @@ def test_the_delta_rules_elementwise_bytes_are_the_traced_count_and_grow_as_t_sq
     assert formula[5] - formula[3] == traced[5] - traced[3]
     assert traced[5] - traced[3] > 2 * (traced[3] - traced[2])  # super-linear: the c² term
 
+
+
+# ---------------------------------------------------------------------- LFM2's short convolution
+def _lfm2_short_conv(channels: int, kernel: int):
+    from transformers import AutoConfig
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    cfg = AutoConfig.for_model("lfm2", hidden_size=channels, conv_L_cache=kernel, num_hidden_layers=2,
+                               layer_types=["conv", "full_attention"], intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, vocab_size=64)
+    return cfg, Lfm2ShortConv(cfg, 0)
+
+
+@pytest.mark.parametrize("channels, kernel", [(16, 3), (24, 4)])
+def test_lfm2s_short_convolution_is_timed_as_its_conv_and_elementwise_work_on_a_trace(channels, kernel):
+    """A tiny LFM2 (one conv layer, one attention layer) run forward and backward over 1 to 3 rows of 5 and 9 tokens:
+    the speed model's convolution FLOPs are ``torch.utils.flop_counter``'s count of the layer's ``aten.convolution``
+    (its padded ``T + K - 1`` outputs), and its element-wise bytes the dispatch trace's count (the linears, their
+    reshapes and the convolution left out), exactly; neither is counted for a plain attention layer."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg, layer = _lfm2_short_conv(channels, kernel)
+    shape = shape_from_config(cfg.to_dict(), name="tiny-lfm2")
+    m = scans.mixers(shape)
+    assert (m.conv_layers, m.conv_channels, m.conv_kernel) == (1, channels, kernel)
+    aten = torch.ops.aten
+    for rows, seq in ((1, 5), (2, 5), (2, 9), (3, 9)):
+        x = torch.randn(rows, seq, channels, requires_grad=True)
+        with FlopCounterMode(display=False) as flops:
+            out = layer(x)
+        assert scans.scan_flops(shape, rows, seq) == flops.get_flop_counts()["Global"][aten.convolution] > 0
+        grad = torch.randn_like(out)
+        x = torch.randn(rows, seq, channels, requires_grad=True)
+        layer.zero_grad(set_to_none=True)  # a first gradient, not an accumulation
+        skip = {aten.convolution.default, aten.convolution_backward.default, aten._unsafe_view.default}
+        traced = _elementwise_bytes(lambda: layer(x).backward(grad), skip=skip)  # the linears' reshapes: views
+        assert scans.scan_bytes(shape, rows, seq, dtype_bytes=4) == traced, (rows, seq)
+    llama = _default("llama")
+    assert scans.scan_flops(llama, 2, 9) == scans.scan_bytes(llama, 2, 9) == 0
