@@ -156,6 +156,8 @@ def test_a_trained_qwen35_exports_as_llama_cpps_qwen35_and_llama_cpp_checks_it(t
     np.testing.assert_allclose(t["blk.0.ssm_norm.weight"], mixer.norm.weight.detach().numpy(), rtol=1e-6)
     np.testing.assert_allclose(t["blk.1.attn_q_norm.weight"],
                                1 + model.model.layers[1].self_attn.q_norm.weight.detach().numpy(), rtol=1e-6)
+    o = export_model(run, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
+    assert o.architecture == "qwen35" and "FROM" in (tmp_path / "ollama" / "Modelfile").read_text()
     if importlib.util.find_spec("llama_cpp") is not None:  # llama.cpp itself reads the file back
         checked = export_model(run, tmp_path / "checked.gguf", quant="f16")
         assert checked.max_abs_logit_diff <= checked.tolerance and checked.top1_agreement >= 0.9, checked
