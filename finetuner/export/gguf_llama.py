@@ -26,19 +26,43 @@ def require(gguf_arch: str) -> None:
                              "--no-verify to write the file checked only by reading its tensors back.")
 
 
+#: run in a child process: a GGML_ASSERT in llama.cpp aborts its whole process, which must not be the export's
+CHILD = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+args = json.loads(sys.stdin.read())
+ids = args["ids"]
+llm = Llama(model_path=args["path"], n_ctx=max(64, len(ids) + 8), n_threads=2, logits_all=True, verbose=False)
+tokens = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in args["texts"]]
+llm.reset()
+llm.eval(ids)
+np.save(args["out"], np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+print(json.dumps(tokens))
+"""
+
+
 def read(path: Path, ids: list[int], texts: list[str]):
     """llama.cpp's logits at every position of ``ids`` (a float32 tensor, 1 x T x vocab) and its token ids of each
-    of ``texts`` (special tokens parsed, no BOS added)."""
+    of ``texts`` (special tokens parsed, no BOS added). A RuntimeError with llama.cpp's last words if it fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
     import numpy as np
     import torch
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=max(64, len(ids) + 8), n_threads=2, logits_all=True, verbose=False)
-    try:
-        tokens = {text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) for text in texts}
-        llm.reset()
-        llm.eval(list(ids))
-        logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
-    return torch.from_numpy(logits.copy())[None], tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "logits.npy")
+        p = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps({"path": str(path), "ids": list(ids),
+                                                                             "texts": texts, "out": out}),
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        if p.returncode != 0:
+            last = next((line for line in p.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()),
+                        p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
+            raise RuntimeError(f"llama.cpp could not run the GGUF file: {last}")
+        logits = np.load(out)
+        tokens = json.loads(p.stdout.strip().splitlines()[-1])
+    return torch.from_numpy(logits)[None], dict(zip(texts, tokens))

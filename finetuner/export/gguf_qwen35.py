@@ -36,6 +36,9 @@ def check(config: dict[str, Any], where: str) -> None:
     if int(config["linear_num_value_heads"]) % int(config["linear_num_key_heads"]):
         raise UserError(f"{where}: linear_num_value_heads {config['linear_num_value_heads']} is not a multiple of "
                         f"linear_num_key_heads {config['linear_num_key_heads']}; GGUF export refuses it.")
+    if sum(mrope_sections(config)) > rotary_dims(config) // 2:
+        raise UserError(f"{where}: its M-RoPE sections {mrope_sections(config)} cover more than the {rotary_dims(config) // 2} "
+                        "rotary pairs of a head; llama.cpp's qwen35 would abort on them, so GGUF export refuses it.")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if (rope.get("rope_type") or rope.get("type") or "default") != "default":
         raise UserError(f"{where}: RoPE scaling '{rope.get('rope_type') or rope.get('type')}' is not written for "
@@ -73,11 +76,28 @@ def write_metadata(writer, config: dict[str, Any], n_layers: int) -> None:
     writer.add_ssm_inner_size(int(config["linear_value_head_dim"]) * int(config["linear_num_value_heads"]))
     writer.add_array(RECURRENT_LAYERS.format(arch=writer.arch), linear_layers(config))
     writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
-    writer.add_rope_dimension_count(int(head * float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))))
-    # M-RoPE sections (the converter's default [11, 11, 10, 0] where the config names none): text alone gives every
-    # section the same position, so they rotate as plain RoPE
-    sections = [int(x) for x in rope.get("mrope_section") or [11, 11, 10]]
-    writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    writer.add_rope_dimension_count(rotary_dims(config))
+    writer.add_rope_dimension_sections(mrope_sections(config))
+
+
+def rotary_dims(config: dict[str, Any]) -> int:
+    """How many of a head's dimensions RoPE turns (``partial_rotary_factor`` of ``head_dim``)."""
+    rope = config.get("rope_parameters") or {}
+    head = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    return int(head * float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))))
+
+
+def mrope_sections(config: dict[str, Any]) -> list[int]:
+    """The M-RoPE sections llama.cpp's qwen35 requires: the config's ``mrope_section``, else each rotary pair dealt to
+    the time, height and width sections in turn, as llama.cpp's interleaved M-RoPE reads them (pair i to section
+    i mod 3). For Qwen3.5's 32 rotary pairs that is the converter's default [11, 11, 10, 0] (``_Qwen35MRopeMixin``);
+    a head that turns fewer pairs gets fewer (ggml asserts ``sect_dims <= ne0``), and a pair left out of every section
+    would take the fourth position, 0 on text: not turned). Text alone gives the three sections the same position, so
+    they rotate as plain RoPE."""
+    given = (config.get("rope_parameters") or {}).get("mrope_section")
+    pairs = rotary_dims(config) // 2
+    sections = [int(x) for x in given] if given else [len(range(k, pairs, 3)) for k in range(3)]
+    return (sections + [0, 0, 0, 0])[:4]
 
 
 def source_key(own: str) -> str:

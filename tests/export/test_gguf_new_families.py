@@ -131,7 +131,10 @@ def test_a_trained_qwen35_exports_as_llama_cpps_qwen35_and_llama_cpp_checks_it(t
         == (cfg.linear_key_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
             cfg.linear_value_head_dim * cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim)
     assert list(f["qwen35.attention.recurrent_layers"]) == [t == "linear_attention" for t in cfg.layer_types] == [True, False]
-    assert f["qwen35.rope.dimension_count"] == int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    assert f["qwen35.rope.dimension_count"] == int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]) == 4
+    # its 2 rotary pairs dealt to the time and height sections as llama.cpp's interleaved M-RoPE reads them (the
+    # converter's default [11, 11, 10, 0] would cover 32 pairs: ggml aborts; a pair in no section is not turned)
+    assert list(f["qwen35.rope.dimension_sections"]) == [1, 1, 0, 0]
     t = {x.name: np.asarray(x.data) for x in reader.tensors}
     types = {x.name: x.tensor_type.name for x in reader.tensors}
     mixer, tiles = model.model.layers[0].linear_attn, [0, 2, 1, 3]
