@@ -12,8 +12,9 @@ key head (``K0's v0, v1, K1's v0, v1``): the value rows of ``in_proj_qkv``, ``in
 ``in_proj_b``, ``A_log``, ``dt_bias``, the convolution's value channels and ``out_proj``'s columns are reordered to
 tiles. The full-attention layers' query projection keeps its output gate (llama.cpp's qwen35 reads both halves).
 
-Refused: value heads wider than key heads (llama.cpp's qwen35 takes one width for both, ``ssm.state_size``), RoPE
-scaling, and value heads that are not a whole multiple of the key heads.
+Refused: a value head width other than the key head width (llama.cpp's qwen35 takes one width for both,
+``ssm.state_size``), RoPE scaling, value heads that are not a whole multiple of the key heads, and M-RoPE sections
+that cover more rotary pairs than a head turns.
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "RoPE scaling 'linear'"),
     ("gemma4_text", {"enable_moe_block": True}, "mixture-of-experts block is not written by finetuner"),
     ("gemma4_text", {"attention_k_eq_v": True}, "keys reused as values"),
+    ("qwen3_5_text", {"linear_value_head_dim": 32}, "llama.cpp's qwen35 takes one width for both"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
