@@ -52,6 +52,9 @@ import finetuner.phases as phases
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
+from finetuner.export import gguf_llama
+from finetuner.export.gguf_gemma4 import WEIGHT_SUFFIXED
+from finetuner.export.gguf_llama import CHECKED_BY_LLAMA_CPP
 from finetuner.export.gguf_recurrent import F32_ALWAYS
 from finetuner.export.gguf_mmproj import Projector, projector_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
@@ -283,8 +286,9 @@ class _Plan:
                             found = name_map.get_type_and_name(own.replace("gate_up_proj", part), try_suffixes=(".weight",))
                             self.items.append((found[1] + ".weight", (f, hf_name, i), half, self._type(half, quant)))
                         continue
-                    found = name_map.get_type_and_name(own, try_suffixes=(".weight", ".bias"))
-                    if found is not None and own.endswith("experts.down_proj"):  # a bare parameter: GGUF's .weight
+                    found = name_map.get_type_and_name(arch.source_key(own), try_suffixes=(".weight", ".bias"))
+                    if found is not None and own.endswith(("experts.down_proj", *WEIGHT_SUFFIXED)):  # a bare parameter:
+                        # GGUF's .weight (Gemma 4's layer_scalar: the converter's Gemma4Model.filter_tensors)
                         found = (found[0], found[1] + ".weight")
                     if found is None or found[0] not in allowed:
                         raise UserError(f"{f}: the tensor '{hf_name}' has no place in llama.cpp's {arch.gguf_arch} architecture; "
@@ -548,15 +552,7 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     import torch
     from transformers import AutoModelForCausalLM
 
-    if arch.text_of:  # an image-text checkpoint: its language model on the text probe
-        from transformers import AutoModelForImageTextToText
-
-        merged = AutoModelForImageTextToText.from_pretrained(str(weights), dtype=torch.float32)
-    else:
-        merged = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
-    reference = _logits(merged, probe)
-    merged = None
-    gc.collect()
+    reference = _merged_logits(weights, arch, probe)
     extra = {}
     if arch.rope_type != "default":  # transformers' GGUF loader reads no RoPE scaling
         extra["rope_parameters"] = arch.rope
@@ -573,25 +569,76 @@ def _check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, qua
     told = {"gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "head_dim"),
             "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "head_dim"),
             "qwen3moe": ("moe_intermediate_size", "norm_topk_prob"),
-            "lfm2": ("norm_eps",)}.get(arch.gguf_arch, ())
+            "lfm2": ("norm_eps",),
+            "gemma4": ("head_dim", "layer_types", "rope_parameters", "hidden_size_per_layer_input",
+                       "vocab_size_per_layer_input", "num_kv_shared_layers", "final_logit_softcapping")}.get(arch.gguf_arch, ())
     if told:  # what llama.cpp takes from the file or its architecture, and transformers' reader does not read
         extra.update({key: arch.config[key] for key in told if arch.config.get(key) is not None})
         notes.append(f"transformers' GGUF loader reads no {', '.join(told)} for {arch.gguf_arch}; the check gave it the "
                      "model's.")
     with contextlib.redirect_stderr(io.StringIO()):  # its loader draws a tqdm bar straight to stderr
+        if arch.gguf_arch == "gemma4":
+            # Gemma 4's head width varies by layer: its config takes the sliding layers' only at construction (the
+            # full layers' is the file's key_length, read by transformers' loader as global_head_dim)
+            from transformers import AutoConfig
+
+            read = AutoConfig.from_pretrained(str(folder), gguf_file=name).to_dict()
+            full = {int(i): c for i, c in read.pop("per_layer_config").items()}
+            read["global_head_dim"] = next(c["head_dim"] for i, c in sorted(full.items()) if "head_dim" in c)
+            extra = {"config": AutoConfig.for_model(**{**read, **extra})}
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
     got = _logits(model, probe)
     model = None
     gc.collect()
+    return _compare(reference, got, quant, "transformers' GGUF loader")
+
+
+def _merged_logits(weights: Path, arch: Arch, probe):
+    """The merged model's float32 logits on the probe (an image-text checkpoint: its language model's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if arch.text_of:  # an image-text checkpoint: its language model on the text probe
+        from transformers import AutoModelForImageTextToText
+
+        merged = AutoModelForImageTextToText.from_pretrained(str(weights), dtype=torch.float32)
+    else:
+        merged = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    reference = _logits(merged, probe)
+    merged = None
+    gc.collect()
+    return reference
+
+
+def _compare(reference, got, quant: str, reader: str):
+    """Max |logit difference|, the largest logit, the tolerance and the top-1 agreement of ``reader``'s logits against
+    the merged model's; a RuntimeError past the type's rounding."""
     diff = float((got - reference).abs().max())
     max_logit = float(reference.abs().max())
     top1 = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
     tol = LOGIT_TOLERANCE[quant] * max(1.0, max_logit) if quant in LOGIT_TOLERANCE else None
     if (tol is not None and not diff <= tol) or (quant in MIN_TOP1 and top1 < MIN_TOP1[quant]):
         limit = f"tolerance {tol:.3g}" if tol is not None else f"top-1 agreement at least {MIN_TOP1[quant]:.0%}"
-        raise RuntimeError(f"transformers' GGUF loader gives logits that differ from the merged model's by up to {diff:.3g} "
+        raise RuntimeError(f"{reader} gives logits that differ from the merged model's by up to {diff:.3g} "
                            f"(top-1 agreement {top1:.0%}; {limit}); nothing was written")
     return diff, max_logit, tol, top1
+
+
+def _check_with_llama_cpp(path: Path, weights: Path, tokenizer, texts: list[str], probe, arch: Arch, quant: str,
+                          notes: list[str]):
+    """llama.cpp's tokenizer ids for ``texts`` and logits on the probe against the original tokenizer's and the merged
+    model's (for an architecture transformers' GGUF loader does not read)."""
+    got, ids = gguf_llama.read(path, probe[0].tolist(), texts)
+    for text, llama_ids in ids.items():
+        want = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if llama_ids != want:
+            at = next((i for i, (a, b) in enumerate(zip(want, llama_ids)) if a != b), min(len(want), len(llama_ids)))
+            raise UserError(f"The tokenizer cannot be represented in GGUF: llama.cpp splits {text[:60]!r} differently (from "
+                            f"token {at}: {want[at:at + 4]} vs {llama_ids[at:at + 4]}). Nothing was written.",
+                            hint="Export a transformers folder with `finetuner merge` instead.")
+    notes.append(f"transformers' GGUF loader does not read llama.cpp's {arch.gguf_arch}: llama.cpp itself (llama-cpp-python) "
+                 "checked the tokenizer and the logits.")
+    return (len(ids), *_compare(_merged_logits(weights, arch, probe), got, quant, "llama.cpp"))
 
 
 def _quantize_k(f16_path: Path, out_path: Path, quant: str) -> None:
@@ -691,6 +738,8 @@ def export_model(
     config, config_path = _model_config(src)
     projector = _projector(src, config, source)
     arch = arch_for(config, config_path)
+    if verify and arch.gguf_arch in CHECKED_BY_LLAMA_CPP:  # only llama.cpp reads it back: installed, or refused here
+        gguf_llama.require(arch.gguf_arch)
     if format == "gguf" and projector is not None:
         check_gguf_replaceable(mmproj_path(out), overwrite)
     from finetuner.infer.probe import kept_note
@@ -797,9 +846,14 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                              f"logits checks read a copy of the file as {READ_AS[arch.gguf_arch]} (the same tensors and "
                              "settings, without the M-RoPE sections and DeepStack inputs, which text alone does not use).")
             try:
-                with phases.phase("verify", label="checking the GGUF file with transformers' loader"):
-                    n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
-                    diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)
+                if arch.gguf_arch in CHECKED_BY_LLAMA_CPP:  # transformers' loader does not read it: llama.cpp does
+                    with phases.phase("verify", label="checking the GGUF file with llama.cpp"):
+                        n_texts, diff, max_logit, tol, top1 = _check_with_llama_cpp(path, weights, tokenizer, texts, probe,
+                                                                                   arch, quant, notes)
+                else:
+                    with phases.phase("verify", label="checking the GGUF file with transformers' loader"):
+                        n_texts = _check_tokenizer(tmp_dir, checked, tokenizer, texts, tokenizer.all_special_tokens)
+                        diff, max_logit, tol, top1 = _check_logits(weights, tmp_dir, checked, probe, arch, quant, notes)
             finally:
                 if checked != name:
                     (tmp_dir / checked).unlink(missing_ok=True)

@@ -8,8 +8,10 @@ queries by the head width, or by hidden / heads for the 46-layer 27B, so another
 refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every sixth layer global as llama.cpp's
 ``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000), the language models of
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
-with the M-RoPE sections, ``rope.dimension_sections``), Mamba and LFM2 (their scan and short convolutions as
-:mod:`finetuner.export.gguf_recurrent` writes them). The other newest families (:data:`NOT_WRITTEN`: Qwen3.5, Gemma 4,
+with the M-RoPE sections, ``rope.dimension_sections``), Gemma 4's text model (its two head widths, proportional
+RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's text model (its
+Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba and LFM2 (their scan
+and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them). The other newest families (:data:`NOT_WRITTEN`: Qwen3.5-MoE, Gemma 3n,
 the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
@@ -25,18 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.export import gguf_recurrent
+from finetuner.export import gguf_gemma4, gguf_qwen35, gguf_recurrent
 from finetuner.export.gguf_recurrent import RECURRENT
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
 SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
              "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
-             "qwen3_vl_text": ("qwen3vl", False), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
+             "qwen3_vl_text": ("qwen3vl", False), "gemma4_text": ("gemma4", False),
+             "qwen3_5_text": ("qwen35", False), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
 #: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
 #: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
-NOT_WRITTEN = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-               "gemma4_text": "gemma4", "gemma3n_text": "gemma3n", "mamba2": "mamba2", "falcon_mamba": "mamba",
+NOT_WRITTEN = {"qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+               "gemma3n_text": "gemma3n", "mamba2": "mamba2", "falcon_mamba": "mamba",
                "jamba": "jamba", "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
                "falcon_h1": "falcon-h1", "lfm2_moe": "lfm2moe", "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
@@ -87,6 +90,12 @@ class Arch:
         if self.model_type in RECURRENT:  # Mamba's scan, LFM2's short convolutions: their own keys
             gguf_recurrent.write_metadata(writer, c, self.n_layers)
             return
+        if self.gguf_arch == "gemma4":  # two head widths, the sliding pattern, the per-layer inputs
+            gguf_gemma4.write_metadata(writer, c, self.n_layers)
+            return
+        if self.gguf_arch == "qwen35":  # the Gated DeltaNet's widths, which layers are linear
+            gguf_qwen35.write_metadata(writer, c, self.n_layers)
+            return
         writer.add_context_length(int(c["max_position_embeddings"]))
         writer.add_embedding_length(int(c["hidden_size"]))
         writer.add_block_count(self.n_layers)
@@ -125,12 +134,20 @@ class Arch:
         """The shape GGUF stores for a checkpoint tensor of ``shape`` (what :meth:`transform` returns)."""
         if self.model_type in RECURRENT:
             return gguf_recurrent.stored_shape(self.model_type, hf_name, shape)
+        if self.gguf_arch == "qwen35":
+            return gguf_qwen35.stored_shape(hf_name, shape)
         return shape
+
+    def source_key(self, own: str) -> str:
+        """The checkpoint name gguf's ``TensorNameMap`` knows ``own`` by (the converter's renames)."""
+        return gguf_qwen35.source_key(own) if self.gguf_arch == "qwen35" else own
 
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
         if self.model_type in RECURRENT:
             return gguf_recurrent.transform(self.model_type, hf_name, w)
+        if self.gguf_arch == "qwen35":  # A, the convolution, the zero-centred norms, the value heads tiled
+            return gguf_qwen35.transform(self.config, hf_name, w)
         if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
             return w + 1
         if self.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -140,7 +157,10 @@ class Arch:
         return w
 
     def extra_tensors(self) -> dict[str, Any]:
-        """Tensors llama.cpp needs that the checkpoint does not hold (Llama 3.1's RoPE frequency factors)."""
+        """Tensors llama.cpp needs that the checkpoint does not hold (Llama 3.1's RoPE frequency factors, Gemma 4's
+        full-attention layers' proportional RoPE)."""
+        if self.gguf_arch == "gemma4":
+            return {"rope_freqs.weight": gguf_gemma4.rope_freqs(self.config)}
         if self.rope_type != "llama3":
             return {}
         import numpy as np
@@ -203,7 +223,7 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         return arch
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
-                 "Gemma 2 (gemma2), Gemma 3 text (gemma3_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
+                 "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Gemma 4 text (gemma4_text), Qwen3.5 text (qwen3_5_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
                  "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba) and LFM2 (lfm2)")
     if mt in NOT_WRITTEN:
         raise not_written(mt, where)
@@ -217,6 +237,17 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
             raise UserError(f"{where}: dense layers among the experts' (mlp_only_layers, decoder_sparse_step) are not "
                             "llama.cpp's qwen3moe; GGUF export refuses it.")
+    if mt == "gemma4_text":  # its RoPE and head widths per kind of layer: gguf_gemma4's
+        gguf_gemma4.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, "gemma4", False, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head), int(config["head_dim"]), {})
+    if mt == "qwen3_5_text":  # the Gated DeltaNet's settings: gguf_qwen35's
+        gguf_qwen35.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, "qwen35", False, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head),
+                    int(config.get("head_dim") or int(config["hidden_size"]) // n_head), {})
     if config.get("mlp_bias"):
         raise UserError(f"{where}: mlp_bias=true is not part of llama.cpp's {mt} architecture; GGUF export refuses it.")
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})

@@ -14,7 +14,8 @@ folder:
 With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The result is
 written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
 
-``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``, ``mamba``, ``lfm2``) checks another architecture the export writes: a tiny random model of that
+``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``, ``mamba``, ``lfm2``, ``gemma4_text``,
+``qwen3_5_text``) checks another architecture the export writes: a tiny random model of that
 ``model_type`` (:data:`TINY`: 2 layers, a head wider than hidden / heads, as Qwen3-4B's) with the demo
 model's tokenizer and chat template, built in a temporary folder; the result goes to
 ``docs/validation/llama_cpp_check_qwen3.json`` (and ``.md``).
@@ -96,7 +97,18 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         "mamba": dict(hidden_size=64, state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_hidden_layers=2),
         "lfm2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=512, layer_types=["conv", "full_attention"],
-                     full_attn_idxs=[1])}
+                     full_attn_idxs=[1]),
+        # Gemma 4: a full-attention layer with a wider head and proportional RoPE, per-layer input embeddings; Qwen3.5:
+        # a Gated DeltaNet layer (more value heads than key heads, as Qwen3.5's) and a gated full-attention layer
+        "gemma4_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16,
+                            max_position_embeddings=512, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"]),
+        "qwen3_5_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             layer_types=["linear_attention", "full_attention"], max_position_embeddings=512,
+                             tie_word_embeddings=False)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:
@@ -105,13 +117,14 @@ def tiny_model(model_type: str, folder: Path) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(REPO / "data" / "demo_model"))
+    per_layer = {"vocab_size_per_layer_input": len(tok)} if model_type == "gemma4_text" else {}  # its own vocabulary width
     cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id, **TINY[model_type])
+                               pad_token_id=tok.pad_token_id, **per_layer, **TINY[model_type])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # norms that are not all ones, so a norm written wrong shows in the answer
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "layer_scalar")):
                 param.normal_(1, 0.3)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)

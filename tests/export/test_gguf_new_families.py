@@ -1,5 +1,5 @@
-"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba and LFM2, trained 2 LoRA steps, are
-written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
+"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
+trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
 logits; the families whose llama.cpp mapping finetuner has not written are refused in one line that says what is
 missing, with nothing written."""
 
@@ -24,9 +24,9 @@ def _trained(model_type: str, tmp_path):
     tok = _qwen2_tokenizer()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_with_ids(model_type, tok)))
-    with torch.no_grad():  # a norm written wrong shows in the logits
+    with torch.no_grad():  # a norm (or Gemma 4's layer scale) written wrong shows in the logits
         for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
+            if ("norm" in name and name.endswith("weight")) or name.endswith("layer_scalar"):
                 param.normal_(1, 0.3)
     folder = tmp_path / model_type
     model.save_pretrained(folder)
@@ -79,9 +79,103 @@ def test_a_trained_lfm2_exports_as_llama_cpps_lfm2_and_for_ollama(tmp_path):
     assert o.architecture == "lfm2"
 
 
+def test_a_trained_gemma4_exports_as_llama_cpps_gemma4_and_for_ollama(tmp_path):
+    """Its two head widths (the full-attention layers' wider), the sliding pattern, the per-layer input embeddings,
+    the proportional RoPE's frequency factors and the layer scales as llama.cpp's converter writes them; transformers'
+    GGUF loader gives the merged model's logits; an Ollama folder from the same run."""
+    model, run = _trained("gemma4_text", tmp_path)
+    r = export_model(run, tmp_path / "g.gguf", quant="f16")
+    assert r.architecture == "gemma4" and r.top1_agreement >= 0.9 and r.max_abs_logit_diff <= r.tolerance, r
+    reader, f = _fields(tmp_path / "g.gguf")
+    cfg = model.config
+    full = cfg.layer_types.index("full_attention")
+    head_full = model.model.layers[full].self_attn.head_dim
+    head_swa = model.model.layers[cfg.layer_types.index("sliding_attention")].self_attn.head_dim
+    assert head_full != head_swa  # the tiny model's full layers are wider, as Gemma 4's are
+    assert (f["gemma4.attention.key_length"], f["gemma4.attention.key_length_swa"]) == (head_full, head_swa)
+    assert list(f["gemma4.attention.sliding_window_pattern"]) == [t == "sliding_attention" for t in cfg.layer_types]
+    assert f["gemma4.embedding_length_per_layer_input"] == cfg.hidden_size_per_layer_input
+    assert (f["gemma4.rope.freq_base"], f["gemma4.rope.freq_base_swa"]) == (
+        cfg.rope_parameters["full_attention"]["rope_theta"], cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    tensors = {t.name: t for t in reader.tensors}
+    turned = int(head_full * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    np.testing.assert_array_equal(np.asarray(tensors["rope_freqs.weight"].data),
+                                  np.asarray([1.0] * turned + [1e30] * (head_full // 2 - turned), dtype=np.float32))
+    scale = model.model.layers[1].layer_scalar.detach().numpy()
+    np.testing.assert_allclose(np.asarray(tensors["blk.1.layer_output_scale.weight"].data), scale, rtol=1e-6)
+    assert {"per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight",
+            "blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.0.post_norm.weight"} <= set(tensors)
+    norm = model.model.layers[0].input_layernorm.weight.detach().numpy()  # not 1 + weight, unlike Gemma 2 and 3
+    np.testing.assert_allclose(np.asarray(tensors["blk.0.attn_norm.weight"].data), norm, rtol=1e-6)
+    o = export_model(run, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
+    assert (tmp_path / "ollama" / "model.gguf").is_file() and "FROM" in (tmp_path / "ollama" / "Modelfile").read_text()
+    assert o.architecture == "gemma4"
+
+
+def test_a_trained_qwen35_exports_as_llama_cpps_qwen35_and_llama_cpp_checks_it(tmp_path):
+    """The Gated DeltaNet as llama.cpp's converter writes it: its widths in ``qwen35.ssm.*``, which layers are linear,
+    ``A`` as ``-exp(A_log)``, the zero-centred norms as ``1 + weight`` (the DeltaNet's output norm as it is), the
+    convolution squeezed and float32, and, with more value heads than key heads (the tiny model: 4 and 2), the value
+    heads tiled: (K0's v0, K0's v1, K1's v0, K1's v1) stored as heads 0, 2, 1, 3. transformers' GGUF loader does not
+    read qwen35: with llama-cpp-python installed llama.cpp gives the merged model's logits; without it the checked
+    export is refused in one line before anything is written."""
+    import importlib.util
+
+    model, run = _trained("qwen3_5_text", tmp_path)
+    cfg = model.config
+    r = export_model(run, tmp_path / "q.gguf", quant="f16", verify=False)
+    assert r.architecture == "qwen35" and r.max_abs_logit_diff is None, r
+    reader, f = _fields(tmp_path / "q.gguf")
+    assert (f["qwen35.ssm.state_size"], f["qwen35.ssm.group_count"], f["qwen35.ssm.time_step_rank"],
+            f["qwen35.ssm.inner_size"], f["qwen35.ssm.conv_kernel"]) == (16, 2, 4, 64, cfg.linear_conv_kernel_dim) \
+        == (cfg.linear_key_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim * cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim)
+    assert list(f["qwen35.attention.recurrent_layers"]) == [t == "linear_attention" for t in cfg.layer_types] == [True, False]
+    assert f["qwen35.rope.dimension_count"] == int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]) == 4
+    # its 2 rotary pairs dealt to the time and height sections as llama.cpp's interleaved M-RoPE reads them (the
+    # converter's default [11, 11, 10, 0] would cover 32 pairs: ggml aborts; a pair in no section is not turned)
+    assert list(f["qwen35.rope.dimension_sections"]) == [1, 1, 0, 0]
+    t = {x.name: np.asarray(x.data) for x in reader.tensors}
+    types = {x.name: x.tensor_type.name for x in reader.tensors}
+    mixer, tiles = model.model.layers[0].linear_attn, [0, 2, 1, 3]
+    np.testing.assert_allclose(t["blk.0.ssm_a"], -np.exp(mixer.A_log.detach().numpy()[tiles]), rtol=1e-6)
+    np.testing.assert_allclose(t["blk.0.ssm_dt.bias"], mixer.dt_bias.detach().numpy()[tiles], rtol=1e-6)
+    rows = np.concatenate([np.arange(64)] + [64 + 16 * h + np.arange(16) for h in tiles])  # q, k, then the value heads
+    conv = mixer.conv1d.weight.detach().numpy()[:, 0, :]
+    assert types["blk.0.ssm_conv1d.weight"] == "F32"
+    np.testing.assert_allclose(t["blk.0.ssm_conv1d.weight"], conv[rows], rtol=1e-6)
+    from safetensors.numpy import load_file
+
+    from finetuner.export.merge import merge_adapter
+
+    merge_adapter(str(run), tmp_path / "merged", dtype="fp32")  # the projections LoRA trained: the merged model's
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    at = "model.layers.0.linear_attn."
+    f16 = dict(rtol=2 ** -10, atol=2 ** -24)  # the float16 rounding of each weight
+    np.testing.assert_allclose(t["blk.0.attn_qkv.weight"], merged[at + "in_proj_qkv.weight"][rows], **f16)
+    cols = np.concatenate([16 * h + np.arange(16) for h in tiles])
+    np.testing.assert_allclose(t["blk.0.ssm_out.weight"], merged[at + "out_proj.weight"][:, cols], **f16)
+    np.testing.assert_allclose(t["blk.0.ssm_beta.weight"], merged[at + "in_proj_b.weight"][tiles], **f16)
+    np.testing.assert_allclose(t["blk.0.ssm_norm.weight"], mixer.norm.weight.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(t["blk.1.attn_q_norm.weight"],
+                               1 + model.model.layers[1].self_attn.q_norm.weight.detach().numpy(), rtol=1e-6)
+    o = export_model(run, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
+    assert o.architecture == "qwen35" and "FROM" in (tmp_path / "ollama" / "Modelfile").read_text()
+    if importlib.util.find_spec("llama_cpp") is not None:  # llama.cpp itself reads the file back
+        checked = export_model(run, tmp_path / "checked.gguf", quant="f16")
+        assert checked.max_abs_logit_diff <= checked.tolerance and checked.top1_agreement >= 0.9, checked
+        assert any("llama.cpp itself" in n for n in checked.notes), checked.notes
+    else:
+        p = _refused(tmp_path, str(run), "--format", "gguf", "-o", str(tmp_path / "checked.gguf"),
+                     match=r"does not read llama\.cpp's qwen35, and llama-cpp-python, which would check the file, is not "
+                           r"installed; nothing was written")
+        assert len([line for line in p.stderr.splitlines() if line.startswith("error")]) == 1, p.stderr
+        assert not (tmp_path / "checked.gguf").exists()
+
+
 @pytest.mark.parametrize("model_type, missing", [
-    ("qwen3_5_text", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen35' architecture, but finetuner's mapping to it is not written yet"),
-    ("gemma4_text", r"knows llama\.cpp's 'gemma4' architecture, but finetuner's mapping to it is not written yet"),
+    ("qwen3_5_moe_text", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen35moe' architecture, but finetuner's mapping to it is not written yet"),
+    ("gemma3n_text", r"knows llama\.cpp's 'gemma3n' architecture, but finetuner's mapping to it is not written yet"),
     ("zamba2", r"llama\.cpp has no architecture for it"),
 ])
 def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, missing, tmp_path):
@@ -102,6 +196,9 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("mamba", {"use_bias": True}, "no projection bias, a convolution bias"),
     ("lfm2", {"conv_bias": True}, "its short convolution has no bias"),
     ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "RoPE scaling 'linear'"),
+    ("gemma4_text", {"enable_moe_block": True}, "mixture-of-experts block is not written by finetuner"),
+    ("gemma4_text", {"attention_k_eq_v": True}, "keys reused as values"),
+    ("qwen3_5_text", {"linear_value_head_dim": 32}, "llama.cpp's qwen35 takes one width for both"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
@@ -114,11 +211,11 @@ def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
 
 
 def test_a_gguf_package_without_the_architecture_is_named_as_what_is_missing(monkeypatch):
-    """A gguf package without llama.cpp's qwen35 (an older one): the refusal names the package and its version."""
+    """A gguf package without llama.cpp's qwen35moe (an older one): the refusal names the package and its version."""
     import gguf
 
     from finetuner.export.gguf_arch import not_written
 
-    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen35"})
-    assert re.search(r"model_type 'qwen3_5_text': the installed gguf package \([\d.]+\) has no 'qwen35' architecture; "
-                     "nothing was written", str(not_written("qwen3_5_text", "config.json")))
+    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen35moe"})
+    assert re.search(r"model_type 'qwen3_5_moe_text': the installed gguf package \([\d.]+\) has no 'qwen35moe' "
+                     "architecture; nothing was written", str(not_written("qwen3_5_moe_text", "config.json")))
