@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from finetuner.data.pipeline import IGNORE_INDEX, prepare_data
 from finetuner.data.formats import CHAT_ROLES, SHAREGPT_ROLES
 from finetuner.errors import UserError
-from finetuner.config.recipe import DataSection, Recipe
+from finetuner.config.recipe import Recipe
+from finetuner.config.sections import DataSection
 from tests.conftest import alpaca_rows, cli_in_process, run_cli, ui_client, write_recipe, HANG_GUARD_S
 
 

@@ -154,7 +154,7 @@ def test_a_huge_row_is_previewed_tokenized_and_profiled_in_bounded_memory(huge_r
     out = _measured(
         f"""
 from transformers import AutoTokenizer
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.pipeline import DataStats, load_examples, tokenize_examples
 from finetuner.data.preview import preview_data
 from finetuner.data.stats import profile_data

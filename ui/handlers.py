@@ -26,7 +26,7 @@ from typing import Any, get_args
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from finetuner.config.recipe import GRPOSection, Objective
+from finetuner.config.sections import GRPOSection, Objective
 from finetuner.data.formats import ROLES, refused_picture
 from finetuner.data.picture_files import PictureTooLarge
 from finetuner.data.scope import ReadScope, data_file, within

@@ -10,7 +10,7 @@ from typing import get_args
 import gradio as gr
 
 from finetuner.config.hardware import list_profiles
-from finetuner.config.recipe import Optimizer
+from finetuner.config.sections import Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views

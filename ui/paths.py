@@ -10,7 +10,7 @@ from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists, file_digest
 from finetuner.locate import locate
 from finetuner.runs.jobs import default_runs_dir, repo_root
-from finetuner.config.recipe import DATA_EXTENSIONS
+from finetuner.config.sections import DATA_EXTENSIONS
 
 ROOT = repo_root()
 DATA_DIR = ROOT / "data"

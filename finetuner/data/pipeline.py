@@ -34,7 +34,7 @@ from finetuner.data.images import encode_pictured
 from finetuner.data import thinking
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from finetuner.data.split import held_out_rows, shuffled_split
-from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
+from finetuner.config.sections import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,
     SHAREGPT_ROLES,

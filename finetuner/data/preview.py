@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner.config.recipe import PAIRED_OBJECTIVES, DataSection
+from finetuner.config.sections import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import KIND_WORDS, OBJECTIVES_OF_KIND, file_kind
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, chat_template_for, encode_example, load_examples
 from finetuner.data.preference import load_preference_examples

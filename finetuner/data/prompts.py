@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.formats import SHAREGPT_ROLES, RowError, read_rows
 from finetuner.data.pipeline import DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError

@@ -230,7 +230,7 @@ def _encoder(model: str | None, chat_template: str | None = None) -> tuple[Any, 
 @functools.lru_cache(maxsize=4)
 def _loaded_encoder(model: str, chat_template: str | None, stamp: tuple[int, ...]) -> tuple[Any, str] | None:
     """:func:`_encoder`'s tokenizer, loaded once per model, template and version of its files (``stamp``)."""
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.pipeline import chat_template_for
     from finetuner.model.loading import open_tokenizer
     from finetuner.quiet import quieted
@@ -462,7 +462,7 @@ def add_picture_tokens(src: FileExamples, lengths: list[int], tokens, limit: int
 def picture_lengths(src: FileExamples, processor, chat_template: str | None = None) -> tuple[list[int], int, int, int, int]:
     """Each example's tokens as the trainer encodes them with the processor (its pictures' image tokens
     included), the trained and total tokens, the image tokens in all, and the largest picture's pixels."""
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.images import encode_pictured, image_token_ids
     from finetuner.data.picture_files import picture_size, pixel_limit
     from finetuner.data.pipeline import IGNORE_INDEX, chat_template_for
@@ -562,7 +562,7 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
                         system_prompt: str | None) -> DataProfile:
     """:func:`profile_data` for a file of pairs or rated responses, read by the preference
     trainer's own reader (:func:`finetuner.data.preference.read_preference_file`)."""
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.preference import read_preference_file
 
     bad: list[RowError] = []

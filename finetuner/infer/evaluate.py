@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
-from finetuner.config.recipe import PAIRED_OBJECTIVES
+from finetuner.config.sections import PAIRED_OBJECTIVES
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source
 from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
@@ -90,7 +90,7 @@ def held_out_set(src: Source, tokenizer, data: str | Path | None, max_seq_len: i
     (``held-out``, ``training`` or ``other``: see :attr:`EvalResult.examples_are`); ``processor``: a picture
     model's, for data with pictures."""
     from finetuner.data.pipeline import prepare_data
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
 
     recipe = src.recipe
     if data is not None:

@@ -79,7 +79,8 @@ class Source:
 def read_recipe(path: Path):
     from pydantic import ValidationError
 
-    from finetuner.config.recipe import Recipe, format_validation_error, load_yaml
+    from finetuner.config.recipe import Recipe, format_validation_error
+    from finetuner.config.recipe_yaml import load_yaml
 
     try:
         raw = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}

@@ -85,7 +85,7 @@ class PreferenceEvalResult:
 
 def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
     """The tokenized held-out pairs and where they came from: ``data``, or the run's validation split."""
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.preference import prepare_preference_data
 
     recipe = src.recipe

@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from finetuner.errors import UserError
-from finetuner.config.recipe import Optimizer
+from finetuner.config.sections import Optimizer
 from finetuner.model.shapes import ModelShape, lora_param_count, lora_targets
 from finetuner.model.trace import TRACE_LORA_DROPOUT, TRACE_LORA_R
 

@@ -39,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
-from finetuner.config.recipe import REFERENCE_OBJECTIVES, LoraSection, Recipe, load_yaml
+from finetuner.config.recipe import Recipe
+from finetuner.config.recipe_yaml import load_yaml
+from finetuner.config.sections import REFERENCE_OBJECTIVES, LoraSection
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError
 from finetuner.losses.preference import dpo_loss, kto_loss, orpo_loss, simpo_loss

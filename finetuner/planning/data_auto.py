@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetuner.config.recipe import DATA_AUTO_KEYS
+from finetuner.config.sections import DATA_AUTO_KEYS
 from finetuner.data.split import held_out_rows
 from finetuner.errors import UserError
 from finetuner.planning.sizing import PACKED_SEQ_LEN, data_sequence, replay_reason, replay_share, size_run

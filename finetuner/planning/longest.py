@@ -342,7 +342,7 @@ def longest_sequence(
         >>> r.max_seq > 32768, r.candidate.offload_activations
         (True, True)
     """
-    from finetuner.config.recipe import TrainingSection
+    from finetuner.config.sections import TrainingSection
 
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     if prof.platform != "cuda":

@@ -483,7 +483,7 @@ def _micro_batches(effective_batch: int, fixed: int | str | None, fixed_accum: i
 
 def _apply(base: Recipe, o: Option) -> Recipe:
     """A resolved copy of ``base`` with the option's values."""
-    from finetuner.config.recipe import QuantizationSection
+    from finetuner.config.sections import QuantizationSection
 
     t = base.training.model_copy(update={
         "micro_batch_size": o.micro_batch,
@@ -740,7 +740,7 @@ def data_seq_len(model: str, profile, max_new_tokens: int | None = None) -> int:
     """The sequence length :func:`plan` chooses for ``model`` on the data of ``profile`` when none is
     asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0. A
     profile of prompts (objective grpo) adds ``max_new_tokens`` (default: the recipe's ``grpo.max_new_tokens``)."""
-    from finetuner.config.recipe import GRPOSection
+    from finetuner.config.sections import GRPOSection
 
     if profile.kind == "prompts":
         new = GRPOSection.model_fields["max_new_tokens"].default if max_new_tokens is None else max_new_tokens
@@ -769,7 +769,8 @@ def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
     to define its function, each built-in checked by name). A :class:`UserError` naming what is wrong."""
     from pydantic import ValidationError
 
-    from finetuner.config.recipe import GRPOSection, format_validation_error
+    from finetuner.config.recipe import format_validation_error
+    from finetuner.config.sections import GRPOSection
     from finetuner.rewards.specs import SPEC_FORM, check_reward_specs
 
     raw = dict(grpo or {})
@@ -792,7 +793,7 @@ def _check_objective(objective: str | None) -> str | None:
     """``objective`` as :func:`plan` takes it: ``None`` for ``auto``, else a known objective."""
     from typing import get_args
 
-    from finetuner.config.recipe import Objective
+    from finetuner.config.sections import Objective
 
     if objective in (None, "auto"):
         return None
@@ -805,7 +806,7 @@ def _check_objective(objective: str | None) -> str | None:
 def _objective_for(objective: str | None, profile) -> tuple[str, str | None]:
     """The objective of a plan on data ``profile`` (``objective`` as asked, ``None``: from the data),
     and the reason to print when it came from the data. A :class:`UserError` when the data do not fit it."""
-    from finetuner.config.recipe import PAIRED_OBJECTIVES
+    from finetuner.config.sections import PAIRED_OBJECTIVES
     from finetuner.data.formats import AUTO_OBJECTIVE, KIND_WORDS, OBJECTIVES_OF_KIND, wrong_objective
 
     kind = profile.kind
@@ -1614,7 +1615,8 @@ def resolve_for_run(recipe: Recipe, resume: bool = True) -> tuple[Recipe, Plan |
     chooses for the detected GPU, or for the CPU (80 % of its RAM) when there is none.
     """
     from finetuner.config.hardware import run_profile
-    from finetuner.config.recipe import Recipe, load_yaml
+    from finetuner.config.recipe import Recipe
+    from finetuner.config.recipe_yaml import load_yaml
 
     if not recipe.auto_keys():
         return recipe, None

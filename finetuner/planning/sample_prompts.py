@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from finetuner.data.split import held_out_positions, held_out_rows, shuffled_split
 
 if TYPE_CHECKING:
-    from finetuner.config.recipe import DataSection, Recipe
+    from finetuner.config.recipe import Recipe
+    from finetuner.config.sections import DataSection
 
 #: how many prompts a plan writes
 SAMPLE_PROMPTS = 2

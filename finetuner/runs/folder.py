@@ -25,7 +25,8 @@ from finetuner.planning.sizing import total_steps
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.errors import UserError
 from finetuner.fileio import size_text
-from finetuner.config.recipe import Recipe, load_yaml
+from finetuner.config.recipe import Recipe
+from finetuner.config.recipe_yaml import load_yaml
 from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.

@@ -50,7 +50,8 @@ from typing import Any
 
 from finetuner.children import module_args, module_command, safe_env, stop_signals_as_in_a_terminal
 from finetuner.errors import UserError
-from finetuner.config.recipe import Recipe, load_yaml
+from finetuner.config.recipe import Recipe
+from finetuner.config.recipe_yaml import load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.rank_output import RankOutput
 from finetuner.training.seal import TRUST_ENV

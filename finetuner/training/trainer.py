@@ -48,7 +48,8 @@ from finetuner.model.vision import refuse_pictures_only, text_inputs
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.quiet import quieted
-from finetuner.config.recipe import Recipe, TrainingSection
+from finetuner.config.recipe import Recipe
+from finetuner.config.sections import TrainingSection
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
 from finetuner.training.step_rate import StepRate

@@ -158,7 +158,7 @@ def test_unknown_keys_suggest_finetuners_name(override, expected):
 
 
 def test_every_synonym_points_at_a_real_key():
-    from finetuner.config.recipe import SYNONYMS
+    from finetuner.config.recipe_errors import SYNONYMS
 
     keys = set(recipe_keys())
     assert not {t for t in SYNONYMS.values() if t not in keys}

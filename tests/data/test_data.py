@@ -10,7 +10,7 @@ import pytest
 from finetuner.data.pipeline import IGNORE_INDEX, Collator, encode_example, load_examples, pack, prepare_data
 from finetuner.data.formats import detect_format
 from finetuner.errors import UserError
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from tests.conftest import alpaca_rows
 
 

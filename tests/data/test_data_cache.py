@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetuner.data.pipeline import prepare_data
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 
 
 @pytest.fixture

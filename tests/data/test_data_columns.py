@@ -13,7 +13,8 @@ from finetuner.data.pipeline import DataStats, load_examples, prepare_data
 from finetuner.data.formats import detect_layout
 from finetuner.data.stats import profile_data
 from finetuner.errors import UserError
-from finetuner.config.recipe import DataSection, Recipe
+from finetuner.config.recipe import Recipe
+from finetuner.config.sections import DataSection
 from tests.conftest import REPO, cli_in_process, run_cli, write_recipe
 
 DEMO_MODEL = REPO / "data" / "demo_model"

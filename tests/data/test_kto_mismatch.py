@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.pipeline import IGNORE_INDEX
 from finetuner.data.preference import mismatched_partners, prepare_preference_data
 from finetuner.errors import UserError

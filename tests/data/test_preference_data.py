@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, load_examples
 from finetuner.data.preference import PreferenceCollator, prepare_preference_data
 from finetuner.errors import UserError

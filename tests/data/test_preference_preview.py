@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.formats import WrongObjective
 from finetuner.data.pipeline import DataStats
 from finetuner.data.preference import load_preference_examples

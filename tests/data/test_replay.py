@@ -69,7 +69,7 @@ def test_a_run_trains_on_the_base_models_own_answers_cached_and_without_the_syst
 def test_the_replayed_rows_carry_no_system_prompt_and_follow_packing(tmp_path):
     from transformers import AutoTokenizer
 
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.pipeline import prepare_data
 
     tok = AutoTokenizer.from_pretrained(str(DEMO))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.config.recipe import DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.formats import IGNORE_INDEX
 from finetuner.data.pipeline import encode_example, prepare_data
 from tests.conftest import REPO, cli_in_process, write_recipe

@@ -106,7 +106,7 @@ def test_the_named_model_counts_tokens_with_its_own_tokenizer_offline(loaded):
     assert prof.counted_with == "the model's tokenizer and chat template (smollm2-135m-instruct)", prof.counted_with
     # tokenized as training tokenizes them: its template's default system prompt included (22 tokens a row
     # that a fixed allowance for the markup missed, and the speed model with it: a step predicted 20-34 % short)
-    from finetuner.config.recipe import DataSection
+    from finetuner.config.sections import DataSection
     from finetuner.data.pipeline import prepare_data
 
     prepared = prepare_data(DataSection(path=str(data), val_size=0, max_seq_len=4096, packing=False, cache=False), tok, 0)

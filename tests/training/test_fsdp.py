@@ -131,7 +131,7 @@ def test_activation_offload_with_checkpointing_on_two_fsdp_processes_matches_one
     raw = _with(base, training={"gradient_checkpointing": True, "offload_activations": True})
     ref, run = _one_and_two(raw, tmp_path, "actoffload")
     _assert_same_run(run, ref)
-    from finetuner.config.recipe import load_yaml
+    from finetuner.config.recipe_yaml import load_yaml
 
     resolved = load_yaml((run / "recipe.yaml").read_text(encoding="utf-8"), "recipe.yaml")
     assert resolved["training"]["offload_activations"] is True and resolved["distributed"]["strategy"] == "fsdp"

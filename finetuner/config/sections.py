@@ -1,0 +1,584 @@
+"""The sections of a recipe (:class:`~finetuner.config.recipe.Recipe`): one schema each (``model``, ``lora``,
+``quantization``, ``data``, ``training``, ``checkpointing``, ``logging``, ``samples``, ``preference``, ``grpo`` and
+its rewards, ``distributed``), the kinds of value their keys take, and the bounds every number in a recipe keeps.
+Each field checks its own value; combinations across sections are checked by the recipe
+(:mod:`finetuner.config.recipe`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from finetuner.config.recipe_errors import shown, union_members
+from finetuner.model import gguf_base
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Method = Literal["lora", "qlora", "full"]
+#: The data keys that may be ``auto``: resolved from the recipe's own data when the run starts
+#: (:func:`finetuner.planning.data_auto.resolve_data`), by the rules ``finetuner plan`` sizes a run with.
+DATA_AUTO_KEYS = ("data.max_seq_len", "data.packing", "data.replay")
+#: ``auto`` asks the planner (:mod:`finetuner.planning.planner`) to choose for the device the run is on.
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(gt=0)]
+Optimizer = Literal[
+    "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
+]
+Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
+#: What training optimises (:mod:`finetuner.objectives`): supervised fine-tuning, a preference objective
+#: (:mod:`finetuner.objectives.preference`), or reinforcement learning from rewards (:mod:`finetuner.objectives.grpo`).
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+#: The preference objectives (the ``preference`` section's).
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+#: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
+PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")
+#: The objectives that compare the model with a reference model (ORPO and SimPO need none).
+REFERENCE_OBJECTIVES = ("dpo", "kto")
+
+DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
+
+#: one module name (``q_proj``, ``self_attn.q_proj``), and names separated by commas or spaces
+_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+_NAMES = re.compile(r"\s*[A-Za-z0-9_.]+(\s*[,\s]\s*[A-Za-z0-9_.]+)*\s*,?\s*")
+
+
+#: the seeds torch, numpy and ``random`` all accept (numpy's ``SeedSequence`` takes 0 to 2**32 - 1)
+MAX_SEED = 2**32 - 1
+#: the largest whole number a recipe key takes: 2**53, the largest up to which a float holds every whole number
+#: exactly. YAML reads ``1e16`` (and the web UI's JSON any number) as a float, so a larger value is not the one
+#: written; no count in a recipe comes near it (what a run can finish: :mod:`finetuner.planning.bounds`).
+MAX_WHOLE = 2**53
+
+
+#: a number in exponent notation without a dot (``1e12``, ``-2E-4``): text to YAML 1.1, a number to YAML 1.2
+EXPONENT_NUMBER = re.compile(r"[+-]?\d+[eE][+-]?\d+")
+
+
+def _numeric_kinds(annotation: Any) -> set[type]:
+    """``int`` and ``float`` among the kinds of value a field's annotation accepts (unions and
+    ``Annotated`` looked into); ``bool`` too where the field takes true/false."""
+    import typing
+
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _numeric_kinds(typing.get_args(annotation)[0])
+    members = union_members(annotation)
+    if members is not None:
+        return set().union(*(_numeric_kinds(m) for m in members))
+    return {annotation} & {int, float, bool}
+
+
+def _has_upper_bound(field: Any) -> bool:
+    """Whether a field states its own largest value (``le``/``lt``, e.g. ``training.seed``): its message says it."""
+    return any(getattr(c, "le", None) is not None or getattr(c, "lt", None) is not None for c in field.metadata)
+
+
+#: The base of every section and of the recipe itself: unknown keys refused, assignments validated, numbers
+#: taken as written.
+class Section(BaseModel):
+    # inf and nan are never a sensible setting (``training.lr: .inf`` trained a model of NaNs)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_as_written(cls, v: Any, info: ValidationInfo) -> Any:
+        """``true``/``false`` where a number belongs is a mistake (pydantic would read it as 1/0:
+        ``lora.r: true`` trained with r=1); so is a whole number above :data:`MAX_WHOLE` (pydantic takes the
+        float ``1e20`` as the int 100000000000000000000, not a value anyone wrote). A number written with an
+        exponent and no dot (``1e12``, ``2e-4``) is text to YAML 1.1, which PyYAML reads; where a number belongs it
+        is read as the number it is (YAML 1.2 and JSON read it so), and then checked as any other."""
+        field = cls.model_fields.get(info.field_name or "")
+        kinds = _numeric_kinds(field.annotation) if field else set()
+        if isinstance(v, str) and kinds - {bool} and EXPONENT_NUMBER.fullmatch(v.strip()):
+            v = float(v)
+        if not isinstance(v, int | float):
+            return v
+        if isinstance(v, bool):
+            if kinds and bool not in kinds:
+                raise ValueError(f"must be a number, not {str(v).lower()}")
+        elif abs(v) > MAX_WHOLE and int in kinds and float not in kinds and not _has_upper_bound(field):
+            raise ValueError(f"must be a whole number of at most {MAX_WHOLE:,} (2**53: a larger one is not exact once "
+                             f"YAML or JSON reads it); got {shown(v)}")
+        return v
+
+
+class ModelSection(Section):
+    """Which base model to fine-tune and how to load it."""
+
+    name: str = Field(description=(
+        "Hub id (org/name), a local folder with config.json, a preset name (smollm2-135m-instruct), or a GGUF file "
+        "(*.gguf, e.g. from Ollama or LM Studio: its weights are dequantized and trained in full precision)."))
+    gguf_file: str | None = Field(None, description=(
+        "A GGUF file inside the folder model.name names (transformers' gguf_file); the resolved recipe names the "
+        "file itself in model.name."))
+    revision: str | None = Field(None, description="Hub branch, tag or commit.")
+    dtype: Dtype = Field("auto", description="Storage dtype of the frozen base weights.")
+    trust_remote_code: bool = Field(
+        False, description="Run code shipped with the model. Off unless you trust the repository."
+    )
+    allow_pickle: bool = Field(
+        False,
+        description=(
+            "Also load pickle weights (pytorch_model.bin) when the model has no safetensors. Off: unpickling "
+            "can run code, so only turn it on for files you trust."
+        ),
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    max_memory: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Split the frozen base across several GPUs by layers (accelerate device map), e.g. "
+            "{'0': '20GiB', '1': '24GiB'}. CPU or disk entries are refused: see the error for why."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_file_in_folder(cls, raw: Any) -> Any:
+        """``name`` + ``gguf_file`` become one path to the file (every loader takes a ``.gguf`` model.name)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("gguf_file"), str) or not isinstance(raw.get("name"), str):
+            return raw  # a gguf_file of the wrong kind is said by its field's own check
+        name, file = raw["name"], raw["gguf_file"]
+        if gguf_base.is_gguf_name(name):
+            raise ValueError(f"model.name '{name}' is already a GGUF file; model.gguf_file "
+                             f"('{file}') names a file inside a folder: give one or the other")
+        if not gguf_base.is_gguf_name(file):
+            raise ValueError(f"gguf_file '{file}' does not end with .gguf: name the GGUF file in the folder model.name")
+        return {**raw, "name": str(Path(name) / file), "gguf_file": None}
+
+    @field_validator("max_memory")
+    @classmethod
+    def _gpus_only(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if not v:
+            return None
+        for key, size in v.items():
+            if key in ("cpu", "disk"):
+                raise ValueError(
+                    f"'{key}': base-weight offload to {key} is not supported for training: accelerate's offload hooks "
+                    "replace the offloaded weights at every forward, so the LoRA layers on them would not train and "
+                    "the weights saved for backward stay on the GPU anyway. Use method qlora (a 4-bit base is ~3.5x "
+                    "smaller), `finetuner plan` to see what fits, or distributed.strategy zero3 with parameter offload"
+                )
+            if not key.isdigit():
+                raise ValueError(f"'{key}': keys are GPU indices such as '0' and '1'")
+            if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(GiB|GB|MiB|MB)\s*", str(size)):
+                raise ValueError(f"'{key}': size {size!r} must look like '20GiB'")
+        return v
+
+
+class LoraSection(Section):
+    """LoRA adapter hyper-parameters (peft ``LoraConfig``)."""
+
+    r: int = Field(16, gt=0, le=1024)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description=(
+            "'all-linear', module names as a list ([q_proj, v_proj]) or one comma-separated string "
+            "('q_proj,v_proj'), or a regular expression matched against whole module paths (peft's rule)."
+        ),
+    )
+    bias: Literal["none", "all", "lora_only"] = "none"
+    train_projector: bool = Field(
+        False,
+        description=("An image-text model on pictures: train the projector between the vision tower and the language "
+                     "model in full (saved with the adapter, peft's modules_to_save); off: frozen."),
+    )
+    train_vision_tower: bool = Field(
+        False,
+        description=("An image-text model on pictures: LoRA (the same r and alpha) on the vision tower's linear layers "
+                     "too; off: the tower is frozen."),
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        """A string of names (``q_proj,v_proj``, ``q_proj v_proj``, ``q_proj``) becomes their list."""
+        if isinstance(v, str) and v.strip() != "all-linear" and _NAMES.fullmatch(v):
+            return [n for n in re.split(r"[\s,]+", v) if n]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            names = [n.strip() for n in v]
+            if not names:
+                raise ValueError("needs at least one module name, or 'all-linear'")
+            bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{bad!r} is not a module name (letters, digits, '_' and '.'): list names such as "
+                    "[q_proj, v_proj], or give one regular expression as a string"
+                )
+            return names
+        v = v.strip()
+        if v != "all-linear":
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"{v!r} is neither 'all-linear', module names nor a valid regular expression ({e})") from None
+        return v
+
+
+class QuantizationSection(Section):
+    """bitsandbytes quantization of the frozen base weights."""
+
+    bits: Literal[4, 8] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Dtype = "auto"
+
+
+class DataSection(Section):
+    """Training data and how it becomes token sequences."""
+
+    path: str | list[str] = Field(description="JSON/JSONL/CSV/Parquet file(s) or a hub data set id.")
+    format: DataFormat = "auto"
+    columns: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Which column holds what, as role: column, e.g. {prompt: question, response: answer}. Roles: prompt, "
+            "input, response, system (instruction data), messages (chat), text. Implies the format unless format is set."
+        ),
+    )
+    split: str = Field("train", description="Split to use for hub data sets.")
+    max_seq_len: Annotated[int, Field(ge=16)] | Auto = Field(
+        1024, description="Tokens a row keeps; auto: what the data need, as finetuner plan sizes it (a few outlier rows cut).")
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens.")
+    packing: bool | Auto = Field(
+        False, description="Pack short examples into full sequences; auto: as finetuner plan decides it from the data."
+    )
+    val_size: float = Field(0.0, ge=0, description="Fraction (<1) or number (>=1) of rows held out.")
+    val_path: str | None = None
+    on_bad_row: Literal["error", "skip"] = "error"
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's.")
+    system_prompt: str | None = None
+    thinking: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=("A thinking chat template's form (one that takes enable_thinking: Qwen3, Qwen3.5): auto renders "
+                     "a row with reasoning (reasoning_content, or <think>...</think>) in its thinking form and a row "
+                     "without in its non-thinking form (enable_thinking=False); on or off: every row in that form "
+                     "(off drops the reasoning). No effect on other templates."),
+    )
+    max_examples: int | None = Field(None, gt=0)
+    num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
+    cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")
+    max_pixels: int | None = Field(
+        None, gt=0,
+        description=("Pictures (an image-text-to-text model whose processor sizes them by pixel count: Qwen2-VL, "
+                     "Qwen2.5-VL, Qwen3-VL): the most pixels a picture keeps; larger ones are scaled down. finetuner "
+                     "plan chooses the largest that fits the card."),
+    )
+    replay: Annotated[float, Field(ge=0, le=1)] | Auto = Field(
+        0.0,
+        description=(
+            "A guard against forgetting (SFT on one process): this share of the training rows again as the base "
+            "model's own answers to general prompts (data/replay_prompts.jsonl), generated before training, cached, "
+            "never with data.system_prompt; 0.25 adds one for every four rows. auto: as finetuner plan sets it (0.25 "
+            "for a small file whose rows carry a system prompt, else 0)."
+        ),
+    )
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _numbers_are_names(cls, v: Any) -> Any:
+        """Roles in any case; a column named ``2024`` (YAML and ``--set`` read it as a number) is a name;
+        an empty value is left for the check below to explain."""
+        if isinstance(v, dict):
+            return {
+                (k.strip().lower() if isinstance(k, str) else k): "" if c is None else str(c) if isinstance(c, int) and not isinstance(c, bool) else c
+                for k, c in v.items()
+            }
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_roles(cls, v: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if not v:
+            return None
+        from finetuner.data.formats import check_columns
+
+        check_columns(v, info.data.get("format", "auto"))
+        return v
+
+
+class TrainingSection(Section):
+    """Optimisation settings."""
+
+    epochs: float = Field(1.0, gt=0, le=MAX_WHOLE)  # more cannot be counted in steps (1e308 overflowed)
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Scheduler = "cosine"
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of steps (0.03 if neither is set).")
+    micro_batch_size: PositiveInt | Auto = 1
+    gradient_accumulation: PositiveInt | Auto = 1
+    effective_batch: PositiveInt | None = Field(
+        None, description="Examples per optimizer step when micro_batch_size or gradient_accumulation is auto (default 16)."
+    )
+    optimizer: Optimizer | Auto = "adamw_torch"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    gradient_checkpointing: bool | Auto = False
+    offload_activations: bool | Auto = Field(
+        False, description="Keep saved activations in CPU memory (with checkpointing: each layer's input)."
+    )
+    loss_chunk_size: int = Field(
+        1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
+    )
+    precision: Dtype = Field("auto", description="Autocast dtype for compute.")
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="Fused Liger kernels (CUDA, finetuner[speed]); auto uses them when installed on a CUDA GPU."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer (slower start, faster steps).")
+    tiled_mlp: bool | Auto = Field(
+        "auto",
+        description=(
+            "Run each layer's MLP over 2048-token chunks, each recomputed in backward, so only one chunk's MLP "
+            "tensors exist at a time (one more MLP forward per step). auto: on with gradient checkpointing from "
+            "max_seq_len 16384, where the MLP's tensors are most of a recomputed layer's backward."
+        ),
+    )
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seeds the data order, the LoRA initialisation and dropout.")
+    eval_every: int | None = Field(None, gt=0, description="Evaluate every N steps (and at the end).")
+    keep_best: bool = Field(
+        True,
+        description=(
+            "SFT with LoRA or QLoRA on one process or DDP: the run's adapter is the one of the evaluation with the "
+            "lowest held-out loss; when the last is not it, the last is kept beside it as adapter-last/ (a resumed run: "
+            "the lowest since it resumed)."
+        ),
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0,
+        description="Stop after this many evaluations in a row without a lower held-out loss (needs eval_every and held-out data).",
+    )
+    general_probe: int | None = Field(
+        None, ge=0,
+        description=(
+            "At the end of a LoRA or QLoRA run on one process, the base and the fine-tune answer this many questions "
+            "of data/general_probe.jsonl (facts, arithmetic, instructions; scored without a judge): 'kept N of M' in "
+            "the summary and metrics.json. 0: none. Default: 40 on a GPU, 16 on the CPU (the FINETUNER_GENERAL_PROBE "
+            "environment variable sets another default)."
+        ),
+    )
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Examples per optimizer step (the planner resolves ``auto`` values first)."""
+        if self.micro_batch_size == "auto" or self.gradient_accumulation == "auto":
+            return self.effective_batch or 16
+        return self.micro_batch_size * self.gradient_accumulation
+
+
+class CheckpointSection(Section):
+    save_every: int | None = Field(100, gt=0, description="Save a resumable checkpoint every N steps.")
+    keep_last: int = Field(2, ge=1, description="Keep only the last K checkpoints.")
+
+
+class LoggingSection(Section):
+    every: int = Field(1, gt=0, description="Write a step event every N optimizer steps.")
+    tensorboard: bool = True
+
+
+class SamplesSection(Section):
+    """Generations shown after training: base model vs fine-tuned, same prompt."""
+
+    prompts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(64, gt=0)
+
+
+class PreferenceSection(Section):
+    """Settings of the preference objectives (``objective: dpo | orpo | simpo | kto``).
+
+    Each key applies to the objectives its description names; setting one the recipe's objective
+    does not use is an error (it would silently do nothing).
+    """
+
+    #: the objectives each key applies to (the check in :meth:`Recipe._combinations`)
+    APPLIES_TO: ClassVar[dict[str, tuple[str, ...]]] = {
+        "beta": ("dpo", "simpo", "kto"),
+        "loss_type": ("dpo",),
+        "label_smoothing": ("dpo",),
+        "gamma": ("simpo",),
+        "orpo_weight": ("orpo",),
+        "desirable_weight": ("kto",),
+        "undesirable_weight": ("kto",),
+        "reference": REFERENCE_OBJECTIVES,
+        "start_from": ("dpo", "orpo", "simpo", "kto"),
+    }
+    #: ``beta`` when the recipe leaves it out
+    DEFAULT_BETA: ClassVar[dict[str, float]] = {"dpo": 0.1, "kto": 0.1, "simpo": 2.0}
+
+    beta: float | None = Field(
+        None, gt=0, description="dpo, kto: strength of the pull towards the reference (default 0.1); simpo: reward scale (default 2.0)."
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (the DPO paper) or ipo (squared loss, IPO paper).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo sigmoid: assumed fraction of pairs whose labels are flipped (cDPO).")
+    gamma: float = Field(1.0, ge=0, description="simpo: target reward margin.")
+    orpo_weight: float = Field(0.1, gt=0, description="orpo: weight (lambda) of the odds-ratio term added to the SFT loss of the chosen response.")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (label true) examples.")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (label false) examples.")
+    reference: Literal["adapter_off", "precomputed"] = Field(
+        "adapter_off",
+        description=(
+            "dpo, kto: the reference model. adapter_off: the same base with the adapter switched off, each step; "
+            "precomputed: the model as training starts, scored once before the first step (required with start_from "
+            "and method full)."
+        ),
+    )
+    start_from: str | None = Field(
+        None, description="A finished SFT run folder: its adapter is where training starts, and the reference is that SFT model."
+    )
+
+    def beta_for(self, objective: str) -> float:
+        """``beta``, or the objective's default."""
+        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(objective, 0.1)
+
+
+class RewardSection(Section):
+    """One reward function of ``objective: grpo``: a function of a Python file with TRL's signature
+    ``fn(prompts, completions, **columns) -> list[float]``, or a built-in
+    (:mod:`finetuner.rewards`) with its keyword arguments."""
+
+    function: str = Field(description="The function's name in file, or the name of a built-in reward when file is not set.")
+    file: str | None = Field(None, description="A Python file defining function (relative to the recipe).")
+    weight: float = Field(1.0, description="The reward's weight in the sum the advantages are computed from.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a built-in reward (e.g. column, pattern, max_words).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, raw: Any) -> Any:
+        """``- exact_match`` (a name alone) is a built-in with no arguments."""
+        return {"function": raw} if isinstance(raw, str) else raw
+
+    @model_validator(mode="after")
+    def _args_for_builtins(self) -> RewardSection:
+        if self.file is not None and self.args:
+            raise ValueError(f"args: set for '{self.function}' from {self.file}; args are the keyword arguments of a "
+                             "built-in reward: remove them (a function of your file takes the data's columns)")
+        return self
+
+
+class GRPOSection(Section):
+    """Settings of ``objective: grpo``: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath)
+    with Dr. GRPO's and DAPO's variants (:mod:`finetuner.losses.grpo` writes out the formulas).
+
+    Each step takes the prompts of ``training.micro_batch_size × gradient_accumulation`` examples of
+    the data (the prompt side of any supported format, or a file of prompts), generates
+    ``num_generations`` completions of each with the adapter in the loop, scores them with the reward
+    functions, and trains on the completions with their group-relative advantages. TRL's
+    ``GRPOConfig`` names are accepted where they mean the same (:attr:`TRL_NAMES`).
+    """
+
+    #: TRL ``GRPOConfig`` names → this section's key (the same meaning)
+    TRL_NAMES: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens", "reward_funcs": "rewards",
+                                           "num_completions_to_print": "logged_completions"}
+
+    num_generations: int = Field(4, ge=2, description="Completions generated per prompt (the group whose rewards are compared).")
+    max_new_tokens: int = Field(64, ge=1, description="The longest completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p.")
+    rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions, summed with their weights.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL divergence to the reference (the base with the adapter off); 0: no reference pass.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping of the importance ratio to [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="DAPO's upper clip bound (default: epsilon).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="grpo: mean per sequence (DeepSeekMath); dr_grpo: sum over tokens / (sequences x max_new_tokens) "
+        "(Dr. GRPO); dapo: mean over all tokens (DAPO).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide the advantages by the group's reward std (group), the batch's (batch), or not (none, Dr. GRPO).")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
+    use_bias_correction_kl: bool = Field(False, description="Weight each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default is true); false: DeepSeekMath's beta x KL. Matters only with beta > 0.")
+    logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
+    reward_timeout_s: float = Field(600.0, gt=0, description="The longest one call of a reward function may take, in seconds; "
+                                    "past it the run stops with a message naming the function, after a checkpoint of its last step.")
+    use_vllm: bool = Field(False, description="Generate the completions with vLLM (pip install 'finetuner[vllm]', a CUDA GPU), "
+                           "colocated in the training process, the adapter as it is at each rollout; false: transformers' generate.")
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, lt=1, description="With use_vllm: the share of the GPU's memory vLLM reserves for its copy of the weights "
+        "and its KV cache, for the whole run, on top of the training's (TRL's name and default).")
+
+    #: TRL's ``vllm_mode`` values: only ``colocate`` is finetuner's (the key is accepted, and not kept)
+    VLLM_MODES: ClassVar[tuple[str, ...]] = ("colocate",)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, raw: Any) -> Any:
+        """TRL's names for the same settings; ``scale_rewards`` true/false as TRL takes it; TRL's
+        ``vllm_mode: colocate`` (the only mode finetuner runs vLLM in), ``server`` refused."""
+        if not isinstance(raw, dict):
+            return raw
+        out = dict(raw)
+        if "vllm_mode" in out:
+            mode = out.pop("vllm_mode")
+            if mode == "server":
+                raise ValueError("vllm_mode: server is not supported: finetuner runs vLLM in its own process, colocated with "
+                                 "the training (vllm_mode: colocate): remove vllm_mode, or set it to colocate")
+            if mode not in cls.VLLM_MODES:
+                raise ValueError(f"vllm_mode: '{mode}' is not a mode; finetuner runs vLLM colocated (vllm_mode: colocate)")
+        for theirs, ours in cls.TRL_NAMES.items():
+            if theirs in out:
+                if ours in out:
+                    raise ValueError(f"{theirs} and {ours} are the same setting (TRL's name and finetuner's): give one")
+                out[ours] = out.pop(theirs)
+        if isinstance(out.get("scale_rewards"), bool):
+            out["scale_rewards"] = "group" if out["scale_rewards"] else "none"
+        return out
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GRPOSection:
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"epsilon_high: {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's upper bound is the "
+                             "larger one: raise it, or remove it")
+        return self
+
+
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+
+
+class DistributedSection(Section):
+    """Several processes (GPUs, or CPU processes on gloo) training one model: :mod:`finetuner.training.launch`.
+
+    The effective batch stays ``micro_batch_size x gradient_accumulation`` whatever the number of
+    processes: each optimizer step's micro-batches are split across them, so N processes follow
+    the loss curve of one.
+    """
+
+    strategy: Strategy = Field(
+        "ddp",
+        description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages), fsdp (torch FSDP2: parameters, gradients "
+        "and optimizer states sharded per decoder layer; with LoRA, QLoRA or full fine-tuning).",
+    )
+    num_processes: int = Field(1, ge=1, description="Processes per node (one per GPU); `finetuner run --gpus N` sets it.")
+    offload: Offload = Field(
+        "none", description="ZeRO-Offload: optimizer states (zero1-3) or also parameters (zero3) in CPU memory."
+    )
+    fsdp_offload: bool = Field(
+        False,
+        description="fsdp only: keep the parameter shards, their gradients and the optimizer states in CPU memory "
+        "(less GPU memory, slower steps; the optimizer steps on the CPU).",
+    )
+    cpu_adam: bool = Field(
+        True,
+        description="With offload: DeepSpeedCPUAdam (a C++ extension built on first use, ~1-3 min) instead of torch AdamW on the CPU states.",
+    )
+    nodes: int = Field(1, ge=1, description="Machines taking part; run the same command on each with its node_rank.")
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = Field("127.0.0.1", description="Address of node 0 (rendezvous).")
+    master_port: int = Field(29500, ge=1, le=65535)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.nodes
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy.startswith("zero")
+
