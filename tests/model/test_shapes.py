@@ -49,6 +49,13 @@ KNOWN_TOTALS = {
     # Qwen/Qwen3-Next-80B-A3B-Thinking (its name: 80B in total, 3B active), the config as ai-dynamo/aiconfigurator
     # vendors it (src/aiconfigurator/model_configs/Qwen--Qwen3-Next-80B-A3B-Thinking_config.json)
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # Qwen3.5 as ai-dynamo/aiconfigurator vendors its configs (aic-core/src/aiconfigurator_core/model_configs/),
+    # counted as finetuner reads it: the language model, the vision tower left out (with the tower: 27.36B, 35.11B,
+    # 122.56B and 396.80B, which tests/planning/test_published_presets.py checks against the names)
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    "qwen3.5-122b-a10b": 122_111_526_912,
+    "qwen3.5-397b-a17b": 396_346_350_336,
 }
 
 
