@@ -23,8 +23,8 @@ _quiet.drop_bnb_kernels_notice()  # before anything imports bitsandbytes (peft d
 _LAZY = {
     "Recipe": "finetuner.config.recipe",
     "UserError": "finetuner.errors",
-    "train": "finetuner.training.trainer",
-    "TrainResult": "finetuner.training.trainer",
+    "train": "finetuner.training.run",
+    "TrainResult": "finetuner.training.result",
     "read_events": "finetuner.runs.events",
     "plan": "finetuner.planning.planner",
     "Plan": "finetuner.planning.planner",
@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from finetuner.runs.progress_bar import ProgressBar
     from finetuner.config.recipe import Recipe
     from finetuner.runs.status import Run, load_run
-    from finetuner.training.trainer import TrainResult, train
+    from finetuner.training.result import TrainResult
+    from finetuner.training.run import train
 
 
 def __getattr__(name: str) -> Any:

@@ -287,9 +287,9 @@ def test_the_disk_space_check_says_a_size_that_means_something(recipe_dict, monk
 def test_weights_that_became_nan_are_never_saved_and_the_run_resumes_from_the_last_good_checkpoint(recipe_dict, tmp_path, monkeypatch):
     import torch
 
-    from finetuner.training import trainer as trainer_mod
+    from finetuner.training import optimizer as optimizer_mod
 
-    real = trainer_mod.optimizer_step
+    real = optimizer_mod.optimizer_step
     steps = []
 
     def poisoning_step(optimizer, *a, **k):  # step 2's update turns one LoRA weight into NaN (the loss of step 2 is finite)
@@ -300,7 +300,7 @@ def test_weights_that_became_nan_are_never_saved_and_the_run_resumes_from_the_la
                 optimizer.param_groups[0]["params"][0].fill_(float("nan"))
         return out
 
-    monkeypatch.setattr(trainer_mod, "optimizer_step", poisoning_step)
+    monkeypatch.setattr(optimizer_mod, "optimizer_step", poisoning_step)
     d = dict(recipe_dict, checkpointing={"save_every": 1, "keep_last": 3})
     with pytest.raises(UserError, match=r"After step 2 the trained weights hold NaN or inf values \(.*lora_A.*\); nothing was saved "
                                         r"\(the run folder keeps its last good checkpoint \(step-00000001\)\)") as e:
@@ -309,7 +309,7 @@ def test_weights_that_became_nan_are_never_saved_and_the_run_resumes_from_the_la
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]
     assert not (tmp_path / "run" / "adapter").exists()
-    monkeypatch.setattr(trainer_mod, "optimizer_step", real)
+    monkeypatch.setattr(optimizer_mod, "optimizer_step", real)
     res = finetuner.train(Recipe.from_dict(d))
     assert [ev for ev in read_events(tmp_path / "run" / "events.jsonl") if ev["event"] == "start"][-1]["resumed_from_step"] == 1
     assert res.metrics["steps"] == 8 and all(math.isfinite(x) for x in res.losses)
@@ -447,7 +447,7 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
     script.write_text(textwrap.dedent('''
         import os, signal, sys, time
         import finetuner.cli.main as cli
-        import finetuner.training.trainer as trainer
+        import finetuner.training.run as run
 
         def train(recipe, callbacks, stop_event, **kw):
             pid = os.fork()
@@ -462,7 +462,7 @@ def test_the_stop_handler_of_a_forked_worker_leaves_the_decision_to_its_parent(r
             print("worker exit", os.waitstatus_to_exitcode(status), "stop set:", stop_event.is_set(), flush=True)
             sys.exit(0)
 
-        trainer.train = train
+        run.train = train
         sys.exit(cli.main(sys.argv[1:]))
     '''), encoding="utf-8")
     r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))
@@ -478,7 +478,7 @@ def test_a_sigterm_that_reaches_a_worker_before_its_handlers_are_set_still_ends_
     script.write_text(textwrap.dedent('''
         import os, signal, sys, threading, time
         import finetuner.cli.main as cli
-        import finetuner.training.trainer as trainer
+        import finetuner.training.run as run
 
         os.register_at_fork(after_in_child=lambda: time.sleep(0.5))  # runs first in the new worker: a slow start
 
@@ -499,7 +499,7 @@ def test_a_sigterm_that_reaches_a_worker_before_its_handlers_are_set_still_ends_
             print("worker exit", exits[0], flush=True)
             sys.exit(0)
 
-        trainer.train = train
+        run.train = train
         sys.exit(cli.main(sys.argv[1:]))
     '''), encoding="utf-8")
     r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))
@@ -519,7 +519,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):
     script.write_text(textwrap.dedent('''
         import os, signal, sys, time
         import finetuner.cli.main as cli
-        import finetuner.training.trainer as trainer
+        import finetuner.training.run as run
 
         class Finalized:
             def __del__(self):
@@ -534,7 +534,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops(recipe_dict, tmp_path):
             print("not interrupted", flush=True)
             sys.exit(0)
 
-        trainer.train = train
+        run.train = train
         sys.exit(cli.main(sys.argv[1:]))
     '''), encoding="utf-8")
     r = _run_patched_cli(script, write_recipe(tmp_path / "r.yaml", recipe_dict))

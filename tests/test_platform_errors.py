@@ -35,7 +35,7 @@ def test_qlora_without_bitsandbytes_names_the_key_and_the_way_out(recipe_dict, n
 def test_8bit_optimizers_without_bitsandbytes(recipe_dict, no_bitsandbytes, optimizer):
     import torch
 
-    from finetuner.training.trainer import build_optimizer
+    from finetuner.training.optimizer import build_optimizer
 
     recipe = Recipe.from_dict({**recipe_dict, "training": {**recipe_dict["training"], "optimizer": optimizer}})
     model = torch.nn.Linear(2, 2)

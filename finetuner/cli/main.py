@@ -106,7 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     import finetuner.phases as phases
     from finetuner.runs.folder import RunAlreadyFinished
-    from finetuner.training.trainer import train
+    from finetuner.training.run import train
 
     warnings.filterwarnings("ignore", category=RunAlreadyFinished)  # progress.summary says it, in the CLI's words
     with ProgressPrinter(console, quiet=args.quiet) as progress, phases.reporting(progress.phases):  # before the run's

@@ -1,8 +1,8 @@
 """The data's lengths as the trainer batches them: how long a micro-batch is, padding included, and
 how many of its positions are real tokens.
 
-The trainer draws each step's rows from a seeded permutation (:class:`finetuner.training.trainer.StepSchedule`),
-cuts them into micro-batches (:func:`finetuner.training.trainer.split_step`) and pads each micro-batch
+The trainer draws each step's rows from a seeded permutation (:class:`finetuner.training.schedule.StepSchedule`),
+cuts them into micro-batches (:func:`finetuner.training.schedule.split_step`) and pads each micro-batch
 to its longest row (the collators of :mod:`finetuner.data.pipeline` and :mod:`finetuner.data.preference`).
 A micro-batch of ``k`` rows drawn from ``n`` without replacement is, on average over the permutation,
 as long as the expected largest of ``k`` of the ``n`` lengths: with the lengths sorted,

@@ -1,6 +1,6 @@
 """The whole wait of a run, not only its steps: what ``finetuner run`` spends from its start to its end, by part.
 
-A run (:func:`finetuner.training.trainer.train`) does, in this order:
+A run (:func:`finetuner.training.run.train`) does, in this order:
 
 * **download** (only for a hub model not in the local Hugging Face cache): the checkpoint's bytes
   (:func:`model_files`) at ``DOWNLOAD_BYTES_PER_S``, a stated assumption (the output says it);
@@ -24,7 +24,7 @@ A run (:func:`finetuner.training.trainer.train`) does, in this order:
   (:attr:`DeviceSpeed.disk_write_bytes_per_s`, else ``DISK_WRITE_BYTES_PER_S``) plus ``CHECKPOINT_FILES``
   files written and ``fsync``-ed (:attr:`DeviceSpeed.file_sync_s`, else ``FILE_SYNC_S``); then the
   adapter (trainable weights, ``ADAPTER_FILES`` files);
-* **probe** (an adapter run on one process: ``Trainer._general_probe``): the base (the adapter off) and the
+* **probe** (an adapter run on one process: :func:`finetuner.training.samples.general_probe`): the base (the adapter off) and the
   fine-tune each answer ``run_probe_count(training.general_probe)`` questions of the general probe set
   (:mod:`finetuner.infer.probe`), after the adapter is saved; timed as :class:`Answering` says;
 * **samples**: each of ``samples.prompts`` answered by the fine-tune and, for an adapter, by the base

@@ -14,7 +14,7 @@ its hooks. Where strategies differ the trainer asks the run's strategy object, o
   FSDP2 ``fully_shard``, one unit per decoder layer (:mod:`~finetuner.training.strategies.fsdp`,
   which also checks that QLoRA's 4-bit weights stay 4-bit once sharded);
 - **data**: each optimizer step's examples are split across ranks
-  (:func:`~finetuner.training.trainer.split_step`), and the loss is the global token-loss sum over
+  (:func:`~finetuner.training.schedule.split_step`), and the loss is the global token-loss sum over
   the global number of trained tokens, so N processes compute the same gradient as one process
   with the same effective batch; the step's loss and tokens (and a preference objective's reward
   sums) are summed over the ranks in one all-reduce, so rank 0 reports the whole step;
@@ -66,7 +66,9 @@ from finetuner.training import seal
 from finetuner.training.launch import STOP_FILE
 from finetuner.training.rank_output import report_failure
 from finetuner.training.strategies import Strategy, strategy_class
-from finetuner.training.trainer import Trainer, record_error
+from finetuner.training.run import record_error
+from finetuner.training.samples import answer_samples
+from finetuner.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("Samples are not generated for %s runs (the parameters are sharded); load the adapter to try it.",
                             recipe.distributed.strategy)
             else:
-                trainer.answer_samples(result)
+                answer_samples(trainer, result)
         return 0
     except UserError as e:
         _report(trainer, e)

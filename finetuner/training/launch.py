@@ -1,7 +1,7 @@
 """Launching a multi-process run: torchrun over :mod:`finetuner.training.distributed`, configs saved.
 
 ``finetuner run RECIPE --gpus N`` (or a recipe with a ``distributed:`` section) comes here from
-:func:`finetuner.training.trainer.train`. The launcher, in the user's process:
+:func:`finetuner.training.run.train`. The launcher, in the user's process:
 
 1. resolves the recipe and prepares the run folder exactly like a one-process run (the lock,
    resume checks, ``recipe.yaml``), and holds the lock while the ranks run;
@@ -13,7 +13,7 @@
 3. starts ``python -m torch.distributed.run ... -m finetuner.training.distributed RUN_DIR`` (torchrun, not
    ``accelerate launch``: on CPU ``accelerate launch --cpu --num_processes 2`` starts only one
    process), follows rank 0's ``events.jsonl`` for the callbacks, and turns the end of the run
-   into a :class:`~finetuner.training.trainer.TrainResult`.
+   into a :class:`~finetuner.training.result.TrainResult`.
 
 Several machines (``distributed.nodes`` > 1): the same command runs on each with its
 ``node_rank``; the run folder is on a file system they share. Node 0's launcher does steps 1-2

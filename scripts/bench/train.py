@@ -356,7 +356,8 @@ def _free() -> None:
 def max_seq_finetuner(spec: dict) -> dict:
     import torch
 
-    from finetuner.training.trainer import StepSchedule
+    from finetuner.training.backoff import free_after_oom
+    from finetuner.training.schedule import StepSchedule
 
     _cap_memory(spec.get("cap_gb"))
     tr = _finetuner_trainer(spec, False)
@@ -371,7 +372,7 @@ def max_seq_finetuner(spec: dict) -> dict:
             log(f"finetuner: {n} tokens trained")
             return True
         except torch.OutOfMemoryError:
-            tr._free_after_oom()
+            free_after_oom(tr.optimizer, tr.rt.is_cuda)
             log(f"finetuner: {n} tokens out of memory")
             return False
         finally:

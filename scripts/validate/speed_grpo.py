@@ -126,6 +126,7 @@ def run_one(name: str, work: Path, steps: int) -> dict:
     from finetuner.planning.calibrate import speed_for
     from finetuner.planning.recipe_speed import recipe_step_time
     from finetuner.planning.speed_grpo import grpo_lengths_from_events, grpo_step_time
+    from finetuner.training.backoff import train_step_with_backoff
     from finetuner.training.trainer import Trainer
 
     torch.set_num_threads(THREADS)
@@ -169,7 +170,7 @@ def run_one(name: str, work: Path, steps: int) -> dict:
         for step in range(steps):
             n_roll, n_train = len(rollout_cpu), len(train_widths)
             w0, c0 = time.perf_counter(), time.process_time()
-            _, n, _ = trainer.train_step_with_backoff(step)
+            _, n, _ = train_step_with_backoff(trainer, step)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
             m = objective.step_metrics()

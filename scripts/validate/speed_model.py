@@ -156,6 +156,7 @@ def run_one(name: str, work: Path, steps: int) -> dict:
     ``steps`` optimizer steps (wall clock and this process's CPU time), predict."""
     import torch
 
+    from finetuner.training.backoff import train_step_with_backoff
     from finetuner.training.trainer import Trainer
 
     torch.set_num_threads(THREADS)
@@ -167,7 +168,7 @@ def run_one(name: str, work: Path, steps: int) -> dict:
         trainer.setup()
         for step in range(steps):
             w0, c0 = time.perf_counter(), time.process_time()
-            _, n, _ = trainer.train_step_with_backoff(step)
+            _, n, _ = train_step_with_backoff(trainer, step)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
             tokens.append(n)

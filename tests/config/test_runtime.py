@@ -110,7 +110,7 @@ def test_a_profile_that_assumes_nothing_follows_what_is_installed_here(monkeypat
 
 def test_cpu_predictions_are_for_the_cpu_not_a_bf16_card():
     """Before: a CPU run's prediction was made for a bf16 CUDA card."""
-    from finetuner.training.trainer import predict_run
+    from finetuner.training.prediction import predict_run
 
     recipe = Recipe.from_dict({**BASE, "model": {"name": "llama-3.2-1b"}, "device": "cpu"})
     rt = resolve(recipe, Device("cpu"))

@@ -25,7 +25,7 @@ def test_the_trainers_own_batching_pads_micro_batches_to_the_expected_length():
     """StepSchedule's seeded permutations cut by split_step, over 600 epochs: the mean padded length of a
     micro-batch is the expectation within 4 standard errors (each micro-batch's longest row is one draw;
     the draws of an epoch are not independent, which the 4 leaves room for)."""
-    from finetuner.training.trainer import StepSchedule, split_step
+    from finetuner.training.schedule import StepSchedule, split_step
 
     rng = random.Random(1)
     lengths = [rng.randint(20, 60) if i % 5 else rng.randint(150, 256) for i in range(64)]
@@ -59,7 +59,7 @@ def test_the_prediction_counts_the_tokens_and_pads_the_micro_batches_as_the_trai
     from finetuner.config.recipe import Recipe
     from finetuner.data.pipeline import Collator, prepare_data
     from finetuner.planning.planner import data_batch_of
-    from finetuner.training.trainer import StepSchedule, split_step
+    from finetuner.training.schedule import StepSchedule, split_step
 
     repo = Path(__file__).resolve().parents[2]
     recipe = Recipe.from_yaml(repo / "recipes" / "demo_cpu.yaml")
@@ -133,7 +133,7 @@ def test_grpo_prompts_are_timed_as_the_rollout_pads_them():
     from finetuner.data.prompts import prepare_prompts
     from finetuner.planning.planner import data_batch_of, max_prompt_len
     from finetuner.training.rollout import left_pad
-    from finetuner.training.trainer import StepSchedule
+    from finetuner.training.schedule import StepSchedule
 
     repo = Path(__file__).resolve().parents[2]
     recipe = Recipe.from_yaml(repo / "recipes" / "demo_grpo_cpu.yaml")

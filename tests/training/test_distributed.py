@@ -364,7 +364,7 @@ def _ddp_rank_with_a_loss_scaler(rank: int, port: int, recipe_dict: dict, out: s
     """One rank of test_fp16_loss_scaling_on_two_processes (started by multiprocessing, spawn)."""
     import torch
 
-    from finetuner.training import trainer as trainer_module
+    from finetuner.training import optimizer as optimizer_module
     from finetuner.training.distributed import DistributedTrainer, init_rank
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -373,13 +373,13 @@ def _ddp_rank_with_a_loss_scaler(rank: int, port: int, recipe_dict: dict, out: s
     trainer = DistributedTrainer(recipe, Path(out), init_rank(recipe))
     trainer.setup()
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # what an fp16 run gets on a GPU
-    scalers_seen, shared_step = [], trainer_module.optimizer_step
+    scalers_seen, shared_step = [], optimizer_module.optimizer_step
 
     def spy(optimizer, scheduler, params, max_grad_norm, scaler=None):
         scalers_seen.append(scaler)
         return shared_step(optimizer, scheduler, params, max_grad_norm, scaler)
 
-    trainer_module.optimizer_step = spy
+    optimizer_module.optimizer_step = spy
     lora_b = next(p for n, p in trainer.model.named_parameters() if p.requires_grad and "lora_B" in n)
     poisoned = {"step": None}
     lora_b.register_hook(lambda g: g * math.inf if poisoned["step"] == 1 and rank == 1 else g)  # rank 1's gradient only
@@ -431,7 +431,7 @@ def test_fp16_loss_scaling_on_two_processes(one_process, tmp_path, without_deeps
 
 # --------------------------------------------------------------------------- without processes
 def test_split_step_gives_every_example_to_one_rank(without_deepspeed):
-    from finetuner.training.trainer import split_step
+    from finetuner.training.schedule import split_step
 
     assert split_step(4, 1, 2) == [[(0, 1), (2, 3)], [(1, 2), (3, 4)]]  # whole micro-batches, interleaved
     assert split_step(8, 8, 2) == [[(0, 4)], [(4, 8)]]  # one micro-batch of 8: 4 examples each

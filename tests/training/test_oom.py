@@ -57,10 +57,11 @@ def test_the_failed_attempts_tensors_are_freed_before_the_back_off(recipe_dict, 
 
     import torch
 
+    from finetuner.training import backoff
     from finetuner.training import trainer as trainer_module
 
     held, alive_at_free = [], []
-    real_step, real_free = trainer_module.Trainer._micro_step, trainer_module.Trainer._free_after_oom
+    real_step, real_free = trainer_module.Trainer._micro_step, backoff.free_after_oom
 
     def failing_first(self, *a, **kw):
         if not held:
@@ -69,12 +70,12 @@ def test_the_failed_attempts_tensors_are_freed_before_the_back_off(recipe_dict, 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_step(self, *a, **kw)
 
-    def spy(self):
+    def spy(optimizer, is_cuda):
         alive_at_free.append(held[0]() is not None)
-        real_free(self)
+        real_free(optimizer, is_cuda)
 
     monkeypatch.setattr(trainer_module.Trainer, "_micro_step", failing_first)
-    monkeypatch.setattr(trainer_module.Trainer, "_free_after_oom", spy)
+    monkeypatch.setattr(backoff, "free_after_oom", spy)
     result = finetuner.train(Recipe.from_dict(recipe_dict, ["training.max_steps=1"]))
     assert alive_at_free == [False] and result.metrics["steps"] == 1
 

@@ -235,7 +235,7 @@ def _one_param_step(grad_factors, scaler, max_grad_norm=1.0):
     """One step of the trainers' optimizer_step on a 2-element parameter whose gradient is ``grad_factors``."""
     import torch
 
-    from finetuner.training.trainer import optimizer_step
+    from finetuner.training.optimizer import optimizer_step
 
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = torch.optim.SGD([p], lr=1.0)
@@ -279,7 +279,7 @@ def test_the_runs_prediction_draws_none_of_its_random_numbers(recipe_dict, tmp_p
 
     from finetuner.config.runtime import resolve_runtime
     from finetuner.model import reading
-    from finetuner.training.trainer import predict_run
+    from finetuner.training.prediction import predict_run
 
     monkeypatch.setattr(reading, "cache_root", lambda: tmp_path)  # nothing read before: the model is built and traced
     recipe = Recipe.from_dict(recipe_dict)

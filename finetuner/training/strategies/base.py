@@ -102,7 +102,7 @@ class Strategy(ABC):
 
     def optimizer_step(self) -> float | None:
         """Step the optimizer and the schedule; returns the gradient norm before clipping (or None)."""
-        from finetuner.training.trainer import optimizer_step
+        from finetuner.training.optimizer import optimizer_step
 
         t = self.trainer
         return optimizer_step(t.optimizer, t.scheduler, t.trainable_params(), t.recipe.training.max_grad_norm, t.scaler)

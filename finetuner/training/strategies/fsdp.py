@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Iterator
 from finetuner.errors import UserError
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.strategies.base import Strategy, check_same_world
-from finetuner.training.trainer import local_part
+from finetuner.training.optimizer import local_part
 
 #: the folder of a checkpoint that holds the FSDP shards (``torch.distributed.checkpoint``)
 SHARDS_DIR = ckpt_io.FSDP_DIR
@@ -140,7 +140,7 @@ class FSDP(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from finetuner.training.strategies.rank0_loading import fill, share_quant_states, to_meta
-        from finetuner.training.trainer import build_optimizer, build_scheduler
+        from finetuner.training.optimizer import build_optimizer, build_scheduler
 
         tr = self.trainer
         r, t = tr.recipe, tr.recipe.training

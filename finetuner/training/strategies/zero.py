@@ -58,7 +58,7 @@ class Zero(Strategy):
     def wrap(self, step_loss):
         import deepspeed
 
-        from finetuner.training.trainer import build_scheduler
+        from finetuner.training.optimizer import build_scheduler
 
         tr = self.trainer
         d, t = tr.recipe.distributed, tr.recipe.training

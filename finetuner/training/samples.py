@@ -1,0 +1,119 @@
+"""What the run's model in memory answers: ``data.replay``'s general answers of the base before the first step
+(:func:`mix_replay_rows`), the general probe after the adapter is saved (:func:`general_probe`) and
+``samples.prompts`` after ``done`` (:func:`answer_samples`), each asked in the form the run's rows trained in
+(:meth:`Trainer.prompt_switches <finetuner.training.trainer.Trainer.prompt_switches>`). ``trainer``: the run's
+:class:`~finetuner.training.trainer.Trainer` (not imported here: it imports this module)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from finetuner.fileio import atomic_write_json
+from finetuner.training.result import TrainResult
+
+log = logging.getLogger(__name__)
+
+
+def run_chat(trainer, system: str | None):
+    """The model in memory as a :class:`~finetuner.infer.chat.ChatModel` (its adapter switchable)."""
+    from finetuner.infer.chat import ChatModel
+    from finetuner.infer.loading import Source
+
+    r = trainer.recipe
+    context = min(2048, int(getattr(trainer.model.config, "max_position_embeddings", None) or 2048))
+    return ChatModel(model=trainer.model, tokenizer=trainer.tokenizer, template=trainer.data.chat_template,
+                     device=str(trainer.rt.device), source=Source(trainer.run_dir, "run", r.model.name, recipe=r),
+                     system=system, max_context=context, switches=trainer.prompt_switches())
+
+
+@contextlib.contextmanager
+def answering(model):
+    """Greedy answers from the model in memory: eval mode (no dropout), the KV cache on; restored after."""
+    config = model.config
+    was_training, use_cache = model.training, config.use_cache
+    model.eval()
+    config.use_cache = True
+    try:
+        yield
+    finally:
+        config.use_cache = use_cache
+        model.train(was_training)
+
+
+def mix_replay_rows(trainer) -> dict[str, Any] | None:
+    """``data.replay``: the base model's answers to general prompts (the model in memory before any step, the
+    adapter off, without the user's system prompt) mixed into the training rows (:mod:`finetuner.data.replay`).
+    None when the recipe asks for none."""
+    r = trainer.recipe
+    if not r.data.replay:  # the recipe allows it for SFT on one process only
+        return None
+    from finetuner.data.replay import BATCH, MAX_NEW_TOKENS, ROUTINE_REASONS, base_model, mix_replay
+
+    chat = run_chat(trainer, system=None)  # never the user's system prompt
+
+    def answer(prompts: list[str]) -> list[str]:
+        log.info("data.replay: the base model answers %d general prompts", len(prompts))
+        with answering(trainer.model), trainer.phase("replay", total=len(prompts), unit="answers",
+                                                     predicted_s=trainer.predicted_part("replay")):
+            return chat.greedy_replies([[{"role": "user", "content": p}] for p in prompts], adapter=False,
+                                       max_new_tokens=MAX_NEW_TOKENS, batch=BATCH)
+
+    base = base_model(r.model.name, r.model.revision, trainer.rt.base_dtype, trainer.model, trainer.tokenizer,
+                      trainer.data.chat_template, trainer.prompt_switches())
+    trainer.data, info = mix_replay(trainer.data, r.data, trainer.tokenizer, base, r.training.seed, answer)
+    # the answers made again for a reason (another base, a damaged file) or left uncached: a warning (the CLI
+    # prints it; the progress printer says the routine ones)
+    (log.info if info["reason"] in ROUTINE_REASONS else log.warning)("%s", info["message"])
+    trainer.events.emit("replay", rows=info["rows"], ratio=info["ratio"], from_cache=info["from_cache"],
+                        reason=info["reason"], changed=info["changed"], message=info["message"], cache=info["cache"],
+                        weights=info["weights"], prompts_file=info["prompts_file"])
+    return info
+
+
+def general_probe(trainer):
+    """What the fine-tune kept (:mod:`finetuner.infer.probe`): the base (the adapter switched off) and the
+    fine-tune answer ``training.general_probe`` general questions with the model in memory; None when the run
+    has no adapter to switch off, is spread over processes, or is set to ask none. A failure is a warning:
+    the trained adapter is saved already."""
+    from finetuner.infer.probe import run_probe_count
+
+    r = trainer.recipe
+    n = run_probe_count(r.training.general_probe, cuda=trainer.rt.is_cuda)
+    if not n or r.method == "full" or trainer.world_size != 1 or not hasattr(trainer.model, "disable_adapter"):
+        return None
+    from finetuner.infer.probe import probe_chat
+
+    from finetuner.data.pipeline import run_system_prompt
+
+    # as the run's model is asked (chat's default and the Modelfile's SYSTEM too)
+    chat = run_chat(trainer, system=run_system_prompt(r.data.system_prompt, trainer.data.stats.to_dict()))
+    try:
+        with answering(trainer.model), trainer.phase("probe", unit="answers", predicted_s=trainer.predicted_part("probe")):
+            return probe_chat(chat, str(trainer.run_dir), limit=n)  # counts its answers (phases.expect, advance)
+    except Exception as e:  # noqa: BLE001 - the run is trained and saved; the probe is a report on it
+        log.warning("The general probe failed (%s: %s); `finetuner eval %s --general` runs it again.",
+                    type(e).__name__, e, trainer.run_dir)
+        return None
+
+
+def answer_samples(trainer, result: TrainResult) -> None:
+    """``samples.prompts`` answered by the fine-tune and the base (after ``done``): into ``metrics.json``, with
+    their time, and the ``samples`` event."""
+    from finetuner.infer.generate import compare_samples
+    from finetuner.planning.wait import sample_answers
+
+    r = trainer.recipe
+    began = time.perf_counter()
+    answers = sample_answers(len(r.samples.prompts), "full" if not hasattr(trainer.model, "disable_adapter") else r.method)
+    with trainer.phase("samples", total=answers, unit="answers", predicted_s=trainer.predicted_part("samples")):
+        samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, r.samples, trainer.rt,
+                                  trainer.prompt_switches())
+    took = time.perf_counter() - began
+    result.metrics["samples"] = samples
+    if "time" in result.metrics:  # the samples' time, and the total with them
+        result.metrics["time"]["measured"] = trainer.measured_wait(took)
+    atomic_write_json(trainer.run_dir / "metrics.json", result.metrics)
+    trainer.events.emit("samples", samples=samples, samples_s=round(took, 3))
