@@ -287,11 +287,12 @@ def _cmd_longest(args: argparse.Namespace) -> int:
 
 def _print_plan(p: Any, out_path: Path | None) -> None:
     from rich.console import Console
+    from rich.markup import escape  # the planner's texts are plain: `finetuner[kernels]` is no markup
 
     from finetuner.data.formats import KIND_UNITS
 
     con = Console()
-    con.print(f"[bold]{p.shape.describe()}[/]")
+    con.print(f"[bold]{escape(p.shape.describe())}[/]")
     con.print(f"Card: {p.gpu.name} — {p.gpu.description}, {p.gpu.memory_gib:.1f} GiB")
     if p.data:
         d = p.data
@@ -302,17 +303,17 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
             f"max {d['max_tokens']} ({d['counted_with']}); {trained}"
         )
     for w in p.warnings:
-        con.print(f"[bold yellow]Warning:[/] {w}", highlight=False)
+        con.print(f"[bold yellow]Warning:[/] {escape(w)}", highlight=False)
     for n in p.notes:
-        con.print(f"[yellow]Note:[/] {n}")
+        con.print(f"[yellow]Note:[/] {escape(n)}")
     if not p.fits:
-        con.print(f"[bold red]Nothing fits.[/] {p.reasons[0] if p.reasons else ''}")
+        con.print(f"[bold red]Nothing fits.[/] {escape(p.reasons[0]) if p.reasons else ''}")
         con.print("What would fit:")
         for s in p.suggestions:
-            con.print(f"  • {s}")
+            con.print(f"  • {escape(s)}")
         return
     if p.headline:
-        con.print(f"\n[bold]{p.headline}[/]", highlight=False)
+        con.print(f"\n[bold]{escape(p.headline)}[/]", highlight=False)
     c = p.recipe_choice()
     method = c["method"].upper() if c["method"] != "qlora" else f"QLoRA {c['quantization_bits']}-bit"
     if p.recipe.objective != "sft":
@@ -323,7 +324,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         f"{'on' if c['gradient_checkpointing'] else 'off'}{', activation offload' if c['offload_activations'] else ''}"
     )
     for r in p.reasons:
-        con.print(f"  • {r}")
+        con.print(f"  • {escape(r)}")
     if p.step is not None:
         con.print(f"[bold]Time:[/] {p.time_line()}", highlight=False)
     if p.sharded is not None:

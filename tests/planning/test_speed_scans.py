@@ -136,6 +136,20 @@ def test_the_plan_names_the_kernels_extra_for_the_kernels_not_installed(tiny_mix
     assert "%" not in note and "x faster" not in note
 
 
+def test_the_console_prints_the_extras_name_as_written(tmp_path):
+    """``finetuner plan`` prints the planner's texts as they are: rich would take ``[kernels]`` for markup and
+    drop it (it printed ``pip install 'finetuner'``)."""
+    from finetuner.model.tiny import tiny_config
+    from tests.conftest import cli_in_process
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_5_text", 256)))
+    out = cli_in_process("plan", "--model", str(tmp_path), "--gpu", "rtx4090", "--seq-len", "256")
+    text = " ".join(out.stdout.split())
+    assert "timed as transformers' PyTorch path" in text
+    assert ("pip install 'finetuner[kernels]'" in text) == (not all(scans.kernels_installed().values()))
+    assert "pip install 'finetuner'" not in text
+
+
 def test_with_every_kernel_installed_the_note_says_their_kernels_run_untimed(qwen35, monkeypatch):
     monkeypatch.setattr(scans, "kernels_installed", lambda: dict.fromkeys(scans.KERNEL_PACKAGES.values(), True))
     note = scans.kernel_note(qwen35)
