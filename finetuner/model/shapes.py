@@ -132,6 +132,9 @@ class ModelShape:
     experts: Experts | None = None
     #: the model_type of the image-text-to-text checkpoint whose language model this is (None: a causal LM)
     text_only_of: str | None = None
+    #: whether the model built for it holds that checkpoint's vision tower (an image-text-to-text model: LLaVA,
+    #: Qwen3-VL); False where transformers' causal LM of the checkpoint is its language model alone (Qwen3.5)
+    vision_tower_loaded: bool = False
     #: the linears ``lora.target_modules: all-linear`` trains when not every one
     #: (:func:`finetuner.model.layout.all_linear_paths`: a mixture of experts' attention ...)
     all_linear: tuple[str, ...] | None = None
@@ -270,7 +273,9 @@ class ModelShape:
             f"({self.num_kv_heads} KV), vocab {self.vocab_size:,}"
             + (f"; the language model of an image-text-to-text checkpoint, its vision tower "
                f"({parameter_count(self.param_counts().get('other', 0))} parameters with the projector) loaded frozen"
-               if self.text_only_of else "")
+               if self.text_only_of and self.vision_tower_loaded else "")
+            + ("; the language model of an image-text-to-text checkpoint, which transformers' causal LM of it loads "
+               "alone (its vision tower is not loaded)" if self.text_only_of and not self.vision_tower_loaded else "")
             + (f", {self.experts.count} experts of MLP {self.experts.intermediate} ({self.experts.top_k} a token; "
                f"{parameter_count(self.num_params - self.expert_numel + self.experts.active_numel)} active)"
                if self.experts else "")
@@ -444,6 +449,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
         attention_extras=lay.attention_extras,
         all_linear=lay.all_linear,
         text_only_of=outer,
+        vision_tower_loaded=bool(outer and inv.root_linears),
         trace=inv.trace,
         linear_attention_layers=sum(kind == "linear_attention" for kind in text_cfg.get("layer_types") or ()),
     )

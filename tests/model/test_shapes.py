@@ -167,3 +167,17 @@ def test_parameter_counts_read_at_every_size():
     assert parameter_count(134_515_008) == "135M"
     assert parameter_count(933_120) == "0.933M"
     assert "0.00B" not in resolve_shape(str(REPO / "data" / "demo_model")).describe()
+
+
+def test_the_plan_says_whether_a_checkpoints_vision_tower_is_loaded():
+    """Qwen3.5's checkpoints are image-text, but transformers' causal LM of one is its language model alone (what a
+    text run loads): no tower is counted or claimed. Qwen3-VL has no causal LM class: its whole model is built,
+    the tower frozen and counted."""
+    from finetuner.model.inventory import build_on_meta
+    from finetuner.model.shapes import _presets
+
+    qwen35, vl = resolve_shape("qwen3.5-27b"), resolve_shape("qwen3-vl-4b")
+    assert qwen35.text_only_of == "qwen3_5" and not qwen35.vision_tower_loaded
+    assert "its vision tower is not loaded" in qwen35.describe() and "loaded frozen" not in qwen35.describe()
+    assert not any("visual" in n for n, _ in build_on_meta(_presets()["qwen3.5-27b"]).named_modules())
+    assert vl.vision_tower_loaded and "loaded frozen" in vl.describe()
