@@ -61,7 +61,7 @@ SHARED_NAMES = {"shared_expert", "shared_experts", "shared_mlp"}
 OTHER_SHARE = 0.05
 #: config keys that say how many experts each token is routed to, in the spellings families use
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "experts_per_token", "moe_k",
-              "num_experts_per_token")
+              "num_experts_per_token", "top_k_experts")
 
 
 #: the linear layers of a state-space mixer (Mamba's in_proj, x_proj, dt_proj and out_proj; Mamba-2's in_proj and
@@ -228,7 +228,7 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     (role ``extra:<path>``): an output gate (AFMoE's gate_proj, MiniMax's output_gate), Doge's dt_proj, the
     low-rank projections of multi-head latent attention (DeepSeek's q_a_proj, kv_a_proj_with_mqa, kv_b_proj,
     whose queries are q_b_proj's). A layer with q and o alone reads the keys and values of an earlier layer (KV
-    shared across layers)."""
+    shared across layers); one with q, k and o uses its keys as its values (Gemma 4's ``attention_k_eq_v``)."""
     what = f"its attention's linear layers are {', '.join(x.name for x in linears)}"
     by_role: dict[str, LayerLinear] = {}
     for lin in linears:
@@ -244,7 +244,9 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     # a layer that reads an earlier layer's keys and values (KV shared across layers: Gemma 3n's last layers) has
     # queries and an output only
     reused = set(by_role) == {"q_proj", "o_proj"}
-    if "o_proj" not in by_role or not (standard or latent or reused):
+    # a layer whose keys serve as its values (Gemma 4's attention_k_eq_v: no v_proj in its full-attention layers)
+    keys_as_values = set(by_role) == {"q_proj", "k_proj", "o_proj"}
+    if "o_proj" not in by_role or not (standard or latent or reused or keys_as_values):
         raise LayoutError(what)
     if by_role["o_proj"].out_features != h:
         raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
@@ -328,7 +330,11 @@ def _kind_layout(kind: LayerKind, h: int, hybrid: bool = False) -> tuple[dict[st
     roles |= {f"mixer:{x.name}": x for x in mixer} | {f"extra:{x.name}": x for x in extras}
     roles |= {f"linear:{x.name}": x for x in linear} | {f"beside:{x.name}": x for x in beside}
     if mlp and moe:
-        raise LayoutError(f"it has routed experts and a dense MLP in one layer ({', '.join(x.name for x in mlp)})")
+        if shared:
+            raise LayoutError(f"it has routed experts, shared experts and a dense MLP in one layer "
+                              f"({', '.join(x.name for x in mlp)})")
+        # a dense MLP every token takes beside the routed experts (Gemma 4's MoE layers): a shared expert's terms
+        shared, mlp = mlp, []
     if mlp:
         roles |= _mlp(mlp, h)
     elif not moe and not hybrid:
@@ -402,7 +408,7 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     if fused_qkv:
         kv_dim = (first["qkv_proj"].out_features - q_dim) // 2
     elif "k_proj" in first:
-        kv_dim = max(first["k_proj"].out_features, first["v_proj"].out_features)
+        kv_dim = max(first["k_proj"].out_features, first["v_proj"].out_features if "v_proj" in first else 0)
     else:  # latent attention: keys and values expanded to every head
         kv_dim = q_dim
     kv_dim = -(-kv_dim // head_dim) * head_dim if kv_dim > 0 else kv_dim  # whole heads, rounded up

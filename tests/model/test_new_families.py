@@ -108,8 +108,14 @@ def test_qwen3_5_moes_default_config_fits_at_2048_tokens_with_the_loss_in_smalle
     assert not plan_recipe(given, "rtx4090").fits  # the user's chunk: no other chosen for them
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "gemma4_text"])
-def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_type, tok, tmp_path):
+#: Gemma 4 26B-A4B's layout, tiny: routed experts beside a dense MLP every token takes, keys as values in its
+#: full-attention layers
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16,
+              "attention_k_eq_v": True}
+
+
+@pytest.mark.parametrize("model_type, moe", [("qwen3_5_text", {}), ("gemma4_text", {}), ("gemma4_text", GEMMA4_MOE)])
+def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_type, moe, tok, tmp_path):
     import math
 
     import torch
@@ -117,9 +123,14 @@ def test_a_tiny_model_trains_two_lora_steps_and_peft_loads_its_adapter(model_typ
 
     from finetuner.model.inventory import auto_class
 
-    cfg = tiny_with_ids(model_type, tok)
+    cfg = {**tiny_with_ids(model_type, tok), **moe}
     folder = tmp_path / model_type
-    _build(cfg).save_pretrained(folder)
+    model = _build(cfg)
+    shape = shape_from_config(cfg, name=model_type)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())  # to the last one
+    if moe:  # the dense MLP counted as a shared expert's, every token through it; the routed ones top-k of 4
+        assert (shape.experts.count, shape.experts.top_k, shape.experts.shared_intermediate) == (4, 2, cfg["intermediate_size"])
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     result = two_lora_steps(folder, tmp_path)
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
