@@ -94,8 +94,8 @@ def base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device:
 
 
 def data_seq_len(model: str, profile, max_new_tokens: int | None = None) -> int:
-    """The sequence length :func:`~finetuner.planning.planner.plan` chooses for ``model`` on the data of ``profile`` when none is
-    asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0. A
+    """The sequence length :func:`~finetuner.planning.planner.plan` chooses for ``model`` on the data of ``profile``
+    when none is asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0. A
     profile of prompts (objective grpo) adds ``max_new_tokens`` (default: the recipe's ``grpo.max_new_tokens``)."""
     from finetuner.config.recipe import GRPOSection
 

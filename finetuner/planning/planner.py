@@ -502,7 +502,8 @@ def smaller_loss_chunk(recipe: Recipe) -> Recipe | None:
 
 
 def plan_wait(p: Plan, label_fraction: float, lengths: Sequence[int] | None) -> Wait | None:
-    """The whole run's wait of a plan's recipe (:func:`~finetuner.planning.recipe_data.run_wait`); None when nothing fits or the steps are unknown."""
+    """The whole run's wait of a plan's recipe (:func:`~finetuner.planning.recipe_data.run_wait`); None when nothing
+    fits or the steps are unknown."""
     if p.recipe is None or p.step is None or not p.optimizer_steps:
         return None
     return run_wait(p.recipe, p.gpu, p.speed or speed_for(p.gpu), p.step, p.optimizer_steps, label_fraction,

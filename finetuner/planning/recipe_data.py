@@ -88,8 +88,8 @@ def max_prompt_len(recipe: Recipe) -> int:
 
 
 def label_fraction_of(recipe: Recipe) -> float:
-    """The share of the recipe's tokens that carry a label, measured from its data as :func:`~finetuner.planning.planner.plan`
-    measures it (:func:`finetuner.data.stats.profile_data` on ``data.path`` with the recipe's model,
+    """The share of the recipe's tokens that carry a label, measured from its data as
+    :func:`~finetuner.planning.planner.plan` measures it (:func:`finetuner.data.stats.profile_data` on ``data.path`` with the recipe's model,
     format and ``data.columns``; cached per file version): the plan, ``estimate``, ``auto``
     resolution, the trainer's predictions and the web UI's estimate all use it. 1.0 (every token, the
     upper bound) with ``data.train_on_prompt``, or when the data is not one local file readable here."""
@@ -196,8 +196,8 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     """The optimizer steps ``finetuner run`` takes for a resolved recipe, counted as the trainer counts
     them (:func:`finetuner.planning.sizing.optimizer_steps`): ``training.max_steps``, else the epochs
     over the training rows left after the held-out split (:func:`~finetuner.data.split.held_out_rows`)
-    of the data file, as :func:`~finetuner.planning.planner.plan` counts them. None when the data cannot be read here (a hub data
-    set). Packed data are counted by packing the examples' lengths as the trainer packs them
+    of the data file, as :func:`~finetuner.planning.planner.plan` counts them. None when the data cannot be read here
+    (a hub data set). Packed data are counted by packing the examples' lengths as the trainer packs them
     (:func:`~finetuner.data.split.count_packed_rows`)."""
     from finetuner.data.split import count_packed_rows
     from finetuner.planning.sizing import optimizer_steps
