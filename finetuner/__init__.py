@@ -27,7 +27,7 @@ _LAZY = {
     "TrainResult": "finetuner.training.result",
     "read_events": "finetuner.runs.events",
     "plan": "finetuner.planning.planner",
-    "Plan": "finetuner.planning.planner",
+    "Plan": "finetuner.planning.plan_result",
     "estimate": "finetuner.planning.predict:estimate_recipe",
     "estimate_time": "finetuner.planning.predict:estimate_time",
     "compare_cards": "finetuner.planning.planner:compare_cards",
@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from finetuner.planning.predict import estimate_recipe as estimate
     from finetuner.export.gguf import ExportResult, export_model
     from finetuner.export.merge import MergeResult, merge_adapter
-    from finetuner.planning.planner import Plan, compare_cards, plan
+    from finetuner.planning.plan_result import Plan
+    from finetuner.planning.planner import compare_cards, plan
     from finetuner.planning.predict import estimate_time
     from finetuner.runs.progress_bar import ProgressBar
     from finetuner.config.recipe import Recipe

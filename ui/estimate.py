@@ -2,7 +2,7 @@
 
 The planner estimates each option with the share of the data's tokens the loss is computed on
 (``DataProfile.label_fraction``: the chunked loss only works on those); ``finetuner estimate`` and the
-trainer measure it the same way (``finetuner.planning.planner.label_fraction_of``). The page shows
+trainer measure it the same way (``finetuner.planning.recipe_data.label_fraction_of``). The page shows
 the planner's reasons next to the estimate of the recipe in the editor, so both must be computed
 the same way: :func:`recipe_estimate` measures the recipe's data as the planner does.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 def label_fraction(recipe: Any) -> float:
     """The share of the recipe's data tokens that are trained on, measured as the planner measures
-    it (:func:`finetuner.planning.planner.label_fraction_of`, the one function plan, estimate and run use);
+    it (:func:`finetuner.planning.recipe_data.label_fraction_of`, the one function plan, estimate and run use);
     1.0 when the recipe also trains on prompts, or its data is not one local file."""
-    from finetuner.planning.planner import label_fraction_of
+    from finetuner.planning.recipe_data import label_fraction_of
 
     return label_fraction_of(recipe)
 

@@ -297,7 +297,7 @@ class Handlers:
         choices (:data:`COLUMN_ROLES`' order; blank: as detected), as ``data.columns``."""
         from finetuner.data.preview import preview_data, preview_preferences
         from finetuner.data.stats import profile_data
-        from finetuner.planning.planner import data_seq_len
+        from finetuner.planning.plan_inputs import data_seq_len
 
         if not data_file:
             raise UserError("Pick a data file, or upload one.")
@@ -341,7 +341,7 @@ class Handlers:
         holds no prompts either."""
         from finetuner.data.preview import preview_prompts
         from finetuner.data.stats import profile_prompts
-        from finetuner.planning.planner import data_seq_len
+        from finetuner.planning.plan_inputs import data_seq_len
 
         try:
             profile = profile_prompts(path, model, columns=columns)

@@ -731,7 +731,7 @@ def runs_df(runs: list[Any]) -> pd.DataFrame:
 
 def time_text(t: dict[str, Any]) -> str:
     """A recipe's predicted time, from :func:`finetuner.planning.predict.estimate_time`, in a few words
-    (:func:`finetuner.planning.planner.time_text`, brief: as ``estimate`` says it, without the parts)."""
-    from finetuner.planning.planner import estimate_text
+    (:func:`finetuner.planning.time_text.time_text`, brief: as ``estimate`` says it, without the parts)."""
+    from finetuner.planning.time_text import estimate_text
 
     return estimate_text(t, brief=True)

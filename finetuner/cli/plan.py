@@ -217,7 +217,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from finetuner.planning.planner import format_cost, format_duration
+    from finetuner.planning.time_text import format_cost, format_duration
 
     t = Table(title=f"{args.model} on each card (the same job)", title_justify="left")
     unit = f" ({rows[0]['currency']})" if rows and rows[0].get("currency") else ""
@@ -503,8 +503,8 @@ def _grpo_estimate(args: argparse.Namespace, p: Any) -> int:
 
 def _time_text(t: dict[str, Any]) -> str:
     """``estimate``'s time: tokens/s, time per step, the whole run by part, cost, where the speed figures
-    came from (:func:`finetuner.planning.planner.time_text`, as the plan says it), and the lengths it timed."""
-    from finetuner.planning.planner import estimate_text
+    came from (:func:`finetuner.planning.time_text.time_text`, as the plan says it), and the lengths it timed."""
+    from finetuner.planning.time_text import estimate_text
 
     return estimate_text(t, " (real tokens, padding excluded)") + f"\nLengths: {t['lengths']}."
 

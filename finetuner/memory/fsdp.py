@@ -39,7 +39,7 @@ fp32), ``reshard_after_forward=True``, and optionally ``CPUOffloadPolicy``
   reduce-scattered: a ring moves ``(N-1)/N`` of each buffer per device.
 
 8-bit QLoRA is counted the same way (int8 data sharded, row scales whole), but whether it runs
-under fsdp is the recipe's to say (:func:`finetuner.planning.planner.schema_error`): the planner
+under fsdp is the recipe's to say (:func:`finetuner.planning.search.schema_error`): the planner
 offers only what the recipe accepts.
 
 - **loading** (:func:`largest_tensor_bytes`, :func:`loading_host_bytes`): the model is loaded

@@ -27,7 +27,8 @@ from typing import Any
 from finetuner.config.hardware import GpuProfile, cpu_profile, list_profiles
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
-from finetuner.planning.planner import format_duration, training_rows
+from finetuner.planning.recipe_data import training_rows
+from finetuner.planning.time_text import format_duration
 from finetuner.planning.predict import Prediction, predict
 
 log = logging.getLogger(__name__)

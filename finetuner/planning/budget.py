@@ -31,7 +31,7 @@ CARDS = ("t4", "l4", "rtx4090", "a100-80gb", "h100-80gb")
 
 def long_run_warning(p: Any, replan: Callable[..., Any], duration: Callable[[float | None], str],
                      profile: Any = None) -> str | None:
-    """The warning of a plan ``p`` (a :class:`~finetuner.planning.planner.Plan`) whose whole run is predicted to take
+    """The warning of a plan ``p`` (a :class:`~finetuner.planning.plan_result.Plan`) whose whole run is predicted to take
     more than ``LONG_RUN_S``, with its cheaper choices; None when it is not that long. ``replan(**changes)``: the
     same job planned with ``seq_len``, ``epochs`` or ``gpu`` changed; ``profile``: the data's
     (:class:`~finetuner.data.stats.DataProfile`), for the sequence at its 95th percentile."""
@@ -96,9 +96,9 @@ def hours_above(seconds: float) -> str:
 
 def within_budget(max_hours: float, replan: Callable[..., Any], duration: Callable[[float | None], str]) -> Any:
     """The plan of ``finetuner plan --max-hours H``: the least-reduced of the job as asked and its
-    :func:`budget_cuts` whose whole run (:attr:`~finetuner.planning.planner.Plan.wall_s`) is predicted to take at
+    :func:`budget_cuts` whose whole run (:attr:`~finetuner.planning.plan_result.Plan.wall_s`) is predicted to take at
     most ``max_hours``, planned in full, its first reason saying what was reduced and the predicted time. When none
-    is, the one predicted shortest, with :attr:`~finetuner.planning.planner.Plan.over_budget` saying so (the CLI
+    is, the one predicted shortest, with :attr:`~finetuner.planning.plan_result.Plan.over_budget` saying so (the CLI
     exits 1 and writes no recipe). ``replan(**changes)``: the same job planned with ``seq_len``, ``epochs`` or
     ``alternatives`` changed. A plan that does not fit the card is returned as it is (memory comes first)."""
     if not max_hours > 0 or math.isinf(max_hours):  # also NaN

@@ -68,7 +68,7 @@ class LengthCap:
     def keeping_text(self, uncapped: Any, capped: Any, duration: Callable[[float | None], str],
                      units: str = "examples") -> str:
         """What keeping the cut rows whole costs: ``uncapped``, the plan of the same job at ``self.uncapped``
-        (``--seq-len``), against ``capped``, this plan (both :class:`~finetuner.planning.planner.Plan`);
+        (``--seq-len``), against ``capped``, this plan (both :class:`~finetuner.planning.plan_result.Plan`);
         ``duration`` says a time as the plan does."""
         head = f"keeping the {self.cut} longer {units} whole: --seq-len {self.uncapped}"
         if self.uncapped < self.longest:

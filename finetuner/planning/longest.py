@@ -44,7 +44,7 @@ from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.errors import UserError
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
-from finetuner.planning.planner import DEFAULT_MARGIN, method_name, method_options
+from finetuner.planning.search import DEFAULT_MARGIN, method_name, method_options
 
 #: The shortest sequence a recipe allows (``data.max_seq_len``).
 MIN_SEQ = 16

@@ -5,9 +5,9 @@ A recipe on a card (and, inside a run, the trainer's :class:`~finetuner.config.r
 :func:`estimate_time`), the trainer's ``start`` event and the web UI's Plan tab all take theirs from
 :func:`predict`, so none of them can say what another does not: the ``auto`` values resolved by the planner
 once, the model resolved once (``shape``, or :func:`~finetuner.model.shapes.resolve_shape` once), the share of
-trained tokens measured once (:func:`~finetuner.planning.planner.label_fraction_of`), the objective's memory
+trained tokens measured once (:func:`~finetuner.planning.recipe_data.label_fraction_of`), the objective's memory
 (GRPO's phases for ``objective: grpo``, :func:`~finetuner.memory.grpo.grpo_memory_estimate`), the step timed
-with that memory's offloaded bytes, and the wait (:func:`~finetuner.planning.planner.run_wait`). ``finetuner
+with that memory's offloaded bytes, and the wait (:func:`~finetuner.planning.recipe_data.run_wait`). ``finetuner
 plan`` ranks its options with the same memory and speed functions, and its chosen recipe's prediction is this
 one (``tests/planning/test_predict.py``). The time is computed when first asked for: the memory alone
 (the UI's editor, on every change) reads no data file.
@@ -28,8 +28,10 @@ from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.load import note_now
-from finetuner.planning.planner import (Plan, data_batch_of, grpo_largest, label_fraction_of, lengths_text,
-                                        resolve_auto, run_optimizer_steps, run_wait)
+from finetuner.planning.plan_result import Plan
+from finetuner.planning.reasons import grpo_largest
+from finetuner.planning.recipe_data import data_batch_of, label_fraction_of, lengths_text, run_optimizer_steps, run_wait
+from finetuner.planning.resolve import resolve_auto
 from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.speed import DeviceSpeed, StepTime
 from finetuner.planning.wait import Wait, check_currency, cost_of
@@ -62,7 +64,7 @@ class Prediction:
 
     @functools.cached_property
     def batch(self):
-        """The data's average micro-batch (:func:`~finetuner.planning.planner.data_batch_of`), None unread."""
+        """The data's average micro-batch (:func:`~finetuner.planning.recipe_data.data_batch_of`), None unread."""
         return data_batch_of(self.recipe)
 
     @functools.cached_property

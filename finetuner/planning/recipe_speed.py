@@ -27,7 +27,7 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
     one). The plan, ``estimate``, the trainer's ``start`` event and ``scripts/validate/speed_model.py``
     all predict through here. ``padding_free``: every row of every micro-batch is full (no padding),
     so no mask reaches attention (transformers then takes the causal kernel). ``batch``: the data's
-    average micro-batch (:func:`finetuner.planning.planner.data_batch_of`): the step is timed at its
+    average micro-batch (:func:`finetuner.planning.recipe_data.data_batch_of`): the step is timed at its
     padded length and counts its real tokens; without it every row is ``data.max_seq_len`` long.
 
     A GRPO recipe (``objective: grpo``) predicts through

@@ -317,7 +317,7 @@ def launch_training(
     from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
     from finetuner.planning.bounds import check_before_run
-    from finetuner.planning.planner import resolve_for_run
+    from finetuner.planning.resolve import resolve_for_run
     from finetuner.runs.folder import prepare_run_dir
     from finetuner.training.result import TrainResult
     from finetuner.training.inputs import check_inputs

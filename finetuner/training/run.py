@@ -97,7 +97,7 @@ def train(
         if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
             return launch_training(recipe, callbacks, resume, stop_event, profile_memory, trust_checkpoints)
         from finetuner.planning.bounds import check_before_run
-        from finetuner.planning.planner import resolve_for_run
+        from finetuner.planning.resolve import resolve_for_run
 
         from finetuner.planning.data_auto import resolve_data
 

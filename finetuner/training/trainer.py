@@ -176,7 +176,7 @@ class Trainer:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         trainable, total = count_parameters(self.model)
-        from finetuner.planning.planner import label_fraction_of
+        from finetuner.planning.recipe_data import label_fraction_of
 
         label_fraction = label_fraction_of(r)  # as the plan and `finetuner estimate` measure it
         predicted = predict_run(r, self.rt, self.max_steps, label_fraction, self.loaded_as,
@@ -227,7 +227,7 @@ class Trainer:
     def _before_load(self) -> float | None:
         """The load's predicted seconds (the download's too), from the prediction made before it (the run's own is
         made after the replay rows are mixed in, which need the model); None when the models cannot say."""
-        from finetuner.planning.planner import label_fraction_of
+        from finetuner.planning.recipe_data import label_fraction_of
 
         r = self.recipe
         rows = len(self.data.train)

@@ -124,7 +124,7 @@ def table() -> str:
                 planned, ran = p.estimate.settings, run["predicted_settings"]
                 differ = [k for k in SAME_RECIPE if _targets(getattr(planned, k)) != _targets(ran[k])]
                 if differ:
-                    from finetuner.planning.planner import DEFAULT_MARGIN as SAFETY_MARGIN
+                    from finetuner.planning.search import DEFAULT_MARGIN as SAFETY_MARGIN
 
                     mark = SUPERSCRIPTS[len(notes)]
                     cell = f"not measured {mark}"

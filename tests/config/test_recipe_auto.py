@@ -7,7 +7,7 @@ import pytest
 
 from finetuner.errors import UserError
 from finetuner.config.hardware import get_gpu
-from finetuner.planning.planner import resolve_auto
+from finetuner.planning.resolve import resolve_auto
 from finetuner.config.recipe import Recipe
 
 RAW = {"model": {"name": "llama-2-13b"}, "data": {"path": "yahma/alpaca-cleaned", "max_seq_len": 2048},

@@ -92,7 +92,7 @@ def test_the_replayed_rows_carry_no_system_prompt_and_follow_packing(tmp_path):
 
 def test_the_plan_counts_the_replayed_rows_as_the_trainer_takes_them(tmp_path):
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.planner import run_optimizer_steps
+    from finetuner.planning.recipe_data import run_optimizer_steps
     from finetuner.training.trainer import Trainer
 
     data = tmp_path / "d.json"
@@ -124,7 +124,8 @@ def test_the_plan_turns_the_guard_on_for_a_small_file_with_a_system_prompt_and_c
     """The planner's rule (finetuner.planning.sizing.REPLAY_FOR_SYSTEM_PROMPT): on the ferry desk's chats (each with
     its system prompt) the plan sets data.replay and says why; on the bike shop's (no system prompt) it does not; the
     plan's optimizer steps are the trainer's count with the replayed rows (run_optimizer_steps)."""
-    from finetuner.planning.planner import plan, run_optimizer_steps
+    from finetuner.planning.planner import plan
+    from finetuner.planning.recipe_data import run_optimizer_steps
     from finetuner.planning.sizing import REPLAY_FOR_SYSTEM_PROMPT
 
     ferry = plan("smollm2-135m-instruct", "cpu", data=str(REPO / "data" / "ferry_desk.jsonl"))

@@ -93,7 +93,7 @@ def test_the_planner_counts_them_for_each_micro_batch_it_tries(tiny_vlm_dir, pic
     from finetuner.config.hardware import get_gpu
     from finetuner.memory.vision import vision_cost_of
     from finetuner.model.shapes import resolve_shape
-    from finetuner.planning.planner import search
+    from finetuner.planning.search import search
 
     base = recipe_for(tiny_vlm_dir, pictures, micro="auto", train_vision_tower=True)
     cost = vision_cost_of(base)

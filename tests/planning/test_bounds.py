@@ -13,7 +13,8 @@ from finetuner.config.hardware import get_gpu, list_profiles
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.planning.bounds import MANY_PASSES, check_memory, check_run, largest_device
-from finetuner.planning.planner import format_duration, training_rows
+from finetuner.planning.recipe_data import training_rows
+from finetuner.planning.time_text import format_duration
 from finetuner.planning.predict import predict
 from tests.conftest import REPO, cli_in_process, run_cli
 

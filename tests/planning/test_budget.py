@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 from finetuner.planning import budget
-from finetuner.planning.planner import format_duration, plan
+from finetuner.planning.planner import plan
+from finetuner.planning.time_text import format_duration
 
 from tests.conftest import cli_in_process
 from tests.planning.test_length_cap import DEMO, _write

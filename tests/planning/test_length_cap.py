@@ -10,7 +10,8 @@ import pytest
 
 from finetuner.data.stats import profile_data
 from finetuner.planning.length_cap import CAP_PERCENTILE, OUTLIER_RATIO, round_up
-from finetuner.planning.planner import format_duration, plan
+from finetuner.planning.planner import plan
+from finetuner.planning.time_text import format_duration
 
 from tests.conftest import cli_in_process
 

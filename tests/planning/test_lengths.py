@@ -58,7 +58,7 @@ def test_the_prediction_counts_the_tokens_and_pads_the_micro_batches_as_the_trai
 
     from finetuner.config.recipe import Recipe
     from finetuner.data.pipeline import Collator, prepare_data
-    from finetuner.planning.planner import data_batch_of
+    from finetuner.planning.recipe_data import data_batch_of
     from finetuner.training.schedule import StepSchedule, split_step
 
     repo = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_grpo_prompts_are_timed_as_the_rollout_pads_them():
 
     from finetuner.config.recipe import Recipe
     from finetuner.data.prompts import prepare_prompts
-    from finetuner.planning.planner import data_batch_of, max_prompt_len
+    from finetuner.planning.recipe_data import data_batch_of, max_prompt_len
     from finetuner.training.rollout import left_pad
     from finetuner.training.schedule import StepSchedule
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from finetuner.planning.length_cap import round_up
-from finetuner.planning.planner import format_duration, plan
+from finetuner.planning.planner import plan
+from finetuner.planning.time_text import format_duration
 
 from tests.conftest import cli_in_process
 from tests.planning.test_length_cap import DEMO

@@ -17,7 +17,9 @@ from finetuner.errors import UserError
 from finetuner.memory.grpo import grpo_estimate, grpo_settings_of, largest_fit
 from finetuner.memory.model import settings_from_recipe
 from finetuner.model.shapes import resolve_shape
-from finetuner.planning.planner import plan, plan_recipe, run_optimizer_steps, search
+from finetuner.planning.planner import plan, plan_recipe
+from finetuner.planning.recipe_data import run_optimizer_steps
+from finetuner.planning.search import search
 from finetuner.planning.predict import estimate_grpo, estimate_time
 from finetuner.planning.sizing import GRPO_PROMPTS_PER_STEP, SEQ_ROUND
 from tests.conftest import REPO, cli_in_process, run_cli, write_recipe

@@ -36,7 +36,7 @@ def plan_cli(tmp_path: Path, data: str, *extra: str) -> tuple[dict, Recipe]:
                                                     ("text_sample.jsonl", "sft", ("--seq-len", "128", "--effective-batch", "1"))],
                          ids=["sft", "dpo", "sft-packed"])
 def test_the_plans_optimizer_steps_are_the_runs(tmp_path, data, objective, extra):
-    from finetuner.planning.planner import resolve_for_run
+    from finetuner.planning.resolve import resolve_for_run
     from finetuner.training.trainer import Trainer
 
     planned, recipe = plan_cli(tmp_path, data, *extra)

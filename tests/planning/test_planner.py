@@ -11,7 +11,8 @@ import yaml
 
 from finetuner.errors import UserError
 from finetuner.config.hardware import get_gpu, list_profiles
-from finetuner.planning.planner import METHOD_TIER, plan
+from finetuner.planning.planner import plan
+from finetuner.planning.search import METHOD_TIER
 from finetuner.config.recipe import Recipe
 
 from tests.conftest import cli_in_process, run_cli, write_recipe, HANG_GUARD_S
@@ -327,7 +328,7 @@ def test_a_plan_for_several_cards_opens_with_a_sentence_a_newcomer_reads():
     the one-card plan of the same job."""
     two = plan("llama-2-7b", "rtx4090", seq_len=2048, gpus=2)
     one = plan("llama-2-7b", "rtx4090", seq_len=2048)
-    from finetuner.planning.planner import format_duration
+    from finetuner.planning.time_text import format_duration
 
     assert two.headline.startswith(f"One rtx4090 is enough for this run ({one.peak_bytes / 2**30:.1f} of 23.6 GiB); 2 save ")
     assert f"({format_duration(two.step_s)} instead of {format_duration(one.step_s)})" in two.headline

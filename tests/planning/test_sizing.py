@@ -15,7 +15,8 @@ from finetuner.runs.folder import RunAlreadyFinished
 
 from finetuner.data.stats import DataProfile
 from finetuner.config.hardware import cpu_profile, get_gpu
-from finetuner.planning.planner import DEFAULT_DATA, plan
+from finetuner.planning.plan_inputs import DEFAULT_DATA
+from finetuner.planning.planner import plan
 from finetuner.config.recipe import Recipe
 from finetuner.model.gguf_base import packaged_file
 from finetuner.model.shapes import find_preset, load_config, preset_names, resolve_shape

@@ -168,13 +168,13 @@ def test_recipe_dispatch(tmp_path, cpu_speed):
 
 def test_the_step_takes_the_datas_prompts_and_stays_an_upper_bound_on_the_completions(cpu_speed):
     """With the data readable the rollout and the training passes are timed at the data's prompts (the mean
-    prompt, the step's prompts padded to their longest: planner.data_batch_of), the completions still at
+    prompt, the step's prompts padded to their longest: recipe_data.data_batch_of), the completions still at
     max_new_tokens (written during the run): an upper bound still, and shorter than at the longest prompts."""
     from finetuner.config.hardware import cpu_profile
     from finetuner.config.recipe import Recipe
     from finetuner.memory.grpo import grpo_settings_of
     from finetuner.memory.model import settings_from_recipe
-    from finetuner.planning.planner import data_batch_of
+    from finetuner.planning.recipe_data import data_batch_of
 
     recipe = Recipe.from_yaml(REPO / "recipes" / "demo_grpo_cpu.yaml")
     shape = resolve_shape(recipe.model.name)

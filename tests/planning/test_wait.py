@@ -13,7 +13,7 @@ from finetuner.memory.model import Settings, trainable_params
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning import wait
 from finetuner.planning.calibrate import load
-from finetuner.planning.planner import run_wait
+from finetuner.planning.recipe_data import run_wait
 from finetuner.planning.predict import estimate_time
 from finetuner.planning.speed import StepTime, forward_seconds, step_time
 
@@ -37,7 +37,7 @@ def demo_recipe(**sections) -> Recipe:
 def parts(recipe: Recipe) -> dict:
     """The recipe's wait as ``estimate`` predicts it (its :meth:`Wait.to_dict`), the parts unrounded."""
     from finetuner.config.hardware import get_gpu
-    from finetuner.planning.planner import data_batch_of, run_optimizer_steps
+    from finetuner.planning.recipe_data import data_batch_of, run_optimizer_steps
     from finetuner.planning.recipe_speed import recipe_step_time
 
     gpu = get_gpu("cpu")
@@ -90,7 +90,7 @@ def test_each_part_scales_as_its_arithmetic_says():
     assert short["counts"]["sample_tokens"] == 2 * 2 * 8  # 2 prompts, the fine-tune and the base
     long = parts(demo_recipe(samples={"max_new_tokens": 200}))
     assert long["parts_s"]["samples"] == pytest.approx(parts(demo_recipe(samples={"max_new_tokens": 400}))["parts_s"]["samples"])
-    from finetuner.planning.planner import data_batch_of
+    from finetuner.planning.recipe_data import data_batch_of
 
     mean_row = data_batch_of(demo_recipe()).real_per_row
     assert long["counts"]["sample_tokens"] == round(4 * mean_row) and 40 < mean_row < 200
@@ -200,7 +200,7 @@ def test_cost_is_the_whole_wait_in_the_given_currency():
     t = estimate_time(demo_recipe(), "cpu", speed=SPEED, price_per_hour=0.7, currency="USD")
     assert t["cost"] == pytest.approx(t["wall_s"] / 3600 * 0.7) and t["currency"] == "USD"
     assert t["cost"] > t["steps_s"] / 3600 * 0.7  # the load, evaluations, checkpoints and samples cost too
-    from finetuner.planning.planner import format_cost
+    from finetuner.planning.time_text import format_cost
 
     assert wait.cost_text(0.0123, 0.7, "USD", format_cost) == "~0.012 USD at 0.7 USD an hour"
     assert wait.cost_text(0.0123, 0.7, None, format_cost) == "~0.012 at 0.7 an hour"  # the price's own units
@@ -215,7 +215,7 @@ def test_cost_is_the_whole_wait_in_the_given_currency():
 def test_a_sample_answer_is_as_long_as_the_datas_responses():
     """The labelled share of the average row: what the fine-tune learned to write (the planner's label fraction)."""
     from finetuner.config.hardware import get_gpu
-    from finetuner.planning.planner import data_batch_of
+    from finetuner.planning.recipe_data import data_batch_of
 
     recipe = demo_recipe(samples={"max_new_tokens": 200})
     w = run_wait(recipe, get_gpu("cpu"), SPEED, STEP, 150, label_fraction=0.25)
@@ -275,7 +275,7 @@ def test_a_recipes_replay_and_probe_are_parts_of_its_wait(monkeypatch):
     from finetuner.infer import probe as pb
     from finetuner.config.hardware import get_gpu
     from finetuner.memory.model import settings_from_recipe
-    from finetuner.planning.planner import training_rows
+    from finetuner.planning.recipe_data import training_rows
 
     plain = parts(demo_recipe())
     assert plain["parts_s"]["replay"] == plain["parts_s"]["probe"] == 0  # the session's FINETUNER_GENERAL_PROBE is 0

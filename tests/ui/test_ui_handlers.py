@@ -411,7 +411,8 @@ def test_a_ui_that_serves_other_machines_reads_data_files_only_from_its_folders(
 def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
     """Planned, then max steps set to 6 (the field, or typed): the headline's time is the edited recipe's
     (`finetuner estimate`'s estimate_time), never the plan's 100-odd steps; right after planning it is the plan's."""
-    from finetuner.planning.planner import format_duration, plan
+    from finetuner.planning.planner import plan
+    from finetuner.planning.time_text import format_duration
     from finetuner.planning.predict import estimate_time
 
     from ui.recipe_text import fields_of

@@ -129,9 +129,9 @@ def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
 
 
 def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
-    """One formatter (planner.time_text): the UI's line is `finetuner estimate`'s opening, then the whole run's time."""
+    """One formatter (time_text.time_text): the UI's line is `finetuner estimate`'s opening, then the whole run's time."""
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.planner import estimate_text, format_duration
+    from finetuner.planning.time_text import estimate_text, format_duration
     from finetuner.planning.predict import estimate_time
 
     for name in ("demo_cpu.yaml", "demo_grpo_cpu.yaml"):
