@@ -458,6 +458,8 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", source: str = "c
                                              for lin, ix in lay.linears), roles=lay.roles)
     if not lay.standard or shape.num_params != inv.params["total"]:  # a final norm with a bias, a learned activation ...
         shape = replace(shape, counts_read=tuple(lay.counts.items()))
+    if shape.linear_attention_layers and shape.mixer_layers:  # transformers 5 names a Mamba layer linear_attention too
+        shape = replace(shape, linear_attention_layers=max(0, shape.linear_attention_layers - shape.mixer_layers))
     return shape
 
 

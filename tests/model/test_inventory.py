@@ -89,8 +89,10 @@ def test_every_preset_reads_as_it_is_written():
     for name, cfg in _presets().items():
         inv = reading.read_inventory(cfg)
         shape = resolve_shape(name)
-        # every layer alike, but where the family mixes layer kinds (Qwen3.5's and Qwen3-Next's linear attention)
-        assert (inv.uniform or shape.linear_attention_layers > 0) and inv.params["total"] == shape.num_params, name
+        # every layer alike, but where the family mixes layer kinds (Qwen3.5's and Qwen3-Next's linear attention,
+        # Nemotron-H's and Granite 4's Mamba-2 layers)
+        mixed = shape.linear_attention_layers > 0 or shape.mixer_layers > 0
+        assert (inv.uniform or mixed) and inv.params["total"] == shape.num_params, name
         if inv.uniform:  # (a mixed family's kinds: tests/model/test_shapes.py, against the meta model)
             assert {k: inv.params[k] for k in ("embeddings", "attention", "mlp", "lm_head")} == \
                 {k: shape.param_counts()[k] for k in ("embeddings", "attention", "mlp", "lm_head")}, name

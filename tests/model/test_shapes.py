@@ -56,6 +56,11 @@ KNOWN_TOTALS = {
     "qwen3.5-35b-a3b": 34_660_610_688,
     "qwen3.5-122b-a10b": 122_111_526_912,
     "qwen3.5-397b-a17b": 396_346_350_336,
+    # hybrids of Mamba-2 and attention: nvidia/Nemotron-H-56B-Base-8K as ai-dynamo/aiconfigurator vendors its config
+    # (its name: 56B) and ibm-granite/granite-4.0-h-350m as hashneo/nano-vllm-go downloaded it (its name: 350M;
+    # tests/planning/test_published_presets.py checks each against its name)
+    "nemotron-h-56b": 56_324_350_464,
+    "granite-4.0-h-350m": 340_332_224,
 }
 
 
@@ -74,15 +79,24 @@ def _kind(name: str) -> str:
         if "norm" in name:
             return "norms"
         return "other" if any(k in name for k in ("conv1d", "A_log", "dt_bias")) else "attention"
+    # a Mamba-2 mixer: its projections, its gated norm, its conv and state (Nemotron-H's ``mixer`` holds its
+    # attention's and its MLP's linears too, by their own names)
+    if ".mixer." in name or ".mamba." in name:
+        if "norm" in name:
+            return "norms"
+        if any(k in name for k in ("conv1d", "A_log", "dt_bias")) or name.endswith(".D"):
+            return "other"
+        # the memory model counts a mixer's in_proj and out_proj with the MLP (a linear's role, not attention's)
+        return "attention" if any(f".{x}_proj." in name for x in "qkvo") else "mlp"
     if ".mlp.gate." in name or ".mlp.router." in name:
         return "router"
-    if "embed_tokens" in name:
+    if "embed_tokens" in name or name.startswith("model.embeddings."):  # Nemotron-H names its table ``embeddings``
         return "embeddings"
     if name.startswith("lm_head"):
         return "lm_head"
     if ".self_attn." in name and "norm" not in name:
         return "attention"
-    if ".mlp." in name:
+    if ".mlp." in name or ".shared_mlp." in name:  # Granite 4's dense MLP is its ``shared_mlp``
         return "mlp"
     return "norms"
 
@@ -181,3 +195,13 @@ def test_the_plan_says_whether_a_checkpoints_vision_tower_is_loaded():
     assert "its vision tower is not loaded" in qwen35.describe() and "loaded frozen" not in qwen35.describe()
     assert not any("visual" in n for n, _ in build_on_meta(_presets()["qwen3.5-27b"]).named_modules())
     assert vl.vision_tower_loaded and "loaded frozen" in vl.describe()
+
+
+def test_a_mamba_layer_is_a_state_space_layer_not_linear_attention_too():
+    """transformers 5 reads Granite 4's ``layer_types`` "mamba" as "linear_attention": its 28 Mamba-2 layers are
+    planned as state-space layers, not as Gated DeltaNet layers besides."""
+    from finetuner.planning.scans import mixers
+
+    shape = resolve_shape("granite-4.0-h-350m")
+    assert (shape.mixer_layers, shape.linear_attention_layers) == (28, 0) and "linear attention" not in shape.describe()
+    assert (mixers(shape).mamba2_layers, mixers(shape).delta_layers) == (28, 0)

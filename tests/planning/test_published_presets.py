@@ -11,6 +11,11 @@ Where each config comes from (the preset's JSON holds the published values; tran
   ai-dynamo/aiconfigurator vendors them at commit 095f58a51c4ca8e61b66ec108d86f223f8d559ce,
   ``aic-core/src/aiconfigurator_core/model_configs/Qwen--<name>_config.json``, whole: text and vision configs (the
   397B one there is fuller than the older ``src/aiconfigurator/model_configs`` copy).
+- ``nemotron-h-56b``: ``nvidia/Nemotron-H-56B-Base-8K``'s config.json as ai-dynamo/aiconfigurator vendors it,
+  ``src/aiconfigurator/model_configs/nvidia--Nemotron-H-56B-Base-8K_config.json``.
+- ``granite-4.0-h-350m``: ``ibm-granite/granite-4.0-h-350m``'s config.json as downloaded into hashneo/nano-vllm-go at
+  commit 2c864dfcfb6bb24d0d777654889a49aa5c19cfaf, ``models/granite-350m/config.json`` (saved by transformers 5.1.0,
+  whence ``rope_parameters`` and the ``{"__float__": "Infinity"}`` that transformers reads back as infinity).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from finetuner.model.shapes import load_config, resolve_shape
 from finetuner.planning.planner import plan
 
 B = 1_000_000_000
+M = 1_000_000
 #: preset -> (total its name states, active its name states or None, the unit the name rounds to, what the stated
 #: active count includes besides the layers: "embeddings" and/or "lm_head"). "80B-A3B" states 80B in total and 3B
 #: active, each rounded to the billion: the count must lie within half a billion of each.
@@ -34,6 +40,9 @@ STATED = {
     "qwen3.5-35b-a3b": (35 * B, 3 * B, B, ("embeddings", "lm_head")),
     "qwen3.5-122b-a10b": (122 * B, 10 * B, B, ("embeddings", "lm_head")),
     "qwen3.5-397b-a17b": (397 * B, 17 * B, B, ("embeddings", "lm_head")),
+    "nemotron-h-56b": (56 * B, None, B, ()),
+    # 340.3M, which its name rounds up to 350M: a name under a billion rounds to 50M, so the count must lie within 25M
+    "granite-4.0-h-350m": (350 * M, None, 50 * M, ()),
 }
 #: the cards every preset is planned on: a 24 GB card and a 12 GB one
 CARDS = ("rtx4090", "rtx3060")
