@@ -101,10 +101,14 @@ class AgreedStop:
     def set(self) -> None:
         self.local.set()
 
+    def asked_here(self) -> bool:
+        """Whether this rank was asked to stop (its flag, the stop file): no collective call."""
+        return self.local.is_set() or self.stop_file.exists()
+
     def is_set(self) -> bool:
         import torch
 
-        (flag,) = all_reduce_values([1 if (self.local.is_set() or self.stop_file.exists()) else 0], torch.int32, "max")
+        (flag,) = all_reduce_values([1 if self.asked_here() else 0], torch.int32, "max")
         return bool(flag)
 
 
@@ -232,6 +236,15 @@ class DistributedTrainer(Trainer):
         import torch
 
         return all_reduce_values(values, torch.float64)
+
+    def _stop_asked_here(self) -> bool:
+        return self.stop_event.asked_here()
+
+    def _agreed(self, flag: bool) -> bool:
+        import torch
+
+        (any_rank,) = all_reduce_values([1 if flag else 0], torch.int32, "max")
+        return bool(any_rank)
 
     def _back_off(self, step: int, message: str) -> None:
         """All ranks agreed on an out-of-memory error in ``step``: back off like one process (the same

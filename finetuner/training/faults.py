@@ -84,10 +84,14 @@ class FaultPlan:
         """The key of ``table`` (a dict or a set) that applies to ``step`` on ``rank`` (rank-qualified first), or None."""
         return next((key for key in ((step, rank), (step, None)) if key in table), None)
 
-    def after_step(self, step: int, rank: int = 0, stopping: Callable[[], bool] = lambda: False) -> None:
-        """Hold (``HOLD@``) until the gate file is gone or ``stopping()`` is true, then send a planned signal."""
+    def after_step(self, step: int, rank: int = 0, stopping: Callable[[], bool] = lambda: False,
+                   agree: Callable[[bool], bool] = lambda end: end) -> None:
+        """Hold (``HOLD@``) until the gate file is gone or ``stopping()`` is true, then send a planned signal.
+        ``agree`` turns this process's "end the hold" into the answer every process of the run shares (one
+        collective call a round under several processes): each rank sees the gate go at its own moment, and a rank
+        that left the hold a round before another would match that one's next call with a different collective."""
         if self._find(self.holds, step, rank) is not None:
-            while os.path.exists(self.gate) and not stopping():
+            while not agree(not os.path.exists(self.gate) or stopping()):
                 time.sleep(0.05)
         key = self._find(self.signals, step, rank)
         if key is not None:

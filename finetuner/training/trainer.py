@@ -257,6 +257,12 @@ class Trainer:
     def _backward(self, loss) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def _stop_asked_here(self) -> bool:  # a stop asked for, as this process sees it (no collective call)
+        return self.stop_event.is_set()
+
+    def _agreed(self, flag: bool) -> bool:  # ``flag`` as the run's processes agree on it: here, itself
+        return flag
+
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """The step's sums (its loss sum, its token count, the objective's own sums) over
         all ranks, in one all-reduce; one process: as they are."""
@@ -584,7 +590,7 @@ class Trainer:
                 if t.early_stopping_patience and self.best.evals_since >= t.early_stopping_patience:
                     early = True  # the final save and evaluation below run as at the last step
                     break
-            self.faults.after_step(self.step, self.rank, stopping=self.stop_event.is_set)
+            self.faults.after_step(self.step, self.rank, stopping=self._stop_asked_here, agree=self._agreed)
         if profiling:  # a run (or what was left of it) shorter than PROFILE_STEPS
             dump_memory_profile(self.run_dir, self.events, self.step)
         elapsed = self.elapsed_before + time.perf_counter() - start
