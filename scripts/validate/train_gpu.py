@@ -57,9 +57,12 @@ def preset_config(preset: str):
     ``AutoConfig.for_model``, what a user gets from ``AutoConfig.for_model(T).save_pretrained(DIR)``)."""
     from transformers import AutoConfig
 
+    from finetuner.model.inventory import special_floats
+
     if not is_preset(preset):
         return AutoConfig.for_model(preset)
-    cfg_dict = json.loads((PRESETS / f"{preset}.json").read_text())
+    # (Granite 4.0-H's time_step_limit is [0.0, {"__float__": "Infinity"}], as transformers writes infinity)
+    cfg_dict = special_floats(json.loads((PRESETS / f"{preset}.json").read_text()))
     cfg_dict = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
     return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
 
