@@ -31,6 +31,7 @@ held-out rows encoded as in training.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -68,11 +69,7 @@ def joined_reply(prompt: str, rendered: str) -> str | None:
     """The conversation up to a reply as the model sees it with thinking off, where the template renders the reply
     without the empty think block its generation prompt ends in (module doc): ``prompt`` (the generation prompt)
     followed by the reply as ``rendered`` writes it. None when ``prompt`` differs from ``rendered`` otherwise."""
-    same = 0
-    for a, b in zip(prompt, rendered):
-        if a != b:
-            break
-        same += 1
+    same = len(os.path.commonprefix([prompt, rendered]))
     inserted = prompt[same:]
     if inserted.strip().replace("\n", "").replace(" ", "") != "<think></think>":
         return None

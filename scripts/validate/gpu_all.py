@@ -527,7 +527,9 @@ def coverage(rows: list[dict]) -> str:
 
 def devices(rows: list[dict]) -> str:
     """The GPUs that measured ``rows``, in words: "an H100", "an H100 and an H200"."""
-    names = sorted({r.get("device", "NVIDIA H100").removeprefix("NVIDIA ").split()[0].split("-")[0] for r in rows if "error" not in r})
+    from scripts.validate.memory import gpu_name
+
+    names = sorted({gpu_name(r.get("device", "NVIDIA H100")) for r in rows if "error" not in r})
     return " and ".join(("an " if n[:1] in "AEFHILMNORSX" else "a ") + n for n in names)
 
 

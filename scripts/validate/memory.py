@@ -275,9 +275,13 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def gpu_name(device: str | None) -> str:
+    """A GPU's name, short: "H100" of "NVIDIA H100 80GB HBM3", "A100" of "NVIDIA A100-SXM4-80GB"."""
+    return (device or "?").removeprefix("NVIDIA ").split()[0].split("-")[0]
+
+
 def _gpu(row: dict) -> str:
-    """The row's GPU, short: "H100", "H200"."""
-    return (row.get("device") or "?").removeprefix("NVIDIA ").split()[0]
+    return gpu_name(row.get("device"))
 
 
 def _loss(row: dict) -> str:
