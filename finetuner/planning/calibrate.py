@@ -61,6 +61,9 @@ PARALLEL_PROBE_OPS = 8
 #: The libraries ``finetuner run`` imports between its start and its first step (the model, the
 #: tokenizer, LoRA, the data pipeline): their import in a new process is the run's start-up.
 STARTUP_IMPORTS = ("torch", "transformers", "peft", "datasets")
+#: Bytes of the tensor :func:`fresh_memory_rate` zero-fills: above glibc's largest block it keeps for reuse
+#: (``M_MMAP_THRESHOLD``'s 32 MiB ceiling), so each one is mapped fresh.
+FRESH_PROBE_BYTES = 128 * 2**20
 #: Bytes of the file the disk rates are measured with.
 DISK_PROBE_BYTES = 64 * 2**20
 
@@ -169,6 +172,7 @@ def measure() -> DeviceSpeed:
         bandwidth = 2 * 4 * n / _timed(lambda: y.copy_(x), sync)
         del x, y
         par_s = parallel_op_seconds(torch.ones(PARALLEL_PROBE_SHAPE), op_s, bandwidth) if plat == "cpu" else 0.0
+        fresh = fresh_memory_rate() if plat == "cpu" else 0.0
         for dt in dtypes:
             timings = []
             for w in widths:
@@ -191,14 +195,15 @@ def measure() -> DeviceSpeed:
     link = 25e9 if plat == "cuda" else 1e12
     src = (f"calibrated on this machine ({name}, {time.strftime('%Y-%m-%d')}): matmul "
            + ", ".join(f"{dt} {max(r for _, r in rows) / 1e9:,.0f} GFLOP/s" for dt, rows in matmul.items())
-           + f", {bandwidth / 1e9:,.1f} GB/s, {op_s * 1e6:.1f} us an operation")
+           + f", {bandwidth / 1e9:,.1f} GB/s" + (f" ({fresh / 1e9:,.1f} GB/s into fresh memory)" if fresh else "")
+           + f", {op_s * 1e6:.1f} us an operation")
     src += f", start-up {startup:.1f} s" if startup else ""
     src += (f", attention {max(r for _, r in kernels['attention_causal']) / 1e9:,.0f}/"
             f"{max(r for _, r in kernels['attention_masked']) / 1e9:,.0f} GFLOP/s (causal/masked), "
             f"cross-entropy {max(r for _, r in kernels['cross_entropy']) / 1e6:,.0f}M and dropout {kernels['dropout'] / 1e6:,.0f}M elements/s")
     src += f", {par_s * 1e3:.2f} ms an operation's wait for {torch.get_num_threads()} threads" if par_s else ""
     return DeviceSpeed(name, plat, matmul, bandwidth, op_s, dequant, link, link, src, calibrated=True, details=details,
-                       parallel_op_s=par_s,
+                       parallel_op_s=par_s, fresh_bytes_per_s=fresh,
                        attention_flops={"causal": kernels["attention_causal"], "masked": kernels["attention_masked"]},
                        cross_entropy_elements_per_s=kernels["cross_entropy"], dropout_elements_per_s=kernels["dropout"],
                        matmul_tokens=tokens, startup_s=startup, **disk)
@@ -225,6 +230,16 @@ def parallel_op_seconds(x, op_s: float, bandwidth: float) -> float:
 
     sec = _timed(layer, _no_sync) / PARALLEL_PROBE_OPS
     return max(0.0, sec - op_s - 3 * x.element_size() * x.numel() / bandwidth)
+
+
+def fresh_memory_rate() -> float:
+    """Bytes per second a CPU writes zeros into a tensor just allocated (``torch.zeros`` of
+    ``FRESH_PROBE_BYTES``: the first touch of each page, which the system zeroes and maps):
+    :attr:`finetuner.planning.speed.DeviceSpeed.fresh_bytes_per_s`, the delta rule's backward's zero-fills."""
+    import torch
+
+    n = FRESH_PROBE_BYTES // 4
+    return 4 * n / _timed(lambda: torch.zeros(n), _no_sync)
 
 
 def matmul_rates(tokens: int, timings: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

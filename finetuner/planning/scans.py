@@ -221,6 +221,21 @@ def scan_bytes(shape: ModelShape, rows: int, seq: int, dtype_bytes: int = 4) -> 
     return total
 
 
+def scan_fill_bytes(shape: ModelShape, rows: int, seq: int) -> float:
+    """Bytes of :func:`scan_bytes` that the delta rule's backward writes as zeros into tensors just allocated: the
+    gradient of each chunk's slice (``select_backward``) is a zero tensor of the whole sequence's ``k_cumdecay``,
+    ``query``, ``key``, ``new_values`` and ``intra_chunk_attn`` (``C (3 dk + dv) + C²`` elements a chunk and head, and
+    ``g``'s one), ``c`` of them for ``c`` chunks: ``4 c² (C² + C (3 dk + dv) + 1)`` bytes a head (fp32), counted on
+    the same trace. On a CPU each is memory the allocator maps fresh (more than glibc's largest reused block at
+    real widths), so its writing costs the first touch of its pages, not the bandwidth
+    (:attr:`finetuner.planning.speed.DeviceSpeed.fresh_bytes_per_s`)."""
+    m = mixers(shape)
+    if not m.delta_layers:
+        return 0.0
+    C, c = DELTA_CHUNK, chunks(seq, DELTA_CHUNK)
+    return 4.0 * m.delta_layers * rows * m.delta_heads * c * c * (C * C + C * (3 * m.delta_dk + m.delta_dv) + 1)
+
+
 def scan_width(shape: ModelShape) -> int:
     """The narrower dimension of the mixers' matmuls (their rate depends on it): the delta rule's key width, Mamba-2's
     state, Mamba's state (a matmul-vector product per token)."""

@@ -22,7 +22,11 @@ chosen and rejected responses) costs the sum of:
   PyTorch path computes them, forward and backward twice that, at the matmul rate of their narrow width; their
   Python loops' operations (per chunk, or per token for Mamba) in the per-operation cost, their element-wise
   bytes (:func:`finetuner.planning.scans.scan_bytes`, counted on a trace: the delta rule's backward grows as
-  ``T²``; LFM2's short convolution's) in the memory-bound term. Their linears are decoder linears (the matmuls above);
+  ``T²``; LFM2's short convolution's) in the memory-bound term, but for the delta rule's backward's zero-fills of
+  whole-sequence tensors (:func:`finetuner.planning.scans.scan_fill_bytes`), timed at the rate memory just taken
+  from the system is written (:attr:`DeviceSpeed.fresh_bytes_per_s`, **fresh memory**: on a CPU the first touch of
+  each page; half the delta rule's fwd+bwd time in a profile at 2,048 tokens). Their linears are decoder linears
+  (the matmuls above);
 * **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
   (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
@@ -71,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
-from finetuner.planning.scans import attention_layers, scan_bytes, scan_flops, scan_ops, scan_width
+from finetuner.planning.scans import attention_layers, scan_bytes, scan_fill_bytes, scan_flops, scan_ops, scan_width
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -227,6 +231,11 @@ class DeviceSpeed:
     #: time slice, milliseconds, when other processes keep the cores busy); 0 with one thread, on a GPU
     #: and in an older calibration
     parallel_op_s: float = 0.0
+    #: bytes per second an operation writes into memory just taken from the system (the first touch of its
+    #: pages: on a CPU a large tensor's allocation is mapped fresh, as the delta rule's backward's whole-sequence
+    #: zero tensors are); 0 where not measured (a GPU, whose caching allocator reuses its memory, or an older
+    #: calibration): the bandwidth
+    fresh_bytes_per_s: float = 0.0
 
     def matmul_rate(self, dtype: str, width: int) -> float:
         """FLOP/s of a matmul in ``dtype`` whose narrower weight dimension is ``width``."""
@@ -497,8 +506,10 @@ def memory_bytes(shape: ModelShape, s: Settings) -> dict[str, float]:
         "logits": 4 * c * labelled * shape.vocab_size if c != 4 else 0.0,
         "reference pass": saved * FORWARD_TRAFFIC if has_reference_pass(s) else 0.0,
         # linear attention's element-wise work, forward and backward (counted once: a recompute's
-        # forward share and a reference pass are not added)
-        "scans": scan_bytes(shape, rows_per_micro_batch(s), s.seq_len, c),
+        # forward share and a reference pass are not added), less its zero-fills of fresh memory (step_time's
+        # "fresh memory" part)
+        "scans": scan_bytes(shape, rows_per_micro_batch(s), s.seq_len, c)
+                 - scan_fill_bytes(shape, rows_per_micro_batch(s), s.seq_len),
     }
 
 
@@ -615,13 +626,15 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
         "loss": micro * loss_seconds(shape, s, speed),
         "dropout": micro * dropout_seconds(shape, s, speed),
         "memory-bound": micro * sum(mem.values()) / speed.bandwidth_bytes_per_s,
+        "fresh memory": micro * scan_fill_bytes(shape, rows_per_micro_batch(s), s.seq_len)
+                        / (speed.fresh_bytes_per_s or speed.bandwidth_bytes_per_s),
         "dequantization": micro * dequant_seconds(shape, s, speed),
         "operations": micro * op_count(shape, s) * op_seconds(speed, rows_per_micro_batch(s) * s.seq_len * shape.hidden_size),
         "optimizer": optimizer_bytes(shape, s) / n_dev / speed.bandwidth_bytes_per_s,
         "fixed": STEP_FIXED_OPS * speed.op_overhead_s * EAGER_OP_FACTOR,
     }
     util = speed.utilisation(rows_per_micro_batch(s) * s.seq_len)
-    for k in ("matmuls", "attention", "loss", "dropout", "memory-bound", "dequantization"):
+    for k in ("matmuls", "attention", "loss", "dropout", "memory-bound", "fresh memory", "dequantization"):
         parts[k] /= util
     if speed.platform == "cuda":
         # the host queues kernels while the device runs earlier ones: only the host's excess shows

@@ -243,6 +243,68 @@ def test_the_delta_rules_elementwise_bytes_are_the_traced_count_and_grow_as_t_sq
 
 
 
+
+def _delta_rule_fills(chunks: int, heads: int, dk: int, dv: int) -> int:
+    """Bytes of the zero tensors the delta rule's backward makes for its chunks' slices (``select_backward``'s
+    outputs), on a dispatch trace."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    class Fills(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.select_backward.default:
+                Fills.total += out.numel() * out.element_size()
+            return out
+
+    T = chunks * scans.DELTA_CHUNK
+    q, k = (torch.randn(1, T, heads, dk, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, T, heads, dv, requires_grad=True)
+    g, beta = -torch.rand(1, T, heads, requires_grad=True), torch.rand(1, T, heads, requires_grad=True)
+    with Fills():
+        torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].sum().backward()
+    return Fills.total
+
+
+@pytest.mark.parametrize("dk, dv", [(16, 8), (8, 16)])
+def test_the_delta_rules_zero_fills_are_the_traced_quadratic_term(dk, dv):
+    """``scan_fill_bytes``' ``4 c² (C² + C (3 dk + dv) + 1)`` a head is the quadratic term of the traced
+    ``select_backward`` outputs: their second difference over 2, 3 and 4 chunks equals the formula's (the
+    trace's linear remainder, a slice's own size, cancels)."""
+    from transformers import AutoConfig
+
+    cfg = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=64, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+               linear_key_head_dim=dk, linear_value_head_dim=dv, num_hidden_layers=2, vocab_size=64,
+               layer_types=["linear_attention", "full_attention"])
+    shape = shape_from_config(AutoConfig.for_model(**cfg).to_dict(), name="tiny")
+    formula = {c: scans.scan_fill_bytes(shape, 1, c * scans.DELTA_CHUNK) for c in (2, 3, 4)}
+    traced = {c: _delta_rule_fills(c, 2, dk, dv) for c in (2, 3, 4)}
+    assert formula[4] - 2 * formula[3] + formula[2] == traced[4] - 2 * traced[3] + traced[2]
+    assert formula[2] == 4 * 2 * 4 * (64 * 64 + 64 * (3 * dk + dv) + 1)  # 2 heads, c² = 4
+    assert formula[2] < scans.scan_bytes(shape, 1, 2 * scans.DELTA_CHUNK)  # a share of the element-wise bytes
+
+
+def test_the_zero_fills_are_timed_at_the_fresh_memory_rate(qwen35, cpu_speed):
+    """transformers' default Qwen3.5 at 2,048 tokens: the fills leave the memory-bound term and are timed at
+    ``fresh_bytes_per_s``; without that rate (a GPU, an older calibration) at the bandwidth, the step unchanged."""
+    from dataclasses import replace
+
+    s = _s(2048)
+    fills = scans.scan_fill_bytes(qwen35, 1, 2048)
+    assert fills == 4 * 24 * 32 * 32 ** 2 * (64 * 64 + 64 * (3 * 128 + 128) + 1)
+    assert sp.memory_bytes(qwen35, s)["scans"] == scans.scan_bytes(qwen35, 1, 2048) - fills
+    bw, util = cpu_speed.bandwidth_bytes_per_s, cpu_speed.utilisation(2048)
+    plain = sp.step_time(qwen35, s, cpu_speed)
+    assert plain.parts["fresh memory"] == pytest.approx(fills / bw / util, rel=1e-12)
+    slow = sp.step_time(qwen35, s, replace(cpu_speed, fresh_bytes_per_s=bw / 10))
+    assert slow.parts["fresh memory"] == pytest.approx(10 * plain.parts["fresh memory"], rel=1e-12)
+    assert slow.step_s - plain.step_s == pytest.approx(9 * fills / bw / util, rel=1e-9)
+
+
 # ---------------------------------------------------------------------- LFM2's short convolution
 def _lfm2_short_conv(channels: int, kernel: int):
     from transformers import AutoConfig
