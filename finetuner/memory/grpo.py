@@ -71,6 +71,7 @@ from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, C
                                     DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
                                     layer_transient_per_token, trainable_params, weight_bytes)
 from finetuner.model.shapes import ModelShape
+from finetuner.planning.scans import attention_layers, recurrent_state_numel
 
 #: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
 SURROGATE_TENSORS = 8
@@ -134,9 +135,18 @@ def cache_dtype_bytes(s: Settings) -> int:
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
-    """``2 × layers × kv_heads × head_dim × sequences × tokens × dtype_bytes``: a key and a value per layer
-    and token (grouped-query attention caches ``num_kv_heads`` heads, not ``num_heads``)."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * sequences * tokens * dtype_bytes
+    """``2 × attention layers × kv_heads × head_dim × sequences × tokens × dtype_bytes``: a key and a value per
+    layer with softmax attention and token (grouped-query attention caches ``num_kv_heads`` heads, not
+    ``num_heads``); linear-attention and state-space layers keep none
+    (:func:`finetuner.planning.scans.attention_layers`)."""
+    return 2 * attention_layers(shape) * shape.num_kv_heads * shape.head_dim * sequences * tokens * dtype_bytes
+
+
+def generation_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """What ``generate`` keeps between steps: the attention layers' KV cache (:func:`kv_cache_bytes`) and the
+    linear-attention and state-space layers' recurrent state, fixed whatever the length
+    (:func:`finetuner.planning.scans.recurrent_state_numel` a sequence, in the cache's dtype)."""
+    return kv_cache_bytes(shape, sequences, tokens, dtype_bytes) + recurrent_state_numel(shape) * sequences * dtype_bytes
 
 
 def sampling_bytes_per_logit(s: Settings, top_p: bool) -> int:
@@ -220,7 +230,7 @@ def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool
     ``g.use_vllm`` the generation terms are vLLM's (0 in torch's allocator) and ``vLLM share`` is added."""
     rows = g.generation_rows
     kv_b = cache_dtype_bytes(s)
-    kv = kv_cache_bytes(shape, rows, g.seq_len, kv_b)
+    kv = generation_cache_bytes(shape, rows, g.seq_len, kv_b)
     ls = loss_settings(s, g)
     mb, C, V = ls.micro_batch, g.max_new_tokens, shape.vocab_size
     stored = 8 * g.rows * g.seq_len * 2 + 4 * g.rows * C * ((g.num_iterations > 1) + (g.beta != 0))
@@ -234,7 +244,7 @@ def grpo_components(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool
         ref = layer + logits
     out = {
         "generation: KV cache": kv,
-        "generation: KV cache growth (one layer copied)": kv // shape.num_layers,
+        "generation: KV cache growth (one layer copied)": kv_cache_bytes(shape, rows, g.seq_len, kv_b) // max(1, attention_layers(shape)),
         "generation: prefill layer temporaries": prefill_layer_bytes(shape, s, rows, g.prompt_len),
         "generation: logits and sampling": sampling_bytes_per_logit(s, top_p) * rows * V,
         "loss: GRPO buffers": stored + 4 * SURROGATE_TENSORS * mb * C,

@@ -106,6 +106,7 @@ class Mixers:
     mamba2_head_dim: int = 0
     mamba2_state: int = 0
     mamba2_chunk: int = MAMBA2_CHUNK
+    mamba2_groups: int = 1  # B and C's groups (n_groups), their width in the convolution
     mamba_layers: int = 0  # Mamba-1's sequential scan
     mamba_inner: int = 0
     mamba_state: int = 0
@@ -160,11 +161,29 @@ def mixers(shape: ModelShape) -> Mixers:
             found |= dict(mamba2_layers=shape.mixer_layers, mamba2_heads=heads, mamba2_head_dim=inner // heads,
                           mamba2_state=int(_first(cfg, "mamba_d_state", "ssm_state_size", "state_size")),
                           mamba2_chunk=int(_first(cfg, "mamba_chunk_size", "chunk_size", default=MAMBA2_CHUNK)),
+                          mamba2_groups=int(_first(cfg, "mamba_n_groups", "n_groups", default=1)),
                           conv_kernel=kernel)
         else:  # a short convolution (LFM2): in_proj makes B, C and x, the convolution runs over x
             first = next(iter(by_short.values()))
             found |= dict(conv_layers=shape.mixer_layers, conv_channels=first.in_features, conv_kernel=kernel)
     return Mixers(**found)
+
+
+def recurrent_state_numel(shape: ModelShape) -> int:
+    """Elements of the state one sequence's generation keeps in place of a KV cache, all layers (the same at any
+    length): a Gated DeltaNet layer its convolution's last ``K`` inputs (``2 key heads dk + H dv`` channels) and its
+    ``H x dk x dv`` state; a Mamba-2 mixer its convolution's (``H P + 2 G N`` channels: x, B and C) and its
+    ``H x P x N`` state; a Mamba-1 mixer ``d x K`` and ``d x N``; LFM2's short convolution its last ``K`` inputs
+    (transformers' ``LinearAttentionLayer`` and ``MambaCache``'s ``conv_states`` and ``recurrent_states``/
+    ``ssm_states``)."""
+    m = mixers(shape)
+    K = m.conv_kernel
+    delta = m.delta_conv_channels * K + m.delta_heads * m.delta_dk * m.delta_dv
+    H, P, N = m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state
+    mamba2 = (H * P + 2 * m.mamba2_groups * N) * K + H * P * N
+    mamba = m.mamba_inner * (K + m.mamba_state)
+    return (m.delta_layers * delta + m.mamba2_layers * mamba2 + m.mamba_layers * mamba
+            + m.conv_layers * m.conv_channels * K)
 
 
 def chunks(seq: int, size: int) -> int:
