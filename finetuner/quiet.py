@@ -14,6 +14,8 @@ Two scopes:
   draws no "Converting and de-quantizing GGUF tensors" bar (a plain tqdm it does not switch off). Everything is put
   back afterwards, so the user's other code keeps its own settings.
 
+``finetuner --debug`` (:data:`DEBUG_ENV`) turns both off: everything the libraries say is shown.
+
 Nothing here imports torch or transformers at module level.
 """
 
@@ -30,6 +32,18 @@ from collections.abc import Callable, Iterator
 
 #: peft reads ``model.is_gradient_checkpointing`` (deprecated in transformers 5) when it wraps a model
 _PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+#: peft, saving an adapter of a model loaded from a GGUF file (SmolLM2's): it looks for the base's ``config.json``
+#: beside the file and on the Hub, finds neither (a file, offline) and warns; finetuner never changes the vocabulary
+_PEFT_NO_CONFIG = r"Could not find a config file in .* will assume that the vocabulary was not modified"
+
+#: Set (to 1) by ``finetuner --debug``: the libraries' warnings and progress bars are shown, in this process and
+#: in those it starts (a run's ranks, the web UI's jobs), which inherit the environment.
+DEBUG_ENV = "FINETUNER_DEBUG"
+
+
+def libraries_shown() -> bool:
+    """Whether the libraries' own output is wanted (``finetuner --debug``, :data:`DEBUG_ENV`)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 class _ErrorsOnly(logging.Filter):
@@ -69,8 +83,13 @@ def drop_bnb_kernels_notice() -> None:
 
 
 def quiet_libraries() -> None:
-    """Keep library chatter (progress bars, deprecation notes, DeepSpeed's accelerator warning) out of a finetuner process."""
+    """Keep library chatter (progress bars, deprecation notes, DeepSpeed's accelerator warning, peft's notice on a GGUF
+    base) out of a finetuner process; with :func:`libraries_shown` (``--debug``) let all of it through instead."""
+    if libraries_shown():
+        logging.getLogger(BNB_CPU_LOGGER).removeFilter(_NO_KERNELS_NOTICE)  # installed by ``import finetuner``
+        return
     warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=_PEFT_NO_CONFIG, category=UserWarning)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
     drop_bnb_kernels_notice()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -116,6 +135,7 @@ def _silence() -> list[Callable[[], None]]:
     caught = warnings.catch_warnings()
     caught.__enter__()
     warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=_PEFT_NO_CONFIG, category=UserWarning)
     undo.append(lambda: caught.__exit__(None, None, None))
     return undo
 
@@ -140,6 +160,9 @@ def quiet_gguf_loader() -> None:
 def quieted() -> Iterator[None]:
     """Quiet transformers, peft and DeepSpeed while the block runs (nested and concurrent uses share one quiet spell)."""
     global _depth
+    if libraries_shown():
+        yield
+        return
     with _lock:
         if _depth == 0:
             _undo[:] = _silence()

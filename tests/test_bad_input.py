@@ -517,7 +517,7 @@ SECTIONS = {
                  "gradient_checkpointing", "offload_activations", "loss_chunk_size", "precision", "kernels",
                  "compile", "seed", "eval_every"],
     "checkpointing": ["save_every", "keep_last"],
-    "logging": ["every", "tensorboard"],
+    "logging": ["every", "report_to", "tensorboard"],
     "samples": ["prompts", "max_new_tokens"],
     "distributed": ["strategy", "num_processes", "offload", "fsdp_offload", "cpu_adam", "nodes", "node_rank", "master_addr",
                     "master_port"],

@@ -28,6 +28,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="Resume from FSDP/ZeRO checkpoints that finetuner did not write for you on this machine (a run "
                         "folder from someone else): loading them unpickles, which can run code.")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
+    p.add_argument("--report-to", metavar="TRACKERS",
+                   help="Where the run reports, comma-separated: tensorboard, mlflow, or none "
+                        "(sets logging.report_to; MLflow is an extra: pip install 'finetuner[mlflow]').")
     p.add_argument("--gpus", type=int, metavar="N",
                    help="Train on N processes (one per GPU; on a CPU machine, N CPU processes on gloo): "
                         "sets distributed.num_processes. The effective batch stays the same.")
@@ -42,11 +45,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from finetuner.errors import UserError
 
     console = run_console()
-    gpus = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    flags = [f"distributed.num_processes={args.gpus}"] if args.gpus else []
+    if args.report_to is not None:
+        chosen = [t.strip() for t in args.report_to.split(",") if t.strip() and t.strip() != "none"]
+        flags += [f"logging.report_to=[{','.join(chosen)}]", "logging.tensorboard=null"]
     from finetuner.training.launch import needs_launch
 
     try:
-        recipe = Recipe.from_yaml(args.recipe, args.overrides + gpus)
+        recipe = Recipe.from_yaml(args.recipe, args.overrides + flags)
     except UserError as e:  # e.g. a resumed run's data file moved away: the run's own recipe no longer loads
         _record_if_own_recipe(args, e)
         raise
@@ -207,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="finetuner",
         description="Fine-tune 7B-13B language models on one GPU: finetuner predicts memory and picks the recipe that fits.",
     )
-    parser.add_argument("--debug", action="store_true", help="Show tracebacks for user errors too.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks for user errors too, and the libraries' own warnings and progress bars.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="Show the version and exit.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
@@ -242,11 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    from finetuner.quiet import quiet_libraries
+    from finetuner.quiet import DEBUG_ENV, quiet_libraries
 
-    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    quiet_libraries()
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -381,9 +381,30 @@ class CheckpointSection(Section):
     keep_last: int = Field(2, ge=1, description="Keep only the last K checkpoints.")
 
 
+#: The trackers a run can report to (:mod:`finetuner.tracking`); each but TensorBoard is an optional extra
+#: (``pip install 'finetuner[mlflow]'``).
+Tracker = Literal["tensorboard", "mlflow"]
+TRACKERS: tuple[str, ...] = get_args(Tracker)
+
+
 class LoggingSection(Section):
     every: int = Field(1, gt=0, description="Write a step event every N optimizer steps.")
-    tensorboard: bool = True
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Where the run reports its parameters, metrics and artifacts: any of tensorboard, mlflow "
+                    "([] for none). MLflow follows MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME.")
+    tensorboard: bool | None = Field(
+        None, description="The older switch for TensorBoard, kept working: true adds it to report_to, false takes it out.")
+
+    @property
+    def trackers(self) -> list[str]:
+        """``report_to`` with the ``tensorboard`` switch applied, each tracker once, in the order given."""
+        chosen = list(dict.fromkeys(self.report_to))
+        if self.tensorboard is True and "tensorboard" not in chosen:
+            chosen.append("tensorboard")
+        if self.tensorboard is False:
+            chosen = [t for t in chosen if t != "tensorboard"]
+        return chosen
 
 
 class SamplesSection(Section):

@@ -383,7 +383,8 @@ def check_disk_space(run_dir: Path, model, optimizer: str, keep_last: int) -> No
 
 
 #: what a run writes into its folder before its first step: nothing a user needs once the run failed there
-SETUP_FILES = frozenset({".lock", RUN_MARKER, "recipe.yaml", "events.jsonl", "plan.json", "tensorboard"})
+SETUP_FILES = frozenset({".lock", RUN_MARKER, "recipe.yaml", "events.jsonl", "plan.json", "tensorboard",
+                         "tracking.json", "wandb"})
 
 
 def is_new_run_dir(run_dir: Path) -> bool:

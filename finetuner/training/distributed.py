@@ -168,8 +168,8 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, recipe: Recipe, run_dir: Path, ctx: RankContext):
         self.ctx = ctx
-        if not ctx.is_main and recipe.logging.tensorboard:
-            recipe = recipe.model_copy(update={"logging": recipe.logging.model_copy(update={"tensorboard": False})})
+        if not ctx.is_main and recipe.logging.trackers:  # only rank 0 reports (TensorBoard, MLflow, W&B, Trackio)
+            recipe = recipe.model_copy(update={"logging": recipe.logging.model_copy(update={"report_to": [], "tensorboard": None})})
         super().__init__(recipe, run_dir, stop_event=AgreedStop(run_dir))
         self.rank, self.world_size = ctx.rank, ctx.world_size
         if not ctx.is_main:

@@ -91,6 +91,7 @@ class Trainer:
         self.events = EventWriter(self.run_dir / "events.jsonl", callbacks)
         self.stop_event = stop_event or threading.Event()
         self.tb = None
+        self.reporters = None  # the other trackers (finetuner.tracking), set up with TensorBoard
         self.faults = FaultPlan()
         if self.faults.wants_kill_in("events"):  # KILL@events:STEP: halfway through that step's line
             self.events.midway = lambda record: record["event"] == "step" and self.faults.in_write("events", record["step"], self.rank)
@@ -171,10 +172,16 @@ class Trainer:
         self._distribute()
         self._resume()
         check_disk_space(self.run_dir, self.model, t.optimizer, r.checkpointing.keep_last)
-        if r.logging.tensorboard:
+        trackers = r.logging.trackers
+        if "tensorboard" in trackers:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if any(t != "tensorboard" for t in trackers):  # MLflow, W&B, Trackio: readers of the events from "start" on
+            from finetuner.tracking.report import Reporters
+
+            self.reporters = Reporters(trackers, self.run_dir, self.run_dir.name)
+            self.events.callbacks.append(self.reporters)
         trainable, total = count_parameters(self.model)
         from finetuner.planning.recipe_data import label_fraction_of
 
@@ -701,4 +708,6 @@ class Trainer:
     def cleanup(self) -> None:
         if self.tb:
             self.tb.close()
+        if self.reporters is not None:
+            self.reporters.close()
         self.events.close()
