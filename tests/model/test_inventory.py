@@ -90,8 +90,11 @@ def test_every_preset_reads_as_it_is_written():
         inv = reading.read_inventory(cfg)
         shape = resolve_shape(name)
         # every layer alike, but where the family mixes layer kinds (Qwen3.5's and Qwen3-Next's linear attention,
-        # Nemotron-H's and Granite 4's Mamba-2 layers)
-        mixed = shape.linear_attention_layers > 0 or shape.mixer_layers > 0
+        # Nemotron-H's and Granite 4's Mamba-2 layers) or attention kinds whose layers differ, the kinds read being
+        # the config's layer types (Gemma 4's full-attention layers: a wider head, keys that are the values)
+        types = (cfg.get("text_config") or cfg).get("layer_types") or ()
+        by_type = sorted(tuple(i for i, t in enumerate(types) if t == kind) for kind in set(types))
+        mixed = shape.linear_attention_layers > 0 or shape.mixer_layers > 0 or sorted(k.indices for k in inv.kinds) == by_type
         assert (inv.uniform or mixed) and inv.params["total"] == shape.num_params, name
         if inv.uniform:  # (a mixed family's kinds: tests/model/test_shapes.py, against the meta model)
             assert {k: inv.params[k] for k in ("embeddings", "attention", "mlp", "lm_head")} == \

@@ -61,6 +61,9 @@ KNOWN_TOTALS = {
     # tests/planning/test_published_presets.py checks each against its name)
     "nemotron-h-56b": 56_324_350_464,
     "granite-4.0-h-350m": 340_332_224,
+    # google/gemma-4-26B-A4B as ai-dynamo/aiconfigurator vendors its config: the language model's 25.23B (its card:
+    # 25.2B in total, 3.8B active) and the vision tower with its projector, 0.57B, which finetuner reads with it
+    "gemma-4-26b-a4b": 25_805_933_872,
 }
 
 
@@ -71,7 +74,8 @@ def _meta_model(shape):
 
 
 def _kind(name: str) -> str:
-    if "vision_tower" in name or "multi_modal_projector" in name or ".visual." in name:
+    # a vision or audio tower and its projector (Gemma 4's ``embed_vision``, Gemma 3n's ``embed_audio``), norms too
+    if any(k in name for k in ("vision_tower", "audio_tower", "multi_modal_projector", ".visual.", ".embed_vision.", ".embed_audio.")):
         return "other"
     if ".experts." in name or ".shared_expert." in name:  # a shared expert is counted with the experts
         return "experts"
@@ -88,7 +92,7 @@ def _kind(name: str) -> str:
             return "other"
         # the memory model counts a mixer's in_proj and out_proj with the MLP (a linear's role, not attention's)
         return "attention" if any(f".{x}_proj." in name for x in "qkvo") else "mlp"
-    if ".mlp.gate." in name or ".mlp.router." in name:
+    if ".mlp.gate." in name or ".router." in name:  # a router in the MLP, or beside it (Gemma 4)
         return "router"
     if "embed_tokens" in name or name.startswith("model.embeddings."):  # Nemotron-H names its table ``embeddings``
         return "embeddings"

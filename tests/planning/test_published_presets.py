@@ -13,6 +13,9 @@ Where each config comes from (the preset's JSON holds the published values; tran
   397B one there is fuller than the older ``src/aiconfigurator/model_configs`` copy).
 - ``nemotron-h-56b``: ``nvidia/Nemotron-H-56B-Base-8K``'s config.json as ai-dynamo/aiconfigurator vendors it,
   ``src/aiconfigurator/model_configs/nvidia--Nemotron-H-56B-Base-8K_config.json``.
+- ``gemma-4-26b-a4b``: ``google/gemma-4-26B-A4B``'s config.json as ai-dynamo/aiconfigurator vendors it at commit
+  095f58a51c4ca8e61b66ec108d86f223f8d559ce, ``aic-core/src/aiconfigurator_core/model_configs/google--gemma-4-26B-A4B_config.json``,
+  whole: text and vision configs.
 - ``granite-4.0-h-350m``: ``ibm-granite/granite-4.0-h-350m``'s config.json as downloaded into hashneo/nano-vllm-go at
   commit 2c864dfcfb6bb24d0d777654889a49aa5c19cfaf, ``models/granite-350m/config.json`` (saved by transformers 5.1.0,
   whence ``rope_parameters`` and the ``{"__float__": "Infinity"}`` that transformers reads back as infinity).
@@ -41,6 +44,9 @@ STATED = {
     "qwen3.5-122b-a10b": (122 * B, 10 * B, B, ("embeddings", "lm_head")),
     "qwen3.5-397b-a17b": (397 * B, 17 * B, B, ("embeddings", "lm_head")),
     "nemotron-h-56b": (56 * B, None, B, ()),
+    # Gemma 4 reads its vision tower with the language model (0.57B) and counts the embedding table as active
+    # (25.81B with the tower, 4.40B active; its card's 25.2B and 3.8B are the language model's 25.23B and 3.82B)
+    "gemma-4-26b-a4b": (26 * B, 4 * B, B, ("embeddings",)),
     # 340.3M, which its name rounds up to 350M: a name under a billion rounds to 50M, so the count must lie within 25M
     "granite-4.0-h-350m": (350 * M, None, 50 * M, ()),
 }
@@ -49,30 +55,37 @@ CARDS = ("rtx4090", "rtx3060")
 SEQ_LEN = 2048
 
 
-def _published_total(name: str, shape) -> int:
-    """The checkpoint's count, which its name states: with the vision tower of an image-text checkpoint whose
-    language model alone finetuner reads (Qwen3.5's ``qwen3_5_text``), built on the meta device."""
+#: where an image-text checkpoint keeps its towers and their projectors
+TOWERS = ("vision_tower", "audio_tower", "multi_modal_projector", "embed_vision", "embed_audio", ".visual.")
+
+
+def _published_counts(name: str, shape) -> tuple[int, int]:
+    """The checkpoint's count, which its name states, and that of its towers, built on the meta device: the
+    vision tower of an image-text checkpoint whose language model alone finetuner reads (Qwen3.5's
+    ``qwen3_5_text``) counted in; where finetuner reads the towers with it (Gemma 4), its own count."""
     raw, _ = load_config(name)
-    if "vision_config" not in raw or not shape.model_type.endswith("_text"):
-        return shape.num_params
+    if "vision_config" not in raw:
+        return shape.num_params, 0
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if not k.startswith("_")})
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    params = dict(model.named_parameters())
+    return sum(p.numel() for p in params.values()), sum(p.numel() for n, p in params.items() if any(t in n for t in TOWERS))
 
 
 @pytest.mark.parametrize("name", sorted(STATED))
 def test_a_published_preset_counts_what_its_name_states_and_plans_on_24_and_12_gb(name):
     total, active, unit, active_includes = STATED[name]
     shape = resolve_shape(name)
-    published = _published_total(name, shape)  # Qwen3.5's names round either: 397B with the tower, 122B without it
+    published, towers = _published_counts(name, shape)  # Qwen3.5's names round either: 397B with the tower, 122B without it
     assert min(abs(published - total), abs(shape.num_params - total)) <= unit / 2, (name, shape.num_params, published)
     if active is not None:  # the stated active count leaves out the embeddings and the output layer unless it says so
         counts = shape.param_counts()
         active_read = shape.num_params - shape.expert_numel + shape.experts.active_numel
+        active_read -= towers if shape.num_params == published else 0  # a token of text meets no tower
         active_read -= sum(counts.get(kind, 0) for kind in ("embeddings", "lm_head") if kind not in active_includes)
         assert abs(active_read - active) <= unit / 2, (name, active_read)
     for card in CARDS:
