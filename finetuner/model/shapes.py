@@ -20,7 +20,7 @@ soft-capping, experts) is a field of :class:`ModelShape`, set from what the mode
 """
 
 from __future__ import annotations
-
+import copy
 import functools
 import re
 import json
@@ -531,7 +531,8 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
     """The ``config.json`` of a preset, a local folder or a hub id, and where it came from."""
     key = find_preset(model)
     if key is not None:
-        return dict(_presets()[key]), "preset"
+        return copy.deepcopy(_presets()[key]), "preset"  # whole: a reader that completes a nested config in place
+        # (Gemma 4's text_config) must not change the preset every later reader keys its inventory by
     path = expand_user(model)
     if gguf_base.is_gguf_name(model):
         return dict(gguf_base.read(gguf_base.check_file(path)).config), "gguf"
