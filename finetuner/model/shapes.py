@@ -20,6 +20,7 @@ soft-capping, experts) is a field of :class:`ModelShape`, set from what the mode
 """
 
 from __future__ import annotations
+
 import copy
 import functools
 import re
