@@ -198,8 +198,9 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
     """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken.
     Only the characters ``max_len`` tokens can hold are tokenized (:func:`cut_example`). A thinking template's
     row renders in the form :mod:`finetuner.data.thinking` decides (``thinking_setting``: ``data.thinking``); an
-    earlier reply such a template writes otherwise than it was answered is context, not a label, its tool calls
-    excepted. The reasoning each turn keeps is ``data.reasoning``'s (:func:`thinking.with_reasoning`). A row with
+    earlier reply such a template, or a template given tools, writes otherwise than it was answered is context,
+    not a label (Mistral's writes the tools before the last user message only), a tool call excepted where the
+    template only drops its think block (Qwen3's). The reasoning each turn keeps is ``data.reasoning``'s (:func:`thinking.with_reasoning`). A row with
     tools renders through the template with ``tools=`` where it renders them, else in finetuner's fallback format
     (:mod:`finetuner.data.tools`). The labels are the assistant's replies and calls, never a template-made empty
     think block; a row left with none is a :class:`RowError`."""
@@ -235,7 +236,7 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
                 else:
                     span = None
                 if span is None:
-                    if switches and i < last:  # a thinking template's earlier reply: context (module doc)
+                    if switches and i < last:  # an earlier reply a thinking or tools template moves: context
                         continue
                     raise RowError(
                         "the chat template does not render conversations as prefixes of each other, "
