@@ -22,6 +22,14 @@ an earlier reply of a conversation without the think block it was answered after
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
 (``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
 
+Whatever the form, an empty think block the template writes into a reply (Qwen3's thinking form, for a reply
+without reasoning) is never a label (:func:`past_empty_block`); one the data wrote is. Which turns keep the
+reasoning the data wrote is ``data.reasoning`` (:func:`with_reasoning`): ``auto`` (the default) what the template
+does at inference (Qwen3's drops the reasoning of turns before the last user message; the probe in
+:func:`reasoning_behaviour` reads it from the template), ``keep``, ``drop_history`` or ``strip``. A template that
+renders no ``reasoning_content`` (ChatML) gets it inline as ``<think>...</think>``: it is trained, never dropped
+unseen.
+
 A prompt the run's model answers (``finetuner chat``, the run's sample answers, its general probe, the notebook's
 and the web UI's chat) renders in the form the rows trained in when all of them trained in one
 (:func:`prompt_switches`): a file without reasoning trained the non-thinking form, and the model is asked in it;
