@@ -122,6 +122,13 @@ def turn_extras(source_role: str, turn: dict[str, Any], content: str, names: Seq
     return extra
 
 
+def refuse_calls(turn: Any, what: str, kind: str) -> None:
+    """A :class:`RowError` for a message with tool calls where ``kind`` of data (preference pairs, GRPO prompts)
+    does not read them yet: a call is never dropped unseen."""
+    if isinstance(turn, dict) and (turn.get("tool_calls") or turn.get("from") == "function_call"):
+        raise RowError(f"{what}: a message with tool calls, which {kind} do not read yet (supervised chat data does)")
+
+
 def link_results(messages: list[dict[str, Any]]) -> None:
     """Give each ``tool`` message the ``name`` (and ``tool_call_id``) of the call it answers, in order; a
     :class:`RowError` for a result with no call before it."""

@@ -112,6 +112,18 @@ def test_a_bad_tool_row_is_one_line_naming_the_row(tmp_path, row, says):
     assert p.returncode == 2 and "line 2" in p.stderr and says in p.stderr and "Traceback" not in p.stderr
 
 
+def test_calls_in_preference_pairs_and_grpo_prompts_are_refused_not_dropped():
+    from finetuner.data.preference import normalize_pair
+    from finetuner.data.prompts import prompt_of
+
+    row = chat()
+    asked, call = row["messages"][:2]
+    with pytest.raises(RowError, match="a message with tool calls, which preference pairs do not read yet"):
+        normalize_pair({"chosen": [asked, call], "rejected": [asked, {"role": "assistant", "content": "No."}]}, "trl")
+    with pytest.raises(RowError, match="a message with tool calls, which GRPO prompts do not read yet"):
+        prompt_of({"messages": row["messages"]})
+
+
 # --------------------------------------------------------------------------- rendering
 #: the families' templates that render tools, and a conversation each takes (Mistral's ids are 9 characters; Llama
 #: 3.1's template takes one call a message)
