@@ -265,6 +265,13 @@ class DataSection(Section):
                      "without in its non-thinking form (enable_thinking=False); on or off: every row in that form "
                      "(off drops the reasoning). No effect on other templates."),
     )
+    reasoning: Literal["auto", "keep", "drop_history", "strip"] = Field(
+        "auto",
+        description=("Which assistant turns keep the reasoning the data wrote (reasoning_content, or <think>...</think>): "
+                     "auto as the model's chat template does at inference (Qwen3-style: earlier turns' thinking "
+                     "dropped), keep every turn's (refused where the template drops it), drop_history only the turns "
+                     "after the last user message, strip none. A template-made empty <think></think> is never a label."),
+    )
     max_examples: int | None = Field(None, gt=0)
     num_proc: int | None = Field(None, gt=0, description="Worker processes for tokenization (default: up to 8 from 20k rows).")
     cache: bool = Field(True, description="Keep tokenized data on disk for the next run with the same files, tokenizer and settings.")

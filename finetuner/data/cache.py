@@ -71,7 +71,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 #: The modules whose code turns rows into tokens: a change to them invalidates the cache.
-PIPELINE_SOURCES = ("pipeline.py", "formats.py", "thinking.py")
+PIPELINE_SOURCES = ("pipeline.py", "formats.py", "rows.py", "tools.py", "thinking.py")
 
 
 def _pipeline_source_digest() -> str:

@@ -11,7 +11,8 @@ format          row keys                                                      no
 ``alpaca``      ``instruction``, ``input`` (optional), ``output``,            messages
                 optional ``system`` and ``history`` ([[prompt, reply], ...])
 ``chat``        ``messages`` (OpenAI: role/content) or ``conversations``      messages
-                (ShareGPT: from/value; optional ``system``, ``tools``)
+                (ShareGPT: from/value; optional ``system``, ``tools``; tool
+                calls and results: :mod:`finetuner.data.tools`)
 ``text``        ``text``                                                      text
 ``completion``  ``prompt``, ``completion``                                    prompt/completion
 ==============  ============================================================  ==============
@@ -45,6 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.data import scope
+from finetuner.data.rows import (  # noqa: F401 - read from here by the pipeline, images, chat
+    IGNORE_INDEX, IMAGE_PLACEHOLDER, PictureRefused, RawRow, RowError, attach_pictures, content_parts, picture_path,
+    valid_text,
+)
+from finetuner.data import tools
 from finetuner.errors import UserError, closest
 from finetuner.fileio import exists
 from finetuner.locate import check_hub, locate
@@ -107,27 +113,6 @@ ROLE_OF_COLUMN = {
     "instruction": "prompt", "question": "prompt", "query": "prompt", "output": "response", "answer": "response",
     "completion": "response", "conversations": "messages", "context": "input",
 }
-
-
-class RowError(ValueError):
-    """One row of a data file cannot be used; the message says why."""
-
-
-class PictureRefused(RowError):
-    """A row names a picture outside the web UI's scope (:mod:`finetuner.data.scope`): it is never read."""
-
-
-@dataclass
-class RawRow:
-    """A row as read from its source, with where it came from (for error messages)."""
-
-    source: str
-    where: str  # "line 12" / "row 12"
-    data: Any
-
-    @property
-    def place(self) -> str:
-        return f"{self.source}, {self.where}"
 
 
 # --------------------------------------------------------------------------- reading
@@ -516,17 +501,6 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
     return Layout(f, named)
 
 
-def _valid_text(v: str, what: str) -> str:
-    """``v`` if it is valid Unicode: JSON's \\ud800-style escapes can carry lone surrogates, which
-    no tokenizer or Arrow table takes."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RowError(f"{what} contains an unpaired surrogate (\\u{ord(v[e.start]):04x} at character {e.start + 1}): "
-                       "not valid Unicode text") from None
-    return v
-
-
 def _text(row: dict, key: str, *, required: bool = True) -> str:
     v = row.get(key)
     if v is None:
@@ -535,74 +509,7 @@ def _text(row: dict, key: str, *, required: bool = True) -> str:
         return ""
     if not isinstance(v, str):
         raise RowError(f"'{key}' must be text, got {type(v).__name__}")
-    return _valid_text(v, f"'{key}'")
-
-
-#: the label of a token no loss is taken on (torch's cross-entropy ignore_index)
-IGNORE_INDEX = -100
-
-# --------------------------------------------------------------------------- pictures in a row
-#: where a picture sits in a message's text (LLaMA-Factory's placeholder; OpenAI-style image parts become it)
-IMAGE_PLACEHOLDER = "<image>"
-
-
-def _picture_ref(part: dict, where: str) -> str:
-    """The local path of an OpenAI-style image part: ``{"type": "image", "image": PATH}`` (or ``"path"``, ``"url"``),
-    ``{"type": "image_url", "image_url": {"url": PATH}}`` or ``"image_url": PATH``; ``file://`` is read as a path."""
-    ref = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
-    if isinstance(ref, dict):
-        ref = ref.get("url") or ref.get("path")
-    if not isinstance(ref, str) or not ref.strip():
-        raise RowError(f"{where}: an image part needs the picture's path (\"image\": \"img/001.png\")")
-    ref = ref.strip()
-    if ref.startswith("file://"):
-        ref = ref[len("file://"):]
-    if "://" in ref or ref.startswith("data:"):
-        raise RowError(f"{where}: picture {ref[:80]!r} is not a local file: finetuner reads pictures from disk only "
-                       "(download it and give its path, relative to the data file)")
-    return ref
-
-
-def _content_parts(content: list, where: str) -> tuple[str, list[str]]:
-    """An OpenAI-style content list as text with :data:`IMAGE_PLACEHOLDER` where each picture is, and the pictures."""
-    text, pictures = [], []
-    for j, part in enumerate(content, start=1):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            text.append(part["text"])
-        elif kind in ("image", "image_url"):
-            pictures.append(_picture_ref(part, f"{where}, part {j}"))
-            text.append(IMAGE_PLACEHOLDER)
-        else:
-            raise RowError(f"{where}, part {j}: expected {{\"type\": \"text\", \"text\": ...}} or "
-                           f"{{\"type\": \"image\", \"image\": PATH}}, got {str(part)[:80]}")
-    return "".join(text), pictures
-
-
-def attach_pictures(messages: list[dict[str, str]], row: dict, in_parts: list[str]) -> dict[str, Any]:
-    """``{"messages": ...}`` with ``"images"`` when the row has pictures: the image parts' (in order) or the row's
-    ``images`` column (LLaMA-Factory's; its pictures go where the ``<image>`` placeholders are, or before the first
-    user message's text when it has none). The placeholders must be as many as the pictures."""
-    column = row.get("images")
-    if column is not None and not (isinstance(column, list) and not column):
-        if in_parts:
-            raise RowError("the row has both image parts in its messages and an 'images' column: give one of them")
-        column = [column] if isinstance(column, str) else column
-        if not isinstance(column, list) or not all(isinstance(x, str) and x.strip() for x in column):
-            raise RowError("'images' must be a list of picture paths")
-        in_parts = [_picture_ref({"image": x}, "'images'") for x in column]
-        if not any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
-            first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            messages[first] = {**messages[first], "content": IMAGE_PLACEHOLDER * len(in_parts) + messages[first]["content"]}
-    if not in_parts:
-        return {"messages": messages}
-    placed = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-    if placed != len(in_parts):
-        raise RowError(f"{placed} {IMAGE_PLACEHOLDER} placeholder(s) in the messages for {len(in_parts)} picture(s): "
-                       "give one placeholder per picture")
-    if any(IMAGE_PLACEHOLDER in m["content"] for m in messages if m["role"] == "assistant"):
-        raise RowError("a picture in an assistant message: pictures go in user (or system) messages")
-    return {"messages": messages, "images": in_parts}
+    return valid_text(v, f"'{key}'")
 
 
 def _check_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -616,7 +523,7 @@ def _check_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
         prev = role
     while messages and messages[-1]["role"] != "assistant":
         messages = messages[:-1]
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         raise RowError("no assistant reply to train on")
     return messages
 
@@ -664,7 +571,7 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
             raise RowError(f"'{c['prompt']}' and '{c['input']}' are both empty" if "input" in c else f"'{c['prompt']}' is empty")
         messages: list[dict[str, str]] = []
         if system:
-            messages.append({"role": "system", "content": _valid_text(str(system), f"'{c.get('system', 'system')}'")})
+            messages.append({"role": "system", "content": valid_text(str(system), f"'{c.get('system', 'system')}'")})
         history = row.get("history") or []
         if not isinstance(history, list):
             raise RowError(f"'history' must be a list of [prompt, reply] pairs, got {type(history).__name__}")
@@ -672,7 +579,7 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
                 raise RowError(f"'history' item {j + 1} must be a [prompt, reply] pair of texts")
             for x in pair:
-                _valid_text(x, f"'history' item {j + 1}")
+                valid_text(x, f"'history' item {j + 1}")
             messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
         user = f"{instruction}\n\n{extra}" if instruction.strip() and extra.strip() else (instruction or extra)
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
@@ -694,6 +601,8 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
     if not isinstance(turns, list) or not turns:
         raise RowError("the conversation must be a non-empty list of turns")
     messages, pictures = [], []
+    schemas = tools.read_tools(row.get("tools"))  # OpenAI's list, or LLaMA-Factory's JSON string
+    names = tools.tool_names(schemas)
     for i, t in enumerate(turns, start=1):
         if not isinstance(t, dict):
             raise RowError(f"turn {i} must be an object with '{role_key}' and '{content_key}'")
@@ -701,21 +610,22 @@ def normalize(row: Any, fmt: str, system_prompt: str | None = None, columns: dic
         if not isinstance(role, str) or role not in roles:
             raise RowError(f"turn {i}: unknown {role_key} {role!r} (expected one of {', '.join(sorted(roles))})")
         if isinstance(content, list):  # OpenAI-style parts: text and pictures
-            content, found = _content_parts(content, f"turn {i}")
+            content, found = content_parts(content, f"turn {i}")
             pictures += found
+        if content is None and t.get("tool_calls"):  # OpenAI's call message: "content": null
+            content = ""
         if not isinstance(content, str):
             raise RowError(f"turn {i}: '{content_key}' must be text")
-        messages.append({"role": roles[role], "content": _valid_text(content, f"turn {i}: '{content_key}'")})
+        messages.append({"role": roles[role], "content": valid_text(content, f"turn {i}: '{content_key}'")})
+        messages[-1].update(tools.turn_extras(role, t, messages[-1]["content"], names, f"turn {i}"))
         reasoning = t.get("reasoning_content")  # a thinking template renders it (finetuner.data.thinking)
         if roles[role] == "assistant" and isinstance(reasoning, str) and reasoning.strip():
-            messages[-1]["reasoning_content"] = _valid_text(reasoning, f"turn {i}: 'reasoning_content'")
-    tools = row.get("tools")
-    if tools:
-        tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
-        system = (f"{system}\n\n" if system else "") + f"You can call these tools:\n{tools_text}"
+            messages[-1]["reasoning_content"] = valid_text(reasoning, f"turn {i}: 'reasoning_content'")
+    tools.link_results(messages)
     if system and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": _valid_text(str(system), "'system'")})
-    return attach_pictures(_check_turns(messages), row, pictures)
+        messages.insert(0, {"role": "system", "content": valid_text(str(system), "'system'")})
+    out = attach_pictures(_check_turns(messages), row, pictures)
+    return {**out, "tools": schemas} if schemas else out
 
 
 # --------------------------------------------------------------------------- examples of a file
@@ -758,19 +668,6 @@ class FileExamples:
             ex["_where"] = raw.place
             self.pictures += len(ex.get("images") or [])
             yield ex
-
-
-def picture_path(data_file: str, ref: str) -> str:
-    """A picture's path as the data file names it (relative to the file's folder, or absolute), checked to exist;
-    inside the web UI's scope when it has one (:func:`finetuner.data.scope.picture`: one refusal outside it,
-    whatever is there, before anything on disk is looked at)."""
-    p = Path(ref).expanduser()
-    where = scope.picture(p if p.is_absolute() else Path(data_file).expanduser().resolve().parent / p)
-    if where is None:
-        raise PictureRefused(scope.picture_refusal(ref))
-    if not where.is_file():
-        raise RowError(f"picture {ref!r} not found (looked for {where})")
-    return str(where)
 
 
 def refused_picture(data) -> PictureRefused | None:

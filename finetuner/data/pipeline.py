@@ -7,8 +7,8 @@ Steps, each a function here:
    each row; a bad row stops with its file and row,
    or is skipped and counted (``data.on_bad_row: skip``).
 2. :func:`tokenize_examples` renders chat rows with the tokenizer's chat template (or the
-   recipe's, or a built-in fallback) and labels only the assistant replies (``-100`` elsewhere)
-   unless ``train_on_prompt``; it truncates to ``max_seq_len`` through ``datasets.map``.
+   recipe's, or a built-in fallback; a row's tools with ``tools=``, :mod:`finetuner.data.tools`) and labels only
+   the assistant replies and calls (``-100`` elsewhere) unless ``train_on_prompt``; it truncates to ``max_seq_len`` through ``datasets.map``.
 3. :func:`pack` optionally packs short examples into full rows; position ids restart at every
    example so attention stays inside it (transformers builds a block-diagonal mask from them).
    ``data.packing: auto`` packs when examples average under half of ``max_seq_len``
@@ -22,6 +22,7 @@ the same inputs loads it instead of tokenizing again.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import finetuner.phases as phases
 from finetuner.data.split import held_out_rows, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured
-from finetuner.data import thinking
+from finetuner.data import thinking, tools
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
 from finetuner.config.sections import DataSection
@@ -73,6 +74,9 @@ class DataStats:
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
     #: the forms a thinking chat template's rows trained in (finetuner.data.thinking.statement), None without one
     thinking: dict[str, Any] | None = None
+    #: how the rows with tools rendered and their schemas' tokens (finetuner.data.tools.statement), None without:
+    #: "hermes" is finetuner's fallback format, which the run's model then calls tools in
+    tools: dict[str, Any] | None = None
     #: the system message every row of data.path starts with (the file's own, or data.system_prompt's), else None:
     #: the model learned its answers under it, so chat, the UI and the Ollama Modelfile ask with it (run_system_prompt)
     system_prompt: str | None = None
@@ -152,6 +156,30 @@ def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: 
                                          **switches)
 
 
+_CLOSINGS: dict[tuple[int, str], str] = {}
+
+
+def turn_closing(tokenizer: Any, template: str) -> str:
+    """What the template writes after an assistant reply's text (``<|im_end|>``, ``<|eot_id|>``, ``</s>``), from a
+    probe conversation; white space around it left out."""
+    key = (id(tokenizer), template)
+    if key not in _CLOSINGS:
+        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "zq8v reply"}]
+        text = _render(tokenizer, template, probe, gen=False)
+        _CLOSINGS[key] = text[text.rindex("zq8v reply") + len("zq8v reply"):].strip()
+    return _CLOSINGS[key]
+
+
+def _call_span(tokenizer: Any, template: str, text: str, prefix: str) -> tuple[int, int] | None:
+    """Where an earlier turn's tool call lies in ``text`` when the template writes that turn otherwise as the last
+    one (Qwen3's think block): from the end of the generation ``prefix`` (less the empty think block a non-thinking
+    prompt ends in) to the template's turn closing, inclusive; None when ``text`` does not continue that prefix."""
+    header = thinking.without_empty_block(prefix)
+    closing = turn_closing(tokenizer, template)
+    end = text.find(closing, len(header)) if closing and text.startswith(header) else -1
+    return (len(header), end + len(closing)) if end >= 0 else None
+
+
 def cut_example(ex: dict[str, Any], budget: int) -> dict[str, Any]:
     """``ex`` with its text cut to the first ``budget`` characters (:mod:`finetuner.data.textcut`):
     the same kept tokens, without tokenizing what truncation drops."""
@@ -166,16 +194,28 @@ def cut_example(ex: dict[str, Any], budget: int) -> dict[str, Any]:
 
 
 def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: int, train_on_prompt: bool,
-                   thinking_setting: str = "auto") -> dict[str, Any]:
+                   thinking_setting: str = "auto", reasoning_setting: str = "auto") -> dict[str, Any]:
     """Tokens and labels for one normalised example; labels are ``-100`` where no loss is taken.
     Only the characters ``max_len`` tokens can hold are tokenized (:func:`cut_example`). A thinking template's
     row renders in the form :mod:`finetuner.data.thinking` decides (``thinking_setting``: ``data.thinking``); an
-    earlier reply such a template writes otherwise than it was answered is context, not a label."""
+    earlier reply such a template, or a template given tools, writes otherwise than it was answered is context,
+    not a label (Mistral's writes the tools before the last user message only), a tool call excepted where the
+    template only drops its think block (Qwen3's). The reasoning each turn keeps is ``data.reasoning``'s (:func:`thinking.with_reasoning`). A row with
+    tools renders through the template with ``tools=`` where it renders them, else in finetuner's fallback format
+    (:mod:`finetuner.data.tools`). The labels are the assistant's replies and calls, never a template-made empty
+    think block; a row left with none is a :class:`RowError`."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     budget = char_budget(tokenizer, max_len)
     ex = cut_example(ex, budget)
     if ex.get("messages"):
         msgs, switches = thinking.row_for(template, ex["messages"], thinking_setting)
+        msgs = thinking.with_reasoning(tokenizer, template, msgs, reasoning_setting)
+        schemas = ex.get("tools") or []
+        if tools.has_tools(msgs, schemas):
+            if tools.renders_tools(tokenizer, template):
+                switches = {**switches, "tools": schemas or None}
+            else:
+                msgs = tools.fallback_messages(msgs, schemas)
         last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
         try:
             text = _render(tokenizer, template, msgs, gen=False, **switches)
@@ -189,18 +229,28 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
                           and not upto.startswith(prefix) else None)
                 if joined is not None:  # the reply after the non-thinking prompt's empty think block (thinking.py)
                     text, upto = joined + text[len(upto):], joined
-                if not (text.startswith(upto) and upto.startswith(prefix)):
-                    if switches and i < last:  # a thinking template's earlier reply: context (module doc)
+                if text.startswith(upto) and upto.startswith(prefix):
+                    span = (len(prefix), len(upto))
+                elif m.get("tool_calls") and i < last:  # a call the template writes otherwise when it is last
+                    span = _call_span(tokenizer, template, text, prefix)
+                else:
+                    span = None
+                if span is None:
+                    if switches and i < last:  # an earlier reply a thinking or tools template moves: context
                         continue
                     raise RowError(
                         "the chat template does not render conversations as prefixes of each other, "
                         "so replies cannot be located; set data.chat_template to a template that does"
                     )
-                spans.append((len(prefix), len(upto)))
+                start = span[0] if thinking.wrote_reasoning(m) else thinking.past_empty_block(text, *span)
+                spans.append((start, span[1]))
         except RowError:
             raise
         except Exception as e:  # jinja errors raised by the template for this conversation
             raise RowError(f"the chat template failed on this conversation: {e}") from None
+        if not train_on_prompt and not any(text[s:e].strip() for s, e in spans):
+            raise RowError("no token of the row is a label: the chat template renders no assistant reply or call of "
+                           "it to learn (every token would be masked)")
         enc = tokenizer(head(text, budget), add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
         if train_on_prompt:
@@ -238,7 +288,9 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
     if processor is None:  # a picture's tokens are not known before the processor runs: pictured rows are not cut
         examples = [cut_example(ex, budget) for ex in examples]  # before Arrow copies them
     rows = {
-        "messages": [ex.get("messages") for ex in examples],
+        # as JSON: Arrow would give every message (and every call's arguments) the keys of all the others, as None
+        "messages": [json.dumps(ex["messages"]) if ex.get("messages") else None for ex in examples],
+        "tools": [json.dumps(ex["tools"]) if ex.get("tools") else None for ex in examples],
         "text": [ex.get("text") for ex in examples],
         "prompt": [ex.get("prompt") for ex in examples],
         "completion": [ex.get("completion") for ex in examples],
@@ -255,13 +307,17 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             out["images"] = []
         for i in range(len(batch["_where"])):
             ex = {k: batch[k][i] for k in ("messages", "text", "prompt", "completion", "images")}
+            ex["messages"] = json.loads(ex["messages"]) if ex["messages"] else None
+            if batch["tools"][i]:
+                ex["tools"] = json.loads(batch["tools"][i])
             try:
                 if processor is not None and ex["messages"]:
                     enc = encode_pictured(ex, processor, template, cfg.max_seq_len, cfg.train_on_prompt)
                 elif ex["images"]:
                     raise RowError(f"the row has {len(ex['images'])} picture(s), but {cfg_model_hint(processor)}")
                 else:
-                    enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt, cfg.thinking)
+                    enc = encode_example(ex, tokenizer, template, cfg.max_seq_len, cfg.train_on_prompt, cfg.thinking,
+                                         cfg.reasoning)
                 err = ""
             except RowError as e:
                 enc, err = {"input_ids": [], "labels": [], "truncated": False, "images": []}, f"{batch['_where'][i]}: {e}."
@@ -278,7 +334,7 @@ def tokenize_examples(examples: list[dict[str, Any]], tokenizer: Any, cfg: DataS
             batched=True,
             batch_size=256,
             num_proc=_num_proc(cfg, len(ds)) if processor is None else None,
-            remove_columns=["messages", "text", "prompt", "completion", "images"],
+            remove_columns=["messages", "tools", "text", "prompt", "completion", "images"],
             desc="Tokenizing",
         )
     except BaseException as e:  # Ctrl-C while worker processes tokenize: datasets' clean-up may raise a TimeoutError over it
@@ -425,6 +481,16 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = N
     return prepared
 
 
+def tool_use(examples: Sequence[dict[str, Any]], tokenizer: Any, template: str) -> dict[str, Any] | None:
+    """What the run keeps of its rows' tools (:func:`finetuner.data.tools.statement`), None without any."""
+    used = [ex for ex in examples if ex.get("messages") and tools.has_tools(ex["messages"], ex.get("tools"))]
+    if not used:
+        return None
+    schema = sum(len(tokenizer(json.dumps(ex["tools"], ensure_ascii=False), add_special_tokens=False)["input_ids"])
+                 for ex in used if ex.get("tools"))
+    return tools.statement(tools.renders_tools(tokenizer, template), len(used), schema)
+
+
 def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = None) -> PreparedData:
     stats = DataStats()
     examples = load_examples(cfg.path, cfg, stats)
@@ -432,6 +498,7 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: An
     if processor is None:
         stats.thinking = thinking.statement(chat_template_for(tokenizer, cfg),
                                             (ex.get("messages") for ex in examples), cfg.thinking)
+        stats.tools = tool_use(examples, tokenizer, chat_template_for(tokenizer, cfg))
     train = tokenize_examples(examples, tokenizer, cfg, stats, processor)
     val = None
     if cfg.val_path:

@@ -55,6 +55,7 @@ from finetuner.data.formats import (
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.data.textcut import char_budget
 from finetuner.data import textcut
+from finetuner.data.tools import refuse_calls
 from finetuner.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def _message(m: Any, what: str) -> dict[str, str]:
     """One message in OpenAI (role/content) or ShareGPT (from/value) form, as role/content."""
     if not isinstance(m, dict):
         raise RowError(f"{what} must be a message (role/content or from/value), got {type(m).__name__}")
+    refuse_calls(m, what, "preference pairs")
     if "from" in m or "value" in m:
         role, content, roles = m.get("from"), m.get("value"), SHAREGPT_ROLES
     else:

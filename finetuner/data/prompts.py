@@ -25,6 +25,7 @@ from finetuner.data.formats import SHAREGPT_ROLES, RowError, read_rows
 from finetuner.data.pipeline import DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError
 from finetuner.data.split import held_out_rows, shuffled_split
+from finetuner.data.tools import refuse_calls
 
 #: columns read as the prompt (a text) when the row has no ``prompt`` or conversation
 QUESTION_KEYS = ("instruction", "question", "query", "problem")
@@ -47,6 +48,7 @@ def _messages(turns: Any, what: str) -> list[dict[str, str]]:
     for i, t in enumerate(turns, start=1):
         if not isinstance(t, dict):
             raise RowError(f"'{what}' turn {i} must be an object with role and content")
+        refuse_calls(t, f"'{what}' turn {i}", "GRPO prompts")
         role = t.get("role", t.get("from"))
         content = t.get("content", t.get("value"))
         if role not in SHAREGPT_ROLES or not isinstance(content, str):

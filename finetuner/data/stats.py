@@ -23,6 +23,7 @@ one's place and says what ``finetuner run`` will do with them (:func:`bad_rows_n
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable
@@ -32,7 +33,9 @@ from typing import Any
 
 import finetuner.phases as phases
 from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
+from finetuner.data import tools
 from finetuner.data.thinking import statement
+from finetuner.data.tools import statement as tool_statement
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 from finetuner.surface import say
@@ -82,6 +85,8 @@ class DataProfile:
     pixel_budget: tuple[int, int] | None = None
     #: a thinking chat template's forms of the rows (finetuner.data.thinking.statement), None without one
     thinking: dict[str, Any] | None = None
+    #: the rows with tools: how they render and their schemas' tokens (finetuner.data.tools.statement), None without
+    tools: dict[str, Any] | None = None
 
     @property
     def mean_tokens(self) -> float:
@@ -137,6 +142,7 @@ class DataProfile:
             "largest_picture": self.largest_picture,
             "pixel_budget": list(self.pixel_budget) if self.pixel_budget else None,
             "thinking": self.thinking,
+            "tools": self.tools,
         }
 
 
@@ -272,6 +278,7 @@ def profile_data(
     chat_template: str | None = None,
     max_pixels: int | None = None,
     thinking: str = "auto",
+    reasoning: str = "auto",
 ) -> DataProfile:
     """Read a data file and measure its examples' lengths (see the module doc); ``max_pixels``: ``data.max_pixels``
     for a model that sizes pictures by their pixel count.
@@ -288,7 +295,9 @@ def profile_data(
         src = FileExamples(path, fmt, columns, system_prompt)
         try:
             chats: list[list[dict[str, Any]]] = []  # the rows' conversations, for a thinking template's statement
-            lengths, trained, total, system_rows = _sft_lengths(src, count, encoder, thinking, chats)
+            tool_use = {"rows": 0, "schema_tokens": 0}  # rows with tools, and their schemas' tokens (_sft_lengths)
+            lengths, trained, total, system_rows = _sft_lengths(src, count, encoder, (thinking, reasoning), chats,
+                                                                tool_use)
         except WrongObjective as e:  # the first row is preference data (format auto, no columns): measure it as such
             return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     try:
@@ -315,6 +324,10 @@ def profile_data(
     profile.thinking = statement(encoder[1], chats, thinking) if encoder is not None else None
     if profile.thinking:
         profile.notes.append(profile.thinking["reason"])
+    profile.tools = tool_statement(tools.renders_tools(*encoder) if encoder is not None else None, tool_use["rows"],
+                                   tool_use["schema_tokens"], total)
+    if profile.tools:
+        profile.notes.append(profile.tools["reason"])
     if processor is not None or preset is not None:
         from finetuner.model.vision import pixel_budget
 
@@ -489,14 +502,17 @@ def picture_lengths(src: FileExamples, processor, chat_template: str | None = No
     return lengths, trained, total, image_tokens, largest
 
 
-def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None, thinking: str = "auto",
-                 chats: list | None = None) -> tuple[list[int], int, int, int]:
+def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = None,
+                 settings: tuple[str, str] = ("auto", "auto"), chats: list | None = None,
+                 tool_use: dict[str, int] | None = None) -> tuple[list[int], int, int, int]:
     """Each supervised example's tokens (at most ``MAX_ROWS``), the trained and total tokens, and how many of the
     examples start with a system message. With an
     ``encoder`` (:func:`_encoder`) the first ``EXACT_ROWS`` are the trainer's own encoding
     (:func:`finetuner.data.pipeline.encode_example`, the loss on the responses), and the rest are counted with
     the template tokens per prompt and per response message measured on those; without one a chat message
-    counts ``TEMPLATE_TOKENS_PER_MESSAGE`` of markup."""
+    counts ``TEMPLATE_TOKENS_PER_MESSAGE`` of markup. A row's tool schemas count in its prompt and its calls in its
+    answer (``tool_use`` adds up the rows with tools and the schemas' tokens); ``settings``: ``data.thinking`` and
+    ``data.reasoning``. A row the trainer's encoding refuses is added to ``src.bad`` with its place."""
     from finetuner.data.pipeline import IGNORE_INDEX, encode_example
 
     counted: list[tuple[int, int, int, int] | None] = []  # per row: prompt and answer tokens, their messages
@@ -510,8 +526,13 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
             system_rows += ex["messages"][0]["role"] == "system"
             if chats is not None:
                 chats.append(ex["messages"])
-            prompt = sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
-            answer = sum(count(m["content"]) for m in ex["messages"] if m["role"] == "assistant")
+            schemas = count(json.dumps(ex["tools"], ensure_ascii=False)) if ex.get("tools") else 0
+            if tool_use is not None and tools.has_tools(ex["messages"], ex.get("tools")):
+                tool_use["rows"] += 1
+                tool_use["schema_tokens"] += schemas
+            prompt = schemas + sum(count(m["content"]) for m in ex["messages"] if m["role"] != "assistant")
+            answer = sum(count(m["content"]) + sum(count(tools.call_text(c)) for c in m.get("tool_calls") or [])
+                         for m in ex["messages"] if m["role"] == "assistant")
             n_p = sum(m["role"] != "assistant" for m in ex["messages"])
             n_a = len(ex["messages"]) - n_p
             chars = sum(len(m["content"]) for m in ex["messages"])
@@ -524,9 +545,10 @@ def _sft_lengths(src: FileExamples, count, encoder: tuple[Any, str] | None = Non
         # a row longer than MAX_COUNTED_CHARS is counted (bounded) instead: its tokenizer's memory grows with it
         if encoder is not None and len(exact) < EXACT_ROWS and chars <= MAX_COUNTED_CHARS:
             try:
-                enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False, thinking)
-            except RowError:  # the trainer reports it (or skips it) with its place
-                enc = None
+                enc = encode_example(ex, encoder[0], encoder[1], 1 << 30, False, *settings)
+            except RowError as e:  # the trainer refuses it too, before training: the plan says so (first_bad_row)
+                src.bad.append(RowError(f"{ex['_where']}: {e}."))
+                continue
         if enc is not None and enc["input_ids"]:
             n, a = len(enc["input_ids"]), sum(1 for x in enc["labels"] if x != IGNORE_INDEX)
             exact.append((n, a))

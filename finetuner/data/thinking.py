@@ -22,6 +22,14 @@ an earlier reply of a conversation without the think block it was answered after
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
 (``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
 
+Whatever the form, an empty think block the template writes into a reply (Qwen3's thinking form, for a reply
+without reasoning) is never a label (:func:`past_empty_block`); one the data wrote is. Which turns keep the
+reasoning the data wrote is ``data.reasoning`` (:func:`with_reasoning`): ``auto`` (the default) what the template
+does at inference (Qwen3's drops the reasoning of turns before the last user message; the probe in
+:func:`reasoning_behaviour` reads it from the template), ``keep``, ``drop_history`` or ``strip``. A template that
+renders no ``reasoning_content`` (ChatML) gets it inline as ``<think>...</think>``: it is trained, never dropped
+unseen.
+
 A prompt the run's model answers (``finetuner chat``, the run's sample answers, its general probe, the notebook's
 and the web UI's chat) renders in the form the rows trained in when all of them trained in one
 (:func:`prompt_switches`): a file without reasoning trained the non-thinking form, and the model is asked in it;
@@ -32,6 +40,7 @@ held-out rows encoded as in training.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,6 +72,29 @@ def without_reasoning(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
                 m["content"] = m["content"].split(THINK_END)[-1].lstrip("\n")
         out.append(m)
     return out
+
+
+def wrote_reasoning(message: dict[str, Any]) -> bool:
+    """Whether the data wrote reasoning for this assistant message (``reasoning_content`` or a ``</think>``)."""
+    return carries_reasoning([message])
+
+
+def past_empty_block(text: str, start: int, end: int) -> int:
+    """``start`` moved past an empty think block (``<think>`` and ``</think>`` with only white space between) that
+    opens ``text[start:end]``: a template-made block, never a label (module doc)."""
+    part = text[start:end]
+    body = part.lstrip()
+    if body.startswith("<think>") and THINK_END in body:
+        inner, _, after = body[len("<think>"):].partition(THINK_END)
+        if not inner.strip():
+            return end - len(after.lstrip("\n"))
+    return start
+
+
+def without_empty_block(prompt: str) -> str:
+    """A generation prompt without the empty think block (and white space) a non-thinking prompt ends in."""
+    found = re.search(r"<think>\s*</think>\s*$", prompt)
+    return prompt[: found.start()] if found else prompt
 
 
 def joined_reply(prompt: str, rendered: str) -> str | None:
@@ -139,3 +171,72 @@ def prompt_switches(template: str | None, stated: dict[str, Any] | None, setting
         return {SWITCH: setting == "on"}
     value = stated.get("value") if isinstance(stated, dict) else None
     return {SWITCH: value == "on"} if value in ("on", "off") else {}
+
+
+# --------------------------------------------------------------------------- data.reasoning
+#: ``data.reasoning``: which turns keep the reasoning the data wrote (``auto``: what the template does at inference)
+REASONING = ("auto", "keep", "drop_history", "strip")
+_PROBE_R = "rq8zv"
+_BEHAVIOUR: dict[tuple[int, str], tuple[bool, bool]] = {}
+
+
+def reasoning_behaviour(tokenizer: Any, template: str) -> tuple[bool, bool]:
+    """``(renders, drops_history)``: whether the template writes an assistant message's ``reasoning_content``,
+    and whether it leaves it out of a turn before the last user message (Qwen3's rule), read from the template's
+    output on a probe conversation."""
+    key = (id(tokenizer), template)
+    if key not in _BEHAVIOUR:
+        turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning_content": _PROBE_R}]
+        switch = {SWITCH: True} if takes_switch(template) else {}
+
+        def render(msgs: list[dict[str, Any]]) -> str:
+            try:
+                return tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False, **switch)
+            except Exception:  # noqa: BLE001 - a template that refuses the probe renders no reasoning
+                return ""
+        renders = _PROBE_R in render(turn)
+        later = render([*turn, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}])
+        _BEHAVIOUR[key] = (renders, renders and _PROBE_R not in later)
+    return _BEHAVIOUR[key]
+
+
+def _history_end(messages: Sequence[dict[str, Any]]) -> int:
+    """The index of the last user message (turns before it are history)."""
+    return max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+
+
+def inline(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with its ``reasoning_content`` written into the content as ``<think>...</think>``
+    (for a template that does not render the field: the reasoning is then trained as the data gave it)."""
+    r = (message.get("reasoning_content") or "").strip("\n")
+    m = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if r.strip():
+        m["content"] = f"<think>\n{r}\n{THINK_END}\n\n{m.get('content') or ''}"
+    return m
+
+
+def with_reasoning(tokenizer: Any, template: str, messages: list[dict[str, Any]], setting: str = "auto"
+                   ) -> list[dict[str, Any]]:
+    """The messages with the reasoning ``data.reasoning`` keeps: ``strip`` none, ``drop_history`` only the turns
+    after the last user message, ``keep`` every turn's (a template that drops earlier turns' reasoning cannot keep
+    it: a :class:`~finetuner.data.rows.RowError` says so), ``auto`` what the template renders. Reasoning a template
+    does not render (``reasoning_content`` to a ChatML template) is inlined as ``<think>...</think>``."""
+    from finetuner.data.rows import RowError
+
+    if not carries_reasoning(messages):
+        return messages
+    if setting == "strip":
+        return without_reasoning(messages)
+    renders, drops = reasoning_behaviour(tokenizer, template)
+    cut = _history_end(messages)
+    history = [i for i, m in enumerate(messages) if i < cut and carries_reasoning([m])]
+    if setting == "keep" and drops and history:
+        raise RowError("data.reasoning is keep, but the chat template leaves earlier turns' reasoning out (as "
+                       "the model sees a conversation at inference): use auto or drop_history, or a data.chat_template "
+                       "that keeps it")
+    out = list(messages)
+    if setting == "drop_history":
+        out = [without_reasoning([m])[0] if i in history else m for i, m in enumerate(out)]
+    if not renders:
+        out = [inline(m) if m.get("role") == "assistant" else m for m in out]
+    return out

@@ -51,7 +51,7 @@ def measure(recipe: Recipe) -> DataProfile | None:
                                    system_prompt=d.system_prompt, chat_template=d.chat_template)
         return profile_data(path, recipe.model.name, fmt=d.format, columns=d.columns, on_bad_row=d.on_bad_row,
                             system_prompt=d.system_prompt, chat_template=d.chat_template, max_pixels=d.max_pixels,
-                            thinking=d.thinking)
+                            thinking=d.thinking, reasoning=d.reasoning)
     except (UserError, OSError, ValueError):  # the trainer reads the file again and names what is wrong
         return None
 

@@ -216,7 +216,8 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
                                       on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
         else:
             profile = profile_data(str(Path(d.path).expanduser()), recipe.model.name, fmt=d.format, columns=d.columns,
-                                   on_bad_row=d.on_bad_row, system_prompt=d.system_prompt, thinking=d.thinking)
+                                   on_bad_row=d.on_bad_row, system_prompt=d.system_prompt, thinking=d.thinking,
+                                   reasoning=d.reasoning)
     except (UserError, OSError, ValueError):
         return None
     rows = profile.rows
