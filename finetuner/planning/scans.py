@@ -49,7 +49,20 @@ elements:
   of the ``chunk`` into ``B``, ``C``, ``x`` (``6 D T``); with two or more sequences ``6 D T`` more (that gradient,
   transposed, copied to ``in_proj``'s layout: one sequence's is a view). The convolution itself is timed by its FLOPs (like the
   matmuls, not counted here), ``_unsafe_view`` as the view it is.
-Mamba-2's and Mamba-1's element-wise work is not counted here (their operations are, above).
+* Mamba-2's ``mamba2_chunk_scan`` (fp32), per sequence, ``c`` chunks of ``L``, ``H`` heads of width ``P``, state
+  ``N``, ``G`` groups of B and C: ``c (31 L² H + 55 L H P + 40 L H N + 77.5 L H + 2 L G N + 8 H P N + 53 H)
+  + 22 c² H + 13 H P N + 25 H`` and, once for the rows, ``7 c + 3.5 c² - 8 H P N + 10 H + 3.5 L² + 8.5``: the ``L²`` terms are ``segment_sum``'s masks, cumsum and exp
+  over each chunk's ``L x L`` and ``G * L`` (``M``) and their gradients, the ``c²`` ones the decay between every pair
+  of chunks. No zero-fills: its backward has no slice of a whole-sequence tensor per chunk. Exact with one sequence;
+  with more, its einsums' copies (which follow the strides) differ by up to ``10 c H P N``.
+* Mamba-1's sequential ``mamba_selective_scan`` (fp32), per sequence, inner width ``d``, state ``N``:
+  ``T² N (8 d + 4) + T (38 d N + 53 d + 11 N) - 5 d N`` and, once, ``5 d N + 5 d + 3`` (the parameters' gradients).
+  The ``T²`` term is the loop's backward: each token's ``discrete_A[:, :, t]``, ``deltaB_u[:, :, t]`` and
+  ``C[:, t]`` get a gradient that is a zero tensor of the whole sequence (``d T N``, ``d T N``, ``T N``) with the
+  slice filled in, added to the others (``select_backward``). The PyTorch path of Mamba-1 grows as ``T²``, as the
+  delta rule's does. Its zeros are timed at the bandwidth, not as fresh memory: a token's is ``4 d T N`` bytes (4-8
+  MiB in the benchmark, docs/benchmarks.md), a block the allocator reuses token after token; at 2.0 GB/s they would
+  take three times the measured step.
 
 Which path a run takes: transformers calls flash-linear-attention's, mamba-ssm's and causal-conv1d's kernels when
 they import, else the PyTorch path (``use_kernel_func_from_hub_with_fallback``). :func:`kernels_installed` says which
@@ -234,6 +247,17 @@ def scan_bytes(shape: ModelShape, rows: int, seq: int, dtype_bytes: int = 4) -> 
         per_chunk = 127 * C * dk + 53 * C * dv + 52 * C * C + 120 * C + 19 * dk * dv + 6
         per_pair = 12 * C * dk + 9 * C * dv + 4 * C * C + 4
         total += 4 * m.delta_layers * rows * m.delta_heads * (c * per_chunk + c * c * per_pair)
+    if m.mamba2_layers:
+        L, H, P, N, G = m.mamba2_chunk, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state, m.mamba2_groups
+        c = chunks(seq, L)
+        per_chunk = 31 * L * L * H + 55 * L * H * P + 40 * L * H * N + 77.5 * L * H + 2 * L * G * N + 8 * H * P * N + 53 * H
+        per_row = c * per_chunk + 22 * c * c * H + 13 * H * P * N + 25 * H
+        once = 7 * c + 3.5 * c * c - 8 * H * P * N + 10 * H + 3.5 * L * L + 8.5
+        total += 4 * m.mamba2_layers * (rows * per_row + once)
+    if m.mamba_layers:
+        d, N, T = m.mamba_inner, m.mamba_state, seq
+        per_row = T * T * N * (8 * d + 4) + T * (38 * d * N + 53 * d + 11 * N) - 5 * d * N
+        total += 4 * m.mamba_layers * (rows * per_row + 5 * d * N + 5 * d + 3)
     if m.conv_layers:
         per_token = 26 + (6 if rows > 1 else 0)  # two or more rows: in_proj's gradient copied to its layout
         total += dtype_bytes * m.conv_layers * rows * m.conv_channels * (per_token * seq + m.conv_kernel - 1)
@@ -257,10 +281,11 @@ def scan_fill_bytes(shape: ModelShape, rows: int, seq: int) -> float:
 
 def scan_width(shape: ModelShape) -> int:
     """The narrower dimension of the mixers' matmuls (their rate depends on it): the delta rule's key width, Mamba-2's
-    state, Mamba's state (a matmul-vector product per token)."""
+    state, Mamba's state (a matmul-vector product per token). Not the depthwise convolution's kernel: that is no
+    matmul, and as the minimum its 4 priced every scan FLOP at a quarter of the narrowest calibrated rate."""
     m = mixers(shape)
-    return max(1, min(w for w in (m.delta_dk or 1 << 30, m.mamba2_state or 1 << 30, m.mamba_state or 1 << 30,
-                                   m.conv_kernel)) if m.any else 1)
+    widths = [w for w in (m.delta_dk, m.mamba2_state, m.mamba_state) if w]
+    return max(1, min(widths)) if widths else 1
 
 
 def scan_ops(shape: ModelShape, seq: int) -> float:

@@ -8,7 +8,9 @@ first layer full attention, the others Gated DeltaNet), and the prediction is th
 predictions likewise (full fine-tuning, fp32, no loss chunking; the optimizer, not run here, left out). Timed by
 this process's CPU time (one thread: steady while other processes share the cores), against this machine's
 calibration made here with one thread (``finetuner gpus --calibrate``'s, its fresh-memory rate included).
-Usage: ``python scripts/validate/speed_scans.py [--quick]`` (``--quick``: 512 and 1,024 tokens)."""
+Usage: ``python scripts/validate/speed_scans.py [--quick]`` (``--quick``: 512 and 1,024 tokens);
+``--repredict``: the speed model's predictions again for the measurements and calibration the JSON holds (after a
+change to the model, without timing anew)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from finetuner.memory.model import Settings
 from finetuner.model.shapes import shape_from_config
 from finetuner.model.tiny import tiny_config
 from finetuner.planning.calibrate import measure
-from finetuner.planning.speed import step_time
+from finetuner.planning.speed import DeviceSpeed, step_time
 
 LAYERS = 2
 HIDDEN = {"hidden_size": 256, "vocab_size": 256}
@@ -45,9 +47,12 @@ CONFIGS = {
 OUT = Path(__file__).resolve().parents[2] / "docs" / "validation" / "speed_scans_cpu.json"
 
 
-def build(kw: dict, layers: int):
+def build(kw: dict, layers: int, meta: bool = False):
+    """The model of ``layers`` layers and its config (``meta``: the config only)."""
     extra = {"layer_types": ["full_attention"] + ["linear_attention"] * (layers - 1)} if kw["model_type"] == "qwen3_5_text" else {}
     cfg = AutoConfig.for_model(**{**kw, "num_hidden_layers": layers, **extra})
+    if meta:
+        return None, cfg.to_dict()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg), cfg.to_dict()
 
@@ -62,30 +67,56 @@ def timed(model, seq: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def predicted(kw: dict, seq: int, speed: DeviceSpeed) -> dict[str, float]:
+    """The speed model's time of ``LAYERS`` layers by part: its prediction for ``1 + LAYERS`` layers less one's."""
+    s = Settings(method="full", seq_len=seq, micro_batch=1, compute_dtype="fp32", loss_chunk=0,
+                 gradient_checkpointing=False, optimizer="sgd", platform="cpu")
+    parts = {n: step_time(shape_from_config(build(kw, n, meta=True)[1], name=kw["model_type"]), s, speed).parts
+             for n in (1 + LAYERS, 1)}
+    return {k: parts[1 + LAYERS][k] - parts[1][k] for k in parts[1 + LAYERS] if k not in ("optimizer", "fixed")}
+
+
+def table_row(name: str, seq: int, measured: float, diff: dict[str, float]) -> str:
+    pred = sum(diff.values())
+    return (f"| {name} | {seq} | {measured:.3f} | {pred:.3f} | {diff['memory-bound']:.3f} | {diff['operations']:.3f} "
+            f"| {pred / measured:.2f} |")
+
+
+HEADER = (f"| layers ({LAYERS}) | tokens | measured s | predicted s | of which memory-bound s | of which operations s "
+          "| predicted / measured |\n|---|---:|---:|---:|---:|---:|---:|")
+
+
+def repredict() -> None:
+    """The predictions again for the JSON's measurements at its calibration."""
+    data = json.loads(OUT.read_text())
+    speed = DeviceSpeed.from_dict(data["speed"])
+    print(HEADER)
+    for row in data["rows"]:
+        diff = predicted(CONFIGS[row["layer"]], row["tokens"], speed)
+        row.update(predicted_s=sum(diff.values()), parts={k: round(v, 5) for k, v in diff.items()})
+        print(table_row(row["layer"], row["tokens"], row["measured_s"], diff))
+    OUT.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main() -> None:
+    if "--repredict" in sys.argv:
+        return repredict()
     torch.set_num_threads(1)
     lengths = (512, 1024) if "--quick" in sys.argv else (512, 1024, 2048)
     speed = measure()
     print(f"speed model: {speed.source}; load average {os.getloadavg()[0]:.2f} at the start")
-    print(f"| layers ({LAYERS}) | tokens | measured s | predicted s | of which fresh memory s | predicted / measured |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(HEADER)
     rows = []
     for name, kw in CONFIGS.items():
-        built = {n: build(kw, n) for n in (1 + LAYERS, 1)}
-        shapes = {n: shape_from_config(built[n][1], name=name) for n in built}
+        built = {n: build(kw, n)[0] for n in (1 + LAYERS, 1)}
         for seq in lengths:
-            measured = timed(built[1 + LAYERS][0], seq, 3) - timed(built[1][0], seq, 3)
-            s = Settings(method="full", seq_len=seq, micro_batch=1, compute_dtype="fp32", loss_chunk=0,
-                         gradient_checkpointing=False, optimizer="sgd", platform="cpu")
-            parts = {n: step_time(shapes[n], s, speed).parts for n in built}
-            diff = {k: parts[1 + LAYERS][k] - parts[1][k] for k in parts[1 + LAYERS] if k not in ("optimizer", "fixed")}
-            pred = sum(diff.values())
-            rows.append(dict(layer=name, tokens=seq, measured_s=measured, predicted_s=pred,
+            measured = timed(built[1 + LAYERS], seq, 3) - timed(built[1], seq, 3)
+            diff = predicted(kw, seq, speed)
+            rows.append(dict(layer=name, tokens=seq, measured_s=measured, predicted_s=sum(diff.values()),
                              parts={k: round(v, 5) for k, v in diff.items()}, load_average=os.getloadavg()[0]))
-            print(f"| {name} | {seq} | {measured:.3f} | {pred:.3f} | {diff['fresh memory']:.3f} | {pred / measured:.2f} |",
-                  flush=True)
-    OUT.write_text(json.dumps({"speed_model": speed.source, "layers": LAYERS, "timed_by": "process CPU time, 1 thread",
-                               "rows": rows}, indent=1) + "\n")
+            print(table_row(name, seq, measured, diff), flush=True)
+    OUT.write_text(json.dumps({"speed_model": speed.source, "speed": speed.to_dict(), "layers": LAYERS,
+                               "timed_by": "process CPU time, 1 thread", "rows": rows}, indent=1) + "\n")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}; written {OUT}")
 
 

@@ -343,3 +343,83 @@ def test_lfm2s_short_convolution_is_timed_as_its_conv_and_elementwise_work_on_a_
         assert scans.scan_bytes(shape, rows, seq, dtype_bytes=4) == traced, (rows, seq)
     llama = _default("llama")
     assert scans.scan_flops(llama, 2, 9) == scans.scan_bytes(llama, 2, 9) == 0
+
+
+# ---------------------------------------------------------------------- Mamba-2's chunked and Mamba-1's sequential scan
+def _mamba2_scan_bytes(rows: int, heads: int, head_dim: int, state: int, groups: int, chunk: int, seq: int) -> int:
+    import torch
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    x = torch.randn(rows, seq, heads, head_dim, requires_grad=True)
+    dt, A = torch.randn(rows, seq, heads, requires_grad=True), -torch.rand(heads, requires_grad=True)
+    B, C = (torch.randn(rows, seq, groups, state, requires_grad=True) for _ in range(2))
+    D, bias = torch.randn(heads, requires_grad=True), torch.randn(heads, requires_grad=True)
+    return _elementwise_bytes(lambda: mamba2_chunk_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=bias,
+                                                        dt_softplus=True).sum().backward(),
+                              skip=frozenset({torch.ops.aten._unsafe_view.default}))
+
+
+def _mamba2_shape(heads: int, head_dim: int, state: int, groups: int, chunk: int):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("mamba2", hidden_size=heads * head_dim // 2, num_heads=heads, head_dim=head_dim,
+                               state_size=state, n_groups=groups, chunk_size=chunk, num_hidden_layers=1, vocab_size=64)
+    return shape_from_config(cfg.to_dict(), name="tiny-mamba2")
+
+
+@pytest.mark.parametrize("rows, heads, head_dim, state, groups, chunk, seq",
+                         [(1, 4, 3, 2, 1, 4, 12), (1, 4, 2, 3, 2, 3, 6), (2, 6, 5, 4, 1, 5, 20),
+                          (2, 4, 2, 3, 2, 3, 6), (3, 4, 2, 3, 2, 3, 6), (2, 4, 2, 3, 4, 3, 6)])
+def test_mamba2s_elementwise_bytes_are_the_traced_count(rows, heads, head_dim, state, groups, chunk, seq):
+    """``scan_bytes`` of a Mamba-2 layer equals the dispatch trace's count of transformers' ``mamba2_chunk_scan``
+    forward and backward (fp32; matmuls, views and ``_unsafe_view`` left out): exactly with one sequence; with more,
+    within ``10 c H P N`` elements (its einsums' copies follow the strides)."""
+    shape = _mamba2_shape(heads, head_dim, state, groups, chunk)
+    m = scans.mixers(shape)
+    assert (m.mamba2_layers, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state, m.mamba2_groups, m.mamba2_chunk) == \
+        (1, heads, head_dim, state, groups, chunk)
+    traced = _mamba2_scan_bytes(rows, heads, head_dim, state, groups, chunk, seq)
+    slack = 0 if rows == 1 else 4 * 10 * scans.chunks(seq, chunk) * heads * head_dim * state
+    assert abs(scans.scan_bytes(shape, rows, seq) - traced) <= slack
+    assert slack < traced / 10
+    assert scans.scan_fill_bytes(shape, rows, seq) == 0
+
+
+def _mamba_scan_bytes(rows: int, inner: int, state: int, seq: int) -> int:
+    import torch
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    x, dt, z = (torch.randn(rows, inner, seq, requires_grad=True) for _ in range(3))
+    A = -torch.rand(inner, state, requires_grad=True)
+    B, C = (torch.randn(rows, state, seq, requires_grad=True) for _ in range(2))
+    D, bias = torch.randn(inner, requires_grad=True), torch.randn(inner, requires_grad=True)
+    return _elementwise_bytes(lambda: mamba_selective_scan(x, dt, A, B, C, D=D, z=z, delta_bias=bias,
+                                                           delta_softplus=True).sum().backward(),
+                              skip=frozenset({torch.ops.aten._unsafe_view.default}))
+
+
+@pytest.mark.parametrize("rows, inner, state, seq", [(1, 6, 3, 5), (2, 4, 5, 7), (3, 8, 2, 4)])
+def test_mamba1s_elementwise_bytes_are_the_traced_count_and_grow_as_t_squared(rows, inner, state, seq):
+    """``scan_bytes`` of a Mamba-1 layer equals the dispatch trace's count of transformers' sequential
+    ``mamba_selective_scan`` forward and backward, exactly: its loop's backward gives every token's slice a gradient
+    of the whole sequence's size, ``T²``."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("mamba", hidden_size=inner // 2, intermediate_size=inner, state_size=state,
+                               num_hidden_layers=1, vocab_size=64, time_step_rank=2)
+    shape = shape_from_config(cfg.to_dict(), name="tiny-mamba")
+    m = scans.mixers(shape)
+    assert (m.mamba_layers, m.mamba_inner, m.mamba_state) == (1, inner, state)
+    assert scans.scan_bytes(shape, rows, seq) == _mamba_scan_bytes(rows, inner, state, seq)
+    quad = 4 * rows * seq * seq * state * (8 * inner + 4)
+    assert scans.scan_bytes(shape, rows, 2 * seq) - 2 * scans.scan_bytes(shape, rows, seq) > quad  # 4 T² - 2 T²
+
+
+def test_the_scans_matmul_width_is_their_state_not_the_convolutions_kernel(mamba2, qwen35):
+    """Mamba-2's state (128) and the delta rule's key width (128) set the scans' matmul rate; the depthwise
+    convolution's kernel (4) is no matmul."""
+    assert scans.mixers(mamba2).conv_kernel == 4
+    assert scans.scan_width(mamba2) == scans.mixers(mamba2).mamba2_state == 128
+    assert scans.scan_width(qwen35) == 128
+    assert scans.scan_width(_default("mamba")) == 16
+    assert scans.scan_width(_default("llama")) == 1
