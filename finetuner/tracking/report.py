@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 #: the run folder's file that keeps each tracker's run id, so that a resumed run continues its tracking run
 IDS_FILE = "tracking.json"
 #: the pip extra of each tracker
-EXTRAS = {"mlflow": "mlflow"}
+EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
 class TrackerRun(Protocol):
-    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`)."""
+    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`, :mod:`~finetuner.tracking.to_wandb`)."""
 
     run_id: str
 
@@ -39,7 +39,11 @@ class TrackerRun(Protocol):
 
 def open_tracker(name: str, run_dir: Path, run_name: str, run_id: str | None) -> TrackerRun:
     """Start (or with ``run_id`` continue) ``name``'s tracking run of the finetuner run in ``run_dir``."""
-    from finetuner.tracking.to_mlflow import MlflowRun  # the one tracker besides TensorBoard (recipe: Tracker)
+    if name == "wandb":
+        from finetuner.tracking.to_wandb import WandbRun
+
+        return WandbRun(run_dir, run_name, run_id)
+    from finetuner.tracking.to_mlflow import MlflowRun
 
     return MlflowRun(run_dir, run_name, run_id)
 
