@@ -382,8 +382,8 @@ class CheckpointSection(Section):
 
 
 #: The trackers a run can report to (:mod:`finetuner.tracking`); each but TensorBoard is an optional extra
-#: (``pip install 'finetuner[mlflow]'``, ``'finetuner[wandb]'``).
-Tracker = Literal["tensorboard", "mlflow", "wandb"]
+#: (``pip install 'finetuner[mlflow]'``, ``'finetuner[wandb]'``, ``'finetuner[trackio]'``).
+Tracker = Literal["tensorboard", "mlflow", "wandb", "trackio"]
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
@@ -392,8 +392,8 @@ class LoggingSection(Section):
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Where the run reports its parameters, metrics and artifacts: any of tensorboard, mlflow, "
-                    "wandb ([] for none). MLflow follows MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME; W&B WANDB_MODE, "
-                    "WANDB_PROJECT and WANDB_DIR (else the run folder's wandb/).")
+                    "wandb, trackio ([] for none). MLflow follows MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME; W&B WANDB_MODE, "
+                    "WANDB_PROJECT and WANDB_DIR (else the run folder's wandb/); Trackio TRACKIO_DIR.")
     tensorboard: bool | None = Field(
         None, description="The older switch for TensorBoard, kept working: true adds it to report_to, false takes it out.")
 

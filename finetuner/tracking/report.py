@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 #: the run folder's file that keeps each tracker's run id, so that a resumed run continues its tracking run
 IDS_FILE = "tracking.json"
 #: the pip extra of each tracker
-EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
+EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
 
 
 class TrackerRun(Protocol):
-    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`, :mod:`~finetuner.tracking.to_wandb`)."""
+    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`, :mod:`~finetuner.tracking.to_wandb`,
+    :mod:`~finetuner.tracking.to_trackio`)."""
 
     run_id: str
 
@@ -43,6 +44,10 @@ def open_tracker(name: str, run_dir: Path, run_name: str, run_id: str | None) ->
         from finetuner.tracking.to_wandb import WandbRun
 
         return WandbRun(run_dir, run_name, run_id)
+    if name == "trackio":
+        from finetuner.tracking.to_trackio import TrackioRun
+
+        return TrackioRun(run_dir, run_name, run_id)
     from finetuner.tracking.to_mlflow import MlflowRun
 
     return MlflowRun(run_dir, run_name, run_id)
