@@ -30,6 +30,8 @@ class TrackerRun(Protocol):
     :mod:`~finetuner.tracking.to_trackio`)."""
 
     run_id: str
+    #: where a user finds the run: a link (a server's page), else the place (a folder, a store) and the run's id
+    where: str
 
     def log_params(self, params: dict[str, str]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -97,6 +99,16 @@ def params_of(run_dir: Path, start: dict[str, Any]) -> dict[str, str]:
     return {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in params.items() if v is not None}
 
 
+def tracked_at(run_dir: Path) -> dict[str, str]:
+    """Where each tracker keeps the run in ``run_dir`` (:attr:`TrackerRun.where`), as its start wrote it in
+    tracking.json; {} before that, or for a run reported to TensorBoard only."""
+    try:
+        where = json.loads((Path(run_dir) / IDS_FILE).read_text(encoding="utf-8")).get("where")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in where.items()} if isinstance(where, dict) else {}
+
+
 class Reporters:
     """The run's trackers, fed one event at a time (:meth:`__call__`, an :class:`~finetuner.runs.events.EventWriter`
     callback). Never raises: a tracker that fails says so in one warning line and is dropped."""
@@ -162,6 +174,7 @@ class Reporters:
         if not self.runs:
             return
         ids.update({n: r.run_id for n, r in self.runs.items()})
+        ids["where"] = {**(ids.get("where") or {}), **{n: r.where for n, r in self.runs.items()}}
         (self.run_dir / IDS_FILE).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
         params = params_of(self.run_dir, ev)
         self._each(lambda r: r.log_params(params))

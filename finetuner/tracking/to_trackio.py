@@ -31,6 +31,7 @@ class TrackioRun:
         with _unprinted():
             self.run = trackio.init(project=PROJECT, name=run_name, resume="allow" if run_id else "never", embed=False)
         self.run_id = self.run.id
+        self.where = f"run {run_name} of project {PROJECT}: trackio show --project {PROJECT}"
 
     def log_params(self, params: dict[str, str]) -> None:
         self.run.config.update(params)  # sent with the next logged row

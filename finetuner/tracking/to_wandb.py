@@ -29,6 +29,8 @@ class WandbRun:
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=run_name, id=run_id,
                               resume="allow" if run_id else None, settings=settings, **where)
         self.run_id = self.run.id
+        # offline: the folder ``wandb sync`` uploads (asking an offline run its url only warns)
+        self.where = str(Path(self.run.dir).parent) if self.run.offline else (self.run.url or f"run {self.run_id}")
 
     def log_params(self, params: dict[str, str]) -> None:
         self.run.config.update(params, allow_val_change=True)  # a resumed run's recipe is the same run's
