@@ -36,6 +36,7 @@ from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from finetuner.training import seal
+from finetuner.tracking.report import tracked_at
 from ui import paths, views
 from ui.chat_pool import ChatPool
 from ui.errors import error_md, on_page, shows_errors, steps_in_ui
@@ -518,7 +519,7 @@ class Handlers:
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
         mem, smp, start_i, stop_i, resume_i, _pref = values
         return (
-            views.status_html(st),
+            views.status_html(st, tracked_at(self.runs / name) if st is not None else None),
             chart,
             gr.skip() if same[0] else mem,
             gr.skip() if same[1] else smp,

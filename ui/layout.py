@@ -10,7 +10,7 @@ from typing import get_args
 import gradio as gr
 
 from finetuner.config.hardware import list_profiles
-from finetuner.config.sections import Optimizer
+from finetuner.config.sections import TRACKERS, Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
@@ -158,6 +158,10 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                     start_anyway = gr.Checkbox(label=START_ANYWAY, value=False, elem_id="start-anyway",
                                                info="when the memory estimate says the recipe does not fit the card")
                     start_code = gr.Checkbox(label=START_CODE, value=False, elem_id="start-allow-code", info=START_CODE_INFO)
+                f_report = gr.CheckboxGroup(list(TRACKERS), label="Report to", elem_id="report-to",
+                                            info="where the run also appears (the recipe's logging.report_to); MLflow follows "
+                                                 "MLFLOW_TRACKING_URI, W&B WANDB_MODE and WANDB_PROJECT, Trackio TRACKIO_DIR; "
+                                                 "each but TensorBoard is an extra: pip install 'finetuner[mlflow]'")
                 train_msg = gr.Markdown(elem_id="train-message")
                 run_pick = gr.Dropdown([], label="Run", allow_custom_value=True, info="the run shown below; pick a past run to reopen it",
                                        elem_id="run-pick")
@@ -250,7 +254,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         model.change(empty_chart, None, hist, api_name=False).then(h.on_data, data_inputs, data_outputs, api_name=False)
         upload.upload(h.on_upload, upload, [data_file, data_md], api_name="upload_data")
 
-        fields = [f_method, f_micro, f_accum, f_seq, f_opt, f_gc, f_r, f_steps, f_log, f_eval]
+        fields = [f_method, f_micro, f_accum, f_seq, f_opt, f_gc, f_r, f_steps, f_log, f_eval, f_report]
         est_outputs = [mem_plot, est_md, recipe_yaml, download, yaml_md]
         planned = gr.State(None)  # what the planner chose and why (views.planned): edits are told apart from it
         plan_outputs = [plan_md, mem_plot, est_md, rejected, recipe_yaml, download, *fields, yaml_md, planned]

@@ -41,12 +41,13 @@ def fields_of(recipe: Recipe) -> tuple:
         t.max_steps or 0,
         recipe.logging.every,
         t.eval_every or 0,
+        recipe.logging.trackers,
     )
 
 
 def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpointing, lora_r, max_steps,
-                 log_every=None, eval_every=None) -> Recipe:
-    """The recipe in ``text`` with the Plan tab's advanced fields applied."""
+                 log_every=None, eval_every=None, report_to=None) -> Recipe:
+    """The recipe in ``text`` with the Plan tab's advanced fields (and the Train tab's trackers) applied."""
     r = recipe_from_text(text)
     raw = readable_dict(r)
     raw["method"] = method or r.method
@@ -71,6 +72,10 @@ def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpoint
         tr["eval_every"] = int(eval_every)
     else:
         tr.pop("eval_every", None)
+    if report_to is not None:  # the trackers ticked, TensorBoard among them: its older switch goes
+        logging = raw.setdefault("logging", {})
+        logging["report_to"] = list(report_to)
+        logging.pop("tensorboard", None)
     return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
 
 

@@ -438,7 +438,18 @@ def rejected_df(plan: Any) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- train
-def status_html(st: Any | None) -> str:
+def tracked_html(where: dict[str, str]) -> str:
+    """Where the trackers keep the run (:func:`finetuner.tracking.report.tracked_at`): a server's page as a link,
+    a folder or a store as text."""
+    def one(name: str, place: str) -> str:
+        if place.startswith(("http://", "https://")):
+            return f"{html.escape(name)}: <a href='{html.escape(place, quote=True)}' target='_blank'>{html.escape(place)}</a>"
+        return f"{html.escape(name)}: <code>{html.escape(place)}</code>"
+    return "".join(f"<div class='ft-muted ft-tracked'>{one(n, p)}</div>" for n, p in where.items())
+
+
+def status_html(st: Any | None, tracked: dict[str, str] | None = None) -> str:
+    """The Train tab's status line of the run ``st``; ``tracked``: where its trackers keep it (:func:`tracked_html`)."""
     if st is None:
         return "<div class='ft-status'><span class='ft-muted'>No run yet. Plan a recipe, then press <b>Start training</b>.</span></div>"
     icon, label, colour = STATE_LABELS.get(st.state, ("?", st.state, "#6b7280"))
@@ -469,7 +480,7 @@ def status_html(st: Any | None) -> str:
         f"<div class='ft-head'><span style='color:{colour}' class='ft-state'>{icon} {label}</span>"
         f"<span class='ft-run'>{html.escape(st.name)}</span></div>"
         f"<div class='ft-progress'><div class='ft-bar' style='width:{pct:.1f}%;background:{colour}'></div></div>"
-        f"<div class='ft-facts'>{' · '.join(bits)}</div>{err}{notes}</div>"
+        f"<div class='ft-facts'>{' · '.join(bits)}</div>{err}{notes}{tracked_html(tracked or {})}</div>"
     )
 
 

@@ -29,8 +29,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "folder from someone else): loading them unpickles, which can run code.")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
     p.add_argument("--report-to", metavar="TRACKERS",
-                   help="Where the run reports, comma-separated: tensorboard, mlflow, or none "
-                        "(sets logging.report_to; MLflow is an extra: pip install 'finetuner[mlflow]').")
+                   help="Where the run reports, comma-separated: tensorboard, mlflow, wandb, trackio, or none "
+                        "(sets logging.report_to; each but TensorBoard is an extra: pip install 'finetuner[mlflow]').")
     p.add_argument("--gpus", type=int, metavar="N",
                    help="Train on N processes (one per GPU; on a CPU machine, N CPU processes on gloo): "
                         "sets distributed.num_processes. The effective batch stays the same.")

@@ -389,8 +389,8 @@ class CheckpointSection(Section):
 
 
 #: The trackers a run can report to (:mod:`finetuner.tracking`); each but TensorBoard is an optional extra
-#: (``pip install 'finetuner[mlflow]'``).
-Tracker = Literal["tensorboard", "mlflow"]
+#: (``pip install 'finetuner[mlflow]'``, ``'finetuner[wandb]'``, ``'finetuner[trackio]'``).
+Tracker = Literal["tensorboard", "mlflow", "wandb", "trackio"]
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
@@ -398,8 +398,9 @@ class LoggingSection(Section):
     every: int = Field(1, gt=0, description="Write a step event every N optimizer steps.")
     report_to: list[Tracker] = Field(
         default_factory=lambda: ["tensorboard"],
-        description="Where the run reports its parameters, metrics and artifacts: any of tensorboard, mlflow "
-                    "([] for none). MLflow follows MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME.")
+        description="Where the run reports its parameters, metrics and artifacts: any of tensorboard, mlflow, "
+                    "wandb, trackio ([] for none). MLflow follows MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME; W&B WANDB_MODE, "
+                    "WANDB_PROJECT and WANDB_DIR (else the run folder's wandb/); Trackio TRACKIO_DIR.")
     tensorboard: bool | None = Field(
         None, description="The older switch for TensorBoard, kept working: true adds it to report_to, false takes it out.")
 

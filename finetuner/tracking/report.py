@@ -22,13 +22,16 @@ log = logging.getLogger(__name__)
 #: the run folder's file that keeps each tracker's run id, so that a resumed run continues its tracking run
 IDS_FILE = "tracking.json"
 #: the pip extra of each tracker
-EXTRAS = {"mlflow": "mlflow"}
+EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
 
 
 class TrackerRun(Protocol):
-    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`)."""
+    """One tracking run in one tracker (:mod:`finetuner.tracking.to_mlflow`, :mod:`~finetuner.tracking.to_wandb`,
+    :mod:`~finetuner.tracking.to_trackio`)."""
 
     run_id: str
+    #: where a user finds the run: a link (a server's page), else the place (a folder, a store) and the run's id
+    where: str
 
     def log_params(self, params: dict[str, str]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -39,7 +42,15 @@ class TrackerRun(Protocol):
 
 def open_tracker(name: str, run_dir: Path, run_name: str, run_id: str | None) -> TrackerRun:
     """Start (or with ``run_id`` continue) ``name``'s tracking run of the finetuner run in ``run_dir``."""
-    from finetuner.tracking.to_mlflow import MlflowRun  # the one tracker besides TensorBoard (recipe: Tracker)
+    if name == "wandb":
+        from finetuner.tracking.to_wandb import WandbRun
+
+        return WandbRun(run_dir, run_name, run_id)
+    if name == "trackio":
+        from finetuner.tracking.to_trackio import TrackioRun
+
+        return TrackioRun(run_dir, run_name, run_id)
+    from finetuner.tracking.to_mlflow import MlflowRun
 
     return MlflowRun(run_dir, run_name, run_id)
 
@@ -86,6 +97,16 @@ def params_of(run_dir: Path, start: dict[str, Any]) -> dict[str, str]:
     skip = {"event", "time", "run_dir", "data", "resolved", "schema_version"}
     params.update(flatten({k: v for k, v in start.items() if k not in skip}, "run."))
     return {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in params.items() if v is not None}
+
+
+def tracked_at(run_dir: Path) -> dict[str, str]:
+    """Where each tracker keeps the run in ``run_dir`` (:attr:`TrackerRun.where`), as its start wrote it in
+    tracking.json; {} before that, or for a run reported to TensorBoard only."""
+    try:
+        where = json.loads((Path(run_dir) / IDS_FILE).read_text(encoding="utf-8")).get("where")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in where.items()} if isinstance(where, dict) else {}
 
 
 class Reporters:
@@ -153,6 +174,7 @@ class Reporters:
         if not self.runs:
             return
         ids.update({n: r.run_id for n, r in self.runs.items()})
+        ids["where"] = {**(ids.get("where") or {}), **{n: r.where for n, r in self.runs.items()}}
         (self.run_dir / IDS_FILE).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
         params = params_of(self.run_dir, ev)
         self._each(lambda r: r.log_params(params))

@@ -16,19 +16,24 @@ _STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 
 class MlflowRun:
     def __init__(self, run_dir: Path, run_name: str, run_id: str | None):
+        import mlflow
         from mlflow import MlflowClient
 
         self.client = MlflowClient()
         if run_id is not None:
-            self.run_id = self.client.get_run(run_id).info.run_id
+            info = self.client.get_run(run_id).info
             self.client.update_run(run_id, status="RUNNING")
             self.resumed = True
-            return
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
-        exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags={"finetuner.run_dir": str(run_dir)}).info.run_id
-        self.resumed = False
+        else:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
+            exp = self.client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            info = self.client.create_run(exp_id, run_name=run_name, tags={"finetuner.run_dir": str(run_dir)}).info
+            self.resumed = False
+        self.run_id = info.run_id
+        uri = mlflow.get_tracking_uri()
+        self.where = (f"{uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{self.run_id}"
+                      if uri.startswith(("http://", "https://")) else f"run {self.run_id} in {uri}")
 
     def log_params(self, params: dict[str, str]) -> None:
         if self.resumed:  # MLflow keeps a parameter's first value; the resumed run's recipe is the same run's

@@ -436,3 +436,29 @@ def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
     assert "6 optimizer steps" in h.on_check_yaml(edited, "cpu")[-1]
     # without a card (an older page) the plan's time is shown only while the recipe is timed as planned
     assert "**Time:**" not in views.recipe_md(Recipe.from_yaml_text(edited, source="recipe"), planned)
+
+
+def test_the_train_tab_reports_to_the_trackers_ticked_and_says_where_the_run_is(tmp_path, monkeypatch):
+    """W&B ticked in the Train tab (offline): the recipe in the editor reports to it, the run started from it
+    writes its W&B run files, and the Train tab names the folder ``wandb sync`` uploads (tracking.json's)."""
+    pytest.importorskip("wandb")
+    from finetuner.tracking.report import tracked_at
+    from ui.recipe_text import fields_of
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    text = h.on_plan(MODEL, "cpu", SAMPLE, 0, 0, "auto", "sft", "", 2, 16)[4]
+    recipe = Recipe.from_yaml_text(text, source="recipe")
+    fields = list(fields_of(recipe))
+    assert fields[-1] == ["tensorboard"]  # the recipe's default
+    fields[1], fields[2], fields[7], fields[-1] = 1, 1, 2, ["wandb"]  # micro-batch, accumulation, max steps, trackers
+    *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
+    assert error == "" and Recipe.from_yaml_text(edited, source="recipe").logging.trackers == ["wandb"]
+    h.on_start(edited, "cpu", SAMPLE, False)
+    wait_until_done(h.runs, recipe.name)
+    where = tracked_at(h.runs / recipe.name)
+    (folder,) = (h.runs / recipe.name / "wandb").glob("offline-run-*")
+    assert where == {"wandb": str(folder)} and not (h.runs / recipe.name / "tensorboard").exists()
+    status = h.train_view(recipe.name)[0]
+    assert "finished" in status and f"wandb: <code>{folder}</code>" in status, status
