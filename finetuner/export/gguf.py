@@ -54,7 +54,6 @@ from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import Arch, arch_for
 from finetuner.export import gguf_llama
 from finetuner.export.gguf_gemma4 import WEIGHT_SUFFIXED
-from finetuner.export.gguf_llama import CHECKED_BY_LLAMA_CPP
 from finetuner.export.gguf_recurrent import F32_ALWAYS
 from finetuner.export.gguf_mmproj import Projector, projector_for
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
@@ -252,7 +251,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 #: one expert's matrix in a checkpoint that stores them apart (Qwen3-MoE's ``mlp.experts.7.up_proj.weight``)
-_EXPERT = re.compile(r"(?P<stack>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(r"(?P<stack>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+#: LFM2-MoE's expert matrices (Mixtral's names) as the projections gguf's map knows experts by
+EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class _Plan:
@@ -276,7 +277,7 @@ class _Plan:
                         continue  # (an image-text-to-text checkpoint's vision tower: not part of the language model)
                     each = _EXPERT.fullmatch(own)
                     if each:  # one expert's matrix, as checkpoints store them: stacked below, as llama.cpp reads them
-                        experts.setdefault((each["stack"], each["proj"]), {})[int(each["i"])] = (
+                        experts.setdefault((each["stack"], EXPERT_PROJ.get(each["proj"], each["proj"])), {})[int(each["i"])] = (
                             f, hf_name, tuple(st.get_slice(hf_name).get_shape()))
                         continue
                     shape = arch.stored_shape(hf_name, tuple(st.get_slice(hf_name).get_shape()))
@@ -636,7 +637,7 @@ def _check_with_llama_cpp(path: Path, weights: Path, tokenizer, texts: list[str]
             raise UserError(f"The tokenizer cannot be represented in GGUF: llama.cpp splits {text[:60]!r} differently (from "
                             f"token {at}: {want[at:at + 4]} vs {llama_ids[at:at + 4]}). Nothing was written.",
                             hint="Export a transformers folder with `finetuner merge` instead.")
-    notes.append(f"transformers' GGUF loader does not read llama.cpp's {arch.gguf_arch}: llama.cpp itself (llama-cpp-python) "
+    notes.append(f"{gguf_llama.unread(arch.model_type, arch.gguf_arch)}: llama.cpp itself (llama-cpp-python) "
                  "checked the tokenizer and the logits.")
     return (len(ids), *_compare(_merged_logits(weights, arch, probe), got, quant, "llama.cpp"))
 
@@ -738,8 +739,8 @@ def export_model(
     config, config_path = _model_config(src)
     projector = _projector(src, config, source)
     arch = arch_for(config, config_path)
-    if verify and arch.gguf_arch in CHECKED_BY_LLAMA_CPP:  # only llama.cpp reads it back: installed, or refused here
-        gguf_llama.require(arch.gguf_arch)
+    if verify and gguf_llama.checks(arch.model_type, arch.gguf_arch):  # only llama.cpp reads it back: installed, or refused here
+        gguf_llama.require(arch.model_type, arch.gguf_arch)
     if format == "gguf" and projector is not None:
         check_gguf_replaceable(mmproj_path(out), overwrite)
     from finetuner.infer.probe import kept_note
@@ -846,7 +847,7 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
                              f"logits checks read a copy of the file as {READ_AS[arch.gguf_arch]} (the same tensors and "
                              "settings, without the M-RoPE sections and DeepStack inputs, which text alone does not use).")
             try:
-                if arch.gguf_arch in CHECKED_BY_LLAMA_CPP:  # transformers' loader does not read it: llama.cpp does
+                if gguf_llama.checks(arch.model_type, arch.gguf_arch):  # transformers' loader does not read it: llama.cpp does
                     with phases.phase("verify", label="checking the GGUF file with llama.cpp"):
                         n_texts, diff, max_logit, tol, top1 = _check_with_llama_cpp(path, weights, tokenizer, texts, probe,
                                                                                    arch, quant, notes)
