@@ -9,10 +9,10 @@ refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every s
 ``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000), the language models of
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
 with the M-RoPE sections, ``rope.dimension_sections``), Gemma 4's text model (its two head widths, proportional
-RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's text model (its
-Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba, Mamba-2 and LFM2 (their scan
-and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them). The other newest families (:data:`NOT_WRITTEN`: Qwen3.5-MoE, Gemma 3n,
-the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
+RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's and Qwen3.5-MoE's
+text models (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
+Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them).
+The other newest families (:data:`NOT_WRITTEN`: Qwen3-Next, Gemma 3n, the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
