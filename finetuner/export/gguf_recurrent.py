@@ -72,12 +72,29 @@ def check_mamba2(config: dict[str, Any], where: str) -> None:
     if heads * head != inner_size(config) or inner_size(config) % int(config.get("n_groups") or 1):
         raise UserError(f"{where}: num_heads {heads} x head_dim {head} is not the scan width {inner_size(config)} (expand x "
                         "hidden_size) in whole groups, as llama.cpp's mamba2 reads it; GGUF export refuses it.")
+    if clamps_dt(config):
+        raise UserError(f"{where}: time_step_limit {config.get('time_step_limit')} clamps dt, which llama.cpp's mamba2 "
+                        "does not; GGUF export refuses it.")
+
+
+def clamps_dt(config: dict[str, Any]) -> bool:
+    """Whether a Mamba-2 scan clamps dt (``time_step_limit`` other than (0, inf)), which llama.cpp never does."""
     from finetuner.model.inventory import special_floats  # the file's {"__float__": "Infinity"}, as transformers reads it
 
     low, high = (list(special_floats(config.get("time_step_limit")) or [0.0, float("inf")]) + [0.0, float("inf")])[:2]
-    if float(low) != 0.0 or float(high) != float("inf"):
-        raise UserError(f"{where}: time_step_limit {config.get('time_step_limit')} clamps dt, which llama.cpp's mamba2 "
-                        "does not; GGUF export refuses it.")
+    return float(low) != 0.0 or float(high) != float("inf")
+
+
+def mamba2_shape(hf_name: str, shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """A Mamba-2 mixer's tensor as llama.cpp reads it: the convolution squeezed to (channels, kernel), ``A`` and ``D`` as
+    (heads, 1) columns (llama.cpp broadcasts them so), the gated norm one row a group."""
+    if hf_name.endswith("conv1d.weight"):
+        return (shape[0], shape[-1])
+    if hf_name.endswith((".A_log", ".D")):
+        return (shape[0], 1)
+    if hf_name.endswith("norm.weight"):
+        return (groups, shape[0] // groups)
+    return shape
 
 
 def inner_size(config: dict[str, Any]) -> int:
@@ -158,14 +175,9 @@ def squeezed(model_type: str, hf_name: str) -> bool:
 def stored_shape(config: dict[str, Any], hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape :func:`transform` gives a tensor of ``shape``."""
     mt = config["model_type"]
-    if squeezed(mt, hf_name):
-        return (shape[0], shape[-1])
-    if mt == "mamba2" and hf_name.endswith((".A_log", ".D")):  # columns, as llama.cpp's mamba2 broadcasts them
-        return (shape[0], 1)
-    if mt == "mamba2" and hf_name.endswith("mixer.norm.weight"):  # one row a group
-        groups = int(config.get("n_groups") or 1)
-        return (groups, shape[0] // groups)
-    return shape
+    if mt == "mamba2" and ".mixer." in hf_name:
+        return mamba2_shape(hf_name, shape, int(config.get("n_groups") or 1))
+    return (shape[0], shape[-1]) if squeezed(mt, hf_name) else shape
 
 
 def source_key(own: str) -> str:

@@ -79,10 +79,12 @@ class TensorPlan:
                         continue
                     shape = arch.stored_shape(hf_name, tuple(st.get_slice(hf_name).get_shape()))
                     if own.endswith("experts.gate_up_proj"):  # transformers' fused experts: llama.cpp's two stacks
-                        half = (shape[0], shape[1] // 2, *shape[2:])
-                        for i, part in enumerate(("gate_proj", "up_proj")):  # the gate first (transformers' chunk)
-                            found = name_map.get_type_and_name(own.replace("gate_up_proj", part), try_suffixes=(".weight",))
-                            self.items.append((found[1] + ".weight", (f, hf_name, i), half, self._type(half, quant)))
+                        names = [name_map.get_type_and_name(own.replace("gate_up_proj", part), try_suffixes=(".weight",))[1]
+                                 + ".weight" for part in ("gate_proj", "up_proj")]  # the gate first (transformers' chunk)
+                        self._halves(names, 1, (f, hf_name), shape, quant)
+                        continue
+                    if arch.halves(own) is not None:  # Granite's fused gate and up: the architecture names the halves
+                        self._halves(*arch.halves(own), (f, hf_name), shape, quant)
                         continue
                     found = name_map.get_type_and_name(arch.source_key(own), try_suffixes=(".weight", ".bias"))
                     if found is not None and own.endswith(("experts.down_proj", *WEIGHT_SUFFIXED)):  # a bare parameter:
@@ -101,6 +103,12 @@ class TensorPlan:
             self.items.append((found[1] + ".weight", [per[i][:2] for i in range(len(per))], shape, self._type(shape, quant)))
         for name, array in arch.extra_tensors().items():
             self.items.append((name, array, tuple(array.shape), "F32"))
+
+    def _halves(self, names, axis: int, src: tuple[Path, str], shape: tuple[int, ...], quant: str) -> None:
+        """The two halves of a fused gate-and-up tensor along ``axis``, as the two tensors ``names``."""
+        half = tuple(n // 2 if i == axis else n for i, n in enumerate(shape))
+        for i, name in enumerate(names):
+            self.items.append((name, (*src, i, axis), half, self._type(half, quant)))
 
     @staticmethod
     def _type(shape: tuple[int, ...], quant: str, gguf_name: str = ".weight") -> str:
@@ -128,9 +136,11 @@ class TensorPlan:
         f, hf_name, *part = src
         with safe_open(str(f), framework="pt") as st:
             w = st.get_tensor(hf_name).float().numpy()
-        if part:  # one half of a fused gate_up stack (experts, 2 x width, hidden)
-            rows = w.shape[1] // 2
-            w = w[:, part[0] * rows:(part[0] + 1) * rows]
+        if part:  # one half of a fused gate-and-up tensor (along its axis)
+            import numpy as np
+
+            (i, axis), rows = part, w.shape[part[1]] // 2
+            w = np.take(w, range(i * rows, (i + 1) * rows), axis=axis)
         return self.arch.transform(hf_name, w)
 
 

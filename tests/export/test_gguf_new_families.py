@@ -16,14 +16,14 @@ from tests.conftest import tiny_with_ids, two_lora_steps
 from tests.export.test_gguf import _fields, _qwen2_tokenizer, _refused
 
 
-def _trained(model_type: str, tmp_path):
-    """A tiny ``model_type`` model (its norms not all ones) and the run of 2 LoRA steps on it."""
+def _trained(model_type: str, tmp_path, **change):
+    """A tiny ``model_type`` model (its norms not all ones; ``change`` to its config) and the run of 2 LoRA steps on it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = _qwen2_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_with_ids(model_type, tok)))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**tiny_with_ids(model_type, tok), **change}))
     with torch.no_grad():  # a norm (or Gemma 4's layer scale) written wrong shows in the logits
         for name, param in model.named_parameters():
             if ("norm" in name and name.endswith("weight")) or name.endswith("layer_scalar"):
@@ -189,18 +189,26 @@ LLAMA_CPP_READ = {
                          {"blk.0.ssm_beta.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp_shexp.weight"}),
     "lfm2_moe": ("lfm2moe", {"lfm2moe.leading_dense_block_count": 1, "lfm2moe.expert_gating_func": 2},
                  {"blk.0.ffn_gate.weight", "blk.1.ffn_down_exps.weight", "blk.1.exp_probs_b.bias"}),
+    "granitemoehybrid": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.embedding_scale": 4.0,
+                                           "granitehybrid.logit_scale": 0.25, "granitehybrid.rope.scaling.finetuned": False},
+                         {"blk.0.ssm_norm.weight", "blk.0.ffn_gate_shexp.weight", "blk.1.ffn_up_exps.weight", "blk.1.attn_q.weight"}),
 }
+#: Granite's multipliers, none 1 (a multiplier written wrong shows in the logits: a logit scale of 1 instead of 0.25
+#: gave a difference of 2 against a tolerance of 0.027)
+GRANITE = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 0.25,
+           "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("model_type", sorted(LLAMA_CPP_READ))
 def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_type, tmp_path):
     """Falcon-Mamba (llama.cpp's mamba with the norms on dt, B and C, which transformers' GGUF loader would read as
     plain Mamba), Mamba-2 (``A`` and ``D`` as columns, the gated norm one row a group), Qwen3.5-MoE (the Gated DeltaNet
-    with routed and shared experts) and LFM2-MoE (Mixtral-named experts stacked, the routing bias) trained 2 LoRA steps
+    with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
+    (Mamba-2 and attention layers, the fused experts split, its four multipliers) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
-    model, run = _trained(model_type, tmp_path)
+    model, run = _trained(model_type, tmp_path, **(GRANITE if model_type == "granitemoehybrid" else {}))
     r = export_model(run, tmp_path / "x.gguf", quant="f16", verify=False)
     assert r.architecture == arch and r.max_abs_logit_diff is None, r
     reader, f = _fields(tmp_path / "x.gguf")
@@ -213,6 +221,12 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         assert [int(x) for x in t["blk.1.ssm_a"].shape] == [1, mixer.num_heads]
         assert [int(x) for x in t["blk.0.ssm_norm.weight"].shape] == [mixer.intermediate_size // 2, 2]
         assert t["blk.0.ssm_norm.weight"].tensor_type.name == "F32"
+    if model_type == "granitemoehybrid":  # the experts' fused gate and up rows (frozen: the base's) as two stacks
+        fused = model.model.layers[1].block_sparse_moe.experts.gate_up_proj.detach().numpy()
+        width = fused.shape[1] // 2
+        f16 = dict(rtol=2 ** -10, atol=2 ** -24)
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_gate_exps.weight"].data), fused[:, :width], **f16)
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
 
 
@@ -246,6 +260,8 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("mamba2", {"time_step_limit": [0.001, 0.1]}, "clamps dt"),
     ("falcon_mamba", {"use_conv_bias": False}, "no projection bias, a convolution bias"),
     ("lfm2_moe", {"routed_scaling_factor": 2.0}, "llama.cpp's lfm2moe"),
+    ("granitemoehybrid", {"position_embedding_type": "rope"}, "turns no positions then"),
+    ("granitemoehybrid", {"mamba_proj_bias": True}, "no projection bias, a convolution bias"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
