@@ -1,7 +1,9 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; the families whose llama.cpp mapping finetuner has not written are refused in one line that says what is
-missing, with nothing written."""
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE and Granite 4.0-H, which that loader does not read as
+they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
+whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
+written."""
 
 from __future__ import annotations
 
