@@ -9,10 +9,10 @@ refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every s
 ``gemma3`` runs it, the global layers' RoPE linearly scaled, the local ones' at base 10,000), the language models of
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
 with the M-RoPE sections, ``rope.dimension_sections``), Gemma 4's text model (its two head widths, proportional
-RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's text model (its
-Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba and LFM2 (their scan
-and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them). The other newest families (:data:`NOT_WRITTEN`: Qwen3.5-MoE, Gemma 3n,
-the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
+RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's and Qwen3.5-MoE's
+text models (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
+Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them).
+The other newest families (:data:`NOT_WRITTEN`: Qwen3-Next, Gemma 3n, the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.export import gguf_gemma4, gguf_qwen35, gguf_recurrent
+from finetuner.export import gguf_gemma4, gguf_granite, gguf_qwen35, gguf_recurrent
 from finetuner.export.gguf_recurrent import RECURRENT
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
@@ -35,13 +35,14 @@ SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qw
              "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
              "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
              "qwen3_vl_text": ("qwen3vl", False), "gemma4_text": ("gemma4", False),
-             "qwen3_5_text": ("qwen35", False), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
+             "qwen3_5_text": ("qwen35", False), "qwen3_5_moe_text": ("qwen35moe", False),
+             "granitemoehybrid": (gguf_granite.ARCH, True), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
 #: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
 #: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
-NOT_WRITTEN = {"qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-               "gemma3n_text": "gemma3n", "mamba2": "mamba2", "falcon_mamba": "mamba",
-               "jamba": "jamba", "bamba": "granitehybrid", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
-               "falcon_h1": "falcon-h1", "lfm2_moe": "lfm2moe", "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
+NOT_WRITTEN = {"qwen3_next": "qwen3next",
+               "gemma3n_text": "gemma3n",
+               "jamba": "jamba", "bamba": "granitehybrid", "nemotron_h": "nemotron_h",
+               "falcon_h1": "falcon-h1", "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -93,7 +94,10 @@ class Arch:
         if self.gguf_arch == "gemma4":  # two head widths, the sliding pattern, the per-layer inputs
             gguf_gemma4.write_metadata(writer, c, self.n_layers)
             return
-        if self.gguf_arch == "qwen35":  # the Gated DeltaNet's widths, which layers are linear
+        if self.gguf_arch == gguf_granite.ARCH:  # the Mamba-2 layers' widths, Granite's multipliers, RoPE off
+            gguf_granite.write_metadata(writer, c, self.n_layers)
+            return
+        if self.gguf_arch in gguf_qwen35.ARCHES:  # the Gated DeltaNet's widths, which layers are linear
             gguf_qwen35.write_metadata(writer, c, self.n_layers)
             return
         writer.add_context_length(int(c["max_position_embeddings"]))
@@ -133,20 +137,31 @@ class Arch:
     def stored_shape(self, hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape GGUF stores for a checkpoint tensor of ``shape`` (what :meth:`transform` returns)."""
         if self.model_type in RECURRENT:
-            return gguf_recurrent.stored_shape(self.model_type, hf_name, shape)
-        if self.gguf_arch == "qwen35":
+            return gguf_recurrent.stored_shape(self.config, hf_name, shape)
+        if self.gguf_arch in gguf_qwen35.ARCHES:
             return gguf_qwen35.stored_shape(hf_name, shape)
+        if self.gguf_arch == gguf_granite.ARCH:
+            return gguf_granite.stored_shape(self.config, hf_name, shape)
         return shape
+
+    def halves(self, own: str) -> tuple[tuple[str, str], int] | None:
+        """A fused gate-and-up tensor this architecture writes as two GGUF tensors: their names and the axis it is split
+        on (Granite's ``input_linear``); None for any other."""
+        return gguf_granite.halves(own) if self.gguf_arch == gguf_granite.ARCH else None
 
     def source_key(self, own: str) -> str:
         """The checkpoint name gguf's ``TensorNameMap`` knows ``own`` by (the converter's renames)."""
-        return gguf_qwen35.source_key(own) if self.gguf_arch == "qwen35" else own
+        if self.gguf_arch in gguf_qwen35.ARCHES:
+            return gguf_qwen35.source_key(own)
+        return gguf_recurrent.source_key(own) if self.model_type in RECURRENT or self.gguf_arch == gguf_granite.ARCH else own
 
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
         if self.model_type in RECURRENT:
-            return gguf_recurrent.transform(self.model_type, hf_name, w)
-        if self.gguf_arch == "qwen35":  # A, the convolution, the zero-centred norms, the value heads tiled
+            return gguf_recurrent.transform(self.config, hf_name, w)
+        if self.gguf_arch == gguf_granite.ARCH and ".mamba." in hf_name:  # A, D, the norm and the convolution reshaped
+            return gguf_granite.transform(self.config, hf_name, w)
+        if self.gguf_arch in gguf_qwen35.ARCHES:  # A, the convolution, the zero-centred norms, the value heads tiled
             return gguf_qwen35.transform(self.config, hf_name, w)
         if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
             return w + 1
@@ -224,7 +239,8 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     mt = config.get("model_type")
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Gemma 4 text (gemma4_text), Qwen3.5 text (qwen3_5_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
-                 "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba) and LFM2 (lfm2)")
+                 "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba), Falcon-Mamba (falcon_mamba), Mamba-2 "
+                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe) and Granite 4.0-H (granitemoehybrid)")
     if mt in NOT_WRITTEN:
         raise not_written(mt, where)
     if mt not in SUPPORTED:
@@ -242,10 +258,15 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         n_head = int(config["num_attention_heads"])
         return Arch(mt, "gemma4", False, config, int(config["num_hidden_layers"]), n_head,
                     int(config.get("num_key_value_heads") or n_head), int(config["head_dim"]), {})
-    if mt == "qwen3_5_text":  # the Gated DeltaNet's settings: gguf_qwen35's
+    if mt == "granitemoehybrid":  # its Mamba-2 layers' settings: gguf_granite's
+        gguf_granite.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, gguf_granite.ARCH, True, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head), int(config["hidden_size"]) // n_head, {})
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):  # the Gated DeltaNet's settings: gguf_qwen35's
         gguf_qwen35.check(config, where)
         n_head = int(config["num_attention_heads"])
-        return Arch(mt, "qwen35", False, config, int(config["num_hidden_layers"]), n_head,
+        return Arch(mt, SUPPORTED[mt][0], False, config, int(config["num_hidden_layers"]), n_head,
                     int(config.get("num_key_value_heads") or n_head),
                     int(config.get("head_dim") or int(config["hidden_size"]) // n_head), {})
     if config.get("mlp_bias"):

@@ -1,5 +1,6 @@
 """llama.cpp itself (llama-cpp-python) as the reader that checks a GGUF export whose architecture transformers' GGUF
-loader does not read (Qwen3.5's ``qwen35``): its tokenizer's ids for the check's texts and its logits on the probe,
+loader does not read (Qwen3.5's ``qwen35``, Mamba-2's ``mamba2``; Falcon-Mamba's ``mamba``, which it reads as plain
+Mamba, without the norms on dt, B and C): its tokenizer's ids for the check's texts and its logits on the probe,
 which the export compares with the merged model's as it compares transformers' elsewhere.
 
 Without llama-cpp-python nothing independent could read such a file back, so the export refuses (one line, before
@@ -14,13 +15,27 @@ from pathlib import Path
 from finetuner.errors import UserError
 
 #: llama.cpp architectures finetuner writes that transformers' GGUF loader does not read (nor a twin of them)
-CHECKED_BY_LLAMA_CPP = ("qwen35",)
+CHECKED_BY_LLAMA_CPP = ("qwen35", "qwen35moe", "mamba2", "lfm2moe", "granitehybrid")
+#: families written as an architecture transformers' loader reads, but reads as another model (Falcon-Mamba: as Mamba)
+FAMILIES_CHECKED_BY_LLAMA_CPP = ("falcon_mamba",)
 
 
-def require(gguf_arch: str) -> None:
-    """Refuse, in one line, a checked export of ``gguf_arch`` that nothing installed can read back."""
+def checks(model_type: str, gguf_arch: str) -> bool:
+    """Whether llama.cpp itself, not transformers' GGUF loader, reads the export of ``model_type`` back."""
+    return gguf_arch in CHECKED_BY_LLAMA_CPP or model_type in FAMILIES_CHECKED_BY_LLAMA_CPP
+
+
+def unread(model_type: str, gguf_arch: str) -> str:
+    """What transformers' GGUF loader does not read, in words (the reason the export asks llama.cpp)."""
+    if model_type in FAMILIES_CHECKED_BY_LLAMA_CPP:
+        return f"transformers' GGUF loader does not read {model_type} from llama.cpp's {gguf_arch} (it reads another model)"
+    return f"transformers' GGUF loader does not read llama.cpp's {gguf_arch}"
+
+
+def require(model_type: str, gguf_arch: str) -> None:
+    """Refuse, in one line, a checked export of ``model_type`` that nothing installed can read back."""
     if importlib.util.find_spec("llama_cpp") is None:
-        raise UserError(f"transformers' GGUF loader does not read llama.cpp's {gguf_arch}, and llama-cpp-python, which "
+        raise UserError(f"{unread(model_type, gguf_arch)}, and llama-cpp-python, which "
                         "would check the file, is not installed; nothing was written.",
                         hint="Install llama-cpp-python (pip install llama-cpp-python; it compiles llama.cpp), or pass "
                              "--no-verify to write the file checked only by reading its tensors back.")

@@ -23,6 +23,8 @@ from typing import Any
 
 from finetuner.errors import UserError
 
+#: the llama.cpp architectures of the Gated DeltaNet families this module writes (Qwen3.5, Qwen3.5-MoE)
+ARCHES = ("qwen35", "qwen35moe")
 #: llama.cpp's key for which layers are linear attention (gguf's ``Keys.Attention.RECURRENT_LAYERS``; the installed
 #: gguf package's writer may lack its ``add_recurrent_layers``)
 RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
@@ -62,7 +64,8 @@ def write_metadata(writer, config: dict[str, Any], n_layers: int) -> None:
     writer.add_block_count(n_layers)
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    if config.get("intermediate_size"):  # Qwen3.5-MoE has none: its feed-forward is the experts'
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
     writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 1e7))
@@ -79,6 +82,11 @@ def write_metadata(writer, config: dict[str, Any], n_layers: int) -> None:
     writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
     writer.add_rope_dimension_count(rotary_dims(config))
     writer.add_rope_dimension_sections(mrope_sections(config))
+    if config.get("num_experts"):  # Qwen3.5-MoE (qwen35moe): the routed experts and the shared one (Qwen2MoeModel's keys)
+        writer.add_expert_count(int(config["num_experts"]))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
 def rotary_dims(config: dict[str, Any]) -> int:

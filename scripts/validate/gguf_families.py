@@ -52,7 +52,7 @@ def main() -> None:
     print(f"gguf {version('gguf')}, llama-cpp-python {llama}\n")
     print("| model_type | llama.cpp architecture | in the gguf package | tiny model's tensors gguf names | finetuner export |")
     print("|---|---|---|---|---|")
-    for model_type in [*RECURRENT, "gemma4_text", "qwen3_5_text", *NOT_WRITTEN]:  # gguf_gemma4, gguf_qwen35
+    for model_type in [*RECURRENT, "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", *NOT_WRITTEN]:  # gguf_gemma4, gguf_qwen35
         print(row(model_type))
 
 

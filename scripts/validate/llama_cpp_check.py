@@ -15,7 +15,7 @@ With ``--k-quant`` it also exports ``q4_k_m`` through llama.cpp's quantizer. The
 written to ``docs/validation/llama_cpp_check.json`` and summarised in ``docs/validation/llama_cpp_check.md``.
 
 ``--tiny qwen3`` (also ``phi3``, ``gemma2``, ``gemma3_text``, ``qwen3_moe``, ``mamba``, ``lfm2``, ``gemma4_text``,
-``qwen3_5_text``) checks another architecture the export writes: a tiny random model of that
+``qwen3_5_text``, ``falcon_mamba``, ``mamba2``, ``qwen3_5_moe_text``, ``lfm2_moe``, ``granitemoehybrid``) checks another architecture the export writes: a tiny random model of that
 ``model_type`` (:data:`TINY`: 2 layers, a head wider than hidden / heads, as Qwen3-4B's) with the demo
 model's tokenizer and chat template, built in a temporary folder; the result goes to
 ``docs/validation/llama_cpp_check_qwen3.json`` (and ``.md``).
@@ -108,7 +108,27 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                              num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
                              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                              layer_types=["linear_attention", "full_attention"], max_position_embeddings=512,
-                             tie_word_embeddings=False)}
+                             tie_word_embeddings=False),
+        # Falcon-Mamba (RMS-normed dt, B and C), Mamba-2 (heads in 2 groups), Qwen3.5-MoE (the Gated DeltaNet with
+        # routed and shared experts), LFM2-MoE (a dense first layer, then experts routed by a sigmoid with a bias)
+        "falcon_mamba": dict(hidden_size=64, state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_hidden_layers=2),
+        "mamba2": dict(hidden_size=64, state_size=8, expand=2, conv_kernel=4, num_heads=8, head_dim=16, n_groups=2,
+                       num_hidden_layers=2, chunk_size=16),
+        "qwen3_5_moe_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                 layer_types=["linear_attention", "full_attention"], max_position_embeddings=512,
+                                 tie_word_embeddings=False),
+        "lfm2_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         num_dense_layers=1, max_position_embeddings=512, layer_types=["conv", "full_attention"]),
+        # Granite 4.0-H: a Mamba-2 layer and an attention layer, experts and a shared MLP, its multipliers none 1
+        "granitemoehybrid": dict(hidden_size=64, intermediate_size=128, shared_intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                 mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
+                                 layer_types=["mamba", "attention"], embedding_multiplier=4.0, residual_multiplier=0.5,
+                                 attention_multiplier=0.25, logits_scaling=0.25, max_position_embeddings=512)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

@@ -1,7 +1,9 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; the families whose llama.cpp mapping finetuner has not written are refused in one line that says what is
-missing, with nothing written."""
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE and Granite 4.0-H, which that loader does not read as
+they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
+whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
+written."""
 
 from __future__ import annotations
 
@@ -16,14 +18,14 @@ from tests.conftest import tiny_with_ids, two_lora_steps
 from tests.export.test_gguf import _fields, _qwen2_tokenizer, _refused
 
 
-def _trained(model_type: str, tmp_path):
-    """A tiny ``model_type`` model (its norms not all ones) and the run of 2 LoRA steps on it."""
+def _trained(model_type: str, tmp_path, **change):
+    """A tiny ``model_type`` model (its norms not all ones; ``change`` to its config) and the run of 2 LoRA steps on it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = _qwen2_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_with_ids(model_type, tok)))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**tiny_with_ids(model_type, tok), **change}))
     with torch.no_grad():  # a norm (or Gemma 4's layer scale) written wrong shows in the logits
         for name, param in model.named_parameters():
             if ("norm" in name and name.endswith("weight")) or name.endswith("layer_scalar"):
@@ -119,8 +121,6 @@ def test_a_trained_qwen35_exports_as_llama_cpps_qwen35_and_llama_cpp_checks_it(t
     heads tiled: (K0's v0, K0's v1, K1's v0, K1's v1) stored as heads 0, 2, 1, 3. transformers' GGUF loader does not
     read qwen35: with llama-cpp-python installed llama.cpp gives the merged model's logits; without it the checked
     export is refused in one line before anything is written."""
-    import importlib.util
-
     model, run = _trained("qwen3_5_text", tmp_path)
     cfg = model.config
     r = export_model(run, tmp_path / "q.gguf", quant="f16", verify=False)
@@ -161,20 +161,79 @@ def test_a_trained_qwen35_exports_as_llama_cpps_qwen35_and_llama_cpp_checks_it(t
                                1 + model.model.layers[1].self_attn.q_norm.weight.detach().numpy(), rtol=1e-6)
     o = export_model(run, tmp_path / "ollama", format="ollama", quant="f16", verify=False)
     assert o.architecture == "qwen35" and "FROM" in (tmp_path / "ollama" / "Modelfile").read_text()
+    _checked_by_llama_cpp_or_refused(run, tmp_path, "qwen35")
+
+
+def _checked_by_llama_cpp_or_refused(run, tmp_path, arch: str) -> None:
+    """With llama-cpp-python installed, the checked export: llama.cpp gives the merged model's logits; without it, the
+    checked export refused in one line (exit 2) with nothing written."""
+    import importlib.util
+
     if importlib.util.find_spec("llama_cpp") is not None:  # llama.cpp itself reads the file back
         checked = export_model(run, tmp_path / "checked.gguf", quant="f16")
         assert checked.max_abs_logit_diff <= checked.tolerance and checked.top1_agreement >= 0.9, checked
         assert any("llama.cpp itself" in n for n in checked.notes), checked.notes
     else:
         p = _refused(tmp_path, str(run), "--format", "gguf", "-o", str(tmp_path / "checked.gguf"),
-                     match=r"does not read llama\.cpp's qwen35, and llama-cpp-python, which would check the file, is not "
-                           r"installed; nothing was written")
+                     match=rf"does not read .*llama\.cpp's {arch}\b.*, and llama-cpp-python, which would check the file, "
+                           r"is not installed; nothing was written")
         assert len([line for line in p.stderr.splitlines() if line.startswith("error")]) == 1, p.stderr
         assert not (tmp_path / "checked.gguf").exists()
 
 
+#: each family llama.cpp alone reads back: its llama.cpp architecture, and settings of its file that show its own layers
+#: written (a metadata key and its value from the tiny config, and tensors only that family has)
+LLAMA_CPP_READ = {
+    "falcon_mamba": ("mamba", {"mamba.ssm.dt_b_c_rms": True}, {"blk.1.ssm_x.weight", "blk.1.ssm_dt.bias"}),
+    "mamba2": ("mamba2", {"mamba2.ssm.group_count": 2, "mamba2.ssm.time_step_rank": 8},
+               {"blk.0.ssm_norm.weight", "blk.0.ssm_dt.bias", "blk.1.ssm_d"}),
+    "qwen3_5_moe_text": ("qwen35moe", {"qwen35moe.expert_count": 4, "qwen35moe.expert_shared_feed_forward_length": 32},
+                         {"blk.0.ssm_beta.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp_shexp.weight"}),
+    "lfm2_moe": ("lfm2moe", {"lfm2moe.leading_dense_block_count": 1, "lfm2moe.expert_gating_func": 2},
+                 {"blk.0.ffn_gate.weight", "blk.1.ffn_down_exps.weight", "blk.1.exp_probs_b.bias"}),
+    "granitemoehybrid": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.embedding_scale": 4.0,
+                                           "granitehybrid.logit_scale": 0.25, "granitehybrid.rope.scaling.finetuned": False},
+                         {"blk.0.ssm_norm.weight", "blk.0.ffn_gate_shexp.weight", "blk.1.ffn_up_exps.weight", "blk.1.attn_q.weight"}),
+}
+#: Granite's multipliers, none 1 (a multiplier written wrong shows in the logits: a logit scale of 1 instead of 0.25
+#: gave a difference of 2 against a tolerance of 0.027)
+GRANITE = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 0.25,
+           "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("model_type", sorted(LLAMA_CPP_READ))
+def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_type, tmp_path):
+    """Falcon-Mamba (llama.cpp's mamba with the norms on dt, B and C, which transformers' GGUF loader would read as
+    plain Mamba), Mamba-2 (``A`` and ``D`` as columns, the gated norm one row a group), Qwen3.5-MoE (the Gated DeltaNet
+    with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
+    (Mamba-2 and attention layers, the fused experts split, its four multipliers) trained 2 LoRA steps
+    are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
+    logits, without it the checked export is refused in one line before anything is written."""
+    arch, keys, tensors = LLAMA_CPP_READ[model_type]
+    model, run = _trained(model_type, tmp_path, **(GRANITE if model_type == "granitemoehybrid" else {}))
+    r = export_model(run, tmp_path / "x.gguf", quant="f16", verify=False)
+    assert r.architecture == arch and r.max_abs_logit_diff is None, r
+    reader, f = _fields(tmp_path / "x.gguf")
+    assert {k: (list(f[k]) if isinstance(f[k], list) else f[k]) for k in keys} == keys
+    t = {x.name: x for x in reader.tensors}
+    assert tensors <= set(t), sorted(t)
+    if model_type == "mamba2":  # -exp(A_log) as a (heads, 1) column; the gated norm as (groups, width / groups)
+        mixer = model.backbone.layers[1].mixer
+        np.testing.assert_allclose(np.asarray(t["blk.1.ssm_a"].data).ravel(), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
+        assert [int(x) for x in t["blk.1.ssm_a"].shape] == [1, mixer.num_heads]
+        assert [int(x) for x in t["blk.0.ssm_norm.weight"].shape] == [mixer.intermediate_size // 2, 2]
+        assert t["blk.0.ssm_norm.weight"].tensor_type.name == "F32"
+    if model_type == "granitemoehybrid":  # the experts' fused gate and up rows (frozen: the base's) as two stacks
+        fused = model.model.layers[1].block_sparse_moe.experts.gate_up_proj.detach().numpy()
+        width = fused.shape[1] // 2
+        f16 = dict(rtol=2 ** -10, atol=2 ** -24)
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_gate_exps.weight"].data), fused[:, :width], **f16)
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
+    _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
+
+
 @pytest.mark.parametrize("model_type, missing", [
-    ("qwen3_5_moe_text", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen35moe' architecture, but finetuner's mapping to it is not written yet"),
+    ("qwen3_next", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen3next' architecture, but finetuner's mapping to it is not written yet"),
     ("gemma3n_text", r"knows llama\.cpp's 'gemma3n' architecture, but finetuner's mapping to it is not written yet"),
     ("zamba2", r"llama\.cpp has no architecture for it"),
 ])
@@ -199,6 +258,12 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("gemma4_text", {"enable_moe_block": True}, "mixture-of-experts block is not written by finetuner"),
     ("gemma4_text", {"attention_k_eq_v": True}, "keys reused as values"),
     ("qwen3_5_text", {"linear_value_head_dim": 32}, "llama.cpp's qwen35 takes one width for both"),
+    ("mamba2", {"time_step_limit": [0.0, {"__float__": "Infinity"}], "num_heads": 4}, "is not the scan width"),
+    ("mamba2", {"time_step_limit": [0.001, 0.1]}, "clamps dt"),
+    ("falcon_mamba", {"use_conv_bias": False}, "no projection bias, a convolution bias"),
+    ("lfm2_moe", {"routed_scaling_factor": 2.0}, "llama.cpp's lfm2moe"),
+    ("granitemoehybrid", {"position_embedding_type": "rope"}, "turns no positions then"),
+    ("granitemoehybrid", {"mamba_proj_bias": True}, "no projection bias, a convolution bias"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
@@ -211,11 +276,11 @@ def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
 
 
 def test_a_gguf_package_without_the_architecture_is_named_as_what_is_missing(monkeypatch):
-    """A gguf package without llama.cpp's qwen35moe (an older one): the refusal names the package and its version."""
+    """A gguf package without llama.cpp's qwen3next (an older one): the refusal names the package and its version."""
     import gguf
 
     from finetuner.export.gguf_arch import not_written
 
-    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen35moe"})
-    assert re.search(r"model_type 'qwen3_5_moe_text': the installed gguf package \([\d.]+\) has no 'qwen35moe' "
-                     "architecture; nothing was written", str(not_written("qwen3_5_moe_text", "config.json")))
+    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen3next"})
+    assert re.search(r"model_type 'qwen3_next': the installed gguf package \([\d.]+\) has no 'qwen3next' "
+                     "architecture; nothing was written", str(not_written("qwen3_next", "config.json")))
