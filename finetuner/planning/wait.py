@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.errors import UserError
 from finetuner.objectives.specs import spec_of
 from finetuner.memory.model import optimizer_state_bytes, trainable_params, trainable_tensors
@@ -301,7 +302,7 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
     weights read once (``linear_weight_numel x`` their bytes ``/ bandwidth``: a 4-bit or 8-bit base also
     dequantized once, in the forward), and ``generate``'s own ``GENERATE_OPS_PER_TOKEN`` plus 2 a layer
     for the key/value cache, at the per-operation cost."""
-    one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective="sft", reference="none",
+    one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective=PLAIN_PASS, reference="none",
                   gradient_checkpointing=False, loss_chunk=0)
     weight = (s.quant_bits / 8 if s.method == "qlora" else DTYPE_BYTES.get(s.weight_dtype, 2)) * shape.linear_weight_numel
     if shape.experts:  # one token reads top_k experts of each MoE layer (4-bit under 4-bit QLoRA)
