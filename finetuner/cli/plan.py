@@ -242,6 +242,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_longest(args: argparse.Namespace) -> int:
     """``plan --longest``: the longest sequence (finetuner.planning.longest). Exit 1 when nothing fits."""
     from finetuner.errors import UserError
+    from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
     from finetuner.planning.longest import longest_sequence
 
     given = [flag for flag, value in (("--seq-len", args.seq_len), ("--data", args.data), ("--column", args.columns),
@@ -253,7 +254,7 @@ def _cmd_longest(args: argparse.Namespace) -> int:
     if given:
         raise UserError(f"--longest searches the sequence length for one card and writes no recipe: drop {', '.join(given)}.",
                         hint="Plan a recipe at that length afterwards with --seq-len.")
-    if args.objective not in ("auto", "sft"):
+    if args.objective not in ("auto", DEFAULT_OBJECTIVE):
         raise UserError(f"--longest sizes supervised fine-tuning (objective sft), not --objective {args.objective}.")
     r = longest_sequence(args.model, args.gpu, args.method, margin=args.margin)
     if args.json:
@@ -290,6 +291,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
     from rich.markup import escape  # the planner's texts are plain: `finetuner[kernels]` is no markup
 
     from finetuner.data.formats import KIND_UNITS
+    from finetuner.objectives.specs import spec_of
 
     con = Console()
     con.print(f"[bold]{escape(p.shape.describe())}[/]")
@@ -316,8 +318,8 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         con.print(f"\n[bold]{escape(p.headline)}[/]", highlight=False)
     c = p.recipe_choice()
     method = c["method"].upper() if c["method"] != "qlora" else f"QLoRA {c['quantization_bits']}-bit"
-    if p.recipe.objective != "sft":
-        method = f"{p.recipe.objective.upper()} with {method}"
+    if spec_of(p.recipe.objective).label:
+        method = f"{spec_of(p.recipe.objective).label} with {method}"
     con.print(
         f"\n[bold green]Plan:[/] {method}, seq {c['max_seq_len']}{' packed' if c['packing'] else ''}, micro-batch "
         f"{c['micro_batch_size']} x accumulation {c['gradient_accumulation']}, {c['optimizer']}, checkpointing "
@@ -390,6 +392,7 @@ def _print_breakdown(con: Any, est: Any) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import get_gpu, run_profile
     from finetuner.config.recipe import Recipe
+    from finetuner.objectives.specs import spec_of
     from finetuner.planning.bounds import check_prediction
     from finetuner.planning.predict import predict
 
@@ -399,7 +402,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     for warning in check_prediction(p):  # what `finetuner run` refuses (exit 2) and warns about, on this card
         log.warning(warning)
     recipe, planned = p.recipe, p.planned
-    if recipe.objective == "grpo":
+    if spec_of(recipe.objective).generates:
         return _grpo_estimate(args, p)
     est = p.memory
     timing = p.time(args.price_per_hour, args.currency)

@@ -23,6 +23,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from finetuner.config.overrides import apply_override, drop_stale_val_path
+from finetuner.objectives.specs import spec_of
 from finetuner.config.recipe_errors import model_keys, render_validation_error, values_accepted
 from finetuner.config.recipe_yaml import parse_yaml
 from finetuner.config.sections import (
@@ -144,7 +145,7 @@ class Recipe(Section):
         _check_distributed(self)
         _check_preference(self)
         _check_grpo(self)
-        if self.data.replay not in (0, "auto") and (self.objective != "sft" or self.distributed.world_size > 1):
+        if self.data.replay not in (0, "auto") and (not spec_of(self.objective).replay or self.distributed.world_size > 1):
             raise ValueError(f"data.replay: mixes the base model's answers into SFT rows on one process; this recipe "
                              f"trains {self.objective} on {self.distributed.world_size} process(es): set replay: 0")
         return self
@@ -427,7 +428,7 @@ def _check_preference(r: Recipe) -> None:
 def _check_grpo(r: Recipe) -> None:
     """Combinations of ``objective: grpo`` and its ``grpo`` section with the rest of the recipe that cannot run."""
     g = r.grpo
-    if r.objective != "grpo":
+    if not spec_of(r.objective).generates:
         if g is not None:
             raise ValueError(f"grpo: set, but objective is '{r.objective}': set objective to grpo, or remove the grpo section")
         return

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
+from finetuner.objectives.specs import SPECS, names_where
+from finetuner.objectives.specs import names as objective_names
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -31,13 +33,14 @@ Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
 #: What training optimises (:mod:`finetuner.objectives`): supervised fine-tuning, a preference objective
 #: (:mod:`finetuner.objectives.preference`), or reinforcement learning from rewards (:mod:`finetuner.objectives.grpo`).
-Objective = Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"]
+#: The names come from the objectives' descriptions (:mod:`finetuner.objectives.specs`).
+Objective = Literal[objective_names()]  # type: ignore[valid-type]
 #: The preference objectives (the ``preference`` section's).
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+PREFERENCE_OBJECTIVES = names_where(section="preference")
 #: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
-PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")
+PAIRED_OBJECTIVES = names_where(data_kind="pairs")
 #: The objectives that compare the model with a reference model (ORPO and SimPO need none).
-REFERENCE_OBJECTIVES = ("dpo", "kto")
+REFERENCE_OBJECTIVES = names_where(reference_model=True)
 
 DATA_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
 
@@ -430,19 +433,15 @@ class PreferenceSection(Section):
     """
 
     #: the objectives each key applies to (the check in :meth:`Recipe._combinations`)
+    #: (each objective's description lists its settings: :attr:`~finetuner.objectives.specs.base.ObjectiveSpec.settings`)
     APPLIES_TO: ClassVar[dict[str, tuple[str, ...]]] = {
-        "beta": ("dpo", "simpo", "kto"),
-        "loss_type": ("dpo",),
-        "label_smoothing": ("dpo",),
-        "gamma": ("simpo",),
-        "orpo_weight": ("orpo",),
-        "desirable_weight": ("kto",),
-        "undesirable_weight": ("kto",),
-        "reference": REFERENCE_OBJECTIVES,
-        "start_from": ("dpo", "orpo", "simpo", "kto"),
+        key: tuple(n for n in PREFERENCE_OBJECTIVES if key in SPECS[n].settings)
+        for key in ("beta", "loss_type", "label_smoothing", "gamma", "orpo_weight", "desirable_weight",
+                    "undesirable_weight", "reference", "start_from")
     }
     #: ``beta`` when the recipe leaves it out
-    DEFAULT_BETA: ClassVar[dict[str, float]] = {"dpo": 0.1, "kto": 0.1, "simpo": 2.0}
+    DEFAULT_BETA: ClassVar[dict[str, float]] = {n: SPECS[n].default_beta for n in PREFERENCE_OBJECTIVES
+                                                if SPECS[n].default_beta is not None}
 
     beta: float | None = Field(
         None, gt=0, description="dpo, kto: strength of the pull towards the reference (default 0.1); simpo: reward scale (default 2.0)."

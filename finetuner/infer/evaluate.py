@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
-from finetuner.config.sections import PAIRED_OBJECTIVES
+from finetuner.objectives.specs import spec_of
 from finetuner.errors import UserError
 from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source
 from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
@@ -253,7 +253,7 @@ def evaluate_run(
     processor = picture_processor(src)  # a run trained on pictures, or an image-text-to-text model
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
     tokenizer.chat_template = chat_template(src, processor if processor is not None else tokenizer)
-    if src.recipe is not None and src.recipe.objective == "grpo":  # rewards of sampled completions
+    if src.recipe is not None and spec_of(src.recipe.objective).generates:  # rewards of sampled completions
         if exact_match:
             raise UserError("--exact-match: compares replies with a reference; a GRPO run is scored by its reward functions.")
         result = evaluate_rewards(src, tokenizer, data, batch_size, device, load_model)
@@ -261,8 +261,8 @@ def evaluate_run(
             record_in_metrics(src.run_dir, result)
         return result
     kind = file_kind(str(data)) if data is not None else (
-        "pairs" if src.recipe is not None and src.recipe.objective in PAIRED_OBJECTIVES else "sft")
-    if kind == "rated" or (data is None and src.recipe is not None and src.recipe.objective == "kto"):
+        "pairs" if src.recipe is not None and spec_of(src.recipe.objective).data_kind == "pairs" else "sft")
+    if kind == "rated" or (data is None and src.recipe is not None and spec_of(src.recipe.objective).data_kind == "rated"):
         raise UserError("finetuner eval scores preference pairs (chosen and rejected); KTO's rated responses have no pairs.",
                         hint="Pass a file of pairs with --data to measure the preference accuracy of a KTO run.")
     if kind == "pairs":  # preference accuracy and margin instead of loss and perplexity

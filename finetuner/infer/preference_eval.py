@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
+from finetuner.objectives.specs import spec_of
 from finetuner.errors import UserError
 
 
@@ -192,7 +193,7 @@ def _start_run(src):
     from finetuner.infer.loading import resolve_source
 
     recipe = src.recipe
-    if recipe is None or recipe.objective == "sft" or not recipe.preference.start_from:
+    if recipe is None or spec_of(recipe.objective).section != "preference" or not recipe.preference.start_from:
         return None
     start = recipe.preference.start_from
     if not Path(start).is_dir():

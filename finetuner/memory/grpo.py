@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.config.recipe import VLLM_LORA_RANKS
 from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
                                     DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
@@ -171,7 +172,7 @@ def loss_settings(s: Settings, g: GrpoSettings) -> Settings:
     """The SFT memory model's settings for the loss over the group's sequences: ``s.micro_batch``
     (at most the step's rows) sequences of ``prompt_len + max_new_tokens`` tokens, padded (a mask), the loss on the completion."""
     return s.with_(micro_batch=min(s.micro_batch, g.rows), seq_len=g.seq_len, label_fraction=g.max_new_tokens / g.seq_len,
-                   attention_mask=True, objective="sft", reference="none")
+                   attention_mask=True, objective=PLAIN_PASS, reference="none")
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from finetuner.errors import UserError
-from finetuner.config.sections import Optimizer
+from finetuner.config.sections import Objective, Optimizer
 from finetuner.model.shapes import ModelShape, lora_param_count, lora_targets
 from finetuner.model.trace import TRACE_LORA_DROPOUT, TRACE_LORA_R
+from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
+from finetuner.objectives.specs import spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -160,7 +162,7 @@ class Settings:
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
     platform: Literal["cuda", "cpu"] = "cuda"
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"  # preference objectives: preference_cost
+    objective: Objective = DEFAULT_OBJECTIVE  # preference objectives: preference_cost
     reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
     #: an image-text model's trainable vision tensors (lora.train_projector / train_vision_tower) as (rows, cols,
     #: copies), and what autograd keeps of the micro-batch's pictures through the tower (finetuner.memory.vision)
@@ -761,14 +763,15 @@ class PreferenceCost:
 
 def preference_cost(shape: ModelShape, s: Settings) -> PreferenceCost | None:
     """The preference objective's term of :func:`estimate`; ``None`` for the other objectives."""
-    if s.objective not in ("dpo", "orpo", "simpo", "kto"):
+    spec = spec_of(s.objective)
+    if spec.section != "preference":
         return None
-    rows = 2 * s.micro_batch
+    rows = spec.sequences_per_example * s.micro_batch
     T = rows * s.seq_len
     labelled = max(1, math.ceil(T * s.label_fraction))
     buffers = (4 + 8) * labelled + T + 8 * rows
     ref = 0
-    if s.reference == "adapter_off" and s.objective in ("dpo", "kto"):
+    if s.reference == "adapter_off" and spec.reference_model:
         both = s.with_(micro_batch=rows)
         layer = int(layer_transient_per_token(shape, both) * T)
         V = shape.vocab_size
@@ -978,6 +981,7 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
     rt = runtime or resolve(recipe, Device.of(gpu), model_type)
     q = recipe.quantization
     t = recipe.training
+    spec = spec_of(recipe.objective)
     kw: dict[str, Any] = dict(
         method=recipe.method,
         weight_dtype=rt.base_dtype,
@@ -997,9 +1001,9 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
         tiled_mlp=rt.tiled_mlp,
-        fused_ce=rt.loss_path == "liger_fused_linear_ce" and recipe.objective == "sft",
+        fused_ce=rt.loss_path == "liger_fused_linear_ce" and spec.fused_loss,
         objective=recipe.objective,
-        reference=recipe.preference.reference if recipe.objective in ("dpo", "kto") else "none",
+        reference=recipe.preference.reference if spec.reference_model else "none",
     )
     if q is not None and recipe.method == "qlora":
         kw.update(quant_bits=q.bits, quant_type=q.quant_type, double_quant=q.double_quant, compute_dtype=rt.compute_dtype)

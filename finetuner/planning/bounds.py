@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from finetuner.config.hardware import GpuProfile, cpu_profile, list_profiles
+from finetuner.objectives.specs import spec_of
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.planning.recipe_data import training_rows
@@ -78,7 +79,7 @@ def check_rows(recipe: Recipe, rows: int | None) -> None:
     t = recipe.training
     if rows is None or not isinstance(t.micro_batch_size, int) or not isinstance(t.gradient_accumulation, int):
         return
-    what = f"{rows:,} training {'prompts' if recipe.objective == 'grpo' else 'rows'} of {recipe.data.path}"
+    what = f"{rows:,} training {'prompts' if spec_of(recipe.objective).generates else 'rows'} of {recipe.data.path}"
     if t.micro_batch_size > rows:
         raise UserError(
             f"training.micro_batch_size {t.micro_batch_size:,} is more than the {what}: a micro-batch cannot hold more "

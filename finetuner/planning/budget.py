@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from finetuner.config.hardware import get_gpu
+from finetuner.objectives.specs import spec_of
 from finetuner.errors import UserError
 from finetuner.planning.length_cap import round_up
 
@@ -78,7 +79,7 @@ def budget_cuts(p: Any) -> list[tuple[dict[str, Any], str]]:
     fewer = [({"epochs": e}, f"--epochs {e} (not {epochs:g})") for e in range(math.ceil(epochs) - 1, 0, -1)]
     cuts = list(fewer)
     data = p.data or {}
-    if data.get("p95_tokens") and p.recipe.objective != "grpo" and not p.recipe.data.packing:
+    if data.get("p95_tokens") and not spec_of(p.recipe.objective).generates and not p.recipe.data.packing:
         seq = round_up(data["p95_tokens"])
         if seq < p.seq_len:
             shorter = f"--seq-len {seq} (the data's 95th percentile, not {p.seq_len}: the rows above it are truncated)"

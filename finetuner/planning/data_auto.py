@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetuner.config.sections import DATA_AUTO_KEYS
+from finetuner.objectives.specs import spec_of
 from finetuner.data.split import held_out_rows
 from finetuner.errors import UserError
 from finetuner.planning.sizing import PACKED_SEQ_LEN, data_sequence, replay_reason, replay_share, size_run
@@ -46,7 +47,7 @@ def measure(recipe: Recipe) -> DataProfile | None:
         return None
     path = str(Path(d.path).expanduser())
     try:
-        if recipe.objective == "grpo":
+        if spec_of(recipe.objective).generates:
             return profile_prompts(path, recipe.model.name, columns=d.columns, on_bad_row=d.on_bad_row,
                                    system_prompt=d.system_prompt, chat_template=d.chat_template)
         return profile_data(path, recipe.model.name, fmt=d.format, columns=d.columns, on_bad_row=d.on_bad_row,
@@ -67,7 +68,7 @@ def resolve_data(recipe: Recipe) -> tuple[Recipe, dict[str, dict[str, Any]]]:
     d, t = recipe.data, recipe.training
     shape = resolve_shape(recipe.model.name, recipe.model.revision)
     positions = shape.max_position_embeddings
-    new_tokens = recipe.grpo.max_new_tokens if recipe.objective == "grpo" and recipe.grpo else 0
+    new_tokens = recipe.grpo.max_new_tokens if spec_of(recipe.objective).generates and recipe.grpo else 0
     given_seq = None if d.max_seq_len == "auto" else d.max_seq_len
     profile = measure(recipe)
     sizing = size_run(shape, profile, seq_len=given_seq, effective_batch=t.effective_batch_size,

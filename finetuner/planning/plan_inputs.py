@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.model.shapes import preset_model, resolve_shape
+from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
+from finetuner.objectives.specs import first_for_kind, spec_of
 from finetuner.planning.sizing import Sizing, size_run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,7 +57,7 @@ def free_name(name: str, runs_dir: Path) -> tuple[str, str | None]:
 
 
 def base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device: str,
-                 columns: dict[str, str] | None = None, objective: str = "sft", grpo: dict[str, Any] | None = None,
+                 columns: dict[str, str] | None = None, objective: str = DEFAULT_OBJECTIVE, grpo: dict[str, Any] | None = None,
                  max_pixels: int | None = None) -> Recipe:
     from finetuner.config.recipe import Recipe
 
@@ -73,7 +75,7 @@ def base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device:
         "name": name,
         "model": {"name": model},
         "method": "auto",
-        **({"objective": objective} if objective != "sft" else {}),
+        **({"objective": objective} if objective != DEFAULT_OBJECTIVE else {}),
         **({"grpo": grpo} if grpo is not None else {}),
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
                  "packing": sizing.packing, **({"columns": columns} if columns else {}),
@@ -101,9 +103,8 @@ def data_seq_len(model: str, profile, max_new_tokens: int | None = None) -> int:
 
     if profile.kind == "prompts":
         new = GRPOSection.model_fields["max_new_tokens"].default if max_new_tokens is None else max_new_tokens
-        return size_run(resolve_shape(model), profile, objective="grpo", max_new_tokens=new).seq_len
-    objective = "sft" if profile.kind == "sft" else ("kto" if profile.kind == "rated" else "dpo")
-    return size_run(resolve_shape(model), profile, objective=objective).seq_len
+        return size_run(resolve_shape(model), profile, objective=first_for_kind("prompts"), max_new_tokens=new).seq_len
+    return size_run(resolve_shape(model), profile, objective=first_for_kind(profile.kind)).seq_len
 
 
 def cpu_memory_of(cpu_memory: int | str | None) -> tuple[int, str]:
@@ -163,20 +164,19 @@ def check_objective(objective: str | None) -> str | None:
 def objective_for(objective: str | None, profile) -> tuple[str, str | None]:
     """The objective of a plan on data ``profile`` (``objective`` as asked, ``None``: from the data),
     and the reason to print when it came from the data. A :class:`UserError` when the data do not fit it."""
-    from finetuner.config.sections import PAIRED_OBJECTIVES
     from finetuner.data.formats import AUTO_OBJECTIVE, KIND_WORDS, OBJECTIVES_OF_KIND, wrong_objective
 
     kind = profile.kind
-    if objective == "grpo":  # any file with prompts: profile_prompts read it as the GRPO trainer will
+    if objective is not None and spec_of(objective).generates:  # any file with prompts: profile_prompts read it as the GRPO trainer will
         return objective, None
     if objective is None:
         chosen = AUTO_OBJECTIVE[kind]
-        if kind == "sft":
+        if not spec_of(chosen).whole_sequences:  # supervised examples: nothing to say
             return chosen, None
         others = say(cli=" (orpo and simpo need no reference model: --objective orpo|simpo)",
                      ui=" (orpo and simpo need no reference model: choose one in the Objective menu)") if kind == "pairs" else ""
         return chosen, f"objective {chosen}: {profile.path} holds {KIND_WORDS[kind]}{others}"
-    need = "sft" if objective == "sft" else "pairs" if objective in PAIRED_OBJECTIVES else "rated"
+    need = spec_of(objective).data_kind
     if kind != need:
         e = wrong_objective(profile.path, kind, objective)
         where = say(cli="--objective", ui="the Objective menu")

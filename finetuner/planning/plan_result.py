@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
+from finetuner.objectives.specs import spec_of
 from finetuner.config.hardware import GpuProfile
 from finetuner.memory.model import GiB, MemoryEstimate
 from finetuner.memory.sharding import distributed_keys, recipe_offload
@@ -97,7 +98,7 @@ class Plan:
         speed figures' source."""
         if self.step is None:
             return ""
-        grpo = self.recipe is not None and self.recipe.objective == "grpo"
+        grpo = self.recipe is not None and spec_of(self.recipe.objective).generates
         return time_text(self.step.step_s, self.step.tokens_per_s, self.optimizer_steps, self.wait.to_dict() if self.wait else None,
                          self.cost, self.price_per_hour, self.currency, self.speed_source, grpo)
 

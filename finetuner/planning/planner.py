@@ -34,6 +34,7 @@ from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.memory.model import GiB
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
+from finetuner.objectives.specs import first_for_kind, spec_of
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.load import note_now
 from finetuner.planning.expectations import expectation
@@ -185,9 +186,10 @@ def plan(
             raise UserError(f"data.columns (--column): {e}") from None
     objective = check_objective(objective)
     if grpo is not None and objective is None:
-        objective = "grpo"
+        objective = first_for_kind("prompts")
+    generates = objective is not None and spec_of(objective).generates
     grpo_raw = None
-    if objective == "grpo":
+    if generates:
         if not data:
             raise UserError(f"{say(cli='--objective grpo', ui='Objective grpo')}: GRPO generates completions of prompts: "
                             "give the prompts' file.",
@@ -203,7 +205,7 @@ def plan(
     profile = None
     label_fraction = 1.0
     reasons: list[str] = []
-    if data and objective == "grpo":
+    if data and generates:
         from finetuner.data.stats import profile_prompts
 
         profile = profile_prompts(data, model, columns=columns)
@@ -235,11 +237,11 @@ def plan(
             notes.append(f"{model} is a base model, trained to continue text; a chat assistant usually starts from its "
                          f"instruction-tuned variant {instruct} (the same shape: this plan holds for it; plan it with "
                          f"--model {instruct})")
-    elif objective not in (None, "sft"):
+    elif objective is not None and spec_of(objective).section == "preference":
         raise UserError(f"--objective {objective}: a preference objective needs --data with its pairs (or rated "
                         "responses for kto); there is no default preference data set.",
                         hint="Plan with --data PAIRS.jsonl, e.g. data/preference_sample.jsonl.")
-    objective = objective or "sft"
+    objective = spec_of(objective).name
     sizing = size_run(shape, profile, seq_len=seq_len, effective_batch=effective_batch, gpus=gpus, objective=objective,
                       max_new_tokens=grpo_raw["max_new_tokens"] if grpo_raw else 0, epochs=epochs)
     notes += sizing.notes
@@ -314,7 +316,7 @@ def plan(
     if alternatives:
         from finetuner.planning.budget import long_run_warning
 
-        warning = long_run_warning(result, replan, format_duration, profile if objective != "grpo" else None)
+        warning = long_run_warning(result, replan, format_duration, None if generates else profile)
         result.warnings += [warning] if warning else []
     return result
 
@@ -475,7 +477,7 @@ def plan_recipe(
     out.reasons = reasons_for(best, ranked, prof, shape)
     if chunk_note:
         out.reasons.append(chunk_note)
-    if best_recipe.objective == "grpo" and best_recipe.grpo is not None:
+    if spec_of(best_recipe.objective).generates and best_recipe.grpo is not None:
         out.reasons.append(grpo_room(best_recipe, best.estimate, shape))
     if best.sharded is not None:
         where = f"the machine has {cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"

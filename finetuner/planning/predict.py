@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.hardware import GpuProfile, cpu_profile, get_gpu
+from finetuner.objectives.specs import spec_of
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
@@ -139,7 +140,7 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
     if vision is not None:
         s = s.with_(vision_trainable=vision.trainable,
                     vision_activation_bytes=vision.activation_bytes(recipe.training.micro_batch_size))
-    if recipe.objective == "grpo":
+    if spec_of(recipe.objective).generates:
         card = prof.memory_bytes if prof is not None else None
         memory = grpo_memory_estimate(shape, s, grpo_settings_of(recipe, card), prof, margin=margin,
                                       top_p=recipe.grpo.top_p < 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetuner.config.hardware import GpuProfile, list_profiles
+from finetuner.objectives.specs import spec_of
 from finetuner.memory.grpo import grpo_settings_of
 from finetuner.memory.model import GiB, MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, presets
@@ -135,7 +136,7 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
     """When nothing fits: more CPU memory, a shorter sequence, a bigger card, or a smaller model that would
     (GRPO: fewer or shorter completions instead of a shorter sequence, and no several-card plan)."""
     out: list[str] = []
-    grpo = recipe.objective == "grpo" and recipe.grpo is not None
+    grpo = spec_of(recipe.objective).generates and recipe.grpo is not None
     if grpo:
         out += _grpo_would_fit(recipe, shape, gpu, margin, method, label_fraction)
     if cpu_memory is not None:

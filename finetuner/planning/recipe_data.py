@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
+from finetuner.objectives.specs import spec_of
 from finetuner.config.hardware import GpuProfile
 from finetuner.data.split import held_out_rows
 from finetuner.memory.model import settings_from_recipe
@@ -44,7 +45,7 @@ def recipe_file_profile(recipe: Recipe, file: str | None = None,
     its data), None when it has none readable here. ``prompts``: its prompts' lengths, as the GRPO trainer
     reads them; by default for a GRPO recipe."""
     if prompts is None:
-        prompts = recipe.objective == "grpo"
+        prompts = spec_of(recipe.objective).generates
     d = recipe.data
     file = d.path if file is None else file
     if not isinstance(file, str) or not Path(file).expanduser().is_file():
@@ -77,7 +78,7 @@ def lengths_batch(recipe: Recipe, lengths: Sequence[int], micro_batch: int, grad
     step's ``micro_batch × gradient_accumulation`` prompts as its rollout pads them
     (:func:`~finetuner.planning.lengths.prompt_batch`)."""
     d = recipe.data
-    if recipe.objective == "grpo":
+    if spec_of(recipe.objective).generates:
         return prompt_batch(lengths, micro_batch * gradient_accumulation, max_prompt_len(recipe), source)
     return batch_shape(lengths, micro_batch, d.max_seq_len, bool(d.packing), source=source)
 
@@ -160,7 +161,7 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
         return None
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
-    d, t, grpo = recipe.data, recipe.training, recipe.objective == "grpo"
+    d, t, grpo = recipe.data, recipe.training, spec_of(recipe.objective).generates
     source = "data"
     if not lengths:
         prof = recipe_file_profile(recipe)
@@ -181,11 +182,11 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
 def lengths_text(recipe: Recipe, batch: BatchShape | None) -> str:
     """What ``estimate`` says of the lengths it timed: the data's (``batch``), or the longest."""
     if batch is None:
-        if recipe.objective == "grpo":
+        if spec_of(recipe.objective).generates:
             return ("every prompt taken as data.max_seq_len - grpo.max_new_tokens tokens long and every completion as "
                     "grpo.max_new_tokens (the data file cannot be read here): an upper bound")
         return "every row taken as data.max_seq_len tokens long (the data file cannot be read here): an upper bound"
-    if recipe.objective == "grpo":
+    if spec_of(recipe.objective).generates:
         return (f"the prompts of {batch.source}: {batch.real_per_row:.0f} tokens a prompt, {batch.padded_len:.0f} "
                 f"positions a generate call's; completions at their longest ({recipe.grpo.max_new_tokens} tokens)")
     return (f"the rows of {batch.source}: {batch.padded_len:.0f} positions a micro-batch row, "
@@ -211,7 +212,7 @@ def run_optimizer_steps(recipe: Recipe) -> int | None:
     from finetuner.data.stats import profile_data, profile_prompts
 
     try:
-        if recipe.objective == "grpo":  # its rows are prompts, read as the GRPO trainer reads them
+        if spec_of(recipe.objective).generates:  # its rows are prompts, read as the GRPO trainer reads them
             profile = profile_prompts(str(Path(d.path).expanduser()), recipe.model.name, columns=d.columns,
                                       on_bad_row=d.on_bad_row, system_prompt=d.system_prompt)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.grpo import grpo_settings_of
+from finetuner.objectives.specs import spec_of
 from finetuner.planning.lengths import BatchShape
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
@@ -39,7 +40,7 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
     from finetuner.model.shapes import resolve_shape
 
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    if getattr(recipe, "objective", "sft") == "grpo":
+    if spec_of(getattr(recipe, "objective", None)).generates:
         s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
         return grpo_step_time(shape, s, grpo_settings_of(recipe), speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
     s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from finetuner.errors import UserError
+from finetuner.objectives.specs import spec_of
 from finetuner.config.hardware import GpuProfile
 from finetuner.model.shapes import ModelShape
 from finetuner.planning.plan_result import Plan
@@ -22,7 +23,7 @@ def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, s
 
     Raises a UserError with the planner's suggestions when nothing fits.
     """
-    prof = recipe_file_profile(recipe) if recipe.objective != "grpo" else None
+    prof = recipe_file_profile(recipe) if not spec_of(recipe.objective).generates else None
     result = plan_recipe(recipe, gpu, shape=shape, label_fraction=label_fraction, lengths=prof[1] if prof else None)
     if result.recipe is None:
         raise UserError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetuner.data.split import held_out_positions, held_out_rows, shuffled_split
+from finetuner.objectives.specs import spec_of
 
 if TYPE_CHECKING:
     from finetuner.config.recipe import Recipe
@@ -47,7 +48,7 @@ def _examples(path: str, objective: str, cfg: DataSection) -> list[dict[str, Any
     that a position of the split names the same row here and in the run."""
     from finetuner.data.pipeline import DataStats
 
-    if objective == "grpo":
+    if spec_of(objective).generates:
         from finetuner.data.formats import RowError, read_rows
         from finetuner.data.prompts import prompt_of
 
@@ -58,7 +59,7 @@ def _examples(path: str, objective: str, cfg: DataSection) -> list[dict[str, Any
             except RowError:
                 continue
         return out
-    if objective == "sft":
+    if spec_of(objective).data_kind == "sft":
         from finetuner.data.pipeline import load_examples
 
         return load_examples(path, cfg, DataStats())
@@ -81,11 +82,11 @@ def held_out_prompts(recipe: Recipe) -> tuple[list[str], str]:
         n_val = held_out_rows(d.val_size, len(examples))
         if n_val == 0:
             order, where = list(range(len(examples))), "the data's first rows (the run holds none out: it trains on these too)"
-        elif objective == "sft":
+        elif spec_of(objective).data_kind == "sft":
             order, where = held_out_positions(len(examples), n_val, seed), f"the {n_val} rows the run holds out"
         else:
             held = shuffled_split(len(examples), n_val, seed)[0]
-            order, where = held if objective != "grpo" else sorted(held), f"the {n_val} rows the run holds out"
+            order, where = held if not spec_of(objective).generates else sorted(held), f"the {n_val} rows the run holds out"
     prompts: list[str] = []
     for i in order:
         text = _example_prompt(examples[i])

@@ -29,6 +29,7 @@ from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.memory.sharding import distributed_keys
 from finetuner.model.shapes import ModelShape
+from finetuner.objectives.specs import spec_of
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.recipe_data import lengths_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
@@ -231,7 +232,7 @@ def search(
         methods = method_options(method or fixed_method)
     if gpu.platform == "cpu":
         methods = [m for m in methods if m[0] != "qlora"] or methods  # bitsandbytes on CPU: slow, only when asked
-    grpo = base.objective == "grpo" and base.grpo is not None
+    grpo = spec_of(base.objective).generates and base.grpo is not None
     if grpo and gpus > 1:
         raise UserError(f"{gpus} GPUs: the plan of a GRPO run is made for one card.",
                         hint="Plan for one card: with distributed.strategy ddp each of the N cards holds what one card "

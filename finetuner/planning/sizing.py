@@ -27,14 +27,14 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
   its output).
 
 A preference objective (DPO, ORPO, SimPO, KTO) changes three of these: no packing (each response
-is scored as a whole sequence), at most ``PREFERENCE_MAX_EPOCHS`` epochs (the alignment handbook's
+is scored as a whole sequence), at most the description's ``max_epochs`` epochs (the alignment handbook's
 Zephyr-7B DPO recipes train one epoch; a small set of pairs gets up to three to come nearer
-``MIN_TOTAL_STEPS``), and learning rates a fortieth of SFT's (``PREFERENCE_LR``: 5e-6 for LoRA /
+``MIN_TOTAL_STEPS``), and learning rates a fortieth of SFT's (its ``learning_rates``: 5e-6 for LoRA /
 QLoRA, 5e-7 for full fine-tuning at hidden size 4,096, the rates of those recipes), scaled as above.
 GRPO (``objective: grpo``) is sized on its prompts (:func:`finetuner.data.stats.profile_prompts`): the
 sequence is the longest prompt plus ``grpo.max_new_tokens``, rounded up as above; the effective batch
-counts prompts (each generates ``num_generations`` completions), ``GRPO_PROMPTS_PER_STEP`` by default,
-halved like SFT's for small sets; epochs as a preference objective's; learning rates ``GRPO_LR`` (TRL's
+counts prompts (each generates ``num_generations`` completions), its ``default_effective_batch`` (8) by default,
+halved like SFT's for small sets; epochs as a preference objective's; learning rates its ``learning_rates`` (TRL's
 ``GRPOConfig`` default, 1e-6, for full fine-tuning; 5e-6 for LoRA / QLoRA, the rate of Unsloth's GRPO
 LoRA notebooks), scaled as above.
 """
@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from finetuner.data.split import count_packed_rows, held_out_rows, held_out_size
+from finetuner.objectives.specs import spec_of
 from finetuner.planning.expectations import is_toy
 from finetuner.planning.length_cap import SEQ_ROUND, LengthCap, outlier_cap, round_up
 
@@ -82,16 +83,8 @@ NO_PACK_PICTURES = "no packing: the rows have pictures, which are not packed"
 REFERENCE_LR = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}
 REFERENCE_HIDDEN = 4096
 MAX_LR_SCALE = 10.0
-#: Learning rates of the preference objectives at hidden size ``REFERENCE_HIDDEN`` (the alignment
-#: handbook's Zephyr-7B DPO recipes: 5e-6 with QLoRA, 5e-7 full).
-PREFERENCE_LR = {"lora": 5e-6, "qlora": 5e-6, "full": 5e-7}
-#: A preference run is sized to reach ``MIN_TOTAL_STEPS`` in at most this many epochs.
-PREFERENCE_MAX_EPOCHS = 3
-#: GRPO's learning rates at hidden size ``REFERENCE_HIDDEN`` (TRL's GRPOConfig default for full
-#: fine-tuning; Unsloth's GRPO LoRA notebooks for LoRA / QLoRA).
-GRPO_LR = {"lora": 5e-6, "qlora": 5e-6, "full": 1e-6}
-#: Prompts per optimizer step of a GRPO run when the user gives none (each with its group of completions).
-GRPO_PROMPTS_PER_STEP = 8
+#: An objective's own learning rates, epoch cap and default batch are in its description
+#: (:class:`~finetuner.objectives.specs.base.ObjectiveSpec`: ``learning_rates``, ``max_epochs``, ``default_effective_batch``).
 
 
 @dataclass
@@ -119,17 +112,16 @@ class Sizing:
         return None if self.steps_per_epoch is None or self.epochs is None else total_steps(self.epochs, self.steps_per_epoch)
 
 
-def learning_rate(method: str, shape: ModelShape, objective: str = "sft") -> tuple[float, str]:
+def learning_rate(method: str, shape: ModelShape, objective: str | None = None) -> tuple[float, str]:
     """The planned learning rate for ``method`` and ``objective`` on ``shape`` (one significant digit), and the reason."""
-    rates = REFERENCE_LR if objective == "sft" else GRPO_LR if objective == "grpo" else PREFERENCE_LR
+    spec = spec_of(objective)
+    rates = spec.learning_rates or REFERENCE_LR
     base = rates.get(method, rates["lora"])
     scale = min(MAX_LR_SCALE, math.sqrt(REFERENCE_HIDDEN / max(1, shape.hidden_size)))
     lr = float(f"{base * max(1.0, scale):.1g}")
     what = "LoRA" if method in ("lora", "qlora") else "full fine-tuning"
-    if objective == "grpo":
-        what = f"GRPO {what} (" + ("TRL's GRPOConfig default" if method == "full" else "Unsloth's GRPO LoRA notebooks") + ")"
-    elif objective != "sft":
-        what = f"{objective.upper()} {what} (the alignment handbook's Zephyr-7B DPO recipes)"
+    if spec.lr_source:
+        what = f"{spec.label} {what} ({spec.lr_source.get(method, spec.lr_source['lora'])})"
     hidden = shape.hidden_size
     if hidden == REFERENCE_HIDDEN:
         return lr, f"learning rate {lr:g}: the usual {what} rate for 7B-class models (hidden size {REFERENCE_HIDDEN})"
@@ -172,14 +164,15 @@ def _pow2_floor(n: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1.0, n)))))
 
 
-def data_sequence(profile: DataProfile, positions: int, objective: str = "sft",
+def data_sequence(profile: DataProfile, positions: int, objective: str | None = None,
                   max_new_tokens: int = 0) -> tuple[int, str, LengthCap | None]:
     """The sequence the data need before any packing (the module doc's rule): ``(length, why, cap)``, the cap set
     when a few outlier rows are cut (:func:`~finetuner.planning.length_cap.outlier_cap`; ``why`` is then empty: the
     cap's :meth:`~finetuner.planning.length_cap.LengthCap.reason` says it). GRPO's is its longest prompt plus
     ``max_new_tokens``, never capped. The plan and a recipe's ``data.max_seq_len: auto`` both take it from here."""
-    grpo = objective == "grpo"
-    cap = None if grpo else outlier_cap(profile, positions, objective != "sft")
+    spec = spec_of(objective)
+    grpo = spec.generates
+    cap = None if grpo else outlier_cap(profile, positions, spec.whole_sequences)
     if cap is not None:
         return cap.seq, "", cap
     longest = profile.max_tokens + max_new_tokens
@@ -190,11 +183,13 @@ def data_sequence(profile: DataProfile, positions: int, objective: str = "sft",
     return min(round_up(longest, SEQ_ROUND), positions), f"{what} rounded up to a multiple of {SEQ_ROUND}", None
 
 
-def replay_share(profile: DataProfile, train_rows: int, objective: str = "sft", gpus: int = 1) -> tuple[float, str]:
+def replay_share(profile: DataProfile, train_rows: int, objective: str | None = None, gpus: int = 1) -> tuple[float, str]:
     """``data.replay`` for ``train_rows`` training rows of ``profile``: ``REPLAY_FOR_SYSTEM_PROMPT`` for a small SFT
     file on one process whose rows (at least half of them) carry a system prompt, else 0; and why not, when 0. The
     plan and a recipe's ``data.replay: auto`` both take it from here."""
-    if objective != "sft":
+    spec = spec_of(objective)
+    objective = spec.name
+    if not spec.replay:
         return 0.0, f"objective {objective}: the base's answers are mixed into SFT rows only"
     if gpus > 1:
         return 0.0, f"{gpus} processes: the base's answers are mixed in on one process only"
@@ -223,7 +218,7 @@ def size_run(
     seq_len: int | None = None,
     effective_batch: int | None = None,
     gpus: int = 1,
-    objective: str = "sft",
+    objective: str | None = None,
     seed: int = 42,
     max_new_tokens: int = 0,
     epochs: int | None = None,
@@ -231,9 +226,11 @@ def size_run(
     """Choose the data-dependent settings of a run (see the module doc for the rules). ``max_new_tokens``:
     GRPO's longest completion, added to the longest prompt (``profile`` holds prompts then); ``epochs``: the
     passes over the data as asked (default: the rule above)."""
-    preference = objective != "sft"
-    grpo = objective == "grpo"
-    units_word = "prompts" if grpo else "examples"
+    spec = spec_of(objective)
+    objective = spec.name
+    preference = spec.whole_sequences
+    grpo = spec.generates
+    units_word = spec.units
     no_pack = ("no packing: grpo generates a group of completions for each prompt" if grpo else
                f"no packing: {objective} scores each response as a whole sequence")
     reasons: list[str] = []
@@ -243,7 +240,7 @@ def size_run(
         notes.append(f"--seq-len {seq_len} is longer than the model's {positions} positions: using {positions}")
         seq_len = positions
     eff_given = effective_batch is not None
-    default_eff = GRPO_PROMPTS_PER_STEP if grpo else DEFAULT_EFFECTIVE_BATCH
+    default_eff = spec.default_effective_batch or DEFAULT_EFFECTIVE_BATCH
     eff = effective_batch or default_eff
     if profile is None:
         seq = seq_len or min(DEFAULT_SEQ_LEN, positions)
@@ -307,7 +304,7 @@ def size_run(
             reasons.append(f"effective batch {eff} (not {default_eff}): {train_rows} training {units_word} "
                            f"give {steps_per_epoch(units, eff)} optimizer steps per epoch")
     per_epoch = steps_per_epoch(units, eff)
-    max_epochs = PREFERENCE_MAX_EPOCHS if preference else MAX_EPOCHS
+    max_epochs = spec.max_epochs or MAX_EPOCHS
     asked_epochs = epochs
     epochs = asked_epochs or min(max_epochs, max(1, math.ceil(MIN_TOTAL_STEPS / per_epoch)))
     total = total_steps(epochs, per_epoch)

@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
+from finetuner.objectives.specs import spec_of
 from finetuner.planning.scans import attention_layers, scan_bytes, scan_fill_bytes, scan_flops, scan_ops, scan_width
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -344,12 +345,12 @@ class StepTime:
 def rows_per_micro_batch(s: Settings) -> int:
     """Sequences in one micro-batch: a preference objective scores the chosen and the rejected
     response of each pair (or example and its mismatched partner for KTO) in one pass."""
-    return s.micro_batch * (1 if s.objective == "sft" else 2)
+    return s.micro_batch * spec_of(s.objective).sequences_per_example
 
 
 def has_reference_pass(s: Settings) -> bool:
     """DPO/KTO with ``reference: adapter_off`` score the rows again with the adapter disabled."""
-    return s.objective in ("dpo", "kto") and s.reference == "adapter_off"
+    return spec_of(s.objective).reference_model and s.reference == "adapter_off"
 
 
 def causal_skip(s: Settings) -> bool:

@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
 from finetuner.memory.model import Settings, quantized_numel
 from finetuner.model.shapes import ModelShape, lora_targets
@@ -152,7 +153,7 @@ def forward_ops(shape: ModelShape, s: Settings, adapter: bool = True) -> float:
     """Operations of one forward of a micro-batch (:func:`~finetuner.planning.speed.op_count`'s forward),
     without LoRA's when ``adapter`` is off (peft's disabled adapter calls the base layer only), a 4-bit
     linear's at ``QUANT_LINEAR_OPS``."""
-    base = s.with_(gradient_checkpointing=False, objective="sft", reference="none")
+    base = s.with_(gradient_checkpointing=False, objective=PLAIN_PASS, reference="none")
     ops = op_count(shape, base) / (1 + BACKWARD_OPS)
     if s.method == "qlora":
         ops += (QUANT_LINEAR_OPS.get(s.platform, OPS_PER_QUANT_LINEAR) - OPS_PER_QUANT_LINEAR) * shape.linears_per_layer * shape.num_layers
@@ -190,7 +191,7 @@ def forward_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, head_to
     tokens and, with ``log_softmax``, the log-probabilities over them (half the cross-entropy's forward +
     backward). The device work is divided by the device's utilisation at these tokens, as in training."""
     T = s.micro_batch * s.seq_len
-    fs = s.with_(gradient_checkpointing=False, objective="sft", reference="none",
+    fs = s.with_(gradient_checkpointing=False, objective=PLAIN_PASS, reference="none",
                  label_fraction=min(1.0, max(head_tokens, 1e-9) / T))
     f, w = forward_flops(shape, fs), typical_width(shape)
     dt = _dtype(s)
@@ -233,7 +234,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     kv = kv_cache_bytes(shape, rows, max(1, int(round(cache_len))), c)
     attn_flops = 4 * cache_len * shape.q_dim * shape.num_layers * rows
     attn_t = max(attn_flops / speed.matmul_rate(dt, shape.head_dim), kv_passes(shape) * kv / speed.bandwidth_bytes_per_s)
-    one = s.with_(micro_batch=rows, seq_len=1, gradient_checkpointing=False, objective="sft", reference="none")
+    one = s.with_(micro_batch=rows, seq_len=1, gradient_checkpointing=False, objective=PLAIN_PASS, reference="none")
     elementwise = saved_bytes_per_token(shape, one) * rows * FORWARD_TRAFFIC / speed.bandwidth_bytes_per_s
     device = max(flops_t, weight_t) + attn_t + elementwise + dequant_pass_seconds(shape, s, speed)
     ops = (forward_ops(shape, one, adapter) + GENERATE_STEP_OPS) * speed.op_overhead_s * GEN_OP_FACTOR

@@ -56,7 +56,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.errors import UserError
+from finetuner.objectives.specs import spec_of
 from finetuner.memory.model import optimizer_state_bytes, trainable_params, trainable_tensors
 from finetuner.planning.speed import DTYPE_BYTES, EAGER_OP_FACTOR, forward_seconds
 
@@ -300,7 +302,7 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
     weights read once (``linear_weight_numel x`` their bytes ``/ bandwidth``: a 4-bit or 8-bit base also
     dequantized once, in the forward), and ``generate``'s own ``GENERATE_OPS_PER_TOKEN`` plus 2 a layer
     for the key/value cache, at the per-operation cost."""
-    one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective="sft", reference="none",
+    one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, objective=PLAIN_PASS, reference="none",
                   gradient_checkpointing=False, loss_chunk=0)
     weight = (s.quant_bits / 8 if s.method == "qlora" else DTYPE_BYTES.get(s.weight_dtype, 2)) * shape.linear_weight_numel
     if shape.experts:  # one token reads top_k experts of each MoE layer (4-bit under 4-bit QLoRA)
@@ -375,14 +377,14 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
     if loaded_as is not None:
         files = replace(files, download=loaded_as[0], gguf_convert=loaded_as[1])
     evaluation_s = None
-    if recipe.objective == "grpo":
+    if spec_of(recipe.objective).generates:
         from finetuner.memory.grpo import grpo_settings_of
         from finetuner.planning.speed_grpo import evaluation_seconds as grpo_evaluation_seconds
 
         evaluation_s = grpo_evaluation_seconds(shape, s, grpo_settings_of(recipe), speed, held_out or 0,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
     # a sample answer as long as the data's average response (its labelled share of the average row)
-    answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and recipe.objective != "grpo" else None
+    answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and not spec_of(recipe.objective).generates else None
     replay, probe, said = recipe_answering(recipe, train_rows, cuda=s.platform == "cuda", replay_cached=replay_cached)
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,

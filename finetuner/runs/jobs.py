@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
+from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
 from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
@@ -448,7 +449,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         if kind == "start":
             st.max_steps = ev.get("max_steps")
             st.device, st.method = ev.get("device"), ev.get("method")
-            st.objective = ev.get("objective") or "sft"
+            st.objective = ev.get("objective") or DEFAULT_OBJECTIVE
             st.step = ev.get("resumed_from_step") or 0
             st.error = None
             pred = ev.get("predicted") or {}

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from finetuner.config.recipe import Recipe
+from finetuner.objectives.specs import spec_of
 
 
 def keeps_best(recipe: Recipe, world_size: int) -> bool:
     """``training.keep_best`` applies: SFT's held-out loss, an adapter (a snapshot of it is small), and each
     process holding whole adapters (one process or DDP; sharded strategies hold pieces)."""
-    return (recipe.training.keep_best and recipe.method != "full" and recipe.objective == "sft"
+    return (recipe.training.keep_best and recipe.method != "full" and spec_of(recipe.objective).scorer == "loss"
             and (world_size == 1 or recipe.distributed.strategy == "ddp"))
 
 

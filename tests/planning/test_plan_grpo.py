@@ -17,11 +17,12 @@ from finetuner.errors import UserError
 from finetuner.memory.grpo import grpo_estimate, grpo_settings_of, largest_fit
 from finetuner.memory.model import settings_from_recipe
 from finetuner.model.shapes import resolve_shape
+from finetuner.objectives.specs.grpo import GRPO
 from finetuner.planning.planner import plan, plan_recipe
 from finetuner.planning.recipe_data import run_optimizer_steps
 from finetuner.planning.search import search
 from finetuner.planning.predict import estimate_grpo, estimate_time
-from finetuner.planning.sizing import GRPO_PROMPTS_PER_STEP, SEQ_ROUND
+from finetuner.planning.sizing import SEQ_ROUND
 from tests.conftest import REPO, cli_in_process, run_cli, write_recipe
 
 PROMPTS = REPO / "data" / "alpaca_sample.json"
@@ -51,7 +52,7 @@ def test_the_plan_is_a_grpo_recipe_sized_on_the_prompts_with_the_grpo_step_memor
     # the sequence holds the longest prompt and the longest completion
     longest = prof.max_tokens + 512
     assert p.recipe.data.max_seq_len == -(-longest // SEQ_ROUND) * SEQ_ROUND and p.recipe.data.packing is False
-    assert p.recipe.training.effective_batch_size == GRPO_PROMPTS_PER_STEP
+    assert p.recipe.training.effective_batch_size == GRPO.default_effective_batch
     # the plan's peak is the GRPO step's (its phases, the generation's KV cache among the components) ...
     _, _, want = _exact(p.recipe, "rtx4090")
     assert p.estimate.total_bytes == want.total_bytes and p.estimate.peak_phase == want.peak_phase

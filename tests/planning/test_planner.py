@@ -235,7 +235,7 @@ def test_plan_of_preference_pairs_plans_dpo_with_its_memory_and_sizing(tmp_path)
     sequences per pair, the reference pass), not packed, at most 3 epochs, the preference learning rate;
     the written recipe trains as it is (`finetuner run`, as a user would)."""
     from finetuner.memory.model import estimate, settings_from_recipe
-    from finetuner.planning.sizing import PREFERENCE_LR, PREFERENCE_MAX_EPOCHS
+    from finetuner.objectives.specs.preference import LEARNING_RATES as PREFERENCE_LR, MAX_EPOCHS as PREFERENCE_MAX_EPOCHS
 
     pairs = REPO / "data" / "preference_sample.jsonl"
     p = plan("llama-3.1-8b", "rtx4090", data=str(pairs), seq_len=2048)

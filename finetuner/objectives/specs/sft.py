@@ -1,0 +1,10 @@
+"""Supervised fine-tuning (:mod:`finetuner.objectives.sft`): next-token loss on the response tokens."""
+
+from __future__ import annotations
+
+from finetuner.objectives.specs.base import ObjectiveSpec
+
+SFT = ObjectiveSpec(
+    name="sft", data_kind="sft", fused_loss=True, replay=True, scorer="loss",
+    description="supervised fine-tuning on examples",
+)

@@ -1,0 +1,68 @@
+"""The objectives' descriptions (finetuner.objectives.specs): read without torch and without the recipe, one per
+objective the trainer builds, and the recipe's schema takes its names and preference settings from them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_descriptions_import_without_torch_or_the_recipe():
+    code = ("import sys, finetuner.objectives.specs as s; "
+            "print(sorted(m for m in ('torch', 'finetuner.config.recipe', 'finetuner.config.sections') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": ""}, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_described_objective_has_a_trainer_and_the_recipe_accepts_exactly_those():
+    from typing import get_args
+
+    from finetuner.config.sections import Objective, PreferenceSection
+    from finetuner.objectives import build_objective  # noqa: F401 - the package stays importable
+    from finetuner.objectives import grpo, preference, sft  # noqa: F401 - register the trainers
+    from finetuner.objectives.base import REGISTRY
+    from finetuner.objectives.specs import SPECS
+
+    assert set(SPECS) == set(REGISTRY) == set(get_args(Objective))
+    for name, spec in SPECS.items():
+        assert spec.name == name
+        if spec.section != "preference":  # (the preference trainer takes its kind per objective, when built)
+            assert REGISTRY[name].data_kind == spec.data_kind
+        for key in spec.settings:
+            assert name in PreferenceSection.APPLIES_TO[key]
+    assert {n for n, s in SPECS.items() if s.default_beta is not None} == set(PreferenceSection.DEFAULT_BETA)
+
+
+def test_the_worked_example_of_docs_extending(monkeypatch):
+    """The description docs/extending.md gives, put in the registry, is what sizing, the memory and speed models
+    and the plan's words read: no other module names it."""
+    import re
+
+    from finetuner.memory.model import Settings, preference_cost
+    from finetuner.model.shapes import resolve_shape
+    from finetuner.objectives import specs
+    from finetuner.objectives.specs.preference import LEARNING_RATES, MAX_EPOCHS
+    from finetuner.planning.sizing import learning_rate, replay_share, size_run
+    from finetuner.planning.speed import has_reference_pass, rows_per_micro_batch
+
+    text = (REPO / "docs" / "extending.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(block, scope)
+    cpo = scope["CPO"]
+    monkeypatch.setitem(specs.SPECS, "cpo", cpo)
+
+    shape = resolve_shape("llama-3.1-8b")  # a preset: hidden size 4096, the learning rates' reference
+    lr, why = learning_rate("lora", shape, "cpo")
+    assert lr == LEARNING_RATES["lora"] and why.startswith("learning rate 5e-06: the usual CPO LoRA (the alignment handbook")
+    assert specs.spec_of("cpo").max_epochs == MAX_EPOCHS and replay_share(None, 10, "cpo")[0] == 0.0
+    sized = size_run(shape, None, objective="cpo")
+    assert not sized.packing and "cpo scores each response as a whole sequence" in sized.reasons[0]
+    assert specs.spec_of("cpo").label == "CPO"  # finetuner plan: "CPO with LoRA"
+    s = Settings(objective="cpo", micro_batch=3, seq_len=64, reference="adapter_off")
+    assert rows_per_micro_batch(s) == 6 and not has_reference_pass(s)
+    cost = preference_cost(shape, s)
+    assert cost.rows == 6 and cost.reference_pass_bytes == 0
