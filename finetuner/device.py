@@ -201,16 +201,18 @@ def dump_allocations(path: str) -> None:
 def rng_state() -> Any:
     """Every CUDA device's generator state (None where torch sees no CUDA device): a checkpoint's ``cuda``
     entry, and what an out-of-memory retry restores."""
+    if not available():
+        return None
     import torch
 
-    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.cuda.get_rng_state_all()
 
 
 def set_rng_state(state: Any) -> None:
     """Restore what :func:`rng_state` returned (nothing for None, or where no CUDA device is seen now)."""
-    import torch
+    if state is not None and available():
+        import torch
 
-    if state is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state)
 
 
