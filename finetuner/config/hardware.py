@@ -2,7 +2,7 @@
 
 A card is named by a profile (``rtx4090``), by a plain size (``24GB``, ``24``, ``80GiB``), ``cpu``
 for this machine's memory, or ``auto`` for the device torch sees (imported only then), else the CPU. ``memory_bytes`` is what
-``torch.cuda.get_device_properties(i).total_memory`` reports, a little less than the marketing
+torch reports as the device's total memory (:func:`finetuner.device.total_memory`), a little less than the marketing
 size (the driver keeps a few hundred MiB). The CUDA context, cuBLAS and the caching allocator's
 slack come on top of the tensors: the memory model counts those, not this table.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, replace
 
+import finetuner.device as dev
 from finetuner.errors import UserError, did_you_mean
 
 GiB = 1024**3
@@ -36,7 +37,7 @@ class GpuProfile:
     pcie_gbs: float = 16.0  # host <-> device, GB/s (PCIe 4.0 x16 ~ 25 in practice; keep it modest)
     link_gbs: float = 16.0  # device <-> device for collectives, GB/s: PCIe unless NVLink (data-center cards)
     detected: bool = False
-    platform: str = "cuda"  # "cpu" for :func:`cpu_profile`
+    platform: str = dev.CUDA  # a platform of finetuner.device.PLATFORMS: "cpu" for :func:`cpu_profile`
     #: The software a plan for this card assumes: whether Liger Kernel (``finetuner[speed]``) and
     #: FlashAttention-2 can run there. None (the default): whether they are installed in this
     #: Python environment, the one the run is launched from. Set them (``dataclasses.replace``)
@@ -122,27 +123,26 @@ def from_size(text: str) -> GpuProfile | None:
 def detect() -> GpuProfile | None:
     """The CUDA device torch sees (device 0), or None. Imports torch."""
     try:
-        import torch
+        if not dev.available():
+            return None
     except ImportError:  # pragma: no cover
         return None
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
-    known = profile_for_device_name(props.name, props.total_memory)
-    base = known or GpuProfile("cuda", props.name, props.total_memory, tflops=150, bandwidth_gbs=1000)
+    card, total = dev.name(0), dev.total_memory(0)
+    known = profile_for_device_name(card, total)
+    base = known or GpuProfile(dev.CUDA, card, total, tflops=150, bandwidth_gbs=1000)
     from finetuner.model import kernels
 
     # what runs on this card with what is installed here: the one answer the planner (Device.of) and
     # the trainer (Device.here) both read
-    ampere = torch.cuda.get_device_capability(0)[0] >= 8
+    ampere = dev.capability(0)[0] >= 8
     import importlib.util
 
     return replace(
         base,
         name=base.name,
-        description=f"{props.name} (detected, device 0)",
-        memory_bytes=props.total_memory,
-        bf16=bool(torch.cuda.is_bf16_supported()),
+        description=f"{card} (detected, device 0)",
+        memory_bytes=total,
+        bf16=dev.bf16_supported(),
         detected=True,
         flash_attention=ampere and importlib.util.find_spec("flash_attn") is not None,
         liger=kernels.liger_installed() and kernels.liger_importable(),
@@ -177,8 +177,8 @@ def parse_memory_size(text: str, what: str = "--cpu-memory") -> int:
 def cpu_profile() -> GpuProfile:
     """The CPU as a device: 80 % of the machine's RAM, fp32 (bf16 matmuls are slow on most CPUs)."""
     total = machine_memory_bytes()
-    return GpuProfile("cpu", f"CPU ({total / GiB:.0f} GiB RAM)", int(total * 0.8), bf16=False, tflops=1.0,
-                      bandwidth_gbs=20, pcie_gbs=1000, platform="cpu")
+    return GpuProfile(dev.CPU, f"CPU ({total / GiB:.0f} GiB RAM)", int(total * 0.8), bf16=False, tflops=1.0,
+                      bandwidth_gbs=20, pcie_gbs=1000, platform=dev.CPU)
 
 
 def profile_for_device_name(device_name: str, total: int) -> GpuProfile | None:
@@ -202,7 +202,7 @@ def get_gpu(name: str | None) -> GpuProfile:
         return detect() or cpu_profile()
     if text in ("cpu", "cpu (this machine)"):
         return cpu_profile()
-    if text == "cuda":
+    if text == dev.CUDA:
         found = detect()
         if found is None:
             raise UserError(

@@ -46,6 +46,7 @@ from finetuner.config.sections import (
     Section,
     TrainingSection,
 )
+from finetuner.device import CPU, CUDA
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 from finetuner.locate import find_local, locate
@@ -75,7 +76,7 @@ class Recipe(Section):
     samples: SamplesSection = Field(default_factory=SamplesSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output_dir: str | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", CPU, CUDA] = "auto"  # the platforms of finetuner.device
 
     @field_validator("name")
     @classmethod

@@ -38,6 +38,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import finetuner.device as dev
 from finetuner.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,14 +52,14 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 class Device:
     """What the resolver needs to know about a machine."""
 
-    platform: str  # "cpu" or "cuda"
+    platform: str  # a platform of finetuner.device.PLATFORMS (CPU or CUDA)
     bf16: bool = False  # the card computes in bf16 (Ampere and newer)
     flash_attention: bool = False  # FlashAttention-2 can run: flash_attn installed, Ampere or newer
     liger: bool = False  # Liger's kernels can run: liger-kernel and triton installed (and importable)
 
     @property
     def is_cuda(self) -> bool:
-        return self.platform == "cuda"
+        return dev.is_cuda(self.platform)
 
     @classmethod
     def of(cls, gpu: GpuProfile | None) -> Device:
@@ -69,27 +70,22 @@ class Device:
         (with triton) are installed in this Python environment: a plan is made where the run will
         be launched. Every bf16 card is Ampere or newer.
         """
-        if gpu is not None and gpu.platform == "cpu":
-            return cls("cpu")
+        if gpu is not None and gpu.platform == dev.CPU:
+            return cls(dev.CPU)
         bf16 = gpu.bf16 if gpu is not None else True
         flash = gpu.flash_attention if gpu is not None and gpu.flash_attention is not None else _installed("flash_attn")
         liger = gpu.liger if gpu is not None and gpu.liger is not None else _installed("liger_kernel") and _installed("triton")
-        return cls("cuda", bf16=bf16, flash_attention=bf16 and flash, liger=liger)
+        return cls(dev.CUDA, bf16=bf16, flash_attention=bf16 and flash, liger=liger)
 
     @classmethod
     def here(cls, want: str = "auto") -> Device:
         """This machine for a recipe's ``device`` setting (``auto``, ``cpu`` or ``cuda``): :meth:`of` the
         detected card (:func:`finetuner.config.hardware.detect`, which says whether FlashAttention-2 and
         Liger run here), so a run and a plan for this card agree. Imports torch."""
-        import torch
-
         from finetuner.config.hardware import detect
 
-        cuda = torch.cuda.is_available()
-        if want == "cuda" and not cuda:
-            raise UserError("device: 'cuda' was asked for but no CUDA GPU is visible.", hint="Set device: auto or cpu.")
-        if not cuda or want == "cpu":
-            return cls("cpu")
+        if dev.resolve(want) == dev.CPU:
+            return cls(dev.CPU)
         return cls.of(detect())
 
 
@@ -106,7 +102,7 @@ def fast_path(device: Device) -> dict[str, object]:
     from finetuner.model import kernels
 
     if not device.is_cuda:
-        return {"device": "cpu", "attention": "sdpa", "kernels": "none", "loss_path": kernels.loss_path("none", 1024),
+        return {"device": dev.CPU, "attention": "sdpa", "kernels": "none", "loss_path": kernels.loss_path("none", 1024),
                 "missing": ["no CUDA device: Liger Kernel and FlashAttention-2 run on CUDA GPUs only"]}
     missing = []
     if not device.liger:
@@ -115,7 +111,7 @@ def fast_path(device: Device) -> dict[str, object]:
         missing.append(f"FlashAttention-2: {FLASH_INSTALL} (where a wheel exists for your torch and CUDA), on an "
                        "Ampere or newer card" if device.bf16 else "FlashAttention-2 needs an Ampere or newer card")
     kern = "liger" if device.liger else "none"
-    return {"device": "cuda", "attention": "flash_attention_2" if device.flash_attention else "sdpa", "kernels": kern,
+    return {"device": dev.CUDA, "attention": "flash_attention_2" if device.flash_attention else "sdpa", "kernels": kern,
             "loss_path": kernels.loss_path(kern, 1024), "missing": missing}
 
 
@@ -128,7 +124,7 @@ def _installed(package: str) -> bool:
 class Runtime:
     """A recipe's device-dependent choices, resolved (see the module doc)."""
 
-    device: str  # "cpu" or "cuda"
+    device: str  # a platform of finetuner.device.PLATFORMS (CPU or CUDA)
     base_dtype: str  # storage dtype of frozen weights: bf16 | fp16 | fp32
     precision: str  # autocast dtype: bf16 | fp16 | fp32 (fp32 = no autocast)
     compute_dtype: str  # bitsandbytes compute dtype for quantized layers
@@ -140,7 +136,7 @@ class Runtime:
 
     @property
     def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
+        return dev.is_cuda(self.device)
 
     @property
     def gather_dtype(self) -> str:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import finetuner.phases as phases
+import finetuner.device as dev
+from finetuner.config.runtime import TORCH_DTYPES
 from finetuner.errors import UserError, first_line
 from finetuner.fileio import exists, expand_user
 from finetuner.locate import check_hub, locate
@@ -279,11 +281,9 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: 
 
 
 def inference_device(device: str = "auto") -> str:
-    import torch
-
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        return dev.CUDA if dev.available() else dev.CPU
+    if dev.is_cuda(device) and not dev.available():
         raise UserError("device 'cuda' was asked for but no CUDA GPU is visible.", hint="Use device 'cpu' or 'auto'.")
     return device
 
@@ -307,11 +307,11 @@ def _load_model(src: Source, adapter: bool, device: str, pictures: bool):
         from finetuner.model.loading import load_base_model
         from finetuner.config.runtime import resolve_runtime
 
-        recipe = src.recipe.model_copy(update={"device": "cuda" if device.startswith("cuda") else "cpu"})
+        recipe = src.recipe.model_copy(update={"device": dev.platform_of(device).name})
         rt = resolve_runtime(recipe)
         model = load_base_model(recipe, rt, pictures=pictures)
     else:
-        dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else (torch.float16 if device.startswith("cuda") else torch.float32)
+        dtype = getattr(torch, TORCH_DTYPES[dev.half_precision() if dev.is_cuda(device) else "fp32"])
         trust = src.trust_remote_code
         pickle_ok = src.allow_pickle
         if src.kind == "full" and adapter:

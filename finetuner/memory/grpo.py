@@ -45,7 +45,7 @@ phase holds the resident weights, optimizer states and GRPO buffers only), and v
 ``vllm_gpu_memory_utilization × card memory``, is held for the whole run on top of every phase (no
 sleep mode: :func:`vllm_terms`). vLLM sizes its KV cache to fill the share, and without sleep mode its
 weights and KV cache are tensors of torch's caching allocator in the same process, so the share is added
-to every phase and to the allocated peak (what ``torch.cuda.max_memory_allocated`` would see), with no
+to every phase and to the allocated peak (the allocator's peak that ``finetuner.device.memory_stats`` reads), with no
 allocator slack on it (a few large blocks). The share must hold vLLM's copy of the weights (the base in the compute
 dtype; QLoRA: quantized as vLLM quantizes it, 4-bit NF4 with double quantization, the rest in the
 compute dtype), its LoRA slots (``max_lora_rank`` on every linear layer, one adapter) and the KV cache of
@@ -68,6 +68,7 @@ from dataclasses import dataclass, field, replace
 
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.config.recipe import VLLM_LORA_RANKS
+from finetuner.device import CUDA
 from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
                                     DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
                                     layer_transient_per_token, trainable_params, weight_bytes)
@@ -321,11 +322,11 @@ def grpo_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, top_p: bool =
     if share:  # vLLM's weights and KV cache are torch tensors of the same process, held through every phase
         phases = {k: v + share for k, v in phases.items()}
     peak_phase = max(phases, key=lambda k: phases[k])
-    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
+    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == CUDA else 0
     allocated = phases[peak_phase] + workspace - loss.spillable_bytes
     training = allocated - share  # the allocator's slack on the training's tensors; vLLM's are a few large blocks
     reserved = training + int(training * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES + share
-    total = reserved + loss.spillable_bytes + (CUDA_CONTEXT_BYTES if s.platform == "cuda" else 0)
+    total = reserved + loss.spillable_bytes + (CUDA_CONTEXT_BYTES if s.platform == CUDA else 0)
     details = {"resident_bytes": resident, "generation_rows": g.generation_rows}
     if vllm is not None:
         details.update(vllm_share_bytes=vllm.share, vllm_weight_bytes=vllm.weights, vllm_lora_bytes=vllm.lora_slots,
@@ -400,7 +401,7 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
         out["reference pass (the policy's saved activations + the reference forward)"] = rest
     else:
         out["gradients and optimizer step temporaries"] = rest
-    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
+    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == CUDA else 0
     if workspace:
         out["cuBLAS workspace"] = workspace
     out["allocator slack"] = m.reserved_bytes - m.allocated_bytes

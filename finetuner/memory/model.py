@@ -67,6 +67,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from finetuner.device import CPU, CUDA, PLATFORMS
 from finetuner.errors import UserError
 from finetuner.config.sections import Objective, Optimizer
 from finetuner.model.shapes import ModelShape, lora_param_count, lora_targets
@@ -85,14 +86,11 @@ GiB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 #: CUDA context, cuBLAS/cuDNN handles and kernel images: device memory outside torch's caching
-#: allocator (so not in ``max_memory_reserved``). ~300-500 MiB with lazy module loading on recent
-#: drivers (nvidia-smi of a process that only ran ``torch.zeros(1, device="cuda")``), plus the
-#: bitsandbytes and attention kernels once loaded; taken on the safe side.
-CUDA_CONTEXT_BYTES = 640 * MiB
+#: allocator (so not in ``max_memory_reserved``); the value and its source: finetuner.device.PLATFORMS.
+CUDA_CONTEXT_BYTES = PLATFORMS[CUDA].context_bytes
 
-#: cuBLAS/cuBLASLt workspaces, allocated through the caching allocator (torch >= 2.3): up to
-#: 32 MiB each on Hopper (``CUBLAS_WORKSPACE_CONFIG`` defaults), one per handle and stream.
-CUBLAS_WORKSPACE_BYTES = 64 * MiB
+#: cuBLAS/cuBLASLt workspaces, allocated through the caching allocator (finetuner.device.PLATFORMS).
+CUBLAS_WORKSPACE_BYTES = PLATFORMS[CUDA].workspace_bytes
 
 #: The caching allocator keeps freed blocks and rounds segments to 2 MiB, so
 #: ``max_memory_reserved`` exceeds ``max_memory_allocated``. With
@@ -161,7 +159,7 @@ class Settings:
     tiled_mlp: int = 0  # tokens per MLP chunk (finetuner.model.tiled_mlp); 0: the MLP runs whole
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)
-    platform: Literal["cuda", "cpu"] = "cuda"
+    platform: str = CUDA  # a platform of finetuner.device.PLATFORMS
     objective: Objective = DEFAULT_OBJECTIVE  # preference objectives: preference_cost
     reference: Literal["none", "adapter_off", "precomputed"] = "none"  # how DPO/KTO get the reference scores
     #: an image-text model's trainable vision tensors (lora.train_projector / train_vision_tower) as (rows, cols,
@@ -211,8 +209,8 @@ class MemoryEstimate:
     components: dict[str, int]  # device memory at the peak, by component (sums to total_bytes)
     peak_phase: str
     phases: dict[str, int]  # allocated bytes at the peak of each phase
-    allocated_bytes: int  # predicted torch.cuda.max_memory_allocated
-    reserved_bytes: int  # predicted torch.cuda.max_memory_reserved
+    allocated_bytes: int  # predicted peak allocated of the caching allocator (finetuner.device.memory_stats)
+    reserved_bytes: int  # predicted peak reserved of the caching allocator
     total_bytes: int  # reserved + CUDA context: what the card must hold
     device_bytes: int | None = None
     budget_bytes: int | None = None  # device_bytes minus the safety margin
@@ -424,7 +422,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings, traced: bool = True) 
     lora = s.method != "full"
     targets = {shape.role_of(name) for name, *_ in lora_targets(shape, list(s.lora_targets) if isinstance(s.lora_targets, tuple) else s.lora_targets)} if lora else set()
     p = s.lora_dropout
-    mask_b = 1 if s.platform == "cuda" else None  # native_dropout keeps a bool mask on CUDA
+    mask_b = 1 if s.platform == CUDA else None  # native_dropout keeps a bool mask on CUDA
     terms: list[tuple[str, float]] = []
 
     def norm(label: str, trainable: bool) -> None:
@@ -457,7 +455,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings, traced: bool = True) 
             # the LoRA branch
             if lora and name in targets:
                 terms.append((f"{name}: lora_A output", d.c * r))
-                if d.base == "frozen" or s.platform == "cpu":
+                if d.base == "frozen" or s.platform == CPU:
                     # peft Linear casts x to the adapter dtype (fp32); on CPU the bnb LoRA layers
                     # do too (``torch.is_autocast_enabled()`` is the CUDA flag). Then autocast
                     # casts to c for lora_A: a new tensor, saved.
@@ -555,7 +553,7 @@ def layer_activation_terms(shape: ModelShape, s: Settings, traced: bool = True) 
 
 
 #: the settings the layer's trace runs under (:mod:`finetuner.model.trace`): LoRA all-linear, fp32, the CPU
-TRACE_SETTINGS = Settings(method="lora", weight_dtype="fp32", compute_dtype="fp32", platform="cpu", lora_r=TRACE_LORA_R,
+TRACE_SETTINGS = Settings(method="lora", weight_dtype="fp32", compute_dtype="fp32", platform=CPU, lora_r=TRACE_LORA_R,
                           lora_dropout=TRACE_LORA_DROPOUT, attn_implementation="sdpa")
 
 
@@ -897,7 +895,7 @@ def estimate(
         comp["logits"] = act.logits if loss_phase >= layer_phase else held
     else:
         comp["optimizer step temporaries"] = step_temp
-    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == "cuda" else 0
+    workspace = CUBLAS_WORKSPACE_BYTES if s.platform == CUDA else 0
     allocated = phases[peak_phase] + workspace
     if workspace:
         comp["cuBLAS workspace"] = workspace
@@ -907,7 +905,7 @@ def estimate(
     slack = int(torch_allocated * ALLOCATOR_FRACTION) + ALLOCATOR_FIXED_BYTES
     reserved = torch_allocated + slack
     comp["allocator slack"] = slack
-    context = CUDA_CONTEXT_BYTES if s.platform == "cuda" else 0
+    context = CUDA_CONTEXT_BYTES if s.platform == CUDA else 0
     if context:
         comp["CUDA context"] = context
     total = reserved + paged + context
@@ -997,7 +995,7 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         optimizer=t.optimizer,
         attn_implementation="sdpa" if rt.attention == "auto" else rt.attention,
         attention_mask=recipe.data.packing or t.micro_batch_size > 1,
-        platform="cpu" if not rt.is_cuda else "cuda",
+        platform=CUDA if rt.is_cuda else CPU,
         activation_offload=t.offload_activations,
         loss_chunk=t.loss_chunk_size,
         tiled_mlp=rt.tiled_mlp,

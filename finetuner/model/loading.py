@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.errors import UserError, first_line
 from finetuner.locate import check_hub
 from finetuner.model import gguf_base
@@ -275,7 +276,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
         # bitsandbytes quantizes onto the device the map names: this process's GPU (the current one, which
         # a rank of a multi-process run has set to its LOCAL_RANK's), not always GPU 0
         index = torch.device(rt.device).index
-        kwargs.setdefault("device_map", {"": index if index is not None else torch.cuda.current_device()} if rt.is_cuda else {"": "cpu"})
+        kwargs.setdefault("device_map", {"": index if index is not None else dev.current_index()} if rt.is_cuda else {"": "cpu"})
         if rt.is_cuda and recipe.quantization.bits == 4 and "" in kwargs["device_map"] and not gguf_base.is_gguf_name(m.name):
             # a mixture of experts' 16-bit experts would fill the GPU before they are quantized: they load into
             # CPU memory and are quantized onto the GPU one expert at a time (finetuner.model.experts4bit)
@@ -285,9 +286,9 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
                 quant.llm_int8_enable_fp32_cpu_offload = True
     if m.max_memory:
         # layers split over several GPUs (accelerate's device map; autograd follows the tensors)
-        if not rt.is_cuda or torch.cuda.device_count() < len(m.max_memory):
+        if not rt.is_cuda or dev.count() < len(m.max_memory):
             raise UserError(
-                f"model.max_memory names {len(m.max_memory)} GPU(s) but {torch.cuda.device_count()} are visible.",
+                f"model.max_memory names {len(m.max_memory)} GPU(s) but {dev.count()} are visible.",
                 hint="Remove model.max_memory to train on one device.",
             )
         kwargs["device_map"] = "auto"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import finetuner.device as dev
+
 
 def _offloaded_function():
     import torch
@@ -30,7 +32,7 @@ def _offloaded_function():
             ctx.device = hidden.device
             ctx.autocast = (torch.is_autocast_enabled(hidden.device.type), torch.get_autocast_dtype(hidden.device.type))
             ctx.cpu_rng = torch.get_rng_state()
-            ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
+            ctx.device_rng = dev.device_rng_state(hidden.device)
             if hidden.is_cuda:
                 ctx.saved_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device="cpu", pin_memory=True)
                 ctx.saved_hidden.copy_(hidden.detach(), non_blocking=True)
@@ -42,11 +44,9 @@ def _offloaded_function():
         @staticmethod
         def backward(ctx, *grads):
             hidden = ctx.saved_hidden.to(ctx.device, non_blocking=True).requires_grad_(True)
-            devices = [ctx.device] if ctx.cuda_rng is not None else []
-            with torch.random.fork_rng(devices=devices):  # replay the forward's dropout masks
+            with dev.fork_rng(ctx.device):  # replay the forward's dropout masks
                 torch.set_rng_state(ctx.cpu_rng)
-                if ctx.cuda_rng is not None:
-                    torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+                dev.set_device_rng_state(ctx.device_rng, ctx.device)
                 with torch.enable_grad(), torch.autocast(ctx.device.type, enabled=ctx.autocast[0], dtype=ctx.autocast[1]):
                     out = ctx.run_fn(hidden, *ctx.args)
             outs = out if isinstance(out, tuple) else (out,)

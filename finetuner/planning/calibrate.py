@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import finetuner.device as devices
+from finetuner.device import CPU, CUDA
 from finetuner.planning.load import load_now
 from finetuner.planning.speed import DeviceSpeed
 
@@ -72,8 +74,8 @@ def device_key() -> tuple[str, str]:
     """This machine's device as (platform, name): the CUDA device 0, else the CPU model and thread count."""
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.get_device_name(0)
+    if devices.available():
+        return CUDA, devices.name(0)
     model = _platform.processor() or _platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -82,7 +84,7 @@ def device_key() -> tuple[str, str]:
                 break
     except OSError:  # pragma: no cover - not Linux
         pass
-    return "cpu", f"{model}, {torch.get_num_threads()} threads"
+    return CPU, f"{model}, {torch.get_num_threads()} threads"
 
 
 def cache_file(name: str) -> Path:
@@ -145,11 +147,11 @@ def measure() -> DeviceSpeed:
     import torch
 
     plat, name = device_key()
-    dev = torch.device("cuda" if plat == "cuda" else "cpu")
-    sync = torch.cuda.synchronize if plat == "cuda" else _no_sync
+    dev = torch.device(plat)
+    sync = devices.synchronize if plat == CUDA else _no_sync
     t_start = time.perf_counter()
-    if plat == "cuda":
-        half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if plat == CUDA:
+        half = devices.half_precision()
         dtypes, widths, tokens = (half, "fp32"), GPU_WIDTHS, 8192
     else:
         dtypes, widths, tokens = ("fp32",), CPU_WIDTHS, 1024
@@ -166,13 +168,13 @@ def measure() -> DeviceSpeed:
     op_s = _timed(ops, sync) / (2 * chain + 2)
     matmul: dict[str, tuple[tuple[int, float], ...]] = {}
     with torch.no_grad():
-        n = (1 << 30 if plat == "cuda" else 1 << 27) // 4
+        n = (1 << 30 if plat == CUDA else 1 << 27) // 4
         x = torch.empty(n, device=dev, dtype=torch.float32).fill_(1.0)
         y = torch.empty_like(x)
         bandwidth = 2 * 4 * n / _timed(lambda: y.copy_(x), sync)
         del x, y
-        par_s = parallel_op_seconds(torch.ones(PARALLEL_PROBE_SHAPE), op_s, bandwidth) if plat == "cpu" else 0.0
-        fresh = fresh_memory_rate() if plat == "cpu" else 0.0
+        par_s = parallel_op_seconds(torch.ones(PARALLEL_PROBE_SHAPE), op_s, bandwidth) if plat == CPU else 0.0
+        fresh = fresh_memory_rate() if plat == CPU else 0.0
         for dt in dtypes:
             timings = []
             for w in widths:
@@ -180,7 +182,7 @@ def measure() -> DeviceSpeed:
                 b = torch.randn(w, w, device=dev, dtype=torch_dtype[dt])
                 timings.append((w, _timed(lambda: a @ b, sync)))
             matmul[dt] = matmul_rates(tokens, timings)
-    kernels = _kernel_rates(dev, sync, "bf16" if plat == "cuda" and torch.cuda.is_bf16_supported() else ("fp16" if plat == "cuda" else "fp32"))
+    kernels = _kernel_rates(dev, sync, devices.half_precision() if plat == CUDA else "fp32")
     dequant, how = _dequant_rate(dev, sync)
     disk = _disk_rates()
     startup = _startup_seconds()
@@ -188,11 +190,11 @@ def measure() -> DeviceSpeed:
                "threads": torch.get_num_threads(), "dequantization": how}
     # the load it was made under and its clock (finetuner.planning.load: a plan says when the machine is busier now)
     load, cores = load_now()
-    details.update(load_average=round(load, 2), cores=cores, timed_by="cpu time" if _cpu_clock(plat == "cpu") else "wall clock")
+    details.update(load_average=round(load, 2), cores=cores, timed_by="cpu time" if _cpu_clock(plat == CPU) else "wall clock")
     from finetuner.version import __version__
 
     details["finetuner"] = __version__
-    link = 25e9 if plat == "cuda" else 1e12
+    link = 25e9 if plat == CUDA else 1e12
     src = (f"calibrated on this machine ({name}, {time.strftime('%Y-%m-%d')}): matmul "
            + ", ".join(f"{dt} {max(r for _, r in rows) / 1e9:,.0f} GFLOP/s" for dt, rows in matmul.items())
            + f", {bandwidth / 1e9:,.1f} GB/s" + (f" ({fresh / 1e9:,.1f} GB/s into fresh memory)" if fresh else "")
@@ -326,8 +328,8 @@ def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:
     import torch.nn.functional as F
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    heads, hd = (16, 128) if dev.type == "cuda" else (4, 32)
-    seqs = (512, 2048, 8192) if dev.type == "cuda" else (128, 512, 1024)
+    heads, hd = (16, 128) if dev.type == CUDA else (4, 32)
+    seqs = (512, 2048, 8192) if dev.type == CUDA else (128, 512, 1024)
 
     def attention(masked: bool) -> tuple[tuple[int, float], ...]:
         rows = []
@@ -346,7 +348,7 @@ def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:
             rows.append((seq, 3 * 4 * heads * seq * seq * hd / _timed(run, sync)))  # forward + backward (2x), full square
         return tuple(rows)
 
-    rows = 4096 if dev.type == "cuda" else 512
+    rows = 4096 if dev.type == CUDA else 512
 
     def ce_rate(vocab: int) -> float:
         base = torch.randn(rows, vocab, device=dev, dtype=torch.float32)
@@ -358,11 +360,11 @@ def _kernel_rates(dev, sync, dtype_name: str) -> dict[str, float]:
 
         return rows * vocab / _timed(ce, sync)
 
-    x = torch.randn(rows, 4096 if dev.type == "cuda" else 512, device=dev, dtype=dt)
+    x = torch.randn(rows, 4096 if dev.type == CUDA else 512, device=dev, dtype=dt)
     return {
         "attention_causal": attention(False),
         "attention_masked": attention(True),
-        "cross_entropy": tuple((v, ce_rate(v)) for v in ((32000, 128256) if dev.type == "cuda" else (1000, 8000, 50000))),
+        "cross_entropy": tuple((v, ce_rate(v)) for v in ((32000, 128256) if dev.type == CUDA else (1000, 8000, 50000))),
         "dropout": x.numel() / _timed(lambda: F.dropout(x, 0.05, training=True), sync),
     }
 
@@ -380,8 +382,8 @@ def _dequant_rate(dev, sync) -> tuple[float, str]:
 
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             import bitsandbytes.functional as bnbf
-        side = 4096 if dev.type == "cuda" else 1024
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        side = 4096 if dev.type == CUDA else 1024
+        dtype = torch.bfloat16 if dev.type == CUDA else torch.float32
         w = torch.randn(side, side, device=dev, dtype=dtype)
         q, state = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True)
         sec = _timed(lambda: bnbf.dequantize_4bit(q, state), sync)
@@ -434,10 +436,10 @@ def speed_for(gpu: GpuProfile, calibrate: bool | None = None) -> DeviceSpeed:
     machine's device (the CPU profile, or a detected card), measured on first use for the CPU
     (``calibrate`` None: a few seconds, then cached) or when ``calibrate`` is True; else the card's
     data sheet (:meth:`DeviceSpeed.from_profile`)."""
-    if os.environ.get(SPEED_FILE_ENV) and (gpu.platform == "cpu" or gpu.detected):
+    if os.environ.get(SPEED_FILE_ENV) and (gpu.platform == CPU or gpu.detected):
         return load(os.environ[SPEED_FILE_ENV])
-    if gpu.platform == "cpu" or gpu.detected:
-        want = calibrate if calibrate is not None else gpu.platform == "cpu"
+    if gpu.platform == CPU or gpu.detected:
+        want = calibrate if calibrate is not None else gpu.platform == CPU
         found = cached(measure_if_missing=bool(want))
         if found is not None and found.platform == gpu.platform:
             return found

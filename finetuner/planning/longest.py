@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.config.hardware import GpuProfile, get_gpu
+from finetuner.device import CUDA
 from finetuner.errors import UserError
 from finetuner.memory.model import GiB, MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
@@ -203,7 +204,7 @@ def _candidates(method: str, shape: ModelShape, gpu: GpuProfile, *, gradient_che
                 offload_activations: bool | None, optimizer: str | None, kernels: str | None,
                 tiled_mlp: bool | None = None) -> list[Candidate]:
     """Every combination left open, simplest first."""
-    cuda = gpu.platform == "cuda"
+    cuda = gpu.platform == CUDA
     gcs = [False, True] if gradient_checkpointing is None else [gradient_checkpointing]
     offs = ([False, True] if cuda else [False]) if offload_activations is None else [offload_activations]
     # simplest first: no checkpointing, checkpointing, offloaded checkpointing, then every saved
@@ -345,7 +346,7 @@ def longest_sequence(
     from finetuner.config.sections import TrainingSection
 
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
-    if prof.platform != "cuda":
+    if prof.platform != CUDA:
         raise UserError(
             f"The longest sequence is asked of a GPU card, and '{prof.name}' is the CPU.",
             hint="Name the card: --gpu rtx4090 (see `finetuner gpus`) or a size such as --gpu 24GB.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetuner.config.hardware import GpuProfile, list_profiles
+from finetuner.device import CUDA
 from finetuner.objectives.specs import spec_of
 from finetuner.memory.grpo import grpo_settings_of
 from finetuner.memory.model import GiB, MemoryEstimate, Settings
@@ -154,7 +155,7 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
             break
         s //= 2
     for card in list_profiles():
-        if card.memory_bytes <= gpu.memory_bytes or card.platform != "cuda":
+        if card.memory_bytes <= gpu.memory_bytes or card.platform != CUDA:
             continue
         if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a bigger card: {card.name} ({card.memory_gib:.0f} GiB) fits this recipe")

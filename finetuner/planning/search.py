@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile
+from finetuner.device import CUDA
 from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_from_recipe
 from finetuner.memory.sharding import distributed_keys
@@ -146,7 +147,7 @@ def method_options(method: str | None) -> list[tuple[str, int | None]]:
     raise UserError(f"--method {method!r}: use auto, lora, qlora, qlora4, qlora8, full or any.")
 
 
-def _optimizers(method: str, fixed: str | None, platform: str = "cuda") -> list[str]:
+def _optimizers(method: str, fixed: str | None, platform: str = CUDA) -> list[str]:
     """The optimizers the planner weighs; on a CPU torch's own only (bitsandbytes pages on CUDA only:
     a paged optimizer on a CPU warns "Paged optimizers are not supported on CPU" and falls back)."""
     if fixed and fixed != "auto":
@@ -247,7 +248,7 @@ def search(
     for m, bits in methods:
         for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None, gpu.platform):
             for gc in gcs:
-                offloads = [False, True] if (t.offload_activations == "auto" and gc and gpu.platform == "cuda") else (
+                offloads = [False, True] if (t.offload_activations == "auto" and gc and gpu.platform == CUDA) else (
                     [bool(t.offload_activations)] if t.offload_activations != "auto" else [False])
                 for off in offloads:
                     for mb, ga in _micro_batches(eff, t.micro_batch_size, t.gradient_accumulation):

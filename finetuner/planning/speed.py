@@ -73,6 +73,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from finetuner.device import CPU, CUDA
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.objectives.specs import spec_of
@@ -96,7 +97,7 @@ MATMUL_HALF_WIDTH = 256
 #: ``T / (T + DEVICE_HALF_TOKENS)`` (the planner's earlier utilisation curve, fitted on the H100 runs
 #: of docs/benchmarks.md). A CPU reaches its rates from a few rows (0: no such term; the CPU matrix
 #: in docs/validation/ bears it out).
-DEVICE_HALF_TOKENS = {"cuda": 256, "cpu": 0}
+DEVICE_HALF_TOKENS = {CUDA: 256, CPU: 0}
 #: Rows at which a CPU's matmul reaches half its calibrated rate (measured at ``matmul_tokens`` rows):
 #: the CPU's kernels do not block well over few rows (a decode step's few sequences, a micro-batch of
 #: one short sequence): ``rate(T) = rate × T / (T + CPU_MATMUL_HALF_ROWS)``, relative to the
@@ -200,7 +201,7 @@ class DeviceSpeed:
     """
 
     name: str
-    platform: str  # "cpu" or "cuda"
+    platform: str  # a platform of finetuner.device.PLATFORMS (CPU or CUDA)
     matmul_flops: dict[str, tuple[tuple[int, float], ...]]
     bandwidth_bytes_per_s: float
     op_overhead_s: float
@@ -282,7 +283,7 @@ class DeviceSpeed:
                        source=f"{gpu.name}: default figures ({gpu.tflops:g} TFLOP/s, {gpu.bandwidth_gbs:g} GB/s), "
                               "not calibrated: run `finetuner gpus --calibrate`")
         return cls(
-            gpu.name, "cuda", {half: table(peak), "fp16": table(peak), "fp32": table(peak / 16)}, bw, GPU_OP_OVERHEAD_S,
+            gpu.name, CUDA, {half: table(peak), "fp16": table(peak), "fp32": table(peak / 16)}, bw, GPU_OP_OVERHEAD_S,
             DEQUANT_WEIGHTS_PER_S_PER_GBS * gpu.bandwidth_gbs, gpu.pcie_gbs * 1e9, gpu.link_gbs * 1e9,
             source=(f"{gpu.name} data sheet: {gpu.tflops:g} TFLOP/s dense {half} at {MATMUL_EFFICIENCY:.0%}, "
                     f"{gpu.bandwidth_gbs:g} GB/s at {BANDWIDTH_EFFICIENCY:.0%}, {GPU_OP_OVERHEAD_S * 1e6:g} us an operation"),
@@ -359,7 +360,7 @@ def causal_skip(s: Settings) -> bool:
     CPU's SDPA computes the whole square."""
     if s.attn_implementation == "flash_attention_2":
         return True
-    return s.attn_implementation == "sdpa" and s.platform == "cuda" and not s.attention_mask
+    return s.attn_implementation == "sdpa" and s.platform == CUDA and not s.attention_mask
 
 
 def forward_flops(shape: ModelShape, s: Settings) -> dict[str, float]:
@@ -588,7 +589,7 @@ def forward_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> float
     dequant = dequant_seconds(shape, plain, speed) / 2  # dequant_seconds counts forward + input gradient
     device = (matmuls + attention + loss + traffic + dequant) / speed.utilisation(T)
     ops = forward_op_count(shape, s) * op_seconds(speed, T * shape.hidden_size)
-    if speed.platform == "cuda":
+    if speed.platform == CUDA:
         return device + max(0.0, ops - device)
     return device + ops
 
@@ -637,7 +638,7 @@ def step_time(shape: ModelShape, s: Settings, speed: DeviceSpeed, est: MemoryEst
     util = speed.utilisation(rows_per_micro_batch(s) * s.seq_len)
     for k in ("matmuls", "attention", "loss", "dropout", "memory-bound", "fresh memory", "dequantization"):
         parts[k] /= util
-    if speed.platform == "cuda":
+    if speed.platform == CUDA:
         # the host queues kernels while the device runs earlier ones: only the host's excess shows
         device = sum(v for k, v in parts.items() if k not in ("operations", "fixed"))
         parts["operations"] = max(0.0, parts["operations"] - device)

@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from finetuner.device import CPU, CUDA
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
 from finetuner.memory.model import Settings, quantized_numel
@@ -124,7 +125,7 @@ TOP_P_SORT_FACTOR = 3.5
 #: 4-bit linear, many of them views; as time they are worth about 10 of the calibration's operations
 #: (a fit: the demo model's one-token forward takes 1.1 ms more with its 28 linears in 4-bit than in
 #: fp32, ``--probe``). On CUDA: speed.py's ``OPS_PER_QUANT_LINEAR``.
-QUANT_LINEAR_OPS = {"cpu": 10, "cuda": OPS_PER_QUANT_LINEAR}
+QUANT_LINEAR_OPS = {CPU: 10, CUDA: OPS_PER_QUANT_LINEAR}
 
 
 def _targets(s: Settings) -> Any:
@@ -221,7 +222,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
     stored = {"qlora": 0.5 if s.quant_bits == 4 else 1.0}.get(s.method, 4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
     N, head = shape.active_weight_numel, shape.vocab_size * shape.hidden_size
     lora = _lora_numel(shape, s) if adapter else 0.0
-    util = speed.utilisation(rows) if speed.platform == "cuda" else matmul_row_efficiency(speed, rows)
+    util = speed.utilisation(rows) if speed.platform == CUDA else matmul_row_efficiency(speed, rows)
     flops_t = (2 * rows * N / speed.matmul_rate(dt, w["decoder"]) + 2 * rows * head / speed.matmul_rate(dt, w["head"])
                + (2 * rows * lora / speed.matmul_rate(dt, max(1, s.lora_r)) if lora else 0.0)) / util
     head_bytes = head * (4 if s.method == "full" else DTYPE_BYTES[s.weight_dtype])
@@ -243,7 +244,7 @@ def decode_step_parts(shape: ModelShape, s: Settings, speed: DeviceSpeed, rows: 
 
 def _combine(device: float, ops: float, speed: DeviceSpeed) -> float:
     """speed.py's rule: on a GPU only the host's excess over the device's work shows."""
-    return max(device, ops) if speed.platform == "cuda" else device + ops
+    return max(device, ops) if speed.platform == CUDA else device + ops
 
 
 def generation_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed, *, calls: int, rows: int, prompt_width: float,

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetuner.device import CUDA
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.errors import UserError
 from finetuner.objectives.specs import spec_of
@@ -385,7 +386,7 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
     # a sample answer as long as the data's average response (its labelled share of the average row)
     answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and not spec_of(recipe.objective).generates else None
-    replay, probe, said = recipe_answering(recipe, train_rows, cuda=s.platform == "cuda", replay_cached=replay_cached)
+    replay, probe, said = recipe_answering(recipe, train_rows, cuda=s.platform == CUDA, replay_cached=replay_cached)
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.runs.schema import SCHEMA_VERSION, EventSchemaError, RunStateTracker, clean_value, validate_event
 
 log = logging.getLogger(__name__)
@@ -222,14 +223,8 @@ def follow(
 
 def device_memory(device: str) -> dict[str, int]:
     """Memory now, in bytes: the CUDA caching allocator's counters, or the process RSS on CPU."""
-    if device.startswith("cuda"):
-        import torch
-
-        return {
-            "mem_allocated": int(torch.cuda.memory_allocated(device)),
-            "mem_reserved": int(torch.cuda.memory_reserved(device)),
-            "mem_peak": int(torch.cuda.max_memory_allocated(device)),
-        }
+    if dev.platform_of(device).allocator_counters:
+        return {f"mem_{k}": v for k, v in dev.memory_stats(device).items()}
     import resource
 
     import psutil

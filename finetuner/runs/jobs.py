@@ -39,6 +39,7 @@ from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.data import scope as read_scope
+from finetuner.device import CUDA
 from finetuner.errors import UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
@@ -158,7 +159,7 @@ def _devices_clash(a: str, b: str) -> bool:
 
 def _device_key(device: str) -> str:
     d = (device or "auto").strip().lower()
-    return "cuda:0" if d == "cuda" else d
+    return f"{CUDA}:0" if d == CUDA else d
 
 
 # --------------------------------------------------------------------------- the registry

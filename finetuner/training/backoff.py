@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.errors import OutOfMemory
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory, smaller_micro_batch
 
@@ -30,7 +31,7 @@ def train_step_with_backoff(trainer, step: int,
     """
     import torch
 
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if trainer.rt.is_cuda else None)
+    rng = (torch.get_rng_state(), dev.rng_state() if trainer.rt.is_cuda else None)
     while True:
         try:
             return trainer.train_step(step, examples)
@@ -50,8 +51,7 @@ def train_step_with_backoff(trainer, step: int,
         free_after_oom(trainer.optimizer, trainer.rt.is_cuda)
         trainer._back_off(step, failure)
         torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
+        dev.set_rng_state(rng[1])
 
 
 def back_off(trainer, step: int, message: str) -> None:
@@ -94,9 +94,7 @@ def free_after_oom(optimizer, is_cuda: bool) -> None:
     nothing refers to its tensors any more): its gradients, reference cycles, the CUDA cache."""
     import gc
 
-    import torch
-
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
     if is_cuda:
-        torch.cuda.empty_cache()
+        dev.empty_cache()

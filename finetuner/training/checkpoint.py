@@ -36,6 +36,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.fileio import atomic_write_json, give_back, publish_dir
 from finetuner.quiet import quieted
 
@@ -123,8 +124,9 @@ def write_rng_state(tmp: Path, rank: int = 0) -> None:
                   "cached_gaussian": float(cached_gaussian)},
         "cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    devices = dev.rng_state()
+    if devices is not None:
+        rng[dev.CUDA] = devices
     torch.save(rng, tmp / rng_file(rank))
 
 
@@ -300,8 +302,7 @@ def set_rng_state(rng: dict[str, Any]) -> None:
     import torch
 
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    dev.set_rng_state(rng.get(dev.CUDA))
     if "python" in rng:
         py = rng["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.training import checkpoint as ckpt_io
@@ -129,15 +130,14 @@ def init_rank(recipe: Recipe) -> RankContext:
     """Join the process group torchrun set up the environment for."""
     import datetime
 
-    import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available() and recipe.device != "cpu"
+    cuda = recipe.device != dev.CPU and dev.available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
-        torch.cuda.set_device(local_rank)
+        dev.use(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend=dev.backend(dev.CUDA if cuda else dev.CPU), timeout=datetime.timedelta(minutes=30))
     strategy_class(recipe.distributed.strategy).join(cuda)
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, cuda)
 
@@ -149,7 +149,7 @@ def all_reduce_values(values: list, dtype, op: str = "sum") -> list:
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = dev.reduce_device(dist.get_backend())
     stats = torch.tensor(values, dtype=dtype, device=device)
     dist.all_reduce(stats, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
     return stats.tolist()

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.children import module_args, module_command, safe_env, stop_signals_as_in_a_terminal
+import finetuner.device as dev
 from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
@@ -311,8 +312,6 @@ def launch_training(
     """Run ``recipe`` on ``distributed.world_size`` processes; returns a :class:`TrainResult`.
     ``trust_checkpoints``: the ranks may resume from sharded checkpoints this user did not seal
     (:mod:`finetuner.training.seal`)."""
-    import torch
-
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
     from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
@@ -322,17 +321,17 @@ def launch_training(
     from finetuner.training.result import TrainResult
     from finetuner.training.inputs import check_inputs
 
-    cuda = torch.cuda.is_available() and recipe.device != "cpu"
+    cuda = dev.available() and recipe.device != dev.CPU
     d = recipe.distributed
     if d.deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise UserError(
             f"distributed.strategy: {d.strategy} runs on DeepSpeed, which is not installed.",
             hint="Install the distributed extra (pip install -c constraints.txt -e '.[distributed]'), or use strategy ddp.",
         )
-    if cuda and torch.cuda.device_count() < d.num_processes:
+    if cuda and dev.count() < d.num_processes:
         raise UserError(
             f"distributed.num_processes: {d.num_processes} processes need {d.num_processes} GPUs, "
-            f"but {torch.cuda.device_count()} are visible.",
+            f"but {dev.count()} are visible.",
             hint="Lower --gpus, or set device: cpu to run the processes on the CPU (gloo).",
         )
     if profile_memory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import finetuner.device as dev
 from finetuner.config.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -16,19 +17,14 @@ def start_memory_profile(rt: Runtime) -> bool:
     if not rt.is_cuda:
         log.warning("--profile-memory records CUDA allocations; this run is on %s, so nothing is recorded.", rt.device)
         return False
-    import torch
-
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    dev.record_allocations(max_entries=200_000)
     return True
 
 
 def dump_memory_profile(run_dir: Path, events, step: int) -> bool:
     """Write the snapshot (open it at https://pytorch.org/memory_viz), stop recording and say so in the
     ``memory_snapshot`` event of ``events`` (the run's event writer); False: nothing is recorded any more."""
-    import torch
-
     path = run_dir / "memory_snapshot.pickle"
-    torch.cuda.memory._dump_snapshot(str(path))
-    torch.cuda.memory._record_memory_history(enabled=None)
+    dev.dump_allocations(str(path))
     events.emit("memory_snapshot", step=step, path=str(path))
     return False

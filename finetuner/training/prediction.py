@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from finetuner.config.recipe import Recipe
+from finetuner.device import platform_of
 from finetuner.config.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def predicted_wait(predicted_speed: dict[str, Any]) -> dict[str, float] | None:
 
 def memory_comparison(prediction, measured_peak: int, rt: Runtime) -> dict[str, Any]:
     """Predicted vs measured peak; on CPU the measurement is the process RSS (not comparable 1:1)."""
-    out: dict[str, Any] = {"measured_peak_bytes": measured_peak, "measured": "torch.cuda.max_memory_allocated" if rt.is_cuda else "process peak RSS"}
+    out: dict[str, Any] = {"measured_peak_bytes": measured_peak, "measured": platform_of(rt.device).peak_counter}
     if prediction is not None:
         out["predicted_peak_bytes"] = prediction.allocated_bytes
         if rt.is_cuda:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import finetuner.device as dev
 from finetuner.infer.generate import clean_text
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ def generate_group(model: Any, tokenizer: Any, prompts: Sequence[Any], *, num_ge
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        with dev.fork_rng(device), torch.no_grad():
             torch.manual_seed(seed)
             for start in range(0, len(rows), step):
                 sl = slice(start, start + step)

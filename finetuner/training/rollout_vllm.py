@@ -43,6 +43,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.config.recipe import VLLM_LORA_RANKS, Recipe
 from finetuner.config.runtime import TORCH_DTYPES
 from finetuner.errors import UserError
@@ -58,9 +59,7 @@ _OFF = "Set grpo.use_vllm: false to generate with transformers instead."
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (vLLM's wheels are CUDA-only)."""
-    import torch
-
-    return torch.cuda.is_available()
+    return dev.available()
 
 
 def check_vllm() -> None:

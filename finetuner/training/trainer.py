@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import finetuner.device as dev
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.data import cache as data_cache
 from finetuner.data.pipeline import PreparedData
@@ -164,7 +165,7 @@ class Trainer:
             optimizer_steps(None, t.epochs, len(self.data.train), t.effective_batch_size) * self.objective.steps_per_batch)
         self.optimizer = build_optimizer(self.model, t, self.rt.is_cuda)
         self.scheduler = build_scheduler(self.optimizer, t, self.max_steps)
-        self.scaler = torch.amp.GradScaler("cuda") if (self.rt.precision == "fp16" and self.rt.is_cuda) else None
+        self.scaler = dev.grad_scaler(self.rt.device, self.rt.precision)
         self.step_loss = self.objective.step_loss_module(self.model, t.loss_chunk_size, self.fused_ce)
         self.objective.prepare(self)  # e.g. the step-0 model's reference scores, before any checkpoint is applied
         self.step, self.tokens_seen, self.elapsed_before, self.losses = 0, 0, 0.0, []
@@ -317,11 +318,7 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def autocast(self):
         """The autocast context of a forward pass in the run's precision (fp32: none)."""
-        import torch
-
-        if self.rt.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type="cuda" if self.rt.is_cuda else "cpu", dtype=self.rt.torch_dtype(self.rt.precision))
+        return dev.autocast(self.rt.device, None if self.rt.precision == "fp32" else self.rt.torch_dtype(self.rt.precision))
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A collated batch with its tensors on the run's device."""
