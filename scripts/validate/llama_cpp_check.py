@@ -128,7 +128,11 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                  mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
                                  layer_types=["mamba", "attention"], embedding_multiplier=4.0, residual_multiplier=0.5,
-                                 attention_multiplier=0.25, logits_scaling=0.25, max_position_embeddings=512)}
+                                 attention_multiplier=0.25, logits_scaling=0.25, max_position_embeddings=512),
+        # Bamba: a Mamba-2 layer and an attention layer turning the first half of each head, dense MLPs
+        "bamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=16, attn_layer_indices=[1], max_position_embeddings=512)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

@@ -1,6 +1,6 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE and Granite 4.0-H, which that loader does not read as
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H and Bamba, which that loader does not read as
 they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
 whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
 written."""
@@ -194,6 +194,9 @@ LLAMA_CPP_READ = {
     "granitemoehybrid": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.embedding_scale": 4.0,
                                            "granitehybrid.logit_scale": 0.25, "granitehybrid.rope.scaling.finetuned": False},
                          {"blk.0.ssm_norm.weight", "blk.0.ffn_gate_shexp.weight", "blk.1.ffn_up_exps.weight", "blk.1.attn_q.weight"}),
+    "bamba": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.rope.dimension_count": 8,
+                                "granitehybrid.rope.scaling.finetuned": True},
+              {"blk.0.ssm_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"}),
 }
 #: Granite's multipliers, none 1 (a multiplier written wrong shows in the logits: a logit scale of 1 instead of 0.25
 #: gave a difference of 2 against a tolerance of 0.027)
@@ -206,7 +209,8 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     """Falcon-Mamba (llama.cpp's mamba with the norms on dt, B and C, which transformers' GGUF loader would read as
     plain Mamba), Mamba-2 (``A`` and ``D`` as columns, the gated norm one row a group), Qwen3.5-MoE (the Gated DeltaNet
     with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
-    (Mamba-2 and attention layers, the fused experts split, its four multipliers) trained 2 LoRA steps
+    (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
+    with dense MLPs and RoPE on the first half of each head) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
@@ -229,7 +233,24 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         f16 = dict(rtol=2 ** -10, atol=2 ** -24)
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_gate_exps.weight"].data), fused[:, :width], **f16)
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
+    if model_type == "bamba":  # of each 16-wide key head only the first 8 rows turn: they alone are interleaved
+        _only_the_turned_rows_interleaved(run, tmp_path, np.asarray(t["blk.1.attn_k.weight"].data), heads=2, head=16, turned=8)
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
+
+
+def _only_the_turned_rows_interleaved(run, tmp_path, stored, heads: int, head: int, turned: int) -> None:
+    """The merged model's key projection as stored: in each head, the turned rows' halves (rotated as halves by
+    transformers) interleaved as llama.cpp's pairs, rows (0, 4, 1, 5, 2, 6, 3, 7) for 8 turned rows; the rest as they
+    are (llama.cpp's converter would interleave the whole head, which llama.cpp would not turn as transformers does)."""
+    from safetensors.numpy import load_file
+
+    from finetuner.export.merge import merge_adapter
+
+    merge_adapter(str(run), tmp_path / "merged", dtype="fp32")
+    k = load_file(str(tmp_path / "merged" / "model.safetensors"))["model.layers.1.self_attn.k_proj.weight"]
+    order = [i // 2 + (turned // 2) * (i % 2) for i in range(turned)] + list(range(turned, head))
+    rows = [h * head + r for h in range(heads) for r in order]
+    np.testing.assert_allclose(stored, k[rows], rtol=2 ** -10, atol=2 ** -24)  # the float16 rounding of each weight
 
 
 @pytest.mark.parametrize("model_type, missing", [
@@ -264,6 +285,8 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("lfm2_moe", {"routed_scaling_factor": 2.0}, "llama.cpp's lfm2moe"),
     ("granitemoehybrid", {"position_embedding_type": "rope"}, "turns no positions then"),
     ("granitemoehybrid", {"mamba_proj_bias": True}, "no projection bias, a convolution bias"),
+    ("bamba", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "Bamba's positions unscaled"),
+    ("bamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
