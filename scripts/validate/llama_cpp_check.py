@@ -76,6 +76,10 @@ def install(target: Path) -> float:
     return time.perf_counter() - t0
 
 
+#: Falcon-H1's muP multipliers, none 1 (one written wrong shows in the logits)
+FALCON_H1_MULTIPLIERS = dict(embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_multiplier=0.5,
+                             attention_out_multiplier=1.5, key_multiplier=0.5, ssm_in_multiplier=1.5,
+                             ssm_out_multiplier=0.5, mlp_multipliers=[1.5, 0.5], ssm_multipliers=[0.5, 1.5, 0.5, 2.0, 0.5])
 #: ``--tiny`` model types: the config of a tiny random model of each (with the demo's tokenizer)
 TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True),
@@ -132,7 +136,12 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         # Bamba: a Mamba-2 layer and an attention layer turning the first half of each head, dense MLPs
         "bamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
-                      mamba_chunk_size=16, attn_layer_indices=[1], max_position_embeddings=512)}
+                      mamba_chunk_size=16, attn_layer_indices=[1], max_position_embeddings=512),
+        # Falcon-H1: Mamba-2 and attention side by side in each layer, its muP multipliers none 1, the gated norm on
+        "falcon_h1": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                          mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16, mamba_rms_norm=True,
+                          mamba_norm_before_gate=False, max_position_embeddings=512, **FALCON_H1_MULTIPLIERS)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

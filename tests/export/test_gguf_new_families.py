@@ -1,6 +1,6 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H and Bamba, which that loader does not read as
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba and Falcon-H1, which that loader does not read as
 they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
 whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
 written."""
@@ -197,11 +197,20 @@ LLAMA_CPP_READ = {
     "bamba": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.rope.dimension_count": 8,
                                 "granitehybrid.rope.scaling.finetuned": True},
               {"blk.0.ssm_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"}),
+    "falcon_h1": ("falcon-h1", {"falcon-h1.ssm.inner_size": 128, "falcon-h1.ssm.group_count": 2, "falcon-h1.attention.key_length": 16},
+                  {"blk.0.ssm_in.weight", "blk.0.ssm_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_gate.weight"}),
 }
+#: Falcon-H1's muP multipliers, none 1, and its gated norm (gate first, as llama.cpp's falcon-h1 runs it) on 2 groups
+FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 0.5,
+             "attention_out_multiplier": 1.5, "key_multiplier": 0.5, "ssm_in_multiplier": 1.5, "ssm_out_multiplier": 0.5,
+             "mlp_multipliers": [1.5, 0.5], "ssm_multipliers": [0.5, 1.5, 0.5, 2.0, 0.5], "mamba_rms_norm": True,
+             "mamba_norm_before_gate": False, "mamba_n_groups": 2}
 #: Granite's multipliers, none 1 (a multiplier written wrong shows in the logits: a logit scale of 1 instead of 0.25
 #: gave a difference of 2 against a tolerance of 0.027)
 GRANITE = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 0.25,
            "num_key_value_heads": 2}
+#: the families' changes to the tiny config
+CHANGE = {"granitemoehybrid": GRANITE, "falcon_h1": FALCON_H1}
 
 
 @pytest.mark.parametrize("model_type", sorted(LLAMA_CPP_READ))
@@ -210,11 +219,12 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     plain Mamba), Mamba-2 (``A`` and ``D`` as columns, the gated norm one row a group), Qwen3.5-MoE (the Gated DeltaNet
     with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
     (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
-    with dense MLPs and RoPE on the first half of each head) trained 2 LoRA steps
+    with dense MLPs and RoPE on the first half of each head) and Falcon-H1 (Mamba-2 beside attention in each layer, its
+    muP multipliers folded into the weights) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
-    model, run = _trained(model_type, tmp_path, **(GRANITE if model_type == "granitemoehybrid" else {}))
+    model, run = _trained(model_type, tmp_path, **CHANGE.get(model_type, {}))
     r = export_model(run, tmp_path / "x.gguf", quant="f16", verify=False)
     assert r.architecture == arch and r.max_abs_logit_diff is None, r
     reader, f = _fields(tmp_path / "x.gguf")
@@ -235,6 +245,8 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
     if model_type == "bamba":  # of each 16-wide key head only the first 8 rows turn: they alone are interleaved
         _only_the_turned_rows_interleaved(run, tmp_path, np.asarray(t["blk.1.attn_k.weight"].data), heads=2, head=16, turned=8)
+    if model_type == "falcon_h1":  # the multipliers folded into the merged weights, as llama.cpp's converter folds them
+        _multipliers_folded(run, tmp_path, model.config, {n: np.asarray(x.data) for n, x in t.items()})
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
 
 
@@ -251,6 +263,24 @@ def _only_the_turned_rows_interleaved(run, tmp_path, stored, heads: int, head: i
     order = [i // 2 + (turned // 2) * (i % 2) for i in range(turned)] + list(range(turned, head))
     rows = [h * head + r for h in range(heads) for r in order]
     np.testing.assert_allclose(stored, k[rows], rtol=2 ** -10, atol=2 ** -24)  # the float16 rounding of each weight
+
+
+def _multipliers_folded(run, tmp_path, cfg, t) -> None:
+    """Falcon-H1's keys scaled by ``attention_in_multiplier`` x ``key_multiplier`` (0.25), the Mamba in-projection's
+    rows by ``ssm_in_multiplier`` x their part's ``ssm_multipliers`` (gate 0.75, x 2.25, B 0.75, C 3, dt 0.75), the
+    output head by ``lm_head_multiplier``: on the merged model's weights."""
+    from safetensors.numpy import load_file
+
+    from finetuner.export.merge import merge_adapter
+
+    merge_adapter(str(run), tmp_path / "merged", dtype="fp32")
+    m = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    f16 = dict(rtol=2 ** -10, atol=2 ** -24)
+    np.testing.assert_allclose(t["blk.0.attn_k.weight"], 0.25 * m["model.layers.0.self_attn.k_proj.weight"], **f16)
+    inner, bc = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state
+    rows = np.repeat([0.75, 2.25, 0.75, 3.0, 0.75], [inner, inner, bc, bc, cfg.mamba_n_heads])[:, None]
+    np.testing.assert_allclose(t["blk.0.ssm_in.weight"], rows * m["model.layers.0.mamba.in_proj.weight"], **f16)
+    np.testing.assert_allclose(t["output.weight"], 0.5 * m["lm_head.weight"], **f16)
 
 
 @pytest.mark.parametrize("model_type, missing", [
@@ -287,6 +317,9 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("granitemoehybrid", {"mamba_proj_bias": True}, "no projection bias, a convolution bias"),
     ("bamba", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "Bamba's positions unscaled"),
     ("bamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
+    ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "it gates, then norms"),
+    ("falcon_h1", {"tie_word_embeddings": True, "embedding_multiplier": 2.0}, "cannot carry two multipliers"),
+    ("falcon_h1", {"projectors_bias": True}, "no projection bias"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
