@@ -141,7 +141,12 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         "falcon_h1": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
                           mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16, mamba_rms_norm=True,
-                          mamba_norm_before_gate=False, max_position_embeddings=512, **FALCON_H1_MULTIPLIERS)}
+                          mamba_norm_before_gate=False, max_position_embeddings=512, **FALCON_H1_MULTIPLIERS),
+        # Nemotron-H with experts (as Nemotron 3 Nano): Mamba-2, experts, attention without positions, experts
+        "nemotron_h": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           layers_block_type=["mamba", "moe", "attention", "moe"], ssm_state_size=8, mamba_num_heads=8,
+                           mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=32, num_experts_per_tok=2, max_position_embeddings=512)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

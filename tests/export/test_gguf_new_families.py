@@ -1,6 +1,6 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba and Falcon-H1, which that loader does not read as
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1 and Nemotron-H, which that loader does not read as
 they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
 whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
 written."""
@@ -199,6 +199,10 @@ LLAMA_CPP_READ = {
               {"blk.0.ssm_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"}),
     "falcon_h1": ("falcon-h1", {"falcon-h1.ssm.inner_size": 128, "falcon-h1.ssm.group_count": 2, "falcon-h1.attention.key_length": 16},
                   {"blk.0.ssm_in.weight", "blk.0.ssm_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_gate.weight"}),
+    "nemotron_h": ("nemotron_h_moe", {"nemotron_h_moe.attention.head_count_kv": [0, 0, 2, 0],
+                                      "nemotron_h_moe.feed_forward_length": [0, 32, 0, 32], "nemotron_h_moe.expert_count": 4},
+                   {"blk.0.ssm_norm.weight", "blk.1.ffn_up_exps.weight", "blk.1.exp_probs_b.bias", "blk.3.ffn_down_shexp.weight",
+                    "blk.2.attn_q.weight"}),
 }
 #: Falcon-H1's muP multipliers, none 1, and its gated norm (gate first, as llama.cpp's falcon-h1 runs it) on 2 groups
 FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 0.5,
@@ -210,7 +214,8 @@ FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_
 GRANITE = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 0.25,
            "num_key_value_heads": 2}
 #: the families' changes to the tiny config
-CHANGE = {"granitemoehybrid": GRANITE, "falcon_h1": FALCON_H1}
+CHANGE = {"granitemoehybrid": GRANITE, "falcon_h1": FALCON_H1,
+          "nemotron_h": {"layers_block_type": ["mamba", "moe", "attention", "moe"]}}  # as Nemotron 3 Nano's
 
 
 @pytest.mark.parametrize("model_type", sorted(LLAMA_CPP_READ))
@@ -220,7 +225,8 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
     (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
     with dense MLPs and RoPE on the first half of each head) and Falcon-H1 (Mamba-2 beside attention in each layer, its
-    muP multipliers folded into the weights) trained 2 LoRA steps
+    muP multipliers folded into the weights) and Nemotron-H with experts (each layer one block: Mamba-2, experts or
+    attention) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
@@ -245,6 +251,10 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
     if model_type == "bamba":  # of each 16-wide key head only the first 8 rows turn: they alone are interleaved
         _only_the_turned_rows_interleaved(run, tmp_path, np.asarray(t["blk.1.attn_k.weight"].data), heads=2, head=16, turned=8)
+    if model_type == "nemotron_h":  # the checkpoint's experts (one tensor each) stacked as llama.cpp's (experts, out, in)
+        experts = model.model.layers[1].mixer.experts
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), experts.up_proj.detach().numpy(),
+                                   rtol=2 ** -10, atol=2 ** -24)
     if model_type == "falcon_h1":  # the multipliers folded into the merged weights, as llama.cpp's converter folds them
         _multipliers_folded(run, tmp_path, model.config, {n: np.asarray(x.data) for n, x in t.items()})
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
@@ -281,6 +291,21 @@ def _multipliers_folded(run, tmp_path, cfg, t) -> None:
     rows = np.repeat([0.75, 2.25, 0.75, 3.0, 0.75], [inner, inner, bc, bc, cfg.mamba_n_heads])[:, None]
     np.testing.assert_allclose(t["blk.0.ssm_in.weight"], rows * m["model.layers.0.mamba.in_proj.weight"], **f16)
     np.testing.assert_allclose(t["output.weight"], 0.5 * m["lm_head.weight"], **f16)
+
+
+def test_nemotron_h_is_written_as_llama_cpps_architecture_for_its_blocks():
+    """Without experts llama.cpp's nemotron_h, with them nemotron_h_moe; dense MLP layers beside expert layers refused
+    (llama.cpp would read them as experts)."""
+    from finetuner.errors import UserError
+    from finetuner.export.gguf_arch import arch_for
+
+    cfg = tiny_with_ids("nemotron_h", _qwen2_tokenizer())
+    assert arch_for({**cfg, "layers_block_type": ["mamba", "mlp", "attention", "mlp"]}, "config.json").gguf_arch == "nemotron_h"
+    assert arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe"]}, "config.json").gguf_arch == "nemotron_h_moe"
+    with pytest.raises(UserError, match="dense MLP layers beside expert layers"):
+        arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "mlp"]}, "config.json")
+    with pytest.raises(UserError, match="no latent projection"):
+        arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe"], "moe_latent_size": 16}, "config.json")
 
 
 @pytest.mark.parametrize("model_type, missing", [
