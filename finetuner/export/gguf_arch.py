@@ -14,7 +14,7 @@ text models (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` 
 Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them),
 Granite 4.0-H and Bamba (:mod:`finetuner.export.gguf_granite`), Falcon-H1 (its muP multipliers folded into the
 weights by :mod:`finetuner.export.gguf_falcon_h1`), Nemotron-H (its Mamba, attention, MLP and expert blocks as
-:mod:`finetuner.export.gguf_nemotron_h` writes them).
+:mod:`finetuner.export.gguf_nemotron_h` writes them), Jamba (:mod:`finetuner.export.gguf_jamba`).
 The other newest families (:data:`NOT_WRITTEN`: Qwen3-Next, Gemma 3n, the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.export import gguf_falcon_h1, gguf_gemma4, gguf_granite, gguf_nemotron_h, gguf_qwen35, gguf_recurrent
+from finetuner.export import (gguf_falcon_h1, gguf_gemma4, gguf_granite, gguf_jamba, gguf_nemotron_h, gguf_qwen35,
+                              gguf_recurrent)
 from finetuner.export.gguf_recurrent import RECURRENT
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
@@ -41,12 +42,12 @@ SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qw
              "qwen3_5_text": ("qwen35", False), "qwen3_5_moe_text": ("qwen35moe", False),
              "granitemoehybrid": (gguf_granite.ARCH, True), "bamba": (gguf_granite.ARCH, False),
              "falcon_h1": (gguf_falcon_h1.ARCH, False), "nemotron_h": (gguf_nemotron_h.ARCH, False),
+             "jamba": (gguf_jamba.ARCH, False),
              **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
 #: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
 #: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
 NOT_WRITTEN = {"qwen3_next": "qwen3next",
                "gemma3n_text": "gemma3n",
-               "jamba": "jamba",
                "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
@@ -111,6 +112,9 @@ class Arch:
         if self.gguf_arch in gguf_nemotron_h.ARCHES:  # each layer's block, told apart by two per-layer arrays
             gguf_nemotron_h.write_metadata(writer, c, self.n_layers)
             return
+        if self.gguf_arch == gguf_jamba.ARCH:  # Mamba's widths, the attention layers, the experts
+            gguf_jamba.write_metadata(writer, c, self.n_layers)
+            return
         writer.add_context_length(int(c["max_position_embeddings"]))
         writer.add_embedding_length(int(c["hidden_size"]))
         writer.add_block_count(self.n_layers)
@@ -157,6 +161,8 @@ class Arch:
             return gguf_falcon_h1.stored_shape(self.config, hf_name, shape)
         if self.gguf_arch in gguf_nemotron_h.ARCHES:
             return gguf_nemotron_h.stored_shape(self.config, hf_name, shape)
+        if self.gguf_arch == gguf_jamba.ARCH:
+            return gguf_jamba.stored_shape(hf_name, shape)
         return shape
 
     def halves(self, own: str) -> tuple[tuple[str, str], int] | None:
@@ -170,6 +176,8 @@ class Arch:
             return gguf_qwen35.source_key(own)
         if self.gguf_arch in gguf_nemotron_h.ARCHES:
             return gguf_nemotron_h.source_key(own)
+        if self.gguf_arch == gguf_jamba.ARCH:
+            return gguf_jamba.source_key(own)
         mamba2 = self.model_type in RECURRENT or self.gguf_arch in (gguf_granite.ARCH, gguf_falcon_h1.ARCH)
         return gguf_recurrent.source_key(own) if mamba2 else own
 
@@ -184,6 +192,8 @@ class Arch:
             return gguf_falcon_h1.transform(self.config, hf_name, w)
         if self.gguf_arch in gguf_nemotron_h.ARCHES:  # the Mamba mixers as Mamba-2's
             return gguf_nemotron_h.transform(self.config, hf_name, w)
+        if self.gguf_arch == gguf_jamba.ARCH:  # the Mamba layers as Mamba's
+            return gguf_jamba.transform(hf_name, w)
         if self.gguf_arch in gguf_qwen35.ARCHES:  # A, the convolution, the zero-centred norms, the value heads tiled
             return gguf_qwen35.transform(self.config, hf_name, w)
         if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
@@ -263,7 +273,8 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Gemma 4 text (gemma4_text), Qwen3.5 text (qwen3_5_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
                  "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba), Falcon-Mamba (falcon_mamba), Mamba-2 "
-                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe), Granite 4.0-H (granitemoehybrid), Bamba (bamba), Falcon-H1 (falcon_h1) and Nemotron-H (nemotron_h)")
+                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe), Granite 4.0-H (granitemoehybrid), Bamba (bamba), Falcon-H1 (falcon_h1), Nemotron-H (nemotron_h) and Jamba "
+                 "(jamba)")
     if mt in NOT_WRITTEN:
         raise not_written(mt, where)
     if mt not in SUPPORTED:
@@ -291,6 +302,11 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         n_head = int(config["num_attention_heads"])
         return Arch(mt, gguf_falcon_h1.ARCH, False, config, int(config["num_hidden_layers"]), n_head,
                     int(config.get("num_key_value_heads") or n_head), gguf_falcon_h1.head_dim(config), {})
+    if mt == "jamba":  # its Mamba layers' settings: gguf_jamba's
+        gguf_jamba.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, gguf_jamba.ARCH, False, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head), int(config["hidden_size"]) // n_head, {})
     if mt == "nemotron_h":  # its blocks and experts: gguf_nemotron_h's (nemotron_h_moe with experts)
         gguf_nemotron_h.check(config, where)
         n_head = int(config["num_attention_heads"])

@@ -146,7 +146,12 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         "nemotron_h": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            layers_block_type=["mamba", "moe", "attention", "moe"], ssm_state_size=8, mamba_num_heads=8,
                            mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
-                           moe_shared_expert_intermediate_size=32, num_experts_per_tok=2, max_position_embeddings=512)}
+                           moe_shared_expert_intermediate_size=32, num_experts_per_tok=2, max_position_embeddings=512),
+        # Jamba: Mamba layers with and without experts, an attention layer without positions
+        "jamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                      expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=8,
+                      max_position_embeddings=512, use_mamba_kernels=False)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

@@ -1,6 +1,6 @@
 """GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
 trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1 and Nemotron-H, which that loader does not read as
+logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1, Nemotron-H and Jamba, which that loader does not read as
 they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
 whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
 written."""
@@ -203,6 +203,9 @@ LLAMA_CPP_READ = {
                                       "nemotron_h_moe.feed_forward_length": [0, 32, 0, 32], "nemotron_h_moe.expert_count": 4},
                    {"blk.0.ssm_norm.weight", "blk.1.ffn_up_exps.weight", "blk.1.exp_probs_b.bias", "blk.3.ffn_down_shexp.weight",
                     "blk.2.attn_q.weight"}),
+    "jamba": ("jamba", {"jamba.attention.head_count_kv": [0, 0, 2, 0], "jamba.expert_count": 4, "jamba.ssm.time_step_rank": 8},
+              {"blk.0.ssm_dt_norm.weight", "blk.0.ssm_b_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_gate_inp.weight",
+               "blk.1.ffn_gate_exps.weight", "blk.2.attn_q.weight"}),
 }
 #: Falcon-H1's muP multipliers, none 1, and its gated norm (gate first, as llama.cpp's falcon-h1 runs it) on 2 groups
 FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 0.5,
@@ -226,7 +229,8 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
     with dense MLPs and RoPE on the first half of each head) and Falcon-H1 (Mamba-2 beside attention in each layer, its
     muP multipliers folded into the weights) and Nemotron-H with experts (each layer one block: Mamba-2, experts or
-    attention) trained 2 LoRA steps
+    attention) and Jamba (Mamba layers with weighted norms on dt, B and C, attention, experts every other layer) trained
+    2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
@@ -255,6 +259,10 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         experts = model.model.layers[1].mixer.experts
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), experts.up_proj.detach().numpy(),
                                    rtol=2 ** -10, atol=2 ** -24)
+    if model_type == "jamba":  # a Mamba layer's A as -exp(A_log) (d_inner, d_state), its experts stacked
+        mixer = model.model.layers[1].mamba
+        np.testing.assert_allclose(np.asarray(t["blk.1.ssm_a"].data), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
+        assert [int(x) for x in t["blk.1.ffn_down_exps.weight"].shape] == [128, 64, 4]  # (width, hidden, experts), fastest first
     if model_type == "falcon_h1":  # the multipliers folded into the merged weights, as llama.cpp's converter folds them
         _multipliers_folded(run, tmp_path, model.config, {n: np.asarray(x.data) for n, x in t.items()})
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
@@ -345,6 +353,7 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "it gates, then norms"),
     ("falcon_h1", {"tie_word_embeddings": True, "embedding_multiplier": 2.0}, "cannot carry two multipliers"),
     ("falcon_h1", {"projectors_bias": True}, "no projection bias"),
+    ("jamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
