@@ -10,12 +10,12 @@ refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every s
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
 with the M-RoPE sections, ``rope.dimension_sections``), Gemma 4's text model (its two head widths, proportional
 RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's and Qwen3.5-MoE's
-text models (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
+text models and Qwen3-Next (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
 Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them),
 Granite 4.0-H and Bamba (:mod:`finetuner.export.gguf_granite`), Falcon-H1 (its muP multipliers folded into the
 weights by :mod:`finetuner.export.gguf_falcon_h1`), Nemotron-H (its Mamba, attention, MLP and expert blocks as
 :mod:`finetuner.export.gguf_nemotron_h` writes them), Jamba (:mod:`finetuner.export.gguf_jamba`).
-The other newest families (:data:`NOT_WRITTEN`: Qwen3-Next, Gemma 3n, the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
+The other newest families (:data:`NOT_WRITTEN`: Gemma 3n, Kimi Linear, Zamba...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
@@ -40,14 +40,14 @@ SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qw
              "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
              "qwen3_vl_text": ("qwen3vl", False), "gemma4_text": ("gemma4", False),
              "qwen3_5_text": ("qwen35", False), "qwen3_5_moe_text": ("qwen35moe", False),
+             "qwen3_next": ("qwen3next", False),
              "granitemoehybrid": (gguf_granite.ARCH, True), "bamba": (gguf_granite.ARCH, False),
              "falcon_h1": (gguf_falcon_h1.ARCH, False), "nemotron_h": (gguf_nemotron_h.ARCH, False),
              "jamba": (gguf_jamba.ARCH, False),
              **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
 #: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
 #: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
-NOT_WRITTEN = {"qwen3_next": "qwen3next",
-               "gemma3n_text": "gemma3n",
+NOT_WRITTEN = {"gemma3n_text": "gemma3n",
                "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
@@ -273,8 +273,8 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Gemma 4 text (gemma4_text), Qwen3.5 text (qwen3_5_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
                  "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba), Falcon-Mamba (falcon_mamba), Mamba-2 "
-                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe), Granite 4.0-H (granitemoehybrid), Bamba (bamba), Falcon-H1 (falcon_h1), Nemotron-H (nemotron_h) and Jamba "
-                 "(jamba)")
+                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe), Granite 4.0-H (granitemoehybrid), Bamba (bamba), Falcon-H1 (falcon_h1), Nemotron-H (nemotron_h), Jamba "
+                 "(jamba) and Qwen3-Next (qwen3_next)")
     if mt in NOT_WRITTEN:
         raise not_written(mt, where)
     if mt not in SUPPORTED:
@@ -312,7 +312,7 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         n_head = int(config["num_attention_heads"])
         return Arch(mt, gguf_nemotron_h.arch_of(config), False, config, len(gguf_nemotron_h.pattern(config)), n_head,
                     int(config.get("num_key_value_heads") or n_head), int(config["head_dim"]), {})
-    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):  # the Gated DeltaNet's settings: gguf_qwen35's
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):  # the Gated DeltaNet's settings: gguf_qwen35's
         gguf_qwen35.check(config, where)
         n_head = int(config["num_attention_heads"])
         return Arch(mt, SUPPORTED[mt][0], False, config, int(config["num_hidden_layers"]), n_head,

@@ -151,7 +151,15 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
         "jamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
                       expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=8,
-                      max_position_embeddings=512, use_mamba_kernels=False)}
+                      max_position_embeddings=512, use_mamba_kernels=False),
+        # Qwen3-Next: a Gated DeltaNet layer (4 value heads on 2 key heads) and a gated attention layer, experts with
+        # a gated shared expert after each
+        "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                           num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                           max_position_embeddings=512, tie_word_embeddings=False)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

@@ -1,9 +1,9 @@
-"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
-trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1, Nemotron-H and Jamba, which that loader does not read as
-they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
-whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
-written."""
+"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model, trained
+2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the
+merged model's logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1,
+Nemotron-H, Jamba and Qwen3-Next, which that loader does not read as they are, by llama.cpp itself where
+llama-cpp-python is installed (refused in one line where it is not); the families whose llama.cpp mapping finetuner
+has not written are refused in one line that says what is missing, with nothing written."""
 
 from __future__ import annotations
 
@@ -206,6 +206,10 @@ LLAMA_CPP_READ = {
     "jamba": ("jamba", {"jamba.attention.head_count_kv": [0, 0, 2, 0], "jamba.expert_count": 4, "jamba.ssm.time_step_rank": 8},
               {"blk.0.ssm_dt_norm.weight", "blk.0.ssm_b_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_gate_inp.weight",
                "blk.1.ffn_gate_exps.weight", "blk.2.attn_q.weight"}),
+    "qwen3_next": ("qwen3next", {"qwen3next.attention.recurrent_layers": [True, False], "qwen3next.ssm.group_count": 2,
+                                 "qwen3next.ssm.time_step_rank": 4, "qwen3next.rope.dimension_count": 4},
+                   {"blk.0.ssm_in.weight", "blk.0.ssm_ba.weight", "blk.0.ffn_gate_inp_shexp.weight",
+                    "blk.1.ffn_down_exps.weight", "blk.1.attn_q_norm.weight"}),
 }
 #: Falcon-H1's muP multipliers, none 1, and its gated norm (gate first, as llama.cpp's falcon-h1 runs it) on 2 groups
 FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 0.5,
@@ -229,8 +233,8 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
     with dense MLPs and RoPE on the first half of each head) and Falcon-H1 (Mamba-2 beside attention in each layer, its
     muP multipliers folded into the weights) and Nemotron-H with experts (each layer one block: Mamba-2, experts or
-    attention) and Jamba (Mamba layers with weighted norms on dt, B and C, attention, experts every other layer) trained
-    2 LoRA steps
+    attention), Jamba (Mamba layers with weighted norms on dt, B and C, attention, experts every other layer) and
+    Qwen3-Next (the Gated DeltaNet with its value heads grouped, experts with a gated shared expert) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
@@ -263,6 +267,12 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         mixer = model.model.layers[1].mamba
         np.testing.assert_allclose(np.asarray(t["blk.1.ssm_a"].data), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
         assert [int(x) for x in t["blk.1.ffn_down_exps.weight"].shape] == [128, 64, 4]  # (width, hidden, experts), fastest first
+    if model_type == "qwen3_next":  # value heads grouped by key head as transformers has them (llama.cpp's qwen3next
+        # repeats each key head for its own): A and dt_bias as they are, not tiled as for Qwen3.5; no M-RoPE sections
+        mixer = model.model.layers[0].linear_attn
+        np.testing.assert_allclose(np.asarray(t["blk.0.ssm_a"].data), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(t["blk.0.ssm_dt.bias"].data), mixer.dt_bias.detach().numpy(), rtol=1e-6)
+        assert "qwen3next.rope.dimension_sections" not in f
     if model_type == "falcon_h1":  # the multipliers folded into the merged weights, as llama.cpp's converter folds them
         _multipliers_folded(run, tmp_path, model.config, {n: np.asarray(x.data) for n, x in t.items()})
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
@@ -317,7 +327,7 @@ def test_nemotron_h_is_written_as_llama_cpps_architecture_for_its_blocks():
 
 
 @pytest.mark.parametrize("model_type, missing", [
-    ("qwen3_next", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen3next' architecture, but finetuner's mapping to it is not written yet"),
+    ("kimi_linear", r"gguf package \([\d.]+\) knows llama\.cpp's 'kimi-linear' architecture, but finetuner's mapping to it is not written yet"),
     ("gemma3n_text", r"knows llama\.cpp's 'gemma3n' architecture, but finetuner's mapping to it is not written yet"),
     ("zamba2", r"llama\.cpp has no architecture for it"),
 ])
@@ -354,6 +364,7 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("falcon_h1", {"tie_word_embeddings": True, "embedding_multiplier": 2.0}, "cannot carry two multipliers"),
     ("falcon_h1", {"projectors_bias": True}, "no projection bias"),
     ("jamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
+    ("qwen3_next", {"norm_topk_prob": False}, "their weights renormalised"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
@@ -366,11 +377,11 @@ def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
 
 
 def test_a_gguf_package_without_the_architecture_is_named_as_what_is_missing(monkeypatch):
-    """A gguf package without llama.cpp's qwen3next (an older one): the refusal names the package and its version."""
+    """A gguf package without llama.cpp's gemma3n (an older one): the refusal names the package and its version."""
     import gguf
 
     from finetuner.export.gguf_arch import not_written
 
-    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen3next"})
-    assert re.search(r"model_type 'qwen3_next': the installed gguf package \([\d.]+\) has no 'qwen3next' "
-                     "architecture; nothing was written", str(not_written("qwen3_next", "config.json")))
+    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "gemma3n"})
+    assert re.search(r"model_type 'gemma3n_text': the installed gguf package \([\d.]+\) has no 'gemma3n' "
+                     "architecture; nothing was written", str(not_written("gemma3n_text", "config.json")))
