@@ -10,9 +10,12 @@ refused), Gemma 3's text model (``gemma3_text``: its norms as Gemma 2's, every s
 image-text checkpoints (Gemma 3's, LLaVA's; Qwen2-VL's and Qwen2.5-VL's as llama.cpp's ``qwen2vl``: Qwen2's tensors
 with the M-RoPE sections, ``rope.dimension_sections``), Gemma 4's text model (its two head widths, proportional
 RoPE and per-layer input embeddings as :mod:`finetuner.export.gguf_gemma4` writes them), Qwen3.5's and Qwen3.5-MoE's
-text models (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
-Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them).
-The other newest families (:data:`NOT_WRITTEN`: Qwen3-Next, Gemma 3n, the Mamba-2 hybrids...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
+text models and Qwen3-Next (their Gated DeltaNet layers as :mod:`finetuner.export.gguf_qwen35` writes them), Mamba, Falcon-Mamba,
+Mamba-2, LFM2 and LFM2-MoE (their scans and short convolutions as :mod:`finetuner.export.gguf_recurrent` writes them),
+Granite 4.0-H and Bamba (:mod:`finetuner.export.gguf_granite`), Falcon-H1 (its muP multipliers folded into the
+weights by :mod:`finetuner.export.gguf_falcon_h1`), Nemotron-H (its Mamba, attention, MLP and expert blocks as
+:mod:`finetuner.export.gguf_nemotron_h` writes them), Jamba (:mod:`finetuner.export.gguf_jamba`).
+The other newest families (:data:`NOT_WRITTEN`: Gemma 3n, Kimi Linear, Zamba...) are refused in one line that says whether the installed gguf package lacks llama.cpp's
 architecture or finetuner's mapping to it is not written yet. Names come from gguf's own ``TensorNameMap`` for the
 architecture, and every tensor must be one of the architecture's ``MODEL_TENSORS``: a model with
 tensors llama.cpp would not load is refused, not written. Llama and Mistral store the query and
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetuner.errors import UserError
-from finetuner.export import gguf_gemma4, gguf_granite, gguf_qwen35, gguf_recurrent
+from finetuner.export import (gguf_falcon_h1, gguf_gemma4, gguf_granite, gguf_jamba, gguf_nemotron_h, gguf_qwen35,
+                              gguf_recurrent)
 from finetuner.export.gguf_recurrent import RECURRENT
 
 #: transformers ``model_type`` → (llama.cpp architecture name, q/k permuted for llama.cpp's RoPE)
@@ -36,13 +40,15 @@ SUPPORTED = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qw
              "qwen3_moe": ("qwen3moe", False), "qwen2_vl_text": ("qwen2vl", False), "qwen2_5_vl_text": ("qwen2vl", False),
              "qwen3_vl_text": ("qwen3vl", False), "gemma4_text": ("gemma4", False),
              "qwen3_5_text": ("qwen35", False), "qwen3_5_moe_text": ("qwen35moe", False),
-             "granitemoehybrid": (gguf_granite.ARCH, True), **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
+             "qwen3_next": ("qwen3next", False),
+             "granitemoehybrid": (gguf_granite.ARCH, True), "bamba": (gguf_granite.ARCH, False),
+             "falcon_h1": (gguf_falcon_h1.ARCH, False), "nemotron_h": (gguf_nemotron_h.ARCH, False),
+             "jamba": (gguf_jamba.ARCH, False),
+             **{mt: (arch, False) for mt, arch in RECURRENT.items()}}
 #: the newest families (issue 56) that finetuner plans and trains but does not write to GGUF yet → the llama.cpp
 #: architecture llama.cpp's converter writes them as (None: llama.cpp has none); the refusal says which is missing
-NOT_WRITTEN = {"qwen3_next": "qwen3next",
-               "gemma3n_text": "gemma3n",
-               "jamba": "jamba", "bamba": "granitehybrid", "nemotron_h": "nemotron_h",
-               "falcon_h1": "falcon-h1", "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
+NOT_WRITTEN = {"gemma3n_text": "gemma3n",
+               "kimi_linear": "kimi-linear", "zamba": None, "zamba2": None}
 #: families whose RMSNorm multiplies by ``1 + weight``: llama.cpp's (and its converter's) norms store ``1 + weight``
 ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -100,6 +106,15 @@ class Arch:
         if self.gguf_arch in gguf_qwen35.ARCHES:  # the Gated DeltaNet's widths, which layers are linear
             gguf_qwen35.write_metadata(writer, c, self.n_layers)
             return
+        if self.gguf_arch == gguf_falcon_h1.ARCH:  # the Mamba-2 mixer's widths beside attention's
+            gguf_falcon_h1.write_metadata(writer, c, self.n_layers)
+            return
+        if self.gguf_arch in gguf_nemotron_h.ARCHES:  # each layer's block, told apart by two per-layer arrays
+            gguf_nemotron_h.write_metadata(writer, c, self.n_layers)
+            return
+        if self.gguf_arch == gguf_jamba.ARCH:  # Mamba's widths, the attention layers, the experts
+            gguf_jamba.write_metadata(writer, c, self.n_layers)
+            return
         writer.add_context_length(int(c["max_position_embeddings"]))
         writer.add_embedding_length(int(c["hidden_size"]))
         writer.add_block_count(self.n_layers)
@@ -142,6 +157,12 @@ class Arch:
             return gguf_qwen35.stored_shape(hf_name, shape)
         if self.gguf_arch == gguf_granite.ARCH:
             return gguf_granite.stored_shape(self.config, hf_name, shape)
+        if self.gguf_arch == gguf_falcon_h1.ARCH:
+            return gguf_falcon_h1.stored_shape(self.config, hf_name, shape)
+        if self.gguf_arch in gguf_nemotron_h.ARCHES:
+            return gguf_nemotron_h.stored_shape(self.config, hf_name, shape)
+        if self.gguf_arch == gguf_jamba.ARCH:
+            return gguf_jamba.stored_shape(hf_name, shape)
         return shape
 
     def halves(self, own: str) -> tuple[tuple[str, str], int] | None:
@@ -153,14 +174,26 @@ class Arch:
         """The checkpoint name gguf's ``TensorNameMap`` knows ``own`` by (the converter's renames)."""
         if self.gguf_arch in gguf_qwen35.ARCHES:
             return gguf_qwen35.source_key(own)
-        return gguf_recurrent.source_key(own) if self.model_type in RECURRENT or self.gguf_arch == gguf_granite.ARCH else own
+        if self.gguf_arch in gguf_nemotron_h.ARCHES:
+            return gguf_nemotron_h.source_key(own)
+        if self.gguf_arch == gguf_jamba.ARCH:
+            return gguf_jamba.source_key(own)
+        mamba2 = self.model_type in RECURRENT or self.gguf_arch in (gguf_granite.ARCH, gguf_falcon_h1.ARCH)
+        return gguf_recurrent.source_key(own) if mamba2 else own
 
     def transform(self, hf_name: str, w):
         """The tensor as GGUF stores it (a float32 numpy array in, one out)."""
         if self.model_type in RECURRENT:
             return gguf_recurrent.transform(self.config, hf_name, w)
-        if self.gguf_arch == gguf_granite.ARCH and ".mamba." in hf_name:  # A, D, the norm and the convolution reshaped
+        if self.gguf_arch == gguf_granite.ARCH and (".mamba." in hf_name or not self.permute_qk):  # A, D, the norm and
+            # the convolution reshaped; Bamba's queries and keys, of which only the first half of each head turns
             return gguf_granite.transform(self.config, hf_name, w)
+        if self.gguf_arch == gguf_falcon_h1.ARCH:  # its muP multipliers folded in, the mixer as Mamba-2's
+            return gguf_falcon_h1.transform(self.config, hf_name, w)
+        if self.gguf_arch in gguf_nemotron_h.ARCHES:  # the Mamba mixers as Mamba-2's
+            return gguf_nemotron_h.transform(self.config, hf_name, w)
+        if self.gguf_arch == gguf_jamba.ARCH:  # the Mamba layers as Mamba's
+            return gguf_jamba.transform(hf_name, w)
         if self.gguf_arch in gguf_qwen35.ARCHES:  # A, the convolution, the zero-centred norms, the value heads tiled
             return gguf_qwen35.transform(self.config, hf_name, w)
         if self.model_type in ONE_PLUS_NORMS and hf_name.endswith("norm.weight"):
@@ -240,7 +273,8 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
     supported = ("Llama family (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Phi-3 (phi3), "
                  "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Gemma 4 text (gemma4_text), Qwen3.5 text (qwen3_5_text) and the language models of Gemma 3, LLaVA, Qwen2-VL, "
                  "Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Mamba (mamba), Falcon-Mamba (falcon_mamba), Mamba-2 "
-                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe) and Granite 4.0-H (granitemoehybrid)")
+                 "(mamba2), LFM2 (lfm2), LFM2-MoE (lfm2_moe), Granite 4.0-H (granitemoehybrid), Bamba (bamba), Falcon-H1 (falcon_h1), Nemotron-H (nemotron_h), Jamba "
+                 "(jamba) and Qwen3-Next (qwen3_next)")
     if mt in NOT_WRITTEN:
         raise not_written(mt, where)
     if mt not in SUPPORTED:
@@ -258,12 +292,27 @@ def arch_for(config: dict[str, Any], where: str) -> Arch:
         n_head = int(config["num_attention_heads"])
         return Arch(mt, "gemma4", False, config, int(config["num_hidden_layers"]), n_head,
                     int(config.get("num_key_value_heads") or n_head), int(config["head_dim"]), {})
-    if mt == "granitemoehybrid":  # its Mamba-2 layers' settings: gguf_granite's
+    if mt in gguf_granite.MODEL_TYPES:  # its Mamba-2 layers' settings: gguf_granite's
         gguf_granite.check(config, where)
         n_head = int(config["num_attention_heads"])
-        return Arch(mt, gguf_granite.ARCH, True, config, int(config["num_hidden_layers"]), n_head,
+        return Arch(mt, gguf_granite.ARCH, SUPPORTED[mt][1], config, int(config["num_hidden_layers"]), n_head,
                     int(config.get("num_key_value_heads") or n_head), int(config["hidden_size"]) // n_head, {})
-    if mt in ("qwen3_5_text", "qwen3_5_moe_text"):  # the Gated DeltaNet's settings: gguf_qwen35's
+    if mt == "falcon_h1":  # its Mamba-2 mixer's settings and multipliers: gguf_falcon_h1's
+        gguf_falcon_h1.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, gguf_falcon_h1.ARCH, False, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head), gguf_falcon_h1.head_dim(config), {})
+    if mt == "jamba":  # its Mamba layers' settings: gguf_jamba's
+        gguf_jamba.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, gguf_jamba.ARCH, False, config, int(config["num_hidden_layers"]), n_head,
+                    int(config.get("num_key_value_heads") or n_head), int(config["hidden_size"]) // n_head, {})
+    if mt == "nemotron_h":  # its blocks and experts: gguf_nemotron_h's (nemotron_h_moe with experts)
+        gguf_nemotron_h.check(config, where)
+        n_head = int(config["num_attention_heads"])
+        return Arch(mt, gguf_nemotron_h.arch_of(config), False, config, len(gguf_nemotron_h.pattern(config)), n_head,
+                    int(config.get("num_key_value_heads") or n_head), int(config["head_dim"]), {})
+    if mt in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):  # the Gated DeltaNet's settings: gguf_qwen35's
         gguf_qwen35.check(config, where)
         n_head = int(config["num_attention_heads"])
         return Arch(mt, SUPPORTED[mt][0], False, config, int(config["num_hidden_layers"]), n_head,

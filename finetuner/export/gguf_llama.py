@@ -15,7 +15,8 @@ from pathlib import Path
 from finetuner.errors import UserError
 
 #: llama.cpp architectures finetuner writes that transformers' GGUF loader does not read (nor a twin of them)
-CHECKED_BY_LLAMA_CPP = ("qwen35", "qwen35moe", "mamba2", "lfm2moe", "granitehybrid")
+CHECKED_BY_LLAMA_CPP = ("qwen35", "qwen35moe", "mamba2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h",
+                        "nemotron_h_moe", "jamba", "qwen3next")
 #: families written as an architecture transformers' loader reads, but reads as another model (Falcon-Mamba: as Mamba)
 FAMILIES_CHECKED_BY_LLAMA_CPP = ("falcon_mamba",)
 

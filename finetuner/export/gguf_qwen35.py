@@ -1,4 +1,4 @@
-"""Qwen3.5's text model (``qwen3_5_text``) as llama.cpp's converter writes it (``Qwen3_5TextModel`` in its
+"""Qwen3.5's text model (``qwen3_5_text``) and Qwen3-Next (``qwen3_next``) as llama.cpp's converter writes them (``Qwen3_5TextModel`` in its
 ``conversion/qwen.py``, through ``_LinearAttentionVReorderBase`` and ``Qwen3NextModel``): three Gated DeltaNet layers
 for each full-attention layer.
 
@@ -12,7 +12,15 @@ key head (``K0's v0, v1, K1's v0, v1``): the value rows of ``in_proj_qkv``, ``in
 ``in_proj_b``, ``A_log``, ``dt_bias``, the convolution's value channels and ``out_proj``'s columns are reordered to
 tiles. The full-attention layers' query projection keeps its output gate (llama.cpp's qwen35 reads both halves).
 
-Refused: a value head width other than the key head width (llama.cpp's qwen35 takes one width for both,
+Qwen3-Next (llama.cpp's ``qwen3next``; Qwen3.5-MoE's experts and gated shared expert after every layer) keeps the
+checkpoint's order: llama.cpp's qwen3next repeats each key head for its value heads as transformers groups them, and
+reads the fused ``in_proj_qkvz`` (``ssm_in``) and ``in_proj_ba`` (``ssm_ba``) per key head as transformers lays them
+out ((q, k, v, z) and (b, a) for each key head); the converter's newer split of ``in_proj_qkvz`` into ``attn_qkv`` and
+``attn_gate`` is the same arithmetic. Its RoPE is plain (no M-RoPE sections). Refused for it: dense layers among the
+experts' (``mlp_only_layers``, ``decoder_sparse_step``) and ``norm_topk_prob`` false (llama.cpp's qwen3next always
+renormalises the chosen experts' weights).
+
+Refused for Qwen3.5: a value head width other than the key head width (llama.cpp's qwen35 takes one width for both,
 ``ssm.state_size``), RoPE scaling, value heads that are not a whole multiple of the key heads, and M-RoPE sections
 that cover more rotary pairs than a head turns.
 """
@@ -23,15 +31,20 @@ from typing import Any
 
 from finetuner.errors import UserError
 
-#: the llama.cpp architectures of the Gated DeltaNet families this module writes (Qwen3.5, Qwen3.5-MoE)
-ARCHES = ("qwen35", "qwen35moe")
+#: the llama.cpp architectures of the Gated DeltaNet families this module writes (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)
+ARCHES = ("qwen35", "qwen35moe", "qwen3next")
+#: the family whose value heads llama.cpp reads grouped by key head, as transformers has them (no M-RoPE either)
+NEXT = "qwen3_next"
 #: llama.cpp's key for which layers are linear attention (gguf's ``Keys.Attention.RECURRENT_LAYERS``; the installed
 #: gguf package's writer may lack its ``add_recurrent_layers``)
 RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
 
 
 def check(config: dict[str, Any], where: str) -> None:
-    """Refuse (a UserError naming the setting) what llama.cpp's qwen35 would run otherwise."""
+    """Refuse (a UserError naming the setting) what llama.cpp's qwen35 (or qwen3next) would run otherwise."""
+    if config.get("model_type") == NEXT:
+        check_next(config, where)
+        return
     if int(config["linear_key_head_dim"]) != int(config["linear_value_head_dim"]):
         raise UserError(f"{where}: linear_key_head_dim {config['linear_key_head_dim']} differs from linear_value_head_dim "
                         f"{config['linear_value_head_dim']}; llama.cpp's qwen35 takes one width for both, so GGUF export "
@@ -46,6 +59,22 @@ def check(config: dict[str, Any], where: str) -> None:
     if (rope.get("rope_type") or rope.get("type") or "default") != "default":
         raise UserError(f"{where}: RoPE scaling '{rope.get('rope_type') or rope.get('type')}' is not written for "
                         "llama.cpp's qwen35 by finetuner; GGUF export refuses it.")
+
+
+def check_next(config: dict[str, Any], where: str) -> None:
+    """Refuse a Qwen3-Next that llama.cpp's qwen3next would run otherwise."""
+    if int(config["linear_num_value_heads"]) % int(config["linear_num_key_heads"]):
+        raise UserError(f"{where}: linear_num_value_heads {config['linear_num_value_heads']} is not a multiple of "
+                        f"linear_num_key_heads {config['linear_num_key_heads']}; GGUF export refuses it.")
+    if not config.get("norm_topk_prob", True) or config.get("mlp_only_layers") \
+            or int(config.get("decoder_sparse_step") or 1) != 1:
+        raise UserError(f"{where}: norm_topk_prob={config.get('norm_topk_prob')}, mlp_only_layers "
+                        f"{config.get('mlp_only_layers')} or decoder_sparse_step {config.get('decoder_sparse_step')} is not "
+                        "llama.cpp's qwen3next (experts in every layer, their weights renormalised); GGUF export refuses it.")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        raise UserError(f"{where}: RoPE scaling '{rope.get('rope_type') or rope.get('type')}' is not written for "
+                        "llama.cpp's qwen3next by finetuner; GGUF export refuses it.")
 
 
 def linear_layers(config: dict[str, Any]) -> list[bool]:
@@ -81,7 +110,8 @@ def write_metadata(writer, config: dict[str, Any], n_layers: int) -> None:
     writer.add_array(RECURRENT_LAYERS.format(arch=writer.arch), linear_layers(config))
     writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
     writer.add_rope_dimension_count(rotary_dims(config))
-    writer.add_rope_dimension_sections(mrope_sections(config))
+    if config.get("model_type") != NEXT:  # Qwen3.5's interleaved M-RoPE
+        writer.add_rope_dimension_sections(mrope_sections(config))
     if config.get("num_experts"):  # Qwen3.5-MoE (qwen35moe): the routed experts and the shared one (Qwen2MoeModel's keys)
         writer.add_expert_count(int(config["num_experts"]))
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
@@ -141,7 +171,7 @@ def transform(config: dict[str, Any], hf_name: str, w):
     k_dim, v_dim = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
     if squeezed(hf_name):
         w = w.reshape(stored_shape(hf_name, w.shape))
-    if n_k != n_v and "linear_attn." in hf_name:  # _LinearAttentionVReorderBase.modify_tensors
+    if n_k != n_v and "linear_attn." in hf_name and config.get("model_type") != NEXT:  # _LinearAttentionVReorderBase
         per_k, qk = n_v // n_k, 2 * n_k * k_dim
         if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # only the value rows (channels)
             w = np.concatenate([w[:qk], tiled(w[qk:], 0, n_k, per_k, v_dim)])

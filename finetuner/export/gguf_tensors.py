@@ -87,7 +87,7 @@ class TensorPlan:
                         self._halves(*arch.halves(own), (f, hf_name), shape, quant)
                         continue
                     found = name_map.get_type_and_name(arch.source_key(own), try_suffixes=(".weight", ".bias"))
-                    if found is not None and own.endswith(("experts.down_proj", *WEIGHT_SUFFIXED)):  # a bare parameter:
+                    if found is not None and own.endswith(("experts.down_proj", "experts.up_proj", *WEIGHT_SUFFIXED)):  # a bare parameter:
                         # GGUF's .weight (Gemma 4's layer_scalar: the converter's Gemma4Model.filter_tensors)
                         found = (found[0], found[1] + ".weight")
                     if found is None or found[0] not in allowed:
@@ -95,7 +95,7 @@ class TensorPlan:
                                         "GGUF export refuses the model rather than drop it.")
                     self.items.append((found[1], (f, hf_name), shape, self._type(shape, quant, found[1])))
         for (stack, proj), per in sorted(experts.items()):
-            found = name_map.get_type_and_name(f"{stack}.{proj}", try_suffixes=(".weight",))
+            found = name_map.get_type_and_name(arch.source_key(f"{stack}.{proj}"), try_suffixes=(".weight",))
             if found is None or found[0] not in allowed or sorted(per) != list(range(len(per))):
                 raise UserError(f"{folder}: the experts '{stack}.*.{proj}' have no place in llama.cpp's {arch.gguf_arch} "
                                 "architecture; GGUF export refuses the model rather than drop them.")

@@ -52,7 +52,9 @@ def main() -> None:
     print(f"gguf {version('gguf')}, llama-cpp-python {llama}\n")
     print("| model_type | llama.cpp architecture | in the gguf package | tiny model's tensors gguf names | finetuner export |")
     print("|---|---|---|---|---|")
-    for model_type in [*RECURRENT, "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", *NOT_WRITTEN]:  # gguf_gemma4, gguf_qwen35
+    written = ["gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",  # gguf_gemma4, gguf_qwen35
+               "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "jamba"]  # gguf_granite, _falcon_h1, _nemotron_h, _jamba
+    for model_type in [*RECURRENT, *written, *NOT_WRITTEN]:
         print(row(model_type))
 
 

@@ -76,6 +76,10 @@ def install(target: Path) -> float:
     return time.perf_counter() - t0
 
 
+#: Falcon-H1's muP multipliers, none 1 (one written wrong shows in the logits)
+FALCON_H1_MULTIPLIERS = dict(embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_multiplier=0.5,
+                             attention_out_multiplier=1.5, key_multiplier=0.5, ssm_in_multiplier=1.5,
+                             ssm_out_multiplier=0.5, mlp_multipliers=[1.5, 0.5], ssm_multipliers=[0.5, 1.5, 0.5, 2.0, 0.5])
 #: ``--tiny`` model types: the config of a tiny random model of each (with the demo's tokenizer)
 TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True),
@@ -128,7 +132,34 @@ TINY = {"qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                  mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
                                  layer_types=["mamba", "attention"], embedding_multiplier=4.0, residual_multiplier=0.5,
-                                 attention_multiplier=0.25, logits_scaling=0.25, max_position_embeddings=512)}
+                                 attention_multiplier=0.25, logits_scaling=0.25, max_position_embeddings=512),
+        # Bamba: a Mamba-2 layer and an attention layer turning the first half of each head, dense MLPs
+        "bamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=16, attn_layer_indices=[1], max_position_embeddings=512),
+        # Falcon-H1: Mamba-2 and attention side by side in each layer, its muP multipliers none 1, the gated norm on
+        "falcon_h1": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                          mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16, mamba_rms_norm=True,
+                          mamba_norm_before_gate=False, max_position_embeddings=512, **FALCON_H1_MULTIPLIERS),
+        # Nemotron-H with experts (as Nemotron 3 Nano): Mamba-2, experts, attention without positions, experts
+        "nemotron_h": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           layers_block_type=["mamba", "moe", "attention", "moe"], ssm_state_size=8, mamba_num_heads=8,
+                           mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=32, num_experts_per_tok=2, max_position_embeddings=512),
+        # Jamba: Mamba layers with and without experts, an attention layer without positions
+        "jamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                      expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=8,
+                      max_position_embeddings=512, use_mamba_kernels=False),
+        # Qwen3-Next: a Gated DeltaNet layer (4 value heads on 2 key heads) and a gated attention layer, experts with
+        # a gated shared expert after each
+        "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                           num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                           max_position_embeddings=512, tie_word_embeddings=False)}
 
 
 def tiny_model(model_type: str, folder: Path) -> str:

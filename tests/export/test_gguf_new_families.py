@@ -1,9 +1,9 @@
-"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model,
-trained 2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the merged model's
-logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE and Granite 4.0-H, which that loader does not read as
-they are, by llama.cpp itself where llama-cpp-python is installed (refused in one line where it is not); the families
-whose llama.cpp mapping finetuner has not written are refused in one line that says what is missing, with nothing
-written."""
+"""GGUF export of the newest families (issue 56, docs/export_families.md): Mamba, LFM2 and Gemma 4's text model, trained
+2 LoRA steps, are written as llama.cpp's converter writes them and read back by transformers' GGUF loader with the
+merged model's logits; Qwen3.5, Qwen3.5-MoE, Falcon-Mamba, Mamba-2, LFM2-MoE, Granite 4.0-H, Bamba, Falcon-H1,
+Nemotron-H, Jamba and Qwen3-Next, which that loader does not read as they are, by llama.cpp itself where
+llama-cpp-python is installed (refused in one line where it is not); the families whose llama.cpp mapping finetuner
+has not written are refused in one line that says what is missing, with nothing written."""
 
 from __future__ import annotations
 
@@ -194,11 +194,35 @@ LLAMA_CPP_READ = {
     "granitemoehybrid": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.embedding_scale": 4.0,
                                            "granitehybrid.logit_scale": 0.25, "granitehybrid.rope.scaling.finetuned": False},
                          {"blk.0.ssm_norm.weight", "blk.0.ffn_gate_shexp.weight", "blk.1.ffn_up_exps.weight", "blk.1.attn_q.weight"}),
+    "bamba": ("granitehybrid", {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.rope.dimension_count": 8,
+                                "granitehybrid.rope.scaling.finetuned": True},
+              {"blk.0.ssm_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"}),
+    "falcon_h1": ("falcon-h1", {"falcon-h1.ssm.inner_size": 128, "falcon-h1.ssm.group_count": 2, "falcon-h1.attention.key_length": 16},
+                  {"blk.0.ssm_in.weight", "blk.0.ssm_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_gate.weight"}),
+    "nemotron_h": ("nemotron_h_moe", {"nemotron_h_moe.attention.head_count_kv": [0, 0, 2, 0],
+                                      "nemotron_h_moe.feed_forward_length": [0, 32, 0, 32], "nemotron_h_moe.expert_count": 4},
+                   {"blk.0.ssm_norm.weight", "blk.1.ffn_up_exps.weight", "blk.1.exp_probs_b.bias", "blk.3.ffn_down_shexp.weight",
+                    "blk.2.attn_q.weight"}),
+    "jamba": ("jamba", {"jamba.attention.head_count_kv": [0, 0, 2, 0], "jamba.expert_count": 4, "jamba.ssm.time_step_rank": 8},
+              {"blk.0.ssm_dt_norm.weight", "blk.0.ssm_b_norm.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_gate_inp.weight",
+               "blk.1.ffn_gate_exps.weight", "blk.2.attn_q.weight"}),
+    "qwen3_next": ("qwen3next", {"qwen3next.attention.recurrent_layers": [True, False], "qwen3next.ssm.group_count": 2,
+                                 "qwen3next.ssm.time_step_rank": 4, "qwen3next.rope.dimension_count": 4},
+                   {"blk.0.ssm_in.weight", "blk.0.ssm_ba.weight", "blk.0.ffn_gate_inp_shexp.weight",
+                    "blk.1.ffn_down_exps.weight", "blk.1.attn_q_norm.weight"}),
 }
+#: Falcon-H1's muP multipliers, none 1, and its gated norm (gate first, as llama.cpp's falcon-h1 runs it) on 2 groups
+FALCON_H1 = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "attention_in_multiplier": 0.5,
+             "attention_out_multiplier": 1.5, "key_multiplier": 0.5, "ssm_in_multiplier": 1.5, "ssm_out_multiplier": 0.5,
+             "mlp_multipliers": [1.5, 0.5], "ssm_multipliers": [0.5, 1.5, 0.5, 2.0, 0.5], "mamba_rms_norm": True,
+             "mamba_norm_before_gate": False, "mamba_n_groups": 2}
 #: Granite's multipliers, none 1 (a multiplier written wrong shows in the logits: a logit scale of 1 instead of 0.25
 #: gave a difference of 2 against a tolerance of 0.027)
 GRANITE = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 0.25,
            "num_key_value_heads": 2}
+#: the families' changes to the tiny config
+CHANGE = {"granitemoehybrid": GRANITE, "falcon_h1": FALCON_H1,
+          "nemotron_h": {"layers_block_type": ["mamba", "moe", "attention", "moe"]}}  # as Nemotron 3 Nano's
 
 
 @pytest.mark.parametrize("model_type", sorted(LLAMA_CPP_READ))
@@ -206,11 +230,15 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
     """Falcon-Mamba (llama.cpp's mamba with the norms on dt, B and C, which transformers' GGUF loader would read as
     plain Mamba), Mamba-2 (``A`` and ``D`` as columns, the gated norm one row a group), Qwen3.5-MoE (the Gated DeltaNet
     with routed and shared experts), LFM2-MoE (Mixtral-named experts stacked, the routing bias) and Granite 4.0-H
-    (Mamba-2 and attention layers, the fused experts split, its four multipliers) trained 2 LoRA steps
+    (Mamba-2 and attention layers, the fused experts split, its four multipliers) and Bamba (Granite 4.0-H's layers
+    with dense MLPs and RoPE on the first half of each head) and Falcon-H1 (Mamba-2 beside attention in each layer, its
+    muP multipliers folded into the weights) and Nemotron-H with experts (each layer one block: Mamba-2, experts or
+    attention), Jamba (Mamba layers with weighted norms on dt, B and C, attention, experts every other layer) and
+    Qwen3-Next (the Gated DeltaNet with its value heads grouped, experts with a gated shared expert) trained 2 LoRA steps
     are written as llama.cpp's converter writes them; with llama-cpp-python installed llama.cpp gives the merged model's
     logits, without it the checked export is refused in one line before anything is written."""
     arch, keys, tensors = LLAMA_CPP_READ[model_type]
-    model, run = _trained(model_type, tmp_path, **(GRANITE if model_type == "granitemoehybrid" else {}))
+    model, run = _trained(model_type, tmp_path, **CHANGE.get(model_type, {}))
     r = export_model(run, tmp_path / "x.gguf", quant="f16", verify=False)
     assert r.architecture == arch and r.max_abs_logit_diff is None, r
     reader, f = _fields(tmp_path / "x.gguf")
@@ -229,11 +257,77 @@ def test_a_family_only_llama_cpp_reads_exports_and_llama_cpp_checks_it(model_typ
         f16 = dict(rtol=2 ** -10, atol=2 ** -24)
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_gate_exps.weight"].data), fused[:, :width], **f16)
         np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), fused[:, width:], **f16)
+    if model_type == "bamba":  # of each 16-wide key head only the first 8 rows turn: they alone are interleaved
+        _only_the_turned_rows_interleaved(run, tmp_path, np.asarray(t["blk.1.attn_k.weight"].data), heads=2, head=16, turned=8)
+    if model_type == "nemotron_h":  # the checkpoint's experts (one tensor each) stacked as llama.cpp's (experts, out, in)
+        experts = model.model.layers[1].mixer.experts
+        np.testing.assert_allclose(np.asarray(t["blk.1.ffn_up_exps.weight"].data), experts.up_proj.detach().numpy(),
+                                   rtol=2 ** -10, atol=2 ** -24)
+    if model_type == "jamba":  # a Mamba layer's A as -exp(A_log) (d_inner, d_state), its experts stacked
+        mixer = model.model.layers[1].mamba
+        np.testing.assert_allclose(np.asarray(t["blk.1.ssm_a"].data), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
+        assert [int(x) for x in t["blk.1.ffn_down_exps.weight"].shape] == [128, 64, 4]  # (width, hidden, experts), fastest first
+    if model_type == "qwen3_next":  # value heads grouped by key head as transformers has them (llama.cpp's qwen3next
+        # repeats each key head for its own): A and dt_bias as they are, not tiled as for Qwen3.5; no M-RoPE sections
+        mixer = model.model.layers[0].linear_attn
+        np.testing.assert_allclose(np.asarray(t["blk.0.ssm_a"].data), -np.exp(mixer.A_log.detach().numpy()), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(t["blk.0.ssm_dt.bias"].data), mixer.dt_bias.detach().numpy(), rtol=1e-6)
+        assert "qwen3next.rope.dimension_sections" not in f
+    if model_type == "falcon_h1":  # the multipliers folded into the merged weights, as llama.cpp's converter folds them
+        _multipliers_folded(run, tmp_path, model.config, {n: np.asarray(x.data) for n, x in t.items()})
     _checked_by_llama_cpp_or_refused(run, tmp_path, arch)
 
 
+def _only_the_turned_rows_interleaved(run, tmp_path, stored, heads: int, head: int, turned: int) -> None:
+    """The merged model's key projection as stored: in each head, the turned rows' halves (rotated as halves by
+    transformers) interleaved as llama.cpp's pairs, rows (0, 4, 1, 5, 2, 6, 3, 7) for 8 turned rows; the rest as they
+    are (llama.cpp's converter would interleave the whole head, which llama.cpp would not turn as transformers does)."""
+    from safetensors.numpy import load_file
+
+    from finetuner.export.merge import merge_adapter
+
+    merge_adapter(str(run), tmp_path / "merged", dtype="fp32")
+    k = load_file(str(tmp_path / "merged" / "model.safetensors"))["model.layers.1.self_attn.k_proj.weight"]
+    order = [i // 2 + (turned // 2) * (i % 2) for i in range(turned)] + list(range(turned, head))
+    rows = [h * head + r for h in range(heads) for r in order]
+    np.testing.assert_allclose(stored, k[rows], rtol=2 ** -10, atol=2 ** -24)  # the float16 rounding of each weight
+
+
+def _multipliers_folded(run, tmp_path, cfg, t) -> None:
+    """Falcon-H1's keys scaled by ``attention_in_multiplier`` x ``key_multiplier`` (0.25), the Mamba in-projection's
+    rows by ``ssm_in_multiplier`` x their part's ``ssm_multipliers`` (gate 0.75, x 2.25, B 0.75, C 3, dt 0.75), the
+    output head by ``lm_head_multiplier``: on the merged model's weights."""
+    from safetensors.numpy import load_file
+
+    from finetuner.export.merge import merge_adapter
+
+    merge_adapter(str(run), tmp_path / "merged", dtype="fp32")
+    m = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    f16 = dict(rtol=2 ** -10, atol=2 ** -24)
+    np.testing.assert_allclose(t["blk.0.attn_k.weight"], 0.25 * m["model.layers.0.self_attn.k_proj.weight"], **f16)
+    inner, bc = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state
+    rows = np.repeat([0.75, 2.25, 0.75, 3.0, 0.75], [inner, inner, bc, bc, cfg.mamba_n_heads])[:, None]
+    np.testing.assert_allclose(t["blk.0.ssm_in.weight"], rows * m["model.layers.0.mamba.in_proj.weight"], **f16)
+    np.testing.assert_allclose(t["output.weight"], 0.5 * m["lm_head.weight"], **f16)
+
+
+def test_nemotron_h_is_written_as_llama_cpps_architecture_for_its_blocks():
+    """Without experts llama.cpp's nemotron_h, with them nemotron_h_moe; dense MLP layers beside expert layers refused
+    (llama.cpp would read them as experts)."""
+    from finetuner.errors import UserError
+    from finetuner.export.gguf_arch import arch_for
+
+    cfg = tiny_with_ids("nemotron_h", _qwen2_tokenizer())
+    assert arch_for({**cfg, "layers_block_type": ["mamba", "mlp", "attention", "mlp"]}, "config.json").gguf_arch == "nemotron_h"
+    assert arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe"]}, "config.json").gguf_arch == "nemotron_h_moe"
+    with pytest.raises(UserError, match="dense MLP layers beside expert layers"):
+        arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "mlp"]}, "config.json")
+    with pytest.raises(UserError, match="no latent projection"):
+        arch_for({**cfg, "layers_block_type": ["mamba", "moe", "attention", "moe"], "moe_latent_size": 16}, "config.json")
+
+
 @pytest.mark.parametrize("model_type, missing", [
-    ("qwen3_next", r"gguf package \([\d.]+\) knows llama\.cpp's 'qwen3next' architecture, but finetuner's mapping to it is not written yet"),
+    ("kimi_linear", r"gguf package \([\d.]+\) knows llama\.cpp's 'kimi-linear' architecture, but finetuner's mapping to it is not written yet"),
     ("gemma3n_text", r"knows llama\.cpp's 'gemma3n' architecture, but finetuner's mapping to it is not written yet"),
     ("zamba2", r"llama\.cpp has no architecture for it"),
 ])
@@ -264,6 +358,13 @@ def test_a_family_without_a_written_mapping_is_refused_in_one_line(model_type, m
     ("lfm2_moe", {"routed_scaling_factor": 2.0}, "llama.cpp's lfm2moe"),
     ("granitemoehybrid", {"position_embedding_type": "rope"}, "turns no positions then"),
     ("granitemoehybrid", {"mamba_proj_bias": True}, "no projection bias, a convolution bias"),
+    ("bamba", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "Bamba's positions unscaled"),
+    ("bamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
+    ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "it gates, then norms"),
+    ("falcon_h1", {"tie_word_embeddings": True, "embedding_multiplier": 2.0}, "cannot carry two multipliers"),
+    ("falcon_h1", {"projectors_bias": True}, "no projection bias"),
+    ("jamba", {"mamba_conv_bias": False}, "no projection bias, a convolution bias"),
+    ("qwen3_next", {"norm_topk_prob": False}, "their weights renormalised"),
 ])
 def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
     from finetuner.errors import UserError
@@ -276,11 +377,11 @@ def test_what_llama_cpp_would_run_otherwise_is_refused(model_type, change, why):
 
 
 def test_a_gguf_package_without_the_architecture_is_named_as_what_is_missing(monkeypatch):
-    """A gguf package without llama.cpp's qwen3next (an older one): the refusal names the package and its version."""
+    """A gguf package without llama.cpp's gemma3n (an older one): the refusal names the package and its version."""
     import gguf
 
     from finetuner.export.gguf_arch import not_written
 
-    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "qwen3next"})
-    assert re.search(r"model_type 'qwen3_next': the installed gguf package \([\d.]+\) has no 'qwen3next' "
-                     "architecture; nothing was written", str(not_written("qwen3_next", "config.json")))
+    monkeypatch.setattr(gguf, "MODEL_ARCH_NAMES", {k: v for k, v in gguf.MODEL_ARCH_NAMES.items() if v != "gemma3n"})
+    assert re.search(r"model_type 'gemma3n_text': the installed gguf package \([\d.]+\) has no 'gemma3n' "
+                     "architecture; nothing was written", str(not_written("gemma3n_text", "config.json")))
