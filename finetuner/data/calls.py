@@ -107,6 +107,28 @@ def parse_reply(text: str) -> ParsedReply:
     return out
 
 
+def reference_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """The calls a data column holds (a reward's reference): ``{"name", "arguments"}`` or OpenAI's
+    ``{"function": {...}}``, a list of them, a JSON string of either, or a reply's text with its calls; none for an
+    empty value. A value that is none of these is a :class:`UserError` naming ``where``."""
+    from finetuner.errors import UserError
+
+    if value is None or (isinstance(value, (str, list)) and not value):
+        return []
+    if isinstance(value, str):
+        reply = parse_reply(value)
+        if reply.tried and reply.valid:
+            return reply.calls
+    else:
+        items = value if isinstance(value, list) else [value]
+        calls = [_one(v) for v in items]
+        if all(c is not None for c in calls):
+            return calls
+    raise UserError(f"{where}: the reference {str(value)[:80]!r} is not a tool call",
+                    hint='Give each row its call as {"name": ..., "arguments": {...}} (or a list of them, or empty for '
+                         'no call).')
+
+
 def same_call(made: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether a made call is the wanted one: the same name and arguments (numbers compared as numbers: 7 and 7.0
     are one value; text exactly)."""

@@ -51,7 +51,7 @@ def requests_in(examples) -> list[Request]:
     return out
 
 
-def score(chat, requests: list[Request], adapter: bool, who: str, max_new_tokens: int = 128) -> tuple[ToolScore, list[str]]:
+def score(chat, requests: list[Request], adapter: bool, who: str, max_new_tokens: int = 96) -> tuple[ToolScore, list[str]]:
     """``chat``'s calls (adapter on or off) for ``requests``, and its replies' text."""
     right = right_fn = valid = 0
     texts = []
