@@ -80,13 +80,13 @@ def tools_file(path: str | Path) -> list[dict[str, Any]]:
     try:
         schemas = read_tools(p.read_text(encoding="utf-8"))
     except OSError as e:
-        raise UserError(f"--tools {path}: cannot read it ({e.strerror or e}).") from None
+        raise UserError(f"The tools file {path}: cannot read it ({e.strerror or e}).") from None
     except RowError as e:
-        raise UserError(f"--tools {path}: {e}.",
+        raise UserError(f"The tools file {path}: {e}.",
                         hint='Give a JSON list of tools, e.g. [{"type": "function", "function": {"name": "get_weather", '
                              '"parameters": {...}}}].') from None
     if not schemas:
-        raise UserError(f"--tools {path}: the file lists no tools.")
+        raise UserError(f"The tools file {path} lists no tools.")
     return schemas
 
 

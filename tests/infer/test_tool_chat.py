@@ -112,7 +112,7 @@ def test_chat_tools_cli_answers_and_a_bad_tools_file_is_one_line(tmp_path):
     bad.write_text('[{"type": "function", "function": {"description": "no name"}}]', encoding="utf-8")
     p = cli_in_process("chat", str(run), "--tools", str(bad), "-p", "hi")
     assert p.returncode == 2 and p.stdout == ""
-    assert "--tools " + str(bad) + ": 'tools' item 1: expected a function schema with a 'name'" in p.stderr
+    assert "The tools file " + str(bad) + ": 'tools' item 1: expected a function schema with a 'name'" in p.stderr
     p = cli_in_process("chat", str(run), "--tools", str(tmp_path / "missing.json"), "-p", "hi")
     assert p.returncode == 2 and "cannot read it" in p.stderr
 
