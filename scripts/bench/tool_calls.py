@@ -4,10 +4,12 @@ numbers and words no training chat names), greedy.
 
 Two measurements of the same requests, written to ``docs/tool_calls.json``:
 
-* ``finetuner eval RUN --data data/tool_calls_heldout.jsonl``: the base's and the fine-tune's shares of right calls
-  (function and arguments), right functions and valid call JSON (:mod:`finetuner.infer.tool_eval`);
-* ``finetuner chat RUN --tools data/tool_calls_tools.json -p TEXT --temperature 0`` once per request (the CLI, in
-  this process: each call loads the run as a user's does), its printed JSON compared with the data's call.
+* the run loaded once (:func:`finetuner.load_chat_model`) and each request asked as ``finetuner chat --tools`` and
+  ``finetuner eval`` ask it (:func:`finetuner.infer.tool_eval.score`), the adapter off (the base) and on: the shares
+  of right calls (function and arguments), right functions and valid call JSON;
+* ``finetuner chat RUN --tools data/tool_calls_tools.json -p TEXT --temperature 0`` on the first ``--chat N``
+  requests (the CLI, in this process: each call loads the run as a user's does), its printed JSON compared with
+  the data's call.
 
 Run::
 
@@ -45,32 +47,36 @@ def chat_cli(run: Path, prompt: str) -> str:
 def main() -> None:
     from finetuner.data.calls import same_call
     from finetuner.data.formats import FileExamples
-    from finetuner.infer.evaluate import evaluate_run
-    from finetuner.infer.tool_eval import requests_in
+    from finetuner.data.tools import tools_file
+    from finetuner.infer.chat import load_chat_model
+    from finetuner.infer.tool_eval import requests_in, score
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default=str(REPO / "runs" / "tools_smollm2_cpu"))
-    ap.add_argument("--no-chat", action="store_true", help="Only the eval (skip the 12 finetuner chat calls).")
+    ap.add_argument("--chat", type=int, default=12, metavar="N", help="finetuner chat on the first N requests (default 12).")
     args = ap.parse_args()
     run = Path(args.run)
     t0 = time.perf_counter()
-    r = evaluate_run(run, data=HELD_OUT, write=True)
-    result = {"run": run.name, "requests": r.tool_call_requests, "eval": {"base": r.base.tool_calls,
-                                                                        "fine_tuned": r.fine_tuned.tool_calls},
-              "held_out_loss": {"base": round(r.base.loss, 4), "fine_tuned": round(r.fine_tuned.loss, 4)}}
-    print(r.table(), flush=True)
-    if not args.no_chat:
-        rows = []
-        for req in requests_in(FileExamples(str(HELD_OUT))):
-            printed = chat_cli(run, req.messages[-1]["content"])
-            try:
-                made = [json.loads(line) for line in printed.splitlines()]
-            except json.JSONDecodeError:
-                made = []
-            right = len(made) == len(req.wanted) and all(same_call(a, b) for a, b in zip(made, req.wanted))
-            rows.append({"prompt": req.messages[-1]["content"], "printed": printed, "right": right})
-            print(f"{'right' if right else 'WRONG'}  {req.messages[-1]['content']!r} -> {printed}", flush=True)
-        result["chat_cli"] = {"right": sum(r["right"] for r in rows), "of": len(rows), "answers": rows}
+    requests = requests_in(FileExamples(str(HELD_OUT)))
+    assert all(r.tools == tools_file(TOOLS) for r in requests)  # the file chat --tools is given
+    chat = load_chat_model(run)
+    result: dict = {"run": run.name, "requests": len(requests), "trained_in": chat.tools_trained}
+    for who, adapter in (("base", False), ("fine_tuned", True)):
+        shares, texts = score(chat, requests, adapter, who)
+        result[who] = {**shares.to_dict(), "right_of_12": round(shares.right * len(requests)),
+                       "replies": [{"prompt": r.messages[-1]["content"], "reply": t} for r, t in zip(requests, texts)]}
+        print(f"{who}: {shares.to_dict()}", flush=True)
+    rows = []
+    for req in requests[:args.chat]:
+        printed = chat_cli(run, req.messages[-1]["content"])
+        try:
+            made = [json.loads(line) for line in printed.splitlines()]
+        except json.JSONDecodeError:
+            made = []
+        right = len(made) == len(req.wanted) and all(same_call(a, b) for a, b in zip(made, req.wanted))
+        rows.append({"prompt": req.messages[-1]["content"], "printed": printed, "right": right})
+        print(f"{'right' if right else 'WRONG'}  {req.messages[-1]['content']!r} -> {printed}", flush=True)
+    result["chat_cli"] = {"right": sum(r["right"] for r in rows), "of": len(rows), "answers": rows}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     OUT.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"written to {OUT.relative_to(REPO)}")
