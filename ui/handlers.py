@@ -714,9 +714,13 @@ class Handlers:
 
     def _chat(self, message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
               max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False,
-              picture: str | None = None):
+              picture: str | None = None, tools: str | None = None):
+        from finetuner.data.calls import parse_reply
+        from finetuner.data.tools import tools_file
+
         if not (message or "").strip():
             raise UserError("Type a message first.")
+        schemas = tools_file(tools) if tools else None  # offered with the message; a reply's calls shown as JSON
         self.confirm_code(run, bool(allow_code), rewards=False)
         source = str(self.run_path(run))
         gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
@@ -737,10 +741,13 @@ class Handlers:
             yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
             for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
                 msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
-                for piece in worker.stream(msgs, adapter=adapter, **gen):
+                for piece in worker.stream(msgs, adapter=adapter, tools=schemas, **gen):
                     texts[name] += piece
                     shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
                     yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
+                called = parse_reply(texts[name]) if schemas else None
+                if called is not None and called.calls:
+                    texts[name] = f"```json\n{called.to_json()}\n```"
                 shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
             describe = worker.describe
         took = time.monotonic() - t0

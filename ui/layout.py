@@ -197,6 +197,8 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 with gr.Row():
                     picture = gr.Image(type="filepath", sources=["upload"], label="Picture (a model that reads pictures)",
                                        height=120, scale=1, elem_id="chat-picture")
+                    chat_tools = gr.File(label="Tools (JSON schemas; a call shows as JSON)", file_types=[".json"], type="filepath",
+                                         height=120, scale=1, elem_id="chat-tools")
                     msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
                     send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                     clear_btn = gr.Button("Clear", scale=1)
@@ -295,7 +297,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         # the chat opens it within the model's pixel limit (finetuner.data.picture_files)
         picture_held = gr.State(None)
         picture.change(uploaded_path, picture, picture_held, api_name=False, queue=False, preprocess=False)
-        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code, picture_held]
+        chat_inputs = [msg, tuned_bot, base_bot, chat_run, compare, max_new, temperature, top_p, seed, chat_code, picture_held, chat_tools]
         send.click(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name="chat")
         msg.submit(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)
         clear_btn.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)

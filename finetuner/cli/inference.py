@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
                    help="A picture for a model that reads pictures (an image-text-to-text model or a run trained on "
                         "pictures), placed before the prompt; give --image again for more.")
+    c.add_argument("--tools", metavar="FILE",
+                   help="A JSON file of tool schemas (OpenAI's list) offered with every prompt, rendered as the run "
+                        "trained (through the chat template, or finetuner's fallback format); a reply that calls a tool "
+                        "is printed as JSON, {\"name\": ..., \"arguments\": {...}}, one line a call.")
     c.add_argument("--compare", action="store_true", help="Show the base model's answer next to the fine-tuned one.")
     c.add_argument("--no-adapter", action="store_true", help="Chat with the base model alone.")
     c.add_argument("--system", help="System prompt (default: the run's data.system_prompt, else the one every training row carried, if any).")
@@ -172,6 +176,16 @@ def _stream_to_stdout(pieces) -> str:
     return "".join(text)
 
 
+def _answer(chat, messages: list[dict], **gen) -> str:
+    """Stream the reply; offered tools (``--tools``), print its calls as JSON, one line each, when it makes any
+    (:meth:`finetuner.infer.chat.ChatModel.tool_reply`), else its text."""
+    if not chat.tools:
+        return _stream_to_stdout(chat.stream(messages, **gen))
+    reply = chat.tool_reply(messages, **gen)
+    print(reply.to_json() if reply.calls else reply.text, flush=True)
+    return reply.text
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from finetuner.data.thinking import prompt_switches
     from finetuner.infer.chat import load_chat_model
@@ -187,6 +201,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                            **code_optins(args))
     if args.thinking:
         chat.switches = prompt_switches(chat.template, None, args.thinking)
+    if args.tools:
+        from finetuner.data.tools import tools_file
+
+        chat.tools = tools_file(args.tools)
     if args.system is not None:
         chat.system = args.system or None
     elif chat.system:  # the run's own (finetuner.infer.loading.system_prompt): said, so that an answer is not a puzzle
@@ -207,9 +225,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         msgs = [{"role": "user", "content": args.prompt}]
         if compare:
             print("base:")
-            _stream_to_stdout(chat.stream(msgs, adapter=False, **gen))
+            _answer(chat, msgs, adapter=False, **gen)
             print("\nfine-tuned:")
-        _stream_to_stdout(chat.stream(msgs, **gen))
+        _answer(chat, msgs, **gen)
         return 0
 
     tty = sys.stdin.isatty()
@@ -250,11 +268,11 @@ def _chat_loop(chat, compare: bool, gen: dict, tty: bool) -> None:
         try:
             if compare:
                 sys.stdout.write("base> ")
-                _stream_to_stdout(chat.stream(history, adapter=False, **gen))
+                _answer(chat, history, adapter=False, **gen)
                 sys.stdout.write("fine-tuned> ")
             else:
                 sys.stdout.write("model> ")
-            answer = _stream_to_stdout(chat.stream(history, **gen))
+            answer = _answer(chat, history, **gen)
         except KeyboardInterrupt:
             _err("\n(stopped)")
             history.pop()

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from finetuner.rewards.builtin import BUILTINS
+
 GiB = 1024**3
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the group's sequences), no packing, at most 3 epochs and its learning rate.")
     p.add_argument("--reward", dest="rewards", action="append", default=[], metavar="FILE.py:FUNCTION|BUILTIN",
                    help="GRPO: a reward function with TRL's signature fn(prompts, completions, **columns) -> list[float] "
-                        "in a Python file, or a built-in (exact_match, regex_format, length_bounds); repeatable (weights and "
+                        f"in a Python file, or a built-in ({', '.join(BUILTINS)}); repeatable (weights and "
                         "arguments: edit the written recipe). Implies --objective grpo; --data gives the prompts.")
     p.add_argument("--num-generations", type=int, metavar="G", help="GRPO: completions per prompt (default 4).")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="GRPO: the longest completion in tokens (default 64).")
@@ -146,7 +148,7 @@ def parse_rewards(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     if not rewards:
         raise UserError("--num-generations / --max-new-tokens plan a GRPO run, which needs a reward.",
-                        hint="Add --reward FILE.py:FUNCTION (or a built-in: exact_match, regex_format, length_bounds).")
+                        hint=f"Add --reward FILE.py:FUNCTION (or a built-in: {', '.join(BUILTINS)}).")
     return {"rewards": rewards, **extra}
 
 

@@ -212,10 +212,8 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
         msgs = thinking.with_reasoning(tokenizer, template, msgs, reasoning_setting)
         schemas = ex.get("tools") or []
         if tools.has_tools(msgs, schemas):
-            if tools.renders_tools(tokenizer, template):
-                switches = {**switches, "tools": schemas or None}
-            else:
-                msgs = tools.fallback_messages(msgs, schemas)
+            msgs, extra = tools.prompt_form(tokenizer, template, msgs, schemas)
+            switches = {**switches, **extra}
         last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
         try:
             text = _render(tokenizer, template, msgs, gen=False, **switches)

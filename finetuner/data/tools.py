@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from finetuner.data.rows import RowError
+from finetuner.errors import UserError
 
 #: what :func:`statement` and the docs call finetuner's fallback
 FALLBACK_FORMAT = "hermes"
@@ -69,6 +71,23 @@ def read_tools(value: Any) -> list[dict[str, Any]]:
             raise RowError(f"'tools' item {j}: expected a function schema with a 'name'")
         out.append({"type": "function", "function": fn})
     return out
+
+
+def tools_file(path: str | Path) -> list[dict[str, Any]]:
+    """The schemas of a tools file (``finetuner chat --tools``, the UI's Chat tab): a JSON list as a row's ``tools``
+    column holds it (:func:`read_tools`); a :class:`UserError` naming the file otherwise."""
+    p = Path(path).expanduser()
+    try:
+        schemas = read_tools(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"The tools file {path}: cannot read it ({e.strerror or e}).") from None
+    except RowError as e:
+        raise UserError(f"The tools file {path}: {e}.",
+                        hint='Give a JSON list of tools, e.g. [{"type": "function", "function": {"name": "get_weather", '
+                             '"parameters": {...}}}].') from None
+    if not schemas:
+        raise UserError(f"The tools file {path} lists no tools.")
+    return schemas
 
 
 def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
@@ -210,6 +229,18 @@ def fallback_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[s
             copy["content"] = "\n".join(([m["content"]] if m["content"].strip() else []) + [call_text(c) for c in calls])
         out.append(copy)
     return [{k: v for k, v in m.items() if k != "_results"} for m in out]
+
+
+def prompt_form(tokenizer: Any, template: str, messages: list[dict[str, Any]], schemas: Sequence[dict[str, Any]],
+                trained: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``messages`` with tools as the template is given them, and the template's keyword arguments: ``tools=``
+    where the template renders tools, else the rows in :data:`FALLBACK_FORMAT`. ``trained``: how the run's rows
+    rendered (``metrics.json``'s ``data.tools.renders``, ``"template"`` or ``"hermes"``), which a prompt follows;
+    None decides as training did (:func:`renders_tools`). Training and ``finetuner chat --tools`` both ask here."""
+    through_template = trained == "template" if trained in ("template", FALLBACK_FORMAT) else renders_tools(tokenizer, template)
+    if through_template:
+        return messages, {"tools": list(schemas) or None}
+    return fallback_messages(messages, schemas), {}
 
 
 def statement(template_renders: bool | None, rows: int, schema_tokens: int = 0, total_tokens: int = 0

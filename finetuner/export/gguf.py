@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
+from finetuner.data.tools import FALLBACK_FORMAT
 from finetuner.errors import UserError, did_you_mean
 from finetuner.locate import check_hub
 from finetuner.export.gguf_arch import arch_for
@@ -60,7 +61,7 @@ from finetuner.export.gguf_verify import (READ_AS, check_logits, check_tensors, 
                                           probe_ids, text_twin)
 from finetuner.export.gguf_vocab import vocab_from_tokenizer
 from finetuner.export.merge import check_output_dir, merge_adapter, peak_rss, publish_replacing, write_export_marker
-from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt
+from finetuner.infer.loading import Source, chat_template, load_tokenizer, resolve_source, system_prompt, trained_tools
 from finetuner.model.gguf_base import is_gguf_name, pretrained_args
 from finetuner.quiet import quieted
 from finetuner.surface import say
@@ -344,8 +345,12 @@ def export_model(
                     notes.append(f"the chat template writes a system block of its own when there is none ({system[:60]!r}"
                                  f"{'...' if len(system) > 60 else ''}); the Modelfile's SYSTEM says it, so Ollama prompts as "
                                  "training did")
+            tools_format = trained_tools(src)
             modelfile_text = modelfile("model.gguf", template, system, tokenizer.eos_token,
-                                       projector="mmproj.gguf" if projector is not None else None)
+                                       projector="mmproj.gguf" if projector is not None else None, tools_format=tools_format)
+            if tools_format == FALLBACK_FORMAT:
+                notes.append(f"the run trained tool calls in finetuner's fallback format ({FALLBACK_FORMAT}); the Modelfile's "
+                             "TEMPLATE writes Ollama's tools and tool calls in it (<tool_call> blocks)")
         out.parent.mkdir(parents=True, exist_ok=True)
         merged_dir = out.parent / f".{out.name}.tmp-merged-{os.getpid()}"
         try:

@@ -5,18 +5,65 @@ Ollama does not run Jinja chat templates, so the template is recognised by its f
 markers it writes (ChatML's ``<|im_start|>``, Llama 3's ``<|start_header_id|>``, Mistral's
 ``[INST]``) and the family's Go template is written; a template of another family is refused with
 a clear message (``--format gguf`` still works: llama.cpp reads the Jinja template in the file).
+
+A run whose rows with tools trained in finetuner's fallback format (``metrics.json``'s ``data.tools.renders`` is
+``"hermes"``: the chat template renders no tools, SmolLM2's) gets, on a ChatML template, :data:`CHATML_HERMES_TOOLS`:
+Ollama's ``.Tools`` and each message's ``.ToolCalls`` written as :func:`finetuner.data.tools.fallback_messages`
+writes them (the tools block in the system message, ``<tool_call>`` blocks in the reply, the results in one user
+turn of ``<tool_response>`` blocks), as Ollama's own Qwen2.5 template does, so that Ollama's tool calling (its API's
+``tools``, its hermes-style parsing of ``<tool_call>``) works with the fine-tune. Ollama writes the schemas and the
+arguments as Go's JSON encoder does (no spaces after ``,`` and ``:``), where training wrote Python's (with them):
+the same difference Ollama's Qwen2.5 template has from Qwen's Jinja one.
 """
 
 from __future__ import annotations
 
 import re
 
+from finetuner.data.tools import FALLBACK_FORMAT, FALLBACK_SYSTEM
 from finetuner.errors import UserError
 
 CHATML = """{{- range .Messages }}<|im_start|>{{ .Role }}
 {{ .Content }}<|im_end|>
 {{ end }}<|im_start|>assistant
 """
+
+#: the tools block of :data:`finetuner.data.tools.FALLBACK_SYSTEM` with Ollama's tools, one JSON object a line
+_GO_TOOLS_BLOCK = FALLBACK_SYSTEM.format(
+    tools='{{ range $i, $t := $.Tools }}{{ if $i }}\n{{ end }}{"type": "function", "function": {{ $t.Function }}}{{ end }}')
+
+CHATML_HERMES_TOOLS = ("""{{- $system := false }}
+{{- range .Messages }}{{ if eq .Role "system" }}{{ $system = true }}{{ end }}{{ end }}
+{{- if and .Tools (not $system) }}<|im_start|>system
+""" + _GO_TOOLS_BLOCK + """<|im_end|>
+{{ end }}
+{{- $prev := "" }}
+{{- range .Messages }}
+{{- if and (eq $prev "tool") (ne .Role "tool") }}<|im_end|>
+{{ end }}
+{{- if eq .Role "system" }}<|im_start|>system
+{{ .Content }}{{ if $.Tools }}
+
+""" + _GO_TOOLS_BLOCK + """{{ end }}<|im_end|>
+{{ else if eq .Role "tool" }}{{ if eq $prev "tool" }}
+{{ else }}<|im_start|>user
+{{ end }}<tool_response>
+{{ .Content }}
+</tool_response>
+{{- else if eq .Role "assistant" }}<|im_start|>assistant
+{{ if .Content }}{{ .Content }}{{ if .ToolCalls }}
+{{ end }}{{ end }}{{ range $i, $c := .ToolCalls }}{{ if $i }}
+{{ end }}<tool_call>
+{"name": "{{ $c.Function.Name }}", "arguments": {{ $c.Function.Arguments }}}
+</tool_call>{{ end }}<|im_end|>
+{{ else }}<|im_start|>{{ .Role }}
+{{ .Content }}<|im_end|>
+{{ end }}
+{{- $prev = .Role }}
+{{- end }}
+{{- if eq $prev "tool" }}<|im_end|>
+{{ end }}<|im_start|>assistant
+""")
 
 LLAMA3 = """{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>
 
@@ -76,11 +123,19 @@ def _quote(text: str) -> str:
 
 
 def modelfile(gguf_name: str, chat_template: str, system: str | None = None, eos_token: str | None = None,
-              projector: str | None = None) -> str:
+              projector: str | None = None, tools_format: str | None = None) -> str:
     """The Modelfile's text, with ``FROM ./<gguf_name>``; an image-text model's projector file (``projector``) is a
-    second ``FROM`` line, as Ollama imports a language model and its projector (ollama/ollama#9780)."""
+    second ``FROM`` line, as Ollama imports a language model and its projector (ollama/ollama#9780).
+    ``tools_format``: how the run's rows with tools rendered (``"hermes"``, finetuner's fallback: the template that
+    carries Ollama's tool calling in that format, module doc; ``"template"`` or None: the family's)."""
     family = template_family(chat_template)
     _, template, stops = FAMILIES[family]
+    if tools_format == FALLBACK_FORMAT:
+        if family != "chatml":
+            raise UserError(f"The run trained tool calls in finetuner's fallback format ({FALLBACK_FORMAT}) on a {family} "
+                            "chat template; finetuner writes that format's Ollama template for ChatML only.",
+                            hint="Export with --format gguf (llama.cpp reads the Jinja template stored in the file).")
+        template = CHATML_HERMES_TOOLS
     stops = list(stops)
     if eos_token and eos_token not in stops:
         stops.append(eos_token)

@@ -23,7 +23,7 @@ import finetuner.phases as phases
 from finetuner.errors import UserError
 from finetuner.data.thinking import prompt_switches
 from finetuner.infer.loading import (Source, chat_template, context_length, load_model, load_tokenizer, picture_processor,
-                                    resolve_source, system_prompt, trained_thinking)
+                                    resolve_source, system_prompt, trained_thinking, trained_tools)
 
 
 @dataclass
@@ -43,6 +43,11 @@ class ChatModel:
     #: the chat template's keyword arguments: the thinking form the run's rows trained in
     #: (:func:`finetuner.data.thinking.prompt_switches`; ``finetuner chat --thinking`` sets another)
     switches: dict[str, Any] = field(default_factory=dict)
+    #: tool schemas offered with every prompt (``finetuner chat --tools``, the UI's tools file), None: no tools
+    tools: list[dict[str, Any]] | None = None
+    #: how the run's rows with tools rendered (``"template"`` or ``"hermes"``, from its ``metrics.json``), which a
+    #: prompt with :attr:`tools` follows; None decides from the template as training does
+    tools_trained: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -67,8 +72,14 @@ class ChatModel:
             from finetuner.data.images import message_parts
 
             messages = message_parts(messages)
+        switches = self.switches
+        if self.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            from finetuner.data.tools import prompt_form
+
+            messages, extra = prompt_form(self.tokenizer, self.template, messages, self.tools or [], self.tools_trained)
+            switches = {**switches, **extra}
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=True,
-                                                  **self.switches)
+                                                  **switches)
 
     def with_pictures(self, messages: list[dict[str, str]], images: list[str]) -> list[dict[str, str]]:
         """``messages`` with ``images`` (paths) placed before the last user message's text, unless the messages
@@ -258,6 +269,15 @@ class ChatModel:
         """The whole reply to ``messages`` as one string (same settings as :meth:`stream`)."""
         return "".join(self.stream(messages, **gen)).strip()
 
+    def tool_reply(self, messages: list[dict[str, Any]], **gen: Any):
+        """The reply to ``messages`` (same settings as :meth:`stream`) read for tool calls
+        (:func:`finetuner.data.calls.parse_reply`): its calls as ``{"name", "arguments"}`` when it makes any, its
+        text otherwise. The reply is decoded without special tokens, so a marker that is one (Mistral's
+        ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``) is gone and the call's bare JSON is read."""
+        from finetuner.data.calls import parse_reply
+
+        return parse_reply(self.reply(messages, **gen))
+
     def _stop_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -297,15 +317,22 @@ def load_chat_model(
     processor = picture_processor(src)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(src)
     model, dev = load_model(src, adapter=adapter, device=device, pictures=processor is not None)
+    return chat_model_for(src, model, tokenizer, dev, processor)
+
+
+def chat_model_for(src: Source, model: Any, tokenizer: Any, device: str, processor: Any = None) -> ChatModel:
+    """A :class:`ChatModel` of a model already loaded from ``src`` (``finetuner eval`` asks its tool calls with the
+    model it scored): the run's chat template, system prompt, thinking form and tool format."""
     template = chat_template(src, processor if processor is not None else tokenizer)
     return ChatModel(
         model=model,
         tokenizer=tokenizer,
         template=template,
-        device=dev,
+        device=device,
         source=src,
         system=system_prompt(src),
         max_context=context_length(model, tokenizer),
         processor=processor,
         switches=prompt_switches(template, trained_thinking(src)),
+        tools_trained=trained_tools(src),
     )

@@ -53,6 +53,7 @@ def serve(source: str, out: protocol.Sender, adapter: bool = True, allow_code: b
             req = json.loads(line)
             rid = req.get("id")
             gen = {k: req[k] for k in GEN_KEYS if req.get(k) is not None}
+            model.tools = req.get("tools") or None  # the schemas this conversation offers (the UI's tools file)
             for piece in model.stream(req["messages"], **gen):
                 if piece:
                     out.send("progress", id=rid, token=piece)
@@ -159,13 +160,15 @@ class ChatWorker:
         self.close()
         return UserError(f"The chat worker for {self.source} {what}.")
 
-    def stream(self, messages: list[dict[str, str]], timeout: float = 300.0, **gen: Any) -> Iterator[str]:
-        """Send one conversation; yield the reply's text pieces as they arrive."""
+    def stream(self, messages: list[dict[str, str]], timeout: float = 300.0, tools: list[dict[str, Any]] | None = None,
+               **gen: Any) -> Iterator[str]:
+        """Send one conversation (offering ``tools``, schemas, when given); yield the reply's text pieces as they
+        arrive."""
         with self._lock:
             self.start()
             self._next_id += 1
             rid = self._next_id
-            req = {"id": rid, "messages": messages, **{k: v for k, v in gen.items() if k in GEN_KEYS}}
+            req = {"id": rid, "messages": messages, "tools": tools, **{k: v for k, v in gen.items() if k in GEN_KEYS}}
             assert self._proc is not None and self._proc.stdin is not None
             self._proc.stdin.write(json.dumps(req, ensure_ascii=False) + "\n")
             self._proc.stdin.flush()

@@ -39,6 +39,9 @@ class ModelScore:
     ppl: float
     tokens: int
     exact_match: float | None = None
+    #: on tool-calling data: the shares of held-out calls made right, with the right function, as valid JSON
+    #: (:class:`finetuner.infer.tool_eval.ToolScore`)
+    tool_calls: dict[str, float] | None = None
 
 
 @dataclass
@@ -58,6 +61,8 @@ class EvalResult:
     #: what the examples are to the run: ``held-out`` (its validation split or data.val_path),
     #: ``training`` (a --data file the run trained on) or ``other`` (another --data file)
     examples_are: str = "held-out"
+    #: how many held-out calls the tool-call shares are of (0: the data makes none)
+    tool_call_requests: int = 0
 
     def describe(self) -> str:
         """One line on what was scored: ``12 held-out examples from ...``."""
@@ -72,6 +77,10 @@ class EvalResult:
         if self.exact_match_examples:
             with_pictures = f"; {self.exact_match_pictured} with pictures" if self.exact_match_pictured else ""
             rows.append((f"exact match ({self.exact_match_examples}{with_pictures})", f"{self.base.exact_match:.0%}", f"{self.fine_tuned.exact_match:.0%}"))
+        if self.tool_call_requests:
+            for key, what in (("right", "right call"), ("right_function", "right function"), ("valid_json", "valid call JSON")):
+                rows.append((f"{what} ({self.tool_call_requests})", f"{self.base.tool_calls[key]:.0%}",
+                             f"{self.fine_tuned.tool_calls[key]:.0%}"))
         w = max(len(r[0]) for r in rows)
         return "\n".join(f"{a:<{w}}  {b:>10}  {c:>10}" for a, b, c in rows)
 
@@ -288,24 +297,27 @@ def evaluate_run(
 
     scores: dict[str, ModelScore] = {}
     answers: dict[str, list[str]] = {}
+    requests = _tool_requests(src, data, columns)
     if src.kind == "full":  # two separate models: the base, then the fine-tuned one
         for name, use_adapter, who in (("base", False, "the base model"), ("fine_tuned", True, "the fine-tune")):
             model, dev = load_model(src, adapter=use_adapter, device=device, pictures=processor is not None)
             loss, n = _loss(model, collate, examples, batch_size, dev, who)
             em, answers[name] = _exact_match(model, tokenizer, collate, refs, dev, True, who) if refs else (None, [])
-            scores[name] = ModelScore(loss, _ppl(loss), n, em)
+            scores[name] = ModelScore(loss, _ppl(loss), n, em, _tool_score(src, model, tokenizer, dev, processor, requests, True, who))
             del model
     else:
         model, dev = load_model(src, adapter=True, device=device, pictures=processor is not None)
         loss, n = _loss(model, collate, examples, batch_size, dev, "the fine-tune")
         em, answers["fine_tuned"] = (_exact_match(model, tokenizer, collate, refs, dev, True, "the fine-tune")
                                      if refs else (None, []))
-        scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em)
+        scores["fine_tuned"] = ModelScore(loss, _ppl(loss), n, em,
+                                          _tool_score(src, model, tokenizer, dev, processor, requests, True, "the fine-tune"))
         with model.disable_adapter():
             loss, n = _loss(model, collate, examples, batch_size, dev, "the base model")
         em, answers["base"] = (_exact_match(model, tokenizer, collate, refs, dev, False, "the base model")
                                if refs else (None, []))
-        scores["base"] = ModelScore(loss, _ppl(loss), n, em)
+        scores["base"] = ModelScore(loss, _ppl(loss), n, em,
+                                    _tool_score(src, model, tokenizer, dev, processor, requests, False, "the base model"))
     samples = [
         {"prompt": tokenizer.decode(r.prompt, skip_special_tokens=False),
          "reference": tokenizer.decode(r.reply, skip_special_tokens=True), "base": b, "fine_tuned": f}
@@ -314,11 +326,35 @@ def evaluate_run(
     result = EvalResult(
         source=str(src.path), data=what, examples=len(examples), base=scores["base"], fine_tuned=scores["fine_tuned"],
         exact_match_examples=len(refs), exact_match_pictured=sum(bool(r.images) for r in refs), samples=samples, seconds=round(time.perf_counter() - t0, 2),
-        examples_are=examples_are,
+        examples_are=examples_are, tool_call_requests=len(requests),
     )
     if write and src.run_dir is not None:
         record_in_metrics(src.run_dir, result)
     return result
+
+
+def _tool_requests(src: Source, data: str | Path | None, columns: dict[str, str] | None):
+    """The held-out calls of ``data``, else of the run's ``data.val_path`` (:func:`finetuner.infer.tool_eval.requests_in`;
+    a split drawn from the training file is scored by its loss only)."""
+    from finetuner.data.formats import FileExamples
+    from finetuner.infer.tool_eval import requests_in
+
+    cfg = src.recipe.data if src.recipe is not None else None
+    if data is not None:
+        return requests_in(FileExamples(str(data), "auto", columns, cfg.system_prompt if cfg else None))
+    if cfg is None or not cfg.val_path:
+        return []
+    return requests_in(FileExamples(cfg.val_path, cfg.format, cfg.columns, cfg.system_prompt))
+
+
+def _tool_score(src: Source, model, tokenizer, device: str, processor, requests, adapter: bool, who: str):
+    """The tool-call shares (:mod:`finetuner.infer.tool_eval`) of ``model`` (adapter on or off), None without requests."""
+    if not requests:
+        return None
+    from finetuner.infer.chat import chat_model_for
+    from finetuner.infer.tool_eval import score
+
+    return score(chat_model_for(src, model, tokenizer, device, processor), requests, adapter, who)[0].to_dict()
 
 
 def record_in_metrics(run_dir: Path, result, key: str = "evaluation") -> None:

@@ -236,6 +236,13 @@ def trained_thinking(src: Source) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
+def trained_tools(src: Source) -> str | None:
+    """How the run's rows with tools rendered (``"template"`` or finetuner's fallback ``"hermes"``, as
+    ``metrics.json`` keeps it: :func:`finetuner.data.tools.statement`), None when it says nothing of tools."""
+    found = (run_data_stats(src) or {}).get("tools")
+    return found.get("renders") if isinstance(found, dict) else None
+
+
 def picture_processor(src: Source):
     """The processor of a source that reads pictures, else None: a run or adapter trained on pictures (its adapter
     folder keeps the processor), or an image-text-to-text model folder or hub id with its processor."""

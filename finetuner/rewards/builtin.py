@@ -15,6 +15,15 @@ the generated text (:func:`completion_text`).
   ``.`` matching newlines), else 0.0.
 * :func:`length_bounds`: 1.0 when the completion's length (words, or tokens) lies within ``[min, max]``;
   outside, a linear fall-off: ``max(0, 1 − (L − max) / max)`` above, ``L / min`` below.
+* :func:`tool_call_match`: how close the completion's tool calls (read as ``finetuner chat --tools`` reads them:
+  :func:`finetuner.data.calls.parse_reply`, every template family's format) come to a data column's: 1.0 the same
+  calls (functions and arguments, in order); 0.5 the same functions with other arguments; 0.25 well-formed calls
+  (valid JSON, a name and an arguments object) of other functions; 0.0 no call, or a call that is not valid JSON.
+  A row whose column holds no call (empty, ``null``, ``[]``) wants an answer: 1.0 when the completion makes no
+  call, else 0.0.
+* :func:`think_format`: 1.0 when the completion reasons, then answers: one ``</think>`` (after an optional
+  ``<think>``: a thinking template opens the block in the prompt), text before it and after it, no other think tag;
+  else 0.0.
 """
 
 from __future__ import annotations
@@ -161,11 +170,63 @@ def length_bounds(min_length: int | None = None, max_length: int | None = None, 
     return reward
 
 
+def tool_call_match(column: str = "tool_call") -> RewardFn:
+    """A reward for the completion's tool calls against the reference call(s) in the data column ``column`` (module
+    docstring): a call as ``{"name", "arguments"}``, OpenAI's ``{"function": {...}}``, a list of them, a JSON string
+    of either, or a reply's text with its calls (``<tool_call>`` blocks)."""
+    from finetuner.data.calls import parse_reply, reference_calls, same_call
+
+    name = f"tool_call_match({column})"
+
+    def one(completion: Any, ref: Any) -> float:
+        wanted = reference_calls(ref, name)
+        reply = parse_reply(completion_text(completion))
+        if not wanted:
+            return float(not reply.tried)
+        made = reply.calls
+        if not made or not reply.valid:
+            return 0.0
+        if len(made) == len(wanted) and all(same_call(a, b) for a, b in zip(made, wanted)):
+            return 1.0
+        if [c["name"] for c in made] == [c["name"] for c in wanted]:
+            return 0.5
+        return 0.25
+
+    def reward(prompts: list, completions: list, **columns: Any) -> list[float]:
+        refs = _column(columns, column, name)
+        return [one(c, r) for c, r in zip(completions, refs, strict=True)]
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
+
+
+_THINK_TAG = re.compile(r"</?think>")
+
+
+def think_format() -> RewardFn:
+    """A reward of 1.0 for a completion that reasons in a think block and then answers (module docstring)."""
+
+    def one(text: str) -> float:
+        tags = _THINK_TAG.findall(text)
+        if tags not in (["</think>"], ["<think>", "</think>"]) or (tags[0] == "<think>" and not text.lstrip().startswith("<think>")):
+            return 0.0
+        reasoning, answer = text.lstrip().removeprefix("<think>").split("</think>")
+        return float(bool(reasoning.strip()) and bool(answer.strip()))
+
+    def reward(prompts: list, completions: list, **columns: Any) -> list[float]:
+        return [one(completion_text(c)) for c in completions]
+
+    reward.__name__ = reward.__qualname__ = "think_format"
+    return reward
+
+
 #: The built-ins by the name a recipe gives them.
 BUILTINS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": exact_match,
     "regex_format": regex_format,
     "length_bounds": length_bounds,
+    "tool_call_match": tool_call_match,
+    "think_format": think_format,
 }
 
 

@@ -449,3 +449,29 @@ def test_the_modelfile_prompts_as_training_did_with_the_templates_own_system_blo
                      [{"role": "system", "content": "Answer as the ferry desk."}, {"role": "user", "content": "When?"}]):
         trained = tok.apply_chat_template(messages, chat_template=SMOLLM2_TEMPLATE, tokenize=False, add_generation_prompt=True)
         assert tok(_ollama_prompt(text, messages))["input_ids"] == tok(trained)["input_ids"]
+
+
+def test_a_run_trained_in_the_fallback_tool_format_gets_ollamas_tool_calling_in_its_template():
+    """No Ollama binary here: the TEMPLATE is checked as text. It holds Ollama's .Tools and .ToolCalls written as
+    finetuner's fallback writes them (the tools block of FALLBACK_SYSTEM, <tool_call> blocks, <tool_response>
+    turns), its Go actions balanced; a family finetuner writes no such template for is refused."""
+    from finetuner.data.tools import FALLBACK_FORMAT, FALLBACK_SYSTEM
+    from finetuner.errors import UserError
+    from finetuner.export.ollama import CHATML, CHATML_HERMES_TOOLS, modelfile
+
+    text = modelfile("model.gguf", SMOLLM2_TEMPLATE, system=None, eos_token="<|im_end|>", tools_format=FALLBACK_FORMAT)
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.DOTALL)[1]
+    assert template == CHATML_HERMES_TOOLS
+    head, tail = FALLBACK_SYSTEM.split("{tools}")
+    assert template.count(head) == 2 and template.count(tail.replace("{{", "{").replace("}}", "}")) == 2  # with or without a system message
+    for action in ("range $i, $t := $.Tools", "{{ $t.Function }}", "range $i, $c := .ToolCalls", "{{ $c.Function.Name }}",
+                   "{{ $c.Function.Arguments }}", "<tool_response>\n{{ .Content }}\n</tool_response>"):
+        assert action in template, action
+    opened = len(re.findall(r"\{\{-? ?(if|range) ", template))
+    assert opened == len(re.findall(r"\{\{-? ?end ?-?\}\}", template)) and opened >= 10
+    assert 'PARAMETER stop "<|im_end|>"' in text
+    plain = modelfile("model.gguf", SMOLLM2_TEMPLATE, tools_format="template")
+    assert f'TEMPLATE """{CHATML}"""' in plain and ".Tools" not in plain
+    llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"
+    with pytest.raises(UserError, match="fallback format \\(hermes\\) on a llama3 chat template"):
+        modelfile("model.gguf", llama3, tools_format=FALLBACK_FORMAT)

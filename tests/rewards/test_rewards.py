@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.errors import RewardError, UserError
-from finetuner.rewards.builtin import (BUILTINS, completion_text, exact_match, final_answer, length_bounds,
+from finetuner.rewards.builtin import (BUILTINS, completion_text, exact_match, final_answer, length_bounds, make_builtin,
                                        normalise_answer, regex_format)
 from finetuner.rewards.combine import RewardFunction, Rewards, call_reward, score
 from finetuner.rewards.loading import load_module, load_reward_function
@@ -209,8 +210,37 @@ def test_length_bounds_words_and_tokens():
             length_bounds(**bad)
 
 
+def test_tool_call_match_against_a_column_by_hand():
+    fn = make_builtin("tool_call_match", {"column": "call"})
+    want = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 2.0, "city": "Oslo"}}\n</tool_call>'
+    other_args = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    other_fn = '{"name": "get_time", "parameters": {"city": "Oslo"}}'  # Llama 3.1's form: well-formed, another function
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"\n</tool_call>'
+    completions = [good, other_args, other_fn, broken, "It is sunny in Oslo.", [{"role": "assistant", "content": good}]]
+    assert fn(prompts=["q"] * 6, completions=completions, call=[want] * 6) == [1.0, 0.5, 0.25, 0.0, 0.0, 1.0]
+    # the reference as JSON text, OpenAI's form, a list; an empty one wants an answer, not a call
+    refs = [json.dumps(want), {"type": "function", "function": {**want, "arguments": json.dumps(want["arguments"])}},
+            [want, want], None, ""]
+    # one call where two are wanted: well-formed, not the same functions (0.25)
+    assert fn(prompts=["q"] * 5, completions=[good, good, good, "Sunny.", good], call=refs) == [1.0, 1.0, 0.25, 1.0, 0.0]
+    with pytest.raises(UserError, match=r"tool_call_match\(call\): the reference 'sunny' is not a tool call"):
+        fn(prompts=["q"], completions=[good], call=["sunny"])
+    with pytest.raises(UserError, match="no column 'call'"):
+        fn(prompts=["q"], completions=[good], answer=["x"])
+
+
+def test_think_format_by_hand():
+    fn = make_builtin("think_format")
+    texts = ["<think>7 x 6 is 42</think>42", "7 x 6 is 42</think>\n42",  # the block opened by the template's prompt
+             "<think></think>42", "<think>42</think>", "42", "<think>a</think>b<think>c</think>d", "x<think>a</think>b"]
+    assert fn(prompts=["q"] * 7, completions=texts) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(UserError, match="'tag' is not a setting of think_format"):
+        make_builtin("think_format", {"tag": "x"})
+
+
 def test_builtins_have_trl_signatures_and_names():
-    assert set(BUILTINS) == {"exact_match", "regex_format", "length_bounds"}
+    assert set(BUILTINS) == {"exact_match", "regex_format", "length_bounds", "tool_call_match", "think_format"}
     assert exact_match("gold").__name__ == "exact_match(gold)"
     assert completion_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]) == "yo"
 
