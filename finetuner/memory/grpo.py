@@ -73,7 +73,7 @@ from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, C
                                     DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
                                     layer_transient_per_token, trainable_params, weight_bytes)
 from finetuner.model.shapes import ModelShape
-from finetuner.planning.scans import attention_layers, recurrent_state_numel
+from finetuner.model.mixers import attention_layers, recurrent_state_numel
 
 #: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
 SURROGATE_TENSORS = 8
@@ -140,14 +140,14 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: 
     """``2 × attention layers × kv_heads × head_dim × sequences × tokens × dtype_bytes``: a key and a value per
     layer with softmax attention and token (grouped-query attention caches ``num_kv_heads`` heads, not
     ``num_heads``); linear-attention and state-space layers keep none
-    (:func:`finetuner.planning.scans.attention_layers`)."""
+    (:func:`finetuner.model.mixers.attention_layers`)."""
     return 2 * attention_layers(shape) * shape.num_kv_heads * shape.head_dim * sequences * tokens * dtype_bytes
 
 
 def generation_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: int) -> int:
     """What ``generate`` keeps between steps: the attention layers' KV cache (:func:`kv_cache_bytes`) and the
     linear-attention and state-space layers' recurrent state, fixed whatever the length
-    (:func:`finetuner.planning.scans.recurrent_state_numel` a sequence, in the cache's dtype)."""
+    (:func:`finetuner.model.mixers.recurrent_state_numel` a sequence, in the cache's dtype)."""
     return kv_cache_bytes(shape, sequences, tokens, dtype_bytes) + recurrent_state_numel(shape) * sequences * dtype_bytes
 
 

@@ -16,7 +16,7 @@ chosen and rejected responses) costs the sum of:
 * **attention** (:func:`attention_seconds`): ``Q K^T`` and ``P V``, ``4 seq q_dim`` per token and
   layer forward over the full square, backward twice that, at the rate of the device's
   ``scaled_dot_product_attention`` kernel (causal, or with a mask) at that sequence length, in the layers
-  that have softmax attention only (:func:`finetuner.planning.scans.attention_layers`);
+  that have softmax attention only (:func:`finetuner.model.mixers.attention_layers`);
 * **linear attention and state-space scans** (:mod:`finetuner.planning.scans`): a Gated DeltaNet's chunked
   delta rule, Mamba-2's chunked scan, Mamba's sequential scan, LFM2's short convolution, their FLOPs linear in ``seq`` as transformers'
   PyTorch path computes them, forward and backward twice that, at the matmul rate of their narrow width; their
@@ -77,7 +77,8 @@ from finetuner.device import CPU, CUDA
 from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.objectives.specs import spec_of
-from finetuner.planning.scans import attention_layers, scan_bytes, scan_fill_bytes, scan_flops, scan_ops, scan_width
+from finetuner.model.mixers import attention_layers
+from finetuner.planning.scans import scan_bytes, scan_fill_bytes, scan_flops, scan_ops, scan_width
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile

@@ -1,6 +1,6 @@
 """Generation's cache of hybrid and state-space models (finetuner/memory/grpo.py ``generation_cache_bytes``): a KV
 cache for the softmax-attention layers only, and for the linear-attention and state-space layers their fixed
-recurrent state (finetuner/planning/scans.py ``recurrent_state_numel``), checked against the tensors transformers'
+recurrent state (finetuner/model/mixers.py ``recurrent_state_numel``), checked against the tensors transformers'
 own cache holds after a prefill of a tiny model of each family (fp32, two sequences)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from finetuner.memory.grpo import generation_cache_bytes, kv_cache_bytes
 from finetuner.model.shapes import shape_from_config
 from finetuner.model.tiny import tiny_config
-from finetuner.planning import scans
+from finetuner.model import mixers
 
 
 def _cache_bytes(cache) -> int:
@@ -51,7 +51,7 @@ def test_generation_cache_is_kv_for_attention_layers_and_a_fixed_state_for_the_o
     cache = getattr(out, "past_key_values", None) or out.cache_params
     measured = _cache_bytes(cache)
     assert measured == generation_cache_bytes(shape, rows, tokens, 4)
-    state = scans.recurrent_state_numel(shape)
+    state = mixers.recurrent_state_numel(shape)
     assert state > 0  # every family here has linear-attention or state-space layers
     assert generation_cache_bytes(shape, rows, 2 * tokens, 4) - generation_cache_bytes(shape, rows, tokens, 4) \
         == kv_cache_bytes(shape, rows, tokens, 4)  # only the attention layers' cache grows with the tokens

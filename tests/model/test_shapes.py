@@ -204,7 +204,7 @@ def test_the_plan_says_whether_a_checkpoints_vision_tower_is_loaded():
 def test_a_mamba_layer_is_a_state_space_layer_not_linear_attention_too():
     """transformers 5 reads Granite 4's ``layer_types`` "mamba" as "linear_attention": its 28 Mamba-2 layers are
     planned as state-space layers, not as Gated DeltaNet layers besides."""
-    from finetuner.planning.scans import mixers
+    from finetuner.model.mixers import mixers
 
     shape = resolve_shape("granite-4.0-h-350m")
     assert (shape.mixer_layers, shape.linear_attention_layers) == (28, 0) and "linear attention" not in shape.describe()

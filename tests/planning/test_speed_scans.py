@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.memory.model import Settings
+from finetuner.model import mixers
 from finetuner.model.shapes import shape_from_config
 from finetuner.planning import scans
 from finetuner.planning import speed as sp
@@ -47,8 +48,8 @@ def _s(seq: int) -> Settings:
 def test_a_hybrids_linear_attention_layers_get_no_softmax_term_and_their_delta_rule_is_counted(qwen35):
     """transformers' default Qwen3.5 (32 layers, 24 of them Gated DeltaNet): softmax attention in 8 layers only, the
     delta rule's per-token FLOPs in the 24 others, over whole chunks of 64; its linears are decoder matmuls."""
-    m = scans.mixers(qwen35)
-    assert (scans.attention_layers(qwen35), m.delta_layers) == (8, 24)
+    m = mixers.mixers(qwen35)
+    assert (mixers.attention_layers(qwen35), m.delta_layers) == (8, 24)
     assert (m.delta_heads, m.delta_dk, m.delta_dv) == (32, 128, 128)  # its config's linear_num_value_heads, widths
     linear = [lin for lin in qwen35.layer_linears() if lin.name.startswith("linear_attn.")]
     assert len(linear) == 5 and all(qwen35.copies(lin) == 24 for lin in linear)  # in_proj_qkv/z/a/b, out_proj
@@ -66,8 +67,8 @@ def test_a_pure_mamba_step_grows_as_t_not_t_squared(mamba2, cpu_speed):
     """Doubling the tokens doubles a Mamba-2 step's FLOPs but for the states passed between chunks (an einsum over
     every pair of chunks: ``2 (c + 1)² H P N`` a layer), and its predicted time ~2x: within the share of the parts
     that do not grow with T (operations, optimizer, fixed, the trace's constant) and of the between-chunk term."""
-    m = scans.mixers(mamba2)
-    assert scans.attention_layers(mamba2) == 0 and m.mamba2_layers == 64
+    m = mixers.mixers(mamba2)
+    assert mixers.attention_layers(mamba2) == 0 and m.mamba2_layers == 64
     T, L, H, P, N = 4096, m.mamba2_chunk, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state
     f1, f2 = sp.forward_flops(mamba2, _s(T)), sp.forward_flops(mamba2, _s(2 * T))
     c = T // L
@@ -87,7 +88,7 @@ def test_the_sequential_mamba_scan_costs_operations_per_token():
     """Mamba-1's PyTorch scan is a Python loop over the tokens: its operations grow with T (a Gated DeltaNet's loop
     with the chunks), counted in the forward's operations."""
     mamba = _default("mamba")
-    m = scans.mixers(mamba)
+    m = mixers.mixers(mamba)
     assert (m.mamba_inner, m.mamba_state) == (1536, 16)  # dt_proj's out, x_proj's (out - dt rank) / 2
     n1, n2 = sp.forward_op_count(mamba, _s(512)), sp.forward_op_count(mamba, _s(1024))
     assert n2 - n1 == 32 * scans.MAMBA_OPS_PER_TOKEN * 512 + sp.OPS_PER_LOSS_CHUNK * 0
@@ -234,7 +235,7 @@ def test_the_delta_rules_elementwise_bytes_are_the_traced_count_and_grow_as_t_sq
     from transformers import AutoConfig
 
     shape = shape_from_config(AutoConfig.for_model(**cfg).to_dict(), name="tiny")
-    assert scans.mixers(shape).delta_layers == 1
+    assert mixers.mixers(shape).delta_layers == 1
     formula = {c: scans.scan_bytes(shape, 1, c * scans.DELTA_CHUNK) for c in (2, 3, 5)}
     traced = {c: _delta_rule_bytes(c, 2, 16, 8) for c in (2, 3, 5)}
     assert formula[3] - formula[2] == traced[3] - traced[2]
@@ -327,7 +328,7 @@ def test_lfm2s_short_convolution_is_timed_as_its_conv_and_elementwise_work_on_a_
 
     cfg, layer = _lfm2_short_conv(channels, kernel)
     shape = shape_from_config(cfg.to_dict(), name="tiny-lfm2")
-    m = scans.mixers(shape)
+    m = mixers.mixers(shape)
     assert (m.conv_layers, m.conv_channels, m.conv_kernel) == (1, channels, kernel)
     aten = torch.ops.aten
     for rows, seq in ((1, 5), (2, 5), (2, 9), (3, 9)):
@@ -375,7 +376,7 @@ def test_mamba2s_elementwise_bytes_are_the_traced_count(rows, heads, head_dim, s
     forward and backward (fp32; matmuls, views and ``_unsafe_view`` left out): exactly with one sequence; with more,
     within ``10 c H P N`` elements (its einsums' copies follow the strides)."""
     shape = _mamba2_shape(heads, head_dim, state, groups, chunk)
-    m = scans.mixers(shape)
+    m = mixers.mixers(shape)
     assert (m.mamba2_layers, m.mamba2_heads, m.mamba2_head_dim, m.mamba2_state, m.mamba2_groups, m.mamba2_chunk) == \
         (1, heads, head_dim, state, groups, chunk)
     traced = _mamba2_scan_bytes(rows, heads, head_dim, state, groups, chunk, seq)
@@ -408,7 +409,7 @@ def test_mamba1s_elementwise_bytes_are_the_traced_count_and_grow_as_t_squared(ro
     cfg = AutoConfig.for_model("mamba", hidden_size=inner // 2, intermediate_size=inner, state_size=state,
                                num_hidden_layers=1, vocab_size=64, time_step_rank=2)
     shape = shape_from_config(cfg.to_dict(), name="tiny-mamba")
-    m = scans.mixers(shape)
+    m = mixers.mixers(shape)
     assert (m.mamba_layers, m.mamba_inner, m.mamba_state) == (1, inner, state)
     assert scans.scan_bytes(shape, rows, seq) == _mamba_scan_bytes(rows, inner, state, seq)
     quad = 4 * rows * seq * seq * state * (8 * inner + 4)
@@ -418,8 +419,8 @@ def test_mamba1s_elementwise_bytes_are_the_traced_count_and_grow_as_t_squared(ro
 def test_the_scans_matmul_width_is_their_state_not_the_convolutions_kernel(mamba2, qwen35):
     """Mamba-2's state (128) and the delta rule's key width (128) set the scans' matmul rate; the depthwise
     convolution's kernel (4) is no matmul."""
-    assert scans.mixers(mamba2).conv_kernel == 4
-    assert scans.scan_width(mamba2) == scans.mixers(mamba2).mamba2_state == 128
+    assert mixers.mixers(mamba2).conv_kernel == 4
+    assert scans.scan_width(mamba2) == mixers.mixers(mamba2).mamba2_state == 128
     assert scans.scan_width(qwen35) == 128
     assert scans.scan_width(_default("mamba")) == 16
     assert scans.scan_width(_default("llama")) == 1
