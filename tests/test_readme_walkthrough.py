@@ -69,6 +69,13 @@ NOT_RUN: list[tuple[str, str]] = [
                      "runs its recipe, chat and evals through the CLI and checks what the page says of them"),
     (r"^pip install ", "installs packages (network; changes the environment under test)"),
     (r"^mkdocs serve\b", "serves the documentation site until stopped (tests/test_docs_site.py builds it)"),
+    (r"^python -m scripts\.validate\.(memory|train_gpu) ", "measures on a GPU (docs/memory.md, docs/benchmarks.md): "
+     "tests/test_gpu_all_smoke.py runs the same functions at toy size on the CPU, tests/memory/test_memory_accuracy.py "
+     "replays the recorded runs"),
+    (r"^python -m scripts\.validate\.speed_", "re-measures a CPU speed matrix into docs/validation (minutes to an hour on "
+     "2 cores; docs/benchmarks.md): the pages quote the recorded files, which the speed tests replay"),
+    (r"^python3 -m pip ", "docs/benchmarks.md's measurement on a GPU machine without finetuner's environment: "
+     "downloads wheels and installs them elsewhere"),
 ]
 
 
