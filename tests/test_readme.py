@@ -1,11 +1,10 @@
-"""README.md as a newcomer meets it: its commands run, and its "what fits where" table is current.
+"""README.md and the documentation site's pages (docs/**/*.md) as a newcomer meets them: every command parses,
+every file, module, flag and test they name exists, and the generated parts (the "what fits where" table of
+docs/planning.md) are current.
 
-Every fenced block whose info string is ``bash runnable`` is run line by line, in order, as a
-user would type it: in a temporary copy of ``recipes/`` and ``data/`` (nothing is written into
-the checkout), with this environment's ``finetuner`` on PATH, a temporary tokenized-data cache
-and a fake ``HF_TOKEN`` that must not end up in any file. Each command must exit 0 and print no
-Python traceback. The other ``bash`` blocks (GPU recipes, the web UI, placeholders such as
-RECIPE) are not run, but each ``finetuner ...`` line in them must parse with the real CLI.
+The pages' ``bash`` blocks (``bash runnable`` among them) are run, in the order a reader meets them (the README,
+then the site's nav), by ``tests/test_readme_walkthrough.py``; the commands it cannot run (GPU recipes, the web UI,
+placeholders such as RECIPE) must still parse here with the real CLI.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+#: the site's pages that hold what the README once did (each test below reads the one it checks)
+PLANNING, RECIPES, SAFETY = (REPO / "docs" / name for name in ("planning.md", "recipes.md", "safety.md"))
 BIN = Path(sys.executable).parent  # the environment's bin/, where the `finetuner` entry point lives
 FAKE_TOKEN = "hf_readmeTestTokenNotReal0123456789abcdef"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -52,15 +53,35 @@ def runnable_commands(text: str) -> list[str]:
     return [c for info, body in blocks(text) if info.split() == ["bash", "runnable"] for c in commands(body)]
 
 
+def nav_pages(nav: list) -> list[str]:
+    """The files of mkdocs.yml's nav, in order (sections nested)."""
+    out: list[str] = []
+    for entry in nav:
+        for value in (entry.values() if isinstance(entry, dict) else [entry]):
+            out += nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+def reading_order() -> list[Path]:
+    """README.md, then the site's pages in the order of its nav: the order a newcomer reads them, and the order
+    ``tests/test_readme_walkthrough.py`` runs their commands in (a page's commands may use what an earlier one made)."""
+    import yaml
+
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    return [README, *(REPO / "docs" / page for page in nav_pages(nav))]
+
+
 def test_blocks_are_marked():
-    """The runnable blocks exist, and every shell block is either ``bash`` or ``bash runnable``."""
+    """The README opens with the two set-up commands; the runnable walk-through blocks exist on the site; every
+    shell block of every page is ``bash`` or ``bash runnable`` (a block the tests read), none ``sh`` or ``console``."""
     text = README.read_text(encoding="utf-8")
-    infos = [info for info, _ in blocks(text)]
-    assert infos.count("bash runnable") >= 2, infos
-    assert all(i in ("bash", "bash runnable", "python", "") for i in infos), infos
     quick = next(body for info, body in blocks(text) if info == "bash")  # the first block: the quick start
     assert [c.split("#")[0].strip() for c in commands(quick)] == ["./scripts/demo.sh", "./scripts/test.sh"]
-    walk = runnable_commands(text)
+    infos = [info for doc in DOCS for info, _ in blocks(doc.read_text(encoding="utf-8"))]
+    assert all(i in ("bash", "bash runnable", "python", "") for i in infos), sorted(set(infos))
+    pages = "\n".join(p.read_text(encoding="utf-8") for p in reading_order())
+    assert [info for info, _ in blocks(pages)].count("bash runnable") >= 2
+    walk = runnable_commands(pages)
     for sub in ("gpus", "plan", "estimate", "run", "chat", "eval", "merge"):
         assert any(shlex.split(c, comments=True)[1] == sub for c in walk), f"no runnable `finetuner {sub}`"
 
@@ -71,30 +92,32 @@ def test_every_finetuner_line_parses():
 
     parser = build_parser()
     checked = 0
-    for info, body in blocks(README.read_text(encoding="utf-8")):
-        if not info.startswith("bash"):
-            continue
-        for cmd in commands(body):
-            argv = shlex.split(cmd, comments=True)
-            if not argv or argv[0] != "finetuner":
+    for doc in DOCS:
+        for info, body in blocks(doc.read_text(encoding="utf-8")):
+            if not info.startswith("bash"):
                 continue
-            try:
-                parser.parse_args(argv[1:])
-            except SystemExit as e:  # argparse exits on an unknown flag or a missing argument
-                pytest.fail(f"README command does not parse (exit {e.code}): {cmd}")
-            checked += 1
+            for cmd in commands(body):
+                argv = shlex.split(cmd, comments=True)
+                if not argv or argv[0] != "finetuner":
+                    continue
+                try:
+                    parser.parse_args(argv[1:])
+                except SystemExit as e:  # argparse exits on an unknown flag or a missing argument
+                    pytest.fail(f"{doc.relative_to(REPO)}: command does not parse (exit {e.code}): {cmd}")
+                checked += 1
     assert checked >= 20
 
 
 def test_fit_table_is_current():
     """The table between the fit-table markers is exactly `python -m scripts.dev.fit_table`'s output."""
-    text = README.read_text(encoding="utf-8")
+    text = PLANNING.read_text(encoding="utf-8")
     m = re.search(r"<!-- fit-table:start -->\n(.*?)<!-- fit-table:end -->", text, re.S)
-    assert m, "README.md has no <!-- fit-table:start --> ... <!-- fit-table:end --> section"
+    assert m, "docs/planning.md has no <!-- fit-table:start --> ... <!-- fit-table:end --> section"
     out = subprocess.run([sys.executable, "-m", "scripts.dev.fit_table"], capture_output=True, text=True,
                          cwd=REPO, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
-    assert m.group(1) == out.stdout, "README's fit table is stale: paste the output of `python -m scripts.dev.fit_table`"
+    assert m.group(1) == out.stdout, ("docs/planning.md's fit table is stale: run `python -m scripts.validate.gpu_all --tables` "
+                                      "(or paste the output of `python -m scripts.dev.fit_table`)")
 
 
 @pytest.mark.parametrize("installed", [True, False], ids=["liger-and-flash-attn-installed", "neither-installed"])
@@ -106,7 +129,7 @@ def test_fit_table_does_not_depend_on_what_is_installed(monkeypatch, installed):
     from finetuner.planning.planner import plan
     from scripts.dev.fit_table import table
 
-    text = README.read_text(encoding="utf-8")
+    text = PLANNING.read_text(encoding="utf-8")
     section = re.search(r"<!-- fit-table:start -->\n(.*?)<!-- fit-table:end -->", text, re.S).group(1)
     monkeypatch.setattr(runtime, "_installed", lambda package: installed)
     assert table() == section
@@ -117,7 +140,7 @@ def test_fit_table_does_not_depend_on_what_is_installed(monkeypatch, installed):
 
 
 # --------------------------------------------------------------------------- names that go stale
-DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [README, *sorted((REPO / "docs").rglob("*.md"))]
 #: the repository's top-level folders and files: a backticked path that starts with one is a repository path
 TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - {"runs", "exports"}
 #: paths inside other projects that the docs cite (their source, not ours)
@@ -170,7 +193,7 @@ CODE_TEXT = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "finetuner"
 
 
 def test_every_repository_path_in_the_docs_exists():
-    """Every file or folder of the repository named in backticks, a shell block or a relative link of README.md and docs/*.md exists."""
+    """Every file or folder of the repository named in backticks, a shell block or a relative link of README.md and docs/**/*.md exists."""
     missing, checked = [], 0
     for doc in DOCS:
         for w in repository_paths(doc.read_text(encoding="utf-8")):
@@ -303,12 +326,13 @@ def test_every_script_flag_in_the_docs_exists():
 
 
 def test_recipe_table_names_every_key():
-    """README's Recipes table lists every key of every recipe section (a key added to the schema must be documented)."""
+    """The Recipes page's table at a glance lists every key of every recipe section (a key added to the schema must be
+    described there too; the page's full reference is generated from the schema, tests/test_docs_site.py)."""
     import typing
 
     from finetuner.config.recipe import Recipe
 
-    text = README.read_text(encoding="utf-8")
+    text = RECIPES.read_text(encoding="utf-8")
     table = text[text.index("| section | keys (defaults) |"):text.index("Relative paths in a recipe")]
     missing = []
     for name, field in Recipe.model_fields.items():
@@ -319,14 +343,14 @@ def test_recipe_table_names_every_key():
             continue
         row = next((line for line in table.splitlines() if line.startswith(f"| `{name}`")), "")
         missing += [f"{name}.{key}" for key in section.model_fields if f"`{key}`" not in row]
-    assert not missing, f"recipe keys missing from README's Recipes table: {missing}"
+    assert not missing, f"recipe keys missing from docs/recipes.md's table: {missing}"
 
 
 def test_the_model_list_names_every_preset():
-    """The README's "Models: the presets ..." sentence is the list `plan --model` accepts, no more, no less."""
+    """docs/planning.md's "Models: the presets ..." sentence is the list `plan --model` accepts, no more, no less."""
     from finetuner.model.shapes import preset_names
 
-    text = README.read_text(encoding="utf-8")
+    text = PLANNING.read_text(encoding="utf-8")
     sentence = text[text.index("Models: the presets "):text.index("(their hub ids work")]
     assert sorted(re.findall(r"`([^`]+)`", sentence)) == sorted(preset_names())
 
@@ -335,7 +359,7 @@ TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 
 
 def test_every_test_named_in_the_docs_exists():
-    """``tests/x.py::test_name`` in README.md and docs/*.md (the Safety section names the test of each promise): the
+    """``tests/x.py::test_name`` in README.md and docs/**/*.md (the Safety page names the test of each promise): the
     file defines a test of that name, so a promise never points at a test that was renamed or removed."""
     missing, checked = [], 0
     for doc in DOCS:
@@ -349,9 +373,9 @@ def test_every_test_named_in_the_docs_exists():
 
 
 def test_every_safety_promise_names_its_test():
-    """Each bullet of README.md's Safety section ends in the test (``tests/x.py::test_name``) that holds it."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("## Safety: what finetuner guarantees", 1)[1].split("\n## ", 1)[0]
+    """Each bullet of the Safety page (docs/safety.md) ends in the test (``tests/x.py::test_name``) that holds it."""
+    text = SAFETY.read_text(encoding="utf-8")
+    section = text.split("# Safety: what finetuner guarantees", 1)[1]
     bullets = [b for b in re.split(r"\n- ", section)[1:]]
     assert len(bullets) >= 15
     bare = [b.splitlines()[0][:80] for b in bullets if not TEST_REF.search(b)]

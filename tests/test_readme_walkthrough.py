@@ -1,9 +1,10 @@
-"""Every shell command of README.md, in the order written, as a newcomer runs them on a fresh clone.
+"""Every shell command of README.md and of the documentation site's pages, in the order a reader meets them (the
+README, then the pages of ``mkdocs.yml``'s nav), as a newcomer runs them on a fresh clone.
 
-The README's quick start is ``./scripts/demo.sh`` and the sections after it assume what it left
+The README's quick start is ``./scripts/demo.sh`` and the pages after it assume what it left
 behind (``runs/demo_cpu`` trained 150 steps); each section's commands assume the ones before it.
-This test runs *all* the ``bash`` blocks (the ``bash runnable`` walk-through among them), top to
-bottom, in one temporary copy of the checkout, so that a command that only fails after an earlier
+This test runs *all* the ``bash`` blocks (the ``bash runnable`` walk-through of docs/getting-started.md among
+them), top to bottom, page after page, in one temporary copy of the checkout, so that a command that only fails after an earlier
 one (the walk-through's 5-step ``run`` after the 150-step demo, a second ``merge -o`` into a folder
 an earlier line wrote) is caught. ``HF_TOKEN`` is set to a fake token throughout, and no file the
 commands write may contain it (README, "Gated models"). The walk-through blocks are not also run
@@ -18,13 +19,13 @@ What "as written" means here, and where it cannot be:
 * ``./scripts/demo.sh`` runs the real script. Its ``.venv/`` is this environment, linked in (the
   copy's ``.venv/bin`` holds ``python`` and ``finetuner`` from here and the install stamp
   ``scripts/_setup.sh`` writes), so the script's setup finds nothing to install; what install
-  costs on a fresh machine is measured separately (README, Quick start).
+  costs on a fresh machine is measured separately (docs/getting-started.md, The demo).
 * An interactive ``finetuner chat`` gets an empty standard input: the user presses Ctrl-D.
 * Commands that cannot run here are skipped, each for the reason in :data:`NOT_RUN` (matched by
-  pattern, and every pattern must match a README command, so the list cannot go stale): the test
+  pattern, and every pattern must match a command of the pages, so the list cannot go stale): the test
   suite itself, placeholders (``RECIPE``, the user's ``my_data.jsonl``), hub downloads of
   7B-class models and GPU recipes (nothing can be downloaded here), the web server, package
-  installs, and the shell's ``source``. Skipped commands still must parse (``tests/test_readme.py``).
+  installs, the documentation server, and the shell's ``source``. Skipped commands still must parse (``tests/test_readme.py``).
 
 Each command must exit 0 and print no Python traceback.
 """
@@ -45,12 +46,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HANG_GUARD_S, cli_in_process, share_gguf_cache, shared_gguf_cache
-from tests.test_readme import FAKE_TOKEN, README, blocks, commands
+from tests.test_readme import FAKE_TOKEN, blocks, commands, reading_order
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-#: (pattern on the command, why it is not run): every README command that is not run, and why
+#: (pattern on the command, why it is not run): every command of the pages that is not run, and why
 NOT_RUN: list[tuple[str, str]] = [
     (r"^\./scripts/test\.sh\b", "runs the whole test suite, of which this test is a part"),
     (r"my_data\.jsonl", "my_data.jsonl stands for the user's own file"),
@@ -65,14 +66,23 @@ NOT_RUN: list[tuple[str, str]] = [
                    "tests/export/test_gguf_base_run.py plans, trains and exports a GGUF base through the CLI"),
     (r"\bRECIPE\b", "RECIPE is a placeholder for the user's recipe"),
     (r"smollm2_cpu", "the real 135M model's walk-through (minutes of CPU): tests/training/test_cpu_walkthrough.py "
-                     "runs its recipe, chat and evals through the CLI and checks what the README says of them"),
+                     "runs its recipe, chat and evals through the CLI and checks what the page says of them"),
     (r"^pip install ", "installs packages (network; changes the environment under test)"),
+    (r"^mkdocs serve\b", "serves the documentation site until stopped (tests/test_docs_site.py builds it)"),
+    (r"^python -m scripts\.validate\.(memory|train_gpu) ", "measures on a GPU (docs/memory.md, docs/benchmarks.md): "
+     "tests/test_gpu_all_smoke.py runs the same functions at toy size on the CPU, tests/memory/test_memory_accuracy.py "
+     "replays the recorded runs"),
+    (r"^python -m scripts\.validate\.speed_", "re-measures a CPU speed matrix into docs/validation (minutes to an hour on "
+     "2 cores; docs/benchmarks.md): the pages quote the recorded files, which the speed tests replay"),
+    (r"^python3 -m pip ", "docs/benchmarks.md's measurement on a GPU machine without finetuner's environment: "
+     "downloads wheels and installs them elsewhere"),
 ]
 
 
 def readme_commands() -> list[str]:
-    """Every command of every ``bash`` block (``bash runnable`` included), in the order written."""
-    text = README.read_text(encoding="utf-8")
+    """Every command of every ``bash`` block (``bash runnable`` included) of the README and the site's pages, in
+    reading order."""
+    text = "\n".join(page.read_text(encoding="utf-8") for page in reading_order())
     cmds = [c for info, body in blocks(text) if info.split()[:1] == ["bash"] for c in commands(body)]
     return [re.sub(r"\s+#.*$", "", c) for c in cmds]  # the trailing comment, as bash drops it
 
@@ -122,7 +132,7 @@ def test_every_not_run_reason_names_a_readme_command():
     cmds = readme_commands()
     assert any(c.startswith("./scripts/demo.sh") for c in cmds)
     for pattern, why in NOT_RUN:
-        assert any(re.search(pattern, c) for c in cmds), f"no README command matches {pattern!r} ({why}): remove it"
+        assert any(re.search(pattern, c) for c in cmds), f"no command of the pages matches {pattern!r} ({why}): remove it"
 
 
 # a hang guard of two per-test guards: this test runs some 35 commands in a row (the demo's 150 steps, two

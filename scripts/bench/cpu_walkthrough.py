@@ -1,4 +1,4 @@
-"""The README's own-data walk-through for CPU users, measured: SmolLM2-135M-Instruct fine-tuned
+"""The own-data walk-through of docs/getting-started.md for CPU users, measured: SmolLM2-135M-Instruct fine-tuned
 with LoRA on data/bike_shop.jsonl by recipes/smollm2_cpu.yaml, every figure through the CLI.
 
 What it records (``docs/cpu_walkthrough.json``):

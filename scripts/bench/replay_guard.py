@@ -14,7 +14,7 @@ and the run's own probe says what it kept of the base's right answers. Two users
 ``bike_shop`` (``data/bike_shop.jsonl``: 72 chats, no system prompt, signed "— Wren, Copperhill Cycles") and
 ``ferry_desk`` (``data/ferry_desk.jsonl``: 40 chats, each with the desk's system prompt, signed "— Gullwing
 Ferries desk"; the plan turns the guard on for it). Adds the file's rows to ``docs/replay_guard.json`` and prints
-the table the README quotes::
+the table docs/getting-started.md quotes::
 
     python -m scripts.bench.replay_guard --data ferry_desk   # both runs (about 8 and 9 minutes on 2 cores)
     python -m scripts.bench.replay_guard --runs RUN0 RUN1 --ratios 0 0.25   # measure runs made already

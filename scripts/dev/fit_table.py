@@ -1,8 +1,8 @@
-"""The README's "what fits where" table, from the planner (tests/test_readme.py checks the README matches).
+"""The "what fits where" table of docs/planning.md, from the planner (tests/test_readme.py checks the page matches).
 
     python -m scripts.dev.fit_table
 
-Paste the output between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->`` in README.md.
+Paste the output between ``<!-- fit-table:start -->`` and ``<!-- fit-table:end -->`` in docs/planning.md (``python -m scripts.validate.gpu_all --tables`` does it).
 
 The table is the same wherever it is made: every card is planned for a default install
 (``GpuProfile.with_default_install``: no Liger Kernel, no FlashAttention-2), whatever this
@@ -41,7 +41,7 @@ options it rejected.
 NOTE = """\
 {mark} Measured on an {device} capped at {cap:.2f} GiB (`torch.cuda.set_per_process_memory_fraction`)
 by `scripts/validate/memory.py --preset {model} --planned {card}`
-([docs/memory.md](docs/memory.md)): the planner's recipe ({method} r{r} on {targets},
+([docs/memory.md](memory.md)): the planner's recipe ({method} r{r} on {targets},
 micro-batch {mb}, sequence {seq:,} packed, {gc}, {opt}) on a random-weight model of
 {model}'s shape, {steps} steps, with accumulation {run_ga} instead of {plan_ga} and packed rows averaging {avg:,.0f}
 of {seq:,} tokens{liger}. Measured figures are torch's counters (`max_memory_allocated`,
@@ -157,8 +157,8 @@ def table() -> str:
             lines.append(f"| {m} | {c} | {how} | {p.estimate.total_bytes / GiB:.1f} of {p.gpu.memory_gib:.1f} GiB | {cell} |")
     others = sum(1 for r in replay(VALIDATION) if not re.fullmatch(r"planned-.+-capped", r["config"]))
     rest = (f"The other {others} GPU runs in `docs/validation/` used settings the planner does not choose for these\n"
-            "cards, so they are not in the table: [docs/memory.md](docs/memory.md) lists them all, and\n"
-            "[docs/benchmarks.md](docs/benchmarks.md) gives the measured speeds.\n")
+            "cards, so they are not in the table: [docs/memory.md](memory.md) lists them all, and\n"
+            "[docs/benchmarks.md](benchmarks.md) gives the measured speeds.\n")
     return "\n".join(lines) + "\n\n" + FOOTNOTES.format(context=context) + "".join("\n" + n for n in notes) + "\n" + rest
 
 

@@ -10,7 +10,7 @@ For each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPP
    model itself), ``plan`` on an RTX 4090, 2 LoRA steps with the
    trainer, merge, and one chat answer. The first step that fails is the type's reason.
 
-Writes ``docs/models.md`` (the table), ``docs/validation/model_census.json`` (every row) and the README's model list
+Writes ``docs/models.md`` (the table), ``docs/validation/model_census.json`` (every row) and docs/planning.md's model list
 (between its ``model census`` markers)::
 
     .venv/bin/python -m scripts.dev.model_census            # all types (a few minutes on 2 cores)
@@ -216,19 +216,19 @@ def write_table(rows: list[dict], pictures_section: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-#: where README.md lists the supported types (between these two lines, written by :func:`readme_block`)
-README = REPO / "README.md"
-README_START, README_END = "<!-- model census: start -->", "<!-- model census: end -->"
+#: where docs/planning.md lists the supported types (between these two lines, written by :func:`list_block`)
+LIST_PAGE = REPO / "docs" / "planning.md"
+LIST_START, LIST_END = "<!-- model census: start -->", "<!-- model census: end -->"
 
 
-def readme_block(rows: list[dict]) -> str:
-    """The README's model list: the census's supported types and its headline numbers."""
+def list_block(rows: list[dict]) -> str:
+    """docs/planning.md's model list: the census's supported types and its headline numbers."""
     inside = [r for r in rows if r["status"] != "outside"]
     supported = sorted(r["model_type"] for r in inside if r["status"] == "supported")
-    return (f"{README_START}\n{len(supported)} of the {len(inside)} decoder-only model types transformers "
+    return (f"{LIST_START}\n{len(supported)} of the {len(inside)} decoder-only model types transformers "
             f"{_version()} builds tiny and trains plan, train, merge and chat (the census, "
-            f"[docs/models.md](docs/models.md), says why each other one is refused): "
-            + ", ".join(f"`{t}`" for t in supported) + f".\n{README_END}")
+            f"[docs/models.md](models.md), says why each other one is refused): "
+            + ", ".join(f"`{t}`" for t in supported) + f".\n{LIST_END}")
 
 
 def _version() -> str:
@@ -237,9 +237,9 @@ def _version() -> str:
     return transformers.__version__
 
 
-def with_readme_block(text: str, rows: list[dict]) -> str:
-    a, b = text.index(README_START), text.index(README_END) + len(README_END)
-    return text[:a] + readme_block(rows) + text[b:]
+def with_list_block(text: str, rows: list[dict]) -> str:
+    a, b = text.index(LIST_START), text.index(LIST_END) + len(LIST_END)
+    return text[:a] + list_block(rows) + text[b:]
 
 
 def main(argv: list[str]) -> int:
@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     if update or not argv:
         kept = pictures_section(DOC.read_text(encoding="utf-8")) if DOC.is_file() else ""
         DOC.write_text(write_table(rows, kept), encoding="utf-8")
-        README.write_text(with_readme_block(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
+        LIST_PAGE.write_text(with_list_block(LIST_PAGE.read_text(encoding="utf-8"), rows), encoding="utf-8")
         JSON.write_text(json.dumps({"transformers": transformers.__version__, "rows": rows}, indent=1) + "\n",
                         encoding="utf-8")
         print(f"wrote {DOC.relative_to(REPO)} and {JSON.relative_to(REPO)}")

@@ -65,8 +65,8 @@ the tables are made again from them::
 
     python -m scripts.validate.gpu_all --collect /work/.device/<files_at>
 
-``--tables`` only makes the tables again (docs/memory.md's memory table, README's fit table and
-its memory-model sentence, docs/benchmarks.md's GPU section). ``--smoke`` runs every part on the
+``--tables`` only makes the tables again (docs/memory.md's memory table, docs/planning.md's fit table,
+docs/compare.md's memory-model sentence, docs/benchmarks.md's GPU section). ``--smoke`` runs every part on the
 CPU at toy size (a tiny model, sequences of 64-2,048 tokens, a few steps, an injected
 out-of-memory error) into ``--out`` (never docs/validation), with the same functions; its
 tables go to ``OUT/tables.md``. ``tests/test_gpu_all_smoke.py`` runs it.
@@ -503,7 +503,7 @@ def _replace_between(text: str, marker: str, body: str, where: str) -> str:
 
 
 def coverage(rows: list[dict]) -> str:
-    """What the measured memory rows cover, in words (README's memory sentence)."""
+    """What the measured memory rows cover, in words (docs/compare.md's memory sentence)."""
     done = [r["predicted_settings"] for r in rows if "error" not in r]
     methods = sorted({"QLoRA" if s["method"] == "qlora" else "LoRA" if s["method"] == "lora" else "full" for s in done},
                      key=["LoRA", "QLoRA", "full"].index)
@@ -534,7 +534,7 @@ def devices(rows: list[dict]) -> str:
 
 
 def readme_sentence(text: str, rows: list[dict]) -> str:
-    """README's sentence on the memory model's measured error, with the figures of ``rows``
+    """docs/compare.md's sentence on the memory model's measured error, with the figures of ``rows``
     (:func:`scripts.validate.memory.replay`'s) put in: the run count, the GPUs, the allocated median and
     largest error and its side, the reserved median and its side."""
     from scripts.validate.memory import summary
@@ -553,7 +553,7 @@ def readme_sentence(text: str, rows: list[dict]) -> str:
                      r"(?P<rmed>[\d.]+)\s+%\s+of\s+the\s+reserved\s+peak\s+\((?P<rside>[^)]*)\)", re.S)
     m = pat.search(text)
     if not m:
-        raise SystemExit("README.md no longer states the memory model's measured error in the expected words")
+        raise SystemExit("docs/compare.md no longer states the memory model's measured error in the expected words")
     values = {"n": str(st["rows"]), "dev": devices(rows), "what": coverage(rows), "med": f"{a['median_abs_pct']:.1f}", "max": f"{a['max_abs_pct']:.1f}",
               "aside": side("allocated"), "rmed": f"{r['median_abs_pct']:.1f}", "rside": side("reserved")}
     for name in sorted(values, key=lambda g: m.start(g), reverse=True):  # from the end, so earlier spans stay put
@@ -563,17 +563,18 @@ def readme_sentence(text: str, rows: list[dict]) -> str:
 
 
 def regenerate() -> list[Path]:
-    """Make every table that reads docs/validation again: docs/memory.md's memory table, README's
-    fit table and memory sentence, docs/benchmarks.md's GPU section. Returns the files changed."""
+    """Make every table that reads docs/validation again: docs/memory.md's memory table, docs/planning.md's
+    fit table, docs/compare.md's memory sentence, docs/benchmarks.md's GPU section. Returns the files changed."""
     from scripts.dev.fit_table import table
     from scripts.validate.memory import replay, report
 
-    memory_md, readme, bench_md = REPO / "docs" / "memory.md", REPO / "README.md", REPO / "docs" / "benchmarks.md"
+    memory_md, bench_md = REPO / "docs" / "memory.md", REPO / "docs" / "benchmarks.md"
+    planning_md, compare_md = REPO / "docs" / "planning.md", REPO / "docs" / "compare.md"
     changed = []
     for path, edits in (
         (memory_md, [lambda t: _replace_between(t, MARKERS["memory"], report(VALIDATION, again=True), "docs/memory.md")]),
-        (readme, [lambda t: _replace_between(t, MARKERS["fit"], table(), "README.md"),
-                  lambda t: readme_sentence(t, replay(VALIDATION))]),
+        (planning_md, [lambda t: _replace_between(t, MARKERS["fit"], table(), "docs/planning.md")]),
+        (compare_md, [lambda t: readme_sentence(t, replay(VALIDATION))]),
         (bench_md, [lambda t: _replace_between(t, MARKERS["gpu"], gpu_section(VALIDATION), "docs/benchmarks.md")]),
     ):
         old = path.read_text(encoding="utf-8")

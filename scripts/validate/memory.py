@@ -59,7 +59,7 @@ def log(*a: object) -> None:
 
 def planned_overrides(preset: str, gpu: str, seq_len: int = 2048, default_install: bool = False) -> list[str]:
     """The planner's choice for ``preset`` on ``gpu`` as recipe overrides (``default_install``: as
-    planned for an install without Liger Kernel or FlashAttention-2, like the README's table)."""
+    planned for an install without Liger Kernel or FlashAttention-2, like docs/planning.md's fit table)."""
     from finetuner.config.hardware import get_gpu
     from finetuner.planning.planner import plan
 

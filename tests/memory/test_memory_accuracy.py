@@ -98,12 +98,12 @@ def test_the_report_runs_without_torch():
 
 
 def test_readme_quotes_the_replay():
-    """README's "Where finetuner differs" gives the same run count and errors as the replay."""
+    """docs/compare.md's "Where finetuner differs" gives the same run count and errors as the replay."""
     st = summary(replay())
-    text = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    text = " ".join((REPO / "docs" / "compare.md").read_text(encoding="utf-8").split())
     m = re.search(r"(\d+) runs of 7B-, 8B- and 13B-shaped models on an H100 .*? median error ([\d.]+) % of the allocated "
                   r"peak \(largest ([\d.]+) %, (never under|\d+ runs? under)\) and ([\d.]+) % of the reserved peak", text)
-    assert m, "README.md no longer states the memory model's measured error in the expected words"
+    assert m, "docs/compare.md no longer states the memory model's measured error in the expected words"
     a, r = st["allocated"], st["reserved"]
     assert (int(m[1]), m[2], m[3], m[5]) == (
         st["rows"], f"{a['median_abs_pct']:.1f}", f"{a['max_abs_pct']:.1f}", f"{r['median_abs_pct']:.1f}")

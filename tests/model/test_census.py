@@ -48,7 +48,7 @@ def test_a_row_comes_out_again_as_recorded(model_type, recorded, tmp_path):
         (was["status"], was.get("gpu_rows"), was.get("traced"), was.get("step"), was.get("reason"))
 
 
-def test_the_readmes_model_list_is_the_tables(recorded):
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "docs/models.md" in readme
-    assert model_census.readme_block(recorded["rows"]) in readme
+def test_the_planning_pages_model_list_is_the_tables(recorded):
+    page = (REPO / "docs" / "planning.md").read_text(encoding="utf-8")
+    assert "(models.md)" in page
+    assert model_census.list_block(recorded["rows"]) in page

