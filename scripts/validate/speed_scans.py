@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -99,10 +98,17 @@ def repredict() -> None:
 
 
 def main() -> None:
-    if "--repredict" in sys.argv:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="512 and 1,024 tokens only")
+    ap.add_argument("--repredict", action="store_true",
+                    help="the speed model's predictions again for the stored measurements (no timing)")
+    args = ap.parse_args()
+    if args.repredict:
         return repredict()
     torch.set_num_threads(1)
-    lengths = (512, 1024) if "--quick" in sys.argv else (512, 1024, 2048)
+    lengths = (512, 1024) if args.quick else (512, 1024, 2048)
     speed = measure()
     print(f"speed model: {speed.source}; load average {os.getloadavg()[0]:.2f} at the start")
     print(HEADER)
