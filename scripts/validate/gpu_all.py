@@ -424,7 +424,7 @@ def listing() -> str:
 # --------------------------------------------------------------------------- tables
 #: the other scripts' ``speed_<what>_<device>.json`` in docs/validation: the speed models' validations
 #: (scripts/validate/speed_model.py, speed_grpo.py, speed_files.py), not rows of this script
-OTHER_SPEED_FILES = ("speed_model_", "speed_grpo_", "speed_files_")
+OTHER_SPEED_FILES = ("speed_model_", "speed_grpo_", "speed_files_", "speed_scans_")  # the CPU benchmarks' own files
 
 
 def speed_rows(folder: Path) -> list[dict]:
