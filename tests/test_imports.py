@@ -133,8 +133,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("finetuner.infer.chat_worker", "finetuner.runs"):
         "the worker protocol (runs.worker_protocol) is shared by chat, export and training workers: to move down",
     ("finetuner.infer.chat_worker", "finetuner.runs.worker_protocol"): "as above: the worker protocol, to move down",
-    ("finetuner.infer.loading", "finetuner.training.checkpoint"):
-        "loading a run's latest checkpoint: the checkpoint folder layout (latest_checkpoint) should live in runs",
     ("finetuner.model.loading", "finetuner.config.recipe"):
         "loads the base a recipe names: takes the Recipe (config reads model shapes, so model sits below config)",
     ("finetuner.model.loading", "finetuner.config.runtime"): "as above: takes the resolved Runtime",
@@ -147,9 +145,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("finetuner.objectives.grpo", "finetuner.training.rollout_vllm"): "as above: the vLLM sampler",
     ("finetuner.runs.folder", "finetuner.planning.sizing"):
         "a run folder's progress counts its total steps (total_steps); to be written by training, read here",
-    ("finetuner.runs.folder", "finetuner.training"):
-        "the folder lists its checkpoints through training.checkpoint: the checkpoint layout should live in runs",
-    ("finetuner.runs.folder", "finetuner.training.checkpoint"): "as above: checkpoint_dirs",
     ("finetuner.runs.status", "finetuner.export.merge"):
         "the Python API's Run.merge() (runs.status) calls export: Run belongs in the API layer above export",
 }

@@ -51,6 +51,7 @@ from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists
 from finetuner.locate import find_local, locate
 from finetuner.model import gguf_base
+from finetuner.strategy_table import FSDP_ENGINE
 from finetuner.model.shapes import preset_model
 from finetuner.runs.marker import is_run_folder
 
@@ -346,17 +347,17 @@ def _check_distributed(r: Recipe) -> None:
     if d.node_rank >= d.nodes:
         raise ValueError(f"distributed.node_rank: {d.node_rank} must be below distributed.nodes ({d.nodes})")
     if d.offload != "none" and not d.deepspeed:
-        also = "; with fsdp, set distributed.fsdp_offload: true instead" if d.strategy == "fsdp" else ""
+        also = "; with fsdp, set distributed.fsdp_offload: true instead" if d.row.engine == FSDP_ENGINE else ""
         raise ValueError(
             f"distributed.offload: '{d.offload}' needs a DeepSpeed strategy: set distributed.strategy to zero2 "
             f"(optimizer states in CPU memory) or zero3{also}"
         )
-    if d.offload == "optimizer+params" and d.strategy != "zero3":
+    if d.offload not in d.row.offloads:
         raise ValueError(
             f"distributed.offload: parameter offload needs strategy zero3 (got {d.strategy}): ZeRO stages 1-2 keep the "
             "parameters on every GPU; use offload 'optimizer' or strategy zero3"
         )
-    if (d.deepspeed or d.strategy == "fsdp") and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
+    if "optimizer" in d.row.shards and r.training.optimizer not in ("adamw_torch", "sgd", "auto"):
         engine = "DeepSpeed ZeRO" if d.deepspeed else "fsdp (measured: bitsandbytes' and Adafactor's updates fail on its sharded parameters)"
         raise ValueError(
             f"training.optimizer: '{r.training.optimizer}' cannot be sharded by {engine} (bitsandbytes and "
@@ -364,17 +365,17 @@ def _check_distributed(r: Recipe) -> None:
         )
     if d.offload != "none" and r.training.optimizer == "sgd":
         raise ValueError("training.optimizer: ZeRO-Offload runs an Adam optimizer on the CPU: use adamw_torch")
-    if d.fsdp_offload and d.strategy != "fsdp":
+    if d.fsdp_offload and d.row.engine != FSDP_ENGINE:
         raise ValueError(
             f"distributed.fsdp_offload: applies to strategy fsdp (got {d.strategy}): set strategy fsdp, or use "
             "distributed.offload with a ZeRO strategy"
         )
-    if r.method == "qlora" and d.strategy == "fsdp" and r.quantization is not None and r.quantization.bits == 8:
+    if r.method == "qlora" and d.row.engine == FSDP_ENGINE and r.quantization is not None and r.quantization.bits == 8:
         raise ValueError(
             "quantization.bits: 8-bit bitsandbytes weights cannot be sharded by fsdp (their scales live on the parameter "
             "object, which FSDP replaces with its shard): use bits 4 with fsdp, or strategy ddp or zero2 for 8-bit QLoRA"
         )
-    if r.method == "qlora" and d.strategy == "zero3":
+    if r.method == "qlora" and d.deepspeed and "parameters" in d.row.shards:
         raise ValueError(
             "distributed.strategy: 'zero3' would shard the 4-bit base weights, which DeepSpeed does not support for "
             "bitsandbytes-quantized models: use fsdp (shards the 4-bit weights), zero2 or ddp with qlora, or method lora with zero3"

@@ -17,6 +17,7 @@ from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
 from finetuner.objectives.specs import SPECS, names_where
 from finetuner.objectives.specs import names as objective_names
+from finetuner.strategy_table import DEEPSPEED_ENGINE, NAMES as STRATEGY_NAMES, StrategyRow, strategy_row
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -567,7 +568,7 @@ class GRPOSection(Section):
         return self
 
 
-Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  (the table of strategies, in its order)
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
 
@@ -607,6 +608,11 @@ class DistributedSection(Section):
         return self.num_processes * self.nodes
 
     @property
+    def row(self) -> StrategyRow:
+        """The strategy's row of :mod:`finetuner.strategy_table`."""
+        return strategy_row(self.strategy)
+
+    @property
     def deepspeed(self) -> bool:
-        return self.strategy.startswith("zero")
+        return self.row.engine == DEEPSPEED_ENGINE
 

@@ -149,7 +149,7 @@ def resolve_source(path: str | Path, base_model: str | None = None, trust_remote
         elif (adapter / "config.json").is_file():
             kind = "full"
         else:
-            from finetuner.training.checkpoint import latest_checkpoint
+            from finetuner.checkpoint_layout import latest_checkpoint
 
             last = latest_checkpoint(p)
             hint = f"Finish the run with `finetuner run {p / 'recipe.yaml'}` (it resumes)"

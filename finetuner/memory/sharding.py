@@ -61,29 +61,17 @@ from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.model.shapes import ModelShape
+from finetuner.strategy_table import TABLE
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-#: what ``finetuner run`` launches (fsdp: FSDP2, finetuner.training)
-RUN_STRATEGIES = STRATEGIES
+#: every strategy (:mod:`finetuner.strategy_table`), simplest first (ddp, ZeRO by stage, FSDP): the tie-break
+STRATEGIES = tuple(r.name for r in sorted(TABLE, key=lambda r: r.simplicity))
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 #: what each strategy can move to CPU memory: ZeRO-Offload the optimizer (zero1-3) and the
 #: parameters (zero3); FSDP2's CPUOffloadPolicy parameters, gradients and optimizer states at once
-STRATEGY_OFFLOADS: dict[str, tuple[str, ...]] = {
-    "ddp": ("none",),
-    "zero1": ("none", "optimizer"),
-    "zero2": ("none", "optimizer"),
-    "zero3": ("none", "optimizer", "optimizer+params"),
-    "fsdp": ("none", "optimizer+params"),
-}
+STRATEGY_OFFLOADS: dict[str, tuple[str, ...]] = {r.name: r.offloads for r in TABLE}
 
 #: the kinds of state each strategy divides by the number of devices
-SHARDED_KINDS: dict[str, frozenset[str]] = {
-    "ddp": frozenset(),
-    "zero1": frozenset({"optimizer"}),
-    "zero2": frozenset({"optimizer", "gradients"}),
-    "zero3": frozenset({"optimizer", "gradients", "parameters"}),
-    "fsdp": frozenset({"optimizer", "gradients", "parameters"}),
-}
+SHARDED_KINDS: dict[str, frozenset[str]] = {r.name: r.shards for r in TABLE}
 
 #: CPU memory of one training process before any model state: torch, transformers, peft,
 #: bitsandbytes, accelerate and finetuner's trainer imported. Measured on the CPU development
@@ -449,10 +437,10 @@ def candidate_strategies(estimate) -> list[tuple[str, str]]:
     bytes as bf16 values); offload runs an Adam optimizer on the CPU (not sgd).
     """
     s = estimate.settings
-    out = [("ddp", "none")]
+    out = []
     sharded_ok = s.optimizer in SHARDED_OPTIMIZERS
-    for strat in ("zero1", "zero2", "zero3", "fsdp"):
-        if not sharded_ok or (strat == "zero3" and s.method == "qlora"):
+    for strat in STRATEGIES:  # ddp first: it shards nothing, so it runs every optimizer
+        if SHARDED_KINDS[strat] and (not sharded_ok or (strat == "zero3" and s.method == "qlora")):
             continue
         out.append((strat, "none"))
     if sharded_ok and s.optimizer != "sgd":
@@ -486,5 +474,5 @@ def best_strategy(estimate, world_size: int, shape: ModelShape | None = None,
     Offload is chosen only when nothing fits without it (it is bound by PCIe); among the rest the
     least communication wins, and on a tie the simplest (ddp before ZeRO, ZeRO before FSDP).
     """
-    ranked = [e for e in compare_strategies(estimate, world_size, shape, machine_host_bytes) if e.strategy in RUN_STRATEGIES]
+    ranked = compare_strategies(estimate, world_size, shape, machine_host_bytes)
     return ranked[0] if ranked and ranked[0].fits else None

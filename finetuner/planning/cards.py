@@ -10,20 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-#: what each strategy does, in a clause
-STRATEGY_WORDS = {
-    "ddp": "DDP: each card holds the whole model and trains on its share of every step's rows",
-    "zero1": "ZeRO-1: each card holds the whole model, the optimizer states are split between the cards",
-    "zero2": "ZeRO-2: each card holds the whole model, the optimizer states and gradients are split between the cards",
-    "zero3": "ZeRO-3: the weights, gradients and optimizer states are split between the cards, each layer gathered as it runs",
-    "fsdp": "FSDP: the weights, gradients and optimizer states are sharded between the cards, each layer gathered as it runs",
-}
-
+from finetuner.strategy_table import FSDP_ENGINE, find_row
 
 def strategy_words(sharded: Any) -> str:
-    words = STRATEGY_WORDS.get(sharded.strategy, sharded.strategy)
+    """What ``sharded``'s strategy does (its row's words in :mod:`finetuner.strategy_table`) and what it offloads."""
+    row = find_row(sharded.strategy)
+    words = row.words if row is not None else sharded.strategy
     if sharded.offload != "none":
-        words += f" (with {'the shards' if sharded.strategy == 'fsdp' else sharded.offload} kept in CPU memory)"
+        words += f" (with {'the shards' if row is not None and row.engine == FSDP_ENGINE else sharded.offload} kept in CPU memory)"
     return words
 
 

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.planning.sizing import total_steps
-from finetuner.training import checkpoint as ckpt_io
+from finetuner.checkpoint_layout import checkpoint_dirs, latest_checkpoint
 from finetuner.errors import UserError
 from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
 from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder
+from finetuner.strategy_table import DEFAULT, find_row
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
 RESUME_KEYS = (
@@ -68,12 +69,12 @@ def _sharding_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]
     """A DeepSpeed ZeRO or FSDP checkpoint holds one shard per process: same strategy and process count to resume."""
     def where(d: dict[str, Any]) -> tuple[str, int]:
         dist = d.get("distributed") or {}
-        return dist.get("strategy", "ddp"), int(dist.get("num_processes", 1)) * int(dist.get("nodes", 1))
+        return dist.get("strategy", DEFAULT), int(dist.get("num_processes", 1)) * int(dist.get("nodes", 1))
 
     (s_old, n_old), (s_new, n_new) = where(old), where(new)
-    sharded = [s for s in (s_old, s_new) if s.startswith("zero") or s == "fsdp"]
+    sharded = [row for s in (s_old, s_new) if (row := find_row(s)) is not None and row.sharded_checkpoints]
     if sharded and (s_old, n_old) != (s_new, n_new):
-        kind = "ZeRO" if sharded[0].startswith("zero") else "FSDP"
+        kind = sharded[0].family
         return [f"distributed ({kind} checkpoints are sharded per process): {s_old} on {n_old} → {s_new} on {n_new}"]
     return []
 
@@ -258,7 +259,7 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                 # a checkpoint cut short (a full disk, a kill) is given back before anything counts the free space
                 for name, size in ckpt_io.remove_staging(run_dir):
                     notes.append(f"Removed {name} ({size_text(size)}), a checkpoint that was never completed.")
-                last = ckpt_io.latest_checkpoint(run_dir)
+                last = latest_checkpoint(run_dir)
                 results = [name for name in RESULTS if (run_dir / name).exists()]
                 if last is None and results:
                     raise RunFolderRefused(
@@ -359,8 +360,6 @@ def disk_space_needed(run_dir: Path, model, optimizer: str, keep_last: int) -> t
     folder will keep than it holds now, and the free space the run needs from here on: those, one
     more being written, and the final adapter. A resumed run's kept checkpoints are on disk already;
     one written after them replaces the oldest once it is complete."""
-    from finetuner.training.checkpoint import checkpoint_dirs
-
     one = checkpoint_bytes(model, optimizer)
     to_write = max(0, keep_last - len(checkpoint_dirs(run_dir)))
     return one, to_write, one * (to_write + 2)

@@ -37,37 +37,20 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.device as dev
+from finetuner.checkpoint_layout import STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401  (read here by the trainer)
 from finetuner.fileio import atomic_write_json, give_back, publish_dir
 from finetuner.quiet import quieted
+from finetuner.strategy_table import DEEPSPEED_ENGINE, SHARD_DIRS, checkpoint_dir_of
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1] if dirs else None
-
-
 #: the folder of a checkpoint that holds a DeepSpeed engine's own (sharded) state
-ENGINE_DIR = "deepspeed"
-#: the folder of a checkpoint that holds FSDP's shards (``torch.distributed.checkpoint``)
-FSDP_DIR = "fsdp"
+ENGINE_DIR = checkpoint_dir_of(DEEPSPEED_ENGINE)
 
 
 def is_sharded(ckpt: Path) -> bool:
     """Whether ``ckpt`` holds an engine's sharded state, which resuming unpickles (:mod:`finetuner.training.seal`)."""
-    return any((Path(ckpt) / d).is_dir() for d in (ENGINE_DIR, FSDP_DIR))
+    return any((Path(ckpt) / d).is_dir() for d in SHARD_DIRS)
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
@@ -174,7 +157,7 @@ def prune_order(dirs: list[Path], step: int) -> list[Path]:
     that the newest (the one just written last of all) are kept."""
 
     def step_of(p: Path) -> int:
-        return int(_STEP_DIR.match(p.name).group(1))
+        return int(STEP_DIR.match(p.name).group(1))
 
     return [p for p in dirs if step_of(p) > step] + [p for p in dirs if step_of(p) <= step]
 

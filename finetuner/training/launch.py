@@ -54,6 +54,7 @@ from finetuner.errors import UserError
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
 from finetuner.config.runtime import Runtime, resolve_runtime
+from finetuner.strategy_table import DDP_ENGINE, FSDP_ENGINE
 from finetuner.training.rank_output import RankOutput
 from finetuner.training.seal import TRUST_ENV
 
@@ -72,7 +73,7 @@ def needs_launch(recipe: Recipe) -> bool:
     if os.environ.get(RANK_ENV):
         return False
     d = recipe.distributed
-    return d.world_size > 1 or d.strategy != "ddp"
+    return d.world_size > 1 or d.row.engine != DDP_ENGINE
 
 
 # --------------------------------------------------------------------------- configs
@@ -81,7 +82,7 @@ def deepspeed_config(recipe: Recipe, rt: Runtime) -> dict[str, Any]:
     in the precision the trainer autocasts to (``rt.precision``)."""
     cuda = rt.is_cuda
     d, t = recipe.distributed, recipe.training
-    stage = int(d.strategy[-1])
+    stage = d.row.zero_stage
     micro = int(t.micro_batch_size)
     n_micro = -(-t.effective_batch_size // micro)
     gas = max(1, -(-n_micro // d.world_size))
@@ -126,11 +127,11 @@ def accelerate_config(recipe: Recipe, rt: Runtime, transformer_layer: str | None
         "main_training_function": "main",
         "downcast_bf16": "no",
     }
+    if d.row.launcher is not None:
+        cfg["distributed_type"] = d.row.launcher
     if d.deepspeed:
-        cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json", "zero3_init_flag": False}
-    elif d.strategy == "fsdp":
-        cfg["distributed_type"] = "FSDP"
+    elif d.row.engine == FSDP_ENGINE:
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

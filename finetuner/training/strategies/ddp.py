@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from finetuner.strategy_table import DDP_ENGINE, names_run_by
 from finetuner.training.strategies.base import Strategy
 
 
@@ -36,7 +37,7 @@ class DDP(Strategy):
     collective runs inside a pass. The optimizer step is the single-process one (fp16
     ``GradScaler`` included: the gradients it unscales are the same on every rank)."""
 
-    names: ClassVar[tuple[str, ...]] = ("ddp",)
+    names: ClassVar[tuple[str, ...]] = names_run_by(DDP_ENGINE)
 
     def wrap(self, step_loss):
         from accelerate import Accelerator

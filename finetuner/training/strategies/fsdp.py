@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from finetuner.errors import UserError
+from finetuner.strategy_table import FSDP_ENGINE, checkpoint_dir_of, names_run_by
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.strategies.base import Strategy, check_same_world
 from finetuner.training.optimizer import local_part
 
 #: the folder of a checkpoint that holds the FSDP shards (``torch.distributed.checkpoint``)
-SHARDS_DIR = ckpt_io.FSDP_DIR
+SHARDS_DIR = checkpoint_dir_of(FSDP_ENGINE)
 #: how far above ``4-bit bytes / world size`` a rank's share of the base weights may be (padding, rounding)
 STORAGE_TOLERANCE = 1.25
 
@@ -128,7 +129,7 @@ def check_quantized_storage(report: StorageReport, rank: int, bits: int) -> None
 class FSDP(Strategy):
     """torch FSDP2 with one unit per decoder layer."""
 
-    names: ClassVar[tuple[str, ...]] = ("fsdp",)
+    names: ClassVar[tuple[str, ...]] = names_run_by(FSDP_ENGINE)
     whole_model_on_rank0: ClassVar[bool] = False
 
     def base_placement(self) -> str | None:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from finetuner.errors import OutOfMemory
+from finetuner.strategy_table import DEEPSPEED_ENGINE, names_run_by, strategy_row
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.strategies.base import Strategy, check_same_world
-
 
 def _disable_deepspeed_shm_allreduce() -> None:
     """Use gloo's all-reduce on CPU instead of DeepSpeed's shared-memory kernel.
@@ -37,11 +37,11 @@ def _disable_deepspeed_shm_allreduce() -> None:
 class Zero(Strategy):
     """DeepSpeed ZeRO stage 1, 2 or 3 (``distributed.strategy``)."""
 
-    names: ClassVar[tuple[str, ...]] = ("zero1", "zero2", "zero3")
+    names: ClassVar[tuple[str, ...]] = names_run_by(DEEPSPEED_ENGINE)
 
     @property
     def stage(self) -> int:
-        return int(self.trainer.recipe.distributed.strategy[-1])
+        return strategy_row(self.trainer.recipe.distributed.strategy).zero_stage
 
     @property
     def whole_model_on_rank0(self) -> bool:  # type: ignore[override]
