@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.planning.sizing import total_steps
-from finetuner.checkpoint_layout import checkpoint_dirs, latest_checkpoint
+from finetuner.checkpoint_layout import checkpoint_dirs, latest_checkpoint, load_trainer_state, remove_staging
 from finetuner.errors import UserError
 from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe
@@ -145,7 +145,7 @@ def check_not_finished(run_dir: Path, recipe: Recipe, old: dict[str, Any], last:
     says where the model is), and a UserError when the recipe asks for fewer steps than were trained
     but the adapter is not written (an interrupted run)."""
     try:
-        state = ckpt_io.load_trainer_state(last)
+        state = load_trainer_state(last)
     except (OSError, ValueError):
         return  # the trainer reports unreadable checkpoints and falls back to older ones
     done = int(state.get("step", 0))
@@ -257,7 +257,7 @@ def prepare_run_dir(recipe: Recipe, resume: bool,
                 notes.append(f"--no-resume: the previous run in {run_dir} was moved to {aside}.")
             else:
                 # a checkpoint cut short (a full disk, a kill) is given back before anything counts the free space
-                for name, size in ckpt_io.remove_staging(run_dir):
+                for name, size in remove_staging(run_dir):
                     notes.append(f"Removed {name} ({size_text(size)}), a checkpoint that was never completed.")
                 last = latest_checkpoint(run_dir)
                 results = [name for name in RESULTS if (run_dir / name).exists()]

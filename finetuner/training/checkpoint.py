@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.device as dev
-from finetuner.checkpoint_layout import STEP_DIR, checkpoint_dirs, latest_checkpoint  # noqa: F401  (read here by the trainer)
+from finetuner.checkpoint_layout import (  # noqa: F401  (the trainer's modules read them here)
+    STEP_DIR, checkpoint_dirs, latest_checkpoint, load_trainer_state, remove_staging, staging_dir)
 from finetuner.fileio import atomic_write_json, give_back, publish_dir
 from finetuner.quiet import quieted
 from finetuner.strategy_table import DEEPSPEED_ENGINE, SHARD_DIRS, checkpoint_dir_of
@@ -51,25 +52,6 @@ ENGINE_DIR = checkpoint_dir_of(DEEPSPEED_ENGINE)
 def is_sharded(ckpt: Path) -> bool:
     """Whether ``ckpt`` holds an engine's sharded state, which resuming unpickles (:mod:`finetuner.training.seal`)."""
     return any((Path(ckpt) / d).is_dir() for d in SHARD_DIRS)
-
-
-def staging_dir(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` is written before :func:`publish_checkpoint` renames it into place."""
-    return Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
-
-
-def remove_staging(run_dir: Path) -> list[tuple[str, int]]:
-    """Remove every :func:`staging_dir` of the run: checkpoints that were never completed (a full disk, a
-    process killed while it wrote), which no resume reads. Returns the name and size of each. Only where
-    nothing writes into them: once a step's checkpoint is published, under the run's lock before its
-    processes start, or after they have all ended."""
-    from finetuner.fileio import tree_bytes
-
-    removed = []
-    for stale in sorted((Path(run_dir) / "checkpoints").glob(".tmp-step-*")):
-        removed.append((stale.name, tree_bytes(stale)))
-        shutil.rmtree(stale, ignore_errors=True)
-    return removed
 
 
 def start_checkpoint(run_dir: Path, step: int) -> Path:
@@ -188,10 +170,6 @@ def save_checkpoint(
         give_back(tmp, e)
         raise
     return publish_checkpoint(run_dir, step, keep_last)
-
-
-def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt) / "trainer_state.json").read_text(encoding="utf-8"))
 
 
 class CheckpointUnreadable(Exception):
