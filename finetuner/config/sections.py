@@ -17,7 +17,7 @@ from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
 from finetuner.objectives.specs import SPECS, names_where
 from finetuner.objectives.specs import names as objective_names
-from finetuner.strategy_table import DEEPSPEED_ENGINE, NAMES as STRATEGY_NAMES, StrategyRow, strategy_row
+from finetuner.strategy_table import DEEPSPEED_ENGINE, DEFAULT as DEFAULT_STRATEGY, NAMES as STRATEGY_NAMES, StrategyRow, strategy_row
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Method = Literal["lora", "qlora", "full"]
@@ -581,7 +581,7 @@ class DistributedSection(Section):
     """
 
     strategy: Strategy = Field(
-        "ddp",
+        DEFAULT_STRATEGY,
         description="ddp (replicated), zero1/zero2/zero3 (DeepSpeed ZeRO stages), fsdp (torch FSDP2: parameters, gradients "
         "and optimizer states sharded per decoder layer; with LoRA, QLoRA or full fine-tuning).",
     )

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.hardware import GpuProfile, cpu_profile, get_gpu
-from finetuner.objectives.specs import spec_of
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
-from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
-from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_from_recipe
+from finetuner.memory.grpo import grpo_settings_of
+from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.calibrate import speed_for
+from finetuner.planning.candidate import candidate_memory
 from finetuner.planning.load import note_now
 from finetuner.planning.plan_result import Plan
 from finetuner.planning.reasons import grpo_largest
@@ -133,19 +133,8 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
     if recipe.auto_keys():
         planned = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction, shape=shape)
         recipe = planned.recipe
-    s = settings_from_recipe(recipe, prof, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
-    from finetuner.memory.vision import vision_cost_of
-
-    vision = vision_cost_of(recipe)
-    if vision is not None:
-        s = s.with_(vision_trainable=vision.trainable,
-                    vision_activation_bytes=vision.activation_bytes(recipe.training.micro_batch_size))
-    if spec_of(recipe.objective).generates:
-        card = prof.memory_bytes if prof is not None else None
-        memory = grpo_memory_estimate(shape, s, grpo_settings_of(recipe, card), prof, margin=margin,
-                                      top_p=recipe.grpo.top_p < 1)
-    else:
-        memory = estimate(shape, s, prof, margin=margin)
+    s, memory, vision = candidate_memory(recipe, shape, prof, label_fraction=label_fraction, margin=margin,
+                                         runtime=runtime)
     if vision is not None:
         memory.notes.append(vision.note)
     return Prediction(recipe=recipe, gpu=prof, shape=shape, settings=s, label_fraction=label_fraction, memory=memory,

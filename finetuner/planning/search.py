@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile
 from finetuner.device import CUDA
-from finetuner.memory.grpo import grpo_memory_estimate, grpo_settings_of
-from finetuner.memory.model import MemoryEstimate, Settings, estimate, settings_from_recipe
+from finetuner.memory.grpo import grpo_settings_of
+from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.memory.sharding import distributed_keys
 from finetuner.model.shapes import ModelShape
 from finetuner.objectives.specs import spec_of
 from finetuner.planning.calibrate import speed_for
+from finetuner.planning.candidate import candidate_memory
 from finetuner.planning.recipe_data import lengths_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
 from finetuner.planning.speed_grpo import grpo_step_time
+from finetuner.strategy_table import DEFAULT
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -241,9 +243,6 @@ def search(
     if grpo and base.grpo.beta:  # the reference is the base with the adapter off: full fine-tuning has none
         methods = [m for m in methods if m[0] != "full"] or methods
     gcs = [False, True] if t.gradient_checkpointing == "auto" else [bool(t.gradient_checkpointing)]
-    from finetuner.memory.vision import vision_cost_of
-
-    vision = vision_cost_of(base)  # a trained projector or vision tower: the LoRA options' extra (None: none)
     out: list[tuple[Candidate, Recipe]] = []
     for m, bits in methods:
         for opt in _optimizers(m, t.optimizer if t.optimizer != "auto" else None, gpu.platform):
@@ -256,14 +255,8 @@ def search(
                             continue
                         o = Option(m, bits, opt, gc, off, mb, ga)
                         recipe = _apply(base, o)
-                        s = settings_from_recipe(recipe, gpu, shape.model_type).with_(label_fraction=label_fraction)
-                        if vision is not None and m != "full":
-                            s = s.with_(vision_trainable=vision.trainable, vision_activation_bytes=vision.activation_bytes(mb))
-                        if grpo:
-                            g = grpo_settings_of(recipe, gpu.memory_bytes)
-                            est = grpo_memory_estimate(shape, s, g, gpu, margin, top_p=recipe.grpo.top_p < 1)
-                        else:
-                            est = estimate(shape, s, gpu, margin=margin)
+                        # the same memory as the chosen recipe's prediction (predict())
+                        s, est, _ = candidate_memory(recipe, shape, gpu, label_fraction=label_fraction, margin=margin)
                         sharded = None
                         if gpus > 1:
                             sharded, recipe = _strategy_for(recipe, est, shape, gpus, cpu_memory, refused)
@@ -274,6 +267,7 @@ def search(
                                 fits = fits and est.details["grpo"]["vllm_fits"]
                         batch = lengths_batch(recipe, lengths, mb, ga) if lengths else None
                         if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
+                            g = grpo_settings_of(recipe, gpu.memory_bytes)
                             st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
                         else:
                             st = step_time(shape, s, speed, est, sharded, batch=batch)
@@ -327,6 +321,6 @@ def _strategy_for(recipe: Recipe, est: MemoryEstimate, shape: ModelShape, gpus: 
         if refused[key] is None:
             return sh, r
         errors.setdefault(sh.strategy, refused[key])
-    why = errors.get("ddp") or next(iter(errors.values()))
+    why = errors.get(DEFAULT) or next(iter(errors.values()))
     raise UserError(f"No distributed strategy can run this recipe on {gpus} GPUs: {why}",
                     hint="Change what the message names, or plan for one GPU.")
