@@ -52,7 +52,7 @@ from finetuner.fileio import expand_user, exists
 from finetuner.locate import find_local, locate
 from finetuner.model import gguf_base
 from finetuner.model.shapes import preset_model
-from finetuner.runs.marker import is_run_folder
+from finetuner.run_marker import is_run_folder
 
 log = logging.getLogger(__name__)
 

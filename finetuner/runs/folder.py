@@ -27,7 +27,7 @@ from finetuner.errors import UserError
 from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
-from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder
+from finetuner.run_marker import RUN_MARKER, is_run_folder, mark_run_folder
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
 RESUME_KEYS = (

@@ -295,7 +295,7 @@ def start_job(
             raise UserError(f"{target} is not empty and holds no run; a new run needs a new or empty folder.")
         target.mkdir(parents=True, exist_ok=True)
         if not resuming:
-            from finetuner.runs.marker import mark_run_folder
+            from finetuner.run_marker import mark_run_folder
 
             mark_run_folder(target)  # finetuner made this folder for the run: `finetuner run` may write into it
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")

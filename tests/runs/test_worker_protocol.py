@@ -12,7 +12,7 @@ from finetuner.errors import OutOfMemory, UserError
 from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events
 from finetuner.runs.folder import RunFolderRefused, RunLock, events_size, record_early_failure
-from finetuner.runs.marker import mark_run_folder
+from finetuner.run_marker import mark_run_folder
 from finetuner.runs.schema import validate_event
 from tests.conftest import HANG_GUARD_S
 
