@@ -128,9 +128,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
         "the held-out size is checked against the rows at load time (held_out_rows/held_out_size)",
     ("finetuner.config.sections", "finetuner.data.formats"):
         "the data section's column check (check_columns) is data's rule; the section should take it as a value",
-    ("finetuner.infer.chat_worker", "finetuner.runs"):
-        "the worker protocol (runs.worker_protocol) is shared by chat, export and training workers: to move down",
-    ("finetuner.infer.chat_worker", "finetuner.runs.worker_protocol"): "as above: the worker protocol, to move down",
     ("finetuner.infer.loading", "finetuner.training.checkpoint"):
         "loading a run's latest checkpoint: the checkpoint folder layout (latest_checkpoint) should live in runs",
     ("finetuner.model.loading", "finetuner.config.recipe"):

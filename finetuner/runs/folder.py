@@ -317,7 +317,7 @@ def record_early_failure(run_dir: Path, error: BaseException, events_before: int
     that no other process holds, and whose ``events.jsonl`` is still ``events_before`` bytes long (else the
     run wrote its events, its error among them). Never for :class:`RunFolderRefused`: the folder is not
     this run's to write into; a job's runner learns that error from its report
-    (:data:`finetuner.runs.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
+    (:data:`finetuner.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
     Returns whether the event was written."""
     from finetuner.runs.events import EventWriter
 
