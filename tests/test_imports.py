@@ -133,8 +133,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("finetuner.model.loading", "finetuner.config.recipe"):
         "loads the base a recipe names: takes the Recipe (config reads model shapes, so model sits below config)",
     ("finetuner.model.loading", "finetuner.config.runtime"): "as above: takes the resolved Runtime",
-    ("finetuner.model.scoring", "finetuner.data.pipeline"):
-        "IGNORE_INDEX (-100, the label mask) is defined in data.formats; it needs a torch-free home below both",
     ("finetuner.model.vision", "finetuner.data.formats"):
         "data_has_pictures reads the rows: a data question, to move into data with reads_pictures' callers",
     ("finetuner.objectives.grpo", "finetuner.training.rollout"):
