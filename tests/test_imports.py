@@ -133,8 +133,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("finetuner.model.loading", "finetuner.config.recipe"):
         "loads the base a recipe names: takes the Recipe (config reads model shapes, so model sits below config)",
     ("finetuner.model.loading", "finetuner.config.runtime"): "as above: takes the resolved Runtime",
-    ("finetuner.model.vision", "finetuner.data.formats"):
-        "data_has_pictures reads the rows: a data question, to move into data with reads_pictures' callers",
     ("finetuner.objectives.grpo", "finetuner.training.rollout"):
         "GRPO samples its groups with the trainer's rollout; the rollout belongs with the objective or is passed in",
     ("finetuner.objectives.grpo", "finetuner.training.rollout_vllm"): "as above: the vLLM sampler",
