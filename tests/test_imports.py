@@ -141,8 +141,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("finetuner.runs.folder", "finetuner.training"):
         "the folder lists its checkpoints through training.checkpoint: the checkpoint layout should live in runs",
     ("finetuner.runs.folder", "finetuner.training.checkpoint"): "as above: checkpoint_dirs",
-    ("finetuner.runs.status", "finetuner.export.merge"):
-        "the Python API's Run.merge() (runs.status) calls export: Run belongs in the API layer above export",
 }
 
 
