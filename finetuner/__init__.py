@@ -35,8 +35,8 @@ _LAZY = {
     "best_strategy": "finetuner.memory.sharding",
     "follow": "finetuner.runs.events",
     "ProgressBar": "finetuner.runs.progress_bar",
-    "load_run": "finetuner.runs.status",
-    "Run": "finetuner.runs.status",
+    "load_run": "finetuner.run_handle",
+    "Run": "finetuner.run_handle",
     "merge_adapter": "finetuner.export.merge",
     "MergeResult": "finetuner.export.merge",
     "export_model": "finetuner.export.gguf",
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from finetuner.planning.predict import estimate_time
     from finetuner.runs.progress_bar import ProgressBar
     from finetuner.config.recipe import Recipe
-    from finetuner.runs.status import Run, load_run
+    from finetuner.run_handle import Run, load_run
     from finetuner.training.result import TrainResult
     from finetuner.training.run import train
 

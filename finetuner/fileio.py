@@ -225,7 +225,7 @@ class DiskFull(UserError):
     when known: what the command that comes next needs in all) and ``then``, what to do next. It keeps
     what it was made of, so that another process (the launcher of a multi-process run, which removes
     the half-written checkpoint after its ranks have ended) can say it again with the space free then
-    (:func:`finetuner.runs.worker_protocol.error_of`)."""
+    (:func:`finetuner.worker_protocol.error_of`)."""
 
     def __init__(self, path: str | Path, then: str, need_bytes: int | None = None):
         self.path, self.then, self.need_bytes = str(path), then, need_bytes

@@ -117,7 +117,7 @@ def test_chat_with_a_broken_base_is_one_line(tiny_model_dir, tmp_path):
 
 
 def test_a_failed_start_in_an_empty_folder_leaves_it_empty_and_a_used_folder_is_kept(recipe_dict, tmp_path):
-    from finetuner.runs.marker import mark_run_folder
+    from finetuner.run_marker import mark_run_folder
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"instruction": "hi", "output": 3}]), encoding="utf-8")

@@ -128,25 +128,14 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
         "the held-out size is checked against the rows at load time (held_out_rows/held_out_size)",
     ("finetuner.config.sections", "finetuner.data.formats"):
         "the data section's column check (check_columns) is data's rule; the section should take it as a value",
-    ("finetuner.config.recipe", "finetuner.runs.marker"):
-        "a run folder's recipe.yaml trains in place: is_run_folder must move below config (a bottom module)",
-    ("finetuner.infer.chat_worker", "finetuner.runs"):
-        "the worker protocol (runs.worker_protocol) is shared by chat, export and training workers: to move down",
-    ("finetuner.infer.chat_worker", "finetuner.runs.worker_protocol"): "as above: the worker protocol, to move down",
     ("finetuner.model.loading", "finetuner.config.recipe"):
         "loads the base a recipe names: takes the Recipe (config reads model shapes, so model sits below config)",
     ("finetuner.model.loading", "finetuner.config.runtime"): "as above: takes the resolved Runtime",
-    ("finetuner.model.scoring", "finetuner.data.pipeline"):
-        "IGNORE_INDEX (-100, the label mask) is defined in data.formats; it needs a torch-free home below both",
-    ("finetuner.model.vision", "finetuner.data.formats"):
-        "data_has_pictures reads the rows: a data question, to move into data with reads_pictures' callers",
     ("finetuner.objectives.grpo", "finetuner.training.rollout"):
         "GRPO samples its groups with the trainer's rollout; the rollout belongs with the objective or is passed in",
     ("finetuner.objectives.grpo", "finetuner.training.rollout_vllm"): "as above: the vLLM sampler",
     ("finetuner.runs.folder", "finetuner.planning.sizing"):
         "a run folder's progress counts its total steps (total_steps); to be written by training, read here",
-    ("finetuner.runs.status", "finetuner.export.merge"):
-        "the Python API's Run.merge() (runs.status) calls export: Run belongs in the API layer above export",
 }
 
 

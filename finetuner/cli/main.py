@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     from finetuner.errors import UserError
-    from finetuner.runs.worker_protocol import REPORT_ENV, report_failure
+    from finetuner.worker_protocol import REPORT_ENV, report_failure
 
     try:
         return int(args.func(args) or 0)

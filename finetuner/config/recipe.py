@@ -53,7 +53,7 @@ from finetuner.locate import find_local, locate
 from finetuner.model import gguf_base
 from finetuner.strategy_table import FSDP_ENGINE
 from finetuner.model.shapes import preset_model
-from finetuner.runs.marker import is_run_folder
+from finetuner.run_marker import is_run_folder
 
 log = logging.getLogger(__name__)
 

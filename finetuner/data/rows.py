@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.data import scope
+from finetuner.labels import IGNORE_INDEX  # re-exported: data.formats and data.pipeline name it to their callers
 
 
 class RowError(ValueError):
@@ -42,9 +43,6 @@ def valid_text(v: str, what: str) -> str:
                        "not valid Unicode text") from None
     return v
 
-
-#: the label of a token no loss is taken on (torch's cross-entropy ignore_index)
-IGNORE_INDEX = -100
 
 # --------------------------------------------------------------------------- pictures in a row
 #: where a picture sits in a message's text (LLaMA-Factory's placeholder; OpenAI-style image parts become it)

@@ -1,6 +1,6 @@
 """Merge or export in a separate process: the model is loaded there, never in the caller (the web UI).
 
-The worker speaks finetuner's worker protocol (:mod:`finetuner.runs.worker_protocol`). Started as
+The worker speaks finetuner's worker protocol (:mod:`finetuner.worker_protocol`). Started as
 ``python -m finetuner.export.worker``, it reads one request from stdin: the keywords of
 :func:`finetuner.export.merge.merge_adapter`, ``{"source": "runs/demo", "output_dir": "out", "dtype":
 "auto", "overwrite": false}``, or, with ``"task": "export"``, those of
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
+import finetuner.worker_protocol as protocol
 from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
-from finetuner.runs import worker_protocol as protocol
 from finetuner.surface import child_env
 
 #: the keywords of merge_adapter a request may carry

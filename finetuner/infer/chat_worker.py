@@ -1,6 +1,6 @@
 """Chat in a separate process: the model is loaded there once, never in the caller (the web UI).
 
-The worker speaks finetuner's worker protocol (:mod:`finetuner.runs.worker_protocol`, JSON lines on
+The worker speaks finetuner's worker protocol (:mod:`finetuner.worker_protocol`, JSON lines on
 its stdout). Started as ``python -m finetuner.infer.chat_worker RUN_OR_MODEL [--base]``, it sends
 ``{"kind": "started", "describe": ..., "has_adapter": ...}`` once the model is loaded (or an
 ``error`` message and exits). Each request on stdin, ``{"id": 1, "messages": [{"role": "user",
@@ -26,9 +26,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import finetuner.worker_protocol as protocol
 from finetuner.children import module_command, safe_env
 from finetuner.errors import UserError
-from finetuner.runs import worker_protocol as protocol
 
 GEN_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "adapter", "images")
 

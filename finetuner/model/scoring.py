@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetuner.data.pipeline import IGNORE_INDEX
+from finetuner.labels import IGNORE_INDEX
 
 
 def decoder_and_head(model):

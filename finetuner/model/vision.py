@@ -1,11 +1,12 @@
-"""Image-text-to-text models: whether a run reads pictures, and the processor that turns them into tokens.
+"""Image-text-to-text models: whether a model reads pictures, and the processor that turns them into tokens.
 
 A run is a picture run when its model is an image-text-to-text checkpoint (its ``config.json``'s ``model_type`` is
 one transformers loads with ``AutoModelForImageTextToText``, and it has a ``vision_config``) and its data has
-pictures (:mod:`finetuner.data.images`). Such a run loads the model with ``AutoModelForImageTextToText`` and the
-checkpoint's ``AutoProcessor`` (its tokenizer, its image processor, its chat template); LoRA's ``all-linear``
-targets the language model alone (:func:`finetuner.model.layout.all_linear_targets`), the vision tower and the
-projector stay frozen. The same checkpoint on text data trains as a text model, as before.
+pictures (:mod:`finetuner.data.images`; decided by :mod:`finetuner.data.run_inputs`, which reads the rows). Such a
+run loads the model with ``AutoModelForImageTextToText`` and the checkpoint's ``AutoProcessor`` (its tokenizer,
+its image processor, its chat template); LoRA's ``all-linear`` targets the language model alone
+(:func:`finetuner.model.layout.all_linear_targets`), the vision tower and the projector stay frozen. The same
+checkpoint on text data trains as a text model, as before.
 
 A processor that carries a video processor (Qwen2.5-VL's, Qwen3-VL's) loads without it where torchvision, which
 transformers' video processors need, is not installed (:func:`without_video`): pictures need none. A processor that
@@ -27,28 +28,6 @@ def image_text_type(cfg: dict[str, Any] | None) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return bool(cfg) and cfg.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and "vision_config" in cfg
-
-
-def data_has_pictures(data) -> bool:
-    """Whether any row of ``data.path`` (a recipe's data section) has pictures: rows read until the first one that
-    has (a bad row is left to the pipeline to report)."""
-    from finetuner.data.formats import FileExamples
-
-    for path in [data.path] if isinstance(data.path, str) else data.path:
-        src = FileExamples(path, data.format, data.columns, data.system_prompt, data.split)
-        try:
-            if any(ex.get("images") for ex in src):
-                return True
-        except UserError:
-            return False
-        if src.bad and "picture" in str(src.bad[0]):  # a pictured row whose picture is missing: it reads pictures
-            return True
-    return False
-
-
-def reads_pictures(recipe, cfg: dict[str, Any] | None) -> bool:
-    """Whether ``recipe`` is a picture run (``cfg``: its model's ``config.json``, read once by the caller)."""
-    return image_text_type(cfg) and data_has_pictures(recipe.data)
 
 
 #: the image processors that size a picture by its pixel count (Qwen2-VL's, which Qwen2-VL, Qwen2.5-VL and Qwen3-VL
@@ -128,20 +107,6 @@ def picture_tokens(image_processor, width: int, height: int) -> int:
     count (:data:`PIXEL_BUDGET_PROCESSORS`): its patches after the processor's resize (transformers'
     ``get_number_of_image_patches``, what the processor's own token count uses), ``merge_size``² patches a token."""
     return image_processor.get_number_of_image_patches(height, width, {}) // image_processor.merge_size ** 2
-
-
-def text_inputs(recipe):
-    """The run's tokenizer and, for a picture run (:func:`reads_pictures`), its processor (else None): decided
-    here once, for the trainer and the checks before a run."""
-    from finetuner.model.loading import load_tokenizer, stored_config
-
-    m = recipe.model
-    if reads_pictures(recipe, stored_config(m.name, m.revision)):
-        processor = load_processor(m.name, m.revision, m.trust_remote_code)
-        if recipe.data.max_pixels is not None:
-            set_max_pixels(processor, recipe.data.max_pixels)
-        return processor.tokenizer, processor
-    return load_tokenizer(recipe), None
 
 
 def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False, local_only: bool = False):

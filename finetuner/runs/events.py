@@ -89,8 +89,8 @@ class EventWriter:
 
     def error(self, exc: BaseException) -> dict[str, Any]:
         """Write the ``error`` event for ``exc``: its message as the CLI prints it (hint included), its
-        class, and whether the user's input or machine is at fault (:func:`~finetuner.runs.worker_protocol.error_fields`)."""
-        from finetuner.runs.worker_protocol import event_fields
+        class, and whether the user's input or machine is at fault (:func:`~finetuner.worker_protocol.error_fields`)."""
+        from finetuner.worker_protocol import event_fields
 
         f = event_fields(exc)
         return self.emit("error", message=f["message"], type=f["type"], user_error=f["user_error"])

@@ -27,7 +27,7 @@ from finetuner.errors import UserError
 from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
-from finetuner.runs.marker import RUN_MARKER, is_run_folder, mark_run_folder
+from finetuner.run_marker import RUN_MARKER, is_run_folder, mark_run_folder
 from finetuner.strategy_table import DEFAULT, find_row
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.
@@ -318,7 +318,7 @@ def record_early_failure(run_dir: Path, error: BaseException, events_before: int
     that no other process holds, and whose ``events.jsonl`` is still ``events_before`` bytes long (else the
     run wrote its events, its error among them). Never for :class:`RunFolderRefused`: the folder is not
     this run's to write into; a job's runner learns that error from its report
-    (:data:`finetuner.runs.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
+    (:data:`finetuner.worker_protocol.REPORT_ENV`). A folder that does not exist is not made for it.
     Returns whether the event was written."""
     from finetuner.runs.events import EventWriter
 

@@ -7,7 +7,7 @@ and session, so closing the browser or restarting the UI never stops it; its out
 (a recipe value the planner refuses, a missing model), ends there with an ``error`` event. A failure
 that may not be written into the run's events (the folder is held by another process: see
 :func:`finetuner.runs.folder.record_early_failure`) reaches the job's runner through the worker
-protocol's report file, ``RUN_DIR/.job-report.jsonl`` (:mod:`finetuner.runs.worker_protocol`).
+protocol's report file, ``RUN_DIR/.job-report.jsonl`` (:mod:`finetuner.worker_protocol`).
 
 One job per device at a time: ``RUNS_DIR/.jobs.json`` records the running jobs (pid and the
 process's start time, run folder, device), written under an ``flock`` so two sessions cannot both
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
+import finetuner.worker_protocol as protocol
 from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
 from finetuner.infer.probe import kept_line
 from finetuner.data.replay import ROUTINE_REASONS
@@ -41,7 +42,6 @@ from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.data import scope as read_scope
 from finetuner.device import CUDA
 from finetuner.errors import UserError
-from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events, run_folder_busy, run_folder_holder
 from finetuner.runs.schema import RESUMABLE_STATES, RunState, RunStateTracker
 
@@ -295,7 +295,7 @@ def start_job(
             raise UserError(f"{target} is not empty and holds no run; a new run needs a new or empty folder.")
         target.mkdir(parents=True, exist_ok=True)
         if not resuming:
-            from finetuner.runs.marker import mark_run_folder
+            from finetuner.run_marker import mark_run_folder
 
             mark_run_folder(target)  # finetuner made this folder for the run: `finetuner run` may write into it
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")

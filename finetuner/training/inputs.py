@@ -10,7 +10,7 @@ def check_inputs(recipe: Recipe) -> None:
     data cache, so the run itself then reads it from there): a bad model or data file is a
     :class:`~finetuner.errors.UserError` here. ``--no-resume`` moves an old run aside only after this
     (:func:`finetuner.runs.folder.prepare_run_dir`)."""
-    from finetuner.model.vision import text_inputs
+    from finetuner.data.run_inputs import text_inputs
     from finetuner.objectives import build_objective
     from finetuner.quiet import quieted
 

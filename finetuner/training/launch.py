@@ -245,7 +245,7 @@ def _failure(run_dir: Path, status: int, end: dict[str, Any] | None, output: Ran
     wrote, else torchrun's exit status with the end of the ranks' output; written as the run's ``error``
     event where rank 0 wrote none."""
     from finetuner.runs.events import EventWriter
-    from finetuner.runs.worker_protocol import error_of, error_text, event_fields
+    from finetuner.worker_protocol import error_of, error_text, event_fields
     from finetuner.training.checkpoint import remove_staging
 
     if first_node:

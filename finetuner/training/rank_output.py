@@ -10,7 +10,7 @@ folder of its own under the system's temporary folder (:func:`tempfile.mkdtemp`:
 it; it is kept, and :attr:`RankOutput.moved` says where it is). The last lines stay in memory in any case,
 to be shown on the console when no file could take them.
 
-A rank reports its failure as one line of :mod:`finetuner.runs.worker_protocol` (an ``error`` message with
+A rank reports its failure as one line of :mod:`finetuner.worker_protocol` (an ``error`` message with
 its ``rank``, :func:`report_failure`): the launcher reads it here, so the rank's own message reaches the user
 whether or not rank 0 could write the run's ``error`` event.
 """
@@ -25,7 +25,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from finetuner.runs import worker_protocol as protocol
+import finetuner.worker_protocol as protocol
+
 
 #: lines of the ranks' output kept in memory, for the console
 TAIL_LINES = 30

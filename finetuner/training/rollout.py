@@ -28,12 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import finetuner.device as dev
 from finetuner.infer.generate import clean_text
+from finetuner.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
-
-#: The label of a token no loss is taken on (as :data:`finetuner.data.pipeline.IGNORE_INDEX`).
-IGNORE_INDEX = -100
 
 
 @dataclass

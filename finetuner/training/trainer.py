@@ -57,7 +57,8 @@ from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
 from finetuner.data.images import PictureCollator
 from finetuner.model.loading import check_vision_training, count_parameters, load_base_model, prepare_for_training
-from finetuner.model.vision import refuse_pictures_only, text_inputs
+from finetuner.data.run_inputs import text_inputs
+from finetuner.model.vision import refuse_pictures_only
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.quiet import quieted

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import finetuner.worker_protocol as protocol
 from finetuner import phases
-from finetuner.runs import worker_protocol as protocol
 from tests.conftest import REPO, cli_in_process, demo_run_folder
 
 

@@ -114,7 +114,7 @@ def test_every_run_ends_with_the_probe_and_says_what_it_kept(tmp_path, monkeypat
     from finetuner.infer.chat import load_chat_model
     from finetuner.runs.events import read_events
     from finetuner.runs.jobs import run_status
-    from finetuner.runs.status import load_run
+    from finetuner.run_handle import load_run
     from tests.conftest import alpaca_rows
 
     demo = REPO / "data" / "demo_model"  # it answers in words (of its corpus): a random model says nothing

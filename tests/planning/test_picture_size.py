@@ -61,7 +61,7 @@ def test_the_plan_chooses_the_largest_size_within_the_models_positions(qwen_pict
     # the trainer encodes the pictures as the plan counted them, with the recipe's data.max_pixels
     from finetuner.data.formats import FileExamples
     from finetuner.data.images import encode_pictured
-    from finetuner.model.vision import text_inputs
+    from finetuner.data.run_inputs import text_inputs
 
     recipe = p.recipe.model_copy(update={"data": p.recipe.data.model_copy(update={"path": str(data)})})
     _, processor = text_inputs(recipe)

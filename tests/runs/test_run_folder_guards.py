@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.runs.marker import RUN_MARKER
+from finetuner.run_marker import RUN_MARKER
 from tests.conftest import cli_in_process, write_recipe
 
 

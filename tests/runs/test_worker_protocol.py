@@ -1,4 +1,4 @@
-"""How a failure crosses a process: the worker protocol (finetuner.runs.worker_protocol), and where a run
+"""How a failure crosses a process: the worker protocol (finetuner.worker_protocol), and where a run
 that fails before it writes any event records its error (finetuner.runs.folder.record_early_failure)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+import finetuner.worker_protocol as protocol
 from finetuner.errors import OutOfMemory, UserError
-from finetuner.runs import worker_protocol as protocol
 from finetuner.runs.events import read_events
 from finetuner.runs.folder import RunFolderRefused, RunLock, events_size, record_early_failure
-from finetuner.runs.marker import mark_run_folder
+from finetuner.run_marker import mark_run_folder
 from finetuner.runs.schema import validate_event
 from tests.conftest import HANG_GUARD_S
 
@@ -64,7 +64,7 @@ def test_a_worker_reports_on_stdout_and_library_prints_go_to_stderr():
     """The worker side (take_stdout, Sender) and the caller's (Receiver) over a real pipe: a print from
     a library inside the worker cannot corrupt the stream; the end of the stream is None."""
     script = (
-        "from finetuner.runs import worker_protocol as p\n"
+        "import finetuner.worker_protocol as p\n"
         "out = p.take_stdout()\n"
         "print('a library chatting')\n"
         "out.send('started', describe='model')\n"

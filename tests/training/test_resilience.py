@@ -66,7 +66,7 @@ def test_unreadable_checkpoint_falls_back_to_the_previous_one(recipe_dict, tmp_p
 
 def test_a_second_process_on_the_same_run_folder_is_refused(recipe_dict, tmp_path):
     from finetuner.runs.folder import RunLock
-    from finetuner.runs.marker import mark_run_folder
+    from finetuner.run_marker import mark_run_folder
 
     (tmp_path / "run").mkdir()
     mark_run_folder(tmp_path / "run")  # a run folder as finetuner sets it up

@@ -139,7 +139,7 @@ def test_a_job_refused_its_folder_reports_the_error_without_writing_into_the_run
     job's report (the worker protocol), not from its log."""
     from finetuner.config.recipe import Recipe
     from finetuner.runs.folder import RunLock
-    from finetuner.runs.marker import mark_run_folder
+    from finetuner.run_marker import mark_run_folder
 
     run = tmp_path / "runs" / "held"
     run.mkdir(parents=True)

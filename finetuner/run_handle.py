@@ -6,6 +6,8 @@
     run.generate("What should I pack for a day hike?")
     run.evaluate()                        # base vs fine-tuned held-out loss, into metrics.json
     run.merge("exports/demo")             # a plain transformers model folder
+
+Part of the Python API (above the layers it calls: runs, infer and export), so a run's ``merge()`` looks down.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What makes a folder a run folder: the marker finetuner writes into every run folder it sets up.
 
-Kept apart from :mod:`finetuner.runs.folder` (which reads recipes) so that reading a recipe can ask it: a run
-folder's own ``recipe.yaml`` trains in the folder it was read from (:meth:`finetuner.config.recipe.Recipe.from_yaml`).
+A bottom module, apart from :mod:`finetuner.runs.folder` (which reads recipes), so that reading a recipe can ask
+it: a run folder's own ``recipe.yaml`` trains in the folder it was read from
+(:meth:`finetuner.config.recipe.Recipe.from_yaml`).
 """
 
 from __future__ import annotations
