@@ -69,9 +69,11 @@ from dataclasses import dataclass, field, replace
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.config.recipe import VLLM_LORA_RANKS
 from finetuner.device import CUDA
-from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
-                                    DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
-                                    layer_transient_per_token, trainable_params, weight_bytes)
+from finetuner.memory.activations import activation_bytes, layer_transient_per_token
+from finetuner.memory.model import estimate
+from finetuner.memory.settings import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
+                                       DTYPE_BYTES, MemoryEstimate, Settings)
+from finetuner.memory.storage import trainable_params, weight_bytes
 from finetuner.model.shapes import ModelShape
 from finetuner.planning.scans import attention_layers, recurrent_state_numel
 
@@ -192,7 +194,7 @@ class VllmTerms:
 def vllm_weight_bytes(shape: ModelShape, s: Settings) -> int:
     """vLLM's copy of the base: every parameter in the compute dtype (vLLM's ``dtype``); QLoRA: the
     linear weights quantized as vLLM's bitsandbytes loader does (4-bit NF4, double quantization), the
-    rest in the compute dtype (:func:`finetuner.memory.model.weight_bytes`)."""
+    rest in the compute dtype (:func:`finetuner.memory.storage.weight_bytes`)."""
     c = s.compute_dtype
     if s.method == "qlora":
         return sum(weight_bytes(shape, s.with_(quant_bits=4, quant_type="nf4", double_quant=True, weight_dtype=c)).values())

@@ -43,9 +43,10 @@ from typing import Any
 from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.device import CUDA
 from finetuner.errors import UserError
-from finetuner.memory.model import GiB, MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
+from finetuner.memory.model import MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.search import DEFAULT_MARGIN, method_name, method_options
+from finetuner.units import GiB
 
 #: The shortest sequence a recipe allows (``data.max_seq_len``).
 MIN_SEQ = 16
@@ -356,7 +357,7 @@ def longest_sequence(
     if not isinstance(step, int) or step < 1:
         raise UserError(f"step {step!r}: must be a whole number of tokens, at least 1.")
     if optimizer is not None:
-        from finetuner.memory.model import OPTIMIZERS
+        from finetuner.memory.settings import OPTIMIZERS
 
         if optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}.")

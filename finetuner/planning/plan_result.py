@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.objectives.specs import spec_of
 from finetuner.config.hardware import GpuProfile
-from finetuner.memory.model import GiB, MemoryEstimate
+from finetuner.memory.model import MemoryEstimate
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.shapes import ModelShape
 from finetuner.planning.speed import DeviceSpeed, StepTime
 from finetuner.planning.time_text import format_duration, time_text
 from finetuner.planning.wait import Wait, cost_of
+from finetuner.units import GiB
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu
-from finetuner.memory.model import GiB
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
 from finetuner.objectives.specs import first_for_kind, spec_of
@@ -49,6 +48,7 @@ from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
 from finetuner.planning.time_text import format_duration
 from finetuner.planning.wait import Wait, check_currency
+from finetuner.units import GiB
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe

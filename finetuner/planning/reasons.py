@@ -9,10 +9,11 @@ from finetuner.config.hardware import GpuProfile, list_profiles
 from finetuner.device import CUDA
 from finetuner.objectives.specs import spec_of
 from finetuner.memory.grpo import grpo_settings_of
-from finetuner.memory.model import GiB, MemoryEstimate, Settings
+from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, presets
 from finetuner.planning.search import METHOD_TIER, Candidate, method_name, search
 from finetuner.planning.time_text import format_duration
+from finetuner.units import GiB
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
