@@ -15,9 +15,9 @@ from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, views
 from finetuner.data.formats import ROLES
-from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, GRPO_GENERATIONS, GRPO_NEW_TOKENS,
-                         OBJECTIVES, REWARDS_INFO, REWARDS_LABEL, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers, default_card,
-                         empty_chart, grpo_settings_shown, uploaded_path)
+from ui.handlers import (AS_DETECTED, COLUMN_ROLES, GRPO_GENERATIONS, GRPO_NEW_TOKENS, OBJECTIVES, REWARDS_INFO, REWARDS_LABEL,
+                         Handlers, default_card, empty_chart, grpo_settings_shown, uploaded_path)
+from ui.train_handlers import ALLOW_CODE, ALLOW_CODE_INFO, CPU_CARD, START_ANYWAY, START_CODE, START_CODE_INFO
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
