@@ -17,7 +17,7 @@ from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
 from finetuner.training import seal
 from finetuner.tracking.report import tracked_at
-from ui import paths, views
+from ui import paths, run_views, views
 from ui.errors import shows_errors
 from ui.estimate import recipe_estimate
 from ui.recipe_text import recipe_from_text
@@ -75,26 +75,26 @@ class TrainHandlers:
         # while a run trains the chart redraws at most every PLOT_EVERY_S (each redraw re-renders the
         # whole chart in every open browser); at once when the run, its state or its eval points change
         progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
-        preference = views.is_preference(st)
+        preference = run_views.is_preference(st)
         sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals), preference) if st else None
-        chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
-        rewards = plot(views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
+        chart = plot(run_views.loss_chart(st)) if sig != last_sig else gr.skip()
+        rewards = plot(run_views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
         # the past-runs table reads every run's events: only when the run shown or its state changes;
         # otherwise only the shown run's row is made again, from st (the status line's own figures)
         rows = last.get("rows")
         if rows is None or sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
-            rows = [views.run_row(st if st is not None and r.name == st.name else r) for r in jobs.list_runs(self.runs)]
+            rows = [run_views.run_row(st if st is not None and r.name == st.name else r) for r in jobs.list_runs(self.runs)]
         elif st is not None:
-            rows = [views.run_row(st) if row[0] == st.name else row for row in rows]
+            rows = [run_views.run_row(st) if row[0] == st.name else row for row in rows]
         rows = [tuple(r) for r in rows]
-        table = gr.skip() if rows == last.get("rows") else views.runs_table(rows)
+        table = gr.skip() if rows == last.get("rows") else run_views.runs_table(rows)
         running = bool(st and st.running)
         ended = bool(shown) and shown[3] and not running  # the run shown was running at the last look
-        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable), preference)
+        values = (run_views.memory_md(st), run_views.samples_md(st), not running, running, bool(st and st.resumable), preference)
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
         mem, smp, start_i, stop_i, resume_i, _pref = values
         return (
-            views.status_html(st, tracked_at(self.runs / name) if st is not None else None),
+            run_views.status_html(st, tracked_at(self.runs / name) if st is not None else None),
             chart,
             gr.skip() if same[0] else mem,
             gr.skip() if same[1] else smp,
@@ -118,7 +118,7 @@ class TrainHandlers:
     def runs_outputs(self, selected: str | None):
         names = self.run_names()
         return (gr.update(choices=names, value=selected if selected in names else (names[0] if names else None)),
-                views.runs_df(jobs.list_runs(self.runs)))
+                run_views.runs_df(jobs.list_runs(self.runs)))
 
     def check_same_data(self, recipe, data_file: str | None) -> None:
         """The recipe must train on the file chosen in the Data tab: a recipe planned before

@@ -320,7 +320,7 @@ def test_the_schema_takes_the_runs_wait_by_part():
 
 def test_the_ui_status_shows_the_phase_running_between_the_steps(tmp_path):
     """The web UI's status reads the running phase from the events (a line), and drops it once the phase ended."""
-    from ui.views import status_html
+    from ui.run_views import status_html
 
     rd = tmp_path / "runs" / "r"
     rd.mkdir(parents=True)
