@@ -14,8 +14,7 @@ import pandas as pd
 
 from finetuner.model.shapes import parameter_count
 from finetuner.text import CUT_MARK, cut_words
-
-GiB = 1024**3
+from finetuner.units import GiB, gib_text
 
 STATE_LABELS = {
     "starting": ("●", "starting", "#d97706"),
@@ -34,7 +33,7 @@ def gib(n: int | float | None, digits: int = 2) -> str:
         return "–"
     if n < 0.01 * GiB:
         return f"{n / 2**20:.1f} MiB"
-    return f"{n / GiB:.{digits}f} GiB"
+    return gib_text(n, digits)
 
 
 def duration(seconds: float | None) -> str:

@@ -68,6 +68,7 @@ from finetuner.training.step_rate import StepRate
 from finetuner.planning.sizing import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
+from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +407,7 @@ class Trainer:
 
     def predicted_note(self) -> str:
         predicted = getattr(self, "predicted_peak", None)
-        return f"The memory model predicted a peak of {predicted / 2**30:.1f} GiB." if predicted else ""
+        return f"The memory model predicted a peak of {gib_text(predicted, 1)}." if predicted else ""
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
