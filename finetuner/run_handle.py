@@ -20,10 +20,11 @@ from typing import Any
 
 from finetuner.infer.probe import kept_line
 from finetuner.errors import UserError
+from finetuner.units import gib_text
 
 
 def _gib(n: Any) -> str:
-    return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "–"
+    return gib_text(n) if isinstance(n, (int, float)) else "–"
 
 
 def _num(x: Any, fmt: str = ".4f") -> str:

@@ -12,13 +12,6 @@ Training, chat and merging run in processes of their own. None needs a browser:
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import shutil
-import stat
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
@@ -35,20 +28,15 @@ from finetuner.fileio import private_temp_dir
 from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
-from finetuner.training import seal
-from finetuner.tracking.report import tracked_at
 from ui import paths, views
+from ui.chat_handlers import ChatHandlers
 from ui.chat_pool import ChatPool
-from ui.errors import error_md, on_page, shows_errors, steps_in_ui
+from ui.errors import on_page, shows_errors
 from ui.estimate import recipe_estimate
+from ui.export_handlers import ExportHandlers
 from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
+from ui.train_handlers import CPU_CARD, START_ANYWAY, TrainHandlers, gpu_profile, plot
 
-#: seconds between redraws of the loss chart while a run trains
-PLOT_EVERY_S = 6
-
-CPU_CARD = "cpu"
-#: how many outputs the Train tab's view has (Handlers.train_view)
-TRAIN_OUTPUTS = 12
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
 #: the Plan tab's GRPO settings (shown for objective grpo), with the recipe's defaults (GRPOSection)
@@ -61,21 +49,6 @@ REWARDS_INFO = (f"one or more, separated by commas or new lines: {SPEC_FORM}. A 
 COLUMN_ROLES = tuple(ROLES)
 #: a column menu's choice that names no column: the role is read as the file's format has it
 AS_DETECTED = ("— as detected —", "")
-#: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
-START_ANYWAY = "Start even if it does not fit"
-#: The confirmation that code from a run's folder (or a recipe's model) may run: unchecked by default.
-ALLOW_CODE = "Allow code from this run's folder"
-ALLOW_CODE_INFO = "needed when its recipe sets model.trust_remote_code or model.allow_pickle: only for runs you trust"
-START_CODE = "Allow the model's own code to run"
-START_CODE_INFO = ("needed when the recipe sets model.trust_remote_code or model.allow_pickle, and to resume a GRPO run whose "
-                   "recipe names reward files: only for models and code you trust")
-
-
-def gpu_profile(card: str):
-    """The card chosen on the page as a profile (:func:`finetuner.config.hardware.get_gpu`)."""
-    from finetuner.config.hardware import get_gpu
-
-    return get_gpu((card or CPU_CARD).strip())
 
 
 @functools.cache
@@ -93,12 +66,6 @@ def _tokenizer(model: str):
 
     return load_preview_tokenizer(model)
 
-
-def plot(spec: dict) -> PlotData:
-    """A Vega-Lite chart (views.chart) for a ``gr.Plot``: drawn afresh from the spec each time, so its
-    axes and series always match its data. (Not as gradio's own altair chart kinds: those restyle
-    the spec, and stay zero-wide once their tab has been hidden and shown again.)"""
-    return PlotData(type="altair", plot=json.dumps(spec))
 
 
 def memory_plot(est, gpu) -> PlotData:
@@ -135,25 +102,7 @@ def picked_columns(picked: tuple | list) -> dict[str, str] | None:
     return columns or None
 
 
-def message_text(content: Any) -> str:
-    """A chat message's text, whether gradio hands it over as a string or as content parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    if isinstance(content, (list, tuple)):
-        return "".join(message_text(c) for c in content)
-    return "" if content is None else str(content)
 
-
-def _waiting(head: str, job):
-    """``head`` while a worker's :class:`~finetuner.export.worker.Job` runs, with its latest phase's line below it
-    (:func:`finetuner.phases.line`: loading, merging, writing, checking, with a count and an ETA)."""
-    from finetuner import phases
-
-    yield head
-    for rec in job:
-        yield f"{head}\n\n{phases.line(rec)}"
 
 
 def uploaded_path(payload: Any) -> str | None:
@@ -164,15 +113,8 @@ def uploaded_path(payload: Any) -> str | None:
     return payload or None
 
 
-def settings_text(gen: dict) -> str:
-    """The settings an answer was generated with, so that a sampled answer can be repeated."""
-    if gen["temperature"] == 0:
-        return f"greedy, at most {gen['max_new_tokens']} tokens"
-    seed = "no seed" if gen["seed"] is None else f"seed {gen['seed']}"
-    return f"temperature {gen['temperature']:g}, top-p {gen['top_p']:g}, {seed}, at most {gen['max_new_tokens']} tokens"
 
-
-class Handlers:
+class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
     """The handlers of one app. ``runs_dir``: where runs and the job registry live (default
     ``runs/`` of the checkout); ``upload_dir``: where uploaded data files are stored (default
     ``data/uploads/``)."""
@@ -484,165 +426,6 @@ class Handlers:
         mem, est_md, text, dl = self._estimate_outputs(recipe, card, "".join(comments))
         return text, mem, est_md, dl, *fields_of(recipe), self._valid_md(recipe, card, note)
 
-    # ------------------------------------------------------------------ train
-    def _train_view(self, name: str | None, last: dict | None):
-        """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
-        polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser).
-        A preference run also shows its reward accuracy (and margin) beside the loss; for an SFT run
-        that chart's column is hidden. The past-runs table's row of the run shown is made from the
-        same status as the status line, on the same tick; the Train tab's message ("Training
-        started ...") is cleared when the run shown stops running."""
-        last = last or {}
-        last_sig, shown = last.get("sig"), last.get("shown") or ()
-        st = None
-        if name and (self.runs / name).is_dir():
-            st = jobs.run_status(self.runs / name, self.runs)
-        # while a run trains the chart redraws at most every PLOT_EVERY_S (each redraw re-renders the
-        # whole chart in every open browser); at once when the run, its state or its eval points change
-        progress = (int(time.time() // PLOT_EVERY_S) if st.running else len(st.losses)) if st else None
-        preference = views.is_preference(st)
-        sig = (name, progress, len(st.evals), st.state, bool(st.losses), bool(st.evals), preference) if st else None
-        chart = plot(views.loss_chart(st)) if sig != last_sig else gr.skip()
-        rewards = plot(views.reward_chart(st)) if preference and sig != last_sig else gr.skip()
-        # the past-runs table reads every run's events: only when the run shown or its state changes;
-        # otherwise only the shown run's row is made again, from st (the status line's own figures)
-        rows = last.get("rows")
-        if rows is None or sig is None or last_sig is None or sig[0] != last_sig[0] or sig[3] != last_sig[3]:
-            rows = [views.run_row(st if st is not None and r.name == st.name else r) for r in jobs.list_runs(self.runs)]
-        elif st is not None:
-            rows = [views.run_row(st) if row[0] == st.name else row for row in rows]
-        rows = [tuple(r) for r in rows]
-        table = gr.skip() if rows == last.get("rows") else views.runs_table(rows)
-        running = bool(st and st.running)
-        ended = bool(shown) and shown[3] and not running  # the run shown was running at the last look
-        values = (views.memory_md(st), views.samples_md(st), not running, running, bool(st and st.resumable), preference)
-        same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
-        mem, smp, start_i, stop_i, resume_i, _pref = values
-        return (
-            views.status_html(st, tracked_at(self.runs / name) if st is not None else None),
-            chart,
-            gr.skip() if same[0] else mem,
-            gr.skip() if same[1] else smp,
-            gr.skip() if same[2] else gr.update(interactive=start_i),
-            gr.skip() if same[3] else gr.update(interactive=stop_i),
-            gr.skip() if same[4] else gr.update(interactive=resume_i),
-            {"sig": sig, "shown": values, "rows": rows},
-            table,
-            gr.skip() if same[5] else gr.update(visible=preference),
-            rewards,
-            "" if ended else gr.skip(),
-        )
-
-    def train_view(self, name: str | None, last: dict | None = None):
-        """The Train tab's outputs (see _train_view)."""
-        try:
-            return self._train_view(name, last)
-        except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
-            return (gr.skip(),) * TRAIN_OUTPUTS
-
-    def _runs_outputs(self, selected: str | None):
-        names = self.run_names()
-        return (gr.update(choices=names, value=selected if selected in names else (names[0] if names else None)),
-                views.runs_df(jobs.list_runs(self.runs)))
-
-    def check_same_data(self, recipe, data_file: str | None) -> None:
-        """The recipe must train on the file chosen in the Data tab: a recipe planned before
-        another file was chosen (or uploaded) would quietly train on the old one."""
-        if not (data_file or "").strip():
-            return
-        if self.scope is not None:  # inside this UI's folders, else its one refusal: nothing outside is looked up
-            chosen = self.data_path(data_file)
-        else:
-            local = paths.resolve_local(data_file)
-            chosen = str(local) if local else data_file.strip()
-        listed = recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]
-        if chosen in [str(Path(p).resolve()) if Path(p).exists() else p for p in listed]:
-            return
-        raise UserError(
-            f"Not started: the recipe trains on {', '.join(paths.display(p) for p in listed)}, but the Data tab has "
-            f"{paths.display(chosen)} chosen.",
-            hint="Make the plan again in the Plan tab to train on the chosen file, or choose the recipe's file in the Data tab.",
-        )
-
-    def confirm_code(self, run: str, allow_code: bool, box: str = ALLOW_CODE, rewards: bool = True) -> None:
-        """Refuse a run whose recipe.yaml lets code run (``model.trust_remote_code``,
-        ``model.allow_pickle``) unless the checkbox ``box`` is ticked: a run folder may come from
-        someone else, so its own recipe is never taken as consent. ``rewards``: whether what follows runs
-        GRPO's reward functions (training does; chat, merge and export never call them, so they do not ask)."""
-        path = self.run_path(run) / "recipe.yaml"
-        if allow_code or not path.is_file():
-            return
-        recipe = read_recipe(path)
-        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(recipe.model, k)]
-        if asks:
-            raise UserError(f"{run}: its recipe.yaml sets {' and '.join(f'model.{k}: true' for k in asks)}, so loading it can "
-                            "run code from the run's folder.", hint=f"Tick “{box}” to confirm, only for a run you trust.")
-        files = [r.file for r in (recipe.grpo.rewards if recipe.grpo and rewards else []) if r.file]
-        if files:  # GRPO's reward functions run in the training process
-            raise UserError(f"{run}: its recipe.yaml names reward functions in {', '.join(files)}, which run on this machine "
-                            "while it trains.", hint=f"Tick “{box}” to confirm, only for a run and reward files you trust.")
-
-    @shows_errors(2, 3)
-    def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):
-        """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
-        reason, when it does not train on the data chosen in the Data tab, when it cannot finish
-        (:func:`finetuner.planning.bounds.check_run`, as ``finetuner run`` refuses it: whatever ``anyway``
-        says), when the memory model says it does not fit the card (unless ``anyway``), or when it lets
-        the model's code run (``model.trust_remote_code``, ``model.allow_pickle``) and ``allow_code`` is not
-        ticked. The bounds' warnings (a run of many passes over its data) are shown with the start."""
-        from finetuner.planning.bounds import check_run
-
-        recipe = recipe_from_text(text)
-        asks = [k for k in ("trust_remote_code", "allow_pickle") if getattr(recipe.model, k)]
-        if asks and not allow_code:
-            raise UserError(f"Not started: the recipe sets {' and '.join(f'model.{k}: true' for k in asks)}, so code "
-                            f"from {recipe.model.name} may run on this machine.",
-                            hint=f"Tick “{START_CODE}” to confirm, only for a model you trust.")
-        self.check_data_scope(recipe)  # first: what follows looks at the recipe's files
-        self.check_same_data(recipe, data_file)
-        gpu = gpu_profile(card)
-        try:
-            warnings = check_run(recipe, gpu)
-        except UserError as e:
-            raise UserError(f"Not started: {e.message}", hint=e.plain_hint, settings=e.settings) from None
-        est = recipe_estimate(recipe, gpu)
-        if not est.fits and not anyway:
-            raise UserError(
-                f"Not started: {recipe.name} is predicted to need {views.gib(est.total_bytes, 1)}, more than "
-                f"{gpu.name} can give it ({views.gib(est.budget_bytes, 1)}).",
-                hint="Make it fit in the Plan tab (a smaller micro-batch or sequence length, gradient checkpointing, "
-                     f"qlora), or choose the card you train on in tab 1. To try it anyway, tick “{START_ANYWAY}”.",
-            )
-        job = jobs.start_job(recipe, runs_dir=self.runs, exact_name=True)
-        note = "" if est.fits else (f" It is predicted not to fit {gpu.name}: if it runs out of memory, training "
-                                    "halves the micro-batch and goes on.")
-        for warning in warnings:
-            gr.Warning(warning)
-            note += f" ⚠ {warning}"
-        return *self._runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}"
-
-    @shows_errors(0, 1)
-    def on_stop(self, name: str):
-        if not jobs.stop_job(self.run_path(name), self.runs):
-            raise UserError(f"{name} is not running.")
-        return f"Stopping **{name}** after this step: a checkpoint is saved, and ↻ Resume continues it."
-
-    @shows_errors(2, 3)
-    def on_resume(self, name: str, allow_code: bool = False):
-        self.confirm_code(name, bool(allow_code), START_CODE)
-        st = jobs.run_status(self.run_path(name), self.runs)
-        if not st.resumable:
-            raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
-                            hint="Only stopped or interrupted runs with a checkpoint resume.")
-        self.check_data_scope(read_recipe(self.run_path(name) / "recipe.yaml"))
-        foreign = seal.unsealed(self.run_path(name))
-        if foreign and not allow_code:
-            raise UserError(f"{name}: its checkpoint {foreign[-1].name} holds FSDP/ZeRO shards that finetuner did not write "
-                            "for you on this machine; resuming unpickles them, which can run code.",
-                            hint=f"Tick “{START_CODE}” to confirm, only for a run you trust.")
-        job = jobs.start_job(None, run_dir=self.run_path(name), runs_dir=self.runs, trust_checkpoints=bool(allow_code))
-        return *self._runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint."
-
     # ------------------------------------------------------------------ page load
     def latest_choice(self) -> dict[str, str]:
         """The model and data of the newest run's recipe: what a browser with nothing remembered
@@ -693,7 +476,7 @@ class Handlers:
             gr.update(value=model_v),
             gr.update(value=card_v),
             gr.update(choices=sorted({*data_choices, data} - {None}), value=data),
-            *self._runs_outputs(chosen),
+            *self.runs_outputs(chosen),
             gr.update(choices=finished, value=done),
             gr.update(choices=finished, value=done),
             *self.restored_recipe(saved.get("recipe")),
@@ -702,148 +485,3 @@ class Handlers:
     def on_refresh_finished(self, current: str | None):
         finished = self.run_names(lambda s: s.has_adapter)
         return gr.update(choices=finished, value=current if current in finished else (finished[0] if finished else None))
-
-    # ------------------------------------------------------------------ chat
-    def on_chat(self, message: str, tuned_hist: list, base_hist: list, *settings):
-        """One exchange in both lanes; an error puts the message and the conversations back as
-        they were and says why in the status line."""
-        try:
-            yield from steps_in_ui(self._chat(message, tuned_hist, base_hist, *settings), self)
-        except Exception as e:  # noqa: BLE001
-            yield message, tuned_hist, base_hist, error_md(e)
-
-    def _chat(self, message: str, tuned_hist: list, base_hist: list, run: str, compare: bool,
-              max_new: float, temperature: float, top_p: float, seed: float | None, allow_code: bool = False,
-              picture: str | None = None, tools: str | None = None):
-        from finetuner.data.calls import parse_reply
-        from finetuner.data.tools import tools_file
-
-        if not (message or "").strip():
-            raise UserError("Type a message first.")
-        schemas = tools_file(tools) if tools else None  # offered with the message; a reply's calls shown as JSON
-        self.confirm_code(run, bool(allow_code), rewards=False)
-        source = str(self.run_path(run))
-        gen = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(top_p),
-               "seed": int(seed) if seed not in (None, "") else None}
-        if picture:  # the uploaded picture goes with this message (a model that reads pictures; others say so)
-            gen["images"] = [str(picture)]
-        lanes = [("tuned", True, list(tuned_hist or []))] + ([("base", False, list(base_hist or []))] if compare else [])
-        convo = {name: hist + [{"role": "user", "content": message}] for name, _a, hist in lanes}
-        shown = {name: convo[name] + [{"role": "assistant", "content": "…"}] for name in convo}
-        t0 = time.monotonic()
-        allow_code = bool(allow_code)
-        fresh = not self.chat_pool.is_loaded(source, allow_code)
-        yield "", shown["tuned"], shown.get("base", base_hist), "Loading the model…" if fresh else "Answering…"
-        texts = {name: "" for name in convo}
-        with self.chat_pool.lease(source, allow_code) as worker:  # not closed under this session while it answers
-            for waited in worker.loading(every=1.0):  # a model that loads for minutes is seen loading, not hanging
-                yield gr.skip(), shown["tuned"], shown.get("base", base_hist), f"Loading the model… {waited:.0f} s"
-            yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
-            for name, adapter, _h in lanes:  # one model in one process: the lanes answer in turn
-                msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in convo[name]]
-                for piece in worker.stream(msgs, adapter=adapter, tools=schemas, **gen):
-                    texts[name] += piece
-                    shown[name] = convo[name] + [{"role": "assistant", "content": texts[name]}]
-                    yield gr.skip(), shown["tuned"], shown.get("base", base_hist), "Answering…"
-                called = parse_reply(texts[name]) if schemas else None
-                if called is not None and called.calls:
-                    texts[name] = f"```json\n{called.to_json()}\n```"
-                shown[name] = convo[name] + [{"role": "assistant", "content": texts[name].strip() or "(no answer)"}]
-            describe = worker.describe
-        took = time.monotonic() - t0
-        yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)}"
-               f"{' · with the picture ' + Path(picture).name if picture else ''} · {describe}")
-
-    # ------------------------------------------------------------------ export
-    @shows_errors(0, 1)
-    def on_merge(self, run: str, out: str, dtype: str, overwrite: bool, allow_code: bool = False):
-        """Merge the run's adapter into its base model in another process (the UI never holds a
-        model): :func:`finetuner.export.worker.merge_in_subprocess`. Its refusals (a file, a
-        non-empty folder, a run folder) are shown as the merge words them."""
-        from finetuner.export.merge import MergeResult
-        from finetuner.export.worker import merge_job
-
-        self.confirm_code(run, bool(allow_code), rewards=False)
-        rp = self.run_path(run)
-        target = Path(out).expanduser() if out and out.strip() else rp / "merged"
-        if not target.is_absolute():
-            target = paths.ROOT / target
-        job = merge_job(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite),
-                        trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
-        yield from _waiting(f"Merging {run} into its base model → `{paths.display(target)}` …", job)
-        result = MergeResult.from_dict(job.result)
-        files = result.files
-        yield (f"✓ Merged model saved to `{paths.display(target)}` ({len(files)} files: {', '.join(files[:8])}"
-               f"{'…' if len(files) > 8 else ''}) in {result.dtype}.\n\n"
-               f"Load it with `AutoModelForCausalLM.from_pretrained(\"{target}\")`."
-               + "".join(f"\n\n- {note}" for note in getattr(result, "notes", None) or []))  # what it forgot, too
-
-    @shows_errors(0, 1)
-    def on_gguf(self, run: str, fmt: str, quant: str, out: str, overwrite: bool, allow_code: bool = False):
-        """Export the run to GGUF (or GGUF + an Ollama Modelfile) in another process:
-        :func:`finetuner.export.worker.export_in_subprocess`; the file is checked against the merged
-        model before it is put in place, and the page says how closely it matches."""
-        from finetuner.export.worker import export_job
-
-        self.confirm_code(run, bool(allow_code), rewards=False)
-        rp = self.run_path(run)
-        fmt, quant = fmt or "gguf", quant or "f16"
-        default = rp / ("ollama" if fmt == "ollama" else f"{rp.name}-{quant}.gguf")
-        target = Path(out).expanduser() if out and out.strip() else default
-        if not target.is_absolute():
-            target = paths.ROOT / target
-        job = export_job(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
-                         trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
-                         **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run
-        yield from _waiting(f"Exporting {run} to {fmt.upper() if fmt == 'gguf' else 'Ollama'} ({quant}) → "
-                            f"`{paths.display(target)}` …", job)
-        r = job.result
-        lines = [f"✓ {r['quant']} GGUF saved to `{paths.display(Path(r['gguf_file']))}` "
-                 f"({r['file_bytes'] / 2**20:.1f} MiB, {r['tensors']} tensors, {r['architecture']})."]
-        if r.get("mmproj_file"):
-            lines.append(f"Projector file for pictures (llama.cpp's `--mmproj`): `{paths.display(Path(r['mmproj_file']))}` "
-                         f"({r['mmproj_bytes'] / 2**20:.1f} MiB, {r['mmproj_tensors']} tensors).")
-        if r.get("max_abs_logit_diff") is not None:
-            lines.append(f"Checked against the merged model with transformers' GGUF loader: largest logit difference "
-                         f"{r['max_abs_logit_diff']:.2g}, top-1 agreement {r['top1_agreement']:.0%} "
-                         f"on {r['probe_tokens']} tokens; the tokenizer gives the same ids on {r['tokenizer_texts']} texts.")
-        if r.get("modelfile"):
-            lines.append(f"Ollama Modelfile: `{paths.display(Path(r['modelfile']))}`. Create the model and chat with it:\n\n"
-                         f"```\n{r['ollama_command']}\n{r.get('ollama_run') or ''}\n```")
-        lines += [f"- {note}" for note in r.get("notes") or []]
-        yield "\n\n".join(lines)
-
-    def adapter_zip(self, run: str) -> Path:
-        """The run's adapter folder as ``<run>-adapter.zip`` (rebuilt when the adapter is newer)."""
-        rp = self.run_path(run)
-        adapter = rp / "adapter"
-        if not adapter.is_dir():
-            raise UserError(f"{run} has no adapter yet.", hint="Finish training first (a stopped run has checkpoints only).")
-        folder = self.temp_dir / "adapters" / hashlib.sha1(str(rp).encode()).hexdigest()[:12]
-        archive = folder / f"{run}-adapter.zip"
-        newest = max((p.stat().st_mtime for p in adapter.rglob("*")), default=adapter.stat().st_mtime)
-        try:
-            built_at = os.lstat(archive)  # the zip itself: a link put in its place is not one we built
-            fresh = stat.S_ISREG(built_at.st_mode) and built_at.st_mtime >= newest
-        except OSError:
-            fresh = False
-        if not fresh:
-            folder.mkdir(parents=True, exist_ok=True)
-            building = Path(tempfile.mkdtemp(dir=folder))
-            try:
-                built = shutil.make_archive(str(building / archive.stem), "zip", root_dir=adapter)
-                os.replace(built, archive)  # whole or not at all, if two pages ask at once
-            finally:
-                shutil.rmtree(building, ignore_errors=True)
-        return archive
-
-    def on_zip(self, run: str | None):
-        """The download button holds the chosen run's adapter zip (one click downloads it); a run
-        without an adapter empties it and says why."""
-        try:
-            if not run:
-                return gr.update(value=None, interactive=False), ""
-            return gr.update(value=str(self.adapter_zip(run)), interactive=True), ""
-        except Exception as e:  # noqa: BLE001
-            return gr.update(value=None, interactive=False), error_md(e)

@@ -13,11 +13,11 @@ from finetuner.config.hardware import list_profiles
 from finetuner.config.sections import TRACKERS, Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
-from ui import paths, views
+from ui import paths, run_views
 from finetuner.data.formats import ROLES
-from ui.handlers import (ALLOW_CODE, ALLOW_CODE_INFO, AS_DETECTED, COLUMN_ROLES, CPU_CARD, GRPO_GENERATIONS, GRPO_NEW_TOKENS,
-                         OBJECTIVES, REWARDS_INFO, REWARDS_LABEL, START_ANYWAY, START_CODE, START_CODE_INFO, Handlers, default_card,
-                         empty_chart, grpo_settings_shown, uploaded_path)
+from ui.handlers import (AS_DETECTED, COLUMN_ROLES, GRPO_GENERATIONS, GRPO_NEW_TOKENS, OBJECTIVES, REWARDS_INFO, REWARDS_LABEL,
+                         Handlers, default_card, empty_chart, grpo_settings_shown, uploaded_path)
+from ui.train_handlers import ALLOW_CODE, ALLOW_CODE_INFO, CPU_CARD, START_ANYWAY, START_CODE, START_CODE_INFO
 
 #: seconds between two looks at the run shown on the Train tab (status, progress, ETA)
 TRAIN_POLL_S = 2.0
@@ -165,7 +165,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 train_msg = gr.Markdown(elem_id="train-message")
                 run_pick = gr.Dropdown([], label="Run", allow_custom_value=True, info="the run shown below; pick a past run to reopen it",
                                        elem_id="run-pick")
-                status = gr.HTML(views.status_html(None), elem_id="train-status")
+                status = gr.HTML(run_views.status_html(None), elem_id="train-status")
                 with gr.Row():
                     with gr.Column(scale=3):
                         loss_plot = gr.Plot(show_label=False, elem_id="loss-plot", elem_classes="ft-chart")
@@ -175,7 +175,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                         mem_md = gr.Markdown(elem_id="train-memory")
                         samples = gr.Markdown(elem_id="train-samples")
                 with gr.Accordion("Past runs", open=True):
-                    runs_table = gr.Dataframe(views.runs_df([]), interactive=False, elem_id="runs-table")
+                    runs_table = gr.Dataframe(run_views.runs_df([]), interactive=False, elem_id="runs-table")
                 train_seen = gr.State(None)  # what the Train tab last showed (see _train_view)
                 timer = gr.Timer(TRAIN_POLL_S)
             # ---------------------------------------------------------- 5 chat

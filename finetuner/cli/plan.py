@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.rewards.builtin import BUILTINS
+from finetuner.units import GiB, gib_text
 
-GiB = 1024**3
+
 log = logging.getLogger(__name__)
 
 
@@ -266,7 +267,7 @@ def _cmd_longest(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     con = Console()
-    budget = f"{r.budget_bytes / GiB:.1f} GiB budget (margin {r.margin:g})"
+    budget = f"{gib_text(r.budget_bytes, 1)} budget (margin {r.margin:g})"
     con.print(f"[bold]{escape(r.model)}[/] on {r.gpu.name} ({r.gpu.memory_gib:.1f} GiB, {budget}), method {r.method}, micro-batch 1")
     if not r.fits:
         con.print(f"[bold red]No sequence fits[/]: {escape(r.bound['text'])}")
@@ -357,7 +358,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
 def _print_strategies(con: Any, p: Any) -> None:
     from rich.table import Table
 
-    t = Table(title=f"Per device on {p.gpus} x {p.gpu.name} (one device alone: {p.estimate.total_bytes / GiB:.1f} GiB)",
+    t = Table(title=f"Per device on {p.gpus} x {p.gpu.name} (one device alone: {gib_text(p.estimate.total_bytes, 1)})",
               title_justify="left")
     for col in ("strategy", "GiB per card", "CPU GiB, machine", "sent per card per step", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
@@ -366,10 +367,10 @@ def _print_strategies(con: Any, p: Any) -> None:
         chosen = " (chosen)" if label == p.sharded.label else ("" if st.get("runnable", True) else " (the recipe refuses it)")
         fits = "yes" if st["fits"] else ("no: CPU memory" if st["device_fits"] else "no")
         t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes_per_machine'] / GiB:.1f}",
-                  f"{st['comm_bytes_per_step'] / GiB:.2f} GiB", fits)
+                  gib_text(st['comm_bytes_per_step']), fits)
     con.print(t)
     for k, v in p.sharded.components.items():
-        con.print(f"  [dim]{k}: {v / GiB:.2f} GiB[/]")
+        con.print(f"  [dim]{k}: {gib_text(v)}[/]")
 
 
 def _print_breakdown(con: Any, est: Any) -> None:
@@ -431,10 +432,10 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if sharded is not None:
         con.print(f"[bold]{args.recipe}[/]: {recipe.model.name}, {sharded.label} on {sharded.world_size} process(es) of {gpu.name}")
         for k, v in sharded.components.items():
-            con.print(f"  {k}: {v / GiB:.2f} GiB")
-        con.print(f"per device {sharded.per_device_bytes / GiB:.1f} GiB (one device alone {est.total_bytes / GiB:.1f}); "
-                  f"CPU {sharded.host_bytes_per_machine / GiB:.1f} GiB for the machine; sent per device per step "
-                  f"{sharded.comm_bytes_per_step / GiB:.2f} GiB ({sharded.comm_formula})")
+            con.print(f"  {k}: {gib_text(v)}")
+        con.print(f"per device {gib_text(sharded.per_device_bytes, 1)} (one device alone {est.total_bytes / GiB:.1f}); "
+                  f"CPU {gib_text(sharded.host_bytes_per_machine, 1)} for the machine; sent per device per step "
+                  f"{gib_text(sharded.comm_bytes_per_step)} ({sharded.comm_formula})")
         con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
         con.print("[green]Fits[/]" if sharded.fits else "[red]Does not fit[/]")
         return 0 if sharded.fits else 1
@@ -444,9 +445,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     _print_breakdown(con, est)
     con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
     if est.fits:
-        con.print(f"[green]Fits[/] with {est.headroom_bytes / GiB:.1f} GiB to spare.")
+        con.print(f"[green]Fits[/] with {gib_text(est.headroom_bytes, 1)} to spare.")
         return 0
-    con.print(f"[red]Does not fit[/]: {est.total_bytes / GiB:.1f} GiB needed, budget {est.budget_bytes / GiB:.1f} GiB.")
+    con.print(f"[red]Does not fit[/]: {gib_text(est.total_bytes, 1)} needed, budget {gib_text(est.budget_bytes, 1)}.")
     con.print(f"Try: finetuner plan --model {recipe.model.name} --gpu {gpu.name} --seq-len {recipe.data.max_seq_len}")
     return 1
 
@@ -498,9 +499,9 @@ def _grpo_estimate(args: argparse.Namespace, p: Any) -> int:
         con.print(f"largest {what} that fits ({held}): {text}", highlight=False)
     con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
     if r["fits"]:
-        con.print(f"[green]Fits[/] with {(r['budget_bytes'] - mem.total_bytes) / GiB:.1f} GiB to spare.")
+        con.print(f"[green]Fits[/] with {gib_text(r['budget_bytes'] - mem.total_bytes, 1)} to spare.")
         return 0
-    con.print(f"[red]Does not fit[/]: {mem.total_bytes / GiB:.1f} GiB needed, budget {r['budget_bytes'] / GiB:.1f} GiB. "
+    con.print(f"[red]Does not fit[/]: {gib_text(mem.total_bytes, 1)} needed, budget {gib_text(r['budget_bytes'], 1)}. "
               "Lower grpo.num_generations or grpo.max_new_tokens (the largest values that fit are above) or "
               "training.micro_batch_size (the loss's rows), set training.gradient_checkpointing: true, or use method: qlora.")
     return 1

@@ -15,6 +15,7 @@ from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
 from finetuner.planning.data_auto import resolved_line
 from finetuner.text import cut_words
+from finetuner.units import gib_text
 
 
 def console() -> Console:
@@ -36,7 +37,7 @@ def _num(v: Any, spec: str) -> str:
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    return "-" if n is None else gib_text(n)
 
 
 def _rewards(ev: dict[str, Any], prefix: str = "", sep: str = "  ") -> str:

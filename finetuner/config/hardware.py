@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 import finetuner.device as dev
 from finetuner.errors import UserError, did_you_mean
+from finetuner.units import GiB, gib_text
 
-GiB = 1024**3
 GB = 1000**3
 
 
@@ -177,7 +177,7 @@ def parse_memory_size(text: str, what: str = "--cpu-memory") -> int:
 def cpu_profile() -> GpuProfile:
     """The CPU as a device: 80 % of the machine's RAM, fp32 (bf16 matmuls are slow on most CPUs)."""
     total = machine_memory_bytes()
-    return GpuProfile(dev.CPU, f"CPU ({total / GiB:.0f} GiB RAM)", int(total * 0.8), bf16=False, tflops=1.0,
+    return GpuProfile(dev.CPU, f"CPU ({gib_text(total, 0)} RAM)", int(total * 0.8), bf16=False, tflops=1.0,
                       bandwidth_gbs=20, pcie_gbs=1000, platform=dev.CPU)
 
 

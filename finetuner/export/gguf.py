@@ -65,6 +65,7 @@ from finetuner.infer.loading import Source, chat_template, load_tokenizer, resol
 from finetuner.model.gguf_base import is_gguf_name, pretrained_args
 from finetuner.quiet import quieted
 from finetuner.surface import say
+from finetuner.units import gib_text
 
 FORMATS = ("gguf", "ollama")
 SAMPLE_TEXTS = [
@@ -117,7 +118,7 @@ class ExportResult:
         diff = "not checked" if self.max_abs_logit_diff is None else (
             f"max |Δlogit| {self.max_abs_logit_diff:.2e}, top-1 {self.top1_agreement:.0%}")
         return (f"ExportResult({str(self.gguf_file)!r}: {self.quant}, {self.file_bytes / 2**20:.1f} MiB, {diff}, "
-                f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB)")
+                f"peak RSS {gib_text(self.peak_rss_bytes)})")
 
 
 def _check_args(fmt: str, quant: str) -> None:

@@ -37,6 +37,7 @@ from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.quiet import quieted
 from finetuner.infer.loading import Source, attach_adapter, chat_template, load_pretrained, load_tokenizer, picture_processor, resolve_source
+from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class MergeResult:
     def __repr__(self) -> str:
         diff = "not checked" if self.max_abs_diff is None else f"max |Δlogit| {self.max_abs_diff:.2e}"
         return (f"MergeResult({str(self.output_dir)!r}: {self.dtype}, {self.shards} shard(s), "
-                f"{self.weight_bytes / 2**20:.1f} MiB, {diff}, peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB)")
+                f"{self.weight_bytes / 2**20:.1f} MiB, {diff}, peak RSS {gib_text(self.peak_rss_bytes)})")
 
 
 def parse_size(size: int | str) -> int:

@@ -63,7 +63,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from finetuner.memory.model import DTYPE_BYTES, Settings, quantized_weight_parts, trainable_params
+from finetuner.memory.settings import DTYPE_BYTES, Settings
+from finetuner.memory.storage import quantized_weight_parts, trainable_params
 from finetuner.model.shapes import ModelShape
 
 #: layers gathered at once: the one computing and the one prefetched (FSDP2's implicit prefetch)

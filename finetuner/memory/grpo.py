@@ -69,11 +69,14 @@ from dataclasses import dataclass, field, replace
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.config.recipe import VLLM_LORA_RANKS
 from finetuner.device import CUDA
-from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
-                                    DTYPE_BYTES, MemoryEstimate, Settings, activation_bytes, estimate,
-                                    layer_transient_per_token, trainable_params, weight_bytes)
+from finetuner.memory.activations import activation_bytes, layer_transient_per_token
+from finetuner.memory.model import estimate
+from finetuner.memory.settings import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
+                                       DTYPE_BYTES, MemoryEstimate, Settings)
+from finetuner.memory.storage import trainable_params, weight_bytes
 from finetuner.model.shapes import ModelShape
 from finetuner.model.mixers import attention_layers, recurrent_state_numel
+from finetuner.units import gib_text
 
 #: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
 SURROGATE_TENSORS = 8
@@ -192,7 +195,7 @@ class VllmTerms:
 def vllm_weight_bytes(shape: ModelShape, s: Settings) -> int:
     """vLLM's copy of the base: every parameter in the compute dtype (vLLM's ``dtype``); QLoRA: the
     linear weights quantized as vLLM's bitsandbytes loader does (4-bit NF4, double quantization), the
-    rest in the compute dtype (:func:`finetuner.memory.model.weight_bytes`)."""
+    rest in the compute dtype (:func:`finetuner.memory.storage.weight_bytes`)."""
     c = s.compute_dtype
     if s.method == "qlora":
         return sum(weight_bytes(shape, s.with_(quant_bits=4, quant_type="nf4", double_quant=True, weight_dtype=c)).values())
@@ -207,7 +210,6 @@ def vllm_terms(shape: ModelShape, s: Settings, g: GrpoSettings) -> VllmTerms:
     lora = c * trainable_params(shape, s.with_(method="lora", lora_r=rank, lora_targets="all-linear", lora_bias="none"))
     blocks = -(-g.seq_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
     one, every = kv_cache_bytes(shape, 1, blocks, c), kv_cache_bytes(shape, g.rows, blocks, c)
-    gib = 2 ** 30
     if g.card_bytes is None:
         return VllmTerms(0, weights, lora, one, every, None, ("vLLM's reserved share is not counted: the card's memory is not "
                                                             "known here (give a GPU to count it)",))
@@ -216,13 +218,13 @@ def vllm_terms(shape: ModelShape, s: Settings, g: GrpoSettings) -> VllmTerms:
     notes = []
     fits = held + one <= share
     if not fits:
-        notes.append(f"vLLM's share ({share / gib:.2f} GiB = grpo.vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization} × "
-                     f"{g.card_bytes / gib:.1f} GiB) cannot hold its copy of the weights and LoRA slots ({held / gib:.2f} GiB) "
-                     f"and the KV cache of one {g.seq_len}-token sequence ({one / gib:.2f} GiB): vLLM would not start; raise "
+        notes.append(f"vLLM's share ({gib_text(share)} = grpo.vllm_gpu_memory_utilization {g.vllm_gpu_memory_utilization} × "
+                     f"{gib_text(g.card_bytes, 1)}) cannot hold its copy of the weights and LoRA slots ({gib_text(held)}) "
+                     f"and the KV cache of one {g.seq_len}-token sequence ({gib_text(one)}): vLLM would not start; raise "
                      "grpo.vllm_gpu_memory_utilization, shorten data.max_seq_len, or set grpo.use_vllm: false")
     elif held + every > share:
-        notes.append(f"the step's {g.rows} completions need {every / gib:.2f} GiB of KV cache and vLLM's share has "
-                     f"{(share - held) / gib:.2f} GiB left after its weights: vLLM generates them in waves (slower); raise "
+        notes.append(f"the step's {g.rows} completions need {gib_text(every)} of KV cache and vLLM's share has "
+                     f"{gib_text(share - held)} left after its weights: vLLM generates them in waves (slower); raise "
                      "grpo.vllm_gpu_memory_utilization to generate them at once")
     return VllmTerms(share, weights, lora, one, every, fits, tuple(notes))
 

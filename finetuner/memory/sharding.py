@@ -62,6 +62,7 @@ from typing import Any
 from finetuner.errors import UserError
 from finetuner.model.shapes import ModelShape
 from finetuner.strategy_table import TABLE
+from finetuner.units import gib_text
 
 #: every strategy (:mod:`finetuner.strategy_table`), simplest first (ddp, ZeRO by stage, FSDP): the tie-break
 STRATEGIES = tuple(r.name for r in sorted(TABLE, key=lambda r: r.simplicity))
@@ -169,16 +170,16 @@ class ShardedEstimate:
         if self.host_bytes:
             what = ("parameters, gradients and optimizer states" if self.offload == "optimizer+params"
                     else "optimizer states and gradients")
-            parts.append(f"{self.host_bytes / 2**30:.1f} GiB offloaded {what}")
+            parts.append(f"{gib_text(self.host_bytes, 1)} offloaded {what}")
         if self.activation_host_bytes:
-            parts.append(f"{self.activation_host_bytes / 2**30:.1f} GiB offloaded activations")
-        parts.append(f"{PROCESS_HOST_BYTES / 2**30:.1f} GiB for the process itself")
+            parts.append(f"{gib_text(self.activation_host_bytes, 1)} offloaded activations")
+        parts.append(f"{gib_text(PROCESS_HOST_BYTES, 1)} for the process itself")
         procs = f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
-        training = (f"{procs} x {self.host_bytes_per_process / 2**30:.1f} GiB ({', '.join(parts)})")
+        training = (f"{procs} x {gib_text(self.host_bytes_per_process, 1)} ({', '.join(parts)})")
         if self.loading_host_bytes_per_machine > self.world_size * self.host_bytes_per_process:
-            return (f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine while the model loads (rank 0's copy "
-                    f"of the whole model, {self.loading_host_bytes / 2**30:.1f} GiB, and {procs}); training then needs {training}")
-        return f"{self.host_bytes_per_machine / 2**30:.1f} GiB for the machine: {training}"
+            return (f"{gib_text(self.host_bytes_per_machine, 1)} for the machine while the model loads (rank 0's copy "
+                    f"of the whole model, {gib_text(self.loading_host_bytes, 1)}, and {procs}); training then needs {training}")
+        return f"{gib_text(self.host_bytes_per_machine, 1)} for the machine: {training}"
 
     @property
     def label(self) -> str:
@@ -371,7 +372,7 @@ def shard_estimate(estimate, strategy: str, world_size: int, offload: str = "non
     # ZeRO-Offload: the gradient partitions to the CPU and the updated parameters back, once a step
     transfer = 0 if offload == "none" else (fsdp.host_transfer_bytes_per_step if fsdp is not None else 2 * host)
     if offload != "none":
-        notes.append(f"{host / 2**30:.2f} GiB per process in CPU memory; each step moves gradients to the CPU and parameters back (PCIe)")
+        notes.append(f"{gib_text(host)} per process in CPU memory; each step moves gradients to the CPU and parameters back (PCIe)")
     return ShardedEstimate(
         strategy=strategy,
         world_size=n,
@@ -412,7 +413,7 @@ def _loading_peak(strategy: str, n: int, shape: ModelShape, s, comps: dict[str, 
         return None
     if strategy == "zero3":
         load = {"whole model while loading, before sharding": weights}
-        why = (f"the peak is while loading: every process loads the whole model ({weights / 2**30:.1f} GiB) onto its "
+        why = (f"the peak is while loading: every process loads the whole model ({gib_text(weights, 1)}) onto its "
                "device before DeepSpeed partitions it")
     else:
         load = {f"weights (1/{n}) while loading": 0 if params_offloaded else math.ceil(weights / n),
@@ -426,7 +427,7 @@ def _loading_peak(strategy: str, n: int, shape: ModelShape, s, comps: dict[str, 
         load["CUDA context"] = comps["CUDA context"]
     if sum(load.values()) <= training:
         return None
-    return load, f"{why} (training would need {training / 2**30:.1f} GiB)"
+    return load, f"{why} (training would need {gib_text(training, 1)})"
 
 
 def candidate_strategies(estimate) -> list[tuple[str, str]]:

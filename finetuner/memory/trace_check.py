@@ -11,7 +11,7 @@ from finetuner.model.trace import LENGTHS, TRACE_LORA_DROPOUT, TRACE_LORA_R, tra
 def formula_bytes(shape: Any, tokens: int, lora_r: int = TRACE_LORA_R, lora_dropout: float = TRACE_LORA_DROPOUT) -> float:
     """The memory model's named terms' bytes of one decoder layer at ``tokens`` under the trace's settings (LoRA
     all-linear, fp32, the CPU, no mask, flash-like attention), without the trace's excess."""
-    from finetuner.memory.model import TRACE_SETTINGS, layer_activation_terms
+    from finetuner.memory.activations import TRACE_SETTINGS, layer_activation_terms
 
     s = TRACE_SETTINGS.with_(lora_r=lora_r, lora_dropout=lora_dropout, seq_len=tokens)
     return sum(b for _, b in layer_activation_terms(shape, s, traced=False)) * tokens

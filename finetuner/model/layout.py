@@ -67,7 +67,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 #: the linear layers of a state-space mixer (Mamba's in_proj, x_proj, dt_proj and out_proj; Mamba-2's in_proj and
 #: out_proj) and of LFM2's short convolution (in_proj, out_proj): role ``mixer``. Its convolution, A_log, D and
 #: dt_bias are no linear layers: the inventory counts them as the layer's other parameters, frozen under LoRA as peft
-#: leaves them; the scan's saved states are the layer's trace's (:func:`finetuner.memory.model.traced_excess`)
+#: leaves them; the scan's saved states are the layer's trace's (:func:`finetuner.memory.activations.traced_excess`)
 MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj"}
 #: the modules of a decoder layer that hold a state-space mixer or a short convolution, by the names transformers
 #: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names)

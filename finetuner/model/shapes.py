@@ -147,7 +147,7 @@ class ModelShape:
     #: where the decoder layers sit in the model (a LoRA target's regular expression matches whole paths)
     layers_path: str = "model.layers"
     #: decoder layers of linear attention (``layer_types``: Qwen3.5's and Qwen3-Next's Gated DeltaNet, Kimi's Delta
-    #: Attention); their activations are counted as the layer's trace finds them (:func:`finetuner.memory.model.traced_excess`)
+    #: Attention); their activations are counted as the layer's trace finds them (:func:`finetuner.memory.activations.traced_excess`)
     linear_attention_layers: int = 0
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

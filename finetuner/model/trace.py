@@ -1,6 +1,6 @@
 """What one decoder layer saves for backward, traced from the model itself: a check of the memory model's terms.
 
-The memory model's activation terms (:func:`finetuner.memory.model.layer_activation_terms`) are written from
+The memory model's activation terms (:func:`finetuner.memory.activations.layer_activation_terms`) are written from
 transformers' forward code and measured on a GPU for Llama (docs/memory.md). For every other family they are
 applied to the layout read from the model, which can miss what a family's layer saves beyond it (an extra norm,
 a gate, a cast). This module asks the model instead: the causal LM is built on the ``meta`` device (no weight
@@ -20,7 +20,7 @@ What tracing on ``meta`` cannot see is stated, not guessed:
   cannot run), so an MoE layer is not traced.
 
 The inventory keeps each model's trace (:attr:`finetuner.model.inventory.Inventory.trace`); the memory model adds
-what the trace holds beyond its named terms (:func:`finetuner.memory.model.traced_excess`), and
+what the trace holds beyond its named terms (:func:`finetuner.memory.activations.traced_excess`), and
 ``python -m scripts.dev.model_census`` compares the two for every supported family (docs/models.md's
 "activations vs trace" column); ``tests/memory/test_trace.py`` holds the families of the common layout to it.
 """
@@ -37,7 +37,7 @@ TRACE_ATTENTION = "finetuner_trace_flash"
 #: the lengths the trace runs at (tokens, micro-batch 1): three, so a layer that materialises its attention
 #: (T x T) is fitted exactly as a + b·T + c·T²
 LENGTHS = (64, 128, 256)
-#: the LoRA the trace applies (the settings :func:`finetuner.memory.model.traced_excess` compares it under)
+#: the LoRA the trace applies (the settings :func:`finetuner.memory.activations.traced_excess` compares it under)
 TRACE_LORA_R, TRACE_LORA_DROPOUT = 16, 0.05
 
 

@@ -31,6 +31,7 @@ from finetuner.errors import UserError
 from finetuner.planning.recipe_data import training_rows
 from finetuner.planning.time_text import format_duration
 from finetuner.planning.predict import Prediction, predict
+from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ def largest_device(gpu: GpuProfile | None = None) -> GpuProfile:
     return max(devices, key=lambda d: d.memory_bytes)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
 def check_memory(p: Prediction) -> None:
     """Refuse a micro-batch whose own memory (the predicted peak less the peak at a micro-batch of 1) is more
     than :func:`largest_device` holds."""
@@ -66,9 +63,9 @@ def check_memory(p: Prediction) -> None:
     big = largest_device(p.gpu)
     if share > big.memory_bytes:
         raise UserError(
-            f"training.micro_batch_size {t.micro_batch_size:,}: the memory model predicts {_gib(p.memory.total_bytes)} for "
-            f"a step, {_gib(share)} of it for the micro-batch's rows, more than the largest device it knows "
-            f"({big.name}, {_gib(big.memory_bytes)}): no card runs it.",
+            f"training.micro_batch_size {t.micro_batch_size:,}: the memory model predicts {gib_text(p.memory.total_bytes, 1, grouped=True)} for "
+            f"a step, {gib_text(share, 1, grouped=True)} of it for the micro-batch's rows, more than the largest device it knows "
+            f"({big.name}, {gib_text(big.memory_bytes, 1, grouped=True)}): no card runs it.",
             hint="Lower training.micro_batch_size (or set it to auto: the planner chooses one that fits the card).",
         )
 

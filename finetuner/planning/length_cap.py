@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from finetuner.units import gib_text
+
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.data.stats import DataProfile
 
@@ -77,7 +79,7 @@ class LengthCap:
             return f"{head} does not fit {uncapped.gpu.name}: {uncapped.reasons[-1] if uncapped.reasons else ''}".rstrip(": ")
         gib, c = 1024**3, uncapped.recipe_choice()
         mem = (f"micro-batch {c['micro_batch_size']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
-               f"peak {uncapped.peak_bytes / gib:.1f} GiB (this plan {capped.peak_bytes / gib:.1f})")
+               f"peak {gib_text(uncapped.peak_bytes, 1)} (this plan {capped.peak_bytes / gib:.1f})")
         if uncapped.wall_s and capped.wall_s:
             when = (f"the whole run ~{duration(uncapped.wall_s)} (this plan ~{duration(capped.wall_s)}, "
                     f"{uncapped.wall_s / capped.wall_s:.1f}x)")

@@ -43,9 +43,10 @@ from typing import Any
 from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.device import CUDA
 from finetuner.errors import UserError
-from finetuner.memory.model import GiB, MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
+from finetuner.memory.model import MemoryEstimate, Settings, activation_bytes, estimate, settings_from_recipe
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.search import DEFAULT_MARGIN, method_name, method_options
+from finetuner.units import gib_text
 
 #: The shortest sequence a recipe allows (``data.max_seq_len``).
 MIN_SEQ = 16
@@ -115,12 +116,12 @@ class LongestSequence:
             smallest = min(self.considered, key=lambda c: c["bytes_at_min_seq"]) if self.considered else None
             return {"kind": "nothing fits",
                     "text": f"even {MIN_SEQ} tokens do not fit: the smallest option needs "
-                            f"{smallest['bytes_at_min_seq'] / GiB:.1f} GiB of the {self.budget_bytes / GiB:.1f} GiB budget"
+                            f"{gib_text(smallest['bytes_at_min_seq'], 1)} of the {gib_text(self.budget_bytes, 1)} budget"
                     if smallest else "nothing was tried"}
         if self.capped:
             return {"kind": "positions",
                     "text": f"the model's positions: max_position_embeddings = {self.positions:,}; at that length the "
-                            f"peak is {self.estimate.total_bytes / GiB:.1f} GiB of the {self.budget_bytes / GiB:.1f} GiB budget"}
+                            f"peak is {gib_text(self.estimate.total_bytes, 1)} of the {gib_text(self.budget_bytes, 1)} budget"}
         comp, per_tok = max(self.bytes_per_token.items(), key=lambda kv: kv[1])
         layer = sum(b for _, b in self.layer_terms)
         top = sorted(self.layer_terms, key=lambda t: -t[1])[:4]
@@ -129,9 +130,9 @@ class LongestSequence:
                 "layer_saved_bytes_per_token": round(layer, 1),
                 "largest_layer_terms": [{"what": n, "bytes_per_token": round(b, 1)} for n, b in top],
                 "text": f"memory: '{comp}' grows by {per_tok / 1e3:,.1f} KB per token (all components together "
-                        f"{self.total_bytes_per_token / 1e3:,.1f} KB per token above {self.fixed_bytes / GiB:.2f} GiB); "
-                        f"{self.max_seq + self.step:,} tokens would need {self.next_estimate.total_bytes / GiB:.2f} GiB, "
-                        f"over the {self.budget_bytes / GiB:.2f} GiB budget. One decoder layer saves "
+                        f"{self.total_bytes_per_token / 1e3:,.1f} KB per token above {gib_text(self.fixed_bytes)}); "
+                        f"{self.max_seq + self.step:,} tokens would need {gib_text(self.next_estimate.total_bytes)}, "
+                        f"over the {gib_text(self.budget_bytes)} budget. One decoder layer saves "
                         f"{layer / 1e3:,.1f} KB per token for backward, most in: "
                         + ", ".join(f"{n} {b / 1e3:,.1f} KB" for n, b in top)}
 
@@ -356,7 +357,7 @@ def longest_sequence(
     if not isinstance(step, int) or step < 1:
         raise UserError(f"step {step!r}: must be a whole number of tokens, at least 1.")
     if optimizer is not None:
-        from finetuner.memory.model import OPTIMIZERS
+        from finetuner.memory.settings import OPTIMIZERS
 
         if optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}.")
@@ -389,7 +390,7 @@ def longest_sequence(
     out.bytes_per_token, out.fixed_bytes = _growth(shape, s, prof, margin, n)
     out.layer_terms = [(name, float(b)) for name, b in activation_bytes(shape, out.settings).terms]
     if out.estimate.offloaded_bytes:
-        out.notes.append(f"activation offload keeps {out.estimate.offloaded_bytes / GiB:.1f} GiB in pinned CPU memory at this length")
+        out.notes.append(f"activation offload keeps {gib_text(out.estimate.offloaded_bytes, 1)} in pinned CPU memory at this length")
     if s.optimizer.startswith("paged_"):
         out.notes.append("paged optimizer states are counted on the card (they could move to CPU memory under pressure)")
     if lora_dropout == 0 and c.method != "full":

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.objectives.specs import spec_of
 from finetuner.config.hardware import GpuProfile
-from finetuner.memory.model import GiB, MemoryEstimate
+from finetuner.memory.model import MemoryEstimate
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.shapes import ModelShape
 from finetuner.planning.speed import DeviceSpeed, StepTime
 from finetuner.planning.time_text import format_duration, time_text
 from finetuner.planning.wait import Wait, cost_of
+from finetuner.units import GiB, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -191,7 +192,7 @@ class Plan:
             raise UserError(f"Nothing fits {self.gpu.name} for {self.model}; there is no recipe to write.")
         head = [
             f"# Planned by `finetuner plan` for {self.shape.name} on {self.gpu.name} ({self.gpu.memory_gib:.1f} GiB):",
-            f"# predicted peak {self.peak_bytes / GiB:.1f} GiB{' per device' if self.gpus > 1 else ''}, "
+            f"# predicted peak {gib_text(self.peak_bytes, 1)}{' per device' if self.gpus > 1 else ''}, "
             f"~{self.tokens_per_s:,.0f} tokens/s, {format_duration(self.step_s)} per step (speed model: {self.speed_source}).",
         ]
         head += [f"# Warning: {w}" for w in self.warnings]

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu
-from finetuner.memory.model import GiB
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
 from finetuner.objectives.specs import first_for_kind, spec_of
@@ -49,6 +48,7 @@ from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
 from finetuner.planning.time_text import format_duration
 from finetuner.planning.wait import Wait, check_currency
+from finetuner.units import GiB, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -58,11 +58,11 @@ def experts_loading_note(shape: ModelShape, cpu_bytes: int | None) -> str:
     """What loading a mixture of experts for 4-bit QLoRA takes from CPU memory: its 16-bit experts, held there
     while they are quantized onto the GPU one expert at a time (:func:`finetuner.model.loading.load_base_model`)."""
     need = 2 * shape.expert_numel
-    have = f"; this machine has {cpu_bytes / 2**30:.0f} GiB" if cpu_bytes else ""
+    have = f"; this machine has {gib_text(cpu_bytes, 0)}" if cpu_bytes else ""
     short = " (too little: load on a machine with more, or from a checkpoint saved already quantized)" \
         if cpu_bytes and cpu_bytes < need * 1.1 else ""
     return (f"its {parameter_count(shape.expert_numel)} expert weights are held in 4-bit on the GPU; loading reads them "
-            f"into CPU memory in bf16 first ({need / 2**30:.0f} GiB) and quantizes them onto the GPU one expert at a "
+            f"into CPU memory in bf16 first ({gib_text(need, 0)}) and quantizes them onto the GPU one expert at a "
             f"time{have}{short}")
 
 
@@ -428,7 +428,7 @@ def plan_recipe(
             chunk_note = (f"Cross-entropy {smaller.training.loss_chunk_size} tokens at a time (training.loss_chunk_size): "
                           f"at {recipe.training.loss_chunk_size} the loss over its {shape.vocab_size:,}-token vocabulary "
                           f"would not fit (the smallest option needs "
-                          f"{min(c.peak_bytes for c, _ in ranked) / GiB:.1f} GiB); each chunk computes the same loss.")
+                          f"{gib_text(min(c.peak_bytes for c, _ in ranked), 1)}); each chunk computes the same loss.")
             recipe, ranked = smaller, again
     fitting = [(c, r) for c, r in ranked if c.fits]
     eff = recipe.training.effective_batch_size
@@ -456,12 +456,12 @@ def plan_recipe(
             least = min(blocked, key=lambda c: c.sharded.host_bytes_per_machine)
             out.reasons.append(
                 f"Does not fit the machine's CPU memory: {least.to_dict()['settings']} fits the cards "
-                f"({least.peak_bytes / GiB:.1f} GiB per card) but needs more CPU memory: {least.sharded.host_summary()}; the machine has "
-                f"{cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})."
+                f"({gib_text(least.peak_bytes, 1)} per card) but needs more CPU memory: {least.sharded.host_summary()}; the machine has "
+                f"{gib_text(cpu_memory, 1)} ({cpu_memory_source or 'as given'})."
             )
         out.reasons.append(
             f"The smallest option ({smallest.to_dict()['settings']}) needs "
-            f"{smallest.peak_bytes / GiB:.1f} GiB, the budget is {smallest.estimate.budget_bytes / GiB:.1f} GiB."
+            f"{gib_text(smallest.peak_bytes, 1)}, the budget is {gib_text(smallest.estimate.budget_bytes, 1)}."
         )
         out.suggestions = what_would_fit(recipe, shape, prof, margin, method, label_fraction, gpus, cpu_memory)
         out.rejected = [dict(c.to_dict(), why=why_rejected(c, smallest)) for c, _ in ranked[:8]]
@@ -480,7 +480,7 @@ def plan_recipe(
     if spec_of(best_recipe.objective).generates and best_recipe.grpo is not None:
         out.reasons.append(grpo_room(best_recipe, best.estimate, shape))
     if best.sharded is not None:
-        where = f"the machine has {cpu_memory / GiB:.1f} GiB ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"
+        where = f"the machine has {gib_text(cpu_memory, 1)} ({cpu_memory_source or 'as given'})" if cpu_memory else "not checked"
         out.reasons.insert(2, f"CPU memory: {best.sharded.host_summary()}; {where}")
     out.rejected = runners_up(ranked, best)
     out.wait = plan_wait(out, label_fraction, lengths)

@@ -9,10 +9,11 @@ from finetuner.config.hardware import GpuProfile, list_profiles
 from finetuner.device import CUDA
 from finetuner.objectives.specs import spec_of
 from finetuner.memory.grpo import grpo_settings_of
-from finetuner.memory.model import GiB, MemoryEstimate, Settings
+from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, presets
 from finetuner.planning.search import METHOD_TIER, Candidate, method_name, search
 from finetuner.planning.time_text import format_duration
+from finetuner.units import GiB, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -21,10 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
 def why_rejected(c: Candidate, best: Candidate) -> str:
     o, b = c.option, best.option
     if c.sharded is not None and c.sharded.device_fits and not c.sharded.host_fits:
-        return (f"fits the cards, but needs {c.sharded.host_bytes_per_machine / GiB:.1f} GiB of CPU memory, over the "
-                f"machine's {c.sharded.machine_host_bytes / GiB:.1f} GiB")
+        return (f"fits the cards, but needs {gib_text(c.sharded.host_bytes_per_machine, 1)} of CPU memory, over the "
+                f"machine's {gib_text(c.sharded.machine_host_bytes, 1)}")
     if not c.fits:
-        return f"needs {c.peak_bytes / GiB:.1f} GiB, over the {c.estimate.budget_bytes / GiB:.1f} GiB budget"
+        return f"needs {gib_text(c.peak_bytes, 1)}, over the {gib_text(c.estimate.budget_bytes, 1)} budget"
     if METHOD_TIER[o.method] > METHOD_TIER[b.method]:
         better = method_name(b.method)
         return f"fits, but {better} fits too and trains a better model"
@@ -94,19 +95,19 @@ def reasons_for(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: Gp
     o, e = best.option, best.estimate
     speed = (f"at most {format_duration(best.step.step_s)} per step, the rollout included" if "grpo" in e.details and best.step
              else f"~{best.tokens_per_s:,.0f} tokens/s")
-    r = [f"{best.to_dict()['settings']}: predicted peak {best.peak_bytes / GiB:.1f} GiB of {gpu.memory_gib:.1f} GiB "
+    r = [f"{best.to_dict()['settings']}: predicted peak {gib_text(best.peak_bytes, 1)} of {gpu.memory_gib:.1f} GiB "
          f"(budget {e.budget_bytes / GiB:.1f}), {speed}"]
     if best.sharded is not None:
         sh = best.sharded
-        r.append(f"{sh.label} on {sh.world_size} GPUs: {sh.per_device_bytes / GiB:.1f} GiB per card "
-                 f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{sh.comm_bytes_per_step / GiB:.2f} GiB sent "
+        r.append(f"{sh.label} on {sh.world_size} GPUs: {gib_text(sh.per_device_bytes, 1)} per card "
+                 f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{gib_text(sh.comm_bytes_per_step)} sent "
                  f"per card per step")
     lora_fits = any(c.fits and c.option.method == "lora" for c, _ in ranked)
     if o.method == "qlora":
         smallest_lora = min((c.estimate.total_bytes for c, _ in ranked if c.option.method == "lora"), default=None)
         if smallest_lora is not None and not lora_fits:
-            r.append(f"QLoRA: LoRA on a 16-bit base needs at least {smallest_lora / GiB:.1f} GiB; the {o.quant_bits}-bit base "
-                     f"({sum(v for k, v in e.components.items() if k.startswith('weights')) / GiB:.1f} GiB) makes room")
+            r.append(f"QLoRA: LoRA on a 16-bit base needs at least {gib_text(smallest_lora, 1)}; the {o.quant_bits}-bit base "
+                     f"({gib_text(sum(v for k, v in e.components.items() if k.startswith('weights')), 1)}) makes room")
     elif o.method == "lora":
         r.append("LoRA on the unquantized base fits, so no quantization (better quality than QLoRA)")
     if o.gradient_checkpointing:
@@ -144,7 +145,7 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
         ranked = search(recipe, shape, gpu, margin, method, label_fraction, gpus, None)
         need = min((c.sharded.host_bytes_per_machine for c, _ in ranked if c.fits and c.sharded is not None), default=None)
         if need is not None:
-            out.append(f"more CPU memory: a machine with {need / GiB:.1f} GiB of it fits on {gpus} x {gpu.name} "
+            out.append(f"more CPU memory: a machine with {gib_text(need, 1)} of it fits on {gpus} x {gpu.name} "
                        f"(--cpu-memory SIZE plans for another machine)")
     seq = recipe.data.max_seq_len
     s = seq // 2

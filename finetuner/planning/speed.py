@@ -30,7 +30,7 @@ chosen and rejected responses) costs the sum of:
 * **cross-entropy** (:func:`loss_seconds`) over the labelled tokens' logits and LoRA's **dropout**
   (:func:`dropout_seconds`), at the elements per second the device's kernels reach;
 * **memory-bound work** (:func:`memory_bytes`) at the achievable bandwidth: every tensor a layer
-  saves for backward (:func:`finetuner.memory.model.layer_activation_terms`, the memory model's
+  saves for backward (:func:`finetuner.memory.activations.layer_activation_terms`, the memory model's
   own list: norms, activations, dropout, attention probabilities or an SDPA mask bias) is written
   and read in the forward, then read, and its gradient written and read, in the backward, and
   eager PyTorch makes about two unsaved tensors of the same size for each saved one:
@@ -74,7 +74,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from finetuner.device import CPU, CUDA
-from finetuner.memory.model import Settings, layer_activation_terms, quantized_numel, trainable_params
+from finetuner.memory.activations import layer_activation_terms
+from finetuner.memory.model import Settings, trainable_params
+from finetuner.memory.storage import quantized_numel
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.objectives.specs import spec_of
 from finetuner.model.mixers import attention_layers

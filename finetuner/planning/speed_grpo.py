@@ -77,7 +77,8 @@ from typing import TYPE_CHECKING, Any
 from finetuner.device import CPU, CUDA
 from finetuner.objectives.specs import DEFAULT as PLAIN_PASS  # a supervised pass: no pairs, no reference
 from finetuner.memory.grpo import GrpoSettings, kv_cache_bytes, loss_settings
-from finetuner.memory.model import Settings, quantized_numel
+from finetuner.memory.model import Settings
+from finetuner.memory.storage import quantized_numel
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.planning.speed import (BACKWARD_OPS, DTYPE_BYTES, FORWARD_TRAFFIC, INT8_SLOWDOWN, OPS_PER_QUANT_LINEAR,
                                       DeviceSpeed, StepTime,

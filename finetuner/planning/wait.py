@@ -20,7 +20,7 @@ A run (:func:`finetuner.training.run.train`) does, in this order:
   (:func:`finetuner.planning.speed_grpo.evaluation_seconds`); none without held-out rows;
 * **checkpoints**: ``(steps - 1) // save_every + 1`` of them (every ``checkpointing.save_every`` steps
   before the last, and the final one; ``save_every`` 0: the final one only), each the trainable weights (fp32: 4 bytes a parameter) and the optimizer's states
-  (:func:`finetuner.memory.model.optimizer_state_bytes`) written at the disk's write rate
+  (:func:`finetuner.memory.storage.optimizer_state_bytes`) written at the disk's write rate
   (:attr:`DeviceSpeed.disk_write_bytes_per_s`, else ``DISK_WRITE_BYTES_PER_S``) plus ``CHECKPOINT_FILES``
   files written and ``fsync``-ed (:attr:`DeviceSpeed.file_sync_s`, else ``FILE_SYNC_S``); then the
   adapter (trainable weights, ``ADAPTER_FILES`` files);

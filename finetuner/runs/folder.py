@@ -346,7 +346,7 @@ def record_early_failure(run_dir: Path, error: BaseException, events_before: int
 
 def checkpoint_bytes(model, optimizer: str) -> int:
     """Predicted size of one checkpoint: the trainable weights as saved, plus the optimizer state
-    (the memory model's :func:`~finetuner.memory.model.optimizer_state_bytes`, the same count it predicts on the GPU)."""
+    (the memory model's :func:`~finetuner.memory.storage.optimizer_state_bytes`, the same count it predicts on the GPU)."""
     from finetuner.memory.model import optimizer_state_bytes
 
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -4,6 +4,7 @@ device, with the trainer's runtime), in the forms the ``start`` and ``done`` eve
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from finetuner.config.recipe import Recipe
@@ -66,3 +67,17 @@ def memory_comparison(prediction, measured_peak: int, rt: Runtime) -> dict[str, 
             out["error_pct"] = round(100.0 * (prediction.allocated_bytes - measured_peak) / max(measured_peak, 1), 2)
     return out
 
+
+def measured_wait(trainer, samples_s: float = 0.0) -> dict[str, float]:
+    """The wall time of the ``trainer``'s process by part (a :class:`~finetuner.training.trainer.Trainer`), as
+    :mod:`finetuner.planning.wait` predicts it: ``load`` from its ``entered_at`` (the run's start) to the first step
+    (the download, the libraries, the model, the data) less ``replay`` (``data.replay``'s answers, made in that time), ``steps``, ``evaluations``,
+    ``checkpoints`` (the adapter included), ``probe`` (the general probe), ``samples`` and ``total``
+    (from the start until now; the parts are inside it, the rest is the loop's own bookkeeping). A resumed
+    run measures what this process did."""
+    now = time.perf_counter()
+    first = trainer.first_step_at if trainer.first_step_at is not None else now
+    return {"load": round(first - trainer.entered_at - trainer.replay_seconds, 3), "replay": round(trainer.replay_seconds, 3),
+            "steps": round(trainer.step_seconds, 3), "evaluations": round(trainer.eval_seconds, 3),
+            "checkpoints": round(trainer.save_seconds, 3), "probe": round(trainer.probe_seconds, 3),
+            "samples": round(samples_s, 3), "total": round(now - trainer.entered_at, 3)}

@@ -78,7 +78,7 @@ def train(
             finetuner did not seal for this user (a run folder from elsewhere): loading them unpickles,
             which can run code (:mod:`finetuner.training.seal`).
     """
-    entered = time.perf_counter()  # the run's wall clock (Trainer.measured_wait)
+    entered = time.perf_counter()  # the run's wall clock (finetuner.training.prediction.measured_wait)
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not isinstance(recipe, Recipe):

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from finetuner.fileio import atomic_write_json
+from finetuner.training.prediction import measured_wait
 from finetuner.training.result import TrainResult
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,6 @@ def answer_samples(trainer, result: TrainResult) -> None:
     took = time.perf_counter() - began
     result.metrics["samples"] = samples
     if "time" in result.metrics:  # the samples' time, and the total with them
-        result.metrics["time"]["measured"] = trainer.measured_wait(took)
+        result.metrics["time"]["measured"] = measured_wait(trainer, took)
     atomic_write_json(trainer.run_dir / "metrics.json", result.metrics)
     trainer.events.emit("samples", samples=samples, samples_s=round(took, 3))

@@ -16,7 +16,7 @@ synchronisation, summing over ranks, rank-0-only writes), asking its strategy ob
 The trainer is the loop; its services have modules of their own: the optimizer (:mod:`.optimizer`), each step's
 examples (:mod:`.schedule`), the out-of-memory back-off (:mod:`.backoff`), the guards before a save (:mod:`.guards`),
 the best evaluation (:mod:`.best`), the model's answers (:mod:`.samples`: replay, the general probe, the samples),
-the run's prediction (:mod:`.prediction`), ``--profile-memory`` (:mod:`.memory_profile`); a run enters at
+the run's prediction and its measured wait (:mod:`.prediction`), the final folder (:mod:`.final`), ``--profile-memory`` (:mod:`.memory_profile`); a run enters at
 :func:`finetuner.training.run.train`.
 
 The trainer knows nothing of any UI: it writes events (:mod:`finetuner.runs.events`) and checks a
@@ -42,6 +42,7 @@ from finetuner.data.thinking import prompt_switches, resolved as thinking_resolv
 from finetuner.errors import UserError
 from finetuner.runs.events import Callback, EventWriter, device_memory
 from finetuner.training.faults import FaultPlan
+from finetuner.training.final import save_final
 from finetuner.rewards.limits import RewardStopped
 from finetuner.training import optimizer as optim
 from finetuner.training.backoff import back_off, train_step_with_backoff
@@ -50,7 +51,7 @@ from finetuner.training.guards import check_finite_weights, disk_full_guard, div
 from finetuner.training.memory_profile import dump_memory_profile, start_memory_profile
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory
 from finetuner.training.optimizer import build_optimizer, build_scheduler
-from finetuner.training.prediction import memory_comparison, predict_run, predicted_speed_of, predicted_wait
+from finetuner.training.prediction import measured_wait, memory_comparison, predict_run, predicted_speed_of, predicted_wait
 from finetuner.training.samples import general_probe, mix_replay_rows
 from finetuner.training.schedule import StepSchedule, split_step
 from finetuner.fileio import atomic_write_json
@@ -61,7 +62,6 @@ from finetuner.data.run_inputs import text_inputs
 from finetuner.model.vision import refuse_pictures_only
 from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
-from finetuner.quiet import quieted
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
@@ -69,6 +69,7 @@ from finetuner.training.step_rate import StepRate
 from finetuner.planning.sizing import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
+from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Trainer:
         self.rank, self.world_size = 0, 1
         #: where the run's wall clock starts (:func:`train` sets its own entry), when the first step began, and
         #: the seconds spent in evaluations and in writing checkpoints and the adapter, in ``data.replay``'s answers
-        #: before the first step and in the general probe after the adapter is saved (:meth:`measured_wait`)
+        #: before the first step and in the general probe after the adapter is saved (:func:`finetuner.training.prediction.measured_wait`)
         self.entered_at, self.first_step_at = time.perf_counter(), None
         self.eval_seconds, self.save_seconds, self.replay_seconds, self.probe_seconds = 0.0, 0.0, 0.0, 0.0
         #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
@@ -407,7 +408,7 @@ class Trainer:
 
     def predicted_note(self) -> str:
         predicted = getattr(self, "predicted_peak", None)
-        return f"The memory model predicted a peak of {predicted / 2**30:.1f} GiB." if predicted else ""
+        return f"The memory model predicted a peak of {gib_text(predicted, 1)}." if predicted else ""
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> float | None:
@@ -644,7 +645,7 @@ class Trainer:
             metrics["general_probe"] = entry_of(probe)
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
-        metrics["time"] = {"predicted": predicted_wait(pred), "measured": self.measured_wait()}
+        metrics["time"] = {"predicted": predicted_wait(pred), "measured": measured_wait(self)}
         self._write_json("metrics.json", metrics)
         ran = max(1, self.step - (self.resumed_from or 0))
         self.events.emit("done", step=self.step, adapter_dir=str(adapter_dir), metrics=metrics,
@@ -657,51 +658,11 @@ class Trainer:
         """The chat template's keyword arguments for the prompts the run answers: the form its rows trained in."""
         return prompt_switches(self.data.chat_template, self.data.stats.thinking)
 
-    def measured_wait(self, samples_s: float = 0.0) -> dict[str, float]:
-        """This process's wall time by part, as :mod:`finetuner.planning.wait` predicts it: ``load`` from
-        :attr:`entered_at` (the run's start) to the first step (the download, the libraries, the model, the
-        data) less ``replay`` (``data.replay``'s answers, made in that time), ``steps``, ``evaluations``,
-        ``checkpoints`` (the adapter included), ``probe`` (the general probe), ``samples`` and ``total``
-        (from the start until now; the parts are inside it, the rest is the loop's own bookkeeping). A resumed
-        run measures what this process did."""
-        now = time.perf_counter()
-        first = self.first_step_at if self.first_step_at is not None else now
-        return {"load": round(first - self.entered_at - self.replay_seconds, 3), "replay": round(self.replay_seconds, 3),
-                "steps": round(self.step_seconds, 3), "evaluations": round(self.eval_seconds, 3),
-                "checkpoints": round(self.save_seconds, 3), "probe": round(self.probe_seconds, 3),
-                "samples": round(samples_s, 3), "total": round(now - self.entered_at, 3)}
-
     def save_final(self, weights: dict[str, Any] | None = None, name: str = "adapter") -> Path:
-        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder ``name`` in the run, atomically;
-        ``weights``: the trained weights to save when the model's own are sharded (a state dict)."""
-        import shutil
-
-        from finetuner.fileio import give_back, publish_dir
-
-        final = self.run_dir / name
-        tmp = self.run_dir / f".tmp-{name}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with disk_full_guard(self.run_dir, self.model, self.recipe, tmp, weights_only=True), self.phase("save"):  # its message once the space is given back
-            try:
-                with quieted():  # transformers' "Writing model shards" bar
-                    ckpt_io.save_weights(self.model, tmp, weights)
-                    self.tokenizer.chat_template = self.data.chat_template
-                    self.tokenizer.save_pretrained(tmp)
-                    if self.processor is not None:  # a picture run: the processor (image settings, template) goes along
-                        self.processor.save_pretrained(tmp)
-            except BaseException as e:
-                give_back(tmp, e)  # the space of the half-written adapter
-                raise
-        if final.exists():
-            old = self.run_dir / f".old-{name}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            publish_dir(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            publish_dir(tmp, final)
-        return final
+        """The adapter (or full model) and tokenizer as a ``save_pretrained`` folder ``name`` in the run, atomically
+        (:func:`finetuner.training.final.save_final`); ``weights``: the trained weights to save when the model's own
+        are sharded (a state dict)."""
+        return save_final(self, weights, name)
 
     def cleanup(self) -> None:
         if self.tb:

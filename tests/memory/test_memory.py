@@ -7,8 +7,8 @@ import math
 import pytest
 
 from finetuner.errors import UserError
+from finetuner.memory.settings import NF4_PER_LAYER_BYTES
 from finetuner.memory.model import (
-    NF4_PER_LAYER_BYTES,
     Settings,
     activation_bytes,
     estimate,

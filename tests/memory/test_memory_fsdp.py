@@ -18,7 +18,8 @@ import pytest
 from finetuner.config.hardware import get_gpu
 from finetuner.errors import UserError
 from finetuner.memory import fsdp as F
-from finetuner.memory.model import Settings, estimate, quantized_weight_parts, weight_bytes
+from finetuner.memory.model import Settings, estimate, weight_bytes
+from finetuner.memory.storage import quantized_weight_parts
 from finetuner.memory.sharding import PROCESS_HOST_BYTES, compare_strategies, component_kind, shard_estimate
 from finetuner.model.shapes import ModelShape, resolve_shape
 

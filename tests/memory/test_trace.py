@@ -46,7 +46,7 @@ def test_a_mixture_of_experts_is_not_traced_and_says_why():
 def test_the_memory_model_adds_what_the_trace_holds_beyond_its_terms():
     """GPT-2's layer saves more than the named terms: the estimate carries the difference as its own term, at the
     trace's fp32 (so the named terms plus it are the trace, at the trace's settings); Llama's has none."""
-    from finetuner.memory.model import TRACE_SETTINGS, layer_activation_terms
+    from finetuner.memory.activations import TRACE_SETTINGS, layer_activation_terms
     from finetuner.model.tiny import tiny_config
 
     gpt2 = tiny_config("gpt2", 400)

@@ -130,7 +130,7 @@ def test_qlora_of_a_checkpoint_stored_in_mxfp4_is_refused_before_loading(tmp_pat
 @pytest.mark.parametrize("model,weights_gib", [("qwen3-30b-a3b", 15.6), ("gpt-oss-20b", 11.7)])
 def test_the_mixtures_of_experts_of_2026_plan_to_fit_a_24gb_card_with_4bit_experts(model, weights_gib):
     import finetuner
-    from finetuner.memory.model import GiB as GIB
+    from finetuner.units import GiB as GIB
 
     plan = finetuner.plan(model, "rtx4090", cpu_memory=128 * GIB)
     assert plan.fits and plan.recipe.method == "qlora" and plan.recipe.quantization.bits == 4

@@ -157,7 +157,8 @@ def test_the_inventory_is_built_once_per_config(tok, monkeypatch):
 
 
 def test_an_mlp_without_a_gate_has_two_linears_and_its_own_activation_terms(tok):
-    from finetuner.memory.model import Settings, layer_activation_terms, layer_transient_per_token
+    from finetuner.memory.activations import layer_activation_terms, layer_transient_per_token
+    from finetuner.memory.model import Settings
 
     plain, gated = shape_from_config(_tiny("arcee", tok), name="arcee"), shape_from_config(_tiny("llama", tok))
     assert (plain.hidden_size, plain.intermediate_size) == (gated.hidden_size, gated.intermediate_size)

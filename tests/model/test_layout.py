@@ -79,7 +79,8 @@ def test_dense_first_layers_and_shared_experts_are_counted_where_they_are():
 def test_the_experts_activation_terms_scale_with_the_experts_per_token():
     from dataclasses import replace
 
-    from finetuner.memory.model import Settings, layer_activation_terms
+    from finetuner.memory.activations import layer_activation_terms
+    from finetuner.memory.model import Settings
 
     shape = shape_from_config(tiny_config("qwen3_moe", 400), name="qwen3_moe")
     two = dict(layer_activation_terms(shape, Settings()))
@@ -115,7 +116,8 @@ def test_training_adds_the_load_balancing_loss_as_transformers_does_and_evaluati
 def test_attention_with_more_than_q_k_v_o_is_counted_with_its_extras(model_type):
     """An output gate (Beam, MiniMax, AFMoE), Doge's dt_proj, latent attention's low-rank projections
     (glm4_moe_lite, DeepSeek-V3), DeepSeek-V4's grouped output, layers whose attention differs (MiMo-V2-Flash): counted to the last parameter, LoRA as peft builds it."""
-    from finetuner.memory.model import Settings, layer_activation_terms
+    from finetuner.memory.activations import layer_activation_terms
+    from finetuner.memory.model import Settings
     from finetuner.model.layout import all_linear_targets
 
     shape, model = _counted(model_type)

@@ -9,9 +9,10 @@ import pytest
 
 from finetuner.config.hardware import get_gpu
 from finetuner.errors import UserError
-from finetuner.memory.model import GiB, estimate
+from finetuner.memory.model import estimate
 from finetuner.model.shapes import resolve_shape
 from finetuner.planning.longest import MIN_SEQ, longest_sequence
+from finetuner.units import GiB
 
 from tests.conftest import run_cli
 

@@ -304,7 +304,7 @@ def test_follow_gives_up_after_timeout(tmp_path):
 
 
 def test_the_schema_takes_the_runs_wait_by_part():
-    """The done event's predicted and measured wait (finetuner.planning.wait, Trainer.measured_wait) and the
+    """The done event's predicted and measured wait (finetuner.planning.wait, finetuner.training.prediction.measured_wait) and the
     samples event's time; a wait that is not an object is refused."""
     from finetuner.runs.schema import validate_event
 
@@ -320,7 +320,7 @@ def test_the_schema_takes_the_runs_wait_by_part():
 
 def test_the_ui_status_shows_the_phase_running_between_the_steps(tmp_path):
     """The web UI's status reads the running phase from the events (a line), and drops it once the phase ended."""
-    from ui.views import status_html
+    from ui.run_views import status_html
 
     rd = tmp_path / "runs" / "r"
     rd.mkdir(parents=True)

@@ -416,8 +416,8 @@ def _memory_case():
 
 def test_vllms_share_replaces_the_generation_in_torchs_memory_and_is_held_on_top():
     from finetuner.memory.grpo import VLLM_SHARE, VLLM_BLOCK_TOKENS, grpo_estimate, kv_cache_bytes, vllm_terms
-    from finetuner.memory.model import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
-                                        quantized_weight_parts)
+    from finetuner.memory.model import ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
+    from finetuner.memory.storage import quantized_weight_parts
 
     sh, s, g = _memory_case()
     plain = grpo_estimate(sh, s, g)

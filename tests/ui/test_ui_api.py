@@ -491,16 +491,16 @@ def test_api_merge_into_a_non_empty_folder_is_refused_in_the_merges_words(client
 def test_loss_chart_is_thinned_for_long_runs():
     from types import SimpleNamespace
 
-    from ui import views
+    from ui import run_views
 
     long = SimpleNamespace(losses=[(i, 1.0 / i) for i in range(1, 5001)], evals=[(2500, 0.4), (5000, 0.3)])
-    df = views.loss_df(long)
+    df = run_views.loss_df(long)
     train = df[df.series == "train"]
-    assert len(train) <= views.MAX_PLOT_POINTS + 1
+    assert len(train) <= run_views.MAX_PLOT_POINTS + 1
     assert train.step.iloc[0] == 1 and train.step.iloc[-1] == 5000 and train.step.is_monotonic_increasing
     assert list(df[df.series == "eval"].step) == [2500, 5000]  # eval points are never thinned
     short = SimpleNamespace(losses=[(i, 1.0) for i in range(1, 51)], evals=[])
-    assert len(views.loss_df(short)) == 50
+    assert len(run_views.loss_df(short)) == 50
 
 
 def test_the_same_content_uploaded_again_is_the_stored_file(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / ".cache" / "ui-display-screenshots"
 SIZES = [(1280, 800), (1920, 1080)]
 TABS = ["1 · Model & card", "2 · Data", "3 · Plan", "4 · Train", "5 · Chat", "6 · Export"]
-EVAL_COLOUR = "#f97316"  # views.LOSS_COLORS["eval"]
+EVAL_COLOUR = "#f97316"  # run_views.LOSS_COLORS["eval"]
 PROMPT = "What should I pack for a day hike?"
 
 

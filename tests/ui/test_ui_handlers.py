@@ -19,6 +19,7 @@ from ui import handlers as ui_handlers
 from ui import views
 from ui.errors import error_md
 from ui.handlers import Handlers
+from ui.train_handlers import START_CODE, TRAIN_OUTPUTS
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = {"model": {"name": str(REPO / "data" / "demo_model")}, "data": {"path": str(REPO / "data" / "alpaca_sample.json")}}
@@ -191,7 +192,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
                              {"event": "eval", "step": 2, "eval_loss": 0.66, "eval_reward_accuracy": 0.7, "eval_reward_margin": 0.3}])
     _events(h.runs / "sft", [start, *steps])
     out = h.train_view("dpo")
-    assert len(out) == ui_handlers.TRAIN_OUTPUTS
+    assert len(out) == TRAIN_OUTPUTS
     status, _loss, *_, seen, _table, column, rewards_plot, _message = out
     assert "reward accuracy <b>88%</b>" in status and "eval reward accuracy <b>70%</b>" in status
     assert column == {"__type__": "update", "visible": True}
@@ -325,16 +326,16 @@ def test_resuming_a_run_whose_recipe_names_reward_files_needs_the_tick(tmp_path)
     run.mkdir(parents=True)
     (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
     with pytest.raises(UserError, match=f"names reward functions in {REWARDS}, which run on this machine") as e:
-        h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
-    assert ui_handlers.START_CODE in e.value.hint
-    h.confirm_code("someone-elses", True, ui_handlers.START_CODE)  # ticked: allowed
+        h.confirm_code("someone-elses", False, START_CODE)
+    assert START_CODE in e.value.hint
+    h.confirm_code("someone-elses", True, START_CODE)  # ticked: allowed
     # chat, merge and export never call the reward functions: they do not ask for the tick (it taught ticking it)
     merged = " ".join(str(x) for x in h.on_merge("someone-elses", str(tmp_path / "merged"), "fp32", False))
     assert "reward functions" not in merged and "Tick" not in merged, merged
     h.confirm_code("someone-elses", False, rewards=False)
     raw["grpo"]["rewards"] = [{"function": "length_bounds", "args": {"max_length": 8}}]  # built-ins run no user code
     (run / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
-    h.confirm_code("someone-elses", False, ui_handlers.START_CODE)
+    h.confirm_code("someone-elses", False, START_CODE)
 
 
 def test_resuming_sharded_checkpoints_that_are_not_ours_needs_the_tick(tmp_path, monkeypatch):
@@ -360,7 +361,7 @@ def test_resuming_sharded_checkpoints_that_are_not_ours_needs_the_tick(tmp_path,
     monkeypatch.setattr(ui_handlers.jobs, "start_job", lambda *a, **k: started.append(k) or (_ for _ in ()).throw(UserError("stop here")))
     refused = " ".join(map(str, h.on_resume("received", False)))
     assert "step-00000004 holds FSDP/ZeRO shards that finetuner did not write for you on this machine" in refused
-    assert ui_handlers.START_CODE in refused and started == []
+    assert START_CODE in refused and started == []
     h.on_resume("received", True)
     assert started[-1]["trust_checkpoints"] is True
     seal.write(ckpt)  # sealed by this user: no tick needed, nothing trusted beyond the seal

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ui import views
+from ui import run_views, views
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -22,7 +22,7 @@ def _layer(spec: dict, mark: str) -> dict:
 # --------------------------------------------------------------------------- the loss chart
 def test_loss_chart_has_numeric_axes_and_shows_the_first_points():
     st = SimpleNamespace(losses=[(2, 6.55), (4, 5.8)], evals=[(4, 5.56)], max_steps=30)
-    spec = views.loss_chart(st)
+    spec = run_views.loss_chart(st)
     enc = spec["encoding"]
     assert (enc["x"]["type"], enc["y"]["type"]) == ("quantitative", "quantitative")
     assert enc["y"]["scale"]["zero"] is False and enc["x"]["scale"]["domain"] == [0, 30]  # the whole run ahead
@@ -38,12 +38,12 @@ def test_loss_chart_has_numeric_axes_and_shows_the_first_points():
 
 
 def test_loss_chart_before_the_first_step_and_for_long_runs():
-    empty = views.loss_chart(SimpleNamespace(losses=[], evals=[], max_steps=None))
+    empty = run_views.loss_chart(SimpleNamespace(losses=[], evals=[], max_steps=None))
     assert empty["data"]["values"] == [] and empty["encoding"]["x"]["type"] == "quantitative"
     assert empty["title"]["text"] == "Loss — waiting for the first step"
     assert empty["encoding"]["color"]["scale"]["domain"] == ["train"]  # no eval in the legend before there is one
     long = SimpleNamespace(losses=[(i, 1.0 / i) for i in range(1, 201)], evals=[(100, 0.4), (200, 0.3)], max_steps=200)
-    rows = views.loss_chart(long)["data"]["values"]
+    rows = run_views.loss_chart(long)["data"]["values"]
     assert not any(r["dot"] for r in rows if r["series"] == "train")  # a dense line: no dots
     assert all(r["dot"] for r in rows if r["series"] == "eval")
 
@@ -149,7 +149,7 @@ def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
 def test_train_tab_names_its_memory_figure():
     st = SimpleNamespace(measured_what="torch.cuda.max_memory_allocated", device="cuda",
                          predicted_bytes=20 * GiB, measured_peak_bytes=21 * GiB)
-    text = views.memory_md(st)
+    text = run_views.memory_md(st)
     assert "predicted peak 20.00 GiB allocated" in text and "Plan tab's peak" in text
 
 
@@ -231,7 +231,7 @@ def _dpo_status(steps: int = 3, evals: bool = True) -> SimpleNamespace:
 
 
 def test_the_reward_chart_draws_accuracy_and_margin_on_their_own_axes():
-    spec = views.reward_chart(_dpo_status())
+    spec = run_views.reward_chart(_dpo_status())
     rows = spec["data"]["values"]
     assert [(r["step"], r["value"], r["series"]) for r in rows if r["metric"] == "accuracy"] == [
         (1, 0.25, "accuracy"), (2, 0.5, "accuracy"), (3, 0.75, "accuracy"), (2, 0.6, "eval accuracy")]
@@ -248,7 +248,7 @@ def test_the_reward_chart_draws_accuracy_and_margin_on_their_own_axes():
 
 
 def test_the_reward_chart_before_the_first_step():
-    spec = views.reward_chart(SimpleNamespace(losses=[], evals=[], rewards={}, objective="orpo", max_steps=None))
+    spec = run_views.reward_chart(SimpleNamespace(losses=[], evals=[], rewards={}, objective="orpo", max_steps=None))
     assert spec["data"]["values"] == [] and spec["title"]["text"] == "Reward accuracy — waiting for the first step"
     assert len(spec["layer"]) == 1 and spec["layer"][0]["encoding"]["color"]["scale"]["domain"] == ["accuracy"]
 
@@ -257,11 +257,11 @@ def test_the_status_line_shows_the_latest_reward_accuracy():
     from finetuner.runs.jobs import RunStatus
 
     dpo = RunStatus("runs/d", "d", "running", step=3, **vars(_dpo_status()))
-    text = views.status_html(dpo)
+    text = run_views.status_html(dpo)
     assert "reward accuracy <b>75%</b>" in text and "eval reward accuracy <b>60%</b>" in text
     sft = RunStatus("runs/s", "s", "running", step=3, max_steps=8, losses=[(3, 2.0)], objective="sft")
-    assert "reward" not in views.status_html(sft)
-    assert views.is_preference(_dpo_status()) and not views.is_preference(sft) and not views.is_preference(None)
+    assert "reward" not in run_views.status_html(sft)
+    assert run_views.is_preference(_dpo_status()) and not run_views.is_preference(sft) and not run_views.is_preference(None)
 
 
 def test_the_headline_names_a_preference_objective():
@@ -289,16 +289,16 @@ def test_a_grpo_run_shows_its_reward_curves_and_its_latest_sampled_completions(t
                              "rewards": {"whistle": 1.0, "length_bounds": None}}])
     w.emit("eval", step=2, eval_loss=None, eval_reward=0.45, eval_rewards={"whistle": 0.25, "length_bounds": 0.4})
     st = jobs.run_status(run, tmp_path / "runs")
-    assert st.objective == "grpo" and views.is_preference(st)  # the reward column is shown
+    assert st.objective == "grpo" and run_views.is_preference(st)  # the reward column is shown
     assert st.group_rewards["reward"] == [(1, 0.2), (2, 0.4), (3, 0.6000000000000001)]
     assert st.group_rewards["eval_reward"] == [(2, 0.45)] and st.group_rewards["eval_reward:whistle"] == [(2, 0.25)]
-    spec = views.reward_chart(st)
+    spec = run_views.reward_chart(st)
     got = {(r["series"], r["step"]) for r in spec["data"]["values"]}
     assert {("reward (total)", 3), ("held-out reward", 2), ("whistle", 1), ("length_bounds", 3)} <= got
     dashed = {r["series"] for r in spec["data"]["values"] if r["dashed"]}
     assert dashed == {"whistle", "length_bounds"}
     assert spec["title"]["text"] == "Mean reward — 0.600 at step 3"
-    md = views.samples_md(st)
+    md = run_views.samples_md(st)
     assert md.startswith("**Sampled completions at step 3**")
     assert "| Q3\\| | A whistle 3 | 1.500 | 1.000 | – |" in md  # the prompt's | escaped; a function that did not score: –
     assert "| whistle | length_bounds |" in md.splitlines()[2]
