@@ -129,8 +129,12 @@ REWARD_SERIES = (
 
 
 def is_preference(st: Any | None) -> bool:
-    """Whether ``st`` is a run of a preference objective (its start event says so, or it logged rewards)."""
-    return st is not None and (getattr(st, "objective", None) not in (None, "sft") or bool(getattr(st, "rewards", None)))
+    """Whether ``st`` is a run of an objective scored by rewards, a preference objective or GRPO (its start event names
+    it, or it logged rewards); not one that trains on the token loss alone, as SFT and NEFTune do."""
+    from finetuner.objectives.specs import SPECS
+
+    objective = getattr(st, "objective", None)
+    return st is not None and ((objective in SPECS and SPECS[objective].scorer != "loss") or bool(getattr(st, "rewards", None)))
 
 
 def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--objective", default="auto",
                    help="auto (from --data: sft for supervised examples, dpo for preference pairs, kto for rated "
-                        "responses; grpo when --reward is given), sft, dpo, orpo, simpo, kto or grpo: plans with the "
+                        "responses; grpo when --reward is given), sft, neftune (SFT with noisy embeddings: planned as SFT), dpo, orpo, "
+                        "simpo, kto or grpo: plans with the "
                         "objective's memory (two sequences per pair, the reference pass; GRPO: the rollout's KV cache and "
                         "the group's sequences), no packing, at most 3 epochs and its learning rate.")
     p.add_argument("--reward", dest="rewards", action="append", default=[], metavar="FILE.py:FUNCTION|BUILTIN",

@@ -23,7 +23,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from finetuner.config.overrides import apply_override, drop_stale_val_path
-from finetuner.objectives.specs import spec_of
+from finetuner.objectives.specs import SPECS, names_where, spec_of
 from finetuner.config.recipe_errors import model_keys, render_validation_error, values_accepted
 from finetuner.config.recipe_yaml import parse_yaml
 from finetuner.config.sections import (
@@ -39,6 +39,7 @@ from finetuner.config.sections import (
     LoraSection,
     Method,
     ModelSection,
+    NEFTuneSection,
     Objective,
     PreferenceSection,
     QuantizationSection,
@@ -64,10 +65,11 @@ class Recipe(Section):
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
-    objective: Objective = Field("sft", description="sft (supervised), a preference objective on pairs (dpo, orpo, simpo) or rated "
+    objective: Objective = Field("sft", description="sft (supervised), neftune (sft with noisy embeddings), a preference objective on pairs (dpo, orpo, simpo) or rated "
                                  "responses (kto), or grpo (reinforcement learning from reward functions on prompts).")
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
     grpo: GRPOSection | None = Field(None, description="Settings of objective grpo (its reward functions, group size, generation).")
+    neftune: NEFTuneSection | None = Field(None, description="Settings of objective neftune (the noise's strength).")
     lora: LoraSection = Field(default_factory=LoraSection)
     quantization: QuantizationSection | None = None
     data: DataSection
@@ -146,6 +148,7 @@ class Recipe(Section):
             raise ValueError("training.warmup_steps: set warmup_steps or warmup_ratio, not both")
         _check_distributed(self)
         _check_preference(self)
+        _check_objective_sections(self)
         _check_grpo(self)
         if self.data.replay not in (0, "auto") and (not spec_of(self.objective).replay or self.distributed.world_size > 1):
             raise ValueError(f"data.replay: mixes the base model's answers into SFT rows on one process; this recipe "
@@ -284,8 +287,9 @@ class Recipe(Section):
     # ------------------------------------------------------------------ saving
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
-        if out.get("grpo") is None:  # only a GRPO recipe has the section: other recipes read as before
-            out.pop("grpo", None)
+        for section in OPTIONAL_SECTIONS:  # only a recipe of their objective has these: other recipes read as before
+            if out.get(section) is None:
+                out.pop(section, None)
         return out
 
     def to_yaml(self) -> str:
@@ -301,10 +305,16 @@ class Recipe(Section):
         return Path(self.output_dir).expanduser().resolve() if self.output_dir else (Path.cwd() / "runs" / self.name).resolve()
 
 
+#: The sections of one objective's settings that a recipe has only for that objective (``grpo``, ``neftune``:
+#: absent from the recipes of the others, and from what they save), as the objectives' descriptions name them.
+OPTIONAL_SECTIONS = tuple(name for name, field in Recipe.model_fields.items()
+                          if field.default is None and name in {s.section for s in SPECS.values()})
+
+
 # ---------------------------------------------------------------------- YAML in and out
 #: The order of a recipe's keys in the YAML finetuner writes for people to read (``finetuner plan
 #: -o``, the web UI's editor): every top-level field of :class:`Recipe`, each once.
-KEY_ORDER = ("name", "model", "method", "objective", "preference", "grpo", "quantization", "lora", "data", "training", "distributed",
+KEY_ORDER = ("name", "model", "method", "objective", "preference", "grpo", "neftune", "quantization", "lora", "data", "training", "distributed",
              "checkpointing", "logging", "samples", "output_dir", "device")
 
 
@@ -427,12 +437,18 @@ def _check_preference(r: Recipe) -> None:
         raise ValueError(f"data.train_on_prompt: objective '{obj}' scores only the responses: remove train_on_prompt")
 
 
+def _check_objective_sections(r: Recipe) -> None:
+    """An objective's own section (:data:`OPTIONAL_SECTIONS`) set in a recipe of another objective would do nothing."""
+    for section in OPTIONAL_SECTIONS:
+        if getattr(r, section) is not None and spec_of(r.objective).section != section:
+            raise ValueError(f"{section}: set, but objective is '{r.objective}': set objective to "
+                             f"{' or '.join(names_where(section=section))}, or remove the {section} section")
+
+
 def _check_grpo(r: Recipe) -> None:
     """Combinations of ``objective: grpo`` and its ``grpo`` section with the rest of the recipe that cannot run."""
     g = r.grpo
     if not spec_of(r.objective).generates:
-        if g is not None:
-            raise ValueError(f"grpo: set, but objective is '{r.objective}': set objective to grpo, or remove the grpo section")
         return
     if g is None or not g.rewards:
         raise ValueError("grpo.rewards: objective grpo trains on rewards: name at least one reward function, e.g. "

@@ -1,6 +1,6 @@
 """The sections of a recipe (:class:`~finetuner.config.recipe.Recipe`): one schema each (``model``, ``lora``,
 ``quantization``, ``data``, ``training``, ``checkpointing``, ``logging``, ``samples``, ``preference``, ``grpo`` and
-its rewards, ``distributed``), the kinds of value their keys take, and the bounds every number in a recipe keeps.
+its rewards, ``neftune``, ``distributed``), the kinds of value their keys take, and the bounds every number in a recipe keeps.
 Each field checks its own value; combinations across sections are checked by the recipe
 (:mod:`finetuner.config.recipe`).
 """
@@ -566,6 +566,14 @@ class GRPOSection(Section):
             raise ValueError(f"epsilon_high: {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's upper bound is the "
                              "larger one: raise it, or remove it")
         return self
+
+
+class NEFTuneSection(Section):
+    """Settings of ``objective: neftune``: SFT with uniform noise on the input embeddings while training (Jain et al.
+    2023), scaled by ``alpha / sqrt(sequence length × hidden size)`` (:mod:`finetuner.objectives.neftune`)."""
+
+    alpha: float = Field(5.0, gt=0, description="Strength of the noise (transformers' and TRL's neftune_noise_alpha; the "
+                         "paper tries 5, 10 and 15).")
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  (the table of strategies, in its order)

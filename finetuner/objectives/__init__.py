@@ -20,7 +20,7 @@ __all__ = ["build_objective"]
 
 def build_objective(recipe: Recipe, run_dir: Path | None = None) -> Objective:
     """The objective ``recipe.objective`` names, for the run in ``run_dir`` (None: only its data)."""
-    from finetuner.objectives import grpo, preference, sft  # noqa: F401 - each registers its objectives
+    from finetuner.objectives import grpo, neftune, preference, sft  # noqa: F401 - each registers its objectives
     from finetuner.objectives.base import REGISTRY
 
     return REGISTRY[recipe.objective](recipe, run_dir)

@@ -20,9 +20,10 @@ def test_descriptions_import_without_torch_or_the_recipe():
 def test_every_described_objective_has_a_trainer_and_the_recipe_accepts_exactly_those():
     from typing import get_args
 
+    from finetuner.config.recipe import Recipe
     from finetuner.config.sections import Objective, PreferenceSection
     from finetuner.objectives import build_objective  # noqa: F401 - the package stays importable
-    from finetuner.objectives import grpo, preference, sft  # noqa: F401 - register the trainers
+    from finetuner.objectives import grpo, neftune, preference, sft  # noqa: F401 - register the trainers
     from finetuner.objectives.base import REGISTRY
     from finetuner.objectives.specs import SPECS
 
@@ -31,7 +32,11 @@ def test_every_described_objective_has_a_trainer_and_the_recipe_accepts_exactly_
         assert spec.name == name
         if spec.section != "preference":  # (the preference trainer takes its kind per objective, when built)
             assert REGISTRY[name].data_kind == spec.data_kind
-        for key in spec.settings:
+        if spec.section is not None:  # its section is a recipe section that holds its settings
+            field = Recipe.model_fields[spec.section]
+            schema = next(a for a in (field.annotation, *get_args(field.annotation)) if hasattr(a, "model_fields"))
+            assert set(spec.settings) <= set(schema.model_fields)
+        for key in spec.settings if spec.section == "preference" else ():
             assert name in PreferenceSection.APPLIES_TO[key]
     assert {n for n, s in SPECS.items() if s.default_beta is not None} == set(PreferenceSection.DEFAULT_BETA)
 

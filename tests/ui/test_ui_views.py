@@ -262,6 +262,8 @@ def test_the_status_line_shows_the_latest_reward_accuracy():
     sft = RunStatus("runs/s", "s", "running", step=3, max_steps=8, losses=[(3, 2.0)], objective="sft")
     assert "reward" not in run_views.status_html(sft)
     assert run_views.is_preference(_dpo_status()) and not run_views.is_preference(sft) and not run_views.is_preference(None)
+    neftune = RunStatus("runs/n", "n", "running", step=3, max_steps=8, losses=[(3, 2.0)], objective="neftune")
+    assert not run_views.is_preference(neftune) and "reward" not in run_views.status_html(neftune)  # SFT with noise: no rewards
 
 
 def test_the_headline_names_a_preference_objective():

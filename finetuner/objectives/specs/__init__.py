@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from finetuner.objectives.specs.base import ObjectiveSpec
 from finetuner.objectives.specs.grpo import GRPO
+from finetuner.objectives.specs.neftune import NEFTUNE
 from finetuner.objectives.specs.preference import DPO, KTO, ORPO, SIMPO
 from finetuner.objectives.specs.sft import SFT
 
 __all__ = ["DEFAULT", "SPECS", "ObjectiveSpec", "first_for_kind", "names", "names_where", "spec_of"]
 
 #: objective name → its description, in the order the recipe's help lists them
-SPECS: dict[str, ObjectiveSpec] = {s.name: s for s in (SFT, DPO, ORPO, SIMPO, KTO, GRPO)}
+SPECS: dict[str, ObjectiveSpec] = {s.name: s for s in (SFT, NEFTUNE, DPO, ORPO, SIMPO, KTO, GRPO)}
 #: the objective a recipe trains when it names none
 DEFAULT = SFT.name
 
