@@ -14,6 +14,7 @@ import pytest
 from finetuner.config.recipe import Recipe, readable_yaml
 from finetuner.errors import UserError
 from finetuner.export.merge import merge_adapter
+from finetuner.rewards.builtin import BUILTINS
 from tests.conftest import demo_run_folder, wait_until_done
 from ui import handlers as ui_handlers
 from ui import views
@@ -258,7 +259,7 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
 @pytest.mark.parametrize("rewards, shown", [
     ("", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
     (" , \n", "objective grpo: GRPO trains on rewards, and none is named.\nName one in Rewards: FILE.py:FUNCTION"),
-    ("exact_match, no_such_reward", "reward 'no_such_reward': not a built-in reward (exact_match, regex_format, length_bounds) "
+    ("exact_match, no_such_reward", f"reward 'no_such_reward': not a built-in reward ({', '.join(BUILTINS)}) "
                                       "and no file given."),
     ("recipes/rewards_dem.py:mentions_whistle", f"reward 'mentions_whistle': 'recipes/rewards_dem.py' does not exist (looked in {REPO}"),
     ("recipes/rewards_demo.py:whistle", f"reward 'whistle': {REWARDS} defines no top-level 'whistle'.\nFunctions it defines: "
