@@ -65,3 +65,55 @@ def test_a_tracker_that_fails_costs_one_warning_line_and_the_run_goes_on(recipe_
     said = [r.getMessage() for r in caplog.records if r.name == "finetuner.tracking.report"]
     assert len(said) == 1 and said[0].startswith("mlflow: ") and "the run goes on without it" in said[0], said
     assert "\n" not in said[0]
+
+
+def test_a_run_appears_in_a_local_mlflow_server(recipe_dict, tmp_path, monkeypatch):
+    """A real ``mlflow server`` (its own process, a SQLite store and an artifact folder of its own) receives the run
+    over HTTP: parameters, per-step metrics and the adapter read back through the client, and the run folder says
+    where the run's page is."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--artifacts-destination", (tmp_path / "server-artifacts").as_uri()],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, f"mlflow server exited with {server.returncode}"
+            assert time.monotonic() < deadline, "mlflow server did not answer /health in 180 s"
+            time.sleep(0.5)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "server-test")
+        monkeypatch.chdir(tmp_path)
+        d = dict(recipe_dict, logging={"report_to": ["mlflow"]})
+        res = finetuner.train(Recipe.from_dict(d, overrides=["training.max_steps=2"]))
+        tracking = json.loads((res.run_dir / "tracking.json").read_text())
+        run_id = tracking["mlflow"]
+        client = mlflow.MlflowClient(url)
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.params["recipe.training.max_steps"] == "2"
+        assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
+        assert "adapter_model.safetensors" in {a.path.split("/")[-1] for a in client.list_artifacts(run_id, "adapter")}
+        assert any((tmp_path / "server-artifacts").rglob("adapter_model.safetensors"))  # stored by the server, not here
+        assert url in json.dumps(tracking.get("where", {})) and run_id in json.dumps(tracking.get("where", {}))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
