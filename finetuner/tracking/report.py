@@ -4,8 +4,8 @@
 ``start`` it opens one tracking run per tracker, or continues the one whose id ``tracking.json`` in the run folder
 keeps (a resumed run); the recipe, the plan and the start's figures become the run's parameters; each ``step`` and
 ``eval`` its metrics; ``done`` the final figures (predicted vs measured memory and time, the general probe) and the
-adapter, plan and recipe as artifacts; ``samples`` a table where the tracker has one; ``error``/``stopped`` the run's
-end state. A tracker that fails (not installed, no server, a bad key) is dropped with one warning line: training goes on.
+adapter, plan and recipe as artifacts; ``samples`` and GRPO's sampled ``completions`` (each with its rewards) a table
+where the tracker has one; ``error``/``stopped`` the run's end state. A tracker that fails (not installed, no server, a bad key) is dropped with one warning line: training goes on.
 """
 
 from __future__ import annotations
@@ -152,17 +152,25 @@ class Reporters:
                     "tokens", "elapsed_s", "eta_s", "micro_batch_size"}
             metrics.update(numbers({k: v for k, v in ev.items() if k not in skip and not k.startswith("mem_")}, "train/"))
             self._each(lambda r: r.log_metrics(metrics, ev["step"]))
+            self._table("completions", ev.get("completions"), ev["step"])  # GRPO's sampled completions of the step
         elif kind == "eval":
             metrics = numbers({k: v for k, v in ev.items() if k not in ("event", "time", "step")}, "eval/")
             self._each(lambda r: r.log_metrics(metrics, ev["step"]))
         elif kind == "done":
             self._done(ev)
         elif kind == "samples":
-            rows = [{k: str(v) for k, v in s.items()} for s in ev.get("samples") or [] if isinstance(s, dict)]
-            if rows:
-                self._each(lambda r: r.log_table("samples", rows, self.step))
+            self._table("samples", ev.get("samples"), self.step)
         elif kind in ("error", "stopped"):
             self.close("failed" if kind == "error" else "stopped")
+
+    def _table(self, name: str, items: Any, step: int) -> None:
+        """``items`` (dicts: samples, GRPO's completions with their rewards) as a table named ``name``, one text column
+        per flattened key (a completion's ``rewards.<function>``), where the tracker keeps tables."""
+        rows = [flatten(item) for item in items or [] if isinstance(item, dict)]
+        if rows:
+            keys = list(dict.fromkeys(k for row in rows for k in row))
+            rows = [{k: "" if row.get(k) is None else str(row[k]) for k in keys} for row in rows]
+            self._each(lambda r: r.log_table(name, rows, step))
 
     def _start(self, ev: dict[str, Any]) -> None:
         ids = self._ids()

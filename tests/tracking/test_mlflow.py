@@ -117,3 +117,26 @@ def test_a_run_appears_in_a_local_mlflow_server(recipe_dict, tmp_path, monkeypat
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_grpo_completions_of_a_step_become_a_table_with_their_rewards(tmp_path, monkeypatch):
+    """A GRPO step event's ``completions`` (as finetuner.objectives.grpo writes them: prompt, completion, reward and
+    each reward function's score) reach MLflow as a table, read back through mlflow.load_table."""
+    from finetuner.tracking.report import Reporters
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "completions-test")
+    run_dir = tmp_path / "runs" / "g"
+    run_dir.mkdir(parents=True)
+    rep = Reporters(["mlflow"], run_dir, "g")
+    rep({"event": "start", "objective": "grpo"})
+    shown = [{"prompt": "2+2?", "completion": "4", "reward": 1.0, "rewards": {"exact_match": 1.0, "length_bounds": None}},
+             {"prompt": "3+3?", "completion": "7", "reward": 0.0, "rewards": {"exact_match": 0.0, "length_bounds": 0.5}}]
+    rep({"event": "step", "step": 1, "loss": 0.5, "reward": 0.5, "completions": shown})
+    rep.close()
+    run_id = json.loads((run_dir / "tracking.json").read_text())["mlflow"]
+    table = mlflow.load_table("completions.json", run_ids=[run_id]).astype(str)  # pandas reads "4" back as 4
+    assert list(table["completion"]) == ["4", "7"] and list(table["rewards.exact_match"]) == ["1.0", "0.0"]
+    assert list(table["rewards.length_bounds"]) == ["", "0.5"]  # a function that scored nothing: empty, not "None"
+    assert mlflow.MlflowClient().get_metric_history(run_id, "train/reward")[0].value == 0.5
