@@ -34,7 +34,7 @@ from ui.chat_pool import ChatPool
 from ui.errors import on_page, shows_errors
 from ui.estimate import recipe_estimate
 from ui.export_handlers import ExportHandlers
-from ui.recipe_text import apply_fields, download_file, fields_of, recipe_from_text, recipe_text
+from ui.recipe_text import FIELD_COUNT, apply_fields, download_file, fields_of, recipe_from_text, recipe_text
 from ui.train_handlers import CPU_CARD, START_ANYWAY, TrainHandlers, gpu_profile, plot
 
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
@@ -356,7 +356,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             chart = memory_plot(p.estimate, p.gpu) if p.estimate else None
             est_md = views.estimate_md(p.estimate, p.gpu) if p.estimate else ""
             if p.closest is None:
-                return (views.plan_md(p), chart, est_md, views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * 10,
+                return (views.plan_md(p), chart, est_md, views.rejected_df(p), gr.skip(), gr.skip(), *[gr.skip()] * FIELD_COUNT,
                         gr.skip(), gr.skip())
             # the editor holds the option that needs the least memory: what "Start even if it does not fit" starts
             closest = self.with_free_name(p.closest)
@@ -372,7 +372,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
 
     def plan_if_empty(self, text: str, *args):
         """The plan, made when the editor is still empty (the Plan tab opened, Next pressed)."""
-        return self.on_plan(*args) if not (text or "").strip() else (gr.skip(),) * 18
+        return self.on_plan(*args) if not (text or "").strip() else (gr.skip(),) * (8 + FIELD_COUNT)
 
     def on_recipe_text(self, text: str, planned: dict | None, card: str | None = None):
         """The Plan tab's headline follows the recipe in the editor, however it changed (a plan, an
@@ -447,11 +447,11 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         its name meanwhile; a text that is not a valid recipe is given back as it was (the headline
         says what is wrong)."""
         if not (text or "").strip():
-            return (gr.skip(),) * 11
+            return (gr.skip(),) * (1 + FIELD_COUNT)
         try:
             recipe = recipe_from_text(text)
         except Exception:  # noqa: BLE001 - the user's own half-edited text: kept, the editor's checks explain it
-            return (text, *[gr.skip()] * 10)
+            return (text, *[gr.skip()] * FIELD_COUNT)
         free = self.with_free_name(recipe)
         if free.name != recipe.name:
             header = "".join(f"{line}\n" for line in text.splitlines() if line.startswith("#"))

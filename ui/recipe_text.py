@@ -3,6 +3,8 @@ written back, all with the recipe's own reader and writer (:mod:`finetuner.confi
 
 from __future__ import annotations
 
+import inspect
+
 from pathlib import Path
 
 from finetuner.config.recipe import Recipe, readable_dict, readable_yaml
@@ -78,6 +80,11 @@ def apply_fields(text: str, method, micro, accum, seq_len, optimizer, checkpoint
         logging.pop("tensorboard", None)
     return Recipe.from_dict(raw, base_dir=paths.ROOT, source="recipe")
 
+
+
+#: how many advanced fields :func:`fields_of` gives and :func:`apply_fields` takes after the text (the handlers
+#: that leave them alone skip this many)
+FIELD_COUNT = len(inspect.signature(apply_fields).parameters) - 1
 
 def download_file(text: str, name: str, folder: Path) -> str:
     """``text`` saved as ``<name>.yaml`` in ``folder`` (the app's private temp folder, where the

@@ -9,7 +9,7 @@ from pathlib import Path
 from finetuner.config.recipe import Recipe, readable_yaml
 from ui.handlers import START_ANYWAY, Handlers
 from ui.layout import REMEMBER_JS
-from ui.recipe_text import recipe_from_text
+from ui.recipe_text import FIELD_COUNT, fields_of, recipe_from_text
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = str(REPO / "data" / "alpaca_sample.json")
@@ -40,9 +40,20 @@ def test_a_plan_that_does_not_fit_leaves_the_closest_recipe_to_start_anyway(tmp_
     h = Handlers(tmp_path / "runs", tmp_path / "uploads")
     out = h.on_plan("llama-2-7b", "1GB", SAMPLE, 0, 0, "auto", "auto")
     plan_md, text, planned = out[0], out[4], out[-1]
+    assert len(out) == len(h.plan_if_empty(text, "llama-2-7b", "1GB", SAMPLE, 0, 0, "auto", "auto"))  # one output list
     assert plan_md.startswith("### ✕ Nothing fits 1GB") and "What would fit" in plan_md
     recipe = recipe_from_text(text)
     assert recipe.method == "qlora" and f"tick “{START_ANYWAY}”" in text
     assert h.on_recipe_text(text, planned) == plan_md  # the headline stays "nothing fits" for that recipe
     *_, refused = h.on_start(text, "1GB", SAMPLE, False)
     assert "Not started: " in refused and "predicted to need" in refused and START_ANYWAY in refused
+
+
+def test_a_reload_answers_every_output_whatever_the_browser_kept(tmp_path):
+    """Gradio refuses an answer with fewer values than the handler's outputs (the page then never loads): a reload
+    with a recipe, with none and with a half-edited one answer alike, the editor and each advanced field."""
+    h = Handlers(tmp_path / "runs", tmp_path / "uploads")
+    text = readable_yaml(Recipe.from_dict(dict(DEMO, name="mine")))
+    assert FIELD_COUNT == len(fields_of(recipe_from_text(text)))
+    sizes = {len(h.on_restore(saved)) for saved in ({}, {"recipe": text}, {"recipe": "model: ["}, {"recipe": ""})}
+    assert sizes == {EDITOR + 1 + FIELD_COUNT}
