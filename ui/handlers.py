@@ -325,7 +325,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         return (f"✓ The recipe is valid: run **{recipe.name}**, predicted peak {views.gib(est.total_bytes, 1)} "
                 f"on {gpu.name}, which {verdict}.{took}{note}")
 
-    @shows_errors(0, 18)
+    @shows_errors(0, 8 + FIELD_COUNT)
     def on_plan(self, model_text: str, card: str, data_file: str, seq_len: float | None, eff_batch: float | None, method: str,
                 objective: str | None = "auto", rewards: str | None = "", num_generations: float | None = None,
                 max_new_tokens: float | None = None, *picked: str):
@@ -402,13 +402,13 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         recipe = apply_fields(text, *fields)
         return *self._estimate_outputs(recipe, card), ""
 
-    @shows_errors(13, 14)
+    @shows_errors(3 + FIELD_COUNT, 4 + FIELD_COUNT)  # memory, estimate, download, the fields, the message
     def on_check_yaml(self, text: str, card: str):
         recipe = recipe_from_text(text)
         mem, est_md, _text, dl = self._estimate_outputs(recipe, card)
         return mem, est_md, dl, *fields_of(recipe), self._valid_md(recipe, card)
 
-    @shows_errors(14, 15)
+    @shows_errors(4 + FIELD_COUNT, 5 + FIELD_COUNT)  # the editor, memory, estimate, download, the fields, the message
     def on_load_recipe(self, name: str, card: str):
         from finetuner.config.recipe import Recipe
 

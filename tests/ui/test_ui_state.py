@@ -57,3 +57,7 @@ def test_a_reload_answers_every_output_whatever_the_browser_kept(tmp_path):
     assert FIELD_COUNT == len(fields_of(recipe_from_text(text)))
     sizes = {len(h.on_restore(saved)) for saved in ({}, {"recipe": text}, {"recipe": "model: ["}, {"recipe": ""})}
     assert sizes == {EDITOR + 1 + FIELD_COUNT}
+    good = h.on_check_yaml(text, "cpu")
+    assert len(good) == len(h.on_check_yaml("model: [", "cpu")) == 4 + FIELD_COUNT  # an error answers every output too
+    assert len(h.on_load_recipe("no_such_recipe.yaml", "cpu")) == 5 + FIELD_COUNT
+    assert len(h.on_plan("no_such_model_anywhere", "cpu", SAMPLE, 0, 0, "auto", "auto")) == 8 + FIELD_COUNT
