@@ -1,5 +1,5 @@
 """Units of size and the one way a size in GiB is written (the planner, memory model, CLI and UI all
-say sizes in binary gibibytes, the unit of ``torch.cuda.mem_get_info`` and ``nvidia-smi``)."""
+say sizes in binary gibibytes, the unit of the CUDA runtime's free-memory query and ``nvidia-smi``)."""
 
 from __future__ import annotations
 

@@ -181,9 +181,9 @@ def ui(tmp_path_factory):
 
 def test_ui_chat_asks_for_confirmation_then_loads(ui):
     chat = ("hi", [], [], "handed-over", False, 8, 0.0, 0.9, 0)
-    *_, status = ui.predict(*chat, api_name="/chat")
+    *_, status = ui.predict(*chat, False, None, api_name="/chat")  # code not allowed, no tools file
     assert "model.trust_remote_code: true" in status and "Allow code from this run's folder" in status
-    *_, status = ui.predict(*chat, True, api_name="/chat")
+    *_, status = ui.predict(*chat, True, None, api_name="/chat")
     assert status.startswith("Answered in"), status
 
 

@@ -203,7 +203,8 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
     template only drops its think block (Qwen3's). The reasoning each turn keeps is ``data.reasoning``'s (:func:`thinking.with_reasoning`). A row with
     tools renders through the template with ``tools=`` where it renders them, else in finetuner's fallback format
     (:mod:`finetuner.data.tools`). The labels are the assistant's replies and calls, never a template-made empty
-    think block; a row left with none is a :class:`RowError`."""
+    think block; a row whose whole text renders none is a :class:`RowError` (one whose replies only the cut
+    took away is truncated, and left to the caller's count)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     budget = char_budget(tokenizer, max_len)
     ex = cut_example(ex, budget)
@@ -246,7 +247,10 @@ def encode_example(ex: dict[str, Any], tokenizer: Any, template: str, max_len: i
             raise
         except Exception as e:  # jinja errors raised by the template for this conversation
             raise RowError(f"the chat template failed on this conversation: {e}") from None
-        if not train_on_prompt and not any(text[s:e].strip() for s, e in spans):
+        # contents filling the budget were cut (here or by the caller, tokenize_examples): a reply the cut took away
+        # is truncation, counted by the caller, not a template's fault
+        cut_short = sum(len(m["content"]) for m in ex["messages"] if isinstance(m.get("content"), str)) >= budget
+        if not train_on_prompt and not cut_short and not any(text[s:e].strip() for s, e in spans):
             raise RowError("no token of the row is a label: the chat template renders no assistant reply or call of "
                            "it to learn (every token would be masked)")
         enc = tokenizer(head(text, budget), add_special_tokens=False, return_offsets_mapping=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetuner.config.recipe import KEY_ORDER, Recipe, readable_dict, readable_yaml
+from finetuner.config.recipe import KEY_ORDER, OPTIONAL_SECTIONS, Recipe, readable_dict, readable_yaml
 from finetuner.errors import UserError
 from finetuner.planning.planner import plan
 
@@ -49,7 +49,8 @@ def test_every_section_is_kept_in_order_distributed_included(tmp_path):
     text = readable_yaml(recipe, header="# mine\n")
     assert text.startswith("# mine\nname: ")
     written = yaml.safe_load(text)
-    assert list(written) == [k for k in KEY_ORDER if k != "grpo"]  # every section (grpo's is a GRPO recipe's only), in order
+    # every section in order, but those of other objectives (grpo's, neftune's: a recipe of that objective's only)
+    assert list(written) == [k for k in KEY_ORDER if k not in OPTIONAL_SECTIONS]
     assert written["distributed"] == {"num_processes": 2, "master_port": 29601}  # what differs from the defaults
     _same(Recipe.from_yaml_text(text, source="written"), recipe)
 

@@ -287,7 +287,7 @@ def test_plan_of_rated_responses_plans_kto_and_an_objective_must_fit_the_data(tm
          "alpaca_sample.json: this file holds supervised examples", "Plan with objective sft"),
         (["--data", str(rated), "--objective", "simpo"], "rated.jsonl: this file holds rated responses", "Plan with objective kto"),
         (["--objective", "dpo"], "--objective dpo: a preference objective needs --data", "--data PAIRS.jsonl"),
-        (["--objective", "rlhf"], "--objective rlhf: not an objective", "auto, sft, dpo"),
+        (["--objective", "rlhf"], "--objective rlhf: not an objective", "auto, sft, neftune, dpo"),
     ]
     for args, message, hint in cases:
         r = run_cli("plan", "--model", demo, "--gpu", "cpu", *args)
