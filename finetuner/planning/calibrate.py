@@ -24,13 +24,14 @@ A few seconds of micro-benchmarks, the same code on a CPU and on a CUDA GPU, giv
   to write and ``fsync`` one small file, in the cache folder.
 
 The result is cached as JSON under ``$FINETUNER_CACHE_DIR/speed`` (else ``~/.cache/finetuner/speed``),
-keyed by the device's name and the torch and finetuner versions: a new library or card measures
-again. ``FINETUNER_SPEED_FILE`` names a calibration file to use instead (tests make plans
+keyed by the device's name, the torch and finetuner versions and this module's source (:func:`method_key`): a new
+library, card or way of measuring measures again. ``FINETUNER_SPEED_FILE`` names a calibration file to use instead (tests make plans
 deterministic with it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform as _platform
@@ -87,15 +88,23 @@ def device_key() -> tuple[str, str]:
     return CPU, f"{model}, {torch.get_num_threads()} threads"
 
 
+def method_key() -> str:
+    """Eight hex digits of this module's source: the way the calibration measures and reads its timings. A
+    calibration made by another version of it (an older :func:`matmul_rates` read a scheduler's slice at width 16
+    as 24 MFLOP/s, and a plan on a calibration it made predicted 1,086 s a step for a 15 s one) is not reused."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+
+
 def cache_file(name: str) -> Path:
-    """Where the calibration of device ``name`` is kept, for these library versions."""
+    """Where the calibration of device ``name`` is kept, for these library versions and this way of measuring
+    (:func:`method_key`)."""
     import torch
 
     from finetuner.fileio import cache_root
     from finetuner.version import __version__
 
     slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{__version__}".lower()).strip("-")
-    return cache_root() / "speed" / f"{slug}.json"
+    return cache_root() / "speed" / f"{slug}-method-{method_key()}.json"
 
 
 def _timed(fn, sync) -> float:

@@ -81,3 +81,27 @@ def test_the_demo_models_decode_token_is_its_operations_and_its_weights():
     one = s.with_(micro_batch=1, seq_len=1, label_fraction=1.0, loss_chunk=0)
     ops = (forward_op_count(shape, one) + wait.GENERATE_OPS_PER_TOKEN + 2 * shape.num_layers) * SPEED.op_overhead_s * EAGER_OP_FACTOR
     assert ops <= token <= ops + 0.05
+
+
+def test_a_calibration_made_by_another_way_of_measuring_is_measured_again(tmp_path, monkeypatch):
+    """The cache file names this module's source (calibrate.method_key): a calibration that an older way of
+    measuring left in the cache (the one kept from before matmul_rates subtracted the fixed part predicted
+    1,086 s a step for a 15 s one) is not read; this one's is, without measuring."""
+    from finetuner.planning import calibrate
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.SPEED_FILE_ENV, raising=False)
+    name = calibrate.device_key()[1]
+    current = calibrate.cache_file(name)
+    assert current.name.endswith(f"-method-{calibrate.method_key()}.json")
+    older = current.with_name(current.name.replace(calibrate.method_key(), "0" * 8))
+    calibrate.save(SPEED, older)
+    assert calibrate.cached(measure_if_missing=False) is None
+    monkeypatch.setattr(calibrate.Path, "read_bytes", lambda self: b"another way of measuring")
+    assert calibrate.method_key() != current.name[-13:-5] and calibrate.cache_file(name) != current
+    monkeypatch.undo()
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.SPEED_FILE_ENV, raising=False)
+    calibrate.save(SPEED, current)
+    monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("measured again instead of reading the cache"))
+    assert calibrate.cached(measure_if_missing=True).source == SPEED.source
