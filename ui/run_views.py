@@ -89,6 +89,16 @@ def step_axis(st: Any | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
             "scale": {"domain": [0, end], "nice": False}, "axis": {"values": list(range(0, end + 1, every)), "format": "d"}}
 
 
+#: the height of a run's charts (loss, rewards), in pixels
+RUN_CHART_HEIGHT = 280
+
+
+def run_chart(title: str, rows: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
+    """A chart of a run's series over its steps: ``spec`` (encoding, layers) under ``title``, at
+    :data:`RUN_CHART_HEIGHT`, on ``rows``."""
+    return chart({"title": {"text": title, "frame": "bounds"}, "height": RUN_CHART_HEIGHT, "data": {"values": rows}, **spec})
+
+
 def loss_chart(st: Any | None) -> dict[str, Any]:
     """Training and eval loss against the step, on numeric axes from step 0 to the run's last step:
     a line from two points on, and a dot on each point while there are few (eval points always)."""
@@ -99,10 +109,7 @@ def loss_chart(st: Any | None) -> dict[str, Any]:
             for r in df.itertuples(index=False)]
     x_axis = step_axis(st, rows)
     title = ("Loss — " + " and ".join(series)) if rows else "Loss — waiting for the first step"
-    return chart({
-        "title": {"text": title, "frame": "bounds"},
-        "height": 280,
-        "data": {"values": rows},
+    return run_chart(title, rows, {
         "encoding": {
             "x": x_axis,
             "y": {"field": "loss", "type": "quantitative", "title": "loss", "scale": {"zero": False}, "axis": {"format": ".3~f"}},
@@ -177,10 +184,7 @@ def grpo_reward_chart(st: Any) -> dict[str, Any]:
               "scale": {"domain": [n for _k, n, _c, _d in shown], "range": [c for _k, _n, c, _d in shown]}}
     tooltip = [{"field": "series"}, {"field": "step", "type": "quantitative"},
                {"field": "value", "type": "quantitative", "format": ".3f"}]
-    return chart({
-        "title": {"text": title, "frame": "bounds"},
-        "height": 280,
-        "data": {"values": rows},
+    return run_chart(title, rows, {
         "encoding": {"x": step_axis(st, rows), "y": {"field": "value", "type": "quantitative", "title": "mean reward",
                                                       "scale": {"zero": False}},
                      "color": colour, "tooltip": tooltip},
@@ -235,10 +239,7 @@ def reward_chart(st: Any | None) -> dict[str, Any]:
         layers.append(lines("margin", {"field": "value", "type": "quantitative", "title": "margin (dashed)",
                                        "scale": {"zero": False}, "axis": {"orient": "right", "format": ".3~r", "grid": False}},
                             [5, 3]))
-    return chart({
-        "title": {"text": title, "frame": "bounds"},
-        "height": 280,
-        "data": {"values": rows},
+    return run_chart(title, rows, {
         "encoding": {
             "x": x_axis,
         },
