@@ -1,4 +1,5 @@
-"""Shortening text for display: cut between words, never inside one."""
+"""Plain text for display: cut between words, never inside one; a decoded answer without the replacement
+characters of bytes that are not UTF-8."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def drop_partial_word(text: str) -> str:
         return text.rstrip() + CUT_MARK if text.strip() else text
     space = max(text.rfind(" "), text.rfind("\n"))
     return (text[: space + 1].rstrip() if space >= 0 else text) + CUT_MARK
+
+
+#: what a tokenizer's decode makes of bytes that are not valid UTF-8
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def clean_text(text: str) -> str:
+    """``text`` without replacement characters (the model's invalid byte sequences)."""
+    return text.replace(REPLACEMENT_CHAR, "")

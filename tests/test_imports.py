@@ -119,26 +119,6 @@ def test_data_does_not_import_planning():
 
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
-#: Imports that still look up, (importer, imported module) → why it is not fixed yet. The test fails on any
-#: other upward import, and on an entry here that no longer exists (the list only shrinks).
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("finetuner.config.recipe", "finetuner.data.formats"):
-        "validating the data section reads the rows (read_rows); the check belongs in data, run by the loader",
-    ("finetuner.config.recipe", "finetuner.data.split"):
-        "the held-out size is checked against the rows at load time (held_out_rows/held_out_size)",
-    ("finetuner.config.sections", "finetuner.data.formats"):
-        "the data section's column check (check_columns) is data's rule; the section should take it as a value",
-    ("finetuner.model.loading", "finetuner.config.recipe"):
-        "loads the base a recipe names: takes the Recipe (config reads model shapes, so model sits below config)",
-    ("finetuner.model.loading", "finetuner.config.runtime"): "as above: takes the resolved Runtime",
-    ("finetuner.objectives.grpo", "finetuner.training.rollout"):
-        "GRPO samples its groups with the trainer's rollout; the rollout belongs with the objective or is passed in",
-    ("finetuner.objectives.grpo", "finetuner.training.rollout_vllm"): "as above: the vLLM sampler",
-    ("finetuner.runs.folder", "finetuner.planning.sizing"):
-        "a run folder's progress counts its total steps (total_steps); to be written by training, read here",
-}
-
-
 def layer_order(text: str | None = None) -> list[str]:
     """The packages of docs/architecture.md's numbered list, bottom first (``1. `name` — job``)."""
     import re
@@ -162,16 +142,15 @@ def upward_imports(edges: dict[str, set[str]], order: list[str]) -> set[tuple[st
 
 
 def test_layers_only_look_down():
-    """Every import looks down the order docs/architecture.md writes (or within its own layer); the known
-    exceptions are listed with their reasons and still exist."""
+    """Every import looks down the order docs/architecture.md writes (or within its own layer), with no exception:
+    those inside functions count as those at the top (the walk reads both)."""
     order = layer_order()
     assert len(order) == len(set(order)) > 20 and order[0] == "finetuner.version"
     edges, _ = import_graph()
     unplaced = sorted(m for m in edges if layer_of(m, order) is None)
     assert unplaced == [], "add these packages to docs/architecture.md's order"
     up = upward_imports(edges, order)
-    assert sorted(up - set(KNOWN_UPWARD)) == []
-    assert sorted(set(KNOWN_UPWARD) - up) == []  # fixed: drop it from KNOWN_UPWARD
+    assert sorted(up) == []
 
 
 def test_the_layer_check_sees_an_upward_import():

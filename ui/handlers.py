@@ -20,7 +20,8 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from finetuner.config.sections import GRPOSection, Objective
-from finetuner.data.formats import ROLES, refused_picture
+from finetuner.config.columns import ROLES
+from finetuner.data.formats import refused_picture
 from finetuner.data.picture_files import PictureTooLarge
 from finetuner.data.scope import ReadScope, data_file, within
 from finetuner.errors import UserError, did_you_mean

@@ -14,7 +14,7 @@ from finetuner.config.sections import TRACKERS, Optimizer
 from finetuner.export.gguf import FORMATS, QUANTS
 from finetuner.export.merge import DTYPE_CHOICES
 from ui import paths, run_views
-from finetuner.data.formats import ROLES
+from finetuner.config.columns import ROLES
 from ui.handlers import (AS_DETECTED, COLUMN_ROLES, GRPO_GENERATIONS, GRPO_NEW_TOKENS, OBJECTIVES, REWARDS_INFO, REWARDS_LABEL,
                          Handlers, default_card, empty_chart, grpo_settings_shown, uploaded_path)
 from ui.train_handlers import ALLOW_CODE, ALLOW_CODE_INFO, CPU_CARD, START_ANYWAY, START_CODE, START_CODE_INFO

@@ -36,15 +36,6 @@ def gib(n: int | float | None, digits: int = 2) -> str:
     return gib_text(n, digits)
 
 
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
 # --------------------------------------------------------------------------- model & data
 def model_card_md(shape: Any, gpu: Any, gguf_note: str | None = None) -> str:
     """The Model tab's card: the model's size and shape, the card; ``gguf_note``: what loading it from a GGUF file means."""

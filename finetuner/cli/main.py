@@ -41,7 +41,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import ProgressPrinter, console as run_console
-    from finetuner.config.recipe import Recipe
+    from finetuner.data.follow import load_recipe
     from finetuner.errors import UserError
 
     console = run_console()
@@ -52,7 +52,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from finetuner.training.launch import needs_launch
 
     try:
-        recipe = Recipe.from_yaml(args.recipe, args.overrides + flags)
+        recipe = load_recipe(args.recipe, args.overrides + flags)
     except UserError as e:  # e.g. a resumed run's data file moved away: the run's own recipe no longer loads
         _record_if_own_recipe(args, e)
         raise

@@ -395,12 +395,12 @@ def _print_breakdown(con: Any, est: Any) -> None:
 # ---------------------------------------------------------------------- estimate
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from finetuner.config.hardware import get_gpu, run_profile
-    from finetuner.config.recipe import Recipe
+    from finetuner.data.follow import load_recipe
     from finetuner.objectives.specs import spec_of
     from finetuner.planning.bounds import check_prediction
     from finetuner.planning.predict import predict
 
-    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
     gpu = run_profile(recipe.device) if str(args.gpu).lower() in ("auto", "") else get_gpu(args.gpu)
     p = predict(recipe, gpu)  # the auto values, the model, the share of trained tokens: resolved once
     for warning in check_prediction(p):  # what `finetuner run` refuses (exit 2) and warns about, on this card
@@ -410,12 +410,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         return _grpo_estimate(args, p)
     est = p.memory
     timing = p.time(args.price_per_hour, args.currency)
-    sharded = None
-    from finetuner.memory.sharding import recipe_offload, shard_estimate
-
-    offload = recipe_offload(recipe.distributed)
-    if recipe.distributed.world_size > 1 or offload != "none":
-        sharded = shard_estimate(est, recipe.distributed.strategy, recipe.distributed.world_size, offload)
+    sharded = p.sharded
     if args.json:
         d = est.to_dict()
         d["gpu_profile"] = gpu.to_dict()

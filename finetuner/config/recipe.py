@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from finetuner.config.overrides import apply_override, drop_stale_val_path
 from finetuner.objectives.specs import SPECS, names_where, spec_of
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 class Recipe(Section):
     """A complete fine-tuning recipe."""
 
+    _dropped: tuple[str, str] | None = PrivateAttr(None)  # :attr:`dropped_val_path`
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
@@ -202,7 +203,8 @@ class Recipe(Section):
         source: str = "recipe",
     ) -> Recipe:
         """Override, validate and resolve a raw recipe. An override that points ``data.path`` at other data, with no
-        ``data.val_path`` on the same command, drops the recipe's held-out file (:func:`drop_stale_val_path`)."""
+        ``data.val_path`` on the same command, drops the recipe's held-out file (:func:`drop_stale_val_path`;
+        :attr:`dropped_val_path` says it)."""
         raw = copy.deepcopy(raw)
         given = copy.deepcopy(raw)
         for item in overrides or []:
@@ -213,33 +215,15 @@ class Recipe(Section):
         except ValidationError as e:
             raise UserError(format_validation_error(e, source)) from None
         recipe = recipe.resolve_paths(Path(base_dir) if base_dir else Path.cwd(), source)
-        return recipe if dropped is None else recipe.held_out_from_data(dropped, source)
+        recipe._dropped = None if dropped is None else (dropped, source)
+        return recipe
 
-    def held_out_from_data(self, dropped: str, source: str = "recipe") -> Recipe:
-        """This recipe, whose ``data.val_path`` ``dropped`` was dropped (:func:`drop_stale_val_path`), holding out
-        rows of its own data instead: its ``data.val_size`` when it names one, else the size a plan takes for
-        that many rows (:func:`finetuner.data.split.held_out_size`; a hub data set, not counted here, holds out
-        nothing). Said in one warning line before anything runs, with the way to keep the file."""
-        from finetuner.data.formats import read_rows
-        from finetuner.data.split import held_out_rows, held_out_size
-
-        d = self.data
-        paths = d.path if isinstance(d.path, list) else [d.path]
-        rows = None
-        if d.val_size == 0 and all(Path(p).is_file() for p in paths):
-            rows = sum(sum(1 for _ in read_rows(p, d.split, [])) for p in paths)
-            d = d.model_copy(update={"val_size": held_out_size(rows)})
-        new = ", ".join(paths)
-        if d.val_size > 0:
-            part = f"{held_out_rows(d.val_size, rows)} of its {rows} rows" if rows is not None else "part of it"
-            held = f"holds out {part} (data.val_size: {d.val_size:g}) instead"
-        else:
-            held = ("holds nothing out" + (f" ({rows} rows: too few to spare)" if rows is not None else "")
-                    + ": no held-out loss, no best adapter by it")
-        log.warning("%s: data.path is now %s, but data.val_path %s holds out rows of the data the recipe was written for: "
-                    "dropped; the run %s. To evaluate on that file anyway, add --set data.val_path=%s",
-                    source, new, dropped, held, dropped)
-        return self.model_copy(update={"data": d})
+    @property
+    def dropped_val_path(self) -> tuple[str, str] | None:
+        """``(data.val_path, the recipe's name)`` when an override to other data dropped the held-out file
+        (:func:`drop_stale_val_path`), else None. Which rows of the new data to hold out instead is the data's
+        question (counting its rows): :func:`finetuner.data.follow.load_recipe` answers it."""
+        return self._dropped
 
     def resolve_paths(self, base_dir: Path, source: str = "recipe") -> Recipe:
         """Make local model and data paths absolute (relative to the recipe, then the cwd)."""
@@ -477,7 +461,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def vllm_refusal(r: Recipe) -> str | None:
     """Why ``grpo.use_vllm`` cannot run with the rest of ``r`` (None: it can, as far as the recipe
     says; whether vLLM and a GPU are there is checked when the objective is built,
-    :func:`finetuner.training.rollout_vllm.check_vllm`). vLLM samples from the base it loads itself
+    :func:`finetuner.objectives.rollout_vllm.check_vllm`). vLLM samples from the base it loads itself
     plus the adapter, saved at each rollout: a recipe whose policy is not that cannot use it."""
     g = r.grpo
     if g is None or not g.use_vllm:

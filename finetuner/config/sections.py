@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from finetuner.config.columns import check_columns
 from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
 from finetuner.objectives.specs import SPECS, names_where
@@ -312,8 +313,6 @@ class DataSection(Section):
     def _known_roles(cls, v: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
         if not v:
             return None
-        from finetuner.data.formats import check_columns
-
         check_columns(v, info.data.get("format", "auto"))
         return v
 

@@ -18,11 +18,11 @@ format          row keys                                                      no
 ==============  ============================================================  ==============
 
 Other column names are mapped to *roles* with ``data.columns`` (role: column), e.g.
-``{prompt: question, response: answer}``. The roles (:data:`ROLES`): ``prompt``, ``input``,
+``{prompt: question, response: answer}``. The roles (:data:`finetuner.config.columns.ROLES`): ``prompt``, ``input``,
 ``response``, ``system`` (alpaca-style instruction data, rendered with the chat template;
 ``completion`` takes ``prompt`` and ``response`` only), ``messages`` (chat) and ``text``. Named
 columns imply the format (messages: chat, text: text, otherwise alpaca) unless ``data.format``
-names one. A role left out is read from the format's usual column (:data:`FORMAT_COLUMNS`).
+names one. A role left out is read from the format's usual column (:data:`~finetuner.config.columns.FORMAT_COLUMNS`).
 
 Without ``data.columns``, a file whose keys fit none of the formats above is still read when it
 has one of the column pairs in :data:`COMMON_PAIRS` (in any case), question/answer for example:
@@ -51,7 +51,8 @@ from finetuner.data.rows import (  # noqa: F401 - read from here by the pipeline
     valid_text,
 )
 from finetuner.data import tools
-from finetuner.errors import UserError, closest
+from finetuner.config.columns import FORMAT_COLUMNS, REQUIRED_ROLES, ROLES, ROLES_LINE, check_columns
+from finetuner.errors import UserError
 from finetuner.fileio import exists
 from finetuner.locate import check_hub, locate
 
@@ -70,31 +71,6 @@ SHAREGPT_ROLES = {
 }
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 
-#: What each role of ``data.columns`` holds.
-ROLES = {
-    "prompt": "the instruction or question",
-    "input": "optional context, added after the prompt",
-    "response": "the answer to train on",
-    "system": "an optional system prompt",
-    "messages": "a list of chat turns (OpenAI role/content or ShareGPT from/value)",
-    "text": "plain text, trained on whole",
-}
-#: The roles in a line, for hints.
-ROLES_LINE = (
-    "Roles: prompt (the instruction or question), input (optional context), response (the answer), system; "
-    "chat data: messages; plain text: text."
-)
-#: The column each format reads a role from when ``data.columns`` does not name one (chat also
-#: reads ShareGPT's ``conversations``).
-FORMAT_COLUMNS = {
-    "alpaca": {"prompt": "instruction", "input": "input", "response": "output", "system": "system"},
-    "completion": {"prompt": "prompt", "response": "completion"},
-    "chat": {"messages": "messages", "system": "system"},
-    "text": {"text": "text"},
-}
-REQUIRED_ROLES = {"alpaca": ("prompt", "response"), "completion": ("prompt", "response"), "chat": ("messages",), "text": ("text",)}
-#: Formats ``data.columns`` implies, tried in order: the first whose roles cover the named ones.
-IMPLIED_ORDER = ("chat", "text", "alpaca")
 #: ``(prompt column, response column, format)`` found without ``data.columns`` when a row fits no
 #: format by its keys; names compare in any case, the first pair the row has wins.
 COMMON_PAIRS = (
@@ -108,11 +84,6 @@ COMMON_PAIRS = (
 )
 #: With a pair found for alpaca, the columns read as its optional roles (any case, first found).
 COMMON_EXTRAS = {"input": ("input", "context"), "system": ("system",)}
-#: Column names written as a role by mistake, and the role they usually hold.
-ROLE_OF_COLUMN = {
-    "instruction": "prompt", "question": "prompt", "query": "prompt", "output": "response", "answer": "response",
-    "completion": "response", "conversations": "messages", "context": "input",
-}
 
 
 # --------------------------------------------------------------------------- reading
@@ -272,49 +243,6 @@ class Layout:
         """``'alpaca'``, or ``'alpaca', columns prompt: question, response: answer`` (for row errors)."""
         named = f", columns {', '.join(f'{r}: {c}' for r, c in self.columns.items())}" if self.columns else ""
         return f"'{self.format}'{named}"
-
-
-def check_columns(columns: dict[str, str], fmt: str = "auto") -> str:
-    """The format ``data.columns`` is read as; a ``ValueError`` saying what to change if it cannot be."""
-    roles = ", ".join(ROLES)
-    for role, col in columns.items():
-        if role in ROLES:
-            if not isinstance(col, str) or not col.strip():
-                raise ValueError(f"{role}: give the name of the column that holds {ROLES[role]}")
-            continue
-        if isinstance(col, str) and col in ROLES:  # written the other way round: column: role
-            raise ValueError(f"'{role}' is not a role: write role: column, i.e. {col}: {role} (roles: {roles})")
-        if str(role).lower() in ROLE_OF_COLUMN:
-            meant = ROLE_OF_COLUMN[str(role).lower()]
-            raise ValueError(f"'{role}' is not a role: a column that holds {ROLES[meant]} is named as {meant}: COLUMN (roles: {roles})")
-        best = closest(str(role), ROLES)
-        guess = f" Did you mean '{best}'?" if best else ""
-        raise ValueError(f"unknown role '{role}'.{guess} The roles are {roles}")
-    seen: dict[str, str] = {}
-    for role, col in columns.items():
-        if col in seen:
-            raise ValueError(f"'{seen[col]}' and '{role}' both name the column '{col}': a column holds one role")
-        seen[col] = role
-    if fmt != "auto":
-        extra = [r for r in columns if r not in FORMAT_COLUMNS[fmt]]
-        if extra:
-            fits = _implied(columns)
-            fix = f"set data.format: {fits} (or auto)" if fits else f"drop data.columns.{extra[0]}"
-            raise ValueError(
-                f"format '{fmt}' has no role '{extra[0]}' (its roles: {', '.join(FORMAT_COLUMNS[fmt])}): {fix}"
-            )
-        return fmt
-    implied = _implied(columns)
-    if implied is None:
-        raise ValueError(
-            f"the roles {', '.join(columns)} do not belong to one kind of data: chat data has messages (and system); "
-            "instruction data prompt, input, response, system; plain text only text"
-        )
-    return implied
-
-
-def _implied(columns: dict[str, str]) -> str | None:
-    return next((f for f in IMPLIED_ORDER if set(columns) <= set(FORMAT_COLUMNS[f])), None)
 
 
 def detect_layout(row: Any) -> Layout | None:

@@ -11,14 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import finetuner.phases as phases
-
-#: what a tokenizer's decode makes of bytes that are not valid UTF-8
-REPLACEMENT_CHAR = "\ufffd"
-
-
-def clean_text(text: str) -> str:
-    """``text`` without replacement characters (the model's invalid byte sequences)."""
-    return text.replace(REPLACEMENT_CHAR, "")
+from finetuner.text import REPLACEMENT_CHAR, clean_text  # noqa: F401 - the answers' cleaning, also read from here
 
 
 def text_streamer(tokenizer: Any, timeout: float | None = None):

@@ -6,7 +6,7 @@ path; its ``micro_batch`` is the loss's micro-batch in sequences, its ``seq_len`
 
 A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
 
-* **generation** (no gradients, :mod:`finetuner.training.rollout`): the weights, the LoRA weights and the
+* **generation** (no gradients, :mod:`finetuner.objectives.rollout`): the weights, the LoRA weights and the
   optimizer states (gradients are freed by ``zero_grad(set_to_none=True)`` after each step) plus
 
   - the KV cache of ``generation rows × (prompt_len + max_new_tokens)`` tokens: transformers'
@@ -39,7 +39,7 @@ A GRPO step has these phases, each compared at its peak (:func:`grpo_estimate`):
   ``beta = 0``: no reference pass, no reference log-probabilities;
 * **optimizer step**: as SFT's.
 
-**With vLLM** (``grpo.use_vllm``, :mod:`finetuner.training.rollout_vllm`): the generation runs in vLLM's
+**With vLLM** (``grpo.use_vllm``, :mod:`finetuner.objectives.rollout_vllm`): the generation runs in vLLM's
 own memory, so the generation phase's KV cache and temporaries of transformers' ``generate`` are gone (the
 phase holds the resident weights, optimizer states and GRPO buffers only), and vLLM's reserved share,
 ``vllm_gpu_memory_utilization × card memory``, is held for the whole run on top of every phase (no

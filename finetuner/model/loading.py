@@ -8,7 +8,7 @@ says, and the run's ``start`` event records it so a user sees what actually ran.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import finetuner.device as dev
 from finetuner.errors import UserError, first_line
@@ -16,10 +16,39 @@ from finetuner.locate import check_hub
 from finetuner.model import gguf_base
 from finetuner.model.layout import all_linear_targets
 from finetuner.quiet import quieted
-from finetuner.config.recipe import Recipe
-from finetuner.config.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+
+class Recipe(Protocol):
+    """What loading reads of a recipe (a :class:`finetuner.config.recipe.Recipe`). Config reads model shapes, so it
+    sits above model: the recipe comes in as a value, typed here by what is read of it."""
+
+    model: Any
+    method: str
+    lora: Any
+    quantization: Any
+    training: Any
+    distributed: Any
+
+
+class Runtime(Protocol):
+    """What loading reads of the resolved runtime (a :class:`finetuner.config.runtime.Runtime`: the one answer to
+    dtypes, attention and kernels), passed in as :class:`Recipe` is."""
+
+    device: str
+    attention: str
+    base_dtype: str
+    compute_dtype: str
+    kernels: str
+
+    @property
+    def is_cuda(self) -> bool: ...
+
+    @property
+    def gather_dtype(self) -> str: ...
+
+    def torch_dtype(self, name: str) -> Any: ...
 
 
 #: Files that hold a tokenizer's vocabulary (one of them must be in a local model folder).

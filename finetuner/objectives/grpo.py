@@ -4,7 +4,7 @@ Each optimizer step is a rollout phase and a training phase:
 
 1. **Rollout** (:meth:`GRPOObjective.before_step`): the step's prompts (``training.micro_batch_size
    × gradient_accumulation`` of them, the schedule's batch) each get ``grpo.num_generations``
-   completions, sampled with the adapter in the loop (:mod:`finetuner.training.rollout`, transformers'
+   completions, sampled with the adapter in the loop (:mod:`finetuner.objectives.rollout`, transformers'
    ``generate`` with a KV cache), under a seed of the run's seed and the batch's number, so a resumed
    run samples what the uninterrupted one did. The reward functions (:mod:`finetuner.rewards`) score
    them; the weighted sum's group-relative advantages (:func:`finetuner.losses.grpo.group_advantages`)
@@ -163,10 +163,10 @@ def reward_functions(specs, allow_code: bool = True) -> list:
 # --------------------------------------------------------------------------- sampling and scoring
 def sample_completions(model, tokenizer, prompts: list[dict[str, Any]], settings, seed: int, batch_size: int) -> list[dict[str, Any]]:
     """``settings.num_generations`` completions of each prompt (consecutive in the result), sampled
-    with ``settings``' temperature and top-p under ``seed`` (:mod:`finetuner.training.rollout`), the
+    with ``settings``' temperature and top-p under ``seed`` (:mod:`finetuner.objectives.rollout`), the
     completions of ``batch_size`` prompts a ``generate`` call: ``{"completion_ids", "text", "finished"}``
     each, the ids up to and with the end token."""
-    from finetuner.training.rollout import generate_group
+    from finetuner.objectives.rollout import generate_group
 
     rollout = generate_group(model, tokenizer, [p["prompt_ids"] for p in prompts], num_generations=settings.num_generations,
                              max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
@@ -216,9 +216,9 @@ class GRPOObjective(Objective):
         self.settings = recipe.grpo
         self.steps_per_batch = self.settings.num_iterations
         self.rewards = reward_functions(self.settings.rewards)  # a bad file or name stops here, before the run
-        self.vllm = None  # grpo.use_vllm: the colocated vLLM sampler (finetuner.training.rollout_vllm); vLLM missing stops here
+        self.vllm = None  # grpo.use_vllm: the colocated vLLM sampler (finetuner.objectives.rollout_vllm); vLLM missing stops here
         if self.settings.use_vllm:
-            from finetuner.training.rollout_vllm import VLLMSampler
+            from finetuner.objectives.rollout_vllm import VLLMSampler
 
             self.vllm = VLLMSampler(recipe, run_dir)
         self.rollout: dict[str, Any] | None = None  # the current batch's: {"batch": k, "rows": [...], "metrics": {...}}

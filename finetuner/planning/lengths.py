@@ -69,7 +69,7 @@ def batch_shape(lengths: Sequence[int], micro_batch: int, max_seq_len: int, pack
 
 
 def prompt_batch(lengths: Sequence[int], prompts: int, max_prompt_len: int, source: str = "data") -> BatchShape:
-    """GRPO's prompts as its ``generate`` calls take them (:func:`finetuner.training.rollout.generate_group`):
+    """GRPO's prompts as its ``generate`` calls take them (:func:`finetuner.objectives.rollout.generate_group`):
     the ``prompts`` prompts sampled together (a step's ``micro_batch_size × gradient_accumulation``, or an
     evaluation's held-out prompts) are left-padded to the longest of them before they are cut into
     calls, so ``padded_len`` is the expected longest of ``prompts`` prompt lengths and ``real_per_row``

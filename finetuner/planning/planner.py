@@ -178,7 +178,7 @@ def plan(
 
         return within_budget(max_hours, lambda **changes: plan(**{**asked, "max_hours": None, **changes}), format_duration)
     if columns:
-        from finetuner.data.formats import check_columns
+        from finetuner.config.columns import check_columns
 
         try:
             check_columns(columns, "auto")

@@ -25,6 +25,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.memory.grpo import grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings
+from finetuner.memory.sharding import ShardedEstimate, recipe_offload, shard_estimate
 from finetuner.model.shapes import ModelShape, resolve_shape
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.candidate import candidate_memory
@@ -76,6 +77,17 @@ class Prediction:
     @functools.cached_property
     def optimizer_steps(self) -> int | None:
         return self.steps_given or run_optimizer_steps(self.recipe)
+
+    @functools.cached_property
+    def sharded(self) -> ShardedEstimate | None:
+        """The memory per device of the recipe's own strategy (:func:`~finetuner.memory.sharding.shard_estimate`)
+        when it runs on several processes or offloads; None for one process that keeps everything on its device.
+        ``finetuner estimate`` reads it; the plan's search shards each candidate with the same function."""
+        d = self.recipe.distributed
+        offload = recipe_offload(d)
+        if d.world_size <= 1 and offload == "none":
+            return None
+        return shard_estimate(self.memory, d.strategy, d.world_size, offload, self.shape)
 
     @functools.cached_property
     def wait(self) -> Wait | None:

@@ -195,13 +195,13 @@ def lengths_text(recipe: Recipe, batch: BatchShape | None) -> str:
 
 def run_optimizer_steps(recipe: Recipe) -> int | None:
     """The optimizer steps ``finetuner run`` takes for a resolved recipe, counted as the trainer counts
-    them (:func:`finetuner.planning.sizing.optimizer_steps`): ``training.max_steps``, else the epochs
+    them (:func:`finetuner.steps.optimizer_steps`): ``training.max_steps``, else the epochs
     over the training rows left after the held-out split (:func:`~finetuner.data.split.held_out_rows`)
     of the data file, as :func:`~finetuner.planning.planner.plan` counts them. None when the data cannot be read here
     (a hub data set). Packed data are counted by packing the examples' lengths as the trainer packs them
     (:func:`~finetuner.data.split.count_packed_rows`)."""
     from finetuner.data.split import count_packed_rows
-    from finetuner.planning.sizing import optimizer_steps
+    from finetuner.steps import optimizer_steps
 
     t = recipe.training
     if t.max_steps:

@@ -15,7 +15,7 @@ makes a *useful* run of the data at hand. Pure arithmetic on the data's token le
   handful of long rows would leave almost nothing to step on.
 * **Held out**: 2 % of the rows (at most 200) for a large set; 10 % (at least 2) below 200 rows;
   none below 10 rows.
-* **Steps**: ``ceil(training rows / effective batch)`` an epoch (:func:`steps_per_epoch`, the
+* **Steps**: ``ceil(training rows / effective batch)`` an epoch (:func:`finetuner.steps.steps_per_epoch`, the
   trainer's own count: the last step takes the rows left over), times the epochs; packed rows are
   counted by packing the data's lengths as the trainer does (:func:`finetuner.data.split.count_packed_rows`).
 * **Effective batch**: the user's, else 16, halved until an epoch has at least
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from finetuner.data.split import count_packed_rows, held_out_rows, held_out_size
 from finetuner.objectives.specs import spec_of
 from finetuner.planning.expectations import is_toy
+from finetuner.steps import steps_per_epoch, total_steps
 from finetuner.planning.length_cap import SEQ_ROUND, LengthCap, outlier_cap, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,25 +134,6 @@ def learning_rate(method: str, shape: ModelShape, objective: str | None = None) 
                     f"scaled by sqrt({REFERENCE_HIDDEN}/{hidden}) for hidden size {hidden} it rounds to the same")
     return lr, (f"learning rate {lr:g}: the usual {what} rate {base:g} (hidden size {REFERENCE_HIDDEN}) scaled by "
                 f"sqrt({REFERENCE_HIDDEN}/{hidden}) for this narrower model")
-
-
-def steps_per_epoch(units: int, effective_batch: int) -> int:
-    """Optimizer steps in one pass over ``units`` training rows (examples, pairs or packed rows),
-    ``effective_batch`` a step: the last step of an epoch takes the rows left over. The trainer's
-    schedule and the plan's step count both come from here."""
-    return max(1, math.ceil(units / max(1, effective_batch)))
-
-
-def total_steps(epochs: float, per_epoch: int) -> int:
-    """Optimizer steps of a run of ``epochs`` (a fraction allowed) at ``per_epoch`` steps an epoch."""
-    return max(1, math.ceil(epochs * per_epoch))
-
-
-def optimizer_steps(max_steps: int | None, epochs: float, units: int, effective_batch: int) -> int:
-    """The optimizer steps a run takes: ``max_steps`` when set, else ``epochs`` passes over ``units``
-    training rows (examples, pairs or packed rows) at ``effective_batch`` a step. The trainer's
-    schedule and the plan's count (and so its total time) both come from here."""
-    return max_steps or total_steps(epochs, steps_per_epoch(units, effective_batch))
 
 
 def _held_out(rows: int) -> tuple[float, int]:

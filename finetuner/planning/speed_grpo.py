@@ -7,7 +7,7 @@ A GRPO optimizer step (:mod:`finetuner.objectives.grpo`) trains on ``rows = prom
 
 * **the rollout**, once per ``num_iterations`` steps and divided among them (the later steps of a batch
   reuse it), made of ``calls = ⌈rows / R⌉`` ``generate`` calls of ``R = micro_batch_size × G`` rows
-  (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.training.rollout`):
+  (:attr:`GrpoSettings.generation_rows`, :mod:`finetuner.objectives.rollout`):
 
   - **generation: prefill** per call: a no-grad forward over ``R × P_w`` prompt tokens (``P_w``: the
     step's prompts are left-padded to their longest, all calls alike) (:func:`forward_parts`: the decoder's and LoRA's
@@ -303,7 +303,7 @@ def grpo_step_time(shape: ModelShape, s: Settings, g: GrpoSettings, speed: Devic
     ``prompt_width`` + the call's longest completion). A validation measures both and passes them in.
     ``prompts``: the data's prompts as the rollout pads them (:func:`finetuner.planning.lengths.prompt_batch`
     of the step's prompts: the mean prompt, and the expected longest of the step's prompts, to which
-    :func:`~finetuner.training.rollout.generate_group` left-pads them all), for ``prompt_tokens`` and
+    :func:`~finetuner.objectives.rollout.generate_group` left-pads them all), for ``prompt_tokens`` and
     ``prompt_width`` not given.
 
     The step is an upper bound (:attr:`StepTime.upper_bound`) while the completions' lengths are assumed

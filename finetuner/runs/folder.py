@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from finetuner.planning.sizing import total_steps
 from finetuner.checkpoint_layout import checkpoint_dirs, latest_checkpoint, load_trainer_state, remove_staging
 from finetuner.errors import UserError
 from finetuner.fileio import size_text
 from finetuner.config.recipe import Recipe
 from finetuner.config.recipe_yaml import load_yaml
 from finetuner.run_marker import RUN_MARKER, is_run_folder, mark_run_folder
+from finetuner.steps import total_steps
 from finetuner.strategy_table import DEFAULT, find_row
 
 #: Keys that must match for a checkpoint to be resumed with a recipe.

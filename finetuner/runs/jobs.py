@@ -264,6 +264,7 @@ def start_job(
             ``exact_name``) a run already has the recipe's name.
     """
     from finetuner.config.recipe import Recipe
+    from finetuner.data.follow import load_recipe
 
     runs = Path(runs_dir or default_runs_dir()).resolve()
     existing = Path(run_dir).resolve() if run_dir else None
@@ -271,9 +272,7 @@ def start_job(
     if resuming:
         recipe_obj = Recipe.from_yaml(existing / "recipe.yaml")
     else:
-        recipe_obj = recipe if isinstance(recipe, Recipe) else Recipe.from_yaml(recipe, overrides)
-        if overrides and isinstance(recipe, Recipe):
-            recipe_obj = Recipe.from_dict(recipe.to_dict(), overrides)
+        recipe_obj = load_recipe(recipe, overrides)
     device = _device_key(recipe_obj.device)
     with _registry(runs) as jobs:
         for j in jobs:

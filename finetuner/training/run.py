@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from finetuner.config.recipe import Recipe
+from finetuner.data.follow import load_recipe
 from finetuner.fileio import atomic_write_json
 from finetuner.runs.events import Callback
 from finetuner.runs.folder import (
@@ -81,10 +82,7 @@ def train(
     entered = time.perf_counter()  # the run's wall clock (finetuner.training.prediction.measured_wait)
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if not isinstance(recipe, Recipe):
-        recipe = Recipe.from_yaml(recipe, overrides)
-    elif overrides:
-        recipe = Recipe.from_dict(recipe.to_dict(), overrides)
+    recipe = load_recipe(recipe, overrides)
     if output_dir is not None:
         recipe = recipe.model_copy(update={"output_dir": str(Path(output_dir).expanduser().resolve())})
     from finetuner.training.launch import launch_training, needs_launch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from finetuner.planning.sizing import steps_per_epoch
+from finetuner.steps import steps_per_epoch
 
 
 def split_step(n_examples: int, micro_batch_size: int, world_size: int) -> list[list[tuple[int, int]]]:

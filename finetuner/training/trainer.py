@@ -66,7 +66,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.training.result import TrainResult
 from finetuner.training.step_rate import StepRate
-from finetuner.planning.sizing import optimizer_steps
+from finetuner.steps import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
 from finetuner.units import gib_text

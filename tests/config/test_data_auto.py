@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetuner.config.recipe import Recipe
+from finetuner.data.follow import load_recipe
 from finetuner.planning.data_auto import resolve_data
 from finetuner.planning.length_cap import round_up
 from finetuner.planning.sizing import REPLAY_FOR_SYSTEM_PROMPT
@@ -93,7 +94,7 @@ def test_the_shipped_smollm2_recipe_pointed_at_a_system_prompt_file_replays(tmp_
     """The trial's case: ``recipes/smollm2_cpu.yaml`` with ``--set data.path=`` own chats that share a system prompt
     holds out from them and takes the replay guard; on its own bike-shop chats (no system prompt) it does not."""
     mine = write_jsonl(tmp_path / "ferry.jsonl", chats(30))
-    recipe, resolved = resolve_data(Recipe.from_yaml(REPO / "recipes" / "smollm2_cpu.yaml", [f"data.path={mine}"]))
+    recipe, resolved = resolve_data(load_recipe(REPO / "recipes" / "smollm2_cpu.yaml", [f"data.path={mine}"]))
     assert recipe.data.val_path is None and recipe.data.val_size == 3
     assert recipe.data.replay == REPLAY_FOR_SYSTEM_PROMPT and "27 examples" in resolved["data.replay"]["reason"]
     shipped, _ = resolve_data(Recipe.from_yaml(REPO / "recipes" / "smollm2_cpu.yaml"))
@@ -111,7 +112,7 @@ def test_the_shipped_picture_recipe_pointed_at_other_pictures_holds_out_from_the
     for r in rows:
         r["messages"].insert(0, {"role": "system", "content": SYSTEM})
     mine = write_jsonl(tmp_path / "mine.jsonl", rows)
-    recipe, resolved = resolve_data(Recipe.from_yaml(REPO / "recipes" / "demo_vlm_cpu.yaml", [f"data.path={mine}"]))
+    recipe, resolved = resolve_data(load_recipe(REPO / "recipes" / "demo_vlm_cpu.yaml", [f"data.path={mine}"]))
     assert recipe.data.val_path is None and recipe.data.path == str(mine)
     assert recipe.data.replay == 0 and "picture" in resolved["data.replay"]["reason"]
     assert set(resolved) == {"data.replay", "data.packing"}  # max_seq_len is the recipe's own

@@ -132,7 +132,7 @@ def test_grpo_prompts_are_timed_as_the_rollout_pads_them():
     from finetuner.config.recipe import Recipe
     from finetuner.data.prompts import prepare_prompts
     from finetuner.planning.recipe_data import data_batch_of, max_prompt_len
-    from finetuner.training.rollout import left_pad
+    from finetuner.objectives.rollout import left_pad
     from finetuner.training.schedule import StepSchedule
 
     repo = Path(__file__).resolve().parents[2]

@@ -230,6 +230,23 @@ def test_cli_plan_gpus_json():
     assert d["choice"]["strategy"] == d["per_device"]["strategy"]
 
 
+@pytest.mark.parametrize("model, gpu", [("llama-2-13b", "a100-40gb"), ("qwen2.5-32b", "a100-80gb")])
+def test_estimate_of_a_two_gpu_plan_shards_as_the_plan_did(tmp_path, model, gpu):
+    """Sharding is decided once (:attr:`finetuner.planning.predict.Prediction.sharded`): ``finetuner estimate`` of
+    the recipe ``plan --gpus 2`` wrote says the per-device memory, its parts, the strategy and the communication the
+    plan chose, to the byte (a 13B model that fits each card replicated, a 32B one that must be sharded)."""
+    out = tmp_path / "two.yaml"
+    planned = cli_in_process("plan", "--model", model, "--gpu", gpu, "--gpus", "2", "--method", "lora", "--json",
+                             "-o", str(out))
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    est = cli_in_process("estimate", str(out), "--gpu", gpu, "--json")
+    assert est.returncode == 0, est.stderr[-2000:]
+    p, e = json.loads(planned.stdout)["per_device"], json.loads(est.stdout)["per_device"]
+    assert p["world_size"] == e["world_size"] == 2
+    for key in ("strategy", "offload", "per_device_bytes", "components", "comm_bytes_per_step"):
+        assert e[key] == p[key], key
+
+
 def test_plan_of_preference_pairs_plans_dpo_with_its_memory_and_sizing(tmp_path):
     """A file of pairs is planned as DPO (objective auto): searched with the objective's memory (two
     sequences per pair, the reference pass), not packed, at most 3 epochs, the preference learning rate;

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import finetuner.device as dev
-from finetuner.infer.generate import clean_text
+from finetuner.text import clean_text
 from finetuner.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetuner.config.recipe import Recipe
+from finetuner.data.follow import load_recipe
 from finetuner.data.split import held_out_rows, held_out_size
 from tests.conftest import REPO, alpaca_rows, run_cli, write_recipe
 
@@ -64,12 +64,12 @@ def test_api_overrides_follow_the_data_and_keep_a_named_held_out_file(files, tmp
     import finetuner
 
     recipe, held, new = files
-    with caplog.at_level(logging.WARNING, logger="finetuner.config.recipe"):
+    with caplog.at_level(logging.WARNING, logger="finetuner.data.follow"):
         followed = finetuner.train(recipe, output_dir=tmp_path / "api-mine", overrides=[f"data.path={new}"])
     assert [m for m in caplog.messages if "data.val_path" in m and str(held) in m]
     assert start_of(followed.run_dir)["data"]["val_examples"] == 4
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="finetuner.config.recipe"):
+    with caplog.at_level(logging.WARNING, logger="finetuner.data.follow"):
         kept = finetuner.train(recipe, output_dir=tmp_path / "api-kept",
                                overrides=[f"data.path={new}", f"data.val_path={held}"])
     assert not [m for m in caplog.messages if "data.val_path" in m]
@@ -84,9 +84,9 @@ def test_the_shipped_recipes_follow_other_data(recipe):
     """The trial's recipes: pointed at the bike shop's 72 chats, each holds out 7 of them, not its own held-out file;
     a val_size the command names is kept as named."""
     other = REPO / "data" / "bike_shop.jsonl"
-    r = Recipe.from_yaml(REPO / "recipes" / recipe, [f"data.path={other}"])
+    r = load_recipe(REPO / "recipes" / recipe, [f"data.path={other}"])
     assert r.data.val_path is None and r.data.val_size == held_out_size(72) == 7
-    r = Recipe.from_yaml(REPO / "recipes" / recipe, [f"data.path={other}", "data.val_size=0.25"])
+    r = load_recipe(REPO / "recipes" / recipe, [f"data.path={other}", "data.val_size=0.25"])
     assert r.data.val_path is None and r.data.val_size == 0.25
 
 
@@ -95,7 +95,7 @@ def test_only_a_changed_data_path_drops_the_held_out_file(files, tmp_path):
     recipe, held, new = files
     for overrides in (["training.lr=1e-3"], [f"data.path={yaml.safe_load(recipe.read_text())['data']['path']}"],
                       [f"data={{path: {new}, val_path: {held}}}"]):
-        assert Recipe.from_yaml(recipe, overrides).data.val_path == str(held), overrides
+        assert load_recipe(recipe, overrides).data.val_path == str(held), overrides
 
 
 def test_too_few_new_rows_hold_nothing_out_and_say_so(files, tmp_path, caplog):
@@ -104,7 +104,7 @@ def test_too_few_new_rows_hold_nothing_out_and_say_so(files, tmp_path, caplog):
     recipe, held, _ = files
     few = tmp_path / "few.json"
     few.write_text(json.dumps(alpaca_rows(6)), encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="finetuner.config.recipe"):
-        r = Recipe.from_yaml(recipe, [f"data.path={few}"])
+    with caplog.at_level(logging.WARNING, logger="finetuner.data.follow"):
+        r = load_recipe(recipe, [f"data.path={few}"])
     assert r.data.val_path is None and r.data.val_size == 0
     assert [m for m in caplog.messages if "holds nothing out (6 rows" in m and str(held) in m]

@@ -1,4 +1,4 @@
-"""GRPO's rollout (finetuner/training/rollout.py) on the tiny test model with a LoRA adapter."""
+"""GRPO's rollout (finetuner/objectives/rollout.py) on the tiny test model with a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from finetuner.model.tiny_llama import CHATML_TEMPLATE
-from finetuner.training.rollout import IGNORE_INDEX, end_mask, generate_group
+from finetuner.objectives.rollout import IGNORE_INDEX, end_mask, generate_group
 
 PROMPTS = ["what should i bring", "the bird and the sea"]
 

@@ -1,4 +1,4 @@
-"""GRPO's rollout on vLLM (finetuner/training/rollout_vllm.py), against a stand-in ``vllm`` package.
+"""GRPO's rollout on vLLM (finetuner/objectives/rollout_vllm.py), against a stand-in ``vllm`` package.
 
 vLLM cannot be installed here (CUDA-only wheels, no GPU), so these tests inject a stand-in module under
 the name ``vllm`` whose classes have the names, keyword arguments and attributes of vLLM 0.30's
@@ -25,8 +25,8 @@ import finetuner
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.runs.events import read_events
-from finetuner.training import rollout_vllm
-from finetuner.training.rollout_vllm import ADAPTER_DIR, VLLMSampler, completion_rows, engine_args, vllm_lora_rank
+from finetuner.objectives import rollout_vllm
+from finetuner.objectives.rollout_vllm import ADAPTER_DIR, VLLMSampler, completion_rows, engine_args, vllm_lora_rank
 from tests.objectives.test_grpo_run import grpo_recipe
 
 GiB = 1024**3
@@ -286,7 +286,7 @@ def test_outputs_become_the_rows_sample_completions_gives(policy):
             rows = [r + [pad] * (max_new - len(r)) for r in rows]
             return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 
-    from finetuner.training.rollout import generate_group
+    from finetuner.objectives.rollout import generate_group
 
     prompts = [[3, 4, 5], [6, 7]]
     via_generate = generate_group(Fake(), tok, prompts, num_generations=2, max_new_tokens=max_new, seed=0).rows()
@@ -325,7 +325,7 @@ def test_a_grpo_run_generates_every_rollout_on_vllm_with_the_adapter_of_its_step
     def no_generate(*a, **kw):
         raise AssertionError("the transformers path generated")
 
-    monkeypatch.setattr("finetuner.training.rollout.generate_group", no_generate)
+    monkeypatch.setattr("finetuner.objectives.rollout.generate_group", no_generate)
     raw = grpo_recipe(tiny_model_dir, tmp_path, name="vllm", max_steps=4)
     raw["device"] = "auto"
     raw["grpo"].update(use_vllm=True, vllm_mode="colocate")

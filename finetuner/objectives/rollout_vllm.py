@@ -28,7 +28,7 @@ against a stand-in module with those classes' names (``tests/training/test_rollo
   data pipeline made, used as they are), ``SamplingParams(n=num_generations, temperature, top_p,
   top_k=0, max_tokens=max_new_tokens, seed, stop_token_ids=the EOS tokens)``: plain temperature
   sampling with nucleus truncation, no top-k, as the transformers path samples
-  (:mod:`finetuner.training.rollout`). Each prompt gets its own seed, drawn from the rollout's seed.
+  (:mod:`finetuner.objectives.rollout`). Each prompt gets its own seed, drawn from the rollout's seed.
 * **The completions** come back in exactly the form :func:`finetuner.objectives.grpo.sample_completions`
   gives (:func:`completion_rows`): the ids up to and including the first EOS (the tokenizer's and the
   generation config's), ``finished`` whether there is one, the text decoded by the run's tokenizer
@@ -47,7 +47,7 @@ import finetuner.device as dev
 from finetuner.config.recipe import VLLM_LORA_RANKS, Recipe
 from finetuner.config.runtime import TORCH_DTYPES
 from finetuner.errors import UserError
-from finetuner.infer.generate import clean_text
+from finetuner.text import clean_text
 
 #: where the adapter handed to vLLM is saved, in the run folder
 ADAPTER_DIR = "vllm_adapter"
@@ -128,14 +128,13 @@ def publish_adapter(model, run_dir: Path) -> Path:
     """The adapter as it is now, saved (peft ``save_pretrained``, safetensors) into ``run_dir/vllm_adapter``:
     written into a folder beside it, then renamed into place, the previous one removed."""
     from finetuner.fileio import publish_dir
-    from finetuner.training.checkpoint import save_weights
 
     final, tmp, old = run_dir / ADAPTER_DIR, run_dir / f".tmp-{ADAPTER_DIR}", run_dir / f".old-{ADAPTER_DIR}"
     for stale in (tmp, old):
         shutil.rmtree(stale, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        save_weights(model, tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -183,7 +182,7 @@ class VLLMSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from finetuner.training.rollout import eos_token_ids
+        from finetuner.objectives.rollout import eos_token_ids
 
         eos = eos_token_ids(model, tokenizer)
         llm = self.engine(precision)
