@@ -62,6 +62,8 @@ def _transformers_trains(model_type: str, cfg: dict, tok) -> tuple[object | None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetuner.errors import first_line
+
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
         if getattr(config, "is_encoder_decoder", False):
@@ -81,7 +83,8 @@ def _transformers_trains(model_type: str, cfg: dict, tok) -> tuple[object | None
         out.loss.backward()
         return model, None
     except Exception as e:  # noqa: BLE001 - the census records every way a type fails
-        return None, f"transformers cannot build or train it tiny: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        # the first line with words: a missing package's ImportError opens with an empty one
+        return None, f"transformers cannot build or train it tiny: {type(e).__name__}: {first_line(str(e), 160)}"
 
 
 def census_row(model_type: str, tok, work: Path) -> dict:
@@ -195,7 +198,10 @@ def write_table(rows: list[dict], pictures_section: str = "") -> str:
         "outside that count, with the reason: not decoder-only, or the census's tiny config "
         "(`finetuner/model/tiny.py`: the family's defaults with the common size settings made small) does not build "
         "or train in transformers itself, or stays too large to build on a CPU; a better shrinker moves some of them "
-        "inside. Every layout is read from the model transformers builds (finetuner/model/inventory.py, "
+        "inside. gemma3n builds only with the timm package (its vision tower), and timm imports torchvision, whose "
+        "only wheel for torch 2.13.0 the package index holds is the CUDA build: its compiled operators link "
+        "libtorch_cuda.so, which the CPU torch of this install does not have, so torchvision fails to import and "
+        "CI cannot install it (its text model, gemma3n_text, is inside). Every layout is read from the model transformers builds (finetuner/model/inventory.py, "
         "finetuner/model/layout.py); \"GPU runs\": the family's training runs whose peak memory was measured on a GPU "
         "and is replayed by the tests (docs/validation, docs/memory.md); the other families' memory terms are those "
         "of the measured ones. \"activations vs trace\": the memory model's named activation terms of one decoder "

@@ -2,7 +2,7 @@
 their hybrids with attention and experts (Jamba, Bamba, Zamba, Granite 4, Nemotron-H, Falcon-H1) and LFM2's short
 convolutions build tiny with their own width settings, their mixers are read from the model, their LoRA
 ``all-linear`` is counted as peft builds it (peft refuses a Mamba mixer's out_proj), transformers' default Falcon-H1
-plans to fit an RTX 4090, and representatives train 2 LoRA steps whose adapter peft loads."""
+plans to fit an RTX 4090; each trains 2 LoRA steps whose adapter peft loads in tests/model/test_new_families.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from tests.model.test_inventory import _tiny, tok  # noqa: F401 - the tiny BPE t
 
 SSM_FAMILIES = ["mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "granitemoehybrid",
                 "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
-#: a pure Mamba, a Mamba-2 hybrid with attention in every layer (peft refuses its out_proj), a short convolution
-TRAINED = ["mamba", "falcon_h1", "lfm2"]
 
 
 def _build(cfg: dict):
@@ -119,29 +117,3 @@ def test_a_chunked_scan_is_traced_over_whole_chunks_and_fits_a_straight_line(mon
     assert fitted.at(8192) == pytest.approx(saved, rel=0.01)
     monkeypatch.setattr(trace, "trace_lengths", lambda c: trace.LENGTHS)
     assert trace.trace_layer(cfg).at(8192) != pytest.approx(saved, rel=0.1)
-
-
-@pytest.mark.parametrize("model_type", TRAINED)
-def test_a_state_space_family_trains_two_lora_steps_and_peft_loads_its_adapter(model_type, tok, tmp_path):
-    import finetuner
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from finetuner.config.recipe import Recipe
-    from tests.conftest import alpaca_rows
-
-    folder = tmp_path / model_type
-    _build(_tiny(model_type, tok)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    data = tmp_path / "a.json"
-    data.write_text(json.dumps(alpaca_rows(4)), encoding="utf-8")
-    recipe = {"name": "t", "model": {"name": str(folder)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-              "data": {"path": str(data), "max_seq_len": 32, "val_size": 0},
-              "training": {"max_steps": 2, "lr": 1e-3, "micro_batch_size": 2, "gradient_accumulation": 1,
-                           "warmup_steps": 0},
-              "logging": {"tensorboard": False}, "output_dir": str(tmp_path / "run")}
-    result = finetuner.train(Recipe.from_dict(recipe))
-    assert len(result.losses) == 2 and all(0 < x < 20 for x in result.losses)
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), result.run_dir / "adapter")
-    trained = {n.split(".")[-1] for n, m in loaded.named_modules() if hasattr(m, "lora_A") and m.lora_A}
-    assert {"in_proj"} <= trained  # the mixer's LoRA came back
