@@ -43,7 +43,23 @@ def test_the_site_builds_strict_with_every_nav_page(site):
         built = site / ("index.html" if page == "index.md" else page.removesuffix(".md") + "/index.html")
         assert built.is_file(), page
     # the screenshots the UI page shows are published with it
-    assert (site / "ui-plan.png").is_file() and (site / "ui-train.png").is_file()
+    from tests.ui.docs_screenshots import referenced
+
+    assert all((site / "img" / "ui" / name).is_file() for name in referenced())
+
+
+def test_the_ui_page_shows_exactly_the_screenshots_the_browser_tests_take():
+    """docs/ui.md shows each screenshot tests/ui/test_ui_browser.py takes once, and no other; docs/img/ui holds exactly
+    those, each a real screenshot (the PNG check the browser tests make of their own), so a screenshot no test takes
+    any more, or one the page forgot, fails here."""
+    from tests.ui.docs_screenshots import ALL, DOCS_FOLDER, problems, referenced
+
+    shown = referenced()
+    assert len(shown) == len(set(shown)) and set(shown) == ALL, f"docs/ui.md shows {shown}, the tests take {sorted(ALL)}"
+    assert sorted(p.name for p in DOCS_FOLDER.iterdir()) == sorted(ALL)
+    wrong = [p for name in sorted(ALL) for p in problems(DOCS_FOLDER / name)]
+    assert not wrong, "\n".join(wrong) + "\nrefresh them: FINETUNER_DOCS_SCREENSHOTS=docs/img/ui python -m pytest tests/ui/test_ui_browser.py"
+    assert sum((DOCS_FOLDER / name).stat().st_size for name in ALL) < 2_000_000  # the site stays light to load
 
 
 def test_the_recipe_reference_names_every_key_of_the_schema(site):

@@ -68,6 +68,8 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"smollm2_cpu", "the real 135M model's walk-through (minutes of CPU): tests/training/test_cpu_walkthrough.py "
                      "runs its recipe, chat and evals through the CLI and checks what the page says of them"),
     (r"^pip install ", "installs packages (network; changes the environment under test)"),
+    (r"^FINETUNER_DOCS_SCREENSHOTS=", "refreshes the web UI page's screenshots by running the browser tests "
+                                      "(tests/ui/test_ui_browser.py), which the suite runs itself"),
     (r"^mkdocs serve\b", "serves the documentation site until stopped (tests/test_docs_site.py builds it)"),
     (r"^python -m scripts\.validate\.(memory|train_gpu) ", "measures on a GPU (docs/memory.md, docs/benchmarks.md): "
      "tests/test_gpu_all_smoke.py runs the same functions at toy size on the CPU, tests/memory/test_memory_accuracy.py "

@@ -12,7 +12,9 @@ is text on the page, never a bare "Error" badge. And a DPO run: the shipped pair
 the Data tab, the objective planned from the data (a wrong one refused in the planner's words), a
 few steps, and the reward-accuracy chart beside the loss. A screenshot of each stage goes to
 ``.cache/ui-screenshots/`` (git-ignored) for a person to look at; on a failure, the page as it
-was goes there as ``failed-here.png``.
+was goes there as ``failed-here.png``. The flows also take the screenshots the documentation site
+shows (docs/ui.md), at 1280×800, into a temporary folder (``FINETUNER_DOCS_SCREENSHOTS=docs/img/ui``:
+into the docs), and check them (tests/ui/docs_screenshots.py).
 
 Needs ``playwright`` (the ``test`` extra) and ``/usr/bin/chromium`` (scripts/_setup.sh installs
 Debian's package); never ``playwright install``.
@@ -31,6 +33,7 @@ import pytest
 import yaml
 
 from tests.conftest import alpaca_rows
+from tests.ui import docs_screenshots
 from tests.ui.support import CHARTS_FITTED_JS, assert_nothing_cut_off, browser_page, fill_until_held, pick, sync_api, tab, type_in, ui_server, wait_text, HANG_MS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +62,18 @@ def page(server):
 def shot(page, name: str) -> None:
     page.wait_for_timeout(400)  # let charts finish their transition
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture(scope="module")
+def docs_shots(tmp_path_factory) -> docs_screenshots.Screenshots:
+    """The documentation site's screenshots, taken by this module's flows (a temporary folder unless
+    ``FINETUNER_DOCS_SCREENSHOTS`` names the docs' own)."""
+    return docs_screenshots.Screenshots(docs_screenshots.folder(tmp_path_factory))
+
+
+def docs_shot(shots: docs_screenshots.Screenshots, page, name: str, top: str | None = None) -> None:
+    """One of the docs' screenshots at 1280×800 (the element ``top`` at the window's top), its charts fitted to it."""
+    shots.take(page, name, top, settle=lambda pg: pg.wait_for_function(CHARTS_FITTED_JS))
 
 
 
@@ -104,15 +119,16 @@ def set_field(page, label: str, value: str) -> None:
 
 
 
-def test_whole_flow_in_browser(server, page, tmp_path):
+def test_whole_flow_in_browser(server, page, tmp_path, docs_shots, request):
     try:
-        whole_flow(server, page, tmp_path)
+        whole_flow(server, page, tmp_path, docs_shots)
     except Exception:
         page.screenshot(path=str(SHOTS / "failed-here.png"), full_page=True)  # the page as the failure left it
         raise
+    docs_shots.check(request.node.name)
 
 
-def whole_flow(server, page, tmp_path):
+def whole_flow(server, page, tmp_path, docs_shots):
     t0 = time.monotonic()
     runs, uploads = server["runs"], server["uploads"]
     mine = tmp_path / "my hikes.jsonl"  # the user's own file, outside the checkout
@@ -125,6 +141,7 @@ def whole_flow(server, page, tmp_path):
     wait_text(page, "#model-card", r"demo_model.*parameters")
     wait_text(page, "#model-card", r"cpu")
     shot(page, "01-model")
+    docs_shot(docs_shots, page, "model.png")
 
     # 2. data: upload a file of one's own; it is stored, listed, chosen and analysed
     tab(page, "2 · Data")
@@ -148,6 +165,7 @@ def whole_flow(server, page, tmp_path):
     sync_api.expect(page.locator("#data-preview")).to_contain_text("trained")
     sync_api.expect(page.locator("#length-hist canvas, #length-hist svg").first).to_be_visible()
     shot(page, "02-data")
+    docs_shot(docs_shots, page, "data.png", top="#data-summary")
 
     # a reload (or a new session in this browser) keeps the upload as the data
     page.reload()
@@ -162,6 +180,7 @@ def whole_flow(server, page, tmp_path):
     sync_api.expect(page.locator("#memory-chart svg.marks")).to_be_visible()
     sync_api.expect(page.locator("#recipe-yaml")).to_contain_text(stored)
     shot(page, "03-plan")
+    docs_shot(docs_shots, page, "plan.png")
 
     # a bad key in the YAML: one message naming it; the advanced fields keep their values
     micro = page.get_by_label("micro-batch", exact=True).input_value()
@@ -222,6 +241,7 @@ def whole_flow(server, page, tmp_path):
     assert "step 16 / 16" in page.locator("#train-status").inner_text()
     sync_api.expect(page.locator("#runs-table")).to_contain_text(run_name, timeout=HANG_MS)
     shot(page, "07-trained")
+    docs_shot(docs_shots, page, "train.png", top="#train-status")
 
     # after the reload the editor holds the recipe it had, under a free name (a run has its name now)
     tab(page, "3 · Plan")
@@ -289,6 +309,7 @@ def whole_flow(server, page, tmp_path):
         answer = text.replace("What should I pack for a day hike?", "").strip()
         assert len(answer) >= 5, f"{lane} shows the question but no answer: {text!r}"
     shot(page, "09-chat")
+    docs_shot(docs_shots, page, "chat.png")
 
     # 6. export: the adapter zip in one click; a non-empty folder is refused in the merge's words; a merge
     tab(page, "6 · Export")
@@ -309,6 +330,7 @@ def whole_flow(server, page, tmp_path):
     page.locator("#merge-btn").click()
     wait_text(page, "#export-status", r"Merged model saved", timeout=HANG_MS)
     shot(page, "10-export")
+    docs_shot(docs_shots, page, "export.png")
     merged = runs / run_name / "merged"
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
 
@@ -332,22 +354,23 @@ REWARD_LINE_JS = """() => { const s = document.querySelector('#reward-plot svg.m
   return Math.max(0, ...[...s.querySelectorAll('.mark-line path')].map(p => (p.getAttribute('d') || '').split(/[ML]/).length - 1)); }"""
 
 
-def test_dpo_run_in_browser(server, page):
+def test_dpo_run_in_browser(server, page, docs_shots, request):
     """In a browser of its own (nothing remembered from another test): pairs side by side, a DPO
     plan, a few steps, and the reward accuracy beside the loss."""
     browser = page.context.browser.new_context(viewport={"width": 1360, "height": 1000})
     pg = browser.new_page()
     pg.set_default_timeout(60_000)
     try:
-        dpo_flow(server, pg)
+        dpo_flow(server, pg, docs_shots)
     except Exception:
         pg.screenshot(path=str(SHOTS / "dpo-failed-here.png"), full_page=True)
         raise
     finally:
         browser.close()
+    docs_shots.check(request.node.name)
 
 
-def dpo_flow(server, page):
+def dpo_flow(server, page, docs_shots):
     first = json.loads((ROOT / PAIRS).read_text(encoding="utf-8").splitlines()[0])
     page.goto(server["url"])
     wait_text(page, "#model-card", r"demo_model.*parameters")
@@ -419,6 +442,7 @@ def dpo_flow(server, page):
     assert f"reward accuracy {st.rewards['reward_accuracy'][-1][1]:.0%}" in status.split("eval reward")[0]  # the latest step's
     no_bare_errors(page)
     shot(page, "dpo-04-trained")
+    docs_shot(docs_shots, page, "dpo-train.png", top="#train-status")
     # the pairs and the reward chart at common window sizes: nothing cut off, charts as wide as their blocks
     for w, h in ((1280, 800), (1920, 1080)):
         page.set_viewport_size({"width": w, "height": h})
