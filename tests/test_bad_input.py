@@ -489,6 +489,27 @@ def test_missing_chat_template_uses_the_fallback(tmp_path, tok_no_template):
     assert "hello hiker" in trained and "hi there" not in trained
 
 
+def test_a_held_out_part_that_leaves_nothing_to_train_on_is_refused(tmp_path, tok):
+    """data.val_size holding out every row is one line naming the key, for examples, pairs and prompts alike
+    (finetuner.data.split.held_out_checked)."""
+    from finetuner.data.preference import prepare_preference_data
+    from finetuner.data.prompts import prepare_prompts
+
+    sft, pairs, prompts = tmp_path / "sft.json", tmp_path / "pairs.jsonl", tmp_path / "prompts.jsonl"
+    sft.write_text(json.dumps(alpaca_rows(4)), encoding="utf-8")
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(4)),
+                     encoding="utf-8")
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(4)), encoding="utf-8")
+    calls = [(lambda c: prepare_data(c, tok, seed=0), sft, "examples"),
+             (lambda c: prepare_preference_data(c, "dpo", tok, seed=0), pairs, "examples"),
+             (lambda c: prepare_prompts(c, tok, seed=0, max_new_tokens=8), prompts, "prompts")]
+    for prepare, path, unit in calls:
+        with pytest.raises(UserError) as e:
+            prepare(DataSection(path=str(path), val_size=4, cache=False))
+        assert str(e.value).startswith(f"data.val_size: 4.0 leaves no training {unit} (4 {unit} in all)."), str(e.value)
+        assert prepare(DataSection(path=str(path), val_size=3, cache=False)).val is not None
+
+
 def test_examples_longer_than_max_seq_len_are_cut_and_counted(tmp_path, tok):
     path = tmp_path / "long.json"
     rows = alpaca_rows(4) + [{"instruction": "a long one", "output": "tern " * 500}]

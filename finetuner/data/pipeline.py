@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import finetuner.phases as phases
-from finetuner.data.split import held_out_rows, pack_bins
+from finetuner.data.split import held_out_checked, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured
 from finetuner.data import thinking, tools
@@ -506,12 +506,7 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: An
     if cfg.val_path:
         val = tokenize_examples(load_examples(cfg.val_path, cfg, stats), tokenizer, cfg, stats, processor)
     elif cfg.val_size > 0:
-        n_val = held_out_rows(cfg.val_size, len(train))  # as the plan counts them
-        if n_val >= len(train):
-            raise UserError(
-                f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",
-                hint="Use a fraction below 1, or a smaller number of rows.",
-            )
+        n_val = held_out_checked(cfg.val_size, len(train))  # as the plan counts them
         split = train.train_test_split(test_size=n_val, seed=seed, shuffle=True)
         train, val = split["train"], split["test"]
     stats.train_examples = len(train)

@@ -41,7 +41,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from finetuner.data.split import held_out_rows, shuffled_split
+from finetuner.data.split import held_out_checked, shuffled_split
 from finetuner.config.sections import PAIRED_OBJECTIVES, DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,
@@ -397,12 +397,7 @@ def prepare_preference_data(cfg: DataSection, objective: str, tokenizer: Any, se
         val = encode_examples(load_preference_examples(cfg.val_path, objective, cfg, stats), tokenizer, template, cfg, stats,
                               "data.val_path")
     elif cfg.val_size > 0:
-        n_val = held_out_rows(cfg.val_size, len(train))  # as the plan counts them
-        if n_val >= len(train):
-            raise UserError(
-                f"data.val_size: {cfg.val_size} leaves no training rows ({len(train)} examples in all).",
-                hint="Use a fraction below 1, or a smaller number of rows.",
-            )
+        n_val = held_out_checked(cfg.val_size, len(train))  # as the plan counts them
         held, kept = shuffled_split(len(train), n_val, seed)
         val, train = [train[i] for i in held], [train[i] for i in kept]
     for split in (train, val or []):

@@ -24,7 +24,7 @@ from finetuner.config.sections import DataSection
 from finetuner.data.formats import SHAREGPT_ROLES, RowError, read_rows
 from finetuner.data.pipeline import DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.errors import UserError
-from finetuner.data.split import held_out_rows, shuffled_split
+from finetuner.data.split import held_out_checked, shuffled_split
 from finetuner.data.tools import refuse_calls
 
 #: columns read as the prompt (a text) when the row has no ``prompt`` or conversation
@@ -149,10 +149,7 @@ def prepare_prompts(cfg: DataSection, tokenizer: Any, seed: int, max_new_tokens:
     if cfg.val_path:
         val = load_prompts(cfg.val_path, cfg, tokenizer, template, limit, stats)
     elif cfg.val_size > 0:
-        n_val = held_out_rows(cfg.val_size, len(train))
-        if n_val >= len(train):
-            raise UserError(f"data.val_size: {cfg.val_size} leaves no training prompts ({len(train)} in all).",
-                            hint="Use a fraction below 1, or a smaller number of rows.")
+        n_val = held_out_checked(cfg.val_size, len(train), "prompts")
         held = set(shuffled_split(len(train), n_val, seed)[0])
         val = [train[i] for i in sorted(held)]
         train = [x for i, x in enumerate(train) if i not in held]

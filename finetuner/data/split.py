@@ -19,6 +19,17 @@ def held_out_rows(val_size: float, rows: int) -> int:
     return int(val_size) if val_size >= 1 else max(1, round(val_size * rows))
 
 
+def held_out_checked(val_size: float, rows: int, unit: str = "examples") -> int:
+    """:func:`held_out_rows`, refused in one line when it would leave no ``unit`` to train on."""
+    n = held_out_rows(val_size, rows)
+    if n >= rows:
+        from finetuner.errors import UserError
+
+        raise UserError(f"data.val_size: {val_size} leaves no training {unit} ({rows} {unit} in all).",
+                        hint="Use a fraction below 1, or a smaller number of rows.")
+    return n
+
+
 def held_out_size(rows: int) -> float:
     """The ``data.val_size`` finetuner chooses for ``rows`` examples when nobody named one: none under 10
     rows (each is needed for training), a tenth (at least 2) under 200, then 2 % and at most 200 rows. A
