@@ -21,11 +21,12 @@ from gradio.components.plot import PlotData
 
 from finetuner.config.sections import GRPOSection, Objective
 from finetuner.config.columns import ROLES
-from finetuner.data.formats import refused_picture
+from finetuner.data.formats import SUPERVISED, refused_picture
 from finetuner.data.picture_files import PictureTooLarge
 from finetuner.data.scope import ReadScope, data_file, within
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
+from finetuner.objectives.specs import names_where
 from finetuner.rewards.specs import SPEC_FORM, parse_reward_specs
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
@@ -40,6 +41,8 @@ from ui.train_handlers import CPU_CARD, START_ANYWAY, TrainHandlers, gpu_profile
 
 #: the Plan tab's objective choices: auto takes it from the data (finetuner.data.formats.AUTO_OBJECTIVE)
 OBJECTIVES = ["auto", *get_args(Objective)]
+#: the objectives the Plan tab's GRPO settings are shown for: those that generate their completions (objective grpo)
+GENERATING = names_where(generates=True)
 #: the Plan tab's GRPO settings (shown for objective grpo), with the recipe's defaults (GRPOSection)
 GRPO_GENERATIONS = GRPOSection.model_fields["num_generations"].default
 GRPO_NEW_TOKENS = GRPOSection.model_fields["max_new_tokens"].default
@@ -81,7 +84,7 @@ def empty_chart() -> None:
 
 def grpo_settings_shown(objective: str | None):
     """The Plan tab's GRPO settings (rewards, generations, new tokens) are shown for objective grpo only."""
-    return gr.update(visible=objective == "grpo")
+    return gr.update(visible=objective in GENERATING)
 
 
 def grpo_request(rewards: str | None, num_generations: float | None, max_new_tokens: float | None) -> dict[str, Any]:
@@ -227,7 +230,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             try:
                 local = Path(self.data_path(data_file or ""))
                 if local.is_absolute() and local.is_file():
-                    columns = file_columns(str(local)) if file_kind(str(local)) == "sft" else []
+                    columns = file_columns(str(local)) if file_kind(str(local)) == SUPERVISED else []
             except UserError:
                 columns = []  # on_data says what is wrong with the file, or that this UI does not read it
         menus = [gr.update(choices=[AS_DETECTED, *((c, c) for c in columns)], value="") for _ in COLUMN_ROLES]
@@ -259,7 +262,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         seq = int(seq_len or 0) or data_seq_len(model, profile)  # 0: what the plan takes from the data
         hist = views.histogram_df(profile, seq)
         hist_update = gr.update(value=hist, sort=list(hist["tokens"]), title=f"Token lengths against the sequence length ({seq})")
-        if profile.kind != "sft":
+        if profile.kind != SUPERVISED:
             pairs, note = None, ""
             try:
                 pairs = preview_preferences(path, n=3)
@@ -339,7 +342,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
 
         if not data_file:
             raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
-        grpo = grpo_request(rewards, num_generations, max_new_tokens) if objective == "grpo" else None
+        grpo = grpo_request(rewards, num_generations, max_new_tokens) if objective in GENERATING else None
         p = plan(
             paths.resolve_model(model_text),
             gpu_profile(card),

@@ -203,7 +203,9 @@ def reward_chart(st: Any | None) -> dict[str, Any]:
     rewards more; KTO: of responses rewarded on the side of their label) on a 0–100 % axis, and the
     reward margin (chosen − rejected) dashed on an axis of its own on the right; eval points as dots.
     A GRPO run's chart is :func:`grpo_reward_chart`."""
-    if st is not None and getattr(st, "objective", None) == "grpo":
+    from finetuner.objectives.specs import names_where
+
+    if st is not None and getattr(st, "objective", None) in names_where(generates=True):
         return grpo_reward_chart(st)
     rewards = (getattr(st, "rewards", None) or {}) if st is not None else {}
     rows = _series_rows(rewards, [(key, name, {"metric": "accuracy" if key.endswith("accuracy") else "margin"})

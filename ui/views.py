@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from finetuner.model.shapes import parameter_count
+from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
 from finetuner.text import CUT_MARK, cut_words
 from finetuner.units import GiB, gib_text
 
@@ -345,12 +346,12 @@ PACKING = {True: " (packed)", "auto": " (packing auto)"}
 
 
 def recipe_headline(recipe: Any) -> str:
-    """The recipe's choice in one line: the objective (when not sft), method, micro-batch ×
+    """The recipe's choice in one line: the objective (when not the default, sft), method, micro-batch ×
     accumulation, sequence, optimizer."""
     t = recipe.training
     quant = f" {recipe.quantization.bits}-bit" if recipe.method == "qlora" and recipe.quantization else ""
     gc = t.gradient_checkpointing
-    head = f"{recipe.objective.upper()} · " if recipe.objective != "sft" else ""
+    head = f"{recipe.objective.upper()} · " if recipe.objective != DEFAULT_OBJECTIVE else ""
     return (f"{head}{str(recipe.method).upper()}{quant} · micro-batch {t.micro_batch_size} × {t.gradient_accumulation} · "
             f"seq {recipe.data.max_seq_len}{PACKING.get(recipe.data.packing, '')} · {t.optimizer}"
             f"{' · checkpointing' if gc is True else (' · checkpointing auto' if gc == 'auto' else '')}")

@@ -461,7 +461,7 @@ def _grpo_estimate(args: argparse.Namespace, p: Any) -> int:
     timing = p.time(args.price_per_hour, args.currency)
     mem, g = r["memory"], recipe.grpo
     if args.json:
-        print(json.dumps({"objective": "grpo", "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,
+        print(json.dumps({"objective": recipe.objective, "gpu_profile": gpu.to_dict(), "total_bytes": mem.total_bytes,
                           "allocated_bytes": mem.allocated_bytes, "peak_phase": mem.peak_phase, "phases": dict(mem.phases),
                           "components": dict(mem.components), "budget_bytes": r["budget_bytes"], "fits": r["fits"],
                           "largest_max_new_tokens": r["largest_max_new_tokens"],

@@ -23,12 +23,12 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from finetuner.config.overrides import apply_override, drop_stale_val_path
-from finetuner.objectives.specs import SPECS, names_where, spec_of
+from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
+from finetuner.objectives.specs import SPECS, in_words, names_where, spec_of
 from finetuner.config.recipe_errors import model_keys, render_validation_error, values_accepted
 from finetuner.config.recipe_yaml import parse_yaml
 from finetuner.config.sections import (
     DATA_AUTO_KEYS,
-    PREFERENCE_OBJECTIVES,
     REFERENCE_OBJECTIVES,
     Auto,
     CheckpointSection,
@@ -66,7 +66,7 @@ class Recipe(Section):
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
-    objective: Objective = Field("sft", description="sft (supervised), neftune (sft with noisy embeddings), a preference objective on pairs (dpo, orpo, simpo) or rated "
+    objective: Objective = Field(DEFAULT_OBJECTIVE, description="sft (supervised), neftune (sft with noisy embeddings), a preference objective on pairs (dpo, orpo, simpo) or rated "
                                  "responses (kto), or grpo (reinforcement learning from reward functions on prompts).")
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
     grpo: GRPOSection | None = Field(None, description="Settings of objective grpo (its reward functions, group size, generation).")
@@ -289,16 +289,17 @@ class Recipe(Section):
         return Path(self.output_dir).expanduser().resolve() if self.output_dir else (Path.cwd() / "runs" / self.name).resolve()
 
 
+#: The objectives' own sections (each description's ``section``), in the recipe's order.
+OBJECTIVE_SECTIONS = tuple(name for name in Recipe.model_fields if name in {s.section for s in SPECS.values()})
 #: The sections of one objective's settings that a recipe has only for that objective (``grpo``, ``neftune``:
 #: absent from the recipes of the others, and from what they save), as the objectives' descriptions name them.
-OPTIONAL_SECTIONS = tuple(name for name, field in Recipe.model_fields.items()
-                          if field.default is None and name in {s.section for s in SPECS.values()})
+OPTIONAL_SECTIONS = tuple(name for name in OBJECTIVE_SECTIONS if Recipe.model_fields[name].default is None)
 
 
 # ---------------------------------------------------------------------- YAML in and out
 #: The order of a recipe's keys in the YAML finetuner writes for people to read (``finetuner plan
 #: -o``, the web UI's editor): every top-level field of :class:`Recipe`, each once.
-KEY_ORDER = ("name", "model", "method", "objective", "preference", "grpo", "neftune", "quantization", "lora", "data", "training", "distributed",
+KEY_ORDER = ("name", "model", "method", "objective", *OBJECTIVE_SECTIONS, "quantization", "lora", "data", "training", "distributed",
              "checkpointing", "logging", "samples", "output_dir", "device")
 
 
@@ -386,11 +387,11 @@ def _check_preference(r: Recipe) -> None:
     p, obj = r.preference, r.objective
     # keys whose value is not the default (a saved recipe holds every key, so being present says nothing)
     given = [k for k, f in PreferenceSection.model_fields.items() if getattr(p, k) != f.default]
-    if obj not in PREFERENCE_OBJECTIVES:
+    if spec_of(obj).section != "preference":
         if given:
             raise ValueError(
-                f"preference.{given[0]}: set, but objective is '{obj}': set objective to dpo, orpo, simpo or kto, "
-                "or remove the preference section"
+                f"preference.{given[0]}: set, but objective is '{obj}': set objective to "
+                f"{in_words(names_where(section='preference'))}, or remove the preference section"
             )
         return
     for key in given:

@@ -18,6 +18,7 @@ from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
 from finetuner.objectives.specs import SPECS, names_where
 from finetuner.objectives.specs import names as objective_names
+from finetuner.objectives.specs.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from finetuner.strategy_table import DEEPSPEED_ENGINE, DEFAULT as DEFAULT_STRATEGY, NAMES as STRATEGY_NAMES, StrategyRow, strategy_row
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
@@ -37,10 +38,6 @@ DataFormat = Literal["auto", "alpaca", "chat", "text", "completion"]
 #: (:mod:`finetuner.objectives.preference`), or reinforcement learning from rewards (:mod:`finetuner.objectives.grpo`).
 #: The names come from the objectives' descriptions (:mod:`finetuner.objectives.specs`).
 Objective = Literal[objective_names()]  # type: ignore[valid-type]
-#: The preference objectives (the ``preference`` section's).
-PREFERENCE_OBJECTIVES = names_where(section="preference")
-#: The objectives trained on pairs of a chosen and a rejected response (KTO takes single rated responses).
-PAIRED_OBJECTIVES = names_where(data_kind="pairs")
 #: The objectives that compare the model with a reference model (ORPO and SimPO need none).
 REFERENCE_OBJECTIVES = names_where(reference_model=True)
 
@@ -435,12 +432,12 @@ class PreferenceSection(Section):
     #: the objectives each key applies to (the check in :meth:`Recipe._combinations`)
     #: (each objective's description lists its settings: :attr:`~finetuner.objectives.specs.base.ObjectiveSpec.settings`)
     APPLIES_TO: ClassVar[dict[str, tuple[str, ...]]] = {
-        key: tuple(n for n in PREFERENCE_OBJECTIVES if key in SPECS[n].settings)
+        key: tuple(n for n in names_where(section="preference") if key in SPECS[n].settings)
         for key in ("beta", "loss_type", "label_smoothing", "gamma", "orpo_weight", "desirable_weight",
                     "undesirable_weight", "reference", "start_from")
     }
     #: ``beta`` when the recipe leaves it out
-    DEFAULT_BETA: ClassVar[dict[str, float]] = {n: SPECS[n].default_beta for n in PREFERENCE_OBJECTIVES
+    DEFAULT_BETA: ClassVar[dict[str, float]] = {n: SPECS[n].default_beta for n in names_where(section="preference")
                                                 if SPECS[n].default_beta is not None}
 
     beta: float | None = Field(
@@ -516,7 +513,7 @@ class GRPOSection(Section):
     beta: float = Field(0.0, ge=0, description="Weight of the KL divergence to the reference (the base with the adapter off); 0: no reference pass.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping of the importance ratio to [1 - epsilon, 1 + epsilon_high].")
     epsilon_high: float | None = Field(None, gt=0, description="DAPO's upper clip bound (default: epsilon).")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+    loss_type: Literal[GRPO_LOSS_TYPES] = Field(  # type: ignore[valid-type]  (the grpo description's variants)
         "dapo", description="grpo: mean per sequence (DeepSeekMath); dr_grpo: sum over tokens / (sequences x max_new_tokens) "
         "(Dr. GRPO); dapo: mean over all tokens (DAPO).")
     scale_rewards: Literal["group", "batch", "none"] = Field(

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.data import scope
+from finetuner.objectives.specs import first_for_kind, in_words, offered_for_kind
 from finetuner.data.rows import (  # noqa: F401 - read from here by the pipeline, images, chat
     IGNORE_INDEX, IMAGE_PLACEHOLDER, PictureRefused, RawRow, RowError, attach_pictures, content_parts, picture_path,
     valid_text,
@@ -297,12 +298,20 @@ def file_columns(path: str) -> list[str]:
     return []
 
 
+#: The kind of data of supervised examples (prompt and response, chat, text): what a file holds that is neither
+#: preference pairs nor rated responses (:func:`preference_kind`). A kind of data, not an objective: the objectives
+#: that train on it say so in their descriptions (:attr:`~finetuner.objectives.specs.base.ObjectiveSpec.data_kind`).
+SUPERVISED = "supervised"
+#: The kinds of data a file is taken for (:func:`file_kind`); ``prompts`` is a file read for its prompts alone.
+FILE_KINDS = (SUPERVISED, "pairs", "rated")
+
+
 def file_kind(path: str) -> str:
-    """What a data file holds, from its first row: ``sft``, ``pairs`` or ``rated`` (see
-    :func:`preference_kind`); a file with no readable row is ``sft`` (its reader then says what is wrong)."""
+    """What a data file holds, from its first row: :data:`SUPERVISED`, ``pairs`` or ``rated`` (see
+    :func:`preference_kind`); a file with no readable row is :data:`SUPERVISED` (its reader then says what is wrong)."""
     for raw in read_rows(path, "train", []):
-        return preference_kind(raw.data) or "sft"
-    return "sft"
+        return preference_kind(raw.data) or SUPERVISED
+    return SUPERVISED
 
 
 #: The names users know each layout by (``finetuner plan``'s data line, the web UI's Data tab):
@@ -324,23 +333,23 @@ def format_label(fmt: str, columns: dict[str, str] | None = None) -> str:
     return FORMAT_LABELS.get(fmt, fmt)
 
 
-#: The objectives each kind of data fits, as the errors name them.
-OBJECTIVES_OF_KIND = {"pairs": "dpo, orpo or simpo", "rated": "kto", "sft": "sft"}
+#: The objectives each kind of data fits, as the errors name them (the objectives' descriptions say which).
+OBJECTIVES_OF_KIND = {kind: in_words(offered_for_kind(kind)) for kind in FILE_KINDS}
 #: The objective a kind of data is trained with when none is asked for (``objective: auto`` in
-#: ``finetuner plan`` and the web UI's Plan tab).
-AUTO_OBJECTIVE = {"sft": "sft", "pairs": "dpo", "rated": "kto"}
+#: ``finetuner plan`` and the web UI's Plan tab): the first whose description takes it.
+AUTO_OBJECTIVE = {kind: first_for_kind(kind) for kind in FILE_KINDS}
 #: What one row of each kind of data is called (``finetuner plan``'s data line, the profile's errors).
-KIND_UNITS = {"sft": "examples", "pairs": "pairs", "rated": "rated responses", "prompts": "prompts"}
+KIND_UNITS = {SUPERVISED: "examples", "pairs": "pairs", "rated": "rated responses", "prompts": "prompts"}
 KIND_WORDS = {
     "pairs": "preference pairs (a chosen and a rejected response)",
     "rated": "rated responses (a response with a true/false label, KTO's unpaired data)",
-    "sft": "supervised examples",
-    "prompts": "prompts (objective grpo: the prompt side of each row)",
+    SUPERVISED: "supervised examples",
+    "prompts": f"prompts (objective {first_for_kind('prompts')}: the prompt side of each row)",
 }
 
 
 class WrongObjective(UserError):
-    """A data file whose rows are ``kind`` of data (``pairs``, ``rated``, ``sft``) given where
+    """A data file whose rows are ``kind`` of data (``pairs``, ``rated``, :data:`SUPERVISED`) given where
     ``objective`` needs another kind; ``place`` is the file and row."""
 
     def __init__(self, message: str, *, hint: str | None, place: str, kind: str, objective: str,
@@ -351,11 +360,9 @@ class WrongObjective(UserError):
 
 def wrong_objective(place: str, kind: str, objective: str, what: str = "") -> WrongObjective:
     """The error for a file whose rows are ``kind`` of data given to a recipe whose objective needs another."""
-    fits = OBJECTIVES_OF_KIND[kind]
-    first = fits.split(",")[0].split(" ")[0]
     return WrongObjective(
-        f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {fits}, not '{objective}'.",
-        settings={"objective": first}, hint=f"Or give data for '{objective}'.",
+        f"{place}: this file holds {KIND_WORDS[kind]}{what}: it fits objective {OBJECTIVES_OF_KIND[kind]}, not '{objective}'.",
+        settings={"objective": AUTO_OBJECTIVE[kind]}, hint=f"Or give data for '{objective}'.",
         place=place, kind=kind, objective=objective,
     )
 
@@ -387,7 +394,7 @@ def layout_for(raw: RawRow, fmt: str = "auto", columns: dict[str, str] | None = 
     if not columns and fmt == "auto":
         kind = preference_kind(row)
         if kind is not None:
-            raise wrong_objective(raw.place, kind, "sft")
+            raise wrong_objective(raw.place, kind, first_for_kind(SUPERVISED))
         found = detect_layout(row)
         if found is None:
             raise UserError(

@@ -42,10 +42,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from finetuner.data.split import held_out_checked, shuffled_split
-from finetuner.config.sections import PAIRED_OBJECTIVES, DataSection
+from finetuner.config.sections import DataSection
 from finetuner.data.formats import (
     CHAT_ROLES,
     SHAREGPT_ROLES,
+    SUPERVISED,
     RowError,
     detect_layout,
     preference_kind,
@@ -54,6 +55,7 @@ from finetuner.data.formats import (
 )
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, PreparedData, chat_template_for, raise_or_skip
 from finetuner.data.textcut import char_budget
+from finetuner.objectives.specs import spec_of
 from finetuner.data import textcut
 from finetuner.data.tools import refuse_calls
 from finetuner.errors import UserError
@@ -220,7 +222,7 @@ def normalize_rated(row: Any, system_prompt: str | None = None) -> dict[str, Any
 def read_preference_file(path: str, objective: str, cfg: DataSection, bad: list[RowError]) -> tuple[Iterator[dict[str, Any]], dict[str, Any]]:
     """The normalised examples of one file for ``objective``, and what was found (``layout``,
     ``rows``); bad rows go to ``bad``. A :class:`UserError` when the file holds data for another objective."""
-    want = "pairs" if objective in PAIRED_OBJECTIVES else "rated"
+    want = spec_of(objective).data_kind
     info: dict[str, Any] = {"layout": None, "rows": 0}
 
     def rows() -> Iterator[dict[str, Any]]:
@@ -238,7 +240,7 @@ def read_preference_file(path: str, objective: str, cfg: DataSection, bad: list[
                             hint="Pairs need chosen and rejected (with conversations, prompt or question); KTO's rated "
                             "responses need messages or prompt/completion and a true/false label.",
                         )
-                    raise wrong_objective(raw.place, "sft", objective, what)
+                    raise wrong_objective(raw.place, SUPERVISED, objective, what)
                 if kind != want:
                     raise wrong_objective(raw.place, kind, objective)
                 info["layout"] = pair_layout(raw.data) if kind == "pairs" else (

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetuner.config.sections import PAIRED_OBJECTIVES, DataSection
-from finetuner.data.formats import KIND_WORDS, OBJECTIVES_OF_KIND, file_kind
+from finetuner.config.sections import DataSection
+from finetuner.data.formats import AUTO_OBJECTIVE, KIND_WORDS, OBJECTIVES_OF_KIND, SUPERVISED, file_kind
 from finetuner.data.pipeline import IGNORE_INDEX, DataStats, chat_template_for, encode_example, load_examples
 from finetuner.data.preference import load_preference_examples
+from finetuner.objectives.specs import offered_for_kind
 from finetuner.text import drop_partial_word
 
 
@@ -132,13 +133,13 @@ class PreferencePreview:
 
     @property
     def fits(self) -> str:
-        """The objectives the file fits, in words ("dpo, orpo or simpo"; "kto")."""
+        """The objectives the file fits, in words (``dpo, orpo or simpo``; ``kto``)."""
         return OBJECTIVES_OF_KIND[self.kind]
 
     @property
     def objectives(self) -> tuple[str, ...]:
-        """The objectives the file fits: the paired ones for pairs, kto for rated responses."""
-        return PAIRED_OBJECTIVES if self.kind == "pairs" else ("kto",)
+        """The objectives the file fits (their descriptions' data kind): the paired ones for pairs, kto for rated responses."""
+        return offered_for_kind(self.kind)
 
 
 def preview_preferences(path: str, n: int = 3, system_prompt: str | None = None) -> PreferencePreview:
@@ -148,7 +149,7 @@ def preview_preferences(path: str, n: int = 3, system_prompt: str | None = None)
     file and row. A file of supervised examples gets the error training gives it for a paired
     objective (it names the objective the file fits)."""
     kind = file_kind(path)  # what profile_data and the planner take the file for
-    objective = "kto" if kind == "rated" else PAIRED_OBJECTIVES[0]
+    objective = AUTO_OBJECTIVE["pairs" if kind == SUPERVISED else kind]
     cfg = DataSection(path=path, system_prompt=system_prompt, max_examples=n)
     stats = DataStats()
     examples = load_preference_examples(path, objective, cfg, stats)

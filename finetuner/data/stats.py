@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import finetuner.phases as phases
-from finetuner.data.formats import KIND_UNITS, FileExamples, RowError, WrongObjective, delimiter_note, format_label
+from finetuner.data.formats import (
+    AUTO_OBJECTIVE,
+    KIND_UNITS,
+    SUPERVISED,
+    FileExamples,
+    RowError,
+    WrongObjective,
+    delimiter_note,
+    format_label,
+)
 from finetuner.data import tools
 from finetuner.data.thinking import statement
 from finetuner.data.tools import statement as tool_statement
@@ -69,10 +78,10 @@ class DataProfile:
     #: rows that cannot be used (invalid JSON, or not normalisable), and the first one's message
     bad_rows: int = 0
     first_bad_row: str | None = None
-    #: what the rows are: ``sft`` (supervised examples), ``pairs`` (a chosen and a rejected response:
+    #: what the rows are: ``supervised`` (supervised examples), ``pairs`` (a chosen and a rejected response:
     #: DPO, ORPO, SimPO) or ``rated`` (a response with a true/false label: KTO). For pairs, a length is
     #: the longer of the example's two sequences (prompt + chosen, prompt + rejected).
-    kind: str = "sft"
+    kind: str = SUPERVISED
     #: examples whose conversation starts with a system message (the file's, or data.system_prompt's)
     system_rows: int = 0
     #: the examples' pictures, and the image tokens the model's processor makes of them (0 where it did not
@@ -317,7 +326,7 @@ def profile_data(
         return _profile_preference(path, e.kind, count, how, seq_len, on_bad_row, system_prompt)
     layout = src.layout
     sep = delimiter_note(path)
-    profile = _profile(path, layout.format if layout else fmt, "sft", lengths, trained, total, how, seq_len, src.bad,
+    profile = _profile(path, layout.format if layout else fmt, SUPERVISED, lengths, trained, total, how, seq_len, src.bad,
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
@@ -588,7 +597,7 @@ def _profile_preference(path: str, kind: str, count, how: str, seq_len: int | No
     from finetuner.data.preference import read_preference_file
 
     bad: list[RowError] = []
-    rows, info = read_preference_file(path, "dpo" if kind == "pairs" else "kto", DataSection(path=path, system_prompt=system_prompt), bad)
+    rows, info = read_preference_file(path, AUTO_OBJECTIVE[kind], DataSection(path=path, system_prompt=system_prompt), bad)
     lengths: list[int] = []
     trained = total = 0
     for ex in rows:

@@ -250,7 +250,7 @@ def evaluate_run(
         >>> r = finetuner.evaluate_run("runs/demo_cpu")   # doctest: +SKIP
         >>> r.base.loss, r.fine_tuned.loss                 # doctest: +SKIP
     """
-    from finetuner.data.formats import file_kind
+    from finetuner.data.formats import SUPERVISED, file_kind
     from finetuner.data.pipeline import Collator
 
     t0 = time.perf_counter()
@@ -270,7 +270,7 @@ def evaluate_run(
             record_in_metrics(src.run_dir, result)
         return result
     kind = file_kind(str(data)) if data is not None else (
-        "pairs" if src.recipe is not None and spec_of(src.recipe.objective).data_kind == "pairs" else "sft")
+        "pairs" if src.recipe is not None and spec_of(src.recipe.objective).data_kind == "pairs" else SUPERVISED)
     if kind == "rated" or (data is None and src.recipe is not None and spec_of(src.recipe.objective).data_kind == "rated"):
         raise UserError("finetuner eval scores preference pairs (chosen and rejected); KTO's rated responses have no pairs.",
                         hint="Pass a file of pairs with --data to measure the preference accuracy of a KTO run.")

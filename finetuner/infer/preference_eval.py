@@ -87,8 +87,10 @@ class PreferenceEvalResult:
 def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | None = None):
     """The tokenized held-out pairs and where they came from: ``data``, or the run's validation split."""
     from finetuner.config.sections import DataSection
+    from finetuner.data.formats import AUTO_OBJECTIVE
     from finetuner.data.preference import prepare_preference_data
 
+    reader = AUTO_OBJECTIVE["pairs"]  # the pairs are read as the objective a file of pairs trains by default reads them
     recipe = src.recipe
     if data is not None:
         base_cfg = recipe.data.model_dump() if recipe is not None else {}
@@ -96,12 +98,12 @@ def held_out_pairs(src, tokenizer, data: str | Path | None, max_seq_len: int | N
                         val_path=None, packing=False, max_examples=None, train_on_prompt=False)
         if max_seq_len:
             base_cfg["max_seq_len"] = max_seq_len
-        return prepare_preference_data(DataSection.model_validate(base_cfg), "dpo", tokenizer, seed=0).train, str(data)
+        return prepare_preference_data(DataSection.model_validate(base_cfg), reader, tokenizer, seed=0).train, str(data)
     cfg = recipe.data
     if not cfg.val_path and not cfg.val_size:
         raise UserError(f"The run {src.path} kept no held-out pairs (data.val_size is 0 and there is no data.val_path).",
                         hint="Pass a file of pairs with --data.")
-    prepared = prepare_preference_data(cfg, "dpo", tokenizer, recipe.training.seed)
+    prepared = prepare_preference_data(cfg, reader, tokenizer, recipe.training.seed)
     return prepared.val, cfg.val_path or f"the run's validation split ({len(prepared.val)} pairs of {cfg.path})"
 
 

@@ -80,6 +80,9 @@ from finetuner.units import gib_text
 
 #: fp32 per-token tensors of the surrogate alive in the loss (see the module's docstring).
 SURROGATE_TENSORS = 8
+#: the key of a :class:`~finetuner.memory.model.MemoryEstimate`'s ``details`` that keeps the rollout's terms and
+#: phases (:func:`grpo_memory_estimate`); an estimate without it is of a step that generates nothing
+ROLLOUT = "rollout"
 #: tokens per block of vLLM's paged KV cache (its default ``block_size``): a sequence takes whole blocks
 VLLM_BLOCK_TOKENS = 16
 
@@ -379,7 +382,7 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
     sum to ``total_bytes``: the resident weights, LoRA weights and optimizer states, the GRPO buffers, the
     peak phase's own memory (the generation's KV cache and its largest temporaries; the loss's gradients,
     activations and logits; the reference pass; the optimizer step), the cuBLAS workspace, the
-    allocator's slack and the CUDA context. ``details["grpo"]`` keeps every GRPO term and phase."""
+    allocator's slack and the CUDA context. ``details[ROLLOUT]`` keeps every GRPO term and phase."""
     if g.use_vllm and g.card_bytes is None and gpu is not None:
         g = g.with_(card_bytes=gpu.memory_bytes)
     m = grpo_estimate(shape, s, g, top_p)
@@ -412,10 +415,10 @@ def grpo_memory_estimate(shape: ModelShape, s: Settings, g: GrpoSettings, gpu=No
         out["CUDA context"] = context
     assert sum(out.values()) == m.total_bytes, (sum(out.values()), m.total_bytes)
     device = gpu.memory_bytes if gpu is not None else None
-    details = dict(loss.details, grpo={"components": dict(comp), "phases": dict(m.phases), **m.details,
-                                       "num_generations": g.num_generations, "max_new_tokens": g.max_new_tokens,
-                                       "prompt_len": g.prompt_len, "prompts_per_step": g.prompts_per_step,
-                                       "vllm_fits": m.vllm_fits})
+    details = {**loss.details, ROLLOUT: {"components": dict(comp), "phases": dict(m.phases), **m.details,
+                                         "num_generations": g.num_generations, "max_new_tokens": g.max_new_tokens,
+                                         "prompt_len": g.prompt_len, "prompts_per_step": g.prompts_per_step,
+                                         "vllm_fits": m.vllm_fits}}
     return MemoryEstimate(
         model=shape.name, settings=s, components=out, peak_phase=peak, phases=dict(m.phases),
         allocated_bytes=m.allocated_bytes, reserved_bytes=m.reserved_bytes, total_bytes=m.total_bytes,

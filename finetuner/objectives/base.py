@@ -57,7 +57,7 @@ class Objective:
     no start adapter, no reference, no rollout, nothing summed besides the loss, no extra fields."""
 
     #: the kind of data it trains on, as :data:`finetuner.data.formats.KIND_WORDS` names it
-    data_kind: str = "sft"
+    data_kind: str = "supervised"
     #: optimizer steps taken on each batch of the schedule (GRPO's ``num_iterations``; 1: one step each)
     steps_per_batch: int = 1
 

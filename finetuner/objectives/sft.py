@@ -26,7 +26,7 @@ def step_loss_module(model, chunk_size: int, fused_ce):
 class SFTObjective(Objective):
     """Supervised fine-tuning (packed or not, on the data pipeline's examples)."""
 
-    data_kind = "sft"
+    data_kind = "supervised"
 
     def prepare_data(self, tokenizer, processor=None):
         r = self.recipe

@@ -76,7 +76,7 @@ def base_recipe(model: str, sizing: Sizing, data: str | None, name: str, device:
         "model": {"name": model},
         "method": "auto",
         **({"objective": objective} if objective != DEFAULT_OBJECTIVE else {}),
-        **({"grpo": grpo} if grpo is not None else {}),
+        **({spec_of(objective).section: grpo} if grpo is not None else {}),
         "data": {"path": data or DEFAULT_DATA, "max_seq_len": sizing.seq_len, "val_size": sizing.val_size,
                  "packing": sizing.packing, **({"columns": columns} if columns else {}),
                  **({"replay": sizing.replay} if sizing.replay else {}),
@@ -139,7 +139,8 @@ def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
     try:
         section = GRPOSection.model_validate(raw)
     except ValidationError as e:
-        raise UserError(format_validation_error(e, "grpo").replace("\n  - ", "\n  - grpo.")) from None
+        name = spec_of(first_for_kind("prompts")).section  # the section of the objective that trains on prompts
+        raise UserError(format_validation_error(e, name).replace("\n  - ", f"\n  - {name}.")) from None
     out = section.model_dump(mode="json", exclude_unset=True)
     out["rewards"] = [r.model_dump(mode="json", exclude_defaults=True) | {"function": r.function} for r in section.rewards]
     out.setdefault("max_new_tokens", section.max_new_tokens)

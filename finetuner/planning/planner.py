@@ -127,7 +127,7 @@ def plan(
             run's predicted cost (``Plan.cost``) to its time (``Plan.wall_s``: the whole run, by part in
             ``Plan.wait``).
         currency: the price's currency (``USD``, ``€``), said with the cost; None: the price's units.
-        grpo: for ``objective="grpo"`` (implied when given), the recipe's ``grpo`` section: at least
+        grpo: for objective grpo (implied when given), the recipe's ``grpo`` section: at least
             ``rewards`` (``[{"function": "my_reward", "file": "rewards.py"}]`` or built-in names), and
             ``num_generations``, ``max_new_tokens`` … as the recipe takes them. ``data`` gives the prompts
             (the prompt side of any supported file, :func:`finetuner.data.stats.profile_prompts`); the

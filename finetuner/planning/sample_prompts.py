@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from finetuner.data.formats import SUPERVISED
 from finetuner.data.split import held_out_positions, held_out_rows, shuffled_split
 from finetuner.objectives.specs import spec_of
 
@@ -59,7 +60,7 @@ def _examples(path: str, objective: str, cfg: DataSection) -> list[dict[str, Any
             except RowError:
                 continue
         return out
-    if spec_of(objective).data_kind == "sft":
+    if spec_of(objective).data_kind == SUPERVISED:
         from finetuner.data.pipeline import load_examples
 
         return load_examples(path, cfg, DataStats())
@@ -82,7 +83,7 @@ def held_out_prompts(recipe: Recipe) -> tuple[list[str], str]:
         n_val = held_out_rows(d.val_size, len(examples))
         if n_val == 0:
             order, where = list(range(len(examples))), "the data's first rows (the run holds none out: it trains on these too)"
-        elif spec_of(objective).data_kind == "sft":
+        elif spec_of(objective).data_kind == SUPERVISED:
             order, where = held_out_positions(len(examples), n_val, seed), f"the {n_val} rows the run holds out"
         else:
             held = shuffled_split(len(examples), n_val, seed)[0]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile
 from finetuner.device import CUDA
-from finetuner.memory.grpo import grpo_settings_of
+from finetuner.memory.grpo import ROLLOUT, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.memory.sharding import distributed_keys
 from finetuner.model.shapes import ModelShape
@@ -264,7 +264,7 @@ def search(
                         else:
                             fits = est.total_bytes <= (est.budget_bytes or est.total_bytes)
                             if grpo:  # and vLLM's share (grpo.use_vllm) holds its weights and a sequence's KV cache
-                                fits = fits and est.details["grpo"]["vllm_fits"]
+                                fits = fits and est.details[ROLLOUT]["vllm_fits"]
                         batch = lengths_batch(recipe, lengths, mb, ga) if lengths else None
                         if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
                             g = grpo_settings_of(recipe, gpu.memory_bytes)

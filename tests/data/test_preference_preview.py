@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetuner.config.sections import DataSection
-from finetuner.data.formats import WrongObjective
+from finetuner.data.formats import SUPERVISED, WrongObjective
 from finetuner.data.pipeline import DataStats
 from finetuner.data.preference import load_preference_examples
 from finetuner.data.formats import AUTO_OBJECTIVE
@@ -77,7 +77,7 @@ def test_the_objective_auto_takes_is_the_planners(tmp_path):
     from finetuner.data.formats import file_kind
     from finetuner.planning.planner import plan
 
-    files = {"sft": str(REPO / "data" / "alpaca_sample.json"), "pairs": str(REPO / "data" / "preference_sample.jsonl"),
+    files = {SUPERVISED: str(REPO / "data" / "alpaca_sample.json"), "pairs": str(REPO / "data" / "preference_sample.jsonl"),
              "rated": write(tmp_path, [{"prompt": f"{QUESTION} {i}", "completion": CHOSEN, "label": i % 2 == 0} for i in range(40)])}
     assert sorted(AUTO_OBJECTIVE) == sorted(files)
     for kind, path in files.items():
@@ -100,4 +100,4 @@ def test_a_bad_row_among_the_first_is_named_as_training_names_it(tmp_path):
 def test_a_supervised_file_gets_the_error_training_gives_it():
     with pytest.raises(WrongObjective) as e:
         preview_preferences(str(REPO / "data" / "alpaca_sample.json"))
-    assert e.value.kind == "sft" and "alpaca_sample.json, row 1" in e.value.message and "fits objective sft" in e.value.message
+    assert e.value.kind == SUPERVISED and "alpaca_sample.json, row 1" in e.value.message and "fits objective sft" in e.value.message

@@ -118,7 +118,7 @@ def test_the_first_step_is_on_policy(tiny_model_dir, tmp_path):
     step = _steps(run_dir)[1]
     predicted = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"][0]["predicted"]
     assert predicted["peak_phase"] in predicted["phases"] and "generation" in predicted["phases"]  # GRPO's memory terms
-    assert "reference pass" in predicted["phases"] and predicted["details"]["grpo"]["components"]["generation: KV cache"] > 0
+    assert "reference pass" in predicted["phases"] and predicted["details"]["rollout"]["components"]["generation: KV cache"] > 0
     assert sum(predicted["components"].values()) == predicted["total_bytes"]  # the peak phase's, as plan and estimate show
     assert step["completions_clipped"] == 1.0 and step["completion_length"] == 8
     # one generate call (4 prompts x 4 completions) ran its 8 tokens; the rollout took some time

@@ -3,6 +3,7 @@ objective the trainer builds, and the recipe's schema takes its names and prefer
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -44,8 +45,6 @@ def test_every_described_objective_has_a_trainer_and_the_recipe_accepts_exactly_
 def test_the_worked_example_of_docs_extending(monkeypatch):
     """The description docs/extending.md gives, put in the registry, is what sizing, the memory and speed models
     and the plan's words read: no other module names it."""
-    import re
-
     from finetuner.memory.model import Settings, preference_cost
     from finetuner.model.shapes import resolve_shape
     from finetuner.objectives import specs
@@ -71,3 +70,38 @@ def test_the_worked_example_of_docs_extending(monkeypatch):
     assert rows_per_micro_batch(s) == 6 and not has_reference_pass(s)
     cost = preference_cost(shape, s)
     assert cost.rows == 6 and cost.reference_pass_bytes == 0
+
+
+#: an objective's name as code writes it, or the sets of them that modules used to keep
+#: (the grep of issue 57: ``grep -rnE '"(grpo|dpo|...)"|PREFERENCE_OBJECTIVES|...' finetuner ui``)
+OBJECTIVE_NAMED = re.compile(r'"(grpo|dpo|orpo|simpo|kto|sft|neftune)"|PREFERENCE_OBJECTIVES|PAIRED_OBJECTIVES|is_grpo|== "grpo"')
+#: where objectives are described and their losses written: the only places that name one
+OWN_PLACES = ("finetuner/objectives/", "finetuner/losses/")
+
+
+def objective_named_outside(root) -> list[str]:
+    """The ``path:line: text`` of each line under ``root``'s finetuner/ and ui/ (objectives/ and losses/ left out)
+    that names an objective."""
+    found = []
+    for pkg in ("finetuner", "ui"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(OWN_PLACES):
+                continue
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if OBJECTIVE_NAMED.search(line):
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def test_no_code_outside_the_objectives_names_one(tmp_path):
+    """A new objective is its description and its trainer: the planner, memory, data, CLI and UI ask the
+    descriptions (finetuner.objectives.specs) what an objective does, never which one it is."""
+    found = objective_named_outside(REPO)
+    assert not found, ("these lines name an objective; ask its description (spec_of, names_where, first_for_kind) "
+                       "instead:\n" + "\n".join(found))
+    (tmp_path / "ui").mkdir()  # and the check sees such a line where one is written
+    (tmp_path / "ui" / "views.py").write_text('if objective == "grpo":\n    pass\n', encoding="utf-8")
+    (tmp_path / "finetuner" / "losses").mkdir(parents=True)
+    (tmp_path / "finetuner" / "losses" / "dpo.py").write_text('NAME = "dpo"\n', encoding="utf-8")
+    assert objective_named_outside(tmp_path) == ['ui/views.py:1: if objective == "grpo":']

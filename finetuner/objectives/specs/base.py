@@ -19,9 +19,12 @@ class ObjectiveSpec:
 
     #: the recipe's ``objective``
     name: str
-    #: the kind of data it trains on, as :data:`finetuner.data.formats.KIND_WORDS` names it:
-    #: ``sft`` (examples), ``pairs`` (a chosen and a rejected response), ``rated`` (one rated response), ``prompts``
+    #: the kind of data it trains on, as :data:`finetuner.data.formats.KIND_WORDS` names it: ``supervised``
+    #: (examples), ``pairs`` (a chosen and a rejected response), ``rated`` (one rated response), ``prompts``
     data_kind: str
+    #: the objective it is a variant of (NEFTune: SFT with noisy embeddings), None for one of its own: a variant
+    #: is not offered for a kind of data (the data errors and the Data tab name the objective it varies)
+    variant_of: str | None = None
     #: the recipe section of its own settings (``preference``, ``grpo``), None without one
     section: str | None = None
     #: what the plan and the CLI call it before the method ("DPO with LoRA"); "" for plain supervised training

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from finetuner.objectives.specs.base import ObjectiveSpec
 
+#: its section's ``loss_type`` values: how the clipped surrogate is averaged (:mod:`finetuner.losses.grpo`)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+
 GRPO = ObjectiveSpec(
     name="grpo", data_kind="prompts", section="grpo", label="GRPO", generates=True, whole_sequences=True,
     units="prompts", learning_rates={"lora": 5e-6, "qlora": 5e-6, "full": 1e-6},

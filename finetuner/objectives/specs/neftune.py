@@ -8,5 +8,5 @@ from dataclasses import replace
 
 from finetuner.objectives.specs.sft import SFT
 
-NEFTUNE = replace(SFT, name="neftune", section="neftune", label="NEFTune", settings=("alpha",),
+NEFTUNE = replace(SFT, name="neftune", variant_of=SFT.name, section="neftune", label="NEFTune", settings=("alpha",),
                   description="supervised fine-tuning with noisy embeddings (NEFTune)")
