@@ -25,7 +25,7 @@ def test_sft_is_the_default_and_each_objective_has_its_beta():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["objective=dop"], "objective: invalid value 'dop'. Did you mean 'dpo'? Valid choices: sft, dpo, orpo, simpo, kto, grpo."),
+    (["objective=dop"], "objective: invalid value 'dop'. Did you mean 'dpo'? Valid choices: sft, neftune, dpo, orpo, simpo, kto, grpo."),
     (["preference.beta=0.2"], "preference.beta: set, but objective is 'sft': set objective to dpo, orpo, simpo or kto"),
     (["objective=dpo", "preference.gamma=0.5"], "preference.gamma: applies to simpo, not to objective 'dpo'"),
     (["objective=simpo", "preference.reference=precomputed"], "preference.reference: applies to dpo, kto, not to objective 'simpo'"),
