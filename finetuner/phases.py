@@ -17,7 +17,8 @@ another thread or in a worker process (a ``datasets`` worker is forked with this
 call blocks (a model's load, a checkpoint's write) gets a line anyway: a heartbeat thread repeats the record every
 ``heartbeat_s`` seconds when nothing else was said, so nothing runs for long without a line.
 
-No torch, no other finetuner module: any layer may open a phase.
+No torch, no finetuner module but :mod:`finetuner.units` (its times written by ``clock_text``): any layer may
+open a phase.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from finetuner.units import clock_text
 
 Sink = Callable[[dict[str, Any]], Any]
 
@@ -152,17 +155,11 @@ class Phase:
 
 
 # ---------------------------------------------------------------------- how a record is said
-def clock(seconds: float) -> str:
-    """Seconds as the bars show them: ``0:01:05``."""
-    s = max(0, int(round(seconds)))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 def eta_text(rec: dict[str, Any]) -> str:
     """A record's ETA as the bar and the lines say it: ``0:00:12``, ``0:00:40 (planned)``, ``-``."""
     if rec.get("eta_s") is None:
         return "-"
-    return clock(rec["eta_s"]) + (" (planned)" if rec.get("eta_from") == "planned" else "")
+    return clock_text(rec["eta_s"]) + (" (planned)" if rec.get("eta_from") == "planned" else "")
 
 
 def line(rec: dict[str, Any]) -> str:
@@ -171,12 +168,12 @@ def line(rec: dict[str, Any]) -> str:
     unit = f" {rec['unit']}" if rec.get("unit") else ""
     if rec["state"] == "end":
         count = f"{rec['done']:,}{unit} " if unit else ""
-        return f"{rec['label']}: done, {count}in {clock(rec['elapsed_s'])}"
+        return f"{rec['label']}: done, {count}in {clock_text(rec['elapsed_s'])}"
     if rec.get("total") is not None:
         count = f"{rec['done']:,}/{rec['total']:,}{unit}, "
     else:
         count = f"{rec['done']:,}{unit}, " if unit and rec["done"] else ""
-    return f"{rec['label']}: {count}{clock(rec['elapsed_s'])} so far, ETA {eta_text(rec)}"
+    return f"{rec['label']}: {count}{clock_text(rec['elapsed_s'])} so far, ETA {eta_text(rec)}"
 
 
 # ---------------------------------------------------------------------- a command's phases

@@ -11,6 +11,7 @@ from typing import Any
 import gradio as gr
 
 from finetuner.errors import UserError
+from finetuner.units import duration_text
 from ui.errors import error_md, steps_in_ui
 
 
@@ -89,7 +90,7 @@ class ChatHandlers:
             describe = worker.describe
         took = time.monotonic() - t0
         yield (gr.skip(), shown["tuned"], shown.get("base", base_hist),
-               f"Answered in {took:.1f} s{' (including loading the model)' if fresh else ''} · {settings_text(gen)}"
+               f"Answered in {duration_text(took)}{' (including loading the model)' if fresh else ''} · {settings_text(gen)}"
                f"{' · with the picture ' + Path(picture).name if picture else ''} · {describe}")
 
     # ------------------------------------------------------------------ export

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from finetuner.runs.schema import ACTIVE_STATES
-from finetuner.phases import clock
+from finetuner.units import clock_text
 from ui.views import STATE_LABELS, chart, gib
 
 
@@ -34,9 +34,9 @@ def status_html(st: Any | None, tracked: dict[str, str] | None = None) -> str:
     pct = 100.0 * st.progress
     bits = [f"step <b>{st.step}</b> / {st.max_steps or '?'}"]
     if st.state in ("running", "starting") and st.eta_s is not None:
-        bits.append(f"ETA <b>{clock(st.eta_s)}</b>")
+        bits.append(f"ETA <b>{clock_text(st.eta_s)}</b>")
     if st.elapsed_s is not None:
-        bits.append(f"elapsed {clock(st.elapsed_s)}")
+        bits.append(f"elapsed {clock_text(st.elapsed_s)}")
     if st.tokens_per_s:
         bits.append(f"<b>{st.tokens_per_s:,.0f}</b> tokens/s")
     if st.last_loss is not None:

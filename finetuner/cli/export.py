@@ -11,7 +11,7 @@ import json
 import sys
 
 from finetuner.cli.inference import add_code_optins
-from finetuner.units import gib_text
+from finetuner.units import duration_text, gib_text
 
 FORMATS = ("gguf", "ollama")
 QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k_m")
@@ -66,7 +66,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"  check       transformers' GGUF loader vs merged model: max |logit difference| {r.max_abs_logit_diff:.3g} "
               f"({tol}largest |logit| {r.max_abs_logit:.3g}), top-1 agreement {r.top1_agreement:.0%} on {r.probe_tokens} tokens")
         print(f"  tokenizer   rebuilt from the file: same ids on {r.tokenizer_texts} sample texts (chat template included)")
-    print(f"  peak RAM    {gib_text(r.peak_rss_bytes)} (process peak RSS), {r.seconds:.1f} s")
+    print(f"  peak RAM    {gib_text(r.peak_rss_bytes)} (process peak RSS), {duration_text(r.seconds)}")
     for note in r.notes:
         print(f"  note        {note}")
     if r.modelfile is not None:

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from finetuner.units import gib_text
+from finetuner.units import duration_text, gib_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,7 +146,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         print(f"  check       max |logit difference| vs adapter on base: {r.max_abs_diff:.3g} "
               f"(tolerance {r.tolerance:.3g}; the adapter itself moves logits by up to {r.adapter_effect or 0:.3g}; "
               f"top-1 agreement {r.top1_agreement:.0%}, {r.probe_tokens} tokens)")
-    print(f"  peak RAM    {gib_text(r.peak_rss_bytes)} (process peak RSS), {r.seconds:.1f} s")
+    print(f"  peak RAM    {gib_text(r.peak_rss_bytes)} (process peak RSS), {duration_text(r.seconds)}")
     for note in r.notes:
         print(f"  note        {note}")
     print(f"Load it with: AutoModelForCausalLM.from_pretrained({str(r.output_dir)!r})")

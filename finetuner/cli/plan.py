@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.rewards.builtin import BUILTINS
-from finetuner.units import GiB, gib_text
+from finetuner.units import GiB, duration_text, gib_text
 
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from finetuner.planning.time_text import format_cost, format_duration
+    from finetuner.planning.time_text import format_cost
 
     t = Table(title=f"{args.model} on each card (the same job)", title_justify="left")
     unit = f" ({rows[0]['currency']})" if rows and rows[0].get("currency") else ""
@@ -232,8 +232,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             t.add_row(r["card"], "nothing fits: " + (r["suggestions"][0] if r["suggestions"] else ""), f"{r['peak_gib']:.1f}", "", "", "", "", "")
             continue
         t.add_row(r["card"], r["recipe"], f"{r['peak_gib']:.1f} of {r['card_gib']:.0f}", f"{r['tokens_per_s']:,.0f}",
-                  format_duration(r["step_s"]), f"{r['optimizer_steps']:,}" if r["optimizer_steps"] else "?",
-                  format_duration(r["wall_s"]) if r["wall_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
+                  duration_text(r["step_s"]), f"{r['optimizer_steps']:,}" if r["optimizer_steps"] else "?",
+                  duration_text(r["wall_s"]) if r["wall_s"] else "?", format_cost(r["cost"]) if r["cost"] is not None else "")
     con = Console()
     con.print(t)
     for r in rows:

@@ -15,7 +15,7 @@ from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
 from finetuner.planning.data_auto import resolved_line
 from finetuner.text import cut_words
-from finetuner.units import gib_text
+from finetuner.units import clock_text, duration_text, gib_text
 
 
 def console() -> Console:
@@ -64,21 +64,22 @@ def _memory_line(m: dict[str, Any]) -> str:
 
 def _eta(steps_left: int, predicted: dict[str, Any] | None) -> str:
     """The bar's ETA before the first step: the plan's, or ``-`` without one."""
-    return f"{phases.clock(predicted['step_s'] * steps_left)} (planned)" if predicted else "-"
+    return f"{clock_text(predicted['step_s'] * steps_left)} (planned)" if predicted else "-"
 
 
 def _time_line(t: dict[str, Any]) -> str:
-    """``metrics.json``'s ``time``, measured beside predicted: ``steps 24.0 s (predicted ~25 s), evaluations
-    0.3 s (~0.2 s), total 40.1 s (~38 s)``; the measured alone when there is no prediction."""
+    """``metrics.json``'s ``time``, measured beside predicted, each as :func:`~finetuner.units.duration_text` says
+    it: ``steps 24 s (predicted ~25 s), evaluations 0.3 s (predicted ~0.2 s), total 1 min 40 s (predicted ~1 min 38
+    s)``; the measured alone when there is no prediction."""
     pred, meas = t.get("predicted") or {}, t["measured"]
     bits = []
     for key in ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples", "total"):
         if key not in meas or (key in ("replay", "evaluations", "probe", "samples") and not meas[key] and not pred.get(key)):
             continue
-        shown = f"{key} {meas[key]:.1f} s"
+        shown = f"{key} {duration_text(meas[key])}"
         if pred.get(key) is not None:
             p = pred[key] + (pred.get("download", 0.0) if key == "load" else 0.0)
-            shown += f" (predicted ~{p:.2g} s)" if p < 10 else f" (predicted ~{p:,.0f} s)"
+            shown += f" (predicted ~{duration_text(p)})"
         bits.append(shown)
     return ", ".join(bits)
 
@@ -202,13 +203,13 @@ class ProgressPrinter:
                     self.console.print(resolved_line(ev["resolved"]), highlight=False)
                 pred = ev.get("predicted_speed")
                 if pred and pred.get("upper_bound"):  # GRPO: its completions at their longest
-                    self.console.print(f"predicted: at most {pred['step_s']:.3g} s a step, ~{pred['total_s']:,.0f} s for "
+                    self.console.print(f"predicted: at most {duration_text(pred['step_s'])} a step, ~{duration_text(pred['total_s'])} for "
                                        f"{ev['max_steps']} steps (completions at their longest; speed: "
                                        f"{pred['source']})", highlight=False)
                 elif pred:
-                    whole = f", ~{pred['wall_s']:,.0f} s the whole run" if pred.get("wall_s") else ""
-                    self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {pred['step_s']:.3g} s a step, "
-                                       f"~{pred['total_s']:,.0f} s for {ev['max_steps']} steps{whole} (speed: {pred['source']})",
+                    whole = f", ~{duration_text(pred['wall_s'])} the whole run" if pred.get("wall_s") else ""
+                    self.console.print(f"predicted: ~{pred['tokens_per_s']:,.0f} tok/s, {duration_text(pred['step_s'])} a step, "
+                                       f"~{duration_text(pred['total_s'])} for {ev['max_steps']} steps{whole} (speed: {pred['source']})",
                                        highlight=False)
                 if pred and pred.get("load_note"):  # a machine busier than at calibration
                     self.console.print(f"[yellow]Note:[/] {pred['load_note']}.", highlight=False)
@@ -232,7 +233,7 @@ class ProgressPrinter:
                 self.console.print(
                     f"step {ev['step']}/{ev['max_steps']}  loss {_num(ev['loss'], '.4f')}{_rewards(ev)}  lr {_num(ev['lr'], '.2e')}  "
                     f"{ev['tokens_per_s']:.0f} tok/s  mem {_gib(ev.get('mem_peak'))}  "
-                    f"{'planned ' if ev.get('eta_from') == 'planned' else ''}ETA {ev['eta_s']:.0f}s",
+                    f"ETA {phases.eta_text(ev)}",  # as the bar says it
                     highlight=False,
                 )
         elif kind == "eval" and not self.quiet:
@@ -265,7 +266,7 @@ class ProgressPrinter:
             *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m or "eval_reward" in m else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
                                                         if self.predicted else "")),
-            ("train time", f"{m['train_seconds']:.1f} s" + (f" (its steps predicted at most ~{self.predicted_bound['total_s']:,.0f} s)"
+            ("train time", duration_text(m['train_seconds']) + (f" (its steps predicted at most ~{duration_text(self.predicted_bound['total_s'])})"
                                                              if self.predicted_bound else "")),
             *([("time", _time_line(m["time"]))] if m.get("time") else []),
             ("peak memory", _memory_line(m)),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import UserError, first_line
+from finetuner.units import duration_text
 
 #: the metric keys of the harness's results that are not scores (their names, counts, the groups' bookkeeping)
 _NOT_SCORES = {"name", "alias", "sample_len", "sample_count", " ", "samples"}
@@ -57,7 +58,7 @@ class HarnessResult:
     def describe(self) -> str:
         worse = [(task, m) for task, m, b, f in self.rows() if f < b]
         return (f"lm-evaluation-harness {self.harness_version}: {len(self.tasks)} task(s) on the base and the fine-tune "
-                f"of {self.source} ({self.seconds:.0f} s); {len(worse)} of {len(self.rows())} scores fell")
+                f"of {self.source} ({duration_text(self.seconds)}); {len(worse)} of {len(self.rows())} scores fell")
 
     def table(self) -> str:
         lines = [f"{'task':<24} {'metric':<16} {'base':>8} {'fine-tuned':>11} {'change':>8}"]

@@ -29,9 +29,8 @@ from finetuner.objectives.specs import spec_of
 from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.planning.recipe_data import training_rows
-from finetuner.planning.time_text import format_duration
 from finetuner.planning.predict import Prediction, predict
-from finetuner.units import gib_text
+from finetuner.units import duration_text, gib_text
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +89,6 @@ def check_rows(recipe: Recipe, rows: int | None) -> None:
             f"a step would take every row once, not {eff:,}.", settings={key: largest})
 
 
-def _span(seconds: float) -> str:
-    """A predicted wait as a person reads it: :func:`format_duration`, in days or years past them."""
-    if seconds >= LONGEST_RUN_S:
-        return f"~{seconds / LONGEST_RUN_S:,.0f} years"
-    return f"~{seconds / 86400:,.1f} days" if seconds >= 2 * 86400 else format_duration(seconds)
-
-
 def check_length(p: Prediction, rows: int | None) -> list[str]:
     """Refuse a run predicted to take more than :data:`LONGEST_RUN_S`; the warning for one that passes over its
     ``rows`` training rows more than :data:`MANY_PASSES` times (none when the data or the speed cannot be read)."""
@@ -113,14 +105,14 @@ def check_length(p: Prediction, rows: int | None) -> list[str]:
     run = (f"{steps:,} optimizer steps of {eff:,} row{'s' if eff != 1 else ''} (training.micro_batch_size "
            f"{t.micro_batch_size:,} x gradient_accumulation {t.gradient_accumulation:,})")
     if not wait.wall_s <= LONGEST_RUN_S:  # also NaN
-        raise UserError(f"{key}: {run} are predicted to take {_span(wait.wall_s)} on {p.timed_on.name}: more than a "
+        raise UserError(f"{key}: {run} are predicted to take ~{duration_text(wait.wall_s)} on {p.timed_on.name}: more than a "
                         "year, so the run would not end.",
                         hint="Lower training.max_steps (or training.epochs).")
     passes = steps * eff / rows if rows else 0.0
     if passes <= MANY_PASSES:
         return []
     return [f"{key}: {run} pass over the {rows:,} training rows {passes:,.0f} times (more than {MANY_PASSES}: the model "
-            f"learns them by heart long before); predicted time on {p.timed_on.name}: {_span(wait.wall_s)}."]
+            f"learns them by heart long before); predicted time on {p.timed_on.name}: ~{duration_text(wait.wall_s)}."]
 
 
 def check_prediction(p: Prediction) -> list[str]:

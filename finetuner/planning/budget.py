@@ -23,6 +23,7 @@ from finetuner.config.hardware import get_gpu
 from finetuner.objectives.specs import spec_of
 from finetuner.errors import UserError
 from finetuner.planning.length_cap import round_up
+from finetuner.units import duration_text
 
 #: A plan predicted to take longer than this (the whole run) says so up front.
 LONG_RUN_S = 3 * 3600
@@ -30,8 +31,7 @@ LONG_RUN_S = 3 * 3600
 CARDS = ("t4", "l4", "rtx4090", "a100-80gb", "h100-80gb")
 
 
-def long_run_warning(p: Any, replan: Callable[..., Any], duration: Callable[[float | None], str],
-                     profile: Any = None) -> str | None:
+def long_run_warning(p: Any, replan: Callable[..., Any], profile: Any = None) -> str | None:
     """The warning of a plan ``p`` (a :class:`~finetuner.planning.plan_result.Plan`) whose whole run is predicted to take
     more than ``LONG_RUN_S``, with its cheaper choices; None when it is not that long. ``replan(**changes)``: the
     same job planned with ``seq_len``, ``epochs`` or ``gpu`` changed; ``profile``: the data's
@@ -45,13 +45,13 @@ def long_run_warning(p: Any, replan: Callable[..., Any], duration: Callable[[flo
             q = replan(seq_len=seq)
             if q.fits and q.wall_s:
                 choices.append(f"--seq-len {seq} (the data's 95th percentile; {profile.truncated(seq)} of {profile.rows} "
-                               f"rows truncated): ~{duration(q.wall_s)}")
+                               f"rows truncated): ~{duration_text(q.wall_s)}")
     epochs = p.recipe.training.epochs
     if epochs > 1:
         fewer = max(1, min(int(epochs) - 1, int(epochs * LONG_RUN_S / p.wall_s)))
         q = replan(epochs=fewer)
         if q.fits and q.wall_s:
-            choices.append(f"--epochs {fewer} (not {epochs:g}): ~{duration(q.wall_s)}")
+            choices.append(f"--epochs {fewer} (not {epochs:g}): ~{duration_text(q.wall_s)}")
     best = None
     for card in CARDS:
         gpu = get_gpu(card)
@@ -63,9 +63,9 @@ def long_run_warning(p: Any, replan: Callable[..., Any], duration: Callable[[flo
             if q.wall_s <= LONG_RUN_S:
                 break
     if best is not None:
-        choices.append(f"--gpu {best.gpu.name}: ~{duration(best.wall_s)} (speed: {best.speed_source})")
+        choices.append(f"--gpu {best.gpu.name}: ~{duration_text(best.wall_s)} (speed: {best.speed_source})")
     more = f": cheaper choices: {'; '.join(choices)}" if choices else ""
-    return (f"the whole run is predicted to take ~{duration(p.wall_s)} on {p.gpu.name}, more than "
+    return (f"the whole run is predicted to take ~{duration_text(p.wall_s)} on {p.gpu.name}, more than "
             f"{LONG_RUN_S // 3600} hours{more}")
 
 
@@ -95,7 +95,7 @@ def hours_above(seconds: float) -> str:
     return f"{math.ceil(round(hours / step, 9)) * step:.2g}"
 
 
-def within_budget(max_hours: float, replan: Callable[..., Any], duration: Callable[[float | None], str]) -> Any:
+def within_budget(max_hours: float, replan: Callable[..., Any]) -> Any:
     """The plan of ``finetuner plan --max-hours H``: the least-reduced of the job as asked and its
     :func:`budget_cuts` whose whole run (:attr:`~finetuner.planning.plan_result.Plan.wall_s`) is predicted to take at
     most ``max_hours``, planned in full, its first reason saying what was reduced and the predicted time. When none
@@ -113,7 +113,7 @@ def within_budget(max_hours: float, replan: Callable[..., Any], duration: Callab
                         "not known), so no plan can be chosen by it.", hint="Plan with --data FILE, or leave out --max-hours.")
     if asked.wall_s <= limit:
         chosen = replan()
-        chosen.reasons.insert(0, f"fits --max-hours {max_hours:g} as asked: the whole run ~{duration(chosen.wall_s)}")
+        chosen.reasons.insert(0, f"fits --max-hours {max_hours:g} as asked: the whole run ~{duration_text(chosen.wall_s)}")
         return chosen
     shortest, said = asked, "the plan as asked"
     for changes, what in budget_cuts(asked):
@@ -123,11 +123,11 @@ def within_budget(max_hours: float, replan: Callable[..., Any], duration: Callab
         if q.wall_s <= limit:
             chosen = replan(**changes)
             chosen.reasons.insert(0, f"reduced to fit --max-hours {max_hours:g}: {what}: the whole run ~"
-                                     f"{duration(chosen.wall_s)} (as asked ~{duration(asked.wall_s)})")
+                                     f"{duration_text(chosen.wall_s)} (as asked ~{duration_text(asked.wall_s)})")
             return chosen
         if q.wall_s < shortest.wall_s:
             shortest, said = q, what
     shortest.over_budget = (f"nothing fits --max-hours {max_hours:g} on {shortest.gpu.name}: the shortest "
-                            f"plan is {said}, ~{duration(shortest.wall_s)} (as asked ~{duration(asked.wall_s)}); give "
+                            f"plan is {said}, ~{duration_text(shortest.wall_s)} (as asked ~{duration_text(asked.wall_s)}); give "
                             f"--max-hours {hours_above(shortest.wall_s)} or more, or a faster --gpu")
     return shortest

@@ -7,10 +7,10 @@ numbers); :func:`finetuner.planning.planner.plan` computes the one-card plan it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from finetuner.strategy_table import FSDP_ENGINE, find_row
+from finetuner.units import duration_text
 
 def strategy_words(sharded: Any) -> str:
     """What ``sharded``'s strategy does (its row's words in :mod:`finetuner.strategy_table`) and what it offloads."""
@@ -21,10 +21,10 @@ def strategy_words(sharded: Any) -> str:
     return words
 
 
-def headline(n_plan: Any, one_plan: Any, duration: Callable[[float], str]) -> str | None:
+def headline(n_plan: Any, one_plan: Any) -> str | None:
     """The sentence for ``n_plan`` (a plan on ``n_plan.gpus`` cards) beside ``one_plan`` (the same job on
-    one); ``duration`` says a number of seconds (the planner's ``format_duration``)."""
-    _dur = duration
+    one)."""
+    _dur = duration_text
     if n_plan.gpus <= 1 or n_plan.sharded is None or not n_plan.fits:
         return None
     card, n = n_plan.gpu.name, n_plan.gpus

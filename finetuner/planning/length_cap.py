@@ -19,11 +19,10 @@ same job at the uncapped length, as ``finetuner plan --seq-len N`` gives it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from finetuner.units import gib_text
+from finetuner.units import duration_text, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.data.stats import DataProfile
@@ -67,11 +66,9 @@ class LengthCap:
         return (f"sequence {self.seq}{' ' if packed else ': '}{why}: {self.cut} of {self.rows} {units} are longer and are "
                 f"truncated to {self.seq} tokens ({what})")
 
-    def keeping_text(self, uncapped: Any, capped: Any, duration: Callable[[float | None], str],
-                     units: str = "examples") -> str:
+    def keeping_text(self, uncapped: Any, capped: Any, units: str = "examples") -> str:
         """What keeping the cut rows whole costs: ``uncapped``, the plan of the same job at ``self.uncapped``
-        (``--seq-len``), against ``capped``, this plan (both :class:`~finetuner.planning.plan_result.Plan`);
-        ``duration`` says a time as the plan does."""
+        (``--seq-len``), against ``capped``, this plan (both :class:`~finetuner.planning.plan_result.Plan`)."""
         head = f"keeping the {self.cut} longer {units} whole: --seq-len {self.uncapped}"
         if self.uncapped < self.longest:
             head += " (the model's positions; the longest is cut even then)"
@@ -81,10 +78,10 @@ class LengthCap:
         mem = (f"micro-batch {c['micro_batch_size']}, checkpointing {'on' if c['gradient_checkpointing'] else 'off'}, "
                f"peak {gib_text(uncapped.peak_bytes, 1)} (this plan {capped.peak_bytes / gib:.1f})")
         if uncapped.wall_s and capped.wall_s:
-            when = (f"the whole run ~{duration(uncapped.wall_s)} (this plan ~{duration(capped.wall_s)}, "
+            when = (f"the whole run ~{duration_text(uncapped.wall_s)} (this plan ~{duration_text(capped.wall_s)}, "
                     f"{uncapped.wall_s / capped.wall_s:.1f}x)")
         else:
-            when = f"{duration(uncapped.step_s)} per optimizer step (this plan {duration(capped.step_s)})"
+            when = f"{duration_text(uncapped.step_s)} per optimizer step (this plan {duration_text(capped.step_s)})"
         return f"{head}: {mem}, {when}"
 
 

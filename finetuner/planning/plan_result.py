@@ -15,9 +15,9 @@ from finetuner.memory.model import MemoryEstimate
 from finetuner.memory.sharding import distributed_keys, recipe_offload
 from finetuner.model.shapes import ModelShape
 from finetuner.planning.speed import DeviceSpeed, StepTime
-from finetuner.planning.time_text import format_duration, time_text
+from finetuner.planning.time_text import time_text
 from finetuner.planning.wait import Wait, cost_of
-from finetuner.units import GiB, gib_text
+from finetuner.units import GiB, duration_text, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -193,7 +193,7 @@ class Plan:
         head = [
             f"# Planned by `finetuner plan` for {self.shape.name} on {self.gpu.name} ({self.gpu.memory_gib:.1f} GiB):",
             f"# predicted peak {gib_text(self.peak_bytes, 1)}{' per device' if self.gpus > 1 else ''}, "
-            f"~{self.tokens_per_s:,.0f} tokens/s, {format_duration(self.step_s)} per step (speed model: {self.speed_source}).",
+            f"~{self.tokens_per_s:,.0f} tokens/s, {duration_text(self.step_s)} per step (speed model: {self.speed_source}).",
         ]
         head += [f"# Warning: {w}" for w in self.warnings]
         head += [f"# - {r}" for r in self.reasons]

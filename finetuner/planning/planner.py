@@ -46,7 +46,6 @@ from finetuner.planning.search import DEFAULT_MARGIN, method_name, schema_accept
 from finetuner.planning.sizing import learning_rate, size_run
 from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
-from finetuner.planning.time_text import format_duration
 from finetuner.planning.wait import Wait, check_currency
 from finetuner.units import GiB, gib_text
 
@@ -176,7 +175,7 @@ def plan(
     if max_hours is not None:
         from finetuner.planning.budget import within_budget
 
-        return within_budget(max_hours, lambda **changes: plan(**{**asked, "max_hours": None, **changes}), format_duration)
+        return within_budget(max_hours, lambda **changes: plan(**{**asked, "max_hours": None, **changes}))
     if columns:
         from finetuner.config.columns import check_columns
 
@@ -292,7 +291,7 @@ def plan(
 
         one = plan_recipe(base, prof, shape=shape, margin=margin, method=method, label_fraction=label_fraction,
                           cpu_memory=cpu_bytes, lengths=lengths)
-        result.headline = headline(result, one, format_duration)
+        result.headline = headline(result, one)
     for attr in ("recipe", "closest"):
         if getattr(result, attr) is None:
             continue
@@ -312,11 +311,11 @@ def plan(
 
     if cap is not None and result.fits and alternatives:  # what keeping the cut rows costs: planned at `--seq-len <uncapped>`
         at = next(i for i, r in enumerate(result.reasons) if r.startswith(f"sequence {cap.seq}"))
-        result.reasons.insert(at + 1, cap.keeping_text(replan(seq_len=cap.uncapped), result, format_duration))
+        result.reasons.insert(at + 1, cap.keeping_text(replan(seq_len=cap.uncapped), result))
     if alternatives:
         from finetuner.planning.budget import long_run_warning
 
-        warning = long_run_warning(result, replan, format_duration, None if generates else profile)
+        warning = long_run_warning(result, replan, None if generates else profile)
         result.warnings += [warning] if warning else []
     return result
 

@@ -12,8 +12,7 @@ from finetuner.memory.grpo import ROLLOUT, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, presets
 from finetuner.planning.search import METHOD_TIER, Candidate, method_name, search
-from finetuner.planning.time_text import format_duration
-from finetuner.units import GiB, gib_text
+from finetuner.units import GiB, duration_text, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -93,7 +92,7 @@ def runners_up(ranked: list[tuple[Candidate, Recipe]], best: Candidate, n: int =
 
 def reasons_for(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: GpuProfile, shape: ModelShape) -> list[str]:
     o, e = best.option, best.estimate
-    speed = (f"at most {format_duration(best.step.step_s)} per step, the rollout included" if ROLLOUT in e.details and best.step
+    speed = (f"at most {duration_text(best.step.step_s)} per step, the rollout included" if ROLLOUT in e.details and best.step
              else f"~{best.tokens_per_s:,.0f} tokens/s")
     r = [f"{best.to_dict()['settings']}: predicted peak {gib_text(best.peak_bytes, 1)} of {gpu.memory_gib:.1f} GiB "
          f"(budget {e.budget_bytes / GiB:.1f}), {speed}"]

@@ -1,26 +1,12 @@
-"""How a plan says a time and a cost: :func:`format_duration`, :func:`format_cost`, and :func:`time_text`, the one
-line of a run's predicted time that the plan, ``finetuner estimate`` and the web UI print."""
+"""How a plan says a cost and a run's time: :func:`format_cost`, :func:`cost_text`, :func:`parts_text`, and
+:func:`time_text`, the one line of a run's predicted time that the plan, ``finetuner estimate`` and the web UI print
+(each duration in it written by :func:`finetuner.units.duration_text`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from finetuner.planning.wait import cost_text, parts_text
-
-
-def format_duration(seconds: float | None) -> str:
-    """``0.42 s``, ``12 s``, ``3 min 20 s``, ``2 h 05 min``: how a plan says a time."""
-    if seconds is None:
-        return "?"
-    if seconds < 10:
-        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    m, sec = divmod(int(round(seconds)), 60)
-    if m < 60:
-        return f"{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
+from finetuner.units import duration_text
 
 
 def format_cost(cost: float) -> str:
@@ -28,32 +14,62 @@ def format_cost(cost: float) -> str:
     return f"{cost:,.2f}" if cost >= 0.1 else f"{cost:.2g}"
 
 
+def cost_text(cost: float, price_per_hour: float, currency: str | None) -> str:
+    """``~0.01 USD at 0.7 USD an hour``; without a currency ``~0.01 at 0.7 an hour`` (in the price's units)."""
+    unit = f" {currency}" if currency else ""
+    return f"~{format_cost(cost)}{unit} at {price_per_hour:g}{unit} an hour"
+
+
+def parts_text(wait: dict[str, Any], upper_bound: bool = False) -> str:
+    """``the whole run ~2 min 10 s: the steps, load 8.1 s, replay: the base answers 7 prompts 20 s, 4 evaluations
+    of 20 rows 0.4 s, 4 checkpoints 0.1 s, general probe: 16 questions answered twice 30 s, 4 sample answers 1.2 s``
+    of a :meth:`~finetuner.planning.wait.Wait.to_dict` (the steps' own time is said before it), in the order a run
+    spends them: the download first when there is one, then what the figures assume."""
+    c, p = wait["counts"], wait["parts_s"]
+    bits = ["the steps"]
+    if p["download"]:
+        bits.append(f"download {duration_text(p['download'])}")
+    bits.append(f"load {duration_text(p['load'])}")
+    if c.get("replay_answers"):
+        bits.append(f"replay: the base answers {c['replay_answers']} prompts {duration_text(p['replay'])}")
+    if c["evaluations"]:
+        bits.append(f"{c['evaluations']} evaluation{'s' if c['evaluations'] != 1 else ''} of {c['held_out_rows']:,} rows "
+                    f"{duration_text(p['evaluations'])}")
+    bits.append(f"{c['checkpoints']} checkpoint{'s' if c['checkpoints'] != 1 else ''} {duration_text(p['checkpoints'])}")
+    if c.get("probe_answers"):
+        bits.append(f"general probe: {c['probe_answers'] // 2} questions answered twice {duration_text(p['probe'])}")
+    if c["sample_answers"]:
+        bits.append(f"{c['sample_answers']} sample answers {duration_text(p['samples'])}")
+    text = f"the whole run {'at most ' if upper_bound else ''}~{duration_text(wait['wall_s'])}: {', '.join(bits)}"
+    return text + (f" (assumes {'; '.join(wait['assumptions'])})" if wait["assumptions"] else "")
+
+
 def time_text(step_s: float, tokens_per_s: float, steps: int | None, wait: dict[str, Any] | None, cost: float | None,
               price_per_hour: float | None, currency: str | None, source: str, upper_bound: bool = False,
               tokens_note: str = "", brief: bool = False) -> str:
     """How finetuner says a run's predicted time (the plan, ``estimate``, the web UI): tokens/s (``tokens_note``
     after it) and time per optimizer step, the ``steps``' time, the whole run by part
-    (:func:`finetuner.planning.wait.parts_text` of a :meth:`~finetuner.planning.wait.Wait.to_dict`), its cost,
+    (:func:`parts_text` of a :meth:`~finetuner.planning.wait.Wait.to_dict`), its cost,
     and where the speed figures came from. ``upper_bound`` (GRPO): the step with its completions at their
     longest (the prompts the data's where it can be read). ``brief`` (the web UI's line under the editor):
     the whole run's time without its parts, the cost and the source."""
     if upper_bound:
-        bits = [f"at most {format_duration(step_s)} per optimizer step" +
+        bits = [f"at most {duration_text(step_s)} per optimizer step" +
                 ("" if brief else " (completions at their longest; the rollout's generation included)")]
         if steps:
-            bits.append(f"{steps:,} optimizer steps: at most ~{format_duration(step_s * steps)}")
+            bits.append(f"{steps:,} optimizer steps: at most ~{duration_text(step_s * steps)}")
     else:
-        bits = [f"~{tokens_per_s:,.0f} tokens/s{tokens_note}", f"{format_duration(step_s)} per optimizer step"]
+        bits = [f"~{tokens_per_s:,.0f} tokens/s{tokens_note}", f"{duration_text(step_s)} per optimizer step"]
         if steps:
-            bits.append(f"{steps:,} optimizer steps: ~{format_duration(step_s * steps)}")
+            bits.append(f"{steps:,} optimizer steps: ~{duration_text(step_s * steps)}")
     if brief:
-        whole = (f"; the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])} "
+        whole = (f"; the whole run {'at most ' if upper_bound else ''}~{duration_text(wait['wall_s'])} "
                  "(load, replay, evaluations, checkpoints, probe and samples included)" if wait is not None else "")
         return ", ".join(bits) + whole
     if wait is not None:
-        bits.append(parts_text(wait, format_duration, upper_bound))
+        bits.append(parts_text(wait, upper_bound))
     if cost is not None:
-        bits.append(cost_text(cost, price_per_hour, currency, format_cost))
+        bits.append(cost_text(cost, price_per_hour, currency))
     return ", ".join(bits) + f" (speed: {source})"
 
 

@@ -44,7 +44,7 @@ an upper bound, since a call stops once all its rows have ended, said in :attr:`
 
 Not counted: tokenizing the data (cached after the first run), writing the run folder's small files,
 the prompt's prefill before each answer, a GRPO run's reward functions (user code). The cost of a run is its wall
-time at the price of an hour (:func:`cost_text`). Pure arithmetic and a few ``stat`` calls: no torch.
+time at the price of an hour (:func:`finetuner.planning.time_text.cost_text`). Pure arithmetic and a few ``stat`` calls: no torch.
 """
 
 from __future__ import annotations
@@ -454,33 +454,3 @@ def cost_of(wall_s: float | None, price_per_hour: float | None) -> float | None:
     if wall_s is None or price_per_hour is None:
         return None
     return wall_s / 3600 * price_per_hour
-
-
-def cost_text(cost: float, price_per_hour: float, currency: str | None, format_cost) -> str:
-    """``~0.01 USD at 0.7 USD an hour``; without a currency ``~0.01 at 0.7 an hour`` (in the price's units)."""
-    unit = f" {currency}" if currency else ""
-    return f"~{format_cost(cost)}{unit} at {price_per_hour:g}{unit} an hour"
-
-
-def parts_text(wait: dict[str, Any], format_duration, upper_bound: bool = False) -> str:
-    """``the whole run ~2 min 10 s: the steps, load 8.1 s, replay: the base answers 7 prompts 20 s, 4 evaluations
-    of 20 rows 0.4 s, 4 checkpoints 0.1 s, general probe: 16 questions answered twice 30 s, 4 sample answers 1.2 s``
-    of a :meth:`Wait.to_dict` (the steps' own time is said before it), in the order a run spends them: the download
-    first when there is one, then what the figures assume."""
-    c, p = wait["counts"], wait["parts_s"]
-    bits = ["the steps"]
-    if p["download"]:
-        bits.append(f"download {format_duration(p['download'])}")
-    bits.append(f"load {format_duration(p['load'])}")
-    if c.get("replay_answers"):
-        bits.append(f"replay: the base answers {c['replay_answers']} prompts {format_duration(p['replay'])}")
-    if c["evaluations"]:
-        bits.append(f"{c['evaluations']} evaluation{'s' if c['evaluations'] != 1 else ''} of {c['held_out_rows']:,} rows "
-                    f"{format_duration(p['evaluations'])}")
-    bits.append(f"{c['checkpoints']} checkpoint{'s' if c['checkpoints'] != 1 else ''} {format_duration(p['checkpoints'])}")
-    if c.get("probe_answers"):
-        bits.append(f"general probe: {c['probe_answers'] // 2} questions answered twice {format_duration(p['probe'])}")
-    if c["sample_answers"]:
-        bits.append(f"{c['sample_answers']} sample answers {format_duration(p['samples'])}")
-    text = f"the whole run {'at most ' if upper_bound else ''}~{format_duration(wait['wall_s'])}: {', '.join(bits)}"
-    return text + (f" (assumes {'; '.join(wait['assumptions'])})" if wait["assumptions"] else "")

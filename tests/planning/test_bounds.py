@@ -14,7 +14,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner.planning.bounds import MANY_PASSES, check_memory, check_run, largest_device
 from finetuner.planning.recipe_data import training_rows
-from finetuner.planning.time_text import format_duration
+from finetuner.units import duration_text
 from finetuner.planning.predict import predict
 from tests.conftest import REPO, cli_in_process, run_cli
 
@@ -101,7 +101,7 @@ def test_many_passes_over_the_data_warn_with_the_predicted_time():
     assert warning == [f"WARNING: training.max_steps 20,000: 20,000 optimizer steps of 8 rows (training.micro_batch_size 8 x "
                        f"gradient_accumulation 1) pass over the 280 training rows {steps * 8 / 280:,.0f} times (more than "
                        f"{MANY_PASSES}: the model learns them by heart long before); predicted time on h200: "
-                       f"{format_duration(expected)}."]
+                       f"~{duration_text(expected)}."]  # a prediction: "~", as the plan says it
     quiet = run_cli("estimate", str(DEMO), "--gpu", "h200", "--set", f"training.max_steps={MANY_PASSES * 280 // 8}")
     assert quiet.returncode == 0 and "WARNING" not in quiet.stderr  # exactly 100 passes: no warning
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from finetuner.planning import budget
 from finetuner.planning.planner import plan
-from finetuner.planning.time_text import format_duration
+from finetuner.units import duration_text
 
 from tests.conftest import cli_in_process
 from tests.planning.test_length_cap import DEMO, _write
@@ -30,7 +30,7 @@ def test_a_long_plan_warns_up_front_with_the_cheaper_choices_and_their_times(tmp
     epochs = plan(str(DEMO), "cpu", data=str(data), alternatives=False).recipe.training.epochs
     fewer = int(re.search(r"--epochs (\d+) \(not (\d+)\)", text).group(1))
     assert 1 <= fewer < epochs
-    assert f"--epochs {fewer} (not {epochs:g}): ~{format_duration(plan(str(DEMO), 'cpu', data=str(data), epochs=fewer).wall_s)}" in text
+    assert f"--epochs {fewer} (not {epochs:g}): ~{duration_text(plan(str(DEMO), 'cpu', data=str(data), epochs=fewer).wall_s)}" in text
     card, said = re.search(r"--gpu (\S+): ~(.+?) \(speed: ", text).groups()
-    assert card in budget.CARDS and said == format_duration(plan(str(DEMO), card, data=str(data)).wall_s)
+    assert card in budget.CARDS and said == duration_text(plan(str(DEMO), card, data=str(data)).wall_s)
     assert "# Warning: the whole run is predicted to take" in out.read_text()

@@ -11,7 +11,7 @@ import pytest
 from finetuner.data.stats import profile_data
 from finetuner.planning.length_cap import CAP_PERCENTILE, OUTLIER_RATIO, round_up
 from finetuner.planning.planner import plan
-from finetuner.planning.time_text import format_duration
+from finetuner.units import duration_text
 
 from tests.conftest import cli_in_process
 
@@ -57,7 +57,7 @@ def test_one_long_row_among_short_ones_is_capped_at_the_99th_percentile_with_its
     keeping = next(r for r in p["reasons"] if r.startswith("keeping the 1 longer examples whole"))
     assert f"--seq-len {uncapped}" in keeping
     assert f"peak {kept.peak_bytes / 2**30:.1f} GiB (this plan {capped.peak_bytes / 2**30:.1f})" in keeping
-    assert f"the whole run ~{format_duration(kept.wall_s)} (this plan ~{format_duration(capped.wall_s)}" in keeping
+    assert f"the whole run ~{duration_text(kept.wall_s)} (this plan ~{duration_text(capped.wall_s)}" in keeping
     assert kept.wall_s > capped.wall_s
     # and the console says the same
     r = cli_in_process("plan", "--model", str(DEMO), "--gpu", "cpu", "--data", str(outlier_file))

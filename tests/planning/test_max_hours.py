@@ -12,7 +12,7 @@ import pytest
 
 from finetuner.planning.length_cap import round_up
 from finetuner.planning.planner import plan
-from finetuner.planning.time_text import format_duration
+from finetuner.units import duration_text
 
 from tests.conftest import cli_in_process
 from tests.planning.test_length_cap import DEMO
@@ -73,7 +73,7 @@ def test_max_hours_plans_the_least_reduced_choice_whose_predicted_time_fits(data
     assert got["predicted_wall_s"] == round(expected.wall_s, 1)
     first = got["reasons"][0]
     assert first.startswith(f"reduced to fit --max-hours {limit / 3600:g}: ")
-    assert f"the whole run ~{format_duration(expected.wall_s)} (as asked ~{format_duration(asked.wall_s)})" in first
+    assert f"the whole run ~{duration_text(expected.wall_s)} (as asked ~{duration_text(asked.wall_s)})" in first
     assert ("--seq-len" in first) == ("seq_len" in changes) and (f"--epochs {changes['epochs']}" in first) == ("epochs" in changes)
 
 
@@ -81,14 +81,14 @@ def test_max_hours_keeps_a_plan_that_fits_as_asked_and_refuses_a_budget_nothing_
     asked = choices[0][1]
     kept = plan(str(DEMO), "cpu", data=str(data), max_hours=2 * asked.wall_s / 3600)
     assert (kept.recipe.training.epochs, kept.seq_len, kept.wall_s) == (asked.recipe.training.epochs, asked.seq_len, asked.wall_s)
-    assert kept.reasons[0] == f"fits --max-hours {2 * asked.wall_s / 3600:g} as asked: the whole run ~{format_duration(asked.wall_s)}"
+    assert kept.reasons[0] == f"fits --max-hours {2 * asked.wall_s / 3600:g} as asked: the whole run ~{duration_text(asked.wall_s)}"
     shortest = min(p.wall_s for _, p in choices)
     out = tmp_path / "r.yaml"
     r = _cli(data, shortest / 2 / 3600, "-o", str(out))
     assert r.returncode == 1 and not out.exists()  # plan's "nothing fits" status; no recipe over the budget
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Over budget: nothing fits --max-hours {shortest / 2 / 3600:g} on cpu: ")
-    assert "--seq-len" in lines[0] and "--epochs 1 " in lines[0] and f"~{format_duration(shortest)}" in lines[0]
+    assert "--seq-len" in lines[0] and "--epochs 1 " in lines[0] and f"~{duration_text(shortest)}" in lines[0]
     said = float(lines[0].split("give --max-hours ")[1].split()[0])
     assert shortest / 3600 <= said <= 1.1 * shortest / 3600  # the budget that holds the shortest, rounded up
 

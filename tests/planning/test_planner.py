@@ -345,10 +345,10 @@ def test_a_plan_for_several_cards_opens_with_a_sentence_a_newcomer_reads():
     the one-card plan of the same job."""
     two = plan("llama-2-7b", "rtx4090", seq_len=2048, gpus=2)
     one = plan("llama-2-7b", "rtx4090", seq_len=2048)
-    from finetuner.planning.time_text import format_duration
+    from finetuner.units import duration_text
 
     assert two.headline.startswith(f"One rtx4090 is enough for this run ({one.peak_bytes / 2**30:.1f} of 23.6 GiB); 2 save ")
-    assert f"({format_duration(two.step_s)} instead of {format_duration(one.step_s)})" in two.headline
+    assert f"({duration_text(two.step_s)} instead of {duration_text(one.step_s)})" in two.headline
     assert two.headline.endswith("with DDP: each card holds the whole model and trains on its share of every step's rows.")
     big = plan("llama-2-13b", "rtx4090", seq_len=2048, gpus=2, method="lora", cpu_memory="64GB")
     assert not plan("llama-2-13b", "rtx4090", seq_len=2048, method="lora").fits

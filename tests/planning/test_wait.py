@@ -200,10 +200,10 @@ def test_cost_is_the_whole_wait_in_the_given_currency():
     t = estimate_time(demo_recipe(), "cpu", speed=SPEED, price_per_hour=0.7, currency="USD")
     assert t["cost"] == pytest.approx(t["wall_s"] / 3600 * 0.7) and t["currency"] == "USD"
     assert t["cost"] > t["steps_s"] / 3600 * 0.7  # the load, evaluations, checkpoints and samples cost too
-    from finetuner.planning.time_text import format_cost
+    from finetuner.planning.time_text import cost_text
 
-    assert wait.cost_text(0.0123, 0.7, "USD", format_cost) == "~0.012 USD at 0.7 USD an hour"
-    assert wait.cost_text(0.0123, 0.7, None, format_cost) == "~0.012 at 0.7 an hour"  # the price's own units
+    assert cost_text(0.0123, 0.7, "USD") == "~0.012 USD at 0.7 USD an hour"
+    assert cost_text(0.0123, 0.7, None) == "~0.012 at 0.7 an hour"  # the price's own units
     assert wait.check_currency(" € ", 1.0) == "€"
     for bad in ("", "12", "US D", "DOLLARSXYZ"):
         with pytest.raises(UserError, match="--currency"):

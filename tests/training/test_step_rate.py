@@ -141,4 +141,5 @@ def test_the_console_bar_shows_the_runs_eta_not_its_own_guess():
     printer({**step, "step": 1, "eta_s": 18.0, "eta_from": "planned"})
     printer({**step, "step": 4, "eta_s": 65.4, "eta_from": "measured"})
     first, fourth = plain.getvalue().splitlines()
-    assert first.endswith(" planned ETA 18s") and fourth.endswith("  ETA 65s") and "planned" not in fourth
+    assert first.endswith("  ETA 0:00:18 (planned)") and fourth.endswith("  ETA 0:01:05")  # as the bar says it
+    assert "planned" not in fourth

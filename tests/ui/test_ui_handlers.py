@@ -414,7 +414,7 @@ def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
     """Planned, then max steps set to 6 (the field, or typed): the headline's time is the edited recipe's
     (`finetuner estimate`'s estimate_time), never the plan's 100-odd steps; right after planning it is the plan's."""
     from finetuner.planning.planner import plan
-    from finetuner.planning.time_text import format_duration
+    from finetuner.units import duration_text
     from finetuner.planning.predict import estimate_time
 
     from ui.recipe_text import fields_of
@@ -424,7 +424,7 @@ def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
     text, planned = out[4], out[-1]
     p = plan(MODEL, "cpu", data=SAMPLE, runs_dir=h.runs)
     shown = h.on_recipe_text(text, planned, "cpu")
-    assert f"**Time:** ~{p.tokens_per_s:,.0f} tokens/s, {format_duration(p.step_s)} per optimizer step, " \
+    assert f"**Time:** ~{p.tokens_per_s:,.0f} tokens/s, {duration_text(p.step_s)} per optimizer step, " \
            f"{p.optimizer_steps:,} optimizer steps" in shown, shown
     recipe = Recipe.from_yaml_text(text, source="recipe")
     fields = list(fields_of(recipe))
@@ -433,7 +433,7 @@ def test_the_plan_tabs_time_follows_every_edit_of_the_recipe(tmp_path):
     six = estimate_time(Recipe.from_yaml_text(edited, source="recipe"), "cpu")
     assert six["optimizer_steps"] == 6
     (line,) = [x for x in h.on_recipe_text(edited, planned, "cpu").splitlines() if x.startswith("**Time:**")]
-    assert f"6 optimizer steps: ~{format_duration(six['steps_s'])}; the whole run ~{format_duration(six['wall_s'])}" in line
+    assert f"6 optimizer steps: ~{duration_text(six['steps_s'])}; the whole run ~{duration_text(six['wall_s'])}" in line
     assert f"{p.optimizer_steps:,}" not in line
     assert "6 optimizer steps" in h.on_check_yaml(edited, "cpu")[-1]
     # without a card (an older page) the plan's time is shown only while the recipe is timed as planned

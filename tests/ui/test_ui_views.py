@@ -131,7 +131,8 @@ def test_the_headline_follows_the_recipe_in_the_editor(planned_7b):
 def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
     """One formatter (time_text.time_text): the UI's line is `finetuner estimate`'s opening, then the whole run's time."""
     from finetuner.config.recipe import Recipe
-    from finetuner.planning.time_text import estimate_text, format_duration
+    from finetuner.planning.time_text import estimate_text
+    from finetuner.units import duration_text
     from finetuner.planning.predict import estimate_time
 
     for name in ("demo_cpu.yaml", "demo_grpo_cpu.yaml"):
@@ -142,7 +143,7 @@ def test_the_ui_says_the_time_as_estimate_says_it_without_the_parts():
             opening = opening.replace(" (completions at their longest; the rollout's generation included)", "")
         assert ui.startswith(opening), (ui, cli)
         bound = "at most " if t["upper_bound"] else ""
-        assert ui.endswith(f"; the whole run {bound}~{format_duration(t['wall_s'])} (load, replay, evaluations, "
+        assert ui.endswith(f"; the whole run {bound}~{duration_text(t['wall_s'])} (load, replay, evaluations, "
                            "checkpoints, probe and samples included)"), ui
 
 
