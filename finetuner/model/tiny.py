@@ -30,6 +30,17 @@ TINY_SIZES: dict[str, int] = {
     "linear_num_heads": 4, "linear_head_dim": 16,
     # per-layer inputs (Gemma 3n/4: a second embedding table, per_layer_input_gate / per_layer_projection)
     "hidden_size_per_layer_input": 16, "laurel_rank": 8,
+    # GPT-J and CodeGen: the rotary part of a 16-wide head, the context; XLM's and DBRX's widths; xLSTM's
+    "rotary_dim": 16, "n_positions": 512, "n_ctx": 512, "emb_dim": 64, "n_heads": 4, "n_layers": 2,
+    "embedding_dim": 64, "num_blocks": 2,
+    # RecurrentGemma's recurrence (LRU) width and local attention window
+    "lru_width": 64, "attention_window_size": 64,
+    # more expert widths and counts (LongCat-Flash, ERNIE 4.5 MoE, Ling/Bailing), and Qwen4-Exp's indexer
+    "ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "moe_k": 2, "num_expert_group": 1,
+    "n_shared_experts": 1,
+    # BLT: its byte n-gram hash tables (each as wide as the encoder) and the global model's width the local ones read
+    "encoder_hash_byte_group_vocab": 512, "hidden_size_global": 64,
+    "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32, "indexer_compress_ratio": 4,
 }
 
 
@@ -42,7 +53,12 @@ DEPTH_ONLY = ("num_hidden_layers", "num_layers", "n_layer", "num_local_experts",
 
 #: sizes a family's defaults leave None though its model reads them (Ministral's head_dim, Nemotron's
 #: num_key_value_heads): set to the tiny value, which is what None stands for at the tiny widths
-SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
+SET_WHEN_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "n_group", "topk_group",
+                 "n_shared_experts",
+                 # Qwen4-Exp's sparse-attention indexer: its defaults leave every size None, which its model divides
+                 "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+#: how many experts a token picks: at most the tiny value, never more than the defaults (ZAYA takes exactly one)
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 #: per-layer lists that name each layer's kind: cut to the tiny depth with every kind of the defaults kept
 PATTERN_KEYS = ("layer_types", "mlp_layer_types")
 #: layer kinds that differ from full attention only in their mask: a pattern of these alone is cut as it is (Gemma 3's
@@ -50,6 +66,8 @@ PATTERN_KEYS = ("layer_types", "mlp_layer_types")
 MASK_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 #: token ids a family's defaults set (Kimi-Linear's pad 163839): None when outside the tiny vocabulary
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+#: dicts in a config that are settings, not a sub-model's config (:func:`_shrink` shrinks every other one with sizes)
+NOT_SUB_CONFIGS = ("id2label", "label2id", "rope_parameters", "rope_scaling", "per_layer_config")
 
 
 def tiny_config(model_type: str, vocab_size: int, widths: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -62,12 +80,16 @@ def tiny_config(model_type: str, vocab_size: int, widths: bool = True, **overrid
     return _shrink(cfg, vocab_size, {**TINY_PATTERNS.get(model_type, {}), **overrides}, widths)
 
 
-def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], widths: bool = True) -> dict[str, Any]:
+def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], widths: bool = True,
+            ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``cfg`` shrunk, then ``overrides``; ``ids``: the token ids a sub-config takes where its own are outside the
+    tiny vocabulary (the top level's: Emu3's and Mllama's text configs want an int, not None)."""
     out = dict(cfg)
+    ids = {k: overrides[k] for k in TOKEN_ID_KEYS if k in overrides} if ids is None else ids
     mha = cfg.get("num_key_value_heads") is not None and cfg.get("num_key_value_heads") == cfg.get("num_attention_heads")
     for key, value in TINY_SIZES.items():
         if (widths or key in DEPTH_ONLY) and isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
-            out[key] = value
+            out[key] = min(value, out[key]) if key in TOP_K_KEYS else value
         elif widths and key in SET_WHEN_NONE and key in out and out[key] is None:
             out[key] = value
     if mha and widths:  # as many key/value heads as query heads in the defaults (latent attention needs it): kept so
@@ -78,12 +100,12 @@ def _shrink(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any], wid
         out["vocab_size_per_layer_input"] = vocab_size
     for key in TOKEN_ID_KEYS:
         if isinstance(out.get(key), int) and out[key] >= vocab_size:
-            out[key] = None
+            out[key] = ids.get(key)
     _per_layer(cfg, out, widths)
-    if isinstance(out.get("text_config"), dict):
-        out["text_config"] = _shrink(out["text_config"], vocab_size, {}, widths)
-    if isinstance(out.get("vision_config"), dict):  # its own widths (a vocabulary only if it has one)
-        out["vision_config"] = _shrink(out["vision_config"], vocab_size, {}, widths)
+    for key, value in cfg.items():  # every sub-config (text, vision, audio, BLT's encoder and patcher): its own widths
+        if isinstance(value, dict) and key not in NOT_SUB_CONFIGS and ("model_type" in value or TINY_SIZES.keys() & value):
+            sub = state_space_tiny(value, widths)
+            out[key] = _shrink(sub, vocab_size, TINY_PATTERNS.get(value.get("model_type", ""), {}), widths, ids)
     out.update(overrides)
     return out
 
@@ -158,6 +180,14 @@ TINY_PATTERNS: dict[str, dict[str, Any]] = {
     "jamba": {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
               "expert_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1]},
+    # RecurrentGemma's pattern (two recurrent blocks to one attention block, repeated): one of each kind
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # HRM's stack: its serialised depth is the stack's (one layer) times H_cycles x (L_cycles + 1), 2 x 4
+    "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+    # dots3's sliding layers take the head width as their qk_nope + qk_rope (24 + 16, its per-layer 192 made tiny)
+    "dots3_note_text": {"head_dim": 40},
+    # BLT's cache reads a num_hidden_layers its top config does not have: trained and answered without one
+    "blt": {"use_cache": False},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},

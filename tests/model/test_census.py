@@ -53,3 +53,14 @@ def test_the_planning_pages_model_list_is_the_tables(recorded):
     page = (REPO / "docs" / "planning.md").read_text(encoding="utf-8")
     assert "(models.md)" in page
     assert model_census.list_block(recorded["rows"]) in page
+
+
+def test_no_type_is_outside_for_the_shrinkers_sake(recorded):
+    """"Outside" is transformers' own failure (or not decoder-only), never a tiny config the shrinker left too large:
+    such a row counts in the denominator, refused at step ``tiny``."""
+    rows = recorded["rows"]
+    outside = [r for r in rows if r["status"] == "outside"]
+    assert outside and not [r["model_type"] for r in outside if model_census.TOO_LARGE in r["reason"]]
+    assert all(r["reason"].startswith(("an ", "transformers cannot")) for r in outside)
+    too_large = [r for r in rows if model_census.TOO_LARGE in r.get("reason", "")]
+    assert all((r["status"], r["step"]) == ("refused", "tiny") for r in too_large)
