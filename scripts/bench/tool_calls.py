@@ -66,6 +66,7 @@ def main() -> None:
         result[who] = {**shares.to_dict(), "right_of_12": round(shares.right * len(requests)),
                        "replies": [{"prompt": r.messages[-1]["content"], "reply": t} for r, t in zip(requests, texts)]}
         print(f"{who}: {shares.to_dict()}", flush=True)
+    OUT.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")  # kept if the CLI part fails
     rows = []
     for req in requests[:args.chat]:
         printed = chat_cli(run, req.messages[-1]["content"])
