@@ -165,3 +165,25 @@ def test_the_layer_check_sees_an_upward_import():
     edges = {"finetuner.objectives.specs.grpo": {"finetuner.errors", "finetuner.objectives.base"},
              "finetuner.objectives.base": {"finetuner.objectives.specs.grpo"}, "finetuner.errors": set()}
     assert upward_imports(edges, order) == {("finetuner.objectives.specs.grpo", "finetuner.objectives.base")}
+
+
+#: the most lines a module of finetuner/ or ui/ may have (issue 57: files of one job; a longer one is split along a seam)
+MAX_MODULE_LINES = 700
+
+
+def modules_over(limit: int, mods: dict[str, Path]) -> dict[str, int]:
+    """The modules of ``mods`` longer than ``limit`` lines, with their line counts."""
+    counts = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in mods.items()}
+    return {name: n for name, n in counts.items() if n > limit}
+
+
+def test_no_module_over_700_lines():
+    assert modules_over(MAX_MODULE_LINES, modules()) == {}
+
+
+def test_the_line_count_sees_a_long_module(tmp_path):
+    """A module one line over the limit is named with its count; one at the limit is not."""
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1), encoding="utf-8")
+    (tmp_path / "fits.py").write_text("x = 1\n" * MAX_MODULE_LINES, encoding="utf-8")
+    mods = {"long": tmp_path / "long.py", "fits": tmp_path / "fits.py"}
+    assert modules_over(MAX_MODULE_LINES, mods) == {"long": MAX_MODULE_LINES + 1}

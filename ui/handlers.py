@@ -19,7 +19,8 @@ from typing import Any, get_args
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from finetuner.config.sections import GRPOSection, Objective
+from finetuner.config.sections import Objective
+from finetuner.objectives.specs.grpo import GRPOSection
 from finetuner.config.columns import ROLES
 from finetuner.data.formats import SUPERVISED, refused_picture
 from finetuner.data.picture_files import PictureTooLarge

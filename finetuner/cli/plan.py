@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from finetuner.objectives.specs import described, in_words, names_where
 from finetuner.rewards.builtin import BUILTINS
 from finetuner.units import GiB, duration_text, gib_text
 
@@ -53,11 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--effective-batch", type=int, help="Examples per optimizer step = micro-batch x accumulation (default 16).")
     p.add_argument("--method", default="auto", help="auto (LoRA or QLoRA), lora, qlora, qlora4, qlora8, full, or any.")
     p.add_argument("--objective", default="auto",
-                   help="auto (from --data: sft for supervised examples, dpo for preference pairs, kto for rated "
-                        "responses; grpo when --reward is given), sft, neftune (SFT with noisy embeddings: planned as SFT), dpo, orpo, "
-                        "simpo, kto or grpo: plans with the "
-                        "objective's memory (two sequences per pair, the reference pass; GRPO: the rollout's KV cache and "
-                        "the group's sequences), no packing, at most 3 epochs and its learning rate.")
+                   help=f"auto (from --data: the first objective listed that takes its kind of data; "
+                        f"{in_words(names_where(generates=True))} when --reward is given), or one of {described()}. "
+                        "Plans with the objective's memory (two sequences per pair, the reference pass; GRPO: the "
+                        "rollout's KV cache and the group's sequences), no packing, at most 3 epochs and its learning rate.")
     p.add_argument("--reward", dest="rewards", action="append", default=[], metavar="FILE.py:FUNCTION|BUILTIN",
                    help="GRPO: a reward function with TRL's signature fn(prompts, completions, **columns) -> list[float] "
                         f"in a Python file, or a built-in ({', '.join(BUILTINS)}); repeatable (weights and "

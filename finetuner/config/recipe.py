@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from finetuner.config.overrides import apply_override, drop_stale_val_path
 from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
-from finetuner.objectives.specs import SPECS, in_words, names_where, spec_of
+from finetuner.objectives.specs import described, in_words, names_where, sections, spec_of
 from finetuner.config.recipe_errors import model_keys, render_validation_error, values_accepted
 from finetuner.config.recipe_yaml import parse_yaml
 from finetuner.config.sections import (
@@ -34,14 +34,11 @@ from finetuner.config.sections import (
     CheckpointSection,
     DataSection,
     DistributedSection,
-    GRPOSection,
     LoggingSection,
     LoraSection,
     Method,
     ModelSection,
-    NEFTuneSection,
     Objective,
-    PreferenceSection,
     QuantizationSection,
     SamplesSection,
     Section,
@@ -59,18 +56,42 @@ from finetuner.run_marker import is_run_folder
 log = logging.getLogger(__name__)
 
 
-class Recipe(Section):
-    """A complete fine-tuning recipe."""
+class RecipeHead(Section):
+    """The first keys of a recipe: its name, the model, the method and the objective. The objectives' own
+    sections follow (:func:`objective_section_fields`), then the rest (:class:`Recipe`)."""
 
-    _dropped: tuple[str, str] | None = PrivateAttr(None)  # :attr:`dropped_val_path`
     name: str = Field("run", description="Run name; the default output folder is runs/<name>.")
     model: ModelSection
     method: Method | Auto = "lora"
-    objective: Objective = Field(DEFAULT_OBJECTIVE, description="sft (supervised), neftune (sft with noisy embeddings), a preference objective on pairs (dpo, orpo, simpo) or rated "
-                                 "responses (kto), or grpo (reinforcement learning from reward functions on prompts).")
-    preference: PreferenceSection = Field(default_factory=PreferenceSection)
-    grpo: GRPOSection | None = Field(None, description="Settings of objective grpo (its reward functions, group size, generation).")
-    neftune: NEFTuneSection | None = Field(None, description="Settings of objective neftune (the noise's strength).")
+    objective: Objective = Field(DEFAULT_OBJECTIVE, description=f"What training optimises: {described()}.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' only (it names a folder)")
+        return v
+
+
+def objective_section_fields() -> dict[str, Any]:
+    """One recipe field per section the objectives' descriptions name (:func:`finetuner.objectives.specs.sections`),
+    of the schema the description holds: with its defaults in every recipe (``preference``), or None outside a
+    recipe of its objective (``grpo``, ``neftune``)."""
+    return {name: (spec.section_schema, Field(default_factory=spec.section_schema, description=spec.section_help))
+            if spec.section_always else
+            (spec.section_schema | None, Field(None, description=spec.section_help))
+            for name, spec in sections().items()}
+
+
+#: the recipe's first keys and the objectives' sections, as one model the recipe extends
+RecipeWithObjectives = create_model("RecipeWithObjectives", __base__=RecipeHead, __module__=__name__,
+                                    **objective_section_fields())
+
+
+class Recipe(RecipeWithObjectives):
+    """A complete fine-tuning recipe."""
+
+    _dropped: tuple[str, str] | None = PrivateAttr(None)  # :attr:`dropped_val_path`
     lora: LoraSection = Field(default_factory=LoraSection)
     quantization: QuantizationSection | None = None
     data: DataSection
@@ -81,13 +102,6 @@ class Recipe(Section):
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output_dir: str | None = None
     device: Literal["auto", CPU, CUDA] = "auto"  # the platforms of finetuner.device
-
-    @field_validator("name")
-    @classmethod
-    def _safe_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", v):
-            raise ValueError("use letters, digits, '.', '_' and '-' only (it names a folder)")
-        return v
 
     #: The keys that may be ``auto`` (resolved by the planner when the run starts).
     AUTO_KEYS: ClassVar[tuple[str, ...]] = (
@@ -290,7 +304,7 @@ class Recipe(Section):
 
 
 #: The objectives' own sections (each description's ``section``), in the recipe's order.
-OBJECTIVE_SECTIONS = tuple(name for name in Recipe.model_fields if name in {s.section for s in SPECS.values()})
+OBJECTIVE_SECTIONS = tuple(sections())
 #: The sections of one objective's settings that a recipe has only for that objective (``grpo``, ``neftune``:
 #: absent from the recipes of the others, and from what they save), as the objectives' descriptions name them.
 OPTIONAL_SECTIONS = tuple(name for name in OBJECTIVE_SECTIONS if Recipe.model_fields[name].default is None)
@@ -386,7 +400,7 @@ def _check_preference(r: Recipe) -> None:
     """Combinations of ``objective`` and ``preference`` with the rest of the recipe that cannot run."""
     p, obj = r.preference, r.objective
     # keys whose value is not the default (a saved recipe holds every key, so being present says nothing)
-    given = [k for k, f in PreferenceSection.model_fields.items() if getattr(p, k) != f.default]
+    given = [k for k, f in type(p).model_fields.items() if getattr(p, k) != f.default]
     if spec_of(obj).section != "preference":
         if given:
             raise ValueError(

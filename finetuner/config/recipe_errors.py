@@ -1,7 +1,6 @@
 """How a recipe's problems are said: pydantic's validation errors as one line per key, naming the key, what it
 must be and, for a misspelt key or value, the closest valid one (or the key finetuner uses for another tool's name:
-:data:`SYNONYMS`); and every value an error message shows cut short (:func:`shown`), so a message never echoes a
-whole hostile input back.
+:data:`SYNONYMS`); every value it shows is cut short (:func:`finetuner.schema.shown`).
 
 The rendering walks the schema it is given (``root``): :func:`finetuner.config.recipe.format_validation_error`
 gives it the :class:`~finetuner.config.recipe.Recipe`.
@@ -15,19 +14,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from finetuner.errors import closest, did_you_mean
+from finetuner.schema import shown, union_members
 
-#: The longest a value may be where an error message shows it (the rest is cut, with "…").
-MAX_SHOWN_CHARS = 120
 #: The longest one line of a validation error may be, and the most lines it has.
 MAX_ERROR_LINE = 400
 MAX_ERROR_LINES = 40
-
-
-def shown(value: Any, quote: bool = True) -> str:
-    """``value`` as an error message shows it (``repr``, or ``str`` with ``quote=False``), cut to
-    :data:`MAX_SHOWN_CHARS`: a message never echoes a whole hostile input back."""
-    text = repr(value) if quote else str(value)
-    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 1] + "…"
 
 
 #: Names other fine-tuning tools (transformers' TrainingArguments, peft, LLaMA-Factory, Axolotl)
@@ -94,16 +85,6 @@ SYNONYMS: dict[str, str] = {
     **dict.fromkeys(["ppo_epochs", "mu"], "grpo.num_iterations"),
     **dict.fromkeys(["kl_coef", "init_kl_coef", "kl_beta"], "grpo.beta"),
 }
-
-
-def union_members(tp: Any) -> tuple[Any, ...] | None:
-    """The members of a union type (``X | Y``, ``Optional[X]``), else None."""
-    import types
-    import typing
-
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return typing.get_args(tp)
-    return None
 
 
 def _unwrap_optional(tp: Any) -> Any:

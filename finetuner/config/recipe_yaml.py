@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from finetuner.config.recipe_errors import shown
+from finetuner.schema import shown
 from finetuner.errors import UserError
 
 #: The most nodes (mappings, lists, scalars) a recipe's YAML may stand for once its aliases are

@@ -1,6 +1,7 @@
 """The sections of a recipe (:class:`~finetuner.config.recipe.Recipe`): one schema each (``model``, ``lora``,
-``quantization``, ``data``, ``training``, ``checkpointing``, ``logging``, ``samples``, ``preference``, ``grpo`` and
-its rewards, ``neftune``, ``distributed``), the kinds of value their keys take, and the bounds every number in a recipe keeps.
+``quantization``, ``data``, ``training``, ``checkpointing``, ``logging``, ``samples``, ``distributed``), the kinds of value
+their keys take, and the bounds every number in a recipe keeps. An objective's own section (``preference``, ``grpo``,
+``neftune``) is the schema its description holds (:attr:`~finetuner.objectives.specs.base.ObjectiveSpec.section_schema`).
 Each field checks its own value; combinations across sections are checked by the recipe
 (:mod:`finetuner.config.recipe`).
 """
@@ -11,14 +12,13 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from finetuner.config.columns import check_columns
-from finetuner.config.recipe_errors import shown, union_members
 from finetuner.model import gguf_base
-from finetuner.objectives.specs import SPECS, names_where
+from finetuner.schema import MAX_WHOLE, Section
+from finetuner.objectives.specs import names_where
 from finetuner.objectives.specs import names as objective_names
-from finetuner.objectives.specs.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from finetuner.strategy_table import DEEPSPEED_ENGINE, DEFAULT as DEFAULT_STRATEGY, NAMES as STRATEGY_NAMES, StrategyRow, strategy_row
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
@@ -50,61 +50,6 @@ _NAMES = re.compile(r"\s*[A-Za-z0-9_.]+(\s*[,\s]\s*[A-Za-z0-9_.]+)*\s*,?\s*")
 
 #: the seeds torch, numpy and ``random`` all accept (numpy's ``SeedSequence`` takes 0 to 2**32 - 1)
 MAX_SEED = 2**32 - 1
-#: the largest whole number a recipe key takes: 2**53, the largest up to which a float holds every whole number
-#: exactly. YAML reads ``1e16`` (and the web UI's JSON any number) as a float, so a larger value is not the one
-#: written; no count in a recipe comes near it (what a run can finish: :mod:`finetuner.planning.bounds`).
-MAX_WHOLE = 2**53
-
-
-#: a number in exponent notation without a dot (``1e12``, ``-2E-4``): text to YAML 1.1, a number to YAML 1.2
-EXPONENT_NUMBER = re.compile(r"[+-]?\d+[eE][+-]?\d+")
-
-
-def _numeric_kinds(annotation: Any) -> set[type]:
-    """``int`` and ``float`` among the kinds of value a field's annotation accepts (unions and
-    ``Annotated`` looked into); ``bool`` too where the field takes true/false."""
-    import typing
-
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _numeric_kinds(typing.get_args(annotation)[0])
-    members = union_members(annotation)
-    if members is not None:
-        return set().union(*(_numeric_kinds(m) for m in members))
-    return {annotation} & {int, float, bool}
-
-
-def _has_upper_bound(field: Any) -> bool:
-    """Whether a field states its own largest value (``le``/``lt``, e.g. ``training.seed``): its message says it."""
-    return any(getattr(c, "le", None) is not None or getattr(c, "lt", None) is not None for c in field.metadata)
-
-
-#: The base of every section and of the recipe itself: unknown keys refused, assignments validated, numbers
-#: taken as written.
-class Section(BaseModel):
-    # inf and nan are never a sensible setting (``training.lr: .inf`` trained a model of NaNs)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _numbers_as_written(cls, v: Any, info: ValidationInfo) -> Any:
-        """``true``/``false`` where a number belongs is a mistake (pydantic would read it as 1/0:
-        ``lora.r: true`` trained with r=1); so is a whole number above :data:`MAX_WHOLE` (pydantic takes the
-        float ``1e20`` as the int 100000000000000000000, not a value anyone wrote). A number written with an
-        exponent and no dot (``1e12``, ``2e-4``) is text to YAML 1.1, which PyYAML reads; where a number belongs it
-        is read as the number it is (YAML 1.2 and JSON read it so), and then checked as any other."""
-        field = cls.model_fields.get(info.field_name or "")
-        kinds = _numeric_kinds(field.annotation) if field else set()
-        if isinstance(v, str) and kinds - {bool} and EXPONENT_NUMBER.fullmatch(v.strip()):
-            v = float(v)
-        if not isinstance(v, int | float):
-            return v
-        if isinstance(v, bool):
-            if kinds and bool not in kinds:
-                raise ValueError(f"must be a number, not {str(v).lower()}")
-        elif abs(v) > MAX_WHOLE and int in kinds and float not in kinds and not _has_upper_bound(field):
-            raise ValueError(f"must be a whole number of at most {MAX_WHOLE:,} (2**53: a larger one is not exact once "
-                             f"YAML or JSON reads it); got {shown(v)}")
-        return v
 
 
 class ModelSection(Section):
@@ -420,156 +365,6 @@ class SamplesSection(Section):
 
     prompts: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(64, gt=0)
-
-
-class PreferenceSection(Section):
-    """Settings of the preference objectives (``objective: dpo | orpo | simpo | kto``).
-
-    Each key applies to the objectives its description names; setting one the recipe's objective
-    does not use is an error (it would silently do nothing).
-    """
-
-    #: the objectives each key applies to (the check in :meth:`Recipe._combinations`)
-    #: (each objective's description lists its settings: :attr:`~finetuner.objectives.specs.base.ObjectiveSpec.settings`)
-    APPLIES_TO: ClassVar[dict[str, tuple[str, ...]]] = {
-        key: tuple(n for n in names_where(section="preference") if key in SPECS[n].settings)
-        for key in ("beta", "loss_type", "label_smoothing", "gamma", "orpo_weight", "desirable_weight",
-                    "undesirable_weight", "reference", "start_from")
-    }
-    #: ``beta`` when the recipe leaves it out
-    DEFAULT_BETA: ClassVar[dict[str, float]] = {n: SPECS[n].default_beta for n in names_where(section="preference")
-                                                if SPECS[n].default_beta is not None}
-
-    beta: float | None = Field(
-        None, gt=0, description="dpo, kto: strength of the pull towards the reference (default 0.1); simpo: reward scale (default 2.0)."
-    )
-    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (the DPO paper) or ipo (squared loss, IPO paper).")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo sigmoid: assumed fraction of pairs whose labels are flipped (cDPO).")
-    gamma: float = Field(1.0, ge=0, description="simpo: target reward margin.")
-    orpo_weight: float = Field(0.1, gt=0, description="orpo: weight (lambda) of the odds-ratio term added to the SFT loss of the chosen response.")
-    desirable_weight: float = Field(1.0, gt=0, description="kto: weight of desirable (label true) examples.")
-    undesirable_weight: float = Field(1.0, gt=0, description="kto: weight of undesirable (label false) examples.")
-    reference: Literal["adapter_off", "precomputed"] = Field(
-        "adapter_off",
-        description=(
-            "dpo, kto: the reference model. adapter_off: the same base with the adapter switched off, each step; "
-            "precomputed: the model as training starts, scored once before the first step (required with start_from "
-            "and method full)."
-        ),
-    )
-    start_from: str | None = Field(
-        None, description="A finished SFT run folder: its adapter is where training starts, and the reference is that SFT model."
-    )
-
-    def beta_for(self, objective: str) -> float:
-        """``beta``, or the objective's default."""
-        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(objective, 0.1)
-
-
-class RewardSection(Section):
-    """One reward function of ``objective: grpo``: a function of a Python file with TRL's signature
-    ``fn(prompts, completions, **columns) -> list[float]``, or a built-in
-    (:mod:`finetuner.rewards`) with its keyword arguments."""
-
-    function: str = Field(description="The function's name in file, or the name of a built-in reward when file is not set.")
-    file: str | None = Field(None, description="A Python file defining function (relative to the recipe).")
-    weight: float = Field(1.0, description="The reward's weight in the sum the advantages are computed from.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a built-in reward (e.g. column, pattern, max_words).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _name_alone(cls, raw: Any) -> Any:
-        """``- exact_match`` (a name alone) is a built-in with no arguments."""
-        return {"function": raw} if isinstance(raw, str) else raw
-
-    @model_validator(mode="after")
-    def _args_for_builtins(self) -> RewardSection:
-        if self.file is not None and self.args:
-            raise ValueError(f"args: set for '{self.function}' from {self.file}; args are the keyword arguments of a "
-                             "built-in reward: remove them (a function of your file takes the data's columns)")
-        return self
-
-
-class GRPOSection(Section):
-    """Settings of ``objective: grpo``: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath)
-    with Dr. GRPO's and DAPO's variants (:mod:`finetuner.losses.grpo` writes out the formulas).
-
-    Each step takes the prompts of ``training.micro_batch_size × gradient_accumulation`` examples of
-    the data (the prompt side of any supported format, or a file of prompts), generates
-    ``num_generations`` completions of each with the adapter in the loop, scores them with the reward
-    functions, and trains on the completions with their group-relative advantages. TRL's
-    ``GRPOConfig`` names are accepted where they mean the same (:attr:`TRL_NAMES`).
-    """
-
-    #: TRL ``GRPOConfig`` names → this section's key (the same meaning)
-    TRL_NAMES: ClassVar[dict[str, str]] = {"max_completion_length": "max_new_tokens", "reward_funcs": "rewards",
-                                           "num_completions_to_print": "logged_completions"}
-
-    num_generations: int = Field(4, ge=2, description="Completions generated per prompt (the group whose rewards are compared).")
-    max_new_tokens: int = Field(64, ge=1, description="The longest completion, in tokens.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p.")
-    rewards: list[RewardSection] = Field(default_factory=list, description="The reward functions, summed with their weights.")
-    beta: float = Field(0.0, ge=0, description="Weight of the KL divergence to the reference (the base with the adapter off); 0: no reference pass.")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping of the importance ratio to [1 - epsilon, 1 + epsilon_high].")
-    epsilon_high: float | None = Field(None, gt=0, description="DAPO's upper clip bound (default: epsilon).")
-    loss_type: Literal[GRPO_LOSS_TYPES] = Field(  # type: ignore[valid-type]  (the grpo description's variants)
-        "dapo", description="grpo: mean per sequence (DeepSeekMath); dr_grpo: sum over tokens / (sequences x max_new_tokens) "
-        "(Dr. GRPO); dapo: mean over all tokens (DAPO).")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Divide the advantages by the group's reward std (group), the batch's (batch), or not (none, Dr. GRPO).")
-    num_iterations: int = Field(1, ge=1, description="Optimizer steps on each rollout (mu): the prompts of one step are generated once and trained on this many times.")
-    use_bias_correction_kl: bool = Field(False, description="Weight each token's KL term by its importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default is true); false: DeepSeekMath's beta x KL. Matters only with beta > 0.")
-    logged_completions: int = Field(2, ge=0, description="Completions (with their rewards) written to the events at each logging step.")
-    reward_timeout_s: float = Field(600.0, gt=0, description="The longest one call of a reward function may take, in seconds; "
-                                    "past it the run stops with a message naming the function, after a checkpoint of its last step.")
-    use_vllm: bool = Field(False, description="Generate the completions with vLLM (pip install 'finetuner[vllm]', a CUDA GPU), "
-                           "colocated in the training process, the adapter as it is at each rollout; false: transformers' generate.")
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, gt=0, lt=1, description="With use_vllm: the share of the GPU's memory vLLM reserves for its copy of the weights "
-        "and its KV cache, for the whole run, on top of the training's (TRL's name and default).")
-
-    #: TRL's ``vllm_mode`` values: only ``colocate`` is finetuner's (the key is accepted, and not kept)
-    VLLM_MODES: ClassVar[tuple[str, ...]] = ("colocate",)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _trl_names(cls, raw: Any) -> Any:
-        """TRL's names for the same settings; ``scale_rewards`` true/false as TRL takes it; TRL's
-        ``vllm_mode: colocate`` (the only mode finetuner runs vLLM in), ``server`` refused."""
-        if not isinstance(raw, dict):
-            return raw
-        out = dict(raw)
-        if "vllm_mode" in out:
-            mode = out.pop("vllm_mode")
-            if mode == "server":
-                raise ValueError("vllm_mode: server is not supported: finetuner runs vLLM in its own process, colocated with "
-                                 "the training (vllm_mode: colocate): remove vllm_mode, or set it to colocate")
-            if mode not in cls.VLLM_MODES:
-                raise ValueError(f"vllm_mode: '{mode}' is not a mode; finetuner runs vLLM colocated (vllm_mode: colocate)")
-        for theirs, ours in cls.TRL_NAMES.items():
-            if theirs in out:
-                if ours in out:
-                    raise ValueError(f"{theirs} and {ours} are the same setting (TRL's name and finetuner's): give one")
-                out[ours] = out.pop(theirs)
-        if isinstance(out.get("scale_rewards"), bool):
-            out["scale_rewards"] = "group" if out["scale_rewards"] else "none"
-        return out
-
-    @model_validator(mode="after")
-    def _bounds(self) -> GRPOSection:
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            raise ValueError(f"epsilon_high: {self.epsilon_high} is below epsilon {self.epsilon}; DAPO's upper bound is the "
-                             "larger one: raise it, or remove it")
-        return self
-
-
-class NEFTuneSection(Section):
-    """Settings of ``objective: neftune``: SFT with uniform noise on the input embeddings while training (Jain et al.
-    2023), scaled by ``alpha / sqrt(sequence length × hidden size)`` (:mod:`finetuner.objectives.neftune`)."""
-
-    alpha: float = Field(5.0, gt=0, description="Strength of the noise (transformers' and TRL's neftune_noise_alpha; the "
-                         "paper tries 5, 10 and 15).")
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  (the table of strategies, in its order)

@@ -1,13 +1,17 @@
 """The training objectives, one module each, behind one interface (:mod:`finetuner.objectives.base`):
-supervised fine-tuning (:mod:`~finetuner.objectives.sft`) and the preference objectives
-(:mod:`~finetuner.objectives.preference`) and GRPO (:mod:`~finetuner.objectives.grpo`). What the rest of
-finetuner knows of each (torch-free, below the recipe) is its description: :mod:`finetuner.objectives.specs`.
+supervised fine-tuning (:mod:`~finetuner.objectives.sft`), NEFTune (:mod:`~finetuner.objectives.neftune`), the
+preference objectives (:mod:`~finetuner.objectives.preference`) and GRPO (:mod:`~finetuner.objectives.grpo`). What
+the rest of finetuner knows of each (torch-free, below the recipe) is its description: :mod:`finetuner.objectives.specs`.
 
 Importing this package imports nothing else (the recipe's schema reads :mod:`finetuner.objectives.specs`,
-which sits below it); the trainers are imported when one is built."""
+which sits below it); the trainers are found when one is built: every module of this package is imported, and
+each registers its objectives (:func:`finetuner.objectives.base.register`), so a new one is found without a list
+to edit."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,12 +19,20 @@ if TYPE_CHECKING:
     from finetuner.config.recipe import Recipe
     from finetuner.objectives.base import Objective
 
-__all__ = ["build_objective"]
+__all__ = ["build_objective", "trainers"]
+
+
+def trainers() -> dict[str, type[Objective]]:
+    """Objective name → its trainer class, as the modules of this package register them (each module imported
+    once; the ``specs`` package, which holds no trainer, left out)."""
+    from finetuner.objectives.base import REGISTRY
+
+    for info in pkgutil.iter_modules(__path__, __name__ + "."):
+        if not info.ispkg:
+            importlib.import_module(info.name)
+    return REGISTRY
 
 
 def build_objective(recipe: Recipe, run_dir: Path | None = None) -> Objective:
     """The objective ``recipe.objective`` names, for the run in ``run_dir`` (None: only its data)."""
-    from finetuner.objectives import grpo, neftune, preference, sft  # noqa: F401 - each registers its objectives
-    from finetuner.objectives.base import REGISTRY
-
-    return REGISTRY[recipe.objective](recipe, run_dir)
+    return trainers()[recipe.objective](recipe, run_dir)

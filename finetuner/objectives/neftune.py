@@ -9,7 +9,7 @@ they are, and the saved adapter holds no trace of it. Everything else (data, los
 
 from __future__ import annotations
 
-from finetuner.config.sections import NEFTuneSection
+from finetuner.objectives.specs.neftune import NEFTuneSection
 from finetuner.objectives.base import register
 from finetuner.objectives.sft import SFTObjective
 

@@ -1,6 +1,6 @@
 """What a run can finish: the micro-batch, the accumulation and the steps, bounded before anything loads.
 
-The recipe's schema bounds each number alone (:data:`~finetuner.config.sections.MAX_WHOLE`); these bounds need
+The recipe's schema bounds each number alone (:data:`~finetuner.schema.MAX_WHOLE`); these bounds need
 the memory model, the data and the speed model, so they are checked on the one prediction of the run
 (:func:`~finetuner.planning.predict.predict`). ``finetuner run`` (and :func:`finetuner.train`, and so the web
 UI's jobs) checks them before the run folder is made or the model loads; ``finetuner estimate``, ``finetuner

@@ -99,7 +99,7 @@ def data_seq_len(model: str, profile, max_new_tokens: int | None = None) -> int:
     """The sequence length :func:`~finetuner.planning.planner.plan` chooses for ``model`` on the data of ``profile``
     when none is asked for (:func:`~finetuner.planning.sizing.size_run`): what the web UI's Data tab shows for 0. A
     profile of prompts (objective grpo) adds ``max_new_tokens`` (default: the recipe's ``grpo.max_new_tokens``)."""
-    from finetuner.config.sections import GRPOSection
+    from finetuner.objectives.specs.grpo import GRPOSection
 
     if profile.kind == "prompts":
         new = GRPOSection.model_fields["max_new_tokens"].default if max_new_tokens is None else max_new_tokens
@@ -122,13 +122,13 @@ def cpu_memory_of(cpu_memory: int | str | None) -> tuple[int, str]:
 
 def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
     """The ``grpo`` section a plan writes into its recipe: ``grpo`` validated as the recipe validates it
-    (:class:`~finetuner.config.recipe.GRPOSection`, TRL's names accepted), its rewards checked without
+    (:class:`~finetuner.objectives.specs.grpo.GRPOSection`, TRL's names accepted), its rewards checked without
     running them (:func:`finetuner.rewards.specs.check_reward_specs`: each file made absolute and checked
     to define its function, each built-in checked by name). A :class:`UserError` naming what is wrong."""
     from pydantic import ValidationError
 
     from finetuner.config.recipe import format_validation_error
-    from finetuner.config.sections import GRPOSection
+    from finetuner.objectives.specs.grpo import GRPOSection
     from finetuner.rewards.specs import SPEC_FORM, check_reward_specs
 
     raw = dict(grpo or {})

@@ -148,7 +148,7 @@ def test_planning_a_hub_model_offline_asks_the_hub_nothing(monkeypatch, offline)
     pictures are said to be uncounted."""
     from transformers import AutoProcessor
 
-    from finetuner.data.stats import picture_processor_of
+    from finetuner.data.picture_counts import picture_processor_of
 
     asked = []
 

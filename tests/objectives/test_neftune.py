@@ -84,7 +84,7 @@ def test_without_a_neftune_section_alpha_is_the_papers_5_and_the_section_belongs
     base = {"model": {"name": str(DEMO)}, "data": {"path": str(REPO / "data" / "alpaca_sample.json")}}
     r = Recipe.from_dict({**base, "objective": "neftune"})
     assert r.neftune is None and "neftune" not in r.to_dict()
-    from finetuner.config.sections import NEFTuneSection
+    from finetuner.objectives.specs.neftune import NEFTuneSection
 
     assert NEFTuneSection().alpha == 5.0
     with pytest.raises(UserError, match=r"neftune: set, but objective is 'sft': set objective to neftune, or remove the neftune section"):

@@ -22,11 +22,12 @@ def test_every_described_objective_has_a_trainer_and_the_recipe_accepts_exactly_
     from typing import get_args
 
     from finetuner.config.recipe import Recipe
-    from finetuner.config.sections import Objective, PreferenceSection
-    from finetuner.objectives import build_objective  # noqa: F401 - the package stays importable
-    from finetuner.objectives import grpo, neftune, preference, sft  # noqa: F401 - register the trainers
-    from finetuner.objectives.base import REGISTRY
+    from finetuner.config.sections import Objective
+    from finetuner.objectives import trainers
     from finetuner.objectives.specs import SPECS
+    from finetuner.objectives.specs.preference import PreferenceSection
+
+    REGISTRY = trainers()
 
     assert set(SPECS) == set(REGISTRY) == set(get_args(Objective))
     for name, spec in SPECS.items():

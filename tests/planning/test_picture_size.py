@@ -104,7 +104,7 @@ def test_a_presets_image_processor_settings_count_a_pictures_tokens_as_its_proce
     from PIL import Image
 
     from finetuner.data.images import image_token_ids
-    from finetuner.data.stats import preset_picture_sizer
+    from finetuner.data.picture_counts import preset_picture_sizer
     from finetuner.model.vision import load_processor, picture_tokens
 
     sizer = preset_picture_sizer("qwen2.5-vl-7b")
@@ -153,7 +153,7 @@ def test_a_gemma3_preset_counts_its_config_s_tokens_a_picture_without_its_proces
     (256), whatever its size, in the lengths the plan sizes the run by."""
     from PIL import Image
 
-    from finetuner.data.stats import preset_picture_tokens
+    from finetuner.data.picture_counts import preset_picture_tokens
 
     assert preset_picture_tokens("gemma-3-4b") == 256
     assert preset_picture_tokens("qwen2.5-7b") is None and preset_picture_tokens(str(tmp_path)) is None

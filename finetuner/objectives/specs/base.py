@@ -4,7 +4,9 @@ The planner, the memory and speed models, sizing, the wait, the CLI, evaluation,
 own checks used to ask "is it GRPO? a preference objective?" themselves; each now reads the objective's
 :class:`ObjectiveSpec` (:func:`finetuner.objectives.specs.spec_of`). The trainer's side of an objective
 (its data, collator, loss and hooks) is :class:`finetuner.objectives.base.Objective`. This module imports
-nothing of finetuner, so that the recipe's schema (:mod:`finetuner.config.sections`) can read the names.
+nothing of finetuner, so that the recipe's schema (:mod:`finetuner.config.sections`) can read the names; the
+modules beside it (one an objective, or a family) each export their descriptions as ``SPECS = (...)`` and the
+package finds them (:mod:`finetuner.objectives.specs`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,19 @@ class ObjectiveSpec:
     #: the objective it is a variant of (NEFTune: SFT with noisy embeddings), None for one of its own: a variant
     #: is not offered for a kind of data (the data errors and the Data tab name the objective it varies)
     variant_of: str | None = None
+    #: where it stands in the lists users see (the recipe's help, ``finetuner plan --objective``, the UI): the
+    #: descriptions are listed by it, lowest first (sft 10, neftune 20, dpo 30 ... grpo 70); the first is the default
+    order: int = 100
     #: the recipe section of its own settings (``preference``, ``grpo``), None without one
     section: str | None = None
+    #: that section's schema (a :class:`finetuner.schema.Section`): the recipe gets a field of this name and schema
+    #: for each section the descriptions name (:mod:`finetuner.config.recipe`), in the order of the descriptions
+    section_schema: type | None = None
+    #: the recipe field's description of the section
+    section_help: str | None = None
+    #: the section is in every recipe, with its defaults (``preference``); otherwise only a recipe of its
+    #: objective has it (``grpo``, ``neftune``: None in the others, and left out of what they save)
+    section_always: bool = False
     #: what the plan and the CLI call it before the method ("DPO with LoRA"); "" for plain supervised training
     label: str = ""
     #: it may compare the model with a reference model (the ``preference.reference`` setting; the memory and

@@ -6,7 +6,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from finetuner.objectives.specs.sft import SFT
+from pydantic import Field
 
-NEFTUNE = replace(SFT, name="neftune", variant_of=SFT.name, section="neftune", label="NEFTune", settings=("alpha",),
-                  description="supervised fine-tuning with noisy embeddings (NEFTune)")
+from finetuner.objectives.specs.sft import SFT
+from finetuner.schema import Section
+
+
+class NEFTuneSection(Section):
+    """Settings of ``objective: neftune``: SFT with uniform noise on the input embeddings while training (Jain et al.
+    2023), scaled by ``alpha / sqrt(sequence length × hidden size)`` (:mod:`finetuner.objectives.neftune`)."""
+
+    alpha: float = Field(5.0, gt=0, description="Strength of the noise (transformers' and TRL's neftune_noise_alpha; the "
+                         "paper tries 5, 10 and 15).")
+
+
+NEFTUNE = replace(SFT, name="neftune", order=20, variant_of=SFT.name, section="neftune", section_schema=NEFTuneSection,
+                  section_help="Settings of objective neftune (the noise's strength).", label="NEFTune",
+                  settings=("alpha",), description="supervised fine-tuning with noisy embeddings (NEFTune)")
+
+SPECS = (NEFTUNE,)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from finetuner.objectives.specs.base import ObjectiveSpec
 
 SFT = ObjectiveSpec(
-    name="sft", data_kind="supervised", fused_loss=True, replay=True, scorer="loss",
+    name="sft", order=10, data_kind="supervised", fused_loss=True, replay=True, scorer="loss",
     description="supervised fine-tuning on examples",
 )
+
+SPECS = (SFT,)
