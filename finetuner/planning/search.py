@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.config.hardware import GpuProfile
 from finetuner.device import CUDA
-from finetuner.memory.grpo import ROLLOUT, grpo_settings_of
+from finetuner.memory.grpo import ROLLOUT
 from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.memory.sharding import distributed_keys
 from finetuner.model.shapes import ModelShape
@@ -35,7 +35,7 @@ from finetuner.planning.calibrate import speed_for
 from finetuner.planning.candidate import candidate_memory
 from finetuner.planning.recipe_data import lengths_batch
 from finetuner.planning.speed import DeviceSpeed, StepTime, step_time
-from finetuner.planning.speed_grpo import grpo_step_time
+from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.strategy_table import DEFAULT
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,11 +266,8 @@ def search(
                             if grpo:  # and vLLM's share (grpo.use_vllm) holds its weights and a sequence's KV cache
                                 fits = fits and est.details[ROLLOUT]["vllm_fits"]
                         batch = lengths_batch(recipe, lengths, mb, ga) if lengths else None
-                        if grpo:  # the rollout's generation and the loss over the group (as recipe_step_time predicts it)
-                            g = grpo_settings_of(recipe, gpu.memory_bytes)
-                            st = grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
-                        else:
-                            st = step_time(shape, s, speed, est, sharded, batch=batch)
+                        st = recipe_step_time(recipe, gpu, speed, shape=shape, est=est, batch=batch, settings=s,
+                                              sharded=sharded)  # as predict() times the chosen one
                         out.append((Candidate(o, est, st.tokens_per_s, fits, sharded, st), recipe))
     out.sort(key=lambda cr: cr[0].sort_key())
     return out
