@@ -153,6 +153,30 @@ def auto_class(model_type: str):
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
+    return causal_lm_auto(model_type)
+
+
+def causal_lm_auto(model_type: str | None):
+    """``AutoModelForCausalLM``, able to build ``model_type`` (a ``config.json``'s) where transformers maps its causal
+    LM under the outer type only: Emu3's and Mllama's causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["emu3"]``) is
+    built on the text config alone and saves ``model_type`` ``emu3_text_model``, which the mapping lacks, so
+    transformers could not load its own checkpoint back. Such a text config is registered to the causal LM class of
+    its own module whose config class it is (that module alone imported)."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        for outer, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            if model_type_to_module_name(outer) != module:
+                continue
+            model_class = getattr(importlib.import_module(f"transformers.models.{module}"), class_name, None)
+            config_class = getattr(model_class, "config_class", None)
+            if getattr(config_class, "model_type", None) == model_type:
+                AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
     return AutoModelForCausalLM
 
 
