@@ -263,6 +263,19 @@ def _resolved(config) -> dict[str, Any]:
     return json.loads(json.dumps(kept, default=str))  # as the cache gives it back
 
 
+def _stack_settings(model, layers_path: str) -> dict[str, Any]:
+    """The settings of the module that holds the decoder layers, where it has a config of its own: BLT's stacks (its
+    local encoder's ``encoder_config``: the heads and widths its layers were built with; the top config has none).
+    Empty where that module shares the model's config (every single-stack family)."""
+    from transformers import PreTrainedConfig
+
+    holder = model.get_submodule(layers_path.rsplit(".", 1)[0]) if "." in layers_path else model
+    own = getattr(holder, "config", None)
+    if not isinstance(own, PreTrainedConfig) or own is model.config or own is model.config.get_text_config():
+        return {}
+    return _resolved(own)
+
+
 def peft_renames(model_type: str) -> bool:
     """peft (0.18+) carries adapters trained under transformers 4 over to a mixture of experts whose per-expert
     linears transformers 5 fused: for such a family (transformers converts its checkpoints' ``experts.*.gate_proj``
@@ -430,7 +443,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         text_only_of=outer,
         layers_path=layers_path,
         peft_renames=peft_renames(str(text_cfg.get("model_type"))),
-        resolved=_resolved(model.config),
+        resolved={**_resolved(model.config), **_stack_settings(model, layers_path)},
         root_linears=tuple(n for n, m in model.named_modules()
                            if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
                            and m is not model.get_output_embeddings()),

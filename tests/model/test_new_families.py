@@ -145,8 +145,9 @@ WHY = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next
 
 #: types the census refused before their layers were read (issue 56, item 4): Emu3's and Mllama's causal LM, built on
 #: their text config alone, saves a model type transformers maps to no causal LM; Qwen4-Exp's hyper-connections (linears
-#: beside each block, on a residual stream of several copies) and its indexed attention
-CENSUS = ["emu3", "mllama", "qwen4_exp_text", "qwen4_exp"]
+#: beside each block, on a residual stream of several copies) and its indexed attention; BLT, whose heads are its
+#: stacks' own settings (its top config has none)
+CENSUS = ["emu3", "mllama", "qwen4_exp_text", "qwen4_exp", "blt"]
 
 
 @pytest.mark.parametrize("model_type, moe", [(t, {}) for t in WHY + CENSUS] + [("gemma4_text", GEMMA4_MOE)],
