@@ -376,7 +376,9 @@ def merge_adapter(
 def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify: bool, overwrite: bool, notes: list[str],
                      t0: float) -> MergeResult:
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
+
+    from finetuner.model.inventory import causal_lm_auto
 
     torch_dtype = getattr(torch, DTYPES[dtype])
     processor = picture_processor(src)  # a run trained on pictures: the image-text model, its processor kept
@@ -441,7 +443,8 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         gc.collect()
         diff = top1 = max_logit = tol = None
         if verify:
-            auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
+            auto = AutoModelForImageTextToText if processor is not None else \
+                causal_lm_auto(json.loads((tmp / "config.json").read_text(encoding="utf-8")).get("model_type"))
             with phases.phase("verify"):  # the written folder loaded back and its logits on the probe
                 merged = auto.from_pretrained(tmp, dtype=torch_dtype, trust_remote_code=trust)
                 got = _logits(merged, probe)

@@ -265,9 +265,10 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: 
     """``AutoModelForCausalLM.from_pretrained`` (``AutoModelForImageTextToText`` with ``pictures``) with finetuner's
     weight-format rule (safetensors unless ``allow_pickle``), quietly; a failure is a :class:`UserError` naming
     ``what`` could not be loaded."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
-    from finetuner.model.loading import model_files_error, weight_format_kwargs, weights_load_hint
+    from finetuner.model.inventory import causal_lm_auto
+    from finetuner.model.loading import model_files_error, stored_config, weight_format_kwargs, weights_load_hint
 
     from finetuner.model.gguf_base import as_dequantized, pretrained_args
 
@@ -275,7 +276,8 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: 
     try:
         with quieted():
             where, extra = pretrained_args(name, "model", kwargs.get("dtype"))
-            model_class = AutoModelForImageTextToText if pictures else AutoModelForCausalLM
+            model_class = AutoModelForImageTextToText if pictures else \
+                causal_lm_auto((stored_config(name, kwargs.get("revision")) or {}).get("model_type"))
             model = model_class.from_pretrained(where, **weight_format_kwargs(allow_pickle, name), **extra, **kwargs)
         return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error

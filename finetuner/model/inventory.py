@@ -153,6 +153,30 @@ def auto_class(model_type: str):
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
+    return causal_lm_auto(model_type)
+
+
+def causal_lm_auto(model_type: str | None):
+    """``AutoModelForCausalLM``, able to build ``model_type`` (a ``config.json``'s) where transformers maps its causal
+    LM under the outer type only: Emu3's and Mllama's causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["emu3"]``) is
+    built on the text config alone and saves ``model_type`` ``emu3_text_model``, which the mapping lacks, so
+    transformers could not load its own checkpoint back. Such a text config is registered to the causal LM class of
+    its own module whose config class it is (that module alone imported)."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        for outer, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            if model_type_to_module_name(outer) != module:
+                continue
+            model_class = getattr(importlib.import_module(f"transformers.models.{module}"), class_name, None)
+            config_class = getattr(model_class, "config_class", None)
+            if getattr(config_class, "model_type", None) == model_type:
+                AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
     return AutoModelForCausalLM
 
 
@@ -237,6 +261,19 @@ def _resolved(config) -> dict[str, Any]:
             if not k.startswith("_") and k not in ("id2label", "label2id")
             and isinstance(v, (int, float, str, bool, type(None), list, dict)) and len(json.dumps(v, default=str)) < 10_000}
     return json.loads(json.dumps(kept, default=str))  # as the cache gives it back
+
+
+def _stack_settings(model, layers_path: str) -> dict[str, Any]:
+    """The settings of the module that holds the decoder layers, where it has a config of its own: BLT's stacks (its
+    local encoder's ``encoder_config``: the heads and widths its layers were built with; the top config has none).
+    Empty where that module shares the model's config (every single-stack family)."""
+    from transformers import PreTrainedConfig
+
+    holder = model.get_submodule(layers_path.rsplit(".", 1)[0]) if "." in layers_path else model
+    own = getattr(holder, "config", None)
+    if not isinstance(own, PreTrainedConfig) or own is model.config or own is model.config.get_text_config():
+        return {}
+    return _resolved(own)
 
 
 def peft_renames(model_type: str) -> bool:
@@ -406,7 +443,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         text_only_of=outer,
         layers_path=layers_path,
         peft_renames=peft_renames(str(text_cfg.get("model_type"))),
-        resolved=_resolved(model.config),
+        resolved={**_resolved(model.config), **_stack_settings(model, layers_path)},
         root_linears=tuple(n for n, m in model.named_modules()
                            if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
                            and m is not model.get_output_embeddings()),

@@ -49,8 +49,12 @@ DOWN_NAMES = {"down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "w_out", "lay
 LINEAR_ATTENTION_NAMES = {"linear_attn"}
 #: linears (or modules holding them) that sit on the decoder layer itself, beside its attention and MLP: Gemma 3n/4's
 #: per-layer input (per_layer_input_gate reads the hidden state, per_layer_projection returns to it), Gemma 3n's
-#: AltUp (``altup``: its router and coefficients) and LAuReL (``laurel``: a low-rank residual); role ``beside:<path>``
-BESIDE_NAMES = {"per_layer_input_gate", "per_layer_projection", "altup", "laurel"}
+#: AltUp (``altup``: its router and coefficients), LAuReL (``laurel``: a low-rank residual) and Qwen4-Exp's hyper-connections
+#: (``attn_hyper_connection``, ``mlp_hyper_connection``: a residual stream of several copies of the hidden state, mixed
+#: down into each block's input and the block's output injected back; no part of the attention or MLP they wrap);
+#: role ``beside:<path>``
+BESIDE_NAMES = {"per_layer_input_gate", "per_layer_projection", "altup", "laurel", "attn_hyper_connection",
+                "mlp_hyper_connection"}
 #: a mixture of experts' router and the gate of its shared experts, when they are torch Linear layers
 ROUTER_NAMES = {"router", "gate", "shared_expert_gate", "shared_experts_gate"}
 #: module names that hold a mixture of experts' shared experts (every token goes through them)

@@ -269,11 +269,14 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     (QLoRA: quantized there), ``"meta"`` builds its modules without weights (nothing is read into
     memory). A GGUF base is dequantized as it loads, so it is loaded whole whatever ``place`` says."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
+
+    from finetuner.model.inventory import causal_lm_auto
 
     m = recipe.model
     _warn_remote_code(recipe)
-    model_class = AutoModelForImageTextToText if pictures else AutoModelForCausalLM
+    stored = stored_config(m.name, m.revision)  # read once for the checks below
+    model_class = AutoModelForImageTextToText if pictures else causal_lm_auto((stored or {}).get("model_type"))
     kwargs: dict[str, Any] = dict(
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
@@ -288,7 +291,6 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     if place is not None:
         kwargs["device_map"] = {"": place}
     experts_cpu: dict[str, str] = {}
-    stored = stored_config(m.name, m.revision)  # read once for the checks below
     if quant is None and _stored_method(stored) == "mxfp4":
         # gpt-oss's published experts: dequantized as they load (to the recipe's dtype), as a GGUF base is; kept
         # in MXFP4 the triton kernels transformers would pick train nothing through them

@@ -65,8 +65,6 @@ def _transformers_trains(model_type: str, cfg: dict, tok) -> tuple[object | None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetuner.errors import first_line
-
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
         if getattr(config, "is_encoder_decoder", False):
@@ -86,8 +84,32 @@ def _transformers_trains(model_type: str, cfg: dict, tok) -> tuple[object | None
         out.loss.backward()
         return model, None
     except Exception as e:  # noqa: BLE001 - the census records every way a type fails
-        # the first line with words: a missing package's ImportError opens with an empty one
-        return None, f"transformers cannot build or train it tiny: {type(e).__name__}: {first_line(str(e), 160)}"
+        return None, _own_failure(e)
+
+
+def _own_failure(e: Exception) -> str:
+    """transformers' own failure, in a row's words: the first line with words (a missing package's ImportError
+    opens with an empty one)."""
+    from finetuner.errors import first_line
+
+    return f"transformers cannot build or train it tiny: {type(e).__name__}: {first_line(str(e), 160)}"
+
+
+def _fails_on_meta(model_type: str, cfg: dict, tok) -> str | None:
+    """How transformers' forward of ``cfg`` fails on the meta device (no weights: any size), in the words of
+    :func:`_transformers_trains`; None when it runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}))
+            ids = torch.tensor([tok("bring water and a map on the trail")["input_ids"][:8]])
+            model(input_ids=ids, labels=ids)
+    except Exception as e:  # noqa: BLE001 - the failure is the answer
+        return _own_failure(e)
+    return None
 
 
 def census_row(model_type: str, tok, work: Path) -> dict:
@@ -103,7 +125,7 @@ def census_row(model_type: str, tok, work: Path) -> dict:
     began = time.monotonic()
     row: dict = {"model_type": model_type}
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    model = why = None
+    model = why = tiny_why = None
     for widths in (True, False):  # tiny widths; else the family's own widths at 2 layers (they may depend on each other)
         try:
             cfg = tiny_config(model_type, len(tok), widths=widths, **ids)
@@ -112,6 +134,12 @@ def census_row(model_type: str, tok, work: Path) -> dict:
         model, why = _transformers_trains(model_type, cfg, tok)
         if model is not None or why.startswith(("an ", TOO_LARGE)):
             break
+        tiny_why = why
+    if model is None and not widths and why.startswith(TOO_LARGE) and _fails_on_meta(model_type, cfg, tok) == tiny_why:
+        # the family's own widths too large to build, but their forward on the meta device fails as the tiny one
+        # did: transformers' own failure at any size (Gemma 4's assistant, a drafter that needs its main model's
+        # shared keys and values), quoted
+        why = tiny_why
     if model is None and why.startswith(TOO_LARGE):  # the shrinker's failure, not transformers': counted, refused
         return {**row, "status": "refused", "step": "tiny", "reason": why}
     if model is None:

@@ -64,3 +64,16 @@ def test_no_type_is_outside_for_the_shrinkers_sake(recorded):
     assert all(r["reason"].startswith(("an ", "transformers cannot")) for r in outside)
     too_large = [r for r in rows if model_census.TOO_LARGE in r.get("reason", "")]
     assert all((r["status"], r["step"]) == ("refused", "tiny") for r in too_large)
+
+
+def test_a_type_that_fails_in_transformers_at_any_size_is_outside_with_its_error(tmp_path):
+    """Gemma 4's assistant (a drafter that reads its main model's shared keys and values) fails at the tiny widths,
+    and its own widths are too large to build on a CPU; on the meta device (any size) its forward fails the same way,
+    so it is outside with transformers' error, not refused for the shrinker's sake. A type whose forward runs on
+    the meta device gives no such failure."""
+    from finetuner.model.tiny import tiny_config
+
+    tok = model_census._tokenizer()
+    row = model_census.census_row("gemma4_unified_assistant", tok, tmp_path)
+    assert row["status"] == "outside" and "inputs_embeds and shared_kv_states cannot be None" in row["reason"]
+    assert model_census._fails_on_meta("llama", tiny_config("llama", len(tok), widths=False), tok) is None
