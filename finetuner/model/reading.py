@@ -58,12 +58,27 @@ def config_key(cfg: dict[str, Any]) -> str:
     return _digest({"cfg": _config_only(cfg), "format": FORMAT_VERSION})
 
 
+#: the modules whose code decides what an inventory holds: a cached inventory read by other code is read again
+READING_MODULES = ("inventory.py", "layout.py", "reading.py", "trace.py")
+_CODE: list[str] = []
+
+
+def code_digest() -> str:
+    """A digest of :data:`READING_MODULES`' source, so that an inventory cached before a change in how models are
+    read (a layout that learned a family: BLT's heads read from its own stack's settings) is not served again."""
+    if not _CODE:
+        here = Path(__file__).parent
+        _CODE.append(hashlib.sha256(b"".join((here / name).read_bytes() for name in READING_MODULES)).hexdigest()[:12])
+    return _CODE[0]
+
+
 def _key(cfg: dict[str, Any]) -> str:
-    """The cache key: the config and the installed transformers' version (read from its metadata: a cached
-    inventory costs no import of transformers)."""
+    """The cache key: the config, the installed transformers' version (read from its metadata: a cached
+    inventory costs no import of transformers) and the reading code (:func:`code_digest`)."""
     from importlib.metadata import version
 
-    return _digest({"cfg": _config_only(cfg), "transformers": version("transformers"), "format": FORMAT_VERSION})
+    return _digest({"cfg": _config_only(cfg), "transformers": version("transformers"), "format": FORMAT_VERSION,
+                    "code": code_digest()})
 
 
 _PACKAGED_READ: dict[str, Any] = {}

@@ -154,6 +154,12 @@ def test_the_inventory_is_built_once_per_config(tok, monkeypatch):
     monkeypatch.setattr(reading, "read_model", lambda cfg: pytest.fail("built again"))
     assert reading.read_inventory(cfg) == first
     assert reading._key(cfg) != reading._key({**cfg, "num_hidden_layers": 3})
+    # other reading code (a layout that learned a family) reads it again: the key names the code's digest
+    key = reading._key(cfg)
+    monkeypatch.setattr(reading, "_CODE", ["another-reading"])
+    assert reading._key(cfg) != key and reading.code_digest() == "another-reading"
+    monkeypatch.undo()
+    assert len(reading.code_digest()) == 12 and reading._key(cfg) == key
 
 
 def test_an_mlp_without_a_gate_has_two_linears_and_its_own_activation_terms(tok):
