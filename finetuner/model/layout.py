@@ -27,7 +27,7 @@ from finetuner.model.inventory import Inventory, LayerKind, LayerLinear
 #: the last part of an attention linear's path, lower case, by role (a wrapper's trailing ``linear`` dropped:
 #: Moshi's ``self_attn.q_proj.linear``)
 ATTENTION_NAMES = {
-    "q_proj": {"q_proj", "query", "wq", "project_q", "q", "q_lin"},
+    "q_proj": {"q_proj", "query", "wq", "project_q", "q", "q_lin", "query_key"},
     "k_proj": {"k_proj", "key", "wk", "project_k", "k", "k_lin"},
     "v_proj": {"v_proj", "value", "wv", "project_v", "v", "v_lin"},
     "qkv_proj": {"qkv_proj", "query_key_value", "c_attn", "wqkv", "qkv", "w_pack"},
@@ -228,7 +228,9 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     (role ``extra:<path>``): an output gate (AFMoE's gate_proj, MiniMax's output_gate), Doge's dt_proj, the
     low-rank projections of multi-head latent attention (DeepSeek's q_a_proj, kv_a_proj_with_mqa, kv_b_proj,
     whose queries are q_b_proj's). A layer with q and o alone reads the keys and values of an earlier layer (KV
-    shared across layers); one with q, k and o uses its keys as its values (Gemma 4's ``attention_k_eq_v``)."""
+    shared across layers); one with q, k and o uses its keys as its values (Gemma 4's ``attention_k_eq_v``); one
+    with q, v and o its queries as its keys (Reformer's LSH attention, whose ``query_key`` is both); one with q, k,
+    o and ``v_proj_*`` extras takes its values in parts (ZAYA's ``v_proj_current`` and ``v_proj_delayed``)."""
     what = f"its attention's linear layers are {', '.join(x.name for x in linears)}"
     by_role: dict[str, LayerLinear] = {}
     for lin in linears:
@@ -246,7 +248,13 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     reused = set(by_role) == {"q_proj", "o_proj"}
     # a layer whose keys serve as its values (Gemma 4's attention_k_eq_v: no v_proj in its full-attention layers)
     keys_as_values = set(by_role) == {"q_proj", "k_proj", "o_proj"}
-    if "o_proj" not in by_role or not (standard or latent or reused or keys_as_values):
+    # a layer whose queries serve as its keys (Reformer's LSH attention: one query_key projection, and values)
+    queries_as_keys = set(by_role) == {"q_proj", "v_proj", "o_proj"}
+    # values from projections of their own parts (ZAYA's compressed convolutional attention: v_proj_current and
+    # v_proj_delayed, half the values each): extras, their widths counted as the block's
+    split_values = {"q_proj", "k_proj", "o_proj"} <= by_role.keys() and "v_proj" not in by_role \
+        and any(_key(r).startswith("v_proj_") for r in by_role if r.startswith("extra:"))
+    if "o_proj" not in by_role or not (standard or latent or reused or keys_as_values or queries_as_keys or split_values):
         raise LayoutError(what)
     if by_role["o_proj"].out_features != h:
         raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
@@ -402,6 +410,10 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     heads = next((int(text_cfg[k]) for k in HEADS_KEYS if isinstance(text_cfg.get(k), int) and text_cfg[k] > 0), 0)
     head_dim = int(text_cfg.get("head_dim") or text_cfg.get("qk_head_dim") or (q_dim // heads if heads else 0))
     if heads and not text_cfg.get("head_dim") and q_dim % heads == 0:
+        head_dim = q_dim // heads
+    if heads and head_dim and q_dim % head_dim and q_dim % heads == 0:
+        # the config's head_dim is another layer kind's (dots3's sliding layers, their own per_layer_config): the
+        # widest kind's width per head, read from its queries
         head_dim = q_dim // heads
     if not head_dim or q_dim % head_dim:
         raise LayoutError(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
