@@ -34,8 +34,8 @@ ATTENTION_NAMES = {
     "o_proj": {"o_proj", "out_proj", "dense", "c_proj", "attention_out", "wo", "o", "out_lin"},
 }
 #: the gate of a gated MLP where its two input linears have the same widths (Llama's gate_proj, LFM2's w1,
-#: CPM-Ant's w_0); the other one is the up projection
-GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g"}
+#: CPM-Ant's w_0, xLSTM's proj_up_gate); the other one is the up projection
+GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g", "proj_up_gate"}
 #: latent attention's queries (DeepSeek's q_b_proj; A.X K2's q_gate_proj, queries and an output gate fused) and a
 #: low-rank output's second half (DeepSeek-V4's o_b_proj), where the block has no q_proj / o_proj
 LATENT_NAMES = {"q_b_proj": "q_proj", "q_gate_proj": "q_proj", "o_b_proj": "o_proj"}
@@ -68,10 +68,18 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 #: out_proj) and of LFM2's short convolution (in_proj, out_proj): role ``mixer``. Its convolution, A_log, D and
 #: dt_bias are no linear layers: the inventory counts them as the layer's other parameters, frozen under LoRA as peft
 #: leaves them; the scan's saved states are the layer's trace's (:func:`finetuner.memory.activations.traced_excess`)
-MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj"}
+MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj",
+               # RecurrentGemma's recurrent block: two branches in (linear_x to the convolution and the RG-LRU,
+               # linear_y to its gate) and linear_out back; the RG-LRU's own gate weights are its other parameters
+               "linear_x", "linear_y", "linear_out"}
 #: the modules of a decoder layer that hold a state-space mixer or a short convolution, by the names transformers
-#: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names)
-MIXER_MODULES = {"mixer", "mamba", "conv"}
+#: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names, and
+#: RecurrentGemma's ``temporal_block`` its attention layers' q/k/v/o)
+MIXER_MODULES = {"mixer", "mamba", "conv", "temporal_block"}
+#: modules of a decoder layer whose every linear is a recurrent mixer's, whatever its name: xLSTM's mLSTM
+#: (``mlstm_layer``: q, k and v into a matrix memory, its input, forget and output gates, out_proj), a recurrence
+#: with no softmax attention, its state and gates the layer's trace's
+RECURRENT_MODULES = {"mlstm_layer"}
 #: a hybrid layer's linears outside its blocks (Zamba's ``linear`` after the shared transformer, Zamba2's
 #: per-layer adapters of the shared MLP): roles of their own (their paths), as an attention block's extras
 HYBRID_EXTRA_MARKS = ("adapter",)
@@ -145,8 +153,11 @@ def _in_attention(path: str) -> bool:
 
 def in_mixer(path: str) -> bool:
     """The linear at ``path`` (in a decoder layer) is a state-space mixer's or a short convolution's
-    (:data:`MIXER_NAMES` in one of :data:`MIXER_MODULES`, outside any attention block)."""
-    return _key(path) in MIXER_NAMES and not _in_attention(path) and bool(set(path.split(".")[:-1]) & MIXER_MODULES)
+    (:data:`MIXER_NAMES` in one of :data:`MIXER_MODULES`, outside any attention block; any linear of a
+    :data:`RECURRENT_MODULES` one)."""
+    parts = set(path.split(".")[:-1])
+    return bool(parts & RECURRENT_MODULES) or (_key(path) in MIXER_NAMES and not _in_attention(path)
+                                               and bool(parts & MIXER_MODULES))
 
 
 def _attention_like(path: str) -> bool:

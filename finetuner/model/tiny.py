@@ -190,6 +190,9 @@ TINY_PATTERNS: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
     # dots3's sliding layers take the head width as their qk_nope + qk_rope (24 + 16, its per-layer 192 made tiny)
     "dots3_note_text": {"head_dim": 40},
+    # xLSTM's config rounds its query/key width (hidden x qk_dim_factor 0.5) up to a multiple of 64 and its mLSTM
+    # layer does not: the two agree (its state's shape) only where half the hidden size is a multiple of 64
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
     # Reformer's LM head builds only as a decoder (its attention causal)
     "reformer": {"is_decoder": True, "axial_pos_embds": False},
     # BLT's cache reads a num_hidden_layers its top config does not have: trained and answered without one
