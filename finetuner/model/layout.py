@@ -505,25 +505,34 @@ def all_linear_targets(model):
     import torch
 
     from finetuner.model.experts4bit import is_mixture_of_experts
-    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames, shared_weights
+    from finetuner.model.inventory import (PARALLEL, is_plain_linear, layer_module_path, layer_modules, peft_renames,
+                                           shared_weights)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
+    layers_path, layers = layer_modules(base, getattr(text, "num_hidden_layers", None))
+    if layers_path.endswith(PARALLEL):  # parallel lists: a linear's path in the layer starts with its list's name
+        where = (re.escape(layers_path[:-len(PARALLEL)]) + r"\.(" + "|".join(map(re.escape, layers[0].keys()))
+                 + r")\.\d+\.(.+)")
+    else:
+        where = re.escape(layers_path) + r"\.\d+\.()(.+)"
     found, root = [], False
     head = base.get_output_embeddings()
     shared = shared_weights(base)
     for name, mod in base.named_modules():
         if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
             continue
-        inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
+        inner = re.fullmatch(where, name)
         if inner:
-            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1],
+            found.append((f"{inner[1]}.{inner[2]}" if inner[1] else inner[2],
+                          getattr(mod, "out_features", None) or mod.weight.shape[-1],
                           is_plain_linear(mod) and id(mod.weight) not in shared))
         else:
             root = True
     paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root,
                              refused=peft_refused(str(getattr(base.config, "model_type", ""))))
     if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
+        if layers_path.endswith(PARALLEL):  # each path's list, any index, the rest of its path
+            return "|".join(re.escape(layer_module_path(layers_path, "INDEX", p)).replace("INDEX", r"\d+") for p in paths)
         return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
     return paths

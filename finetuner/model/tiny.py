@@ -193,6 +193,8 @@ TINY_PATTERNS: dict[str, dict[str, Any]] = {
     # xLSTM's config rounds its query/key width (hidden x qk_dim_factor 0.5) up to a multiple of 64 and its mLSTM
     # layer does not: the two agree (its state's shape) only where half the hidden size is a multiple of 64
     "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # XLM's defaults are its masked LM's (attending both ways); its causal-LM checkpoints (xlm-clm-*) attend causally
+    "xlm": {"causal": True},
     # Reformer's LM head builds only as a decoder (its attention causal)
     "reformer": {"is_decoder": True, "axial_pos_embds": False},
     # BLT's cache reads a num_hidden_layers its top config does not have: trained and answered without one

@@ -6,7 +6,7 @@ the per-layer embedding table is counted as an embedding), its LoRA counted as p
 default configs plan on an RTX 4090, and each family the issue names (the state-space ones of
 tests/model/test_ssm_families.py too) plans, trains 2 LoRA steps tiny and leaves an adapter peft loads. So do the
 layer kinds the census refused before (:data:`READ_SINCE`: RecurrentGemma's RG-LRU, xLSTM's mLSTM, Reformer's LSH
-attention, ZAYA's split values, dots3's per-kind head widths)."""
+attention, ZAYA's split values, dots3's per-kind head widths, XLM's parallel lists)."""
 
 from __future__ import annotations
 
@@ -147,12 +147,14 @@ WHY = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next
 
 #: layer kinds read since (the census's refusals): RecurrentGemma's recurrent block (RG-LRU) beside its attention
 #: blocks, xLSTM's mLSTM, Reformer's LSH attention (one query_key) in reversible layers, ZAYA's values in two parts,
-#: dots3's latent attention whose config's head_dim is its sliding layers' (and its image-text wrapper)
+#: dots3's latent attention whose config's head_dim is its sliding layers' (and its image-text wrapper), XLM's layers
+#: as parallel lists (attentions, ffns and their norms)
 #: ``model type: (a path, its role)`` (an extra's role is its path)
 READ_SINCE = {"recurrent_gemma": ("temporal_block.linear_x", "mixer"), "xlstm": ("mlstm_layer.q", "mixer"),
               "reformer": ("attention.self_attention.query_key", "q_proj"),
               "zaya": ("self_attn.qkv_proj.v_proj_delayed", "self_attn.qkv_proj.v_proj_delayed"),
-              "dots3_note_text": ("self_attn.q_b_proj", "q_proj"), "dots3_note": ("self_attn.q_b_proj", "q_proj")}
+              "dots3_note_text": ("self_attn.q_b_proj", "q_proj"), "dots3_note": ("self_attn.q_b_proj", "q_proj"),
+              "xlm": ("ffns.lin1", "up_proj")}
 
 
 @pytest.mark.parametrize("model_type", READ_SINCE)
@@ -175,6 +177,10 @@ def test_a_layer_kind_read_since_has_its_roles_and_its_lora_counted_as_peft_buil
     if model_type.startswith("dots3"):  # the widest kind's head: qk_nope + qk_rope, not the sliding layers' 40
         text = cfg.get("text_config", cfg)
         assert shape.head_dim == text["qk_nope_head_dim"] + text["qk_rope_head_dim"] != text["head_dim"]
+    if model_type == "xlm":  # a regular expression of whole paths counted as peft matches it, in every list
+        pattern = r"transformer\.(ffns\.\d+\.lin1|attentions\.1\.q_lin)"
+        two = get_peft_model(_build(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=pattern))
+        assert lora_param_count(shape, 4, pattern) == two.get_nb_trainable_parameters()[0] > 0
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(model)))
     assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
 
