@@ -250,6 +250,37 @@ def decoder_layers(model, num_layers: int | None):
     return next((x for x in candidates if (x[0].rsplit(".", 1)[0] if "." in x[0] else "") == home), candidates[0])
 
 
+#: the end of :attr:`Inventory.layers_path` where the decoder layers are parallel lists (:func:`layer_modules`)
+PARALLEL = ".*"
+
+
+def layer_modules(model, num_layers: int | None) -> tuple[str, list]:
+    """The decoder layers and their path (:func:`decoder_layers`). A model whose layers are parallel lists, one per
+    part (XLM: ``transformer.attentions``, ``layer_norm1``, ``ffns``, ``layer_norm2``; the list found holds attention
+    blocks, not whole layers), gets each layer as one module of its parts, by their lists' names
+    (``attentions.q_lin``, ``ffns.lin1``), and the path ``<parent>.*`` (:func:`layer_module_path`)."""
+    import torch
+
+    path, layers = decoder_layers(model, num_layers)
+    parent, _, own = path.rpartition(".")
+    if "attention" not in type(layers[0]).__name__.lower():
+        return path, list(layers)
+    home = model.get_submodule(parent) if parent else model
+    lists = {n: m for n, m in home.named_children() if isinstance(m, torch.nn.ModuleList) and len(m) == len(layers)}
+    if len(lists) < 2:
+        return path, list(layers)
+    return parent + PARALLEL, [torch.nn.ModuleDict({n: m[i] for n, m in lists.items()}) for i in range(len(layers))]
+
+
+def layer_module_path(layers_path: str, i: int | str, name: str) -> str:
+    """The whole path of the module at ``name`` in decoder layer ``i`` (``model.layers.3.self_attn.q_proj``; in
+    parallel lists, :func:`layer_modules`, ``transformer.attentions.3.q_lin``)."""
+    if not layers_path.endswith(PARALLEL):
+        return f"{layers_path}.{i}.{name}"
+    part, _, rest = name.partition(".")
+    return f"{layers_path[:-len(PARALLEL)]}.{part}.{i}" + (f".{rest}" if rest else "")
+
+
 def _is_norm(module) -> bool:
     return any(m in type(module).__name__.lower() for m in _NORM_MARKS)
 
@@ -379,7 +410,7 @@ def kind_of(path: str) -> str:
     return "other"
 
 
-def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
+def _count(model, layers_path: str, layers: list) -> tuple[dict[str, int], bool]:
     """Parameters by kind (tied weights once) and whether the output layer is tied to the embeddings. The language
     model's other embedding tables beside its decoder layers are embeddings too: Gemma 3n/4's per-layer input table
     (``embed_tokens_per_layer``: vocabulary x per-layer width x layers, on the device with the rest, as
@@ -393,10 +424,12 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
     conv_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)
                    for p in m.parameters(recurse=False)}
     counts = dict.fromkeys(("embeddings", "attention", "mlp", "experts", "router", "norms", "lm_head", "other"), 0)
-    prefix = layers_path + "."
+    # the layers' paths: ``model.layers.``, or in parallel lists (:func:`layer_modules`) each list's, ``transformer.ffns.``
+    prefixes = ([layers_path[:-len(PARALLEL)] + f".{part}." for part in layers[0]] if layers_path.endswith(PARALLEL)
+                else [layers_path + "."])
     home = layers_path.rsplit(".", 1)[0] + "." if "." in layers_path else ""  # the language model's own modules
     tables = {id(m.weight) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Embedding) and n.startswith(home) and not n.startswith(prefix)}
+              if isinstance(m, torch.nn.Embedding) and n.startswith(home) and not n.startswith(tuple(prefixes))}
     for name, p in model.named_parameters():  # each shared parameter once
         if (emb is not None and p is emb.weight) or id(p) in tables:
             kind = "embeddings"
@@ -404,8 +437,11 @@ def _count(model, layers_path: str) -> tuple[dict[str, int], bool]:
             kind = "lm_head"
         elif id(p) in norm_params and name.startswith(home):  # (a vision tower's norms are its other weights)
             kind = "norms"
-        elif name.startswith(prefix):
-            inner = name[len(prefix):].split(".", 1)[-1]
+        elif name.startswith(tuple(prefixes)):
+            prefix = next(x for x in prefixes if name.startswith(x))
+            inner = name[len(prefix):].split(".", 1)[-1]  # the path after the layer's index
+            if len(prefixes) > 1:  # in parallel lists: its list's name first, as the layer names it
+                inner = f"{prefix.split('.')[-2]}.{inner}"
             kind = "other" if id(p) in conv_params else "experts" if _is_expert_tensor(inner, p) else kind_of(inner)
         else:
             kind = "other"
@@ -420,7 +456,7 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
     tower and projector beside it (their parameters are ``other``, their linears :attr:`Inventory.root_linears`)."""
     text_cfg, outer = language_config(cfg)
     model = build_on_meta(cfg if outer else text_cfg)
-    layers_path, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
+    layers_path, layers = layer_modules(model, text_cfg.get("num_hidden_layers"))
     groups: dict[tuple, list[int]] = {}
     shared = shared_weights(model)
     for i, layer in enumerate(layers):
@@ -429,7 +465,8 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
                             conv_params=k[6],
                             router_params=k[5])
                   for k, ix in groups.items())
-    params, tied = _count(model, layers_path)
+    params, tied = _count(model, layers_path, layers)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
     emb = model.get_input_embeddings()
     return Inventory(
         model_type=str(text_cfg.get("model_type")),
@@ -445,6 +482,6 @@ def inventory_of(cfg: dict[str, Any]) -> Inventory:
         peft_renames=peft_renames(str(text_cfg.get("model_type"))),
         resolved={**_resolved(model.config), **_stack_settings(model, layers_path)},
         root_linears=tuple(n for n, m in model.named_modules()
-                           if _linear_widths(m) is not None and not n.startswith(layers_path + ".")
+                           if _linear_widths(m) is not None and id(m) not in in_layers
                            and m is not model.get_output_embeddings()),
     )

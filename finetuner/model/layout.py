@@ -27,15 +27,15 @@ from finetuner.model.inventory import Inventory, LayerKind, LayerLinear
 #: the last part of an attention linear's path, lower case, by role (a wrapper's trailing ``linear`` dropped:
 #: Moshi's ``self_attn.q_proj.linear``)
 ATTENTION_NAMES = {
-    "q_proj": {"q_proj", "query", "wq", "project_q", "q", "q_lin"},
+    "q_proj": {"q_proj", "query", "wq", "project_q", "q", "q_lin", "query_key"},
     "k_proj": {"k_proj", "key", "wk", "project_k", "k", "k_lin"},
     "v_proj": {"v_proj", "value", "wv", "project_v", "v", "v_lin"},
     "qkv_proj": {"qkv_proj", "query_key_value", "c_attn", "wqkv", "qkv", "w_pack"},
     "o_proj": {"o_proj", "out_proj", "dense", "c_proj", "attention_out", "wo", "o", "out_lin"},
 }
 #: the gate of a gated MLP where its two input linears have the same widths (Llama's gate_proj, LFM2's w1,
-#: CPM-Ant's w_0); the other one is the up projection
-GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g"}
+#: CPM-Ant's w_0, xLSTM's proj_up_gate); the other one is the up projection
+GATE_NAMES = {"gate_proj", "w1", "w_0", "gate", "wi_0", "fc1_g", "proj_up_gate"}
 #: latent attention's queries (DeepSeek's q_b_proj; A.X K2's q_gate_proj, queries and an output gate fused) and a
 #: low-rank output's second half (DeepSeek-V4's o_b_proj), where the block has no q_proj / o_proj
 LATENT_NAMES = {"q_b_proj": "q_proj", "q_gate_proj": "q_proj", "o_b_proj": "o_proj"}
@@ -72,10 +72,18 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 #: out_proj) and of LFM2's short convolution (in_proj, out_proj): role ``mixer``. Its convolution, A_log, D and
 #: dt_bias are no linear layers: the inventory counts them as the layer's other parameters, frozen under LoRA as peft
 #: leaves them; the scan's saved states are the layer's trace's (:func:`finetuner.memory.activations.traced_excess`)
-MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj"}
+MIXER_NAMES = {"in_proj", "x_proj", "dt_proj", "out_proj",
+               # RecurrentGemma's recurrent block: two branches in (linear_x to the convolution and the RG-LRU,
+               # linear_y to its gate) and linear_out back; the RG-LRU's own gate weights are its other parameters
+               "linear_x", "linear_y", "linear_out"}
 #: the modules of a decoder layer that hold a state-space mixer or a short convolution, by the names transformers
-#: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names)
-MIXER_MODULES = {"mixer", "mamba", "conv"}
+#: gives them (Nemotron-H's ``mixer`` also holds its attention and MLP layers' linears, by their own names, and
+#: RecurrentGemma's ``temporal_block`` its attention layers' q/k/v/o)
+MIXER_MODULES = {"mixer", "mamba", "conv", "temporal_block"}
+#: modules of a decoder layer whose every linear is a recurrent mixer's, whatever its name: xLSTM's mLSTM
+#: (``mlstm_layer``: q, k and v into a matrix memory, its input, forget and output gates, out_proj), a recurrence
+#: with no softmax attention, its state and gates the layer's trace's
+RECURRENT_MODULES = {"mlstm_layer"}
 #: a hybrid layer's linears outside its blocks (Zamba's ``linear`` after the shared transformer, Zamba2's
 #: per-layer adapters of the shared MLP): roles of their own (their paths), as an attention block's extras
 HYBRID_EXTRA_MARKS = ("adapter",)
@@ -149,8 +157,11 @@ def _in_attention(path: str) -> bool:
 
 def in_mixer(path: str) -> bool:
     """The linear at ``path`` (in a decoder layer) is a state-space mixer's or a short convolution's
-    (:data:`MIXER_NAMES` in one of :data:`MIXER_MODULES`, outside any attention block)."""
-    return _key(path) in MIXER_NAMES and not _in_attention(path) and bool(set(path.split(".")[:-1]) & MIXER_MODULES)
+    (:data:`MIXER_NAMES` in one of :data:`MIXER_MODULES`, outside any attention block; any linear of a
+    :data:`RECURRENT_MODULES` one)."""
+    parts = set(path.split(".")[:-1])
+    return bool(parts & RECURRENT_MODULES) or (_key(path) in MIXER_NAMES and not _in_attention(path)
+                                               and bool(parts & MIXER_MODULES))
 
 
 def _attention_like(path: str) -> bool:
@@ -232,7 +243,9 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     (role ``extra:<path>``): an output gate (AFMoE's gate_proj, MiniMax's output_gate), Doge's dt_proj, the
     low-rank projections of multi-head latent attention (DeepSeek's q_a_proj, kv_a_proj_with_mqa, kv_b_proj,
     whose queries are q_b_proj's). A layer with q and o alone reads the keys and values of an earlier layer (KV
-    shared across layers); one with q, k and o uses its keys as its values (Gemma 4's ``attention_k_eq_v``)."""
+    shared across layers); one with q, k and o uses its keys as its values (Gemma 4's ``attention_k_eq_v``); one
+    with q, v and o its queries as its keys (Reformer's LSH attention, whose ``query_key`` is both); one with q, k,
+    o and ``v_proj_*`` extras takes its values in parts (ZAYA's ``v_proj_current`` and ``v_proj_delayed``)."""
     what = f"its attention's linear layers are {', '.join(x.name for x in linears)}"
     by_role: dict[str, LayerLinear] = {}
     for lin in linears:
@@ -250,7 +263,13 @@ def _attention(linears: list[LayerLinear], h: int) -> dict[str, LayerLinear]:
     reused = set(by_role) == {"q_proj", "o_proj"}
     # a layer whose keys serve as its values (Gemma 4's attention_k_eq_v: no v_proj in its full-attention layers)
     keys_as_values = set(by_role) == {"q_proj", "k_proj", "o_proj"}
-    if "o_proj" not in by_role or not (standard or latent or reused or keys_as_values):
+    # a layer whose queries serve as its keys (Reformer's LSH attention: one query_key projection, and values)
+    queries_as_keys = set(by_role) == {"q_proj", "v_proj", "o_proj"}
+    # values from projections of their own parts (ZAYA's compressed convolutional attention: v_proj_current and
+    # v_proj_delayed, half the values each): extras, their widths counted as the block's
+    split_values = {"q_proj", "k_proj", "o_proj"} <= by_role.keys() and "v_proj" not in by_role \
+        and any(_key(r).startswith("v_proj_") for r in by_role if r.startswith("extra:"))
+    if "o_proj" not in by_role or not (standard or latent or reused or keys_as_values or queries_as_keys or split_values):
         raise LayoutError(what)
     if by_role["o_proj"].out_features != h:
         raise LayoutError(f"its attention output {by_role['o_proj'].name} is {by_role['o_proj'].out_features} wide, "
@@ -407,6 +426,10 @@ def read_layout(inv: Inventory, text_cfg: dict) -> Layout:
     head_dim = int(text_cfg.get("head_dim") or text_cfg.get("qk_head_dim") or (q_dim // heads if heads else 0))
     if heads and not text_cfg.get("head_dim") and q_dim % heads == 0:
         head_dim = q_dim // heads
+    if heads and head_dim and q_dim % head_dim and q_dim % heads == 0:
+        # the config's head_dim is another layer kind's (dots3's sliding layers, their own per_layer_config): the
+        # widest kind's width per head, read from its queries
+        head_dim = q_dim // heads
     if not head_dim or q_dim % head_dim:
         raise LayoutError(f"its attention width {q_dim} is no whole number of heads (head_dim {head_dim})")
     if fused_qkv:
@@ -486,25 +509,34 @@ def all_linear_targets(model):
     import torch
 
     from finetuner.model.experts4bit import is_mixture_of_experts
-    from finetuner.model.inventory import decoder_layers, is_plain_linear, peft_renames, shared_weights
+    from finetuner.model.inventory import (PARALLEL, is_plain_linear, layer_module_path, layer_modules, peft_renames,
+                                           shared_weights)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    layers_path, _ = decoder_layers(base, getattr(text, "num_hidden_layers", None))
+    layers_path, layers = layer_modules(base, getattr(text, "num_hidden_layers", None))
+    if layers_path.endswith(PARALLEL):  # parallel lists: a linear's path in the layer starts with its list's name
+        where = (re.escape(layers_path[:-len(PARALLEL)]) + r"\.(" + "|".join(map(re.escape, layers[0].keys()))
+                 + r")\.\d+\.(.+)")
+    else:
+        where = re.escape(layers_path) + r"\.\d+\.()(.+)"
     found, root = [], False
     head = base.get_output_embeddings()
     shared = shared_weights(base)
     for name, mod in base.named_modules():
         if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D") or mod is head:
             continue
-        inner = re.fullmatch(re.escape(layers_path) + r"\.\d+\.(.+)", name)
+        inner = re.fullmatch(where, name)
         if inner:
-            found.append((inner[1], getattr(mod, "out_features", None) or mod.weight.shape[-1],
+            found.append((f"{inner[1]}.{inner[2]}" if inner[1] else inner[2],
+                          getattr(mod, "out_features", None) or mod.weight.shape[-1],
                           is_plain_linear(mod) and id(mod.weight) not in shared))
         else:
             root = True
     paths = all_linear_paths(found, moe=is_mixture_of_experts(base), renames=peft_renames(str(text.model_type)), root=root,
                              refused=peft_refused(str(getattr(base.config, "model_type", ""))))
     if root and not isinstance(paths, str):  # names alone would also match a vision tower's layers: whole paths
+        if layers_path.endswith(PARALLEL):  # each path's list, any index, the rest of its path
+            return "|".join(re.escape(layer_module_path(layers_path, "INDEX", p)).replace("INDEX", r"\d+") for p in paths)
         return re.escape(layers_path) + r"\.\d+\.(" + "|".join(re.escape(p) for p in paths) + ")"
     return paths

@@ -511,7 +511,16 @@ def _offload_checkpoints(model, recipe: Recipe):
         # the first layer's input (a frozen embedding's output) must require grad, or the
         # custom autograd function would not run backward for it and its LoRA weights
         model.enable_input_require_grads()
+    elif recipe.method != "full" and has_reversible_layers(model):
+        model.enable_input_require_grads()  # the same for the layers' own autograd function
     return model
+
+
+def has_reversible_layers(model) -> bool:
+    """Decoder layers with a backward of their own (Reformer's reversible residual layers, ``backward_pass``: one
+    autograd function over every layer recomputes each layer's input from its output). The function's output needs
+    grad only when its input does: with a frozen embedding, no LoRA weight in it would get a gradient."""
+    return any(callable(getattr(m, "backward_pass", None)) for m in model.modules())
 
 
 def count_parameters(model) -> tuple[int, int]:

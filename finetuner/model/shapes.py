@@ -336,13 +336,15 @@ def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int,
     """The modules whose whole path matches ``pattern`` (peft's ``re.fullmatch``), counted per layer."""
     import re
 
+    from finetuner.model.inventory import layer_module_path
+
     try:
         rx = re.compile(pattern)
     except re.error as e:
         raise UserError(f"lora.target_modules: {pattern!r} is not a valid regular expression ({e}).") from None
     found = []
     for lin in shape.layer_linears():
-        copies = sum(1 for i in (lin.layers or range(shape.num_layers)) if rx.fullmatch(f"{shape.layers_path}.{i}.{lin.name}"))
+        copies = sum(1 for i in (lin.layers or range(shape.num_layers)) if rx.fullmatch(layer_module_path(shape.layers_path, i, lin.name)))
         if copies:
             found.append((lin.name, lin.in_features, lin.out_features, copies))
     if rx.fullmatch("lm_head"):
@@ -353,7 +355,7 @@ def _regex_targets(shape: ModelShape, pattern: str) -> list[tuple[str, int, int,
         raise UserError(
             f"lora.target_modules: the regular expression {pattern!r} matches no module of {shape.name}: "
             "a string that is not a list of names must match whole module paths, such as "
-            f"{shape.layers_path}.0.{shape.layer_linears()[0].name}.",
+            f"{layer_module_path(shape.layers_path, 0, shape.layer_linears()[0].name)}.",
             hint="For module names use a list, [q_proj, v_proj], or a comma-separated string, 'q_proj,v_proj'; "
                  r"a regular expression like '.*\.(q_proj|v_proj)' or 'all-linear' also work.",
         )

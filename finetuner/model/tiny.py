@@ -40,6 +40,8 @@ TINY_SIZES: dict[str, int] = {
     "n_shared_experts": 1,
     # BLT: its byte n-gram hash tables (each as wide as the encoder) and the global model's width the local ones read
     "encoder_hash_byte_group_vocab": 512, "hidden_size_global": 64,
+    # dots3's vision and audio adapters: they read the tower's width and write the text model's
+    "adapter_in_dim": 64, "adapter_input_size": 64, "adapter_out_dim": 64,
     "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32, "indexer_compress_ratio": 4,
 }
 
@@ -115,7 +117,8 @@ def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
     every kind the defaults have, in turn (Qwen3.5's linear and full attention, three to one: one of each), else is
     cut as it is; the last layer's kind is the defaults' (Gemma 4 wants full attention there); other lists
     as long as the default depth are cut (Gemma 3n's ``activation_sparsity_pattern``), its per-layer MLP widths
-    made tiny; Gemma 4's ``per_layer_config`` (a full-attention layer's own head width) follows its layer's kind to
+    made tiny; a ``per_layer_config`` (Gemma 4's: a full-attention layer's own head width; dots3's vision tower's:
+    a sparse MLP layer's expert count) follows its layer's kind (``layer_types``, else ``mlp_layer_types``) to
     the tiny layers, its widths scaled as the layer's defaults are; KV shared across layers (Gemma 3n/4's
     ``num_kv_shared_layers``) kept with one sharing layer per kind (the depth grown to two layers per kind)."""
     before = cfg.get("num_hidden_layers") or cfg.get("num_layers")
@@ -141,13 +144,14 @@ def _per_layer(cfg: dict[str, Any], out: dict[str, Any], widths: bool) -> None:
             out[key] = [TINY_SIZES[key]] * layers
         else:
             out[key] = value[:layers]
-    if isinstance(cfg.get("per_layer_config"), dict) and isinstance(cfg.get("layer_types"), list):
+    pattern = next((key for key in PATTERN_KEYS if isinstance(cfg.get(key), list) and len(cfg[key]) == before), None)
+    if isinstance(cfg.get("per_layer_config"), dict) and pattern:
         old = {int(i): over for i, over in cfg["per_layer_config"].items()}
-        by_kind = {cfg["layer_types"][i]: over for i, over in sorted(old.items())}
+        by_kind = {cfg[pattern][i]: over for i, over in sorted(old.items())}
         scaled = {kind: {k: max(1, round(v * out[k] / cfg[k])) if widths and isinstance(v, int) and isinstance(cfg.get(k), int)
                          and isinstance(out.get(k), int) and cfg[k] else v for k, v in over.items()}
                   for kind, over in by_kind.items()}
-        out["per_layer_config"] = {i: scaled[kind] for i, kind in enumerate(out["layer_types"]) if kind in scaled}
+        out["per_layer_config"] = {i: scaled[kind] for i, kind in enumerate(out[pattern]) if kind in scaled}
 
 
 # --- state-space and short-convolution families (Mamba, Mamba-2, their hybrids, LFM2) ---------------------------
@@ -186,6 +190,13 @@ TINY_PATTERNS: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
     # dots3's sliding layers take the head width as their qk_nope + qk_rope (24 + 16, its per-layer 192 made tiny)
     "dots3_note_text": {"head_dim": 40},
+    # xLSTM's config rounds its query/key width (hidden x qk_dim_factor 0.5) up to a multiple of 64 and its mLSTM
+    # layer does not: the two agree (its state's shape) only where half the hidden size is a multiple of 64
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # XLM's defaults are its masked LM's (attending both ways); its causal-LM checkpoints (xlm-clm-*) attend causally
+    "xlm": {"causal": True},
+    # Reformer's LM head builds only as a decoder (its attention causal)
+    "reformer": {"is_decoder": True, "axial_pos_embds": False},
     # BLT's cache reads a num_hidden_layers its top config does not have: trained and answered without one
     "blt": {"use_cache": False},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},

@@ -109,7 +109,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from finetuner.model.inventory import build_on_meta, decoder_layers, language_config
+    from finetuner.model.inventory import build_on_meta, language_config, layer_modules
     from finetuner.model.layout import all_linear_targets
 
     register_trace_attention()
@@ -128,7 +128,7 @@ def trace_layer(cfg: dict[str, Any], lora_r: int = TRACE_LORA_R, lora_dropout: f
         peft_model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout,
                                                       target_modules=all_linear_targets(model)))  # as the trainer names them
     peft_model.train()
-    _, layers = decoder_layers(model, text_cfg.get("num_hidden_layers"))
+    _, layers = layer_modules(model, text_cfg.get("num_hidden_layers"))
     layer = layers[layer_index]
     inner = next((m for m in model.modules() if getattr(m, "rotary_emb", None) is not None and m is not layer), None)
     params = {p.untyped_storage()._cdata for p in model.parameters()}

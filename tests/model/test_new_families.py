@@ -4,7 +4,9 @@ Attention), per-layer inputs and KV shared across layers (Gemma 3n/4). Each buil
 projections and the per-layer input linears get roles, their conv1d and state parameters are counted and stay frozen,
 the per-layer embedding table is counted as an embedding), its LoRA counted as peft builds it, transformers' own
 default configs plan on an RTX 4090, and each family the issue names (the state-space ones of
-tests/model/test_ssm_families.py too) plans, trains 2 LoRA steps tiny and leaves an adapter peft loads."""
+tests/model/test_ssm_families.py too) plans, trains 2 LoRA steps tiny and leaves an adapter peft loads. So do the
+layer kinds the census refused before (:data:`READ_SINCE`: RecurrentGemma's RG-LRU, xLSTM's mLSTM, Reformer's LSH
+attention, ZAYA's split values, dots3's per-kind head widths, XLM's parallel lists)."""
 
 from __future__ import annotations
 
@@ -150,8 +152,48 @@ WHY = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next
 CENSUS = ["emu3", "mllama", "qwen4_exp_text", "qwen4_exp", "blt"]
 
 
-@pytest.mark.parametrize("model_type, moe", [(t, {}) for t in WHY + CENSUS] + [("gemma4_text", GEMMA4_MOE)],
-                         ids=WHY + CENSUS + ["gemma4_text-moe"])
+#: layer kinds read since (the census's refusals): RecurrentGemma's recurrent block (RG-LRU) beside its attention
+#: blocks, xLSTM's mLSTM, Reformer's LSH attention (one query_key) in reversible layers, ZAYA's values in two parts,
+#: dots3's latent attention whose config's head_dim is its sliding layers' (and its image-text wrapper), XLM's layers
+#: as parallel lists (attentions, ffns and their norms)
+#: ``model type: (a path, its role)`` (an extra's role is its path)
+READ_SINCE = {"recurrent_gemma": ("temporal_block.linear_x", "mixer"), "xlstm": ("mlstm_layer.q", "mixer"),
+              "reformer": ("attention.self_attention.query_key", "q_proj"),
+              "zaya": ("self_attn.qkv_proj.v_proj_delayed", "self_attn.qkv_proj.v_proj_delayed"),
+              "dots3_note_text": ("self_attn.q_b_proj", "q_proj"), "dots3_note": ("self_attn.q_b_proj", "q_proj"),
+              "xlm": ("ffns.lin1", "up_proj")}
+
+
+@pytest.mark.parametrize("model_type", READ_SINCE)
+def test_a_layer_kind_read_since_has_its_roles_and_its_lora_counted_as_peft_builds_it(model_type, tok):
+    """Each kind built tiny with its family's own width settings trains in transformers, is read from the model
+    (every parameter counted, the kind's path in its role) and its ``all-linear`` LoRA counted as peft builds it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from finetuner.model.layout import all_linear_targets
+
+    cfg = tiny_with_ids(model_type, tok)
+    model = _build(cfg)
+    ids = torch.tensor([tok("bring water and a map on the trail")["input_ids"][:8]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    shape = shape_from_config(cfg, name=model_type)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    path, role = READ_SINCE[model_type]
+    assert (role, path) in shape.roles
+    if model_type.startswith("dots3"):  # the widest kind's head: qk_nope + qk_rope, not the sliding layers' 40
+        text = cfg.get("text_config", cfg)
+        assert shape.head_dim == text["qk_nope_head_dim"] + text["qk_rope_head_dim"] != text["head_dim"]
+    if model_type == "xlm":  # a regular expression of whole paths counted as peft matches it, in every list
+        pattern = r"transformer\.(ffns\.\d+\.lin1|attentions\.1\.q_lin)"
+        two = get_peft_model(_build(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=pattern))
+        assert lora_param_count(shape, 4, pattern) == two.get_nb_trainable_parameters()[0] > 0
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(model)))
+    assert lora_param_count(shape, 4) == lora.get_nb_trainable_parameters()[0]
+
+
+@pytest.mark.parametrize("model_type, moe", [(t, {}) for t in WHY + CENSUS + list(READ_SINCE)] + [("gemma4_text", GEMMA4_MOE)],
+                         ids=WHY + CENSUS + list(READ_SINCE) + ["gemma4_text-moe"])
 def test_a_tiny_model_plans_trains_two_lora_steps_and_peft_loads_its_adapter(model_type, moe, tok, tmp_path):
     """As a user meets it: the folder planned for an RTX 4090, 2 LoRA steps with finetuner's trainer, and the
     adapter it saved loaded by ``PeftModel.from_pretrained`` onto the base, with as many LoRA weights as the memory
@@ -183,8 +225,9 @@ def test_a_tiny_model_plans_trains_two_lora_steps_and_peft_loads_its_adapter(mod
     lora = {n: p for n, p in tuned.named_parameters() if "lora_" in n}
     assert sum(p.numel() for p in lora.values()) == lora_param_count(shape, 4)
     assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # the adapter holds the trained steps
-    if shape.mixer_layers:  # the mixer's input projection trained (peft refuses some mixers' out_proj)
-        assert any(".in_proj.lora_B" in n for n in lora)
+    mixers = {p for r, p in shape.roles if r == "mixer"}
+    if mixers:  # the mixer's input projections trained (peft refuses some mixers' out_proj)
+        assert any(f".{p}.lora_B" in n for p in mixers - {"out_proj", "mixer.out_proj"} for n in lora)
     ids = torch.tensor([tok("bring water")["input_ids"]])
     assert torch.isfinite(tuned(input_ids=ids).logits).all()
 
