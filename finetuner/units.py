@@ -15,9 +15,15 @@ DAY_S = 24 * 3600
 YEAR_S = 365 * DAY_S
 
 
-def gib_text(n: float, digits: int = 2, grouped: bool = False) -> str:
-    """``n`` bytes in GiB with ``digits`` decimals (``grouped``: thousands separated), e.g. ``"7.45 GiB"``."""
-    return f"{n / GiB:{',' if grouped else ''}.{digits}f} GiB"
+def in_gib(n: float) -> float:
+    """``n`` bytes as a number of GiB (a chart's value, a JSON field, a card's size)."""
+    return n / GiB
+
+
+def gib_text(n: float, digits: int = 2, grouped: bool = False, unit: bool = True) -> str:
+    """``n`` bytes in GiB with ``digits`` decimals (``grouped``: thousands separated), e.g. ``"7.45 GiB"``; without
+    the ``unit`` where a table's column says it (``"7.45"``)."""
+    return f"{in_gib(n):{',' if grouped else ''}.{digits}f}" + (" GiB" if unit else "")
 
 
 def duration_text(seconds: float | None) -> str:

@@ -6,12 +6,25 @@ import math
 
 import pytest
 
-from finetuner.units import DAY_S, GiB, YEAR_S, clock_text, duration_text, gib_text
+from finetuner.units import DAY_S, GiB, YEAR_S, clock_text, duration_text, gib_text, in_gib
 
 
 def test_a_size_is_written_in_gib():
     assert gib_text(7.45 * GiB) == "7.45 GiB" and gib_text(GiB, 1) == "1.0 GiB"
     assert gib_text(1234.4 * GiB, 0, grouped=True) == "1,234 GiB"
+    assert gib_text(7.45 * GiB, unit=False) == "7.45" and in_gib(3 * GiB / 2) == 1.5  # a table's cell, a chart's value
+
+
+def test_no_size_is_divided_by_hand():
+    """Sizes are written through finetuner.units alone: no ``/ GiB`` outside it in finetuner/ or ui/ (issue 57)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = [f"{p.relative_to(root)}:{i}" for pkg in ("finetuner", "ui") for p in sorted((root / pkg).rglob("*.py"))
+             if p.name != "units.py" for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"/ GiB\b", line)]
+    assert not found, found
 
 
 @pytest.mark.parametrize("seconds, text", [

@@ -15,7 +15,7 @@ import pandas as pd
 from finetuner.model.shapes import parameter_count
 from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
 from finetuner.text import CUT_MARK, cut_words
-from finetuner.units import GiB, gib_text
+from finetuner.units import GiB, gib_text, in_gib
 
 STATE_LABELS = {
     "starting": ("●", "starting", "#d97706"),
@@ -247,11 +247,11 @@ def preview_highlights(preview: Any) -> list[tuple[str, str | None]]:
 # --------------------------------------------------------------------------- plan
 def memory_df(estimate: Any) -> pd.DataFrame:
     """The predicted peak by component, then the peak itself, then the card's budget (GiB)."""
-    rows = [(name, round(b / GiB, 3), "component") for name, b in estimate.components.items() if b > 0]
+    rows = [(name, round(in_gib(b), 3), "component") for name, b in estimate.components.items() if b > 0]
     peak = "predicted peak" if estimate.fits else "predicted peak (too big)"
-    rows.append(("predicted peak", round(estimate.total_bytes / GiB, 3), peak))
+    rows.append(("predicted peak", round(in_gib(estimate.total_bytes), 3), peak))
     if estimate.budget_bytes is not None:
-        rows.append(("card budget", round(estimate.budget_bytes / GiB, 3), "card budget (95 %)"))
+        rows.append(("card budget", round(in_gib(estimate.budget_bytes), 3), "card budget (95 %)"))
     return pd.DataFrame(rows, columns=["component", "GiB", "kind"])
 
 
@@ -290,8 +290,8 @@ def memory_chart(estimate: Any, gpu: Any) -> dict[str, Any]:
     """The predicted peak by component, the peak and the card's budget as horizontal bars (see
     :data:`OFF_SCALE` for the scale); each bar carries its value."""
     df = memory_df(estimate)
-    total = estimate.total_bytes / GiB
-    budget = estimate.budget_bytes / GiB if estimate.budget_bytes is not None else None
+    total = in_gib(estimate.total_bytes)
+    budget = in_gib(estimate.budget_bytes) if estimate.budget_bytes is not None else None
     against_peak = budget is not None and budget > OFF_SCALE * total
     top = total if against_peak or budget is None else max(total, budget)
     end = top * 1.05

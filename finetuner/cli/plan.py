@@ -15,7 +15,7 @@ from typing import Any
 
 from finetuner.objectives.specs import described, in_words, names_where
 from finetuner.rewards.builtin import BUILTINS
-from finetuner.units import GiB, duration_text, gib_text
+from finetuner.units import duration_text, gib_text
 
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ def _print_plan(p: Any, out_path: Path | None) -> None:
         t.add_column("GiB", justify="right")
         t.add_column("why not")
         for r in p.rejected:
-            t.add_row(r["settings"], f"{r['total_bytes'] / GiB:.1f}", r["why"])
+            t.add_row(r["settings"], gib_text(r['total_bytes'], 1, unit=False), r["why"])
         con.print(t)
     if out_path is not None:
         from finetuner.runs.folder import shown
@@ -367,7 +367,7 @@ def _print_strategies(con: Any, p: Any) -> None:
         label = st["label"]
         chosen = " (chosen)" if label == p.sharded.label else ("" if st.get("runnable", True) else " (the recipe refuses it)")
         fits = "yes" if st["fits"] else ("no: CPU memory" if st["device_fits"] else "no")
-        t.add_row(label + chosen, f"{st['per_device_bytes'] / GiB:.1f}", f"{st['host_bytes_per_machine'] / GiB:.1f}",
+        t.add_row(label + chosen, gib_text(st['per_device_bytes'], 1, unit=False), gib_text(st['host_bytes_per_machine'], 1, unit=False),
                   gib_text(st['comm_bytes_per_step']), fits)
     con.print(t)
     for k, v in p.sharded.components.items():
@@ -382,11 +382,11 @@ def _print_breakdown(con: Any, est: Any) -> None:
     t.add_column("GiB", justify="right")
     t.add_column("share", justify="right")
     for k, v in est.components.items():
-        t.add_row(k, f"{v / GiB:.2f}", f"{100 * v / est.total_bytes:.0f}%")
-    t.add_row("[bold]total[/]", f"[bold]{est.total_bytes / GiB:.2f}[/]", "")
+        t.add_row(k, gib_text(v, 2, unit=False), f"{100 * v / est.total_bytes:.0f}%")
+    t.add_row("[bold]total[/]", f"[bold]{gib_text(est.total_bytes, 2, unit=False)}[/]", "")
     if est.device_bytes:
         colour = "green" if est.fits else "red"
-        t.add_row(f"[{colour}]card / budget[/]", f"{est.device_bytes / GiB:.2f} / {est.budget_bytes / GiB:.2f}", "")
+        t.add_row(f"[{colour}]card / budget[/]", f"{gib_text(est.device_bytes, 2, unit=False)} / {gib_text(est.budget_bytes, 2, unit=False)}", "")
     con.print(t)
     for n in est.notes:
         con.print(f"  [dim]{n}[/]")
@@ -429,7 +429,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         con.print(f"[bold]{args.recipe}[/]: {recipe.model.name}, {sharded.label} on {sharded.world_size} process(es) of {gpu.name}")
         for k, v in sharded.components.items():
             con.print(f"  {k}: {gib_text(v)}")
-        con.print(f"per device {gib_text(sharded.per_device_bytes, 1)} (one device alone {est.total_bytes / GiB:.1f}); "
+        con.print(f"per device {gib_text(sharded.per_device_bytes, 1)} (one device alone {gib_text(est.total_bytes, 1, unit=False)}); "
                   f"CPU {gib_text(sharded.host_bytes_per_machine, 1)} for the machine; sent per device per step "
                   f"{gib_text(sharded.comm_bytes_per_step)} ({sharded.comm_formula})")
         con.print(f"[bold]Time:[/] {_time_text(timing)}", highlight=False)
@@ -480,13 +480,13 @@ def _grpo_estimate(args: argparse.Namespace, p: Any) -> int:
     t.add_column("phase or component")
     t.add_column("GiB", justify="right")
     for k, v in mem.phases.items():
-        t.add_row(f"phase: {k}" + (" (peak)" if k == mem.peak_phase else ""), f"{v / GiB:.2f}")
+        t.add_row(f"phase: {k}" + (" (peak)" if k == mem.peak_phase else ""), gib_text(v, 2, unit=False))
     for k, v in mem.components.items():
-        t.add_row(k, f"{v / GiB:.2f}")
-    t.add_row("[bold]total[/] (with allocator slack and context)", f"[bold]{mem.total_bytes / GiB:.2f}[/]")
+        t.add_row(k, gib_text(v, 2, unit=False))
+    t.add_row("[bold]total[/] (with allocator slack and context)", f"[bold]{gib_text(mem.total_bytes, 2, unit=False)}[/]")
     if r["budget_bytes"]:
         colour = "green" if r["fits"] else "red"
-        t.add_row(f"[{colour}]card / budget[/]", f"{r['device_bytes'] / GiB:.2f} / {r['budget_bytes'] / GiB:.2f}")
+        t.add_row(f"[{colour}]card / budget[/]", f"{gib_text(r['device_bytes'], 2, unit=False)} / {gib_text(r['budget_bytes'], 2, unit=False)}")
     con.print(t)
     for key, what, held in (("largest_max_new_tokens", "max_new_tokens", f"num_generations {g.num_generations}"),
                             ("largest_num_generations", "num_generations", f"max_new_tokens {g.max_new_tokens}")):

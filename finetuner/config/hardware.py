@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 import finetuner.device as dev
 from finetuner.errors import UserError, did_you_mean
-from finetuner.units import GiB, gib_text
+from finetuner.units import GiB, gib_text, in_gib
 
 GB = 1000**3
 
@@ -47,7 +47,7 @@ class GpuProfile:
 
     @property
     def memory_gib(self) -> float:
-        return self.memory_bytes / GiB
+        return in_gib(self.memory_bytes)
 
     def with_default_install(self) -> GpuProfile:
         """This card as a default ``pip install finetuner`` uses it: no Liger Kernel, no

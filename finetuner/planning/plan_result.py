@@ -17,7 +17,7 @@ from finetuner.model.shapes import ModelShape
 from finetuner.planning.speed import DeviceSpeed, StepTime
 from finetuner.planning.time_text import time_text
 from finetuner.planning.wait import Wait, cost_of
-from finetuner.units import GiB, duration_text, gib_text
+from finetuner.units import duration_text, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -230,14 +230,14 @@ class Plan:
             f"{' ' + str(c['quantization_bits']) + '-bit' if c['quantization_bits'] else ''}, micro-batch "
             f"{c['micro_batch_size']} x {c['gradient_accumulation']}, seq {c['max_seq_len']}, {c['optimizer']}, "
             f"checkpointing {'on' if c['gradient_checkpointing'] else 'off'}; peak "
-            f"{self.peak_bytes / GiB:.1f} of {self.gpu.memory_gib:.1f} GiB{' per device' if self.gpus > 1 else ''})"
+            f"{gib_text(self.peak_bytes, 1, unit=False)} of {self.gpu.memory_gib:.1f} GiB{' per device' if self.gpus > 1 else ''})"
         )
 
     def _repr_html_(self) -> str:
         import html
 
         rows = "".join(
-            f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{v / GiB:.2f}</td></tr>"
+            f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{gib_text(v, 2, unit=False)}</td></tr>"
             for k, v in (self.estimate.components.items() if self.estimate else [])
         )
         reasons = "".join(f"<li>{html.escape(r)}</li>" for r in self.reasons + self.suggestions)

@@ -47,7 +47,7 @@ from finetuner.planning.sizing import learning_rate, size_run
 from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
 from finetuner.planning.wait import Wait, check_currency
-from finetuner.units import GiB, gib_text
+from finetuner.units import gib_text, in_gib
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -378,7 +378,7 @@ def compare_cards(model: str, cards: list[str], *, price_per_hour: float | None 
                       f"{c['gradient_accumulation']}, {c['optimizer']}{', checkpointing' if c['gradient_checkpointing'] else ''}"
                       + (", offload" if c["offload_activations"] else ""))
         rows.append({"card": prof.name, "fits": p.fits, "recipe": recipe, "choice": c or None,
-                     "peak_gib": round((p.peak_bytes or 0) / GiB, 2), "card_gib": round(prof.memory_gib, 2),
+                     "peak_gib": round(in_gib(p.peak_bytes or 0), 2), "card_gib": round(prof.memory_gib, 2),
                      "tokens_per_s": p.tokens_per_s, "step_s": p.step_s, "optimizer_steps": p.optimizer_steps,
                      "steps_s": p.steps_s, "wall_s": p.wall_s, "cost": p.cost, "price_per_hour": price_per_hour,
                      "currency": p.currency,

@@ -12,7 +12,7 @@ from finetuner.memory.grpo import ROLLOUT, grpo_settings_of
 from finetuner.memory.model import MemoryEstimate, Settings
 from finetuner.model.shapes import ModelShape, presets
 from finetuner.planning.search import METHOD_TIER, Candidate, method_name, search
-from finetuner.units import GiB, duration_text, gib_text
+from finetuner.units import duration_text, gib_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
@@ -95,11 +95,11 @@ def reasons_for(best: Candidate, ranked: list[tuple[Candidate, Recipe]], gpu: Gp
     speed = (f"at most {duration_text(best.step.step_s)} per step, the rollout included" if ROLLOUT in e.details and best.step
              else f"~{best.tokens_per_s:,.0f} tokens/s")
     r = [f"{best.to_dict()['settings']}: predicted peak {gib_text(best.peak_bytes, 1)} of {gpu.memory_gib:.1f} GiB "
-         f"(budget {e.budget_bytes / GiB:.1f}), {speed}"]
+         f"(budget {gib_text(e.budget_bytes, 1, unit=False)}), {speed}"]
     if best.sharded is not None:
         sh = best.sharded
         r.append(f"{sh.label} on {sh.world_size} GPUs: {gib_text(sh.per_device_bytes, 1)} per card "
-                 f"(one device alone would need {e.total_bytes / GiB:.1f}), ~{gib_text(sh.comm_bytes_per_step)} sent "
+                 f"(one device alone would need {gib_text(e.total_bytes, 1, unit=False)}), ~{gib_text(sh.comm_bytes_per_step)} sent "
                  f"per card per step")
     lora_fits = any(c.fits and c.option.method == "lora" for c, _ in ranked)
     if o.method == "qlora":
