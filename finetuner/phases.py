@@ -1,6 +1,6 @@
 """The phases of a run or a command that are not training steps, as progress: a count, the time spent, an ETA.
 
-Loading the model, tokenizing, the base model's replay answers, the general probe, evaluations, checkpoints, the
+Measuring the machine's speed, loading the model, tokenizing, the base model's replay answers, the general probe, evaluations, checkpoints, the
 sample answers, merges and exports each open a :class:`Phase`. A phase hands its progress to a *sink* (a function
 of one dict): a run's sink writes the ``phase`` event of ``events.jsonl`` (:mod:`finetuner.runs.schema`), which the
 CLI's progress printer, the web UI and a notebook's bar show; a command that writes no events (``merge``,
@@ -36,6 +36,7 @@ Sink = Callable[[dict[str, Any]], Any]
 #: The phases, in the order a run meets them, with the words the console and the UI show.
 PHASES: dict[str, str] = {
     "measure": "measuring the data",
+    "calibrate": "measuring this machine's speed",
     "tokenize": "tokenizing the data",
     "load": "loading the model",
     "replay": "the base model's replay answers",
@@ -43,6 +44,7 @@ PHASES: dict[str, str] = {
     "checkpoint": "writing a checkpoint",
     "save": "saving the adapter",
     "probe": "general probe",
+    "tool_calls": "held-out tool calls",
     "samples": "sample answers",
     "merge": "merging the adapter",
     "write": "writing the model files",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.infer.probe import kept_line
+from finetuner.infer.tool_eval import calls_line
 from finetuner.errors import UserError
 from finetuner.units import gib_text
 
@@ -118,6 +119,7 @@ class Run:
             "eval_fine_tuned_loss": (ev.get("fine_tuned") or {}).get("loss"),
             "held_out_note": m.get("held_out_note"),
             "general_probe": kept_line(m.get("general_probe")),
+            "tool_calls": calls_line(m.get("tool_calls")),
             "adapter": str(self.adapter_dir) if self.adapter_dir.is_dir() else None,
         }
 
@@ -135,6 +137,8 @@ class Run:
             rows.append(("held-out", s["held_out_note"]))
         if s["general_probe"]:  # what the fine-tune forgot of what the base knew (eval --general, or the run's end)
             rows.append(("kept", s["general_probe"]))
+        if s["tool_calls"]:  # the held-out tool calls the base and the fine-tune made (the run's end)
+            rows.append(("held-out tool calls", s["tool_calls"]))
         if s["eval_base_loss"] is not None:
             rows.append(("held-out loss", f"base {_num(s['eval_base_loss'])} → fine-tuned {_num(s['eval_fine_tuned_loss'])}"))
         if s["measured_peak_bytes"] is not None:

@@ -155,6 +155,7 @@ def parse_rewards(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from finetuner.cli.progress import command_phases
     from finetuner.errors import UserError
     from finetuner.planning.planner import plan
 
@@ -166,12 +167,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if out_path is not None and out_path.exists() and not args.force:
         raise UserError(f"{out_path} exists; finetuner will not overwrite it.", hint="Choose another -o, or add --force.")
     columns = parse_columns(args.columns, args.data)
-    p = plan(
-        args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, epochs=args.epochs,
-        method=args.method, margin=args.margin, name=args.name, gpus=args.gpus, columns=columns or None,
-        objective=args.objective, cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args),
-        currency=args.currency, max_hours=args.max_hours,
-    )
+    with command_phases():  # measuring the data, and this machine's speed the first time: on stderr
+        p = plan(
+            args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
+            epochs=args.epochs, method=args.method, margin=args.margin, name=args.name, gpus=args.gpus,
+            columns=columns or None, objective=args.objective, cpu_memory=args.cpu_memory,
+            price_per_hour=args.price_per_hour, grpo=parse_rewards(args), currency=args.currency,
+            max_hours=args.max_hours,
+        )
     if p.over_budget:  # the shortest plan is over the budget: said in one line, not written
         if args.json:
             print(json.dumps(p.to_dict(), indent=2))
@@ -394,6 +397,7 @@ def _print_breakdown(con: Any, est: Any) -> None:
 
 # ---------------------------------------------------------------------- estimate
 def _cmd_estimate(args: argparse.Namespace) -> int:
+    from finetuner.cli.progress import command_phases
     from finetuner.config.hardware import get_gpu, run_profile
     from finetuner.data.follow import load_recipe
     from finetuner.objectives.specs import spec_of
@@ -402,7 +406,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     gpu = run_profile(recipe.device) if str(args.gpu).lower() in ("auto", "") else get_gpu(args.gpu)
-    p = predict(recipe, gpu)  # the auto values, the model, the share of trained tokens: resolved once
+    with command_phases():  # measuring the data, and this machine's speed the first time: on stderr
+        p = predict(recipe, gpu)  # the auto values, the model, the share of trained tokens: resolved once
     for warning in check_prediction(p):  # what `finetuner run` refuses (exit 2) and warns about, on this card
         log.warning(warning)
     recipe, planned = p.recipe, p.planned
@@ -568,9 +573,11 @@ def _calibration_text(where: dict[str, Any]) -> str:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     """``gpus --calibrate``: measure this machine's device, cache it, print what was measured."""
+    from finetuner.cli.progress import command_phases
     from finetuner.planning import calibrate
 
-    speed = calibrate.measure()
+    with command_phases():
+        speed = calibrate.measure()
     _, name = calibrate.device_key()
     path = calibrate.save(speed, calibrate.cache_file(name))
     summary = calibrate.describe(speed) | {"cached_in": str(path)}

@@ -13,6 +13,7 @@ from rich.table import Table
 import finetuner.phases as phases
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.infer.probe import kept_line
+from finetuner.infer.tool_eval import calls_line
 from finetuner.planning.data_auto import resolved_line
 from finetuner.text import cut_words
 from finetuner.units import clock_text, duration_text, gib_text
@@ -73,10 +74,11 @@ def _time_line(t: dict[str, Any]) -> str:
     s)``; the measured alone when there is no prediction."""
     pred, meas = t.get("predicted") or {}, t["measured"]
     bits = []
-    for key in ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples", "total"):
-        if key not in meas or (key in ("replay", "evaluations", "probe", "samples") and not meas[key] and not pred.get(key)):
+    for key in ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "tool_calls", "samples", "total"):
+        if key not in meas or (key in ("replay", "evaluations", "probe", "tool_calls", "samples") and not meas[key]
+                               and not pred.get(key)):
             continue
-        shown = f"{key} {duration_text(meas[key])}"
+        shown = f"{key.replace('_', ' ')} {duration_text(meas[key])}"
         if pred.get(key) is not None:
             p = pred[key] + (pred.get("download", 0.0) if key == "load" else 0.0)
             shown += f" (predicted ~{duration_text(p)})"
@@ -264,6 +266,7 @@ class ProgressPrinter:
             ("eval loss", "-" if m.get("eval_loss") is None else f"{m['eval_loss']:.4f}" if "eval_reward_accuracy" in m
              else f"{m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})"),
             *([("held-out rewards", _rewards(m, "eval_", "").strip())] if "eval_reward_accuracy" in m or "eval_reward" in m else []),
+            *([("held-out tool calls", calls_line(m["tool_calls"]))] if m.get("tool_calls") else []),
             ("tokens/s", f"{m['tokens_per_s']:.0f}" + (f" (predicted ~{self.predicted['tokens_per_s']:,.0f})"
                                                         if self.predicted else "")),
             ("train time", duration_text(m['train_seconds']) + (f" (its steps predicted at most ~{duration_text(self.predicted_bound['total_s'])})"

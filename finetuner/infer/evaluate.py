@@ -334,17 +334,31 @@ def evaluate_run(
 
 
 def _tool_requests(src: Source, data: str | Path | None, columns: dict[str, str] | None):
-    """The held-out calls of ``data``, else of the run's ``data.val_path`` (:func:`finetuner.infer.tool_eval.requests_in`;
-    a split drawn from the training file is scored by its loss only)."""
+    """The held-out calls of ``data``, else of the rows the run held out (``data.val_path``'s, or the split it drew
+    from its data: :func:`finetuner.infer.tool_eval.held_out_requests`, as the run's own end scored them)."""
     from finetuner.data.formats import FileExamples
-    from finetuner.infer.tool_eval import requests_in
+    from finetuner.infer.tool_eval import held_out_requests, requests_in
 
     cfg = src.recipe.data if src.recipe is not None else None
     if data is not None:
         return requests_in(FileExamples(str(data), "auto", columns, cfg.system_prompt if cfg else None))
-    if cfg is None or not cfg.val_path:
+    if cfg is None:
         return []
-    return requests_in(FileExamples(cfg.val_path, cfg.format, cfg.columns, cfg.system_prompt))
+    stats = _run_data_stats(src)
+    tokenized = stats["train_examples"] + stats["val_examples"] if stats else None
+    return held_out_requests(src.recipe, tokenized) or []
+
+
+def _run_data_stats(src: Source) -> dict | None:
+    """The run's data counts as its ``metrics.json`` keeps them (``data``), None without them."""
+    import json
+
+    path = Path(src.run_dir) / "metrics.json" if src.run_dir is not None else None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")).get("data") if path is not None and path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data if isinstance(data, dict) and {"train_examples", "val_examples"} <= set(data) else None
 
 
 def _tool_score(src: Source, model, tokenizer, device: str, processor, requests, adapter: bool, who: str):

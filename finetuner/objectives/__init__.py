@@ -1,5 +1,5 @@
 """The training objectives, one module each, behind one interface (:mod:`finetuner.objectives.base`):
-supervised fine-tuning (:mod:`~finetuner.objectives.sft`), NEFTune (:mod:`~finetuner.objectives.neftune`), the
+supervised fine-tuning (:mod:`~finetuner.objectives.sft`, NEFTune with it: its description's model hook), the
 preference objectives (:mod:`~finetuner.objectives.preference`) and GRPO (:mod:`~finetuner.objectives.grpo`). What
 the rest of finetuner knows of each (torch-free, below the recipe) is its description: :mod:`finetuner.objectives.specs`.
 
@@ -34,5 +34,11 @@ def trainers() -> dict[str, type[Objective]]:
 
 
 def build_objective(recipe: Recipe, run_dir: Path | None = None) -> Objective:
-    """The objective ``recipe.objective`` names, for the run in ``run_dir`` (None: only its data)."""
-    return trainers()[recipe.objective](recipe, run_dir)
+    """The objective ``recipe.objective`` names, for the run in ``run_dir`` (None: only its data): its own trainer,
+    else (a variant described with a model hook, such as NEFTune) the trainer of the objective it varies."""
+    from finetuner.objectives.specs import spec_of
+
+    found, name = trainers(), recipe.objective
+    while name not in found and spec_of(name).variant_of is not None:
+        name = spec_of(name).variant_of
+    return found[name](recipe, run_dir)

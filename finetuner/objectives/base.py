@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.config.recipe import Recipe
+from finetuner.objectives.specs import spec_of
 
 #: objective name → its class (filled by :func:`register`, read by :func:`finetuner.objectives.build_objective`)
 REGISTRY: dict[str, type[Objective]] = {}
@@ -64,6 +65,8 @@ class Objective:
     def __init__(self, recipe: Recipe, run_dir: Path | None = None):
         self.recipe, self.run_dir = recipe, Path(run_dir) if run_dir is not None else None
         self.name = recipe.objective
+        #: what the rest of finetuner knows of it (:mod:`finetuner.objectives.specs`)
+        self.spec = spec_of(recipe.objective)
 
     # ---------------------------------------------------------------- set-up
     def adopt(self, recipe: Recipe) -> Recipe:
@@ -79,6 +82,18 @@ class Objective:
 
     def on_model(self, model) -> None:
         """The model is loaded with its fresh adapter (nothing trained yet): e.g. load a start adapter."""
+
+    def model_loaded(self, model) -> None:
+        """What the trainer calls once the model is loaded with its fresh adapter: :meth:`on_model`, then the
+        description's own hook (``ObjectiveSpec.on_model``: a variant's, NEFTune's noise) with the objective's
+        recipe section, or that section's defaults when the recipe has none."""
+        self.on_model(model)
+        hook = self.spec.on_model
+        if hook is not None:
+            section = getattr(self.recipe, self.spec.section, None) if self.spec.section else None
+            if section is None and self.spec.section_schema is not None:
+                section = self.spec.section_schema()
+            hook(model, section)
 
     def collator(self, pad_token_id: int):
         """The function that turns a list of examples into a micro-batch."""

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import finetuner.device as devices
+import finetuner.phases as phases
 from finetuner.device import CPU, CUDA
-from finetuner.planning.load import load_now
+from finetuner.planning.load import load_now, stale_under_load
 from finetuner.planning.speed import DeviceSpeed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,7 +153,28 @@ def _no_sync() -> None:
 
 
 def measure() -> DeviceSpeed:
-    """Calibrate this machine's device (a few seconds). Imports torch."""
+    """Calibrate this machine's device (half a minute on 2 CPU cores), shown as the ``calibrate`` phase (the time a
+    calibration made before took, if any, its prediction). Imports torch."""
+    with phases.phase("calibrate", predicted_s=_last_measured_s()):
+        return _measure()
+
+
+def _last_measured_s() -> float | None:
+    """How long a calibration of this device took before (the longest its cache files say), None when none did."""
+    name = device_key()[1]
+    times = []
+    for f in cache_file(name).parent.glob("*.json"):
+        try:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        took = (d.get("details") or {}).get("measured_in_s") if isinstance(d, dict) and d.get("name") == name else None
+        if isinstance(took, (int, float)):
+            times.append(float(took))
+    return max(times) if times else None
+
+
+def _measure() -> DeviceSpeed:
     import torch
 
     plat, name = device_key()
@@ -422,17 +444,20 @@ def save(speed: DeviceSpeed, path: Path) -> Path:
 
 def cached(measure_if_missing: bool = False) -> DeviceSpeed | None:
     """This machine's calibration: ``$FINETUNER_SPEED_FILE``, else the cached one for this device and
-    these versions, else (``measure_if_missing``) a fresh measurement, cached; else None. Imports torch
-    (except with ``$FINETUNER_SPEED_FILE``)."""
+    these versions, else (``measure_if_missing``) a fresh measurement, cached; else None. A cached one made under a
+    load the machine no longer has (:func:`finetuner.planning.load.stale_under_load`) is measured again when
+    ``measure_if_missing``. Imports torch (except with ``$FINETUNER_SPEED_FILE``)."""
     if os.environ.get(SPEED_FILE_ENV):
         return load(os.environ[SPEED_FILE_ENV])
     _, name = device_key()
     path = cache_file(name)
     if path.is_file():
         try:
-            return load(path)
+            found = load(path)
         except Exception:  # noqa: BLE001 - a broken cache file is measured again
-            pass
+            found = None
+        if found is not None and not (measure_if_missing and stale_under_load(found, *load_now())):
+            return found
     if not measure_if_missing:
         return None
     speed = measure()

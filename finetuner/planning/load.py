@@ -10,6 +10,10 @@ A calibration timed by the wall clock under a load carries that load's share in 
 timed by CPU time (one torch thread on a CPU) carries none. The times may grow by the ratio of the
 shares, now against then; said only when the load now is above the cores and that ratio is above 1.
 Only for a CPU: a GPU's step waits for the device, whose work the load average does not count.
+
+The other way round, a calibration made under a load the machine no longer has (:func:`stale_under_load`) reads
+rates slower than the machine's and plans times too long (one made at load 4.5 on 2 cores planned a tool-calling run
+at 2 min 08 s a step that took 28 s at load 1.3); it is measured again (:func:`finetuner.planning.calibrate.cached`).
 """
 
 from __future__ import annotations
@@ -56,3 +60,15 @@ def note_now(speed: DeviceSpeed) -> str | None:
     """:func:`busier_note` for this machine's load now: what the plan, ``finetuner estimate`` and a run's ``start``
     event say beside the times planned with ``speed``."""
     return busier_note(speed, *load_now())
+
+
+#: how many times longer the calibration's share of the machine was than now's before it is measured again
+STALE_SHARE = 1.5
+
+
+def stale_under_load(speed: DeviceSpeed, load: float, cores: int) -> bool:
+    """Whether ``speed`` (a CPU calibration timed by the wall clock) was made under a load whose share of the
+    machine was over :data:`STALE_SHARE` times what it is at ``load`` now: its rates are too slow for the machine now."""
+    if speed.platform != "cpu":
+        return False
+    return growth(speed, load, cores) < 1.0 / STALE_SHARE

@@ -38,6 +38,10 @@ def parts_text(wait: dict[str, Any], upper_bound: bool = False) -> str:
     bits.append(f"{c['checkpoints']} checkpoint{'s' if c['checkpoints'] != 1 else ''} {duration_text(p['checkpoints'])}")
     if c.get("probe_answers"):
         bits.append(f"general probe: {c['probe_answers'] // 2} questions answered twice {duration_text(p['probe'])}")
+    if c.get("tool_calls_answers"):
+        n = c["tool_calls_answers"] // 2
+        bits.append(f"held-out tool calls: {n} request{'s' if n != 1 else ''} asked twice "
+                    f"{duration_text(p.get('tool_calls', 0.0))}")
     if c["sample_answers"]:
         bits.append(f"{c['sample_answers']} sample answers {duration_text(p['samples'])}")
     text = f"the whole run {'at most ' if upper_bound else ''}~{duration_text(wait['wall_s'])}: {', '.join(bits)}"

@@ -27,6 +27,9 @@ A run (:func:`finetuner.training.run.train`) does, in this order:
 * **probe** (an adapter run on one process: :func:`finetuner.training.samples.general_probe`): the base (the adapter off) and the
   fine-tune each answer ``run_probe_count(training.general_probe)`` questions of the general probe set
   (:mod:`finetuner.infer.probe`), after the adapter is saved; timed as :class:`Answering` says;
+* **tool_calls** (such a run whose held-out rows make tool calls: :func:`finetuner.training.samples.held_out_tool_calls`):
+  the base and the fine-tune each asked every held-out call, one at a time (``tool_eval.MAX_NEW_TOKENS``), a
+  prompt's text its messages and tool schemas; timed as :class:`Answering` says;
 * **samples**: each of ``samples.prompts`` answered by the fine-tune and, for an adapter, by the base
   (the adapter switched off): as many decode steps as the data's average response has tokens (a greedy
   answer ends where the model writes its end token, and a fine-tune writes like the responses it was
@@ -35,20 +38,23 @@ A run (:func:`finetuner.training.run.train`) does, in this order:
   base weights read once (``weight bytes / bandwidth``: decoding is memory-bound) and
   ``GENERATE_OPS_PER_TOKEN`` operations of ``generate``'s own loop.
 
-Replay and probe answers (:class:`Answering`, :func:`answering_seconds`) are GRPO's rollout generation
+Replay, probe and tool-call answers (:class:`Answering`, :func:`answering_seconds`) are GRPO's rollout generation
 (:func:`finetuner.planning.speed_grpo.generation_seconds`: one model of batched generation, a call of ``B``
 prompts decoding ``B`` tokens a forward): each call's prompts left-padded to its longest, a prompt's tokens
 its characters at :data:`finetuner.data.stats.CHARS_PER_TOKEN` plus ``CHAT_TURN_TOKENS`` of the chat
-template, and every call decoding its ``max_new_tokens`` (``replay.MAX_NEW_TOKENS``, ``probe.MAX_NEW_TOKENS``):
+template, and every call decoding its ``max_new_tokens`` (``replay.MAX_NEW_TOKENS``, ``probe.MAX_NEW_TOKENS``,
+``tool_eval.MAX_NEW_TOKENS``):
 an upper bound, since a call stops once all its rows have ended, said in :attr:`Wait.assumptions`.
 
 Not counted: tokenizing the data (cached after the first run), writing the run folder's small files,
 the prompt's prefill before each answer, a GRPO run's reward functions (user code). The cost of a run is its wall
-time at the price of an hour (:func:`finetuner.planning.time_text.cost_text`). Pure arithmetic and a few ``stat`` calls: no torch.
+time at the price of an hour (:func:`finetuner.planning.time_text.cost_text`). Pure arithmetic, a few ``stat`` calls and reading
+the held-out rows for their tool calls: no torch.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -104,7 +110,7 @@ GENERATE_OPS_PER_TOKEN = 30
 #: default system block such as SmolLM2's (~15). An estimate, not a fit: only a replay or probe prompt's prefill uses it.
 CHAT_TURN_TOKENS = 24
 #: The parts of a run's wait, in the order a run spends them (the keys of :attr:`Wait.parts`).
-PARTS = ("download", "load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples")
+PARTS = ("download", "load", "replay", "steps", "evaluations", "checkpoints", "probe", "tool_calls", "samples")
 #: Weight files of a model folder or hub snapshot, whose bytes a load reads.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -316,13 +322,14 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
                  eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
                  files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None,
                  answer_tokens: float | None = None, replay: Answering | None = None,
-                 probe: Answering | None = None) -> Wait:
+                 probe: Answering | None = None, tool_calls: Answering | None = None) -> Wait:
     """A run's wait by part (see the module doc). ``held_out``: the held-out rows, None when unknown (the
     data cannot be read here: no evaluation counted, and said); ``evaluation_s``: one evaluation's seconds
     where the objective times its own (GRPO's held-out rollouts: :func:`recipe_wait`), else
     :func:`evaluation_seconds`; ``answer_tokens``: the tokens of a sample answer expected (the data's average
     response), at most ``max_new_tokens``, which it is when not given; ``replay`` and ``probe``: the answers
-    generated before and after training (None: none)."""
+    generated before and after training (None: none); ``tool_calls``: the held-out tool calls asked of the base and
+    the fine-tune after training (None: none)."""
     assumptions = []
     if files.download:
         assumptions.append(f"the model ({files.bytes / 1e9:.2g} GB) downloaded at {DOWNLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
@@ -348,11 +355,12 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
         "evaluations": evals * (evaluation_s if evaluation_s is not None else evaluation_seconds(shape, s, speed, n_val, batch)),
         "checkpoints": checkpoint_seconds(shape, s, speed, ckpts),
         "probe": answering_seconds(shape, s, speed, probe),
+        "tool_calls": answering_seconds(shape, s, speed, tool_calls),
         "samples": answers * per_answer * decode_token_seconds(shape, s, speed),
     }
     counts = {"optimizer_steps": steps, "evaluations": evals, "held_out_rows": n_val, "checkpoints": ckpts,
               "sample_answers": answers, "sample_tokens": round(answers * per_answer), "model_bytes": files.bytes}
-    for name, a in (("replay", replay), ("probe", probe)):
+    for name, a in (("replay", replay), ("probe", probe), ("tool_calls", tool_calls)):
         n = a.answers if a is not None else 0
         counts[f"{name}_answers"], counts[f"{name}_tokens"] = n, n * (a.new_tokens if a is not None else 0)
         if n:
@@ -386,27 +394,29 @@ def recipe_wait(recipe: Any, shape: ModelShape, s: Settings, speed: DeviceSpeed,
                                                top_p=recipe.grpo.top_p, prompts=eval_prompts)
     # a sample answer as long as the data's average response (its labelled share of the average row)
     answer_tokens = s.label_fraction * batch.real_per_row if batch is not None and not spec_of(recipe.objective).generates else None
-    replay, probe, said = recipe_answering(recipe, train_rows, cuda=s.platform == CUDA, replay_cached=replay_cached)
+    replay, probe, tool_calls, said = recipe_answering(recipe, train_rows, cuda=s.platform == CUDA,
+                                                       replay_cached=replay_cached)
     w = predict_wait(shape, s, speed, step, steps, eval_every=t.eval_every or 0,
                      save_every=recipe.checkpointing.save_every or 0, held_out=held_out,
                      sample_prompts=len(recipe.samples.prompts), max_new_tokens=recipe.samples.max_new_tokens,
                      files=files, batch=batch, evaluation_s=evaluation_s,
-                     answer_tokens=answer_tokens, replay=replay, probe=probe)
+                     answer_tokens=answer_tokens, replay=replay, probe=probe, tool_calls=tool_calls)
     w.assumptions.extend(said)
     if evaluation_s and w.counts["evaluations"]:
         w.assumptions.append(f"GRPO's held-out rollouts at their longest completions ({recipe.grpo.max_new_tokens} tokens)")
     return w
 
 
-def recipe_answering(recipe: Any, train_rows: int | None, *, cuda: bool,
-                     replay_cached: bool | None = None) -> tuple[Answering | None, Answering | None, list[str]]:
-    """``(replay, probe, what is said of them)`` of a run of ``recipe``, as the trainer makes them: ``data.replay``'s
+def recipe_answering(recipe: Any, train_rows: int | None, *, cuda: bool, replay_cached: bool | None = None
+                     ) -> tuple[Answering | None, Answering | None, Answering | None, list[str]]:
+    """``(replay, probe, tool calls, what is said of them)`` of a run of ``recipe``, as the trainer makes them: ``data.replay``'s
     prompts (:func:`finetuner.data.replay.replay_count` of ``train_rows``, drawn with the run's seed), none when
     their answers are cached (``replay_cached``, else :func:`finetuner.data.replay.cached_before_load`); the
     probe's questions (:func:`finetuner.infer.probe.run_probe_count` on ``cuda`` or the CPU, spread over the set)
-    for an adapter trained on one process, answered twice."""
+    for an adapter trained on one process, answered twice; and for such an adapter, the tool calls of its held-out rows
+    (:func:`finetuner.infer.tool_eval.held_out_requests`), asked of the base and the fine-tune one at a time."""
     said: list[str] = []
-    replay = probe = None
+    replay = probe = tool_calls = None
     if recipe.data.replay:
         from finetuner.data import replay as rp
 
@@ -428,7 +438,40 @@ def recipe_answering(recipe: Any, train_rows: int | None, *, cuda: bool,
         if n:
             probe = Answering.of_texts([p.question for p in pb.spread(pb.load_probes(), n)], pb.MAX_NEW_TOKENS,
                                        pb.BATCH, adapters=(False, True))
-    return replay, probe, said
+        from finetuner.infer import tool_eval
+
+        texts = held_out_request_texts(recipe)
+        if texts:
+            tool_calls = Answering.of_texts(list(texts), tool_eval.MAX_NEW_TOKENS, 1, adapters=(False, True))
+    return replay, probe, tool_calls, said
+
+
+def held_out_request_texts(recipe: Any) -> tuple[str, ...]:
+    """The prompts' texts of the tool calls a run of ``recipe`` holds out (:func:`finetuner.infer.tool_eval.held_out_requests`),
+    read once per version of its data files; () when its data is not local files readable here."""
+    d = recipe.data
+    files = [f for f in ([d.path] if isinstance(d.path, str) else list(d.path or [])) + [d.val_path] if f]
+    try:
+        stamp = tuple((str(Path(f).expanduser().resolve()), Path(f).expanduser().stat().st_mtime_ns) for f in files)
+    except OSError:
+        return ()
+    if not files or not all(Path(f).expanduser().is_file() for f in files):
+        return ()
+    key = json.dumps({"data": d.model_dump(mode="json"), "seed": recipe.training.seed, "objective": recipe.objective,
+                      "files": stamp}, sort_keys=True, default=str)
+    if key not in _REQUEST_TEXTS:
+        from finetuner.infer import tool_eval
+
+        try:
+            requests = tool_eval.held_out_requests(recipe) or []
+        except (UserError, OSError, ValueError):  # unreadable here: the trainer reports its rows
+            requests = []
+        _REQUEST_TEXTS[key] = tuple(tool_eval.prompt_text(r) for r in requests)
+    return _REQUEST_TEXTS[key]
+
+
+#: :func:`held_out_request_texts` by recipe data and file versions
+_REQUEST_TEXTS: dict[str, tuple[str, ...]] = {}
 
 
 # ---------------------------------------------------------------------- what it costs, and how it is said

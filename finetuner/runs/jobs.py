@@ -37,6 +37,7 @@ import finetuner.phases as phases
 import finetuner.worker_protocol as protocol
 from finetuner.objectives.specs import DEFAULT as DEFAULT_OBJECTIVE
 from finetuner.infer.probe import kept_line
+from finetuner.infer.tool_eval import calls_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
 from finetuner.data import scope as read_scope
@@ -494,6 +495,9 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
             kept = kept_line(st.metrics.get("general_probe"))
             if kept:  # what the fine-tune forgot of what the base knew
                 st.notes.append(kept)
+            calls = calls_line(st.metrics.get("tool_calls"))
+            if calls:  # what it learned of calling tools: the held-out calls, base and fine-tune
+                st.notes.append(f"Held-out tool calls: {calls}")
             mem = st.metrics.get("memory") or {}
             st.measured_peak_bytes = mem.get("measured_peak_bytes", st.measured_peak_bytes)
             st.predicted_bytes = mem.get("predicted_peak_bytes", st.predicted_bytes)

@@ -72,7 +72,8 @@ def measured_wait(trainer, samples_s: float = 0.0) -> dict[str, float]:
     """The wall time of the ``trainer``'s process by part (a :class:`~finetuner.training.trainer.Trainer`), as
     :mod:`finetuner.planning.wait` predicts it: ``load`` from its ``entered_at`` (the run's start) to the first step
     (the download, the libraries, the model, the data) less ``replay`` (``data.replay``'s answers, made in that time), ``steps``, ``evaluations``,
-    ``checkpoints`` (the adapter included), ``probe`` (the general probe), ``samples`` and ``total``
+    ``checkpoints`` (the adapter included), ``probe`` (the general probe), ``tool_calls`` (the held-out tool calls
+    asked of the base and the fine-tune), ``samples`` and ``total``
     (from the start until now; the parts are inside it, the rest is the loop's own bookkeeping). A resumed
     run measures what this process did."""
     now = time.perf_counter()
@@ -80,4 +81,4 @@ def measured_wait(trainer, samples_s: float = 0.0) -> dict[str, float]:
     return {"load": round(first - trainer.entered_at - trainer.replay_seconds, 3), "replay": round(trainer.replay_seconds, 3),
             "steps": round(trainer.step_seconds, 3), "evaluations": round(trainer.eval_seconds, 3),
             "checkpoints": round(trainer.save_seconds, 3), "probe": round(trainer.probe_seconds, 3),
-            "samples": round(samples_s, 3), "total": round(now - trainer.entered_at, 3)}
+            "tool_calls": round(trainer.tool_call_seconds, 3), "samples": round(samples_s, 3), "total": round(now - trainer.entered_at, 3)}

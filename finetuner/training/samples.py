@@ -1,5 +1,6 @@
 """What the run's model in memory answers: ``data.replay``'s general answers of the base before the first step
-(:func:`mix_replay_rows`), the general probe after the adapter is saved (:func:`general_probe`) and
+(:func:`mix_replay_rows`), the general probe after the adapter is saved (:func:`general_probe`), the held-out tool
+calls (:func:`held_out_tool_calls`) and
 ``samples.prompts`` after ``done`` (:func:`answer_samples`), each asked in the form the run's rows trained in
 (:meth:`Trainer.prompt_switches <finetuner.training.trainer.Trainer.prompt_switches>`). ``trainer``: the run's
 :class:`~finetuner.training.trainer.Trainer` (not imported here: it imports this module)."""
@@ -96,6 +97,38 @@ def general_probe(trainer):
             return probe_chat(chat, str(trainer.run_dir), limit=n)  # counts its answers (phases.expect, advance)
     except Exception as e:  # noqa: BLE001 - the run is trained and saved; the probe is a report on it
         log.warning("The general probe failed (%s: %s); `finetuner eval %s --general` runs it again.",
+                    type(e).__name__, e, trainer.run_dir)
+        return None
+
+
+def held_out_tool_calls(trainer) -> dict[str, Any] | None:
+    """What the fine-tune learned of calling tools (:mod:`finetuner.infer.tool_eval`): the base (the adapter switched
+    off) and the fine-tune asked each tool call of the rows the run held out, greedy, as ``finetuner chat --tools``
+    asks; None when the rows have no tools, the run has no adapter to switch off or is spread over processes, or
+    holds out no call. A failure is a warning: the trained adapter is saved already."""
+    r, stats = trainer.recipe, trainer.data.stats
+    if not stats.tools or r.method == "full" or trainer.world_size != 1 or not hasattr(trainer.model, "disable_adapter"):
+        return None
+    from finetuner.data.pipeline import run_system_prompt
+    from finetuner.infer import tool_eval
+
+    try:
+        requests = tool_eval.held_out_requests(r, tokenized=stats.train_examples + stats.val_examples)
+        if requests is None:
+            log.info("The held-out tool calls are not scored: the rows the run held out cannot be told apart from "
+                     "the rows it skipped; `finetuner eval %s --data FILE` scores a file of them.", trainer.run_dir)
+            return None
+        if not requests:
+            return None
+        began = time.perf_counter()
+        chat = run_chat(trainer, system=run_system_prompt(r.data.system_prompt, stats.to_dict()))
+        with answering(trainer.model), trainer.phase("tool_calls", total=2 * len(requests), unit="answers",
+                                                     predicted_s=trainer.predicted_part("tool_calls")) as progress:
+            base, _ = tool_eval.score(chat, requests, False, "the base model", progress=progress)
+            tuned, _ = tool_eval.score(chat, requests, True, "the fine-tune", progress=progress)
+        return tool_eval.scores_entry(len(requests), base, tuned, time.perf_counter() - began)
+    except Exception as e:  # noqa: BLE001 - the run is trained and saved; the scores are a report on it
+        log.warning("Scoring the held-out tool calls failed (%s: %s); `finetuner eval %s` scores them again.",
                     type(e).__name__, e, trainer.run_dir)
         return None
 

@@ -52,7 +52,7 @@ from finetuner.training.memory_profile import dump_memory_profile, start_memory_
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory
 from finetuner.training.optimizer import build_optimizer, build_scheduler
 from finetuner.training.prediction import measured_wait, memory_comparison, predict_run, predicted_speed_of, predicted_wait
-from finetuner.training.samples import general_probe, mix_replay_rows
+from finetuner.training.samples import general_probe, held_out_tool_calls, mix_replay_rows
 from finetuner.training.schedule import StepSchedule, split_step
 from finetuner.fileio import atomic_write_json
 from finetuner.model.gguf_base import info_for
@@ -108,6 +108,7 @@ class Trainer:
         #: before the first step and in the general probe after the adapter is saved (:func:`finetuner.training.prediction.measured_wait`)
         self.entered_at, self.first_step_at = time.perf_counter(), None
         self.eval_seconds, self.save_seconds, self.replay_seconds, self.probe_seconds = 0.0, 0.0, 0.0, 0.0
+        self.tool_call_seconds = 0.0  # the held-out tool calls asked at the end (samples.held_out_tool_calls)
         #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
         #: it), said in the ``start`` event
         self.resolved: dict[str, dict[str, Any]] = {}
@@ -145,7 +146,7 @@ class Trainer:
         with self.phase("load", predicted_s=self._before_load()):
             self.model = prepare_for_training(load_base_model(r, self.rt, self.base_placement(), pictures), r,
                                               self.rt.tiled_mlp, pictures)
-        self.objective.on_model(self.model)
+        self.objective.model_loaded(self.model)
         began = time.perf_counter()
         self.replay = mix_replay_rows(self)
         self.replay_seconds = time.perf_counter() - began
@@ -622,6 +623,8 @@ class Trainer:
         began = time.perf_counter()
         probe = general_probe(self)
         self.probe_seconds = time.perf_counter() - began
+        tool_calls = held_out_tool_calls(self)
+        self.tool_call_seconds = tool_calls["seconds"] if tool_calls else 0.0
         metrics = {
             "steps": self.step,
             "train_loss_first": self.losses[0] if self.losses else None,
@@ -643,6 +646,8 @@ class Trainer:
             from finetuner.infer.probe import entry_of
 
             metrics["general_probe"] = entry_of(probe)
+        if tool_calls is not None:
+            metrics["tool_calls"] = tool_calls
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
         metrics["time"] = {"predicted": predicted_wait(pred), "measured": measured_wait(self)}

@@ -29,7 +29,9 @@ def test_estimate_says_the_parts_and_the_cost_in_the_currency():
     d = json.loads(cli_in_process("estimate", str(DEMO), "--gpu", "cpu", "--json", "--price-per-hour", "0.7",
                                   "--currency", "EUR").stdout)["time"]
     assert d["currency"] == "EUR" and d["cost"] == d["wall_s"] / 3600 * 0.7
-    assert set(d["wait"]["parts_s"]) == {"download", "load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples"}
+    assert set(d["wait"]["parts_s"]) == {"download", "load", "replay", "steps", "evaluations", "checkpoints", "probe",
+                                         "tool_calls", "samples"}
+    assert d["wait"]["parts_s"]["tool_calls"] == 0  # the demo data makes no tool calls
     assert d["steps_s"] == d["step_s"] * 150 and d["wall_s"] > d["steps_s"]
 
 

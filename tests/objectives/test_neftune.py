@@ -1,4 +1,4 @@
-"""objective neftune (finetuner.objectives.neftune): SFT with NEFTune's noise on the input embeddings, the noise
+"""objective neftune (finetuner/objectives/specs/neftune.py, the whole objective): SFT with NEFTune's noise on the input embeddings, the noise
 transformers' own hook draws, in training mode only; trained and planned through the CLI like any objective."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _logits(model, ids, seed: int):
 
 
 def test_the_noise_is_what_transformers_neftune_hook_draws_and_none_in_eval_mode(demo_lora):
-    """The hook on_model puts on the model (alpha from the recipe) gives, from the same generator state, the logits
+    """The hook NEFTune's description puts on the model when SFT's trainer has loaded it (alpha from the recipe) gives, from the same generator state, the logits
     transformers' activate_neftune gives (equal tensors); in eval mode the logits of the model without any hook."""
     import torch
     from transformers.integrations.neftune import activate_neftune
@@ -61,8 +61,8 @@ def test_the_noise_is_what_transformers_neftune_hook_draws_and_none_in_eval_mode
     recipe = Recipe.from_dict({"model": {"name": str(DEMO)}, "data": {"path": str(REPO / "data" / "alpaca_sample.json")},
                                "objective": "neftune", "neftune": {"alpha": 7.5}})
     objective = build_objective(recipe)
-    assert type(objective).__name__ == "NEFTuneObjective"
-    objective.on_model(model)
+    assert type(objective).__name__ == "SFTObjective"
+    objective.model_loaded(model)
     embeddings = model.get_input_embeddings()
     ours = _logits(model, ids, 0)
     assert torch.equal(ours, theirs) and not torch.allclose(ours, plain)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetuner.planning.load import busier_note, growth
+from finetuner.planning.load import busier_note, growth, stale_under_load
 from finetuner.planning.speed import DeviceSpeed
 from tests.conftest import cli_in_process
 
@@ -65,3 +65,53 @@ def test_estimate_and_plan_say_the_machine_is_busier_than_at_calibration(tmp_pat
                        "--data", str(REPO / "data" / "alpaca_sample.json"), "--json")
     assert r.returncode == 0, r.stderr
     assert any(n.startswith("The machine is busier now: ") and "3.0x longer" in n for n in json.loads(r.stdout)["notes"])
+
+
+def test_stale_under_load_when_the_calibrations_share_was_over_one_and_a_half_times_nows():
+    then = calibration(4.45, 2, "wall clock")  # the calibration that planned 2 min 08 s a step for a 28 s one
+    assert stale_under_load(then, 1.3, 2)  # 2.2x the share now (1 below the cores)
+    assert not stale_under_load(then, 3.0, 2)  # 2.2 / 1.5 = 1.48: not over 1.5 times
+    assert stale_under_load(then, 2.9, 2)  # 2.2 / 1.45 = 1.53
+    assert not stale_under_load(calibration(4.45, 2, "cpu time"), 1.0, 2)  # CPU time carries no load
+    assert not stale_under_load(calibration(1.5, 2, "wall clock"), 0.1, 2)  # under the cores then: alone
+    assert not stale_under_load(calibration(8.0, 2, "wall clock", platform="cuda"), 0.1, 2)
+
+
+def test_a_plan_measures_again_a_calibration_made_under_a_load_the_machine_no_longer_has(tmp_path, monkeypatch):
+    """The cached calibration was made at load 3 per core; at load 0.5 per core `finetuner plan` measures the
+    machine again (its phase on stderr), caches that and plans with it; at load 3 per core it plans with the cache."""
+    from finetuner.planning import calibrate
+
+    cores = os.cpu_count() or 1
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FINETUNER_SPEED_FILE", raising=False)
+    d = json.loads(SPEED.read_text())
+    d["name"] = calibrate.device_key()[1]
+    d["details"] = {**d["details"], "load_average": cores * 3.0, "cores": cores, "timed_by": "wall clock",
+                    "measured_in_s": 26.1}
+    d["source"] = "the busy calibration"
+    cache = calibrate.cache_file(d["name"])
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(d))
+    fresh = DeviceSpeed.from_dict({**d, "source": "the fresh calibration", "details": {**d["details"], "load_average": cores * 0.5}})
+    measured = []
+
+    def measure_now():  # what the machine measures (the measurement itself is timed in test_calibrate_rates),
+        import finetuner.phases as phases  # inside the phase the CLI shows (after a few seconds: QUIET_S)
+
+        now = phases.current()
+        measured.append((now.name, now.predicted_s) if now is not None else None)
+        return fresh
+
+    monkeypatch.setattr(calibrate, "_measure", measure_now)
+    args = ("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu",
+            "--data", str(REPO / "data" / "alpaca_sample.json"), "--json")
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores * 3.0,) * 3)  # as busy as then: the cache is used
+    r = cli_in_process(*args)
+    assert r.returncode == 0, r.stderr
+    assert not measured and json.loads(r.stdout)["speed_source"] == "the busy calibration"
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores * 0.5,) * 3)  # calmer now: measured again, said, cached
+    r = cli_in_process(*args)
+    assert r.returncode == 0, r.stderr
+    assert measured == [("calibrate", 26.1)] and json.loads(r.stdout)["speed_source"] == "the fresh calibration"
+    assert json.loads(cache.read_text())["source"] == "the fresh calibration"

@@ -4,7 +4,8 @@ this package, and the questions the rest of finetuner asks of them.
 Each module here (but ``base``) exports its descriptions as ``SPECS = (...)`` (one objective, or a family that
 shares a section: :mod:`~finetuner.objectives.specs.preference`), with the recipe section its objective reads and
 that section's schema; :data:`SPECS` is every module's, in their ``order``. So an objective is added by one module
-here plus its trainer (:mod:`finetuner.objectives`), and nothing else edited: docs/extending.md."""
+here (a variant with a model hook, NEFTune) or one here plus its trainer (:mod:`finetuner.objectives`), and nothing
+else edited: docs/extending.md."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ package finds them (:mod:`finetuner.objectives.specs`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class ObjectiveSpec:
     settings: tuple[str, ...] = ()
     #: one line for the recipe's help and the UI
     description: str = ""
+    #: what it does to the loaded model (with its fresh adapter, before the first step), as a plain function of the
+    #: model and the objective's recipe section (the section's defaults when the recipe has none), torch imported
+    #: inside it: NEFTune's noise hook. With it, a variant needs no trainer of its own: it trains with its
+    #: ``variant_of``'s (:func:`finetuner.objectives.build_objective`), which calls it
+    on_model: Callable[[Any, Any], None] | None = None
 
     @property
     def plain(self) -> bool:
