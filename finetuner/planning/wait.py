@@ -364,7 +364,8 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
         n = a.answers if a is not None else 0
         counts[f"{name}_answers"], counts[f"{name}_tokens"] = n, n * (a.new_tokens if a is not None else 0)
         if n:
-            assumptions.append(f"{name} answers at their longest ({a.new_tokens} tokens)")
+            words = {"tool_calls": "tool-call"}.get(name, name)
+            assumptions.append(f"{words} answers at their longest ({a.new_tokens} tokens)")
     return Wait(parts, counts, assumptions)
 
 

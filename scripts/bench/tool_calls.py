@@ -15,6 +15,12 @@ Run::
 
     finetuner run recipes/tools_smollm2_cpu.yaml          # the run (runs/tools_smollm2_cpu)
     python -m scripts.bench.tool_calls --run runs/tools_smollm2_cpu
+
+The default plan's run (issue 58's done-when: what ``finetuner plan`` chooses on its own for the 72 chats)::
+
+    finetuner plan --model smollm2-135m-instruct --data data/tool_calls.jsonl --gpu cpu -o tools_plan.yaml
+    finetuner run tools_plan.yaml
+    python -m scripts.bench.tool_calls --run runs/smollm2-135m-instruct-tool_calls-sft --out docs/tool_calls_default_plan.json
 """
 
 from __future__ import annotations
@@ -54,19 +60,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default=str(REPO / "runs" / "tools_smollm2_cpu"))
     ap.add_argument("--chat", type=int, default=12, metavar="N", help="finetuner chat on the first N requests (default 12).")
+    ap.add_argument("--out", default=str(OUT), help="Where the results go (default docs/tool_calls.json).")
     args = ap.parse_args()
-    run = Path(args.run)
+    run, out = Path(args.run), Path(args.out).resolve()
     t0 = time.perf_counter()
     requests = requests_in(FileExamples(str(HELD_OUT)))
     assert all(r.tools == tools_file(TOOLS) for r in requests)  # the file chat --tools is given
     chat = load_chat_model(run)
-    result: dict = {"run": run.name, "requests": len(requests), "trained_in": chat.tools_trained}
+    import yaml
+
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text(encoding="utf-8")) if (run / "recipe.yaml").is_file() else None
+    metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8")) if (run / "metrics.json").is_file() else {}
+    result: dict = {"run": run.name, "requests": len(requests), "trained_in": chat.tools_trained,
+                    "recipe": {k: recipe.get(k) for k in ("model", "method", "lora", "data", "training")} if recipe else None,
+                    "run_metrics": {k: metrics.get(k) for k in ("steps", "train_loss_first", "train_loss_last", "eval_loss",
+                                                                 "train_seconds", "tokens_per_s", "time", "tool_calls",
+                                                                 "evaluation")}}
     for who, adapter in (("base", False), ("fine_tuned", True)):
         shares, texts = score(chat, requests, adapter, who)
         result[who] = {**shares.to_dict(), "right_of_12": round(shares.right * len(requests)),
                        "replies": [{"prompt": r.messages[-1]["content"], "reply": t} for r, t in zip(requests, texts)]}
         print(f"{who}: {shares.to_dict()}", flush=True)
-    OUT.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")  # kept if the CLI part fails
+    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")  # kept if the CLI part fails
     rows = []
     for req in requests[:args.chat]:
         printed = chat_cli(run, req.messages[-1]["content"])
@@ -79,8 +94,8 @@ def main() -> None:
         print(f"{'right' if right else 'WRONG'}  {req.messages[-1]['content']!r} -> {printed}", flush=True)
     result["chat_cli"] = {"right": sum(r["right"] for r in rows), "of": len(rows), "answers": rows}
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    OUT.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"written to {OUT.relative_to(REPO)}")
+    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":
