@@ -67,6 +67,10 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"\bRECIPE\b", "RECIPE is a placeholder for the user's recipe"),
     (r"smollm2_cpu", "the real 135M model's walk-through (minutes of CPU): tests/training/test_cpu_walkthrough.py "
                      "runs its recipe, chat and evals through the CLI and checks what the page says of them"),
+    (r"^finetuner run tools_plan\.yaml$", "the default plan's tool-calling run: 90 steps of SmolLM2-135M, 45 min on 2 CPU "
+     "cores (docs/tools.md quotes its measurement, docs/tool_calls_default_plan.json); the plan before it runs here, "
+     "and tests/training/test_tool_call_scores.py trains and scores a tool-calling run on the demo model"),
+    (r"smollm2-135m-instruct-tool_calls-sft", "measures the default plan's run of the line before (not run)"),
     (r"^pip install ", "installs packages (network; changes the environment under test)"),
     (r"^FINETUNER_DOCS_SCREENSHOTS=", "refreshes the web UI page's screenshots by running the browser tests "
                                       "(tests/ui/test_ui_browser.py), which the suite runs itself"),

@@ -41,6 +41,8 @@ table.ft-pairs .ft-where {margin-top: 6px; font-size: .85em; color: var(--body-t
    one-lane trash button (the Clear button below clears both lanes) */
 .ft-lane-title {margin: 0 0 -4px 4px;}
 #chat-tuned .top-panel, #chat-base .top-panel {display: none;}
+/* a narrow checkbox's help names recipe keys (model.trust_remote_code) longer than its column: they wrap, not overflow */
+#export-allow-code, #chat-allow-code, #export-allow-code *, #chat-allow-code * {overflow-wrap: anywhere; min-width: 0;}
 """
 
 #: On page load: a chart whose block changes width (its tab shown, the window resized) is fitted
