@@ -52,7 +52,7 @@ def test_lora_run_writes_a_complete_run_folder(recipe_dict):
 
 
 def test_the_run_measures_its_wait_by_part_beside_the_prediction(recipe_dict):
-    """load, replay, steps, evaluations, checkpoints, probe, samples and total, measured (metrics.json, done) beside
+    """load, replay, steps, evaluations, checkpoints, probe, tool calls, samples and total, measured (metrics.json, done) beside
     the plan's prediction of the same parts (the start event's ``predicted_speed.wait``); no wall time asserted.
     ``data.replay`` answers before the first step (out of ``load``), the general probe after the adapter is saved."""
     res = run(recipe_dict, ["training.max_steps=6", "training.eval_every=3", "data.val_size=8",
@@ -73,10 +73,11 @@ def test_the_run_measures_its_wait_by_part_beside_the_prediction(recipe_dict):
     assert pred["parts_s"]["replay"] > 0 and pred["parts_s"]["probe"] > 0
     assert start["predicted_speed"]["wall_s"] == pytest.approx(sum(pred["parts_s"].values()), abs=0.01)
     assert done["predicted_wait_s"] == {**pred["parts_s"], "total": pred["wall_s"]}
-    parts = ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "samples")
+    parts = ("load", "replay", "steps", "evaluations", "checkpoints", "probe", "tool_calls", "samples")
     at_done = done["measured_wait_s"]
     assert set(at_done) == {*parts, "total"} and at_done["samples"] == 0  # the samples come after `done`
     assert all(at_done[k] > 0 for k in ("load", "replay", "steps", "evaluations", "checkpoints", "probe"))
+    assert at_done["tool_calls"] == 0 and pred["parts_s"]["tool_calls"] == 0  # the data makes no tool calls
     assert sum(at_done[k] for k in parts) <= at_done["total"] + 0.007  # each rounded to 1 ms
     assert samples["event"] == "samples" and samples["samples_s"] > 0
     measured = json.loads((res.run_dir / "metrics.json").read_text())["time"]["measured"]  # written again after the samples
