@@ -27,7 +27,8 @@ from typing import Any
 import finetuner.phases as phases
 from finetuner.objectives.specs import spec_of
 from finetuner.errors import UserError
-from finetuner.infer.loading import Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source
+from finetuner.infer.loading import (Source, chat_template, load_model, load_tokenizer, picture_processor, resolve_source,
+                                     run_data_stats)
 from finetuner.infer.preference_eval import PreferenceEvalResult, describe_examples, evaluate_pairs, examples_are
 from finetuner.infer.reward_eval import RewardEvalResult, evaluate_rewards
 from finetuner.locate import locate
@@ -344,21 +345,10 @@ def _tool_requests(src: Source, data: str | Path | None, columns: dict[str, str]
         return requests_in(FileExamples(str(data), "auto", columns, cfg.system_prompt if cfg else None))
     if cfg is None:
         return []
-    stats = _run_data_stats(src)
-    tokenized = stats["train_examples"] + stats["val_examples"] if stats else None
+    stats = run_data_stats(src) or {}
+    counts = [stats.get("train_examples"), stats.get("val_examples")]
+    tokenized = sum(counts) if all(isinstance(c, int) for c in counts) else None
     return held_out_requests(src.recipe, tokenized) or []
-
-
-def _run_data_stats(src: Source) -> dict | None:
-    """The run's data counts as its ``metrics.json`` keeps them (``data``), None without them."""
-    import json
-
-    path = Path(src.run_dir) / "metrics.json" if src.run_dir is not None else None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")).get("data") if path is not None and path.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    return data if isinstance(data, dict) and {"train_examples", "val_examples"} <= set(data) else None
 
 
 def _tool_score(src: Source, model, tokenizer, device: str, processor, requests, adapter: bool, who: str):
