@@ -28,6 +28,7 @@ read, the schemas in the system message, each call a ``<tool_call>`` block in th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,76 @@ FALLBACK_SYSTEM = (
 )
 
 
+# --------------------------------------------------------------------------- bounds
+#: The most tools one row (or a tools file) may offer: OpenAI's chat completions API takes at most 128 a request;
+#: the tool sets of public tool-calling data (xLAM, ToolACE, Glaive, LLaMA-Factory's demos) have 1 to ~20.
+MAX_TOOLS = 128
+#: The most bytes of a row's ``tools`` value (as JSON, UTF-8): 1 MiB, about 8 KiB for each of 128 tools, where a
+#: real schema (name, description, a handful of typed parameters) is 0.2 to 2 KiB. Schemas are rendered whole
+#: into every example, so this also bounds the text a template renders from them.
+MAX_TOOLS_BYTES = 2**20
+#: The deepest nesting of arrays and objects in a row's ``tools``: 64 levels. A schema nests two JSON levels a
+#: schema level (``properties``, then the property); OpenAI's structured outputs allow 5 schema levels (10 JSON
+#: levels, plus 4 for the tools list, the tool, ``function`` and ``parameters``).
+MAX_TOOLS_DEPTH = 64
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = {ord(c): None for c in map(chr, range(0x80)) if c not in "[]{}"}
+
+
+def _over(what: str) -> RowError:
+    return RowError(f"'tools' {what}: a row may offer at most {MAX_TOOLS} tools, in at most {MAX_TOOLS_BYTES:,} bytes "
+                    f"(1 MiB) nested at most {MAX_TOOLS_DEPTH} levels deep (docs/tools.md)")
+
+
+def _text_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON ``text``, counted without parsing it (strings left out)."""
+    depth = deepest = 0
+    for c in _JSON_STRING.sub("", text).translate(_BRACKETS):
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def _value_bounds(value: Any) -> None:
+    """The bounds of an already-read ``tools`` value (a list from a JSON Lines or Parquet row), walked without
+    recursion, stopping at the first bound passed: so never more than :data:`MAX_TOOLS_BYTES` steps."""
+    size, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_TOOLS_DEPTH and isinstance(v, (dict, list, tuple)):
+            raise _over(f"nests arrays or objects more than {MAX_TOOLS_DEPTH} levels deep")
+        if isinstance(v, dict):
+            size += 2 + sum(len(str(k)) + 4 for k in v)
+            stack += [(x, depth + 1) for x in v.values()]
+        elif isinstance(v, (list, tuple)):
+            size += 2 + len(v)
+            stack += [(x, depth + 1) for x in v]
+        else:
+            size += len(v) + 2 if isinstance(v, str) else 8
+        if size > MAX_TOOLS_BYTES:
+            raise _over(f"is over {MAX_TOOLS_BYTES:,} bytes")
+
+
+def check_bounds(value: Any) -> None:
+    """A :class:`RowError` naming the bound when a row's ``tools`` value passes one (:data:`MAX_TOOLS_BYTES`,
+    :data:`MAX_TOOLS_DEPTH`; :data:`MAX_TOOLS` once read), checked before it is parsed or rendered."""
+    if isinstance(value, str):
+        n = len(value) if len(value) > MAX_TOOLS_BYTES else len(value.encode("utf-8", "surrogatepass"))
+        if n > MAX_TOOLS_BYTES:  # characters are at most bytes: the text is not encoded when it is that long
+            raise _over(f"is {n:,} {'characters' if len(value) > MAX_TOOLS_BYTES else 'bytes'} of JSON")
+        depth = _text_depth(value)
+        if depth > MAX_TOOLS_DEPTH:
+            raise _over(f"nests arrays or objects {depth:,} levels deep")
+    elif isinstance(value, list) and len(value) > MAX_TOOLS:
+        raise _over(f"lists {len(value):,} tools")
+    elif value is not None:
+        _value_bounds(value)
+
+
 # --------------------------------------------------------------------------- reading
 def _json(value: Any, what: str) -> Any:
     if not isinstance(value, str):
@@ -56,7 +127,9 @@ def _json(value: Any, what: str) -> Any:
 
 
 def read_tools(value: Any) -> list[dict[str, Any]]:
-    """A row's ``tools`` as transformers' list of ``{"type": "function", "function": {...}}`` (empty when none)."""
+    """A row's ``tools`` as transformers' list of ``{"type": "function", "function": {...}}`` (empty when none);
+    within the bounds (:func:`check_bounds`, :data:`MAX_TOOLS`) or a :class:`RowError` naming the bound."""
+    check_bounds(value)
     value = _json(value, "'tools'")
     if value in (None, "", []):
         return []
@@ -64,6 +137,8 @@ def read_tools(value: Any) -> list[dict[str, Any]]:
         value = [value]
     if not isinstance(value, list):
         raise RowError(f"'tools' must be a list of function schemas, got {type(value).__name__}")
+    if len(value) > MAX_TOOLS:
+        raise _over(f"lists {len(value):,} tools")
     out = []
     for j, tool in enumerate(value, start=1):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
