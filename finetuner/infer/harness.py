@@ -103,11 +103,8 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
     which also lets its templates render outside jinja2's sandbox. A folder task named like one of the
     harness's own tasks, groups or tags is refused unless ``replace_builtin_tasks``."""
     lm_eval = _harness()
-    from jinja2.exceptions import SecurityError
-    from lm_eval.models.huggingface import HFLM
-
-    from finetuner.infer.chat import load_chat_model
-    from finetuner.infer.task_folder import refuse_code, sandboxed_templates, task_manager
+    from finetuner.infer.task_folder import checked_copy
+    from finetuner.infer.template_bounds import TemplateBound
 
     names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     if not names:
@@ -117,9 +114,38 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
     began = time.perf_counter()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices; errors still come through
     untrusted = include_path is not None and not trust_remote_code
-    if untrusted:
-        refuse_code(include_path)  # before the harness reads the folder: nothing of it imported
-    manager = task_manager(include_path, replace_builtin_tasks)
+    read_path, templates = include_path, {}
+    if untrusted:  # before the harness reads the folder: nothing of it imported; the harness reads the checked copy
+        read_path, templates = checked_copy(include_path)
+    try:
+        return _evaluate(lm_eval, run, names, include_path, read_path, templates, untrusted, began, limit=limit,
+                         num_fewshot=num_fewshot, batch_size=batch_size, device=device, base_model=base_model,
+                         trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                         apply_chat_template=apply_chat_template, replace_builtin_tasks=replace_builtin_tasks)
+    except TemplateBound as e:  # a template of the folder passed a bound on memory or time (template_bounds)
+        where = templates.get(e.source or "") or f"--tasks {','.join(names)}: a template"
+        raise UserError(f"{where}: the template {e.what}, past finetuner's bounds on a template's memory and time "
+                        "(docs/safety.md); simplify the template.") from None
+    finally:
+        if read_path != include_path:
+            import shutil
+
+            shutil.rmtree(Path(read_path).parent, ignore_errors=True)
+
+
+def _evaluate(lm_eval, run, names, include_path, read_path, templates, untrusted, began, *, limit, num_fewshot,
+              batch_size, device, base_model, trust_remote_code, allow_pickle, apply_chat_template,
+              replace_builtin_tasks) -> HarnessResult:
+    from jinja2.exceptions import SecurityError
+    from lm_eval.models.huggingface import HFLM
+
+    from finetuner.infer.chat import load_chat_model
+    from finetuner.infer.task_folder import sandboxed_templates, task_manager
+
+    try:
+        manager = task_manager(read_path, replace_builtin_tasks)
+    except UserError as e:  # named in the folder the user gave, not in its private copy
+        raise UserError(e.message.replace(str(Path(read_path)), str(include_path)), hint=e.plain_hint) from None
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise UserError(f"--tasks: lm-evaluation-harness knows no task {', '.join(unknown)}.",

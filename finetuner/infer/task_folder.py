@@ -13,7 +13,13 @@ Two more things a folder could do unseen are stopped here too: a folder task nam
 tasks, groups or tags replaces it (:func:`task_manager` refuses that unless asked), and the harness renders a
 task's ``doc_to_text``/``doc_to_choice``/... templates with jinja2 in an unsandboxed ``Environment``, where
 ``{{ ''.__class__.__mro__ }}`` reaches any Python object (:func:`sandboxed_templates` renders them in jinja2's
-``SandboxedEnvironment`` instead).
+``SandboxedEnvironment`` instead, with bounds on memory and time: :mod:`finetuner.infer.template_bounds`).
+
+What is checked is what runs: :func:`checked_copy` copies the folder's YAML and Python files to a private folder
+(mode 0700, finetuner's own temp) and checks the copy, which is all the harness then reads; a file changed in the
+user's folder after the check changes nothing. Every refusal of the check is one line naming the file and key: an
+``include:`` that is not a file name, names no file or leads out of the folder, YAML that cannot be read, a dataset
+loading script (``dataset_path`` naming a ``.py`` file or a folder with one).
 """
 
 from __future__ import annotations
@@ -87,19 +93,31 @@ def _known_metrics() -> set[str]:
 
 def task_yamls(folder: Path) -> list[Path]:
     """The YAML files the harness's index reads under ``folder`` (as ``TaskIndex._iter_yaml_files`` globs them)."""
-    return sorted((p for p in folder.glob("**/*.yaml") if not any(part in IGNORED_DIRS for part in p.parts)),
+    return sorted((p for p in folder.glob("**/*.yaml") if not any(part in IGNORED_DIRS for part in p.parts)
+                   and not p.is_dir()),
                   key=lambda p: p.as_posix())
+
+
+#: the files of a task folder the harness reads as configuration or imports as code (what :func:`checked_copy` copies)
+COPIED_SUFFIXES = {".yaml", ".yml", ".py"}
+#: the most a task folder's copied files may hold together
+MAX_COPY_BYTES = 64 * 2**20
+MAX_COPY_FILES = 10_000
 
 
 class _Scan:
     """The walk of one folder: every file read once (an ``include:`` cycle ends), the harness's own files not
-    read at all (their code is the installed harness's, run for its own tasks anyway)."""
+    read at all (their code is the installed harness's, run for its own tasks anyway). ``shown_as``: the folder the
+    user named, when ``folder`` is its private copy (``contained``: an include may not lead out of it). The
+    templates found (text -> ``file: key``) are kept in :attr:`templates`."""
 
-    def __init__(self, folder: Path):
-        self.folder, self.root = folder, folder.expanduser().resolve()
+    def __init__(self, folder: Path, shown_as: Path | None = None, contained: bool = False):
+        self.folder, self.root = shown_as or folder, folder.expanduser().resolve()
         self.builtin = builtin_task_dir()
         self.metrics = _known_metrics()
         self.seen: set[Path] = set()
+        self.contained = contained
+        self.templates: dict[str, str] = {}
 
     def shown(self, path: Path) -> str:
         """``path`` as the user wrote the folder (``tasks/evil.yaml``), or in full outside it."""
@@ -114,8 +132,13 @@ class _Scan:
             with path.open("rb") as fh:
                 loader = _Reader(fh)
                 node = loader.get_single_node()
-        except (OSError, yaml.YAMLError):
-            return []  # the harness cannot parse it either: its index skips the file, nothing of it runs
+        except OSError as e:
+            raise UserError(f"{self.shown(path)}: cannot read it ({e.strerror or e}).") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f"line {mark.line + 1}: " if mark is not None else ""
+            raise UserError(f"{self.shown(path)}: {at}not valid YAML ({getattr(e, 'problem', None) or 'unreadable'}); "
+                            "fix or remove the file.") from None
         if node is None:
             return []
         # the tags from the document as written: a key given twice keeps only its last value once built, but the
@@ -130,10 +153,60 @@ class _Scan:
         if not isinstance(cfg, dict):
             return found
         found += self.metrics_of(cfg, "", path)
+        self.keep_templates(cfg, "", path)
+        self.loading_script(cfg, path)
         includes = cfg.get("include")
-        for inc in includes if isinstance(includes, list) else [includes] if isinstance(includes, str) else []:
-            found += self.file(Path(inc) if Path(inc).is_absolute() else path.parent / inc)
+        for inc in includes if isinstance(includes, list) else [] if includes is None else [includes]:
+            found += self.file(self.included(inc, path))
         return found
+
+    def included(self, inc: Any, path: Path) -> Path:
+        """The file an ``include:`` entry names, as lm_eval's ``load_yaml`` finds it; one line when it is not a
+        file name, is missing, or (in a private copy) lies outside the folder and the harness's own tasks."""
+        where = f"{self.shown(path)}: include: {str(inc)[:120]}"
+        if not isinstance(inc, str) or not inc.strip():
+            raise UserError(f"{where} is not a file name; give the path of a YAML file (or a list of them).")
+        target = (Path(inc) if Path(inc).is_absolute() else path.parent / inc).expanduser()
+        resolved = target.resolve()
+        if self.contained and not resolved.is_relative_to(self.root) and not resolved.is_relative_to(self.builtin):
+            raise UserError(f"{where} lies outside the folder; copy it into {self.folder} (finetuner checks and runs "
+                            "a private copy of the folder).")
+        if not resolved.is_file():
+            raise UserError(f"{where}: no such file.")
+        return target
+
+    def loading_script(self, cfg: dict, path: Path) -> None:
+        """A ``dataset_path`` that is a dataset loading script (a ``.py`` file, or a folder holding one named like
+        it, as ``datasets.load_dataset`` reads them): Python, refused in one line."""
+        value = cfg.get("dataset_path")
+        if not isinstance(value, str) or not value.strip():
+            return
+        named = Path(value).expanduser()
+        candidates = [named] if named.is_absolute() else [path.parent / named, Path.cwd() / named]
+        script = None
+        if value.endswith(".py"):
+            script = value
+        else:
+            for d in candidates:
+                if d.is_dir() and (d / f"{d.resolve().name}.py").is_file():
+                    script = self.shown((d / f"{d.resolve().name}.py").resolve())
+                    break
+        if script is not None:
+            raise UserError(f"{self.shown(path)}: dataset_path: {value[:120]} is a dataset loading script ({script}): "
+                            "Python, which finetuner does not run (datasets 4 and later refuse it too); give the data "
+                            "as files instead (dataset_path: json, dataset_kwargs: data_files: ...).")
+
+    def keep_templates(self, value: Any, key: str, path: Path) -> None:
+        """Each jinja2 template of the document (a text with ``{{`` or ``{%``), by its file and key."""
+        stack = [(value, key)]
+        while stack:
+            v, k = stack.pop()
+            if isinstance(v, dict):
+                stack += [(x, f"{k}.{n}" if k else str(n)) for n, x in v.items()]
+            elif isinstance(v, list):
+                stack += [(x, f"{k}[{i}]") for i, x in enumerate(v)]
+            elif isinstance(v, str) and ("{{" in v or "{%" in v):
+                self.templates.setdefault(v, f"{self.shown(path)}: {k}")
 
     def tags(self, node: yaml.Node, key: str, path: Path, walked: set[int]) -> Iterator[CodeUse]:
         """The code tags in the YAML node graph under ``node`` (an alias is the same node: each walked once)."""
@@ -190,7 +263,53 @@ def code_uses(folder: str | Path) -> list[CodeUse]:
 
 def refuse_code(folder: str | Path) -> None:
     """Raise the one-line :class:`UserError` naming the first place of ``folder`` that runs code, if any."""
-    found = code_uses(folder)
+    _refuse(code_uses(folder))
+
+
+def private_copy(folder: str | Path) -> Path:
+    """The folder's YAML and Python files (:data:`COPIED_SUFFIXES`; a linked file's content) copied to a new
+    private folder (mode 0700, under the system's temp folder, removed when the process exits); the copy is named
+    like the folder. At most :data:`MAX_COPY_FILES` files and :data:`MAX_COPY_BYTES`, else one line."""
+    import os
+
+    from finetuner.fileio import private_temp_dir
+
+    src = Path(folder).expanduser().resolve()
+    dest = private_temp_dir("finetuner-tasks-") / (src.name or "tasks")
+    dest.mkdir(mode=0o700)
+    files = total = 0
+    for top, dirs, names in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if d not in IGNORED_DIRS)
+        here = Path(top)
+        for name in sorted(names):
+            p = here / name
+            if p.suffix.lower() not in COPIED_SUFFIXES or not (p.is_file() or p.is_symlink()):
+                continue  # a link is copied as what it leads to (one line when that cannot be read)
+            try:
+                data = p.read_bytes()
+            except OSError as e:
+                raise UserError(f"{Path(folder) / p.relative_to(src)}: cannot read it ({e.strerror or e}).") from None
+            files, total = files + 1, total + len(data)
+            if files > MAX_COPY_FILES or total > MAX_COPY_BYTES:
+                raise UserError(f"--include-path {folder}: over {MAX_COPY_FILES:,} YAML and Python files or "
+                                f"{MAX_COPY_BYTES // 2**20} MiB of them; give a folder of task YAMLs.")
+            out = dest / p.relative_to(src)
+            out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            out.write_bytes(data)
+    return dest
+
+
+def checked_copy(folder: str | Path) -> tuple[Path, dict[str, str]]:
+    """A private copy of ``folder`` (:func:`private_copy`), checked as :func:`refuse_code` checks a folder, and its
+    templates (text -> ``file: key``, the files named as in ``folder``). The harness is given the copy: what was
+    checked is what it reads."""
+    copy = private_copy(folder)
+    scan = _Scan(copy, shown_as=Path(folder), contained=True)
+    _refuse([use for path in task_yamls(copy) for use in scan.file(path)])
+    return copy, scan.templates
+
+
+def _refuse(found: list[CodeUse]) -> None:
     if found:
         more = f" (and {len(found) - 1} more in the folder)" if len(found) > 1 else ""
         raise UserError(f"{found[0]}{more}; add --trust-remote-code if you trust the folder "
@@ -236,17 +355,19 @@ def task_manager(include_path: str | Path | None, replace_builtin_tasks: bool = 
 
 @contextmanager
 def sandboxed_templates() -> Iterator[None]:
-    """While it lasts, the harness renders task templates in jinja2's ``SandboxedEnvironment`` (same loader,
+    """While it lasts, the harness renders task templates in jinja2's ``SandboxedEnvironment``, bounded
+    (:class:`~finetuner.infer.template_bounds.BoundedSandbox`; same loader,
     undefined, newline and filters as its own ``Environment``): attributes such as ``__class__`` raise
     ``jinja2.exceptions.SecurityError`` instead of reaching Python objects. ``lm_eval.utils.apply_template``,
     through which every ``doc_to_*`` and ``gen_prefix`` template is rendered, reads the module's ``env`` at
     each call; it is put back when this ends."""
-    from jinja2.sandbox import SandboxedEnvironment
     from lm_eval import utils
 
+    from finetuner.infer.template_bounds import BoundedSandbox
+
     plain = utils.env
-    sandboxed = SandboxedEnvironment(loader=plain.loader, undefined=plain.undefined,
-                                     keep_trailing_newline=plain.keep_trailing_newline)
+    sandboxed = BoundedSandbox(loader=plain.loader, undefined=plain.undefined,
+                               keep_trailing_newline=plain.keep_trailing_newline)
     sandboxed.filters.update(plain.filters)
     utils.env = sandboxed
     try:
