@@ -124,8 +124,8 @@ def evaluate_tasks(run: str | Path, tasks: list[str] | str, include_path: str | 
                          apply_chat_template=apply_chat_template, replace_builtin_tasks=replace_builtin_tasks)
     except TemplateBound as e:  # a template of the folder passed a bound on memory or time (template_bounds)
         where = templates.get(e.source or "") or f"--tasks {','.join(names)}: a template"
-        raise UserError(f"{where}: the template {e.what}, past finetuner's bounds on a template's memory and time "
-                        "(docs/safety.md); simplify the template.") from None
+        raise UserError(f"{where}: {e.what} (finetuner's bounds on a template's memory and time: docs/safety.md); "
+                        "simplify the template.") from None
     finally:
         if read_path != include_path:
             import shutil

@@ -16,7 +16,7 @@ from tests.conftest import REPO, cli_in_process
 from tests.data.test_tool_bounds import measured
 from tests.infer.test_harness import ITEMS, TRUST, run, write_task  # noqa: F401 - run: the module's fixture
 
-BOUNDS = "past finetuner's bounds on a template's memory and time (docs/safety.md); simplify the template."
+BOUNDS = "(finetuner's bounds on a template's memory and time: docs/safety.md); simplify the template."
 
 
 def errors(stderr: str) -> list[str]:
@@ -30,8 +30,8 @@ def test_a_template_of_3_billion_characters_is_one_line_under_1_gib(run, tmp_pat
     out, peak, seconds = measured("eval", str(run), "--tasks", "huge_mc", "--include-path", str(d), "--no-write",
                                   tmp=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert errors(out.stderr) == [f"error: {d}/huge_mc.yaml: doc_to_text: the template '*' would make over 10,000,000 "
-                                  f"characters, {BOUNDS}"], out.stderr[-3000:]
+    assert errors(out.stderr) == [f"error: {d}/huge_mc.yaml: doc_to_text: '*' would make over 10,000,000 "
+                                  f"characters {BOUNDS}"], out.stderr[-3000:]
     # the time is mostly the harness indexing its own ~14,000 task YAMLs (40-50 s on 2 busy cores), not the render
     assert len(out.stderr) < 4000 and peak < 1024 and seconds < 150, (peak, seconds)
     print(f"'A' * 3000000000: {peak:.0f} MiB, {seconds:.1f} s")
@@ -45,8 +45,8 @@ def test_nested_range_loops_end_in_one_line(run, tmp_path):  # noqa: F811
                          cwd=REPO)
     seconds = time.perf_counter() - began
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert errors(out.stderr) == [f"error: {tmp_path}/loops_mc.yaml: doc_to_text: the template its range() calls give "
-                                  f"over 1,000,000 items in one render, {BOUNDS}"]
+    assert errors(out.stderr) == [f"error: {tmp_path}/loops_mc.yaml: doc_to_text: the range() calls of one render give "
+                                  f"over 1,000,000 items {BOUNDS}"]
     assert seconds < 60, seconds
     print(f"nested range(100000) loops: {seconds:.1f} s")
 
@@ -54,15 +54,16 @@ def test_nested_range_loops_end_in_one_line(run, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("template,said", [
     ("{{ 'a'|center(3000000000) }}", "the filter center is given the number 3,000,000,000, over 10,000,000"),
     ("{{ '%3000000000d' % 1 }}", "a % format asks for a width of 3,000,000,000, over 10,000,000"),
+    ("{{ '%*d' % (3000000000, 1) }}", "a % format's width is given the number 3,000,000,000, over 10,000,000"),
     ("{{ '{:>3000000000}'.format(1) }}", "a format field {:>3000000000} asks for 3000000000, over 10,000,000"),
     ("{{ (['a' * 1000000] * 1000)|join }}", "'*' would make over 10,000,000 characters"),
     ("{{ 'ab'|replace('', 'x' * 9000000) }}", "a replace() would make over 10,000,000 characters"),
     ("{{ 'a'.ljust(3000000000) }}", "ljust() is given the number 3,000,000,000, over 10,000,000"),
     ("{{ 7 ** 99999999 }}", "'**' would make a number of over 100,000 bits"),
-    ("{% for a in range(3000) %}{{ 'y' * 5000 }}{% endfor %}", "its text is over 10,000,000 characters"),
-    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
-    ("{% set s = 'x' * 9000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "took over 10 s"),
-], ids=["center", "printf", "format", "list", "replace", "ljust", "power", "output", "recursion", "time"])
+    ("{% for a in range(3000) %}{{ 'y' * 5000 }}{% endfor %}", "the rendered text is over 10,000,000 characters"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "the template recursed too deeply"),
+    ("{% set s = 'x' * 9000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "a render took over 10 s"),
+], ids=["center", "printf", "printf_star", "format", "list", "replace", "ljust", "power", "output", "recursion", "time"])
 def test_each_bound_of_a_render(template, said):
     """What a template builds, calls, writes and takes, each bounded; the render that passes one raises in bounded
     memory (the last: 81 trillion empty turns, stopped by the timer)."""
@@ -92,7 +93,9 @@ def test_real_templates_render_as_the_harness_renders_them():
     templates = ["Question: {{question}}\nAnswer:", "{{choices.label.index(answerKey)}}",
                  "{{question|regex_replace('y', 'o')}} {{ '%s-%d' % (question, 3) }} {{ '{} {}'.format(1, 2) }}",
                  "{% for i in range(choices.label|length) %}{{choices.label[i]}}. {{choices.text[i]}}\n{% endfor %}",
-                 "{{passage}}\n{{question}}", "{{ passage.split(' ')|length }} {{ (passage * 2)|length }}"]
+                 "{{passage}}\n{{question}}", "{{ passage.split(' ')|length }} {{ (passage * 2)|length }}",
+                 "{{ '%d people, %s' % (38000000, question) }} {{ '{:,}'.format(38000000) }} "
+                 "{{ 38000000|string|center(12) }}"]
     plain = [apply_template(t, doc) for t in templates]
     with sandboxed_templates():
         assert [apply_template(t, doc) for t in templates] == plain
