@@ -241,6 +241,35 @@ def test_an_auth_file_is_refused_as_ssh_refuses_a_key_others_can_read(tmp_path):
     assert r.returncode == 2 and "cannot read it (No such file or directory)" in r.stderr
 
 
+@needs_root
+def test_an_auth_file_of_another_account_is_refused(tmp_path):
+    """A password file owned by someone else (who could have written it) is refused, mode 0600 or not."""
+    f = tmp_path / "ui-password"
+    f.write_text("alice:s3cret\n")
+    f.chmod(0o600)
+    os.chown(f, OTHER_UID, OTHER_UID)
+    r = run_cli("ui", "--auth-file", str(f))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "s3cret" not in r.stderr
+    assert f"--auth-file {f}: owned by another user (uid {OTHER_UID}): give a file of your own." in r.stderr
+
+
+def test_the_lockout_doubles_up_to_an_hour():
+    """A client that goes on guessing after each lockout: 10 s after the 5th wrong password, then 20, 40... and
+    never more than an hour, however many it tries."""
+    now = [0.0]
+    limiter = LoginLimiter(clock=lambda: now[0])
+    waits = []
+    for _ in range(20):
+        assert limiter.wait_s("c") == 0
+        limiter.failed("c")
+        waits.append(limiter.wait_s("c"))
+        now[0] += waits[-1]
+    assert waits[:4] == [0, 0, 0, 0] and waits[4:9] == [10, 20, 40, 80, 160] and waits[-1] == 3600
+    assert limiter.wait_s("another client") == 0
+    limiter.succeeded("c")
+    assert limiter.wait_s("c") == 0
+
+
 def test_the_password_from_the_environment_is_taken_out_of_it_before_any_process_starts(monkeypatch):
     """``FINETUNER_UI_AUTH`` is read and removed from the UI's environment, so the processes it starts
     (training, chat, export) never inherit it; ``--auth-file`` is taken before it."""
