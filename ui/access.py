@@ -222,10 +222,14 @@ class Access:
         else:
             await _respond(send, status, text, headers)
 
+    def peer(self, scope) -> int | None:
+        """The uid of the account whose socket sent this request; None where that cannot be told."""
+        return peer_uid(scope.get("client"), scope.get("server"), self.proc_net) if self.uid_check else None
+
     async def serve(self, inner, app: App, scope, receive, send) -> None:
-        uid = peer_uid(scope.get("client"), scope.get("server"), self.proc_net) if self.uid_check else None
         if self.password:
-            return await self._serve_password(inner, app, scope, receive, send, uid)
+            return await self._serve_password(inner, app, scope, receive, send)
+        uid = self.peer(scope)
         if uid is not None:
             if uid == self.owner:
                 return await inner(scope, receive, send)
@@ -257,10 +261,10 @@ class Access:
         token = cookies.get(f"access-token-{app.cookie_id}") or cookies.get(f"access-token-unsecure-{app.cookie_id}")
         return bool(token) and token in app.tokens
 
-    async def _serve_password(self, inner, app: App, scope, receive, send, uid: int | None) -> None:
+    async def _serve_password(self, inner, app: App, scope, receive, send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path in ("/login", "/login/") and scope.get("method") == "POST":
-            return await self._login(inner, scope, receive, send, client_key(scope.get("client"), uid))
+            return await self._login(inner, scope, receive, send, client_key(scope.get("client"), self.peer(scope)))
         if self._logged_in(app, scope):
             return await inner(scope, receive, send)
         if not (path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES)) or scope["type"] != "http":

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -60,6 +59,18 @@ def upload_body(name: str, content: bytes) -> tuple[bytes, dict]:
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"{name}\"\r\n"
             "Content-Type: application/octet-stream\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def websocket_handshake(url: str, path: str) -> int:
+    """The status of a websocket handshake on ``path`` (urllib cannot send one: it says ``Connection: close``)."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
+    try:
+        conn.request("GET", path, headers={"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                                           "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+        return conn.getresponse().status
+    finally:
+        conn.close()
 
 
 def preview_request(url: str, data_file: str) -> tuple[int, str]:
@@ -163,6 +174,7 @@ def test_another_account_of_the_machine_is_refused_the_page_the_data_preview_and
                 "file route": request(url + f"/gradio_api/file={secret}")[0],
                 "queue stream": request(url + "/gradio_api/queue/data?session_hash=x")[0],
                 "heartbeat": request(url + "/gradio_api/heartbeat/x")[0],
+                "websocket": websocket_handshake(url, "/gradio_api/queue/join"),
                 "forwarded as the owner": request(url + "/config",
                                                   headers={"X-Forwarded-For": f"127.0.0.1:{owners_port}"})[0],
             }
