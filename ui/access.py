@@ -244,7 +244,7 @@ class Access:
             if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD"):
                 rest = urlencode([(k, v) for k, v in query if k != TOKEN_PARAM])
                 cookie = f"{self.cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()
-                where = (scope.get("root_path", "") + path + (f"?{rest}" if rest else "")).encode()
+                where = (path + (f"?{rest}" if rest else "")).encode()
                 return await _respond(send, 303, "Opened: the token is kept as a cookie.",
                                       [(b"location", where), (b"set-cookie", cookie)])
             return await inner(scope, receive, send)

@@ -114,6 +114,8 @@ def launch(
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
     app.queue(default_concurrency_limit=8)
     access = access or Access(password=auth is not None)
+    if access.password != (auth is not None):
+        raise ValueError("launch(access=...): Access(password=True) goes with auth=(USER, PASS), and only with it.")
     access.port = port
     app.access = access
     with no_forwarded_headers():
