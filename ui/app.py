@@ -18,6 +18,7 @@ from pathlib import Path
 import gradio as gr
 
 from finetuner.fileio import private_temp_dir
+from ui.access import Access, GuardedApp, no_forwarded_headers
 from ui.handlers import Handlers
 from ui.paths import LOOPBACK
 from ui.layout import build_blocks
@@ -84,6 +85,7 @@ def launch(
     quiet: bool = False,
     max_upload_bytes: int | None = None,
     data_dirs: list[str | Path] | None = None,
+    access: Access | None = None,
 ) -> gr.Blocks:
     """Build and serve the app (``finetuner ui``); with ``block=False`` return once it serves.
     ``data_dirs``: see :func:`build_app`; a host other than this machine's loopback always limits data
@@ -94,7 +96,13 @@ def launch(
     ``GRADIO_SHARE`` says: a warning says it is ignored). The only folder it serves files from is
     its own temp folder (``app.temp_dir``; ``GRADIO_ALLOWED_PATHS`` is not read) and gradio's cache,
     which is private to this process too (:func:`private_gradio_cache`); it takes uploads up to
-    ``max_upload_bytes``."""
+    ``max_upload_bytes``.
+
+    Who it answers is :class:`ui.access.Access`'s (``access``; default: made here, ``app.access``): without
+    ``auth``, only the account that started it (or, where a connection's account cannot be told, a client
+    with the launch's token: ``app.access.address(host, port)`` is the address to open); with ``auth``,
+    whoever logs in, with wrong passwords rate-limited and nothing of the app shown before the login. It
+    takes no static-file workers (``GRADIO_NUM_WORKERS`` is not read: they would serve files outside it)."""
     private_gradio_cache()
     warm_imports()
     if data_dirs is None and host not in LOOPBACK:
@@ -105,10 +113,18 @@ def launch(
               f"(it serves on {host}:{port} only).", file=sys.stderr, flush=True)
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="emerald", neutral_hue="slate")
     app.queue(default_concurrency_limit=8)
-    app.launch(
-        server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
-        theme=theme, css=CSS, js=JS, show_error=True, footer_links=[], ssr_mode=False,
-        share=False, mcp_server=False, allowed_paths=[str(app.temp_dir)],
-        max_file_size=app.handlers.max_upload_bytes,
-    )
+    access = access or Access(password=auth is not None)
+    if access.password != (auth is not None):
+        raise ValueError("launch(access=...): Access(password=True) goes with auth=(USER, PASS), and only with it.")
+    access.port = port
+    app.access = access
+    with no_forwarded_headers():
+        app.launch(
+            server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
+            theme=theme, css=CSS, js=JS, show_error=True, footer_links=[], ssr_mode=False,
+            share=False, mcp_server=False, allowed_paths=[str(app.temp_dir)],
+            max_file_size=app.handlers.max_upload_bytes, num_workers=0, _app=GuardedApp(access),
+            auth_message=(f"{access.limiter.free} wrong passwords lock a client out for a while, longer each time."
+                          if auth is not None else None),
+        )
     return app

@@ -308,9 +308,9 @@ def test_views_histogram_against_seq_len_and_memory():
 def test_cli_ui_auth_and_exposure_warning(tmp_path):
     from finetuner.cli.ui import exposed_without_auth, parse_auth
 
-    assert parse_auth("alice:s3:cret") == ("alice", "s3:cret")
+    assert parse_auth("alice:s3:cret", "--auth-file f") == ("alice", "s3:cret")
     with pytest.raises(UserError):
-        parse_auth("alice")
+        parse_auth("alice", "--auth-file f")
     assert exposed_without_auth("0.0.0.0", None) and not exposed_without_auth("0.0.0.0", ("a", "b"))
     assert not exposed_without_auth("127.0.0.1", None)
     port = free_port()
@@ -321,7 +321,11 @@ def test_cli_ui_auth_and_exposure_warning(tmp_path):
     )
     try:
         line = proc.stderr.readline()
-        assert line.startswith("warning: listening on 0.0.0.0 without --auth")
+        assert line.startswith("warning: listening on 0.0.0.0 without --auth-file: a browser on another machine "
+                               "needs the token in the address below")
+        address = proc.stdout.readline()  # served to other machines: the address holds the token they need
+        assert address.startswith(f"finetuner UI on http://127.0.0.1:{port}/?token=")
+        assert "other users of this machine are refused" in address
     finally:
         proc.terminate()
         proc.wait(timeout=HANG_GUARD_S)

@@ -393,7 +393,8 @@ def test_finetuner_ui_says_its_address_once_it_serves(tmp_path):
             seen.append(line)
             if "finetuner UI on" in line:
                 break
-        assert seen and f"finetuner UI on http://127.0.0.1:{port} (Ctrl-C to quit)" in seen[-1], "".join(seen)
+        assert seen and (f"finetuner UI on http://127.0.0.1:{port} (only your account: other users of this machine "
+                         "are refused; Ctrl-C to quit)") in seen[-1], "".join(seen)
         assert _port_open(port)  # at once, one try: the port accepted connections before the line was printed
         assert _http_status(f"http://127.0.0.1:{port}/")[0] == 200
     finally:
