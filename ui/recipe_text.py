@@ -7,7 +7,11 @@ import inspect
 
 from pathlib import Path
 
-from finetuner.config.recipe import Recipe, readable_dict, readable_yaml
+from pydantic import ValidationError
+
+from finetuner.config.recipe import Recipe, format_validation_error, readable_dict, readable_yaml
+from finetuner.config.recipe_yaml import parse_yaml
+from finetuner.data import scope
 from finetuner.errors import UserError
 from finetuner.fileio import atomic_write_text
 from finetuner.runs import jobs
@@ -16,10 +20,18 @@ from ui import paths
 
 def recipe_from_text(text: str) -> Recipe:
     """A validated :class:`~finetuner.config.recipe.Recipe` from the YAML in the editor; its
-    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from the checkout."""
+    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from the checkout; within the UI's
+    scope, its paths are those :func:`finetuner.data.scope.recipe_paths` allows."""
     if not (text or "").strip():
         raise UserError("There is no recipe yet.", hint="Make a plan in the Plan tab, or load a shipped recipe.")
-    return Recipe.from_yaml_text(text, source="recipe", base_dir=paths.ROOT)
+    if scope.current() is None:
+        return Recipe.from_yaml_text(text, source="recipe", base_dir=paths.ROOT)
+    # within a served UI's scope, the paths it names are checked before anything looks at them (one refusal outside)
+    try:
+        written = Recipe.model_validate(parse_yaml(text, "recipe"))
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, "recipe")) from None
+    return scope.recipe_paths(written, paths.ROOT).resolve_paths(paths.ROOT, "recipe")
 
 
 def recipe_text(recipe: Recipe, header: str = "") -> str:
