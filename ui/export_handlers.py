@@ -40,14 +40,12 @@ class ExportHandlers:
         (:func:`finetuner.data.scope.local`), decided before anything is looked at or made."""
         if not (out and out.strip()):
             return default
-        target = Path(out.strip()).expanduser()
-        if not target.is_absolute():
-            target = paths.ROOT / target
         if self.write_scope is not None:
-            target = Path(scope.local(str(target), what, scope=self.write_scope, verb="writes", kind="exports",
-                                      hint="Leave the box empty to write into the run's folder, or name a folder in "
-                                           f"{paths.display(self.runs)}."))
-        return target
+            return Path(scope.local(out.strip(), what, [paths.ROOT], scope=self.write_scope, verb="writes", kind="exports",
+                                    cwd=False, hint="Leave the box empty to write into the run's folder, or name a folder "
+                                                    f"in {paths.display(self.runs)}."))
+        target = Path(out.strip()).expanduser()
+        return target if target.is_absolute() else paths.ROOT / target
 
     @shows_errors(0, 1)
     def on_merge(self, run: str, out: str, dtype: str, overwrite: bool, allow_code: bool = False):

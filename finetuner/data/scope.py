@@ -135,19 +135,20 @@ def hub_form(name: str) -> bool:
 
 
 def local(name: str, what: str, base_dirs: Iterable[str | Path] = (), *, hub: bool = False, kind: str = "files",
-          scope: ReadScope | None = None, verb: str = "reads", hint: str | None = None) -> str:
+          scope: ReadScope | None = None, verb: str = "reads", hint: str | None = None, cwd: bool = True) -> str:
     """The one check of a path a box of the web UI names: the path to use for ``name`` (relative to ``base_dirs``,
     then the current folder, as :func:`finetuner.locate.locate` looks) when ``scope`` (default: the current one)
     allows it; ``name`` unchanged without a scope. ``hub``: a name written as a hub id (``org/name``, a preset) that is
     no file or folder is that id, as it is. Anything else is one :class:`UserError` naming ``what`` and the folders,
     whatever is at the path (missing, unreadable, a folder, a file): nothing outside the scope is looked at but for a
     name written as a hub id, which is refused the same way when it is a local path outside, never read as one.
-    ``kind`` and ``verb`` word the refusal (``reads data files``, ``writes files``)."""
+    ``kind`` and ``verb`` word the refusal (``reads data files``, ``writes exports``); ``cwd=False``: a relative name
+    is looked for in ``base_dirs`` only."""
     scope = scope or current()
     if scope is None:
         return name
     p = expand_user(name.strip())
-    candidates = [p] if p.is_absolute() else [*(Path(d) / p for d in base_dirs), Path.cwd() / p]
+    candidates = [p] if p.is_absolute() else [*(Path(d) / p for d in base_dirs), *([Path.cwd() / p] if cwd else [])]
     allowed = [a for a in map(scope.allowed, candidates) if a is not None]
     if allowed:
         return str(next((a for a in allowed if a.exists()), allowed[0]))
