@@ -440,7 +440,10 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         local = paths.resolve_local(name)
         if local is None or not local.is_file():
             raise UserError(f"No recipe file {name}.")
-        loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        if self.scope is None:
+            loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        else:  # its paths checked against the scope before anything looks at them
+            loaded = recipe_from_text(local.read_text(encoding="utf-8"), local.parent, str(local))
         recipe = self.with_free_name(loaded)
         note = "" if recipe.name == loaded.name else f" Renamed from {loaded.name}: a run already has that name."
         comments = []

@@ -18,20 +18,20 @@ from finetuner.runs import jobs
 from ui import paths
 
 
-def recipe_from_text(text: str) -> Recipe:
+def recipe_from_text(text: str, base_dir: Path = paths.ROOT, source: str = "recipe") -> Recipe:
     """A validated :class:`~finetuner.config.recipe.Recipe` from the YAML in the editor; its
-    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from the checkout; within the UI's
-    scope, its paths are those :func:`finetuner.data.scope.recipe_paths` allows."""
+    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from ``base_dir`` (the checkout; a
+    recipe file's folder); within the UI's scope, its paths are those :func:`finetuner.data.scope.recipe_paths` allows."""
     if not (text or "").strip():
         raise UserError("There is no recipe yet.", hint="Make a plan in the Plan tab, or load a shipped recipe.")
     if scope.current() is None:
-        return Recipe.from_yaml_text(text, source="recipe", base_dir=paths.ROOT)
+        return Recipe.from_yaml_text(text, source=source, base_dir=base_dir)
     # within a served UI's scope, the paths it names are checked before anything looks at them (one refusal outside)
     try:
-        written = Recipe.model_validate(parse_yaml(text, "recipe"))
+        written = Recipe.model_validate(parse_yaml(text, source))
     except ValidationError as e:
-        raise UserError(format_validation_error(e, "recipe")) from None
-    return scope.recipe_paths(written, paths.ROOT).resolve_paths(paths.ROOT, "recipe")
+        raise UserError(format_validation_error(e, source)) from None
+    return scope.recipe_paths(written, base_dir, source).resolve_paths(base_dir, source)
 
 
 def recipe_text(recipe: Recipe, header: str = "") -> str:

@@ -222,3 +222,42 @@ def test_export_outputs_of_a_served_ui_are_written_only_in_its_runs_folder(serve
     assert ggufs == {m.replace("Output folder", "Output file or folder") for m in merged}, ggufs
     assert sorted(p.name for p in served.outside.iterdir()) == ["evil.py", "folder", "model"]
     assert not (served.mine / "merged").exists() and list((served.outside / "folder").iterdir()) == []
+
+
+def test_the_jobs_a_served_ui_starts_never_import_a_reward_file_it_refuses(served, tmp_path, monkeypatch):
+    """What the check before starting does not see (a recipe.yaml changed since), the training process refuses itself:
+    within the scope the UI hands its jobs (finetuner.data.scope.ENV) the reward loader takes only a ``.py`` file
+    inside the UI's folders that the page did not send, before anything in the file runs."""
+    from finetuner.data import scope
+    from finetuner.errors import UserError
+    from finetuner.objectives.grpo import reward_functions
+    from finetuner.objectives.specs.grpo import RewardSection
+
+    from ui.handlers import Handlers
+
+    stored = upload(served, tmp_path, "job_rewards.jsonl", reward_code(served.base / "ran-job"))
+    h = Handlers(served.base / "runs", served.base / "uploads", data_dirs=[served.mine])  # the served UI's folders
+    monkeypatch.setenv(scope.ENV, h.scope.to_env())  # what a job the served UI starts finds in its environment
+    for name in (stored, str(served.outside / "evil.py"), str(served.mine / "link.py")):
+        with pytest.raises(UserError, match=f"grpo.rewards\\[0\\]: the reward file: {name} is not a Python file this UI runs"):
+            reward_functions([RewardSection(function="reward", file=name)])
+    assert not (served.base / "ran-job").exists() and not (served.base / "ran-outside").exists()
+
+
+def test_the_recipe_box_reads_a_served_uis_folders_and_the_shipped_recipes_only(served):
+    """The Plan tab's recipe box (gradio takes only its listed choices over HTTP; the handler checks what it gets too):
+    a recipe outside the UI's folders, there or missing, is one refusal; one inside them that names a model outside is
+    refused as the editor refuses it, before anything looks at the model; a shipped recipe loads as ever."""
+    from ui.handlers import Handlers
+
+    h = Handlers(served.base / "runs", served.base / "uploads", data_dirs=[served.mine])
+    (served.outside / "r.yaml").write_text((REPO / "recipes" / "demo_cpu.yaml").read_text(), encoding="utf-8")
+    shown = {h.on_load_recipe(name, "cpu")[-1].replace(name, "NAME")
+             for name in (str(served.outside / "r.yaml"), str(served.outside / "none.yaml"), str(served.outside))}
+    assert len(shown) == 1 and "✕ Recipe NAME: this UI reads recipes only from data, " in shown.pop()
+    raw = yaml.safe_load((REPO / "recipes" / "demo_cpu.yaml").read_text())
+    raw["model"]["name"] = str(served.outside / "no-model")
+    (served.mine / "far.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    far = h.on_load_recipe(str(served.mine / "far.yaml"), "cpu")[-1]
+    assert f"model.name {served.outside / 'no-model'}: this UI reads models only from" in far, far
+    assert "✓ The recipe is valid" in h.on_load_recipe("recipes/demo_cpu.yaml", "cpu")[-1]
