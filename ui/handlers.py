@@ -150,7 +150,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         #: where the page may run reward code from: inside the scope (any file of this machine without one), never
         #: what the page sent; the Start and Resume of a recipe naming a reward file also need “Allow the model's own
         #: code to run” (TrainHandlers.check_reward_code)
-        self.code_scope = self.scope or ReadScope.of(["/"], ["/"], data_only=self.sent_dirs)
+        self.code_scope = self.scope or ReadScope.of(["/"], [], data_only=self.sent_dirs)
         #: where the Export tab writes a served UI's outputs (None: anywhere): the runs folder
         self.write_scope = None if self.scope is None else ReadScope.of([self.runs], [paths.display(self.runs)])
         #: where the Plan tab's recipe box reads a served UI's recipes: its folders and the shipped recipes

@@ -191,9 +191,10 @@ def recipe_paths(recipe, base_dir: str | Path, source: str = "recipe"):
 
 
 def code_file(path: str | Path, what: str, scope: ReadScope | None = None) -> Path:
-    """The Python file ``path`` as the path to run, when the page may run it: inside ``scope`` (default: the current
-    one; None: anywhere), outside its :attr:`~ReadScope.data_only` folders (an upload is data, never code) and a
-    ``.py`` file. Else one :class:`UserError` naming ``what`` and what to do, decided before the file is looked at."""
+    """The Python file ``path`` as the path to run (links followed), when the page may run it: inside ``scope``
+    (default: the current one; None: anywhere; ``ReadScope.of(["/"], [])``: any file of this machine), outside its
+    :attr:`~ReadScope.data_only` folders (an upload is data, never code), and a ``.py`` file. Else one
+    :class:`UserError` naming ``what`` and what to do, decided on the path before the file is read."""
     scope = scope or current()
     folded = _folded(path)
     real = folded if scope is None else scope.allowed(folded)
@@ -201,7 +202,7 @@ def code_file(path: str | Path, what: str, scope: ReadScope | None = None) -> Pa
         real = None
     if real is None or real.suffix != ".py":
         raise UserError(f"{what}: {path} is not a Python file this UI runs: it runs reward code only from a .py file of "
-                        f"this machine{f' in {scope.where()}' if scope is not None and scope.folders != (Path('/'),) else ''}, "
+                        f"this machine{f' in {scope.where()}' if scope is not None and scope.shown else ''}, "
                         "never from an upload.",
                         hint="Put the .py file in data/ (or a folder the UI was started with --data-dir), name it there, "
                              "and tick “Allow the model's own code to run”.")
