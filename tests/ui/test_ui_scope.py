@@ -82,7 +82,8 @@ def test_a_reward_file_outside_a_served_uis_folders_is_refused_and_never_run(ser
     a link in a folder of the UI to it): one refusal whatever is there, and Start, code box ticked, starts nothing and
     runs nothing."""
     outside = served.outside
-    typed = [str(outside / "evil.py"), str(outside / "missing.py"), str(outside / "folder"), str(served.mine / "link.py")]
+    typed = [str(outside / "evil.py"), str(outside / "missing.py"), str(outside / "folder"), str(served.mine / "link.py"),
+             "../" * 12 + str(outside / "evil.py").lstrip("/")]
     shown = {plan_grpo(served, f"{name}:reward")[0].replace(name, "NAME") for name in typed}
     assert len(shown) == 1, shown
     (text,) = shown
@@ -185,7 +186,7 @@ def test_the_model_box_is_one_refusal_outside_a_served_uis_folders(served):
     UI's folders and a preset still work."""
     outside = served.outside
     typed = [str(outside / "model"), str(outside / "no-model"), str(outside / "folder"), str(outside / "evil.py"),
-             str(outside / "model" / "config.json")]
+             str(outside / "model" / "config.json"), "../" * 12 + str(outside / "model").lstrip("/"), "data/../../model"]
     pages = {served.predict(name, SAMPLE, 64, api_name="/analyse_data")[0].replace(name, "NAME") for name in typed}
     assert pages == {'<div class="ft-error" role="alert">✕ Model NAME: this UI reads models only from data, '
                      f'{served.base / "uploads"}, {served.base / "runs"}, {served.mine}.\nPut it in data/, or start the UI '
