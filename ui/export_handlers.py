@@ -13,6 +13,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from finetuner.data import scope
 from finetuner.errors import UserError
 from ui import paths
 from ui.errors import error_md, shows_errors
@@ -33,6 +34,19 @@ def _waiting(head: str, job):
 class ExportHandlers:
     """The Export tab's handlers (a part of :class:`ui.handlers.Handlers`)."""
 
+    def output_path(self, out: str | None, default: Path, what: str) -> Path:
+        """Where an export writes: ``default`` for an empty box, else the path typed (relative to the checkout); in a
+        served UI only inside its runs folder (:attr:`write_scope`), one refusal elsewhere whatever is there
+        (:func:`finetuner.data.scope.local`), decided before anything is looked at or made."""
+        if not (out and out.strip()):
+            return default
+        if self.write_scope is not None:
+            return Path(scope.local(out.strip(), what, [paths.ROOT], scope=self.write_scope, verb="writes", kind="exports",
+                                    cwd=False, hint="Leave the box empty to write into the run's folder, or name a folder "
+                                                    f"in {paths.display(self.runs)}."))
+        target = Path(out.strip()).expanduser()
+        return target if target.is_absolute() else paths.ROOT / target
+
     @shows_errors(0, 1)
     def on_merge(self, run: str, out: str, dtype: str, overwrite: bool, allow_code: bool = False):
         """Merge the run's adapter into its base model in another process (the UI never holds a
@@ -43,9 +57,7 @@ class ExportHandlers:
 
         self.confirm_code(run, bool(allow_code), rewards=False)
         rp = self.run_path(run)
-        target = Path(out).expanduser() if out and out.strip() else rp / "merged"
-        if not target.is_absolute():
-            target = paths.ROOT / target
+        target = self.output_path(out, rp / "merged", "Output folder")
         job = merge_job(rp, target, dtype=dtype or "auto", overwrite=bool(overwrite),
                         trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code))
         yield from _waiting(f"Merging {run} into its base model → `{paths.display(target)}` …", job)
@@ -67,9 +79,7 @@ class ExportHandlers:
         rp = self.run_path(run)
         fmt, quant = fmt or "gguf", quant or "f16"
         default = rp / ("ollama" if fmt == "ollama" else f"{rp.name}-{quant}.gguf")
-        target = Path(out).expanduser() if out and out.strip() else default
-        if not target.is_absolute():
-            target = paths.ROOT / target
+        target = self.output_path(out, default, "Output file or folder")
         job = export_job(rp, target, format=fmt, quant=quant, overwrite=bool(overwrite),
                          trust_remote_code=bool(allow_code), allow_pickle=bool(allow_code),
                          **({"ollama_name": rp.name} if fmt == "ollama" else {}))  # named after the run

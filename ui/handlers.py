@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import gradio as gr
+from gradio import utils as gradio_utils
 from gradio.components.plot import PlotData
 
 from finetuner.config.sections import Objective
@@ -24,7 +25,8 @@ from finetuner.objectives.specs.grpo import GRPOSection
 from finetuner.config.columns import ROLES
 from finetuner.data.formats import SUPERVISED, refused_picture
 from finetuner.data.picture_files import PictureTooLarge
-from finetuner.data.scope import ReadScope, data_file, within
+from finetuner.data import scope as read_scope
+from finetuner.data.scope import ReadScope, code_file, data_file, within
 from finetuner.errors import UserError, did_you_mean
 from finetuner.fileio import private_temp_dir
 from finetuner.objectives.specs import names_where
@@ -88,14 +90,17 @@ def grpo_settings_shown(objective: str | None):
     return gr.update(visible=objective in GENERATING)
 
 
-def grpo_request(rewards: str | None, num_generations: float | None, max_new_tokens: float | None) -> dict[str, Any]:
+def grpo_request(rewards: str | None, num_generations: float | None, max_new_tokens: float | None,
+                 code_scope: ReadScope | None = None) -> dict[str, Any]:
     """The Plan tab's GRPO settings as :func:`finetuner.plan`'s ``grpo``: the Rewards box read by
     :func:`finetuner.rewards.specs.parse_reward_specs`, each reward file found as the Data file is
-    (:func:`ui.paths.resolve_reward_file`); an empty number is the recipe's default."""
+    (:func:`ui.paths.resolve_reward_file`) and one the page may run (``code_scope``:
+    :func:`finetuner.data.scope.code_file`: a .py file, never an upload); an empty number is the recipe's default."""
     specs = parse_reward_specs(rewards or "")
     for spec in specs:
         if "file" in spec:
             spec["file"] = paths.resolve_reward_file(spec["file"], spec["function"])
+            spec["file"] = str(code_file(spec["file"], f"reward '{spec['function']}'", code_scope))
     numbers = (("num_generations", num_generations), ("max_new_tokens", max_new_tokens))
     return {"rewards": specs, **{k: int(v) for k, v in numbers if v not in (None, "")}}
 
@@ -134,14 +139,27 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             paths.DATA_DIR, self.uploads, self.runs, *(Path(d).expanduser().resolve() for d in data_dirs)]
         #: the same folders as the library reads within them (finetuner.data.scope): every handler runs in it
         #: (ui.errors.on_page), so the data files and pictures it reads, and the jobs it starts, stay inside
-        self.scope = None if self.data_dirs is None else ReadScope.of(self.data_dirs, map(paths.display, self.data_dirs))
+        #: this app's own temp folder (0700, a fresh name): the recipe and adapter-zip downloads are
+        #: written there, and it is the only folder the app serves files from (ui.app.launch)
+        self.temp_dir = private_temp_dir("finetuner-ui-", owner=self)
+        #: where what the page sends is stored (the uploads, gradio's upload cache, this app's temp folder): data,
+        #: never code (finetuner.data.scope.code_file)
+        self.sent_dirs = [self.uploads, Path(gradio_utils.get_upload_folder()), self.temp_dir]
+        self.scope = None if self.data_dirs is None else ReadScope.of(self.data_dirs, map(paths.display, self.data_dirs),
+                                                                       data_only=self.sent_dirs)
+        #: where the page may run reward code from: inside the scope (any file of this machine without one), never
+        #: what the page sent; the Start and Resume of a recipe naming a reward file also need “Allow the model's own
+        #: code to run” (TrainHandlers.check_reward_code)
+        self.code_scope = self.scope or ReadScope.of(["/"], [], data_only=self.sent_dirs)
+        #: where the Export tab writes a served UI's outputs (None: anywhere): the runs folder
+        self.write_scope = None if self.scope is None else ReadScope.of([self.runs], [paths.display(self.runs)])
+        #: where the Plan tab's recipe box reads a served UI's recipes: its folders and the shipped recipes
+        self.recipe_scope = None if self.scope is None else ReadScope.of(
+            [*self.data_dirs, paths.RECIPES_DIR], [*self.scope.shown, paths.display(paths.RECIPES_DIR)])
         #: the largest upload taken (the launch gives gradio the same limit)
         self.max_upload_bytes = int(max_upload_bytes or paths.MAX_UPLOAD_BYTES)
         self.runs.mkdir(parents=True, exist_ok=True)
         self.chat_pool = ChatPool()
-        #: this app's own temp folder (0700, a fresh name): the recipe and adapter-zip downloads are
-        #: written there, and it is the only folder the app serves files from (ui.app.launch)
-        self.temp_dir = private_temp_dir("finetuner-ui-", owner=self)
         #: what a browser with nothing remembered, and no run yet, starts from
         self.demo_model = paths.display(paths.DEMO_MODEL) if paths.DEMO_MODEL.is_dir() else ""
         data_choices = paths.data_files(self.uploads)
@@ -187,14 +205,13 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             return paths.resolve_data(data_file(text, [paths.ROOT]))
 
     def check_data_scope(self, recipe) -> None:
-        """A recipe started or resumed from the UI trains only on files inside :attr:`scope`, and on the
-        pictures inside it that their rows name (:func:`finetuner.data.formats.refused_picture`)."""
+        """A recipe started or resumed from the UI loads a model, trains on files and starts from a run only inside
+        :attr:`scope`, and on the pictures inside it that their rows name
+        (:func:`finetuner.data.formats.refused_picture`); its reward files: :meth:`check_reward_code`."""
         if self.scope is None:
             return
-        named = [*(recipe.data.path if isinstance(recipe.data.path, list) else [recipe.data.path]), recipe.data.val_path]
         with within(self.scope):
-            for p in (str(x) for x in named if x):
-                data_file(p, [paths.ROOT])
+            read_scope.recipe_paths(recipe, paths.ROOT, "Not started: recipe")
             refused = refused_picture(recipe.data)
         if refused is not None:
             raise UserError(f"Not started: {refused}", hint="Put the pictures in data/ (or in a folder the UI was started "
@@ -343,7 +360,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
 
         if not data_file:
             raise UserError("Pick a data file in the Data tab (or upload one) first: the plan is sized to the data.")
-        grpo = grpo_request(rewards, num_generations, max_new_tokens) if objective in GENERATING else None
+        grpo = grpo_request(rewards, num_generations, max_new_tokens, self.code_scope) if objective in GENERATING else None
         p = plan(
             paths.resolve_model(model_text),
             gpu_profile(card),
@@ -386,7 +403,8 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         if not (text or "").strip():
             return ""
         try:
-            recipe = recipe_from_text(text)
+            with on_page(self):  # the recipe's paths are read within this UI's scope
+                recipe = recipe_from_text(text)
         except UserError as e:
             return views.invalid_recipe_md(e.message)
         except Exception as e:  # noqa: BLE001 - shown, never raised: this runs on every keystroke
@@ -417,10 +435,15 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
     def on_load_recipe(self, name: str, card: str):
         from finetuner.config.recipe import Recipe
 
+        if self.recipe_scope is not None:  # a served UI: its folders and the shipped recipes, one refusal elsewhere
+            name = read_scope.local(name or "", "Recipe", [paths.ROOT], kind="recipes", scope=self.recipe_scope)
         local = paths.resolve_local(name)
-        if local is None:
+        if local is None or not local.is_file():
             raise UserError(f"No recipe file {name}.")
-        loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        if self.scope is None:
+            loaded = Recipe.from_yaml(local)  # relative paths resolved against the recipe's folder
+        else:  # its paths checked against the scope before anything looks at them
+            loaded = recipe_from_text(local.read_text(encoding="utf-8"), local.parent, str(local))
         recipe = self.with_free_name(loaded)
         note = "" if recipe.name == loaded.name else f" Renamed from {loaded.name}: a run already has that name."
         comments = []
@@ -454,7 +477,8 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         if not (text or "").strip():
             return (gr.skip(),) * (1 + FIELD_COUNT)
         try:
-            recipe = recipe_from_text(text)
+            with on_page(self):
+                recipe = recipe_from_text(text)
         except Exception:  # noqa: BLE001 - the user's own half-edited text: kept, the editor's checks explain it
             return (text, *[gr.skip()] * FIELD_COUNT)
         free = self.with_free_name(recipe)
@@ -463,6 +487,16 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             text = recipe_text(free, header)
         return (text, *fields_of(free))
 
+    def restorable(self, data: str) -> bool:
+        """Whether a remembered data file is there to choose again: inside :attr:`scope` when there is one (nothing
+        outside is looked at)."""
+        if self.scope is None:
+            return paths.resolve_local(data) is not None
+        try:
+            return Path(self.data_path(data)).is_file()
+        except UserError:
+            return False
+
     def on_restore(self, saved: dict | None):
         """A page (re)load: the choices this browser made last time (model, card, data, run, the
         recipe in the editor), else those of the newest run, else the defaults; uploads from any
@@ -470,7 +504,7 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
         saved = saved if isinstance(saved, dict) else {}
         latest = self.latest_choice()
         data_choices = paths.data_files(self.uploads)
-        data = next((d for d in (saved.get("data"), latest.get("data")) if d and paths.resolve_local(d)), self.default_data)
+        data = next((d for d in (saved.get("data"), latest.get("data")) if d and self.restorable(d)), self.default_data)
         model_v = saved.get("model") or latest.get("model") or self.demo_model or None
         card_v = saved.get("card") or default_card()
         names = self.run_names()

@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+from finetuner.data import scope
 from finetuner.errors import UserError
 from finetuner.fileio import expand_user, exists, file_digest
 from finetuner.locate import locate
@@ -52,9 +53,10 @@ def resolve_local(text: str) -> Path | None:
 
 def resolve_model(text: str) -> str:
     """A local model folder or file as an absolute path; a preset or hub id unchanged; a local path
-    that does not exist: a :class:`UserError` with near matches (:func:`finetuner.locate.locate`)."""
+    that does not exist: a :class:`UserError` with near matches (:func:`finetuner.locate.locate`). Within the
+    UI's scope, a local path outside it is its one refusal, whatever is there (:func:`finetuner.data.scope.local`)."""
     t = (text or "").strip()
-    return str(locate(t, "Model", [ROOT])) if t else t
+    return str(locate(scope.local(t, "Model", [ROOT], hub=True, kind="models"), "Model", [ROOT])) if t else t
 
 
 def resolve_data(text: str) -> str:
@@ -66,8 +68,9 @@ def resolve_data(text: str) -> str:
 def resolve_reward_file(text: str, function: str) -> str:
     """A reward function's file as an absolute path, found as a data file is (relative to the checkout,
     then the current folder); one found nowhere: a :class:`UserError` saying where it was looked for,
-    with near matches."""
-    return str(locate(text.strip(), f"reward '{function}'", [ROOT], hub=False))
+    with near matches. Within the UI's scope, a path outside it is its one refusal, whatever is there."""
+    what = f"reward '{function}'"
+    return str(locate(scope.local(text.strip(), what, [ROOT], kind="reward files"), what, [ROOT], hub=False))
 
 
 def local_models() -> list[str]:

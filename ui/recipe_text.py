@@ -7,19 +7,31 @@ import inspect
 
 from pathlib import Path
 
-from finetuner.config.recipe import Recipe, readable_dict, readable_yaml
+from pydantic import ValidationError
+
+from finetuner.config.recipe import Recipe, format_validation_error, readable_dict, readable_yaml
+from finetuner.config.recipe_yaml import parse_yaml
+from finetuner.data import scope
 from finetuner.errors import UserError
 from finetuner.fileio import atomic_write_text
 from finetuner.runs import jobs
 from ui import paths
 
 
-def recipe_from_text(text: str) -> Recipe:
+def recipe_from_text(text: str, base_dir: Path = paths.ROOT, source: str = "recipe") -> Recipe:
     """A validated :class:`~finetuner.config.recipe.Recipe` from the YAML in the editor; its
-    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from the checkout."""
+    errors are the recipe's own (:meth:`Recipe.from_yaml_text`), relative paths from ``base_dir`` (the checkout; a
+    recipe file's folder); within the UI's scope, its paths are those :func:`finetuner.data.scope.recipe_paths` allows."""
     if not (text or "").strip():
         raise UserError("There is no recipe yet.", hint="Make a plan in the Plan tab, or load a shipped recipe.")
-    return Recipe.from_yaml_text(text, source="recipe", base_dir=paths.ROOT)
+    if scope.current() is None:
+        return Recipe.from_yaml_text(text, source=source, base_dir=base_dir)
+    # within a served UI's scope, the paths it names are checked before anything looks at them (one refusal outside)
+    try:
+        written = Recipe.model_validate(parse_yaml(text, source))
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, source)) from None
+    return scope.recipe_paths(written, base_dir, source).resolve_paths(base_dir, source)
 
 
 def recipe_text(recipe: Recipe, header: str = "") -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import gradio as gr
 from gradio.components.plot import PlotData
 
+from finetuner.data.scope import code_file
 from finetuner.errors import UserError
 from finetuner.infer.loading import read_recipe
 from finetuner.runs import jobs
@@ -36,8 +37,8 @@ START_ANYWAY = "Start even if it does not fit"
 ALLOW_CODE = "Allow code from this run's folder"
 ALLOW_CODE_INFO = "needed when its recipe sets model.trust_remote_code or model.allow_pickle: only for runs you trust"
 START_CODE = "Allow the model's own code to run"
-START_CODE_INFO = ("needed when the recipe sets model.trust_remote_code or model.allow_pickle, and to resume a GRPO run whose "
-                   "recipe names reward files: only for models and code you trust")
+START_CODE_INFO = ("needed when the recipe sets model.trust_remote_code or model.allow_pickle, and to start or resume a GRPO "
+                   "run whose recipe names reward files: only for models and code you trust")
 
 
 def gpu_profile(card: str):
@@ -157,6 +158,19 @@ class TrainHandlers:
             raise UserError(f"{run}: its recipe.yaml names reward functions in {', '.join(files)}, which run on this machine "
                             "while it trains.", hint=f"Tick “{box}” to confirm, only for a run and reward files you trust.")
 
+    def check_reward_code(self, recipe, allow_code: bool, head: str = "Not started") -> None:
+        """The reward files of a recipe started or resumed from the page run only from where the page may run code
+        (:attr:`code_scope`: a .py file inside the UI's folders, or anywhere of this machine without them; never an
+        upload: :func:`finetuner.data.scope.code_file`), and only with “Allow the model's own code to run” ticked,
+        on every host. Decided before the training process is started, so it never imports a file refused here."""
+        files = [(i, r) for i, r in enumerate(recipe.grpo.rewards if recipe.grpo else []) if r.file]
+        for i, r in files:
+            code_file(r.file, f"{head}: grpo.rewards[{i}] ({r.function})", self.code_scope)
+        if files and not allow_code:
+            raise UserError(f"{head}: the recipe's rewards run Python code on this machine while it trains "
+                            f"({', '.join(paths.display(r.file) for _, r in files)}).",
+                            hint=f"Tick “{START_CODE}” to confirm, only for reward files you trust.")
+
     @shows_errors(2, 3)
     def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
@@ -173,6 +187,7 @@ class TrainHandlers:
             raise UserError(f"Not started: the recipe sets {' and '.join(f'model.{k}: true' for k in asks)}, so code "
                             f"from {recipe.model.name} may run on this machine.",
                             hint=f"Tick “{START_CODE}” to confirm, only for a model you trust.")
+        self.check_reward_code(recipe, bool(allow_code))
         self.check_data_scope(recipe)  # first: what follows looks at the recipe's files
         self.check_same_data(recipe, data_file)
         gpu = gpu_profile(card)
@@ -209,7 +224,9 @@ class TrainHandlers:
         if not st.resumable:
             raise UserError(f"{name} cannot be resumed: it is {views.STATE_LABELS.get(st.state, ('', st.state))[1]}.",
                             hint="Only stopped or interrupted runs with a checkpoint resume.")
-        self.check_data_scope(read_recipe(self.run_path(name) / "recipe.yaml"))
+        saved = read_recipe(self.run_path(name) / "recipe.yaml")
+        self.check_reward_code(saved, bool(allow_code), f"{name} not resumed")
+        self.check_data_scope(saved)
         foreign = seal.unsealed(self.run_path(name))
         if foreign and not allow_code:
             raise UserError(f"{name}: its checkpoint {foreign[-1].name} holds FSDP/ZeRO shards that finetuner did not write "

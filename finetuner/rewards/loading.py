@@ -4,7 +4,9 @@ Loading a file runs it: its top-level code executes in this process, with the us
 file in one's own recipe is the opt-in. A recipe read back from a run folder may come from someone else, so
 a caller that loads one passes ``allow_code=False`` unless the user opted in on the command
 (``--trust-remote-code``, as :func:`finetuner.infer.loading.check_code_optin` does for a model's code):
-the file is then refused before anything in it runs.
+the file is then refused before anything in it runs. Within the web UI's scope (a job a served UI started:
+:mod:`finetuner.data.scope`) the file must also be a ``.py`` file inside it and not one the page sent
+(:func:`finetuner.data.scope.code_file`), decided before the file is looked at.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from finetuner.data import scope
 from finetuner.errors import UserError, did_you_mean, first_line
 
 #: The signature a reward function has (TRL's).
@@ -46,6 +49,8 @@ def load_module(path: str | Path, *, where: str = "grpo.rewards", allow_code: bo
     not run again). While it runs, its folder is first on ``sys.path``, as for ``python path``, so that it
     can import the modules next to it. ``where``: the recipe key naming it, for messages. Raises
     :class:`UserError` when the file is missing, is refused (``allow_code=False``) or fails while it runs."""
+    if scope.current() is not None:  # a job the web UI started: only where its page may run code from
+        path = scope.code_file(path, f"{where}: the reward file")
     p = Path(path).expanduser().resolve()
     if not p.is_file():
         raise UserError(f"{where}: the reward file {path} does not exist.",

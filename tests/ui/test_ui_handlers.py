@@ -247,7 +247,9 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
     assert error == "" and "objective: grpo" in edited and "max_steps: 2" in edited
     assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
-    _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False)
+    _run, _table, refused = h.on_start(edited, "cpu", SAMPLE, False)  # its reward file runs code: the box is asked
+    assert "Tick “Allow the model's own code to run” to confirm" in refused and h.run_names() == [], refused
+    _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False, True)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
     st = wait_until_done(h.runs, recipe.name)
     status, _loss, _mem, samples, *_, column, rewards_plot, _message = h.train_view(recipe.name)

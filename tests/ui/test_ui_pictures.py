@@ -100,14 +100,19 @@ def test_a_picture_bomb_in_a_served_ui_is_one_line_in_its_error_box(served, tmp_
     """The 110 KB PNG of 30000 x 30000 in a folder the UI reads: the Data tab (with the tiny LLaVA, whose processor
     counts the picture's tokens, and with a text model, where only the thumbnail opens it) and the plan show one
     line naming it and its size in the error box, not "Unexpected error"."""
+    import shutil
+
     bomb = served.mine / "bomb.png"
     stored = upload(served, tmp_path, "bomb.jsonl", chat_rows([str(bomb)]))
-    for model, limit in ((str(tiny_vlm_dir), FLOOR_PIXELS), (MODEL, 8192 * 8192)):
+    vlm = served.mine / "tiny_vlm"  # a served UI reads models only in its folders too (tests/ui/test_ui_scope.py)
+    if not vlm.is_dir():
+        shutil.copytree(tiny_vlm_dir, vlm)
+    for model, limit in ((str(vlm), FLOOR_PIXELS), (MODEL, 8192 * 8192)):
         summary, *_ = served.predict(model, stored, 64, api_name="/analyse_data")
         assert re.fullmatch(rf'<div class="ft-error" role="alert">✕ picture {re.escape(str(bomb))} is 30,000 x 30,000 '
                             rf"pixels; the most finetuner decodes is {limit:,} pixels.\nMake it smaller[^\n]*</div>",
                             summary), summary
-    plan = served.predict(str(tiny_vlm_dir), "cpu", stored, 64, 0, "auto", "auto", api_name="/plan")
+    plan = served.predict(str(vlm), "cpu", stored, 64, 0, "auto", "auto", api_name="/plan")
     assert "is 30,000 x 30,000 pixels" in plan[0] and "Unexpected error" not in plan[0]
 
 
