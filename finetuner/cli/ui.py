@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs-dir", help="Where runs are kept (default: runs/ of the checkout).")
     p.add_argument("--upload-dir", help="Where uploaded data files are stored (default: data/uploads/ of the checkout).")
     p.add_argument("--data-dir", action="append", metavar="FOLDER",
-                   help="Read data files only from this folder (repeatable), data/, the uploads and the runs. "
-                        "Always so with a --host other than 127.0.0.1: the page then reads no other file of this machine.")
+                   help="Read models, data files, pictures, recipes and reward code only from this folder (repeatable), data/, the "
+                        "uploads and the runs (recipes also from the shipped recipes/, reward code never from the uploads). Always so with a --host other than "
+                        "127.0.0.1: the page then reads no other file of this machine.")
     p.add_argument("--max-upload-mb", type=float, default=None, metavar="MB",
                    help="The largest data file the page takes as an upload, in MiB (default 512); a larger file is "
                         "given by its path instead.")
