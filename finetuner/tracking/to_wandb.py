@@ -29,7 +29,8 @@ class WandbRun:
         import wandb
 
         self.run_name = run_name
-        where = {} if os.environ.get("WANDB_DIR") else {"dir": str(Path(run_dir).resolve())}
+        # absolute before wandb.init runs in the working folder: a relative WANDB_DIR is the user's folder's
+        where = {"dir": str(Path(os.environ.get("WANDB_DIR") or run_dir).expanduser().resolve())}
         settings = wandb.Settings(silent=True, console="off", reinit="create_new")
         with in_work_dir():  # W&B reads ./wandb/settings and ./config-defaults.yaml: never a received folder's
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=run_name, id=run_id,

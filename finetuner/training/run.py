@@ -113,7 +113,7 @@ def train(
                 atomic_write_json(run_dir / "plan.json", plan.to_dict())
             trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
             trainer.entered_at = entered
-            trainer.tracking_resume = tracking_resume
+            trainer.tracking_resume = tracking_resume or None  # None: finetuner.tracking.owned.RESUME_ENV decides
             trainer.resolved = resolved
         except BaseException:
             lock.release()
