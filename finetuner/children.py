@@ -1,8 +1,9 @@
 """The command line of every Python process finetuner starts: a module run so that the working folder is never
 on ``sys.path``.
 
-``python -m MODULE`` puts the working folder first on ``sys.path``. The web UI starts and resumes a job inside
-its run folder, and a user may run ``finetuner`` inside a folder they received: a ``yaml.py`` or ``torch/``
+``python -m MODULE`` puts the working folder first on ``sys.path``. The web UI started and resumed a job inside
+its run folder (now in finetuner's own working folder, :mod:`finetuner.workdir`), and a user may run ``finetuner``
+inside a folder they received: a ``yaml.py`` or ``torch/``
 planted there would be imported instead of the library, and run, without any opt-in (issue 35). Python 3.11's
 ``-P`` leaves it off (and ``PYTHONSAFEPATH``, set in :func:`safe_env`, does the same for the processes those
 start: torchrun's workers, datasets' tokenization pool). On Python 3.10, which has neither, the module is run by

@@ -27,6 +27,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trust-checkpoints", action="store_true",
                    help="Resume from FSDP/ZeRO checkpoints that finetuner did not write for you on this machine (a run "
                         "folder from someone else): loading them unpickles, which can run code.")
+    p.add_argument("--tracking-resume", action="store_true",
+                   help="Report to the MLflow/W&B/Trackio runs that the run folder's tracking.json names even if finetuner "
+                        "did not start them for you (a run folder from someone else); else such a run reports to new ones.")
     p.add_argument("--quiet", "-q", action="store_true", help="Only print the summary.")
     p.add_argument("--report-to", metavar="TRACKERS",
                    help="Where the run reports, comma-separated: tensorboard, mlflow, wandb, trackio, or none "
@@ -124,6 +127,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             stop_event=stop,
             profile_memory=args.profile_memory,
             trust_checkpoints=args.trust_checkpoints,
+            tracking_resume=args.tracking_resume,
         )
     progress.summary(result)
     return 128 + (received[0] if received else signal.SIGINT) if result.stopped else 0

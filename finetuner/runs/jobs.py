@@ -40,6 +40,7 @@ from finetuner.infer.probe import kept_line
 from finetuner.infer.tool_eval import calls_line
 from finetuner.data.replay import ROUTINE_REASONS
 from finetuner.children import Spawned, module_command, safe_env, spawn_job
+from finetuner.workdir import work_dir
 from finetuner.data import scope as read_scope
 from finetuner.device import CUDA
 from finetuner.errors import UserError
@@ -246,6 +247,7 @@ def start_job(
     overrides: list[str] | None = None,
     exact_name: bool = False,
     trust_checkpoints: bool = False,
+    tracking_resume: bool = False,
 ) -> Job:
     """Start training in a new process; returns at once.
 
@@ -259,6 +261,8 @@ def start_job(
             (refused if taken), instead of ``<recipe name>-<date-time>``.
         trust_checkpoints: ``finetuner run --trust-checkpoints``: sharded checkpoints this user did not
             seal may be resumed (:mod:`finetuner.training.seal`).
+        tracking_resume: ``finetuner run --tracking-resume``: the run reports to the tracking runs its
+            ``tracking.json`` names even when finetuner did not start them for this user (:mod:`finetuner.tracking.owned`).
 
     Raises:
         UserError: another job is running on the same device, the recipe is invalid, or (with
@@ -300,9 +304,12 @@ def start_job(
             mark_run_folder(target)  # finetuner made this folder for the run: `finetuner run` may write into it
             recipe_obj.model_copy(update={"output_dir": str(target)}).save(target / "recipe.yaml")
         log_path = target / LOG_NAME
-        # the job runs inside its run folder, which is never on its sys.path (finetuner.children)
+        # the job runs in finetuner's own working folder (finetuner.workdir), never inside the run folder, which may
+        # come from someone else and hold what libraries read from their working folder (./wandb/settings: issue 66);
+        # neither is on its sys.path (finetuner.children)
         cmd = module_command("finetuner", "run", str(target / "recipe.yaml"), "-o", str(target), "--quiet",
-                             *(["--trust-checkpoints"] if trust_checkpoints else []))
+                             *(["--trust-checkpoints"] if trust_checkpoints else []),
+                             *(["--tracking-resume"] if tracking_resume else []))
         report = target / REPORT_NAME
         report.unlink(missing_ok=True)  # what an earlier attempt reported is not this one's
         # a job started within the web UI's scope reads its data files and pictures within it (finetuner.data.scope)
@@ -310,7 +317,7 @@ def start_job(
         with open(log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}  # {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
             log.flush()
-            proc = spawn_job(cmd, str(target), env, log.fileno())
+            proc = spawn_job(cmd, str(work_dir()), env, log.fileno())
         _CHILDREN[proc.pid] = proc
         job = Job(proc.pid, str(target), target.name, device, time.time(), str(log_path), cmd,
                   proc_start=process_start_time(proc.pid))

@@ -2,7 +2,8 @@
 
 :class:`Reporters` is an event callback of the trainer (rank 0 only: the other ranks' recipes report nowhere). On
 ``start`` it opens one tracking run per tracker, or continues the one whose id ``tracking.json`` in the run folder
-keeps (a resumed run); the recipe, the plan and the start's figures become the run's parameters; each ``step`` and
+keeps (a resumed run) when this user's finetuner started that one (:mod:`finetuner.tracking.owned`) or the
+user says ``--tracking-resume``; the recipe, the plan and the start's figures become the run's parameters; each ``step`` and
 ``eval`` its metrics; ``done`` the final figures (predicted vs measured memory and time, the general probe) and the
 adapter, plan and recipe as artifacts; ``samples`` and GRPO's sampled ``completions`` (each with its rewards) a table
 where the tracker has one; ``error``/``stopped`` the run's end state. A tracker that fails (not installed, no server, a bad key) is dropped with one warning line: training goes on.
@@ -14,8 +15,11 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+
+from finetuner.tracking import owned
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +117,16 @@ class Reporters:
     """The run's trackers, fed one event at a time (:meth:`__call__`, an :class:`~finetuner.runs.events.EventWriter`
     callback). Never raises: a tracker that fails says so in one warning line and is dropped."""
 
-    def __init__(self, names: list[str], run_dir: Path, run_name: str):
+    def __init__(self, names: list[str], run_dir: Path, run_name: str, tracking_resume: bool | None = None,
+                 private_key: Callable[[], bytes] | None = None):
         self.names = [n for n in names if n != "tensorboard"]
         self.run_dir = Path(run_dir)
         self.run_name = run_name
+        #: continue the tracking runs tracking.json names even when this user's finetuner did not start them
+        #: (``--tracking-resume``; default: :data:`~finetuner.tracking.owned.RESUME_ENV`)
+        self.tracking_resume = owned.resume_by_env() if tracking_resume is None else tracking_resume
+        #: this user's private key, which marks the tracking runs a run starts (None: nothing is marked, none continued)
+        self.private_key = private_key
         self.runs: dict[str, TrackerRun] = {}
         self.step = 0
 
@@ -172,17 +182,36 @@ class Reporters:
             rows = [{k: "" if row.get(k) is None else str(row[k]) for k in keys} for row in rows]
             self._each(lambda r: r.log_table(name, rows, step))
 
+    def _continued(self, ids: dict[str, Any], name: str, key: bytes | None) -> str | None:
+        """The id of ``name``'s tracking run to continue: tracking.json's, when this user's finetuner started it
+        (:mod:`finetuner.tracking.owned`) or the user said ``--tracking-resume``; else None, said in one line."""
+        run_id = ids.get(name)
+        if not isinstance(run_id, str) or not run_id:
+            return None
+        marks = ids.get("marks") if isinstance(ids.get("marks"), dict) else {}
+        if self.tracking_resume or owned.is_ours(name, run_id, marks.get(name), key):
+            return run_id
+        log.warning("%s: %s names %s run %s, which finetuner did not start for you (a run folder from elsewhere?): "
+                    "reporting to a new %s run instead (to continue that one: finetuner run ... --tracking-resume)",
+                    name, self.run_dir / IDS_FILE, name, " ".join(run_id.split())[:80], name)
+        return None
+
     def _start(self, ev: dict[str, Any]) -> None:
         ids = self._ids()
+        ids = ids if isinstance(ids, dict) else {}
+        key = owned.user_key(self.private_key)
         for name in self.names:
             try:
-                self.runs[name] = open_tracker(name, self.run_dir, self.run_name, ids.get(name))
+                self.runs[name] = open_tracker(name, self.run_dir, self.run_name, self._continued(ids, name, key))
             except Exception as e:
                 self._fail(name, e)
         if not self.runs:
             return
         ids.update({n: r.run_id for n, r in self.runs.items()})
-        ids["where"] = {**(ids.get("where") or {}), **{n: r.where for n, r in self.runs.items()}}
+        marks = ids.get("marks") if isinstance(ids.get("marks"), dict) else {}
+        ids["marks"] = {**marks, **{n: owned.mark(n, r.run_id, key) for n, r in self.runs.items()}}
+        where = ids.get("where") if isinstance(ids.get("where"), dict) else {}
+        ids["where"] = {**where, **{n: r.where for n, r in self.runs.items()}}
         (self.run_dir / IDS_FILE).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
         params = params_of(self.run_dir, ev)
         self._each(lambda r: r.log_params(params))

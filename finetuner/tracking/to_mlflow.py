@@ -1,9 +1,14 @@
 """A run in MLflow, through :class:`mlflow.MlflowClient` (no global active run: the Python API may train twice in one
 process). Where: MLflow's own setting, ``MLFLOW_TRACKING_URI`` (a server, or a local store); the experiment:
-``MLFLOW_EXPERIMENT_NAME``, else ``finetuner``."""
+``MLFLOW_EXPERIMENT_NAME``, else ``finetuner``.
+
+A server that is not there costs the run one warning line and a few seconds, not minutes: it is asked once
+(``/health``, :data:`PROBE_TIMEOUT_S`) before the run starts, and MLflow's HTTP retries and timeout are short
+unless the user set them (:data:`HTTP_DEFAULTS`); a request that still fails drops MLflow for the run."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -14,11 +19,63 @@ _BATCH = 100
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 
 
+#: MLflow's HTTP settings when the user set none (MLflow's own: 7 retries with a growing back-off, 120 s a
+#: request; a dead server stalled a run about 4 minutes and printed a urllib3 line per retry): one retry after 1 s,
+#: 10 s a request
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+#: how long the server has to answer before the run starts without it
+PROBE_TIMEOUT_S = 5.0
+
+
+class _NoRetryLines(logging.Filter):
+    """urllib3's "Retrying (Retry(total=...))" warnings: the failure, if it stays, is finetuner's one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Retrying")
+
+
+_QUIET_RETRIES = _NoRetryLines()
+
+
+def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise ConnectionError unless an HTTP(S) tracking server at ``uri`` answers (any HTTP status) within
+    ``timeout`` seconds, name lookup included (run in a thread: a lookup takes no timeout of its own)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    why: list[str] = []
+
+    def ask() -> None:
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+                pass
+        except urllib.error.HTTPError:  # it answered: a server is there (a proxy may not route /health)
+            pass
+        except (OSError, ValueError) as e:  # refused, no such host, a timeout, not a URL
+            reason = getattr(e, "reason", e)
+            why.append(f"{type(reason).__name__}: {reason}")
+
+    asker = threading.Thread(target=ask, daemon=True, name="mlflow-probe")
+    asker.start()
+    asker.join(timeout + 1)
+    if asker.is_alive():
+        why.append(f"no answer in {timeout:g} s")
+    if why:
+        raise ConnectionError(f"no MLflow tracking server answers at {uri} ({why[0]})")
+
+
 class MlflowRun:
     def __init__(self, run_dir: Path, run_name: str, run_id: str | None):
         import mlflow
         from mlflow import MlflowClient
 
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        logging.getLogger("urllib3.connectionpool").addFilter(_QUIET_RETRIES)
+        if mlflow.get_tracking_uri().startswith(("http://", "https://")):
+            probe(mlflow.get_tracking_uri())
         self.client = MlflowClient()
         if run_id is not None:
             info = self.client.get_run(run_id).info

@@ -13,6 +13,8 @@ import io
 import re
 from pathlib import Path
 
+from finetuner.workdir import in_work_dir
+
 #: the Trackio project a run goes in
 PROJECT = "finetuner"
 #: what an artifact's name takes: letters, digits, ``- _ .``
@@ -28,7 +30,7 @@ class TrackioRun:
         import trackio
 
         self.run_name = run_name
-        with _unprinted():
+        with _unprinted(), in_work_dir():  # nothing of the folder a command was typed in steers it
             self.run = trackio.init(project=PROJECT, name=run_name, resume="allow" if run_id else "never", embed=False)
         self.run_id = self.run.id
         self.where = f"run {run_name} of project {PROJECT}: trackio show --project {PROJECT}"

@@ -1,6 +1,9 @@
 """A run in Weights & Biases, through its own library (``pip install 'finetuner[wandb]'``). Where: W&B's own settings
 (``WANDB_MODE``: ``offline`` keeps the run in files for ``wandb sync``; ``WANDB_API_KEY``, ``WANDB_ENTITY``); the
 project: ``WANDB_PROJECT``, else ``finetuner``; its files: ``WANDB_DIR``, else the run folder's ``wandb/``.
+W&B's settings files are the user's own (``~/.config/wandb/settings``, or ``$WANDB_CONFIG_DIR``'s): ``wandb.init``
+runs in finetuner's working folder (:mod:`finetuner.workdir`), so that a ``wandb/settings`` or
+``config-defaults.yaml`` in the folder a command was typed in (a received run folder) is never read.
 
 Each tracking run is its own :class:`wandb.Run` object (``reinit="create_new"``, never the global ``wandb.run``), so
 the Python API may train twice in one process. W&B's console capture is off: finetuner's output stays its own."""
@@ -10,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+
+from finetuner.workdir import in_work_dir
 
 #: the project a run goes in when ``WANDB_PROJECT`` names none
 PROJECT = "finetuner"
@@ -24,10 +29,12 @@ class WandbRun:
         import wandb
 
         self.run_name = run_name
-        where = {} if os.environ.get("WANDB_DIR") else {"dir": str(run_dir)}
+        # absolute before wandb.init runs in the working folder: a relative WANDB_DIR is the user's folder's
+        where = {"dir": str(Path(os.environ.get("WANDB_DIR") or run_dir).expanduser().resolve())}
         settings = wandb.Settings(silent=True, console="off", reinit="create_new")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=run_name, id=run_id,
-                              resume="allow" if run_id else None, settings=settings, **where)
+        with in_work_dir():  # W&B reads ./wandb/settings and ./config-defaults.yaml: never a received folder's
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=run_name, id=run_id,
+                                  resume="allow" if run_id else None, settings=settings, **where)
         self.run_id = self.run.id
         # offline: the folder ``wandb sync`` uploads (asking an offline run its url only warns)
         self.where = str(Path(self.run.dir).parent) if self.run.offline else (self.run.url or f"run {self.run_id}")

@@ -57,6 +57,8 @@ from finetuner.config.runtime import Runtime, resolve_runtime
 from finetuner.strategy_table import DDP_ENGINE, FSDP_ENGINE
 from finetuner.training.rank_output import RankOutput
 from finetuner.training.seal import TRUST_ENV
+from finetuner.tracking.owned import RESUME_ENV
+from finetuner.workdir import work_dir
 
 log = logging.getLogger(__name__)
 
@@ -309,10 +311,12 @@ def launch_training(
     stop_event: threading.Event | None = None,
     profile_memory: bool = False,
     trust_checkpoints: bool = False,
+    tracking_resume: bool = False,
 ):
     """Run ``recipe`` on ``distributed.world_size`` processes; returns a :class:`TrainResult`.
     ``trust_checkpoints``: the ranks may resume from sharded checkpoints this user did not seal
-    (:mod:`finetuner.training.seal`)."""
+    (:mod:`finetuner.training.seal`); ``tracking_resume``: rank 0 continues tracking runs it did not start
+    (:mod:`finetuner.tracking.owned`)."""
     from finetuner.training.checkpoint import latest_checkpoint, load_trainer_state
     from finetuner.runs.schema import RunStateTracker
     from finetuner.fileio import atomic_write_json
@@ -368,13 +372,17 @@ def launch_training(
         env = safe_env({**os.environ, RANK_ENV: "1", "PYTHONUNBUFFERED": "1"})
         if trust_checkpoints:
             env[TRUST_ENV] = "1"
+        if tracking_resume:
+            env[RESUME_ENV] = "1"
         if not cuda:
             env["ACCELERATE_USE_CPU"] = "true"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // d.num_processes)))
         cmd = torchrun_command(recipe, run_dir)
         log.info("Launching: %s", shlex.join(cmd))
         output = RankOutput(log_path)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        # torchrun and the ranks run in finetuner's working folder, not the one the command was typed in (finetuner.workdir)
+        proc = subprocess.Popen(cmd, env=env, cwd=work_dir(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
         output.start(proc.stdout)
         follower.start()
         stop_requested = False

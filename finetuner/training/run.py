@@ -62,6 +62,7 @@ def train(
     overrides: list[str] | None = None,
     profile_memory: bool = False,
     trust_checkpoints: bool = False,
+    tracking_resume: bool = False,
 ) -> TrainResult:
     """Run a fine-tune. The Python API and the CLI both come here.
 
@@ -78,6 +79,9 @@ def train(
         trust_checkpoints: resume a multi-process run from sharded (FSDP, ZeRO) checkpoints that
             finetuner did not seal for this user (a run folder from elsewhere): loading them unpickles,
             which can run code (:mod:`finetuner.training.seal`).
+        tracking_resume: report to the tracking runs the run folder's ``tracking.json`` names even when
+            finetuner did not start them for this user (a run folder from elsewhere); without it such a run
+            reports to new tracking runs (:mod:`finetuner.tracking.owned`).
     """
     entered = time.perf_counter()  # the run's wall clock (finetuner.training.prediction.measured_wait)
     # Less fragmentation on long runs near the memory limit (unless the user chose otherwise).
@@ -93,7 +97,7 @@ def train(
     writes_events = not needs_launch(recipe) or recipe.distributed.node_rank == 0  # node 0 writes a shared run's events
     try:
         if needs_launch(recipe):  # distributed.*: the same training on several processes (torchrun)
-            return launch_training(recipe, callbacks, resume, stop_event, profile_memory, trust_checkpoints)
+            return launch_training(recipe, callbacks, resume, stop_event, profile_memory, trust_checkpoints, tracking_resume)
         from finetuner.planning.bounds import check_before_run
         from finetuner.planning.resolve import resolve_for_run
 
@@ -109,6 +113,7 @@ def train(
                 atomic_write_json(run_dir / "plan.json", plan.to_dict())
             trainer = Trainer(recipe, run_dir, callbacks, stop_event, profile_memory=profile_memory)
             trainer.entered_at = entered
+            trainer.tracking_resume = tracking_resume or None  # None: finetuner.tracking.owned.RESUME_ENV decides
             trainer.resolved = resolved
         except BaseException:
             lock.release()

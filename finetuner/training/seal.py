@@ -45,6 +45,7 @@ from typing import Any
 
 from finetuner.errors import UserError
 from finetuner.fileio import atomic_write_text, file_digest
+from finetuner.workdir import private_dir
 
 #: the seal's file name inside a checkpoint folder
 SEAL = "seal.json"
@@ -60,10 +61,9 @@ class NotOurs(UserError):
 
 
 def key_dir() -> Path:
-    """``$FINETUNER_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/finetuner``, else ``~/.config/finetuner``."""
-    if os.environ.get("FINETUNER_CONFIG_DIR"):
-        return Path(os.environ["FINETUNER_CONFIG_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "finetuner"
+    """``$FINETUNER_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/finetuner``, else ``~/.config/finetuner``
+    (:func:`finetuner.workdir.private_dir`)."""
+    return private_dir()
 
 
 def key_path() -> Path:

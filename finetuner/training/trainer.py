@@ -80,6 +80,8 @@ class Trainer:
 
     #: steps recorded by ``--profile-memory`` before the snapshot is written
     PROFILE_STEPS = 3
+    #: continue tracking runs this user's finetuner did not start (``--tracking-resume``; None: finetuner.tracking.owned.RESUME_ENV)
+    tracking_resume: bool | None = None
 
     def __init__(
         self,
@@ -183,8 +185,9 @@ class Trainer:
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         if any(t != "tensorboard" for t in trackers):  # MLflow, W&B, Trackio: readers of the events from "start" on
             from finetuner.tracking.report import Reporters
+            from finetuner.training.seal import private_key  # marks the tracking runs it starts as this user's
 
-            self.reporters = Reporters(trackers, self.run_dir, self.run_dir.name)
+            self.reporters = Reporters(trackers, self.run_dir, self.run_dir.name, self.tracking_resume, private_key)
             self.events.callbacks.append(self.reporters)
         trainable, total = count_parameters(self.model)
         from finetuner.planning.recipe_data import label_fraction_of
