@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -149,6 +150,9 @@ _DISK_FULL_TEXT = ("no space left on device", "os error 28", "storagefull", "dis
 _WRITE_FAILED_TEXT = ("file write failed", "unexpected pos")
 #: below this much free space a failed write of torch's zip writer (which gives no reason) is taken for a full disk
 _NEARLY_FULL_BYTES = 64 * 2**20
+#: numpy's ``tofile`` (the gguf package's writer of tensor data) when the kernel took only part of a write: an
+#: ``OSError`` with no errno, ``145024 requested and 132384 written``
+_SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
 
 
 def size_text(n: float) -> str:
@@ -186,17 +190,23 @@ def _chain(error: BaseException):
 
 def is_disk_full(error: BaseException, path: str | Path | None = None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a write refused for want of disk space:
-    an ``OSError`` ENOSPC/EDQUOT, safetensors' ``os error 28``, or torch's zip writer failing to
-    write while the disk of ``path`` is (nearly) full."""
+    an ``OSError`` ENOSPC/EDQUOT, safetensors' ``os error 28``, or a write that failed without saying why
+    while the disk of ``path`` is (nearly) full: torch's zip writer's, or a short write (numpy's ``N requested
+    and M written``, with no errno) where less than the bytes it could not write are free. Ask before the
+    half-written file is removed: its removal gives the space back."""
     for e in _chain(error):
         if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return True
         text = str(e).lower()
         if any(marker in text for marker in _DISK_FULL_TEXT):
             return True
-        if path is not None and any(marker in text for marker in _WRITE_FAILED_TEXT):
+        if path is None:
+            continue
+        short = _SHORT_WRITE.search(text) if isinstance(e, OSError) else None
+        if short or any(marker in text for marker in _WRITE_FAILED_TEXT):
             free = free_bytes(path)
-            if free is not None and free < _NEARLY_FULL_BYTES:
+            left = int(short.group(1)) - int(short.group(2)) if short else 0
+            if free is not None and free < max(_NEARLY_FULL_BYTES, left):
                 return True
     return False
 

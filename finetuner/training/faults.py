@@ -13,7 +13,10 @@ step 5 to ``events.jsonl`` (half a line on disk).
 ``HOLD@4`` holds the run after optimizer step 4 (its events written) for as long as the file
 named by ``FINETUNER_HOLD_FILE`` exists, or until a stop is asked for: a test that must see a
 run mid-way (a status, a page reloaded during training, a stop) creates the file, looks, then
-deletes it or stops the run, however fast the machine.
+deletes it or stops the run, however fast the machine. ``HOLD@merge``, ``HOLD@export`` and ``HOLD@adapter`` hold
+the same way inside a write, once its staging exists (:func:`hold`): a merge's folder made, a GGUF file's header
+written, a run's final adapter folder made, the rest not written yet; a test then fills the disk under it, or
+sends the process a signal, at that point of the write however fast the machine.
 
 In a multi-process run every fault applies to every rank unless a rank follows it:
 ``OOM@3:1`` is "in step 3 on rank 1 only", ``KILL@save:4:0`` "inside the save of step 4 on rank 0".
@@ -32,6 +35,8 @@ ENV = "FINETUNER_FAULT"
 HOLD_ENV = "FINETUNER_HOLD_FILE"
 #: the points inside a write that ``KILL@POINT:STEP`` can name
 WRITE_POINTS = ("save", "events")
+#: the points inside a one-off write that ``HOLD@POINT`` (no step) can name: see :func:`hold`
+HOLD_POINTS = ("merge", "export", "adapter")
 
 
 def _parse(spec: str):
@@ -41,6 +46,9 @@ def _parse(spec: str):
         name, at, where = item.partition("@")
         parts = where.split(":")
         point = parts.pop(0).lower() if parts and parts[0].isalpha() else None
+        if name.upper() == "HOLD" and point in HOLD_POINTS and not parts:
+            out.append(("HOLD", point, 0, 1.0, None))
+            continue
         try:
             if not at or point not in (None, *WRITE_POINTS) or len(parts) not in (1, 2):
                 raise ValueError
@@ -53,8 +61,8 @@ def _parse(spec: str):
                 raise ValueError
         except (ValueError, AttributeError):
             raise ValueError(
-                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD) "
-                f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK]"
+                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD), "
+                f"KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK] or HOLD@{'/HOLD@'.join(HOLD_POINTS)}"
             ) from None
     return out
 
@@ -66,13 +74,16 @@ class FaultPlan:
         self.ooms: dict[tuple[int, int | None], float] = {}
         self.kills_in: dict[str, set[tuple[int, int | None]]] = {p: set() for p in WRITE_POINTS}
         self.holds: set[tuple[int, int | None]] = set()
+        self.hold_points: set[str] = set()
         self.gate = os.environ.get(HOLD_ENV, "")
         for name, point, step, times, rank in _parse(spec):
-            if point:
+            if name == "HOLD" and not self.gate:
+                raise ValueError(f"{ENV}: HOLD@{point or step} needs {HOLD_ENV}, the file whose presence holds the run")
+            if name == "HOLD" and point:
+                self.hold_points.add(point)
+            elif point:
                 self.kills_in[point].add((step, rank))
             elif name == "HOLD":
-                if not self.gate:
-                    raise ValueError(f"{ENV}: HOLD@{step} needs {HOLD_ENV}, the file whose presence holds the run")
                 self.holds.add((step, rank))
             elif name == "OOM":
                 self.ooms[(step, rank)] = times
@@ -115,3 +126,15 @@ class FaultPlan:
         """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``."""
         if self._find(self.kills_in[point], step, rank) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(point: str) -> None:
+    """Wait at ``point`` of a write (one of :data:`HOLD_POINTS`) for as long as the gate file exists, when
+    ``HOLD@point`` is planned; at once otherwise. Read from the environment at each call (a merge, an export and
+    a run's final save each call it once). A signal's handler that raises (Ctrl-C, the CLI's SIGTERM) ends the
+    wait as it would end the write."""
+    if ENV not in os.environ or point not in FaultPlan().hold_points:
+        return
+    gate = os.environ[HOLD_ENV]
+    while os.path.exists(gate):
+        time.sleep(0.05)
