@@ -154,3 +154,28 @@ def _stopped(proc: subprocess.Popen, sig: int) -> None:
     assert "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "aborted.", stderr
     assert stderr.count("aborted.") == 1 and "error:" not in stderr, stderr
+
+
+def test_sigterm_to_the_export_worker_removes_the_merges_staging_and_answers_interrupted(tmp_path):
+    """The web UI's merges and exports run in ``python -m finetuner.export.worker``: a SIGTERM sent to it mid-write
+    cleans up as the CLI does and its last message says "interrupted" (exit status 2, a stop, not a bug)."""
+    run = demo_run_folder(tmp_path / "runs", adapter=True)
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    gate = tmp_path / "gate"
+    gate.touch()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "FINETUNER_FAULT": "HOLD@merge", "FINETUNER_HOLD_FILE": str(gate)}
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"source": str(run), "output_dir": str(exports / "merged")}), encoding="utf-8")
+    with request.open(encoding="utf-8") as stdin:
+        proc = subprocess.Popen(module_command("finetuner.export.worker"), cwd=REPO, env=env, stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_staging(proc, exports, ".merged.tmp-merge-*")
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, (stdout, stderr)
+    answer = json.loads(stdout.strip().splitlines()[-1])
+    assert (answer["kind"], answer["message"], answer["user_error"]) == ("error", "interrupted", True), answer
+    assert "Traceback" not in stderr, stderr
+    assert sorted(p.name for p in exports.iterdir()) == []
