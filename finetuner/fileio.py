@@ -262,3 +262,27 @@ def disk_full_as_user_error(path: str | Path, then: str, need_bytes: int | None 
         if not is_disk_full(e, path):
             raise
         raise DiskFull(path, then, need_bytes) from None
+
+
+# ---------------------------------------------------------------------- a test's pause inside a write
+#: the variable of the tests' faults (finetuner.training.faults), and the gate file of their holds
+FAULT_ENV, HOLD_ENV = "FINETUNER_FAULT", "FINETUNER_HOLD_FILE"
+#: the points inside a one-off write that ``FINETUNER_FAULT=HOLD@POINT`` names: a merge's staging folder made, a
+#: GGUF file's header written, a run's final adapter folder made; the rest of the write not done yet
+HOLD_POINTS = ("merge", "export", "adapter")
+
+
+def hold(point: str) -> None:
+    """At ``point`` of a write (one of :data:`HOLD_POINTS`), wait for as long as the gate file ``$FINETUNER_HOLD_FILE``
+    exists when ``$FINETUNER_FAULT`` holds ``HOLD@point``; go on at once otherwise (always, in normal use). A pause,
+    no fault: a test fills the disk under the write, or sends the process a signal, at that point however fast
+    the machine. A signal's handler that raises (Ctrl-C, SIGTERM under :func:`finetuner.children.stop_signals_abort`)
+    ends the wait as it would end the write."""
+    planned = {item.strip().upper() for item in os.environ.get(FAULT_ENV, "").split(",")}
+    if f"HOLD@{point.upper()}" not in planned:
+        return
+    import time
+
+    gate = os.environ.get(HOLD_ENV, "")
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)

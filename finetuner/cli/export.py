@@ -47,7 +47,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import command_phases
     from finetuner.export.gguf import export_model
 
-    from finetuner.cli.stopping import stop_signals_abort
+    from finetuner.children import stop_signals_abort
 
     print(f"Exporting {args.source} → {args.output} ({args.format}, {args.quant}) ...", file=sys.stderr, flush=True)
     with stop_signals_abort(), command_phases():  # SIGTERM as Ctrl-C: the staging files removed, then "aborted."

@@ -132,7 +132,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import command_phases
     from finetuner.export.merge import merge_adapter
 
-    from finetuner.cli.stopping import stop_signals_abort
+    from finetuner.children import stop_signals_abort
 
     _err(f"Merging {args.source} → {args.output} ({args.dtype}) ...")
     with stop_signals_abort(), command_phases():  # SIGTERM as Ctrl-C: the staging folder removed, then "aborted."

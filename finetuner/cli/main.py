@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from finetuner.cli.stopping import Interrupted  # a second stop signal of a run: abort now (130 or 143)
+from finetuner.children import Interrupted  # a second stop signal of a run: abort now (130 or 143)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

@@ -196,7 +196,7 @@ def _write_tensors(writer, plan) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     plan.header_bytes = writer.fout[0].tell()  # the metadata, vocabulary and tensor infos: what a full disk's message counts
-    from finetuner.training.faults import hold
+    from finetuner.fileio import hold
 
     hold("export")  # a test's pause (HOLD@export): the staging file made, its header written, no tensor yet
     for _, src, _, tname in plan.items:

@@ -441,7 +441,7 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        from finetuner.training.faults import hold
+        from finetuner.fileio import hold
 
         hold("merge")  # a test's pause (HOLD@merge): the staging folder made, nothing in it yet
         model.config.use_cache = True

@@ -33,7 +33,7 @@ from typing import Any
 
 import finetuner.phases as phases
 import finetuner.worker_protocol as protocol
-from finetuner.children import module_command, safe_env
+from finetuner.children import module_command, safe_env, stop_signals_abort
 from finetuner.errors import UserError
 from finetuner.surface import child_env
 
@@ -87,8 +87,6 @@ def main() -> int:
     except json.JSONDecodeError as e:
         answer = _bad_request(f"The merge request is not JSON ({e}).")
     else:
-        from finetuner.cli.stopping import stop_signals_abort
-
         with stop_signals_abort():  # SIGTERM as Ctrl-C: the work's staging removed, then the answer "interrupted"
             answer = serve(request, lambda rec: out.send("phase", **rec))
     out.send(**answer)

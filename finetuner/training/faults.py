@@ -14,7 +14,7 @@ step 5 to ``events.jsonl`` (half a line on disk).
 named by ``FINETUNER_HOLD_FILE`` exists, or until a stop is asked for: a test that must see a
 run mid-way (a status, a page reloaded during training, a stop) creates the file, looks, then
 deletes it or stops the run, however fast the machine. ``HOLD@merge``, ``HOLD@export`` and ``HOLD@adapter`` hold
-the same way inside a write, once its staging exists (:func:`hold`): a merge's folder made, a GGUF file's header
+the same way inside a write, once its staging exists (:func:`finetuner.fileio.hold`): a merge's folder made, a GGUF file's header
 written, a run's final adapter folder made, the rest not written yet; a test then fills the disk under it, or
 sends the process a signal, at that point of the write however fast the machine.
 
@@ -30,13 +30,10 @@ import signal
 import time
 from typing import Callable
 
-ENV = "FINETUNER_FAULT"
-#: the gate file of ``HOLD@STEP``: the run waits after that step while this file exists
-HOLD_ENV = "FINETUNER_HOLD_FILE"
+from finetuner.fileio import FAULT_ENV as ENV, HOLD_ENV, HOLD_POINTS  # HOLD_ENV: the gate file of HOLD@STEP and HOLD@POINT
+
 #: the points inside a write that ``KILL@POINT:STEP`` can name
 WRITE_POINTS = ("save", "events")
-#: the points inside a one-off write that ``HOLD@POINT`` (no step) can name: see :func:`hold`
-HOLD_POINTS = ("merge", "export", "adapter")
 
 
 def _parse(spec: str):
@@ -127,14 +124,3 @@ class FaultPlan:
         if self._find(self.kills_in[point], step, rank) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
 
-
-def hold(point: str) -> None:
-    """Wait at ``point`` of a write (one of :data:`HOLD_POINTS`) for as long as the gate file exists, when
-    ``HOLD@point`` is planned; at once otherwise. Read from the environment at each call (a merge, an export and
-    a run's final save each call it once). A signal's handler that raises (Ctrl-C, the CLI's SIGTERM) ends the
-    wait as it would end the write."""
-    if ENV not in os.environ or point not in FaultPlan().hold_points:
-        return
-    gate = os.environ[HOLD_ENV]
-    while os.path.exists(gate):
-        time.sleep(0.05)

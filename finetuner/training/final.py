@@ -9,10 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from finetuner.fileio import give_back, publish_dir
+from finetuner.fileio import give_back, hold, publish_dir
 from finetuner.quiet import quieted
 from finetuner.training import checkpoint as ckpt_io
-from finetuner.training.faults import hold
 from finetuner.training.guards import disk_full_guard
 
 

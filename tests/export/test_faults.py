@@ -131,8 +131,9 @@ def test_a_stop_signal_during_a_merge_removes_its_staging_folder(sig, tmp_path):
     assert sorted(p.name for p in exports.iterdir()) == []  # no hidden staging folder, no output
 
 
-@pytest.mark.parametrize("fmt", ["gguf", "ollama"])
-def test_sigterm_during_an_export_removes_its_staging(fmt, tmp_path):
+@pytest.mark.parametrize("fmt, sig", [("gguf", signal.SIGTERM), ("ollama", signal.SIGTERM), ("gguf", signal.SIGINT)],
+                         ids=["gguf-SIGTERM", "ollama-SIGTERM", "gguf-SIGINT"])
+def test_a_stop_signal_during_an_export_removes_its_staging(fmt, sig, tmp_path):
     """The export of a run holds two staged things at once: the merged model's hidden folder and the GGUF file
     being written (in a hidden folder of its own for Ollama)."""
     run = demo_run_folder(tmp_path / "runs", adapter=True)
@@ -142,8 +143,8 @@ def test_sigterm_during_an_export_removes_its_staging(fmt, tmp_path):
     proc = _start("export", tmp_path / "gate", "export", str(run), "-o", str(out), "--format", fmt)
     _wait_for_staging(proc, exports, "**/*.gguf")
     assert len([p for p in exports.iterdir() if p.name.startswith(".")]) == 2  # the merged folder and the GGUF staging
-    proc.send_signal(signal.SIGTERM)
-    _stopped(proc, signal.SIGTERM)
+    proc.send_signal(sig)
+    _stopped(proc, sig)
     assert sorted(p.name for p in exports.iterdir()) == []
 
 
