@@ -8,15 +8,23 @@ planted there would be imported instead of the library, and run, without any opt
 ``-P`` leaves it off (and ``PYTHONSAFEPATH``, set in :func:`safe_env`, does the same for the processes those
 start: torchrun's workers, datasets' tokenization pool). On Python 3.10, which has neither, the module is run by
 a two-line bootstrap that removes the working folder from ``sys.path`` before it imports anything.
+
+And how a command that writes one output and ends (``merge``, ``export``, the export worker the web UI starts)
+takes a stop: :func:`stop_signals_abort` makes SIGTERM (``kill``, a service manager, a container's stop) what
+Ctrl-C is, an exception raised where the process is, so that the write's own clean-up runs (its staging files and
+folders removed) before the process exits with the usual one line (``aborted.``, 128 + the signal's number).
+Python's default for SIGTERM ends the process at once, leaving a half-written staging folder (gigabytes on a real
+model) behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 #: Python 3.11 and later know ``-P`` and ``PYTHONSAFEPATH``
 HAS_SAFE_PATH = sys.version_info >= (3, 11)
@@ -96,3 +104,39 @@ def spawn_job(cmd: list[str], cwd: str, env: Mapping[str, str], out_fd: int) -> 
                (os.POSIX_SPAWN_DUP2, out_fd, 2)]
     return Spawned(os.posix_spawn("/bin/sh", argv, dict(env), file_actions=actions, setsid=True,
                                   setsigdef=(signal.SIGINT,)))
+
+
+#: the signals that stop a command under :func:`stop_signals_abort`
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) that aborts the command. The process exits with the shell's
+    status for the first signal it got, 128 + its number: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_abort() -> Iterator[None]:
+    """For the block: the first SIGINT or SIGTERM raises :class:`Interrupted` in the main thread; any later one
+    is ignored, so that it cannot cut the clean-up the first one started short. The handlers before it are put
+    back after the block."""
+    got: list[int] = []
+
+    def _on_signal(signum, _frame):
+        if got:  # already stopping: the clean-up runs
+            return
+        got.append(signum)
+        raise Interrupted(signum)
+
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, _on_signal)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -149,6 +150,9 @@ _DISK_FULL_TEXT = ("no space left on device", "os error 28", "storagefull", "dis
 _WRITE_FAILED_TEXT = ("file write failed", "unexpected pos")
 #: below this much free space a failed write of torch's zip writer (which gives no reason) is taken for a full disk
 _NEARLY_FULL_BYTES = 64 * 2**20
+#: numpy's ``tofile`` (the gguf package's writer of tensor data) when the kernel took only part of a write: an
+#: ``OSError`` with no errno, ``145024 requested and 132384 written``
+_SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
 
 
 def size_text(n: float) -> str:
@@ -186,17 +190,23 @@ def _chain(error: BaseException):
 
 def is_disk_full(error: BaseException, path: str | Path | None = None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a write refused for want of disk space:
-    an ``OSError`` ENOSPC/EDQUOT, safetensors' ``os error 28``, or torch's zip writer failing to
-    write while the disk of ``path`` is (nearly) full."""
+    an ``OSError`` ENOSPC/EDQUOT, safetensors' ``os error 28``, or a write that failed without saying why
+    while the disk of ``path`` is (nearly) full: torch's zip writer's, or a short write (numpy's ``N requested
+    and M written``, with no errno) where less than the bytes it could not write are free. Ask before the
+    half-written file is removed: its removal gives the space back."""
     for e in _chain(error):
         if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return True
         text = str(e).lower()
         if any(marker in text for marker in _DISK_FULL_TEXT):
             return True
-        if path is not None and any(marker in text for marker in _WRITE_FAILED_TEXT):
+        if path is None:
+            continue
+        short = _SHORT_WRITE.search(text) if isinstance(e, OSError) else None
+        if short or any(marker in text for marker in _WRITE_FAILED_TEXT):
             free = free_bytes(path)
-            if free is not None and free < _NEARLY_FULL_BYTES:
+            left = int(short.group(1)) - int(short.group(2)) if short else 0
+            if free is not None and free < max(_NEARLY_FULL_BYTES, left):
                 return True
     return False
 
@@ -252,3 +262,27 @@ def disk_full_as_user_error(path: str | Path, then: str, need_bytes: int | None 
         if not is_disk_full(e, path):
             raise
         raise DiskFull(path, then, need_bytes) from None
+
+
+# ---------------------------------------------------------------------- a test's pause inside a write
+#: the variable of the tests' faults (finetuner.training.faults), and the gate file of their holds
+FAULT_ENV, HOLD_ENV = "FINETUNER_FAULT", "FINETUNER_HOLD_FILE"
+#: the points inside a one-off write that ``FINETUNER_FAULT=HOLD@POINT`` names: a merge's staging folder made, a
+#: GGUF file's header written, a run's final adapter folder made; the rest of the write not done yet
+HOLD_POINTS = ("merge", "export", "adapter")
+
+
+def hold(point: str) -> None:
+    """At ``point`` of a write (one of :data:`HOLD_POINTS`), wait for as long as the gate file ``$FINETUNER_HOLD_FILE``
+    exists when ``$FINETUNER_FAULT`` holds ``HOLD@point``; go on at once otherwise (always, in normal use). A pause,
+    no fault: a test fills the disk under the write, or sends the process a signal, at that point however fast
+    the machine. A signal's handler that raises (Ctrl-C, SIGTERM under :func:`finetuner.children.stop_signals_abort`)
+    ends the wait as it would end the write."""
+    planned = {item.strip().upper() for item in os.environ.get(FAULT_ENV, "").split(",")}
+    if f"HOLD@{point.upper()}" not in planned:
+        return
+    import time
+
+    gate = os.environ.get(HOLD_ENV, "")
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)

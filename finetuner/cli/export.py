@@ -47,8 +47,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import command_phases
     from finetuner.export.gguf import export_model
 
+    from finetuner.children import stop_signals_abort
+
     print(f"Exporting {args.source} → {args.output} ({args.format}, {args.quant}) ...", file=sys.stderr, flush=True)
-    with command_phases():
+    with stop_signals_abort(), command_phases():  # SIGTERM as Ctrl-C: the staging files removed, then "aborted."
         r = export_model(args.source, args.output, format=args.format, quant=args.quant, overwrite=args.overwrite,
                          base_model=args.base, merge_dtype=args.merge_dtype, verify=not args.no_verify,
                          trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)

@@ -132,8 +132,10 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import command_phases
     from finetuner.export.merge import merge_adapter
 
+    from finetuner.children import stop_signals_abort
+
     _err(f"Merging {args.source} → {args.output} ({args.dtype}) ...")
-    with command_phases():
+    with stop_signals_abort(), command_phases():  # SIGTERM as Ctrl-C: the staging folder removed, then "aborted."
         r = merge_adapter(args.source, args.output, dtype=args.dtype, shard_size=args.shard_size, overwrite=args.overwrite,
                           base_model=args.base, verify=not args.no_verify, **code_optins(args))
     if args.json:

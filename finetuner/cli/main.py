@@ -15,6 +15,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from finetuner.children import Interrupted  # a second stop signal of a run: abort now (130 or 143)
+
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="Fine-tune from a recipe YAML (resumes a run folder that has checkpoints).")
@@ -196,15 +198,6 @@ def _signals_of_a_worker() -> None:
     except (OSError, AttributeError):
         pass
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A second stop signal (Ctrl-C, SIGTERM): abort now. The process exits with the shell's
-    status for the first signal it got, 128 + its number: 130 for SIGINT, 143 for SIGTERM."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 #: Modules that add sub-commands: each has ``register(sub)`` and imports nothing heavy at the

@@ -354,6 +354,8 @@ def export_model(
                              "TEMPLATE writes Ollama's tools and tool calls in it (<tool_call> blocks)")
         out.parent.mkdir(parents=True, exist_ok=True)
         merged_dir = out.parent / f".{out.name}.tmp-merged-{os.getpid()}"
+        from finetuner.fileio import DiskFull, give_back
+
         try:
             if src.has_adapter:
                 merge_adapter(src.path, merged_dir, dtype=merge_dtype, base_model=base_model, verify=verify, overwrite=True)
@@ -365,8 +367,54 @@ def export_model(
                 weights = _weights_folder(src)
             return _write_and_check(src, out, format, quant, overwrite, arch, weights, vocab, tokenizer, template,
                                     modelfile_text, verify, notes, t0, ollama_name, projector)
+        except DiskFull as e:  # the merge's (of its hidden folder) or the GGUF file's: said of the output, the free
+            need = _space_needed(e, out, merged_dir if src.has_adapter else None, merge_dtype, quant)  # space measured
+            give_back(merged_dir, e)  # once nothing staged is left
+            raise DiskFull(out, f"run the same command again (nothing was written to {out})", need) from None
         finally:
             shutil.rmtree(merged_dir, ignore_errors=True)
+
+
+#: bytes a weight takes in the GGUF file, by --quant (q4_k_m: the f16 file llama.cpp's quantizer reads, and its output)
+GGUF_BYTES_PER_WEIGHT = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k_m": 2 + 4.9 / 8}
+
+
+def _space_needed(full, out: Path, merged_dir: Path | None, merge_dtype: str, quant: str) -> int | None:
+    """What an export whose disk was ``full`` (a :class:`~finetuner.fileio.DiskFull`) needs free in all to run
+    again: the merge's room (its check's) and the GGUF file's (:func:`gguf_bytes`). When the merge itself found the
+    disk full the GGUF file's size is estimated from the merged weights' (:data:`GGUF_BYTES_PER_WEIGHT`)."""
+    from finetuner.export.merge import SPACE_MARGIN, space_needed
+    from finetuner.fileio import tree_bytes
+
+    if full.path != str(out):  # the merge's: its need is the merge's check, the merged weights in merge_dtype
+        if full.need_bytes is None:
+            return None
+        weights = (full.need_bytes - SPACE_MARGIN) / 1.05
+        gguf_file = weights / (2 if merge_dtype in ("bf16", "fp16") else 4) * GGUF_BYTES_PER_WEIGHT[quant]
+        return int(full.need_bytes + gguf_file + EXPORT_MARGIN)
+    merged = space_needed(tree_bytes(merged_dir)) if merged_dir is not None and merged_dir.is_dir() else 0
+    return merged + (full.need_bytes or 0) or None
+
+
+#: room an export asks for beyond its GGUF files (the Modelfile, the marker, the file system's own blocks)
+EXPORT_MARGIN = 2**20
+
+
+def gguf_bytes(plan: TensorPlan) -> int:
+    """The bytes of the file of ``plan``: its header (metadata, vocabulary, tensor infos: as written, once it
+    is) and its tensors as the file stores them, each aligned to 32 bytes."""
+    import gguf
+
+    from finetuner.export.gguf_tensors import ggml_type
+
+    total = getattr(plan, "header_bytes", 0)
+    for _, _, shape, tname in plan.items:
+        block, size = gguf.GGML_QUANT_SIZES[ggml_type(tname)]
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += -(-(n // block * size) // 32) * 32
+    return total
 
 
 def mmproj_path(out: Path) -> Path:
@@ -460,16 +508,18 @@ def _write_and_check(src, out, fmt, quant, overwrite, arch, weights, vocab, toke
             command = f"ollama create {model_name(ollama_name or out.name)} -f {modelfile_path}"
             run_command = f"ollama run {model_name(ollama_name or out.name)}"
     except BaseException as e:
-        if fmt == "gguf":
-            path.unlink(missing_ok=True)
-            mm_path.unlink(missing_ok=True)
-            (tmp_dir / f".{name}.f16.gguf").unlink(missing_ok=True)
-        else:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
         from finetuner.fileio import DiskFull, is_disk_full
 
-        if isinstance(e, Exception) and is_disk_full(e, out.parent):
-            raise DiskFull(out, f"run the same command again (nothing was written to {out})") from None
+        full = isinstance(e, Exception) and is_disk_full(e, out.parent)  # asked before the half-written file goes
+        if fmt == "gguf":
+            for staged in (path, mm_path, tmp_dir / f".{name}.f16.gguf"):
+                staged.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if full:  # its need: the file's tensors (q4_k_m: and the f16 file it is quantized from); the caller adds the merge's
+            need = gguf_bytes(plan) + (gguf_bytes(projector_plan) if projector_plan is not None else 0) + EXPORT_MARGIN
+            raise DiskFull(out, f"run the same command again (nothing was written to {out})",
+                           int(need * GGUF_BYTES_PER_WEIGHT[quant] / 2) if quant == "q4_k_m" else need) from None
         raise
     return ExportResult(
         output=out, gguf_file=gguf_file, modelfile=modelfile_path, format=fmt, quant=quant, source=str(src.path),

@@ -195,6 +195,10 @@ def _write_tensors(writer, plan) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    plan.header_bytes = writer.fout[0].tell()  # the metadata, vocabulary and tensor infos: what a full disk's message counts
+    from finetuner.fileio import hold
+
+    hold("export")  # a test's pause (HOLD@export): the staging file made, its header written, no tensor yet
     for _, src, _, tname in plan.items:
         writer.write_tensor_data(_encode(plan.tensor(src), tname))
         phases.advance()  # the caller's "export" phase

@@ -293,6 +293,16 @@ def _all_finite(w, rows: int = 1024) -> bool:
     return all(bool(torch.isfinite(block).all()) for block in w.detach().split(rows))
 
 
+#: room a merge asks for beyond its weights (the tokenizer, the configs, the file system's own blocks)
+SPACE_MARGIN = 50 * 2**20
+
+
+def space_needed(weight_bytes: int) -> int:
+    """The free space a merge of ``weight_bytes`` of weights asks for before it writes (and a full disk's message
+    asks to free): the weights, 5% more, and :data:`SPACE_MARGIN`."""
+    return int(weight_bytes * 1.05 + SPACE_MARGIN)
+
+
 def peak_rss() -> int:
     """This process's peak resident memory in bytes (``VmHWM``: unlike ``ru_maxrss`` it is not
     inherited from the parent across fork and exec)."""
@@ -394,11 +404,11 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
                                 revision=None if src.kind == "full" else revision, trust_remote_code=trust)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
-    if free < weight_bytes * 1.05 + 50 * 2**20:
+    if free < space_needed(weight_bytes):
         from finetuner.fileio import size_text
 
         raise UserError(f"Not enough free disk space for {out}: {size_text(free)} free, the merged weights need "
-                        f"{size_text(weight_bytes * 1.05 + 50 * 2**20)}.", hint="Free some space or choose another output folder (-o).")
+                        f"{size_text(space_needed(weight_bytes))}.", hint="Free some space or choose another output folder (-o).")
 
     probe = _probe_ids(tokenizer, template)
     if src.has_adapter:
@@ -430,6 +440,10 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
+        tmp.mkdir()
+        from finetuner.fileio import hold
+
+        hold("merge")  # a test's pause (HOLD@merge): the staging folder made, nothing in it yet
         model.config.use_cache = True
         with phases.phase("write", unit="shards") as writing:  # transformers writes them in one call: counted after it
             model.save_pretrained(tmp, max_shard_size=max_shard, safe_serialization=True)
@@ -477,7 +491,7 @@ def _merge_and_write(src: Source, out: Path, dtype: str, max_shard: int, verify:
         give_back(tmp, e)
 
         if isinstance(e, Exception) and is_disk_full(e, out.parent):
-            raise DiskFull(out, f"run the same command again (nothing was written to {out})", int(weight_bytes * 1.05)) from None
+            raise DiskFull(out, f"run the same command again (nothing was written to {out})", space_needed(weight_bytes)) from None
         raise
     return MergeResult(
         output_dir=out, source=str(src.path), base_model=src.base_model, dtype=dtype, files=files,

@@ -33,7 +33,7 @@ from typing import Any
 
 import finetuner.phases as phases
 import finetuner.worker_protocol as protocol
-from finetuner.children import module_command, safe_env
+from finetuner.children import module_command, safe_env, stop_signals_abort
 from finetuner.errors import UserError
 from finetuner.surface import child_env
 
@@ -64,7 +64,7 @@ def serve(request: Any, on_phase: phases.Sink | None = None) -> dict[str, Any]:
     try:
         with phases.reporting(on_phase) if on_phase is not None else contextlib.nullcontext():
             return protocol.message("done", result=_work(request, keys is EXPORT_KEYS).to_dict())
-    except Exception as e:  # noqa: BLE001 - a UserError as raised; anything else the caller shows as a bug
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - a UserError as raised, a stop ("interrupted"); anything else the caller shows as a bug
         return protocol.error_message(e)
 
 
@@ -87,7 +87,8 @@ def main() -> int:
     except json.JSONDecodeError as e:
         answer = _bad_request(f"The merge request is not JSON ({e}).")
     else:
-        answer = serve(request, lambda rec: out.send("phase", **rec))
+        with stop_signals_abort():  # SIGTERM as Ctrl-C: the work's staging removed, then the answer "interrupted"
+            answer = serve(request, lambda rec: out.send("phase", **rec))
     out.send(**answer)
     if answer["kind"] == "done":
         return 0

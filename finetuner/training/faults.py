@@ -13,7 +13,10 @@ step 5 to ``events.jsonl`` (half a line on disk).
 ``HOLD@4`` holds the run after optimizer step 4 (its events written) for as long as the file
 named by ``FINETUNER_HOLD_FILE`` exists, or until a stop is asked for: a test that must see a
 run mid-way (a status, a page reloaded during training, a stop) creates the file, looks, then
-deletes it or stops the run, however fast the machine.
+deletes it or stops the run, however fast the machine. ``HOLD@merge``, ``HOLD@export`` and ``HOLD@adapter`` hold
+the same way inside a write, once its staging exists (:func:`finetuner.fileio.hold`): a merge's folder made, a GGUF file's header
+written, a run's final adapter folder made, the rest not written yet; a test then fills the disk under it, or
+sends the process a signal, at that point of the write however fast the machine.
 
 In a multi-process run every fault applies to every rank unless a rank follows it:
 ``OOM@3:1`` is "in step 3 on rank 1 only", ``KILL@save:4:0`` "inside the save of step 4 on rank 0".
@@ -27,9 +30,8 @@ import signal
 import time
 from typing import Callable
 
-ENV = "FINETUNER_FAULT"
-#: the gate file of ``HOLD@STEP``: the run waits after that step while this file exists
-HOLD_ENV = "FINETUNER_HOLD_FILE"
+from finetuner.fileio import FAULT_ENV as ENV, HOLD_ENV, HOLD_POINTS  # HOLD_ENV: the gate file of HOLD@STEP and HOLD@POINT
+
 #: the points inside a write that ``KILL@POINT:STEP`` can name
 WRITE_POINTS = ("save", "events")
 
@@ -41,6 +43,9 @@ def _parse(spec: str):
         name, at, where = item.partition("@")
         parts = where.split(":")
         point = parts.pop(0).lower() if parts and parts[0].isalpha() else None
+        if name.upper() == "HOLD" and point in HOLD_POINTS and not parts:
+            out.append(("HOLD", point, 0, 1.0, None))
+            continue
         try:
             if not at or point not in (None, *WRITE_POINTS) or len(parts) not in (1, 2):
                 raise ValueError
@@ -53,8 +58,8 @@ def _parse(spec: str):
                 raise ValueError
         except (ValueError, AttributeError):
             raise ValueError(
-                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD) "
-                f"or KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK]"
+                f"{ENV}: cannot read {item!r}; write NAME@STEP[*TIMES][:RANK] (NAME: KILL, INT, TERM, OOM or HOLD), "
+                f"KILL@save:STEP[:RANK] / KILL@events:STEP[:RANK] or HOLD@{'/HOLD@'.join(HOLD_POINTS)}"
             ) from None
     return out
 
@@ -66,13 +71,16 @@ class FaultPlan:
         self.ooms: dict[tuple[int, int | None], float] = {}
         self.kills_in: dict[str, set[tuple[int, int | None]]] = {p: set() for p in WRITE_POINTS}
         self.holds: set[tuple[int, int | None]] = set()
+        self.hold_points: set[str] = set()
         self.gate = os.environ.get(HOLD_ENV, "")
         for name, point, step, times, rank in _parse(spec):
-            if point:
+            if name == "HOLD" and not self.gate:
+                raise ValueError(f"{ENV}: HOLD@{point or step} needs {HOLD_ENV}, the file whose presence holds the run")
+            if name == "HOLD" and point:
+                self.hold_points.add(point)
+            elif point:
                 self.kills_in[point].add((step, rank))
             elif name == "HOLD":
-                if not self.gate:
-                    raise ValueError(f"{ENV}: HOLD@{step} needs {HOLD_ENV}, the file whose presence holds the run")
                 self.holds.add((step, rank))
             elif name == "OOM":
                 self.ooms[(step, rank)] = times
@@ -115,3 +123,4 @@ class FaultPlan:
         """SIGKILL this process if a kill is planned inside this write (``save``/``events``) of ``step``."""
         if self._find(self.kills_in[point], step, rank) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+

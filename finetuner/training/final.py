@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from finetuner.fileio import give_back, publish_dir
+from finetuner.fileio import give_back, hold, publish_dir
 from finetuner.quiet import quieted
 from finetuner.training import checkpoint as ckpt_io
 from finetuner.training.guards import disk_full_guard
@@ -24,6 +24,8 @@ def save_final(trainer, weights: dict[str, Any] | None = None, name: str = "adap
         shutil.rmtree(tmp)
     with disk_full_guard(trainer.run_dir, trainer.model, trainer.recipe, tmp, weights_only=True), trainer.phase("save"):  # its message once the space is given back
         try:
+            tmp.mkdir()
+            hold(name)  # a test's pause (HOLD@adapter): the folder made, nothing in it yet
             with quieted():  # transformers' "Writing model shards" bar
                 ckpt_io.save_weights(trainer.model, tmp, weights)
                 trainer.tokenizer.chat_template = trainer.data.chat_template

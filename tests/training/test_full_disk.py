@@ -161,6 +161,47 @@ def test_a_checkpoint_cut_short_is_removed_before_the_resume_counts_the_free_spa
     assert [e["resumed_from_step"] for e in events if e["event"] == "start"] == [None, 1] and events[-1]["event"] == "done"
 
 
+def test_a_full_disk_while_writing_the_final_adapter(base, small_disk, monkeypatch):
+    """The run held as it starts its final adapter (``HOLD@adapter``: ``.tmp-adapter`` made, nothing in it yet)
+    while the disk is filled to leave two pages: safetensors' writer fails (``os error 28``). One line naming the
+    folder, the space free and what to free, no adapter half-written, the last checkpoint kept; once the filler
+    is gone the command the message gives writes the adapter."""
+    run_dir = small_disk / "run"
+    recipe = write_recipe(small_disk.parent / "recipe.yaml", dict(base, output_dir=str(run_dir)))
+    gate = small_disk.parent / "hold"
+    gate.touch()
+    monkeypatch.setenv("FINETUNER_FAULT", "HOLD@adapter")
+    monkeypatch.setenv("FINETUNER_HOLD_FILE", str(gate))
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_cli, "run", str(recipe), "--quiet")
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not (run_dir / ".tmp-adapter").is_dir():
+            assert not running.done() and time.monotonic() < deadline, running.result() if running.done() else "no adapter"
+            time.sleep(0.05)
+        fill(small_disk, leave=2 * PAGE)
+        gate.unlink()
+        out = running.result()
+    monkeypatch.delenv("FINETUNER_FAULT")
+    assert out.returncode == 2, out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("error: ")):]
+    said = re.fullmatch(rf"error: No space left on device while writing {re.escape(str(run_dir / '.tmp-adapter'))} "
+                        r"\((.+) free\)\.", lines[0])
+    assert said, out.stderr
+    assert said.group(1) in {size_text(free(small_disk) + k * PAGE) for k in range(3)}, (said.group(1), free(small_disk))
+    assert re.fullmatch(r"Free at least .+ more on that disk \(.+ free in all\), then resume with "
+                        rf"`finetuner run {re.escape(str(run_dir / 'recipe.yaml'))} -o {re.escape(str(run_dir))}` "
+                        r"\(the run continues from its last checkpoint \(step-00000003\);.*", lines[1]), lines[1]
+    assert not (run_dir / ".tmp-adapter").exists() and not (run_dir / "adapter").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000003"]
+    (small_disk / "filler").unlink()
+    done = run_cli("run", str(run_dir / "recipe.yaml"), "-o", str(run_dir), "--quiet")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert read_events(run_dir / "events.jsonl")[-1]["event"] == "done"
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
 _PRINTS = """
 from finetuner.fileio import DiskFull
 from finetuner.training.rank_output import report_failure

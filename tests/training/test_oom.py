@@ -133,6 +133,12 @@ def test_a_hold_fault_holds_after_its_step_while_the_gate_file_exists(tmp_path, 
         FaultPlan("HOLD@4")
     with pytest.raises(ValueError, match="FINETUNER_FAULT"):
         FaultPlan("HOLD@save:4")
+    # HOLD@POINT, inside a one-off write (finetuner.fileio.hold): no step; a trainer's plan accepts it and holds no step
+    monkeypatch.setenv(HOLD_ENV, str(gate))
+    assert FaultPlan("HOLD@adapter, HOLD@2").hold_points == {"adapter"} and FaultPlan("HOLD@merge").holds == set()
+    for bad in ("HOLD@merge:3", "HOLD@write", "KILL@export"):
+        with pytest.raises(ValueError, match="FINETUNER_FAULT"):
+            FaultPlan(bad)
 
 # --------------------------------------------------------------------------- two processes
 def test_out_of_memory_on_one_rank_backs_off_every_rank_and_keeps_the_loss(one_process, tmp_path, monkeypatch):
