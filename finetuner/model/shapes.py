@@ -37,7 +37,7 @@ from finetuner.model import gguf_base
 PRESET_DIR = Path(__file__).with_name("presets")
 
 #: Families of the common layout (attention q/k/v/o or a fused qkv, a gated MLP), named in the hint of a layout
-#: the memory model refuses; a GGUF base loads as one of them (:data:`finetuner.model.gguf_base.ARCHITECTURES`).
+#: the memory model refuses.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 #: Families whose training runs' peak memory was measured on a GPU (docs/validation, replayed by
 #: tests/memory/test_memory_accuracy.py, which checks this list against the records).
@@ -538,7 +538,7 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
         # (Gemma 4's text_config) must not change the preset every later reader keys its inventory by
     path = expand_user(model)
     if gguf_base.is_gguf_name(model):
-        return dict(gguf_base.read(gguf_base.check_file(path)).config), "gguf"
+        return gguf_base.config_of(gguf_base.check_file(path)), "gguf"
     if exists(path, "dir"):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():

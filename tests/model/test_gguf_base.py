@@ -13,7 +13,7 @@ from finetuner.config.recipe import Recipe
 from finetuner.errors import UserError
 from finetuner import locate
 from finetuner.model import gguf_base
-from finetuner.model.shapes import SUPPORTED_MODEL_TYPES, preset_model, resolve_shape
+from finetuner.model.shapes import preset_model, resolve_shape
 
 PACKAGED = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,11 +69,14 @@ def test_bits_of_a_type_name(name, bits):
     assert gguf_base.bits_of(name) == bits
 
 
-def test_the_architectures_are_what_transformers_dequantizes_and_the_memory_model_knows():
+def test_the_architectures_are_read_from_transformers_gguf_mapping():
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    for arch, model_type in gguf_base.ARCHITECTURES.items():
-        assert arch in GGUF_SUPPORTED_ARCHITECTURES and model_type in SUPPORTED_MODEL_TYPES
+    archs = gguf_base.architectures()
+    assert set(archs) <= set(GGUF_SUPPORTED_ARCHITECTURES) and "gemma3" in archs and "qwen2_moe" in archs
+    assert not {"general", "tokenizer", "t5", "umt5"} & set(archs)  # sections of every file, encoder-decoders
+    assert gguf_base.transformers_name("qwen2moe") == "qwen2_moe" and gguf_base.transformers_name("gpt-oss") == "gpt_oss"
+    assert gguf_base.transformers_name("rwkv6") is None
 
 
 def test_a_gguf_file_or_a_folder_plus_gguf_file_is_model_name(tiny_gguf, data_file):
@@ -116,11 +119,11 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path, data_file):
     assert "is not a GGUF file" in e.value.message and ".gguf file" in (e.value.hint or "")
 
 
-def test_an_architecture_transformers_cannot_dequantize_is_refused(tmp_path, data_file):
+def test_an_architecture_transformers_cannot_dequantize_is_refused_in_its_words(tmp_path, data_file):
     import gguf
 
-    path = tmp_path / "mamba.gguf"
-    w = gguf.GGUFWriter(str(path), "mamba")
+    path = tmp_path / "rwkv6.gguf"
+    w = gguf.GGUFWriter(str(path), "rwkv6")
     w.add_block_count(2)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -128,7 +131,9 @@ def test_an_architecture_transformers_cannot_dequantize_is_refused(tmp_path, dat
     w.close()
     with pytest.raises(UserError) as e:
         _recipe(str(path), data_file)
-    assert "'mamba'" in e.value.message and "cannot dequantize" in e.value.message and "llama" in (e.value.hint or "")
+    assert "'rwkv6'" in e.value.message and "transformers cannot dequantize it" in e.value.message
+    assert "GGUF model with architecture rwkv6 is not supported yet" in e.value.message  # transformers' own words
+    assert "gemma3" in (e.value.hint or "")
 
 
 def _header_with_one_tensor(n_dims: int) -> bytes:
@@ -241,12 +246,12 @@ def test_the_conversion_cache_gives_the_very_tensors_and_tokenizer_of_the_file(t
 
     monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
     name = str(tiny_gguf)
-    assert gguf_base.pretrained_args(name, "model", torch.float32)[1] == {"gguf_file": tiny_gguf.name}
+    assert gguf_base.pretrained_args(name, "model", torch.float32)[1]["gguf_file"] == tiny_gguf.name
     first, tok1 = load_pretrained(name, "the model", dtype=torch.float32), open_tokenizer(name, "the model")
     where, extra = gguf_base.pretrained_args(name, "model", torch.float32)
     assert extra == {} and Path(where).parent.parent == tmp_path / "cache" / "gguf" and Path(where, "config.json").is_file()
     assert gguf_base.pretrained_args(name, "tokenizer")[1] == {}
-    assert gguf_base.pretrained_args(name, "model", torch.bfloat16)[1] == {"gguf_file": tiny_gguf.name}  # another dtype: the file
+    assert gguf_base.pretrained_args(name, "model", torch.bfloat16)[1]["gguf_file"] == tiny_gguf.name  # another dtype: the file
     second, tok2 = load_pretrained(name, "the model", dtype=torch.float32), open_tokenizer(name, "the model")
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -260,4 +265,4 @@ def test_the_conversion_cache_gives_the_very_tensors_and_tokenizer_of_the_file(t
 
     st = tiny_gguf.stat()
     os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert gguf_base.pretrained_args(name, "model", torch.float32)[1] == {"gguf_file": tiny_gguf.name}
+    assert gguf_base.pretrained_args(name, "model", torch.float32)[1]["gguf_file"] == tiny_gguf.name
