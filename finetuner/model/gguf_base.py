@@ -268,8 +268,8 @@ def _refusal(path: Path, architecture: str) -> str:
     from transformers.integrations.gguf import is_gguf_arch_supported
 
     if is_gguf_arch_supported(architecture):
-        return ("transformers reads this architecture through its GGUF path that keeps the weights as GGUF blocks, "
-                "which cannot be trained or merged.")
+        return ("transformers reads this architecture only through its newer GGUF path (integrations.gguf), not "
+                "through the GGUF loader that dequantizes, which finetuner trains from.")
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     if architecture in GGUF_CONFIG_MAPPING:  # T5's: transformers reads it, as an encoder-decoder

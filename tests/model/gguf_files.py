@@ -75,6 +75,8 @@ def _header(out: Path, name: str, arch: str, cfg, tokenizer):
         v = c.get(hf_key) if isinstance(hf_key, str) else None
         if v is None and key == "attention.layer_norm_rms_epsilon":
             v = c.get("norm_eps")  # LFM2's name for it
+        if v is None and key == "rope.freq_base":
+            v = (c.get("rope_parameters") or {}).get("rope_theta")  # transformers 5 keeps it there
         if v is None and isinstance(hf_key, str):
             try:
                 v = getattr(cfg, hf_key, None)
@@ -93,7 +95,10 @@ def _header(out: Path, name: str, arch: str, cfg, tokenizer):
             w.add_float32(f"{name}.{key}", v)
         elif isinstance(v, list) and all(isinstance(x, int) for x in v):
             w.add_array(f"{name}.{key}", v)
-    vocab_from_tokenizer(tokenizer, len(tokenizer), "the tests' tokenizer").write(w, None)
+    vocab = vocab_from_tokenizer(tokenizer, len(tokenizer), "the tests' tokenizer")
+    if vocab.unk_id is None:  # Gemma's tokenizer builder wants one: the padding token (never produced by the BPE)
+        vocab.unk_id = vocab.pad_id
+    vocab.write(w, None)  # no chat template: the run trains with the one the plan states
     return w
 
 

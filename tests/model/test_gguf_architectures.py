@@ -1,0 +1,85 @@
+"""Every decoder architecture transformers' GGUF loader dequantizes (:func:`finetuner.model.gguf_base.architectures`,
+read from transformers' ``GGUF_CONFIG_MAPPING``), as a user meets it: a tiny GGUF file of the architecture
+(:mod:`tests.model.gguf_files`: transformers' own config and tensor mapping, written with the ``gguf`` package,
+2-D weights in Q8_0) is planned with ``finetuner plan --model FILE.gguf``, trained 2 LoRA steps with
+``finetuner run`` and its adapter loaded back by ``finetuner chat``; or it is refused in one line that quotes
+transformers' own words (its error, or its load report of the weights it leaves unloaded).
+
+The outcomes are those of the pinned transformers (constraints.txt): :data:`REFUSED` names the architectures it
+refuses and the words of its refusal; every other architecture of its list must train. A newer transformers that
+loads one of them (or adds one) fails this test until the table says so.
+
+The real GGUF of another family than SmolLM2's: no package in the package lists ships one small enough (tens of MB
+at most) and licensed for redistribution; see :mod:`tests.model.test_smollm2_real` for the real file that is
+tested (SmolLM2-135M-Instruct, a Llama)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetuner.model import gguf_base
+from tests.conftest import REPO, cli_in_process
+
+#: the architectures the pinned transformers refuses, and the words of its refusal that finetuner's one line quotes
+REFUSED = {
+    # llama.cpp writes Mistral as ``llama``; transformers reads a file named "mistral" as Mistral, then its weight map
+    # asks gguf for a ``mistral`` architecture gguf does not have
+    "mistral": "Unknown gguf model_type: mistral in gguf-py",
+    # DeciLM: transformers maps its GGUF keys but has no model class of that type
+    "deci": "does not recognize this architecture",
+    # transformers' gpt-oss tensor processor expects per-projection expert tensors llama.cpp does not write: the
+    # experts stay randomly initialized (its load report: missing)
+    "gpt_oss": "its load report: missing model.layers.0.mlp.experts",
+    # Gemma 4's per-layer scale is written ``layer_output_scale.weight``; transformers' map has it without the suffix
+    "gemma4": "its load report: missing model.layers.0.layer_scalar",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from finetuner.model.tiny_llama import train_bpe_tokenizer
+    from tests.conftest import corpus
+
+    return train_bpe_tokenizer(corpus(), vocab_size=400)
+
+
+def test_the_table_covers_transformers_list():
+    assert set(REFUSED) <= set(gguf_base.architectures())
+    assert {"llama", "gemma3", "qwen2_moe", "gpt2", "mamba"} <= set(gguf_base.architectures()) - set(REFUSED)
+
+
+@pytest.mark.parametrize("arch", gguf_base.architectures())
+def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, tokenizer, tmp_path, monkeypatch):
+    from tests.model.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
+    base = write_tiny_gguf(arch, tokenizer, tmp_path / f"tiny-{arch}.Q8_0.gguf")
+    recipe = tmp_path / "recipe.yaml"
+    plan = cli_in_process("plan", "--model", str(base), "--gpu", "cpu", "--data", str(REPO / "data" / "chat_sample.jsonl"),
+                          "-o", str(recipe), cwd=tmp_path)
+    steps = [plan]
+    if plan.returncode == 0:
+        assert "dequantized from 8-bit Q8_0" in " ".join(plan.stdout.split()), plan.stdout
+        steps.append(cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), "--set", "training.max_steps=2",
+                                    "--set", "training.eval_every=2", "--set", "data.max_seq_len=256",
+                                    "--set", "training.micro_batch_size=1", "--set", "training.gradient_accumulation=1",
+                                    cwd=tmp_path))
+    if arch in REFUSED:
+        failed = steps[-1]
+        assert failed.returncode != 0, f"{arch}: transformers now loads it; update REFUSED\n{failed.stdout}"
+        err = " ".join(failed.stderr.split())
+        assert REFUSED[arch] in err and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+        assert len([line for line in failed.stderr.splitlines() if line.startswith("error")]) == 1, failed.stderr
+        return
+    run = steps[-1]
+    assert run.returncode == 0, f"{arch}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    assert yaml.safe_load(recipe.read_text(encoding="utf-8"))["model"]["name"] == str(base)
+    adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
+    assert adapter["base_model_name_or_path"] == str(base)
+    chat = cli_in_process("chat", str(tmp_path / "run"), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "2")
+    assert chat.returncode == 0, f"{arch}: {chat.stderr[-3000:]}"
+    assert Path(tmp_path / "run" / "adapter").is_dir()
