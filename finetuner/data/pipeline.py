@@ -32,22 +32,15 @@ import finetuner.phases as phases
 from finetuner.data.split import held_out_checked, pack_bins
 from finetuner.data.formats import IGNORE_INDEX, FileExamples, RowError
 from finetuner.data.images import encode_pictured
-from finetuner.data import thinking, tools
+from finetuner.data import template_choice, thinking, tools
 from finetuner.data.textcut import char_budget, head, head_messages
 from finetuner.errors import UserError, interruption
 from finetuner.config.sections import DataSection
 
 log = logging.getLogger(__name__)
 
-#: Used when neither the recipe nor the tokenizer has a chat template. Turns end with the
-#: tokenizer's EOS token so the model learns to stop and generation stops there.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+# the fallback template lives with the one decision that picks it (finetuner.data.template_choice)
+FALLBACK_CHAT_TEMPLATE = template_choice.FALLBACK_CHAT_TEMPLATE
 
 
 @dataclass
@@ -143,12 +136,11 @@ def raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> No
 
 # --------------------------------------------------------------------------- tokenizing
 def chat_template_for(tokenizer: Any, cfg: DataSection) -> str:
-    if cfg.chat_template:
-        return cfg.chat_template
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.chat_template
-    log.warning("The tokenizer has no chat template; using finetuner's fallback template.")
-    return FALLBACK_CHAT_TEMPLATE
+    """The template training renders with: :func:`finetuner.data.template_choice.for_tokenizer`."""
+    choice = template_choice.for_tokenizer(cfg.chat_template, tokenizer)
+    if choice.source == "fallback":
+        log.warning("Chat template: %s.", choice.why)
+    return choice.template
 
 
 def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: bool, **switches: Any) -> str:

@@ -80,8 +80,17 @@ MISTRAL = """{{- range $i, $m := .Messages }}
 {{- end }}
 {{- end }}"""
 
+#: finetuner's fallback template (:data:`finetuner.data.template_choice.FALLBACK_CHAT_TEMPLATE`, a base model's run
+#: without a chat template of its own) in Ollama's words; the end-of-sequence token is written in for :data:`EOS`
+EOS = "\x00eos\x00"
+PLAIN = """{{- range .Messages }}<|{{ .Role }}|>
+{{ .Content }}{{ if eq .Role "assistant" }}""" + EOS + """{{ end }}
+{{ end }}<|assistant|>
+"""
+
 #: family → (marker in the Jinja template, Ollama template, stop tokens)
 FAMILIES = {
+    "finetuner-plain": ("{{ '<|' + message['role'] + '|>\n' + message['content'] }}", PLAIN, ["<|user|>"]),
     "chatml": ("<|im_start|>", CHATML, ["<|im_start|>", "<|im_end|>"]),
     "llama3": ("<|start_header_id|>", LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
     "mistral": ("[INST]", MISTRAL, ["[INST]", "[/INST]", "</s>"]),
@@ -89,13 +98,13 @@ FAMILIES = {
 
 
 def template_family(chat_template: str) -> str:
-    """``chatml``, ``llama3`` or ``mistral``; a UserError for any other template."""
+    """``finetuner-plain`` (finetuner's fallback), ``chatml``, ``llama3`` or ``mistral``; a UserError for any other."""
     for family, (marker, _, _) in FAMILIES.items():
         if marker in chat_template:
             return family
     raise UserError(
-        "The model's chat template is not ChatML, Llama 3 or Mistral, the families whose Ollama template finetuner "
-        "writes; no Modelfile was written.",
+        "The model's chat template is not ChatML, Llama 3, Mistral or finetuner's plain fallback, the templates whose "
+        "Ollama template finetuner writes; no Modelfile was written.",
         hint="Export with --format gguf (llama.cpp and LM Studio read the Jinja template stored in the file), or set "
              "data.chat_template in the recipe to one of those families before training.",
     )
@@ -136,6 +145,7 @@ def modelfile(gguf_name: str, chat_template: str, system: str | None = None, eos
                             "chat template; finetuner writes that format's Ollama template for ChatML only.",
                             hint="Export with --format gguf (llama.cpp reads the Jinja template stored in the file).")
         template = CHATML_HERMES_TOOLS
+    template = template.replace(EOS, eos_token or "")
     stops = list(stops)
     if eos_token and eos_token not in stops:
         stops.append(eos_token)

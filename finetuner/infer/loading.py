@@ -199,12 +199,11 @@ def load_tokenizer(src: Source):
 
 
 def chat_template(src: Source, tokenizer) -> str:
-    """The template the run trained with (saved with the adapter), the recipe's, the tokenizer's, or the fallback."""
-    from finetuner.data.pipeline import FALLBACK_CHAT_TEMPLATE
+    """The template the run trained with (the recipe's, or the one saved with the adapter), the tokenizer's, or the
+    fallback: the decision training made (:func:`finetuner.data.template_choice.for_tokenizer`)."""
+    from finetuner.data.template_choice import for_tokenizer
 
-    if src.recipe is not None and src.recipe.data.chat_template:
-        return src.recipe.data.chat_template
-    return getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+    return for_tokenizer(src.recipe.data.chat_template if src.recipe is not None else None, tokenizer).template
 
 
 def system_prompt(src: Source) -> str | None:

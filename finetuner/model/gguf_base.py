@@ -305,6 +305,7 @@ class GGUFInfo:
     quant_type: str  # the file's type, e.g. Q4_1, Q4_K_M, Q8_0, F16
     bits: float
     tensor_types: dict[str, float] = field(default_factory=dict)  # share of weights per GGML type
+    chat_template: str | None = field(default=None, compare=False, repr=False)  # tokenizer.chat_template
 
     @property
     def quantized(self) -> bool:
@@ -487,7 +488,9 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
             quant = None
     quant = quant or (next(iter(shares)) if shares else "F32")
 
-    return GGUFInfo(Path(path), arch, transformers_name(arch), quant, bits_of(quant), shares)
+    template = value("tokenizer.chat_template")
+    return GGUFInfo(Path(path), arch, transformers_name(arch), quant, bits_of(quant), shares,
+                    template if isinstance(template, str) and template else None)
 
 
 def config_of(path: str | Path) -> dict[str, Any]:

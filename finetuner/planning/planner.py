@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu
+from finetuner.data import template_choice
 from finetuner.model.gguf_base import info_for
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
 from finetuner.objectives.specs import first_for_kind, spec_of
@@ -443,6 +444,10 @@ def plan_recipe(
     gguf = info_for(recipe.model.name)
     if gguf is not None:
         out.notes.append(gguf.note())
+    template = template_choice.for_model(recipe.model.name, recipe.data.chat_template)
+    if template is not None and template.source == "fallback":  # a base model without one: said before it trains
+        out.notes.append(f"Chat template: {template.why}; the run's samples, chat, merge, GGUF export and the Ollama "
+                         "Modelfile use the same one.")
     if not fitting:
         if not ranked:
             raise UserError(f"No option divides the effective batch ({eff}) evenly among {gpus} GPUs.",

@@ -378,8 +378,11 @@ def test_modelfile_for_llama3_template_and_refusal_of_unknown_family():
     text = modelfile("model.gguf", llama3, system=None, eos_token="<|eot_id|>")
     assert "<|start_header_id|>{{ .Role }}<|end_header_id|>" in text and 'PARAMETER stop "<|eot_id|>"' in text
     assert text.count('PARAMETER stop "<|eot_id|>"') == 1 and "SYSTEM" not in text
-    with pytest.raises(UserError, match="not ChatML, Llama 3 or Mistral"):
-        modelfile("model.gguf", FALLBACK_CHAT_TEMPLATE)
+    with pytest.raises(UserError, match="not ChatML, Llama 3, Mistral or finetuner's plain fallback"):
+        modelfile("model.gguf", "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    plain = modelfile("model.gguf", FALLBACK_CHAT_TEMPLATE, eos_token="<|im_end|>")  # a base model's run without one
+    assert "(finetuner-plain chat template)" in plain and '{{ if eq .Role "assistant" }}<|im_end|>{{ end }}' in plain
+    assert 'PARAMETER stop "<|user|>"' in plain and 'PARAMETER stop "<|im_end|>"' in plain
 
 
 def test_an_image_text_to_text_gemma3_exports_its_language_model(tmp_path):

@@ -1,0 +1,120 @@
+"""Which chat template a run trains with, and why: one decision for training, the run's samples, the plan, chat,
+merge, GGUF export (its ``tokenizer.chat_template``) and the Ollama Modelfile.
+
+In order: the recipe's ``data.chat_template``; the tokenizer's own (a run's adapter folder keeps the one it
+trained with, so everything read from a run finds it there); else — a base model whose tokenizer has none —
+:data:`FALLBACK_CHAT_TEMPLATE`, finetuner's plain template, which the plan states before anything is trained.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: Used when neither the recipe nor the tokenizer has a chat template. Turns end with the
+#: tokenizer's EOS token so the model learns to stop and generation stops there.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+#: what the plan and the run call it
+FALLBACK_NAME = ("finetuner's plain template ('<|user|>' and '<|assistant|>' lines, each answer ended by the "
+                 "tokenizer's end-of-sequence token)")
+
+
+@dataclass(frozen=True)
+class TemplateChoice:
+    """The chat template and where it comes from: ``recipe``, ``tokenizer`` or ``fallback``."""
+
+    template: str
+    source: str
+
+    @property
+    def why(self) -> str:
+        """``no chat template in the tokenizer: finetuner's plain template (...)``, as the plan says it."""
+        if self.source == "recipe":
+            return "the recipe's data.chat_template"
+        if self.source == "tokenizer":
+            return "the tokenizer's own chat template"
+        return f"no chat template in the tokenizer: {FALLBACK_NAME}"
+
+
+def choose(recipe_template: str | None, tokenizer_template: Any) -> TemplateChoice:
+    """The one decision (see the module's docstring)."""
+    if recipe_template:
+        return TemplateChoice(recipe_template, "recipe")
+    if isinstance(tokenizer_template, str) and tokenizer_template and tokenizer_template != FALLBACK_CHAT_TEMPLATE:
+        return TemplateChoice(tokenizer_template, "tokenizer")
+    # none, or the fallback a run saved with its adapter (a run of a base model without one): the fallback
+    return TemplateChoice(FALLBACK_CHAT_TEMPLATE, "fallback")
+
+
+def for_tokenizer(recipe_template: str | None, tokenizer: Any) -> TemplateChoice:
+    """:func:`choose` for a loaded tokenizer (or processor)."""
+    return choose(recipe_template, getattr(tokenizer, "chat_template", None))
+
+
+def for_model(model: str, recipe_template: str | None = None) -> TemplateChoice | None:
+    """:func:`choose` for a model name before its tokenizer is loaded (the plan): the template a GGUF file's header,
+    a model folder's tokenizer files or the hub cache's copy of them hold; None when it cannot be told without a
+    download."""
+    if recipe_template:
+        return choose(recipe_template, None)
+    stored = _stored(model)
+    return None if stored is ... else choose(None, stored)
+
+
+_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def _stored(model: str) -> Any:
+    """The chat template stored with ``model`` (None: none), or ``...`` when its files are not here."""
+    from finetuner.fileio import exists, expand_user
+    from finetuner.model import gguf_base
+    from finetuner.model.shapes import preset_model
+
+    model = preset_model(model) or model
+    if gguf_base.is_gguf_name(model):
+        path = expand_user(model)
+        return gguf_base.read(path).chat_template if exists(path, "file") else ...
+    folder = expand_user(model)
+    if exists(folder, "dir"):
+        found = {name: folder / name for name in _FILES if exists(folder / name, "file")}
+        return _from_files(found) if found else ...
+    if "/" not in model:
+        return ...
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        return ...
+    found = {}
+    for name in _FILES:
+        try:
+            hit = try_to_load_from_cache(model, name)
+        except Exception:  # noqa: BLE001 - a name that is no repo id
+            return ...
+        if isinstance(hit, str):
+            found[name] = hit
+    return _from_files(found) if "tokenizer_config.json" in found else ...
+
+
+def _from_files(found: dict[str, Any]) -> Any:
+    """The chat template in a tokenizer's files (the ``.jinja`` file, ``chat_template.json``, or the key of
+    ``tokenizer_config.json``), None when none holds one; ``...`` when they cannot be read."""
+    from pathlib import Path
+
+    try:
+        if "chat_template.jinja" in found:
+            return Path(found["chat_template.jinja"]).read_text(encoding="utf-8") or None
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if name in found:
+                value = json.loads(Path(found[name]).read_text(encoding="utf-8")).get("chat_template")
+                if value:
+                    return value if isinstance(value, str) else json.dumps(value)
+    except (OSError, ValueError):
+        return ...
+    return None
