@@ -129,8 +129,10 @@ def write_tiny_gguf(arch: str, tokenizer, out: Path, seed: int = 0) -> Path:
     to_gguf: dict[str, list[str]] = {}
     as_type = "llama" if name == "llama" or cfg.model_type == "llama" else None  # Mistral, and deci's Llama
     for g, h in get_gguf_hf_weights_map(model, processor, model_type=as_type).items():
-        # the fused experts map without a suffix; llama.cpp's files name them ``blk.N.ffn_gate_exps.weight``
-        to_gguf.setdefault(h, []).append(g if g.endswith((".weight", ".bias")) else g + ".weight")
+        # the fused experts (and Gemma 4's layer scale) map without a suffix; llama.cpp's converter names them
+        # ``blk.N.ffn_gate_exps.weight`` (``layer_output_scale.weight``), Mamba's ``ssm_a``/``ssm_d`` stay bare
+        bare = not g.endswith((".weight", ".bias")) and ("_exps" in g or g.endswith("layer_output_scale"))
+        to_gguf.setdefault(h, []).append(g + ".weight" if bare else g)
 
     w = _header(out, name, arch, cfg, tokenizer)
 

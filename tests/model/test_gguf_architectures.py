@@ -78,7 +78,7 @@ def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, toke
         steps.append(cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), "--set", "training.max_steps=2",
                                     "--set", "training.eval_every=2", "--set", "data.max_seq_len=64",
                                     "--set", "training.micro_batch_size=1", "--set", "training.gradient_accumulation=1",
-                                    cwd=tmp_path))
+                                    "--set", "samples.prompts=[]", cwd=tmp_path))
     if arch in REFUSED:
         failed = steps[-1]
         assert failed.returncode != 0, f"{arch}: transformers now loads it; update REFUSED\n{failed.stdout}"
@@ -94,3 +94,24 @@ def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, toke
     chat = cli_in_process("chat", str(tmp_path / "run"), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "2")
     assert chat.returncode == 0, f"{arch}: {chat.stderr[-3000:]}"
     assert Path(tmp_path / "run" / "adapter").is_dir()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+def test_qlora_trains_on_a_dequantized_gguf_base(arch, tokenizer, rows, tmp_path, monkeypatch):
+    """QLoRA (bitsandbytes' 4-bit, which runs on the CPU too): the file's weights dequantized, then quantized to NF4."""
+    from tests.model.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
+    base = write_tiny_gguf(arch, tokenizer, tmp_path / f"tiny-{arch}.Q8_0.gguf")
+    recipe = tmp_path / "recipe.yaml"
+    plan = cli_in_process("plan", "--model", str(base), "--gpu", "cpu", "--data", str(rows), "-o", str(recipe), cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    run = cli_in_process("run", str(recipe), "-o", str(tmp_path / "run"), "--set", "method=qlora", "--set", "training.max_steps=2",
+                         "--set", "training.eval_every=2", "--set", "data.max_seq_len=64", "--set", "samples.prompts=[]",
+                         cwd=tmp_path)
+    assert run.returncode == 0, f"{arch}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    from finetuner.runs.events import read_events
+
+    start = next(e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "start")
+    assert start["method"] == "qlora" and start["gguf"]["quant_type"] == "Q8_0"
+    assert sum(e["event"] == "step" for e in read_events(tmp_path / "run" / "events.jsonl")) == 2
