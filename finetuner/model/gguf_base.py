@@ -209,6 +209,25 @@ def as_dequantized(model: Any, name: str) -> Any:
     return model
 
 
+def dequantize_first(name: str, model_class: Any, dtype: Any, **kwargs: Any) -> None:
+    """Before a 4-bit (QLoRA) load of the GGUF file ``name``: transformers does not quantize while it reads a GGUF file
+    ("You cannot combine Quantization and loading a model from a GGUF file"), so the file is dequantized first into
+    the conversion cache, whose folder the 4-bit load then reads (:func:`pretrained_args`). A model larger than
+    :data:`CACHE_MAX_BYTES` dequantized is not kept there: refused, in transformers' words."""
+    if not is_gguf_name(name):
+        return
+    where, extra = pretrained_args(name, "model", dtype)
+    if "gguf_file" not in extra:
+        return  # converted already
+    model = as_dequantized(model_class.from_pretrained(where, dtype=dtype, **extra, **kwargs), name)
+    del model
+    if "gguf_file" in pretrained_args(name, "model", dtype)[1]:
+        raise UserError(f"model.name: {name}: transformers does not quantize while it reads a GGUF file (\"You cannot "
+                        "combine Quantization and loading a model from a GGUF file\"), and the dequantized weights are "
+                        f"larger than the conversion cache keeps ({CACHE_MAX_BYTES / 2**30:g} GiB).",
+                        hint="Train it with method: lora, or save the dequantized model as a folder and give that folder.")
+
+
 def load_refused(error: BaseException, name: str, what: str = "model.name") -> UserError | None:
     """transformers' GGUF loader's own error on the GGUF file ``name`` as one line (None for any other name, or an
     error that is no refusal of the file: out of memory)."""

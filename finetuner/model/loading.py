@@ -327,6 +327,8 @@ def load_base_model(recipe: Recipe, rt: Runtime, place: str | None = None, pictu
     check_hub(m.name, "model.name")
     try:
         with quieted():
+            if quant is not None:  # a 4-bit load reads a GGUF base's dequantized folder (the conversion cache)
+                gguf_base.dequantize_first(m.name, model_class, kwargs["dtype"], trust_remote_code=m.trust_remote_code)
             where, extra = gguf_base.pretrained_args(m.name, "model", kwargs["dtype"])
             model = model_class.from_pretrained(where, **kwargs, **extra)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, ValueError, RuntimeError: see model_files_error
