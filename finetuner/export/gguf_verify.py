@@ -184,6 +184,14 @@ def check_logits(weights: Path, folder: Path, name: str, probe, arch: Arch, quan
             full = {int(i): c for i, c in read.pop("per_layer_config").items()}
             read["global_head_dim"] = next(c["head_dim"] for i, c in sorted(full.items()) if "head_dim" in c)
             extra = {"config": AutoConfig.for_model(**{**read, **extra})}
+        elif extra:  # set on the config transformers reads from the file: a key its class does not declare (Qwen3-MoE's
+            # head_dim) would otherwise go to the model's constructor
+            from transformers import AutoConfig
+
+            read = AutoConfig.from_pretrained(str(folder), gguf_file=name)
+            for key, value in extra.items():
+                setattr(read, key, value)
+            extra = {"config": read}
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32, **extra)
     got = _logits(model, probe)
     model = None

@@ -2,7 +2,9 @@
 read from transformers' ``GGUF_CONFIG_MAPPING``), as a user meets it: a tiny GGUF file of the architecture
 (:mod:`tests.model.gguf_files`: transformers' own config and tensor mapping, written with the ``gguf`` package,
 2-D weights in Q8_0) is planned with ``finetuner plan --model FILE.gguf``, trained 2 LoRA steps with
-``finetuner run`` and its adapter loaded back by ``finetuner chat``; or it is refused in one line that quotes
+``finetuner run``, its adapter loaded back by ``finetuner chat``, merged (``finetuner merge``) and exported to GGUF
+(``finetuner export``: written and checked, or refused in one line for an architecture finetuner's GGUF writer does
+not write); or it is refused in one line that quotes
 transformers' own words (its error, or its load report of the weights it leaves unloaded).
 
 The outcomes are those of the pinned transformers (constraints.txt): :data:`REFUSED` names the architectures it
@@ -93,7 +95,20 @@ def test_each_architecture_trains_or_is_refused_in_transformers_words(arch, toke
     assert adapter["base_model_name_or_path"] == str(base)
     chat = cli_in_process("chat", str(tmp_path / "run"), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "2")
     assert chat.returncode == 0, f"{arch}: {chat.stderr[-3000:]}"
-    assert Path(tmp_path / "run" / "adapter").is_dir()
+    merge = cli_in_process("merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), "--json")
+    assert merge.returncode == 0, f"{arch}: {merge.stderr[-3000:]}"
+    merged = json.loads(merge.stdout.strip().splitlines()[-1])
+    assert merged["max_abs_diff"] <= merged["tolerance"]
+    # GGUF export: written and checked by transformers' loader, or refused in one line (an architecture finetuner's
+    # GGUF writer does not write: finetuner.export.gguf_arch)
+    export = cli_in_process("export", str(tmp_path / "run"), "-o", str(tmp_path / "out.f16.gguf"), "--quant", "f16", "--json")
+    assert "Traceback" not in export.stderr, export.stderr[-3000:]
+    if export.returncode == 0:
+        result = json.loads(export.stdout.strip().splitlines()[-1])
+        assert result["top1_agreement"] == 1.0, result
+    else:
+        assert len([line for line in export.stderr.splitlines() if line.startswith("error")]) == 1, export.stderr
+        assert "GGUF" in export.stderr, export.stderr
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
