@@ -67,10 +67,7 @@ def _private(path: Path) -> None:
     try:
         os.mkdir(path, FOLDER_MODE)
     except FileExistsError:
-        pass
-    except OSError as e:
-        raise UserError(f"{path}: the cache folder cannot be made ({e.strerror}).",
-                        hint="Set FINETUNER_CACHE_DIR to a folder you can write.") from None
+        pass  # an OSError else (a read-only disk, a file in the way): the caller works without its cache, as before
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         why = exposure(st, "it is a link that", 0, "")
@@ -91,7 +88,8 @@ def _private(path: Path) -> None:
 
 def cache_folder(*parts: str) -> Path:
     """The cache folder ``<cache>/<parts...>`` (:func:`finetuner.fileio.cache_root`), each level made private
-    (0700) or checked to be (:func:`_private`) before the caller reads anything in it."""
+    (0700) or checked to be (:func:`_private`) before the caller reads anything in it: :class:`CacheRefused` when
+    one is not, ``OSError`` when one cannot be made (the caller then goes on without that cache)."""
     root = cache_root()
     root.parent.mkdir(parents=True, exist_ok=True)
     folder = root

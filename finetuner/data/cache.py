@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.cachedir import FILE_MODE, EntryRejected, cache_folder, read_json_entry, write_json_entry
-from finetuner.fileio import file_digest
+from finetuner.fileio import cache_root, file_digest
 from finetuner.quiet import quieted
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,10 @@ def load(key: str, profile_rows: Callable[[], int] | None = None):
     """``(train, val, stats_dict)`` from the cache, ``None`` on a miss, or the reason in words (a ``str``) when an
     entry was there but failed its checks (:func:`_checked`; ``profile_rows``: the rows the data files have now):
     it is removed, so that :func:`store` writes it again."""
-    folder = cache_dir(key)
+    try:
+        folder = cache_dir(key)
+    except OSError:  # no cache folder can be made: a miss (store warns)
+        return None
     if not os.path.lexists(folder):
         return None
     try:
@@ -218,9 +221,9 @@ def relocate(stats: Any, cfg: Any) -> None:
 def store(key: str, train, val, stats: dict[str, Any]) -> Path | None:
     """Write an entry atomically (a private temporary folder renamed into place, its files 0600, its ``meta.json``
     listing them: :func:`load`'s checks); failures only warn."""
-    folder = cache_dir(key)
-    tmp = None
+    folder, tmp = cache_root() / "tokenized" / key, None
     try:
+        folder = cache_dir(key)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{key}.", suffix=".tmp"))  # mode 0700
         with quieted():  # no "Saving the dataset" bars in the Python API
             train.save_to_disk(str(tmp / "train"))

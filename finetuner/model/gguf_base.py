@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +70,7 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     (``dtype``: the weights' torch dtype; None for the tokenizer); None when the file is gone."""
     import hashlib
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
 
     try:
         path = expand_user(name).resolve()
@@ -79,7 +80,10 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     import transformers
 
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    try:
+        folder = cache_folder("gguf", hashlib.sha256(key.encode()).hexdigest()[:24])
+    except OSError:  # no cache folder can be made: converted on every load
+        return None
     return folder / (part if part == "tokenizer" else f"model-{str(dtype).removeprefix('torch.')}")
 
 
@@ -90,15 +94,15 @@ def converted(name: str) -> bool:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
 
     try:
         path = expand_user(name).resolve()
         st = path.stat()
         key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
+        folder = cache_folder("gguf", hashlib.sha256(key.encode()).hexdigest()[:24])
     except (OSError, PackageNotFoundError):
         return False
-    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
     return any(folder.glob("model-*"))
 
 
@@ -109,7 +113,7 @@ def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[
     if not is_gguf_name(name):
         return name, {}
     converted = _converted(name, part, dtype) if part == "tokenizer" or dtype is not None else None
-    if converted is not None and converted.is_dir():
+    if converted is not None and converted.is_dir() and not converted.is_symlink():
         return str(converted), {}
     from finetuner.quiet import quiet_gguf_loader
 
@@ -123,15 +127,15 @@ def _keep(folder: Path | None, save) -> None:
     import shutil
     import tempfile
 
+    from finetuner.cachedir import FILE_MODE
     from finetuner.fileio import publish_dir
 
-    if folder is None or folder.is_dir():
+    if folder is None or os.path.lexists(folder):
         return
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         save(staging)
-        publish_dir(staging, folder)
+        publish_dir(staging, folder, mode=FILE_MODE)  # a private cache folder (finetuner.cachedir), its files 0600
     except OSError:  # a full disk, a read-only cache, or another process published it first: load as before
         pass
     finally:
