@@ -247,3 +247,31 @@ def test_estimate_refuses_a_speed_folder_others_can_write_in_one_line(tmp_path, 
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.strip().splitlines()[0].startswith(f"error: {speed}: it is writable by group or others (mode 0777)")
     assert "Traceback" not in p.stderr
+
+
+#: the uses of cache_root() that open nothing: a path said in a message or shown (each read and write of these
+#: caches goes through cache_folder first)
+NAMING_ONLY = {
+    "finetuner/cachedir.py": "cache_folder itself",
+    "finetuner/model/fingerprint.py": "the warning when the memo cannot be written",
+    "finetuner/planning/calibrate.py": "place(): the folder `finetuner gpus` shows",
+    "finetuner/data/replay.py": "cache_path(): the file's name (read_cache and write_cache open the folder)",
+    "finetuner/data/cache.py": "store(): the entry's name for its warning when the folder cannot be made",
+}
+
+
+def test_every_cache_opens_its_folder_through_cachedir():
+    """No module reaches a cache folder but through finetuner.cachedir.cache_folder (private or refused): every other
+    call of cache_root() in finetuner, ui and scripts only names a path (NAMING_ONLY says where and why)."""
+    import ast
+
+    found = {}
+    for pkg in ("finetuner", "ui", "scripts"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            calls = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                     if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "cache_root"]
+            if calls and rel != "finetuner/fileio.py":
+                found[rel] = len(calls)
+    assert set(found) == set(NAMING_ONLY), found
+    assert all(n == 1 for n in found.values()), found
