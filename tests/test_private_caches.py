@@ -182,7 +182,7 @@ def test_a_planted_tokenized_entry_under_the_runs_key_is_never_trained_on(recipe
     # 3. the rebuilt entry is the run's own: the next run is a hit of 290 training rows
     p, run = _run(recipe_dict, tmp_path, big, "again")
     data = json.loads((run / "metrics.json").read_text())["data"]
-    assert (data["cache"], data["train_examples"]) == ("hit", 290)
+    assert (data["cache"], data["cache_note"], data["train_examples"]) == ("hit", None, 290)
 
 
 def test_an_entry_whose_files_changed_is_rebuilt(recipe_dict, tmp_path, cache):

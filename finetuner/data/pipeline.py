@@ -475,7 +475,7 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = N
         elif hit is not None:
             train, val, stats = hit
             stats = DataStats(**stats)
-            stats.cache = "hit"
+            stats.cache, stats.cache_note = "hit", None  # (an entry stored when it was rebuilt keeps that run's note)
             stats.prepare_s = round(time.perf_counter() - t0, 3)
             log.info("Tokenized data from the cache: %s", data_cache.cache_dir(key))
             return PreparedData(train, val, stats, template)
