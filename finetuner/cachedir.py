@@ -125,6 +125,26 @@ def read_entry(path: Path) -> bytes:
         return f.read()
 
 
+def tree_digests(folder: Path, skip: str) -> dict[str, dict[str, Any]]:
+    """Every file under the cache entry ``folder`` but ``skip`` (its list): relative path → size and SHA-256. A link
+    or anything but a regular file or folder in it: :class:`EntryRejected`."""
+    from finetuner.fileio import file_digest
+
+    out = {}
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(root) / name
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise EntryRejected(f"{path.relative_to(folder)} is a link or not a regular file")
+            rel = path.relative_to(folder).as_posix()
+            if rel != skip:
+                out[rel] = {"size": st.st_size, "sha256": file_digest(path)}
+    return dict(sorted(out.items()))
+
+
 def write_entry(path: Path, text: str) -> None:
     """Write the cache file ``path`` (mode 0600) via a temporary file in its folder and a rename."""
     atomic_write_text(path, text, mode=FILE_MODE)

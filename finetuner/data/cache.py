@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from finetuner.cachedir import FILE_MODE, EntryRejected, cache_folder, read_json_entry, write_json_entry
+from finetuner.cachedir import FILE_MODE, EntryRejected, cache_folder, read_json_entry, tree_digests, write_json_entry
 from finetuner.fileio import cache_root, file_digest
 from finetuner.quiet import quieted
 
@@ -118,21 +118,8 @@ def cache_dir(key: str) -> Path:
 
 
 def _files(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every file under ``folder`` but ``meta.json``: relative path → size and SHA-256. A link or anything but a
-    regular file or folder in it: :class:`~finetuner.cachedir.EntryRejected`."""
-    out = {}
-    for root, dirs, names in os.walk(folder):
-        for name in sorted(dirs + names):
-            path = Path(root) / name
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                raise EntryRejected(f"{path.relative_to(folder)} is a link or not a regular file")
-            rel = path.relative_to(folder).as_posix()
-            if rel != "meta.json":
-                out[rel] = {"size": st.st_size, "sha256": file_digest(path)}
-    return dict(sorted(out.items()))
+    """Every file of the entry ``folder`` but ``meta.json``, with its size and SHA-256 (no link in it)."""
+    return tree_digests(folder, "meta.json")
 
 
 def _checked(folder: Path, key: str, profile_rows: Callable[[], int] | None):
