@@ -204,3 +204,17 @@ def test_the_issues_case_as_a_user_runs_it(models, tmp_path):
         assert recipe_of(yaml.safe_load(out.read_text())) == recipe_of(want.recipe.to_dict())
         est = run_cli("estimate", str(out), "--gpu", "rtx4090", "--json", cwd=tmp_path)
         assert est.returncode == 0 and json.loads(est.stdout)["total_bytes"] == want.peak_bytes, est.stderr[-2000:]
+
+
+def test_the_clis_defaults_are_the_planners():
+    """What ``plan --help`` says the CLI defaults to is the planner's own default (``--margin`` unset leaves it to
+    :data:`~finetuner.planning.search.DEFAULT_MARGIN`, as the API and the UI do); ``--method`` and ``--objective`` say
+    auto, which the planner reads as the API's None (:func:`~finetuner.planning.search.asked_method`)."""
+    from finetuner.planning.plan_inputs import check_objective
+    from finetuner.planning.search import DEFAULT_MARGIN, asked_method
+
+    said = " ".join(cli_in_process("plan", "--help").stdout.split())
+    assert f"kept free (default {DEFAULT_MARGIN:g}: the planner's" in said
+    assert "--method METHOD auto (LoRA or QLoRA)" in said and "--objective OBJECTIVE auto" in said
+    assert asked_method("auto") is asked_method("") is asked_method(None) is None and asked_method("LoRA") == "lora"
+    assert check_objective("auto") is check_objective("") is check_objective(None) is None
