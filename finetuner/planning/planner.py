@@ -42,7 +42,7 @@ from finetuner.planning.plan_inputs import (DEFAULT_DATA, base_recipe, check_obj
 from finetuner.planning.plan_result import Plan
 from finetuner.planning.reasons import grpo_room, reasons_for, runners_up, what_would_fit, why_rejected
 from finetuner.planning.recipe_data import run_wait
-from finetuner.planning.search import DEFAULT_MARGIN, method_name, schema_accepts, search, with_strategy
+from finetuner.planning.search import DEFAULT_MARGIN, asked_method, method_name, schema_accepts, search, with_strategy
 from finetuner.planning.sizing import learning_rate, size_run
 from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
@@ -156,6 +156,7 @@ def plan(
 
     asked = {k: v for k, v in locals().items() if k != "Recipe"}  # the arguments, for plan_picture_size
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    method = asked_method(method)  # --method auto, the UI's auto and the API's None: one plan
     if seq_len is not None and seq_len < 16:
         raise UserError(f"{say(cli='--seq-len', ui='Sequence length')} {seq_len}: the sequence length must be at least 16 "
                         "(as data.max_seq_len).")
@@ -412,6 +413,7 @@ def plan_recipe(
     counts them from the data otherwise), and its :attr:`Plan.wait` the whole run's time when they are known.
     """
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    method = asked_method(method)  # every front's "auto" is None here, as every_method reads it
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     speed = speed or speed_for(prof)
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
