@@ -85,7 +85,8 @@ def _gib(x: float) -> int:
 #: - GeForce RTX 30 series (no fp8): the NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090 71, RTX 3080 59.5
 #:   TFLOP/s fp16 with fp32 accumulation; 936 and 760 GB/s); RTX 3080 12 GB: 70 SMs at its 1.71 GHz boost clock
 #:   (its product page) x 512 FLOP a clock an SM as on every GA10x GeForce, 61.3, and 912 GB/s; RTX 3060: 25.6, 360.
-#: - Data center: NVIDIA's data sheets: T4 65 fp16, 320 GB/s; A10G (AWS g5) as AWS describes it, 70, 600 GB/s;
+#: - Data center and workstation: NVIDIA's data sheets: T4 65 fp16, 320 GB/s; V100 125 fp16, 900 GB/s; RTX A6000 155
+#:   bf16 (309.7 sparse), 768 GB/s; A10G (AWS g5) as AWS describes it, 70, 600 GB/s;
 #:   L4 121 bf16 / 242.5 fp8 (242 / 485 sparse), 300 GB/s; L40S 362 / 733 (733 / 1466 sparse), 864 GB/s; A100 312
 #:   bf16, 1555 GB/s (40 GB) and 2039 GB/s (80 GB SXM); H100 SXM 989 / 1979 (1979 / 3958 sparse), 3350 GB/s; H200
 #:   989 / 1979, 4800 GB/s, 141 GB.
