@@ -194,7 +194,8 @@ def detect() -> GpuProfile | None:
         return None
     card, total = dev.name(0), dev.total_memory(0)
     known = profile_for_device_name(card, total)
-    base = known or GpuProfile(dev.CUDA, card, total, tflops=150, bandwidth_gbs=1000)
+    # a card no profile names is timed as the representative card of its memory, which the speed source names
+    base = known or replace(representative(total / GiB), name=dev.CUDA, speed_of=representative(total / GiB).name)
     from finetuner.model import kernels
 
     # what runs on this card with what is installed here: the one answer the planner (Device.of) and
