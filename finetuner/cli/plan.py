@@ -547,12 +547,19 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title="GPU profiles (--gpu NAME, or a size such as --gpu 24GB)", title_justify="left")
-    for col in ("name", "memory GiB", "bf16", "bf16 TFLOP/s", "description"):
-        t.add_column(col, justify="right" if col in ("memory GiB", "bf16 TFLOP/s") else "left")
+    numbers = ("memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "GB/s")
+    for col in ("name", "memory GiB", "bf16", "bf16 TFLOP/s", "fp8 TFLOP/s", "GB/s", "description"):
+        t.add_column(col, justify="right" if col in numbers else "left")
     for p in profiles:
-        t.add_row(p.name, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no", f"{p.tflops:g}", p.description)
+        t.add_row(p.name, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no", f"{p.tflops:g}",
+                  f"{p.fp8_tflops:g}" if p.fp8_tflops else "-", f"{p.bandwidth_gbs:g}", p.description)
     con = Console()
     con.print(t)
+    from finetuner.config.hardware import REPRESENTATIVE
+
+    sizes = ", ".join(f"{g} GB {name}" for g, name in REPRESENTATIVE.items())
+    con.print(f"A bare size (--gpu 12GB) is timed as the card of the nearest size, which its plan names: {sizes}.",
+              highlight=False)
     if detected:
         con.print(f"Detected: {detected.description}, {detected.memory_gib:.1f} GiB → profile '{detected.name}'")
     elif not args.no_detect:
