@@ -265,14 +265,18 @@ def estimate(
 
 # ====================================================================== recipes
 def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_type: str | None = None,
-                         runtime: Runtime | None = None, **overrides: Any) -> Settings:
+                         runtime: Runtime | None = None, shape: ModelShape | None = None, **overrides: Any) -> Settings:
     """The memory model's view of a resolved recipe on ``gpu``.
 
     The device-dependent choices (dtypes, attention, loss path) are the trainer's own: ``runtime``
     when the caller has one (a run), else :func:`finetuner.config.runtime.resolve` for ``gpu`` (``None``:
-    an unnamed bf16 CUDA card) and the base model's ``model_type`` (for Liger's support).
+    an unnamed bf16 CUDA card) and the base model's ``model_type`` (for Liger's support). A
+    ``training.loss_chunk_size: auto`` is the trainer's too (:func:`finetuner.losses.chunk.loss_chunk_of`),
+    on ``shape`` (read from the recipe's model when not given).
     """
     from finetuner.config.runtime import Device, resolve
+    from finetuner.losses.chunk import loss_chunk_of
+    from finetuner.model.shapes import resolve_shape
 
     if recipe.auto_keys():
         raise UserError(
@@ -300,7 +304,8 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         attention_mask=recipe.data.packing or t.micro_batch_size > 1,
         platform=CUDA if rt.is_cuda else CPU,
         activation_offload=t.offload_activations,
-        loss_chunk=t.loss_chunk_size,
+        loss_chunk=t.loss_chunk_size if t.loss_chunk_size != "auto" else
+        loss_chunk_of("auto", shape or resolve_shape(recipe.model.name, recipe.model.revision)),
         tiled_mlp=rt.tiled_mlp,
         fused_ce=rt.loss_path == "liger_fused_linear_ce" and spec.fused_loss,
         objective=recipe.objective,
