@@ -16,7 +16,7 @@ whatever the chunk (tested against the unchunked cross-entropy, loss and gradien
 ``tests/losses/test_loss_chunk.py``); a smaller chunk only adds launches (8 operations a chunk in the speed model,
 ``finetuner.planning.speed.OPS_PER_LOSS_CHUNK``). Pure arithmetic, no torch: the memory model, the planner and the
 trainer call the same function on the same :class:`~finetuner.model.shapes.ModelShape` figures, and the planner
-writes the number into the recipe it plans.
+writes the number into the recipe it plans (:func:`finetuner.memory.model.with_loss_chunk`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from finetuner.units import MiB
 
 if TYPE_CHECKING:  # pragma: no cover
-    from finetuner.config.recipe import Recipe
     from finetuner.model.shapes import ModelShape
 
 #: the bytes one chunk's backward may hold (see the module doc)
@@ -60,31 +59,3 @@ def loss_chunk_of(value: int | str, shape: ModelShape) -> int:
         return auto_loss_chunk(shape.vocab_size, bool(shape.final_logit_softcapping))
     return int(value)
 
-
-def with_loss_chunk(recipe: Recipe, shape: ModelShape) -> Recipe:
-    """``recipe`` with ``training.loss_chunk_size: auto`` replaced by its number for ``shape`` (the recipe itself
-    when it names one), so that the plan's recipe, the memory model and the trainer's loss read the same chunk."""
-    t = recipe.training
-    if t.loss_chunk_size != "auto":
-        return recipe
-    return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": loss_chunk_of("auto", shape)})})
-
-
-def with_run_loss_chunk(recipe: Recipe, model=None) -> Recipe:
-    """The trainer's :func:`with_loss_chunk`: on the shape the planner reads of the recipe's model
-    (:func:`finetuner.model.shapes.resolve_shape`), or, for a model it cannot read, on the loaded ``model``'s
-    own text config (its vocabulary and soft-capping, the same two figures)."""
-    if recipe.training.loss_chunk_size != "auto":
-        return recipe
-    from finetuner.errors import UserError
-    from finetuner.model.shapes import resolve_shape
-
-    try:
-        return with_loss_chunk(recipe, resolve_shape(recipe.model.name, recipe.model.revision))
-    except (UserError, OSError, ValueError, KeyError):
-        if model is None:
-            raise
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    chunk = auto_loss_chunk(int(cfg.vocab_size), bool(getattr(cfg, "final_logit_softcapping", None)))
-    t = recipe.training
-    return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": chunk})})

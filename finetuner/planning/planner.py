@@ -32,7 +32,8 @@ from finetuner.errors import UserError
 from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.model.gguf_base import info_for
-from finetuner.losses.chunk import loss_chunk_of, with_loss_chunk
+from finetuner.losses.chunk import loss_chunk_of
+from finetuner.memory.model import with_loss_chunk
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
 from finetuner.objectives.specs import first_for_kind, spec_of
 from finetuner.planning.calibrate import speed_for

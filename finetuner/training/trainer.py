@@ -64,7 +64,7 @@ from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime, resolve_runtime
-from finetuner.losses.chunk import with_run_loss_chunk
+from finetuner.memory.model import with_run_loss_chunk
 from finetuner.training.result import TrainResult
 from finetuner.training.step_rate import StepRate
 from finetuner.steps import optimizer_steps

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from finetuner.losses.chunk import (CHUNK_STEP, LOSS_CHUNK_BUDGET_BYTES, MAX_AUTO_CHUNK, auto_loss_chunk,
-                                    chunk_bytes_per_token, loss_chunk_of, with_loss_chunk, with_run_loss_chunk)
+                                    chunk_bytes_per_token, loss_chunk_of)
+from finetuner.memory.model import with_loss_chunk, with_run_loss_chunk
 
 #: the vocabularies of the presets people plan most, and the chunk ``auto`` takes for them
 VOCABULARIES = {
@@ -118,3 +119,19 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_cross_entropy(chunk):
     assert grads.keys() == ref_grads.keys()
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_run_trains_with_the_chunk_its_memory_prediction_took(tiny_model_dir, tmp_path):
+    """Two LoRA steps with ``loss_chunk_size: auto``: the ``start`` event says the chunk the loss ran with, and the
+    run's own memory prediction (in the same event) was made for that chunk: auto's for the model's vocabulary."""
+    import json
+
+    from finetuner.model.shapes import resolve_shape
+    from tests.conftest import two_lora_steps
+
+    result = two_lora_steps(tiny_model_dir, tmp_path)
+    events = [json.loads(line) for line in (result.run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    want = loss_chunk_of("auto", resolve_shape(str(tiny_model_dir)))
+    assert start["loss_chunk_size"] == want == auto_loss_chunk(resolve_shape(str(tiny_model_dir)).vocab_size)
+    assert start["predicted"]["settings"]["loss_chunk"] == want
