@@ -72,10 +72,10 @@ def private_temp_dir(prefix: str, owner: object | None = None) -> Path:
     return path
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: a new file
     made with ``O_CREAT | O_EXCL`` (:func:`tempfile.mkstemp`), so a symbolic link already at
-    ``path`` is replaced, never followed."""
+    ``path`` is replaced, never followed. Its mode: ``mode``, else the umask's (:func:`file_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -83,7 +83,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fchmod(f.fileno(), file_mode())  # mkstemp makes it 0600; a file written in place gets the umask's mode
+            os.fchmod(f.fileno(), file_mode() if mode is None else mode)  # mkstemp makes it 0600; a file written in place gets the umask's mode
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -103,11 +103,11 @@ def file_mode() -> int:
     return 0o666 & ~mask
 
 
-def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written ``tmp_dir`` to ``final_dir`` in one rename (same filesystem). Its files get the
-    umask's mode (:func:`file_mode`): libraries write some of them 0600 through temporary files of their own
+def publish_dir(tmp_dir: Path, final_dir: Path, mode: int | None = None) -> None:
+    """Move a fully written ``tmp_dir`` to ``final_dir`` in one rename (same filesystem). Its files get ``mode``,
+    else the umask's (:func:`file_mode`): libraries write some of them 0600 through temporary files of their own
     (transformers' and peft's ``*.safetensors``), the others of the folder 0644."""
-    mode = file_mode()
+    mode = file_mode() if mode is None else mode
     for root, _dirs, files in os.walk(tmp_dir):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:

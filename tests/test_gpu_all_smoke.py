@@ -254,3 +254,27 @@ def test_collect_merges_a_device_calls_files(tmp_path):
     (src / "validate_smoke-dpo.json").write_text("{}")
     with pytest.raises(SystemExit, match="smoke"):
         gpu_all.collect(src, dest)
+
+
+def test_without_work_and_cache_folders_gpu_all_makes_private_ones_of_fresh_names(monkeypatch):
+    """Issue 66: the device command used fixed names (``FINETUNER_CACHE_DIR=/tmp/ftcache``, ``--work /tmp/gpu_all``)
+    that another user of the machine could make first and fill. Now each call makes its own with ``mkdtemp``: mode
+    0700, a fresh name, this user's; the commands in its docstring and docs/benchmarks.md name no fixed /tmp folder."""
+    import stat
+    import tempfile
+
+    monkeypatch.delenv("FINETUNER_CACHE_DIR", raising=False)
+    work, cache = gpu_all.private_dirs()
+    monkeypatch.delenv("FINETUNER_CACHE_DIR", raising=False)
+    work2, cache2 = gpu_all.private_dirs()
+    assert len({work, cache, work2, cache2}) == 4
+    for d in (work, cache, work2, cache2):
+        st = os.lstat(d)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert d.parent == Path(tempfile.gettempdir())
+    assert os.environ["FINETUNER_CACHE_DIR"] == str(cache2)
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", "/somewhere/of/mine")
+    assert gpu_all.private_dirs()[1] == Path("/somewhere/of/mine")  # a cache folder the user names is kept
+    bench = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    for text in (gpu_all.__doc__, bench):
+        assert "/tmp/ftcache" not in text and "/tmp/gpu_all" not in text and "--target /tmp/" not in text

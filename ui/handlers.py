@@ -367,8 +367,8 @@ class Handlers(TrainHandlers, ChatHandlers, ExportHandlers):
             seq_len=int(seq_len) if seq_len else None,
             data=self.data_path(data_file),
             effective_batch=int(eff_batch) if eff_batch else None,  # empty: the planner sizes it to the data
-            method=None if method in (None, "", "auto") else method,
-            objective=None if objective in (None, "", "auto") else objective,
+            method=method,  # "auto" as --method auto: the planner reads every front's the same (asked_method)
+            objective=objective,
             runs_dir=self.runs,
             columns=picked_columns(picked),
             grpo=grpo,

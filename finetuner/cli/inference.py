@@ -301,20 +301,43 @@ def _line_editing():
         import readline
     except ImportError:
         return None
-    from finetuner.fileio import cache_root
+    import os
+    import stat
+    import tempfile
 
-    path = cache_root() / HISTORY_FILE
+    from finetuner.cachedir import FILE_MODE, cache_folder
+
     try:
-        readline.read_history_file(path)
-    except OSError:  # no history yet, or unreadable: start without
-        pass
+        folder = cache_folder()  # private to this user, or refused before anything is read (finetuner.cachedir)
+    except OSError as e:
+        _err(f"note: no chat history this time: the cache folder cannot be made ({e.strerror or e}).")
+        return None
+    path = folder / HISTORY_FILE
+    try:
+        st = os.lstat(path)
+    except OSError:  # no history yet: start without
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _err(f"note: {path} is a link or not a file: it is not read, and is replaced by the history of this session.")
+    elif st is not None:
+        try:  # a regular file in a folder only this user can write: nothing can put a link there in between
+            readline.read_history_file(path)
+        except OSError:  # unreadable: start without
+            pass
     readline.set_history_length(HISTORY_LINES)
 
     def save() -> None:
+        """Written to a new file in the folder, then renamed over the name: a link there is replaced, never followed."""
+        tmp = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            readline.write_history_file(path)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{HISTORY_FILE}.", suffix=".tmp")  # mode 0600
+            os.close(fd)
+            readline.write_history_file(tmp)
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, path)
         except OSError as e:
+            if tmp is not None and os.path.lexists(tmp):
+                os.unlink(tmp)
             _err(f"note: could not save the chat history to {path} ({e}).")
 
     return save

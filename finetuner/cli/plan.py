@@ -68,7 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-memory", metavar="SIZE",
                    help="CPU memory of the machine running the --gpus processes, e.g. 64GB (GiB; default: this machine's "
                         "RAM): plans whose offloaded state needs more do not fit.")
-    p.add_argument("--margin", type=float, default=0.05, help="Fraction of the card kept free (default 0.05).")
+    p.add_argument("--margin", type=float, help="Fraction of the card kept free (default 0.05: the planner's, as "
+                                                  "finetuner.plan and the web UI keep).")
     p.add_argument("--price-per-hour", type=float, metavar="PRICE",
                    help="What an hour of the machine costs (all --gpus cards): the plan adds the whole run's cost (download, "
                         "load, replay, steps, evaluations, checkpoints, probe, samples) to its time.")
@@ -154,6 +155,12 @@ def parse_rewards(args: argparse.Namespace) -> dict[str, Any] | None:
     return {"rewards": rewards, **extra}
 
 
+def planner_margin(args: argparse.Namespace) -> dict[str, float]:
+    """``--margin`` for the planner when it is given; else nothing, so that the planner's own default
+    (:data:`~finetuner.planning.search.DEFAULT_MARGIN`) holds here as in the API and the web UI."""
+    return {} if args.margin is None else {"margin": args.margin}
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from finetuner.cli.progress import command_phases
     from finetuner.errors import UserError
@@ -170,7 +177,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with command_phases():  # measuring the data, and this machine's speed the first time: on stderr
         p = plan(
             args.model, args.gpu, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch,
-            epochs=args.epochs, method=args.method, margin=args.margin, name=args.name, gpus=args.gpus,
+            epochs=args.epochs, method=args.method, **planner_margin(args), name=args.name, gpus=args.gpus,
             columns=columns or None, objective=args.objective, cpu_memory=args.cpu_memory,
             price_per_hour=args.price_per_hour, grpo=parse_rewards(args), currency=args.currency,
             max_hours=args.max_hours,
@@ -216,7 +223,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise UserError("--compare-cards: give card names separated by commas, e.g. rtx4090,a100-80gb,h100.")
     rows = compare_cards(
         args.model, cards, seq_len=args.seq_len, data=args.data, effective_batch=args.effective_batch, method=args.method,
-        margin=args.margin, gpus=args.gpus, columns=parse_columns(args.columns, args.data) or None, objective=args.objective,
+        **planner_margin(args), gpus=args.gpus, columns=parse_columns(args.columns, args.data) or None, objective=args.objective,
         cpu_memory=args.cpu_memory, price_per_hour=args.price_per_hour, grpo=parse_rewards(args), currency=args.currency)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -263,7 +270,7 @@ def _cmd_longest(args: argparse.Namespace) -> int:
                         hint="Plan a recipe at that length afterwards with --seq-len.")
     if args.objective not in ("auto", DEFAULT_OBJECTIVE):
         raise UserError(f"--longest sizes supervised fine-tuning (objective sft), not --objective {args.objective}.")
-    r = longest_sequence(args.model, args.gpu, args.method, margin=args.margin)
+    r = longest_sequence(args.model, args.gpu, args.method, **planner_margin(args))
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))
         return 0 if r.fits else 1
@@ -540,12 +547,19 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title="GPU profiles (--gpu NAME, or a size such as --gpu 24GB)", title_justify="left")
-    for col in ("name", "memory GiB", "bf16", "bf16 TFLOP/s", "description"):
-        t.add_column(col, justify="right" if col in ("memory GiB", "bf16 TFLOP/s") else "left")
+    numbers = ("memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "GB/s")
+    for col in ("name", "memory GiB", "bf16", "bf16 TFLOP/s", "fp8 TFLOP/s", "GB/s", "description"):
+        t.add_column(col, justify="right" if col in numbers else "left")
     for p in profiles:
-        t.add_row(p.name, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no", f"{p.tflops:g}", p.description)
+        t.add_row(p.name, f"{p.memory_gib:.1f}", "yes" if p.bf16 else "no", f"{p.tflops:g}",
+                  f"{p.fp8_tflops:g}" if p.fp8_tflops else "-", f"{p.bandwidth_gbs:g}", p.description)
     con = Console()
     con.print(t)
+    from finetuner.config.hardware import REPRESENTATIVE
+
+    sizes = ", ".join(f"{g} GB {name}" for g, name in REPRESENTATIVE.items())
+    con.print(f"A bare size (--gpu 12GB) is timed as the card of the nearest size, which its plan names: {sizes}.",
+              highlight=False)
     if detected:
         con.print(f"Detected: {detected.description}, {detected.memory_gib:.1f} GiB → profile '{detected.name}'")
     elif not args.no_detect:

@@ -280,8 +280,13 @@ class TrainingSection(Section):
     offload_activations: bool | Auto = Field(
         False, description="Keep saved activations in CPU memory (with checkpointing: each layer's input)."
     )
-    loss_chunk_size: int = Field(
-        1024, ge=0, description="Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits."
+    loss_chunk_size: Annotated[int, Field(ge=0)] | Auto = Field(
+        "auto",
+        description=(
+            "Tokens per cross-entropy chunk (full logits are never held); 0 computes full logits. auto: from the "
+            "vocabulary, the most tokens (a multiple of 64, 64 to 1024) whose chunk's backward stays within 512 MiB "
+            "(finetuner.losses.chunk); the planner writes the number it predicted with."
+        ),
     )
     precision: Dtype = Field("auto", description="Autocast dtype for compute.")
     kernels: Literal["auto", "liger", "none"] = Field(

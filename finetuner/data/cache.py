@@ -14,7 +14,16 @@ everything that decides the tokens:
 
 Change any of these and the key changes: the cache is never stale, only missed. Hub data sets
 (no local file to hash) are not cached here. The cache folder is ``$FINETUNER_CACHE_DIR``, else
-``$XDG_CACHE_HOME/finetuner``, else ``~/.cache/finetuner``; delete it at any time.
+``$XDG_CACHE_HOME/finetuner``, else ``~/.cache/finetuner``; delete it at any time. It is private to this
+user (:func:`finetuner.cachedir.cache_folder`: made 0700, its files 0600, refused when others could write it).
+
+An entry is used only once it passes its checks (:func:`load`), else it is rebuilt and the run says why
+(``data.cache: rebuilt`` and ``data.cache_note`` in its statistics, and a warning): ``meta.json`` is a JSON
+entry of its key (:func:`finetuner.cachedir.write_json_entry`: the key and a SHA-256 of key and body) that
+lists the size and SHA-256 of every file of the entry; the files must match the list (no links, none
+missing or added), the data sets must hold the rows the statistics say, and the statistics must count the
+rows the data file has now (its profile: the rows read from ``data.path``). An entry copied from another key,
+edited or planted is never trained on.
 """
 
 from __future__ import annotations
@@ -22,12 +31,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
-import uuid
-from collections.abc import Sequence
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from finetuner.cachedir import FILE_MODE, EntryRejected, cache_folder, read_json_entry, tree_digests, write_json_entry
 from finetuner.fileio import cache_root, file_digest
 from finetuner.quiet import quieted
 
@@ -101,25 +113,72 @@ def cache_key(cfg: Any, tokenizer: Any, template: str, seed: int) -> str | None:
 
 
 def cache_dir(key: str) -> Path:
-    return cache_root() / "tokenized" / key
+    """The folder of ``key``'s entry (its private parent made or checked: :func:`finetuner.cachedir.cache_folder`)."""
+    return cache_folder("tokenized") / key
 
 
-def load(key: str):
-    """``(train, val, stats_dict)`` from the cache, or None on a miss (or an unreadable entry)."""
+def _files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file of the entry ``folder`` but ``meta.json``, with its size and SHA-256 (no link in it)."""
+    return tree_digests(folder, "meta.json")
+
+
+def _checked(folder: Path, key: str, profile_rows: Callable[[], int] | None):
+    """``(train, val, stats_dict)`` of the entry in ``folder`` once it passes every check; else EntryRejected."""
     import datasets
 
-    folder = cache_dir(key)
-    meta = folder / "meta.json"
-    if not meta.is_file():
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise EntryRejected("it is a link or not a folder")
+    try:
+        info = read_json_entry(folder / "meta.json", key)
+    except FileNotFoundError:
+        raise EntryRejected("it has no meta.json") from None
+    if not isinstance(info, dict) or not isinstance(info.get("stats"), dict) or not isinstance(info.get("files"), dict):
+        raise EntryRejected("its meta.json is not one finetuner writes")
+    if _files(folder) != info["files"]:
+        raise EntryRejected("its files are not the ones its meta.json lists (changed, added or removed)")
+    stats = info["stats"]
+    try:
+        train = datasets.load_from_disk(str(folder / "train"))
+        val = datasets.load_from_disk(str(folder / "val")) if info.get("has_val") else None
+    except Exception as e:  # noqa: BLE001 - a damaged entry is rebuilt
+        raise EntryRejected(f"it cannot be read ({type(e).__name__}: {e})") from None
+    want_train = stats.get("packed_rows") if stats.get("packing") else stats.get("train_examples")
+    if len(train) != want_train:
+        raise EntryRejected(f"it holds {len(train)} training rows where its statistics say {want_train}")
+    if not stats.get("packing") and (len(val) if val is not None else 0) != stats.get("val_examples"):
+        raise EntryRejected(f"it holds {len(val) if val is not None else 0} held-out rows where its statistics say "
+                            f"{stats.get('val_examples')}")
+    if profile_rows is not None:
+        rows = profile_rows()
+        if stats.get("rows") != rows:
+            raise EntryRejected(f"it was made from {stats.get('rows')} rows where the data file has {rows}")
+    return train, val, stats
+
+
+def load(key: str, profile_rows: Callable[[], int] | None = None):
+    """``(train, val, stats_dict)`` from the cache, ``None`` on a miss, or the reason in words (a ``str``) when an
+    entry was there but failed its checks (:func:`_checked`; ``profile_rows``: the rows the data files have now):
+    it is removed, so that :func:`store` writes it again."""
+    try:
+        folder = cache_dir(key)
+    except OSError:  # no cache folder can be made: a miss (store warns)
+        return None
+    if not os.path.lexists(folder):
         return None
     try:
-        info = json.loads(meta.read_text())
-        train = datasets.load_from_disk(str(folder / "train"))
-        val = datasets.load_from_disk(str(folder / "val")) if info["has_val"] else None
-    except Exception as e:  # a damaged entry is a miss; it is rewritten
-        log.warning("Ignoring the unreadable tokenized-data cache %s (%s).", folder, e)
-        return None
-    return train, val, info["stats"]
+        return _checked(folder, key, profile_rows)
+    except EntryRejected as e:
+        why = str(e)
+    except OSError as e:
+        why = f"it cannot be read ({e.strerror or e})"
+    log.warning("The tokenized-data cache entry %s is not used (%s): the data are tokenized again and the entry "
+                "rebuilt.", folder, why)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        os.unlink(folder)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+    return why
 
 
 def relocate(stats: Any, cfg: Any) -> None:
@@ -147,23 +206,30 @@ def relocate(stats: Any, cfg: Any) -> None:
 
 
 def store(key: str, train, val, stats: dict[str, Any]) -> Path | None:
-    """Write an entry atomically (a temporary folder renamed into place); failures only warn."""
-    folder = cache_dir(key)
-    tmp = folder.with_name(f".{key}.{uuid.uuid4().hex[:8]}.tmp")
+    """Write an entry atomically (a private temporary folder renamed into place, its files 0600, its ``meta.json``
+    listing them: :func:`load`'s checks); failures only warn."""
+    folder, tmp = cache_root() / "tokenized" / key, None
     try:
-        tmp.mkdir(parents=True)
+        folder = cache_dir(key)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{key}.", suffix=".tmp"))  # mode 0700
         with quieted():  # no "Saving the dataset" bars in the Python API
             train.save_to_disk(str(tmp / "train"))
             if val is not None:
                 val.save_to_disk(str(tmp / "val"))
-        (tmp / "meta.json").write_text(json.dumps({"has_val": val is not None, "stats": stats}))
-        if folder.exists():  # another run stored the same key meanwhile
+        for root, dirs, names in os.walk(tmp):
+            for d in dirs:
+                os.chmod(os.path.join(root, d), 0o700)
+            for name in names:
+                os.chmod(os.path.join(root, name), FILE_MODE)
+        write_json_entry(tmp / "meta.json", key, {"has_val": val is not None, "stats": stats, "files": _files(tmp)})
+        if os.path.lexists(folder):  # another run stored the same key meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
             return folder
         tmp.rename(folder)
         return folder
     except BaseException as e:  # a full disk, or Ctrl-C: no half-written entry is left in the cache
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, OSError):
             raise
         log.warning("Could not write the tokenized-data cache to %s (%s); the next run tokenizes again.", folder, e)

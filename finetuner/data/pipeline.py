@@ -61,7 +61,8 @@ class DataStats:
     trained_tokens: int = 0
     packed_rows: int | None = None
     packing: bool | None = None
-    cache: str | None = None  # "hit", "miss" or None (not cached)
+    cache: str | None = None  # "hit", "miss", "rebuilt" (an entry failed its checks: cache_note says why) or None (not cached)
+    cache_note: str | None = None
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
     pictures: int = 0  # the training rows' pictures (an image-text-to-text model's data, finetuner.data.images)
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
@@ -458,21 +459,32 @@ def prepare_data(cfg: DataSection, tokenizer: Any, seed: int, processor: Any = N
         return prepared
     template = chat_template_for(tokenizer, cfg)
     key = data_cache.cache_key(cfg, tokenizer, template, seed) if cfg.cache else None
+    rebuilt = None
     if key is not None:
-        hit = data_cache.load(key)
-        if hit is not None:
+        hit = data_cache.load(key, lambda: _profile_rows(cfg))
+        if isinstance(hit, str):
+            rebuilt = hit
+        elif hit is not None:
             train, val, stats = hit
             stats = DataStats(**stats)
-            stats.cache = "hit"
+            stats.cache, stats.cache_note = "hit", None  # (an entry stored when it was rebuilt keeps that run's note)
             stats.prepare_s = round(time.perf_counter() - t0, 3)
             log.info("Tokenized data from the cache: %s", data_cache.cache_dir(key))
             return PreparedData(train, val, stats, template)
     prepared = _prepare_uncached(cfg, tokenizer, seed)
     if key is not None:
-        prepared.stats.cache = "miss"
+        prepared.stats.cache = "miss" if rebuilt is None else "rebuilt"
+        prepared.stats.cache_note = rebuilt
         data_cache.store(key, prepared.train, prepared.val, prepared.stats.to_dict())
     prepared.stats.prepare_s = round(time.perf_counter() - t0, 3)
     return prepared
+
+
+def _profile_rows(cfg: DataSection) -> int:
+    """The rows of ``data.path`` as the pipeline reads them now (its profile): what a cached entry must have been made of."""
+    stats = DataStats()
+    load_examples(cfg.path, cfg, stats)
+    return stats.rows
 
 
 def tool_use(examples: Sequence[dict[str, Any]], tokenizer: Any, template: str) -> dict[str, Any] | None:

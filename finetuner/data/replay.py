@@ -36,7 +36,8 @@ from typing import Any
 
 from finetuner.data.cache import tokenizer_fingerprint
 from finetuner.errors import UserError
-from finetuner.fileio import atomic_write_text, cache_root
+from finetuner.cachedir import EntryRejected, cache_folder, read_entry, write_entry
+from finetuner.fileio import cache_root
 from finetuner.model.fingerprint import Fingerprint, remembered_fingerprint, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ def write_cache(path: Path, base: BaseModel, prompts: list[str], answers: list[s
     body = json.dumps({"source": base.source, "model": base.state, "prompts": prompts,
                        "generation": generation_settings(), "answers": answers},
                       indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-    atomic_write_text(path, json.dumps({"format": CACHE_FORMAT, "sha256": _sha(body)}) + "\n" + body)
+    cache_folder("replay")  # private to this user, or refused (finetuner.cachedir)
+    write_entry(path, json.dumps({"format": CACHE_FORMAT, "sha256": _sha(body)}) + "\n" + body)
 
 
 def read_cache(path: Path, prompts: list[str]) -> dict[str, Any]:
@@ -164,9 +166,15 @@ def read_cache(path: Path, prompts: list[str]) -> dict[str, Any]:
     ``FileNotFoundError`` when there is none): its SHA-256 matches, and it holds one answer to each of
     ``prompts`` made as :func:`generation_settings` says."""
     try:
-        raw = path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):  # none cached (or no cache folder to hold one)
+        cache_folder("replay")  # private to this user, or refused before anything is read (finetuner.cachedir)
+    except OSError:  # no cache folder can be made: none cached
         raise FileNotFoundError(path) from None
+    try:
+        raw = read_entry(path)  # not through a link, and only a regular file of this user's
+    except FileNotFoundError:  # none cached
+        raise FileNotFoundError(path) from None
+    except EntryRejected as e:
+        raise CacheDamaged(str(e)) from None
     except OSError as e:
         raise CacheDamaged(f"it cannot be read ({e.strerror or e})") from None
     head, _, body = raw.partition(b"\n")

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from finetuner.device import CPU, CUDA
+from finetuner.losses.chunk import BYTES_PER_LOGIT, BYTES_PER_LOGIT_SOFTCAPPED
 from finetuner.memory.settings import Dtypes, Settings, dtypes
 from finetuner.model.shapes import ModelShape, lora_targets
 from finetuner.model.trace import TRACE_LORA_DROPOUT, TRACE_LORA_R
@@ -306,7 +307,7 @@ def activation_bytes(shape: ModelShape, s: Settings) -> ActivationEstimate:
     elif s.loss_chunk > 0:
         logits = 0
         extra += d.c * h * labelled  # the gathered hidden states of the labelled positions
-        loss_peak = (16 + (8 if shape.final_logit_softcapping else 0)) * min(s.loss_chunk, labelled) * V
+        loss_peak = (BYTES_PER_LOGIT_SOFTCAPPED if shape.final_logit_softcapping else BYTES_PER_LOGIT) * min(s.loss_chunk, labelled) * V
     else:
         logits = d.c * T * V
         if shape.final_logit_softcapping:

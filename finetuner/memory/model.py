@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetuner.device import CPU, CUDA
 from finetuner.errors import UserError
+from finetuner.losses.chunk import auto_loss_chunk, loss_chunk_of
 from finetuner.memory.activations import activation_bytes, preference_cost
 from finetuner.memory.settings import (ALLOCATOR_FIXED_BYTES, ALLOCATOR_FRACTION, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
                                        GC_TRANSIENT_DIVISOR, GC_TRANSIENT_DIVISOR_16BIT, LOSS_PHASE_EXTRA_BYTES, NF4_BLOCK,
@@ -265,14 +266,17 @@ def estimate(
 
 # ====================================================================== recipes
 def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_type: str | None = None,
-                         runtime: Runtime | None = None, **overrides: Any) -> Settings:
+                         runtime: Runtime | None = None, shape: ModelShape | None = None, **overrides: Any) -> Settings:
     """The memory model's view of a resolved recipe on ``gpu``.
 
     The device-dependent choices (dtypes, attention, loss path) are the trainer's own: ``runtime``
     when the caller has one (a run), else :func:`finetuner.config.runtime.resolve` for ``gpu`` (``None``:
-    an unnamed bf16 CUDA card) and the base model's ``model_type`` (for Liger's support).
+    an unnamed bf16 CUDA card) and the base model's ``model_type`` (for Liger's support). A
+    ``training.loss_chunk_size: auto`` is the trainer's too (:func:`finetuner.losses.chunk.loss_chunk_of`),
+    on ``shape`` (read from the recipe's model when not given).
     """
     from finetuner.config.runtime import Device, resolve
+    from finetuner.model.shapes import resolve_shape
 
     if recipe.auto_keys():
         raise UserError(
@@ -300,7 +304,8 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         attention_mask=recipe.data.packing or t.micro_batch_size > 1,
         platform=CUDA if rt.is_cuda else CPU,
         activation_offload=t.offload_activations,
-        loss_chunk=t.loss_chunk_size,
+        loss_chunk=t.loss_chunk_size if t.loss_chunk_size != "auto" else
+        loss_chunk_of("auto", shape or resolve_shape(recipe.model.name, recipe.model.revision)),
         tiled_mlp=rt.tiled_mlp,
         fused_ce=rt.loss_path == "liger_fused_linear_ce" and spec.fused_loss,
         objective=recipe.objective,
@@ -310,3 +315,31 @@ def settings_from_recipe(recipe: Recipe, gpu: GpuProfile | None = None, model_ty
         kw.update(quant_bits=q.bits, quant_type=q.quant_type, double_quant=q.double_quant, compute_dtype=rt.compute_dtype)
     kw.update(overrides)
     return Settings(**kw)
+
+
+def with_loss_chunk(recipe: Recipe, shape: ModelShape) -> Recipe:
+    """``recipe`` with ``training.loss_chunk_size: auto`` replaced by its number for ``shape`` (the recipe itself
+    when it names one), so that the plan's recipe, the memory model and the trainer's loss read the same chunk."""
+    t = recipe.training
+    if t.loss_chunk_size != "auto":
+        return recipe
+    return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": loss_chunk_of("auto", shape)})})
+
+
+def with_run_loss_chunk(recipe: Recipe, model=None) -> Recipe:
+    """The trainer's :func:`with_loss_chunk`: on the shape the planner reads of the recipe's model
+    (:func:`finetuner.model.shapes.resolve_shape`), or, for a model it cannot read, on the loaded ``model``'s
+    own text config (its vocabulary and soft-capping, the same two figures)."""
+    if recipe.training.loss_chunk_size != "auto":
+        return recipe
+    from finetuner.model.shapes import resolve_shape
+
+    try:
+        return with_loss_chunk(recipe, resolve_shape(recipe.model.name, recipe.model.revision))
+    except (UserError, OSError, ValueError, KeyError):
+        if model is None:
+            raise
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunk = auto_loss_chunk(int(cfg.vocab_size), bool(getattr(cfg, "final_logit_softcapping", None)))
+    t = recipe.training
+    return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": chunk})})

@@ -92,7 +92,7 @@ class Settings:
     attn_implementation: AttnImpl = "sdpa"
     attention_mask: bool = False  # a padding or packing mask reaches attention
     activation_offload: bool = False  # checkpointed layer inputs (or all saved activations) in CPU memory
-    loss_chunk: int = 1024  # tokens per cross-entropy chunk (finetuner's chunked loss); 0: full logits
+    loss_chunk: int = 1024  # tokens per cross-entropy chunk (finetuner's chunked loss; a recipe's auto: finetuner.losses.chunk); 0: full logits
     tiled_mlp: int = 0  # tokens per MLP chunk (finetuner.model.tiled_mlp); 0: the MLP runs whole
     fused_ce: bool = False  # Liger's fused linear + cross-entropy kernel (never materialises the logits)
     label_fraction: float = 1.0  # share of the tokens that carry a label (responses only: < 1)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetuner.fileio import atomic_write_json, cache_root, expand_user, file_digest
+from finetuner.cachedir import EntryRejected, cache_folder, read_json_entry, write_json_entry
+from finetuner.fileio import cache_root, expand_user, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ MEMO_VERSION = 1
 
 
 def memo_path() -> Path:
-    """The memo of content hashes: ``<cache>/weights/digests.json``."""
-    return cache_root() / "weights" / "digests.json"
+    """The memo of content hashes: ``<cache>/weights/digests.json`` (a private cache folder: :mod:`finetuner.cachedir`)."""
+    return cache_folder("weights") / "digests.json"
 
 
 def weights_location(name: str, revision: str | None = None) -> Path | None:
@@ -85,8 +86,11 @@ class Memo:
     @classmethod
     def load(cls) -> Memo:
         try:
-            raw = json.loads(memo_path().read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            raw = read_json_entry(memo_path(), "digests.json")
+        except EntryRejected as e:  # edited or planted: hashed again
+            log.warning("The memo of weight hashes %s is not used (%s); the weights are hashed again.", memo_path(), e)
+            return cls()
+        except OSError:
             return cls()
         if not isinstance(raw, dict) or raw.get("version") != MEMO_VERSION or not isinstance(raw.get("files"), dict):
             return cls()
@@ -112,10 +116,10 @@ class Memo:
             return
         kept = {k: v for k, v in self.entries.items() if os.path.exists(k)}
         try:
-            atomic_write_json(memo_path(), {"version": MEMO_VERSION, "files": kept})
+            write_json_entry(memo_path(), "digests.json", {"version": MEMO_VERSION, "files": kept})
         except OSError as e:
-            log.warning("Could not write the memo of weight hashes %s (%s); the next run hashes the weights again.",
-                        memo_path(), e)
+            log.warning("Could not write the memo of weight hashes under %s (%s); the next run hashes the weights "
+                        "again.", cache_root(), e)
 
 
 @dataclass

@@ -40,7 +40,9 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +86,10 @@ def is_gguf_name(name: str | Path) -> bool:
     return str(name).strip().lower().endswith(".gguf")
 
 
+log = logging.getLogger(__name__)
+#: the list of a conversion's files (their sizes and SHA-256) in its folder (finetuner.cachedir.write_json_entry)
+ENTRY_FILE = ".finetuner-entry.json"
+
 #: dequantized weights above this size are not kept in the conversion cache (see the module's docstring)
 CACHE_MAX_BYTES = 4 * 2**30
 
@@ -93,7 +99,7 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     (``dtype``: the weights' torch dtype; None for the tokenizer); None when the file is gone."""
     import hashlib
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
 
     try:
         path = expand_user(name).resolve()
@@ -103,7 +109,10 @@ def _converted(name: str, part: str, dtype: Any = None) -> Path | None:
     import transformers
 
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    try:
+        folder = cache_folder("gguf", hashlib.sha256(key.encode()).hexdigest()[:24])
+    except OSError:  # no cache folder can be made: converted on every load
+        return None
     return folder / ("config.json" if part == "config" else part if part == "tokenizer" else
                      f"model-{str(dtype).removeprefix('torch.')}")
 
@@ -115,15 +124,15 @@ def converted(name: str) -> bool:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
 
     try:
         path = expand_user(name).resolve()
         st = path.stat()
         key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
+        folder = cache_folder("gguf", hashlib.sha256(key.encode()).hexdigest()[:24])
     except (OSError, PackageNotFoundError):
         return False
-    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
     return any(folder.glob("model-*"))
 
 
@@ -136,7 +145,7 @@ def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[
     converted = _converted(name, part, dtype) if part == "tokenizer" or dtype is not None else None
     if part == "config":
         converted = None
-    if converted is not None and converted.is_dir():
+    if converted is not None and os.path.lexists(converted) and _intact(converted):
         return str(converted), {}
     from finetuner.quiet import quiet_gguf_loader
 
@@ -146,20 +155,52 @@ def pretrained_args(name: str, part: str = "model", dtype: Any = None) -> tuple[
     return str(path.parent), {"gguf_file": path.name, **({"output_loading_info": True} if part == "model" and dtype is not None else {})}
 
 
+def _entry_key(folder: Path) -> str:
+    return f"gguf/{folder.parent.name}/{folder.name}"
+
+
+def _intact(folder: Path) -> bool:
+    """Whether the conversion in ``folder`` is the one finetuner wrote there: a folder (not a link) whose files are
+    those its :data:`ENTRY_FILE` lists, byte for byte (SHA-256), under its key. Else it is said, removed, and the
+    GGUF file is converted again (and kept again)."""
+    import shutil
+
+    from finetuner.cachedir import EntryRejected, read_json_entry, tree_digests
+
+    try:
+        if os.path.islink(folder) or not folder.is_dir():
+            raise EntryRejected("it is a link or not a folder")
+        try:
+            listed = read_json_entry(folder / ENTRY_FILE, _entry_key(folder))
+        except FileNotFoundError:
+            raise EntryRejected(f"it has no {ENTRY_FILE} (an older finetuner's, or not finetuner's)") from None
+        if not isinstance(listed, dict) or tree_digests(folder, ENTRY_FILE) != listed.get("files"):
+            raise EntryRejected("its files are not the ones its list names (changed, added or removed)")
+        return True
+    except (EntryRejected, OSError) as e:
+        log.warning("The GGUF conversion %s is not used (%s): the file is converted again.", folder, e)
+        if os.path.islink(folder) or not os.path.isdir(folder):
+            os.unlink(folder)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        return False
+
+
 def _keep(folder: Path | None, save) -> None:
     """``save(staging)`` and rename it to ``folder``, unless it is there (another process was first)."""
     import shutil
     import tempfile
 
+    from finetuner.cachedir import FILE_MODE, tree_digests, write_json_entry
     from finetuner.fileio import publish_dir
 
-    if folder is None or folder.is_dir():
+    if folder is None or os.path.lexists(folder):
         return
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         save(staging)
-        publish_dir(staging, folder)
+        write_json_entry(staging / ENTRY_FILE, _entry_key(folder), {"files": tree_digests(staging, ENTRY_FILE)})
+        publish_dir(staging, folder, mode=FILE_MODE)  # a private cache folder (finetuner.cachedir), its files 0600
     except OSError:  # a full disk, a read-only cache, or another process published it first: load as before
         pass
     finally:
@@ -522,15 +563,17 @@ def config_of(path: str | Path) -> dict[str, Any]:
 
 @functools.cache
 def _config(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
-    import json
-    import os
+    from finetuner.cachedir import EntryRejected, read_json_entry, write_json_entry
 
     kept = _converted(path, "config")
-    if kept is not None and kept.is_file():
+    key = f"gguf/{kept.parent.name}/{kept.name}" if kept is not None else ""
+    if kept is not None:
         try:
-            return json.loads(kept.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            return read_json_entry(kept, key)
+        except FileNotFoundError:
             pass
+        except (EntryRejected, OSError, ValueError) as e:
+            log.warning("The GGUF config %s is not used (%s): read from the file again.", kept, e)
     from transformers import AutoConfig
 
     from finetuner.quiet import quieted
@@ -546,10 +589,7 @@ def _config(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     cfg["_name_or_path"] = path
     if kept is not None:
         try:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-            os.replace(tmp, kept)
+            write_json_entry(kept, key, cfg)
         except OSError:  # a read-only cache: read again next time
             pass
     return cfg

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetuner.errors import first_line
-from finetuner.fileio import atomic_write_json, cache_root
+from finetuner.cachedir import EntryRejected, cache_folder, read_json_entry, write_json_entry
 from finetuner.model.inventory import FORMAT_VERSION, Inventory, inventory_of
 
 #: inventories of the models finetuner names or ships, by :func:`config_key` (see the module's docstring)
@@ -106,14 +106,15 @@ def read_inventory(cfg: dict[str, Any]) -> Inventory:
     stored = packaged()["models"].get(config_key(cfg))
     if stored is not None:
         return Inventory.from_dict(stored["inventory"])
-    path = cache_root() / "models" / f"inventory-{_key(cfg)}.json"
+    name = f"inventory-{_key(cfg)}.json"
     try:
-        return Inventory.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
+        path = cache_folder("models") / name
+        return Inventory.from_dict(read_json_entry(path, name))
+    except (OSError, EntryRejected, ValueError, KeyError, TypeError):  # none, or edited or planted: read again
         pass
     inv = read_model(cfg)
     try:
-        atomic_write_json(path, inv.to_dict())
+        write_json_entry(cache_folder("models") / name, name, inv.to_dict())
     except OSError:  # a read-only cache folder: the next plan builds it again
         pass
     return inv

@@ -490,9 +490,35 @@ def presets() -> list[ModelShape]:
     return [shape_from_config(cfg, name=key, source="preset") for key, cfg in _presets().items()]
 
 
+#: what a hub id of a model's instruction-tuned or base variant ends with, beside the id its preset is named by
+#: (``google/gemma-4-26b-a4b-it`` is ``google/gemma-4-26B-A4B``, ``Qwen/Qwen3-8B-Base`` is ``Qwen/Qwen3-8B``): the
+#: variants share the architecture and its shape
+VARIANT_SUFFIXES = ("-it", "-instruct", "-base", "-pt")
+
+
+def _variant_stem(name: str) -> str | None:
+    """``name`` (lower case) without one variant suffix (:data:`VARIANT_SUFFIXES`), or None when it has none."""
+    stem = next((name.removesuffix(s) for s in VARIANT_SUFFIXES if name.endswith(s)), None)
+    return stem if stem and stem != name else None
+
+
 def find_preset(name: str) -> str | None:
-    """The preset a name, hub id or alias refers to (case-insensitive), if any."""
-    return _preset_index().get(name.strip().lower())
+    """The preset a name, hub id or alias refers to (case-insensitive), if any: written as the preset's name,
+    hub id or an alias, or as one of them with a variant suffix (``-it``, ``-Instruct``, ``-Base``, ``-pt``)."""
+    key = name.strip().lower()
+    index = _preset_index()
+    if key in index:
+        return index[key]
+    stem = _variant_stem(key)
+    return index.get(stem) if stem else None
+
+
+def family_presets(name: str) -> list[str]:
+    """The presets whose names start with ``name`` and a dash (``gemma-4`` → ``gemma-4-26b-a4b``, ``gemma-4-31b``):
+    what an unknown model named by its family alone is offered, dense models first."""
+    stem = name.strip().lower().rstrip("-") + "-"
+    found = [k for k in preset_names() if k.startswith(stem)]
+    return sorted(found, key=lambda k: (resolve_shape(k).experts is not None, k))
 
 
 def preset_image_processor(name: str) -> dict[str, Any] | None:
@@ -509,10 +535,17 @@ def preset_hub_id(name: str) -> str | None:
 
     A preset only describes a model's shape; training loads real weights, so recipes name the hub id.
     """
-    key = _preset_index().get(name.strip().lower())
+    written = name.strip().lower()
+    key = find_preset(name)
     if key is None or "/" in name:
         return None
-    return _presets()[key].get("_name_or_path") or None
+    cfg = _presets()[key]
+    if written in _preset_index():
+        return cfg.get("_name_or_path") or None
+    # a variant written by the preset's short name (``gemma-4-31b-it``): the hub id of that variant among the
+    # preset's ids, else nothing (the name is then taken as written)
+    return next((i for i in [cfg.get("_name_or_path") or "", *cfg.get("_aliases", [])]
+                 if "/" in i and i.lower().split("/", 1)[1] == written), None)
 
 
 def preset_model(name: str) -> str | None:
@@ -556,8 +589,10 @@ def load_config(model: str, revision: str | None = None) -> tuple[dict[str, Any]
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path}: not valid JSON ({e}).") from None
     if "/" not in model:
+        family = family_presets(model)
+        near = f" Presets of that family: {', '.join(family)}." if family else did_you_mean(model, preset_names())
         raise UserError(
-            f"Unknown model '{model}': not a preset and not a folder with config.json.{did_you_mean(model, preset_names())}",
+            f"Unknown model '{model}': not a preset and not a folder with config.json.{near}",
             hint=f"Presets: {', '.join(preset_names())}; or give a hub id like org/name, or a local folder.",
         )
     return _hub_config(str(locate(model, "The model")), revision), "hub"

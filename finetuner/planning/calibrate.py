@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform as _platform
 import re
@@ -45,6 +46,8 @@ import finetuner.phases as phases
 from finetuner.device import CPU, CUDA
 from finetuner.planning.load import load_now, stale_under_load
 from finetuner.planning.speed import DeviceSpeed
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.hardware import GpuProfile
@@ -101,11 +104,11 @@ def cache_file(name: str) -> Path:
     (:func:`method_key`)."""
     import torch
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
     from finetuner.version import __version__
 
     slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch-{torch.__version__} finetuner-{__version__}".lower()).strip("-")
-    return cache_root() / "speed" / f"{slug}-method-{method_key()}.json"
+    return cache_folder("speed") / f"{slug}-method-{method_key()}.json"
 
 
 def _timed(fn, sync) -> float:
@@ -137,7 +140,7 @@ def place(this_device: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"folder": str(cache_root() / "speed"), "speed_file": os.environ.get(SPEED_FILE_ENV) or None}
     if this_device:
         path = cache_file(device_key()[1])
-        out.update(file=str(path), cached=path.is_file())
+        out.update(file=str(path), cached=_read_cached(path) is not None)
     return out
 
 
@@ -162,11 +165,13 @@ def measure() -> DeviceSpeed:
 def _last_measured_s() -> float | None:
     """How long a calibration of this device took before (the longest its cache files say), None when none did."""
     name = device_key()[1]
+    from finetuner.cachedir import EntryRejected, read_json_entry
+
     times = []
     for f in cache_file(name).parent.glob("*.json"):
         try:
-            d = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            d = read_json_entry(f, f.name)
+        except (OSError, EntryRejected):
             continue
         took = (d.get("details") or {}).get("measured_in_s") if isinstance(d, dict) and d.get("name") == name else None
         if isinstance(took, (int, float)):
@@ -314,12 +319,11 @@ def _disk_rates() -> dict[str, float]:
     beyond its bytes). Empty when the folder cannot be written."""
     import tempfile
 
-    from finetuner.fileio import cache_root
+    from finetuner.cachedir import cache_folder
 
     block = os.urandom(1 << 20)
     try:
-        root = cache_root() / "speed"
-        root.mkdir(parents=True, exist_ok=True)
+        root = cache_folder("speed")
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             big = Path(tmp) / "probe.bin"
             t0 = time.perf_counter()
@@ -427,19 +431,42 @@ def load(path: str | Path) -> DeviceSpeed:
     """A calibration written by :func:`save` (or by hand, as JSON)."""
     from finetuner.errors import UserError
 
+    from finetuner.cachedir import ENTRY_FORMAT, EntryRejected, check_json_entry
+
     try:
-        return DeviceSpeed.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError, KeyError) as e:
+        raw = Path(path).read_bytes()
+        head = raw.partition(b"\n")[0]
+        if ENTRY_FORMAT.encode() in head:  # a cache file (save): its header checked, its body read
+            header = json.loads(head)
+            return DeviceSpeed.from_dict(check_json_entry(raw, header.get("key") if isinstance(header, dict) else ""))
+        return DeviceSpeed.from_dict(json.loads(raw.decode("utf-8")))
+    except (OSError, ValueError, TypeError, KeyError, EntryRejected) as e:
         raise UserError(f"{path}: not a speed calibration ({e}).",
                         hint="Write one with `finetuner gpus --calibrate`, or unset " + SPEED_FILE_ENV + ".") from None
 
 
 def save(speed: DeviceSpeed, path: Path) -> Path:
-    from finetuner.fileio import atomic_write_text
+    """Write ``speed`` as the cache file ``path`` (:func:`cache_file`): a JSON entry keyed by its name, mode 0600
+    (:func:`finetuner.cachedir.write_json_entry`)."""
+    from finetuner.cachedir import write_json_entry
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(speed.to_dict(), indent=2))
+    write_json_entry(path, path.name, speed.to_dict())
     return path
+
+
+def _read_cached(path: Path) -> DeviceSpeed | None:
+    """The calibration in the cache file ``path`` once it passes its checks (its header's key is its name and its
+    SHA-256 matches: :func:`finetuner.cachedir.read_json_entry`; not a link), else None: a planted or edited file
+    is said and measured again, never used."""
+    from finetuner.cachedir import EntryRejected, read_json_entry
+
+    try:
+        return DeviceSpeed.from_dict(read_json_entry(path, path.name))
+    except FileNotFoundError:
+        return None
+    except (EntryRejected, OSError, ValueError, TypeError, KeyError) as e:
+        log.warning("The speed calibration %s is not used (%s): it is measured again.", path, e)
+        return None
 
 
 def cached(measure_if_missing: bool = False) -> DeviceSpeed | None:
@@ -450,18 +477,21 @@ def cached(measure_if_missing: bool = False) -> DeviceSpeed | None:
     if os.environ.get(SPEED_FILE_ENV):
         return load(os.environ[SPEED_FILE_ENV])
     _, name = device_key()
-    path = cache_file(name)
-    if path.is_file():
-        try:
-            found = load(path)
-        except Exception:  # noqa: BLE001 - a broken cache file is measured again
-            found = None
-        if found is not None and not (measure_if_missing and stale_under_load(found, *load_now())):
-            return found
+    try:
+        path = cache_file(name)
+    except OSError:  # no cache folder can be made: measured each time (when asked), not kept
+        path = None
+    found = _read_cached(path) if path is not None else None  # a broken, planted or edited cache file is measured again
+    if found is not None and not (measure_if_missing and stale_under_load(found, *load_now())):
+        return found
     if not measure_if_missing:
         return None
     speed = measure()
-    save(speed, path)
+    if path is not None:
+        try:
+            save(speed, path)
+        except OSError as e:
+            log.warning("Could not keep the speed calibration in %s (%s): it is measured again next time.", path, e)
     return speed
 
 

@@ -22,7 +22,7 @@ def candidate_memory(recipe: Any, shape: ModelShape, gpu: GpuProfile | None, *, 
     (:func:`~finetuner.memory.vision.vision_cost_of`; None when it trains neither projector nor tower)."""
     from finetuner.memory.vision import vision_cost_of
 
-    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime, shape=shape).with_(label_fraction=label_fraction)
     vision = vision_cost_of(recipe)
     if vision is not None:
         s = s.with_(vision_trainable=vision.trainable,

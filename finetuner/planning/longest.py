@@ -264,7 +264,7 @@ def _settings(shape: ModelShape, gpu: GpuProfile, c: Candidate, lora_r: int, lor
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise UserError(format_validation_error(e, "the longest-sequence settings")) from None
-    return settings_from_recipe(recipe, gpu, shape.model_type)
+    return settings_from_recipe(recipe, gpu, shape.model_type, shape=shape)
 
 
 def _fits(shape: ModelShape, s: Settings, gpu: GpuProfile, margin: float, n: int) -> tuple[bool, MemoryEstimate]:
@@ -337,7 +337,7 @@ def longest_sequence(
         gradient_checkpointing, offload_activations, optimizer, kernels, tiled_mlp: fix a setting
             instead of searching it (``kernels``: ``none`` for the chunked loss, ``liger`` for the
             fused one; ``tiled_mlp``: the MLP whole or in chunks).
-        loss_chunk: tokens per chunk of the chunked loss (default the recipe's 1024).
+        loss_chunk: tokens per chunk of the chunked loss (default the recipe's auto: finetuner.losses.chunk).
 
     Example:
         >>> r = longest_sequence("llama-3.1-8b", "rtx4090", "qlora")

@@ -149,12 +149,13 @@ def grpo_section(grpo: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def check_objective(objective: str | None) -> str | None:
-    """``objective`` as :func:`~finetuner.planning.planner.plan` takes it: ``None`` for ``auto``, else a known objective."""
+    """``objective`` as :func:`~finetuner.planning.planner.plan` takes it from every front: ``None`` for ``auto`` (the
+    CLI's ``--objective auto``, the UI's menu, the API's None; empty alike), else a known objective."""
     from typing import get_args
 
     from finetuner.config.sections import Objective
 
-    if objective in (None, "auto"):
+    if objective in (None, "", "auto"):
         return None
     planned = list(get_args(Objective))
     if objective not in planned:

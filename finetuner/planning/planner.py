@@ -33,6 +33,8 @@ from finetuner.surface import say
 from finetuner.config.hardware import GpuProfile, get_gpu
 from finetuner.data import template_choice
 from finetuner.model.gguf_base import info_for
+from finetuner.losses.chunk import loss_chunk_of
+from finetuner.memory.model import with_loss_chunk
 from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
 from finetuner.objectives.specs import first_for_kind, spec_of
 from finetuner.planning.calibrate import speed_for
@@ -43,7 +45,7 @@ from finetuner.planning.plan_inputs import (DEFAULT_DATA, base_recipe, check_obj
 from finetuner.planning.plan_result import Plan
 from finetuner.planning.reasons import grpo_room, reasons_for, runners_up, what_would_fit, why_rejected
 from finetuner.planning.recipe_data import run_wait
-from finetuner.planning.search import DEFAULT_MARGIN, method_name, schema_accepts, search, with_strategy
+from finetuner.planning.search import DEFAULT_MARGIN, asked_method, method_name, schema_accepts, search, with_strategy
 from finetuner.planning.sizing import learning_rate, size_run
 from finetuner.planning.speed import DeviceSpeed
 from finetuner.planning.scans import kernel_note
@@ -157,6 +159,7 @@ def plan(
 
     asked = {k: v for k, v in locals().items() if k != "Recipe"}  # the arguments, for plan_picture_size
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    method = asked_method(method)  # --method auto, the UI's auto and the API's None: one plan
     if seq_len is not None and seq_len < 16:
         raise UserError(f"{say(cli='--seq-len', ui='Sequence length')} {seq_len}: the sequence length must be at least 16 "
                         "(as data.max_seq_len).")
@@ -413,14 +416,16 @@ def plan_recipe(
     counts them from the data otherwise), and its :attr:`Plan.wait` the whole run's time when they are known.
     """
     prof = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    method = asked_method(method)  # every front's "auto" is None here, as every_method reads it
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     speed = speed or speed_for(prof)
+    asked, recipe = recipe, with_loss_chunk(recipe, shape)  # the plan's recipe names the chunk it was predicted with
     ranked = search(recipe, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                     cpu_memory=cpu_memory, speed=speed, lengths=lengths)
     chunk_note = None
     every_method = method is None and recipe.method == "auto"  # (with one method asked for, a smaller chunk could
     # fit it where the plan of every method took another at the default chunk: the plans would disagree)
-    smaller = smaller_loss_chunk(recipe) if every_method and not any(c.fits for c, _ in ranked) else None
+    smaller = smaller_loss_chunk(asked, shape) if every_method and not any(c.fits for c, _ in ranked) else None
     if smaller is not None:  # a large vocabulary's cross-entropy: in smaller chunks before "nothing fits"
         again = search(smaller, shape, prof, margin=margin, method=method, label_fraction=label_fraction, gpus=gpus,
                        cpu_memory=cpu_memory, speed=speed, lengths=lengths)
@@ -491,18 +496,17 @@ def plan_recipe(
     return out
 
 
-#: the cross-entropy chunk a plan of every method takes when the recipe's (default 1,024 tokens, not set by the user)
-#: leaves no option of any method fitting: its loss peak is 16 bytes x chunk x vocabulary (finetuner.memory.model), a
-#: quarter of the default's
+#: the cross-entropy chunk a plan of every method takes when the recipe's (``auto``, not a number the user set) is
+#: larger and leaves no option of any method fitting: its loss peak is 16 bytes x chunk x vocabulary
+#: (finetuner.memory.model); ``auto`` (finetuner.losses.chunk) is smaller already for vocabularies over 131,072 tokens
 SMALL_LOSS_CHUNK = 256
 
 
-def smaller_loss_chunk(recipe: Recipe) -> Recipe | None:
-    """``recipe`` with the cross-entropy in :data:`SMALL_LOSS_CHUNK`-token chunks, when its chunk is larger and the user
-    did not set it (``training.loss_chunk_size`` absent from the recipe: the default); None otherwise (a plain loss,
-    0, is the user's choice too)."""
+def smaller_loss_chunk(recipe: Recipe, shape: ModelShape) -> Recipe | None:
+    """``recipe`` with the cross-entropy in :data:`SMALL_LOSS_CHUNK`-token chunks, when its chunk is ``auto`` and
+    larger for ``shape``; None otherwise (a number the user set, the plain loss 0 among them, is kept)."""
     t = recipe.training
-    if "loss_chunk_size" in t.model_fields_set or not 0 < SMALL_LOSS_CHUNK < t.loss_chunk_size:
+    if t.loss_chunk_size != "auto" or not SMALL_LOSS_CHUNK < loss_chunk_of("auto", shape):
         return None
     return recipe.model_copy(update={"training": t.model_copy(update={"loss_chunk_size": SMALL_LOSS_CHUNK})})
 

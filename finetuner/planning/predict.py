@@ -34,6 +34,7 @@ from finetuner.planning.plan_result import Plan
 from finetuner.planning.reasons import grpo_largest
 from finetuner.planning.recipe_data import data_batch_of, label_fraction_of, lengths_text, run_optimizer_steps, run_wait
 from finetuner.planning.resolve import resolve_auto
+from finetuner.planning.search import DEFAULT_MARGIN
 from finetuner.planning.recipe_speed import recipe_step_time
 from finetuner.planning.speed import DeviceSpeed, StepTime
 from finetuner.planning.wait import Wait, check_currency, cost_of
@@ -122,7 +123,7 @@ def _profile(gpu: GpuProfile | str | None) -> GpuProfile | None:
 
 def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *, shape: ModelShape | None = None,
             label_fraction: float | None = None, speed: DeviceSpeed | None = None, runtime: Any = None,
-            steps: int | None = None, loaded_as: tuple[bool, bool] | None = None, margin: float = 0.05,
+            steps: int | None = None, loaded_as: tuple[bool, bool] | None = None, margin: float = DEFAULT_MARGIN,
             replay_cached: bool | None = None) -> Prediction:
     """The one prediction of a run of ``recipe`` (a Recipe or a recipe YAML's path) on ``gpu`` (a card name, a
     size such as ``24GB``, ``cpu``, a profile, or None: no card, so no budget, timed on this CPU).
@@ -143,7 +144,7 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)  # the model's name is never auto
     planned = None
     if recipe.auto_keys():
-        planned = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction, shape=shape)
+        planned = resolve_auto(recipe, prof or cpu_profile(), label_fraction=label_fraction, shape=shape, margin=margin)
         recipe = planned.recipe
     s, memory, vision = candidate_memory(recipe, shape, prof, label_fraction=label_fraction, margin=margin,
                                          runtime=runtime)
@@ -155,7 +156,7 @@ def predict(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, *,
 
 
 def estimate_recipe(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = None, shape: ModelShape | None = None,
-                    margin: float = 0.05, label_fraction: float | None = None) -> MemoryEstimate:
+                    margin: float = DEFAULT_MARGIN, label_fraction: float | None = None) -> MemoryEstimate:
     """Predict the peak memory of a recipe (``finetuner.estimate``): :func:`predict`'s memory.
 
     Args:
@@ -192,7 +193,7 @@ def estimate_time(recipe: Recipe | str | Path, gpu: GpuProfile | str | None = No
     return p.time(price_per_hour, currency)
 
 
-def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = 0.05,
+def estimate_grpo(recipe: Recipe, gpu: GpuProfile | None, margin: float = DEFAULT_MARGIN,
                   label_fraction: float = 1.0, limit: int = 1 << 17) -> dict[str, Any]:
     """``finetuner estimate`` for a resolved ``objective: grpo`` recipe: the GRPO step's peak over its
     phases (:func:`finetuner.memory.grpo.grpo_estimate`: generation with its KV cache, the loss over the

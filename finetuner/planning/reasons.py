@@ -154,9 +154,11 @@ def what_would_fit(recipe: Recipe, shape: ModelShape, gpu: GpuProfile, margin: f
             out.append(f"a shorter sequence: {s} tokens fits on {gpu.name} (examples longer than that are truncated)")
             break
         s //= 2
+    tried: set[tuple[int, bool]] = set()  # cards of one memory and precision fit alike: one of them is searched
     for card in list_profiles():
-        if card.memory_bytes <= gpu.memory_bytes or card.platform != CUDA:
+        if card.memory_bytes <= gpu.memory_bytes or card.platform != CUDA or (card.memory_bytes, card.bf16) in tried:
             continue
+        tried.add((card.memory_bytes, card.bf16))
         if any(c.fits for c, _ in search(recipe, shape, card, margin, method, label_fraction, gpus, cpu_memory)):
             out.append(f"a bigger card: {card.name} ({card.memory_gib:.0f} GiB) fits this recipe")
             break

@@ -160,7 +160,7 @@ def run_wait(recipe: Recipe, gpu: GpuProfile, speed: DeviceSpeed, step: StepTime
     if not steps:
         return None
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
-    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    s = settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime, shape=shape).with_(label_fraction=label_fraction)
     d, t, grpo = recipe.data, recipe.training, spec_of(recipe.objective).generates
     source = "data"
     if not lengths:

@@ -46,10 +46,10 @@ def recipe_step_time(recipe: Any, gpu: GpuProfile, speed: DeviceSpeed, *, shape:
 
     shape = shape or resolve_shape(recipe.model.name, recipe.model.revision)
     if spec_of(getattr(recipe, "objective", None)).generates:
-        s = settings or settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime)
+        s = settings or settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime, shape=shape)
         g = grpo_settings_of(recipe, gpu.memory_bytes if gpu is not None else None)
         return grpo_step_time(shape, s, g, speed, est=est, top_p=recipe.grpo.top_p, prompts=batch)
-    s = settings or settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime).with_(label_fraction=label_fraction)
+    s = settings or settings_from_recipe(recipe, gpu, shape.model_type, runtime=runtime, shape=shape).with_(label_fraction=label_fraction)
     if padding_free and not recipe.data.packing:
         s = s.with_(attention_mask=False)
     return step_time(shape, s, speed, est, sharded, batch=batch)

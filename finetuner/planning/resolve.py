@@ -12,19 +12,23 @@ from finetuner.model.shapes import ModelShape
 from finetuner.planning.plan_result import Plan
 from finetuner.planning.planner import plan_recipe
 from finetuner.planning.recipe_data import label_fraction_of, recipe_file_profile
+from finetuner.planning.search import DEFAULT_MARGIN
 
 if TYPE_CHECKING:  # pragma: no cover
     from finetuner.config.recipe import Recipe
 
 
-def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, shape: ModelShape | None = None) -> Plan:
-    """Resolve a recipe's ``auto`` values for the device a run is on (``finetuner run``); ``shape``: the recipe's
-    model when the caller resolved it already.
+def resolve_auto(recipe: Recipe, gpu: GpuProfile, label_fraction: float = 1.0, shape: ModelShape | None = None,
+                 margin: float = DEFAULT_MARGIN) -> Plan:
+    """Resolve a recipe's ``auto`` values for the device a run is on (``finetuner run``, ``finetuner estimate``):
+    :func:`~finetuner.planning.planner.plan_recipe`, the search every plan makes, with its options' defaults;
+    ``shape``: the recipe's model when the caller resolved it already.
 
     Raises a UserError with the planner's suggestions when nothing fits.
     """
     prof = recipe_file_profile(recipe) if not spec_of(recipe.objective).generates else None
-    result = plan_recipe(recipe, gpu, shape=shape, label_fraction=label_fraction, lengths=prof[1] if prof else None)
+    result = plan_recipe(recipe, gpu, shape=shape, label_fraction=label_fraction, lengths=prof[1] if prof else None,
+                         margin=margin)
     if result.recipe is None:
         raise UserError(
             f"No setting of {', '.join(recipe.auto_keys())} fits {recipe.model.name} on {gpu.name} "

@@ -132,9 +132,26 @@ def predicted_tokens_per_s(shape: ModelShape, s: Settings, gpu: GpuProfile, est:
     return predicted_step(shape, s, gpu, est, sharded, speed).tokens_per_s
 
 # ====================================================================== search
+#: the ``--method`` values (the UI's Method menu, ``finetuner.plan``'s ``method``) besides auto
+METHODS = ("lora", "qlora", "qlora4", "qlora8", "full", "any")
+
+
+def asked_method(method: str | None) -> str | None:
+    """The method a plan is asked for, whatever the front: None when none is (``None``, ``auto`` or empty: the CLI's
+    ``--method auto``, the UI's menu and the API's default are the same plan), else the value, lower-cased and checked.
+    Every search (:func:`search`, :func:`~finetuner.planning.planner.plan_recipe`) reads its ``method`` through it."""
+    m = (method or "").strip().lower()
+    if m in ("", "auto"):
+        return None
+    if m not in METHODS + ("qlora-4bit", "qlora-8bit"):
+        raise UserError(f"--method {method!r}: use auto, {', '.join(METHODS[:-1])} or {METHODS[-1]}.")
+    return m
+
+
 def method_options(method: str | None) -> list[tuple[str, int | None]]:
     """The (method, quantization bits) pairs a ``--method`` value searches (``plan``, ``plan --longest``)."""
-    if method in (None, "auto"):
+    method = asked_method(method)
+    if method is None:
         return [("lora", None), ("qlora", 4), ("qlora", 8)]
     if method == "qlora":
         return [("qlora", 4), ("qlora", 8)]
@@ -144,9 +161,7 @@ def method_options(method: str | None) -> list[tuple[str, int | None]]:
         return [("qlora", 8)]
     if method in ("lora", "full"):
         return [(method, None)]
-    if method == "any":
-        return [("full", None), ("lora", None), ("qlora", 4), ("qlora", 8)]
-    raise UserError(f"--method {method!r}: use auto, lora, qlora, qlora4, qlora8, full or any.")
+    return [("full", None), ("lora", None), ("qlora", 4), ("qlora", 8)]  # any
 
 
 def _optimizers(method: str, fixed: str | None, platform: str = CUDA) -> list[str]:
@@ -225,6 +240,7 @@ def search(
     state must fit (None: not checked).
     """
     refused: dict[tuple, str | None] = {}
+    method = asked_method(method)
     speed = speed or speed_for(gpu)
     t = base.training
     eff = t.effective_batch_size

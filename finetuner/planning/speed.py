@@ -288,8 +288,9 @@ class DeviceSpeed:
         return cls(
             gpu.name, CUDA, {half: table(peak), "fp16": table(peak), "fp32": table(peak / 16)}, bw, GPU_OP_OVERHEAD_S,
             DEQUANT_WEIGHTS_PER_S_PER_GBS * gpu.bandwidth_gbs, gpu.pcie_gbs * 1e9, gpu.link_gbs * 1e9,
-            source=(f"{gpu.name} data sheet: {gpu.tflops:g} TFLOP/s dense {half} at {MATMUL_EFFICIENCY:.0%}, "
-                    f"{gpu.bandwidth_gbs:g} GB/s at {BANDWIDTH_EFFICIENCY:.0%}, {GPU_OP_OVERHEAD_S * 1e6:g} us an operation"),
+            source=(f"{gpu.name} timed as the {gpu.speed_of}'s data sheet: " if gpu.speed_of else f"{gpu.name} data sheet: ")
+            + (f"{gpu.tflops:g} TFLOP/s dense {half} at {MATMUL_EFFICIENCY:.0%}, "
+               f"{gpu.bandwidth_gbs:g} GB/s at {BANDWIDTH_EFFICIENCY:.0%}, {GPU_OP_OVERHEAD_S * 1e6:g} us an operation"),
         )
 
     def to_dict(self) -> dict[str, Any]:

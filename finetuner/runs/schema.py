@@ -152,6 +152,14 @@ class _Tiling(TypedDict, total=False):
     tiled_mlp: int
 
 
+class _LossChunk(TypedDict, total=False):
+    """Tokens per cross-entropy chunk the loss ran with (``training.loss_chunk_size``, ``auto`` resolved by
+    :mod:`finetuner.losses.chunk`: the number the memory model predicted with; 0: full logits; absent in the
+    events of runs from before it was written)."""
+
+    loss_chunk_size: int
+
+
 class _Gguf(TypedDict, total=False):
     """The GGUF file the base was loaded (dequantized) from, or None (absent in the events of runs from
     before it was written): ``file``, ``architecture``, ``quant_type`` (``Q4_1``), ``bits`` (4),
@@ -178,7 +186,7 @@ class _Resolved(TypedDict, total=False):
     resolved: dict[str, dict[str, Any]]
 
 
-class StartEvent(Event, _Memory, _Objective, _Tiling, _Gguf, _PredictedSpeed, _Resolved):
+class StartEvent(Event, _Memory, _Objective, _Tiling, _LossChunk, _Gguf, _PredictedSpeed, _Resolved):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int

@@ -43,6 +43,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from finetuner.cachedir import exposure
 from finetuner.errors import UserError
 from finetuner.fileio import atomic_write_text, file_digest
 from finetuner.workdir import private_dir
@@ -73,16 +74,6 @@ def key_path() -> Path:
 class KeyExposed(NotOurs):
     """The sealing key is not private (a link, another owner, group or other access on it or its folder): anyone
     who could read it can seal a crafted checkpoint, so no seal made with it is trusted, not even after a chmod."""
-
-
-def _exposure(st: os.stat_result, what: str, forbidden: int, access: str) -> str | None:
-    """Why a key file or its folder (``what``) is not private to this user (another owner, or a ``forbidden`` mode
-    bit set: ``access`` by group or others), or None when it is."""
-    if st.st_uid != os.geteuid():
-        return f"{what} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
-    if st.st_mode & forbidden:
-        return f"{what} is {access} by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
 
 
 def _refuse_exposed(path: Path, why: str) -> KeyExposed:
@@ -124,8 +115,8 @@ def _key(create: bool) -> bytes | None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise _refuse_exposed(path, "it is not a regular file")
-        why = (_exposure(st, "it", 0o077, "readable or writable")
-               or _exposure(os.stat(path.parent), "its folder", 0o022, "writable"))
+        why = (exposure(st, "it", 0o077, "readable or writable")
+               or exposure(os.stat(path.parent), "its folder", 0o022, "writable"))
         if why:
             raise _refuse_exposed(path, why)
         raw = f.read(200)

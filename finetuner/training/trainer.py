@@ -64,6 +64,7 @@ from finetuner.model.offload import save_on_cpu
 from finetuner.objectives import build_objective
 from finetuner.config.recipe import Recipe
 from finetuner.config.runtime import Runtime, resolve_runtime
+from finetuner.memory.model import with_run_loss_chunk
 from finetuner.training.result import TrainResult
 from finetuner.training.step_rate import StepRate
 from finetuner.steps import optimizer_steps
@@ -164,6 +165,8 @@ class Trainer:
         self.collate = self.objective.collator(self.tokenizer.pad_token_id)
         if pictures:
             self.collate = PictureCollator(self.collate, self.processor)
+        # loss_chunk_size: auto, the number the memory model predicts with (the run's recipe records it)
+        r = self.recipe = with_run_loss_chunk(r, self.model)
         t = r.training
         self.schedule = StepSchedule(len(self.data.train), t.effective_batch_size, t.seed)
         self.max_steps = t.max_steps or (
@@ -212,6 +215,7 @@ class Trainer:
             attention=getattr(self.model.config, "_attn_implementation", self.rt.attention),
             kernels=self.rt.kernels,
             loss_path=self.rt.loss_path,
+            loss_chunk_size=t.loss_chunk_size,
             compile=self.rt.compile,
             tiled_mlp=self.rt.tiled_mlp,
             method=r.method,

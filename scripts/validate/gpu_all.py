@@ -53,14 +53,16 @@ this project's transformers and peft: the image's are older) unpacked in ``.site
 ``bash scripts/validate/device_site.sh`` (once, here; 30 MB, so that the tree stays under the
 tool's 64 MiB), one ``run`` per group of parts that ``--list`` suggests (``carry: [".site"]``), e.g.::
 
-    export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 FINETUNER_CACHE_DIR=/tmp/ftcache; \\
-      set -o pipefail; timeout 530 python3 -m scripts.validate.gpu_all --part 1,2 --out $OUT --work /tmp/gpu_all 2>&1 | tee $OUT/gpu_all.log
+    export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1; \\
+      set -o pipefail; timeout 530 python3 -m scripts.validate.gpu_all --part 1,2 --out $OUT 2>&1 | tee $OUT/gpu_all.log
 
 (a part's files are written when it ends: a call stopped at its limit returns the parts done and
 the log, so give each call a ``timeout`` below the tool's)
 
-(the model built by a part stays in ``--work`` while the machine stays warm; a fresh machine
-builds it again, about a minute). Back here, the files of each call go into docs/validation and
+(without ``--work`` the models, data and runs go into a private temporary folder, and without
+``$FINETUNER_CACHE_DIR`` finetuner's caches too: each made by :func:`tempfile.mkdtemp`, mode 0700 under a
+fresh name, never a fixed ``/tmp`` name another user could have made first, and removed when the command
+ends; so each call builds its model again, about a minute). Back here, the files of each call go into docs/validation and
 the tables are made again from them::
 
     python -m scripts.validate.gpu_all --collect /work/.device/<files_at>
@@ -660,6 +662,20 @@ def run_parts(parts: list[Part], ctx: Context) -> list[dict]:
     return done
 
 
+def private_dirs() -> tuple[Path, Path]:
+    """A private work folder and, unless ``$FINETUNER_CACHE_DIR`` names one, a private cache folder (set for the
+    benches this command starts): :func:`finetuner.fileio.private_temp_dir`, mode 0700 under a fresh name
+    (``mkdtemp``), removed when the command ends; never a fixed ``/tmp`` name someone else could make first."""
+    import os
+
+    from finetuner.fileio import private_temp_dir
+
+    work = private_temp_dir("finetuner-gpu-all-")
+    if not os.environ.get("FINETUNER_CACHE_DIR"):
+        os.environ["FINETUNER_CACHE_DIR"] = str(private_temp_dir("finetuner-gpu-all-cache-"))
+    return work, Path(os.environ["FINETUNER_CACHE_DIR"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Parts: " + ", ".join(f"{i} {p.name}" for i, p in enumerate(PARTS, 1)))
@@ -668,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="every part on the CPU at toy size, into --out (required)")
     ap.add_argument("--out", help="folder for the result JSON (default on a GPU: docs/validation; with --smoke: required, "
                     "and never docs/validation)")
-    ap.add_argument("--work", help="models, data and runs (default: OUT/../gpu_all_work with --smoke, /tmp/gpu_all otherwise)")
+    ap.add_argument("--work", help="models, data and runs (default: OUT/../gpu_all_work with --smoke, a private temporary "
+                    "folder otherwise)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per bench subprocess")
     ap.add_argument("--collect", metavar="DIR", help="merge a device call's result files from DIR into docs/validation, "
                     "then make the tables again")
@@ -697,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         log("No CUDA device: these parts measure a GPU. Use --smoke for the CPU check of the command.")
         return 2
     out = Path(args.out) if args.out else VALIDATION
-    work = Path(args.work) if args.work else (out.parent / f"{out.name}_work" if args.smoke else Path("/tmp/gpu_all"))
+    work = Path(args.work) if args.work else (out.parent / f"{out.name}_work" if args.smoke else private_dirs()[0])
     ctx = Context(out=out, work=work, smoke=args.smoke, cuda=cuda, timeout=args.timeout)
     done = run_parts(parts, ctx)
     if args.smoke:

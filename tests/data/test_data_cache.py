@@ -85,7 +85,9 @@ def test_cache_off_and_damaged_entries(alpaca_file, tokenizer, cache_dir):
     _prepare(alpaca_file, tokenizer)
     (entry,) = (cache_dir / "tokenized").iterdir()
     (entry / "meta.json").write_text("{not json")
-    assert _prepare(alpaca_file, tokenizer).stats.cache == "miss"  # unreadable: tokenized again
+    again = _prepare(alpaca_file, tokenizer)  # unreadable: tokenized again, and said
+    assert again.stats.cache == "rebuilt" and "header" in again.stats.cache_note
+    assert _prepare(alpaca_file, tokenizer).stats.cache == "hit"
 
 
 def test_second_run_reports_the_cache_hit(recipe_dict, cache_dir):

@@ -44,13 +44,20 @@ def test_the_fingerprint_is_the_weights_content_hashed_once_and_checked_by_stat(
     again = fingerprint.weights_fingerprint(str(folder))
     assert again.files == first.files and again.hashed == []  # the memo's hash: the bytes are not read again
 
-    # the memo is what is used while the file's stat matches it: a hash planted there comes back unread
-    memo = json.loads(fingerprint.memo_path().read_text(encoding="utf-8"))
+    # the memo is a cache entry (finetuner.cachedir): an edit by hand fails its SHA-256 and the weights are hashed again
+    raw = fingerprint.memo_path().read_text(encoding="utf-8")
+    memo = json.loads(raw.split("\n", 1)[1])
     entry = memo["files"][str(weights.resolve())]
     st = weights.stat()
     assert entry["stat"] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    fingerprint.memo_path().write_text(raw.replace(entry["sha256"], "0" * 64), encoding="utf-8")
+    edited = fingerprint.weights_fingerprint(str(folder))
+    assert edited.hashed == ["model.safetensors"] and edited.files == first.files
+    # the memo is what is used while the file's stat matches it: a hash it holds comes back unread
+    from finetuner.cachedir import write_json_entry
+
     entry["sha256"] = "0" * 64
-    fingerprint.memo_path().write_text(json.dumps(memo), encoding="utf-8")
+    write_json_entry(fingerprint.memo_path(), "digests.json", memo)
     assert fingerprint.weights_fingerprint(str(folder)).files["model.safetensors"]["sha256"] == "0" * 64
 
     # a touch: hashed again (its stat changed), the same fingerprint (the same weights)

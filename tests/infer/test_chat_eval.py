@@ -73,9 +73,9 @@ def test_interactive_chat_and_compare(run_dir):
     assert p.stdout.count("base> ") == 2 and p.stdout.count("fine-tuned> ") == 2
 
 
-def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_dir, tmp_path):
-    """In a terminal (a pty here): Up recalls the last line, Ctrl-D leaves the shell's prompt on a new line,
-    and the lines typed are kept for the next session."""
+def _terminal_chat(run_dir, cache, keys: list[bytes]) -> str:
+    """``finetuner chat RUN`` in a terminal (a pty), with ``cache`` as its cache folder: each of ``keys`` typed at a
+    prompt (the last one, Ctrl-D, ends it); what the terminal showed."""
     import os
     import pty
     import select
@@ -83,7 +83,7 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
     import sys
     import time
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FINETUNER_CACHE_DIR": str(tmp_path / "cache"), "TERM": "xterm"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FINETUNER_CACHE_DIR": str(cache), "TERM": "xterm"}
     master, slave = pty.openpty()
     p = subprocess.Popen([sys.executable, "-m", "finetuner.cli.main", "chat", str(run_dir), "--temperature", "0",
                           "--max-new-tokens", "6"], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO)
@@ -102,12 +102,9 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
         assert screen.count(b"you> ") >= count, screen
 
     try:
-        wait_for_prompt(1)
-        os.write(master, b"hello\r")
-        wait_for_prompt(2)
-        os.write(master, b"\x1b[A\r")  # Up, Enter: the line before, sent again
-        wait_for_prompt(3)
-        os.write(master, b"\x04")  # Ctrl-D
+        for i, key in enumerate(keys, 1):
+            wait_for_prompt(i)
+            os.write(master, key)
         assert p.wait(HANG_GUARD_S) == 0, screen
         while select.select([master], [], [], 0.2)[0]:
             try:
@@ -121,11 +118,39 @@ def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_di
         if p.poll() is None:
             p.kill()
         os.close(master)
-    text = screen.decode("utf-8", "replace")
+    return screen.decode("utf-8", "replace")
+
+
+def test_terminal_chat_edits_lines_recalls_history_and_ends_on_a_new_line(run_dir, tmp_path):
+    """In a terminal (a pty here): Up recalls the last line, Ctrl-D leaves the shell's prompt on a new line,
+    and the lines typed are kept for the next session."""
+    text = _terminal_chat(run_dir, tmp_path / "cache", [b"hello\r", b"\x1b[A\r", b"\x04"])  # Up, Enter: sent again; Ctrl-D
     assert "^[[A" not in text and "\x1b[A" not in text, text
     assert text.count("you> hello\r\nmodel> ") == 2, text  # the recalled line was sent as typed
     assert text.endswith("you> \r\n"), text  # Ctrl-D: a new line for the shell's prompt
     assert "hello" in (tmp_path / "cache" / "chat_history").read_text()
+
+
+def test_a_chat_history_link_is_never_followed(run_dir, tmp_path):
+    """Issue 66: with ``chat_history`` a link to another file, that file was read as the history, then rewritten and
+    re-moded. Now the link is not read (a note says so), and the history is written to a new 0600 file put in its
+    place: the other file keeps its bytes and its mode."""
+    import os
+    import stat
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    victim = tmp_path / "notes.txt"
+    victim.write_text("my own notes\n", encoding="utf-8")
+    victim.chmod(0o644)
+    (cache / "chat_history").symlink_to(victim)
+    text = _terminal_chat(run_dir, cache, [b"hello\r", b"\x1b[A\r", b"\x04"])
+    assert f"note: {cache / 'chat_history'} is a link or not a file: it is not read" in text, text
+    assert text.count("you> hello\r\nmodel> ") == 2, text  # Up recalled this session's line, not the other file's
+    assert victim.read_text(encoding="utf-8") == "my own notes\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    history = cache / "chat_history"
+    assert not history.is_symlink() and stat.S_IMODE(os.lstat(history).st_mode) == 0o600
+    assert "hello" in history.read_text(encoding="utf-8")
 
 
 def test_eval_shows_the_fine_tune_below_the_base_and_writes_metrics(run_dir):

@@ -266,3 +266,37 @@ def test_the_conversion_cache_gives_the_very_tensors_and_tokenizer_of_the_file(t
     st = tiny_gguf.stat()
     os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert gguf_base.pretrained_args(name, "model", torch.float32)[1]["gguf_file"] == tiny_gguf.name
+
+
+def test_a_conversion_whose_files_changed_is_never_loaded(tiny_gguf, tmp_path, monkeypatch, caplog):
+    """Issue 66: a conversion folder is used only while its files are the ones finetuner listed when it wrote them
+    (their SHA-256, under the folder's key): weights changed in place (same size, other bytes) or a folder without
+    the list (planted, or an older finetuner's) is said, removed, and the GGUF file converted again."""
+    import os
+    import stat
+
+    import torch
+
+    from finetuner.infer.loading import load_pretrained
+
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
+    name = str(tiny_gguf)
+    first = load_pretrained(name, "the model", dtype=torch.float32)
+    where = Path(gguf_base.pretrained_args(name, "model", torch.float32)[0])
+    assert where.parent.parent == tmp_path / "cache" / "gguf"
+    assert {stat.S_IMODE(os.lstat(p).st_mode) for p in where.iterdir()} == {0o600}
+    assert stat.S_IMODE(where.parent.stat().st_mode) == 0o700
+    weights = where / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF  # the last byte of the last tensor
+    weights.write_bytes(bytes(raw))
+    assert gguf_base.pretrained_args(name, "model", torch.float32) == (
+        str(tiny_gguf.parent), {"gguf_file": tiny_gguf.name, "output_loading_info": True})
+    assert f"The GGUF conversion {where} is not used (its files are not the ones its list names" in caplog.text
+    assert not where.exists()
+    second = load_pretrained(name, "the model", dtype=torch.float32)  # converted from the file again, and kept
+    a, b = first.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert gguf_base.pretrained_args(name, "model", torch.float32) == (str(where), {})
+    (where / gguf_base.ENTRY_FILE).unlink()  # no list: not finetuner's conversion as far as it can tell
+    assert gguf_base.pretrained_args(name, "model", torch.float32)[1]["gguf_file"] == tiny_gguf.name

@@ -76,7 +76,7 @@ def test_every_preset_is_answered_from_the_shipped_inventory(monkeypatch, tmp_pa
     whenever no other test had cached that model first."""
     from finetuner.model.shapes import preset_names
 
-    monkeypatch.setattr(reading, "cache_root", lambda: tmp_path)
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(reading, "read_model", lambda cfg: pytest.fail("built a preset's model again"))
     assert resolve_shape("qwen3-30b-a3b").experts.count == 128
     for name in preset_names():

@@ -64,6 +64,12 @@ KNOWN_TOTALS = {
     # google/gemma-4-26B-A4B as ai-dynamo/aiconfigurator vendors its config: the language model's 25.23B (its card:
     # 25.2B in total, 3.8B active) and the vision tower with its projector, 0.57B, which finetuner reads with it
     "gemma-4-26b-a4b": 25_805_933_872,
+    # issue 67 (sources in tests/planning/test_presets_and_cards_2026.py): Qwen/Qwen3.5-9B's language model (its card:
+    # 9B; llama.cpp reads 8.95B from its GGUF), Qwen/Qwen3.6-27B (the shape of Qwen3.5-27B; its name: 27B) and
+    # google/gemma-4-31B with its vision tower and projector, 0.58B, which finetuner reads with it (its name: 31B)
+    "qwen3.5-9b": 8_953_803_264,
+    "qwen3.6-27b": 26_895_998_464,
+    "gemma-4-31b": 31_273_086_512,
 }
 
 

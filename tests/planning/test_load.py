@@ -90,9 +90,7 @@ def test_a_plan_measures_again_a_calibration_made_under_a_load_the_machine_no_lo
     d["details"] = {**d["details"], "load_average": cores * 3.0, "cores": cores, "timed_by": "wall clock",
                     "measured_in_s": 26.1}
     d["source"] = "the busy calibration"
-    cache = calibrate.cache_file(d["name"])
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps(d))
+    cache = calibrate.save(DeviceSpeed.from_dict(d), calibrate.cache_file(d["name"]))  # as finetuner writes it
     fresh = DeviceSpeed.from_dict({**d, "source": "the fresh calibration", "details": {**d["details"], "load_average": cores * 0.5}})
     measured = []
 
@@ -114,4 +112,4 @@ def test_a_plan_measures_again_a_calibration_made_under_a_load_the_machine_no_lo
     r = cli_in_process(*args)
     assert r.returncode == 0, r.stderr
     assert measured == [("calibrate", 26.1)] and json.loads(r.stdout)["speed_source"] == "the fresh calibration"
-    assert json.loads(cache.read_text())["source"] == "the fresh calibration"
+    assert calibrate.load(cache).source == "the fresh calibration"

@@ -47,6 +47,12 @@ STATED = {
     # Gemma 4 reads its vision tower with the language model (0.57B) and counts the embedding table as active
     # (25.81B with the tower, 4.40B active; its card's 25.2B and 3.8B are the language model's 25.23B and 3.82B)
     "gemma-4-26b-a4b": (26 * B, 4 * B, B, ("embeddings",)),
+    # issue 67 (sources in tests/planning/test_presets_and_cards_2026.py): Qwen3.5-9B's language model 8.95B (9.41B
+    # with its vision tower), Qwen3.6-27B the shape of Qwen3.5-27B, Gemma 4 31B 31.27B with its vision tower (its
+    # language model 30.70B)
+    "qwen3.5-9b": (9 * B, None, B, ()),
+    "qwen3.6-27b": (27 * B, None, B, ()),
+    "gemma-4-31b": (31 * B, None, B, ()),
     # 340.3M, which its name rounds up to 350M: a name under a billion rounds to 50M, so the count must lie within 25M
     "granite-4.0-h-350m": (350 * M, None, 50 * M, ()),
 }

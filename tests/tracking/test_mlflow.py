@@ -11,6 +11,7 @@ import pytest
 
 import finetuner
 from finetuner.config.recipe import Recipe
+from tests.tracking.support import mlflow_server
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -71,32 +72,7 @@ def test_a_run_appears_in_a_local_mlflow_server(recipe_dict, tmp_path, monkeypat
     """A real ``mlflow server`` (its own process, a SQLite store and an artifact folder of its own) receives the run
     over HTTP: parameters, per-step metrics and the adapter read back through the client, and the run folder says
     where the run's page is."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                               "--artifacts-destination", (tmp_path / "server-artifacts").as_uri()],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, f"mlflow server exited with {server.returncode}"
-            assert time.monotonic() < deadline, "mlflow server did not answer /health in 180 s"
-            time.sleep(0.5)
+    with mlflow_server(tmp_path / "server") as url:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
         monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "server-test")
         monkeypatch.chdir(tmp_path)
@@ -109,14 +85,8 @@ def test_a_run_appears_in_a_local_mlflow_server(recipe_dict, tmp_path, monkeypat
         assert run.info.status == "FINISHED" and run.data.params["recipe.training.max_steps"] == "2"
         assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
         assert "adapter_model.safetensors" in {a.path.split("/")[-1] for a in client.list_artifacts(run_id, "adapter")}
-        assert any((tmp_path / "server-artifacts").rglob("adapter_model.safetensors"))  # stored by the server, not here
+        assert any((tmp_path / "server" / "artifacts").rglob("adapter_model.safetensors"))  # stored by the server, not here
         assert url in json.dumps(tracking.get("where", {})) and run_id in json.dumps(tracking.get("where", {}))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def test_grpo_completions_of_a_step_become_a_table_with_their_rewards(tmp_path, monkeypatch):

@@ -12,8 +12,6 @@ import json
 import shutil
 import socket
 import stat
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import yaml
 import finetuner
 from finetuner.config.recipe import Recipe
 from tests.conftest import cli_in_process, free_port, run_cli, ui_client, wait_until_done
+from tests.tracking.support import mlflow_server
 
 SENDER_ID = "sendersrun01"
 
@@ -140,7 +139,8 @@ def test_a_received_folders_wandb_settings_reach_no_server_when_the_web_ui_resum
         runs = victim / "ui" / "runs"
         run = received_run(recipe_dict, runs / "received", "wandb", {"wandb": SENDER_ID})
         plant_wandb_settings(run, sender.url)
-        with ui_client(victim / "ui", data_dirs=[alpaca_file.parent]) as c:
+        model = Path(recipe_dict["model"]["name"])  # the served UI's scope holds the run's model and data
+        with ui_client(victim / "ui", data_dirs=[alpaca_file.parent, model.parent]) as c:
             c.predict("received", False, api_name="/resume_training")
             st = wait_until_done(runs, "received")
         log = (run / "train.log").read_text(encoding="utf-8", errors="replace") if (run / "train.log").exists() else ""
@@ -153,39 +153,6 @@ def test_a_received_folders_wandb_settings_reach_no_server_when_the_web_ui_resum
         assert work.is_dir() and stat.S_IMODE(work.stat().st_mode) == 0o700
     finally:
         sender.shutdown()
-
-
-@contextlib.contextmanager
-def mlflow_server(folder: Path):
-    """A real ``mlflow server`` on a free loopback port (its own SQLite store and artifact folder); its URL."""
-    import urllib.request
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    folder.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-                               "--artifacts-destination", (folder / "artifacts").as_uri()],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, f"mlflow server exited with {server.returncode}"
-            assert time.monotonic() < deadline, "mlflow server did not answer /health in 180 s"
-            time.sleep(0.5)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def test_a_received_tracking_json_naming_a_finished_mlflow_run_writes_nothing_into_it_unless_asked(

@@ -279,10 +279,9 @@ def test_the_runs_prediction_draws_none_of_its_random_numbers(recipe_dict, tmp_p
     import torch
 
     from finetuner.config.runtime import resolve_runtime
-    from finetuner.model import reading
     from finetuner.training.prediction import predict_run
 
-    monkeypatch.setattr(reading, "cache_root", lambda: tmp_path)  # nothing read before: the model is built and traced
+    monkeypatch.setenv("FINETUNER_CACHE_DIR", str(tmp_path / "cache"))  # nothing read before: the model is built and traced
     recipe = Recipe.from_dict(recipe_dict)
     torch.manual_seed(3)
     before = torch.random.get_rng_state()
