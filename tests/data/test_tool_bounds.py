@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,11 +54,11 @@ def hostile(tmp_path_factory) -> dict[str, Path]:
 
 
 def measured(*args: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float, float]:
-    """``python -m finetuner ARGS`` as the user starts it: the result, its peak resident memory in MiB (``wait4``'s
-    rusage of that one process) and its seconds (killed after 300 s)."""
+    """``python -m finetuner ARGS`` as the user starts it: the result, its peak resident memory in MiB and its CPU
+    seconds, user and system (``wait4``'s rusage of that one process: what it costs, whatever else the machine runs;
+    its wall time varies with the load), killed after 300 s."""
     import threading
 
-    began = time.perf_counter()
     with (tmp / "stdout").open("w+") as out, (tmp / "stderr").open("w+") as err:
         p = subprocess.Popen([sys.executable, "-m", "finetuner", *args], stdin=subprocess.DEVNULL, stdout=out,
                              stderr=err, env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
@@ -71,7 +70,7 @@ def measured(*args: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float,
         out.seek(0)
         err.seek(0)
         done = subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
-    return done, usage.ru_maxrss / 1024, time.perf_counter() - began
+    return done, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
@@ -82,13 +81,13 @@ def test_hostile_tool_schemas_are_one_line_in_run_and_plan_under_1_gib_and_a_min
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"error: {data}, line 1: {said}: {BOUND} (format 'chat')."], run.stderr[-3000:]
     assert peak < 1024 and seconds < 60, (peak, seconds)
-    print(f"{name}: run {peak:.0f} MiB {seconds:.1f} s")
+    print(f"{name}: run {peak:.0f} MiB {seconds:.1f} s of CPU")
     plan, peak, seconds = measured("plan", "-m", str(DEMO_MODEL), "--gpu", "cpu", "--data", str(data), tmp=tmp_path)
     assert "Traceback" not in plan.stderr, plan.stderr[-3000:]
     note = " ".join(plan.stdout.split())  # the plan wraps its notes
     assert f"Note: 1 row of 4 cannot be used (first: {data}, line 1: {said}: {BOUND} (format 'chat'))" in note, note
     assert peak < 1024 and seconds < 60, (peak, seconds)
-    print(f"{name}: plan {peak:.0f} MiB {seconds:.1f} s")
+    print(f"{name}: plan {peak:.0f} MiB {seconds:.1f} s of CPU")
 
 
 def test_the_ui_data_preview_names_the_row_and_the_bound(hostile):
