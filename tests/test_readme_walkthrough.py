@@ -58,7 +58,10 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"^finetuner run my\.yaml$", "trains Qwen2.5-7B: a 15 GB hub download and a 24 GB GPU"),
     (r"qwen2\.5-7b-my_data-sft", "uses the Qwen2.5-7B run of the line before (not run)"),
     (r"^source ", "each command runs in a shell of its own with this environment's finetuner already on PATH"),
-    (r"^finetuner ui\b", "starts the web server, which runs until stopped (tests/ui/ drive it)"),
+    (r"^(\w+=('[^']*'|\S+) )*finetuner ui\b", "starts the web server, which runs until stopped (tests/ui/ drive it; "
+                                    "tests/ui/test_ui_access.py its --auth-file and FINETUNER_UI_AUTH)"),
+    (r"^mkdir -p ~/\.config/finetuner && ", "writes a UI password file into the home folder of whoever runs the tests "
+                                            "(tests/ui/test_ui_access.py checks --auth-file with a file of its own)"),
     (r"^finetuner run recipes/7b_4090\.yaml", "downloads Qwen2.5-7B-Instruct and needs a 24 GB GPU"),
     (r"^finetuner run grpo\.yaml", "the GRPO plan's Llama-3.1-8B: a hub download and a 24 GB GPU (tests/planning/"
                                    "test_plan_grpo.py runs a planned GRPO recipe with auto values on the CPU)"),

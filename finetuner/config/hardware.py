@@ -195,7 +195,8 @@ def detect() -> GpuProfile | None:
     card, total = dev.name(0), dev.total_memory(0)
     known = profile_for_device_name(card, total)
     # a card no profile names is timed as the representative card of its memory, which the speed source names
-    base = known or replace(representative(total / GiB), name=dev.CUDA, speed_of=representative(total / GiB).name)
+    size = representative(in_gib(total))
+    base = known or replace(size, name=dev.CUDA, speed_of=size.name)
     from finetuner.model import kernels
 
     # what runs on this card with what is installed here: the one answer the planner (Device.of) and

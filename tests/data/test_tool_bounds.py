@@ -53,15 +53,34 @@ def hostile(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+#: ``python -m finetuner`` that, as it exits, writes its own peak resident memory (``VmHWM`` of /proc/self/status,
+#: in KiB) to the file $PEAK_FILE names. Not ``wait4``'s ``ru_maxrss``: Linux keeps a process's maximum across
+#: ``execve``, so a child forked from a test worker of 2.2 GiB reported 2,288 MiB whatever it did itself; ``VmHWM``
+#: belongs to the memory of the program exec'd, measured from its start.
+OWN_PEAK = """import atexit, os, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["PEAK_FILE"], "w") as out:
+        out.write(kib)
+atexit.register(_peak)
+sys.argv[0] = "finetuner"
+runpy.run_module("finetuner", run_name="__main__", alter_sys=True)
+"""
+
+
 def measured(*args: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float, float]:
-    """``python -m finetuner ARGS`` as the user starts it: the result, its peak resident memory in MiB and its CPU
-    seconds, user and system (``wait4``'s rusage of that one process: what it costs, whatever else the machine runs;
-    its wall time varies with the load), killed after 300 s."""
+    """``python -m finetuner ARGS`` as the user starts it: the result, its own peak resident memory in MiB
+    (:data:`OWN_PEAK`) and its CPU seconds, user and system (``wait4``'s rusage of that one process: what it costs,
+    whatever else the machine runs; its wall time varies with the load), killed after 300 s."""
     import threading
 
+    peak_file = tmp / "peak_kib"
+    peak_file.unlink(missing_ok=True)
     with (tmp / "stdout").open("w+") as out, (tmp / "stderr").open("w+") as err:
-        p = subprocess.Popen([sys.executable, "-m", "finetuner", *args], stdin=subprocess.DEVNULL, stdout=out,
-                             stderr=err, env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+        p = subprocess.Popen([sys.executable, "-c", OWN_PEAK, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                                  "PEAK_FILE": str(peak_file)})
         guard = threading.Timer(300, p.kill)
         guard.start()
         _pid, status, usage = os.wait4(p.pid, 0)
@@ -70,7 +89,8 @@ def measured(*args: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float,
         out.seek(0)
         err.seek(0)
         done = subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
-    return done, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
+    assert peak_file.exists(), f"the command said no peak (exit {p.returncode}): {done.stderr[-2000:]}"
+    return done, int(peak_file.read_text()) / 1024, usage.ru_utime + usage.ru_stime
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
