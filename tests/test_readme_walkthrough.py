@@ -83,7 +83,7 @@ NOT_RUN: list[tuple[str, str]] = [
      "replays the recorded runs"),
     (r"^python -m scripts\.validate\.speed_", "re-measures a CPU speed matrix into docs/validation (minutes to an hour on "
      "2 cores; docs/benchmarks.md): the pages quote the recorded files, which the speed tests replay"),
-    (r"^python3 -m pip ", "docs/benchmarks.md's measurement on a GPU machine without finetuner's environment: "
+    (r"^(site=\$\(mktemp -d\) && )?python3 -m pip ", "docs/benchmarks.md's measurement on a GPU machine without finetuner's environment: "
      "downloads wheels and installs them elsewhere"),
 ]
 
