@@ -215,9 +215,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         from finetuner.text import cut_words
 
         _err(f"system prompt: the run's, {cut_words(chat.system, 80)!r} (--system '' asks without it)")
-    from finetuner.data.template_choice import FALLBACK_CHAT_TEMPLATE, choose
+    from finetuner.data.template_choice import FALLBACKS, choose
 
-    if chat.template == FALLBACK_CHAT_TEMPLATE:  # said, as the plan said it (finetuner.data.template_choice)
+    if chat.template in FALLBACKS:  # said, as the plan said it (finetuner.data.template_choice)
         _err(f"chat template: {choose(None, chat.template).why}")
     compare = args.compare and chat.has_adapter
     if args.compare and not chat.has_adapter:

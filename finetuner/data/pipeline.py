@@ -139,9 +139,13 @@ def raise_or_skip(bad: list[RowError], cfg: DataSection, stats: DataStats) -> No
 def chat_template_for(tokenizer: Any, cfg: DataSection) -> str:
     """The template training renders with: :func:`finetuner.data.template_choice.for_tokenizer`."""
     choice = template_choice.for_tokenizer(cfg.chat_template, tokenizer)
-    if choice.source == "fallback":
+    if choice.source == "fallback" and choice.why not in _SAID:  # once a process (the data is rendered in parts)
+        _SAID.add(choice.why)
         log.warning("Chat template: %s.", choice.why)
     return choice.template
+
+
+_SAID: set[str] = set()
 
 
 def _render(tokenizer: Any, template: str, messages: list[dict[str, str]], gen: bool, **switches: Any) -> str:

@@ -4,6 +4,11 @@ merge, GGUF export (its ``tokenizer.chat_template``) and the Ollama Modelfile.
 In order: the recipe's ``data.chat_template``; the tokenizer's own (a run's adapter folder keeps the one it
 trained with, so everything read from a run finds it there); else — a base model whose tokenizer has none —
 :data:`FALLBACK_CHAT_TEMPLATE`, finetuner's plain template, which the plan states before anything is trained.
+A tokenizer that puts its beginning-of-sequence token before every text (Gemma's, Llama 2's: the base model read
+all of its pre-training after it) gets the plain template begun with that token, :data:`FALLBACK_BOS_CHAT_TEMPLATE`:
+chat-rendered text is tokenized without the tokenizer's own special tokens everywhere, so without it such a model
+would train and answer on text it never saw the start of (Gemma 3 270M, a real GGUF: its first-step loss 8.64
+without, tests/model/test_gemma3_gguf_real.py).
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+#: the same, begun with the tokenizer's beginning-of-sequence token (a tokenizer that puts it before every text)
+FALLBACK_BOS_CHAT_TEMPLATE = "{{ bos_token }}" + FALLBACK_CHAT_TEMPLATE
+#: the templates a run of a base model without one trains with (and saves with its adapter)
+FALLBACKS = (FALLBACK_CHAT_TEMPLATE, FALLBACK_BOS_CHAT_TEMPLATE)
 #: what the plan and the run call it
 FALLBACK_NAME = ("finetuner's plain template ('<|user|>' and '<|assistant|>' lines, each answer ended by the "
                  "tokenizer's end-of-sequence token)")
+BOS_NAME = ", begun with the tokenizer's beginning-of-sequence token as every text of its pre-training was"
 
 
 @dataclass(frozen=True)
@@ -40,22 +50,41 @@ class TemplateChoice:
             return "the recipe's data.chat_template"
         if self.source == "tokenizer":
             return "the tokenizer's own chat template"
-        return f"no chat template in the tokenizer: {FALLBACK_NAME}"
+        bos = BOS_NAME if self.template == FALLBACK_BOS_CHAT_TEMPLATE else ""
+        return f"no chat template in the tokenizer: {FALLBACK_NAME[:-1]}{bos})"
 
 
-def choose(recipe_template: str | None, tokenizer_template: Any) -> TemplateChoice:
-    """The one decision (see the module's docstring)."""
+def choose(recipe_template: str | None, tokenizer_template: Any, adds_bos: bool = False) -> TemplateChoice:
+    """The one decision (see the module's docstring); ``adds_bos``: the tokenizer puts its beginning-of-sequence token
+    before every text."""
     if recipe_template:
         return TemplateChoice(recipe_template, "recipe")
-    if isinstance(tokenizer_template, str) and tokenizer_template and tokenizer_template != FALLBACK_CHAT_TEMPLATE:
+    if isinstance(tokenizer_template, str) and tokenizer_template and tokenizer_template not in FALLBACKS:
         return TemplateChoice(tokenizer_template, "tokenizer")
-    # none, or the fallback a run saved with its adapter (a run of a base model without one): the fallback
-    return TemplateChoice(FALLBACK_CHAT_TEMPLATE, "fallback")
+    if tokenizer_template in FALLBACKS:  # the fallback a run saved with its adapter: the one it trained with
+        return TemplateChoice(tokenizer_template, "fallback")
+    return TemplateChoice(FALLBACK_BOS_CHAT_TEMPLATE if adds_bos else FALLBACK_CHAT_TEMPLATE, "fallback")
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (or a processor's) puts its beginning-of-sequence token before a text it encodes."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    bos = getattr(tok, "bos_token_id", None)
+    if not isinstance(bos, int):
+        return False
+    try:
+        plain = tok("a", add_special_tokens=False)["input_ids"]
+        full = tok("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode a letter trains on nothing either
+        return False
+    return bool(full) and full[0] == bos and (not plain or plain[0] != bos)
 
 
 def for_tokenizer(recipe_template: str | None, tokenizer: Any) -> TemplateChoice:
     """:func:`choose` for a loaded tokenizer (or processor)."""
-    return choose(recipe_template, getattr(tokenizer, "chat_template", None))
+    template = getattr(tokenizer, "chat_template", None)
+    needs = not recipe_template and not (isinstance(template, str) and template)  # asked only for the fallback
+    return choose(recipe_template, template, adds_bos(tokenizer) if needs else False)
 
 
 def for_model(model: str, recipe_template: str | None = None) -> TemplateChoice | None:
@@ -65,7 +94,9 @@ def for_model(model: str, recipe_template: str | None = None) -> TemplateChoice 
     if recipe_template:
         return choose(recipe_template, None)
     stored = _stored(model)
-    return None if stored is ... else choose(None, stored)
+    if stored is ...:
+        return None
+    return choose(None, stored, _stored_adds_bos(model) if stored is None else False)
 
 
 _FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
@@ -100,6 +131,26 @@ def _stored(model: str) -> Any:
         if isinstance(hit, str):
             found[name] = hit
     return _from_files(found) if "tokenizer_config.json" in found else ...
+
+
+def _stored_adds_bos(model: str) -> bool:
+    """Whether the tokenizer of ``model`` (whose files are here, without a chat template) puts its beginning-of-sequence
+    token first: a GGUF file's ``tokenizer.ggml.add_bos_token`` (what transformers' GGUF tokenizer follows), a
+    folder's tokenizer loaded."""
+    from finetuner.fileio import exists, expand_user
+    from finetuner.model import gguf_base
+    from finetuner.model.shapes import preset_model
+
+    model = preset_model(model) or model
+    if gguf_base.is_gguf_name(model):
+        return gguf_base.read(expand_user(model)).adds_bos
+    name = str(expand_user(model)) if exists(expand_user(model), "dir") else model  # a folder, or the hub cache's copy
+    try:
+        from transformers import AutoTokenizer
+
+        return adds_bos(AutoTokenizer.from_pretrained(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - files the run itself will refuse with its own message
+        return False
 
 
 def _from_files(found: dict[str, Any]) -> Any:

@@ -112,7 +112,13 @@ def probe_ids(tokenizer, template: str, max_tokens: int = 48):
     import torch
 
     text = tokenizer.apply_chat_template(PROBE_MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_tokens:]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # the last tokens, after the beginning-of-sequence token where the template starts with one: a model that read
+    # all its text after it (Gemma) gives unsteady logits without (Gemma 3 270M at 8 bits: top-1 agreement 88% and
+    # |logit difference| up to 7.9 on the cut probe, 100% and 0.82 with it)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    head = ids[:1] if ids and isinstance(bos, int) and ids[0] == bos else []
+    ids = head + ids[len(head):][-(max_tokens - len(head)):]
     return torch.tensor([ids]), text
 
 

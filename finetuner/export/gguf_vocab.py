@@ -5,7 +5,7 @@ Two kinds of tokenizer can be written, the two llama.cpp and transformers' GGUF 
 - **byte-level BPE** (GPT-2 style: Llama 3, Qwen2, the demo model): ``tokenizer.ggml.model = gpt2``
   with the vocabulary in the byte alphabet, the merges, and the pre-tokenizer's name
   (``gpt-2``, ``llama-bpe`` or ``qwen2``: the regex that splits text before merging);
-- **sentencepiece-style BPE** with byte fallback (Llama 2, Mistral): ``tokenizer.ggml.model = llama``
+- **sentencepiece-style BPE** with byte fallback (Llama 2, Mistral, Gemma): ``tokenizer.ggml.model = llama``
   with scores (the merge order), byte tokens ``<0xNN>`` typed as bytes, and the merges.
 
 Anything else (WordPiece, Unigram, a normalizer or a split regex llama.cpp does not know) cannot be
@@ -102,7 +102,10 @@ def _kind(spec: dict[str, Any], what: str) -> tuple[str, str | None, bool | None
         norms = norm.get("normalizers", []) if norm and norm.get("type") == "Sequence" else ([norm] if norm else [])
         prepend = [n for n in norms if n.get("type") == "Prepend"]
         replace = [n for n in norms if n.get("type") == "Replace"]
-        if norms and len(norms) == len(prepend) + len(replace) and replace and not pres:
+        # Gemma's: a split on ' ' after the normalizer has replaced every space with '▁' never splits (a no-op)
+        noop = [p for p in pres if p.get("type") == "Split" and (p.get("pattern") or {}).get("String") == " "
+                and any((n.get("pattern") or {}).get("String") == " " and n.get("content") == "\u2581" for n in replace)]
+        if norms and len(norms) == len(prepend) + len(replace) and replace and len(noop) == len(pres):
             return "llama", None, bool(prepend)
         if not norms and types == ["Metaspace"]:
             return "llama", None, pres[0].get("prepend_scheme", "always") != "never"

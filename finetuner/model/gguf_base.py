@@ -366,6 +366,7 @@ class GGUFInfo:
     bits: float
     tensor_types: dict[str, float] = field(default_factory=dict)  # share of weights per GGML type
     chat_template: str | None = field(default=None, compare=False, repr=False)  # tokenizer.chat_template
+    adds_bos: bool = field(default=False, compare=False)  # tokenizer.ggml.add_bos_token: text is read after BOS
 
     @property
     def quantized(self) -> bool:
@@ -548,7 +549,8 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFInfo:
 
     template = value("tokenizer.chat_template")
     return GGUFInfo(Path(path), arch, transformers_name(arch), quant, bits_of(quant), shares,
-                    template if isinstance(template, str) and template else None)
+                    template if isinstance(template, str) and template else None,
+                    value("tokenizer.ggml.add_bos_token") is True)
 
 
 def config_of(path: str | Path) -> dict[str, Any]:
