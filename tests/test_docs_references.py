@@ -127,7 +127,7 @@ def test_the_pages_hold_every_recipe_key_and_every_exported_name():
         model = section_model(field)
         keys += [f"{name}.{key}" for key in model.model_fields] if model else [name]
     missing = [k for k in keys if f"\n| `{k}` |" not in recipes]
-    assert not missing and len(keys) > 100, f"keys without a row in docs/recipes.md: {missing}"
+    assert not missing and len(keys) > 100, f"keys without a row in docs/recipes.md: {missing} (run `{COMMAND}`)"
     assert "\n| `lora.r` | int | `16` |" in recipes and "Hub branch, tag or commit." in recipes
 
     api = (DOCS / "python-api.md").read_text(encoding="utf-8")
