@@ -1,6 +1,7 @@
-"""The documentation site builds as CI builds it (``mkdocs build --strict``: a broken link, a missing page or anchor,
-a docstring mkdocstrings cannot read is an error), and its generated pages hold what they are generated from: the
-recipe reference every key of the schema, the Python API reference every name ``finetuner`` exports."""
+"""The documentation site builds as CI builds it (``mkdocs build --strict``: a broken link, a missing page or anchor
+is an error), and its generated pages hold what they are generated from: the recipe reference every key of the
+schema, the Python API reference every name ``finetuner`` exports (the Markdown files themselves are checked in
+tests/test_docs_references.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_the_ui_page_shows_exactly_the_screenshots_the_browser_tests_take():
 
 def test_the_recipe_reference_names_every_key_of_the_schema(site):
     from finetuner.config.recipe import Recipe
-    from scripts.docs.hooks import section_model
+    from scripts.docs.recipe_reference import section_model
 
     page = text_of(site / "recipes" / "index.html")
     keys = []
@@ -88,6 +89,6 @@ def test_the_api_reference_documents_every_exported_name(site):
     for name in finetuner.__all__:
         assert f"finetuner.{name}" in page, name
         doc = (getattr(finetuner, name).__doc__ or "").strip()
-        if doc:  # the docstring's first words are on the page: mkdocstrings rendered it
+        if doc:  # the docstring's first words are on the page
             first = " ".join(plain(doc).split()[:4])
             assert first in page, (name, first)

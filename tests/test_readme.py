@@ -327,7 +327,7 @@ def test_every_script_flag_in_the_docs_exists():
 
 def test_recipe_table_names_every_key():
     """The Recipes page's table at a glance lists every key of every recipe section (a key added to the schema must be
-    described there too; the page's full reference is generated from the schema, tests/test_docs_site.py)."""
+    described there too; the page's full reference is generated from the schema, tests/test_docs_references.py)."""
     import typing
 
     from finetuner.config.recipe import Recipe
