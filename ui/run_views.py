@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from finetuner.infer.generate import sample_cell
 from finetuner.runs.schema import ACTIVE_STATES
 from finetuner.units import clock_text
 from ui.views import STATE_LABELS, chart, gib
@@ -293,7 +294,8 @@ def samples_md(st: Any | None) -> str:
         return completions
     rows = ["| prompt | base model | fine-tuned |", "|---|---|---|"]
     for s in st.samples:
-        cells = [html.escape(str(s.get(k, ""))).replace("\n", " ").replace("|", "\\|") for k in ("prompt", "base", "fine_tuned")]
+        cells = [html.escape(text).replace("\n", " ").replace("|", "\\|")
+                 for text in (str(s.get("prompt", "")), sample_cell(s, "base"), sample_cell(s, "fine_tuned"))]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n\n".join(filter(None, ["**Samples after training**\n\n" + "\n".join(rows), completions]))
 

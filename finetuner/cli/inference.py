@@ -186,7 +186,7 @@ def _answer(chat, messages: list[dict], **gen) -> str:
     if not chat.tools:
         return _stream_to_stdout(chat.stream(messages, **gen))
     reply = chat.tool_reply(messages, **gen)
-    print(reply.to_json() if reply.calls else reply.text, flush=True)
+    print(reply.shown(), flush=True)
     return reply.text
 
 

@@ -282,12 +282,22 @@ class ProgressPrinter:
         if system:  # the rows' shared system prompt: chat, the UI and the Modelfile ask with it (finetuner.infer.loading)
             c.print(f"System prompt: every training row carried {cut_words(system, 80)!r}; chat, the UI and the Ollama export "
                     "use it when you give none.", highlight=False)
+        shipped = m.get("answers_from") or {}
+        if shipped.get("line") and (m.get("samples") or m.get("general_probe") or m.get("tool_calls")):
+            c.print(shipped["line"], highlight=False)  # the answers below are the shipped adapter's (keep_best)
         kept = kept_line(m.get("general_probe"))
         if kept:  # what the fine-tune forgot of what the base knew
             c.print(kept, highlight=False)
+        self._samples(c, m)
+
+    @staticmethod
+    def _samples(c, m: dict) -> None:
+        """The sample answers, base against fine-tuned (each after its reasoning, marked)."""
+        from finetuner.infer.generate import sample_cell
+
         for s in m.get("samples", []):
             st = Table(title=f"Prompt: {s['prompt']}", show_lines=True)
             st.add_column("base model")
             st.add_column("fine-tuned")
-            st.add_row(s["base"] or "-", s["fine_tuned"])
+            st.add_row(sample_cell(s, "base"), sample_cell(s, "fine_tuned"))
             c.print(st)

@@ -366,10 +366,13 @@ class LoggingSection(Section):
 
 
 class SamplesSection(Section):
-    """Generations shown after training: base model vs fine-tuned, same prompt."""
+    """Generations shown after training: base model vs fine-tuned, same prompt, asked as ``finetuner chat`` asks (the
+    run's system prompt, a tool-calling run's tools, its thinking form) by the adapter the run ships."""
 
     prompts: list[str] = Field(default_factory=list)
-    max_new_tokens: int = Field(64, gt=0)
+    max_new_tokens: PositiveInt | Auto = Field(
+        "auto", description="New tokens for each answer; auto: the training rows' longest answer (its reasoning "
+        "included) and a quarter more, 64 to 1024 (finetuner.infer.generate.sample_new_tokens).")
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  (the table of strategies, in its order)

@@ -39,6 +39,10 @@ class ParsedReply:
         """The calls as ``finetuner chat`` prints them: one JSON object a line."""
         return "\n".join(json.dumps(c, ensure_ascii=False) for c in self.calls)
 
+    def shown(self) -> str:
+        """The reply as ``finetuner chat`` prints it: its calls (:meth:`to_json`) when it makes any, else its text."""
+        return self.to_json() if self.calls else self.text
+
 
 def _one(obj: Any) -> dict[str, Any] | None:
     """``{"name", "arguments"}`` from a decoded call (``arguments`` or Llama's ``parameters``, an object or a JSON

@@ -74,6 +74,23 @@ def without_reasoning(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
+THINK_START = "<think>"
+
+
+def split_reply(text: str) -> tuple[str | None, str]:
+    """A generated reply as its reasoning and its answer: the text inside ``<think>...</think>`` (None when the reply
+    has no think block) and the answer after it. A reply that opened ``<think>`` and ran out of new tokens before
+    ``</think>`` is all reasoning: its answer is ``""``."""
+    body = text.lstrip()
+    if THINK_END in body:
+        reasoning, _, answer = body.partition(THINK_END)
+        reasoning = reasoning.removeprefix(THINK_START) if reasoning.startswith(THINK_START) else reasoning
+        return reasoning.strip(), answer.strip()
+    if body.startswith(THINK_START):
+        return body[len(THINK_START):].strip(), ""
+    return None, text.strip()
+
+
 def wrote_reasoning(message: dict[str, Any]) -> bool:
     """Whether the data wrote reasoning for this assistant message (``reasoning_content`` or a ``</think>``)."""
     return carries_reasoning([message])

@@ -169,6 +169,17 @@ def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
 
+def offered_tools(examples: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool schemas the rows offered, each function once (its first schema, in the rows' order): what a
+    tool-calling run's sample prompts are offered (:func:`finetuner.training.samples.answer_samples`), as
+    ``finetuner chat --tools FILE`` offers a file of them."""
+    seen: dict[str, dict[str, Any]] = {}
+    for ex in examples:
+        for t in ex.get("tools") or []:
+            seen.setdefault(t["function"]["name"], t)
+    return list(seen.values())
+
+
 def _call(raw: Any, where: str, names: Sequence[str]) -> dict[str, Any]:
     """One call in transformers' form; ``raw`` is OpenAI's ``{"id", "type", "function": {...}}`` or a bare
     ``{"name", "arguments"}`` (LLaMA-Factory's)."""

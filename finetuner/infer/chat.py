@@ -278,6 +278,16 @@ class ChatModel:
 
         return parse_reply(self.reply(messages, **gen))
 
+    def answer(self, prompt: str, **gen: Any) -> str:
+        """The reply to one user ``prompt`` as ``finetuner chat -p`` prints it (same settings as :meth:`stream`):
+        asked with the system prompt, the tools and the thinking form this model has (:meth:`render`); offered
+        tools, its calls as JSON (one line a call) when it makes any, else its text. The run's sample answers are
+        asked here too (:func:`finetuner.training.samples.answer_samples`)."""
+        messages = [{"role": "user", "content": prompt}]
+        if not self.tools:
+            return self.reply(messages, **gen)
+        return self.tool_reply(messages, **gen).shown()
+
     def _stop_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)

@@ -1,4 +1,5 @@
-"""Generation with a chat template: one answer, a stream of text, or base vs fine-tuned side by side.
+"""What generation shares: a stream of clean text, and how many new tokens a run's sample answer gets
+(:func:`sample_new_tokens`). The prompts are asked by :meth:`finetuner.infer.chat.ChatModel.render`.
 
 A model may sample byte tokens that are not valid UTF-8 (a small or barely trained model often
 does: a lone continuation byte, a lead byte followed by a space). The tokenizer decodes each such
@@ -8,9 +9,10 @@ sequence to U+FFFD, the replacement character; :func:`clean_text` drops it from 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import finetuner.phases as phases
 from finetuner.text import REPLACEMENT_CHAR, clean_text  # noqa: F401 - the answers' cleaning, also read from here
 
 
@@ -32,71 +34,49 @@ def text_streamer(tokenizer: Any, timeout: float | None = None):
     return CleanTextStreamer(tokenizer, skip_prompt=True, timeout=timeout, skip_special_tokens=True)
 
 
-def render_prompt(tokenizer: Any, chat_template: str, prompt: str, system: str | None = None,
-                  switches: dict[str, Any] | None = None) -> str:
-    """``prompt`` (after ``system``) as the model is asked it; ``switches``: the template's keyword arguments (the
-    run's thinking form, :func:`finetuner.data.thinking.prompt_switches`)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
-                                         **(switches or {}))
+#: ``samples.max_new_tokens: auto``: at least this many new tokens for a sample answer, at most :data:`AUTO_MOST`
+AUTO_LEAST = 64
+AUTO_MOST = 1024
+#: the training rows whose answers ``auto`` measures (the first ones: a large file is not walked to its end)
+AUTO_ROWS = 2000
 
 
-def generate(
-    model,
-    tokenizer,
-    chat_template: str,
-    prompt: str,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    streamer=None,
-    switches: dict[str, Any] | None = None,
-) -> str:
-    """The model's answer to ``prompt`` (greedy when temperature is 0), without replacement characters;
-    ``switches``: as :func:`render_prompt`."""
-    import torch
-
-    text = render_prompt(tokenizer, chat_template, prompt, switches=switches)
-    enc = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
-    torch.manual_seed(seed)
-    kwargs: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        streamer=streamer,
-    )
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(**enc, **kwargs)
-    if was_training:
-        model.train()
-    return clean_text(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
+def longest_answer(label_rows: Iterable[Sequence[int]], ignore: int = -100) -> int:
+    """The longest answer of tokenized rows: the longest run of labelled tokens (``labels`` not ``ignore``) in a
+    row, one assistant turn with its reasoning when the rows train on it (a packed row's answers stay apart: the
+    prompt between two is unlabelled)."""
+    most = 0
+    for labels in label_rows:
+        run = 0
+        for t in labels:
+            run = run + 1 if t != ignore else 0
+            most = max(most, run)
+    return most
 
 
-def compare_samples(model, tokenizer, chat_template: str, samples_cfg, runtime,
-                    switches: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """For each prompt: the base model's answer (adapter disabled) and the fine-tuned one, both asked in the run's
-    thinking form (``switches``: :func:`finetuner.data.thinking.prompt_switches`)."""
-    results = []
-    use_cache = model.config.use_cache
-    model.config.use_cache = True
-    try:
-        for prompt in samples_cfg.prompts:
-            tuned = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens, switches=switches)
-            phases.advance()  # the run's "samples" phase, when one is open
-            if hasattr(model, "disable_adapter"):
-                with model.disable_adapter():
-                    base = generate(model, tokenizer, chat_template, prompt, samples_cfg.max_new_tokens, switches=switches)
-                phases.advance()
-            else:
-                base = None
-            results.append({"prompt": prompt, "base": base, "fine_tuned": tuned})
-    finally:
-        model.config.use_cache = use_cache
-    return results
+def sample_new_tokens(setting: int | str, label_rows: Iterable[Sequence[int]] | None) -> tuple[int, str]:
+    """The new tokens a sample answer gets and why: ``samples.max_new_tokens`` when the recipe sets a number; for
+    ``auto``, the data's longest answer (:func:`longest_answer`, its reasoning included) and a quarter more,
+    between :data:`AUTO_LEAST` and :data:`AUTO_MOST`, so that an answer that reasons first ends inside them."""
+    if setting != "auto":
+        return int(setting), "samples.max_new_tokens"
+    longest = longest_answer(itertools.islice(label_rows or [], AUTO_ROWS))
+    n = min(AUTO_MOST, max(AUTO_LEAST, -(-longest * 5 // 4)))
+    bound = (" (at most)" if n == AUTO_MOST else " (at least)" if n == AUTO_LEAST else "")
+    return n, f"auto: the training rows' longest answer, {longest} tokens with any reasoning, and a quarter more{bound}"
+
+
+def sample_cell(sample: dict[str, Any], who: str) -> str:
+    """A run's sample answer as its tables show it (``who``: ``fine_tuned`` or ``base``): the answer after its
+    reasoning, marked when it reasoned first (:func:`finetuner.training.samples.answer_samples` keeps the reasoning
+    apart), ``-`` for no answer (a full fine-tune has no base to switch to)."""
+    text = sample.get(who)
+    if text is None:
+        return "-"
+    reasoning = sample.get(f"{who}_reasoning")
+    if reasoning is None:
+        return text
+    words = len(reasoning.split())
+    if not text:
+        return f"(still reasoning when its new tokens ran out, after {words} words)"
+    return f"{text}\n(after {words} words of reasoning)"

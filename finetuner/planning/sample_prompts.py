@@ -1,7 +1,7 @@
 """The sample prompts of a planned recipe: two prompts of the rows the run holds out.
 
 At the end of a run the trainer answers each of ``samples.prompts`` with the fine-tune and the base model
-(:func:`finetuner.infer.generate.compare_samples`); a recipe without them shows no answer. The plan fills them
+(:func:`finetuner.training.samples.answer_samples`); a recipe without them shows no answer. The plan fills them
 with the user's text of the first held-out rows, in the order the run's split holds them out
 (:mod:`finetuner.data.split`, the same functions the pipelines split with), so the answers shown are to prompts
 the run did not train on. A data file the run holds nothing out of gives its first rows, and the plan says so.

@@ -319,7 +319,7 @@ def decode_token_seconds(shape: ModelShape, s: Settings, speed: DeviceSpeed) -> 
 
 
 def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepTime, steps: int, *,
-                 eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int,
+                 eval_every: int, save_every: int, held_out: int | None, sample_prompts: int, max_new_tokens: int | str,
                  files: ModelFiles, batch: BatchShape | None = None, evaluation_s: float | None = None,
                  answer_tokens: float | None = None, replay: Answering | None = None,
                  probe: Answering | None = None, tool_calls: Answering | None = None) -> Wait:
@@ -343,10 +343,15 @@ def predict_wait(shape: ModelShape, s: Settings, speed: DeviceSpeed, step: StepT
     evals = evaluation_count(steps, eval_every, n_val)
     ckpts = checkpoint_count(steps, save_every)
     answers = sample_answers(sample_prompts, s.method)
-    per_answer = float(max_new_tokens) if answer_tokens is None else min(float(max_new_tokens), max(1.0, answer_tokens))
+    from finetuner.infer.generate import AUTO_LEAST, AUTO_MOST
+
+    # samples.max_new_tokens auto: its bound is the data's longest answer, known when the run has tokenized it
+    most = AUTO_MOST if max_new_tokens == "auto" else int(max_new_tokens)
+    per_answer = float(AUTO_LEAST if max_new_tokens == "auto" else most) if answer_tokens is None else \
+        min(float(most), max(1.0, answer_tokens))
     if answers and answer_tokens is not None:
         assumptions.append(f"sample answers as long as the data's responses ({per_answer:.0f} tokens on average, "
-                           f"at most {max_new_tokens})")
+                           f"at most {max_new_tokens if max_new_tokens != 'auto' else f'{most} (auto)'})")
     parts = {
         "download": files.bytes / DOWNLOAD_BYTES_PER_S if files.download else 0.0,
         "load": load_seconds(files, speed),

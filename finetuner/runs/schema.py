@@ -344,8 +344,18 @@ class _SamplesTime(TypedDict, total=False):
     samples_s: float
 
 
-class SamplesEvent(Event, _SamplesTime):
-    """The sample prompts answered by the base and the fine-tuned model (after ``done``)."""
+class _SamplesAsked(TypedDict, total=False):
+    """How the samples were asked (absent in the events of runs from before it was written): the system prompt, the
+    tools' names, the new tokens and why, the thinking switches, and which step's model answered
+    (:func:`finetuner.training.samples.answer_samples`)."""
+
+    asked: dict[str, Any]
+
+
+class SamplesEvent(Event, _SamplesTime, _SamplesAsked):
+    """The sample prompts answered by the base and the fine-tuned model (after ``done``): each ``prompt``, the answers
+    after their reasoning (``fine_tuned``, ``base``: None without a base) and the reasoning apart
+    (``fine_tuned_reasoning``, ``base_reasoning``, when the answer reasoned first)."""
 
     samples: list[dict[str, Any]]
 

@@ -65,3 +65,16 @@ class BestEvaluation:
             out["held_out_note"] = (f"held-out loss rose from {loss:.4f} at step {best_step} to {last:.4f} at step {step}; "
                                     "the adapter is the last step's")
         return out
+
+
+def shipped(best: dict[str, Any], step: int, adapter: bool) -> dict[str, Any]:
+    """Which model the run ships in ``adapter/`` and its end-of-run answers (samples, general probe, tool-call scores)
+    come from: ``best`` the run's :meth:`BestEvaluation.summary`, ``step`` its last step, ``adapter`` whether it
+    trains an adapter (else the full model). ``line``: the summary's sentence saying it."""
+    kept = best.get("adapter_step")
+    at, why = (kept, "the lowest held-out loss (training.keep_best; the last step's is adapter-last/)") \
+        if kept not in (None, step) else (step, "the last step")
+    what = "adapter" if adapter else "model"
+    return {"dir": "adapter", "step": at, "why": why,
+            "line": f"Samples, general probe and tool-call scores: the {what} of step {at} (adapter/), {why}."}
+

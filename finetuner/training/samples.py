@@ -1,4 +1,5 @@
-"""What the run's model in memory answers: ``data.replay``'s general answers of the base before the first step
+"""What the run's model in memory answers (after training: the weights ``adapter/`` holds, the kept best ones with
+``training.keep_best``, :attr:`Trainer.answers_from <finetuner.training.trainer.Trainer>`): ``data.replay``'s general answers of the base before the first step
 (:func:`mix_replay_rows`), the general probe after the adapter is saved (:func:`general_probe`), the held-out tool
 calls (:func:`held_out_tool_calls`) and
 ``samples.prompts`` after ``done`` (:func:`answer_samples`), each asked in the form the run's rows trained in
@@ -19,16 +20,32 @@ from finetuner.training.result import TrainResult
 log = logging.getLogger(__name__)
 
 
-def run_chat(trainer, system: str | None):
-    """The model in memory as a :class:`~finetuner.infer.chat.ChatModel` (its adapter switchable)."""
+def run_chat(trainer, system: str | None, tools: list[dict[str, Any]] | None = None):
+    """The model in memory as a :class:`~finetuner.infer.chat.ChatModel` (its adapter switchable), asking as
+    ``finetuner chat RUN`` asks (:func:`finetuner.infer.chat.chat_model_for`): the run's template and thinking form,
+    ``system`` and ``tools``, the rows' tool format, the model's context."""
     from finetuner.infer.chat import ChatModel
-    from finetuner.infer.loading import Source
+    from finetuner.infer.loading import Source, context_length
 
     r = trainer.recipe
-    context = min(2048, int(getattr(trainer.model.config, "max_position_embeddings", None) or 2048))
+    renders = (trainer.data.stats.tools or {}).get("renders")
     return ChatModel(model=trainer.model, tokenizer=trainer.tokenizer, template=trainer.data.chat_template,
                      device=str(trainer.rt.device), source=Source(trainer.run_dir, "run", r.model.name, recipe=r),
-                     system=system, max_context=context, switches=trainer.prompt_switches())
+                     system=system, max_context=context_length(trainer.model, trainer.tokenizer),
+                     switches=trainer.prompt_switches(), tools=tools or None, tools_trained=renders)
+
+
+def run_tools(trainer) -> list[dict[str, Any]] | None:
+    """The tool schemas a tool-calling run's rows offered (:func:`finetuner.data.tools.offered_tools`, the data read
+    again), None for a run whose rows have no tools."""
+    r = trainer.recipe
+    if not trainer.data.stats.tools or not r.data.path:
+        return None
+    from finetuner.data.pipeline import DataStats, load_examples
+    from finetuner.data.tools import offered_tools
+
+    quiet = r.data.model_copy(update={"on_bad_row": "skip"})  # what the run refused, it refused already
+    return offered_tools(load_examples(r.data.path, quiet, DataStats())) or None
 
 
 @contextlib.contextmanager
@@ -134,20 +151,54 @@ def held_out_tool_calls(trainer) -> dict[str, Any] | None:
 
 
 def answer_samples(trainer, result: TrainResult) -> None:
-    """``samples.prompts`` answered by the fine-tune and the base (after ``done``): into ``metrics.json``, with
-    their time, and the ``samples`` event."""
-    from finetuner.infer.generate import compare_samples
+    """``samples.prompts`` answered greedily by the fine-tune and the base (after ``done``), each asked as
+    ``finetuner chat RUN -p`` asks it (:meth:`~finetuner.infer.chat.ChatModel.answer`: the run's system prompt, a
+    tool-calling run's tools, its thinking form) with the weights ``adapter/`` holds (the kept best ones with
+    ``keep_best``); new tokens from :func:`~finetuner.infer.generate.sample_new_tokens`. Each answer is kept as the
+    text after its reasoning (``fine_tuned``, ``base``) and the reasoning apart (``*_reasoning``, when it reasoned).
+    Into ``metrics.json`` (``samples``, and how they were asked: ``samples_asked``), with their time, and the
+    ``samples`` event."""
+    from finetuner.data.pipeline import run_system_prompt
+    from finetuner.data.thinking import split_reply
+    from finetuner.data.tools import tool_names
+    from finetuner.infer.generate import AUTO_ROWS, sample_new_tokens
     from finetuner.planning.wait import sample_answers
+
+    import finetuner.phases as phases
 
     r = trainer.recipe
     began = time.perf_counter()
-    answers = sample_answers(len(r.samples.prompts), "full" if not hasattr(trainer.model, "disable_adapter") else r.method)
-    with trainer.phase("samples", total=answers, unit="answers", predicted_s=trainer.predicted_part("samples")):
-        samples = compare_samples(trainer.model, trainer.tokenizer, trainer.data.chat_template, r.samples, trainer.rt,
-                                  trainer.prompt_switches())
+    has_adapter = hasattr(trainer.model, "disable_adapter")
+    answers = sample_answers(len(r.samples.prompts), "full" if not has_adapter else r.method)
+    system = run_system_prompt(r.data.system_prompt, trainer.data.stats.to_dict())
+    tools = run_tools(trainer)
+    chat = run_chat(trainer, system=system, tools=tools)
+    train = trainer.data.train
+    labels = (train.select(range(min(AUTO_ROWS, len(train))))["labels"]
+              if r.samples.max_new_tokens == "auto" and "labels" in (getattr(train, "column_names", None) or []) else None)
+    new_tokens, why = sample_new_tokens(r.samples.max_new_tokens, labels)
+    gen = dict(temperature=0, max_new_tokens=new_tokens)
+    samples = []
+    with answering(trainer.model), trainer.phase("samples", total=answers, unit="answers",
+                                                 predicted_s=trainer.predicted_part("samples")):
+        for prompt in r.samples.prompts:
+            entry: dict[str, Any] = {"prompt": prompt}
+            for who, on in (("fine_tuned", True), ("base", False)):
+                if not on and not has_adapter:
+                    entry[who] = None
+                    continue
+                reasoning, entry[who] = split_reply(chat.answer(prompt, adapter=on, **gen))
+                if reasoning is not None:
+                    entry[f"{who}_reasoning"] = reasoning
+                phases.advance()  # the "samples" phase's count
+            samples.append(entry)
     took = time.perf_counter() - began
+    asked = {"system_prompt": system, "tools": tool_names(tools) if tools else None, "max_new_tokens": new_tokens,
+             "max_new_tokens_from": why, "thinking": chat.switches or None,
+             "answers_from": getattr(trainer, "answers_from", None)}
     result.metrics["samples"] = samples
+    result.metrics["samples_asked"] = asked
     if "time" in result.metrics:  # the samples' time, and the total with them
         result.metrics["time"]["measured"] = measured_wait(trainer, took)
     atomic_write_json(trainer.run_dir / "metrics.json", result.metrics)
-    trainer.events.emit("samples", samples=samples, samples_s=round(took, 3))
+    trainer.events.emit("samples", samples=samples, asked=asked, samples_s=round(took, 3))

@@ -46,7 +46,7 @@ from finetuner.training.final import save_final
 from finetuner.rewards.limits import RewardStopped
 from finetuner.training import optimizer as optim
 from finetuner.training.backoff import back_off, train_step_with_backoff
-from finetuner.training.best import BestEvaluation, keeps_best
+from finetuner.training.best import BestEvaluation, keeps_best, shipped
 from finetuner.training.guards import check_finite_weights, disk_full_guard, divergence_hint
 from finetuner.training.memory_profile import dump_memory_profile, start_memory_profile
 from finetuner.training.oom import StepOutOfMemory, describe, is_out_of_memory
@@ -627,6 +627,8 @@ class Trainer:
             self.best.restore(self.trainable_params())
         adapter_dir = self.save_final()
         self.save_seconds += time.perf_counter() - began
+        # the weights in memory are adapter/'s now: the probe, the tool calls and the samples answer with them
+        self.answers_from = shipped(best, self.step, self.recipe.method != "full")
         began = time.perf_counter()
         probe = general_probe(self)
         self.probe_seconds = time.perf_counter() - began
@@ -639,6 +641,7 @@ class Trainer:
             "eval_loss": best.get("eval_loss", eval_loss),
             "eval_ppl": math.exp(min(best.get("eval_loss", eval_loss), 50)) if eval_loss is not None else None,
             **{k: v for k, v in best.items() if k != "eval_loss"},
+            "answers_from": self.answers_from,
             "tokens_seen": self.tokens_seen,
             "train_seconds": round(elapsed, 2),
             "tokens_per_s": round(self.tokens_here / max(self.step_seconds, 1e-9), 2),  # the steps' own time
