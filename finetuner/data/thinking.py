@@ -20,7 +20,9 @@ reply without reasoning with no think block while its non-thinking generation pr
 the model is asked at inference (:func:`joined_reply`). Such a template writes
 an earlier reply of a conversation without the think block it was answered after: that reply is context, not a
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
-(``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
+(``resolved``) state the forms and the rows' reasoning (:func:`statement`: how many rows carry it, in which form, how
+the template renders it, which turns' reasoning is trained and which dropped), and the run's ``metrics.json`` keeps
+it (``data.thinking``).
 
 Whatever the form, an empty think block the template writes into a reply (Qwen3's thinking form, for a reply
 without reasoning) is never a label (:func:`past_empty_block`); one the data wrote is. Which turns keep the
