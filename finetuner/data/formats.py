@@ -241,9 +241,11 @@ class Layout:
         return f"{self.format} ({', '.join(f'{r}: {c}' for r, c in self.columns.items())})"
 
     def describe_quoted(self) -> str:
-        """``'alpaca'``, or ``'alpaca', columns prompt: question, response: answer`` (for row errors)."""
+        """``'alpaca'``, or ``'question/answer', columns prompt: question, response: answer`` (for row errors): the
+        layout as the plan's data line names it (:func:`format_label`: the file's own columns)."""
         named = f", columns {', '.join(f'{r}: {c}' for r, c in self.columns.items())}" if self.columns else ""
-        return f"'{self.format}'{named}"
+        label = format_label(self.format, self.columns)
+        return f"'{label if label != FORMAT_LABELS.get(self.format) else self.format}'{named}"
 
 
 def detect_layout(row: Any) -> Layout | None:

@@ -66,7 +66,9 @@ class DataStats:
     prepare_s: float | None = None  # wall time of prepare_data (reading, tokenizing, packing or the cache)
     pictures: int = 0  # the training rows' pictures (an image-text-to-text model's data, finetuner.data.images)
     replay_rows: int = 0  # the base model's answers to general prompts mixed into the training rows (data.replay)
-    #: the forms a thinking chat template's rows trained in (finetuner.data.thinking.statement), None without one
+    #: the rows' reasoning (how many, in which form, trained or dropped, how the template renders it) and a thinking
+    #: template's forms (finetuner.data.thinking.statement); None for rows without reasoning and a template without
+    #: the switch
     thinking: dict[str, Any] | None = None
     #: how the rows with tools rendered and their schemas' tokens (finetuner.data.tools.statement), None without:
     #: "hermes" is finetuner's fallback format, which the run's model then calls tools in
@@ -506,8 +508,8 @@ def _prepare_uncached(cfg: DataSection, tokenizer: Any, seed: int, processor: An
     examples = load_examples(cfg.path, cfg, stats)
     stats.system_prompt = shared_system(examples)
     if processor is None:
-        stats.thinking = thinking.statement(chat_template_for(tokenizer, cfg),
-                                            (ex.get("messages") for ex in examples), cfg.thinking)
+        stats.thinking = thinking.statement(tokenizer, chat_template_for(tokenizer, cfg),
+                                            (ex.get("messages") for ex in examples), cfg.thinking, cfg.reasoning)
         stats.tools = tool_use(examples, tokenizer, chat_template_for(tokenizer, cfg))
     train = tokenize_examples(examples, tokenizer, cfg, stats, processor)
     val = None

@@ -92,7 +92,7 @@ class DataProfile:
     #: by their pixel count (finetuner.model.vision.pixel_budget; the most: ``max_pixels`` when one was given)
     largest_picture: int = 0
     pixel_budget: tuple[int, int] | None = None
-    #: a thinking chat template's forms of the rows (finetuner.data.thinking.statement), None without one
+    #: the rows' reasoning and a thinking template's forms (finetuner.data.thinking.statement), None without either
     thinking: dict[str, Any] | None = None
     #: the rows with tools: how they render and their schemas' tokens (finetuner.data.tools.statement), None without
     tools: dict[str, Any] | None = None
@@ -303,7 +303,7 @@ def profile_data(
         encoder, count, how = _counters(model, chat_template)
         src = FileExamples(path, fmt, columns, system_prompt)
         try:
-            chats: list[list[dict[str, Any]]] = []  # the rows' conversations, for a thinking template's statement
+            chats: list[list[dict[str, Any]]] = []  # the rows' conversations, for the reasoning statement
             tool_use = {"rows": 0, "schema_tokens": 0}  # rows with tools, and their schemas' tokens (_sft_lengths)
             lengths, trained, total, system_rows = _sft_lengths(src, count, encoder, (thinking, reasoning), chats,
                                                                 tool_use)
@@ -330,7 +330,7 @@ def profile_data(
                        on_bad_row, columns=dict(layout.columns) if layout else {})
     profile.system_rows = system_rows
     profile.pictures = pictures
-    profile.thinking = statement(encoder[1], chats, thinking) if encoder is not None else None
+    profile.thinking = statement(*(encoder or (None, None)), chats, thinking, reasoning)
     if profile.thinking:
         profile.notes.append(profile.thinking["reason"])
     profile.tools = tool_statement(tools.renders_tools(*encoder) if encoder is not None else None, tool_use["rows"],

@@ -20,7 +20,9 @@ reply without reasoning with no think block while its non-thinking generation pr
 the model is asked at inference (:func:`joined_reply`). Such a template writes
 an earlier reply of a conversation without the think block it was answered after: that reply is context, not a
 label; the last reply is trained. The plan (:class:`finetuner.data.stats.DataProfile`) and the run's ``start`` event
-(``resolved``) state the forms (:func:`statement`), and the run's ``metrics.json`` keeps it (``data.thinking``).
+(``resolved``) state the forms and the rows' reasoning (:func:`statement`: how many rows carry it, in which form, how
+the template renders it, which turns' reasoning is trained and which dropped), and the run's ``metrics.json`` keeps
+it (``data.thinking``).
 
 Whatever the form, an empty think block the template writes into a reply (Qwen3's thinking form, for a reply
 without reasoning) is never a label (:func:`past_empty_block`); one the data wrote is. Which turns keep the
@@ -143,37 +145,155 @@ def row_for(template: str | None, messages: list[dict[str, Any]], setting: str =
     return (messages if on else without_reasoning(messages)), {SWITCH: on}
 
 
-def statement(template: str | None, rows: Iterable[Sequence[dict[str, Any]]], setting: str = "auto"
-              ) -> dict[str, Any] | None:
-    """What the plan and the start event say of the rows' forms: ``{"value", "reason", "thinking_rows",
-    "plain_rows"}``; None when the template takes no switch (or the rows are not chat)."""
-    if not takes_switch(template):
-        return None
-    on = off = 0
+def _forms(messages: Sequence[dict[str, Any]]) -> set[str]:
+    """The forms an assistant turn of the row writes its reasoning in: ``think_tags`` (inline ``<think>...</think>``
+    in the content) and ``reasoning_content`` (the message's field)."""
+    found = set()
+    for m in messages:
+        if m.get("role") == "assistant":
+            if THINK_END in (m.get("content") or ""):
+                found.add("think_tags")
+            if (m.get("reasoning_content") or "").strip():
+                found.add("reasoning_content")
+    return found
+
+
+def _fates(tokenizer: Any, template: str, messages: list[dict[str, Any]], setting: str, reasoning: str
+           ) -> tuple[int, int]:
+    """``(trained, dropped)``: the row's assistant turns whose reasoning the data wrote that are in the loss, and
+    that are left out, as :func:`row_for` and :func:`with_reasoning` render them (a template that leaves out
+    earlier turns' reasoning drops those). A row ``data.reasoning: keep`` refuses is counted as dropped (the run
+    stops on it, or skips it)."""
+    from finetuner.data.rows import RowError
+
+    wrote = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and wrote_reasoning(m)]
+    if not wrote:
+        return 0, 0
+    try:
+        msgs = with_reasoning(tokenizer, template, row_for(template, messages, setting)[0], reasoning)
+    except RowError:
+        return 0, len(wrote)
+    drops = reasoning_behaviour(tokenizer, template)[1]
+    cut = _history_end(msgs)
+    kept = sum(1 for i in wrote if wrote_reasoning(msgs[i]) and not (drops and i < cut))
+    return kept, len(wrote) - kept
+
+
+def statement(tokenizer: Any, template: str | None, rows: Iterable[Sequence[dict[str, Any]]], setting: str = "auto",
+              reasoning: str = "auto") -> dict[str, Any] | None:
+    """What the plan, the start event and ``metrics.json`` (``data.thinking``) say of the rows' reasoning and, for a
+    template that takes the switch, of their forms: the one description of both (``setting``: ``data.thinking``,
+    ``reasoning``: ``data.reasoning``). None when the rows are not chat, or carry no reasoning and the template
+    takes no switch. Its keys:
+
+    - ``rows``, ``reasoning_rows``: the chat rows, and those whose assistant turns carry reasoning;
+    - ``forms``: rows per form the data wrote it in (``think_tags``: inline ``<think>...</think>``,
+      ``reasoning_content``: the message's field);
+    - ``renders``: ``template`` (the chat template writes ``reasoning_content`` itself, its own field),
+      ``inline`` (it does not: finetuner writes it into the reply as ``<think>...</think>``), None where the
+      model's tokenizer is not here to tell; ``drops_history``: whether it leaves out the reasoning of turns
+      before the last user message (Qwen3's rule, as at inference);
+    - ``turns``, ``trained_turns``, ``dropped_turns``: the assistant turns with reasoning, those whose reasoning
+      tokens are in the loss (labelled, never masked: a reply's reasoning is trained with it), those left out of
+      the text; ``trained``: ``all``, ``some`` or ``none`` of them (None where unknown);
+    - ``value``, ``thinking_rows``, ``plain_rows``: the switch's form (``off``, ``on`` or ``per row``) and the rows
+      rendered in each, for a template that takes it (``value`` None otherwise);
+    - ``reason``: the sentence the plan and the run's console print.
+    """
+    count = on = off = carried = 0
+    forms = {"think_tags": 0, "reasoning_content": 0}
+    trained = dropped = 0
+    known = tokenizer is not None and bool(template)
     for messages in rows:
-        if messages:
+        if not messages:
+            continue
+        count += 1
+        found = _forms(messages)
+        carried += bool(found)
+        for f in found:
+            forms[f] += 1
+        if takes_switch(template):
             if thinking_on(template, messages, setting):
                 on += 1
             else:
                 off += 1
-    if not on + off:
+        if found and known:
+            k, d = _fates(tokenizer, template, list(messages), setting, reasoning)
+            trained, dropped = trained + k, dropped + d
+    switch = takes_switch(template)
+    if not count or not (carried or switch):
         return None
     parts = []
-    if off:
-        why = "" if setting == "off" else " without reasoning"
-        parts.append(f"{off} row(s){why} trained in its non-thinking form ({SWITCH}=False, the template's "
-                     "empty think block unlabelled)")
-    if on:
-        why = "" if setting == "on" else " with reasoning"
-        parts.append(f"{on} row(s){why} in its thinking form ({SWITCH}=True, the reasoning labelled)")
-    value = "off" if not on else "on" if not off else "per row"
-    return {"value": value, "reason": f"the chat template takes {SWITCH}: " + "; ".join(parts),
-            "thinking_rows": on, "plain_rows": off}
+    if switch:
+        if off:
+            why = "" if setting == "off" else " without reasoning"
+            parts.append(f"{off} row(s){why} trained in its non-thinking form ({SWITCH}=False, the template's "
+                         "empty think block unlabelled)")
+        if on:
+            why = "" if setting == "on" else " with reasoning"
+            parts.append(f"{on} row(s){why} in its thinking form ({SWITCH}=True, the reasoning labelled)")
+    renders = drops = None
+    if known:
+        renders_field, drops = reasoning_behaviour(tokenizer, template)
+        renders = "template" if renders_field else "inline"
+    out = {"rows": count, "reasoning_rows": carried, "forms": forms, "renders": renders, "drops_history": drops,
+           "turns": trained + dropped if known else None, "trained_turns": trained if known else None,
+           "dropped_turns": dropped if known else None,
+           "trained": (None if not known or not carried else "all" if not dropped else "some" if trained else "none"),
+           "value": ("off" if not on else "on" if not off else "per row") if switch else None,
+           "thinking_rows": on, "plain_rows": off}
+    said = "; ".join(parts)
+    if carried:
+        said = (f"the chat template takes {SWITCH}: {said}; " if switch else "") + reasoning_sentence(out, setting,
+                                                                                                     reasoning)
+    else:
+        said = f"the chat template takes {SWITCH}: {said}"
+    out["reason"] = said
+    return out
+
+
+def reasoning_sentence(stated: dict[str, Any], setting: str = "auto", reasoning: str = "auto") -> str:
+    """The part of :func:`statement`'s ``reason`` that says where the rows' reasoning is and what becomes of it."""
+    forms = stated["forms"]
+    written = " and ".join(f"{n} {label}" for n, label in
+                           [(forms["think_tags"], "inline <think>...</think>"),
+                            (forms["reasoning_content"], "as reasoning_content")] if n)
+    head = f"reasoning in {stated['reasoning_rows']} of {stated['rows']} row(s) ({written})"
+    if stated["renders"] is None:
+        return (head + ": how the chat template renders it is not known here (the model's tokenizer is not on this "
+                "machine); the run's start line and metrics.json say")
+    if stated["renders"] == "template":
+        how = "the chat template renders it itself (reasoning_content, its own field)"
+    else:
+        how = "; ".join(h for h in [
+            "the inline blocks stay in the reply as the data wrote them" if forms["think_tags"] else "",
+            "reasoning_content, which the chat template does not render, is written into the reply as "
+            "<think>...</think> before the answer" if forms["reasoning_content"] else ""] if h)
+    if stated["drops_history"]:
+        how += " and leaves out the reasoning of turns before the last user message, as at inference"
+    why = ("data.thinking: off" if setting == "off" else f"data.reasoning: {reasoning}" if reasoning != "auto"
+           else "the template's rule, data.reasoning: auto" if stated["drops_history"] else "data.reasoning: auto")
+    k, d = stated["trained_turns"], stated["dropped_turns"]
+    fate = (f"trained: the reasoning of {k} assistant turn(s) is labelled (in the loss with its answer)" if k
+            else "not trained")
+    if d:
+        fate += f"{',' if k else ':'} the reasoning of {d} turn(s) dropped ({why})"
+    elif k:
+        fate += f" ({why})"
+    return f"{head}; {how}; {fate}"
 
 
 def resolved(stated: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The start event's ``resolved`` entry for a :func:`statement` (``{}`` without one)."""
-    return {"data.thinking": {"value": stated["value"], "reason": stated["reason"]}} if stated else {}
+    """The start event's ``resolved`` entry for a :func:`statement` (``{}`` without one): ``data.thinking`` (its
+    form) for a template that takes the switch, else ``data.reasoning`` (what becomes of the reasoning: ``keep``,
+    ``drop_history`` or ``strip``, as the rows rendered)."""
+    if not stated:
+        return {}
+    if stated.get("value") is not None:
+        return {"data.thinking": {"value": stated["value"], "reason": stated["reason"]}}
+    k, d = stated.get("trained_turns"), stated.get("dropped_turns")
+    value = "strip" if not k and d else "drop_history" if d else "keep"
+    return {"data.reasoning": {"value": value, "reason": stated["reason"]}}
 
 
 def prompt_switches(template: str | None, stated: dict[str, Any] | None, setting: str | None = None

@@ -433,14 +433,17 @@ def prepare_for_training(model, recipe: Recipe, tiled_mlp: int = 0, pictures: bo
 def stored_config(name: str, revision: str | None) -> dict[str, Any] | None:
     """The ``config.json`` of the checkpoint to load (a preset's, a folder's, the hub's); None for a GGUF base or
     a config that cannot be read here (``from_pretrained`` then says what is wrong with it)."""
-    from finetuner.model.shapes import load_config
+    from finetuner.model.shapes import is_sixteen_bit_copy, load_config
 
     if gguf_base.is_gguf_name(name):
         return None
     try:
-        return load_config(name, revision)[0]
+        cfg = load_config(name, revision)[0]
     except UserError:
         return None
+    if is_sixteen_bit_copy(name):  # a preset's bf16 copy (unsloth/gpt-oss-20b-BF16): its weights are not quantized
+        cfg.pop("quantization_config", None)
+    return cfg
 
 
 def _stored_method(cfg: dict[str, Any] | None) -> str | None:

@@ -476,7 +476,7 @@ def _preset_index() -> dict[str, str]:
     """Lower-case name, hub id or alias → preset name."""
     index: dict[str, str] = {}
     for key, cfg in _presets().items():
-        for alias in [key, cfg.get("_name_or_path", ""), *cfg.get("_aliases", [])]:
+        for alias in [key, cfg.get("_name_or_path", ""), *cfg.get("_aliases", []), cfg.get("_16bit_copy", "")]:
             if alias:
                 index[alias.lower()] = key
     return index
@@ -546,6 +546,23 @@ def preset_hub_id(name: str) -> str | None:
     # preset's ids, else nothing (the name is then taken as written)
     return next((i for i in [cfg.get("_name_or_path") or "", *cfg.get("_aliases", [])]
                  if "/" in i and i.lower().split("/", 1)[1] == written), None)
+
+
+def sixteen_bit_copy(name: str) -> str | None:
+    """The hub id of a 16-bit copy of a preset whose published checkpoint is stored quantized by another method than
+    bitsandbytes (gpt-oss's MXFP4, which QLoRA cannot quantize): the preset's ``_16bit_copy``
+    (``gpt-oss-20b`` → ``unsloth/gpt-oss-20b-BF16``); None for any other model, and for the copy itself."""
+    key = find_preset(name)
+    copy_id = _presets()[key].get("_16bit_copy") if key is not None else None
+    return copy_id if copy_id and copy_id.lower() != name.strip().lower() else None
+
+
+def is_sixteen_bit_copy(name: str) -> bool:
+    """Whether ``name`` is a preset's 16-bit copy (:func:`sixteen_bit_copy`): the preset's shape, its weights in
+    16 bits (its stored ``config.json`` has no ``quantization_config``)."""
+    key = find_preset(name)
+    copy_id = _presets()[key].get("_16bit_copy") if key is not None else None
+    return bool(copy_id) and copy_id.lower() == name.strip().lower()
 
 
 def preset_model(name: str) -> str | None:

@@ -35,7 +35,8 @@ from finetuner.data import template_choice
 from finetuner.model.gguf_base import info_for
 from finetuner.losses.chunk import loss_chunk_of
 from finetuner.memory.model import with_loss_chunk
-from finetuner.model.shapes import ModelShape, instruct_variant, parameter_count, resolve_shape
+from finetuner.model.shapes import (ModelShape, instruct_variant, is_sixteen_bit_copy, parameter_count, resolve_shape,
+                                     sixteen_bit_copy)
 from finetuner.objectives.specs import first_for_kind, spec_of
 from finetuner.planning.calibrate import speed_for
 from finetuner.planning.load import note_now
@@ -283,11 +284,20 @@ def plan(
     scan_note = kernel_note(shape)  # linear attention and state-space layers: the path their speed assumes
     if scan_note:
         result.notes.append(f"{model}: {scan_note}")
-    stored = (shape.config.get("quantization_config") or {}).get("quant_method")
+    stored = None if is_sixteen_bit_copy(model) else (shape.config.get("quantization_config") or {}).get("quant_method")
     if stored and stored != "bitsandbytes" and result.fits and result.recipe.method == "qlora":
-        result.notes.append(f"{model}'s published checkpoint is stored in {stored}: QLoRA quantizes a bf16 checkpoint, so "
-                            f"set model.name to a bf16 copy of it (for MXFP4: load it with transformers' "
-                            f"Mxfp4Config(dequantize=True) and save_pretrained)")
+        copy_id = sixteen_bit_copy(model)
+        if copy_id:  # the recipe loads what QLoRA can quantize
+            raw = result.recipe.to_dict()
+            raw["model"]["name"] = copy_id
+            result.recipe = Recipe.model_validate(raw)
+            result.notes.append(f"{model}'s published checkpoint is stored in {stored}, which QLoRA cannot quantize: "
+                                f"the recipe's model.name is {copy_id}, a bf16 copy of it (method: lora would load "
+                                "the published one, dequantized as it loads)")
+        else:
+            result.notes.append(f"{model}'s published checkpoint is stored in {stored}: QLoRA quantizes a bf16 checkpoint, "
+                                f"so set model.name to a bf16 copy of it (for MXFP4: load it with transformers' "
+                                f"Mxfp4Config(dequantize=True) and save_pretrained)")
     result.data = profile.to_dict() if profile else None
     result.optimizer_steps = sizing.total_steps
     if gpus > 1 and result.fits:  # the same job on one card, for the sentence that opens the plan

@@ -123,7 +123,7 @@ def test_a_later_row_without_a_named_column_is_a_bad_row(tmp_path):
     path = tmp_path / "d.json"
     path.write_text(json.dumps([{"q": "a?", "a": "b."}, {"q": "c?"}, {"q": "d?", "a": "e."}]))
     cfg = DataSection(path=str(path), columns={"prompt": "q", "response": "a"})
-    with pytest.raises(UserError, match=r"d.json, row 2: missing 'a' \(format 'alpaca', columns prompt: q, response: a\)"):
+    with pytest.raises(UserError, match=r"d.json, row 2: missing 'a' \(format 'q/a', columns prompt: q, response: a\)"):
         load_examples(str(path), cfg, DataStats())
     stats = DataStats()
     assert len(load_examples(str(path), cfg.model_copy(update={"on_bad_row": "skip"}), stats)) == 2 and stats.skipped == 1
@@ -221,8 +221,21 @@ def test_plan_names_the_bad_rows(tmp_path):
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())  # rich wraps long lines
     assert (f"1 row of 10 cannot be used (first: {path}, line 4: 'answer' is empty: nothing to train on "
-            "(format 'alpaca', columns prompt: question, response: answer))") in out
+            "(format 'question/answer', columns prompt: question, response: answer))") in out
     assert "columns found by their names: prompt = question, response = answer" in out
+
+
+def test_a_csv_with_an_empty_answer_is_named_by_its_own_columns(tmp_path):
+    """Issue 68: the bad row's error names the layout as the data line above it does (the file's question/answer
+    columns), in the plan and in the run, never a format the user's file is not in ("alpaca")."""
+    data = write_csv(tmp_path / "faq.csv", ["question", "answer"], [*QA[:5], ("Where is the map?", ""), *QA[5:8]])
+    r = cli_in_process("plan", "--model", str(DEMO_MODEL), "--gpu", "cpu", "--data", str(data))
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    said = f"{data}, line 7: 'answer' is empty: nothing to train on (format 'question/answer', columns prompt: question, response: answer)"
+    assert "Data: 8 examples (question/answer)" in out and said in out and "alpaca" not in out
+    r = cli_in_process("run", str(write_recipe(tmp_path / "r.yaml", demo_recipe(tmp_path, data))))
+    assert r.returncode == 2 and said in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
 
 
 # --------------------------------------------------------------------------- training, as a user runs it

@@ -142,6 +142,32 @@ def test_the_mixtures_of_experts_of_2026_plan_to_fit_a_24gb_card_with_4bit_exper
     assert any("stored in mxfp4" in n for n in plan.notes) == (model == "gpt-oss-20b")
 
 
+def test_the_gpt_oss_plan_writes_the_bf16_copy_its_note_names(tmp_path):
+    """Issue 68: QLoRA cannot quantize gpt-oss's published MXFP4 checkpoint, so the written recipe loads the bf16
+    copy the note names (a preset's ``_16bit_copy``), which plans, estimates and passes the loader's check offline
+    as the preset's shape; planned from the copy, the recipe keeps it and says nothing of MXFP4."""
+    import yaml
+
+    from finetuner.model.loading import stored_config
+    from tests.conftest import cli_in_process
+
+    out = cli_in_process("plan", "--model", "gpt-oss-20b", "--gpu", "rtx4090", "-o", str(tmp_path / "r.yaml"))
+    assert out.returncode == 0, out.stderr
+    written = (tmp_path / "r.yaml").read_text()
+    recipe = yaml.safe_load(written)
+    assert recipe["method"] == "qlora" and recipe["model"]["name"] == "unsloth/gpt-oss-20b-BF16"
+    assert ("# Note: gpt-oss-20b's published checkpoint is stored in mxfp4, which QLoRA cannot quantize: the recipe's "
+            "model.name is unsloth/gpt-oss-20b-BF16, a bf16 copy of it") in written
+    assert "quantization_config" not in stored_config("unsloth/gpt-oss-20b-BF16", None)  # QLoRA loads it
+    assert stored_config("openai/gpt-oss-20b", None)["quantization_config"]["quant_method"] == "mxfp4"
+    estimate = cli_in_process("estimate", str(tmp_path / "r.yaml"), "--gpu", "rtx4090")
+    assert estimate.returncode == 0 and "Fits" in estimate.stdout, estimate.stderr
+    again = cli_in_process("plan", "--model", "unsloth/gpt-oss-20b-BF16", "--gpu", "rtx4090", "-o", str(tmp_path / "c.yaml"))
+    assert again.returncode == 0, again.stderr
+    assert yaml.safe_load((tmp_path / "c.yaml").read_text())["model"]["name"] == "unsloth/gpt-oss-20b-BF16"
+    assert "mxfp4" not in again.stdout and "mxfp4" not in (tmp_path / "c.yaml").read_text()
+
+
 def _mxfp4_checkpoint(folder):
     """A tiny gpt-oss saved as openai/gpt-oss-20b is published: its experts as MXFP4 blocks and scales (random
     4-bit codes, exponents around 2^0), everything else in 16 bits; and the experts that layout dequantizes to."""
