@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 # every run of the tests, and no seconds spent measuring (runs started by tests inherit it)
 os.environ.setdefault("FINETUNER_SPEED_FILE", str(REPO / "tests" / "planning" / "speed_cpu.json"))
 PEER_DATA = REPO.parent / "shared" / "peer-data" / "llamafactory"
-# DeepSpeedCPUAdam's C++ extension is built once into the repo's git-ignored .cache (scripts/_setup.sh builds it)
+# DeepSpeedCPUAdam's C++ extension is built once into the repo's git-ignored .cache (the first test that needs it
+# builds it: the cpu_adam_built fixture)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
@@ -153,6 +154,130 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("finetuner")
+    group.addoption("--plan", action="store_true",
+                    help="print the run's plan once collected: how many tests, the predicted time on this machine "
+                         "(tests/suite_plan.py; ./scripts/test.sh passes it)")
+    group.addoption("--record-durations", action="store_true",
+                    help="write the time of each test file the run runs whole into tests/durations.json (the plan's "
+                         "times; the files not run keep theirs); whole files only: no -k, -m or ::")
+
+
+def _controller(config) -> bool:
+    """This process runs the session (the only one without xdist; xdist's controller, not a worker)."""
+    return not hasattr(config, "workerinput")
+
+
+class _SuitePlan:
+    """The plan and the durations of a run, kept by its controller (tests/suite_plan.py does the arithmetic)."""
+
+    def __init__(self, config):
+        from tests import suite_plan
+
+        self.config = config
+        self.load, self.cores = suite_plan.load_now()  # before this run's workers add theirs
+        import psutil
+
+        self.started = psutil.Process().create_time()  # this process's start: its imports, then collection
+        self.written = ""
+        self.first_report: float | None = None
+        self.selected: dict[str, int] | None = None
+        self.seen: dict[str, dict] = {}
+        self.nodeids: dict[str, set] = {}
+
+    def workers(self) -> int:
+        return max(1, len(getattr(self.config.option, "tx", None) or [])) if self.config.pluginmanager.has_plugin("dsession") else 1
+
+    def collected(self, nodeids) -> None:
+        from tests import suite_plan
+
+        if self.selected is not None:
+            return
+        self.selected = suite_plan.counts(nodeids)
+        if self.config.getoption("plan"):
+            plan = suite_plan.predict(self.selected, self.workers(), self.load, self.cores,
+                                      cpu_adam_built=suite_plan.cpu_adam_built())
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            for line in suite_plan.plan_text(plan):
+                reporter.write_line(line) if reporter else print(line)
+
+    def report(self, report) -> None:
+        from tests import suite_plan
+
+        if self.first_report is None:
+            self.first_report = time.time() - report.duration  # when the first test began (its set-up is its file's)
+        f = suite_plan.file_of(report.nodeid)
+        m = self.seen.setdefault(f, {"measured_s": 0.0, "loads": [], "cpu_s": 0.0})
+        m["measured_s"] += report.duration
+        m["loads"].append(os.getloadavg()[0])
+        m["cpu_s"] += sum(v for k, v in report.user_properties if k == "cpu_s")
+        self.nodeids.setdefault(f, set()).add(report.nodeid)
+
+    def write(self) -> None:
+        """The files this run ran whole (every selected test reported) into tests/durations.json."""
+        from tests import suite_plan
+
+        whole = {f: {"tests": n, "measured_s": self.seen[f]["measured_s"], "workers": self.workers(),
+                     "load": sum(self.seen[f]["loads"]) / len(self.seen[f]["loads"]), "cpu_s": self.seen[f]["cpu_s"]}
+                 for f, n in (self.selected or {}).items() if len(self.nodeids.get(f, ())) == n}
+        startup = None
+        if self.first_report is not None:  # collection and the workers' start, at the load of the run's start
+            startup = (self.first_report - self.started) / suite_plan.share(self.load + self.workers(), self.cores)
+        suite_plan.record(suite_plan.DURATIONS, whole, self.cores, startup)
+        self.written = (f"recorded the times of {len(whole)} test file{'s' if len(whole) != 1 else ''} into "
+                        f"{suite_plan.shown(suite_plan.DURATIONS)}")
+
+
+SUITE_PLAN = pytest.StashKey[_SuitePlan]()
+
+
+def pytest_configure(config):
+    if not _controller(config):
+        return
+    if config.getoption("record_durations") and (config.getoption("keyword") or config.getoption("markexpr")
+                                                 or any("::" in a for a in config.args) or config.getoption("lf", None)
+                                                 or config.getoption("deselect")):
+        raise pytest.UsageError("--record-durations records whole test files: give files or folders, without -k, -m, "
+                                "--lf, --deselect or test names (FILE::TEST)")
+    config.stash[SUITE_PLAN] = _SuitePlan(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist's controller collects nothing itself: the first worker's collection is the run's."""
+    node.config.stash[SUITE_PLAN].collected(ids)
+
+
+def pytest_collection_finish(session):
+    if _controller(session.config) and SUITE_PLAN in session.config.stash:
+        session.config.stash[SUITE_PLAN].collected([item.nodeid for item in session.items])
+
+
+def pytest_sessionstart(session):
+    """With --record-durations the controller takes each test's reports (:class:`_DurationReports`)."""
+    config = session.config
+    if _controller(config) and config.getoption("record_durations"):
+        config.pluginmanager.register(_DurationReports(config.stash[SUITE_PLAN]), "finetuner-durations")
+
+
+class _DurationReports:
+    """The reports of a run's tests to its :class:`_SuitePlan`, and the durations written when it ends."""
+
+    def __init__(self, plan: _SuitePlan):
+        self.plan = plan
+
+    def pytest_runtest_logreport(self, report):
+        self.plan.report(report)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session):
+        self.plan.write()
+
+    def pytest_terminal_summary(self, terminalreporter):
+        terminalreporter.write_line(self.plan.written)
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (each worker's tests start processes of their own)."""
     return max(1, min(os.cpu_count() or 1, 4))
@@ -198,6 +323,29 @@ def _tokenized_data_cache(tmp_path_factory):
     os.environ["FINETUNER_CACHE_DIR"] = str(cache)
     # and its checkpoint-sealing key (finetuner.training.seal), not the user's ~/.config/finetuner
     os.environ["FINETUNER_CONFIG_DIR"] = str(tmp_path_factory.mktemp("finetuner_config"))
+
+
+@pytest.fixture(scope="session")
+def cpu_adam_built() -> Path:
+    """DeepSpeedCPUAdam's C++ extension (the default optimizer of ZeRO-Offload, ``distributed.cpu_adam``), built
+    into ``$TORCH_EXTENSIONS_DIR`` (``.cache/torch_extensions``) the first time a test asks for it: 3 minutes of CPU
+    on 2 idle cores, 9 on busy ones, so only the tests that run it pay for it (``./scripts/test.sh --quick`` and most
+    ``-k`` selections never do); later runs find it built. Built in a process of its own (torch's lock file keeps
+    two builders apart); its log is ``cpu_adam-build.log`` beside it. The files that use it are listed in
+    tests/suite_plan.py's NEEDS_CPU_ADAM (the plan says when it is still to build)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -c constraints.txt -e '.[test]')")
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    so = root / "cpu_adam" / "cpu_adam.so"
+    if not so.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        log = root / "cpu_adam-build.log"
+        with log.open("w", encoding="utf-8") as out:
+            done = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
+                                  stdout=out, stderr=subprocess.STDOUT, timeout=HANG_GUARD_S, env=dict(os.environ))
+        if done.returncode != 0 or not so.is_file():
+            tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-20:])
+            pytest.fail(f"could not build DeepSpeedCPUAdam into {root} (log: {log}):\n{tail}")
+    return so
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ configs are saved in the run folder. ``fsdp`` (torch FSDP2) has its own file, te
 
 DeepSpeed is needed by the ZeRO tests only (their ``deepspeed`` fixture); the DDP run and the
 tests without processes run with it hidden. DeepSpeedCPUAdam (the default of offload) is a C++
-extension built once into ``$TORCH_EXTENSIONS_DIR`` (``.cache/torch_extensions``, see
-tests/conftest.py; scripts/_setup.sh builds it before the tests).
+extension built once into ``$TORCH_EXTENSIONS_DIR`` (``.cache/torch_extensions``) by the
+``cpu_adam_built`` fixture (tests/conftest.py) of the offload tests, the first time one runs.
 """
 
 from __future__ import annotations
@@ -210,13 +210,16 @@ def _logits_with_adapter(base_dir: Path, adapter_dir: Path):
     "strategy, offload",
     [("zero1", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "optimizer+params")],
 )
-def test_zero_strategies_on_two_processes_match_one_process(deepspeed, one_process, tmp_path, strategy, offload):
+def test_zero_strategies_on_two_processes_match_one_process(deepspeed, one_process, tmp_path, strategy, offload, request):
     """The ZeRO strategies and offloads the planner chooses besides ddp and zero2 (tested above),
     on two processes: the losses and the saved adapter are the one-process run's. ZeRO-3 shards
     the LoRA weights too, so the adapter is gathered for saving: it holds the full tensors and
     loads with PeftModel.from_pretrained. Offload uses the default optimizer, DeepSpeedCPUAdam (its
-    C++ extension is built once into $TORCH_EXTENSIONS_DIR)."""
+    C++ extension is built once into $TORCH_EXTENSIONS_DIR: the cpu_adam_built fixture)."""
     import torch
+
+    if offload != "none":
+        request.getfixturevalue("cpu_adam_built")
 
     base, ref = one_process
     run_dir = tmp_path / strategy
