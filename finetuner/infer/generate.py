@@ -57,6 +57,8 @@ def generate(
     ``switches``: as :func:`render_prompt`."""
     import torch
 
+    from finetuner.token_progress import counted
+
     text = render_prompt(tokenizer, chat_template, prompt, switches=switches)
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
     torch.manual_seed(seed)
@@ -65,6 +67,7 @@ def generate(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         streamer=streamer,
+        stopping_criteria=counted(tokenizer.eos_token_id),  # the open phase's tokens (the samples'), as they come
     )
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
