@@ -7,15 +7,20 @@ CLI's progress printer, the web UI and a notebook's bar show; a command that wri
 ``export``) gives the console's printer directly. Each record has the fields of that event:
 
 ``phase`` (a key of :data:`PHASES`), ``label`` (its words), ``state`` (``start``, ``progress``, ``end``), ``done`` and
-``total`` (a count in ``unit``; ``total`` None when not known), ``elapsed_s``, ``eta_s`` (None when it cannot say)
-and ``eta_from``: ``measured`` (the items done so far: ``elapsed / done x (total - done)``) or ``planned`` (the
-phase's predicted seconds less the time spent, before the first item or for a phase with no count).
+``total`` (a count in ``unit``; ``total`` None when not known), ``tokens`` (the tokens a generation in the phase
+made so far, counted at each decoding step: :mod:`finetuner.token_progress`; None in a phase that generates nothing),
+``elapsed_s``, ``eta_s`` (None when it cannot say), ``eta_from``: ``measured`` (the items done so far: ``elapsed /
+done x (total - done)``), ``planned`` (the phase's predicted seconds less the time spent, before the first item or
+for a phase with no count) or ``past_plan`` (that plan's seconds spent and no item done: ``eta_s`` None, the lines
+say "slower than planned"), and ``planned_s`` (the phase's predicted seconds; None without a plan).
 
 Code deep inside a phase (a ``datasets.map`` function, a generation loop) reports with the module functions
 :func:`advance` and :func:`expect`, which act on the phase this thread opened last, and do nothing outside one, in
-another thread or in a worker process (a ``datasets`` worker is forked with this module's state). A phase whose one
-call blocks (a model's load, a checkpoint's write) gets a line anyway: a heartbeat thread repeats the record every
-``heartbeat_s`` seconds when nothing else was said, so nothing runs for long without a line.
+another thread or in a worker process (a ``datasets`` worker is forked with this module's state); a generation
+counts its tokens with :meth:`Phase.generated` (from the thread ``generate`` runs in, on the phase its caller's
+thread opened). A phase whose one call blocks (a model's load, a checkpoint's write) gets a line anyway: a
+heartbeat thread repeats the record every ``heartbeat_s`` seconds when nothing else was said, so nothing runs for
+long without a line.
 
 No torch, no finetuner module but :mod:`finetuner.units` (its times written by ``clock_text``): any layer may
 open a phase.
@@ -29,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from finetuner.units import clock_text
+from finetuner.units import clock_text, duration_text
 
 Sink = Callable[[dict[str, Any]], Any]
 
@@ -56,6 +61,8 @@ PHASES: dict[str, str] = {
 }
 #: A record's ``state``.
 STATES = ("start", "progress", "end")
+#: Where a record's ``eta_s`` comes from (see the module doc); None: it cannot say.
+ETA_FROM = ("measured", "planned", "past_plan")
 
 #: Seconds between two ``progress`` records of a phase (the last item's always goes out).
 EVERY_S = 2.0
@@ -84,6 +91,7 @@ class Phase:
         self.predicted_s = predicted_s
         self.every_s, self.heartbeat_s, self.clock = every_s, heartbeat_s, clock
         self.done = 0
+        self.tokens: int | None = None  # generated tokens, once a generation counts them (generated)
         self.began = self.last_said = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -98,14 +106,16 @@ class Phase:
         if self.total is not None and self.done > 0:
             return elapsed / self.done * max(0, self.total - self.done), "measured"
         if self.predicted_s is not None:
-            return max(0.0, self.predicted_s - elapsed), "planned"
+            left = self.predicted_s - elapsed
+            return (left, "planned") if left >= 0 else (None, "past_plan")
         return None, None
 
     def record(self, state: str, now: float) -> dict[str, Any]:
         eta, eta_from = (0.0, "measured") if state == "end" else self.eta(now)
         return {"phase": self.name, "label": self.label, "state": state, "done": self.done, "total": self.total,
-                "unit": self.unit, "elapsed_s": round(now - self.began, 3),
-                "eta_s": None if eta is None else round(eta, 1), "eta_from": eta_from}
+                "unit": self.unit, "tokens": self.tokens, "elapsed_s": round(now - self.began, 3),
+                "eta_s": None if eta is None else round(eta, 1), "eta_from": eta_from,
+                "planned_s": None if self.predicted_s is None else round(self.predicted_s, 1)}
 
     def _say(self, state: str) -> None:
         with self._lock:
@@ -124,6 +134,15 @@ class Phase:
     def expect(self, n: int) -> None:
         """``n`` more items to do than the total said so far (a total learnt as the work goes)."""
         self.total = (self.total or 0) + n
+
+    def generated(self, n: int) -> None:
+        """``n`` more tokens generated (a decoding step of a batch: one per row still answering); a ``progress``
+        record when ``every_s`` has passed since the last, so that a batch's count moves before its answers are
+        done. Safe from another thread (a streamed generation runs in its own)."""
+        with self._lock:
+            self.tokens = (self.tokens or 0) + n
+        if self.clock() - self.last_said >= self.every_s:
+            self._say("progress")
 
     # ------------------------------------------------------------------ open and close
     def __enter__(self) -> Phase:
@@ -158,23 +177,37 @@ class Phase:
 
 # ---------------------------------------------------------------------- how a record is said
 def eta_text(rec: dict[str, Any]) -> str:
-    """A record's ETA as the bar and the lines say it: ``0:00:12``, ``0:00:40 (planned)``, ``-``."""
+    """A record's ETA as the bar and the lines say it: ``0:00:12``, ``0:00:40 (planned)``, ``-``; past its plan
+    ``- (slower than the planned 9.4 s)``."""
+    if rec.get("eta_from") == "past_plan":
+        return f"- (slower than the planned {duration_text(rec.get('planned_s'))})"
     if rec.get("eta_s") is None:
         return "-"
     return clock_text(rec["eta_s"]) + (" (planned)" if rec.get("eta_from") == "planned" else "")
 
 
+def tokens_text(rec: dict[str, Any]) -> str:
+    """The tokens a record's generation made, as the bar and the lines add them: `` (1,204 tokens)``; "" when it
+    counts none."""
+    return "" if rec.get("tokens") is None else f" ({rec['tokens']:,} tokens)"
+
+
 def line(rec: dict[str, Any]) -> str:
     """A record as one line (the console off a terminal, the web UI's status): ``the base model's replay answers:
-    32/64 answers, 0:00:41 so far, ETA 0:00:40``; at its end ``... done, 64 answers in 0:01:21``."""
+    32/64 answers (2,048 tokens), 0:00:41 so far, ETA 0:00:40``; past its plan ``...: 0/12 answers (1,204 tokens),
+    slower than planned: 0:06:02 so far, planned 9.4 s``; at its end ``... done, 64 answers in 0:01:21``."""
     unit = f" {rec['unit']}" if rec.get("unit") else ""
+    tokens = tokens_text(rec)
     if rec["state"] == "end":
-        count = f"{rec['done']:,}{unit} " if unit else ""
+        count = f"{rec['done']:,}{unit}{tokens} " if unit else ""
         return f"{rec['label']}: done, {count}in {clock_text(rec['elapsed_s'])}"
     if rec.get("total") is not None:
-        count = f"{rec['done']:,}/{rec['total']:,}{unit}, "
+        count = f"{rec['done']:,}/{rec['total']:,}{unit}{tokens}, "
     else:
-        count = f"{rec['done']:,}{unit}, " if unit and rec["done"] else ""
+        count = f"{rec['done']:,}{unit}{tokens}, " if unit and (rec["done"] or tokens) else ""
+    if rec.get("eta_from") == "past_plan":
+        return (f"{rec['label']}: {count}slower than planned: {clock_text(rec['elapsed_s'])} so far, "
+                f"planned {duration_text(rec.get('planned_s'))}")
     return f"{rec['label']}: {count}{clock_text(rec['elapsed_s'])} so far, ETA {eta_text(rec)}"
 
 

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from finetuner import phases
-from finetuner.cli.progress import PhasePrinter, ProgressPrinter
+from finetuner.cli.progress import PhasePrinter, ProgressPrinter, command_phases
 
 
 class Clock:
@@ -38,7 +38,8 @@ def test_counts_eta_and_the_records_a_phase_writes():
     assert said[1]["eta_s"] == 15.0 and said[1]["eta_from"] == "measured"  # 5 s for 2, 6 left
     assert said[2]["eta_s"] == pytest.approx(8 / 6 * 2, abs=0.05) and said[2]["elapsed_s"] == 8.0
     assert said[-1] == {"phase": "replay", "label": "the base model's replay answers", "state": "end", "done": 8,
-                        "total": 8, "unit": "answers", "elapsed_s": 8.0, "eta_s": 0.0, "eta_from": "measured"}
+                        "total": 8, "unit": "answers", "tokens": None, "elapsed_s": 8.0, "eta_s": 0.0,
+                        "eta_from": "measured", "planned_s": 40.0}
     assert phases.current() is None  # closed
 
 
@@ -109,6 +110,80 @@ def test_a_blocking_call_gets_heartbeat_lines():
     beat = next(r for r in said if r["state"] == "progress")
     assert beat["elapsed_s"] == 12.0 and beat["eta_s"] == 18.0 and beat["eta_from"] == "planned"
     assert said[-1]["state"] == "end"
+
+
+def test_a_phase_past_its_plan_says_it_is_slower_than_planned():
+    """The issue's replay: 12 answers in one batch, planned 9.4 s, still generating after 6 minutes. Its ETA is not
+    0:00:00 (planned) but "slower than planned", with the plan's seconds; the tokens it generated meanwhile move."""
+    clock, said = Clock(), []
+    out = io.StringIO()
+    printer = PhasePrinter(Console(file=out, width=200), None)
+
+    def sink(rec):
+        said.append(rec)
+        printer(rec)
+
+    with phases.Phase("replay", sink, total=12, unit="answers", predicted_s=9.4, heartbeat_s=None, clock=clock) as p:
+        clock.now += 9.0
+        assert p.eta(clock.now) == (pytest.approx(0.4), "planned")  # within its plan
+        p.generated(12)  # a decoding step of the batch: one token for each of its 12 rows
+        clock.now += 0.5
+        assert p.eta(clock.now) == (None, "past_plan")  # 9.5 s of a planned 9.4
+        clock.now += 352.5
+        p.generated(11)  # 6 minutes in, one row has ended
+        clock.now += 1
+        p.generated(11)  # 1 s since the last record (< every_s): counted, not said
+        assert p.tokens == 34
+        clock.now += 20
+        p.advance(12)
+    late = said[2]
+    assert (late["state"], late["done"], late["tokens"], late["elapsed_s"]) == ("progress", 0, 23, 362.0)
+    assert late["eta_s"] is None and late["eta_from"] == "past_plan" and late["planned_s"] == 9.4
+    assert phases.line(late) == ("the base model's replay answers: 0/12 answers (23 tokens), slower than planned: "
+                                 "0:06:02 so far, planned 9.4 s")
+    assert phases.eta_text(late) == "- (slower than the planned 9.4 s)"  # the bar's ETA column
+    assert said[-1]["tokens"] == 34 and said[-1]["state"] == "end"  # the answers, then the end, carry the count
+    assert out.getvalue().splitlines() == [
+        "the base model's replay answers: 0/12 answers (12 tokens), 0:00:09 so far, ETA 0:00:00 (planned)",
+        "the base model's replay answers: 0/12 answers (23 tokens), slower than planned: 0:06:02 so far, planned 9.4 s",
+        "the base model's replay answers: 12/12 answers (34 tokens), 0:06:23 so far, ETA 0:00:00",
+        "the base model's replay answers: done, 12 answers (34 tokens) in 0:06:23"]
+
+
+def test_a_heartbeat_past_the_plan_says_so_too():
+    """A blocking call past its plan (no count at all): the heartbeat's line says slower than planned, not ETA 0."""
+    clock, said, seen = Clock(), [], threading.Event()
+
+    def sink(rec):
+        said.append(rec)
+        if rec["state"] == "progress":
+            seen.set()
+
+    with phases.Phase("load", sink, predicted_s=30.0, heartbeat_s=0.05, clock=clock):
+        clock.now += 45
+        assert seen.wait(10)
+    beat = next(r for r in said if r["state"] == "progress")
+    assert phases.line(beat) == "loading the model: slower than planned: 0:00:45 so far, planned 30 s"
+
+
+def test_a_library_that_hides_its_stderr_does_not_hide_the_heartbeat(monkeypatch):
+    """The GGUF check wraps transformers' loader in contextlib.redirect_stderr (its tqdm bar): a command's phase
+    lines said meanwhile still reach the command's stderr (the console writes to the stderr it began with)."""
+    import contextlib
+    import time
+
+    monkeypatch.setattr(phases, "HEARTBEAT_S", 0.05)
+    command_err, hidden = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(command_err):  # the command's stderr (a pipe, a log)
+        with command_phases() as printer:
+            printer.QUIET_S = printer.EVERY_S = 0.0  # every heartbeat a line
+            with phases.phase("verify", label="checking the GGUF file with transformers' loader"):
+                with contextlib.redirect_stderr(hidden):  # the library's call
+                    deadline = time.monotonic() + 10
+                    while "so far" not in command_err.getvalue() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+    assert "checking the GGUF file with transformers' loader: 0:00:00 so far" in command_err.getvalue()
+    assert "so far" not in hidden.getvalue()
 
 
 def test_lines_say_count_time_and_eta():

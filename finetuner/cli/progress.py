@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,8 +23,9 @@ from finetuner.units import clock_text, duration_text, gib_text
 def console() -> Console:
     """The console the CLI prints a run on. On a terminal, rich's (lines fit the window); elsewhere (a log
     file, a pipe, CI) lines are never wrapped: rich would cut them at 80 columns, splitting a step line
-    in two, and a log is read with ``grep`` and ``tail``, not in a window of a known width."""
-    con = Console()
+    in two, and a log is read with ``grep`` and ``tail``, not in a window of a known width. It writes to the
+    ``sys.stdout`` of its creation (see :func:`command_phases`)."""
+    con = Console(file=sys.stdout)
     if not con.is_terminal:
         con.soft_wrap = True
     return con
@@ -90,6 +92,11 @@ def _train_info(loss: str, tps: str) -> str:
     return f"loss {loss}  {tps} tok/s"
 
 
+def _phase_info(rec: dict[str, Any]) -> str:
+    """A phase bar's words after its count: the unit, and the tokens its generation made (``answers (1,204 tokens)``)."""
+    return f"{rec.get('unit') or ''}{phases.tokens_text(rec)}".strip()
+
+
 def phase_progress(console: Console) -> Progress:
     """The bars of a run or a command: the training steps' (info: loss and tokens/s) and each phase's
     (:mod:`finetuner.phases`), one below the other; the ETA is finetuner's own (the steps':
@@ -123,7 +130,7 @@ class PhasePrinter:
         name, state = rec["phase"], rec["state"]
         if self.progress is not None:
             if state == "start":
-                self.tasks[name] = self.progress.add_task(rec["label"], total=rec.get("total"), info=rec.get("unit") or "",
+                self.tasks[name] = self.progress.add_task(rec["label"], total=rec.get("total"), info=_phase_info(rec),
                                                           eta=phases.eta_text(rec))
             elif name in self.tasks:
                 task = self.tasks[name]
@@ -131,7 +138,8 @@ class PhasePrinter:
                     self.progress.remove_task(task)
                     del self.tasks[name]
                 else:
-                    self.progress.update(task, completed=rec["done"], total=rec.get("total"), eta=phases.eta_text(rec))
+                    self.progress.update(task, completed=rec["done"], total=rec.get("total"), info=_phase_info(rec),
+                                         eta=phases.eta_text(rec))
             return
         if state == "start":
             self.said.pop(name, None)
@@ -150,8 +158,13 @@ class PhasePrinter:
 def command_phases(console: Console | None = None) -> Iterator[PhasePrinter]:
     """The phases a command opens (``merge``, ``export``, ``eval``: :func:`finetuner.phases.phase`) shown while the
     ``with`` block runs: bars on a terminal, lines off one (:class:`PhasePrinter`). On stderr by default, beside the
-    command's other progress, so that its result on stdout (``--json``) stays one clean object."""
-    con = console or Console(stderr=True)
+    command's other progress, so that its result on stdout (``--json``) stays one clean object.
+
+    The console writes to the ``sys.stderr`` this block began with, not to whatever ``sys.stderr`` is when a line
+    is printed: a library call that the command hides the output of (``contextlib.redirect_stderr``, as the GGUF
+    check does around transformers' loader, whose tqdm bar goes to stderr) would otherwise swallow the heartbeat
+    lines said meanwhile, and the phase would look stopped for as long as the call takes."""
+    con = console or Console(file=sys.stderr)
     if not con.is_terminal:
         con.soft_wrap = True  # a line each, as the run's lines (see console())
     bars = phase_progress(con) if con.is_terminal else None

@@ -185,6 +185,7 @@ class ChatModel:
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         from finetuner.infer.generate import text_streamer
+        from finetuner.token_progress import counted
 
         cancel = threading.Event()
 
@@ -205,7 +206,8 @@ class ChatModel:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self._stop_ids(),
             streamer=streamer,
-            stopping_criteria=StoppingCriteriaList([_Cancelled()]),
+            # its tokens counted into the phase this thread opened (the tool calls' scores), generated in another
+            stopping_criteria=StoppingCriteriaList([_Cancelled(), *counted(self._stop_ids())]),
         )
         if temperature > 0:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
@@ -243,6 +245,7 @@ class ChatModel:
         import torch
 
         from finetuner.infer.generate import clean_text
+        from finetuner.token_progress import counted
 
         tok = self.tokenizer
         out: list[str] = []
@@ -257,7 +260,8 @@ class ChatModel:
                 with self._lock, self.adapter(adapter), torch.no_grad():
                     ids = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
                                               top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
-                                              eos_token_id=self._stop_ids())
+                                              eos_token_id=self._stop_ids(),
+                                              stopping_criteria=counted(self._stop_ids()))  # tokens as they come
                 width = enc["input_ids"].shape[1]
                 out += [clean_text(tok.decode(row[width:], skip_special_tokens=True)).strip() for row in ids]
                 phases.advance(len(texts))  # the open phase's count (replay, probe), if one is open

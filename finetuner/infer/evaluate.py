@@ -197,6 +197,8 @@ def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, 
 
     import torch
 
+    from finetuner.token_progress import counted
+
     answers = []
     ctx = contextlib.nullcontext() if adapter or not hasattr(model, "disable_adapter") else model.disable_adapter()
     with ctx, torch.no_grad(), phases.phase("answers", total=len(refs), unit="answers", label=f"exact-match answers of {who}") as p:
@@ -207,7 +209,7 @@ def _exact_match(model, tokenizer, collate, refs: list[Reference], device: str, 
             inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
             out = model.generate(**inputs, max_new_tokens=len(ref.reply) + 8, do_sample=False, temperature=None,
                                  top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
+                                 eos_token_id=tokenizer.eos_token_id, stopping_criteria=counted(tokenizer.eos_token_id))
             answers.append(tokenizer.decode(out[0, len(ref.prompt):], skip_special_tokens=True))
             p.advance()
     hits = [_norm(a) == _norm(tokenizer.decode(r.reply, skip_special_tokens=True)) for a, r in zip(answers, refs)]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import finetuner.device as dev
+from finetuner.token_progress import counted
 from finetuner.text import clean_text
 from finetuner.labels import IGNORE_INDEX
 
@@ -190,7 +191,9 @@ def generate_group(model: Any, tokenizer: Any, prompts: Sequence[Any], *, num_ge
             torch.manual_seed(seed)
             for start in range(0, len(rows), step):
                 sl = slice(start, start + step)
-                out = model.generate(input_ids=prompt_ids[sl], attention_mask=prompt_mask[sl], **kwargs)
+                # its tokens counted into the open phase (an evaluation's), nothing outside one (a training step's)
+                out = model.generate(input_ids=prompt_ids[sl], attention_mask=prompt_mask[sl],
+                                     stopping_criteria=counted(eos), **kwargs)
                 outs.append(out[:, prompt_ids.size(1):])
     finally:
         if was_training:

@@ -360,7 +360,14 @@ class SamplesEvent(Event, _SamplesTime, _SamplesAsked):
     samples: list[dict[str, Any]]
 
 
-class PhaseEvent(Event):
+class _PhaseTokensAndPlan(TypedDict, total=False):
+    """Absent in the events of runs from before they were written."""
+
+    tokens: Union[int, None]  # tokens generated so far in the phase; None when it generates nothing
+    planned_s: Union[float, None]  # the phase's predicted seconds; None without a plan
+
+
+class PhaseEvent(Event, _PhaseTokensAndPlan):
     """Progress of a phase that is not a training step (:mod:`finetuner.phases`): loading the model, tokenizing,
     replay answers, the general probe, an evaluation, a checkpoint, the adapter's save, the sample answers. Written
     when a phase starts, every few seconds while it runs (also when its one call blocks: a heartbeat), and when it
@@ -374,7 +381,7 @@ class PhaseEvent(Event):
     unit: str
     elapsed_s: float
     eta_s: Union[float, None]  # None when it cannot say
-    eta_from: Union[Literal["measured", "planned"], None]
+    eta_from: Union[Literal["measured", "planned", "past_plan"], None]  # past_plan: the plan's seconds spent, no item done
 
 
 class ErrorEvent(Event):

@@ -239,8 +239,8 @@ class Trainer:
 
     def _say_phase(self, rec: dict[str, Any]) -> None:
         self.events.emit("phase", phase=rec["phase"], label=rec["label"], state=rec["state"], done=rec["done"],
-                         total=rec["total"], unit=rec["unit"], elapsed_s=rec["elapsed_s"], eta_s=rec["eta_s"],
-                         eta_from=rec["eta_from"])
+                         total=rec["total"], unit=rec["unit"], tokens=rec["tokens"], elapsed_s=rec["elapsed_s"],
+                         eta_s=rec["eta_s"], eta_from=rec["eta_from"], planned_s=rec["planned_s"])
 
     def _before_load(self) -> float | None:
         """The load's predicted seconds (the download's too), from the prediction made before it (the run's own is

@@ -28,7 +28,7 @@ THIRD_PARTY = re.compile(r"Warning\b|warnings\.warn|^(bitsandbytes|peft|transfor
                          r"\d+%\|[^|]*\||Loading checkpoint shards|Converting and de-quantizing|pad_token_id|"
                          r"generation flags|Setting accelerator", re.IGNORECASE)
 #: finetuner's one shape of line on stderr: a phase (finetuner.phases.line)
-PHASE_LINE = re.compile(r"^[^:]+: (done, .*in \d+:\d\d:\d\d|.*\d+:\d\d:\d\d so far, ETA .+)$")
+PHASE_LINE = re.compile(r"^[^:]+: (done, .*in \d+:\d\d:\d\d|.*\d+:\d\d:\d\d so far, (ETA|planned) .+)$")
 
 
 def foreign_lines(stdout: str, stderr: str) -> list[str]:

@@ -163,6 +163,11 @@ def test_a_real_run_writes_valid_events_that_the_docs_example_follows(recipe_dic
     assert first["done"] == first["total"] == data["rows"] > 0 and first["unit"] == "rows"  # every row the file has
     evals = [e for e in events if e["event"] == "phase" and e["phase"] == "eval" and e["state"] == "end"]
     assert [e["done"] for e in evals] == [8, 8]  # the 8 held-out rows, at step 2 and at the end
+    # the generations' tokens counted as they came (finetuner.token_progress): the one sample prompt answered by the
+    # fine-tune and the base, at most samples.max_new_tokens (4) each; a phase that generates nothing counts none
+    samples = next(e for e in events if e["event"] == "phase" and e["phase"] == "samples" and e["state"] == "end")
+    assert 2 <= samples["tokens"] <= 2 * 4
+    assert first["tokens"] is None
     for ev in events:
         assert validate_event(ev, allow_extra=False) == [], ev
     assert data is not None and next(e for e in events if e["event"] == "start")["schema_version"] == SCHEMA_VERSION
