@@ -147,6 +147,7 @@ def answer_samples(trainer, result: TrainResult) -> None:
                                   trainer.prompt_switches())
     took = time.perf_counter() - began
     result.metrics["samples"] = samples
+    result.metrics.setdefault("threads", {})["samples"] = trainer.phase_threads.get("samples")
     if "time" in result.metrics:  # the samples' time, and the total with them
         result.metrics["time"]["measured"] = measured_wait(trainer, took)
     atomic_write_json(trainer.run_dir / "metrics.json", result.metrics)

@@ -70,12 +70,19 @@ from finetuner.training.step_rate import StepRate
 from finetuner.steps import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
+import finetuner.threads as threads
+from finetuner.threads import Choice
 from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- the recipe
+#: The phases of a run that generate answers with the model: each chooses its threads as it begins
+#: (:mod:`finetuner.threads`: the load may have changed since the steps began).
+GENERATING_PHASES = ("replay", "probe", "tool_calls", "samples")
+
+
 class Trainer:
     """A fine-tune from a resolved recipe to an adapter in the run folder."""
 
@@ -115,6 +122,10 @@ class Trainer:
         #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
         #: it), said in the ``start`` event
         self.resolved: dict[str, dict[str, Any]] = {}
+        #: torch's threads for the steps (finetuner.threads; :func:`train` chooses them before the plan, else
+        #: :meth:`setup` does), said in the ``start`` event; each generating phase's own in metrics.json
+        self.threads: Choice | None = None
+        self.phase_threads: dict[str, dict[str, Any]] = {}
         from finetuner.planning.wait import first_load
 
         #: whether loading the model will download it or convert its GGUF file (its predicted load time): known
@@ -131,6 +142,9 @@ class Trainer:
         import torch
 
         r = self.recipe
+        if self.threads is None:
+            self.threads = threads.for_phase("train", r.training.threads)
+        self.phase_threads["train"] = self.threads.to_dict()
         self.rt: Runtime = resolve_runtime(r)
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
@@ -153,6 +167,7 @@ class Trainer:
         began = time.perf_counter()
         self.replay = mix_replay_rows(self)
         self.replay_seconds = time.perf_counter() - began
+        threads.apply(self.threads)  # the steps' threads again for the prediction and the steps (the replay chose its own)
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -229,12 +244,17 @@ class Trainer:
             predicted_speed=self.predicted_speed,
             gguf=gguf.to_event() if gguf is not None else None,
             resolved={**self.resolved, **thinking_resolved(self.data.stats.thinking)},
+            threads=self.threads.to_dict(),
             **device_memory(self.rt.device),
         )
 
     # ---------------------------------------------------------------- phases
     def phase(self, name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None) -> Phase:
-        """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events."""
+        """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events. One that
+        generates answers (:data:`GENERATING_PHASES`) chooses its threads for the load of the moment (the steps
+        take the run's again: :meth:`train`)."""
+        if name in GENERATING_PHASES:
+            self.phase_threads[name] = threads.for_phase(name, self.recipe.training.threads).to_dict()
         return Phase(name, self._say_phase, total=total, unit=unit, predicted_s=predicted_s)
 
     def _say_phase(self, rec: dict[str, Any]) -> None:
@@ -520,6 +540,7 @@ class Trainer:
         self.best = BestEvaluation(keeps_best(r, self.world_size))
         profiling = self.profile_memory and start_memory_profile(self.rt)
         rate = StepRate((self.predicted_speed or {}).get("step_s"), self.max_steps, start, self.resumed_from or 0)
+        threads.apply(self.threads)  # the steps' threads, as planned (a generating phase before may have chosen others)
         while self.step < self.max_steps:
             if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
                 profiling = dump_memory_profile(self.run_dir, self.events, self.step)
@@ -655,6 +676,7 @@ class Trainer:
             metrics["general_probe"] = entry_of(probe)
         if tool_calls is not None:
             metrics["tool_calls"] = tool_calls
+        metrics["threads"] = dict(self.phase_threads)
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
         metrics["time"] = {"predicted": predicted_wait(pred), "measured": measured_wait(self)}
