@@ -3,9 +3,10 @@
 An operation large enough to spread over torch's intra-op threads ends when its last thread ends. On cores that
 other processes keep busy each thread waits for a time slice of the scheduler, so every such operation waits
 milliseconds instead of microseconds: on 2 cores at load 6-16 the demo's steps took 1.4 s with torch's default 2
-threads and 0.34 s with one (docs/benchmarks.md measures it). So a phase that runs the model (the steps, and
-the answers generated in the replay, probe, tool-call and samples phases) takes as many threads as there are
-cores no other process is using, at least one:
+threads and 0.34 s with one (docs/benchmarks.md measures it). So a phase that runs the model (a run's steps, chosen
+before its plan; the answers its replay, probe, tool-call and samples phases generate, each chosen as it begins; a
+model loaded for ``chat``, ``eval`` or a merge: :func:`finetuner.infer.loading.load_model`) takes as many threads
+as there are cores no other process is using, at least one:
 
 * ``cores``: the cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``);
 * ``load``: the tasks other processes have running or waiting to run now, read from the kernel's run queue
@@ -198,6 +199,19 @@ def apply(choice: Choice) -> None:
     if torch.get_num_threads() != choice.threads:
         torch.set_num_threads(choice.threads)
     _chosen["last"] = choice
+
+
+def slow_words(choice: Choice) -> str:
+    """What a run whose steps are much slower than planned adds about its threads (on a CPU): the other processes'
+    load now against the one its threads were chosen for, and, when more threads than ``auto`` would take now, the
+    setting that takes fewer."""
+    now = measured_load()
+    auto = auto_threads(choice.cores, now)
+    words = f" Other processes' load is {now:.1f} now; the run's threads ({choice.threads}) were chosen at load {choice.load:.1f} ({choice.source})."
+    if choice.threads > auto:
+        words += (f" At this load {auto} thread{'s' if auto != 1 else ''} would be faster: "
+                  + ("the next run chooses again." if choice.source == AUTO else f"set training.threads: auto (or {auto})."))
+    return words
 
 
 def current() -> Choice | None:

@@ -134,3 +134,15 @@ def test_a_run_states_its_threads_in_its_start_line_event_and_metrics(recipe_dic
     assert r.returncode == 0, r.stderr
     assert (f"threads: 2 of {cores} core{'s' if cores > 1 else ''} (training.threads; at load {load:.1f} auto would "
             "take 1)") in r.stdout, r.stdout
+
+
+def test_a_slow_run_says_the_load_now_against_the_one_its_threads_were_chosen_for(monkeypatch):
+    chosen_idle = threads.decide("auto", 2, 0.0, env={})
+    forced = threads.decide(2, 2, 0.0, env={})
+    monkeypatch.setenv(threads.LOAD_ENV, "6.4")  # busy since the start
+    assert threads.slow_words(chosen_idle) == (" Other processes' load is 6.4 now; the run's threads (2) were chosen at load "
+                                               "0.0 (auto). At this load 1 thread would be faster: the next run chooses again.")
+    assert threads.slow_words(forced).endswith("(training.threads). At this load 1 thread would be faster: set "
+                                               "training.threads: auto (or 1).")
+    monkeypatch.setenv(threads.LOAD_ENV, "0")  # not the threads: nothing to change
+    assert threads.slow_words(chosen_idle) == " Other processes' load is 0.0 now; the run's threads (2) were chosen at load 0.0 (auto)."

@@ -521,6 +521,8 @@ class Trainer:
         if slow is None:
             return
         message, measured = slow
+        if not self.rt.is_cuda and self.threads is not None:  # on a CPU the threads are most of the story
+            message += threads.slow_words(self.threads)
         self.events.emit("slow_steps", step=self.step, measured_step_s=round(measured, 5),
                          planned_step_s=rate.planned_step_s, factor=round(measured / rate.planned_step_s, 2),
                          message=message)
