@@ -146,3 +146,14 @@ def test_a_slow_run_says_the_load_now_against_the_one_its_threads_were_chosen_fo
                                                "training.threads: auto (or 1).")
     monkeypatch.setenv(threads.LOAD_ENV, "0")  # not the threads: nothing to change
     assert threads.slow_words(chosen_idle) == " Other processes' load is 0.0 now; the run's threads (2) were chosen at load 0.0 (auto)."
+
+
+def test_the_benchmarks_page_shows_the_recorded_threads_table():
+    """docs/benchmarks.md holds scripts/bench/threads.py's table of docs/bench_threads.json as recorded."""
+    from scripts.bench.threads import CASES, table
+
+    doc = json.loads((REPO / "docs" / "bench_threads.json").read_text(encoding="utf-8"))
+    assert [(r["load"], r["threads_asked"]) for r in doc["rows"]] == list(CASES)
+    assert table(doc["rows"]) in (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    auto = [r for r in doc["rows"] if r["threads_asked"] == "auto"]
+    assert all(r["threads"] == threads.auto_threads(2, r["load_measured"]) for r in auto)  # the rule, as it ran

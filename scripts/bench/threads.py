@@ -12,6 +12,7 @@ event; the machine's other work (it is shared) adds to the busy loops, so each r
 Usage:
   python -m scripts.bench.threads                       # the six cases, a markdown table on stdout
   python -m scripts.bench.threads --out docs/bench_threads.json --steps 30
+  python -m scripts.bench.threads --out docs/bench_threads.json --cases busy:2   # one case again, the others kept
 """
 
 from __future__ import annotations
@@ -84,19 +85,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes for the busy cases")
-    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--cases", default=",".join(f"{load}:{t}" for load, t in CASES),
+                    help="the cases to run, LOAD:THREADS with LOAD idle or busy (default: all six)")
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here (an existing file's other cases are kept)")
     a = ap.parse_args(argv)
+    cases = [tuple(c.split(":")) for c in a.cases.split(",")]
+    if any(len(c) != 2 or c[0] not in ("idle", "busy") for c in cases):
+        ap.error(f"--cases {a.cases}: give LOAD:THREADS pairs, e.g. busy:1,busy:auto")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for load, threads in CASES:
+        for load, threads in cases:
             rows.append(run_case(load, threads, a.steps, a.busy, Path(tmp)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if a.out:  # after each case: a long one cut short keeps the others
+                write_rows(a.out, rows)
     print(table(rows))
-    if a.out:
-        a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-                                     "platform": platform.platform(), "recipe": "recipes/demo_cpu.yaml",
-                                     "rows": rows}, indent=1) + "\n")
     return 0
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """``rows`` into the JSON file ``path``, beside the rows of the other cases it holds (in :data:`CASES`' order)."""
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    key = lambda r: (r["load"], r["threads_asked"])  # noqa: E731
+    mine = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in mine] + rows
+    merged.sort(key=lambda r: CASES.index(key(r)) if key(r) in CASES else len(CASES))
+    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+                                "platform": platform.platform(), "recipe": "recipes/demo_cpu.yaml",
+                                "rows": merged}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
