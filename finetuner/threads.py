@@ -40,6 +40,9 @@ SAMPLES = 5
 SAMPLE_GAP_S = 0.02
 
 AUTO = "auto"
+#: The phases of a run that generate answers with the model: each chooses its threads as it begins (the load may
+#: have changed since the steps began; :meth:`finetuner.training.trainer.Trainer.phase`).
+GENERATING_PHASES = ("replay", "probe", "tool_calls", "samples")
 
 
 @dataclass(frozen=True)

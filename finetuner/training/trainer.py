@@ -71,18 +71,12 @@ from finetuner.steps import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
 import finetuner.threads as threads
-from finetuner.threads import Choice
 from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- the recipe
-#: The phases of a run that generate answers with the model: each chooses its threads as it begins
-#: (:mod:`finetuner.threads`: the load may have changed since the steps began).
-GENERATING_PHASES = ("replay", "probe", "tool_calls", "samples")
-
-
 class Trainer:
     """A fine-tune from a resolved recipe to an adapter in the run folder."""
 
@@ -122,9 +116,8 @@ class Trainer:
         #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
         #: it), said in the ``start`` event
         self.resolved: dict[str, dict[str, Any]] = {}
-        #: torch's threads for the steps (finetuner.threads; :func:`train` chooses them before the plan, else
-        #: :meth:`setup` does), said in the ``start`` event; each generating phase's own in metrics.json
-        self.threads: Choice | None = None
+        #: torch's threads for the steps (:func:`train` chooses them before its plan) and each generating phase's
+        self.threads: threads.Choice | None = None
         self.phase_threads: dict[str, dict[str, Any]] = {}
         from finetuner.planning.wait import first_load
 
@@ -142,9 +135,7 @@ class Trainer:
         import torch
 
         r = self.recipe
-        if self.threads is None:
-            self.threads = threads.for_phase("train", r.training.threads)
-        self.phase_threads["train"] = self.threads.to_dict()
+        self.threads = self.threads or threads.for_phase("train", r.training.threads)
         self.rt: Runtime = resolve_runtime(r)
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
@@ -251,9 +242,8 @@ class Trainer:
     # ---------------------------------------------------------------- phases
     def phase(self, name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None) -> Phase:
         """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events. One that
-        generates answers (:data:`GENERATING_PHASES`) chooses its threads for the load of the moment (the steps
-        take the run's again: :meth:`train`)."""
-        if name in GENERATING_PHASES:
+        generates answers chooses its threads for the load of the moment (:data:`finetuner.threads.GENERATING_PHASES`)."""
+        if name in threads.GENERATING_PHASES:
             self.phase_threads[name] = threads.for_phase(name, self.recipe.training.threads).to_dict()
         return Phase(name, self._say_phase, total=total, unit=unit, predicted_s=predicted_s)
 
@@ -521,8 +511,7 @@ class Trainer:
         if slow is None:
             return
         message, measured = slow
-        if not self.rt.is_cuda and self.threads is not None:  # on a CPU the threads are most of the story
-            message += threads.slow_words(self.threads)
+        message += threads.slow_words(self.threads) if not self.rt.is_cuda else ""  # on a CPU: the load and the threads
         self.events.emit("slow_steps", step=self.step, measured_step_s=round(measured, 5),
                          planned_step_s=rate.planned_step_s, factor=round(measured / rate.planned_step_s, 2),
                          message=message)
@@ -542,7 +531,6 @@ class Trainer:
         self.best = BestEvaluation(keeps_best(r, self.world_size))
         profiling = self.profile_memory and start_memory_profile(self.rt)
         rate = StepRate((self.predicted_speed or {}).get("step_s"), self.max_steps, start, self.resumed_from or 0)
-        threads.apply(self.threads)  # the steps' threads, as planned (a generating phase before may have chosen others)
         while self.step < self.max_steps:
             if profiling and self.step - (self.resumed_from or 0) == self.PROFILE_STEPS:
                 profiling = dump_memory_profile(self.run_dir, self.events, self.step)
@@ -678,7 +666,7 @@ class Trainer:
             metrics["general_probe"] = entry_of(probe)
         if tool_calls is not None:
             metrics["tool_calls"] = tool_calls
-        metrics["threads"] = dict(self.phase_threads)
+        metrics["threads"] = {"train": self.threads.to_dict(), **self.phase_threads}
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
         metrics["time"] = {"predicted": predicted_wait(pred), "measured": measured_wait(self)}
