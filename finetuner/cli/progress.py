@@ -17,6 +17,7 @@ from finetuner.infer.probe import kept_line
 from finetuner.infer.tool_eval import calls_line
 from finetuner.planning.data_auto import resolved_line
 from finetuner.text import cut_words
+from finetuner.threads import threads_line
 from finetuner.units import clock_text, duration_text, gib_text
 
 
@@ -212,6 +213,8 @@ class ProgressPrinter:
                     f"{d.get('train_examples')} training / {d.get('val_examples')} validation examples, "
                     f"{ev['max_steps']} steps → {ev['run_dir']}"
                 )
+                if ev.get("threads") and str(ev["device"]).startswith("cpu"):  # torch's threads (finetuner.threads)
+                    self.console.print(threads_line(ev["threads"]), highlight=False)
                 if ev.get("gguf"):
                     self.console.print(f"[yellow]Note:[/] {ev['gguf']['note']}", highlight=False)
                 if ev.get("resolved"):

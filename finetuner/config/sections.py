@@ -293,6 +293,14 @@ class TrainingSection(Section):
         "auto", description="Fused Liger kernels (CUDA, finetuner[speed]); auto uses them when installed on a CUDA GPU."
     )
     compile: bool = Field(False, description="torch.compile each decoder layer (slower start, faster steps).")
+    threads: PositiveInt | Auto = Field(
+        "auto",
+        description=(
+            "torch's CPU threads for the steps and the answers the run generates. auto: the cores other processes "
+            "leave free now, at least 1 (finetuner.threads; OMP_NUM_THREADS, when set, decides instead); on busy "
+            "cores one thread is many times faster than two."
+        ),
+    )
     tiled_mlp: bool | Auto = Field(
         "auto",
         description=(

@@ -304,6 +304,10 @@ def load_model(src: Source, adapter: bool = True, device: str = "auto", pictures
     the base model alone; ``pictures``: the image-text-to-text model (:func:`picture_processor`). Returns
     ``(model, device)``.
     """
+    from finetuner.threads import for_phase
+
+    # torch's CPU threads for the answers to come, from the load now (finetuner.threads); a run's recipe may set them
+    for_phase("generate", getattr(getattr(src.recipe, "training", None), "threads", "auto"))
     with phases.phase("load"):  # one blocking call: the command's front hears its heartbeat (finetuner.phases)
         return _load_model(src, adapter, inference_device(device), pictures)
 

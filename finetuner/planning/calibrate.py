@@ -76,11 +76,16 @@ DISK_PROBE_BYTES = 64 * 2**20
 
 
 def device_key() -> tuple[str, str]:
-    """This machine's device as (platform, name): the CUDA device 0, else the CPU model and thread count."""
+    """This machine's device as (platform, name): the CUDA device 0, else the CPU model and the torch threads a
+    run here uses (:func:`finetuner.threads.ensure`: chosen now for the machine's load when this process has not
+    chosen them), so each thread count has its own calibration and a plan predicts with the threads it runs with."""
     import torch
+
+    from finetuner.threads import ensure
 
     if devices.available():
         return CUDA, devices.name(0)
+    ensure()
     model = _platform.processor() or _platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -42,24 +42,31 @@ def growth(speed: DeviceSpeed, load: float, cores: int) -> float:
     return share(load, cores) / then
 
 
-def busier_note(speed: DeviceSpeed, load: float, cores: int) -> str | None:
+def busier_note(speed: DeviceSpeed, load: float, cores: int, threads: int | None = None) -> str | None:
     """The words a plan adds when the machine is busier now than at calibration (load above the cores),
-    else None."""
+    else None. ``threads``: the run's own threads, counted in ``load`` (the rest is other processes')."""
     if speed.platform != "cpu" or load <= cores:
         return None
     times = growth(speed, load, cores)
     if times <= 1.0:
         return None
     d = speed.details or {}
-    then = f" (load {d['load_average']:.1f} at calibration)" if d.get("load_average") is not None else ""
+    parts = [f"other processes {load - threads:.1f}, this run's {threads} thread{'s' if threads != 1 else ''}"] if threads else []
+    if d.get("load_average") is not None:
+        parts.append(f"load {d['load_average']:.1f} at calibration")
+    then = f" ({'; '.join(parts)})" if parts else ""
     return (f"the machine is busier now: load {load:.1f} on {cores} cores{then}, so times may be up to "
             f"{times:.1f}x longer than planned")
 
 
 def note_now(speed: DeviceSpeed) -> str | None:
-    """:func:`busier_note` for this machine's load now: what the plan, ``finetuner estimate`` and a run's ``start``
-    event say beside the times planned with ``speed``."""
-    return busier_note(speed, *load_now())
+    """:func:`busier_note` for this machine's load now, as the threads were chosen for it
+    (:func:`finetuner.threads.ensure`: the other processes' load it measured, plus the threads the run takes): what
+    the plan, ``finetuner estimate`` and a run's ``start`` event say beside the times planned with ``speed``."""
+    from finetuner.threads import ensure
+
+    choice = ensure()
+    return busier_note(speed, choice.load + choice.threads, choice.cores, choice.threads)
 
 
 #: how many times longer the calibration's share of the machine was than now's before it is measured again

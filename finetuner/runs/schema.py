@@ -186,7 +186,16 @@ class _Resolved(TypedDict, total=False):
     resolved: dict[str, dict[str, Any]]
 
 
-class StartEvent(Event, _Memory, _Objective, _Tiling, _LossChunk, _Gguf, _PredictedSpeed, _Resolved):
+class _Threads(TypedDict, total=False):
+    """torch's CPU threads for the steps (finetuner.threads.Choice.to_dict): ``threads``, ``cores`` (this process
+    may run on), ``load`` (the tasks other processes kept running when it chose), ``source`` (``auto``,
+    ``training.threads`` or ``OMP_NUM_THREADS``), ``reason`` (in words) and ``auto_threads`` (what auto would
+    take at that load). Absent in the events of runs from before it was written."""
+
+    threads: dict[str, Any]
+
+
+class StartEvent(Event, _Memory, _Objective, _Tiling, _LossChunk, _Gguf, _PredictedSpeed, _Resolved, _Threads):
     """Training begins (again, for a resumed run: ``resumed_from_step`` is set)."""
 
     schema_version: int

@@ -102,7 +102,10 @@ def train(
         from finetuner.planning.resolve import resolve_for_run
 
         from finetuner.planning.data_auto import resolve_data
+        from finetuner.threads import for_phase
 
+        # the threads for the steps, before the plan (its calibration is the one made with them)
+        threads = for_phase("train", recipe.training.threads)
         recipe, resolved = resolve_data(recipe)  # data ``auto`` values → the plan's rules, on the recipe's own data
         recipe, plan = resolve_for_run(recipe, resume)  # ``auto`` values → the planner, for this device
         check_before_run(recipe)  # a micro-batch, a step or a run it cannot finish: refused before anything is made
@@ -115,6 +118,7 @@ def train(
             trainer.entered_at = entered
             trainer.tracking_resume = tracking_resume or None  # None: finetuner.tracking.owned.RESUME_ENV decides
             trainer.resolved = resolved
+            trainer.threads = threads
         except BaseException:
             lock.release()
             if new_folder:

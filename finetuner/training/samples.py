@@ -198,6 +198,7 @@ def answer_samples(trainer, result: TrainResult) -> None:
              "answers_from": getattr(trainer, "answers_from", None)}
     result.metrics["samples"] = samples
     result.metrics["samples_asked"] = asked
+    result.metrics.setdefault("threads", {})["samples"] = trainer.phase_threads.get("samples")
     if "time" in result.metrics:  # the samples' time, and the total with them
         result.metrics["time"]["measured"] = measured_wait(trainer, took)
     atomic_write_json(trainer.run_dir / "metrics.json", result.metrics)

@@ -70,6 +70,7 @@ from finetuner.training.step_rate import StepRate
 from finetuner.steps import optimizer_steps
 from finetuner.runs.folder import check_disk_space
 from finetuner.phases import Phase
+import finetuner.threads as threads
 from finetuner.units import gib_text
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,9 @@ class Trainer:
         #: what the recipe's data ``auto`` values became and why (finetuner.planning.data_auto; :func:`train` sets
         #: it), said in the ``start`` event
         self.resolved: dict[str, dict[str, Any]] = {}
+        #: torch's threads for the steps (:func:`train` chooses them before its plan) and each generating phase's
+        self.threads: threads.Choice | None = None
+        self.phase_threads: dict[str, dict[str, Any]] = {}
         from finetuner.planning.wait import first_load
 
         #: whether loading the model will download it or convert its GGUF file (its predicted load time): known
@@ -131,6 +135,7 @@ class Trainer:
         import torch
 
         r = self.recipe
+        self.threads = self.threads or threads.for_phase("train", r.training.threads)
         self.rt: Runtime = resolve_runtime(r)
         torch.manual_seed(r.training.seed)
         random.seed(r.training.seed)
@@ -153,6 +158,7 @@ class Trainer:
         began = time.perf_counter()
         self.replay = mix_replay_rows(self)
         self.replay_seconds = time.perf_counter() - began
+        threads.apply(self.threads)  # the steps' threads again for the prediction and the steps (the replay chose its own)
         self.fused_ce = None
         if self.rt.kernels == "liger":
             from finetuner.model.kernels import fused_linear_cross_entropy
@@ -229,12 +235,16 @@ class Trainer:
             predicted_speed=self.predicted_speed,
             gguf=gguf.to_event() if gguf is not None else None,
             resolved={**self.resolved, **thinking_resolved(self.data.stats.thinking)},
+            threads=self.threads.to_dict(),
             **device_memory(self.rt.device),
         )
 
     # ---------------------------------------------------------------- phases
     def phase(self, name: str, total: int | None = None, unit: str = "", predicted_s: float | None = None) -> Phase:
-        """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events."""
+        """A phase of this run that is not a step (:mod:`finetuner.phases`), said in ``phase`` events. One that
+        generates answers chooses its threads for the load of the moment (:data:`finetuner.threads.GENERATING_PHASES`)."""
+        if name in threads.GENERATING_PHASES:
+            self.phase_threads[name] = threads.for_phase(name, self.recipe.training.threads).to_dict()
         return Phase(name, self._say_phase, total=total, unit=unit, predicted_s=predicted_s)
 
     def _say_phase(self, rec: dict[str, Any]) -> None:
@@ -501,6 +511,7 @@ class Trainer:
         if slow is None:
             return
         message, measured = slow
+        message += threads.slow_words(self.threads) if not self.rt.is_cuda else ""  # on a CPU: the load and the threads
         self.events.emit("slow_steps", step=self.step, measured_step_s=round(measured, 5),
                          planned_step_s=rate.planned_step_s, factor=round(measured / rate.planned_step_s, 2),
                          message=message)
@@ -658,6 +669,7 @@ class Trainer:
             metrics["general_probe"] = entry_of(probe)
         if tool_calls is not None:
             metrics["tool_calls"] = tool_calls
+        metrics["threads"] = {"train": self.threads.to_dict(), **self.phase_threads}
         metrics["memory"] = memory_comparison(self.prediction, metrics["mem_peak"], self.rt)
         pred = getattr(self, "predicted_speed", None) or {}
         metrics["time"] = {"predicted": predicted_wait(pred), "measured": measured_wait(self)}

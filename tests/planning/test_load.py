@@ -43,28 +43,42 @@ def test_times_grow_by_the_share_of_a_core_now_over_then():
 
 
 def test_estimate_and_plan_say_the_machine_is_busier_than_at_calibration(tmp_path, monkeypatch):
-    cores = os.cpu_count() or 1
+    """The load now is the one the threads were chosen for (finetuner/threads.py: other processes' tasks,
+    ``$FINETUNER_LOAD`` here) plus the run's own threads."""
+    import finetuner.threads as threads
+
+    cores = threads.cores()
     d = json.loads(SPEED.read_text())
     d["details"] = {**d["details"], "load_average": cores / 2, "cores": cores, "timed_by": "wall clock"}
     speed_file = tmp_path / "speed.json"
     speed_file.write_text(json.dumps(d))
     monkeypatch.setenv("FINETUNER_SPEED_FILE", str(speed_file))
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores * 3.0, cores * 3.0, cores * 3.0))  # the load now
-    r = cli_in_process("estimate", str(REPO / "recipes" / "demo_cpu.yaml"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    kept = dict(threads._chosen)
+    monkeypatch.setattr(threads, "_chosen", {})  # each command chooses for the load it is given
+
+    def estimate(load: float, *args: str):
+        threads._chosen.clear()
+        return cli_in_process("estimate", str(REPO / "recipes" / "demo_cpu.yaml"), *args,
+                              env={threads.LOAD_ENV: str(load)})
+
+    r = estimate(cores * 3.0 - 1)  # other processes' load: with the run's 1 thread, 3 tasks a core
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert (f"Note: the machine is busier now: load {cores * 3.0:.1f} on {cores} cores (load {cores / 2:.1f} at "
-            f"calibration), so times may be up to 3.0x longer than planned." in text), text
-    r = cli_in_process("estimate", str(REPO / "recipes" / "demo_cpu.yaml"), "--json")
+    assert (f"Note: the machine is busier now: load {cores * 3.0:.1f} on {cores} cores (other processes "
+            f"{cores * 3.0 - 1:.1f}, this run's 1 thread; load {cores / 2:.1f} at calibration), so times may be up to "
+            f"3.0x longer than planned." in text), text
+    r = estimate(cores * 3.0 - 1, "--json")
     assert "3.0x longer" in json.loads(r.stdout)["time"]["load_note"]
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores * 0.9,) * 3)  # below the cores: nothing to say
-    r = cli_in_process("estimate", str(REPO / "recipes" / "demo_cpu.yaml"), "--json")
+    r = estimate(0.0, "--json")  # the run's threads on free cores: nothing to say
     assert json.loads(r.stdout)["time"]["load_note"] is None
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores * 3.0,) * 3)
+    threads._chosen.clear()
     r = cli_in_process("plan", "--model", str(REPO / "data" / "demo_model"), "--gpu", "cpu",
-                       "--data", str(REPO / "data" / "alpaca_sample.json"), "--json")
+                       "--data", str(REPO / "data" / "alpaca_sample.json"), "--json",
+                       env={threads.LOAD_ENV: str(cores * 3.0 - 1)})
     assert r.returncode == 0, r.stderr
     assert any(n.startswith("The machine is busier now: ") and "3.0x longer" in n for n in json.loads(r.stdout)["notes"])
+    threads._chosen.update(kept)
 
 
 def test_stale_under_load_when_the_calibrations_share_was_over_one_and_a_half_times_nows():
