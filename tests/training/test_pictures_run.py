@@ -290,7 +290,7 @@ def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
     fields[1], fields[2], fields[7] = 2, 1, 2  # micro-batch, accumulation, max steps
     *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
     assert error == "", error
-    _run, _table, started = h.on_start(edited, "cpu", data, False)
+    _run, _table, started, _mine = h.on_start(edited, "cpu", data, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
     wait_until_done(h.runs, recipe.name)
     run = h.runs / recipe.name
