@@ -328,7 +328,7 @@ def start_job(
                 )
         for t in terminal_runs(runs, {j["run_dir"] for j in jobs}):
             if existing is not None and t.run_dir == str(existing):
-                raise UserError(f"The run {t.name} is already training (pid {t.pid}, {TERMINAL_WHERE}).")
+                continue  # the folder to resume, held: the job's own process reports it (REPORT_NAME)
             if _devices_clash(device, t.device):
                 raise UserError(
                     f"A training job is already running on this device: {t.name} (pid {t.pid}"
