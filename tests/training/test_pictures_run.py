@@ -197,6 +197,7 @@ def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
     run, data = picture_run
     picture = str(data.parent / "img" / "001.png")
     h = Handlers(run.parent, tmp_path / "uploads")
+    assert h.on_chat_run(run.name) == {"__type__": "update", "visible": True}  # the tab offers the picture upload
     try:
         out = list(h.on_chat("What colour is this?", [], [], run.name, False, 4, 0.0, 1.0, None, False, picture))
     finally:
