@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import gradio as gr
 
 from finetuner.fileio import private_temp_dir
+from finetuner.runs import jobs
+from ui import warm
 from ui.access import Access, GuardedApp, no_forwarded_headers
 from ui.handlers import Handlers
 from ui.paths import LOOPBACK
@@ -60,21 +63,6 @@ def share_asked_by_env() -> bool:
     return os.environ.get("GRADIO_SHARE", "").strip().lower() in ("true", "1", "yes", "on")
 
 
-def warm_imports() -> None:
-    """Import transformers' auto classes once, before the page's handlers run (several threads at once):
-    transformers resolves its names lazily, and without this the first page of a server whose last run is a picture
-    run left every later ``from transformers import AutoConfig`` in the server failing ("cannot import name
-    'AutoConfig' from 'transformers'", the model card shown as an error; tests/ui/test_ui_browser.py's pictures
-    test, 2 of 2 without this, 0 of 4 with it)."""
-    import transformers
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,  # noqa: F401
-                              AutoTokenizer)
-
-    for module in ("configuration_auto", "modeling_auto", "processing_auto", "image_processing_auto", "tokenization_auto"):
-        __import__(f"transformers.models.auto.{module}")
-    del transformers
-
-
 def launch(
     runs_dir: str | Path | None = None,
     upload_dir: str | Path | None = None,
@@ -104,7 +92,6 @@ def launch(
     whoever logs in, with wrong passwords rate-limited and nothing of the app shown before the login. It
     takes no static-file workers (``GRADIO_NUM_WORKERS`` is not read: they would serve files outside it)."""
     private_gradio_cache()
-    warm_imports()
     if data_dirs is None and host not in LOOPBACK:
         data_dirs = []
     app = build_app(runs_dir, upload_dir, max_upload_bytes, data_dirs)
@@ -118,6 +105,8 @@ def launch(
         raise ValueError("launch(access=...): Access(password=True) goes with auth=(USER, PASS), and only with it.")
     access.port = port
     app.access = access
+    if block:  # launch returns only when the server stops: the imports begin beside it
+        warm.start()
     with no_forwarded_headers():
         app.launch(
             server_name=host, server_port=port, auth=auth, prevent_thread_lock=not block, quiet=quiet,
@@ -127,4 +116,48 @@ def launch(
             auth_message=(f"{access.limiter.free} wrong passwords lock a client out for a while, longer each time."
                           if auth is not None else None),
         )
+    warm.start()  # once the server listens: the page's handlers wait for it (ui.warm.wait)
     return app
+
+
+def serve_until_interrupted(app: gr.Blocks) -> str:
+    """Serve ``app`` (launched with ``block=False``) until Ctrl-C (SIGINT), then :func:`shutdown` it; returns what
+    :func:`shutdown` says. SIGINT stops it even when it was started with SIGINT ignored (as a shell starts a command
+    with ``&``: ``kill -INT`` then stops it too)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        while app.is_running:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    return shutdown(app)
+
+
+def shutdown(app: gr.Blocks) -> str:
+    """Stop serving at once, without waiting for the open pages' connections (each page holds one open: a graceful
+    stop waited for them), close the chat processes, remove this process's temp folders (the app's and gradio's
+    cache), and say what happens to the training jobs: they run in processes of their own and go on; a ``finetuner
+    ui`` started again on the runs folder shows them and stops them."""
+    import logging
+    import shutil
+
+    server = getattr(app, "server", None)
+    if server is not None:
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # the open pages' requests, cut: not errors
+        server.force_exit = True  # uvicorn: do not wait for open connections and their tasks
+        server.should_exit = True
+    app.chat_pool.close()
+    if server is not None:
+        server.thread.join(timeout=5)
+    for folder in (app.temp_dir, _OWN_CACHE):  # this process's own folders (removed at exit otherwise)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    app.is_running = False
+    running = jobs.running_jobs(app.runs_dir)
+    if not running:
+        return "finetuner UI stopped."
+    told = "; ".join(f"{j.name} (pid {j.pid}, its output in {j.log})" for j in running)
+    return (f"finetuner UI stopped. Training goes on in its own process: {told}. Run `finetuner ui` again "
+            f"(--runs-dir {app.runs_dir}) to follow or stop it.")

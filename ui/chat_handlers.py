@@ -12,7 +12,7 @@ import gradio as gr
 
 from finetuner.errors import UserError
 from finetuner.units import duration_text
-from ui.errors import error_md, steps_in_ui
+from ui.errors import error_md, on_page, steps_in_ui
 
 
 
@@ -42,6 +42,26 @@ class ChatHandlers:
     """The Chat tab's handlers (a part of :class:`ui.handlers.Handlers`)."""
 
     # ------------------------------------------------------------------ chat
+    def reads_pictures(self, run: str | None) -> bool:
+        """Whether the chosen run's model reads pictures (:func:`finetuner.infer.loading.picture_processor_at`, from
+        its files: nothing is loaded); False for a run that is not there or not finished."""
+        from finetuner.infer.loading import picture_processor_at, resolve_source
+
+        try:
+            with on_page(self):
+                # only its files are looked at here: loading it still asks for the code box (confirm_code)
+                src = resolve_source(self.run_path(run), trust_remote_code=True, allow_pickle=True)
+                return picture_processor_at(src) is not None
+        except Exception:  # noqa: BLE001 - no run, or one that cannot load: no picture box (chatting says why)
+            return False
+
+    def on_chat_run(self, run: str | None):
+        """The Chat tab's run chosen: the picture upload is shown only for a model that reads pictures (a picture
+        left from another run is dropped with it)."""
+        if self.reads_pictures(run):
+            return gr.update(visible=True)
+        return gr.update(visible=False, value=None)
+
     def on_chat(self, message: str, tuned_hist: list, base_hist: list, *settings):
         """One exchange in both lanes; an error puts the message and the conversations back as
         they were and says why in the status line."""

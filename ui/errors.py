@@ -15,6 +15,7 @@ import gradio as gr
 from finetuner.data.scope import within
 from finetuner.errors import UserError
 from finetuner.surface import shown_in
+from ui import warm
 
 
 def error_md(e: Exception) -> str:
@@ -33,7 +34,9 @@ def error_md(e: Exception) -> str:
 def on_page(owner: Any = None) -> Iterator[None]:
     """What a handler of ``owner`` (a :class:`ui.handlers.Handlers`) runs in: messages worded for the web UI
     (:func:`finetuner.surface.shown_in`), and files read only within the owner's ``scope`` when it has one
-    (:func:`finetuner.data.scope.within`: a UI that serves other machines)."""
+    (:func:`finetuner.data.scope.within`: a UI that serves other machines), once the imports the launch began in
+    the background are done (:func:`ui.warm.wait`)."""
+    warm.wait()
     with shown_in("ui"), within(getattr(owner, "scope", None)):
         yield
 

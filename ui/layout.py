@@ -177,6 +177,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                 with gr.Accordion("Past runs", open=True):
                     runs_table = gr.Dataframe(run_views.runs_df([]), interactive=False, elem_id="runs-table")
                 train_seen = gr.State(None)  # what the Train tab last showed (see _train_view)
+                started = gr.State(None)  # the run this page started or resumed last: Chat and Export show it once it ends
                 timer = gr.Timer(TRAIN_POLL_S)
             # ---------------------------------------------------------- 5 chat
             with gr.Tab("5 · Chat", id="chat") as chat_tab:
@@ -195,8 +196,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                         gr.Markdown("**Base model**", elem_classes="ft-lane-title")
                         base_bot = gr.Chatbot(label="Base model", show_label=False, buttons=[], height=340, elem_id="chat-base")
                 with gr.Row():
+                    # shown for a run whose model reads pictures only (Handlers.on_chat_run)
                     picture = gr.Image(type="filepath", sources=["upload"], label="Picture (a model that reads pictures)",
-                                       height=120, scale=1, elem_id="chat-picture")
+                                       height=120, scale=1, elem_id="chat-picture", visible=False)
                     chat_tools = gr.File(label="Tools (JSON schemas; a call shows as JSON)", file_types=[".json"], type="filepath",
                                          height=120, scale=1, elem_id="chat-tools")
                     msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="chat-input")
@@ -213,8 +215,9 @@ def build_blocks(h: Handlers) -> gr.Blocks:
             with gr.Tab("6 · Export", id="export") as export_tab:
                 gr.Markdown("Merge the adapter into the base model (reloaded unquantized, in the dtype it was saved in unless "
                             "you choose another, so outputs match), or download the adapter alone.", elem_classes="ft-step")
+                # the run on a row of its own: a long run name is shown whole
+                export_run = gr.Dropdown([], label="Run", allow_custom_value=True, elem_id="export-run")
                 with gr.Row():
-                    export_run = gr.Dropdown([], label="Run", allow_custom_value=True, scale=2, elem_id="export-run")
                     out_dir = gr.Textbox(label=OUTPUT_LABEL, placeholder="default: runs/<run>/merged", scale=3, elem_id="out-dir")
                     dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", label="dtype", scale=1, elem_id="merge-dtype",
                                         info="auto: as the base model was saved")
@@ -277,12 +280,13 @@ def build_blocks(h: Handlers) -> gr.Blocks:
                        api_name="load_recipe")
 
         train_outputs = [status, loss_plot, mem_md, samples, start_btn, stop_btn, resume_btn, train_seen, runs_table,
-                         reward_col, reward_plot, train_msg]
-        start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway, start_code], [run_pick, runs_table, train_msg], api_name="start_training")
+                         reward_col, reward_plot, train_msg, chat_run, export_run]
+        start_btn.click(h.on_start, [recipe_yaml, card, data_file, start_anyway, start_code], [run_pick, runs_table, train_msg, started],
+                        api_name="start_training")
         stop_btn.click(h.on_stop, run_pick, train_msg, api_name="stop_training")
-        resume_btn.click(h.on_resume, [run_pick, start_code], [run_pick, runs_table, train_msg], api_name="resume_training")
-        run_pick.change(functools.partial(h.train_view, last=None), run_pick, train_outputs, api_name=False)
-        timer.tick(h.train_view, [run_pick, train_seen], train_outputs, api_name=False, show_progress="hidden")
+        resume_btn.click(h.on_resume, [run_pick, start_code], [run_pick, runs_table, train_msg, started], api_name="resume_training")
+        run_pick.change(lambda name, mine: h.train_view(name, None, mine), [run_pick, started], train_outputs, api_name=False)
+        timer.tick(h.train_view, [run_pick, train_seen, started], train_outputs, api_name=False, show_progress="hidden")
         # a (re)load restores this browser's choices, then shows the model and the data chosen
         app.load(h.on_restore, saved, [model, card, data_file, run_pick, runs_table, chat_run, export_run, recipe_yaml, *fields],
                  api_name=False
@@ -302,6 +306,7 @@ def build_blocks(h: Handlers) -> gr.Blocks:
         msg.submit(h.on_chat, chat_inputs, [msg, tuned_bot, base_bot, chat_status], api_name=False)
         clear_btn.click(lambda: ([], []), None, [tuned_bot, base_bot], api_name=False)
         chat_tab.select(h.on_refresh_finished, chat_run, chat_run, api_name=False)
+        chat_run.change(h.on_chat_run, chat_run, picture, api_name=False)
         export_tab.select(h.on_refresh_finished, export_run, export_run, api_name=False)
 
         merge_btn.click(h.on_merge, [export_run, out_dir, dtype, overwrite, export_code], export_md, api_name="merge")

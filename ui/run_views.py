@@ -27,6 +27,16 @@ def tracked_html(where: dict[str, str]) -> str:
     return "".join(f"<div class='ft-muted ft-tracked'>{one(n, p)}</div>" for n, p in where.items())
 
 
+def terminal_note(st: Any) -> str:
+    """What the Train tab says of a run another process trains (:attr:`finetuner.runs.jobs.RunStatus.terminal`):
+    where it was started, where to stop it, and that Start here waits for it."""
+    from finetuner.runs.jobs import TERMINAL_WHERE
+
+    pid = f" (pid {st.pid})" if st.pid else ""
+    return (f"{st.name} was {TERMINAL_WHERE}{pid}: stop it there (Ctrl-C saves a checkpoint). This page does not stop "
+            "it, and starts no other run on its device until it ends.")
+
+
 def status_html(st: Any | None, tracked: dict[str, str] | None = None) -> str:
     """The Train tab's status line of the run ``st``; ``tracked``: where its trackers keep it (:func:`tracked_html`)."""
     if st is None:
@@ -54,6 +64,8 @@ def status_html(st: Any | None, tracked: dict[str, str] | None = None) -> str:
         bits.insert(0, f"<span class='ft-phase'>{html.escape(phase)}</span>")
     err = f"<div class='ft-error'>{html.escape(st.error)}</div>" if st.error and st.state == "error" else ""
     notes = "".join(f"<div class='ft-muted'>{html.escape(n)}</div>" for n in st.notes[-3:])
+    if getattr(st, "terminal", False):  # a `finetuner run` in a terminal: shown here, stopped there
+        notes = f"<div class='ft-terminal'>{html.escape(terminal_note(st))}</div>" + notes
     return (
         f"<div class='ft-status' data-state='{st.state}'>"
         f"<div class='ft-head'><span style='color:{colour}' class='ft-state'>{icon} {label}</span>"

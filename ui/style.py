@@ -18,6 +18,7 @@ CSS = """
 .ft-muted {color: var(--body-text-color-subdued); font-size: .9em; margin-top: 4px;}
 .ft-error {margin-top: 8px; padding: 8px 10px; border-radius: 8px; background: #fef2f2; color: #991b1b;
            white-space: pre-wrap; font-family: var(--font-mono); font-size: .85em;}
+.ft-terminal {margin-top: 8px; padding: 6px 10px; border-radius: 8px; background: #fffbeb; color: #92400e; font-size: .9em;}
 .ft-step {font-size: .95em; color: var(--body-text-color-subdued); margin-bottom: 4px;}
 /* charts (Vega-Lite, SVG, views.chart): as wide as their block, text in the theme's colour */
 .ft-chart .vega-embed {width: 100%;}

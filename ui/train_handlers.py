@@ -30,7 +30,7 @@ CPU_CARD = "cpu"
 PLOT_EVERY_S = 6
 
 #: how many outputs the Train tab's view has (Handlers.train_view)
-TRAIN_OUTPUTS = 12
+TRAIN_OUTPUTS = 14
 #: the Train tab's box that starts a recipe the memory model says does not fit (a refusal names it)
 START_ANYWAY = "Start even if it does not fit"
 #: The confirmation that code from a run's folder (or a recipe's model) may run: unchecked by default.
@@ -61,13 +61,14 @@ class TrainHandlers:
     """The Train tab's handlers (a part of :class:`ui.handlers.Handlers`)."""
 
     # ------------------------------------------------------------------ train
-    def _train_view(self, name: str | None, last: dict | None):
+    def _train_view(self, name: str | None, last: dict | None, started: str | None = None):
         """The Train tab's outputs; what has not changed since ``last`` is skipped (every open page
         polls this every ui.layout.TRAIN_POLL_S, and each value sent is re-rendered in each browser).
         A preference run also shows its reward accuracy (and margin) beside the loss; for an SFT run
         that chart's column is hidden. The past-runs table's row of the run shown is made from the
         same status as the status line, on the same tick; the Train tab's message ("Training
-        started ...") is cleared when the run shown stops running."""
+        started ...") is cleared when the run shown stops running. ``started``: the run this page started (or
+        resumed) last: once it has ended with an adapter, the Chat and Export tabs are set to it (once)."""
         last = last or {}
         last_sig, shown = last.get("sig"), last.get("shown") or ()
         st = None
@@ -90,10 +91,19 @@ class TrainHandlers:
         rows = [tuple(r) for r in rows]
         table = gr.skip() if rows == last.get("rows") else run_views.runs_table(rows)
         running = bool(st and st.running)
-        ended = bool(shown) and shown[3] and not running  # the run shown was running at the last look
-        values = (run_views.memory_md(st), run_views.samples_md(st), not running, running, bool(st and st.resumable), preference)
+        ended = len(shown) > 6 and shown[6] and not running  # the run shown was running at the last look
+        # Start is always pressable: a run training on the device (this page's, another's, a terminal's) makes it a
+        # refusal naming that run (jobs.start_job); Stop only for a job, never a terminal's `finetuner run`
+        stoppable = running and not st.terminal
+        values = (run_views.memory_md(st), run_views.samples_md(st), True, stoppable, bool(st and st.resumable), preference,
+                  running)
         same = [len(shown) == len(values) and shown[i] == v for i, v in enumerate(values)]
-        mem, smp, start_i, stop_i, resume_i, _pref = values
+        mem, smp, start_i, stop_i, resume_i, _pref, _running = values
+        # the run this page started has just ended with an adapter: Chat and Export show it (not the newest run)
+        # (once: the user may pick another run there afterwards; also when it ended between two looks)
+        finished, offered = None, last.get("offered")
+        if started and st is not None and st.name == started and not running and st.has_adapter and offered != started:
+            finished, offered = self.run_names(lambda s: s.has_adapter), started
         return (
             run_views.status_html(st, tracked_at(self.runs / name) if st is not None else None),
             chart,
@@ -102,17 +112,18 @@ class TrainHandlers:
             gr.skip() if same[2] else gr.update(interactive=start_i),
             gr.skip() if same[3] else gr.update(interactive=stop_i),
             gr.skip() if same[4] else gr.update(interactive=resume_i),
-            {"sig": sig, "shown": values, "rows": rows},
+            {"sig": sig, "shown": values, "rows": rows, "offered": offered},
             table,
             gr.skip() if same[5] else gr.update(visible=preference),
             rewards,
             "" if ended else gr.skip(),
+            *(gr.skip() if finished is None else gr.update(choices=finished, value=started) for _tab in ("chat", "export")),
         )
 
-    def train_view(self, name: str | None, last: dict | None = None):
+    def train_view(self, name: str | None, last: dict | None = None, started: str | None = None):
         """The Train tab's outputs (see _train_view)."""
         try:
-            return self._train_view(name, last)
+            return self._train_view(name, last, started)
         except Exception:  # noqa: BLE001 - a half-written run folder must not break the page
             return (gr.skip(),) * TRAIN_OUTPUTS
 
@@ -171,7 +182,7 @@ class TrainHandlers:
                             f"({', '.join(paths.display(r.file) for _, r in files)}).",
                             hint=f"Tick “{START_CODE}” to confirm, only for reward files you trust.")
 
-    @shows_errors(2, 3)
+    @shows_errors(2, 4)
     def on_start(self, text: str, card: str, data_file: str | None, anyway: bool, allow_code: bool = False):
         """Start the recipe in the editor as a run named as in its ``name:``. Refused, with the
         reason, when it does not train on the data chosen in the Data tab, when it cannot finish
@@ -209,15 +220,19 @@ class TrainHandlers:
         for warning in warnings:
             gr.Warning(warning)
             note += f" ⚠ {warning}"
-        return *self.runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}"
+        return (*self.runs_outputs(job.name), f"✓ Training started: **{job.name}** (in `{paths.display(job.run_dir)}`).{note}",
+                job.name)
 
     @shows_errors(0, 1)
     def on_stop(self, name: str):
+        st = jobs.run_status(self.run_path(name), self.runs)
+        if st.terminal:
+            raise UserError(f"Not stopped: {run_views.terminal_note(st)}")
         if not jobs.stop_job(self.run_path(name), self.runs):
             raise UserError(f"{name} is not running.")
         return f"Stopping **{name}** after this step: a checkpoint is saved, and ↻ Resume continues it."
 
-    @shows_errors(2, 3)
+    @shows_errors(2, 4)
     def on_resume(self, name: str, allow_code: bool = False):
         self.confirm_code(name, bool(allow_code), START_CODE)
         st = jobs.run_status(self.run_path(name), self.runs)
@@ -233,5 +248,5 @@ class TrainHandlers:
                             "for you on this machine; resuming unpickles them, which can run code.",
                             hint=f"Tick “{START_CODE}” to confirm, only for a run you trust.")
         job = jobs.start_job(None, run_dir=self.run_path(name), runs_dir=self.runs, trust_checkpoints=bool(allow_code))
-        return *self.runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint."
+        return *self.runs_outputs(job.name), f"✓ Resuming **{job.name}** from its last checkpoint.", job.name
 

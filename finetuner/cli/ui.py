@@ -7,6 +7,7 @@ gradio (a dependency of finetuner) is imported only when the command runs, so
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -124,7 +125,7 @@ def _cmd_ui(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        from ui.app import launch
+        from ui.app import launch, serve_until_interrupted
     except ImportError as e:
         raise UserError(
             f"The web UI needs gradio ({e}).",
@@ -135,5 +136,9 @@ def _cmd_ui(args: argparse.Namespace) -> int:
                  data_dirs=args.data_dir)
     # said once the port accepts connections (launch returns then), so the address works when it is read
     print(app.access.address(args.host, args.port), flush=True)
-    app.block_thread()
-    return 0
+    print(serve_until_interrupted(app), flush=True)  # Ctrl-C: stopped at once; training jobs go on, and it says so
+    # what is ours is closed by now; the interpreter's own teardown of gradio, torch and transformers took 7-8 s more
+    # (docs/benchmarks.md): exit at once
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)

@@ -54,6 +54,12 @@ class ChatModel:
     def has_adapter(self) -> bool:
         return hasattr(self.model, "disable_adapter")
 
+    def describe(self) -> str:
+        """What answers, in one line for people (the web UI's chat status): the run or model, whether its adapter is
+        on, the device and the context it takes."""
+        what = "its adapter on" if self.has_adapter else "no adapter"
+        return f"{self.source.describe()}, {what}, on {self.device}, up to {self.max_context:,} tokens of context"
+
     def __repr__(self) -> str:
         what = "adapter on" if self.has_adapter else "no adapter"
         return f"ChatModel({self.source.describe()}, {what}, {self.device}, context {self.max_context})"

@@ -44,7 +44,7 @@ def serve(source: str, out: protocol.Sender, adapter: bool = True, allow_code: b
     except Exception as e:  # noqa: BLE001 - reported to the caller as a message
         out.error(e)
         return UserError.exit_code if isinstance(e, UserError) else 1
-    out.send("started", describe=repr(model), has_adapter=bool(getattr(model, "has_adapter", False)))
+    out.send("started", describe=model.describe(), has_adapter=bool(getattr(model, "has_adapter", False)))
     for line in sys.stdin:
         if not line.strip():
             continue

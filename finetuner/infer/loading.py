@@ -242,22 +242,35 @@ def trained_tools(src: Source) -> str | None:
     return found.get("renders") if isinstance(found, dict) else None
 
 
-def picture_processor(src: Source):
-    """The processor of a source that reads pictures, else None: a run or adapter trained on pictures (its adapter
-    folder keeps the processor), or an image-text-to-text model folder or hub id with its processor."""
+def picture_processor_at(src: Source) -> str | None:
+    """Where the processor of a source that reads pictures is, else None, decided from its files without loading
+    anything: a run or adapter trained on pictures (its adapter folder keeps the processor), or an image-text-to-text
+    model folder or hub id (its own processor). The web UI's Chat tab offers a picture upload only for such a run."""
     from finetuner.model.loading import stored_config
-    from finetuner.model.vision import image_text_type, load_processor
+    from finetuner.model.vision import image_text_type
 
     if gguf_base.is_gguf_name(src.base_model) or not image_text_type(stored_config(src.base_model, None)):
         return None
     if src.kind == "model":
+        return src.base_model
+    if src.adapter_dir is not None and (Path(src.adapter_dir) / "processor_config.json").is_file():
+        return str(src.adapter_dir)
+    return None
+
+
+def picture_processor(src: Source):
+    """The processor of a source that reads pictures (:func:`picture_processor_at`), else None."""
+    from finetuner.model.vision import load_processor
+
+    where = picture_processor_at(src)
+    if where is None:
+        return None
+    if src.kind == "model":
         try:
-            return load_processor(src.base_model, trust_remote_code=src.trust_remote_code)
+            return load_processor(where, trust_remote_code=src.trust_remote_code)
         except UserError:
             return None  # an image-text-to-text checkpoint without its processor: a text model here
-    if src.adapter_dir is not None and (Path(src.adapter_dir) / "processor_config.json").is_file():
-        return load_processor(str(src.adapter_dir), trust_remote_code=src.trust_remote_code)
-    return None
+    return load_processor(where, trust_remote_code=src.trust_remote_code)
 
 
 def load_pretrained(name: str, what: str, allow_pickle: bool = False, pictures: bool = False, **kwargs):

@@ -191,6 +191,42 @@ def running_jobs(runs_dir: str | Path | None = None) -> list[Job]:
         return [Job(**j) for j in jobs]
 
 
+#: where a run that no job started is trained: a ``finetuner run`` in a terminal (or another program's process)
+TERMINAL_WHERE = "started outside the web UI, by `finetuner run` in a terminal"
+
+
+@dataclass
+class TerminalRun:
+    """A run folder of the runs folder that a process holds which no job started (:func:`terminal_runs`)."""
+
+    run_dir: str
+    name: str
+    pid: int | None
+    #: the device its recipe asks for (:func:`_device_key`: ``auto`` when it names none)
+    device: str
+    #: when its process started (seconds since the epoch), None when it cannot be told
+    started: float | None
+
+
+def terminal_runs(runs_dir: str | Path, job_dirs: set[str] | None = None) -> list[TerminalRun]:
+    """The runs under ``runs_dir`` that are training in a process no job started (a ``finetuner run`` in a
+    terminal, with ``-o`` in the runs folder): a process holds their folder's lock and no running job of the
+    registry trains there (``job_dirs``: the jobs' run folders; default read from the registry). One device holds
+    one run, whoever started it."""
+    runs = Path(runs_dir)
+    if job_dirs is None:
+        job_dirs = {j.run_dir for j in running_jobs(runs)}
+    out = []
+    for d in sorted(runs.iterdir()) if runs.is_dir() else []:
+        if not d.is_dir() or d.name.startswith(".") or str(d.resolve()) in job_dirs or not run_folder_busy(d):
+            continue
+        pid = run_folder_holder(d)
+        device = _recipe_fields(d).get("device")
+        out.append(TerminalRun(str(d.resolve()), d.name, pid, _device_key(device if isinstance(device, str) else "auto"),
+                               process_start_time(pid) if pid else None))
+    return out
+
+
 def job_for(run_dir: str | Path, runs_dir: str | Path | None = None) -> Job | None:
     rd = str(Path(run_dir).resolve())
     return next((j for j in running_jobs(runs_dir) if j.run_dir == rd), None)
@@ -286,8 +322,20 @@ def start_job(
             if _devices_clash(device, j["device"]):
                 raise UserError(
                     f"A training job is already running on this device: {j['name']} (pid {j['pid']}, "
-                    f"started {time.strftime('%H:%M:%S', time.localtime(j['started']))}).",
+                    f"started {time.strftime('%H:%M:%S', time.localtime(j['started']))} as a job, from the web UI "
+                    "or finetuner.runs.jobs).",
                     hint="Wait for it to finish, or stop it first (a checkpoint is saved; it can be resumed).",
+                )
+        for t in terminal_runs(runs, {j["run_dir"] for j in jobs}):
+            if existing is not None and t.run_dir == str(existing):
+                continue  # the folder to resume, held: the job's own process reports it (REPORT_NAME)
+            if _devices_clash(device, t.device):
+                raise UserError(
+                    f"A training job is already running on this device: {t.name} (pid {t.pid}"
+                    f"{', started ' + time.strftime('%H:%M:%S', time.localtime(t.started)) if t.started else ''}, "
+                    f"{TERMINAL_WHERE}).",
+                    hint="Wait for it to finish, or stop it where it was started (Ctrl-C there saves a checkpoint; "
+                         "it can be resumed).",
                 )
         if existing is not None:
             target = existing
@@ -403,6 +451,9 @@ class RunStatus:
     adapter_dir: str | None = None
     notes: list[str] = field(default_factory=list)
     modified: float = 0.0
+    #: running in a process no job started (a ``finetuner run`` in a terminal: :data:`TERMINAL_WHERE`), which a front
+    #: end shows but does not stop
+    terminal: bool = False
     #: the phase running between the steps (loading, tokenizing, replay answers, an evaluation, a checkpoint, the
     #: probe, the samples) as one line (:func:`finetuner.phases.line`); None when none is running
     phase: str | None = None
@@ -441,7 +492,7 @@ def run_status(run_dir: str | Path, runs_dir: str | Path | None = None, job: Job
         job = job_for(rd, runs_dir or rd.parent)
     holder = None if job is not None else run_folder_holder(rd)
     running = job is not None or run_folder_busy(rd)
-    st = RunStatus(str(rd), rd.name, "new", running=running, pid=job.pid if job else holder)
+    st = RunStatus(str(rd), rd.name, "new", running=running, pid=job.pid if job else holder, terminal=running and job is None)
     try:
         st.modified = max(p.stat().st_mtime for p in (rd, events_path) if p.exists())
     except ValueError:

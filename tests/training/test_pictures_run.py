@@ -197,6 +197,7 @@ def test_the_ui_chat_takes_a_picture(picture_run, tmp_path):
     run, data = picture_run
     picture = str(data.parent / "img" / "001.png")
     h = Handlers(run.parent, tmp_path / "uploads")
+    assert h.on_chat_run(run.name) == {"__type__": "update", "visible": True}  # the tab offers the picture upload
     try:
         out = list(h.on_chat("What colour is this?", [], [], run.name, False, 4, 0.0, 1.0, None, False, picture))
     finally:
@@ -290,7 +291,7 @@ def test_the_ui_plans_and_trains_a_picture_file(tmp_path):
     fields[1], fields[2], fields[7] = 2, 1, 2  # micro-batch, accumulation, max steps
     *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
     assert error == "", error
-    _run, _table, started = h.on_start(edited, "cpu", data, False)
+    _run, _table, started, _mine = h.on_start(edited, "cpu", data, False)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
     wait_until_done(h.runs, recipe.name)
     run = h.runs / recipe.name

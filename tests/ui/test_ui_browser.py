@@ -575,6 +575,7 @@ def pictures_flow(page, server, data):
 
     tab(page, "5 · Chat")
     type_in(page, "chat-run", "eyes")
+    sync_api.expect(page.locator("#chat-picture")).to_be_visible()  # a run whose model reads pictures: the upload is offered
     page.locator("#chat-picture input[type=file]").set_input_files(str(data.parent / "img" / "001.png"))
     sync_api.expect(page.locator("#chat-picture img").first).to_be_visible(timeout=HANG_MS)
     page.locator("#chat-input textarea").fill("What colour is this?")

@@ -194,7 +194,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     _events(h.runs / "sft", [start, *steps])
     out = h.train_view("dpo")
     assert len(out) == TRAIN_OUTPUTS
-    status, _loss, *_, seen, _table, column, rewards_plot, _message = out
+    status, _loss, *_, seen, _table, column, rewards_plot, _message, _chat, _export = out
     assert "reward accuracy <b>88%</b>" in status and "eval reward accuracy <b>70%</b>" in status
     assert column == {"__type__": "update", "visible": True}
     spec = json.loads(rewards_plot.plot)
@@ -202,7 +202,7 @@ def test_the_train_tab_draws_rewards_for_preference_runs_only(tmp_path):
     assert [(r["step"], r["value"]) for r in spec["data"]["values"] if r["series"] == "eval accuracy"] == [(2, 0.7)]
     again = h.train_view("dpo", seen)  # nothing new: neither chart nor the column is sent again
     assert again[1] == again[9] == again[10] == gr_skip()
-    status, *_, column, rewards_plot, _message = h.train_view("sft", seen)
+    status, *_, column, rewards_plot, _message, _chat, _export = h.train_view("sft", seen)
     assert "reward" not in status and column == {"__type__": "update", "visible": False} and rewards_plot == gr_skip()
 
 
@@ -247,12 +247,12 @@ def test_the_plan_tab_plans_grpo_on_the_rewards_named_and_train_starts_it(tmp_pa
     *_, edited, _dl, error = h.on_edit(text, "cpu", *fields)
     assert error == "" and "objective: grpo" in edited and "max_steps: 2" in edited
     assert Recipe.from_yaml_text(edited, source="recipe").grpo.rewards[1].args == {"min_length": 2, "max_length": 6}
-    _run, _table, refused = h.on_start(edited, "cpu", SAMPLE, False)  # its reward file runs code: the box is asked
+    _run, _table, refused, _mine = h.on_start(edited, "cpu", SAMPLE, False)  # its reward file runs code: the box is asked
     assert "Tick “Allow the model's own code to run” to confirm" in refused and h.run_names() == [], refused
-    _run, _table, started = h.on_start(edited, "cpu", SAMPLE, False, True)
+    _run, _table, started, _mine = h.on_start(edited, "cpu", SAMPLE, False, True)
     assert started.startswith(f"✓ Training started: **{recipe.name}**"), started
     st = wait_until_done(h.runs, recipe.name)
-    status, _loss, _mem, samples, *_, column, rewards_plot, _message = h.train_view(recipe.name)
+    status, _loss, _mem, samples, *_, column, rewards_plot, _message, _chat, _export = h.train_view(recipe.name)
     assert st.objective == "grpo" and "finished" in status and "step <b>2</b> / 2" in status
     assert "| mentions_whistle | length_bounds |" in samples and column == {"__type__": "update", "visible": True}
     assert rewards_plot != gr_skip()

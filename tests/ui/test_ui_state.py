@@ -26,7 +26,7 @@ def test_a_reload_gives_the_editor_its_recipe_back(tmp_path):
     assert out[EDITOR] == text
     assert out[EDITOR + 1] == "lora" and 3 in out[EDITOR + 1:]  # the advanced fields follow the recipe
     other = str(REPO / "data" / "chat_sample.jsonl")  # refused for another reason: Start has the recipe (and starts nothing)
-    *_, message = h.on_start(out[EDITOR], "cpu", other, False)
+    *_, message, _mine = h.on_start(out[EDITOR], "cpu", other, False)
     assert "Not started: the recipe trains on" in message and "There is no recipe" not in message
     (h.runs / "mine").mkdir(parents=True)  # a run took the name meanwhile: renamed, as a plan is
     (h.runs / "mine" / "recipe.yaml").write_text(text, encoding="utf-8")
@@ -45,7 +45,7 @@ def test_a_plan_that_does_not_fit_leaves_the_closest_recipe_to_start_anyway(tmp_
     recipe = recipe_from_text(text)
     assert recipe.method == "qlora" and f"tick “{START_ANYWAY}”" in text
     assert h.on_recipe_text(text, planned) == plan_md  # the headline stays "nothing fits" for that recipe
-    *_, refused = h.on_start(text, "1GB", SAMPLE, False)
+    *_, refused, _mine = h.on_start(text, "1GB", SAMPLE, False)
     assert "Not started: " in refused and "predicted to need" in refused and START_ANYWAY in refused
 
 
