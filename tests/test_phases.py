@@ -95,14 +95,22 @@ def test_a_forked_worker_reports_nothing(tmp_path):
     assert {ln.split()[0] for ln in lines} == {str(os.getpid())}
 
 
-def test_a_blocking_call_gets_heartbeat_lines():
-    """A model's load is one call: the heartbeat thread says the phase every heartbeat_s of silence."""
-    clock, said, seen = Clock(), [], threading.Event()
+def heard():
+    """The records a phase says (``said``), an event set at its first progress record (``seen``), and the sink that
+    keeps them."""
+    said, seen = [], threading.Event()
 
     def sink(rec):
         said.append(rec)
         if rec["state"] == "progress":
             seen.set()
+
+    return said, seen, sink
+
+
+def test_a_blocking_call_gets_heartbeat_lines():
+    """A model's load is one call: the heartbeat thread says the phase every heartbeat_s of silence."""
+    clock, (said, seen, sink) = Clock(), heard()
 
     with phases.Phase("load", sink, predicted_s=30.0, heartbeat_s=0.05, clock=clock):
         clock.now += 12  # the blocking call has run 12 s
@@ -152,12 +160,7 @@ def test_a_phase_past_its_plan_says_it_is_slower_than_planned():
 
 def test_a_heartbeat_past_the_plan_says_so_too():
     """A blocking call past its plan (no count at all): the heartbeat's line says slower than planned, not ETA 0."""
-    clock, said, seen = Clock(), [], threading.Event()
-
-    def sink(rec):
-        said.append(rec)
-        if rec["state"] == "progress":
-            seen.set()
+    clock, (said, seen, sink) = Clock(), heard()
 
     with phases.Phase("load", sink, predicted_s=30.0, heartbeat_s=0.05, clock=clock):
         clock.now += 45

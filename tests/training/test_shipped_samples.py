@@ -12,6 +12,7 @@ import pytest
 
 from finetuner.runs.events import read_events
 from tests.conftest import REPO, cli_in_process, write_recipe
+from tests.weather_calls import CITIES, WEATHER, weather_row
 
 DEMO = REPO / "data" / "demo_model"
 #: as tests/training/test_keep_best.py: at a constant rate of 1.0 the held-out loss is lowest after the first
@@ -171,25 +172,11 @@ def test_the_run_summary_table_shows_the_answer_after_the_reasoning():
     assert "Marlow: 16:20." in text and "(after 5 words of reasoning)" in text and "the board says" not in text
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CITIES = ["Paris", "Lyon", "Oslo", "Rome", "Porto", "Turin", "Ghent", "Bergen"]
-
-
-def _call_row(i: int, city: str) -> dict:
-    call = {"id": f"call{i:05d}", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-    return {"tools": [WEATHER], "messages": [
-        {"role": "user", "content": f"What is the weather in {city}?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
-        {"role": "assistant", "content": f"It is sunny in {city}."}]}
 
 
 def test_a_tool_calling_runs_samples_are_offered_its_tools(tmp_path):
     data = tmp_path / "calls.jsonl"
-    data.write_text("".join(json.dumps(_call_row(i, c)) + "\n" for i, c in enumerate(CITIES)), encoding="utf-8")
+    data.write_text("".join(json.dumps(weather_row(i, c)) + "\n" for i, c in enumerate(CITIES[:8])), encoding="utf-8")
     asked_q = "What is the weather in Cork?"
     recipe = write_recipe(tmp_path / "r.yaml", {
         "name": "calls", "model": {"name": str(DEMO)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},

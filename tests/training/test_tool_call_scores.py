@@ -9,30 +9,16 @@ import json
 import pytest
 
 from tests.conftest import REPO, cli_in_process, write_recipe
+from tests.weather_calls import CITIES, weather_row
 
 DEMO = REPO / "data" / "demo_model"
-CITIES = ["Paris", "Lyon", "Oslo", "Rome", "Porto", "Turin", "Ghent", "Bergen", "Cork", "Graz", "Basel", "Split"]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-def _row(i: int, city: str) -> dict:
-    """One chat: a request, the call (OpenAI's form: arguments as a JSON string), its result, the answer."""
-    call = {"id": f"call{i:05d}", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-    return {"tools": [WEATHER], "messages": [
-        {"role": "user", "content": f"What is the weather in {city}?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
-        {"role": "assistant", "content": f"It is sunny in {city}."}]}
 
 
 @pytest.fixture(scope="module")
 def tool_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tool-run")
     data = tmp / "calls.jsonl"
-    data.write_text("".join(json.dumps(_row(i, c)) + "\n" for i, c in enumerate(CITIES)), encoding="utf-8")
+    data.write_text("".join(json.dumps(weather_row(i, c)) + "\n" for i, c in enumerate(CITIES)), encoding="utf-8")
     recipe = {
         "name": "calls", "model": {"name": str(DEMO)}, "method": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"path": str(data), "max_seq_len": 1024, "val_size": 3},
