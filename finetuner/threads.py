@@ -222,6 +222,12 @@ def current() -> Choice | None:
     return _chosen.get("last")
 
 
+def planned() -> Choice:
+    """The choice a run here would take, without setting torch's (``finetuner plan`` imports no torch): the last one
+    applied, else ``auto``'s now."""
+    return current() or decide(AUTO, cores(), measured_load())
+
+
 def ensure() -> Choice:
     """The choice this process runs with: the last one applied, else ``auto``'s now (``finetuner plan``,
     ``estimate`` and ``gpus`` plan and calibrate for the threads a run would take)."""

@@ -61,11 +61,11 @@ def busier_note(speed: DeviceSpeed, load: float, cores: int, threads: int | None
 
 def note_now(speed: DeviceSpeed) -> str | None:
     """:func:`busier_note` for this machine's load now, as the threads were chosen for it
-    (:func:`finetuner.threads.ensure`: the other processes' load it measured, plus the threads the run takes): what
+    (:func:`finetuner.threads.planned`: the other processes' load it measured, plus the threads the run takes): what
     the plan, ``finetuner estimate`` and a run's ``start`` event say beside the times planned with ``speed``."""
-    from finetuner.threads import ensure
+    from finetuner.threads import planned
 
-    choice = ensure()
+    choice = planned()
     return busier_note(speed, choice.load + choice.threads, choice.cores, choice.threads)
 
 

@@ -114,8 +114,9 @@ def bomb_data(tmp_path_factory, bombs, tiny_vlm_dir) -> dict[str, Path]:
 
 def one_refusal(text: str, bomb: Path) -> None:
     # a phase that takes more than a few seconds on a busy machine says so as it goes ("... so far, ETA ...", past
-    # its plan "... so far, planned ..."): progress
-    lines = [x for x in text.strip().splitlines() if x.strip() and not re.search(r" so far, (ETA|planned) ", x)]
+    # its plan "... so far, planned ..."), and its end ("...: done, 1 rows in 0:00:06"): progress
+    lines = [x for x in text.strip().splitlines()
+             if x.strip() and not re.search(r" so far, (ETA|planned) |: done, .* in \d+:\d\d:\d\d$", x)]
     assert lines[0] == f"error: picture {bomb} is 30,000 x 30,000 pixels; the most finetuner decodes is {FLOOR_PIXELS:,} pixels."
     assert len(lines) == 2 and "Make it smaller" in lines[1]  # the line and its hint
     assert "Traceback" not in text and "DecompressionBomb" not in text
