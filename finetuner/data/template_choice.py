@@ -66,18 +66,25 @@ def choose(recipe_template: str | None, tokenizer_template: Any, adds_bos: bool 
     return TemplateChoice(FALLBACK_BOS_CHAT_TEMPLATE if adds_bos else FALLBACK_CHAT_TEMPLATE, "fallback")
 
 
+def adds_token(tokenizer: Any, special_id: int | None, end: bool = False) -> bool:
+    """Whether encoding with the tokenizer's special tokens puts ``special_id`` at the start (``end``: the end) of a
+    text: what the tokenizer adds by itself (also the GGUF export's ``add_bos_token`` / ``add_eos_token``)."""
+    if not isinstance(special_id, int):
+        return False
+    plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a b", add_special_tokens=True)["input_ids"]
+    if len(full) <= len(plain):
+        return False
+    return (full[-1] if end else full[0]) == special_id
+
+
 def adds_bos(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` (or a processor's) puts its beginning-of-sequence token before a text it encodes."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)
-    bos = getattr(tok, "bos_token_id", None)
-    if not isinstance(bos, int):
-        return False
     try:
-        plain = tok("a", add_special_tokens=False)["input_ids"]
-        full = tok("a", add_special_tokens=True)["input_ids"]
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode a letter trains on nothing either
+        return adds_token(tok, getattr(tok, "bos_token_id", None))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode two letters trains on nothing either
         return False
-    return bool(full) and full[0] == bos and (not plain or plain[0] != bos)
 
 
 def for_tokenizer(recipe_template: str | None, tokenizer: Any) -> TemplateChoice:

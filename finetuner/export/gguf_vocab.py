@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from finetuner.data.template_choice import adds_token
 from finetuner.errors import UserError
 
 #: Token types (gguf.TokenType values), spelled here so this module imports nothing heavy.
@@ -132,17 +133,6 @@ def _merge_strings(merges: list[Any], what: str) -> list[str]:
     return out
 
 
-def _adds(tokenizer, special_id: int | None, end: bool) -> bool:
-    """Whether encoding with special tokens puts ``special_id`` at the start (or end)."""
-    if special_id is None:
-        return False
-    plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a b", add_special_tokens=True)["input_ids"]
-    if len(full) <= len(plain):
-        return False
-    return (full[-1] if end else full[0]) == special_id
-
-
 def vocab_from_tokenizer(tokenizer, vocab_size: int, what: str) -> GGUFVocab:
     """The GGUF vocabulary of a fast tokenizer whose model has ``vocab_size`` embedding rows."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -197,5 +187,5 @@ def vocab_from_tokenizer(tokenizer, vocab_size: int, what: str) -> GGUFVocab:
     return GGUFVocab(
         model=model_kind, pre=pre, tokens=tokens, token_types=token_types, scores=scores, merges=merges,
         bos_id=bos, eos_id=eos, pad_id=tid("pad"), unk_id=tid("unk"),
-        add_bos=_adds(tokenizer, bos, end=False), add_eos=_adds(tokenizer, eos, end=True), add_space_prefix=space_prefix,
+        add_bos=adds_token(tokenizer, bos), add_eos=adds_token(tokenizer, eos, end=True), add_space_prefix=space_prefix,
     )
