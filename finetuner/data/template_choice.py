@@ -7,8 +7,8 @@ trained with, so everything read from a run finds it there); else — a base mod
 A tokenizer that puts its beginning-of-sequence token before every text (Gemma's, Llama 2's: the base model read
 all of its pre-training after it) gets the plain template begun with that token, :data:`FALLBACK_BOS_CHAT_TEMPLATE`:
 chat-rendered text is tokenized without the tokenizer's own special tokens everywhere, so without it such a model
-would train and answer on text it never saw the start of (Gemma 3 270M, a real GGUF: its first-step loss 8.64
-without, tests/model/test_gemma3_gguf_real.py).
+would train and answer on text it never saw the start of (Gemma 3 270M's GGUF, trained as
+tests/model/test_gemma3_gguf_real.py trains it, measured 2026-12-02: first-step loss 8.64 without, 5.10 with).
 """
 
 from __future__ import annotations
